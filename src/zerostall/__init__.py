@@ -1,0 +1,50 @@
+"""zerostall: checkpoints for PyTorch training that the training loop does not feel.
+
+Public surface (see README): :class:`Checkpointer`, :func:`save`, :func:`load`, the configs,
+the handle and record types, and :mod:`zerostall.errors`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from . import errors
+from .checkpointer import Checkpointer
+from .config import CheckpointConfig, IOConfig, StagingConfig
+from .handle import SaveHandle
+from .restore import load as _load
+from .telemetry.record import SaveRecord
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointConfig",
+    "Checkpointer",
+    "IOConfig",
+    "SaveHandle",
+    "SaveRecord",
+    "StagingConfig",
+    "errors",
+    "load",
+    "save",
+]
+
+
+def save(path: str | os.PathLike[str], state_dict: Any, step: int, *,
+         config: CheckpointConfig | None = None, **overrides: Any) -> SaveRecord:
+    """Save ``state_dict`` as ``step`` under ``path`` and wait until it is durable."""
+    with Checkpointer(path, config, **overrides) as ckpt:
+        return ckpt.save(step, state_dict).result()
+
+
+def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None = None,
+         map_location: Any = None, *, verify: bool = True, fallback: bool = True,
+         io: IOConfig | None = None) -> Any:
+    """Load the newest checkpoint under ``path`` that verifies (or exactly ``step``).
+
+    With ``state_dict``, tensors are loaded in place and the same object is returned;
+    otherwise a new state dict is returned (tensors on ``map_location``, default CPU).
+    """
+    return _load(os.fspath(path), state_dict, step, map_location, verify=verify,
+                 fallback=fallback, io=io)

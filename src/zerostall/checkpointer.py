@@ -1,0 +1,262 @@
+"""``Checkpointer``: wires the pipeline together; holds no logic of its own stages.
+
+Threads: the caller's (``save``, ``guard``'s hook, ``load``, ``close``), one snapshot thread
+(:mod:`.staging.snapshot`), one persist thread (:mod:`.store.persist`) and one sampler per
+save in flight. ``save()`` only plans (metadata) and enqueues; the copy, write and commit
+run behind it. See the README for the training-loop pattern.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from .config import CheckpointConfig
+from .errors import CheckpointExistsError, ConfigError, SaveFailed, ZerostallError
+from .handle import SaveHandle, record_of
+from .io.base import Engine, get_engine
+from .io.probe import probe
+from .restore import load as _load
+from .staging.arena import Arena, budget_bytes
+from .staging.job import SaveJob
+from .staging.plan import build_plan
+from .staging.ring import BlockRing
+from .staging.snapshot import Snapshotter
+from .store.local import LocalTier
+from .store.persist import Persister
+from .telemetry.host import Sampler
+from .telemetry.record import emit
+
+log = logging.getLogger("zerostall")
+
+
+def _dist_rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class Checkpointer:
+    """Asynchronous, page-cache-free checkpoints of a state dict under ``path``.
+
+    ``Checkpointer(path, config=None, **overrides)``: ``overrides`` are fields of
+    :class:`CheckpointConfig` (e.g. ``keep_last=3``). Without ``config`` the
+    ``ZEROSTALL_*`` environment overrides apply.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], config: CheckpointConfig | None = None,
+                 **overrides: Any):
+        cfg = config if config is not None else CheckpointConfig.from_env()
+        if overrides:
+            try:
+                cfg = cfg.replace(**overrides)
+            except TypeError as exc:
+                raise ConfigError(f"unknown Checkpointer option: {exc}") from None
+        self.config = cfg
+        self.rank, self.world_size = _dist_rank_world()
+        if self.world_size != 1:
+            raise ConfigError(
+                f"world size {self.world_size}: this zerostall build commits single-rank checkpoints "
+                "only; multi-rank commit arrives with the distributed layer")
+        self.tier = LocalTier(os.fspath(path), create=True)
+        self.tier.clean_stale_partials()
+        name = cfg.io.engine
+        self.probe = None
+        if name == "auto":
+            self.probe = probe(self.tier.root)
+            name = self.probe.engine
+        self.engine: Engine = get_engine(name, cfg.io)
+        self.arena: Arena | None = None
+        self.ring: BlockRing | None = None
+        self._snap: Snapshotter | None = None
+        self._persist: Persister | None = None
+        self._lock = threading.Lock()
+        self._inflight: list[SaveJob] = []
+        self._failed: list[SaveJob] = []
+        self._closed = False
+        self._samplers: dict[int, Sampler] = {}
+        self.records: list[Any] = []
+        ref = weakref.ref(self)
+        self._atexit = lambda: (c := ref()) is not None and c.close(_from_atexit=True)
+        atexit.register(self._atexit)
+
+    # -- the pipeline, built on the first save ------------------------------------------
+    def _ensure_pipeline(self, file_bytes: int) -> None:
+        if self.arena is not None:
+            return
+        st = self.config.staging
+        budget = budget_bytes(st.budget_bytes, st.budget_fraction)
+        B = st.block_bytes
+        want = -(-file_bytes // B) * B * st.slots
+        size = max(2 * B, min(budget // B * B, want))
+        if size < want:
+            log.info("zerostall: state (%d MiB) x %d slots exceeds the staging budget (%d MiB): "
+                     "snapshots stream through a %d MiB ring", file_bytes >> 20, st.slots,
+                     budget >> 20, size >> 20)
+        self.arena = Arena(size, mlock=st.mlock, hugepages=st.hugepages)
+        self.ring = BlockRing(self.arena.nbytes, B)
+        self._persist = Persister(self.tier, self.engine, self.arena, self.ring,
+                                  keep_last=self.config.keep_last, on_done=self._on_done)
+        self._snap = Snapshotter(self.arena, self.ring, on_staged=lambda job: None)
+
+    def prepare(self, state_dict: Any) -> None:
+        """Allocate and pre-fault the arena for ``state_dict`` now, not in the first save."""
+        self._ensure_pipeline(build_plan(state_dict).file_bytes)
+
+    # -- caller's thread ----------------------------------------------------------------
+    def save(self, step: int, state_dict: Any, *, overwrite: bool | None = None,
+             metadata: dict[str, Any] | None = None) -> SaveHandle:
+        """Start saving ``state_dict`` as ``step``; return a :class:`SaveHandle` at once.
+
+        Do not mutate the state until ``handle.wait_staged()`` returns or an optimizer
+        registered with :meth:`guard` steps (the guard waits for you).
+        """
+        t0 = time.perf_counter()
+        if self._closed:
+            raise ZerostallError("this Checkpointer is closed")
+        self._raise_pending()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ConfigError(f"step={step!r} is invalid: must be a non-negative int")
+        ow = self.config.overwrite if overwrite is None else overwrite
+        with self._lock:
+            if any(j.step == step for j in self._inflight):
+                raise CheckpointExistsError(f"step {step} is already being saved")
+        self.tier.check_new_step(step, ow)
+        plan = build_plan(state_dict)
+        self._ensure_pipeline(plan.file_bytes)
+        assert self.ring is not None and self._snap is not None and self._persist is not None
+        job = SaveJob(step=step, plan=plan, rank=self.rank, world_size=self.world_size,
+                      overwrite=ow, user_metadata=dict(metadata or {}))
+        job.engine = self.engine.name
+        job.arena_bytes = self.arena.nbytes if self.arena else 0
+        nblocks = self.ring.blocks_for(plan.file_bytes)
+        if self.config.backpressure == "skip" and not self.ring.fits_now(nblocks):
+            job.skipped = True
+            for e in (job.staged, job.durable, job.done):
+                e.set()
+            job.save_block_s = time.perf_counter() - t0
+            log.warning("zerostall: step %d skipped: earlier saves still hold the staging arena", step)
+            return SaveHandle(job, self)
+        job.leaves = [leaf.tensor for leaf in plan.leaves]
+        if "cuda" in plan.devices:
+            job.cuda_event = torch.cuda.Event()
+            job.cuda_event.record()
+        job.nblocks = nblocks
+        with self._lock:
+            self._inflight.append(job)
+            self._samplers[id(job)] = Sampler(self.config.telemetry_interval_s)
+        job.g0 = self.ring.reserve(nblocks)
+        job.t_submit = t0
+        self._persist.submit(job)
+        self._snap.submit(job)
+        job.save_block_s = time.perf_counter() - t0
+        return SaveHandle(job, self)
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Make ``optimizer.step()`` wait until in-flight snapshots are staged.
+
+        Forward and backward overlap the snapshot; only the step, which mutates parameters
+        and optimizer state in place, waits (and only if the copy is not finished). Returns
+        the hook handle (``.remove()`` to undo).
+        """
+
+        def hook(opt: Any, args: Any, kwargs: Any) -> None:
+            with self._lock:
+                pending = [j for j in self._inflight if not j.staged.is_set()]
+            for job in pending:
+                t0 = time.perf_counter()
+                job.staged.wait()
+                job.guard_wait_s += time.perf_counter() - t0
+
+        return optimizer.register_step_pre_hook(hook)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every save so far is committed or failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            jobs = list(self._inflight)
+        for j in jobs:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not j.done.wait(left):
+                return False
+        return True
+
+    def load(self, state_dict: Any = None, step: int | None = None, map_location: Any = None) -> Any:
+        """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load`."""
+        return _load(self.tier.root, state_dict, step, map_location,
+                     verify=self.config.verify_on_load, fallback=self.config.fallback,
+                     engine=self.engine)
+
+    def steps(self) -> list[int]:
+        return self.tier.steps()
+
+    def latest_step(self) -> int | None:
+        return self.tier.latest()
+
+    def on_preemption(self, timeout: float | None = 60.0) -> bool:
+        """Call from a SIGTERM handler: let in-flight saves finish (up to ``timeout``)."""
+        return self.wait(timeout)
+
+    def close(self, *, _from_atexit: bool = False) -> None:
+        """Drain in-flight saves, stop the threads, free the arena; re-raises a pending error."""
+        if self._closed:
+            return
+        self.wait()
+        self._closed = True
+        atexit.unregister(self._atexit)
+        if self._snap is not None:
+            self._snap.stop()
+        if self._persist is not None:
+            self._persist.stop()
+        self.engine.close()
+        if self.arena is not None:
+            self.arena.close()
+        if not _from_atexit:
+            self._raise_pending()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not mask the body's exception with a background one
+            try:
+                self.close()
+            except ZerostallError:
+                pass
+
+    # -- persist thread -----------------------------------------------------------------
+    def _on_done(self, job: SaveJob) -> None:
+        with self._lock:
+            sampler = self._samplers.pop(id(job), None)
+        if sampler is not None:
+            job.telemetry = sampler.stop()
+        rec = record_of(job)
+        self.records.append(rec)
+        emit(rec, self.config.metrics_jsonl, int(job.telemetry.get("dirty_threshold_bytes", 0)))
+        with self._lock:
+            if job in self._inflight:
+                self._inflight.remove(job)
+            if job.error is not None and self.config.raise_on_background_error:
+                self._failed.append(job)
+
+    def _error_seen(self, job: SaveJob) -> None:
+        with self._lock:
+            if job in self._failed:
+                self._failed.remove(job)
+
+    def _raise_pending(self) -> None:
+        with self._lock:
+            failed, self._failed = self._failed, []
+        if failed:
+            job = failed[0]
+            raise SaveFailed(f"an earlier background save (step {job.step}) failed: {job.error}",
+                             step=job.step) from job.error

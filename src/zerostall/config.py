@@ -1,0 +1,153 @@
+"""Typed, frozen settings for every component, composed into one :class:`CheckpointConfig`.
+
+Units are in the names (``_bytes``, ``_s``, ``_fraction``). Every config validates itself
+in ``__post_init__`` and raises :class:`~zerostall.errors.ConfigError` naming the field.
+
+Environment overrides (read only by :meth:`CheckpointConfig.from_env`, which
+``Checkpointer`` calls when it is given no config):
+
+=============================  =====================================================
+``ZEROSTALL_ENGINE``           ``auto`` | ``uring`` | ``threads`` | ``buffered``
+``ZEROSTALL_CHUNK_BYTES``      I/O request size, bytes (multiple of 4096)
+``ZEROSTALL_QUEUE_DEPTH``      I/O requests in flight
+``ZEROSTALL_BUDGET_BYTES``     staging arena size, bytes (overrides the fraction)
+``ZEROSTALL_BUDGET_FRACTION``  staging budget as a fraction of host RAM (default 0.4)
+``ZEROSTALL_BACKPRESSURE``     ``block`` | ``skip``
+=============================  =====================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .errors import ConfigError
+
+__all__ = ["CheckpointConfig", "IOConfig", "StagingConfig", "ALIGN_BYTES"]
+
+ALIGN_BYTES = 4096
+"""Alignment of every offset, length and buffer that reaches an O_DIRECT file."""
+
+MiB = 1 << 20
+
+
+
+def _require(cond: bool, name: str, value: object, what: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}={value!r} is invalid: {what}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class IOConfig:
+    """How shard files are written and read (``io/``)."""
+
+    engine: str = "auto"  # auto | uring | threads | buffered | any registered name
+    chunk_bytes: int = 8 * MiB
+    queue_depth: int = 16
+    threads: int = 4
+    buffered_dirty_limit_bytes: int = 64 * MiB
+    io_priority_idle: bool = False
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.engine, str) and self.engine != "", "engine", self.engine,
+                 "choose auto, uring, threads or buffered")
+        _require(self.chunk_bytes >= ALIGN_BYTES and self.chunk_bytes % ALIGN_BYTES == 0,
+                 "chunk_bytes", self.chunk_bytes, f"must be a positive multiple of {ALIGN_BYTES}")
+        _require(1 <= self.queue_depth <= 1024, "queue_depth", self.queue_depth, "must be 1..1024")
+        _require(1 <= self.threads <= 256, "threads", self.threads, "must be 1..256")
+        _require(self.buffered_dirty_limit_bytes >= self.chunk_bytes, "buffered_dirty_limit_bytes",
+                 self.buffered_dirty_limit_bytes, "must be at least chunk_bytes")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagingConfig:
+    """The staging arena (``staging/``): one page-aligned region, allocated once, reused.
+
+    The arena is sized ``min(budget, 2 x first snapshot)`` (two slots: double buffering)
+    when the first save arrives; ``budget_bytes`` wins over ``budget_fraction`` (of host
+    RAM, shared by ``LOCAL_WORLD_SIZE`` ranks). A state larger than the arena streams
+    through it as a ring of ``block_bytes`` blocks.
+    """
+
+    budget_bytes: int | None = None
+    budget_fraction: float = 0.4
+    block_bytes: int = 8 * MiB
+    slots: int = 2
+    mlock: bool = True
+    hugepages: bool = True
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes is not None:
+            _require(self.budget_bytes >= 2 * self.block_bytes, "budget_bytes", self.budget_bytes,
+                     f"must hold at least two blocks ({2 * self.block_bytes} bytes)")
+        _require(0.0 < self.budget_fraction <= 0.9, "budget_fraction", self.budget_fraction,
+                 "must be in (0, 0.9]")
+        _require(self.block_bytes >= ALIGN_BYTES and self.block_bytes % ALIGN_BYTES == 0,
+                 "block_bytes", self.block_bytes, f"must be a positive multiple of {ALIGN_BYTES}")
+        _require(self.slots >= 1, "slots", self.slots, "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Everything a :class:`~zerostall.Checkpointer` needs; pass overrides as keywords."""
+
+    io: IOConfig = field(default_factory=IOConfig)
+    staging: StagingConfig = field(default_factory=StagingConfig)
+    backpressure: Literal["block", "skip"] = "block"
+    keep_last: int | None = None
+    overwrite: bool = False
+    verify_on_load: bool = True
+    fallback: bool = True
+    raise_on_background_error: bool = True
+    telemetry_interval_s: float = 0.1
+    metrics_jsonl: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.backpressure in ("block", "skip"), "backpressure", self.backpressure,
+                 "choose block or skip")
+        if self.keep_last is not None:
+            _require(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1 or None")
+        _require(self.telemetry_interval_s > 0, "telemetry_interval_s", self.telemetry_interval_s,
+                 "must be > 0")
+
+    def replace(self, **changes: object) -> "CheckpointConfig":
+        """A copy with ``changes`` applied (validated)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_env(cls, base: "CheckpointConfig | None" = None,
+                 environ: "dict[str, str] | None" = None) -> "CheckpointConfig":
+        """``base`` (default: defaults) with the ``ZEROSTALL_*`` overrides applied."""
+        env = os.environ if environ is None else environ
+        cfg = base or cls()
+        io_changes: dict[str, object] = {}
+        st_changes: dict[str, object] = {}
+
+        def num(name: str, conv: type) -> object:
+            raw = env[name]
+            try:
+                return conv(raw)
+            except ValueError:
+                raise ConfigError(f"environment variable {name}={raw!r} is not a valid "
+                                  f"{conv.__name__}") from None
+
+        if "ZEROSTALL_ENGINE" in env:
+            io_changes["engine"] = env["ZEROSTALL_ENGINE"]
+        if "ZEROSTALL_CHUNK_BYTES" in env:
+            io_changes["chunk_bytes"] = num("ZEROSTALL_CHUNK_BYTES", int)
+        if "ZEROSTALL_QUEUE_DEPTH" in env:
+            io_changes["queue_depth"] = num("ZEROSTALL_QUEUE_DEPTH", int)
+        if "ZEROSTALL_BUDGET_BYTES" in env:
+            st_changes["budget_bytes"] = num("ZEROSTALL_BUDGET_BYTES", int)
+        if "ZEROSTALL_BUDGET_FRACTION" in env:
+            st_changes["budget_fraction"] = num("ZEROSTALL_BUDGET_FRACTION", float)
+        top: dict[str, object] = {}
+        if "ZEROSTALL_BACKPRESSURE" in env:
+            top["backpressure"] = env["ZEROSTALL_BACKPRESSURE"]
+        if io_changes:
+            top["io"] = dataclasses.replace(cfg.io, **io_changes)  # type: ignore[arg-type]
+        if st_changes:
+            top["staging"] = dataclasses.replace(cfg.staging, **st_changes)  # type: ignore[arg-type]
+        return dataclasses.replace(cfg, **top) if top else cfg  # type: ignore[arg-type]

@@ -1,0 +1,102 @@
+"""The exceptions zerostall raises, as one small tree.
+
+::
+
+    ZerostallError
+    ├── ConfigError            a setting or argument is invalid
+    ├── UnsupportedStateError  the state dict holds something that cannot be stored safely
+    ├── CheckpointExistsError  the step is already committed (pass overwrite=True)
+    ├── CheckpointNotFound     no committed checkpoint (or not that step) at the path
+    ├── CorruptCheckpoint      a manifest or shard failed validation or its checksum
+    ├── StorageError           the OS refused an I/O operation (ENOSPC, EIO, EACCES, ...)
+    └── SaveFailed             a background save failed; ``__cause__`` holds the reason
+
+OS errors are translated at the boundary with ``raise ... from exc``; every message names
+the file, key or value at fault and what to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointNotFound",
+    "ConfigError",
+    "CorruptCheckpoint",
+    "SaveFailed",
+    "StorageError",
+    "UnsupportedStateError",
+    "ZerostallError",
+]
+
+
+class ZerostallError(Exception):
+    """Base class of every error zerostall raises on purpose."""
+
+
+class ConfigError(ZerostallError, ValueError):
+    """A configuration value or argument is invalid."""
+
+
+class UnsupportedStateError(ZerostallError, TypeError):
+    """A state-dict leaf cannot be stored without pickle, or a tensor cannot be staged."""
+
+
+class CheckpointExistsError(ZerostallError, FileExistsError):
+    """The step is already committed and ``overwrite`` was not set."""
+
+
+class CheckpointNotFound(ZerostallError, FileNotFoundError):
+    """No committed checkpoint (or not the requested step) exists at the path."""
+
+
+class CorruptCheckpoint(ZerostallError):
+    """A manifest or shard failed validation or its crc32c check.
+
+    ``path`` names the file and ``key`` the tensor when known.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, key: str | None = None):
+        super().__init__(message)
+        self.path = path
+        self.key = key
+
+
+class StorageError(ZerostallError, OSError):
+    """An I/O operation failed; ``errno`` and ``filename`` are those of the OS error."""
+
+    def __init__(self, message: str, *, errno: int | None = None, filename: str | None = None):
+        super().__init__(message)
+        self.errno = errno
+        self.filename = filename
+
+    def __str__(self) -> str:  # OSError's __str__ would print the (errno, strerror) form
+        return str(self.args[0]) if self.args else ""
+
+
+class SaveFailed(ZerostallError):
+    """A background save failed; the cause is chained as ``__cause__``."""
+
+    def __init__(self, message: str, *, step: int | None = None):
+        super().__init__(message)
+        self.step = step
+
+
+def storage_error(action: str, path: str, exc: OSError, hint: str = "") -> StorageError:
+    """Translate an ``OSError`` into a :class:`StorageError` with a message people can act on."""
+    import errno as _errno
+    import os
+
+    what = os.strerror(exc.errno) if exc.errno else str(exc)
+    if not hint:
+        hint = {
+            _errno.ENOSPC: "free space on that filesystem or lower retention (keep_last)",
+            _errno.EDQUOT: "the disk quota is exhausted; free space or raise the quota",
+            _errno.EACCES: "check the directory's permissions",
+            _errno.EPERM: "check the directory's permissions",
+            _errno.EROFS: "the filesystem is read-only; pick a writable checkpoint directory",
+            _errno.EIO: "the device reported an I/O error; check the disk and kernel log (dmesg)",
+        }.get(exc.errno or 0, "")
+    msg = f"{action} {path!r} failed: {what}"
+    if hint:
+        msg += f" ({hint})"
+    return StorageError(msg, errno=exc.errno, filename=path)

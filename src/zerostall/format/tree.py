@@ -1,0 +1,198 @@
+"""The state dict's structure as JSON, with tensors replaced by indices.
+
+``encode_tree`` walks a nested state dict (dicts, lists, tuples, tensors, numpy arrays and
+plain values) and returns a JSON-able tree plus the list of tensor leaves; ``decode_tree``
+does the reverse with the restored tensors. Nothing is pickled: a leaf that is not a tensor,
+an array or a plain value (None, bool, int, float, str) is rejected with the key that holds
+it. Dict keys may be str, int, float, bool, None or tuples of those (optimizer state uses
+int keys).
+
+Node encoding (one key per node): ``{"v": x}`` plain value, ``{"f": "nan"|"inf"|"-inf"}``
+non-finite float, ``{"T": i}`` tensor i, ``{"A": i}`` numpy array stored as tensor i,
+``{"l": [...]}`` list, ``{"t": [...]}`` tuple, ``{"d": [[key, node], ...]}`` dict.
+
+Two keys that are views of the same bytes (same storage, offset, shape, stride and dtype,
+e.g. tied embedding weights) are stored once and restored as one shared tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CorruptCheckpoint, UnsupportedStateError
+
+MAX_DEPTH = 200
+
+
+@dataclass(frozen=True)
+class TensorLeaf:
+    """One tensor to store: its display key, the tensor, and whether it was a numpy array."""
+
+    key: str
+    tensor: torch.Tensor
+    numpy: bool = False
+
+
+def _fmt_key(path: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in path) if path else "<root>"
+
+
+def _encode_key(k: Any, path: tuple[Any, ...]) -> Any:
+    if k is None or isinstance(k, (bool, int, str)):
+        return {"v": k}
+    if isinstance(k, float):
+        return {"v": k} if math.isfinite(k) else {"f": repr(k)}
+    if isinstance(k, tuple):
+        return {"t": [_encode_key(x, path) for x in k]}
+    raise UnsupportedStateError(
+        f"dict key {k!r} of type {type(k).__name__} under {_fmt_key(path)!r} cannot be stored; "
+        "use str, int, float, bool, None or tuples of those as keys")
+
+
+def encode_tree(obj: Any) -> tuple[Any, list[TensorLeaf]]:
+    """Encode ``obj``; raise :class:`UnsupportedStateError` naming the first bad key."""
+    leaves: list[TensorLeaf] = []
+    seen: dict[tuple[Any, ...], int] = {}
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy ships with torch
+        np = None  # type: ignore[assignment]
+
+    def tensor_index(t: torch.Tensor, path: tuple[Any, ...], is_np: bool) -> int:
+        key = _fmt_key(path)
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) and not is_np:
+            raise UnsupportedStateError(
+                f"{key!r} is a {type(t).__name__}; zerostall stores plain tensors only "
+                "(for DTensor/ShardedTensor state use zerostall.dcp with torch.distributed.checkpoint)")
+        if t.device.type == "meta":
+            raise UnsupportedStateError(
+                f"{key!r} is a meta tensor and has no data to save; materialize it first")
+        if t.device.type not in ("cpu", "cuda"):
+            raise UnsupportedStateError(
+                f"{key!r} is on device {t.device}; zerostall stages cpu and cuda tensors only "
+                "(move it with .cpu() first)")
+        if t.is_sparse or t.layout != torch.strided:
+            raise UnsupportedStateError(f"{key!r} has layout {t.layout}; convert it with .to_dense()")
+        if t.is_quantized:
+            raise UnsupportedStateError(f"{key!r} is quantized; dequantize it first")
+        t = t.detach()
+        ident = (t.device.type, t.device.index, t.untyped_storage().data_ptr(), t.storage_offset(),
+                 tuple(t.shape), t.stride(), t.dtype, is_np) if t.numel() else None
+        if ident is not None and ident in seen:
+            return seen[ident]
+        leaves.append(TensorLeaf(key, t, is_np))
+        if ident is not None:
+            seen[ident] = len(leaves) - 1
+        return len(leaves) - 1
+
+    def enc(x: Any, path: tuple[Any, ...], depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise UnsupportedStateError(f"state is nested deeper than {MAX_DEPTH} at {_fmt_key(path)!r}")
+        if isinstance(x, torch.Tensor):
+            return {"T": tensor_index(x, path, False)}
+        if np is not None and isinstance(x, np.ndarray):
+            if x.dtype.hasobject:
+                raise UnsupportedStateError(
+                    f"{_fmt_key(path)!r} is a numpy array of Python objects; it cannot be stored without pickle")
+            try:
+                t = torch.from_numpy(np.ascontiguousarray(x))
+            except TypeError as exc:
+                raise UnsupportedStateError(
+                    f"{_fmt_key(path)!r}: numpy dtype {x.dtype} is not supported ({exc})") from None
+            return {"A": tensor_index(t, path, True)}
+        if x is None or isinstance(x, (bool, str)):
+            return {"v": x}
+        if isinstance(x, int):
+            return {"v": int(x)}
+        if isinstance(x, float):
+            return {"v": float(x)} if math.isfinite(x) else {"f": repr(float(x))}
+        if isinstance(x, dict):
+            return {"d": [[_encode_key(k, path), enc(v, path + (k,), depth + 1)] for k, v in x.items()]}
+        if isinstance(x, list):
+            return {"l": [enc(v, path + (i,), depth + 1) for i, v in enumerate(x)]}
+        if isinstance(x, tuple):  # torch.Size and namedtuples are stored as tuples
+            return {"t": [enc(v, path + (i,), depth + 1) for i, v in enumerate(x)]}
+        if np is not None and isinstance(x, np.generic):
+            return enc(x.item(), path, depth)
+        raise UnsupportedStateError(
+            f"{_fmt_key(path)!r} holds a {type(x).__module__}.{type(x).__qualname__}, which cannot be "
+            "stored without pickle; convert it to a tensor or to plain values (dict/list/str/int/float)")
+
+    return enc(obj, (), 0), leaves
+
+
+def decode_tree(node: Any, tensors: list[Any], where: str = "manifest") -> Any:
+    """Rebuild the state dict from ``node`` and the restored ``tensors`` (index-aligned)."""
+
+    def bad(msg: str) -> CorruptCheckpoint:
+        return CorruptCheckpoint(f"{where}: invalid state tree: {msg}", path=where)
+
+    def dec_key(k: Any) -> Any:
+        if isinstance(k, dict) and len(k) == 1:
+            if "v" in k and (k["v"] is None or isinstance(k["v"], (bool, int, float, str))):
+                return k["v"]
+            if "f" in k:
+                return dec_float(k["f"])
+            if "t" in k and isinstance(k["t"], list):
+                return tuple(dec_key(x) for x in k["t"])
+        raise bad(f"bad dict key {k!r:.80}")
+
+    def dec_float(s: Any) -> float:
+        if s not in ("nan", "inf", "-inf"):
+            raise bad(f"bad float {s!r:.80}")
+        return float(s)
+
+    def dec(n: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise bad(f"nested deeper than {MAX_DEPTH}")
+        if not isinstance(n, dict) or len(n) != 1:
+            raise bad(f"node {n!r:.80}")
+        (tag, val), = n.items()
+        if tag == "v":
+            if val is None or isinstance(val, (bool, int, float, str)):
+                return val
+            raise bad(f"plain value {val!r:.80}")
+        if tag == "f":
+            return dec_float(val)
+        if tag in ("T", "A"):
+            if not isinstance(val, int) or isinstance(val, bool) or not 0 <= val < len(tensors):
+                raise bad(f"tensor index {val!r:.80}")
+            return tensors[val].numpy() if tag == "A" else tensors[val]
+        if tag in ("l", "t"):
+            if not isinstance(val, list):
+                raise bad(f"{tag} node is not a list")
+            items = [dec(v, depth + 1) for v in val]
+            return items if tag == "l" else tuple(items)
+        if tag == "d":
+            if not isinstance(val, list):
+                raise bad("dict node is not a list")
+            out = {}
+            for pair in val:
+                if not isinstance(pair, list) or len(pair) != 2:
+                    raise bad(f"dict item {pair!r:.80}")
+                out[dec_key(pair[0])] = dec(pair[1], depth + 1)
+            return out
+        raise bad(f"unknown node tag {tag!r:.20}")
+
+    return dec(node, 0)
+
+
+def tree_tensor_indices(node: Any) -> list[tuple[int, bool]]:
+    """(index, is_numpy) of every tensor leaf, in tree order (used by validation)."""
+    out: list[tuple[int, bool]] = []
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            for tag, val in n.items():
+                if tag in ("T", "A"):
+                    out.append((val, tag == "A"))
+                elif tag in ("l", "t"):
+                    stack.extend(val if isinstance(val, list) else [])
+                elif tag == "d" and isinstance(val, list):
+                    stack.extend(p[1] for p in val if isinstance(p, list) and len(p) == 2)
+    return out

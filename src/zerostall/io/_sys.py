@@ -1,0 +1,125 @@
+"""Thin ctypes wrappers for the Linux calls Python's ``os`` lacks or emulates.
+
+``fallocate(2)`` (never ``os.posix_fallocate``: glibc may emulate it by writing zeros
+through the page cache), ``sync_file_range(2)``, ``statx(2)`` for STATX_DIOALIGN and
+``mincore(2)`` (used by tests and ``doctor`` to prove pages stay out of the page cache).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+from dataclasses import dataclass
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+_libc.fallocate64.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_libc.fallocate64.restype = ctypes.c_int
+_libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+_libc.sync_file_range.restype = ctypes.c_int
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.mincore.restype = ctypes.c_int
+
+SYNC_FILE_RANGE_WAIT_BEFORE = 1
+SYNC_FILE_RANGE_WRITE = 2
+SYNC_FILE_RANGE_WAIT_AFTER = 4
+RWF_DONTCACHE = 0x00000080  # Linux 6.14+: buffered I/O that drops its pages once written back
+
+
+def _raise(path: str | None = None) -> None:
+    err = ctypes.get_errno()
+    raise OSError(err, os.strerror(err), path)
+
+
+def fallocate(fd: int, offset: int, length: int, path: str | None = None) -> None:
+    """Reserve blocks for ``[offset, offset+length)``; OSError(EOPNOTSUPP) where unsupported."""
+    if length > 0 and _libc.fallocate64(fd, 0, offset, length) != 0:
+        _raise(path)
+
+
+def sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> None:
+    if _libc.sync_file_range(fd, offset, nbytes, flags) != 0:
+        _raise()
+
+
+@dataclass(frozen=True)
+class DioAlign:
+    mem_align: int
+    offset_align: int
+
+
+class _StatxTimestamp(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_int64), ("tv_nsec", ctypes.c_uint32), ("_r", ctypes.c_int32)]
+
+
+class _Statx(ctypes.Structure):
+    _fields_ = [
+        ("stx_mask", ctypes.c_uint32), ("stx_blksize", ctypes.c_uint32),
+        ("stx_attributes", ctypes.c_uint64), ("stx_nlink", ctypes.c_uint32),
+        ("stx_uid", ctypes.c_uint32), ("stx_gid", ctypes.c_uint32), ("stx_mode", ctypes.c_uint16),
+        ("_s0", ctypes.c_uint16), ("stx_ino", ctypes.c_uint64), ("stx_size", ctypes.c_uint64),
+        ("stx_blocks", ctypes.c_uint64), ("stx_attributes_mask", ctypes.c_uint64),
+        ("stx_atime", _StatxTimestamp), ("stx_btime", _StatxTimestamp),
+        ("stx_ctime", _StatxTimestamp), ("stx_mtime", _StatxTimestamp),
+        ("stx_rdev_major", ctypes.c_uint32), ("stx_rdev_minor", ctypes.c_uint32),
+        ("stx_dev_major", ctypes.c_uint32), ("stx_dev_minor", ctypes.c_uint32),
+        ("stx_mnt_id", ctypes.c_uint64), ("stx_dio_mem_align", ctypes.c_uint32),
+        ("stx_dio_offset_align", ctypes.c_uint32), ("_spare", ctypes.c_uint64 * 12),
+    ]
+
+
+STATX_DIOALIGN = 0x2000
+AT_FDCWD = -100
+
+
+def statx_dioalign(path: str) -> DioAlign | None:
+    """STATX_DIOALIGN of ``path`` (a file or directory); None where the kernel or fs lacks it."""
+    fn = getattr(_libc, "statx", None)
+    if fn is None:
+        return None
+    buf = _Statx()
+    if fn(AT_FDCWD, os.fsencode(path), 0, STATX_DIOALIGN, ctypes.byref(buf)) != 0:
+        return None
+    if not buf.stx_mask & STATX_DIOALIGN:
+        return None
+    return DioAlign(buf.stx_dio_mem_align, buf.stx_dio_offset_align)
+
+
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int64]
+_libc.mmap.restype = ctypes.c_void_p
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def resident_pages(path: str) -> tuple[int, int]:
+    """(resident, total) pages of ``path`` in the page cache, by ``mincore`` on a mapping.
+
+    Mapping a file does not fault its pages in, so this observes the cache without changing it.
+    """
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0, 0
+    page = mmap.PAGESIZE
+    npages = (size + page - 1) // page
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            _raise(path)
+    finally:
+        os.close(fd)
+    try:
+        vec = (ctypes.c_ubyte * npages)()
+        if _libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+            _raise(path)
+        return sum(v & 1 for v in vec), npages
+    finally:
+        _libc.munmap(ctypes.c_void_p(addr), size)
+
+
+def buffer_address(mv: memoryview) -> int:
+    """Address of the first byte of a writable buffer (an mmap slice or bytearray)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(mv))

@@ -1,0 +1,184 @@
+"""The engine interface every write/read path implements, and the engine registry.
+
+Call order for a save (all from the persist thread; engines are not thread-safe unless
+they say so)::
+
+    w = engine.open_write(path, file_bytes)   # O_DIRECT create + fallocate
+    w.write([(offset, memoryview), ...])      # 0..n times, blocks until written
+    w.finish()                                # fdatasync; an error here is final
+    w.close()                                 # always (also after an error)
+
+and for a restore (from the caller's thread)::
+
+    r = engine.open_read(path)
+    r.read([(offset, memoryview), ...])       # fills the buffers, blocks
+    r.close()
+
+Every offset, length and buffer address is a multiple of 4096 (``ALIGN_BYTES``); buffers
+come from the staging arena or another page-aligned mapping. An ``fdatasync`` error fails
+the checkpoint and is never retried (after a failed fsync the kernel may have dropped the
+dirty pages; a retry could report success for data that never reached the disk).
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import os
+from abc import ABC, abstractmethod
+from typing import Callable, Sequence
+
+from ..config import ALIGN_BYTES, IOConfig
+from ..errors import ConfigError, StorageError, storage_error
+from . import _sys
+
+Extent = tuple[int, memoryview]
+"""(file offset, buffer): both aligned; ``len(buffer)`` is a multiple of ALIGN_BYTES."""
+
+
+def split_extents(extents: Sequence[Extent], chunk_bytes: int) -> list[Extent]:
+    """Cut extents into requests of at most ``chunk_bytes``."""
+    out: list[Extent] = []
+    for off, mv in extents:
+        n = len(mv)
+        if off % ALIGN_BYTES or n % ALIGN_BYTES:
+            raise ValueError(f"unaligned extent at offset {off} length {n}")
+        for pos in range(0, n, chunk_bytes):
+            out.append((off + pos, mv[pos:pos + chunk_bytes]))
+    return out
+
+
+class ShardFile(ABC):
+    """An open shard file. Created by an :class:`Engine`; used by one thread at a time."""
+
+    def __init__(self, engine: "Engine", path: str, fd: int, writable: bool):
+        self.engine = engine
+        self.path = path
+        self.fd = fd
+        self.writable = writable
+        self._closed = False
+
+    @abstractmethod
+    def write(self, extents: Sequence[Extent]) -> None:
+        """Write every extent; return when all are in the file (not yet durable)."""
+
+    @abstractmethod
+    def read(self, extents: Sequence[Extent]) -> None:
+        """Fill every extent's buffer from the file; short files raise StorageError."""
+
+    def finish(self) -> None:
+        """``fdatasync`` the file. Raises :class:`StorageError`; never retried."""
+        try:
+            self.engine._fdatasync(self.fd)
+        except OSError as exc:
+            raise storage_error("fdatasync of", self.path, exc,
+                                "the data may not be on disk; this checkpoint is abandoned") from exc
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            os.close(self.fd)
+
+    def __enter__(self) -> "ShardFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Engine(ABC):
+    """A way to move aligned bytes between memory and files. One instance per Checkpointer."""
+
+    name: str = "?"
+    direct: bool = True
+    """Whether the engine bypasses the page cache (O_DIRECT)."""
+
+    def __init__(self, cfg: IOConfig):
+        self.cfg = cfg
+
+    def _open_flags(self) -> int:
+        return os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECT if self.direct else 0)
+
+    def open_write(self, path: str, file_bytes: int) -> ShardFile:
+        """Create ``path`` (must not exist) and preallocate ``file_bytes``."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._open_flags(), 0o644)
+        except OSError as exc:
+            raise storage_error("creating", path, exc) from exc
+        try:
+            _sys.fallocate(fd, 0, file_bytes, path)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                os.close(fd)
+                raise storage_error(f"reserving {file_bytes} bytes for", path, exc) from exc
+        return self._wrap(path, fd, True)
+
+    def open_read(self, path: str) -> ShardFile:
+        try:
+            fd = os.open(path, os.O_RDONLY | self._open_flags())
+        except OSError as exc:
+            if exc.errno == errno.EINVAL and self.direct:  # fs refuses O_DIRECT for reads
+                return self._fallback_reader(path)
+            raise storage_error("opening", path, exc) from exc
+        return self._wrap(path, fd, False)
+
+    def _fallback_reader(self, path: str) -> ShardFile:
+        from .buffered import BufferedEngine
+        return BufferedEngine(self.cfg).open_read(path)
+
+    @abstractmethod
+    def _wrap(self, path: str, fd: int, writable: bool) -> ShardFile: ...
+
+    def _fdatasync(self, fd: int) -> None:
+        """The seam fault-injection tests replace."""
+        os.fdatasync(fd)
+
+    def close(self) -> None:
+        """Release rings, pools. Idempotent."""
+
+
+def check_io_result(path: str, action: str, offset: int, want: int, got: int) -> None:
+    if got < 0:
+        exc = OSError(-got, os.strerror(-got))
+        raise storage_error(f"{action} at offset {offset} of", path, exc) from None
+    if got == 0 and want:
+        raise StorageError(f"{action} at offset {offset} of {path!r} returned 0 of {want} bytes "
+                           "(file shorter than expected?)", errno=errno.EIO, filename=path)
+
+
+# -- registry -----------------------------------------------------------------------------
+
+_REGISTRY: dict[str, tuple[str, str]] = {
+    "threads": ("zerostall.io.threads:ThreadsEngine", ""),
+    "uring": ("zerostall.io.uring:UringEngine", "pip install 'zerostall[uring]' (the liburing package)"),
+    "buffered": ("zerostall.io.buffered:BufferedEngine", ""),
+}
+_FACTORIES: dict[str, Callable[[IOConfig], Engine]] = {}
+
+
+def register_engine(name: str, factory: Callable[[IOConfig], Engine] | str, hint: str = "") -> None:
+    """Register an engine by name: a factory, or a lazy ``"module:attr"`` path."""
+    if isinstance(factory, str):
+        _REGISTRY[name] = (factory, hint)
+        _FACTORIES.pop(name, None)
+    else:
+        _FACTORIES[name] = factory
+
+
+def engine_names() -> list[str]:
+    return sorted(set(_REGISTRY) | set(_FACTORIES))
+
+
+def get_engine(name: str, cfg: IOConfig) -> Engine:
+    """Instantiate the engine called ``name`` (not ``auto``; see :func:`probe.choose_engine`)."""
+    if name in _FACTORIES:
+        return _FACTORIES[name](cfg)
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown I/O engine {name!r}; choose one of: auto, {', '.join(engine_names())}")
+    target, hint = _REGISTRY[name]
+    mod, _, attr = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(mod), attr)
+    except ImportError as exc:
+        raise ConfigError(f"I/O engine {name!r} is not available ({exc}); {hint or 'check the install'}") from exc
+    return cls(cfg)

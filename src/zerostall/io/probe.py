@@ -1,0 +1,127 @@
+"""Probe a checkpoint directory and pick the engine (``engine="auto"``).
+
+Checks, in order: filesystem type (``/proc/self/mountinfo``), an O_DIRECT create+write of
+one aligned block, ``statx`` STATX_DIOALIGN, and io_uring availability
+(``kernel.io_uring_disabled``, the ``liburing`` package, a ring actually set up, which is
+where seccomp refuses it). The verdict and its reason are logged once per directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import uuid
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+from ..config import ALIGN_BYTES
+from . import _sys
+
+log = logging.getLogger("zerostall")
+
+_NO_DIRECT_FS = {"tmpfs", "ramfs", "overlay", "fuse", "9p", "virtiofs"}
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    path: str
+    fs_type: str
+    mount_point: str
+    o_direct: bool
+    dio_mem_align: int | None
+    dio_offset_align: int | None
+    io_uring: bool
+    io_uring_reason: str
+    engine: str
+    reason: str
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def fs_of(path: str) -> tuple[str, str]:
+    """(filesystem type, mount point) of ``path`` by the longest mountinfo prefix."""
+    real = os.path.realpath(path)
+    best = ("unknown", "/")
+    best_len = -1
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                parts = line.split()
+                if " - " not in line:
+                    continue
+                mnt = parts[4].replace("\\040", " ")
+                fstype = line.split(" - ", 1)[1].split()[0]
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > best_len:
+                    best, best_len = (fstype, mnt), len(mnt)
+    except OSError:
+        pass
+    return best
+
+
+def io_uring_status() -> tuple[bool, str]:
+    try:
+        with open("/proc/sys/kernel/io_uring_disabled") as f:
+            disabled = int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        disabled = 0
+    if disabled == 2:
+        return False, "kernel.io_uring_disabled=2"
+    try:
+        import liburing as L
+    except ImportError:
+        return False, "the liburing package is not installed (pip install 'zerostall[uring]')"
+    ring = L.Ring()
+    try:
+        L.io_uring_queue_init(2, ring)
+    except OSError as exc:
+        return False, f"io_uring_setup failed: {os.strerror(exc.errno or 0)} (seccomp or sysctl)"
+    L.io_uring_queue_exit(ring)
+    return True, "available" + (" (restricted to a group: kernel.io_uring_disabled=1)" if disabled == 1 else "")
+
+
+def _try_direct(directory: str) -> tuple[bool, _sys.DioAlign | None, str]:
+    name = os.path.join(directory, f".zerostall-probe-{uuid.uuid4().hex[:8]}")
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        return False, None, f"O_DIRECT open refused: {os.strerror(exc.errno or 0)}"
+    try:
+        buf = mmap.mmap(-1, ALIGN_BYTES)
+        try:
+            os.pwritev(fd, [memoryview(buf)], 0)
+        except OSError as exc:
+            return False, None, f"O_DIRECT write refused: {os.strerror(exc.errno or 0)}"
+        finally:
+            buf.close()
+        return True, _sys.statx_dioalign(name), "O_DIRECT works"
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+
+
+@lru_cache(maxsize=64)
+def probe(directory: str) -> ProbeResult:
+    """Probe ``directory`` (must exist and be writable). Cached per path."""
+    fs_type, mnt = fs_of(directory)
+    direct, align, why = _try_direct(directory)
+    uring, uring_why = io_uring_status()
+    if fs_type in _NO_DIRECT_FS or fs_type.startswith("fuse"):
+        engine, reason = "buffered", f"{fs_type} has no device behind the page cache, O_DIRECT is meaningless"
+    elif not direct:
+        engine, reason = "buffered", why
+    elif align is not None and align.offset_align > ALIGN_BYTES:
+        engine, reason = "buffered", f"O_DIRECT needs {align.offset_align}-byte alignment (> {ALIGN_BYTES})"
+    elif uring:
+        engine, reason = "uring", "O_DIRECT works and io_uring is available"
+    else:
+        engine, reason = "threads", f"O_DIRECT works; io_uring unavailable: {uring_why}"
+    res = ProbeResult(os.path.realpath(directory), fs_type, mnt, direct,
+                      align.mem_align if align else None, align.offset_align if align else None,
+                      uring, uring_why, engine, reason)
+    log.info("zerostall: %s on %s (%s): engine %s: %s", directory, fs_type, mnt, engine, reason)
+    return res

@@ -1,0 +1,68 @@
+"""``threads`` engine: a pool of threads issuing ``pwritev``/``preadv`` on an O_DIRECT fd.
+
+For hosts where io_uring is disabled (``kernel.io_uring_disabled``, seccomp). ``os.pwritev``
+releases the GIL while the kernel copies, so the pool overlaps requests the way a queue
+depth does.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+from ..config import IOConfig
+from ..errors import storage_error
+from .base import Engine, Extent, ShardFile, check_io_result, split_extents
+
+
+class _ThreadsFile(ShardFile):
+    engine: "ThreadsEngine"
+
+    def _one(self, off: int, mv: memoryview, write: bool) -> None:
+        action = "write" if write else "read"
+        done = 0
+        n = len(mv)
+        while done < n:
+            try:
+                got = (os.pwritev if write else os.preadv)(self.fd, [mv[done:]], off + done)
+            except OSError as exc:
+                raise storage_error(f"{action} of {n - done} bytes at offset {off + done} of",
+                                    self.path, exc) from exc
+            check_io_result(self.path, action, off + done, n - done, got)
+            done += got
+
+    def _run(self, extents: Sequence[Extent], write: bool) -> None:
+        reqs = split_extents(extents, self.engine.cfg.chunk_bytes)
+        if len(reqs) == 1:
+            self._one(*reqs[0], write)
+            return
+        futs = [self.engine.pool.submit(self._one, off, mv, write) for off, mv in reqs]
+        err = None
+        for f in futs:  # wait for all, even after an error: buffers must not be reused early
+            try:
+                f.result()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                err = err or exc
+        if err is not None:
+            raise err
+
+    def write(self, extents: Sequence[Extent]) -> None:
+        self._run(extents, True)
+
+    def read(self, extents: Sequence[Extent]) -> None:
+        self._run(extents, False)
+
+
+class ThreadsEngine(Engine):
+    name = "threads"
+
+    def __init__(self, cfg: IOConfig):
+        super().__init__(cfg)
+        self.pool = ThreadPoolExecutor(max_workers=cfg.threads, thread_name_prefix="zerostall-io")
+
+    def _wrap(self, path: str, fd: int, writable: bool) -> ShardFile:
+        return _ThreadsFile(self, path, fd, writable)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)

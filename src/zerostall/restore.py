@@ -1,0 +1,263 @@
+"""Restore: find the newest committed checkpoint that verifies and load it.
+
+Called from the caller's thread (``zerostall.load``, ``Checkpointer.load``, the CLI).
+For each candidate step, newest first: read and validate the manifest (nothing is read from
+a shard before it passes), open each shard without following symlinks, check its size,
+then stream it with direct I/O through an aligned bounce buffer, checking the header
+exactly, every tensor's crc32c and that all padding is zero, and copy each tensor's bytes
+into its destination. A step that fails is logged with the file and tensor at fault, and
+the previous one is tried (``fallback=True``).
+
+Destinations: with a ``state_dict``, CPU tensors of matching shape and dtype are filled in
+place (as DCP does); other tensors are copied in once verified, and missing entries are
+added. If every candidate fails, in-place tensors may hold partial data and the error
+says so. Without one, new tensors are returned (moved to ``map_location``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c as _crc
+import torch
+
+from .config import ALIGN_BYTES, IOConfig
+from .errors import CheckpointNotFound, CorruptCheckpoint, StorageError, ZerostallError
+from .format.dtypes import dtype_from_name
+from .format.layout import HEADER_BYTES, ShardHeader
+from .format.manifest import Manifest, TensorEntry
+from .format.tree import decode_tree
+from .io.base import Engine, get_engine
+from .io.probe import probe
+from .staging.arena import Arena
+from .store.local import LocalTier
+
+log = logging.getLogger("zerostall")
+
+BOUNCE_BYTES = 128 << 20
+_bounce_lock = threading.Lock()
+_bounce: Arena | None = None
+
+
+def _shared_bounce() -> Arena:
+    global _bounce
+    if _bounce is None:
+        _bounce = Arena(BOUNCE_BYTES, mlock=False)
+    return _bounce
+
+
+@dataclass
+class _Target:
+    entry: TensorEntry
+    tensor: torch.Tensor  # contiguous CPU tensor the bytes land in
+    in_place: bool
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def read_checkpoint(tier: LocalTier, man: Manifest, engine: Engine, bounce: Arena,
+                    targets: list[_Target], *, verify: bool = True) -> None:
+    """Stream every shard of ``man`` into ``targets`` (index-aligned with ``man.tensors``)."""
+    step_dir = tier.step_dir(man.step)
+    by_file: dict[str, list[int]] = {}
+    for i, t in enumerate(man.tensors):
+        by_file.setdefault(t.file, []).append(i)
+    for fe in man.files:
+        path = os.path.join(step_dir, fe.name)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"{path}: shard file is missing", path=path) from None
+        if not os.path.isfile(path) or os.path.islink(path):
+            raise CorruptCheckpoint(f"{path}: shard is not a regular file (symlink?)", path=path)
+        if st.st_size != fe.file_bytes:
+            raise CorruptCheckpoint(f"{path}: shard is {st.st_size} bytes, manifest says "
+                                    f"{fe.file_bytes} (truncated or replaced)", path=path)
+        header = ShardHeader(man.checkpoint_id, man.step, fe.rank, fe.file_bytes)
+        items = sorted(by_file.get(fe.name, []), key=lambda i: man.tensors[i].offset)
+        try:
+            f = engine.open_read(path)
+        except StorageError as exc:
+            raise CorruptCheckpoint(f"{path}: cannot open shard: {exc}", path=path) from exc
+        with f:
+            _stream_file(f, path, fe.file_bytes, header, [targets[i] for i in items], bounce, verify)
+
+
+def _stream_file(f: Any, path: str, file_bytes: int, header: ShardHeader, targets: list[_Target],
+                 bounce: Arena, verify: bool) -> None:
+    win = bounce.nbytes // ALIGN_BYTES * ALIGN_BYTES
+    ti = 0
+    crcs = [0] * len(targets)
+    # regions of the file that must be zero: gaps between payloads and the tail
+    for w0 in range(0, file_bytes, win):
+        n = min(win, file_bytes - w0)
+        f.read([(w0, bounce.mv[:n])])
+        w1 = w0 + n
+        if w0 == 0 and verify:
+            ShardHeader.check(bounce.mv[:HEADER_BYTES], header, path)
+        # walk the tensors overlapping [w0, w1)
+        j = ti
+        while j < len(targets):
+            e = targets[j].entry
+            a, b = max(e.offset, w0), min(e.offset + e.nbytes, w1)
+            if e.offset >= w1:
+                break
+            if a < b:
+                src = bounce.u8[a - w0:b - w0]
+                _flat(targets[j].tensor)[a - e.offset:b - e.offset].copy_(src)
+                if verify:
+                    crcs[j] = _crc.crc32c(bounce.mv[a - w0:b - w0], crcs[j])
+            if e.offset + e.nbytes <= w1:
+                if verify and crcs[j] != e.crc32c:
+                    raise CorruptCheckpoint(
+                        f"{path}: tensor {e.key!r} failed its crc32c check (recorded {e.crc32c:08x}, "
+                        f"read {crcs[j]:08x})", path=path, key=e.key)
+                ti = j + 1
+            j += 1
+        if verify:
+            _check_padding(bounce, path, w0, w1, targets)
+
+
+def _check_padding(bounce: Arena, path: str, w0: int, w1: int, targets: list[_Target]) -> None:
+    """Every byte of [w0, w1) not in the header or a payload must be zero."""
+    pos = max(w0, HEADER_BYTES)
+    for t in targets:
+        e = t.entry
+        if e.offset + e.nbytes <= pos:
+            continue
+        if e.offset >= w1:
+            break
+        if e.offset > pos and bounce.u8[pos - w0:e.offset - w0].any():
+            raise CorruptCheckpoint(f"{path}: non-zero padding before tensor {e.key!r}", path=path, key=e.key)
+        pos = max(pos, e.offset + e.nbytes)
+    if pos < w1 and bounce.u8[pos - w0:w1 - w0].any():
+        raise CorruptCheckpoint(f"{path}: non-zero padding at offset {pos}", path=path)
+
+
+def _find_in_place(dest: Any, node: Any, out: dict[int, Any], path: str = "") -> None:
+    """Map manifest tensor indices to the caller's tensors at the same key path."""
+    if not isinstance(node, dict) or len(node) != 1:
+        return
+    (tag, val), = node.items()
+    if tag == "T" and isinstance(dest, torch.Tensor):
+        out[val] = (dest, path)
+    elif tag == "d" and isinstance(dest, dict):
+        for k_node, v_node in val:
+            k = _key(k_node)
+            if k in dest:
+                _find_in_place(dest[k], v_node, out, f"{path}.{k}" if path else str(k))
+    elif tag in ("l", "t") and isinstance(dest, (list, tuple)) and len(dest) == len(val):
+        for i, (d, n) in enumerate(zip(dest, val)):
+            _find_in_place(d, n, out, f"{path}.{i}" if path else str(i))
+
+
+def _key(k_node: Any) -> Any:
+    return decode_tree({"d": [[k_node, {"v": None}]]}, []).popitem()[0]
+
+
+def _merge(dest: Any, restored: Any) -> Any:
+    """Copy ``restored`` into ``dest`` where both are containers/tensors; return the result."""
+    if isinstance(dest, dict) and isinstance(restored, dict):
+        for k, v in restored.items():
+            dest[k] = _merge(dest[k], v) if k in dest else v
+        return dest
+    if isinstance(dest, list) and isinstance(restored, list) and len(dest) == len(restored):
+        for i, v in enumerate(restored):
+            dest[i] = _merge(dest[i], v)
+        return dest
+    if isinstance(dest, torch.Tensor) and isinstance(restored, torch.Tensor):
+        if dest is restored:
+            return dest
+        if dest.shape != restored.shape or dest.dtype != restored.dtype:
+            raise ZerostallError(
+                f"cannot load a {restored.dtype} tensor of shape {tuple(restored.shape)} into the "
+                f"state dict's {dest.dtype} tensor of shape {tuple(dest.shape)} (same key); "
+                "the checkpoint was saved from a different model or configuration")
+        with torch.no_grad():
+            dest.copy_(restored)
+        return dest
+    return restored
+
+
+def load_step(tier: LocalTier, step: int, engine: Engine, bounce: Arena, state_dict: Any = None,
+              map_location: Any = None, verify: bool = True) -> Any:
+    man = tier.read_manifest(step)
+    in_place: dict[int, Any] = {}
+    if state_dict is not None:
+        _find_in_place(state_dict, man.tree, in_place)
+    targets: list[_Target] = []
+    for i, e in enumerate(man.tensors):
+        dtype = dtype_from_name(e.dtype)
+        d = in_place.get(i)
+        if d is not None:
+            t, key = d
+            if tuple(t.shape) != e.shape or t.dtype != dtype:
+                raise ZerostallError(
+                    f"state dict key {key!r} is {t.dtype} {tuple(t.shape)} but the checkpoint "
+                    f"(step {step}) holds {e.dtype} {list(e.shape)}; the checkpoint was saved from a "
+                    "different model or configuration")
+            if t.device.type == "cpu" and t.is_contiguous():
+                targets.append(_Target(e, t.detach(), True))
+                continue
+        targets.append(_Target(e, torch.empty(e.shape, dtype=dtype), False))
+    with _bounce_lock if bounce is _bounce else _nolock():
+        read_checkpoint(tier, man, engine, bounce, targets, verify=verify)
+    tensors: list[Any] = [t.tensor for t in targets]
+    if map_location is not None and state_dict is None:
+        tensors = [t.to(map_location) for t in tensors]
+    restored = decode_tree(man.tree, tensors, where=tier.step_dir(step))
+    if state_dict is None:
+        return restored
+    return _merge(state_dict, restored)
+
+
+class _nolock:
+    def __enter__(self) -> None: ...
+    def __exit__(self, *a: object) -> None: ...
+
+
+def load(path: str, state_dict: Any = None, step: int | None = None, map_location: Any = None, *,
+         verify: bool = True, fallback: bool = True, engine: Engine | None = None,
+         bounce: Arena | None = None, io: IOConfig | None = None) -> Any:
+    """Load the newest verified checkpoint (or ``step``) under ``path``; see the module doc."""
+    tier = LocalTier(path)
+    steps = tier.steps()
+    if not steps:
+        extra = f" ({len(tier.partial_steps())} unfinished .partial directories)" if tier.partial_steps() else ""
+        raise CheckpointNotFound(f"no committed checkpoint in {tier.root!r}{extra}")
+    if step is not None:
+        if step not in steps:
+            raise CheckpointNotFound(f"no committed checkpoint for step {step} in {tier.root!r} "
+                                     f"(steps: {steps})")
+        candidates = [step]
+    else:
+        candidates = list(reversed(steps)) if fallback else [steps[-1]]
+    own_engine = engine is None
+    if engine is None:
+        cfg = io or IOConfig()
+        name = cfg.engine if cfg.engine != "auto" else probe(tier.root).engine
+        engine = get_engine(name, cfg)
+    bounce = bounce or _shared_bounce()
+    errors: list[str] = []
+    try:
+        for s in candidates:
+            try:
+                out = load_step(tier, s, engine, bounce, state_dict, map_location, verify)
+                if errors:
+                    log.warning("zerostall: loaded step %d after newer steps failed: %s", s, "; ".join(errors))
+                return out
+            except CorruptCheckpoint as exc:
+                log.error("zerostall: step %d in %s failed verification: %s", s, tier.root, exc)
+                errors.append(f"step {s}: {exc}")
+        partial = " The state dict may be partially overwritten." if state_dict is not None else ""
+        raise CorruptCheckpoint(f"no checkpoint in {tier.root!r} verifies: " + "; ".join(errors) + partial,
+                                path=tier.root)
+    finally:
+        if own_engine:
+            engine.close()

@@ -1,0 +1,67 @@
+"""One save in flight: the record every pipeline stage reads and fills in.
+
+Created by the caller's thread in ``Checkpointer.save()``; the snapshot thread fills
+``crcs`` and sets ``staged``; the persist thread sets ``durable`` (or ``error``) and
+``done``. Times are ``time.perf_counter()`` seconds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..format.layout import ShardHeader
+from .plan import SavePlan
+
+
+@dataclass(eq=False)
+class SaveJob:
+    step: int
+    plan: SavePlan
+    rank: int = 0
+    world_size: int = 1
+    g0: int = 0
+    nblocks: int = 0
+    overwrite: bool = False
+    user_metadata: dict[str, Any] = field(default_factory=dict)
+    checkpoint_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    crcs: list[int] = field(default_factory=list)
+    leaves: list[torch.Tensor] | None = None
+    cuda_event: Any = None
+    staged: threading.Event = field(default_factory=threading.Event)
+    durable: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    skipped: bool = False
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_staged: float = 0.0
+    t_durable: float = 0.0
+    save_block_s: float = 0.0
+    guard_wait_s: float = 0.0
+    snapshot_s: float = 0.0
+    persist_s: float = 0.0
+    commit_s: float = 0.0
+    engine: str = ""
+    arena_bytes: int = 0
+    telemetry: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def header(self) -> ShardHeader:
+        return ShardHeader(self.checkpoint_id, self.step, self.rank, self.plan.file_bytes)
+
+    @property
+    def g_end(self) -> int:
+        return self.g0 + self.nblocks
+
+    @property
+    def file_name(self) -> str:
+        return f"rank-{self.rank:05d}.zst"
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc

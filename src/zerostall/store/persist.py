@@ -1,0 +1,135 @@
+"""The persist thread: writes staged blocks to the shard file, then commits.
+
+One daemon thread owned by the ``Checkpointer``. For each job, in order: create
+``step-N.partial/`` and the shard file (O_DIRECT, preallocated), write blocks as the
+snapshot thread publishes them (in batches, so the engine keeps its queue full), release
+each block back to the ring once written, ``fdatasync``, then run the local tier's commit
+and retention. On any error the job fails, its remaining blocks are drained unwritten (so
+the ring keeps moving and later saves proceed), and its partial directory is removed; the
+previous checkpoint is never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from typing import Callable
+
+from ..format.manifest import FileEntry, Manifest, TensorEntry
+from ..io.base import Engine, ShardFile
+from ..staging.arena import Arena
+from ..staging.job import SaveJob
+from ..staging.ring import BlockRing
+from .local import LocalTier
+
+log = logging.getLogger("zerostall")
+
+
+def build_manifest(job: SaveJob) -> Manifest:
+    fname = job.file_name
+    tensors = tuple(
+        TensorEntry(it.key, it.dtype, it.shape, fname, it.offset, it.nbytes, crc)
+        for it, crc in zip(job.plan.items, job.crcs))
+    files = (FileEntry(fname, job.rank, socket.gethostname(), job.plan.file_bytes),)
+    return Manifest(step=job.step, world_size=job.world_size, checkpoint_id=job.checkpoint_id,
+                    created_unix=time.time(), files=files, tensors=tensors, tree=job.plan.tree,
+                    user_metadata=dict(job.user_metadata))
+
+
+class Persister:
+    def __init__(self, tier: LocalTier, engine: Engine, arena: Arena, ring: BlockRing, *,
+                 keep_last: int | None, on_done: Callable[[SaveJob], None]):
+        self.tier = tier
+        self.engine = engine
+        self.arena = arena
+        self.ring = ring
+        self.keep_last = keep_last
+        self.on_done = on_done
+        self.batch_blocks = max(1, min(ring.nblocks // 2, 64))
+        self._q: queue.SimpleQueue[SaveJob | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="zerostall-persist", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: SaveJob) -> None:
+        self._q.put(job)
+
+    def stop(self) -> None:
+        self._q.put(None)
+        self._thread.join()
+
+    # -- persist thread -------------------------------------------------------------------
+    def _extents(self, job: SaveJob, g: int, hi: int) -> list[tuple[int, memoryview]]:
+        B, n = self.ring.block_bytes, self.ring.nblocks
+        out = []
+        while g < hi:
+            run_end = min(hi, (g // n + 1) * n)  # split where the ring wraps
+            foff = (g - job.g0) * B
+            length = min((run_end - g) * B, job.plan.file_bytes - foff)
+            aoff = self.ring.slot_offset(g)
+            out.append((foff, self.arena.mv[aoff:aoff + length]))
+            g = run_end
+        return out
+
+    def _drain(self, job: SaveJob, g: int) -> None:
+        while g < job.g_end:
+            g = min(self.ring.wait_staged(g), job.g_end)
+            self.ring.release(g)
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            self._persist(job)
+
+    def _persist(self, job: SaveJob) -> None:
+        job.engine = self.engine.name
+        g = job.g0
+        f: ShardFile | None = None
+        t0 = time.perf_counter()
+        try:
+            part = self.tier.begin(job.step)
+            f = self.engine.open_write(os.path.join(part, job.file_name), job.plan.file_bytes)
+            while g < job.g_end:
+                hi = min(self.ring.wait_staged(g), job.g_end, g + self.batch_blocks)
+                if job.error is not None:
+                    raise job.error
+                f.write(self._extents(job, g, hi))
+                self.ring.release(hi)
+                g = hi
+            job.staged.wait()
+            if job.error is not None:
+                raise job.error
+            f.finish()
+            f.close()
+            f = None
+            t1 = time.perf_counter()
+            job.persist_s = t1 - t0
+            self.tier.commit(job.step, build_manifest(job), overwrite=job.overwrite)
+            job.commit_s = time.perf_counter() - t1
+            job.t_durable = time.perf_counter()
+            job.durable.set()
+            try:
+                self.tier.apply_retention(self.keep_last)
+            except OSError as exc:  # retention failing must not fail a committed save
+                log.warning("zerostall: retention after step %d failed: %s", job.step, exc)
+        except BaseException as exc:  # noqa: BLE001 - reported on the handle
+            job.fail(exc)
+            self._drain(job, g)
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+            self.tier.abort(job.step)
+            log.error("zerostall: save of step %d failed, nothing committed: %s", job.step, exc)
+        finally:
+            try:
+                self.on_done(job)  # records and telemetry are final before anyone sees done
+            except Exception:  # noqa: BLE001 - a sink failing must not wedge the pipeline
+                log.exception("zerostall: recording step %d failed", job.step)
+            job.done.set()

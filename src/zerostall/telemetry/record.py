@@ -1,0 +1,74 @@
+"""``SaveRecord``: the typed outcome of one save, and its sinks (log line, JSON lines).
+
+Built by the ``Checkpointer`` on the persist thread when a save finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from dataclasses import asdict, dataclass
+
+log = logging.getLogger("zerostall")
+_jsonl_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """All times in seconds, sizes in bytes, rates in GB/s (1e9 bytes/s)."""
+
+    step: int
+    bytes: int
+    stall_s: float
+    staged_s: float
+    durable_s: float
+    snapshot_s: float
+    persist_s: float
+    commit_s: float
+    persist_gbps: float
+    engine: str
+    arena_bytes: int
+    skipped: bool = False
+    ok: bool = True
+    error: str = ""
+    dirty_peak_bytes: int = 0
+    dirty_rise_bytes: int = 0
+    writeback_peak_bytes: int = 0
+    psi_io_full_peak: float = 0.0
+    psi_mem_full_peak: float = 0.0
+    kswapd_scan_delta: int = 0
+    rss_peak_bytes: int = 0
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+    def log_line(self) -> str:
+        if self.skipped:
+            return f"step {self.step}: skipped (earlier saves still hold the staging arena)"
+        if not self.ok:
+            return f"step {self.step}: FAILED: {self.error}"
+        return (f"step {self.step}: {self.bytes / 1e9:.2f} GB, stall {self.stall_s * 1e3:.1f} ms, "
+                f"staged {self.staged_s:.2f} s, durable {self.durable_s:.2f} s, persist "
+                f"{self.persist_gbps:.2f} GB/s ({self.engine}), dirty +{self.dirty_rise_bytes >> 20} MiB")
+
+
+def emit(record: SaveRecord, jsonl_path: str | None, dirty_threshold_bytes: int = 0) -> None:
+    """Send ``record`` to the ``zerostall`` logger and, if configured, a JSON-lines file."""
+    log.info("zerostall: %s", record.log_line())
+    if dirty_threshold_bytes and record.dirty_peak_bytes > 0.8 * dirty_threshold_bytes:
+        log.warning("zerostall: step %d: host dirty memory peaked at %d MiB, near the throttle "
+                    "threshold (%d MiB): writers elsewhere on this host may stall",
+                    record.step, record.dirty_peak_bytes >> 20, dirty_threshold_bytes >> 20)
+    if record.kswapd_scan_delta > 0:
+        log.warning("zerostall: step %d: kswapd scanned %d pages during the save (memory pressure)",
+                    record.step, record.kswapd_scan_delta)
+    if jsonl_path:
+        line = json.dumps(record.to_json(), sort_keys=True) + "\n"
+        with _jsonl_lock:
+            fd = os.open(jsonl_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
