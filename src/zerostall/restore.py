@@ -53,7 +53,7 @@ def _shared_bounce() -> Arena:
 @dataclass
 class _Target:
     entry: TensorEntry
-    tensor: torch.Tensor  # contiguous CPU tensor the bytes land in
+    tensor: torch.Tensor | None  # contiguous CPU tensor the bytes land in; None: verify only
     in_place: bool
 
 
@@ -109,8 +109,9 @@ def _stream_file(f: Any, path: str, file_bytes: int, header: ShardHeader, target
             if e.offset >= w1:
                 break
             if a < b:
-                src = bounce.u8[a - w0:b - w0]
-                _flat(targets[j].tensor)[a - e.offset:b - e.offset].copy_(src)
+                dst = targets[j].tensor
+                if dst is not None:
+                    _flat(dst)[a - e.offset:b - e.offset].copy_(bounce.u8[a - w0:b - w0])
                 if verify:
                     crcs[j] = _crc.crc32c(bounce.mv[a - w0:b - w0], crcs[j])
             if e.offset + e.nbytes <= w1:
@@ -215,6 +216,15 @@ def load_step(tier: LocalTier, step: int, engine: Engine, bounce: Arena, state_d
     if state_dict is None:
         return restored
     return _merge(state_dict, restored)
+
+
+def verify_step(tier: LocalTier, step: int, engine: Engine, bounce: Arena | None = None) -> Manifest:
+    """Read every byte of ``step`` and check it, keeping nothing; raises CorruptCheckpoint."""
+    man = tier.read_manifest(step)
+    bounce = bounce or _shared_bounce()
+    with _bounce_lock if bounce is _bounce else _nolock():
+        read_checkpoint(tier, man, engine, bounce, [_Target(e, None, False) for e in man.tensors])
+    return man
 
 
 class _nolock:

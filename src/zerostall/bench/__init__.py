@@ -1,0 +1,1 @@
+"""The main job and the proof: ``zerostall demo`` and ``zerostall bench``."""

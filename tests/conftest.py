@@ -1,0 +1,28 @@
+import gc
+import os
+import tempfile
+
+import pytest
+import torch
+
+from zerostall.io import base as io_base
+
+
+@pytest.fixture
+def ckdir(tmp_path):
+    """A checkpoint directory on the real disk (tmp_path is on the machine's ext4)."""
+    d = tmp_path / "ckpt"
+    return str(d)
+
+
+@pytest.fixture(params=["threads", "uring", "buffered"])
+def engine_name(request):
+    return request.param
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for it in items:
+            if "gpu" in it.keywords:
+                it.add_marker(skip)

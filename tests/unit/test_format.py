@@ -1,0 +1,96 @@
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from zerostall.errors import CorruptCheckpoint, UnsupportedStateError
+from zerostall.format import FileEntry, Manifest, TensorEntry, decode_tree, encode_tree
+from zerostall.format.layout import ShardHeader
+
+
+def _manifest(**kw):
+    base = dict(step=7, world_size=1, checkpoint_id="abc", created_unix=1.0,
+                files=(FileEntry("rank-00000.zst", 0, "h", 8192),),
+                tensors=(TensorEntry("w", "float32", (2, 3), "rank-00000.zst", 4096, 24, 123),),
+                tree={"d": [[{"v": "w"}, {"T": 0}]]})
+    base.update(kw)
+    return Manifest(**base)
+
+
+def test_manifest_roundtrip():
+    m = _manifest()
+    m2 = Manifest.from_bytes(m.to_bytes())
+    assert m2.tensors == m.tensors and m2.files == m.files and m2.step == 7
+
+
+def test_every_single_byte_flip_in_manifest_is_detected():
+    raw = bytearray(_manifest().to_bytes())
+    for i in range(0, len(raw)):
+        bad = bytearray(raw)
+        bad[i] ^= 0x01
+        with pytest.raises(CorruptCheckpoint):
+            Manifest.from_bytes(bytes(bad))
+
+
+def _reseal(body):
+    import crc32c
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return json.dumps({"zerostall_manifest": "crc32c", "body_crc32c": f"{crc32c.crc32c(canon):08x}",
+                       "body": body}).encode()
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda b: b.update(format_version=99), "format_version"),
+    (lambda b: b["files"][0].update(name="../evil"), "plain file name"),
+    (lambda b: b["files"][0].update(name="/etc/passwd"), "plain file name"),
+    (lambda b: b["tensors"][0].update(offset=1 << 40), "outside"),
+    (lambda b: b["tensors"][0].update(nbytes=-1), "nbytes"),
+    (lambda b: b["tensors"][0].update(dtype="object"), "unknown dtype"),
+    (lambda b: b["tensors"][0].update(shape=[2**40, 2**40]), "bytes"),
+    (lambda b: b["tensors"][0].update(shape=[-2, -3]), "shape"),
+    (lambda b: b.update(tree={"T": 5}), "tensor 5"),
+])
+def test_hostile_manifest_fields_rejected(mutate, msg):
+    body = _manifest().body()
+    mutate(body)
+    with pytest.raises(CorruptCheckpoint, match=msg):
+        Manifest.from_bytes(_reseal(body))
+
+
+def test_tree_roundtrip_plain_and_keys():
+    t = torch.arange(4)
+    obj = {"a": t, "opt": {"state": {0: {"step": 3}}, "groups": [{"lr": 1e-3, "betas": (0.9, 0.99)}]},
+           "nan": math.nan, "inf": -math.inf, "none": None, "flag": True, "s": "x", (1, "k"): "tuple-key",
+           "arr": np.arange(3, dtype=np.int16)}
+    tree, leaves = encode_tree(obj)
+    json.dumps(tree, allow_nan=False)  # pure JSON
+    out = decode_tree(tree, [l.tensor for l in leaves])
+    assert out["opt"] == obj["opt"] and out[(1, "k")] == "tuple-key"
+    assert math.isnan(out["nan"]) and out["inf"] == -math.inf and out["none"] is None
+    assert isinstance(out["arr"], np.ndarray) and out["arr"].tolist() == [0, 1, 2]
+
+
+def test_shared_storage_stored_once():
+    w = torch.randn(3, 3)
+    tree, leaves = encode_tree({"emb": w, "head": w, "view": w[1]})
+    assert len(leaves) == 2  # emb/head alias; a different view is its own entry
+
+
+@pytest.mark.parametrize("bad,key", [
+    ({"a": {"b": object()}}, "a.b"),
+    ({"m": torch.empty(2, device="meta")}, "m"),
+    ({"s": {1, 2}}, "s"),
+    ({"o": np.array([object()])}, "o"),
+])
+def test_unsupported_leaves_name_the_key(bad, key):
+    with pytest.raises(UnsupportedStateError, match=key.replace(".", r"\.")):
+        encode_tree(bad)
+
+
+def test_header_check():
+    h = ShardHeader("id", 1, 0, 8192)
+    ShardHeader.check(h.encode(), h, "f")
+    with pytest.raises(CorruptCheckpoint, match="does not match"):
+        ShardHeader.check(ShardHeader("other", 1, 0, 8192).encode(), h, "f")
