@@ -20,4 +20,5 @@ def add_parsers(sub: Any) -> None:
     s.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir, removed)")
     s.add_argument("--keep", action="store_true", help="keep the checkpoint directory")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--tiny", action="store_true", help="a tiny model (used by the tests)")
     s.set_defaults(fn=_lazy("zerostall.bench.demo", "main"))
