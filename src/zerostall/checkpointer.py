@@ -189,10 +189,17 @@ class Checkpointer:
         return True
 
     def load(self, state_dict: Any = None, step: int | None = None, map_location: Any = None) -> Any:
-        """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load`."""
-        return _load(self.tier.root, state_dict, step, map_location,
-                     verify=self.config.verify_on_load, fallback=self.config.fallback,
-                     engine=self.engine)
+        """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load`.
+
+        Reads through this checkpointer's (pre-faulted) arena when no save is in flight;
+        saves started meanwhile from other threads wait until the load is done.
+        """
+        self.wait()
+        with self._lock:
+            bounce = self.arena if self.arena is not None and not self._inflight else None
+            return _load(self.tier.root, state_dict, step, map_location,
+                         verify=self.config.verify_on_load, fallback=self.config.fallback,
+                         engine=self.engine, bounce=bounce)
 
     def steps(self) -> list[int]:
         return self.tier.steps()

@@ -22,3 +22,17 @@ def add_parsers(sub: Any) -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--tiny", action="store_true", help="a tiny model (used by the tests)")
     s.set_defaults(fn=_lazy("zerostall.bench.demo", "main"))
+
+    s = sub.add_parser("bench", help="zerostall vs torch.save vs DCP on the same disk, with a training loop running")
+    s.add_argument("--size-gib", type=float, default=2.0)
+    s.add_argument("--repeat", type=int, default=3)
+    s.add_argument("--methods", default=None, help="comma-separated (default: all available)")
+    s.add_argument("--dir", default=None, help="work directory on the disk to test (default: ./zerostall-bench-*)")
+    s.add_argument("--device", default="cpu", help="cpu or cuda: where the state lives")
+    s.add_argument("--throttle-write-mbps", type=int, default=None,
+                   help="cap the device's write bandwidth (cgroup) to emulate slow storage")
+    s.add_argument("--json", default=None, help="write the results document here")
+    s.add_argument("--plot", default=None, help="write a PNG: step latency and nr_dirty over time")
+    s.add_argument("--settle-s", type=float, default=1.0, help="trainer warm-up before each save")
+    s.add_argument("--no-line-rate", action="store_true", help="skip the fio/probe line-rate measurement")
+    s.set_defaults(fn=_lazy("zerostall.bench.bench", "main"))

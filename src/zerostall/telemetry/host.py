@@ -74,6 +74,8 @@ class HostSample:
     allocstall: int
     psi_io_full_avg10: float
     psi_mem_full_avg10: float
+    psi_io_full_total_us: float
+    psi_mem_full_total_us: float
     rss_bytes: int
 
     @classmethod
@@ -92,6 +94,8 @@ class HostSample:
             allocstall=sum(val for k, val in v.items() if k.startswith("allocstall")),
             psi_io_full_avg10=io.get("full", {}).get("avg10", 0.0),
             psi_mem_full_avg10=mem.get("full", {}).get("avg10", 0.0),
+            psi_io_full_total_us=io.get("full", {}).get("total", 0.0),
+            psi_mem_full_total_us=mem.get("full", {}).get("total", 0.0),
             rss_bytes=read_rss_bytes(),
         )
 
@@ -107,8 +111,8 @@ class Sampler:
         self.last = self.first
         self.peak_dirty = self.first.dirty_bytes
         self.peak_writeback = self.first.writeback_bytes
-        self.peak_psi_io = self.first.psi_io_full_avg10
-        self.peak_psi_mem = self.first.psi_mem_full_avg10
+        self.peak_psi_io = 0.0  # percent of wall time with all tasks stalled, per interval
+        self.peak_psi_mem = 0.0
         self.peak_rss = self.first.rss_bytes
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="zerostall-sampler", daemon=True)
@@ -116,11 +120,14 @@ class Sampler:
 
     def _take(self) -> None:
         s = HostSample.now()
-        self.last = s
+        prev, self.last = self.last, s
+        dt_us = (s.t - prev.t) * 1e6
+        if dt_us > 0:  # PSI "full" as % of wall time over this interval (avg10 lags a short save)
+            self.peak_psi_io = max(self.peak_psi_io, 100 * (s.psi_io_full_total_us - prev.psi_io_full_total_us) / dt_us)
+            self.peak_psi_mem = max(self.peak_psi_mem,
+                                    100 * (s.psi_mem_full_total_us - prev.psi_mem_full_total_us) / dt_us)
         self.peak_dirty = max(self.peak_dirty, s.dirty_bytes)
         self.peak_writeback = max(self.peak_writeback, s.writeback_bytes)
-        self.peak_psi_io = max(self.peak_psi_io, s.psi_io_full_avg10)
-        self.peak_psi_mem = max(self.peak_psi_mem, s.psi_mem_full_avg10)
         self.peak_rss = max(self.peak_rss, s.rss_bytes)
         if self.keep_series:
             self.series.append(s)

@@ -1,0 +1,257 @@
+"""``zerostall bench``: every method, the same state, the same disk, the same run.
+
+For each method and repeat: start the trainer process (the victim), let it settle, save,
+wait until durable, stop the trainer, drop the files' pages from the cache, restore into a
+pre-allocated state (where the method can), compare bit for bit. A sampler records
+nr_dirty / nr_writeback / PSI every 100 ms meanwhile. Medians over ``--repeat`` runs, with
+min and max. The JSON document's field names are a contract (see the README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from ..telemetry.host import Sampler
+from .hostinfo import line_rate, machine, memcpy_gbps
+from .methods import Method, available_methods
+from .model import gpt_state_for_size
+
+NUMERIC = ("stall_s", "staged_s", "durable_s", "persist_gbps", "fraction_of_line_rate", "dirty_peak_bytes",
+           "writeback_peak_bytes", "psi_io_full_peak", "step_p50_ms", "step_p99_ms", "step_max_ms",
+           "steps_over_2x_median", "rss_peak_bytes", "restore_s", "restore_gbps")
+
+
+def _map(x: Any, fn: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, dict):
+        return {k: _map(v, fn) for k, v in x.items()}
+    return x
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a.cpu(), b.cpu())
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _nbytes(state: Any) -> int:
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_nbytes(v) for v in state.values())
+    return 0
+
+
+def _drop_cache(paths: list[str]) -> None:
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+class Trainer:
+    """The victim process; see :mod:`.trainer`."""
+
+    def __init__(self, workdir: str, throttle: Any = None):
+        self.dir = tempfile.mkdtemp(prefix="trainer-", dir=workdir)
+        self.stop_file = os.path.join(self.dir, "stop")
+        self.out = os.path.join(self.dir, "steps.json")
+        ready = os.path.join(self.dir, "ready")
+        self.proc = subprocess.Popen([sys.executable, "-m", "zerostall.bench.trainer", "--log",
+                                      os.path.join(self.dir, "train.log"), "--out", self.out,
+                                      "--stop", self.stop_file, "--ready", ready])
+        if throttle is not None:
+            throttle.exempt(self.proc.pid)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(ready):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the bench trainer process failed to start")
+            time.sleep(0.01)
+
+    def finish(self) -> list[tuple[float, float]]:
+        open(self.stop_file, "w").close()
+        self.proc.wait(timeout=600)
+        with open(self.out) as f:
+            steps = [tuple(s) for s in json.load(f)]
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return steps  # type: ignore[return-value]
+
+
+def _step_stats(steps: list[tuple[float, float]], t0: float, t1: float) -> dict[str, float]:
+    base = [d for t, d in steps if t < t0] or [d for _, d in steps]
+    during = [d for t, d in steps if t0 <= t <= t1] or [0.0]
+    med = statistics.median(base)
+    during_sorted = sorted(during)
+    p = lambda q: during_sorted[min(len(during_sorted) - 1, int(q * len(during_sorted)))]  # noqa: E731
+    return {"step_p50_ms": p(0.5) * 1e3, "step_p99_ms": p(0.99) * 1e3, "step_max_ms": max(during) * 1e3,
+            "steps_over_2x_median": sum(1 for d in during if d > 2 * med), "baseline_p50_ms": med * 1e3}
+
+
+def run_one(m: Method, step: int, state: Any, target: Any, size: int, line: dict[str, Any],
+            workdir: str, throttle: Any, settle_s: float) -> dict[str, Any]:
+    trainer = Trainer(workdir, throttle)
+    time.sleep(settle_s)
+    sampler = Sampler(0.1, keep_series=True)
+    t_wall = time.time()
+    stall, staged, durable = m.save(step, state)
+    time.sleep(0.3)
+    tel = sampler.stop()
+    steps = trainer.finish()
+    stats = _step_stats(steps, t_wall, t_wall + durable + 0.3)
+    _drop_cache(m.files(step))
+    t0 = time.perf_counter()
+    restored = m.restore(step, target)
+    restore_s = time.perf_counter() - t0
+    verified = _equal(state, restored)
+    m.cleanup(step)
+    persist = size / durable / 1e9
+    return {"stall_s": stall, "staged_s": staged, "durable_s": durable, "persist_gbps": persist,
+            "fraction_of_line_rate": persist / line["write_gbps"] if line.get("write_gbps") else 0.0,
+            "dirty_peak_bytes": tel["dirty_peak_bytes"], "writeback_peak_bytes": tel["writeback_peak_bytes"],
+            "psi_io_full_peak": tel["psi_io_full_peak"], "rss_peak_bytes": tel["rss_peak_bytes"],
+            "restore_s": restore_s, "restore_gbps": size / restore_s / 1e9, "verified": verified, **stats,
+            "_series": {"t0": t_wall, "steps": [(t - t_wall, d * 1e3) for t, d in steps],
+                        "dirty": [(s.t - t_wall, s.dirty_bytes) for s in sampler.series]}}
+
+
+def aggregate(name: str, runs: list[dict[str, Any]], note: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"method": name, "repeats": len(runs), "note": note,
+                           "verified": all(r["verified"] for r in runs)}
+    for k in NUMERIC:
+        vals = [r[k] for r in runs]
+        out[k] = statistics.median(vals)
+    out["min"] = {k: min(r[k] for r in runs) for k in NUMERIC}
+    out["max"] = {k: max(r[k] for r in runs) for k in NUMERIC}
+    for k in ("steps_over_2x_median", "dirty_peak_bytes", "writeback_peak_bytes", "rss_peak_bytes"):
+        out[k] = int(out[k])
+    return out
+
+
+def run_bench(a: argparse.Namespace, console: Any) -> dict[str, Any]:
+    methods = available_methods()
+    chosen = a.methods.split(",") if a.methods else list(methods)
+    unknown = [m for m in chosen if m not in methods]
+    if unknown:
+        raise SystemExit(f"bench: unknown method(s) {unknown}; available: {', '.join(methods)}")
+    workdir = a.dir or tempfile.mkdtemp(prefix="zerostall-bench-", dir=os.getcwd())
+    os.makedirs(workdir, exist_ok=True)
+    size_target = int(a.size_gib * (1 << 30))
+    console.print(f"building a GPT-style fp32 + AdamW state of ~{a.size_gib} GiB ...")
+    state = gpt_state_for_size(size_target)
+    if a.device != "cpu":
+        state = _map(state, lambda t: t.to(a.device))
+    size = _nbytes(state)
+    target = _map(state, lambda t: torch.zeros_like(t))
+    console.print("measuring the disk's line rate and warm memcpy bandwidth ...")
+    line = line_rate(workdir, min(size, 2 << 30)) if not a.no_line_rate else {"write_gbps": 0.0, "read_gbps": 0.0, "tool": "skipped"}
+    mem = memcpy_gbps()
+    doc: dict[str, Any] = {"machine": machine(workdir), "size_bytes": size, "throttle_write_mbps": a.throttle_write_mbps,
+                           "device": a.device, "line_rate": line, "memcpy_gbps": mem, "results": []}
+    series: dict[str, Any] = {}
+    try:
+        from .throttle import throttle_writes
+        ctx = throttle_writes(workdir, a.throttle_write_mbps) if a.throttle_write_mbps else contextlib.nullcontext()
+        with ctx as thr:
+            for name in chosen:
+                m = methods[name]
+                m.setup(os.path.join(workdir, name.replace(".", "_")), state)
+                try:
+                    runs = []
+                    for r in range(a.repeat):
+                        console.print(f"  {name}: run {r + 1}/{a.repeat}")
+                        runs.append(run_one(m, r, state, target, size, line, workdir, thr, a.settle_s))
+                    series[name] = runs[len(runs) // 2].pop("_series")
+                    for run in runs:
+                        run.pop("_series", None)
+                    doc["results"].append(aggregate(name, runs, m.note))
+                finally:
+                    m.close()
+                    shutil.rmtree(m.root, ignore_errors=True)
+    finally:
+        if a.dir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if a.plot:
+        plot(series, a.plot, doc)
+    return doc
+
+
+def plot(series: dict[str, Any], path: str, doc: dict[str, Any]) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib: pip install 'zerostall[plot]'", file=sys.stderr)
+        return
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    for name, s in series.items():
+        xs = [t for t, _ in s["steps"]]
+        ax1.plot(xs, [d for _, d in s["steps"]], lw=0.8, label=name)
+        ax2.plot([t for t, _ in s["dirty"]], [d / 2**20 for _, d in s["dirty"]], lw=1.2, label=name)
+    ax1.set_yscale("log")
+    ax1.set_ylabel("trainer step latency (ms)")
+    ax2.set_ylabel("host nr_dirty (MiB)")
+    ax2.set_xlabel("seconds since save() was called")
+    thr = doc.get("throttle_write_mbps")
+    ax1.set_title(f"{doc['size_bytes'] / 2**30:.1f} GiB checkpoint" + (f", writes throttled to {thr} MB/s" if thr else ""))
+    ax1.axvline(0, color="k", lw=0.5)
+    ax2.axvline(0, color="k", lw=0.5)
+    ax1.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def print_table(doc: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+    lr = doc["line_rate"]
+    t = Table(title=f"{doc['size_bytes'] / 2**30:.2f} GiB state, line rate {lr['write_gbps']:.2f} GB/s write / "
+                    f"{lr['read_gbps']:.2f} GB/s read ({lr['tool']}), memcpy {doc['memcpy_gbps']:.1f} GB/s"
+                    + (f", throttled to {doc['throttle_write_mbps']} MB/s" if doc["throttle_write_mbps"] else ""))
+    cols = ("method", "stall s", "staged s", "durable s", "GB/s", "of line", "dirty peak MiB", "step p50/p99/max ms",
+            ">2x", "restore GB/s", "ok")
+    for c in cols:
+        t.add_column(c, justify="left" if c == "method" else "right")
+    for r in doc["results"]:
+        t.add_row(r["method"], f"{r['stall_s']:.3f}", f"{r['staged_s']:.2f}", f"{r['durable_s']:.2f}",
+                  f"{r['persist_gbps']:.2f}", f"{r['fraction_of_line_rate']:.0%}", f"{r['dirty_peak_bytes'] / 2**20:.0f}",
+                  f"{r['step_p50_ms']:.0f}/{r['step_p99_ms']:.0f}/{r['step_max_ms']:.0f}", str(r["steps_over_2x_median"]),
+                  f"{r['restore_gbps']:.2f}", "yes" if r["verified"] else "NO")
+    console.print(t)
+
+
+def main(a: argparse.Namespace) -> int:
+    import warnings
+
+    from rich.console import Console
+    warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # DCP without a process group
+    console = Console()
+    if console.width < 150:
+        console = Console(width=150)
+    doc = run_bench(a, console)
+    print_table(doc, console)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        console.print(f"wrote {a.json}")
+    return 0 if all(r["verified"] for r in doc["results"]) else 1

@@ -1,0 +1,40 @@
+"""The bench's plumbing at a small size; its JSON honours the documented contract."""
+
+import json
+
+from zerostall.cli import main as cli
+
+NUMERIC = ("stall_s", "staged_s", "durable_s", "persist_gbps", "fraction_of_line_rate", "dirty_peak_bytes",
+           "writeback_peak_bytes", "psi_io_full_peak", "step_p50_ms", "step_p99_ms", "step_max_ms",
+           "steps_over_2x_median", "rss_peak_bytes", "restore_s", "restore_gbps")
+
+
+def test_bench_small_json_contract(tmp_path):
+    out = tmp_path / "bench.json"
+    rc = cli(["bench", "--size-gib", "0.0625", "--repeat", "1", "--methods", "torch.save,zerostall-threads",
+              "--dir", str(tmp_path / "work"), "--json", str(out), "--settle-s", "0.2"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert set(doc) >= {"machine", "size_bytes", "throttle_write_mbps", "line_rate", "memcpy_gbps", "results"}
+    assert {"cpu", "ram_bytes", "kernel", "fs", "device"} <= set(doc["machine"])
+    assert doc["line_rate"]["tool"] in ("fio", "probe") and doc["line_rate"]["write_gbps"] > 0
+    assert doc["size_bytes"] > 60 << 20 and doc["throttle_write_mbps"] is None
+    assert [r["method"] for r in doc["results"]] == ["torch.save", "zerostall-threads"]
+    for r in doc["results"]:
+        assert r["repeats"] == 1 and r["verified"] is True
+        for k in NUMERIC:
+            assert isinstance(r[k], (int, float)), k
+            assert isinstance(r["min"][k], (int, float)) and isinstance(r["max"][k], (int, float))
+            assert r["min"][k] <= r[k] <= r["max"][k]
+        assert r["stall_s"] <= r["staged_s"] <= r["durable_s"]
+    zs = doc["results"][1]
+    assert zs["stall_s"] < zs["durable_s"]  # it returned before the data was durable
+
+
+def test_bench_unknown_method_is_clear(tmp_path, capsys):
+    try:
+        cli(["bench", "--methods", "nope", "--dir", str(tmp_path)])
+    except SystemExit as exc:
+        assert "unknown method" in str(exc) and "torch.save" in str(exc)
+    else:
+        raise AssertionError("expected SystemExit")
