@@ -25,14 +25,14 @@ class FaultyEngine(ThreadsEngine):
         eng = self
 
         class F(_ThreadsFile):
-            def write(self, extents):
+            def write(self, extents, overlap=None):
                 eng.writes_started.set()
                 if eng.gate is not None:
                     eng.gate.wait()
                 if eng.fail_write is not None:
                     raise __import__("zerostall.errors").errors.storage_error(
                         "write of", path, OSError(eng.fail_write, "injected"))
-                super().write(extents)
+                super().write(extents, overlap)
 
         return F(self, path, fd, writable)
 

@@ -73,6 +73,9 @@ class Checkpointer:
             self.probe = probe(self.tier.root)
             name = self.probe.engine
         self.engine: Engine = get_engine(name, cfg.io)
+        if cfg.prometheus:
+            from .telemetry import prometheus
+            prometheus.enable()
         self.arena: Arena | None = None
         self.ring: BlockRing | None = None
         self._snap: Snapshotter | None = None
@@ -139,10 +142,11 @@ class Checkpointer:
         nblocks = self.ring.blocks_for(plan.file_bytes)
         if self.config.backpressure == "skip" and not self.ring.fits_now(nblocks):
             job.skipped = True
-            for e in (job.staged, job.durable, job.done):
-                e.set()
             job.save_block_s = time.perf_counter() - t0
             log.warning("zerostall: step %d skipped: earlier saves still hold the staging arena", step)
+            self._on_done(job)
+            for e in (job.staged, job.durable, job.done):
+                e.set()
             return SaveHandle(job, self)
         job.leaves = [leaf.tensor for leaf in plan.leaves]
         if "cuda" in plan.devices:
@@ -249,6 +253,9 @@ class Checkpointer:
         rec = record_of(job)
         self.records.append(rec)
         emit(rec, self.config.metrics_jsonl, int(job.telemetry.get("dirty_threshold_bytes", 0)))
+        if self.config.prometheus:
+            from .telemetry import prometheus
+            prometheus.observe(rec)
         with self._lock:
             if job in self._inflight:
                 self._inflight.remove(job)

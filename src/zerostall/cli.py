@@ -184,8 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out")
     s.set_defaults(fn=cmd_export)
 
+    from . import cli_host
     from .bench import cli as bench_cli
     bench_cli.add_parsers(sub)
+    cli_host.add_parsers(sub)
     return p
 
 

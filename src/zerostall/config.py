@@ -103,6 +103,7 @@ class CheckpointConfig:
     raise_on_background_error: bool = True
     telemetry_interval_s: float = 0.1
     metrics_jsonl: str | None = None
+    prometheus: bool = False
 
     def __post_init__(self) -> None:
         _require(self.backpressure in ("block", "skip"), "backpressure", self.backpressure,

@@ -4,7 +4,8 @@ Call order for a save (all from the persist thread; engines are not thread-safe 
 they say so)::
 
     w = engine.open_write(path, file_bytes)   # O_DIRECT create + fallocate
-    w.write([(offset, memoryview), ...])      # 0..n times, blocks until written
+    w.write([(offset, memoryview), ...], overlap=fn)  # 0..n times, blocks until written;
+                                              # fn() runs once the requests are in flight
     w.finish()                                # fdatasync; an error here is final
     w.close()                                 # always (also after an error)
 
@@ -59,8 +60,12 @@ class ShardFile(ABC):
         self._closed = False
 
     @abstractmethod
-    def write(self, extents: Sequence[Extent]) -> None:
-        """Write every extent; return when all are in the file (not yet durable)."""
+    def write(self, extents: Sequence[Extent], overlap: Callable[[], None] | None = None) -> None:
+        """Write every extent; return when all are in the file (not yet durable).
+
+        ``overlap``, if given, is called once while the requests are in flight (the persist
+        thread checksums the same bytes there); its exception is raised after the writes end.
+        """
 
     @abstractmethod
     def read(self, extents: Sequence[Extent]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..config import IOConfig
 from ..errors import storage_error
@@ -40,7 +40,9 @@ class _BufferedFile(ShardFile):
         os.posix_fadvise(self.fd, start, n, os.POSIX_FADV_DONTNEED)
         self._window_start = None
 
-    def write(self, extents: Sequence[Extent]) -> None:
+    def write(self, extents: Sequence[Extent], overlap: Callable[[], None] | None = None) -> None:
+        if overlap is not None:  # synchronous engine: nothing to overlap with
+            overlap()
         limit = self.engine.cfg.buffered_dirty_limit_bytes
         for off, mv in split_extents(extents, self.engine.cfg.chunk_bytes):
             done = 0

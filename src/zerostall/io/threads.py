@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..config import IOConfig
 from ..errors import storage_error
@@ -32,13 +32,15 @@ class _ThreadsFile(ShardFile):
             check_io_result(self.path, action, off + done, n - done, got)
             done += got
 
-    def _run(self, extents: Sequence[Extent], write: bool) -> None:
+    def _run(self, extents: Sequence[Extent], write: bool, overlap: Callable[[], None] | None = None) -> None:
         reqs = split_extents(extents, self.engine.cfg.chunk_bytes)
-        if len(reqs) == 1:
-            self._one(*reqs[0], write)
-            return
         futs = [self.engine.pool.submit(self._one, off, mv, write) for off, mv in reqs]
         err = None
+        if overlap is not None:
+            try:
+                overlap()
+            except BaseException as exc:  # noqa: BLE001 - re-raised after the writes end
+                err = exc
         for f in futs:  # wait for all, even after an error: buffers must not be reused early
             try:
                 f.result()
@@ -47,8 +49,8 @@ class _ThreadsFile(ShardFile):
         if err is not None:
             raise err
 
-    def write(self, extents: Sequence[Extent]) -> None:
-        self._run(extents, True)
+    def write(self, extents: Sequence[Extent], overlap: Callable[[], None] | None = None) -> None:
+        self._run(extents, True, overlap)
 
     def read(self, extents: Sequence[Extent]) -> None:
         self._run(extents, False)

@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Callable
 
+import crc32c as _crc
+
 from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..io.base import Engine, ShardFile
 from ..staging.arena import Arena
@@ -38,6 +40,28 @@ def build_manifest(job: SaveJob) -> Manifest:
     return Manifest(step=job.step, world_size=job.world_size, checkpoint_id=job.checkpoint_id,
                     created_unix=time.time(), files=files, tensors=tensors, tree=job.plan.tree,
                     user_metadata=dict(job.user_metadata))
+
+
+class CrcCursor:
+    """Per-tensor crc32c over a shard's bytes, fed in file order, extent by extent."""
+
+    def __init__(self, job: SaveJob):
+        self.items = job.plan.items
+        self.crcs = [0] * len(self.items)
+        self.i = 0
+
+    def feed(self, extents: list[tuple[int, memoryview]]) -> None:
+        for foff, mv in extents:
+            end = foff + len(mv)
+            while self.i < len(self.items):
+                it = self.items[self.i]
+                a, b = max(it.offset, foff), min(it.offset + it.nbytes, end)
+                if a < b:
+                    self.crcs[self.i] = _crc.crc32c(mv[a - foff:b - foff], self.crcs[self.i])
+                if it.offset + it.nbytes <= end:
+                    self.i += 1  # finished (or empty); move on
+                else:
+                    break
 
 
 class Persister:
@@ -94,16 +118,19 @@ class Persister:
         try:
             part = self.tier.begin(job.step)
             f = self.engine.open_write(os.path.join(part, job.file_name), job.plan.file_bytes)
+            crc = CrcCursor(job)
             while g < job.g_end:
                 hi = min(self.ring.wait_staged(g), job.g_end, g + self.batch_blocks)
                 if job.error is not None:
                     raise job.error
-                f.write(self._extents(job, g, hi))
+                extents = self._extents(job, g, hi)
+                f.write(extents, overlap=lambda: crc.feed(extents))
                 self.ring.release(hi)
                 g = hi
             job.staged.wait()
             if job.error is not None:
                 raise job.error
+            job.crcs = crc.crcs
             f.finish()
             f.close()
             f = None

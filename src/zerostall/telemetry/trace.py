@@ -1,0 +1,144 @@
+"""``zerostall trace``: how long writers sleep in ``balance_dirty_pages``.
+
+Three ways, best first:
+
+1. bpftrace with kprobes (the seeds' program: a latency histogram per 5 s);
+2. the ``writeback:balance_dirty_pages`` tracepoint through tracefs, in a private trace
+   instance (mounting tracefs if needed, unmounting after): every throttled write reports
+   its ``pause`` (ms); we build a histogram and list the worst;
+3. sampling ``/proc/PID/stat`` and ``wchan`` of ``--pid``: time seen in D state inside
+   balance_dirty_pages.
+
+Changes nothing but the trace instance it creates and removes (and a tracefs mount).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+BPFTRACE_PROGRAM = r"""#!/usr/bin/env bpftrace
+kprobe:balance_dirty_pages { @start[tid] = nsecs; }
+kretprobe:balance_dirty_pages /@start[tid]/ {
+    $us = (nsecs - @start[tid]) / 1000;
+    @stall_duration_us = hist($us);
+    if ($us > 10000) { printf("%d %s blocked in dirty writeback for %u ms\n", pid, comm, $us / 1000); }
+    delete(@start[tid]);
+}
+interval:s:5 { print(@stall_duration_us); clear(@stall_duration_us); }
+"""
+
+TRACEFS = "/sys/kernel/tracing"
+_EVENT_RE = re.compile(r"^\s*(?P<comm>.+?)-(?P<pid>\d+)\s+.*?balance_dirty_pages:.*?\bpause=(?P<pause>-?\d+)")
+
+
+@dataclass
+class TraceReport:
+    method: str
+    seconds: float
+    events: int = 0
+    pauses_ms: list[int] = field(default_factory=list)
+    worst: list[tuple[int, str, int]] = field(default_factory=list)  # (pause ms, comm, pid)
+    note: str = ""
+
+    def histogram(self) -> list[tuple[str, int]]:
+        edges = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+        out = []
+        for lo, hi in zip(edges, edges[1:] + [10**9]):
+            n = sum(1 for p in self.pauses_ms if lo <= p < hi)
+            if n:
+                out.append((f"[{lo}, {hi if hi < 10**9 else 'inf'}) ms", n))
+        return out
+
+    def to_json(self) -> dict[str, object]:
+        return {"method": self.method, "seconds": self.seconds, "events": self.events,
+                "histogram": self.histogram(), "worst": self.worst[:10], "note": self.note}
+
+
+def kprobes_available() -> bool:
+    if not shutil.which("bpftrace"):
+        return False
+    return os.path.exists("/sys/kernel/debug/kprobes") or os.path.exists(f"{TRACEFS}/kprobe_events")
+
+
+def parse_trace_lines(lines: list[str]) -> list[tuple[int, str, int]]:
+    """(pause ms, comm, pid) for each balance_dirty_pages event line."""
+    out = []
+    for line in lines:
+        m = _EVENT_RE.match(line)
+        if m:
+            out.append((int(m.group("pause")), m.group("comm").strip(), int(m.group("pid"))))
+    return out
+
+
+def trace_tracefs(seconds: float) -> TraceReport:
+    mounted_here = False
+    if not os.path.isdir(os.path.join(TRACEFS, "events")):
+        os.makedirs(TRACEFS, exist_ok=True)
+        res = subprocess.run(["mount", "-t", "tracefs", "tracefs", TRACEFS], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise PermissionError(f"cannot mount tracefs at {TRACEFS}: {res.stderr.strip()}")
+        mounted_here = True
+    inst = os.path.join(TRACEFS, "instances", f"zerostall-{os.getpid()}")
+    try:
+        os.mkdir(inst)
+        ev = os.path.join(inst, "events", "writeback", "balance_dirty_pages", "enable")
+        if not os.path.exists(ev):
+            raise FileNotFoundError("this kernel has no writeback:balance_dirty_pages tracepoint")
+        with open(ev, "w") as f:
+            f.write("1")
+        time.sleep(seconds)
+        with open(ev, "w") as f:
+            f.write("0")
+        with open(os.path.join(inst, "trace")) as f:
+            lines = f.readlines()
+    finally:
+        try:
+            os.rmdir(inst)
+        except OSError:
+            pass
+        if mounted_here:
+            subprocess.run(["umount", TRACEFS], capture_output=True)
+    events = parse_trace_lines(lines)
+    rep = TraceReport("tracepoint writeback:balance_dirty_pages", seconds, len(events),
+                      [p for p, _, _ in events], sorted(events, reverse=True)[:10])
+    return rep
+
+
+def trace_pid(pid: int, seconds: float, interval_s: float = 0.01) -> TraceReport:
+    """Sample ``pid``'s threads: contiguous D-state runs in balance_dirty_pages, in ms."""
+    runs: dict[int, float] = {}
+    pauses: list[tuple[int, str, int]] = []
+    end = time.monotonic() + seconds
+    comm = ""
+    while time.monotonic() < end:
+        now = time.monotonic()
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            break
+        for tid_s in tids:
+            tid = int(tid_s)
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    stat = f.read()
+                with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+                    wchan = f.read().strip()
+            except OSError:
+                continue
+            comm = stat[stat.find("(") + 1:stat.rfind(")")]
+            state = stat[stat.rfind(")") + 2]
+            if state == "D" and "balance_dirty" in wchan:
+                runs.setdefault(tid, now)
+            elif tid in runs:
+                pauses.append((int((now - runs.pop(tid)) * 1000), comm, tid))
+        time.sleep(interval_s)
+    now = time.monotonic()
+    pauses += [(int((now - t0) * 1000), comm, tid) for tid, t0 in runs.items()]
+    return TraceReport(f"sampling /proc/{pid} (D state in balance_dirty_pages)", seconds, len(pauses),
+                       [p for p, _, _ in pauses], sorted(pauses, reverse=True)[:10],
+                       note="sampled every 10 ms: pauses shorter than that are missed")

@@ -1,0 +1,107 @@
+"""``zerostall doctor [PATH]``: what this host and this directory mean for checkpointing.
+
+Each check is a :class:`Check` (name, value, status ``ok``/``warn``/``info``, advice).
+Called from the CLI's thread; reads /proc, /sys and the directory (a probe file is created
+and removed); changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..io.probe import io_uring_status, probe
+from ..staging.arena import budget_bytes, host_ram_bytes, local_world_size
+from ..telemetry.host import PAGE, read_vmstat
+from .sysctl import RECOMMENDED, read_sysctls
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    value: Any
+    status: str
+    advice: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def host_checks() -> list[Check]:
+    ram = host_ram_bytes()
+    vm = read_vmstat()
+    out = [Check("ram_bytes", ram, "info", _gib(ram)),
+           Check("dirty_threshold_bytes", vm.get("nr_dirty_threshold", 0) * PAGE, "info",
+                 "writers are throttled in balance_dirty_pages above this"),
+           Check("dirty_background_threshold_bytes", vm.get("nr_dirty_background_threshold", 0) * PAGE, "info",
+                 "background writeback starts above this")]
+    cur = read_sysctls()
+    for name, (want, why) in RECOMMENDED.items():
+        have = cur.get(name)
+        if have is None:
+            out.append(Check(name, None, "info", "not readable on this kernel"))
+            continue
+        ok = have == want
+        # the *_bytes/ratio pairs: either form meeting the target is fine
+        if name == "vm.dirty_ratio" and cur.get("vm.dirty_bytes") == RECOMMENDED["vm.dirty_bytes"][0]:
+            ok = True
+        if name == "vm.dirty_background_ratio" and cur.get("vm.dirty_background_bytes") == RECOMMENDED["vm.dirty_background_bytes"][0]:
+            ok = True
+        out.append(Check(name, have, "ok" if ok else "warn", "" if ok else f"recommended {want}: {why}"))
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    budget = budget_bytes(None, 0.4)
+    unlimited = soft == resource.RLIM_INFINITY
+    out.append(Check("rlimit_memlock_bytes", "unlimited" if unlimited else soft,
+                     "ok" if unlimited or soft >= budget else "warn",
+                     "" if unlimited or soft >= budget else
+                     f"the staging arena ({_gib(budget)}) cannot be mlocked; raise 'ulimit -l' "
+                     "(LimitMEMLOCK=infinity in systemd, --ulimit memlock=-1 in docker)"))
+    thp = ""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read().strip()
+    except OSError:
+        pass
+    sel = thp[thp.find("[") + 1:thp.find("]")] if "[" in thp else thp
+    out.append(Check("transparent_hugepages", sel or "unknown", "ok" if sel in ("always", "madvise") else "info",
+                     "" if sel in ("always", "madvise") else "the arena asks for huge pages with MADV_HUGEPAGE"))
+    ok, why = io_uring_status()
+    out.append(Check("io_uring", why, "ok" if ok else "warn", "" if ok else "the threads engine will be used"))
+    out.append(Check("staging_budget_bytes", budget, "ok" if budget <= 0.4 * ram else "warn",
+                     f"40% of RAM over {local_world_size()} local rank(s) (ZEROSTALL_BUDGET_FRACTION to change)"))
+    return out
+
+
+def path_checks(path: str) -> list[Check]:
+    os.makedirs(path, exist_ok=True)
+    pr = probe(path)
+    out = [Check("path", pr.path, "info"), Check("filesystem", f"{pr.fs_type} on {pr.mount_point}", "info"),
+           Check("o_direct", pr.o_direct, "ok" if pr.o_direct else "warn",
+                 "" if pr.o_direct else "the bounded buffered engine will be used")]
+    align = f"mem {pr.dio_mem_align}, offset {pr.dio_offset_align}" if pr.dio_mem_align else "not reported"
+    out.append(Check("statx_dioalign", align, "info"))
+    out.append(Check("engine", pr.engine, "ok" if pr.engine != "buffered" else "warn", pr.reason))
+    fs = pr.fs_type
+    if fs.startswith("nfs"):
+        out.append(Check("nfs", fs, "warn", "NFS: keep one file per rank (zerostall does), never one shared file "
+                         "for all ranks; raise sunrpc slot tables and use nconnect"))
+    if fs in ("tmpfs", "ramfs"):
+        out.append(Check("tmpfs", fs, "warn", "checkpoints in RAM do not survive a reboot and compete with "
+                         "the staging arena for memory"))
+    if fs == "btrfs":
+        out.append(Check("btrfs", fs, "warn", "btrfs data checksums make O_DIRECT fall back to buffered "
+                         "writes unless the files are nodatasum (chattr +C on the directory)"))
+    return out
+
+
+def probe_line_rate(path: str, size: int = 512 << 20) -> Check:
+    from ..bench.hostinfo import _probe
+    r = _probe(path, size)
+    return Check("line_rate", {k: round(v, 2) for k, v in r.items()}, "info",
+                 f"O_DIRECT {size >> 20} MiB, 4 MiB requests, depth 32 (GB/s)")

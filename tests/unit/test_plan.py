@@ -1,0 +1,40 @@
+import pytest
+
+from zerostall.errors import ConfigError
+from zerostall.tuning.plan import PlanInput, parse_count, plan
+
+
+def test_seed_70b_example():
+    r = plan(PlanInput(params=70e9, fs_gbps=5, interval_min=30))
+    assert r.checkpoint_bytes == pytest.approx(980e9)
+    assert r.sync_stall_s == pytest.approx(196)
+    assert r.lost_fraction == pytest.approx(0.109, abs=5e-4)
+    assert r.bottleneck.startswith("storage")
+
+
+def test_seed_nfs_example():
+    r = plan(PlanInput(checkpoint_bytes=parse_count("2.4T"), budget_s=300, nic_gbit=parse_count("2x100")))
+    assert r.required_gbps == pytest.approx(8.0)
+    assert r.nic_gbytes_per_s == pytest.approx(25.0)
+    r2 = plan(PlanInput(checkpoint_bytes=2.4e12, budget_s=300, nic_gbit=200, fs_gbps=1.1, nodes=1))
+    assert "storage" in r2.bottleneck and "misses" in r2.bottleneck
+
+
+def test_per_rank_node_and_ram():
+    r = plan(PlanInput(params=175e9, ranks=512, nodes=64, node_ram_gib=2048))
+    assert r.bytes_per_rank == pytest.approx(175e9 * 14 / 512)
+    assert r.bytes_per_node == pytest.approx(175e9 * 14 / 64)
+    assert r.staging_fits_ram is True
+    assert plan(PlanInput(params=175e9, nodes=1, node_ram_gib=512)).staging_fits_ram is False
+
+
+@pytest.mark.parametrize("text,val", [("70e9", 70e9), ("175B", 175e9), ("7.5M", 7.5e6), ("2x100", 200), (3, 3)])
+def test_parse_count(text, val):
+    assert parse_count(text) == pytest.approx(val)
+
+
+def test_errors():
+    with pytest.raises(ConfigError, match="params"):
+        plan(PlanInput())
+    with pytest.raises(ConfigError, match="not a number"):
+        parse_count("seventy")
