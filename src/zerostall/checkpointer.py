@@ -9,6 +9,7 @@ run behind it. See the README for the training-loop pattern.
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import os
 import threading
@@ -19,6 +20,8 @@ from typing import Any
 import torch
 
 from .config import CheckpointConfig
+from .dist.commit import StoreCommitter, setup_protocol
+from .dist.ranks import discover
 from .errors import CheckpointExistsError, ConfigError, SaveFailed, ZerostallError
 from .handle import SaveHandle, record_of
 from .io.base import Engine, get_engine
@@ -37,10 +40,7 @@ from .telemetry.record import emit
 log = logging.getLogger("zerostall")
 
 
-def _dist_rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+_instances = itertools.count()
 
 
 class Checkpointer:
@@ -49,10 +49,15 @@ class Checkpointer:
     ``Checkpointer(path, config=None, **overrides)``: ``overrides`` are fields of
     :class:`CheckpointConfig` (e.g. ``keep_last=3``). Without ``config`` the
     ``ZEROSTALL_*`` environment overrides apply.
+
+    Under ``torch.distributed`` (or torchrun's environment) every rank writes its own
+    ``rank-R.zst`` and rank 0 commits once all are durable, coordinating through the c10d
+    store (``store=`` to pass another); see :mod:`zerostall.dist.commit`. Create
+    Checkpointers in the same order on every rank, and save the same steps in the same order.
     """
 
-    def __init__(self, path: str | os.PathLike[str], config: CheckpointConfig | None = None,
-                 **overrides: Any):
+    def __init__(self, path: str | os.PathLike[str], config: CheckpointConfig | None = None, *,
+                 store: Any = None, **overrides: Any):
         cfg = config if config is not None else CheckpointConfig.from_env()
         if overrides:
             try:
@@ -60,13 +65,25 @@ class Checkpointer:
             except TypeError as exc:
                 raise ConfigError(f"unknown Checkpointer option: {exc}") from None
         self.config = cfg
-        self.rank, self.world_size = _dist_rank_world()
-        if self.world_size != 1:
-            raise ConfigError(
-                f"world size {self.world_size}: this zerostall build commits single-rank checkpoints "
-                "only; multi-rank commit arrives with the distributed layer")
+        info = discover(store)
+        self.rank, self.world_size = info.rank, info.world_size
         self.tier = LocalTier(os.fspath(path), create=True)
-        self.tier.clean_stale_partials()
+        self.tier.check_writable()
+        self._committer: Any = None
+        self._seq = 0
+        if self.world_size > 1:
+            if info.store is None:
+                raise ConfigError(f"world size {self.world_size} but no c10d store: initialise torch.distributed "
+                                  "first (init_process_group) or pass store=")
+            prefix = f"zerostall/{next(_instances)}"
+            proto = setup_protocol(info.store, prefix, self.rank, self.world_size, self.tier, cfg.commit_timeout_s)
+            self._committer = StoreCommitter(self.tier, info.store, prefix, self.rank, self.world_size,
+                                             per_rank=cfg.dist_mode == "per_rank", timeout_s=cfg.commit_timeout_s,
+                                             node_local=proto["node_local"], leaders=proto["leaders"])
+            self.node_local = proto["node_local"]
+        else:
+            self.tier.clean_stale_partials()
+            self.node_local = False
         name = cfg.io.engine
         self.probe = None
         if name == "auto":
@@ -106,12 +123,17 @@ class Checkpointer:
         self.arena = Arena(size, mlock=st.mlock, hugepages=st.hugepages)
         self.ring = BlockRing(self.arena.nbytes, B)
         self._persist = Persister(self.tier, self.engine, self.arena, self.ring,
-                                  keep_last=self.config.keep_last, on_done=self._on_done)
+                                  keep_last=self.config.keep_last if self.rank == 0 or self.node_local else None,
+                                  on_done=self._on_done, committer=self._committer)
         self._snap = Snapshotter(self.arena, self.ring, on_staged=lambda job: None)
 
     def prepare(self, state_dict: Any) -> None:
         """Allocate and pre-fault the arena for ``state_dict`` now, not in the first save."""
-        self._ensure_pipeline(build_plan(state_dict).file_bytes)
+        self._ensure_pipeline(self._plan(state_dict).file_bytes)
+
+    def _plan(self, state_dict: Any) -> Any:
+        return build_plan(state_dict, rank=self.rank, world_size=self.world_size,
+                          replicated=self.config.dist_mode == "replicated")
 
     # -- caller's thread ----------------------------------------------------------------
     def save(self, step: int, state_dict: Any, *, overwrite: bool | None = None,
@@ -132,11 +154,12 @@ class Checkpointer:
             if any(j.step == step for j in self._inflight):
                 raise CheckpointExistsError(f"step {step} is already being saved")
         self.tier.check_new_step(step, ow)
-        plan = build_plan(state_dict)
+        plan = self._plan(state_dict)
         self._ensure_pipeline(plan.file_bytes)
         assert self.ring is not None and self._snap is not None and self._persist is not None
-        job = SaveJob(step=step, plan=plan, rank=self.rank, world_size=self.world_size,
+        job = SaveJob(step=step, plan=plan, seq=self._seq, rank=self.rank, world_size=self.world_size,
                       overwrite=ow, user_metadata=dict(metadata or {}))
+        self._seq += 1
         job.engine = self.engine.name
         job.arena_bytes = self.arena.nbytes if self.arena else 0
         nblocks = self.ring.blocks_for(plan.file_bytes)
@@ -144,6 +167,8 @@ class Checkpointer:
             job.skipped = True
             job.save_block_s = time.perf_counter() - t0
             log.warning("zerostall: step %d skipped: earlier saves still hold the staging arena", step)
+            if self._committer is not None:  # the other ranks must not wait for this rank
+                self._committer.fail(job, SaveFailed(f"rank {self.rank} skipped step {step} (arena busy)", step=step))
             self._on_done(job)
             for e in (job.staged, job.durable, job.done):
                 e.set()
@@ -203,7 +228,7 @@ class Checkpointer:
             bounce = self.arena if self.arena is not None and not self._inflight else None
             return _load(self.tier.root, state_dict, step, map_location,
                          verify=self.config.verify_on_load, fallback=self.config.fallback,
-                         engine=self.engine, bounce=bounce)
+                         engine=self.engine, bounce=bounce, rank=self.rank, world_size=self.world_size)
 
     def steps(self) -> list[int]:
         return self.tier.steps()

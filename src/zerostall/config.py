@@ -104,12 +104,18 @@ class CheckpointConfig:
     telemetry_interval_s: float = 0.1
     metrics_jsonl: str | None = None
     prometheus: bool = False
+    dist_mode: Literal["per_rank", "replicated"] = "per_rank"
+    commit_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         _require(self.backpressure in ("block", "skip"), "backpressure", self.backpressure,
                  "choose block or skip")
         if self.keep_last is not None:
             _require(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1 or None")
+        _require(self.dist_mode in ("per_rank", "replicated"), "dist_mode", self.dist_mode,
+                 "choose per_rank (each rank saves its own state) or replicated (identical state on "
+                 "every rank, each tensor written once)")
+        _require(self.commit_timeout_s > 0, "commit_timeout_s", self.commit_timeout_s, "must be > 0")
         _require(self.telemetry_interval_s > 0, "telemetry_interval_s", self.telemetry_interval_s,
                  "must be > 0")
 

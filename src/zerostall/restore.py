@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ from .errors import CheckpointNotFound, CorruptCheckpoint, StorageError, Zerosta
 from .format.dtypes import dtype_from_name
 from .format.layout import HEADER_BYTES, ShardHeader
 from .format.manifest import Manifest, TensorEntry
-from .format.tree import decode_tree
+from .format.tree import decode_tree, tree_tensor_indices
 from .io.base import Engine, get_engine
 from .io.probe import probe
 from .staging.arena import Arena
@@ -61,25 +62,42 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def read_checkpoint(tier: LocalTier, man: Manifest, engine: Engine, bounce: Arena,
-                    targets: list[_Target], *, verify: bool = True) -> None:
-    """Stream every shard of ``man`` into ``targets`` (index-aligned with ``man.tensors``)."""
+def check_files(tier: LocalTier, man: Manifest, only: set[str] | None = None) -> None:
+    """Every shard exists, is a regular file (no symlink) and has the recorded size.
+
+    Runs before anything is allocated or read, so a hostile manifest cannot make us
+    allocate what the files do not hold.
+    """
     step_dir = tier.step_dir(man.step)
-    by_file: dict[str, list[int]] = {}
-    for i, t in enumerate(man.tensors):
-        by_file.setdefault(t.file, []).append(i)
     for fe in man.files:
+        if only is not None and fe.name not in only:
+            continue
         path = os.path.join(step_dir, fe.name)
         try:
             st = os.lstat(path)
         except FileNotFoundError:
             raise CorruptCheckpoint(f"{path}: shard file is missing", path=path) from None
-        if not os.path.isfile(path) or os.path.islink(path):
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
             raise CorruptCheckpoint(f"{path}: shard is not a regular file (symlink?)", path=path)
         if st.st_size != fe.file_bytes:
             raise CorruptCheckpoint(f"{path}: shard is {st.st_size} bytes, manifest says "
                                     f"{fe.file_bytes} (truncated or replaced)", path=path)
-        header = ShardHeader(man.checkpoint_id, man.step, fe.rank, fe.file_bytes)
+
+
+def read_checkpoint(tier: LocalTier, man: Manifest, engine: Engine, bounce: Arena,
+                    targets: list[_Target], *, verify: bool = True, only: set[str] | None = None) -> None:
+    """Stream the shards of ``man`` (all, or the files in ``only``) into ``targets``
+    (index-aligned with ``man.tensors``; a target without a tensor is verified only)."""
+    check_files(tier, man, only)
+    step_dir = tier.step_dir(man.step)
+    by_file: dict[str, list[int]] = {}
+    for i, t in enumerate(man.tensors):
+        by_file.setdefault(t.file, []).append(i)
+    for fe in man.files:
+        if only is not None and fe.name not in only:
+            continue
+        path = os.path.join(step_dir, fe.name)
+        header = ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes)
         items = sorted(by_file.get(fe.name, []), key=lambda i: man.tensors[i].offset)
         try:
             f = engine.open_read(path)
@@ -187,13 +205,20 @@ def _merge(dest: Any, restored: Any) -> Any:
 
 
 def load_step(tier: LocalTier, step: int, engine: Engine, bounce: Arena, state_dict: Any = None,
-              map_location: Any = None, verify: bool = True) -> Any:
+              map_location: Any = None, verify: bool = True, rank: int = 0, world_size: int = 1) -> Any:
     man = tier.read_manifest(step)
+    tree = man.tree_for(rank, world_size)
+    needed = {i for i, _ in tree_tensor_indices(tree)}
+    only = {man.tensors[i].file for i in needed}
+    check_files(tier, man, only)  # before allocating anything the manifest asks for
     in_place: dict[int, Any] = {}
     if state_dict is not None:
-        _find_in_place(state_dict, man.tree, in_place)
+        _find_in_place(state_dict, tree, in_place)
     targets: list[_Target] = []
     for i, e in enumerate(man.tensors):
+        if i not in needed:
+            targets.append(_Target(e, None, False))
+            continue
         dtype = dtype_from_name(e.dtype)
         d = in_place.get(i)
         if d is not None:
@@ -208,11 +233,11 @@ def load_step(tier: LocalTier, step: int, engine: Engine, bounce: Arena, state_d
                 continue
         targets.append(_Target(e, torch.empty(e.shape, dtype=dtype), False))
     with _bounce_lock if bounce is _bounce else _nolock():
-        read_checkpoint(tier, man, engine, bounce, targets, verify=verify)
+        read_checkpoint(tier, man, engine, bounce, targets, verify=verify, only=only)
     tensors: list[Any] = [t.tensor for t in targets]
     if map_location is not None and state_dict is None:
-        tensors = [t.to(map_location) for t in tensors]
-    restored = decode_tree(man.tree, tensors, where=tier.step_dir(step))
+        tensors = [t.to(map_location) if t is not None else None for t in tensors]
+    restored = decode_tree(tree, tensors, where=tier.step_dir(step))
     if state_dict is None:
         return restored
     return _merge(state_dict, restored)
@@ -234,7 +259,7 @@ class _nolock:
 
 def load(path: str, state_dict: Any = None, step: int | None = None, map_location: Any = None, *,
          verify: bool = True, fallback: bool = True, engine: Engine | None = None,
-         bounce: Arena | None = None, io: IOConfig | None = None) -> Any:
+         bounce: Arena | None = None, io: IOConfig | None = None, rank: int = 0, world_size: int = 1) -> Any:
     """Load the newest verified checkpoint (or ``step``) under ``path``; see the module doc."""
     tier = LocalTier(path)
     steps = tier.steps()
@@ -258,7 +283,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
     try:
         for s in candidates:
             try:
-                out = load_step(tier, s, engine, bounce, state_dict, map_location, verify)
+                out = load_step(tier, s, engine, bounce, state_dict, map_location, verify, rank, world_size)
                 if errors:
                     log.warning("zerostall: loaded step %d after newer steps failed: %s", s, "; ".join(errors))
                 return out

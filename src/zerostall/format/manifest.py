@@ -26,7 +26,7 @@ from ..config import ALIGN_BYTES
 from ..errors import CorruptCheckpoint
 from .dtypes import dtype_from_name, itemsize
 from .layout import HEADER_BYTES
-from .tree import tree_tensor_indices
+from .tree import decode_tree, tree_tensor_indices
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -56,9 +56,14 @@ class FileEntry:
     rank: int
     host: str
     file_bytes: int
+    file_id: str = ""
+    """The id in this shard's header (each rank draws its own); empty: the checkpoint's id."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "rank": self.rank, "host": self.host, "file_bytes": self.file_bytes}
+        out = {"name": self.name, "rank": self.rank, "host": self.host, "file_bytes": self.file_bytes}
+        if self.file_id:
+            out["file_id"] = self.file_id
+        return out
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,17 @@ class Manifest:
     tree: Any
     user_metadata: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    rank_trees: tuple[Any, ...] | None = None
+    """Per-rank state trees (``dist_mode="per_rank"``, world size > 1); else ``tree`` is the state."""
+
+    def tree_for(self, rank: int, world_size: int) -> Any:
+        if self.rank_trees is None:
+            return self.tree
+        if world_size != self.world_size:
+            raise CorruptCheckpoint(
+                f"step {self.step} was saved per rank at world size {self.world_size}; load it at that world "
+                f"size (this is {world_size}), or save with zerostall.dcp for resharding")
+        return self.rank_trees[rank]
 
     @property
     def total_bytes(self) -> int:
@@ -85,6 +101,7 @@ class Manifest:
             "files": [f.to_json() for f in self.files],
             "tensors": [t.to_json() for t in self.tensors],
             "tree": self.tree, "user_metadata": self.user_metadata,
+            **({"rank_trees": list(self.rank_trees)} if self.rank_trees is not None else {}),
         }
 
     def to_bytes(self) -> bytes:
@@ -153,9 +170,11 @@ class Manifest:
             fb = integer(f, "file_bytes")
             if fb % ALIGN_BYTES or fb < HEADER_BYTES:
                 raise bad(f"file {name!r}: file_bytes {fb} is not a multiple of {ALIGN_BYTES} >= header")
-            host = f.get("host")
+            host, fid = f.get("host"), f.get("file_id", "")
+            if not isinstance(fid, str) or len(fid) > 64:
+                raise bad(f"file {name!r}: bad file_id")
             files[name] = FileEntry(name, integer(f, "rank", 0, world - 1),
-                                    host if isinstance(host, str) else "", fb)
+                                    host if isinstance(host, str) else "", fb, fid)
         tensors: list[TensorEntry] = []
         for t in tensors_raw:
             if not isinstance(t, dict):
@@ -181,13 +200,20 @@ class Manifest:
                           f"{fname!r} ({files[fname].file_bytes} bytes) or is unaligned")
             tensors.append(TensorEntry(key, dt, tuple(shape), fname, off, nbytes,
                                        integer(t, "crc32c", 0, 0xFFFFFFFF)))
-        for idx, _ in tree_tensor_indices(body.get("tree")):
-            if not isinstance(idx, int) or isinstance(idx, bool) or not 0 <= idx < len(tensors):
-                raise bad(f"state tree refers to tensor {idx!r:.40}, which is not in 'tensors'")
+        rank_trees = body.get("rank_trees")
+        if rank_trees is not None and (not isinstance(rank_trees, list) or len(rank_trees) != world):
+            raise bad("'rank_trees' must list one tree per rank")
+        for tree in [body.get("tree")] + (rank_trees or []):
+            for idx, _ in tree_tensor_indices(tree):
+                if not isinstance(idx, int) or isinstance(idx, bool) or not 0 <= idx < len(tensors):
+                    raise bad(f"state tree refers to tensor {idx!r:.40}, which is not in 'tensors'")
+        for tree in [body.get("tree")] + (rank_trees or []):
+            decode_tree(tree, [None] * len(tensors), where=where)  # structure only: unknown tags fail here
         meta = body.get("user_metadata", {})
         return cls(step=step, world_size=world, checkpoint_id=cid, created_unix=float(created),
                    files=tuple(files.values()), tensors=tuple(tensors), tree=body.get("tree"),
-                   user_metadata=meta if isinstance(meta, dict) else {}, format_version=version)
+                   user_metadata=meta if isinstance(meta, dict) else {}, format_version=version,
+                   rank_trees=tuple(rank_trees) if rank_trees is not None else None)
 
 
 def _canonical(body: Any) -> bytes:

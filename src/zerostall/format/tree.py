@@ -161,7 +161,8 @@ def decode_tree(node: Any, tensors: list[Any], where: str = "manifest") -> Any:
         if tag in ("T", "A"):
             if not isinstance(val, int) or isinstance(val, bool) or not 0 <= val < len(tensors):
                 raise bad(f"tensor index {val!r:.80}")
-            return tensors[val].numpy() if tag == "A" else tensors[val]
+            t = tensors[val]
+            return t.numpy() if tag == "A" and t is not None else t
         if tag in ("l", "t"):
             if not isinstance(val, list):
                 raise bad(f"{tag} node is not a list")
@@ -196,3 +197,16 @@ def tree_tensor_indices(node: Any) -> list[tuple[int, bool]]:
                 elif tag == "d" and isinstance(val, list):
                     stack.extend(p[1] for p in val if isinstance(p, list) and len(p) == 2)
     return out
+
+
+def remap_tree(node: Any, mapping: Any) -> Any:
+    """A copy of ``node`` with every tensor index ``i`` replaced by ``mapping(i)``."""
+    if isinstance(node, dict) and len(node) == 1:
+        (tag, val), = node.items()
+        if tag in ("T", "A"):
+            return {tag: mapping(val)}
+        if tag in ("l", "t"):
+            return {tag: [remap_tree(v, mapping) for v in val]}
+        if tag == "d":
+            return {tag: [[k, remap_tree(v, mapping)] for k, v in val]}
+    return node

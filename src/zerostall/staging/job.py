@@ -23,6 +23,7 @@ from .plan import SavePlan
 class SaveJob:
     step: int
     plan: SavePlan
+    seq: int = 0
     rank: int = 0
     world_size: int = 1
     g0: int = 0

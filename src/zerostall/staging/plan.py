@@ -35,6 +35,8 @@ class SavePlan:
     file_bytes: int
     tree: Any
     leaves: tuple[TensorLeaf, ...]
+    n_tensors: int = 0
+    """Tensors in the whole state (all ranks' shares when replicated)."""
 
     @property
     def payload_bytes(self) -> int:
@@ -45,17 +47,38 @@ class SavePlan:
         return {leaf.tensor.device.type for leaf in self.leaves}
 
 
-def build_plan(state_dict: Any) -> SavePlan:
-    """Flatten ``state_dict`` and assign every tensor an aligned offset after the header."""
-    tree, leaves = encode_tree(state_dict)
+def owners_by_size(leaves: tuple[TensorLeaf, ...] | list[TensorLeaf], world_size: int) -> list[int]:
+    """A deterministic owner rank per tensor, balancing bytes (largest first, least loaded)."""
+    load = [0] * world_size
+    owner = [0] * len(leaves)
+    sizes = [leaf.tensor.numel() * leaf.tensor.element_size() for leaf in leaves]
+    for i in sorted(range(len(leaves)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicated: bool = False) -> SavePlan:
+    """Flatten ``state_dict`` and assign every tensor an aligned offset after the header.
+
+    With ``replicated`` (every rank holds the same state), this rank's plan holds only the
+    tensors it owns (:func:`owners_by_size`); ``PlanItem.index`` stays the global index.
+    """
+    tree, all_leaves = encode_tree(state_dict)
+    owner = owners_by_size(all_leaves, world_size) if replicated and world_size > 1 else None
     items = []
+    leaves = []
     off = HEADER_BYTES
-    for i, leaf in enumerate(leaves):
+    for i, leaf in enumerate(all_leaves):
+        if owner is not None and owner[i] != rank:
+            continue
+        leaves.append(leaf)
         t: torch.Tensor = leaf.tensor
         nbytes = t.numel() * t.element_size()
         items.append(PlanItem(i, leaf.key, dtype_name(t.dtype, leaf.key), tuple(t.shape), nbytes, off))
         off = align_up(off + nbytes)
-    return SavePlan(tuple(items), max(off, HEADER_BYTES), tree, tuple(leaves))
+    return SavePlan(tuple(items), max(off, HEADER_BYTES), tree, tuple(leaves), len(all_leaves))
 
 
 def shape_numel(shape: tuple[int, ...]) -> int:

@@ -83,7 +83,8 @@ class LocalTier:
         out = []
         for n in names:
             m = _STEP_RE.match(n)
-            if m and os.path.isfile(os.path.join(self.root, n, MANIFEST_NAME)):
+            if m and os.path.isfile(os.path.join(self.root, n, MANIFEST_NAME)) \
+                    and not os.path.islink(os.path.join(self.root, n)):
                 out.append(int(m.group(1)))
         return sorted(out)
 
@@ -94,7 +95,21 @@ class LocalTier:
             return []
         return sorted(int(m.group(1)) for n in names if (m := _PARTIAL_RE.match(n)))
 
+    def check_writable(self) -> None:
+        """Create and remove a file in the root; raise StorageError naming the root if we cannot."""
+        probe = os.path.join(self.root, f".zerostall-write-test-{os.getpid()}")
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise storage_error("writing to checkpoint directory", self.root, exc,
+                                "pick a writable directory or fix its permissions/attributes") from exc
+
     def read_manifest(self, step: int) -> Manifest:
+        if os.path.islink(self.step_dir(step)):
+            raise CorruptCheckpoint(f"{self.step_dir(step)} is a symlink; a checkpoint's files must live "
+                                    "inside the checkpoint directory", path=self.step_dir(step))
         path = os.path.join(self.step_dir(step), MANIFEST_NAME)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -17,7 +17,7 @@ import queue
 import socket
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import crc32c as _crc
 
@@ -31,15 +31,38 @@ from .local import LocalTier
 log = logging.getLogger("zerostall")
 
 
+def file_entry(job: SaveJob) -> FileEntry:
+    return FileEntry(job.file_name, job.rank, socket.gethostname(), job.plan.file_bytes, job.checkpoint_id)
+
+
+def tensor_entries(job: SaveJob) -> list[tuple[int, TensorEntry]]:
+    """(global tensor index, entry) for every tensor this rank wrote."""
+    return [(it.index, TensorEntry(it.key, it.dtype, it.shape, job.file_name, it.offset, it.nbytes, crc))
+            for it, crc in zip(job.plan.items, job.crcs)]
+
+
 def build_manifest(job: SaveJob) -> Manifest:
-    fname = job.file_name
-    tensors = tuple(
-        TensorEntry(it.key, it.dtype, it.shape, fname, it.offset, it.nbytes, crc)
-        for it, crc in zip(job.plan.items, job.crcs))
-    files = (FileEntry(fname, job.rank, socket.gethostname(), job.plan.file_bytes),)
+    """The manifest of a single-rank save."""
     return Manifest(step=job.step, world_size=job.world_size, checkpoint_id=job.checkpoint_id,
-                    created_unix=time.time(), files=files, tensors=tensors, tree=job.plan.tree,
+                    created_unix=time.time(), files=(file_entry(job),),
+                    tensors=tuple(e for _, e in tensor_entries(job)), tree=job.plan.tree,
                     user_metadata=dict(job.user_metadata))
+
+
+class LocalCommitter:
+    """Commit strategy of a single rank: write the manifest and rename (see :mod:`.local`)."""
+
+    def __init__(self, tier: LocalTier):
+        self.tier = tier
+
+    def begin(self, job: SaveJob) -> str:
+        return self.tier.begin(job.step)
+
+    def commit(self, job: SaveJob) -> None:
+        self.tier.commit(job.step, build_manifest(job), overwrite=job.overwrite)
+
+    def fail(self, job: SaveJob, exc: BaseException) -> None:
+        self.tier.abort(job.step)
 
 
 class CrcCursor:
@@ -66,8 +89,9 @@ class CrcCursor:
 
 class Persister:
     def __init__(self, tier: LocalTier, engine: Engine, arena: Arena, ring: BlockRing, *,
-                 keep_last: int | None, on_done: Callable[[SaveJob], None]):
+                 keep_last: int | None, on_done: Callable[[SaveJob], None], committer: Any = None):
         self.tier = tier
+        self.committer = committer or LocalCommitter(tier)
         self.engine = engine
         self.arena = arena
         self.ring = ring
@@ -116,7 +140,7 @@ class Persister:
         f: ShardFile | None = None
         t0 = time.perf_counter()
         try:
-            part = self.tier.begin(job.step)
+            part = self.committer.begin(job)
             f = self.engine.open_write(os.path.join(part, job.file_name), job.plan.file_bytes)
             crc = CrcCursor(job)
             while g < job.g_end:
@@ -136,7 +160,7 @@ class Persister:
             f = None
             t1 = time.perf_counter()
             job.persist_s = t1 - t0
-            self.tier.commit(job.step, build_manifest(job), overwrite=job.overwrite)
+            self.committer.commit(job)
             job.commit_s = time.perf_counter() - t1
             job.t_durable = time.perf_counter()
             job.durable.set()
@@ -152,7 +176,10 @@ class Persister:
                     f.close()
                 except OSError:
                     pass
-            self.tier.abort(job.step)
+            try:
+                self.committer.fail(job, exc)
+            except Exception as cexc:  # noqa: BLE001 - the original error is the one to report
+                log.error("zerostall: cleaning up step %d failed: %s", job.step, cexc)
             log.error("zerostall: save of step %d failed, nothing committed: %s", job.step, exc)
         finally:
             try:

@@ -95,3 +95,21 @@ def test_nothing_verifies(ckdir):
     _flip(os.path.join(ckdir, "step-1", "rank-00000.zst"), 5000)
     with pytest.raises(zerostall.errors.CorruptCheckpoint, match="no checkpoint .* verifies"):
         zerostall.load(ckdir)
+
+
+def test_single_bit_flips_across_the_whole_shard(ckdir):
+    """48 single-bit flips spread over header, payloads, padding and tail: every one is caught."""
+    shard = _two_steps(ckdir)
+    size = os.path.getsize(shard)
+    orig = open(shard, "rb").read()
+    for k in range(48):
+        pos = (k * 7919 * 13) % size
+        with open(shard, "r+b") as f:
+            f.seek(pos)
+            f.write(bytes([orig[pos] ^ (1 << (k % 8))]))
+        assert cli(["verify", ckdir, "--step", "2"]) == 1, f"flip at {pos} missed"
+        assert zerostall.load(ckdir)["w"][0].item() == 1.0
+        with open(shard, "r+b") as f:
+            f.seek(pos)
+            f.write(orig[pos:pos + 1])
+    assert cli(["verify", ckdir]) == 0

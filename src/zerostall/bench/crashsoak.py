@@ -1,0 +1,110 @@
+"""Crash anywhere: SIGKILL a process that saves in a loop, then prove what survived.
+
+The child saves ``state_of(step)`` for step = newest committed + 1, +2, ... as fast as the
+async pipeline allows (``keep_last=3``, so retention runs too). The parent kills it at a
+random moment (during snapshot, persist, commit or retention), then checks that the newest
+committed checkpoint loads bit-exact and equals ``state_of`` its step, and that every
+committed step verifies. Used by ``tests/fault`` (>= 30 kills) and
+``benchmarks/soak_crash.py`` (200 kills).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+
+def state_of(step: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.full((1 << 20,), float(step)), "r": torch.randn(100_000 + step % 977, generator=g),
+            "i": torch.arange(4096, dtype=torch.int64) * step, "meta": {"step": step, "name": f"s{step}"}}
+
+
+def _equal(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return a == b
+
+
+def child(directory: str) -> None:
+    from ..checkpointer import Checkpointer
+    with Checkpointer(directory, keep_last=3) as ck:
+        step = (ck.latest_step() or 0) + 1
+        print("READY", flush=True)
+        while True:
+            ck.save(step, state_of(step))
+            step += 1
+
+
+@dataclass
+class Tally:
+    kills: int = 0
+    ok: int = 0
+    empty: int = 0  # killed before the first commit
+    partial_seen: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+def check(directory: str, tally: Tally) -> None:
+    from ..errors import ZerostallError
+    from ..io import get_engine
+    from ..config import IOConfig
+    from ..restore import load, verify_step
+    from ..store.local import LocalTier
+    tier = LocalTier(directory)
+    steps = tier.steps()
+    tally.partial_seen += bool(tier.partial_steps())
+    if not steps:
+        tally.empty += 1
+        return
+    try:
+        got = load(directory, fallback=False)
+        if not _equal(got, state_of(steps[-1])):
+            tally.failures.append(f"kill {tally.kills}: step {steps[-1]} loads but differs from its state")
+            return
+        eng = get_engine("threads", IOConfig())
+        for s in steps:
+            verify_step(tier, s, eng)
+        eng.close()
+        tally.ok += 1
+    except ZerostallError as exc:
+        tally.failures.append(f"kill {tally.kills}: {exc}")
+
+
+def run(directory: str, kills: int, seed: int = 0, max_delay_s: float = 0.4, progress: bool = False) -> Tally:
+    rnd = random.Random(seed)
+    tally = Tally()
+    for _ in range(kills):
+        p = subprocess.Popen([sys.executable, "-m", "zerostall.bench.crashsoak", directory],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert p.stdout is not None
+        if p.stdout.readline().strip() != "READY":
+            p.kill()
+            p.wait()
+            tally.failures.append("child did not start")
+            continue
+        try:
+            p.wait(timeout=rnd.uniform(0.0, max_delay_s))
+        except subprocess.TimeoutExpired:
+            pass
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        tally.kills += 1
+        check(directory, tally)
+        if progress:
+            print(f"\rkills {tally.kills}/{kills}: ok {tally.ok}, failures {len(tally.failures)}", end="", flush=True)
+    if progress:
+        print()
+    return tally
+
+
+if __name__ == "__main__":
+    child(sys.argv[1])

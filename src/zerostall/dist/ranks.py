@@ -1,0 +1,29 @@
+"""Rank, world size, local world size and the c10d store, from torch.distributed or torchrun's env."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_world_size: int
+    store: Any = None
+
+
+def discover(store: Any = None) -> RankInfo:
+    """From an initialised process group (any backend), else RANK/WORLD_SIZE/LOCAL_WORLD_SIZE."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        if store is None and world > 1:
+            from torch.distributed import distributed_c10d as c10d
+            store = c10d._get_default_store()
+        return RankInfo(rank, world, local, store)
+    return RankInfo(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), local, store)

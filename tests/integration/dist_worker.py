@@ -1,0 +1,126 @@
+"""One rank of a multi-process test (run by test_distributed.py with torchrun-style env)."""
+
+import json
+import os
+import signal
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+import zerostall
+from zerostall.io import register_engine
+
+
+def model_state(seed):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    m(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    return m, opt
+
+
+def clone(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: clone(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(clone(v) for v in x)
+    return x
+
+
+def equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def main():
+    scenario, ckdir, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    res = {"rank": rank}
+    if scenario in ("per_rank", "replicated"):
+        seed = 0 if scenario == "replicated" else rank
+        m, opt = model_state(seed)
+        with zerostall.Checkpointer(ckdir, dist_mode=scenario, commit_timeout_s=60) as ck:
+            ck.guard(opt)
+            state = {"model": m.state_dict(), "optim": opt.state_dict()}
+            if scenario == "per_rank":
+                state["rank_only"] = torch.full((10 + rank,), float(rank))
+            expected = clone(state)
+            h = ck.save(1, state)
+            m(torch.randn(4, 64)).sum().backward()
+            opt.step()  # waits for the snapshot (guard), then mutates in place
+            rec = h.result()
+            res["bytes"] = rec.bytes
+        dist.barrier()
+        with zerostall.Checkpointer(ckdir, dist_mode=scenario) as ck2:
+            got = ck2.load()
+        res["equal"] = equal(got, expected)
+        res["files"] = sorted(os.listdir(os.path.join(ckdir, "step-1")))
+    elif scenario in ("dcp_save", "dcp_load"):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        from zerostall.dcp import Reader, Writer
+        mesh = init_device_mesh("cpu", (world,))
+        full = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8)
+        if scenario == "dcp_save":
+            sd = {"w": distribute_tensor(full, mesh, [Shard(0)]),
+                  "r": distribute_tensor(torch.ones(5), mesh, [Replicate()]), "extra": {"lr": 0.5}}
+            dcp.save(sd, storage_writer=Writer(ckdir))
+        else:
+            sd = {"w": distribute_tensor(torch.zeros(64, 8), mesh, [Shard(0)]),
+                  "r": distribute_tensor(torch.zeros(5), mesh, [Replicate()]), "extra": {"lr": 0.0}}
+            dcp.load(sd, storage_reader=Reader(ckdir))
+            res["equal"] = bool(torch.equal(sd["w"].full_tensor(), full)) and bool(
+                torch.equal(sd["r"].full_tensor(), torch.ones(5))) and sd["extra"]["lr"] == 0.5
+    elif scenario == "kill":
+        gate = threading.Event()
+        if rank == 2:
+            from engines import FaultyEngine
+
+            class Dying(FaultyEngine):
+                def _wrap(self, path, fd, writable):
+                    f = super()._wrap(path, fd, writable)
+                    orig = f.write
+
+                    def write(extents, overlap=None):
+                        if "step-2" in path:
+                            os.kill(os.getpid(), signal.SIGKILL)
+                        return orig(extents, overlap)
+                    f.write = write
+                    return f
+
+            register_engine("dying", lambda cfg: Dying(cfg))
+            engine = "dying"
+        else:
+            engine = "threads"
+        with zerostall.Checkpointer(ckdir, io=zerostall.IOConfig(engine=engine), commit_timeout_s=6,
+                                    raise_on_background_error=False) as ck:
+            ck.save(1, {"x": torch.full((1000,), float(rank))}).result()
+            h = ck.save(2, {"x": torch.full((1000,), 2.0 + rank)})
+            exc = h.exception(timeout=60)
+            res["error"] = str(exc) if exc else None
+            # training goes on
+            res["after"] = float(torch.ones(3).sum())
+            res["steps"] = ck.steps()
+        with open(out, "w") as f:
+            json.dump(res, f)
+        os._exit(0)  # a peer is dead: skip process-group teardown
+    with open(out, "w") as f:
+        json.dump(res, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
