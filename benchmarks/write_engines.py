@@ -11,38 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 
-from zerostall.bench.hostinfo import _fio
+from zerostall.bench.hostinfo import _fio, measure_engine
 from zerostall.config import IOConfig
-from zerostall.io import get_engine
 from zerostall.staging.arena import Arena
-
-
-def run(engine: str, directory: str, size: int, buf: Arena, cfg: IOConfig) -> tuple[float, float]:
-    eng = get_engine(engine, cfg)
-    path = os.path.join(directory, f"engine-{engine}.bin")
-    try:
-        f = eng.open_write(path, size)
-        t0 = time.perf_counter()
-        for off in range(0, size, buf.nbytes):
-            n = min(buf.nbytes, size - off)
-            f.write([(off, buf.mv[:n])])
-        f.finish()
-        w = size / (time.perf_counter() - t0) / 1e9
-        f.close()
-        r = eng.open_read(path)
-        t0 = time.perf_counter()
-        for off in range(0, size, buf.nbytes):
-            n = min(buf.nbytes, size - off)
-            r.read([(off, buf.mv[:n])])
-        rd = size / (time.perf_counter() - t0) / 1e9
-        r.close()
-        return w, rd
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
-        eng.close()
 
 
 def main() -> None:
@@ -65,7 +37,7 @@ def main() -> None:
     if fio:
         print(f"{'fio':10s} write {fio['write_gbps']:5.2f} GB/s   read {fio['read_gbps']:5.2f} GB/s")
     for e in a.engines.split(","):
-        w, r = run(e, d, size, buf, cfg)
+        w, r = measure_engine(e, d, size, cfg, buf)
         ratio = f"  ({w / fio['write_gbps']:.0%} / {r / fio['read_gbps']:.0%} of fio)" if fio else ""
         print(f"{e:10s} write {w:5.2f} GB/s   read {r:5.2f} GB/s{ratio}")
     if a.dir is None:

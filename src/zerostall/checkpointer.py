@@ -34,6 +34,9 @@ from .staging.ring import BlockRing
 from .staging.snapshot import Snapshotter
 from .store.local import LocalTier
 from .store.persist import Persister
+from .store.remote import open_tier
+from .store.replicate import Replicator
+from .store.retention import RetentionPolicy
 from .telemetry.host import Sampler
 from .telemetry.record import emit
 
@@ -93,6 +96,15 @@ class Checkpointer:
         if cfg.prometheus:
             from .telemetry import prometheus
             prometheus.enable()
+        self._replicator: Replicator | None = None
+        if cfg.remote:
+            policy = RetentionPolicy(keep_last_local=cfg.keep_last, keep_last_remote=cfg.keep_last_remote,
+                                     keep_every_remote=cfg.keep_every_remote)
+            url = cfg.remote
+            kwargs = dict(max_concurrency=cfg.remote_concurrency, max_bandwidth_bytes=cfg.remote_bandwidth_bytes)
+            self._replicator = Replicator(self.tier, lambda: open_tier(url, io=cfg.io, **kwargs), policy,
+                                          rank=self.rank, world_size=self.world_size,
+                                          timeout_s=cfg.replicate_timeout_s)
         self.arena: Arena | None = None
         self.ring: BlockRing | None = None
         self._snap: Snapshotter | None = None
@@ -123,7 +135,8 @@ class Checkpointer:
         self.arena = Arena(size, mlock=st.mlock, hugepages=st.hugepages)
         self.ring = BlockRing(self.arena.nbytes, B)
         self._persist = Persister(self.tier, self.engine, self.arena, self.ring,
-                                  keep_last=self.config.keep_last if self.rank == 0 or self.node_local else None,
+                                  keep_last=(self.config.keep_last if (self.rank == 0 or self.node_local)
+                                             and self._replicator is None else None),
                                   on_done=self._on_done, committer=self._committer)
         self._snap = Snapshotter(self.arena, self.ring, on_staged=lambda job: None)
 
@@ -228,7 +241,8 @@ class Checkpointer:
             bounce = self.arena if self.arena is not None and not self._inflight else None
             return _load(self.tier.root, state_dict, step, map_location,
                          verify=self.config.verify_on_load, fallback=self.config.fallback,
-                         engine=self.engine, bounce=bounce, rank=self.rank, world_size=self.world_size)
+                         engine=self.engine, bounce=bounce, rank=self.rank, world_size=self.world_size,
+                         remote=self.config.remote)
 
     def steps(self) -> list[int]:
         return self.tier.steps()
@@ -251,6 +265,8 @@ class Checkpointer:
             self._snap.stop()
         if self._persist is not None:
             self._persist.stop()
+        if self._replicator is not None:
+            self._replicator.stop()  # finishes queued replications (bounded by replicate_timeout_s)
         self.engine.close()
         if self.arena is not None:
             self.arena.close()
@@ -286,6 +302,8 @@ class Checkpointer:
                 self._inflight.remove(job)
             if job.error is not None and self.config.raise_on_background_error:
                 self._failed.append(job)
+        if self._replicator is not None and job.error is None and not job.skipped:
+            self._replicator.submit(job)
 
     def _error_seen(self, job: SaveJob) -> None:
         with self._lock:

@@ -30,32 +30,66 @@ def _engine(name: str, root: str) -> Any:
     return get_engine(probe(root).engine if name == "auto" else name, cfg)
 
 
+def _is_url(p: str) -> bool:
+    return "://" in p
+
+
+def _remote_rows(url: str) -> list[dict[str, Any]]:
+    from .format.manifest import Manifest
+    from .store.remote import open_tier
+    remote = open_tier(url)
+    rows = []
+    for s in remote.steps():
+        try:
+            m = Manifest.from_bytes(remote.read_manifest_bytes(s), where=f"{url}/step-{s}")
+            rows.append({"step": s, "bytes": m.total_bytes, "tensors": len(m.tensors),
+                         "created_unix": m.created_unix, "state": "committed", "tier": "remote"})
+        except ZerostallError as exc:
+            rows.append({"step": s, "bytes": 0, "tensors": 0, "created_unix": 0,
+                         "state": f"invalid manifest: {exc}", "tier": "remote"})
+    return rows
+
+
 def cmd_ls(a: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
     from .store.local import LocalTier
-    tier = LocalTier(a.path)
     rows = []
-    for s in tier.steps():
-        try:
-            m = tier.read_manifest(s)
-            rows.append({"step": s, "bytes": m.total_bytes, "tensors": len(m.tensors),
-                         "created_unix": m.created_unix, "state": "committed", "tier": "local"})
-        except ZerostallError as exc:
+    if _is_url(a.path):
+        rows = _remote_rows(a.path)
+        title = a.path
+    else:
+        tier = LocalTier(a.path)
+        title = tier.root
+        for s in tier.steps():
+            try:
+                m = tier.read_manifest(s)
+                rows.append({"step": s, "bytes": m.total_bytes, "tensors": len(m.tensors),
+                             "created_unix": m.created_unix, "state": "committed", "tier": "local"})
+            except ZerostallError as exc:
+                rows.append({"step": s, "bytes": 0, "tensors": 0, "created_unix": 0,
+                             "state": f"invalid manifest: {exc}", "tier": "local"})
+        for s in tier.partial_steps():
             rows.append({"step": s, "bytes": 0, "tensors": 0, "created_unix": 0,
-                         "state": f"invalid manifest: {exc}", "tier": "local"})
-    for s in tier.partial_steps():
-        rows.append({"step": s, "bytes": 0, "tensors": 0, "created_unix": 0, "state": "partial (not a checkpoint)",
-                     "tier": "local"})
+                         "state": "partial (not a checkpoint)", "tier": "local"})
+        if a.remote:
+            remote_rows = {r["step"]: r for r in _remote_rows(a.remote)}
+            for r in rows:
+                if r["step"] in remote_rows and r["state"] == "committed":
+                    r["tier"] = "local+remote"
+                    remote_rows.pop(r["step"])
+                elif r["state"] == "committed":
+                    r["tier"] = "local (not replicated)"
+            rows.extend(remote_rows.values())
     if a.json:
         print(json.dumps(rows, indent=1))
         return 0
     if not rows:
-        print(f"no checkpoints in {tier.root}")
+        print(f"no checkpoints in {title}")
         return 0
     import datetime as dt
-    t = Table(title=f"checkpoints in {tier.root}")
+    t = Table(title=f"checkpoints in {title}")
     for col in ("step", "size", "tensors", "created", "tier", "state"):
         t.add_column(col, justify="right" if col in ("step", "size", "tensors") else "left")
     for r in sorted(rows, key=lambda r: r["step"]):
@@ -63,6 +97,35 @@ def cmd_ls(a: argparse.Namespace) -> int:
         t.add_row(str(r["step"]), _human(r["bytes"]), str(r["tensors"]), created, r["tier"], r["state"])
     Console().print(t)
     return 0
+
+
+def cmd_restore(a: argparse.Namespace) -> int:
+    from .restore import fetch_remote_step, verify_step
+    from .store.local import LocalTier
+    from .store.remote import open_tier
+    remote = open_tier(a.url)
+    steps = remote.steps()
+    if a.step is not None:
+        if a.step not in steps:
+            raise CheckpointNotFound(f"no committed step {a.step} at {a.url} (steps: {steps or 'none'})")
+        steps = [a.step]
+    if not steps:
+        raise CheckpointNotFound(f"no committed checkpoint at {a.url}")
+    tier = LocalTier(a.to, create=True)
+    engine = _engine("auto", tier.root)
+    try:
+        for s in reversed(steps):
+            try:
+                fetch_remote_step(tier, remote, s)
+                m = verify_step(tier, s, engine)
+                print(f"restored step {s} from {a.url} into {tier.step_dir(s)} ({_human(m.total_bytes)}, verified)")
+                return 0
+            except CorruptCheckpoint as exc:
+                print(f"step {s}: FAILED verification: {exc}", file=sys.stderr)
+                tier.delete(s)
+    finally:
+        engine.close()
+    return 1
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
@@ -160,10 +223,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    s = sub.add_parser("ls", help="list checkpoints (steps, sizes, state)")
-    s.add_argument("path")
+    s = sub.add_parser("ls", help="list checkpoints (steps, sizes, state) of a directory or a remote URL")
+    s.add_argument("path", help="a local directory, s3://bucket/prefix or file:///path")
+    s.add_argument("--remote", help="also show which steps this remote tier holds")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_ls)
+
+    s = sub.add_parser("restore", help="download the newest verified checkpoint (or --step) from a remote tier")
+    s.add_argument("url")
+    s.add_argument("--to", required=True, help="local checkpoint directory")
+    s.add_argument("--step", type=int)
+    s.set_defaults(fn=cmd_restore)
 
     s = sub.add_parser("verify", help="read and check every byte; exit 1 naming the file and tensor on failure")
     s.add_argument("path")

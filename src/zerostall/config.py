@@ -106,6 +106,12 @@ class CheckpointConfig:
     prometheus: bool = False
     dist_mode: Literal["per_rank", "replicated"] = "per_rank"
     commit_timeout_s: float = 300.0
+    remote: str | None = None
+    keep_last_remote: int | None = None
+    keep_every_remote: int | None = None
+    remote_bandwidth_bytes: int | None = None
+    remote_concurrency: int = 4
+    replicate_timeout_s: float = 3600.0
 
     def __post_init__(self) -> None:
         _require(self.backpressure in ("block", "skip"), "backpressure", self.backpressure,

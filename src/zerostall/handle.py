@@ -40,6 +40,10 @@ class SaveHandle:
     def done(self) -> bool:
         return self._job.done.is_set()
 
+    def replicated(self) -> bool:
+        """True once the remote tier holds this checkpoint (committed there)."""
+        return self._job.replicated.is_set() and self._job.replicate_error is None and self._job.error is None
+
     def wait_staged(self, timeout: float | None = None) -> bool:
         """Block until the snapshot is complete (the state may then be mutated). The wait
         counts as stall in the record."""
@@ -48,9 +52,25 @@ class SaveHandle:
         self._job.guard_wait_s += time.perf_counter() - t0
         return ok
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the save is committed or failed; False on timeout. Never raises."""
-        return self._job.done.wait(timeout)
+    def wait(self, timeout: float | None = None, tier: str = "local") -> bool:
+        """Block until the save is committed (``tier="local"``) or replicated (``"remote"``)
+        or has failed; False on timeout. Never raises for a failed save (see ``exception``)."""
+        if tier == "local":
+            return self._job.done.wait(timeout)
+        if tier != "remote":
+            raise ValueError(f"tier={tier!r}: choose 'local' or 'remote'")
+        if self._owner is not None and self._owner._replicator is None:
+            raise ValueError("this Checkpointer has no remote tier (pass remote=URL)")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._job.done.wait(timeout):
+            return False
+        if self._job.error is not None or self._job.skipped:
+            return True
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self._job.replicated.wait(left)
+
+    def replication_error(self) -> BaseException | None:
+        return self._job.replicate_error
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self._job.done.wait(timeout)

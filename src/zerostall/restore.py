@@ -257,22 +257,47 @@ class _nolock:
     def __exit__(self, *a: object) -> None: ...
 
 
+def fetch_remote_step(tier: LocalTier, remote: Any, step: int) -> Manifest:
+    """Download ``step`` from ``remote`` into the local tier (direct I/O) and commit it there."""
+    man = Manifest.from_bytes(remote.read_manifest_bytes(step), where=f"{remote.url}/step-{step}/manifest.json")
+    if man.step != step:
+        raise CorruptCheckpoint(f"{remote.url}/step-{step}: manifest says step {man.step}")
+    os.makedirs(tier.root, exist_ok=True)
+    part = tier.begin(step)
+    for fe in man.files:
+        remote.download(f"step-{step}/{fe.name}", os.path.join(part, fe.name), fe.file_bytes)
+    tier.commit(step, man, overwrite=True)
+    log.info("zerostall: fetched step %d from %s into %s", step, remote.url, tier.root)
+    return man
+
+
 def load(path: str, state_dict: Any = None, step: int | None = None, map_location: Any = None, *,
          verify: bool = True, fallback: bool = True, engine: Engine | None = None,
-         bounce: Arena | None = None, io: IOConfig | None = None, rank: int = 0, world_size: int = 1) -> Any:
-    """Load the newest verified checkpoint (or ``step``) under ``path``; see the module doc."""
-    tier = LocalTier(path)
+         bounce: Arena | None = None, io: IOConfig | None = None, rank: int = 0, world_size: int = 1,
+         remote: Any = None) -> Any:
+    """Load the newest verified checkpoint (or ``step``) under ``path``; see the module doc.
+
+    With ``remote`` (a URL or tier), steps only the remote holds are downloaded into ``path``
+    first; for each step, newest first, the local copy is tried, then the remote one.
+    """
+    if isinstance(remote, str):
+        from .store.remote import open_tier
+        remote = open_tier(remote, io=io)
+    tier = LocalTier(path, create=remote is not None)
     steps = tier.steps()
-    if not steps:
+    remote_steps = remote.steps() if remote is not None else []
+    every = sorted(set(steps) | set(remote_steps))
+    if not every:
         extra = f" ({len(tier.partial_steps())} unfinished .partial directories)" if tier.partial_steps() else ""
-        raise CheckpointNotFound(f"no committed checkpoint in {tier.root!r}{extra}")
+        where = f"{tier.root!r}" + (f" or {remote.url}" if remote is not None else "")
+        raise CheckpointNotFound(f"no committed checkpoint in {where}{extra}")
     if step is not None:
-        if step not in steps:
+        if step not in every:
             raise CheckpointNotFound(f"no committed checkpoint for step {step} in {tier.root!r} "
-                                     f"(steps: {steps})")
+                                     f"(steps: {every})")
         candidates = [step]
     else:
-        candidates = list(reversed(steps)) if fallback else [steps[-1]]
+        candidates = list(reversed(every)) if fallback else [every[-1]]
     own_engine = engine is None
     if engine is None:
         cfg = io or IOConfig()
@@ -282,14 +307,21 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
     errors: list[str] = []
     try:
         for s in candidates:
-            try:
-                out = load_step(tier, s, engine, bounce, state_dict, map_location, verify, rank, world_size)
-                if errors:
-                    log.warning("zerostall: loaded step %d after newer steps failed: %s", s, "; ".join(errors))
-                return out
-            except CorruptCheckpoint as exc:
-                log.error("zerostall: step %d in %s failed verification: %s", s, tier.root, exc)
-                errors.append(f"step {s}: {exc}")
+            sources = (["local"] if s in steps else []) + (["remote"] if s in remote_steps else [])
+            for src in sources:
+                try:
+                    if src == "remote":
+                        fetch_remote_step(tier, remote, s)
+                    out = load_step(tier, s, engine, bounce, state_dict, map_location, verify, rank, world_size)
+                    if errors:
+                        log.warning("zerostall: loaded step %d (%s) after newer copies failed: %s", s, src,
+                                    "; ".join(errors))
+                    return out
+                except (CorruptCheckpoint, StorageError) as exc:
+                    log.error("zerostall: step %d (%s copy) failed verification: %s", s, src, exc)
+                    errors.append(f"step {s} ({src}): {exc}")
+                    if src == "remote":
+                        tier.delete(s)  # drop the bad download
         partial = " The state dict may be partially overwritten." if state_dict is not None else ""
         raise CorruptCheckpoint(f"no checkpoint in {tier.root!r} verifies: " + "; ".join(errors) + partial,
                                 path=tier.root)

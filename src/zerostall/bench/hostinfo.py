@@ -72,13 +72,10 @@ def _fio(directory: str, size: int) -> dict[str, float] | None:
     return out
 
 
-def _probe(directory: str, size: int) -> dict[str, float]:
-    """Our own line-rate probe: O_DIRECT io_uring (or threads), 4 MiB requests, depth 32."""
-    cfg = IOConfig(chunk_bytes=4 << 20, queue_depth=32, threads=8)
-    pr = probe(directory)
-    eng = get_engine("uring" if pr.io_uring else "threads", cfg)
-    buf = Arena(min(size, 1 << 30), mlock=False)
-    path = os.path.join(directory, "zerostall-linerate.probe")
+def measure_engine(engine: str, directory: str, size: int, cfg: IOConfig, buf: Arena) -> tuple[float, float]:
+    """(write, read) GB/s of ``engine`` for a ``size``-byte file in ``directory`` from ``buf``."""
+    eng = get_engine(engine, cfg)
+    path = os.path.join(directory, f"zerostall-linerate-{engine}.bin")
     try:
         f = eng.open_write(path, size)
         t0 = time.perf_counter()
@@ -95,10 +92,20 @@ def _probe(directory: str, size: int) -> dict[str, float]:
             r.read([(off, buf.mv[:n])])
         rd = size / (time.perf_counter() - t0) / 1e9
         r.close()
+        return w, rd
     finally:
         if os.path.exists(path):
             os.unlink(path)
         eng.close()
+
+
+def _probe(directory: str, size: int) -> dict[str, float]:
+    """Our own line-rate probe: O_DIRECT io_uring (or threads), 4 MiB requests, depth 32."""
+    cfg = IOConfig(chunk_bytes=4 << 20, queue_depth=32, threads=8)
+    buf = Arena(min(size, 1 << 30), mlock=False)
+    try:
+        w, rd = measure_engine("uring" if probe(directory).io_uring else "threads", directory, size, cfg, buf)
+    finally:
         buf.close()
     return {"write_gbps": w, "read_gbps": rd}
 

@@ -24,11 +24,11 @@ dirty pages; a retry could report success for data that never reached the disk).
 from __future__ import annotations
 
 import errno
-import importlib
 import os
 from abc import ABC, abstractmethod
 from typing import Callable, Sequence
 
+from .._util import load_target
 from ..config import ALIGN_BYTES, IOConfig
 from ..errors import ConfigError, StorageError, storage_error
 from . import _sys
@@ -181,9 +181,8 @@ def get_engine(name: str, cfg: IOConfig) -> Engine:
     if name not in _REGISTRY:
         raise ConfigError(f"unknown I/O engine {name!r}; choose one of: auto, {', '.join(engine_names())}")
     target, hint = _REGISTRY[name]
-    mod, _, attr = target.partition(":")
     try:
-        cls = getattr(importlib.import_module(mod), attr)
+        cls = load_target(target)
     except ImportError as exc:
         raise ConfigError(f"I/O engine {name!r} is not available ({exc}); {hint or 'check the install'}") from exc
     return cls(cfg)

@@ -37,6 +37,9 @@ class SaveJob:
     staged: threading.Event = field(default_factory=threading.Event)
     durable: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
+    replicated: threading.Event = field(default_factory=threading.Event)
+    replicate_error: BaseException | None = None
+    t_replicated: float = 0.0
     error: BaseException | None = None
     skipped: bool = False
     t_submit: float = field(default_factory=time.perf_counter)

@@ -15,14 +15,13 @@ Never mutates the caller's tensors; drops its references to them once the job is
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from contextlib import nullcontext
 from typing import Callable
 
 import torch
 
+from .._util import Worker
 from .arena import Arena
 from .job import SaveJob
 from .ring import BlockRing
@@ -37,42 +36,29 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-class Snapshotter:
+class Snapshotter(Worker[SaveJob]):
     def __init__(self, arena: Arena, ring: BlockRing, on_staged: Callable[[SaveJob], None]):
         self.arena = arena
         self.ring = ring
         self.on_staged = on_staged
-        self._q: queue.SimpleQueue[SaveJob | None] = queue.SimpleQueue()
         self._stream = None
-        self._thread = threading.Thread(target=self._run, name="zerostall-snapshot", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: SaveJob) -> None:
-        self._q.put(job)
-
-    def stop(self) -> None:
-        self._q.put(None)
-        self._thread.join()
+        super().__init__("zerostall-snapshot")
 
     # -- snapshot thread ----------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            t0 = time.perf_counter()
-            try:
-                self._stage(job)
-            except BaseException as exc:  # noqa: BLE001 - reported on the handle
-                log.error("zerostall: snapshot of step %d failed: %s", job.step, exc)
-                job.fail(exc)
-            finally:
-                self.ring.publish(job.g_end)  # a failed job's blocks are drained unwritten
-                job.leaves = None
-                job.snapshot_s = time.perf_counter() - t0
-                job.t_staged = time.perf_counter()
-                job.staged.set()
-                self.on_staged(job)
+    def handle(self, job: SaveJob) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._stage(job)
+        except BaseException as exc:  # noqa: BLE001 - reported on the handle
+            log.error("zerostall: snapshot of step %d failed: %s", job.step, exc)
+            job.fail(exc)
+        finally:
+            self.ring.publish(job.g_end)  # a failed job's blocks are drained unwritten
+            job.leaves = None
+            job.snapshot_s = time.perf_counter() - t0
+            job.t_staged = time.perf_counter()
+            job.staged.set()
+            self.on_staged(job)
 
     def _cuda_stream(self) -> "torch.cuda.Stream":
         if self._stream is None:

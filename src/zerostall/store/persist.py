@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import socket
-import threading
 import time
 from typing import Any, Callable
 
 import crc32c as _crc
 
+from .._util import Worker
 from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..io.base import Engine, ShardFile
 from ..staging.arena import Arena
@@ -87,7 +86,7 @@ class CrcCursor:
                     break
 
 
-class Persister:
+class Persister(Worker[SaveJob]):
     def __init__(self, tier: LocalTier, engine: Engine, arena: Arena, ring: BlockRing, *,
                  keep_last: int | None, on_done: Callable[[SaveJob], None], committer: Any = None):
         self.tier = tier
@@ -98,16 +97,7 @@ class Persister:
         self.keep_last = keep_last
         self.on_done = on_done
         self.batch_blocks = max(1, min(ring.nblocks // 2, 64))
-        self._q: queue.SimpleQueue[SaveJob | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="zerostall-persist", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: SaveJob) -> None:
-        self._q.put(job)
-
-    def stop(self) -> None:
-        self._q.put(None)
-        self._thread.join()
+        super().__init__("zerostall-persist")
 
     # -- persist thread -------------------------------------------------------------------
     def _extents(self, job: SaveJob, g: int, hi: int) -> list[tuple[int, memoryview]]:
@@ -127,14 +117,7 @@ class Persister:
             g = min(self.ring.wait_staged(g), job.g_end)
             self.ring.release(g)
 
-    def _run(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            self._persist(job)
-
-    def _persist(self, job: SaveJob) -> None:
+    def handle(self, job: SaveJob) -> None:
         job.engine = self.engine.name
         g = job.g0
         f: ShardFile | None = None
