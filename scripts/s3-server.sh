@@ -29,7 +29,7 @@ start() {
   cat > "$CONF" <<CONF
 [global]
 fsid = $FSID
-mon host = v1:127.0.0.1:$MONPORT
+mon host = [v2:127.0.0.1:$MONPORT]
 mon initial members = a
 auth cluster required = none
 auth service required = none
@@ -48,6 +48,9 @@ osd pool default pgp num = 8
 osd crush chooseleaf type = 0
 mon allow pool size one = true
 mon warn on pool no redundancy = false
+mon data avail warn = 1
+mon data avail crit = 0
+auth allow insecure global id reclaim = true
 mon max pg per osd = 1000
 osd objectstore = memstore
 memstore device bytes = 4294967296
@@ -63,19 +66,19 @@ rgw frontends = beast endpoint=127.0.0.1:$PORT
 rgw data = $DIR/rgw
 rgw dns name = 127.0.0.1
 CONF
-  monmaptool --create --add a 127.0.0.1:$MONPORT --fsid "$FSID" "$DIR/monmap" >/dev/null
+  monmaptool --create --addv a "[v2:127.0.0.1:$MONPORT]" --fsid "$FSID" "$DIR/monmap" >/dev/null
   ceph-authtool --create-keyring "$DIR/keyring" --gen-key -n mon. --cap mon 'allow *' >/dev/null
   ceph-mon -c "$CONF" --mkfs -i a --monmap "$DIR/monmap" --keyring "$DIR/keyring"
   ceph-mon -c "$CONF" -i a
-  for _ in $(seq 60); do ceph -c "$CONF" --connect-timeout 2 -s >/dev/null 2>&1 && break; sleep 0.5; done
-  OSD=$(ceph -c "$CONF" osd create)
+  for _ in $(seq 60); do timeout 5 ceph -c "$CONF" -s >/dev/null 2>&1 && break; sleep 0.5; done
+  OSD=$(timeout 30 ceph -c "$CONF" osd create)
   ceph-osd -c "$CONF" -i "$OSD" --mkfs >/dev/null 2>&1
   ceph-osd -c "$CONF" -i "$OSD"
-  for _ in $(seq 60); do ceph -c "$CONF" osd stat 2>/dev/null | grep -q "1 up" && break; sleep 0.5; done
+  for _ in $(seq 120); do timeout 5 ceph -c "$CONF" osd stat 2>/dev/null | grep -q "1 up" && break; sleep 0.5; done
   mkdir -p "$DIR/rgw"
   radosgw -c "$CONF" -n client.rgw.zs
   for _ in $(seq 120); do curl -s -o /dev/null "http://127.0.0.1:$PORT" && break; sleep 0.5; done
-  radosgw-admin -c "$CONF" user create --uid=zerostall --display-name=zerostall \
+  timeout 60 radosgw-admin -c "$CONF" user create --uid=zerostall --display-name=zerostall \
     --access-key=$ACCESS --secret-key=$SECRET >/dev/null 2>&1 || true
   env_out
 }
