@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The device check for a session that is lent a GPU: the GPU tests and the GPU bench, once.
+# Writes logs and the bench JSON/plot under ${OUT:-gpu-out}. Not run in CI (no GPU there).
+set -uo pipefail
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+python3 -m pip install -q -e '.[all,test]' 2>&1 | tail -2
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
+python3 -m pytest -q -m gpu -rs tests 2>&1 | tee "$OUT/pytest-gpu.log"
+zerostall bench --device cuda --size-gib 2 --repeat 2 --json "$OUT/bench-cuda.json" --plot "$OUT/bench-cuda.png" \
+  2>&1 | tee "$OUT/bench-cuda.log"
