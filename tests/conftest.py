@@ -1,11 +1,6 @@
-import gc
-import os
-import tempfile
-
 import pytest
 import torch
 
-from zerostall.io import base as io_base
 
 
 @pytest.fixture

@@ -1,6 +1,5 @@
 """Engines for fault injection at the engine seam (the only fakes in the suite)."""
 
-import errno
 import threading
 
 from zerostall.config import IOConfig

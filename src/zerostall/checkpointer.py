@@ -9,6 +9,7 @@ run behind it. See the README for the training-loop pattern.
 from __future__ import annotations
 
 import atexit
+import collections
 import itertools
 import logging
 import os
@@ -114,7 +115,8 @@ class Checkpointer:
         self._failed: list[SaveJob] = []
         self._closed = False
         self._samplers: dict[int, Sampler] = {}
-        self.records: list[Any] = []
+        self.records: collections.deque[Any] = collections.deque(maxlen=1000)
+        """The newest SaveRecords (bounded; the sinks in telemetry/ keep the full history)."""
         ref = weakref.ref(self)
         self._atexit = lambda: (c := ref()) is not None and c.close(_from_atexit=True)
         atexit.register(self._atexit)
@@ -138,7 +140,7 @@ class Checkpointer:
                                   keep_last=(self.config.keep_last if (self.rank == 0 or self.node_local)
                                              and self._replicator is None else None),
                                   on_done=self._on_done, committer=self._committer)
-        self._snap = Snapshotter(self.arena, self.ring, on_staged=lambda job: None)
+        self._snap = Snapshotter(self.arena, self.ring)
 
     def prepare(self, state_dict: Any) -> None:
         """Allocate and pre-fault the arena for ``state_dict`` now, not in the first save."""

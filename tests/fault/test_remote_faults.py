@@ -16,7 +16,6 @@ import torch
 
 import zerostall
 from zerostall.restore import load
-from zerostall.store.remote import open_tier
 
 S3 = os.environ.get("ZEROSTALL_TEST_S3") == "1"
 pytestmark = pytest.mark.skipif(not S3 and not os.environ.get("CI"), reason="needs the S3 server (scripts/s3-server.sh)")
@@ -127,7 +126,6 @@ def test_throttling_and_slow_server(via_proxy, tmp_path):
     local = str(tmp_path / "local")
     try:
         with zerostall.Checkpointer(local, remote=url) as ck:
-            t0 = time.perf_counter()
             h = ck.save(1, _state(1))
             assert h.result().ok
             assert h.wait(timeout=180, tier="remote") and h.replicated()

@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import sys
-import threading
 
 import torch
 import torch.distributed as dist
@@ -84,7 +83,6 @@ def main():
             res["equal"] = bool(torch.equal(sd["w"].full_tensor(), full)) and bool(
                 torch.equal(sd["r"].full_tensor(), torch.ones(5))) and sd["extra"]["lr"] == 0.5
     elif scenario == "kill":
-        gate = threading.Event()
         if rank == 2:
             from engines import FaultyEngine
 

@@ -9,7 +9,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 import zerostall
 from zerostall.dist.commit import commit_round

@@ -87,7 +87,6 @@ def test_outage_mid_replication_then_recovery(remote_url, tmp_path):
     with zerostall.Checkpointer(local, remote=remote_url, keep_last=1) as ck:
         ck.save(1, _state(1)).wait(timeout=120, tier="remote")
         with outage(remote_url):
-            t0 = time.monotonic()
             h2 = ck.save(2, _state(2))
             h3 = ck.save(3, _state(3))
             assert h2.result().ok and h3.result().ok  # training saves go on locally

@@ -1,5 +1,3 @@
-import pytest
-
 from zerostall.telemetry.host import HostSample, Sampler, read_psi, read_vmstat
 from zerostall.telemetry.trace import parse_trace_lines
 

@@ -10,7 +10,6 @@ committed step verifies. Used by ``tests/fault`` (>= 30 kills) and
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess

@@ -175,7 +175,7 @@ def run_demo(steps: int, every: int, ckdir: str, seed: int, tiny: bool, console:
     diff = [k for k in ref_params if not torch.equal(ref_params[k], params[k])]
     console.print(f"  resumed steps {min(resumed)}..{max(resumed)}: losses "
                   + ("[green]bit-identical[/]" if loss_ok else "[red]DIFFER[/]") + " to the uninterrupted run; "
-                  f"final parameters: " + ("[green]bit-identical[/]" if not diff else f"[red]{len(diff)} tensors differ[/]"))
+                  "final parameters: " + ("[green]bit-identical[/]" if not diff else f"[red]{len(diff)} tensors differ[/]"))
     ok = loss_ok and not diff
     console.print("[bold green]VERDICT: PASS[/] — checkpoints cost the loop almost nothing and survived a SIGKILL"
                   if ok else "[bold red]VERDICT: FAIL[/]")

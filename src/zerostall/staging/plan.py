@@ -6,7 +6,6 @@ read), so its cost is proportional to the number of tensors, not their size.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +79,3 @@ def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicate
         off = align_up(off + nbytes)
     return SavePlan(tuple(items), max(off, HEADER_BYTES), tree, tuple(leaves), len(all_leaves))
 
-
-def shape_numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)

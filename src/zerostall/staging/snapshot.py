@@ -65,10 +65,9 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class Snapshotter(Worker[SaveJob]):
-    def __init__(self, arena: Arena, ring: BlockRing, on_staged: Callable[[SaveJob], None]):
+    def __init__(self, arena: Arena, ring: BlockRing):
         self.arena = arena
         self.ring = ring
-        self.on_staged = on_staged
         self._stream = None
         super().__init__("zerostall-snapshot")
 
@@ -86,7 +85,6 @@ class Snapshotter(Worker[SaveJob]):
             job.snapshot_s = time.perf_counter() - t0
             job.t_staged = time.perf_counter()
             job.staged.set()
-            self.on_staged(job)
 
     def _cuda_stream(self) -> "torch.cuda.Stream":
         if self._stream is None:

@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 
 from .._util import load_target
 from ..config import ALIGN_BYTES, IOConfig
-from ..errors import ConfigError, StorageError
+from ..errors import ConfigError
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 
 log = logging.getLogger("zerostall")
@@ -187,7 +187,3 @@ def open_tier(url: str, **kwargs: Any) -> RemoteTier:
         raise ConfigError(f"{url}: {hint or exc}") from exc
     return cls(url, **kwargs)
 
-
-def require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise StorageError(msg)
