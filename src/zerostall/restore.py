@@ -85,10 +85,12 @@ def check_files(tier: LocalTier, man: Manifest, only: set[str] | None = None) ->
 
 
 def read_checkpoint(tier: LocalTier, man: Manifest, engine: Engine, bounce: Arena,
-                    targets: list[_Target], *, verify: bool = True, only: set[str] | None = None) -> None:
+                    targets: list[_Target], *, verify: bool = True, only: set[str] | None = None,
+                    files_checked: bool = False) -> None:
     """Stream the shards of ``man`` (all, or the files in ``only``) into ``targets``
     (index-aligned with ``man.tensors``; a target without a tensor is verified only)."""
-    check_files(tier, man, only)
+    if not files_checked:
+        check_files(tier, man, only)
     step_dir = tier.step_dir(man.step)
     by_file: dict[str, list[int]] = {}
     for i, t in enumerate(man.tensors):
@@ -233,7 +235,8 @@ def load_step(tier: LocalTier, step: int, engine: Engine, bounce: Arena, state_d
                 continue
         targets.append(_Target(e, torch.empty(e.shape, dtype=dtype), False))
     with _bounce_lock if bounce is _bounce else _nolock():
-        read_checkpoint(tier, man, engine, bounce, targets, verify=verify, only=only)
+        read_checkpoint(tier, man, engine, bounce, targets, verify=verify, only=only,
+                        files_checked=True)
     tensors: list[Any] = [t.tensor for t in targets]
     if map_location is not None and state_dict is None:
         tensors = [t.to(map_location) if t is not None else None for t in tensors]

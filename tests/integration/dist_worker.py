@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import zerostall
+from helpers import clone, equal
 from zerostall.io import register_engine
 
 
@@ -19,26 +20,6 @@ def model_state(seed):
     m(torch.randn(4, 64)).sum().backward()
     opt.step()
     return m, opt
-
-
-def clone(x):
-    if isinstance(x, torch.Tensor):
-        return x.detach().clone()
-    if isinstance(x, dict):
-        return {k: clone(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(clone(v) for v in x)
-    return x
-
-
-def equal(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def main():

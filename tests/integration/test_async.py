@@ -15,6 +15,7 @@ from zerostall.io import register_engine
 from zerostall.telemetry.host import read_rss_bytes
 
 from ..engines import FaultyEngine
+from ..helpers import clone, equal
 
 
 def _model_and_opt(seed=0, width=256):
@@ -33,33 +34,13 @@ def _train_step(model, opt, seed):
     opt.zero_grad()
 
 
-def _clone(sd):
-    if isinstance(sd, torch.Tensor):
-        return sd.detach().clone()
-    if isinstance(sd, dict):
-        return {k: _clone(v) for k, v in sd.items()}
-    if isinstance(sd, (list, tuple)):
-        return type(sd)(_clone(v) for v in sd)
-    return sd
-
-
-def _equal(a, b):
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 def test_mutation_after_guard_does_not_change_checkpoint(ckdir):
     model, opt = _model_and_opt()
     _train_step(model, opt, 0)
     with Checkpointer(ckdir) as ck:
         ck.guard(opt)
         state = {"model": model.state_dict(), "optim": opt.state_dict()}
-        expected = _clone(state)
+        expected = clone(state)
         h = ck.save(1, state)
         _train_step(model, opt, 1)  # the guard holds opt.step() until the snapshot is staged
         with torch.no_grad():
@@ -68,8 +49,8 @@ def test_mutation_after_guard_does_not_change_checkpoint(ckdir):
         rec = h.result()
     assert rec.ok and rec.bytes > 0 and rec.stall_s >= 0
     out = zerostall.load(ckdir)
-    assert _equal(out, expected)
-    assert not _equal(out["model"], model.state_dict())
+    assert equal(out, expected)
+    assert not equal(out["model"], model.state_dict())
 
 
 def test_wait_staged_then_mutate(ckdir):
