@@ -8,6 +8,7 @@
     ├── CheckpointExistsError  the step is already committed (pass overwrite=True)
     ├── CheckpointNotFound     no committed checkpoint (or not that step) at the path
     ├── CorruptCheckpoint      a manifest or shard failed validation or its checksum
+    ├── StateMismatchError     the caller's state dict does not fit the checkpoint (shape, dtype, strict keys)
     ├── StorageError           the OS refused an I/O operation (ENOSPC, EIO, EACCES, ...)
     └── SaveFailed             a background save failed; ``__cause__`` holds the reason
 
@@ -23,6 +24,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpoint",
     "SaveFailed",
+    "StateMismatchError",
     "StorageError",
     "UnsupportedStateError",
     "ZerostallError",
@@ -100,3 +102,7 @@ def storage_error(action: str, path: str, exc: OSError, hint: str = "") -> Stora
     if hint:
         msg += f" ({hint})"
     return StorageError(msg, errno=exc.errno, filename=path)
+
+
+class StateMismatchError(ZerostallError, ValueError):
+    """The caller's state dict does not match the checkpoint (shapes, dtypes, keys under ``strict``)."""
