@@ -211,7 +211,8 @@ class Manifest:
         dtypes = [t.dtype for t in tensors]
         for tree in [body.get("tree")] + (rank_trees or []):
             V.check_tree_refs(tree_tensor_indices(tree), dtypes, where)
-            decode_tree(tree, [None] * len(tensors), where=where)  # structure only: unknown tags fail here
+            decode_tree(tree, [None] * len(tensors), where=where,  # structure only: unknown tags fail here
+                        build_objects=False)
         meta = body.get("user_metadata", {})
         if not isinstance(meta, dict):
             raise bad("'user_metadata' is not an object")
