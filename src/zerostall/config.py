@@ -112,6 +112,10 @@ class CheckpointConfig:
     remote_bandwidth_bytes: int | None = None
     remote_concurrency: int = 4
     replicate_timeout_s: float = 3600.0
+    lock_timeout_s: float = 0.0
+    """How long a new Checkpointer waits for another writer to release the root (0: fail at once)."""
+    allow_lower_steps: bool = False
+    """Allow saving a step lower than the root's newest committed step (see store/retention.py)."""
 
     def __post_init__(self) -> None:
         _require(self.backpressure in ("block", "skip"), "backpressure", self.backpressure,
@@ -122,6 +126,7 @@ class CheckpointConfig:
                  "choose per_rank (each rank saves its own state) or replicated (identical state on "
                  "every rank, each tensor written once)")
         _require(self.commit_timeout_s > 0, "commit_timeout_s", self.commit_timeout_s, "must be > 0")
+        _require(self.lock_timeout_s >= 0, "lock_timeout_s", self.lock_timeout_s, "must be >= 0 seconds")
         _require(self.telemetry_interval_s > 0, "telemetry_interval_s", self.telemetry_interval_s,
                  "must be > 0")
 

@@ -39,8 +39,7 @@ from .format.layout import HEADER_BYTES, ShardHeader, align_up
 from .format.manifest import Manifest, TensorEntry
 from .format.tree import decode_tree, tree_tensor_indices
 from .format.validate import open_regular
-from .io.base import Engine, get_engine
-from .io.probe import probe
+from .io.base import Engine, choose_engine
 from .staging.arena import Arena
 from .restore_state import LoadReport, find_in_place, key_report, location_mapper, merge, select_keys
 from .store.local import LocalTier
@@ -399,7 +398,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
     remote_steps = remote.steps() if remote is not None else []
     try:
         while True:
-            steps = tier.steps()
+            steps = tier.listed_steps()  # damaged ones too: each is tried and its defect reported
             every = sorted(set(steps) | set(remote_steps))
             if step is not None:
                 every = [s for s in every if s == step]
@@ -411,8 +410,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
             s, src = todo[0]
             tried.add((s, src))
             if engine is None:
-                cfg = io or IOConfig()
-                engine = get_engine(cfg.engine if cfg.engine != "auto" else probe(tier.root).engine, cfg)
+                engine = choose_engine(tier.root, io or IOConfig())
             try:
                 if src == "remote":
                     fetch_remote_step(tier, remote, s)
@@ -421,7 +419,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
             except (StateMismatchError, ConfigError):
                 raise  # the caller's state or arguments, not the checkpoint: an older step would not help
             except Exception as exc:  # noqa: BLE001 - every defect of a checkpoint means: try the previous one
-                if src == "local" and s not in tier.steps():
+                if src == "local" and s not in tier.listed_steps():
                     log.info("zerostall: step %d disappeared while loading (retention?); listing again", s)
                     continue
                 reason = str(exc) if isinstance(exc, ZerostallError) else f"{type(exc).__name__}: {exc}"
@@ -447,7 +445,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
             where = f"{tier.root!r}" + (f" or {remote.url}" if remote is not None else "")
             if step is not None:
                 raise CheckpointNotFound(f"no committed checkpoint for step {step} in {where} "
-                                         f"(steps: {sorted(set(tier.steps()) | set(remote_steps)) or 'none'})")
+                                         f"(steps: {sorted(set(tier.listed_steps()) | set(remote_steps)) or 'none'})")
             parts = tier.partial_steps()
             extra = f" ({len(parts)} unfinished .partial directories)" if parts else ""
             raise CheckpointNotFound(f"no committed checkpoint in {where}{extra}")

@@ -110,10 +110,10 @@ def test_corrupt_remote_object_falls_back(remote_url, tmp_path):
         for s in (1, 2):
             ck.save(s, _state(s)).wait(timeout=120, tier="remote")
     remote = open_tier(remote_url)
-    rel = "step-2/rank-00000.zst"
-    scratch = str(tmp_path / "scratch.zst")
+    rel = "step-2/rank-00000.shard"
+    scratch = str(tmp_path / "scratch.shard")
     os.makedirs(str(tmp_path / "dl"), exist_ok=True)
-    remote.download(rel, scratch, os.path.getsize(os.path.join(local, "step-2", "rank-00000.zst")))
+    remote.download(rel, scratch, os.path.getsize(os.path.join(local, "step-2", "rank-00000.shard")))
     data = bytearray(open(scratch, "rb").read())
     data[5000] ^= 0x40
     open(scratch, "wb").write(bytes(data))

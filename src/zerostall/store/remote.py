@@ -1,11 +1,11 @@
 """Remote tiers: where committed checkpoints are trickled to, chosen by URL.
 
-Every tier stores the local layout under its root (``<root>/step-N/rank-R.zst``,
+Every tier stores the local layout under its root (``<root>/step-N/rank-R.shard``,
 ``<root>/step-N/manifest.json``) and commits the object-store way: data first, the manifest
 last, so a remote checkpoint exists only once complete. Called from the replicator thread
 (uploads, deletes) and from ``load``/the CLI (listing, downloads).
 
-Registry (fsspec-style, lazy, with install hints): ``s3://bucket/prefix`` -> :class:`S3Tier`
+Registry (:mod:`.tier`; fsspec-style, lazy, with install hints): ``s3://bucket/prefix`` -> :class:`S3Tier`
 (boto3; ``pip install 'zerostall[s3]'``), ``file:///path`` or a plain path -> :class:`FileTier`
 (a shared or parallel filesystem: Lustre, GPFS, NFS with one file per rank).
 """
@@ -22,10 +22,9 @@ from abc import ABC, abstractmethod
 from typing import Any, Callable
 from urllib.parse import urlparse
 
-from .._util import load_target
 from ..config import ALIGN_BYTES, IOConfig
-from ..errors import ConfigError
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
+from .tier import open_tier, register_tier  # noqa: F401 - the registry lives in .tier; kept importable here
 
 log = logging.getLogger("zerostall")
 _STEP_RE = re.compile(r"^step-(\d{1,19})$")
@@ -38,7 +37,7 @@ class RemoteTier(ABC):
 
     @abstractmethod
     def upload(self, local_path: str, rel: str) -> None:
-        """Copy a local file to ``rel`` (e.g. ``step-5/rank-00000.zst``) and verify its size."""
+        """Copy a local file to ``rel`` (e.g. ``step-5/rank-00000.shard``) and verify its size."""
 
     @abstractmethod
     def upload_bytes(self, data: bytes, rel: str) -> None: ...
@@ -101,8 +100,8 @@ class FileTier(RemoteTier):
         self.io = io or IOConfig()
 
     def _engine(self) -> Any:
-        from ..io import get_engine, probe
-        return get_engine(probe(self.root).engine if self.io.engine == "auto" else self.io.engine, self.io)
+        from ..io import choose_engine
+        return choose_engine(self.root, self.io)
 
     def _copy(self, src: str, dst: str) -> None:
         """Aligned streaming copy through one bounce buffer (files are 4 KiB multiples)."""
@@ -160,30 +159,3 @@ class FileTier(RemoteTier):
         except FileNotFoundError:
             pass
         shutil.rmtree(d, ignore_errors=True)
-
-
-# -- registry -----------------------------------------------------------------------------------
-
-_SCHEMES: dict[str, tuple[str, str]] = {
-    "s3": ("zerostall.store.s3:S3Tier", "install zerostall[s3] (boto3) for s3:// URLs"),
-    "file": ("zerostall.store.remote:FileTier", ""),
-    "": ("zerostall.store.remote:FileTier", ""),
-}
-
-
-def register_tier(scheme: str, target: str, hint: str = "") -> None:
-    _SCHEMES[scheme] = (target, hint)
-
-
-def open_tier(url: str, **kwargs: Any) -> RemoteTier:
-    scheme = urlparse(url).scheme if "://" in url else ""
-    if scheme not in _SCHEMES:
-        raise ConfigError(f"no remote tier for {scheme}:// URLs (known: {', '.join(s for s in _SCHEMES if s)}://, "
-                          "or a plain path)")
-    target, hint = _SCHEMES[scheme]
-    try:
-        cls = load_target(target)
-    except ImportError as exc:
-        raise ConfigError(f"{url}: {hint or exc}") from exc
-    return cls(url, **kwargs)
-

@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable
 
 from .._util import Worker
+from ..format.layout import shard_name
 from ..format.manifest import MANIFEST_NAME
 from ..staging.job import SaveJob
 from .local import LocalTier
@@ -70,7 +71,7 @@ class Replicator(Worker[SaveJob]):
         rel = f"step-{job.step}"
         remote.upload(os.path.join(d, job.file_name), f"{rel}/{job.file_name}")
         if self.rank == 0:
-            names = [f"rank-{r:05d}.zst" for r in range(self.world_size)]
+            names = [shard_name(r) for r in range(self.world_size)]
             deadline = time.monotonic() + self.timeout_s
             while not all(remote.exists(f"{rel}/{n}") for n in names):
                 if time.monotonic() > deadline:
