@@ -29,7 +29,7 @@ from zerostall.errors import CheckpointNotFound, CorruptCheckpoint
 pytestmark = pytest.mark.timeout(120)
 
 RSS_BOUND = 256 << 20
-SHARD = "rank-00000.zst"
+SHARD = "rank-00000.shard"  # the name the writer gives rank 0's file (checked in the fixture)
 
 
 def _state(step):
@@ -46,6 +46,7 @@ def _state(step):
 def ck(ckdir):
     zerostall.save(ckdir, _state(1), step=1)
     zerostall.save(ckdir, _state(2), step=2)
+    assert _env(ckdir)["body"]["files"][0]["name"] == SHARD
     return ckdir
 
 
