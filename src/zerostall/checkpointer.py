@@ -25,8 +25,7 @@ from .dist.commit import StoreCommitter, setup_protocol
 from .dist.ranks import discover
 from .errors import CheckpointExistsError, ConfigError, SaveFailed, ZerostallError
 from .handle import SaveHandle, record_of
-from .io.base import Engine, get_engine
-from .io.probe import probe
+from .io.base import Engine, engine_name_for, get_engine
 from .restore import load as _load
 from .staging.arena import Arena, budget_bytes
 from .staging.job import SaveJob
@@ -56,7 +55,7 @@ class Checkpointer:
     ``ZEROSTALL_*`` environment overrides apply.
 
     Under ``torch.distributed`` (or torchrun's environment) every rank writes its own
-    ``rank-R.zst`` and rank 0 commits once all are durable, coordinating through the c10d
+    ``rank-R.shard`` and rank 0 commits once all are durable, coordinating through the c10d
     store (``store=`` to pass another); see :mod:`zerostall.dist.commit`. Create
     Checkpointers in the same order on every rank, and save the same steps in the same order.
     """
@@ -72,7 +71,7 @@ class Checkpointer:
         self.config = cfg
         info = discover(store)
         self.rank, self.world_size = info.rank, info.world_size
-        self.tier = LocalTier(os.fspath(path), create=True)
+        self.tier = LocalTier(os.fspath(path), create=True, lock_timeout_s=cfg.lock_timeout_s)
         self.tier.check_writable()
         self._committer: Any = None
         self._seq = 0
@@ -86,14 +85,10 @@ class Checkpointer:
                                              per_rank=cfg.dist_mode == "per_rank", timeout_s=cfg.commit_timeout_s,
                                              node_local=proto["node_local"], leaders=proto["leaders"])
             self.node_local = proto["node_local"]
-        else:
-            self.tier.clean_stale_partials()
+        else:  # the one writer of this root (RootLockedError if another holds it); cleans leftovers
+            self.tier.own()
             self.node_local = False
-        name = cfg.io.engine
-        self.probe = None
-        if name == "auto":
-            self.probe = probe(self.tier.root)
-            name = self.probe.engine
+        name, self.probe = engine_name_for(self.tier.root, cfg.io)
         self.engine: Engine = get_engine(name, cfg.io)
         if cfg.prometheus:
             from .telemetry import prometheus
@@ -173,7 +168,7 @@ class Checkpointer:
         with self._lock:
             if any(j.step == step for j in self._inflight):
                 raise CheckpointExistsError(f"step {step} is already being saved")
-        self.tier.check_new_step(step, ow)
+        self.tier.check_new_step(step, ow, allow_lower=self.config.allow_lower_steps)
         plan = self._plan(state_dict)
         self._ensure_pipeline(plan.file_bytes)
         assert self.ring is not None and self._snap is not None and self._persist is not None
@@ -314,6 +309,7 @@ class Checkpointer:
         self.engine.close()
         if self.arena is not None:
             self.arena.close()
+        self.tier.release()
         if not _from_atexit:
             self._raise_pending()
 

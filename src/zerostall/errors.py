@@ -6,6 +6,8 @@
     ├── ConfigError            a setting or argument is invalid
     ├── UnsupportedStateError  the state dict holds something that cannot be stored safely
     ├── CheckpointExistsError  the step is already committed (pass overwrite=True)
+    ├── StepOrderError         a step lower than the root's newest committed step (another run's?)
+    ├── RootLockedError        another writer owns the checkpoint root (names it)
     ├── CheckpointNotFound     no committed checkpoint (or not that step) at the path
     ├── CorruptCheckpoint      a manifest or shard failed validation or its checksum
     ├── StorageError           the OS refused an I/O operation (ENOSPC, EIO, EACCES, ...)
@@ -24,7 +26,9 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpoint",
     "RemoteError",
+    "RootLockedError",
     "SaveFailed",
+    "StepOrderError",
     "StorageError",
     "UnsupportedStateError",
     "ZerostallError",
@@ -45,6 +49,33 @@ class UnsupportedStateError(ZerostallError, TypeError):
 
 class CheckpointExistsError(ZerostallError, FileExistsError):
     """The step is already committed and ``overwrite`` was not set."""
+
+
+class StepOrderError(ZerostallError, ValueError):
+    """``save(step)`` with a step lower than the newest committed step in the root.
+
+    A root holds one run's history in step order; retention and ``load()`` rank by step, so
+    a lower step from a new run would be mixed with (and pruned before) the old run's higher
+    ones. ``step`` is the refused step, ``newest`` the root's newest committed step.
+    """
+
+    def __init__(self, message: str, *, step: int | None = None, newest: int | None = None):
+        super().__init__(message)
+        self.step = step
+        self.newest = newest
+
+
+class RootLockedError(ZerostallError):
+    """Another writer holds the checkpoint root's lock (``<root>/.zerostall.lock``).
+
+    ``root`` is the directory, ``owner`` what the lock file records (host, pid, start time;
+    empty if it could not be read).
+    """
+
+    def __init__(self, message: str, *, root: str, owner: dict[str, object] | None = None):
+        super().__init__(message)
+        self.root = root
+        self.owner = dict(owner or {})
 
 
 class CheckpointNotFound(ZerostallError, FileNotFoundError):

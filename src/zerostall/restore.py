@@ -32,8 +32,7 @@ from .format.dtypes import dtype_from_name
 from .format.layout import HEADER_BYTES, ShardHeader
 from .format.manifest import Manifest, TensorEntry
 from .format.tree import decode_tree, tree_tensor_indices
-from .io.base import Engine, get_engine
-from .io.probe import probe
+from .io.base import Engine, choose_engine
 from .staging.arena import Arena
 from .store.local import LocalTier
 
@@ -298,7 +297,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
         listed, remote_why = list_steps(remote)
         remote_steps = listed or []
     tier = LocalTier(path, create=remote is not None)
-    steps = tier.steps()
+    steps = tier.listed_steps()  # damaged ones too: each is tried and its defect reported
     every = sorted(set(steps) | set(remote_steps))
     if not every:
         extra = f" ({len(tier.partial_steps())} unfinished .partial directories)" if tier.partial_steps() else ""
@@ -316,9 +315,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
         candidates = list(reversed(every)) if fallback else [every[-1]]
     own_engine = engine is None
     if engine is None:
-        cfg = io or IOConfig()
-        name = cfg.engine if cfg.engine != "auto" else probe(tier.root).engine
-        engine = get_engine(name, cfg)
+        engine = choose_engine(tier.root, io or IOConfig())
     bounce = bounce or _shared_bounce()
     errors: list[str] = []
     try:

@@ -15,7 +15,7 @@ retries — S3 requests use botocore's own bounded ``standard`` retry mode (see
 pass. :func:`list_steps` bounds a listing by a short timeout for readers that must not wait
 on a remote that is down (restore from local, ``steps()``).
 
-Registry (fsspec-style, lazy, with install hints): ``s3://bucket/prefix`` -> :class:`S3Tier`
+Registry (:mod:`.tier`; fsspec-style, lazy, with install hints): ``s3://bucket/prefix`` -> :class:`S3Tier`
 (boto3; ``pip install 'zerostall[s3]'``), ``file:///path`` or a plain path -> :class:`FileTier`
 (a shared or parallel filesystem: Lustre, GPFS, NFS with one file per rank).
 """
@@ -34,10 +34,10 @@ from urllib.parse import urlparse
 
 import crc32c as _crc
 
-from .._util import load_target
 from ..config import ALIGN_BYTES, IOConfig
-from ..errors import ConfigError, RemoteError, ZerostallError
+from ..errors import RemoteError, ZerostallError
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
+from .tier import open_tier, register_tier  # noqa: F401 - the registry lives in .tier; kept importable here
 
 log = logging.getLogger("zerostall")
 _STEP_RE = re.compile(r"^step-(\d{1,19})$")
@@ -220,8 +220,8 @@ class FileTier(RemoteTier):
                            errno=exc.errno)
 
     def _engine(self) -> Any:
-        from ..io import get_engine, probe
-        return get_engine(probe(self.root).engine if self.io.engine == "auto" else self.io.engine, self.io)
+        from ..io import choose_engine
+        return choose_engine(self.root, self.io)
 
     def _stream(self, src: str, sink: Callable[[int, memoryview], None]) -> int:
         """Read ``src`` with the engine through one aligned bounce buffer; returns its size."""
@@ -348,31 +348,7 @@ class FileTier(RemoteTier):
         shutil.rmtree(self._path(f"step-{step}"), ignore_errors=True)
 
 
-# -- registry -----------------------------------------------------------------------------------
-
-_SCHEMES: dict[str, tuple[str, str]] = {
-    "s3": ("zerostall.store.s3:S3Tier", "install zerostall[s3] (boto3) for s3:// URLs"),
-    "file": ("zerostall.store.remote:FileTier", ""),
-    "": ("zerostall.store.remote:FileTier", ""),
-}
-
-
-def register_tier(scheme: str, target: str, hint: str = "") -> None:
-    _SCHEMES[scheme] = (target, hint)
-
+# -- URLs ---------------------------------------------------------------------------------------
 
 def is_url(path: str) -> bool:
     return "://" in str(path)
-
-
-def open_tier(url: str, **kwargs: Any) -> RemoteTier:
-    scheme = urlparse(url).scheme if "://" in url else ""
-    if scheme not in _SCHEMES:
-        raise ConfigError(f"no remote tier for {scheme}:// URLs (known: {', '.join(s for s in _SCHEMES if s)}://, "
-                          "or a plain path)")
-    target, hint = _SCHEMES[scheme]
-    try:
-        cls = load_target(target)
-    except ImportError as exc:
-        raise ConfigError(f"{url}: {hint or exc}") from exc
-    return cls(url, **kwargs)

@@ -150,11 +150,11 @@ class S3Tier(RemoteTier):
 
     def download(self, rel: str, local_path: str, size: int) -> None:
         """Stream the object through an aligned buffer into ``local_path`` with direct I/O."""
-        from ..io import get_engine, probe
+        from ..io import choose_engine
         from ..staging.arena import Arena
         d = os.path.dirname(local_path)
         body = self._get(rel)["Body"]
-        eng = get_engine(probe(d).engine if self.io.engine == "auto" else self.io.engine, self.io)
+        eng = choose_engine(d, self.io)
         buf = Arena(min(64 << 20, max(size, ALIGN_BYTES)), mlock=False)
 
         def fetch() -> None:
