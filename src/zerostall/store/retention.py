@@ -58,6 +58,16 @@ class RetentionPolicy:
             out = [s for s in out if s in replicated]
         return out
 
+    def to_replicate(self, local: list[int], remote: list[int]) -> list[int]:
+        """Local steps the remote tier lacks and would keep once uploaded, ascending.
+
+        A local step older than what remote retention keeps is never uploaded (it would be
+        deleted at once); local retention may then remove it like any replicated step.
+        """
+        missing = sorted(set(local) - set(remote))
+        doomed = set(self.remote_doomed(sorted(set(remote) | set(missing))))
+        return [s for s in missing if s not in doomed]
+
     def remote_doomed(self, steps: list[int], protect: Iterable[int] = ()) -> list[int]:
         every = self.keep_every_remote
         return [s for s in doomed(steps, self.keep_last_remote, protect) if not (every and s % every == 0)]
