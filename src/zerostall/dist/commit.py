@@ -10,7 +10,7 @@ already there, and its traffic is a few small keys per rank per checkpoint.
 Protocol for save number ``seq`` (every rank saves in the same order), keys under
 ``<prefix>/<seq>-<step>/``:
 
-1. every rank writes its shard into ``step-N.partial/rank-R.zst`` and fdatasyncs it;
+1. every rank writes its shard into ``step-N.partial/rank-R.shard`` and fdatasyncs it;
 2. every rank sets ``r<R>`` = its fragment (file entry, tensor entries with crc32c, tree) or
    ``{"ok": false, "error": ...}``;
 3. rank 0 (the coordinator) waits for all ``r*`` keys (``commit_timeout_s``); if every rank

@@ -131,9 +131,8 @@ def check_checkpoint_id(checkpoint_id: Any) -> str:
 
 def _io_engine(path: str, io_cfg: IOConfig | None) -> Any:
     """The I/O engine for ``path``: the one choice ``io/`` makes for every writer and reader."""
-    from ..io import get_engine, probe
-    cfg = io_cfg or IOConfig()
-    return get_engine(probe(path).engine if cfg.engine == "auto" else cfg.engine, cfg)
+    from ..io import choose_engine
+    return choose_engine(path, io_cfg or IOConfig())
 
 
 def metadata_name(rank: int | None, use_collectives: bool) -> str:

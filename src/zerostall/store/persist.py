@@ -4,9 +4,11 @@ One daemon thread owned by the ``Checkpointer``. For each job, in order: create
 ``step-N.partial/`` and the shard file (O_DIRECT, preallocated), write blocks as the
 snapshot thread publishes them (in batches, so the engine keeps its queue full), release
 each block back to the ring once written, ``fdatasync``, then run the local tier's commit
-and retention. On any error the job fails, its remaining blocks are drained unwritten (so
-the ring keeps moving and later saves proceed), and its partial directory is removed; the
-previous checkpoint is never touched.
+and retention. On any error before the commit point the job fails, its remaining blocks are
+drained unwritten (so the ring keeps moving and later saves proceed), and its partial
+directory is removed; the previous checkpoint is never touched. After the commit point (the
+rename) nothing fails the job: a ``latest`` hint or retention failure is logged and recorded
+in ``job.post_commit_errors`` (``SaveRecord.post_commit_errors``); the handle is durable.
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ class LocalCommitter:
     def begin(self, job: SaveJob) -> str:
         return self.tier.begin(job.step)
 
-    def commit(self, job: SaveJob) -> None:
-        self.tier.commit(job.step, build_manifest(job), overwrite=job.overwrite)
+    def commit(self, job: SaveJob) -> tuple[str, ...]:
+        return self.tier.commit(job.step, build_manifest(job), overwrite=job.overwrite)
 
     def fail(self, job: SaveJob, exc: BaseException) -> None:
         self.tier.abort(job.step)
@@ -77,6 +79,17 @@ class Persister(Worker[SaveJob]):
         super().__init__("zerostall-persist")
 
     # -- persist thread -------------------------------------------------------------------
+    def _retain(self, job: SaveJob) -> None:
+        """Retention after ``job`` committed; a failure is recorded on the job, never raised."""
+        if self.keep_last is None:
+            return
+        try:
+            self.tier.apply_retention(self.keep_last, just_committed=job.step)
+        except Exception as exc:  # noqa: BLE001 - nothing after the commit point fails the save
+            msg = f"retention after step {job.step} failed: {exc}"
+            log.warning("zerostall: %s", msg)
+            job.post_commit_errors.append(msg)
+
     def _extents(self, job: SaveJob, g: int, hi: int) -> list[tuple[int, memoryview]]:
         B, n = self.ring.block_bytes, self.ring.nblocks
         out = []
@@ -120,14 +133,12 @@ class Persister(Worker[SaveJob]):
             f = None
             t1 = time.perf_counter()
             job.persist_s = t1 - t0
-            self.committer.commit(job)
+            post = self.committer.commit(job)  # the commit point: from here on the step exists
             job.commit_s = time.perf_counter() - t1
             job.t_durable = time.perf_counter()
+            job.post_commit_errors.extend(post or ())
             job.durable.set()
-            try:
-                self.tier.apply_retention(self.keep_last)
-            except OSError as exc:  # retention failing must not fail a committed save
-                log.warning("zerostall: retention after step %d failed: %s", job.step, exc)
+            self._retain(job)
         except BaseException as exc:  # noqa: BLE001 - reported on the handle
             job.fail(exc)
             self._drain(job, g)
