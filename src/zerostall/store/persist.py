@@ -13,6 +13,7 @@ in ``job.post_commit_errors`` (``SaveRecord.post_commit_errors``); the handle is
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
@@ -74,6 +75,8 @@ class Persister(Worker[SaveJob]):
         self.arena = arena
         self.ring = ring
         self.keep_last = keep_last
+        self._recent: collections.deque[int] = collections.deque(maxlen=keep_last or 1)
+        """This run's newest committed steps: retention never deletes them (see store/retention.py)."""
         self.on_done = on_done
         self.batch_blocks = max(1, min(ring.nblocks // 2, 64))
         super().__init__("zerostall-persist")
@@ -81,10 +84,11 @@ class Persister(Worker[SaveJob]):
     # -- persist thread -------------------------------------------------------------------
     def _retain(self, job: SaveJob) -> None:
         """Retention after ``job`` committed; a failure is recorded on the job, never raised."""
+        self._recent.append(job.step)
         if self.keep_last is None:
             return
         try:
-            self.tier.apply_retention(self.keep_last, just_committed=job.step)
+            self.tier.apply_retention(self.keep_last, protect=set(self._recent), just_committed=job.step)
         except Exception as exc:  # noqa: BLE001 - nothing after the commit point fails the save
             msg = f"retention after step {job.step} failed: {exc}"
             log.warning("zerostall: %s", msg)
