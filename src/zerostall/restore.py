@@ -23,14 +23,14 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import crc32c as _crc
 import torch
 
-from .config import ALIGN_BYTES, IOConfig
+from .config import IOConfig
 from .errors import CheckpointNotFound, CorruptCheckpoint, RemoteError, StorageError, ZerostallError
 from .format.dtypes import dtype_from_name
-from .format.layout import HEADER_BYTES, ShardHeader
+from .format.layout import ShardHeader
 from .format.manifest import Manifest, TensorEntry
+from .format.shard import read_shard
 from .format.tree import decode_tree, tree_tensor_indices
 from .io.base import Engine, choose_engine
 from .staging.arena import Arena
@@ -110,54 +110,9 @@ def read_checkpoint(tier: LocalTier, man: Manifest, engine: Engine, bounce: Aren
 
 def _stream_file(f: Any, path: str, file_bytes: int, header: ShardHeader, targets: list[_Target],
                  bounce: Arena, verify: bool) -> None:
-    win = bounce.nbytes // ALIGN_BYTES * ALIGN_BYTES
-    ti = 0
-    crcs = [0] * len(targets)
-    # regions of the file that must be zero: gaps between payloads and the tail
-    for w0 in range(0, file_bytes, win):
-        n = min(win, file_bytes - w0)
-        f.read([(w0, bounce.mv[:n])])
-        w1 = w0 + n
-        if w0 == 0 and verify:
-            ShardHeader.check(bounce.mv[:HEADER_BYTES], header, path)
-        # walk the tensors overlapping [w0, w1)
-        j = ti
-        while j < len(targets):
-            e = targets[j].entry
-            a, b = max(e.offset, w0), min(e.offset + e.nbytes, w1)
-            if e.offset >= w1:
-                break
-            if a < b:
-                dst = targets[j].tensor
-                if dst is not None:
-                    _flat(dst)[a - e.offset:b - e.offset].copy_(bounce.u8[a - w0:b - w0])
-                if verify:
-                    crcs[j] = _crc.crc32c(bounce.mv[a - w0:b - w0], crcs[j])
-            if e.offset + e.nbytes <= w1:
-                if verify and crcs[j] != e.crc32c:
-                    raise CorruptCheckpoint(
-                        f"{path}: tensor {e.key!r} failed its crc32c check (recorded {e.crc32c:08x}, "
-                        f"read {crcs[j]:08x})", path=path, key=e.key)
-                ti = j + 1
-            j += 1
-        if verify:
-            _check_padding(bounce, path, w0, w1, targets)
-
-
-def _check_padding(bounce: Arena, path: str, w0: int, w1: int, targets: list[_Target]) -> None:
-    """Every byte of [w0, w1) not in the header or a payload must be zero."""
-    pos = max(w0, HEADER_BYTES)
-    for t in targets:
-        e = t.entry
-        if e.offset + e.nbytes <= pos:
-            continue
-        if e.offset >= w1:
-            break
-        if e.offset > pos and bounce.u8[pos - w0:e.offset - w0].any():
-            raise CorruptCheckpoint(f"{path}: non-zero padding before tensor {e.key!r}", path=path, key=e.key)
-        pos = max(pos, e.offset + e.nbytes)
-    if pos < w1 and bounce.u8[pos - w0:w1 - w0].any():
-        raise CorruptCheckpoint(f"{path}: non-zero padding at offset {pos}", path=path)
+    """Every byte checked by the one shard codec (:func:`zerostall.format.shard.read_shard`)."""
+    read_shard(f, path, file_bytes, header, [t.entry for t in targets],
+               [_flat(t.tensor) if t.tensor is not None else None for t in targets], bounce, verify=verify)
 
 
 def _find_in_place(dest: Any, node: Any, out: dict[int, Any], path: str = "") -> None:
