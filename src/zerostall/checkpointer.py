@@ -99,9 +99,13 @@ class Checkpointer:
                                      keep_every_remote=cfg.keep_every_remote)
             url = cfg.remote
             kwargs = dict(max_concurrency=cfg.remote_concurrency, max_bandwidth_bytes=cfg.remote_bandwidth_bytes)
+            # started now: its first pass uploads what an earlier run left unreplicated
             self._replicator = Replicator(self.tier, lambda: open_tier(url, io=cfg.io, **kwargs), policy,
                                           rank=self.rank, world_size=self.world_size,
-                                          timeout_s=cfg.replicate_timeout_s)
+                                          local_retention=self.rank == 0 or self.node_local,
+                                          retry_max_s=cfg.remote_retry_max_s)
+        self.unreplicated: list[int] = []
+        """After ``close()``: the steps not replicated before ``close_timeout_s`` (see README)."""
         self.arena: Arena | None = None
         self.ring: BlockRing | None = None
         self._snap: Snapshotter | None = None
@@ -269,11 +273,21 @@ class Checkpointer:
                 fallback=self.config.fallback, engine=self.engine, bounce=bounce, rank=self.rank,
                 world_size=self.world_size, remote=self.config.remote))
 
-    def steps(self) -> list[int]:
-        return self.tier.steps()
+    def steps(self, *, include_remote: bool = True) -> list[int]:
+        """Committed steps, ascending: local ones and, with a remote tier (unless
+        ``include_remote=False``), those the remote holds (its manifest is there). A remote
+        that cannot be listed within a few seconds is skipped with a warning."""
+        local = self.tier.steps()
+        if not include_remote or not self.config.remote:
+            return local
+        from .store.remote import list_steps
+        remote, _ = list_steps(open_tier(self.config.remote, io=self.config.io))
+        return sorted(set(local) | set(remote or []))
 
-    def latest_step(self) -> int | None:
-        return self.tier.latest()
+    def latest_step(self, *, include_remote: bool = True) -> int | None:
+        """The newest of :meth:`steps` (what :meth:`load` restores unless it fails to verify)."""
+        steps = self.steps(include_remote=include_remote)
+        return steps[-1] if steps else None
 
     def on_preemption(self, timeout: float | None = 60.0) -> bool:
         """Call from a SIGTERM handler: let in-flight saves finish (up to ``timeout``)."""
@@ -290,8 +304,8 @@ class Checkpointer:
             self._snap.stop()
         if self._persist is not None:
             self._persist.stop()
-        if self._replicator is not None:
-            self._replicator.stop()  # finishes queued replications (bounded by replicate_timeout_s)
+        if self._replicator is not None:  # bounded: the rest is uploaded by the next run
+            self.unreplicated = self._replicator.close(self.config.close_timeout_s)
         self.engine.close()
         if self.arena is not None:
             self.arena.close()

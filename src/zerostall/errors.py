@@ -12,6 +12,7 @@
     ├── CorruptCheckpoint      a manifest or shard failed validation or its checksum
     ├── StateMismatchError     the caller's state dict does not fit the checkpoint (shape, dtype, strict keys)
     ├── StorageError           the OS refused an I/O operation (ENOSPC, EIO, EACCES, ...)
+    │   └── RemoteError        a remote tier (S3, shared filesystem) failed; names the URL and step
     └── SaveFailed             a background save failed; ``__cause__`` holds the reason
 
 OS errors are translated at the boundary with ``raise ... from exc``; every message names
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointNotFound",
     "ConfigError",
     "CorruptCheckpoint",
+    "RemoteError",
     "RootLockedError",
     "SaveFailed",
     "StateMismatchError",
@@ -104,6 +106,19 @@ class StorageError(ZerostallError, OSError):
 
     def __str__(self) -> str:  # OSError's __str__ would print the (errno, strerror) form
         return str(self.args[0]) if self.args else ""
+
+
+class RemoteError(StorageError):
+    """A remote tier failed (unreachable, refused, timed out, or stored other bytes than sent).
+
+    ``url`` is the remote object or root at fault, ``step`` the step when known. botocore and
+    OS errors are chained as ``__cause__``; the message says what to check.
+    """
+
+    def __init__(self, message: str, *, url: str = "", step: int | None = None, errno: int | None = None):
+        super().__init__(message, errno=errno, filename=url or None)
+        self.url = url
+        self.step = step
 
 
 class SaveFailed(ZerostallError):

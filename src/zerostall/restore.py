@@ -28,15 +28,15 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import crc32c as _crc
 import torch
 
-from .config import ALIGN_BYTES, IOConfig
-from .errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, StateMismatchError, StorageError,
-                     ZerostallError)
+from .config import IOConfig
+from .errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, StateMismatchError,
+                     StorageError, ZerostallError)
 from .format.dtypes import dtype_from_name
-from .format.layout import HEADER_BYTES, ShardHeader, align_up
+from .format.layout import ShardHeader
 from .format.manifest import Manifest, TensorEntry
+from .format.shard import read_shard
 from .format.tree import decode_tree, tree_tensor_indices
 from .format.validate import open_regular
 from .io.base import Engine, choose_engine
@@ -139,92 +139,19 @@ def read_checkpoint(tier: LocalTier, man: Manifest, engine: Engine, bounce: Aren
         for fe, path, f in opened:
             header = ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes)
             items = sorted(by_file.get(fe.name, []), key=lambda t: t.entry.offset)
-            if sparse:
-                _read_entries(f, path, header, items, bounce, verify)
-            else:
-                _stream_file(f, path, fe.file_bytes, header, items, bounce, verify)
+            _stream_file(f, path, fe.file_bytes, header, items, bounce, verify, sparse)
     finally:
         for _, _, f in opened:
             f.close()
 
 
-def _read_entries(f: Any, path: str, header: ShardHeader, targets: list[_Target], bounce: Arena,
-                  verify: bool) -> None:
-    """Read the header block and each target's aligned blocks only (``load(keys=...)``)."""
-    f.read([(0, bounce.mv[:HEADER_BYTES])])
-    if verify:
-        ShardHeader.check(bounce.mv[:HEADER_BYTES], header, path)
-    win = bounce.nbytes // ALIGN_BYTES * ALIGN_BYTES
-    for t in targets:
-        e = t.entry
-        end = align_up(e.offset + e.nbytes)
-        crc = 0
-        for w0 in range(e.offset, end, win):
-            n = min(win, end - w0)
-            f.read([(w0, bounce.mv[:n])])
-            b = min(e.offset + e.nbytes, w0 + n)
-            if w0 < b:
-                if t.tensor is not None:
-                    _flat(t.tensor)[w0 - e.offset:b - e.offset].copy_(bounce.u8[:b - w0])
-                if verify:
-                    crc = _crc.crc32c(bounce.mv[:b - w0], crc)
-            if verify and b < w0 + n and bounce.u8[max(b - w0, 0):n].any():
-                raise CorruptCheckpoint(f"{path}: non-zero padding after tensor {e.key!r}", path=path, key=e.key)
-        if verify and crc != e.crc32c:
-            raise CorruptCheckpoint(f"{path}: tensor {e.key!r} failed its crc32c check (recorded "
-                                    f"{e.crc32c:08x}, read {crc:08x})", path=path, key=e.key)
-
-
 def _stream_file(f: Any, path: str, file_bytes: int, header: ShardHeader, targets: list[_Target],
-                 bounce: Arena, verify: bool) -> None:
-    win = bounce.nbytes // ALIGN_BYTES * ALIGN_BYTES
-    ti = 0
-    crcs = [0] * len(targets)
-    # regions of the file that must be zero: gaps between payloads and the tail
-    for w0 in range(0, file_bytes, win):
-        n = min(win, file_bytes - w0)
-        f.read([(w0, bounce.mv[:n])])
-        w1 = w0 + n
-        if w0 == 0 and verify:
-            ShardHeader.check(bounce.mv[:HEADER_BYTES], header, path)
-        # walk the tensors overlapping [w0, w1)
-        j = ti
-        while j < len(targets):
-            e = targets[j].entry
-            a, b = max(e.offset, w0), min(e.offset + e.nbytes, w1)
-            if e.offset >= w1:
-                break
-            if a < b:
-                dst = targets[j].tensor
-                if dst is not None:
-                    _flat(dst)[a - e.offset:b - e.offset].copy_(bounce.u8[a - w0:b - w0])
-                if verify:
-                    crcs[j] = _crc.crc32c(bounce.mv[a - w0:b - w0], crcs[j])
-            if e.offset + e.nbytes <= w1:
-                if verify and crcs[j] != e.crc32c:
-                    raise CorruptCheckpoint(
-                        f"{path}: tensor {e.key!r} failed its crc32c check (recorded {e.crc32c:08x}, "
-                        f"read {crcs[j]:08x})", path=path, key=e.key)
-                ti = j + 1
-            j += 1
-        if verify:
-            _check_padding(bounce, path, w0, w1, targets)
-
-
-def _check_padding(bounce: Arena, path: str, w0: int, w1: int, targets: list[_Target]) -> None:
-    """Every byte of [w0, w1) not in the header or a payload must be zero."""
-    pos = max(w0, HEADER_BYTES)
-    for t in targets:
-        e = t.entry
-        if e.offset + e.nbytes <= pos:
-            continue
-        if e.offset >= w1:
-            break
-        if e.offset > pos and bounce.u8[pos - w0:e.offset - w0].any():
-            raise CorruptCheckpoint(f"{path}: non-zero padding before tensor {e.key!r}", path=path, key=e.key)
-        pos = max(pos, e.offset + e.nbytes)
-    if pos < w1 and bounce.u8[pos - w0:w1 - w0].any():
-        raise CorruptCheckpoint(f"{path}: non-zero padding at offset {pos}", path=path)
+                 bounce: Arena, verify: bool, sparse: bool = False) -> None:
+    """Every byte checked by the one shard codec (:func:`zerostall.format.shard.read_shard`);
+    with ``sparse`` only the header and the targets' own blocks are read."""
+    read_shard(f, path, file_bytes, header, [t.entry for t in targets],
+               [_flat(t.tensor) if t.tensor is not None else None for t in targets], bounce, verify=verify,
+               wanted=set(range(len(targets))) if sparse else None)
 
 
 def _host_memory_bytes() -> int:
@@ -359,8 +286,12 @@ def fetch_remote_step(tier: LocalTier, remote: Any, step: int) -> Manifest:
         raise CorruptCheckpoint(f"{remote.url}/step-{step}: manifest says step {man.step}")
     os.makedirs(tier.root, exist_ok=True)
     part = tier.begin(step)
-    for fe in man.files:
-        remote.download(f"step-{step}/{fe.name}", os.path.join(part, fe.name), fe.file_bytes)
+    try:
+        for fe in man.files:
+            remote.download(f"step-{step}/{fe.name}", os.path.join(part, fe.name), fe.file_bytes)
+    except BaseException:
+        tier.abort(step)
+        raise
     tier.commit(step, man, overwrite=True)
     log.info("zerostall: fetched step %d from %s into %s", step, remote.url, tier.root)
     return man
@@ -379,9 +310,14 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
     step; a step deleted meanwhile (retention) is not a failure: the listing is read again.
     ``report`` (a :class:`LoadReport`) is filled in with the step loaded and the key report.
     """
-    if isinstance(remote, str):
-        from .store.remote import open_tier
-        remote = open_tier(remote, io=io)
+    remote_why = ""
+    remote_steps: list[int] = []
+    if remote is not None:
+        from .store.remote import list_steps, open_tier
+        if isinstance(remote, str):
+            remote = open_tier(remote, io=io)
+        listed, remote_why = list_steps(remote)
+        remote_steps = listed or []
     if keys is not None:
         if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
             raise ConfigError(f"keys={keys!r} must be a list of str (dotted key paths)")
@@ -395,7 +331,6 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
     bounce = bounce or _shared_bounce()
     tried: set[tuple[int, str]] = set()
     errors: list[str] = []
-    remote_steps = remote.steps() if remote is not None else []
     try:
         while True:
             steps = tier.listed_steps()  # damaged ones too: each is tried and its defect reported
@@ -423,7 +358,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
                     log.info("zerostall: step %d disappeared while loading (retention?); listing again", s)
                     continue
                 reason = str(exc) if isinstance(exc, ZerostallError) else f"{type(exc).__name__}: {exc}"
-                log.error("zerostall: step %d (%s copy) failed verification: %s", s, src, reason)
+                log.error("zerostall: step %d (%s copy) failed: %s", s, src, reason)
                 errors.append(f"step {s} ({src}): {reason}")
                 if src == "remote":
                     tier.delete(s)  # drop the bad download
@@ -442,6 +377,9 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
                          len(report.unexpected_keys), ", ".join(report.unexpected_keys[:10]))
             return out
         if not errors:
+            if remote_why and not tried:
+                raise RemoteError(f"no committed checkpoint in {tier.root!r}, and the remote tier could not be "
+                                  f"listed: {remote_why}", url=remote.url)
             where = f"{tier.root!r}" + (f" or {remote.url}" if remote is not None else "")
             if step is not None:
                 raise CheckpointNotFound(f"no committed checkpoint for step {step} in {where} "

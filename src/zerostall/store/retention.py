@@ -12,8 +12,11 @@ says:
 
 Steps are ranked by number. That is only meaningful for one run's history, so a root never
 mixes runs silently: ``Checkpointer.save`` refuses a step lower than the root's newest
-committed step (:class:`~zerostall.errors.StepOrderError`) unless ``allow_lower_steps=True``
-(then lower steps rank as older and are pruned first, except the one just committed).
+committed step (:class:`~zerostall.errors.StepOrderError`) unless ``allow_lower_steps=True``.
+The writer also protects its own newest ``keep_last`` commits from retention, so with
+``allow_lower_steps`` an older run's higher steps never push the new run's saves out: those
+are pruned only by the new run's own newer saves (the older run's steps stay until deleted
+by hand, and ``load()`` still picks the highest step).
 """
 
 from __future__ import annotations
@@ -54,6 +57,16 @@ class RetentionPolicy:
         if replicated is not None:
             out = [s for s in out if s in replicated]
         return out
+
+    def to_replicate(self, local: list[int], remote: list[int]) -> list[int]:
+        """Local steps the remote tier lacks and would keep once uploaded, ascending.
+
+        A local step older than what remote retention keeps is never uploaded (it would be
+        deleted at once); local retention may then remove it like any replicated step.
+        """
+        missing = sorted(set(local) - set(remote))
+        doomed = set(self.remote_doomed(sorted(set(remote) | set(missing))))
+        return [s for s in missing if s not in doomed]
 
     def remote_doomed(self, steps: list[int], protect: Iterable[int] = ()) -> list[int]:
         every = self.keep_every_remote
