@@ -297,3 +297,27 @@ def test_filesystemreader_on_ours_says_which_reader(tmp_path):
     with pytest.raises(BaseException) as ei:
         dcp.load(_blank(), storage_reader=dcp.FileSystemReader(path), no_dist=True)
     assert "load it with zerostall.dcp.Reader" in _text(ei.value)
+
+
+# -- the CLI understands DCP directories ----------------------------------------------------------
+def test_cli_ls_verify_inspect(tmp_path, capsys):
+    from zerostall.cli import main
+    zs, fsw = str(tmp_path / "zs"), str(tmp_path / "fsw")
+    _save(zs, 1.0)
+    dcp.save(_state(1.0), storage_writer=dcp.FileSystemWriter(fsw), no_dist=True)
+    assert main(["ls", zs]) == 0
+    out = capsys.readouterr().out
+    assert "zerostall.dcp" in out and "committed" in out
+    assert main(["ls", fsw, "--json"]) == 0
+    rows = __import__("json").loads(capsys.readouterr().out)
+    assert rows[0]["format"] == "FileSystemWriter" and rows[0]["state"] == "committed"
+    assert main(["verify", zs]) == 0 and "OK (zerostall.dcp" in capsys.readouterr().out
+    assert main(["verify", fsw]) == 0 and "OK (FileSystemWriter" in capsys.readouterr().out
+    assert main(["inspect", zs, "--json"]) == 0
+    entries = {e["key"]: e for e in __import__("json").loads(capsys.readouterr().out)[0]["entries"]}
+    assert entries["a"]["shape"] == [300, 7] and entries["a"]["dtype"] == "float32" and entries["b.s"]["type"] == "object"
+    shard = _shards(zs)[0]
+    _flip(os.path.join(zs, shard), 4096 + 4096 * 3)  # inside "a"'s payload
+    assert main(["verify", zs]) == 1
+    err = capsys.readouterr().err
+    assert shard in err and "crc32c" in err
