@@ -119,13 +119,17 @@ class LocalTier(Tier):
         """
         return [s for s in self.listed_steps() if self._is_valid(s)]
 
-    def _is_valid(self, step: int) -> bool:
-        path = os.path.join(self.step_dir(step), MANIFEST_NAME)
+    def _manifest_ident(self, step: int) -> tuple[int, ...] | None:
         try:
-            st = os.stat(path, follow_symlinks=False)
+            st = os.stat(os.path.join(self.step_dir(step), MANIFEST_NAME), follow_symlinks=False)
         except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def _is_valid(self, step: int) -> bool:
+        ident = self._manifest_ident(step)
+        if ident is None:
             return False
-        ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         with self._valid_mu:
             hit = self._valid.get(step)
         if hit is not None and hit[0] == ident:
@@ -155,7 +159,10 @@ class LocalTier(Tier):
         try:
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             os.close(fd)
-            os.unlink(probe)
+            try:
+                os.unlink(probe)
+            except FileNotFoundError:  # the owner's start-up cleanup got there first
+                pass
         except OSError as exc:
             raise storage_error("writing to checkpoint directory", self.root, exc,
                                 "pick a writable directory or fix its permissions/attributes") from exc
@@ -296,6 +303,10 @@ class LocalTier(Tier):
             raise
         except OSError as exc:
             raise storage_error(f"committing step {step} in", self.root, exc) from exc
+        ident = self._manifest_ident(step)  # we wrote this manifest: listing need not parse it again
+        if ident is not None:
+            with self._valid_mu:
+                self._valid[step] = (ident, True)
         return self._write_latest(step)
 
     def _write_latest(self, step: int) -> tuple[str, ...]:
