@@ -46,7 +46,7 @@ def build_manifest(job: SaveJob) -> Manifest:
     """The manifest of a single-rank save."""
     return Manifest(step=job.step, world_size=job.world_size, checkpoint_id=job.checkpoint_id,
                     created_unix=time.time(), files=(file_entry(job),),
-                    tensors=tuple(e for _, e in tensor_entries(job)), tree=job.plan.tree,
+                    tensors=tuple(e for _, e in tensor_entries(job)), tree=job.plan.tree, tree_json=job.plan.tree_json,
                     user_metadata=dict(job.user_metadata))
 
 
