@@ -82,6 +82,9 @@ def check_files(tier: LocalTier, man: Manifest, only: set[str] | None = None) ->
         if st.st_size != fe.file_bytes:
             raise CorruptCheckpoint(f"{path}: shard is {st.st_size} bytes, manifest says "
                                     f"{fe.file_bytes} (truncated or replaced)", path=path)
+    if man.ref_files:  # files of earlier steps this (incremental) step borrows from
+        from .restore_refs import check_ref_files
+        check_ref_files(tier, man, [r for r in man.ref_files if only is None or r.name in only])
 
 
 def read_checkpoint(tier: LocalTier, man: Manifest, engine: Engine, bounce: Arena,
@@ -94,7 +97,8 @@ def read_checkpoint(tier: LocalTier, man: Manifest, engine: Engine, bounce: Aren
     step_dir = tier.step_dir(man.step)
     by_file: dict[str, list[int]] = {}
     for i, t in enumerate(man.tensors):
-        by_file.setdefault(t.file, []).append(i)
+        if t.step is None:  # own bytes; references are read after the own shards
+            by_file.setdefault(t.file, []).append(i)
     for fe in man.files:
         if only is not None and fe.name not in only:
             continue
@@ -107,6 +111,18 @@ def read_checkpoint(tier: LocalTier, man: Manifest, engine: Engine, bounce: Aren
             raise CorruptCheckpoint(f"{path}: cannot open shard: {exc}", path=path) from exc
         with f:
             _stream_file(f, path, fe.file_bytes, header, [targets[i] for i in items], bounce, verify)
+    if man.ref_files:
+        _read_referenced(tier, man, engine, bounce, targets, verify, only)
+
+
+def _read_referenced(tier: LocalTier, man: Manifest, engine: Engine, bounce: Arena, targets: list[_Target],
+                     verify: bool, only: set[str] | None) -> None:
+    """Tensors an incremental step borrows from earlier steps' files (see :mod:`.restore_refs`)."""
+    from .restore_refs import read_refs, ref_groups
+    groups = ref_groups(man, targets)
+    if only is not None:
+        groups = {r: ts for r, ts in groups.items() if r.name in only}
+    read_refs(tier, man, engine, bounce, groups, verify)
 
 
 def _stream_file(f: Any, path: str, file_bytes: int, header: ShardHeader, targets: list[_Target],

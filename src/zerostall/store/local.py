@@ -213,11 +213,14 @@ class LocalTier:
         log.info("zerostall: retention removed step %d from %s", step, self.root)
 
     def apply_retention(self, keep_last: int | None, protect: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
-        """Delete all but the newest ``keep_last`` committed steps (never the newest)."""
+        """Delete all but the newest ``keep_last`` committed steps (never the newest, never one
+        that a kept step references)."""
         if keep_last is None:
             return []
+        from .retention import spare_referenced
         steps = self.steps()
         doomed = [s for s in steps[:-keep_last] if s not in protect and s != steps[-1]]
+        doomed = spare_referenced(steps, doomed, self.read_manifest)
         for s in doomed:
             self.delete(s)
         return doomed

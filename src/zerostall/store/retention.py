@@ -2,15 +2,19 @@
 
 Pure functions of the step lists; the replicator (or the persist thread, without a remote
 tier) applies them and logs what it removes. Invariants, whatever the policy says: the
-newest committed step of a tier is never deleted, and with a remote tier configured a local
-step that is not yet replicated is never deleted.
+newest committed step of a tier is never deleted, with a remote tier configured a local
+step that is not yet replicated is never deleted, and a step referenced by a step that stays
+(incremental saves, :mod:`..format.refs`) stays too — counted from the manifests on the tier
+(:func:`spare_referenced`), never from memory.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ZerostallError
+from ..format.refs import closure, referenced_steps
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,3 +49,37 @@ class RetentionPolicy:
         every = self.keep_every_remote
         return [s for s in steps[:-self.keep_last_remote]
                 if s != newest and not (every and s % every == 0)]
+
+
+def spare_referenced(steps: list[int], doomed: list[int], read_manifest: Callable[[int], Any],
+                     protect: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
+    """``doomed`` minus ``protect`` and every step that a step staying references, transitively.
+
+    ``read_manifest(step)`` reads a manifest from the tier being cleaned (the local tier or a
+    remote one); one that cannot be read references nothing (that step cannot be loaded).
+    """
+    doomed = [s for s in doomed if s not in protect]
+    if not doomed:
+        return doomed
+
+    def refs_of(s: int) -> set[int]:
+        try:
+            return referenced_steps(read_manifest(s))
+        except (ZerostallError, OSError, ValueError):
+            return set()
+
+    needed = closure(set(steps) - set(doomed), refs_of)
+    return [s for s in doomed if s not in needed]
+
+
+def dependents(steps: list[int], step: int, read_manifest: Callable[[int], Any]) -> list[int]:
+    """Committed steps whose manifests reference ``step`` (references point backwards)."""
+    out = []
+    for s in steps:
+        if s > step:
+            try:
+                if step in referenced_steps(read_manifest(s)):
+                    out.append(s)
+            except (ZerostallError, OSError, ValueError):
+                pass
+    return out
