@@ -53,12 +53,14 @@ class RetentionPolicy:
 
 def spare_referenced(steps: list[int], doomed: list[int], read_manifest: Callable[[int], Any],
                      protect: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
-    """``doomed`` minus ``protect`` and every step that a step staying references, transitively.
+    """``doomed`` minus ``protect`` and every step that a step staying references, transitively,
+    newest first: **delete in this order**. References point backwards, so a crash between two
+    deletions then never leaves a step whose referenced step is gone.
 
     ``read_manifest(step)`` reads a manifest from the tier being cleaned (the local tier or a
     remote one); one that cannot be read references nothing (that step cannot be loaded).
     """
-    doomed = [s for s in doomed if s not in protect]
+    doomed = sorted((s for s in doomed if s not in protect), reverse=True)
     if not doomed:
         return doomed
 
