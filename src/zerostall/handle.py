@@ -104,4 +104,5 @@ def record_of(job: SaveJob) -> SaveRecord:
         persist_gbps=(nbytes / job.persist_s / 1e9) if job.persist_s > 0 else 0.0,
         engine=job.engine, arena_bytes=job.arena_bytes, skipped=job.skipped, bytes_written=nbytes,
         bytes_referenced=0 if job.skipped or job.incr is None else job.incr.bytes_referenced,
-        ok=job.error is None, error=str(job.error or ""), **tel)  # type: ignore[arg-type]
+        ok=job.error is None, error=str(job.error or ""), post_commit_errors=tuple(job.post_commit_errors),
+        **tel)  # type: ignore[arg-type]
