@@ -13,16 +13,16 @@ in ``job.post_commit_errors`` (``SaveRecord.post_commit_errors``); the handle is
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
 import time
 from typing import Any, Callable
 
-import crc32c as _crc
-
 from .._util import Worker
 from ..format.manifest import FileEntry, Manifest, TensorEntry
+from ..format.shard import CrcCursor
 from ..io.base import Engine, ShardFile
 from ..staging.arena import Arena
 from ..staging.job import SaveJob
@@ -66,28 +66,6 @@ class LocalCommitter:
         self.tier.abort(job.step)
 
 
-class CrcCursor:
-    """Per-tensor crc32c over a shard's bytes, fed in file order, extent by extent."""
-
-    def __init__(self, job: SaveJob):
-        self.items = job.plan.items
-        self.crcs = [0] * len(self.items)
-        self.i = 0
-
-    def feed(self, extents: list[tuple[int, memoryview]]) -> None:
-        for foff, mv in extents:
-            end = foff + len(mv)
-            while self.i < len(self.items):
-                it = self.items[self.i]
-                a, b = max(it.offset, foff), min(it.offset + it.nbytes, end)
-                if a < b:
-                    self.crcs[self.i] = _crc.crc32c(mv[a - foff:b - foff], self.crcs[self.i])
-                if it.offset + it.nbytes <= end:
-                    self.i += 1  # finished (or empty); move on
-                else:
-                    break
-
-
 class Persister(Worker[SaveJob]):
     def __init__(self, tier: LocalTier, engine: Engine, arena: Arena, ring: BlockRing, *,
                  keep_last: int | None, on_done: Callable[[SaveJob], None], committer: Any = None):
@@ -97,6 +75,8 @@ class Persister(Worker[SaveJob]):
         self.arena = arena
         self.ring = ring
         self.keep_last = keep_last
+        self._recent: collections.deque[int] = collections.deque(maxlen=keep_last or 1)
+        """This run's newest committed steps: retention never deletes them (see store/retention.py)."""
         self.on_done = on_done
         self.batch_blocks = max(1, min(ring.nblocks // 2, 64))
         super().__init__("zerostall-persist")
@@ -104,10 +84,11 @@ class Persister(Worker[SaveJob]):
     # -- persist thread -------------------------------------------------------------------
     def _retain(self, job: SaveJob) -> None:
         """Retention after ``job`` committed; a failure is recorded on the job, never raised."""
+        self._recent.append(job.step)
         if self.keep_last is None:
             return
         try:
-            self.tier.apply_retention(self.keep_last, just_committed=job.step)
+            self.tier.apply_retention(self.keep_last, protect=set(self._recent), just_committed=job.step)
         except Exception as exc:  # noqa: BLE001 - nothing after the commit point fails the save
             msg = f"retention after step {job.step} failed: {exc}"
             log.warning("zerostall: %s", msg)
@@ -138,7 +119,7 @@ class Persister(Worker[SaveJob]):
         try:
             part = self.committer.begin(job)
             f = self.engine.open_write(os.path.join(part, job.file_name), job.plan.file_bytes)
-            crc = CrcCursor(job)
+            crc = CrcCursor(job.plan.items)
             while g < job.g_end:
                 hi = min(self.ring.wait_staged(g), job.g_end, g + self.batch_blocks)
                 if job.error is not None:

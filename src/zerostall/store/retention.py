@@ -12,8 +12,11 @@ says:
 
 Steps are ranked by number. That is only meaningful for one run's history, so a root never
 mixes runs silently: ``Checkpointer.save`` refuses a step lower than the root's newest
-committed step (:class:`~zerostall.errors.StepOrderError`) unless ``allow_lower_steps=True``
-(then lower steps rank as older and are pruned first, except the one just committed).
+committed step (:class:`~zerostall.errors.StepOrderError`) unless ``allow_lower_steps=True``.
+The writer also protects its own newest ``keep_last`` commits from retention, so with
+``allow_lower_steps`` an older run's higher steps never push the new run's saves out: those
+are pruned only by the new run's own newer saves (the older run's steps stay until deleted
+by hand, and ``load()`` still picks the highest step).
 """
 
 from __future__ import annotations
