@@ -5,9 +5,10 @@ a manifest that carry a ``step`` (see :mod:`.format.refs`). Each referenced file
 the same checks as an own shard, read-only: the referenced step must be committed with a
 manifest that validates and lists the file with the same size and id; the file must be a
 regular file (no symlink) of the recorded size; its header must match exactly; every
-referenced tensor's crc32c must match and the padding after it must be zero. Only the
-referenced ranges are read (coalesced into windows of the bounce buffer), so restoring an
-incremental step reads about what restoring the same step written in full would.
+referenced tensor's crc32c must match and the padding after it must be zero (the one shard
+codec, :func:`.format.shard.read_shard`, in its sparse mode). Only the referenced ranges are
+read (coalesced into windows of the bounce buffer), so restoring an incremental step reads
+about what restoring the same step written in full would.
 A failure raises :class:`CorruptCheckpoint` naming the referenced file: the dependent step
 fails verification and restore falls back to an older step.
 """
@@ -16,25 +17,24 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Any
+from typing import Any, Callable
 
-import crc32c as _crc
 import torch
 
-from .config import ALIGN_BYTES
-from .errors import CheckpointNotFound, CorruptCheckpoint, StorageError
-from .format.layout import HEADER_BYTES, ShardHeader, align_up
+from .errors import CheckpointNotFound, CorruptCheckpoint
+from .format.layout import ShardHeader
 from .format.manifest import Manifest
 from .format.refs import RefFile
+from .format.shard import read_shard
 
 
-def ref_groups(man: Manifest, targets: list[Any], needed: set[int] | None = None) -> dict[RefFile, list[Any]]:
-    """Targets of referenced entries, grouped by the file they live in (``needed``: indices)."""
+def ref_groups(man: Manifest, targets: list[Any]) -> dict[RefFile, list[Any]]:
+    """The targets of referenced entries, grouped by the file they live in."""
     by_key = {(r.step, r.name): r for r in man.ref_files}
     out: dict[RefFile, list[Any]] = {}
-    for i, e in enumerate(man.tensors):
-        if e.step is not None and (needed is None or i in needed):
-            out.setdefault(by_key[(e.step, e.file)], []).append(targets[i])
+    for t in targets:
+        if t.entry.step is not None:
+            out.setdefault(by_key[(t.entry.step, t.entry.file)], []).append(t)
     return out
 
 
@@ -68,69 +68,15 @@ def check_ref_files(tier: Any, man: Manifest, refs: list[RefFile]) -> None:
                                     f"{r.file_bytes} (truncated or replaced)", path=path)
 
 
-def read_refs(tier: Any, man: Manifest, engine: Any, bounce: Any, groups: dict[RefFile, list[Any]],
+def read_refs(tier: Any, groups: dict[RefFile, list[Any]], open_shard: Callable[[str], Any], bounce: Any,
               verify: bool = True) -> None:
-    """Read (and check) every referenced tensor of ``groups`` into its target."""
+    """Read (and check) every referenced target of ``groups``; ``open_shard(path)`` opens a
+    regular file read-only through the engine (``restore._open_shard``)."""
     for r, targets in groups.items():
         path = os.path.join(tier.step_dir(r.step), r.name)
-        try:
-            f = engine.open_read(path)
-        except StorageError as exc:
-            raise CorruptCheckpoint(f"{path}: cannot open referenced shard: {exc}", path=path) from exc
-        with f:
-            _read_ranges(f, path, ShardHeader(r.file_id, r.step, r.rank, r.file_bytes),
-                         sorted(targets, key=lambda t: t.entry.offset), bounce, verify)
-
-
-def _windows(targets: list[Any], win: int) -> list[tuple[int, int]]:
-    """Aligned [a, b) reads covering each target's payload and padding, merged, cut at ``win``."""
-    spans: list[list[int]] = []
-    for t in targets:
-        a, b = t.entry.offset, align_up(t.entry.offset + t.entry.nbytes)
-        if a == b:
-            continue
-        if spans and a <= spans[-1][1]:
-            spans[-1][1] = max(spans[-1][1], b)
-        else:
-            spans.append([a, b])
-    return [(p, min(p + win, b)) for a, b in spans for p in range(a, b, win)]
-
-
-def _read_ranges(f: Any, path: str, header: ShardHeader, targets: list[Any], bounce: Any, verify: bool) -> None:
-    if verify:
-        f.read([(0, bounce.mv[:HEADER_BYTES])])
-        ShardHeader.check(bounce.mv[:HEADER_BYTES], header, path)
-    win = bounce.nbytes // ALIGN_BYTES * ALIGN_BYTES
-    crcs = [0] * len(targets)
-    first = 0
-    for w0, w1 in _windows(targets, win):
-        f.read([(w0, bounce.mv[:w1 - w0])])
-        j = first
-        while j < len(targets):
-            e = targets[j].entry
-            if e.offset >= w1:
-                break
-            end, pad_end = e.offset + e.nbytes, align_up(e.offset + e.nbytes)
-            if pad_end <= w0:
-                j += 1
-                continue
-            a, b = max(e.offset, w0), min(end, w1)
-            if a < b:
-                dst = targets[j].tensor
-                if dst is not None:
-                    dst.reshape(-1).view(torch.uint8)[a - e.offset:b - e.offset].copy_(bounce.u8[a - w0:b - w0])
-                if verify:
-                    crcs[j] = _crc.crc32c(bounce.mv[a - w0:b - w0], crcs[j])
-            pa, pb = max(end, w0), min(pad_end, w1)
-            if verify and pa < pb and bounce.u8[pa - w0:pb - w0].any():
-                raise CorruptCheckpoint(f"{path}: non-zero padding after referenced tensor {e.key!r}",
-                                        path=path, key=e.key)
-            if pad_end <= w1 and j == first:
-                first = j + 1
-            j += 1
-    if verify:
-        for t, c in zip(targets, crcs):
-            if c != t.entry.crc32c:
-                raise CorruptCheckpoint(
-                    f"{path}: referenced tensor {t.entry.key!r} failed its crc32c check (recorded "
-                    f"{t.entry.crc32c:08x}, read {c:08x})", path=path, key=t.entry.key)
+        items = sorted(targets, key=lambda t: t.entry.offset)
+        with open_shard(path) as f:
+            read_shard(f, path, r.file_bytes, ShardHeader(r.file_id, r.step, r.rank, r.file_bytes),
+                       [t.entry for t in items],
+                       [t.tensor.reshape(-1).view(torch.uint8) if t.tensor is not None else None for t in items],
+                       bounce, verify=verify, wanted=set(range(len(items))))

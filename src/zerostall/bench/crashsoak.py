@@ -60,6 +60,7 @@ class Tally:
     empty: int = 0  # killed before the first commit
     partial_seen: int = 0
     referencing: int = 0  # checks where the newest step referenced an earlier step's file
+    leftovers_seen: int = 0  # a kill left .deleting-*/.old/latest.tmp (the next owner removes them)
     failures: list[str] = field(default_factory=list)
 
 
@@ -72,6 +73,7 @@ def check(directory: str, tally: Tally, incremental: bool = False) -> None:
     tier = LocalTier(directory)
     steps = tier.steps()
     tally.partial_seen += bool(tier.partial_steps())
+    tally.leftovers_seen += any(not n.endswith(".partial") for n in tier.leftovers())
     if not steps:
         tally.empty += 1
         return

@@ -147,16 +147,19 @@ class Reader(StorageReader):
         for req in reqs:
             r = self.records[req.storage_index]
             wanted.setdefault(pos[(r.offset, r.nbytes, r.key)], []).append(req)
-        dsts: list[torch.Tensor | None] = [None] * len(items)
-        for i in wanted:
-            dsts[i] = torch.empty(items[i].nbytes, dtype=torch.uint8)
+        scratch: dict[int, torch.Tensor] = {}  # items in flight only: bounded by the window + one item
         info0 = entries[0][1]
 
+        def dst(i: int) -> torch.Tensor:
+            scratch[i] = torch.empty(items[i].nbytes, dtype=torch.uint8)
+            return scratch[i]
+
         def deliver(i: int) -> None:
-            data, dsts[i] = dsts[i], None  # release the scratch as soon as it is consumed
-            info = entries[i][1]
+            data = scratch.pop(i, None)
+            if data is None:  # an empty item: no byte was read
+                data = torch.empty(0, dtype=torch.uint8)
             for req in wanted.get(i, ()):
-                self._deliver(path, req, info, data, planner)
+                self._deliver(path, req, entries[i][1], data, planner)
 
         try:
             f = eng.open_read(path)
@@ -164,12 +167,9 @@ class Reader(StorageReader):
             raise CorruptCheckpoint(f"{path}: cannot open shard: {exc}", path=path) from exc
         with f:
             read_shard(f, path, info0.file_bytes, ShardHeader(info0.file_id, 0, info0.rank, info0.file_bytes),
-                       items, dsts, bounce, verify=self.verify, wanted=set(wanted), on_item=deliver)
+                       items, dst, bounce, verify=self.verify, wanted=set(wanted), on_item=deliver)
 
-    def _deliver(self, path: str, req: ReadItem, info: _ZSInfo, data: torch.Tensor | None,
-                 planner: LoadPlanner) -> None:
-        if data is None:
-            raise CorruptCheckpoint(f"{path}: {req.storage_index.fqn!r} was read twice", path=path)
+    def _deliver(self, path: str, req: ReadItem, info: _ZSInfo, data: torch.Tensor, planner: LoadPlanner) -> None:
         if req.type == LoadItemType.BYTE_IO:
             self._load_bytes(path, req, data.numpy().tobytes(), planner)
             return
