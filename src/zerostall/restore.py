@@ -393,3 +393,28 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
     finally:
         if own_engine and engine is not None:
             engine.close()
+
+
+def verify_tier_step(tier: Any, step: int, bounce: Arena | None = None) -> Manifest:
+    """Read every byte of ``step`` on any tier through its ``open_shard_read`` (a remote tier
+    streams its objects; nothing is stored locally) and check it as a load does: header,
+    every tensor's crc32c, zero padding. Raises CorruptCheckpoint (RemoteError if the tier
+    cannot be read)."""
+    man = tier.read_manifest(step)
+    bounce = bounce or _shared_bounce()
+    by_file: dict[str, list[_Target]] = {}
+    for e in sorted(man.tensors, key=lambda e: e.offset):
+        by_file.setdefault(e.file, []).append(_Target(e, None, False))
+    with _bounce_lock if bounce is _bounce else _nolock():
+        for fe in man.files:
+            where = f"{tier.url.rstrip('/')}/step-{step}/{fe.name}"
+            size = tier.stat(f"step-{step}/{fe.name}") if hasattr(tier, "stat") else fe.file_bytes
+            if size is None:
+                raise CorruptCheckpoint(f"{where}: shard is missing", path=where)
+            if size != fe.file_bytes:
+                raise CorruptCheckpoint(f"{where}: shard is {size} bytes, manifest says {fe.file_bytes}",
+                                        path=where)
+            header = ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes)
+            with tier.open_shard_read(step, fe.name) as f:
+                _stream_file(f, where, fe.file_bytes, header, by_file.get(fe.name, []), bounce, True)
+    return man
