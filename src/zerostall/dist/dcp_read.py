@@ -148,13 +148,21 @@ class Reader(StorageReader):
             r = self.records[req.storage_index]
             wanted.setdefault(pos[(r.offset, r.nbytes, r.key)], []).append(req)
         scratch: dict[int, torch.Tensor] = {}  # items in flight only: bounded by the window + one item
+        direct: dict[int, torch.Tensor] = {}  # items read straight into the planner's tensor
         info0 = entries[0][1]
 
         def dst(i: int) -> torch.Tensor:
+            target = self._direct_target(wanted.get(i, []), entries[i][1], planner)
+            if target is not None:
+                direct[i] = target
+                return target.reshape(-1).view(torch.uint8)
             scratch[i] = torch.empty(items[i].nbytes, dtype=torch.uint8)
             return scratch[i]
 
         def deliver(i: int) -> None:
+            if i in direct:  # the bytes are in place and passed their crc32c
+                planner.commit_tensor(wanted[i][0], direct.pop(i))
+                return
             data = scratch.pop(i, None)
             if data is None:  # an empty item: no byte was read
                 data = torch.empty(0, dtype=torch.uint8)
@@ -168,6 +176,21 @@ class Reader(StorageReader):
         with f:
             read_shard(f, path, info0.file_bytes, ShardHeader(info0.file_id, 0, info0.rank, info0.file_bytes),
                        items, dst, bounce, verify=self.verify, wanted=set(wanted), on_item=deliver)
+
+    @staticmethod
+    def _direct_target(reqs: list[ReadItem], info: _ZSInfo, planner: LoadPlanner) -> torch.Tensor | None:
+        """The planner's tensor when one request takes a whole stored tensor into a matching
+        contiguous CPU tensor (the common case): the codec reads into it, saving a copy."""
+        if len(reqs) != 1 or reqs[0].type == LoadItemType.BYTE_IO or not info.dtype:
+            return None
+        req = reqs[0]
+        if any(req.storage_offsets) or tuple(req.lengths) != tuple(info.shape):
+            return None
+        target = planner.resolve_tensor(req).detach()
+        if target.device.type != "cpu" or not target.is_contiguous() or tuple(target.shape) != tuple(info.shape) \
+                or target.dtype != dtype_from_name(info.dtype) or target.numel() == 0:
+            return None
+        return target
 
     def _deliver(self, path: str, req: ReadItem, info: _ZSInfo, data: torch.Tensor, planner: LoadPlanner) -> None:
         if req.type == LoadItemType.BYTE_IO:
