@@ -36,13 +36,14 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..config import IOConfig
-from ..errors import CorruptCheckpoint, StorageError
+from ..errors import CheckpointNotFound, CorruptCheckpoint, StorageError
 from ..format.dtypes import dtype_from_name
 from ..format.layout import ShardHeader
 from ..format.shard import read_shard
 from ..staging.arena import Arena
 from .dcp_meta import Record, read_metadata_file, validate
-from .dcp_storage import METADATA, WINDOW_BYTES, _io_engine, _ZSInfo, check_checkpoint_id, metadata_name
+from .dcp_storage import (METADATA, WINDOW_BYTES, UnsupportedCheckpoint, _io_engine, _ZSInfo, check_checkpoint_id,
+                          metadata_name)
 
 
 class Reader(StorageReader):
@@ -82,7 +83,14 @@ class Reader(StorageReader):
         if rank is not None and not os.path.lexists(where) and os.path.lexists(os.path.join(self.path, METADATA)):
             # DCP asks for rank-local metadata after the global one failed: report why that failed
             where = os.path.join(self.path, METADATA)
-        md = read_metadata_file(where)
+        try:
+            md = read_metadata_file(where)
+        except CheckpointNotFound:
+            if os.path.lexists(os.path.join(self.path, "manifest.json")) or os.path.lexists(
+                    os.path.join(self.path, "latest")):
+                raise CheckpointNotFound(f"{self.path!r} is a zerostall Checkpointer directory, not a DCP checkpoint: "
+                                         "load it with zerostall.load(path) or Checkpointer(path).load()") from None
+            raise
         self.kind, self.records = validate(md, where, self.path)
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
@@ -217,6 +225,11 @@ class Reader(StorageReader):
                 if req.type == LoadItemType.BYTE_IO:
                     self._load_bytes(path, req, raw, planner)
                     continue
+                if not raw.startswith(b"PK\x03\x04"):
+                    raise UnsupportedCheckpoint(
+                        f"{path}: tensor {rec.key!r} is not a torch.save stream: the checkpoint was written by "
+                        "FileSystemWriter with serialization_format=SAFETENSORS (raw bytes), which neither "
+                        "FileSystemReader nor zerostall.dcp.Reader reads", path=path, key=rec.key)
                 try:
                     t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
                 except Exception as exc:  # noqa: BLE001 - anything torch.load refuses is corruption here
