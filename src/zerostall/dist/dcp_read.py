@@ -221,7 +221,8 @@ class Reader(StorageReader):
                 rec = self.records[req.storage_index]
                 raw = os.pread(fd, rec.nbytes, rec.offset)
                 if len(raw) != rec.nbytes:
-                    raise CorruptCheckpoint(f"{path}: {rec.key!r} is cut short (file truncated)", path=path, key=rec.key)
+                    raise CorruptCheckpoint(f"{path}: {rec.key!r} is cut short (file truncated)",
+                                            path=path, key=rec.key)
                 if req.type == LoadItemType.BYTE_IO:
                     self._load_bytes(path, req, raw, planner)
                     continue
@@ -234,7 +235,8 @@ class Reader(StorageReader):
                     t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
                 except Exception as exc:  # noqa: BLE001 - anything torch.load refuses is corruption here
                     raise CorruptCheckpoint(f"{path}: tensor {rec.key!r} does not load under weights_only "
-                                            f"({type(exc).__name__}: {str(exc)[:200]})", path=path, key=rec.key) from None
+                                            f"({type(exc).__name__}: {str(exc)[:200]})",
+                                            path=path, key=rec.key) from None
                 if not isinstance(t, torch.Tensor):
                     raise CorruptCheckpoint(f"{path}: {rec.key!r} holds a {type(t).__name__}, not a tensor",
                                             path=path, key=rec.key)
