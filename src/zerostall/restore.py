@@ -291,9 +291,7 @@ class _nolock:
 
 def fetch_remote_step(tier: LocalTier, remote: Any, step: int) -> Manifest:
     """Download ``step`` from ``remote`` into the local tier (direct I/O) and commit it there."""
-    man = Manifest.from_bytes(remote.read_manifest_bytes(step), where=f"{remote.url}/step-{step}/manifest.json")
-    if man.step != step:
-        raise CorruptCheckpoint(f"{remote.url}/step-{step}: manifest says step {man.step}")
+    man = remote.read_manifest(step)  # validated; names this step
     os.makedirs(tier.root, exist_ok=True)
     part = tier.begin(step)
     try:

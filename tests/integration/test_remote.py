@@ -209,3 +209,35 @@ def test_steps_and_load_include_the_remote(remote_url, tmp_path):
         assert ck.steps(include_remote=False) == [] and ck.steps() == [5] and ck.latest_step() == 5
         assert _same(ck.load(), _state(5))  # fetched into b, verified, loaded
         assert ck.steps(include_remote=False) == [5]
+
+
+def test_docs_remote_md_runs(tmp_path, monkeypatch, capsys):
+    """docs/remote.md: its python blocks, in order, then its shell commands, against the real
+    S3 server (the shared-filesystem tier where there is none)."""
+    import re
+    import shlex
+    text = open(os.path.join(ROOT, "docs", "remote.md")).read()
+    assert "docs/remote.md" in open(os.path.join(ROOT, "README.md")).read()
+    if S3:
+        url = f"s3://zerostall-remote-docs/{uuid.uuid4().hex[:12]}"
+    elif os.environ.get("CI"):
+        pytest.fail("CI must start the S3 server (scripts/s3-server.sh start) before the tests")
+    else:
+        url = f"file://{tmp_path / 'shared'}"
+    text = text.replace("s3://my-team-checkpoints/run-42", url)
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {"__name__": "docs_remote"}
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 3
+    for i, b in enumerate(blocks):
+        exec(compile(b, f"docs/remote.md (python block {i + 1})", "exec"), ns)  # noqa: S102 - our docs
+    shell = re.findall(r"```bash\n(.*?)```", text, re.S)[1]
+    for line in shell.splitlines():
+        argv = shlex.split(line.split("#")[0].replace("/ckpt", str(tmp_path / "restored")))
+        assert argv[0] == "zerostall"
+        assert cli(argv[1:]) == 0, line
+    assert _same_dict(zerostall.load(str(tmp_path / "restored")), ns["state"])
+
+
+def _same_dict(a, b):
+    return a["step"] == b["step"] and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
