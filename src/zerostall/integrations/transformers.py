@@ -131,6 +131,7 @@ class ZerostallTrainerMixin:
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, folder)
+        ck = self._zs_checkpointer(output_dir)  # creates output_dir
         if self.state.best_global_step:
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
             if os.path.exists(best):
@@ -150,7 +151,6 @@ class ZerostallTrainerMixin:
             scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None:
                 state["scaler"] = scaler
-        ck = self._zs_checkpointer(output_dir)
         ck.save(next_step(ck, self.state.global_step), state)
         self._zs_guard.track(ck, list(state["model"].values()))
         if self.args.should_save:
