@@ -50,11 +50,17 @@ def _remote_rows(url: str) -> list[dict[str, Any]]:
         try:
             m = remote.read_manifest(s)
             rows.append({"step": s, "bytes": m.total_bytes, "tensors": len(m.tensors),
-                         "created_unix": m.created_unix, "state": "committed", "tier": "remote"})
+                         "created_unix": m.created_unix, "state": "committed", "tier": "remote", **_refs_row(m)})
         except ZerostallError as exc:
             rows.append({"step": s, "bytes": 0, "tensors": 0, "created_unix": 0,
                          "state": f"invalid manifest: {exc}", "tier": "remote"})
     return rows
+
+
+def _refs_row(m: Any) -> dict[str, Any]:
+    """Bytes a step owns (its files) vs borrows from earlier steps (incremental saves)."""
+    return {"bytes_owned": m.total_bytes, "bytes_referenced": m.referenced_bytes,
+            "references_steps": sorted({r.step for r in m.ref_files})}
 
 
 def cmd_ls(a: argparse.Namespace) -> int:
@@ -75,7 +81,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
             try:
                 m = tier.read_manifest(s)
                 rows.append({"step": s, "bytes": m.total_bytes, "tensors": len(m.tensors),
-                             "created_unix": m.created_unix, "state": "committed", "tier": "local"})
+                             "created_unix": m.created_unix, "state": "committed", "tier": "local", **_refs_row(m)})
             except ZerostallError as exc:
                 rows.append({"step": s, "bytes": 0, "tensors": 0, "created_unix": 0,
                              "state": f"invalid manifest: {exc}", "tier": "local"})
@@ -99,11 +105,13 @@ def cmd_ls(a: argparse.Namespace) -> int:
         return 0
     import datetime as dt
     t = Table(title=f"checkpoints in {title}")
-    for col in ("step", "size", "tensors", "created", "tier", "state"):
-        t.add_column(col, justify="right" if col in ("step", "size", "tensors") else "left")
+    for col in ("step", "size", "referenced", "tensors", "created", "tier", "state"):
+        t.add_column(col, justify="right" if col in ("step", "size", "referenced", "tensors") else "left")
     for r in sorted(rows, key=lambda r: r["step"]):
         created = dt.datetime.fromtimestamp(r["created_unix"]).isoformat(" ", "seconds") if r["created_unix"] else ""
-        t.add_row(str(r["step"]), _human(r["bytes"]), str(r["tensors"]), created, r["tier"], r["state"])
+        ref = (f"{_human(r['bytes_referenced'])} in {','.join(map(str, r['references_steps']))}"
+               if r.get("bytes_referenced") else "")
+        t.add_row(str(r["step"]), _human(r["bytes"]), ref, str(r["tensors"]), created, r["tier"], r["state"])
     Console().print(t)
     return 0
 
@@ -155,7 +163,9 @@ def cmd_verify(a: argparse.Namespace) -> int:
         for s in steps:
             try:
                 m = verify_tier_step(tier, s) if remote else verify_step(tier, s, engine)
-                print(f"step {s}: OK ({len(m.tensors)} tensors, {_human(m.total_bytes)} verified)")
+                refs = (f" + {_human(m.referenced_bytes)} referenced in step(s) "
+                        f"{', '.join(str(x) for x in sorted({r.step for r in m.ref_files}))}" if m.ref_files else "")
+                print(f"step {s}: OK ({len(m.tensors)} tensors, {_human(m.total_bytes)} owned{refs} verified)")
             except (CorruptCheckpoint, CheckpointNotFound) as exc:
                 bad += 1
                 print(f"step {s}: FAILED: {exc}", file=sys.stderr)
@@ -179,11 +189,14 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(m.body(), indent=1))
         return 0
-    t = Table(title=f"step {step}: {len(m.tensors)} tensors, {_human(m.total_bytes)}, world size {m.world_size}")
+    refs = f" + {_human(m.referenced_bytes)} referenced" if m.ref_files else ""
+    t = Table(title=f"step {step}: {len(m.tensors)} tensors, {_human(m.total_bytes)} owned{refs}, "
+                    f"world size {m.world_size}")
     for col in ("key", "dtype", "shape", "bytes", "file", "offset", "crc32c"):
         t.add_column(col)
     for e in m.tensors:
-        t.add_row(e.key, e.dtype, str(list(e.shape)), _human(e.nbytes), e.file, str(e.offset), f"{e.crc32c:08x}")
+        where = e.file if e.step is None else f"step-{e.step}/{e.file}"
+        t.add_row(e.key, e.dtype, str(list(e.shape)), _human(e.nbytes), where, str(e.offset), f"{e.crc32c:08x}")
     Console().print(t)
     return 0
 

@@ -46,7 +46,7 @@ from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..format.validate import parse_step_dir, read_small
 from .atomic import fsync_dir, publish_dir, recover_dir, rmtree, write_file_durable
 from .owner import RootLock
-from .retention import doomed
+from .retention import doomed, spare_referenced
 from .tier import Tier
 
 if TYPE_CHECKING:
@@ -353,11 +353,13 @@ class LocalTier(Tier):
     def apply_retention(self, keep_last: int | None, protect: set[int] = frozenset(),  # type: ignore[assignment]
                         just_committed: int | None = None) -> list[int]:
         """Delete all but the newest ``keep_last`` committed steps (manifest validates); never
-        the newest, never ``just_committed``, never one in ``protect``."""
+        the newest, never ``just_committed``, never one in ``protect``, never one that a kept
+        step references (incremental saves; deleted newest first)."""
         if keep_last is None:
             return []
         keep = set(protect) | ({just_committed} if just_committed is not None else set())
-        gone = doomed(self.steps(), keep_last, keep)
+        steps = self.steps()
+        gone = spare_referenced(steps, doomed(steps, keep_last, keep), self.read_manifest)
         for s in gone:
             self.delete(s)
         if gone:
