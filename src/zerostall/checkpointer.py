@@ -28,6 +28,7 @@ from .handle import SaveHandle, record_of
 from .io.base import Engine, engine_name_for, get_engine
 from .restore import load as _load
 from .staging.arena import Arena, budget_bytes
+from .staging.incremental import RefTracker, mode_of
 from .staging.job import SaveJob
 from .staging.plan import build_plan
 from .staging.ring import BlockRing
@@ -37,7 +38,7 @@ from .store.local import LocalTier
 from .store.persist import Persister
 from .store.remote import open_tier
 from .store.replicate import Replicator
-from .store.retention import RetentionPolicy
+from .store.retention import RetentionPolicy, dependents
 from .telemetry.host import Sampler
 from .telemetry.record import emit
 
@@ -98,6 +99,14 @@ class Checkpointer:
         else:  # the one writer of this root (RootLockedError if another holds it); cleans leftovers
             self.tier.own()
             self.node_local = False
+        self._refs: RefTracker | None = None
+        mode = mode_of(cfg.incremental)
+        if mode is not None:
+            if self.world_size > 1:
+                raise ConfigError(f"incremental={cfg.incremental!r} supports single-process saves only (this is "
+                                  f"world size {self.world_size}); pass incremental=False")
+            self._refs = RefTracker(mode, cfg.full_every)
+            self._refs.seed_from(self.tier.steps(), self.tier.read_manifest)
         name, self.probe = engine_name_for(self.tier.root, cfg.io)
         self.engine: Engine = get_engine(name, cfg.io)
         if cfg.prometheus:
@@ -149,7 +158,7 @@ class Checkpointer:
         self._persist = Persister(self.tier, self.engine, self.arena, self.ring,
                                   keep_last=(self.config.keep_last if (self.rank == 0 or self.node_local)
                                              and self._replicator is None else None),
-                                  on_done=self._on_done, committer=self._committer)
+                                  on_done=self._on_done, committer=self._committer, refs=self._refs)
         self._snap = Snapshotter(self.arena, self.ring)
 
     def prepare(self, state_dict: Any) -> None:
@@ -179,6 +188,8 @@ class Checkpointer:
             if any(j.step == step for j in self._inflight):
                 raise CheckpointExistsError(f"step {step} is already being saved")
         self.tier.check_new_step(step, ow, allow_lower=self.config.allow_lower_steps)
+        if ow:
+            self._check_not_referenced(step)
         plan = self._plan(state_dict)
         self._ensure_pipeline(plan.file_bytes)
         assert self.ring is not None and self._snap is not None and self._persist is not None
@@ -199,6 +210,8 @@ class Checkpointer:
                 e.set()
             return SaveHandle(job, self)
         job.leaves = [leaf.tensor for leaf in plan.leaves]
+        if self._refs is not None:
+            self._refs.prepare(job)  # fingerprints only; the snapshot thread decides
         if "cuda" in plan.devices:
             job.cuda_event = torch.cuda.Event()
             job.cuda_event.record()
@@ -212,6 +225,16 @@ class Checkpointer:
         self._snap.submit(job)
         job.save_block_s = time.perf_counter() - t0
         return SaveHandle(job, self)
+
+    def _check_not_referenced(self, step: int) -> None:
+        """Overwriting a step that other steps borrow bytes from would break them."""
+        pinned = self._refs.pinned_steps() if self._refs is not None else set()
+        users = dependents(self.tier.steps(), step, self.tier.read_manifest) if os.path.isdir(
+            self.tier.step_dir(step)) else []
+        if users or step in pinned:
+            raise CheckpointExistsError(
+                f"step {step} in {self.tier.root!r} cannot be overwritten: steps "
+                f"{users or 'being saved'} reference its bytes (incremental saves); pick another step")
 
     def guard(self, optimizer: Any) -> Any:
         """Make ``optimizer.step()`` wait until in-flight snapshots are staged.

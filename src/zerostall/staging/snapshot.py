@@ -75,6 +75,9 @@ class Snapshotter(Worker[SaveJob]):
     def handle(self, job: SaveJob) -> None:
         t0 = time.perf_counter()
         try:
+            if job.incr is not None:  # may shrink job.plan to what must be written
+                job.incr.tracker.decide(job, self._cuda_stream)
+            job.layout_ready.set()
             self._stage(job)
         except BaseException as exc:  # noqa: BLE001 - reported on the handle
             log.error("zerostall: snapshot of step %d failed: %s", job.step, exc)
@@ -82,6 +85,7 @@ class Snapshotter(Worker[SaveJob]):
         finally:
             self.ring.publish(job.g_end)  # a failed job's blocks are drained unwritten
             job.leaves = None
+            job.layout_ready.set()
             job.snapshot_s = time.perf_counter() - t0
             job.t_staged = time.perf_counter()
             job.staged.set()
