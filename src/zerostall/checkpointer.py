@@ -63,6 +63,16 @@ class Checkpointer:
 
     def __init__(self, path: str | os.PathLike[str], config: CheckpointConfig | None = None, *,
                  store: Any = None, **overrides: Any):
+        try:
+            self._setup(path, config, store, overrides)
+        except BaseException:  # a half-built Checkpointer must not keep the root locked
+            tier = self.__dict__.get("tier")
+            if tier is not None:
+                tier.release()
+            raise
+
+    def _setup(self, path: str | os.PathLike[str], config: CheckpointConfig | None, store: Any,
+               overrides: dict[str, Any]) -> None:
         cfg = config if config is not None else CheckpointConfig.from_env()
         if overrides:
             try:
