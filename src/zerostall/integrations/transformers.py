@@ -109,6 +109,8 @@ class ZerostallTrainerMixin:
         finally:
             self._zs_resume = None
             self.zerostall_wait()
+            if self.args.should_save:  # saves in flight at the last rotation are committed now
+                self._zs_rotate(self.args.output_dir)
 
     def zerostall_wait(self) -> None:
         """Block until every checkpoint is durable; close the checkpointers; raise a failure."""
@@ -173,7 +175,7 @@ class ZerostallTrainerMixin:
         limit = self.args.save_total_limit
         if limit is None or limit <= 0:
             return
-        ckpts = _checkpoints(run_dir)
+        ckpts = _checkpoints(os.path.abspath(run_dir))
         live = {p for p, c in self._zs_ckpts.items() if c._inflight}
         keep = {p for _, p in ckpts[-limit:]}
         if self.state.best_model_checkpoint:
