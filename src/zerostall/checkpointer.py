@@ -30,7 +30,7 @@ from .restore import load as _load
 from .staging.arena import Arena, budget_bytes
 from .staging.incremental import RefTracker, mode_of
 from .staging.job import SaveJob
-from .staging.plan import build_plan
+from .staging.plan import build_plan, check_metadata, check_step
 from .staging.ring import BlockRing
 from .staging.snapshot import Snapshotter
 from .stateful import load_into, unwrap_optimizer
@@ -63,6 +63,16 @@ class Checkpointer:
 
     def __init__(self, path: str | os.PathLike[str], config: CheckpointConfig | None = None, *,
                  store: Any = None, **overrides: Any):
+        try:
+            self._setup(path, config, store, overrides)
+        except BaseException:  # a half-built Checkpointer must not keep the root locked
+            tier = self.__dict__.get("tier")
+            if tier is not None:
+                tier.release()
+            raise
+
+    def _setup(self, path: str | os.PathLike[str], config: CheckpointConfig | None, store: Any,
+               overrides: dict[str, Any]) -> None:
         cfg = config if config is not None else CheckpointConfig.from_env()
         if overrides:
             try:
@@ -112,7 +122,8 @@ class Checkpointer:
             self._replicator = Replicator(self.tier, lambda: open_tier(url, io=cfg.io, **kwargs), policy,
                                           rank=self.rank, world_size=self.world_size,
                                           local_retention=self.rank == 0 or self.node_local,
-                                          retry_max_s=cfg.remote_retry_max_s)
+                                          retry_max_s=cfg.remote_retry_max_s,
+                                          protect=self._refs.protected if self._refs is not None else None)
         self.unreplicated: list[int] = []
         """After ``close()``: the steps not replicated before ``close_timeout_s`` (see README)."""
         self.arena: Arena | None = None
@@ -171,8 +182,8 @@ class Checkpointer:
         if self._closed:
             raise ZerostallError("this Checkpointer is closed")
         self._raise_pending()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ConfigError(f"step={step!r} is invalid: must be a non-negative int")
+        step = check_step(step)  # and the metadata, leaves and manifest size in check_metadata/_plan
+        user_metadata = check_metadata(metadata)
         ow = self.config.overwrite if overwrite is None else overwrite
         with self._lock:
             if any(j.step == step for j in self._inflight):
@@ -184,7 +195,7 @@ class Checkpointer:
         self._ensure_pipeline(plan.file_bytes)
         assert self.ring is not None and self._snap is not None and self._persist is not None
         job = SaveJob(step=step, plan=plan, seq=self._seq, rank=self.rank, world_size=self.world_size,
-                      overwrite=ow, user_metadata=dict(metadata or {}))
+                      overwrite=ow, user_metadata=user_metadata)
         self._seq += 1
         job.engine = self.engine.name
         job.arena_bytes = self.arena.nbytes if self.arena else 0

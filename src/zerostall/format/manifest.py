@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,8 @@ class Manifest:
     """Per-rank state trees (``dist_mode="per_rank"``, world size > 1); else ``tree`` is the state."""
     ref_files: tuple[RefFile, ...] = ()
     """Earlier steps' shards that entries with ``step`` set live in (incremental saves)."""
+    tree_json: str = field(default="", compare=False, repr=False)
+    """``tree`` already encoded as compact JSON (the save plan's), spliced in by :meth:`to_bytes`."""
     alias_of: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
     """Entries that duplicate an earlier one exactly (index -> first index): read and allocated once."""
 
@@ -126,7 +129,16 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         """The envelope; the crc32c covers the exact bytes of ``body`` as written."""
-        body = json.dumps(self.body(), separators=(",", ":"), allow_nan=False).encode()
+        d = self.body()
+        if self.tree_json:  # encoded once on the caller's thread: splice it in, do not encode it again
+            marker = f"\x00tree-{uuid.uuid4().hex}\x00"
+            d["tree"] = marker
+            text = json.dumps(d, separators=(",", ":"), allow_nan=False)
+            enc = json.dumps(marker)
+            i = text.index(enc)
+            body = (text[:i] + self.tree_json + text[i + len(enc):]).encode()
+        else:
+            body = json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
         return b"".join((_PREFIX, f"{_crc.crc32c(body):08x}".encode(), _MID, body, b"}\n"))
 
     @classmethod

@@ -15,7 +15,8 @@ CPU bytes move with ``memmove``/``memset`` through ctypes (which releases the GI
 with a torch op: a long-lived thread that has run an OpenMP-parallel torch op keeps its
 own OpenMP team, and measured here that alone slowed the training thread's steps by ~15%
 for as long as the thread lived. The rare non-contiguous CPU tensor is copied by torch in a
-short-lived helper thread instead.
+short-lived helper thread instead, in row chunks of at most ``STRIDED_CHUNK_BYTES`` that
+stream through the ring like any tensor (never one whole copy outside the staging budget).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import logging
 import ctypes
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -38,6 +39,25 @@ log = logging.getLogger("zerostall")
 
 _memmove = ctypes.memmove
 _memset = ctypes.memset
+STRIDED_CHUNK_BYTES = 8 << 20
+
+
+def row_slices(t: torch.Tensor, limit: int = STRIDED_CHUNK_BYTES) -> Iterator[torch.Tensor]:
+    """Consecutive slices (views) of ``t`` covering it in row-major order, each at most
+    ``limit`` bytes (or one element row of the innermost dimension)."""
+    es = t.element_size()
+    if t.dim() == 0 or t.numel() * es <= limit:
+        yield t
+        return
+    rows = t.shape[0]
+    row_bytes = max(1, t[0].numel() * es)
+    if row_bytes <= limit or t.dim() == 1:
+        per = max(1, limit // row_bytes)
+        for i in range(0, rows, per):
+            yield t[i:i + per]
+    else:
+        for i in range(rows):
+            yield from row_slices(t[i], limit)
 
 
 def _in_helper_thread(fn: Callable[[], None]) -> None:
@@ -96,11 +116,22 @@ class Snapshotter(Worker[SaveJob]):
             self._stream = torch.cuda.Stream()  # priority 0: the lowest
         return self._stream
 
-    @staticmethod
-    def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
-        out: list[torch.Tensor] = []
-        _in_helper_thread(lambda: out.append(tensor.contiguous()))
-        return out[0]
+    def _stage_strided(self, job: SaveJob, tensor: torch.Tensor, offset: int, spans: Callable[..., Any]) -> None:
+        """Copy a non-contiguous CPU tensor slice by slice through one small bounce buffer
+        (runs in a helper thread; one allocation, never a whole contiguous copy)."""
+        base, B = self.arena.address, self.ring.block_bytes
+        es = tensor.element_size()
+        buf = torch.empty(min(STRIDED_CHUNK_BYTES, max(tensor.numel() * es, es)), dtype=torch.uint8)
+        foff = offset
+        for sl in row_slices(tensor):
+            n_sl = sl.numel() * es
+            if n_sl > buf.numel():
+                buf = torch.empty(n_sl, dtype=torch.uint8)
+            buf[:n_sl].view(sl.dtype).view(sl.shape).copy_(sl)
+            for aoff, f, n in spans(foff, foff + n_sl):
+                _memmove(base + aoff, buf.data_ptr() + (f - foff), n)
+                self.ring.publish(job.g0 + (f + n) // B)
+            foff += n_sl
 
     def _stage(self, job: SaveJob) -> None:
         ring, B = self.ring, self.ring.block_bytes
@@ -137,7 +168,10 @@ class Snapshotter(Worker[SaveJob]):
             if item.nbytes:
                 on_cpu = tensor.device.type == "cpu"
                 if on_cpu and not tensor.is_contiguous():
-                    tensor = self._contiguous(tensor)
+                    _in_helper_thread(lambda t=tensor, o=item.offset: self._stage_strided(job, t, o, spans))
+                    pos = item.offset + item.nbytes
+                    continue
+                flat = None
                 for aoff, foff, n in spans(item.offset, item.offset + item.nbytes):
                     rel = foff - item.offset
                     if on_cpu:
@@ -145,7 +179,9 @@ class Snapshotter(Worker[SaveJob]):
                     else:
                         dst = arena_u8[aoff:aoff + n]
                         with torch.cuda.stream(stream):  # type: ignore[arg-type]
-                            dst.copy_(flat_bytes(tensor)[rel:rel + n], non_blocking=True)
+                            if flat is None:
+                                flat = flat_bytes(tensor)
+                            dst.copy_(flat[rel:rel + n], non_blocking=True)
                         stream.synchronize()  # type: ignore[union-attr]
                     ring.publish(job.g0 + (foff + n) // B)
             pos = item.offset + item.nbytes

@@ -48,7 +48,7 @@ def build_manifest(job: SaveJob) -> Manifest:
     tensors, ref_files = manifest_parts(job, tensor_entries(job))
     return Manifest(step=job.step, world_size=job.world_size, checkpoint_id=job.checkpoint_id,
                     created_unix=time.time(), files=(file_entry(job),),
-                    tensors=tensors, tree=job.plan.tree,
+                    tensors=tensors, tree=job.plan.tree, tree_json=job.plan.tree_json,
                     user_metadata=dict(job.user_metadata), ref_files=ref_files)
 
 
