@@ -119,6 +119,14 @@ class LocalTier(Tier):
         """
         return [s for s in self.listed_steps() if self._is_valid(s)]
 
+    def latest(self) -> int | None:
+        """The newest committed step; validates manifests newest first, stopping at the first
+        good one (a save's step-order check runs this on the caller's thread)."""
+        for s in reversed(self.listed_steps()):
+            if self._is_valid(s):
+                return s
+        return None
+
     def _manifest_ident(self, step: int) -> tuple[int, ...] | None:
         try:
             st = os.stat(os.path.join(self.step_dir(step), MANIFEST_NAME), follow_symlinks=False)
@@ -312,7 +320,8 @@ class LocalTier(Tier):
     def _write_latest(self, step: int) -> tuple[str, ...]:
         tmp = os.path.join(self.root, "latest.tmp")
         try:
-            write_file_durable(tmp, f"step-{max(self.steps(), default=step)}\n".encode())
+            newest = self.latest()
+            write_file_durable(tmp, f"step-{step if newest is None else max(newest, step)}\n".encode())
             self._step("latest_tmp")
             os.rename(tmp, os.path.join(self.root, "latest"))
             fsync_dir(self.root)
