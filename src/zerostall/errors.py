@@ -9,7 +9,9 @@
     ├── CheckpointNotFound     no committed checkpoint (or not that step) at the path
     ├── CorruptCheckpoint      a manifest or shard failed validation or its checksum
     ├── StorageError           the OS refused an I/O operation (ENOSPC, EIO, EACCES, ...)
-    └── SaveFailed             a background save failed; ``__cause__`` holds the reason
+    ├── SaveFailed             a background save failed; ``__cause__`` holds the reason
+    └── DistributedError       coordination through torch.distributed failed (a rank missing,
+                               a store error); torch's own error is chained as ``__cause__``
 
 OS errors are translated at the boundary with ``raise ... from exc``; every message names
 the file, key or value at fault and what to do about it.
@@ -22,6 +24,7 @@ __all__ = [
     "CheckpointNotFound",
     "ConfigError",
     "CorruptCheckpoint",
+    "DistributedError",
     "SaveFailed",
     "StorageError",
     "UnsupportedStateError",
@@ -79,6 +82,16 @@ class SaveFailed(ZerostallError):
     def __init__(self, message: str, *, step: int | None = None):
         super().__init__(message)
         self.step = step
+
+
+class DistributedError(ZerostallError):
+    """Ranks could not coordinate: a rank did not join or report in time, or the c10d store
+    failed. ``missing_ranks`` lists the ranks that did not answer, when known; torch's
+    exception (``DistStoreError``, a timeout) is chained as ``__cause__``."""
+
+    def __init__(self, message: str, *, missing_ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.missing_ranks = tuple(missing_ranks)
 
 
 def storage_error(action: str, path: str, exc: OSError, hint: str = "") -> StorageError:
