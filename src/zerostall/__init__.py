@@ -1,7 +1,9 @@
 """zerostall: checkpoints for PyTorch training that the training loop does not feel.
 
 Public surface (see README): :class:`Checkpointer`, :func:`save`, :func:`load`, the configs,
-the handle and record types, and :mod:`zerostall.errors`.
+the handle and record types, :mod:`zerostall.errors`, :func:`register_type` (objects allowed
+to be rebuilt on load), :func:`rng_state`/:func:`set_rng_state`. Framework adapters live in
+:mod:`zerostall.integrations` (imported on demand).
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from . import errors
 from .checkpointer import Checkpointer
 from .config import CheckpointConfig, IOConfig, StagingConfig
 from .handle import SaveHandle
+from .format.objects import register_type
 from .restore import load as _load
+from .rng import rng_state, set_rng_state
+from .stateful import load_into
 from .telemetry.record import SaveRecord
 
 __version__ = "0.1.0"
@@ -27,7 +32,10 @@ __all__ = [
     "StagingConfig",
     "errors",
     "load",
+    "register_type",
+    "rng_state",
     "save",
+    "set_rng_state",
 ]
 
 
@@ -40,18 +48,24 @@ def save(path: str | os.PathLike[str], state_dict: Any, step: int, *,
 
 def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None = None,
          map_location: Any = None, *, verify: bool = True, fallback: bool = True,
-         io: IOConfig | None = None, rank: int | None = None, world_size: int | None = None) -> Any:
+         io: IOConfig | None = None, rank: int | None = None, world_size: int | None = None,
+         remote: str | None = None) -> Any:
     """Load the newest checkpoint under ``path`` that verifies (or exactly ``step``).
 
     With ``state_dict``, tensors are loaded in place and the same object is returned;
     otherwise a new state dict is returned (tensors on ``map_location``, default CPU).
     ``rank``/``world_size`` (default: from torch.distributed or the environment) pick this
     rank's state from a checkpoint saved per rank.
+
+    ``remote`` (``s3://bucket/prefix``, ``file:///shared/path``): also consider the steps that
+    remote tier holds; a newer (or the only) one is downloaded into ``path`` and loaded from
+    there. A remote that is down is skipped with a warning when ``path`` has a checkpoint.
     """
     if rank is None or world_size is None:
         from .dist.ranks import discover
         info = discover()
         rank = info.rank if rank is None else rank
         world_size = info.world_size if world_size is None else world_size
-    return _load(os.fspath(path), state_dict, step, map_location, verify=verify,
-                 fallback=fallback, io=io, rank=rank, world_size=world_size)
+    return load_into(state_dict, lambda sd: _load(os.fspath(path), sd, step, map_location, verify=verify,
+                                                  fallback=fallback, io=io, rank=rank, world_size=world_size,
+                                                  remote=remote))

@@ -33,14 +33,14 @@ from .dist.ranks import discover
 from .dist.session import Store, join, namespace
 from .errors import CheckpointExistsError, ConfigError, SaveFailed, ZerostallError
 from .handle import SaveHandle, record_of
-from .io.base import Engine, get_engine
-from .io.probe import probe
+from .io.base import Engine, engine_name_for, get_engine
 from .restore import load as _load
 from .staging.arena import Arena, budget_bytes
 from .staging.job import SaveJob
 from .staging.plan import build_plan
 from .staging.ring import BlockRing
 from .staging.snapshot import Snapshotter, record_save_events
+from .stateful import load_into, unwrap_optimizer
 from .store.local import LocalTier
 from .store.persist import Persister
 from .store.remote import open_tier
@@ -60,7 +60,7 @@ class Checkpointer:
     ``ZEROSTALL_*`` environment overrides apply.
 
     Under ``torch.distributed`` (or torchrun's environment) every rank writes its own
-    ``rank-R.zst`` and rank 0 commits once all are durable, coordinating through the c10d
+    ``rank-R.shard`` and rank 0 commits once all are durable, coordinating through the c10d
     store (``store=`` to pass another); see :mod:`zerostall.dist.commit`. Every rank creates
     a Checkpointer on the same root (or ``dist_name``) within ``join_timeout_s`` of each
     other and saves the same steps; ``dist_mode="local"`` for a process that saves alone.
@@ -77,27 +77,23 @@ class Checkpointer:
         self.config = cfg
         info = discover(store, cfg.dist_mode)
         self.rank, self.world_size = info.rank, info.world_size
-        self.tier = LocalTier(os.fspath(path), create=True)
+        self.tier = LocalTier(os.fspath(path), create=True, lock_timeout_s=cfg.lock_timeout_s)
         self.tier.check_writable()
         self._committer: StoreCommitter | None = None
         if self.world_size > 1:
             if info.store is None:
                 raise ConfigError(f"world size {self.world_size} but no c10d store: initialise torch.distributed "
                                   "first (init_process_group), pass store=, or use dist_mode='local' to save alone")
-            st = Store(info.store)
-            session = join(st, namespace(self.tier.root, cfg.dist_name), self.rank, self.world_size, self.tier,
-                           cfg.join_timeout_s)
-            self._committer = StoreCommitter(self.tier, st, session, per_rank=cfg.dist_mode == "per_rank",
-                                             timeout_s=cfg.commit_timeout_s)
+            # rank 0 (shared root) or each host's leader (node-local roots) owns the root
+            session = join(Store(info.store), namespace(self.tier.root, cfg.dist_name), self.rank,
+                           self.world_size, self.tier, cfg.join_timeout_s)
+            self._committer = StoreCommitter(self.tier, Store(info.store), session,
+                                             per_rank=cfg.dist_mode == "per_rank", timeout_s=cfg.commit_timeout_s)
             self.node_local = session.node_local
-        else:
-            self.tier.clean_stale_partials()
+        else:  # the one writer of this root (RootLockedError if another holds it); cleans leftovers
+            self.tier.own()
             self.node_local = False
-        name = cfg.io.engine
-        self.probe = None
-        if name == "auto":
-            self.probe = probe(self.tier.root)
-            name = self.probe.engine
+        name, self.probe = engine_name_for(self.tier.root, cfg.io)
         self.engine: Engine = get_engine(name, cfg.io)
         if cfg.prometheus:
             from .telemetry import prometheus
@@ -108,9 +104,13 @@ class Checkpointer:
                                      keep_every_remote=cfg.keep_every_remote)
             url = cfg.remote
             kwargs = dict(max_concurrency=cfg.remote_concurrency, max_bandwidth_bytes=cfg.remote_bandwidth_bytes)
+            # started now: its first pass uploads what an earlier run left unreplicated
             self._replicator = Replicator(self.tier, lambda: open_tier(url, io=cfg.io, **kwargs), policy,
                                           rank=self.rank, world_size=self.world_size,
-                                          timeout_s=cfg.replicate_timeout_s)
+                                          local_retention=self.rank == 0 or self.node_local,
+                                          retry_max_s=cfg.remote_retry_max_s)
+        self.unreplicated: list[int] = []
+        """After ``close()``: the steps not replicated before ``close_timeout_s`` (see README)."""
         self.arena: Arena | None = None
         self.ring: BlockRing | None = None
         self._snap: Snapshotter | None = None
@@ -192,7 +192,7 @@ class Checkpointer:
         job: SaveJob | None = None
         try:
             self._raise_pending()
-            self.tier.check_new_step(step, ow)
+            self.tier.check_new_step(step, ow, allow_lower=self.config.allow_lower_steps)
             plan = self._plan(state_dict)
             self._ensure_pipeline(plan.file_bytes)
             assert self.ring is not None and self._snap is not None and self._persist is not None
@@ -259,27 +259,54 @@ class Checkpointer:
             e.set()
         return SaveHandle(job, self)
 
-    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+    def guard(self, optimizer: Any) -> Any:
         """Make ``optimizer.step()`` wait until in-flight snapshots are staged.
 
         Forward and backward overlap the snapshot; only the step, which mutates parameters
-        and optimizer state in place, waits (and only if the copy is not finished). Returns
-        the hook handle (``.remove()`` to undo).
+        and optimizer state in place, waits (and only if the copy is not finished). With a
+        ``closure`` (LBFGS, Lightning's automatic optimization), the wait happens after the
+        closure's forward/backward, just before the update. ``optimizer`` may be a wrapper
+        (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``): the
+        ``torch.optim.Optimizer`` inside is guarded. Returns the hook handle (``.remove()``).
         """
+        return unwrap_optimizer(optimizer).register_step_pre_hook(self._step_pre_hook)
 
-        def hook(opt: Any, args: Any, kwargs: Any) -> None:
-            pending = [j for j in tuple(self._inflight) if not j.staged.is_set()]
-            if not pending:
-                return
-            mine = _storages_of(opt)
-            for job in pending:
-                if not job.reads(mine):
-                    continue
-                t0 = time.perf_counter()
-                job.staged.wait()
-                job.guard_wait_s += time.perf_counter() - t0
+    def _pending_staged(self, opt: Any) -> list[SaveJob]:
+        """In-flight snapshots that still read ``opt``'s parameters or state (lock-free)."""
+        pending = [j for j in tuple(self._inflight) if not j.staged.is_set()]
+        if not pending:
+            return []
+        mine = _storages_of(opt)
+        return [j for j in pending if j.reads(mine)]
 
-        return optimizer.register_step_pre_hook(hook)
+    def _wait_staged(self, jobs: list[SaveJob]) -> None:
+        for job in jobs:
+            t0 = time.perf_counter()
+            job.staged.wait()
+            job.guard_wait_s += time.perf_counter() - t0
+
+    def _step_pre_hook(self, opt: Any, args: Any, kwargs: Any) -> Any:
+        """Optimizer step pre-hook (caller's thread): wait for staging, or defer the wait into
+        the closure so that its forward/backward still overlaps the copy."""
+        pending = self._pending_staged(opt)
+        if not pending:
+            return None
+        closure = kwargs.get("closure") if kwargs else None
+        where = "kwargs" if closure is not None else None
+        if closure is None and len(args) > 1 and callable(args[1]):  # args[0] is the optimizer
+            closure, where = args[1], "args"
+        if closure is None:
+            self._wait_staged(pending)
+            return None
+
+        def guarded_closure() -> Any:
+            out = closure()
+            self._wait_staged(pending)
+            return out
+
+        if where == "kwargs":
+            return args, {**kwargs, "closure": guarded_closure}
+        return (args[0], guarded_closure, *args[2:]), kwargs
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every save started so far is committed or failed; False on timeout.
@@ -311,16 +338,26 @@ class Checkpointer:
         self.wait()
         with self._save_lock:
             bounce = self.arena if self.arena is not None and not self._inflight else None
-            return _load(self.tier.root, state_dict, step, map_location,
-                         verify=self.config.verify_on_load, fallback=self.config.fallback,
-                         engine=self.engine, bounce=bounce, rank=self.rank, world_size=self.world_size,
-                         remote=self.config.remote)
+            return load_into(state_dict, lambda sd: _load(
+                self.tier.root, sd, step, map_location, verify=self.config.verify_on_load,
+                fallback=self.config.fallback, engine=self.engine, bounce=bounce, rank=self.rank,
+                world_size=self.world_size, remote=self.config.remote))
 
-    def steps(self) -> list[int]:
-        return self.tier.steps()
+    def steps(self, *, include_remote: bool = True) -> list[int]:
+        """Committed steps, ascending: local ones and, with a remote tier (unless
+        ``include_remote=False``), those the remote holds (its manifest is there). A remote
+        that cannot be listed within a few seconds is skipped with a warning."""
+        local = self.tier.steps()
+        if not include_remote or not self.config.remote:
+            return local
+        from .store.remote import list_steps
+        remote, _ = list_steps(open_tier(self.config.remote, io=self.config.io))
+        return sorted(set(local) | set(remote or []))
 
-    def latest_step(self) -> int | None:
-        return self.tier.latest()
+    def latest_step(self, *, include_remote: bool = True) -> int | None:
+        """The newest of :meth:`steps` (what :meth:`load` restores unless it fails to verify)."""
+        steps = self.steps(include_remote=include_remote)
+        return steps[-1] if steps else None
 
     def on_preemption(self, timeout: float | None = 60.0) -> bool:
         """Call from a SIGTERM handler: let in-flight saves finish, up to ``timeout`` seconds.
@@ -354,13 +391,17 @@ class Checkpointer:
             atexit.unregister(self._atexit)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
-        for worker in (self._snap, self._persist, self._replicator):
+        for worker in (self._snap, self._persist):
             if worker is not None:
-                ok = worker.stop(left()) and ok  # the replicator finishes queued uploads (replicate_timeout_s)
+                ok = worker.stop(left()) and ok
+        if self._replicator is not None:  # bounded: the rest is uploaded by the next run
+            budget = self.config.close_timeout_s if deadline is None else min(self.config.close_timeout_s, left() or 0.0)
+            self.unreplicated = self._replicator.close(budget)
         if ok:
             self.engine.close()
             if self.arena is not None:
                 self.arena.close()
+            self.tier.release()
         else:
             log.warning("zerostall: close() gave up after %s s with work in flight; it goes on in daemon "
                         "threads", timeout)

@@ -25,9 +25,8 @@ def _human(n: float) -> str:
 
 def _engine(name: str, root: str) -> Any:
     from .config import IOConfig
-    from .io import get_engine, probe
-    cfg = IOConfig()
-    return get_engine(probe(root).engine if name == "auto" else name, cfg)
+    from .io import choose_engine
+    return choose_engine(root, IOConfig(engine=name))
 
 
 def _is_url(p: str) -> bool:
@@ -62,7 +61,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
     else:
         tier = LocalTier(a.path)
         title = tier.root
-        for s in tier.steps():
+        for s in tier.listed_steps():  # damaged ones too, reported as such
             try:
                 m = tier.read_manifest(s)
                 rows.append({"step": s, "bytes": m.total_bytes, "tensors": len(m.tensors),
@@ -132,7 +131,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     from .restore import verify_step
     from .store.local import LocalTier
     tier = LocalTier(a.path)
-    steps = [a.step] if a.step is not None else tier.steps()
+    steps = [a.step] if a.step is not None else tier.listed_steps()
     if not steps:
         print(f"no committed checkpoint in {tier.root}", file=sys.stderr)
         return 1

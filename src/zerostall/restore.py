@@ -27,13 +27,12 @@ import crc32c as _crc
 import torch
 
 from .config import ALIGN_BYTES, IOConfig
-from .errors import CheckpointNotFound, CorruptCheckpoint, StorageError, ZerostallError
+from .errors import CheckpointNotFound, CorruptCheckpoint, RemoteError, StorageError, ZerostallError
 from .format.dtypes import dtype_from_name
 from .format.layout import HEADER_BYTES, ShardHeader
 from .format.manifest import Manifest, TensorEntry
 from .format.tree import decode_tree, tree_tensor_indices
-from .io.base import Engine, get_engine
-from .io.probe import probe
+from .io.base import Engine, choose_engine
 from .staging.arena import Arena
 from .store.local import LocalTier
 
@@ -267,8 +266,12 @@ def fetch_remote_step(tier: LocalTier, remote: Any, step: int) -> Manifest:
         raise CorruptCheckpoint(f"{remote.url}/step-{step}: manifest says step {man.step}")
     os.makedirs(tier.root, exist_ok=True)
     part = tier.begin(step)
-    for fe in man.files:
-        remote.download(f"step-{step}/{fe.name}", os.path.join(part, fe.name), fe.file_bytes)
+    try:
+        for fe in man.files:
+            remote.download(f"step-{step}/{fe.name}", os.path.join(part, fe.name), fe.file_bytes)
+    except BaseException:
+        tier.abort(step)
+        raise
     tier.commit(step, man, overwrite=True)
     log.info("zerostall: fetched step %d from %s into %s", step, remote.url, tier.root)
     return man
@@ -281,17 +284,26 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
     """Load the newest verified checkpoint (or ``step``) under ``path``; see the module doc.
 
     With ``remote`` (a URL or tier), steps only the remote holds are downloaded into ``path``
-    first; for each step, newest first, the local copy is tried, then the remote one.
+    first; for each step, newest first, the local copy is tried, then the remote one. A remote
+    that cannot be listed within a few seconds (down, unreachable) is skipped with a warning:
+    local checkpoints load as if there were no remote tier.
     """
-    if isinstance(remote, str):
-        from .store.remote import open_tier
-        remote = open_tier(remote, io=io)
+    remote_why = ""
+    remote_steps: list[int] = []
+    if remote is not None:
+        from .store.remote import list_steps, open_tier
+        if isinstance(remote, str):
+            remote = open_tier(remote, io=io)
+        listed, remote_why = list_steps(remote)
+        remote_steps = listed or []
     tier = LocalTier(path, create=remote is not None)
-    steps = tier.steps()
-    remote_steps = remote.steps() if remote is not None else []
+    steps = tier.listed_steps()  # damaged ones too: each is tried and its defect reported
     every = sorted(set(steps) | set(remote_steps))
     if not every:
         extra = f" ({len(tier.partial_steps())} unfinished .partial directories)" if tier.partial_steps() else ""
+        if remote_why:
+            raise RemoteError(f"no committed checkpoint in {tier.root!r}, and the remote tier could not be listed: "
+                              f"{remote_why}", url=remote.url)
         where = f"{tier.root!r}" + (f" or {remote.url}" if remote is not None else "")
         raise CheckpointNotFound(f"no committed checkpoint in {where}{extra}")
     if step is not None:
@@ -303,9 +315,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
         candidates = list(reversed(every)) if fallback else [every[-1]]
     own_engine = engine is None
     if engine is None:
-        cfg = io or IOConfig()
-        name = cfg.engine if cfg.engine != "auto" else probe(tier.root).engine
-        engine = get_engine(name, cfg)
+        engine = choose_engine(tier.root, io or IOConfig())
     bounce = bounce or _shared_bounce()
     errors: list[str] = []
     try:
@@ -321,7 +331,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
                                     "; ".join(errors))
                     return out
                 except (CorruptCheckpoint, StorageError) as exc:
-                    log.error("zerostall: step %d (%s copy) failed verification: %s", s, src, exc)
+                    log.error("zerostall: step %d (%s copy) failed: %s", s, src, exc)
                     errors.append(f"step {s} ({src}): {exc}")
                     if src == "remote":
                         tier.delete(s)  # drop the bad download

@@ -31,8 +31,8 @@ def saved_at_4(tmp_path_factory):
 
 def test_saved_layout(saved_at_4):
     names = sorted(os.listdir(saved_at_4))
-    assert names == [".metadata"] + [f"rank-{r:05d}.zst" for r in range(4)]
-    assert all(os.path.getsize(os.path.join(saved_at_4, n)) % 4096 == 0 for n in names if n.endswith(".zst"))
+    assert names == [".metadata"] + [f"rank-{r:05d}.shard" for r in range(4)]
+    assert all(os.path.getsize(os.path.join(saved_at_4, n)) % 4096 == 0 for n in names if n.endswith(".shard"))
     assert not os.path.exists(saved_at_4 + ".partial")
 
 
@@ -52,7 +52,7 @@ def test_flipped_byte_fails_with_corruption_error(saved_at_4, tmp_path):
     import shutil
     bad = str(tmp_path / "bad")
     shutil.copytree(saved_at_4, bad)
-    with open(os.path.join(bad, "rank-00001.zst"), "r+b") as f:
+    with open(os.path.join(bad, "rank-00001.shard"), "r+b") as f:
         f.seek(4096 + 3)
         b = f.read(1)
         f.seek(4096 + 3)
@@ -65,7 +65,7 @@ def test_flipped_byte_fails_with_corruption_error(saved_at_4, tmp_path):
     text = str(ei.value) + " ".join(f"{v!r} {getattr(v, 'exc', '')} {getattr(v, 'formatted_tb', '')}"
                                     for v in failures.values())
     assert isinstance(ei.value, CorruptCheckpoint) or "CorruptCheckpoint" in text
-    assert "rank-00001.zst" in text and "crc32c" in text
+    assert "rank-00001.shard" in text and "crc32c" in text
 
 
 def test_metadata_is_not_a_code_path(saved_at_4, tmp_path):

@@ -10,7 +10,7 @@ Rounds are keyed by (root, step) — ``<ns>/<sid>/s<step>/`` where ``ns`` names 
 a rank that failed or skipped a step cannot shift the keys of later steps. The round of
 step N:
 
-1. every rank writes ``step-N.partial/rank-R.zst`` and fdatasyncs it;
+1. every rank writes ``step-N.partial/rank-R.shard`` and fdatasyncs it;
 2. rank ``R > 0`` sets ``r<R>`` = its fragment (file entry, tensor entries with crc32c, tree);
    a rank that failed locally — in ``save()`` before anything was queued, while writing, or
    by skipping — sets ``fail`` = ``{rank, error}`` instead (rank 0 sets ``result`` directly);

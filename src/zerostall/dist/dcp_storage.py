@@ -2,7 +2,7 @@
 
 ``dcp.save(sd, storage_writer=Writer(path))``, ``dcp.async_save(..., storage_writer=Writer(path))``
 and ``dcp.load(sd, storage_reader=Reader(path))``: DCP's planners do the (re)sharding;
-zerostall writes each rank's items into one ``rank-R.zst`` (4 KiB header, 4 KiB-aligned
+zerostall writes each rank's items into one ``rank-R.shard`` (4 KiB header, 4 KiB-aligned
 items, O_DIRECT through the chosen engine, fdatasync), records a crc32c per item, and commits
 atomically: every rank writes into ``<path>.partial/``; the coordinator's ``finish`` writes
 ``.metadata``, fsyncs and renames the directory to ``<path>``.
@@ -24,7 +24,6 @@ import dataclasses
 import io
 import os
 import pickle
-import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -42,14 +41,14 @@ from torch.futures import Future
 from ..config import ALIGN_BYTES, IOConfig
 from ..errors import CheckpointExistsError, CheckpointNotFound, CorruptCheckpoint
 from ..format.dtypes import dtype_from_name, dtype_name
-from ..format.layout import HEADER_BYTES, ShardHeader, align_up
-from ..io import get_engine, probe
+from ..format.layout import HEADER_BYTES, SHARD_NAME_RE, ShardHeader, align_up, shard_name
+from ..io import choose_engine
 from ..staging.arena import Arena
 from ..store.local import fsync_dir, write_file_durable
 
 METADATA = ".metadata"
 WINDOW_BYTES = 64 << 20
-_FILE_RE = re.compile(r"^rank-\d{5}\.zst$")
+_FILE_RE = SHARD_NAME_RE  # .shard, or .zst from before 0.2
 
 
 @dataclass(frozen=True)
@@ -68,8 +67,7 @@ class _ZSInfo:
 
 
 def _engine(path: str, io_cfg: IOConfig | None) -> Any:
-    cfg = io_cfg or IOConfig()
-    return get_engine(probe(path).engine if cfg.engine == "auto" else cfg.engine, cfg)
+    return choose_engine(path, io_cfg or IOConfig())
 
 
 class Writer(StorageWriter):
@@ -103,7 +101,7 @@ class Writer(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rank = int(plan.storage_data or 0)
-        fname = f"rank-{rank:05d}.zst"
+        fname = shard_name(rank)
         blobs: list[tuple[Any, torch.Tensor, str, tuple[int, ...]]] = []
         for item in plan.items:
             data = planner.resolve_data(item)

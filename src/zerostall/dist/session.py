@@ -21,8 +21,9 @@ a per-process counter. The start-up round:
    is not the reader's own is a stale answer to an earlier, abandoned join and is skipped;
 3. under the session prefix ``<ns>/<sid>`` every rank reports whether it sees the token file
    (a shared root) and its host; rank 0 decides ``node_local`` and the leader (lowest rank)
-   of each host, removes stale partial checkpoints (a shared root), publishes ``ready``;
-4. on a node-local root each host's leader removes its own stale partials and sets
+   of each host; on a shared root rank 0 owns it (``LocalTier.own``: the root lock, held for
+   the Checkpointer's life, and start-up recovery), then publishes ``ready``;
+4. on a node-local root each host's leader owns its own copy of the root and sets
    ``cleaned/<host>``; the others of that host wait for it;
 5. every rank adds 1 to ``setup_ack``; the one that completes the count deletes the keys.
 """
@@ -215,9 +216,13 @@ def _decide(store: Store, prefix: str, world: int, host: str, tier: LocalTier, t
     leaders: dict[str, int] = {}
     for r, i in enumerate(infos):
         leaders.setdefault(i["host"], r)
+    ready: dict[str, Any] = {"node_local": node_local, "leaders": sorted(leaders.values()), "hosts": sorted(leaders)}
     if not node_local:
-        tier.clean_stale_partials()
-    ready = {"node_local": node_local, "leaders": sorted(leaders.values()), "hosts": sorted(leaders)}
+        try:
+            tier.own()  # rank 0 is the one owner (lock, leftovers) of a shared root
+        except BaseException as exc:
+            store.set(f"{prefix}/ready", json.dumps(dict(ready, error=f"rank 0 could not own the root: {exc}")))
+            raise
     store.set(f"{prefix}/ready", json.dumps(ready))
     return _finish(store, prefix, 0, world, host, tier, ready, timeout_s)
 
@@ -226,13 +231,22 @@ def _finish(store: Store, prefix: str, rank: int, world: int, host: str, tier: L
             ready: dict[str, Any], timeout_s: float) -> Session:
     node_local, leaders = bool(ready["node_local"]), tuple(ready["leaders"])
     try:
+        if "error" in ready:
+            raise DistributedError(ready["error"])
         if node_local:
-            if rank in leaders:
-                tier.clean_stale_partials()
-                store.set(f"{prefix}/cleaned/{host}", "1")
-            elif store.poll([f"{prefix}/cleaned/{host}"], time.monotonic() + timeout_s) == "timeout":
-                raise DistributedError(f"rank {rank}: the leader of host {host} did not clean its node-local "
+            key = f"{prefix}/cleaned/{host}"
+            if rank in leaders:  # each host's leader owns its node-local root
+                try:
+                    tier.own()
+                except BaseException as exc:
+                    store.set(key, json.dumps({"error": f"rank {rank} could not own its node-local root: {exc}"}))
+                    raise
+                store.set(key, json.dumps({}))
+            elif store.poll([key], time.monotonic() + timeout_s) == "timeout":
+                raise DistributedError(f"rank {rank}: the leader of host {host} did not set up its node-local "
                                        f"root within {timeout_s:g} s")
+            elif "error" in (msg := store.get_json(key)):
+                raise DistributedError(msg["error"])
     finally:
         if store.add(f"{prefix}/setup_ack", 1) == world:
             store.delete(f"{prefix}/ready", f"{prefix}/setup_ack", *(f"{prefix}/cleaned/{h}" for h in ready["hosts"]))

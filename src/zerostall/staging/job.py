@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..format.layout import ShardHeader
+from ..format.layout import ShardHeader, shard_name
 from .plan import SavePlan
 
 
@@ -42,6 +42,8 @@ class SaveJob:
     replicate_error: BaseException | None = None
     t_replicated: float = 0.0
     error: BaseException | None = None
+    post_commit_errors: list[str] = field(default_factory=list)
+    """Problems after the commit point (latest hint, retention): logged, the save stays durable."""
     skipped: bool = False
     reported: bool = False
     """Set by the committer once this rank's outcome of the step was sent to the other ranks."""
@@ -72,7 +74,7 @@ class SaveJob:
 
     @property
     def file_name(self) -> str:
-        return f"rank-{self.rank:05d}.zst"
+        return shard_name(self.rank)
 
     def reads(self, storages: set[int]) -> bool:
         """Whether the snapshot may still read one of ``storages`` (storage addresses).
