@@ -209,8 +209,6 @@ class Checkpointer:
             job.nblocks = nblocks
             self._samplers[id(job)] = Sampler(self.config.telemetry_interval_s)
             self._inflight.append(job)
-            if self._closed:  # close() ran in a signal handler that interrupted this save
-                raise ZerostallError(f"the Checkpointer was closed while step {step} was being saved")
             job.g0 = self.ring.reserve(nblocks)
             job.t_submit = t0
             self._hand_over(job)
@@ -230,6 +228,8 @@ class Checkpointer:
     def _hand_over(self, job: SaveJob) -> None:
         """Queue ``job`` on both workers, each once (also called by close() for a save it interrupted)."""
         assert self._persist is not None and self._snap is not None
+        if self._closed and not (job.to_persist or job.to_snap):  # close() ran in a handler inside save()
+            raise ZerostallError(f"the Checkpointer was closed while step {job.step} was being saved")
         if not job.to_persist:
             job.to_persist = True
             self._persist.submit(job)
@@ -271,11 +271,12 @@ class Checkpointer:
         """
         return unwrap_optimizer(optimizer).register_step_pre_hook(self._step_pre_hook)
 
-    def _pending_staged(self, opt: Any) -> list[SaveJob]:
-        """In-flight snapshots that still read ``opt``'s parameters or state (lock-free)."""
+    def _pending_staged(self, opt: Any = None) -> list[SaveJob]:
+        """In-flight snapshots not staged yet (lock-free); with ``opt``, only those that still
+        read its parameters or state."""
         pending = [j for j in tuple(self._inflight) if not j.staged.is_set()]
-        if not pending:
-            return []
+        if not pending or opt is None:
+            return pending
         mine = _storages_of(opt)
         return [j for j in pending if j.reads(mine)]
 
@@ -382,11 +383,15 @@ class Checkpointer:
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
+        abandoned = []
         for job in tuple(self._inflight):
             if (job.to_persist or job.to_snap) and not job.submitted:  # interrupted between the two queues
                 job.fail(ZerostallError(f"the Checkpointer was closed while step {job.step} was being saved"))
                 self._hand_over(job)
+                abandoned.append(job)
         ok = self._wait_until(deadline)
+        for job in abandoned:  # its handle says so; not a background failure to re-raise here
+            self._error_seen(job)
         try:
             atexit.unregister(self._atexit)
         except Exception:  # noqa: BLE001 - interpreter shutdown

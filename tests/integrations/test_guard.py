@@ -15,7 +15,8 @@ from tests.helpers import clone, equal
 
 
 def _pending(ck):
-    job = types.SimpleNamespace(staged=threading.Event(), done=threading.Event(), guard_wait_s=0.0)
+    job = types.SimpleNamespace(staged=threading.Event(), done=threading.Event(), guard_wait_s=0.0,
+                                submitted=True, reads=lambda storages: True)
     job.done.set()  # Checkpointer.wait()/close() must not wait for it
     ck._inflight.append(job)
     return job
