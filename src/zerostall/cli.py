@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Any, Callable
 
+from . import cli_dcp
 from .errors import CheckpointNotFound, CorruptCheckpoint, ZerostallError
 
 
@@ -50,6 +51,8 @@ def _remote_rows(url: str) -> list[dict[str, Any]]:
 
 
 def cmd_ls(a: argparse.Namespace) -> int:
+    if not _is_url(a.path) and cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
+        return cli_dcp.cmd_ls(a)
     from rich.console import Console
     from rich.table import Table
 
@@ -128,6 +131,8 @@ def cmd_restore(a: argparse.Namespace) -> int:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
+    if cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
+        return cli_dcp.cmd_verify(a)
     from .restore import verify_step
     from .store.local import LocalTier
     tier = LocalTier(a.path)
@@ -149,6 +154,8 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
+    if cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
+        return cli_dcp.cmd_inspect(a)
     from rich.console import Console
     from rich.table import Table
 

@@ -10,6 +10,7 @@
     ├── RootLockedError        another writer owns the checkpoint root (names it)
     ├── CheckpointNotFound     no committed checkpoint (or not that step) at the path
     ├── CorruptCheckpoint      a manifest or shard failed validation or its checksum
+    ├── StateMismatchError     the caller's state dict does not fit the checkpoint (shape, dtype, strict keys)
     ├── StorageError           the OS refused an I/O operation (ENOSPC, EIO, EACCES, ...)
     │   └── RemoteError        a remote tier (S3, shared filesystem) failed; names the URL and step
     ├── SaveFailed             a background save failed; ``__cause__`` holds the reason
@@ -31,6 +32,7 @@ __all__ = [
     "RemoteError",
     "RootLockedError",
     "SaveFailed",
+    "StateMismatchError",
     "StepOrderError",
     "StorageError",
     "UnsupportedStateError",
@@ -159,3 +161,7 @@ def storage_error(action: str, path: str, exc: OSError, hint: str = "") -> Stora
     if hint:
         msg += f" ({hint})"
     return StorageError(msg, errno=exc.errno, filename=path)
+
+
+class StateMismatchError(ZerostallError, ValueError):
+    """The caller's state dict does not match the checkpoint (shapes, dtypes, keys under ``strict``)."""

@@ -72,3 +72,31 @@ def test_choose_engine_is_the_one_place(tmp_path):
     auto.close()
     with pytest.raises(ConfigError, match="unknown I/O engine"):
         choose_engine(str(tmp_path), IOConfig(engine="nope"))
+
+
+def test_distributed_ranks_all_refused_when_root_is_owned(tmp_path, ckdir):
+    """Rank 0 owns a shared root for all ranks; when another process holds it, every rank gets
+    RootLockedError from the start-up round, not a commit timeout."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    here = os.path.dirname(__file__)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with zerostall.Checkpointer(ckdir):
+        procs = []
+        for r in range(2):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2",
+                       LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2")
+            out = str(tmp_path / f"r{r}.json")
+            procs.append((subprocess.Popen([sys.executable, os.path.join(here, "lock_worker.py"), ckdir, out],
+                                           env=env, stderr=subprocess.PIPE, text=True), out))
+        for p, out in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+            res = json.load(open(out))
+            assert res["type"] == "RootLockedError", res
+            assert f"pid {os.getpid()}" in res["error"]  # (a store timeout would name no owner)

@@ -49,6 +49,7 @@ class Tally:
     ok: int = 0
     empty: int = 0  # killed before the first commit
     partial_seen: int = 0
+    leftovers_seen: int = 0  # a kill left .deleting-*/.old/latest.tmp (the next owner removes them)
     failures: list[str] = field(default_factory=list)
 
 
@@ -61,6 +62,7 @@ def check(directory: str, tally: Tally) -> None:
     tier = LocalTier(directory)
     steps = tier.steps()
     tally.partial_seen += bool(tier.partial_steps())
+    tally.leftovers_seen += any(not n.endswith(".partial") for n in tier.leftovers())
     if not steps:
         tally.empty += 1
         return

@@ -24,7 +24,9 @@ a per-process counter. The start-up round:
    of each host; on a shared root rank 0 owns it (``LocalTier.own``: the root lock, held for
    the Checkpointer's life, and start-up recovery), then publishes ``ready``;
 4. on a node-local root each host's leader owns its own copy of the root and sets
-   ``cleaned/<host>``; the others of that host wait for it;
+   ``cleaned/<host>`` (with the error, if it could not); every rank waits for all hosts';
+   a root that could not be taken fails every rank now (:class:`RootLockedError`), not
+   after a commit timeout;
 5. every rank adds 1 to ``setup_ack``; the one that completes the count deletes the keys.
 """
 
@@ -40,7 +42,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import DistributedError
+from ..errors import DistributedError, RootLockedError, ZerostallError
 from ..store.local import LocalTier
 
 log = logging.getLogger("zerostall")
@@ -220,8 +222,11 @@ def _decide(store: Store, prefix: str, world: int, host: str, tier: LocalTier, t
     if not node_local:
         try:
             tier.own()  # rank 0 is the one owner (lock, leftovers) of a shared root
-        except BaseException as exc:
-            store.set(f"{prefix}/ready", json.dumps(dict(ready, error=f"rank 0 could not own the root: {exc}")))
+        except ZerostallError as exc:  # every rank fails now, not after a commit timeout
+            store.set(f"{prefix}/ready", json.dumps(dict(ready, error=f"rank 0 could not take the checkpoint "
+                                                                     f"root: {exc}")))
+            if store.add(f"{prefix}/setup_ack", 1) == world:
+                store.delete(f"{prefix}/ready", f"{prefix}/setup_ack")
             raise
     store.set(f"{prefix}/ready", json.dumps(ready))
     return _finish(store, prefix, 0, world, host, tier, ready, timeout_s)
@@ -232,21 +237,27 @@ def _finish(store: Store, prefix: str, rank: int, world: int, host: str, tier: L
     node_local, leaders = bool(ready["node_local"]), tuple(ready["leaders"])
     try:
         if "error" in ready:
-            raise DistributedError(ready["error"])
-        if node_local:
-            key = f"{prefix}/cleaned/{host}"
-            if rank in leaders:  # each host's leader owns its node-local root
+            raise RootLockedError(ready["error"], root=tier.root)
+        if node_local:  # each host's leader owns its copy of the root; every rank learns the outcome
+            if rank in leaders:
+                err = None
                 try:
                     tier.own()
-                except BaseException as exc:
-                    store.set(key, json.dumps({"error": f"rank {rank} could not own its node-local root: {exc}"}))
-                    raise
-                store.set(key, json.dumps({}))
-            elif store.poll([key], time.monotonic() + timeout_s) == "timeout":
-                raise DistributedError(f"rank {rank}: the leader of host {host} did not set up its node-local "
-                                       f"root within {timeout_s:g} s")
-            elif "error" in (msg := store.get_json(key)):
-                raise DistributedError(msg["error"])
+                except ZerostallError as exc:
+                    err = exc
+                store.set(f"{prefix}/cleaned/{host}", json.dumps(
+                    {"error": f"rank {rank} could not take its node-local root on {host}: {err}"} if err else {}))
+                if err is not None:
+                    raise err
+            keys = [f"{prefix}/cleaned/{h}" for h in ready["hosts"]]
+            if store.poll(keys, time.monotonic() + timeout_s) == "timeout":
+                tier.release()
+                raise DistributedError(f"rank {rank}: a host's leader did not take its node-local root within "
+                                       f"{timeout_s:g} s")
+            errors = [e for m in store.multi_get_json(keys) if (e := m.get("error"))]
+            if errors:
+                tier.release()
+                raise RootLockedError(errors[0], root=tier.root)
     finally:
         if store.add(f"{prefix}/setup_ack", 1) == world:
             store.delete(f"{prefix}/ready", f"{prefix}/setup_ack", *(f"{prefix}/cleaned/{h}" for h in ready["hosts"]))

@@ -42,8 +42,7 @@ import torch
 
 from ..config import CheckpointConfig
 from ..errors import ConfigError, ZerostallError
-from ..format.manifest import MANIFEST_NAME
-from ._common import StateGuard, open_local, tensors_of
+from ._common import StateGuard, is_committed, next_step, open_local, tensors_of
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -63,10 +62,7 @@ __all__ = ["ZerostallCheckpointIO", "is_zerostall_checkpoint", "load_from_checkp
 
 def is_zerostall_checkpoint(path: str | os.PathLike[str]) -> bool:
     """True when ``path`` is a directory holding at least one committed zerostall step."""
-    p = os.fspath(path)
-    if not os.path.isdir(p):
-        return False
-    return any(n.startswith("step-") and os.path.isfile(os.path.join(p, n, MANIFEST_NAME)) for n in os.listdir(p))
+    return is_committed(path)
 
 
 class ZerostallCheckpointIO(CheckpointIO):
@@ -92,7 +88,6 @@ class ZerostallCheckpointIO(CheckpointIO):
         self.config = cfg.replace(keep_last=1, overwrite=False)
         self.wait_staged = wait_staged
         self._ckpts: dict[str, Any] = {}
-        self._next_step: dict[str, int] = {}
         self._guard = StateGuard()
         self._removers: list[threading.Thread] = []
         self._errors: list[BaseException] = []
@@ -107,10 +102,7 @@ class ZerostallCheckpointIO(CheckpointIO):
         if os.path.isfile(root):  # a torch.save file from an earlier run under the same name
             os.remove(root)
         ck = self._checkpointer(root)
-        latest = ck.latest_step()
-        step = max(int(checkpoint.get("global_step", 0) or 0), self._next_step.get(root, 0),
-                   -1 if latest is None else latest + 1)
-        self._next_step[root] = step + 1
+        step = next_step(ck, int(checkpoint.get("global_step", 0) or 0))
         self._close_idle(keep=root)
         handle = ck.save(step, checkpoint)
         self.handles.append(handle)

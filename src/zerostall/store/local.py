@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Callable
 from ..errors import (CheckpointExistsError, CheckpointNotFound, CorruptCheckpoint, StepOrderError,
                       ZerostallError, storage_error)
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
+from ..format.validate import parse_step_dir, read_small
 from .atomic import fsync_dir, publish_dir, recover_dir, rmtree, write_file_durable
 from .owner import RootLock
 from .retention import doomed
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
 __all__ = ["LocalTier", "fsync_dir", "write_file_durable"]
 
 log = logging.getLogger("zerostall")
-_STEP_RE = re.compile(r"^step-(\d{1,19})$")
 _PARTIAL_RE = re.compile(r"^step-(\d{1,19})\.partial$")
 _OLD_RE = re.compile(r"^step-(\d{1,19})\.old$")
 _TEMP_RE = re.compile(r"^(latest\.tmp|\.zerostall-write-test-\d+|\.zerostall-probe-[0-9a-f]+)$")
@@ -105,10 +105,10 @@ class LocalTier(Tier):
         tools that report damaged steps (``ls``, ``verify``)."""
         out = []
         for n in self._names():
-            m = _STEP_RE.match(n)
-            if m and os.path.isfile(os.path.join(self.root, n, MANIFEST_NAME)) \
+            s = parse_step_dir(n, self.root)  # canonical names only: 'step-03' is ignored, with a warning
+            if s is not None and os.path.isfile(os.path.join(self.root, n, MANIFEST_NAME)) \
                     and not os.path.islink(os.path.join(self.root, n)):
-                out.append(int(m.group(1)))
+                out.append(s)
         return sorted(out)
 
     def steps(self) -> list[int]:
@@ -119,13 +119,17 @@ class LocalTier(Tier):
         """
         return [s for s in self.listed_steps() if self._is_valid(s)]
 
-    def _is_valid(self, step: int) -> bool:
-        path = os.path.join(self.step_dir(step), MANIFEST_NAME)
+    def _manifest_ident(self, step: int) -> tuple[int, ...] | None:
         try:
-            st = os.stat(path, follow_symlinks=False)
+            st = os.stat(os.path.join(self.step_dir(step), MANIFEST_NAME), follow_symlinks=False)
         except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def _is_valid(self, step: int) -> bool:
+        ident = self._manifest_ident(step)
+        if ident is None:
             return False
-        ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         with self._valid_mu:
             hit = self._valid.get(step)
         if hit is not None and hit[0] == ident:
@@ -155,7 +159,10 @@ class LocalTier(Tier):
         try:
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             os.close(fd)
-            os.unlink(probe)
+            try:
+                os.unlink(probe)
+            except FileNotFoundError:  # the owner's start-up cleanup got there first
+                pass
         except OSError as exc:
             raise storage_error("writing to checkpoint directory", self.root, exc,
                                 "pick a writable directory or fix its permissions/attributes") from exc
@@ -169,22 +176,13 @@ class LocalTier(Tier):
                                     "inside the checkpoint directory", path=d)
         path = os.path.join(d, MANIFEST_NAME)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            raw = read_small(path, MAX_MANIFEST_BYTES)  # regular files only: no FIFO, no symlink
         except FileNotFoundError:
             raise CheckpointNotFound(f"no committed checkpoint for step {step} in {self.root!r} "
                                      f"(steps: {self.listed_steps() or 'none'})") from None
         except OSError as exc:
-            raise CorruptCheckpoint(f"{path}: cannot open manifest ({os.strerror(exc.errno or 0)})",
+            raise CorruptCheckpoint(f"{path}: cannot read manifest ({os.strerror(exc.errno or 0)})",
                                     path=path) from exc
-        try:
-            size = os.fstat(fd).st_size
-            if size > MAX_MANIFEST_BYTES:
-                raise CorruptCheckpoint(f"{path}: manifest is {size} bytes, over the "
-                                        f"{MAX_MANIFEST_BYTES} limit", path=path)
-            with os.fdopen(os.dup(fd), "rb") as f:
-                raw = f.read(MAX_MANIFEST_BYTES + 1)
-        finally:
-            os.close(fd)
         man = Manifest.from_bytes(raw, where=path)
         if man.step != step:
             raise CorruptCheckpoint(f"{path}: manifest says step {man.step}, directory says {step}", path=path)
@@ -305,6 +303,10 @@ class LocalTier(Tier):
             raise
         except OSError as exc:
             raise storage_error(f"committing step {step} in", self.root, exc) from exc
+        ident = self._manifest_ident(step)  # we wrote this manifest: listing need not parse it again
+        if ident is not None:
+            with self._valid_mu:
+                self._valid[step] = (ident, True)
         return self._write_latest(step)
 
     def _write_latest(self, step: int) -> tuple[str, ...]:

@@ -20,10 +20,9 @@ import socket
 import time
 from typing import Any, Callable
 
-import crc32c as _crc
-
 from .._util import Worker
 from ..format.manifest import FileEntry, Manifest, TensorEntry
+from ..format.shard import CrcCursor
 from ..io.base import Engine, ShardFile
 from ..staging.arena import Arena
 from ..staging.job import SaveJob
@@ -65,28 +64,6 @@ class LocalCommitter:
 
     def fail(self, job: SaveJob, exc: BaseException) -> None:
         self.tier.abort(job.step)
-
-
-class CrcCursor:
-    """Per-tensor crc32c over a shard's bytes, fed in file order, extent by extent."""
-
-    def __init__(self, job: SaveJob):
-        self.items = job.plan.items
-        self.crcs = [0] * len(self.items)
-        self.i = 0
-
-    def feed(self, extents: list[tuple[int, memoryview]]) -> None:
-        for foff, mv in extents:
-            end = foff + len(mv)
-            while self.i < len(self.items):
-                it = self.items[self.i]
-                a, b = max(it.offset, foff), min(it.offset + it.nbytes, end)
-                if a < b:
-                    self.crcs[self.i] = _crc.crc32c(mv[a - foff:b - foff], self.crcs[self.i])
-                if it.offset + it.nbytes <= end:
-                    self.i += 1  # finished (or empty); move on
-                else:
-                    break
 
 
 class Persister(Worker[SaveJob]):
@@ -142,7 +119,7 @@ class Persister(Worker[SaveJob]):
         try:
             part = self.committer.begin(job)
             f = self.engine.open_write(os.path.join(part, job.file_name), job.plan.file_bytes)
-            crc = CrcCursor(job)
+            crc = CrcCursor(job.plan.items)
             while g < job.g_end:
                 hi = min(self.ring.wait_staged(g), job.g_end, g + self.batch_blocks)
                 if job.error is not None:
