@@ -87,6 +87,12 @@ def main():
                 res["error"], res["type"] = str(exc), type(exc).__name__
                 res["missing"] = list(getattr(exc, "missing_ranks", ()))
             res["elapsed_s"] = time.monotonic() - t0
+    elif scenario == "locked":  # another process owns the root: every rank fails in the start-up round
+        try:
+            zerostall.Checkpointer(ckdir, join_timeout_s=30, lock_timeout_s=0)
+            res["error"] = None
+        except zerostall.errors.ZerostallError as exc:
+            res["error"], res["type"] = str(exc), type(exc).__name__
     elif scenario == "no_rank0":  # rank 0 never opens the root
         if rank > 0:
             try:

@@ -106,6 +106,20 @@ def test_rank0_absent_fails_setup(tmp_path):
     assert "dist_mode='local'" in doc["error"]
 
 
+def test_root_owned_elsewhere_fails_every_rank_at_start(tmp_path):
+    ckdir = str(tmp_path / "ckpt")
+    holder = LocalTier(ckdir, create=True)
+    holder.own()  # this (test) process is the root's writer
+    try:
+        res = _launch("locked", 2, ckdir, tmp_path)
+    finally:
+        holder.release()
+    for rc, doc, err in res:
+        assert rc == 0, err
+        assert doc["type"] == "RootLockedError", doc
+        assert "could not take the checkpoint root" in doc["error"] or "pid" in doc["error"]
+
+
 def test_local_failure_fails_the_step_everywhere_and_the_next_commits(tmp_path):
     """Rank 1's save(2) and rank 0's save(4) raise locally (an unstorable leaf): that step fails
     on every rank through the failure report, not the 30 s commit timeout; 1, 3, 5 commit."""
