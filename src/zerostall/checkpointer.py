@@ -36,8 +36,9 @@ from .handle import SaveHandle, record_of
 from .io.base import Engine, engine_name_for, get_engine
 from .restore import load as _load
 from .staging.arena import Arena, budget_bytes
+from .staging.incremental import RefTracker, mode_of
 from .staging.job import SaveJob
-from .staging.plan import build_plan
+from .staging.plan import build_plan, check_metadata, check_step
 from .staging.ring import BlockRing
 from .staging.snapshot import Snapshotter, record_save_events
 from .stateful import load_into, unwrap_optimizer
@@ -45,7 +46,7 @@ from .store.local import LocalTier
 from .store.persist import Persister
 from .store.remote import open_tier
 from .store.replicate import Replicator
-from .store.retention import RetentionPolicy
+from .store.retention import RetentionPolicy, dependents
 from .telemetry.host import Sampler
 from .telemetry.record import emit
 
@@ -68,6 +69,16 @@ class Checkpointer:
 
     def __init__(self, path: str | os.PathLike[str], config: CheckpointConfig | None = None, *,
                  store: Any = None, **overrides: Any):
+        try:
+            self._setup(path, config, store, overrides)
+        except BaseException:  # a half-built Checkpointer must not keep the root locked
+            tier = self.__dict__.get("tier")
+            if tier is not None:
+                tier.release()
+            raise
+
+    def _setup(self, path: str | os.PathLike[str], config: CheckpointConfig | None, store: Any,
+               overrides: dict[str, Any]) -> None:
         cfg = config if config is not None else CheckpointConfig.from_env()
         if overrides:
             try:
@@ -93,6 +104,14 @@ class Checkpointer:
         else:  # the one writer of this root (RootLockedError if another holds it); cleans leftovers
             self.tier.own()
             self.node_local = False
+        self._refs: RefTracker | None = None
+        mode = mode_of(cfg.incremental)
+        if mode is not None:
+            if self.world_size > 1:
+                raise ConfigError(f"incremental={cfg.incremental!r} supports single-process saves only (this is "
+                                  f"world size {self.world_size}); pass incremental=False")
+            self._refs = RefTracker(mode, cfg.full_every)
+            self._refs.seed_from(self.tier.steps(), self.tier.read_manifest)
         name, self.probe = engine_name_for(self.tier.root, cfg.io)
         self.engine: Engine = get_engine(name, cfg.io)
         if cfg.prometheus:
@@ -147,7 +166,7 @@ class Checkpointer:
         self._persist = Persister(self.tier, self.engine, self.arena, self.ring,
                                   keep_last=(self.config.keep_last if (self.rank == 0 or self.node_local)
                                              and self._replicator is None else None),
-                                  on_done=self._on_done, committer=self._committer)
+                                  on_done=self._on_done, committer=self._committer, refs=self._refs)
         self._snap = Snapshotter(self.arena, self.ring)
 
     def prepare(self, state_dict: Any) -> None:
@@ -171,8 +190,8 @@ class Checkpointer:
         t0 = time.perf_counter()
         if self._closed:
             raise ZerostallError("this Checkpointer is closed")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ConfigError(f"step={step!r} is invalid: must be a non-negative int")
+        step = check_step(step)  # and the metadata, leaves and manifest size in check_metadata/_plan
+        user_metadata = check_metadata(metadata)
         me = threading.get_ident()
         if self._save_owner == me:
             raise ZerostallError("save() was re-entered on the same thread (from a signal handler that "
@@ -180,7 +199,7 @@ class Checkpointer:
         with self._save_lock:
             self._save_owner = me
             try:
-                return self._save(t0, step, state_dict, overwrite, metadata)
+                return self._save(t0, step, state_dict, overwrite, user_metadata)
             finally:
                 self._save_owner = None
 
@@ -193,17 +212,21 @@ class Checkpointer:
         try:
             self._raise_pending()
             self.tier.check_new_step(step, ow, allow_lower=self.config.allow_lower_steps)
+            if ow:
+                self._check_not_referenced(step)
             plan = self._plan(state_dict)
             self._ensure_pipeline(plan.file_bytes)
             assert self.ring is not None and self._snap is not None and self._persist is not None
             job = SaveJob(step=step, plan=plan, rank=self.rank, world_size=self.world_size,
-                          overwrite=ow, user_metadata=dict(metadata or {}))
+                          overwrite=ow, user_metadata=dict(metadata or {}))  # checked by save()
             job.engine = self.engine.name
             job.arena_bytes = self.arena.nbytes if self.arena else 0
             nblocks = self.ring.blocks_for(plan.file_bytes)
             if self.config.backpressure == "skip" and not self.ring.fits_now(nblocks):
                 return self._skip(job, t0)
             job.leaves = [leaf.tensor for leaf in plan.leaves]
+            if self._refs is not None:
+                self._refs.prepare(job)  # fingerprints only; the snapshot thread decides
             if "cuda" in plan.devices:
                 job.cuda_event = record_save_events(job.leaves)
             job.nblocks = nblocks
@@ -258,6 +281,16 @@ class Checkpointer:
         for e in (job.staged, job.durable, job.done):
             e.set()
         return SaveHandle(job, self)
+
+    def _check_not_referenced(self, step: int) -> None:
+        """Overwriting a step that other steps borrow bytes from would break them."""
+        pinned = self._refs.pinned_steps() if self._refs is not None else set()
+        users = dependents(self.tier.steps(), step, self.tier.read_manifest) if os.path.isdir(
+            self.tier.step_dir(step)) else []
+        if users or step in pinned:
+            raise CheckpointExistsError(
+                f"step {step} in {self.tier.root!r} cannot be overwritten: steps "
+                f"{users or 'being saved'} reference its bytes (incremental saves); pick another step")
 
     def guard(self, optimizer: Any) -> Any:
         """Make ``optimizer.step()`` wait until in-flight snapshots are staged.

@@ -34,20 +34,33 @@ def _is_url(p: str) -> bool:
     return "://" in p
 
 
+def _tier(path: str) -> Any:
+    """The tier a command reads: a local checkpoint directory, or a remote tier by URL
+    (``s3://bucket/prefix``, ``file:///shared/path``)."""
+    from .store.local import LocalTier
+    from .store.tier import open_tier
+    return open_tier(path) if _is_url(path) else LocalTier(path)
+
+
 def _remote_rows(url: str) -> list[dict[str, Any]]:
-    from .format.manifest import Manifest
     from .store.remote import open_tier
     remote = open_tier(url)
     rows = []
-    for s in remote.steps():
+    for s in remote.listed_steps():  # damaged ones too, reported as such
         try:
-            m = Manifest.from_bytes(remote.read_manifest_bytes(s), where=f"{url}/step-{s}")
+            m = remote.read_manifest(s)
             rows.append({"step": s, "bytes": m.total_bytes, "tensors": len(m.tensors),
-                         "created_unix": m.created_unix, "state": "committed", "tier": "remote"})
+                         "created_unix": m.created_unix, "state": "committed", "tier": "remote", **_refs_row(m)})
         except ZerostallError as exc:
             rows.append({"step": s, "bytes": 0, "tensors": 0, "created_unix": 0,
                          "state": f"invalid manifest: {exc}", "tier": "remote"})
     return rows
+
+
+def _refs_row(m: Any) -> dict[str, Any]:
+    """Bytes a step owns (its files) vs borrows from earlier steps (incremental saves)."""
+    return {"bytes_owned": m.total_bytes, "bytes_referenced": m.referenced_bytes,
+            "references_steps": sorted({r.step for r in m.ref_files})}
 
 
 def cmd_ls(a: argparse.Namespace) -> int:
@@ -68,7 +81,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
             try:
                 m = tier.read_manifest(s)
                 rows.append({"step": s, "bytes": m.total_bytes, "tensors": len(m.tensors),
-                             "created_unix": m.created_unix, "state": "committed", "tier": "local"})
+                             "created_unix": m.created_unix, "state": "committed", "tier": "local", **_refs_row(m)})
             except ZerostallError as exc:
                 rows.append({"step": s, "bytes": 0, "tensors": 0, "created_unix": 0,
                              "state": f"invalid manifest: {exc}", "tier": "local"})
@@ -92,11 +105,13 @@ def cmd_ls(a: argparse.Namespace) -> int:
         return 0
     import datetime as dt
     t = Table(title=f"checkpoints in {title}")
-    for col in ("step", "size", "tensors", "created", "tier", "state"):
-        t.add_column(col, justify="right" if col in ("step", "size", "tensors") else "left")
+    for col in ("step", "size", "referenced", "tensors", "created", "tier", "state"):
+        t.add_column(col, justify="right" if col in ("step", "size", "referenced", "tensors") else "left")
     for r in sorted(rows, key=lambda r: r["step"]):
         created = dt.datetime.fromtimestamp(r["created_unix"]).isoformat(" ", "seconds") if r["created_unix"] else ""
-        t.add_row(str(r["step"]), _human(r["bytes"]), str(r["tensors"]), created, r["tier"], r["state"])
+        ref = (f"{_human(r['bytes_referenced'])} in {','.join(map(str, r['references_steps']))}"
+               if r.get("bytes_referenced") else "")
+        t.add_row(str(r["step"]), _human(r["bytes"]), ref, str(r["tensors"]), created, r["tier"], r["state"])
     Console().print(t)
     return 0
 
@@ -114,6 +129,7 @@ def cmd_restore(a: argparse.Namespace) -> int:
     if not steps:
         raise CheckpointNotFound(f"no committed checkpoint at {a.url}")
     tier = LocalTier(a.to, create=True)
+    tier.own()  # a writer of --to: refused (naming the owner) while a training run holds it
     engine = _engine("auto", tier.root)
     try:
         for s in reversed(steps):
@@ -127,29 +143,35 @@ def cmd_restore(a: argparse.Namespace) -> int:
                 tier.delete(s)
     finally:
         engine.close()
+        tier.release()
     return 1
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    if cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
+    if not _is_url(a.path) and cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
         return cli_dcp.cmd_verify(a)
-    from .restore import verify_step
-    from .store.local import LocalTier
-    tier = LocalTier(a.path)
+    from .restore import verify_step, verify_tier_step
+    tier = _tier(a.path)
     steps = [a.step] if a.step is not None else tier.listed_steps()
     if not steps:
-        print(f"no committed checkpoint in {tier.root}", file=sys.stderr)
+        print(f"no committed checkpoint in {tier.url}", file=sys.stderr)
         return 1
-    engine = _engine(a.engine, tier.root)
+    remote = _is_url(a.path)
+    engine = None if remote else _engine(a.engine, tier.root)
     bad = 0
-    for s in steps:
-        try:
-            m = verify_step(tier, s, engine)
-            print(f"step {s}: OK ({len(m.tensors)} tensors, {_human(m.total_bytes)} verified)")
-        except (CorruptCheckpoint, CheckpointNotFound) as exc:
-            bad += 1
-            print(f"step {s}: FAILED: {exc}", file=sys.stderr)
-    engine.close()
+    try:
+        for s in steps:
+            try:
+                m = verify_tier_step(tier, s) if remote else verify_step(tier, s, engine)
+                refs = (f" + {_human(m.referenced_bytes)} referenced in step(s) "
+                        f"{', '.join(str(x) for x in sorted({r.step for r in m.ref_files}))}" if m.ref_files else "")
+                print(f"step {s}: OK ({len(m.tensors)} tensors, {_human(m.total_bytes)} owned{refs} verified)")
+            except (CorruptCheckpoint, CheckpointNotFound) as exc:
+                bad += 1
+                print(f"step {s}: FAILED: {exc}", file=sys.stderr)
+    finally:
+        if engine is not None:
+            engine.close()
     return 1 if bad else 0
 
 
@@ -159,20 +181,22 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .store.local import LocalTier
-    tier = LocalTier(a.path)
+    tier = _tier(a.path)
     step = a.step if a.step is not None else tier.latest()
     if step is None:
-        raise CheckpointNotFound(f"no committed checkpoint in {tier.root}")
+        raise CheckpointNotFound(f"no committed checkpoint in {tier.url}")
     m = tier.read_manifest(step)
     if a.json:
         print(json.dumps(m.body(), indent=1))
         return 0
-    t = Table(title=f"step {step}: {len(m.tensors)} tensors, {_human(m.total_bytes)}, world size {m.world_size}")
+    refs = f" + {_human(m.referenced_bytes)} referenced" if m.ref_files else ""
+    t = Table(title=f"step {step}: {len(m.tensors)} tensors, {_human(m.total_bytes)} owned{refs}, "
+                    f"world size {m.world_size}")
     for col in ("key", "dtype", "shape", "bytes", "file", "offset", "crc32c"):
         t.add_column(col)
     for e in m.tensors:
-        t.add_row(e.key, e.dtype, str(list(e.shape)), _human(e.nbytes), e.file, str(e.offset), f"{e.crc32c:08x}")
+        where = e.file if e.step is None else f"step-{e.step}/{e.file}"
+        t.add_row(e.key, e.dtype, str(list(e.shape)), _human(e.nbytes), where, str(e.offset), f"{e.crc32c:08x}")
     Console().print(t)
     return 0
 
@@ -189,7 +213,12 @@ def cmd_export(a: argparse.Namespace) -> int:
     import torch
 
     from .restore import load
-    state = load(a.path, step=a.step)
+    if _is_url(a.path):  # fetched (verified) into a scratch directory, then converted
+        import tempfile
+        with tempfile.TemporaryDirectory(prefix="zerostall-export-") as scratch:
+            state = load(scratch, step=a.step, remote=a.path)
+    else:
+        state = load(a.path, step=a.step)
     flat: dict[str, torch.Tensor] = {}
 
     def walk(x: Any, prefix: str) -> None:
@@ -242,19 +271,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_restore)
 
     s = sub.add_parser("verify", help="read and check every byte; exit 1 naming the file and tensor on failure")
-    s.add_argument("path")
+    s.add_argument("path", help="a local directory, s3://bucket/prefix or file:///path (streamed, not stored)")
     s.add_argument("--step", type=int)
     s.add_argument("--engine", default="auto")
     s.set_defaults(fn=cmd_verify)
 
     s = sub.add_parser("inspect", help="tensors, dtypes, shapes, bytes of a checkpoint")
-    s.add_argument("path")
+    s.add_argument("path", help="a local directory, s3://bucket/prefix or file:///path")
     s.add_argument("--step", type=int)
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_inspect)
 
     s = sub.add_parser("export", help="write a checkpoint's tensors to another format")
-    s.add_argument("path")
+    s.add_argument("path", help="a local directory, s3://bucket/prefix or file:///path")
     s.add_argument("--step", type=int, required=True)
     s.add_argument("--format", default="safetensors")
     s.add_argument("out")

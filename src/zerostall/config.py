@@ -123,6 +123,15 @@ class CheckpointConfig:
     """How long a new Checkpointer waits for another writer to release the root (0: fail at once)."""
     allow_lower_steps: bool = False
     """Allow saving a step lower than the root's newest committed step (see store/retention.py)."""
+    incremental: bool | str = False
+    """Reference tensors unchanged since the last committed step instead of rewriting them:
+    ``True`` (= ``"crc"``: version counter as a hint, confirmed by a crc32c of the source),
+    ``"version"`` (version counter only; see :mod:`zerostall.staging.incremental` for what it
+    can miss) or ``False``. Off by default: retention then keeps exactly ``keep_last`` steps
+    and no step depends on another's file."""
+    full_every: int | None = 10
+    """With ``incremental``: at most ``full_every - 1`` incremental saves follow a full one
+    (None: no bound)."""
 
     def __post_init__(self) -> None:
         _require(self.backpressure in ("block", "skip"), "backpressure", self.backpressure,
@@ -144,6 +153,10 @@ class CheckpointConfig:
         _require(self.lock_timeout_s >= 0, "lock_timeout_s", self.lock_timeout_s, "must be >= 0 seconds")
         _require(self.telemetry_interval_s > 0, "telemetry_interval_s", self.telemetry_interval_s,
                  "must be > 0")
+        _require(self.incremental in (False, True, "crc", "version"), "incremental", self.incremental,
+                 "choose False, True (= 'crc': confirmed by crc32c) or 'version'")
+        _require(self.full_every is None or (isinstance(self.full_every, int) and self.full_every >= 1),
+                 "full_every", self.full_every, "must be an int >= 1 or None")
 
     def replace(self, **changes: object) -> "CheckpointConfig":
         """A copy with ``changes`` applied (validated)."""

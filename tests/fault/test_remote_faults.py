@@ -62,7 +62,7 @@ def s3(monkeypatch):
         p.stop()
     with env.direct() as remote:
         for s in remote.steps():
-            remote.delete_step(s)
+            remote.delete(s)
 
 
 def _state(step):

@@ -22,6 +22,27 @@ def model_state(seed):
     return m, opt
 
 
+class GatedTier:
+    """A shared-filesystem tier whose manifest uploads wait for a gate file (the seam for
+    "rank 0 is still uploading the manifest")."""
+
+    def __new__(cls, url, **kw):
+        import time as _time
+
+        from zerostall.store.sharedfs import FileTier
+        root = url.split("://", 1)[1]
+
+        class _Gated(FileTier):
+            def _put_bytes(self, data, rel):
+                if rel.endswith("manifest.json"):
+                    deadline = _time.monotonic() + 60
+                    while not os.path.exists(root + ".gate") and _time.monotonic() < deadline:
+                        _time.sleep(0.05)
+                super()._put_bytes(data, rel)
+
+        return _Gated("file://" + root, **kw)
+
+
 def main():
     scenario, ckdir, out = sys.argv[1], sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo")
@@ -46,6 +67,28 @@ def main():
             got = ck2.load()
         res["equal"] = equal(got, expected)
         res["files"] = sorted(os.listdir(os.path.join(ckdir, "step-1")))
+    elif scenario == "remote":
+        import time
+
+        from zerostall.store.tier import register_tier
+        register_tier("gatedfile", "dist_worker:GatedTier")
+        root = os.environ["ZS_REMOTE_ROOT"]
+        with zerostall.Checkpointer(ckdir, remote=f"gatedfile://{root}", keep_last=1, commit_timeout_s=60) as ck:
+            h = ck.save(1, {"x": torch.full((1000,), float(rank))})
+            res["durable"] = h.result().ok
+            if rank == 1:  # own shard uploaded, manifest held back by rank 0's gate
+                shard = os.path.join(root, "step-1", "rank-00001.shard")
+                deadline = time.monotonic() + 60
+                while not os.path.exists(shard) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                time.sleep(0.5)  # give a wrong implementation the time to report it
+                res["shard_up"] = os.path.exists(shard)
+                res["replicated_before_manifest"] = h.replicated()
+                res["manifest_before"] = os.path.exists(os.path.join(root, "step-1", "manifest.json"))
+                open(root + ".gate", "w").close()
+            res["replicated"] = h.wait(timeout=120, tier="remote") and h.replicated()
+            res["manifest_after"] = os.path.exists(os.path.join(root, "step-1", "manifest.json"))
+        res["unreplicated"] = ck.unreplicated
     elif scenario in ("dcp_save", "dcp_load"):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.device_mesh import init_device_mesh

@@ -315,9 +315,28 @@ def test_cli_ls_verify_inspect(tmp_path, capsys):
     assert main(["verify", fsw]) == 0 and "OK (FileSystemWriter" in capsys.readouterr().out
     assert main(["inspect", zs, "--json"]) == 0
     entries = {e["key"]: e for e in __import__("json").loads(capsys.readouterr().out)[0]["entries"]}
-    assert entries["a"]["shape"] == [300, 7] and entries["a"]["dtype"] == "float32" and entries["b.s"]["type"] == "object"
+    assert entries["a"]["shape"] == [300, 7] and entries["a"]["dtype"] == "float32"
+    assert entries["b.s"]["type"] == "object"
     shard = _shards(zs)[0]
     _flip(os.path.join(zs, shard), 4096 + 4096 * 3)  # inside "a"'s payload
     assert main(["verify", zs]) == 1
     err = capsys.readouterr().err
     assert shard in err and "crc32c" in err
+
+
+def test_clear_messages_for_other_directories(tmp_path):
+    import zerostall
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+    from zerostall.errors import CheckpointNotFound
+    root = str(tmp_path / "zs_root")
+    zerostall.save(root, {"x": torch.ones(2)}, step=1)
+    with pytest.raises(CheckpointNotFound, match="zerostall Checkpointer directory"):
+        Reader(root).read_metadata()
+    with pytest.raises(CheckpointNotFound, match="zerostall Checkpointer directory"):
+        Reader(os.path.join(root, "step-1")).read_metadata()
+    st = str(tmp_path / "fsw_safetensors")
+    dcp.save({"t": torch.ones(3)}, no_dist=True,
+             storage_writer=dcp.FileSystemWriter(st, serialization_format=SerializationFormat.SAFETENSORS))
+    with pytest.raises(BaseException) as ei:
+        dcp.load({"t": torch.zeros(3)}, storage_reader=Reader(st), no_dist=True)
+    assert "UnsupportedCheckpoint" in _text(ei.value) and "SAFETENSORS" in _text(ei.value)

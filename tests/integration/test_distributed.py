@@ -203,3 +203,17 @@ def test_simulated_512_rank_commit(tmp_path, capsys):
     assert man.rank_trees[511] == {"d": [[{"v": "w"}, {"T": 511}]]}
     assert master.num_keys() == 0 or not any(master.check([f"sim/0/s7/{k}"]) for k in ("result", "ack", "r1"))
     del master
+
+
+def test_remote_replicated_only_once_the_manifest_is_there(tmp_path, monkeypatch):
+    """Rank 1 uploads its shard while rank 0's manifest upload is held back: rank 1 must not
+    report the step replicated until the manifest is on the remote."""
+    monkeypatch.setenv("ZS_REMOTE_ROOT", str(tmp_path / "remote"))
+    res = _launch("remote", 2, str(tmp_path / "ckpt"), tmp_path)
+    for rc, doc, err in res:
+        assert rc == 0, err
+        assert doc["durable"] and doc["replicated"] and doc["manifest_after"] and doc["unreplicated"] == []
+    r1 = res[1][1]
+    assert r1["shard_up"] and not r1["manifest_before"] and r1["replicated_before_manifest"] is False
+    assert sorted(os.listdir(tmp_path / "remote" / "step-1")) == ["manifest.json", "rank-00000.shard",
+                                                                  "rank-00001.shard"]

@@ -132,3 +132,10 @@ def test_options_and_errors(tmp_path):
     assert io.load_checkpoint(tmp_path / "a.ckpt")["hp"] == argparse.Namespace(a=1)
     io.remove_checkpoint(tmp_path / "a.ckpt")
     assert not os.path.exists(tmp_path / "a.ckpt") and os.listdir(tmp_path) == []
+    # a torch.save file under the same name is set aside, and removed once the new save is durable
+    torch.save({"old": 1}, tmp_path / "b.ckpt")
+    os.makedirs(tmp_path / ".c.ckpt.zerostall-removing")  # left by a crashed run
+    io = ZerostallCheckpointIO()
+    io.save_checkpoint(state, tmp_path / "b.ckpt")
+    io.teardown()
+    assert sorted(os.listdir(tmp_path)) == ["b.ckpt"] and is_zerostall_checkpoint(tmp_path / "b.ckpt")

@@ -72,3 +72,23 @@ def test_sigkill_mid_run_then_resume_with_the_mixin(tmp_path, reference):
     t.train(resume_from_checkpoint=True)
     assert type(t).__mro__[2] is hf_app.CountingTrainer and hf_app.CountingTrainer.losses_computed > 0
     assert equal(hf_app.final_params(t), reference)
+
+
+def test_load_best_model_at_end_reads_the_zerostall_checkpoint(tmp_path):
+    from transformers import TrainingArguments
+
+    from zerostall.integrations.transformers import ZerostallTrainer
+    torch.set_num_threads(1)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=8, save_steps=4, eval_strategy="steps",
+                             eval_steps=4, load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                             greater_is_better=True,  # the worse loss "wins": not the final weights
+                             save_total_limit=1, per_device_train_batch_size=4, learning_rate=1e-2,
+                             report_to=[], use_cpu=True, disable_tqdm=True)
+    t = ZerostallTrainer(model=hf_app.model(), args=args, train_dataset=hf_app.dataset(),
+                         eval_dataset=hf_app.dataset(8))
+    t.train()
+    best = t.state.best_model_checkpoint
+    assert best is not None and os.path.isdir(best)
+    # save_total_limit=1 still keeps the best checkpoint besides the newest one
+    assert sorted(os.listdir(tmp_path)) == sorted({os.path.basename(best), "checkpoint-8"})
+    assert equal(hf_app.final_params(t), zerostall.load(best)["model"])

@@ -112,3 +112,23 @@ def test_overlap_and_out_of_file_refused(shard):
 def test_only_empty_items():
     offsets, file_bytes = pack_offsets([0, 0])
     assert offsets == [HEADER_BYTES, HEADER_BYTES] and file_bytes == HEADER_BYTES
+
+
+def test_lazy_destinations_live_only_while_in_flight(shard):
+    path, header, items, payloads, eng, buf = shard
+    live, peak, out = set(), [0], {}
+
+    def dst(i):
+        live.add(i)
+        peak[0] = max(peak[0], len(live))
+        out[i] = torch.empty(items[i].nbytes, dtype=torch.uint8)
+        return out[i]
+
+    def done(i):
+        live.discard(i)
+
+    with eng.open_read(path) as f:
+        read_shard(f, path, header.file_bytes, header, items, dst, buf, wanted={3, 6, 7}, on_item=done)
+    assert sorted(out) == [3, 6, 7] and not live
+    assert peak[0] == 1  # wanted items are read one after another; never all allocated at once
+    assert all(torch.equal(out[i], payloads[i]) for i in (3, 6, 7))

@@ -34,7 +34,7 @@ def is_committed(path: str | os.PathLike[str]) -> bool:
 def next_step(ckpt: Checkpointer, wanted: int) -> int:
     """``wanted``, or one past the newest committed step when that is not larger (a path saved
     twice gets a new step; keep_last=1 then retires the old one after the commit)."""
-    taken = [j.step for j in tuple(ckpt._inflight)]  # a lock-free snapshot (see checkpointer.py)
+    taken = [j.step for j in tuple(ckpt._inflight)]
     latest = max([*taken, ckpt.latest_step() or -1])
     return wanted if wanted > latest else latest + 1
 

@@ -109,6 +109,8 @@ class ZerostallTrainerMixin:
         finally:
             self._zs_resume = None
             self.zerostall_wait()
+            if self.args.should_save:  # saves in flight at the last rotation are committed now
+                self._zs_rotate(self.args.output_dir)
 
     def zerostall_wait(self) -> None:
         """Block until every checkpoint is durable; close the checkpointers; raise a failure."""
@@ -131,6 +133,7 @@ class ZerostallTrainerMixin:
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, folder)
+        ck = self._zs_checkpointer(output_dir)  # creates output_dir
         if self.state.best_global_step:
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
             if os.path.exists(best):
@@ -150,7 +153,6 @@ class ZerostallTrainerMixin:
             scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None:
                 state["scaler"] = scaler
-        ck = self._zs_checkpointer(output_dir)
         ck.save(next_step(ck, self.state.global_step), state)
         self._zs_guard.track(ck, list(state["model"].values()))
         if self.args.should_save:
@@ -173,7 +175,7 @@ class ZerostallTrainerMixin:
         limit = self.args.save_total_limit
         if limit is None or limit <= 0:
             return
-        ckpts = _checkpoints(run_dir)
+        ckpts = _checkpoints(os.path.abspath(run_dir))
         live = {p for p, c in self._zs_ckpts.items() if c._inflight}
         keep = {p for _, p in ckpts[-limit:]}
         if self.state.best_model_checkpoint:

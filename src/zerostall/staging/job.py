@@ -19,6 +19,12 @@ from ..format.layout import ShardHeader, shard_name
 from .plan import SavePlan
 
 
+def _set_event() -> threading.Event:
+    e = threading.Event()
+    e.set()
+    return e
+
+
 @dataclass(eq=False)
 class SaveJob:
     step: int
@@ -63,6 +69,11 @@ class SaveJob:
     engine: str = ""
     arena_bytes: int = 0
     telemetry: dict[str, Any] = field(default_factory=dict)
+    incr: Any = None
+    """The incremental part (:class:`.incremental.IncrementalJob`), or None for a full save."""
+    layout_ready: threading.Event = field(default_factory=_set_event)
+    """Cleared for incremental saves until the snapshot thread has fixed ``plan`` (it may shrink
+    it); the persist thread reads ``plan`` only after this is set."""
 
     @property
     def header(self) -> ShardHeader:

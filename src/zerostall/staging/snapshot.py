@@ -18,7 +18,8 @@ CPU bytes move with ``memmove``/``memset`` through ctypes (which releases the GI
 with a torch op: a long-lived thread that has run an OpenMP-parallel torch op keeps its
 own OpenMP team, and measured here that alone slowed the training thread's steps by ~15%
 for as long as the thread lived. The rare non-contiguous CPU tensor is copied by torch in a
-short-lived helper thread instead.
+short-lived helper thread instead, in row chunks of at most ``STRIDED_CHUNK_BYTES`` that
+stream through the ring like any tensor (never one whole copy outside the staging budget).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import logging
 import ctypes
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -41,6 +42,25 @@ log = logging.getLogger("zerostall")
 
 _memmove = ctypes.memmove
 _memset = ctypes.memset
+STRIDED_CHUNK_BYTES = 8 << 20
+
+
+def row_slices(t: torch.Tensor, limit: int = STRIDED_CHUNK_BYTES) -> Iterator[torch.Tensor]:
+    """Consecutive slices (views) of ``t`` covering it in row-major order, each at most
+    ``limit`` bytes (or one element row of the innermost dimension)."""
+    es = t.element_size()
+    if t.dim() == 0 or t.numel() * es <= limit:
+        yield t
+        return
+    rows = t.shape[0]
+    row_bytes = max(1, t[0].numel() * es)
+    if row_bytes <= limit or t.dim() == 1:
+        per = max(1, limit // row_bytes)
+        for i in range(0, rows, per):
+            yield t[i:i + per]
+    else:
+        for i in range(rows):
+            yield from row_slices(t[i], limit)
 
 
 def _in_helper_thread(fn: Callable[[], None]) -> None:
@@ -136,6 +156,9 @@ class Snapshotter(Worker[SaveJob]):
     def handle(self, job: SaveJob) -> None:
         t0 = time.perf_counter()
         try:
+            if job.incr is not None:  # may shrink job.plan to what must be written
+                job.incr.tracker.decide(job, self._cuda_stream)
+            job.layout_ready.set()
             self._stage(job)
         except BaseException as exc:  # noqa: BLE001 - reported on the handle
             log.error("zerostall: snapshot of step %d failed: %s", job.step, exc)
@@ -143,6 +166,7 @@ class Snapshotter(Worker[SaveJob]):
         finally:
             self.ring.publish(job.g_end)  # a failed job's blocks are drained unwritten
             job.leaves = None
+            job.layout_ready.set()
             job.snapshot_s = time.perf_counter() - t0
             job.t_staged = time.perf_counter()
             job.staged.set()
@@ -153,11 +177,26 @@ class Snapshotter(Worker[SaveJob]):
             self._streams = DeviceStreams()
         return self._streams
 
-    @staticmethod
-    def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
-        out: list[torch.Tensor] = []
-        _in_helper_thread(lambda: out.append(tensor.contiguous()))
-        return out[0]
+    def _cuda_stream(self) -> Any:
+        """The side stream of the current device (for the incremental tracker's reads)."""
+        return self._cuda().stream(int(torch.cuda.current_device()))
+
+    def _stage_strided(self, job: SaveJob, tensor: torch.Tensor, offset: int, spans: Callable[..., Any]) -> None:
+        """Copy a non-contiguous CPU tensor slice by slice through one small bounce buffer
+        (runs in a helper thread; one allocation, never a whole contiguous copy)."""
+        base, B = self.arena.address, self.ring.block_bytes
+        es = tensor.element_size()
+        buf = torch.empty(min(STRIDED_CHUNK_BYTES, max(tensor.numel() * es, es)), dtype=torch.uint8)
+        foff = offset
+        for sl in row_slices(tensor):
+            n_sl = sl.numel() * es
+            if n_sl > buf.numel():
+                buf = torch.empty(n_sl, dtype=torch.uint8)
+            buf[:n_sl].view(sl.dtype).view(sl.shape).copy_(sl)
+            for aoff, f, n in spans(foff, foff + n_sl):
+                _memmove(base + aoff, buf.data_ptr() + (f - foff), n)
+                self.ring.publish(job.g0 + (f + n) // B)
+            foff += n_sl
 
     def _stage(self, job: SaveJob) -> None:
         ring, B = self.ring, self.ring.block_bytes
@@ -191,7 +230,9 @@ class Snapshotter(Worker[SaveJob]):
             if item.nbytes:
                 on_cpu = tensor.device.type == "cpu"
                 if on_cpu and not tensor.is_contiguous():
-                    tensor = self._contiguous(tensor)
+                    _in_helper_thread(lambda t=tensor, o=item.offset: self._stage_strided(job, t, o, spans))
+                    pos = item.offset + item.nbytes
+                    continue
                 flat: list[torch.Tensor] = []  # CUDA: made once per tensor, on its own device
                 for aoff, foff, n in spans(item.offset, item.offset + item.nbytes):
                     rel = foff - item.offset

@@ -229,10 +229,10 @@ class Replicator:
         for s in sorted(recheck):
             if s not in remote_steps or s not in local:
                 continue
-            theirs = Manifest.from_bytes(remote.read_manifest_bytes(s), where=remote.where(f"step-{s}"))
+            theirs = remote.read_manifest(s)
             if theirs.checkpoint_id != self.tier.read_manifest(s).checkpoint_id:
                 if self.rank == 0:
-                    remote.delete_step(s)
+                    remote.delete(s)
                 remote_steps.discard(s)
 
     def _settle(self, remote_steps: set[int]) -> None:
@@ -304,7 +304,7 @@ class Replicator:
                 for s in self.policy.remote_doomed(remote_steps):
                     if self._cancel.is_set():
                         return
-                    remote.delete_step(s)
+                    remote.delete(s)
                     log.info("zerostall: retention removed step %d from %s", s, remote.url)
         except (ZerostallError, OSError) as exc:  # retention must not stop replication
             log.warning("zerostall: retention failed: %s", exc)
