@@ -127,7 +127,8 @@ class Checkpointer:
             self._replicator = Replicator(self.tier, lambda: open_tier(url, io=cfg.io, **kwargs), policy,
                                           rank=self.rank, world_size=self.world_size,
                                           local_retention=self.rank == 0 or self.node_local,
-                                          retry_max_s=cfg.remote_retry_max_s)
+                                          retry_max_s=cfg.remote_retry_max_s,
+                                          protect=self._refs.protected if self._refs is not None else None)
         self.unreplicated: list[int] = []
         """After ``close()``: the steps not replicated before ``close_timeout_s`` (see README)."""
         self.arena: Arena | None = None

@@ -293,6 +293,9 @@ def fetch_remote_step(tier: LocalTier, remote: Any, step: int) -> Manifest:
     """Download ``step`` from ``remote`` into the local tier (direct I/O) and commit it there."""
     man = remote.read_manifest(step)  # validated; names this step
     os.makedirs(tier.root, exist_ok=True)
+    for ref in sorted({r.step for r in man.ref_files}):  # an incremental step: what it borrows, first
+        if ref not in tier.steps():
+            fetch_remote_step(tier, remote, ref)
     part = tier.begin(step)
     try:
         for fe in man.files:
@@ -412,7 +415,8 @@ def verify_tier_step(tier: Any, step: int, bounce: Arena | None = None) -> Manif
     bounce = bounce or _shared_bounce()
     by_file: dict[str, list[_Target]] = {}
     for e in sorted(man.tensors, key=lambda e: e.offset):
-        by_file.setdefault(e.file, []).append(_Target(e, None, False))
+        if e.step is None:  # own bytes; references are checked below
+            by_file.setdefault(e.file, []).append(_Target(e, None, False))
     with _bounce_lock if bounce is _bounce else _nolock():
         for fe in man.files:
             where = f"{tier.url.rstrip('/')}/step-{step}/{fe.name}"
@@ -425,4 +429,7 @@ def verify_tier_step(tier: Any, step: int, bounce: Arena | None = None) -> Manif
             header = ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes)
             with tier.open_shard_read(step, fe.name) as f:
                 _stream_file(f, where, fe.file_bytes, header, by_file.get(fe.name, []), bounce, True)
+        if man.ref_files:
+            from .restore_refs import verify_tier_refs
+            verify_tier_refs(tier, man, bounce)
     return man

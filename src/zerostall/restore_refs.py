@@ -80,3 +80,33 @@ def read_refs(tier: Any, groups: dict[RefFile, list[Any]], open_shard: Callable[
                        [t.entry for t in items],
                        [t.tensor.reshape(-1).view(torch.uint8) if t.tensor is not None else None for t in items],
                        bounce, verify=verify, wanted=set(range(len(items))))
+
+
+def verify_tier_refs(tier: Any, man: Manifest, bounce: Any) -> None:
+    """``verify`` of a step on any tier (``restore.verify_tier_step``): the referenced bytes,
+    read through the tier's ``open_shard_read`` like its own shards."""
+    by_key = {(r.step, r.name): r for r in man.ref_files}
+    groups: dict[RefFile, list[Any]] = {}
+    for e in man.tensors:
+        if e.step is not None:
+            groups.setdefault(by_key[(e.step, e.file)], []).append(e)
+    base = getattr(tier, "url", getattr(tier, "root", "")).rstrip("/")
+    for r, entries in groups.items():
+        where = f"{base}/step-{r.step}/{r.name}"
+        try:
+            theirs = tier.read_manifest(r.step)
+        except CheckpointNotFound:
+            raise CorruptCheckpoint(f"step {man.step} references {where}, but step {r.step} is not a "
+                                    "committed checkpoint there (deleted?)", path=where) from None
+        fe = {f.name: f for f in theirs.files}.get(r.name)
+        if fe is None or fe.file_bytes != r.file_bytes or (fe.file_id or theirs.checkpoint_id) != r.file_id:
+            raise CorruptCheckpoint(f"step {man.step} references {where}, but step {r.step}'s manifest does not "
+                                    "list that file as recorded (step overwritten?)", path=where)
+        size = tier.stat(f"step-{r.step}/{r.name}") if hasattr(tier, "stat") else r.file_bytes
+        if size != r.file_bytes:
+            raise CorruptCheckpoint(f"{where}: referenced shard is {size} bytes, step {man.step} says "
+                                    f"{r.file_bytes}", path=where)
+        entries.sort(key=lambda e: e.offset)
+        with tier.open_shard_read(r.step, r.name) as f:
+            read_shard(f, where, r.file_bytes, ShardHeader(r.file_id, r.step, r.rank, r.file_bytes), entries,
+                       [None] * len(entries), bounce, verify=True, wanted=set(range(len(entries))))
