@@ -175,3 +175,4 @@ def test_errors_name_the_url_and_are_not_retried_on_4xx(s3, tmp_path, monkeypatc
         open_tier(s3.url).steps()
     assert "AWS_SECRET_ACCESS_KEY" in str(ei.value) or "credentials" in str(ei.value)
     assert len(proxy.requests) == 1  # a 403 is not retried
+
