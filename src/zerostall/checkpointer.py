@@ -338,6 +338,8 @@ class Checkpointer:
             self._snap.stop()
         if self._persist is not None:
             self._persist.stop()
+        if self._refs is not None:
+            self._refs.close()
         if self._replicator is not None:  # bounded: the rest is uploaded by the next run
             self.unreplicated = self._replicator.close(self.config.close_timeout_s)
         self.engine.close()
