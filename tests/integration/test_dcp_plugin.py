@@ -340,3 +340,21 @@ def test_clear_messages_for_other_directories(tmp_path):
     with pytest.raises(BaseException) as ei:
         dcp.load({"t": torch.zeros(3)}, storage_reader=Reader(st), no_dist=True)
     assert "UnsupportedCheckpoint" in _text(ei.value) and "SAFETENSORS" in _text(ei.value)
+
+
+def test_overwrite_false_without_hard_links(tmp_path, monkeypatch):
+    import errno
+    import zerostall.dist.dcp_storage as ds
+
+    def no_link(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+    monkeypatch.setattr(ds.os, "link", no_link)
+    path = str(tmp_path / "ck")
+    _save(path, 1.0, overwrite=False)
+    assert _same(_load(path), _state(1.0))
+    w = Writer(path, overwrite=False)  # a checkpoint appears between the plan and the commit
+    w.set_up_storage_writer(True)
+    md = Reader(path).read_metadata()
+    with pytest.raises(CheckpointAlreadyExists):
+        w.finish(md, [])
+    assert _same(_load(path), _state(1.0)) and not [n for n in os.listdir(path) if n.endswith(".tmp")]
