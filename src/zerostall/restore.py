@@ -89,6 +89,9 @@ def check_files(tier: LocalTier, man: Manifest, only: set[str] | None = None) ->
         if size != fe.file_bytes:
             raise CorruptCheckpoint(f"{path}: shard is {size} bytes, manifest says "
                                     f"{fe.file_bytes} (truncated or replaced)", path=path)
+    if man.ref_files:  # files of earlier steps this (incremental) step borrows from
+        from .restore_refs import check_ref_files
+        check_ref_files(tier, man, [r for r in man.ref_files if only is None or r.name in only])
 
 
 def _open_shard(engine: Engine, path: str) -> Any:
@@ -128,7 +131,8 @@ def read_checkpoint(tier: LocalTier, man: Manifest, engine: Engine, bounce: Aren
     step_dir = tier.step_dir(man.step)
     by_file: dict[str, list[_Target]] = {}
     for t in targets:
-        by_file.setdefault(t.entry.file, []).append(t)
+        if t.entry.step is None:  # own bytes; references (incremental saves) are read below
+            by_file.setdefault(t.entry.file, []).append(t)
     opened = []
     try:
         for fe in man.files:
@@ -143,6 +147,12 @@ def read_checkpoint(tier: LocalTier, man: Manifest, engine: Engine, bounce: Aren
     finally:
         for _, _, f in opened:
             f.close()
+    if man.ref_files:
+        from .restore_refs import read_refs, ref_groups
+        groups = ref_groups(man, targets)
+        if only is not None:
+            groups = {r: ts for r, ts in groups.items() if r.name in only}
+        read_refs(tier, groups, lambda path: _open_shard(engine, path), bounce, verify)
 
 
 def _stream_file(f: Any, path: str, file_bytes: int, header: ShardHeader, targets: list[_Target],
@@ -281,10 +291,11 @@ class _nolock:
 
 def fetch_remote_step(tier: LocalTier, remote: Any, step: int) -> Manifest:
     """Download ``step`` from ``remote`` into the local tier (direct I/O) and commit it there."""
-    man = Manifest.from_bytes(remote.read_manifest_bytes(step), where=f"{remote.url}/step-{step}/manifest.json")
-    if man.step != step:
-        raise CorruptCheckpoint(f"{remote.url}/step-{step}: manifest says step {man.step}")
+    man = remote.read_manifest(step)  # validated; names this step
     os.makedirs(tier.root, exist_ok=True)
+    for ref in sorted({r.step for r in man.ref_files}):  # an incremental step: what it borrows, first
+        if ref not in tier.steps():
+            fetch_remote_step(tier, remote, ref)
     part = tier.begin(step)
     try:
         for fe in man.files:
@@ -404,7 +415,8 @@ def verify_tier_step(tier: Any, step: int, bounce: Arena | None = None) -> Manif
     bounce = bounce or _shared_bounce()
     by_file: dict[str, list[_Target]] = {}
     for e in sorted(man.tensors, key=lambda e: e.offset):
-        by_file.setdefault(e.file, []).append(_Target(e, None, False))
+        if e.step is None:  # own bytes; references are checked below
+            by_file.setdefault(e.file, []).append(_Target(e, None, False))
     with _bounce_lock if bounce is _bounce else _nolock():
         for fe in man.files:
             where = f"{tier.url.rstrip('/')}/step-{step}/{fe.name}"
@@ -417,4 +429,7 @@ def verify_tier_step(tier: Any, step: int, bounce: Arena | None = None) -> Manif
             header = ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes)
             with tier.open_shard_read(step, fe.name) as f:
                 _stream_file(f, where, fe.file_bytes, header, by_file.get(fe.name, []), bounce, True)
+        if man.ref_files:
+            from .restore_refs import verify_tier_refs
+            verify_tier_refs(tier, man, bounce)
     return man

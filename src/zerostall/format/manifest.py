@@ -6,7 +6,9 @@ It is written last, inside an envelope that carries the crc32c of the body::
 
 ``body`` holds ``format_version``, ``step``, ``world_size``, ``created_unix``,
 ``checkpoint_id``, ``alignment``, ``files`` (name, rank, host, file_bytes), ``tensors`` (key,
-dtype, shape, file, offset, nbytes, crc32c) and ``tree`` (see :mod:`.tree`).
+dtype, shape, file, offset, nbytes, crc32c) and ``tree`` (see :mod:`.tree`). Version 2 adds
+references to earlier steps' bytes (``ref_files``, a tensor's ``step``; see :mod:`.refs`);
+a save without references still writes version 1.
 :meth:`Manifest.from_bytes` checks the envelope, the version and every field before anyone
 reads a byte of a shard: paths cannot leave the checkpoint directory, offsets and sizes are
 consistent, dtypes are known, shape products equal nbytes. No pickle, ever.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +29,7 @@ from ..errors import CorruptCheckpoint
 from .dtypes import dtype_from_name, itemsize
 from . import validate as V
 from .layout import HEADER_BYTES
+from .refs import FORMAT_VERSION_REFS, RefFile, parse_ref_files
 from .tree import decode_tree, tree_tensor_indices
 
 FORMAT_VERSION = 1
@@ -45,10 +49,15 @@ class TensorEntry:
     offset: int
     nbytes: int
     crc32c: int
+    step: int | None = None
+    """Set for a reference: the bytes live in ``step-<step>/<file>`` (see :mod:`.refs`)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "dtype": self.dtype, "shape": list(self.shape), "file": self.file,
-                "offset": self.offset, "nbytes": self.nbytes, "crc32c": self.crc32c}
+        out = {"key": self.key, "dtype": self.dtype, "shape": list(self.shape), "file": self.file,
+               "offset": self.offset, "nbytes": self.nbytes, "crc32c": self.crc32c}
+        if self.step is not None:
+            out["step"] = self.step
+        return out
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,10 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     rank_trees: tuple[Any, ...] | None = None
     """Per-rank state trees (``dist_mode="per_rank"``, world size > 1); else ``tree`` is the state."""
+    ref_files: tuple[RefFile, ...] = ()
+    """Earlier steps' shards that entries with ``step`` set live in (incremental saves)."""
+    tree_json: str = field(default="", compare=False, repr=False)
+    """``tree`` already encoded as compact JSON (the save plan's), spliced in by :meth:`to_bytes`."""
     alias_of: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
     """Entries that duplicate an earlier one exactly (index -> first index): read and allocated once."""
 
@@ -94,22 +107,38 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes this step owns (its own shard files)."""
         return sum(f.file_bytes for f in self.files)
+
+    @property
+    def referenced_bytes(self) -> int:
+        """Payload bytes this step borrows from earlier steps' files."""
+        return sum(t.nbytes for t in self.tensors if t.step is not None)
 
     def body(self) -> dict[str, Any]:
         return {
-            "format_version": self.format_version, "step": self.step, "world_size": self.world_size,
+            "format_version": FORMAT_VERSION_REFS if self.ref_files else self.format_version, "step": self.step, "world_size": self.world_size,
             "checkpoint_id": self.checkpoint_id, "created_unix": self.created_unix,
             "alignment": ALIGN_BYTES, "checksum": "crc32c",
             "files": [f.to_json() for f in self.files],
             "tensors": [t.to_json() for t in self.tensors],
             "tree": self.tree, "user_metadata": self.user_metadata,
             **({"rank_trees": list(self.rank_trees)} if self.rank_trees is not None else {}),
+            **({"ref_files": [r.to_json() for r in self.ref_files]} if self.ref_files else {}),
         }
 
     def to_bytes(self) -> bytes:
         """The envelope; the crc32c covers the exact bytes of ``body`` as written."""
-        body = json.dumps(self.body(), separators=(",", ":"), allow_nan=False).encode()
+        d = self.body()
+        if self.tree_json:  # encoded once on the caller's thread: splice it in, do not encode it again
+            marker = f"\x00tree-{uuid.uuid4().hex}\x00"
+            d["tree"] = marker
+            text = json.dumps(d, separators=(",", ":"), allow_nan=False)
+            enc = json.dumps(marker)
+            i = text.index(enc)
+            body = (text[:i] + self.tree_json + text[i + len(enc):]).encode()
+        else:
+            body = json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
         return b"".join((_PREFIX, f"{_crc.crc32c(body):08x}".encode(), _MID, body, b"}\n"))
 
     @classmethod
@@ -143,9 +172,9 @@ class Manifest:
         if want != got:
             raise bad(f"manifest checksum mismatch (recorded {want!r:.20}, computed {got!r})")
         version = body.get("format_version")
-        if version != FORMAT_VERSION:
-            raise bad(f"unknown format_version {version!r:.40} (this zerostall reads {FORMAT_VERSION}; "
-                      "upgrade zerostall to read newer checkpoints)")
+        if version not in (FORMAT_VERSION, FORMAT_VERSION_REFS):
+            raise bad(f"unknown format_version {version!r:.40} (this zerostall reads {FORMAT_VERSION} and "
+                      f"{FORMAT_VERSION_REFS}; upgrade zerostall to read newer checkpoints)")
         if body.get("checksum") != "crc32c":
             raise bad(f"unknown checksum {body.get('checksum')!r:.40}")
         if body.get("alignment") != ALIGN_BYTES:
@@ -184,6 +213,11 @@ class Manifest:
             if not isinstance(host, str) or len(host) > 255:
                 raise bad(f"{ctx}bad host {host!r:.80}")
             files[name] = FileEntry(name, integer(f, "rank", 0, world - 1, ctx), host, fb, fid)
+        refs: dict[tuple[int, str], RefFile] = {}
+        if version == FORMAT_VERSION_REFS:
+            refs = parse_ref_files(body.get("ref_files"), step, bad)
+        elif "ref_files" in body:
+            raise bad(f"'ref_files' needs format_version {FORMAT_VERSION_REFS}")
         tensors: list[TensorEntry] = []
         spans: list[V.Span] = []
         for i, t in enumerate(tensors_raw):
@@ -198,13 +232,20 @@ class Manifest:
             nbytes = integer(t, "nbytes", 0, V.MAX_DIM, ctx)
             shape = V.check_shape(t.get("shape"), itemsize(dtype), nbytes, where, key)
             fname = t.get("file")
-            if not isinstance(fname, str) or fname not in files:
+            ref_step = t.get("step")
+            span_file = fname
+            if ref_step is not None:  # a reference (format version 2): bytes in an earlier step's file
+                if not isinstance(fname, str) or type(ref_step) is not int or (ref_step, fname) not in refs:
+                    raise bad(f"{ctx}step-{ref_step!r:.20}/{fname!r:.80} is not listed in 'ref_files'", key)
+                span_file = f"step-{ref_step}/{fname}"
+            elif not isinstance(fname, str) or fname not in files:
                 raise bad(f"{ctx}file {fname!r:.80} is not listed in 'files'", key)
             off = integer(t, "offset", 0, V.MAX_DIM, ctx)
             crc = integer(t, "crc32c", 0, 0xFFFFFFFF, ctx)
-            tensors.append(TensorEntry(key, dt, shape, fname, off, nbytes, crc))
-            spans.append(V.Span(i, fname, off, nbytes, (dt, shape, crc), key))
-        alias = V.check_spans(spans, {f.name: f.file_bytes for f in files.values()}, where)
+            tensors.append(TensorEntry(key, dt, shape, fname, off, nbytes, crc, ref_step))
+            spans.append(V.Span(i, span_file, off, nbytes, (dt, shape, crc), key))
+        alias = V.check_spans(spans, {**{f.name: f.file_bytes for f in files.values()},
+                                      **{f"step-{r.step}/{r.name}": r.file_bytes for r in refs.values()}}, where)
         rank_trees = body.get("rank_trees")
         if rank_trees is not None and (not isinstance(rank_trees, list) or len(rank_trees) != world):
             raise bad("'rank_trees' must list one tree per rank")
@@ -219,7 +260,8 @@ class Manifest:
         return cls(step=step, world_size=world, checkpoint_id=cid, created_unix=float(created),
                    files=tuple(files.values()), tensors=tuple(tensors), tree=body.get("tree"),
                    user_metadata=meta, format_version=version,
-                   rank_trees=tuple(rank_trees) if rank_trees is not None else None, alias_of=alias)
+                   rank_trees=tuple(rank_trees) if rank_trees is not None else None, alias_of=alias,
+                   ref_files=tuple(refs.values()))
 
 
 def _canonical(body: Any) -> bytes:

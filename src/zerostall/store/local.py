@@ -46,7 +46,7 @@ from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..format.validate import parse_step_dir, read_small
 from .atomic import fsync_dir, publish_dir, recover_dir, rmtree, write_file_durable
 from .owner import RootLock
-from .retention import doomed
+from .retention import doomed, spare_referenced
 from .tier import Tier
 
 if TYPE_CHECKING:
@@ -118,6 +118,14 @@ class LocalTier(Tier):
         verdict cached, so calling this per save costs a listdir and a stat per step.
         """
         return [s for s in self.listed_steps() if self._is_valid(s)]
+
+    def latest(self) -> int | None:
+        """The newest committed step; validates manifests newest first, stopping at the first
+        good one (a save's step-order check runs this on the caller's thread)."""
+        for s in reversed(self.listed_steps()):
+            if self._is_valid(s):
+                return s
+        return None
 
     def _manifest_ident(self, step: int) -> tuple[int, ...] | None:
         try:
@@ -312,7 +320,8 @@ class LocalTier(Tier):
     def _write_latest(self, step: int) -> tuple[str, ...]:
         tmp = os.path.join(self.root, "latest.tmp")
         try:
-            write_file_durable(tmp, f"step-{max(self.steps(), default=step)}\n".encode())
+            newest = self.latest()
+            write_file_durable(tmp, f"step-{step if newest is None else max(newest, step)}\n".encode())
             self._step("latest_tmp")
             os.rename(tmp, os.path.join(self.root, "latest"))
             fsync_dir(self.root)
@@ -353,11 +362,13 @@ class LocalTier(Tier):
     def apply_retention(self, keep_last: int | None, protect: set[int] = frozenset(),  # type: ignore[assignment]
                         just_committed: int | None = None) -> list[int]:
         """Delete all but the newest ``keep_last`` committed steps (manifest validates); never
-        the newest, never ``just_committed``, never one in ``protect``."""
+        the newest, never ``just_committed``, never one in ``protect``, never one that a kept
+        step references (incremental saves; deleted newest first)."""
         if keep_last is None:
             return []
         keep = set(protect) | ({just_committed} if just_committed is not None else set())
-        gone = doomed(self.steps(), keep_last, keep)
+        steps = self.steps()
+        gone = spare_referenced(steps, doomed(steps, keep_last, keep), self.read_manifest)
         for s in gone:
             self.delete(s)
         if gone:

@@ -209,9 +209,6 @@ class RemoteTier(Tier):
         self._delete_prefix(f"step-{step}/")
         self._verdicts.pop(step, None)
 
-    def delete_step(self, step: int) -> None:  # the name before the Tier protocol
-        self.delete(step)
-
     # -- shared logic -------------------------------------------------------------------------
     def upload(self, local_path: str, rel: str, crc: int | None = None) -> None:
         """Copy a local file to ``rel`` and verify it end to end: the crc32c of the bytes the
