@@ -21,8 +21,8 @@ short by a crash is skipped); ``save_total_limit`` keeps the newest committed ch
 ``Trainer`` still resume through HF's own code.
 
 Threads: every method here runs on the trainer's thread (HF calls them from ``train()``).
-Under ``torch.distributed`` every rank saves its own state (``rank-R.zst``, its own RNG
-state); DeepSpeed, FSDP and SageMaker MP keep their own checkpoint formats (not covered).
+Under ``torch.distributed`` every rank saves its own state (``rank-R``, its own RNG) and the
+ranks commit each checkpoint together; DeepSpeed, FSDP and SageMaker MP keep their own formats.
 ``model.save_pretrained``/``trainer.save_model()`` are unchanged; ``zerostall export``
 converts a checkpoint's ``model.*`` tensors to safetensors.
 """
@@ -102,8 +102,11 @@ class ZerostallTrainerMixin:
                 resume_from_checkpoint = found
         if isinstance(resume_from_checkpoint, (str, os.PathLike)) and is_committed(resume_from_checkpoint):
             # HF reads trainer_state.json itself: rewrite it from the committed checkpoint
+            # (every rank may do this at once: same bytes, each through its own atomic rename)
             state = self._zs_loaded(os.fspath(resume_from_checkpoint))["trainer_state"]
-            state.save_to_json(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME))
+            path = os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)
+            state.save_to_json(f"{path}.{os.getpid()}.tmp")
+            os.replace(f"{path}.{os.getpid()}.tmp", path)
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
         finally:
