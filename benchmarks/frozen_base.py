@@ -139,20 +139,35 @@ def _best_of_two(fn, d: str):
 
 
 def bench_zerostall(tr: Trainer, root: str, saves: int, incremental) -> dict:
-    recs, expect = [], None
-    with zerostall.Checkpointer(root, incremental=incremental, full_every=None, keep_last=2) as ck:
+    """Without ``incremental``: full saves. With it, ``full_every=2``: full and incremental
+    saves alternate in one run, so both are measured under the same conditions (this host
+    is shared and noisy), and so are restores of a full and of an incremental step."""
+    recs, expect = [], {}
+    with zerostall.Checkpointer(root, incremental=incremental, full_every=2 if incremental else None) as ck:
         ck.prepare(tr.state())
-        ck.save(0, tr.state()).result()  # warm-up (for incremental: the base is written here)
-        for i in range(1, saves + 1):
+        ck.save(0, tr.state()).result()  # warm-up: the arena is faulted in; a full save
+        for i in range(1, 2 * saves + 1):
             tr.step()
             recs.append(ck.save(i, tr.state()).result())
-        expect = clone(tr.state())
-    restore_s, got = _best_of_two(lambda: zerostall.load(root, step=saves), root)
-    return {"bytes_written": statistics.median(r.bytes_written for r in recs),
-            "bytes_referenced": statistics.median(r.bytes_referenced for r in recs),
-            "durable_s": statistics.median(r.durable_s for r in recs),
-            "stall_s": statistics.median(r.stall_s for r in recs),
-            "restore_s": restore_s, "bit_exact": equal(got, expect)}
+            expect[i] = clone(tr.state())
+    incr = [r for r in recs if r.bytes_referenced] if incremental else recs
+    full = [r for r in recs if not r.bytes_referenced]
+    last_incr, last_full = incr[-1].step, full[-1].step
+    t_incr, t_full = float("inf"), float("inf")
+    ok = True
+    for _ in range(3):  # alternate: the same conditions for both
+        s, got = _best_of_two(lambda: zerostall.load(root, step=last_full), root)
+        t_full, ok = min(t_full, s), ok and equal(got, expect[last_full])
+        s, got = _best_of_two(lambda: zerostall.load(root, step=last_incr), root)
+        t_incr, ok = min(t_incr, s), ok and equal(got, expect[last_incr])
+    return {"bytes_written": statistics.median(r.bytes_written for r in incr),
+            "bytes_referenced": statistics.median(r.bytes_referenced for r in incr),
+            "durable_s": statistics.median(r.durable_s for r in incr),
+            "stall_s": statistics.median(r.stall_s for r in incr),
+            "full_in_same_run": {"bytes_written": statistics.median(r.bytes_written for r in full),
+                                 "durable_s": statistics.median(r.durable_s for r in full),
+                                 "restore_s": t_full},
+            "restore_s": t_incr, "bit_exact": ok}
 
 
 def bench_sync(tr: Trainer, root: str, saves: int, save_fn, load_fn) -> dict:
@@ -204,7 +219,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--saves", type=int, default=3)
+    p.add_argument("--saves", type=int, default=3, help="measured saves of each kind")
     p.add_argument("--methods", default="zerostall-full,zerostall-incremental,zerostall-incremental-version,"
                                         "torch.save,dcp")
     p.add_argument("--json", default=None)
@@ -241,22 +256,26 @@ def main() -> int:
         if a.dir is None:
             shutil.rmtree(work, ignore_errors=True)
     verdict = {}
-    if "zerostall-full" in out and "zerostall-incremental" in out:
-        f, i = out["zerostall-full"], out["zerostall-incremental"]
-        verdict = {"bytes_ratio": i["bytes_written"] / f["bytes_written"],
-                   "durable_ratio": i["durable_s"] / f["durable_s"],
-                   "restore_rate_ratio": i["restore_gbps"] / f["restore_gbps"],
-                   "bit_exact": all(r["bit_exact"] for r in out.values())}
-        ok = (verdict["bytes_ratio"] <= 0.15 and verdict["durable_ratio"] <= 0.25
-              and verdict["restore_rate_ratio"] >= 0.9 and verdict["bit_exact"])
-        verdict["targets_met"] = ok
-        print(f"incremental vs full: bytes {verdict['bytes_ratio']:.1%} (target <= 15%), durable "
-              f"{verdict['durable_ratio']:.1%} (<= 25%), restore rate {verdict['restore_rate_ratio']:.0%} (>= 90%), "
-              f"bit-exact {verdict['bit_exact']}: {'PASS' if ok else 'FAIL'}")
+    for name in ("zerostall-incremental", "zerostall-incremental-version"):
+        if name not in out:
+            continue
+        i = out[name]
+        f = i["full_in_same_run"]
+        v = {"bytes_ratio": i["bytes_written"] / f["bytes_written"],
+             "durable_ratio": i["durable_s"] / f["durable_s"],
+             "restore_rate_ratio": f["restore_s"] / i["restore_s"],
+             "bit_exact": all(r["bit_exact"] for r in out.values())}
+        v["targets_met"] = (v["bytes_ratio"] <= 0.15 and v["durable_ratio"] <= 0.25
+                            and v["restore_rate_ratio"] >= 0.9 and v["bit_exact"])
+        verdict[name] = v
+        print(f"{name} vs full saves of the same run (full: durable {f['durable_s']:.3f} s, restore "
+              f"{f['restore_s']:.3f} s): bytes {v['bytes_ratio']:.1%} (target <= 15%), durable "
+              f"{v['durable_ratio']:.1%} (<= 25%), restore rate {v['restore_rate_ratio']:.0%} (>= 90%), "
+              f"bit-exact {v['bit_exact']}: {'PASS' if v['targets_met'] else 'FAIL'}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"state_bytes": total, "frozen_bytes": frozen, "methods": out, "verdict": verdict}, f, indent=1)
-    return 0 if verdict.get("targets_met", True) else 1
+    return 0 if all(v["targets_met"] for v in verdict.values()) else 1
 
 
 if __name__ == "__main__":

@@ -164,25 +164,27 @@ class _CpuCrc:
 
 
 class _CudaCrc:
-    """crc32c of device memory through a pinned bounce buffer, on the snapshot's stream."""
+    """crc32c of device memory through a pinned bounce buffer. ``run(device, fn)`` runs ``fn``
+    on the snapshot thread's side stream of ``device``, after the caller's ``save()`` event
+    (so the bytes are those the caller's stream had produced), and waits for it
+    (``Snapshotter``/``DeviceStreams.run``)."""
 
-    def __init__(self, stream_fn: Callable[[], Any], piece: int = 16 << 20):
-        self.stream_fn = stream_fn
+    def __init__(self, piece: int = 16 << 20):
         self.piece = piece
         self.buf: torch.Tensor | None = None
 
-    def __call__(self, t: torch.Tensor) -> int:
+    def __call__(self, t: torch.Tensor, run: Callable[[torch.device, Callable[[], None]], None]) -> int:
         if self.buf is None:
             self.buf = torch.empty(self.piece, dtype=torch.uint8, pin_memory=True)
-        stream = self.stream_fn()
-        flat = (t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8)
+        buf = self.buf
+        held: list[torch.Tensor] = []
+        run(t.device, lambda: held.append((t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8)))
+        flat = held[0]
         crc = 0
         for pos in range(0, flat.numel(), self.piece):
             k = min(self.piece, flat.numel() - pos)
-            with torch.cuda.stream(stream):
-                self.buf[:k].copy_(flat[pos:pos + k], non_blocking=True)
-            stream.synchronize()
-            crc = _crc.crc32c((ctypes.c_char * k).from_address(self.buf.data_ptr()), crc)
+            run(t.device, lambda pos=pos, k=k: buf[:k].copy_(flat[pos:pos + k], non_blocking=True))
+            crc = _crc.crc32c((ctypes.c_char * k).from_address(buf.data_ptr()), crc)
         return crc
 
 
@@ -243,7 +245,7 @@ class RefTracker:
             return set(self._pins)
 
     # -- snapshot thread --------------------------------------------------------------------
-    def decide(self, job: SaveJob, cuda_stream: Callable[[], Any]) -> None:
+    def decide(self, job: SaveJob, cuda_run: Callable[[torch.device, Callable[[], None]], None]) -> None:
         """Choose what to reference; replace ``job.plan``/``job.leaves`` by what to write."""
         ij: IncrementalJob = job.incr
         with self._lock:
@@ -264,7 +266,7 @@ class RefTracker:
         for item, leaf in zip(plan.items, leaves):
             k = known.get(item.key)
             verdict.append(False if k is None else self._fast_path(item, ij.fps.get(item.key), k, job.step))
-        self._confirm(plan.items, leaves, known, verdict, cuda_stream, ij)
+        self._confirm(plan.items, leaves, known, verdict, cuda_run, ij)
         for item, leaf, ok in zip(plan.items, leaves, verdict):
             if ok:
                 k = known[item.key]
@@ -306,7 +308,7 @@ class RefTracker:
         return None
 
     def _confirm(self, items: Any, leaves: list[torch.Tensor], known: dict[str, Known], verdict: list[bool | None],
-                 cuda_stream: Callable[[], Any], ij: IncrementalJob) -> None:
+                 cuda_run: Callable[[torch.device, Callable[[], None]], None], ij: IncrementalJob) -> None:
         """Settle every undecided verdict by the crc32c of the source (CPU tensors in parallel)."""
         cpu = [i for i, v in enumerate(verdict) if v is None and leaves[i].device.type != "cuda"]
         gpu = [i for i, v in enumerate(verdict) if v is None and leaves[i].device.type == "cuda"]
@@ -317,8 +319,8 @@ class RefTracker:
                 verdict[i] = crc == known[items[i].key].entry.crc32c
         for i in gpu:
             if self._cuda_crc is None:
-                self._cuda_crc = _CudaCrc(cuda_stream)
-            verdict[i] = self._cuda_crc(leaves[i]) == known[items[i].key].entry.crc32c
+                self._cuda_crc = _CudaCrc()
+            verdict[i] = self._cuda_crc(leaves[i], cuda_run) == known[items[i].key].entry.crc32c
         ij.crc_bytes += sum(items[i].nbytes for i in cpu + gpu)
 
     # -- persist thread -----------------------------------------------------------------------
