@@ -121,10 +121,11 @@ class Checkpointer:
         if cfg.remote:
             policy = RetentionPolicy(keep_last_local=cfg.keep_last, keep_last_remote=cfg.keep_last_remote,
                                      keep_every_remote=cfg.keep_every_remote)
-            url = cfg.remote
-            kwargs = dict(max_concurrency=cfg.remote_concurrency, max_bandwidth_bytes=cfg.remote_bandwidth_bytes)
+            # built here, so a bad URL or a missing extra fails now; no network until the replicator runs
+            remote = open_tier(cfg.remote, io=cfg.io, max_concurrency=cfg.remote_concurrency,
+                               max_bandwidth_bytes=cfg.remote_bandwidth_bytes)
             # started now: its first pass uploads what an earlier run left unreplicated
-            self._replicator = Replicator(self.tier, lambda: open_tier(url, io=cfg.io, **kwargs), policy,
+            self._replicator = Replicator(self.tier, lambda: remote, policy,
                                           rank=self.rank, world_size=self.world_size,
                                           local_retention=self.rank == 0 or self.node_local,
                                           retry_max_s=cfg.remote_retry_max_s,

@@ -18,7 +18,7 @@ import sys
 from typing import Any, Callable
 
 from . import cli_dcp
-from .errors import CheckpointNotFound, ConfigError, CorruptCheckpoint, ZerostallError
+from .errors import CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, ZerostallError
 
 
 def safe(text: Any) -> str:
@@ -117,14 +117,18 @@ def cmd_ls(a: argparse.Namespace) -> int:
             rows.append({"step": s, "bytes": 0, "tensors": 0, "created_unix": 0,
                          "state": "partial (not a checkpoint)", "tier": "local"})
         if a.remote:
-            remote_rows = {r["step"]: r for r in _remote_rows(a.remote)}
-            for r in rows:
+            try:
+                remote_rows = {r["step"]: r for r in _remote_rows(a.remote)}
+            except RemoteError as exc:  # the local listing is still worth showing
+                print(f"zerostall ls: cannot list {a.remote}: {exc}", file=sys.stderr)
+                remote_rows = None
+            for r in rows if remote_rows is not None else []:
                 if r["step"] in remote_rows and r["state"] == "committed":
                     r["tier"] = "local+remote"
                     remote_rows.pop(r["step"])
                 elif r["state"] == "committed":
                     r["tier"] = "local (not replicated)"
-            rows.extend(remote_rows.values())
+            rows.extend((remote_rows or {}).values())
     if a.json:
         print(json.dumps(rows, indent=1))
         return 0
