@@ -211,6 +211,7 @@ class Checkpointer:
         if any(j.step == step for j in tuple(self._inflight)):  # not reported: its round is running
             raise CheckpointExistsError(f"step {step} is already being saved")
         job: SaveJob | None = None
+        r0 = self.ring.reserved if self.ring is not None else 0
         try:
             self._raise_pending()
             self.tier.check_new_step(step, ow, allow_lower=self.config.allow_lower_steps)
@@ -238,9 +239,17 @@ class Checkpointer:
             job.t_submit = t0
             self._hand_over(job)
         except BaseException as exc:
-            if job is not None and (job.to_persist or job.to_snap):
+            # ``reserved`` moves only here (saves are serialised), so a change means this job
+            # holds blocks, even if the exception came before ``job.g0`` was assigned.
+            reserved = self.ring is not None and self.ring.reserved != r0
+            if job is not None and reserved and not (job.to_persist or job.to_snap):
+                job.g0, job.nblocks = r0, self.ring.reserved - r0
+            if job is not None and (job.to_persist or job.to_snap or reserved and not self._closed):
+                # The workers finish it as failed: its reserved blocks drain (the ring moves on) and
+                # the persist thread reports it; raised here, so not again as a background error.
+                job.raised_in_save = True
                 job.fail(exc)
-                self._hand_over(job)  # the workers finish it as failed (the ring moves on; it is reported)
+                self._hand_over(job)
             else:
                 if job is not None:
                     self._discard(job)
@@ -435,7 +444,9 @@ class Checkpointer:
             if worker is not None:
                 ok = worker.stop(left()) and ok
         if self._replicator is not None:  # bounded: the rest is uploaded by the next run
-            budget = self.config.close_timeout_s if deadline is None else min(self.config.close_timeout_s, left() or 0.0)
+            budget = self.config.close_timeout_s
+            if deadline is not None:
+                budget = min(budget, left() or 0.0)
             self.unreplicated = self._replicator.close(budget)
         if ok:
             if self._refs is not None:
@@ -474,7 +485,7 @@ class Checkpointer:
         if self.config.prometheus:
             from .telemetry import prometheus
             prometheus.observe(rec)
-        if job.error is not None and self.config.raise_on_background_error:
+        if job.error is not None and self.config.raise_on_background_error and not job.raised_in_save:
             self._failed.append(job)
         try:
             self._inflight.remove(job)

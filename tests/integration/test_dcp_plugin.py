@@ -379,3 +379,21 @@ def test_checkpoints_of_earlier_releases(tmp_path):
     _save(path, 2.0)
     assert _same(_load(path), _state(2.0))
     assert "rank-00000.zst" not in os.listdir(path)  # the superseded shard was this checkpoint's: removed
+
+
+def test_cli_on_a_root_of_dcp_steps(tmp_path, capsys):
+    """torchtitan's layout: <root>/step-N/ each a DCP checkpoint."""
+    import json
+    from zerostall.cli import main
+    root = str(tmp_path / "root")
+    for s in (10, 20):
+        _save(os.path.join(root, f"step-{s}"), float(s))
+    assert main(["ls", root, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["checkpoint"], r["state"]) for r in rows] == [("step 10", "committed"), ("step 20", "committed")]
+    assert main(["verify", root]) == 0 and capsys.readouterr().out.count("OK (zerostall.dcp") == 2
+    assert main(["inspect", root, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["metadata"].endswith(os.path.join("step-20", ".metadata"))
+    _flip(os.path.join(root, "step-10", _shards(os.path.join(root, "step-10"))[0]), 4096 + 100)
+    assert main(["verify", root]) == 1 and "step 10" in capsys.readouterr().err
+    assert main(["verify", root, "--step", "20"]) == 0
