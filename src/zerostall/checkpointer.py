@@ -193,7 +193,6 @@ class Checkpointer:
         if self._closed:
             raise ZerostallError("this Checkpointer is closed")
         step = check_step(step)  # and the metadata, leaves and manifest size in check_metadata/_plan
-        user_metadata = check_metadata(metadata)
         me = threading.get_ident()
         if self._save_owner == me:
             raise ZerostallError("save() was re-entered on the same thread (from a signal handler that "
@@ -201,7 +200,7 @@ class Checkpointer:
         with self._save_lock:
             self._save_owner = me
             try:
-                return self._save(t0, step, state_dict, overwrite, user_metadata)
+                return self._save(t0, step, state_dict, overwrite, metadata)
             finally:
                 self._save_owner = None
 
@@ -214,6 +213,7 @@ class Checkpointer:
         r0 = self.ring.reserved if self.ring is not None else 0
         try:
             self._raise_pending()
+            metadata = check_metadata(metadata)
             self.tier.check_new_step(step, ow, allow_lower=self.config.allow_lower_steps)
             if ow:
                 self._check_not_referenced(step)
