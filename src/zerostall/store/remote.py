@@ -237,10 +237,11 @@ class RemoteTier(Tier):
         if (got_size, got_crc) != (size, crc):
             try:
                 self._delete(rel)
-            finally:
-                raise RemoteError(f"{self.where(rel)}: the tier stores {got_size} bytes with crc32c {got_crc:08x}, "
-                                  f"sent {size} bytes with crc32c {crc:08x}; the object was removed and will "
-                                  "be uploaded again", url=self.where(rel), step=step_of(rel))
+            except ZerostallError as exc:
+                log.warning("zerostall: cannot remove %s: %s", self.where(rel), exc)
+            raise RemoteError(f"{self.where(rel)}: the tier stores {got_size} bytes with crc32c {got_crc:08x}, "
+                              f"sent {size} bytes with crc32c {crc:08x}; the object was removed and will "
+                              "be uploaded again", url=self.where(rel), step=step_of(rel))
 
     def read_manifest_bytes(self, step: int) -> bytes:
         data = self.read_bytes(f"step-{step}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
