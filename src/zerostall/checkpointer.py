@@ -200,7 +200,6 @@ class Checkpointer:
         if self._closed:
             raise ZerostallError("this Checkpointer is closed")
         step = check_step(step)  # and the metadata, leaves and manifest size in check_metadata/_plan
-        user_metadata = check_metadata(metadata)
         me = threading.get_ident()
         if self._save_owner == me:
             raise ZerostallError("save() was re-entered on the same thread (from a signal handler that "
@@ -208,7 +207,7 @@ class Checkpointer:
         with self._save_lock:
             self._save_owner = me
             try:
-                return self._save(t0, step, state_dict, overwrite, user_metadata)
+                return self._save(t0, step, state_dict, overwrite, metadata)
             finally:
                 self._save_owner = None
 
@@ -221,6 +220,7 @@ class Checkpointer:
         r0 = self.ring.reserved if self.ring is not None else 0
         try:
             self._raise_pending()
+            metadata = check_metadata(metadata)
             self.tier.check_new_step(step, ow, allow_lower=self.config.allow_lower_steps)
             if ow:
                 self._check_not_referenced(step)
@@ -381,8 +381,10 @@ class Checkpointer:
                 delay = min(delay * 2, 0.02)
         return True
 
-    def load(self, state_dict: Any = None, step: int | None = None, map_location: Any = None) -> Any:
-        """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load`.
+    def load(self, state_dict: Any = None, step: int | None = None, map_location: Any = None, *,
+             keys: list[str] | None = None, strict: bool = False, report: Any = None) -> Any:
+        """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load`
+        (``keys``, ``strict`` and ``report`` as there).
 
         Reads through this checkpointer's (pre-faulted) arena when no save is in flight;
         saves started meanwhile from other threads wait until the load is done.
@@ -393,7 +395,7 @@ class Checkpointer:
             return load_into(state_dict, lambda sd: _load(
                 self.tier.root, sd, step, map_location, verify=self.config.verify_on_load,
                 fallback=self.config.fallback, engine=self.engine, bounce=bounce, rank=self.rank,
-                world_size=self.world_size, remote=self.config.remote))
+                world_size=self.world_size, remote=self.config.remote, keys=keys, strict=strict, report=report))
 
     def steps(self, *, include_remote: bool = True) -> list[int]:
         """Committed steps, ascending: local ones and, with a remote tier (unless
@@ -456,6 +458,8 @@ class Checkpointer:
                 budget = min(budget, left() or 0.0)
             self.unreplicated = self._replicator.close(budget)
         if ok:
+            if self._refs is not None:
+                self._refs.close()
             self.engine.close()
             if self.arena is not None:
                 self.arena.close()

@@ -250,3 +250,18 @@ def test_bad_options():
         zerostall.Checkpointer("/tmp/unused-zs", incremental="sometimes")
     with pytest.raises(ConfigError, match="full_every"):
         zerostall.CheckpointConfig(full_every=0)
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_checked_on_the_device(ckdir):
+    base = torch.randn(1 << 20, device="cuda")
+    head = torch.randn(1000, device="cuda")
+    with zerostall.Checkpointer(ckdir, incremental=True) as ck:
+        ck.save(0, {"base": base, "head": head}).result()
+        head.add_(1)
+        r1 = ck.save(1, {"base": base, "head": head}).result()
+        base.data[3] = 5.0  # bypasses the version counter; queued on the caller's stream
+        r2 = ck.save(2, {"base": base, "head": head}).result()
+    assert r1.bytes_referenced == base.numel() * 4 and r2.bytes_referenced == head.numel() * 4
+    got = zerostall.load(ckdir)
+    assert torch.equal(got["base"], base.cpu()) and torch.equal(got["head"], head.cpu())

@@ -81,3 +81,30 @@ def test_closure_and_retention_order():
         return M(s)
     assert spare_referenced([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4], broken) == [4, 3, 2, 1, 0]
     assert dependents([0, 1, 2, 3, 4, 5], 1, M) == [3, 4]
+
+
+def test_crc_combine_matches_whole_buffer_crc():
+    import os
+    import random
+
+    import crc32c
+
+    from zerostall.format.crc_combine import combine
+    rnd = random.Random(0)
+    for n in [0, 1, 7, 4096, 65537]:
+        a, b = os.urandom(rnd.randint(0, 3000)), os.urandom(n)
+        assert combine(crc32c.crc32c(a), crc32c.crc32c(b), len(b)) == crc32c.crc32c(a + b)
+
+
+def test_parallel_source_crc_equals_crc_of_the_bytes():
+    import crc32c
+    import torch
+
+    from zerostall.staging import incremental as inc
+    ts = [torch.randn(n) for n in (0, 1, 1000, (16 << 20) // 4, (16 << 20) // 4 + 3, 5 << 20)]
+    ts.append(torch.randn(300, 200).t())  # not contiguous
+    for threads in (1, 3):
+        c = inc._CpuCrc(threads)
+        got = c.many(ts)
+        c.close()
+        assert got == [crc32c.crc32c(t.contiguous().numpy().tobytes()) for t in ts]
