@@ -381,8 +381,10 @@ class Checkpointer:
                 delay = min(delay * 2, 0.02)
         return True
 
-    def load(self, state_dict: Any = None, step: int | None = None, map_location: Any = None) -> Any:
-        """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load`.
+    def load(self, state_dict: Any = None, step: int | None = None, map_location: Any = None, *,
+             keys: list[str] | None = None, strict: bool = False, report: Any = None) -> Any:
+        """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load`
+        (``keys``, ``strict`` and ``report`` as there).
 
         Reads through this checkpointer's (pre-faulted) arena when no save is in flight;
         saves started meanwhile from other threads wait until the load is done.
@@ -393,7 +395,7 @@ class Checkpointer:
             return load_into(state_dict, lambda sd: _load(
                 self.tier.root, sd, step, map_location, verify=self.config.verify_on_load,
                 fallback=self.config.fallback, engine=self.engine, bounce=bounce, rank=self.rank,
-                world_size=self.world_size, remote=self.config.remote))
+                world_size=self.world_size, remote=self.config.remote, keys=keys, strict=strict, report=report))
 
     def steps(self, *, include_remote: bool = True) -> list[int]:
         """Committed steps, ascending: local ones and, with a remote tier (unless
