@@ -194,6 +194,22 @@ def test_overwriting_a_referenced_step_is_refused(ckdir):
     assert torch.equal(zerostall.load(ckdir)["f"], frozen + 1)
 
 
+@pytest.mark.parametrize("mode", [True, "version"])
+def test_a_lower_step_never_references_a_higher_one(ckdir, mode):
+    """allow_lower_steps: step 3 after step 10 writes its bytes (a manifest may only reference
+    earlier steps, so a reference to step 10 would commit a step that never loads)."""
+    state = {"f": torch.randn(1 << 12), "g": torch.randn(64)}
+    with zerostall.Checkpointer(ckdir, incremental=mode, allow_lower_steps=True) as ck:
+        ck.save(10, state).result()
+        rec = ck.save(3, state).result()
+        assert rec.bytes_referenced == 0
+        rec = ck.save(11, state).result()  # references step 10 or 3, both earlier
+        assert rec.bytes_referenced == (4096 + 64) * 4
+    _verify_all(ckdir)
+    for step in (3, 10, 11):
+        assert equal(zerostall.load(ckdir, step=step), state)
+
+
 def test_restart_references_the_previous_run(ckdir):
     frozen = torch.randn(1 << 14)
     with zerostall.Checkpointer(ckdir, incremental=True) as ck:

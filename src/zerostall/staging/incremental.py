@@ -296,7 +296,8 @@ class RefTracker:
     def _fast_path(self, item: PlanItem, fp: Any, k: Known, step: int) -> bool | None:
         """False: write; True: reference (``"version"`` mode only); None: ask the crc."""
         e = k.entry
-        if e.step == step or e.dtype != item.dtype or e.shape != item.shape or e.nbytes != item.nbytes:
+        # a manifest may only reference earlier steps (allow_lower_steps, overwrite: write it)
+        if e.step >= step or e.dtype != item.dtype or e.shape != item.shape or e.nbytes != item.nbytes:
             return False
         if not item.nbytes:
             return False
