@@ -299,7 +299,13 @@ def fetch_remote_step(tier: LocalTier, remote: Any, step: int) -> Manifest:
     part = tier.begin(step)
     try:
         for fe in man.files:
-            remote.download(f"step-{step}/{fe.name}", os.path.join(part, fe.name), fe.file_bytes)
+            rel = f"step-{step}/{fe.name}"
+            size = remote.stat(rel)
+            if size != fe.file_bytes:
+                where = remote.where(rel)
+                raise CorruptCheckpoint(f"{where}: {'missing' if size is None else f'{size} bytes'}, the "
+                                        f"manifest says {fe.file_bytes}", path=where)
+            remote.download(rel, os.path.join(part, fe.name), fe.file_bytes)
     except BaseException:
         tier.abort(step)
         raise
@@ -357,9 +363,11 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
             tried.add((s, src))
             if engine is None:
                 engine = choose_engine(tier.root, io or IOConfig())
+            fetched = False
             try:
                 if src == "remote":
                     fetch_remote_step(tier, remote, s)
+                    fetched = True
                 out = load_step(tier, s, engine, bounce, state_dict, map_location, verify, rank, world_size,
                                 keys=keys, strict=strict, report=report)
             except (StateMismatchError, ConfigError):
@@ -371,8 +379,8 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
                 reason = str(exc) if isinstance(exc, ZerostallError) else f"{type(exc).__name__}: {exc}"
                 log.error("zerostall: step %d (%s copy) failed: %s", s, src, reason)
                 errors.append(f"step {s} ({src}): {reason}")
-                if src == "remote":
-                    tier.delete(s)  # drop the bad download
+                if fetched and isinstance(exc, CorruptCheckpoint):
+                    tier.delete(s)  # drop the bad download (a failed fetch committed nothing: a local copy stays)
                 continue
             report.step, report.source, report.failed = s, src, list(errors)
             if errors:
