@@ -13,6 +13,7 @@ Environment overrides (read only by :meth:`CheckpointConfig.from_env`, which
 ``ZEROSTALL_BUDGET_BYTES``     staging arena size, bytes (overrides the fraction)
 ``ZEROSTALL_BUDGET_FRACTION``  staging budget as a fraction of host RAM (default 0.4)
 ``ZEROSTALL_BACKPRESSURE``     ``block`` | ``skip``
+``ZEROSTALL_DIST_MODE``        ``per_rank`` | ``replicated`` | ``local``
 =============================  =====================================================
 """
 
@@ -104,8 +105,10 @@ class CheckpointConfig:
     telemetry_interval_s: float = 0.1
     metrics_jsonl: str | None = None
     prometheus: bool = False
-    dist_mode: Literal["per_rank", "replicated"] = "per_rank"
+    dist_mode: Literal["per_rank", "replicated", "local"] = "per_rank"
     commit_timeout_s: float = 300.0
+    join_timeout_s: float = 60.0
+    dist_name: str | None = None
     remote: str | None = None
     keep_last_remote: int | None = None
     keep_every_remote: int | None = None
@@ -135,10 +138,14 @@ class CheckpointConfig:
                  "choose block or skip")
         if self.keep_last is not None:
             _require(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1 or None")
-        _require(self.dist_mode in ("per_rank", "replicated"), "dist_mode", self.dist_mode,
-                 "choose per_rank (each rank saves its own state) or replicated (identical state on "
-                 "every rank, each tensor written once)")
+        _require(self.dist_mode in ("per_rank", "replicated", "local"), "dist_mode", self.dist_mode,
+                 "choose per_rank (each rank saves its own state), replicated (identical state on "
+                 "every rank, each tensor written once) or local (this process saves alone)")
         _require(self.commit_timeout_s > 0, "commit_timeout_s", self.commit_timeout_s, "must be > 0")
+        _require(self.join_timeout_s > 0, "join_timeout_s", self.join_timeout_s, "must be > 0")
+        if self.dist_name is not None:
+            _require(isinstance(self.dist_name, str) and 0 < len(self.dist_name) <= 200, "dist_name",
+                     self.dist_name, "must be a non-empty string (the same on every rank)")
         _require(0 <= self.close_timeout_s <= 3600, "close_timeout_s", self.close_timeout_s,
                  "must be in [0, 3600] seconds")
         _require(self.remote_retry_max_s >= 1, "remote_retry_max_s", self.remote_retry_max_s, "must be >= 1 s")
@@ -185,6 +192,8 @@ class CheckpointConfig:
         top: dict[str, object] = {}
         if "ZEROSTALL_BACKPRESSURE" in env:
             top["backpressure"] = env["ZEROSTALL_BACKPRESSURE"]
+        if "ZEROSTALL_DIST_MODE" in env:
+            top["dist_mode"] = env["ZEROSTALL_DIST_MODE"]
         if io_changes:
             top["io"] = dataclasses.replace(cfg.io, **io_changes)  # type: ignore[arg-type]
         if st_changes:

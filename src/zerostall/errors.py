@@ -13,7 +13,9 @@
     ├── StateMismatchError     the caller's state dict does not fit the checkpoint (shape, dtype, strict keys)
     ├── StorageError           the OS refused an I/O operation (ENOSPC, EIO, EACCES, ...)
     │   └── RemoteError        a remote tier (S3, shared filesystem) failed; names the URL and step
-    └── SaveFailed             a background save failed; ``__cause__`` holds the reason
+    ├── SaveFailed             a background save failed; ``__cause__`` holds the reason
+    └── DistributedError       coordination through torch.distributed failed (a rank missing,
+                               a store error); torch's own error is chained as ``__cause__``
 
 OS errors are translated at the boundary with ``raise ... from exc``; every message names
 the file, key or value at fault and what to do about it.
@@ -26,6 +28,7 @@ __all__ = [
     "CheckpointNotFound",
     "ConfigError",
     "CorruptCheckpoint",
+    "DistributedError",
     "RemoteError",
     "RootLockedError",
     "SaveFailed",
@@ -127,6 +130,16 @@ class SaveFailed(ZerostallError):
     def __init__(self, message: str, *, step: int | None = None):
         super().__init__(message)
         self.step = step
+
+
+class DistributedError(ZerostallError):
+    """Ranks could not coordinate: a rank did not join or report in time, or the c10d store
+    failed. ``missing_ranks`` lists the ranks that did not answer, when known; torch's
+    exception (``DistStoreError``, a timeout) is chained as ``__cause__``."""
+
+    def __init__(self, message: str, *, missing_ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.missing_ranks = tuple(missing_ranks)
 
 
 def storage_error(action: str, path: str, exc: OSError, hint: str = "") -> StorageError:

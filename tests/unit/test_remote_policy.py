@@ -4,6 +4,10 @@ priority of the replicator thread."""
 import threading
 
 import psutil
+import pytest
+
+import zerostall
+from zerostall.errors import RemoteError
 
 from zerostall.store.replicate import set_idle_io_priority
 from zerostall.store.retention import RetentionPolicy
@@ -38,3 +42,10 @@ def test_replicator_thread_runs_at_idle_io_priority():
     t.join()
     assert got["ok"] and got["class"] == psutil.IOPRIO_CLASS_IDLE and got["child"] == psutil.IOPRIO_CLASS_IDLE
     assert psutil.Process().ionice().ioclass != psutil.IOPRIO_CLASS_IDLE  # the caller's thread is untouched
+
+
+def test_bad_remote_url_fails_at_construction(tmp_path):
+    with pytest.raises(zerostall.errors.ConfigError, match="nope://"):
+        zerostall.Checkpointer(str(tmp_path / "a"), remote="nope://bucket/x")
+    with pytest.raises(RemoteError, match="no bucket"):
+        zerostall.Checkpointer(str(tmp_path / "b"), remote="s3:///just-a-path")

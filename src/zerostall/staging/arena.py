@@ -18,6 +18,8 @@ import resource
 
 import torch
 
+from .._util import node_leader
+
 log = logging.getLogger("zerostall")
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
@@ -70,19 +72,21 @@ class Arena:
             self.prefault()
 
     def _try_mlock(self) -> bool:
+        """Lock the arena if RLIMIT_MEMLOCK allows. The limit is the node's setting: only
+        LOCAL_RANK 0 warns (once per process), the other local ranks log at debug level."""
         global _warned_memlock
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         if soft != resource.RLIM_INFINITY and soft < self.nbytes:
             if not _warned_memlock:
                 _warned_memlock = True
-                log.warning("zerostall: RLIMIT_MEMLOCK is %d bytes, below the %d-byte staging arena; "
+                (log.warning if node_leader() else log.debug)("zerostall: RLIMIT_MEMLOCK is %d bytes, below the %d-byte staging arena; "
                             "not locking it (raise 'ulimit -l' to keep the arena out of swap)",
                             soft, self.nbytes)
             return False
         if _libc.mlock(ctypes.c_void_p(self.address), self.nbytes) != 0:
             if not _warned_memlock:
                 _warned_memlock = True
-                log.warning("zerostall: mlock of the %d-byte staging arena failed: %s",
+                (log.warning if node_leader() else log.debug)("zerostall: mlock of the %d-byte staging arena failed: %s",
                             self.nbytes, os.strerror(ctypes.get_errno()))
             return False
         return True

@@ -40,6 +40,7 @@ class SaveJob:
     crcs: list[int] = field(default_factory=list)
     leaves: list[torch.Tensor] | None = None
     cuda_event: Any = None
+    """CUDA: ``{device index: event}`` recorded on each device's current stream at ``save()``."""
     staged: threading.Event = field(default_factory=threading.Event)
     durable: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
@@ -50,6 +51,13 @@ class SaveJob:
     post_commit_errors: list[str] = field(default_factory=list)
     """Problems after the commit point (latest hint, retention): logged, the save stays durable."""
     skipped: bool = False
+    reported: bool = False
+    """Set by the committer once this rank's outcome of the step was sent to the other ranks."""
+    to_persist: bool = False
+    to_snap: bool = False
+    submitted: bool = False
+    """Set by ``Checkpointer.save()`` once both pipeline threads have the job."""
+    _reads: set[int] | None = None
     t_submit: float = field(default_factory=time.perf_counter)
     t_staged: float = 0.0
     t_durable: float = 0.0
@@ -78,6 +86,18 @@ class SaveJob:
     @property
     def file_name(self) -> str:
         return shard_name(self.rank)
+
+    def reads(self, storages: set[int]) -> bool:
+        """Whether the snapshot may still read one of ``storages`` (storage addresses).
+
+        Called by the optimizer guard on the caller's thread; False once staged.
+        """
+        leaves = self.leaves  # the snapshot thread drops it once every byte is copied
+        if leaves is None or self.staged.is_set():
+            return False
+        if self._reads is None:
+            self._reads = {t.untyped_storage().data_ptr() for t in leaves}
+        return not self._reads.isdisjoint(storages)
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:

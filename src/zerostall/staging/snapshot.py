@@ -5,9 +5,12 @@ from the caller's thread and are staged strictly in order. For each job it write
 header, every tensor's bytes (zero-padding each to 4 KiB) and the zero tail, and publishes
 finished blocks to the persist thread (which checksums them while its writes are in flight,
 keeping crc32c off the path that the training loop may wait on).
-CPU tensors are copied with ``Tensor.copy_`` (which releases the GIL); CUDA tensors are
-copied non-blocking on a dedicated low-priority stream into the registered arena, after an
-event recorded on the caller's stream at ``save()`` time.
+CUDA tensors are copied non-blocking into the registered arena on a low-priority side
+stream *of the tensor's own device* (:class:`DeviceStreams`: one stream per device, the
+device made current for each copy), after the event recorded on that device's current
+stream at ``save()`` time (:func:`record_save_events`); an event recorded on the side
+stream after the copy is waited for before the bytes are published. On a multi-GPU node a
+rank's tensors may live on any device, so nothing assumes device 0.
 
 Never mutates the caller's tensors; drops its references to them once the job is staged.
 
@@ -84,11 +87,69 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _index(device: torch.device, cuda: Any) -> int:
+    return device.index if device.index is not None else int(cuda.current_device())
+
+
+def record_save_events(tensors: Any, cuda: Any = torch.cuda) -> dict[int, Any]:
+    """On the caller's thread in ``save()``: one event per CUDA device among ``tensors``,
+    recorded on that device's current stream (the snapshot copies wait for it, so they see
+    every kernel the caller queued before ``save()``)."""
+    events: dict[int, Any] = {}
+    for t in tensors:
+        if t.device.type != "cuda":
+            continue
+        i = _index(t.device, cuda)
+        if i not in events:
+            with cuda.device(i):
+                ev = cuda.Event()
+                ev.record(cuda.current_stream(i))
+            events[i] = ev
+    return events
+
+
+class DeviceStreams:
+    """The snapshot thread's CUDA side streams: one per device, created on first use.
+
+    ``cuda`` is ``torch.cuda`` — the one seam the unit tests fake to check which device and
+    stream each copy runs on without a GPU. Snapshot thread only.
+    """
+
+    def __init__(self, cuda: Any = torch.cuda):
+        self.cuda = cuda
+        self._streams: dict[int, Any] = {}
+        self._done: dict[int, Any] = {}
+
+    def stream(self, index: int) -> Any:
+        s = self._streams.get(index)
+        if s is None:
+            with self.cuda.device(index):
+                s = self.cuda.Stream(device=index, priority=0)  # 0: the lowest priority
+            self._streams[index] = s
+        return s
+
+    def run(self, device: torch.device, fn: Callable[[], None], after: dict[int, Any] | None = None) -> None:
+        """Run ``fn`` (which queues a copy) with ``device`` current and its side stream
+        current, after the caller's ``save()`` event of that device; return once the copy
+        has finished (an event recorded on the side stream, then waited for)."""
+        i = _index(device, self.cuda)
+        s = self.stream(i)
+        with self.cuda.device(i), self.cuda.stream(s):
+            if after and i in after:
+                s.wait_event(after[i])
+            fn()
+            ev = self._done.get(i)
+            if ev is None:
+                ev = self._done[i] = self.cuda.Event()
+            ev.record(s)
+        ev.synchronize()
+
+
 class Snapshotter(Worker[SaveJob]):
     def __init__(self, arena: Arena, ring: BlockRing):
         self.arena = arena
         self.ring = ring
-        self._stream = None
+        self._streams: DeviceStreams | None = None
         super().__init__("zerostall-snapshot")
 
     # -- snapshot thread ----------------------------------------------------------------
@@ -110,11 +171,15 @@ class Snapshotter(Worker[SaveJob]):
             job.t_staged = time.perf_counter()
             job.staged.set()
 
-    def _cuda_stream(self) -> "torch.cuda.Stream":
-        if self._stream is None:
+    def _cuda(self) -> DeviceStreams:
+        if self._streams is None:
             self.arena.register_cuda()
-            self._stream = torch.cuda.Stream()  # priority 0: the lowest
-        return self._stream
+            self._streams = DeviceStreams()
+        return self._streams
+
+    def _cuda_stream(self) -> Any:
+        """The side stream of the current device (for the incremental tracker's reads)."""
+        return self._cuda().stream(int(torch.cuda.current_device()))
 
     def _stage_strided(self, job: SaveJob, tensor: torch.Tensor, offset: int, spans: Callable[..., Any]) -> None:
         """Copy a non-contiguous CPU tensor slice by slice through one small bounce buffer
@@ -136,10 +201,7 @@ class Snapshotter(Worker[SaveJob]):
     def _stage(self, job: SaveJob) -> None:
         ring, B = self.ring, self.ring.block_bytes
         arena_u8 = self.arena.u8
-        use_cuda = "cuda" in job.plan.devices
-        stream = self._cuda_stream() if use_cuda else None
-        if stream is not None and job.cuda_event is not None:
-            stream.wait_event(job.cuda_event)
+        streams = self._cuda() if "cuda" in job.plan.devices else None
 
         def spans(a: int, b: int):
             """Yield (arena offset, file offset, length) runs covering file bytes [a, b)."""
@@ -171,18 +233,17 @@ class Snapshotter(Worker[SaveJob]):
                     _in_helper_thread(lambda t=tensor, o=item.offset: self._stage_strided(job, t, o, spans))
                     pos = item.offset + item.nbytes
                     continue
-                flat = None
+                flat: list[torch.Tensor] = []  # CUDA: made once per tensor, on its own device
                 for aoff, foff, n in spans(item.offset, item.offset + item.nbytes):
                     rel = foff - item.offset
                     if on_cpu:
                         _memmove(base + aoff, tensor.data_ptr() + rel, n)
                     else:
-                        dst = arena_u8[aoff:aoff + n]
-                        with torch.cuda.stream(stream):  # type: ignore[arg-type]
-                            if flat is None:
-                                flat = flat_bytes(tensor)
-                            dst.copy_(flat[rel:rel + n], non_blocking=True)
-                        stream.synchronize()  # type: ignore[union-attr]
+                        def copy(dst=arena_u8[aoff:aoff + n], rel=rel, n=n, tensor=tensor) -> None:
+                            if not flat:
+                                flat.append(flat_bytes(tensor))
+                            dst.copy_(flat[0][rel:rel + n], non_blocking=True)
+                        streams.run(tensor.device, copy, job.cuda_event)  # type: ignore[union-attr]
                     ring.publish(job.g0 + (foff + n) // B)
             pos = item.offset + item.nbytes
         fill_zero(pos, job.plan.file_bytes)

@@ -85,6 +85,7 @@ class Replicator:
         self._stopping = threading.Event()
         self._cancel = threading.Event()
         self._failing = False
+        self._root_ok = False
         self._thread = threading.Thread(target=self._run, name="zerostall-replicate", daemon=True)
         if start:
             self._thread.start()
@@ -180,11 +181,12 @@ class Replicator:
 
     def _remote_tier(self) -> RemoteTier:
         if self.remote is None:
-            remote = self.make_remote()
+            self.remote = self.make_remote()
             if self._cancel.is_set():
-                remote.cancel()
-            remote.ensure_root()
-            self.remote = remote
+                self.remote.cancel()
+        if not self._root_ok:  # the bucket/directory, created once it can be
+            self.remote.own()
+            self._root_ok = True
         return self.remote
 
     def _pass(self) -> bool:
