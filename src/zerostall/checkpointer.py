@@ -43,7 +43,7 @@ from .staging.ring import BlockRing
 from .staging.snapshot import Snapshotter, record_save_events
 from .stateful import load_into, unwrap_optimizer
 from .store.local import LocalTier
-from .store.persist import Persister
+from .store.persist import Persister, retain_at_start
 from .store.remote import open_tier
 from .store.replicate import Replicator
 from .store.retention import RetentionPolicy, dependents
@@ -111,7 +111,7 @@ class Checkpointer:
                 raise ConfigError(f"incremental={cfg.incremental!r} supports single-process saves only (this is "
                                   f"world size {self.world_size}); pass incremental=False")
             self._refs = RefTracker(mode, cfg.full_every)
-            self._refs.seed_from(self.tier.steps(), self.tier.read_manifest)
+            self._refs.seed_from(self.tier.steps(), self.tier.read_manifest, root=self.tier.root)
         name, self.probe = engine_name_for(self.tier.root, cfg.io)
         self.engine: Engine = get_engine(name, cfg.io)
         if cfg.prometheus:
@@ -130,6 +130,12 @@ class Checkpointer:
                                           local_retention=self.rank == 0 or self.node_local,
                                           retry_max_s=cfg.remote_retry_max_s,
                                           protect=self._refs.protected if self._refs is not None else None)
+        self._recent_commits: list[int] = []
+        if cfg.keep_last is not None and self._replicator is None and self.tier.owned \
+                and (self.rank == 0 or self.node_local):
+            # the owner applies keep_last now: a kill between a commit and its retention left one too many
+            self._recent_commits = retain_at_start(self.tier, cfg.keep_last,
+                                                   self._refs.protected() if self._refs is not None else set())
         self.unreplicated: list[int] = []
         """After ``close()``: the steps not replicated before ``close_timeout_s`` (see README)."""
         self.arena: Arena | None = None
@@ -168,7 +174,8 @@ class Checkpointer:
         self._persist = Persister(self.tier, self.engine, self.arena, self.ring,
                                   keep_last=(self.config.keep_last if (self.rank == 0 or self.node_local)
                                              and self._replicator is None else None),
-                                  on_done=self._on_done, committer=self._committer, refs=self._refs)
+                                  on_done=self._on_done, committer=self._committer, refs=self._refs,
+                                  recent=self._recent_commits)
         self._snap = Snapshotter(self.arena, self.ring)
 
     def prepare(self, state_dict: Any) -> None:
@@ -193,7 +200,6 @@ class Checkpointer:
         if self._closed:
             raise ZerostallError("this Checkpointer is closed")
         step = check_step(step)  # and the metadata, leaves and manifest size in check_metadata/_plan
-        user_metadata = check_metadata(metadata)
         me = threading.get_ident()
         if self._save_owner == me:
             raise ZerostallError("save() was re-entered on the same thread (from a signal handler that "
@@ -201,7 +207,7 @@ class Checkpointer:
         with self._save_lock:
             self._save_owner = me
             try:
-                return self._save(t0, step, state_dict, overwrite, user_metadata)
+                return self._save(t0, step, state_dict, overwrite, metadata)
             finally:
                 self._save_owner = None
 
@@ -211,8 +217,10 @@ class Checkpointer:
         if any(j.step == step for j in tuple(self._inflight)):  # not reported: its round is running
             raise CheckpointExistsError(f"step {step} is already being saved")
         job: SaveJob | None = None
+        r0 = self.ring.reserved if self.ring is not None else 0
         try:
             self._raise_pending()
+            metadata = check_metadata(metadata)
             self.tier.check_new_step(step, ow, allow_lower=self.config.allow_lower_steps)
             if ow:
                 self._check_not_referenced(step)
@@ -238,9 +246,17 @@ class Checkpointer:
             job.t_submit = t0
             self._hand_over(job)
         except BaseException as exc:
-            if job is not None and (job.to_persist or job.to_snap):
+            # ``reserved`` moves only here (saves are serialised), so a change means this job
+            # holds blocks, even if the exception came before ``job.g0`` was assigned.
+            reserved = self.ring is not None and self.ring.reserved != r0
+            if job is not None and reserved and not (job.to_persist or job.to_snap):
+                job.g0, job.nblocks = r0, self.ring.reserved - r0
+            if job is not None and (job.to_persist or job.to_snap or reserved and not self._closed):
+                # The workers finish it as failed: its reserved blocks drain (the ring moves on) and
+                # the persist thread reports it; raised here, so not again as a background error.
+                job.raised_in_save = True
                 job.fail(exc)
-                self._hand_over(job)  # the workers finish it as failed (the ring moves on; it is reported)
+                self._hand_over(job)
             else:
                 if job is not None:
                     self._discard(job)
@@ -365,8 +381,10 @@ class Checkpointer:
                 delay = min(delay * 2, 0.02)
         return True
 
-    def load(self, state_dict: Any = None, step: int | None = None, map_location: Any = None) -> Any:
-        """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load`.
+    def load(self, state_dict: Any = None, step: int | None = None, map_location: Any = None, *,
+             keys: list[str] | None = None, strict: bool = False, report: Any = None) -> Any:
+        """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load`
+        (``keys``, ``strict`` and ``report`` as there).
 
         Reads through this checkpointer's (pre-faulted) arena when no save is in flight;
         saves started meanwhile from other threads wait until the load is done.
@@ -377,7 +395,7 @@ class Checkpointer:
             return load_into(state_dict, lambda sd: _load(
                 self.tier.root, sd, step, map_location, verify=self.config.verify_on_load,
                 fallback=self.config.fallback, engine=self.engine, bounce=bounce, rank=self.rank,
-                world_size=self.world_size, remote=self.config.remote))
+                world_size=self.world_size, remote=self.config.remote, keys=keys, strict=strict, report=report))
 
     def steps(self, *, include_remote: bool = True) -> list[int]:
         """Committed steps, ascending: local ones and, with a remote tier (unless
@@ -435,9 +453,13 @@ class Checkpointer:
             if worker is not None:
                 ok = worker.stop(left()) and ok
         if self._replicator is not None:  # bounded: the rest is uploaded by the next run
-            budget = self.config.close_timeout_s if deadline is None else min(self.config.close_timeout_s, left() or 0.0)
+            budget = self.config.close_timeout_s
+            if deadline is not None:
+                budget = min(budget, left() or 0.0)
             self.unreplicated = self._replicator.close(budget)
         if ok:
+            if self._refs is not None:
+                self._refs.close()
             self.engine.close()
             if self.arena is not None:
                 self.arena.close()
@@ -472,7 +494,7 @@ class Checkpointer:
         if self.config.prometheus:
             from .telemetry import prometheus
             prometheus.observe(rec)
-        if job.error is not None and self.config.raise_on_background_error:
+        if job.error is not None and self.config.raise_on_background_error and not job.raised_in_save:
             self._failed.append(job)
         try:
             self._inflight.remove(job)

@@ -75,8 +75,8 @@ def child(ckdir: str, out: str, nsig: int, mode: str) -> None:
 def drive(ckdir: str, out: str, nsig: int, mode: str, seed: int, *, answer_timeout_s: float = 60.0,
           max_gap_s: float = 0.05) -> dict:
     """Run one child; returns ``{"rc", "hung", "answered", "stats", "stderr"}``."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), os.environ.get("PYTHONPATH", "")]))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
     p = subprocess.Popen([sys.executable, os.path.abspath(__file__), ckdir, out, str(nsig), mode],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     lines: "queue.Queue[str]" = queue.Queue()

@@ -117,3 +117,27 @@ def test_sigterm_soak_on_preemption_at_random_instants(tmp_path):
         assert len(out) == 200
     print(f"\nSIGTERM soak: {total} signals, {in_save} landed inside save(), none hung")
     assert total >= 100 and in_save > 0
+
+
+def test_exception_between_reserve_and_queueing_leaves_the_ring_moving(ckdir):
+    """A handler that raises (sys.exit, KeyboardInterrupt) right after save() reserved its
+    blocks: the job is handed over as failed, so its blocks drain and the next save (through a
+    ring smaller than the abandoned reservation) completes."""
+    MiB = 1 << 20
+    state = {"w": torch.randn(MiB)}  # 4 MiB = 4 blocks, the arena holds 2
+    ck = zerostall.Checkpointer(ckdir, staging=zerostall.StagingConfig(budget_bytes=2 * MiB, block_bytes=MiB))
+    ck.save(1, state).result(timeout=60)
+    orig = ck.ring.reserve
+
+    def reserve_then_interrupt(n):
+        orig(n)
+        ck.ring.reserve = orig
+        raise KeyboardInterrupt
+
+    ck.ring.reserve = reserve_then_interrupt
+    with pytest.raises(KeyboardInterrupt):
+        ck.save(2, state)
+    assert ck.save(3, state).result(timeout=60).ok
+    assert ck.wait(timeout=60)
+    ck.close()  # no background error re-raised for the save that raised in save()
+    assert ck.tier.steps() == [1, 3]

@@ -169,3 +169,23 @@ def test_save_last_as_a_link(tmp_path):
     model = run(3, resume="last")
     assert equal(zerostall.load(last)["state_dict"], model.state_dict())
     assert zerostall.load(last)["epoch"] == 2
+
+
+def test_a_failed_save_over_a_torch_save_file_keeps_the_file(tmp_path):
+    """The torch.save file a save replaces is set aside, never deleted before the new
+    checkpoint commits: a save that fails puts it back."""
+    path = tmp_path / "last.ckpt"
+    torch.save({"old": torch.ones(3)}, path)
+    io = ZerostallCheckpointIO()
+
+    class NotStorable:
+        pass
+
+    with pytest.raises(zerostall.errors.UnsupportedStateError):
+        io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "global_step": 1, "x": NotStorable()}, path)
+    io.teardown()
+    assert os.path.isfile(path) and os.listdir(tmp_path) == ["last.ckpt"]
+    assert torch.equal(torch.load(path, weights_only=True)["old"], torch.ones(3))
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "global_step": 1}, path)  # then a good one
+    io.teardown()
+    assert os.listdir(tmp_path) == ["last.ckpt"] and is_zerostall_checkpoint(path)

@@ -79,15 +79,16 @@ class Arena:
         if soft != resource.RLIM_INFINITY and soft < self.nbytes:
             if not _warned_memlock:
                 _warned_memlock = True
-                (log.warning if node_leader() else log.debug)("zerostall: RLIMIT_MEMLOCK is %d bytes, below the %d-byte staging arena; "
-                            "not locking it (raise 'ulimit -l' to keep the arena out of swap)",
-                            soft, self.nbytes)
+                say = log.warning if node_leader() else log.debug
+                say("zerostall: RLIMIT_MEMLOCK is %d bytes, below the %d-byte staging arena; "
+                    "not locking it (raise 'ulimit -l' to keep the arena out of swap)", soft, self.nbytes)
             return False
         if _libc.mlock(ctypes.c_void_p(self.address), self.nbytes) != 0:
             if not _warned_memlock:
                 _warned_memlock = True
-                (log.warning if node_leader() else log.debug)("zerostall: mlock of the %d-byte staging arena failed: %s",
-                            self.nbytes, os.strerror(ctypes.get_errno()))
+                say = log.warning if node_leader() else log.debug
+                say("zerostall: mlock of the %d-byte staging arena failed: %s",
+                    self.nbytes, os.strerror(ctypes.get_errno()))
             return False
         return True
 

@@ -57,6 +57,8 @@ class SaveJob:
     to_snap: bool = False
     submitted: bool = False
     """Set by ``Checkpointer.save()`` once both pipeline threads have the job."""
+    raised_in_save: bool = False
+    """Its error was raised from ``save()`` itself (not re-raised as a background error)."""
     _reads: set[int] | None = None
     t_submit: float = field(default_factory=time.perf_counter)
     t_staged: float = 0.0
