@@ -111,7 +111,7 @@ class Checkpointer:
                 raise ConfigError(f"incremental={cfg.incremental!r} supports single-process saves only (this is "
                                   f"world size {self.world_size}); pass incremental=False")
             self._refs = RefTracker(mode, cfg.full_every)
-            self._refs.seed_from(self.tier.steps(), self.tier.read_manifest)
+            self._refs.seed_from(self.tier.steps(), self.tier.read_manifest, root=self.tier.root)
         name, self.probe = engine_name_for(self.tier.root, cfg.io)
         self.engine: Engine = get_engine(name, cfg.io)
         if cfg.prometheus:

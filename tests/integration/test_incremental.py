@@ -170,6 +170,33 @@ def test_damaged_referenced_file_fails_every_dependent_and_falls_back(ckdir):
     assert got["x"][0] == 1.0 and torch.equal(got["f"], frozen)
 
 
+def test_a_restart_after_a_fallback_never_references_the_damaged_file(ckdir):
+    """The newest step's file rotted; a restart loads an older step and saves on: the first
+    save reads back what it would reference from disk, so it writes the damaged tensor again
+    and every new step loads (with full_every=10 they all would have borrowed the bad bytes)."""
+    frozen = torch.randn(1 << 14)
+    with zerostall.Checkpointer(ckdir, incremental=True, full_every=2, keep_last=3) as ck:
+        for step in range(4):  # 0 full, 1 -> 0, 2 full, 3 -> 2
+            ck.save(step, {"f": frozen, "x": torch.full((10,), float(step))}).result()
+    tier = LocalTier(ckdir)
+    path = os.path.join(tier.step_dir(2), tier.read_manifest(2).files[0].name)
+    off = next(e.offset for e in tier.read_manifest(2).tensors if e.key == "f")
+    with open(path, "r+b") as f:
+        f.seek(off + 100)
+        byte = f.read(1)
+        f.seek(off + 100)
+        f.write(bytes([byte[0] ^ 0x40]))
+    state = zerostall.load(ckdir)  # 3 and 2 fail: step 1
+    assert state["x"][0] == 1.0
+    with zerostall.Checkpointer(ckdir, incremental=True, full_every=10, keep_last=3) as ck:
+        for step in (4, 5):
+            ck.save(step, {"f": state["f"], "x": torch.full((10,), float(step))}).result()
+    for step in (4, 5):
+        assert 2 not in {r.step for r in tier.read_manifest(step).ref_files}
+        got = zerostall.load(ckdir, step=step)
+        assert got["x"][0] == float(step) and torch.equal(got["f"], frozen)
+
+
 def test_referenced_step_deleted_behind_our_back(ckdir):
     frozen = torch.randn(1 << 12)
     with zerostall.Checkpointer(ckdir, incremental=True) as ck:

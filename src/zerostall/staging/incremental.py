@@ -119,6 +119,28 @@ class IncrementalJob:
         return sum(e.nbytes for e in self.refs.values())
 
 
+def _file_crc(path: str, offset: int, n: int) -> int | None:
+    """crc32c of ``n`` bytes at ``offset`` of ``path``; None if they cannot all be read."""
+    crc = 0
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        while n > 0:
+            b = os.pread(fd, min(n, _CRC_PIECE), offset)
+            if not b:
+                return None
+            crc = _crc.crc32c(b, crc)
+            offset += len(b)
+            n -= len(b)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return crc
+
+
 def _crc_at(address: int, n: int) -> int:
     return _crc.crc32c((ctypes.c_char * n).from_address(address)) if n else 0
 
@@ -203,10 +225,18 @@ class RefTracker:
         self._force_full = False
         self._cuda_crc: _CudaCrc | None = None
         self._cpu_crc: _CpuCrc | None = None
+        self._seed_root: str | None = None
+        self._seeded = False  # the base came from disk, not from a save of this process
 
     # -- start-up (caller's thread) --------------------------------------------------------
-    def seed_from(self, steps: list[int], read_manifest: Callable[[int], Manifest]) -> None:
-        """Start from the newest committed step of the root (if its manifest reads)."""
+    def seed_from(self, steps: list[int], read_manifest: Callable[[int], Manifest], root: str | None = None) -> None:
+        """Start from the newest committed step of the root (if its manifest reads).
+
+        Its files were written by another process and may have been damaged since (a restart
+        often follows a load that fell back past them): with ``root``, the first save reads
+        back and crc-checks every file span it would reference (:meth:`_verify_on_disk`), and
+        writes the tensor instead when it does not match."""
+        self._seed_root = root
         if not steps:
             return
         try:
@@ -234,6 +264,7 @@ class RefTracker:
         with self._lock:
             self._known = known
             self._since_full = steps_after_oldest_ref
+            self._seeded = self._seed_root is not None
 
     # -- caller's thread --------------------------------------------------------------------
     def prepare(self, job: SaveJob) -> None:
@@ -267,6 +298,8 @@ class RefTracker:
             k = known.get(item.key)
             verdict.append(False if k is None else self._fast_path(item, ij.fps.get(item.key), k, job.step))
         self._confirm(plan.items, leaves, known, verdict, cuda_run, ij)
+        if self._seeded:
+            self._verify_on_disk(plan.items, known, verdict)
         for item, leaf, ok in zip(plan.items, leaves, verdict):
             if ok:
                 k = known[item.key]
@@ -324,6 +357,23 @@ class RefTracker:
             verdict[i] = self._cuda_crc(leaves[i], cuda_run) == known[items[i].key].entry.crc32c
         ij.crc_bytes += sum(items[i].nbytes for i in cpu + gpu)
 
+    def _verify_on_disk(self, items: Any, known: dict[str, Known], verdict: list[bool | None]) -> None:
+        """First save on a base read from disk: a span whose bytes on disk no longer match
+        their crc32c is written, not referenced (snapshot thread; plain reads)."""
+        checked: dict[tuple[int, str, int], bool] = {}
+        for i, ok in enumerate(verdict):
+            if not ok:
+                continue
+            e = known[items[i].key].entry
+            where = (e.step, e.file, e.offset)
+            if where not in checked:
+                path = os.path.join(self._seed_root or "", f"step-{e.step}", e.file)
+                checked[where] = _file_crc(path, e.offset, e.nbytes) == e.crc32c
+                if not checked[where]:
+                    log.warning("zerostall: incremental: %s: %r no longer matches its crc32c on disk; "
+                                "writing it again instead of referencing it", path, e.key)
+            verdict[i] = checked[where]
+
     # -- persist thread -----------------------------------------------------------------------
     def before_commit(self, job: SaveJob, root: str) -> None:
         """Every referenced file is still a regular file of the recorded size."""
@@ -352,6 +402,7 @@ class RefTracker:
             known[e.key] = Known(e, refs_by[(e.step, e.file)], fps.get(e.key))
         with self._lock:
             self._known = known
+            self._seeded = False  # every reference of the new base was checked or written here
             self._unpin(ij)
 
     def failed(self, job: SaveJob) -> None:
