@@ -314,6 +314,10 @@ def fetch_remote_step(tier: LocalTier, remote: Any, step: int) -> Manifest:
     return man
 
 
+_MAX_REPLACED = 5
+"""How many times load() reads a step again because its writer overwrote it meanwhile."""
+
+
 def load(path: str, state_dict: Any = None, step: int | None = None, map_location: Any = None, *,
          verify: bool = True, fallback: bool = True, engine: Engine | None = None,
          bounce: Arena | None = None, io: IOConfig | None = None, rank: int = 0, world_size: int = 1,
@@ -347,6 +351,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
     own_engine = engine is None
     bounce = bounce or _shared_bounce()
     tried: set[tuple[int, str]] = set()
+    replaced: dict[int, int] = {}
     errors: list[str] = []
     try:
         while True:
@@ -364,6 +369,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
             if engine is None:
                 engine = choose_engine(tier.root, io or IOConfig())
             fetched = False
+            ident = tier._manifest_ident(s) if src == "local" else None
             try:
                 if src == "remote":
                     fetch_remote_step(tier, remote, s)
@@ -375,6 +381,13 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
             except Exception as exc:  # noqa: BLE001 - every defect of a checkpoint means: try the previous one
                 if src == "local" and s not in tier.listed_steps():
                     log.info("zerostall: step %d disappeared while loading (retention?); listing again", s)
+                    continue
+                if src == "local" and ident is not None and tier._manifest_ident(s) != ident \
+                        and replaced.get(s, 0) < _MAX_REPLACED:
+                    # the writer overwrote this step while we read it (old manifest, new shard): read it again
+                    replaced[s] = replaced.get(s, 0) + 1
+                    tried.discard((s, src))
+                    log.info("zerostall: step %d was overwritten while loading; reading it again", s)
                     continue
                 reason = str(exc) if isinstance(exc, ZerostallError) else f"{type(exc).__name__}: {exc}"
                 log.error("zerostall: step %d (%s copy) failed: %s", s, src, reason)
