@@ -24,9 +24,17 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 EPOCHS = 4
 
 
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_app(outdir, *args, timeout=240):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "src")]),
-           "OMP_NUM_THREADS": "1", "PL_DISABLE_FORK": "1"}
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "src")]), OMP_NUM_THREADS="1",
+               PL_DISABLE_FORK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     return subprocess.run([sys.executable, os.path.join(HERE, "lightning_app.py"), str(outdir), *args],
                           env=env, timeout=timeout, capture_output=True, text=True)
 
