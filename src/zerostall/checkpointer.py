@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -28,11 +29,11 @@ from .handle import SaveHandle, record_of
 from .io.base import Engine, get_engine
 from .io.probe import probe
 from .restore import load as _load
+from .staging import pool as _pool
 from .staging.arena import Arena, budget_bytes
 from .staging.job import SaveJob
 from .staging.plan import build_plan
 from .staging.ring import BlockRing
-from .staging.snapshot import Snapshotter
 from .store.local import LocalTier
 from .store.persist import Persister
 from .store.remote import open_tier
@@ -106,9 +107,8 @@ class Checkpointer:
             self._replicator = Replicator(self.tier, lambda: open_tier(url, io=cfg.io, **kwargs), policy,
                                           rank=self.rank, world_size=self.world_size,
                                           timeout_s=cfg.replicate_timeout_s)
-        self.arena: Arena | None = None
-        self.ring: BlockRing | None = None
-        self._snap: Snapshotter | None = None
+        self._lease: _pool.Lease | None = None
+        self._oneshot = False  # set by zerostall.save(): stream through a small ring
         self._persist: Persister | None = None
         self._lock = threading.Lock()
         self._inflight: list[SaveJob] = []
@@ -122,29 +122,44 @@ class Checkpointer:
         atexit.register(self._atexit)
 
     # -- the pipeline, built on the first save ------------------------------------------
+    @property
+    def arena(self) -> Arena | None:
+        """The process's staging arena (shared through :mod:`.staging.pool`), once leased."""
+        return self._lease.arena if self._lease is not None else None
+
+    @property
+    def ring(self) -> BlockRing | None:
+        return self._lease.ring if self._lease is not None else None
+
     def _ensure_pipeline(self, file_bytes: int) -> None:
-        if self.arena is not None:
-            return
+        """Join the staging pool asking for what this state wants; never waits for memory.
+
+        The pool faults the arena in the background; the snapshot thread streams through
+        whatever part is ready. A larger state than before grows the pool the same way.
+        """
         st = self.config.staging
-        budget = budget_bytes(st.budget_bytes, st.budget_fraction)
         B = st.block_bytes
-        want = -(-file_bytes // B) * B * st.slots
-        size = max(2 * B, min(budget // B * B, want))
-        if size < want:
-            log.info("zerostall: state (%d MiB) x %d slots exceeds the staging budget (%d MiB): "
-                     "snapshots stream through a %d MiB ring", file_bytes >> 20, st.slots,
-                     budget >> 20, size >> 20)
-        self.arena = Arena(size, mlock=st.mlock, hugepages=st.hugepages)
-        self.ring = BlockRing(self.arena.nbytes, B)
-        self._persist = Persister(self.tier, self.engine, self.arena, self.ring,
+        blocks = -(-file_bytes // B) * B
+        want = min(blocks, _pool.ONESHOT_RING_BYTES) if self._oneshot else blocks * st.slots
+        if self._lease is not None:
+            self._lease.want(want)
+            return
+        budget = budget_bytes(st.budget_bytes, st.budget_fraction)
+        self._lease = _pool.lease(want, budget, B, mlock=st.mlock, hugepages=st.hugepages)
+        self._persist = Persister(self.tier, self.engine, self._lease.arena, self._lease.ring,
                                   keep_last=(self.config.keep_last if (self.rank == 0 or self.node_local)
                                              and self._replicator is None else None),
                                   on_done=self._on_done, committer=self._committer)
-        self._snap = Snapshotter(self.arena, self.ring)
 
-    def prepare(self, state_dict: Any) -> None:
-        """Allocate and pre-fault the arena for ``state_dict`` now, not in the first save."""
+    def prepare(self, state_dict: Any, *, wait: bool = False) -> None:
+        """Start allocating and faulting staging memory for ``state_dict``; returns at once.
+
+        The faulting runs in a background thread without the GIL. ``wait=True`` blocks until
+        the memory is faulted (for benchmarks of the steady state).
+        """
         self._ensure_pipeline(self._plan(state_dict).file_bytes)
+        if wait and self._lease is not None:
+            self._lease.arena.wait_ready(self._lease.pool.target)
 
     def _plan(self, state_dict: Any) -> Any:
         return build_plan(state_dict, rank=self.rank, world_size=self.world_size,
@@ -171,12 +186,12 @@ class Checkpointer:
         self.tier.check_new_step(step, ow)
         plan = self._plan(state_dict)
         self._ensure_pipeline(plan.file_bytes)
-        assert self.ring is not None and self._snap is not None and self._persist is not None
+        assert self.ring is not None and self._lease is not None and self._persist is not None
         job = SaveJob(step=step, plan=plan, seq=self._seq, rank=self.rank, world_size=self.world_size,
                       overwrite=ow, user_metadata=dict(metadata or {}))
         self._seq += 1
         job.engine = self.engine.name
-        job.arena_bytes = self.arena.nbytes if self.arena else 0
+        job.arena_bytes = self.ring.capacity_bytes
         nblocks = self.ring.blocks_for(plan.file_bytes)
         if self.config.backpressure == "skip" and not self.ring.fits_now(nblocks):
             job.skipped = True
@@ -196,10 +211,8 @@ class Checkpointer:
         with self._lock:
             self._inflight.append(job)
             self._samplers[id(job)] = Sampler(self.config.telemetry_interval_s)
-        job.g0 = self.ring.reserve(nblocks)
         job.t_submit = t0
-        self._persist.submit(job)
-        self._snap.submit(job)
+        self._lease.submit(job, self._persist.submit)  # reserves blocks, then persist + snapshot
         job.save_block_s = time.perf_counter() - t0
         return SaveHandle(job, self)
 
@@ -235,12 +248,12 @@ class Checkpointer:
     def load(self, state_dict: Any = None, step: int | None = None, map_location: Any = None) -> Any:
         """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load`.
 
-        Reads through this checkpointer's (pre-faulted) arena when no save is in flight;
-        saves started meanwhile from other threads wait until the load is done.
+        Reads through the process's staging arena when no save uses it; saves started
+        meanwhile from other threads wait until the load is done.
         """
         self.wait()
-        with self._lock:
-            bounce = self.arena if self.arena is not None and not self._inflight else None
+        borrow = self._lease.pool.borrow_idle() if self._lease is not None else contextlib.nullcontext()
+        with self._lock, borrow as bounce:
             return _load(self.tier.root, state_dict, step, map_location,
                          verify=self.config.verify_on_load, fallback=self.config.fallback,
                          engine=self.engine, bounce=bounce, rank=self.rank, world_size=self.world_size,
@@ -263,15 +276,13 @@ class Checkpointer:
         self.wait()
         self._closed = True
         atexit.unregister(self._atexit)
-        if self._snap is not None:
-            self._snap.stop()
         if self._persist is not None:
             self._persist.stop()
         if self._replicator is not None:
             self._replicator.stop()  # finishes queued replications (bounded by replicate_timeout_s)
         self.engine.close()
-        if self.arena is not None:
-            self.arena.close()
+        if self._lease is not None:
+            self._lease.release()  # the pool lingers a moment for the next user, then unmaps
         if not _from_atexit:
             self._raise_pending()
 

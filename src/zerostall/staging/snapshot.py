@@ -1,6 +1,6 @@
 """The snapshot thread: copies each save's tensors into the arena ring, in file order.
 
-Runs in one daemon thread owned by the ``Checkpointer``; jobs arrive through ``submit()``
+Runs in one daemon thread owned by the process's staging pool (:mod:`.pool`); jobs arrive through ``submit()``
 from the caller's thread and are staged strictly in order. For each job it writes the shard
 header, every tensor's bytes (zero-padding each to 4 KiB) and the zero tail, and publishes
 finished blocks to the persist thread (which checksums them while its writes are in flight,
@@ -99,7 +99,7 @@ class Snapshotter(Worker[SaveJob]):
         return out[0]
 
     def _stage(self, job: SaveJob) -> None:
-        ring, B = self.ring, self.ring.block_bytes
+        ring, B, arena = self.ring, self.ring.block_bytes, self.arena
         arena_u8 = self.arena.u8
         use_cuda = "cuda" in job.plan.devices
         stream = self._cuda_stream() if use_cuda else None
@@ -113,7 +113,9 @@ class Snapshotter(Worker[SaveJob]):
                 g = job.g0 + pos // B
                 run_end_g = ring.wait_writable(g)
                 end = min(b, (run_end_g - job.g0) * B)
-                yield ring.slot_offset(g) + pos % B, pos, end - pos
+                aoff = ring.slot_offset(g) + pos % B
+                arena.wait_ready(aoff + end - pos)  # the first lap streams behind the faulter
+                yield aoff, pos, end - pos
                 pos = end
 
         base = self.arena.address

@@ -96,8 +96,11 @@ class Persister(Worker[SaveJob]):
         self.ring = ring
         self.keep_last = keep_last
         self.on_done = on_done
-        self.batch_blocks = max(1, min(ring.nblocks // 2, 64))
         super().__init__("zerostall-persist")
+
+    @property
+    def batch_blocks(self) -> int:
+        return max(1, min(self.ring.nblocks // 2, 64))
 
     # -- persist thread -------------------------------------------------------------------
     def _extents(self, job: SaveJob, g: int, hi: int) -> list[tuple[int, memoryview]]:
@@ -114,8 +117,9 @@ class Persister(Worker[SaveJob]):
 
     def _drain(self, job: SaveJob, g: int) -> None:
         while g < job.g_end:
-            g = min(self.ring.wait_staged(g), job.g_end)
-            self.ring.release(g)
+            hi = min(self.ring.wait_staged(g), job.g_end)
+            self.ring.release(g, hi)
+            g = hi
 
     def handle(self, job: SaveJob) -> None:
         job.engine = self.engine.name
@@ -127,12 +131,12 @@ class Persister(Worker[SaveJob]):
             f = self.engine.open_write(os.path.join(part, job.file_name), job.plan.file_bytes)
             crc = CrcCursor(job)
             while g < job.g_end:
-                hi = min(self.ring.wait_staged(g), job.g_end, g + self.batch_blocks)
+                hi = min(self.ring.wait_staged(g), job.g_end, g + self.batch_blocks)  # ring may grow
                 if job.error is not None:
                     raise job.error
                 extents = self._extents(job, g, hi)
                 f.write(extents, overlap=lambda: crc.feed(extents))
-                self.ring.release(hi)
+                self.ring.release(g, hi)
                 g = hi
             job.staged.wait()
             if job.error is not None:

@@ -1,0 +1,210 @@
+"""The process-wide staging pool: one arena, one block ring, one snapshot thread per process.
+
+Every ``Checkpointer`` of the process (and so the one-shot ``zerostall.save`` and the
+integrations built on it) stages through the same pool, inside one staging budget:
+
+* a new Checkpointer, or a save to a new path, does not allocate or fault memory again;
+* the arena reserves the budget as address space only and a background thread faults the
+  prefix the users want (``max`` of their ``want_bytes``, capped by the budget); when a larger
+  state arrives the target grows and the faulter extends it, off the caller's thread and
+  without the GIL (see :mod:`.arena`); the ring starts using the larger size at the first
+  reservation that finds it idle;
+* when the last user releases its lease the pool lingers ``linger_s`` (so a loop of one-shot
+  saves reuses it), then unmaps everything from a timer thread.
+
+Threads: ``lease``/``release`` from any thread (the Checkpointer's owner); ``submit`` from the
+caller's thread in ``save()``; the snapshot thread and the faulter belong to the pool.
+Reservation and enqueueing happen under one lock, so the snapshot thread sees jobs in
+reservation order and the ring's ``staged`` cursor stays monotonic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Callable, Iterator
+
+from .arena import Arena, ArenaView
+from .job import SaveJob
+from .ring import BlockRing
+from .snapshot import Snapshotter
+
+log = logging.getLogger("zerostall")
+
+LINGER_S = 5.0
+"""Seconds an unused pool stays mapped after its last user leaves."""
+ONESHOT_RING_BYTES = 256 << 20
+"""What a one-shot save asks of the pool: it streams through a ring this big."""
+
+
+class Lease:
+    """One user's claim on the pool: keeps it alive and states how much staging it wants."""
+
+    def __init__(self, pool: "StagingPool", want_bytes: int):
+        self.pool = pool
+        self.want_bytes = want_bytes
+        self.released = False
+
+    @property
+    def arena(self) -> Arena:
+        return self.pool.arena
+
+    @property
+    def ring(self) -> BlockRing:
+        return self.pool.ring
+
+    def want(self, nbytes: int) -> None:
+        """Ask for at least ``nbytes`` of staging (grows the pool in the background)."""
+        with _lock:
+            if nbytes > self.want_bytes:
+                self.want_bytes = nbytes
+                self.pool._retarget()
+
+    def submit(self, job: SaveJob, persist_submit: Callable[[SaveJob], None]) -> None:
+        self.pool.submit(job, persist_submit)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            _release(self)
+
+
+class StagingPool:
+    """The staging memory and snapshot thread of one process. Use :func:`lease`."""
+
+    def __init__(self, budget: int, block_bytes: int, *, mlock: bool, hugepages: bool, want: int = 0):
+        self.budget = max(2 * block_bytes, budget // block_bytes * block_bytes)
+        self.block_bytes = block_bytes
+        self.key = (self.budget, block_bytes, mlock, hugepages)
+        try:
+            self.arena = Arena(self.budget, mlock=mlock, hugepages=hugepages, prefault=False)
+        except OSError as exc:  # address space limited (ulimit -v): reserve what is asked now
+            log.warning("zerostall: cannot reserve %d MiB of address space for staging (%s); "
+                        "reserving %d MiB, the most this pool will use", self.budget >> 20, exc, want >> 20)
+            self.budget = max(2 * block_bytes, -(-want // block_bytes) * block_bytes)
+            self.arena = Arena(self.budget, mlock=mlock, hugepages=hugepages, prefault=False)
+        self.ring = BlockRing(2 * block_bytes, block_bytes)
+        self.snap = Snapshotter(self.arena, self.ring)
+        self.leases: list[Lease] = []
+        self.lock = threading.Lock()
+        self.target = 0
+        self.closed = False
+
+    # -- any thread, under the module lock ---------------------------------------------------
+    def _retarget(self) -> None:
+        """Fault (in the background) what the largest live user wants, within the budget."""
+        want = max((le.want_bytes for le in self.leases), default=0)
+        want = -(-want // self.block_bytes) * self.block_bytes
+        target = max(2 * self.block_bytes, min(self.budget, want))
+        if target > self.target:
+            if want > self.budget:
+                log.info("zerostall: staging wants %d MiB, above the %d MiB budget: snapshots stream "
+                         "through a %d MiB ring", want >> 20, self.budget >> 20, target >> 20)
+            self.target = target
+            self.arena.fault_to(target)
+            with self.lock:
+                if self.ring.nblocks * self.block_bytes < target:
+                    self.ring.resize(target)  # at once if idle, else at the next idle reservation
+
+    # -- caller's thread ----------------------------------------------------------------------
+    def submit(self, job: SaveJob, persist_submit: Callable[[SaveJob], None]) -> None:
+        """Reserve ``job.nblocks`` and hand the job to its persister and the snapshot thread."""
+        with self.lock:
+            if self.ring.capacity_bytes < self.target:
+                self.ring.resize(self.target)
+            job.g0 = self.ring.reserve(job.nblocks)
+            job.arena_bytes = self.ring.capacity_bytes
+            persist_submit(job)
+            self.snap.submit(job)
+
+    @contextlib.contextmanager
+    def borrow_idle(self) -> Iterator[ArenaView | None]:
+        """The faulted arena as a scratch buffer, if no save uses it; saves wait meanwhile."""
+        with self.lock:
+            if self.ring.idle() and self.arena.ready >= 2 * self.block_bytes:
+                yield self.arena.view(self.arena.ready)
+            else:
+                yield None
+
+    def close(self) -> None:
+        self.closed = True
+        self.snap.stop()
+        self.arena.close()
+
+
+_lock = threading.RLock()
+_pool: StagingPool | None = None
+_timer: threading.Timer | None = None
+
+
+def current() -> StagingPool | None:
+    """The live pool, if any (for tests and telemetry)."""
+    return _pool
+
+
+def lease(want_bytes: int, budget: int, block_bytes: int, *, mlock: bool = True,
+          hugepages: bool = True) -> Lease:
+    """Join the process's pool (creating it if needed) asking for ``want_bytes`` of staging.
+
+    The first lease of a pool fixes its budget and block size; later ones with other values
+    share it as it is while it has users (one budget per process), and replace it when not.
+    """
+    global _pool, _timer
+    with _lock:
+        if _timer is not None:
+            _timer.cancel()
+            _timer = None
+        key = (max(2 * block_bytes, budget // block_bytes * block_bytes), block_bytes, mlock, hugepages)
+        if _pool is not None and not _pool.leases and key != _pool.key:
+            old, _pool = _pool, None  # unused, and configured otherwise: replace it
+            old.close()
+        if _pool is None:
+            _pool = StagingPool(budget, block_bytes, mlock=mlock, hugepages=hugepages,
+                                want=min(want_bytes, budget))
+        elif key != _pool.key:
+            log.debug("zerostall: staging pool already exists (budget %d, block %d); sharing it",
+                      _pool.budget, _pool.block_bytes)
+        le = Lease(_pool, want_bytes)
+        _pool.leases.append(le)
+        _pool._retarget()
+        return le
+
+
+def _release(le: Lease) -> None:
+    global _timer
+    with _lock:
+        pool = le.pool
+        if le in pool.leases:
+            pool.leases.remove(le)
+        if pool.leases or pool is not _pool:
+            return
+        if LINGER_S <= 0:
+            _close_if_unused(pool)
+            return
+        _timer = threading.Timer(LINGER_S, _close_if_unused, args=(pool,))
+        _timer.daemon = True
+        _timer.start()
+
+
+def _close_if_unused(pool: StagingPool) -> None:
+    global _pool
+    with _lock:
+        if pool.leases or pool is not _pool:
+            return
+        _pool = None
+    pool.close()
+
+
+def release_now() -> None:
+    """Free an unused pool at once instead of after the linger (tests, shutdown)."""
+    global _timer
+    with _lock:
+        if _timer is not None:
+            _timer.cancel()
+            _timer = None
+        pool = _pool
+    if pool is not None:
+        _close_if_unused(pool)
+
+
