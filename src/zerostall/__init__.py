@@ -1,7 +1,9 @@
 """zerostall: checkpoints for PyTorch training that the training loop does not feel.
 
 Public surface (see README): :class:`Checkpointer`, :func:`save`, :func:`load`, the configs,
-the handle and record types, and :mod:`zerostall.errors`.
+the handle and record types, :mod:`zerostall.errors`, :func:`register_type` (objects allowed
+to be rebuilt on load), :func:`rng_state`/:func:`set_rng_state`. Framework adapters live in
+:mod:`zerostall.integrations` (imported on demand).
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from . import errors
 from .checkpointer import Checkpointer
 from .config import CheckpointConfig, IOConfig, StagingConfig
 from .handle import SaveHandle
+from .format.objects import register_type
 from .restore import load as _load
+from .rng import rng_state, set_rng_state
+from .stateful import load_into
 from .telemetry.record import SaveRecord
 
 __version__ = "0.1.0"
@@ -27,7 +32,10 @@ __all__ = [
     "StagingConfig",
     "errors",
     "load",
+    "register_type",
+    "rng_state",
     "save",
+    "set_rng_state",
 ]
 
 
@@ -58,5 +66,5 @@ def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None 
         info = discover()
         rank = info.rank if rank is None else rank
         world_size = info.world_size if world_size is None else world_size
-    return _load(os.fspath(path), state_dict, step, map_location, verify=verify,
-                 fallback=fallback, io=io, rank=rank, world_size=world_size)
+    return load_into(state_dict, lambda sd: _load(os.fspath(path), sd, step, map_location, verify=verify,
+                                                  fallback=fallback, io=io, rank=rank, world_size=world_size))

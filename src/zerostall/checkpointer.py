@@ -34,6 +34,7 @@ from .staging.arena import Arena, budget_bytes
 from .staging.job import SaveJob
 from .staging.plan import build_plan
 from .staging.ring import BlockRing
+from .stateful import load_into, unwrap_optimizer
 from .store.local import LocalTier
 from .store.persist import Persister
 from .store.remote import open_tier
@@ -216,23 +217,50 @@ class Checkpointer:
         job.save_block_s = time.perf_counter() - t0
         return SaveHandle(job, self)
 
-    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+    def guard(self, optimizer: Any) -> Any:
         """Make ``optimizer.step()`` wait until in-flight snapshots are staged.
 
         Forward and backward overlap the snapshot; only the step, which mutates parameters
-        and optimizer state in place, waits (and only if the copy is not finished). Returns
-        the hook handle (``.remove()`` to undo).
+        and optimizer state in place, waits (and only if the copy is not finished). With a
+        ``closure`` (LBFGS, Lightning's automatic optimization), the wait happens after the
+        closure's forward/backward, just before the update. ``optimizer`` may be a wrapper
+        (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``): the
+        ``torch.optim.Optimizer`` inside is guarded. Returns the hook handle (``.remove()``).
         """
+        return unwrap_optimizer(optimizer).register_step_pre_hook(self._step_pre_hook)
 
-        def hook(opt: Any, args: Any, kwargs: Any) -> None:
-            with self._lock:
-                pending = [j for j in self._inflight if not j.staged.is_set()]
-            for job in pending:
-                t0 = time.perf_counter()
-                job.staged.wait()
-                job.guard_wait_s += time.perf_counter() - t0
+    def _pending_staged(self) -> list[SaveJob]:
+        with self._lock:
+            return [j for j in self._inflight if not j.staged.is_set()]
 
-        return optimizer.register_step_pre_hook(hook)
+    def _wait_staged(self, jobs: list[SaveJob]) -> None:
+        for job in jobs:
+            t0 = time.perf_counter()
+            job.staged.wait()
+            job.guard_wait_s += time.perf_counter() - t0
+
+    def _step_pre_hook(self, opt: Any, args: Any, kwargs: Any) -> Any:
+        """Optimizer step pre-hook (caller's thread): wait for staging, or defer the wait into
+        the closure so that its forward/backward still overlaps the copy."""
+        pending = self._pending_staged()
+        if not pending:
+            return None
+        closure = kwargs.get("closure") if kwargs else None
+        where = "kwargs" if closure is not None else None
+        if closure is None and len(args) > 1 and callable(args[1]):  # args[0] is the optimizer
+            closure, where = args[1], "args"
+        if closure is None:
+            self._wait_staged(pending)
+            return None
+
+        def guarded_closure() -> Any:
+            out = closure()
+            self._wait_staged(pending)
+            return out
+
+        if where == "kwargs":
+            return args, {**kwargs, "closure": guarded_closure}
+        return (args[0], guarded_closure, *args[2:]), kwargs
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every save so far is committed or failed."""
@@ -254,10 +282,10 @@ class Checkpointer:
         self.wait()
         borrow = self._lease.pool.borrow_idle() if self._lease is not None else contextlib.nullcontext()
         with self._lock, borrow as bounce:
-            return _load(self.tier.root, state_dict, step, map_location,
-                         verify=self.config.verify_on_load, fallback=self.config.fallback,
-                         engine=self.engine, bounce=bounce, rank=self.rank, world_size=self.world_size,
-                         remote=self.config.remote)
+            return load_into(state_dict, lambda sd: _load(
+                self.tier.root, sd, step, map_location, verify=self.config.verify_on_load,
+                fallback=self.config.fallback, engine=self.engine, bounce=bounce, rank=self.rank,
+                world_size=self.world_size, remote=self.config.remote))
 
     def steps(self) -> list[int]:
         return self.tier.steps()

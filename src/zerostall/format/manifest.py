@@ -208,7 +208,8 @@ class Manifest:
                 if not isinstance(idx, int) or isinstance(idx, bool) or not 0 <= idx < len(tensors):
                     raise bad(f"state tree refers to tensor {idx!r:.40}, which is not in 'tensors'")
         for tree in [body.get("tree")] + (rank_trees or []):
-            decode_tree(tree, [None] * len(tensors), where=where)  # structure only: unknown tags fail here
+            decode_tree(tree, [None] * len(tensors), where=where,  # structure only: unknown tags fail here
+                        build_objects=False)
         meta = body.get("user_metadata", {})
         return cls(step=step, world_size=world, checkpoint_id=cid, created_unix=float(created),
                    files=tuple(files.values()), tensors=tuple(tensors), tree=body.get("tree"),

@@ -9,7 +9,10 @@ int keys).
 
 Node encoding (one key per node): ``{"v": x}`` plain value, ``{"f": "nan"|"inf"|"-inf"}``
 non-finite float, ``{"T": i}`` tensor i, ``{"A": i}`` numpy array stored as tensor i,
-``{"l": [...]}`` list, ``{"t": [...]}`` tuple, ``{"d": [[key, node], ...]}`` dict.
+``{"l": [...]}`` list, ``{"t": [...]}`` tuple, ``{"d": [[key, node], ...]}`` dict,
+``{"o": [type, node]}`` a common Python object (dataclass, Namespace, Enum, path, datetime,
+set, bytes, OmegaConf config, class reference...; see :mod:`.objects` for the rule that
+decoding never imports or runs anything outside an allow-list).
 
 Two keys that are views of the same bytes (same storage, offset, shape, stride and dtype,
 e.g. tied embedding weights) are stored once and restored as one shared tensor.
@@ -17,6 +20,7 @@ e.g. tied embedding weights) are stored once and restored as one shared tensor.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +28,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpoint, UnsupportedStateError
+from . import objects
 
 MAX_DEPTH = 200
 
@@ -104,6 +109,8 @@ def encode_tree(obj: Any) -> tuple[Any, list[TensorLeaf]]:
                 raise UnsupportedStateError(
                     f"{_fmt_key(path)!r}: numpy dtype {x.dtype} is not supported ({exc})") from None
             return {"A": tensor_index(t, path, True)}
+        if isinstance(x, enum.Enum):  # before int/str: IntEnum and StrEnum members keep their type
+            return objects.encode_object(x, lambda v: enc(v, path, depth + 1))
         if x is None or isinstance(x, (bool, str)):
             return {"v": x}
         if isinstance(x, int):
@@ -118,15 +125,22 @@ def encode_tree(obj: Any) -> tuple[Any, list[TensorLeaf]]:
             return {"t": [enc(v, path + (i,), depth + 1) for i, v in enumerate(x)]}
         if np is not None and isinstance(x, np.generic):
             return enc(x.item(), path, depth)
+        node = objects.encode_object(x, lambda v: enc(v, path, depth + 1))
+        if node is not None:
+            return node
         raise UnsupportedStateError(
             f"{_fmt_key(path)!r} holds a {type(x).__module__}.{type(x).__qualname__}, which cannot be "
-            "stored without pickle; convert it to a tensor or to plain values (dict/list/str/int/float)")
+            "stored without pickle; convert it to a tensor or to plain values (dict/list/str/int/float), "
+            "or register it with zerostall.register_type")
 
     return enc(obj, (), 0), leaves
 
 
-def decode_tree(node: Any, tensors: list[Any], where: str = "manifest") -> Any:
-    """Rebuild the state dict from ``node`` and the restored ``tensors`` (index-aligned)."""
+def decode_tree(node: Any, tensors: list[Any], where: str = "manifest", *, build_objects: bool = True) -> Any:
+    """Rebuild the state dict from ``node`` and the restored ``tensors`` (index-aligned).
+
+    ``build_objects=False`` (validation) checks object nodes without constructing anything.
+    """
 
     def bad(msg: str) -> CorruptCheckpoint:
         return CorruptCheckpoint(f"{where}: invalid state tree: {msg}", path=where)
@@ -177,6 +191,11 @@ def decode_tree(node: Any, tensors: list[Any], where: str = "manifest") -> Any:
                     raise bad(f"dict item {pair!r:.80}")
                 out[dec_key(pair[0])] = dec(pair[1], depth + 1)
             return out
+        if tag == "o":
+            try:
+                return objects.decode_object(val, lambda v: dec(v, depth + 1), build=build_objects)
+            except ValueError as exc:
+                raise bad(str(exc)) from None
         raise bad(f"unknown node tag {tag!r:.20}")
 
     return dec(node, 0)
@@ -196,6 +215,8 @@ def tree_tensor_indices(node: Any) -> list[tuple[int, bool]]:
                     stack.extend(val if isinstance(val, list) else [])
                 elif tag == "d" and isinstance(val, list):
                     stack.extend(p[1] for p in val if isinstance(p, list) and len(p) == 2)
+                elif tag == "o" and isinstance(val, list) and len(val) == 2:
+                    stack.append(val[1])
     return out
 
 
@@ -209,4 +230,6 @@ def remap_tree(node: Any, mapping: Any) -> Any:
             return {tag: [remap_tree(v, mapping) for v in val]}
         if tag == "d":
             return {tag: [[k, remap_tree(v, mapping)] for k, v in val]}
+        if tag == "o":
+            return {tag: [val[0], remap_tree(val[1], mapping)]}
     return node

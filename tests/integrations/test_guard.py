@@ -1,0 +1,108 @@
+"""guard() on wrapped optimizers (Accelerate, Lightning) and with closures.
+
+A save is held "not yet staged" by a job whose ``staged`` event the test controls (the seam:
+``Checkpointer._inflight``), so the order of events is checked without timing.
+"""
+
+import threading
+import types
+
+import pytest
+import torch
+
+import zerostall
+from tests.helpers import clone, equal
+
+
+def _pending(ck):
+    job = types.SimpleNamespace(staged=threading.Event(), done=threading.Event(), guard_wait_s=0.0)
+    job.done.set()  # Checkpointer.wait()/close() must not wait for it
+    ck._inflight.append(job)
+    return job
+
+
+def _model_opt():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _step_in_thread(fn):
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (fn(), done.set()), daemon=True)
+    t.start()
+    return t, done
+
+
+def _check_step_waits(ck, model, step_fn):
+    job = _pending(ck)
+    before = clone(model.state_dict())
+    t, done = _step_in_thread(step_fn)
+    assert not done.wait(0.3)  # held by the guard: parameters untouched
+    assert equal(model.state_dict(), before)
+    job.staged.set()
+    t.join(10)
+    assert done.is_set() and not equal(model.state_dict(), before)
+    ck._inflight.remove(job)
+
+
+def test_guard_accelerate_optimizer(ckdir):
+    accelerate = pytest.importorskip("accelerate")
+    model, opt = _model_opt()
+    acc = accelerate.Accelerator(cpu=True)
+    model, aopt = acc.prepare(model, opt)
+    assert type(aopt).__name__ == "AcceleratedOptimizer"
+    model(torch.randn(2, 8)).sum().backward()
+    with zerostall.Checkpointer(ckdir) as ck:
+        ck.guard(aopt)
+        _check_step_waits(ck, model, aopt.step)
+        # the wrapper is also saved and loaded as its state dict
+        ck.save(1, {"model": model, "optim": aopt}).result()
+    model2, opt2 = _model_opt()
+    _, aopt2 = acc.prepare(model2, opt2)
+    zerostall.load(ckdir, {"model": model2, "optim": aopt2})
+    assert equal(model2.state_dict(), model.state_dict())
+
+
+def test_guard_lightning_optimizer(ckdir):
+    pytest.importorskip("lightning")
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    model, opt = _model_opt()
+    lopt = LightningOptimizer(opt)
+    model(torch.randn(2, 8)).sum().backward()
+    with zerostall.Checkpointer(ckdir) as ck:
+        ck.guard(lopt)
+        _check_step_waits(ck, model, opt.step)
+
+
+@pytest.mark.parametrize("as_kwarg", [False, True])
+def test_guard_with_closure_waits_after_forward_backward(ckdir, as_kwarg):
+    model, opt = _model_opt()
+    seen = []
+    with zerostall.Checkpointer(ckdir) as ck:
+        ck.guard(opt)
+        job = _pending(ck)
+        before = clone(model.state_dict())
+        in_closure = threading.Event()
+
+        def closure():
+            opt.zero_grad()
+            loss = model(torch.randn(2, 8, generator=torch.Generator().manual_seed(1))).sum()
+            loss.backward()
+            seen.append(job.staged.is_set())
+            in_closure.set()
+            return loss
+
+        t, done = _step_in_thread(lambda: opt.step(closure=closure) if as_kwarg else opt.step(closure))
+        assert in_closure.wait(10)  # forward/backward ran while the snapshot was in flight
+        assert not done.wait(0.3) and equal(model.state_dict(), before)
+        job.staged.set()
+        t.join(10)
+        assert done.is_set() and seen == [False] and not equal(model.state_dict(), before)
+        ck._inflight.remove(job)
+
+
+def test_guard_rejects_non_optimizers(ckdir):
+    with zerostall.Checkpointer(ckdir) as ck:
+        with pytest.raises(zerostall.errors.ConfigError, match="torch.optim.Optimizer"):
+            ck.guard(object())
