@@ -118,6 +118,7 @@ class Checkpointer:
         self._samplers: dict[int, Sampler] = {}
         self.records: collections.deque[Any] = collections.deque(maxlen=1000)
         """The newest SaveRecords (bounded; the sinks in telemetry/ keep the full history)."""
+        self._join_pool(0)  # no memory yet: the first save (or prepare) says how much it wants
         ref = weakref.ref(self)
         self._atexit = lambda: (c := ref()) is not None and c.close(_from_atexit=True)
         atexit.register(self._atexit)
@@ -145,8 +146,13 @@ class Checkpointer:
         if self._lease is not None:
             self._lease.want(want)
             return
+        self._join_pool(want)
+
+    def _join_pool(self, want: int) -> None:
+        """Lease the process's staging pool and start this Checkpointer's persist thread."""
+        st = self.config.staging
         budget = budget_bytes(st.budget_bytes, st.budget_fraction)
-        self._lease = _pool.lease(want, budget, B, mlock=st.mlock, hugepages=st.hugepages)
+        self._lease = _pool.lease(want, budget, st.block_bytes, mlock=st.mlock, hugepages=st.hugepages)
         self._persist = Persister(self.tier, self.engine, self._lease.arena, self._lease.ring,
                                   keep_last=(self.config.keep_last if (self.rank == 0 or self.node_local)
                                              and self._replicator is None else None),

@@ -98,18 +98,19 @@ class Arena:
     """
 
     def __init__(self, nbytes: int, *, mlock: bool = True, hugepages: bool = True,
-                 prefault: bool = True):
+                 prefault: bool = True, detached_views: bool = False):
         self.nbytes = (nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
         self._map = mmap.mmap(-1, self.nbytes, flags=flags)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-        if prefault:
+        if not detached_views:
             self.mv = memoryview(self._map)
             self.u8 = torch.frombuffer(self._map, dtype=torch.uint8)
         else:
-            # The pool's arena: views over the address, not exports of the mapping, so that
-            # close() always unmaps even if a library leaked a buffer export of a view
-            # (liburing's Iovec does). The pool stops every thread using it before close().
+            # Views over the address, not exports of the mapping, so that close() always
+            # unmaps even if a library leaked a buffer export of a view (liburing's Iovec
+            # does). Only for owners that stop every user of the views before close() (the
+            # pool): a view used after close() faults.
             raw = (ctypes.c_ubyte * self.nbytes).from_address(self.address)
             self.mv = memoryview(raw).cast("B")
             self.u8 = torch.frombuffer(raw, dtype=torch.uint8)

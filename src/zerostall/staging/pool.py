@@ -78,12 +78,12 @@ class StagingPool:
         self.block_bytes = block_bytes
         self.key = (self.budget, block_bytes, mlock, hugepages)
         try:
-            self.arena = Arena(self.budget, mlock=mlock, hugepages=hugepages, prefault=False)
+            self.arena = Arena(self.budget, mlock=mlock, hugepages=hugepages, prefault=False, detached_views=True)
         except OSError as exc:  # address space limited (ulimit -v): reserve what is asked now
             log.warning("zerostall: cannot reserve %d MiB of address space for staging (%s); "
                         "reserving %d MiB, the most this pool will use", self.budget >> 20, exc, want >> 20)
             self.budget = max(2 * block_bytes, -(-want // block_bytes) * block_bytes)
-            self.arena = Arena(self.budget, mlock=mlock, hugepages=hugepages, prefault=False)
+            self.arena = Arena(self.budget, mlock=mlock, hugepages=hugepages, prefault=False, detached_views=True)
         self.ring = BlockRing(2 * block_bytes, block_bytes)
         self.snap = Snapshotter(self.arena, self.ring)
         self.leases: list[Lease] = []
@@ -95,6 +95,8 @@ class StagingPool:
     def _retarget(self) -> None:
         """Fault (in the background) what the largest live user wants, within the budget."""
         want = max((le.want_bytes for le in self.leases), default=0)
+        if want == 0:
+            return  # only joined so far (a Checkpointer before its first save)
         want = -(-want // self.block_bytes) * self.block_bytes
         target = max(2 * self.block_bytes, min(self.budget, want))
         if target > self.target:
