@@ -53,13 +53,18 @@ def save(path: str | os.PathLike[str], state_dict: Any, step: int, *,
 
 def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None = None,
          map_location: Any = None, *, verify: bool = True, fallback: bool = True,
-         io: IOConfig | None = None, rank: int | None = None, world_size: int | None = None) -> Any:
+         io: IOConfig | None = None, rank: int | None = None, world_size: int | None = None,
+         remote: str | None = None) -> Any:
     """Load the newest checkpoint under ``path`` that verifies (or exactly ``step``).
 
     With ``state_dict``, tensors are loaded in place and the same object is returned;
     otherwise a new state dict is returned (tensors on ``map_location``, default CPU).
     ``rank``/``world_size`` (default: from torch.distributed or the environment) pick this
     rank's state from a checkpoint saved per rank.
+
+    ``remote`` (``s3://bucket/prefix``, ``file:///shared/path``): also consider the steps that
+    remote tier holds; a newer (or the only) one is downloaded into ``path`` and loaded from
+    there. A remote that is down is skipped with a warning when ``path`` has a checkpoint.
     """
     if rank is None or world_size is None:
         from .dist.ranks import discover
@@ -67,4 +72,5 @@ def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None 
         rank = info.rank if rank is None else rank
         world_size = info.world_size if world_size is None else world_size
     return load_into(state_dict, lambda sd: _load(os.fspath(path), sd, step, map_location, verify=verify,
-                                                  fallback=fallback, io=io, rank=rank, world_size=world_size))
+                                                  fallback=fallback, io=io, rank=rank, world_size=world_size,
+                                                  remote=remote))

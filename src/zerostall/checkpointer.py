@@ -26,8 +26,7 @@ from .dist.commit import StoreCommitter, setup_protocol
 from .dist.ranks import discover
 from .errors import CheckpointExistsError, ConfigError, SaveFailed, ZerostallError
 from .handle import SaveHandle, record_of
-from .io.base import Engine, get_engine
-from .io.probe import probe
+from .io.base import Engine, engine_name_for, get_engine
 from .restore import load as _load
 from .staging import pool as _pool
 from .staging.arena import Arena, budget_bytes
@@ -57,7 +56,7 @@ class Checkpointer:
     ``ZEROSTALL_*`` environment overrides apply.
 
     Under ``torch.distributed`` (or torchrun's environment) every rank writes its own
-    ``rank-R.zst`` and rank 0 commits once all are durable, coordinating through the c10d
+    ``rank-R.shard`` and rank 0 commits once all are durable, coordinating through the c10d
     store (``store=`` to pass another); see :mod:`zerostall.dist.commit`. Create
     Checkpointers in the same order on every rank, and save the same steps in the same order.
     """
@@ -73,7 +72,7 @@ class Checkpointer:
         self.config = cfg
         info = discover(store)
         self.rank, self.world_size = info.rank, info.world_size
-        self.tier = LocalTier(os.fspath(path), create=True)
+        self.tier = LocalTier(os.fspath(path), create=True, lock_timeout_s=cfg.lock_timeout_s)
         self.tier.check_writable()
         self._committer: Any = None
         self._seq = 0
@@ -87,14 +86,10 @@ class Checkpointer:
                                              per_rank=cfg.dist_mode == "per_rank", timeout_s=cfg.commit_timeout_s,
                                              node_local=proto["node_local"], leaders=proto["leaders"])
             self.node_local = proto["node_local"]
-        else:
-            self.tier.clean_stale_partials()
+        else:  # the one writer of this root (RootLockedError if another holds it); cleans leftovers
+            self.tier.own()
             self.node_local = False
-        name = cfg.io.engine
-        self.probe = None
-        if name == "auto":
-            self.probe = probe(self.tier.root)
-            name = self.probe.engine
+        name, self.probe = engine_name_for(self.tier.root, cfg.io)
         self.engine: Engine = get_engine(name, cfg.io)
         if cfg.prometheus:
             from .telemetry import prometheus
@@ -105,9 +100,13 @@ class Checkpointer:
                                      keep_every_remote=cfg.keep_every_remote)
             url = cfg.remote
             kwargs = dict(max_concurrency=cfg.remote_concurrency, max_bandwidth_bytes=cfg.remote_bandwidth_bytes)
+            # started now: its first pass uploads what an earlier run left unreplicated
             self._replicator = Replicator(self.tier, lambda: open_tier(url, io=cfg.io, **kwargs), policy,
                                           rank=self.rank, world_size=self.world_size,
-                                          timeout_s=cfg.replicate_timeout_s)
+                                          local_retention=self.rank == 0 or self.node_local,
+                                          retry_max_s=cfg.remote_retry_max_s)
+        self.unreplicated: list[int] = []
+        """After ``close()``: the steps not replicated before ``close_timeout_s`` (see README)."""
         self._lease: _pool.Lease | None = None
         self._oneshot = False  # set by zerostall.save(): stream through a small ring
         self._persist: Persister | None = None
@@ -190,7 +189,7 @@ class Checkpointer:
         with self._lock:
             if any(j.step == step for j in self._inflight):
                 raise CheckpointExistsError(f"step {step} is already being saved")
-        self.tier.check_new_step(step, ow)
+        self.tier.check_new_step(step, ow, allow_lower=self.config.allow_lower_steps)
         plan = self._plan(state_dict)
         self._ensure_pipeline(plan.file_bytes)
         assert self.ring is not None and self._lease is not None and self._persist is not None
@@ -293,11 +292,21 @@ class Checkpointer:
                 fallback=self.config.fallback, engine=self.engine, bounce=bounce, rank=self.rank,
                 world_size=self.world_size, remote=self.config.remote))
 
-    def steps(self) -> list[int]:
-        return self.tier.steps()
+    def steps(self, *, include_remote: bool = True) -> list[int]:
+        """Committed steps, ascending: local ones and, with a remote tier (unless
+        ``include_remote=False``), those the remote holds (its manifest is there). A remote
+        that cannot be listed within a few seconds is skipped with a warning."""
+        local = self.tier.steps()
+        if not include_remote or not self.config.remote:
+            return local
+        from .store.remote import list_steps
+        remote, _ = list_steps(open_tier(self.config.remote, io=self.config.io))
+        return sorted(set(local) | set(remote or []))
 
-    def latest_step(self) -> int | None:
-        return self.tier.latest()
+    def latest_step(self, *, include_remote: bool = True) -> int | None:
+        """The newest of :meth:`steps` (what :meth:`load` restores unless it fails to verify)."""
+        steps = self.steps(include_remote=include_remote)
+        return steps[-1] if steps else None
 
     def on_preemption(self, timeout: float | None = 60.0) -> bool:
         """Call from a SIGTERM handler: let in-flight saves finish (up to ``timeout``)."""
@@ -312,11 +321,12 @@ class Checkpointer:
         atexit.unregister(self._atexit)
         if self._persist is not None:
             self._persist.stop()
-        if self._replicator is not None:
-            self._replicator.stop()  # finishes queued replications (bounded by replicate_timeout_s)
+        if self._replicator is not None:  # bounded: the rest is uploaded by the next run
+            self.unreplicated = self._replicator.close(self.config.close_timeout_s)
         self.engine.close()
         if self._lease is not None:
             self._lease.release()  # the pool lingers a moment for the next user, then unmaps
+        self.tier.release()
         if not _from_atexit:
             self._raise_pending()
 

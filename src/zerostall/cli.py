@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Any, Callable
 
+from . import cli_dcp
 from .errors import CheckpointNotFound, CorruptCheckpoint, ZerostallError
 
 
@@ -25,9 +26,8 @@ def _human(n: float) -> str:
 
 def _engine(name: str, root: str) -> Any:
     from .config import IOConfig
-    from .io import get_engine, probe
-    cfg = IOConfig()
-    return get_engine(probe(root).engine if name == "auto" else name, cfg)
+    from .io import choose_engine
+    return choose_engine(root, IOConfig(engine=name))
 
 
 def _is_url(p: str) -> bool:
@@ -51,6 +51,8 @@ def _remote_rows(url: str) -> list[dict[str, Any]]:
 
 
 def cmd_ls(a: argparse.Namespace) -> int:
+    if not _is_url(a.path) and cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
+        return cli_dcp.cmd_ls(a)
     from rich.console import Console
     from rich.table import Table
 
@@ -62,7 +64,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
     else:
         tier = LocalTier(a.path)
         title = tier.root
-        for s in tier.steps():
+        for s in tier.listed_steps():  # damaged ones too, reported as such
             try:
                 m = tier.read_manifest(s)
                 rows.append({"step": s, "bytes": m.total_bytes, "tensors": len(m.tensors),
@@ -129,10 +131,12 @@ def cmd_restore(a: argparse.Namespace) -> int:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
+    if cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
+        return cli_dcp.cmd_verify(a)
     from .restore import verify_step
     from .store.local import LocalTier
     tier = LocalTier(a.path)
-    steps = [a.step] if a.step is not None else tier.steps()
+    steps = [a.step] if a.step is not None else tier.listed_steps()
     if not steps:
         print(f"no committed checkpoint in {tier.root}", file=sys.stderr)
         return 1
@@ -150,6 +154,8 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
+    if cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
+        return cli_dcp.cmd_inspect(a)
     from rich.console import Console
     from rich.table import Table
 

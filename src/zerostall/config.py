@@ -111,7 +111,15 @@ class CheckpointConfig:
     keep_every_remote: int | None = None
     remote_bandwidth_bytes: int | None = None
     remote_concurrency: int = 4
-    replicate_timeout_s: float = 3600.0
+    close_timeout_s: float = 30.0
+    """How long ``close()`` (and interpreter exit) waits for pending uploads to the remote tier;
+    steps still pending are logged, recorded on their handles and uploaded by the next run."""
+    remote_retry_max_s: float = 60.0
+    """Longest pause between two replication passes while steps are pending (backoff from 1 s)."""
+    lock_timeout_s: float = 0.0
+    """How long a new Checkpointer waits for another writer to release the root (0: fail at once)."""
+    allow_lower_steps: bool = False
+    """Allow saving a step lower than the root's newest committed step (see store/retention.py)."""
 
     def __post_init__(self) -> None:
         _require(self.backpressure in ("block", "skip"), "backpressure", self.backpressure,
@@ -122,6 +130,11 @@ class CheckpointConfig:
                  "choose per_rank (each rank saves its own state) or replicated (identical state on "
                  "every rank, each tensor written once)")
         _require(self.commit_timeout_s > 0, "commit_timeout_s", self.commit_timeout_s, "must be > 0")
+        _require(0 <= self.close_timeout_s <= 3600, "close_timeout_s", self.close_timeout_s,
+                 "must be in [0, 3600] seconds")
+        _require(self.remote_retry_max_s >= 1, "remote_retry_max_s", self.remote_retry_max_s, "must be >= 1 s")
+        _require(self.remote_concurrency >= 1, "remote_concurrency", self.remote_concurrency, "must be >= 1")
+        _require(self.lock_timeout_s >= 0, "lock_timeout_s", self.lock_timeout_s, "must be >= 0 seconds")
         _require(self.telemetry_interval_s > 0, "telemetry_interval_s", self.telemetry_interval_s,
                  "must be > 0")
 

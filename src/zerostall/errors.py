@@ -6,9 +6,12 @@
     ├── ConfigError            a setting or argument is invalid
     ├── UnsupportedStateError  the state dict holds something that cannot be stored safely
     ├── CheckpointExistsError  the step is already committed (pass overwrite=True)
+    ├── StepOrderError         a step lower than the root's newest committed step (another run's?)
+    ├── RootLockedError        another writer owns the checkpoint root (names it)
     ├── CheckpointNotFound     no committed checkpoint (or not that step) at the path
     ├── CorruptCheckpoint      a manifest or shard failed validation or its checksum
     ├── StorageError           the OS refused an I/O operation (ENOSPC, EIO, EACCES, ...)
+    │   └── RemoteError        a remote tier (S3, shared filesystem) failed; names the URL and step
     └── SaveFailed             a background save failed; ``__cause__`` holds the reason
 
 OS errors are translated at the boundary with ``raise ... from exc``; every message names
@@ -22,7 +25,10 @@ __all__ = [
     "CheckpointNotFound",
     "ConfigError",
     "CorruptCheckpoint",
+    "RemoteError",
+    "RootLockedError",
     "SaveFailed",
+    "StepOrderError",
     "StorageError",
     "UnsupportedStateError",
     "ZerostallError",
@@ -43,6 +49,33 @@ class UnsupportedStateError(ZerostallError, TypeError):
 
 class CheckpointExistsError(ZerostallError, FileExistsError):
     """The step is already committed and ``overwrite`` was not set."""
+
+
+class StepOrderError(ZerostallError, ValueError):
+    """``save(step)`` with a step lower than the newest committed step in the root.
+
+    A root holds one run's history in step order; retention and ``load()`` rank by step, so
+    a lower step from a new run would be mixed with (and pruned before) the old run's higher
+    ones. ``step`` is the refused step, ``newest`` the root's newest committed step.
+    """
+
+    def __init__(self, message: str, *, step: int | None = None, newest: int | None = None):
+        super().__init__(message)
+        self.step = step
+        self.newest = newest
+
+
+class RootLockedError(ZerostallError):
+    """Another writer holds the checkpoint root's lock (``<root>/.zerostall.lock``).
+
+    ``root`` is the directory, ``owner`` what the lock file records (host, pid, start time;
+    empty if it could not be read).
+    """
+
+    def __init__(self, message: str, *, root: str, owner: dict[str, object] | None = None):
+        super().__init__(message)
+        self.root = root
+        self.owner = dict(owner or {})
 
 
 class CheckpointNotFound(ZerostallError, FileNotFoundError):
@@ -71,6 +104,19 @@ class StorageError(ZerostallError, OSError):
 
     def __str__(self) -> str:  # OSError's __str__ would print the (errno, strerror) form
         return str(self.args[0]) if self.args else ""
+
+
+class RemoteError(StorageError):
+    """A remote tier failed (unreachable, refused, timed out, or stored other bytes than sent).
+
+    ``url`` is the remote object or root at fault, ``step`` the step when known. botocore and
+    OS errors are chained as ``__cause__``; the message says what to check.
+    """
+
+    def __init__(self, message: str, *, url: str = "", step: int | None = None, errno: int | None = None):
+        super().__init__(message, errno=errno, filename=url or None)
+        self.url = url
+        self.step = step
 
 
 class SaveFailed(ZerostallError):

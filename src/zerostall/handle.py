@@ -103,4 +103,5 @@ def record_of(job: SaveJob) -> SaveRecord:
         snapshot_s=job.snapshot_s, persist_s=job.persist_s, commit_s=job.commit_s,
         persist_gbps=(nbytes / job.persist_s / 1e9) if job.persist_s > 0 else 0.0,
         engine=job.engine, arena_bytes=job.arena_bytes, skipped=job.skipped,
-        ok=job.error is None, error=str(job.error or ""), **tel)  # type: ignore[arg-type]
+        ok=job.error is None, error=str(job.error or ""), post_commit_errors=tuple(job.post_commit_errors),
+        **tel)  # type: ignore[arg-type]

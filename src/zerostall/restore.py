@@ -23,17 +23,16 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import crc32c as _crc
 import torch
 
-from .config import ALIGN_BYTES, IOConfig
-from .errors import CheckpointNotFound, CorruptCheckpoint, StorageError, ZerostallError
+from .config import IOConfig
+from .errors import CheckpointNotFound, CorruptCheckpoint, RemoteError, StorageError, ZerostallError
 from .format.dtypes import dtype_from_name
-from .format.layout import HEADER_BYTES, ShardHeader
+from .format.layout import ShardHeader
 from .format.manifest import Manifest, TensorEntry
+from .format.shard import read_shard
 from .format.tree import decode_tree, tree_tensor_indices
-from .io.base import Engine, get_engine
-from .io.probe import probe
+from .io.base import Engine, choose_engine
 from .staging.arena import Arena
 from .store.local import LocalTier
 
@@ -111,54 +110,9 @@ def read_checkpoint(tier: LocalTier, man: Manifest, engine: Engine, bounce: Aren
 
 def _stream_file(f: Any, path: str, file_bytes: int, header: ShardHeader, targets: list[_Target],
                  bounce: Arena, verify: bool) -> None:
-    win = bounce.nbytes // ALIGN_BYTES * ALIGN_BYTES
-    ti = 0
-    crcs = [0] * len(targets)
-    # regions of the file that must be zero: gaps between payloads and the tail
-    for w0 in range(0, file_bytes, win):
-        n = min(win, file_bytes - w0)
-        f.read([(w0, bounce.mv[:n])])
-        w1 = w0 + n
-        if w0 == 0 and verify:
-            ShardHeader.check(bounce.mv[:HEADER_BYTES], header, path)
-        # walk the tensors overlapping [w0, w1)
-        j = ti
-        while j < len(targets):
-            e = targets[j].entry
-            a, b = max(e.offset, w0), min(e.offset + e.nbytes, w1)
-            if e.offset >= w1:
-                break
-            if a < b:
-                dst = targets[j].tensor
-                if dst is not None:
-                    _flat(dst)[a - e.offset:b - e.offset].copy_(bounce.u8[a - w0:b - w0])
-                if verify:
-                    crcs[j] = _crc.crc32c(bounce.mv[a - w0:b - w0], crcs[j])
-            if e.offset + e.nbytes <= w1:
-                if verify and crcs[j] != e.crc32c:
-                    raise CorruptCheckpoint(
-                        f"{path}: tensor {e.key!r} failed its crc32c check (recorded {e.crc32c:08x}, "
-                        f"read {crcs[j]:08x})", path=path, key=e.key)
-                ti = j + 1
-            j += 1
-        if verify:
-            _check_padding(bounce, path, w0, w1, targets)
-
-
-def _check_padding(bounce: Arena, path: str, w0: int, w1: int, targets: list[_Target]) -> None:
-    """Every byte of [w0, w1) not in the header or a payload must be zero."""
-    pos = max(w0, HEADER_BYTES)
-    for t in targets:
-        e = t.entry
-        if e.offset + e.nbytes <= pos:
-            continue
-        if e.offset >= w1:
-            break
-        if e.offset > pos and bounce.u8[pos - w0:e.offset - w0].any():
-            raise CorruptCheckpoint(f"{path}: non-zero padding before tensor {e.key!r}", path=path, key=e.key)
-        pos = max(pos, e.offset + e.nbytes)
-    if pos < w1 and bounce.u8[pos - w0:w1 - w0].any():
-        raise CorruptCheckpoint(f"{path}: non-zero padding at offset {pos}", path=path)
+    """Every byte checked by the one shard codec (:func:`zerostall.format.shard.read_shard`)."""
+    read_shard(f, path, file_bytes, header, [t.entry for t in targets],
+               [_flat(t.tensor) if t.tensor is not None else None for t in targets], bounce, verify=verify)
 
 
 def _find_in_place(dest: Any, node: Any, out: dict[int, Any], path: str = "") -> None:
@@ -267,8 +221,12 @@ def fetch_remote_step(tier: LocalTier, remote: Any, step: int) -> Manifest:
         raise CorruptCheckpoint(f"{remote.url}/step-{step}: manifest says step {man.step}")
     os.makedirs(tier.root, exist_ok=True)
     part = tier.begin(step)
-    for fe in man.files:
-        remote.download(f"step-{step}/{fe.name}", os.path.join(part, fe.name), fe.file_bytes)
+    try:
+        for fe in man.files:
+            remote.download(f"step-{step}/{fe.name}", os.path.join(part, fe.name), fe.file_bytes)
+    except BaseException:
+        tier.abort(step)
+        raise
     tier.commit(step, man, overwrite=True)
     log.info("zerostall: fetched step %d from %s into %s", step, remote.url, tier.root)
     return man
@@ -281,17 +239,26 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
     """Load the newest verified checkpoint (or ``step``) under ``path``; see the module doc.
 
     With ``remote`` (a URL or tier), steps only the remote holds are downloaded into ``path``
-    first; for each step, newest first, the local copy is tried, then the remote one.
+    first; for each step, newest first, the local copy is tried, then the remote one. A remote
+    that cannot be listed within a few seconds (down, unreachable) is skipped with a warning:
+    local checkpoints load as if there were no remote tier.
     """
-    if isinstance(remote, str):
-        from .store.remote import open_tier
-        remote = open_tier(remote, io=io)
+    remote_why = ""
+    remote_steps: list[int] = []
+    if remote is not None:
+        from .store.remote import list_steps, open_tier
+        if isinstance(remote, str):
+            remote = open_tier(remote, io=io)
+        listed, remote_why = list_steps(remote)
+        remote_steps = listed or []
     tier = LocalTier(path, create=remote is not None)
-    steps = tier.steps()
-    remote_steps = remote.steps() if remote is not None else []
+    steps = tier.listed_steps()  # damaged ones too: each is tried and its defect reported
     every = sorted(set(steps) | set(remote_steps))
     if not every:
         extra = f" ({len(tier.partial_steps())} unfinished .partial directories)" if tier.partial_steps() else ""
+        if remote_why:
+            raise RemoteError(f"no committed checkpoint in {tier.root!r}, and the remote tier could not be listed: "
+                              f"{remote_why}", url=remote.url)
         where = f"{tier.root!r}" + (f" or {remote.url}" if remote is not None else "")
         raise CheckpointNotFound(f"no committed checkpoint in {where}{extra}")
     if step is not None:
@@ -303,9 +270,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
         candidates = list(reversed(every)) if fallback else [every[-1]]
     own_engine = engine is None
     if engine is None:
-        cfg = io or IOConfig()
-        name = cfg.engine if cfg.engine != "auto" else probe(tier.root).engine
-        engine = get_engine(name, cfg)
+        engine = choose_engine(tier.root, io or IOConfig())
     bounce = bounce or _shared_bounce()
     errors: list[str] = []
     try:
@@ -321,7 +286,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
                                     "; ".join(errors))
                     return out
                 except (CorruptCheckpoint, StorageError) as exc:
-                    log.error("zerostall: step %d (%s copy) failed verification: %s", s, src, exc)
+                    log.error("zerostall: step %d (%s copy) failed: %s", s, src, exc)
                     errors.append(f"step {s} ({src}): {exc}")
                     if src == "remote":
                         tier.delete(s)  # drop the bad download

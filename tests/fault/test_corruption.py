@@ -13,7 +13,7 @@ def _two_steps(ckdir):
     with zerostall.Checkpointer(ckdir) as c:
         c.save(1, {"w": torch.full((5000,), 1.0), "b": torch.arange(3)}).result()
         c.save(2, {"w": torch.full((5000,), 2.0), "b": torch.arange(3) * 2}).result()
-    return os.path.join(ckdir, "step-2", "rank-00000.zst")
+    return os.path.join(ckdir, "step-2", "rank-00000.shard")
 
 
 def _flip(path, pos):
@@ -32,7 +32,7 @@ def test_flipped_shard_byte_detected(ckdir, pos, capsys):
     _flip(shard, pos)
     assert cli(["verify", ckdir, "--step", "2"]) == 1
     err = capsys.readouterr().err
-    assert "rank-00000.zst" in err and "step 2: FAILED" in err
+    assert "rank-00000.shard" in err and "step 2: FAILED" in err
     out = zerostall.load(ckdir)
     assert out["w"][0].item() == 1.0  # fell back to step 1
     with pytest.raises(zerostall.errors.CorruptCheckpoint):
@@ -64,7 +64,7 @@ def test_flipped_manifest_byte_detected(ckdir):
 
 def test_truncated_missing_swapped_symlinked(ckdir, tmp_path):
     shard = _two_steps(ckdir)
-    other = os.path.join(ckdir, "step-1", "rank-00000.zst")
+    other = os.path.join(ckdir, "step-1", "rank-00000.shard")
     data = open(shard, "rb").read()
     # truncated
     with open(shard, "r+b") as f:
@@ -92,7 +92,7 @@ def test_truncated_missing_swapped_symlinked(ckdir, tmp_path):
 def test_nothing_verifies(ckdir):
     shard = _two_steps(ckdir)
     _flip(shard, 5000)
-    _flip(os.path.join(ckdir, "step-1", "rank-00000.zst"), 5000)
+    _flip(os.path.join(ckdir, "step-1", "rank-00000.shard"), 5000)
     with pytest.raises(zerostall.errors.CorruptCheckpoint, match="no checkpoint .* verifies"):
         zerostall.load(ckdir)
 

@@ -53,5 +53,5 @@ with zerostall.Checkpointer({root!r}, raise_on_background_error=False) as ck:
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert f"StorageError {errno.EFBIG}" in out.stdout and "rank-00000.zst" in out.stdout
+    assert f"StorageError {errno.EFBIG}" in out.stdout and "rank-00000.shard" in out.stdout
     assert "steps [1]" in out.stdout

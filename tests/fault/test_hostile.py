@@ -93,7 +93,7 @@ def test_pickle_payloads_never_execute(ckpt):
     out = zerostall.load(ckpt)
     assert out["evil"] == blob.hex()
     # as a tensor's bytes (checksum fixed up so it verifies): it is data, not code
-    shard = os.path.join(ckpt, "step-1", "rank-00000.zst")
+    shard = os.path.join(ckpt, "step-1", "rank-00000.shard")
     with open(shard, "r+b") as f:
         f.seek(4096)
         f.write(blob)

@@ -1,88 +1,68 @@
-"""S3 faults, against the real radosgw behind a fault-injecting proxy (the seam):
-server down at start, throttling (503 SlowDown), a slow server. Nothing lost, training
-never blocked, the local copy kept until the remote one is committed."""
+"""S3 faults, against the real radosgw behind a fault-injecting proxy (the seam, tests/s3proxy.py):
+down at start, down mid-upload, 503 SlowDown, slow, bytes changed in flight, bad credentials.
 
-import http.client
-import http.server
+What must hold in each: training's saves go on (local commits succeed), ``close()`` returns
+within ``close_timeout_s`` and records the steps it could not replicate, restoring from the
+local tier works while the remote is down, remote errors are ``RemoteError`` naming the URL
+and step, and the next run on the root uploads what is missing.
+"""
+
+import contextlib
 import os
-import shutil
-import socket
-import threading
-import time
 import uuid
 
 import pytest
 import torch
 
 import zerostall
-from zerostall.restore import load
+from zerostall.cli import main as cli
+from zerostall.errors import RemoteError
+from zerostall.store.local import LocalTier
+from zerostall.store.remote import file_crc32c, open_tier
+
+from ..s3proxy import FaultyProxy, free_port
 
 S3 = os.environ.get("ZEROSTALL_TEST_S3") == "1"
-pytestmark = pytest.mark.skipif(not S3 and not os.environ.get("CI"), reason="needs the S3 server (scripts/s3-server.sh)")
+pytestmark = [pytest.mark.skipif(not S3 and not os.environ.get("CI"), reason="needs the S3 server "
+                                 "(scripts/s3-server.sh)"), pytest.mark.timeout(300)]
+BUCKET = "zerostall-remote-faults"
 
 
-class FaultyProxy:
-    """Forwards to radosgw; answers 503 SlowDown to the first ``throttle`` requests, delays the rest."""
+class S3Env:
+    def __init__(self, upstream, port, url):
+        self.upstream, self.port, self.url = upstream, port, url
+        self.proxies = []
 
-    def __init__(self, upstream: str, port: int, throttle: int = 0, delay_s: float = 0.0):
-        host, _, uport = upstream.split("//")[1].partition(":")
-        self.upstream = (host, int(uport))
-        self.throttle, self.delay_s = throttle, delay_s
-        self.served_503 = 0
-        proxy = self
+    def proxy(self, **kw):
+        p = FaultyProxy(self.upstream, self.port, **kw).start()
+        self.proxies.append(p)
+        return p
 
-        class H(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
-            def _any(self):
-                n = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(n) if n else None
-                if proxy.served_503 < proxy.throttle:
-                    proxy.served_503 += 1
-                    msg = b"<?xml version='1.0'?><Error><Code>SlowDown</Code><Message>Reduce your request rate</Message></Error>"
-                    self.send_response(503)
-                    self.send_header("Content-Length", str(len(msg)))
-                    self.end_headers()
-                    self.wfile.write(msg)
-                    return
-                time.sleep(proxy.delay_s)
-                c = http.client.HTTPConnection(*proxy.upstream, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "expect"}  # we already said 100
-                c.request(self.command, self.path, body=body, headers=headers)
-                r = c.getresponse()
-                data = r.read()
-                self.send_response(r.status)
-                for k, v in r.getheaders():
-                    if k.lower() not in ("transfer-encoding", "content-length", "connection"):
-                        self.send_header(k, v)
-                # a HEAD answer carries the object's length, not the (empty) body's
-                length = r.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
-                self.send_header("Content-Length", length or "0")
-                self.end_headers()
-                self.wfile.write(data)
-                c.close()
-
-            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _any
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), H)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def start(self):
-        self.thread.start()
-        return self
-
-    def stop(self):
-        self.server.shutdown()
-        self.server.server_close()
+    @contextlib.contextmanager
+    def direct(self):
+        """Talk to radosgw itself (for the test's own checks)."""
+        old = os.environ["AWS_ENDPOINT_URL"]
+        os.environ["AWS_ENDPOINT_URL"] = self.upstream
+        try:
+            yield open_tier(self.url)
+        finally:
+            os.environ["AWS_ENDPOINT_URL"] = old
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture
+def s3(monkeypatch):
+    if not S3:
+        pytest.fail("CI must start the S3 server before the tests")
+    upstream = os.environ["AWS_ENDPOINT_URL"]
+    port = free_port()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    env = S3Env(upstream, port, f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}")
+    yield env
+    for p in env.proxies:
+        p.stop()
+    with env.direct() as remote:
+        for s in remote.steps():
+            remote.delete_step(s)
 
 
 def _state(step):
@@ -90,49 +70,108 @@ def _state(step):
     return {"w": torch.randn(200_000, generator=g), "step": step}
 
 
-@pytest.fixture
-def via_proxy(monkeypatch):
-    if not S3:
-        pytest.fail("CI must start the S3 server before the tests")
-    upstream = os.environ["AWS_ENDPOINT_URL"]
-    port = _free_port()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
-    return upstream, port, f"s3://zerostall-test/{uuid.uuid4().hex[:12]}"
+def _same(a, step):
+    return torch.equal(a["w"], _state(step)["w"]) and a["step"] == step
 
 
-def test_server_down_at_start(via_proxy, tmp_path):
-    upstream, port, url = via_proxy
+def _next_run_uploads(s3, local, expect_remote, keep_last=None):
+    """A new Checkpointer on the root, server healthy: its start-up pass uploads what is missing."""
+    ck = zerostall.Checkpointer(local, remote=s3.url, keep_last=keep_last, close_timeout_s=120)
+    ck.close()
+    assert ck.unreplicated == []
+    with s3.direct() as remote:
+        assert remote.steps() == expect_remote
+
+
+def test_down_at_start(s3, tmp_path):
     local = str(tmp_path / "local")
-    with zerostall.Checkpointer(local, remote=url, keep_last=1) as ck:
+    ck = zerostall.Checkpointer(local, remote=s3.url, keep_last=1, close_timeout_s=20)
+    hs = [ck.save(s, _state(s)) for s in (1, 2)]
+    assert all(h.result().ok for h in hs)  # training's saves do not wait for the remote
+    assert ck.steps(include_remote=False) == [1, 2]  # unreplicated: kept despite keep_last=1
+    assert ck.latest_step() == 2  # the remote cannot be listed: a warning, local steps
+    ck.close()
+    assert ck.unreplicated == [1, 2]
+    for s, h in zip((1, 2), hs):
+        err = h.replication_error()
+        assert not h.replicated() and isinstance(err, RemoteError)
+        assert err.step == s and s3.url in str(err)
+    assert _same(zerostall.load(local, remote=s3.url), 2)  # restore from local while the remote is down
+
+    s3.proxy()  # the server is back: the next run uploads both, then local retention applies
+    _next_run_uploads(s3, local, [1, 2], keep_last=1)
+    assert LocalTier(local).steps() == [2]
+    assert _same(zerostall.load(str(tmp_path / "fresh"), remote=s3.url), 2)
+
+
+def test_down_mid_upload(s3, tmp_path):
+    proxy = s3.proxy(die_on_put=True)
+    local = str(tmp_path / "local")
+    with zerostall.Checkpointer(local, remote=s3.url, close_timeout_s=20) as ck:
         h1 = ck.save(1, _state(1))
         h2 = ck.save(2, _state(2))
-        assert h1.result().ok and h2.result().ok  # local saves do not wait for the remote
-        time.sleep(1.0)
-        assert not h1.replicated() and ck.steps() == [1, 2]  # unreplicated: kept despite keep_last=1
-        proxy = FaultyProxy(upstream, port).start()
-        try:
-            assert h2.wait(timeout=180, tier="remote") and h2.replicated()
-        finally:
-            ck.close()
-            proxy.stop()
-    shutil.rmtree(local)
-    os.environ["AWS_ENDPOINT_URL"] = upstream
-    assert load(local, remote=url)["step"] == 2
+        assert h1.result().ok and h2.result().ok
+    assert proxy.down and proxy.dropped >= 1  # the server died inside a shard upload
+    assert ck.unreplicated == [1, 2]
+    assert isinstance(h1.replication_error(), RemoteError) and not h1.replicated()
+    assert _same(zerostall.load(local, remote=s3.url), 2)
+    with s3.direct() as remote:
+        assert remote.steps() == []  # no manifest went up: nothing half-uploaded counts
+
+    proxy.down = False
+    _next_run_uploads(s3, local, [1, 2])
+    fresh = str(tmp_path / "fresh")
+    assert _same(zerostall.load(fresh, remote=s3.url, step=1), 1)
+    assert _same(zerostall.load(fresh, remote=s3.url), 2)
 
 
-def test_throttling_and_slow_server(via_proxy, tmp_path):
-    upstream, port, url = via_proxy
-    proxy = FaultyProxy(upstream, port, throttle=5, delay_s=0.2).start()
+def test_slowdown_503(s3, tmp_path):
+    proxy = s3.proxy(throttle=5)
+    with zerostall.Checkpointer(str(tmp_path / "local"), remote=s3.url) as ck:
+        h = ck.save(1, _state(1))
+        assert h.result().ok
+        assert h.wait(timeout=180, tier="remote") and h.replicated()
+    assert ck.unreplicated == []
+    assert proxy.served_503 == 5  # every throttling answer was retried through
+    assert _same(zerostall.load(str(tmp_path / "fresh"), remote=s3.url), 1)
+
+
+def test_slow_server_close_deadline(s3, tmp_path):
+    proxy = s3.proxy(delay_s=2.0)
     local = str(tmp_path / "local")
-    try:
-        with zerostall.Checkpointer(local, remote=url) as ck:
-            h = ck.save(1, _state(1))
-            assert h.result().ok
-            assert h.wait(timeout=180, tier="remote") and h.replicated()
-        assert proxy.served_503 == 5  # every throttling answer was retried through
-    finally:
-        proxy.stop()
-    os.environ["AWS_ENDPOINT_URL"] = upstream
-    shutil.rmtree(local)
-    out = load(local, remote=url)
-    assert torch.equal(out["w"], _state(1)["w"])
+    ck = zerostall.Checkpointer(local, remote=s3.url, close_timeout_s=1)
+    h = ck.save(1, _state(1))
+    assert h.result().ok
+    ck.close()  # returns at its deadline, not when the slow uploads would finish
+    assert ck.unreplicated == [1]
+    assert isinstance(h.replication_error(), RemoteError) and not h.replicated()
+    proxy.delay_s = 0.0
+    _next_run_uploads(s3, local, [1])
+
+
+def test_bytes_changed_in_flight_are_caught(s3, tmp_path):
+    proxy = s3.proxy(corrupt_puts=1)
+    local = str(tmp_path / "local")
+    with zerostall.Checkpointer(local, remote=s3.url) as ck:
+        h = ck.save(1, _state(1))
+        assert h.wait(timeout=180, tier="remote") and h.replicated()
+    assert proxy.corrupted == 1  # the server stored other bytes once; the read-back caught it
+    name = [n for n in os.listdir(os.path.join(local, "step-1")) if n.startswith("rank-")][0]
+    with s3.direct() as remote:
+        assert remote.checksum(f"step-1/{name}") == file_crc32c(os.path.join(local, "step-1", name))
+
+
+def test_errors_name_the_url_and_are_not_retried_on_4xx(s3, tmp_path, monkeypatch, capsys):
+    with pytest.raises(RemoteError) as ei:  # down, nothing local
+        zerostall.load(str(tmp_path / "fresh"), remote=s3.url)
+    assert s3.url in str(ei.value)
+    assert cli(["ls", s3.url]) == 2
+    err = capsys.readouterr().err
+    assert s3.url in err and "Traceback" not in err
+
+    proxy = s3.proxy()
+    with monkeypatch.context() as m, pytest.raises(RemoteError) as ei:
+        m.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+        open_tier(s3.url).steps()
+    assert "AWS_SECRET_ACCESS_KEY" in str(ei.value) or "credentials" in str(ei.value)
+    assert len(proxy.requests) == 1  # a 403 is not retried

@@ -52,7 +52,7 @@ def test_partial_directory_is_ignored_and_cleaned(ckdir):
     zerostall.save(ckdir, {"x": torch.ones(3)}, step=1)
     part = os.path.join(ckdir, "step-2.partial")
     os.mkdir(part)
-    with open(os.path.join(part, "rank-00000.zst"), "wb") as f:
+    with open(os.path.join(part, "rank-00000.shard"), "wb") as f:
         f.write(b"junk" * 1000)
     assert LocalTier(ckdir).steps() == [1]
     assert zerostall.load(ckdir)["x"].sum().item() == 3

@@ -47,7 +47,7 @@ def test_per_rank_save_restore_bit_exact(tmp_path, world):
     for rc, doc, err in res:
         assert rc == 0, err
         assert doc["equal"] is True
-    assert res[0][1]["files"] == sorted([f"rank-{r:05d}.zst" for r in range(world)] + ["manifest.json"])
+    assert res[0][1]["files"] == sorted([f"rank-{r:05d}.shard" for r in range(world)] + ["manifest.json"])
     man = LocalTier(ckdir).read_manifest(1)
     assert man.world_size == world and len(man.files) == world and man.rank_trees is not None
     # each rank's file holds that rank's state; a rank reads only its own file
@@ -103,8 +103,8 @@ def test_simulated_512_rank_commit(tmp_path, capsys):
         clients[r] = TCPStore("127.0.0.1", port, is_master=False)
         connected.wait()
         frag = {"ok": True, "n_tensors": 1, "structure": "",
-                "file": {"name": f"rank-{r:05d}.zst", "rank": r, "host": "h", "file_bytes": 8192, "file_id": "x"},
-                "tensors": [[0, {"key": "w", "dtype": "float32", "shape": [4], "file": f"rank-{r:05d}.zst",
+                "file": {"name": f"rank-{r:05d}.shard", "rank": r, "host": "h", "file_bytes": 8192, "file_id": "x"},
+                "tensors": [[0, {"key": "w", "dtype": "float32", "shape": [4], "file": f"rank-{r:05d}.shard",
                                  "offset": 4096, "nbytes": 16, "crc32c": r}]],
                 "tree": {"d": [[{"v": "w"}, {"T": 0}]]}}
         try:

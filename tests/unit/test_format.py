@@ -12,8 +12,8 @@ from zerostall.format.layout import ShardHeader
 
 def _manifest(**kw):
     base = dict(step=7, world_size=1, checkpoint_id="abc", created_unix=1.0,
-                files=(FileEntry("rank-00000.zst", 0, "h", 8192),),
-                tensors=(TensorEntry("w", "float32", (2, 3), "rank-00000.zst", 4096, 24, 123),),
+                files=(FileEntry("rank-00000.shard", 0, "h", 8192),),
+                tensors=(TensorEntry("w", "float32", (2, 3), "rank-00000.shard", 4096, 24, 123),),
                 tree={"d": [[{"v": "w"}, {"T": 0}]]})
     base.update(kw)
     return Manifest(**base)

@@ -10,7 +10,7 @@ already there, and its traffic is a few small keys per rank per checkpoint.
 Protocol for save number ``seq`` (every rank saves in the same order), keys under
 ``<prefix>/<seq>-<step>/``:
 
-1. every rank writes its shard into ``step-N.partial/rank-R.zst`` and fdatasyncs it;
+1. every rank writes its shard into ``step-N.partial/rank-R.shard`` and fdatasyncs it;
 2. every rank sets ``r<R>`` = its fragment (file entry, tensor entries with crc32c, tree) or
    ``{"ok": false, "error": ...}``;
 3. rank 0 (the coordinator) waits for all ``r*`` keys (``commit_timeout_s``); if every rank
@@ -37,7 +37,7 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
-from ..errors import SaveFailed
+from ..errors import RootLockedError, SaveFailed, ZerostallError
 from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..format.tree import remap_tree
 from ..staging.job import SaveJob
@@ -81,10 +81,22 @@ def setup_protocol(store: Any, prefix: str, rank: int, world: int, tier: LocalTi
         store.set(f"{prefix}/ready", json.dumps({"node_local": node_local, "leaders": sorted(leaders.values())}))
     _wait(store, [f"{prefix}/ready"], timeout_s)
     cfg = json.loads(store.get(f"{prefix}/ready"))
+    own_error: ZerostallError | None = None
     if rank in cfg["leaders"] if cfg["node_local"] else rank == 0:
-        tier.clean_stale_partials()
-    store.set(f"{prefix}/cleaned/r{rank}", "1")
-    _wait(store, [f"{prefix}/cleaned/r{r}" for r in range(world)], timeout_s)
+        try:  # the one writer of this root: lock it (RootLockedError names the holder), recover it
+            tier.own()
+        except ZerostallError as exc:
+            own_error = exc
+    store.set(f"{prefix}/cleaned/r{rank}", json.dumps({"error": str(own_error)} if own_error else {}))
+    keys = [f"{prefix}/cleaned/r{r}" for r in range(world)]
+    _wait(store, keys, timeout_s)
+    failed = [(r, e) for r, k in enumerate(keys) if (e := json.loads(store.get(k) or b"{}").get("error"))]
+    if failed:  # every rank fails at once, rather than after a commit timeout
+        tier.release()
+        if own_error is not None:
+            raise own_error
+        r, msg = failed[0]
+        raise RootLockedError(f"rank {r} could not take the checkpoint root: {msg}", root=tier.root)
     return cfg
 
 

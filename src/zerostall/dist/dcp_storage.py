@@ -1,60 +1,84 @@
-"""A ``torch.distributed.checkpoint`` storage plugin on zerostall's engines and layout.
+"""A ``torch.distributed.checkpoint`` storage writer on zerostall's engines and shard codec.
 
-``dcp.save(sd, storage_writer=Writer(path))``, ``dcp.async_save(..., storage_writer=Writer(path))``
-and ``dcp.load(sd, storage_reader=Reader(path))``: DCP's planners do the (re)sharding;
-zerostall writes each rank's items into one ``rank-R.zst`` (4 KiB header, 4 KiB-aligned
-items, O_DIRECT through the chosen engine, fdatasync), records a crc32c per item, and commits
-atomically: every rank writes into ``<path>.partial/``; the coordinator's ``finish`` writes
-``.metadata``, fsyncs and renames the directory to ``<path>``.
+``dcp.save(sd, storage_writer=Writer(path))`` and ``dcp.async_save(...)``: DCP's planners
+do the (re)sharding; each rank writes its items into one shard file through the shared
+codec (:mod:`zerostall.format.shard`: 4 KiB header, 4 KiB-aligned items, zero padding,
+O_DIRECT through the engine ``io/`` chooses, fdatasync) and records a crc32c per item; the
+coordinator writes DCP's ``.metadata`` last. The reader is in :mod:`.dcp_read`.
 
-DCP's ``.metadata`` is a pickle. :class:`Reader` loads it with an allow-listing unpickler
-(DCP's metadata dataclasses, ``torch.Size``, dtypes, layouts, our storage record) and
-rejects anything else, so reading metadata never runs code. DCP's default planner unpickles
-non-tensor (``BYTE_IO``) items with ``weights_only=False``; the reader first proves each such
-item loads under ``weights_only=True`` and refuses it otherwise.
+Semantics follow ``FileSystemWriter`` so that switching is one argument: ``overwrite``
+defaults to True and, when False, refuses only a directory that already holds the
+checkpoint's metadata (``RuntimeError("Checkpoint already exists and self.overwrite=False.")``
+as DCP raises it); the directory may hold other files, which are never touched;
+``checkpoint_id=`` (``reset``), ``storage_meta`` and ``use_collectives=False`` (each rank its
+own storage index, its own ``__R.metadata``) work as there. Ids containing ``://`` are refused.
 
-Call order (DCP's): ``reset`` -> ``set_up_storage_writer`` -> ``prepare_local_plan`` ->
-``prepare_global_plan`` (coordinator) -> ``write_data`` (every rank, its own thread in
-``async_save``) -> ``finish`` (coordinator).
+Commit and overwrite, crash by crash (every state is a committed checkpoint)::
+
+    1. rank-RRRRR-<save>.shard   written, fdatasync'ed (each rank; <save> is fresh per save,
+                                 so a crashed save never blocks the next with O_EXCL)
+    2. .metadata.<save>.tmp      written, fdatasync'ed              (coordinator)
+    3. rename(tmp, .metadata)    atomic replace: old or new metadata, never neither
+                                 (overwrite=False: link(), which refuses an existing one)
+    4. fsync(dir)                the new metadata is durable
+    5. unlink unreferenced rank-*-*.shard and .metadata.*.tmp   (leftovers of this
+                                 checkpoint's earlier or crashed saves; nothing else)
+
+A crash before 3 leaves the previous checkpoint as it was (its metadata names only its own
+files); a crash after 3 leaves the new one; leftovers are removed by the next save's step 5.
+
+Call order (DCP's): ``reset`` -> ``set_up_storage_writer`` -> ``prepare_local_plan`` (every
+rank) -> ``prepare_global_plan`` (coordinator) -> ``write_data`` (every rank; a background
+thread in ``async_save``) -> ``finish`` (coordinator; every rank when ``use_collectives=False``).
+One Writer serves one save at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
+import logging
 import os
 import pickle
 import re
-import shutil
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import crc32c as _crc
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner,
-                                                  WriteItemType)
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..config import ALIGN_BYTES, IOConfig
-from ..errors import CheckpointExistsError, CheckpointNotFound, CorruptCheckpoint
-from ..format.dtypes import dtype_from_name, dtype_name
-from ..format.layout import HEADER_BYTES, ShardHeader, align_up
-from ..io import get_engine, probe
+from ..config import IOConfig
+from ..errors import CheckpointExistsError, ConfigError, CorruptCheckpoint, storage_error
+from ..format.dtypes import dtype_name
+from ..format.layout import ShardHeader
+from ..format.shard import pack_offsets, write_shard
 from ..staging.arena import Arena
 from ..store.local import fsync_dir, write_file_durable
 
+log = logging.getLogger("zerostall")
+
 METADATA = ".metadata"
+DCP_VERSION = "1.0.0"  # the ``Metadata.version`` FileSystemWriter records for this layout
 WINDOW_BYTES = 64 << 20
-_FILE_RE = re.compile(r"^rank-\d{5}\.zst$")
+SHARD_RE = re.compile(r"^rank-(\d{5,})-([0-9a-f]{12})\.shard$")
+"""Shard files this writer creates: storage index and save id."""
+LEGACY_SHARD_RE = re.compile(r"^rank-(\d{5,})\.zst$")
+"""Shard files of zerostall.dcp before 0.2 (written to ``<path>.partial`` and renamed)."""
+_TMP_RE = re.compile(r"^(__\d+)?\.metadata\.[0-9a-f]{12}\.tmp$")
 
 
 @dataclass(frozen=True)
 class _ZSInfo:
-    """Where one DCP storage item lives: stored in ``Metadata.storage_data``."""
+    """Where one DCP storage item lives; the value type of ``Metadata.storage_data``.
+
+    ``rank`` is the storage index (the shard's writer), ``file_id`` the id in its header.
+    Pickled into ``.metadata``: renaming or moving it breaks existing checkpoints.
+    """
 
     file: str
     offset: int
@@ -66,227 +90,242 @@ class _ZSInfo:
     rank: int
     file_bytes: int
 
+    @property
+    def relative_path(self) -> str:
+        # what FileSystemReader asks of every record: say what this is instead of AttributeError
+        raise UnsupportedCheckpoint(
+            f"{self.file} belongs to a zerostall.dcp checkpoint; FileSystemReader cannot read it: load it "
+            "with zerostall.dcp.Reader (same arguments)")
 
-def _engine(path: str, io_cfg: IOConfig | None) -> Any:
-    cfg = io_cfg or IOConfig()
-    return get_engine(probe(path).engine if cfg.engine == "auto" else cfg.engine, cfg)
+
+class UnsupportedCheckpoint(CorruptCheckpoint):
+    """A valid DCP checkpoint of a kind this reader does not read (the message says which does)."""
+
+
+class CheckpointAlreadyExists(CheckpointExistsError, RuntimeError):
+    """``overwrite=False`` and the directory already holds DCP metadata.
+
+    A ``RuntimeError`` with DCP's own text, as ``FileSystemWriter`` raises, and a
+    :class:`~zerostall.errors.CheckpointExistsError`.
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def check_checkpoint_id(checkpoint_id: Any) -> str:
+    """The absolute local path for ``checkpoint_id``; URLs are refused (never a ``scheme:`` dir)."""
+    if not isinstance(checkpoint_id, (str, os.PathLike)):
+        raise ConfigError(f"DCP checkpoint id must be a path, got {type(checkpoint_id).__name__} {checkpoint_id!r}")
+    p = os.fspath(checkpoint_id)
+    if isinstance(p, bytes):
+        p = os.fsdecode(p)
+    if "://" in p:
+        raise ConfigError(
+            f"zerostall.dcp writes local (or mounted shared) directories; {p!r} is a URL. Save to a local "
+            "directory and replicate it with Checkpointer(remote=...), or use DCP's FsspecWriter for URLs")
+    if not p:
+        raise ConfigError("DCP checkpoint id is empty")
+    return os.path.abspath(p)
+
+
+def _io_engine(path: str, io_cfg: IOConfig | None) -> Any:
+    """The I/O engine for ``path``: the one choice ``io/`` makes for every writer and reader."""
+    from ..io import choose_engine
+    return choose_engine(path, io_cfg or IOConfig())
+
+
+def metadata_name(rank: int | None, use_collectives: bool) -> str:
+    return METADATA if use_collectives or rank is None else f"__{rank}{METADATA}"
 
 
 class Writer(StorageWriter):
-    def __init__(self, path: str | os.PathLike[str], *, io: IOConfig | None = None, overwrite: bool = False):
+    """``FileSystemWriter``'s drop-in: ``dcp.save(sd, storage_writer=Writer(path))``.
+
+    ``overwrite`` as in ``FileSystemWriter`` (default True). ``io`` picks the engine
+    (default: probed per directory). ``sync_files``, ``thread_count``,
+    ``single_file_per_rank``, ``per_thread_copy_ahead`` and ``cache_staged_state_dict`` are
+    accepted so existing calls keep working; zerostall always writes one file per rank with
+    direct I/O and always syncs (``sync_files=False`` is refused).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, io: IOConfig | None = None, overwrite: bool = True,
+                 sync_files: bool = True, thread_count: int = 1, single_file_per_rank: bool = True,
+                 per_thread_copy_ahead: int = 10_000_000, cache_staged_state_dict: bool = False):
         super().__init__()
-        self.path = os.path.abspath(os.fspath(path))
+        if not sync_files:
+            raise ConfigError("zerostall.dcp.Writer always makes checkpoints durable; sync_files=False is not "
+                              "supported (drop the argument)")
+        self._id: str | os.PathLike[str] = path
+        self.path = check_checkpoint_id(path)
         self.io = io
         self.overwrite = overwrite
         self.save_id = uuid.uuid4().hex
+        self.is_coordinator = False
+        self.rank: int | None = None
+        self.use_collectives = True
 
+    # -- DCP's interface ----------------------------------------------------------------
     @property
-    def partial(self) -> str:
-        return self.path + ".partial"
+    def checkpoint_id(self) -> str | os.PathLike[str]:
+        return self._id
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None:
-            self.path = os.path.abspath(os.fspath(checkpoint_id))
+        if checkpoint_id:
+            self.path = check_checkpoint_id(checkpoint_id)
+            self._id = checkpoint_id
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
-        if os.path.exists(self.path) and not self.overwrite:
-            raise CheckpointExistsError(f"DCP checkpoint {self.path!r} already exists (pass overwrite=True)")
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def _metadata_path(self) -> str:
+        # without collectives every rank writes its own; rank 0's says whether one exists
+        return os.path.join(self.path, METADATA if self.use_collectives else metadata_name(0, False))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        os.makedirs(self.partial, exist_ok=True)
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as exc:
+            raise storage_error("creating DCP checkpoint directory", self.path, exc) from exc
+        if os.path.lexists(self._metadata_path()):
+            if not self.overwrite:
+                raise CheckpointAlreadyExists(
+                    f"Checkpoint already exists and self.overwrite={self.overwrite}. ({self._metadata_path()} "
+                    "exists; pass overwrite=True to replace it, or pick another directory)")
+            log.info("zerostall: overwriting the DCP checkpoint in %s", self.path)
+        if self.rank is not None and not self.use_collectives:
+            plan = dataclasses.replace(plan, storage_data=int(self.rank))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [dataclasses.replace(p, storage_data=i) for i, p in enumerate(plans)]
+        return [p if p.storage_data is not None else dataclasses.replace(p, storage_data=i)
+                for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        rank = int(plan.storage_data or 0)
-        fname = f"rank-{rank:05d}.zst"
-        blobs: list[tuple[Any, torch.Tensor, str, tuple[int, ...]]] = []
+        index = int(plan.storage_data or 0)
+        fname = f"rank-{index:05d}-{self.save_id[:12]}.shard"
+        items, payloads, dtypes, shapes = [], [], [], []
         for item in plan.items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                blobs.append((item, torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw
-                              else torch.empty(0, dtype=torch.uint8), "", (len(raw),)))
+                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data.read())
+                flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+                dt, shape = "", (len(raw),)
             else:
                 t = data.detach()
                 t = t.cpu() if t.device.type != "cpu" else t
-                blobs.append((item, t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else
-                              torch.empty(0, dtype=torch.uint8), dtype_name(t.dtype, item.index.fqn), tuple(t.shape)))
-        offsets, off = [], HEADER_BYTES
-        for _, flat, _, _ in blobs:
-            offsets.append(off)
-            off = align_up(off + flat.numel())
-        file_bytes = max(off, HEADER_BYTES)
-        header = torch.frombuffer(bytearray(ShardHeader(self.save_id, 0, rank, file_bytes).encode()), dtype=torch.uint8)
-        crcs = [0] * len(blobs)
-        buf = Arena(min(WINDOW_BYTES, file_bytes), mlock=False)
-        eng = _engine(self.partial, self.io)
-        f = eng.open_write(os.path.join(self.partial, fname), file_bytes)
-        try:
-            for w0 in range(0, file_bytes, buf.nbytes):
-                w1 = min(w0 + buf.nbytes, file_bytes)
-                buf.u8[:w1 - w0].zero_()
-                if w0 == 0:
-                    buf.u8[:HEADER_BYTES].copy_(header)
-                for i, ((_, flat, _, _), o) in enumerate(zip(blobs, offsets)):
-                    a, b = max(o, w0), min(o + flat.numel(), w1)
-                    if a < b:
-                        buf.u8[a - w0:b - w0].copy_(flat[a - o:b - o])
-                        crcs[i] = _crc.crc32c(buf.mv[a - w0:b - w0], crcs[i])
-                f.write([(w0, buf.mv[:w1 - w0])])
-            f.finish()
-        finally:
-            f.close()
-            eng.close()
-            buf.close()
-        results = [WriteResult(index=item.index, size_in_bytes=flat.numel(),
-                               storage_data=_ZSInfo(fname, o, flat.numel(), crc, dt, shape, self.save_id, rank, file_bytes))
-                   for (item, flat, dt, shape), o, crc in zip(blobs, offsets, crcs)]
+                t = t.resolve_conj().resolve_neg().contiguous()
+                dt, shape = dtype_name(t.dtype, item.index.fqn), tuple(t.shape)
+                flat = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+            items.append(item)
+            payloads.append(flat)
+            dtypes.append(dt)
+            shapes.append(shape)
+        offsets, file_bytes = pack_offsets([p.numel() for p in payloads])
+        crcs = self._write_file(fname, index, offsets, payloads, file_bytes)
+        results = [WriteResult(index=item.index, size_in_bytes=p.numel(),
+                               storage_data=_ZSInfo(fname, o, p.numel(), crc, dt, shape, self.save_id, index,
+                                                    file_bytes))
+                   for item, p, o, crc, dt, shape in zip(items, payloads, offsets, crcs, dtypes, shapes)]
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
-        write_file_durable(os.path.join(self.partial, METADATA), pickle.dumps(metadata))
-        fsync_dir(self.partial)
-        if os.path.exists(self.path):
-            if not self.overwrite:
-                raise CheckpointExistsError(f"DCP checkpoint {self.path!r} already exists (pass overwrite=True)")
-            shutil.rmtree(self.path)
-        os.rename(self.partial, self.path)
-        fsync_dir(os.path.dirname(self.path) or ".")
-
-    def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
-
-
-_ALLOWED = {
-    ("torch.distributed.checkpoint.metadata", n) for n in (
-        "BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "MetadataIndex", "StorageMeta",
-        "TensorProperties", "TensorStorageMetadata", "_MEM_FORMAT_ENCODING")
-} | {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-      (__name__, "_ZSInfo"), ("collections", "OrderedDict")}
-
-
-class _SafeUnpickler(pickle.Unpickler):
-    """Resolves only the classes DCP metadata is made of; anything else is corruption."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise CorruptCheckpoint(f"DCP metadata refers to {module}.{name}, which a checkpoint's metadata never "
-                                "contains; refusing to unpickle it")
-
-
-class Reader(StorageReader):
-    def __init__(self, path: str | os.PathLike[str], *, io: IOConfig | None = None, verify: bool = True):
-        super().__init__()
-        self.path = os.path.abspath(os.fspath(path))
-        self.io = io
-        self.verify = verify
-        self.storage_data: dict[MetadataIndex, _ZSInfo] = {}
-
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None:
-            self.path = os.path.abspath(os.fspath(checkpoint_id))
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        p = os.path.join(self.path, METADATA)
+    def _write_file(self, fname: str, index: int, offsets: list[int], payloads: list[torch.Tensor],
+                    file_bytes: int) -> list[int]:
+        path = os.path.join(self.path, fname)
+        buf = Arena(min(WINDOW_BYTES, file_bytes), mlock=False)
+        eng = _io_engine(self.path, self.io)
         try:
-            with open(p, "rb") as f:
-                raw = f.read(256 << 20)
-        except FileNotFoundError:
-            raise CheckpointNotFound(f"no DCP checkpoint at {self.path!r} ({METADATA} missing)") from None
-        try:
-            md = _SafeUnpickler(io.BytesIO(raw)).load()
-        except CorruptCheckpoint:
+            f = eng.open_write(path, file_bytes)
+            try:
+                crcs = write_shard(f, ShardHeader(self.save_id, 0, index, file_bytes), payloads, offsets, buf)
+                f.finish()
+            finally:
+                f.close()
+        except BaseException:
+            try:
+                os.unlink(path)  # never referenced by any metadata; don't leave it behind
+            except OSError:
+                pass
             raise
-        except Exception as exc:  # noqa: BLE001 - any decoding failure is corruption
-            raise CorruptCheckpoint(f"{p}: unreadable DCP metadata ({exc})", path=p) from None
-        if not isinstance(md, Metadata) or not isinstance(md.storage_data, dict):
-            raise CorruptCheckpoint(f"{p}: not DCP metadata", path=p)
-        for info in md.storage_data.values():
-            if not isinstance(info, _ZSInfo) or not _FILE_RE.match(info.file) or info.offset % ALIGN_BYTES \
-                    or info.offset + info.nbytes > info.file_bytes or info.nbytes < 0:
-                raise CorruptCheckpoint(f"{p}: bad storage record {info!r:.200}", path=p)
-        return md
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.storage_data = metadata.storage_data
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        per_file: dict[str, list[Any]] = {}
-        for req in plan.items:
-            per_file.setdefault(self.storage_data[req.storage_index].file, []).append(req)
-        eng = _engine(self.path, self.io)
-        try:
-            for fname, reqs in per_file.items():
-                self._read_file(eng, fname, reqs, planner)
         finally:
             eng.close()
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+            buf.close()
+        return crcs
 
-    def _read_file(self, eng: Any, fname: str, reqs: list[Any], planner: LoadPlanner) -> None:
-        path = os.path.join(self.path, fname)
-        infos = [self.storage_data[r.storage_index] for r in reqs]
-        st = os.lstat(path) if os.path.lexists(path) else None
-        if st is None or os.path.islink(path) or st.st_size != infos[0].file_bytes:
-            raise CorruptCheckpoint(f"{path}: shard missing, a symlink, or not {infos[0].file_bytes} bytes", path=path)
-        cache: dict[tuple[int, int], torch.Tensor] = {}
-        with eng.open_read(path) as f:
-            hdr = Arena(HEADER_BYTES, mlock=False)
-            f.read([(0, hdr.mv)])
-            ShardHeader.check(hdr.mv, ShardHeader(infos[0].file_id, 0, infos[0].rank, infos[0].file_bytes), path)
-            hdr.close()
-            for req, info in sorted(zip(reqs, infos), key=lambda ri: ri[1].offset):
-                key = (info.offset, info.nbytes)
-                if key not in cache:
-                    n = align_up(max(info.nbytes, 1))
-                    buf = Arena(n, mlock=False, prefault=False)
-                    f.read([(info.offset, buf.mv[:n])])
-                    data = buf.u8[:info.nbytes].clone()
-                    buf.close()
-                    if self.verify and _crc.crc32c(data.numpy().data) != info.crc32c:
-                        raise CorruptCheckpoint(f"{path}: item {req.storage_index.fqn!r} failed its crc32c check",
-                                                path=path, key=req.storage_index.fqn)
-                    cache = {key: data}  # items are read in offset order; keep only the last
-                data = cache[key]
-                if req.type == LoadItemType.BYTE_IO:
-                    raw = data.numpy().tobytes()
-                    try:
-                        torch.load(io.BytesIO(raw), weights_only=True)
-                    except Exception as exc:  # noqa: BLE001
-                        raise CorruptCheckpoint(
-                            f"{path}: object {req.storage_index.fqn!r} cannot be loaded without running code "
-                            f"(weights_only refused it: {str(exc)[:200]})", path=path, key=req.storage_index.fqn) from None
-                    planner.load_bytes(req, io.BytesIO(raw))
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.version = DCP_VERSION
+        metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
+        metadata.storage_meta = self.storage_meta()
+        name = metadata_name(self.rank, self.use_collectives)
+        final = os.path.join(self.path, name)
+        tmp = os.path.join(self.path, f"{name}.{self.save_id[:12]}.tmp")
+        try:
+            write_file_durable(tmp, pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))
+            if self.overwrite:
+                os.replace(tmp, final)
+            else:
+                try:
+                    os.link(tmp, final)  # refuses an existing checkpoint atomically
+                except FileExistsError:
+                    raise CheckpointAlreadyExists(
+                        f"Checkpoint already exists and self.overwrite=False. ({final} appeared during the "
+                        "save; pass overwrite=True to replace it)") from None
+                finally:
+                    os.unlink(tmp)
+            fsync_dir(self.path)
+        except OSError as exc:
+            if isinstance(exc, CheckpointExistsError):
+                raise
+            raise storage_error("committing DCP checkpoint", final, exc) from exc
+        keep = {r.storage_data.file for rs in results for r in rs}
+        self._remove_leftovers(keep)
+
+    def _remove_leftovers(self, keep: set[str]) -> None:
+        """Step 5: this checkpoint's shards no metadata references any more, and temp files."""
+        per_rank = not self.use_collectives and self.rank is not None
+        try:
+            names = os.listdir(self.path)
+        except OSError as exc:
+            log.warning("zerostall: listing %s to remove old DCP shards failed: %s", self.path, exc)
+            return
+        if not per_rank and any(re.match(r"^__\d+\.metadata$", n) for n in names):
+            log.info("zerostall: %s also holds per-rank DCP metadata; leaving unreferenced shards in place", self.path)
+            return
+        for n in names:
+            m = SHARD_RE.match(n) or LEGACY_SHARD_RE.match(n)
+            if m is not None:
+                if n in keep or (per_rank and int(m.group(1)) != self.rank):
                     continue
-                t = data.view(dtype_from_name(info.dtype, path)).reshape(info.shape)
-                t = narrow_tensor_by_index(t, req.storage_offsets, req.lengths)
-                target = planner.resolve_tensor(req).detach()
-                if target.size() != t.size():
-                    raise CorruptCheckpoint(f"{path}: {req.storage_index.fqn!r} is {tuple(t.size())}, the plan "
-                                            f"expects {tuple(target.size())}", path=path)
-                target.copy_(t)
-                planner.commit_tensor(req, target)
+            elif not (_TMP_RE.match(n) and (not per_rank or n.startswith(f"__{self.rank}."))
+                      and self.save_id[:12] not in n):
+                continue
+            try:
+                os.unlink(os.path.join(self.path, n))
+                log.debug("zerostall: removed %s (no longer referenced)", os.path.join(self.path, n))
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:
+                    log.warning("zerostall: removing old DCP file %s failed: %s", n, exc)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
+        try:
+            check_checkpoint_id(checkpoint_id)
+        except ConfigError:
+            return False
+        return True
+
+
+def __getattr__(name: str) -> Any:
+    # the reader moved to .dcp_read; keep ``from zerostall.dist.dcp_storage import Reader`` working
+    if name == "Reader":
+        from .dcp_read import Reader
+        return Reader
+    raise AttributeError(name)

@@ -2,6 +2,7 @@
 
 ::
 
+    rank-RRRRR.shard (``.zst`` in checkpoints written before 0.2; not compressed)
     offset 0      header block: magic, version, JSON {checkpoint_id, step, rank, file_bytes}
                   zero-padded to 4096
     offset 4096   payload of tensor 0, zero-padded to the next 4096 boundary
@@ -16,6 +17,7 @@ be zero (padding): a flipped bit anywhere is detected.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass
 
@@ -23,6 +25,17 @@ from ..config import ALIGN_BYTES
 from ..errors import CorruptCheckpoint
 
 HEADER_BYTES = ALIGN_BYTES
+SHARD_SUFFIX = ".shard"
+"""Shard files are ``rank-RRRRR.shard``; releases before 0.2 named them ``.zst`` though they were
+never zstandard-compressed. Readers follow the names the manifest records, so both load."""
+LEGACY_SHARD_SUFFIXES = (".zst",)
+SHARD_NAME_RE = re.compile(r"^rank-(\d{5,})(\.shard|\.zst)$")
+
+
+def shard_name(rank: int) -> str:
+    """The file name every writer (Checkpointer, DCP plugin) gives rank ``rank``'s shard."""
+    return f"rank-{rank:05d}{SHARD_SUFFIX}"
+
 MAGIC = b"ZSTLSHRD"
 _FIXED = struct.Struct("<8sII")  # magic, layout version, JSON length
 LAYOUT_VERSION = 1

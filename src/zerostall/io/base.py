@@ -26,12 +26,15 @@ from __future__ import annotations
 import errno
 import os
 from abc import ABC, abstractmethod
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from .._util import load_target
 from ..config import ALIGN_BYTES, IOConfig
 from ..errors import ConfigError, StorageError, storage_error
 from . import _sys
+
+if TYPE_CHECKING:
+    from .probe import ProbeResult
 
 Extent = tuple[int, memoryview]
 """(file offset, buffer): both aligned; ``len(buffer)`` is a multiple of ALIGN_BYTES."""
@@ -175,7 +178,7 @@ def engine_names() -> list[str]:
 
 
 def get_engine(name: str, cfg: IOConfig) -> Engine:
-    """Instantiate the engine called ``name`` (not ``auto``; see :func:`probe.choose_engine`)."""
+    """Instantiate the engine called ``name`` (not ``auto``; see :func:`choose_engine`)."""
     if name in _FACTORIES:
         return _FACTORIES[name](cfg)
     if name not in _REGISTRY:
@@ -186,3 +189,25 @@ def get_engine(name: str, cfg: IOConfig) -> Engine:
     except ImportError as exc:
         raise ConfigError(f"I/O engine {name!r} is not available ({exc}); {hint or 'check the install'}") from exc
     return cls(cfg)
+
+
+def engine_name_for(path: str, cfg: IOConfig) -> tuple[str, "ProbeResult | None"]:
+    """The engine ``cfg`` asks for on ``path``: the configured name, or the probe's verdict
+    for ``auto`` (with the probe result; ``path`` must then exist and be writable)."""
+    if cfg.engine != "auto":
+        return cfg.engine, None
+    from .probe import probe
+    res = probe(path)
+    return res.engine, res
+
+
+def choose_engine(path: str, cfg: IOConfig | None = None) -> Engine:
+    """The one place that decides which engine reads and writes files under ``path``.
+
+    Called by the Checkpointer, restore, the CLI, the DCP plugin and the tiers (from their
+    own threads; the probe is cached per path). ``path`` is a directory; for ``auto`` it is
+    probed (an O_DIRECT test file is created there and removed).
+    """
+    cfg = cfg or IOConfig()
+    name, _ = engine_name_for(path, cfg)
+    return get_engine(name, cfg)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..format.layout import ShardHeader
+from ..format.layout import ShardHeader, shard_name
 from .plan import SavePlan
 
 
@@ -41,6 +41,8 @@ class SaveJob:
     replicate_error: BaseException | None = None
     t_replicated: float = 0.0
     error: BaseException | None = None
+    post_commit_errors: list[str] = field(default_factory=list)
+    """Problems after the commit point (latest hint, retention): logged, the save stays durable."""
     skipped: bool = False
     t_submit: float = field(default_factory=time.perf_counter)
     t_staged: float = 0.0
@@ -64,7 +66,7 @@ class SaveJob:
 
     @property
     def file_name(self) -> str:
-        return f"rank-{self.rank:05d}.zst"
+        return shard_name(self.rank)
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:

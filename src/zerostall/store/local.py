@@ -1,18 +1,33 @@
-"""The local tier: a directory of ``step-<N>/`` checkpoints, committed atomically.
+"""The local tier: a directory of ``step-<N>/`` checkpoints, owned by one writer, committed atomically.
 
-Commit protocol (POSIX), run by the persist thread once every shard is written::
+Commit protocol (POSIX), run by the owner's persist thread once every shard is written
+(hook names, the crash-test seam, in quotes)::
 
-    1. step-N.partial/rank-*.zst   written and fdatasync'ed        (persist, per shard)
+    1. step-N.partial/rank-*.shard  written and fdatasync'ed       (persist, per shard)
     2. step-N.partial/manifest.json written, fdatasync'ed          ("manifest")
     3. fsync(step-N.partial/)                                      ("fsync_dir")
-    4. rename step-N.partial -> step-N                             ("rename")
+    4. new step:  rename step-N.partial -> step-N                  ("rename")
+       overwrite: renameat2(RENAME_EXCHANGE) step-N.partial <-> step-N ("exchange"), or where
+                  the filesystem cannot: step-N -> step-N.old ("rename_old"), step-N.partial
+                  -> step-N ("rename")
     5. fsync(root)                                                 ("fsync_root")
-    6. latest.tmp -> latest (rename, fsync root)                   ("latest")
+       overwrite: the old copy -> .deleting-*, removed             ("rename_deleting", "unlink")
+    6. latest.tmp -> latest, fsync root                            ("latest_tmp", "latest")
 
-A directory without a valid ``manifest.json`` is not a checkpoint. A crash anywhere before 4
-leaves only a ``.partial`` directory, ignored by readers and removed by the next
-``Checkpointer``; after 4 the checkpoint exists. ``latest`` is a hint for humans and tools;
-readers trust the directory listing. ``_hook`` is a test seam called after each named step.
+Every state between two of those syscalls is a committed step or something the owner's
+start-up recovery finishes: ``*.partial`` is removed; ``step-N.old`` is restored when
+``step-N`` is missing (a crash between the two renames of 4) and removed otherwise;
+``.deleting-*``, ``latest.tmp`` and probe/write-test files are removed. Each removal is
+logged. After 4 the checkpoint exists; 6 is a hint for humans and tools (readers trust the
+listing), and a failure there is reported as a post-commit problem, never as a failed save.
+
+Deleting a committed step (retention, a bad download) renames it to ``.deleting-step-N-*``
+("delete_rename"), fsyncs the root ("delete_fsync"), then removes the files ("unlink").
+
+Ownership: :meth:`LocalTier.own` takes ``<root>/.zerostall.lock`` (:mod:`.owner`) before
+recovering; only the owner writes. Readers (``steps``, ``read_manifest``, ``load``,
+``verify``, ``ls``) take no lock: they never see a torn step, because a step directory
+appears only by rename, complete.
 """
 
 from __future__ import annotations
@@ -21,41 +36,42 @@ import errno
 import logging
 import os
 import re
-import shutil
-from typing import Callable
+import threading
+import uuid
+from typing import TYPE_CHECKING, Callable
 
-from ..errors import CheckpointExistsError, CheckpointNotFound, CorruptCheckpoint, storage_error
+from ..errors import (CheckpointExistsError, CheckpointNotFound, CorruptCheckpoint, StepOrderError,
+                      ZerostallError, storage_error)
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
+from .atomic import fsync_dir, publish_dir, recover_dir, rmtree, write_file_durable
+from .owner import RootLock
+from .retention import doomed
+from .tier import Tier
+
+if TYPE_CHECKING:
+    from ..io.base import Engine, ShardFile
+
+__all__ = ["LocalTier", "fsync_dir", "write_file_durable"]
 
 log = logging.getLogger("zerostall")
 _STEP_RE = re.compile(r"^step-(\d{1,19})$")
 _PARTIAL_RE = re.compile(r"^step-(\d{1,19})\.partial$")
+_OLD_RE = re.compile(r"^step-(\d{1,19})\.old$")
+_TEMP_RE = re.compile(r"^(latest\.tmp|\.zerostall-write-test-\d+|\.zerostall-probe-[0-9a-f]+)$")
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class LocalTier(Tier):
+    exchange = True
+    """Use ``renameat2(RENAME_EXCHANGE)`` for overwrites (tests set False for the two-phase path)."""
 
-
-def write_file_durable(path: str, data: bytes) -> None:
-    """Create ``path`` with ``data`` and fdatasync it (small files: manifests, pointers)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
-
-
-class LocalTier:
-    def __init__(self, root: str, *, create: bool = False):
+    def __init__(self, root: str, *, create: bool = False, lock_timeout_s: float = 0.0):
         self.root = os.path.abspath(os.fspath(root))
+        self.url = self.root
+        self.lock_timeout_s = lock_timeout_s
         self._hook: Callable[[str], None] | None = None
+        self._lock = RootLock(self.root)
+        self._valid: dict[int, tuple[tuple[int, ...], bool]] = {}
+        self._valid_mu = threading.Lock()
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise CheckpointNotFound(f"checkpoint path {self.root!r} is a file, not a directory")
         if create:
@@ -73,27 +89,69 @@ class LocalTier:
     def partial_dir(self, step: int) -> str:
         return os.path.join(self.root, f"step-{step}.partial")
 
-    # -- listing (any thread) ---------------------------------------------------------------
-    def steps(self) -> list[int]:
-        """Committed steps (a directory with a manifest), ascending."""
+    def _names(self) -> list[str]:
         try:
-            names = os.listdir(self.root)
+            return os.listdir(self.root)
         except FileNotFoundError:
             return []
+
+    def _step(self, name: str) -> None:
+        if self._hook is not None:
+            self._hook(name)
+
+    # -- reading (any thread, any process, no lock) ----------------------------------------
+    def listed_steps(self) -> list[int]:
+        """``step-N`` directories holding a ``manifest.json`` (not validated), ascending: for
+        tools that report damaged steps (``ls``, ``verify``)."""
         out = []
-        for n in names:
+        for n in self._names():
             m = _STEP_RE.match(n)
             if m and os.path.isfile(os.path.join(self.root, n, MANIFEST_NAME)) \
                     and not os.path.islink(os.path.join(self.root, n)):
                 out.append(int(m.group(1)))
         return sorted(out)
 
-    def partial_steps(self) -> list[int]:
+    def steps(self) -> list[int]:
+        """Committed steps: those whose manifest validates, ascending.
+
+        A manifest is parsed once per file identity (inode, size, mtime, ctime) and the
+        verdict cached, so calling this per save costs a listdir and a stat per step.
+        """
+        return [s for s in self.listed_steps() if self._is_valid(s)]
+
+    def _manifest_ident(self, step: int) -> tuple[int, ...] | None:
         try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return []
-        return sorted(int(m.group(1)) for n in names if (m := _PARTIAL_RE.match(n)))
+            st = os.stat(os.path.join(self.step_dir(step), MANIFEST_NAME), follow_symlinks=False)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def _is_valid(self, step: int) -> bool:
+        ident = self._manifest_ident(step)
+        if ident is None:
+            return False
+        with self._valid_mu:
+            hit = self._valid.get(step)
+        if hit is not None and hit[0] == ident:
+            return hit[1]
+        try:
+            self.read_manifest(step)
+            ok = True
+        except ZerostallError as exc:
+            ok = False
+            log.warning("zerostall: %s is not a loadable checkpoint (%s); load and retention ignore it",
+                        self.step_dir(step), exc)
+        with self._valid_mu:
+            self._valid[step] = (ident, ok)
+        return ok
+
+    def partial_steps(self) -> list[int]:
+        return sorted(int(m.group(1)) for n in self._names() if (m := _PARTIAL_RE.match(n)))
+
+    def leftovers(self) -> list[str]:
+        """Names a crash or an interrupted operation left in the root (what :meth:`own` cleans)."""
+        return sorted(n for n in self._names() if _PARTIAL_RE.match(n) or _OLD_RE.match(n)
+                      or n.startswith(".deleting-") or _TEMP_RE.match(n))
 
     def check_writable(self) -> None:
         """Create and remove a file in the root; raise StorageError naming the root if we cannot."""
@@ -101,21 +159,27 @@ class LocalTier:
         try:
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             os.close(fd)
-            os.unlink(probe)
+            try:
+                os.unlink(probe)
+            except FileNotFoundError:  # the owner's start-up cleanup got there first
+                pass
         except OSError as exc:
             raise storage_error("writing to checkpoint directory", self.root, exc,
                                 "pick a writable directory or fix its permissions/attributes") from exc
 
     def read_manifest(self, step: int) -> Manifest:
-        if os.path.islink(self.step_dir(step)):
-            raise CorruptCheckpoint(f"{self.step_dir(step)} is a symlink; a checkpoint's files must live "
-                                    "inside the checkpoint directory", path=self.step_dir(step))
-        path = os.path.join(self.step_dir(step), MANIFEST_NAME)
+        return self._read_manifest_at(self.step_dir(step), step)
+
+    def _read_manifest_at(self, d: str, step: int) -> Manifest:
+        if os.path.islink(d):
+            raise CorruptCheckpoint(f"{d} is a symlink; a checkpoint's files must live "
+                                    "inside the checkpoint directory", path=d)
+        path = os.path.join(d, MANIFEST_NAME)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             raise CheckpointNotFound(f"no committed checkpoint for step {step} in {self.root!r} "
-                                     f"(steps: {self.steps() or 'none'})") from None
+                                     f"(steps: {self.listed_steps() or 'none'})") from None
         except OSError as exc:
             raise CorruptCheckpoint(f"{path}: cannot open manifest ({os.strerror(exc.errno or 0)})",
                                     path=path) from exc
@@ -133,91 +197,179 @@ class LocalTier:
             raise CorruptCheckpoint(f"{path}: manifest says step {man.step}, directory says {step}", path=path)
         return man
 
-    def latest(self) -> int | None:
-        steps = self.steps()
-        return steps[-1] if steps else None
+    def _valid_dir(self, d: str, step: int) -> bool:
+        try:
+            self._read_manifest_at(d, step)
+            return True
+        except ZerostallError:
+            return False
 
-    # -- save side (persist thread, except begin() which the caller's thread may run) ------
-    def check_new_step(self, step: int, overwrite: bool) -> None:
-        if not overwrite and os.path.exists(self.step_dir(step)):
+    def open_shard_read(self, step: int, name: str, engine: "Engine | None" = None) -> "ShardFile":
+        from ..io.base import choose_engine
+        eng = engine or choose_engine(self.root)
+        return eng.open_read(os.path.join(self.step_dir(step), name))
+
+    # -- owning (caller's thread) ----------------------------------------------------------
+    @property
+    def owned(self) -> bool:
+        return self._lock.held
+
+    def own(self, timeout_s: float | None = None) -> list[str]:
+        """Take the root (``RootLockedError`` naming the holder if another writer has it, after
+        waiting up to ``timeout_s``, default ``lock_timeout_s``), then :meth:`recover` it."""
+        self._lock.acquire(self.lock_timeout_s if timeout_s is None else timeout_s)
+        try:
+            return self.recover()
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def clean_stale_partials(self, keep: set[int] = frozenset()) -> list[str]:  # type: ignore[assignment]
+        """Old name of :meth:`own` (``dist.commit`` calls it on the process that owns the root)."""
+        return self.own()
+
+    def recover(self) -> list[str]:
+        """Finish or remove everything a crash left (owner only; see the module docstring).
+
+        Returns one line per action; each is logged.
+        """
+        if not self._lock.held:
+            raise ZerostallError(f"recovering {self.root!r} needs its lock (call own())")
+        done: list[str] = []
+        try:
+            for n in sorted(self._names()):
+                if m := _OLD_RE.match(n):
+                    step = int(m.group(1))
+                    done += recover_dir(self.step_dir(step), lambda d, s=step: self._valid_dir(d, s),
+                                        self._hook)
+            for n in sorted(self._names()):
+                path = os.path.join(self.root, n)
+                if _PARTIAL_RE.match(n):
+                    rmtree(path)
+                    done.append(f"removed {path} (an unfinished save)")
+                elif n.startswith(".deleting-"):
+                    rmtree(path)
+                    done.append(f"removed {path} (an interrupted deletion)")
+                elif _TEMP_RE.match(n):
+                    rmtree(path)
+                    done.append(f"removed {path} (a temporary file)")
+        except OSError as exc:
+            raise storage_error("recovering leftovers in", self.root, exc) from exc
+        for line in done:
+            log.info("zerostall: %s", line)
+        return done
+
+    # -- save side (owner; persist thread, except check_new_step on the caller's) -----------
+    def check_new_step(self, step: int, overwrite: bool, allow_lower: bool = True) -> None:
+        """Refuse ``step`` before anything is written: it exists (without ``overwrite``), or it
+        is lower than the newest committed step (without ``allow_lower``; see retention)."""
+        if not overwrite and os.path.lexists(self.step_dir(step)):
             raise CheckpointExistsError(
                 f"step {step} already exists in {self.root!r} (pass overwrite=True or pick another step)")
-
-    def clean_stale_partials(self, keep: set[int] = frozenset()) -> None:  # type: ignore[assignment]
-        for s in self.partial_steps():
-            if s not in keep:
-                log.info("zerostall: removing stale partial checkpoint %s", self.partial_dir(s))
-                shutil.rmtree(self.partial_dir(s), ignore_errors=True)
+        if not allow_lower:
+            newest = self.latest()
+            if newest is not None and step < newest:
+                raise StepOrderError(
+                    f"step {step} is lower than step {newest}, the newest committed checkpoint in "
+                    f"{self.root!r} (left by an earlier run?). Retention and load() rank steps by number, "
+                    f"so the runs would mix: resume from step {newest}, use another directory, delete the "
+                    f"higher steps, or pass allow_lower_steps=True", step=step, newest=newest)
 
     def begin(self, step: int) -> str:
         """Create ``step-N.partial/`` (replacing a stale one); return its path."""
         d = self.partial_dir(step)
-        if os.path.lexists(d):
-            shutil.rmtree(d, ignore_errors=True)
         try:
+            if os.path.lexists(d):
+                rmtree(d)
             os.mkdir(d, 0o755)
         except OSError as exc:
             raise storage_error("creating", d, exc) from exc
         return d
 
-    def _step(self, name: str) -> None:
-        if self._hook is not None:
-            self._hook(name)
+    def open_shard_write(self, step: int, name: str, nbytes: int, engine: "Engine | None" = None) -> "ShardFile":
+        from ..io.base import choose_engine
+        eng = engine or choose_engine(self.root)
+        return eng.open_write(os.path.join(self.partial_dir(step), name), nbytes)
 
-    def commit(self, step: int, manifest: Manifest, overwrite: bool = False) -> str:
-        """Steps 2-6 of the protocol; shards must already be durable."""
+    def commit(self, step: int, manifest: Manifest, overwrite: bool = False) -> tuple[str, ...]:
+        """Steps 2-6 of the protocol; shards must already be durable. Raises if nothing is
+        committed; returns the post-commit problems (step 6) otherwise."""
         part, final = self.partial_dir(step), self.step_dir(step)
         try:
             write_file_durable(os.path.join(part, MANIFEST_NAME), manifest.to_bytes())
             self._step("manifest")
             fsync_dir(part)
             self._step("fsync_dir")
-            if os.path.exists(final):
-                if not overwrite:
-                    raise CheckpointExistsError(
-                        f"step {step} already exists in {self.root!r} (pass overwrite=True or pick another step)")
-                trash = final + ".old"
-                shutil.rmtree(trash, ignore_errors=True)
-                os.rename(final, trash)
-                os.rename(part, final)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                os.rename(part, final)
-            self._step("rename")
-            fsync_dir(self.root)
-            self._step("fsync_root")
-            tmp = os.path.join(self.root, "latest.tmp")
+            try:
+                publish_dir(part, final, overwrite=overwrite, hook=self._step, exchange=self.exchange)
+            except FileExistsError:
+                raise CheckpointExistsError(f"step {step} already exists in {self.root!r} "
+                                            "(pass overwrite=True or pick another step)") from None
+        except CheckpointExistsError:
+            raise
+        except OSError as exc:
+            raise storage_error(f"committing step {step} in", self.root, exc) from exc
+        ident = self._manifest_ident(step)  # we wrote this manifest: listing need not parse it again
+        if ident is not None:
+            with self._valid_mu:
+                self._valid[step] = (ident, True)
+        return self._write_latest(step)
+
+    def _write_latest(self, step: int) -> tuple[str, ...]:
+        tmp = os.path.join(self.root, "latest.tmp")
+        try:
             write_file_durable(tmp, f"step-{max(self.steps(), default=step)}\n".encode())
+            self._step("latest_tmp")
             os.rename(tmp, os.path.join(self.root, "latest"))
             fsync_dir(self.root)
             self._step("latest")
-        except OSError as exc:
-            if isinstance(exc, CheckpointExistsError):
-                raise
-            raise storage_error(f"committing step {step} in", self.root, exc) from exc
-        return final
+        except Exception as exc:  # noqa: BLE001 - after the commit point nothing undoes the commit
+            msg = f"step {step} is committed, but updating {os.path.join(self.root, 'latest')} failed: {exc}"
+            log.warning("zerostall: %s", msg)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return (msg,)
+        return ()
 
     def abort(self, step: int) -> None:
-        shutil.rmtree(self.partial_dir(step), ignore_errors=True)
+        try:
+            rmtree(self.partial_dir(step))
+        except OSError as exc:
+            log.warning("zerostall: could not remove %s: %s", self.partial_dir(step), exc)
 
     def delete(self, step: int) -> None:
-        """Remove a committed step: rename it out of the listing first, then delete."""
+        """Remove a committed step: take it out of the listing, fsync the root, then delete."""
         d = self.step_dir(step)
-        gone = os.path.join(self.root, f".deleting-step-{step}")
+        gone = os.path.join(self.root, f".deleting-step-{step}-{uuid.uuid4().hex[:8]}")
         try:
-            os.rename(d, gone)
-        except FileNotFoundError:
-            return
-        fsync_dir(self.root)
-        shutil.rmtree(gone, ignore_errors=True)
-        log.info("zerostall: retention removed step %d from %s", step, self.root)
+            try:
+                os.rename(d, gone)
+            except FileNotFoundError:
+                return
+            self._step("delete_rename")
+            fsync_dir(self.root)
+            self._step("delete_fsync")
+            rmtree(gone, self._step)
+        except OSError as exc:
+            raise storage_error(f"deleting step {step} from", self.root, exc) from exc
+        log.info("zerostall: removed step %d from %s", step, self.root)
 
-    def apply_retention(self, keep_last: int | None, protect: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
-        """Delete all but the newest ``keep_last`` committed steps (never the newest)."""
+    def apply_retention(self, keep_last: int | None, protect: set[int] = frozenset(),  # type: ignore[assignment]
+                        just_committed: int | None = None) -> list[int]:
+        """Delete all but the newest ``keep_last`` committed steps (manifest validates); never
+        the newest, never ``just_committed``, never one in ``protect``."""
         if keep_last is None:
             return []
-        steps = self.steps()
-        doomed = [s for s in steps[:-keep_last] if s not in protect and s != steps[-1]]
-        for s in doomed:
+        keep = set(protect) | ({just_committed} if just_committed is not None else set())
+        gone = doomed(self.steps(), keep_last, keep)
+        for s in gone:
             self.delete(s)
-        return doomed
+        if gone:
+            log.info("zerostall: retention (keep_last=%d) removed steps %s from %s", keep_last, gone, self.root)
+        return gone
+

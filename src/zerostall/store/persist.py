@@ -4,23 +4,25 @@ One daemon thread owned by the ``Checkpointer``. For each job, in order: create
 ``step-N.partial/`` and the shard file (O_DIRECT, preallocated), write blocks as the
 snapshot thread publishes them (in batches, so the engine keeps its queue full), release
 each block back to the ring once written, ``fdatasync``, then run the local tier's commit
-and retention. On any error the job fails, its remaining blocks are drained unwritten (so
-the ring keeps moving and later saves proceed), and its partial directory is removed; the
-previous checkpoint is never touched.
+and retention. On any error before the commit point the job fails, its remaining blocks are
+drained unwritten (so the ring keeps moving and later saves proceed), and its partial
+directory is removed; the previous checkpoint is never touched. After the commit point (the
+rename) nothing fails the job: a ``latest`` hint or retention failure is logged and recorded
+in ``job.post_commit_errors`` (``SaveRecord.post_commit_errors``); the handle is durable.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
 import time
 from typing import Any, Callable
 
-import crc32c as _crc
-
 from .._util import Worker
 from ..format.manifest import FileEntry, Manifest, TensorEntry
+from ..format.shard import CrcCursor
 from ..io.base import Engine, ShardFile
 from ..staging.arena import Arena
 from ..staging.job import SaveJob
@@ -57,33 +59,11 @@ class LocalCommitter:
     def begin(self, job: SaveJob) -> str:
         return self.tier.begin(job.step)
 
-    def commit(self, job: SaveJob) -> None:
-        self.tier.commit(job.step, build_manifest(job), overwrite=job.overwrite)
+    def commit(self, job: SaveJob) -> tuple[str, ...]:
+        return self.tier.commit(job.step, build_manifest(job), overwrite=job.overwrite)
 
     def fail(self, job: SaveJob, exc: BaseException) -> None:
         self.tier.abort(job.step)
-
-
-class CrcCursor:
-    """Per-tensor crc32c over a shard's bytes, fed in file order, extent by extent."""
-
-    def __init__(self, job: SaveJob):
-        self.items = job.plan.items
-        self.crcs = [0] * len(self.items)
-        self.i = 0
-
-    def feed(self, extents: list[tuple[int, memoryview]]) -> None:
-        for foff, mv in extents:
-            end = foff + len(mv)
-            while self.i < len(self.items):
-                it = self.items[self.i]
-                a, b = max(it.offset, foff), min(it.offset + it.nbytes, end)
-                if a < b:
-                    self.crcs[self.i] = _crc.crc32c(mv[a - foff:b - foff], self.crcs[self.i])
-                if it.offset + it.nbytes <= end:
-                    self.i += 1  # finished (or empty); move on
-                else:
-                    break
 
 
 class Persister(Worker[SaveJob]):
@@ -95,6 +75,8 @@ class Persister(Worker[SaveJob]):
         self.arena = arena
         self.ring = ring
         self.keep_last = keep_last
+        self._recent: collections.deque[int] = collections.deque(maxlen=keep_last or 1)
+        """This run's newest committed steps: retention never deletes them (see store/retention.py)."""
         self.on_done = on_done
         super().__init__("zerostall-persist")
 
@@ -103,6 +85,18 @@ class Persister(Worker[SaveJob]):
         return max(1, min(self.ring.nblocks // 2, 64))
 
     # -- persist thread -------------------------------------------------------------------
+    def _retain(self, job: SaveJob) -> None:
+        """Retention after ``job`` committed; a failure is recorded on the job, never raised."""
+        self._recent.append(job.step)
+        if self.keep_last is None:
+            return
+        try:
+            self.tier.apply_retention(self.keep_last, protect=set(self._recent), just_committed=job.step)
+        except Exception as exc:  # noqa: BLE001 - nothing after the commit point fails the save
+            msg = f"retention after step {job.step} failed: {exc}"
+            log.warning("zerostall: %s", msg)
+            job.post_commit_errors.append(msg)
+
     def _extents(self, job: SaveJob, g: int, hi: int) -> list[tuple[int, memoryview]]:
         B, n = self.ring.block_bytes, self.ring.nblocks
         out = []
@@ -129,7 +123,7 @@ class Persister(Worker[SaveJob]):
         try:
             part = self.committer.begin(job)
             f = self.engine.open_write(os.path.join(part, job.file_name), job.plan.file_bytes)
-            crc = CrcCursor(job)
+            crc = CrcCursor(job.plan.items)
             while g < job.g_end:
                 hi = min(self.ring.wait_staged(g), job.g_end, g + self.batch_blocks)  # ring may grow
                 if job.error is not None:
@@ -147,14 +141,12 @@ class Persister(Worker[SaveJob]):
             f = None
             t1 = time.perf_counter()
             job.persist_s = t1 - t0
-            self.committer.commit(job)
+            post = self.committer.commit(job)  # the commit point: from here on the step exists
             job.commit_s = time.perf_counter() - t1
             job.t_durable = time.perf_counter()
+            job.post_commit_errors.extend(post or ())
             job.durable.set()
-            try:
-                self.tier.apply_retention(self.keep_last)
-            except OSError as exc:  # retention failing must not fail a committed save
-                log.warning("zerostall: retention after step %d failed: %s", job.step, exc)
+            self._retain(job)
         except BaseException as exc:  # noqa: BLE001 - reported on the handle
             job.fail(exc)
             self._drain(job, g)

@@ -1,117 +1,311 @@
-"""The replicator thread: trickles committed checkpoints to the remote tier, then applies
-retention on both tiers.
+"""The replicator thread: makes the remote tier hold what the local tier holds, then
+applies retention on both tiers.
 
-One daemon thread per ``Checkpointer`` (started only with a remote tier), fed by the
-persist thread after each local commit. It runs at idle I/O priority (``ioprio_set``
-IOPRIO_CLASS_IDLE, inherited by the upload threads it creates) under a bandwidth cap, so
-it never competes with the next local save. Each rank uploads its own shard; rank 0 uploads
-the manifest last, once every rank's shard is there, so a remote checkpoint exists only when
-complete. A failed replication is retried with exponential backoff and jitter for
-``timeout_s``; the local copy is kept until the remote one is committed.
+One daemon thread per ``Checkpointer`` with a remote tier, at idle I/O priority (psutil's
+``ionice``, inherited by the upload threads it creates) under a bandwidth cap, so it never
+competes with the next local save. It works in *passes*; each pass:
+
+1. lists the remote tier's committed steps (a step is committed there when its manifest
+   object exists — the listing, never memory, is the truth);
+2. for every local committed step the remote lacks and would keep (oldest first), uploads
+   this rank's shard files, each verified by crc32c read back from the tier; rank 0 then
+   waits (``rank_wait_s``) for every rank's shard and uploads the manifest last;
+3. marks this run's handles whose step the remote now lists as replicated (on every rank:
+   only when the manifest is there);
+4. deletes local steps the remote holds (or does not want) beyond ``keep_last``, and
+   remote steps beyond ``keep_last_remote`` (rank 0).
+
+A pass runs at start-up (so the steps a previous run could not upload are uploaded now), after
+each local commit, and, while steps are pending, again after a backoff (1 s doubling to
+``retry_max_s``). A failed request is not retried here (botocore already did, see
+:mod:`.s3`): the pass stops and the step stays pending. :meth:`Replicator.close` gives the
+last pass a deadline; what is still pending is logged and recorded on the handles and
+uploaded by the next run.
+
+Threads: ``submit`` from the persist thread, ``close``/``pending_steps`` from the caller's;
+everything else runs on the replicator thread.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import random
+import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
-from .._util import Worker
-from ..format.manifest import MANIFEST_NAME
+from ..errors import CorruptCheckpoint, RemoteError, ZerostallError
+from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..staging.job import SaveJob
 from .local import LocalTier
+from .remote import RemoteTier, drop_cache, file_crc32c
 from .retention import RetentionPolicy
 
 log = logging.getLogger("zerostall")
-_SYS_ioprio_set = 251
-_IOPRIO_CLASS_IDLE = 3
 
 
 def set_idle_io_priority() -> bool:
-    """IOPRIO_CLASS_IDLE for the calling thread (and threads it creates later)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.syscall(_SYS_ioprio_set, 1, 0, _IOPRIO_CLASS_IDLE << 13) == 0
+    """IOPRIO_CLASS_IDLE for the calling thread (and the threads it creates later), through
+    psutil (no per-architecture syscall numbers here). False where the OS refuses."""
+    try:
+        import psutil
+        psutil.Process(threading.get_native_id()).ionice(psutil.IOPRIO_CLASS_IDLE)
+        return True
+    except Exception as exc:  # noqa: BLE001 - best effort: non-Linux, seccomp, old psutil
+        log.debug("zerostall: cannot set idle I/O priority for the replicator: %s", exc)
+        return False
 
 
-class Replicator(Worker[SaveJob]):
-    def __init__(self, tier: LocalTier, make_remote: Callable[[], Any], policy: RetentionPolicy, *,
-                 rank: int = 0, world_size: int = 1, timeout_s: float = 3600.0,
-                 on_done: Callable[[SaveJob], None] | None = None):
+class Replicator:
+    def __init__(self, tier: LocalTier, make_remote: Callable[[], RemoteTier], policy: RetentionPolicy, *,
+                 rank: int = 0, world_size: int = 1, local_retention: bool = True, retry_max_s: float = 60.0,
+                 rank_wait_s: float = 30.0, start: bool = True):
         self.tier = tier
         self.make_remote = make_remote
         self.policy = policy
         self.rank, self.world_size = rank, world_size
-        self.timeout_s = timeout_s
-        self.on_done = on_done
-        self.replicated: set[int] = set()
-        self._remote: Any = None
-        super().__init__("zerostall-replicate")
+        self.local_retention = local_retention
+        self.retry_max_s = retry_max_s
+        self.rank_wait_s = rank_wait_s
+        self.remote: RemoteTier | None = None
+        self.last_error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._jobs: dict[int, SaveJob] = {}
+        self._recheck: set[int] = set()  # overwritten steps: the remote copy may be the old one
+        self._pending: list[int] = []
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._cancel = threading.Event()
+        self._failing = False
+        self._thread = threading.Thread(target=self._run, name="zerostall-replicate", daemon=True)
+        if start:
+            self._thread.start()
+
+    # -- any thread --------------------------------------------------------------------------
+    def submit(self, job: SaveJob) -> None:
+        """A step was committed locally (persist thread)."""
+        with self._lock:
+            self._jobs[job.step] = job
+            if job.overwrite:
+                self._recheck.add(job.step)
+        self._wake.set()
+
+    def pending_steps(self) -> list[int]:
+        """Local steps known not to be on the remote tier yet (plus this run's unreplicated saves)."""
+        with self._lock:
+            return sorted(set(self._pending) | {s for s, j in self._jobs.items() if not j.replicated.is_set()})
+
+    def close(self, timeout_s: float) -> list[int]:
+        """One last pass, for at most ``timeout_s``; then abandon in-flight transfers. Returns the
+        steps not replicated (logged, and recorded on their handles as ``replication_error``)."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread.ident is not None:
+            self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._cancel.set()
+            if self.remote is not None:
+                self.remote.cancel()
+        pending = self.pending_steps()
+        url = self._url()
+        if pending:
+            log.warning("zerostall: steps %s not replicated to %s within close_timeout_s=%g s%s; they stay in %s "
+                        "and the next Checkpointer with this remote uploads them", pending, url, timeout_s,
+                        f" (last error: {self.last_error})" if self.last_error else "", self.tier.root)
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            if not job.replicated.is_set():
+                job.replicate_error = RemoteError(
+                    f"step {job.step} was not replicated to {url} before close (close_timeout_s={timeout_s:g})"
+                    + (f"; last error: {self.last_error}" if self.last_error else "")
+                    + f"; the local copy is kept and the next Checkpointer on {self.tier.root} uploads it",
+                    url=url, step=job.step)
+                job.replicated.set()
+        return pending
+
+    def _url(self) -> str:
+        return self.remote.url if self.remote is not None else "the remote tier"
 
     # -- replicator thread ------------------------------------------------------------------
-    def on_start(self) -> None:
+    def _run(self) -> None:
         set_idle_io_priority()
-
-    def handle(self, job: SaveJob) -> None:
-        self._replicate(job)
-
-    def _remote_tier(self) -> Any:
-        if self._remote is None:
-            self._remote = self.make_remote()
-            if hasattr(self._remote, "ensure_bucket"):
-                self._remote.ensure_bucket()
-        return self._remote
-
-    def _once(self, job: SaveJob) -> None:
-        remote = self._remote_tier()
-        d = self.tier.step_dir(job.step)
-        rel = f"step-{job.step}"
-        remote.upload(os.path.join(d, job.file_name), f"{rel}/{job.file_name}")
-        if self.rank == 0:
-            names = [f"rank-{r:05d}.zst" for r in range(self.world_size)]
-            deadline = time.monotonic() + self.timeout_s
-            while not all(remote.exists(f"{rel}/{n}") for n in names):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"step {job.step}: not every rank uploaded its shard within {self.timeout_s:g} s")
-                time.sleep(0.5)
-            with open(os.path.join(d, MANIFEST_NAME), "rb") as f:
-                remote.upload_bytes(f.read(), f"{rel}/{MANIFEST_NAME}")  # last: the remote commit
-
-    def _replicate(self, job: SaveJob) -> None:
-        t0 = time.monotonic()
-        attempt = 0
+        delay: float | None = 0.0
+        idle_passes = 0
         while True:
+            if delay is None or delay > 0:
+                self._wake.wait(delay)
+            self._wake.clear()
+            if self._cancel.is_set():
+                return
+            last = self._stopping.is_set()  # close() was called before this pass began: the last one
             try:
-                self._once(job)
-                break
-            except Exception as exc:  # noqa: BLE001 - retried, then reported on the handle
-                attempt += 1
-                if time.monotonic() - t0 > self.timeout_s:
-                    job.replicate_error = exc
-                    log.error("zerostall: replication of step %d failed for good (the local copy is kept): %s",
-                              job.step, exc)
-                    job.replicated.set()
-                    return
-                delay = random.uniform(0, min(30.0, 0.5 * 2 ** min(attempt, 6)))
-                log.warning("zerostall: replication of step %d failed (%s); retrying in %.1f s", job.step, exc, delay)
-                self._remote = None  # reconnect
-                time.sleep(delay)
-        job.t_replicated = time.perf_counter()
-        self.replicated.add(job.step)
-        job.replicated.set()
-        log.info("zerostall: step %d replicated to %s", job.step, self._remote_tier().url)
-        self._retain()
+                progressed = self._pass()
+            except Exception as exc:  # noqa: BLE001 - the thread must survive anything
+                log.exception("zerostall: replication pass failed")
+                self.last_error, progressed = exc, False
+            if last or self._cancel.is_set():
+                return
+            if self._stopping.is_set():
+                delay = 0.0
+                continue
+            with self._lock:
+                pending = bool(self._pending) or any(not j.replicated.is_set() for j in self._jobs.values())
+            if not pending:
+                delay, idle_passes = None, 0
+                continue
+            idle_passes = 0 if progressed else idle_passes + 1
+            delay = random.uniform(0.5, 1.0) * min(self.retry_max_s, 2.0 ** idle_passes)
 
-    def _retain(self) -> None:
+    def _note_error(self, exc: BaseException) -> None:
+        self.last_error = exc
+        with self._lock:
+            for job in self._jobs.values():
+                if not job.replicated.is_set():
+                    job.replicate_error = exc
+        if not self._failing:
+            log.warning("zerostall: replication to %s failed (%s); local saves go on, pending steps are "
+                        "retried with backoff", self._url(), exc)
+        else:
+            log.debug("zerostall: replication still failing: %s", exc)
+        self._failing = True
+
+    def _remote_tier(self) -> RemoteTier:
+        if self.remote is None:
+            remote = self.make_remote()
+            if self._cancel.is_set():
+                remote.cancel()
+            remote.ensure_root()
+            self.remote = remote
+        return self.remote
+
+    def _pass(self) -> bool:
+        """One reconciliation; True if some step got committed on the remote."""
         try:
-            for s in self.policy.local_doomed(self.tier.steps(), self.replicated):
-                self.tier.delete(s)
+            remote = self._remote_tier()
+            remote_steps = set(remote.steps())
+            local = self.tier.steps()
+            self._drop_stale(remote, remote_steps, local)
+        except ZerostallError as exc:
+            self._note_error(exc)
+            return False
+        self._settle(remote_steps)
+        todo = self.policy.to_replicate(local, sorted(remote_steps))
+        with self._lock:
+            self._pending = list(todo)
+        progressed = False
+        for s in todo:
+            if self._cancel.is_set():
+                return progressed
+            try:
+                if self._replicate_step(remote, s):
+                    remote_steps.add(s)
+                    progressed = True
+                    self._settle({s})
+            except RemoteError as exc:
+                self._note_error(exc)
+                return progressed
+            except (ZerostallError, OSError) as exc:  # the local copy is gone or damaged: skip it
+                log.error("zerostall: cannot replicate step %d from %s: %s", s, self.tier.root, exc)
+                with self._lock:
+                    job = self._jobs.get(s)
+                if job is not None:
+                    job.replicate_error = exc
+        if self._failing:
+            log.info("zerostall: replication to %s works again", remote.url)
+        self._failing = False
+        self.last_error = None
+        with self._lock:
+            self._pending = [s for s in todo if s not in remote_steps]
+            pending = list(self._pending)
+        self._retain(remote, local, sorted(remote_steps), pending)
+        return progressed
+
+    def _drop_stale(self, remote: RemoteTier, remote_steps: set[int], local: list[int]) -> None:
+        """A step overwritten locally is replicated again: the remote's copy is the old one."""
+        with self._lock:
+            recheck, self._recheck = self._recheck, set()
+        for s in sorted(recheck):
+            if s not in remote_steps or s not in local:
+                continue
+            theirs = Manifest.from_bytes(remote.read_manifest_bytes(s), where=remote.where(f"step-{s}"))
+            if theirs.checkpoint_id != self.tier.read_manifest(s).checkpoint_id:
+                if self.rank == 0:
+                    remote.delete_step(s)
+                remote_steps.discard(s)
+
+    def _settle(self, remote_steps: set[int]) -> None:
+        """Handles of steps the remote lists are replicated (manifest there, on every rank)."""
+        with self._lock:
+            done = [j for s, j in self._jobs.items() if s in remote_steps and not j.replicated.is_set()]
+            for j in done:
+                del self._jobs[j.step]
+        for j in done:
+            j.replicate_error = None
+            j.t_replicated = time.perf_counter()
+            j.replicated.set()
+            log.info("zerostall: step %d replicated to %s", j.step, self._url())
+
+    def _wait_for(self, cond: Callable[[], bool]) -> bool:
+        """Poll ``cond`` for up to ``rank_wait_s`` (other ranks' uploads), unless cancelled."""
+        deadline = time.monotonic() + self.rank_wait_s
+        while not cond():
+            if time.monotonic() > deadline or self._cancel.wait(0.5):
+                return False
+        return True
+
+    def _replicate_step(self, remote: RemoteTier, step: int) -> bool:
+        """Upload this rank's files of ``step`` (verified); rank 0 then commits it with the
+        manifest. True once the remote holds the manifest."""
+        d = self.tier.step_dir(step)
+        with open(os.path.join(d, MANIFEST_NAME), "rb") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        man = Manifest.from_bytes(raw, where=os.path.join(d, MANIFEST_NAME))
+        if man.step != step:
+            raise CorruptCheckpoint(f"{d}: manifest says step {man.step}", path=d)
+        rel = f"step-{step}"
+        for fe in man.files:
+            path = os.path.join(d, fe.name)
+            if fe.rank % self.world_size != self.rank or not os.path.exists(path):
+                continue  # another rank's (or another node's) file
+            if self._cancel.is_set():
+                return False
+            size, crc = file_crc32c(path)
+            if size != fe.file_bytes:
+                raise CorruptCheckpoint(f"{path}: {size} bytes, the manifest says {fe.file_bytes}", path=path)
+            if remote.stat(f"{rel}/{fe.name}") == size:
+                try:  # uploaded by an earlier pass or run: check, keep
+                    remote.verify(f"{rel}/{fe.name}", size, crc)
+                    continue
+                except RemoteError as exc:
+                    log.warning("zerostall: %s; uploading it again", exc)
+            remote.upload(path, f"{rel}/{fe.name}", crc)
+            drop_cache(path)
+        manifest_rel = f"{rel}/{MANIFEST_NAME}"
+        if self.rank != 0:
+            return self._wait_for(lambda: remote.stat(manifest_rel) is not None)
+        if not self._wait_for(lambda: all(remote.stat(f"{rel}/{fe.name}") == fe.file_bytes for fe in man.files)):
+            log.info("zerostall: step %d: not every rank's shard is on %s yet; trying again later", step, remote.url)
+            return False
+        remote.upload_bytes(raw, manifest_rel)  # last: the remote commit
+        return True
+
+    def _retain(self, remote: RemoteTier, local: list[int], remote_steps: list[int], pending: list[int]) -> None:
+        """Retention from the listing: a local step goes only if the remote holds it or does
+        not want it; the remote keeps ``keep_last_remote`` (+ every ``keep_every_remote``-th)."""
+        try:
+            if self.local_retention:
+                for s in self.policy.local_doomed(local, set(local) - set(pending)):
+                    if self._cancel.is_set():
+                        return
+                    self.tier.delete(s)
             if self.rank == 0:
-                remote = self._remote_tier()
-                for s in self.policy.remote_doomed(remote.steps()):
+                for s in self.policy.remote_doomed(remote_steps):
+                    if self._cancel.is_set():
+                        return
                     remote.delete_step(s)
                     log.info("zerostall: retention removed step %d from %s", s, remote.url)
-        except Exception as exc:  # noqa: BLE001 - retention must not stop replication
+        except (ZerostallError, OSError) as exc:  # retention must not stop replication
             log.warning("zerostall: retention failed: %s", exc)
+

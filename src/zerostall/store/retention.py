@@ -1,16 +1,40 @@
 """Retention policies: which committed steps each tier keeps.
 
-Pure functions of the step lists; the replicator (or the persist thread, without a remote
-tier) applies them and logs what it removes. Invariants, whatever the policy says: the
-newest committed step of a tier is never deleted, and with a remote tier configured a local
-step that is not yet replicated is never deleted.
+Pure functions of step lists; the persist thread (local tier, no remote) or the replicator
+applies them through the tier and logs what it removes. Invariants, whatever the policy
+says:
+
+- it acts only on *committed* steps, i.e. steps whose manifest validates (``Tier.steps()``):
+  a damaged or foreign ``step-N`` directory is never counted toward ``keep_last`` and never
+  deleted by retention;
+- the newest committed step of a tier is never deleted, nor the step just committed
+  (``protect``), nor, with a remote tier, a local step not yet replicated.
+
+Steps are ranked by number. That is only meaningful for one run's history, so a root never
+mixes runs silently: ``Checkpointer.save`` refuses a step lower than the root's newest
+committed step (:class:`~zerostall.errors.StepOrderError`) unless ``allow_lower_steps=True``.
+The writer also protects its own newest ``keep_last`` commits from retention, so with
+``allow_lower_steps`` an older run's higher steps never push the new run's saves out: those
+are pruned only by the new run's own newer saves (the older run's steps stay until deleted
+by hand, and ``load()`` still picks the highest step).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 from ..errors import ConfigError
+
+
+def doomed(steps: Iterable[int], keep_last: int | None, protect: Iterable[int] = ()) -> list[int]:
+    """The steps to delete so that the newest ``keep_last`` of ``steps`` (committed, validated)
+    remain; never the newest one and never one in ``protect``. Ascending."""
+    ordered = sorted(set(steps))
+    if keep_last is None or not ordered:
+        return []
+    keep = set(ordered[-keep_last:]) | {ordered[-1]} | set(protect)
+    return [s for s in ordered if s not in keep]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,22 +50,24 @@ class RetentionPolicy:
             if v is not None and v < 1:
                 raise ConfigError(f"{name}={v!r} is invalid: must be >= 1 or None")
 
-    def local_doomed(self, steps: list[int], replicated: set[int] | None) -> list[int]:
+    def local_doomed(self, steps: list[int], replicated: set[int] | None,
+                     protect: Iterable[int] = ()) -> list[int]:
         """Local steps to delete; ``replicated`` is None when there is no remote tier."""
-        if self.keep_last_local is None or not steps:
-            return []
-        steps = sorted(steps)
-        newest = steps[-1]
-        out = [s for s in steps[:-self.keep_last_local] if s != newest]
+        out = doomed(steps, self.keep_last_local, protect)
         if replicated is not None:
             out = [s for s in out if s in replicated]
         return out
 
-    def remote_doomed(self, steps: list[int]) -> list[int]:
-        if self.keep_last_remote is None or not steps:
-            return []
-        steps = sorted(steps)
-        newest = steps[-1]
+    def to_replicate(self, local: list[int], remote: list[int]) -> list[int]:
+        """Local steps the remote tier lacks and would keep once uploaded, ascending.
+
+        A local step older than what remote retention keeps is never uploaded (it would be
+        deleted at once); local retention may then remove it like any replicated step.
+        """
+        missing = sorted(set(local) - set(remote))
+        doomed = set(self.remote_doomed(sorted(set(remote) | set(missing))))
+        return [s for s in missing if s not in doomed]
+
+    def remote_doomed(self, steps: list[int], protect: Iterable[int] = ()) -> list[int]:
         every = self.keep_every_remote
-        return [s for s in steps[:-self.keep_last_remote]
-                if s != newest and not (every and s % every == 0)]
+        return [s for s in doomed(steps, self.keep_last_remote, protect) if not (every and s % every == 0)]

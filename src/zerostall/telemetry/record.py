@@ -33,6 +33,8 @@ class SaveRecord:
     skipped: bool = False
     ok: bool = True
     error: str = ""
+    post_commit_errors: tuple[str, ...] = ()
+    """Failures after the commit point (the ``latest`` hint, retention); the step is committed."""
     dirty_peak_bytes: int = 0
     dirty_rise_bytes: int = 0
     writeback_peak_bytes: int = 0
@@ -49,9 +51,10 @@ class SaveRecord:
             return f"step {self.step}: skipped (earlier saves still hold the staging arena)"
         if not self.ok:
             return f"step {self.step}: FAILED: {self.error}"
+        warn = f"; after the commit: {'; '.join(self.post_commit_errors)}" if self.post_commit_errors else ""
         return (f"step {self.step}: {self.bytes / 1e9:.2f} GB, stall {self.stall_s * 1e3:.1f} ms, "
                 f"staged {self.staged_s:.2f} s, durable {self.durable_s:.2f} s, persist "
-                f"{self.persist_gbps:.2f} GB/s ({self.engine}), dirty +{self.dirty_rise_bytes >> 20} MiB")
+                f"{self.persist_gbps:.2f} GB/s ({self.engine}), dirty +{self.dirty_rise_bytes >> 20} MiB{warn}")
 
 
 def emit(record: SaveRecord, jsonl_path: str | None, dirty_threshold_bytes: int = 0) -> None:

@@ -1,0 +1,240 @@
+"""A ``torch.distributed.checkpoint`` storage reader: zerostall.dcp and FileSystemWriter checkpoints.
+
+``dcp.load(sd, storage_reader=Reader(path))`` (DCP's planner reshards). ``read_metadata``
+reads ``.metadata`` through :mod:`.dcp_meta` (regular file only, allow-list unpickler, every
+field validated, every file stat'ed) before anything is allocated.
+
+- zerostall.dcp checkpoints are read through the one shard codec
+  (:func:`zerostall.format.shard.read_shard`): header, crc32c of every item read and the
+  zero padding around it, with direct I/O through the engine ``io/`` chooses. Only the
+  items this rank needs are read.
+- ``FileSystemWriter`` checkpoints (plain, ``torch_save`` serialization) are read
+  read-only: tensors with ``torch.load(weights_only=True)``.
+
+DCP's default planner unpickles non-tensor (``BYTE_IO``) items with ``weights_only=False``;
+this reader first proves each such item loads under ``weights_only=True`` and refuses it
+otherwise, so loading never runs code.
+
+Call order (DCP's): ``reset`` -> ``read_metadata`` -> ``set_up_storage_reader`` ->
+``prepare_local_plan`` -> ``prepare_global_plan`` (coordinator) -> ``read_data`` (every rank).
+One Reader serves one load at a time.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import uuid
+from typing import Any
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from ..config import IOConfig
+from ..errors import CorruptCheckpoint, StorageError
+from ..format.dtypes import dtype_from_name
+from ..format.layout import ShardHeader
+from ..format.shard import read_shard
+from ..staging.arena import Arena
+from .dcp_meta import Record, read_metadata_file, validate
+from .dcp_storage import METADATA, WINDOW_BYTES, _io_engine, _ZSInfo, check_checkpoint_id, metadata_name
+
+
+class Reader(StorageReader):
+    """``FileSystemReader``'s drop-in: ``dcp.load(sd, storage_reader=Reader(path))``.
+
+    ``verify=False`` skips crc32c and padding checks (metadata validation always runs).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, io: IOConfig | None = None, verify: bool = True):
+        super().__init__()
+        self._id: str | os.PathLike[str] = path
+        self.path = check_checkpoint_id(path)
+        self.io = io
+        self.verify = verify
+        self.load_id = uuid.uuid4().hex
+        self.storage_data: dict[MetadataIndex, Any] = {}
+        self.records: dict[MetadataIndex, Record] = {}
+        self.kind = "zerostall"
+        self.rank: int | None = None
+        self.use_collectives = True
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike[str]:
+        return self._id
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.storage_data = {}
+        self.records = {}
+        if checkpoint_id:
+            self.path = check_checkpoint_id(checkpoint_id)
+            self._id = checkpoint_id
+        self.load_id = uuid.uuid4().hex
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        where = os.path.join(self.path, metadata_name(rank, rank is None))
+        if rank is not None and not os.path.lexists(where) and os.path.lexists(os.path.join(self.path, METADATA)):
+            # DCP asks for rank-local metadata after the global one failed: report why that failed
+            where = os.path.join(self.path, METADATA)
+        md = read_metadata_file(where)
+        self.kind, self.records = validate(md, where, self.path)
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+        if not self.records:  # metadata that did not come from our read_metadata
+            where = os.path.join(self.path, metadata_name(self.rank, self.use_collectives))
+            self.kind, self.records = validate(metadata, where, self.path)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for req in plan.items:
+            rec = self.records.get(req.storage_index)
+            if rec is None:
+                raise CorruptCheckpoint(f"{self.path}: no storage record for {req.storage_index.fqn!r}",
+                                        path=self.path, key=req.storage_index.fqn)
+            per_file.setdefault(rec.file, []).append(req)
+        if self.kind == "zerostall":
+            self._read_zerostall(per_file, planner)
+        else:
+            for fname, reqs in per_file.items():
+                self._read_filesystem(fname, reqs, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    # -- zerostall.dcp checkpoints -----------------------------------------------------------
+    def _read_zerostall(self, per_file: dict[str, list[ReadItem]], planner: LoadPlanner) -> None:
+        if not per_file:
+            return
+        all_by_file: dict[str, list[tuple[Record, _ZSInfo]]] = {}
+        for k, rec in self.records.items():
+            all_by_file.setdefault(rec.file, []).append((rec, self.storage_data[k]))
+        largest = max(self.storage_data[reqs[0].storage_index].file_bytes for reqs in per_file.values())
+        bounce = Arena(min(WINDOW_BYTES, largest), mlock=False, prefault=False)
+        eng = _io_engine(self.path, self.io)
+        try:
+            for fname, reqs in per_file.items():
+                self._read_shard(eng, bounce, fname, reqs, sorted(all_by_file[fname], key=lambda ri: ri[0].offset),
+                                 planner)
+        finally:
+            eng.close()
+            bounce.close()
+
+    def _read_shard(self, eng: Any, bounce: Arena, fname: str, reqs: list[ReadItem],
+                    entries: list[tuple[Record, _ZSInfo]], planner: LoadPlanner) -> None:
+        path = os.path.join(self.path, fname)
+        items = [r for r, _ in entries]
+        pos = {(r.offset, r.nbytes, r.key): i for i, r in enumerate(items)}
+        wanted: dict[int, list[ReadItem]] = {}
+        for req in reqs:
+            r = self.records[req.storage_index]
+            wanted.setdefault(pos[(r.offset, r.nbytes, r.key)], []).append(req)
+        dsts: list[torch.Tensor | None] = [None] * len(items)
+        for i in wanted:
+            dsts[i] = torch.empty(items[i].nbytes, dtype=torch.uint8)
+        info0 = entries[0][1]
+
+        def deliver(i: int) -> None:
+            data, dsts[i] = dsts[i], None  # release the scratch as soon as it is consumed
+            info = entries[i][1]
+            for req in wanted.get(i, ()):
+                self._deliver(path, req, info, data, planner)
+
+        try:
+            f = eng.open_read(path)
+        except StorageError as exc:
+            raise CorruptCheckpoint(f"{path}: cannot open shard: {exc}", path=path) from exc
+        with f:
+            read_shard(f, path, info0.file_bytes, ShardHeader(info0.file_id, 0, info0.rank, info0.file_bytes),
+                       items, dsts, bounce, verify=self.verify, wanted=set(wanted), on_item=deliver)
+
+    def _deliver(self, path: str, req: ReadItem, info: _ZSInfo, data: torch.Tensor | None,
+                 planner: LoadPlanner) -> None:
+        if data is None:
+            raise CorruptCheckpoint(f"{path}: {req.storage_index.fqn!r} was read twice", path=path)
+        if req.type == LoadItemType.BYTE_IO:
+            self._load_bytes(path, req, data.numpy().tobytes(), planner)
+            return
+        t = data.view(dtype_from_name(info.dtype, path)).reshape(info.shape)
+        self._load_tensor(path, req, t, planner)
+
+    # -- FileSystemWriter checkpoints (read-only) -------------------------------------------
+    def _read_filesystem(self, fname: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+        path = os.path.join(self.path, fname)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            raise CorruptCheckpoint(f"{path}: cannot open ({os.strerror(exc.errno or 0)})", path=path) from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CorruptCheckpoint(f"{path}: not a regular file", path=path)
+            for req in sorted(reqs, key=lambda q: self.records[q.storage_index].offset):
+                rec = self.records[req.storage_index]
+                raw = os.pread(fd, rec.nbytes, rec.offset)
+                if len(raw) != rec.nbytes:
+                    raise CorruptCheckpoint(f"{path}: {rec.key!r} is cut short (file truncated)", path=path, key=rec.key)
+                if req.type == LoadItemType.BYTE_IO:
+                    self._load_bytes(path, req, raw, planner)
+                    continue
+                try:
+                    t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+                except Exception as exc:  # noqa: BLE001 - anything torch.load refuses is corruption here
+                    raise CorruptCheckpoint(f"{path}: tensor {rec.key!r} does not load under weights_only "
+                                            f"({type(exc).__name__}: {str(exc)[:200]})", path=path, key=rec.key) from None
+                if not isinstance(t, torch.Tensor):
+                    raise CorruptCheckpoint(f"{path}: {rec.key!r} holds a {type(t).__name__}, not a tensor",
+                                            path=path, key=rec.key)
+                self._load_tensor(path, req, t, planner)
+        finally:
+            os.close(fd)
+
+    # -- both ---------------------------------------------------------------------------------
+    def _load_bytes(self, path: str, req: ReadItem, raw: bytes, planner: LoadPlanner) -> None:
+        key = req.storage_index.fqn
+        try:
+            torch.load(io.BytesIO(raw), weights_only=True)
+        except Exception as exc:  # noqa: BLE001
+            raise CorruptCheckpoint(f"{path}: object {key!r} cannot be loaded without running code "
+                                    f"(weights_only refused it: {str(exc)[:200]})", path=path, key=key) from None
+        planner.load_bytes(req, io.BytesIO(raw))
+
+    def _load_tensor(self, path: str, req: ReadItem, t: torch.Tensor, planner: LoadPlanner) -> None:
+        key = req.storage_index.fqn
+        want = [o + n for o, n in zip(req.storage_offsets, req.lengths)]
+        if len(want) != t.dim() or any(w > d for w, d in zip(want, t.shape)):
+            raise CorruptCheckpoint(f"{path}: {key!r} is {tuple(t.shape)}; the plan reads offsets "
+                                    f"{list(req.storage_offsets)} lengths {list(req.lengths)}", path=path, key=key)
+        t = narrow_tensor_by_index(t, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != t.size():
+            raise CorruptCheckpoint(f"{path}: {key!r} is {tuple(t.size())}, the plan expects "
+                                    f"{tuple(target.size())}", path=path, key=key)
+        target.copy_(t)
+        planner.commit_tensor(req, target)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            check_checkpoint_id(checkpoint_id)
+        except Exception:  # noqa: BLE001 - DCP asks yes/no
+            return False
+        return True
+

@@ -1,0 +1,198 @@
+"""The one shard codec: how items are laid out in a shard file, written and read back checked.
+
+Used by the Checkpointer (``store/persist.py`` writes through :class:`CrcCursor`,
+``restore.py`` reads through :func:`read_shard`) and by the DCP plugin
+(``dist/dcp_storage.py`` writes with :func:`write_shard`, ``dist/dcp_read.py`` reads with
+:func:`read_shard`), so both check the same things: the header block exactly, every item's
+crc32c, and that every other byte read (gaps between items, the tail) is zero.
+
+Layout (see :mod:`.layout`): a ``HEADER_BYTES`` header block, then each item at the next
+``ALIGN_BYTES``-aligned offset, zero padding up to the next boundary; the file is a
+multiple of ``ALIGN_BYTES``. Every function here runs on the calling thread; none keeps
+state between calls. Buffers (``buf``/``bounce``) are page-aligned mappings owned by the
+caller, exposing ``mv`` (memoryview), ``u8`` (a torch uint8 view) and ``nbytes`` — the
+staging arena's :class:`~zerostall.staging.arena.Arena` is one.
+
+This layer never opens files itself: the caller passes an open engine file (``read`` /
+``write`` of aligned extents), so one place (``io/``) chooses how bytes move.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence
+
+import crc32c as _crc
+import torch
+
+from ..config import ALIGN_BYTES
+from ..errors import CorruptCheckpoint
+from .layout import HEADER_BYTES, ShardHeader, align_up
+
+
+class Item(Protocol):
+    """What the codec needs to know of one stored item (``TensorEntry`` is one)."""
+
+    key: str
+    offset: int
+    nbytes: int
+    crc32c: int
+
+
+def pack_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Aligned offsets for items of ``sizes`` bytes, in order, and the file's length."""
+    offsets, off = [], HEADER_BYTES
+    for n in sizes:
+        offsets.append(off)
+        off = align_up(off + n)
+    return offsets, max(off, HEADER_BYTES)
+
+
+class CrcCursor:
+    """Per-item crc32c over a shard's bytes, fed in file order, extent by extent.
+
+    ``items`` are sorted by offset and do not overlap (a plan from :func:`pack_offsets`).
+    Owned by the one thread that feeds it.
+    """
+
+    def __init__(self, items: Sequence[Any]):
+        self.items = items
+        self.crcs = [0] * len(items)
+        self.i = 0
+
+    def feed(self, extents: Sequence[tuple[int, memoryview]]) -> None:
+        for foff, mv in extents:
+            end = foff + len(mv)
+            while self.i < len(self.items):
+                it = self.items[self.i]
+                a, b = max(it.offset, foff), min(it.offset + it.nbytes, end)
+                if a < b:
+                    self.crcs[self.i] = _crc.crc32c(mv[a - foff:b - foff], self.crcs[self.i])
+                if it.offset + it.nbytes <= end:
+                    self.i += 1  # finished (or empty); move on
+                else:
+                    break
+
+
+def write_shard(f: Any, header: ShardHeader, payloads: Sequence[torch.Tensor], offsets: Sequence[int],
+                buf: Any) -> list[int]:
+    """Write a whole shard through ``buf`` (window by window) into the engine file ``f``.
+
+    ``payloads`` are flat uint8 CPU tensors placed at ``offsets`` (from :func:`pack_offsets`);
+    every byte of the file that is not header or payload is written as zero. Returns each
+    payload's crc32c, computed over the bytes as they were handed to the engine. The caller
+    calls ``f.finish()`` (fdatasync) and closes ``f``.
+    """
+    file_bytes = header.file_bytes
+    block = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
+    crcs = [0] * len(payloads)
+    win = buf.nbytes // ALIGN_BYTES * ALIGN_BYTES
+    first = 0
+    for w0 in range(0, file_bytes, win):
+        w1 = min(w0 + win, file_bytes)
+        buf.u8[:w1 - w0].zero_()
+        if w0 == 0:
+            buf.u8[:HEADER_BYTES].copy_(block)
+        i = first
+        while i < len(payloads) and offsets[i] < w1:
+            o, flat = offsets[i], payloads[i]
+            a, b = max(o, w0), min(o + flat.numel(), w1)
+            if a < b:
+                buf.u8[a - w0:b - w0].copy_(flat[a - o:b - o])
+                crcs[i] = _crc.crc32c(buf.mv[a - w0:b - w0], crcs[i])
+            if o + flat.numel() <= w1 and i == first:
+                first += 1
+            i += 1
+        f.write([(w0, buf.mv[:w1 - w0])])
+    return crcs
+
+
+def check_items(path: str, items: Sequence[Item], file_bytes: int) -> None:
+    """Items sorted by offset lie after the header, aligned, inside the file, without overlap."""
+    end = HEADER_BYTES
+    for it in items:
+        if it.offset % ALIGN_BYTES or it.offset < end or it.nbytes < 0 or it.offset + it.nbytes > file_bytes:
+            raise CorruptCheckpoint(
+                f"{path}: item {it.key!r} at offset {it.offset} ({it.nbytes} bytes) is unaligned, overlaps "
+                f"the header or the previous item, or lies outside the {file_bytes}-byte file",
+                path=path, key=it.key)
+        end = it.offset + it.nbytes
+
+
+def _runs(items: Sequence[Item], wanted: set[int] | None, file_bytes: int) -> list[tuple[int, int]]:
+    """The aligned byte ranges to read: the whole file, or the header and the wanted items."""
+    if wanted is None:
+        return [(0, file_bytes)]
+    runs = [(0, HEADER_BYTES)]
+    for i in sorted(wanted, key=lambda i: items[i].offset):
+        a, b = items[i].offset, min(align_up(items[i].offset + items[i].nbytes), file_bytes)
+        if a <= runs[-1][1]:
+            runs[-1] = (runs[-1][0], max(runs[-1][1], b))
+        else:
+            runs.append((a, b))
+    return runs
+
+
+def read_shard(f: Any, path: str, file_bytes: int, header: ShardHeader, items: Sequence[Item],
+               dsts: Sequence[torch.Tensor | None], bounce: Any, *, verify: bool = True,
+               wanted: set[int] | None = None, on_item: Callable[[int], None] | None = None) -> None:
+    """Stream a shard through ``bounce``, checking it, and copy items into ``dsts``.
+
+    ``items`` are sorted by offset (see :func:`check_items`); ``dsts[i]`` is a flat uint8 CPU
+    tensor of ``items[i].nbytes`` bytes to fill, or None (checked only). With ``wanted=None``
+    every byte of the file is read and checked; otherwise only the header block and the
+    aligned extents of the wanted items (their payload and tail padding). ``on_item(i)``
+    is called once item ``i`` is complete and has passed its crc32c.
+    Raises :class:`CorruptCheckpoint` naming ``path`` and the item at fault.
+    """
+    win = bounce.nbytes // ALIGN_BYTES * ALIGN_BYTES
+    crcs = [0] * len(items)
+    first = 0  # items before this one are finished (or were skipped)
+    finished = [False] * len(items)
+    for r0, r1 in _runs(items, wanted, file_bytes):
+        for w0 in range(r0, r1, win):
+            w1 = min(w0 + win, r1)
+            f.read([(w0, bounce.mv[:w1 - w0])])
+            if w0 == 0 and verify:
+                ShardHeader.check(bounce.mv[:HEADER_BYTES], header, path)
+            while first < len(items) and _done_before(items[first], w0):
+                first += 1
+            pos = max(w0, HEADER_BYTES)  # [w0, pos) is header or payload already walked
+            j = first
+            while j < len(items) and items[j].offset < w1:
+                e = items[j]
+                j += 1
+                if _done_before(e, w0):
+                    continue
+                end = e.offset + e.nbytes
+                a, b = max(e.offset, w0), min(end, w1)
+                if verify and a > pos and bounce.u8[pos - w0:a - w0].any():
+                    raise CorruptCheckpoint(f"{path}: non-zero padding before {e.key!r}", path=path, key=e.key)
+                if a < b:
+                    dst = dsts[j - 1]
+                    if dst is not None:
+                        dst[a - e.offset:b - e.offset].copy_(bounce.u8[a - w0:b - w0])
+                    if verify:
+                        crcs[j - 1] = _crc.crc32c(bounce.mv[a - w0:b - w0], crcs[j - 1])
+                pos = max(pos, b)
+                if end <= w1:  # complete in this window
+                    if verify and crcs[j - 1] != e.crc32c:
+                        raise CorruptCheckpoint(
+                            f"{path}: {e.key!r} failed its crc32c check (recorded {e.crc32c:08x}, "
+                            f"read {crcs[j - 1]:08x})", path=path, key=e.key)
+                    finished[j - 1] = True
+                    if on_item is not None:
+                        on_item(j - 1)
+            if verify and pos < w1 and bounce.u8[pos - w0:w1 - w0].any():
+                raise CorruptCheckpoint(f"{path}: non-zero padding at offset {pos}", path=path)
+    for i in (range(len(items)) if wanted is None else sorted(wanted)):
+        if not finished[i]:  # only an empty item at the very end of the file gets here
+            e = items[i]
+            if e.nbytes or (verify and e.crc32c != 0):
+                raise CorruptCheckpoint(f"{path}: {e.key!r} was not found in the file", path=path, key=e.key)
+            if on_item is not None:
+                on_item(i)
+
+
+def _done_before(e: Item, w0: int) -> bool:
+    """Whether item ``e`` was completed by a window before the one starting at ``w0``."""
+    return e.offset < w0 and e.offset + e.nbytes <= w0

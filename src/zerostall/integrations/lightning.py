@@ -1,0 +1,218 @@
+"""Lightning: ``ZerostallCheckpointIO``, a ``CheckpointIO`` plugin that saves through zerostall.
+
+::
+
+    trainer = lightning.Trainer(plugins=[ZerostallCheckpointIO()], callbacks=[ModelCheckpoint(...)])
+    trainer.fit(model, ckpt_path="last")          # resume: unchanged
+
+Each path Lightning names (``epoch=3-step=400.ckpt``, ``last.ckpt``) becomes a zerostall
+checkpoint directory holding one committed step, so ``ModelCheckpoint`` (``save_top_k``,
+``save_last``, ``every_n_train_steps``), ``trainer.save_checkpoint(path)`` and
+``ckpt_path=`` work unchanged; ``zerostall verify/inspect PATH`` work on them. A save of a
+path that already holds a checkpoint commits a new step and then retires the old one, so the
+path always holds a complete checkpoint.
+
+**Threads.** Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0 only
+(``load_checkpoint`` on every rank), from the training thread. ``save_checkpoint`` plans and
+enqueues, then returns: the copy into the staging arena, the O_DIRECT write and the commit
+run behind it. Until the copy is done, every optimizer's ``step()`` (after its closure's
+forward/backward) and the forward of a module whose buffers are being copied wait for it;
+``wait_staged=True`` waits inside ``save_checkpoint`` instead (for code that changes
+weights in place elsewhere). ``teardown()`` (end of ``fit``/``test``) waits until every save
+is durable and raises the first failure.
+
+**Loading a module.** ``MyModule.load_from_checkpoint(path)`` reads ``path`` with
+``torch.load`` itself, bypassing the plugin; use :func:`load_from_checkpoint` from this
+module: ``load_from_checkpoint(MyModule, path)`` (same keyword arguments).
+
+**Distributed.** The checkpoint is rank 0's state (Lightning's model: DDP replicas are
+identical); each Checkpointer here saves alone (``dist_mode="local"``). Strategies that
+shard state (FSDP, DeepSpeed) use their own checkpoint I/O and are not covered.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from typing import Any
+
+import torch
+
+from ..config import CheckpointConfig
+from ..errors import ConfigError, ZerostallError
+from ._common import StateGuard, is_committed, next_step, open_local, tensors_of
+
+try:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    _PL = "lightning.pytorch"
+except ImportError:  # the standalone pytorch_lightning package
+    try:
+        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[no-redef]
+        _PL = "pytorch_lightning"
+    except ImportError as exc:
+        raise ImportError("zerostall.integrations.lightning needs Lightning: pip install 'zerostall[lightning]'"
+                          ) from exc
+
+log = logging.getLogger("zerostall")
+
+__all__ = ["ZerostallCheckpointIO", "is_zerostall_checkpoint", "load_from_checkpoint"]
+
+
+def is_zerostall_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a directory holding at least one committed zerostall step."""
+    return is_committed(path)
+
+
+class ZerostallCheckpointIO(CheckpointIO):
+    """Lightning ``CheckpointIO`` over zerostall (see the module docstring).
+
+    ``config``/``overrides``: :class:`~zerostall.CheckpointConfig` fields for the
+    Checkpointers (e.g. ``staging=StagingConfig(budget_bytes=...)``); ``keep_last`` and
+    ``dist_mode`` are set by the plugin (one committed step per path, rank-local saves), and
+    ``remote`` is not supported here (each path would need its own remote prefix).
+    ``wait_staged``: block in ``save_checkpoint`` until the snapshot is copied.
+    """
+
+    def __init__(self, config: CheckpointConfig | None = None, *, wait_staged: bool = False,
+                 **overrides: Any) -> None:
+        cfg = config if config is not None else CheckpointConfig.from_env()
+        try:
+            cfg = cfg.replace(**overrides) if overrides else cfg
+        except TypeError as exc:
+            raise ConfigError(f"unknown ZerostallCheckpointIO option: {exc}") from None
+        if cfg.remote:
+            raise ConfigError("ZerostallCheckpointIO(remote=...) is not supported: replicate the checkpoint "
+                              "directory with zerostall.Checkpointer or a sync job instead")
+        self.config = cfg.replace(keep_last=1, overwrite=False)
+        self.wait_staged = wait_staged
+        self._ckpts: dict[str, Any] = {}
+        self._guard = StateGuard()
+        self._removers: list[threading.Thread] = []
+        self._errors: list[BaseException] = []
+        self.handles: list[Any] = []
+        """SaveHandles of the saves since the last teardown (newest last)."""
+
+    # -- Lightning's interface (training thread) -------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("ZerostallCheckpointIO.save_checkpoint does not take storage_options")
+        root = os.path.abspath(os.fspath(path))
+        if os.path.isfile(root):  # a torch.save file from an earlier run under the same name
+            os.remove(root)
+        ck = self._checkpointer(root)
+        step = next_step(ck, int(checkpoint.get("global_step", 0) or 0))
+        self._close_idle(keep=root)
+        handle = ck.save(step, checkpoint)
+        self.handles.append(handle)
+        if self.wait_staged:
+            handle.wait_staged()
+        else:
+            self._guard.track(ck, tensors_of(checkpoint.get("state_dict", {})))
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        root = os.path.abspath(os.fspath(path))
+        ck = self._ckpts.get(root)
+        if ck is not None:
+            ck.wait()
+        if os.path.isfile(root):
+            raise ConfigError(f"{root} is a file, not a zerostall checkpoint (was it written by torch.save? "
+                              "load it with Lightning's default CheckpointIO)")
+        from .. import load
+        loc = map_location if isinstance(map_location, (str, torch.device)) else None
+        return load(root, map_location=loc, rank=0, world_size=1)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        root = os.path.abspath(os.fspath(path))
+        ck = self._ckpts.pop(root, None)
+        if ck is not None:
+            self._guard.forget(ck)
+            self._close(ck)
+        if os.path.islink(root) or os.path.isfile(root):
+            os.remove(root)
+            return
+        if not os.path.isdir(root):
+            return
+        # Out of Lightning's namespace at once; the bytes go once every save in flight is
+        # durable, so a crash meanwhile never leaves fewer checkpoints than before.
+        trash = os.path.join(os.path.dirname(root), f".{os.path.basename(root)}.zerostall-removing")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(root, trash)
+        pending = [h for h in self.handles if not h.done()]
+        if not pending:
+            shutil.rmtree(trash, ignore_errors=True)
+            return
+
+        def remove_later() -> None:
+            for h in pending:
+                h.wait()
+            shutil.rmtree(trash, ignore_errors=True)
+
+        t = threading.Thread(target=remove_later, name="zerostall-lightning-remove", daemon=True)
+        t.start()
+        self._removers.append(t)
+
+    def teardown(self) -> None:
+        """Wait until every save is durable, release the arenas, raise the first failure."""
+        self._guard.close()
+        for ck in list(self._ckpts.values()):
+            self._close(ck)
+        self._ckpts.clear()
+        for t in self._removers:
+            t.join()
+        self._removers.clear()
+        self.handles = [h for h in self.handles if not h.done()]
+        errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
+
+    # -- internals ----------------------------------------------------------------------------
+    def _checkpointer(self, root: str) -> Any:
+        ck = self._ckpts.get(root)
+        if ck is None:
+            ck = self._ckpts[root] = open_local(root, self.config)
+        return ck
+
+    def _close(self, ck: Any) -> None:
+        try:
+            ck.close()
+        except ZerostallError as exc:
+            log.error("zerostall: a Lightning checkpoint save failed: %s", exc)
+            self._errors.append(exc)
+
+    def _close_idle(self, keep: str) -> None:
+        """Close the Checkpointers of other paths once their saves are done (frees arenas)."""
+        for root, ck in list(self._ckpts.items()):
+            if root != keep and not ck._inflight:
+                del self._ckpts[root]
+                self._guard.forget(ck)
+                self._close(ck)
+
+
+def load_from_checkpoint(cls: Any, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None,
+                         strict: bool | None = None, weights_only: bool | None = None, **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint(path, ...)`` for a zerostall checkpoint (a LightningModule or
+    LightningDataModule class). Falls back to Lightning's own loader for ``torch.save`` files
+    (``weights_only`` is passed to it; a zerostall checkpoint never unpickles anything)."""
+    root = os.fspath(checkpoint_path)
+    if not is_zerostall_checkpoint(root):
+        return cls.load_from_checkpoint(root, map_location=map_location, hparams_file=hparams_file,
+                                        strict=strict, weights_only=weights_only, **kwargs)
+    import importlib
+    saving = importlib.import_module(f"{_PL}.core.saving")
+    pl = importlib.import_module(_PL)
+    from .. import load
+    loc = map_location if isinstance(map_location, (str, torch.device)) else None
+    checkpoint = load(root, map_location=loc, rank=0, world_size=1)
+    if hparams_file is not None:
+        ext = str(hparams_file).rsplit(".", 1)[-1].lower()
+        hp = saving.load_hparams_from_tags_csv(hparams_file) if ext == "csv" else \
+            saving.load_hparams_from_yaml(hparams_file)
+        checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = hp
+    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
+    checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
+    if issubclass(cls, pl.LightningDataModule):
+        return saving._load_state(cls, checkpoint, **kwargs)
+    return saving._load_state(cls, checkpoint, strict=strict, **kwargs)

@@ -1,0 +1,243 @@
+"""Hugging Face ``Trainer``: checkpoints through zerostall, resumed exactly.
+
+::
+
+    class MyTrainer(ZerostallTrainerMixin, Trainer): ...     # or any subclass (TRL's SFTTrainer, ...)
+    trainer = ZerostallTrainer(model=model, args=args, train_dataset=ds)   # the ready one
+    trainer.train(resume_from_checkpoint=True)                             # newest committed checkpoint
+
+Each ``output_dir/checkpoint-N/`` is a zerostall checkpoint directory: one step holding the
+model, optimizer, scheduler and gradient-scaler state dicts, every RNG state
+(:func:`zerostall.rng_state`) and the ``TrainerState`` (a registered dataclass: stored as
+JSON fields, never pickled), plus HF's human-readable ``trainer_state.json`` beside it.
+The save runs behind training (the trainer's thread only plans it); the optimizer's step and
+the forward of a module whose buffers are being copied wait until the snapshot is staged.
+``train()`` waits until every save is durable before it returns and raises a failed save.
+
+Resume picks the newest ``checkpoint-N`` whose zerostall step is committed (a checkpoint cut
+short by a crash is skipped); ``save_total_limit`` keeps the newest committed checkpoints
+(and ``best_model_checkpoint``), deleting older ones only once no save is in flight;
+``load_best_model_at_end`` loads through zerostall. Directories written by the plain
+``Trainer`` still resume through HF's own code.
+
+Threads: every method here runs on the trainer's thread (HF calls them from ``train()``).
+Under ``torch.distributed`` every rank saves its own state (``rank-R.zst``, its own RNG
+state); DeepSpeed, FSDP and SageMaker MP keep their own checkpoint formats (not covered).
+``model.save_pretrained``/``trainer.save_model()`` are unchanged; ``zerostall export``
+converts a checkpoint's ``model.*`` tensors to safetensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from typing import Any
+
+try:
+    from transformers import Trainer
+    from transformers.trainer_callback import ExportableState, TrainerState
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+except ImportError as exc:
+    raise ImportError("zerostall.integrations.transformers needs transformers: "
+                      "pip install 'zerostall[transformers]'") from exc
+
+from .. import load as _zs_load
+from ..checkpointer import Checkpointer
+from ..config import CheckpointConfig
+from ..errors import ZerostallError
+from ..format.objects import register_type
+from ..rng import rng_state, set_rng_state
+from ._common import StateGuard, is_committed, next_step
+
+log = logging.getLogger("zerostall")
+
+__all__ = ["ZerostallTrainer", "ZerostallTrainerMixin", "last_committed_checkpoint"]
+
+register_type(TrainerState)
+
+TRAINER_STATE_NAME = "trainer_state.json"
+_CKPT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+def _checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    try:
+        names = os.listdir(run_dir)
+    except FileNotFoundError:
+        return []
+    out = [(int(m.group(1)), os.path.join(run_dir, n)) for n in names if (m := _CKPT_RE.match(n))]
+    return sorted(p for p in out if os.path.isdir(p[1]))
+
+
+def last_committed_checkpoint(run_dir: str) -> str | None:
+    """The newest ``checkpoint-N`` under ``run_dir`` holding a committed zerostall step."""
+    for _, path in reversed(_checkpoints(run_dir)):
+        if is_committed(path):
+            return path
+    return None
+
+
+class ZerostallTrainerMixin:
+    """Put before ``Trainer`` (or any subclass of it) in the bases; see the module docstring.
+
+    ``zerostall_config``: the :class:`~zerostall.CheckpointConfig` for the checkpointers
+    (default: from the environment), e.g. to set a staging budget or the I/O engine.
+    """
+
+    def __init__(self, *args: Any, zerostall_config: CheckpointConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        cfg = zerostall_config if zerostall_config is not None else CheckpointConfig.from_env()
+        self._zs_config = cfg.replace(keep_last=1, overwrite=False)
+        self._zs_ckpts: dict[str, Checkpointer] = {}
+        self._zs_guard = StateGuard()
+        self._zs_resume: tuple[str, dict[str, Any]] | None = None
+
+    # -- train: resume resolution, draining ------------------------------------------------
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if resume_from_checkpoint is True:
+            run_dir = self.args.output_dir
+            found = last_committed_checkpoint(run_dir)
+            if found is not None:
+                resume_from_checkpoint = found
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)) and is_committed(resume_from_checkpoint):
+            # HF reads trainer_state.json itself: rewrite it from the committed checkpoint
+            state = self._zs_loaded(os.fspath(resume_from_checkpoint))["trainer_state"]
+            state.save_to_json(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME))
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._zs_resume = None
+            self.zerostall_wait()
+
+    def zerostall_wait(self) -> None:
+        """Block until every checkpoint is durable; close the checkpointers; raise a failure."""
+        self._zs_guard.close()
+        first: BaseException | None = None
+        for path in list(self._zs_ckpts):
+            ck = self._zs_ckpts.pop(path)
+            try:
+                ck.close()
+            except ZerostallError as exc:
+                log.error("zerostall: saving %s failed: %s", path, exc)
+                first = first or exc
+        if first is not None:
+            raise first
+
+    # -- saving ------------------------------------------------------------------------------
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, folder)
+        if self.state.best_global_step:
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if os.path.exists(best):
+                self.state.best_model_checkpoint = best
+        for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+            name = cb.__class__.__name__
+            if isinstance(self.state.stateful_callbacks.get(name), list):
+                self.state.stateful_callbacks[name].append(cb.state())
+            else:
+                self.state.stateful_callbacks[name] = cb.state()
+        state: dict[str, Any] = {"model": self.accelerator.unwrap_model(self.model).state_dict(),
+                                 "trainer_state": self.state, "rng": rng_state()}
+        if not self.args.save_only_model:
+            state["optimizer"] = self.optimizer
+            if self.lr_scheduler is not None:
+                state["scheduler"] = self.lr_scheduler
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None:
+                state["scaler"] = scaler
+        ck = self._zs_checkpointer(output_dir)
+        ck.save(next_step(ck, self.state.global_step), state)
+        self._zs_guard.track(ck, list(state["model"].values()))
+        if self.args.should_save:
+            self.state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
+            self._zs_rotate(run_dir)
+
+    def _zs_checkpointer(self, path: str) -> Checkpointer:
+        path = os.path.abspath(path)
+        ck = self._zs_ckpts.get(path)
+        if ck is None:
+            ck = self._zs_ckpts[path] = Checkpointer(path, self._zs_config)
+        for other, c in list(self._zs_ckpts.items()):  # release the arenas of finished ones
+            if other != path and not c._inflight:
+                del self._zs_ckpts[other]
+                self._zs_guard.forget(c)
+                c.close()
+        return ck
+
+    def _zs_rotate(self, run_dir: str) -> None:
+        limit = self.args.save_total_limit
+        if limit is None or limit <= 0:
+            return
+        ckpts = _checkpoints(run_dir)
+        live = {p for p, c in self._zs_ckpts.items() if c._inflight}
+        keep = {p for _, p in ckpts[-limit:]}
+        if self.state.best_model_checkpoint:
+            keep.add(os.path.abspath(self.state.best_model_checkpoint))
+        newest_committed = max((s for s, p in ckpts if is_committed(p)), default=-1)
+        for step, path in ckpts:
+            ap = os.path.abspath(path)
+            if ap in keep or ap in live or step >= newest_committed:
+                continue  # never delete the newest committed checkpoint, nor one being written
+            c = self._zs_ckpts.pop(ap, None)
+            if c is not None:
+                self._zs_guard.forget(c)
+                c.close()
+            log.info("zerostall: deleting %s (save_total_limit=%d)", path, limit)
+            shutil.rmtree(path, ignore_errors=True)
+
+    # -- loading -------------------------------------------------------------------------------
+    def _zs_loaded(self, checkpoint: str) -> dict[str, Any]:
+        checkpoint = os.path.abspath(checkpoint)
+        if self._zs_resume is None or self._zs_resume[0] != checkpoint:
+            self._zs_resume = (checkpoint, _zs_load(checkpoint))
+        return self._zs_resume[1]
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if not is_committed(resume_from_checkpoint):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+        model = self.model if model is None else model
+        model = self.accelerator.unwrap_model(model) if hasattr(self, "accelerator") else model
+        result = model.load_state_dict(self._zs_loaded(resume_from_checkpoint)["model"], strict=False)
+        self._issue_warnings_after_load(result)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not is_committed(checkpoint):
+            return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+        saved = self._zs_loaded(checkpoint)
+        if "optimizer" in saved:
+            self.optimizer.load_state_dict(saved["optimizer"])
+        if "scheduler" in saved and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(saved["scheduler"])
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not is_committed(checkpoint):
+            return super()._load_scaler(checkpoint)  # type: ignore[misc]
+        saved = self._zs_loaded(checkpoint)
+        scaler = getattr(self.accelerator, "scaler", None)
+        if "scaler" in saved and scaler is not None:
+            scaler.load_state_dict(saved["scaler"])
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not is_committed(checkpoint):
+            return super()._load_rng_state(checkpoint)  # type: ignore[misc]
+        set_rng_state(self._zs_loaded(checkpoint)["rng"])
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if best is None or not is_committed(best):
+            return super()._load_best_model()  # type: ignore[misc]
+        ck = self._zs_ckpts.get(os.path.abspath(best))
+        if ck is not None:
+            ck.wait()
+        model = self.accelerator.unwrap_model(self.model)
+        result = model.load_state_dict(_zs_load(best)["model"], strict=False)
+        self._issue_warnings_after_load(result)
+
+
+class ZerostallTrainer(ZerostallTrainerMixin, Trainer):
+    """``transformers.Trainer`` with zerostall checkpoints (see :class:`ZerostallTrainerMixin`)."""

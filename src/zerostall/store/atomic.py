@@ -1,0 +1,201 @@
+"""Atomic directory operations on POSIX filesystems: publish (with crash-safe overwrite),
+discard, and the start-up recovery that completes them; plus durable small files.
+
+Used by the local tier and the DCP plugin (anything that commits a directory by renaming
+it). Every function is synchronous; callers are the owner of the parent directory (one
+process, see :mod:`.owner`) on its persist thread or its caller's thread at start-up.
+``hook`` arguments are the test seam: called with a boundary name after each
+rename/unlink/fsync, so a test can crash the process at every boundary.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import platform
+import stat
+import uuid
+from typing import Callable
+
+Hook = Callable[[str], None]
+
+_AT_FDCWD = -100
+RENAME_EXCHANGE = 2
+# renameat2(2) syscall numbers, for a libc without the wrapper (glibc < 2.28, some musl)
+_SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "ppc64le": 357, "s390x": 347, "riscv64": 276}
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_renameat2 = getattr(_libc, "renameat2", None)
+if _renameat2 is not None:
+    _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    _renameat2.restype = ctypes.c_int
+
+EXCHANGE_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_durable(path: str, data: bytes) -> None:
+    """Create ``path`` with ``data`` and fdatasync it (small files: manifests, pointers)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def rename_exchange(a: str, b: str) -> bool:
+    """Atomically swap the names ``a`` and ``b`` (``renameat2(RENAME_EXCHANGE)``).
+
+    Returns False, having changed nothing, where the kernel, libc or filesystem cannot
+    (EINVAL/ENOSYS/EOPNOTSUPP: e.g. NFS, older kernels); raises OSError for other failures.
+    """
+    ba, bb = os.fsencode(a), os.fsencode(b)
+    if _renameat2 is not None:
+        rc = _renameat2(_AT_FDCWD, ba, _AT_FDCWD, bb, RENAME_EXCHANGE)
+    else:
+        nr = _SYS_RENAMEAT2.get(platform.machine())
+        if nr is None:
+            return False
+        rc = _libc.syscall(nr, _AT_FDCWD, ba, _AT_FDCWD, bb, RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in EXCHANGE_UNSUPPORTED:
+        return False
+    raise OSError(err, os.strerror(err), a, None, b)
+
+
+def rmtree(path: str, hook: Hook | None = None) -> None:
+    """Remove ``path`` (a directory tree or a file) without following symlinks.
+
+    Unlike ``shutil.rmtree`` it calls ``hook("unlink")`` after each entry it removes, so
+    tests can crash between any two unlinks. A missing path is not an error.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(path)
+        if hook is not None:
+            hook("unlink")
+        return
+    for entry in os.scandir(path):
+        if entry.is_dir(follow_symlinks=False):
+            rmtree(entry.path, hook)
+        else:
+            try:
+                os.unlink(entry.path)
+            except FileNotFoundError:
+                continue
+            if hook is not None:
+                hook("unlink")
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        return
+    if hook is not None:
+        hook("unlink")
+
+
+def _noop(_: str) -> None:
+    pass
+
+
+def discard(path: str, hook: Hook | None = None) -> None:
+    """Take ``path`` out of its directory's listing (rename to ``.deleting-<name>-<id>``), then
+    remove it. A crash leaves only a ``.deleting-*`` entry, which the owner removes at start-up."""
+    hook = hook or _noop
+    parent, name = os.path.split(path)
+    gone = os.path.join(parent, f".deleting-{name}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(path, gone)
+    except FileNotFoundError:
+        return
+    hook("rename_deleting")
+    rmtree(gone, hook)
+
+
+def publish_dir(staged: str, final: str, *, overwrite: bool = False, hook: Hook | None = None,
+                exchange: bool = True) -> str:
+    """Make the complete, fsynced directory ``staged`` visible as ``final``, crash-safely.
+
+    - ``final`` absent: ``rename``, then fsync the parent.
+    - ``final`` present (``overwrite`` required, else FileExistsError): swap the two with
+      ``renameat2(RENAME_EXCHANGE)`` (readers see the old or the new copy, never neither),
+      fsync the parent, then discard the old copy (now at ``staged``). Where the filesystem
+      cannot exchange (or ``exchange=False``): rename ``final`` to ``final.old``, ``staged``
+      to ``final``, fsync the parent, discard ``final.old``; a crash between the two renames
+      leaves ``final`` absent and ``final.old`` intact, which :func:`recover_dir` restores.
+
+    The parent is always fsynced before an old copy is deleted. Returns the strategy used
+    (``"rename"``, ``"exchange"`` or ``"two-phase"``). Called by the owner only.
+    """
+    hook = hook or _noop
+    parent = os.path.dirname(final)
+    if not os.path.lexists(final):
+        os.rename(staged, final)
+        hook("rename")
+        fsync_dir(parent)
+        hook("fsync_root")
+        return "rename"
+    if not overwrite:
+        raise FileExistsError(errno.EEXIST, "exists", final)
+    if exchange and rename_exchange(staged, final):
+        hook("exchange")
+        fsync_dir(parent)
+        hook("fsync_root")
+        discard(staged, hook)
+        return "exchange"
+    old = final + ".old"
+    if os.path.lexists(old):  # an earlier crash's copy; final is valid, so this one is stale
+        discard(old, hook)
+    os.rename(final, old)
+    hook("rename_old")
+    os.rename(staged, final)
+    hook("rename")
+    fsync_dir(parent)
+    hook("fsync_root")
+    discard(old, hook)
+    return "two-phase"
+
+
+def recover_dir(final: str, is_valid: Callable[[str], bool], hook: Hook | None = None) -> list[str]:
+    """Finish what an interrupted :func:`publish_dir`/:func:`discard` left around ``final``.
+
+    ``final.old`` is restored when ``final`` is missing or invalid and the old copy is valid,
+    and removed otherwise; ``.deleting-<name>*`` entries are removed. ``staged`` directories
+    are the caller's to remove. Returns one line per action. Called by the owner only.
+    """
+    hook = hook or _noop
+    parent, name = os.path.split(final)
+    done: list[str] = []
+    old = final + ".old"
+    if os.path.lexists(old):
+        if is_valid(final):
+            discard(old, hook)
+            done.append(f"removed {old} (the previous copy of an overwrite; {name} is committed)")
+        elif is_valid(old):
+            if os.path.lexists(final):
+                discard(final, hook)
+            os.rename(old, final)
+            hook("restore_old")
+            fsync_dir(parent)
+            hook("fsync_root")
+            done.append(f"restored {final} from {old} (a crash interrupted its overwrite)")
+        else:
+            discard(old, hook)
+            done.append(f"removed {old} (no valid checkpoint inside)")
+    return done

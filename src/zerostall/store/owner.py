@@ -1,0 +1,135 @@
+"""Ownership of a checkpoint root: one writer at a time, by ``flock`` on ``<root>/.zerostall.lock``.
+
+The writer (a ``Checkpointer``; under ``torch.distributed`` the one process per root that
+commits) takes an exclusive ``flock`` on the lock file when it starts and holds it for its
+lifetime; the kernel drops it when the process exits, however it exits, so a crash never
+leaves a root locked. The file records who holds it (host, pid, start time) so that a
+second writer's :class:`~zerostall.errors.RootLockedError` names the owner. The file is
+never deleted (unlinking a lock file races with the next ``open``). Readers take no lock.
+
+``flock`` locks an open file description: two ``Checkpointer``s on one root inside one
+process conflict too, as they should. Where the filesystem refuses ``flock`` (``ENOLCK``:
+NFS mounted without a lock manager, some FUSE filesystems), ownership cannot be enforced:
+the root is used unlocked, with a warning, and keeping to one writer is up to the user.
+Note that NFSv3 mounted with ``nolock`` (and some FUSE filesystems) grant ``flock``
+locally without telling other hosts: two hosts can then both "own" a root.
+
+Called from the caller's thread (``Checkpointer.__init__``/``close``); not thread-safe.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+
+from ..errors import RootLockedError, storage_error
+
+log = logging.getLogger("zerostall")
+
+LOCK_NAME = ".zerostall.lock"
+_NO_LOCKING = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+def read_owner(root: str) -> dict[str, object]:
+    """What the lock file of ``root`` says about its holder ({} if nothing readable)."""
+    try:
+        with open(os.path.join(root, LOCK_NAME), "rb") as f:
+            info = json.loads(f.read(4096) or b"{}")
+        return info if isinstance(info, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def describe_owner(owner: dict[str, object]) -> str:
+    if not owner:
+        return "an unknown process (its lock file is empty: it may be starting up)"
+    since = owner.get("start_unix")
+    when = (_dt.datetime.fromtimestamp(since).isoformat(" ", "seconds")
+            if isinstance(since, (int, float)) else "?")
+    return f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')} (since {when})"
+
+
+class RootLock:
+    """The exclusive lock on one root. ``acquire`` once, ``release`` once (idempotent)."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.path = os.path.join(root, LOCK_NAME)
+        self._fd: int | None = None
+        self.enforced = False
+        """True when the kernel granted the flock; False when the filesystem has no locking."""
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self, timeout_s: float = 0.0) -> None:
+        """Take the lock, waiting up to ``timeout_s`` (0: fail at once) for another holder.
+
+        Raises :class:`RootLockedError` naming the holder, or ``StorageError`` if the lock
+        file cannot be created.
+        """
+        if self._fd is not None:
+            return
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            raise storage_error("creating the lock file", self.path, exc) from exc
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        delay = 0.01
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    self.enforced = True
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        owner = read_owner(self.root)
+                        waited = f" (waited {timeout_s:g} s)" if timeout_s > 0 else ""
+                        raise RootLockedError(
+                            f"checkpoint root {self.root!r} is owned by another writer: "
+                            f"{describe_owner(owner)}{waited}. One Checkpointer writes to a root at a "
+                            f"time: close the other one, pick another directory, or pass lock_timeout_s "
+                            f"to wait for it (lock file {self.path})", root=self.root, owner=owner) from None
+                    time.sleep(delay)
+                    delay = min(0.2, delay * 2)
+                except OSError as exc:
+                    if exc.errno not in _NO_LOCKING:
+                        raise storage_error("locking", self.path, exc) from exc
+                    log.warning("zerostall: %s does not support flock (%s): the root is used without an "
+                                "owner lock; make sure only one process writes checkpoints there",
+                                self.root, os.strerror(exc.errno or 0))
+                    break
+            self._record(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def _record(self, fd: int) -> None:
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "start_unix": round(time.time(), 3)}
+        data = json.dumps(info, sort_keys=True).encode() + b"\n"
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data, 0)
+        except OSError as exc:  # informational only: the flock is what matters
+            log.warning("zerostall: could not record the owner in %s: %s", self.path, exc)
+
+    def release(self) -> None:
+        """Drop the lock (closing the descriptor releases the flock). Idempotent."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:  # a half-built Checkpointer must not keep the root locked
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

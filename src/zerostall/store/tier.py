@@ -1,0 +1,140 @@
+"""The Tier protocol: one interface for every place checkpoints live, and the tier registry.
+
+A tier holds checkpoints as ``step-N`` units, each committed by its manifest. The local
+directory (:class:`~zerostall.store.local.LocalTier`), a shared filesystem and S3 implement
+the same methods; restore, verify, ls, retention and replication are functions over tiers.
+
+Who calls what, from which thread (``[owner]``: only the process holding the root)::
+
+    reading (any thread, any process; no lock; a reader never sees a torn step)
+      steps()                       committed steps whose manifest validates, ascending
+      read_manifest(step)           the validated Manifest (CheckpointNotFound / CorruptCheckpoint)
+      open_shard_read(step, name, engine)   a ShardFile-like reader: read(extents), close()
+
+    owning (caller's thread, once at start-up and once at close)
+      own(timeout_s)       [owner]  take the root (RootLockedError names the holder), then
+                                    finish or remove what a crash left; returns what it did
+      release()            [owner]  drop the root (idempotent)
+
+    writing (the persist/replicator thread of the owner; one step at a time per thread)
+      begin(step)          [owner]  open a staging area for ``step`` (never visible to readers)
+      open_shard_write(step, name, nbytes, engine)   a ShardFile-like writer in the staging area:
+                                    write(extents), finish() (durable), close()
+      commit(step, manifest, overwrite=False)   the tier's atomic strategy; returns the
+                                    post-commit problems (strings) that did not undo the commit
+      abort(step)          [owner]  discard the staging area
+      delete(step)         [owner]  remove a committed step (uncommit first, then the data)
+
+Atomic strategies: POSIX directories write ``step-N.partial/`` and rename it (an existing
+step is exchanged with ``renameat2(RENAME_EXCHANGE)``, see :mod:`.local`); object stores
+upload the data and put the manifest last. Listing trusts only a manifest that validates, so
+a damaged or foreign directory is never counted (by retention or anyone else).
+
+Tiers register under a URL scheme with a lazy import path and an install hint
+(:func:`register_tier`, :func:`open_tier`), the way fsspec does.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+from .._util import load_target
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..format.manifest import Manifest
+    from ..io.base import Engine, ShardFile
+
+
+class Tier(ABC):
+    """The protocol every tier implements (see the module docstring for the call order)."""
+
+    url: str
+
+    # -- reading: any thread, no lock ----------------------------------------------------
+    @abstractmethod
+    def steps(self) -> list[int]:
+        """Committed steps whose manifest validates, ascending. Cheap enough to call per save."""
+
+    @abstractmethod
+    def read_manifest(self, step: int) -> "Manifest":
+        """The validated manifest of ``step``; CheckpointNotFound or CorruptCheckpoint."""
+
+    @abstractmethod
+    def open_shard_read(self, step: int, name: str, engine: "Engine | None" = None) -> "ShardFile":
+        """Open ``name`` of committed ``step`` for aligned reads."""
+
+    def latest(self) -> int | None:
+        """The newest committed step, or None."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # -- owning: caller's thread ---------------------------------------------------------
+    @abstractmethod
+    def own(self, timeout_s: float = 0.0) -> list[str]:
+        """Become the root's only writer, then recover it; returns the actions taken."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Stop owning the root (idempotent)."""
+
+    # -- writing: the owner's background thread ----------------------------------------
+    @abstractmethod
+    def begin(self, step: int) -> str:
+        """Open the staging area of ``step`` (replacing a stale one); returns its location."""
+
+    @abstractmethod
+    def open_shard_write(self, step: int, name: str, nbytes: int, engine: "Engine | None" = None) -> "ShardFile":
+        """Create shard ``name`` of ``nbytes`` in ``step``'s staging area."""
+
+    @abstractmethod
+    def commit(self, step: int, manifest: "Manifest", overwrite: bool = False) -> tuple[str, ...]:
+        """Make ``step`` committed atomically; shards must already be durable.
+
+        Raises if nothing was committed. Returns the problems met after the commit point
+        (e.g. a ``latest`` hint that could not be written): logged, never a failed save.
+        """
+
+    @abstractmethod
+    def abort(self, step: int) -> None:
+        """Discard ``step``'s staging area (never a committed step)."""
+
+    @abstractmethod
+    def delete(self, step: int) -> None:
+        """Remove committed ``step``: uncommit it first, so no reader sees it torn."""
+
+
+# -- registry ----------------------------------------------------------------------------
+
+_SCHEMES: dict[str, tuple[str, str]] = {
+    "s3": ("zerostall.store.s3:S3Tier", "install zerostall[s3] (boto3) for s3:// URLs"),
+    "file": ("zerostall.store.remote:FileTier", ""),
+    "": ("zerostall.store.remote:FileTier", ""),
+}
+
+
+def register_tier(scheme: str, target: str, hint: str = "") -> None:
+    """Serve ``scheme://`` URLs with the class at ``target`` (``"module:Class"``, imported lazily);
+    ``hint`` is shown when the import fails (e.g. which extra to install)."""
+    _SCHEMES[scheme] = (target, hint)
+
+
+def tier_schemes() -> list[str]:
+    return sorted(s for s in _SCHEMES if s)
+
+
+def open_tier(url: str, **kwargs: Any) -> Any:
+    """The tier for ``url`` (``s3://bucket/prefix``, ``file:///path`` or a plain path: a
+    shared-filesystem tier); ``kwargs`` go to its constructor (``io=``, ...)."""
+    scheme = urlparse(url).scheme if "://" in url else ""
+    if scheme not in _SCHEMES:
+        raise ConfigError(f"no tier for {scheme}:// URLs (known: {', '.join(s + '://' for s in tier_schemes())} "
+                          "or a plain path); register one with zerostall.store.tier.register_tier")
+    target, hint = _SCHEMES[scheme]
+    try:
+        cls = load_target(target)
+    except ImportError as exc:
+        raise ConfigError(f"{url}: {hint or exc}") from exc
+    return cls(url, **kwargs)

@@ -1,0 +1,58 @@
+"""Two processes on one root: the second writer is refused, 50 times, each time while the
+owner has a save in flight; the in-flight saves are not disturbed and readers see only
+committed steps."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zerostall
+from zerostall.errors import RootLockedError
+from zerostall.store.local import LocalTier
+
+N = 50
+WORKER = os.path.join(os.path.dirname(__file__), "owner_worker.py")
+
+
+@pytest.mark.timeout(300)
+def test_second_writer_refused_fifty_times_during_saves(ckdir):
+    os.makedirs(ckdir)
+    a = subprocess.Popen([sys.executable, WORKER, ckdir, str(N)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        tag, pid = a.stdout.readline().split()
+        assert tag == "ready" and int(pid) == a.pid
+        refused = 0
+        for i in range(N):
+            assert a.stdout.readline().split() == ["inflight", str(i)]
+            part = os.path.join(ckdir, f"step-{i}.partial")
+            before = sorted(os.listdir(part))
+            assert before == ["manifest.json", "rank-00000.shard"]
+            with pytest.raises(RootLockedError) as ei:
+                zerostall.Checkpointer(ckdir, lock_timeout_s=0.05 if i % 10 == 0 else 0.0)
+            assert f"pid {a.pid} on host" in str(ei.value) and ei.value.owner["pid"] == a.pid
+            refused += 1
+            assert sorted(os.listdir(part)) == before  # the refused writer cleaned nothing
+            if i:  # a reader (no lock) meanwhile sees the newest committed step, whole
+                got = zerostall.load(ckdir)
+                assert got["i"] == i - 1 and torch.equal(got["w"], torch.full((5000,), float(i - 1)))
+            a.stdin.write("go\n")
+            a.stdin.flush()
+            assert a.stdout.readline().split() == ["durable", str(i), "True"]
+        assert a.stdout.readline().strip() == "closed"
+        assert a.wait(60) == 0
+    finally:
+        if a.poll() is None:
+            a.kill()
+            a.wait()
+    assert refused == N
+    tier = LocalTier(ckdir)
+    assert tier.steps() == list(range(N)) and tier.leftovers() == []
+    for s in range(N):
+        got = zerostall.load(ckdir, step=s)
+        assert got["i"] == s and torch.equal(got["w"], torch.full((5000,), float(s)))
+    with zerostall.Checkpointer(ckdir) as c:  # the owner is gone: the root is free again
+        c.save(N, {"w": torch.zeros(1), "i": N}).result()

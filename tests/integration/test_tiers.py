@@ -1,0 +1,102 @@
+"""The Tier protocol's local implementation: ownership, registry, engine choice, shard names."""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+import zerostall
+from zerostall.config import IOConfig
+from zerostall.errors import ConfigError, RootLockedError
+from zerostall.format.manifest import Manifest
+from zerostall.io import choose_engine
+from zerostall.store import remote as remote_mod
+from zerostall.store.local import LocalTier
+from zerostall.store.tier import Tier, open_tier, register_tier
+
+
+def test_local_tier_implements_the_protocol(ckdir):
+    t = LocalTier(ckdir, create=True)
+    assert isinstance(t, Tier)
+    assert t.steps() == [] and t.latest() is None
+
+
+def test_second_writer_is_refused_naming_the_owner(ckdir):
+    with zerostall.Checkpointer(ckdir) as c:
+        c.save(1, {"x": torch.ones(4)}).result()
+        with pytest.raises(RootLockedError) as ei:
+            zerostall.Checkpointer(ckdir)
+        msg = str(ei.value)
+        assert f"pid {os.getpid()}" in msg and ckdir in msg and "lock_timeout_s" in msg
+        assert ei.value.owner["pid"] == os.getpid()
+        with pytest.raises(RootLockedError, match="waited 0.2 s"):
+            zerostall.Checkpointer(ckdir, lock_timeout_s=0.2)
+        assert zerostall.load(ckdir)["x"].sum().item() == 4  # readers need no lock
+    with zerostall.Checkpointer(ckdir) as c2:  # released at close
+        c2.save(2, {"x": torch.ones(4)}).result()
+    assert LocalTier(ckdir).steps() == [1, 2]
+
+
+def test_legacy_zst_shard_names_still_load(ckdir):
+    state = {"w": torch.arange(1000, dtype=torch.float32)}
+    zerostall.save(ckdir, state, step=3)
+    d = os.path.join(ckdir, "step-3")
+    assert sorted(os.listdir(d)) == ["manifest.json", "rank-00000.shard"]
+    os.rename(os.path.join(d, "rank-00000.shard"), os.path.join(d, "rank-00000.zst"))
+    man = Manifest.from_bytes(open(os.path.join(d, "manifest.json"), "rb").read())
+    man = dataclasses.replace(man, files=tuple(dataclasses.replace(f, name="rank-00000.zst") for f in man.files),
+                              tensors=tuple(dataclasses.replace(t, file="rank-00000.zst") for t in man.tensors))
+    with open(os.path.join(d, "manifest.json"), "wb") as f:
+        f.write(man.to_bytes())
+    assert torch.equal(zerostall.load(ckdir)["w"], state["w"])
+
+
+def test_registry_is_one_place_with_hints(tmp_path):
+    assert remote_mod.open_tier is open_tier
+    with pytest.raises(ConfigError, match="no tier for nope://"):
+        open_tier("nope://bucket/x")
+    register_tier("zsbroken", "zerostall_no_such_module:Tier", "install zerostall[zsbroken]")
+    with pytest.raises(ConfigError, match=r"install zerostall\[zsbroken\]"):
+        open_tier("zsbroken://x")
+    t = open_tier(str(tmp_path / "shared"))
+    assert type(t).__name__ == "FileTier"
+
+
+def test_choose_engine_is_the_one_place(tmp_path):
+    eng = choose_engine(str(tmp_path), IOConfig(engine="threads"))
+    assert eng.name == "threads"
+    eng.close()
+    auto = choose_engine(str(tmp_path))
+    assert auto.name in ("uring", "threads", "buffered")
+    auto.close()
+    with pytest.raises(ConfigError, match="unknown I/O engine"):
+        choose_engine(str(tmp_path), IOConfig(engine="nope"))
+
+
+def test_distributed_ranks_all_refused_when_root_is_owned(tmp_path, ckdir):
+    """Rank 0 owns a shared root for all ranks; when another process holds it, every rank gets
+    RootLockedError from the start-up round, not a commit timeout."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    here = os.path.dirname(__file__)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with zerostall.Checkpointer(ckdir):
+        procs = []
+        for r in range(2):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2",
+                       LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2")
+            out = str(tmp_path / f"r{r}.json")
+            procs.append((subprocess.Popen([sys.executable, os.path.join(here, "lock_worker.py"), ckdir, out],
+                                           env=env, stderr=subprocess.PIPE, text=True), out))
+        for p, out in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+            res = json.load(open(out))
+            assert res["type"] == "RootLockedError", res
+            assert f"pid {os.getpid()}" in res["error"]  # (a store timeout would name no owner)

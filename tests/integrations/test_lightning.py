@@ -1,0 +1,134 @@
+"""Lightning with ZerostallCheckpointIO: fit, SIGKILL, resume, compared bit for bit with
+Lightning's own checkpointing; Namespace hyper-parameters; DDP with 2 gloo processes."""
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+import zerostall  # noqa: E402
+from tests.helpers import equal  # noqa: E402
+from zerostall.integrations.lightning import (  # noqa: E402
+    ZerostallCheckpointIO, is_zerostall_checkpoint, load_from_checkpoint)
+
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, HERE)
+import lightning_app as app  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(HERE))
+EPOCHS = 4
+
+
+def run_app(outdir, *args, timeout=240):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "src")]),
+           "OMP_NUM_THREADS": "1", "PL_DISABLE_FORK": "1"}
+    return subprocess.run([sys.executable, os.path.join(HERE, "lightning_app.py"), str(outdir), *args],
+                          env=env, timeout=timeout, capture_output=True, text=True)
+
+
+def fit_in_process(outdir, io, epochs, resume=None):
+    torch.set_num_threads(1)
+    trainer, cb = app.make_trainer(str(outdir), io, epochs)
+    model = app.TinyModel(argparse.Namespace(seed=1, note="hparams as a Namespace"))
+    # Lightning's own loader refuses the Namespace under weights_only: it must unpickle
+    trainer.fit(model, app.data(), ckpt_path=resume, weights_only=False if io == "torch" else None)
+    return model, trainer, cb
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Lightning's own checkpointing (torch.save): uninterrupted, and resumed from epoch 1."""
+    d = tmp_path_factory.mktemp("pl-torch")
+    model, _, cb = fit_in_process(d, "torch", EPOCHS)
+    final = {k: v.clone() for k, v in model.state_dict().items()}
+    fit_in_process(d / "half", "torch", 2)
+    resumed, _, _ = fit_in_process(d / "resumed", "torch", EPOCHS,
+                                   resume=str(d / "half" / "ckpts" / "epoch=1-step=16.ckpt"))
+    assert equal(resumed.state_dict(), final)  # Lightning's own resume is exact here
+    return final, sorted(os.listdir(d / "ckpts")), d
+
+
+def test_fit_topk_last_and_resume_match_lightning(tmp_path, reference):
+    final, names, ref_dir = reference
+    model, trainer, cb = fit_in_process(tmp_path, "zerostall", EPOCHS)
+    assert equal(model.state_dict(), final)
+    # the same top-k/last files as Lightning's own run, each a verified zerostall checkpoint
+    assert sorted(os.listdir(tmp_path / "ckpts")) == names
+    assert len(names) == 3 and "last.ckpt" in names
+    for n in names:
+        p = tmp_path / "ckpts" / n
+        assert is_zerostall_checkpoint(p) and len(zerostall.Checkpointer(p).steps()) == 1
+    last = zerostall.load(tmp_path / "ckpts" / "last.ckpt")
+    assert equal(last["state_dict"], final)
+    assert last["hyper_parameters"]["args"] == argparse.Namespace(seed=1, note="hparams as a Namespace")
+    assert last["epoch"] == EPOCHS - 1 and last["global_step"] == 8 * EPOCHS
+    ref = torch.load(ref_dir / "ckpts" / "last.ckpt", weights_only=False)
+    assert equal(last["optimizer_states"], ref["optimizer_states"])
+    assert last["lr_schedulers"] == ref["lr_schedulers"] and last["loops"] == ref["loops"]
+
+
+def test_resume_with_ckpt_path_and_load_from_checkpoint(tmp_path, reference):
+    final, _, _ = reference
+    fit_in_process(tmp_path, "zerostall", 2)
+    first = tmp_path / "ckpts" / "epoch=1-step=16.ckpt"
+    assert is_zerostall_checkpoint(first)
+    model, _, _ = fit_in_process(tmp_path / "resumed", "zerostall", EPOCHS, resume=str(first))
+    assert equal(model.state_dict(), final)
+    loaded = load_from_checkpoint(app.TinyModel, tmp_path / "resumed" / "ckpts" / "last.ckpt")
+    assert isinstance(loaded.hparams.args, argparse.Namespace) and loaded.hparams.args.seed == 1
+    assert equal(loaded.state_dict(), final)
+    # the plain-Lightning loader still works on torch.save files through the same helper
+    ref = load_from_checkpoint(app.TinyModel, reference[2] / "ckpts" / "last.ckpt", weights_only=False)
+    assert isinstance(ref, app.TinyModel) and equal(ref.state_dict(), final)
+
+
+def test_sigkill_mid_run_then_resume_is_exact(tmp_path, reference):
+    final, _, _ = reference
+    r = run_app(tmp_path, "--io", "zerostall", "--epochs", str(EPOCHS), "--kill-after-epoch", "1")
+    assert r.returncode == -9, r.stderr[-3000:]
+    last = tmp_path / "ckpts" / "last.ckpt"
+    assert is_zerostall_checkpoint(last)
+    assert zerostall.load(last)["epoch"] in (0, 1)  # epoch 1's save may have been in flight
+    model, _, _ = fit_in_process(tmp_path, "zerostall", EPOCHS, resume=str(last))
+    assert equal(model.state_dict(), final)
+    assert not any(n.endswith("zerostall-removing") for n in os.listdir(tmp_path / "ckpts"))
+
+
+def params(sd):
+    return {k: v for k, v in sd.items() if "running" not in k and "num_batches" not in k}
+
+
+def test_ddp_two_gloo_processes(tmp_path):
+    r = run_app(tmp_path, "--io", "zerostall", "--epochs", "2", "--ddp")
+    assert r.returncode == 0, r.stderr[-3000:]
+    f0, f1 = (torch.load(tmp_path / f"final-rank{i}.pt") for i in (0, 1))
+    assert equal(params(f0), params(f1))  # DDP replicas (BatchNorm statistics are per rank)
+    last = zerostall.load(tmp_path / "ckpts" / "last.ckpt")
+    assert equal(last["state_dict"], f0) and last["global_step"] == 8
+    # resume under DDP from epoch 0 (every rank loads the rank-0 checkpoint) to the same end
+    r = run_app(tmp_path / "resumed", "--io", "zerostall", "--epochs", "2", "--ddp",
+                "--resume", str(tmp_path / "ckpts" / "epoch=0-step=4.ckpt"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert equal(torch.load(tmp_path / "resumed" / "final-rank0.pt"), f0)
+    assert equal(params(torch.load(tmp_path / "resumed" / "final-rank1.pt")), params(f0))
+
+
+def test_options_and_errors(tmp_path):
+    with pytest.raises(zerostall.errors.ConfigError, match="remote"):
+        ZerostallCheckpointIO(remote="s3://b/p")
+    with pytest.raises(zerostall.errors.ConfigError, match="unknown"):
+        ZerostallCheckpointIO(no_such_option=1)
+    io = ZerostallCheckpointIO(wait_staged=True)
+    state = {"state_dict": {"w": torch.ones(3)}, "global_step": 5, "hp": argparse.Namespace(a=1)}
+    io.save_checkpoint(state, tmp_path / "a.ckpt")
+    io.save_checkpoint({**state, "global_step": 5}, tmp_path / "a.ckpt")  # same path, same step: a new step
+    io.teardown()
+    assert zerostall.Checkpointer(tmp_path / "a.ckpt").steps() == [6]
+    assert io.load_checkpoint(tmp_path / "a.ckpt")["hp"] == argparse.Namespace(a=1)
+    io.remove_checkpoint(tmp_path / "a.ckpt")
+    assert not os.path.exists(tmp_path / "a.ckpt") and os.listdir(tmp_path) == []

@@ -1,0 +1,74 @@
+"""Hugging Face Trainer through zerostall: stop or SIGKILL mid-run, resume, and compare bit
+for bit with an uninterrupted run and with the Trainer's own checkpointing."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import zerostall  # noqa: E402
+from tests.helpers import equal  # noqa: E402
+from zerostall.integrations.transformers import last_committed_checkpoint  # noqa: E402
+
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, HERE)
+import hf_app  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(HERE))
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The plain Trainer: uninterrupted, and stopped at 8 then resumed with its own checkpoints."""
+    torch.set_num_threads(1)
+    d = tmp_path_factory.mktemp("hf-plain")
+    t = hf_app.make_trainer(d / "full", "hf", STEPS)
+    t.train()
+    final = hf_app.final_params(t)
+    hf_app.make_trainer(d / "stopped", "hf", STEPS, callbacks=[hf_app.StopAt(8)]).train()
+    t = hf_app.make_trainer(d / "stopped", "hf", STEPS)
+    t.train(resume_from_checkpoint=True)
+    assert equal(hf_app.final_params(t), final)  # the Trainer's own resume is exact here
+    return final
+
+
+def test_stop_and_resume_is_bit_identical(tmp_path, reference):
+    torch.set_num_threads(1)
+    t = hf_app.make_trainer(tmp_path, "zerostall", STEPS, callbacks=[hf_app.StopAt(8)])
+    t.train()
+    assert t.state.global_step == 8
+    ck8 = tmp_path / "checkpoint-8"
+    saved = zerostall.load(ck8)
+    assert set(saved) == {"model", "optimizer", "scheduler", "rng", "trainer_state"}
+    assert type(saved["trainer_state"]).__name__ == "TrainerState" and saved["trainer_state"].global_step == 8
+    assert saved["scheduler"]["last_epoch"] == 8 and set(saved["rng"]) >= {"python", "numpy", "torch"}
+    assert os.path.isfile(ck8 / "trainer_state.json")
+    t = hf_app.make_trainer(tmp_path, "zerostall", STEPS)
+    t.train(resume_from_checkpoint=True)
+    assert equal(hf_app.final_params(t), reference)
+    # save_total_limit=2: the newest two remain, each one committed zerostall step
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")) == ["checkpoint-12", "checkpoint-8"]
+    assert zerostall.Checkpointer(tmp_path / "checkpoint-12").steps() == [12]
+
+
+def test_sigkill_mid_run_then_resume_with_the_mixin(tmp_path, reference):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "src")]), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, os.path.join(HERE, "hf_app.py"), str(tmp_path), "--trainer", "mixin",
+                        "--steps", str(STEPS), "--kill-at-step", "9"], env=env, timeout=300,
+                       capture_output=True, text=True)
+    assert r.returncode == -9, r.stderr[-3000:]
+    assert not os.path.exists(tmp_path / "final.pt")
+    # a checkpoint cut short by a crash is skipped (HF's own get_last_checkpoint would pick it)
+    os.makedirs(tmp_path / "checkpoint-99" / "step-99.partial")
+    newest = last_committed_checkpoint(str(tmp_path))
+    assert newest in (str(tmp_path / "checkpoint-8"), str(tmp_path / "checkpoint-4"))
+    torch.set_num_threads(1)
+    t = hf_app.make_trainer(tmp_path, "mixin", STEPS)
+    t.train(resume_from_checkpoint=True)
+    assert type(t).__mro__[2] is hf_app.CountingTrainer and hf_app.CountingTrainer.losses_computed > 0
+    assert equal(hf_app.final_params(t), reference)
