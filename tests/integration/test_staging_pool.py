@@ -173,3 +173,35 @@ def test_ring_releases_out_of_order_ranges():
     assert r.resize(16 * MiB) and r.nblocks == 16
     r.reserve(1)
     assert not r.resize(4 * MiB)  # not while a block is in flight
+
+
+def test_forked_child_builds_its_own_pool(tmp_path):
+    import os
+    import time
+    state = _state(4)
+    with Checkpointer(tmp_path / "parent", _cfg()) as ck:
+        ck.save(1, state).result()
+        parent_pool = pool.current()
+        pid = os.fork()
+        if pid == 0:  # the child: the parent's snapshot thread does not exist here
+            code = 5
+            try:
+                code = 6 if pool.current() is not None else 0
+                if code == 0:
+                    zerostall.save(tmp_path / "child", state, 1, config=_cfg())
+            except BaseException:  # noqa: BLE001
+                code = 7
+            os._exit(code)
+        deadline = time.monotonic() + 60
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                raise AssertionError("the forked child hung saving")
+            time.sleep(0.05)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert pool.current() is parent_pool
+    assert torch.equal(zerostall.load(tmp_path / "child")["w"], state["w"])

@@ -9,6 +9,7 @@ and keeps stepping until it is durable. Writes one JSON object to ``--out``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import time
@@ -32,6 +33,9 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     m = available_methods()[a.method]
+    m.cold = True
+    for mod in m.imports:  # a training script has imported its checkpoint library already
+        importlib.import_module(mod)
     state = gpt_state_for_size(int(a.size_gib * (1 << 30)))
     loop = StepLoop(log_dir=a.dir)
     root = os.path.join(a.dir, "cold-" + a.method.replace(".", "_"))

@@ -84,6 +84,10 @@ class Method:
     note = ""
     unavailable = ""
     """Why this method cannot run here (the row is reported, not hidden)."""
+    imports: tuple[str, ...] = ()
+    """Modules a training script would have imported already (the cold run imports them first)."""
+    cold = False
+    """Set by the cold scenario: set up as a user's first save would, with no warm-up."""
 
     def start(self, step: int, state: Any) -> Pending:
         """Begin a save; the default runs a blocking ``save`` (the whole call is stall)."""
@@ -137,6 +141,7 @@ class TorchSave(Method):
 
 class DCP(Method):
     name = "dcp"
+    imports = ("torch.distributed.checkpoint",)
     note = "torch.distributed.checkpoint.save, FileSystemWriter (fsyncs files)"
 
     def save(self, step: int, state: Any) -> tuple[float, float, float]:
@@ -154,6 +159,7 @@ class DCP(Method):
 
 class DCPAsync(Method):
     name = "dcp-async"
+    imports = ("torch.distributed.checkpoint", "torch.distributed.checkpoint.staging")
     note = ("dcp.async_save with one reused DefaultStager(use_async_staging=True; pinned and "
             "non-blocking copies on CUDA), thread checkpointer")
 
@@ -200,7 +206,8 @@ class Zerostall(Method):
         super().setup(root, state)
         from ..checkpointer import Checkpointer
         self.ck = Checkpointer(root, io=IOConfig(engine=self.engine), keep_last=1)
-        self.ck.prepare(state, wait=True)  # the steady state; `cold` measures the first save
+        if not self.cold:
+            self.ck.prepare(state, wait=True)  # the steady state; `cold` measures the first save
 
     def start(self, step: int, state: Any) -> Pending:
         t0 = time.perf_counter()

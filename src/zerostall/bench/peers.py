@@ -24,6 +24,8 @@ from .methods import Method, Pending, fsync_tree
 
 
 class TorchSnapshot(Method):
+    imports = ("torchsnapshot",)
+
     def __init__(self, asynchronous: bool):
         self.asynchronous = asynchronous
         self.name = "torchsnapshot-async" if asynchronous else "torchsnapshot"
@@ -66,6 +68,7 @@ class TorchSnapshot(Method):
 
 class LightningAsync(Method):
     name = "lightning-async"
+    imports = ("lightning.pytorch",)
     note = "lightning AsyncCheckpointIO(TorchCheckpointIO()).save_checkpoint, then fsync"
 
     def setup(self, root: str, state: Any) -> None:

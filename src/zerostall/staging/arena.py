@@ -145,7 +145,7 @@ class Arena:
         if soft != resource.RLIM_INFINITY and soft < nbytes:
             if not _warned_memlock:
                 _warned_memlock = True
-                log.warning("zerostall: RLIMIT_MEMLOCK is %d bytes, below the %d-byte staging arena; "
+                log.warning("zerostall: RLIMIT_MEMLOCK is %d bytes, below the %d-byte staging budget; "
                             "not locking it (raise 'ulimit -l' to keep the arena out of swap)", soft, nbytes)
             return False
         return True

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from typing import Callable, Iterator
 
@@ -196,6 +197,18 @@ def _close_if_unused(pool: StagingPool) -> None:
             return
         _pool = None
     pool.close()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of the pool's threads: forget the parent's pool (its memory is
+    the parent's copy-on-write image) so the child's first Checkpointer builds its own."""
+    global _lock, _pool, _timer
+    _lock = threading.RLock()
+    _pool = None
+    _timer = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def release_now() -> None:
