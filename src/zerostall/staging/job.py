@@ -34,6 +34,8 @@ class SaveJob:
     crcs: list[int] = field(default_factory=list)
     leaves: list[torch.Tensor] | None = None
     cuda_event: Any = None
+    arena: Any = None
+    """The staging arena this job's blocks live in (set when reserved; the pool may swap later)."""
     staged: threading.Event = field(default_factory=threading.Event)
     durable: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)

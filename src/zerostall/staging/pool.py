@@ -37,6 +37,8 @@ LINGER_S = 5.0
 """Seconds an unused pool stays mapped after its last user leaves."""
 ONESHOT_RING_BYTES = 256 << 20
 """What a one-shot save asks of the pool: it streams through a ring this big."""
+RESERVE_MIN_BYTES = 1 << 30
+"""Address space reserved at least (twice the ask, if more; never above the budget)."""
 
 
 class Lease:
@@ -78,19 +80,28 @@ class StagingPool:
         self.budget = max(2 * block_bytes, budget // block_bytes * block_bytes)
         self.block_bytes = block_bytes
         self.key = (self.budget, block_bytes, mlock, hugepages)
-        try:
-            self.arena = Arena(self.budget, mlock=mlock, hugepages=hugepages, prefault=False, detached_views=True)
-        except OSError as exc:  # address space limited (ulimit -v): reserve what is asked now
-            log.warning("zerostall: cannot reserve %d MiB of address space for staging (%s); "
-                        "reserving %d MiB, the most this pool will use", self.budget >> 20, exc, want >> 20)
-            self.budget = max(2 * block_bytes, -(-want // block_bytes) * block_bytes)
-            self.arena = Arena(self.budget, mlock=mlock, hugepages=hugepages, prefault=False, detached_views=True)
+        self._mlock, self._hugepages = mlock, hugepages
+        self.arena = self._reserve(want)
         self.ring = BlockRing(2 * block_bytes, block_bytes)
         self.snap = Snapshotter(self.arena, self.ring)
         self.leases: list[Lease] = []
         self.lock = threading.Lock()
         self.target = 0
+        self._swap_to = 0  # a target above the reservation: a new reservation at the next idle point
         self.closed = False
+
+    def _reserve(self, want: int) -> Arena:
+        """Address space for ``want`` bytes and room to grow (no RSS until faulted)."""
+        size = min(self.budget, max(2 * want, RESERVE_MIN_BYTES))
+        size = max(2 * self.block_bytes, -(-size // self.block_bytes) * self.block_bytes)
+        try:
+            return Arena(size, mlock=self._mlock, hugepages=self._hugepages, prefault=False, detached_views=True)
+        except OSError as exc:  # address space limited (ulimit -v): reserve only what is asked now
+            fallback = max(2 * self.block_bytes, -(-want // self.block_bytes) * self.block_bytes)
+            log.warning("zerostall: cannot reserve %d MiB of address space for staging (%s); reserving %d MiB",
+                        size >> 20, exc, fallback >> 20)
+            return Arena(fallback, mlock=self._mlock, hugepages=self._hugepages, prefault=False,
+                         detached_views=True)
 
     # -- any thread, under the module lock ---------------------------------------------------
     def _retarget(self) -> None:
@@ -100,23 +111,42 @@ class StagingPool:
             return  # only joined so far (a Checkpointer before its first save)
         want = -(-want // self.block_bytes) * self.block_bytes
         target = max(2 * self.block_bytes, min(self.budget, want))
-        if target > self.target:
-            if want > self.budget:
-                log.info("zerostall: staging wants %d MiB, above the %d MiB budget: snapshots stream "
-                         "through a %d MiB ring", want >> 20, self.budget >> 20, target >> 20)
+        if target <= self.target:
+            return
+        if want > self.budget:
+            log.info("zerostall: staging wants %d MiB, above the %d MiB budget: snapshots stream "
+                     "through a %d MiB ring", want >> 20, self.budget >> 20, target >> 20)
+        with self.lock:
             self.target = target
-            self.arena.fault_to(target)
-            with self.lock:
-                if self.ring.nblocks * self.block_bytes < target:
-                    self.ring.resize(target)  # at once if idle, else at the next idle reservation
+            if target > self.arena.nbytes:
+                self._swap_to = target
+                self._swap_if_idle()
+            else:
+                self.arena.fault_to(target)
+                self.ring.resize(target)  # at once if idle, else at the next idle reservation
+
+    def _swap_if_idle(self) -> None:
+        """Replace the reservation by a larger one while no save uses it. Pool lock held."""
+        if not self._swap_to or not self.ring.idle():
+            return
+        old, target, self._swap_to = self.arena, self._swap_to, 0
+        new = self._reserve(target)
+        if old.cuda_registered:
+            new.register_cuda()  # chunks register as the faulter adds them
+        self.arena = self.snap.arena = new
+        old.close()  # idle: the snapshot thread and every persister are done with it
+        new.fault_to(target)
+        self.ring.resize(min(target, new.nbytes))
 
     # -- caller's thread ----------------------------------------------------------------------
     def submit(self, job: SaveJob, persist_submit: Callable[[SaveJob], None]) -> None:
         """Reserve ``job.nblocks`` and hand the job to its persister and the snapshot thread."""
         with self.lock:
-            if self.ring.capacity_bytes < self.target:
-                self.ring.resize(self.target)
+            self._swap_if_idle()
+            if self.ring.capacity_bytes < min(self.target, self.arena.nbytes):
+                self.ring.resize(min(self.target, self.arena.nbytes))
             job.g0 = self.ring.reserve(job.nblocks)
+            job.arena = self.arena
             job.arena_bytes = self.ring.capacity_bytes
             persist_submit(job)
             self.snap.submit(job)

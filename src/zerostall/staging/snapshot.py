@@ -99,8 +99,9 @@ class Snapshotter(Worker[SaveJob]):
         return out[0]
 
     def _stage(self, job: SaveJob) -> None:
-        ring, B, arena = self.ring, self.ring.block_bytes, self.arena
-        arena_u8 = self.arena.u8
+        ring, B = self.ring, self.ring.block_bytes
+        arena = job.arena or self.arena  # the pool swaps arenas only between jobs
+        arena_u8 = arena.u8
         use_cuda = "cuda" in job.plan.devices
         stream = self._cuda_stream() if use_cuda else None
         if stream is not None and job.cuda_event is not None:
@@ -118,7 +119,7 @@ class Snapshotter(Worker[SaveJob]):
                 yield aoff, pos, end - pos
                 pos = end
 
-        base = self.arena.address
+        base = arena.address
 
         def fill_zero(a: int, b: int) -> None:
             for aoff, _, n in spans(a, b):
@@ -126,7 +127,7 @@ class Snapshotter(Worker[SaveJob]):
 
         header = job.header.encode()
         for aoff, foff, n in spans(0, len(header)):
-            self.arena.mv[aoff:aoff + n] = header[foff:foff + n]
+            arena.mv[aoff:aoff + n] = header[foff:foff + n]
         pos = len(header)
         for item, tensor in zip(job.plan.items, job.leaves or ()):
             if job.error is not None:  # persist already failed: stop copying, drain

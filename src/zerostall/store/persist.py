@@ -99,13 +99,14 @@ class Persister(Worker[SaveJob]):
 
     def _extents(self, job: SaveJob, g: int, hi: int) -> list[tuple[int, memoryview]]:
         B, n = self.ring.block_bytes, self.ring.nblocks
+        mv = (job.arena or self.arena).mv  # the pool may have swapped arenas since this Persister began
         out = []
         while g < hi:
             run_end = min(hi, (g // n + 1) * n)  # split where the ring wraps
             foff = (g - job.g0) * B
             length = min((run_end - g) * B, job.plan.file_bytes - foff)
             aoff = self.ring.slot_offset(g)
-            out.append((foff, self.arena.mv[aoff:aoff + length]))
+            out.append((foff, mv[aoff:aoff + length]))
             g = run_end
         return out
 
