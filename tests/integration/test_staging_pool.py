@@ -223,3 +223,15 @@ def test_growth_beyond_the_reservation_swaps_arenas_between_saves(tmp_path, monk
         assert ck.arena.nbytes >= 80 * MiB and ck.ring.capacity_bytes >= 40 * MiB
     for step, s in ((2, small), (3, big), (4, big)):
         assert torch.equal(zerostall.load(tmp_path, step=step)["w"], s["w"])
+
+
+def test_a_faulting_failure_fails_the_save_instead_of_hanging(tmp_path, monkeypatch):
+    def broken(address, nbytes):
+        raise OSError(12, "injected: cannot populate")
+
+    monkeypatch.setattr(arena_mod, "populate", broken)
+    cfg = CheckpointConfig(staging=StagingConfig(budget_bytes=64 * MiB, block_bytes=4 * MiB, mlock=False))
+    with Checkpointer(tmp_path, cfg, raise_on_background_error=False) as ck:
+        exc = ck.save(1, _state(8)).exception(timeout=60)
+        assert exc is not None and "cannot populate" in str(exc)
+    assert not (tmp_path / "step-1").exists()

@@ -125,6 +125,7 @@ class Arena:
         self.target = 0
         self._faulter: threading.Thread | None = None
         self._closing = False
+        self.error: BaseException | None = None
         self.fault_s = 0.0
         if hugepages:
             try:
@@ -187,13 +188,20 @@ class Arena:
                 off = self.ready
                 n = min(FAULT_CHUNK_BYTES, self.target - off)
             t0 = time.perf_counter()
-            self._fault_range(off, n)  # no lock held, no GIL held: writers use [0, ready) meanwhile
-            if self.cuda_registered:
-                self._cuda_register(off, n)
+            try:
+                self._fault_range(off, n)  # no lock held, no GIL held: writers use [0, ready) meanwhile
+                with self._cond:  # register_cuda() holds the lock too: no chunk is missed
+                    if self.cuda_registered:
+                        self._cuda_register(off, n)
+                    self.ready = off + n
+                    self._cond.notify_all()
+            except BaseException as exc:  # noqa: BLE001 - handed to the writers waiting on it
+                log.error("zerostall: faulting the staging arena failed: %s", exc)
+                with self._cond:
+                    self.error = exc
+                    self._cond.notify_all()
+                return
             self.fault_s += time.perf_counter() - t0
-            with self._cond:
-                self.ready = off + n
-                self._cond.notify_all()
 
     def wait_ready(self, end: int) -> None:
         """Block until ``[0, end)`` is faulted (asking for it if nobody has)."""
@@ -201,8 +209,10 @@ class Arena:
             return
         self.fault_to(end)
         with self._cond:
-            while self.ready < end and not self._closing:
+            while self.ready < end and not self._closing and self.error is None:
                 self._cond.wait()
+            if self.error is not None and self.ready < end:
+                raise RuntimeError(f"the staging arena could not be prepared: {self.error}") from self.error
 
     def view(self, nbytes: int) -> ArenaView:
         n = min(nbytes, self.nbytes)
