@@ -46,3 +46,40 @@ if news:
               f"{r['new_path_stall_s'] * 1e3:.1f} ms (constructor + `save()`; `save()` alone {r['new_path_save_s'] * 1e3:.1f} ms)")
 print(f"\nMachine: {m['cpu']}, {m['cores']} cores, {m['ram_bytes'] / 2**30:.0f} GiB RAM, kernel {m['kernel']}, "
       f"{m['fs']} on {m['device']}, torch {m['torch']}.")
+
+# -- the targets of issue #14, as ratios within this one run ------------------------------------
+by = {r["method"]: r for r in ran}
+ts = by.get("torch.save")
+zs = [r for r in ran if r["method"].startswith("zerostall-")]
+if ts and zs:
+    best = min(zs, key=lambda r: r["inproc_lost_s"])
+    ok = lambda c: "met" if c else "**missed**"  # noqa: E731
+    print("\nTargets (ratios in this run):\n")
+    for r in zs:
+        c = r.get("cold_stall_s")
+        if c is not None:
+            print(f"- first save in a fresh process, {r['method']}: blocked {c * 1e3:.0f} ms (constructor included) = "
+                  f"1/{ts['stall_s'] / max(c, 1e-9):.0f} of torch.save + fsync ({ts['stall_s']:.2f} s); target <= 1/20: "
+                  f"{ok(c <= ts['stall_s'] / 20)}")
+    one = by.get("zerostall.save")
+    if one:
+        print(f"- one-shot `zerostall.save`: {one['stall_s']:.2f} s = {one['stall_s'] / ts['stall_s']:.2f}x torch.save + fsync "
+              f"(cold, fresh process: {f(one.get('cold_stall_s'), '.2f')} s vs {f(ts.get('cold_stall_s'), '.2f')} s); "
+              f"target <= 0.5x: {ok(one['stall_s'] <= ts['stall_s'] / 2)}")
+    for r in zs:
+        if "new_path_stall_s" in r:
+            print(f"- new path through a fresh Checkpointer, {r['method']}: `save()` blocked {r['new_path_save_s'] * 1e3:.1f} ms, "
+                  f"constructor + `save()` {r['new_path_stall_s'] * 1e3:.1f} ms, vs steady-state stall {r['stall_s'] * 1e3:.1f} ms "
+                  f"+ 10 ms: {ok(r['new_path_save_s'] <= r['stall_s'] + 0.010)} (`save()`), "
+                  f"{ok(r['new_path_stall_s'] <= r['stall_s'] + 0.010)} (with the constructor)")
+    da = by.get("dcp-async")
+    if da:
+        for r in zs:
+            print(f"- training time lost, {r['method']}: {r['inproc_lost_s'] * 1e3:.0f} ms in-process "
+                  f"({r['inproc_lost_s'] / da['inproc_lost_s']:.2f}x dcp-async's {da['inproc_lost_s'] * 1e3:.0f} ms), "
+                  f"{r['lost_s'] * 1e3:.0f} ms with the trainer in another process ({da['lost_s'] * 1e3:.0f} ms for dcp-async); "
+                  f"target <= 0.1x: {ok(r['inproc_lost_s'] <= da['inproc_lost_s'] / 10)}")
+    for r in zs:
+        print(f"- steady state, {r['method']}: stall {r['stall_s'] * 1e3:.1f} ms (target <= 5 ms: {ok(r['stall_s'] <= 0.005)}), "
+              f"durable {r['durable_s']:.2f} s = {r['durable_s'] / ts['durable_s']:.2f}x torch.save "
+              f"(target <= 0.25x: {ok(r['durable_s'] <= 0.25 * ts['durable_s'])})")

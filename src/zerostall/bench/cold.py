@@ -12,6 +12,7 @@ import argparse
 import importlib
 import json
 import os
+import shutil
 import time
 import warnings
 
@@ -39,6 +40,7 @@ def main() -> None:
     state = gpt_state_for_size(int(a.size_gib * (1 << 30)))
     loop = StepLoop(log_dir=a.dir)
     root = os.path.join(a.dir, "cold-" + a.method.replace(".", "_"))
+    shutil.rmtree(root, ignore_errors=True)
     box: dict[str, float] = {}
 
     def start():
@@ -52,6 +54,7 @@ def main() -> None:
     finally:
         m.close()
         loop.close()
+        shutil.rmtree(root, ignore_errors=True)
     out = {"cold_stall_s": r["blocked_s"], "cold_setup_s": box.get("setup_s", 0.0),
            "cold_durable_s": r["durable_wall_s"], "cold_lost_s": r["lost_s"]}
     with open(a.out, "w") as f:
