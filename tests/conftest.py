@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from tests.helpers import skip_unless_engine
+
 
 
 @pytest.fixture(autouse=True)
@@ -20,6 +22,7 @@ def ckdir(tmp_path):
 
 @pytest.fixture(params=["threads", "uring", "buffered"])
 def engine_name(request):
+    skip_unless_engine(request.param)
     return request.param
 
 

@@ -1,5 +1,6 @@
 """Deep clone / bit-exact comparison of nested state dicts, shared by tests and test workers."""
 
+import pytest
 import torch
 
 
@@ -21,3 +22,12 @@ def equal(a, b):
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
     return a == b
+
+
+def skip_unless_engine(name):
+    """Skip (not error) where the probe says this host cannot run the engine (io_uring off)."""
+    if name == "uring":
+        from zerostall.io.probe import io_uring_status
+        ok, why = io_uring_status()
+        if not ok:
+            pytest.skip(f"io_uring is unavailable here: {why}")

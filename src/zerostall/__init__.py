@@ -17,6 +17,7 @@ from .config import CheckpointConfig, IOConfig, StagingConfig
 from .handle import SaveHandle
 from .format.objects import register_type
 from .restore import load as _load
+from .restore_state import LoadReport
 from .rng import rng_state, set_rng_state
 from .stateful import load_into
 from .telemetry.record import SaveRecord
@@ -27,6 +28,7 @@ __all__ = [
     "CheckpointConfig",
     "Checkpointer",
     "IOConfig",
+    "LoadReport",
     "SaveHandle",
     "SaveRecord",
     "StagingConfig",
@@ -54,13 +56,19 @@ def save(path: str | os.PathLike[str], state_dict: Any, step: int, *,
 def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None = None,
          map_location: Any = None, *, verify: bool = True, fallback: bool = True,
          io: IOConfig | None = None, rank: int | None = None, world_size: int | None = None,
-         remote: str | None = None) -> Any:
+         remote: str | None = None, keys: list[str] | None = None, strict: bool = False,
+         report: LoadReport | None = None) -> Any:
     """Load the newest checkpoint under ``path`` that verifies (or exactly ``step``).
 
-    With ``state_dict``, tensors are loaded in place and the same object is returned;
-    otherwise a new state dict is returned (tensors on ``map_location``, default CPU).
-    ``rank``/``world_size`` (default: from torch.distributed or the environment) pick this
-    rank's state from a checkpoint saved per rank.
+    With ``state_dict``, tensors are loaded in place and the same object is returned (only
+    once the whole step verified: a step that fails leaves it untouched); otherwise a new
+    state dict is returned (tensors on ``map_location``: a device, a dict or a callable, as
+    ``torch.load`` accepts). ``keys=["model_args"]`` reads only those (dotted) keys' bytes.
+    Keys of ``state_dict`` the checkpoint lacks are logged (``strict=True``: raised as
+    :class:`~zerostall.errors.StateMismatchError`); pass a :class:`LoadReport` as ``report`` to
+    get the step loaded and the missing/unexpected keys. ``rank``/``world_size`` (default:
+    from torch.distributed or the environment) pick this rank's state from a checkpoint
+    saved per rank.
 
     ``remote`` (``s3://bucket/prefix``, ``file:///shared/path``): also consider the steps that
     remote tier holds; a newer (or the only) one is downloaded into ``path`` and loaded from
@@ -73,4 +81,4 @@ def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None 
         world_size = info.world_size if world_size is None else world_size
     return load_into(state_dict, lambda sd: _load(os.fspath(path), sd, step, map_location, verify=verify,
                                                   fallback=fallback, io=io, rank=rank, world_size=world_size,
-                                                  remote=remote))
+                                                  remote=remote, keys=keys, strict=strict, report=report))

@@ -6,6 +6,7 @@ The bottom of the import graph: imports nothing from zerostall.
 from __future__ import annotations
 
 import importlib
+import os
 import queue
 import threading
 from typing import Any, Generic, TypeVar
@@ -17,6 +18,12 @@ def load_target(target: str) -> Any:
     """``"package.module:attr"`` -> the attribute (raises ImportError/AttributeError)."""
     mod, _, attr = target.partition(":")
     return getattr(importlib.import_module(mod), attr)
+
+
+def node_leader() -> bool:
+    """Whether this process should print node-wide warnings (RLIMIT_MEMLOCK, host settings):
+    LOCAL_RANK 0, or a process launched without LOCAL_RANK."""
+    return os.environ.get("LOCAL_RANK", "0").strip() in ("", "0")
 
 
 class Worker(Generic[T]):
@@ -33,9 +40,12 @@ class Worker(Generic[T]):
     def submit(self, item: T) -> None:
         self._q.put(item)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> bool:
+        """Finish what is queued and join; False if the thread is still busy after ``timeout``
+        (it keeps running as a daemon). Takes no lock without a timeout: signal-handler safe."""
         self._q.put(None)
-        self._thread.join()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _loop(self) -> None:
         self.on_start()

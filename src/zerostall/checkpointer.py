@@ -4,6 +4,14 @@ Threads: the caller's (``save``, ``guard``'s hook, ``load``, ``close``), one sna
 (:mod:`.staging.snapshot`), one persist thread (:mod:`.store.persist`) and one sampler per
 save in flight. ``save()`` only plans (metadata) and enqueues; the copy, write and commit
 run behind it. See the README for the training-loop pattern.
+
+Signal safety: ``on_preemption()``, ``wait()``, ``close()`` and the ``atexit`` hook may run in
+a signal handler that interrupted ``save()`` (or any other method) on the same thread. They
+take no lock and wait on no ``threading.Event`` (whose internal lock the interrupted frame
+may hold): they read lock-free snapshots of the in-flight list and poll the jobs' flags with
+a short sleep, bounded by their timeout. The worker threads never take a lock that the
+caller's thread holds across more than a few bytecodes (``save()`` serialises callers with
+``_save_lock``, which no worker and no lifecycle method touches).
 """
 
 from __future__ import annotations
@@ -11,7 +19,6 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-import itertools
 import logging
 import os
 import threading
@@ -22,30 +29,30 @@ from typing import Any
 import torch
 
 from .config import CheckpointConfig
-from .dist.commit import StoreCommitter, setup_protocol
+from .dist.commit import StoreCommitter
 from .dist.ranks import discover
+from .dist.session import Store, join, namespace
 from .errors import CheckpointExistsError, ConfigError, SaveFailed, ZerostallError
 from .handle import SaveHandle, record_of
 from .io.base import Engine, engine_name_for, get_engine
 from .restore import load as _load
-from .staging import pool as _pool
 from .staging.arena import Arena, budget_bytes
+from .staging.incremental import RefTracker, mode_of
 from .staging.job import SaveJob
-from .staging.plan import build_plan
+from .staging.plan import build_plan, check_metadata, check_step
 from .staging.ring import BlockRing
+from .staging import pool as _pool
+from .staging.snapshot import record_save_events
 from .stateful import load_into, unwrap_optimizer
 from .store.local import LocalTier
 from .store.persist import Persister
 from .store.remote import open_tier
 from .store.replicate import Replicator
-from .store.retention import RetentionPolicy
+from .store.retention import RetentionPolicy, dependents
 from .telemetry.host import Sampler
 from .telemetry.record import emit
 
 log = logging.getLogger("zerostall")
-
-
-_instances = itertools.count()
 
 
 class Checkpointer:
@@ -57,12 +64,23 @@ class Checkpointer:
 
     Under ``torch.distributed`` (or torchrun's environment) every rank writes its own
     ``rank-R.shard`` and rank 0 commits once all are durable, coordinating through the c10d
-    store (``store=`` to pass another); see :mod:`zerostall.dist.commit`. Create
-    Checkpointers in the same order on every rank, and save the same steps in the same order.
+    store (``store=`` to pass another); see :mod:`zerostall.dist.commit`. Every rank creates
+    a Checkpointer on the same root (or ``dist_name``) within ``join_timeout_s`` of each
+    other and saves the same steps; ``dist_mode="local"`` for a process that saves alone.
     """
 
     def __init__(self, path: str | os.PathLike[str], config: CheckpointConfig | None = None, *,
                  store: Any = None, **overrides: Any):
+        try:
+            self._setup(path, config, store, overrides)
+        except BaseException:  # a half-built Checkpointer must not keep the root locked
+            tier = self.__dict__.get("tier")
+            if tier is not None:
+                tier.release()
+            raise
+
+    def _setup(self, path: str | os.PathLike[str], config: CheckpointConfig | None, store: Any,
+               overrides: dict[str, Any]) -> None:
         cfg = config if config is not None else CheckpointConfig.from_env()
         if overrides:
             try:
@@ -70,25 +88,32 @@ class Checkpointer:
             except TypeError as exc:
                 raise ConfigError(f"unknown Checkpointer option: {exc}") from None
         self.config = cfg
-        info = discover(store)
+        info = discover(store, cfg.dist_mode)
         self.rank, self.world_size = info.rank, info.world_size
         self.tier = LocalTier(os.fspath(path), create=True, lock_timeout_s=cfg.lock_timeout_s)
         self.tier.check_writable()
-        self._committer: Any = None
-        self._seq = 0
+        self._committer: StoreCommitter | None = None
         if self.world_size > 1:
             if info.store is None:
                 raise ConfigError(f"world size {self.world_size} but no c10d store: initialise torch.distributed "
-                                  "first (init_process_group) or pass store=")
-            prefix = f"zerostall/{next(_instances)}"
-            proto = setup_protocol(info.store, prefix, self.rank, self.world_size, self.tier, cfg.commit_timeout_s)
-            self._committer = StoreCommitter(self.tier, info.store, prefix, self.rank, self.world_size,
-                                             per_rank=cfg.dist_mode == "per_rank", timeout_s=cfg.commit_timeout_s,
-                                             node_local=proto["node_local"], leaders=proto["leaders"])
-            self.node_local = proto["node_local"]
+                                  "first (init_process_group), pass store=, or use dist_mode='local' to save alone")
+            # rank 0 (shared root) or each host's leader (node-local roots) owns the root
+            session = join(Store(info.store), namespace(self.tier.root, cfg.dist_name), self.rank,
+                           self.world_size, self.tier, cfg.join_timeout_s)
+            self._committer = StoreCommitter(self.tier, Store(info.store), session,
+                                             per_rank=cfg.dist_mode == "per_rank", timeout_s=cfg.commit_timeout_s)
+            self.node_local = session.node_local
         else:  # the one writer of this root (RootLockedError if another holds it); cleans leftovers
             self.tier.own()
             self.node_local = False
+        self._refs: RefTracker | None = None
+        mode = mode_of(cfg.incremental)
+        if mode is not None:
+            if self.world_size > 1:
+                raise ConfigError(f"incremental={cfg.incremental!r} supports single-process saves only (this is "
+                                  f"world size {self.world_size}); pass incremental=False")
+            self._refs = RefTracker(mode, cfg.full_every)
+            self._refs.seed_from(self.tier.steps(), self.tier.read_manifest)
         name, self.probe = engine_name_for(self.tier.root, cfg.io)
         self.engine: Engine = get_engine(name, cfg.io)
         if cfg.prometheus:
@@ -98,19 +123,24 @@ class Checkpointer:
         if cfg.remote:
             policy = RetentionPolicy(keep_last_local=cfg.keep_last, keep_last_remote=cfg.keep_last_remote,
                                      keep_every_remote=cfg.keep_every_remote)
-            url = cfg.remote
-            kwargs = dict(max_concurrency=cfg.remote_concurrency, max_bandwidth_bytes=cfg.remote_bandwidth_bytes)
+            # built here, so a bad URL or a missing extra fails now; no network until the replicator runs
+            remote = open_tier(cfg.remote, io=cfg.io, max_concurrency=cfg.remote_concurrency,
+                               max_bandwidth_bytes=cfg.remote_bandwidth_bytes)
             # started now: its first pass uploads what an earlier run left unreplicated
-            self._replicator = Replicator(self.tier, lambda: open_tier(url, io=cfg.io, **kwargs), policy,
+            self._replicator = Replicator(self.tier, lambda: remote, policy,
                                           rank=self.rank, world_size=self.world_size,
                                           local_retention=self.rank == 0 or self.node_local,
-                                          retry_max_s=cfg.remote_retry_max_s)
+                                          retry_max_s=cfg.remote_retry_max_s,
+                                          protect=self._refs.protected if self._refs is not None else None)
         self.unreplicated: list[int] = []
         """After ``close()``: the steps not replicated before ``close_timeout_s`` (see README)."""
         self._lease: _pool.Lease | None = None
         self._oneshot = False  # set by zerostall.save(): stream through a small ring
         self._persist: Persister | None = None
-        self._lock = threading.Lock()
+        self._save_lock = threading.Lock()  # serialises save()/load() callers; never on a lifecycle path
+        self._save_owner: int | None = None
+        # Mutated only with single atomic list/dict operations (append, remove, pop): read
+        # lock-free by wait()/on_preemption()/close(), possibly from a signal handler.
         self._inflight: list[SaveJob] = []
         self._failed: list[SaveJob] = []
         self._closed = False
@@ -122,10 +152,10 @@ class Checkpointer:
         self._atexit = lambda: (c := ref()) is not None and c.close(_from_atexit=True)
         atexit.register(self._atexit)
 
-    # -- the pipeline, built on the first save ------------------------------------------
+    # -- the pipeline: this Checkpointer's persist thread over the process's staging pool --
     @property
     def arena(self) -> Arena | None:
-        """The process's staging arena (shared through :mod:`.staging.pool`), once leased."""
+        """The process's staging arena (shared through :mod:`.staging.pool`)."""
         return self._lease.arena if self._lease is not None else None
 
     @property
@@ -133,7 +163,7 @@ class Checkpointer:
         return self._lease.ring if self._lease is not None else None
 
     def _ensure_pipeline(self, file_bytes: int) -> None:
-        """Join the staging pool asking for what this state wants; never waits for memory.
+        """Ask the staging pool for what this state wants; never waits for memory.
 
         The pool faults the arena in the background; the snapshot thread streams through
         whatever part is ready. A larger state than before grows the pool the same way.
@@ -155,7 +185,7 @@ class Checkpointer:
         self._persist = Persister(self.tier, self.engine, self._lease.arena, self._lease.ring,
                                   keep_last=(self.config.keep_last if (self.rank == 0 or self.node_local)
                                              and self._replicator is None else None),
-                                  on_done=self._on_done, committer=self._committer)
+                                  on_done=self._on_done, committer=self._committer, refs=self._refs)
 
     def prepare(self, state_dict: Any, *, wait: bool = False) -> None:
         """Start allocating and faulting staging memory for ``state_dict``; returns at once.
@@ -177,50 +207,118 @@ class Checkpointer:
         """Start saving ``state_dict`` as ``step``; return a :class:`SaveHandle` at once.
 
         Do not mutate the state until ``handle.wait_staged()`` returns or an optimizer
-        registered with :meth:`guard` steps (the guard waits for you).
+        registered with :meth:`guard` steps (the guard waits for you). Under
+        torch.distributed a save that fails here on this rank (an unsupported leaf, a pending
+        background error) is reported to the other ranks, so the step fails everywhere at once.
         """
         t0 = time.perf_counter()
         if self._closed:
             raise ZerostallError("this Checkpointer is closed")
-        self._raise_pending()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ConfigError(f"step={step!r} is invalid: must be a non-negative int")
+        step = check_step(step)  # and the metadata, leaves and manifest size in check_metadata/_plan
+        user_metadata = check_metadata(metadata)
+        me = threading.get_ident()
+        if self._save_owner == me:
+            raise ZerostallError("save() was re-entered on the same thread (from a signal handler that "
+                                 "interrupted save()?); call on_preemption() or close() from handlers")
+        with self._save_lock:
+            self._save_owner = me
+            try:
+                return self._save(t0, step, state_dict, overwrite, user_metadata)
+            finally:
+                self._save_owner = None
+
+    def _save(self, t0: float, step: int, state_dict: Any, overwrite: bool | None,
+              metadata: dict[str, Any] | None) -> SaveHandle:
         ow = self.config.overwrite if overwrite is None else overwrite
-        with self._lock:
-            if any(j.step == step for j in self._inflight):
-                raise CheckpointExistsError(f"step {step} is already being saved")
-        self.tier.check_new_step(step, ow, allow_lower=self.config.allow_lower_steps)
-        plan = self._plan(state_dict)
-        self._ensure_pipeline(plan.file_bytes)
-        assert self.ring is not None and self._lease is not None and self._persist is not None
-        job = SaveJob(step=step, plan=plan, seq=self._seq, rank=self.rank, world_size=self.world_size,
-                      overwrite=ow, user_metadata=dict(metadata or {}))
-        self._seq += 1
-        job.engine = self.engine.name
-        job.arena_bytes = self.ring.capacity_bytes
-        nblocks = self.ring.blocks_for(plan.file_bytes)
-        if self.config.backpressure == "skip" and not self.ring.fits_now(nblocks):
-            job.skipped = True
-            job.save_block_s = time.perf_counter() - t0
-            log.warning("zerostall: step %d skipped: earlier saves still hold the staging arena", step)
-            if self._committer is not None:  # the other ranks must not wait for this rank
-                self._committer.fail(job, SaveFailed(f"rank {self.rank} skipped step {step} (arena busy)", step=step))
-            self._on_done(job)
-            for e in (job.staged, job.durable, job.done):
-                e.set()
-            return SaveHandle(job, self)
-        job.leaves = [leaf.tensor for leaf in plan.leaves]
-        if "cuda" in plan.devices:
-            job.cuda_event = torch.cuda.Event()
-            job.cuda_event.record()
-        job.nblocks = nblocks
-        with self._lock:
-            self._inflight.append(job)
+        if any(j.step == step for j in tuple(self._inflight)):  # not reported: its round is running
+            raise CheckpointExistsError(f"step {step} is already being saved")
+        job: SaveJob | None = None
+        try:
+            self._raise_pending()
+            self.tier.check_new_step(step, ow, allow_lower=self.config.allow_lower_steps)
+            if ow:
+                self._check_not_referenced(step)
+            plan = self._plan(state_dict)
+            self._ensure_pipeline(plan.file_bytes)
+            assert self.ring is not None and self._lease is not None and self._persist is not None
+            job = SaveJob(step=step, plan=plan, rank=self.rank, world_size=self.world_size,
+                          overwrite=ow, user_metadata=dict(metadata or {}))  # checked by save()
+            job.engine = self.engine.name
+            nblocks = self.ring.blocks_for(plan.file_bytes)
+            if self.config.backpressure == "skip" and not self.ring.fits_now(nblocks):
+                return self._skip(job, t0)
+            job.leaves = [leaf.tensor for leaf in plan.leaves]
+            if self._refs is not None:
+                self._refs.prepare(job)  # fingerprints only; the snapshot thread decides
+            if "cuda" in plan.devices:
+                job.cuda_event = record_save_events(job.leaves)
+            job.nblocks = nblocks
             self._samplers[id(job)] = Sampler(self.config.telemetry_interval_s)
-        job.t_submit = t0
-        self._lease.submit(job, self._persist.submit)  # reserves blocks, then persist + snapshot
+            self._inflight.append(job)
+            job.t_submit = t0
+            self._lease.submit(job, self._hand_over)  # reserves job.g0.. in the shared ring, then hands over
+        except BaseException as exc:
+            # the pool reserves and hands over under one lock; a job it reserved blocks for but
+            # could not hand over is drained by the pool itself (the shared ring moves on)
+            reserved = job is not None and job.reserved
+            if job is not None and (job.to_persist or job.to_snap or reserved and not self._closed):
+                # The workers finish it as failed: its reserved blocks drain (the ring moves on) and
+                # the persist thread reports it; raised here, so not again as a background error.
+                job.raised_in_save = True
+                job.fail(exc)
+                self._hand_over(job)
+            else:
+                if job is not None:
+                    self._discard(job)
+                if self._committer is not None:
+                    self._committer.report(step, exc)
+            raise
         job.save_block_s = time.perf_counter() - t0
         return SaveHandle(job, self)
+
+    def _hand_over(self, job: SaveJob) -> None:
+        """Queue ``job`` on both workers, each once (also called by close() for a save it interrupted)."""
+        assert self._persist is not None and self._lease is not None
+        if self._closed and not (job.to_persist or job.to_snap):  # close() ran in a handler inside save()
+            raise ZerostallError(f"the Checkpointer was closed while step {job.step} was being saved")
+        if not job.to_persist:
+            job.to_persist = True
+            self._persist.submit(job)
+        if not job.to_snap:
+            job.to_snap = True
+            self._lease.pool.snap.submit(job)
+        job.submitted = True
+
+    def _discard(self, job: SaveJob) -> None:
+        sampler = self._samplers.pop(id(job), None)
+        if sampler is not None:
+            sampler.stop()
+        try:
+            self._inflight.remove(job)
+        except ValueError:
+            pass
+
+    def _skip(self, job: SaveJob, t0: float) -> SaveHandle:
+        job.skipped = True
+        job.save_block_s = time.perf_counter() - t0
+        log.warning("zerostall: step %d skipped: earlier saves still hold the staging arena", job.step)
+        if self._committer is not None:  # the other ranks must not wait for this rank
+            self._committer.fail(job, SaveFailed(f"rank {self.rank} skipped step {job.step} (arena busy)",
+                                                 step=job.step))
+        self._on_done(job)
+        for e in (job.staged, job.durable, job.done):
+            e.set()
+        return SaveHandle(job, self)
+
+    def _check_not_referenced(self, step: int) -> None:
+        """Overwriting a step that other steps borrow bytes from would break them."""
+        pinned = self._refs.pinned_steps() if self._refs is not None else set()
+        users = dependents(self.tier.steps(), step, self.tier.read_manifest) if os.path.isdir(
+            self.tier.step_dir(step)) else []
+        if users or step in pinned:
+            raise CheckpointExistsError(
+                f"step {step} in {self.tier.root!r} cannot be overwritten: steps "
+                f"{users or 'being saved'} reference its bytes (incremental saves); pick another step")
 
     def guard(self, optimizer: Any) -> Any:
         """Make ``optimizer.step()`` wait until in-flight snapshots are staged.
@@ -234,9 +332,14 @@ class Checkpointer:
         """
         return unwrap_optimizer(optimizer).register_step_pre_hook(self._step_pre_hook)
 
-    def _pending_staged(self) -> list[SaveJob]:
-        with self._lock:
-            return [j for j in self._inflight if not j.staged.is_set()]
+    def _pending_staged(self, opt: Any = None) -> list[SaveJob]:
+        """In-flight snapshots not staged yet (lock-free); with ``opt``, only those that still
+        read its parameters or state."""
+        pending = [j for j in tuple(self._inflight) if not j.staged.is_set()]
+        if not pending or opt is None:
+            return pending
+        mine = _storages_of(opt)
+        return [j for j in pending if j.reads(mine)]
 
     def _wait_staged(self, jobs: list[SaveJob]) -> None:
         for job in jobs:
@@ -247,7 +350,7 @@ class Checkpointer:
     def _step_pre_hook(self, opt: Any, args: Any, kwargs: Any) -> Any:
         """Optimizer step pre-hook (caller's thread): wait for staging, or defer the wait into
         the closure so that its forward/backward still overlaps the copy."""
-        pending = self._pending_staged()
+        pending = self._pending_staged(opt)
         if not pending:
             return None
         closure = kwargs.get("closure") if kwargs else None
@@ -268,25 +371,35 @@ class Checkpointer:
         return (args[0], guarded_closure, *args[2:]), kwargs
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until every save so far is committed or failed."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            jobs = list(self._inflight)
+        """Block until every save started so far is committed or failed; False on timeout.
+
+        Signal-handler safe (no lock; polls), like :meth:`on_preemption` and :meth:`close`.
+        """
+        return self._wait_until(None if timeout is None else time.monotonic() + timeout)
+
+    def _wait_until(self, deadline: float | None) -> bool:
+        # A job not yet handed to the workers belongs to a save() that this thread's signal
+        # handler interrupted: it cannot progress until the handler returns, so it is skipped.
+        jobs = [j for j in tuple(self._inflight) if j.submitted]
+        delay = 0.0005
         for j in jobs:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not j.done.wait(left):
-                return False
+            while not j.done.is_set():
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return False
+                time.sleep(delay if deadline is None else min(delay, deadline - now))
+                delay = min(delay * 2, 0.02)
         return True
 
     def load(self, state_dict: Any = None, step: int | None = None, map_location: Any = None) -> Any:
         """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load`.
 
-        Reads through the process's staging arena when no save uses it; saves started
-        meanwhile from other threads wait until the load is done.
+        Reads through the process's staging pool when no save uses it;
+        saves started meanwhile from other threads wait until the load is done.
         """
         self.wait()
         borrow = self._lease.pool.borrow_idle() if self._lease is not None else contextlib.nullcontext()
-        with self._lock, borrow as bounce:
+        with self._save_lock, borrow as bounce:
             return load_into(state_dict, lambda sd: _load(
                 self.tier.root, sd, step, map_location, verify=self.config.verify_on_load,
                 fallback=self.config.fallback, engine=self.engine, bounce=bounce, rank=self.rank,
@@ -309,26 +422,59 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def on_preemption(self, timeout: float | None = 60.0) -> bool:
-        """Call from a SIGTERM handler: let in-flight saves finish (up to ``timeout``)."""
-        return self.wait(timeout)
+        """Call from a SIGTERM handler: let in-flight saves finish, up to ``timeout`` seconds.
 
-    def close(self, *, _from_atexit: bool = False) -> None:
-        """Drain in-flight saves, stop the threads, free the arena; re-raises a pending error."""
+        Safe at any instant of ``save()`` on the same thread (takes no lock; a save that the
+        signal interrupted before it was queued is not waited for). True when all finished.
+        """
+        return self._wait_until(None if timeout is None else time.monotonic() + timeout)
+
+    def close(self, timeout: float | None = None, *, _from_atexit: bool = False) -> bool:
+        """Drain in-flight saves, stop the threads, free the arena; re-raises a pending error.
+
+        With ``timeout`` (seconds; pass one from a signal handler) it returns False once the
+        time is up with work still running: the threads go on as daemons and the arena stays
+        mapped under them. Takes no lock without a timeout.
+        """
         if self._closed:
-            return
-        self.wait()
-        self._closed = True
-        atexit.unregister(self._atexit)
-        if self._persist is not None:
-            self._persist.stop()
+            return True
+        self._closed = True  # first: a save() this call interrupted fails instead of queueing
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        abandoned = []
+        for job in tuple(self._inflight):
+            if (job.to_persist or job.to_snap) and not job.submitted:  # interrupted between the two queues
+                job.fail(ZerostallError(f"the Checkpointer was closed while step {job.step} was being saved"))
+                self._hand_over(job)
+                abandoned.append(job)
+        ok = self._wait_until(deadline)
+        for job in abandoned:  # its handle says so; not a background failure to re-raise here
+            self._error_seen(job)
+        try:
+            atexit.unregister(self._atexit)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+        if self._persist is not None:  # the snapshot thread is the pool's
+            ok = self._persist.stop(left()) and ok
         if self._replicator is not None:  # bounded: the rest is uploaded by the next run
-            self.unreplicated = self._replicator.close(self.config.close_timeout_s)
-        self.engine.close()
-        if self._lease is not None:
-            self._lease.release()  # the pool lingers a moment for the next user, then unmaps
-        self.tier.release()
+            budget = self.config.close_timeout_s
+            if deadline is not None:
+                budget = min(budget, left() or 0.0)
+            self.unreplicated = self._replicator.close(budget)
+        if ok:
+            self.engine.close()
+            if self._lease is not None:
+                self._lease.release()  # the pool lingers a moment for the next user, then unmaps
+            self.tier.release()
+        else:
+            log.warning("zerostall: close() gave up after %s s with work in flight; it goes on in daemon "
+                        "threads", timeout)
         if not _from_atexit:
             self._raise_pending()
+        return ok
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -344,8 +490,7 @@ class Checkpointer:
 
     # -- persist thread -----------------------------------------------------------------
     def _on_done(self, job: SaveJob) -> None:
-        with self._lock:
-            sampler = self._samplers.pop(id(job), None)
+        sampler = self._samplers.pop(id(job), None)
         if sampler is not None:
             job.telemetry = sampler.stop()
         rec = record_of(job)
@@ -354,23 +499,42 @@ class Checkpointer:
         if self.config.prometheus:
             from .telemetry import prometheus
             prometheus.observe(rec)
-        with self._lock:
-            if job in self._inflight:
-                self._inflight.remove(job)
-            if job.error is not None and self.config.raise_on_background_error:
-                self._failed.append(job)
+        if job.error is not None and self.config.raise_on_background_error and not job.raised_in_save:
+            self._failed.append(job)
+        try:
+            self._inflight.remove(job)
+        except ValueError:
+            pass
         if self._replicator is not None and job.error is None and not job.skipped:
             self._replicator.submit(job)
 
     def _error_seen(self, job: SaveJob) -> None:
-        with self._lock:
-            if job in self._failed:
-                self._failed.remove(job)
+        try:
+            self._failed.remove(job)
+        except ValueError:
+            pass
 
     def _raise_pending(self) -> None:
-        with self._lock:
-            failed, self._failed = self._failed, []
+        failed = []
+        while True:  # lock-free drain: list.pop is atomic
+            try:
+                failed.append(self._failed.pop(0))
+            except IndexError:
+                break
         if failed:
             job = failed[0]
             raise SaveFailed(f"an earlier background save (step {job.step}) failed: {job.error}",
                              step=job.step) from job.error
+
+
+def _storages_of(opt: torch.optim.Optimizer) -> set[int]:
+    """Addresses of the storages an optimizer step writes: its parameters and its state."""
+    out = set()
+    for group in opt.param_groups:
+        for p in group["params"]:
+            out.add(p.untyped_storage().data_ptr())
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                out.add(v.untyped_storage().data_ptr())
+    return out

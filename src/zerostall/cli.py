@@ -1,6 +1,11 @@
 """The ``zerostall`` command line. Each subcommand is a thin shell over the library.
 
-Exit status: 0 success, 1 a check failed (``verify``, ``demo``), 2 bad usage or input.
+Exit status: 0 success; 1 a failure (a check failed, no checkpoint, a corrupt one, an I/O or
+remote error), with one line on stderr naming the cause; 2 bad usage (argparse, invalid
+options). Read-only commands (``ls``, ``verify``, ``inspect``, ``export``'s source,
+``doctor``) create nothing. Everything printed that comes from a checkpoint (keys, file
+names, error messages quoting them) is printed literally: rich markup and emoji codes are
+not interpreted and control characters are shown as escapes, never sent to the terminal.
 """
 
 from __future__ import annotations
@@ -13,7 +18,29 @@ import sys
 from typing import Any, Callable
 
 from . import cli_dcp
-from .errors import CheckpointNotFound, CorruptCheckpoint, ZerostallError
+from .errors import CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, ZerostallError
+
+
+def safe(text: Any) -> str:
+    """``text`` with control characters (ESC, BEL, bidi overrides, ...) shown as escapes."""
+    out = []
+    for ch in str(text):
+        if ch.isprintable() or ch == " ":
+            out.append(ch)
+        else:
+            out.append(repr(ch)[1:-1] if ord(ch) < 0x10000 else f"\\U{ord(ch):08x}")
+    return "".join(out)
+
+
+def cell(text: Any) -> str:
+    """``text`` for a rich table cell: :func:`safe`, then markup escaped."""
+    from rich.markup import escape
+    return escape(safe(text))
+
+
+def _console() -> Any:
+    from rich.console import Console
+    return Console(emoji=False, highlight=False)
 
 
 def _human(n: float) -> str:
@@ -34,26 +61,38 @@ def _is_url(p: str) -> bool:
     return "://" in p
 
 
+def _tier(path: str) -> Any:
+    """The tier a command reads: a local checkpoint directory, or a remote tier by URL
+    (``s3://bucket/prefix``, ``file:///shared/path``)."""
+    from .store.local import LocalTier
+    from .store.tier import open_tier
+    return open_tier(path) if _is_url(path) else LocalTier(path)
+
+
 def _remote_rows(url: str) -> list[dict[str, Any]]:
-    from .format.manifest import Manifest
     from .store.remote import open_tier
     remote = open_tier(url)
     rows = []
-    for s in remote.steps():
+    for s in remote.listed_steps():  # damaged ones too, reported as such
         try:
-            m = Manifest.from_bytes(remote.read_manifest_bytes(s), where=f"{url}/step-{s}")
+            m = remote.read_manifest(s)
             rows.append({"step": s, "bytes": m.total_bytes, "tensors": len(m.tensors),
-                         "created_unix": m.created_unix, "state": "committed", "tier": "remote"})
+                         "created_unix": m.created_unix, "state": "committed", "tier": "remote", **_refs_row(m)})
         except ZerostallError as exc:
             rows.append({"step": s, "bytes": 0, "tensors": 0, "created_unix": 0,
                          "state": f"invalid manifest: {exc}", "tier": "remote"})
     return rows
 
 
+def _refs_row(m: Any) -> dict[str, Any]:
+    """Bytes a step owns (its files) vs borrows from earlier steps (incremental saves)."""
+    return {"bytes_owned": m.total_bytes, "bytes_referenced": m.referenced_bytes,
+            "references_steps": sorted({r.step for r in m.ref_files})}
+
+
 def cmd_ls(a: argparse.Namespace) -> int:
     if not _is_url(a.path) and cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
         return cli_dcp.cmd_ls(a)
-    from rich.console import Console
     from rich.table import Table
 
     from .store.local import LocalTier
@@ -62,13 +101,15 @@ def cmd_ls(a: argparse.Namespace) -> int:
         rows = _remote_rows(a.path)
         title = a.path
     else:
+        if not os.path.isdir(a.path):
+            raise CheckpointNotFound(f"{os.path.abspath(a.path)!r} is not a directory")
         tier = LocalTier(a.path)
         title = tier.root
         for s in tier.listed_steps():  # damaged ones too, reported as such
             try:
                 m = tier.read_manifest(s)
                 rows.append({"step": s, "bytes": m.total_bytes, "tensors": len(m.tensors),
-                             "created_unix": m.created_unix, "state": "committed", "tier": "local"})
+                             "created_unix": m.created_unix, "state": "committed", "tier": "local", **_refs_row(m)})
             except ZerostallError as exc:
                 rows.append({"step": s, "bytes": 0, "tensors": 0, "created_unix": 0,
                              "state": f"invalid manifest: {exc}", "tier": "local"})
@@ -76,28 +117,35 @@ def cmd_ls(a: argparse.Namespace) -> int:
             rows.append({"step": s, "bytes": 0, "tensors": 0, "created_unix": 0,
                          "state": "partial (not a checkpoint)", "tier": "local"})
         if a.remote:
-            remote_rows = {r["step"]: r for r in _remote_rows(a.remote)}
-            for r in rows:
+            try:
+                remote_rows = {r["step"]: r for r in _remote_rows(a.remote)}
+            except RemoteError as exc:  # the local listing is still worth showing
+                print(f"zerostall ls: cannot list {a.remote}: {exc}", file=sys.stderr)
+                remote_rows = None
+            for r in rows if remote_rows is not None else []:
                 if r["step"] in remote_rows and r["state"] == "committed":
                     r["tier"] = "local+remote"
                     remote_rows.pop(r["step"])
                 elif r["state"] == "committed":
                     r["tier"] = "local (not replicated)"
-            rows.extend(remote_rows.values())
+            rows.extend((remote_rows or {}).values())
     if a.json:
         print(json.dumps(rows, indent=1))
         return 0
     if not rows:
-        print(f"no checkpoints in {title}")
+        print(f"no checkpoints in {safe(title)}")
         return 0
     import datetime as dt
-    t = Table(title=f"checkpoints in {title}")
-    for col in ("step", "size", "tensors", "created", "tier", "state"):
-        t.add_column(col, justify="right" if col in ("step", "size", "tensors") else "left")
+    t = Table(title=f"checkpoints in {cell(title)}")
+    for col in ("step", "size", "referenced", "tensors", "created", "tier", "state"):
+        t.add_column(col, justify="right" if col in ("step", "size", "referenced", "tensors") else "left")
     for r in sorted(rows, key=lambda r: r["step"]):
         created = dt.datetime.fromtimestamp(r["created_unix"]).isoformat(" ", "seconds") if r["created_unix"] else ""
-        t.add_row(str(r["step"]), _human(r["bytes"]), str(r["tensors"]), created, r["tier"], r["state"])
-    Console().print(t)
+        ref = (f"{_human(r['bytes_referenced'])} in {','.join(map(str, r['references_steps']))}"
+               if r.get("bytes_referenced") else "")
+        t.add_row(str(r["step"]), _human(r["bytes"]), ref, str(r["tensors"]), created, cell(r["tier"]),
+                  cell(r["state"]))
+    _console().print(t)
     return 0
 
 
@@ -114,6 +162,7 @@ def cmd_restore(a: argparse.Namespace) -> int:
     if not steps:
         raise CheckpointNotFound(f"no committed checkpoint at {a.url}")
     tier = LocalTier(a.to, create=True)
+    tier.own()  # a writer of --to: refused (naming the owner) while a training run holds it
     engine = _engine("auto", tier.root)
     try:
         for s in reversed(steps):
@@ -123,73 +172,91 @@ def cmd_restore(a: argparse.Namespace) -> int:
                 print(f"restored step {s} from {a.url} into {tier.step_dir(s)} ({_human(m.total_bytes)}, verified)")
                 return 0
             except CorruptCheckpoint as exc:
-                print(f"step {s}: FAILED verification: {exc}", file=sys.stderr)
+                print(f"step {s}: FAILED verification: {safe(exc)}", file=sys.stderr)
                 tier.delete(s)
     finally:
         engine.close()
+        tier.release()
     return 1
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    if cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
+    if not _is_url(a.path) and cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
         return cli_dcp.cmd_verify(a)
-    from .restore import verify_step
-    from .store.local import LocalTier
-    tier = LocalTier(a.path)
+    from .restore import verify_step, verify_tier_step
+    tier = _tier(a.path)
     steps = [a.step] if a.step is not None else tier.listed_steps()
     if not steps:
-        print(f"no committed checkpoint in {tier.root}", file=sys.stderr)
+        print(f"zerostall verify: no committed checkpoint in {safe(tier.url)}", file=sys.stderr)
         return 1
-    engine = _engine(a.engine, tier.root)
+    remote = _is_url(a.path)
+    engine = None if remote else _engine(a.engine, tier.root)
     bad = 0
-    for s in steps:
-        try:
-            m = verify_step(tier, s, engine)
-            print(f"step {s}: OK ({len(m.tensors)} tensors, {_human(m.total_bytes)} verified)")
-        except (CorruptCheckpoint, CheckpointNotFound) as exc:
-            bad += 1
-            print(f"step {s}: FAILED: {exc}", file=sys.stderr)
-    engine.close()
+    try:
+        for s in steps:
+            try:
+                m = verify_tier_step(tier, s) if remote else verify_step(tier, s, engine)
+                refs = (f" + {_human(m.referenced_bytes)} referenced in step(s) "
+                        f"{', '.join(str(x) for x in sorted({r.step for r in m.ref_files}))}" if m.ref_files else "")
+                print(f"step {s}: OK ({len(m.tensors)} tensors, {_human(m.total_bytes)} owned{refs} verified)")
+            except (CorruptCheckpoint, CheckpointNotFound) as exc:
+                bad += 1
+                print(f"step {s}: FAILED: {safe(exc)}", file=sys.stderr)
+    finally:
+        if engine is not None:
+            engine.close()
     return 1 if bad else 0
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
     if cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
         return cli_dcp.cmd_inspect(a)
-    from rich.console import Console
     from rich.table import Table
 
-    from .store.local import LocalTier
-    tier = LocalTier(a.path)
+    tier = _tier(a.path)
     step = a.step if a.step is not None else tier.latest()
     if step is None:
-        raise CheckpointNotFound(f"no committed checkpoint in {tier.root}")
+        raise CheckpointNotFound(f"no committed checkpoint in {tier.url}")
     m = tier.read_manifest(step)
     if a.json:
         print(json.dumps(m.body(), indent=1))
         return 0
-    t = Table(title=f"step {step}: {len(m.tensors)} tensors, {_human(m.total_bytes)}, world size {m.world_size}")
+    refs = f" + {_human(m.referenced_bytes)} referenced" if m.ref_files else ""
+    t = Table(title=f"step {step}: {len(m.tensors)} tensors, {_human(m.total_bytes)} owned{refs}, "
+                    f"world size {m.world_size}")
     for col in ("key", "dtype", "shape", "bytes", "file", "offset", "crc32c"):
         t.add_column(col)
     for e in m.tensors:
-        t.add_row(e.key, e.dtype, str(list(e.shape)), _human(e.nbytes), e.file, str(e.offset), f"{e.crc32c:08x}")
-    Console().print(t)
+        where = e.file if e.step is None else f"step-{e.step}/{e.file}"
+        t.add_row(cell(e.key), e.dtype, str(list(e.shape)), _human(e.nbytes), cell(where), str(e.offset),
+                  f"{e.crc32c:08x}")
+    _console().print(t)
     return 0
 
 
 def cmd_export(a: argparse.Namespace) -> int:
     if a.format != "safetensors":
-        print(f"unknown export format {a.format!r} (supported: safetensors)", file=sys.stderr)
-        return 2
+        raise ConfigError(f"unknown export format {a.format!r} (supported: safetensors)")
     try:
         from safetensors.torch import save_file
     except ImportError:
-        print("export needs the safetensors package: pip install 'zerostall[safetensors]'", file=sys.stderr)
-        return 2
+        raise ConfigError("export needs the safetensors package: pip install 'zerostall[safetensors]'") from None
+    import tempfile
+
     import torch
 
     from .restore import load
-    state = load(a.path, step=a.step)
+    from .restore_state import LoadReport
+    out_dir = os.path.dirname(os.path.abspath(a.out))
+    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+        raise ConfigError(f"cannot write {a.out!r}: {out_dir!r} is not a writable directory")
+    report = LoadReport()
+    with tempfile.TemporaryDirectory(prefix="zerostall-export-") as scratch:
+        src, remote = (scratch, a.path) if _is_url(a.path) else (a.path, None)
+        if remote is None and not os.path.isdir(src):
+            raise CheckpointNotFound(f"{os.path.abspath(src)!r} is not a directory")
+        rank, world = _export_rank(a, remote)
+        state = load(src, step=a.step, remote=remote, rank=rank, world_size=world, report=report)
     flat: dict[str, torch.Tensor] = {}
 
     def walk(x: Any, prefix: str) -> None:
@@ -205,6 +272,12 @@ def cmd_export(a: argparse.Namespace) -> int:
                 walk(v, f"{prefix}.{i}" if prefix else str(i))
 
     walk(state, "")
+    if a.prefix:
+        strip = a.prefix.rstrip(".") + "."
+        flat = {k[len(strip):]: v for k, v in flat.items() if k.startswith(strip)}
+        if not flat:
+            raise ConfigError(f"no tensor key of step {report.step} starts with {strip!r} "
+                              f"(top-level keys: {sorted(state)[:20] if isinstance(state, dict) else []})")
     # safetensors refuses shared storage; clone aliases (tied weights)
     seen: set[int] = set()
     for k, v in flat.items():
@@ -212,9 +285,26 @@ def cmd_export(a: argparse.Namespace) -> int:
             flat[k] = v.clone()
         elif v.numel():
             seen.add(v.untyped_storage().data_ptr())
-    save_file(flat, a.out, metadata={"zerostall_step": str(a.step), "source": os.path.abspath(a.path)})
-    print(f"wrote {len(flat)} tensors to {a.out}")
+    save_file(flat, a.out, metadata={"zerostall_step": str(report.step), "source": a.path,
+                                     **({"zerostall_rank": str(rank)} if world > 1 else {})})
+    print(f"wrote {len(flat)} tensors of step {report.step} to {safe(a.out)}")
     return 0
+
+
+def _export_rank(a: argparse.Namespace, remote: str | None) -> tuple[int, int]:
+    """(rank, world size) to export: a checkpoint saved per rank needs ``--rank``."""
+    tier = _tier(remote or a.path)
+    step = a.step if a.step is not None else tier.latest()
+    if step is None:
+        raise CheckpointNotFound(f"no committed checkpoint in {safe(tier.url)}")
+    m = tier.read_manifest(step)
+    if m.rank_trees is None:
+        if a.rank not in (None, 0):
+            raise ConfigError(f"step {step} holds one state for all ranks; --rank {a.rank} does not apply")
+        return 0, 1
+    if a.rank is None or not 0 <= a.rank < m.world_size:
+        raise ConfigError(f"step {step} was saved per rank by {m.world_size} ranks: pass --rank 0..{m.world_size - 1}")
+    return a.rank, m.world_size
 
 
 def _lazy(module: str, fn: str) -> Callable[[argparse.Namespace], int]:
@@ -231,33 +321,39 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("ls", help="list checkpoints (steps, sizes, state) of a directory or a remote URL")
     s.add_argument("path", help="a local directory, s3://bucket/prefix or file:///path")
-    s.add_argument("--remote", help="also show which steps this remote tier holds")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--remote", help="also show which steps this remote tier (URL) holds")
+    s.add_argument("--json", action="store_true", help="print the rows as JSON")
     s.set_defaults(fn=cmd_ls)
 
     s = sub.add_parser("restore", help="download the newest verified checkpoint (or --step) from a remote tier")
-    s.add_argument("url")
-    s.add_argument("--to", required=True, help="local checkpoint directory")
-    s.add_argument("--step", type=int)
+    s.add_argument("url", help="the remote tier: s3://bucket/prefix or file:///path")
+    s.add_argument("--to", required=True, help="local checkpoint directory (created if needed)")
+    s.add_argument("--step", type=int, help="this step instead of the newest that verifies")
     s.set_defaults(fn=cmd_restore)
 
     s = sub.add_parser("verify", help="read and check every byte; exit 1 naming the file and tensor on failure")
-    s.add_argument("path")
-    s.add_argument("--step", type=int)
-    s.add_argument("--engine", default="auto")
+    s.add_argument("path", help="a local directory, s3://bucket/prefix or file:///path (streamed, not stored)")
+    s.add_argument("--step", type=int, help="only this step (default: every step)")
+    s.add_argument("--engine", default="auto", choices=("auto", "uring", "threads", "buffered"),
+                   help="I/O engine to read with (default: chosen by probing the directory)")
     s.set_defaults(fn=cmd_verify)
 
     s = sub.add_parser("inspect", help="tensors, dtypes, shapes, bytes of a checkpoint")
-    s.add_argument("path")
-    s.add_argument("--step", type=int)
-    s.add_argument("--json", action="store_true")
+    s.add_argument("path", help="a local directory, s3://bucket/prefix or file:///path")
+    s.add_argument("--step", type=int, help="this step (default: the newest)")
+    s.add_argument("--json", action="store_true", help="print the whole manifest body as JSON")
     s.set_defaults(fn=cmd_inspect)
 
     s = sub.add_parser("export", help="write a checkpoint's tensors to another format")
-    s.add_argument("path")
-    s.add_argument("--step", type=int, required=True)
-    s.add_argument("--format", default="safetensors")
-    s.add_argument("out")
+    s.add_argument("path", help="a local directory, s3://bucket/prefix or file:///path")
+    s.add_argument("--step", type=int, default=None, help="this step (default: the newest that verifies)")
+    s.add_argument("--rank", type=int, default=None,
+                   help="the rank whose state to export, for a checkpoint saved per rank")
+    s.add_argument("--prefix", default="",
+                   help="export only keys under this prefix, without it (e.g. --prefix model, so that "
+                        "model.load_state_dict(load_file(OUT)) works)")
+    s.add_argument("--format", default="safetensors", help="output format (safetensors)")
+    s.add_argument("out", help="output file")
     s.set_defaults(fn=cmd_export)
 
     from . import cli_host
@@ -269,16 +365,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
-    a = p.parse_args(argv)
+    a = p.parse_args(argv)  # usage errors: argparse prints one line and exits 2
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
                         format="%(levelname)s %(message)s")
+
+    def fail(exc: BaseException, code: int, what: str = "") -> int:
+        msg = " ".join(safe(what or exc).split())
+        print(f"zerostall {a.cmd}: {msg}", file=sys.stderr)
+        return code
+
     try:
         return int(a.fn(a) or 0)
+    except ConfigError as exc:
+        return fail(exc, 2)
     except ZerostallError as exc:
-        print(f"zerostall {a.cmd}: {exc}", file=sys.stderr)
-        return 2
+        return fail(exc, 1)
+    except OSError as exc:  # e.g. an unwritable output path
+        where = f" {exc.filename!r}" if getattr(exc, "filename", None) else ""
+        return fail(exc, 1, f"{exc.strerror or exc}{':' if where else ''}{where}")
+    except ImportError as exc:
+        return fail(exc, 1, f"{exc} (a package this command needs is missing: pip install 'zerostall[all]')")
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        mod = type(exc).__module__ or ""
+        if mod.split(".")[0] in ("botocore", "boto3", "s3transfer", "safetensors"):  # user errors from libraries
+            return fail(exc, 1, f"{type(exc).__name__}: {exc}")
+        raise
 
 
 if __name__ == "__main__":

@@ -1,21 +1,61 @@
-"""``zerostall ls/verify/inspect`` on a DCP checkpoint directory (zerostall.dcp or FileSystemWriter).
+"""``zerostall ls/verify/inspect`` on DCP checkpoints (zerostall.dcp or FileSystemWriter).
 
-cli.py hands a local directory holding DCP metadata (``.metadata`` or ``__R.metadata``) to
-these; everything else stays in cli.py. Exit status as there: 0 fine, 1 a check failed.
+cli.py hands over a local directory when :func:`is_dcp_dir` says it is one: a DCP
+checkpoint directory (``.metadata`` or ``__R.metadata``), or a root whose ``step-N``
+subdirectories are DCP checkpoints (torchtitan's layout) and which holds no zerostall
+Checkpointer step. Everything else stays in cli.py. Exit status as there: 0 fine, 1 a check
+failed; ``--step N`` picks ``step-N`` under a root.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 
-from .errors import ZerostallError
+from .errors import CheckpointNotFound, ZerostallError
+
+_STEP_DIR_RE = re.compile(r"^step-(\d{1,19})$")
+
+
+def _step_dirs(root: str) -> list[tuple[int, str]]:
+    """(step, dir) of the DCP checkpoints directly under ``root``, ascending; [] if ``root``
+    holds a zerostall Checkpointer step (``manifest.json``)."""
+    from .dist.dcp_inspect import is_dcp_dir as _is
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    out = []
+    for n in names:
+        m = _STEP_DIR_RE.match(n)
+        d = os.path.join(root, n)
+        if m and not os.path.islink(d):
+            if os.path.lexists(os.path.join(d, "manifest.json")):
+                return []
+            if _is(d):
+                out.append((int(m.group(1)), d))
+    return sorted(out)
 
 
 def is_dcp_dir(path: str) -> bool:
     from .dist.dcp_inspect import is_dcp_dir as _is
-    return _is(path)
+    return _is(path) or bool(_step_dirs(path))
+
+
+def _targets(a: argparse.Namespace) -> list[tuple[str, str]]:
+    """(label, checkpoint dir) to act on."""
+    from .dist.dcp_inspect import is_dcp_dir as _is
+    if _is(a.path):
+        return [(a.path, a.path)]
+    steps = _step_dirs(a.path)
+    if getattr(a, "step", None) is not None:
+        steps = [(s, d) for s, d in steps if s == a.step]
+        if not steps:
+            raise CheckpointNotFound(f"no DCP checkpoint step-{a.step} in {a.path}")
+    return [(f"step {s}", d) for s, d in steps]
 
 
 def _human(n: float) -> str:
@@ -26,21 +66,23 @@ def _human(n: float) -> str:
 def cmd_ls(a: argparse.Namespace) -> int:
     from .dist.dcp_inspect import describe, metadata_files
     rows = []
-    for name in metadata_files(a.path):
-        try:
-            i = describe(a.path, name)
-            rows.append({"metadata": name, "format": i.kind_name, "bytes": i.total_bytes, "entries": len(i.entries),
-                         "files": len(i.files), "save_id": i.save_id, "state": "committed"})
-        except ZerostallError as exc:
-            rows.append({"metadata": name, "format": "?", "bytes": 0, "entries": 0, "files": 0, "save_id": "",
-                         "state": f"invalid: {exc}"})
+    for label, d in _targets(a):
+        for name in metadata_files(d):
+            try:
+                i = describe(d, name)
+                rows.append({"checkpoint": label, "metadata": name, "format": i.kind_name, "bytes": i.total_bytes,
+                             "entries": len(i.entries), "files": len(i.files), "save_id": i.save_id,
+                             "state": "committed"})
+            except ZerostallError as exc:
+                rows.append({"checkpoint": label, "metadata": name, "format": "?", "bytes": 0, "entries": 0,
+                             "files": 0, "save_id": "", "state": f"invalid: {exc}"})
     if a.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"DCP checkpoint in {a.path}")
+    print(f"DCP checkpoints in {a.path}")
     for r in rows:
-        print(f"  {r['metadata']}: {r['format']}, {r['entries']} entries, {_human(r['bytes'])} in {r['files']} "
-              f"file(s), {r['state']}")
+        print(f"  {r['checkpoint']}: {r['metadata']}: {r['format']}, {r['entries']} entries, {_human(r['bytes'])} "
+              f"in {r['files']} file(s), {r['state']}")
     return 0
 
 
@@ -48,20 +90,22 @@ def cmd_verify(a: argparse.Namespace) -> int:
     from .config import IOConfig
     from .dist.dcp_inspect import metadata_files, verify
     bad = 0
-    for name in metadata_files(a.path):
-        try:
-            i = verify(a.path, name, IOConfig(engine=a.engine))
-            how = "verified" if i.kind == "zerostall" else "loaded (FileSystemWriter stores no checksums)"
-            print(f"{name}: OK ({i.kind_name}, {len(i.entries)} entries, {_human(i.total_bytes)} {how})")
-        except ZerostallError as exc:
-            bad += 1
-            print(f"{name}: FAILED: {exc}", file=sys.stderr)
+    for label, d in _targets(a):
+        for name in metadata_files(d):
+            try:
+                i = verify(d, name, IOConfig(engine=getattr(a, "engine", "auto")))
+                how = "verified" if i.kind == "zerostall" else "loaded (FileSystemWriter stores no checksums)"
+                print(f"{label}: {name}: OK ({i.kind_name}, {len(i.entries)} entries, {_human(i.total_bytes)} {how})")
+            except ZerostallError as exc:
+                bad += 1
+                print(f"{label}: {name}: FAILED: {exc}", file=sys.stderr)
     return 1 if bad else 0
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
     from .dist.dcp_inspect import describe, metadata_files
-    infos = [describe(a.path, n) for n in metadata_files(a.path)]
+    targets = _targets(a)[-1:]  # a root: the newest step (or --step)
+    infos = [describe(d, n) for _, d in targets for n in metadata_files(d)]
     if a.json:
         print(json.dumps([{"metadata": i.metadata, "format": i.kind_name, "bytes": i.total_bytes,
                            "files": i.files, "entries": i.entries} for i in infos], indent=1))

@@ -13,6 +13,7 @@ Environment overrides (read only by :meth:`CheckpointConfig.from_env`, which
 ``ZEROSTALL_BUDGET_BYTES``     staging arena size, bytes (overrides the fraction)
 ``ZEROSTALL_BUDGET_FRACTION``  staging budget as a fraction of host RAM (default 0.4)
 ``ZEROSTALL_BACKPRESSURE``     ``block`` | ``skip``
+``ZEROSTALL_DIST_MODE``        ``per_rank`` | ``replicated`` | ``local``
 =============================  =====================================================
 """
 
@@ -107,8 +108,10 @@ class CheckpointConfig:
     telemetry_interval_s: float = 0.1
     metrics_jsonl: str | None = None
     prometheus: bool = False
-    dist_mode: Literal["per_rank", "replicated"] = "per_rank"
+    dist_mode: Literal["per_rank", "replicated", "local"] = "per_rank"
     commit_timeout_s: float = 300.0
+    join_timeout_s: float = 60.0
+    dist_name: str | None = None
     remote: str | None = None
     keep_last_remote: int | None = None
     keep_every_remote: int | None = None
@@ -123,16 +126,29 @@ class CheckpointConfig:
     """How long a new Checkpointer waits for another writer to release the root (0: fail at once)."""
     allow_lower_steps: bool = False
     """Allow saving a step lower than the root's newest committed step (see store/retention.py)."""
+    incremental: bool | str = False
+    """Reference tensors unchanged since the last committed step instead of rewriting them:
+    ``True`` (= ``"crc"``: version counter as a hint, confirmed by a crc32c of the source),
+    ``"version"`` (version counter only; see :mod:`zerostall.staging.incremental` for what it
+    can miss) or ``False``. Off by default: retention then keeps exactly ``keep_last`` steps
+    and no step depends on another's file."""
+    full_every: int | None = 10
+    """With ``incremental``: at most ``full_every - 1`` incremental saves follow a full one
+    (None: no bound)."""
 
     def __post_init__(self) -> None:
         _require(self.backpressure in ("block", "skip"), "backpressure", self.backpressure,
                  "choose block or skip")
         if self.keep_last is not None:
             _require(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1 or None")
-        _require(self.dist_mode in ("per_rank", "replicated"), "dist_mode", self.dist_mode,
-                 "choose per_rank (each rank saves its own state) or replicated (identical state on "
-                 "every rank, each tensor written once)")
+        _require(self.dist_mode in ("per_rank", "replicated", "local"), "dist_mode", self.dist_mode,
+                 "choose per_rank (each rank saves its own state), replicated (identical state on "
+                 "every rank, each tensor written once) or local (this process saves alone)")
         _require(self.commit_timeout_s > 0, "commit_timeout_s", self.commit_timeout_s, "must be > 0")
+        _require(self.join_timeout_s > 0, "join_timeout_s", self.join_timeout_s, "must be > 0")
+        if self.dist_name is not None:
+            _require(isinstance(self.dist_name, str) and 0 < len(self.dist_name) <= 200, "dist_name",
+                     self.dist_name, "must be a non-empty string (the same on every rank)")
         _require(0 <= self.close_timeout_s <= 3600, "close_timeout_s", self.close_timeout_s,
                  "must be in [0, 3600] seconds")
         _require(self.remote_retry_max_s >= 1, "remote_retry_max_s", self.remote_retry_max_s, "must be >= 1 s")
@@ -140,6 +156,10 @@ class CheckpointConfig:
         _require(self.lock_timeout_s >= 0, "lock_timeout_s", self.lock_timeout_s, "must be >= 0 seconds")
         _require(self.telemetry_interval_s > 0, "telemetry_interval_s", self.telemetry_interval_s,
                  "must be > 0")
+        _require(self.incremental in (False, True, "crc", "version"), "incremental", self.incremental,
+                 "choose False, True (= 'crc': confirmed by crc32c) or 'version'")
+        _require(self.full_every is None or (isinstance(self.full_every, int) and self.full_every >= 1),
+                 "full_every", self.full_every, "must be an int >= 1 or None")
 
     def replace(self, **changes: object) -> "CheckpointConfig":
         """A copy with ``changes`` applied (validated)."""
@@ -175,6 +195,8 @@ class CheckpointConfig:
         top: dict[str, object] = {}
         if "ZEROSTALL_BACKPRESSURE" in env:
             top["backpressure"] = env["ZEROSTALL_BACKPRESSURE"]
+        if "ZEROSTALL_DIST_MODE" in env:
+            top["dist_mode"] = env["ZEROSTALL_DIST_MODE"]
         if io_changes:
             top["io"] = dataclasses.replace(cfg.io, **io_changes)  # type: ignore[arg-type]
         if st_changes:

@@ -10,9 +10,12 @@
     ├── RootLockedError        another writer owns the checkpoint root (names it)
     ├── CheckpointNotFound     no committed checkpoint (or not that step) at the path
     ├── CorruptCheckpoint      a manifest or shard failed validation or its checksum
+    ├── StateMismatchError     the caller's state dict does not fit the checkpoint (shape, dtype, strict keys)
     ├── StorageError           the OS refused an I/O operation (ENOSPC, EIO, EACCES, ...)
     │   └── RemoteError        a remote tier (S3, shared filesystem) failed; names the URL and step
-    └── SaveFailed             a background save failed; ``__cause__`` holds the reason
+    ├── SaveFailed             a background save failed; ``__cause__`` holds the reason
+    └── DistributedError       coordination through torch.distributed failed (a rank missing,
+                               a store error); torch's own error is chained as ``__cause__``
 
 OS errors are translated at the boundary with ``raise ... from exc``; every message names
 the file, key or value at fault and what to do about it.
@@ -25,9 +28,11 @@ __all__ = [
     "CheckpointNotFound",
     "ConfigError",
     "CorruptCheckpoint",
+    "DistributedError",
     "RemoteError",
     "RootLockedError",
     "SaveFailed",
+    "StateMismatchError",
     "StepOrderError",
     "StorageError",
     "UnsupportedStateError",
@@ -127,6 +132,16 @@ class SaveFailed(ZerostallError):
         self.step = step
 
 
+class DistributedError(ZerostallError):
+    """Ranks could not coordinate: a rank did not join or report in time, or the c10d store
+    failed. ``missing_ranks`` lists the ranks that did not answer, when known; torch's
+    exception (``DistStoreError``, a timeout) is chained as ``__cause__``."""
+
+    def __init__(self, message: str, *, missing_ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.missing_ranks = tuple(missing_ranks)
+
+
 def storage_error(action: str, path: str, exc: OSError, hint: str = "") -> StorageError:
     """Translate an ``OSError`` into a :class:`StorageError` with a message people can act on."""
     import errno as _errno
@@ -146,3 +161,7 @@ def storage_error(action: str, path: str, exc: OSError, hint: str = "") -> Stora
     if hint:
         msg += f" ({hint})"
     return StorageError(msg, errno=exc.errno, filename=path)
+
+
+class StateMismatchError(ZerostallError, ValueError):
+    """The caller's state dict does not match the checkpoint (shapes, dtypes, keys under ``strict``)."""

@@ -102,6 +102,7 @@ def record_of(job: SaveJob) -> SaveRecord:
         durable_s=max(0.0, job.t_durable - job.t_submit) if job.t_durable else 0.0,
         snapshot_s=job.snapshot_s, persist_s=job.persist_s, commit_s=job.commit_s,
         persist_gbps=(nbytes / job.persist_s / 1e9) if job.persist_s > 0 else 0.0,
-        engine=job.engine, arena_bytes=job.arena_bytes, skipped=job.skipped,
+        engine=job.engine, arena_bytes=job.arena_bytes, skipped=job.skipped, bytes_written=nbytes,
+        bytes_referenced=0 if job.skipped or job.incr is None else job.incr.bytes_referenced,
         ok=job.error is None, error=str(job.error or ""), post_commit_errors=tuple(job.post_commit_errors),
         **tel)  # type: ignore[arg-type]

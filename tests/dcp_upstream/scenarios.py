@@ -466,6 +466,31 @@ def load_without_template(path: str, W: Any, R: Any) -> None:
           repr(got)[:200])
 
 
+@scenario("DefaultLoadPlanner(allow_partial_load=True): load a subset of the saved keys")
+def partial_load(path: str, W: Any, R: Any) -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    dcp.save({"a": torch.arange(4.0), "b": torch.ones(3), "c": {"x": 1}}, storage_writer=W(path))
+    out = {"b": torch.zeros(3), "extra": torch.full((2,), 9.0)}
+    dcp.load(out, storage_reader=R(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    check(torch.equal(out["b"], torch.ones(3)) and torch.equal(out["extra"], torch.full((2,), 9.0)))
+
+
+@scenario("test_fsdp_dsd.py (CPU): FSDP2 fully_shard model saved, loaded into an unsharded model")
+def fsdp2_to_full(path: str, W: Any, R: Any) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    ref = {k: v.clone() for k, v in m.state_dict().items()}
+    fully_shard(m, mesh=init_device_mesh("cpu", (world(),)))
+    dcp.save(get_model_state_dict(m), storage_writer=W(path))
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    sd = get_model_state_dict(plain, options=StateDictOptions(full_state_dict=False))
+    dcp.load(sd, storage_reader=R(path))
+    check(all(torch.equal(sd[k], ref[k]) for k in ref), "parameters differ")
+
+
 # -- the runner ----------------------------------------------------------------------------------
 def run(out: str, tmp: str, only: list[str] | None = None) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))

@@ -25,7 +25,7 @@ def test_enospc_on_small_filesystem(small_fs):
         exc = h.exception()
         assert isinstance(exc, StorageError) and exc.errno == errno.ENOSPC
         msg = str(exc)
-        assert "step-2.partial" in msg and str(20 << 20) in msg.replace(",", "") or "bytes" in msg
+        assert "step-2.partial" in msg and (str(20 << 20) in msg.replace(",", "") or "bytes" in msg)
         assert "No space left" in msg and "free space" in msg
         # training continues: the next save() raises the stored error once, then works again
         with pytest.raises(SaveFailed, match="step 2"):

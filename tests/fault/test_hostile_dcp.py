@@ -241,3 +241,15 @@ def test_good_ones_load(good, good_fsw):
         dcp.load(out, storage_reader=Reader(p), no_dist=True)
         assert torch.equal(out["w"], _state()["w"]) and out["obj"]["lr"] == 0.5
         assert isinstance(next(iter(Reader(p).read_metadata().storage_data)), MetadataIndex)
+
+
+def test_cli_on_hostile_metadata_does_not_hang(good, tmp_path, capsys):
+    from zerostall.cli import main
+    path = _copy(good, tmp_path)
+    os.unlink(os.path.join(path, ".metadata"))
+    os.mkfifo(os.path.join(path, ".metadata"))
+    assert main(["verify", path]) == 1
+    assert "not a regular file" in capsys.readouterr().err
+    assert main(["ls", path]) == 0 and "invalid" in capsys.readouterr().out
+    assert main(["inspect", path]) != 0
+    assert "not a regular file" in capsys.readouterr().err

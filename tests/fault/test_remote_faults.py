@@ -62,7 +62,7 @@ def s3(monkeypatch):
         p.stop()
     with env.direct() as remote:
         for s in remote.steps():
-            remote.delete_step(s)
+            remote.delete(s)
 
 
 def _state(step):
@@ -165,9 +165,14 @@ def test_errors_name_the_url_and_are_not_retried_on_4xx(s3, tmp_path, monkeypatc
     with pytest.raises(RemoteError) as ei:  # down, nothing local
         zerostall.load(str(tmp_path / "fresh"), remote=s3.url)
     assert s3.url in str(ei.value)
-    assert cli(["ls", s3.url]) == 2
+    assert cli(["ls", s3.url]) == 1  # a remote error: one line naming it, exit 1
     err = capsys.readouterr().err
     assert s3.url in err and "Traceback" not in err
+    local = str(tmp_path / "local")
+    zerostall.save(local, _state(1), step=1)
+    assert cli(["ls", local, "--remote", s3.url]) == 0  # the local listing, and a warning
+    captured = capsys.readouterr()
+    assert "cannot list" in captured.err and s3.url in captured.err and "step" in captured.out
 
     proxy = s3.proxy()
     with monkeypatch.context() as m, pytest.raises(RemoteError) as ei:
@@ -175,3 +180,4 @@ def test_errors_name_the_url_and_are_not_retried_on_4xx(s3, tmp_path, monkeypatc
         open_tier(s3.url).steps()
     assert "AWS_SECRET_ACCESS_KEY" in str(ei.value) or "credentials" in str(ei.value)
     assert len(proxy.requests) == 1  # a 403 is not retried
+

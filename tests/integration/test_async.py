@@ -47,7 +47,7 @@ def test_mutation_after_guard_does_not_change_checkpoint(ckdir):
             for p in model.parameters():
                 p.add_(1.0)
         rec = h.result()
-    assert rec.ok and rec.bytes > 0 and rec.stall_s >= 0
+    assert rec.ok and rec.bytes > 0 and rec.stall_s <= rec.durable_s  # the caller waited less than the save took
     out = zerostall.load(ckdir)
     assert equal(out, expected)
     assert not equal(out["model"], model.state_dict())

@@ -315,9 +315,85 @@ def test_cli_ls_verify_inspect(tmp_path, capsys):
     assert main(["verify", fsw]) == 0 and "OK (FileSystemWriter" in capsys.readouterr().out
     assert main(["inspect", zs, "--json"]) == 0
     entries = {e["key"]: e for e in __import__("json").loads(capsys.readouterr().out)[0]["entries"]}
-    assert entries["a"]["shape"] == [300, 7] and entries["a"]["dtype"] == "float32" and entries["b.s"]["type"] == "object"
+    assert entries["a"]["shape"] == [300, 7] and entries["a"]["dtype"] == "float32"
+    assert entries["b.s"]["type"] == "object"
     shard = _shards(zs)[0]
     _flip(os.path.join(zs, shard), 4096 + 4096 * 3)  # inside "a"'s payload
     assert main(["verify", zs]) == 1
     err = capsys.readouterr().err
     assert shard in err and "crc32c" in err
+
+
+def test_clear_messages_for_other_directories(tmp_path):
+    import zerostall
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+    from zerostall.errors import CheckpointNotFound
+    root = str(tmp_path / "zs_root")
+    zerostall.save(root, {"x": torch.ones(2)}, step=1)
+    with pytest.raises(CheckpointNotFound, match="zerostall Checkpointer directory"):
+        Reader(root).read_metadata()
+    with pytest.raises(CheckpointNotFound, match="zerostall Checkpointer directory"):
+        Reader(os.path.join(root, "step-1")).read_metadata()
+    st = str(tmp_path / "fsw_safetensors")
+    dcp.save({"t": torch.ones(3)}, no_dist=True,
+             storage_writer=dcp.FileSystemWriter(st, serialization_format=SerializationFormat.SAFETENSORS))
+    with pytest.raises(BaseException) as ei:
+        dcp.load({"t": torch.zeros(3)}, storage_reader=Reader(st), no_dist=True)
+    assert "UnsupportedCheckpoint" in _text(ei.value) and "SAFETENSORS" in _text(ei.value)
+
+
+def test_overwrite_false_without_hard_links(tmp_path, monkeypatch):
+    import errno
+    import zerostall.dist.dcp_storage as ds
+
+    def no_link(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+    monkeypatch.setattr(ds.os, "link", no_link)
+    path = str(tmp_path / "ck")
+    _save(path, 1.0, overwrite=False)
+    assert _same(_load(path), _state(1.0))
+    w = Writer(path, overwrite=False)  # a checkpoint appears between the plan and the commit
+    w.set_up_storage_writer(True)
+    md = Reader(path).read_metadata()
+    with pytest.raises(CheckpointAlreadyExists):
+        w.finish(md, [])
+    assert _same(_load(path), _state(1.0)) and not [n for n in os.listdir(path) if n.endswith(".tmp")]
+
+
+def test_checkpoints_of_earlier_releases(tmp_path):
+    """Before 0.2 shards were ``rank-RRRRR.zst`` written into ``<path>.partial/`` and renamed."""
+    import dataclasses
+    path = str(tmp_path / "old")
+    _save(path, 1.0)
+    shard = _shards(path)[0]
+    os.rename(os.path.join(path, shard), os.path.join(path, "rank-00000.zst"))
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        md = pickle.load(f)  # the test's own file
+    md.storage_data = {k: dataclasses.replace(v, file="rank-00000.zst") for k, v in md.storage_data.items()}
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+    assert _same(_load(path), _state(1.0))
+    # a crashed save of that release left <path>.partial with an O_EXCL shard: it no longer matters
+    os.makedirs(path + ".partial")
+    open(os.path.join(path + ".partial", "rank-00000.zst"), "wb").close()
+    _save(path, 2.0)
+    assert _same(_load(path), _state(2.0))
+    assert "rank-00000.zst" not in os.listdir(path)  # the superseded shard was this checkpoint's: removed
+
+
+def test_cli_on_a_root_of_dcp_steps(tmp_path, capsys):
+    """torchtitan's layout: <root>/step-N/ each a DCP checkpoint."""
+    import json
+    from zerostall.cli import main
+    root = str(tmp_path / "root")
+    for s in (10, 20):
+        _save(os.path.join(root, f"step-{s}"), float(s))
+    assert main(["ls", root, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["checkpoint"], r["state"]) for r in rows] == [("step 10", "committed"), ("step 20", "committed")]
+    assert main(["verify", root]) == 0 and capsys.readouterr().out.count("OK (zerostall.dcp") == 2
+    assert main(["inspect", root, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["metadata"].endswith(os.path.join("step-20", ".metadata"))
+    _flip(os.path.join(root, "step-10", _shards(os.path.join(root, "step-10"))[0]), 4096 + 100)
+    assert main(["verify", root]) == 1 and "step 10" in capsys.readouterr().err
+    assert main(["verify", root, "--step", "20"]) == 0

@@ -12,6 +12,7 @@ import pytest
 
 import zerostall
 from zerostall.dist.commit import commit_round
+from zerostall.dist.session import Session, Store
 from zerostall.store.local import LocalTier
 
 HERE = os.path.dirname(__file__)
@@ -40,7 +41,7 @@ def _launch(scenario, world, ckdir, tmp_path, timeout=180):
     return results
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_per_rank_save_restore_bit_exact(tmp_path, world):
     ckdir = str(tmp_path / "ckpt")
     res = _launch("per_rank", world, ckdir, tmp_path)
@@ -72,6 +73,76 @@ def test_replicated_tensors_written_once(tmp_path):
     assert total < 2 * single  # not world_size copies
 
 
+def test_rank0_alone_with_local_mode(tmp_path):
+    """rank-0-only saving (nanoGPT, Lightning CheckpointIO): a world of one, no store keys."""
+    ckdir = str(tmp_path / "ckpt")
+    res = _launch("local", 2, ckdir, tmp_path)
+    for rc, doc, err in res:
+        assert rc == 0, err
+    doc = res[0][1]
+    assert doc["equal"] is True and doc["steps"] == [1, 2] and doc["new_keys"] == 0
+    man = LocalTier(ckdir).read_manifest(2)
+    assert man.world_size == 1 and [f.name for f in man.files] == ["rank-00000.shard"]
+
+
+def test_absent_rank_fails_setup_on_every_present_rank(tmp_path):
+    """Ranks 0 and 1 open the root, rank 2 never does: both fail after join_timeout_s (3 s),
+    with a ZerostallError naming rank 2 and pointing to dist_mode='local'."""
+    res = _launch("absent", 3, str(tmp_path / "ckpt"), tmp_path)
+    for rc, doc, err in res:
+        assert rc == 0, err
+    for rc, doc, err in res[:2]:
+        assert doc["type"] == "DistributedError", doc
+        assert doc["missing"] == [2] and "rank(s) 2 of 3" in doc["error"] and "dist_mode='local'" in doc["error"]
+        print(f"rank {doc['rank']} failed after {doc['elapsed_s']:.2f} s (join_timeout_s=3)")
+
+
+def test_rank0_absent_fails_setup(tmp_path):
+    res = _launch("no_rank0", 2, str(tmp_path / "ckpt"), tmp_path)
+    for rc, doc, err in res:
+        assert rc == 0, err
+    doc = res[1][1]
+    assert doc["type"] == "DistributedError" and "rank 0 did not open" in doc["error"]
+    assert "dist_mode='local'" in doc["error"]
+
+
+def test_root_owned_elsewhere_fails_every_rank_at_start(tmp_path):
+    ckdir = str(tmp_path / "ckpt")
+    holder = LocalTier(ckdir, create=True)
+    holder.own()  # this (test) process is the root's writer
+    try:
+        res = _launch("locked", 2, ckdir, tmp_path)
+    finally:
+        holder.release()
+    for rc, doc, err in res:
+        assert rc == 0, err
+        assert doc["type"] == "RootLockedError", doc
+        assert "could not take the checkpoint root" in doc["error"] or "pid" in doc["error"]
+
+
+def test_local_failure_fails_the_step_everywhere_and_the_next_commits(tmp_path):
+    """Rank 1's save(2) and rank 0's save(4) raise locally (an unstorable leaf): that step fails
+    on every rank through the failure report, not the 30 s commit timeout; 1, 3, 5 commit."""
+    ckdir = str(tmp_path / "ckpt")
+    res = _launch("local_fail", 2, ckdir, tmp_path)
+    for rc, doc, err in res:
+        assert rc == 0, err
+        assert doc["steps"] == [1, 3, 5]
+        assert doc["left_keys"] == []  # every round's store keys were deleted
+        out = doc["outcomes"]
+        for step in ("1", "3", "5"):
+            assert out[step]["error"] is None, out[step]
+    r0, r1 = res[0][1]["outcomes"], res[1][1]["outcomes"]
+    assert r1["2"]["raised"] == "UnsupportedStateError" and r0["4"]["raised"] == "UnsupportedStateError"
+    assert "step 2: rank 1 failed" in r0["2"]["error"] and "did not report" not in r0["2"]["error"]
+    assert "step 4: rank 0 failed" in r1["4"]["error"]
+    for name, out in (("rank 0", r0), ("rank 1", r1)):
+        print(f"{name}: step 2 settled after {out['2']['elapsed_s']:.2f} s, step 4 after "
+              f"{out['4']['elapsed_s']:.2f} s (commit_timeout_s=30)")
+    for r in range(2):
+        assert zerostall.load(ckdir, rank=r, world_size=2)["x"][0].item() == float(r + 5)
+
+
 def test_sigkill_one_rank_mid_persist(tmp_path):
     ckdir = str(tmp_path / "ckpt")
     res = _launch("kill", 3, ckdir, tmp_path)
@@ -79,8 +150,11 @@ def test_sigkill_one_rank_mid_persist(tmp_path):
     for rc, doc, err in res[:2]:
         assert rc == 0, err
         assert doc["error"] and "step 2" in doc["error"]
-        assert "did not report" in doc["error"] or "rank 0" in doc["error"] or "failed" in doc["error"]
+        assert "did not report" in doc["error"] or "rank 0" in doc["error"], doc["error"]
         assert doc["after"] == 3.0  # the training thread kept going
+        assert doc["closed"] is True
+        print(f"rank {doc['rank']}: step 2 failed after {doc['elapsed_s']:.2f} s (commit_timeout_s=6)")
+    assert "rank(s) 2 did not report" in res[0][1]["error"]
     assert LocalTier(ckdir).steps() == [1]
     assert not os.path.exists(os.path.join(ckdir, "step-2"))
     for r in range(3):
@@ -108,7 +182,8 @@ def test_simulated_512_rank_commit(tmp_path, capsys):
                                  "offset": 4096, "nbytes": 16, "crc32c": r}]],
                 "tree": {"d": [[{"v": "w"}, {"T": 0}]]}}
         try:
-            commit_round(clients[r], "sim/0-7", r, world, frag, tier, 7, per_rank=True, timeout_s=120)
+            session = Session("sim/0", r, world, False, (0,), ("h",), "h")
+            commit_round(Store(clients[r]), session, frag, tier, 7, per_rank=True, timeout_s=120)
         except Exception as exc:  # noqa: BLE001
             errors.append((r, exc))
 
@@ -126,4 +201,19 @@ def test_simulated_512_rank_commit(tmp_path, capsys):
     man = tier.read_manifest(7)
     assert len(man.files) == world and len(man.rank_trees) == world
     assert man.rank_trees[511] == {"d": [[{"v": "w"}, {"T": 511}]]}
+    assert master.num_keys() == 0 or not any(master.check([f"sim/0/s7/{k}"]) for k in ("result", "ack", "r1"))
     del master
+
+
+def test_remote_replicated_only_once_the_manifest_is_there(tmp_path, monkeypatch):
+    """Rank 1 uploads its shard while rank 0's manifest upload is held back: rank 1 must not
+    report the step replicated until the manifest is on the remote."""
+    monkeypatch.setenv("ZS_REMOTE_ROOT", str(tmp_path / "remote"))
+    res = _launch("remote", 2, str(tmp_path / "ckpt"), tmp_path)
+    for rc, doc, err in res:
+        assert rc == 0, err
+        assert doc["durable"] and doc["replicated"] and doc["manifest_after"] and doc["unreplicated"] == []
+    r1 = res[1][1]
+    assert r1["shard_up"] and not r1["manifest_before"] and r1["replicated_before_manifest"] is False
+    assert sorted(os.listdir(tmp_path / "remote" / "step-1")) == ["manifest.json", "rank-00000.shard",
+                                                                  "rank-00001.shard"]

@@ -12,6 +12,8 @@ from zerostall.io._sys import resident_pages
 from zerostall.staging.arena import Arena
 from zerostall.telemetry.host import read_vmstat
 
+from tests.helpers import skip_unless_engine
+
 
 @pytest.mark.parametrize("nbytes", [4096, 12288, (8 << 20) + 4096, 3 * (8 << 20)])
 def test_write_read_roundtrip(tmp_path, engine_name, nbytes):
@@ -55,6 +57,7 @@ def test_create_refuses_existing(tmp_path, engine_name):
 @pytest.mark.parametrize("name", ["threads", "uring"])
 def test_1gib_write_leaves_no_page_cache(tmp_path, name):
     """Direct engines: the shard's pages are not cached and nr_dirty barely moves."""
+    skip_unless_engine(name)
     n = 1 << 30
     eng = get_engine(name, IOConfig())
     buf = Arena(n, mlock=False)

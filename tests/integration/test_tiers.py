@@ -100,3 +100,11 @@ def test_distributed_ranks_all_refused_when_root_is_owned(tmp_path, ckdir):
             res = json.load(open(out))
             assert res["type"] == "RootLockedError", res
             assert f"pid {os.getpid()}" in res["error"]  # (a store timeout would name no owner)
+
+
+def test_a_checkpointer_that_fails_to_start_releases_the_root(ckdir):
+    with pytest.raises(ConfigError) as ei:
+        zerostall.Checkpointer(ckdir, io=IOConfig(engine="nope"))
+    assert ei.value.__traceback__ is not None  # the half-built object is still referenced here
+    with zerostall.Checkpointer(ckdir) as c:
+        c.save(1, {"x": torch.ones(2)}).result()

@@ -91,12 +91,37 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--kill-at-step", type=int)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--ddp", action="store_true")
     a = p.parse_args(argv)
+    if a.ddp:
+        return ddp_main(a.outdir)
     torch.set_num_threads(1)
     cbs = [KillAt(a.kill_at_step)] if a.kill_at_step is not None else []
     t = make_trainer(a.outdir, a.trainer, a.steps, callbacks=cbs)
     t.train(resume_from_checkpoint=True if a.resume else None)
     torch.save(final_params(t), os.path.join(a.outdir, "final.pt"))
+
+
+
+def ddp_main(outdir):
+    """Under torchrun (2 gloo processes): uninterrupted vs stopped at 8 and resumed; each rank
+    writes whether its final parameters are bit-identical."""
+    import json
+
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    full = make_trainer(os.path.join(outdir, "full"), "zerostall", 12)
+    full.train()
+    want = final_params(full)
+    make_trainer(os.path.join(outdir, "stopped"), "zerostall", 12, callbacks=[StopAt(8)]).train()
+    resumed = make_trainer(os.path.join(outdir, "stopped"), "zerostall", 12)
+    resumed.train(resume_from_checkpoint=True)
+    got = final_params(resumed)
+    rank = dist.get_rank()
+    same = all(torch.equal(want[k], got[k]) for k in want)
+    with open(os.path.join(outdir, f"ddp-rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "world": dist.get_world_size(), "equal": same,
+                   "step": resumed.state.global_step}, f)
 
 
 if __name__ == "__main__":

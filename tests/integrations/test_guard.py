@@ -15,7 +15,8 @@ from tests.helpers import clone, equal
 
 
 def _pending(ck):
-    job = types.SimpleNamespace(staged=threading.Event(), done=threading.Event(), guard_wait_s=0.0)
+    job = types.SimpleNamespace(staged=threading.Event(), done=threading.Event(), guard_wait_s=0.0,
+                                submitted=True, reads=lambda storages: True, step=-1)
     job.done.set()  # Checkpointer.wait()/close() must not wait for it
     ck._inflight.append(job)
     return job
@@ -106,3 +107,25 @@ def test_guard_rejects_non_optimizers(ckdir):
     with zerostall.Checkpointer(ckdir) as ck:
         with pytest.raises(zerostall.errors.ConfigError, match="torch.optim.Optimizer"):
             ck.guard(object())
+
+
+def test_state_guard_holds_only_the_forward_of_modules_whose_buffers_are_copied(ckdir):
+    from zerostall.integrations._common import StateGuard
+    bn, lin = torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 4)
+    guard = StateGuard()
+    with zerostall.Checkpointer(ckdir) as ck:
+        job = _pending(ck)
+        try:
+            guard.track(ck, list(bn.state_dict().values()))
+            lin(torch.randn(2, 4))  # no buffer being copied: runs at once
+            before = bn.running_mean.clone()
+            t, done = _step_in_thread(lambda: bn(torch.randn(3, 4)))
+            assert not done.wait(0.3) and torch.equal(bn.running_mean, before)
+            job.staged.set()
+            t.join(10)
+            assert done.is_set() and not torch.equal(bn.running_mean, before)
+            bn(torch.randn(3, 4))  # nothing pending: the forward hook removes itself
+            assert guard._fwd_hook is None
+        finally:
+            ck._inflight.remove(job)
+            guard.close()

@@ -132,3 +132,32 @@ def test_options_and_errors(tmp_path):
     assert io.load_checkpoint(tmp_path / "a.ckpt")["hp"] == argparse.Namespace(a=1)
     io.remove_checkpoint(tmp_path / "a.ckpt")
     assert not os.path.exists(tmp_path / "a.ckpt") and os.listdir(tmp_path) == []
+    # a torch.save file under the same name is set aside, and removed once the new save is durable
+    torch.save({"old": 1}, tmp_path / "b.ckpt")
+    os.makedirs(tmp_path / ".c.ckpt.zerostall-removing")  # left by a crashed run
+    io = ZerostallCheckpointIO()
+    io.save_checkpoint(state, tmp_path / "b.ckpt")
+    io.teardown()
+    assert sorted(os.listdir(tmp_path)) == ["b.ckpt"] and is_zerostall_checkpoint(tmp_path / "b.ckpt")
+
+
+def test_save_last_as_a_link(tmp_path):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    torch.set_num_threads(1)
+
+    def run(epochs, resume=None):
+        cb = ModelCheckpoint(dirpath=tmp_path, monitor="train_loss", save_top_k=1, save_last="link")
+        trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, plugins=[ZerostallCheckpointIO()], callbacks=[cb])
+        model = app.TinyModel(argparse.Namespace(seed=1))
+        trainer.fit(model, app.data(), ckpt_path=resume)
+        return model
+
+    run(2)
+    last = tmp_path / "last.ckpt"
+    assert os.path.islink(last) and is_zerostall_checkpoint(last)
+    assert zerostall.load(last)["epoch"] == 1
+    model = run(3, resume="last")
+    assert equal(zerostall.load(last)["state_dict"], model.state_dict())
+    assert zerostall.load(last)["epoch"] == 2

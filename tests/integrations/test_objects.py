@@ -235,3 +235,15 @@ def test_manifest_stays_json(tmp_path, registered):
     zerostall.save(tmp_path / "ck", {"cfg": Cfg(), "ns": argparse.Namespace(a=1)}, 3)
     body = json.load(open(os.path.join(tmp_path, "ck", "step-3", "manifest.json")))["body"]
     assert "Namespace" in json.dumps(body["tree"])
+
+
+@pytest.mark.gpu
+def test_rng_state_covers_every_cuda_device(tmp_path):
+    state = zerostall.rng_state()
+    assert len(state["cuda"]) == torch.cuda.device_count()
+    zerostall.save(tmp_path / "ck", {"rng": state}, 1)
+    want = [torch.rand(3, device=f"cuda:{i}") for i in range(torch.cuda.device_count())]
+    torch.cuda.manual_seed_all(99)
+    zerostall.set_rng_state(zerostall.load(tmp_path / "ck")["rng"])
+    got = [torch.rand(3, device=f"cuda:{i}") for i in range(torch.cuda.device_count())]
+    assert all(torch.equal(a, b) for a, b in zip(want, got))

@@ -72,3 +72,38 @@ def test_sigkill_mid_run_then_resume_with_the_mixin(tmp_path, reference):
     t.train(resume_from_checkpoint=True)
     assert type(t).__mro__[2] is hf_app.CountingTrainer and hf_app.CountingTrainer.losses_computed > 0
     assert equal(hf_app.final_params(t), reference)
+
+
+def test_load_best_model_at_end_reads_the_zerostall_checkpoint(tmp_path):
+    from transformers import TrainingArguments
+
+    from zerostall.integrations.transformers import ZerostallTrainer
+    torch.set_num_threads(1)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=8, save_steps=4, eval_strategy="steps",
+                             eval_steps=4, load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                             greater_is_better=True,  # the worse loss "wins": not the final weights
+                             save_total_limit=1, per_device_train_batch_size=4, learning_rate=1e-2,
+                             report_to=[], use_cpu=True, disable_tqdm=True)
+    t = ZerostallTrainer(model=hf_app.model(), args=args, train_dataset=hf_app.dataset(),
+                         eval_dataset=hf_app.dataset(8))
+    t.train()
+    best = t.state.best_model_checkpoint
+    assert best is not None and os.path.isdir(best)
+    # save_total_limit=1 still keeps the best checkpoint besides the newest one
+    assert sorted(os.listdir(tmp_path)) == sorted({os.path.basename(best), "checkpoint-8"})
+    assert equal(hf_app.final_params(t), zerostall.load(best)["model"])
+
+
+def test_ddp_two_gloo_processes_resume_exactly(tmp_path):
+    import json
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "src")]), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29653",
+                        os.path.join(HERE, "hf_app.py"), str(tmp_path), "--ddp"], env=env, timeout=300,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    docs = [json.load(open(tmp_path / f"ddp-rank{i}.json")) for i in (0, 1)]
+    assert [d["world"] for d in docs] == [2, 2] and all(d["step"] == 12 for d in docs)
+    assert all(d["equal"] for d in docs)
+    ck = tmp_path / "stopped" / "checkpoint-8"
+    files = sorted(os.listdir(ck / "step-8"))
+    assert [f for f in files if f.startswith("rank-")] and len([f for f in files if f.startswith("rank-")]) == 2

@@ -40,3 +40,15 @@ def test_env_overrides():
     assert c.staging.budget_bytes == 64 << 20 and c.backpressure == "skip"
     with pytest.raises(ConfigError, match="ZEROSTALL_QUEUE_DEPTH"):
         CheckpointConfig.from_env(environ={"ZEROSTALL_QUEUE_DEPTH": "many"})
+
+
+def test_dist_settings():
+    assert CheckpointConfig(dist_mode="local").dist_mode == "local"
+    assert CheckpointConfig().join_timeout_s <= 60
+    with pytest.raises(ConfigError, match="join_timeout_s"):
+        CheckpointConfig(join_timeout_s=0)
+    with pytest.raises(ConfigError, match="dist_mode"):
+        CheckpointConfig(dist_mode="rank0")
+    with pytest.raises(ConfigError, match="dist_name"):
+        CheckpointConfig(dist_name="")
+    assert CheckpointConfig.from_env(environ={"ZEROSTALL_DIST_MODE": "local"}).dist_mode == "local"

@@ -31,9 +31,10 @@ def test_sampler_peaks():
     out = s.stop()
     assert set(out) >= {"dirty_peak_bytes", "dirty_rise_bytes", "writeback_peak_bytes", "psi_io_full_peak",
                         "psi_mem_full_peak", "kswapd_scan_delta", "rss_peak_bytes"}
-    assert out["rss_peak_bytes"] > 0 and out["dirty_rise_bytes"] >= 0
+    assert out["rss_peak_bytes"] > 0 and out["dirty_rise_bytes"] <= out["dirty_peak_bytes"]
     h = HostSample.now()
-    assert h.dirty_threshold_bytes >= 0 and h.rss_bytes > 0
+    assert h.rss_bytes > 0 and h.dirty_threshold_bytes > 0
+    assert h.dirty_bg_threshold_bytes <= h.dirty_threshold_bytes  # the kernel keeps background <= foreground
 
 
 def test_parse_tracepoint_lines():

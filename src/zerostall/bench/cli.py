@@ -13,27 +13,49 @@ def _lazy(module: str, fn: str) -> Any:
     return run
 
 
+def _positive(kind: Any) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+        return v
+    return parse
+
+
+def _device(text: str) -> str:
+    if text not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: use cpu or cuda")
+    if text == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError("cuda: no CUDA device is available on this host")
+    return text
+
+
 def add_parsers(sub: Any) -> None:
     s = sub.add_parser("demo", help="train a small transformer with async checkpoints, crash it, resume bit-exact")
-    s.add_argument("--steps", type=int, default=60)
-    s.add_argument("--every", type=int, default=10, help="checkpoint interval in steps")
+    s.add_argument("--steps", type=_positive(int), default=60, help="training steps")
+    s.add_argument("--every", type=_positive(int), default=10, help="checkpoint interval in steps")
     s.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir, removed)")
     s.add_argument("--keep", action="store_true", help="keep the checkpoint directory")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="random seed of the model and data")
     s.add_argument("--tiny", action="store_true", help="a tiny model (used by the tests)")
     s.set_defaults(fn=_lazy("zerostall.bench.demo", "main"))
 
     s = sub.add_parser("bench", help="zerostall vs torch.save vs DCP on the same disk, with a training loop running")
-    s.add_argument("--size-gib", type=float, default=2.0)
-    s.add_argument("--repeat", type=int, default=3)
+    s.add_argument("--size-gib", type=_positive(float), default=2.0, help="checkpoint size to save, GiB")
+    s.add_argument("--repeat", type=_positive(int), default=3, help="saves per method")
     s.add_argument("--methods", default=None, help="comma-separated (default: all available)")
     s.add_argument("--dir", default=None, help="work directory on the disk to test (default: ./zerostall-bench-*)")
-    s.add_argument("--device", default="cpu", help="cpu or cuda: where the state lives")
-    s.add_argument("--throttle-write-mbps", type=int, default=None,
+    s.add_argument("--device", type=_device, default="cpu", help="cpu or cuda: where the state lives")
+    s.add_argument("--throttle-write-mbps", type=_positive(int), default=None,
                    help="cap the device's write bandwidth (cgroup) to emulate slow storage")
     s.add_argument("--json", default=None, help="write the results document here")
     s.add_argument("--plot", default=None, help="write a PNG: step latency and nr_dirty over time")
-    s.add_argument("--settle-s", type=float, default=1.0, help="trainer warm-up before each save")
+    s.add_argument("--settle-s", type=_positive(float), default=1.0, help="trainer warm-up before each save")
     s.add_argument("--no-line-rate", action="store_true", help="skip the fio/probe line-rate measurement")
     s.add_argument("--no-cold", action="store_true", help="skip the cold scenario (a fresh process per method)")
     s.set_defaults(fn=_lazy("zerostall.bench.bench", "main"))

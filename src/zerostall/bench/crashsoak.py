@@ -5,7 +5,9 @@ async pipeline allows (``keep_last=3``, so retention runs too). The parent kills
 random moment (during snapshot, persist, commit or retention), then checks that the newest
 committed checkpoint loads bit-exact and equals ``state_of`` its step, and that every
 committed step verifies. Used by ``tests/fault`` (>= 30 kills) and
-``benchmarks/soak_crash.py`` (200 kills).
+``benchmarks/soak_crash.py`` (200 kills). With ``incremental=True`` the state also holds a
+frozen part, saved with ``Checkpointer(incremental=True, full_every=3)``: most steps then
+reference an earlier step's file, and retention must keep it.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from dataclasses import dataclass, field
 import torch
 
 
-def state_of(step: int) -> dict[str, object]:
+def state_of(step: int, incremental: bool = False) -> dict[str, object]:
     g = torch.Generator().manual_seed(step)
-    return {"w": torch.full((1 << 20,), float(step)), "r": torch.randn(100_000 + step % 977, generator=g),
-            "i": torch.arange(4096, dtype=torch.int64) * step, "meta": {"step": step, "name": f"s{step}"}}
+    out = {"w": torch.full((1 << 20,), float(step)), "r": torch.randn(100_000 + step % 977, generator=g),
+           "i": torch.arange(4096, dtype=torch.int64) * step, "meta": {"step": step, "name": f"s{step}"}}
+    if incremental:  # frozen: identical bytes at every step
+        out["frozen"] = torch.randn(1 << 20, generator=torch.Generator().manual_seed(7))
+    return out
 
 
 def _equal(a: object, b: object) -> bool:
@@ -33,13 +38,18 @@ def _equal(a: object, b: object) -> bool:
     return a == b
 
 
-def child(directory: str) -> None:
+def child(directory: str, incremental: bool = False) -> None:
     from ..checkpointer import Checkpointer
-    with Checkpointer(directory, keep_last=3) as ck:
+    opts = {"incremental": True, "full_every": 3} if incremental else {}
+    with Checkpointer(directory, keep_last=3, **opts) as ck:
         step = (ck.latest_step() or 0) + 1
+        frozen = state_of(0, incremental).get("frozen")
         print("READY", flush=True)
         while True:
-            ck.save(step, state_of(step))
+            state = state_of(step, incremental)
+            if frozen is not None:
+                state["frozen"] = frozen  # the same tensor, unchanged: referenced, not rewritten
+            ck.save(step, state)
             step += 1
 
 
@@ -49,10 +59,12 @@ class Tally:
     ok: int = 0
     empty: int = 0  # killed before the first commit
     partial_seen: int = 0
+    referencing: int = 0  # checks where the newest step referenced an earlier step's file
+    leftovers_seen: int = 0  # a kill left .deleting-*/.old/latest.tmp (the next owner removes them)
     failures: list[str] = field(default_factory=list)
 
 
-def check(directory: str, tally: Tally) -> None:
+def check(directory: str, tally: Tally, incremental: bool = False) -> None:
     from ..errors import ZerostallError
     from ..io import get_engine
     from ..config import IOConfig
@@ -61,14 +73,16 @@ def check(directory: str, tally: Tally) -> None:
     tier = LocalTier(directory)
     steps = tier.steps()
     tally.partial_seen += bool(tier.partial_steps())
+    tally.leftovers_seen += any(not n.endswith(".partial") for n in tier.leftovers())
     if not steps:
         tally.empty += 1
         return
     try:
         got = load(directory, fallback=False)
-        if not _equal(got, state_of(steps[-1])):
+        if not _equal(got, state_of(steps[-1], incremental)):
             tally.failures.append(f"kill {tally.kills}: step {steps[-1]} loads but differs from its state")
             return
+        tally.referencing += bool(tier.read_manifest(steps[-1]).ref_files)
         eng = get_engine("threads", IOConfig())
         for s in steps:
             verify_step(tier, s, eng)
@@ -78,11 +92,13 @@ def check(directory: str, tally: Tally) -> None:
         tally.failures.append(f"kill {tally.kills}: {exc}")
 
 
-def run(directory: str, kills: int, seed: int = 0, max_delay_s: float = 0.4, progress: bool = False) -> Tally:
+def run(directory: str, kills: int, seed: int = 0, max_delay_s: float = 0.4, progress: bool = False,
+        incremental: bool = False) -> Tally:
     rnd = random.Random(seed)
     tally = Tally()
     for _ in range(kills):
-        p = subprocess.Popen([sys.executable, "-m", "zerostall.bench.crashsoak", directory],
+        p = subprocess.Popen([sys.executable, "-m", "zerostall.bench.crashsoak", directory]
+                             + (["incremental"] if incremental else []),
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         assert p.stdout is not None
         if p.stdout.readline().strip() != "READY":
@@ -97,7 +113,7 @@ def run(directory: str, kills: int, seed: int = 0, max_delay_s: float = 0.4, pro
         p.send_signal(signal.SIGKILL)
         p.wait()
         tally.kills += 1
-        check(directory, tally)
+        check(directory, tally, incremental)
         if progress:
             print(f"\rkills {tally.kills}/{kills}: ok {tally.ok}, failures {len(tally.failures)}", end="", flush=True)
     if progress:
@@ -106,4 +122,4 @@ def run(directory: str, kills: int, seed: int = 0, max_delay_s: float = 0.4, pro
 
 
 if __name__ == "__main__":
-    child(sys.argv[1])
+    child(sys.argv[1], incremental=sys.argv[2:] == ["incremental"])

@@ -4,7 +4,8 @@ Imports ``store``, ``format`` and ``staging`` (downward); nothing here imports t
 checkpointer or the CLI.
 """
 
-from .commit import StoreCommitter, commit_round, setup_protocol
+from .commit import StoreCommitter, commit_round
 from .ranks import RankInfo, discover
+from .session import Session, Store, join, namespace
 
-__all__ = ["RankInfo", "StoreCommitter", "commit_round", "discover", "setup_protocol"]
+__all__ = ["RankInfo", "Session", "Store", "StoreCommitter", "commit_round", "discover", "join", "namespace"]

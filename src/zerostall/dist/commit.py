@@ -1,26 +1,31 @@
-"""The cross-rank commit, through the c10d store (never the training's process group).
+"""The cross-rank commit of one step, through the c10d store (never the training's group).
 
 Why the store and not a gloo group: the commit runs on each rank's persist thread, at a
-different moment on every rank. Store operations are independent key/value requests with
-per-call timeouts, safe from any thread; a collective on a group would have to be entered
-by every rank in the same order, and one rank that failed, skipped or died would leave the
-others blocked inside it. The store (torchrun's rendezvous store, or the one passed in) is
-already there, and its traffic is a few small keys per rank per checkpoint.
+different moment on every rank. Store requests are independent, safe from any thread and
+bounded by our own deadlines; a collective would have to be entered by every rank in the
+same order, and one rank that failed, skipped or died would leave the others inside it.
 
-Protocol for save number ``seq`` (every rank saves in the same order), keys under
-``<prefix>/<seq>-<step>/``:
+Rounds are keyed by (root, step) — ``<ns>/<sid>/s<step>/`` where ``ns`` names the root and
+``sid`` the session agreed at start-up (:mod:`.session`) — never by a per-process counter, so
+a rank that failed or skipped a step cannot shift the keys of later steps. The round of
+step N:
 
-1. every rank writes its shard into ``step-N.partial/rank-R.shard`` and fdatasyncs it;
-2. every rank sets ``r<R>`` = its fragment (file entry, tensor entries with crc32c, tree) or
-   ``{"ok": false, "error": ...}``;
-3. rank 0 (the coordinator) waits for all ``r*`` keys (``commit_timeout_s``); if every rank
-   is durable it merges the fragments into one manifest and runs the local tier's commit
-   (manifest, fsync, rename, fsync, latest) — on a node-local root every node's lowest rank
-   does steps 3's rename on its own disk after the decision;
-4. rank 0 sets ``result`` = ``{"commit": true}`` or ``{"commit": false, "error": ...}``;
-   the others wait for it (same timeout) and finish their handles accordingly.
+1. every rank writes ``step-N.partial/rank-R.shard`` and fdatasyncs it;
+2. rank ``R > 0`` sets ``r<R>`` = its fragment (file entry, tensor entries with crc32c, tree);
+   a rank that failed locally — in ``save()`` before anything was queued, while writing, or
+   by skipping — sets ``fail`` = ``{rank, error}`` instead (rank 0 sets ``result`` directly);
+3. rank 0 (the coordinator) polls until every ``r*`` key exists, ``fail`` exists (the step
+   fails at once on every rank) or ``commit_timeout_s`` passes (the missing ranks are named);
+   if all are durable it merges the fragments into one manifest and runs the local tier's
+   commit (manifest, fsync, rename, fsync, latest);
+4. rank 0 sets ``result`` = ``{"commit": true}`` or ``{"commit": false, "error": ...}``; the
+   others poll for it (same timeout), delete their own ``r<R>``, and on a node-local root each
+   host's leader renames its own copy and sets ``done/<host>`` for the others of its host;
+5. every rank adds 1 to ``ack`` once it is finished with the round (a rank that failed
+   locally does so when it reports); the rank that completes the count deletes ``result``,
+   ``fail``, ``ack`` and ``done/*``. Keys of a round stay behind only when a rank died.
 
-A rank that dies before step 2 never reports: rank 0 times out, publishes the failure and
+A rank that dies before reporting never reports: rank 0 times out, publishes the failure and
 removes the partial directory; nobody commits. If rank 0 dies, the others time out waiting
 for ``result`` and fail their handles; nothing was renamed, so nothing is committed.
 """
@@ -31,73 +36,18 @@ import hashlib
 import json
 import logging
 import os
-import socket
 import time
-import uuid
-from datetime import timedelta
 from typing import Any
 
-from ..errors import RootLockedError, SaveFailed, ZerostallError
+from ..errors import DistributedError, SaveFailed
 from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..format.tree import remap_tree
 from ..staging.job import SaveJob
 from ..store.local import LocalTier
 from ..store.persist import file_entry, tensor_entries
+from .session import Session, Store
 
 log = logging.getLogger("zerostall")
-
-
-def _wait(store: Any, keys: list[str], timeout_s: float) -> None:
-    store.wait(keys, timedelta(seconds=timeout_s))
-
-
-def _missing(store: Any, keys: list[str]) -> list[str]:
-    return [k for k in keys if not store.check([k])]
-
-
-def setup_protocol(store: Any, prefix: str, rank: int, world: int, tier: LocalTier,
-                   timeout_s: float) -> dict[str, Any]:
-    """Start-up round (all ranks, caller's thread): agree whether the root is shared, and clean
-    stale partials once per filesystem. Returns ``{"node_local": bool, "leaders": [...]}``."""
-    host = socket.gethostname()
-    if rank == 0:
-        token = uuid.uuid4().hex
-        with open(os.path.join(tier.root, f".zerostall-shared-{token}"), "w"):
-            pass
-        store.set(f"{prefix}/token", token)
-    _wait(store, [f"{prefix}/token"], timeout_s)
-    token = store.get(f"{prefix}/token").decode()
-    sees = os.path.exists(os.path.join(tier.root, f".zerostall-shared-{token}"))
-    store.set(f"{prefix}/init/r{rank}", json.dumps({"host": host, "sees": sees}))
-    if rank == 0:
-        keys = [f"{prefix}/init/r{r}" for r in range(world)]
-        _wait(store, keys, timeout_s)
-        infos = [json.loads(store.get(k)) for k in keys]
-        node_local = not all(i["sees"] for i in infos)
-        leaders: dict[str, int] = {}
-        for r, i in enumerate(infos):
-            leaders.setdefault(i["host"], r)
-        os.unlink(os.path.join(tier.root, f".zerostall-shared-{token}"))
-        store.set(f"{prefix}/ready", json.dumps({"node_local": node_local, "leaders": sorted(leaders.values())}))
-    _wait(store, [f"{prefix}/ready"], timeout_s)
-    cfg = json.loads(store.get(f"{prefix}/ready"))
-    own_error: ZerostallError | None = None
-    if rank in cfg["leaders"] if cfg["node_local"] else rank == 0:
-        try:  # the one writer of this root: lock it (RootLockedError names the holder), recover it
-            tier.own()
-        except ZerostallError as exc:
-            own_error = exc
-    store.set(f"{prefix}/cleaned/r{rank}", json.dumps({"error": str(own_error)} if own_error else {}))
-    keys = [f"{prefix}/cleaned/r{r}" for r in range(world)]
-    _wait(store, keys, timeout_s)
-    failed = [(r, e) for r, k in enumerate(keys) if (e := json.loads(store.get(k) or b"{}").get("error"))]
-    if failed:  # every rank fails at once, rather than after a commit timeout
-        tier.release()
-        if own_error is not None:
-            raise own_error
-        r, msg = failed[0]
-        raise RootLockedError(f"rank {r} could not take the checkpoint root: {msg}", root=tier.root)
-    return cfg
 
 
 def merge(fragments: list[dict[str, Any]], step: int, world: int, per_rank: bool,
@@ -132,67 +82,128 @@ def merge(fragments: list[dict[str, Any]], step: int, world: int, per_rank: bool
                     user_metadata=user_metadata, rank_trees=rank_trees)
 
 
-def commit_round(store: Any, base: str, rank: int, world: int, fragment: dict[str, Any], tier: LocalTier,
-                 step: int, *, per_rank: bool, timeout_s: float, overwrite: bool = False,
-                 node_local: bool = False, leaders: list[int] | None = None,
+def commit_round(store: Store, session: Session, fragment: dict[str, Any], tier: LocalTier, step: int, *,
+                 per_rank: bool, timeout_s: float, overwrite: bool = False,
                  user_metadata: dict[str, Any] | None = None) -> None:
-    """Steps 2-4 of the protocol for one rank. Raises :class:`SaveFailed` if nothing committed."""
-    store.set(f"{base}/r{rank}", json.dumps(fragment))
-    if rank == 0:
-        keys = [f"{base}/r{r}" for r in range(world)]
-        try:
-            try:
-                _wait(store, keys, timeout_s)
-            except Exception:  # noqa: BLE001 - DistStoreError / RuntimeError by torch version
-                missing = [k.rsplit("/r", 1)[1] for k in _missing(store, keys)]
-                raise SaveFailed(f"step {step}: rank(s) {', '.join(missing)} did not report within "
-                                 f"{timeout_s:g} s (died or stuck); nothing committed", step=step) from None
-            frags = [json.loads(store.get(k)) for k in keys]
-            bad = [(r, f.get("error", "?")) for r, f in enumerate(frags) if not f.get("ok")]
-            if bad:
-                raise SaveFailed(f"step {step}: rank {bad[0][0]} failed: {bad[0][1]}; nothing committed", step=step)
-            man = merge(frags, step, world, per_rank, user_metadata or {})
-            if not node_local:
-                tier.commit(step, man, overwrite=overwrite)
-            store.set(f"{base}/result", json.dumps({"commit": True, "manifest": man.to_bytes().decode()
-                                                    if node_local else None}))
-        except BaseException as exc:
-            store.set(f"{base}/result", json.dumps({"commit": False, "error": str(exc)}))
-            raise
-        for k in keys:
-            store.delete_key(k)
-    else:
-        try:
-            _wait(store, [f"{base}/result"], timeout_s)
-        except Exception:  # noqa: BLE001
-            raise SaveFailed(f"step {step}: the coordinator (rank 0) published no result within {timeout_s:g} s; "
-                             "nothing committed", step=step) from None
-    res = json.loads(store.get(f"{base}/result"))
-    if not res["commit"]:
-        raise SaveFailed(res["error"], step=step)
-    if node_local:
-        host_key = f"{base}/done/{socket.gethostname()}"
-        if rank in (leaders or []):
-            man = Manifest.from_bytes(res["manifest"].encode())
-            tier.commit(step, man, overwrite=overwrite)
-            store.set(host_key, "1")
+    """Steps 2-5 of the protocol for one rank (persist thread). Raises :class:`SaveFailed` or
+    :class:`DistributedError` if nothing was committed."""
+    base = step_base(session, step)
+    deadline = time.monotonic() + timeout_s
+    try:
+        if session.rank == 0:
+            res = _coordinate(store, session, base, fragment, tier, step, per_rank=per_rank, deadline=deadline,
+                              timeout_s=timeout_s, overwrite=overwrite, user_metadata=user_metadata or {})
         else:
-            _wait(store, [host_key], timeout_s)
+            store.set(f"{base}/r{session.rank}", json.dumps(fragment))
+            if store.poll([f"{base}/result"], deadline) == "timeout":
+                store.delete(f"{base}/r{session.rank}")
+                raise DistributedError(f"step {step}: the coordinator (rank 0) published no result within "
+                                       f"commit_timeout_s={timeout_s:g} s; nothing committed", missing_ranks=(0,))
+            res = store.get_json(f"{base}/result")
+            store.delete(f"{base}/r{session.rank}")
+        if not res["commit"]:
+            raise SaveFailed(res["error"], step=step)
+        if session.node_local:
+            _commit_node_copy(store, session, base, res, tier, step, overwrite, deadline, timeout_s)
+    except DistributedError as exc:
+        if str(exc).startswith(f"step {step}:"):
+            raise
+        raise DistributedError(f"step {step}: {exc}", missing_ranks=exc.missing_ranks) from exc
+    finally:
+        ack(store, session, base)
+
+
+def step_base(session: Session, step: int) -> str:
+    return f"{session.prefix}/s{step}"
+
+
+def ack(store: Store, session: Session, base: str) -> None:
+    """Step 5: this rank is finished with the round; the last one deletes the round's keys."""
+    try:
+        if store.add(f"{base}/ack", 1) == session.world:
+            store.delete(f"{base}/result", f"{base}/fail", f"{base}/ack",
+                         *(f"{base}/done/{h}" for h in session.hosts))
+    except DistributedError as exc:  # the store may be gone with rank 0; the round's outcome stands
+        log.error("zerostall: could not finish the round %s: %s", base, exc)
+
+
+def report_failure(store: Store, session: Session, step: int, exc: BaseException) -> None:
+    """Step 2 for a rank that failed locally: non-blocking (two store requests), any thread."""
+    base = step_base(session, step)
+    msg = f"step {step}: rank {session.rank} failed: {exc}; nothing committed"
+    try:
+        if session.rank == 0:
+            store.set(f"{base}/result", json.dumps({"commit": False, "error": msg}))
+        else:
+            store.set(f"{base}/fail", json.dumps({"rank": session.rank, "error": msg}))
+    except DistributedError as sexc:
+        log.error("zerostall: could not report the failure of step %d to the other ranks: %s", step, sexc)
+    ack(store, session, base)
+
+
+def _coordinate(store: Store, session: Session, base: str, fragment: dict[str, Any], tier: LocalTier, step: int,
+                *, per_rank: bool, deadline: float, timeout_s: float, overwrite: bool,
+                user_metadata: dict[str, Any]) -> dict[str, Any]:
+    world = session.world
+    keys = [f"{base}/r{r}" for r in range(1, world)]
+    try:
+        state = store.poll(keys, deadline, abort=f"{base}/fail")
+        if state == "timeout":
+            missing = [int(k.rsplit("/r", 1)[1]) for k in store.missing(keys)]
+            raise DistributedError(f"step {step}: rank(s) {', '.join(map(str, missing))} did not report within "
+                                   f"commit_timeout_s={timeout_s:g} s (died, stuck, or not saving this step); "
+                                   "nothing committed", missing_ranks=tuple(missing))
+        if state == "abort":
+            raise SaveFailed(store.get_json(f"{base}/fail")["error"], step=step)
+        frags = [fragment] + store.multi_get_json(keys)
+        man = merge(frags, step, world, per_rank, user_metadata)
+        if not session.node_local:
+            tier.commit(step, man, overwrite=overwrite)
+        res = {"commit": True, "manifest": man.to_bytes().decode() if session.node_local else None}
+    except BaseException as exc:
+        res = {"commit": False, "error": str(exc)}
+        try:
+            store.set(f"{base}/result", json.dumps(res))
+        except DistributedError as sexc:
+            log.error("zerostall: could not publish the failure of step %d: %s", step, sexc)
+        raise
+    store.set(f"{base}/result", json.dumps(res))
+    return res
+
+
+def _commit_node_copy(store: Store, session: Session, base: str, res: dict[str, Any], tier: LocalTier, step: int,
+                      overwrite: bool, deadline: float, timeout_s: float) -> None:
+    """Node-local roots: each host's leader renames its own copy; the others wait for it."""
+    key = f"{base}/done/{session.host}"
+    if session.rank in session.leaders:
+        try:
+            tier.commit(step, Manifest.from_bytes(res["manifest"].encode()), overwrite=overwrite)
+        except BaseException as exc:
+            store.set(key, json.dumps({"ok": False, "error": str(exc)}))
+            raise
+        store.set(key, json.dumps({"ok": True}))
+        return
+    if store.poll([key], deadline) == "timeout":
+        raise DistributedError(f"step {step}: the leader of host {session.host} did not commit its node-local copy "
+                               f"within {timeout_s:g} s")
+    done = store.get_json(key)
+    if not done["ok"]:
+        raise SaveFailed(f"step {step}: the node-local commit on {session.host} failed: {done['error']}", step=step)
 
 
 class StoreCommitter:
-    """Multi-rank commit strategy for the persist thread (see the module docstring)."""
+    """Multi-rank commit strategy of the persist thread (module docstring).
 
-    def __init__(self, tier: LocalTier, store: Any, prefix: str, rank: int, world: int, *,
-                 per_rank: bool, timeout_s: float, node_local: bool, leaders: list[int]):
-        self.tier, self.store, self.prefix = tier, store, prefix
-        self.rank, self.world = rank, world
+    ``begin``/``commit``/``fail`` run on the persist thread in job order; ``fail`` may also
+    run on the caller's thread for a save that failed before it was queued (it then only
+    reports and never blocks).
+    """
+
+    def __init__(self, tier: LocalTier, store: Store, session: Session, *, per_rank: bool, timeout_s: float):
+        self.tier, self.store, self.session = tier, store, session
+        self.rank, self.world = session.rank, session.world
         self.per_rank, self.timeout_s = per_rank, timeout_s
-        self.node_local, self.leaders = node_local, leaders
-        self._reported: set[int] = set()
-
-    def _base(self, job: SaveJob) -> str:
-        return f"{self.prefix}/{job.seq}-{job.step}"
+        self.node_local, self.leaders = session.node_local, session.leaders
 
     def begin(self, job: SaveJob) -> str:
         d = self.tier.partial_dir(job.step)
@@ -210,21 +221,20 @@ class StoreCommitter:
                 "structure": hashlib.sha256(tree_json.encode()).hexdigest() if not self.per_rank else shapes}
 
     def commit(self, job: SaveJob) -> None:
-        self._reported.add(job.seq)
-        commit_round(self.store, self._base(job), self.rank, self.world, self.fragment(job), self.tier, job.step,
-                     per_rank=self.per_rank, timeout_s=self.timeout_s, overwrite=job.overwrite,
-                     node_local=self.node_local, leaders=self.leaders, user_metadata=job.user_metadata)
+        job.reported = True
+        commit_round(self.store, self.session, self.fragment(job), self.tier, job.step, per_rank=self.per_rank,
+                     timeout_s=self.timeout_s, overwrite=job.overwrite, user_metadata=job.user_metadata)
 
-    def fail(self, job: SaveJob, exc: BaseException) -> None:
-        base = self._base(job)
-        if job.seq not in self._reported:  # tell the coordinator, so nobody waits for the timeout
-            self._reported.add(job.seq)
-            try:
-                self.store.set(f"{base}/r{self.rank}", json.dumps({"ok": False, "error": str(exc)}))
-                if self.rank == 0:
-                    self.store.set(f"{base}/result", json.dumps({"commit": False, "error": str(exc)}))
-            except Exception as sexc:  # noqa: BLE001 - the store may be gone with rank 0
-                log.error("zerostall: could not report the failure of step %d: %s", job.step, sexc)
+    def report(self, step: int, exc: BaseException) -> None:
+        """A save of ``step`` failed on this rank before a job was queued (caller's thread)."""
+        report_failure(self.store, self.session, step, exc)
+
+    def fail(self, job: SaveJob, exc: BaseException, *, cleanup: bool = True) -> None:
+        if not job.reported:  # tell the others, so nobody waits for the timeout
+            job.reported = True
+            report_failure(self.store, self.session, job.step, exc)
+        if not cleanup:
+            return
         if self.rank == 0 or self.node_local and self.rank in self.leaders:
             self.tier.abort(job.step)
         else:

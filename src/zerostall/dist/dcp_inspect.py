@@ -74,7 +74,8 @@ def _summary(where: str, kind: str, md: Metadata, records: dict[Any, Record]) ->
         if isinstance(entry, BytesStorageMetadata):
             info.entries.append({"key": fqn, "type": "object", "dtype": "", "shape": [], "chunks": 1})
         else:
-            info.entries.append({"key": fqn, "type": "tensor", "dtype": str(entry.properties.dtype).replace("torch.", ""),
+            dtype = str(entry.properties.dtype).replace("torch.", "")
+            info.entries.append({"key": fqn, "type": "tensor", "dtype": dtype,
                                  "shape": list(entry.size), "chunks": len(entry.chunks)})
     info.files = sorted({r.file for r in records.values()})
     info.total_bytes = sum(r.nbytes for r in records.values())
@@ -115,5 +116,6 @@ def verify(path: str, name: str = METADATA, io_cfg: IOConfig | None = None) -> D
                         torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
                     except Exception as exc:  # noqa: BLE001 - reported as corruption
                         raise CorruptCheckpoint(f"{fpath}: {r.key!r} does not load under weights_only "
-                                                f"({type(exc).__name__}: {str(exc)[:160]})", path=fpath, key=r.key) from None
+                                                f"({type(exc).__name__}: {str(exc)[:160]})",
+                                                path=fpath, key=r.key) from None
     return _summary(where, kind, md, records)

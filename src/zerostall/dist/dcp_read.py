@@ -36,13 +36,14 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..config import IOConfig
-from ..errors import CorruptCheckpoint, StorageError
+from ..errors import CheckpointNotFound, CorruptCheckpoint, StorageError
 from ..format.dtypes import dtype_from_name
 from ..format.layout import ShardHeader
 from ..format.shard import read_shard
 from ..staging.arena import Arena
 from .dcp_meta import Record, read_metadata_file, validate
-from .dcp_storage import METADATA, WINDOW_BYTES, _io_engine, _ZSInfo, check_checkpoint_id, metadata_name
+from .dcp_storage import (METADATA, WINDOW_BYTES, UnsupportedCheckpoint, _io_engine, _ZSInfo, check_checkpoint_id,
+                          metadata_name)
 
 
 class Reader(StorageReader):
@@ -82,7 +83,14 @@ class Reader(StorageReader):
         if rank is not None and not os.path.lexists(where) and os.path.lexists(os.path.join(self.path, METADATA)):
             # DCP asks for rank-local metadata after the global one failed: report why that failed
             where = os.path.join(self.path, METADATA)
-        md = read_metadata_file(where)
+        try:
+            md = read_metadata_file(where)
+        except CheckpointNotFound:
+            if os.path.lexists(os.path.join(self.path, "manifest.json")) or os.path.lexists(
+                    os.path.join(self.path, "latest")):
+                raise CheckpointNotFound(f"{self.path!r} is a zerostall Checkpointer directory, not a DCP checkpoint: "
+                                         "load it with zerostall.load(path) or Checkpointer(path).load()") from None
+            raise
         self.kind, self.records = validate(md, where, self.path)
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
@@ -147,16 +155,27 @@ class Reader(StorageReader):
         for req in reqs:
             r = self.records[req.storage_index]
             wanted.setdefault(pos[(r.offset, r.nbytes, r.key)], []).append(req)
-        dsts: list[torch.Tensor | None] = [None] * len(items)
-        for i in wanted:
-            dsts[i] = torch.empty(items[i].nbytes, dtype=torch.uint8)
+        scratch: dict[int, torch.Tensor] = {}  # items in flight only: bounded by the window + one item
+        direct: dict[int, torch.Tensor] = {}  # items read straight into the planner's tensor
         info0 = entries[0][1]
 
+        def dst(i: int) -> torch.Tensor:
+            target = self._direct_target(wanted.get(i, []), entries[i][1], planner)
+            if target is not None:
+                direct[i] = target
+                return target.reshape(-1).view(torch.uint8)
+            scratch[i] = torch.empty(items[i].nbytes, dtype=torch.uint8)
+            return scratch[i]
+
         def deliver(i: int) -> None:
-            data, dsts[i] = dsts[i], None  # release the scratch as soon as it is consumed
-            info = entries[i][1]
+            if i in direct:  # the bytes are in place and passed their crc32c
+                planner.commit_tensor(wanted[i][0], direct.pop(i))
+                return
+            data = scratch.pop(i, None)
+            if data is None:  # an empty item: no byte was read
+                data = torch.empty(0, dtype=torch.uint8)
             for req in wanted.get(i, ()):
-                self._deliver(path, req, info, data, planner)
+                self._deliver(path, req, entries[i][1], data, planner)
 
         try:
             f = eng.open_read(path)
@@ -164,12 +183,24 @@ class Reader(StorageReader):
             raise CorruptCheckpoint(f"{path}: cannot open shard: {exc}", path=path) from exc
         with f:
             read_shard(f, path, info0.file_bytes, ShardHeader(info0.file_id, 0, info0.rank, info0.file_bytes),
-                       items, dsts, bounce, verify=self.verify, wanted=set(wanted), on_item=deliver)
+                       items, dst, bounce, verify=self.verify, wanted=set(wanted), on_item=deliver)
 
-    def _deliver(self, path: str, req: ReadItem, info: _ZSInfo, data: torch.Tensor | None,
-                 planner: LoadPlanner) -> None:
-        if data is None:
-            raise CorruptCheckpoint(f"{path}: {req.storage_index.fqn!r} was read twice", path=path)
+    @staticmethod
+    def _direct_target(reqs: list[ReadItem], info: _ZSInfo, planner: LoadPlanner) -> torch.Tensor | None:
+        """The planner's tensor when one request takes a whole stored tensor into a matching
+        contiguous CPU tensor (the common case): the codec reads into it, saving a copy."""
+        if len(reqs) != 1 or reqs[0].type == LoadItemType.BYTE_IO or not info.dtype:
+            return None
+        req = reqs[0]
+        if any(req.storage_offsets) or tuple(req.lengths) != tuple(info.shape):
+            return None
+        target = planner.resolve_tensor(req).detach()
+        if target.device.type != "cpu" or not target.is_contiguous() or tuple(target.shape) != tuple(info.shape) \
+                or target.dtype != dtype_from_name(info.dtype) or target.numel() == 0:
+            return None
+        return target
+
+    def _deliver(self, path: str, req: ReadItem, info: _ZSInfo, data: torch.Tensor, planner: LoadPlanner) -> None:
         if req.type == LoadItemType.BYTE_IO:
             self._load_bytes(path, req, data.numpy().tobytes(), planner)
             return
@@ -190,15 +221,22 @@ class Reader(StorageReader):
                 rec = self.records[req.storage_index]
                 raw = os.pread(fd, rec.nbytes, rec.offset)
                 if len(raw) != rec.nbytes:
-                    raise CorruptCheckpoint(f"{path}: {rec.key!r} is cut short (file truncated)", path=path, key=rec.key)
+                    raise CorruptCheckpoint(f"{path}: {rec.key!r} is cut short (file truncated)",
+                                            path=path, key=rec.key)
                 if req.type == LoadItemType.BYTE_IO:
                     self._load_bytes(path, req, raw, planner)
                     continue
+                if not raw.startswith(b"PK\x03\x04"):
+                    raise UnsupportedCheckpoint(
+                        f"{path}: tensor {rec.key!r} is not a torch.save stream: the checkpoint was written by "
+                        "FileSystemWriter with serialization_format=SAFETENSORS (raw bytes), which neither "
+                        "FileSystemReader nor zerostall.dcp.Reader reads", path=path, key=rec.key)
                 try:
                     t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
                 except Exception as exc:  # noqa: BLE001 - anything torch.load refuses is corruption here
                     raise CorruptCheckpoint(f"{path}: tensor {rec.key!r} does not load under weights_only "
-                                            f"({type(exc).__name__}: {str(exc)[:200]})", path=path, key=rec.key) from None
+                                            f"({type(exc).__name__}: {str(exc)[:200]})",
+                                            path=path, key=rec.key) from None
                 if not isinstance(t, torch.Tensor):
                     raise CorruptCheckpoint(f"{path}: {rec.key!r} holds a {type(t).__name__}, not a tensor",
                                             path=path, key=rec.key)

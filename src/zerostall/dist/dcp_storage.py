@@ -135,6 +135,20 @@ def _io_engine(path: str, io_cfg: IOConfig | None) -> Any:
     return choose_engine(path, io_cfg or IOConfig())
 
 
+def _link_no_clobber(src: str, dst: str) -> None:
+    """Make ``src`` appear as ``dst`` unless ``dst`` exists (atomically where hard links work)."""
+    try:
+        os.link(src, dst)
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV, errno.EMLINK):
+            raise
+        # no hard links here (some FUSE/network filesystems): check, then rename (a racing
+        # writer could slip in between; FileSystemWriter has the same window)
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, "exists", dst) from None
+        os.rename(src, dst)
+
+
 def metadata_name(rank: int | None, use_collectives: bool) -> str:
     return METADATA if use_collectives or rank is None else f"__{rank}{METADATA}"
 
@@ -270,13 +284,14 @@ class Writer(StorageWriter):
                 os.replace(tmp, final)
             else:
                 try:
-                    os.link(tmp, final)  # refuses an existing checkpoint atomically
+                    _link_no_clobber(tmp, final)
                 except FileExistsError:
                     raise CheckpointAlreadyExists(
                         f"Checkpoint already exists and self.overwrite=False. ({final} appeared during the "
                         "save; pass overwrite=True to replace it)") from None
                 finally:
-                    os.unlink(tmp)
+                    if os.path.lexists(tmp):
+                        os.unlink(tmp)
             fsync_dir(self.path)
         except OSError as exc:
             if isinstance(exc, CheckpointExistsError):

@@ -17,9 +17,15 @@ class RankInfo:
     store: Any = None
 
 
-def discover(store: Any = None) -> RankInfo:
-    """From an initialised process group (any backend), else RANK/WORLD_SIZE/LOCAL_WORLD_SIZE."""
+def discover(store: Any = None, mode: str = "per_rank") -> RankInfo:
+    """From an initialised process group (any backend), else RANK/WORLD_SIZE/LOCAL_WORLD_SIZE.
+
+    ``mode="local"``: a world of one (rank 0, no store), whatever the process group says —
+    for a process that saves alone (rank-0-only frameworks, tools).
+    """
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if mode == "local":
+        return RankInfo(0, 1, local, None)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         if store is None and world > 1:

@@ -6,7 +6,9 @@ It is written last, inside an envelope that carries the crc32c of the body::
 
 ``body`` holds ``format_version``, ``step``, ``world_size``, ``created_unix``,
 ``checkpoint_id``, ``alignment``, ``files`` (name, rank, host, file_bytes), ``tensors`` (key,
-dtype, shape, file, offset, nbytes, crc32c) and ``tree`` (see :mod:`.tree`).
+dtype, shape, file, offset, nbytes, crc32c) and ``tree`` (see :mod:`.tree`). Version 2 adds
+references to earlier steps' bytes (``ref_files``, a tensor's ``step``; see :mod:`.refs`);
+a save without references still writes version 1.
 :meth:`Manifest.from_bytes` checks the envelope, the version and every field before anyone
 reads a byte of a shard: paths cannot leave the checkpoint directory, offsets and sizes are
 consistent, dtypes are known, shape products equal nbytes. No pickle, ever.
@@ -15,8 +17,8 @@ consistent, dtypes are known, shape products equal nbytes. No pickle, ever.
 from __future__ import annotations
 
 import json
-import math
 import re
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,14 +27,17 @@ import crc32c as _crc
 from ..config import ALIGN_BYTES
 from ..errors import CorruptCheckpoint
 from .dtypes import dtype_from_name, itemsize
+from . import validate as V
 from .layout import HEADER_BYTES
+from .refs import FORMAT_VERSION_REFS, RefFile, parse_ref_files
 from .tree import decode_tree, tree_tensor_indices
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_MAX_DIM = (1 << 62)
+_PREFIX = b'{"zerostall_manifest":"crc32c","body_crc32c":"'
+_MID = b'","body":'
 
 
 @dataclass(frozen=True)
@@ -44,10 +49,15 @@ class TensorEntry:
     offset: int
     nbytes: int
     crc32c: int
+    step: int | None = None
+    """Set for a reference: the bytes live in ``step-<step>/<file>`` (see :mod:`.refs`)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "dtype": self.dtype, "shape": list(self.shape), "file": self.file,
-                "offset": self.offset, "nbytes": self.nbytes, "crc32c": self.crc32c}
+        out = {"key": self.key, "dtype": self.dtype, "shape": list(self.shape), "file": self.file,
+               "offset": self.offset, "nbytes": self.nbytes, "crc32c": self.crc32c}
+        if self.step is not None:
+            out["step"] = self.step
+        return out
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,12 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     rank_trees: tuple[Any, ...] | None = None
     """Per-rank state trees (``dist_mode="per_rank"``, world size > 1); else ``tree`` is the state."""
+    ref_files: tuple[RefFile, ...] = ()
+    """Earlier steps' shards that entries with ``step`` set live in (incremental saves)."""
+    tree_json: str = field(default="", compare=False, repr=False)
+    """``tree`` already encoded as compact JSON (the save plan's), spliced in by :meth:`to_bytes`."""
+    alias_of: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
+    """Entries that duplicate an earlier one exactly (index -> first index): read and allocated once."""
 
     def tree_for(self, rank: int, world_size: int) -> Any:
         if self.rank_trees is None:
@@ -91,70 +107,90 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes this step owns (its own shard files)."""
         return sum(f.file_bytes for f in self.files)
+
+    @property
+    def referenced_bytes(self) -> int:
+        """Payload bytes this step borrows from earlier steps' files."""
+        return sum(t.nbytes for t in self.tensors if t.step is not None)
 
     def body(self) -> dict[str, Any]:
         return {
-            "format_version": self.format_version, "step": self.step, "world_size": self.world_size,
+            "format_version": FORMAT_VERSION_REFS if self.ref_files else self.format_version, "step": self.step, "world_size": self.world_size,
             "checkpoint_id": self.checkpoint_id, "created_unix": self.created_unix,
             "alignment": ALIGN_BYTES, "checksum": "crc32c",
             "files": [f.to_json() for f in self.files],
             "tensors": [t.to_json() for t in self.tensors],
             "tree": self.tree, "user_metadata": self.user_metadata,
             **({"rank_trees": list(self.rank_trees)} if self.rank_trees is not None else {}),
+            **({"ref_files": [r.to_json() for r in self.ref_files]} if self.ref_files else {}),
         }
 
     def to_bytes(self) -> bytes:
-        body = _canonical(self.body())
-        env = {"zerostall_manifest": "crc32c", "body_crc32c": f"{_crc.crc32c(body):08x}",
-               "body": self.body()}
-        return json.dumps(env, sort_keys=True, indent=1, allow_nan=False).encode() + b"\n"
+        """The envelope; the crc32c covers the exact bytes of ``body`` as written."""
+        d = self.body()
+        if self.tree_json:  # encoded once on the caller's thread: splice it in, do not encode it again
+            marker = f"\x00tree-{uuid.uuid4().hex}\x00"
+            d["tree"] = marker
+            text = json.dumps(d, separators=(",", ":"), allow_nan=False)
+            enc = json.dumps(marker)
+            i = text.index(enc)
+            body = (text[:i] + self.tree_json + text[i + len(enc):]).encode()
+        else:
+            body = json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
+        return b"".join((_PREFIX, f"{_crc.crc32c(body):08x}".encode(), _MID, body, b"}\n"))
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str = MANIFEST_NAME) -> "Manifest":
-        """Parse and validate; raise :class:`CorruptCheckpoint` naming ``where`` on any defect."""
+        """Parse and validate; raise :class:`CorruptCheckpoint` naming ``where`` on any defect.
 
-        def bad(msg: str) -> CorruptCheckpoint:
-            return CorruptCheckpoint(f"{where}: {msg}", path=where)
+        The whole of :mod:`.validate` runs here, before anyone reads a byte of a shard.
+        """
 
+        def bad(msg: str, key: str | None = None) -> CorruptCheckpoint:
+            return V.bad(where, msg, key)
+
+        if not isinstance(raw, (bytes, bytearray, memoryview)):
+            raise bad(f"manifest is a {type(raw).__name__}, not bytes")
+        raw = bytes(raw)
         if len(raw) > MAX_MANIFEST_BYTES:
             raise bad(f"manifest is {len(raw)} bytes, over the {MAX_MANIFEST_BYTES} limit")
-        try:
-            env = json.loads(raw, parse_constant=_reject_constant)
-        except (ValueError, RecursionError) as exc:
-            raise bad(f"not valid JSON ({str(exc)[:120]})") from None
+        env = V.loads(raw, where)
         if not isinstance(env, dict) or env.get("zerostall_manifest") != "crc32c":
             raise bad("not a zerostall manifest (missing or unknown 'zerostall_manifest' checksum)")
         body = env.get("body")
         if not isinstance(body, dict):
             raise bad("missing body")
         want = env.get("body_crc32c")
-        got = f"{_crc.crc32c(_canonical(body)):08x}"
+        n = len(_PREFIX) + 8 + len(_MID)
+        tail = 2 if raw.endswith(b"}\n") else 1
+        if raw.startswith(_PREFIX) and raw[len(_PREFIX) + 8:n] == _MID:
+            got = f"{_crc.crc32c(raw[n:len(raw) - tail]):08x}"
+        else:  # the first envelope: crc32c of the sorted, compact re-encoding of the body
+            got = f"{_crc.crc32c(_canonical(body)):08x}"
         if want != got:
-            raise bad(f"manifest checksum mismatch (recorded {want!r}, computed {got!r})")
+            raise bad(f"manifest checksum mismatch (recorded {want!r:.20}, computed {got!r})")
         version = body.get("format_version")
-        if version != FORMAT_VERSION:
-            raise bad(f"unknown format_version {version!r} (this zerostall reads {FORMAT_VERSION}; "
-                      "upgrade zerostall to read newer checkpoints)")
+        if version not in (FORMAT_VERSION, FORMAT_VERSION_REFS):
+            raise bad(f"unknown format_version {version!r:.40} (this zerostall reads {FORMAT_VERSION} and "
+                      f"{FORMAT_VERSION_REFS}; upgrade zerostall to read newer checkpoints)")
         if body.get("checksum") != "crc32c":
-            raise bad(f"unknown checksum {body.get('checksum')!r}")
+            raise bad(f"unknown checksum {body.get('checksum')!r:.40}")
         if body.get("alignment") != ALIGN_BYTES:
-            raise bad(f"unsupported alignment {body.get('alignment')!r}")
+            raise bad(f"unsupported alignment {body.get('alignment')!r:.40}")
 
-        def integer(obj: dict[str, Any], k: str, lo: int = 0, hi: int = 1 << 62) -> int:
-            v = obj.get(k)
-            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-                raise bad(f"field {k!r} = {v!r:.60} is not an integer in [{lo}, {hi}]")
-            return v
+        def integer(obj: dict[str, Any], k: str, lo: int = 0, hi: int = V.MAX_DIM, ctx: str = "") -> int:
+            return V.integer(obj, k, where, lo, hi, ctx)
 
-        step = integer(body, "step")
+        step = integer(body, "step", 0, V.MAX_STEP)
         world = integer(body, "world_size", 1, 1 << 24)
         cid = body.get("checkpoint_id")
         created = body.get("created_unix")
         if not isinstance(cid, str) or not 0 < len(cid) <= 64:
             raise bad("bad checkpoint_id")
-        if not isinstance(created, (int, float)) or isinstance(created, bool):
-            raise bad("bad created_unix")
+        if type(created) not in (int, float) or not -1e12 < created < 1e12:
+            raise bad(f"bad created_unix {created!r:.40}")
         files_raw, tensors_raw = body.get("files"), body.get("tensors")
         if not isinstance(files_raw, list) or not isinstance(tensors_raw, list):
             raise bad("'files' and 'tensors' must be lists")
@@ -167,59 +203,68 @@ class Manifest:
                 raise bad(f"file name {name!r:.80} is not a plain file name inside the checkpoint")
             if name in files:
                 raise bad(f"file {name!r} listed twice")
-            fb = integer(f, "file_bytes")
-            if fb % ALIGN_BYTES or fb < HEADER_BYTES:
-                raise bad(f"file {name!r}: file_bytes {fb} is not a multiple of {ALIGN_BYTES} >= header")
-            host, fid = f.get("host"), f.get("file_id", "")
+            ctx = f"file {name!r}: "
+            fb = integer(f, "file_bytes", HEADER_BYTES, V.MAX_DIM, ctx)
+            if fb % ALIGN_BYTES:
+                raise bad(f"{ctx}file_bytes {fb} is not a multiple of {ALIGN_BYTES}")
+            host, fid = f.get("host", ""), f.get("file_id", "")
             if not isinstance(fid, str) or len(fid) > 64:
-                raise bad(f"file {name!r}: bad file_id")
-            files[name] = FileEntry(name, integer(f, "rank", 0, world - 1),
-                                    host if isinstance(host, str) else "", fb, fid)
+                raise bad(f"{ctx}bad file_id {fid!r:.80}")
+            if not isinstance(host, str) or len(host) > 255:
+                raise bad(f"{ctx}bad host {host!r:.80}")
+            files[name] = FileEntry(name, integer(f, "rank", 0, world - 1, ctx), host, fb, fid)
+        refs: dict[tuple[int, str], RefFile] = {}
+        if version == FORMAT_VERSION_REFS:
+            refs = parse_ref_files(body.get("ref_files"), step, bad)
+        elif "ref_files" in body:
+            raise bad(f"'ref_files' needs format_version {FORMAT_VERSION_REFS}")
         tensors: list[TensorEntry] = []
-        for t in tensors_raw:
+        spans: list[V.Span] = []
+        for i, t in enumerate(tensors_raw):
             if not isinstance(t, dict):
-                raise bad("tensor entry is not an object")
+                raise bad(f"tensor entry {i} is not an object")
             key = t.get("key")
-            if not isinstance(key, str):
-                raise bad("tensor entry without a key")
+            if not isinstance(key, str) or len(key) > V.MAX_KEY_CHARS:
+                raise bad(f"tensor entry {i} has no valid key")
+            ctx = f"tensor {key!r}: "
             dt = t.get("dtype")
             dtype = dtype_from_name(dt, where=f"{where}: tensor {key!r}")
-            shape = t.get("shape")
-            if not isinstance(shape, list) or len(shape) > 64 or not all(
-                    isinstance(d, int) and not isinstance(d, bool) and 0 <= d < _MAX_DIM for d in shape):
-                raise bad(f"tensor {key!r}: bad shape {shape!r:.80}")
-            nbytes = integer(t, "nbytes")
-            if math.prod(shape) * itemsize(dtype) != nbytes:
-                raise bad(f"tensor {key!r}: shape {shape} x {dt} is not {nbytes} bytes")
+            nbytes = integer(t, "nbytes", 0, V.MAX_DIM, ctx)
+            shape = V.check_shape(t.get("shape"), itemsize(dtype), nbytes, where, key)
             fname = t.get("file")
-            if fname not in files:
-                raise bad(f"tensor {key!r}: file {fname!r:.80} is not listed in 'files'")
-            off = integer(t, "offset")
-            if off % ALIGN_BYTES or off < HEADER_BYTES or off + nbytes > files[fname].file_bytes:
-                raise bad(f"tensor {key!r}: offset {off} + {nbytes} bytes lies outside "
-                          f"{fname!r} ({files[fname].file_bytes} bytes) or is unaligned")
-            tensors.append(TensorEntry(key, dt, tuple(shape), fname, off, nbytes,
-                                       integer(t, "crc32c", 0, 0xFFFFFFFF)))
+            ref_step = t.get("step")
+            span_file = fname
+            if ref_step is not None:  # a reference (format version 2): bytes in an earlier step's file
+                if not isinstance(fname, str) or type(ref_step) is not int or (ref_step, fname) not in refs:
+                    raise bad(f"{ctx}step-{ref_step!r:.20}/{fname!r:.80} is not listed in 'ref_files'", key)
+                span_file = f"step-{ref_step}/{fname}"
+            elif not isinstance(fname, str) or fname not in files:
+                raise bad(f"{ctx}file {fname!r:.80} is not listed in 'files'", key)
+            off = integer(t, "offset", 0, V.MAX_DIM, ctx)
+            crc = integer(t, "crc32c", 0, 0xFFFFFFFF, ctx)
+            tensors.append(TensorEntry(key, dt, shape, fname, off, nbytes, crc, ref_step))
+            spans.append(V.Span(i, span_file, off, nbytes, (dt, shape, crc), key))
+        alias = V.check_spans(spans, {**{f.name: f.file_bytes for f in files.values()},
+                                      **{f"step-{r.step}/{r.name}": r.file_bytes for r in refs.values()}}, where)
         rank_trees = body.get("rank_trees")
         if rank_trees is not None and (not isinstance(rank_trees, list) or len(rank_trees) != world):
             raise bad("'rank_trees' must list one tree per rank")
+        dtypes = [t.dtype for t in tensors]
         for tree in [body.get("tree")] + (rank_trees or []):
-            for idx, _ in tree_tensor_indices(tree):
-                if not isinstance(idx, int) or isinstance(idx, bool) or not 0 <= idx < len(tensors):
-                    raise bad(f"state tree refers to tensor {idx!r:.40}, which is not in 'tensors'")
-        for tree in [body.get("tree")] + (rank_trees or []):
+            V.check_tree_refs(tree_tensor_indices(tree), dtypes, where)
             decode_tree(tree, [None] * len(tensors), where=where,  # structure only: unknown tags fail here
                         build_objects=False)
         meta = body.get("user_metadata", {})
+        if not isinstance(meta, dict):
+            raise bad("'user_metadata' is not an object")
         return cls(step=step, world_size=world, checkpoint_id=cid, created_unix=float(created),
                    files=tuple(files.values()), tensors=tuple(tensors), tree=body.get("tree"),
-                   user_metadata=meta if isinstance(meta, dict) else {}, format_version=version,
-                   rank_trees=tuple(rank_trees) if rank_trees is not None else None)
+                   user_metadata=meta, format_version=version,
+                   rank_trees=tuple(rank_trees) if rank_trees is not None else None, alias_of=alias,
+                   ref_files=tuple(refs.values()))
 
 
 def _canonical(body: Any) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {name}")

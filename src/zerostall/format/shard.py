@@ -133,12 +133,15 @@ def _runs(items: Sequence[Item], wanted: set[int] | None, file_bytes: int) -> li
 
 
 def read_shard(f: Any, path: str, file_bytes: int, header: ShardHeader, items: Sequence[Item],
-               dsts: Sequence[torch.Tensor | None], bounce: Any, *, verify: bool = True,
+               dsts: Sequence[torch.Tensor | None] | Callable[[int], torch.Tensor | None], bounce: Any, *,
+               verify: bool = True,
                wanted: set[int] | None = None, on_item: Callable[[int], None] | None = None) -> None:
     """Stream a shard through ``bounce``, checking it, and copy items into ``dsts``.
 
     ``items`` are sorted by offset (see :func:`check_items`); ``dsts[i]`` is a flat uint8 CPU
-    tensor of ``items[i].nbytes`` bytes to fill, or None (checked only). With ``wanted=None``
+    tensor of ``items[i].nbytes`` bytes to fill, or None (checked only). ``dsts`` may also be
+    a function of ``i``, called when item ``i``'s first byte is read (so scratch memory is
+    allocated only for items in flight; the caller drops it in ``on_item``). With ``wanted=None``
     every byte of the file is read and checked; otherwise only the header block and the
     aligned extents of the wanted items (their payload and tail padding). ``on_item(i)``
     is called once item ``i`` is complete and has passed its crc32c.
@@ -148,6 +151,8 @@ def read_shard(f: Any, path: str, file_bytes: int, header: ShardHeader, items: S
     crcs = [0] * len(items)
     first = 0  # items before this one are finished (or were skipped)
     finished = [False] * len(items)
+    get = dsts if callable(dsts) else dsts.__getitem__
+    open_dsts: dict[int, torch.Tensor | None] = {}  # items started but not finished
     for r0, r1 in _runs(items, wanted, file_bytes):
         for w0 in range(r0, r1, win):
             w1 = min(w0 + win, r1)
@@ -168,7 +173,9 @@ def read_shard(f: Any, path: str, file_bytes: int, header: ShardHeader, items: S
                 if verify and a > pos and bounce.u8[pos - w0:a - w0].any():
                     raise CorruptCheckpoint(f"{path}: non-zero padding before {e.key!r}", path=path, key=e.key)
                 if a < b:
-                    dst = dsts[j - 1]
+                    if j - 1 not in open_dsts:
+                        open_dsts[j - 1] = get(j - 1)
+                    dst = open_dsts[j - 1]
                     if dst is not None:
                         dst[a - e.offset:b - e.offset].copy_(bounce.u8[a - w0:b - w0])
                     if verify:
@@ -180,6 +187,7 @@ def read_shard(f: Any, path: str, file_bytes: int, header: ShardHeader, items: S
                             f"{path}: {e.key!r} failed its crc32c check (recorded {e.crc32c:08x}, "
                             f"read {crcs[j - 1]:08x})", path=path, key=e.key)
                     finished[j - 1] = True
+                    open_dsts.pop(j - 1, None)
                     if on_item is not None:
                         on_item(j - 1)
             if verify and pos < w1 and bounce.u8[pos - w0:w1 - w0].any():

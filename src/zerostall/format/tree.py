@@ -10,9 +10,17 @@ int keys).
 Node encoding (one key per node): ``{"v": x}`` plain value, ``{"f": "nan"|"inf"|"-inf"}``
 non-finite float, ``{"T": i}`` tensor i, ``{"A": i}`` numpy array stored as tensor i,
 ``{"l": [...]}`` list, ``{"t": [...]}`` tuple, ``{"d": [[key, node], ...]}`` dict,
+``{"j": x}`` a subtree that is plain JSON as it stands (dicts with str keys, lists, str,
+bounded ints, finite floats, bool, None): stored verbatim, so a long log history costs
+about one ``json.dumps`` (checked and copied by :func:`.validate.plain_copy`, encoded by the
+C encoder),
 ``{"o": [type, node]}`` a common Python object (dataclass, Namespace, Enum, path, datetime,
 set, bytes, OmegaConf config, class reference...; see :mod:`.objects` for the rule that
 decoding never imports or runs anything outside an allow-list).
+
+Ints are bounded (:data:`.validate.MAX_INT_BITS`) so that what is saved can be parsed back.
+Views are saved by value: a conjugate or negative view is resolved first (its bytes alone
+would be the other tensor's), and never merged with the tensor it views.
 
 Two keys that are views of the same bytes (same storage, offset, shape, stride and dtype,
 e.g. tied embedding weights) are stored once and restored as one shared tensor.
@@ -28,6 +36,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpoint, UnsupportedStateError
+from .validate import MAX_INT_BITS, NotPlain, plain_copy
 from . import objects
 
 MAX_DEPTH = 200
@@ -46,9 +55,20 @@ def _fmt_key(path: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in path) if path else "<root>"
 
 
+def _check_int(x: int, path: tuple[Any, ...]) -> int:
+    x = int(x)
+    if x.bit_length() > MAX_INT_BITS:
+        raise UnsupportedStateError(
+            f"{_fmt_key(path)!r} holds an int of {x.bit_length()} bits; plain ints are limited to "
+            f"{MAX_INT_BITS} bits (store big numbers as a str or a tensor)")
+    return x
+
+
 def _encode_key(k: Any, path: tuple[Any, ...]) -> Any:
-    if k is None or isinstance(k, (bool, int, str)):
+    if k is None or isinstance(k, (bool, str)):
         return {"v": k}
+    if isinstance(k, int):
+        return {"v": _check_int(k, path)}
     if isinstance(k, float):
         return {"v": k} if math.isfinite(k) else {"f": repr(k)}
     if isinstance(k, tuple):
@@ -73,6 +93,9 @@ def encode_tree(obj: Any) -> tuple[Any, list[TensorLeaf]]:
             raise UnsupportedStateError(
                 f"{key!r} is a {type(t).__name__}; zerostall stores plain tensors only "
                 "(for DTensor/ShardedTensor state use zerostall.dcp with torch.distributed.checkpoint)")
+        if t.is_nested:
+            raise UnsupportedStateError(
+                f"{key!r} is a nested tensor; store its components (t.unbind()) or a padded tensor instead")
         if t.device.type == "meta":
             raise UnsupportedStateError(
                 f"{key!r} is a meta tensor and has no data to save; materialize it first")
@@ -85,6 +108,8 @@ def encode_tree(obj: Any) -> tuple[Any, list[TensorLeaf]]:
         if t.is_quantized:
             raise UnsupportedStateError(f"{key!r} is quantized; dequantize it first")
         t = t.detach()
+        if t.is_conj() or t.is_neg():  # a lazy view: its storage holds the other tensor's bytes
+            t = t.resolve_conj().resolve_neg()
         ident = (t.device.type, t.device.index, t.untyped_storage().data_ptr(), t.storage_offset(),
                  tuple(t.shape), t.stride(), t.dtype, is_np) if t.numel() else None
         if ident is not None and ident in seen:
@@ -103,8 +128,12 @@ def encode_tree(obj: Any) -> tuple[Any, list[TensorLeaf]]:
             if x.dtype.hasobject:
                 raise UnsupportedStateError(
                     f"{_fmt_key(path)!r} is a numpy array of Python objects; it cannot be stored without pickle")
-            try:
-                t = torch.from_numpy(np.ascontiguousarray(x))
+            if not x.dtype.isnative:
+                raise UnsupportedStateError(
+                    f"{_fmt_key(path)!r} is a numpy array with non-native byte order ({x.dtype.str}); "
+                    "convert it with arr.astype(arr.dtype.newbyteorder('='))")
+            try:  # np.ascontiguousarray would turn a 0-d array into shape (1,)
+                t = torch.from_numpy(x if x.flags.c_contiguous else x.copy(order="C"))
             except TypeError as exc:
                 raise UnsupportedStateError(
                     f"{_fmt_key(path)!r}: numpy dtype {x.dtype} is not supported ({exc})") from None
@@ -114,9 +143,14 @@ def encode_tree(obj: Any) -> tuple[Any, list[TensorLeaf]]:
         if x is None or isinstance(x, (bool, str)):
             return {"v": x}
         if isinstance(x, int):
-            return {"v": int(x)}
+            return {"v": _check_int(x, path)}
         if isinstance(x, float):
             return {"v": float(x)} if math.isfinite(x) else {"f": repr(float(x))}
+        if type(x) is dict or type(x) is list:
+            try:
+                return {"j": plain_copy(x, depth)}
+            except NotPlain:
+                pass
         if isinstance(x, dict):
             return {"d": [[_encode_key(k, path), enc(v, path + (k,), depth + 1)] for k, v in x.items()]}
         if isinstance(x, list):
@@ -172,6 +206,8 @@ def decode_tree(node: Any, tensors: list[Any], where: str = "manifest", *, build
             raise bad(f"plain value {val!r:.80}")
         if tag == "f":
             return dec_float(val)
+        if tag == "j":  # plain JSON, parsed with finite numbers only
+            return val
         if tag in ("T", "A"):
             if not isinstance(val, int) or isinstance(val, bool) or not 0 <= val < len(tensors):
                 raise bad(f"tensor index {val!r:.80}")

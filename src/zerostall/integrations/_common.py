@@ -16,7 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..checkpointer import Checkpointer
 from ..config import CheckpointConfig
 from ..errors import ConfigError
-from ..format.manifest import MANIFEST_NAME
+from ..store.local import LocalTier
 
 _patch_lock = threading.Lock()
 
@@ -24,18 +24,17 @@ _patch_lock = threading.Lock()
 def is_committed(path: str | os.PathLike[str]) -> bool:
     """True when ``path`` is a directory holding at least one committed zerostall step."""
     p = os.fspath(path)
-    try:
-        names = os.listdir(p)
-    except (FileNotFoundError, NotADirectoryError):
+    if not os.path.isdir(p):
         return False
-    return any(n.startswith("step-") and os.path.isfile(os.path.join(p, n, MANIFEST_NAME)) for n in names)
+    # the tier's own listing: canonical step names whose manifest validates (a crash between the
+    # manifest write and the rename leaves step-N.partial/manifest.json, which is not a commit)
+    return bool(LocalTier(p).steps())
 
 
 def next_step(ckpt: Checkpointer, wanted: int) -> int:
     """``wanted``, or one past the newest committed step when that is not larger (a path saved
     twice gets a new step; keep_last=1 then retires the old one after the commit)."""
-    with ckpt._lock:
-        taken = [j.step for j in ckpt._inflight]
+    taken = [j.step for j in tuple(ckpt._inflight)]
     latest = max([*taken, ckpt.latest_step() or -1])
     return wanted if wanted > latest else latest + 1
 

@@ -90,6 +90,7 @@ class ZerostallCheckpointIO(CheckpointIO):
         self._ckpts: dict[str, Any] = {}
         self._guard = StateGuard()
         self._removers: list[threading.Thread] = []
+        self._cleaned: set[str] = set()
         self._errors: list[BaseException] = []
         self.handles: list[Any] = []
         """SaveHandles of the saves since the last teardown (newest last)."""
@@ -99,13 +100,19 @@ class ZerostallCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError("ZerostallCheckpointIO.save_checkpoint does not take storage_options")
         root = os.path.abspath(os.fspath(path))
-        if os.path.isfile(root):  # a torch.save file from an earlier run under the same name
-            os.remove(root)
+        replaced = None
+        if os.path.isfile(root) or os.path.islink(root):
+            # a torch.save file (or a save_last link) under the same name: kept aside until
+            # the new checkpoint is durable
+            replaced = self._trash_name(root)
+            os.rename(root, replaced)
         ck = self._checkpointer(root)
         step = next_step(ck, int(checkpoint.get("global_step", 0) or 0))
         self._close_idle(keep=root)
         handle = ck.save(step, checkpoint)
         self.handles.append(handle)
+        if replaced is not None:
+            self._remove_after(replaced, [handle])
         if self.wait_staged:
             handle.wait_staged()
         else:
@@ -137,22 +144,9 @@ class ZerostallCheckpointIO(CheckpointIO):
             return
         # Out of Lightning's namespace at once; the bytes go once every save in flight is
         # durable, so a crash meanwhile never leaves fewer checkpoints than before.
-        trash = os.path.join(os.path.dirname(root), f".{os.path.basename(root)}.zerostall-removing")
-        shutil.rmtree(trash, ignore_errors=True)
+        trash = self._trash_name(root)
         os.rename(root, trash)
-        pending = [h for h in self.handles if not h.done()]
-        if not pending:
-            shutil.rmtree(trash, ignore_errors=True)
-            return
-
-        def remove_later() -> None:
-            for h in pending:
-                h.wait()
-            shutil.rmtree(trash, ignore_errors=True)
-
-        t = threading.Thread(target=remove_later, name="zerostall-lightning-remove", daemon=True)
-        t.start()
-        self._removers.append(t)
+        self._remove_after(trash, [h for h in self.handles if not h.done()])
 
     def teardown(self) -> None:
         """Wait until every save is durable, release the arenas, raise the first failure."""
@@ -169,11 +163,56 @@ class ZerostallCheckpointIO(CheckpointIO):
             raise errors[0]
 
     # -- internals ----------------------------------------------------------------------------
+    @staticmethod
+    def _trash_name(root: str) -> str:
+        trash = os.path.join(os.path.dirname(root), f".{os.path.basename(root)}.zerostall-removing")
+        if os.path.isdir(trash) and not os.path.islink(trash):
+            shutil.rmtree(trash, ignore_errors=True)
+        elif os.path.lexists(trash):
+            os.remove(trash)
+        return trash
+
+    def _remove_after(self, trash: str, pending: list[Any]) -> None:
+        """Delete ``trash`` (a directory, file or link) once the ``pending`` saves are done."""
+
+        def remove() -> None:
+            for h in pending:
+                h.wait()
+            if os.path.isdir(trash) and not os.path.islink(trash):
+                shutil.rmtree(trash, ignore_errors=True)
+            elif os.path.lexists(trash):
+                os.remove(trash)
+
+        if not any(not h.done() for h in pending):
+            remove()
+            return
+        t = threading.Thread(target=remove, name="zerostall-lightning-remove", daemon=True)
+        t.start()
+        self._removers.append(t)
+
     def _checkpointer(self, root: str) -> Any:
         ck = self._ckpts.get(root)
         if ck is None:
+            self._clean_stale_trash(os.path.dirname(root))
             ck = self._ckpts[root] = open_local(root, self.config)
         return ck
+
+    def _clean_stale_trash(self, directory: str) -> None:
+        """Remove what a crashed run left set aside (once per directory and plugin)."""
+        if directory in self._cleaned or not self._removers_idle():
+            return
+        self._cleaned.add(directory)
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            return
+        for n in names:
+            if n.startswith(".") and n.endswith(".zerostall-removing"):
+                log.info("zerostall: removing %s, left aside by an earlier run", os.path.join(directory, n))
+                self._trash_name(os.path.join(directory, n[1:-len(".zerostall-removing")]))
+
+    def _removers_idle(self) -> bool:
+        return not any(t.is_alive() for t in self._removers)
 
     def _close(self, ck: Any) -> None:
         try:

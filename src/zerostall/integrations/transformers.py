@@ -21,8 +21,8 @@ short by a crash is skipped); ``save_total_limit`` keeps the newest committed ch
 ``Trainer`` still resume through HF's own code.
 
 Threads: every method here runs on the trainer's thread (HF calls them from ``train()``).
-Under ``torch.distributed`` every rank saves its own state (``rank-R.zst``, its own RNG
-state); DeepSpeed, FSDP and SageMaker MP keep their own checkpoint formats (not covered).
+Under ``torch.distributed`` every rank saves its own state (``rank-R``, its own RNG) and the
+ranks commit each checkpoint together; DeepSpeed, FSDP and SageMaker MP keep their own formats.
 ``model.save_pretrained``/``trainer.save_model()`` are unchanged; ``zerostall export``
 converts a checkpoint's ``model.*`` tensors to safetensors.
 """
@@ -102,13 +102,18 @@ class ZerostallTrainerMixin:
                 resume_from_checkpoint = found
         if isinstance(resume_from_checkpoint, (str, os.PathLike)) and is_committed(resume_from_checkpoint):
             # HF reads trainer_state.json itself: rewrite it from the committed checkpoint
+            # (every rank may do this at once: same bytes, each through its own atomic rename)
             state = self._zs_loaded(os.fspath(resume_from_checkpoint))["trainer_state"]
-            state.save_to_json(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME))
+            path = os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)
+            state.save_to_json(f"{path}.{os.getpid()}.tmp")
+            os.replace(f"{path}.{os.getpid()}.tmp", path)
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
         finally:
             self._zs_resume = None
             self.zerostall_wait()
+            if self.args.should_save:  # saves in flight at the last rotation are committed now
+                self._zs_rotate(self.args.output_dir)
 
     def zerostall_wait(self) -> None:
         """Block until every checkpoint is durable; close the checkpointers; raise a failure."""
@@ -131,6 +136,7 @@ class ZerostallTrainerMixin:
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, folder)
+        ck = self._zs_checkpointer(output_dir)  # creates output_dir
         if self.state.best_global_step:
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
             if os.path.exists(best):
@@ -150,7 +156,6 @@ class ZerostallTrainerMixin:
             scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None:
                 state["scaler"] = scaler
-        ck = self._zs_checkpointer(output_dir)
         ck.save(next_step(ck, self.state.global_step), state)
         self._zs_guard.track(ck, list(state["model"].values()))
         if self.args.should_save:
@@ -173,7 +178,7 @@ class ZerostallTrainerMixin:
         limit = self.args.save_total_limit
         if limit is None or limit <= 0:
             return
-        ckpts = _checkpoints(run_dir)
+        ckpts = _checkpoints(os.path.abspath(run_dir))
         live = {p for p, c in self._zs_ckpts.items() if c._inflight}
         keep = {p for _, p in ckpts[-limit:]}
         if self.state.best_model_checkpoint:

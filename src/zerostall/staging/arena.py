@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .._util import node_leader
+
 log = logging.getLogger("zerostall")
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
@@ -141,13 +143,16 @@ class Arena:
 
     # -- faulting ---------------------------------------------------------------------------
     def _memlock_allows(self, nbytes: int) -> bool:
+        """Whether RLIMIT_MEMLOCK allows locking ``nbytes``. The limit is the node's setting:
+        only LOCAL_RANK 0 warns (once per process), the other local ranks log at debug level."""
         global _warned_memlock
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         if soft != resource.RLIM_INFINITY and soft < nbytes:
             if not _warned_memlock:
                 _warned_memlock = True
-                log.warning("zerostall: RLIMIT_MEMLOCK is %d bytes, below the %d-byte staging budget; "
-                            "not locking it (raise 'ulimit -l' to keep the arena out of swap)", soft, nbytes)
+                say = log.warning if node_leader() else log.debug
+                say("zerostall: RLIMIT_MEMLOCK is %d bytes, below the %d-byte staging budget; "
+                    "not locking it (raise 'ulimit -l' to keep the arena out of swap)", soft, nbytes)
             return False
         return True
 
@@ -159,7 +164,8 @@ class Arena:
                 return
             if not _warned_memlock:
                 _warned_memlock = True
-                log.warning("zerostall: mlock of the staging arena failed: %s", os.strerror(ctypes.get_errno()))
+                say = log.warning if node_leader() else log.debug
+                say("zerostall: mlock of the staging arena failed: %s", os.strerror(ctypes.get_errno()))
             if off > 0:
                 _libc.munlock(ctypes.c_void_p(self.address), off)
             self.locked = False

@@ -1,19 +1,29 @@
 """Build the save plan: what goes where in the shard file, before any byte is copied.
 
 Called from the caller's thread inside ``save()``; pure metadata work (no tensor data is
-read), so its cost is proportional to the number of tensors, not their size.
+read), so its cost is proportional to the number of tensors and plain values, not their
+size. Everything that could make a save fail later for its input is checked here, before
+anything is queued: the step's range, the metadata, every leaf (in ``encode_tree``) and the
+manifest's size.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..errors import ConfigError, UnsupportedStateError
 from ..format.dtypes import dtype_name
 from ..format.layout import HEADER_BYTES, align_up
-from ..format.tree import TensorLeaf, encode_tree
+from ..format.tree import TensorLeaf, decode_tree, encode_tree
+from ..format.validate import MAX_STEP, NotPlain, plain_copy
+
+
+def decode_key(k_node: Any) -> Any:
+    return decode_tree({"d": [[k_node, {"v": None}]]}, []).popitem()[0]
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,8 @@ class SavePlan:
     leaves: tuple[TensorLeaf, ...]
     n_tensors: int = 0
     """Tensors in the whole state (all ranks' shares when replicated)."""
+    tree_json: str = ""
+    """``tree`` as compact JSON, encoded once on the caller's thread (size check, manifest)."""
 
     @property
     def payload_bytes(self) -> int:
@@ -65,6 +77,7 @@ def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicate
     tensors it owns (:func:`owners_by_size`); ``PlanItem.index`` stays the global index.
     """
     tree, all_leaves = encode_tree(state_dict)
+    tree_json = check_manifest_size(state_dict, tree, all_leaves)
     owner = owners_by_size(all_leaves, world_size) if replicated and world_size > 1 else None
     items = []
     leaves = []
@@ -77,5 +90,79 @@ def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicate
         nbytes = t.numel() * t.element_size()
         items.append(PlanItem(i, leaf.key, dtype_name(t.dtype, leaf.key), tuple(t.shape), nbytes, off))
         off = align_up(off + nbytes)
-    return SavePlan(tuple(items), max(off, HEADER_BYTES), tree, tuple(leaves), len(all_leaves))
+    return SavePlan(tuple(items), max(off, HEADER_BYTES), tree, tuple(leaves), len(all_leaves), tree_json)
+
+
+ENTRY_BYTES = 256
+"""A bound on one tensor entry's JSON in the manifest, besides its key."""
+
+
+def check_step(step: Any) -> int:
+    """``step`` is an int in [0, 2**63) (what a manifest and a directory name can hold)."""
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        raise ConfigError(f"step={step!r:.60} is invalid: must be an int in [0, 2**63)")
+    return int(step)
+
+
+def check_metadata(metadata: Any) -> dict[str, Any]:
+    """A snapshot of ``metadata`` if it is plain JSON (dict with str keys, lists, str, bounded
+    ints, finite floats, bool, None), else :class:`UnsupportedStateError`."""
+    if metadata is None:
+        return {}
+    try:
+        out = plain_copy(metadata)
+    except NotPlain:
+        out = None
+    if not isinstance(out, dict):
+        raise UnsupportedStateError(
+            "metadata= must be a dict of plain JSON values (str keys; lists, str, int, finite float, bool, None)")
+    return out
+
+
+def check_manifest_size(state_dict: Any, tree: Any, leaves: Any) -> str:
+    """The tree's JSON; raise :class:`UnsupportedStateError` naming the key that dominates if
+    the manifest would exceed the limit every reader enforces (``MAX_MANIFEST_BYTES``)."""
+    from ..format import manifest as mf
+    tree_json = json.dumps(tree, separators=(",", ":"), allow_nan=False)
+    est = len(tree_json) + sum(len(leaf.key) + ENTRY_BYTES for leaf in leaves)
+    limit = mf.MAX_MANIFEST_BYTES
+    if est <= limit:
+        return tree_json
+    tensors_part = est - len(tree_json)
+    if tensors_part > len(tree_json):
+        what = f"its {len(leaves)} tensor entries (~{tensors_part >> 20} MiB)"
+    else:
+        key, size = _dominant(tree)
+        what = f"key {key!r} (~{size >> 20} MiB of JSON)"
+    raise UnsupportedStateError(
+        f"this state's manifest would be ~{est >> 20} MiB, over the {limit >> 20} MiB limit readers accept; "
+        f"most of it is {what}: store large data as tensors (or numpy arrays), not as Python values")
+
+
+def _dominant(tree: Any) -> tuple[str, int]:
+    """The deepest key path whose encoding holds more than half of its parent's."""
+    path: list[str] = []
+    node = tree
+    size = len(json.dumps(node, separators=(",", ":")))
+    while True:
+        kids: list[tuple[str, Any]] = []
+        if isinstance(node, dict) and len(node) == 1:
+            (tag, val), = node.items()
+            if tag == "d":
+                kids = [(str(decode_key(k)), v) for k, v in val]
+            elif tag in ("l", "t"):
+                kids = [(str(i), v) for i, v in enumerate(val)]
+            elif tag == "j" and isinstance(val, dict):
+                kids = [(k, {"j": v}) for k, v in val.items()]
+            elif tag == "j" and isinstance(val, list):
+                kids = [(str(i), {"j": v}) for i, v in enumerate(val)]
+        if not kids:
+            break
+        sized = [(len(json.dumps(v, separators=(",", ":"))), k, v) for k, v in kids]
+        big, k, v = max(sized, key=lambda x: x[0])
+        if big * 2 < size:
+            break
+        path.append(k)
+        node, size = v, big
+    return (".".join(path) or "<root>"), size
 

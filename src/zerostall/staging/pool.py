@@ -64,8 +64,8 @@ class Lease:
                 self.want_bytes = nbytes
                 self.pool._retarget()
 
-    def submit(self, job: SaveJob, persist_submit: Callable[[SaveJob], None]) -> None:
-        self.pool.submit(job, persist_submit)
+    def submit(self, job: SaveJob, hand_over: Callable[[SaveJob], None]) -> None:
+        self.pool.submit(job, hand_over)
 
     def release(self) -> None:
         if not self.released:
@@ -139,17 +139,34 @@ class StagingPool:
         self.ring.resize(min(target, new.nbytes))
 
     # -- caller's thread ----------------------------------------------------------------------
-    def submit(self, job: SaveJob, persist_submit: Callable[[SaveJob], None]) -> None:
-        """Reserve ``job.nblocks`` and hand the job to its persister and the snapshot thread."""
+    def submit(self, job: SaveJob, hand_over: Callable[[SaveJob], None]) -> None:
+        """Reserve ``job.nblocks`` and call ``hand_over(job)`` (which queues it on its persist
+        thread and on ``self.snap``) under one lock, so the snapshot thread sees jobs in
+        reservation order. If ``hand_over`` raises before queueing anything, the pool drains
+        the reserved blocks itself (the shared ring must move on) and re-raises."""
         with self.lock:
             self._swap_if_idle()
             if self.ring.capacity_bytes < min(self.target, self.arena.nbytes):
                 self.ring.resize(min(self.target, self.arena.nbytes))
             job.g0 = self.ring.reserve(job.nblocks)
+            job.reserved = True
             job.arena = self.arena
             job.arena_bytes = self.ring.capacity_bytes
-            persist_submit(job)
-            self.snap.submit(job)
+            try:
+                hand_over(job)
+            except BaseException as exc:
+                if not (getattr(job, "to_snap", False) or getattr(job, "to_persist", False)):
+                    job.fail(exc)
+                    self.snap.submit(job)  # publishes the blocks unwritten
+                    threading.Thread(target=self._drain, args=(job,), daemon=True).start()
+                raise
+
+    def _drain(self, job: SaveJob) -> None:
+        g = job.g0
+        while g < job.g_end:
+            hi = min(self.ring.wait_staged(g), job.g_end)
+            self.ring.release(g, hi)
+            g = hi
 
     @contextlib.contextmanager
     def borrow_idle(self) -> Iterator[ArenaView | None]:

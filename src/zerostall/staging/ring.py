@@ -57,20 +57,20 @@ class BlockRing:
     def blocks_for(self, nbytes: int) -> int:
         return max(1, -(-nbytes // self.block_bytes))
 
+    # ``reserved`` has one writer (the caller's thread, saves serialised by the Checkpointer)
+    # and the workers never read it, so these take no lock: a signal handler that interrupts
+    # save() here must not leave the condition held while the workers need it.
     def fits_now(self, nblocks: int) -> bool:
         """Whether a snapshot of ``nblocks`` could be staged without waiting for the disk."""
-        with self.cond:
-            return self.reserved + min(nblocks, self.nblocks) - self.released <= self.nblocks
+        return self.reserved + min(nblocks, self.nblocks) - self.released <= self.nblocks
 
     def reserve(self, nblocks: int) -> int:
-        with self.cond:
-            g0 = self.reserved
-            self.reserved += nblocks
-            return g0
+        g0 = self.reserved
+        self.reserved = g0 + nblocks
+        return g0
 
     def idle(self) -> bool:
-        with self.cond:
-            return self.released == self.reserved
+        return self.released == self.reserved
 
     # -- snapshot thread ----------------------------------------------------------------
     def wait_writable(self, g: int) -> int:

@@ -1,13 +1,16 @@
 """The snapshot thread: copies each save's tensors into the arena ring, in file order.
 
-Runs in one daemon thread owned by the process's staging pool (:mod:`.pool`); jobs arrive through ``submit()``
+Runs in one daemon thread owned by the process's staging pool (:mod:`.pool`); jobs arrive
 from the caller's thread and are staged strictly in order. For each job it writes the shard
 header, every tensor's bytes (zero-padding each to 4 KiB) and the zero tail, and publishes
 finished blocks to the persist thread (which checksums them while its writes are in flight,
 keeping crc32c off the path that the training loop may wait on).
-CPU tensors are copied with ``Tensor.copy_`` (which releases the GIL); CUDA tensors are
-copied non-blocking on a dedicated low-priority stream into the registered arena, after an
-event recorded on the caller's stream at ``save()`` time.
+CUDA tensors are copied non-blocking into the registered arena on a low-priority side
+stream *of the tensor's own device* (:class:`DeviceStreams`: one stream per device, the
+device made current for each copy), after the event recorded on that device's current
+stream at ``save()`` time (:func:`record_save_events`); an event recorded on the side
+stream after the copy is waited for before the bytes are published. On a multi-GPU node a
+rank's tensors may live on any device, so nothing assumes device 0.
 
 Never mutates the caller's tensors; drops its references to them once the job is staged.
 
@@ -15,7 +18,8 @@ CPU bytes move with ``memmove``/``memset`` through ctypes (which releases the GI
 with a torch op: a long-lived thread that has run an OpenMP-parallel torch op keeps its
 own OpenMP team, and measured here that alone slowed the training thread's steps by ~15%
 for as long as the thread lived. The rare non-contiguous CPU tensor is copied by torch in a
-short-lived helper thread instead.
+short-lived helper thread instead, in row chunks of at most ``STRIDED_CHUNK_BYTES`` that
+stream through the ring like any tensor (never one whole copy outside the staging budget).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import logging
 import ctypes
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -38,6 +42,25 @@ log = logging.getLogger("zerostall")
 
 _memmove = ctypes.memmove
 _memset = ctypes.memset
+STRIDED_CHUNK_BYTES = 8 << 20
+
+
+def row_slices(t: torch.Tensor, limit: int = STRIDED_CHUNK_BYTES) -> Iterator[torch.Tensor]:
+    """Consecutive slices (views) of ``t`` covering it in row-major order, each at most
+    ``limit`` bytes (or one element row of the innermost dimension)."""
+    es = t.element_size()
+    if t.dim() == 0 or t.numel() * es <= limit:
+        yield t
+        return
+    rows = t.shape[0]
+    row_bytes = max(1, t[0].numel() * es)
+    if row_bytes <= limit or t.dim() == 1:
+        per = max(1, limit // row_bytes)
+        for i in range(0, rows, per):
+            yield t[i:i + per]
+    else:
+        for i in range(rows):
+            yield from row_slices(t[i], limit)
 
 
 def _in_helper_thread(fn: Callable[[], None]) -> None:
@@ -64,17 +87,78 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _index(device: torch.device, cuda: Any) -> int:
+    return device.index if device.index is not None else int(cuda.current_device())
+
+
+def record_save_events(tensors: Any, cuda: Any = torch.cuda) -> dict[int, Any]:
+    """On the caller's thread in ``save()``: one event per CUDA device among ``tensors``,
+    recorded on that device's current stream (the snapshot copies wait for it, so they see
+    every kernel the caller queued before ``save()``)."""
+    events: dict[int, Any] = {}
+    for t in tensors:
+        if t.device.type != "cuda":
+            continue
+        i = _index(t.device, cuda)
+        if i not in events:
+            with cuda.device(i):
+                ev = cuda.Event()
+                ev.record(cuda.current_stream(i))
+            events[i] = ev
+    return events
+
+
+class DeviceStreams:
+    """The snapshot thread's CUDA side streams: one per device, created on first use.
+
+    ``cuda`` is ``torch.cuda`` — the one seam the unit tests fake to check which device and
+    stream each copy runs on without a GPU. Snapshot thread only.
+    """
+
+    def __init__(self, cuda: Any = torch.cuda):
+        self.cuda = cuda
+        self._streams: dict[int, Any] = {}
+        self._done: dict[int, Any] = {}
+
+    def stream(self, index: int) -> Any:
+        s = self._streams.get(index)
+        if s is None:
+            with self.cuda.device(index):
+                s = self.cuda.Stream(device=index, priority=0)  # 0: the lowest priority
+            self._streams[index] = s
+        return s
+
+    def run(self, device: torch.device, fn: Callable[[], None], after: dict[int, Any] | None = None) -> None:
+        """Run ``fn`` (which queues a copy) with ``device`` current and its side stream
+        current, after the caller's ``save()`` event of that device; return once the copy
+        has finished (an event recorded on the side stream, then waited for)."""
+        i = _index(device, self.cuda)
+        s = self.stream(i)
+        with self.cuda.device(i), self.cuda.stream(s):
+            if after and i in after:
+                s.wait_event(after[i])
+            fn()
+            ev = self._done.get(i)
+            if ev is None:
+                ev = self._done[i] = self.cuda.Event()
+            ev.record(s)
+        ev.synchronize()
+
+
 class Snapshotter(Worker[SaveJob]):
     def __init__(self, arena: Arena, ring: BlockRing):
         self.arena = arena
         self.ring = ring
-        self._stream = None
+        self._streams: DeviceStreams | None = None
         super().__init__("zerostall-snapshot")
 
     # -- snapshot thread ----------------------------------------------------------------
     def handle(self, job: SaveJob) -> None:
         t0 = time.perf_counter()
         try:
+            if job.incr is not None:  # may shrink job.plan to what must be written
+                job.incr.tracker.decide(job, self._cuda_stream)
+            job.layout_ready.set()
             self._stage(job)
         except BaseException as exc:  # noqa: BLE001 - reported on the handle
             log.error("zerostall: snapshot of step %d failed: %s", job.step, exc)
@@ -82,30 +166,43 @@ class Snapshotter(Worker[SaveJob]):
         finally:
             self.ring.publish(job.g_end)  # a failed job's blocks are drained unwritten
             job.leaves = None
+            job.layout_ready.set()
             job.snapshot_s = time.perf_counter() - t0
             job.t_staged = time.perf_counter()
             job.staged.set()
 
-    def _cuda_stream(self) -> "torch.cuda.Stream":
-        if self._stream is None:
+    def _cuda(self) -> DeviceStreams:
+        if self._streams is None:
             self.arena.register_cuda()
-            self._stream = torch.cuda.Stream()  # priority 0: the lowest
-        return self._stream
+            self._streams = DeviceStreams()
+        return self._streams
 
-    @staticmethod
-    def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
-        out: list[torch.Tensor] = []
-        _in_helper_thread(lambda: out.append(tensor.contiguous()))
-        return out[0]
+    def _cuda_stream(self) -> Any:
+        """The side stream of the current device (for the incremental tracker's reads)."""
+        return self._cuda().stream(int(torch.cuda.current_device()))
+
+    def _stage_strided(self, job: SaveJob, tensor: torch.Tensor, offset: int, spans: Callable[..., Any]) -> None:
+        """Copy a non-contiguous CPU tensor slice by slice through one small bounce buffer
+        (runs in a helper thread; one allocation, never a whole contiguous copy)."""
+        base, B = (job.arena or self.arena).address, self.ring.block_bytes
+        es = tensor.element_size()
+        buf = torch.empty(min(STRIDED_CHUNK_BYTES, max(tensor.numel() * es, es)), dtype=torch.uint8)
+        foff = offset
+        for sl in row_slices(tensor):
+            n_sl = sl.numel() * es
+            if n_sl > buf.numel():
+                buf = torch.empty(n_sl, dtype=torch.uint8)
+            buf[:n_sl].view(sl.dtype).view(sl.shape).copy_(sl)
+            for aoff, f, n in spans(foff, foff + n_sl):
+                _memmove(base + aoff, buf.data_ptr() + (f - foff), n)
+                self.ring.publish(job.g0 + (f + n) // B)
+            foff += n_sl
 
     def _stage(self, job: SaveJob) -> None:
         ring, B = self.ring, self.ring.block_bytes
         arena = job.arena or self.arena  # the pool swaps arenas only between jobs
         arena_u8 = arena.u8
-        use_cuda = "cuda" in job.plan.devices
-        stream = self._cuda_stream() if use_cuda else None
-        if stream is not None and job.cuda_event is not None:
-            stream.wait_event(job.cuda_event)
+        streams = self._cuda() if "cuda" in job.plan.devices else None
 
         def spans(a: int, b: int):
             """Yield (arena offset, file offset, length) runs covering file bytes [a, b)."""
@@ -136,16 +233,20 @@ class Snapshotter(Worker[SaveJob]):
             if item.nbytes:
                 on_cpu = tensor.device.type == "cpu"
                 if on_cpu and not tensor.is_contiguous():
-                    tensor = self._contiguous(tensor)
+                    _in_helper_thread(lambda t=tensor, o=item.offset: self._stage_strided(job, t, o, spans))
+                    pos = item.offset + item.nbytes
+                    continue
+                flat: list[torch.Tensor] = []  # CUDA: made once per tensor, on its own device
                 for aoff, foff, n in spans(item.offset, item.offset + item.nbytes):
                     rel = foff - item.offset
                     if on_cpu:
                         _memmove(base + aoff, tensor.data_ptr() + rel, n)
                     else:
-                        dst = arena_u8[aoff:aoff + n]
-                        with torch.cuda.stream(stream):  # type: ignore[arg-type]
-                            dst.copy_(flat_bytes(tensor)[rel:rel + n], non_blocking=True)
-                        stream.synchronize()  # type: ignore[union-attr]
+                        def copy(dst=arena_u8[aoff:aoff + n], rel=rel, n=n, tensor=tensor) -> None:
+                            if not flat:
+                                flat.append(flat_bytes(tensor))
+                            dst.copy_(flat[0][rel:rel + n], non_blocking=True)
+                        streams.run(tensor.device, copy, job.cuda_event)  # type: ignore[union-attr]
                     ring.publish(job.g0 + (foff + n) // B)
             pos = item.offset + item.nbytes
         fill_zero(pos, job.plan.file_bytes)

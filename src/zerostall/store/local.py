@@ -43,9 +43,10 @@ from typing import TYPE_CHECKING, Callable
 from ..errors import (CheckpointExistsError, CheckpointNotFound, CorruptCheckpoint, StepOrderError,
                       ZerostallError, storage_error)
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
+from ..format.validate import parse_step_dir, read_small
 from .atomic import fsync_dir, publish_dir, recover_dir, rmtree, write_file_durable
 from .owner import RootLock
-from .retention import doomed
+from .retention import doomed, spare_referenced
 from .tier import Tier
 
 if TYPE_CHECKING:
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
 __all__ = ["LocalTier", "fsync_dir", "write_file_durable"]
 
 log = logging.getLogger("zerostall")
-_STEP_RE = re.compile(r"^step-(\d{1,19})$")
 _PARTIAL_RE = re.compile(r"^step-(\d{1,19})\.partial$")
 _OLD_RE = re.compile(r"^step-(\d{1,19})\.old$")
 _TEMP_RE = re.compile(r"^(latest\.tmp|\.zerostall-write-test-\d+|\.zerostall-probe-[0-9a-f]+)$")
@@ -105,10 +105,10 @@ class LocalTier(Tier):
         tools that report damaged steps (``ls``, ``verify``)."""
         out = []
         for n in self._names():
-            m = _STEP_RE.match(n)
-            if m and os.path.isfile(os.path.join(self.root, n, MANIFEST_NAME)) \
+            s = parse_step_dir(n, self.root)  # canonical names only: 'step-03' is ignored, with a warning
+            if s is not None and os.path.isfile(os.path.join(self.root, n, MANIFEST_NAME)) \
                     and not os.path.islink(os.path.join(self.root, n)):
-                out.append(int(m.group(1)))
+                out.append(s)
         return sorted(out)
 
     def steps(self) -> list[int]:
@@ -118,6 +118,14 @@ class LocalTier(Tier):
         verdict cached, so calling this per save costs a listdir and a stat per step.
         """
         return [s for s in self.listed_steps() if self._is_valid(s)]
+
+    def latest(self) -> int | None:
+        """The newest committed step; validates manifests newest first, stopping at the first
+        good one (a save's step-order check runs this on the caller's thread)."""
+        for s in reversed(self.listed_steps()):
+            if self._is_valid(s):
+                return s
+        return None
 
     def _manifest_ident(self, step: int) -> tuple[int, ...] | None:
         try:
@@ -176,22 +184,13 @@ class LocalTier(Tier):
                                     "inside the checkpoint directory", path=d)
         path = os.path.join(d, MANIFEST_NAME)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            raw = read_small(path, MAX_MANIFEST_BYTES)  # regular files only: no FIFO, no symlink
         except FileNotFoundError:
             raise CheckpointNotFound(f"no committed checkpoint for step {step} in {self.root!r} "
                                      f"(steps: {self.listed_steps() or 'none'})") from None
         except OSError as exc:
-            raise CorruptCheckpoint(f"{path}: cannot open manifest ({os.strerror(exc.errno or 0)})",
+            raise CorruptCheckpoint(f"{path}: cannot read manifest ({os.strerror(exc.errno or 0)})",
                                     path=path) from exc
-        try:
-            size = os.fstat(fd).st_size
-            if size > MAX_MANIFEST_BYTES:
-                raise CorruptCheckpoint(f"{path}: manifest is {size} bytes, over the "
-                                        f"{MAX_MANIFEST_BYTES} limit", path=path)
-            with os.fdopen(os.dup(fd), "rb") as f:
-                raw = f.read(MAX_MANIFEST_BYTES + 1)
-        finally:
-            os.close(fd)
         man = Manifest.from_bytes(raw, where=path)
         if man.step != step:
             raise CorruptCheckpoint(f"{path}: manifest says step {man.step}, directory says {step}", path=path)
@@ -321,7 +320,8 @@ class LocalTier(Tier):
     def _write_latest(self, step: int) -> tuple[str, ...]:
         tmp = os.path.join(self.root, "latest.tmp")
         try:
-            write_file_durable(tmp, f"step-{max(self.steps(), default=step)}\n".encode())
+            newest = self.latest()
+            write_file_durable(tmp, f"step-{step if newest is None else max(newest, step)}\n".encode())
             self._step("latest_tmp")
             os.rename(tmp, os.path.join(self.root, "latest"))
             fsync_dir(self.root)
@@ -362,11 +362,13 @@ class LocalTier(Tier):
     def apply_retention(self, keep_last: int | None, protect: set[int] = frozenset(),  # type: ignore[assignment]
                         just_committed: int | None = None) -> list[int]:
         """Delete all but the newest ``keep_last`` committed steps (manifest validates); never
-        the newest, never ``just_committed``, never one in ``protect``."""
+        the newest, never ``just_committed``, never one in ``protect``, never one that a kept
+        step references (incremental saves; deleted newest first)."""
         if keep_last is None:
             return []
         keep = set(protect) | ({just_committed} if just_committed is not None else set())
-        gone = doomed(self.steps(), keep_last, keep)
+        steps = self.steps()
+        gone = spare_referenced(steps, doomed(steps, keep_last, keep), self.read_manifest)
         for s in gone:
             self.delete(s)
         if gone:

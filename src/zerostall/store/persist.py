@@ -25,6 +25,7 @@ from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..format.shard import CrcCursor
 from ..io.base import Engine, ShardFile
 from ..staging.arena import Arena
+from ..staging.incremental import RefTracker, manifest_parts
 from ..staging.job import SaveJob
 from ..staging.ring import BlockRing
 from .local import LocalTier
@@ -43,11 +44,12 @@ def tensor_entries(job: SaveJob) -> list[tuple[int, TensorEntry]]:
 
 
 def build_manifest(job: SaveJob) -> Manifest:
-    """The manifest of a single-rank save."""
+    """The manifest of a single-rank save (with its references, for an incremental one)."""
+    tensors, ref_files = manifest_parts(job, tensor_entries(job))
     return Manifest(step=job.step, world_size=job.world_size, checkpoint_id=job.checkpoint_id,
                     created_unix=time.time(), files=(file_entry(job),),
-                    tensors=tuple(e for _, e in tensor_entries(job)), tree=job.plan.tree,
-                    user_metadata=dict(job.user_metadata))
+                    tensors=tensors, tree=job.plan.tree, tree_json=job.plan.tree_json,
+                    user_metadata=dict(job.user_metadata), ref_files=ref_files)
 
 
 class LocalCommitter:
@@ -68,8 +70,10 @@ class LocalCommitter:
 
 class Persister(Worker[SaveJob]):
     def __init__(self, tier: LocalTier, engine: Engine, arena: Arena, ring: BlockRing, *,
-                 keep_last: int | None, on_done: Callable[[SaveJob], None], committer: Any = None):
+                 keep_last: int | None, on_done: Callable[[SaveJob], None], committer: Any = None,
+                 refs: RefTracker | None = None):
         self.tier = tier
+        self.refs = refs
         self.committer = committer or LocalCommitter(tier)
         self.engine = engine
         self.arena = arena
@@ -80,10 +84,6 @@ class Persister(Worker[SaveJob]):
         self.on_done = on_done
         super().__init__("zerostall-persist")
 
-    @property
-    def batch_blocks(self) -> int:
-        return max(1, min(self.ring.nblocks // 2, 64))
-
     # -- persist thread -------------------------------------------------------------------
     def _retain(self, job: SaveJob) -> None:
         """Retention after ``job`` committed; a failure is recorded on the job, never raised."""
@@ -91,11 +91,16 @@ class Persister(Worker[SaveJob]):
         if self.keep_last is None:
             return
         try:
-            self.tier.apply_retention(self.keep_last, protect=set(self._recent), just_committed=job.step)
+            protect = set(self._recent) | (self.refs.protected() if self.refs is not None else set())
+            self.tier.apply_retention(self.keep_last, protect=protect, just_committed=job.step)
         except Exception as exc:  # noqa: BLE001 - nothing after the commit point fails the save
             msg = f"retention after step {job.step} failed: {exc}"
             log.warning("zerostall: %s", msg)
             job.post_commit_errors.append(msg)
+
+    @property
+    def batch_blocks(self) -> int:
+        return max(1, min(self.ring.nblocks // 2, 64))  # the shared ring may grow
 
     def _extents(self, job: SaveJob, g: int, hi: int) -> list[tuple[int, memoryview]]:
         B, n = self.ring.block_bytes, self.ring.nblocks
@@ -113,7 +118,7 @@ class Persister(Worker[SaveJob]):
     def _drain(self, job: SaveJob, g: int) -> None:
         while g < job.g_end:
             hi = min(self.ring.wait_staged(g), job.g_end)
-            self.ring.release(g, hi)
+            self.ring.release(g, hi)  # ranges: persisters of several Checkpointers share the ring
             g = hi
 
     def handle(self, job: SaveJob) -> None:
@@ -123,10 +128,14 @@ class Persister(Worker[SaveJob]):
         t0 = time.perf_counter()
         try:
             part = self.committer.begin(job)
+            job.layout_ready.wait()  # an incremental save's plan is final only now (smaller)
+            if job.error is not None:
+                raise job.error
             f = self.engine.open_write(os.path.join(part, job.file_name), job.plan.file_bytes)
             crc = CrcCursor(job.plan.items)
-            while g < job.g_end:
-                hi = min(self.ring.wait_staged(g), job.g_end, g + self.batch_blocks)  # ring may grow
+            g_file = min(job.g_end, job.g0 + self.ring.blocks_for(job.plan.file_bytes))
+            while g < g_file:
+                hi = min(self.ring.wait_staged(g), g_file, g + self.batch_blocks)
                 if job.error is not None:
                     raise job.error
                 extents = self._extents(job, g, hi)
@@ -136,13 +145,19 @@ class Persister(Worker[SaveJob]):
             job.staged.wait()
             if job.error is not None:
                 raise job.error
+            self.ring.release(g, job.g_end)  # blocks reserved for tensors an incremental save referenced
+            g = job.g_end
             job.crcs = crc.crcs
             f.finish()
             f.close()
             f = None
             t1 = time.perf_counter()
             job.persist_s = t1 - t0
+            if self.refs is not None:
+                self.refs.before_commit(job, self.tier.root)
             post = self.committer.commit(job)  # the commit point: from here on the step exists
+            if self.refs is not None and job.incr is not None:  # before retention: the new base
+                self.refs.committed(job, file_entry(job), tensor_entries(job))
             job.commit_s = time.perf_counter() - t1
             job.t_durable = time.perf_counter()
             job.post_commit_errors.extend(post or ())
@@ -150,6 +165,8 @@ class Persister(Worker[SaveJob]):
             self._retain(job)
         except BaseException as exc:  # noqa: BLE001 - reported on the handle
             job.fail(exc)
+            if self.refs is not None and not job.durable.is_set():
+                self.refs.failed(job)
             self._drain(job, g)
             if f is not None:
                 try:

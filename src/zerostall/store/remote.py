@@ -16,27 +16,26 @@ pass. :func:`list_steps` bounds a listing by a short timeout for readers that mu
 on a remote that is down (restore from local, ``steps()``).
 
 Registry (:mod:`.tier`; fsspec-style, lazy, with install hints): ``s3://bucket/prefix`` -> :class:`S3Tier`
-(boto3; ``pip install 'zerostall[s3]'``), ``file:///path`` or a plain path -> :class:`FileTier`
-(a shared or parallel filesystem: Lustre, GPFS, NFS with one file per rank).
+(boto3; ``pip install 'zerostall[s3]'``), ``file:///path`` or a plain path ->
+:class:`~.sharedfs.FileTier` (a shared or parallel filesystem: Lustre, GPFS, NFS with one
+file per rank).
 """
 
 from __future__ import annotations
 
-import errno as _errno
 import logging
 import os
 import re
-import shutil
 import threading
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from typing import Any, Callable
-from urllib.parse import urlparse
 
 import crc32c as _crc
 
-from ..config import ALIGN_BYTES, IOConfig
-from ..errors import RemoteError, ZerostallError
-from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
+from ..errors import (CheckpointExistsError, CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError,
+                      ZerostallError)
+from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
+from .tier import Tier
 from .tier import open_tier, register_tier  # noqa: F401 - the registry lives in .tier; kept importable here
 
 log = logging.getLogger("zerostall")
@@ -51,19 +50,32 @@ def step_of(rel: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-class RemoteTier(ABC):
-    """One remote location. Used by one thread at a time (``cancel`` from any thread)."""
+class RemoteTier(Tier):
+    """One remote location, implementing :class:`~.tier.Tier` the object-store way.
+
+    Commit strategy: data objects are written at their final names (each verified by its
+    crc32c read back), the manifest last (:meth:`commit`), so a reader never sees a step
+    before it is complete; :meth:`delete` removes the manifest first. Owning: a remote root
+    has no lock (object stores have no ``flock``); it is written by the replicator of the one
+    Checkpointer that owns the local root (rank 0 commits), and :meth:`own` only creates the
+    bucket/directory. Leftovers of an interrupted upload (data objects without a manifest)
+    are not steps; the next upload of that step overwrites them.
+
+    Used by one thread at a time, except :meth:`cancel` (any thread).
+    """
 
     url: str
 
-    # -- listing and reading ----------------------------------------------------------------
+    # -- primitives each remote tier provides ---------------------------------------------------
     @abstractmethod
-    def steps(self) -> list[int]:
-        """Committed steps (their manifest object exists), ascending; raises RemoteError."""
+    def _manifests(self) -> dict[int, tuple[Any, ...]]:
+        """{step: identity of its manifest object (size, mtime/etag)} for every ``step-N``
+        holding one; raises RemoteError."""
 
     @abstractmethod
     def read_bytes(self, rel: str, limit: int) -> bytes:
-        """At most ``limit + 1`` bytes of ``rel`` (so callers can tell "over the limit")."""
+        """At most ``limit + 1`` bytes of ``rel`` (so callers can tell "over the limit");
+        CheckpointNotFound if it does not exist."""
 
     @abstractmethod
     def stat(self, rel: str) -> int | None:
@@ -77,7 +89,15 @@ class RemoteTier(ABC):
     def download(self, rel: str, local_path: str, size: int) -> None:
         """Fetch ``rel`` into ``local_path`` (created; direct I/O where the engine allows)."""
 
-    # -- writing (replicator thread) ------------------------------------------------------------
+    @abstractmethod
+    def _open_read(self, rel: str, size: int, engine: Any) -> Any:
+        """A reader of ``rel`` with ``read(extents)``/``close()`` (a ShardFile's reading half)."""
+
+    @abstractmethod
+    def _open_write(self, rel: str, nbytes: int, engine: Any) -> Any:
+        """A writer of ``rel`` with ``write(extents)``/``finish()``/``close()``; the object
+        appears (verified) at ``finish()``."""
+
     @abstractmethod
     def ensure_root(self) -> None:
         """Create the bucket / directory if it does not exist."""
@@ -93,11 +113,101 @@ class RemoteTier(ABC):
         """Remove one object/file (absent is fine)."""
 
     @abstractmethod
-    def delete_step(self, step: int) -> None:
-        """Remove a step: the manifest first (uncommit), then the data."""
+    def _delete_prefix(self, rel: str) -> None:
+        """Remove every object under ``rel`` (a ``step-N/`` prefix)."""
 
     def cancel(self) -> None:
         """Abandon in-flight transfers (the close deadline passed); any thread."""
+
+    # -- the Tier protocol: reading ---------------------------------------------------------------
+    def listed_steps(self) -> list[int]:
+        """Steps holding a manifest object (not validated), ascending: for ``ls``/``verify``."""
+        return sorted(self._manifests())
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending: the manifest object exists and validates. Each manifest
+        is read once per object identity (size, etag/mtime) and the verdict cached, so a
+        listing costs one LIST (S3) or one stat per step."""
+        out = []
+        for step, ident in self._manifests().items():
+            hit = self._verdicts.get(step)
+            if hit is None or hit[0] != ident:
+                try:
+                    self.read_manifest(step)
+                    ok = True
+                except (CorruptCheckpoint, CheckpointNotFound) as exc:
+                    log.warning("zerostall: %s: step %d is not a valid checkpoint: %s", self.url, step, exc)
+                    ok = False
+                hit = self._verdicts[step] = (ident, ok)
+            if hit[1]:
+                out.append(step)
+        return sorted(out)
+
+    @property
+    def _verdicts(self) -> dict[int, tuple[Any, bool]]:
+        v = self.__dict__.get("_verdict_cache")
+        if v is None:
+            v = self.__dict__["_verdict_cache"] = {}
+        return v
+
+    def read_manifest(self, step: int) -> Manifest:
+        where = self.where(f"step-{step}/{MANIFEST_NAME}")
+        man = Manifest.from_bytes(self.read_manifest_bytes(step), where=where)
+        if man.step != step:
+            raise CorruptCheckpoint(f"{where}: manifest says step {man.step}", path=where)
+        return man
+
+    def open_shard_read(self, step: int, name: str, engine: Any = None) -> Any:
+        rel = f"step-{step}/{name}"
+        size = self.stat(rel)
+        if size is None:
+            raise CheckpointNotFound(f"{self.where(rel)}: shard is missing")
+        return self._open_read(rel, size, engine)
+
+    # -- owning -----------------------------------------------------------------------------------
+    def own(self, timeout_s: float | None = None) -> list[str]:
+        self.ensure_root()
+        return []
+
+    def release(self) -> None:
+        pass
+
+    # -- writing ------------------------------------------------------------------------------------
+    def begin(self, step: int) -> str:
+        """No staging area: objects go to their final names and count only once the manifest
+        is there. Returns the step's location."""
+        return self.where(f"step-{step}")
+
+    def open_shard_write(self, step: int, name: str, nbytes: int, engine: Any = None) -> Any:
+        return self._open_write(f"step-{step}/{name}", nbytes, engine)
+
+    def commit(self, step: int, manifest: Manifest, overwrite: bool = False) -> tuple[str, ...]:
+        """Check every shard the manifest names is there with its size, then put the manifest
+        (verified): the commit point."""
+        rel = f"step-{step}/{MANIFEST_NAME}"
+        if manifest.step != step:
+            raise ConfigError(f"commit of step {step} with the manifest of step {manifest.step}")
+        if not overwrite and self.stat(rel) is not None:
+            raise CheckpointExistsError(f"step {step} already exists in {self.url} (pass overwrite=True)")
+        for fe in manifest.files:
+            got = self.stat(f"step-{step}/{fe.name}")
+            if got != fe.file_bytes:
+                raise RemoteError(f"{self.where(f'step-{step}/{fe.name}')}: {'missing' if got is None else got} "
+                                  f"(bytes), the manifest says {fe.file_bytes}; not committing step {step}",
+                                  url=self.where(f"step-{step}/{fe.name}"), step=step)
+        self.upload_bytes(manifest.to_bytes(), rel)
+        return ()
+
+    def abort(self, step: int) -> None:
+        """Remove what an unfinished upload of ``step`` left (never a committed step)."""
+        if self.stat(f"step-{step}/{MANIFEST_NAME}") is None:
+            self._delete_prefix(f"step-{step}/")
+
+    def delete(self, step: int) -> None:
+        """Uncommit (manifest first), then remove the data."""
+        self._delete(f"step-{step}/{MANIFEST_NAME}")
+        self._delete_prefix(f"step-{step}/")
+        self._verdicts.pop(step, None)
 
     # -- shared logic -------------------------------------------------------------------------
     def upload(self, local_path: str, rel: str, crc: int | None = None) -> None:
@@ -198,154 +308,45 @@ def list_steps(remote: RemoteTier, timeout_s: float = LIST_TIMEOUT_S) -> tuple[l
     return None, why
 
 
-# -- shared filesystem ------------------------------------------------------------------------
+class ShardIO:
+    """A ShardFile-like wrapper: ``read``/``write`` go to ``inner``; ``finish()`` runs
+    ``inner.finish()`` then ``on_finish`` (publish); ``close()`` runs ``on_close`` once
+    (cleanup: close an engine the tier opened, abort an unfinished upload)."""
 
-class FileTier(RemoteTier):
-    """A directory on a shared/parallel filesystem, written with the probed engine.
+    def __init__(self, inner: Any, on_finish: Callable[[], None] | None = None,
+                 on_close: Callable[[bool], None] | None = None):
+        self.inner, self._on_finish, self._on_close = inner, on_finish, on_close
+        self.finished = self.closed = False
 
-    Atomicity per file: written as ``name.part``, fdatasync'ed, renamed; the manifest last.
-    """
+    def read(self, extents: Any) -> None:
+        self.inner.read(extents)
 
-    def __init__(self, url: str, io: IOConfig | None = None, **_: Any):
-        self.url = url
-        self.root = urlparse(url).path if url.startswith("file://") else url
-        self.io = io or IOConfig()
+    def write(self, extents: Any, overlap: Callable[[], None] | None = None) -> None:
+        self.inner.write(extents, overlap=overlap) if overlap is not None else self.inner.write(extents)
 
-    def _path(self, rel: str) -> str:
-        return os.path.join(self.root, rel)
+    def finish(self) -> None:
+        if hasattr(self.inner, "finish"):
+            self.inner.finish()
+        if self._on_finish is not None:
+            self._on_finish()
+        self.finished = True
 
-    def _err(self, action: str, rel: str, exc: OSError) -> RemoteError:
-        what = os.strerror(exc.errno) if exc.errno else str(exc)
-        return RemoteError(f"{action} {self.where(rel)} failed: {what}", url=self.where(rel), step=step_of(rel),
-                           errno=exc.errno)
-
-    def _engine(self) -> Any:
-        from ..io import choose_engine
-        return choose_engine(self.root, self.io)
-
-    def _stream(self, src: str, sink: Callable[[int, memoryview], None]) -> int:
-        """Read ``src`` with the engine through one aligned bounce buffer; returns its size."""
-        from ..staging.arena import Arena
-        size = os.path.getsize(src)
-        eng = self._engine()
-        buf = Arena(min(64 << 20, max(size, ALIGN_BYTES)), mlock=False)
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         try:
-            with eng.open_read(src) as r:
-                for off in range(0, size, buf.nbytes):
-                    n = min(buf.nbytes, size - off)
-                    r.read([(off, buf.mv[:n])])
-                    sink(off, buf.mv[:n])
+            if hasattr(self.inner, "close"):
+                self.inner.close()
         finally:
-            eng.close()
-            buf.close()
-        return size
+            if self._on_close is not None:
+                self._on_close(self.finished)
 
-    def _copy(self, src: str, dst: str) -> None:
-        """Aligned streaming copy through one bounce buffer (files are 4 KiB multiples)."""
-        size = os.path.getsize(src)
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        tmp = dst + ".part"
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        eng = self._engine()
-        try:
-            with eng.open_write(tmp, size) as w:
-                self._stream(src, lambda off, mv: w.write([(off, mv)]))
-                w.finish()
-        finally:
-            eng.close()
-        os.rename(tmp, dst)
+    def __enter__(self) -> "ShardIO":
+        return self
 
-    def ensure_root(self) -> None:
-        try:
-            os.makedirs(self.root, exist_ok=True)
-        except OSError as exc:
-            raise self._err("creating", "", exc) from exc
-
-    def _put_file(self, local_path: str, rel: str, crc: int) -> None:
-        try:
-            self._copy(local_path, self._path(rel))
-        except (OSError, ZerostallError) as exc:
-            if isinstance(exc, RemoteError):
-                raise
-            raise RemoteError(f"copying {local_path} to {self.where(rel)} failed: {exc}", url=self.where(rel),
-                              step=step_of(rel)) from exc
-
-    def _put_bytes(self, data: bytes, rel: str) -> None:
-        from .local import fsync_dir, write_file_durable
-        dst = self._path(rel)
-        try:
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            write_file_durable(dst + ".part", data)
-            os.rename(dst + ".part", dst)
-            fsync_dir(os.path.dirname(dst))
-        except OSError as exc:
-            raise self._err("writing", rel, exc) from exc
-
-    def checksum(self, rel: str) -> tuple[int, int]:
-        """Shards (4 KiB multiples) are re-read with direct I/O, from the device or server, not
-        from the page cache; small unaligned files (manifests) through the cache, then dropped."""
-        crc = [0]
-        path = self._path(rel)
-        try:
-            if os.path.getsize(path) % ALIGN_BYTES:
-                size, crc[0] = file_crc32c(path)
-                drop_cache(path)
-                return size, crc[0]
-            size = self._stream(path, lambda off, mv: crc.__setitem__(0, _crc.crc32c(mv, crc[0])))
-        except OSError as exc:
-            raise self._err("reading back", rel, exc) from exc
-        return size, crc[0]
-
-    def download(self, rel: str, local_path: str, size: int) -> None:
-        try:
-            self._copy(self._path(rel), local_path)
-        except FileNotFoundError as exc:
-            raise RemoteError(f"{self.where(rel)} does not exist", url=self.where(rel), step=step_of(rel),
-                              errno=_errno.ENOENT) from exc
-        except OSError as exc:
-            raise self._err("downloading", rel, exc) from exc
-
-    def read_bytes(self, rel: str, limit: int) -> bytes:
-        try:
-            with open(self._path(rel), "rb") as f:
-                return f.read(limit + 1)
-        except OSError as exc:
-            raise self._err("reading", rel, exc) from exc
-
-    def stat(self, rel: str) -> int | None:
-        try:
-            return os.stat(self._path(rel)).st_size
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise self._err("stat of", rel, exc) from exc
-
-    def steps(self) -> list[int]:
-        try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            raise self._err("listing", "", exc) from exc
-        out = []
-        for n in names:
-            m = _STEP_RE.match(n)
-            if m and os.path.isfile(os.path.join(self.root, n, MANIFEST_NAME)):
-                out.append(int(m.group(1)))
-        return sorted(out)
-
-    def _delete(self, rel: str) -> None:
-        try:
-            os.unlink(self._path(rel))
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise self._err("deleting", rel, exc) from exc
-
-    def delete_step(self, step: int) -> None:
-        self._delete(f"step-{step}/{MANIFEST_NAME}")
-        shutil.rmtree(self._path(f"step-{step}"), ignore_errors=True)
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 # -- URLs ---------------------------------------------------------------------------------------

@@ -13,7 +13,12 @@ competes with the next local save. It works in *passes*; each pass:
 3. marks this run's handles whose step the remote now lists as replicated (on every rank:
    only when the manifest is there);
 4. deletes local steps the remote holds (or does not want) beyond ``keep_last``, and
-   remote steps beyond ``keep_last_remote`` (rank 0).
+   remote steps beyond ``keep_last_remote`` (rank 0) — on each tier never a step that a step
+   staying there references (incremental saves; counted from that tier's manifests), newest
+   first.
+
+A step that references earlier steps (incremental saves) is uploaded after them: each file
+is uploaded once, with the step that wrote it.
 
 A pass runs at start-up (so the steps a previous run could not upload are uploaded now), after
 each local commit, and, while steps are pending, again after a backoff (1 s doubling to
@@ -40,7 +45,7 @@ from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..staging.job import SaveJob
 from .local import LocalTier
 from .remote import RemoteTier, drop_cache, file_crc32c
-from .retention import RetentionPolicy
+from .retention import RetentionPolicy, spare_referenced
 
 log = logging.getLogger("zerostall")
 
@@ -60,8 +65,10 @@ def set_idle_io_priority() -> bool:
 class Replicator:
     def __init__(self, tier: LocalTier, make_remote: Callable[[], RemoteTier], policy: RetentionPolicy, *,
                  rank: int = 0, world_size: int = 1, local_retention: bool = True, retry_max_s: float = 60.0,
-                 rank_wait_s: float = 30.0, start: bool = True):
+                 rank_wait_s: float = 30.0, start: bool = True, protect: Callable[[], set[int]] | None = None):
         self.tier = tier
+        self.protect = protect or set
+        """Local steps a save in flight may still reference (``RefTracker.protected``)."""
         self.make_remote = make_remote
         self.policy = policy
         self.rank, self.world_size = rank, world_size
@@ -78,6 +85,7 @@ class Replicator:
         self._stopping = threading.Event()
         self._cancel = threading.Event()
         self._failing = False
+        self._root_ok = False
         self._thread = threading.Thread(target=self._run, name="zerostall-replicate", daemon=True)
         if start:
             self._thread.start()
@@ -173,11 +181,12 @@ class Replicator:
 
     def _remote_tier(self) -> RemoteTier:
         if self.remote is None:
-            remote = self.make_remote()
+            self.remote = self.make_remote()
             if self._cancel.is_set():
-                remote.cancel()
-            remote.ensure_root()
-            self.remote = remote
+                self.remote.cancel()
+        if not self._root_ok:  # the bucket/directory, created once it can be
+            self.remote.own()
+            self._root_ok = True
         return self.remote
 
     def _pass(self) -> bool:
@@ -229,10 +238,10 @@ class Replicator:
         for s in sorted(recheck):
             if s not in remote_steps or s not in local:
                 continue
-            theirs = Manifest.from_bytes(remote.read_manifest_bytes(s), where=remote.where(f"step-{s}"))
+            theirs = remote.read_manifest(s)
             if theirs.checkpoint_id != self.tier.read_manifest(s).checkpoint_id:
                 if self.rank == 0:
-                    remote.delete_step(s)
+                    remote.delete(s)
                 remote_steps.discard(s)
 
     def _settle(self, remote_steps: set[int]) -> None:
@@ -264,6 +273,9 @@ class Replicator:
         man = Manifest.from_bytes(raw, where=os.path.join(d, MANIFEST_NAME))
         if man.step != step:
             raise CorruptCheckpoint(f"{d}: manifest says step {man.step}", path=d)
+        for ref in sorted({r.step for r in man.ref_files}):  # the steps whose files this one borrows
+            if remote.stat(f"step-{ref}/{MANIFEST_NAME}") is None and not self._replicate_step(remote, ref):
+                return False
         rel = f"step-{step}"
         for fe in man.files:
             path = os.path.join(d, fe.name)
@@ -296,15 +308,16 @@ class Replicator:
         not want it; the remote keeps ``keep_last_remote`` (+ every ``keep_every_remote``-th)."""
         try:
             if self.local_retention:
-                for s in self.policy.local_doomed(local, set(local) - set(pending)):
+                doomed = self.policy.local_doomed(local, set(local) - set(pending))
+                for s in spare_referenced(local, doomed, self.tier.read_manifest, self.protect()):
                     if self._cancel.is_set():
                         return
                     self.tier.delete(s)
             if self.rank == 0:
-                for s in self.policy.remote_doomed(remote_steps):
+                for s in spare_referenced(remote_steps, self.policy.remote_doomed(remote_steps), remote.read_manifest):
                     if self._cancel.is_set():
                         return
-                    remote.delete_step(s)
+                    remote.delete(s)
                     log.info("zerostall: retention removed step %d from %s", s, remote.url)
         except (ZerostallError, OSError) as exc:  # retention must not stop replication
             log.warning("zerostall: retention failed: %s", exc)

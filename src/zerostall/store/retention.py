@@ -8,7 +8,10 @@ says:
   a damaged or foreign ``step-N`` directory is never counted toward ``keep_last`` and never
   deleted by retention;
 - the newest committed step of a tier is never deleted, nor the step just committed
-  (``protect``), nor, with a remote tier, a local step not yet replicated.
+  (``protect``), nor, with a remote tier, a local step not yet replicated;
+- a step referenced by a step that stays (incremental saves, :mod:`..format.refs`) stays
+  too, counted from the manifests on the tier (:func:`spare_referenced`), never from
+  memory; deletions run newest first.
 
 Steps are ranked by number. That is only meaningful for one run's history, so a root never
 mixes runs silently: ``Checkpointer.save`` refuses a step lower than the root's newest
@@ -22,9 +25,10 @@ by hand, and ``load()`` still picks the highest step).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ZerostallError
+from ..format.refs import closure, referenced_steps
 
 
 def doomed(steps: Iterable[int], keep_last: int | None, protect: Iterable[int] = ()) -> list[int]:
@@ -71,3 +75,39 @@ class RetentionPolicy:
     def remote_doomed(self, steps: list[int], protect: Iterable[int] = ()) -> list[int]:
         every = self.keep_every_remote
         return [s for s in doomed(steps, self.keep_last_remote, protect) if not (every and s % every == 0)]
+
+
+def spare_referenced(steps: list[int], doomed: list[int], read_manifest: Callable[[int], Any],
+                     protect: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
+    """``doomed`` minus ``protect`` and every step that a step staying references, transitively,
+    newest first: **delete in this order**. References point backwards, so a crash between two
+    deletions then never leaves a step whose referenced step is gone.
+
+    ``read_manifest(step)`` reads a manifest from the tier being cleaned (the local tier or a
+    remote one); one that cannot be read references nothing (that step cannot be loaded).
+    """
+    doomed = sorted((s for s in doomed if s not in protect), reverse=True)
+    if not doomed:
+        return doomed
+
+    def refs_of(s: int) -> set[int]:
+        try:
+            return referenced_steps(read_manifest(s))
+        except (ZerostallError, OSError, ValueError):
+            return set()
+
+    needed = closure(set(steps) - set(doomed), refs_of)
+    return [s for s in doomed if s not in needed]
+
+
+def dependents(steps: list[int], step: int, read_manifest: Callable[[int], Any]) -> list[int]:
+    """Committed steps whose manifests reference ``step`` (references point backwards)."""
+    out = []
+    for s in steps:
+        if s > step:
+            try:
+                if step in referenced_steps(read_manifest(s)):
+                    out.append(s)
+            except (ZerostallError, OSError, ValueError):
+                pass
+    return out

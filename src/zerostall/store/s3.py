@@ -14,8 +14,8 @@ retries a request; the replicator retries a *step* at its next pass.
 Integrity, measured on Ceph 16 (radosgw 16.2.15): it ignores S3's flexible checksum headers
 (an object PUT with a wrong ``x-amz-checksum-crc32`` is accepted, and HEAD returns no
 checksum), so they cannot be trusted. Each uploaded object is therefore read back with a
-GET and its crc32c recomputed and compared with the local file's (loopback radosgw, 64 MiB:
-PUT 0.34 s, the read-back GET 0.08 s, crc32c 4 ms); the crc is also stored as the object's
+GET and its crc32c recomputed and compared with the local file's (loopback radosgw, 256 MiB:
+upload 1.2-1.4 s, read-back 0.33-0.45 s, local crc32c 0.02 s); the crc is also stored as the object's
 ``x-amz-meta-zerostall-crc32c`` for tools. Restore verifies every tensor's crc32c again.
 
 Why boto3 over obstore: it is the SDK every S3-compatible server is tested against
@@ -26,6 +26,7 @@ would not change what the training loop sees.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any, Callable, NoReturn
@@ -34,10 +35,11 @@ from urllib.parse import urlparse
 import crc32c as _crc
 
 from ..config import ALIGN_BYTES, IOConfig
-from ..errors import RemoteError
+from ..errors import CheckpointNotFound, ConfigError, RemoteError
 from ..format.manifest import MANIFEST_NAME
-from .remote import RemoteTier, step_of
+from .remote import RemoteTier, ShardIO, step_of
 
+log = logging.getLogger("zerostall")
 _NOT_FOUND = ("404", "NoSuchKey", "NotFound", "NoSuchBucket")
 _HINTS = {
     "403": "check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or ~/.aws) and the bucket policy",
@@ -104,16 +106,15 @@ class S3Tier(RemoteTier):
             raise
         return out
 
-    def steps(self) -> list[int]:
+    def _manifests(self) -> dict[int, tuple[Any, ...]]:
         base = self._key("")
-        objs = self._call("listing", "", lambda: self._objects(""))
-        out = set()
-        for o in objs:
+        out: dict[int, tuple[Any, ...]] = {}
+        for o in self._call("listing", "", lambda: self._objects("")):
             rel = o["Key"][len(base):]
             parts = rel.split("/")
             if len(parts) == 2 and parts[1] == MANIFEST_NAME and (s := step_of(rel)) is not None:
-                out.add(s)
-        return sorted(out)
+                out[s] = (o.get("ETag"), o.get("Size"), str(o.get("LastModified")))
+        return out
 
     def stat(self, rel: str) -> int | None:
         from botocore.exceptions import ClientError
@@ -126,8 +127,19 @@ class S3Tier(RemoteTier):
         except Exception as exc:  # noqa: BLE001 - translated at the boundary
             self._fail("stat of", rel, exc)
 
-    def _get(self, rel: str) -> Any:
-        return self._call("reading", rel, lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(rel)))
+    def _get(self, rel: str, **kw: Any) -> Any:
+        from botocore.exceptions import ClientError
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(rel), **kw)
+        except ClientError as exc:
+            if _code(exc) in _NOT_FOUND:
+                raise CheckpointNotFound(f"{self.where(rel)} does not exist") from None
+            self._fail("reading", rel, exc)
+        except Exception as exc:  # noqa: BLE001 - translated at the boundary
+            self._fail("reading", rel, exc)
+
+    def _open_read(self, rel: str, size: int, engine: Any) -> Any:
+        return ShardIO(_RangeReader(self, rel, size))
 
     def read_bytes(self, rel: str, limit: int) -> bytes:
         body = self._get(rel)["Body"]
@@ -228,13 +240,15 @@ class S3Tier(RemoteTier):
     def _delete(self, rel: str) -> None:
         self._call("deleting", rel, lambda: self.client.delete_object(Bucket=self.bucket, Key=self._key(rel)))
 
-    def delete_step(self, step: int) -> None:
-        rel = f"step-{step}/"
-        self._delete(rel + MANIFEST_NAME)  # uncommit first
+    def _delete_prefix(self, rel: str) -> None:
         keys = [{"Key": o["Key"]} for o in self._call("listing", rel, lambda: self._objects(rel))]
         for i in range(0, len(keys), 1000):
             self._call("deleting", rel, lambda: self.client.delete_objects(
                 Bucket=self.bucket, Delete={"Objects": keys[i:i + 1000], "Quiet": True}))
+
+    def _open_write(self, rel: str, nbytes: int, engine: Any) -> Any:
+        w = _MultipartWriter(self, rel, nbytes)
+        return ShardIO(w, w.complete, w.abort_unless)
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -245,3 +259,91 @@ def _code(exc: BaseException) -> str:
     if isinstance(resp, dict):
         return str(resp.get("Error", {}).get("Code", "") or resp.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
     return ""
+
+
+class _RangeReader:
+    """Reads a shard with one ranged GET per extent (restore and ``verify`` of a URL)."""
+
+    def __init__(self, tier: S3Tier, rel: str, size: int):
+        self.tier, self.rel, self.size = tier, rel, size
+
+    def read(self, extents: Any) -> None:
+        for off, mv in extents:
+            n = len(mv)
+            if n == 0:
+                continue
+            if off + n > self.size:
+                raise RemoteError(f"{self.tier.where(self.rel)}: read of [{off}, {off + n}) beyond its "
+                                  f"{self.size} bytes", url=self.tier.where(self.rel), step=step_of(self.rel))
+            body = self.tier._get(self.rel, Range=f"bytes={off}-{off + n - 1}")["Body"]
+
+            def fill(body: Any = body, mv: Any = mv, n: int = n, off: int = off) -> None:
+                got = 0
+                while got < n:
+                    chunk = body.read(min(n - got, 8 << 20))
+                    if not chunk:
+                        raise RemoteError(f"{self.tier.where(self.rel)}: object ended at {off + got}",
+                                          url=self.tier.where(self.rel), step=step_of(self.rel))
+                    mv[got:got + len(chunk)] = chunk
+                    got += len(chunk)
+
+            self.tier._call("reading", self.rel, fill)
+
+
+class _MultipartWriter:
+    """Streams a shard into a multipart upload (extents in file order, parts of the tier's
+    ``part_bytes``); ``complete()`` finishes it and checks the stored bytes' crc32c."""
+
+    def __init__(self, tier: S3Tier, rel: str, nbytes: int):
+        self.tier, self.rel, self.nbytes = tier, rel, nbytes
+        self.part_bytes = max(5 << 20, tier.transfer.multipart_chunksize)
+        self.buf = bytearray()
+        self.pos = 0
+        self.crc = 0
+        self.parts: list[dict[str, Any]] = []
+        key = tier._key(rel)
+        self.upload_id = tier._call("starting upload of", rel, lambda: tier.client.create_multipart_upload(
+            Bucket=tier.bucket, Key=key))["UploadId"]
+        self.done = False
+
+    def write(self, extents: Any, overlap: Any = None) -> None:
+        for off, mv in extents:
+            if off != self.pos:
+                raise ConfigError(f"{self.tier.where(self.rel)}: object-store shards are written in order "
+                                  f"(expected offset {self.pos}, got {off})")
+            self.buf += mv
+            self.crc = _crc.crc32c(mv, self.crc)
+            self.pos += len(mv)
+            while len(self.buf) >= self.part_bytes:
+                self._part(bytes(self.buf[:self.part_bytes]))
+                del self.buf[:self.part_bytes]
+        if overlap is not None:
+            overlap()
+
+    def _part(self, data: bytes) -> None:
+        t, n = self.tier, len(self.parts) + 1
+        r = t._call("uploading part of", self.rel, lambda: t.client.upload_part(
+            Bucket=t.bucket, Key=t._key(self.rel), UploadId=self.upload_id, PartNumber=n, Body=data))
+        self.parts.append({"ETag": r["ETag"], "PartNumber": n})
+
+    def complete(self) -> None:
+        if self.pos != self.nbytes:
+            raise RemoteError(f"{self.tier.where(self.rel)}: {self.pos} bytes written, {self.nbytes} declared",
+                              url=self.tier.where(self.rel), step=step_of(self.rel))
+        if self.buf or not self.parts:
+            self._part(bytes(self.buf))
+            self.buf = bytearray()
+        t = self.tier
+        t._call("completing upload of", self.rel, lambda: t.client.complete_multipart_upload(
+            Bucket=t.bucket, Key=t._key(self.rel), UploadId=self.upload_id, MultipartUpload={"Parts": self.parts}))
+        self.done = True
+        t.verify(self.rel, self.nbytes, self.crc)
+
+    def abort_unless(self, finished: bool) -> None:
+        if self.done:
+            return
+        t = self.tier
+        try:
+            t.client.abort_multipart_upload(Bucket=t.bucket, Key=t._key(self.rel), UploadId=self.upload_id)
+        except Exception as exc:  # noqa: BLE001 - best effort; the server expires it otherwise
+            log.warning("zerostall: aborting the upload of %s failed: %s", t.where(self.rel), exc)

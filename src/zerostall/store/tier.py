@@ -110,8 +110,8 @@ class Tier(ABC):
 
 _SCHEMES: dict[str, tuple[str, str]] = {
     "s3": ("zerostall.store.s3:S3Tier", "install zerostall[s3] (boto3) for s3:// URLs"),
-    "file": ("zerostall.store.remote:FileTier", ""),
-    "": ("zerostall.store.remote:FileTier", ""),
+    "file": ("zerostall.store.sharedfs:FileTier", ""),
+    "": ("zerostall.store.sharedfs:FileTier", ""),
 }
 
 

@@ -42,6 +42,10 @@ class SaveRecord:
     psi_mem_full_peak: float = 0.0
     kswapd_scan_delta: int = 0
     rss_peak_bytes: int = 0
+    bytes_written: int = 0
+    """Shard bytes this save wrote (== ``bytes``)."""
+    bytes_referenced: int = 0
+    """Tensor bytes an incremental save referenced in earlier steps' files instead of writing."""
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)

@@ -79,9 +79,14 @@ def host_checks() -> list[Check]:
 
 
 def path_checks(path: str) -> list[Check]:
-    os.makedirs(path, exist_ok=True)
-    pr = probe(path)
-    out = [Check("path", pr.path, "info"), Check("filesystem", f"{pr.fs_type} on {pr.mount_point}", "info"),
+    """Checks of ``path``; read-only: a path that does not exist yet is not created, its
+    nearest existing parent (the filesystem it would live on) is probed instead."""
+    want = target = os.path.abspath(path)
+    while not os.path.isdir(target) and os.path.dirname(target) != target:
+        target = os.path.dirname(target)
+    pr = probe(target)
+    where = pr.path if target == want else f"{want} (does not exist yet; probed {target})"
+    out = [Check("path", where, "info"), Check("filesystem", f"{pr.fs_type} on {pr.mount_point}", "info"),
            Check("o_direct", pr.o_direct, "ok" if pr.o_direct else "warn",
                  "" if pr.o_direct else "the bounded buffered engine will be used")]
     align = f"mem {pr.dio_mem_align}, offset {pr.dio_offset_align}" if pr.dio_mem_align else "not reported"

@@ -1,0 +1,96 @@
+"""References: manifest entries whose bytes live in an earlier step's shard (incremental saves).
+
+A manifest of ``format_version`` 2 may list, besides its own ``files``, the shard files of
+earlier steps it borrows bytes from::
+
+    "ref_files": [{"step": 40, "name": "rank-00000.zst", "rank": 0,
+                   "file_bytes": 1073745920, "file_id": "9f0c..."}]
+
+and a tensor entry with a ``"step"`` field lives in that step's file (``file``, ``offset``,
+``nbytes`` and ``crc32c`` as for any entry). A reference always names the step that *wrote*
+the bytes (references are flattened when a step re-references), so reading one never
+follows a chain. Version 1 manifests (no references) are what every non-incremental save
+writes, so older readers keep reading them; a version 1 manifest may not hold references
+and a version 2 one must.
+
+Who relies on this: ``restore`` opens ``step-<S>/<name>`` read-only and checks it like an
+own shard (regular file, size, exact header built from ``file_id``/``step``/``rank``,
+crc32c of every referenced tensor, zero padding after it); retention keeps every step
+referenced by a kept step (:func:`closure`, from the manifests on the tier); the remote
+tier uploads each file once, with its own step. Pure functions; no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from ..config import ALIGN_BYTES
+from .layout import HEADER_BYTES
+
+FORMAT_VERSION_REFS = 2
+_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class RefFile:
+    """A shard file of an earlier step that this manifest borrows tensors from."""
+
+    step: int
+    name: str
+    rank: int
+    file_bytes: int
+    file_id: str
+    """The checkpoint id in that shard's header (always explicit for references)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "name": self.name, "rank": self.rank, "file_bytes": self.file_bytes,
+                "file_id": self.file_id}
+
+
+def parse_ref_files(raw: Any, step: int, bad: Callable[[str], Exception]) -> dict[tuple[int, str], RefFile]:
+    """Validate a manifest body's ``ref_files``; keyed by (step, name). ``bad`` builds the error."""
+    if not isinstance(raw, list) or not raw:
+        raise bad("format_version 2 requires a non-empty 'ref_files' list")
+    out: dict[tuple[int, str], RefFile] = {}
+    for r in raw:
+        if not isinstance(r, dict):
+            raise bad("ref_files entry is not an object")
+        s, name, rank, fb, fid = (r.get(k) for k in ("step", "name", "rank", "file_bytes", "file_id"))
+        for k, v in (("step", s), ("rank", rank), ("file_bytes", fb)):
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < (1 << 62):
+                raise bad(f"ref_files: field {k!r} = {v!r:.60} is not a non-negative integer")
+        if s >= step:
+            raise bad(f"ref_files: step {s} is not earlier than this step ({step})")
+        if not isinstance(name, str) or not _FILE_RE.match(name) or name == "manifest.json":
+            raise bad(f"ref_files: file name {name!r:.80} is not a plain file name")
+        if fb % ALIGN_BYTES or fb < HEADER_BYTES:
+            raise bad(f"ref_files: step-{s}/{name}: file_bytes {fb} is not a multiple of {ALIGN_BYTES} >= header")
+        if not isinstance(fid, str) or not 0 < len(fid) <= 64:
+            raise bad(f"ref_files: step-{s}/{name}: bad file_id")
+        if (s, name) in out:
+            raise bad(f"ref_files: step-{s}/{name} listed twice")
+        out[(s, name)] = RefFile(s, name, rank, fb, fid)
+    return out
+
+
+def referenced_steps(manifest: Any) -> set[int]:
+    """Steps whose files ``manifest`` borrows from."""
+    return {r.step for r in getattr(manifest, "ref_files", ())}
+
+
+def closure(kept: Iterable[int], refs_of: Callable[[int], set[int]]) -> set[int]:
+    """``kept`` plus every step they reference, transitively (a referenced step stays a
+    loadable checkpoint, so its own references must stay too). ``refs_of(step)`` reads that
+    step's manifest; a step whose manifest cannot be read references nothing (it cannot be
+    loaded, so nothing it borrows is needed for it)."""
+    out: set[int] = set()
+    todo = list(kept)
+    while todo:
+        s = todo.pop()
+        if s in out:
+            continue
+        out.add(s)
+        todo.extend(refs_of(s) - out)
+    return out

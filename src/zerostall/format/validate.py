@@ -1,0 +1,274 @@
+"""The one validation pass over untrusted checkpoint metadata, before any allocation or read.
+
+Called by :meth:`Manifest.from_bytes` (any thread) on every manifest read from a tier, and
+by the tiers for directory entries and file opens. Every defect becomes
+:class:`CorruptCheckpoint` naming the file and the field; nothing here allocates more than the
+metadata itself, follows a symlink, blocks on a FIFO or executes anything.
+
+What is checked:
+
+- JSON: finite numbers only (``1e400`` and ``NaN`` are corruption, not ``inf``), bounded ints;
+- every integer field is an int (not bool, not float) in its range;
+- shapes: bounded rank and dims, the element count computed without overflow even for
+  zero-element tensors with absurd dims, ``shape x itemsize == nbytes``;
+- entries lie inside their file, aligned, and do not overlap, except exact duplicates
+  (recorded aliases), which are read and allocated once (:attr:`Validated.alias_of`);
+- the distinct bytes the manifest asks to allocate are bounded by the files' sizes;
+- the state tree references existing entries, and a numpy node (``A``) only a dtype numpy has;
+- step directory names are canonical (``step-3``, not ``step-03``) and below 2**63.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import stat
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from ..config import ALIGN_BYTES
+from ..errors import CorruptCheckpoint
+
+log = logging.getLogger("zerostall")
+
+MAX_STEP = (1 << 63) - 1
+MAX_DIM = 1 << 62
+MAX_NDIM = 64
+MAX_ELEMENTS = 1 << 62
+MAX_KEY_CHARS = 1 << 16
+MAX_INT_BITS = 4096
+"""Plain ints in a state are bounded (saved and loaded alike): 4096 bits is far below the
+digit limit of Python's int<->str conversion, so what is saved can always be parsed."""
+
+NUMPY_DTYPES = frozenset({
+    "float64", "float32", "float16", "complex64", "complex128", "int64", "int32", "int16", "int8",
+    "uint8", "uint16", "uint32", "uint64", "bool",
+})
+"""Tensor dtypes that have a numpy equivalent (a numpy node over bfloat16 is corruption)."""
+
+_STEP_DIR_RE = re.compile(r"^step-(\d{1,19})$")
+_warned_names: set[str] = set()
+
+
+def bad(where: str, msg: str, key: str | None = None) -> CorruptCheckpoint:
+    return CorruptCheckpoint(f"{where}: {msg}", path=where, key=key)
+
+
+# -- JSON ------------------------------------------------------------------------------------
+def _parse_float(s: str) -> float:
+    v = float(s)
+    if not math.isfinite(v):
+        raise ValueError(f"number {s[:40]} is out of range (not a finite float)")
+    return v
+
+
+def _parse_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def loads(raw: bytes | str, where: str) -> Any:
+    """``json.loads`` that rejects NaN/Infinity and numbers that overflow to inf."""
+    try:
+        return json.loads(raw, parse_float=_parse_float, parse_constant=_parse_constant)
+    except (ValueError, RecursionError, UnicodeDecodeError) as exc:
+        raise bad(where, f"not valid JSON ({str(exc)[:160]})") from None
+
+
+def integer(obj: dict[str, Any], k: str, where: str, lo: int = 0, hi: int = MAX_DIM, ctx: str = "") -> int:
+    v = obj.get(k)
+    if type(v) is not int or not lo <= v <= hi:
+        raise bad(where, f"{ctx}field {k!r} = {v!r:.60} is not an integer in [{lo}, {hi}]")
+    return v
+
+
+# -- shapes and entries ----------------------------------------------------------------------
+def check_shape(shape: Any, itemsize: int, nbytes: int, where: str, key: str) -> tuple[int, ...]:
+    """A shape whose element count (with every dim, even when one is 0) stays bounded."""
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
+        raise bad(where, f"tensor {key!r}: bad shape {shape!r:.80}", key)
+    bound = 1
+    for d in shape:
+        if type(d) is not int or not 0 <= d < MAX_DIM:
+            raise bad(where, f"tensor {key!r}: bad dimension {d!r:.40} in shape", key)
+        bound *= max(d, 1)
+        if bound > MAX_ELEMENTS:
+            raise bad(where, f"tensor {key!r}: shape {shape!r:.80} has more than 2**62 elements "
+                             "(even if one dimension is 0)", key)
+    if math.prod(shape) * itemsize != nbytes:
+        raise bad(where, f"tensor {key!r}: shape {shape!r:.80} x {itemsize} bytes is not {nbytes} bytes", key)
+    return tuple(shape)
+
+
+@dataclass(frozen=True)
+class Span:
+    index: int
+    file: str
+    offset: int
+    nbytes: int
+    ident: tuple[Any, ...]
+    key: str
+
+
+def check_spans(spans: Iterable[Span], file_bytes: dict[str, int], where: str) -> dict[int, int]:
+    """Entries inside their files and disjoint; exact duplicates become aliases.
+
+    Returns ``{index: index of the first identical entry}`` for the duplicates. Afterwards the
+    distinct payload bytes are at most the sum of the files' sizes.
+    """
+    alias: dict[int, int] = {}
+    by_file: dict[str, list[Span]] = {}
+    for s in spans:
+        fb = file_bytes.get(s.file)
+        if fb is None:
+            raise bad(where, f"tensor {s.key!r}: file {s.file!r:.80} is not listed in 'files'", s.key)
+        if s.offset % ALIGN_BYTES or s.offset < ALIGN_BYTES or s.offset + s.nbytes > fb:
+            raise bad(where, f"tensor {s.key!r}: offset {s.offset} + {s.nbytes} bytes lies outside "
+                             f"{s.file!r} ({fb} bytes) or is unaligned", s.key)
+        by_file.setdefault(s.file, []).append(s)
+    for f, lst in by_file.items():
+        lst.sort(key=lambda s: (s.offset, -s.nbytes, s.index))
+        prev: Span | None = None
+        for s in lst:
+            if s.nbytes == 0:
+                continue
+            if prev is not None and s.offset < prev.offset + prev.nbytes:
+                if (s.offset, s.nbytes, s.ident) == (prev.offset, prev.nbytes, prev.ident):
+                    alias[s.index] = alias.get(prev.index, prev.index)
+                    continue
+                raise bad(where, f"tensor {s.key!r} overlaps tensor {prev.key!r} in {f!r} "
+                                 f"(offset {s.offset} < {prev.offset} + {prev.nbytes})", s.key)
+            prev = s
+    return alias
+
+
+def check_tree_refs(indices: Iterable[tuple[Any, bool]], dtypes: list[str], where: str) -> None:
+    n = len(dtypes)
+    for idx, is_np in indices:
+        if type(idx) is not int or not 0 <= idx < n:
+            raise bad(where, f"state tree refers to tensor {idx!r:.40}, which is not in 'tensors'")
+        if is_np and dtypes[idx] not in NUMPY_DTYPES:
+            raise bad(where, f"state tree holds a numpy array over tensor {idx} of dtype {dtypes[idx]}, "
+                             "which numpy cannot represent")
+
+
+# -- directory entries and files -------------------------------------------------------------
+def parse_step_dir(name: str, root: str = "") -> int | None:
+    """The step of a committed step directory name, or None.
+
+    Only the canonical spelling ``step-<N>`` (no leading zeros, N < 2**63) names a step; other
+    spellings that look like one (``step-03``) are ignored with a warning, once per name.
+    """
+    m = _STEP_DIR_RE.match(name)
+    if not m:
+        return None
+    digits = m.group(1)
+    step = int(digits)
+    if str(step) != digits or step > MAX_STEP:
+        full = os.path.join(root, name)
+        if full not in _warned_names:
+            _warned_names.add(full)
+            log.warning("zerostall: ignoring %r: not a canonical step directory name (expected 'step-%d' "
+                        "below 2**63)", full, step)
+        return None
+    return step
+
+
+def open_regular(path: str, flags: int = os.O_RDONLY) -> int:
+    """Open ``path`` only if it is a regular file: no symlink, no FIFO, device or directory.
+
+    ``O_NONBLOCK`` keeps a FIFO from blocking the open; ``O_NOFOLLOW`` refuses a final symlink.
+    The caller owns the returned fd (blocking mode restored). ``FileNotFoundError`` passes
+    through; anything else odd is :class:`CorruptCheckpoint`.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        what = "a symlink" if exc.errno == getattr(os, "ELOOP", 40) else os.strerror(exc.errno or 0)
+        raise bad(path, f"cannot open ({what}); checkpoint files must be regular files") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                    else "a device or socket")
+            raise bad(path, f"is {kind}, not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_small(path: str, limit: int) -> bytes:
+    """Read a regular file of at most ``limit`` bytes (manifests, metadata)."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise bad(path, f"file is {size} bytes, over the {limit} limit")
+        chunks = []
+        got = 0
+        while got <= limit:
+            b = os.read(fd, min(1 << 20, limit + 1 - got))
+            if not b:
+                break
+            chunks.append(b)
+            got += len(b)
+        if got > limit:
+            raise bad(path, f"file is over the {limit} limit")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+# -- plain JSON values (fast path of the state tree) -----------------------------------------
+class NotPlain(Exception):
+    """Raised inside :func:`plain_copy` at the first value that is not plain JSON."""
+
+
+def plain_copy(x: Any, depth: int = 0) -> Any:
+    """A copy of ``x`` if it is JSON-native and survives a round trip unchanged (dicts with str
+    keys, lists, str, bool, None, bounded ints, finite floats; exact types, no subclasses);
+    else raise :class:`NotPlain`. The copy is the snapshot the manifest is written from later."""
+    t = type(x)
+    if t is str or t is bool or x is None or (t is float and x - x == 0.0) or (
+            t is int and x.bit_length() <= MAX_INT_BITS):
+        return x
+    if depth >= 200:
+        raise NotPlain
+    if t is list:
+        out: list[Any] = []
+        add = out.append
+        for v in x:
+            tv = type(v)
+            if tv is str or tv is bool or v is None or (tv is float and v - v == 0.0) or (
+                    tv is int and v.bit_length() <= MAX_INT_BITS):
+                add(v)
+            else:
+                add(plain_copy(v, depth + 1))
+        return out
+    if t is dict:
+        d: dict[str, Any] = {}
+        for k, v in x.items():
+            if type(k) is not str:
+                raise NotPlain
+            tv = type(v)
+            if tv is str or tv is bool or v is None or (tv is float and v - v == 0.0) or (
+                    tv is int and v.bit_length() <= MAX_INT_BITS):
+                d[k] = v
+            else:
+                d[k] = plain_copy(v, depth + 1)
+        return d
+    raise NotPlain
+
+
+def is_plain(x: Any) -> bool:
+    try:
+        plain_copy(x)
+    except NotPlain:
+        return False
+    return True

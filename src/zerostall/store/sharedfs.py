@@ -1,0 +1,210 @@
+"""The shared-filesystem tier: ``file:///path`` or a plain path (Lustre, GPFS, NFS, ...).
+
+The remote layout (``step-N/<shards>``, ``step-N/manifest.json``) in a directory that every
+node mounts. Files are written with the probed engine (direct I/O where the filesystem
+allows it) as ``name.part``, fdatasync'ed and renamed; the manifest last (the commit). OS
+errors leave as :class:`~zerostall.errors.RemoteError` naming the path and step. A hung
+mount is bounded for readers by :func:`.remote.list_steps`' timeout.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+import re
+import shutil
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+import crc32c as _crc
+
+from ..config import ALIGN_BYTES, IOConfig
+from ..errors import CheckpointNotFound, RemoteError, ZerostallError
+from ..format.manifest import MANIFEST_NAME
+from .remote import RemoteTier, ShardIO, drop_cache, file_crc32c, step_of
+
+_STEP_RE = re.compile(r"^step-(\d{1,19})$")
+
+
+class FileTier(RemoteTier):
+    """A directory on a shared/parallel filesystem, written with the probed engine.
+
+    Atomicity per file: written as ``name.part``, fdatasync'ed, renamed; the manifest last.
+    """
+
+    def __init__(self, url: str, io: IOConfig | None = None, **_: Any):
+        self.url = url
+        self.root = urlparse(url).path if url.startswith("file://") else url
+        self.io = io or IOConfig()
+
+    def _path(self, rel: str) -> str:
+        return os.path.join(self.root, rel)
+
+    def _err(self, action: str, rel: str, exc: OSError) -> RemoteError:
+        what = os.strerror(exc.errno) if exc.errno else str(exc)
+        return RemoteError(f"{action} {self.where(rel)} failed: {what}", url=self.where(rel), step=step_of(rel),
+                           errno=exc.errno)
+
+    def _engine(self) -> Any:
+        from ..io import choose_engine
+        return choose_engine(self.root, self.io)
+
+    def _stream(self, src: str, sink: Callable[[int, memoryview], None]) -> int:
+        """Read ``src`` with the engine through one aligned bounce buffer; returns its size."""
+        from ..staging.arena import Arena
+        size = os.path.getsize(src)
+        eng = self._engine()
+        buf = Arena(min(64 << 20, max(size, ALIGN_BYTES)), mlock=False)
+        try:
+            with eng.open_read(src) as r:
+                for off in range(0, size, buf.nbytes):
+                    n = min(buf.nbytes, size - off)
+                    r.read([(off, buf.mv[:n])])
+                    sink(off, buf.mv[:n])
+        finally:
+            eng.close()
+            buf.close()
+        return size
+
+    def _copy(self, src: str, dst: str) -> None:
+        """Aligned streaming copy through one bounce buffer (files are 4 KiB multiples)."""
+        size = os.path.getsize(src)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        tmp = dst + ".part"
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        eng = self._engine()
+        try:
+            with eng.open_write(tmp, size) as w:
+                self._stream(src, lambda off, mv: w.write([(off, mv)]))
+                w.finish()
+        finally:
+            eng.close()
+        os.rename(tmp, dst)
+
+    def ensure_root(self) -> None:
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as exc:
+            raise self._err("creating", "", exc) from exc
+
+    def _put_file(self, local_path: str, rel: str, crc: int) -> None:
+        try:
+            self._copy(local_path, self._path(rel))
+        except (OSError, ZerostallError) as exc:
+            if isinstance(exc, RemoteError):
+                raise
+            raise RemoteError(f"copying {local_path} to {self.where(rel)} failed: {exc}", url=self.where(rel),
+                              step=step_of(rel)) from exc
+
+    def _put_bytes(self, data: bytes, rel: str) -> None:
+        from .local import fsync_dir, write_file_durable
+        dst = self._path(rel)
+        try:
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            write_file_durable(dst + ".part", data)
+            os.rename(dst + ".part", dst)
+            fsync_dir(os.path.dirname(dst))
+        except OSError as exc:
+            raise self._err("writing", rel, exc) from exc
+
+    def checksum(self, rel: str) -> tuple[int, int]:
+        """Shards (4 KiB multiples) are re-read with direct I/O, from the device or server, not
+        from the page cache; small unaligned files (manifests) through the cache, then dropped."""
+        crc = [0]
+        path = self._path(rel)
+        try:
+            if os.path.getsize(path) % ALIGN_BYTES:
+                size, crc[0] = file_crc32c(path)
+                drop_cache(path)
+                return size, crc[0]
+            size = self._stream(path, lambda off, mv: crc.__setitem__(0, _crc.crc32c(mv, crc[0])))
+        except OSError as exc:
+            raise self._err("reading back", rel, exc) from exc
+        return size, crc[0]
+
+    def download(self, rel: str, local_path: str, size: int) -> None:
+        try:
+            self._copy(self._path(rel), local_path)
+        except FileNotFoundError as exc:
+            raise RemoteError(f"{self.where(rel)} does not exist", url=self.where(rel), step=step_of(rel),
+                              errno=_errno.ENOENT) from exc
+        except OSError as exc:
+            raise self._err("downloading", rel, exc) from exc
+
+    def read_bytes(self, rel: str, limit: int) -> bytes:
+        try:
+            with open(self._path(rel), "rb") as f:
+                return f.read(limit + 1)
+        except FileNotFoundError:
+            raise CheckpointNotFound(f"{self.where(rel)} does not exist") from None
+        except OSError as exc:
+            raise self._err("reading", rel, exc) from exc
+
+    def stat(self, rel: str) -> int | None:
+        try:
+            return os.stat(self._path(rel)).st_size
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise self._err("stat of", rel, exc) from exc
+
+    def _manifests(self) -> dict[int, tuple[Any, ...]]:
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            raise self._err("listing", "", exc) from exc
+        out: dict[int, tuple[Any, ...]] = {}
+        for n in names:
+            if m := _STEP_RE.match(n):
+                try:
+                    st = os.stat(os.path.join(self.root, n, MANIFEST_NAME))
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    raise self._err("stat of", f"{n}/{MANIFEST_NAME}", exc) from exc
+                out[int(m.group(1))] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        return out
+
+    def _open_read(self, rel: str, size: int, engine: Any) -> Any:
+        eng = engine or self._engine()
+        try:
+            inner = eng.open_read(self._path(rel))
+        except (OSError, ZerostallError) as exc:
+            if engine is None:
+                eng.close()
+            raise RemoteError(f"opening {self.where(rel)} failed: {exc}", url=self.where(rel),
+                              step=step_of(rel)) from exc
+        return ShardIO(inner, on_close=(lambda _: eng.close()) if engine is None else None)
+
+    def _open_write(self, rel: str, nbytes: int, engine: Any) -> Any:
+        from .local import fsync_dir
+        dst = self._path(rel)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        eng = engine or self._engine()
+        inner = eng.open_write(dst + ".part", nbytes)
+
+        def publish() -> None:
+            os.rename(dst + ".part", dst)
+            fsync_dir(os.path.dirname(dst))
+
+        def cleanup(finished: bool) -> None:
+            if not finished and os.path.exists(dst + ".part"):
+                os.unlink(dst + ".part")
+            if engine is None:
+                eng.close()
+
+        return ShardIO(inner, publish, cleanup)
+
+    def _delete(self, rel: str) -> None:
+        try:
+            os.unlink(self._path(rel))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise self._err("deleting", rel, exc) from exc
+
+    def _delete_prefix(self, rel: str) -> None:
+        shutil.rmtree(self._path(rel), ignore_errors=True)

@@ -1,0 +1,252 @@
+"""Incremental saves: unchanged tensors are referenced, not rewritten; every step still loads
+bit-exact, verifies, survives retention, and a damaged referenced file fails its dependents."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import zerostall
+from zerostall.cli import main as cli
+from zerostall.config import IOConfig
+from zerostall.errors import CheckpointExistsError, ConfigError, CorruptCheckpoint
+from zerostall.io import get_engine
+from zerostall.restore import verify_step
+from zerostall.store.local import LocalTier
+
+from ..helpers import clone, equal
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _model():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Embedding(512, 64), torch.nn.Linear(64, 256), torch.nn.GELU(),
+                            torch.nn.Linear(256, 64), torch.nn.Linear(64, 8))
+    for p in list(m.parameters())[:-2]:  # a frozen base; the head trains
+        p.requires_grad_(False)
+    return m
+
+
+def _train(m, opt, step):
+    x = torch.randint(0, 512, (16, 4), generator=torch.Generator().manual_seed(step))
+    m(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _state(m, opt, step):
+    return {"model": m.state_dict(), "optim": opt.state_dict(), "step": step}
+
+
+def _verify_all(ckdir):
+    tier = LocalTier(ckdir)
+    eng = get_engine("threads", IOConfig())
+    try:
+        return [verify_step(tier, s, eng) for s in tier.steps()]
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("mode", [True, "version"])
+def test_round_trip_bit_exact_and_bytes(ckdir, mode):
+    m = _model()
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+    expect, records = {}, []
+    with zerostall.Checkpointer(ckdir, incremental=mode, full_every=4) as ck:
+        for step in range(6):
+            _train(m, opt, step)
+            records.append(ck.save(step, _state(m, opt, step)).result())
+            expect[step] = clone(_state(m, opt, step))
+    full = records[0]
+    assert full.bytes_referenced == 0 and full.bytes_written == full.bytes
+    incr = records[1]
+    frozen = sum(p.numel() * 4 for p in m.parameters() if not p.requires_grad)
+    assert incr.bytes_referenced == frozen
+    assert incr.bytes_written < full.bytes_written * 0.2
+    assert records[4].bytes_referenced == 0  # full_every=4: the 5th save is full again
+    for step, want in expect.items():
+        got = zerostall.load(ckdir, step=step)
+        assert equal(got, want), step
+    mans = _verify_all(ckdir)
+    assert [bool(mm.ref_files) for mm in mans] == [False, True, True, True, False, True]
+    assert {r.step for r in mans[5].ref_files} == {4}
+    assert mans[1].format_version == 2 and mans[0].format_version == 1
+
+
+def test_in_place_writes_that_bypass_the_version_counter_are_caught(ckdir):
+    base = torch.randn(1 << 16)
+    arr = np.arange(4096, dtype=np.float32)
+    state = {"base": base, "arr": arr, "view": base[:100]}
+    with zerostall.Checkpointer(ckdir, incremental=True) as ck:
+        r0 = ck.save(0, state).result()
+        r1 = ck.save(1, state).result()
+        v = base._version
+        base.data[5] = 123.0          # .data: no version bump
+        arr[7] = -1.0                 # numpy view of its own memory
+        assert base._version == v
+        r2 = ck.save(2, state).result()
+        base.numpy()[9] = 7.0         # numpy view of the tensor's memory
+        r3 = ck.save(3, state).result()
+    assert r0.bytes_referenced == 0
+    assert r1.bytes_referenced == base.numel() * 4 + arr.nbytes + 400
+    assert r2.bytes_referenced == 0 and r3.bytes_referenced == arr.nbytes
+    got = zerostall.load(ckdir, step=2)
+    assert got["base"][5] == 123.0 and got["arr"][7] == -1.0
+    got = zerostall.load(ckdir)
+    assert torch.equal(got["base"], base) and np.array_equal(got["arr"], arr)
+    assert torch.equal(got["view"], base[:100])
+
+
+def test_version_mode_trusts_the_counter_as_documented(ckdir):
+    """The faster mode misses a write that bypasses the version counter (the docs say so)."""
+    t = torch.zeros(1 << 14)
+    with zerostall.Checkpointer(ckdir, incremental="version") as ck:
+        ck.save(0, {"t": t}).result()
+        t.data[0] = 1.0
+        assert ck.save(1, {"t": t}).result().bytes_referenced == t.numel() * 4
+        t.add_(1.0)  # a torch op bumps the counter: written
+        assert ck.save(2, {"t": t}).result().bytes_referenced == 0
+    assert zerostall.load(ckdir, step=1)["t"][0] == 0.0  # the missed change
+    assert torch.equal(zerostall.load(ckdir, step=2)["t"], t)
+
+
+def test_retention_keeps_referenced_steps_then_frees_them(ckdir):
+    frozen = torch.randn(1 << 16)
+    with zerostall.Checkpointer(ckdir, incremental=True, keep_last=1, full_every=3) as ck:
+        for step in range(3):
+            ck.save(step, {"f": frozen, "x": torch.full((10,), float(step))}).result()
+        assert ck.steps() == [0, 2]  # 2 borrows f from 0; 1 is gone
+        ck.save(3, {"f": frozen, "x": torch.full((10,), 3.0)}).result()  # full (full_every=3)
+        assert ck.steps() == [3]
+        ck.save(4, {"f": frozen, "x": torch.full((10,), 4.0)}).result()
+        assert ck.steps() == [3, 4]
+    got = zerostall.load(ckdir)
+    assert torch.equal(got["f"], frozen) and got["x"][0] == 4.0
+    _verify_all(ckdir)
+
+
+def test_retention_keeps_what_referenced_steps_reference(ckdir):
+    """Closure: a kept step's referenced step stays loadable, so its own references stay too."""
+    a, b = torch.randn(4096), torch.randn(4096)
+    with zerostall.Checkpointer(ckdir, incremental=True, full_every=None) as ck:
+        ck.save(0, {"a": a, "b": b}).result()
+        b.add_(1)
+        ck.save(1, {"a": a, "b": b}).result()   # a -> 0, b own
+        ck.save(2, {"a": a, "b": b}).result()   # a -> 0, b -> 1
+    tier = LocalTier(ckdir)
+    man1 = tier.read_manifest(1)
+    assert {r.step for r in man1.ref_files} == {0}
+    assert tier.apply_retention(1) == []  # 2 needs 1 and 0
+    assert tier.steps() == [0, 1, 2]
+    assert equal(zerostall.load(ckdir), {"a": a, "b": b})
+
+
+def test_damaged_referenced_file_fails_every_dependent_and_falls_back(ckdir):
+    frozen = torch.randn(1 << 16)
+    with zerostall.Checkpointer(ckdir, incremental=True, full_every=2) as ck:
+        for step in range(4):  # 0 full, 1 -> 0, 2 full, 3 -> 2
+            ck.save(step, {"f": frozen, "x": torch.full((10,), float(step))}).result()
+    tier = LocalTier(ckdir)
+    assert [bool(tier.read_manifest(s).ref_files) for s in range(4)] == [False, True, False, True]
+    name = tier.read_manifest(2).files[0].name
+    path = os.path.join(tier.step_dir(2), name)
+    off = next(e.offset for e in tier.read_manifest(2).tensors if e.key == "f")
+    with open(path, "r+b") as f:
+        f.seek(off + 100)
+        byte = f.read(1)
+        f.seek(off + 100)
+        f.write(bytes([byte[0] ^ 0x40]))
+    eng = get_engine("threads", IOConfig())
+    for s in (2, 3):
+        with pytest.raises(CorruptCheckpoint, match=f"step-2/{name}|crc32c"):
+            verify_step(tier, s, eng)
+    verify_step(tier, 1, eng)
+    eng.close()
+    assert cli(["verify", ckdir]) == 1
+    got = zerostall.load(ckdir)  # 3 and 2 fail; 1 (borrowing from 0) loads
+    assert got["x"][0] == 1.0 and torch.equal(got["f"], frozen)
+
+
+def test_referenced_step_deleted_behind_our_back(ckdir):
+    frozen = torch.randn(1 << 12)
+    with zerostall.Checkpointer(ckdir, incremental=True) as ck:
+        for step in range(3):
+            ck.save(step, {"f": frozen, "x": torch.full((4,), float(step))}).result()
+    import shutil
+    shutil.rmtree(os.path.join(ckdir, "step-0"))
+    with pytest.raises(CorruptCheckpoint, match="not a committed checkpoint"):
+        zerostall.load(ckdir, fallback=False)
+    with pytest.raises(CorruptCheckpoint, match="no checkpoint .* verifies"):
+        zerostall.load(ckdir)  # 2 and 1 depend on 0: nothing left
+
+
+def test_overwriting_a_referenced_step_is_refused(ckdir):
+    frozen = torch.randn(1 << 12)
+    with zerostall.Checkpointer(ckdir, incremental=True, allow_lower_steps=True) as ck:
+        ck.save(0, {"f": frozen}).result()
+        ck.save(1, {"f": frozen}).result()
+        with pytest.raises(CheckpointExistsError, match="reference"):
+            ck.save(0, {"f": frozen}, overwrite=True)
+        ck.save(1, {"f": frozen + 1}, overwrite=True).result()  # nothing references 1
+    assert torch.equal(zerostall.load(ckdir)["f"], frozen + 1)
+
+
+def test_restart_references_the_previous_run(ckdir):
+    frozen = torch.randn(1 << 14)
+    with zerostall.Checkpointer(ckdir, incremental=True) as ck:
+        ck.save(0, {"f": frozen, "x": torch.zeros(3)}).result()
+    with zerostall.Checkpointer(ckdir, incremental=True) as ck:  # a new process would do the same
+        state = zerostall.load(ckdir)
+        rec = ck.save(1, {"f": state["f"], "x": torch.ones(3)}).result()
+    assert rec.bytes_referenced == frozen.numel() * 4
+    assert torch.equal(zerostall.load(ckdir)["f"], frozen)
+
+
+def test_state_larger_than_the_arena_streams(ckdir):
+    """The ring reserves the worst case and releases what referenced tensors did not use."""
+    frozen = [torch.randn(1 << 20) for _ in range(6)]  # 24 MiB through a 2-block (8 MiB) ring
+    st = zerostall.config.StagingConfig(budget_bytes=8 << 20, block_bytes=4 << 20)
+    with zerostall.Checkpointer(ckdir, staging=st, incremental=True) as ck:
+        for step in range(4):
+            x = torch.full((1 << 20,), float(step))
+            ck.save(step, {"f": frozen, "x": x})
+        ck.wait()
+        recs = list(ck.records)
+    assert [r.ok for r in recs] == [True] * 4
+    assert recs[-1].bytes_referenced == 6 * (4 << 20)
+    got = zerostall.load(ckdir)
+    assert all(torch.equal(a, b) for a, b in zip(got["f"], frozen)) and got["x"][0] == 3.0
+
+
+def test_cli_shows_owned_and_referenced(ckdir, capsys, tmp_path):
+    frozen = torch.randn(1 << 14)
+    with zerostall.Checkpointer(ckdir, incremental=True) as ck:
+        ck.save(0, {"f": frozen, "x": torch.zeros(3)}).result()
+        ck.save(1, {"f": frozen, "x": torch.ones(3)}).result()
+    capsys.readouterr()
+    assert cli(["ls", ckdir, "--json"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows[1]["bytes_referenced"] == frozen.numel() * 4 and rows[1]["references_steps"] == [0]
+    assert rows[0]["bytes_referenced"] == 0 and rows[1]["bytes_owned"] == rows[1]["bytes"] == 8192
+    assert cli(["verify", ckdir, "--step", "1"]) == 0
+    assert "referenced in step(s) 0" in capsys.readouterr().out
+    assert cli(["inspect", ckdir, "--step", "1"]) == 0
+    assert "8.0 KiB owned + 64.0 KiB referenced" in capsys.readouterr().out
+    assert cli(["inspect", ckdir, "--step", "1", "--json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert [t.get("step") for t in body["tensors"]] == [0, None] and body["ref_files"][0]["step"] == 0
+    pytest.importorskip("safetensors")
+    out = str(tmp_path / "x.safetensors")
+    assert cli(["export", ckdir, "--step", "1", "--format", "safetensors", out]) == 0
+    from safetensors.torch import load_file
+    assert torch.equal(load_file(out)["f"], frozen)  # materialised
+
+
+def test_bad_options():
+    with pytest.raises(ConfigError, match="incremental"):
+        zerostall.Checkpointer("/tmp/unused-zs", incremental="sometimes")
+    with pytest.raises(ConfigError, match="full_every"):
+        zerostall.CheckpointConfig(full_every=0)

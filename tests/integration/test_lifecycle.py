@@ -1,0 +1,143 @@
+"""Signal-safe lifecycle: on_preemption()/close() at any instant of save(), and the guard's scope."""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import zerostall
+from zerostall.errors import ZerostallError
+from zerostall.staging.job import SaveJob
+
+from .sigterm_child import drive
+
+
+def _held_job(tensors):
+    """An in-flight snapshot that reads ``tensors`` until the test sets ``staged``."""
+    job = SaveJob(step=99, plan=None)
+    job.leaves = list(tensors)
+    job.submitted = True
+    job.done.set()  # wait()/close() need not wait for it
+    return job
+
+
+def test_guard_waits_only_for_snapshots_of_its_own_optimizer(ckdir):
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    for m in (a, b):
+        m(torch.randn(2, 4)).sum().backward()
+    with zerostall.Checkpointer(ckdir) as ck:
+        ck.guard(opt_a)
+        ck.guard(opt_b)
+        job = _held_job(a.state_dict().values())  # state_dict tensors share the parameters' storage
+        ck._inflight.append(job)
+        opt_b.step()  # reads nothing of b: does not wait
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (opt_a.step(), done.set()), daemon=True)
+        t.start()
+        assert not done.wait(0.3)  # a's parameters are still being copied
+        job.staged.set()
+        t.join(10)
+        assert done.is_set()
+        ck._inflight.remove(job)
+
+
+@pytest.mark.parametrize("where", ["plan", "reserve", "between_queues"])
+@pytest.mark.parametrize("call", ["on_preemption", "close"])
+def test_handler_call_inside_save_returns(ckdir, where, call):
+    """The handler's call runs on the thread that is inside save(), at three instants."""
+    state = {"w": torch.randn(1000)}
+    ck = zerostall.Checkpointer(ckdir)
+    ck.save(1, state).result()
+    earlier = ck.save(2, state)
+    results = []
+
+    def handler():
+        if call == "on_preemption":
+            results.append(ck.on_preemption(timeout=30))
+        else:
+            results.append(ck.close(timeout=30))
+
+    if where == "plan":
+        orig = ck._plan
+        ck._plan = lambda sd: (handler(), orig(sd))[1]
+    elif where == "reserve":
+        orig_reserve = ck.ring.reserve
+        ck.ring.reserve = lambda n: (handler(), orig_reserve(n))[1]
+    else:
+        orig_submit = ck._persist.submit
+        ck._persist.submit = lambda job: (orig_submit(job), handler())[0]
+    if call == "close":
+        with pytest.raises(ZerostallError, match="closed") if where != "between_queues" else _nothing():
+            h = ck.save(3, state)
+        if where == "between_queues":
+            assert isinstance(h.exception(timeout=30), ZerostallError)  # handed over as failed
+    else:
+        h = ck.save(3, state)
+        assert h.result(timeout=60).ok
+        ck.close()
+    assert results == [True]
+    assert earlier.done() and earlier.exception() is None  # the earlier save finished
+    assert 2 in ck.tier.steps()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_soak_on_preemption_at_random_instants(tmp_path):
+    """>= 100 SIGTERMs at random instants of a loop that saves back to back; the handler calls
+    on_preemption() (and, on each process's last signal, close() or the atexit drain). None
+    may hang: every signal is answered and every process exits."""
+    runs = [(i, 26, "close" if i % 2 else "exit") for i in range(4)]  # 104 signals
+
+    def one(run):
+        i, nsig, mode = run
+        return drive(str(tmp_path / f"ck{i}"), str(tmp_path / f"out{i}.json"), nsig, mode, seed=i)
+
+    with ThreadPoolExecutor(2) as pool:  # 2 cores: two processes at a time
+        results = list(pool.map(one, runs))
+    total = in_save = 0
+    for (i, nsig, mode), r in zip(runs, results):
+        assert r["hung"] is None, (mode, r["hung"], r["stderr"])
+        assert r["rc"] == 0, (mode, r["stderr"])
+        st = r["stats"]
+        assert st["signals"] == nsig and st["ok"] == nsig, st
+        total += st["signals"]
+        in_save += st["in_save"]
+        steps = zerostall.Checkpointer(str(tmp_path / f"ck{i}")).steps()
+        assert steps, "nothing committed"
+        out = zerostall.load(str(tmp_path / f"ck{i}"))  # the newest committed step verifies
+        assert len(out) == 200
+    print(f"\nSIGTERM soak: {total} signals, {in_save} landed inside save(), none hung")
+    assert total >= 100 and in_save > 0
+
+
+def test_exception_between_reserve_and_queueing_leaves_the_ring_moving(ckdir):
+    """A handler that raises (sys.exit, KeyboardInterrupt) right after save() reserved its
+    blocks: the job is handed over as failed, so its blocks drain and the next save (through a
+    ring smaller than the abandoned reservation) completes."""
+    MiB = 1 << 20
+    state = {"w": torch.randn(MiB)}  # 4 MiB = 4 blocks, the arena holds 2
+    ck = zerostall.Checkpointer(ckdir, staging=zerostall.StagingConfig(budget_bytes=2 * MiB, block_bytes=MiB))
+    ck.save(1, state).result(timeout=60)
+    orig = ck.ring.reserve
+
+    def reserve_then_interrupt(n):
+        orig(n)
+        ck.ring.reserve = orig
+        raise KeyboardInterrupt
+
+    ck.ring.reserve = reserve_then_interrupt
+    with pytest.raises(KeyboardInterrupt):
+        ck.save(2, state)
+    assert ck.save(3, state).result(timeout=60).ok
+    assert ck.wait(timeout=60)
+    ck.close()  # no background error re-raised for the save that raised in save()
+    assert ck.tier.steps() == [1, 3]

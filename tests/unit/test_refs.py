@@ -1,0 +1,83 @@
+"""Format version 2: references to earlier steps' bytes, validated like own entries."""
+
+import json
+
+import pytest
+
+from zerostall.errors import CorruptCheckpoint
+from zerostall.format import FileEntry, Manifest, TensorEntry
+from zerostall.format.refs import RefFile, closure
+from zerostall.store.retention import dependents, spare_referenced
+
+F = "rank-00000.zst"
+
+
+def _manifest(**kw):
+    base = dict(step=7, world_size=1, checkpoint_id="abc", created_unix=1.0,
+                files=(FileEntry(F, 0, "h", 8192),),
+                tensors=(TensorEntry("w", "float32", (2, 3), F, 4096, 24, 123),
+                         TensorEntry("frozen", "float32", (1024,), F, 4096, 4096, 456, step=3)),
+                tree={"d": [[{"v": "w"}, {"T": 0}], [{"v": "frozen"}, {"T": 1}]]},
+                ref_files=(RefFile(3, F, 0, 12288, "def"),))
+    base.update(kw)
+    return Manifest(**base)
+
+
+def _reseal(body):
+    import crc32c
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return json.dumps({"zerostall_manifest": "crc32c", "body_crc32c": f"{crc32c.crc32c(canon):08x}",
+                       "body": body}).encode()
+
+
+def test_v2_roundtrip_and_v1_without_references():
+    m = _manifest()
+    body = m.body()
+    assert body["format_version"] == 2
+    m2 = Manifest.from_bytes(m.to_bytes())
+    assert m2.tensors == m.tensors and m2.ref_files == m.ref_files
+    assert m2.referenced_bytes == 4096 and m2.total_bytes == 8192
+    plain = _manifest(tensors=m.tensors[:1], tree={"d": [[{"v": "w"}, {"T": 0}]]}, ref_files=())
+    assert plain.body()["format_version"] == 1 and "ref_files" not in plain.body()
+    assert Manifest.from_bytes(plain.to_bytes()).ref_files == ()
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda b: b.pop("ref_files"), "requires a non-empty 'ref_files'"),
+    (lambda b: b.update(format_version=1), "needs format_version 2"),
+    (lambda b: b["ref_files"][0].update(step=7), "not earlier"),
+    (lambda b: b["ref_files"][0].update(step=-1), "non-negative"),
+    (lambda b: b["ref_files"][0].update(name="../../etc/passwd"), "plain file name"),
+    (lambda b: b["ref_files"][0].update(file_bytes=100), "multiple"),
+    (lambda b: b["ref_files"][0].update(file_id=""), "file_id"),
+    (lambda b: b["ref_files"].append(dict(b["ref_files"][0])), "twice"),
+    (lambda b: b["tensors"][1].update(step=4), "not listed in 'ref_files'"),
+    (lambda b: b["tensors"][1].update(step="3"), "not listed in 'ref_files'"),
+    (lambda b: b["tensors"][1].update(offset=12288), "outside"),
+    (lambda b: b["tensors"][1].update(offset=4097), "unaligned"),
+])
+def test_hostile_references_rejected(mutate, msg):
+    body = _manifest().body()
+    mutate(body)
+    with pytest.raises(CorruptCheckpoint, match=msg):
+        Manifest.from_bytes(_reseal(body))
+
+
+def test_closure_and_retention_order():
+    refs = {5: {3}, 3: {1}, 4: {1}, 1: set(), 2: set(), 0: set()}
+
+    class M:
+        def __init__(self, s):
+            self.ref_files = tuple(RefFile(r, F, 0, 8192, "x") for r in refs[s])
+
+    assert closure({5}, lambda s: refs[s]) == {5, 3, 1}
+    # keep 5 (newest): 3 and 1 stay (closure), 4, 2, 0 go, newest first
+    assert spare_referenced([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4], M) == [4, 2, 0]
+    assert spare_referenced([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4], M, protect={2}) == [4, 0]
+
+    def broken(s):
+        if s == 5:
+            raise CorruptCheckpoint("unreadable")
+        return M(s)
+    assert spare_referenced([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4], broken) == [4, 3, 2, 1, 0]
+    assert dependents([0, 1, 2, 3, 4, 5], 1, M) == [3, 4]

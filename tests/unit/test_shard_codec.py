@@ -1,0 +1,134 @@
+"""format/shard.py: the one shard codec, with windows smaller than items (real files, threads engine)."""
+
+import os
+
+import crc32c
+import pytest
+import torch
+
+from zerostall.config import IOConfig
+from zerostall.errors import CorruptCheckpoint
+from zerostall.format.layout import HEADER_BYTES, ShardHeader
+from zerostall.format.shard import CrcCursor, check_items, pack_offsets, read_shard, write_shard
+from zerostall.io import get_engine
+from zerostall.staging.arena import Arena
+
+SIZES = [0, 1, 4096, 10_000, 0, 3, 20_000, 4095]
+
+
+class Item:
+    def __init__(self, key, offset, nbytes, crc):
+        self.key, self.offset, self.nbytes, self.crc32c = key, offset, nbytes, crc
+
+
+def _payloads():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in SIZES]
+
+
+@pytest.fixture(params=[4096, 8192, 1 << 20], ids=["win4k", "win8k", "win1m"])
+def shard(request, tmp_path):
+    payloads = _payloads()
+    offsets, file_bytes = pack_offsets([p.numel() for p in payloads])
+    header = ShardHeader("id", 0, 3, file_bytes)
+    eng = get_engine("threads", IOConfig())
+    path = str(tmp_path / "s.shard")
+    buf = Arena(request.param, mlock=False)
+    f = eng.open_write(path, file_bytes)
+    crcs = write_shard(f, header, payloads, offsets, buf)
+    f.finish()
+    f.close()
+    items = [Item(f"k{i}", o, p.numel(), c) for i, (o, p, c) in enumerate(zip(offsets, payloads, crcs))]
+    yield path, header, items, payloads, eng, buf
+    eng.close()
+    buf.close()
+
+
+def _read(eng, path, header, items, buf, wanted=None, dsts=None):
+    got = []
+    dsts = dsts if dsts is not None else [torch.empty(i.nbytes, dtype=torch.uint8) for i in items]
+    with eng.open_read(path) as f:
+        read_shard(f, path, header.file_bytes, header, items, dsts, buf, wanted=wanted, on_item=got.append)
+    return dsts, got
+
+
+def test_layout_and_crcs(shard):
+    path, header, items, payloads, eng, buf = shard
+    assert os.path.getsize(path) == header.file_bytes and header.file_bytes % 4096 == 0
+    assert items[0].offset == HEADER_BYTES and all(i.offset % 4096 == 0 for i in items)
+    assert [i.crc32c for i in items] == [crc32c.crc32c(p.numpy().tobytes()) for p in payloads]
+    check_items(path, items, header.file_bytes)
+    cur = CrcCursor(items)
+    raw = open(path, "rb").read()
+    for a in range(0, len(raw), 5000):  # extents in file order, any cut
+        cur.feed([(a, memoryview(raw)[a:a + 5000])])
+    assert cur.crcs == [i.crc32c for i in items]
+
+
+def test_read_whole_and_wanted(shard):
+    path, header, items, payloads, eng, buf = shard
+    dsts, got = _read(eng, path, header, items, buf)
+    assert all(torch.equal(d, p) for d, p in zip(dsts, payloads)) and sorted(got) == list(range(len(items)))
+    dsts, got = _read(eng, path, header, items, buf, wanted={2, 4, 6})
+    assert sorted(got) == [2, 4, 6] and torch.equal(dsts[6], payloads[6]) and torch.equal(dsts[2], payloads[2])
+
+
+@pytest.mark.parametrize("offset,needle", [(HEADER_BYTES + 4096 * 2 + 100, "crc32c"),  # inside k3
+                                           (HEADER_BYTES + 1000, "padding"),   # after k1's one byte
+                                           (7, "magic"), (40, "header")])
+def test_flips_are_caught(shard, offset, needle):
+    path, header, items, payloads, eng, buf = shard
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(CorruptCheckpoint, match=needle):
+        _read(eng, path, header, items, buf)
+
+
+def test_tail_padding_flip_caught(shard):
+    path, header, items, payloads, eng, buf = shard
+    last = items[-1]
+    with open(path, "r+b") as f:
+        f.seek(last.offset + last.nbytes)  # the one byte of padding after the last item
+        f.write(b"\x01")
+    with pytest.raises(CorruptCheckpoint, match="padding"):
+        _read(eng, path, header, items, buf)
+    with pytest.raises(CorruptCheckpoint, match="padding"):
+        _read(eng, path, header, items, buf, wanted={len(items) - 1})
+
+
+def test_overlap_and_out_of_file_refused(shard):
+    path, header, items, payloads, eng, buf = shard
+    bad = list(items)
+    bad[3] = Item("k3", items[2].offset, items[3].nbytes, 0)
+    with pytest.raises(CorruptCheckpoint, match="k3"):
+        check_items(path, bad, header.file_bytes)
+    with pytest.raises(CorruptCheckpoint, match="outside"):
+        check_items(path, items, header.file_bytes - 4096)
+
+
+def test_only_empty_items():
+    offsets, file_bytes = pack_offsets([0, 0])
+    assert offsets == [HEADER_BYTES, HEADER_BYTES] and file_bytes == HEADER_BYTES
+
+
+def test_lazy_destinations_live_only_while_in_flight(shard):
+    path, header, items, payloads, eng, buf = shard
+    live, peak, out = set(), [0], {}
+
+    def dst(i):
+        live.add(i)
+        peak[0] = max(peak[0], len(live))
+        out[i] = torch.empty(items[i].nbytes, dtype=torch.uint8)
+        return out[i]
+
+    def done(i):
+        live.discard(i)
+
+    with eng.open_read(path) as f:
+        read_shard(f, path, header.file_bytes, header, items, dst, buf, wanted={3, 6, 7}, on_item=done)
+    assert sorted(out) == [3, 6, 7] and not live
+    assert peak[0] == 1  # wanted items are read one after another; never all allocated at once
+    assert all(torch.equal(out[i], payloads[i]) for i in (3, 6, 7))
