@@ -45,7 +45,7 @@ from .staging import pool as _pool
 from .staging.snapshot import record_save_events
 from .stateful import load_into, unwrap_optimizer
 from .store.local import LocalTier
-from .store.persist import Persister
+from .store.persist import Persister, retain_at_start
 from .store.remote import open_tier
 from .store.replicate import Replicator
 from .store.retention import RetentionPolicy, dependents
@@ -132,6 +132,12 @@ class Checkpointer:
                                           local_retention=self.rank == 0 or self.node_local,
                                           retry_max_s=cfg.remote_retry_max_s,
                                           protect=self._refs.protected if self._refs is not None else None)
+        self._recent_commits: list[int] = []
+        if cfg.keep_last is not None and self._replicator is None and self.tier.owned \
+                and (self.rank == 0 or self.node_local):
+            # the owner applies keep_last now: a kill between a commit and its retention left one too many
+            self._recent_commits = retain_at_start(self.tier, cfg.keep_last,
+                                                   self._refs.protected() if self._refs is not None else set())
         self.unreplicated: list[int] = []
         """After ``close()``: the steps not replicated before ``close_timeout_s`` (see README)."""
         self._lease: _pool.Lease | None = None
@@ -185,7 +191,8 @@ class Checkpointer:
         self._persist = Persister(self.tier, self.engine, self._lease.arena, self._lease.ring,
                                   keep_last=(self.config.keep_last if (self.rank == 0 or self.node_local)
                                              and self._replicator is None else None),
-                                  on_done=self._on_done, committer=self._committer, refs=self._refs)
+                                  on_done=self._on_done, committer=self._committer, refs=self._refs,
+                                  recent=self._recent_commits)
 
     def prepare(self, state_dict: Any, *, wait: bool = False) -> None:
         """Start allocating and faulting staging memory for ``state_dict``; returns at once.
@@ -215,7 +222,6 @@ class Checkpointer:
         if self._closed:
             raise ZerostallError("this Checkpointer is closed")
         step = check_step(step)  # and the metadata, leaves and manifest size in check_metadata/_plan
-        user_metadata = check_metadata(metadata)
         me = threading.get_ident()
         if self._save_owner == me:
             raise ZerostallError("save() was re-entered on the same thread (from a signal handler that "
@@ -223,7 +229,7 @@ class Checkpointer:
         with self._save_lock:
             self._save_owner = me
             try:
-                return self._save(t0, step, state_dict, overwrite, user_metadata)
+                return self._save(t0, step, state_dict, overwrite, metadata)
             finally:
                 self._save_owner = None
 
@@ -235,6 +241,7 @@ class Checkpointer:
         job: SaveJob | None = None
         try:
             self._raise_pending()
+            metadata = check_metadata(metadata)
             self.tier.check_new_step(step, ow, allow_lower=self.config.allow_lower_steps)
             if ow:
                 self._check_not_referenced(step)

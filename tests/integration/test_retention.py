@@ -78,6 +78,32 @@ def test_allow_lower_steps_never_prunes_the_new_runs_recent_saves(ckdir):
         assert c.tier.steps() == [10, 20, 100, 200]
 
 
+def test_allow_lower_steps_protection_survives_a_restart(ckdir):
+    """"This writer's newest keep_last saves" are the root's last commits (manifest time), so a
+    restart neither prunes them at start-up nor at its first save."""
+    for s in (100, 200):
+        zerostall.save(ckdir, st(s), step=s)
+    with zerostall.Checkpointer(ckdir, keep_last=2, allow_lower_steps=True) as c:
+        for s in (0, 10, 20):
+            _durable_then_present(c, s)
+        assert c.tier.steps() == [10, 20, 100, 200]
+    with zerostall.Checkpointer(ckdir, keep_last=2, allow_lower_steps=True) as c:
+        assert c.tier.steps() == [10, 20, 100, 200]
+        _durable_then_present(c, 30)  # 10 is now beyond this run's keep_last; 20 is not
+        assert c.tier.steps() == [20, 30, 100, 200]
+
+
+def test_owner_applies_keep_last_at_start_up(ckdir):
+    with zerostall.Checkpointer(ckdir) as c:
+        for s in (1, 2, 3, 4, 5):
+            c.save(s, st(s)).result()
+    os.makedirs(os.path.join(ckdir, "step-900"))  # not a checkpoint: neither counted nor deleted
+    with zerostall.Checkpointer(ckdir, keep_last=2) as c:
+        assert c.tier.steps() == [4, 5]  # before any save
+    assert os.path.isdir(os.path.join(ckdir, "step-900"))
+    assert zerostall.load(ckdir)["i"] == 5
+
+
 class Boom(OSError):
     pass
 

@@ -61,6 +61,7 @@ class Tally:
     partial_seen: int = 0
     referencing: int = 0  # checks where the newest step referenced an earlier step's file
     leftovers_seen: int = 0  # a kill left .deleting-*/.old/latest.tmp (the next owner removes them)
+    max_steps: int = 0  # most committed steps found after a kill (keep_last + 1: see store/retention.py)
     failures: list[str] = field(default_factory=list)
 
 
@@ -74,6 +75,7 @@ def check(directory: str, tally: Tally, incremental: bool = False) -> None:
     steps = tier.steps()
     tally.partial_seen += bool(tier.partial_steps())
     tally.leftovers_seen += any(not n.endswith(".partial") for n in tier.leftovers())
+    tally.max_steps = max(tally.max_steps, len(steps))
     if not steps:
         tally.empty += 1
         return

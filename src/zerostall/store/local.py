@@ -63,12 +63,14 @@ _TEMP_RE = re.compile(r"^(latest\.tmp|\.zerostall-write-test-\d+|\.zerostall-pro
 class LocalTier(Tier):
     exchange = True
     """Use ``renameat2(RENAME_EXCHANGE)`` for overwrites (tests set False for the two-phase path)."""
+    _hook: Callable[[str], None] | None = None
+    """The crash-test seam: called with each boundary's name (set on an instance, or on the
+    class, as a ``staticmethod``, in a forked child to reach a Checkpointer's start-up)."""
 
     def __init__(self, root: str, *, create: bool = False, lock_timeout_s: float = 0.0):
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
         self.lock_timeout_s = lock_timeout_s
-        self._hook: Callable[[str], None] | None = None
         self._lock = RootLock(self.root)
         self._valid: dict[int, tuple[tuple[int, ...], bool]] = {}
         self._valid_mu = threading.Lock()

@@ -29,6 +29,7 @@ from ..staging.incremental import RefTracker, manifest_parts
 from ..staging.job import SaveJob
 from ..staging.ring import BlockRing
 from .local import LocalTier
+from .retention import newest_commits
 
 log = logging.getLogger("zerostall")
 
@@ -68,10 +69,31 @@ class LocalCommitter:
         self.tier.abort(job.step)
 
 
+def retain_at_start(tier: LocalTier, keep_last: int, protect: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
+    """Start-up retention by a root's new owner (``Checkpointer`` construction, caller's thread,
+    right after ``LocalTier.own()`` and before any save; local tier, no remote).
+
+    A kill between a commit and its retention leaves a step beyond ``keep_last``; without
+    this, each such kill in a row would add one more. Same invariants as after a commit
+    (:mod:`.retention`): validated steps only, never the newest, never ``protect`` nor the
+    steps committed last (:func:`~.retention.newest_commits`), references spared, newest first.
+    A failure is logged, never raised (nothing is lost by keeping a step).
+
+    Returns the ``keep_last`` steps committed last, oldest first: the Persister keeps
+    protecting them as this writer's own newest commits.
+    """
+    recent = newest_commits(tier.steps(), tier.read_manifest, keep_last)
+    try:
+        tier.apply_retention(keep_last, protect=set(recent) | set(protect))
+    except Exception as exc:  # noqa: BLE001 - an extra step on disk is not worth refusing to start
+        log.warning("zerostall: start-up retention (keep_last=%d) in %s failed: %s", keep_last, tier.root, exc)
+    return recent
+
+
 class Persister(Worker[SaveJob]):
     def __init__(self, tier: LocalTier, engine: Engine, arena: Arena, ring: BlockRing, *,
                  keep_last: int | None, on_done: Callable[[SaveJob], None], committer: Any = None,
-                 refs: RefTracker | None = None):
+                 refs: RefTracker | None = None, recent: list[int] = []):  # noqa: B006 - never mutated
         self.tier = tier
         self.refs = refs
         self.committer = committer or LocalCommitter(tier)
@@ -79,8 +101,9 @@ class Persister(Worker[SaveJob]):
         self.arena = arena
         self.ring = ring
         self.keep_last = keep_last
-        self._recent: collections.deque[int] = collections.deque(maxlen=keep_last or 1)
-        """This run's newest committed steps: retention never deletes them (see store/retention.py)."""
+        self._recent: collections.deque[int] = collections.deque(recent, maxlen=keep_last or 1)
+        """This writer's newest committed steps, oldest first, seeded with the root's last commits
+        (``recent``, from :func:`retain_at_start`): retention never deletes them (see store/retention.py)."""
         self.on_done = on_done
         super().__init__("zerostall-persist")
 

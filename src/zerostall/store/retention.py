@@ -19,7 +19,16 @@ committed step (:class:`~zerostall.errors.StepOrderError`) unless ``allow_lower_
 The writer also protects its own newest ``keep_last`` commits from retention, so with
 ``allow_lower_steps`` an older run's higher steps never push the new run's saves out: those
 are pruned only by the new run's own newer saves (the older run's steps stay until deleted
-by hand, and ``load()`` still picks the highest step).
+by hand, and ``load()`` still picks the highest step). "Its own" survives restarts: a new
+owner starts from the ``keep_last`` steps committed last (:func:`newest_commits`, by the
+manifest's ``created_unix``), which only ever keeps more, never deletes more.
+
+When retention runs (local tier, no remote): after each commit (persist thread), and once
+when a writer takes the root (``Checkpointer`` construction, after ``LocalTier.own()``,
+before any save). A kill between a commit and its retention leaves one step too many; the
+next owner removes it before it commits anything, so a root written with ``keep_last=K``
+never holds more than ``K + 1`` committed steps, however many runs are killed, and an owner
+with ``keep_last=K`` holds at most ``K`` between saves (``tests/fault/test_crash_anywhere.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +48,20 @@ def doomed(steps: Iterable[int], keep_last: int | None, protect: Iterable[int] =
         return []
     keep = set(ordered[-keep_last:]) | {ordered[-1]} | set(protect)
     return [s for s in ordered if s not in keep]
+
+
+def newest_commits(steps: Iterable[int], read_manifest: Callable[[int], Any], n: int) -> list[int]:
+    """The ``n`` of ``steps`` committed last, by their manifests' ``created_unix`` (then step),
+    oldest first: what a new owner of a root protects as "its own newest commits". A manifest
+    that cannot be read ranks first (oldest). Only ever used to keep steps, so a wrong clock can
+    make retention keep more, never delete more."""
+    def when(s: int) -> tuple[float, int]:
+        try:
+            return float(read_manifest(s).created_unix), s
+        except (ZerostallError, OSError, ValueError):
+            return float("-inf"), s
+    ranked = sorted(set(steps), key=when)
+    return ranked[-n:] if n > 0 else []
 
 
 @dataclass(frozen=True, kw_only=True)
