@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(BIN)/zerostall demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -rs tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+	$(BIN)/python -m pytest -q -rs --durations=15 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
 
 bench: $(STAMP)
 	$(BIN)/zerostall bench

@@ -1,10 +1,11 @@
 """How long Lightning's training thread is blocked per checkpoint: TorchCheckpointIO (sync),
 AsyncCheckpointIO (clones every tensor on the training thread) and ZerostallCheckpointIO.
 
-    python benchmarks/lightning_io.py [--mparams 25] [--saves 6] [--dir D]
+    python benchmarks/lightning_io.py [--mparams 25] [--saves 6] [--dir D] [--overlap]
 
 Each save goes to a new path (the ModelCheckpoint top-k pattern) and is followed at once by
-an optimizer step (no forward/backward in between to overlap: the worst case for zerostall).
+an optimizer step (no forward/backward in between to overlap: the worst case for zerostall;
+``--overlap`` runs a forward/backward-sized matmul workload first, as a training step would).
 Blocked = time inside save_checkpoint + the time the next optimizer step waited for the
 snapshot (zerostall's guard; measured by the guard itself, not by step-time differences).
 Reports medians over the saves (the first save of each method is included: it allocates).
@@ -29,7 +30,13 @@ def main() -> None:
     p.add_argument("--mparams", type=float, default=25)
     p.add_argument("--saves", type=int, default=6)
     p.add_argument("--dir", default=None)
+    p.add_argument("--overlap", action="store_true")
     a = p.parse_args()
+    x = torch.randn(1024, 1024)
+
+    def forward_backward():
+        for _ in range(20):
+            x @ x
     n = int(a.mparams * 1e6) // 4096 * 4096
     model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(n // 8, 8)) for _ in range(4)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -55,6 +62,8 @@ def main() -> None:
             t0 = time.perf_counter()
             io.save_checkpoint(ckpt, os.path.join(d, f"step={i}.ckpt"))
             blocked.append(time.perf_counter() - t0)
+            if a.overlap:
+                forward_backward()
             step()
         if isinstance(io, ZerostallCheckpointIO):
             waits = [h._job.guard_wait_s for h in io.handles]

@@ -113,7 +113,7 @@ class Checkpointer:
                 raise ConfigError(f"incremental={cfg.incremental!r} supports single-process saves only (this is "
                                   f"world size {self.world_size}); pass incremental=False")
             self._refs = RefTracker(mode, cfg.full_every)
-            self._refs.seed_from(self.tier.steps(), self.tier.read_manifest)
+            self._refs.seed_from(self.tier.steps(), self.tier.read_manifest, root=self.tier.root)
         name, self.probe = engine_name_for(self.tier.root, cfg.io)
         self.engine: Engine = get_engine(name, cfg.io)
         if cfg.prometheus:
@@ -398,8 +398,10 @@ class Checkpointer:
                 delay = min(delay * 2, 0.02)
         return True
 
-    def load(self, state_dict: Any = None, step: int | None = None, map_location: Any = None) -> Any:
-        """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load`.
+    def load(self, state_dict: Any = None, step: int | None = None, map_location: Any = None, *,
+             keys: list[str] | None = None, strict: bool = False, report: Any = None) -> Any:
+        """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load`
+        (``keys``, ``strict`` and ``report`` as there).
 
         Reads through the process's staging pool when no save uses it;
         saves started meanwhile from other threads wait until the load is done.
@@ -410,7 +412,7 @@ class Checkpointer:
             return load_into(state_dict, lambda sd: _load(
                 self.tier.root, sd, step, map_location, verify=self.config.verify_on_load,
                 fallback=self.config.fallback, engine=self.engine, bounce=bounce, rank=self.rank,
-                world_size=self.world_size, remote=self.config.remote))
+                world_size=self.world_size, remote=self.config.remote, keys=keys, strict=strict, report=report))
 
     def steps(self, *, include_remote: bool = True) -> list[int]:
         """Committed steps, ascending: local ones and, with a remote tier (unless
@@ -472,6 +474,8 @@ class Checkpointer:
                 budget = min(budget, left() or 0.0)
             self.unreplicated = self._replicator.close(budget)
         if ok:
+            if self._refs is not None:
+                self._refs.close()
             self.engine.close()
             if self._lease is not None:
                 self._lease.release()  # the pool lingers a moment for the next user, then unmaps

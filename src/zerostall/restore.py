@@ -299,13 +299,23 @@ def fetch_remote_step(tier: LocalTier, remote: Any, step: int) -> Manifest:
     part = tier.begin(step)
     try:
         for fe in man.files:
-            remote.download(f"step-{step}/{fe.name}", os.path.join(part, fe.name), fe.file_bytes)
+            rel = f"step-{step}/{fe.name}"
+            size = remote.stat(rel)
+            if size != fe.file_bytes:
+                where = remote.where(rel)
+                raise CorruptCheckpoint(f"{where}: {'missing' if size is None else f'{size} bytes'}, the "
+                                        f"manifest says {fe.file_bytes}", path=where)
+            remote.download(rel, os.path.join(part, fe.name), fe.file_bytes)
     except BaseException:
         tier.abort(step)
         raise
     tier.commit(step, man, overwrite=True)
     log.info("zerostall: fetched step %d from %s into %s", step, remote.url, tier.root)
     return man
+
+
+_MAX_REPLACED = 5
+"""How many times load() reads a step again because its writer overwrote it meanwhile."""
 
 
 def load(path: str, state_dict: Any = None, step: int | None = None, map_location: Any = None, *,
@@ -341,6 +351,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
     own_engine = engine is None
     bounce = bounce or _shared_bounce()
     tried: set[tuple[int, str]] = set()
+    replaced: dict[int, int] = {}
     errors: list[str] = []
     try:
         while True:
@@ -357,9 +368,12 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
             tried.add((s, src))
             if engine is None:
                 engine = choose_engine(tier.root, io or IOConfig())
+            fetched = False
+            ident = tier._manifest_ident(s) if src == "local" else None
             try:
                 if src == "remote":
                     fetch_remote_step(tier, remote, s)
+                    fetched = True
                 out = load_step(tier, s, engine, bounce, state_dict, map_location, verify, rank, world_size,
                                 keys=keys, strict=strict, report=report)
             except (StateMismatchError, ConfigError):
@@ -368,11 +382,18 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
                 if src == "local" and s not in tier.listed_steps():
                     log.info("zerostall: step %d disappeared while loading (retention?); listing again", s)
                     continue
+                if src == "local" and ident is not None and tier._manifest_ident(s) != ident \
+                        and replaced.get(s, 0) < _MAX_REPLACED:
+                    # the writer overwrote this step while we read it (old manifest, new shard): read it again
+                    replaced[s] = replaced.get(s, 0) + 1
+                    tried.discard((s, src))
+                    log.info("zerostall: step %d was overwritten while loading; reading it again", s)
+                    continue
                 reason = str(exc) if isinstance(exc, ZerostallError) else f"{type(exc).__name__}: {exc}"
                 log.error("zerostall: step %d (%s copy) failed: %s", s, src, reason)
                 errors.append(f"step {s} ({src}): {reason}")
-                if src == "remote":
-                    tier.delete(s)  # drop the bad download
+                if fetched and isinstance(exc, CorruptCheckpoint):
+                    tier.delete(s)  # drop the bad download (a failed fetch committed nothing: a local copy stays)
                 continue
             report.step, report.source, report.failed = s, src, list(errors)
             if errors:

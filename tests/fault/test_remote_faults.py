@@ -60,9 +60,8 @@ def s3(monkeypatch):
     yield env
     for p in env.proxies:
         p.stop()
-    with env.direct() as remote:
-        for s in remote.steps():
-            remote.delete(s)
+    with env.direct() as remote, contextlib.suppress(Exception):
+        remote._delete_prefix("")  # the test server keeps objects in memory: leave nothing behind
 
 
 def _state(step):

@@ -131,6 +131,28 @@ def test_metadata_is_not_a_code_path(saved_at_4, tmp_path):
     assert not os.path.exists(tmp_path / "pwned")
 
 
+def test_metadata_naming_a_torch_submodule_imports_nothing(tmp_path):
+    """find_class("torch", "_inductor") is refused without importing torch._inductor (fresh
+    interpreter: the test process may have imported it already)."""
+    with open(tmp_path / ".metadata", "wb") as f:
+        f.write(b"ctorch\n_inductor\n.")
+    code = textwrap.dedent(f"""
+        import sys
+        from zerostall.dcp import Reader
+        from zerostall.errors import CorruptCheckpoint
+        try:
+            Reader({str(tmp_path)!r}).read_metadata()
+        except CorruptCheckpoint as exc:
+            assert "refusing" in str(exc), exc
+        else:
+            raise SystemExit("read")
+        print(sorted(m for m in sys.modules if m.startswith("torch._inductor")))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_async_save_single_process(tmp_path):
     path = str(tmp_path / "async")
     sd = {"a": torch.randn(1000, 7), "b": {"c": torch.arange(10)}}

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -154,7 +155,9 @@ def test_sigkill_one_rank_mid_persist(tmp_path):
         assert doc["after"] == 3.0  # the training thread kept going
         assert doc["closed"] is True
         print(f"rank {doc['rank']}: step 2 failed after {doc['elapsed_s']:.2f} s (commit_timeout_s=6)")
-    assert "rank(s) 2 did not report" in res[0][1]["error"]
+    # rank 2 is always named; on a loaded machine rank 1 may also miss the short timeout
+    m = re.search(r"rank\(s\) ([\d, ]+) did not report", res[0][1]["error"])
+    assert m is not None and "2" in m.group(1).replace(" ", "").split(","), res[0][1]["error"]
     assert LocalTier(ckdir).steps() == [1]
     assert not os.path.exists(os.path.join(ckdir, "step-2"))
     for r in range(3):

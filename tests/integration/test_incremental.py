@@ -170,6 +170,33 @@ def test_damaged_referenced_file_fails_every_dependent_and_falls_back(ckdir):
     assert got["x"][0] == 1.0 and torch.equal(got["f"], frozen)
 
 
+def test_a_restart_after_a_fallback_never_references_the_damaged_file(ckdir):
+    """The newest step's file rotted; a restart loads an older step and saves on: the first
+    save reads back what it would reference from disk, so it writes the damaged tensor again
+    and every new step loads (with full_every=10 they all would have borrowed the bad bytes)."""
+    frozen = torch.randn(1 << 14)
+    with zerostall.Checkpointer(ckdir, incremental=True, full_every=2, keep_last=3) as ck:
+        for step in range(4):  # 0 full, 1 -> 0, 2 full, 3 -> 2
+            ck.save(step, {"f": frozen, "x": torch.full((10,), float(step))}).result()
+    tier = LocalTier(ckdir)
+    path = os.path.join(tier.step_dir(2), tier.read_manifest(2).files[0].name)
+    off = next(e.offset for e in tier.read_manifest(2).tensors if e.key == "f")
+    with open(path, "r+b") as f:
+        f.seek(off + 100)
+        byte = f.read(1)
+        f.seek(off + 100)
+        f.write(bytes([byte[0] ^ 0x40]))
+    state = zerostall.load(ckdir)  # 3 and 2 fail: step 1
+    assert state["x"][0] == 1.0
+    with zerostall.Checkpointer(ckdir, incremental=True, full_every=10, keep_last=3) as ck:
+        for step in (4, 5):
+            ck.save(step, {"f": state["f"], "x": torch.full((10,), float(step))}).result()
+    for step in (4, 5):
+        assert 2 not in {r.step for r in tier.read_manifest(step).ref_files}
+        got = zerostall.load(ckdir, step=step)
+        assert got["x"][0] == float(step) and torch.equal(got["f"], frozen)
+
+
 def test_referenced_step_deleted_behind_our_back(ckdir):
     frozen = torch.randn(1 << 12)
     with zerostall.Checkpointer(ckdir, incremental=True) as ck:
@@ -192,6 +219,53 @@ def test_overwriting_a_referenced_step_is_refused(ckdir):
             ck.save(0, {"f": frozen}, overwrite=True)
         ck.save(1, {"f": frozen + 1}, overwrite=True).result()  # nothing references 1
     assert torch.equal(zerostall.load(ckdir)["f"], frozen + 1)
+
+
+@pytest.mark.parametrize("mode", [True, "version"])
+def test_a_lower_step_never_references_a_higher_one(ckdir, mode):
+    """allow_lower_steps: step 3 after step 10 writes its bytes (a manifest may only reference
+    earlier steps, so a reference to step 10 would commit a step that never loads)."""
+    state = {"f": torch.randn(1 << 12), "g": torch.randn(64)}
+    with zerostall.Checkpointer(ckdir, incremental=mode, allow_lower_steps=True) as ck:
+        ck.save(10, state).result()
+        rec = ck.save(3, state).result()
+        assert rec.bytes_referenced == 0
+        rec = ck.save(11, state).result()  # references step 10 or 3, both earlier
+        assert rec.bytes_referenced == (4096 + 64) * 4
+    _verify_all(ckdir)
+    for step in (3, 10, 11):
+        assert equal(zerostall.load(ckdir, step=step), state)
+
+
+def test_an_overwrite_queued_behind_a_save_that_references_the_step_is_refused(ckdir, monkeypatch):
+    """save(1) is queued but not yet decided (so nothing pins step 0) when save(0, overwrite)
+    passes its save()-time check; step 1 then references step 0. The overwrite must fail at
+    its commit, or it commits and breaks step 1 (which had been reported durable)."""
+    import threading
+
+    from zerostall.staging.incremental import RefTracker
+    go = threading.Event()
+    decide = RefTracker.decide
+
+    def held(self, job, cuda_run):
+        if job.step == 1:
+            assert go.wait(60)
+        return decide(self, job, cuda_run)
+
+    monkeypatch.setattr(RefTracker, "decide", held)
+    frozen = torch.randn(1 << 14)
+    with zerostall.Checkpointer(ckdir, incremental=True, allow_lower_steps=True) as ck:
+        ck.save(0, {"f": frozen, "x": torch.zeros(3)}).result()
+        h1 = ck.save(1, {"f": frozen, "x": torch.ones(3)})
+        h0 = ck.save(0, {"f": frozen + 1, "x": torch.zeros(3)}, overwrite=True)
+        go.set()
+        assert h1.exception(60) is None
+        assert isinstance(h0.exception(60), CheckpointExistsError)
+        with pytest.raises(zerostall.errors.SaveFailed):
+            h0.result()
+    got = zerostall.load(ckdir, step=1, fallback=False)
+    assert torch.equal(got["f"], frozen) and torch.equal(got["x"], torch.ones(3))
+    assert torch.equal(zerostall.load(ckdir, step=0, fallback=False)["f"], frozen)
 
 
 def test_restart_references_the_previous_run(ckdir):
@@ -250,3 +324,18 @@ def test_bad_options():
         zerostall.Checkpointer("/tmp/unused-zs", incremental="sometimes")
     with pytest.raises(ConfigError, match="full_every"):
         zerostall.CheckpointConfig(full_every=0)
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_checked_on_the_device(ckdir):
+    base = torch.randn(1 << 20, device="cuda")
+    head = torch.randn(1000, device="cuda")
+    with zerostall.Checkpointer(ckdir, incremental=True) as ck:
+        ck.save(0, {"base": base, "head": head}).result()
+        head.add_(1)
+        r1 = ck.save(1, {"base": base, "head": head}).result()
+        base.data[3] = 5.0  # bypasses the version counter; queued on the caller's stream
+        r2 = ck.save(2, {"base": base, "head": head}).result()
+    assert r1.bytes_referenced == base.numel() * 4 and r2.bytes_referenced == head.numel() * 4
+    got = zerostall.load(ckdir)
+    assert torch.equal(got["base"], base.cpu()) and torch.equal(got["head"], head.cpu())

@@ -36,13 +36,21 @@ def remote_url(request, tmp_path, monkeypatch):
         proxy = FaultyProxy(os.environ["AWS_ENDPOINT_URL"]).start()
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         _proxies[id(request.node)] = proxy
-        yield f"s3://zerostall-remote-test/{uuid.uuid4().hex[:12]}"
+        url = f"s3://zerostall-remote-test/{uuid.uuid4().hex[:12]}"
+        yield url
+        proxy.down = False
+        _wipe(url)  # the test server keeps objects in memory: leave nothing behind
         proxy.stop()
         return
     yield f"file://{tmp_path / 'remote'}"
 
 
 _proxies: dict = {}
+
+
+def _wipe(url):
+    with contextlib.suppress(Exception):
+        open_tier(url, attempts=1, read_timeout_s=10)._delete_prefix("")
 
 
 @contextlib.contextmanager
@@ -211,7 +219,7 @@ def test_steps_and_load_include_the_remote(remote_url, tmp_path):
         assert ck.steps(include_remote=False) == [5]
 
 
-def test_docs_remote_md_runs(tmp_path, monkeypatch, capsys):
+def test_docs_remote_md_runs(tmp_path, monkeypatch, capsys, request):
     """docs/remote.md: its python blocks, in order, then its shell commands, against the real
     S3 server (the shared-filesystem tier where there is none)."""
     import re
@@ -220,6 +228,7 @@ def test_docs_remote_md_runs(tmp_path, monkeypatch, capsys):
     assert "docs/remote.md" in open(os.path.join(ROOT, "README.md")).read()
     if S3:
         url = f"s3://zerostall-remote-docs/{uuid.uuid4().hex[:12]}"
+        request.addfinalizer(lambda: _wipe(url))
     elif os.environ.get("CI"):
         pytest.fail("CI must start the S3 server (scripts/s3-server.sh start) before the tests")
     else:

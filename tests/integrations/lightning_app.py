@@ -11,6 +11,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -56,6 +57,13 @@ class KillAfterEpoch(Callback):
 
     def on_train_epoch_start(self, trainer, pl_module):
         if trainer.current_epoch == self.epoch + 1:
+            # at least one checkpoint committed (on a loaded machine the first may still be in
+            # flight); the newest save may well be
+            from zerostall.integrations.lightning import is_zerostall_checkpoint
+            last = os.path.join(trainer.checkpoint_callback.dirpath, "last.ckpt")
+            deadline = time.monotonic() + 120
+            while not is_zerostall_checkpoint(last) and time.monotonic() < deadline:
+                time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -21,6 +21,10 @@ def test_doc_python_blocks_run(name, tmp_path, monkeypatch):
         if f"import {needs}" in text or f"from {needs}" in text:
             pytest.importorskip(needs)
     monkeypatch.chdir(tmp_path)
+    for var in ("MASTER_ADDR", "MASTER_PORT"):  # whatever the blocks set stays in this test
+        monkeypatch.setenv(var, os.environ.get(var, ""))
+        if not os.environ[var]:
+            monkeypatch.delenv(var)
     torch.set_num_threads(1)
     ns: dict = {"__name__": f"docs_{name[:-3]}"}
     for i, b in enumerate(blocks):

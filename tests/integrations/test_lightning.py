@@ -24,9 +24,17 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 EPOCHS = 4
 
 
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_app(outdir, *args, timeout=240):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "src")]),
-           "OMP_NUM_THREADS": "1", "PL_DISABLE_FORK": "1"}
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "src")]), OMP_NUM_THREADS="1",
+               PL_DISABLE_FORK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     return subprocess.run([sys.executable, os.path.join(HERE, "lightning_app.py"), str(outdir), *args],
                           env=env, timeout=timeout, capture_output=True, text=True)
 
@@ -161,3 +169,23 @@ def test_save_last_as_a_link(tmp_path):
     model = run(3, resume="last")
     assert equal(zerostall.load(last)["state_dict"], model.state_dict())
     assert zerostall.load(last)["epoch"] == 2
+
+
+def test_a_failed_save_over_a_torch_save_file_keeps_the_file(tmp_path):
+    """The torch.save file a save replaces is set aside, never deleted before the new
+    checkpoint commits: a save that fails puts it back."""
+    path = tmp_path / "last.ckpt"
+    torch.save({"old": torch.ones(3)}, path)
+    io = ZerostallCheckpointIO()
+
+    class NotStorable:
+        pass
+
+    with pytest.raises(zerostall.errors.UnsupportedStateError):
+        io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "global_step": 1, "x": NotStorable()}, path)
+    io.teardown()
+    assert os.path.isfile(path) and os.listdir(tmp_path) == ["last.ckpt"]
+    assert torch.equal(torch.load(path, weights_only=True)["old"], torch.ones(3))
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "global_step": 1}, path)  # then a good one
+    io.teardown()
+    assert os.listdir(tmp_path) == ["last.ckpt"] and is_zerostall_checkpoint(path)

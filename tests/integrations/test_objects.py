@@ -141,10 +141,34 @@ def test_decoding_never_imports_or_calls(tmp_path):
     ({"o": ["bytes", {"v": "not base64!"}]}, "bytes"),
     ({"o": ["torch.dtype", {"v": "nn"}]}, "torch dtype"),
     ({"o": ["datetime.timedelta", {"v": 1}]}, "timedelta"),
+    ({"o": ["torch.device", {"v": "bogus:0"}]}, "torch.device"),
+    ({"o": ["complex", {"d": [[{"v": "x"}, {"v": 1}]]}]}, "complex"),
+    ({"o": ["datetime.timedelta", {"d": [[{"v": "x"}, {"v": 1}]]}]}, "timedelta"),
+    ({"o": ["complex", {"T": 0}]}, "complex"),
+    ({"o": ["torch.device", {"v": "cuda:-5"}]}, "torch.device"),
+    ({"o": ["omegaconf.DictConfig", {"v": "a: ["}]}, "DictConfig"),
+    ({"o": ["omegaconf.DictConfig", {"v": "a: !!python/object/apply:os.system [x]"}]}, "DictConfig"),
+    ({"o": ["omegaconf.ListConfig", {"j": {"a": 1}}]}, "ListConfig"),
+    ({"o": ["omegaconf.DictConfig", {"j": {"b": "${zz"}}]}, "DictConfig"),
 ])
 def test_malformed_object_nodes_are_corrupt(node, match):
     with pytest.raises(CorruptCheckpoint, match=match):
-        decode_tree(node, [])
+        decode_tree(node, [torch.zeros(2)])
+
+
+def test_dtype_names_import_nothing():
+    """torch.dtype payloads are looked up, never fetched through torch's lazy submodule imports."""
+    before = set(sys.modules)
+    for name in ("_inductor", "_dynamo", "onnx"):
+        with pytest.raises(CorruptCheckpoint, match="torch dtype"):
+            decode_tree({"o": ["torch.dtype", {"v": name}]}, [])
+    assert {m for m in set(sys.modules) - before if m.startswith("torch")} == set()
+
+
+def test_a_path_of_the_other_os_loads_as_its_pure_flavour():
+    other = "WindowsPath" if os.name != "nt" else "PosixPath"
+    out = decode_tree({"o": [f"pathlib.{other}", {"v": "a/b"}]}, [])
+    assert isinstance(out, pathlib.PurePath) and str(out).replace("\\", "/") == "a/b"
 
 
 def test_a_manifest_with_objects_validates_without_building(tmp_path, registered):

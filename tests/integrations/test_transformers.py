@@ -22,6 +22,13 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 STEPS = 12
 
 
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The plain Trainer: uninterrupted, and stopped at 8 then resumed with its own checkpoints."""
@@ -97,7 +104,7 @@ def test_load_best_model_at_end_reads_the_zerostall_checkpoint(tmp_path):
 def test_ddp_two_gloo_processes_resume_exactly(tmp_path):
     import json
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "src")]), "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29653",
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
                         os.path.join(HERE, "hf_app.py"), str(tmp_path), "--ddp"], env=env, timeout=300,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]

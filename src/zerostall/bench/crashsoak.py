@@ -12,10 +12,12 @@ reference an earlier step's file, and retention must keep it.
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -38,13 +40,13 @@ def _equal(a: object, b: object) -> bool:
     return a == b
 
 
-def child(directory: str, incremental: bool = False) -> None:
+def child(directory: str, incremental: bool = False, ready: str = "READY") -> None:
     from ..checkpointer import Checkpointer
     opts = {"incremental": True, "full_every": 3} if incremental else {}
     with Checkpointer(directory, keep_last=3, **opts) as ck:
         step = (ck.latest_step() or 0) + 1
         frozen = state_of(0, incremental).get("frozen")
-        print("READY", flush=True)
+        print(ready, flush=True)
         while True:
             state = state_of(step, incremental)
             if frozen is not None:
@@ -94,34 +96,88 @@ def check(directory: str, tally: Tally, incremental: bool = False) -> None:
         tally.failures.append(f"kill {tally.kills}: {exc}")
 
 
+def _die_with_parent() -> None:
+    """A forked child gets SIGKILL if its zygote dies (a test killed mid-soak leaves no saver behind)."""
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def zygote(directory: str, incremental: bool) -> None:
+    """Runs in one helper process that has imported torch and zerostall but run no torch op
+    (so no thread pool exists yet): on each ``go`` line from the parent it forks a child that
+    runs :func:`child` and prints ``READY <pid>``; on ``reap`` it waits for that child (which the
+    parent has SIGKILLed; until reaped its pid cannot be reused) and prints ``DEAD <status>``.
+    Each kill then costs a fork, not a fresh interpreter importing torch."""
+    from .. import checkpointer, restore  # noqa: F401  (imported once, before any fork)
+    pid = 0
+    for line in sys.stdin:
+        if line.strip() == "go":
+            sys.stdout.flush()
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    _die_with_parent()
+                    child(directory, incremental, ready=f"READY {os.getpid()}")
+                except BaseException as exc:  # noqa: BLE001  (the parent records it as a failure)
+                    print(f"FAILED {type(exc).__name__}: {exc}".replace("\n", " "), flush=True)
+                finally:
+                    os._exit(1)
+        elif line.strip() == "reap":
+            _, status = os.waitpid(pid, 0)
+            print(f"DEAD {status}", flush=True)
+
+
 def run(directory: str, kills: int, seed: int = 0, max_delay_s: float = 0.4, progress: bool = False,
         incremental: bool = False) -> Tally:
     rnd = random.Random(seed)
     tally = Tally()
-    for _ in range(kills):
-        p = subprocess.Popen([sys.executable, "-m", "zerostall.bench.crashsoak", directory]
-                             + (["incremental"] if incremental else []),
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        assert p.stdout is not None
-        if p.stdout.readline().strip() != "READY":
-            p.kill()
-            p.wait()
-            tally.failures.append("child did not start")
-            continue
+    z = subprocess.Popen([sys.executable, "-m", "zerostall.bench.crashsoak", directory, "zygote"]
+                         + (["incremental"] if incremental else []),
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert z.stdin is not None and z.stdout is not None
+    try:
+        for _ in range(kills):
+            z.stdin.write("go\n")
+            z.stdin.flush()
+            line = z.stdout.readline().split()
+            if len(line) != 2 or line[0] != "READY":
+                tally.failures.append(f"child did not start: {' '.join(line)}")
+                break
+            pid = int(line[1])
+            time.sleep(rnd.uniform(0.0, max_delay_s))
+            os.kill(pid, signal.SIGKILL)  # our zygote's child, not yet reaped: the pid is still its
+            z.stdin.write("reap\n")
+            z.stdin.flush()
+            dead = z.stdout.readline().split()
+            if dead[:1] != ["DEAD"]:
+                tally.failures.append(f"zygote did not reap its child: {dead}")
+                break
+            status = int(dead[1])
+            if not (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL):
+                tally.failures.append(f"kill {tally.kills}: the child ended by itself (status {status})")
+            tally.kills += 1
+            check(directory, tally, incremental)
+            if progress:
+                print(f"\rkills {tally.kills}/{kills}: ok {tally.ok}, failures {len(tally.failures)}", end="",
+                      flush=True)
+    finally:
+        z.stdin.close()
         try:
-            p.wait(timeout=rnd.uniform(0.0, max_delay_s))
+            z.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            pass
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-        tally.kills += 1
-        check(directory, tally, incremental)
-        if progress:
-            print(f"\rkills {tally.kills}/{kills}: ok {tally.ok}, failures {len(tally.failures)}", end="", flush=True)
+            z.kill()
+            z.wait()
     if progress:
         print()
     return tally
 
 
 if __name__ == "__main__":
-    child(sys.argv[1], incremental=sys.argv[2:] == ["incremental"])
+    args = sys.argv[2:]
+    if args[:1] == ["zygote"]:
+        zygote(sys.argv[1], incremental=args[1:] == ["incremental"])
+    else:
+        child(sys.argv[1], incremental=args == ["incremental"])

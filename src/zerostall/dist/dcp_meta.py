@@ -60,7 +60,8 @@ class _SafeUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        # vars(), not getattr: torch's module __getattr__ imports submodules (torch._inductor)
+        if (module, name) in _ALLOWED or (module == "torch" and isinstance(vars(torch).get(name), torch.dtype)):
             return super().find_class(module, name)
         raise CorruptCheckpoint(f"{self.where}: DCP metadata refers to {module}.{name}, which DCP checkpoint "
                                 "metadata never contains; refusing to unpickle it", path=self.where)

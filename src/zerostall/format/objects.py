@@ -144,19 +144,50 @@ def _str(x: Any) -> str:
     return x
 
 
+def _items(p: Any, n: int) -> list[Any]:
+    if not isinstance(p, list) or len(p) != n:
+        raise ValueError(f"expected a list of {n} numbers")
+    return p
+
+
+def _timedelta(days: Any, seconds: Any, us: Any) -> _dt.timedelta:
+    return _dt.timedelta(days=int(days), seconds=int(seconds), microseconds=int(us))
+
+
 def _dtype(name: Any) -> torch.dtype:
-    d = getattr(torch, _str(name), None)
+    # only names already bound in the torch namespace: getattr(torch, "_inductor") would import
+    d = vars(torch).get(_str(name))
     if not isinstance(d, torch.dtype):
         raise ValueError(f"{name!r} is not a torch dtype")
     return d
 
 
-def _omegaconf(payload: Any) -> Any:
+def _device(s: Any) -> torch.device:
+    try:
+        return torch.device(_str(s))
+    except RuntimeError as exc:  # torch reports a bad device string as RuntimeError
+        raise ValueError(str(exc).splitlines()[0]) from None
+
+
+def _path(cls: type, s: Any) -> pathlib.PurePath:
+    try:
+        return cls(_str(s))
+    except NotImplementedError:  # a WindowsPath on POSIX (or back): the pure flavour, not an error
+        return (pathlib.PureWindowsPath if issubclass(cls, pathlib.PureWindowsPath)
+                else pathlib.PurePosixPath)(s)
+
+
+def _omegaconf(kind: type, payload: Any) -> Any:
+    if not isinstance(payload, kind):  # never a string: OmegaConf.create would parse it as YAML
+        raise ValueError(f"expected a {kind.__name__}, got {type(payload).__name__}")
     try:
         from omegaconf import OmegaConf
     except ImportError:
         return None
-    return OmegaConf.create(payload)
+    try:
+        return OmegaConf.create(payload)
+    except Exception as exc:  # omegaconf's own errors (bad interpolation grammar, ...)
+        raise ValueError(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
 
 
 _PATHS = {c.__name__: c for c in (pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath,
@@ -169,18 +200,18 @@ _STANDARD: dict[str, Callable[[Any], Any]] = {
     "frozenset": lambda items: frozenset(items),
     "bytes": _unb64,
     "bytearray": lambda s: bytearray(_unb64(s)),
-    "complex": lambda p: complex(float(p[0]), float(p[1])),
+    "complex": lambda p: complex(*(float(x) for x in _items(p, 2))),
     "datetime.datetime": lambda s: _dt.datetime.fromisoformat(_str(s)),
     "datetime.date": lambda s: _dt.date.fromisoformat(_str(s)),
     "datetime.time": lambda s: _dt.time.fromisoformat(_str(s)),
-    "datetime.timedelta": lambda p: _dt.timedelta(days=int(p[0]), seconds=int(p[1]), microseconds=int(p[2])),
+    "datetime.timedelta": lambda p: _timedelta(*_items(p, 3)),
     "datetime.timezone": lambda p: _dt.timezone(_dt.timedelta(seconds=float(p))),
     "uuid.UUID": lambda s: uuid.UUID(_str(s)),
     "torch.dtype": _dtype,
-    "torch.device": lambda s: torch.device(_str(s)),
-    "omegaconf.DictConfig": _omegaconf,
-    "omegaconf.ListConfig": _omegaconf,
-    **{f"pathlib.{n}": (lambda s, c=c: c(_str(s))) for n, c in _PATHS.items()},
+    "torch.device": _device,
+    "omegaconf.DictConfig": lambda p: _omegaconf(dict, p),
+    "omegaconf.ListConfig": lambda p: _omegaconf(list, p),
+    **{f"pathlib.{n}": (lambda s, c=c: _path(c, s)) for n, c in _PATHS.items()},
 }
 
 
@@ -287,7 +318,7 @@ def decode_object(val: Any, dec: Dec, *, build: bool = True) -> Any:
     if std is not None:
         try:
             out = std(payload)
-        except (TypeError, ValueError, IndexError, OverflowError) as exc:
+        except (TypeError, ValueError, LookupError, OverflowError) as exc:
             raise ValueError(f"{name} payload {payload!r:.80}: {exc}") from None
         return TaggedData(name, payload) if out is None else out
     reg = _by_name.get(name)

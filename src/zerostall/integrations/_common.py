@@ -5,20 +5,15 @@ Called from the training thread only (the framework's checkpoint hooks).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..checkpointer import Checkpointer
 from ..config import CheckpointConfig
-from ..errors import ConfigError
 from ..store.local import LocalTier
-
-_patch_lock = threading.Lock()
 
 
 def is_committed(path: str | os.PathLike[str]) -> bool:
@@ -39,30 +34,10 @@ def next_step(ckpt: Checkpointer, wanted: int) -> int:
     return wanted if wanted > latest else latest + 1
 
 
-@contextlib.contextmanager
-def _world_of_one() -> Iterator[None]:
-    # Fallback for a zerostall without dist_mode="local": construct as a single process.
-    from .. import checkpointer as _ck
-    from ..dist.ranks import RankInfo
-
-    with _patch_lock:
-        saved = _ck.discover
-        _ck.discover = lambda store=None: RankInfo(0, 1, 1, None)  # type: ignore[assignment]
-        try:
-            yield
-        finally:
-            _ck.discover = saved  # type: ignore[assignment]
-
-
 def open_local(path: str, config: CheckpointConfig) -> Checkpointer:
     """A Checkpointer that saves alone, whatever torch.distributed says (the caller is the only
     process that saves to ``path``, e.g. Lightning's rank 0)."""
-    try:
-        cfg = config.replace(dist_mode="local")
-    except (ConfigError, TypeError):
-        with _world_of_one():
-            return Checkpointer(path, config)
-    return Checkpointer(path, cfg)
+    return Checkpointer(path, config.replace(dist_mode="local"))
 
 
 class StateGuard:

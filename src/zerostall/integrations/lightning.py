@@ -100,19 +100,25 @@ class ZerostallCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError("ZerostallCheckpointIO.save_checkpoint does not take storage_options")
         root = os.path.abspath(os.fspath(path))
+        self._clean_stale_trash(os.path.dirname(root))  # before anything of ours is set aside
         replaced = None
         if os.path.isfile(root) or os.path.islink(root):
             # a torch.save file (or a save_last link) under the same name: kept aside until
             # the new checkpoint is durable
             replaced = self._trash_name(root)
             os.rename(root, replaced)
-        ck = self._checkpointer(root)
-        step = next_step(ck, int(checkpoint.get("global_step", 0) or 0))
-        self._close_idle(keep=root)
-        handle = ck.save(step, checkpoint)
+        try:
+            ck = self._checkpointer(root)
+            step = next_step(ck, int(checkpoint.get("global_step", 0) or 0))
+            self._close_idle(keep=root)
+            handle = ck.save(step, checkpoint)
+        except BaseException:
+            if replaced is not None:
+                self._put_back(root, replaced)
+            raise
         self.handles.append(handle)
         if replaced is not None:
-            self._remove_after(replaced, [handle])
+            self._remove_after(replaced, [handle], keep_if_failed=True)
         if self.wait_staged:
             handle.wait_staged()
         else:
@@ -172,12 +178,28 @@ class ZerostallCheckpointIO(CheckpointIO):
             os.remove(trash)
         return trash
 
-    def _remove_after(self, trash: str, pending: list[Any]) -> None:
-        """Delete ``trash`` (a directory, file or link) once the ``pending`` saves are done."""
+    def _put_back(self, root: str, replaced: str) -> None:
+        """A save that replaced a file failed before it started: the file goes back."""
+        ck = self._ckpts.pop(root, None)
+        if ck is not None:
+            self._guard.forget(ck)
+            self._close(ck)
+        if os.path.isdir(root) and not is_committed(root):
+            shutil.rmtree(root, ignore_errors=True)
+        if not os.path.lexists(root):
+            os.rename(replaced, root)
+
+    def _remove_after(self, trash: str, pending: list[Any], keep_if_failed: bool = False) -> None:
+        """Delete ``trash`` (a directory, file or link) once the ``pending`` saves are done
+        (``keep_if_failed``: not if one of them failed — it is the previous checkpoint)."""
 
         def remove() -> None:
             for h in pending:
                 h.wait()
+            if keep_if_failed and any(h.exception() is not None for h in pending):
+                log.error("zerostall: a save replacing a checkpoint file failed; the old file is kept at %s",
+                          trash)
+                return
             if os.path.isdir(trash) and not os.path.islink(trash):
                 shutil.rmtree(trash, ignore_errors=True)
             elif os.path.lexists(trash):

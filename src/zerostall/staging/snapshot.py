@@ -157,7 +157,7 @@ class Snapshotter(Worker[SaveJob]):
         t0 = time.perf_counter()
         try:
             if job.incr is not None:  # may shrink job.plan to what must be written
-                job.incr.tracker.decide(job, self._cuda_stream)
+                job.incr.tracker.decide(job, lambda dev, fn: self._cuda().run(dev, fn, job.cuda_event))
             job.layout_ready.set()
             self._stage(job)
         except BaseException as exc:  # noqa: BLE001 - reported on the handle
@@ -176,10 +176,6 @@ class Snapshotter(Worker[SaveJob]):
             self.arena.register_cuda()
             self._streams = DeviceStreams()
         return self._streams
-
-    def _cuda_stream(self) -> Any:
-        """The side stream of the current device (for the incremental tracker's reads)."""
-        return self._cuda().stream(int(torch.cuda.current_device()))
 
     def _stage_strided(self, job: SaveJob, tensor: torch.Tensor, offset: int, spans: Callable[..., Any]) -> None:
         """Copy a non-contiguous CPU tensor slice by slice through one small bounce buffer

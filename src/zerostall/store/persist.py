@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable
 
 from .._util import Worker
+from ..errors import CheckpointExistsError
 from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..format.shard import CrcCursor
 from ..io.base import Engine, ShardFile
@@ -29,7 +30,7 @@ from ..staging.incremental import RefTracker, manifest_parts
 from ..staging.job import SaveJob
 from ..staging.ring import BlockRing
 from .local import LocalTier
-from .retention import newest_commits
+from .retention import dependents, newest_commits
 
 log = logging.getLogger("zerostall")
 
@@ -108,6 +109,18 @@ class Persister(Worker[SaveJob]):
         super().__init__("zerostall-persist")
 
     # -- persist thread -------------------------------------------------------------------
+    def _check_not_referenced(self, job: SaveJob) -> None:
+        """An overwrite commits only if no step borrows the old bytes (persist thread, just
+        before the commit: ``save()`` checked too, but an incremental save queued before it
+        may have referenced the step since)."""
+        if not os.path.isdir(self.tier.step_dir(job.step)):
+            return
+        users = dependents(self.tier.steps(), job.step, self.tier.read_manifest)
+        if users or job.step in self.refs.pinned_steps():
+            raise CheckpointExistsError(
+                f"step {job.step} in {self.tier.root!r} cannot be overwritten: steps {users or 'being saved'} "
+                "reference its bytes (incremental saves); nothing committed, pick another step")
+
     def _retain(self, job: SaveJob) -> None:
         """Retention after ``job`` committed; a failure is recorded on the job, never raised."""
         self._recent.append(job.step)
@@ -178,6 +191,8 @@ class Persister(Worker[SaveJob]):
             job.persist_s = t1 - t0
             if self.refs is not None:
                 self.refs.before_commit(job, self.tier.root)
+                if job.overwrite:
+                    self._check_not_referenced(job)
             post = self.committer.commit(job)  # the commit point: from here on the step exists
             if self.refs is not None and job.incr is not None:  # before retention: the new base
                 self.refs.committed(job, file_entry(job), tensor_entries(job))

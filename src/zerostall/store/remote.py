@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 from abc import abstractmethod
 from typing import Any, Callable
@@ -35,19 +34,19 @@ import crc32c as _crc
 from ..errors import (CheckpointExistsError, CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError,
                       ZerostallError)
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
+from ..format.validate import parse_step_dir
 from .tier import Tier
 from .tier import open_tier, register_tier  # noqa: F401 - the registry lives in .tier; kept importable here
 
 log = logging.getLogger("zerostall")
-_STEP_RE = re.compile(r"^step-(\d{1,19})$")
 LIST_TIMEOUT_S = 10.0
 """How long a reader waits for a remote listing before going on without it."""
 _READ_CHUNK = 8 << 20
 
 
 def step_of(rel: str) -> int | None:
-    m = _STEP_RE.match(rel.split("/", 1)[0])
-    return int(m.group(1)) if m else None
+    """The step of a key under ``step-<N>/`` (canonical spellings only, as on every tier)."""
+    return parse_step_dir(rel.split("/", 1)[0])
 
 
 class RemoteTier(Tier):
@@ -238,10 +237,11 @@ class RemoteTier(Tier):
         if (got_size, got_crc) != (size, crc):
             try:
                 self._delete(rel)
-            finally:
-                raise RemoteError(f"{self.where(rel)}: the tier stores {got_size} bytes with crc32c {got_crc:08x}, "
-                                  f"sent {size} bytes with crc32c {crc:08x}; the object was removed and will "
-                                  "be uploaded again", url=self.where(rel), step=step_of(rel))
+            except ZerostallError as exc:
+                log.warning("zerostall: cannot remove %s: %s", self.where(rel), exc)
+            raise RemoteError(f"{self.where(rel)}: the tier stores {got_size} bytes with crc32c {got_crc:08x}, "
+                              f"sent {size} bytes with crc32c {crc:08x}; the object was removed and will "
+                              "be uploaded again", url=self.where(rel), step=step_of(rel))
 
     def read_manifest_bytes(self, step: int) -> bytes:
         data = self.read_bytes(f"step-{step}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)

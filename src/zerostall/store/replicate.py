@@ -40,7 +40,7 @@ import threading
 import time
 from typing import Callable
 
-from ..errors import CorruptCheckpoint, RemoteError, ZerostallError
+from ..errors import CheckpointNotFound, CorruptCheckpoint, RemoteError, ZerostallError
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..staging.job import SaveJob
 from .local import LocalTier
@@ -80,6 +80,7 @@ class Replicator:
         self._lock = threading.Lock()
         self._jobs: dict[int, SaveJob] = {}
         self._recheck: set[int] = set()  # overwritten steps: the remote copy may be the old one
+        self._matched: dict[int, str] = {}  # step -> checkpoint id both tiers hold (replicator thread)
         self._pending: list[int] = []
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -232,17 +233,32 @@ class Replicator:
         return progressed
 
     def _drop_stale(self, remote: RemoteTier, remote_steps: set[int], local: list[int]) -> None:
-        """A step overwritten locally is replicated again: the remote's copy is the old one."""
+        """A local step the remote lists under another checkpoint id is not replicated: the
+        remote holds an older copy (the step was overwritten locally, or saved again after a
+        restart from an earlier step, or by an earlier run using this remote). Rank 0 removes
+        that copy; the step then counts as missing and is uploaded. Each step is compared once
+        per local copy (one manifest read on each tier), so a stale remote copy can never mark
+        a new save replicated, nor let local retention delete the only copy of its bytes."""
         with self._lock:
             recheck, self._recheck = self._recheck, set()
-        for s in sorted(recheck):
-            if s not in remote_steps or s not in local:
+        for s in recheck:
+            self._matched.pop(s, None)
+        for s in sorted(remote_steps & set(local)):
+            try:
+                mine = self.tier.read_manifest(s).checkpoint_id
+            except CheckpointNotFound:
+                continue  # deleted meanwhile (retention)
+            if self._matched.get(s) == mine:
                 continue
-            theirs = remote.read_manifest(s)
-            if theirs.checkpoint_id != self.tier.read_manifest(s).checkpoint_id:
-                if self.rank == 0:
-                    remote.delete(s)
-                remote_steps.discard(s)
+            theirs = remote.read_manifest(s).checkpoint_id
+            if theirs == mine:
+                self._matched[s] = mine
+                continue
+            log.warning("zerostall: %s holds another checkpoint as step %d (id %s, local id %s); replacing it "
+                        "with the local step", remote.url, s, theirs, mine)
+            if self.rank == 0:
+                remote.delete(s)
+            remote_steps.discard(s)
 
     def _settle(self, remote_steps: set[int]) -> None:
         """Handles of steps the remote lists are replicated (manifest there, on every rank)."""

@@ -33,11 +33,14 @@ with ``keep_last=K`` holds at most ``K`` between saves (``tests/fault/test_crash
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from ..errors import ConfigError, ZerostallError
+from ..errors import CheckpointNotFound, ConfigError, ZerostallError
 from ..format.refs import closure, referenced_steps
+
+log = logging.getLogger("zerostall")
 
 
 def doomed(steps: Iterable[int], keep_last: int | None, protect: Iterable[int] = ()) -> list[int]:
@@ -107,19 +110,31 @@ def spare_referenced(steps: list[int], doomed: list[int], read_manifest: Callabl
     deletions then never leaves a step whose referenced step is gone.
 
     ``read_manifest(step)`` reads a manifest from the tier being cleaned (the local tier or a
-    remote one); one that cannot be read references nothing (that step cannot be loaded).
+    remote one). A step that is gone (CheckpointNotFound) references nothing. A staying step
+    whose manifest cannot be read now (a remote answering 503, an I/O error, a manifest damaged
+    since the listing validated it) may reference any doomed step, so nothing is deleted this
+    time (logged): retention may keep too much, never delete a step that a kept one needs.
     """
     doomed = sorted((s for s in doomed if s not in protect), reverse=True)
     if not doomed:
         return doomed
+    unknown: list[tuple[int, BaseException]] = []
 
     def refs_of(s: int) -> set[int]:
         try:
             return referenced_steps(read_manifest(s))
-        except (ZerostallError, OSError, ValueError):
+        except CheckpointNotFound:
+            return set()
+        except (ZerostallError, OSError, ValueError) as exc:
+            unknown.append((s, exc))
             return set()
 
     needed = closure(set(steps) - set(doomed), refs_of)
+    if unknown:
+        s, exc = unknown[0]
+        log.warning("zerostall: retention deletes nothing this time: cannot read the manifest of kept "
+                    "step %d to see which steps it references (%s)", s, exc)
+        return []
     return [s for s in doomed if s not in needed]
 
 

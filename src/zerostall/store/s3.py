@@ -224,8 +224,12 @@ class S3Tier(RemoteTier):
                 if self._cancel.wait(0.1):
                     fut.cancel()
                     cancelled = True
-                    break
-            self._call("uploading", rel, fut.result)
+                    raise RemoteError(f"upload of {self.where(rel)} abandoned (close_timeout_s passed)",
+                                      url=self.where(rel), step=step_of(rel))
+            try:
+                fut.result()
+            except Exception as exc:  # noqa: BLE001 - botocore's, s3transfer's or the OS's
+                self._fail("uploading", rel, exc)
         finally:
             tm.shutdown(cancel=cancelled)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno as _errno
 import os
-import re
 import shutil
 from typing import Any, Callable
 from urllib.parse import urlparse
@@ -21,9 +20,9 @@ import crc32c as _crc
 from ..config import ALIGN_BYTES, IOConfig
 from ..errors import CheckpointNotFound, RemoteError, ZerostallError
 from ..format.manifest import MANIFEST_NAME
+from ..format.validate import parse_step_dir
 from .remote import RemoteTier, ShardIO, drop_cache, file_crc32c, step_of
 
-_STEP_RE = re.compile(r"^step-(\d{1,19})$")
 
 
 class FileTier(RemoteTier):
@@ -158,14 +157,14 @@ class FileTier(RemoteTier):
             raise self._err("listing", "", exc) from exc
         out: dict[int, tuple[Any, ...]] = {}
         for n in names:
-            if m := _STEP_RE.match(n):
+            if (step := parse_step_dir(n, self.root)) is not None:
                 try:
                     st = os.stat(os.path.join(self.root, n, MANIFEST_NAME))
                 except FileNotFoundError:
                     continue
                 except OSError as exc:
                     raise self._err("stat of", f"{n}/{MANIFEST_NAME}", exc) from exc
-                out[int(m.group(1))] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                out[step] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         return out
 
     def _open_read(self, rel: str, size: int, engine: Any) -> Any:

@@ -1,0 +1,32 @@
+"""A step the remote already holds under another checkpoint is uploaded again, never taken
+for replicated.
+
+A run that restarts from an earlier step (say the remote's step 2 failed to load, so training
+resumed from step 1 and saves step 2 again), or a new local root on a remote an earlier run
+used, saves a step number the remote lists with other bytes. Counting that step as
+replicated would mark the save's handle replicated, and local retention would then delete
+the only copy of the new bytes.
+"""
+
+import os
+
+import pytest
+import torch
+
+import zerostall
+
+
+@pytest.mark.timeout(180)
+def test_step_saved_again_replaces_the_remote_copy(tmp_path):
+    url = f"file://{tmp_path / 'remote'}"
+    with zerostall.Checkpointer(str(tmp_path / "run1"), remote=url) as ck:
+        ck.save(1, {"a": torch.full((100,), 1.0)})
+        ck.save(2, {"a": torch.full((100,), 2.0)})  # the old run's step 2
+    with zerostall.Checkpointer(str(tmp_path / "run2"), remote=url, keep_last=1) as ck:
+        ck.save(2, {"a": torch.full((100,), 20.0)})  # the new run's step 2
+        h = ck.save(3, {"a": torch.full((100,), 30.0)})
+        h.wait(tier="remote", timeout=120)
+    # keep_last=1 removed run2's local step 2: the remote must hold the new bytes
+    assert not os.path.exists(tmp_path / "run2" / "step-2")
+    got = zerostall.load(str(tmp_path / "fresh"), remote=url, step=2)
+    assert torch.equal(got["a"], torch.full((100,), 20.0))
