@@ -5,6 +5,14 @@ from tests.helpers import skip_unless_engine
 
 
 
+@pytest.fixture(autouse=True)
+def _release_staging_pool():
+    """A test leaves no staging pool lingering behind it (RSS and address-space checks of the next)."""
+    yield
+    from zerostall.staging import pool
+    pool.release_now()
+
+
 @pytest.fixture
 def ckdir(tmp_path):
     """A checkpoint directory on the real disk (tmp_path is on the machine's ext4)."""

@@ -237,6 +237,37 @@ def test_a_lower_step_never_references_a_higher_one(ckdir, mode):
         assert equal(zerostall.load(ckdir, step=step), state)
 
 
+def test_an_overwrite_queued_behind_a_save_that_references_the_step_is_refused(ckdir, monkeypatch):
+    """save(1) is queued but not yet decided (so nothing pins step 0) when save(0, overwrite)
+    passes its save()-time check; step 1 then references step 0. The overwrite must fail at
+    its commit, or it commits and breaks step 1 (which had been reported durable)."""
+    import threading
+
+    from zerostall.staging.incremental import RefTracker
+    go = threading.Event()
+    decide = RefTracker.decide
+
+    def held(self, job, cuda_run):
+        if job.step == 1:
+            assert go.wait(60)
+        return decide(self, job, cuda_run)
+
+    monkeypatch.setattr(RefTracker, "decide", held)
+    frozen = torch.randn(1 << 14)
+    with zerostall.Checkpointer(ckdir, incremental=True, allow_lower_steps=True) as ck:
+        ck.save(0, {"f": frozen, "x": torch.zeros(3)}).result()
+        h1 = ck.save(1, {"f": frozen, "x": torch.ones(3)})
+        h0 = ck.save(0, {"f": frozen + 1, "x": torch.zeros(3)}, overwrite=True)
+        go.set()
+        assert h1.exception(60) is None
+        assert isinstance(h0.exception(60), CheckpointExistsError)
+        with pytest.raises(zerostall.errors.SaveFailed):
+            h0.result()
+    got = zerostall.load(ckdir, step=1, fallback=False)
+    assert torch.equal(got["f"], frozen) and torch.equal(got["x"], torch.ones(3))
+    assert torch.equal(zerostall.load(ckdir, step=0, fallback=False)["f"], frozen)
+
+
 def test_restart_references_the_previous_run(ckdir):
     frozen = torch.randn(1 << 14)
     with zerostall.Checkpointer(ckdir, incremental=True) as ck:

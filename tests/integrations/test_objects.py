@@ -142,6 +142,9 @@ def test_decoding_never_imports_or_calls(tmp_path):
     ({"o": ["torch.dtype", {"v": "nn"}]}, "torch dtype"),
     ({"o": ["datetime.timedelta", {"v": 1}]}, "timedelta"),
     ({"o": ["torch.device", {"v": "bogus:0"}]}, "torch.device"),
+    ({"o": ["complex", {"d": [[{"v": "x"}, {"v": 1}]]}]}, "complex"),
+    ({"o": ["datetime.timedelta", {"d": [[{"v": "x"}, {"v": 1}]]}]}, "timedelta"),
+    ({"o": ["complex", {"T": 0}]}, "complex"),
     ({"o": ["torch.device", {"v": "cuda:-5"}]}, "torch.device"),
     ({"o": ["omegaconf.DictConfig", {"v": "a: ["}]}, "DictConfig"),
     ({"o": ["omegaconf.DictConfig", {"v": "a: !!python/object/apply:os.system [x]"}]}, "DictConfig"),
@@ -150,7 +153,7 @@ def test_decoding_never_imports_or_calls(tmp_path):
 ])
 def test_malformed_object_nodes_are_corrupt(node, match):
     with pytest.raises(CorruptCheckpoint, match=match):
-        decode_tree(node, [])
+        decode_tree(node, [torch.zeros(2)])
 
 
 def test_dtype_names_import_nothing():

@@ -144,6 +144,16 @@ def _str(x: Any) -> str:
     return x
 
 
+def _items(p: Any, n: int) -> list[Any]:
+    if not isinstance(p, list) or len(p) != n:
+        raise ValueError(f"expected a list of {n} numbers")
+    return p
+
+
+def _timedelta(days: Any, seconds: Any, us: Any) -> _dt.timedelta:
+    return _dt.timedelta(days=int(days), seconds=int(seconds), microseconds=int(us))
+
+
 def _dtype(name: Any) -> torch.dtype:
     # only names already bound in the torch namespace: getattr(torch, "_inductor") would import
     d = vars(torch).get(_str(name))
@@ -190,11 +200,11 @@ _STANDARD: dict[str, Callable[[Any], Any]] = {
     "frozenset": lambda items: frozenset(items),
     "bytes": _unb64,
     "bytearray": lambda s: bytearray(_unb64(s)),
-    "complex": lambda p: complex(float(p[0]), float(p[1])),
+    "complex": lambda p: complex(*(float(x) for x in _items(p, 2))),
     "datetime.datetime": lambda s: _dt.datetime.fromisoformat(_str(s)),
     "datetime.date": lambda s: _dt.date.fromisoformat(_str(s)),
     "datetime.time": lambda s: _dt.time.fromisoformat(_str(s)),
-    "datetime.timedelta": lambda p: _dt.timedelta(days=int(p[0]), seconds=int(p[1]), microseconds=int(p[2])),
+    "datetime.timedelta": lambda p: _timedelta(*_items(p, 3)),
     "datetime.timezone": lambda p: _dt.timezone(_dt.timedelta(seconds=float(p))),
     "uuid.UUID": lambda s: uuid.UUID(_str(s)),
     "torch.dtype": _dtype,
@@ -308,7 +318,7 @@ def decode_object(val: Any, dec: Dec, *, build: bool = True) -> Any:
     if std is not None:
         try:
             out = std(payload)
-        except (TypeError, ValueError, IndexError, OverflowError) as exc:
+        except (TypeError, ValueError, LookupError, OverflowError) as exc:
             raise ValueError(f"{name} payload {payload!r:.80}: {exc}") from None
         return TaggedData(name, payload) if out is None else out
     reg = _by_name.get(name)

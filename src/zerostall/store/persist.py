@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable
 
 from .._util import Worker
+from ..errors import CheckpointExistsError
 from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..format.shard import CrcCursor
 from ..io.base import Engine, ShardFile
@@ -29,7 +30,7 @@ from ..staging.incremental import RefTracker, manifest_parts
 from ..staging.job import SaveJob
 from ..staging.ring import BlockRing
 from .local import LocalTier
-from .retention import newest_commits
+from .retention import dependents, newest_commits
 
 log = logging.getLogger("zerostall")
 
@@ -105,10 +106,21 @@ class Persister(Worker[SaveJob]):
         """This writer's newest committed steps, oldest first, seeded with the root's last commits
         (``recent``, from :func:`retain_at_start`): retention never deletes them (see store/retention.py)."""
         self.on_done = on_done
-        self.batch_blocks = max(1, min(ring.nblocks // 2, 64))
         super().__init__("zerostall-persist")
 
     # -- persist thread -------------------------------------------------------------------
+    def _check_not_referenced(self, job: SaveJob) -> None:
+        """An overwrite commits only if no step borrows the old bytes (persist thread, just
+        before the commit: ``save()`` checked too, but an incremental save queued before it
+        may have referenced the step since)."""
+        if not os.path.isdir(self.tier.step_dir(job.step)):
+            return
+        users = dependents(self.tier.steps(), job.step, self.tier.read_manifest)
+        if users or job.step in self.refs.pinned_steps():
+            raise CheckpointExistsError(
+                f"step {job.step} in {self.tier.root!r} cannot be overwritten: steps {users or 'being saved'} "
+                "reference its bytes (incremental saves); nothing committed, pick another step")
+
     def _retain(self, job: SaveJob) -> None:
         """Retention after ``job`` committed; a failure is recorded on the job, never raised."""
         self._recent.append(job.step)
@@ -122,22 +134,28 @@ class Persister(Worker[SaveJob]):
             log.warning("zerostall: %s", msg)
             job.post_commit_errors.append(msg)
 
+    @property
+    def batch_blocks(self) -> int:
+        return max(1, min(self.ring.nblocks // 2, 64))  # the shared ring may grow
+
     def _extents(self, job: SaveJob, g: int, hi: int) -> list[tuple[int, memoryview]]:
         B, n = self.ring.block_bytes, self.ring.nblocks
+        mv = (job.arena or self.arena).mv  # the pool may have swapped arenas since this Persister began
         out = []
         while g < hi:
             run_end = min(hi, (g // n + 1) * n)  # split where the ring wraps
             foff = (g - job.g0) * B
             length = min((run_end - g) * B, job.plan.file_bytes - foff)
             aoff = self.ring.slot_offset(g)
-            out.append((foff, self.arena.mv[aoff:aoff + length]))
+            out.append((foff, mv[aoff:aoff + length]))
             g = run_end
         return out
 
     def _drain(self, job: SaveJob, g: int) -> None:
         while g < job.g_end:
-            g = min(self.ring.wait_staged(g), job.g_end)
-            self.ring.release(g)
+            hi = min(self.ring.wait_staged(g), job.g_end)
+            self.ring.release(g, hi)  # ranges: persisters of several Checkpointers share the ring
+            g = hi
 
     def handle(self, job: SaveJob) -> None:
         job.engine = self.engine.name
@@ -158,12 +176,12 @@ class Persister(Worker[SaveJob]):
                     raise job.error
                 extents = self._extents(job, g, hi)
                 f.write(extents, overlap=lambda: crc.feed(extents))
-                self.ring.release(hi)
+                self.ring.release(g, hi)
                 g = hi
             job.staged.wait()
             if job.error is not None:
                 raise job.error
-            self.ring.release(job.g_end)  # blocks reserved for tensors an incremental save referenced
+            self.ring.release(g, job.g_end)  # blocks reserved for tensors an incremental save referenced
             g = job.g_end
             job.crcs = crc.crcs
             f.finish()
@@ -173,6 +191,8 @@ class Persister(Worker[SaveJob]):
             job.persist_s = t1 - t0
             if self.refs is not None:
                 self.refs.before_commit(job, self.tier.root)
+                if job.overwrite:
+                    self._check_not_referenced(job)
             post = self.committer.commit(job)  # the commit point: from here on the step exists
             if self.refs is not None and job.incr is not None:  # before retention: the new base
                 self.refs.committed(job, file_entry(job), tensor_entries(job))
