@@ -5,6 +5,16 @@ from tests.helpers import skip_unless_engine
 
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Tests that pin torch to one thread (the HF/Lightning runs) give the rest of the suite its
+    thread count back."""
+    n = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
 @pytest.fixture
 def ckdir(tmp_path):
     """A checkpoint directory on the real disk (tmp_path is on the machine's ext4)."""
