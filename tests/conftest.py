@@ -15,6 +15,14 @@ def _torch_threads_restored():
         torch.set_num_threads(n)
 
 
+@pytest.fixture(autouse=True)
+def _release_staging_pool():
+    """A test leaves no staging pool lingering behind it (RSS and address-space checks of the next)."""
+    yield
+    from zerostall.staging import pool
+    pool.release_now()
+
+
 @pytest.fixture
 def ckdir(tmp_path):
     """A checkpoint directory on the real disk (tmp_path is on the machine's ext4)."""
