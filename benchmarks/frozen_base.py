@@ -36,6 +36,9 @@ from torch import nn
 import zerostall
 from zerostall.bench.model import GPTConfig, TinyGPT
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers import clone, equal  # noqa: E402  (the tests' deep clone / bit-exact compare)
+
 
 class Adapted(nn.Module):
     """The GPT with a low-rank adapter after each block (the trainable part)."""
@@ -68,26 +71,6 @@ def nbytes(x) -> int:
     if isinstance(x, (list, tuple)):
         return sum(nbytes(v) for v in x)
     return 0
-
-
-def clone(x):
-    if isinstance(x, torch.Tensor):
-        return x.detach().clone()
-    if isinstance(x, dict):
-        return {k: clone(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(clone(v) for v in x)
-    return x
-
-
-def equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def dir_bytes(d: str) -> int:

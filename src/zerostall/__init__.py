@@ -43,8 +43,13 @@ __all__ = [
 
 def save(path: str | os.PathLike[str], state_dict: Any, step: int, *,
          config: CheckpointConfig | None = None, **overrides: Any) -> SaveRecord:
-    """Save ``state_dict`` as ``step`` under ``path`` and wait until it is durable."""
+    """Save ``state_dict`` as ``step`` under ``path`` and wait until it is durable.
+
+    Streams through a small ring (at most 256 MiB) of the process's staging pool, which
+    stays mapped for a few seconds after the call, so a loop of one-shot saves allocates once.
+    """
     with Checkpointer(path, config, **overrides) as ckpt:
+        ckpt._oneshot = True
         return ckpt.save(step, state_dict).result()
 
 

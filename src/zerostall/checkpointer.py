@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import logging
 import os
 import threading
@@ -40,7 +41,8 @@ from .staging.incremental import RefTracker, mode_of
 from .staging.job import SaveJob
 from .staging.plan import build_plan, check_metadata, check_step
 from .staging.ring import BlockRing
-from .staging.snapshot import Snapshotter, record_save_events
+from .staging import pool as _pool
+from .staging.snapshot import record_save_events
 from .stateful import load_into, unwrap_optimizer
 from .store.local import LocalTier
 from .store.persist import Persister, retain_at_start
@@ -138,9 +140,8 @@ class Checkpointer:
                                                    self._refs.protected() if self._refs is not None else set())
         self.unreplicated: list[int] = []
         """After ``close()``: the steps not replicated before ``close_timeout_s`` (see README)."""
-        self.arena: Arena | None = None
-        self.ring: BlockRing | None = None
-        self._snap: Snapshotter | None = None
+        self._lease: _pool.Lease | None = None
+        self._oneshot = False  # set by zerostall.save(): stream through a small ring
         self._persist: Persister | None = None
         self._save_lock = threading.Lock()  # serialises save()/load() callers; never on a lifecycle path
         self._save_owner: int | None = None
@@ -152,35 +153,56 @@ class Checkpointer:
         self._samplers: dict[int, Sampler] = {}
         self.records: collections.deque[Any] = collections.deque(maxlen=1000)
         """The newest SaveRecords (bounded; the sinks in telemetry/ keep the full history)."""
+        self._join_pool(0)  # no memory yet: the first save (or prepare) says how much it wants
         ref = weakref.ref(self)
         self._atexit = lambda: (c := ref()) is not None and c.close(_from_atexit=True)
         atexit.register(self._atexit)
 
-    # -- the pipeline, built on the first save ------------------------------------------
+    # -- the pipeline: this Checkpointer's persist thread over the process's staging pool --
+    @property
+    def arena(self) -> Arena | None:
+        """The process's staging arena (shared through :mod:`.staging.pool`)."""
+        return self._lease.arena if self._lease is not None else None
+
+    @property
+    def ring(self) -> BlockRing | None:
+        return self._lease.ring if self._lease is not None else None
+
     def _ensure_pipeline(self, file_bytes: int) -> None:
-        if self.arena is not None:
+        """Ask the staging pool for what this state wants; never waits for memory.
+
+        The pool faults the arena in the background; the snapshot thread streams through
+        whatever part is ready. A larger state than before grows the pool the same way.
+        """
+        st = self.config.staging
+        B = st.block_bytes
+        blocks = -(-file_bytes // B) * B
+        want = min(blocks, _pool.ONESHOT_RING_BYTES) if self._oneshot else blocks * st.slots
+        if self._lease is not None:
+            self._lease.want(want)
             return
+        self._join_pool(want)
+
+    def _join_pool(self, want: int) -> None:
+        """Lease the process's staging pool and start this Checkpointer's persist thread."""
         st = self.config.staging
         budget = budget_bytes(st.budget_bytes, st.budget_fraction)
-        B = st.block_bytes
-        want = -(-file_bytes // B) * B * st.slots
-        size = max(2 * B, min(budget // B * B, want))
-        if size < want:
-            log.info("zerostall: state (%d MiB) x %d slots exceeds the staging budget (%d MiB): "
-                     "snapshots stream through a %d MiB ring", file_bytes >> 20, st.slots,
-                     budget >> 20, size >> 20)
-        self.arena = Arena(size, mlock=st.mlock, hugepages=st.hugepages)
-        self.ring = BlockRing(self.arena.nbytes, B)
-        self._persist = Persister(self.tier, self.engine, self.arena, self.ring,
+        self._lease = _pool.lease(want, budget, st.block_bytes, mlock=st.mlock, hugepages=st.hugepages)
+        self._persist = Persister(self.tier, self.engine, self._lease.arena, self._lease.ring,
                                   keep_last=(self.config.keep_last if (self.rank == 0 or self.node_local)
                                              and self._replicator is None else None),
                                   on_done=self._on_done, committer=self._committer, refs=self._refs,
                                   recent=self._recent_commits)
-        self._snap = Snapshotter(self.arena, self.ring)
 
-    def prepare(self, state_dict: Any) -> None:
-        """Allocate and pre-fault the arena for ``state_dict`` now, not in the first save."""
+    def prepare(self, state_dict: Any, *, wait: bool = False) -> None:
+        """Start allocating and faulting staging memory for ``state_dict``; returns at once.
+
+        The faulting runs in a background thread without the GIL. ``wait=True`` blocks until
+        the memory is faulted (for benchmarks of the steady state).
+        """
         self._ensure_pipeline(self._plan(state_dict).file_bytes)
+        if wait and self._lease is not None:
+            self._lease.arena.wait_ready(self._lease.pool.target)
 
     def _plan(self, state_dict: Any) -> Any:
         return build_plan(state_dict, rank=self.rank, world_size=self.world_size,
@@ -217,7 +239,6 @@ class Checkpointer:
         if any(j.step == step for j in tuple(self._inflight)):  # not reported: its round is running
             raise CheckpointExistsError(f"step {step} is already being saved")
         job: SaveJob | None = None
-        r0 = self.ring.reserved if self.ring is not None else 0
         try:
             self._raise_pending()
             metadata = check_metadata(metadata)
@@ -226,11 +247,10 @@ class Checkpointer:
                 self._check_not_referenced(step)
             plan = self._plan(state_dict)
             self._ensure_pipeline(plan.file_bytes)
-            assert self.ring is not None and self._snap is not None and self._persist is not None
+            assert self.ring is not None and self._lease is not None and self._persist is not None
             job = SaveJob(step=step, plan=plan, rank=self.rank, world_size=self.world_size,
                           overwrite=ow, user_metadata=dict(metadata or {}))  # checked by save()
             job.engine = self.engine.name
-            job.arena_bytes = self.arena.nbytes if self.arena else 0
             nblocks = self.ring.blocks_for(plan.file_bytes)
             if self.config.backpressure == "skip" and not self.ring.fits_now(nblocks):
                 return self._skip(job, t0)
@@ -242,15 +262,12 @@ class Checkpointer:
             job.nblocks = nblocks
             self._samplers[id(job)] = Sampler(self.config.telemetry_interval_s)
             self._inflight.append(job)
-            job.g0 = self.ring.reserve(nblocks)
             job.t_submit = t0
-            self._hand_over(job)
+            self._lease.submit(job, self._hand_over)  # reserves job.g0.. in the shared ring, then hands over
         except BaseException as exc:
-            # ``reserved`` moves only here (saves are serialised), so a change means this job
-            # holds blocks, even if the exception came before ``job.g0`` was assigned.
-            reserved = self.ring is not None and self.ring.reserved != r0
-            if job is not None and reserved and not (job.to_persist or job.to_snap):
-                job.g0, job.nblocks = r0, self.ring.reserved - r0
+            # the pool reserves and hands over under one lock; a job it reserved blocks for but
+            # could not hand over is drained by the pool itself (the shared ring moves on)
+            reserved = job is not None and job.reserved
             if job is not None and (job.to_persist or job.to_snap or reserved and not self._closed):
                 # The workers finish it as failed: its reserved blocks drain (the ring moves on) and
                 # the persist thread reports it; raised here, so not again as a background error.
@@ -268,7 +285,7 @@ class Checkpointer:
 
     def _hand_over(self, job: SaveJob) -> None:
         """Queue ``job`` on both workers, each once (also called by close() for a save it interrupted)."""
-        assert self._persist is not None and self._snap is not None
+        assert self._persist is not None and self._lease is not None
         if self._closed and not (job.to_persist or job.to_snap):  # close() ran in a handler inside save()
             raise ZerostallError(f"the Checkpointer was closed while step {job.step} was being saved")
         if not job.to_persist:
@@ -276,7 +293,7 @@ class Checkpointer:
             self._persist.submit(job)
         if not job.to_snap:
             job.to_snap = True
-            self._snap.submit(job)
+            self._lease.pool.snap.submit(job)
         job.submitted = True
 
     def _discard(self, job: SaveJob) -> None:
@@ -386,12 +403,12 @@ class Checkpointer:
         """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load`
         (``keys``, ``strict`` and ``report`` as there).
 
-        Reads through this checkpointer's (pre-faulted) arena when no save is in flight;
+        Reads through the process's staging pool when no save uses it;
         saves started meanwhile from other threads wait until the load is done.
         """
         self.wait()
-        with self._save_lock:
-            bounce = self.arena if self.arena is not None and not self._inflight else None
+        borrow = self._lease.pool.borrow_idle() if self._lease is not None else contextlib.nullcontext()
+        with self._save_lock, borrow as bounce:
             return load_into(state_dict, lambda sd: _load(
                 self.tier.root, sd, step, map_location, verify=self.config.verify_on_load,
                 fallback=self.config.fallback, engine=self.engine, bounce=bounce, rank=self.rank,
@@ -449,9 +466,8 @@ class Checkpointer:
             atexit.unregister(self._atexit)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
-        for worker in (self._snap, self._persist):
-            if worker is not None:
-                ok = worker.stop(left()) and ok
+        if self._persist is not None:  # the snapshot thread is the pool's
+            ok = self._persist.stop(left()) and ok
         if self._replicator is not None:  # bounded: the rest is uploaded by the next run
             budget = self.config.close_timeout_s
             if deadline is not None:
@@ -461,8 +477,8 @@ class Checkpointer:
             if self._refs is not None:
                 self._refs.close()
             self.engine.close()
-            if self.arena is not None:
-                self.arena.close()
+            if self._lease is not None:
+                self._lease.release()  # the pool lingers a moment for the next user, then unmaps
             self.tier.release()
         else:
             log.warning("zerostall: close() gave up after %s s with work in flight; it goes on in daemon "

@@ -64,18 +64,21 @@ class IOConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class StagingConfig:
-    """The staging arena (``staging/``): one page-aligned region, allocated once, reused.
+    """The staging pool (``staging/``): one page-aligned region per process, shared, reused.
 
-    The arena is sized ``min(budget, 2 x first snapshot)`` (two slots: double buffering)
-    when the first save arrives; ``budget_bytes`` wins over ``budget_fraction`` (of host
-    RAM, shared by ``LOCAL_WORLD_SIZE`` ranks). A state larger than the arena streams
-    through it as a ring of ``block_bytes`` blocks.
+    Every Checkpointer of the process asks for ``slots x`` its largest snapshot; the pool
+    faults ``min(budget, the largest ask)`` in the background. ``budget_bytes`` wins over
+    ``budget_fraction`` (of host RAM, shared by ``LOCAL_WORLD_SIZE`` ranks). A state larger
+    than the pool streams through it as a ring of ``block_bytes`` blocks. One slot by
+    default: measured (``benchmarks/slots.py``), a second slot doubled the memory and the
+    faulting and did not make back-to-back saves stage sooner on a disk faster than memory
+    faulting; pass ``slots=2`` when saves come faster than the disk persists one.
     """
 
     budget_bytes: int | None = None
     budget_fraction: float = 0.4
     block_bytes: int = 8 * MiB
-    slots: int = 2
+    slots: int = 1
     mlock: bool = True
     hugepages: bool = True
 

@@ -6,12 +6,15 @@ from zerostall.cli import main as cli
 
 NUMERIC = ("stall_s", "staged_s", "durable_s", "persist_gbps", "fraction_of_line_rate", "dirty_peak_bytes",
            "writeback_peak_bytes", "psi_io_full_peak", "step_p50_ms", "step_p99_ms", "step_max_ms",
-           "steps_over_2x_median", "rss_peak_bytes", "restore_s", "restore_gbps")
+           "steps_over_2x_median", "rss_peak_bytes", "restore_s", "restore_gbps", "lost_s",
+           "inproc_lost_s", "inproc_stall_s", "inproc_durable_s", "inproc_step_max_ms")
+COLD = ("cold_stall_s", "cold_setup_s", "cold_durable_s", "cold_lost_s")
 
 
 def test_bench_small_json_contract(tmp_path):
     out = tmp_path / "bench.json"
-    rc = cli(["bench", "--size-gib", "0.0625", "--repeat", "1", "--methods", "torch.save,zerostall-threads",
+    rc = cli(["bench", "--size-gib", "0.0625", "--repeat", "1", "--methods",
+              "torch.save,zerostall-threads,zerostall.save,nvrx-async",
               "--dir", str(tmp_path / "work"), "--json", str(out), "--settle-s", "0.2"])
     assert rc == 0
     doc = json.loads(out.read_text())
@@ -19,8 +22,14 @@ def test_bench_small_json_contract(tmp_path):
     assert {"cpu", "ram_bytes", "kernel", "fs", "device"} <= set(doc["machine"])
     assert doc["line_rate"]["tool"] in ("fio", "probe") and doc["line_rate"]["write_gbps"] > 0
     assert doc["size_bytes"] > 60 << 20 and doc["throttle_write_mbps"] is None
-    assert [r["method"] for r in doc["results"]] == ["torch.save", "zerostall-threads"]
+    assert [r["method"] for r in doc["results"]] == ["torch.save", "zerostall-threads", "zerostall.save", "nvrx-async"]
+    nvrx = doc["results"].pop()
+    if nvrx.get("unavailable"):  # reported, not hidden (no CUDA or not installed)
+        assert "CUDA" in nvrx["unavailable"] and nvrx["lost_s"] is None
     for r in doc["results"]:
+        for k in COLD:
+            assert isinstance(r[k], (int, float)) and r[k] >= 0, k
+        assert r["cold_stall_s"] <= r["cold_durable_s"]
         assert r["repeats"] == 1 and r["verified"] is True
         for k in NUMERIC:
             assert isinstance(r[k], (int, float)), k
@@ -29,6 +38,9 @@ def test_bench_small_json_contract(tmp_path):
         assert r["stall_s"] <= r["staged_s"] <= r["durable_s"]
     zs = doc["results"][1]
     assert zs["stall_s"] < zs["durable_s"]  # it returned before the data was durable
+    assert zs["new_path_save_s"] <= zs["new_path_stall_s"]
+    ts = doc["results"][0]
+    assert ts["inproc_stall_s"] == ts["inproc_lost_s"]  # synchronous: no step runs during the save
 
 
 def test_bench_unknown_method_is_clear(tmp_path, capsys):

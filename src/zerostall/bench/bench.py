@@ -1,10 +1,23 @@
 """``zerostall bench``: every method, the same state, the same disk, the same run.
 
-For each method and repeat: start the trainer process (the victim), let it settle, save,
-wait until durable, stop the trainer, drop the files' pages from the cache, restore into a
-pre-allocated state (where the method can), compare bit for bit. A sampler records
-nr_dirty / nr_writeback / PSI every 100 ms meanwhile. Medians over ``--repeat`` runs, with
-min and max. The JSON document's field names are a contract (see the README).
+For each method:
+
+1. **cold** (unless ``--no-cold``): a fresh process (:mod:`.cold`) builds the state and
+   times the method's setup plus its first save, with the trainer in that process;
+2. for each repeat, **separate trainer**: start the trainer process (the victim), let it
+   settle, save, wait until durable, stop the trainer, drop the files' pages from the cache,
+   restore into a pre-allocated state (where the method can), compare bit for bit. A sampler
+   records nr_dirty / nr_writeback / PSI every 100 ms meanwhile;
+3. for each repeat, **same-process trainer** (:mod:`.inproc`): the training loop runs in this
+   process's main thread and calls the save itself, as a real training script does;
+4. for the zerostall Checkpointer methods, a save to a **new path** through a fresh
+   Checkpointer (constructor + ``save()``), with the process's staging pool already warm.
+
+The headline per method is **training time lost per checkpoint** = time blocked in save() +
+the sum over the steps taken during the save of (step time - baseline median step time),
+for both trainers (``lost_s``: the separate process, plus the blocked time; ``inproc_lost_s``).
+Medians over ``--repeat`` runs, with min and max. The JSON document's field names are a
+contract (see the README). A method that cannot run here is reported with ``unavailable``.
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ..config import IOConfig
 from ..telemetry.host import Sampler
 from .hostinfo import line_rate, machine, memcpy_gbps
 from .methods import Method, available_methods
@@ -30,7 +44,9 @@ from .model import gpt_state_for_size
 
 NUMERIC = ("stall_s", "staged_s", "durable_s", "persist_gbps", "fraction_of_line_rate", "dirty_peak_bytes",
            "writeback_peak_bytes", "psi_io_full_peak", "step_p50_ms", "step_p99_ms", "step_max_ms",
-           "steps_over_2x_median", "rss_peak_bytes", "restore_s", "restore_gbps")
+           "steps_over_2x_median", "rss_peak_bytes", "restore_s", "restore_gbps", "lost_s",
+           "inproc_lost_s", "inproc_stall_s", "inproc_durable_s", "inproc_step_max_ms")
+COLD = ("cold_stall_s", "cold_setup_s", "cold_durable_s", "cold_lost_s")
 
 
 def _map(x: Any, fn: Any) -> Any:
@@ -100,12 +116,14 @@ class Trainer:
 
 def _step_stats(steps: list[tuple[float, float]], t0: float, t1: float) -> dict[str, float]:
     base = [d for t, d in steps if t < t0] or [d for _, d in steps]
-    during = [d for t, d in steps if t0 <= t <= t1] or [0.0]
+    during_real = [d for t, d in steps if t0 <= t <= t1]
+    during = during_real or [0.0]
     med = statistics.median(base)
     during_sorted = sorted(during)
     p = lambda q: during_sorted[min(len(during_sorted) - 1, int(q * len(during_sorted)))]  # noqa: E731
     return {"step_p50_ms": p(0.5) * 1e3, "step_p99_ms": p(0.99) * 1e3, "step_max_ms": max(during) * 1e3,
-            "steps_over_2x_median": sum(1 for d in during if d > 2 * med), "baseline_p50_ms": med * 1e3}
+            "steps_over_2x_median": sum(1 for d in during if d > 2 * med), "baseline_p50_ms": med * 1e3,
+            "excess_s": sum(d - med for d in during_real)}
 
 
 def run_one(m: Method, step: int, state: Any, target: Any, size: int, line: dict[str, Any],
@@ -114,11 +132,12 @@ def run_one(m: Method, step: int, state: Any, target: Any, size: int, line: dict
     time.sleep(settle_s)
     sampler = Sampler(0.1, keep_series=True)
     t_wall = time.time()
-    stall, staged, durable = m.save(step, state)
+    stall, staged, durable = m.start(step, state).wait()
     time.sleep(0.3)
     tel = sampler.stop()
     steps = trainer.finish()
-    stats = _step_stats(steps, t_wall, t_wall + durable + 0.3)
+    stats = _step_stats(steps, t_wall, t_wall + durable)
+    stats["lost_s"] = stall + stats.pop("excess_s")
     _drop_cache(m.files(step))
     t0 = time.perf_counter()
     restored = m.restore(step, target)
@@ -135,6 +154,46 @@ def run_one(m: Method, step: int, state: Any, target: Any, size: int, line: dict
                         "dirty": [(s.t - t_wall, s.dirty_bytes) for s in sampler.series]}}
 
 
+def run_inproc(m: Method, step: int, state: Any, loop: Any, settle_s: float) -> dict[str, float]:
+    """The trainer in this process: it calls the save and keeps stepping until durable."""
+    from .inproc import measure
+    r = measure(loop, lambda: m.start(step, state), settle_s)
+    m.cleanup(step)
+    return {"inproc_lost_s": r["lost_s"], "inproc_stall_s": r["blocked_s"], "inproc_durable_s": r["durable_s"],
+            "inproc_step_max_ms": r["step_max_ms"]}
+
+
+def run_cold(name: str, size_gib: float, workdir: str, settle_s: float) -> dict[str, float] | None:
+    """The method's first save in a fresh process (see :mod:`.cold`); None if it failed."""
+    from ..staging import pool
+    pool.release_now()  # this process's staging memory is not the child's business
+    out = os.path.join(workdir, "cold.json")
+    proc = subprocess.run([sys.executable, "-m", "zerostall.bench.cold", "--method", name, "--size-gib",
+                           str(size_gib), "--dir", workdir, "--out", out, "--settle-s", str(settle_s)],
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        print(f"bench: cold run of {name} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return None
+    with open(out) as f:
+        doc = json.load(f)
+    os.unlink(out)
+    return doc
+
+
+def new_path_stall(engine: str, root: str, state: Any) -> dict[str, float]:
+    """A fresh Checkpointer on a new path saving once, the staging pool already warm."""
+    from ..checkpointer import Checkpointer
+    t0 = time.perf_counter()
+    ck = Checkpointer(root, io=IOConfig(engine=engine))
+    t1 = time.perf_counter()
+    h = ck.save(0, state)
+    t2 = time.perf_counter()
+    h.result()
+    ck.close()
+    shutil.rmtree(root, ignore_errors=True)
+    return {"new_path_stall_s": t2 - t0, "new_path_save_s": t2 - t1}
+
+
 def aggregate(name: str, runs: list[dict[str, Any]], note: str) -> dict[str, Any]:
     out: dict[str, Any] = {"method": name, "repeats": len(runs), "note": note,
                            "verified": all(r["verified"] for r in runs)}
@@ -146,6 +205,11 @@ def aggregate(name: str, runs: list[dict[str, Any]], note: str) -> dict[str, Any
     for k in ("steps_over_2x_median", "dirty_peak_bytes", "writeback_peak_bytes", "rss_peak_bytes"):
         out[k] = int(out[k])
     return out
+
+
+def unavailable_row(name: str, why: str) -> dict[str, Any]:
+    return {"method": name, "repeats": 0, "note": why, "unavailable": why, "verified": None,
+            **{k: None for k in NUMERIC + COLD}, "min": {}, "max": {}}
 
 
 def run_bench(a: argparse.Namespace, console: Any) -> dict[str, Any]:
@@ -166,28 +230,50 @@ def run_bench(a: argparse.Namespace, console: Any) -> dict[str, Any]:
     console.print("measuring the disk's line rate and warm memcpy bandwidth ...")
     line = line_rate(workdir, min(size, 2 << 30)) if not a.no_line_rate else {"write_gbps": 0.0, "read_gbps": 0.0, "tool": "skipped"}
     mem = memcpy_gbps()
-    doc: dict[str, Any] = {"machine": machine(workdir), "size_bytes": size, "throttle_write_mbps": a.throttle_write_mbps,
+    torch.set_num_threads(1)  # the in-process trainer's matmul: one thread, like the trainer process
+    doc: dict[str, Any] = {"machine": machine(workdir), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "size_bytes": size, "throttle_write_mbps": a.throttle_write_mbps,
                            "device": a.device, "line_rate": line, "memcpy_gbps": mem, "results": []}
     series: dict[str, Any] = {}
     try:
         from .throttle import throttle_writes
         ctx = throttle_writes(workdir, a.throttle_write_mbps) if a.throttle_write_mbps else contextlib.nullcontext()
+        loop = None
         with ctx as thr:
             for name in chosen:
                 m = methods[name]
+                if m.unavailable:
+                    console.print(f"  {name}: {m.unavailable}")
+                    doc["results"].append(unavailable_row(name, m.unavailable))
+                    continue
+                cold = None
+                if not a.no_cold:
+                    console.print(f"  {name}: cold (fresh process, first save)")
+                    cold = run_cold(name, a.size_gib, workdir, a.settle_s)
                 m.setup(os.path.join(workdir, name.replace(".", "_")), state)
                 try:
                     runs = []
                     for r in range(a.repeat):
-                        console.print(f"  {name}: run {r + 1}/{a.repeat}")
+                        console.print(f"  {name}: run {r + 1}/{a.repeat} (separate trainer)")
                         runs.append(run_one(m, r, state, target, size, line, workdir, thr, a.settle_s))
+                    if loop is None:
+                        from .inproc import StepLoop
+                        loop = StepLoop(log_dir=workdir)
+                    for r in range(a.repeat):
+                        console.print(f"  {name}: run {r + 1}/{a.repeat} (same-process trainer)")
+                        runs[r].update(run_inproc(m, 1000 + r, state, loop, a.settle_s))
                     series[name] = runs[len(runs) // 2].pop("_series")
                     for run in runs:
                         run.pop("_series", None)
-                    doc["results"].append(aggregate(name, runs, m.note))
+                    row = aggregate(name, runs, m.note)
+                    row.update({k: (cold or {}).get(k) for k in COLD})
+                    if name.startswith("zerostall-"):
+                        row.update(new_path_stall(name.split("-", 1)[1], os.path.join(workdir, "newpath"), state))
+                    doc["results"].append(row)
                 finally:
                     m.close()
                     shutil.rmtree(m.root, ignore_errors=True)
+        if loop is not None:
+            loop.close()
     finally:
         if a.dir is None:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -222,22 +308,40 @@ def plot(series: dict[str, Any], path: str, doc: dict[str, Any]) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _f(v: Any, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
 def print_table(doc: dict[str, Any], console: Any) -> None:
     from rich.table import Table
     lr = doc["line_rate"]
     t = Table(title=f"{doc['size_bytes'] / 2**30:.2f} GiB state, line rate {lr['write_gbps']:.2f} GB/s write / "
                     f"{lr['read_gbps']:.2f} GB/s read ({lr['tool']}), memcpy {doc['memcpy_gbps']:.1f} GB/s"
-                    + (f", throttled to {doc['throttle_write_mbps']} MB/s" if doc["throttle_write_mbps"] else ""))
-    cols = ("method", "stall s", "staged s", "durable s", "GB/s", "of line", "dirty peak MiB", "step p50/p99/max ms",
-            ">2x", "restore GB/s", "ok")
+                    + (f", throttled to {doc['throttle_write_mbps']} MB/s" if doc["throttle_write_mbps"] else "")
+                    + f", {doc.get('date', '')}")
+    cols = ("method", "lost s (same proc)", "lost s (sep proc)", "stall s", "staged s", "durable s",
+            "cold stall s", "cold durable s", "GB/s", "dirty peak MiB", "step p50/p99/max ms", ">2x",
+            "restore GB/s", "ok")
     for c in cols:
         t.add_column(c, justify="left" if c == "method" else "right")
     for r in doc["results"]:
-        t.add_row(r["method"], f"{r['stall_s']:.3f}", f"{r['staged_s']:.2f}", f"{r['durable_s']:.2f}",
-                  f"{r['persist_gbps']:.2f}", f"{r['fraction_of_line_rate']:.0%}", f"{r['dirty_peak_bytes'] / 2**20:.0f}",
+        if r.get("unavailable"):
+            t.add_row(r["method"], *["n/a"] * (len(cols) - 1))
+            continue
+        t.add_row(r["method"], _f(r["inproc_lost_s"], ".3f"), _f(r["lost_s"], ".3f"), f"{r['stall_s']:.3f}",
+                  f"{r['staged_s']:.2f}", f"{r['durable_s']:.2f}", _f(r.get("cold_stall_s"), ".3f"),
+                  _f(r.get("cold_durable_s"), ".2f"), f"{r['persist_gbps']:.2f}",
+                  f"{r['dirty_peak_bytes'] / 2**20:.0f}",
                   f"{r['step_p50_ms']:.0f}/{r['step_p99_ms']:.0f}/{r['step_max_ms']:.0f}", str(r["steps_over_2x_median"]),
                   f"{r['restore_gbps']:.2f}", "yes" if r["verified"] else "NO")
     console.print(t)
+    for r in doc["results"]:
+        if r.get("unavailable"):
+            console.print(f"  {r['method']}: {r['unavailable']}")
+    news = [r for r in doc["results"] if "new_path_stall_s" in r]
+    for r in news:
+        console.print(f"  {r['method']}: a fresh Checkpointer on a new path blocked {r['new_path_stall_s'] * 1e3:.1f} ms "
+                      f"(constructor + save(); save() alone {r['new_path_save_s'] * 1e3:.1f} ms)")
 
 
 def main(a: argparse.Namespace) -> int:
@@ -254,4 +358,4 @@ def main(a: argparse.Namespace) -> int:
         with open(a.json, "w") as f:
             json.dump(doc, f, indent=1)
         console.print(f"wrote {a.json}")
-    return 0 if all(r["verified"] for r in doc["results"]) else 1
+    return 0 if all(r["verified"] for r in doc["results"] if not r.get("unavailable")) else 1

@@ -57,4 +57,5 @@ def add_parsers(sub: Any) -> None:
     s.add_argument("--plot", default=None, help="write a PNG: step latency and nr_dirty over time")
     s.add_argument("--settle-s", type=_positive(float), default=1.0, help="trainer warm-up before each save")
     s.add_argument("--no-line-rate", action="store_true", help="skip the fio/probe line-rate measurement")
+    s.add_argument("--no-cold", action="store_true", help="skip the cold scenario (a fresh process per method)")
     s.set_defaults(fn=_lazy("zerostall.bench.bench", "main"))

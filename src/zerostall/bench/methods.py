@@ -11,17 +11,91 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..config import IOConfig
 
 
+class Pending:
+    """A save in flight, polled by the training loop: ``poll()`` is True once durable.
+
+    ``stall_s`` is how long the call blocked; ``staged_s``/``durable_s`` are filled (seconds
+    from the call) by ``poll()`` as they happen. Polled from the caller's thread only.
+    """
+
+    def __init__(self, t0: float, stall_s: float, staged: Any = None, durable: Any = None,
+                 after: Callable[[], None] | None = None):
+        self.t0, self.stall_s = t0, stall_s
+        self._staged, self._durable, self._after = staged, durable, after
+        self.staged_s = stall_s if staged is None else 0.0
+        self.durable_s = stall_s if durable is None else 0.0
+        self._thread: threading.Thread | None = None
+        self._err: list[BaseException] = []
+
+    def poll(self) -> bool:
+        if self.durable_s:
+            return True
+        now = time.perf_counter() - self.t0
+        if self._staged is not None and not self.staged_s and self._staged():
+            self.staged_s = now
+        if not self._durable():
+            return False
+        if self._after is not None:  # e.g. fsync the files: off the training thread, as a user would
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run_after)
+                self._thread.start()
+            if self._thread.is_alive():
+                return False
+            if self._err:
+                raise self._err[0]
+        self.staged_s = self.staged_s or now
+        self.durable_s = max(time.perf_counter() - self.t0, self.staged_s)
+        return True
+
+    def _run_after(self) -> None:
+        try:
+            self._after()  # type: ignore[misc]
+        except BaseException as exc:  # noqa: BLE001 - re-raised by poll()
+            self._err.append(exc)
+
+    def wait(self) -> tuple[float, float, float]:
+        while not self.poll():
+            time.sleep(0.001)
+        return self.stall_s, self.staged_s, self.durable_s
+
+
+def fsync_tree(d: str) -> None:
+    """fsync every file under ``d`` (peers that do not fsync are made durable this way)."""
+    for dp, _, fs in os.walk(d):
+        for f in fs:
+            fd = os.open(os.path.join(dp, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
 class Method:
     name = "?"
     note = ""
+    unavailable = ""
+    """Why this method cannot run here (the row is reported, not hidden)."""
+    imports: tuple[str, ...] = ()
+    """Modules a training script would have imported already (the cold run imports them first)."""
+    cold = False
+    """Set by the cold scenario: set up as a user's first save would, with no warm-up."""
+
+    def start(self, step: int, state: Any) -> Pending:
+        """Begin a save; the default runs a blocking ``save`` (the whole call is stall)."""
+        t0 = time.perf_counter()
+        stall, staged, durable = self.save(step, state)
+        p = Pending(t0, stall)
+        p.staged_s, p.durable_s = staged, durable
+        return p
 
     def setup(self, root: str, state: Any) -> None:
         self.root = root
@@ -67,6 +141,7 @@ class TorchSave(Method):
 
 class DCP(Method):
     name = "dcp"
+    imports = ("torch.distributed.checkpoint",)
     note = "torch.distributed.checkpoint.save, FileSystemWriter (fsyncs files)"
 
     def save(self, step: int, state: Any) -> tuple[float, float, float]:
@@ -84,6 +159,7 @@ class DCP(Method):
 
 class DCPAsync(Method):
     name = "dcp-async"
+    imports = ("torch.distributed.checkpoint", "torch.distributed.checkpoint.staging")
     note = ("dcp.async_save with one reused DefaultStager(use_async_staging=True; pinned and "
             "non-blocking copies on CUDA), thread checkpointer")
 
@@ -94,7 +170,7 @@ class DCPAsync(Method):
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                    use_async_staging=True, use_non_blocking_copy=cuda))
 
-    def save(self, step: int, state: Any) -> tuple[float, float, float]:
+    def start(self, step: int, state: Any) -> Pending:
         import torch.distributed.checkpoint as dcp
         t0 = time.perf_counter()
         resp = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(self.dir(step)),
@@ -102,11 +178,16 @@ class DCPAsync(Method):
         stall = time.perf_counter() - t0
         staging = getattr(resp, "staging_completion", None)
         upload = getattr(resp, "upload_completion", resp)
-        if staging is not None:
-            staging.result()
-        staged = time.perf_counter() - t0
-        upload.result()
-        return stall, staged, time.perf_counter() - t0
+
+        def durable() -> bool:
+            if upload.done():
+                upload.result()  # raise its error, if any
+                return True
+            return False
+        return Pending(t0, stall, staged=staging.done if staging is not None else None, durable=durable)
+
+    def save(self, step: int, state: Any) -> tuple[float, float, float]:
+        return self.start(step, state).wait()
 
     def restore(self, step: int, target: Any) -> Any:
         return DCP.restore(self, step, target)  # type: ignore[arg-type]
@@ -119,22 +200,29 @@ class Zerostall(Method):
     def __init__(self, engine: str):
         self.engine = engine
         self.name = f"zerostall-{engine}"
-        self.note = f"Checkpointer(engine={engine!r}), arena prepared once, reused"
+        self.note = f"Checkpointer(engine={engine!r}), prepare(state) once, reused"
 
     def setup(self, root: str, state: Any) -> None:
         super().setup(root, state)
         from ..checkpointer import Checkpointer
         self.ck = Checkpointer(root, io=IOConfig(engine=self.engine), keep_last=1)
-        self.ck.prepare(state)
+        if not self.cold:
+            self.ck.prepare(state, wait=True)  # the steady state; `cold` measures the first save
 
-    def save(self, step: int, state: Any) -> tuple[float, float, float]:
+    def start(self, step: int, state: Any) -> Pending:
         t0 = time.perf_counter()
         h = self.ck.save(step, state)
         stall = time.perf_counter() - t0
-        h.wait_staged()
-        staged = time.perf_counter() - t0
-        h.result()
-        return stall, staged, time.perf_counter() - t0
+
+        def durable() -> bool:
+            if h.done():
+                h.result()  # raise its error, if any
+                return True
+            return False
+        return Pending(t0, stall, staged=h.staged, durable=durable)
+
+    def save(self, step: int, state: Any) -> tuple[float, float, float]:
+        return self.start(step, state).wait()
 
     def restore(self, step: int, target: Any) -> Any:
         return self.ck.load(target, step=step)
@@ -143,12 +231,34 @@ class Zerostall(Method):
         self.ck.close()
 
 
+class ZerostallOneShot(Method):
+    name = "zerostall.save"
+    note = "one-shot zerostall.save(path, state, step) per checkpoint (waits until durable)"
+
+    def save(self, step: int, state: Any) -> tuple[float, float, float]:
+        from .. import save
+        t0 = time.perf_counter()
+        save(self.root, state, step, keep_last=1)
+        t = time.perf_counter() - t0
+        return t, t, t
+
+    def restore(self, step: int, target: Any) -> Any:
+        from .. import load
+        return load(self.root, target, step=step)
+
+    def files(self, step: int) -> list[str]:
+        return Method.files(self, step)
+
+
 def available_methods() -> dict[str, Method]:
     from ..io.probe import io_uring_status
+    from .peers import peer_methods
     out: dict[str, Method] = {"torch.save": TorchSave(), "dcp": DCP(), "dcp-async": DCPAsync()}
     engines = ["threads", "buffered"]
     if io_uring_status()[0]:
         engines.insert(0, "uring")
     for e in engines:
         out[f"zerostall-{e}"] = Zerostall(e)
+    out["zerostall.save"] = ZerostallOneShot()
+    out.update(peer_methods())
     return out

@@ -1,11 +1,23 @@
-"""The staging arena: one page-aligned anonymous mapping per process, allocated once, reused.
+"""Page-aligned anonymous host memory for staging, faulted in without the GIL.
 
-Created by the ``Checkpointer`` on the first save (caller's thread); written by the snapshot
-thread; read by the persist thread. Fresh anonymous memory is slow to touch the first time
-(the VM may have to fault and zero every page), so the arena is pre-faulted once
-(``MADV_POPULATE_WRITE``, or ``mlock``, which faults too) and then reused for every save.
-On CUDA it is registered with ``cudaHostRegister`` once, in chunks of at most 64 GiB, so
-device-to-host copies are DMA into it; never ``pin_memory()`` per tensor.
+Two kinds of users:
+
+* small scratch buffers (restore's bounce buffer, remote uploads, the DCP plugin):
+  ``Arena(nbytes)`` maps and pre-faults ``nbytes`` at once, in the caller's thread;
+* the process-wide staging pool (:mod:`.pool`): ``Arena(budget, prefault=False)`` reserves
+  the whole budget as *address space only* (``MAP_NORESERVE``: no RSS until touched), then
+  :meth:`Arena.fault_to` asks a background thread to fault a prefix of it, in 64 MiB
+  chunks, through ctypes ``madvise(MADV_POPULATE_WRITE)`` (or ``mlock``), which releases
+  the GIL. Writers call :meth:`wait_ready` before touching a range, so a first save streams
+  through the part that is ready while the rest is still being faulted, and a training
+  thread in the same process keeps running meanwhile. Python's ``mmap.madvise`` holds the
+  GIL for the whole call (measured: 866 ms of a concurrent thread blocked for 2 GiB); never
+  use it for large ranges.
+
+Fresh anonymous memory is slow to touch the first time (the VM may fault and zero every
+page: 0.4-3 GB/s measured here), which is why the faulting happens once and the memory is
+reused. On CUDA the faulted prefix is registered with ``cudaHostRegister`` chunk by chunk,
+so device-to-host copies are DMA into it; never ``pin_memory()`` per tensor.
 """
 
 from __future__ import annotations
@@ -15,6 +27,8 @@ import logging
 import mmap
 import os
 import resource
+import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -23,12 +37,17 @@ from .._util import node_leader
 log = logging.getLogger("zerostall")
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-_REGISTER_CHUNK = 64 << 30
+MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+FAULT_CHUNK_BYTES = 64 << 20
+"""Bytes faulted per call of the background faulter: bounds how long one call runs."""
 _warned_memlock = False
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_populate_ok = True  # cleared once if the kernel lacks MADV_POPULATE_WRITE (< 5.14)
 
 
 def host_ram_bytes() -> int:
@@ -49,79 +68,204 @@ def budget_bytes(budget: int | None, fraction: float) -> int:
     return int(host_ram_bytes() * fraction) // local_world_size()
 
 
+def populate(address: int, nbytes: int) -> None:
+    """Fault ``nbytes`` at ``address`` for writing, without holding the GIL (ctypes releases it)."""
+    global _populate_ok
+    if _populate_ok:
+        if _libc.madvise(ctypes.c_void_p(address), nbytes, MADV_POPULATE_WRITE) == 0:
+            return
+        if ctypes.get_errno() != 22:  # EINVAL: kernel < 5.14; anything else: touch instead
+            log.debug("zerostall: MADV_POPULATE_WRITE failed: %s", os.strerror(ctypes.get_errno()))
+        else:
+            _populate_ok = False
+    ctypes.memset(address, 0, nbytes)
+
+
+@dataclass(frozen=True)
+class ArenaView:
+    """A prefix of an arena, shaped like an :class:`Arena` for readers (restore's bounce)."""
+
+    nbytes: int
+    mv: memoryview
+    u8: torch.Tensor
+    address: int
+
+
 class Arena:
-    """``nbytes`` of page-aligned host memory, viewable as bytes and as a uint8 tensor."""
+    """``nbytes`` of page-aligned host memory, viewable as bytes and as a uint8 tensor.
+
+    ``ready`` bytes (a prefix) are faulted; with ``prefault=True`` that is all of it when the
+    constructor returns. Thread-safety: ``fault_to``/``wait_ready``/``register_cuda`` may be
+    called from any thread; ``close`` from the owner once nobody uses the views.
+    """
 
     def __init__(self, nbytes: int, *, mlock: bool = True, hugepages: bool = True,
-                 prefault: bool = True):
+                 prefault: bool = True, detached_views: bool = False):
         self.nbytes = (nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.mv = memoryview(self._map)
-        self.u8 = torch.frombuffer(self._map, dtype=torch.uint8)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+        self._map = mmap.mmap(-1, self.nbytes, flags=flags)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        if not detached_views:
+            self.mv = memoryview(self._map)
+            self.u8 = torch.frombuffer(self._map, dtype=torch.uint8)
+        else:
+            # Views over the address, not exports of the mapping, so that close() always
+            # unmaps even if a library leaked a buffer export of a view (liburing's Iovec
+            # does). Only for owners that stop every user of the views before close() (the
+            # pool): a view used after close() faults.
+            raw = (ctypes.c_ubyte * self.nbytes).from_address(self.address)
+            self.mv = memoryview(raw).cast("B")
+            self.u8 = torch.frombuffer(raw, dtype=torch.uint8)
+        self.mlock = mlock
         self.locked = False
+        self.closed = False
         self.cuda_registered = False
-        if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
+        self._cuda_chunks: list[tuple[int, int]] = []
+        self._cond = threading.Condition()
+        self.ready = 0
+        """Bytes of the prefix that are faulted (and locked / CUDA-registered if asked)."""
+        self.target = 0
+        self._faulter: threading.Thread | None = None
+        self._closing = False
+        self.error: BaseException | None = None
+        self.fault_s = 0.0
+        if hugepages:
             try:
-                self._map.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:
+                self._map.madvise(MADV_HUGEPAGE)  # only sets a flag on the mapping: instant
+            except (OSError, ValueError):
                 pass
         if mlock:
-            self.locked = self._try_mlock()
-        if prefault and not self.locked:
-            self.prefault()
+            self.locked = self._memlock_allows(self.nbytes)
+        if prefault:
+            self.target = self.nbytes
+            self._fault_range(0, self.nbytes)
+            self.ready = self.nbytes
 
-    def _try_mlock(self) -> bool:
-        """Lock the arena if RLIMIT_MEMLOCK allows. The limit is the node's setting: only
-        LOCAL_RANK 0 warns (once per process), the other local ranks log at debug level."""
+    # -- faulting ---------------------------------------------------------------------------
+    def _memlock_allows(self, nbytes: int) -> bool:
+        """Whether RLIMIT_MEMLOCK allows locking ``nbytes``. The limit is the node's setting:
+        only LOCAL_RANK 0 warns (once per process), the other local ranks log at debug level."""
         global _warned_memlock
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        if soft != resource.RLIM_INFINITY and soft < self.nbytes:
+        if soft != resource.RLIM_INFINITY and soft < nbytes:
             if not _warned_memlock:
                 _warned_memlock = True
                 say = log.warning if node_leader() else log.debug
-                say("zerostall: RLIMIT_MEMLOCK is %d bytes, below the %d-byte staging arena; "
-                    "not locking it (raise 'ulimit -l' to keep the arena out of swap)", soft, self.nbytes)
-            return False
-        if _libc.mlock(ctypes.c_void_p(self.address), self.nbytes) != 0:
-            if not _warned_memlock:
-                _warned_memlock = True
-                say = log.warning if node_leader() else log.debug
-                say("zerostall: mlock of the %d-byte staging arena failed: %s",
-                    self.nbytes, os.strerror(ctypes.get_errno()))
+                say("zerostall: RLIMIT_MEMLOCK is %d bytes, below the %d-byte staging budget; "
+                    "not locking it (raise 'ulimit -l' to keep the arena out of swap)", soft, nbytes)
             return False
         return True
 
-    def prefault(self) -> None:
-        """Touch every page now, so no save pays for first-touch page faults."""
-        try:
-            self._map.madvise(MADV_POPULATE_WRITE)
-        except OSError:
-            self.u8.zero_()
+    def _fault_range(self, off: int, n: int) -> None:
+        """Fault [off, off+n): mlock (which faults too) when locking, else populate. No GIL held."""
+        global _warned_memlock
+        if self.locked:
+            if _libc.mlock(ctypes.c_void_p(self.address + off), n) == 0:
+                return
+            if not _warned_memlock:
+                _warned_memlock = True
+                say = log.warning if node_leader() else log.debug
+                say("zerostall: mlock of the staging arena failed: %s", os.strerror(ctypes.get_errno()))
+            if off > 0:
+                _libc.munlock(ctypes.c_void_p(self.address), off)
+            self.locked = False
+        populate(self.address + off, n)
+
+    def fault_to(self, nbytes: int) -> None:
+        """Ask the background faulter to make the first ``nbytes`` ready; returns at once."""
+        nbytes = min(self.nbytes, (nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE)
+        with self._cond:
+            if nbytes <= self.target:
+                return
+            self.target = nbytes
+            if self._faulter is None:
+                self._faulter = threading.Thread(target=self._fault_loop, name="zerostall-fault", daemon=True)
+                self._faulter.start()
+            self._cond.notify_all()
+
+    def _fault_loop(self) -> None:
+        import time
+        while True:
+            with self._cond:
+                while self.ready >= self.target and not self._closing:
+                    self._cond.wait()
+                if self._closing:
+                    return
+                off = self.ready
+                n = min(FAULT_CHUNK_BYTES, self.target - off)
+            t0 = time.perf_counter()
+            try:
+                self._fault_range(off, n)  # no lock held, no GIL held: writers use [0, ready) meanwhile
+                with self._cond:  # register_cuda() holds the lock too: no chunk is missed
+                    if self.cuda_registered:
+                        self._cuda_register(off, n)
+                    self.ready = off + n
+                    self._cond.notify_all()
+            except BaseException as exc:  # noqa: BLE001 - handed to the writers waiting on it
+                log.error("zerostall: faulting the staging arena failed: %s", exc)
+                with self._cond:
+                    self.error = exc
+                    self._cond.notify_all()
+                return
+            self.fault_s += time.perf_counter() - t0
+
+    def wait_ready(self, end: int) -> None:
+        """Block until ``[0, end)`` is faulted (asking for it if nobody has)."""
+        if self.ready >= end:
+            return
+        self.fault_to(end)
+        with self._cond:
+            while self.ready < end and not self._closing and self.error is None:
+                self._cond.wait()
+            if self.error is not None and self.ready < end:
+                raise RuntimeError(f"the staging arena could not be prepared: {self.error}") from self.error
+
+    def view(self, nbytes: int) -> ArenaView:
+        n = min(nbytes, self.nbytes)
+        return ArenaView(n, self.mv[:n], self.u8[:n], self.address)
+
+    # -- CUDA -------------------------------------------------------------------------------
+    def _cuda_register(self, off: int, n: int) -> None:
+        err = torch.cuda.cudart().cudaHostRegister(self.address + off, n, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {n} bytes failed with CUDA error {int(err)}")
+        self._cuda_chunks.append((off, n))
 
     def register_cuda(self) -> None:
-        """Pin the arena for DMA (once). Called from the snapshot thread on the first CUDA save."""
-        if self.cuda_registered:
-            return
-        cudart = torch.cuda.cudart()
-        for off in range(0, self.nbytes, _REGISTER_CHUNK):
-            n = min(_REGISTER_CHUNK, self.nbytes - off)
-            err = cudart.cudaHostRegister(self.address + off, n, 0)
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of {n} bytes failed with CUDA error {int(err)}")
-        self.cuda_registered = True
+        """Pin the faulted prefix for DMA now, and every chunk the faulter adds later (once).
 
+        Called from the snapshot thread on the first CUDA save.
+        """
+        with self._cond:
+            if self.cuda_registered:
+                return
+            # hold the lock so the faulter does not publish a chunk between the two steps
+            for off in range(0, self.ready, FAULT_CHUNK_BYTES):
+                self._cuda_register(off, min(FAULT_CHUNK_BYTES, self.ready - off))
+            self.cuda_registered = True
+
+    # -- teardown ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Unregister, unlock and unmap. Callers must have stopped using the views."""
-        if self._map.closed:
+        """Stop the faulter, unregister, unlock and unmap. Callers must have stopped using the views."""
+        if self.closed:
             return
-        if self.cuda_registered:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._faulter is not None:
+            self._faulter.join()
+        if self._cuda_chunks:
             cudart = torch.cuda.cudart()
-            for off in range(0, self.nbytes, _REGISTER_CHUNK):
+            for off, _ in self._cuda_chunks:
                 cudart.cudaHostUnregister(self.address + off)
+            self._cuda_chunks.clear()
             self.cuda_registered = False
         if self.locked:
-            _libc.munlock(ctypes.c_void_p(self.address), self.nbytes)
+            _libc.munlock(ctypes.c_void_p(self.address), self.ready)
+        # give the memory back now even if a stray view keeps the mapping alive until the GC
+        _libc.madvise(ctypes.c_void_p(self.address), self.nbytes, MADV_DONTNEED)
+        self.ready = 0
+        self.closed = True
         del self.u8
         self.mv.release()
         try:

@@ -41,6 +41,10 @@ class SaveJob:
     leaves: list[torch.Tensor] | None = None
     cuda_event: Any = None
     """CUDA: ``{device index: event}`` recorded on each device's current stream at ``save()``."""
+    arena: Any = None
+    """The staging arena this job's blocks live in (set when reserved; the pool may swap later)."""
+    reserved: bool = False
+    """Set by the staging pool once blocks ``g0 .. g_end`` of the shared ring are this job's."""
     staged: threading.Event = field(default_factory=threading.Event)
     durable: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)

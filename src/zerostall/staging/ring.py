@@ -6,8 +6,14 @@ one condition variable, carry the whole protocol:
 
 * ``reserved`` — advanced by the caller's thread in ``save()``;
 * ``staged``   — advanced by the snapshot thread: every block below it holds final bytes;
-* ``released`` — advanced by the persist thread: every block below it is on disk (or
+* ``released`` — advanced by the persist threads: every block below it is on disk (or
   abandoned) and its slot may be overwritten.
+
+The ring is shared by every Checkpointer of the process (see :mod:`.pool`): one snapshot
+thread stages jobs in reservation order, so ``staged`` is a plain cursor; each Checkpointer
+has its own persist thread, so releases may arrive out of order across jobs and are given as
+ranges (``release(lo, hi)``); ``released`` only moves over a contiguous prefix.
+The ring grows (``resize``) only while idle, i.e. no block is reserved and unreleased.
 
 The snapshot thread may write block ``g`` only while ``g < released + nblocks``. When the
 arena holds two snapshots this is double buffering; when a state is larger than the arena
@@ -29,6 +35,23 @@ class BlockRing:
         self.reserved = 0
         self.staged = 0
         self.released = 0
+        self._done: dict[int, int] = {}  # released ranges beyond the cursor: lo -> hi
+
+    def resize(self, nbytes: int) -> bool:
+        """Use ``nbytes`` of the arena from now on if the ring is idle; return whether it did.
+
+        Called with the pool's lock held, right before a reservation.
+        """
+        with self.cond:
+            n = nbytes // self.block_bytes
+            if n < 2 or n == self.nblocks or self.released != self.reserved:
+                return False
+            self.nblocks = n
+            return True
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.nblocks * self.block_bytes
 
     # -- caller thread ------------------------------------------------------------------
     def blocks_for(self, nbytes: int) -> int:
@@ -71,11 +94,18 @@ class BlockRing:
                 self.cond.wait()
             return self.staged
 
-    def release(self, g_end: int) -> None:
+    def release(self, lo: int, hi: int) -> None:
+        """Blocks ``[lo, hi)`` may be overwritten (each job releases its blocks in order)."""
+        if hi <= lo:
+            return
         with self.cond:
-            if g_end > self.released:
-                self.released = g_end
-                self.cond.notify_all()
+            if lo > self.released:
+                self._done[lo] = hi
+                return
+            self.released = max(self.released, hi)
+            while self.released in self._done:
+                self.released = max(self.released, self._done.pop(self.released))
+            self.cond.notify_all()
 
     def slot_offset(self, g: int) -> int:
         return (g % self.nblocks) * self.block_bytes

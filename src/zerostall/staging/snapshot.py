@@ -1,6 +1,6 @@
 """The snapshot thread: copies each save's tensors into the arena ring, in file order.
 
-Runs in one daemon thread owned by the ``Checkpointer``; jobs arrive through ``submit()``
+Runs in one daemon thread owned by the process's staging pool (:mod:`.pool`); jobs arrive
 from the caller's thread and are staged strictly in order. For each job it writes the shard
 header, every tensor's bytes (zero-padding each to 4 KiB) and the zero tail, and publishes
 finished blocks to the persist thread (which checksums them while its writes are in flight,
@@ -180,7 +180,7 @@ class Snapshotter(Worker[SaveJob]):
     def _stage_strided(self, job: SaveJob, tensor: torch.Tensor, offset: int, spans: Callable[..., Any]) -> None:
         """Copy a non-contiguous CPU tensor slice by slice through one small bounce buffer
         (runs in a helper thread; one allocation, never a whole contiguous copy)."""
-        base, B = self.arena.address, self.ring.block_bytes
+        base, B = (job.arena or self.arena).address, self.ring.block_bytes
         es = tensor.element_size()
         buf = torch.empty(min(STRIDED_CHUNK_BYTES, max(tensor.numel() * es, es)), dtype=torch.uint8)
         foff = offset
@@ -196,7 +196,8 @@ class Snapshotter(Worker[SaveJob]):
 
     def _stage(self, job: SaveJob) -> None:
         ring, B = self.ring, self.ring.block_bytes
-        arena_u8 = self.arena.u8
+        arena = job.arena or self.arena  # the pool swaps arenas only between jobs
+        arena_u8 = arena.u8
         streams = self._cuda() if "cuda" in job.plan.devices else None
 
         def spans(a: int, b: int):
@@ -206,10 +207,12 @@ class Snapshotter(Worker[SaveJob]):
                 g = job.g0 + pos // B
                 run_end_g = ring.wait_writable(g)
                 end = min(b, (run_end_g - job.g0) * B)
-                yield ring.slot_offset(g) + pos % B, pos, end - pos
+                aoff = ring.slot_offset(g) + pos % B
+                arena.wait_ready(aoff + end - pos)  # the first lap streams behind the faulter
+                yield aoff, pos, end - pos
                 pos = end
 
-        base = self.arena.address
+        base = arena.address
 
         def fill_zero(a: int, b: int) -> None:
             for aoff, _, n in spans(a, b):
@@ -217,7 +220,7 @@ class Snapshotter(Worker[SaveJob]):
 
         header = job.header.encode()
         for aoff, foff, n in spans(0, len(header)):
-            self.arena.mv[aoff:aoff + n] = header[foff:foff + n]
+            arena.mv[aoff:aoff + n] = header[foff:foff + n]
         pos = len(header)
         for item, tensor in zip(job.plan.items, job.leaves or ()):
             if job.error is not None:  # persist already failed: stop copying, drain

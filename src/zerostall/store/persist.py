@@ -106,7 +106,6 @@ class Persister(Worker[SaveJob]):
         """This writer's newest committed steps, oldest first, seeded with the root's last commits
         (``recent``, from :func:`retain_at_start`): retention never deletes them (see store/retention.py)."""
         self.on_done = on_done
-        self.batch_blocks = max(1, min(ring.nblocks // 2, 64))
         super().__init__("zerostall-persist")
 
     # -- persist thread -------------------------------------------------------------------
@@ -135,22 +134,28 @@ class Persister(Worker[SaveJob]):
             log.warning("zerostall: %s", msg)
             job.post_commit_errors.append(msg)
 
+    @property
+    def batch_blocks(self) -> int:
+        return max(1, min(self.ring.nblocks // 2, 64))  # the shared ring may grow
+
     def _extents(self, job: SaveJob, g: int, hi: int) -> list[tuple[int, memoryview]]:
         B, n = self.ring.block_bytes, self.ring.nblocks
+        mv = (job.arena or self.arena).mv  # the pool may have swapped arenas since this Persister began
         out = []
         while g < hi:
             run_end = min(hi, (g // n + 1) * n)  # split where the ring wraps
             foff = (g - job.g0) * B
             length = min((run_end - g) * B, job.plan.file_bytes - foff)
             aoff = self.ring.slot_offset(g)
-            out.append((foff, self.arena.mv[aoff:aoff + length]))
+            out.append((foff, mv[aoff:aoff + length]))
             g = run_end
         return out
 
     def _drain(self, job: SaveJob, g: int) -> None:
         while g < job.g_end:
-            g = min(self.ring.wait_staged(g), job.g_end)
-            self.ring.release(g)
+            hi = min(self.ring.wait_staged(g), job.g_end)
+            self.ring.release(g, hi)  # ranges: persisters of several Checkpointers share the ring
+            g = hi
 
     def handle(self, job: SaveJob) -> None:
         job.engine = self.engine.name
@@ -171,12 +176,12 @@ class Persister(Worker[SaveJob]):
                     raise job.error
                 extents = self._extents(job, g, hi)
                 f.write(extents, overlap=lambda: crc.feed(extents))
-                self.ring.release(hi)
+                self.ring.release(g, hi)
                 g = hi
             job.staged.wait()
             if job.error is not None:
                 raise job.error
-            self.ring.release(job.g_end)  # blocks reserved for tensors an incremental save referenced
+            self.ring.release(g, job.g_end)  # blocks reserved for tensors an incremental save referenced
             g = job.g_end
             job.crcs = crc.crcs
             f.finish()

@@ -1,0 +1,157 @@
+"""The checkpointing libraries users would pick instead, as bench methods when installed.
+
+* torchsnapshot (``Snapshot.take`` and ``Snapshot.async_take``),
+* Lightning's ``AsyncCheckpointIO(TorchCheckpointIO())`` (clones in the caller, ``torch.save``
+  in a thread),
+* NVIDIA Resiliency Extension's ``TorchAsyncCheckpoint`` (its path is CUDA-only: it calls
+  ``torch.cuda.synchronize()``; on a CPU-only host the row says so instead of disappearing).
+
+None of them fsyncs its files; to compare durable times honestly the bench fsyncs every file
+they wrote once they report completion (off the training thread for the async ones, inside
+the blocked time for the synchronous ``take``, as for ``torch.save`` + fsync).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from typing import Any
+
+import torch
+
+from .methods import Method, Pending, fsync_tree
+
+
+class TorchSnapshot(Method):
+    imports = ("torchsnapshot",)
+
+    def __init__(self, asynchronous: bool):
+        self.asynchronous = asynchronous
+        self.name = "torchsnapshot-async" if asynchronous else "torchsnapshot"
+        self.note = ("torchsnapshot.Snapshot.async_take, then fsync" if asynchronous
+                     else "torchsnapshot.Snapshot.take, then fsync")
+
+    def _app(self, state: Any) -> dict[str, Any]:
+        import torchsnapshot
+        return {"state": torchsnapshot.StateDict(**state)}
+
+    def start(self, step: int, state: Any) -> Pending:
+        import torchsnapshot
+        d = self.dir(step)
+        t0 = time.perf_counter()
+        if not self.asynchronous:
+            torchsnapshot.Snapshot.take(path=d, app_state=self._app(state))
+            fsync_tree(d)
+            t = time.perf_counter() - t0
+            p = Pending(t0, t)
+            return p
+        pending = torchsnapshot.Snapshot.async_take(path=d, app_state=self._app(state))
+        stall = time.perf_counter() - t0
+
+        def durable() -> bool:
+            if pending.done():
+                pending.wait()  # raises its error, if any
+                return True
+            return False
+        return Pending(t0, stall, durable=durable, after=lambda: fsync_tree(d))
+
+    def save(self, step: int, state: Any) -> tuple[float, float, float]:
+        return self.start(step, state).wait()
+
+    def restore(self, step: int, target: Any) -> Any:
+        import torchsnapshot
+        app = self._app(target)
+        torchsnapshot.Snapshot(self.dir(step)).restore(app)
+        return dict(app["state"])
+
+
+class LightningAsync(Method):
+    name = "lightning-async"
+    imports = ("lightning.pytorch",)
+    note = "lightning AsyncCheckpointIO(TorchCheckpointIO()).save_checkpoint, then fsync"
+
+    def setup(self, root: str, state: Any) -> None:
+        super().setup(root, state)
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+        self.io = AsyncCheckpointIO(TorchCheckpointIO())
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.dir(step), "state.ckpt")
+
+    def start(self, step: int, state: Any) -> Pending:
+        path = self._path(step)
+        t0 = time.perf_counter()
+        self.io.save_checkpoint(state, path)
+        stall = time.perf_counter() - t0
+        # one worker thread, FIFO: a no-op queued behind the save completes right after it
+        marker = self.io._executor.submit(lambda: None)  # noqa: SLF001 - the only completion signal
+
+        def durable() -> bool:
+            if marker.done():
+                if self.io._error is not None:  # noqa: SLF001
+                    raise self.io._error
+                return True
+            return False
+        return Pending(t0, stall, durable=durable, after=lambda: fsync_tree(self.dir(step)))
+
+    def save(self, step: int, state: Any) -> tuple[float, float, float]:
+        return self.start(step, state).wait()
+
+    def restore(self, step: int, target: Any) -> Any:
+        return torch.load(self._path(step), weights_only=True)
+
+    def close(self) -> None:
+        self.io.teardown()
+
+
+class NVRxAsync(Method):
+    name = "nvrx-async"
+    note = "nvidia_resiliency_ext TorchAsyncCheckpoint.async_save (CUDA only), then fsync"
+
+    def __init__(self) -> None:
+        if importlib.util.find_spec("nvidia_resiliency_ext") is None:
+            self.unavailable = ("not installed (pip install nvidia-resiliency-ext); its async path is "
+                                "CUDA-only (calls torch.cuda.synchronize())")
+        elif not torch.cuda.is_available():
+            self.unavailable = "cannot run on CPU: TorchAsyncCheckpoint.async_save calls torch.cuda.synchronize()"
+
+    def setup(self, root: str, state: Any) -> None:
+        super().setup(root, state)
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
+        self.ckpt = TorchAsyncCheckpoint()
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.dir(step), "state.pt")
+
+    def start(self, step: int, state: Any) -> Pending:
+        os.makedirs(self.dir(step), exist_ok=True)
+        t0 = time.perf_counter()
+        self.ckpt.async_save(state, self._path(step))
+        stall = time.perf_counter() - t0
+        q = self.ckpt._async_calls_queue  # noqa: SLF001
+
+        def durable() -> bool:
+            self.ckpt.finalize_async_save(blocking=False)
+            return q.get_num_unfinalized_calls() == 0
+        return Pending(t0, stall, durable=durable, after=lambda: fsync_tree(self.dir(step)))
+
+    def save(self, step: int, state: Any) -> tuple[float, float, float]:
+        return self.start(step, state).wait()
+
+    def restore(self, step: int, target: Any) -> Any:
+        return torch.load(self._path(step), weights_only=True)
+
+    def close(self) -> None:
+        self.ckpt.finalize_async_save(blocking=True, terminate=True)
+
+
+def peer_methods() -> dict[str, Method]:
+    out: dict[str, Method] = {}
+    if importlib.util.find_spec("torchsnapshot") is not None:
+        out["torchsnapshot"] = TorchSnapshot(False)
+        out["torchsnapshot-async"] = TorchSnapshot(True)
+    if importlib.util.find_spec("lightning") is not None:
+        out["lightning-async"] = LightningAsync()
+    out["nvrx-async"] = NVRxAsync()
+    return out
