@@ -289,8 +289,24 @@ class _nolock:
     def __exit__(self, *a: object) -> None: ...
 
 
+def _damaged_local_ref(tier: LocalTier, step: int, exc: BaseException) -> int | None:
+    """The earlier step whose local file ``exc`` (loading ``step``) names, if ``step`` borrows from it."""
+    where = getattr(exc, "path", None)
+    if not isinstance(exc, CorruptCheckpoint) or not where:
+        return None
+    parent = os.path.basename(os.path.dirname(os.path.abspath(where)))
+    if os.path.dirname(os.path.dirname(os.path.abspath(where))) != tier.root or not parent.startswith("step-"):
+        return None
+    try:
+        ref = int(parent[len("step-"):])
+        return ref if ref != step and ref in {r.step for r in tier.read_manifest(step).ref_files} else None
+    except (ValueError, ZerostallError, OSError):
+        return None
+
+
 def fetch_remote_step(tier: LocalTier, remote: Any, step: int) -> Manifest:
-    """Download ``step`` from ``remote`` into the local tier (direct I/O) and commit it there."""
+    """Download ``step`` from ``remote`` into the local tier (direct I/O) and commit it there
+    (replacing a local copy; the steps it borrows from are fetched first if missing locally)."""
     man = remote.read_manifest(step)  # validated; names this step
     os.makedirs(tier.root, exist_ok=True)
     for ref in sorted({r.step for r in man.ref_files}):  # an incremental step: what it borrows, first
@@ -352,6 +368,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
     bounce = bounce or _shared_bounce()
     tried: set[tuple[int, str]] = set()
     replaced: dict[int, int] = {}
+    refetched: set[int] = set()
     errors: list[str] = []
     try:
         while True:
@@ -389,6 +406,19 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
                     tried.discard((s, src))
                     log.info("zerostall: step %d was overwritten while loading; reading it again", s)
                     continue
+                bad_ref = _damaged_local_ref(tier, s, exc) if fetched and s not in refetched else None
+                if bad_ref is not None and bad_ref in remote_steps:
+                    # an incremental step borrows from a local step whose file is damaged: the
+                    # remote's copy of that step is what this remote step references
+                    refetched.add(s)
+                    log.warning("zerostall: step %d borrows from local step %d, which is damaged (%s); "
+                                "fetching step %d from the remote again", s, bad_ref, exc, bad_ref)
+                    try:
+                        fetch_remote_step(tier, remote, bad_ref)
+                        tried.discard((s, src))
+                        continue
+                    except Exception as fexc:  # noqa: BLE001 - reported below with the original defect
+                        log.error("zerostall: fetching step %d again failed: %s", bad_ref, fexc)
                 reason = str(exc) if isinstance(exc, ZerostallError) else f"{type(exc).__name__}: {exc}"
                 log.error("zerostall: step %d (%s copy) failed: %s", s, src, reason)
                 errors.append(f"step {s} ({src}): {reason}")
