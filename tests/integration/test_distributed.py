@@ -3,7 +3,6 @@
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -16,17 +15,13 @@ from zerostall.dist.commit import commit_round
 from zerostall.dist.session import Session, Store
 from zerostall.store.local import LocalTier
 
+from ..helpers import free_port
+
 HERE = os.path.dirname(__file__)
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(scenario, world, ckdir, tmp_path, timeout=180):
-    port = _port()
+    port = free_port()
     procs = []
     for r in range(world):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world),
@@ -168,7 +163,7 @@ def test_simulated_512_rank_commit(tmp_path, capsys):
     """512 fake ranks (threads, one store client each, as real ranks have) commit through one TCPStore."""
     from torch.distributed import TCPStore
     world = 512
-    port = _port()
+    port = free_port()
     master = TCPStore("127.0.0.1", port, world_size=None, is_master=True, wait_for_workers=False)
     clients = [None] * world
     connected = threading.Barrier(world + 1)
