@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("lightning")
 
 import zerostall  # noqa: E402
-from tests.helpers import equal  # noqa: E402
+from tests.helpers import equal, free_port  # noqa: E402
 from zerostall.integrations.lightning import (  # noqa: E402
     ZerostallCheckpointIO, is_zerostall_checkpoint, load_from_checkpoint)
 
@@ -22,13 +22,6 @@ import lightning_app as app  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(HERE))
 EPOCHS = 4
-
-
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_app(outdir, *args, timeout=240):
