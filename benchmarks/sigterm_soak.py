@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--signals", type=int, default=25)
     ap.add_argument("--parallel", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--answer-timeout-s", type=float, default=60.0)
+    ap.add_argument("--answer-timeout-s", type=float, default=180.0)
     ap.add_argument("--zerostall-src", default=None)
     a = ap.parse_args()
     if a.zerostall_src:

@@ -6,6 +6,16 @@ from tests.helpers import skip_unless_engine
 
 
 @pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Tests that pin torch to one thread (the HF/Lightning runs) give the rest of the suite its
+    thread count back."""
+    n = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
 def _release_staging_pool():
     """A test leaves no staging pool lingering behind it (RSS and address-space checks of the next)."""
     yield

@@ -1,5 +1,7 @@
 """Deep clone / bit-exact comparison of nested state dicts, shared by tests and test workers."""
 
+import socket
+
 import pytest
 import torch
 
@@ -31,3 +33,10 @@ def skip_unless_engine(name):
         ok, why = io_uring_status()
         if not ok:
             pytest.skip(f"io_uring is unavailable here: {why}")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (MASTER_PORT of a gloo group, a proxy's port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -21,14 +21,10 @@ import socket
 import threading
 import time
 
+from .helpers import free_port  # noqa: F401  (re-exported: tests import it from here too)
+
 SLOWDOWN = (b"<?xml version='1.0'?><Error><Code>SlowDown</Code>"
             b"<Message>Reduce your request rate</Message></Error>")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Server(http.server.ThreadingHTTPServer):

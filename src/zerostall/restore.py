@@ -22,6 +22,7 @@ returned (moved to ``map_location``). ``keys=[...]`` reads only those keys' byte
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -32,7 +33,7 @@ import torch
 
 from .config import IOConfig
 from .errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, StateMismatchError,
-                     StorageError, ZerostallError)
+                     StorageError, ZerostallError, storage_error)
 from .format.dtypes import dtype_from_name
 from .format.layout import ShardHeader
 from .format.manifest import Manifest, TensorEntry
@@ -289,29 +290,104 @@ class _nolock:
     def __exit__(self, *a: object) -> None: ...
 
 
-def fetch_remote_step(tier: LocalTier, remote: Any, step: int) -> Manifest:
-    """Download ``step`` from ``remote`` into the local tier (direct I/O) and commit it there."""
+def _damaged_local_ref(tier: LocalTier, step: int, exc: BaseException) -> int | None:
+    """The earlier step whose local file ``exc`` (loading ``step``) names, if ``step`` borrows from it."""
+    where = getattr(exc, "path", None)
+    if not isinstance(exc, CorruptCheckpoint) or not where:
+        return None
+    parent = os.path.basename(os.path.dirname(os.path.abspath(where)))
+    if os.path.dirname(os.path.dirname(os.path.abspath(where))) != tier.root or not parent.startswith("step-"):
+        return None
+    try:
+        ref = int(parent[len("step-"):])
+        return ref if ref != step and ref in {r.step for r in tier.read_manifest(step).ref_files} else None
+    except (ValueError, ZerostallError, OSError):
+        return None
+
+
+FETCH_LOCK_NAME = ".zerostall.fetch.lock"
+
+
+class _FetchLock:
+    """An exclusive ``flock`` on ``<root>/.zerostall.fetch.lock`` while one process downloads
+    a step into ``root``: the ranks of a node restoring into one directory at once take turns
+    (each used to remove the others' ``.partial`` and swap their commits away). Separate from
+    the owner's root lock, which a training run holds for its lifetime."""
+
+    def __init__(self, root: str):
+        self.path = os.path.join(root, FETCH_LOCK_NAME)
+        self.fd = -1
+
+    def __enter__(self) -> "_FetchLock":
+        import fcntl
+        import stat
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            if not stat.S_ISREG(os.fstat(self.fd).st_mode):
+                raise StorageError(f"{self.path!r} is not a regular file; remove it and try again", filename=self.path)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+            if isinstance(exc, StorageError):
+                raise
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise storage_error("locking", self.path, exc) from exc
+            log.warning("zerostall: %s does not support flock: concurrent restores into it may collide",
+                        os.path.dirname(self.path))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+_ANY = object()
+
+
+def fetch_remote_step(tier: LocalTier, remote: Any, step: int, seen: Any = _ANY) -> Manifest:
+    """Download ``step`` from ``remote`` into the local tier (direct I/O) and commit it there
+    (replacing a local copy; the steps it borrows from are fetched first if missing locally)."""
+    return _fetch(tier, remote, step, seen)[0]
+
+
+def _fetch(tier: LocalTier, remote: Any, step: int, seen: Any = _ANY) -> tuple[Manifest, bool]:
+    """:func:`fetch_remote_step`; also says whether this call downloaded it (False: another
+    process committed the same checkpoint locally since the caller saw ``seen``, the identity
+    of the local manifest the caller found missing (None) or damaged; ``_ANY``: always download).
+    One process at a time downloads into a root (:class:`_FetchLock`)."""
     man = remote.read_manifest(step)  # validated; names this step
     os.makedirs(tier.root, exist_ok=True)
     for ref in sorted({r.step for r in man.ref_files}):  # an incremental step: what it borrows, first
         if ref not in tier.steps():
-            fetch_remote_step(tier, remote, ref)
-    part = tier.begin(step)
-    try:
-        for fe in man.files:
-            rel = f"step-{step}/{fe.name}"
-            size = remote.stat(rel)
-            if size != fe.file_bytes:
-                where = remote.where(rel)
-                raise CorruptCheckpoint(f"{where}: {'missing' if size is None else f'{size} bytes'}, the "
-                                        f"manifest says {fe.file_bytes}", path=where)
-            remote.download(rel, os.path.join(part, fe.name), fe.file_bytes)
-    except BaseException:
-        tier.abort(step)
-        raise
-    tier.commit(step, man, overwrite=True)
+            _fetch(tier, remote, ref, None)
+    with _FetchLock(tier.root):
+        now = tier._manifest_ident(step)
+        if seen is not _ANY and now is not None and now != seen:
+            try:
+                if tier.read_manifest(step).checkpoint_id == man.checkpoint_id:
+                    log.info("zerostall: step %d was fetched into %s by another process", step, tier.root)
+                    return man, False
+            except ZerostallError:
+                pass
+        part = tier.begin(step)
+        try:
+            for fe in man.files:
+                rel = f"step-{step}/{fe.name}"
+                size = remote.stat(rel)
+                if size != fe.file_bytes:
+                    where = remote.where(rel)
+                    raise CorruptCheckpoint(f"{where}: {'missing' if size is None else f'{size} bytes'}, the "
+                                            f"manifest says {fe.file_bytes}", path=where)
+                remote.download(rel, os.path.join(part, fe.name), fe.file_bytes)
+        except BaseException:
+            tier.abort(step)
+            raise
+        tier.commit(step, man, overwrite=True)
     log.info("zerostall: fetched step %d from %s into %s", step, remote.url, tier.root)
-    return man
+    return man, True
 
 
 _MAX_REPLACED = 5
@@ -352,6 +428,8 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
     bounce = bounce or _shared_bounce()
     tried: set[tuple[int, str]] = set()
     replaced: dict[int, int] = {}
+    refetched: set[int] = set()
+    seen_local: dict[int, Any] = {}  # step -> identity of the local manifest this load tried
     errors: list[str] = []
     try:
         while True:
@@ -370,10 +448,11 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
                 engine = choose_engine(tier.root, io or IOConfig())
             fetched = False
             ident = tier._manifest_ident(s) if src == "local" else None
+            if src == "local":
+                seen_local[s] = ident
             try:
                 if src == "remote":
-                    fetch_remote_step(tier, remote, s)
-                    fetched = True
+                    fetched = _fetch(tier, remote, s, seen_local.get(s))[1]
                 out = load_step(tier, s, engine, bounce, state_dict, map_location, verify, rank, world_size,
                                 keys=keys, strict=strict, report=report)
             except (StateMismatchError, ConfigError):
@@ -389,6 +468,19 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
                     tried.discard((s, src))
                     log.info("zerostall: step %d was overwritten while loading; reading it again", s)
                     continue
+                bad_ref = _damaged_local_ref(tier, s, exc) if fetched and s not in refetched else None
+                if bad_ref is not None and bad_ref in remote_steps:
+                    # an incremental step borrows from a local step whose file is damaged: the
+                    # remote's copy of that step is what this remote step references
+                    refetched.add(s)
+                    log.warning("zerostall: step %d borrows from local step %d, which is damaged (%s); "
+                                "fetching step %d from the remote again", s, bad_ref, exc, bad_ref)
+                    try:
+                        fetch_remote_step(tier, remote, bad_ref)
+                        tried.discard((s, src))
+                        continue
+                    except Exception as fexc:  # noqa: BLE001 - reported below with the original defect
+                        log.error("zerostall: fetching step %d again failed: %s", bad_ref, fexc)
                 reason = str(exc) if isinstance(exc, ZerostallError) else f"{type(exc).__name__}: {exc}"
                 log.error("zerostall: step %d (%s copy) failed: %s", s, src, reason)
                 errors.append(f"step {s} ({src}): {reason}")

@@ -56,3 +56,21 @@ def test_second_writer_refused_fifty_times_during_saves(ckdir):
         assert got["i"] == s and torch.equal(got["w"], torch.full((5000,), float(s)))
     with zerostall.Checkpointer(ckdir) as c:  # the owner is gone: the root is free again
         c.save(N, {"w": torch.zeros(1), "i": N}).result()
+
+
+@pytest.mark.timeout(60)
+def test_fifo_planted_as_the_lock_file_is_refused_not_hung(tmp_path):
+    """A FIFO named .zerostall.lock: the writer refuses it clearly (before, the first writer
+    opened it read-write and a second writer then blocked forever reading the owner's name)."""
+    from zerostall.errors import StorageError
+    from zerostall.store.owner import read_owner
+    root = str(tmp_path / "ck")
+    os.makedirs(root)
+    os.mkfifo(os.path.join(root, ".zerostall.lock"))
+    fd = os.open(os.path.join(root, ".zerostall.lock"), os.O_RDWR)  # a writer end held open
+    try:
+        assert read_owner(root) == {}
+        with pytest.raises(StorageError, match="not a regular file"):
+            zerostall.Checkpointer(root)
+    finally:
+        os.close(fd)

@@ -30,3 +30,24 @@ def test_step_saved_again_replaces_the_remote_copy(tmp_path):
     assert not os.path.exists(tmp_path / "run2" / "step-2")
     got = zerostall.load(str(tmp_path / "fresh"), remote=url, step=2)
     assert torch.equal(got["a"], torch.full((100,), 20.0))
+
+
+@pytest.mark.timeout(180)
+def test_stale_remote_step_that_others_borrow_from_is_kept(tmp_path):
+    """If remote steps borrow bytes from the stale copy (incremental saves of the earlier run),
+    replacing it would break them: both copies stay, and the local step is not counted as
+    replicated (so local retention keeps it)."""
+    url = f"file://{tmp_path / 'remote'}"
+    frozen = torch.randn(1 << 16)
+    with zerostall.Checkpointer(str(tmp_path / "run1"), remote=url, incremental=True, full_every=None) as ck:
+        ck.save(1, {"frozen": frozen, "head": torch.full((100,), 1.0)}).result()
+        h = ck.save(2, {"frozen": frozen, "head": torch.full((100,), 2.0)})
+        assert h.result().bytes_referenced > 0  # remote step 2 will borrow from step 1
+    with zerostall.Checkpointer(str(tmp_path / "run2"), remote=url, keep_last=1) as ck:
+        ck.save(1, {"frozen": frozen * 0, "head": torch.full((100,), 10.0)}).result()
+        h = ck.save(3, {"frozen": frozen * 0, "head": torch.full((100,), 30.0)})
+        h.wait(tier="remote", timeout=120)
+    got = zerostall.load(str(tmp_path / "fresh"), remote=url, step=2)  # the earlier run's step 2 still loads
+    assert torch.equal(got["frozen"], frozen) and torch.equal(got["head"], torch.full((100,), 2.0))
+    kept = zerostall.load(str(tmp_path / "run2"), step=1)  # the new step 1 is kept locally
+    assert torch.equal(kept["head"], torch.full((100,), 10.0))

@@ -2,6 +2,7 @@
 
 import json
 
+from zerostall.bench.bench import COLD
 from zerostall.cli import main as cli
 
 NUMERIC = ("stall_s", "staged_s", "durable_s", "persist_gbps", "fraction_of_line_rate", "dirty_peak_bytes",
@@ -36,6 +37,8 @@ def test_bench_small_json_contract(tmp_path):
             assert isinstance(r["min"][k], (int, float)) and isinstance(r["max"][k], (int, float))
             assert r["min"][k] == r[k] == r["max"][k]  # one repeat: the summary is that sample
         assert r["stall_s"] <= r["staged_s"] <= r["durable_s"]
+        for k in COLD:  # the cold scenario (a fresh process per method) ran and reported
+            assert isinstance(r[k], (int, float)), (k, r[k])
     zs = doc["results"][1]
     assert zs["stall_s"] < zs["durable_s"]  # it returned before the data was durable
     assert zs["new_path_save_s"] <= zs["new_path_stall_s"]

@@ -53,3 +53,24 @@ def test_incremental_replicates_once_and_restores_from_remote(remote_url, tmp_pa
     assert cli(["restore", remote_url, "--to", other]) == 0
     assert zerostall.load(other)["step"] == 3
     assert cli(["verify", remote_url]) == 0
+
+
+def test_a_damaged_local_base_is_fetched_again_from_the_remote(tmp_path):
+    """Step 2 (only on the remote now) borrows from step 0, whose local file is damaged: load
+    fetches step 0 again from the remote and returns step 2, not a fallback to step 0."""
+    local, url = str(tmp_path / "local"), f"file://{tmp_path / 'remote'}"
+    frozen = torch.randn(1 << 12)
+    with zerostall.Checkpointer(local, incremental=True, remote=url, keep_last=10) as ck:
+        for step in range(3):
+            ck.save(step, _state(step, frozen)).result()
+        ck.wait()
+    shutil.rmtree(os.path.join(local, "step-2"))
+    shard = [n for n in os.listdir(os.path.join(local, "step-0")) if n != "manifest.json"][0]
+    with open(os.path.join(local, "step-0", shard), "r+b") as f:
+        f.seek(4096 + 10)
+        byte = f.read(1)
+        f.seek(4096 + 10)
+        f.write(bytes([byte[0] ^ 1]))
+    got = zerostall.load(local, remote=url)
+    assert got["step"] == 2 and torch.equal(got["frozen"], frozen)
+    assert zerostall.load(local, step=0, fallback=False)["step"] == 0  # the local copy is whole again

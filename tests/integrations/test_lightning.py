@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("lightning")
 
 import zerostall  # noqa: E402
-from tests.helpers import equal  # noqa: E402
+from tests.helpers import equal, free_port  # noqa: E402
 from zerostall.integrations.lightning import (  # noqa: E402
     ZerostallCheckpointIO, is_zerostall_checkpoint, load_from_checkpoint)
 
@@ -22,13 +22,6 @@ import lightning_app as app  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(HERE))
 EPOCHS = 4
-
-
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_app(outdir, *args, timeout=240):
@@ -189,3 +182,40 @@ def test_a_failed_save_over_a_torch_save_file_keeps_the_file(tmp_path):
     io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "global_step": 1}, path)  # then a good one
     io.teardown()
     assert os.listdir(tmp_path) == ["last.ckpt"] and is_zerostall_checkpoint(path)
+
+
+def test_a_path_removed_twice_keeps_the_first_until_the_saves_are_durable(tmp_path):
+    """remove -> save -> remove of one path while another save is in flight: the first removed
+    checkpoint is deleted only once that save is durable, never by the second removal."""
+    import threading
+
+    io = ZerostallCheckpointIO(wait_staged=True)
+    state = {"state_dict": {"w": torch.ones(3)}, "global_step": 1}
+    a = tmp_path / "a.ckpt"
+    io.save_checkpoint(state, a)
+    io.teardown()
+    go = threading.Event()
+
+    class InFlight:  # a save of another path that is not durable yet
+        def done(self):
+            return go.is_set()
+
+        def wait(self, timeout=None):
+            return go.wait(timeout)
+
+        def exception(self, timeout=None):
+            return None
+
+    io.handles.append(InFlight())
+    io.remove_checkpoint(a)
+    first = [n for n in os.listdir(tmp_path) if n.endswith(".zerostall-removing")]
+    assert len(first) == 1
+    io.save_checkpoint({**state, "global_step": 2}, a)
+    io.handles.append(InFlight())
+    io.remove_checkpoint(a)
+    aside = [n for n in os.listdir(tmp_path) if n.endswith(".zerostall-removing")]
+    assert first[0] in aside and len(aside) == 2  # the first removed checkpoint is still there
+    assert is_zerostall_checkpoint(tmp_path / first[0])
+    go.set()
+    io.teardown()
+    assert os.listdir(tmp_path) == []

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 
 import zerostall  # noqa: E402
-from tests.helpers import equal  # noqa: E402
+from tests.helpers import equal, free_port  # noqa: E402
 from zerostall.integrations.transformers import last_committed_checkpoint  # noqa: E402
 
 HERE = os.path.dirname(__file__)
@@ -20,13 +20,6 @@ import hf_app  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(HERE))
 STEPS = 12
-
-
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

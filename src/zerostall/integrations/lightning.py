@@ -91,6 +91,7 @@ class ZerostallCheckpointIO(CheckpointIO):
         self._guard = StateGuard()
         self._removers: list[threading.Thread] = []
         self._cleaned: set[str] = set()
+        self._waiting: set[str] = set()  # trash paths whose remover waits for saves in flight
         self._errors: list[BaseException] = []
         self.handles: list[Any] = []
         """SaveHandles of the saves since the last teardown (newest last)."""
@@ -169,9 +170,12 @@ class ZerostallCheckpointIO(CheckpointIO):
             raise errors[0]
 
     # -- internals ----------------------------------------------------------------------------
-    @staticmethod
-    def _trash_name(root: str) -> str:
+    def _trash_name(self, root: str) -> str:
         trash = os.path.join(os.path.dirname(root), f".{os.path.basename(root)}.zerostall-removing")
+        n = 0
+        while trash in self._waiting:  # set aside by this run and waiting for saves: never early
+            n += 1
+            trash = os.path.join(os.path.dirname(root), f".{os.path.basename(root)}.{n}.zerostall-removing")
         if os.path.isdir(trash) and not os.path.islink(trash):
             shutil.rmtree(trash, ignore_errors=True)
         elif os.path.lexists(trash):
@@ -194,17 +198,21 @@ class ZerostallCheckpointIO(CheckpointIO):
         (``keep_if_failed``: not if one of them failed — it is the previous checkpoint)."""
 
         def remove() -> None:
-            for h in pending:
-                h.wait()
-            if keep_if_failed and any(h.exception() is not None for h in pending):
-                log.error("zerostall: a save replacing a checkpoint file failed; the old file is kept at %s",
-                          trash)
-                return
-            if os.path.isdir(trash) and not os.path.islink(trash):
-                shutil.rmtree(trash, ignore_errors=True)
-            elif os.path.lexists(trash):
-                os.remove(trash)
+            try:
+                for h in pending:
+                    h.wait()
+                if keep_if_failed and any(h.exception() is not None for h in pending):
+                    log.error("zerostall: a save replacing a checkpoint file failed; the old file is kept at %s",
+                              trash)
+                    return
+                if os.path.isdir(trash) and not os.path.islink(trash):
+                    shutil.rmtree(trash, ignore_errors=True)
+                elif os.path.lexists(trash):
+                    os.remove(trash)
+            finally:
+                self._waiting.discard(trash)
 
+        self._waiting.add(trash)
         if not any(not h.done() for h in pending):
             remove()
             return

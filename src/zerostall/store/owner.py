@@ -26,9 +26,10 @@ import json
 import logging
 import os
 import socket
+import stat
 import time
 
-from ..errors import RootLockedError, storage_error
+from ..errors import RootLockedError, StorageError, storage_error
 
 log = logging.getLogger("zerostall")
 
@@ -39,11 +40,18 @@ _NO_LOCKING = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 def read_owner(root: str) -> dict[str, object]:
     """What the lock file of ``root`` says about its holder ({} if nothing readable)."""
     try:
-        with open(os.path.join(root, LOCK_NAME), "rb") as f:
-            info = json.loads(f.read(4096) or b"{}")
+        fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return {}
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or device: never block on it
+            return {}
+        info = json.loads(os.read(fd, 4096) or b"{}")
         return info if isinstance(info, dict) else {}
     except (OSError, ValueError):
         return {}
+    finally:
+        os.close(fd)
 
 
 def describe_owner(owner: dict[str, object]) -> str:
@@ -77,10 +85,14 @@ class RootLock:
         """
         if self._fd is not None:
             return
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:  # O_NONBLOCK: a FIFO planted there must not block the open
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         except OSError as exc:
             raise storage_error("creating the lock file", self.path, exc) from exc
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO would hang read_owner (we hold a writer end)
+            os.close(fd)
+            raise StorageError(f"lock file {self.path!r} is not a regular file; remove it (zerostall recreates "
+                               "it) and try again", filename=self.path)
         deadline = time.monotonic() + max(0.0, timeout_s)
         delay = 0.01
         try:

@@ -45,7 +45,7 @@ from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..staging.job import SaveJob
 from .local import LocalTier
 from .remote import RemoteTier, drop_cache, file_crc32c
-from .retention import RetentionPolicy, spare_referenced
+from .retention import RetentionPolicy, dependents, spare_referenced
 
 log = logging.getLogger("zerostall")
 
@@ -196,11 +196,11 @@ class Replicator:
             remote = self._remote_tier()
             remote_steps = set(remote.steps())
             local = self.tier.steps()
-            self._drop_stale(remote, remote_steps, local)
+            blocked = self._drop_stale(remote, remote_steps, local)
         except ZerostallError as exc:
             self._note_error(exc)
             return False
-        self._settle(remote_steps)
+        self._settle(remote_steps - blocked)
         todo = self.policy.to_replicate(local, sorted(remote_steps))
         with self._lock:
             self._pending = list(todo)
@@ -227,12 +227,12 @@ class Replicator:
         self._failing = False
         self.last_error = None
         with self._lock:
-            self._pending = [s for s in todo if s not in remote_steps]
+            self._pending = sorted({s for s in todo if s not in remote_steps} | blocked)
             pending = list(self._pending)
         self._retain(remote, local, sorted(remote_steps), pending)
         return progressed
 
-    def _drop_stale(self, remote: RemoteTier, remote_steps: set[int], local: list[int]) -> None:
+    def _drop_stale(self, remote: RemoteTier, remote_steps: set[int], local: list[int]) -> set[int]:
         """A local step the remote lists under another checkpoint id is not replicated: the
         remote holds an older copy (the step was overwritten locally, or saved again after a
         restart from an earlier step, or by an earlier run using this remote). Rank 0 removes
@@ -243,6 +243,7 @@ class Replicator:
             recheck, self._recheck = self._recheck, set()
         for s in recheck:
             self._matched.pop(s, None)
+        blocked: set[int] = set()  # stale on the remote but referenced there: neither replaced nor replicated
         for s in sorted(remote_steps & set(local)):
             try:
                 mine = self.tier.read_manifest(s).checkpoint_id
@@ -254,11 +255,19 @@ class Replicator:
             if theirs == mine:
                 self._matched[s] = mine
                 continue
+            users = dependents(sorted(remote_steps), s, remote.read_manifest)
+            if users:  # replacing it would break them: keep both copies until remote retention drops them
+                log.warning("zerostall: %s holds another checkpoint as step %d (id %s, local id %s), and its "
+                            "steps %s borrow bytes from it: the local step stays, not replicated, until they "
+                            "are gone", remote.url, s, theirs, mine, users)
+                blocked.add(s)
+                continue
             log.warning("zerostall: %s holds another checkpoint as step %d (id %s, local id %s); replacing it "
                         "with the local step", remote.url, s, theirs, mine)
             if self.rank == 0:
                 remote.delete(s)
             remote_steps.discard(s)
+        return blocked
 
     def _settle(self, remote_steps: set[int]) -> None:
         """Handles of steps the remote lists are replicated (manifest there, on every rank)."""
