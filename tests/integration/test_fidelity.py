@@ -164,7 +164,7 @@ def test_step_range_checked_before_queueing(ckdir, step):
     with zerostall.Checkpointer(ckdir) as ck:
         with pytest.raises(ConfigError, match="step="):
             ck.save(step, {"x": torch.ones(2)})
-        assert ck.arena is None  # nothing planned, nothing queued
+        assert not ck._inflight  # nothing queued (the staging pool is leased at construction now)
     zerostall.save(ckdir, {"x": torch.ones(2)}, step=2 ** 63 - 1)
     assert zerostall.load(ckdir)["x"].sum() == 2
 
@@ -198,7 +198,7 @@ def test_manifest_size_limit_on_save_names_the_key(ckdir, monkeypatch):
     with zerostall.Checkpointer(ckdir) as ck:
         with pytest.raises(UnsupportedStateError, match=r"'trainer\.log_history'.*tensors"):
             ck.save(1, state)
-        assert ck.arena is None
+        assert not ck._inflight
     assert zerostall.Checkpointer(ckdir).steps() == []
 
 
