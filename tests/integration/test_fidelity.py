@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import zerostall
+from zerostall.store.local import LocalTier
 from zerostall.errors import ConfigError, UnsupportedStateError
 from zerostall.format.dtypes import SUPPORTED_DTYPES
 from zerostall.format.validate import MAX_INT_BITS, NUMPY_DTYPES
@@ -177,7 +178,7 @@ def test_metadata_must_be_plain_json(ckdir):
         h = ck.save(2, {"x": torch.ones(1)}, metadata=meta)
         meta["n"].append(3)  # the save holds a snapshot, not the caller's object
         h.result()
-    assert zerostall.Checkpointer(ckdir).tier.read_manifest(2).user_metadata == {"run": "a", "n": [1, 2]}
+    assert LocalTier(ckdir).read_manifest(2).user_metadata == {"run": "a", "n": [1, 2]}
 
 
 def test_plain_values_are_snapshotted_at_save(ckdir):
@@ -199,7 +200,7 @@ def test_manifest_size_limit_on_save_names_the_key(ckdir, monkeypatch):
         with pytest.raises(UnsupportedStateError, match=r"'trainer\.log_history'.*tensors"):
             ck.save(1, state)
         assert not ck._inflight
-    assert zerostall.Checkpointer(ckdir).steps() == []
+    assert LocalTier(ckdir).steps() == []
 
 
 def test_non_contiguous_tensor_streams_within_the_budget(ckdir):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import zerostall
+from zerostall.store.local import LocalTier
 from zerostall.errors import ZerostallError
 from zerostall.staging.job import SaveJob
 
@@ -111,7 +112,7 @@ def test_sigterm_soak_on_preemption_at_random_instants(tmp_path):
         assert st["signals"] == nsig and st["ok"] == nsig, st
         total += st["signals"]
         in_save += st["in_save"]
-        steps = zerostall.Checkpointer(str(tmp_path / f"ck{i}")).steps()
+        steps = LocalTier(str(tmp_path / f"ck{i}")).steps()
         assert steps, "nothing committed"
         out = zerostall.load(str(tmp_path / f"ck{i}"))  # the newest committed step verifies
         assert len(out) == 200

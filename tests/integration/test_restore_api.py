@@ -22,7 +22,7 @@ def _state(v=1.0):
 
 
 def _flip(ckdir, step, key):
-    man = zerostall.Checkpointer(ckdir).tier.read_manifest(step)
+    man = LocalTier(ckdir).read_manifest(step)
     e = next(t for t in man.tensors if t.key == key)
     with open(os.path.join(ckdir, f"step-{step}", e.file), "r+b") as f:
         f.seek(e.offset + 5)

@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("lightning")
 
 import zerostall  # noqa: E402
+from zerostall.store.local import LocalTier  # noqa: E402
 from tests.helpers import equal, free_port  # noqa: E402
 from zerostall.integrations.lightning import (  # noqa: E402
     ZerostallCheckpointIO, is_zerostall_checkpoint, load_from_checkpoint)
@@ -63,7 +64,7 @@ def test_fit_topk_last_and_resume_match_lightning(tmp_path, reference):
     assert len(names) == 3 and "last.ckpt" in names
     for n in names:
         p = tmp_path / "ckpts" / n
-        assert is_zerostall_checkpoint(p) and len(zerostall.Checkpointer(p).steps()) == 1
+        assert is_zerostall_checkpoint(p) and len(LocalTier(p).steps()) == 1
     last = zerostall.load(tmp_path / "ckpts" / "last.ckpt")
     assert equal(last["state_dict"], final)
     assert last["hyper_parameters"]["args"] == argparse.Namespace(seed=1, note="hparams as a Namespace")
@@ -129,7 +130,7 @@ def test_options_and_errors(tmp_path):
     io.save_checkpoint(state, tmp_path / "a.ckpt")
     io.save_checkpoint({**state, "global_step": 5}, tmp_path / "a.ckpt")  # same path, same step: a new step
     io.teardown()
-    assert zerostall.Checkpointer(tmp_path / "a.ckpt").steps() == [6]
+    assert LocalTier(tmp_path / "a.ckpt").steps() == [6]
     assert io.load_checkpoint(tmp_path / "a.ckpt")["hp"] == argparse.Namespace(a=1)
     io.remove_checkpoint(tmp_path / "a.ckpt")
     assert not os.path.exists(tmp_path / "a.ckpt") and os.listdir(tmp_path) == []

@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("transformers")
 
 import zerostall  # noqa: E402
+from zerostall.store.local import LocalTier  # noqa: E402
 from tests.helpers import equal, free_port  # noqa: E402
 from zerostall.integrations.transformers import last_committed_checkpoint  # noqa: E402
 
@@ -53,7 +54,7 @@ def test_stop_and_resume_is_bit_identical(tmp_path, reference):
     assert equal(hf_app.final_params(t), reference)
     # save_total_limit=2: the newest two remain, each one committed zerostall step
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")) == ["checkpoint-12", "checkpoint-8"]
-    assert zerostall.Checkpointer(tmp_path / "checkpoint-12").steps() == [12]
+    assert LocalTier(tmp_path / "checkpoint-12").steps() == [12]
 
 
 def test_sigkill_mid_run_then_resume_with_the_mixin(tmp_path, reference):
