@@ -267,7 +267,7 @@ class Checkpointer:
         except BaseException as exc:
             # the pool reserves and hands over under one lock; a job it reserved blocks for but
             # could not hand over is drained by the pool itself (the shared ring moves on)
-            reserved = job is not None and job.reserved
+            reserved = job is not None and job.reserved and not job.pool_drained
             if job is not None and (job.to_persist or job.to_snap or reserved and not self._closed):
                 # The workers finish it as failed: its reserved blocks drain (the ring moves on) and
                 # the persist thread reports it; raised here, so not again as a background error.

@@ -142,3 +142,34 @@ def test_exception_between_reserve_and_queueing_leaves_the_ring_moving(ckdir):
     assert ck.wait(timeout=60)
     ck.close()  # no background error re-raised for the save that raised in save()
     assert ck.tier.steps() == [1, 3]
+
+
+def test_interrupt_inside_the_shared_ring_reserve_does_not_stall_other_checkpointers(tmp_path):
+    """A signal handler raising while the pool's ring is being reserved (the ring moved, the job
+    not yet marked): the pool drains those blocks itself, so another Checkpointer sharing the
+    process's pool still saves (it used to wait forever on blocks nobody would release)."""
+    MiB = 1 << 20
+    st = zerostall.StagingConfig(budget_bytes=2 * MiB, block_bytes=MiB)
+    state = {"w": torch.randn(MiB)}
+    a = zerostall.Checkpointer(str(tmp_path / "a"), staging=st)
+    b = zerostall.Checkpointer(str(tmp_path / "b"), staging=st)
+    try:
+        a.save(1, state).result(timeout=60)
+        ring = a.ring
+        assert b.ring is ring  # one pool per process
+        orig = type(ring).reserve
+
+        def reserve_then_interrupt(self, n):
+            orig(self, n)
+            raise KeyboardInterrupt  # after the ring moved, before the pool marked the job
+
+        ring.reserve = reserve_then_interrupt.__get__(ring)
+        with pytest.raises(KeyboardInterrupt):
+            a.save(2, state)
+        del ring.reserve
+        assert b.save(7, state).result(timeout=60).ok
+        assert a.save(3, state).result(timeout=60).ok
+    finally:
+        assert a.close(timeout=60) and b.close(timeout=60)
+    assert LocalTier(str(tmp_path / "a")).steps() == [1, 3]
+    assert LocalTier(str(tmp_path / "b")).steps() == [7]

@@ -45,6 +45,8 @@ class SaveJob:
     """The staging arena this job's blocks live in (set when reserved; the pool may swap later)."""
     reserved: bool = False
     """Set by the staging pool once blocks ``g0 .. g_end`` of the shared ring are this job's."""
+    pool_drained: bool = False
+    """Set by the pool when it drained this job's blocks itself (it reserved, then reached no worker)."""
     staged: threading.Event = field(default_factory=threading.Event)
     durable: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)

@@ -148,18 +148,34 @@ class StagingPool:
             self._swap_if_idle()
             if self.ring.capacity_bytes < min(self.target, self.arena.nbytes):
                 self.ring.resize(min(self.target, self.arena.nbytes))
-            job.g0 = self.ring.reserve(job.nblocks)
-            job.reserved = True
-            job.arena = self.arena
-            job.arena_bytes = self.ring.capacity_bytes
+            g0 = self.ring.reserved
+            try:
+                self.ring.reserve(job.nblocks)
+                job.g0, job.reserved = g0, True
+                job.arena = self.arena
+                job.arena_bytes = self.ring.capacity_bytes
+            except BaseException as exc:
+                # interrupted (a signal handler raising) after the ring moved: the blocks are this
+                # job's, and nobody else will ever release them — drain them here
+                if self.ring.reserved != g0:
+                    job.g0, job.reserved, job.arena = g0, True, self.arena
+                    self._abandon(job, exc)
+                raise
             try:
                 hand_over(job)
             except BaseException as exc:
                 if not (getattr(job, "to_snap", False) or getattr(job, "to_persist", False)):
-                    job.fail(exc)
-                    self.snap.submit(job)  # publishes the blocks unwritten
-                    threading.Thread(target=self._drain, args=(job,), daemon=True).start()
+                    self._abandon(job, exc)
                 raise
+
+    def _abandon(self, job: SaveJob, exc: BaseException) -> None:
+        """A job that reserved blocks but reached no worker: fail it, let the snapshot thread
+        publish its blocks unwritten and release them, so the shared ring moves on. The caller
+        (``Checkpointer.save``) sees ``job.pool_drained`` and only discards its bookkeeping."""
+        job.fail(exc)
+        job.pool_drained = True
+        self.snap.submit(job)  # publishes the blocks unwritten
+        threading.Thread(target=self._drain, args=(job,), daemon=True).start()
 
     def _drain(self, job: SaveJob) -> None:
         g = job.g0
