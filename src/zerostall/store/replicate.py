@@ -204,6 +204,16 @@ class Replicator:
         todo = self.policy.to_replicate(local, sorted(remote_steps))
         with self._lock:
             self._pending = list(todo)
+            # saved this run, but older than anything remote retention keeps (to_replicate): never
+            # uploaded, so settled here; otherwise close() waited for it and reported it unreplicated
+            moot = [j for s, j in self._jobs.items() if s in local and s not in todo and s not in remote_steps
+                    and s not in blocked and not j.replicated.is_set()]
+            for j in moot:
+                del self._jobs[j.step]
+        for j in moot:
+            j.replicate_error = None
+            j.replicated.set()
+            log.info("zerostall: step %d not uploaded to %s: remote retention would not keep it", j.step, self._url())
         progressed = False
         for s in todo:
             if self._cancel.is_set():
