@@ -60,6 +60,18 @@ _OLD_RE = re.compile(r"^step-(\d{1,19})\.old$")
 _TEMP_RE = re.compile(r"^(latest\.tmp|\.zerostall-write-test-\d+|\.zerostall-probe-[0-9a-f]+)$")
 
 
+def _has_manifest(step_dir: str) -> bool:
+    """Whether ``step_dir/manifest.json`` exists in any form (never opened: a FIFO cannot hang
+    this). An entry we cannot examine (EACCES, ELOOP, ...) counts, so it is reported as damaged."""
+    try:
+        os.lstat(os.path.join(step_dir, MANIFEST_NAME))
+        return True
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
+
+
 class LocalTier(Tier):
     exchange = True
     """Use ``renameat2(RENAME_EXCHANGE)`` for overwrites (tests set False for the two-phase path)."""
@@ -103,13 +115,13 @@ class LocalTier(Tier):
 
     # -- reading (any thread, any process, no lock) ----------------------------------------
     def listed_steps(self) -> list[int]:
-        """``step-N`` directories holding a ``manifest.json`` (not validated), ascending: for
-        tools that report damaged steps (``ls``, ``verify``)."""
+        """``step-N`` entries holding something named ``manifest.json`` (not validated: a FIFO,
+        a directory, a symlink, an unreadable file count too), ascending: for tools that report
+        damaged steps (``ls``, ``verify``, ``load``'s fallback), so none is hidden."""
         out = []
         for n in self._names():
             s = parse_step_dir(n, self.root)  # canonical names only: 'step-03' is ignored, with a warning
-            if s is not None and os.path.isfile(os.path.join(self.root, n, MANIFEST_NAME)) \
-                    and not os.path.islink(os.path.join(self.root, n)):
+            if s is not None and _has_manifest(os.path.join(self.root, n)):
                 out.append(s)
         return sorted(out)
 
