@@ -40,8 +40,8 @@ import threading
 import uuid
 from typing import TYPE_CHECKING, Callable
 
-from ..errors import (CheckpointExistsError, CheckpointNotFound, CorruptCheckpoint, StepOrderError,
-                      ZerostallError, storage_error)
+from ..errors import (CheckpointExistsError, CheckpointNotFound, CorruptCheckpoint, RootNotFound,
+                      StepOrderError, ZerostallError, storage_error)
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..format.validate import parse_step_dir, read_small
 from .atomic import fsync_dir, publish_dir, recover_dir, rmtree, write_file_durable
@@ -108,6 +108,11 @@ class LocalTier(Tier):
             return os.listdir(self.root)
         except FileNotFoundError:
             return []
+
+    def check_root(self) -> None:
+        if not os.path.isdir(self.root):
+            raise RootNotFound(f"checkpoint directory {self.root!r} does not exist (check the path; a "
+                               "Checkpointer creates it at its first save)", root=self.root)
 
     def _step(self, name: str) -> None:
         if self._hook is not None:
