@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
 # The device check for a session that is lent a GPU: the GPU tests and the GPU bench, once.
 # Writes logs and the bench JSON/plot under ${OUT:-gpu-out}. Not run in CI (no GPU there).
+# The device machine has no package registry: wheels for what its image lacks (crc32c,
+# liburing, the bench peers) travel in .whl/ (see the README's "GPU check"); without .whl/
+# the packages are installed from the index.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
+BENCH_S=${BENCH_S:-300}
 mkdir -p "$OUT"
-python3 -m pip install -q -e '.[all,test]' 2>&1 | tail -2
-nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl 2>&1 | tail -2
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
+else
+  python3 -m pip install -q -e '.[all,test]' 2>&1 | tail -2
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; uname -r; nproc; free -g;
+  python3 -c 'import torch, zerostall; print("torch", torch.__version__, "cuda devices:", torch.cuda.device_count())';
+  df -hT . /tmp; } 2>&1 | tee "$OUT/machine.txt"
 # every GPU test; the two-device cases (test_gpu.py::test_two_devices_*) are skipped, and
 # say so (-rs), on a machine with one device
-python3 -c 'import torch; print("cuda devices:", torch.cuda.device_count())' | tee "$OUT/devices.txt"
-python3 -m pytest -q -m gpu -rs tests 2>&1 | tee "$OUT/pytest-gpu.log"
-python3 -m pytest -q -rs tests/unit/test_device_streams.py 2>&1 | tee "$OUT/pytest-device-streams.log"
-zerostall bench --device cuda --size-gib 2 --repeat 2 --json "$OUT/bench-cuda.json" --plot "$OUT/bench-cuda.png" \
-  2>&1 | tee "$OUT/bench-cuda.log"
+timeout 240 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests tests/unit/test_device_streams.py 2>&1 \
+  | tee "$OUT/pytest-gpu.log"
+timeout "$BENCH_S" zerostall bench --device cuda --size-gib "${BENCH_GIB:-2}" --repeat "${BENCH_REPEAT:-2}" \
+  --methods "${BENCH_METHODS:-torch.save,dcp,dcp-async,zerostall-uring,zerostall.save,nvrx-async,torchsnapshot-async,lightning-async}" \
+  --dir /tmp/zs-bench --json "$OUT/bench-cuda.json" --plot "$OUT/bench-cuda.png" 2>&1 | tee "$OUT/bench-cuda.log"

@@ -108,12 +108,12 @@ class Checkpointer:
             self.node_local = False
         self._refs: RefTracker | None = None
         mode = mode_of(cfg.incremental)
-        if mode is not None:
-            if self.world_size > 1:
-                raise ConfigError(f"incremental={cfg.incremental!r} supports single-process saves only (this is "
-                                  f"world size {self.world_size}); pass incremental=False")
+        if mode is not None:  # each rank references only its own earlier files
             self._refs = RefTracker(mode, cfg.full_every)
-            self._refs.seed_from(self.tier.steps(), self.tier.read_manifest, root=self.tier.root)
+            self._refs.seed_from(self.tier.steps(), self.tier.read_manifest, root=self.tier.root,
+                                 rank=self.rank, world_size=self.world_size)
+            if self._committer is not None:
+                self._committer.refs = self._refs
         name, self.probe = engine_name_for(self.tier.root, cfg.io)
         self.engine: Engine = get_engine(name, cfg.io)
         if cfg.prometheus:

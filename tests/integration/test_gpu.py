@@ -72,3 +72,81 @@ def test_two_devices_guard_waits_for_its_optimizer_only(ckdir):
         opt.step()  # waits until cuda:1's weights are in the arena
         assert h.result().ok
     assert torch.equal(zerostall.load(ckdir)["m1"]["weight"], expected)
+
+
+def test_copy_waits_for_the_callers_stream(ckdir):
+    """One device: the snapshot holds the value queued on the current stream before save()
+    (a copy on a side stream that did not wait for it would read zeros), and the caller may
+    overwrite the tensor as soon as the save is staged."""
+    a = torch.zeros(8 << 20, device="cuda")
+    _wait_behind_a_long_kernel(0, a)
+    with zerostall.Checkpointer(ckdir) as ck:
+        h = ck.save(1, {"a": a})
+        h.wait_staged()
+        a.zero_()
+        assert h.result().ok
+    assert torch.equal(zerostall.load(ckdir)["a"], torch.ones(8 << 20))
+
+
+def test_dtypes_layouts_and_streaming_through_a_small_ring(ckdir):
+    """bf16/fp16/int8/bool, a transposed view and a tensor larger than the staging budget
+    (streamed through the ring) come back bit-exact, on the device they are loaded to."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    big = torch.randn(48 << 20, device="cuda", generator=g)  # 192 MiB > 64 MiB budget
+    state = {
+        "bf16": torch.randn(1000, 33, device="cuda", generator=g).to(torch.bfloat16),
+        "fp16": torch.randn(77, device="cuda", generator=g).half(),
+        "i8": torch.randint(-128, 127, (4096,), device="cuda", dtype=torch.int8, generator=g),
+        "mask": torch.rand(513, device="cuda", generator=g) > 0.5,
+        "t": torch.randn(300, 200, device="cuda", generator=g).t(),
+        "big": big,
+    }
+    want = {k: v.cpu().clone() for k, v in state.items()}
+    from zerostall.staging import pool as zpool
+    zpool.release_now()  # a larger pool left by an earlier test would not stream
+    cfg = zerostall.CheckpointConfig(staging=zerostall.StagingConfig(budget_bytes=64 << 20, block_bytes=8 << 20))
+    with zerostall.Checkpointer(ckdir, cfg) as ck:
+        assert ck.save(1, state).result().ok
+    out = zerostall.load(ckdir, map_location="cuda:0")
+    for k, v in want.items():
+        assert out[k].device.type == "cuda", k
+        assert out[k].dtype == v.dtype and out[k].shape == v.shape, k
+        assert torch.equal(out[k].cpu(), v), k
+
+
+def test_one_shot_save_and_new_checkpointers_share_a_pinned_pool(tmp_path):
+    """Several Checkpointers and the one-shot save in one process: every save of CUDA state
+    round-trips, and the pool they share is registered with CUDA (page-locked)."""
+    from zerostall.staging import pool as zpool
+
+    x = torch.randn(4 << 20, device="cuda")
+    saved = []
+    for i in range(3):
+        with zerostall.Checkpointer(tmp_path / f"ck{i}") as ck:
+            assert ck.save(i, {"x": x}).result().ok
+            p = zpool.current()
+            assert p is not None and p.arena.cuda_registered
+        saved.append(x.cpu())
+        x.add_(1)
+    rec = zerostall.save(tmp_path / "one", {"x": x}, 7)
+    assert rec.ok
+    assert torch.equal(zerostall.load(tmp_path / "one")["x"], x.cpu())
+    for i, want in enumerate(saved):
+        assert torch.equal(zerostall.load(tmp_path / f"ck{i}")["x"], want), i
+
+
+def test_dcp_writer_and_reader_with_cuda_tensors(tmp_path):
+    """``dcp.save``/``dcp.load`` (no process group) through zerostall.dcp with CUDA tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    import zerostall.dcp
+
+    model = torch.nn.Linear(256, 128).cuda()
+    sd = {"model": model.state_dict()}
+    want = {k: v.cpu().clone() for k, v in model.state_dict().items()}
+    dcp.save(sd, storage_writer=zerostall.dcp.Writer(str(tmp_path / "d")))
+    fresh = torch.nn.Linear(256, 128).cuda()
+    target = {"model": fresh.state_dict()}
+    dcp.load(target, storage_reader=zerostall.dcp.Reader(str(tmp_path / "d")))
+    for k, v in want.items():
+        assert torch.equal(fresh.state_dict()[k].cpu(), v), k

@@ -269,6 +269,12 @@ def run_bench(a: argparse.Namespace, console: Any) -> dict[str, Any]:
                     if name.startswith("zerostall-"):
                         row.update(new_path_stall(name.split("-", 1)[1], os.path.join(workdir, "newpath"), state))
                     doc["results"].append(row)
+                except Exception as exc:  # a peer's own failure is a row of the table, not the end of the run
+                    if name.startswith("zerostall"):
+                        raise
+                    why = f"failed here: {type(exc).__name__}: {str(exc)[:300]}"
+                    console.print(f"  {name}: {why}")
+                    doc["results"].append({**unavailable_row(name, why), "failed": True})
                 finally:
                     m.close()
                     shutil.rmtree(m.root, ignore_errors=True)

@@ -170,8 +170,16 @@ class DCPAsync(Method):
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                    use_async_staging=True, use_non_blocking_copy=cuda))
 
+    def _closed(self) -> bool:
+        """Some torch releases (2.11, seen on an H200 host) close the stager ``async_save`` was
+        given once the save is done; reusing it then fails inside its deepcopy (KeyError)."""
+        inner = getattr(self.stager, "_state_dict_stager", None)
+        return inner is not None and not getattr(inner, "_deepcopy_dispatch", True)
+
     def start(self, step: int, state: Any) -> Pending:
         import torch.distributed.checkpoint as dcp
+        if self._closed():
+            self.setup(self.root, state)  # a new stager (its pinned cache is gone with the old one)
         t0 = time.perf_counter()
         resp = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(self.dir(step)),
                               async_stager=self.stager, no_dist=True)

@@ -37,11 +37,13 @@ import json
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import DistributedError, SaveFailed
 from ..format.manifest import FileEntry, Manifest, TensorEntry
+from ..format.refs import RefFile
 from ..format.tree import remap_tree
+from ..staging.incremental import RefTracker, merged_entries
 from ..staging.job import SaveJob
 from ..store.local import LocalTier
 from ..store.persist import file_entry, tensor_entries
@@ -54,6 +56,10 @@ def merge(fragments: list[dict[str, Any]], step: int, world: int, per_rank: bool
           user_metadata: dict[str, Any]) -> Manifest:
     """One manifest from every rank's fragment (rank order)."""
     files = tuple(FileEntry(**f["file"]) for f in fragments)
+    ref_files: dict[tuple[int, str], RefFile] = {}
+    for f in fragments:  # incremental saves: each rank borrows from its own earlier files
+        for r in f.get("ref_files", ()):
+            ref_files.setdefault((r["step"], r["name"]), RefFile(**r))
     if per_rank:
         tensors: list[TensorEntry] = []
         trees = []
@@ -79,20 +85,30 @@ def merge(fragments: list[dict[str, Any]], step: int, world: int, per_rank: bool
         tensors, tree, rank_trees = slots, fragments[0]["tree"], None  # type: ignore[assignment]
     return Manifest(step=step, world_size=world, checkpoint_id=fragments[0]["file"]["file_id"],
                     created_unix=time.time(), files=files, tensors=tuple(tensors), tree=tree,
-                    user_metadata=user_metadata, rank_trees=rank_trees)
+                    user_metadata=user_metadata, rank_trees=rank_trees, ref_files=tuple(ref_files.values()))
+
+
+def peer_protected(fragments: list[dict[str, Any]]) -> set[int]:
+    """Steps any rank's incremental base or save in flight may reference (``RefTracker.protected``
+    at the time the rank reported): the retention of the rank(s) that delete must keep them."""
+    return {int(s) for f in fragments for s in f.get("protect", ())}
 
 
 def commit_round(store: Store, session: Session, fragment: dict[str, Any], tier: LocalTier, step: int, *,
                  per_rank: bool, timeout_s: float, overwrite: bool = False,
-                 user_metadata: dict[str, Any] | None = None) -> None:
+                 user_metadata: dict[str, Any] | None = None,
+                 protect: Callable[[set[int]], None] | None = None) -> None:
     """Steps 2-5 of the protocol for one rank (persist thread). Raises :class:`SaveFailed` or
-    :class:`DistributedError` if nothing was committed."""
+    :class:`DistributedError` if nothing was committed. ``protect`` (incremental saves; rank 0
+    and node-local leaders, the ranks that run retention) receives :func:`peer_protected` of
+    the round's fragments before the commit."""
     base = step_base(session, step)
     deadline = time.monotonic() + timeout_s
     try:
         if session.rank == 0:
             res = _coordinate(store, session, base, fragment, tier, step, per_rank=per_rank, deadline=deadline,
-                              timeout_s=timeout_s, overwrite=overwrite, user_metadata=user_metadata or {})
+                              timeout_s=timeout_s, overwrite=overwrite, user_metadata=user_metadata or {},
+                              protect=protect)
         else:
             store.set(f"{base}/r{session.rank}", json.dumps(fragment))
             if store.poll([f"{base}/result"], deadline) == "timeout":
@@ -104,6 +120,8 @@ def commit_round(store: Store, session: Session, fragment: dict[str, Any], tier:
         if not res["commit"]:
             raise SaveFailed(res["error"], step=step)
         if session.node_local:
+            if protect is not None and session.rank in session.leaders and session.rank != 0:
+                protect(set(res.get("protect", ())))
             _commit_node_copy(store, session, base, res, tier, step, overwrite, deadline, timeout_s)
     except DistributedError as exc:
         if str(exc).startswith(f"step {step}:"):
@@ -143,7 +161,8 @@ def report_failure(store: Store, session: Session, step: int, exc: BaseException
 
 def _coordinate(store: Store, session: Session, base: str, fragment: dict[str, Any], tier: LocalTier, step: int,
                 *, per_rank: bool, deadline: float, timeout_s: float, overwrite: bool,
-                user_metadata: dict[str, Any]) -> dict[str, Any]:
+                user_metadata: dict[str, Any],
+                protect: Callable[[set[int]], None] | None = None) -> dict[str, Any]:
     world = session.world
     keys = [f"{base}/r{r}" for r in range(1, world)]
     try:
@@ -157,9 +176,14 @@ def _coordinate(store: Store, session: Session, base: str, fragment: dict[str, A
             raise SaveFailed(store.get_json(f"{base}/fail")["error"], step=step)
         frags = [fragment] + store.multi_get_json(keys)
         man = merge(frags, step, world, per_rank, user_metadata)
+        kept = peer_protected(frags)
+        if protect is not None:  # before the commit: the retention right after it must see them
+            protect(kept)
         if not session.node_local:
             tier.commit(step, man, overwrite=overwrite)
         res = {"commit": True, "manifest": man.to_bytes().decode() if session.node_local else None}
+        if session.node_local and kept:
+            res["protect"] = sorted(kept)
     except BaseException as exc:
         res = {"commit": False, "error": str(exc)}
         try:
@@ -204,6 +228,8 @@ class StoreCommitter:
         self.rank, self.world = session.rank, session.world
         self.per_rank, self.timeout_s = per_rank, timeout_s
         self.node_local, self.leaders = session.node_local, session.leaders
+        self.refs: RefTracker | None = None
+        """Set by the Checkpointer for incremental saves (before the first save)."""
 
     def begin(self, job: SaveJob) -> str:
         d = self.tier.partial_dir(job.step)
@@ -216,14 +242,21 @@ class StoreCommitter:
     def fragment(self, job: SaveJob) -> dict[str, Any]:
         tree_json = json.dumps(job.plan.tree, sort_keys=True)
         shapes = json.dumps([[it.key, it.dtype, list(it.shape)] for it in job.plan.items], sort_keys=True)
-        return {"ok": True, "file": file_entry(job).__dict__, "n_tensors": job.plan.n_tensors,
-                "tensors": [[g, e.to_json()] for g, e in tensor_entries(job)], "tree": job.plan.tree,
-                "structure": hashlib.sha256(tree_json.encode()).hexdigest() if not self.per_rank else shapes}
+        entries, ref_files = merged_entries(job, tensor_entries(job))  # written and referenced
+        out = {"ok": True, "file": file_entry(job).__dict__, "n_tensors": job.plan.n_tensors,
+               "tensors": [[g, e.to_json()] for g, e in entries], "tree": job.plan.tree,
+               "structure": hashlib.sha256(tree_json.encode()).hexdigest() if not self.per_rank else shapes}
+        if ref_files:
+            out["ref_files"] = [r.to_json() for r in ref_files]
+        if self.refs is not None:
+            out["protect"] = sorted(self.refs.own_protected())
+        return out
 
     def commit(self, job: SaveJob) -> None:
         job.reported = True
         commit_round(self.store, self.session, self.fragment(job), self.tier, job.step, per_rank=self.per_rank,
-                     timeout_s=self.timeout_s, overwrite=job.overwrite, user_metadata=job.user_metadata)
+                     timeout_s=self.timeout_s, overwrite=job.overwrite, user_metadata=job.user_metadata,
+                     protect=self.refs.set_peer_protected if self.refs is not None else None)
 
     def report(self, step: int, exc: BaseException) -> None:
         """A save of ``step`` failed on this rank before a job was queued (caller's thread)."""

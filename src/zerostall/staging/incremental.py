@@ -227,9 +227,11 @@ class RefTracker:
         self._cpu_crc: _CpuCrc | None = None
         self._seed_root: str | None = None
         self._seeded = False  # the base came from disk, not from a save of this process
+        self._peer: set[int] = set()  # other ranks' protected steps (multi-rank; set_peer_protected)
 
     # -- start-up (caller's thread) --------------------------------------------------------
-    def seed_from(self, steps: list[int], read_manifest: Callable[[int], Manifest], root: str | None = None) -> None:
+    def seed_from(self, steps: list[int], read_manifest: Callable[[int], Manifest], root: str | None = None, *,
+                  rank: int = 0, world_size: int = 1) -> None:
         """Start from the newest committed step of the root (if its manifest reads).
 
         Its files were written by another process and may have been damaged since (a restart
@@ -244,12 +246,17 @@ class RefTracker:
         except Exception as exc:  # noqa: BLE001 - no base: the first save is full
             log.info("zerostall: incremental: no base from step %d (%s); the first save is full", steps[-1], exc)
             return
+        if man.world_size != world_size:
+            log.info("zerostall: incremental: step %d was saved by %d rank(s), this is %d; the first save is full",
+                     man.step, man.world_size, world_size)
+            return
         oldest = min((r.step for r in man.ref_files), default=man.step)
-        self.seed(man, sum(1 for s in steps if s > oldest))
+        self.seed(man, sum(1 for s in steps if s > oldest), rank=rank)
 
-    def seed(self, manifest: Manifest, steps_after_oldest_ref: int) -> None:
+    def seed(self, manifest: Manifest, steps_after_oldest_ref: int, *, rank: int = 0) -> None:
         """Make ``manifest`` (the newest committed step of the root) the base: its tensors
-        have no fingerprint, so the first save checks each by crc."""
+        have no fingerprint, so the first save checks each by crc. Only ``rank``'s own files
+        count: a rank references nothing but bytes it wrote (keys repeat across ranks)."""
         files = {f.name: RefFile(manifest.step, f.name, f.rank, f.file_bytes, f.file_id or manifest.checkpoint_id)
                  for f in manifest.files}
         refs = {(r.step, r.name): r for r in manifest.ref_files}
@@ -260,7 +267,8 @@ class RefTracker:
                 e = TensorEntry(e.key, e.dtype, e.shape, e.file, e.offset, e.nbytes, e.crc32c, manifest.step)
             else:
                 ref = refs[(e.step, e.file)]
-            known[e.key] = Known(e, ref, None)
+            if ref.rank == rank:
+                known[e.key] = Known(e, ref, None)
         with self._lock:
             self._known = known
             self._since_full = steps_after_oldest_ref
@@ -427,17 +435,46 @@ class RefTracker:
 
     # -- any thread ---------------------------------------------------------------------------
     def protected(self) -> set[int]:
-        """Steps retention must keep: pinned by saves in flight, or referenced by the base."""
+        """Steps retention must keep: pinned by saves in flight, referenced by the base, or
+        (multi-rank) what the other ranks reported in the last commit round."""
         with self._lock:
-            return set(self._pins) | {k.ref.step for k in self._known.values()}
+            return self._own() | self._peer
+
+    def own_protected(self) -> set[int]:
+        """Steps this rank's saves may reference: pinned by saves in flight, or referenced by
+        the base (a multi-rank save's fragment reports them, :mod:`..dist.commit`)."""
+        with self._lock:
+            return self._own()
+
+    def _own(self) -> set[int]:
+        return set(self._pins) | {k.ref.step for k in self._known.values()}
+
+    def set_peer_protected(self, steps: set[int]) -> None:
+        """The other ranks' :meth:`protected` as of the commit round that is committing now
+        (persist thread of the rank(s) running retention, :func:`..dist.commit.commit_round`).
+
+        Enough until the next round: a rank's pins are always steps its base references, and
+        its base changes only when it learns that a round committed (after it reported), to
+        the step just committed (never deleted: the newest) whose references retention
+        counts from its manifest."""
+        with self._lock:
+            self._peer = set(steps)
+
+
+def merged_entries(job: SaveJob, written: list[tuple[int, TensorEntry]]) -> tuple[list[tuple[int, TensorEntry]],
+                                                                                   tuple[RefFile, ...]]:
+    """(global tensor index, entry) for every tensor of this rank, written and referenced, in
+    index order, and the files the references live in (a multi-rank save's fragment)."""
+    ij: IncrementalJob | None = job.incr
+    if ij is None or not ij.refs:
+        return list(written), ()
+    merged = dict(written)
+    merged.update(ij.refs)
+    return sorted(merged.items()), ij.ref_files
 
 
 def manifest_parts(job: SaveJob, written: list[tuple[int, TensorEntry]]) -> tuple[tuple[TensorEntry, ...],
                                                                                    tuple[RefFile, ...]]:
     """The manifest's ``tensors`` (written and referenced, in global index order) and ``ref_files``."""
-    ij: IncrementalJob | None = job.incr
-    if ij is None or not ij.refs:
-        return tuple(e for _, e in written), ()
-    merged = dict(written)
-    merged.update(ij.refs)
-    return tuple(merged[i] for i in sorted(merged)), ij.ref_files
+    entries, ref_files = merged_entries(job, written)
+    return tuple(e for _, e in entries), ref_files

@@ -40,8 +40,8 @@ import threading
 import uuid
 from typing import TYPE_CHECKING, Callable
 
-from ..errors import (CheckpointExistsError, CheckpointNotFound, CorruptCheckpoint, StepOrderError,
-                      ZerostallError, storage_error)
+from ..errors import (CheckpointExistsError, CheckpointNotFound, CorruptCheckpoint, RootNotFound,
+                      StepOrderError, ZerostallError, storage_error)
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..format.validate import parse_step_dir, read_small
 from .atomic import fsync_dir, publish_dir, recover_dir, rmtree, write_file_durable
@@ -58,6 +58,18 @@ log = logging.getLogger("zerostall")
 _PARTIAL_RE = re.compile(r"^step-(\d{1,19})\.partial$")
 _OLD_RE = re.compile(r"^step-(\d{1,19})\.old$")
 _TEMP_RE = re.compile(r"^(latest\.tmp|\.zerostall-write-test-\d+|\.zerostall-probe-[0-9a-f]+)$")
+
+
+def _has_manifest(step_dir: str) -> bool:
+    """Whether ``step_dir/manifest.json`` exists in any form (never opened: a FIFO cannot hang
+    this). An entry we cannot examine (EACCES, ELOOP, ...) counts, so it is reported as damaged."""
+    try:
+        os.lstat(os.path.join(step_dir, MANIFEST_NAME))
+        return True
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
 
 
 class LocalTier(Tier):
@@ -97,19 +109,24 @@ class LocalTier(Tier):
         except FileNotFoundError:
             return []
 
+    def check_root(self) -> None:
+        if not os.path.isdir(self.root):
+            raise RootNotFound(f"checkpoint directory {self.root!r} does not exist (check the path; a "
+                               "Checkpointer creates it at its first save)", root=self.root)
+
     def _step(self, name: str) -> None:
         if self._hook is not None:
             self._hook(name)
 
     # -- reading (any thread, any process, no lock) ----------------------------------------
     def listed_steps(self) -> list[int]:
-        """``step-N`` directories holding a ``manifest.json`` (not validated), ascending: for
-        tools that report damaged steps (``ls``, ``verify``)."""
+        """``step-N`` entries holding something named ``manifest.json`` (not validated: a FIFO,
+        a directory, a symlink, an unreadable file count too), ascending: for tools that report
+        damaged steps (``ls``, ``verify``, ``load``'s fallback), so none is hidden."""
         out = []
         for n in self._names():
             s = parse_step_dir(n, self.root)  # canonical names only: 'step-03' is ignored, with a warning
-            if s is not None and os.path.isfile(os.path.join(self.root, n, MANIFEST_NAME)) \
-                    and not os.path.islink(os.path.join(self.root, n)):
+            if s is not None and _has_manifest(os.path.join(self.root, n)):
                 out.append(s)
         return sorted(out)
 

@@ -18,9 +18,9 @@ from urllib.parse import urlparse
 import crc32c as _crc
 
 from ..config import ALIGN_BYTES, IOConfig
-from ..errors import CheckpointNotFound, RemoteError, ZerostallError
+from ..errors import CheckpointNotFound, CorruptCheckpoint, RemoteError, RootNotFound, ZerostallError
 from ..format.manifest import MANIFEST_NAME
-from ..format.validate import parse_step_dir
+from ..format.validate import open_regular, parse_step_dir
 from .remote import RemoteTier, ShardIO, drop_cache, file_crc32c, step_of
 
 
@@ -35,6 +35,11 @@ class FileTier(RemoteTier):
         self.url = url
         self.root = urlparse(url).path if url.startswith("file://") else url
         self.io = io or IOConfig()
+
+    def check_root(self) -> None:
+        if not os.path.isdir(self.root):
+            raise RootNotFound(f"{self.url}: directory {self.root!r} does not exist (check the URL; the "
+                               "replicator creates it at its first upload)", root=self.url)
 
     def _path(self, rel: str) -> str:
         return os.path.join(self.root, rel)
@@ -132,11 +137,19 @@ class FileTier(RemoteTier):
             raise self._err("downloading", rel, exc) from exc
 
     def read_bytes(self, rel: str, limit: int) -> bytes:
+        """Regular files only (no FIFO to hang on, no symlink): anything else is
+        CorruptCheckpoint naming the file; so is a step directory that is a symlink."""
+        top = self._path(rel.split("/", 1)[0])
+        if "/" in rel and os.path.islink(top):
+            raise CorruptCheckpoint(f"{self.where(rel)}: {top} is a symlink; a checkpoint's files must live "
+                                    "inside the checkpoint directory", path=self.where(rel))
         try:
-            with open(self._path(rel), "rb") as f:
-                return f.read(limit + 1)
+            fd = open_regular(self._path(rel))
         except FileNotFoundError:
             raise CheckpointNotFound(f"{self.where(rel)} does not exist") from None
+        try:
+            with os.fdopen(fd, "rb") as f:
+                return f.read(limit + 1)
         except OSError as exc:
             raise self._err("reading", rel, exc) from exc
 
@@ -158,13 +171,14 @@ class FileTier(RemoteTier):
         out: dict[int, tuple[Any, ...]] = {}
         for n in names:
             if (step := parse_step_dir(n, self.root)) is not None:
-                try:
-                    st = os.stat(os.path.join(self.root, n, MANIFEST_NAME))
-                except FileNotFoundError:
+                try:  # lstat: a symlink, FIFO or directory is listed (and reported as damaged)
+                    st = os.lstat(os.path.join(self.root, n, MANIFEST_NAME))
+                except (FileNotFoundError, NotADirectoryError):
                     continue
-                except OSError as exc:
-                    raise self._err("stat of", f"{n}/{MANIFEST_NAME}", exc) from exc
-                out[step] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                except OSError as exc:  # cannot examine it: listed, so that reading it reports why
+                    out[step] = ("unreadable", exc.errno)
+                    continue
+                out[step] = (st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         return out
 
     def _open_read(self, rel: str, size: int, engine: Any) -> Any:

@@ -66,6 +66,10 @@ class Tier(ABC):
     def open_shard_read(self, step: int, name: str, engine: "Engine | None" = None) -> "ShardFile":
         """Open ``name`` of committed ``step`` for aligned reads."""
 
+    def check_root(self) -> None:
+        """Raise :class:`~zerostall.errors.RootNotFound` naming the root if it does not exist
+        (readers: ``ls``/``verify`` tell a typo from an empty root). Any thread."""
+
     def latest(self) -> int | None:
         """The newest committed step, or None."""
         steps = self.steps()
