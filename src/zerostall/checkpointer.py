@@ -39,7 +39,7 @@ from .restore import load as _load
 from .staging.arena import Arena, budget_bytes
 from .staging.incremental import RefTracker, mode_of
 from .staging.job import SaveJob
-from .staging.plan import build_plan, check_metadata, check_step
+from .staging.plan import PlanCache, check_metadata, check_step
 from .staging.ring import BlockRing
 from .staging import pool as _pool
 from .staging.snapshot import record_save_events
@@ -140,6 +140,8 @@ class Checkpointer:
                                                    self._refs.protected() if self._refs is not None else set())
         self.unreplicated: list[int] = []
         """After ``close()``: the steps not replicated before ``close_timeout_s`` (see README)."""
+        self._plans = PlanCache()
+        self._step_bound: int | None = None  # owner only: no committed step is above it
         self._lease: _pool.Lease | None = None
         self._oneshot = False  # set by zerostall.save(): stream through a small ring
         self._persist: Persister | None = None
@@ -205,8 +207,8 @@ class Checkpointer:
             self._lease.arena.wait_ready(self._lease.pool.target)
 
     def _plan(self, state_dict: Any) -> Any:
-        return build_plan(state_dict, rank=self.rank, world_size=self.world_size,
-                          replicated=self.config.dist_mode == "replicated")
+        return self._plans.plan(state_dict, rank=self.rank, world_size=self.world_size,
+                                replicated=self.config.dist_mode == "replicated")
 
     # -- caller's thread ----------------------------------------------------------------
     def save(self, step: int, state_dict: Any, *, overwrite: bool | None = None,
@@ -242,10 +244,16 @@ class Checkpointer:
         try:
             self._raise_pending()
             metadata = check_metadata(metadata)
-            self.tier.check_new_step(step, ow, allow_lower=self.config.allow_lower_steps)
+            # Owning the root, only this writer adds steps: above every step it has seen, the
+            # step-order check needs no listing (a listdir and a stat per step, per save).
+            fast = self.tier.owned and self._step_bound is not None and step > self._step_bound
+            self.tier.check_new_step(step, ow, allow_lower=self.config.allow_lower_steps or fast)
             if ow:
                 self._check_not_referenced(step)
             plan = self._plan(state_dict)
+            if self.tier.owned and (self._step_bound is None or step > self._step_bound):
+                newest = self.tier.latest() if self._step_bound is None else None
+                self._step_bound = max(step, newest if newest is not None else -1)
             self._ensure_pipeline(plan.file_bytes)
             assert self.ring is not None and self._lease is not None and self._persist is not None
             job = SaveJob(step=step, plan=plan, rank=self.rank, world_size=self.world_size,

@@ -1,8 +1,9 @@
 """The ``zerostall`` command line. Each subcommand is a thin shell over the library.
 
-Exit status: 0 success; 1 a failure (a check failed, no checkpoint, a corrupt one, an I/O or
+Exit status: 0 success; 1 a failure (a check failed, no such step, a corrupt one, an I/O or
 remote error), with one line on stderr naming the cause; 2 bad usage (argparse, invalid
-options). Read-only commands (``ls``, ``verify``, ``inspect``, ``export``'s source,
+options, a checkpoint root — directory, ``file://`` path, bucket — that does not exist; an
+existing root without checkpoints is not an error: "no checkpoints"). Read-only commands (``ls``, ``verify``, ``inspect``, ``export``'s source,
 ``doctor``) create nothing. Everything printed that comes from a checkpoint (keys, file
 names, error messages quoting them) is printed literally: rich markup and emoji codes are
 not interpreted and control characters are shown as escapes, never sent to the terminal.
@@ -18,7 +19,8 @@ import sys
 from typing import Any, Callable
 
 from . import cli_dcp
-from .errors import CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, ZerostallError
+from .errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, RootNotFound,
+                     ZerostallError)
 
 
 def safe(text: Any) -> str:
@@ -66,12 +68,13 @@ def _tier(path: str) -> Any:
     (``s3://bucket/prefix``, ``file:///shared/path``)."""
     from .store.local import LocalTier
     from .store.tier import open_tier
-    return open_tier(path) if _is_url(path) else LocalTier(path)
+    tier = open_tier(path) if _is_url(path) else LocalTier(path)
+    tier.check_root()  # RootNotFound (exit 2): a typo is not an empty root
+    return tier
 
 
 def _remote_rows(url: str) -> list[dict[str, Any]]:
-    from .store.remote import open_tier
-    remote = open_tier(url)
+    remote = _tier(url)
     rows = []
     for s in remote.listed_steps():  # damaged ones too, reported as such
         try:
@@ -101,9 +104,8 @@ def cmd_ls(a: argparse.Namespace) -> int:
         rows = _remote_rows(a.path)
         title = a.path
     else:
-        if not os.path.isdir(a.path):
-            raise CheckpointNotFound(f"{os.path.abspath(a.path)!r} is not a directory")
         tier = LocalTier(a.path)
+        tier.check_root()
         title = tier.root
         for s in tier.listed_steps():  # damaged ones too, reported as such
             try:
@@ -119,7 +121,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
         if a.remote:
             try:
                 remote_rows = {r["step"]: r for r in _remote_rows(a.remote)}
-            except RemoteError as exc:  # the local listing is still worth showing
+            except (RemoteError, RootNotFound) as exc:  # the local listing is still worth showing
                 print(f"zerostall ls: cannot list {a.remote}: {exc}", file=sys.stderr)
                 remote_rows = None
             for r in rows if remote_rows is not None else []:
@@ -152,8 +154,9 @@ def cmd_ls(a: argparse.Namespace) -> int:
 def cmd_restore(a: argparse.Namespace) -> int:
     from .restore import fetch_remote_step, verify_step
     from .store.local import LocalTier
-    from .store.remote import open_tier
-    remote = open_tier(a.url)
+    from .store.tier import open_tier
+    remote = open_tier(a.url)  # a plain path too: a shared-filesystem tier
+    remote.check_root()
     steps = remote.steps()
     if a.step is not None:
         if a.step not in steps:
@@ -184,18 +187,23 @@ def cmd_verify(a: argparse.Namespace) -> int:
     if not _is_url(a.path) and cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
         return cli_dcp.cmd_verify(a)
     from .restore import verify_step, verify_tier_step
+    from .restore_retry import verify_consistent
     tier = _tier(a.path)
     steps = [a.step] if a.step is not None else tier.listed_steps()
-    if not steps:
-        print(f"zerostall verify: no committed checkpoint in {safe(tier.url)}", file=sys.stderr)
-        return 1
+    if not steps:  # an existing, empty root: nothing failed (a missing one raised RootNotFound)
+        print(f"no checkpoints in {safe(tier.url)}")
+        return 0
     remote = _is_url(a.path)
     engine = None if remote else _engine(a.engine, tier.root)
     bad = 0
     try:
         for s in steps:
-            try:
-                m = verify_tier_step(tier, s) if remote else verify_step(tier, s, engine)
+            try:  # a step replaced under us is read again, one deleted meanwhile is skipped (as load does)
+                m = verify_consistent(tier, s, lambda s=s: verify_tier_step(tier, s) if remote
+                                      else verify_step(tier, s, engine))
+                if m is None:
+                    print(f"step {s}: deleted while verifying it (retention?); skipped")
+                    continue
                 refs = (f" + {_human(m.referenced_bytes)} referenced in step(s) "
                         f"{', '.join(str(x) for x in sorted({r.step for r in m.ref_files}))}" if m.ref_files else "")
                 print(f"step {s}: OK ({len(m.tensors)} tensors, {_human(m.total_bytes)} owned{refs} verified)")
@@ -253,8 +261,6 @@ def cmd_export(a: argparse.Namespace) -> int:
     report = LoadReport()
     with tempfile.TemporaryDirectory(prefix="zerostall-export-") as scratch:
         src, remote = (scratch, a.path) if _is_url(a.path) else (a.path, None)
-        if remote is None and not os.path.isdir(src):
-            raise CheckpointNotFound(f"{os.path.abspath(src)!r} is not a directory")
         rank, world = _export_rank(a, remote)
         state = load(src, step=a.step, remote=remote, rank=rank, world_size=world, report=report)
     flat: dict[str, torch.Tensor] = {}
@@ -376,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(a.fn(a) or 0)
-    except ConfigError as exc:
+    except (ConfigError, RootNotFound) as exc:
         return fail(exc, 2)
     except ZerostallError as exc:
         return fail(exc, 1)

@@ -9,6 +9,7 @@
     ├── StepOrderError         a step lower than the root's newest committed step (another run's?)
     ├── RootLockedError        another writer owns the checkpoint root (names it)
     ├── CheckpointNotFound     no committed checkpoint (or not that step) at the path
+    │   └── RootNotFound       the checkpoint root itself (directory, bucket) does not exist
     ├── CorruptCheckpoint      a manifest or shard failed validation or its checksum
     ├── StateMismatchError     the caller's state dict does not fit the checkpoint (shape, dtype, strict keys)
     ├── StorageError           the OS refused an I/O operation (ENOSPC, EIO, EACCES, ...)
@@ -30,6 +31,7 @@ __all__ = [
     "CorruptCheckpoint",
     "DistributedError",
     "RemoteError",
+    "RootNotFound",
     "RootLockedError",
     "SaveFailed",
     "StateMismatchError",
@@ -85,6 +87,15 @@ class RootLockedError(ZerostallError):
 
 class CheckpointNotFound(ZerostallError, FileNotFoundError):
     """No committed checkpoint (or not the requested step) exists at the path."""
+
+
+class RootNotFound(CheckpointNotFound):
+    """The checkpoint root (a directory, a bucket) does not exist, as opposed to an existing
+    root without checkpoints; ``root`` names it. The CLI reports it as bad usage (exit 2)."""
+
+    def __init__(self, message: str, *, root: str):
+        super().__init__(message)
+        self.root = root
 
 
 class CorruptCheckpoint(ZerostallError):

@@ -29,9 +29,10 @@ def ck(tmp_path):
 
 
 @pytest.mark.parametrize("argv,code,msg", [
-    (["ls", "{tmp}/missing"], 1, "is not a directory"),
-    (["verify", "{tmp}/missing"], 1, "no committed checkpoint"),
-    (["inspect", "{tmp}/missing"], 1, "no committed checkpoint"),
+    (["ls", "{tmp}/missing"], 2, "does not exist (check the path"),
+    (["verify", "{tmp}/missing"], 2, "does not exist (check the path"),
+    (["inspect", "{tmp}/missing"], 2, "does not exist (check the path"),
+    (["export", "{tmp}/missing", "{tmp}/o.st"], 2, "does not exist (check the path"),
     (["inspect", "{ck}", "--step", "99"], 1, "step 99"),
     (["export", "{ck}", "--step", "99", "{tmp}/o.st"], 1, "step 99"),
     (["export", "{ck}", "{tmp}/no/such/dir/o.st"], 2, "not a writable directory"),

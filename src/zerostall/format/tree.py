@@ -78,8 +78,12 @@ def _encode_key(k: Any, path: tuple[Any, ...]) -> Any:
         "use str, int, float, bool, None or tuples of those as keys")
 
 
-def encode_tree(obj: Any) -> tuple[Any, list[TensorLeaf]]:
-    """Encode ``obj``; raise :class:`UnsupportedStateError` naming the first bad key."""
+def encode_tree(obj: Any, occurrences: list[int] | None = None) -> tuple[Any, list[TensorLeaf]]:
+    """Encode ``obj``; raise :class:`UnsupportedStateError` naming the first bad key.
+
+    ``occurrences``, if given, receives the leaf index of every tensor met, in walk order
+    (an aliased tensor repeats an earlier index); the plan cache of :mod:`..staging.plan` uses it.
+    """
     leaves: list[TensorLeaf] = []
     seen: dict[tuple[Any, ...], int] = {}
     try:
@@ -113,11 +117,15 @@ def encode_tree(obj: Any) -> tuple[Any, list[TensorLeaf]]:
         ident = (t.device.type, t.device.index, t.untyped_storage().data_ptr(), t.storage_offset(),
                  tuple(t.shape), t.stride(), t.dtype, is_np) if t.numel() else None
         if ident is not None and ident in seen:
-            return seen[ident]
-        leaves.append(TensorLeaf(key, t, is_np))
-        if ident is not None:
-            seen[ident] = len(leaves) - 1
-        return len(leaves) - 1
+            i = seen[ident]
+        else:
+            leaves.append(TensorLeaf(key, t, is_np))
+            i = len(leaves) - 1
+            if ident is not None:
+                seen[ident] = i
+        if occurrences is not None:
+            occurrences.append(i)
+        return i
 
     def enc(x: Any, path: tuple[Any, ...], depth: int) -> Any:
         if depth > MAX_DEPTH:

@@ -40,8 +40,8 @@ import threading
 import uuid
 from typing import TYPE_CHECKING, Callable
 
-from ..errors import (CheckpointExistsError, CheckpointNotFound, CorruptCheckpoint, StepOrderError,
-                      ZerostallError, storage_error)
+from ..errors import (CheckpointExistsError, CheckpointNotFound, CorruptCheckpoint, RootNotFound,
+                      StepOrderError, ZerostallError, storage_error)
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..format.validate import parse_step_dir, read_small
 from .atomic import fsync_dir, publish_dir, recover_dir, rmtree, write_file_durable
@@ -109,6 +109,11 @@ class LocalTier(Tier):
         except FileNotFoundError:
             return []
 
+    def check_root(self) -> None:
+        if not os.path.isdir(self.root):
+            raise RootNotFound(f"checkpoint directory {self.root!r} does not exist (check the path; a "
+                               "Checkpointer creates it at its first save)", root=self.root)
+
     def _step(self, name: str) -> None:
         if self._hook is not None:
             self._hook(name)
@@ -140,6 +145,9 @@ class LocalTier(Tier):
             if self._is_valid(s):
                 return s
         return None
+
+    def manifest_ident(self, step: int) -> tuple[int, ...] | None:
+        return self._manifest_ident(step)
 
     def _manifest_ident(self, step: int) -> tuple[int, ...] | None:
         try:

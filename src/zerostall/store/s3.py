@@ -35,7 +35,7 @@ from urllib.parse import urlparse
 import crc32c as _crc
 
 from ..config import ALIGN_BYTES, IOConfig
-from ..errors import CheckpointNotFound, ConfigError, RemoteError
+from ..errors import CheckpointNotFound, ConfigError, RemoteError, RootNotFound
 from ..format.manifest import MANIFEST_NAME
 from .remote import RemoteTier, ShardIO, step_of
 
@@ -115,6 +115,19 @@ class S3Tier(RemoteTier):
             if len(parts) == 2 and parts[1] == MANIFEST_NAME and (s := step_of(rel)) is not None:
                 out[s] = (o.get("ETag"), o.get("Size"), str(o.get("LastModified")))
         return out
+
+    def check_root(self) -> None:
+        from botocore.exceptions import ClientError
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except ClientError as exc:
+            if _code(exc) in _NOT_FOUND:
+                raise RootNotFound(f"{self.url}: bucket {self.bucket!r} does not exist at "
+                                   f"{self.client.meta.endpoint_url} (check the URL and AWS_ENDPOINT_URL; "
+                                   "the replicator creates it at its first upload)", root=self.url) from None
+            self._fail("checking", "", exc)
+        except Exception as exc:  # noqa: BLE001 - translated at the boundary
+            self._fail("checking", "", exc)
 
     def stat(self, rel: str) -> int | None:
         from botocore.exceptions import ClientError

@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 import crc32c as _crc
 
 from ..config import ALIGN_BYTES, IOConfig
-from ..errors import CheckpointNotFound, CorruptCheckpoint, RemoteError, ZerostallError
+from ..errors import CheckpointNotFound, CorruptCheckpoint, RemoteError, RootNotFound, ZerostallError
 from ..format.manifest import MANIFEST_NAME
 from ..format.validate import open_regular, parse_step_dir
 from .remote import RemoteTier, ShardIO, drop_cache, file_crc32c, step_of
@@ -35,6 +35,11 @@ class FileTier(RemoteTier):
         self.url = url
         self.root = urlparse(url).path if url.startswith("file://") else url
         self.io = io or IOConfig()
+
+    def check_root(self) -> None:
+        if not os.path.isdir(self.root):
+            raise RootNotFound(f"{self.url}: directory {self.root!r} does not exist (check the URL; the "
+                               "replicator creates it at its first upload)", root=self.url)
 
     def _path(self, rel: str) -> str:
         return os.path.join(self.root, rel)

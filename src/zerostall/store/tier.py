@@ -66,6 +66,20 @@ class Tier(ABC):
     def open_shard_read(self, step: int, name: str, engine: "Engine | None" = None) -> "ShardFile":
         """Open ``name`` of committed ``step`` for aligned reads."""
 
+    def check_root(self) -> None:
+        """Raise :class:`~zerostall.errors.RootNotFound` naming the root if it does not exist
+        (readers: ``ls``/``verify`` tell a typo from an empty root). Any thread."""
+
+    def manifest_ident(self, step: int) -> Any:
+        """An identity of ``step``'s manifest that changes when the step is replaced (None: it
+        has none). Readers compare it to tell a step replaced under them from a damaged one
+        (:mod:`zerostall.restore_retry`). Any thread."""
+        return step if step in self.listed_steps() else None
+
+    def listed_steps(self) -> list[int]:
+        """Steps holding a manifest, valid or not (tools that report damaged steps)."""
+        return self.steps()
+
     def latest(self) -> int | None:
         """The newest committed step, or None."""
         steps = self.steps()

@@ -1,14 +1,18 @@
 """Parsers for /proc/vmstat, /proc/pressure/* and the process's RSS, and a 10 Hz sampler.
 
 Parsers accept kernels that lack fields (missing keys read as 0, a missing PSI file as
-None). The sampler runs in its own daemon thread for the duration of one save and keeps
-peaks and deltas; it is started and stopped by the ``Checkpointer`` (caller's thread and
-persist thread respectively).
+None). A :class:`Sampler` keeps the peaks and deltas of one save; it is created by the
+``Checkpointer`` on the caller's thread in ``save()`` and stopped by the persist thread.
+All samplers of the process are served by one daemon thread (:class:`_Hub`): creating one
+only registers it (no thread start, no /proc read on the caller's thread: a thread start
+waits for the new thread to be scheduled, which took up to 6 ms of ``save()`` on a loaded
+2-core host), and one /proc read per tick serves every sampler due.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -100,27 +104,97 @@ class HostSample:
         )
 
 
+class _Hub:
+    """The process's one sampling thread: takes a sample for every registered sampler that is
+    due (the first at once) and sleeps until the next is due or a sampler arrives.
+
+    Registration is a ``SimpleQueue.put`` (reentrant, no lock a worker could wait on): the
+    caller's thread may be interrupted there by a signal handler that waits for the persist
+    thread, which stops samplers (see the Checkpointer's signal-safety note).
+    """
+
+    def __init__(self) -> None:
+        self.q: queue.SimpleQueue["Sampler"] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()  # taken only by registering threads, never by the hub
+
+    def add(self, s: "Sampler") -> None:
+        self.q.put(s)
+        if self.thread is None:
+            with self._start_lock:
+                if self.thread is None:  # once per process
+                    self.thread = threading.Thread(target=self._run, name="zerostall-sampler", daemon=True)
+                    self.thread.start()
+
+    def _run(self) -> None:
+        active: list[Sampler] = []
+        while True:
+            timeout = max(0.0, min(s._due for s in active) - time.monotonic()) if active else None
+            try:
+                active.append(self.q.get(timeout=timeout))
+                while True:  # take every sampler that arrived meanwhile
+                    active.append(self.q.get_nowait())
+            except queue.Empty:
+                pass
+            active = [s for s in active if not s._stopped]
+            now = time.monotonic()
+            due = [s for s in active if s._due <= now]
+            if due:
+                sample = HostSample.now()
+                for s in due:
+                    s._offer(sample)
+
+
+_hub = _Hub()
+
+
+def _after_fork_in_child() -> None:
+    global _hub
+    _hub = _Hub()  # the parent's thread does not exist in the child
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Sampler:
-    """Samples the host every ``interval_s`` until ``stop()``; keeps peaks and deltas."""
+    """Samples the host every ``interval_s`` until ``stop()``; keeps peaks and deltas.
+
+    Construction only registers with the process's sampling thread (cheap, any thread); the
+    first sample is taken there at once, or by ``stop()`` if that comes first.
+    """
 
     def __init__(self, interval_s: float = 0.1, keep_series: bool = False):
         self.interval_s = interval_s
         self.keep_series = keep_series
         self.series: list[HostSample] = []
-        self.first = HostSample.now()
-        self.last = self.first
-        self.peak_dirty = self.first.dirty_bytes
-        self.peak_writeback = self.first.writeback_bytes
+        self.first: HostSample | None = None
+        self.last: HostSample | None = None
+        self.peak_dirty = 0
+        self.peak_writeback = 0
         self.peak_psi_io = 0.0  # percent of wall time with all tasks stalled, per interval
         self.peak_psi_mem = 0.0
-        self.peak_rss = self.first.rss_bytes
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="zerostall-sampler", daemon=True)
-        self._thread.start()
+        self.peak_rss = 0
+        self._lock = threading.Lock()  # the hub thread and stop() may both offer a sample
+        self._stopped = False
+        self._due = 0.0
+        _hub.add(self)
 
-    def _take(self) -> None:
-        s = HostSample.now()
+    def _offer(self, s: HostSample) -> None:
+        with self._lock:
+            if self._stopped and self.last is not None:
+                return
+            self._due = time.monotonic() + self.interval_s
+            self._take(s)
+
+    def _take(self, s: HostSample) -> None:
+        if self.first is None:
+            self.first = self.last = s
+            self.peak_dirty, self.peak_writeback, self.peak_rss = s.dirty_bytes, s.writeback_bytes, s.rss_bytes
+            if self.keep_series:
+                self.series.append(s)
+            return
         prev, self.last = self.last, s
+        assert prev is not None
         dt_us = (s.t - prev.t) * 1e6
         if dt_us > 0:  # PSI "full" as % of wall time over this interval (avg10 lags a short save)
             self.peak_psi_io = max(self.peak_psi_io, 100 * (s.psi_io_full_total_us - prev.psi_io_full_total_us) / dt_us)
@@ -132,21 +206,20 @@ class Sampler:
         if self.keep_series:
             self.series.append(s)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._take()
-
     def stop(self) -> dict[str, float | int]:
-        self._stop.set()
-        self._thread.join()
-        self._take()
+        final = HostSample.now()
+        with self._lock:
+            self._stopped = True
+            self._take(final)
+            first, last = self.first, self.last
+        assert first is not None and last is not None
         return {
             "dirty_peak_bytes": self.peak_dirty,
-            "dirty_rise_bytes": max(0, self.peak_dirty - self.first.dirty_bytes),
+            "dirty_rise_bytes": max(0, self.peak_dirty - first.dirty_bytes),
             "writeback_peak_bytes": self.peak_writeback,
             "psi_io_full_peak": self.peak_psi_io,
             "psi_mem_full_peak": self.peak_psi_mem,
-            "kswapd_scan_delta": self.last.pgscan_kswapd - self.first.pgscan_kswapd,
+            "kswapd_scan_delta": last.pgscan_kswapd - first.pgscan_kswapd,
             "rss_peak_bytes": self.peak_rss,
-            "dirty_threshold_bytes": self.last.dirty_threshold_bytes,
+            "dirty_threshold_bytes": last.dirty_threshold_bytes,
         }

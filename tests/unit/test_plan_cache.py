@@ -1,0 +1,66 @@
+"""The Checkpointer's plan cache (staging/plan.py ``PlanCache``): same layout as a fresh plan,
+the newly walked tensors, rebuilt on any change, no tensor kept alive."""
+
+import pytest
+import torch
+
+def _state():
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    return {"model": {"w": w, "tied": w, "b": torch.ones(5)}, "opt": {"state": {0: {"step": torch.tensor(3.0)}},
+                                                                      "param_groups": [{"lr": 0.1, "params": [0]}]}}
+
+
+def _same_layout(a, b):
+    return a.items == b.items and a.file_bytes == b.file_bytes and a.tree_json == b.tree_json \
+        and [lf.key for lf in a.leaves] == [lf.key for lf in b.leaves]
+
+
+def test_plan_cache_reuses_the_layout_with_the_new_walks_tensors():
+    from zerostall.staging.plan import PlanCache, build_plan
+    pc, st = PlanCache(), _state()
+    first = pc.plan(st)
+    again = pc.plan(st)
+    assert _same_layout(first, again) and _same_layout(again, build_plan(st))
+    assert [lf.tensor.data_ptr() for lf in again.leaves] == [lf.tensor.data_ptr() for lf in build_plan(st).leaves]
+    assert len(again.leaves) == 3  # the tied weight is stored once, cached or not
+    st["model"]["b"] = torch.zeros(5)  # reallocated: the walk sees a new address
+    moved = pc.plan(st)
+    assert moved.leaves[[lf.key for lf in moved.leaves].index("model.b")].tensor.data_ptr() == st["model"]["b"].data_ptr()
+
+
+def test_plan_cache_rebuilds_when_a_plain_value_or_shape_changes():
+    import json
+    from zerostall.staging.plan import PlanCache, build_plan
+    pc, st = PlanCache(), _state()
+    pc.plan(st)
+    st["opt"]["param_groups"][0]["lr"] = 0.05
+    assert '0.05' in pc.plan(st).tree_json
+    st["opt"]["param_groups"][0]["lr"] = 0.0
+    pc.plan(st)
+    st["opt"]["param_groups"][0]["lr"] = -0.0  # equal to 0.0 in Python, not in the manifest
+    assert pc.plan(st).tree_json == build_plan(st).tree_json and "-0.0" in pc.plan(st).tree_json
+    st["model"]["b"] = torch.ones(6)
+    assert pc.plan(st).items[-1].nbytes == build_plan(st).items[-1].nbytes
+    st["extra"] = {"new": torch.ones(2)}
+    assert _same_layout(pc.plan(st), build_plan(st)) and "extra.new" in json.dumps(
+        [lf.key for lf in pc.plan(st).leaves])
+
+
+def test_plan_cache_keeps_no_tensor_alive_and_steps_aside_for_odd_states():
+    import gc
+    import weakref
+
+    import numpy as np
+    from zerostall.errors import UnsupportedStateError
+    from zerostall.staging.plan import PlanCache
+    pc, st = PlanCache(), _state()
+    pc.plan(st)
+    pc.plan(st)
+    ref = weakref.ref(st["model"]["b"])
+    del st
+    gc.collect()
+    assert ref() is None
+    arr = {"a": np.arange(4.0), "t": torch.ones(2)}  # numpy: encode_tree decides every time
+    assert [lf.numpy for lf in pc.plan(arr).leaves] == [True, False] == [lf.numpy for lf in pc.plan(arr).leaves]
+    with pytest.raises(UnsupportedStateError):
+        pc.plan({"x": object()})
