@@ -160,6 +160,9 @@ class Snapshotter(Worker[SaveJob]):
                 job.incr.tracker.decide(job, lambda dev, fn: self._cuda().run(dev, fn, job.cuda_event))
             job.layout_ready.set()
             self._stage(job)
+            if job.incr is not None:  # tensors referenced on speculation that changed: appended
+                job.incr.tracker.settle(job, self.ring.block_bytes, lambda items, tensors: self._stage(
+                    job, items, tensors))
         except BaseException as exc:  # noqa: BLE001 - reported on the handle
             log.error("zerostall: snapshot of step %d failed: %s", job.step, exc)
             job.fail(exc)
@@ -194,7 +197,10 @@ class Snapshotter(Worker[SaveJob]):
                 self.ring.publish(job.g0 + (f + n) // B)
             foff += n_sl
 
-    def _stage(self, job: SaveJob) -> None:
+    def _stage(self, job: SaveJob, items: Any = None, tensors: Any = None) -> None:
+        """Copy the header and ``job.plan``'s tensors into the job's blocks and publish them;
+        with ``items``/``tensors``, only those (an incremental save's appended tensors, laid
+        out after the blocks staged before: no header, the gap before them never written)."""
         ring, B = self.ring, self.ring.block_bytes
         arena = job.arena or self.arena  # the pool swaps arenas only between jobs
         arena_u8 = arena.u8
@@ -218,11 +224,15 @@ class Snapshotter(Worker[SaveJob]):
             for aoff, _, n in spans(a, b):
                 _memset(base + aoff, 0, n)
 
-        header = job.header.encode()
-        for aoff, foff, n in spans(0, len(header)):
-            arena.mv[aoff:aoff + n] = header[foff:foff + n]
-        pos = len(header)
-        for item, tensor in zip(job.plan.items, job.leaves or ()):
+        if items is None:
+            header = job.header.encode()
+            for aoff, foff, n in spans(0, len(header)):
+                arena.mv[aoff:aoff + n] = header[foff:foff + n]
+            pos = len(header)
+            items, tensors = job.plan.items, job.leaves or ()
+        else:
+            pos = items[0].offset if items else job.plan.file_bytes
+        for item, tensor in zip(items, tensors):
             if job.error is not None:  # persist already failed: stop copying, drain
                 return
             fill_zero(pos, item.offset)
@@ -246,3 +256,4 @@ class Snapshotter(Worker[SaveJob]):
                     ring.publish(job.g0 + (foff + n) // B)
             pos = item.offset + item.nbytes
         fill_zero(pos, job.plan.file_bytes)
+        ring.publish(job.g0 + ring.blocks_for(job.plan.file_bytes))  # the tail block too
