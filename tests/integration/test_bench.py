@@ -19,6 +19,7 @@ def test_bench_small_json_contract(tmp_path):
               "--dir", str(tmp_path / "work"), "--json", str(out), "--settle-s", "0.2"])
     assert rc == 0
     doc = json.loads(out.read_text())
+    assert "partial" not in doc  # the final document replaced the one written after each method
     assert set(doc) >= {"machine", "size_bytes", "throttle_write_mbps", "line_rate", "memcpy_gbps", "results"}
     assert {"cpu", "ram_bytes", "kernel", "fs", "device"} <= set(doc["machine"])
     assert doc["line_rate"]["tool"] in ("fio", "probe") and doc["line_rate"]["write_gbps"] > 0
@@ -44,6 +45,29 @@ def test_bench_small_json_contract(tmp_path):
     assert zs["new_path_save_s"] <= zs["new_path_stall_s"]
     ts = doc["results"][0]
     assert ts["inproc_stall_s"] == ts["inproc_lost_s"]  # synchronous: no step runs during the save
+
+
+def test_bench_stopped_midway_leaves_the_rows_it_finished(tmp_path, monkeypatch):
+    """A bench cut short (the device check's time limit) still leaves its finished rows."""
+    import pytest
+
+    from zerostall.bench import methods
+
+    class Stopped(BaseException):  # like a time limit's signal: not an Exception, not caught
+        pass
+
+    def interrupted(self, root, state):
+        raise Stopped
+
+    monkeypatch.setattr(methods.ZerostallOneShot, "setup", interrupted)
+    out = tmp_path / "bench.json"
+    with pytest.raises(Stopped):
+        cli(["bench", "--size-gib", "0.03", "--repeat", "1", "--methods", "torch.save,zerostall.save",
+             "--dir", str(tmp_path / "work"), "--json", str(out), "--settle-s", "0.1", "--no-cold",
+             "--no-line-rate"])
+    doc = json.loads(out.read_text())
+    assert doc["partial"] is True
+    assert [r["method"] for r in doc["results"]] == ["torch.save"] and doc["results"][0]["verified"] is True
 
 
 def test_bench_unknown_method_is_clear(tmp_path, capsys):
