@@ -187,6 +187,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     if not _is_url(a.path) and cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
         return cli_dcp.cmd_verify(a)
     from .restore import verify_step, verify_tier_step
+    from .restore_retry import verify_consistent
     tier = _tier(a.path)
     steps = [a.step] if a.step is not None else tier.listed_steps()
     if not steps:  # an existing, empty root: nothing failed (a missing one raised RootNotFound)
@@ -197,8 +198,12 @@ def cmd_verify(a: argparse.Namespace) -> int:
     bad = 0
     try:
         for s in steps:
-            try:
-                m = verify_tier_step(tier, s) if remote else verify_step(tier, s, engine)
+            try:  # a step replaced under us is read again, one deleted meanwhile is skipped (as load does)
+                m = verify_consistent(tier, s, lambda s=s: verify_tier_step(tier, s) if remote
+                                      else verify_step(tier, s, engine))
+                if m is None:
+                    print(f"step {s}: deleted while verifying it (retention?); skipped")
+                    continue
                 refs = (f" + {_human(m.referenced_bytes)} referenced in step(s) "
                         f"{', '.join(str(x) for x in sorted({r.step for r in m.ref_files}))}" if m.ref_files else "")
                 print(f"step {s}: OK ({len(m.tensors)} tensors, {_human(m.total_bytes)} owned{refs} verified)")

@@ -42,6 +42,7 @@ from .format.tree import decode_tree, tree_tensor_indices
 from .format.validate import open_regular
 from .io.base import Engine, choose_engine
 from .staging.arena import Arena
+from .restore_retry import GONE, MAX_REPLACED, REPLACED, changed_under
 from .restore_state import LoadReport, find_in_place, key_report, location_mapper, merge, select_keys
 from .store.local import LocalTier
 
@@ -390,10 +391,6 @@ def _fetch(tier: LocalTier, remote: Any, step: int, seen: Any = _ANY) -> tuple[M
     return man, True
 
 
-_MAX_REPLACED = 5
-"""How many times load() reads a step again because its writer overwrote it meanwhile."""
-
-
 def load(path: str, state_dict: Any = None, step: int | None = None, map_location: Any = None, *,
          verify: bool = True, fallback: bool = True, engine: Engine | None = None,
          bounce: Arena | None = None, io: IOConfig | None = None, rank: int = 0, world_size: int = 1,
@@ -458,11 +455,11 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
             except (StateMismatchError, ConfigError):
                 raise  # the caller's state or arguments, not the checkpoint: an older step would not help
             except Exception as exc:  # noqa: BLE001 - every defect of a checkpoint means: try the previous one
-                if src == "local" and s not in tier.listed_steps():
+                why = changed_under(tier, s, ident) if src == "local" else None  # shared with verify
+                if why == GONE:
                     log.info("zerostall: step %d disappeared while loading (retention?); listing again", s)
                     continue
-                if src == "local" and ident is not None and tier._manifest_ident(s) != ident \
-                        and replaced.get(s, 0) < _MAX_REPLACED:
+                if why == REPLACED and replaced.get(s, 0) < MAX_REPLACED:
                     # the writer overwrote this step while we read it (old manifest, new shard): read it again
                     replaced[s] = replaced.get(s, 0) + 1
                     tried.discard((s, src))

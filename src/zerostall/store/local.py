@@ -146,6 +146,9 @@ class LocalTier(Tier):
                 return s
         return None
 
+    def manifest_ident(self, step: int) -> tuple[int, ...] | None:
+        return self._manifest_ident(step)
+
     def _manifest_ident(self, step: int) -> tuple[int, ...] | None:
         try:
             st = os.stat(os.path.join(self.step_dir(step), MANIFEST_NAME), follow_symlinks=False)

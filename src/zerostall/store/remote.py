@@ -123,6 +123,10 @@ class RemoteTier(Tier):
         """Steps holding a manifest object (not validated), ascending: for ``ls``/``verify``."""
         return sorted(self._manifests())
 
+    def manifest_ident(self, step: int) -> Any:
+        """The manifest object's identity (size, etag/mtime) from a listing; None if absent."""
+        return self._manifests().get(step)
+
     def steps(self) -> list[int]:
         """Committed steps, ascending: the manifest object exists and validates. Each manifest
         is read once per object identity (size, etag/mtime) and the verdict cached, so a

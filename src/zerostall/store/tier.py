@@ -70,6 +70,16 @@ class Tier(ABC):
         """Raise :class:`~zerostall.errors.RootNotFound` naming the root if it does not exist
         (readers: ``ls``/``verify`` tell a typo from an empty root). Any thread."""
 
+    def manifest_ident(self, step: int) -> Any:
+        """An identity of ``step``'s manifest that changes when the step is replaced (None: it
+        has none). Readers compare it to tell a step replaced under them from a damaged one
+        (:mod:`zerostall.restore_retry`). Any thread."""
+        return step if step in self.listed_steps() else None
+
+    def listed_steps(self) -> list[int]:
+        """Steps holding a manifest, valid or not (tools that report damaged steps)."""
+        return self.steps()
+
     def latest(self) -> int | None:
         """The newest committed step, or None."""
         steps = self.steps()

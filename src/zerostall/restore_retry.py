@@ -1,0 +1,58 @@
+"""Reading a step that its writer may replace or delete while we read it.
+
+Readers take no lock (see :mod:`.store.local`): the owner may overwrite a step (an atomic
+swap of the whole step, or, on a remote tier, a new manifest followed by the removal of the
+old objects) or retention may delete it while ``load`` or ``verify`` reads it. A reader that
+read the old manifest then opens a shard of the new copy, or finds it gone, sees a defect
+that is not one. The rule, shared by ``load`` (:func:`.restore.load`) and ``verify`` (the
+CLI, :func:`verify_consistent`): when reading a step fails, look at its manifest again:
+
+- gone (no manifest any more): deleted meanwhile; not a failure, the listing moved on;
+- another manifest (a new identity): replaced meanwhile; read it again, at most
+  :data:`MAX_REPLACED` times;
+- the same manifest: the failure is the step's own.
+
+Called on the caller's thread; no I/O beyond a ``stat`` (local) or a listing (remote).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, TypeVar
+
+log = logging.getLogger("zerostall")
+T = TypeVar("T")
+
+MAX_REPLACED = 5
+"""How many times a reader reads a step again because its writer overwrote it meanwhile."""
+
+GONE, REPLACED = "gone", "replaced"
+
+
+def changed_under(tier: Any, step: int, ident: Any) -> str | None:
+    """:data:`GONE`, :data:`REPLACED` or None (unchanged) for ``step``, whose manifest had
+    identity ``ident`` when the failed read began."""
+    now = tier.manifest_ident(step)
+    if now is None:
+        return GONE
+    if ident is not None and now != ident:
+        return REPLACED
+    return None
+
+
+def verify_consistent(tier: Any, step: int, check: Callable[[], T]) -> T | None:
+    """``check()`` (a verify of ``step``), read again if the step was replaced under it; None
+    if the step was deleted meanwhile. A failure of the step itself is raised."""
+    for attempt in range(MAX_REPLACED + 1):
+        ident = tier.manifest_ident(step)
+        try:
+            return check()
+        except Exception:
+            why = changed_under(tier, step, ident)
+            if why == GONE:
+                log.info("zerostall: step %d disappeared while verifying it (retention?)", step)
+                return None
+            if why != REPLACED or attempt == MAX_REPLACED:
+                raise
+            log.info("zerostall: step %d was overwritten while verifying it; reading it again", step)
+    raise AssertionError("unreachable")
