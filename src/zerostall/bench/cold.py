@@ -23,6 +23,16 @@ from .methods import available_methods
 from .model import gpt_state_for_size, settle_gc
 
 
+def _hwm_bytes() -> int:
+    """This process's peak RSS (``VmHWM``: per address space, so not the parent's, which
+    ``ru_maxrss`` carries across ``exec``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--method", required=True)
@@ -57,7 +67,8 @@ def main() -> None:
         loop.close()
         shutil.rmtree(root, ignore_errors=True)
     out = {"cold_stall_s": r["blocked_s"], "cold_setup_s": box.get("setup_s", 0.0),
-           "cold_durable_s": r["durable_wall_s"], "cold_lost_s": r["lost_s"]}
+           "cold_durable_s": r["durable_wall_s"], "cold_lost_s": r["lost_s"],
+           "cold_rss_peak_bytes": _hwm_bytes()}
     with open(a.out, "w") as f:
         json.dump(out, f)
 
