@@ -49,7 +49,7 @@ from .store.persist import Persister, retain_at_start
 from .store.remote import open_tier
 from .store.replicate import Replicator
 from .store.retention import RetentionPolicy, dependents
-from .telemetry.host import Sampler
+from .telemetry.host import Sampler, start_sampling_thread
 from .telemetry.record import emit
 
 log = logging.getLogger("zerostall")
@@ -189,6 +189,7 @@ class Checkpointer:
         """Lease the process's staging pool and start this Checkpointer's persist thread."""
         st = self.config.staging
         budget = budget_bytes(st.budget_bytes, st.budget_fraction)
+        start_sampling_thread()  # before the pool faults (see telemetry.host.start_sampling_thread)
         self._lease = _pool.lease(want, budget, st.block_bytes, mlock=st.mlock, hugepages=st.hugepages)
         self._persist = Persister(self.tier, self.engine, self._lease.arena, self._lease.ring,
                                   keep_last=(self.config.keep_last if (self.rank == 0 or self.node_local)

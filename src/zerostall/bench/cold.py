@@ -20,7 +20,17 @@ import torch
 
 from .inproc import StepLoop, measure
 from .methods import available_methods
-from .model import gpt_state_for_size
+from .model import gpt_state_for_size, settle_gc
+
+
+def _hwm_bytes() -> int:
+    """This process's peak RSS (``VmHWM``: per address space, so not the parent's, which
+    ``ru_maxrss`` carries across ``exec``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def main() -> None:
@@ -42,6 +52,7 @@ def main() -> None:
     if a.device != "cpu":
         from .bench import _map
         state = _map(state, lambda t: t.to(a.device))
+    settle_gc()
     loop = StepLoop(log_dir=a.dir)
     root = os.path.join(a.dir, "cold-" + a.method.replace(".", "_"))
     shutil.rmtree(root, ignore_errors=True)
@@ -60,7 +71,8 @@ def main() -> None:
         loop.close()
         shutil.rmtree(root, ignore_errors=True)
     out = {"cold_stall_s": r["blocked_s"], "cold_setup_s": box.get("setup_s", 0.0),
-           "cold_durable_s": r["durable_wall_s"], "cold_lost_s": r["lost_s"]}
+           "cold_durable_s": r["durable_wall_s"], "cold_lost_s": r["lost_s"],
+           "cold_rss_peak_bytes": _hwm_bytes()}
     with open(a.out, "w") as f:
         json.dump(out, f)
 

@@ -111,11 +111,13 @@ class NVRxAsync(Method):
             "started in setup), then fsync")
 
     def __init__(self) -> None:
-        if importlib.util.find_spec("nvidia_resiliency_ext") is None:
-            self.unavailable = ("not installed (pip install nvidia-resiliency-ext); its async path is "
-                                "CUDA-only (calls torch.cuda.synchronize())")
-        elif not torch.cuda.is_available():
-            self.unavailable = "cannot run on CPU: TorchAsyncCheckpoint.async_save calls torch.cuda.synchronize()"
+        installed = importlib.util.find_spec("nvidia_resiliency_ext") is not None
+        if not torch.cuda.is_available():  # the reason that holds whatever is installed
+            self.unavailable = ("absent on a CPU-only host: NVRx's TorchAsyncCheckpoint.async_save calls "
+                                "torch.cuda.synchronize() and fails without a CUDA device"
+                                + ("" if installed else " (nvidia-resiliency-ext is not installed either)"))
+        elif not installed:
+            self.unavailable = "not installed (pip install nvidia-resiliency-ext; this host has the CUDA device it needs)"
 
     def setup(self, root: str, state: Any) -> None:
         super().setup(root, state)

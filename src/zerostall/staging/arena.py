@@ -6,9 +6,9 @@ Two kinds of users:
   ``Arena(nbytes)`` maps and pre-faults ``nbytes`` at once, in the caller's thread;
 * the process-wide staging pool (:mod:`.pool`): ``Arena(budget, prefault=False)`` reserves
   the whole budget as *address space only* (``MAP_NORESERVE``: no RSS until touched), then
-  :meth:`Arena.fault_to` asks a background thread to fault a prefix of it, in 64 MiB
-  chunks, through ctypes ``madvise(MADV_POPULATE_WRITE)`` (or ``mlock``), which releases
-  the GIL. Writers call :meth:`wait_ready` before touching a range, so a first save streams
+  :meth:`Arena.fault_to` asks a background thread to fault a prefix of it, published in
+  64 MiB chunks, through ctypes ``madvise(MADV_POPULATE_WRITE)`` (or ``mlock``) calls of a
+  few milliseconds each (they hold the mmap lock), which release the GIL. Writers call :meth:`wait_ready` before touching a range, so a first save streams
   through the part that is ready while the rest is still being faulted, and a training
   thread in the same process keeps running meanwhile. Python's ``mmap.madvise`` holds the
   GIL for the whole call (measured: 866 ms of a concurrent thread blocked for 2 GiB); never
@@ -41,6 +41,7 @@ import mmap
 import os
 import resource
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +54,11 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 FAULT_CHUNK_BYTES = 64 << 20
-"""Bytes faulted per call of the background faulter: bounds how long one call runs."""
+"""Bytes the background faulter publishes (and registers with CUDA) at a time."""
+FAULT_CALL_S = 0.004
+"""Target duration of one ``madvise``/``mlock`` call (see :meth:`Arena._fault_range`)."""
+FAULT_CALL_MIN_BYTES = 2 << 20
+"""Smallest call (one transparent huge page)."""
 _warned_memlock = False
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -176,6 +181,7 @@ class Arena:
         self._closing = False
         self.error: BaseException | None = None
         self.fault_s = 0.0
+        self._call_bytes = FAULT_CALL_MIN_BYTES  # grows to what FAULT_CALL_S faults (faulter thread)
         if hugepages:
             try:
                 self._map.madvise(MADV_HUGEPAGE)  # only sets a flag on the mapping: instant
@@ -204,7 +210,28 @@ class Arena:
         return True
 
     def _fault_range(self, off: int, n: int) -> None:
-        """Fault [off, off+n): mlock (which faults too) when locking, else populate. No GIL held."""
+        """Fault [off, off+n) in calls of about :data:`FAULT_CALL_S` each. No GIL held.
+
+        ``madvise(MADV_POPULATE_WRITE)`` holds the process's mmap lock for reading and ``mlock``
+        for writing for the whole call; every ``mmap``/``munmap`` of the process meanwhile
+        (a thread's stack, a large ``malloc``, torch's CPU allocator) waits behind it. One
+        64 MiB call of fresh memory took 60-150 ms here (the VM zeroes pages at 0.4-3 GB/s),
+        and a ``threading.Thread.start()`` in the first ``save()`` waited 143 ms on it;
+        calls sized from the measured rate keep that wait to a few milliseconds.
+        """
+        end = off + n
+        while off < end:
+            k = min(self._call_bytes, end - off)
+            t0 = time.perf_counter()
+            self._fault_once(off, k)
+            dt = time.perf_counter() - t0
+            off += k
+            if k == self._call_bytes:  # a full call: size the next one from its rate
+                fit = int(k / max(dt, 1e-6) * FAULT_CALL_S) // FAULT_CALL_MIN_BYTES * FAULT_CALL_MIN_BYTES
+                self._call_bytes = max(FAULT_CALL_MIN_BYTES, min(FAULT_CHUNK_BYTES, fit))
+
+    def _fault_once(self, off: int, n: int) -> None:
+        """Fault [off, off+n): mlock (which faults too) when locking, else populate."""
         global _warned_memlock
         if self.locked:
             if _libc.mlock(ctypes.c_void_p(self.address + off), n) == 0:
@@ -231,7 +258,6 @@ class Arena:
             self._cond.notify_all()
 
     def _fault_loop(self) -> None:
-        import time
         while True:
             with self._cond:
                 while self.ready >= self.target and not self._closing:

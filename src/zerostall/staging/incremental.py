@@ -12,17 +12,24 @@ Who calls what, from which thread (one :class:`RefTracker` per ``Checkpointer``)
    (``job.layout_ready``) before it creates the file, and releases the ring blocks the
    smaller file does not use. A tensor is referenced when
    - ``mode="crc"`` (``incremental=True``, the sound mode): its fingerprint did not change
-     (or is unknown, e.g. after a restart) *and* the crc32c of its bytes, computed straight
-     from the source memory (CPU: a read, no copy, in 16 MiB pieces on up to 4 threads,
-     combined; CUDA: through a small pinned bounce buffer on the snapshot stream — that path
-     has not run on a device yet), equals the recorded crc32c. A changed version counter
+     (or is unknown, e.g. after a restart) *and* its bytes are those of the base: on the
+     CPU, the crc32c of the source memory (a read, no copy, in 16 MiB pieces on up to 4
+     threads, combined) equals the recorded crc32c; on CUDA, a 64-bit hash computed on the
+     device (:mod:`.devhash`: one read of the tensor in device memory, 8 bytes per tensor
+     back to the host) equals the hash taken when the base was saved — every CUDA tensor
+     of a crc-mode save is hashed (written ones too) for that. Where no such hash exists
+     (the first save after a restart: the base came from disk; a non-contiguous tensor;
+     the hash failed, e.g. out of device memory for its 64 MiB of temporaries), the tensor
+     is copied to the host through one 16 MiB pinned buffer and crc32c-checked: one
+     device-to-host read of it, piece after piece. A changed version counter
      means "write" without computing anything (the persist thread checksums the staged
      bytes as for any save). Writes that bypass the version counter (``t.data[...] =``,
      numpy views, DLPack, extensions writing through ``data_ptr``) leave the fingerprint
-     unchanged and are caught by the crc. A change is missed only if the new bytes have the
-     same crc32c as the old ones (probability 2**-32 for an arbitrary change; crc32c
-     detects every change of up to 3 bits in a tensor shorter than 512 MiB, and any burst
-     up to 32 bits).
+     unchanged and are caught by the crc (or the device hash). A change is missed only if
+     the new bytes have the same crc32c as the old ones (probability 2**-32 for an
+     arbitrary change; crc32c detects every change of up to 3 bits in a tensor shorter than
+     512 MiB, and any burst up to 32 bits), or on CUDA the same device hash (every change
+     confined to one 32-bit word is detected; about 2**-32 or less otherwise).
    - ``mode="version"`` (``incremental="version"``, faster: no read at all for unchanged
      tensors): an unchanged fingerprint alone. It misses a change made without bumping the
      version counter (the writes listed above), and a tensor replaced by another one at the
@@ -43,31 +50,31 @@ one file and how long an old full step is kept alive by references.
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import os
 import stat
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import crc32c as _crc
 import torch
 
 from ..errors import ConfigError, StorageError
-from ..format.crc_combine import combine
 from ..format.layout import HEADER_BYTES, align_up
 from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..format.refs import RefFile
 from .job import SaveJob
 from .plan import PlanItem, SavePlan
+from .source_crc import CRC_THREADS, _CpuCrc, _CudaCrc, _file_crc  # noqa: F401 - _CpuCrc: tests
 
 log = logging.getLogger("zerostall")
 
 MODES = ("crc", "version")
-_CRC_PIECE = 16 << 20  # pieces of a tensor checksummed in parallel (then combined)
-CRC_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` is checked on its device (the seam tests use to run the device path on the CPU)."""
+    return t.device.type == "cuda"
 
 
 def mode_of(incremental: Any) -> str | None:
@@ -99,6 +106,7 @@ class Known:
     entry: TensorEntry  # step set: the step (and file) that wrote the bytes
     ref: RefFile
     fp: tuple[Any, ...] | None
+    dh: int | None = None  # CUDA tensors: :func:`.devhash.device_hash` of these bytes, if computed
 
 
 @dataclass
@@ -112,102 +120,13 @@ class IncrementalJob:
     ref_files: tuple[RefFile, ...] = ()
     pinned: tuple[int, ...] = ()
     full: bool = True
-    crc_bytes: int = 0  # bytes checksummed from the source
+    crc_bytes: int = 0  # bytes checksummed from the source on the host (CPU tensors; CUDA via a bounce buffer)
+    dev_hash_bytes: int = 0  # CUDA bytes checked by their device hash (nothing copied to the host)
+    dhs: dict[str, int] = field(default_factory=dict)  # key -> device hash computed by this save
 
     @property
     def bytes_referenced(self) -> int:
         return sum(e.nbytes for e in self.refs.values())
-
-
-def _file_crc(path: str, offset: int, n: int) -> int | None:
-    """crc32c of ``n`` bytes at ``offset`` of ``path``; None if they cannot all be read."""
-    crc = 0
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        while n > 0:
-            b = os.pread(fd, min(n, _CRC_PIECE), offset)
-            if not b:
-                return None
-            crc = _crc.crc32c(b, crc)
-            offset += len(b)
-            n -= len(b)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return crc
-
-
-def _crc_at(address: int, n: int) -> int:
-    return _crc.crc32c((ctypes.c_char * n).from_address(address)) if n else 0
-
-
-class _CpuCrc:
-    """crc32c of CPU tensors straight from their memory, in pieces on a few threads (crc32c
-    releases the GIL; no torch op runs there), combined with :func:`..format.crc_combine.combine`."""
-
-    def __init__(self, threads: int):
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zerostall-crc") if threads > 1 else None
-
-    def many(self, tensors: list[torch.Tensor]) -> list[int]:
-        flat = []
-        for t in tensors:
-            if not t.is_contiguous():
-                from .snapshot import _in_helper_thread  # a torch op, run outside the snapshot thread
-                out: list[torch.Tensor] = []
-                _in_helper_thread(lambda t=t: out.append(t.contiguous()))
-                t = out[0]
-            flat.append(t)
-        jobs = []  # per tensor: [(piece length, future or crc)]
-        for t in flat:
-            n, base = t.numel() * t.element_size(), t.data_ptr()
-            first = n - (max(n - 1, 0) // _CRC_PIECE) * _CRC_PIECE  # the odd piece first: the rest combine
-            pieces = [(base, first)] + [(base + p, _CRC_PIECE) for p in range(first, n, _CRC_PIECE)]
-            if self.pool is None:
-                jobs.append([(k, _crc_at(a, k)) for a, k in pieces])
-            else:
-                jobs.append([(k, self.pool.submit(_crc_at, a, k)) for a, k in pieces])
-        out_crcs = []
-        for pieces in jobs:
-            crc = 0
-            for k, f in pieces:
-                c = f if isinstance(f, int) else f.result()
-                crc = combine(crc, c, k)
-            out_crcs.append(crc)
-        del flat  # contiguous copies (if any) die here, after their pieces are read
-        return out_crcs
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=False)
-
-
-class _CudaCrc:
-    """crc32c of device memory through a pinned bounce buffer. ``run(device, fn)`` runs ``fn``
-    on the snapshot thread's side stream of ``device``, after the caller's ``save()`` event
-    (so the bytes are those the caller's stream had produced), and waits for it
-    (``Snapshotter``/``DeviceStreams.run``)."""
-
-    def __init__(self, piece: int = 16 << 20):
-        self.piece = piece
-        self.buf: torch.Tensor | None = None
-
-    def __call__(self, t: torch.Tensor, run: Callable[[torch.device, Callable[[], None]], None]) -> int:
-        if self.buf is None:
-            self.buf = torch.empty(self.piece, dtype=torch.uint8, pin_memory=True)
-        buf = self.buf
-        held: list[torch.Tensor] = []
-        run(t.device, lambda: held.append((t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8)))
-        flat = held[0]
-        crc = 0
-        for pos in range(0, flat.numel(), self.piece):
-            k = min(self.piece, flat.numel() - pos)
-            run(t.device, lambda pos=pos, k=k: buf[:k].copy_(flat[pos:pos + k], non_blocking=True))
-            crc = _crc.crc32c((ctypes.c_char * k).from_address(buf.data_ptr()), crc)
-        return crc
 
 
 class RefTracker:
@@ -228,6 +147,7 @@ class RefTracker:
         self._seed_root: str | None = None
         self._seeded = False  # the base came from disk, not from a save of this process
         self._peer: set[int] = set()  # other ranks' protected steps (multi-rank; set_peer_protected)
+        self._dh_warned = False
 
     # -- start-up (caller's thread) --------------------------------------------------------
     def seed_from(self, steps: list[int], read_manifest: Callable[[int], Manifest], root: str | None = None, *,
@@ -294,6 +214,8 @@ class RefTracker:
             self._force_full = False
             self._since_full = 0 if full else self._since_full + 1
         ij.full = full
+        if self.mode == "crc" and any(_on_device(t) for t in job.leaves or ()):  # full saves too: the next compares
+            self._device_hashes(job.plan.items, list(job.leaves or ()), cuda_run, ij)
         if full:
             return
         plan, leaves = job.plan, list(job.leaves or ())
@@ -352,18 +274,49 @@ class RefTracker:
     def _confirm(self, items: Any, leaves: list[torch.Tensor], known: dict[str, Known], verdict: list[bool | None],
                  cuda_run: Callable[[torch.device, Callable[[], None]], None], ij: IncrementalJob) -> None:
         """Settle every undecided verdict by the crc32c of the source (CPU tensors in parallel)."""
-        cpu = [i for i, v in enumerate(verdict) if v is None and leaves[i].device.type != "cuda"]
-        gpu = [i for i, v in enumerate(verdict) if v is None and leaves[i].device.type == "cuda"]
+        cpu = [i for i, v in enumerate(verdict) if v is None and not _on_device(leaves[i])]
+        gpu = [i for i, v in enumerate(verdict) if v is None and _on_device(leaves[i])]
         if cpu:
             if self._cpu_crc is None:
                 self._cpu_crc = _CpuCrc(CRC_THREADS)
             for i, crc in zip(cpu, self._cpu_crc.many([leaves[i] for i in cpu])):
                 verdict[i] = crc == known[items[i].key].entry.crc32c
+        ij.crc_bytes += sum(items[i].nbytes for i in cpu)
         for i in gpu:
-            if self._cuda_crc is None:
+            k, h = known[items[i].key], ij.dhs.get(items[i].key)
+            if k.dh is not None and h is not None:  # hashed on the device: 8 bytes came back
+                verdict[i] = h == k.dh
+                ij.dev_hash_bytes += items[i].nbytes
+                continue
+            if self._cuda_crc is None:  # no device hash of the base (restart, non-contiguous)
                 self._cuda_crc = _CudaCrc()
-            verdict[i] = self._cuda_crc(leaves[i], cuda_run) == known[items[i].key].entry.crc32c
-        ij.crc_bytes += sum(items[i].nbytes for i in cpu + gpu)
+            verdict[i] = self._cuda_crc(leaves[i], cuda_run) == k.entry.crc32c
+            ij.crc_bytes += items[i].nbytes
+
+    def _device_hashes(self, items: Any, leaves: list[torch.Tensor],
+                       cuda_run: Callable[[torch.device, Callable[[], None]], None], ij: IncrementalJob) -> None:
+        """:func:`.devhash.device_hash` of every contiguous CUDA tensor of the save (written
+        ones too: the next save compares against them), on each device's side stream after
+        the caller's ``save()`` event; one 8-byte-per-tensor copy back per device. A failure
+        (e.g. out of device memory for the temporaries) leaves the crc path to decide."""
+        from .devhash import device_hash_async
+        by_dev: dict[torch.device, list[int]] = {}
+        for i, (it, t) in enumerate(zip(items, leaves)):
+            if _on_device(t) and it.nbytes and t.is_contiguous():
+                by_dev.setdefault(t.device, []).append(i)
+        for dev, idx in by_dev.items():
+            out: list[torch.Tensor] = []
+            try:
+                cuda_run(dev, lambda idx=idx: out.append(torch.stack([device_hash_async(leaves[i]) for i in idx])))
+                vals = out[0].tolist()
+            except Exception as exc:  # noqa: BLE001 - the crc path is always there
+                if not self._dh_warned:
+                    self._dh_warned = True
+                    log.warning("zerostall: incremental: hashing tensors on %s failed (%s); checking them through "
+                                "the host instead", dev, exc)
+                continue
+            for i, v in zip(idx, vals):
+                ij.dhs[items[i].key] = int(v)
 
     def _verify_on_disk(self, items: Any, known: dict[str, Known], verdict: list[bool | None]) -> None:
         """First save on a base read from disk: a span whose bytes on disk no longer match
@@ -401,13 +354,13 @@ class RefTracker:
         ij: IncrementalJob = job.incr
         own = RefFile(job.step, file.name, file.rank, file.file_bytes, file.file_id or job.checkpoint_id)
         refs_by = {(r.step, r.name): r for r in ij.ref_files}
-        fps = ij.fps
+        fps, dhs = ij.fps, ij.dhs
         known: dict[str, Known] = {}
         for _, e in written:
             known[e.key] = Known(TensorEntry(e.key, e.dtype, e.shape, e.file, e.offset, e.nbytes, e.crc32c,
-                                             job.step), own, fps.get(e.key))
+                                             job.step), own, fps.get(e.key), dhs.get(e.key))
         for e in ij.refs.values():
-            known[e.key] = Known(e, refs_by[(e.step, e.file)], fps.get(e.key))
+            known[e.key] = Known(e, refs_by[(e.step, e.file)], fps.get(e.key), dhs.get(e.key))
         with self._lock:
             self._known = known
             self._seeded = False  # every reference of the new base was checked or written here

@@ -120,6 +120,10 @@ class _Hub:
 
     def add(self, s: "Sampler") -> None:
         self.q.put(s)
+        self.start()
+
+    def start(self) -> None:
+        """Start the sampling thread (once per process)."""
         if self.thread is None:
             with self._start_lock:
                 if self.thread is None:  # once per process
@@ -146,6 +150,12 @@ class _Hub:
 
 
 _hub = _Hub()
+
+
+def start_sampling_thread() -> None:
+    """Start the process's sampling thread now (the Checkpointer does, before the staging
+    pool starts faulting: a thread's start maps its stack, which waits on the mmap lock)."""
+    _hub.start()
 
 
 def _after_fork_in_child() -> None:
