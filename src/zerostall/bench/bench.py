@@ -48,7 +48,7 @@ from ..config import IOConfig
 from ..telemetry.host import Sampler
 from .hostinfo import line_rate, machine, memcpy_gbps
 from .methods import Method, available_methods
-from .model import gpt_state_for_size
+from .model import gpt_state_for_size, settle_gc
 
 NUMERIC = ("stall_s", "staged_s", "durable_s", "persist_gbps", "fraction_of_line_rate", "dirty_peak_bytes",
            "writeback_peak_bytes", "psi_io_full_peak", "step_p50_ms", "step_p99_ms", "step_max_ms",
@@ -266,6 +266,7 @@ def run_bench(a: argparse.Namespace, console: Any) -> dict[str, Any]:
         state = _map(state, lambda t: t.to(a.device))
     size = _nbytes(state)
     target = _map(state, lambda t: torch.zeros_like(t))
+    settle_gc()
     console.print("measuring the disk's line rate and warm memcpy bandwidth ...")
     line = line_rate(workdir, min(size, 2 << 30)) if not a.no_line_rate else {"write_gbps": 0.0, "read_gbps": 0.0, "tool": "skipped"}
     mem = memcpy_gbps()

@@ -20,7 +20,7 @@ import torch
 
 from .inproc import StepLoop, measure
 from .methods import available_methods
-from .model import gpt_state_for_size
+from .model import gpt_state_for_size, settle_gc
 
 
 def _hwm_bytes() -> int:
@@ -48,6 +48,7 @@ def main() -> None:
     for mod in m.imports:  # a training script has imported its checkpoint library already
         importlib.import_module(mod)
     state = gpt_state_for_size(int(a.size_gib * (1 << 30)))
+    settle_gc()
     loop = StepLoop(log_dir=a.dir)
     root = os.path.join(a.dir, "cold-" + a.method.replace(".", "_"))
     shutil.rmtree(root, ignore_errors=True)
