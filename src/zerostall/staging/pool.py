@@ -42,12 +42,25 @@ RESERVE_MIN_BYTES = 1 << 30
 
 
 class Lease:
-    """One user's claim on the pool: keeps it alive and states how much staging it wants."""
+    """One user's claim on the pool: keeps it alive and states how much staging it wants.
 
-    def __init__(self, pool: "StagingPool", want_bytes: int):
+    ``budget_bytes`` is the user's own staging budget: what it asks for is capped there, so a
+    user with a small budget that joins a pool made by one with a larger budget never grows
+    the pool beyond its own budget (its saves stream through the ring instead). The pool
+    may still be larger because of another user; that memory is that user's.
+    """
+
+    def __init__(self, pool: "StagingPool", want_bytes: int, budget_bytes: int | None = None):
         self.pool = pool
-        self.want_bytes = want_bytes
+        self.budget_bytes = budget_bytes
+        self.want_bytes = self._cap(want_bytes)
         self.released = False
+
+    def _cap(self, nbytes: int) -> int:
+        if self.budget_bytes is None:
+            return nbytes
+        budget = max(2 * self.pool.block_bytes, self.budget_bytes // self.pool.block_bytes * self.pool.block_bytes)
+        return min(nbytes, budget)
 
     @property
     def arena(self) -> Arena:
@@ -59,6 +72,7 @@ class Lease:
 
     def want(self, nbytes: int) -> None:
         """Ask for at least ``nbytes`` of staging (grows the pool in the background)."""
+        nbytes = self._cap(nbytes)
         with _lock:
             if nbytes > self.want_bytes:
                 self.want_bytes = nbytes
@@ -231,7 +245,7 @@ def lease(want_bytes: int, budget: int, block_bytes: int, *, mlock: bool = True,
         elif key != _pool.key:
             log.debug("zerostall: staging pool already exists (budget %d, block %d); sharing it",
                       _pool.budget, _pool.block_bytes)
-        le = Lease(_pool, want_bytes)
+        le = Lease(_pool, want_bytes, budget)
         _pool.leases.append(le)
         _pool._retarget()
         return le
