@@ -140,7 +140,9 @@ class DeviceStreams:
             fn()
             ev = self._done.get(i)
             if ev is None:
-                ev = self._done[i] = self.cuda.Event()
+                # blocking: the snapshot thread sleeps while the copy runs instead of spinning
+                # a core (cudaEventBlockingSync) that the data loader may need
+                ev = self._done[i] = self.cuda.Event(blocking=True)
             ev.record(s)
         ev.synchronize()
 
