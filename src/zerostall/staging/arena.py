@@ -219,9 +219,9 @@ class Arena:
         self._call_bytes = FAULT_CALL_MIN_BYTES  # grows to what FAULT_CALL_S faults (faulter thread)
         if dontfork:
             # A fork (DataLoader workers, each epoch) neither copies the page tables of the whole
-            # arena nor, for pages pinned for DMA (cudaHostRegister, io_uring fixed buffers),
-            # the pages themselves at fork time (the kernel copies pinned anonymous pages
-            # eagerly). Only for owners that never use the arena in a child (the pool).
+            # arena nor, if its pages are pinned for DMA (cudaHostRegister), the pages
+            # themselves at fork time (the kernel copies DMA-pinned anonymous pages eagerly).
+            # Only for owners that never use the arena in a child (the pool).
             if _libc.madvise(ctypes.c_void_p(self.address), self.nbytes, MADV_DONTFORK) == 0:
                 _unforked.add(self)
         if hugepages:
