@@ -148,7 +148,7 @@ class StagingPool:
         old, target, self._swap_to = self.arena, self._swap_to, 0
         new = self._reserve(target)
         if old.cuda_registered:
-            new.register_cuda()  # chunks register as the faulter adds them
+            new.register_cuda(old.cuda_device)  # chunks register as the faulter adds them
         self.arena = self.snap.arena = new
         old.close()  # idle: the snapshot thread and every persister are done with it
         new.fault_to(target)
