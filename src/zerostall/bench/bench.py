@@ -171,14 +171,24 @@ def run_inproc(m: Method, step: int, state: Any, loop: Any, settle_s: float) -> 
             "inproc_step_max_ms": r["step_max_ms"]}
 
 
-def run_cold(name: str, size_gib: float, workdir: str, settle_s: float) -> dict[str, float] | None:
-    """The method's first save in a fresh process (see :mod:`.cold`); None if it failed."""
+COLD_TIMEOUT_S = 900.0
+
+
+def run_cold(name: str, size_gib: float, workdir: str, settle_s: float,
+             device: str = "cpu") -> dict[str, float] | None:
+    """The method's first save in a fresh process (see :mod:`.cold`), the state on ``device``;
+    None if it failed or timed out."""
     from ..staging import pool
     pool.release_now()  # this process's staging memory is not the child's business
     out = os.path.join(workdir, "cold.json")
-    proc = subprocess.run([sys.executable, "-m", "zerostall.bench.cold", "--method", name, "--size-gib",
-                           str(size_gib), "--dir", workdir, "--out", out, "--settle-s", str(settle_s)],
-                          capture_output=True, text=True, timeout=1800)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "zerostall.bench.cold", "--method", name, "--size-gib",
+                               str(size_gib), "--dir", workdir, "--out", out, "--settle-s", str(settle_s),
+                               "--device", device],
+                              capture_output=True, text=True, timeout=COLD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        print(f"bench: cold run of {name} did not finish within {COLD_TIMEOUT_S:.0f} s", file=sys.stderr)
+        return None
     if proc.returncode != 0:
         print(f"bench: cold run of {name} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
         return None
@@ -316,7 +326,7 @@ def _run_method(a: argparse.Namespace, m: Method, name: str, state: Any, target:
     cold = None
     if not a.no_cold:
         console.print(f"  {name}: cold (fresh process, first save)")
-        cold = run_cold(name, a.size_gib, workdir, a.settle_s)
+        cold = run_cold(name, a.size_gib, workdir, a.settle_s, a.device)
     m.setup(os.path.join(workdir, name.replace(".", "_")), state)
     try:
         runs = []
@@ -338,6 +348,7 @@ def _run_method(a: argparse.Namespace, m: Method, name: str, state: Any, target:
         if name.startswith("zerostall-"):
             row.update(new_path_stall(name.split("-", 1)[1], os.path.join(workdir, "newpath"), state))
         doc["results"].append(row)
+        console.print(f"  {name}: {_summary(row)}")
     finally:
         try:
             m.close()
@@ -345,6 +356,14 @@ def _run_method(a: argparse.Namespace, m: Method, name: str, state: Any, target:
             console.print(f"  {name}: close failed: {type(exc).__name__}: {exc}")
         if getattr(m, "root", None):
             shutil.rmtree(m.root, ignore_errors=True)
+
+
+def _summary(row: dict[str, Any]) -> str:
+    """One line per finished method, so a log cut short still says what each one measured."""
+    return (f"lost {row['inproc_lost_s']:.3f} s same-proc / {row['lost_s']:.3f} s sep-proc, stall "
+            f"{row['stall_s']:.3f} s, durable {row['durable_s']:.2f} s, {row['persist_gbps']:.2f} GB/s, restore "
+            f"{row['restore_gbps']:.2f} GB/s, cold stall {_f(row.get('cold_stall_s'), '.3f')} s, "
+            f"verified {row['verified']}")
 
 
 def plot(series: dict[str, Any], path: str, doc: dict[str, Any]) -> None:

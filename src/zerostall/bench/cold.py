@@ -40,6 +40,7 @@ def main() -> None:
     p.add_argument("--dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--settle-s", type=float, default=1.0)
+    p.add_argument("--device", default="cpu", help="where the state lives (as the bench's --device)")
     a = p.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -48,6 +49,9 @@ def main() -> None:
     for mod in m.imports:  # a training script has imported its checkpoint library already
         importlib.import_module(mod)
     state = gpt_state_for_size(int(a.size_gib * (1 << 30)))
+    if a.device != "cpu":
+        from .bench import _map
+        state = _map(state, lambda t: t.to(a.device))
     settle_gc()
     loop = StepLoop(log_dir=a.dir)
     root = os.path.join(a.dir, "cold-" + a.method.replace(".", "_"))

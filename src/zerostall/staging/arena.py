@@ -17,11 +17,24 @@ Two kinds of users:
 Fresh anonymous memory is slow to touch the first time (the VM may fault and zero every
 page: 0.4-3 GB/s measured here), which is why the faulting happens once and the memory is
 reused. On CUDA the faulted prefix is registered with ``cudaHostRegister`` chunk by chunk,
-so device-to-host copies are DMA into it; never ``pin_memory()`` per tensor.
+so device-to-host copies are DMA into it; never ``pin_memory()`` per tensor. Registration:
+
+* runs with the device of the first CUDA save current (never a context on device 0 for a
+  rank that trains on cuda:3) and with ``cudaHostRegisterPortable`` (pinned for every device);
+* happens only in threads that launch no kernels (the faulter, or a short-lived helper):
+  a failed CUDA runtime call leaves a per-thread "last error" that torch's next kernel launch
+  check in that thread would raise as its own;
+* that fails (pinned-memory limits) is logged once and stops: copies into unregistered
+  memory are still correct, only synchronous;
+* is undone (``cudaHostUnregister``, chunk by chunk) before the memory is unmapped.
+Copies are split at registration chunk boundaries (:meth:`Arena.pinned_pieces`), so each
+one lies inside one registered range.
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -53,6 +66,35 @@ _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _populate_ok = True  # cleared once if the kernel lacks MADV_POPULATE_WRITE (< 5.14)
+CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+
+
+def _cudart():
+    """torch's CUDA runtime bindings (the seam unit tests fake to run without a GPU)."""
+    return torch.cuda.cudart()
+
+
+def _on_device(index: int | None):
+    """``index`` made the current CUDA device for the block (the seam unit tests fake)."""
+    return torch.cuda.device(index) if index is not None else contextlib.nullcontext()
+
+
+def _in_thread(fn) -> None:
+    """Run ``fn`` in a thread that then exits (see the module docstring: CUDA's per-thread last
+    error must not reach a thread that launches kernels)."""
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            err.append(exc)
+
+    t = threading.Thread(target=run, name="zerostall-cuda-register")
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
 
 
 def host_ram_bytes() -> int:
@@ -125,7 +167,12 @@ class Arena:
         self.locked = False
         self.closed = False
         self.cuda_registered = False
+        """Registration was asked for (:meth:`register_cuda`); chunks register as they fault."""
+        self.cuda_device: int | None = None
+        self.cuda_error: str | None = None
+        """Why registration stopped (then copies into the rest are synchronous), or None."""
         self._cuda_chunks: list[tuple[int, int]] = []
+        self._cuda_starts: list[int] = []
         self._cond = threading.Condition()
         self.ready = 0
         """Bytes of the prefix that are faulted (and locked / CUDA-registered if asked)."""
@@ -223,8 +270,9 @@ class Arena:
             try:
                 self._fault_range(off, n)  # no lock held, no GIL held: writers use [0, ready) meanwhile
                 with self._cond:  # register_cuda() holds the lock too: no chunk is missed
-                    if self.cuda_registered:
-                        self._cuda_register(off, n)
+                    if self.cuda_registered and self.cuda_error is None:
+                        with _on_device(self.cuda_device):
+                            self._cuda_register(off, n)
                     self.ready = off + n
                     self._cond.notify_all()
             except BaseException as exc:  # noqa: BLE001 - handed to the writers waiting on it
@@ -252,23 +300,64 @@ class Arena:
 
     # -- CUDA -------------------------------------------------------------------------------
     def _cuda_register(self, off: int, n: int) -> None:
-        err = torch.cuda.cudart().cudaHostRegister(self.address + off, n, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {n} bytes failed with CUDA error {int(err)}")
+        """Register one chunk (lock held; in a thread that launches no kernels). A failure stops
+        registration for good: the rest stays pageable (copies into it are synchronous)."""
+        if self.cuda_error is not None:
+            return
+        err = int(_cudart().cudaHostRegister(self.address + off, n, CUDA_HOST_REGISTER_PORTABLE))
+        if err != 0:
+            self.cuda_error = f"cudaHostRegister of {n} bytes at offset {off} failed with CUDA error {err}"
+            say = log.warning if node_leader() else log.debug
+            say("zerostall: %s; device-to-host copies into the rest of the staging arena are synchronous "
+                "(pinned-memory limit? %d bytes registered)", self.cuda_error, self.cuda_pinned_bytes)
+            return
         self._cuda_chunks.append((off, n))
+        self._cuda_starts.append(off)
 
-    def register_cuda(self) -> None:
-        """Pin the faulted prefix for DMA now, and every chunk the faulter adds later (once).
+    @property
+    def cuda_pinned_bytes(self) -> int:
+        """Bytes registered with CUDA so far."""
+        return sum(n for _, n in self._cuda_chunks)
 
-        Called from the snapshot thread on the first CUDA save.
+    def register_cuda(self, device: int | None = None) -> None:
+        """Pin the faulted prefix for DMA now, and every chunk the faulter adds later (once),
+        with CUDA device ``device`` current (the device of the first CUDA save).
+
+        Called from the snapshot thread on the first CUDA save, or by the pool for a new
+        reservation replacing a registered one.
         """
         with self._cond:
             if self.cuda_registered:
                 return
+            self.cuda_device = device
             # hold the lock so the faulter does not publish a chunk between the two steps
-            for off in range(0, self.ready, FAULT_CHUNK_BYTES):
-                self._cuda_register(off, min(FAULT_CHUNK_BYTES, self.ready - off))
+
+            def prefix() -> None:
+                with _on_device(device):
+                    for off in range(0, self.ready, FAULT_CHUNK_BYTES):
+                        self._cuda_register(off, min(FAULT_CHUNK_BYTES, self.ready - off))
+
+            if self.ready:
+                _in_thread(prefix)
             self.cuda_registered = True
+
+    def pinned_pieces(self, off: int, n: int) -> list[tuple[int, int]]:
+        """``[off, off+n)`` as (offset, length) pieces none of which crosses a boundary between
+        two registered chunks (a copy spanning two registrations may be treated as pageable).
+        Any thread; the whole range if nothing is registered."""
+        with self._cond:
+            if not self._cuda_chunks:
+                return [(off, n)]
+            last_off, last_n = self._cuda_chunks[-1]
+            bounds = self._cuda_starts[1:] + [last_off + last_n]  # chunks are contiguous, in order
+        out = []
+        end = off + n
+        while off < end:
+            i = bisect.bisect_right(bounds, off)
+            k = min(end, bounds[i] if i < len(bounds) else end) - off
+            out.append((off, k))
+            off += k
+        return out
 
     # -- teardown ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -280,12 +369,22 @@ class Arena:
             self._cond.notify_all()
         if self._faulter is not None:
             self._faulter.join()
-        if self._cuda_chunks:
-            cudart = torch.cuda.cudart()
-            for off, _ in self._cuda_chunks:
-                cudart.cudaHostUnregister(self.address + off)
+        if self._cuda_chunks:  # before munlock/munmap: the driver holds these pages
+            chunks, device = list(self._cuda_chunks), self.cuda_device
+
+            def unregister() -> None:
+                cudart = _cudart()
+                with _on_device(device):
+                    for off, _ in chunks:
+                        cudart.cudaHostUnregister(self.address + off)
+
+            try:
+                _in_thread(unregister)
+            except Exception as exc:  # noqa: BLE001 - e.g. CUDA already shut down at exit
+                log.debug("zerostall: cudaHostUnregister of the staging arena failed: %s", exc)
             self._cuda_chunks.clear()
-            self.cuda_registered = False
+            self._cuda_starts.clear()
+        self.cuda_registered = False
         if self.locked:
             _libc.munlock(ctypes.c_void_p(self.address), self.ready)
         # give the memory back now even if a stray view keeps the mapping alive until the GC
