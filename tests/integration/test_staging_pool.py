@@ -285,3 +285,37 @@ def test_a_smaller_budget_never_grows_a_larger_pool_beyond_it(tmp_path):
         assert torch.equal(zerostall.load(tmp_path / "small")["w"], state["w"])
     finally:
         big.close()
+
+
+def test_first_save_cycles_through_the_faulted_prefix_while_the_faulter_lags(tmp_path, monkeypatch):
+    """Fresh memory can fault far slower than the disk (a VM's host-discarded pages): the
+    first save streams through what is faulted (at least FIRST_LAP_BYTES) instead of
+    waiting for the whole target; the next save, once faulted, gets the full ring."""
+    monkeypatch.setattr(pool, "FIRST_LAP_BYTES", 8 * MiB)
+    monkeypatch.setattr(arena_mod, "FAULT_CHUNK_BYTES", 4 * MiB)
+    gate = threading.Event()
+    real = arena_mod.populate
+    done = [0]
+
+    def lagging_populate(address, nbytes):  # the first 8 MiB fault at once, the rest waits for us
+        if done[0] >= 8 * MiB:
+            gate.wait(60)
+        real(address, nbytes)
+        done[0] += nbytes
+
+    monkeypatch.setattr(arena_mod, "populate", lagging_populate)
+    cfg = CheckpointConfig(staging=StagingConfig(budget_bytes=128 * MiB, block_bytes=4 * MiB, mlock=False))
+    state = _state(48)
+    try:
+        with Checkpointer(tmp_path, cfg) as ck:
+            h = ck.save(1, state)
+            assert h.wait(timeout=60), "the first save waited for the whole pool to fault"
+            assert not gate.is_set() and ck.arena.ready < ck.arena.target
+            assert h.result().arena_bytes == 8 * MiB
+            gate.set()
+            ck.prepare(state, wait=True)
+            assert ck.save(2, state).result().arena_bytes == ck.arena.target >= 48 * MiB
+    finally:
+        gate.set()
+    assert torch.equal(zerostall.load(tmp_path, step=1)["w"], state["w"])
+    assert torch.equal(zerostall.load(tmp_path)["w"], state["w"])
