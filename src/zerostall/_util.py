@@ -9,9 +9,14 @@ import importlib
 import os
 import queue
 import threading
-from typing import Any, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 T = TypeVar("T")
+
+
+class _Last:
+    def __init__(self, fn: Callable[[], None]):
+        self.fn = fn
 
 
 def load_target(target: str) -> Any:
@@ -47,11 +52,19 @@ class Worker(Generic[T]):
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def stop_then(self, fn: Callable[[], None]) -> None:
+        """Finish what is queued, run ``fn`` in the worker thread, and exit; returns at once
+        (for a finalizer, which must not block the thread that happens to collect)."""
+        self._q.put(_Last(fn))  # type: ignore[arg-type]
+
     def _loop(self) -> None:
         self.on_start()
         while True:
             item = self._q.get()
             if item is None:
+                return
+            if isinstance(item, _Last):
+                item.fn()
                 return
             self.handle(item)
 

@@ -194,8 +194,15 @@ class Checkpointer:
         self._persist = Persister(self.tier, self.engine, self._lease.arena, self._lease.ring,
                                   keep_last=(self.config.keep_last if (self.rank == 0 or self.node_local)
                                              and self._replicator is None else None),
-                                  on_done=self._on_done, committer=self._committer, refs=self._refs,
+                                  on_done=_weak_call(self, "_on_done"), committer=self._committer, refs=self._refs,
                                   recent=self._recent_commits)
+        # The workers hold this Checkpointer only weakly: one that is dropped without close()
+        # lets its persist thread finish what is queued and give back the staging lease, the
+        # engine and the root lock (a lease held forever kept the pool's memory mapped).
+        self._finalizer = weakref.finalize(self, _abandoned, self.tier.root, self._persist, self._lease,
+                                           self.engine, self.tier, self._refs, self._replicator,
+                                           self.config.close_timeout_s)
+        self._finalizer.atexit = False  # at exit the atexit hook closes it properly
 
     def prepare(self, state_dict: Any, *, wait: bool = False) -> None:
         """Start allocating and faulting staging memory for ``state_dict``; returns at once.
@@ -486,6 +493,9 @@ class Checkpointer:
                 budget = min(budget, left() or 0.0)
             self.unreplicated = self._replicator.close(budget)
         if ok:
+            finalizer = self.__dict__.get("_finalizer")
+            if finalizer is not None:
+                finalizer.detach()  # released here instead
             if self._refs is not None:
                 self._refs.close()
             self.engine.close()
@@ -548,6 +558,37 @@ class Checkpointer:
             job = failed[0]
             raise SaveFailed(f"an earlier background save (step {job.step}) failed: {job.error}",
                              step=job.step) from job.error
+
+
+def _weak_call(obj: Any, name: str) -> Any:
+    """``obj.<name>`` through a weak reference: a no-op once ``obj`` is gone."""
+    ref = weakref.ref(obj)
+
+    def call(*args: Any) -> Any:
+        o = ref()
+        return None if o is None else getattr(o, name)(*args)
+    return call
+
+
+def _abandoned(root: str, persist: Persister, lease: Any, engine: Engine, tier: LocalTier,
+               refs: RefTracker | None, replicator: Replicator | None, close_timeout_s: float) -> None:
+    """Finalizer of a Checkpointer that became unreachable without ``close()`` (any thread,
+    at garbage collection; never blocks): the persist thread finishes the queued saves, then
+    releases what the Checkpointer held, in ``close()``'s order."""
+    log.warning("zerostall: a Checkpointer of %s was dropped without close(); releasing its staging "
+                "lease and root lock once its queued saves finish (call close() or use `with`)", root)
+
+    def release() -> None:
+        try:
+            if replicator is not None:
+                replicator.close(close_timeout_s)
+            if refs is not None:
+                refs.close()
+            engine.close()
+        finally:
+            tier.release()
+            lease.release()
+    persist.stop_then(release)
 
 
 def _storages_of(opt: torch.optim.Optimizer) -> set[int]:

@@ -45,6 +45,7 @@ from .staging.arena import Arena
 from .restore_retry import GONE, MAX_REPLACED, REPLACED, changed_under
 from .restore_state import LoadReport, find_in_place, key_report, location_mapper, merge, select_keys
 from .store.local import LocalTier
+from .store.owner import StepLock
 
 log = logging.getLogger("zerostall")
 
@@ -373,22 +374,32 @@ def _fetch(tier: LocalTier, remote: Any, step: int, seen: Any = _ANY) -> tuple[M
                     return man, False
             except ZerostallError:
                 pass
-        part = tier.begin(step)
+        staging = StepLock(tier.root, step)  # the owner's start-up cleanup leaves our .partial alone
+        staging.acquire()
         try:
-            for fe in man.files:
-                rel = f"step-{step}/{fe.name}"
-                size = remote.stat(rel)
-                if size != fe.file_bytes:
-                    where = remote.where(rel)
-                    raise CorruptCheckpoint(f"{where}: {'missing' if size is None else f'{size} bytes'}, the "
-                                            f"manifest says {fe.file_bytes}", path=where)
-                remote.download(rel, os.path.join(part, fe.name), fe.file_bytes)
-        except BaseException:
-            tier.abort(step)
-            raise
-        tier.commit(step, man, overwrite=True)
+            _download(tier, remote, step, man)
+        finally:
+            staging.release(unlink=True)
     log.info("zerostall: fetched step %d from %s into %s", step, remote.url, tier.root)
     return man, True
+
+
+def _download(tier: LocalTier, remote: Any, step: int, man: Manifest) -> None:
+    """Download ``step``'s files into its ``.partial`` and commit it (caller holds the locks)."""
+    part = tier.begin(step)
+    try:
+        for fe in man.files:
+            rel = f"step-{step}/{fe.name}"
+            size = remote.stat(rel)
+            if size != fe.file_bytes:
+                where = remote.where(rel)
+                raise CorruptCheckpoint(f"{where}: {'missing' if size is None else f'{size} bytes'}, the "
+                                        f"manifest says {fe.file_bytes}", path=where)
+            remote.download(rel, os.path.join(part, fe.name), fe.file_bytes)
+    except BaseException:
+        tier.abort(step)
+        raise
+    tier.commit(step, man, overwrite=True)
 
 
 def load(path: str, state_dict: Any = None, step: int | None = None, map_location: Any = None, *,

@@ -9,7 +9,7 @@ NUMERIC = ("stall_s", "staged_s", "durable_s", "persist_gbps", "fraction_of_line
            "writeback_peak_bytes", "psi_io_full_peak", "step_p50_ms", "step_p99_ms", "step_max_ms",
            "steps_over_2x_median", "rss_peak_bytes", "restore_s", "restore_gbps", "lost_s",
            "inproc_lost_s", "inproc_stall_s", "inproc_durable_s", "inproc_step_max_ms")
-COLD = ("cold_stall_s", "cold_setup_s", "cold_durable_s", "cold_lost_s")
+COLD = ("cold_stall_s", "cold_setup_s", "cold_durable_s", "cold_lost_s", "cold_rss_peak_bytes")
 
 
 def test_bench_small_json_contract(tmp_path):
@@ -19,6 +19,7 @@ def test_bench_small_json_contract(tmp_path):
               "--dir", str(tmp_path / "work"), "--json", str(out), "--settle-s", "0.2"])
     assert rc == 0
     doc = json.loads(out.read_text())
+    assert doc["complete"] is True and not (tmp_path / "bench.json.tmp").exists()
     assert set(doc) >= {"machine", "size_bytes", "throttle_write_mbps", "line_rate", "memcpy_gbps", "results"}
     assert {"cpu", "ram_bytes", "kernel", "fs", "device"} <= set(doc["machine"])
     assert doc["line_rate"]["tool"] in ("fio", "probe") and doc["line_rate"]["write_gbps"] > 0
@@ -53,3 +54,33 @@ def test_bench_unknown_method_is_clear(tmp_path, capsys):
         assert "unknown method" in str(exc) and "torch.save" in str(exc)
     else:
         raise AssertionError("expected SystemExit")
+
+
+def test_bench_writes_partial_results_and_reports_a_failing_method(tmp_path, monkeypatch):
+    """The JSON is on disk after every method (marked incomplete until the end), and a method
+    that raises gets an error row while the next one still runs."""
+    import zerostall.bench.bench as bench
+    from zerostall.bench import methods as M
+
+    seen = []
+    real_write = bench.write_doc
+
+    def spy(doc, path):
+        real_write(doc, path)
+        seen.append(json.loads(open(path).read()))
+
+    def boom(self, step, state):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(bench, "write_doc", spy)
+    monkeypatch.setattr(M.TorchSave, "save", boom)
+    out = tmp_path / "bench.json"
+    rc = cli(["bench", "--size-gib", "0.03", "--repeat", "1", "--methods", "torch.save,zerostall-threads",
+              "--no-cold", "--no-line-rate", "--dir", str(tmp_path / "work"), "--json", str(out),
+              "--settle-s", "0.1"])
+    assert rc == 1  # a failed method fails the bench
+    assert [len(d["results"]) for d in seen[:2]] == [1, 2] and seen[0]["complete"] is False
+    first = seen[0]["results"][0]
+    assert first["method"] == "torch.save" and "disk on fire" in first["error"] and first["verified"] is False
+    final = json.loads(out.read_text())
+    assert final["complete"] is True and final["results"][1]["verified"] is True

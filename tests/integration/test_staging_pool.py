@@ -235,3 +235,87 @@ def test_a_faulting_failure_fails_the_save_instead_of_hanging(tmp_path, monkeypa
         exc = ck.save(1, _state(8)).exception(timeout=60)
         assert exc is not None and "cannot populate" in str(exc)
     assert not (tmp_path / "step-1").exists()
+
+
+def test_a_dropped_checkpointer_gives_back_its_lease_and_root(tmp_path, monkeypatch, caplog):
+    """Its threads hold it weakly: once unreachable, the queued save still commits, then the
+    lease and the root lock go (before, the persist thread kept it and its lease alive)."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(pool, "LINGER_S", 0)
+    state = _state(8)
+    ck = Checkpointer(tmp_path / "r", _cfg())
+    h = ck.save(1, state)
+    h.result()
+    ck.save(2, state)  # queued; dropped with its Checkpointer (no handle kept)
+    ref = weakref.ref(ck)
+    p = pool.current()
+    del ck, h
+    gc.collect()
+    assert ref() is None
+    done = threading.Event()
+    for _ in range(2000):  # the persist thread releases after finishing step 2
+        if not p.leases and pool.current() is None:
+            done.set()
+            break
+        threading.Event().wait(0.005)
+    assert done.is_set(), "the lease of a dropped Checkpointer was never released"
+    assert "dropped without close()" in caplog.text
+    with Checkpointer(tmp_path / "r", _cfg(), lock_timeout_s=0) as again:  # the root is free again
+        assert again.steps() == [1, 2]
+    assert torch.equal(zerostall.load(tmp_path / "r")["w"], state["w"])
+
+
+def test_a_smaller_budget_never_grows_a_larger_pool_beyond_it(tmp_path):
+    """A Checkpointer whose budget is smaller than the live pool's streams its larger state
+    through at most its own budget: the pool's faulted memory stays within it (+ nothing)."""
+    block = 1 * MiB
+    big = Checkpointer(tmp_path / "big", _cfg(budget=64 * MiB, block=block))
+    try:
+        big.save(1, _state(2)).result()  # the pool: budget 64 MiB, 2 MiB wanted
+        assert pool.current().budget == 64 * MiB
+        small_budget = 8 * MiB
+        state = _state(40, seed=3)
+        with Checkpointer(tmp_path / "small", _cfg(budget=small_budget, block=block)) as small:
+            small.save(1, state).result()
+            p = pool.current()
+            assert p.target <= small_budget and p.ring.capacity_bytes <= small_budget
+            assert p.arena.ready <= small_budget * 21 // 20  # faulted: its budget + 5% at most
+        assert torch.equal(zerostall.load(tmp_path / "small")["w"], state["w"])
+    finally:
+        big.close()
+
+
+def test_first_save_cycles_through_the_faulted_prefix_while_the_faulter_lags(tmp_path, monkeypatch):
+    """Fresh memory can fault far slower than the disk (a VM's host-discarded pages): the
+    first save streams through what is faulted (at least FIRST_LAP_BYTES) instead of
+    waiting for the whole target; the next save, once faulted, gets the full ring."""
+    monkeypatch.setattr(pool, "FIRST_LAP_BYTES", 8 * MiB)
+    monkeypatch.setattr(arena_mod, "FAULT_CHUNK_BYTES", 4 * MiB)
+    gate = threading.Event()
+    real = arena_mod.populate
+    done = [0]
+
+    def lagging_populate(address, nbytes):  # the first 8 MiB fault at once, the rest waits for us
+        if done[0] >= 8 * MiB:
+            gate.wait(60)
+        real(address, nbytes)
+        done[0] += nbytes
+
+    monkeypatch.setattr(arena_mod, "populate", lagging_populate)
+    cfg = CheckpointConfig(staging=StagingConfig(budget_bytes=128 * MiB, block_bytes=4 * MiB, mlock=False))
+    state = _state(48)
+    try:
+        with Checkpointer(tmp_path, cfg) as ck:
+            h = ck.save(1, state)
+            assert h.wait(timeout=60), "the first save waited for the whole pool to fault"
+            assert not gate.is_set() and ck.arena.ready < ck.arena.target
+            assert h.result().arena_bytes == 8 * MiB
+            gate.set()
+            ck.prepare(state, wait=True)
+            assert ck.save(2, state).result().arena_bytes == ck.arena.target >= 48 * MiB
+    finally:
+        gate.set()
+    assert torch.equal(zerostall.load(tmp_path, step=1)["w"], state["w"])
+    assert torch.equal(zerostall.load(tmp_path)["w"], state["w"])

@@ -96,6 +96,25 @@ def test_write_list_read_verify_delete(tier, source):
     assert tier.steps() == []
 
 
+def test_overwrite_keeps_the_old_step_whole_until_the_new_one_commits(tier, source, tmp_path):
+    """Writing over a committed step: at every point before the commit, the step verifies as
+    the old checkpoint (remote tiers used to write the new shards over the old objects that
+    the old manifest names); after it, as the new one, with nothing else left in the step."""
+    man, files = source
+    _write(tier, 7, man, files)
+    d = str(tmp_path / "other")
+    zerostall.save(d, {"w": torch.zeros(70_000), "b": torch.arange(9) * 2, "n": 4}, step=7)
+    new = LocalTier(d).read_manifest(7)
+    new_files = {fe.name: open(os.path.join(d, "step-7", fe.name), "rb").read() for fe in new.files}
+    assert set(new_files) == set(files)  # the same object names, other bytes
+    _write(tier, 7, new, new_files, commit=False)
+    assert tier.steps() == [7] and verify_tier_step(tier, 7).checkpoint_id == man.checkpoint_id
+    assert tier.commit(7, new, overwrite=True) == ()
+    assert verify_tier_step(tier, 7).checkpoint_id == new.checkpoint_id
+    if hasattr(tier, "names_in"):
+        assert tier.names_in(7) == sorted(list(new_files) + [MANIFEST_NAME])
+
+
 def test_only_steps_with_a_valid_manifest_count(tier, source):
     man, files = source
     _write(tier, 7, man, files, commit=False)  # data without a manifest: not a step

@@ -17,7 +17,15 @@ The headline per method is **training time lost per checkpoint** = time blocked 
 the sum over the steps taken during the save of (step time - baseline median step time),
 for both trainers (``lost_s``: the separate process, plus the blocked time; ``inproc_lost_s``).
 Medians over ``--repeat`` runs, with min and max. The JSON document's field names are a
-contract (see the README). A method that cannot run here is reported with ``unavailable``.
+contract (see the README). A method that cannot run here is reported with ``unavailable``;
+one that fails mid-run with ``error`` (the bench goes on with the next).
+
+With ``--json`` the document is rewritten after every method with ``"complete": false``
+(so an OOM kill or a Ctrl-C late in a long run keeps what was measured) and once more with
+``"complete": true`` at the end. Between methods the bench frees what the last one held
+(the method's objects, the process's staging pool, glibc's free heap): each row's
+``rss_peak_bytes`` is this process's peak during its saves, ``cold_rss_peak_bytes`` the
+cold child's.
 """
 
 from __future__ import annotations
@@ -40,13 +48,13 @@ from ..config import IOConfig
 from ..telemetry.host import Sampler
 from .hostinfo import line_rate, machine, memcpy_gbps
 from .methods import Method, available_methods
-from .model import gpt_state_for_size
+from .model import gpt_state_for_size, settle_gc
 
 NUMERIC = ("stall_s", "staged_s", "durable_s", "persist_gbps", "fraction_of_line_rate", "dirty_peak_bytes",
            "writeback_peak_bytes", "psi_io_full_peak", "step_p50_ms", "step_p99_ms", "step_max_ms",
            "steps_over_2x_median", "rss_peak_bytes", "restore_s", "restore_gbps", "lost_s",
            "inproc_lost_s", "inproc_stall_s", "inproc_durable_s", "inproc_step_max_ms")
-COLD = ("cold_stall_s", "cold_setup_s", "cold_durable_s", "cold_lost_s")
+COLD = ("cold_stall_s", "cold_setup_s", "cold_durable_s", "cold_lost_s", "cold_rss_peak_bytes")
 
 
 def _map(x: Any, fn: Any) -> Any:
@@ -163,14 +171,24 @@ def run_inproc(m: Method, step: int, state: Any, loop: Any, settle_s: float) -> 
             "inproc_step_max_ms": r["step_max_ms"]}
 
 
-def run_cold(name: str, size_gib: float, workdir: str, settle_s: float) -> dict[str, float] | None:
-    """The method's first save in a fresh process (see :mod:`.cold`); None if it failed."""
+COLD_TIMEOUT_S = 900.0
+
+
+def run_cold(name: str, size_gib: float, workdir: str, settle_s: float,
+             device: str = "cpu") -> dict[str, float] | None:
+    """The method's first save in a fresh process (see :mod:`.cold`), the state on ``device``;
+    None if it failed or timed out."""
     from ..staging import pool
     pool.release_now()  # this process's staging memory is not the child's business
     out = os.path.join(workdir, "cold.json")
-    proc = subprocess.run([sys.executable, "-m", "zerostall.bench.cold", "--method", name, "--size-gib",
-                           str(size_gib), "--dir", workdir, "--out", out, "--settle-s", str(settle_s)],
-                          capture_output=True, text=True, timeout=1800)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "zerostall.bench.cold", "--method", name, "--size-gib",
+                               str(size_gib), "--dir", workdir, "--out", out, "--settle-s", str(settle_s),
+                               "--device", device],
+                              capture_output=True, text=True, timeout=COLD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        print(f"bench: cold run of {name} did not finish within {COLD_TIMEOUT_S:.0f} s", file=sys.stderr)
+        return None
     if proc.returncode != 0:
         print(f"bench: cold run of {name} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
         return None
@@ -212,6 +230,37 @@ def unavailable_row(name: str, why: str) -> dict[str, Any]:
             **{k: None for k in NUMERIC + COLD}, "min": {}, "max": {}}
 
 
+def error_row(name: str, exc: BaseException) -> dict[str, Any]:
+    """A method that raised mid-run: reported (and the bench fails), the others still run."""
+    why = f"{type(exc).__name__}: {exc}"[:500]
+    return {"method": name, "repeats": 0, "note": f"failed: {why}", "error": why, "verified": False,
+            **{k: None for k in NUMERIC + COLD}, "min": {}, "max": {}}
+
+
+def write_doc(doc: dict[str, Any], path: str | None) -> None:
+    """Write the results document atomically (a kill mid-write leaves the previous one)."""
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+
+
+def free_memory() -> None:
+    """Between methods: drop the process's staging pool and unreferenced objects, and hand
+    glibc's free heap back to the OS, so the next method (and its cold child) start lean."""
+    import gc
+    from ..staging import pool
+    pool.release_now()
+    gc.collect()
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def run_bench(a: argparse.Namespace, console: Any) -> dict[str, Any]:
     methods = available_methods()
     chosen = a.methods.split(",") if a.methods else list(methods)
@@ -227,65 +276,94 @@ def run_bench(a: argparse.Namespace, console: Any) -> dict[str, Any]:
         state = _map(state, lambda t: t.to(a.device))
     size = _nbytes(state)
     target = _map(state, lambda t: torch.zeros_like(t))
+    settle_gc()
     console.print("measuring the disk's line rate and warm memcpy bandwidth ...")
     line = line_rate(workdir, min(size, 2 << 30)) if not a.no_line_rate else {"write_gbps": 0.0, "read_gbps": 0.0, "tool": "skipped"}
     mem = memcpy_gbps()
     torch.set_num_threads(1)  # the in-process trainer's matmul: one thread, like the trainer process
     doc: dict[str, Any] = {"machine": machine(workdir), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "size_bytes": size, "throttle_write_mbps": a.throttle_write_mbps,
-                           "device": a.device, "line_rate": line, "memcpy_gbps": mem, "results": []}
+                           "device": a.device, "line_rate": line, "memcpy_gbps": mem, "complete": False,
+                           "results": []}
+    out_json = getattr(a, "json", None)
     series: dict[str, Any] = {}
     try:
         from .throttle import throttle_writes
         ctx = throttle_writes(workdir, a.throttle_write_mbps) if a.throttle_write_mbps else contextlib.nullcontext()
-        loop = None
+        loops: list[Any] = []  # the in-process trainer, created by the first method that runs
         with ctx as thr:
             for name in chosen:
-                m = methods[name]
+                m = methods.pop(name)  # dropped after its row, with whatever it still references
                 if m.unavailable:
                     console.print(f"  {name}: {m.unavailable}")
                     doc["results"].append(unavailable_row(name, m.unavailable))
+                    write_doc(doc, out_json)
                     continue
-                cold = None
-                if not a.no_cold:
-                    console.print(f"  {name}: cold (fresh process, first save)")
-                    cold = run_cold(name, a.size_gib, workdir, a.settle_s)
-                m.setup(os.path.join(workdir, name.replace(".", "_")), state)
                 try:
-                    runs = []
-                    for r in range(a.repeat):
-                        console.print(f"  {name}: run {r + 1}/{a.repeat} (separate trainer)")
-                        runs.append(run_one(m, r, state, target, size, line, workdir, thr, a.settle_s))
-                    if loop is None:
-                        from .inproc import StepLoop
-                        loop = StepLoop(log_dir=workdir)
-                    for r in range(a.repeat):
-                        console.print(f"  {name}: run {r + 1}/{a.repeat} (same-process trainer)")
-                        runs[r].update(run_inproc(m, 1000 + r, state, loop, a.settle_s))
-                    series[name] = runs[len(runs) // 2].pop("_series")
-                    for run in runs:
-                        run.pop("_series", None)
-                    row = aggregate(name, runs, m.note)
-                    row.update({k: (cold or {}).get(k) for k in COLD})
-                    if name.startswith("zerostall-"):
-                        row.update(new_path_stall(name.split("-", 1)[1], os.path.join(workdir, "newpath"), state))
-                    doc["results"].append(row)
-                except Exception as exc:  # a peer's own failure is a row of the table, not the end of the run
-                    if name.startswith("zerostall"):
-                        raise
-                    why = f"failed here: {type(exc).__name__}: {str(exc)[:300]}"
-                    console.print(f"  {name}: {why}")
-                    doc["results"].append({**unavailable_row(name, why), "failed": True})
+                    _run_method(a, m, name, state, target, size, line, workdir, thr, loops, doc, series, console)
+                except Exception as exc:  # noqa: BLE001 - reported as the method's row; the others still run
+                    console.print(f"  {name}: failed: {type(exc).__name__}: {exc}")
+                    doc["results"].append(error_row(name, exc))
                 finally:
-                    m.close()
-                    shutil.rmtree(m.root, ignore_errors=True)
-        if loop is not None:
+                    del m
+                    free_memory()
+                write_doc(doc, out_json)
+        for loop in loops:
             loop.close()
     finally:
         if a.dir is None:
             shutil.rmtree(workdir, ignore_errors=True)
+    doc["complete"] = True
     if a.plot:
         plot(series, a.plot, doc)
     return doc
+
+
+def _run_method(a: argparse.Namespace, m: Method, name: str, state: Any, target: Any, size: int,
+                line: dict[str, Any], workdir: str, thr: Any, loops: list[Any], doc: dict[str, Any],
+                series: dict[str, Any], console: Any) -> None:
+    """Cold run, repeats with both trainers, new-path stall: one row in ``doc``. ``loops``
+    holds the in-process trainer (created on first use, reused by the next methods)."""
+    cold = None
+    if not a.no_cold:
+        console.print(f"  {name}: cold (fresh process, first save)")
+        cold = run_cold(name, a.size_gib, workdir, a.settle_s, a.device)
+    m.setup(os.path.join(workdir, name.replace(".", "_")), state)
+    try:
+        runs = []
+        for r in range(a.repeat):
+            console.print(f"  {name}: run {r + 1}/{a.repeat} (separate trainer)")
+            runs.append(run_one(m, r, state, target, size, line, workdir, thr, a.settle_s))
+        if not loops:
+            from .inproc import StepLoop
+            loops.append(StepLoop(log_dir=workdir))
+        loop = loops[0]
+        for r in range(a.repeat):
+            console.print(f"  {name}: run {r + 1}/{a.repeat} (same-process trainer)")
+            runs[r].update(run_inproc(m, 1000 + r, state, loop, a.settle_s))
+        series[name] = runs[len(runs) // 2].pop("_series")
+        for run in runs:
+            run.pop("_series", None)
+        row = aggregate(name, runs, m.note)
+        row.update({k: (cold or {}).get(k) for k in COLD})
+        if name.startswith("zerostall-"):
+            row.update(new_path_stall(name.split("-", 1)[1], os.path.join(workdir, "newpath"), state))
+        doc["results"].append(row)
+        console.print(f"  {name}: {_summary(row)}")
+    finally:
+        try:
+            m.close()
+        except Exception as exc:  # noqa: BLE001 - setup may have failed half-way; the first error is reported
+            console.print(f"  {name}: close failed: {type(exc).__name__}: {exc}")
+        if getattr(m, "root", None):
+            shutil.rmtree(m.root, ignore_errors=True)
+
+
+def _summary(row: dict[str, Any]) -> str:
+    """One line per finished method, so a log cut short still says what each one measured."""
+    return (f"lost {row['inproc_lost_s']:.3f} s same-proc / {row['lost_s']:.3f} s sep-proc, stall "
+            f"{row['stall_s']:.3f} s, durable {row['durable_s']:.2f} s, {row['persist_gbps']:.2f} GB/s, restore "
+            f"{row['restore_gbps']:.2f} GB/s, cold stall {_f(row.get('cold_stall_s'), '.3f')} s, "
+            f"verified {row['verified']}")
 
 
 def plot(series: dict[str, Any], path: str, doc: dict[str, Any]) -> None:
@@ -331,8 +409,8 @@ def print_table(doc: dict[str, Any], console: Any) -> None:
     for c in cols:
         t.add_column(c, justify="left" if c == "method" else "right")
     for r in doc["results"]:
-        if r.get("unavailable"):
-            t.add_row(r["method"], *["n/a"] * (len(cols) - 1))
+        if r.get("unavailable") or r.get("error"):
+            t.add_row(r["method"], *["n/a" if r.get("unavailable") else "failed"] * (len(cols) - 1))
             continue
         t.add_row(r["method"], _f(r["inproc_lost_s"], ".3f"), _f(r["lost_s"], ".3f"), f"{r['stall_s']:.3f}",
                   f"{r['staged_s']:.2f}", f"{r['durable_s']:.2f}", _f(r.get("cold_stall_s"), ".3f"),
@@ -342,8 +420,8 @@ def print_table(doc: dict[str, Any], console: Any) -> None:
                   f"{r['restore_gbps']:.2f}", "yes" if r["verified"] else "NO")
     console.print(t)
     for r in doc["results"]:
-        if r.get("unavailable"):
-            console.print(f"  {r['method']}: {r['unavailable']}")
+        if r.get("unavailable") or r.get("error"):
+            console.print(f"  {r['method']}: {r.get('unavailable') or 'failed: ' + r['error']}")
     news = [r for r in doc["results"] if "new_path_stall_s" in r]
     for r in news:
         console.print(f"  {r['method']}: a fresh Checkpointer on a new path blocked {r['new_path_stall_s'] * 1e3:.1f} ms "
@@ -361,7 +439,6 @@ def main(a: argparse.Namespace) -> int:
     doc = run_bench(a, console)
     print_table(doc, console)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_doc(doc, a.json)
         console.print(f"wrote {a.json}")
     return 0 if all(r["verified"] for r in doc["results"] if not r.get("unavailable")) else 1

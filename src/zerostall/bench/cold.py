@@ -20,7 +20,17 @@ import torch
 
 from .inproc import StepLoop, measure
 from .methods import available_methods
-from .model import gpt_state_for_size
+from .model import gpt_state_for_size, settle_gc
+
+
+def _hwm_bytes() -> int:
+    """This process's peak RSS (``VmHWM``: per address space, so not the parent's, which
+    ``ru_maxrss`` carries across ``exec``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def main() -> None:
@@ -30,6 +40,7 @@ def main() -> None:
     p.add_argument("--dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--settle-s", type=float, default=1.0)
+    p.add_argument("--device", default="cpu", help="where the state lives (as the bench's --device)")
     a = p.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -38,6 +49,10 @@ def main() -> None:
     for mod in m.imports:  # a training script has imported its checkpoint library already
         importlib.import_module(mod)
     state = gpt_state_for_size(int(a.size_gib * (1 << 30)))
+    if a.device != "cpu":
+        from .bench import _map
+        state = _map(state, lambda t: t.to(a.device))
+    settle_gc()
     loop = StepLoop(log_dir=a.dir)
     root = os.path.join(a.dir, "cold-" + a.method.replace(".", "_"))
     shutil.rmtree(root, ignore_errors=True)
@@ -56,7 +71,8 @@ def main() -> None:
         loop.close()
         shutil.rmtree(root, ignore_errors=True)
     out = {"cold_stall_s": r["blocked_s"], "cold_setup_s": box.get("setup_s", 0.0),
-           "cold_durable_s": r["durable_wall_s"], "cold_lost_s": r["lost_s"]}
+           "cold_durable_s": r["durable_wall_s"], "cold_lost_s": r["lost_s"],
+           "cold_rss_peak_bytes": _hwm_bytes()}
     with open(a.out, "w") as f:
         json.dump(out, f)
 

@@ -96,6 +96,17 @@ def batch(data: torch.Tensor, step: int, seed: int, batch_size: int, ctx: int) -
     return x, y
 
 
+def settle_gc() -> None:
+    """Collect once and move every live object out of the cyclic GC's reach (``gc.freeze()``),
+    as a tuned trainer does after building its model (torchtitan disables automatic GC and
+    collects every N steps). Without it a full collection, ~145 ms in a process that has
+    imported torch on this 2-vCPU machine (168k tracked objects), lands in whatever call
+    allocates next, a save() of any method included. Called by the bench for every method."""
+    import gc
+    gc.collect()
+    gc.freeze()
+
+
 def gpt_state_for_size(size_bytes: int, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
     """fp32 parameters of a GPT-style model plus AdamW ``exp_avg``/``exp_avg_sq``, about
     ``size_bytes`` in total (3 x 4 bytes per parameter), shaped like a real transformer's."""

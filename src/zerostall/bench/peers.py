@@ -107,22 +107,38 @@ class LightningAsync(Method):
 
 class NVRxAsync(Method):
     name = "nvrx-async"
-    note = "nvidia_resiliency_ext TorchAsyncCheckpoint.async_save (CUDA only), then fsync"
+    note = ("nvidia_resiliency_ext TorchAsyncCheckpoint.async_save (CUDA only; its persistent worker "
+            "started in setup), then fsync")
 
     def __init__(self) -> None:
-        if importlib.util.find_spec("nvidia_resiliency_ext") is None:
-            self.unavailable = ("not installed (pip install nvidia-resiliency-ext); its async path is "
-                                "CUDA-only (calls torch.cuda.synchronize())")
-        elif not torch.cuda.is_available():
-            self.unavailable = "cannot run on CPU: TorchAsyncCheckpoint.async_save calls torch.cuda.synchronize()"
+        installed = importlib.util.find_spec("nvidia_resiliency_ext") is not None
+        if not torch.cuda.is_available():  # the reason that holds whatever is installed
+            self.unavailable = ("absent on a CPU-only host: NVRx's TorchAsyncCheckpoint.async_save calls "
+                                "torch.cuda.synchronize() and fails without a CUDA device"
+                                + ("" if installed else " (nvidia-resiliency-ext is not installed either)"))
+        elif not installed:
+            self.unavailable = "not installed (pip install nvidia-resiliency-ext; this host has the CUDA device it needs)"
 
     def setup(self, root: str, state: Any) -> None:
         super().setup(root, state)
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
         from nvidia_resiliency_ext.checkpointing.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
+        # Its first async_save asks torch.distributed.get_rank(), which raises without a process
+        # group (the bench has none): start its worker for rank 0 first, as its warm-up API allows.
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            AsyncCallsQueue.warmup_persistent_caller(rank=0)
         self.ckpt = TorchAsyncCheckpoint()
 
     def _path(self, step: int) -> str:
         return os.path.join(self.dir(step), "state.pt")
+
+    def _worker_died(self) -> str | None:
+        """Why the checkpoint worker process is gone, if it is (else its queue waits forever)."""
+        caller = getattr(self.ckpt._async_calls_queue, "persistent_caller", None)  # noqa: SLF001
+        proc = getattr(caller, "process", None)
+        if proc is not None and not proc.is_alive():
+            return f"nvidia_resiliency_ext's checkpoint worker process exited (exit code {proc.exitcode})"
+        return None
 
     def start(self, step: int, state: Any) -> Pending:
         os.makedirs(self.dir(step), exist_ok=True)
@@ -132,8 +148,13 @@ class NVRxAsync(Method):
         q = self.ckpt._async_calls_queue  # noqa: SLF001
 
         def durable() -> bool:
-            self.ckpt.finalize_async_save(blocking=False)
-            return q.get_num_unfinalized_calls() == 0
+            q.maybe_finalize_async_calls(blocking=False, no_dist=True)
+            if q.get_num_unfinalized_calls() == 0:
+                return True
+            died = self._worker_died()
+            if died:
+                raise RuntimeError(died)
+            return False
         return Pending(t0, stall, durable=durable, after=lambda: fsync_tree(self.dir(step)))
 
     def save(self, step: int, state: Any) -> tuple[float, float, float]:
@@ -143,7 +164,20 @@ class NVRxAsync(Method):
         return torch.load(self._path(step), weights_only=True)
 
     def close(self) -> None:
-        self.ckpt.finalize_async_save(blocking=True, terminate=True)
+        """Finish or abort its calls without torch.distributed (its blocking finalize asks
+        get_rank()) and without waiting on a dead worker."""
+        ckpt = getattr(self, "ckpt", None)
+        if ckpt is None:
+            return
+        q = ckpt._async_calls_queue  # noqa: SLF001
+        deadline = time.monotonic() + 120
+        while q.get_num_unfinalized_calls() and not self._worker_died() and time.monotonic() < deadline:
+            q.maybe_finalize_async_calls(blocking=False, no_dist=True)
+            time.sleep(0.05)
+        abort = bool(q.get_num_unfinalized_calls()) or self._worker_died() is not None
+        q.async_calls.clear()  # what is left is abandoned: close() must not all_reduce over it
+        q.close(abort=abort)
+        self.ckpt = None
 
 
 def peer_methods() -> dict[str, Method]:

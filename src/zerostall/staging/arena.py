@@ -17,11 +17,24 @@ Two kinds of users:
 Fresh anonymous memory is slow to touch the first time (the VM may fault and zero every
 page: 0.4-3 GB/s measured here), which is why the faulting happens once and the memory is
 reused. On CUDA the faulted prefix is registered with ``cudaHostRegister`` chunk by chunk,
-so device-to-host copies are DMA into it; never ``pin_memory()`` per tensor.
+so device-to-host copies are DMA into it; never ``pin_memory()`` per tensor. Registration:
+
+* runs with the device of the first CUDA save current (never a context on device 0 for a
+  rank that trains on cuda:3) and with ``cudaHostRegisterPortable`` (pinned for every device);
+* happens only in threads that launch no kernels (the faulter, or a short-lived helper):
+  a failed CUDA runtime call leaves a per-thread "last error" that torch's next kernel launch
+  check in that thread would raise as its own;
+* that fails (pinned-memory limits) is logged once and stops: copies into unregistered
+  memory are still correct, only synchronous;
+* is undone (``cudaHostUnregister``, chunk by chunk) before the memory is unmapped.
+Copies are split at registration chunk boundaries (:meth:`Arena.pinned_pieces`), so each
+one lies inside one registered range.
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -29,6 +42,7 @@ import os
 import resource
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +54,7 @@ log = logging.getLogger("zerostall")
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+MADV_DONTFORK = getattr(mmap, "MADV_DONTFORK", 10)
 FAULT_CHUNK_BYTES = 64 << 20
 """Bytes the background faulter publishes (and registers with CUDA) at a time."""
 FAULT_CALL_S = 0.004
@@ -52,7 +67,38 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _populate_ok = True  # cleared once if the kernel lacks MADV_POPULATE_WRITE (< 5.14)
+CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+
+
+def _cudart():
+    """torch's CUDA runtime bindings (the seam unit tests fake to run without a GPU)."""
+    return torch.cuda.cudart()
+
+
+def _on_device(index: int | None):
+    """``index`` made the current CUDA device for the block (the seam unit tests fake)."""
+    return torch.cuda.device(index) if index is not None else contextlib.nullcontext()
+
+
+def _in_thread(fn) -> None:
+    """Run ``fn`` in a thread that then exits (see the module docstring: CUDA's per-thread last
+    error must not reach a thread that launches kernels)."""
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            err.append(exc)
+
+    t = threading.Thread(target=run, name="zerostall-cuda-register")
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
 
 
 def host_ram_bytes() -> int:
@@ -86,6 +132,35 @@ def populate(address: int, nbytes: int) -> None:
     ctypes.memset(address, 0, nbytes)
 
 
+_unforked: "weakref.WeakSet[Arena]" = weakref.WeakSet()
+"""Live arenas made with ``dontfork=True`` (their address ranges are holes in a forked child)."""
+
+
+def _fill_holes_in_child() -> None:
+    """After fork, in the child: an anonymous placeholder where each ``dontfork`` arena was.
+
+    The child inherits the Python objects but not the mapping; without a placeholder the range
+    is free, a later mapping of the child may land there, and the stale ``mmap`` object would
+    unmap it when collected (or a stale view would read it). With one, stale views read zeros
+    (no RSS until touched) and the collection unmaps only the placeholder. CUDA registrations
+    are the parent's: forgotten (CUDA cannot be used in a forked child anyway)."""
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    flags = (mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10  # MAP_FIXED
+             | getattr(mmap, "MAP_NORESERVE", 0))
+    for a in list(_unforked):
+        if a.closed:
+            continue
+        _libc.mmap(ctypes.c_void_p(a.address), a.nbytes, prot, flags, -1, 0)
+        a._cuda_chunks.clear()
+        a._cuda_starts.clear()
+        a.cuda_registered = False
+        a.locked = False
+        a.forked_copy = True
+
+
+os.register_at_fork(after_in_child=_fill_holes_in_child)
+
+
 @dataclass(frozen=True)
 class ArenaView:
     """A prefix of an arena, shaped like an :class:`Arena` for readers (restore's bounce)."""
@@ -105,7 +180,7 @@ class Arena:
     """
 
     def __init__(self, nbytes: int, *, mlock: bool = True, hugepages: bool = True,
-                 prefault: bool = True, detached_views: bool = False):
+                 prefault: bool = True, detached_views: bool = False, dontfork: bool = False):
         self.nbytes = (nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
         self._map = mmap.mmap(-1, self.nbytes, flags=flags)
@@ -124,8 +199,15 @@ class Arena:
         self.mlock = mlock
         self.locked = False
         self.closed = False
+        self.forked_copy = False
+        """True in a forked child: the object is the parent's, the memory a zero placeholder."""
         self.cuda_registered = False
+        """Registration was asked for (:meth:`register_cuda`); chunks register as they fault."""
+        self.cuda_device: int | None = None
+        self.cuda_error: str | None = None
+        """Why registration stopped (then copies into the rest are synchronous), or None."""
         self._cuda_chunks: list[tuple[int, int]] = []
+        self._cuda_starts: list[int] = []
         self._cond = threading.Condition()
         self.ready = 0
         """Bytes of the prefix that are faulted (and locked / CUDA-registered if asked)."""
@@ -135,6 +217,13 @@ class Arena:
         self.error: BaseException | None = None
         self.fault_s = 0.0
         self._call_bytes = FAULT_CALL_MIN_BYTES  # grows to what FAULT_CALL_S faults (faulter thread)
+        if dontfork:
+            # A fork (DataLoader workers, each epoch) neither copies the page tables of the whole
+            # arena nor, if its pages are pinned for DMA (cudaHostRegister), the pages
+            # themselves at fork time (the kernel copies DMA-pinned anonymous pages eagerly).
+            # Only for owners that never use the arena in a child (the pool).
+            if _libc.madvise(ctypes.c_void_p(self.address), self.nbytes, MADV_DONTFORK) == 0:
+                _unforked.add(self)
         if hugepages:
             try:
                 self._map.madvise(MADV_HUGEPAGE)  # only sets a flag on the mapping: instant
@@ -223,8 +312,9 @@ class Arena:
             try:
                 self._fault_range(off, n)  # no lock held, no GIL held: writers use [0, ready) meanwhile
                 with self._cond:  # register_cuda() holds the lock too: no chunk is missed
-                    if self.cuda_registered:
-                        self._cuda_register(off, n)
+                    if self.cuda_registered and self.cuda_error is None:
+                        with _on_device(self.cuda_device):
+                            self._cuda_register(off, n)
                     self.ready = off + n
                     self._cond.notify_all()
             except BaseException as exc:  # noqa: BLE001 - handed to the writers waiting on it
@@ -252,23 +342,64 @@ class Arena:
 
     # -- CUDA -------------------------------------------------------------------------------
     def _cuda_register(self, off: int, n: int) -> None:
-        err = torch.cuda.cudart().cudaHostRegister(self.address + off, n, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {n} bytes failed with CUDA error {int(err)}")
+        """Register one chunk (lock held; in a thread that launches no kernels). A failure stops
+        registration for good: the rest stays pageable (copies into it are synchronous)."""
+        if self.cuda_error is not None:
+            return
+        err = int(_cudart().cudaHostRegister(self.address + off, n, CUDA_HOST_REGISTER_PORTABLE))
+        if err != 0:
+            self.cuda_error = f"cudaHostRegister of {n} bytes at offset {off} failed with CUDA error {err}"
+            say = log.warning if node_leader() else log.debug
+            say("zerostall: %s; device-to-host copies into the rest of the staging arena are synchronous "
+                "(pinned-memory limit? %d bytes registered)", self.cuda_error, self.cuda_pinned_bytes)
+            return
         self._cuda_chunks.append((off, n))
+        self._cuda_starts.append(off)
 
-    def register_cuda(self) -> None:
-        """Pin the faulted prefix for DMA now, and every chunk the faulter adds later (once).
+    @property
+    def cuda_pinned_bytes(self) -> int:
+        """Bytes registered with CUDA so far."""
+        return sum(n for _, n in self._cuda_chunks)
 
-        Called from the snapshot thread on the first CUDA save.
+    def register_cuda(self, device: int | None = None) -> None:
+        """Pin the faulted prefix for DMA now, and every chunk the faulter adds later (once),
+        with CUDA device ``device`` current (the device of the first CUDA save).
+
+        Called from the snapshot thread on the first CUDA save, or by the pool for a new
+        reservation replacing a registered one.
         """
         with self._cond:
             if self.cuda_registered:
                 return
+            self.cuda_device = device
             # hold the lock so the faulter does not publish a chunk between the two steps
-            for off in range(0, self.ready, FAULT_CHUNK_BYTES):
-                self._cuda_register(off, min(FAULT_CHUNK_BYTES, self.ready - off))
+
+            def prefix() -> None:
+                with _on_device(device):
+                    for off in range(0, self.ready, FAULT_CHUNK_BYTES):
+                        self._cuda_register(off, min(FAULT_CHUNK_BYTES, self.ready - off))
+
+            if self.ready:
+                _in_thread(prefix)
             self.cuda_registered = True
+
+    def pinned_pieces(self, off: int, n: int) -> list[tuple[int, int]]:
+        """``[off, off+n)`` as (offset, length) pieces none of which crosses a boundary between
+        two registered chunks (a copy spanning two registrations may be treated as pageable).
+        Any thread; the whole range if nothing is registered."""
+        with self._cond:
+            if not self._cuda_chunks:
+                return [(off, n)]
+            last_off, last_n = self._cuda_chunks[-1]
+            bounds = self._cuda_starts[1:] + [last_off + last_n]  # chunks are contiguous, in order
+        out = []
+        end = off + n
+        while off < end:
+            i = bisect.bisect_right(bounds, off)
+            k = min(end, bounds[i] if i < len(bounds) else end) - off
+            out.append((off, k))
+            off += k
+        return out
 
     # -- teardown ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -280,12 +411,22 @@ class Arena:
             self._cond.notify_all()
         if self._faulter is not None:
             self._faulter.join()
-        if self._cuda_chunks:
-            cudart = torch.cuda.cudart()
-            for off, _ in self._cuda_chunks:
-                cudart.cudaHostUnregister(self.address + off)
+        if self._cuda_chunks:  # before munlock/munmap: the driver holds these pages
+            chunks, device = list(self._cuda_chunks), self.cuda_device
+
+            def unregister() -> None:
+                cudart = _cudart()
+                with _on_device(device):
+                    for off, _ in chunks:
+                        cudart.cudaHostUnregister(self.address + off)
+
+            try:
+                _in_thread(unregister)
+            except Exception as exc:  # noqa: BLE001 - e.g. CUDA already shut down at exit
+                log.debug("zerostall: cudaHostUnregister of the staging arena failed: %s", exc)
             self._cuda_chunks.clear()
-            self.cuda_registered = False
+            self._cuda_starts.clear()
+        self.cuda_registered = False
         if self.locked:
             _libc.munlock(ctypes.c_void_p(self.address), self.ready)
         # give the memory back now even if a stray view keeps the mapping alive until the GC

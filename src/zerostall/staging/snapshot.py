@@ -140,7 +140,9 @@ class DeviceStreams:
             fn()
             ev = self._done.get(i)
             if ev is None:
-                ev = self._done[i] = self.cuda.Event()
+                # blocking: the snapshot thread sleeps while the copy runs instead of spinning
+                # a core (cudaEventBlockingSync) that the data loader may need
+                ev = self._done[i] = self.cuda.Event(blocking=True)
             ev.record(s)
         ev.synchronize()
 
@@ -157,7 +159,7 @@ class Snapshotter(Worker[SaveJob]):
         t0 = time.perf_counter()
         try:
             if job.incr is not None:  # may shrink job.plan to what must be written
-                job.incr.tracker.decide(job, lambda dev, fn: self._cuda().run(dev, fn, job.cuda_event))
+                job.incr.tracker.decide(job, lambda dev, fn: self._cuda(dev).run(dev, fn, job.cuda_event))
             job.layout_ready.set()
             self._stage(job)
             if job.incr is not None:  # tensors referenced on speculation that changed: appended
@@ -174,9 +176,11 @@ class Snapshotter(Worker[SaveJob]):
             job.t_staged = time.perf_counter()
             job.staged.set()
 
-    def _cuda(self) -> DeviceStreams:
+    def _cuda(self, device: torch.device) -> DeviceStreams:
+        """The side streams; the first call registers the arena with ``device`` current (the
+        device of the first CUDA save: no context is created on a device the rank does not use)."""
         if self._streams is None:
-            self.arena.register_cuda()
+            self.arena.register_cuda(_index(device, torch.cuda))
             self._streams = DeviceStreams()
         return self._streams
 
@@ -204,7 +208,8 @@ class Snapshotter(Worker[SaveJob]):
         ring, B = self.ring, self.ring.block_bytes
         arena = job.arena or self.arena  # the pool swaps arenas only between jobs
         arena_u8 = arena.u8
-        streams = self._cuda() if "cuda" in job.plan.devices else None
+        first_cuda = next((t.device for t in job.leaves or () if t.device.type == "cuda"), None)
+        streams = self._cuda(first_cuda) if first_cuda is not None else None
 
         def spans(a: int, b: int):
             """Yield (arena offset, file offset, length) runs covering file bytes [a, b)."""
@@ -248,10 +253,12 @@ class Snapshotter(Worker[SaveJob]):
                     if on_cpu:
                         _memmove(base + aoff, tensor.data_ptr() + rel, n)
                     else:
-                        def copy(dst=arena_u8[aoff:aoff + n], rel=rel, n=n, tensor=tensor) -> None:
+                        def copy(aoff=aoff, rel=rel, n=n, tensor=tensor) -> None:
                             if not flat:
                                 flat.append(flat_bytes(tensor))
-                            dst.copy_(flat[0][rel:rel + n], non_blocking=True)
+                            for o, k in arena.pinned_pieces(aoff, n):  # each inside one registration
+                                src = rel + o - aoff
+                                arena_u8[o:o + k].copy_(flat[0][src:src + k], non_blocking=True)
                         streams.run(tensor.device, copy, job.cuda_event)  # type: ignore[union-attr]
                     ring.publish(job.g0 + (foff + n) // B)
             pos = item.offset + item.nbytes

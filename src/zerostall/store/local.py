@@ -27,7 +27,10 @@ Deleting a committed step (retention, a bad download) renames it to ``.deleting-
 Ownership: :meth:`LocalTier.own` takes ``<root>/.zerostall.lock`` (:mod:`.owner`) before
 recovering; only the owner writes. Readers (``steps``, ``read_manifest``, ``load``,
 ``verify``, ``ls``) take no lock: they never see a torn step, because a step directory
-appears only by rename, complete.
+appears only by rename, complete. A process downloading a step into a root it does not own
+(``load(remote=)``) holds that step's :class:`~.owner.StepLock` while its ``step-N.partial``
+and its commit are in flight; the owner's start-up cleanup skips (and logs) the leftovers of
+a step whose lock is held, and removes the lock files of interrupted downloads.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from ..errors import (CheckpointExistsError, CheckpointNotFound, CorruptCheckpoi
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..format.validate import parse_step_dir, read_small
 from .atomic import fsync_dir, publish_dir, recover_dir, rmtree, write_file_durable
-from .owner import RootLock
+from .owner import FETCH_STEP_LOCK_RE, RootLock, StepLock
 from .retention import doomed, spare_referenced
 from .tier import Tier
 
@@ -57,6 +60,15 @@ __all__ = ["LocalTier", "fsync_dir", "write_file_durable"]
 log = logging.getLogger("zerostall")
 _PARTIAL_RE = re.compile(r"^step-(\d{1,19})\.partial$")
 _OLD_RE = re.compile(r"^step-(\d{1,19})\.old$")
+_FETCH_LOCK_RE = re.compile(FETCH_STEP_LOCK_RE)
+_DELETING_STEP_RE = re.compile(r"^\.deleting-step-(\d{1,19})(?:\.old)?-")
+
+
+def _deleting_step(name: str) -> int | None:
+    m = _DELETING_STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
 _TEMP_RE = re.compile(r"^(latest\.tmp|\.zerostall-write-test-\d+|\.zerostall-probe-[0-9a-f]+)$")
 
 
@@ -260,25 +272,48 @@ class LocalTier(Tier):
         if not self._lock.held:
             raise ZerostallError(f"recovering {self.root!r} needs its lock (call own())")
         done: list[str] = []
+        locks: dict[int, StepLock] = {}
+        busy: set[int] = set()
+
+        def free(step: int | None) -> bool:
+            """Whether this step's leftovers are ours to clean: no restore is downloading into
+            it (its StepLock, taken here without waiting and held until the end)."""
+            if step is None or step in locks:
+                return True
+            if step in busy:
+                return False
+            lk = StepLock(self.root, step)
+            if lk.acquire(wait=False):
+                locks[step] = lk
+                return True
+            busy.add(step)
+            done.append(f"kept the leftovers of step {step}: {lk.holder()} is downloading it into {self.root}")
+            return False
+
         try:
             for n in sorted(self._names()):
-                if m := _OLD_RE.match(n):
+                if (m := _OLD_RE.match(n)) and free(int(m.group(1))):
                     step = int(m.group(1))
                     done += recover_dir(self.step_dir(step), lambda d, s=step: self._valid_dir(d, s),
                                         self._hook)
             for n in sorted(self._names()):
                 path = os.path.join(self.root, n)
-                if _PARTIAL_RE.match(n):
+                if (m := _PARTIAL_RE.match(n)) and free(int(m.group(1))):
                     rmtree(path)
                     done.append(f"removed {path} (an unfinished save)")
-                elif n.startswith(".deleting-"):
+                elif n.startswith(".deleting-") and free(_deleting_step(n)):
                     rmtree(path)
                     done.append(f"removed {path} (an interrupted deletion)")
                 elif _TEMP_RE.match(n):
                     rmtree(path)
                     done.append(f"removed {path} (a temporary file)")
+                elif (m := _FETCH_LOCK_RE.match(n)) and int(m.group(1)) not in busy and free(int(m.group(1))):
+                    done.append(f"removed {path} (the lock of an interrupted restore)")
         except OSError as exc:
             raise storage_error("recovering leftovers in", self.root, exc) from exc
+        finally:
+            for lk in locks.values():
+                lk.release(unlink=True)
         for line in done:
             log.info("zerostall: %s", line)
         return done

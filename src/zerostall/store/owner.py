@@ -145,3 +145,89 @@ class RootLock:
             self.release()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+FETCH_STEP_LOCK = ".zerostall-fetch-step-{step}.lock"
+FETCH_STEP_LOCK_RE = r"^\.zerostall-fetch-step-(\d{1,19})\.lock$"
+
+
+class StepLock:
+    """``flock`` on ``<root>/.zerostall-fetch-step-N.lock``, held by a process that downloads
+    step N into a root it does not own (``load(remote=)``, ``zerostall restore``): its
+    ``step-N.partial`` and what its commit leaves (``step-N.old``, ``.deleting-step-N-*``)
+    are in use. The owner's start-up cleanup (:meth:`.local.LocalTier.recover`) takes the
+    same lock without waiting for every step it cleans, and skips a step whose lock is held.
+
+    Unlike the root lock this file is removed by whoever holds it last (release(unlink=True));
+    :meth:`acquire` therefore checks, once locked, that the path still names the file it
+    locked, and starts again otherwise. Caller's thread; one acquire, one release.
+    """
+
+    def __init__(self, root: str, step: int):
+        self.path = os.path.join(root, FETCH_STEP_LOCK.format(step=step))
+        self._fd: int | None = None
+
+    def acquire(self, wait: bool = True) -> bool:
+        """Take the lock (waiting for a holder if ``wait``); False if held elsewhere and not
+        ``wait``. Where the filesystem has no ``flock``, returns True unenforced."""
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            except OSError as exc:
+                raise storage_error("creating the lock file", self.path, exc) from exc
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise StorageError(f"lock file {self.path!r} is not a regular file; remove it and try again",
+                                       filename=self.path)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+                except BlockingIOError:
+                    os.close(fd)
+                    return False
+                except OSError as exc:
+                    if exc.errno not in _NO_LOCKING:
+                        raise storage_error("locking", self.path, exc) from exc
+                    self._fd = fd
+                    return True
+                try:
+                    same = os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False
+                if not same:  # its last holder removed it while we waited: lock the new one
+                    os.close(fd)
+                    continue
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode() + b"\n", 0)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd = fd
+            return True
+
+    def holder(self) -> str:
+        """Who holds it, as its file says (for log lines)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return "another process"
+        try:
+            info = json.loads(os.read(fd, 4096) or b"{}") if stat.S_ISREG(os.fstat(fd).st_mode) else {}
+            return f"pid {info.get('pid', '?')} on host {info.get('host', '?')}"
+        except (OSError, ValueError, AttributeError):
+            return "another process"
+        finally:
+            os.close(fd)
+
+    def release(self, unlink: bool = True) -> None:
+        """Remove the file (while still holding it, so a waiter sees it gone) and unlock."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            if unlink:
+                try:
+                    os.unlink(self.path)
+                except FileNotFoundError:
+                    pass
+        finally:
+            os.close(fd)

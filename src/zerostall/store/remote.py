@@ -115,6 +115,43 @@ class RemoteTier(Tier):
     def _delete_prefix(self, rel: str) -> None:
         """Remove every object under ``rel`` (a ``step-N/`` prefix)."""
 
+    @abstractmethod
+    def names_in(self, step: int) -> list[str]:
+        """Names of the objects under ``step-N/`` (any, committed or not)."""
+
+    @abstractmethod
+    def _copy_within(self, src: str, dst: str) -> bool:
+        """Copy object ``src`` to ``dst`` on the tier (server-side copy); True if ``dst`` is
+        ``src``'s bytes by construction (a hard link), so there is nothing to check."""
+
+    def copy_object(self, src: str, dst: str, size: int) -> None:
+        """Copy ``src`` (``size`` bytes) to ``dst`` on the tier and check the copy read back
+        against the source's crc32c. CorruptCheckpoint if the source is not what its step
+        says (missing, another size, bytes other than recorded); RemoteError if the tier fails."""
+        got = self.stat(src)
+        if got != size:
+            raise CorruptCheckpoint(f"{self.where(src)}: {'missing' if got is None else f'{got} bytes'}, its "
+                                    f"manifest says {size}", path=self.where(src))
+        if self._copy_within(src, dst):
+            return
+        want = self.stored_crc(src)
+        got_size, got_crc = self.checksum(dst)
+        if (got_size, got_crc) != (size, want):
+            self._delete(dst)
+            raise CorruptCheckpoint(f"{self.where(src)}: its copy holds {got_size} bytes with crc32c {got_crc:08x}, "
+                                    f"recorded {size} bytes with crc32c {want:08x} (damaged?)", path=self.where(src))
+
+    def stored_crc(self, rel: str) -> int:
+        """The crc32c of ``rel``'s bytes (recorded at upload where the tier keeps it, else read)."""
+        return self.checksum(rel)[1]
+
+    _hook: Callable[[str], None] | None = None
+    """The crash-test seam (as on :class:`~.local.LocalTier`): called with each boundary's name."""
+
+    def hook(self, name: str) -> None:
+        if self._hook is not None:
+            self._hook(name)
+
     def cancel(self) -> None:
         """Abandon in-flight transfers (the close deadline passed); any thread."""
 
@@ -178,7 +215,10 @@ class RemoteTier(Tier):
     # -- writing ------------------------------------------------------------------------------------
     def begin(self, step: int) -> str:
         """No staging area: objects go to their final names and count only once the manifest
-        is there. Returns the step's location."""
+        is there; a committed step there is first set aside (:mod:`.remote_replace`), so
+        writing over its names tears nothing. Returns the step's location."""
+        from .remote_replace import set_aside
+        set_aside(self, step)
         return self.where(f"step-{step}")
 
     def open_shard_write(self, step: int, name: str, nbytes: int, engine: Any = None) -> Any:
@@ -199,6 +239,12 @@ class RemoteTier(Tier):
                                   f"(bytes), the manifest says {fe.file_bytes}; not committing step {step}",
                                   url=self.where(f"step-{step}/{fe.name}"), step=step)
         self.upload_bytes(manifest.to_bytes(), rel)
+        self.hook("commit")
+        try:  # after the commit point: what the manifest does not name (a replaced copy) goes
+            from .remote_replace import sweep
+            sweep(self, step, manifest)
+        except ZerostallError as exc:
+            return (f"step {step} is committed on {self.url}, but removing the objects it replaced failed: {exc}",)
         return ()
 
     def abort(self, step: int) -> None:
@@ -222,18 +268,22 @@ class RemoteTier(Tier):
         self._put_file(local_path, rel, crc)
         self.verify(rel, os.path.getsize(local_path), crc)
 
-    def upload_bytes(self, data: bytes, rel: str) -> None:
+    def upload_bytes(self, data: bytes, rel: str, previous: bytes | None = None) -> None:
         """Store ``data`` at ``rel`` and read it back to check it (manifests: small). If the
         check cannot be made, the object is removed again: an unverified manifest must not
-        commit a step."""
+        commit a step; where it replaced ``previous`` (a committed manifest), that is put
+        back instead, so the step it committed does not vanish."""
         self._put_bytes(data, rel)
         try:
             self.verify(rel, len(data), _crc.crc32c(data))
         except BaseException:
             try:
-                self._delete(rel)
+                if previous is not None:
+                    self._put_bytes(previous, rel)
+                else:
+                    self._delete(rel)
             except ZerostallError as exc:
-                log.warning("zerostall: cannot remove unverified %s: %s", self.where(rel), exc)
+                log.warning("zerostall: cannot remove or replace unverified %s: %s", self.where(rel), exc)
             raise
 
     def verify(self, rel: str, size: int, crc: int) -> None:

@@ -7,6 +7,8 @@ competes with the next local save. It works in *passes*; each pass:
 
 1. lists the remote tier's committed steps (a step is committed there when its manifest
    object exists — the listing, never memory, is the truth);
+   A local step the remote holds as another checkpoint is replaced: rank 0 first sets the
+   remote copy aside, committed all along (:mod:`.remote_replace`), so it is never absent;
 2. for every local committed step the remote lacks and would keep (oldest first), uploads
    this rank's shard files, each verified by crc32c read back from the tier; rank 0 then
    waits (``rank_wait_s``) for every rank's shard and uploads the manifest last;
@@ -45,6 +47,7 @@ from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..staging.job import SaveJob
 from .local import LocalTier
 from .remote import RemoteTier, drop_cache, file_crc32c
+from .remote_replace import committed_bytes, live_names, set_aside, sweep
 from .retention import RetentionPolicy, dependents, spare_referenced
 
 log = logging.getLogger("zerostall")
@@ -261,8 +264,11 @@ class Replicator:
                 continue  # deleted meanwhile (retention)
             if self._matched.get(s) == mine:
                 continue
-            theirs = remote.read_manifest(s).checkpoint_id
+            their_man = remote.read_manifest(s)
+            theirs = their_man.checkpoint_id
             if theirs == mine:
+                if self.rank == 0:  # once per step and run: what an interrupted replacement left
+                    sweep(remote, s, their_man)
                 self._matched[s] = mine
                 continue
             users = dependents(sorted(remote_steps), s, remote.read_manifest)
@@ -274,8 +280,8 @@ class Replicator:
                 continue
             log.warning("zerostall: %s holds another checkpoint as step %d (id %s, local id %s); replacing it "
                         "with the local step", remote.url, s, theirs, mine)
-            if self.rank == 0:
-                remote.delete(s)
+            if self.rank == 0:  # the old copy stays committed (set aside) until the new manifest is up
+                set_aside(remote, s, mine=lambda fe: fe.rank % self.world_size == self.rank)
             remote_steps.discard(s)
         return blocked
 
@@ -312,10 +318,15 @@ class Replicator:
             if remote.stat(f"step-{ref}/{MANIFEST_NAME}") is None and not self._replicate_step(remote, ref):
                 return False
         rel = f"step-{step}"
+        live = live_names(remote, step, man.checkpoint_id)  # names another checkpoint's manifest holds there
         for fe in man.files:
             path = os.path.join(d, fe.name)
             if fe.rank % self.world_size != self.rank or not os.path.exists(path):
                 continue  # another rank's (or another node's) file
+            if fe.name in live:  # rank 0 sets that checkpoint aside first (remote_replace)
+                log.info("zerostall: step %d: %s still names %s of another checkpoint; uploading later", step,
+                         remote.url, fe.name)
+                return False
             if self._cancel.is_set():
                 return False
             size, crc = file_crc32c(path)
@@ -328,6 +339,7 @@ class Replicator:
                 except RemoteError as exc:
                     log.warning("zerostall: %s; uploading it again", exc)
             remote.upload(path, f"{rel}/{fe.name}", crc)
+            remote.hook("upload")
             drop_cache(path)
         manifest_rel = f"{rel}/{MANIFEST_NAME}"
         if self.rank != 0:
@@ -335,7 +347,13 @@ class Replicator:
         if not self._wait_for(lambda: all(remote.stat(f"{rel}/{fe.name}") == fe.file_bytes for fe in man.files)):
             log.info("zerostall: step %d: not every rank's shard is on %s yet; trying again later", step, remote.url)
             return False
-        remote.upload_bytes(raw, manifest_rel)  # last: the remote commit
+        remote.upload_bytes(raw, manifest_rel, previous=committed_bytes(remote, step))  # last: the remote commit
+        remote.hook("commit")
+        try:  # after the commit point: a replaced copy (set aside) goes
+            sweep(remote, step, man)
+        except ZerostallError as exc:
+            log.warning("zerostall: step %d is committed on %s, but removing the objects it replaced failed (%s); "
+                        "the next run removes them", step, remote.url, exc)
         return True
 
     def _retain(self, remote: RemoteTier, local: list[int], remote_steps: list[int], pending: list[int]) -> None:

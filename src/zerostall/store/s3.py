@@ -263,6 +263,26 @@ class S3Tier(RemoteTier):
             self._call("deleting", rel, lambda: self.client.delete_objects(
                 Bucket=self.bucket, Delete={"Objects": keys[i:i + 1000], "Quiet": True}))
 
+    def names_in(self, step: int) -> list[str]:
+        base = self._key(f"step-{step}/")
+        return sorted(o["Key"][len(base):] for o in self._call("listing", f"step-{step}/",
+                                                                lambda: self._objects(f"step-{step}/")))
+
+    def _copy_within(self, src: str, dst: str) -> bool:
+        """Server-side copy (multipart for large objects, through s3transfer); checked by the caller."""
+        self._call(f"copying {self.where(src)} to", dst, lambda: self.client.copy(
+            {"Bucket": self.bucket, "Key": self._key(src)}, self.bucket, self._key(dst), Config=self.transfer))
+        return False
+
+    def stored_crc(self, rel: str) -> int:
+        """The crc32c recorded at upload (``x-amz-meta-zerostall-crc32c``), else read back."""
+        head = self._call("stat of", rel, lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(rel)))
+        rec = (head.get("Metadata") or {}).get(META_CRC, "")
+        try:
+            return int(rec, 16)
+        except ValueError:
+            return self.checksum(rel)[1]
+
     def _open_write(self, rel: str, nbytes: int, engine: Any) -> Any:
         w = _MultipartWriter(self, rel, nbytes)
         return ShardIO(w, w.complete, w.abort_unless)

@@ -219,5 +219,34 @@ class FileTier(RemoteTier):
         except OSError as exc:
             raise self._err("deleting", rel, exc) from exc
 
+    def names_in(self, step: int) -> list[str]:
+        try:
+            return sorted(os.listdir(self._path(f"step-{step}")))
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise self._err("listing", f"step-{step}/", exc) from exc
+
+    def _copy_within(self, src: str, dst: str) -> bool:
+        """A hard link where the filesystem has them: the same bytes, nothing copied, and
+        nothing to tear (files here are replaced by rename, never rewritten in place)."""
+        from .local import fsync_dir
+        s, d = self._path(src), self._path(dst)
+        linked = True
+        try:
+            if os.path.lexists(d):
+                os.unlink(d)
+            try:
+                os.link(s, d)
+            except OSError as exc:
+                if exc.errno not in (_errno.EXDEV, _errno.EPERM, _errno.EOPNOTSUPP, _errno.EMLINK):
+                    raise
+                self._copy(s, d)
+                linked = False
+            fsync_dir(os.path.dirname(d))
+        except OSError as exc:
+            raise self._err(f"copying {self.where(src)} to", dst, exc) from exc
+        return linked
+
     def _delete_prefix(self, rel: str) -> None:
         shutil.rmtree(self._path(rel), ignore_errors=True)

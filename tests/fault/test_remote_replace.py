@@ -1,0 +1,113 @@
+"""Replacing a step on a remote tier (the local step is another checkpoint than the remote's:
+an overwrite, a run restarted from an earlier step) never leaves the step absent or torn.
+
+The seam: the remote tier's mutating requests (put, copy, delete). A crash is injected before
+the n-th of them, for every n until a replacement completes; at each crash the remote must
+still list the step and it must load and verify as the old or the new checkpoint; a fresh
+replicator (the next run) then finishes: the new checkpoint, and no object its manifest does
+not name. The old code deleted the remote step first (a crash there lost it).
+Real files (file://) and the real radosgw (s3://)."""
+
+import os
+import uuid
+
+import pytest
+import torch
+
+import zerostall
+from zerostall import LoadReport
+from zerostall.cli import main as cli
+from zerostall.format.manifest import MANIFEST_NAME
+from zerostall.store.local import LocalTier
+from zerostall.store.remote import open_tier
+from zerostall.store.replicate import Replicator
+from zerostall.store.retention import RetentionPolicy
+
+pytestmark = pytest.mark.timeout(600)
+S3 = os.environ.get("ZEROSTALL_TEST_S3") == "1"
+MUTATING = ("_put_file", "_put_bytes", "_delete", "_delete_prefix", "_copy_within")
+
+
+class Crash(Exception):
+    """The process dies here: nothing after this request happens."""
+
+
+def _arm(remote, n):
+    """Crash before the n-th mutating request of ``remote``; returns the request counter."""
+    count = [0]
+    for name in (m for m in MUTATING if hasattr(remote, m)):
+        orig = getattr(remote, name)
+
+        def wrapped(*a, _orig=orig, **k):
+            count[0] += 1
+            if count[0] == n:
+                raise Crash(n)
+            return _orig(*a, **k)
+
+        setattr(remote, name, wrapped)
+    return count
+
+
+def _pass(local, url, arm=None):
+    remote = open_tier(url)
+    count = _arm(remote, arm) if arm else None
+    rep = Replicator(LocalTier(local), lambda: remote, RetentionPolicy(), start=False, rank_wait_s=5)
+    rep._pass()
+    return count
+
+
+@pytest.fixture(params=["file", "s3"])
+def base_url(request, tmp_path):
+    if request.param == "file":
+        yield f"file://{tmp_path / 'remote'}"
+        return
+    if not S3:
+        pytest.skip("no S3 server: source the S3 environment (ZEROSTALL_TEST_S3=1)")
+    url = f"s3://edges-zerostall-replace/{uuid.uuid4().hex[:12]}"
+    yield url
+    open_tier(url)._delete_prefix("")
+
+
+def _value(tmp_path, url, tag):
+    rep = LoadReport()
+    got = zerostall.load(str(tmp_path / f"fresh-{tag}"), remote=url, step=2, report=rep)
+    assert rep.failed == [] and rep.source == "remote", rep.failed
+    return got["a"][0].item()
+
+
+def test_replacing_a_remote_step_survives_a_crash_at_every_request(tmp_path, base_url, capsys):
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    for s in (1, 2):
+        zerostall.save(old, {"a": torch.full((3000,), float(s))}, step=s)
+    zerostall.save(new, {"a": torch.full((3000,), 20.0)}, step=2)  # another checkpoint as step 2
+    shard = [n for n in os.listdir(os.path.join(new, "step-2")) if n != MANIFEST_NAME]
+
+    n, crashed = 1, 0
+    while True:
+        url = f"{base_url}/{n}"
+        _pass(old, url)  # the remote holds the old run's steps 1 and 2
+        assert _value(tmp_path, url, f"{n}-before") == 2.0
+        count = None
+        try:
+            count = _pass(new, url, arm=n)
+        except Crash:
+            crashed += 1
+            remote = open_tier(url)
+            assert remote.steps() == [1, 2], f"crash before request {n}: step 2 is not committed"
+            assert _value(tmp_path, url, f"{n}-crashed") in (2.0, 20.0)
+            capsys.readouterr()
+            assert cli(["verify", url]) == 0, capsys.readouterr().err
+            _pass(new, url)  # the next run finishes the replacement
+        else:
+            assert count[0] < n  # a whole replacement ran without reaching request n
+        remote = open_tier(url)
+        assert remote.steps() == [1, 2]
+        assert _value(tmp_path, url, f"{n}-after") == 20.0
+        names = remote._objects("step-2/") if base_url.startswith("s3") else os.listdir(remote._path("step-2"))
+        names = sorted(o["Key"].rsplit("/", 1)[1] if isinstance(o, dict) else o for o in names)
+        assert names == sorted(shard + [MANIFEST_NAME]), f"leftovers after crash {n}"
+        if count is not None and count[0] < n:
+            break
+        n += 1
+    print(f"{crashed} crash points")
+    assert crashed >= 5  # set aside (copy, manifest, delete), upload, commit, sweep
