@@ -160,3 +160,29 @@ def test_two_ranks_replacing_a_step_never_commit_a_stale_shard(tmp_path, base_ur
         assert cli(["verify", url]) == 0, f"pass {i} (rank {rank}): {capsys.readouterr().err}"
     assert _value(tmp_path, url, "new") == 20.0
     assert sorted(open_tier(url).names_in(2)) == sorted([MANIFEST_NAME, "rank-00000.shard", "rank-00001.shard"])
+
+
+def test_verify_of_a_remote_step_replaced_while_it_reads(tmp_path, monkeypatch, capsys):
+    """``zerostall verify URL`` read the old manifest, then the step is replaced before it
+    opens a shard: it reads the step again (restore_retry), it does not report it corrupt."""
+    from zerostall.store.sharedfs import FileTier
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    zerostall.save(old, {"a": torch.full((3000,), 2.0)}, step=2)
+    zerostall.save(new, {"a": torch.full((3000,), 20.0)}, step=2)
+    url = f"file://{tmp_path / 'remote'}"
+    _pass(old, url)
+    fired = []
+    orig = FileTier._open_read
+
+    def replace_first(self, rel, size, engine):
+        if not fired:
+            fired.append(rel)
+            _pass(new, url)  # the owner's replicator replaces step 2 right now
+        return orig(self, rel, size, engine)
+
+    monkeypatch.setattr(FileTier, "_open_read", replace_first)
+    capsys.readouterr()
+    assert cli(["verify", url]) == 0, capsys.readouterr().err
+    assert fired and "step 2: OK" in capsys.readouterr().out
+    monkeypatch.setattr(FileTier, "_open_read", orig)
+    assert _value(tmp_path, url, "after") == 20.0
