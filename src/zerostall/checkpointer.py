@@ -262,12 +262,15 @@ class Checkpointer:
             if self.tier.owned and (self._step_bound is None or step > self._step_bound):
                 newest = self.tier.latest() if self._step_bound is None else None
                 self._step_bound = max(step, newest if newest is not None else -1)
-            self._ensure_pipeline(plan.file_bytes)
+            # an incremental save keeps one spare block: tensors it referenced on speculation
+            # that turn out changed are appended after its other blocks (RefTracker.settle)
+            spare = 1 if self._refs is not None else 0
+            self._ensure_pipeline(plan.file_bytes + spare * self.config.staging.block_bytes)
             assert self.ring is not None and self._lease is not None and self._persist is not None
             job = SaveJob(step=step, plan=plan, rank=self.rank, world_size=self.world_size,
                           overwrite=ow, user_metadata=dict(metadata or {}))  # checked by save()
             job.engine = self.engine.name
-            nblocks = self.ring.blocks_for(plan.file_bytes)
+            nblocks = self.ring.blocks_for(plan.file_bytes) + spare
             if self.config.backpressure == "skip" and not self.ring.fits_now(nblocks):
                 return self._skip(job, t0)
             job.leaves = [leaf.tensor for leaf in plan.leaves]

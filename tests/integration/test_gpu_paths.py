@@ -207,3 +207,27 @@ def test_lightning_checkpoint_io_with_cuda_state(tmp_path):
     assert out["epoch"] == 1 and out["global_step"] == 3
     for k, v in out["state_dict"].items():
         assert v.is_cuda and torch.equal(v.cpu(), want[k]), k
+
+
+def test_a_fork_after_a_cuda_save_leaves_the_registered_pool_working(ckdir):
+    """A DataLoader-style fork (the child touches no CUDA) between two CUDA saves: the pool's
+    arena is MADV_DONTFORK (not copied into the child), and the parent's next save and the
+    load of both steps are unaffected."""
+    import os
+
+    x = torch.randn(MiB, device="cuda")
+    wants = []
+    with zerostall.Checkpointer(ckdir) as ck:
+        wants.append(x.cpu().clone())
+        assert ck.save(1, {"x": x}).result().ok
+        assert zpool.current().arena.cuda_pinned_bytes > 0
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        x.mul_(3)
+        wants.append(x.cpu().clone())
+        assert ck.save(2, {"x": x}).result().ok
+    for step, w in ((1, wants[0]), (2, wants[1])):
+        assert torch.equal(zerostall.load(ckdir, step=step)["x"], w), step

@@ -220,3 +220,45 @@ def test_a_path_removed_twice_keeps_the_first_until_the_saves_are_durable(tmp_pa
     go.set()
     io.teardown()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_replacing_save_that_fails_later_puts_the_file_back(tmp_path, monkeypatch):
+    """A save over a torch.save file that fails in the background (here: every commit fails,
+    the seam) puts the file back at teardown; it used to stay set aside as
+    .NAME.zerostall-removing, which the next run's start-up cleanup deleted: the previous good
+    checkpoint was lost."""
+    path = tmp_path / "last.ckpt"
+    torch.save({"old": torch.ones(3)}, path)
+
+    def fail(name):
+        if name == "manifest":
+            raise OSError(5, "Input/output error (injected)")
+
+    monkeypatch.setattr(LocalTier, "_hook", staticmethod(fail))
+    io = ZerostallCheckpointIO()
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "global_step": 1}, path)
+    with pytest.raises(zerostall.errors.ZerostallError):
+        io.teardown()
+    monkeypatch.setattr(LocalTier, "_hook", None)
+    assert os.listdir(tmp_path) == ["last.ckpt"] and os.path.isfile(path)
+    # the next run: its start-up cleanup of the directory keeps it, and a good save replaces it
+    io = ZerostallCheckpointIO()
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "global_step": 1}, tmp_path / "other.ckpt")
+    io.teardown()
+    assert torch.equal(torch.load(path, weights_only=True)["old"], torch.ones(3))
+
+
+def test_a_crash_during_a_replacing_save_puts_the_file_back_next_run(tmp_path):
+    """The process died while a save over a torch.save file was in flight: the file is still
+    set aside and the path holds an uncommitted directory. The next run puts the file back."""
+    path = tmp_path / "last.ckpt"
+    torch.save({"old": torch.ones(3)}, tmp_path / ".last.ckpt.zerostall-replaced")
+    os.makedirs(path / "step-1.partial")
+    committed = tmp_path / "good.ckpt"  # and one whose replacing save did commit: the old file goes
+    zerostall.save(str(committed), {"w": torch.ones(2)}, step=1)
+    torch.save({"older": 1}, tmp_path / ".good.ckpt.zerostall-replaced")
+    io = ZerostallCheckpointIO()
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "global_step": 1}, tmp_path / "other.ckpt")
+    io.teardown()
+    assert sorted(os.listdir(tmp_path)) == ["good.ckpt", "last.ckpt", "other.ckpt"]
+    assert torch.equal(torch.load(path, weights_only=True)["old"], torch.ones(3))

@@ -108,3 +108,34 @@ def test_ddp_two_gloo_processes_resume_exactly(tmp_path):
     ck = tmp_path / "stopped" / "checkpoint-8"
     files = sorted(os.listdir(ck / "step-8"))
     assert [f for f in files if f.startswith("rank-")] and len([f for f in files if f.startswith("rank-")]) == 2
+
+
+def test_a_training_error_is_not_masked_by_a_failed_checkpoint(tmp_path, monkeypatch):
+    """train() raising while a save fails too: the caller gets the training's error (the
+    checkpoint failure logged and noted on it), not the checkpoint's (it used to replace it:
+    the finally block's zerostall_wait raised over the training error)."""
+    from transformers import TrainerCallback
+
+    from zerostall.errors import ZerostallError
+
+    class Boom(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 5:  # after the save of step 4 was issued
+                raise RuntimeError("training blew up at step 5")
+
+    def fail(name):
+        if name == "manifest":
+            raise OSError(5, "Input/output error (injected)")
+
+    monkeypatch.setattr(LocalTier, "_hook", staticmethod(fail))  # every commit fails (the seam)
+    torch.set_num_threads(1)
+    t = hf_app.make_trainer(tmp_path, "zerostall", 8, callbacks=[Boom()])
+    with pytest.raises(RuntimeError, match="training blew up at step 5") as ei:
+        t.train()
+    assert not isinstance(ei.value, ZerostallError)
+    assert any("finishing the checkpoints also failed" in n for n in getattr(ei.value, "__notes__", []))
+    monkeypatch.setattr(LocalTier, "_hook", None)
+    t2 = hf_app.make_trainer(tmp_path / "ok", "zerostall", 4)  # and without a training error, it is raised
+    monkeypatch.setattr(LocalTier, "_hook", staticmethod(fail))
+    with pytest.raises(ZerostallError):
+        t2.train()

@@ -193,3 +193,53 @@ def test_pool_swap_to_a_larger_reservation_moves_the_registration(cudart, monkey
         p.leases.clear()
         p.close()
     assert not cudart.regs
+
+
+def _vmflags(address):
+    """The VmFlags of the mapping containing ``address`` in /proc/self/smaps."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    return None
+
+
+def test_pool_arenas_are_not_inherited_by_a_forked_child():
+    """MADV_DONTFORK: a fork (DataLoader workers) neither copies the arena nor, once it is
+    pinned for DMA, has the kernel copy its pages eagerly; the child gets a zero placeholder
+    at the address (stale views read zeros, and a collected stale mapping unmaps only that)."""
+    import ctypes
+    import os
+
+    a = zarena.Arena(4 * MiB, mlock=False, hugepages=False, prefault=True, detached_views=True, dontfork=True)
+    plain = zarena.Arena(MiB, mlock=False, hugepages=False, prefault=True)
+    try:
+        ctypes.memset(a.address, 0xAB, 8192)
+        ctypes.memset(plain.address, 0xCD, 16)
+        assert "dc" in _vmflags(a.address) and "dc" not in _vmflags(plain.address)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: ctypes only, no torch, no threads
+            try:
+                os.close(r)
+                seen = ctypes.c_ubyte.from_address(a.address + 4096).value
+                ctypes.c_ubyte.from_address(a.address).value = 7  # writable placeholder
+                kept = ctypes.c_ubyte.from_address(plain.address).value
+                os.write(w, bytes([seen, kept, int(a.forked_copy), int(plain.forked_copy)]))
+            finally:
+                os._exit(0)
+        os.close(w)
+        got = os.read(r, 4)
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        assert got == bytes([0, 0xCD, 1, 0]), got  # placeholder zeros; a plain arena is inherited
+        assert ctypes.c_ubyte.from_address(a.address).value == 0xAB and not a.forked_copy
+    finally:
+        a.close()
+        plain.close()

@@ -45,8 +45,10 @@ class FakeCuda:
         finally:
             self.current[s.device] = prev
 
-    def Event(self):
-        return FakeEvent(self)
+    def Event(self, blocking=False):
+        ev = FakeEvent(self)
+        ev.blocking = blocking
+        return ev
 
 
 class FakeStream:
@@ -94,6 +96,8 @@ def test_each_copy_runs_on_its_own_devices_side_stream():
                         ("wait", "side0", "default0"), ("record", "side0"), ("sync", "side0"),
                         ("wait", "side1", "default1"), ("record", "side1"), ("sync", "side1")]
     assert sorted(ds._streams) == [0, 1]  # one side stream per device, reused
+    # the snapshot thread sleeps on its completion events (cudaEventBlockingSync), never spins
+    assert sorted(ds._done) == [0, 1] and all(ev.blocking for ev in ds._done.values())
 
 
 def test_save_events_one_per_device_on_that_devices_current_stream():

@@ -10,7 +10,10 @@ checkpoint directory holding one committed step, so ``ModelCheckpoint`` (``save_
 ``save_last``, ``every_n_train_steps``), ``trainer.save_checkpoint(path)`` and
 ``ckpt_path=`` work unchanged; ``zerostall verify/inspect PATH`` work on them. A save of a
 path that already holds a checkpoint commits a new step and then retires the old one, so the
-path always holds a complete checkpoint.
+path always holds a complete checkpoint. A ``torch.save`` file (or link) at the path is set
+aside as ``.NAME.zerostall-replaced`` until the new checkpoint is durable; if that save fails
+(or the process dies first), the file is put back at the path (at ``teardown()``, or by the
+next run's start-up cleanup), never deleted.
 
 **Threads.** Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0 only
 (``load_checkpoint`` on every rank), from the training thread. ``save_checkpoint`` plans and
@@ -42,6 +45,7 @@ import torch
 
 from ..config import CheckpointConfig
 from ..errors import ConfigError, ZerostallError
+from ..store.owner import RootLock
 from ._common import StateGuard, is_committed, next_step, open_local, tensors_of
 
 try:
@@ -56,6 +60,10 @@ except ImportError:  # the standalone pytorch_lightning package
                           ) from exc
 
 log = logging.getLogger("zerostall")
+_REMOVING = ".zerostall-removing"
+"""Suffix of a path Lightning removed, deleted once the saves in flight are durable."""
+_REPLACED = ".zerostall-replaced"
+"""Suffix of a torch.save file a save replaces, until that save is durable (else put back)."""
 
 __all__ = ["ZerostallCheckpointIO", "is_zerostall_checkpoint", "load_from_checkpoint"]
 
@@ -93,6 +101,7 @@ class ZerostallCheckpointIO(CheckpointIO):
         self._cleaned: set[str] = set()
         self._waiting: set[str] = set()  # trash paths whose remover waits for saves in flight
         self._errors: list[BaseException] = []
+        self._replaced: dict[str, str] = {}  # path -> its set-aside torch.save file (until durable)
         self.handles: list[Any] = []
         """SaveHandles of the saves since the last teardown (newest last)."""
 
@@ -105,8 +114,8 @@ class ZerostallCheckpointIO(CheckpointIO):
         replaced = None
         if os.path.isfile(root) or os.path.islink(root):
             # a torch.save file (or a save_last link) under the same name: kept aside until
-            # the new checkpoint is durable
-            replaced = self._trash_name(root)
+            # the new checkpoint is durable, put back if it never is
+            replaced = self._trash_name(root, _REPLACED)
             os.rename(root, replaced)
         try:
             ck = self._checkpointer(root)
@@ -119,6 +128,7 @@ class ZerostallCheckpointIO(CheckpointIO):
             raise
         self.handles.append(handle)
         if replaced is not None:
+            self._replaced[root] = replaced
             self._remove_after(replaced, [handle], keep_if_failed=True)
         if self.wait_staged:
             handle.wait_staged()
@@ -144,6 +154,9 @@ class ZerostallCheckpointIO(CheckpointIO):
         if ck is not None:
             self._guard.forget(ck)
             self._close(ck)
+        replaced = self._replaced.pop(root, None)
+        if replaced is not None and os.path.lexists(replaced):  # what this path held before: removed too
+            self._remove_after(replaced, [h for h in self.handles if not h.done()])
         if os.path.islink(root) or os.path.isfile(root):
             os.remove(root)
             return
@@ -164,18 +177,21 @@ class ZerostallCheckpointIO(CheckpointIO):
         for t in self._removers:
             t.join()
         self._removers.clear()
+        for root, replaced in list(self._replaced.items()):
+            self._replaced.pop(root, None)
+            self._settle_replaced(root, replaced)
         self.handles = [h for h in self.handles if not h.done()]
         errors, self._errors = self._errors, []
         if errors:
             raise errors[0]
 
     # -- internals ----------------------------------------------------------------------------
-    def _trash_name(self, root: str) -> str:
-        trash = os.path.join(os.path.dirname(root), f".{os.path.basename(root)}.zerostall-removing")
+    def _trash_name(self, root: str, kind: str = _REMOVING) -> str:
+        trash = os.path.join(os.path.dirname(root), f".{os.path.basename(root)}{kind}")
         n = 0
         while trash in self._waiting:  # set aside by this run and waiting for saves: never early
             n += 1
-            trash = os.path.join(os.path.dirname(root), f".{os.path.basename(root)}.{n}.zerostall-removing")
+            trash = os.path.join(os.path.dirname(root), f".{os.path.basename(root)}.{n}{kind}")
         if os.path.isdir(trash) and not os.path.islink(trash):
             shutil.rmtree(trash, ignore_errors=True)
         elif os.path.lexists(trash):
@@ -202,13 +218,16 @@ class ZerostallCheckpointIO(CheckpointIO):
                 for h in pending:
                     h.wait()
                 if keep_if_failed and any(h.exception() is not None for h in pending):
-                    log.error("zerostall: a save replacing a checkpoint file failed; the old file is kept at %s",
-                              trash)
+                    log.error("zerostall: a save replacing a checkpoint file failed; the old file is kept at %s "
+                              "and put back at teardown()", trash)
                     return
                 if os.path.isdir(trash) and not os.path.islink(trash):
                     shutil.rmtree(trash, ignore_errors=True)
                 elif os.path.lexists(trash):
-                    os.remove(trash)
+                    try:
+                        os.remove(trash)
+                    except FileNotFoundError:  # removed along with its path meanwhile
+                        pass
             finally:
                 self._waiting.discard(trash)
 
@@ -237,9 +256,38 @@ class ZerostallCheckpointIO(CheckpointIO):
         except FileNotFoundError:
             return
         for n in names:
-            if n.startswith(".") and n.endswith(".zerostall-removing"):
+            if n.startswith(".") and n.endswith(_REMOVING):
                 log.info("zerostall: removing %s, left aside by an earlier run", os.path.join(directory, n))
-                self._trash_name(os.path.join(directory, n[1:-len(".zerostall-removing")]))
+                self._trash_name(os.path.join(directory, n[1:-len(_REMOVING)]))
+            elif n.startswith(".") and n.endswith(_REPLACED):  # the previous checkpoint of a path
+                self._settle_replaced(os.path.join(directory, n[1:-len(_REPLACED)]), os.path.join(directory, n))
+
+    def _settle_replaced(self, root: str, replaced: str) -> None:
+        """``replaced`` held ``root``'s previous checkpoint (a torch.save file or link) while a
+        save replaced it: removed if ``root`` now holds a committed checkpoint, else put back
+        (an uncommitted directory at ``root``, what the failed save left, is removed first)."""
+        if not os.path.lexists(replaced):
+            return
+        if is_committed(root):
+            os.remove(replaced)
+            return
+        if os.path.isdir(root) and not os.path.islink(root):
+            lock = RootLock(root)
+            try:
+                lock.acquire(0.0)
+            except ZerostallError as exc:  # a live writer there: leave both alone
+                log.warning("zerostall: %s was not put back at %s: %s", replaced, root, exc)
+                return
+            try:
+                shutil.rmtree(root)
+            finally:
+                lock.release()
+        if os.path.lexists(root):
+            log.warning("zerostall: %s holds something else now; the previous checkpoint stays at %s", root, replaced)
+            return
+        os.rename(replaced, root)
+        log.warning("zerostall: the save that replaced %s never committed; the previous checkpoint is back there",
+                    root)
 
     def _removers_idle(self) -> bool:
         return not any(t.is_alive() for t in self._removers)

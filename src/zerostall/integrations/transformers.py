@@ -108,12 +108,26 @@ class ZerostallTrainerMixin:
             state.save_to_json(f"{path}.{os.getpid()}.tmp")
             os.replace(f"{path}.{os.getpid()}.tmp", path)
         try:
-            return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
-        finally:
-            self._zs_resume = None
-            self.zerostall_wait()
-            if self.args.should_save:  # saves in flight at the last rotation are committed now
-                self._zs_rotate(self.args.output_dir)
+            out = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+        except BaseException as exc:
+            # the training's own error is what the caller must see; a checkpoint failure met
+            # while finishing is logged and attached to it, never raised in its place
+            try:
+                self._zs_finish()
+            except BaseException as cleanup:  # noqa: BLE001 - reported on the original error
+                log.error("zerostall: after the training failed (%s: %s), finishing its checkpoints failed too: %s",
+                          type(exc).__name__, exc, cleanup)
+                exc.add_note(f"zerostall: finishing the checkpoints also failed: {type(cleanup).__name__}: {cleanup}")
+            raise
+        self._zs_finish()
+        return out
+
+    def _zs_finish(self) -> None:
+        """After train(): every save durable (raising the first failure), then rotation."""
+        self._zs_resume = None
+        self.zerostall_wait()
+        if self.args.should_save:  # saves in flight at the last rotation are committed now
+            self._zs_rotate(self.args.output_dir)
 
     def zerostall_wait(self) -> None:
         """Block until every checkpoint is durable; close the checkpointers; raise a failure."""

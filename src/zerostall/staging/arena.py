@@ -42,6 +42,7 @@ import os
 import resource
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,7 @@ log = logging.getLogger("zerostall")
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+MADV_DONTFORK = getattr(mmap, "MADV_DONTFORK", 10)
 FAULT_CHUNK_BYTES = 64 << 20
 """Bytes the background faulter publishes (and registers with CUDA) at a time."""
 FAULT_CALL_S = 0.004
@@ -65,6 +67,8 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _populate_ok = True  # cleared once if the kernel lacks MADV_POPULATE_WRITE (< 5.14)
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 
@@ -128,6 +132,35 @@ def populate(address: int, nbytes: int) -> None:
     ctypes.memset(address, 0, nbytes)
 
 
+_unforked: "weakref.WeakSet[Arena]" = weakref.WeakSet()
+"""Live arenas made with ``dontfork=True`` (their address ranges are holes in a forked child)."""
+
+
+def _fill_holes_in_child() -> None:
+    """After fork, in the child: an anonymous placeholder where each ``dontfork`` arena was.
+
+    The child inherits the Python objects but not the mapping; without a placeholder the range
+    is free, a later mapping of the child may land there, and the stale ``mmap`` object would
+    unmap it when collected (or a stale view would read it). With one, stale views read zeros
+    (no RSS until touched) and the collection unmaps only the placeholder. CUDA registrations
+    are the parent's: forgotten (CUDA cannot be used in a forked child anyway)."""
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    flags = (mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10  # MAP_FIXED
+             | getattr(mmap, "MAP_NORESERVE", 0))
+    for a in list(_unforked):
+        if a.closed:
+            continue
+        _libc.mmap(ctypes.c_void_p(a.address), a.nbytes, prot, flags, -1, 0)
+        a._cuda_chunks.clear()
+        a._cuda_starts.clear()
+        a.cuda_registered = False
+        a.locked = False
+        a.forked_copy = True
+
+
+os.register_at_fork(after_in_child=_fill_holes_in_child)
+
+
 @dataclass(frozen=True)
 class ArenaView:
     """A prefix of an arena, shaped like an :class:`Arena` for readers (restore's bounce)."""
@@ -147,7 +180,7 @@ class Arena:
     """
 
     def __init__(self, nbytes: int, *, mlock: bool = True, hugepages: bool = True,
-                 prefault: bool = True, detached_views: bool = False):
+                 prefault: bool = True, detached_views: bool = False, dontfork: bool = False):
         self.nbytes = (nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
         self._map = mmap.mmap(-1, self.nbytes, flags=flags)
@@ -166,6 +199,8 @@ class Arena:
         self.mlock = mlock
         self.locked = False
         self.closed = False
+        self.forked_copy = False
+        """True in a forked child: the object is the parent's, the memory a zero placeholder."""
         self.cuda_registered = False
         """Registration was asked for (:meth:`register_cuda`); chunks register as they fault."""
         self.cuda_device: int | None = None
@@ -182,6 +217,13 @@ class Arena:
         self.error: BaseException | None = None
         self.fault_s = 0.0
         self._call_bytes = FAULT_CALL_MIN_BYTES  # grows to what FAULT_CALL_S faults (faulter thread)
+        if dontfork:
+            # A fork (DataLoader workers, each epoch) neither copies the page tables of the whole
+            # arena nor, if its pages are pinned for DMA (cudaHostRegister), the pages
+            # themselves at fork time (the kernel copies DMA-pinned anonymous pages eagerly).
+            # Only for owners that never use the arena in a child (the pool).
+            if _libc.madvise(ctypes.c_void_p(self.address), self.nbytes, MADV_DONTFORK) == 0:
+                _unforked.add(self)
         if hugepages:
             try:
                 self._map.madvise(MADV_HUGEPAGE)  # only sets a flag on the mapping: instant

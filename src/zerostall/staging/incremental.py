@@ -123,6 +123,14 @@ class IncrementalJob:
     crc_bytes: int = 0  # bytes checksummed from the source on the host (CPU tensors; CUDA via a bounce buffer)
     dev_hash_bytes: int = 0  # CUDA bytes checked by their device hash (nothing copied to the host)
     dhs: dict[str, int] = field(default_factory=dict)  # key -> device hash computed by this save
+    pending: Any = None  # (collect crcs, [(item, leaf, tensor, recorded crc32c)]): referenced on speculation
+    layout: SavePlan | None = None
+    """The plan fixed by :meth:`RefTracker.decide` (what ``layout_ready`` announces); the
+    persist thread opens and writes the file by it even if :meth:`RefTracker.settle` has
+    replaced ``job.plan`` by a longer one meanwhile."""
+    extension: tuple[int, tuple[PlanItem, ...]] | None = None
+    """Set by :meth:`RefTracker.settle` when tensors referenced on speculation had changed:
+    (the file size the persist thread opened the file with, the items appended after it)."""
 
     @property
     def bytes_referenced(self) -> int:
@@ -227,7 +235,8 @@ class RefTracker:
         for item, leaf in zip(plan.items, leaves):
             k = known.get(item.key)
             verdict.append(False if k is None else self._fast_path(item, ij.fps.get(item.key), k, job.step))
-        self._confirm(plan.items, leaves, known, verdict, cuda_run, ij)
+        if not self._speculate(plan, leaves, known, verdict, ij):
+            self._confirm(plan.items, leaves, known, verdict, cuda_run, ij)
         if self._seeded:
             self._verify_on_disk(plan.items, known, verdict)
         for item, leaf, ok in zip(plan.items, leaves, verdict):
@@ -253,8 +262,67 @@ class RefTracker:
             off = align_up(off + it.nbytes)
         job.plan = SavePlan(tuple(items), max(off, HEADER_BYTES), plan.tree,
                             tuple(lf for lf, it in zip(plan.leaves, plan.items) if it.index not in refs),
-                            plan.n_tensors)
+                            plan.n_tensors, plan.tree_json)
         job.leaves = keep_leaves
+        ij.layout = job.plan
+
+    def _speculate(self, plan: SavePlan, leaves: list[torch.Tensor], known: dict[str, Known],
+                   verdict: list[bool | None], ij: IncrementalJob) -> bool:
+        """Start the crc32c of the undecided CPU tensors on the crc threads and reference them
+        on speculation, so that the tensors that must be written are staged and written while
+        the crc runs (:meth:`settle` appends any that changed). Not for a base read from disk
+        (checked synchronously, with its file spans) nor with undecided CUDA tensors."""
+        undecided = [i for i, v in enumerate(verdict) if v is None]
+        if not undecided or self._seeded or any(_on_device(leaves[i]) for i in undecided):
+            return False
+        if self._cpu_crc is None:
+            self._cpu_crc = _CpuCrc(CRC_THREADS)
+        collect = self._cpu_crc.submit([leaves[i] for i in undecided])
+        ij.pending = (collect, [(plan.items[i], plan.leaves[i], leaves[i], known[plan.items[i].key].entry.crc32c)
+                                for i in undecided])
+        ij.crc_bytes += sum(plan.items[i].nbytes for i in undecided)
+        for i in undecided:
+            verdict[i] = True
+        return True
+
+    def settle(self, job: SaveJob, block_bytes: int, stage: Callable[[Any, Any], None]) -> None:
+        """Snapshot thread, after the job's layout is staged and before it is marked staged:
+        wait for the speculative crc32c (:meth:`_speculate`); a tensor whose bytes changed
+        (written around its version counter) is no longer referenced but appended to the
+        file, after the blocks already staged: ``stage(items, tensors)`` copies it. The
+        persist thread writes the appended blocks and the final header after ``staged``.
+        The ring holds one spare block per incremental save for this (``Checkpointer.save``)."""
+        ij: IncrementalJob | None = job.incr
+        if ij is None or ij.pending is None:
+            return
+        collect, cands = ij.pending
+        ij.pending = None
+        changed = [(it, leaf, t) for (it, leaf, t, want), crc in zip(cands, collect()) if crc != want]
+        if not changed:
+            return
+        for it, _, _ in changed:
+            del ij.refs[it.index]
+        used = {(e.step, e.file) for e in ij.refs.values()}
+        ij.ref_files = tuple(r for r in ij.ref_files if (r.step, r.name) in used)
+        if not ij.refs:
+            ij.full = True
+            with self._lock:
+                self._since_full = 0
+        spec = job.plan
+        off = -(-spec.file_bytes // block_bytes) * block_bytes  # the blocks staged so far stay as they are
+        new = []
+        for it, _, _ in changed:
+            new.append(PlanItem(it.index, it.key, it.dtype, it.shape, it.nbytes, off))
+            off = align_up(off + it.nbytes)
+        if job.g0 + -(-off // block_bytes) > job.g_end:  # cannot happen with the spare block; never write past
+            raise StorageError(f"step {job.step}: {len(new)} tensor(s) changed without their version counter "
+                               "and do not fit the staging blocks reserved for this save; nothing committed")
+        log.info("zerostall: incremental: step %d: %d tensor(s) changed without a version-counter bump "
+                 "(e.g. %r); written, not referenced", job.step, len(new), new[0].key)
+        ij.extension = (spec.file_bytes, tuple(new))
+        job.plan = SavePlan(spec.items + tuple(new), off, spec.tree, spec.leaves + tuple(lf for _, lf, _ in changed),
+                            spec.n_tensors, spec.tree_json)
+        stage(tuple(new), [t for _, _, t in changed])
 
     def _fast_path(self, item: PlanItem, fp: Any, k: Known, step: int) -> bool | None:
         """False: write; True: reference (``"version"`` mode only); None: ask the crc."""

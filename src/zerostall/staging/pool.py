@@ -111,13 +111,14 @@ class StagingPool:
         size = min(self.budget, max(2 * want, RESERVE_MIN_BYTES))
         size = max(2 * self.block_bytes, -(-size // self.block_bytes) * self.block_bytes)
         try:
-            return Arena(size, mlock=self._mlock, hugepages=self._hugepages, prefault=False, detached_views=True)
+            return Arena(size, mlock=self._mlock, hugepages=self._hugepages, prefault=False, detached_views=True,
+                         dontfork=True)
         except OSError as exc:  # address space limited (ulimit -v): reserve only what is asked now
             fallback = max(2 * self.block_bytes, -(-want // self.block_bytes) * self.block_bytes)
             log.warning("zerostall: cannot reserve %d MiB of address space for staging (%s); reserving %d MiB",
                         size >> 20, exc, fallback >> 20)
             return Arena(fallback, mlock=self._mlock, hugepages=self._hugepages, prefault=False,
-                         detached_views=True)
+                         detached_views=True, dontfork=True)
 
     # -- any thread, under the module lock ---------------------------------------------------
     def _retarget(self) -> None:

@@ -140,7 +140,9 @@ class DeviceStreams:
             fn()
             ev = self._done.get(i)
             if ev is None:
-                ev = self._done[i] = self.cuda.Event()
+                # blocking: the snapshot thread sleeps while the copy runs instead of spinning
+                # a core (cudaEventBlockingSync) that the data loader may need
+                ev = self._done[i] = self.cuda.Event(blocking=True)
             ev.record(s)
         ev.synchronize()
 
@@ -160,6 +162,9 @@ class Snapshotter(Worker[SaveJob]):
                 job.incr.tracker.decide(job, lambda dev, fn: self._cuda(dev).run(dev, fn, job.cuda_event))
             job.layout_ready.set()
             self._stage(job)
+            if job.incr is not None:  # tensors referenced on speculation that changed: appended
+                job.incr.tracker.settle(job, self.ring.block_bytes, lambda items, tensors: self._stage(
+                    job, items, tensors))
         except BaseException as exc:  # noqa: BLE001 - reported on the handle
             log.error("zerostall: snapshot of step %d failed: %s", job.step, exc)
             job.fail(exc)
@@ -196,7 +201,10 @@ class Snapshotter(Worker[SaveJob]):
                 self.ring.publish(job.g0 + (f + n) // B)
             foff += n_sl
 
-    def _stage(self, job: SaveJob) -> None:
+    def _stage(self, job: SaveJob, items: Any = None, tensors: Any = None) -> None:
+        """Copy the header and ``job.plan``'s tensors into the job's blocks and publish them;
+        with ``items``/``tensors``, only those (an incremental save's appended tensors, laid
+        out after the blocks staged before: no header, the gap before them never written)."""
         ring, B = self.ring, self.ring.block_bytes
         arena = job.arena or self.arena  # the pool swaps arenas only between jobs
         arena_u8 = arena.u8
@@ -221,11 +229,15 @@ class Snapshotter(Worker[SaveJob]):
             for aoff, _, n in spans(a, b):
                 _memset(base + aoff, 0, n)
 
-        header = job.header.encode()
-        for aoff, foff, n in spans(0, len(header)):
-            arena.mv[aoff:aoff + n] = header[foff:foff + n]
-        pos = len(header)
-        for item, tensor in zip(job.plan.items, job.leaves or ()):
+        if items is None:
+            header = job.header.encode()
+            for aoff, foff, n in spans(0, len(header)):
+                arena.mv[aoff:aoff + n] = header[foff:foff + n]
+            pos = len(header)
+            items, tensors = job.plan.items, job.leaves or ()
+        else:
+            pos = items[0].offset if items else job.plan.file_bytes
+        for item, tensor in zip(items, tensors):
             if job.error is not None:  # persist already failed: stop copying, drain
                 return
             fill_zero(pos, item.offset)
@@ -251,3 +263,4 @@ class Snapshotter(Worker[SaveJob]):
                     ring.publish(job.g0 + (foff + n) // B)
             pos = item.offset + item.nbytes
         fill_zero(pos, job.plan.file_bytes)
+        ring.publish(job.g0 + ring.blocks_for(job.plan.file_bytes))  # the tail block too

@@ -57,6 +57,11 @@ class _CpuCrc:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zerostall-crc") if threads > 1 else None
 
     def many(self, tensors: list[torch.Tensor]) -> list[int]:
+        return self.submit(tensors)()
+
+    def submit(self, tensors: list[torch.Tensor]) -> Callable[[], list[int]]:
+        """Start the crc32c of ``tensors`` on the pool; the returned function waits and gives
+        them (in order). The tensors must not change until it has returned."""
         flat = []
         for t in tensors:
             if not t.is_contiguous():
@@ -74,15 +79,18 @@ class _CpuCrc:
                 jobs.append([(k, _crc_at(a, k)) for a, k in pieces])
             else:
                 jobs.append([(k, self.pool.submit(_crc_at, a, k)) for a, k in pieces])
-        out_crcs = []
-        for pieces in jobs:
-            crc = 0
-            for k, f in pieces:
-                c = f if isinstance(f, int) else f.result()
-                crc = combine(crc, c, k)
-            out_crcs.append(crc)
-        del flat  # contiguous copies (if any) die here, after their pieces are read
-        return out_crcs
+
+        def collect() -> list[int]:
+            out_crcs = []
+            for pieces in jobs:
+                crc = 0
+                for k, f in pieces:
+                    c = f if isinstance(f, int) else f.result()
+                    crc = combine(crc, c, k)
+                out_crcs.append(crc)
+            flat.clear()  # contiguous copies (if any) die here, after their pieces are read
+            return out_crcs
+        return collect
 
     def close(self) -> None:
         if self.pool is not None:

@@ -350,9 +350,12 @@ class LocalTier(Tier):
         eng = engine or choose_engine(self.root)
         return eng.open_write(os.path.join(self.partial_dir(step), name), nbytes)
 
-    def commit(self, step: int, manifest: Manifest, overwrite: bool = False) -> tuple[str, ...]:
+    def commit(self, step: int, manifest: Manifest, overwrite: bool = False, *,
+               latest: bool = True) -> tuple[str, ...]:
         """Steps 2-6 of the protocol; shards must already be durable. Raises if nothing is
-        committed; returns the post-commit problems (step 6) otherwise."""
+        committed; returns the post-commit problems (step 6) otherwise. ``latest=False``
+        leaves step 6 (the ``latest`` hint) to the caller (:meth:`write_latest`), e.g. after
+        it has told its user the step is durable (the single-rank persist thread)."""
         part, final = self.partial_dir(step), self.step_dir(step)
         try:
             write_file_durable(os.path.join(part, MANIFEST_NAME), manifest.to_bytes())
@@ -372,6 +375,11 @@ class LocalTier(Tier):
         if ident is not None:
             with self._valid_mu:
                 self._valid[step] = (ident, True)
+        return self.write_latest(step) if latest else ()
+
+    def write_latest(self, step: int) -> tuple[str, ...]:
+        """Step 6: the ``latest`` hint (a committed step is durable without it); returns the
+        problem, if any, instead of raising."""
         return self._write_latest(step)
 
     def _write_latest(self, step: int) -> tuple[str, ...]:

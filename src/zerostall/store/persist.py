@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import mmap
 import os
 import socket
 import time
@@ -22,6 +23,7 @@ from typing import Any, Callable
 
 from .._util import Worker
 from ..errors import CheckpointExistsError
+from ..format.layout import HEADER_BYTES
 from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..format.shard import CrcCursor
 from ..io.base import Engine, ShardFile
@@ -64,7 +66,11 @@ class LocalCommitter:
         return self.tier.begin(job.step)
 
     def commit(self, job: SaveJob) -> tuple[str, ...]:
-        return self.tier.commit(job.step, build_manifest(job), overwrite=job.overwrite)
+        return self.tier.commit(job.step, build_manifest(job), overwrite=job.overwrite, latest=False)
+
+    def after_durable(self, job: SaveJob) -> tuple[str, ...]:
+        """The ``latest`` hint, once the handle says durable (two fsyncs off that path)."""
+        return self.tier.write_latest(job.step)
 
     def fail(self, job: SaveJob, exc: BaseException) -> None:
         self.tier.abort(job.step)
@@ -106,6 +112,7 @@ class Persister(Worker[SaveJob]):
         """This writer's newest committed steps, oldest first, seeded with the root's last commits
         (``recent``, from :func:`retain_at_start`): retention never deletes them (see store/retention.py)."""
         self.on_done = on_done
+        self._hdr: mmap.mmap | None = None
         super().__init__("zerostall-persist")
 
     # -- persist thread -------------------------------------------------------------------
@@ -138,18 +145,41 @@ class Persister(Worker[SaveJob]):
     def batch_blocks(self) -> int:
         return max(1, min(self.ring.nblocks // 2, 64))  # the shared ring may grow
 
-    def _extents(self, job: SaveJob, g: int, hi: int) -> list[tuple[int, memoryview]]:
+    def _extents(self, job: SaveJob, g: int, hi: int, file_bytes: int | None = None) -> list[tuple[int, memoryview]]:
         B, n = self.ring.block_bytes, self.ring.nblocks
+        file_bytes = job.plan.file_bytes if file_bytes is None else file_bytes
         mv = (job.arena or self.arena).mv  # the pool may have swapped arenas since this Persister began
         out = []
         while g < hi:
             run_end = min(hi, (g // n + 1) * n)  # split where the ring wraps
             foff = (g - job.g0) * B
-            length = min((run_end - g) * B, job.plan.file_bytes - foff)
+            length = min((run_end - g) * B, file_bytes - foff)
             aoff = self.ring.slot_offset(g)
             out.append((foff, mv[aoff:aoff + length]))
             g = run_end
         return out
+
+    def _write_blocks(self, job: SaveJob, f: ShardFile, g: int, file_bytes: int, crc: CrcCursor) -> int:
+        """Write the job's blocks from ``g`` up to ``file_bytes`` as the snapshot thread
+        publishes them, checksumming while the writes are in flight; returns the next block."""
+        g_file = min(job.g_end, job.g0 + self.ring.blocks_for(file_bytes))
+        while g < g_file:
+            hi = min(self.ring.wait_staged(g), g_file, g + self.batch_blocks)
+            if job.error is not None:
+                raise job.error
+            extents = self._extents(job, g, hi, file_bytes)
+            f.write(extents, overlap=lambda: crc.feed(extents))
+            self.ring.release(g, hi)
+            g = hi
+        return g
+
+    def _header_block(self, job: SaveJob) -> memoryview:
+        """The job's header, zero-padded to HEADER_BYTES, in an aligned buffer (O_DIRECT)."""
+        if self._hdr is None:
+            self._hdr = mmap.mmap(-1, HEADER_BYTES)  # page-aligned; kept (an engine may still reference it)
+        raw = job.header.encode()
+        self._hdr[:] = raw + bytes(HEADER_BYTES - len(raw))
+        return memoryview(self._hdr)
 
     def _drain(self, job: SaveJob, g: int) -> None:
         while g < job.g_end:
@@ -167,23 +197,25 @@ class Persister(Worker[SaveJob]):
             job.layout_ready.wait()  # an incremental save's plan is final only now (smaller)
             if job.error is not None:
                 raise job.error
-            f = self.engine.open_write(os.path.join(part, job.file_name), job.plan.file_bytes)
-            crc = CrcCursor(job.plan.items)
-            g_file = min(job.g_end, job.g0 + self.ring.blocks_for(job.plan.file_bytes))
-            while g < g_file:
-                hi = min(self.ring.wait_staged(g), g_file, g + self.batch_blocks)
-                if job.error is not None:
-                    raise job.error
-                extents = self._extents(job, g, hi)
-                f.write(extents, overlap=lambda: crc.feed(extents))
-                self.ring.release(g, hi)
-                g = hi
+            # an incremental save may append to job.plan until staged (RefTracker.settle): the
+            # file starts as the layout announced by layout_ready
+            plan = job.incr.layout if job.incr is not None and job.incr.layout is not None else job.plan
+            f = self.engine.open_write(os.path.join(part, job.file_name), plan.file_bytes)
+            crc = CrcCursor(plan.items)
+            g = self._write_blocks(job, f, g, plan.file_bytes, crc)
             job.staged.wait()
             if job.error is not None:
                 raise job.error
+            crcs = crc.crcs
+            ext = job.incr.extension if job.incr is not None else None
+            if ext is not None:  # tensors that changed behind their version counter, appended
+                ext_crc = CrcCursor(ext[1])
+                g = self._write_blocks(job, f, g, job.plan.file_bytes, ext_crc)
+                f.write([(0, self._header_block(job))])  # the header names the final size
+                crcs = crcs + ext_crc.crcs
             self.ring.release(g, job.g_end)  # blocks reserved for tensors an incremental save referenced
             g = job.g_end
-            job.crcs = crc.crcs
+            job.crcs = crcs
             f.finish()
             f.close()
             f = None
@@ -200,6 +232,9 @@ class Persister(Worker[SaveJob]):
             job.t_durable = time.perf_counter()
             job.post_commit_errors.extend(post or ())
             job.durable.set()
+            after = getattr(self.committer, "after_durable", None)
+            if after is not None:
+                job.post_commit_errors.extend(after(job))
             self._retain(job)
         except BaseException as exc:  # noqa: BLE001 - reported on the handle
             job.fail(exc)
