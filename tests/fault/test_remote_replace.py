@@ -111,3 +111,78 @@ def test_replacing_a_remote_step_survives_a_crash_at_every_request(tmp_path, bas
         n += 1
     print(f"{crashed} crash points")
     assert crashed >= 5  # set aside (copy, manifest, delete), upload, commit, sweep
+
+
+def _two_rank_step(root, value):
+    """A step 2 saved by two ranks: rank 0's shard holds the state, rank 1's only a header
+    (the files have the same sizes in every checkpoint, so size cannot tell them apart)."""
+    import dataclasses
+
+    from zerostall.format.layout import ShardHeader, shard_name
+    from zerostall.format.manifest import FileEntry
+    zerostall.save(root, {"a": torch.full((3000,), value)}, step=2)
+    tier = LocalTier(root)
+    man = tier.read_manifest(2)
+    f0, = man.files
+    name1 = shard_name(1)
+    with open(os.path.join(tier.step_dir(2), name1), "wb") as f:
+        f.write(ShardHeader(f0.file_id or man.checkpoint_id, 2, 1, f0.file_bytes).encode())
+        f.write(bytes(f0.file_bytes - 4096))
+    two = dataclasses.replace(man, world_size=2, tree_json="",
+                              files=(f0, FileEntry(name1, 1, f0.host, f0.file_bytes, f0.file_id)))
+    with open(os.path.join(tier.step_dir(2), MANIFEST_NAME), "wb") as f:
+        f.write(two.to_bytes())
+
+
+def _rank_pass(local, url, rank):
+    rep = Replicator(LocalTier(local), lambda: open_tier(url), RetentionPolicy(), rank=rank, world_size=2,
+                     start=False, rank_wait_s=0.2)
+    rep._pass()
+
+
+def test_two_ranks_replacing_a_step_never_commit_a_stale_shard(tmp_path, base_url, capsys):
+    """Each rank uploads its own shard; rank 0 commits. Rank 1's shard of the replaced
+    checkpoint has the size of the new one: rank 0 must not commit before rank 1 replaced it
+    (it checks the headers), and rank 1 must not write it before rank 0 set the old step
+    aside. After every pass, in either order, the step verifies."""
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    _two_rank_step(old, 2.0)
+    _two_rank_step(new, 20.0)
+    url = f"{base_url}/two"
+    for rank in (1, 0):
+        _rank_pass(old, url, rank)
+    assert open_tier(url).steps() == [2] and _value(tmp_path, url, "old") == 2.0
+    for i, rank in enumerate((1, 0, 1, 0)):
+        _rank_pass(new, url, rank)
+        remote = open_tier(url)
+        assert remote.steps() == [2], f"pass {i} (rank {rank})"
+        capsys.readouterr()
+        assert cli(["verify", url]) == 0, f"pass {i} (rank {rank}): {capsys.readouterr().err}"
+    assert _value(tmp_path, url, "new") == 20.0
+    assert sorted(open_tier(url).names_in(2)) == sorted([MANIFEST_NAME, "rank-00000.shard", "rank-00001.shard"])
+
+
+def test_verify_of_a_remote_step_replaced_while_it_reads(tmp_path, monkeypatch, capsys):
+    """``zerostall verify URL`` read the old manifest, then the step is replaced before it
+    opens a shard: it reads the step again (restore_retry), it does not report it corrupt."""
+    from zerostall.store.sharedfs import FileTier
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    zerostall.save(old, {"a": torch.full((3000,), 2.0)}, step=2)
+    zerostall.save(new, {"a": torch.full((3000,), 20.0)}, step=2)
+    url = f"file://{tmp_path / 'remote'}"
+    _pass(old, url)
+    fired = []
+    orig = FileTier._open_read
+
+    def replace_first(self, rel, size, engine):
+        if not fired:
+            fired.append(rel)
+            _pass(new, url)  # the owner's replicator replaces step 2 right now
+        return orig(self, rel, size, engine)
+
+    monkeypatch.setattr(FileTier, "_open_read", replace_first)
+    capsys.readouterr()
+    assert cli(["verify", url]) == 0, capsys.readouterr().err
+    assert fired and "step 2: OK" in capsys.readouterr().out
+    monkeypatch.setattr(FileTier, "_open_read", orig)
+    assert _value(tmp_path, url, "after") == 20.0

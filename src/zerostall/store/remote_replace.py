@@ -124,6 +124,33 @@ def set_aside(remote: "RemoteTier", step: int, mine: Callable[[FileEntry], bool]
             remote.hook("aside_unlink")
 
 
+def others_are_current(remote: "RemoteTier", step: int, manifest: Manifest, rank: int, world_size: int) -> bool:
+    """Whether every other rank's data object of ``step`` is the one ``manifest`` names: its
+    header (checkpoint id, step, rank, size) is read back. Size alone cannot tell a stale
+    object of the replaced checkpoint from the new one; committing over a stale one would
+    tear the step. Rank 0 checks before it puts the manifest."""
+    from ..format.layout import HEADER_BYTES, ShardHeader
+    from ..staging.arena import Arena
+    buf = Arena(HEADER_BYTES, mlock=False)
+    try:
+        for fe in manifest.files:
+            if fe.rank % world_size == rank:
+                continue  # ours: verified by crc32c when uploaded
+            rel = f"step-{step}/{fe.name}"
+            want = ShardHeader(fe.file_id or manifest.checkpoint_id, step, fe.rank, fe.file_bytes)
+            with remote.open_shard_read(step, fe.name) as r:
+                r.read([(0, buf.mv[:HEADER_BYTES])])
+            try:
+                ShardHeader.check(buf.mv, want, remote.where(rel))
+            except CorruptCheckpoint:
+                log.info("zerostall: %s holds another checkpoint's object (not yet replaced by rank %d)",
+                         remote.where(rel), fe.rank)
+                return False
+    finally:
+        buf.close()
+    return True
+
+
 def sweep(remote: "RemoteTier", step: int, manifest: Manifest) -> list[str]:
     """Step 5: delete the objects of ``step`` that ``manifest`` (the committed one) does not
     name: a replaced copy, or what an interrupted replacement or upload left. Returns them."""

@@ -47,7 +47,7 @@ from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..staging.job import SaveJob
 from .local import LocalTier
 from .remote import RemoteTier, drop_cache, file_crc32c
-from .remote_replace import committed_bytes, live_names, set_aside, sweep
+from .remote_replace import committed_bytes, live_names, others_are_current, set_aside, sweep
 from .retention import RetentionPolicy, dependents, spare_referenced
 
 log = logging.getLogger("zerostall")
@@ -344,7 +344,8 @@ class Replicator:
         manifest_rel = f"{rel}/{MANIFEST_NAME}"
         if self.rank != 0:
             return self._wait_for(lambda: remote.stat(manifest_rel) is not None)
-        if not self._wait_for(lambda: all(remote.stat(f"{rel}/{fe.name}") == fe.file_bytes for fe in man.files)):
+        if not self._wait_for(lambda: all(remote.stat(f"{rel}/{fe.name}") == fe.file_bytes for fe in man.files)) \
+                or not others_are_current(remote, step, man, self.rank, self.world_size):
             log.info("zerostall: step %d: not every rank's shard is on %s yet; trying again later", step, remote.url)
             return False
         remote.upload_bytes(raw, manifest_rel, previous=committed_bytes(remote, step))  # last: the remote commit
