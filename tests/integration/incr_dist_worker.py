@@ -100,10 +100,19 @@ def main():
                         for s in res["steps"]}
     with open(out, "w") as f:
         json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    # Leave without a last collective (a gloo barrier lets one rank leave while the other still
+    # reads its final message: "Connection closed by peer"): rank 0 hosts the store, so it
+    # leaves last, once every rank has said it is done; no interpreter teardown (dist_worker.py).
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"incr-exit/{rank}", "1")
+    if rank == 0:
+        import datetime
+        try:
+            store.wait([f"incr-exit/{r}" for r in range(dist.get_world_size())], datetime.timedelta(seconds=60))
+        except Exception:  # noqa: BLE001 - a rank that failed has said so on its stderr
+            pass
     sys.stdout.flush()
-    os._exit(0)  # see dist_worker.py: skip interpreter teardown after the barrier
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -41,12 +41,17 @@ def _launch(ckdir, tmp_path, world=2, **env_extra):
         out = str(tmp_path / f"rank{r}.json")
         procs.append((subprocess.Popen([sys.executable, os.path.join(HERE, "incr_dist_worker.py"), ckdir, out],
                                        env=env, stderr=subprocess.PIPE, text=True), out))
-    docs = []
-    for p, out in procs:
-        _, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err[-4000:]
-        docs.append(json.load(open(out)))
-    return docs
+    errs = []
+    for p, _ in procs:
+        try:
+            errs.append(p.communicate(timeout=240)[1])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            errs.append("TIMEOUT\n" + p.communicate()[1])
+    for r, (p, _) in enumerate(procs):  # every rank's stderr: the failing one may not be the first
+        assert p.returncode == 0, "\n".join(f"--- rank {i} (rc {q.returncode}):\n{e[-3000:]}"
+                                             for i, ((q, _), e) in enumerate(zip(procs, errs)))
+    return [json.load(open(out)) for _, out in procs]
 
 
 def _verify(ckdir, step):

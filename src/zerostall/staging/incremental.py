@@ -35,6 +35,13 @@ Who calls what, from which thread (one :class:`RefTracker` per ``Checkpointer``)
      version counter (the writes listed above), and a tensor replaced by another one at the
      same address with the same version count, shape, strides and dtype. Tensors without a
      version counter (inference tensors, numpy arrays) are still checked by crc.
+   The CPU crc does not hold up the write (:meth:`RefTracker._speculate`): the undecided CPU
+   tensors are referenced on speculation while their crc runs on the crc threads, the
+   changed tensors are staged and written meanwhile, and :meth:`RefTracker.settle` (snapshot
+   thread, before ``staged``) appends any that turned out changed after the blocks already
+   staged (``IncrementalJob.extension``; the persist thread writes them and rewrites the
+   header with the final size). Not done for a base read from disk (checked synchronously
+   with its file spans) nor when CUDA tensors are undecided.
 3. persist thread: :meth:`before_commit` checks every referenced file is still there;
    :meth:`committed` (after the commit, before retention) makes this step the new base and
    unpins what the job referenced; :meth:`failed` unpins.
