@@ -186,3 +186,33 @@ def test_verify_of_a_remote_step_replaced_while_it_reads(tmp_path, monkeypatch, 
     assert fired and "step 2: OK" in capsys.readouterr().out
     monkeypatch.setattr(FileTier, "_open_read", orig)
     assert _value(tmp_path, url, "after") == 20.0
+
+
+def _incremental_run(root, value):
+    """Step 1 full, step 2 incremental: its unchanged tensor borrows step 1's shard."""
+    with zerostall.Checkpointer(root, incremental=True) as ck:
+        state = {"frozen": torch.full((4000,), value), "a": torch.full((100,), value)}
+        ck.save(1, state).wait()
+        state["a"] += 1
+        ck.save(2, state).wait()
+
+
+def test_a_step_borrowing_a_step_the_remote_holds_as_another_checkpoint_is_not_committed(tmp_path, base_url, capsys):
+    """The remote holds an earlier run's steps 1 and 2 (2 borrows from 1); the local root holds
+    another run's 1 and 2 (2 borrows from its own 1). Remote step 1 cannot be replaced while
+    the remote's step 2 borrows from it; step 2 must then not be replaced either: its new
+    manifest would reference step-1/rank-00000.shard, which is the other run's (the old code
+    committed it: remote step 2 torn for good, and, borrowing from step 1, it kept step 1
+    from ever being replaced). After every pass, every remote step verifies."""
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    _incremental_run(old, 1.0)
+    _incremental_run(new, 5.0)
+    url = f"{base_url}/borrow"
+    _pass(old, url)
+    assert _value(tmp_path, url, "old") == 2.0  # "a" + 1
+    for i in range(2):
+        _pass(new, url)
+        assert open_tier(url).steps() == [1, 2]
+        capsys.readouterr()
+        assert cli(["verify", url]) == 0, f"pass {i}: {capsys.readouterr().out}"
+        assert _value(tmp_path, url, f"pass-{i}") == 2.0  # the old run's step 2, whole

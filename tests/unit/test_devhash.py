@@ -55,7 +55,7 @@ def test_device_path_through_the_seam(ckdir, monkeypatch):
     one is then checked by its hash alone (nothing through the host), a write that bypasses
     the version counter is caught, and every step loads bit-exact."""
     monkeypatch.setattr(incremental, "_on_device", lambda t: True)
-    monkeypatch.setattr(Snapshotter, "_cuda", lambda self, *a, **k: _FakeStreams())
+    monkeypatch.setattr(Snapshotter, "_cuda", lambda self, device: _FakeStreams())
     base, head = torch.randn(1 << 16), torch.randn(100)
     jobs, want = [], []
     with zerostall.Checkpointer(ckdir, incremental=True, full_every=None) as ck:

@@ -260,7 +260,10 @@ class ZerostallCheckpointIO(CheckpointIO):
                 log.info("zerostall: removing %s, left aside by an earlier run", os.path.join(directory, n))
                 self._trash_name(os.path.join(directory, n[1:-len(_REMOVING)]))
             elif n.startswith(".") and n.endswith(_REPLACED):  # the previous checkpoint of a path
-                self._settle_replaced(os.path.join(directory, n[1:-len(_REPLACED)]), os.path.join(directory, n))
+                try:
+                    self._settle_replaced(os.path.join(directory, n[1:-len(_REPLACED)]), os.path.join(directory, n))
+                except OSError as exc:  # never fails the save that is starting
+                    log.warning("zerostall: could not settle %s: %s", os.path.join(directory, n), exc)
 
     def _settle_replaced(self, root: str, replaced: str) -> None:
         """``replaced`` held ``root``'s previous checkpoint (a torch.save file or link) while a
@@ -269,7 +272,10 @@ class ZerostallCheckpointIO(CheckpointIO):
         if not os.path.lexists(replaced):
             return
         if is_committed(root):
-            os.remove(replaced)
+            if os.path.isdir(replaced) and not os.path.islink(replaced):
+                shutil.rmtree(replaced, ignore_errors=True)
+            else:
+                os.remove(replaced)
             return
         if os.path.isdir(root) and not os.path.islink(root):
             lock = RootLock(root)

@@ -84,6 +84,25 @@ def live_names(remote: "RemoteTier", step: int, checkpoint_id: str) -> set[str]:
     return {f.name for f in theirs.files}
 
 
+def refs_current(remote: "RemoteTier", manifest: Manifest) -> bool:
+    """Whether every file ``manifest`` borrows from an earlier step is, on the remote, the one
+    it recorded: that step's remote manifest names it with the same file id and size. A remote
+    step of another checkpoint (an earlier run's, kept because its own dependents borrow from
+    it, or set aside) holds other bytes under that name: committing ``manifest`` over it would
+    commit a torn step. Rank 0 checks before it uploads a step that borrows."""
+    theirs: dict[int, Manifest | None] = {}
+    for r in manifest.ref_files:
+        if r.step not in theirs:
+            theirs[r.step] = current(remote, r.step)
+        man = theirs[r.step]
+        fe = None if man is None else {f.name: f for f in man.files}.get(r.name)
+        if fe is None or fe.file_bytes != r.file_bytes or (fe.file_id or man.checkpoint_id) != r.file_id:
+            log.info("zerostall: %s: step %d borrows step-%d/%s, which the remote holds as another checkpoint's; "
+                     "not uploading it before that step is replaced", remote.url, manifest.step, r.step, r.name)
+            return False
+    return True
+
+
 def set_aside(remote: "RemoteTier", step: int, mine: Callable[[FileEntry], bool] = lambda fe: True) -> None:
     """Steps 1-3: the remote's committed ``step`` keeps being the old checkpoint, whole, under
     names nobody writes; then the usual names of the files ``mine`` selects are removed (the

@@ -47,7 +47,7 @@ from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..staging.job import SaveJob
 from .local import LocalTier
 from .remote import RemoteTier, drop_cache, file_crc32c
-from .remote_replace import committed_bytes, live_names, others_are_current, set_aside, sweep
+from .remote_replace import committed_bytes, live_names, others_are_current, refs_current, set_aside, sweep
 from .retention import RetentionPolicy, dependents, spare_referenced
 
 log = logging.getLogger("zerostall")
@@ -317,6 +317,8 @@ class Replicator:
         for ref in sorted({r.step for r in man.ref_files}):  # the steps whose files this one borrows
             if remote.stat(f"step-{ref}/{MANIFEST_NAME}") is None and not self._replicate_step(remote, ref):
                 return False
+        if man.ref_files and not refs_current(remote, man):  # it would borrow another checkpoint's bytes
+            return False
         rel = f"step-{step}"
         live = live_names(remote, step, man.checkpoint_id)  # names another checkpoint's manifest holds there
         for fe in man.files:
