@@ -84,9 +84,11 @@ def main():
     with zerostall.Checkpointer(ckdir, **opts) as ck:  # a restart: each rank's base comes from disk
         run(ck, [200])
         ck.wait()
-        res["steps"] = ck.steps(include_remote=False)
     res["unreplicated"] = ck.unreplicated
-    dist.barrier()
+    dist.barrier()  # every rank closed: rank 0's retention after step 200 is done
+    from zerostall.store.local import LocalTier
+    res["steps"] = LocalTier(ckdir).steps()
+    dist.barrier()  # before rank 0 may remove the directory (remote case)
     if remote:
         import shutil
         if rank == 0:
