@@ -42,7 +42,7 @@ from .format.tree import decode_tree, tree_tensor_indices
 from .format.validate import open_regular
 from .io.base import Engine, choose_engine
 from .staging.arena import Arena
-from .restore_retry import GONE, MAX_REPLACED, REPLACED, changed_under
+from .restore_retry import GONE, MAX_REPLACED, REPLACED, changed_under, listed_ident, remote_changed_under
 from .restore_state import LoadReport, find_in_place, key_report, location_mapper, merge, select_keys
 from .store.local import LocalTier
 from .store.owner import StepLock
@@ -455,7 +455,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
             if engine is None:
                 engine = choose_engine(tier.root, io or IOConfig())
             fetched = False
-            ident = tier._manifest_ident(s) if src == "local" else None
+            ident = tier._manifest_ident(s) if src == "local" else listed_ident(remote, s)
             if src == "local":
                 seen_local[s] = ident
             try:
@@ -466,7 +466,10 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
             except (StateMismatchError, ConfigError):
                 raise  # the caller's state or arguments, not the checkpoint: an older step would not help
             except Exception as exc:  # noqa: BLE001 - every defect of a checkpoint means: try the previous one
-                why = changed_under(tier, s, ident) if src == "local" else None  # shared with verify
+                why = (changed_under(tier, s, ident) if src == "local"  # shared with verify
+                       else remote_changed_under(remote, s, ident))
+                if why is not None and fetched:
+                    tier.delete(s)  # our download of the remote copy that was replaced (or removed) meanwhile
                 if why == GONE:
                     log.info("zerostall: step %d disappeared while loading (retention?); listing again", s)
                     continue

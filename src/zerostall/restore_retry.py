@@ -40,6 +40,26 @@ def changed_under(tier: Any, step: int, ident: Any) -> str | None:
     return None
 
 
+def listed_ident(tier: Any, step: int) -> Any:
+    """``tier.manifest_ident(step)``, or None where the tier cannot be listed (a remote that is
+    down: the failure is then taken as the step's own)."""
+    try:
+        return tier.manifest_ident(step)
+    except Exception:  # noqa: BLE001 - a listing that fails tells nothing
+        return None
+
+
+def remote_changed_under(tier: Any, step: int, ident: Any) -> str | None:
+    """:func:`changed_under` for a remote tier (``load`` of a step it fetches from there):
+    None where the tier cannot be listed, or where ``ident`` is unknown."""
+    if ident is None:
+        return None
+    try:
+        return changed_under(tier, step, ident)
+    except Exception:  # noqa: BLE001 - as above
+        return None
+
+
 def verify_consistent(tier: Any, step: int, check: Callable[[], T]) -> T | None:
     """``check()`` (a verify of ``step``), read again if the step was replaced under it; None
     if the step was deleted meanwhile. A failure of the step itself is raised."""

@@ -216,3 +216,34 @@ def test_a_step_borrowing_a_step_the_remote_holds_as_another_checkpoint_is_not_c
         capsys.readouterr()
         assert cli(["verify", url]) == 0, f"pass {i}: {capsys.readouterr().out}"
         assert _value(tmp_path, url, f"pass-{i}") == 2.0  # the old run's step 2, whole
+
+
+@pytest.mark.parametrize("when", ["download", "stat"])
+def test_load_of_a_remote_step_replaced_while_it_downloads(tmp_path, base_url, monkeypatch, when):
+    """``load(remote=)`` read the old manifest of step 2, then the owner's replicator replaces
+    the step before the first object is fetched: the download brings the new checkpoint's
+    object (or finds the old one gone), and the load reads the step again instead of falling
+    back to step 1 (the old code loaded step 1 and reported step 2 as damaged)."""
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    for s in (1, 2):
+        zerostall.save(old, {"a": torch.full((3000,), float(s))}, step=s)
+    zerostall.save(new, {"a": torch.full((3000,), 20.0)}, step=2)
+    url = f"{base_url}/loading"
+    _pass(old, url)
+    cls = type(open_tier(url))
+    fired = []
+    orig = getattr(cls, when)
+
+    def replace_first(self, rel, *a, **k):
+        if not fired and rel.startswith("step-2/") and not rel.endswith(MANIFEST_NAME):
+            fired.append(rel)
+            _pass(new, url)  # the owner's replicator replaces step 2 right now
+        return orig(self, rel, *a, **k)
+
+    monkeypatch.setattr(cls, when, replace_first)
+    rep = LoadReport()
+    got = zerostall.load(str(tmp_path / "fresh"), remote=url, report=rep)
+    assert fired
+    assert (rep.step, rep.source, rep.failed) == (2, "remote", [])
+    assert got["a"][0].item() == 20.0
+    assert LocalTier(str(tmp_path / "fresh")).steps() == [2]

@@ -262,3 +262,21 @@ def test_a_crash_during_a_replacing_save_puts_the_file_back_next_run(tmp_path):
     io.teardown()
     assert sorted(os.listdir(tmp_path)) == ["good.ckpt", "last.ckpt", "other.ckpt"]
     assert torch.equal(torch.load(path, weights_only=True)["old"], torch.ones(3))
+
+
+def test_resuming_after_a_crash_during_a_replacing_save_loads_the_previous_checkpoint(tmp_path):
+    """The process died while a save replaced last.ckpt (a link to a zerostall checkpoint, as
+    save_last="link" makes it): the link is set aside and the path holds an uncommitted
+    directory. The next run resumes before it saves: load_checkpoint puts the link back and
+    loads it (it raised CheckpointNotFound on the uncommitted directory; only a save put the
+    link back)."""
+    best = tmp_path / "epoch=1-step=16.ckpt"
+    zerostall.save(str(best), {"state_dict": {"w": torch.ones(2)}, "epoch": 1}, step=16)
+    os.symlink(best.name, tmp_path / ".last.ckpt.zerostall-replaced")
+    os.makedirs(tmp_path / "last.ckpt" / "step-17.partial")
+    io = ZerostallCheckpointIO()
+    got = io.load_checkpoint(tmp_path / "last.ckpt")
+    io.teardown()
+    assert got["epoch"] == 1 and torch.equal(got["state_dict"]["w"], torch.ones(2))
+    assert os.path.islink(tmp_path / "last.ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["epoch=1-step=16.ckpt", "last.ckpt"]

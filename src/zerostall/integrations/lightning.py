@@ -141,6 +141,14 @@ class ZerostallCheckpointIO(CheckpointIO):
         ck = self._ckpts.get(root)
         if ck is not None:
             ck.wait()
+        replaced = os.path.join(os.path.dirname(root), f".{os.path.basename(root)}{_REPLACED}")
+        if root not in self._replaced and os.path.lexists(replaced):
+            # a run that died while a save replaced this path's previous checkpoint: that one
+            # goes back first (resuming runs load before they save, when the cleanup runs)
+            try:
+                self._settle_replaced(root, replaced)
+            except OSError as exc:
+                log.warning("zerostall: could not settle %s: %s", replaced, exc)
         if os.path.isfile(root):
             raise ConfigError(f"{root} is a file, not a zerostall checkpoint (was it written by torch.save? "
                               "load it with Lightning's default CheckpointIO)")
