@@ -40,6 +40,8 @@ class FileTier(RemoteTier):
         self.io = io or IOConfig()
 
     def check_root(self) -> None:
+        if os.path.lexists(self.root) and not os.path.isdir(self.root):
+            raise RootNotFound(f"{self.url}: {self.root!r} is not a directory (check the URL)", root=self.url)
         if not os.path.isdir(self.root):
             raise RootNotFound(f"{self.url}: directory {self.root!r} does not exist (check the URL; the "
                                "replicator creates it at its first upload)", root=self.url)
