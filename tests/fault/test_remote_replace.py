@@ -247,3 +247,22 @@ def test_load_of_a_remote_step_replaced_while_it_downloads(tmp_path, base_url, m
     assert (rep.step, rep.source, rep.failed) == (2, "remote", [])
     assert got["a"][0].item() == 20.0
     assert LocalTier(str(tmp_path / "fresh")).steps() == [2]
+
+
+def test_a_symlinked_step_directory_on_a_shared_fs_tier_is_replaced_not_written_through(tmp_path):
+    """The file:// tier's step-2 is a symlink to a directory outside it (not a checkpoint:
+    reading refuses it). Replicating the local step 2 removes the link and uploads into a
+    directory of its own; the old code uploaded through the link, and its sweep then deleted
+    every file there that the new manifest did not name."""
+    new = str(tmp_path / "new")
+    zerostall.save(new, {"a": torch.full((3000,), 20.0)}, step=2)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("not zerostall's")
+    (tmp_path / "remote").mkdir()
+    os.symlink(victim, tmp_path / "remote" / "step-2")
+    url = f"file://{tmp_path / 'remote'}"
+    _pass(new, url)
+    assert sorted(os.listdir(victim)) == ["precious.txt"]
+    assert not os.path.islink(tmp_path / "remote" / "step-2")
+    assert open_tier(url).steps() == [2] and _value(tmp_path, url, "after") == 20.0

@@ -98,3 +98,19 @@ def test_cleanup_removes_what_an_interrupted_download_left(tmp_path):
     finally:
         held.release()
     assert not os.path.exists(os.path.join(root, ".zerostall-fetch-step-9.lock"))
+
+
+def test_odd_entries_under_a_fetch_lock_name_do_not_stop_the_owner(tmp_path):
+    """A directory, a FIFO and a dangling symlink named like a restore's step lock: no process
+    can hold them (StepLock takes regular files only), so the owner's start-up cleanup removes
+    them; it failed with 'recovering leftovers ... failed: Is a directory' (the root could not
+    be opened for writing at all)."""
+    root = tmp_path / "r"
+    zerostall.save(str(root), {"a": torch.ones(3)}, step=1)
+    os.mkdir(root / ".zerostall-fetch-step-1.lock")
+    os.mkfifo(root / ".zerostall-fetch-step-2.lock")
+    os.symlink(tmp_path / "nowhere", root / ".zerostall-fetch-step-3.lock")
+    with zerostall.Checkpointer(str(root)) as ck:
+        ck.save(4, {"a": torch.ones(3)}).wait()
+    assert not [n for n in os.listdir(root) if n.startswith(".zerostall-fetch-")]
+    assert zerostall.load(str(root))["a"].sum().item() == 3

@@ -79,6 +79,10 @@ def test_bench_writes_partial_results_and_reports_a_failing_method(tmp_path, mon
               "--no-cold", "--no-line-rate", "--dir", str(tmp_path / "work"), "--json", str(out),
               "--settle-s", "0.1"])
     assert rc == 1  # a failed method fails the bench
+    import psutil
+    left = [c for c in psutil.Process().children(recursive=True)
+            if "zerostall.bench.trainer" in " ".join(c.cmdline())]
+    assert not left, f"the failed method's trainer process outlived it: {left}"
     assert [len(d["results"]) for d in seen[:2]] == [1, 2] and seen[0]["complete"] is False
     first = seen[0]["results"][0]
     assert first["method"] == "torch.save" and "disk on fire" in first["error"] and first["verified"] is False

@@ -55,3 +55,12 @@ def test_empty_root_says_no_checkpoints(kind, cmd, tmp_path, capsys):
     assert main([cmd, empty]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("no checkpoints in ") and not err, (out, err)
+
+
+@pytest.mark.parametrize("cmd", ["ls", "verify"])
+def test_a_file_url_naming_a_file_says_so(cmd, tmp_path, capsys):
+    """file:///path/to/a/file: exit 2 saying it is not a directory (it said "does not exist")."""
+    (tmp_path / "f").write_text("x")
+    assert main([cmd, f"file://{tmp_path}/f"]) == 2
+    err = capsys.readouterr().err
+    assert "is not a directory" in err and "does not exist" not in err, err

@@ -113,6 +113,13 @@ class Trainer:
                 raise RuntimeError("the bench trainer process failed to start")
             time.sleep(0.01)
 
+    def abort(self) -> None:
+        """Stop the trainer without its results (the measured save failed)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=60)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
     def finish(self) -> list[tuple[float, float]]:
         open(self.stop_file, "w").close()
         self.proc.wait(timeout=600)
@@ -137,11 +144,18 @@ def _step_stats(steps: list[tuple[float, float]], t0: float, t1: float) -> dict[
 def run_one(m: Method, step: int, state: Any, target: Any, size: int, line: dict[str, Any],
             workdir: str, throttle: Any, settle_s: float) -> dict[str, Any]:
     trainer = Trainer(workdir, throttle)
-    time.sleep(settle_s)
-    sampler = Sampler(0.1, keep_series=True)
-    t_wall = time.time()
-    stall, staged, durable = m.start(step, state).wait()
-    time.sleep(0.3)
+    sampler = None
+    try:
+        time.sleep(settle_s)
+        sampler = Sampler(0.1, keep_series=True)
+        t_wall = time.time()
+        stall, staged, durable = m.start(step, state).wait()
+        time.sleep(0.3)
+    except BaseException:
+        if sampler is not None:
+            sampler.stop()
+        trainer.abort()  # it ran on as an orphan, a core busy, for the rest of the session
+        raise
     tel = sampler.stop()
     steps = trainer.finish()
     stats = _step_stats(steps, t_wall, t_wall + durable)

@@ -10,6 +10,7 @@ mount is bounded for readers by :func:`.remote.list_steps`' timeout.
 from __future__ import annotations
 
 import errno as _errno
+import logging
 import os
 import shutil
 from typing import Any, Callable
@@ -22,6 +23,8 @@ from ..errors import CheckpointNotFound, CorruptCheckpoint, RemoteError, RootNot
 from ..format.manifest import MANIFEST_NAME
 from ..format.validate import open_regular, parse_step_dir
 from .remote import RemoteTier, ShardIO, drop_cache, file_crc32c, step_of
+
+log = logging.getLogger("zerostall")
 
 
 
@@ -37,12 +40,30 @@ class FileTier(RemoteTier):
         self.io = io or IOConfig()
 
     def check_root(self) -> None:
+        if os.path.lexists(self.root) and not os.path.isdir(self.root):
+            raise RootNotFound(f"{self.url}: {self.root!r} is not a directory (check the URL)", root=self.url)
         if not os.path.isdir(self.root):
             raise RootNotFound(f"{self.url}: directory {self.root!r} does not exist (check the URL; the "
                                "replicator creates it at its first upload)", root=self.url)
 
     def _path(self, rel: str) -> str:
         return os.path.join(self.root, rel)
+
+    def _unlink_step_link(self, rel: str) -> None:
+        """A step directory that is a symlink is no checkpoint (reading refuses it). Before
+        anything is written or removed under it, the link itself goes, never its target:
+        uploads went through it and the sweep then deleted every file there that the new
+        manifest did not name, outside the tier. Called by every mutating request."""
+        top = self._path(rel.split("/", 1)[0])
+        if "/" in rel and os.path.islink(top):
+            log.warning("zerostall: %s is a symlink, not a checkpoint directory: removing the link (not what it "
+                        "points to) before writing there", top)
+            try:
+                os.unlink(top)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise self._err("removing the symlink", rel.split("/", 1)[0], exc) from exc
 
     def _err(self, action: str, rel: str, exc: OSError) -> RemoteError:
         what = os.strerror(exc.errno) if exc.errno else str(exc)
@@ -93,6 +114,7 @@ class FileTier(RemoteTier):
             raise self._err("creating", "", exc) from exc
 
     def _put_file(self, local_path: str, rel: str, crc: int) -> None:
+        self._unlink_step_link(rel)
         try:
             self._copy(local_path, self._path(rel))
         except (OSError, ZerostallError) as exc:
@@ -103,6 +125,7 @@ class FileTier(RemoteTier):
 
     def _put_bytes(self, data: bytes, rel: str) -> None:
         from .local import fsync_dir, write_file_durable
+        self._unlink_step_link(rel)
         dst = self._path(rel)
         try:
             os.makedirs(os.path.dirname(dst), exist_ok=True)
@@ -194,6 +217,7 @@ class FileTier(RemoteTier):
 
     def _open_write(self, rel: str, nbytes: int, engine: Any) -> Any:
         from .local import fsync_dir
+        self._unlink_step_link(rel)
         dst = self._path(rel)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         eng = engine or self._engine()
@@ -212,6 +236,7 @@ class FileTier(RemoteTier):
         return ShardIO(inner, publish, cleanup)
 
     def _delete(self, rel: str) -> None:
+        self._unlink_step_link(rel)
         try:
             os.unlink(self._path(rel))
         except FileNotFoundError:
@@ -220,6 +245,8 @@ class FileTier(RemoteTier):
             raise self._err("deleting", rel, exc) from exc
 
     def names_in(self, step: int) -> list[str]:
+        if os.path.islink(self._path(f"step-{step}")):
+            return []  # not a checkpoint directory (what it points to is not the tier's)
         try:
             return sorted(os.listdir(self._path(f"step-{step}")))
         except FileNotFoundError:
@@ -231,6 +258,7 @@ class FileTier(RemoteTier):
         """A hard link where the filesystem has them: the same bytes, nothing copied, and
         nothing to tear (files here are replaced by rename, never rewritten in place)."""
         from .local import fsync_dir
+        self._unlink_step_link(dst)
         s, d = self._path(src), self._path(dst)
         linked = True
         try:
@@ -249,4 +277,5 @@ class FileTier(RemoteTier):
         return linked
 
     def _delete_prefix(self, rel: str) -> None:
+        self._unlink_step_link(rel)
         shutil.rmtree(self._path(rel), ignore_errors=True)
