@@ -156,6 +156,7 @@ class Checkpointer:
         self.records: collections.deque[Any] = collections.deque(maxlen=1000)
         """The newest SaveRecords (bounded; the sinks in telemetry/ keep the full history)."""
         self._join_pool(0)  # no memory yet: the first save (or prepare) says how much it wants
+        self._pid = os.getpid()
         ref = weakref.ref(self)
         self._atexit = lambda: (c := ref()) is not None and c.close(_from_atexit=True)
         atexit.register(self._atexit)
@@ -467,6 +468,10 @@ class Checkpointer:
         if self._closed:
             return True
         self._closed = True  # first: a save() this call interrupted fails instead of queueing
+        if os.getpid() != self.__dict__.get("_pid", os.getpid()):
+            # a forked child (at its exit, the atexit hook): the saves in flight, the threads
+            # and the lock are the parent's; waiting for them hung the child for good
+            return True
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:

@@ -173,3 +173,43 @@ def test_interrupt_inside_the_shared_ring_reserve_does_not_stall_other_checkpoin
         assert a.close(timeout=60) and b.close(timeout=60)
     assert LocalTier(str(tmp_path / "a")).steps() == [1, 3]
     assert LocalTier(str(tmp_path / "b")).steps() == [7]
+
+
+_FORK_CHILD = r"""
+import os, sys, threading, time, torch, zerostall
+ck = zerostall.Checkpointer(sys.argv[1])
+hold = threading.Event()
+ck.tier._hook = lambda name: hold.wait(60) if name == "latest_tmp" else None  # the save stays in flight
+h = ck.save(0, {"w": torch.arange(1000.)})
+while not h.durable():
+    time.sleep(0.01)
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # a normal exit: atexit hooks run in the child
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    time.sleep(0.05)
+else:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    print("CHILD HUNG")
+hold.set()
+h.result()
+ck.close()
+print("OK", zerostall.load(sys.argv[1])["w"].sum().item())
+"""
+
+
+def test_a_forked_child_exits_while_the_parent_saves(tmp_path):
+    """A child forked while a save is in flight exits normally: its atexit hook closed the
+    parent's Checkpointer copy and waited for saves whose threads exist only in the parent
+    (the child never exited). The parent's save commits and loads."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _FORK_CHILD, str(tmp_path / "ck")], capture_output=True,
+                         text=True, timeout=90)
+    assert "CHILD HUNG" not in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 0 and "OK 499500.0" in out.stdout, out.stdout + out.stderr
