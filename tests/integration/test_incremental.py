@@ -376,3 +376,25 @@ def test_speculative_references_that_changed_are_appended(ckdir, budget_mib):
     own = sorted((e.offset, e.key) for e in m3.tensors if e.step is None)
     assert own[0] == (4096, "head")  # written at once; the four that changed appended after a block boundary
     assert len(own) == 5 and own[1][0] == 4 << 20 and all("f" in k for _, k in own[1:])
+
+
+def test_appended_tensors_larger_than_the_ring_stream_through_it(ckdir):
+    """Every tensor referenced on speculation changed (writes around the version counter) and
+    the appended bytes (5 blocks) exceed a 2-block ring: the persist thread writes the
+    appended blocks while they are staged (it waited for the whole snapshot to be staged,
+    and the snapshot thread for ring slots only the persist thread frees: the save hung)."""
+    torch.manual_seed(1)
+    frozen = {f"f{i}": torch.randn(300_000 + 1000 * i) for i in range(8)}  # ~1.2 MiB each
+    st = zerostall.config.StagingConfig(budget_bytes=8 << 20, block_bytes=4 << 20)
+    ck = zerostall.Checkpointer(ckdir, incremental=True, full_every=None, staging=st)
+    try:
+        ck.save(0, {"frozen": frozen}).result(timeout=60)
+        for k in frozen:
+            frozen[k].data.mul_(2)
+        rec = ck.save(1, {"frozen": frozen}).result(timeout=60)
+        assert rec.bytes_referenced == 0
+        assert rec.bytes_written >= sum(v.numel() * 4 for v in frozen.values())
+    finally:
+        ck.close(timeout=10)
+    assert equal(zerostall.load(ckdir, step=1, fallback=False), {"frozen": frozen})
+    assert [m.step for m in _verify_all(ckdir)] == [0, 1]  # raises if a step does not verify

@@ -138,6 +138,11 @@ class IncrementalJob:
     extension: tuple[int, tuple[PlanItem, ...]] | None = None
     """Set by :meth:`RefTracker.settle` when tensors referenced on speculation had changed:
     (the file size the persist thread opened the file with, the items appended after it)."""
+    settled: threading.Event = field(default_factory=threading.Event)
+    """Set once ``extension`` and ``job.plan`` are final, before the appended tensors are
+    staged (:meth:`RefTracker.settle`; the snapshot thread sets it on failure too): the
+    persist thread writes the appended blocks while they are staged, so that a ring
+    smaller than the extension cycles instead of deadlocking on ``staged``."""
 
     @property
     def bytes_referenced(self) -> int:
@@ -300,12 +305,16 @@ class RefTracker:
         persist thread writes the appended blocks and the final header after ``staged``.
         The ring holds one spare block per incremental save for this (``Checkpointer.save``)."""
         ij: IncrementalJob | None = job.incr
-        if ij is None or ij.pending is None:
+        if ij is None:
+            return
+        if ij.pending is None:
+            ij.settled.set()
             return
         collect, cands = ij.pending
         ij.pending = None
         changed = [(it, leaf, t) for (it, leaf, t, want), crc in zip(cands, collect()) if crc != want]
         if not changed:
+            ij.settled.set()
             return
         for it, _, _ in changed:
             del ij.refs[it.index]
@@ -329,6 +338,7 @@ class RefTracker:
         ij.extension = (spec.file_bytes, tuple(new))
         job.plan = SavePlan(spec.items + tuple(new), off, spec.tree, spec.leaves + tuple(lf for _, lf, _ in changed),
                             spec.n_tensors, spec.tree_json)
+        ij.settled.set()  # the persist thread writes the appended blocks as they are staged
         stage(tuple(new), [t for _, _, t in changed])
 
     def _fast_path(self, item: PlanItem, fp: Any, k: Known, step: int) -> bool | None:

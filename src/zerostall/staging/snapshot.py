@@ -172,6 +172,8 @@ class Snapshotter(Worker[SaveJob]):
             self.ring.publish(job.g_end)  # a failed job's blocks are drained unwritten
             job.leaves = None
             job.layout_ready.set()
+            if job.incr is not None:
+                job.incr.settled.set()
             job.snapshot_s = time.perf_counter() - t0
             job.t_staged = time.perf_counter()
             job.staged.set()

@@ -203,7 +203,8 @@ class Persister(Worker[SaveJob]):
             f = self.engine.open_write(os.path.join(part, job.file_name), plan.file_bytes)
             crc = CrcCursor(plan.items)
             g = self._write_blocks(job, f, g, plan.file_bytes, crc)
-            job.staged.wait()
+            if job.incr is not None:  # not staged: the appended blocks may need the ring's slots
+                job.incr.settled.wait()
             if job.error is not None:
                 raise job.error
             crcs = crc.crcs
@@ -211,8 +212,12 @@ class Persister(Worker[SaveJob]):
             if ext is not None:  # tensors that changed behind their version counter, appended
                 ext_crc = CrcCursor(ext[1])
                 g = self._write_blocks(job, f, g, job.plan.file_bytes, ext_crc)
-                f.write([(0, self._header_block(job))])  # the header names the final size
                 crcs = crcs + ext_crc.crcs
+            job.staged.wait()
+            if job.error is not None:
+                raise job.error
+            if ext is not None:
+                f.write([(0, self._header_block(job))])  # the header names the final size
             self.ring.release(g, job.g_end)  # blocks reserved for tensors an incremental save referenced
             g = job.g_end
             job.crcs = crcs
