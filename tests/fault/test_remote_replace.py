@@ -266,3 +266,36 @@ def test_a_symlinked_step_directory_on_a_shared_fs_tier_is_replaced_not_written_
     assert sorted(os.listdir(victim)) == ["precious.txt"]
     assert not os.path.islink(tmp_path / "remote" / "step-2")
     assert open_tier(url).steps() == [2] and _value(tmp_path, url, "after") == 20.0
+
+
+@pytest.mark.parametrize("remote_had_it", [False, True])
+def test_a_step_overwritten_locally_while_it_uploads_is_never_committed_torn(tmp_path, base_url, monkeypatch,
+                                                                          remote_had_it):
+    """The run saves step 2 again (overwrite=True: a preemption save at the step just saved)
+    after the replicator read the first copy's manifest and before it read the shard: the
+    shard it uploads is the second copy's. It must not commit the first copy's manifest over
+    it (the old code did: a torn remote step, its handle marked replicated); the next pass
+    uploads the second copy."""
+    import zerostall.store.replicate as replicate
+    local = str(tmp_path / "local")
+    url = f"{base_url}/swap"
+    if remote_had_it:  # an earlier copy of step 2 is on the remote (replaced meanwhile)
+        zerostall.save(local, {"a": torch.full((3000,), 0.5)}, step=2)
+        _pass(local, url)
+    zerostall.save(local, {"a": torch.full((3000,), 1.0)}, step=2, overwrite=True)
+    orig, fired = replicate.live_names, []
+
+    def overwrite_first(remote, step, checkpoint_id):
+        if not fired:
+            fired.append(step)
+            zerostall.save(local, {"a": torch.full((3000,), 2.0)}, step=2, overwrite=True)
+        return orig(remote, step, checkpoint_id)
+
+    monkeypatch.setattr(replicate, "live_names", overwrite_first)
+    _pass(local, url)
+    assert fired
+    if 2 in open_tier(url).steps():  # whatever is committed there loads whole
+        assert _value(tmp_path, url, "mid") in (0.5, 1.0, 2.0)
+    monkeypatch.setattr(replicate, "live_names", orig)
+    _pass(local, url)
+    assert open_tier(url).steps() == [2] and _value(tmp_path, url, "after") == 2.0

@@ -350,6 +350,10 @@ class Replicator:
                 or not others_are_current(remote, step, man, self.rank, self.world_size):
             log.info("zerostall: step %d: not every rank's shard is on %s yet; trying again later", step, remote.url)
             return False
+        if self._local_id(step) != man.checkpoint_id:  # overwritten locally while its files went up: they
+            log.info("zerostall: step %d was overwritten locally while it was uploaded; uploading it again "  # may
+                     "at the next pass", step)  # be the new copy's, and this manifest would commit them torn
+            return False
         remote.upload_bytes(raw, manifest_rel, previous=committed_bytes(remote, step))  # last: the remote commit
         remote.hook("commit")
         try:  # after the commit point: a replaced copy (set aside) goes
@@ -358,6 +362,13 @@ class Replicator:
             log.warning("zerostall: step %d is committed on %s, but removing the objects it replaced failed (%s); "
                         "the next run removes them", step, remote.url, exc)
         return True
+
+    def _local_id(self, step: int) -> str | None:
+        """The checkpoint id of the local ``step`` now (None if it is gone or unreadable)."""
+        try:
+            return self.tier.read_manifest(step).checkpoint_id
+        except (ZerostallError, OSError):
+            return None
 
     def _retain(self, remote: RemoteTier, local: list[int], remote_steps: list[int], pending: list[int]) -> None:
         """Retention from the listing: a local step goes only if the remote holds it or does
