@@ -73,3 +73,25 @@ class Worker(Generic[T]):
 
     def handle(self, item: T) -> None:
         raise NotImplementedError
+
+
+def run_in_fresh_thread(fn: Callable[[], None], name: str) -> None:
+    """Run ``fn`` in a new thread that then exits, re-raising its exception here.
+
+    For CUDA calls whose failure leaves a per-thread "last error" that torch's next kernel
+    launch check in the same thread would raise (arena registration, the snapshot thread's
+    torch ops): that thread dies with it.
+    """
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            err.append(exc)
+
+    t = threading.Thread(target=run, name=name)
+    t.start()
+    t.join()
+    if err:
+        raise err[0]

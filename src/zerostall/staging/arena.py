@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._util import node_leader
+from .._util import node_leader, run_in_fresh_thread
 
 log = logging.getLogger("zerostall")
 
@@ -86,19 +86,7 @@ def _on_device(index: int | None):
 def _in_thread(fn) -> None:
     """Run ``fn`` in a thread that then exits (see the module docstring: CUDA's per-thread last
     error must not reach a thread that launches kernels)."""
-    err: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            err.append(exc)
-
-    t = threading.Thread(target=run, name="zerostall-cuda-register")
-    t.start()
-    t.join()
-    if err:
-        raise err[0]
+    run_in_fresh_thread(fn, "zerostall-cuda-register")
 
 
 def host_ram_bytes() -> int:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .._util import Worker
+from .._util import Worker, run_in_fresh_thread
 from .arena import Arena
 from .job import SaveJob
 from .ring import BlockRing
@@ -65,19 +65,7 @@ def row_slices(t: torch.Tensor, limit: int = STRIDED_CHUNK_BYTES) -> Iterator[to
 
 def _in_helper_thread(fn: Callable[[], None]) -> None:
     """Run a torch op in a thread that then exits (see the module docstring)."""
-    err: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            err.append(exc)
-
-    t = threading.Thread(target=run, name="zerostall-copy")
-    t.start()
-    t.join()
-    if err:
-        raise err[0]
+    run_in_fresh_thread(fn, "zerostall-copy")
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
