@@ -175,7 +175,11 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None) -> tuple[Any, li
             "stored without pickle; convert it to a tensor or to plain values (dict/list/str/int/float), "
             "or register it with zerostall.register_type")
 
-    return enc(obj, (), 0), leaves
+    try:
+        return enc(obj, (), 0), leaves
+    finally:
+        del enc  # a recursive closure is a reference cycle: without this, every save's leaves
+        # (the caller's tensors) and this frame's objects wait for the cyclic GC
 
 
 def decode_tree(node: Any, tensors: list[Any], where: str = "manifest", *, build_objects: bool = True) -> Any:
@@ -242,7 +246,14 @@ def decode_tree(node: Any, tensors: list[Any], where: str = "manifest", *, build
                 raise bad(str(exc)) from None
         raise bad(f"unknown node tag {tag!r:.20}")
 
-    return dec(node, 0)
+    try:
+        return dec(node, 0)
+    finally:
+        # ``dec``/``dec_key`` refer to themselves through their cells: a reference cycle that held
+        # ``tensors`` (a restore's scratch: the whole state, 2 GiB in the bench) until the next
+        # cyclic GC, whose munmap of it then ran inside whatever call triggered the GC (a
+        # ``save()`` blocked 170-380 ms)
+        del dec, dec_key
 
 
 def tree_tensor_indices(node: Any) -> list[tuple[int, bool]]:
