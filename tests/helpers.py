@@ -26,6 +26,15 @@ def equal(a, b):
     return a == b
 
 
+def flip_byte(path, offset, mask=0x40):
+    """XOR the byte at ``offset`` of ``path`` with ``mask`` in place (bit rot, for corruption tests)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+
+
 def skip_unless_engine(name):
     """Skip (not error) where the probe says this host cannot run the engine (io_uring off)."""
     if name == "uring":

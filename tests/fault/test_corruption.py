@@ -7,6 +7,7 @@ import torch
 
 import zerostall
 from zerostall.cli import main as cli
+from tests.helpers import flip_byte
 
 
 def _two_steps(ckdir):
@@ -17,11 +18,7 @@ def _two_steps(ckdir):
 
 
 def _flip(path, pos):
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_byte(path, pos, 0x10)
 
 
 # header, payload start, payload middle, padding after w, second tensor, tail padding

@@ -15,6 +15,7 @@ from zerostall.errors import CheckpointExistsError, ConfigError, CorruptCheckpoi
 from zerostall.io import get_engine
 from zerostall.restore import verify_step
 from zerostall.store.local import LocalTier
+from tests.helpers import flip_byte
 
 from ..helpers import clone, equal
 
@@ -154,11 +155,7 @@ def test_damaged_referenced_file_fails_every_dependent_and_falls_back(ckdir):
     name = tier.read_manifest(2).files[0].name
     path = os.path.join(tier.step_dir(2), name)
     off = next(e.offset for e in tier.read_manifest(2).tensors if e.key == "f")
-    with open(path, "r+b") as f:
-        f.seek(off + 100)
-        byte = f.read(1)
-        f.seek(off + 100)
-        f.write(bytes([byte[0] ^ 0x40]))
+    flip_byte(path, off + 100)
     eng = get_engine("threads", IOConfig())
     for s in (2, 3):
         with pytest.raises(CorruptCheckpoint, match=f"step-2/{name}|crc32c"):
@@ -181,11 +178,7 @@ def test_a_restart_after_a_fallback_never_references_the_damaged_file(ckdir):
     tier = LocalTier(ckdir)
     path = os.path.join(tier.step_dir(2), tier.read_manifest(2).files[0].name)
     off = next(e.offset for e in tier.read_manifest(2).tensors if e.key == "f")
-    with open(path, "r+b") as f:
-        f.seek(off + 100)
-        byte = f.read(1)
-        f.seek(off + 100)
-        f.write(bytes([byte[0] ^ 0x40]))
+    flip_byte(path, off + 100)
     state = zerostall.load(ckdir)  # 3 and 2 fail: step 1
     assert state["x"][0] == 1.0
     with zerostall.Checkpointer(ckdir, incremental=True, full_every=10, keep_last=3) as ck:

@@ -23,6 +23,7 @@ from zerostall.io import get_engine
 from zerostall.restore import verify_step
 from zerostall.store.local import LocalTier
 from zerostall.store.remote import open_tier
+from tests.helpers import flip_byte
 
 from ..helpers import free_port
 
@@ -62,12 +63,7 @@ def _verify(ckdir, step):
         eng.close()
 
 
-def _flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
+_flip = flip_byte
 
 
 @pytest.mark.parametrize("mode", ["crc", "version"])

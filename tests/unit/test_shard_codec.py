@@ -12,6 +12,7 @@ from zerostall.format.layout import HEADER_BYTES, ShardHeader
 from zerostall.format.shard import CrcCursor, check_items, pack_offsets, read_shard, write_shard
 from zerostall.io import get_engine
 from zerostall.staging.arena import Arena
+from tests.helpers import flip_byte
 
 SIZES = [0, 1, 4096, 10_000, 0, 3, 20_000, 4095]
 
@@ -78,11 +79,7 @@ def test_read_whole_and_wanted(shard):
                                            (7, "magic"), (40, "header")])
 def test_flips_are_caught(shard, offset, needle):
     path, header, items, payloads, eng, buf = shard
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_byte(path, offset, 0x10)
     with pytest.raises(CorruptCheckpoint, match=needle):
         _read(eng, path, header, items, buf)
 
