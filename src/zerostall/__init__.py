@@ -17,7 +17,7 @@ from .config import CheckpointConfig, IOConfig, StagingConfig
 from .handle import SaveHandle
 from .format.objects import register_type
 from .restore import load as _load
-from .restore_state import LoadReport
+from .restore import LoadReport
 from .rng import rng_state, set_rng_state
 from .stateful import load_into
 from .telemetry.record import SaveRecord
@@ -75,7 +75,7 @@ def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None 
     there. A remote that is down is skipped with a warning when ``path`` has a checkpoint.
     """
     if rank is None or world_size is None:
-        from .dist.ranks import discover
+        from .distributed.ranks import discover
         info = discover()
         rank = info.rank if rank is None else rank
         world_size = info.world_size if world_size is None else world_size

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from .config import CheckpointConfig
-from .dist.commit import StoreCommitter
-from .dist.ranks import discover
-from .dist.session import Store, join, namespace
+from .distributed.commit import StoreCommitter
+from .distributed.ranks import discover
+from .distributed.session import Store, join, namespace
 from .errors import CheckpointExistsError, ConfigError, SaveFailed, ZerostallError
 from .handle import SaveHandle, record_of
 from .io.base import Engine, engine_name_for, get_engine
@@ -64,7 +64,7 @@ class Checkpointer:
 
     Under ``torch.distributed`` (or torchrun's environment) every rank writes its own
     ``rank-R.shard`` and rank 0 commits once all are durable, coordinating through the c10d
-    store (``store=`` to pass another); see :mod:`zerostall.dist.commit`. Every rank creates
+    store (``store=`` to pass another); see :mod:`zerostall.distributed.commit`. Every rank creates
     a Checkpointer on the same root (or ``dist_name``) within ``join_timeout_s`` of each
     other and saves the same steps; ``dist_mode="local"`` for a process that saves alone.
     """

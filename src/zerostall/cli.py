@@ -187,7 +187,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     if not _is_url(a.path) and cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
         return cli_dcp.cmd_verify(a)
     from .restore import verify_step, verify_tier_step
-    from .restore_retry import verify_consistent
+    from .restore.retry import verify_consistent
     tier = _tier(a.path)
     steps = [a.step] if a.step is not None else tier.listed_steps()
     if not steps:  # an existing, empty root: nothing failed (a missing one raised RootNotFound)
@@ -254,7 +254,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     import torch
 
     from .restore import load
-    from .restore_state import LoadReport
+    from .restore import LoadReport
     out_dir = os.path.dirname(os.path.abspath(a.out))
     if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
         raise ConfigError(f"cannot write {a.out!r}: {out_dir!r} is not a writable directory")

@@ -23,7 +23,7 @@ _STEP_DIR_RE = re.compile(r"^step-(\d{1,19})$")
 def _step_dirs(root: str) -> list[tuple[int, str]]:
     """(step, dir) of the DCP checkpoints directly under ``root``, ascending; [] if ``root``
     holds a zerostall Checkpointer step (``manifest.json``)."""
-    from .dist.dcp_inspect import is_dcp_dir as _is
+    from .distributed.dcp_inspect import is_dcp_dir as _is
     try:
         names = os.listdir(root)
     except OSError:
@@ -41,13 +41,13 @@ def _step_dirs(root: str) -> list[tuple[int, str]]:
 
 
 def is_dcp_dir(path: str) -> bool:
-    from .dist.dcp_inspect import is_dcp_dir as _is
+    from .distributed.dcp_inspect import is_dcp_dir as _is
     return _is(path) or bool(_step_dirs(path))
 
 
 def _targets(a: argparse.Namespace) -> list[tuple[str, str]]:
     """(label, checkpoint dir) to act on."""
-    from .dist.dcp_inspect import is_dcp_dir as _is
+    from .distributed.dcp_inspect import is_dcp_dir as _is
     if _is(a.path):
         return [(a.path, a.path)]
     steps = _step_dirs(a.path)
@@ -64,7 +64,7 @@ def _human(n: float) -> str:
 
 
 def cmd_ls(a: argparse.Namespace) -> int:
-    from .dist.dcp_inspect import describe, metadata_files
+    from .distributed.dcp_inspect import describe, metadata_files
     rows = []
     for label, d in _targets(a):
         for name in metadata_files(d):
@@ -88,7 +88,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
 
 def cmd_verify(a: argparse.Namespace) -> int:
     from .config import IOConfig
-    from .dist.dcp_inspect import metadata_files, verify
+    from .distributed.dcp_inspect import metadata_files, verify
     bad = 0
     for label, d in _targets(a):
         for name in metadata_files(d):
@@ -103,7 +103,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from .dist.dcp_inspect import describe, metadata_files
+    from .distributed.dcp_inspect import describe, metadata_files
     targets = _targets(a)[-1:]  # a root: the newest step (or --step)
     infos = [describe(d, n) for _, d in targets for n in metadata_files(d)]
     if a.json:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from zerostall.dcp import CheckpointAlreadyExists, Reader, UnsupportedCheckpoint, Writer
-from zerostall.dist.dcp_storage import SHARD_RE
+from zerostall.distributed.dcp_storage import SHARD_RE
 from zerostall.errors import ConfigError, CorruptCheckpoint
 
 from .test_distributed import _launch
@@ -231,7 +231,7 @@ _CRASH = textwrap.dedent("""
     import os, sys, warnings, torch
     warnings.filterwarnings("ignore")
     import torch.distributed.checkpoint as dcp
-    import zerostall.dist.dcp_storage as ds
+    import zerostall.distributed.dcp_storage as ds
     point, path = sys.argv[1], sys.argv[2]
     die = lambda *a, **k: os._exit(9)
     if point == "mid_write":
@@ -268,7 +268,7 @@ def test_crashed_save_keeps_previous_and_does_not_block_next(tmp_path, point):
 
 
 def test_failed_write_removes_its_shard_and_keeps_previous(tmp_path, monkeypatch):
-    import zerostall.dist.dcp_storage as ds
+    import zerostall.distributed.dcp_storage as ds
     path = str(tmp_path / "ck")
     _save(path, 1.0)
 
@@ -366,7 +366,7 @@ def test_clear_messages_for_other_directories(tmp_path):
 
 def test_overwrite_false_without_hard_links(tmp_path, monkeypatch):
     import errno
-    import zerostall.dist.dcp_storage as ds
+    import zerostall.distributed.dcp_storage as ds
 
     def no_link(src, dst):
         raise OSError(errno.EPERM, "Operation not permitted")

@@ -11,8 +11,8 @@ import time
 import pytest
 
 import zerostall
-from zerostall.dist.commit import commit_round
-from zerostall.dist.session import Session, Store
+from zerostall.distributed.commit import commit_round
+from zerostall.distributed.session import Session, Store
 from zerostall.store.local import LocalTier
 
 from ..helpers import free_port

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zerostall
-from zerostall import restore
+from zerostall.restore import pipeline as restore
 from zerostall.errors import ConfigError, CorruptCheckpoint, StateMismatchError
 from zerostall.store.local import LocalTier
 

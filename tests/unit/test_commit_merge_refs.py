@@ -3,7 +3,7 @@ in one manifest, and what each rank's base may still borrow reaches rank 0's ret
 
 import torch
 
-from zerostall.dist.commit import merge, peer_protected
+from zerostall.distributed.commit import merge, peer_protected
 from zerostall.format.tree import encode_tree
 from zerostall.format.manifest import Manifest
 

@@ -2,7 +2,7 @@
 
 Used by the Checkpointer (``store/persist.py`` writes through :class:`CrcCursor`,
 ``restore.py`` reads through :func:`read_shard`) and by the DCP plugin
-(``dist/dcp_storage.py`` writes with :func:`write_shard`, ``dist/dcp_read.py`` reads with
+(``distributed/dcp_storage.py`` writes with :func:`write_shard`, ``distributed/dcp_read.py`` reads with
 :func:`read_shard`), so both check the same things: the header block exactly, every item's
 crc32c, and that every other byte read (gaps between items, the tail) is zero.
 

@@ -480,7 +480,7 @@ class RefTracker:
 
     def own_protected(self) -> set[int]:
         """Steps this rank's saves may reference: pinned by saves in flight, or referenced by
-        the base (a multi-rank save's fragment reports them, :mod:`..dist.commit`)."""
+        the base (a multi-rank save's fragment reports them, :mod:`..distributed.commit`)."""
         with self._lock:
             return self._own()
 
@@ -489,7 +489,7 @@ class RefTracker:
 
     def set_peer_protected(self, steps: set[int]) -> None:
         """The other ranks' :meth:`protected` as of the commit round that is committing now
-        (persist thread of the rank(s) running retention, :func:`..dist.commit.commit_round`).
+        (persist thread of the rank(s) running retention, :func:`..distributed.commit.commit_round`).
 
         Enough until the next round: a rank's pins are always steps its base references, and
         its base changes only when it learns that a round committed (after it reported), to

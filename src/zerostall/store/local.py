@@ -261,7 +261,7 @@ class LocalTier(Tier):
         self._lock.release()
 
     def clean_stale_partials(self, keep: set[int] = frozenset()) -> list[str]:  # type: ignore[assignment]
-        """Old name of :meth:`own` (``dist.commit`` calls it on the process that owns the root)."""
+        """Old name of :meth:`own` (``distributed.commit`` calls it on the process that owns the root)."""
         return self.own()
 
     def recover(self) -> list[str]:

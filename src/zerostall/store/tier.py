@@ -73,7 +73,7 @@ class Tier(ABC):
     def manifest_ident(self, step: int) -> Any:
         """An identity of ``step``'s manifest that changes when the step is replaced (None: it
         has none). Readers compare it to tell a step replaced under them from a damaged one
-        (:mod:`zerostall.restore_retry`). Any thread."""
+        (:mod:`zerostall.restore.retry`). Any thread."""
         return step if step in self.listed_steps() else None
 
     def listed_steps(self) -> list[int]:

@@ -12,8 +12,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .errors import ConfigError, StateMismatchError
-from .format.tree import decode_tree
+from ..errors import ConfigError, StateMismatchError
+from ..format.tree import decode_tree
 
 
 @dataclass

@@ -47,7 +47,7 @@ _ALLOWED = {
     ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-    ("collections", "OrderedDict"), ("zerostall.dist.dcp_storage", "_ZSInfo"),
+    ("collections", "OrderedDict"), ("zerostall.distributed.dcp_storage", "_ZSInfo"),
 }
 """Every class DCP's metadata (ours and FileSystemWriter's) is made of; nothing else."""
 
@@ -60,6 +60,8 @@ class _SafeUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
+        if module == "zerostall.dist.dcp_storage":  # written before dist/ became distributed/
+            module = "zerostall.distributed.dcp_storage"
         # vars(), not getattr: torch's module __getattr__ imports submodules (torch._inductor)
         if (module, name) in _ALLOWED or (module == "torch" and isinstance(vars(torch).get(name), torch.dtype)):
             return super().find_class(module, name)

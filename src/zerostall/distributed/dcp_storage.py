@@ -339,7 +339,7 @@ class Writer(StorageWriter):
 
 
 def __getattr__(name: str) -> Any:
-    # the reader moved to .dcp_read; keep ``from zerostall.dist.dcp_storage import Reader`` working
+    # the reader moved to .dcp_read; keep ``from zerostall.distributed.dcp_storage import Reader`` working
     if name == "Reader":
         from .dcp_read import Reader
         return Reader

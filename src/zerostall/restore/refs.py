@@ -21,11 +21,11 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import CheckpointNotFound, CorruptCheckpoint
-from .format.layout import ShardHeader
-from .format.manifest import Manifest
-from .format.refs import RefFile
-from .format.shard import read_shard
+from ..errors import CheckpointNotFound, CorruptCheckpoint
+from ..format.layout import ShardHeader
+from ..format.manifest import Manifest
+from ..format.refs import RefFile
+from ..format.shard import read_shard
 
 
 def ref_groups(man: Manifest, targets: list[Any]) -> dict[RefFile, list[Any]]:

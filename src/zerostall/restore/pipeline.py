@@ -31,21 +31,21 @@ from typing import Any
 
 import torch
 
-from .config import IOConfig
-from .errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, StateMismatchError,
+from ..config import IOConfig
+from ..errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, StateMismatchError,
                      StorageError, ZerostallError, storage_error)
-from .format.dtypes import dtype_from_name
-from .format.layout import ShardHeader
-from .format.manifest import Manifest, TensorEntry
-from .format.shard import read_shard
-from .format.tree import decode_tree, tree_tensor_indices
-from .format.validate import open_regular
-from .io.base import Engine, choose_engine
-from .staging.arena import Arena
-from .restore_retry import GONE, MAX_REPLACED, REPLACED, changed_under, listed_ident, remote_changed_under
-from .restore_state import LoadReport, find_in_place, key_report, location_mapper, merge, select_keys
-from .store.local import LocalTier
-from .store.owner import StepLock
+from ..format.dtypes import dtype_from_name
+from ..format.layout import ShardHeader
+from ..format.manifest import Manifest, TensorEntry
+from ..format.shard import read_shard
+from ..format.tree import decode_tree, tree_tensor_indices
+from ..format.validate import open_regular
+from ..io.base import Engine, choose_engine
+from ..staging.arena import Arena
+from .retry import GONE, MAX_REPLACED, REPLACED, changed_under, listed_ident, remote_changed_under
+from .state import LoadReport, find_in_place, key_report, location_mapper, merge, select_keys
+from ..store.local import LocalTier
+from ..store.owner import StepLock
 
 log = logging.getLogger("zerostall")
 
@@ -93,7 +93,7 @@ def check_files(tier: LocalTier, man: Manifest, only: set[str] | None = None) ->
             raise CorruptCheckpoint(f"{path}: shard is {size} bytes, manifest says "
                                     f"{fe.file_bytes} (truncated or replaced)", path=path)
     if man.ref_files:  # files of earlier steps this (incremental) step borrows from
-        from .restore_refs import check_ref_files
+        from .refs import check_ref_files
         check_ref_files(tier, man, [r for r in man.ref_files if only is None or r.name in only])
 
 
@@ -151,7 +151,7 @@ def read_checkpoint(tier: LocalTier, man: Manifest, engine: Engine, bounce: Aren
         for _, _, f in opened:
             f.close()
     if man.ref_files:
-        from .restore_refs import read_refs, ref_groups
+        from .refs import read_refs, ref_groups
         groups = ref_groups(man, targets)
         if only is not None:
             groups = {r: ts for r, ts in groups.items() if r.name in only}
@@ -418,7 +418,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
     remote_why = ""
     remote_steps: list[int] = []
     if remote is not None:
-        from .store.remote import list_steps, open_tier
+        from ..store.remote import list_steps, open_tier
         if isinstance(remote, str):
             remote = open_tier(remote, io=io)
         listed, remote_why = list_steps(remote)
@@ -554,6 +554,6 @@ def verify_tier_step(tier: Any, step: int, bounce: Arena | None = None) -> Manif
             with tier.open_shard_read(step, fe.name) as f:
                 _stream_file(f, where, fe.file_bytes, header, by_file.get(fe.name, []), bounce, True)
         if man.ref_files:
-            from .restore_refs import verify_tier_refs
+            from .refs import verify_tier_refs
             verify_tier_refs(tier, man, bounce)
     return man
