@@ -13,7 +13,7 @@ from typing import Any
 
 from . import errors
 from .checkpointer import Checkpointer
-from .config import CheckpointConfig, IOConfig, StagingConfig
+from .config import CheckpointConfig, IOConfig, PeersConfig, StagingConfig
 from .handle import SaveHandle
 from .format.objects import register_type
 from .restore import load as _load
@@ -29,6 +29,7 @@ __all__ = [
     "Checkpointer",
     "IOConfig",
     "LoadReport",
+    "PeersConfig",
     "SaveHandle",
     "SaveRecord",
     "StagingConfig",

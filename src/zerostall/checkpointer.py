@@ -93,6 +93,10 @@ class Checkpointer:
         self.tier = LocalTier(os.fspath(path), create=True, lock_timeout_s=cfg.lock_timeout_s)
         self.tier.check_writable()
         self._committer: StoreCommitter | None = None
+        self._peers: Any = None  # zerostall.peers.Peers with replicas > 1
+        if cfg.replicas > 1 and self.world_size < 2:
+            raise ConfigError(f"replicas={cfg.replicas} needs a distributed job of at least {cfg.replicas} nodes "
+                              "(torch.distributed, ZEROSTALL_NODE naming each node); this process saves alone")
         if self.world_size > 1:
             if info.store is None:
                 raise ConfigError(f"world size {self.world_size} but no c10d store: initialise torch.distributed "
@@ -103,6 +107,10 @@ class Checkpointer:
             self._committer = StoreCommitter(self.tier, Store(info.store), session,
                                              per_rank=cfg.dist_mode == "per_rank", timeout_s=cfg.commit_timeout_s)
             self.node_local = session.node_local
+            if cfg.replicas > 1:  # after join: the store exchange needs the session's prefix
+                from .peers import Peers
+                self._peers = Peers(cfg, self.tier, Store(info.store), session.prefix, self.rank, self.world_size,
+                                    node_local=session.node_local)
         else:  # the one writer of this root (RootLockedError if another holds it); cleans leftovers
             self.tier.own()
             self.node_local = False
@@ -140,6 +148,8 @@ class Checkpointer:
                                                    self._refs.protected() if self._refs is not None else set())
         self.unreplicated: list[int] = []
         """After ``close()``: the steps not replicated before ``close_timeout_s`` (see README)."""
+        self.unprotected: list[int] = []
+        """After ``close()`` with ``replicas > 1``: this run's steps not held by ``replicas`` nodes."""
         self._plans = PlanCache()
         self._step_bound: int | None = None  # owner only: no committed step is above it
         self._lease: _pool.Lease | None = None
@@ -202,7 +212,7 @@ class Checkpointer:
         # engine and the root lock (a lease held forever kept the pool's memory mapped).
         self._finalizer = weakref.finalize(self, _abandoned, self.tier.root, self._persist, self._lease,
                                            self.engine, self.tier, self._refs, self._replicator,
-                                           self.config.close_timeout_s)
+                                           self.config.close_timeout_s, self._peers)
         self._finalizer.atexit = False  # at exit the atexit hook closes it properly
 
     def prepare(self, state_dict: Any, *, wait: bool = False) -> None:
@@ -427,12 +437,28 @@ class Checkpointer:
         saves started meanwhile from other threads wait until the load is done.
         """
         self.wait()
+        source = None
+        if self._peers is not None:  # every rank: one agreed step, this node's files fetched from peers
+            step, report, source = self._peer_plan(step, report)
         borrow = self._lease.pool.borrow_idle() if self._lease is not None else contextlib.nullcontext()
         with self._save_lock, borrow as bounce:
-            return load_into(state_dict, lambda sd: _load(
+            out = load_into(state_dict, lambda sd: _load(
                 self.tier.root, sd, step, map_location, verify=self.config.verify_on_load,
                 fallback=self.config.fallback, engine=self.engine, bounce=bounce, rank=self.rank,
                 world_size=self.world_size, remote=self.config.remote, keys=keys, strict=strict, report=report))
+        if source == "peers":
+            report.source = "peers"
+        return out
+
+    def _peer_plan(self, step: int | None, report: Any) -> tuple[int, Any, str]:
+        """Peer replicas: the step every rank loads, this node's files of it brought in from peers."""
+        from .restore import LoadReport
+        remote_steps: list[int] = []
+        if self.config.remote:
+            from .store.remote import list_steps
+            remote_steps = list_steps(open_tier(self.config.remote, io=self.config.io))[0] or []
+        plan = self._peers.prepare_load(step, remote_steps)
+        return plan.step, report if report is not None else LoadReport(), plan.source
 
     def steps(self, *, include_remote: bool = True) -> list[int]:
         """Committed steps, ascending: local ones and, with a remote tier (unless
@@ -492,8 +518,12 @@ class Checkpointer:
             pass
         if self._persist is not None:  # the snapshot thread is the pool's
             ok = self._persist.stop(left()) and ok
+        t_post = time.monotonic()
+        if self._peers is not None:  # bounded: transfers still running are cut
+            budget = self.config.close_timeout_s if deadline is None else min(self.config.close_timeout_s, left() or 0.0)
+            self.unprotected = self._peers.close(budget)
         if self._replicator is not None:  # bounded: the rest is uploaded by the next run
-            budget = self.config.close_timeout_s
+            budget = max(0.0, self.config.close_timeout_s - (time.monotonic() - t_post))
             if deadline is not None:
                 budget = min(budget, left() or 0.0)
             self.unreplicated = self._replicator.close(budget)
@@ -543,6 +573,8 @@ class Checkpointer:
             self._inflight.remove(job)
         except ValueError:
             pass
+        if self._peers is not None and job.error is None and not job.skipped:
+            self._peers.submit(job.step)
         if self._replicator is not None and job.error is None and not job.skipped:
             self._replicator.submit(job)
 
@@ -576,7 +608,8 @@ def _weak_call(obj: Any, name: str) -> Any:
 
 
 def _abandoned(root: str, persist: Persister, lease: Any, engine: Engine, tier: LocalTier,
-               refs: RefTracker | None, replicator: Replicator | None, close_timeout_s: float) -> None:
+               refs: RefTracker | None, replicator: Replicator | None, close_timeout_s: float,
+               peers: Any = None) -> None:
     """Finalizer of a Checkpointer that became unreachable without ``close()`` (any thread,
     at garbage collection; never blocks): the persist thread finishes the queued saves, then
     releases what the Checkpointer held, in ``close()``'s order."""
@@ -585,6 +618,8 @@ def _abandoned(root: str, persist: Persister, lease: Any, engine: Engine, tier: 
 
     def release() -> None:
         try:
+            if peers is not None:
+                peers.close(close_timeout_s)
             if replicator is not None:
                 replicator.close(close_timeout_s)
             if refs is not None:

@@ -6,8 +6,9 @@ Two phases, visible in the API: ``staged()`` (the state may be mutated again) an
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import SaveFailed
 from .staging.job import SaveJob
@@ -44,6 +45,16 @@ class SaveHandle:
         """True once the remote tier holds this checkpoint (committed there)."""
         return self._job.replicated.is_set() and self._job.replicate_error is None and self._job.error is None
 
+    def protected(self) -> bool:
+        """True once every rank's files of this step are held by ``replicas`` nodes (peer
+        replicas, ``replicas > 1``); never for a step whose replication did not finish."""
+        st = self._peer_status()
+        return st is not None and st.protected
+
+    def _peer_status(self) -> Any:
+        peers = self._owner._peers if self._owner is not None else None
+        return peers.status(self.step) if peers is not None else None
+
     def wait_staged(self, timeout: float | None = None) -> bool:
         """Block until the snapshot is complete (the state may then be mutated). The wait
         counts as stall in the record."""
@@ -53,12 +64,24 @@ class SaveHandle:
         return ok
 
     def wait(self, timeout: float | None = None, tier: str = "local") -> bool:
-        """Block until the save is committed (``tier="local"``) or replicated (``"remote"``)
-        or has failed; False on timeout. Never raises for a failed save (see ``exception``)."""
+        """Block until the save is committed (``tier="local"``), replicated (``"remote"``),
+        its peer replication finished (``"peers"``: then see :meth:`protected`) or it has
+        failed; False on timeout. Never raises for a failed save (see ``exception``)."""
         if tier == "local":
             return self._job.done.wait(timeout)
+        if tier == "peers":
+            if self._owner is None or self._owner._peers is None:
+                raise ValueError("this Checkpointer keeps no peer copies (pass replicas=N, N > 1)")
+            deadline = None if timeout is None else time.monotonic() + timeout
+            if not self._job.done.wait(timeout):
+                return False
+            if self._job.error is not None or self._job.skipped:
+                return True
+            st = self._peer_status()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return st.done.wait(left) if st is not None else True
         if tier != "remote":
-            raise ValueError(f"tier={tier!r}: choose 'local' or 'remote'")
+            raise ValueError(f"tier={tier!r}: choose 'local', 'peers' or 'remote'")
         if self._owner is not None and self._owner._replicator is None:
             raise ValueError("this Checkpointer has no remote tier (pass remote=URL)")
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -85,7 +108,11 @@ class SaveHandle:
                 self._owner._error_seen(self._job)
             raise SaveFailed(f"save of step {self.step} failed: {self._job.error}",
                              step=self.step) from self._job.error
-        return record_of(self._job)
+        rec = record_of(self._job)
+        st = self._peer_status()
+        if st is not None and st.protected:
+            rec = dataclasses.replace(rec, replica_nodes=st.nodes)
+        return rec
 
     def __repr__(self) -> str:
         state = ("skipped" if self.skipped else "failed" if self._job.error else "durable"

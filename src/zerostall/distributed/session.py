@@ -36,7 +36,6 @@ import hashlib
 import json
 import logging
 import os
-import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from typing import Any, Callable
 
 from ..errors import DistributedError, RootLockedError, ZerostallError
 from ..store.local import LocalTier
+from .node import node_id
 
 log = logging.getLogger("zerostall")
 
@@ -142,7 +142,7 @@ class Session:
 def join(store: Store, ns: str, rank: int, world: int, tier: LocalTier, timeout_s: float) -> Session:
     """The start-up round (module docstring). Raises :class:`DistributedError` naming the
     ranks that did not join within ``timeout_s``."""
-    host = socket.gethostname()
+    host = node_id()  # ZEROSTALL_NODE: simulated nodes on one machine are distinct hosts
     deadline = time.monotonic() + timeout_s
     if rank == 0:
         sid = uuid.uuid4().hex[:16]
