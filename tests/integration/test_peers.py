@@ -1,0 +1,134 @@
+"""Peer replicas end to end: 4 simulated nodes x 1 rank (real processes, gloo on 127.0.0.1,
+ZEROSTALL_NODE=n0..n3, each node its own root), nodes killed and wiped, the job restarted."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from zerostall.peers.placement import Node, holders
+from zerostall.store.local import LocalTier
+
+from ..helpers import free_port
+
+HERE = os.path.dirname(__file__)
+NODES = [f"n{i}" for i in range(4)]
+
+
+def _launch(scenario, base, tmp_path, env_extra, timeout=150, stop=None):
+    port = free_port()
+    procs = []
+    for r, node in enumerate(NODES):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="4",
+                   LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", ZEROSTALL_NODE=node, ZEROSTALL_BUDGET_BYTES=str(64 << 20),
+                   PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]),
+                   **env_extra)
+        out = str(tmp_path / f"{scenario}-{node}.json")
+        if os.path.exists(out):
+            os.unlink(out)
+        procs.append((subprocess.Popen([sys.executable, os.path.join(HERE, "peers_worker.py"), scenario, base, out],
+                                       env=env, stderr=subprocess.PIPE, text=True), out))
+    results = []
+    try:
+        if stop is not None:  # the stopped rank is SIGKILLed once the others have finished
+            for p, _ in procs[:stop] + procs[stop + 1:]:
+                p.wait(timeout=timeout)
+            procs[stop][0].kill()
+        for p, out in procs:
+            _, err = p.communicate(timeout=timeout)
+            results.append((p.returncode, json.load(open(out)) if os.path.exists(out) else None, err))
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+    return results
+
+
+def _ok(res):
+    for rc, doc, err in res:
+        assert rc == 0 and doc is not None, err[-3000:]
+    return [doc for _, doc, _ in res]
+
+
+def _wipe(base, node):
+    shutil.rmtree(os.path.join(base, node))
+
+
+def _holder_of(src, replicas):
+    return holders(src, [Node(n, n) for n in NODES], replicas)
+
+
+def test_n3_two_nodes_killed_and_wiped_restore_bit_exact_from_peers(tmp_path):
+    base = str(tmp_path / "job")
+    res = _launch("save", base, tmp_path, {"ZS_REPLICAS": "3", "ZS_DIE": "1"})
+    assert res[1][0] == -signal.SIGKILL
+    docs = [json.load(open(tmp_path / f"save-{n}.json")) for n in NODES]
+    for d in docs:
+        assert d["protected"] == {"1": True, "2": True}, d
+        assert len(set(d["replica_nodes"]["2"])) == 3 and d["replica_nodes"]["2"][0] == d["node"]
+        assert set(d["replica_nodes"]["2"][1:]) == set(_holder_of(d["node"], 3))
+    for d in (0, 2, 3):
+        assert res[d][0] == 0, res[d][2][-3000:]
+    # every holder holds exactly what the placement says, in its own root only
+    for n in NODES:
+        held = sorted(os.listdir(os.path.join(base, n, "peers")))
+        assert held == sorted(s for s in NODES if n in _holder_of(s, 3)), (n, held)
+    _wipe(base, "n1")  # SIGKILLed above, its disk gone
+    _wipe(base, "n2")
+    docs = _ok(_launch("load", base, tmp_path, {"ZS_REPLICAS": "3"}))
+    for d in docs:
+        assert d.get("error") is None, d
+        assert d["step"] == 2 and d["equal"] is True, d
+    assert [d["source"] for d in docs] == ["local", "peers", "peers", "local"]
+    for n in ("n1", "n2"):  # the replacement nodes hold step 2 again, committed and complete
+        assert LocalTier(os.path.join(base, n)).steps() == [2]
+
+
+def test_n2_both_holders_of_a_file_lost_remote_fallback_or_none_everywhere(tmp_path):
+    base, remote = str(tmp_path / "job"), str(tmp_path / "remote")
+    env = {"ZS_REPLICAS": "2", "ZS_REMOTE": f"file://{remote}"}
+    for d in _ok(_launch("save", base, tmp_path, env)):
+        assert d["protected"] == {"1": True, "2": True}, d
+    # a node and the one holder of its files are lost; that holder's own files live on elsewhere
+    lost = next(n for n in NODES if _holder_of(_holder_of(n, 2)[0], 2)[0] != n)
+    (h,) = _holder_of(lost, 2)
+    _wipe(base, lost)
+    _wipe(base, h)
+    r = NODES.index(lost)
+    # without the remote tier, no step can be loaded by the lost node's rank: every rank says so, alike
+    docs = _ok(_launch("load", base, tmp_path, {"ZS_REPLICAS": "2"}))
+    errors = {d.get("error") for d in docs}
+    assert len(errors) == 1 and None not in errors, docs
+    (msg,) = errors
+    assert f"rank {r} (node {lost}): none" in msg and all(d["error_type"] == "CheckpointNotFound" for d in docs)
+    assert not os.path.exists(os.path.join(base, lost, "step-2"))
+    # with it: the lost node's files come from the remote tier, the wiped holder's own from its peers
+    docs = _ok(_launch("load", base, tmp_path, env))
+    for d in docs:
+        assert d.get("error") is None and d["step"] == 2 and d["equal"] is True, d
+    src = {d["node"]: d["source"] for d in docs}
+    assert src[lost] == "remote" and src[h] == "peers"
+    assert all(v == "local" for k, v in src.items() if k not in (lost, h))
+
+
+def test_a_stopped_peer_never_hangs_training_or_close(tmp_path):
+    base = str(tmp_path / "job")
+    res = _launch("stop", base, tmp_path, {"ZS_REPLICAS": "2", "ZS_STOP": "3", "ZS_RT": "6"}, stop=3)
+    assert res[3][0] == -signal.SIGKILL
+    for rc, d, err in res[:3]:
+        assert rc == 0 and d is not None, err[-3000:]
+        assert d["trained"] == 20 and d["last_durable"] is True
+        assert d["last_protected"] is False  # n3 never reported its copies: never presented as protected
+        assert d["unprotected"] == [2]
+        print(f"{d['node']}: 20 training steps in {d['train_s']:.2f} s, close() in {d['close_s']:.2f} s "
+              "(close_timeout_s=4, peers.timeout_s=2)")
+    # the nodes whose placement named n3 copied to the next node instead
+    for n in ("n0", "n1", "n2"):
+        if "n3" in _holder_of(n, 2):
+            held_by = [m for m in NODES[:3] if os.path.isdir(os.path.join(base, m, "peers", n, "step-2"))]
+            assert held_by and "n3" not in held_by
