@@ -118,6 +118,8 @@ def cmd_ls(a: argparse.Namespace) -> int:
         for s in tier.partial_steps():
             rows.append({"step": s, "bytes": 0, "tensors": 0, "created_unix": 0,
                          "state": "partial (not a checkpoint)", "tier": "local"})
+        from .peers.status import peer_rows
+        peer_rows(tier.root, rows)
         if a.remote:
             try:
                 remote_rows = {r["step"]: r for r in _remote_rows(a.remote)}

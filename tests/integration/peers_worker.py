@@ -37,7 +37,7 @@ def checkpointer(base, **kw):
 
 def main():
     scenario, base, out = sys.argv[1], sys.argv[2], sys.argv[3]
-    logging.basicConfig(level=logging.INFO, format=f"[{os.environ['ZEROSTALL_NODE']}] %(message)s")
+    logging.basicConfig(level=logging.INFO, format=f"%(relativeCreated)d [{os.environ['ZEROSTALL_NODE']}] %(message)s")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     res = {"rank": rank, "node": os.environ["ZEROSTALL_NODE"]}
@@ -67,6 +67,7 @@ def main():
             res["equal"] = equal(state, state_for(rank, report.step))
         except zerostall.errors.ZerostallError as exc:
             res["error"], res["error_type"] = str(exc), type(exc).__name__
+        res["repaired"] = ck._peers.replicator.repaired.wait(30)
         ck.close()
     elif scenario == "stop":
         ck = checkpointer(base)

@@ -63,7 +63,7 @@ def _holder_of(src, replicas):
     return holders(src, [Node(n, n) for n in NODES], replicas)
 
 
-def test_n3_two_nodes_killed_and_wiped_restore_bit_exact_from_peers(tmp_path):
+def test_n3_two_nodes_killed_and_wiped_restore_bit_exact_from_peers(tmp_path, capsys):
     base = str(tmp_path / "job")
     res = _launch("save", base, tmp_path, {"ZS_REPLICAS": "3", "ZS_DIE": "1"})
     assert res[1][0] == -signal.SIGKILL
@@ -78,6 +78,16 @@ def test_n3_two_nodes_killed_and_wiped_restore_bit_exact_from_peers(tmp_path):
     for n in NODES:
         held = sorted(os.listdir(os.path.join(base, n, "peers")))
         assert held == sorted(s for s in NODES if n in _holder_of(s, 3)), (n, held)
+    # `zerostall ls` of a node's root: its steps' holders and protection, the copies it holds
+    from zerostall.cli import main
+    capsys.readouterr()
+    assert main(["ls", "--json", os.path.join(base, "n0")]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    own = {r["step"]: r for r in rows if r["tier"].startswith("local")}
+    assert own[2]["protected"] is True and own[2]["holders"][0] == "n0"
+    assert set(own[2]["holders"][1:]) == set(_holder_of("n0", 3))
+    assert {r["tier"] for r in rows if r["tier"].startswith("peer copy")} == {
+        f"peer copy of {s}" for s in NODES if "n0" in _holder_of(s, 3)}
     _wipe(base, "n1")  # SIGKILLed above, its disk gone
     _wipe(base, "n2")
     docs = _ok(_launch("load", base, tmp_path, {"ZS_REPLICAS": "3"}))
@@ -87,6 +97,12 @@ def test_n3_two_nodes_killed_and_wiped_restore_bit_exact_from_peers(tmp_path):
     assert [d["source"] for d in docs] == ["local", "peers", "peers", "local"]
     for n in ("n1", "n2"):  # the replacement nodes hold step 2 again, committed and complete
         assert LocalTier(os.path.join(base, n)).steps() == [2]
+    # repair: the replaced holders hold their sources' kept steps again (each node's start-up pass)
+    assert all(d["repaired"] for d in docs)
+    for n in ("n1", "n2"):
+        for s in NODES:
+            if n in _holder_of(s, 3) and s not in ("n1", "n2"):  # a wiped source has only step 2 now
+                assert sorted(os.listdir(os.path.join(base, n, "peers", s))) == ["step-1", "step-2"], (n, s)
 
 
 def test_n2_both_holders_of_a_file_lost_remote_fallback_or_none_everywhere(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from typing import Any
 
 from ..config import CheckpointConfig
@@ -67,6 +68,9 @@ class Peers:
                                          replicas=cfg.replicas, keep_last=cfg.keep_last,
                                          replica_timeout_s=pc.replica_timeout_s)
         self._loads = itertools.count()
+        self.last_fetch_s = 0.0
+        """Seconds the last restore spent bringing this node's files in from peers (bench)."""
+        self.replicator.repair()  # a replaced holder gets the kept steps back
         log.info("zerostall: peer replicas on: %d copies of every step across %d nodes; node %s listens on %s",
                  cfg.replicas, len(self.view.nodes), self.view.me, self.view.endpoints[self.view.me])
 
@@ -101,8 +105,10 @@ class Peers:
         plan = agree(self.store, self.view, self.transport, self.tier, n, step=step, remote_steps=remote_steps,
                      timeout_s=timeout)
         if plan.source == "peers":
+            t0 = time.perf_counter()
             fetch(self.store, self.view, self.transport, self.tier, self.engine, plan, n,
                   timeout + self.cfg.peers.timeout_s * 4)
+            self.last_fetch_s = time.perf_counter() - t0
         elif plan.source == "remote":
             log.warning("zerostall: restore of step %d: this node's files come from the remote tier "
                         "(no live node holds them)", plan.step)

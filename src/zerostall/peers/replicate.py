@@ -39,6 +39,7 @@ from ..format.manifest import MANIFEST_NAME, Manifest
 from ..store.local import LocalTier
 from ..store.replicate import set_idle_io_priority
 from .exchange import PeerView
+from . import status as status_file
 from .placement import ranking
 from .store import PeerStore
 from .transport import Transport
@@ -70,6 +71,8 @@ class PeerReplicator:
         self._protected: list[int] = []
         self._q: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self.repaired = threading.Event()
+        """Set once the start-up repair pass finished (node leaders)."""
         self.bytes_sent = 0
         """Bytes this node's leader copied to holders (acknowledged)."""
         self._watch = threading.Thread(target=self._watch_loop, name="zerostall-peers-watch", daemon=True)
@@ -122,12 +125,22 @@ class PeerReplicator:
         return sorted(left)
 
     # -- sender thread (node leaders) --------------------------------------------------
+    def repair(self) -> None:
+        """Copy this node's kept steps to placement holders that lack them (after a holder was
+        replaced, or a run that ended before its copies were done); sender thread, in order."""
+        if self._send is not None:
+            self._q.put(-1)
+
     def _send_loop(self) -> None:
         set_idle_io_priority()
         while True:
             step = self._q.get()
             if step is None or self._stop.is_set():
                 return
+            if step == -1:
+                self._repair()
+                self.repaired.set()
+                continue
             holders, error = self._send_step(step)
             try:
                 self.store.set(self.view.key(f"s{step}", self.view.me),
@@ -185,6 +198,29 @@ class PeerReplicator:
                         len(held), want, error)
         return sorted(held), error
 
+    def _repair(self) -> None:
+        v = self.view
+        steps = self.tier.steps()
+        if self.keep_last is not None:
+            steps = steps[-self.keep_last:]
+        for node in [n.name for n in ranking(v.me, v.nodes)][:self.replicas - 1]:
+            if not steps or self._stop.is_set():
+                return
+            try:
+                held = self.transport.list_held(v.endpoints[node])
+                have = {(h["step"], h["checkpoint_id"], f) for h in held if h.get("src") == v.me for f in h["files"]}
+                for step in steps:
+                    raw = open(os.path.join(self.tier.step_dir(step), MANIFEST_NAME), "rb").read()
+                    man = Manifest.from_bytes(raw)
+                    for fe in man.files:
+                        if v.rank_nodes[fe.rank] != v.me or (step, man.checkpoint_id, fe.name) in have:
+                            continue
+                        self.transport.put(v.endpoints[node], v.me, step, fe.name,
+                                           os.path.join(self.tier.step_dir(step), fe.name), raw)
+                        log.info("zerostall: repair: %s of step %d copied to node %s", fe.name, step, node)
+            except (OSError, ZerostallError, KeyError, TypeError, IndexError) as exc:
+                log.warning("zerostall: repair: node %s could not be brought up to date: %s", node, exc)
+
     # -- watcher thread (every rank) ---------------------------------------------------
     def _watch_loop(self) -> None:
         while not self._stop.is_set():
@@ -216,6 +252,12 @@ class PeerReplicator:
         else:
             st.protected = True
         st.done.set()
+        if v.leader:
+            try:
+                status_file.record(self.tier.root, v.me, st.step, st.protected,
+                                   {n: list(r.get("holders", ())) for n, r in reports.items()}, self.tier.steps())
+            except OSError as exc:
+                log.debug("zerostall: could not record the peer status of step %d: %s", st.step, exc)
         if self.store.add(v.key(f"s{st.step}", "seen"), 1) == v.world:
             self.store.delete(*keys, v.key(f"s{st.step}", "seen"))
         if st.protected:

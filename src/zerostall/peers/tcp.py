@@ -89,6 +89,20 @@ def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer:
             pass
 
 
+def _io_priority(idle: bool) -> None:
+    """This connection thread's disk I/O class: idle for receiving replicas (never competes
+    with the next local save), best-effort for serving a restore (someone is waiting)."""
+    try:
+        import psutil
+        p = psutil.Process(threading.get_native_id())
+        if idle:
+            p.ionice(psutil.IOPRIO_CLASS_IDLE)
+        else:
+            p.ionice(psutil.IOPRIO_CLASS_BE, 4)
+    except Exception as exc:  # noqa: BLE001 - best effort: non-Linux, seccomp
+        log.debug("zerostall: cannot set the I/O priority of a peer connection: %s", exc)
+
+
 class TcpTransport(Transport):
     name = "tcp"
 
@@ -113,8 +127,6 @@ class TcpTransport(Transport):
         return self._srv.getsockname()[:2]
 
     def _accept(self) -> None:
-        from ..store.replicate import set_idle_io_priority
-        set_idle_io_priority()  # inherited by the connection threads it creates
         srv = self._srv
         while srv is not None and not self._closed:
             try:
@@ -162,6 +174,7 @@ class TcpTransport(Transport):
 
     def _handle(self, conn: socket.socket, peer: str, msg: dict[str, Any]) -> None:
         op = msg.get("op")
+        _io_priority(idle=op == "put")  # receiving copies yields the disk; serving a restore does not
         if op == "list":
             send_msg(conn, {"ok": True, "held": self.store.held()})
         elif op == "put":
