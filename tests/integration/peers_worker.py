@@ -31,7 +31,7 @@ def checkpointer(base, **kw):
     node = os.environ["ZEROSTALL_NODE"]
     remote = os.environ.get("ZS_REMOTE") or None
     return zerostall.Checkpointer(os.path.join(base, node), dist_name="peers-test", replicas=int(os.environ["ZS_REPLICAS"]),
-                                  peers=PeersConfig(timeout_s=2, replica_timeout_s=float(os.environ.get("ZS_RT", 30))),
+                                  peers=PeersConfig(timeout_s=float(os.environ.get("ZS_PT", 5)), replica_timeout_s=float(os.environ.get("ZS_RT", 30))),
                                   remote=remote, commit_timeout_s=30, close_timeout_s=4, **kw)
 
 

@@ -35,9 +35,10 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     node = os.environ["ZEROSTALL_NODE"]
     torch.set_num_threads(1)
-    ck = zerostall.Checkpointer(os.path.join(base, node), dist_name="node-loss", replicas=int(replicas),
-                                peers=PeersConfig(bandwidth_bytes=int(bw) or None, timeout_s=60),
-                                remote=remote or None, commit_timeout_s=300, close_timeout_s=120)
+    ck = None if mode == "load_remote" else zerostall.Checkpointer(
+        os.path.join(base, node), dist_name="node-loss", replicas=int(replicas),
+        peers=PeersConfig(bandwidth_bytes=int(bw) or None, timeout_s=60), remote=remote or None,
+        commit_timeout_s=300, close_timeout_s=120)
     res: dict[str, object] = {"rank": rank, "node": node}
     if mode == "save":
         state = _state(rank, int(mib))
@@ -69,18 +70,29 @@ def main() -> None:
         res["protected"] = h.protected()
         res["before"] = [d for t, d in steps if t < t_save]
         res["during"] = [d for t, d in steps if t >= t_save]
-        res["bytes_sent"] = ck._peers.replicator.bytes_sent if ck._peers is not None else 0
+        res["bytes_sent"] = ck._peers.replicator.bytes_sent if ck._peers is not None else 0  # type: ignore[union-attr]
         res["state_bytes"] = sum(t.numel() * 4 for t in state.values())
-    else:
+    elif mode == "load":
         state = {k: torch.empty_like(v) for k, v in _state(rank, int(mib)).items()}
         report = zerostall.LoadReport()
+        dist.barrier()  # the bench's own sync: every node starts its restore at once
         t0 = time.monotonic()
         ck.load(state, report=report)
         res["load_s"] = time.monotonic() - t0
         res["source"] = report.source
         res["fetch_s"] = ck._peers.last_fetch_s if ck._peers is not None else 0.0
         res["equal"] = all(torch.equal(state[k], v) for k, v in _state(rank, int(mib)).items())
-    ck.close()
+    else:  # load_remote: n1 restores its files from the remote tier, the others locally, at once
+        from .nodeloss import recover_from
+        dist.barrier()
+        t0 = time.monotonic()
+        if node == "n1":
+            res["fetch_s"], res["load_s"] = recover_from(remote, os.path.join(base, node), rank, world)
+        else:
+            zerostall.load(os.path.join(base, node), rank=rank, world_size=world)
+            res["load_s"] = time.monotonic() - t0
+    if ck is not None:
+        ck.close()
     json.dump(res, open(out, "w"))
     if rank == 0:  # the store's host leaves last
         others = [out.replace(f"-{node}.json", f"-n{r}.json") for r in range(1, world)]

@@ -203,23 +203,32 @@ class PeerReplicator:
         steps = self.tier.steps()
         if self.keep_last is not None:
             steps = steps[-self.keep_last:]
-        for node in [n.name for n in ranking(v.me, v.nodes)][:self.replicas - 1]:
-            if not steps or self._stop.is_set():
+        todo = [n.name for n in ranking(v.me, v.nodes)][:self.replicas - 1] if steps else []
+        for attempt in range(3):  # a holder busy restoring may time out once
+            todo = [node for node in todo if not self._stop.is_set() and not self._repair_node(node, steps)]
+            if not todo or self._stop.wait(1.0 * (attempt + 1)):
                 return
-            try:
-                held = self.transport.list_held(v.endpoints[node])
-                have = {(h["step"], h["checkpoint_id"], f) for h in held if h.get("src") == v.me for f in h["files"]}
-                for step in steps:
-                    raw = open(os.path.join(self.tier.step_dir(step), MANIFEST_NAME), "rb").read()
-                    man = Manifest.from_bytes(raw)
-                    for fe in man.files:
-                        if v.rank_nodes[fe.rank] != v.me or (step, man.checkpoint_id, fe.name) in have:
-                            continue
-                        self.transport.put(v.endpoints[node], v.me, step, fe.name,
-                                           os.path.join(self.tier.step_dir(step), fe.name), raw)
-                        log.info("zerostall: repair: %s of step %d copied to node %s", fe.name, step, node)
-            except (OSError, ZerostallError, KeyError, TypeError, IndexError) as exc:
-                log.warning("zerostall: repair: node %s could not be brought up to date: %s", node, exc)
+        log.warning("zerostall: repair: node(s) %s could not be brought up to date; the next start tries again",
+                    ", ".join(todo))
+
+    def _repair_node(self, node: str, steps: list[int]) -> bool:
+        v = self.view
+        try:
+            held = self.transport.list_held(v.endpoints[node])
+            have = {(h["step"], h["checkpoint_id"], f) for h in held if h.get("src") == v.me for f in h["files"]}
+            for step in steps:
+                raw = open(os.path.join(self.tier.step_dir(step), MANIFEST_NAME), "rb").read()
+                man = Manifest.from_bytes(raw)
+                for fe in man.files:
+                    if v.rank_nodes[fe.rank] != v.me or (step, man.checkpoint_id, fe.name) in have:
+                        continue
+                    self.transport.put(v.endpoints[node], v.me, step, fe.name,
+                                       os.path.join(self.tier.step_dir(step), fe.name), raw)
+                    log.info("zerostall: repair: %s of step %d copied to node %s", fe.name, step, node)
+            return True
+        except (OSError, ZerostallError, KeyError, TypeError, IndexError) as exc:
+            log.warning("zerostall: repair: copying to node %s failed: %s", node, exc)
+            return False
 
     # -- watcher thread (every rank) ---------------------------------------------------
     def _watch_loop(self) -> None:

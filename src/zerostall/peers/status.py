@@ -1,4 +1,4 @@
-"""``peers/status.json`` in a node's root: which nodes held each step's files when its
+"""``peers/.status.json`` in a node's root: which nodes held each step's files when its
 replication finished, and whether the step was protected -- for ``zerostall ls``, which runs
 outside the job and cannot ask the peers.
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from ..store.atomic import write_file_durable
 
-NAME = "status.json"
+NAME = ".status.json"
 _mu = threading.Lock()
 
 

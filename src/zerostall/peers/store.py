@@ -67,6 +67,8 @@ class PeerStore:
             for name in os.listdir(self.area):
                 if name.startswith(".deleting-"):
                     shutil.rmtree(os.path.join(self.area, name), ignore_errors=True)
+                elif name.endswith(".tmp"):  # a status hint whose write a crash interrupted
+                    os.unlink(os.path.join(self.area, name))
         for src, step in self._dirs():
             d = self.step_dir(src, step)
             for name in os.listdir(d):
