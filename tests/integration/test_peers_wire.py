@@ -155,7 +155,7 @@ def _stranger_port(dst):
 
 
 @pytest.mark.parametrize("bad", [
-    {"src": "../../etc"}, {"src": "n1"}, {"src": "nX"}, {"step": -1}, {"step": "1"}, {"step": 2},
+    {"src": "../../etc"}, {"src": "n1"}, {"src": "nX"}, {"src": "n2"}, {"step": -1}, {"step": "1"}, {"step": 2},
     {"name": "../manifest.json"}, {"name": "rank-00001.shard"}, {"size": 1 << 60}, {"size": 4096},
     {"manifest_bytes": 1 << 40}, {"op": "rm"},
 ])
@@ -228,3 +228,15 @@ def test_stream_check_rejects_short_and_long_files(pair):
     c = StreamCheck(man, NAME, "x")
     with pytest.raises(zerostall.errors.CorruptCheckpoint, match="more than"):
         c.feed(memoryview(data + b"\0" * 4096))
+
+
+def test_replicas_config_errors_name_the_value(tmp_path):
+    for bad in (0, 17, "2", True):
+        with pytest.raises(ConfigError, match="replicas"):
+            zerostall.CheckpointConfig(replicas=bad)
+    with pytest.raises(ConfigError, match="peers.timeout_s"):
+        zerostall.PeersConfig(timeout_s=0)
+    with pytest.raises(ConfigError, match="replicas=2 needs a distributed job"):
+        zerostall.Checkpointer(str(tmp_path / "c"), replicas=2)
+    with zerostall.Checkpointer(str(tmp_path / "c")) as ck:  # the root was not left locked
+        assert ck._peers is None

@@ -59,7 +59,12 @@ class Peers:
             _, port = self._transport.serve(self.peer_store)
             return publish, port
 
-        self.view: PeerView = setup(store, prefix, rank, world, cfg.replicas, cfg.join_timeout_s, serve)
+        try:
+            self.view: PeerView = setup(store, prefix, rank, world, cfg.replicas, cfg.join_timeout_s, serve)
+        except BaseException:
+            if self._transport is not None:  # a half-built Peers must not keep listening
+                self._transport.close()
+            raise
         if self._transport is None:  # not this node's leader: a client only
             self._transport = self._make_transport(self.view.secret, self.view.me, list(self.view.nodes), listen)
             self.peer_store = PeerStore(tier, self.view.me, self.engine)

@@ -179,8 +179,8 @@ class TcpTransport(Transport):
             send_msg(conn, {"ok": True, "held": self.store.held()})
         elif op == "put":
             src, step, name = check_node(msg.get("src")), check_step(msg.get("step")), check_name(msg.get("name"))
-            if src not in self.nodes or src == self.me:
-                raise PeerError(f"node {src!r} is not another node of this job")
+            if src not in self.nodes or src == self.me or src != peer:
+                raise PeerError(f"node {peer!r} may copy only its own files here, not node {src!r}'s")
             size = check_size(msg.get("size"), MAX_FILE_BYTES, "file")
             man_bytes = recv_exact(conn, check_size(msg.get("manifest_bytes"), MAX_MANIFEST_BYTES, "manifest"))
             man = Manifest.from_bytes(man_bytes)
