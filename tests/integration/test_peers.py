@@ -134,7 +134,7 @@ def test_n2_both_holders_of_a_file_lost_remote_fallback_or_none_everywhere(tmp_p
 
 def test_a_stopped_peer_never_hangs_training_or_close(tmp_path):
     base = str(tmp_path / "job")
-    res = _launch("stop", base, tmp_path, {"ZS_REPLICAS": "2", "ZS_STOP": "3", "ZS_RT": "6", "ZS_PT": "2"}, stop=3)
+    res = _launch("stop", base, tmp_path, {"ZS_REPLICAS": "2", "ZS_STOP": "3", "ZS_RT": "12", "ZS_PT": "3"}, stop=3)
     assert res[3][0] == -signal.SIGKILL
     for rc, d, err in res[:3]:
         assert rc == 0 and d is not None, err[-3000:]
@@ -142,7 +142,7 @@ def test_a_stopped_peer_never_hangs_training_or_close(tmp_path):
         assert d["last_protected"] is False  # n3 never reported its copies: never presented as protected
         assert d["unprotected"] == [2]
         print(f"{d['node']}: 20 training steps in {d['train_s']:.2f} s, close() in {d['close_s']:.2f} s "
-              "(close_timeout_s=4, peers.timeout_s=2)")
+              "(close_timeout_s=4, peers.timeout_s=3)")
     # the nodes whose placement named n3 copied to the next node instead
     for n in ("n0", "n1", "n2"):
         if "n3" in _holder_of(n, 2):

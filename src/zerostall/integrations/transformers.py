@@ -182,7 +182,7 @@ class ZerostallTrainerMixin:
         if ck is None:
             ck = self._zs_ckpts[path] = Checkpointer(path, self._zs_config)
         for other, c in list(self._zs_ckpts.items()):  # release the arenas of finished ones
-            if other != path and not c._inflight:
+            if other != path and not c.inflight_steps():
                 del self._zs_ckpts[other]
                 self._zs_guard.forget(c)
                 c.close()
@@ -193,7 +193,7 @@ class ZerostallTrainerMixin:
         if limit is None or limit <= 0:
             return
         ckpts = _checkpoints(os.path.abspath(run_dir))
-        live = {p for p, c in self._zs_ckpts.items() if c._inflight}
+        live = {p for p, c in self._zs_ckpts.items() if c.inflight_steps()}
         keep = {p for _, p in ckpts[-limit:]}
         if self.state.best_model_checkpoint:
             keep.add(os.path.abspath(self.state.best_model_checkpoint))

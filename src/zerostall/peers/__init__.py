@@ -94,8 +94,12 @@ class Peers:
         return self._transport
 
     # -- persist thread ----------------------------------------------------------------
-    def submit(self, step: int) -> None:
-        self.replicator.submit(step)
+    name = "peer replicas"
+
+    def on_committed(self, record: Any) -> None:
+        """A commit subscriber (:class:`~zerostall.store.persist.CommitSubscriber`): ``record``
+        (a ``Committed``) was committed on every rank; copy it to the peers."""
+        self.replicator.submit(record.step)
 
     # -- any thread --------------------------------------------------------------------
     def status(self, step: int) -> StepStatus | None:
