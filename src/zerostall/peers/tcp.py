@@ -63,7 +63,9 @@ class Pacer:
 
 def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer: Pacer | None = None) -> None:
     """Receive ``size`` bytes into an aligned buffer, check them, write them to ``w`` (aligned
-    extents: shard files are multiples of 4096 bytes)."""
+    extents: shard files are multiples of 4096 bytes). One buffer, in turn: a double-buffered
+    version (the next chunk received during the O_DIRECT write) measured no faster here
+    (256 MiB, 8 alternating runs each on the loaded 2-core VM: median 0.72 s vs 0.54 s)."""
     buf = mmap.mmap(-1, BUF_BYTES)
     mv = memoryview(buf)
     try:
