@@ -39,7 +39,7 @@ def is_committed(path: str | os.PathLike[str]) -> bool:
 def next_step(ckpt: Checkpointer, wanted: int) -> int:
     """``wanted``, or one past the newest committed step when that is not larger (a path saved
     twice gets a new step; keep_last=1 then retires the old one after the commit)."""
-    taken = [j.step for j in tuple(ckpt._inflight)]
+    taken = ckpt.inflight_steps()
     latest = max([*taken, ckpt.latest_step() or -1])
     return wanted if wanted > latest else latest + 1
 
@@ -83,15 +83,15 @@ class StateGuard:
 
     def forget_done(self) -> None:
         """Stop tracking Checkpointers with nothing in flight (closed by a :class:`Publisher`)."""
-        self._ckpts = [c for c in self._ckpts if c._inflight]
+        self._ckpts = [c for c in self._ckpts if c.inflight_steps()]
 
-    def _pending(self) -> list[Any]:
-        return [j for c in self._ckpts for j in c._pending_staged()]
+    def _pending(self) -> bool:
+        return any(c.snapshots_pending() for c in self._ckpts)
 
     def _on_step(self, opt: Any, args: Any, kwargs: Any) -> Any:
         changed = None
         for c in list(self._ckpts):
-            r = c._step_pre_hook(opt, args, kwargs)
+            r = c.step_pre_hook(opt, args, kwargs)
             if r is not None:
                 args, kwargs = changed = r
         return changed
@@ -107,7 +107,7 @@ class StateGuard:
         for b in module._buffers.values():
             if b is not None and b.data_ptr() in self._ptrs:
                 for c in self._ckpts:
-                    c._wait_staged(c._pending_staged())
+                    c.wait_snapshots()
                 return
 
     def close(self) -> None:

@@ -354,7 +354,7 @@ class ZerostallCheckpointIO(CheckpointIO):
     def _close_idle(self, keep: str) -> None:
         """Close the Checkpointers of other paths once their saves are done (frees arenas)."""
         for root, ck in list(self._ckpts.items()):
-            if root != keep and not ck._inflight:
+            if root != keep and not ck.inflight_steps():
                 del self._ckpts[root]
                 self._guard.forget(ck)
                 self._close(ck)

@@ -49,7 +49,7 @@ from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..format.validate import parse_step_dir, read_small
 from .atomic import fsync_dir, publish_dir, recover_dir, rmtree, write_file_durable
 from .owner import FETCH_STEP_LOCK_RE, RootLock, StepLock
-from .retention import doomed, spare_referenced
+from .retention import doomed, prune
 from .tier import Tier
 
 if TYPE_CHECKING:
@@ -438,10 +438,5 @@ class LocalTier(Tier):
             return []
         keep = set(protect) | ({just_committed} if just_committed is not None else set())
         steps = self.steps()
-        gone = spare_referenced(steps, doomed(steps, keep_last, keep), self.read_manifest)
-        for s in gone:
-            self.delete(s)
-        if gone:
-            log.info("zerostall: retention (keep_last=%d) removed steps %s from %s", keep_last, gone, self.root)
-        return gone
+        return prune(self, steps, doomed(steps, keep_last, keep))
 
