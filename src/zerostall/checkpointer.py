@@ -51,11 +51,11 @@ from .staging import pool as _pool
 from .staging.snapshot import record_save_events
 from .stateful import load_into, unwrap_optimizer
 from .store.committer import Committer
-from .store.local import LocalTier
 from .store.persist import Persister
 from .store.remote import open_tier
 from .store.replicate import Replicator
 from .store.retention import LocalRetention, RetentionPolicy, check_not_referenced, retain_at_start
+from .store.tier import Tier, is_url, open_root
 from .telemetry.host import start_sampling_thread
 
 log = logging.getLogger("zerostall")
@@ -99,7 +99,10 @@ class Checkpointer:
         self.config = cfg
         info = discover(store, cfg.dist_mode)
         self.rank, self.world_size = info.rank, info.world_size
-        self.tier = LocalTier(os.fspath(path), create=True, lock_timeout_s=cfg.lock_timeout_s)
+        if is_url(path):
+            raise ConfigError(f"Checkpointer({path!r}): the root is a local directory (each node's fast disk); "
+                              "pass the URL as remote= to replicate there")
+        self.tier: Any = open_root(path, create=True, lock_timeout_s=cfg.lock_timeout_s)
         self.tier.check_writable()
         self._committer: StoreCommitter | None = None
         if self.world_size > 1:
@@ -205,7 +208,7 @@ class Checkpointer:
         self._lease = _pool.lease(want, budget, st.block_bytes, mlock=st.mlock, hugepages=st.hugepages)
         committer: Committer | None = self._committer
         self._persist = Persister(self.tier, self.engine, self._lease.ring, finished=self._book.finished,
-                                  committer=committer, refs=self._refs)
+                                  upstream=self._lease.pool.snap, committer=committer, refs=self._refs)
         for sub in (self._retention, self._replicator):
             if sub is not None:
                 self._persist.subscribe(sub)
@@ -470,7 +473,7 @@ class Checkpointer:
                 pass
 
 
-def _abandoned(root: str, persist: Persister, lease: Any, engine: Engine, tier: LocalTier,
+def _abandoned(root: str, persist: Persister, lease: Any, engine: Engine, tier: Tier,
                refs: RefTracker | None, replicator: Replicator | None, close_timeout_s: float) -> None:
     """Finalizer of a Checkpointer that became unreachable without ``close()`` (any thread,
     at garbage collection; never blocks): the persist thread finishes the queued saves, then

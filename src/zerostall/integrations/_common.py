@@ -13,7 +13,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..checkpointer import Checkpointer
 from ..config import CheckpointConfig
-from ..store.local import LocalTier
+from ..store.tier import open_root
 
 
 def is_committed(path: str | os.PathLike[str]) -> bool:
@@ -23,7 +23,7 @@ def is_committed(path: str | os.PathLike[str]) -> bool:
         return False
     # the tier's own listing: canonical step names whose manifest validates (a crash between the
     # manifest write and the rename leaves step-N.partial/manifest.json, which is not a commit)
-    return bool(LocalTier(p).steps())
+    return bool(open_root(p).steps())
 
 
 def next_step(ckpt: Checkpointer, wanted: int) -> int:

@@ -39,6 +39,7 @@ import errno
 import logging
 import os
 import re
+import stat as stat_mod
 import threading
 import uuid
 from typing import TYPE_CHECKING, Callable
@@ -186,6 +187,25 @@ class LocalTier(Tier):
         with self._valid_mu:
             self._valid[step] = (ident, ok)
         return ok
+
+    def stat(self, rel: str) -> int | None:
+        try:
+            st = os.stat(os.path.join(self.root, rel), follow_symlinks=False)
+        except OSError:
+            return None
+        return st.st_size if stat_mod.S_ISREG(st.st_mode) else None
+
+    def names_in(self, step: int) -> list[str]:
+        try:
+            return sorted(os.listdir(self.step_dir(step)))
+        except OSError:
+            return []
+
+    def put_bytes(self, data: bytes, rel: str) -> None:
+        path = os.path.join(self.root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_file_durable(path, data)
+        fsync_dir(os.path.dirname(path))
 
     def partial_steps(self) -> list[int]:
         return sorted(int(m.group(1)) for n in self._names() if (m := _PARTIAL_RE.match(n)))
