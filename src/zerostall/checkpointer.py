@@ -102,7 +102,7 @@ class Checkpointer:
         if is_url(path):
             raise ConfigError(f"Checkpointer({path!r}): the root is a local directory (each node's fast disk); "
                               "pass the URL as remote= to replicate there")
-        self.tier: Any = open_root(path, create=True, lock_timeout_s=cfg.lock_timeout_s)
+        self.tier: Any = open_root(path, create=True, lock_timeout_s=cfg.lock_timeout_s, io=cfg.io)
         self.tier.check_writable()
         self._committer: StoreCommitter | None = None
         if self.world_size > 1:

@@ -54,6 +54,7 @@ from .retention import doomed, prune
 from .tier import Tier
 
 if TYPE_CHECKING:
+    from ..config import IOConfig
     from ..io.base import Engine, ShardFile
 
 __all__ = ["LocalTier", "fsync_dir", "write_file_durable"]
@@ -92,9 +93,12 @@ class LocalTier(Tier):
     """The crash-test seam: called with each boundary's name (set on an instance, or on the
     class, as a ``staticmethod``, in a forked child to reach a Checkpointer's start-up)."""
 
-    def __init__(self, root: str, *, create: bool = False, lock_timeout_s: float = 0.0):
+    def __init__(self, root: str, *, create: bool = False, lock_timeout_s: float = 0.0,
+                 io: "IOConfig | None" = None):
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
+        self.io = io
+        """The I/O settings for shards opened without an engine (the user's ``engine=``)."""
         self.lock_timeout_s = lock_timeout_s
         self._lock = RootLock(self.root)
         self._valid: dict[int, tuple[tuple[int, ...], bool]] = {}
@@ -259,7 +263,7 @@ class LocalTier(Tier):
 
     def open_shard_read(self, step: int, name: str, engine: "Engine | None" = None) -> "ShardFile":
         from ..io.base import choose_engine
-        eng = engine or choose_engine(self.root)
+        eng = engine or choose_engine(self.root, self.io)
         return eng.open_read(os.path.join(self.step_dir(step), name))
 
     # -- owning (caller's thread) ----------------------------------------------------------
@@ -372,7 +376,7 @@ class LocalTier(Tier):
 
     def open_shard_write(self, step: int, name: str, nbytes: int, engine: "Engine | None" = None) -> "ShardFile":
         from ..io.base import choose_engine
-        eng = engine or choose_engine(self.root)
+        eng = engine or choose_engine(self.root, self.io)
         return eng.open_write(os.path.join(self.partial_dir(step), name), nbytes)
 
     def commit(self, step: int, manifest: Manifest, overwrite: bool = False, *,
