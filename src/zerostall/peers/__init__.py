@@ -106,6 +106,17 @@ class Peers:
         return self.replicator.status(step)
 
     # -- caller's thread ---------------------------------------------------------------
+    def plan_load(self, step: int | None, report: Any) -> tuple[int, Any, str]:
+        """``Checkpointer.load``'s first part with peer replicas: ``(the agreed step, the
+        LoadReport to fill, where this node's files came from)``."""
+        from ..restore import LoadReport
+        remote_steps: list[int] = []
+        if self.cfg.remote:
+            from ..store.remote import list_steps, open_tier
+            remote_steps = list_steps(open_tier(self.cfg.remote, io=self.cfg.io))[0] or []
+        plan = self.prepare_load(step, remote_steps)
+        return plan.step, report if report is not None else LoadReport(), plan.source
+
     def prepare_load(self, step: int | None, remote_steps: list[int]) -> Plan:
         """Agree on the step and bring this node's files of it into the local root (peers);
         ``plan.source == "remote"``: the ordinary load must download it."""
