@@ -30,8 +30,9 @@ def state_for(rank, step):
 def checkpointer(base, **kw):
     node = os.environ["ZEROSTALL_NODE"]
     remote = os.environ.get("ZS_REMOTE") or None
+    peers = PeersConfig(timeout_s=float(os.environ.get("ZS_PT", 5)), replica_timeout_s=float(os.environ.get("ZS_RT", 30)))
     return zerostall.Checkpointer(os.path.join(base, node), dist_name="peers-test", replicas=int(os.environ["ZS_REPLICAS"]),
-                                  peers=PeersConfig(timeout_s=float(os.environ.get("ZS_PT", 5)), replica_timeout_s=float(os.environ.get("ZS_RT", 30))),
+                                  peers=peers,
                                   remote=remote, commit_timeout_s=30, close_timeout_s=4, **kw)
 
 

@@ -88,6 +88,12 @@ def test_n3_two_nodes_killed_and_wiped_restore_bit_exact_from_peers(tmp_path, ca
     assert set(own[2]["holders"][1:]) == set(_holder_of("n0", 3))
     assert {r["tier"] for r in rows if r["tier"].startswith("peer copy")} == {
         f"peer copy of {s}" for s in NODES if "n0" in _holder_of(s, 3)}
+    # `zerostall doctor ROOT`: the newest step's protection; the peers do not answer (job ended)
+    from zerostall.peers.status import doctor_checks
+    rows = {r[0]: r for r in doctor_checks(os.path.join(base, "n0"), timeout_s=0.5)}
+    assert rows["peer_replicas"][2] == "ok" and rows["peer_replicas"][1].startswith("step 2: held by n0")
+    assert {k for k in rows if k.startswith("peer ")} == {f"peer {n}" for n in NODES}
+    assert all(rows[f"peer {n}"][2] == "warn" for n in NODES)
     _wipe(base, "n1")  # SIGKILLed above, its disk gone
     _wipe(base, "n2")
     docs = _ok(_launch("load", base, tmp_path, {"ZS_REPLICAS": "3"}))
@@ -143,8 +149,9 @@ def test_a_stopped_peer_never_hangs_training_or_close(tmp_path):
         assert d["unprotected"] == [2]
         print(f"{d['node']}: 20 training steps in {d['train_s']:.2f} s, close() in {d['close_s']:.2f} s "
               "(close_timeout_s=4, peers.timeout_s=3)")
-    # the nodes whose placement named n3 copied to the next node instead
+    # the nodes whose placement named n3 copied to the next node instead (unless n3 took the copy
+    # just before it stopped): every node's step 2 is held by one other node
     for n in ("n0", "n1", "n2"):
-        if "n3" in _holder_of(n, 2):
-            held_by = [m for m in NODES[:3] if os.path.isdir(os.path.join(base, m, "peers", n, "step-2"))]
-            assert held_by and "n3" not in held_by
+        held_by = [m for m in NODES if m != n and os.path.isfile(os.path.join(base, m, "peers", n, "step-2",
+                                                                              f"rank-0000{n[1]}.shard"))]
+        assert held_by, res[NODES.index(n)][2][-3000:]

@@ -122,7 +122,8 @@ def run(size_gib: float, work: str, cap: int) -> dict[str, Any]:
         "bytes_moved_per_save": sum(d["bytes_sent"] for d in paced),
         "step_ms_idle": _ms(paced[0]["before"]), "step_ms_saving_no_replicas": _ms(plain[0]["during"]),
         "step_ms_saving_replicating_paced": _ms(paced[0]["during"]),
-        "saved_s_no_replicas": max(d["t_done_s"] for d in plain), "replicated_s": max(d["t_done_s"] for d in paced), "protected": all(d["protected"] for d in paced),
+        "saved_s_no_replicas": max(d["t_done_s"] for d in plain), "replicated_s": max(d["t_done_s"] for d in paced),
+        "protected": all(d["protected"] for d in paced),
         "recover_peers_s": n1["load_s"], "fetch_peers_s": n1["fetch_s"], "recover_peers_source": n1["source"],
         "recover_bit_exact": all(d["equal"] for d in loads),
     }
@@ -164,7 +165,8 @@ def main(a: argparse.Namespace) -> int:
     idle = res["step_ms_idle"] or 1.0
     print(f"  rank 0 step time: idle {res['step_ms_idle']:.2f} ms, saving without replicas "
           f"{res['step_ms_saving_no_replicas']:.2f} ms, saving + paced replication "
-          f"{res['step_ms_saving_replicating_paced']:.2f} ms ({res['step_ms_saving_replicating_paced'] / idle:.2f}x idle)")
+          f"{res['step_ms_saving_replicating_paced']:.2f} ms "
+          f"({res['step_ms_saving_replicating_paced'] / idle:.2f}x idle)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

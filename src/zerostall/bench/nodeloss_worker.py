@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,8 +47,8 @@ def main() -> None:
         x = torch.randn(384, 384)
         steps: list[tuple[float, float]] = []
 
-        def train(until: float | None, cond: object = None) -> None:
-            while (until is None or time.monotonic() < until) and not (cond is not None and cond()):  # type: ignore[operator]
+        def train(until: float | None, cond: Any = None) -> None:
+            while (until is None or time.monotonic() < until) and not (cond is not None and cond()):
                 t0 = time.perf_counter()
                 torch.mm(x, x)
                 steps.append((time.monotonic(), time.perf_counter() - t0))

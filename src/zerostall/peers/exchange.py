@@ -104,7 +104,8 @@ def setup(store: Store, prefix: str, rank: int, world: int, replicas: int, timeo
     for r, i in enumerate(infos):
         if domains.setdefault(i["node"], i["domain"]) != i["domain"]:
             raise ConfigError(f"node {i['node']!r} reports two failure domains ({domains[i['node']]!r} and "
-                              f"{i['domain']!r} from rank {r}); set ZEROSTALL_FAILURE_DOMAIN alike on every rank of a node")
+                              f"{i['domain']!r} from rank {r}); set ZEROSTALL_FAILURE_DOMAIN alike on every rank "
+                              "of a node")
     nodes = tuple(sorted(Node(n, d) for n, d in domains.items()))
     if len(nodes) < replicas:
         raise ConfigError(f"replicas={replicas} needs at least {replicas} nodes; this job has {len(nodes)} "

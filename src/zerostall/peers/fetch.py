@@ -66,7 +66,11 @@ def _local_steps(tier: LocalTier, view: PeerView, names: list[str]) -> set[int]:
     return out
 
 
-def _peer_holdings(view: PeerView, transport: Transport, names: list[str]) -> dict[int, dict[str, list[tuple[str, str]]]]:
+Holders = dict[str, list[tuple[str, str]]]
+"""file name -> [(holder node, src node)]"""
+
+
+def _peer_holdings(view: PeerView, transport: Transport, names: list[str]) -> dict[int, Holders]:
     """step -> file name -> [(holder node, src)] for this node's files, from every live peer."""
     lists: dict[str, list[dict[str, Any]]] = {}
 

@@ -264,7 +264,8 @@ class PeerReplicator:
         if v.leader:
             try:
                 status_file.record(self.tier.root, v.me, st.step, st.protected,
-                                   {n: list(r.get("holders", ())) for n, r in reports.items()}, self.tier.steps())
+                                   {n: list(r.get("holders", ())) for n, r in reports.items()}, self.tier.steps(),
+                                   {n: f"{e.host}:{e.port}" for n, e in v.endpoints.items()})
             except OSError as exc:
                 log.debug("zerostall: could not record the peer status of step %d: %s", st.step, exc)
         if self.store.add(v.key(f"s{st.step}", "seen"), 1) == v.world:

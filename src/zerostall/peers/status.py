@@ -14,6 +14,7 @@ import os
 import threading
 from typing import Any
 
+from ..errors import ZerostallError
 from ..store.atomic import write_file_durable
 
 NAME = ".status.json"
@@ -34,7 +35,8 @@ def read(root: str) -> dict[str, Any]:
         return {}
 
 
-def record(root: str, me: str, step: int, protected: bool, holders: dict[str, list[str]], keep: list[int]) -> None:
+def record(root: str, me: str, step: int, protected: bool, holders: dict[str, list[str]], keep: list[int],
+           endpoints: dict[str, str] | None = None) -> None:
     """Add ``step``'s outcome; forget steps not in ``keep`` (the root's committed steps)."""
     with _mu:
         doc = read(root)
@@ -42,7 +44,8 @@ def record(root: str, me: str, step: int, protected: bool, holders: dict[str, li
         steps[str(step)] = {"protected": protected, "holders": holders}
         os.makedirs(os.path.dirname(path(root)), exist_ok=True)
         tmp = path(root) + ".tmp"
-        write_file_durable(tmp, json.dumps({"node": me, "steps": steps}, sort_keys=True).encode())
+        body = {"node": me, "steps": steps, "endpoints": endpoints or doc.get("endpoints", {})}
+        write_file_durable(tmp, json.dumps(body, sort_keys=True).encode())
         os.rename(tmp, path(root))
 
 
@@ -69,3 +72,34 @@ def peer_rows(root: str, rows: list[dict[str, Any]]) -> None:
                                                                  for f in files),
                              "tensors": 0, "created_unix": 0, "state": f"held for node {src}: {', '.join(files)}",
                              "tier": f"peer copy of {src}"})
+
+
+def doctor_checks(root: str, timeout_s: float = 1.0) -> list[tuple[str, Any, str, str]]:
+    """``zerostall doctor ROOT``: the newest step's protection, and whether each peer's server
+    (as last recorded) answers with its node name -- ``(name, value, status, advice)`` rows.
+    Connects without the job's secret: the peers log the connection as refused."""
+    import socket
+
+    from .wire import recv_msg
+    doc = read(root)
+    if not doc:
+        return []
+    out: list[tuple[str, Any, str, str]] = []
+    steps = doc.get("steps", {})
+    if steps:
+        s = max(steps, key=int)
+        ok = bool(steps[s].get("protected"))
+        nodes = [doc.get("node", "?"), *steps[s].get("holders", {}).get(doc.get("node"), [])]
+        out.append(("peer_replicas", f"step {s}: held by {', '.join(nodes)}", "ok" if ok else "warn",
+                    "" if ok else "the newest step is not protected: a lost node loses it"))
+    for node, ep in sorted(doc.get("endpoints", {}).items()):
+        host, _, port = ep.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout_s) as c:
+                c.settimeout(timeout_s)
+                hello = recv_msg(c)
+            ok = hello.get("node") == node
+            out.append((f"peer {node}", ep, "ok" if ok else "warn", "" if ok else f"answered as {hello.get('node')!r}"))
+        except (OSError, ValueError, ZerostallError) as exc:
+            out.append((f"peer {node}", ep, "warn", f"not reachable ({exc}); fine when the job is not running"))
+    return out

@@ -145,7 +145,8 @@ class PeerStore:
             return None
         return (path, man) if _size(path) == fe.file_bytes else None
 
-    def receive(self, src: str, step: int, name: str, man_bytes: bytes, fill: Callable[[Any, StreamCheck], None]) -> str:
+    def receive(self, src: str, step: int, name: str, man_bytes: bytes,
+                fill: Callable[[Any, StreamCheck], None]) -> str:
         """Keep ``name`` of ``src``'s ``step``: ``fill(writer, check)`` streams the bytes into the
         open engine file (aligned, in order) through ``check``; returns the digest. Raises on any
         mismatch; nothing but a removed ``.incoming-*`` is left then."""
