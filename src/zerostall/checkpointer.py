@@ -38,7 +38,8 @@ from .errors import CheckpointExistsError, ConfigError, SaveFailed, ZerostallErr
 from .handle import SaveHandle
 from .inflight import InFlight, step_pre_hook, wait_staged
 from .restore import load as _load
-from .staging.arena import Arena, budget_bytes
+from .staging.arena import Arena
+from .staging.memory import budget_bytes
 from .staging.job import Job, SaveRequest, SaveStatus, Slot, Source
 from .staging.plan import PlanCache, check_metadata, check_step
 from .staging.ring import BlockRing

@@ -60,15 +60,15 @@ class Stages:
 
     def release(self, lease: Any) -> None:
         """Once the persist thread has stopped (and the replicator is closed): the crc
-        threads, the engine, the staging lease, the root lock."""
+        threads, the engine, the root lock, the staging lease."""
         try:
             if self.refs is not None:
                 self.refs.close()
             self.engine.close()
         finally:
+            self.tier.release()  # first: once the lease is gone, the root is free too
             if lease is not None:
                 lease.release()  # the pool lingers a moment for the next user, then unmaps
-            self.tier.release()
 
 
 def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any) -> Stages:
