@@ -25,10 +25,19 @@ def load_target(target: str) -> Any:
     return getattr(importlib.import_module(mod), attr)
 
 
+LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+"""Where launchers put a process's rank on its node (torchrun/Lightning/Accelerate, Slurm, Open MPI, MPICH)."""
+
+
 def node_leader() -> bool:
     """Whether this process should print node-wide warnings (RLIMIT_MEMLOCK, host settings):
-    LOCAL_RANK 0, or a process launched without LOCAL_RANK."""
-    return os.environ.get("LOCAL_RANK", "0").strip() in ("", "0")
+    local rank 0 (the first of :data:`LOCAL_RANK_VARS` that is set), or a process launched
+    without one."""
+    for var in LOCAL_RANK_VARS:
+        v = os.environ.get(var, "").strip()
+        if v:
+            return v == "0"
+    return True
 
 
 class Worker(Generic[T]):
