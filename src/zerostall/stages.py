@@ -36,7 +36,7 @@ log = logging.getLogger("zerostall")
 @dataclass(frozen=True)
 class Stages:
     tier: Any
-    """The root: a ``LocalTier`` (the only tier a Checkpointer writes directly)."""
+    """The root: the local directory tier (the only tier a Checkpointer writes directly)."""
     rank: int
     world_size: int
     node_local: bool

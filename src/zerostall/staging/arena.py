@@ -42,13 +42,12 @@ import os
 import resource
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 
 import torch
 
 from .._util import node_leader, run_in_fresh_thread
-from .memory import _libc, populate
+from .memory import _libc, _unforked, populate
 
 log = logging.getLogger("zerostall")
 
@@ -102,33 +101,6 @@ def _in_thread(fn) -> None:
     run_in_fresh_thread(fn, "zerostall-cuda-register")
 
 
-_unforked: "weakref.WeakSet[Arena]" = weakref.WeakSet()
-"""Live arenas made with ``dontfork=True`` (their address ranges are holes in a forked child)."""
-
-
-def _fill_holes_in_child() -> None:
-    """After fork, in the child: an anonymous placeholder where each ``dontfork`` arena was.
-
-    The child inherits the Python objects but not the mapping; without a placeholder the range
-    is free, a later mapping of the child may land there, and the stale ``mmap`` object would
-    unmap it when collected (or a stale view would read it). With one, stale views read zeros
-    (no RSS until touched) and the collection unmaps only the placeholder. CUDA registrations
-    are the parent's: forgotten (CUDA cannot be used in a forked child anyway)."""
-    prot = mmap.PROT_READ | mmap.PROT_WRITE
-    flags = (mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10  # MAP_FIXED
-             | getattr(mmap, "MAP_NORESERVE", 0))
-    for a in list(_unforked):
-        if a.closed:
-            continue
-        _libc.mmap(ctypes.c_void_p(a.address), a.nbytes, prot, flags, -1, 0)
-        a._cuda_chunks.clear()
-        a._cuda_starts.clear()
-        a.cuda_registered = False
-        a.locked = False
-        a.forked_copy = True
-
-
-os.register_at_fork(after_in_child=_fill_holes_in_child)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 ``budget_bytes`` (the Checkpointer's staging budget, ``doctor``), ``host_ram_bytes`` and
 ``local_world_size`` (any thread); ``populate`` (the arena's faulter thread, or the caller's
-for a small scratch arena): ctypes releases the GIL around the ``madvise``.
+for a small scratch arena): ctypes releases the GIL around the ``madvise``; the placeholders
+a forked child gets where the parent's ``dontfork`` arenas were (at fork, in the child).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import ctypes
 import logging
 import mmap
 import os
+import weakref
+from typing import Any
 
 log = logging.getLogger("zerostall")
 
@@ -54,3 +57,33 @@ def populate(address: int, nbytes: int) -> None:
         else:
             _populate_ok = False
     ctypes.memset(address, 0, nbytes)
+
+
+_unforked: "weakref.WeakSet[Any]" = weakref.WeakSet()
+"""Live arenas made with ``dontfork=True`` (their address ranges are holes in a forked child)."""
+
+
+def _fill_holes_in_child() -> None:
+    """After fork, in the child: an anonymous placeholder where each ``dontfork`` arena
+    (:class:`.arena.Arena`) was.
+
+    The child inherits the Python objects but not the mapping; without a placeholder the range
+    is free, a later mapping of the child may land there, and the stale ``mmap`` object would
+    unmap it when collected (or a stale view would read it). With one, stale views read zeros
+    (no RSS until touched) and the collection unmaps only the placeholder. CUDA registrations
+    are the parent's: forgotten (CUDA cannot be used in a forked child anyway)."""
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    flags = (mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10  # MAP_FIXED
+             | getattr(mmap, "MAP_NORESERVE", 0))
+    for a in list(_unforked):
+        if a.closed:
+            continue
+        _libc.mmap(ctypes.c_void_p(a.address), a.nbytes, prot, flags, -1, 0)
+        a._cuda_chunks.clear()
+        a._cuda_starts.clear()
+        a.cuda_registered = False
+        a.locked = False
+        a.forked_copy = True
+
+
+os.register_at_fork(after_in_child=_fill_holes_in_child)
