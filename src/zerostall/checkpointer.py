@@ -121,10 +121,6 @@ class Checkpointer:
     def ring(self) -> BlockRing | None:
         return self._lease.ring if self._lease is not None else None
 
-    @property
-    def has_remote(self) -> bool:
-        return self._replicator is not None
-
     def _ensure_pipeline(self, file_bytes: int) -> None:
         """Ask the staging pool for what this state wants; never waits for memory.
 
@@ -284,6 +280,12 @@ class Checkpointer:
     def inflight_steps(self) -> list[int]:
         """Steps being saved (queued, not finished), oldest first; empty when idle."""
         return self._book.steps()
+
+    def subscribe(self, subscriber: Any) -> None:
+        """Hand every step this Checkpointer commits to ``subscriber.on_committed(record)`` (a
+        :class:`~.staging.job.Committed`; persist thread, in commit order, after retention and
+        replication's hand-off; what it raises is recorded on the save, which stays durable)."""
+        self._persist.subscribe(subscriber)  # type: ignore[union-attr]
 
     def error_seen(self, status: SaveStatus) -> None:
         """A handle raised its save's error to the caller: not a background error any more."""
