@@ -6,6 +6,9 @@ checkpointer or the CLI.
 
 from .commit import StoreCommitter, commit_round
 from .ranks import RankInfo, discover
-from .session import Session, Store, join, namespace
+from .node import failure_domain, node_id
+from .session import Session, join, namespace
+from .store import Store, StoreTimeout
 
-__all__ = ["RankInfo", "Session", "Store", "StoreCommitter", "commit_round", "discover", "join", "namespace"]
+__all__ = ["RankInfo", "Session", "Store", "StoreCommitter", "StoreTimeout", "commit_round", "discover",
+           "failure_domain", "join", "namespace", "node_id"]

@@ -17,7 +17,6 @@ import collections
 import logging
 import mmap
 import os
-import socket
 import time
 from typing import Any, Callable
 
@@ -38,7 +37,9 @@ log = logging.getLogger("zerostall")
 
 
 def file_entry(job: SaveJob) -> FileEntry:
-    return FileEntry(job.file_name, job.rank, socket.gethostname(), job.plan.file_bytes, job.checkpoint_id)
+    """The manifest's entry of this rank's shard; ``host`` is the node (``ZEROSTALL_NODE``)."""
+    from ..distributed.node import node_id  # here: distributed/ sits above store/ and imports it
+    return FileEntry(job.file_name, job.rank, node_id(), job.plan.file_bytes, job.checkpoint_id)
 
 
 def tensor_entries(job: SaveJob) -> list[tuple[int, TensorEntry]]:
