@@ -29,9 +29,10 @@ from typing import Any
 import torch
 
 from .config import CheckpointConfig
-from .distributed.commit import StoreCommitter
+from .distributed.committer import StoreCommitter
 from .distributed.ranks import discover
-from .distributed.session import Store, join, namespace
+from .distributed.session import Session, join, namespace
+from .distributed.store import Store
 from .errors import CheckpointExistsError, ConfigError, SaveFailed, ZerostallError
 from .handle import SaveHandle, record_of
 from .io.base import Engine, engine_name_for, get_engine
@@ -93,19 +94,32 @@ class Checkpointer:
         self.tier = LocalTier(os.fspath(path), create=True, lock_timeout_s=cfg.lock_timeout_s)
         self.tier.check_writable()
         self._committer: StoreCommitter | None = None
+        self._plan_rank, self._plan_world = self.rank, self.world_size
+        self.session: Session | None = None
+        """The start-up round's outcome under torch.distributed (node, copies of the root)."""
         if self.world_size > 1:
             if info.store is None:
                 raise ConfigError(f"world size {self.world_size} but no c10d store: initialise torch.distributed "
                                   "first (init_process_group), pass store=, or use dist_mode='local' to save alone")
-            # rank 0 (shared root) or each host's leader (node-local roots) owns the root
-            session = join(Store(info.store), namespace(self.tier.root, cfg.dist_name), self.rank,
-                           self.world_size, self.tier, cfg.join_timeout_s)
-            self._committer = StoreCommitter(self.tier, Store(info.store), session,
-                                             per_rank=cfg.dist_mode == "per_rank", timeout_s=cfg.commit_timeout_s)
+            store = Store(info.store)  # zerostall's own connection (distributed/store.py)
+            try:
+                # rank 0 (shared root) or each copy's leader (node-local roots) owns the root
+                session = join(store, namespace(self.tier.root, cfg.dist_name), self.rank, self.world_size,
+                               self.tier, cfg.join_timeout_s)
+            except BaseException:
+                store.close()
+                raise
+            self.session = session
+            self._committer = StoreCommitter(self.tier, store, session, per_rank=cfg.dist_mode == "per_rank",
+                                             timeout_s=cfg.commit_timeout_s)
             self.node_local = session.node_local
+            self._leads = session.is_leader
+            if cfg.dist_mode == "replicated":  # each copy of the root holds the whole state
+                self._plan_rank, self._plan_world = session.members.index(self.rank), len(session.members)
         else:  # the one writer of this root (RootLockedError if another holds it); cleans leftovers
             self.tier.own()
             self.node_local = False
+            self._leads = True
         self._refs: RefTracker | None = None
         mode = mode_of(cfg.incremental)
         if mode is not None:  # each rank references only its own earlier files
@@ -129,12 +143,12 @@ class Checkpointer:
             # started now: its first pass uploads what an earlier run left unreplicated
             self._replicator = Replicator(self.tier, lambda: remote, policy,
                                           rank=self.rank, world_size=self.world_size,
-                                          local_retention=self.rank == 0 or self.node_local,
+                                          local_retention=self._leads,
                                           retry_max_s=cfg.remote_retry_max_s,
                                           protect=self._refs.protected if self._refs is not None else None)
         self._recent_commits: list[int] = []
         if cfg.keep_last is not None and self._replicator is None and self.tier.owned \
-                and (self.rank == 0 or self.node_local):
+                and self._leads:
             # the owner applies keep_last now: a kill between a commit and its retention left one too many
             self._recent_commits = retain_at_start(self.tier, cfg.keep_last,
                                                    self._refs.protected() if self._refs is not None else set())
@@ -193,7 +207,7 @@ class Checkpointer:
         start_sampling_thread()  # before the pool faults (see telemetry.host.start_sampling_thread)
         self._lease = _pool.lease(want, budget, st.block_bytes, mlock=st.mlock, hugepages=st.hugepages)
         self._persist = Persister(self.tier, self.engine, self._lease.arena, self._lease.ring,
-                                  keep_last=(self.config.keep_last if (self.rank == 0 or self.node_local)
+                                  keep_last=(self.config.keep_last if self._leads
                                              and self._replicator is None else None),
                                   on_done=_weak_call(self, "_on_done"), committer=self._committer, refs=self._refs,
                                   recent=self._recent_commits)
@@ -216,7 +230,7 @@ class Checkpointer:
             self._lease.arena.wait_ready(self._lease.pool.target)
 
     def _plan(self, state_dict: Any) -> Any:
-        return self._plans.plan(state_dict, rank=self.rank, world_size=self.world_size,
+        return self._plans.plan(state_dict, rank=self._plan_rank, world_size=self._plan_world,
                                 replicated=self.config.dist_mode == "replicated")
 
     # -- caller's thread ----------------------------------------------------------------
@@ -492,6 +506,10 @@ class Checkpointer:
             pass
         if self._persist is not None:  # the snapshot thread is the pool's
             ok = self._persist.stop(left()) and ok
+        if self._committer is not None and ok:  # rank 0 may host the store: let every rank read its commits
+            late = self._committer.drain()
+            if late:
+                log.warning("zerostall: rank 0 closes before every rank acknowledged steps %s", late)
         if self._replicator is not None:  # bounded: the rest is uploaded by the next run
             budget = self.config.close_timeout_s
             if deadline is not None:
@@ -504,6 +522,8 @@ class Checkpointer:
             if self._refs is not None:
                 self._refs.close()
             self.engine.close()
+            if self._committer is not None:
+                self._committer.close()
             if self._lease is not None:
                 self._lease.release()  # the pool lingers a moment for the next user, then unmaps
             self.tier.release()
