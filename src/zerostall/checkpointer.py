@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .config import CheckpointConfig
+from .distributed.agree import collective_base, collective_load
 from .distributed.committer import StoreCommitter
 from .distributed.ranks import discover
 from .distributed.session import Session, join, namespace
@@ -437,12 +438,24 @@ class Checkpointer:
         """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load`
         (``keys``, ``strict`` and ``report`` as there).
 
+        Under torch.distributed this is collective: every rank calls it, and every rank loads
+        the newest step that all of them can load (:mod:`zerostall.distributed.agree`;
+        ``report.why`` says which and why).
+
         Reads through the process's staging pool when no save uses it;
         saves started meanwhile from other threads wait until the load is done.
         """
         self.wait()
         borrow = self._lease.pool.borrow_idle() if self._lease is not None else contextlib.nullcontext()
         with self._save_lock, borrow as bounce:
+            if self._committer is not None and self.session is not None:  # every rank: one agreed step
+                cfg, session = self.config, self.session
+                return load_into(state_dict, lambda sd: collective_load(
+                    self._committer.store, collective_base(session.prefix), self.rank, self.world_size,
+                    self.tier.root, sd, step=step, remote=cfg.remote, io=cfg.io, report=report,
+                    timeout_s=max(cfg.join_timeout_s, cfg.commit_timeout_s), map_location=map_location,
+                    verify=cfg.verify_on_load, fallback=cfg.fallback, engine=self.engine, bounce=bounce,
+                    keys=keys, strict=strict))
             return load_into(state_dict, lambda sd: _load(
                 self.tier.root, sd, step, map_location, verify=self.config.verify_on_load,
                 fallback=self.config.fallback, engine=self.engine, bounce=bounce, rank=self.rank,

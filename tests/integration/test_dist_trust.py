@@ -50,7 +50,7 @@ def run(tmp_path, world, *, shared=False, agent=True, signals=(), proc_timeout=2
     applied when that rank pauses at its fault point for that step. Returns per-rank
     (returncode, result, stderr) and the roots."""
     out = tmp_path / "out"
-    out.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     if roots is None:
         roots = [str(tmp_path / "shared")] * world if shared else [str(tmp_path / f"node{r}") for r in range(world)]
     port = free_port()
@@ -270,3 +270,31 @@ def test_replicated_shapes_compared(tmp_path):
         assert doc["1"]["state"] == "failed" and "rank 1's state differs" in doc["1"]["error"], doc
         assert "shapes" in doc["1"]["error"]
     assert LocalTier(roots[0]).steps() == []
+
+
+# -- one step for all ranks ------------------------------------------------------------------------
+def test_ranks_agree_on_the_newest_step_all_can_load(tmp_path):
+    """Three nodes, per-rank shards; rank 1's newest shard is damaged: every rank loads step 2
+    (Checkpointer.load and zerostall.load), and says why. Then rank 0's step 1 and rank 2's
+    step 2 are damaged too: every rank raises the same CheckpointNotFound naming ranks and files."""
+    from tests.helpers import flip_byte
+    from zerostall.format.layout import HEADER_BYTES
+    res, roots = run(tmp_path / "save", 3, scenario="steps", steps=[1, 2, 3])
+    for rc, doc, err in res:
+        assert rc == 0, err
+    flip_byte(os.path.join(roots[1], "step-3", "rank-00001.shard"), HEADER_BYTES + 8)
+    res, _ = run(tmp_path / "load", 3, roots=roots, scenario="load", damage_after=[[0, 1], [2, 2]])
+    seconds = set()
+    for rc, doc, err in res:
+        assert rc == 0, err
+        assert doc["loaded"] == 2 and doc["lib_loaded"] == 2, doc
+        assert doc["x0"] == 20.0 + doc["rank"]
+        assert "step 3 failed on rank 1" in doc["why"] and "rank-00001.shard" in doc["why"], doc["why"]
+        assert doc["second_type"] == "CheckpointNotFound", doc
+        seconds.add(doc["second"])
+    assert len(seconds) == 1, seconds  # the same error on every rank
+    msg = seconds.pop()
+    assert "no step that every rank can load" in msg
+    for part in ("step 3 failed on rank 1", "step 2 failed on rank 2", "rank-00002.shard",
+                 "step 1 failed on rank 0", "rank-00000.shard"):
+        assert part in msg, (part, msg)

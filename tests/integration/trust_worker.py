@@ -119,15 +119,25 @@ def main():
             res["1"] = outcome(h)
         write(os.path.join(out, f"r{rank}.json"), res)
         os._exit(0)  # rank 0: no barrier, no teardown -- the store goes with this process
-    elif scenario == "load":  # every rank loads; report what it got
-        rep = zerostall.LoadReport() if hasattr(zerostall, "LoadReport") else None
+    elif scenario == "load":  # every rank loads (Checkpointer, then the library); then damage, load again
+        from helpers import flip_byte
+        from zerostall.format.layout import HEADER_BYTES
+        rep = zerostall.LoadReport()
+        got = ck.load(report=rep)
+        res["loaded"], res["why"], res["x0"] = int(got["step"]), rep.why, float(got["x"][0])
+        rep2 = zerostall.LoadReport()
+        got2 = zerostall.load(root, report=rep2)  # auto: a per-rank checkpoint of this group
+        res["lib_loaded"], res["lib_why"] = int(got2["step"]), rep2.why
+        dist.barrier()
+        for r, step in args.get("damage_after", []):
+            if r == rank:
+                flip_byte(os.path.join(root, f"step-{step}", f"rank-{rank:05d}.shard"), HEADER_BYTES + 8)
+        dist.barrier()
         try:
-            got = ck.load(report=rep)
-            res["loaded"] = int(got["step"])
-            res["x0"] = float(got["x"][0])
-            res["report"] = {"step": rep.step, "why": getattr(rep, "agreed", None)}
+            ck.load()
+            res["second"] = None
         except zerostall.errors.ZerostallError as exc:
-            res["load_error"], res["load_type"] = str(exc), type(exc).__name__
+            res["second"], res["second_type"] = str(exc), type(exc).__name__
     res["steps"] = ck.steps()
     closed = ck.close(timeout=120)
     res["closed"] = closed

@@ -27,13 +27,13 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..config import IOConfig
-from ..errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, StateMismatchError,
-                     StorageError, ZerostallError, storage_error)
+from ..errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, DistributedError, RemoteError,
+                     StateMismatchError, StorageError, ZerostallError, storage_error)
 from ..format.dtypes import dtype_from_name
 from ..format.layout import ShardHeader
 from ..format.manifest import Manifest, TensorEntry
@@ -202,10 +202,12 @@ def _empty(e: TensorEntry, where: str) -> torch.Tensor:
 def load_step(tier: LocalTier, step: int, engine: Engine, bounce: Arena, state_dict: Any = None,
               map_location: Any = None, verify: bool = True, rank: int = 0, world_size: int = 1, *,
               keys: list[str] | None = None, strict: bool = False,
-              report: LoadReport | None = None) -> Any:
+              report: LoadReport | None = None, gate: Callable[[], None] | None = None) -> Any:
     """Load one step, transactionally: nothing in ``state_dict`` changes unless the whole step
     (every byte this load needs) verified. Raises CorruptCheckpoint/StorageError for the
-    checkpoint's defects and StateMismatchError for the caller's."""
+    checkpoint's defects and StateMismatchError for the caller's. ``gate`` (the ranks'
+    agreement, :mod:`zerostall.distributed.agree`) runs once every byte verified and before
+    anything reaches ``state_dict`` or is returned; what it raises propagates."""
     man = tier.read_manifest(step)
     where = tier.step_dir(step)
     tree = man.tree_for(rank, world_size)
@@ -255,8 +257,12 @@ def load_step(tier: LocalTier, step: int, engine: Engine, bounce: Arena, state_d
         if two_pass:
             read_checkpoint(tier, man, engine, bounce, _targets(man, needed, None, sparse), verify=True,
                             only=only, files_checked=True, sparse=sparse)
+            if gate is not None:  # the second pass writes into the caller's tensors
+                gate()
         read_checkpoint(tier, man, engine, bounce, _targets(man, needed, tensors, sparse),
                         verify=verify, only=only, files_checked=True, sparse=sparse)
+    if gate is not None and not two_pass:
+        gate()
     for i, j in canon.items():
         tensors[i] = tensors[j]
     if state_dict is None:
@@ -406,7 +412,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
          verify: bool = True, fallback: bool = True, engine: Engine | None = None,
          bounce: Arena | None = None, io: IOConfig | None = None, rank: int = 0, world_size: int = 1,
          remote: Any = None, keys: list[str] | None = None, strict: bool = False,
-         report: LoadReport | None = None) -> Any:
+         report: LoadReport | None = None, gate: Callable[[], None] | None = None) -> Any:
     """Load the newest verified checkpoint (or ``step``) under ``path``; see the module doc.
 
     With ``remote`` (a URL or tier), steps only the remote holds are downloaded into ``path``
@@ -462,9 +468,9 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
                 if src == "remote":
                     fetched = _fetch(tier, remote, s, seen_local.get(s))[1]
                 out = load_step(tier, s, engine, bounce, state_dict, map_location, verify, rank, world_size,
-                                keys=keys, strict=strict, report=report)
-            except (StateMismatchError, ConfigError):
-                raise  # the caller's state or arguments, not the checkpoint: an older step would not help
+                                keys=keys, strict=strict, report=report, gate=gate)
+            except (StateMismatchError, ConfigError, DistributedError):
+                raise  # the caller's state or arguments, or the ranks' agreement (gate): not this copy's defect
             except Exception as exc:  # noqa: BLE001 - every defect of a checkpoint means: try the previous one
                 why = (changed_under(tier, s, ident) if src == "local"  # shared with verify
                        else remote_changed_under(remote, s, ident))
