@@ -298,3 +298,22 @@ def test_ranks_agree_on_the_newest_step_all_can_load(tmp_path):
     for part in ("step 3 failed on rank 1", "step 2 failed on rank 2", "rank-00002.shard",
                  "step 1 failed on rank 0", "rank-00000.shard"):
         assert part in msg, (part, msg)
+
+
+def test_per_rank_restore_from_remote_fetches_only_its_files(tmp_path):
+    """A fresh node restoring rank 1 of a per-rank checkpoint from the remote downloads only
+    rank 1's shard and the manifest; rank 0 restoring into the same root then adds its own."""
+    remote = tmp_path / "remote"
+    res, roots = run(tmp_path / "save", 2, scenario="steps", steps=[1], ck={"remote": f"file://{remote}"})
+    for rc, doc, err in res:
+        assert rc == 0, err
+    assert sorted(os.listdir(remote / "step-1")) == ["manifest.json", "rank-00000.shard", "rank-00001.shard"]
+    fresh = str(tmp_path / "fresh")
+    got = zerostall.load(fresh, remote=f"file://{remote}", rank=1, world_size=2)
+    assert got["x"][0].item() == 11.0
+    assert sorted(os.listdir(os.path.join(fresh, "step-1"))) == ["manifest.json", "rank-00001.shard"]
+    got = zerostall.load(fresh, remote=f"file://{remote}", rank=0, world_size=2)
+    assert got["x"][0].item() == 10.0
+    assert sorted(os.listdir(os.path.join(fresh, "step-1"))) == ["manifest.json", "rank-00000.shard",
+                                                                  "rank-00001.shard"]
+    assert zerostall.load(fresh, rank=1, world_size=2)["x"][0].item() == 11.0  # still whole for rank 1
