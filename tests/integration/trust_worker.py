@@ -77,6 +77,10 @@ def main():
     if args.get("dist_name"):
         kw["dist_name"] = args["dist_name"]
     scenario = args["scenario"]
+    if args.get("block_training_store") == rank:  # a training thread inside a blocking store wait
+        blocker = dist.distributed_c10d._get_default_store()
+        threading.Thread(target=lambda: blocker.wait(["zs-never-set"]), daemon=True).start()
+        time.sleep(0.2)
     try:
         ck = zerostall.Checkpointer(root, **kw, **args.get("ck", {}))
     except zerostall.errors.ZerostallError as exc:
@@ -87,10 +91,6 @@ def main():
     res["node_local"], res["groups"] = ck.session.node_local, list(ck.session.groups)
     if scenario == "steps":  # save args["steps"]; a barrier between steps unless a rank may die
         for step in args["steps"]:
-            if args.get("block_training_store") == rank and step == args["steps"][0]:
-                blocker = dist.distributed_c10d._get_default_store()
-                threading.Thread(target=lambda: blocker.wait(["zs-never-set"]), daemon=True).start()
-                time.sleep(0.2)  # the training's client is now inside a blocking wait
             h = ck.save(step, state_for(rank, step, args))
             oc = outcome(h)
             write(os.path.join(out, f"s{step}-r{rank}.json"), oc)
