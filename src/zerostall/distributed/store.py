@@ -107,17 +107,26 @@ class Store:
 
     def _call(self, what: str, fn: Callable[[Any], Any], timeout: float | None = None) -> Any:
         t = self.call_timeout_s if timeout is None else timeout
-        with self._mu:
+        # bounded, never a plain `with`: close() may run this from a signal handler that
+        # interrupted this same thread inside the block
+        if not self._mu.acquire(timeout=max(t, 0.001)):
+            raise StoreTimeout(f"the c10d connection stayed busy for {t:.3g} s ({what})")
+        try:
             raw = self.raw
             if raw is None:  # the last connection timed out: a new one
                 raw = self.raw = self._clone(self.origin)
             caller = self._caller
+        finally:
+            self._mu.release()
         got = caller.call(lambda: fn(raw), t)
         if got is None:
-            with self._mu:
-                if self.raw is raw and self.own_client:
-                    self.raw = None
-                    self._abandon()
+            if self._mu.acquire(timeout=1.0):
+                try:
+                    if self.raw is raw and self.own_client:
+                        self.raw = None
+                        self._abandon()
+                finally:
+                    self._mu.release()
             raise StoreTimeout(f"the c10d store did not answer {what} within {t:.3g} s (is the process "
                                "hosting it, rank 0 or the launcher's agent, stopped or overloaded?)")
         ok, val = got
