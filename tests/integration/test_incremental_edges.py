@@ -56,3 +56,55 @@ def test_identity_survives_a_restart(ckdir):
         got = zerostall.load(ckdir, step=step)
         assert torch.equal(got["a.b"], t1) and torch.equal(got["a"]["b"], t2)
         assert torch.equal(got[0], t2) and torch.equal(got["0"], t1)
+
+
+def _frozen_state(seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return {"frozen": torch.randn(64 << 10, generator=g), "head": torch.randn(256, generator=g)}
+
+
+def _damage(ckdir, how):
+    step0 = os.path.join(ckdir, "step-0")
+    shard = next(os.path.join(step0, n) for n in os.listdir(step0) if n.endswith(".shard"))
+    if how == "deleted":
+        shutil.rmtree(step0)
+    elif how == "manifest_removed":
+        os.unlink(os.path.join(step0, "manifest.json"))
+    elif how == "truncated":
+        os.truncate(shard, os.path.getsize(shard) - 4096)
+    elif how == "shard_removed":
+        os.unlink(shard)
+    elif how == "symlinked":
+        os.rename(shard, shard + ".moved")
+        os.symlink(shard + ".moved", shard)
+    elif how == "header_replaced":  # another file of the same size in its place
+        with open(shard, "r+b") as f:
+            f.write(b"\0" * 4096)
+
+
+@pytest.mark.parametrize("mode", ["version", True])
+@pytest.mark.parametrize("how", ["deleted", "manifest_removed", "truncated", "shard_removed", "symlinked",
+                                 "header_replaced"])
+def test_a_lost_base_never_stops_saving(ckdir, mode, how, caplog):
+    """Step 0 (the base steps 1.. borrow from) is lost or damaged: the next saves write the
+    bytes themselves, commit and load exactly; one warning names the base step."""
+    state = _frozen_state()
+    with zerostall.Checkpointer(ckdir, incremental=mode, full_every=None, keep_last=None) as ck:
+        ck.save(0, state).result()
+        state["head"].add_(1)
+        assert ck.save(1, state).result().bytes_referenced > 0
+        _damage(ckdir, how)
+        with caplog.at_level(logging.WARNING, logger="zerostall"):
+            for step in (2, 3, 4):
+                state["head"].add_(1)
+                r = ck.save(step, state).result()
+                want = {k: v.clone() for k, v in state.items()}
+                got = zerostall.load(ckdir, step=step)
+                assert all(torch.equal(got[k], want[k]) for k in want), step
+                if step == 2:
+                    assert r.bytes_referenced == 0
+                else:  # the new base is step 2: referenced again
+                    assert {s.step for s in LocalTier(ckdir).read_manifest(step).ref_files} == {2}
+    lost = [r.getMessage() for r in caplog.records if "base step 0" in r.getMessage()]
+    assert len(lost) == 1, lost
+    assert "gone or damaged" in lost[0]

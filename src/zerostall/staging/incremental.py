@@ -67,8 +67,8 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ConfigError, StorageError
-from ..format.layout import HEADER_BYTES, align_up
-from ..format.manifest import FileEntry, Manifest, TensorEntry
+from ..format.layout import HEADER_BYTES, ShardHeader, align_up
+from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest, TensorEntry
 from ..format.refs import RefFile
 from ..format.tree import tensor_paths
 from .job import SaveJob
@@ -173,6 +173,7 @@ class RefTracker:
         self._seed_root: str | None = None
         self._seeded = False  # the base came from disk, not from a save of this process
         self._peer: set[int] = set()  # other ranks' protected steps (multi-rank; set_peer_protected)
+        self._lost_warned: set[int] = set()  # base steps found gone or damaged (warned once each)
         self._dh_warned = False
 
     # -- start-up (caller's thread) --------------------------------------------------------
@@ -244,6 +245,12 @@ class RefTracker:
                     (self.full_every is not None and self._since_full + 1 >= self.full_every))
             self._force_full = False
             self._since_full = 0 if full else self._since_full + 1
+        if not full:
+            known = self._usable(known, job.step)
+            if not known:  # the whole base is lost: a full save
+                full = True
+                with self._lock:
+                    self._since_full = 0
         ij.full = full
         if self.mode == "crc" and any(_on_device(t) for t in job.leaves or ()):  # full saves too: the next compares
             self._device_hashes(job.plan.items, list(job.leaves or ()), cuda_run, ij)
@@ -289,6 +296,31 @@ class RefTracker:
                             plan.n_tensors, plan.tree_json)
         job.leaves = keep_leaves
         ij.layout = job.plan
+
+    def _usable(self, known: dict[str, Known], step: int) -> dict[str, Known]:
+        """``known`` less what lives in a base file that is gone or no longer the file it was
+        (step deleted by hand or by another tool, manifest removed, file truncated, replaced,
+        swapped for a symlink): those tensors are written by this save instead of referenced,
+        and each lost base step is reported once (snapshot thread; per referenced file an
+        ``lstat`` and a read of its 4 KiB header). Without this, every save until the next
+        full one failed at its commit and training went on with no new checkpoint."""
+        if self._seed_root is None:
+            return known
+        files = {(k.ref.step, k.ref.name): k.ref for k in known.values()}
+        lost = {}
+        for where, ref in files.items():
+            why = _base_file_problem(self._seed_root, ref)
+            if why is not None:
+                lost[where] = why
+        if not lost:
+            return known
+        for (s, name), why in sorted(lost.items()):
+            if s not in self._lost_warned:
+                self._lost_warned.add(s)
+                n = sum(1 for k in known.values() if (k.ref.step, k.ref.name) == (s, name))
+                log.warning("zerostall: incremental: base step %d is gone or damaged (%s: %s); step %d writes "
+                            "the %d tensor(s) it would have referenced there", s, name, why, step, n)
+        return {p: k for p, k in known.items() if (k.ref.step, k.ref.name) not in lost}
 
     def _speculate(self, plan: SavePlan, leaves: list[torch.Tensor], known: dict[str, Known],
                    verdict: list[bool | None], ij: IncrementalJob) -> bool:
@@ -519,6 +551,32 @@ class RefTracker:
         counts from its manifest."""
         with self._lock:
             self._peer = set(steps)
+
+
+def _base_file_problem(root: str, ref: RefFile) -> str | None:
+    """Why ``ref`` can no longer be referenced (its step's manifest or the file itself is
+    gone, the file is not a regular file of the recorded size, or its header is another's),
+    or None if it is still the file that was written."""
+    step_dir = os.path.join(root, f"step-{ref.step}")
+    try:
+        if not stat.S_ISREG(os.lstat(os.path.join(step_dir, MANIFEST_NAME)).st_mode):
+            return "its manifest is not a regular file"
+        path = os.path.join(step_dir, ref.name)
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            return "not a regular file"
+        if st.st_size != ref.file_bytes:
+            return f"{st.st_size} bytes, {ref.file_bytes} recorded"
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            head = os.pread(fd, HEADER_BYTES, 0)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if head != ShardHeader(ref.file_id, ref.step, ref.rank, ref.file_bytes).encode():
+        return "its header is not the one written (replaced or damaged)"
+    return None
 
 
 def merged_entries(job: SaveJob, written: list[tuple[int, TensorEntry]]) -> tuple[list[tuple[int, TensorEntry]],
