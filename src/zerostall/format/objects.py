@@ -10,12 +10,16 @@ calls anything that is not on an allow-list:
 
 - the standard kinds below, rebuilt by code in this module: ``argparse.Namespace``,
   ``pathlib`` paths, ``datetime``/``date``/``time``/``timedelta``, ``set``/``frozenset``,
-  ``bytes``/``bytearray``, ``complex``, ``uuid.UUID``, ``torch.dtype``/``torch.device``,
+  ``bytes``/``bytearray``, ``complex``, ``uuid.UUID``, ``torch.dtype``/``torch.device``/
+  ``torch.Size``, ``collections.defaultdict`` (its ``default_factory`` a builtin type or
+  None) and ``Counter``, numpy ``datetime64``/``timedelta64`` scalars (unit and NaT kept),
   OmegaConf ``DictConfig``/``ListConfig`` (rebuilt with ``OmegaConf.create`` when omegaconf is
-  installed);
-- the types the program registered with :func:`register_type` (dataclasses, enums, any
-  class): those, and only those, are constructed (a registered dataclass through its
-  ``__init__``).
+  installed). Each is matched by its exact type: a subclass is not one of them (it would load
+  back as the base type) and is stored only if registered;
+- the types the program registered with :func:`register_type` (dataclasses, enums,
+  namedtuples, any class, ``__slots__`` ones included): those, and only those, are
+  constructed (a registered dataclass through its ``__init__``, a namedtuple through
+  ``cls(*fields)``).
 
 Anything else (a dataclass, Enum member or class reference whose type is not registered, or
 a kind this version does not know) comes back as :class:`TaggedData` (the type name and the
@@ -31,11 +35,13 @@ from __future__ import annotations
 
 import argparse
 import base64
+import collections
 import dataclasses
 import datetime as _dt
 import enum
 import logging
 import pathlib
+import re
 import threading
 import uuid
 from dataclasses import dataclass
@@ -91,10 +97,14 @@ def register_type(cls: type, *, name: str | None = None, encode: Callable[[Any],
     - a dataclass is stored as its fields and rebuilt with ``cls(**init_fields)`` (fields
       the class no longer has are dropped with a warning; missing ones take their defaults);
     - an Enum is stored as its member name and rebuilt with ``cls[name]``;
+    - a namedtuple is stored as its fields and rebuilt with ``cls(*fields)``;
     - a class (the class object itself, e.g. an optimizer class in hyper-parameters) is
       stored by name and returned as the class;
     - any other class needs ``encode(obj) -> plain tree`` and ``decode(tree) -> obj``, or is
-      stored as ``vars(obj)`` and rebuilt with ``cls.__new__(cls)`` + ``__dict__.update``.
+      stored as its attributes (``vars(obj)`` and the ``__slots__`` that are set) and rebuilt
+      with ``cls.__new__(cls)`` and those attributes set back. A class whose instances have
+      neither a ``__dict__`` nor ``__slots__`` (a C type) is refused here unless it is given
+      ``encode``/``decode``.
 
     ``name`` (default ``module.QualName``) is what the checkpoint records; keep it stable if
     the class moves. Registration is per process: do it before ``load``.
@@ -102,6 +112,11 @@ def register_type(cls: type, *, name: str | None = None, encode: Callable[[Any],
     if not isinstance(cls, type):
         raise ConfigError(f"register_type expects a class, got {cls!r}")
     reg = _Registered(cls, name or _qualname(cls), encode, decode)
+    if (encode is None or decode is None) and not (issubclass(cls, enum.Enum) or dataclasses.is_dataclass(cls)
+                                                   or _is_namedtuple(cls)):
+        if not getattr(cls, "__dictoffset__", 0) and not _slot_names(cls):
+            raise ConfigError(f"register_type({cls.__qualname__}): its instances have neither a __dict__ nor "
+                              "__slots__ to store; pass encode= and decode= (obj -> plain tree -> obj)")
     if reg.name in _STANDARD or reg.name in ("class", "enum"):
         raise ConfigError(f"type name {reg.name!r} is reserved; pass another name=")
     with _lock:
@@ -215,6 +230,82 @@ _STANDARD: dict[str, Callable[[Any], Any]] = {
 }
 
 
+_DT64_RE = re.compile(r"^[<>=|]?[Mm]8(\[\d{0,9}(Y|M|W|D|h|m|s|ms|us|ns|ps|fs|as)\])?$")
+
+
+def _np_time(kind: str, p: Any) -> Any:
+    import numpy as np
+    s, v = _items(p, 2)
+    if not isinstance(s, str) or not _DT64_RE.match(s) or type(v) is not int or not -(1 << 63) <= v < (1 << 63):
+        raise ValueError(f"expected [dtype, int64], got {p!r:.80}")
+    dtype = np.dtype(s)
+    if dtype.kind != kind:
+        raise ValueError(f"dtype {s!r} is not a {'datetime64' if kind == 'M' else 'timedelta64'}")
+    return np.array(v, dtype=np.int64).view(dtype)[()]
+
+
+_FACTORIES: dict[str, Any] = {f"builtins.{f.__name__}": f for f in (int, float, str, bool, list, dict, set, frozenset,
+                                                                     tuple, bytes, bytearray, complex)}
+
+
+def _defaultdict(p: Any) -> collections.defaultdict:
+    name, items = _items(p, 2)
+    if name is not None and name not in _FACTORIES:
+        raise ValueError(f"default_factory {name!r:.80} is not one of {sorted(_FACTORIES)}")
+    if not isinstance(items, dict):
+        raise ValueError("defaultdict items are not a dict")
+    return collections.defaultdict(None if name is None else _FACTORIES[name], items)
+
+
+def _counter(p: Any) -> collections.Counter:
+    if not isinstance(p, dict):
+        raise ValueError("Counter items are not a dict")
+    return collections.Counter(p)
+
+
+def _torch_size(p: Any) -> torch.Size:
+    if not isinstance(p, list) or not all(type(d) is int and d >= 0 for d in p):
+        raise ValueError(f"expected a list of sizes, got {p!r:.80}")
+    return torch.Size(p)
+
+
+_STANDARD.update({
+    "torch.Size": _torch_size,
+    "collections.defaultdict": _defaultdict,
+    "collections.Counter": _counter,
+    "numpy.datetime64": lambda p: _np_time("M", p),
+    "numpy.timedelta64": lambda p: _np_time("m", p),
+})
+
+STANDARD_TYPES: tuple[type, ...] = (argparse.Namespace, pathlib.PurePath, _dt.datetime, _dt.date, _dt.time,
+                                    _dt.timedelta, _dt.timezone, uuid.UUID, torch.Size,
+                                    collections.defaultdict, collections.Counter)
+"""Standard kinds a subclass may come from (named in the refusal of an unregistered subclass)."""
+
+
+def _is_namedtuple(cls: type) -> bool:
+    return issubclass(cls, tuple) and isinstance(getattr(cls, "_fields", None), tuple)
+
+
+def _slot_names(cls: type) -> list[str]:
+    out: list[str] = []
+    for c in cls.__mro__:
+        slots = c.__dict__.get("__slots__", ())
+        for n in ((slots,) if isinstance(slots, str) else slots):
+            if n not in ("__dict__", "__weakref__") and n not in out:
+                out.append(n)
+    return out
+
+
+def _attributes(x: Any) -> dict[str, Any]:
+    """A registered plain class's stored form: its ``__dict__`` and the ``__slots__`` that are set."""
+    out = dict(vars(x)) if hasattr(x, "__dict__") else {}
+    for n in _slot_names(type(x)):
+        if n not in out and hasattr(x, n):
+            out[n] = getattr(x, n)
+    return out
+
+
 def _fields(d: Any) -> dict[str, Any]:
     if not isinstance(d, dict) or not all(isinstance(k, str) for k in d):
         raise ValueError("fields payload is not a dict with str keys")
@@ -244,7 +335,9 @@ def encode_object(x: Any, enc: Enc) -> Any | None:
             return {"o": [reg.name, enc({"name": x.name, "value": x.value})]}
         if dataclasses.is_dataclass(x):
             return {"o": [reg.name, enc(_dc_fields(x))]}
-        return {"o": [reg.name, enc(dict(vars(x)))]}
+        if _is_namedtuple(t):
+            return {"o": [reg.name, enc(dict(zip(t._fields, x)))]}
+        return {"o": [reg.name, enc(_attributes(x))]}
     if isinstance(x, TaggedData):
         return {"o": [x.type, enc(x.data)]}
     if isinstance(x, type):
@@ -252,43 +345,53 @@ def encode_object(x: Any, enc: Enc) -> Any | None:
         return {"o": ["class", {"v": reg.name if reg is not None else _qualname(x)}]}
     if isinstance(x, enum.Enum):
         return {"o": [_qualname(t), enc({"name": x.name, "value": x.value})]}
-    if isinstance(x, argparse.Namespace):
+    # the standard kinds, by exact type: a subclass would load back as its base (see the module doc)
+    if t is argparse.Namespace:
         return {"o": ["argparse.Namespace", enc(dict(vars(x)))]}
-    if isinstance(x, pathlib.PurePath):
-        return {"o": [f"pathlib.{t.__name__}" if t.__name__ in _PATHS else "pathlib.PurePath", enc(str(x))]}
-    if isinstance(x, (set, frozenset)):
+    if _PATHS.get(t.__name__) is t:
+        return {"o": [f"pathlib.{t.__name__}", enc(str(x))]}
+    if t is set or t is frozenset:
         items = list(x)
         try:
             items.sort()  # a stable order when the items allow one
         except TypeError:
             pass
-        return {"o": ["frozenset" if isinstance(x, frozenset) else "set", enc(items)]}
-    if isinstance(x, (bytes, bytearray)):
-        return {"o": ["bytearray" if isinstance(x, bytearray) else "bytes", enc(_b64(bytes(x)))]}
-    if isinstance(x, complex):
+        return {"o": [t.__name__, enc(items)]}
+    if t is bytes or t is bytearray:
+        return {"o": [t.__name__, enc(_b64(bytes(x)))]}
+    if t is complex:
         return {"o": ["complex", enc([x.real, x.imag])]}
-    if isinstance(x, _dt.datetime):
-        return {"o": ["datetime.datetime", enc(x.isoformat())]}
-    if isinstance(x, _dt.date):
-        return {"o": ["datetime.date", enc(x.isoformat())]}
-    if isinstance(x, _dt.time):
-        return {"o": ["datetime.time", enc(x.isoformat())]}
-    if isinstance(x, _dt.timedelta):
+    if t is _dt.datetime or t is _dt.date or t is _dt.time:
+        return {"o": [f"datetime.{t.__name__}", enc(x.isoformat())]}
+    if t is _dt.timedelta:
         return {"o": ["datetime.timedelta", enc([x.days, x.seconds, x.microseconds])]}
-    if isinstance(x, _dt.timezone):
+    if t is _dt.timezone:
         off = x.utcoffset(None)
         return {"o": ["datetime.timezone", enc(off.total_seconds())]}
-    if isinstance(x, uuid.UUID):
+    if t is uuid.UUID:
         return {"o": ["uuid.UUID", enc(str(x))]}
-    if isinstance(x, torch.dtype):
+    if t is torch.dtype:
         return {"o": ["torch.dtype", enc(str(x).removeprefix("torch."))]}
-    if isinstance(x, torch.device):
+    if t is torch.device:
         return {"o": ["torch.device", enc(str(x))]}
+    if t is torch.Size:
+        return {"o": ["torch.Size", enc(list(x))]}
+    if t is collections.defaultdict:
+        f = x.default_factory
+        name = None if f is None else f"builtins.{getattr(f, '__name__', '')}"
+        if name is not None and _FACTORIES.get(name) is not f:
+            return None  # refused by the caller, naming the key and the factory
+        return {"o": ["collections.defaultdict", enc([name, dict(x)])]}
+    if t is collections.Counter:
+        return {"o": ["collections.Counter", enc(dict(x))]}
+    if t.__module__ == "numpy" and t.__name__ in ("datetime64", "timedelta64"):
+        import numpy as np
+        return {"o": [f"numpy.{t.__name__}", enc([x.dtype.str, int(np.array(x).view(np.int64))])]}
     oc = _is_omegaconf(x)
     if oc is not None:
         from omegaconf import OmegaConf
         return {"o": [oc, enc(OmegaConf.to_container(x, resolve=False))]}
-    if dataclasses.is_dataclass(x):
+    if dataclasses.is_dataclass(x) and not isinstance(x, (dict, list, tuple)):
         return {"o": [_qualname(t), enc(_dc_fields(x))]}
     sd = getattr(x, "state_dict", None)
     if callable(sd) and callable(getattr(x, "load_state_dict", None)):
@@ -344,6 +447,11 @@ def _build_registered(reg: _Registered, payload: Any) -> Any:
         except KeyError:
             raise ValueError(f"{reg.name} has no member {payload['name']!r}") from None
     fields = _fields(payload)
+    if _is_namedtuple(cls):
+        missing = [f for f in cls._fields if f not in fields]
+        if missing or len(fields) != len(cls._fields):
+            raise ValueError(f"namedtuple {reg.name} has fields {list(cls._fields)}, the checkpoint {sorted(fields)}")
+        return cls(*(fields[f] for f in cls._fields))
     if dataclasses.is_dataclass(cls):
         known = {f.name: f for f in dataclasses.fields(cls)}
         dropped = sorted(set(fields) - set(known))
@@ -355,5 +463,12 @@ def _build_registered(reg: _Registered, payload: Any) -> Any:
                 object.__setattr__(obj, k, v)
         return obj
     obj = cls.__new__(cls)
-    obj.__dict__.update(fields)
+    slots = set(_slot_names(cls))
+    for k, v in fields.items():
+        if k in slots:
+            object.__setattr__(obj, k, v)
+        elif hasattr(obj, "__dict__"):
+            obj.__dict__[k] = v
+        else:
+            raise ValueError(f"{reg.name} has no attribute slot {k!r}")
     return obj
