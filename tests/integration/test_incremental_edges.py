@@ -108,3 +108,34 @@ def test_a_lost_base_never_stops_saving(ckdir, mode, how, caplog):
     lost = [r.getMessage() for r in caplog.records if "base step 0" in r.getMessage()]
     assert len(lost) == 1, lost
     assert "gone or damaged" in lost[0]
+
+
+_RSS_PROBE = """
+import resource, sys, torch, zerostall
+v = torch.randn(1, generator=torch.Generator().manual_seed(0)).expand(64 << 20)  # a 256 MiB stride-0 view
+t = torch.randn(4096, 2048, generator=torch.Generator().manual_seed(1)).t()   # 32 MiB transposed
+with zerostall.Checkpointer(sys.argv[1], incremental=True, full_every=None) as ck:
+    ck.save(0, {"v": v, "t": t}).result()
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    r = ck.save(1, {"v": v, "t": t}).result()  # unchanged: the content check reads both
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(r.bytes_referenced, (peak - base) * 1024)
+"""
+
+
+def test_content_check_of_strided_tensors_stays_within_the_budget(ckdir, tmp_path):
+    """incremental=True checks an unchanged non-contiguous tensor by crc32c of its bytes: it
+    was copied whole first (.contiguous()), 256 MiB of RSS against a 32 MiB staging budget; now
+    it streams through one small buffer. Measured by the process's own peak RSS (getrusage)."""
+    import subprocess
+    import sys
+    script = tmp_path / "probe.py"
+    script.write_text(_RSS_PROBE)
+    env = {**os.environ, "ZEROSTALL_BUDGET_BYTES": str(32 << 20)}
+    res = subprocess.run([sys.executable, str(script), ckdir], capture_output=True, text=True, timeout=110, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    referenced, grew = (int(x) for x in res.stdout.split())
+    assert referenced == (256 << 20) + (32 << 20)  # both checked and found unchanged (the crc matched)
+    assert grew < 128 << 20, f"peak RSS +{grew >> 20} MiB for a save whose staging budget is 32 MiB"
+    got = zerostall.load(ckdir, step=1)
+    assert got["v"].shape == (64 << 20,) and bool((got["v"] == got["v"][0]).all())
