@@ -9,6 +9,12 @@ shapes consistent with byte counts, dtypes, plain file names inside the checkpoi
 records inside their files and not overlapping. Every failure is a
 :class:`~zerostall.errors.CorruptCheckpoint` naming the file and the field.
 
+Validation is linear in the file's size: a pickle can make many entries share one object (a
+190 KB file whose entries all shared one list of repeated chunks kept validation busy past
+15 s, quadratic), so before any entry is walked the chunks are counted (``len`` of each list)
+and must not outnumber the storage records (every chunk has its own record: no chunk repeats
+another's offsets), and the records are bounded by :data:`MAX_RECORDS`.
+
 Called from the caller's thread (``Reader.read_metadata``, the CLI); no state.
 """
 
@@ -35,6 +41,8 @@ from ..format.shard import check_items
 from .dcp_storage import LEGACY_SHARD_RE, SHARD_RE, UnsupportedCheckpoint, _ZSInfo
 
 MAX_METADATA_BYTES = 256 << 20
+MAX_RECORDS = 1 << 24
+"""Storage records one ``.metadata`` may hold (DCP writes one per chunk of every rank)."""
 _MAX_DIM = 1 << 62
 _FSW_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 
@@ -165,6 +173,7 @@ def validate(md: Metadata, where: str, root: str) -> tuple[str, dict[MetadataInd
         kind = kind_of(md)
     except CorruptCheckpoint as exc:
         raise CorruptCheckpoint(f"{where}: {exc}", path=where) from None
+    _check_counts(md, where)
     for k in md.storage_data:
         if not isinstance(k, MetadataIndex) or not isinstance(k.fqn, str):
             raise CorruptCheckpoint(f"{where}: storage_data key {k!r:.80} is not a MetadataIndex", path=where)
@@ -174,6 +183,24 @@ def validate(md: Metadata, where: str, root: str) -> tuple[str, dict[MetadataInd
         _check_entry(fqn, entry, md.storage_data, kind, where)
     _check_files(records, md.storage_data, kind, where, root)
     return kind, records
+
+
+def _check_counts(md: Metadata, where: str) -> None:
+    """Bound the work before it starts: every chunk (and every bytes entry) needs a storage
+    record of its own, so their count may not exceed the records', and the records are at
+    most :data:`MAX_RECORDS`. Counting takes ``len`` of each list: no shared object is walked."""
+    n_records = len(md.storage_data)
+    if n_records > MAX_RECORDS:
+        raise CorruptCheckpoint(f"{where}: {n_records} storage records, over the limit of {MAX_RECORDS}", path=where)
+    refs = 0
+    for entry in md.state_dict_metadata.values():
+        chunks = getattr(entry, "chunks", None) if isinstance(entry, TensorStorageMetadata) else None
+        refs += len(chunks) if isinstance(chunks, list) else 1
+        if refs > n_records:
+            raise CorruptCheckpoint(
+                f"{where}: state_dict_metadata names more chunks than the {n_records} storage records (each "
+                "chunk has a record of its own: entries that share or repeat chunks are not DCP metadata)",
+                path=where)
 
 
 def _zs_record(k: MetadataIndex, v: _ZSInfo, where: str) -> Record:
@@ -242,10 +269,15 @@ def _check_entry(fqn: Any, entry: Any, storage: dict[MetadataIndex, Any], kind: 
         raise CorruptCheckpoint(f"{where}: {f}.properties.dtype is {dtype!r:.80}", path=where)
     if not isinstance(entry.chunks, list):
         raise CorruptCheckpoint(f"{where}: {f}.chunks is not a list", path=where)
+    seen: set[tuple[int, ...]] = set()
     for i, c in enumerate(entry.chunks):
         if not isinstance(c, ChunkStorageMetadata):
             raise CorruptCheckpoint(f"{where}: {f}.chunks[{i}] is a {type(c).__name__}", path=where)
         offs = _shape(c.offsets, where, f"{f}.chunks[{i}].offsets")
+        if offs in seen:
+            raise CorruptCheckpoint(f"{where}: {f}.chunks[{i}] repeats the offsets {list(offs)} of an earlier chunk",
+                                    path=where)
+        seen.add(offs)
         sizes = _shape(c.sizes, where, f"{f}.chunks[{i}].sizes")
         if len(offs) != len(size) or len(sizes) != len(size) or any(o + s > d for o, s, d in zip(offs, sizes, size)):
             raise CorruptCheckpoint(f"{where}: {f}.chunks[{i}] (offsets {list(offs)}, sizes {list(sizes)}) does not "
