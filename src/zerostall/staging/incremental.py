@@ -67,10 +67,11 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ConfigError, StorageError
-from ..format.layout import HEADER_BYTES, ShardHeader, align_up
-from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest, TensorEntry
+from ..format.layout import HEADER_BYTES, align_up
+from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..format.refs import RefFile
 from ..format.tree import tensor_paths
+from .basefiles import base_file_problem
 from .job import Persisted, SaveRequest, Slot
 from .plan import PlanItem, SavePlan
 from .source_crc import CRC_THREADS, _CpuCrc, _CudaCrc, _file_crc  # noqa: F401 - _CpuCrc: tests
@@ -296,7 +297,7 @@ class RefTracker:
         files = {(k.ref.step, k.ref.name): k.ref for k in known.values()}
         lost = {}
         for where, ref in files.items():
-            why = _base_file_problem(self._seed_root, ref)
+            why = base_file_problem(self._seed_root, ref)
             if why is not None:
                 lost[where] = why
         if not lost:
@@ -529,32 +530,6 @@ class RefTracker:
         counts from its manifest."""
         with self._lock:
             self._peer = set(steps)
-
-
-def _base_file_problem(root: str, ref: RefFile) -> str | None:
-    """Why ``ref`` can no longer be referenced (its step's manifest or the file itself is
-    gone, the file is not a regular file of the recorded size, or its header is another's),
-    or None if it is still the file that was written."""
-    step_dir = os.path.join(root, f"step-{ref.step}")
-    try:
-        if not stat.S_ISREG(os.lstat(os.path.join(step_dir, MANIFEST_NAME)).st_mode):
-            return "its manifest is not a regular file"
-        path = os.path.join(step_dir, ref.name)
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode):
-            return "not a regular file"
-        if st.st_size != ref.file_bytes:
-            return f"{st.st_size} bytes, {ref.file_bytes} recorded"
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            head = os.pread(fd, HEADER_BYTES, 0)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    if head != ShardHeader(ref.file_id, ref.step, ref.rank, ref.file_bytes).encode():
-        return "its header is not the one written (replaced or damaged)"
-    return None
 
 
 def merged_entries(job: Persisted, written: list[tuple[int, TensorEntry]]) -> tuple[list[tuple[int, TensorEntry]],
