@@ -18,7 +18,7 @@ import torch
 
 import zerostall
 from zerostall.errors import ConfigError, UnsupportedStateError
-from zerostall.format.objects import TaggedData, unregister_type
+from zerostall.format.objects import TaggedData, register_type, unregister_type
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -265,3 +265,20 @@ def test_every_listed_type_round_trips(ckdir, registered):
         assert isinstance(zerostall.load(ckdir, step=1)["dataclass"], TaggedData)
     finally:
         zerostall.register_type(Cfg)
+
+
+def test_registered_namedtuple_that_gained_a_field_with_a_default(ckdir):
+    """Like a dataclass: a field added since (with a default) takes it; one removed is dropped."""
+    Old = collections.namedtuple("Old", "x y")
+    register_type(Old, name="tests.Pt")
+    try:
+        zerostall.save(ckdir, {"p": Old(1, 2)}, step=1)
+    finally:
+        unregister_type(Old)
+    New = collections.namedtuple("New", "x z", defaults=(9,))
+    register_type(New, name="tests.Pt")
+    try:
+        got = zerostall.load(ckdir)["p"]
+        assert type(got) is New and got == New(1, 9)
+    finally:
+        unregister_type(New)

@@ -268,11 +268,14 @@ def _build_registered(reg: _Registered, payload: Any) -> Any:
         except KeyError:
             raise ValueError(f"{reg.name} has no member {payload['name']!r}") from None
     fields = _fields(payload)
-    if _is_namedtuple(cls):
-        missing = [f for f in cls._fields if f not in fields]
-        if missing or len(fields) != len(cls._fields):
-            raise ValueError(f"namedtuple {reg.name} has fields {list(cls._fields)}, the checkpoint {sorted(fields)}")
-        return cls(*(fields[f] for f in cls._fields))
+    if _is_namedtuple(cls):  # as for dataclasses: dropped fields warned, missing ones take their defaults
+        dropped = sorted(set(fields) - set(cls._fields))
+        if dropped:
+            log.warning("zerostall: %s no longer has field(s) %s; dropped on load", reg.name, dropped)
+        missing = [f for f in cls._fields if f not in fields and f not in cls._field_defaults]
+        if missing:
+            raise ValueError(f"namedtuple {reg.name} needs field(s) {missing} the checkpoint lacks")
+        return cls(**{f: fields[f] for f in cls._fields if f in fields})
     if dataclasses.is_dataclass(cls):
         known = {f.name: f for f in dataclasses.fields(cls)}
         dropped = sorted(set(fields) - set(known))
