@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._util import node_leader, run_in_fresh_thread
+from .._util import memlock_fix, node_leader, run_in_fresh_thread, swap_total_bytes
 
 log = logging.getLogger("zerostall")
 
@@ -71,26 +71,6 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _populate_ok = True  # cleared once if the kernel lacks MADV_POPULATE_WRITE (< 5.14)
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
-
-
-def swap_total_bytes() -> int:
-    """The node's swap space (``SwapTotal``; 0 when unknown): whether an unlocked arena can be paged out."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("SwapTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-def memlock_fix(nbytes: int, hard: int) -> str:
-    """The one command that lets this node lock ``nbytes`` (for the warning and ``doctor``)."""
-    if hard == resource.RLIM_INFINITY or hard >= nbytes:
-        return "run 'ulimit -l unlimited' in the shell that launches training"
-    return ("as root, 'echo \"* - memlock unlimited\" > /etc/security/limits.d/90-zerostall.conf' and log in "
-            "again (systemd: LimitMEMLOCK=infinity; docker: --ulimit memlock=-1)")
 
 
 def _cudart():
