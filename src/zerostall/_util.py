@@ -78,14 +78,18 @@ class Worker(Generic[T]):
     def stop(self, timeout: float | None = None) -> bool:
         """Finish what is queued and join; False if the thread is still busy after ``timeout``
         (it keeps running as a daemon). Takes no lock without a timeout: signal-handler safe."""
-        self._q.put(None)
+        self._put_last(None)
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
     def stop_then(self, fn: Callable[[], None]) -> None:
         """Finish what is queued, run ``fn`` in the worker thread, and exit; returns at once
         (for a finalizer, which must not block the thread that happens to collect)."""
-        self._q.put(_Last(fn))  # type: ignore[arg-type]
+        self._put_last(_Last(fn))
+
+    def _put_last(self, item: Any) -> None:
+        """Queue the end of the work (a worker fed by another one sends it the same way)."""
+        self._q.put(item)
 
     def _loop(self) -> None:
         self.on_start()

@@ -17,9 +17,9 @@ Signal safety: ``on_preemption()``, ``wait()``, ``close()`` and the ``atexit`` h
 a signal handler that interrupted ``save()`` (or any other method) on the same thread. They
 take no lock and wait on no ``threading.Event`` (whose internal lock the interrupted frame
 may hold): they read lock-free snapshots of the in-flight list (:mod:`.inflight`) and poll
-the saves' events with a short sleep, bounded by their timeout. The worker threads never take a lock that the
-caller's thread holds across more than a few bytecodes (``save()`` serialises callers with
-``_save_lock``, which no worker and no lifecycle method touches).
+the saves' events with a short sleep, bounded by their timeout. The worker threads never
+take a lock that the caller's thread holds across more than a few bytecodes (``save()``
+serialises callers with ``_save_lock``, which no worker and no lifecycle method touches).
 """
 
 from __future__ import annotations
@@ -34,28 +34,21 @@ import weakref
 from typing import Any
 
 from .config import CheckpointConfig
-from .distributed.commit import StoreCommitter
-from .distributed.ranks import discover
-from .distributed.session import Store, join, namespace
 from .errors import CheckpointExistsError, ConfigError, SaveFailed, ZerostallError
 from .handle import SaveHandle
 from .inflight import InFlight, step_pre_hook, wait_staged
-from .io.base import Engine, engine_name_for, get_engine
 from .restore import load as _load
 from .staging.arena import Arena, budget_bytes
-from .staging.incremental import RefTracker, mode_of
 from .staging.job import Job, SaveRequest, SaveStatus, Slot, Source
 from .staging.plan import PlanCache, check_metadata, check_step
 from .staging.ring import BlockRing
 from .staging import pool as _pool
 from .staging.snapshot import record_save_events
 from .stateful import load_into, unwrap_optimizer
-from .store.committer import Committer
-from .store.local import LocalTier
 from .store.persist import Persister
 from .store.remote import open_tier
-from .store.replicate import Replicator
-from .store.retention import LocalRetention, RetentionPolicy, check_not_referenced, retain_at_start
+from .store.retention import check_not_referenced
+from .stages import abandoned, build_stages
 from .telemetry.host import start_sampling_thread
 
 log = logging.getLogger("zerostall")
@@ -79,74 +72,24 @@ class Checkpointer:
 
     def __init__(self, path: str | os.PathLike[str], config: CheckpointConfig | None = None, *,
                  store: Any = None, oneshot: bool = False, **overrides: Any):
-        self._oneshot = oneshot
+        cfg = config if config is not None else CheckpointConfig.from_env()
         try:
-            self._setup(path, config, store, overrides)
+            cfg = cfg.replace(**overrides) if overrides else cfg
+        except TypeError as exc:
+            raise ConfigError(f"unknown Checkpointer option: {exc}") from None
+        self.config, self._oneshot = cfg, oneshot
+        self._stages = st = build_stages(path, cfg, store)  # on failure it released the root itself
+        try:
+            self._setup(st)
         except BaseException:  # a half-built Checkpointer must not keep the root locked
-            tier = self.__dict__.get("tier")
-            if tier is not None:
-                tier.release()
+            st.tier.release()
             raise
 
-    def _setup(self, path: str | os.PathLike[str], config: CheckpointConfig | None, store: Any,
-               overrides: dict[str, Any]) -> None:
-        cfg = config if config is not None else CheckpointConfig.from_env()
-        if overrides:
-            try:
-                cfg = cfg.replace(**overrides)
-            except TypeError as exc:
-                raise ConfigError(f"unknown Checkpointer option: {exc}") from None
-        self.config = cfg
-        info = discover(store, cfg.dist_mode)
-        self.rank, self.world_size = info.rank, info.world_size
-        self.tier = LocalTier(os.fspath(path), create=True, lock_timeout_s=cfg.lock_timeout_s)
-        self.tier.check_writable()
-        self._committer: StoreCommitter | None = None
-        if self.world_size > 1:
-            if info.store is None:
-                raise ConfigError(f"world size {self.world_size} but no c10d store: initialise torch.distributed "
-                                  "first (init_process_group), pass store=, or use dist_mode='local' to save alone")
-            # rank 0 (shared root) or each host's leader (node-local roots) owns the root
-            session = join(Store(info.store), namespace(self.tier.root, cfg.dist_name), self.rank,
-                           self.world_size, self.tier, cfg.join_timeout_s)
-            self._committer = StoreCommitter(self.tier, Store(info.store), session,
-                                             per_rank=cfg.dist_mode == "per_rank", timeout_s=cfg.commit_timeout_s)
-            self.node_local = session.node_local
-        else:  # the one writer of this root (RootLockedError if another holds it); cleans leftovers
-            self.tier.own()
-            self.node_local = False
-        self._refs: RefTracker | None = None
-        mode = mode_of(cfg.incremental)
-        if mode is not None:  # each rank references only its own earlier files
-            self._refs = RefTracker(mode, cfg.full_every)
-            self._refs.seed_from(self.tier.steps(), self.tier.read_manifest, root=self.tier.root,
-                                 rank=self.rank, world_size=self.world_size)
-            if self._committer is not None:
-                self._committer.refs = self._refs
-        name, self.probe = engine_name_for(self.tier.root, cfg.io)
-        self.engine: Engine = get_engine(name, cfg.io)
-        if cfg.prometheus:
-            from .telemetry import prometheus
-            prometheus.enable()
-        protect = self._refs.protected if self._refs is not None else set
-        retains = self.rank == 0 or self.node_local  # this rank applies the root's retention
-        self._replicator: Replicator | None = None
-        self._retention: LocalRetention | None = None
-        if cfg.remote:
-            policy = RetentionPolicy(keep_last_local=cfg.keep_last, keep_last_remote=cfg.keep_last_remote,
-                                     keep_every_remote=cfg.keep_every_remote)
-            # built here, so a bad URL or a missing extra fails now; no network until the replicator runs
-            remote = open_tier(cfg.remote, io=cfg.io, max_concurrency=cfg.remote_concurrency,
-                               max_bandwidth_bytes=cfg.remote_bandwidth_bytes)
-            # started now: its first pass uploads what an earlier run left unreplicated
-            self._replicator = Replicator(self.tier, lambda: remote, policy, rank=self.rank,
-                                          world_size=self.world_size, local_retention=retains,
-                                          retry_max_s=cfg.remote_retry_max_s, protect=protect)
-        elif cfg.keep_last is not None and retains:
-            recent: list[int] = []
-            if self.tier.owned:  # the owner applies keep_last now: a kill between a commit and its retention
-                recent = retain_at_start(self.tier, cfg.keep_last, protect())  # left one too many
-            self._retention = LocalRetention(self.tier, cfg.keep_last, protect=protect, recent=recent)
+    def _setup(self, st: Any) -> None:
+        cfg = self.config
+        self.tier, self.rank, self.world_size, self.node_local = st.tier, st.rank, st.world_size, st.node_local
+        self._committer, self._refs, self.engine, self.probe = st.committer, st.refs, st.engine, st.probe
+        self._replicator, self._retention = st.replicator, st.retention
         self.unreplicated: list[int] = []
         """After ``close()``: the steps not replicated before ``close_timeout_s`` (see README)."""
         self._plans = PlanCache()
@@ -187,10 +130,7 @@ class Checkpointer:
         The pool faults the arena in the background; the snapshot thread streams through
         whatever part is ready. A larger state than before grows the pool the same way.
         """
-        st = self.config.staging
-        B = st.block_bytes
-        blocks = -(-file_bytes // B) * B
-        want = min(blocks, _pool.ONESHOT_RING_BYTES) if self._oneshot else blocks * st.slots
+        want = _pool.want_bytes(file_bytes, self.config.staging.block_bytes, self.config.staging.slots, self._oneshot)
         if self._lease is not None:
             self._lease.want(want)
             return
@@ -203,18 +143,12 @@ class Checkpointer:
         budget = budget_bytes(st.budget_bytes, st.budget_fraction)
         start_sampling_thread()  # before the pool faults (see telemetry.host.start_sampling_thread)
         self._lease = _pool.lease(want, budget, st.block_bytes, mlock=st.mlock, hugepages=st.hugepages)
-        committer: Committer | None = self._committer
-        self._persist = Persister(self.tier, self.engine, self._lease.ring, finished=self._book.finished,
-                                  committer=committer, refs=self._refs)
-        for sub in (self._retention, self._replicator):
-            if sub is not None:
-                self._persist.subscribe(sub)
+        self._persist = self._stages.persister(self._lease, self._book.finished)
         # The workers never hold this Checkpointer: one that is dropped without close() lets
         # its persist thread finish what is queued and give back the staging lease, the
         # engine and the root lock (a lease held forever kept the pool's memory mapped).
-        self._finalizer = weakref.finalize(self, _abandoned, self.tier.root, self._persist, self._lease,
-                                           self.engine, self.tier, self._refs, self._replicator,
-                                           self.config.close_timeout_s)
+        self._finalizer = weakref.finalize(self, abandoned, self.tier.root, self._persist, self._lease,
+                                           self._stages, self.config.close_timeout_s)
         self._finalizer.atexit = False  # at exit the atexit hook closes it properly
 
     def prepare(self, state_dict: Any, *, wait: bool = False) -> None:
@@ -262,8 +196,7 @@ class Checkpointer:
         ow = self.config.overwrite if overwrite is None else overwrite
         if step in self._book.steps():  # not reported: its round is running
             raise CheckpointExistsError(f"step {step} is already being saved")
-        status = SaveStatus(t0)
-        job: Job | None = None
+        status, job = SaveStatus(t0), None
         try:
             self._book.raise_pending()
             metadata = check_metadata(metadata)
@@ -284,7 +217,6 @@ class Checkpointer:
             assert self.ring is not None and self._lease is not None and self._persist is not None
             request = SaveRequest(step=step, plan=plan, rank=self.rank, world_size=self.world_size, overwrite=ow,
                                   user_metadata=dict(metadata or {}), engine=self.engine.name)
-            status.nbytes = plan.file_bytes
             nblocks = self.ring.blocks_for(plan.file_bytes) + spare
             if self.config.backpressure == "skip" and not self.ring.fits_now(nblocks):
                 return self._skip(Job(request, status, Slot(0, 0, None)), t0)
@@ -401,7 +333,7 @@ class Checkpointer:
         Safe at any instant of ``save()`` on the same thread (takes no lock; a save that the
         signal interrupted before it was queued is not waited for). True when all finished.
         """
-        return self._book.wait_until(None if timeout is None else time.monotonic() + timeout)
+        return self.wait(timeout)
 
     def close(self, timeout: float | None = None, *, _from_atexit: bool = False) -> bool:
         """Drain in-flight saves, stop the threads, free the arena; re-raises a pending error.
@@ -444,12 +376,7 @@ class Checkpointer:
             finalizer = self.__dict__.get("_finalizer")
             if finalizer is not None:
                 finalizer.detach()  # released here instead
-            if self._refs is not None:
-                self._refs.close()
-            self.engine.close()
-            if self._lease is not None:
-                self._lease.release()  # the pool lingers a moment for the next user, then unmaps
-            self.tier.release()
+            self._stages.release(self._lease)
         else:
             log.warning("zerostall: close() gave up after %s s with work in flight; it goes on in daemon "
                         "threads", timeout)
@@ -468,24 +395,3 @@ class Checkpointer:
                 self.close()
             except ZerostallError:
                 pass
-
-
-def _abandoned(root: str, persist: Persister, lease: Any, engine: Engine, tier: LocalTier,
-               refs: RefTracker | None, replicator: Replicator | None, close_timeout_s: float) -> None:
-    """Finalizer of a Checkpointer that became unreachable without ``close()`` (any thread,
-    at garbage collection; never blocks): the persist thread finishes the queued saves, then
-    releases what the Checkpointer held, in ``close()``'s order."""
-    log.warning("zerostall: a Checkpointer of %s was dropped without close(); releasing its staging "
-                "lease and root lock once its queued saves finish (call close() or use `with`)", root)
-
-    def release() -> None:
-        try:
-            if replicator is not None:
-                replicator.close(close_timeout_s)
-            if refs is not None:
-                refs.close()
-            engine.close()
-        finally:
-            tier.release()
-            lease.release()
-    persist.stop_then(release)

@@ -22,7 +22,7 @@ from ..checkpointer import Checkpointer
 from ..config import CheckpointConfig
 from ..errors import ConfigError, ZerostallError
 from ..store.atomic import discard, publish_dir
-from ..store.local import LocalTier
+from ..store.tier import open_root
 
 log = logging.getLogger("zerostall")
 
@@ -34,7 +34,7 @@ def is_committed(path: str | os.PathLike[str]) -> bool:
         return False
     # the tier's own listing: canonical step names whose manifest validates (a crash between the
     # manifest write and the rename leaves step-N.partial/manifest.json, which is not a commit)
-    return bool(LocalTier(p).steps())
+    return bool(open_root(p).steps())
 
 
 def next_step(ckpt: Checkpointer, wanted: int) -> int:

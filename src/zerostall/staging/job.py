@@ -114,6 +114,15 @@ class Committed:
     status: "SaveStatus"
 
 
+@dataclass(frozen=True)
+class Forward:
+    """Not a save: ``item`` for the end of ``worker``'s queue, sent through the snapshot thread
+    so that it arrives after every job queued before it (a persist worker's stop)."""
+
+    worker: Any
+    item: Any
+
+
 class Handoff(Generic[T]):
     """A value put once by one thread and read by another (which may wait for it)."""
 

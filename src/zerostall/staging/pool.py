@@ -39,6 +39,13 @@ LINGER_S = 5.0
 """Seconds an unused pool stays mapped after its last user leaves."""
 ONESHOT_RING_BYTES = 256 << 20
 """What a one-shot save asks of the pool: it streams through a ring this big."""
+
+
+def want_bytes(file_bytes: int, block_bytes: int, slots: int, oneshot: bool) -> int:
+    """What a user saving ``file_bytes`` asks of the pool: ``slots`` copies, or (one-shot
+    saves) at most a ``ONESHOT_RING_BYTES`` ring to stream through."""
+    blocks = -(-file_bytes // block_bytes) * block_bytes
+    return min(blocks, ONESHOT_RING_BYTES) if oneshot else blocks * slots
 RESERVE_MIN_BYTES = 1 << 30
 """Address space reserved at least (twice the ask, if more; never above the budget)."""
 FIRST_LAP_BYTES = 64 << 20

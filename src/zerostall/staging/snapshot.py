@@ -33,7 +33,7 @@ import torch
 
 from .._util import Worker, run_in_fresh_thread
 from .arena import Arena
-from .job import Job, Slot, Staged
+from .job import Forward, Job, Slot, Staged
 from .plan import SavePlan
 from .ring import BlockRing
 
@@ -135,7 +135,7 @@ class DeviceStreams:
         ev.synchronize()
 
 
-class Snapshotter(Worker["Job | Slot"]):
+class Snapshotter(Worker["Job | Slot | Forward"]):
     def __init__(self, arena: Arena, ring: BlockRing):
         self.arena = arena
         self.ring = ring
@@ -143,12 +143,15 @@ class Snapshotter(Worker["Job | Slot"]):
         super().__init__("zerostall-snapshot")
 
     # -- snapshot thread ----------------------------------------------------------------
-    def handle(self, job: Job | Slot) -> None:
+    def handle(self, job: Job | Slot | Forward) -> None:
         """Stage one job: hand it on to its persist worker, fix its layout (an incremental
         save decides what to reference), copy, append what changed behind a version counter
         (incremental), then put ``staged``. Every handoff is put, on failure too."""
         if isinstance(job, Slot):  # reserved, never queued: publish unwritten, the pool drains
             self.ring.publish(job.g_end)
+            return
+        if isinstance(job, Forward):  # a persist worker's stop, behind the jobs queued before it
+            Worker._put_last(job.worker, job.item)
             return
         if job.persist is not None:
             job.persist.submit(job)  # the next stage: it writes blocks as they are published

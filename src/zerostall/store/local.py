@@ -39,6 +39,7 @@ import errno
 import logging
 import os
 import re
+import stat as stat_mod
 import threading
 import uuid
 from typing import TYPE_CHECKING, Callable
@@ -53,6 +54,7 @@ from .retention import doomed, prune
 from .tier import Tier
 
 if TYPE_CHECKING:
+    from ..config import IOConfig
     from ..io.base import Engine, ShardFile
 
 __all__ = ["LocalTier", "fsync_dir", "write_file_durable"]
@@ -91,9 +93,12 @@ class LocalTier(Tier):
     """The crash-test seam: called with each boundary's name (set on an instance, or on the
     class, as a ``staticmethod``, in a forked child to reach a Checkpointer's start-up)."""
 
-    def __init__(self, root: str, *, create: bool = False, lock_timeout_s: float = 0.0):
+    def __init__(self, root: str, *, create: bool = False, lock_timeout_s: float = 0.0,
+                 io: "IOConfig | None" = None):
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
+        self.io = io
+        """The I/O settings for shards opened without an engine (the user's ``engine=``)."""
         self.lock_timeout_s = lock_timeout_s
         self._lock = RootLock(self.root)
         self._valid: dict[int, tuple[tuple[int, ...], bool]] = {}
@@ -187,6 +192,25 @@ class LocalTier(Tier):
             self._valid[step] = (ident, ok)
         return ok
 
+    def stat(self, rel: str) -> int | None:
+        try:
+            st = os.stat(os.path.join(self.root, rel), follow_symlinks=False)
+        except OSError:
+            return None
+        return st.st_size if stat_mod.S_ISREG(st.st_mode) else None
+
+    def names_in(self, step: int) -> list[str]:
+        try:
+            return sorted(os.listdir(self.step_dir(step)))
+        except OSError:
+            return []
+
+    def put_bytes(self, data: bytes, rel: str) -> None:
+        path = os.path.join(self.root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_file_durable(path, data)
+        fsync_dir(os.path.dirname(path))
+
     def partial_steps(self) -> list[int]:
         return sorted(int(m.group(1)) for n in self._names() if (m := _PARTIAL_RE.match(n)))
 
@@ -239,7 +263,7 @@ class LocalTier(Tier):
 
     def open_shard_read(self, step: int, name: str, engine: "Engine | None" = None) -> "ShardFile":
         from ..io.base import choose_engine
-        eng = engine or choose_engine(self.root)
+        eng = engine or choose_engine(self.root, self.io)
         return eng.open_read(os.path.join(self.step_dir(step), name))
 
     # -- owning (caller's thread) ----------------------------------------------------------
@@ -352,7 +376,7 @@ class LocalTier(Tier):
 
     def open_shard_write(self, step: int, name: str, nbytes: int, engine: "Engine | None" = None) -> "ShardFile":
         from ..io.base import choose_engine
-        eng = engine or choose_engine(self.root)
+        eng = engine or choose_engine(self.root, self.io)
         return eng.open_write(os.path.join(self.partial_dir(step), name), nbytes)
 
     def commit(self, step: int, manifest: Manifest, overwrite: bool = False, *,

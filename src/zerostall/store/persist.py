@@ -24,14 +24,14 @@ import logging
 import mmap
 import os
 import time
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from .._util import Worker
 from ..format.layout import HEADER_BYTES
 from ..format.shard import CrcCursor
 from ..io.base import Engine, ShardFile
 from ..staging.incremental import RefTracker
-from ..staging.job import Committed, Job, Persisted
+from ..staging.job import Committed, Forward, Job, Persisted
 from ..staging.plan import SavePlan
 from ..staging.ring import BlockRing
 from .committer import Committer, LocalCommitter, file_entry, tensor_entries
@@ -51,8 +51,11 @@ class CommitSubscriber(Protocol):
 
 class Persister(Worker[Job]):
     def __init__(self, tier: LocalTier, engine: Engine, ring: BlockRing, *, finished: Callable[[Job], None],
-                 committer: Committer | None = None, refs: RefTracker | None = None):
+                 upstream: Any = None, committer: Committer | None = None, refs: RefTracker | None = None):
         self.tier = tier
+        self.upstream = upstream
+        """The snapshot worker that hands this one its jobs: ``stop`` travels through it, so
+        every job queued before a stop still reaches this thread first."""
         self.refs = refs
         self.committer: Committer = committer or LocalCommitter(tier)
         self.engine = engine
@@ -61,6 +64,12 @@ class Persister(Worker[Job]):
         self._subscribers: list[CommitSubscriber] = []
         self._hdr: mmap.mmap | None = None
         super().__init__("zerostall-persist")
+
+    def _put_last(self, item: Any) -> None:
+        if self.upstream is None:
+            super()._put_last(item)
+        else:
+            self.upstream.submit(Forward(self, item))
 
     def subscribe(self, subscriber: CommitSubscriber) -> None:
         """Hand every step this persist thread commits to ``subscriber.on_committed`` (caller's
