@@ -88,7 +88,7 @@ class SaveHandle:
             return ps.done.wait(left) if ps is not None else True
         if tier != "remote":
             raise ValueError(f"tier={tier!r}: choose 'local', 'peers' or 'remote'")
-        if self._owner is not None and not self._owner.has_remote:
+        if self._owner is not None and not self._owner.config.remote:
             raise ValueError("this Checkpointer has no remote tier (pass remote=URL)")
         deadline = None if timeout is None else time.monotonic() + timeout
         if not st.done.wait(timeout):

@@ -127,7 +127,8 @@ def test_n2_both_holders_of_a_file_lost_remote_fallback_or_none_everywhere(tmp_p
     errors = {d.get("error") for d in docs}
     assert len(errors) == 1 and None not in errors, docs
     (msg,) = errors
-    assert f"rank {r} (node {lost}): none" in msg and all(d["error_type"] == "CheckpointNotFound" for d in docs)
+    assert f"step 2: missing on rank(s) {r};" in msg and "remote tier" in msg
+    assert all(d["error_type"] == "CheckpointNotFound" for d in docs)
     assert not os.path.exists(os.path.join(base, lost, "step-2"))
     # with it: the lost node's files come from the remote tier, the wiped holder's own from its peers
     docs = _ok(_launch("load", base, tmp_path, env))

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from ..config import CheckpointConfig
-from ..distributed.session import Store
+from ..distributed.store import Store
 from ..errors import ConfigError
 from ..io.base import Engine, choose_engine
 from ..store.local import LocalTier

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..distributed.node import failure_domain, node_id
-from ..distributed.session import Store
+from ..distributed.store import Store
 from ..errors import ConfigError, DistributedError
 from .placement import Node
 from .transport import Endpoint

@@ -9,9 +9,9 @@ point-to-point connections):
    files (each of this node's ranks' ``rank-R.shard``) some live peer holds, one checkpoint
    id (listed from every other node in parallel; a dead or stopped node is skipped after
    ``peers.timeout_s``); steps on the remote tier;
-2. agreement: every rank publishes its steps (``load<k>/r<R>``); all take the newest step in
-   every rank's list, or all raise the same :class:`CheckpointNotFound` naming the ranks and
-   the steps each could load;
+2. agreement (:func:`zerostall.distributed.agree.agree_step`, under ``load<k>``): all take the
+   newest step in every rank's list, or all raise the same :class:`CheckpointNotFound` naming
+   the steps and the ranks that lack them;
 3. if this node lacks the step, its leader fetches the files from live holders (one thread
    per file, the next holder on a failure), each checked byte by byte against the manifest
    while it streams in, written with O_DIRECT into ``step-N.partial`` and committed; the other
@@ -30,7 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..distributed.session import Store
+from ..distributed.agree import agree_step
+from ..distributed.store import Store
 from ..errors import CheckpointNotFound, DistributedError, ZerostallError
 from ..format.layout import shard_name
 from ..format.manifest import Manifest
@@ -110,31 +111,16 @@ def agree(store: Store, view: PeerView, transport: Transport, tier: LocalTier, l
     local = _local_steps(tier, view, names)
     peers = _peer_holdings(view, transport, names)
     remote = set(remote_steps)
-    mine = sorted((local | set(peers) | remote) if step is None else ({step} & (local | set(peers) | remote)))
-    k = view.key(f"load{load_no}")
-    store.set(f"{k}/r{view.rank}", json.dumps({"steps": mine, "node": view.me, "local": sorted(local),
-                                                "peers": sorted(peers), "remote": sorted(remote)}))
-    keys = [f"{k}/r{r}" for r in range(view.world)]
-    if store.poll(keys, time.monotonic() + timeout_s) == "timeout":
-        raise DistributedError(f"restore: rank(s) {', '.join(m.rsplit('/r', 1)[1] for m in store.missing(keys))} "
-                               f"did not say which steps they can load within {timeout_s:g} s")
-    every = store.multi_get_json(keys)
-    if store.add(f"{k}/ack", 1) == view.world:
-        store.delete(*keys, f"{k}/ack")
-    common = set(every[0]["steps"]).intersection(*(set(e["steps"]) for e in every[1:]))
-    if not common:
-        lines = "; ".join(f"rank {r} (node {e['node']}): {e['steps'] or 'none'}" for r, e in enumerate(every))
-        want = f"step {step}" if step is not None else "a step"
-        raise CheckpointNotFound(f"no live node, local root or remote tier holds {want} that every rank can load: "
-                                 f"{lines} (a file is lost when every node holding it is gone)")
-    s = max(common)
+    mine = (local | set(peers) | remote) if step is None else ({step} & (local | set(peers) | remote))
+    log.info("zerostall: restore: node %s can load steps %s locally, %s from peers, %s from the remote tier",
+             view.me, sorted(local)[-5:], sorted(peers)[-5:], sorted(remote)[-5:])
+    try:  # the multi-node trust layer's agreement: the newest step in every rank's list
+        s = agree_step(store, view.key(f"load{load_no}"), view.rank, view.world, mine, timeout_s=timeout_s)
+    except CheckpointNotFound as exc:
+        raise CheckpointNotFound(f"{exc} -- counting local roots, live peers and the remote tier (a file is lost "
+                                 "when every node holding it is gone)") from None
     src = "local" if s in local else "peers" if s in peers else "remote"
-    for r, e in enumerate(every):
-        if e["steps"] and max(e["steps"]) > s:
-            log.warning("zerostall: restore: rank %d could load step %d, but not every rank can; all load step %d",
-                        r, max(e["steps"]), s)
-    if src == "remote" and (s in set().union(*(set(e["peers"]) for e in every)) or
-                            any(s in e["local"] for e in every)):
+    if src == "remote":
         log.warning("zerostall: step %d: no live node holds %s; falling back to the remote tier for them", s,
                     ", ".join(names))
     return Plan(s, src, peers.get(s, {}))

@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..distributed.session import Store
+from ..distributed.store import Store
 from ..errors import ZerostallError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..store.local import LocalTier
