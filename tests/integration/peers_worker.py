@@ -96,8 +96,7 @@ def main():
         res["unprotected"] = ck.unprotected
     json.dump(res, open(out, "w"))
     if rank == 0:  # rank 0 hosts the c10d store: it leaves last (a stopped rank never finishes)
-        me = os.environ["ZEROSTALL_NODE"]
-        others = [out.replace(f"-{me}.json", f"-n{r}.json") for r in range(1, dist.get_world_size())
+        others = [out.replace("-r0.json", f"-r{r}.json") for r in range(1, dist.get_world_size())
                   if str(r) != os.environ.get("ZS_STOP")]
         deadline = time.monotonic() + 60
         while not all(os.path.exists(o) for o in others) and time.monotonic() < deadline:

@@ -20,15 +20,18 @@ HERE = os.path.dirname(__file__)
 NODES = [f"n{i}" for i in range(4)]
 
 
-def _launch(scenario, base, tmp_path, env_extra, timeout=150, stop=None):
+def _launch(scenario, base, tmp_path, env_extra, timeout=150, stop=None, nodes=NODES):
+    """One process per entry of ``nodes`` (rank r runs on node ``nodes[r]``)."""
     port = free_port()
     procs = []
-    for r, node in enumerate(NODES):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="4",
-                   LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", ZEROSTALL_NODE=node, ZEROSTALL_BUDGET_BYTES=str(64 << 20),
+    for r, node in enumerate(nodes):
+        local = nodes[:r].count(node)
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(len(nodes)),
+                   LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(nodes.count(node)), ZEROSTALL_NODE=node,
+                   ZEROSTALL_BUDGET_BYTES=str(64 << 20),
                    PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]),
                    **env_extra)
-        out = str(tmp_path / f"{scenario}-{node}.json")
+        out = str(tmp_path / f"{scenario}-r{r}.json")
         if os.path.exists(out):
             os.unlink(out)
         procs.append((subprocess.Popen([sys.executable, os.path.join(HERE, "peers_worker.py"), scenario, base, out],
@@ -67,7 +70,7 @@ def test_n3_two_nodes_killed_and_wiped_restore_bit_exact_from_peers(tmp_path, ca
     base = str(tmp_path / "job")
     res = _launch("save", base, tmp_path, {"ZS_REPLICAS": "3", "ZS_DIE": "1"})
     assert res[1][0] == -signal.SIGKILL
-    docs = [json.load(open(tmp_path / f"save-{n}.json")) for n in NODES]
+    docs = [json.load(open(tmp_path / f"save-r{r}.json")) for r in range(len(NODES))]
     for d in docs:
         assert d["protected"] == {"1": True, "2": True}, d
         assert len(set(d["replica_nodes"]["2"])) == 3 and d["replica_nodes"]["2"][0] == d["node"]
@@ -156,3 +159,17 @@ def test_a_stopped_peer_never_hangs_training_or_close(tmp_path):
         held_by = [m for m in NODES if m != n and os.path.isfile(os.path.join(base, m, "peers", n, "step-2",
                                                                               f"rank-0000{n[1]}.shard"))]
         assert held_by, res[NODES.index(n)][2][-3000:]
+
+
+def test_two_ranks_per_node_wiped_node_restores_both_ranks_from_peers(tmp_path):
+    nodes = ["n0", "n0", "n1", "n1"]  # the node's leader sends and fetches both ranks' files
+    base = str(tmp_path / "job")
+    for d in _ok(_launch("save", base, tmp_path, {"ZS_REPLICAS": "2"}, nodes=nodes)):
+        assert d["protected"] == {"1": True, "2": True}, d
+    assert sorted(os.listdir(os.path.join(base, "n0", "peers", "n1", "step-2"))) == [
+        "manifest.json", "rank-00002.shard", "rank-00003.shard"]
+    _wipe(base, "n1")
+    docs = _ok(_launch("load", base, tmp_path, {"ZS_REPLICAS": "2"}, nodes=nodes))
+    for d in docs:
+        assert d.get("error") is None and d["step"] == 2 and d["equal"] is True, d
+    assert [d["source"] for d in docs] == ["local", "local", "peers", "peers"]
