@@ -228,7 +228,7 @@ class Checkpointer:
                     raise ZerostallError(f"the Checkpointer was closed while step {step} was being saved")
                 self._lease.queue(job)
         except BaseException as exc:
-            if status.queued.is_set():
+            if status.queued:
                 # The workers finish it as failed: its blocks drain (the ring moves on) and the
                 # persist thread reports it; raised here, so not again as a background error.
                 status.fail(exc, in_save=True)
@@ -359,7 +359,7 @@ class Checkpointer:
 
         # a save() this call interrupted after queueing its job fails (unless it is committing)
         step, saving = self._saving or (0, None)
-        failed_here = saving is not None and saving.queued.is_set() and saving.fail(
+        failed_here = saving is not None and saving.queued and saving.fail(
             ZerostallError(f"the Checkpointer was closed while step {step} was being saved"), in_save=True)
         ok = self._book.wait_until(deadline)
         if failed_here and saving is not None:  # its handle says so; not a background failure to re-raise here
