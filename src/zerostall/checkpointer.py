@@ -90,7 +90,7 @@ class Checkpointer:
         cfg = self.config
         self.tier, self.rank, self.world_size, self.node_local = st.tier, st.rank, st.world_size, st.node_local
         self._committer, self._refs, self.engine, self.probe = st.committer, st.refs, st.engine, st.probe
-        self._replicator, self._retention = st.replicator, st.retention
+        self._replicator, self._retention, self.session = st.replicator, st.retention, st.session
         self.unreplicated: list[int] = []
         """After ``close()``: the steps not replicated before ``close_timeout_s`` (see README)."""
         self._plans = PlanCache()
@@ -159,7 +159,8 @@ class Checkpointer:
             self._lease.arena.wait_ready(self._lease.pool.target)
 
     def _plan(self, state_dict: Any) -> Any:
-        return self._plans.plan(state_dict, rank=self.rank, world_size=self.world_size,
+        prank, pworld = self._stages.plan_rank
+        return self._plans.plan(state_dict, rank=prank, world_size=pworld,
                                 replicated=self.config.dist_mode == "replicated")
 
     # -- caller's thread ----------------------------------------------------------------
@@ -302,6 +303,8 @@ class Checkpointer:
              keys: list[str] | None = None, strict: bool = False, report: Any = None) -> Any:
         """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load`
         (``keys``, ``strict`` and ``report`` as there).
+        Under torch.distributed, collective: all ranks load the newest step all can load
+        (:mod:`zerostall.distributed.agree`; ``report.why`` says which and why).
 
         Reads through the process's staging pool when no save uses it;
         saves started meanwhile from other threads wait until the load is done.
@@ -309,6 +312,10 @@ class Checkpointer:
         self.wait()
         borrow = self._lease.pool.borrow_idle() if self._lease is not None else contextlib.nullcontext()
         with self._save_lock, borrow as bounce:
+            if self._committer is not None:  # collective: every rank loads one agreed step
+                return load_into(state_dict, lambda sd: self._committer.load_agreed(  # type: ignore[union-attr]
+                    sd, step, self.config, report, map_location=map_location, engine=self.engine,
+                    bounce=bounce, keys=keys, strict=strict))
             return load_into(state_dict, lambda sd: _load(
                 self.tier.root, sd, step, map_location, verify=self.config.verify_on_load,
                 fallback=self.config.fallback, engine=self.engine, bounce=bounce, rank=self.rank,

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._util import node_leader, run_in_fresh_thread
+from .._util import memlock_fix, node_leader, run_in_fresh_thread, swap_total_bytes
 from .memory import _libc, _unforked, populate
 
 log = logging.getLogger("zerostall")
@@ -63,26 +63,6 @@ FAULT_CALL_MIN_BYTES = 2 << 20
 _warned_memlock = False
 
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
-
-
-def swap_total_bytes() -> int:
-    """The node's swap space (``SwapTotal``; 0 when unknown): whether an unlocked arena can be paged out."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("SwapTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-def memlock_fix(nbytes: int, hard: int) -> str:
-    """The one command that lets this node lock ``nbytes`` (for the warning and ``doctor``)."""
-    if hard == resource.RLIM_INFINITY or hard >= nbytes:
-        return "run 'ulimit -l unlimited' in the shell that launches training"
-    return ("as root, 'echo \"* - memlock unlimited\" > /etc/security/limits.d/90-zerostall.conf' and log in "
-            "again (systemd: LimitMEMLOCK=infinity; docker: --ulimit memlock=-1)")
 
 
 def _cudart():
