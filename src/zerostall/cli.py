@@ -215,9 +215,12 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     return 0
 
 
+EXPORT_FORMATS = ("safetensors", "lightning", "transformers", "accelerate")
+
+
 def cmd_export(a: argparse.Namespace) -> int:
-    if a.format != "safetensors":
-        raise ConfigError(f"unknown export format {a.format!r} (supported: safetensors)")
+    if a.format not in EXPORT_FORMATS:
+        raise ConfigError(f"unknown export format {a.format!r} (supported: {', '.join(EXPORT_FORMATS)})")
     try:
         from safetensors.torch import save_file
     except ImportError:
@@ -236,6 +239,11 @@ def cmd_export(a: argparse.Namespace) -> int:
         src, remote = (scratch, a.path) if is_url(a.path) else (a.path, None)
         rank, world = _export_rank(a, remote)
         state = load(src, step=a.step, remote=remote, rank=rank, world_size=world, report=report)
+    if a.format != "safetensors":  # the files the framework's own checkpointing reads
+        from .integrations import export
+        files = export.write(a.format, state, a.out, rank=rank, world_size=world)
+        print(f"wrote step {report.step} as a {a.format} checkpoint: {safe(a.out)} ({', '.join(map(safe, files))})")
+        return 0
     flat: dict[str, torch.Tensor] = {}
 
     def walk(x: Any, prefix: str) -> None:
@@ -331,8 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefix", default="",
                    help="export only keys under this prefix, without it (e.g. --prefix model, so that "
                         "model.load_state_dict(load_file(OUT)) works)")
-    s.add_argument("--format", default="safetensors", help="output format (safetensors)")
-    s.add_argument("out", help="output file")
+    s.add_argument("--format", default="safetensors",
+                   help="safetensors (the tensors, flattened), or what a framework's own checkpointing "
+                        "reads: lightning (a .ckpt file), transformers (a checkpoint-N folder), "
+                        "accelerate (a save_state folder)")
+    s.add_argument("out", help="output file (a folder for transformers/accelerate)")
     s.set_defaults(fn=cmd_export)
 
     from . import cli_host
