@@ -38,7 +38,8 @@ from .errors import CheckpointExistsError, ConfigError, SaveFailed, ZerostallErr
 from .handle import SaveHandle
 from .inflight import InFlight, step_pre_hook, wait_staged
 from .restore import load as _load
-from .staging.arena import Arena, budget_bytes
+from .staging.arena import Arena
+from .staging.memory import budget_bytes
 from .staging.job import Job, SaveRequest, SaveStatus, Slot, Source
 from .staging.plan import PlanCache, check_metadata, check_step
 from .staging.ring import BlockRing
@@ -89,7 +90,7 @@ class Checkpointer:
         cfg = self.config
         self.tier, self.rank, self.world_size, self.node_local = st.tier, st.rank, st.world_size, st.node_local
         self._committer, self._refs, self.engine, self.probe = st.committer, st.refs, st.engine, st.probe
-        self._replicator, self._retention = st.replicator, st.retention
+        self._replicator, self._retention, self.session = st.replicator, st.retention, st.session
         self.unreplicated: list[int] = []
         """After ``close()``: the steps not replicated before ``close_timeout_s`` (see README)."""
         self._plans = PlanCache()
@@ -119,10 +120,6 @@ class Checkpointer:
     @property
     def ring(self) -> BlockRing | None:
         return self._lease.ring if self._lease is not None else None
-
-    @property
-    def has_remote(self) -> bool:
-        return self._replicator is not None
 
     def _ensure_pipeline(self, file_bytes: int) -> None:
         """Ask the staging pool for what this state wants; never waits for memory.
@@ -162,7 +159,8 @@ class Checkpointer:
             self._lease.arena.wait_ready(self._lease.pool.target)
 
     def _plan(self, state_dict: Any) -> Any:
-        return self._plans.plan(state_dict, rank=self.rank, world_size=self.world_size,
+        prank, pworld = self._stages.plan_rank
+        return self._plans.plan(state_dict, rank=prank, world_size=pworld,
                                 replicated=self.config.dist_mode == "replicated")
 
     # -- caller's thread ----------------------------------------------------------------
@@ -284,6 +282,12 @@ class Checkpointer:
         """Steps being saved (queued, not finished), oldest first; empty when idle."""
         return self._book.steps()
 
+    def subscribe(self, subscriber: Any) -> None:
+        """Hand every step this Checkpointer commits to ``subscriber.on_committed(record)`` (a
+        :class:`~.staging.job.Committed`; persist thread, in commit order, after retention and
+        replication's hand-off; what it raises is recorded on the save, which stays durable)."""
+        self._persist.subscribe(subscriber)  # type: ignore[union-attr]
+
     def error_seen(self, status: SaveStatus) -> None:
         """A handle raised its save's error to the caller: not a background error any more."""
         self._book.error_seen(status)
@@ -299,6 +303,8 @@ class Checkpointer:
              keys: list[str] | None = None, strict: bool = False, report: Any = None) -> Any:
         """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load`
         (``keys``, ``strict`` and ``report`` as there).
+        Under torch.distributed, collective: all ranks load the newest step all can load
+        (:mod:`zerostall.distributed.agree`; ``report.why`` says which and why).
 
         Reads through the process's staging pool when no save uses it;
         saves started meanwhile from other threads wait until the load is done.
@@ -306,6 +312,10 @@ class Checkpointer:
         self.wait()
         borrow = self._lease.pool.borrow_idle() if self._lease is not None else contextlib.nullcontext()
         with self._save_lock, borrow as bounce:
+            if self._committer is not None:  # collective: every rank loads one agreed step
+                return load_into(state_dict, lambda sd: self._committer.load_agreed(  # type: ignore[union-attr]
+                    sd, step, self.config, report, map_location=map_location, engine=self.engine,
+                    bounce=bounce, keys=keys, strict=strict))
             return load_into(state_dict, lambda sd: _load(
                 self.tier.root, sd, step, map_location, verify=self.config.verify_on_load,
                 fallback=self.config.fallback, engine=self.engine, bounce=bounce, rank=self.rank,

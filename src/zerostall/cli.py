@@ -134,34 +134,26 @@ def cmd_ls(a: argparse.Namespace) -> int:
 
 
 def cmd_restore(a: argparse.Namespace) -> int:
-    from .restore import fetch_remote_step, verify_step
+    from .restore.fetch import restore_remote  # the library's restore: the same fallback as load(remote=)
     from .store.tier import open_tier
     remote = open_tier(a.url)  # a plain path too: a shared-filesystem tier
     remote.check_root()
-    steps = remote.steps()
-    if a.step is not None:
-        if a.step not in steps:
-            raise CheckpointNotFound(f"no committed step {a.step} at {a.url} (steps: {steps or 'none'})")
-        steps = [a.step]
-    if not steps:
+    if a.step is None and not remote.steps():
         raise CheckpointNotFound(f"no committed checkpoint at {a.url}")
     tier = open_root(a.to, create=True)
     tier.own()  # a writer of --to: refused (naming the owner) while a training run holds it
     engine = _engine("auto", tier.root)
     try:
-        for s in reversed(steps):
-            try:
-                fetch_remote_step(tier, remote, s)
-                m = verify_step(tier, s, engine)
-                print(f"restored step {s} from {a.url} into {tier.step_dir(s)} ({_human(m.total_bytes)}, verified)")
-                return 0
-            except CorruptCheckpoint as exc:
-                print(f"step {s}: FAILED verification: {safe(exc)}", file=sys.stderr)
-                tier.delete(s)
+        m = restore_remote(tier, remote, engine, a.step,
+                           on_failure=lambda s, why: print(f"step {s}: FAILED verification: {safe(why)}",
+                                                           file=sys.stderr))
+    except CorruptCheckpoint:
+        return 1  # each step's failure is printed above
     finally:
         engine.close()
         tier.release()
-    return 1
+    print(f"restored step {m.step} from {a.url} into {tier.step_dir(m.step)} ({_human(m.total_bytes)}, verified)")
+    return 0
 
 
 def cmd_verify(a: argparse.Namespace) -> int:

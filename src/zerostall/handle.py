@@ -65,7 +65,7 @@ class SaveHandle:
             return st.done.wait(timeout)
         if tier != "remote":
             raise ValueError(f"tier={tier!r}: choose 'local' or 'remote'")
-        if self._owner is not None and not self._owner.has_remote:
+        if self._owner is not None and not self._owner.config.remote:
             raise ValueError("this Checkpointer has no remote tier (pass remote=URL)")
         deadline = None if timeout is None else time.monotonic() + timeout
         if not st.done.wait(timeout):

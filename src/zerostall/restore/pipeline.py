@@ -27,13 +27,13 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..config import IOConfig
-from ..errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, StateMismatchError,
-                     StorageError, ZerostallError, storage_error)
+from ..errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, DistributedError, RemoteError,
+                     StateMismatchError, StorageError, ZerostallError, storage_error)
 from ..format.dtypes import dtype_from_name
 from ..format.layout import ShardHeader
 from ..format.manifest import Manifest, TensorEntry
@@ -202,10 +202,12 @@ def _empty(e: TensorEntry, where: str) -> torch.Tensor:
 def load_step(tier: LocalTier, step: int, engine: Engine, bounce: Arena, state_dict: Any = None,
               map_location: Any = None, verify: bool = True, rank: int = 0, world_size: int = 1, *,
               keys: list[str] | None = None, strict: bool = False,
-              report: LoadReport | None = None) -> Any:
+              report: LoadReport | None = None, gate: Callable[[], None] | None = None) -> Any:
     """Load one step, transactionally: nothing in ``state_dict`` changes unless the whole step
     (every byte this load needs) verified. Raises CorruptCheckpoint/StorageError for the
-    checkpoint's defects and StateMismatchError for the caller's."""
+    checkpoint's defects and StateMismatchError for the caller's. ``gate`` (the ranks'
+    agreement, :mod:`zerostall.distributed.agree`) runs once every byte verified and before
+    anything reaches ``state_dict`` or is returned; what it raises propagates."""
     man = tier.read_manifest(step)
     where = tier.step_dir(step)
     tree = man.tree_for(rank, world_size)
@@ -255,8 +257,12 @@ def load_step(tier: LocalTier, step: int, engine: Engine, bounce: Arena, state_d
         if two_pass:
             read_checkpoint(tier, man, engine, bounce, _targets(man, needed, None, sparse), verify=True,
                             only=only, files_checked=True, sparse=sparse)
+            if gate is not None:  # the second pass writes into the caller's tensors
+                gate()
         read_checkpoint(tier, man, engine, bounce, _targets(man, needed, tensors, sparse),
                         verify=verify, only=only, files_checked=True, sparse=sparse)
+    if gate is not None and not two_pass:
+        gate()
     for i, j in canon.items():
         tensors[i] = tensors[j]
     if state_dict is None:
@@ -355,40 +361,91 @@ def fetch_remote_step(tier: LocalTier, remote: Any, step: int, seen: Any = _ANY)
     return _fetch(tier, remote, step, seen)[0]
 
 
-def _fetch(tier: LocalTier, remote: Any, step: int, seen: Any = _ANY) -> tuple[Manifest, bool]:
+def rank_files(man: Manifest, rank: int, world_size: int) -> set[str] | None:
+    """The files of ``man`` that rank ``rank`` reads (a per-rank checkpoint saved by
+    ``world_size`` ranks); None: all of them (replicated, or another world size)."""
+    if man.rank_trees is None or man.world_size != world_size or not 0 <= rank < world_size:
+        return None
+    canon = man.alias_of
+    return {man.tensors[canon.get(i, i)].file for i, _ in tree_tensor_indices(man.tree_for(rank, world_size))}
+
+
+def _fetch(tier: LocalTier, remote: Any, step: int, seen: Any = _ANY, only: set[str] | None = None,
+           who: tuple[int, int] | None = None) -> tuple[Manifest, bool]:
     """:func:`fetch_remote_step`; also says whether this call downloaded it (False: another
     process committed the same checkpoint locally since the caller saw ``seen``, the identity
     of the local manifest the caller found missing (None) or damaged; ``_ANY``: always download).
-    One process at a time downloads into a root (:class:`_FetchLock`)."""
+    One process at a time downloads into a root (:class:`_FetchLock`). ``who`` = (rank,
+    world_size): a per-rank checkpoint fetches only that rank's files (and the manifest); a
+    local copy of the same checkpoint that lacks them gets them added in place."""
     man = remote.read_manifest(step)  # validated; names this step
+    if who is not None:
+        only = rank_files(man, *who)
     os.makedirs(tier.root, exist_ok=True)
     for ref in sorted({r.step for r in man.ref_files}):  # an incremental step: what it borrows, first
         if ref not in tier.steps():
             _fetch(tier, remote, ref, None)
     with _FetchLock(tier.root):
         now = tier._manifest_ident(step)
-        if seen is not _ANY and now is not None and now != seen:
+        same = False
+        if now is not None:
             try:
-                if tier.read_manifest(step).checkpoint_id == man.checkpoint_id:
-                    log.info("zerostall: step %d was fetched into %s by another process", step, tier.root)
-                    return man, False
+                same = tier.read_manifest(step).checkpoint_id == man.checkpoint_id
             except ZerostallError:
                 pass
+        if same and only is not None:  # another rank of this node fetched its own files of it
+            _add_files(tier, remote, step, man, only)
+            return man, True
+        if seen is not _ANY and now is not None and now != seen and same:
+            log.info("zerostall: step %d was fetched into %s by another process", step, tier.root)
+            return man, False
         staging = StepLock(tier.root, step)  # the owner's start-up cleanup leaves our .partial alone
         staging.acquire()
         try:
-            _download(tier, remote, step, man)
+            _download(tier, remote, step, man, only)
         finally:
             staging.release(unlink=True)
     log.info("zerostall: fetched step %d from %s into %s", step, remote.url, tier.root)
     return man, True
 
 
-def _download(tier: LocalTier, remote: Any, step: int, man: Manifest) -> None:
-    """Download ``step``'s files into its ``.partial`` and commit it (caller holds the locks)."""
+def _add_files(tier: LocalTier, remote: Any, step: int, man: Manifest, only: set[str]) -> None:
+    """Download the files in ``only`` into the committed local copy of ``step`` (which lacks them,
+    or holds copies that failed), each into a temporary name in it, then renamed into place
+    (caller holds the fetch lock)."""
+    from ..store.atomic import fsync_dir
+    d = tier.step_dir(step)
+    for fe in man.files:
+        path = os.path.join(d, fe.name)
+        if fe.name not in only:  # ours are fetched again even if present: the local ones failed
+            continue
+        rel = f"step-{step}/{fe.name}"
+        size = remote.stat(rel)
+        if size != fe.file_bytes:
+            where = remote.where(rel)
+            raise CorruptCheckpoint(f"{where}: {'missing' if size is None else f'{size} bytes'}, the "
+                                    f"manifest says {fe.file_bytes}", path=where)
+        tmp = os.path.join(d, f".fetch-{fe.name}.tmp")
+        try:
+            remote.download(rel, tmp, fe.file_bytes)
+            os.rename(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+    fsync_dir(d)
+
+
+def _download(tier: LocalTier, remote: Any, step: int, man: Manifest, only: set[str] | None = None) -> None:
+    """Download ``step``'s files (those in ``only``, if given) into its ``.partial`` and commit it
+    (caller holds the locks)."""
     part = tier.begin(step)
     try:
         for fe in man.files:
+            if only is not None and fe.name not in only:
+                continue
             rel = f"step-{step}/{fe.name}"
             size = remote.stat(rel)
             if size != fe.file_bytes:
@@ -406,7 +463,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
          verify: bool = True, fallback: bool = True, engine: Engine | None = None,
          bounce: Arena | None = None, io: IOConfig | None = None, rank: int = 0, world_size: int = 1,
          remote: Any = None, keys: list[str] | None = None, strict: bool = False,
-         report: LoadReport | None = None) -> Any:
+         report: LoadReport | None = None, gate: Callable[[], None] | None = None) -> Any:
     """Load the newest verified checkpoint (or ``step``) under ``path``; see the module doc.
 
     With ``remote`` (a URL or tier), steps only the remote holds are downloaded into ``path``
@@ -460,11 +517,11 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
                 seen_local[s] = ident
             try:
                 if src == "remote":
-                    fetched = _fetch(tier, remote, s, seen_local.get(s))[1]
+                    fetched = _fetch(tier, remote, s, seen_local.get(s), who=(rank, world_size))[1]
                 out = load_step(tier, s, engine, bounce, state_dict, map_location, verify, rank, world_size,
-                                keys=keys, strict=strict, report=report)
-            except (StateMismatchError, ConfigError):
-                raise  # the caller's state or arguments, not the checkpoint: an older step would not help
+                                keys=keys, strict=strict, report=report, gate=gate)
+            except (StateMismatchError, ConfigError, DistributedError):
+                raise  # the caller's state or arguments, or the ranks' agreement (gate): not this copy's defect
             except Exception as exc:  # noqa: BLE001 - every defect of a checkpoint means: try the previous one
                 why = (changed_under(tier, s, ident) if src == "local"  # shared with verify
                        else remote_changed_under(remote, s, ident))
