@@ -14,7 +14,7 @@ from typing import Any
 from . import errors
 from .errors import ConfigError, ZerostallError
 from .checkpointer import Checkpointer
-from .config import CheckpointConfig, IOConfig, StagingConfig
+from .config import CheckpointConfig, IOConfig, PeersConfig, StagingConfig
 from .handle import SaveHandle
 from .format.objects import register_type
 from .restore import load as _load
@@ -30,6 +30,7 @@ __all__ = [
     "Checkpointer",
     "IOConfig",
     "LoadReport",
+    "PeersConfig",
     "SaveHandle",
     "SaveRecord",
     "StagingConfig",

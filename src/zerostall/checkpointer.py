@@ -5,7 +5,7 @@ The walk of one ``save()``, each stage handing a record forward and none calling
     caller: save()          plan, check -> SaveRequest; pool.reserve -> Slot; pool.queue(Job)
     snapshot thread         hands the Job to its persist worker; copies (Job.layout, .snapshot)
     persist thread          writes, fdatasyncs -> Persisted -> Committer.commit
-                            -> Committed -> subscribers: LocalRetention | Replicator | ...
+                            -> Committed -> subscribers: LocalRetention | Replicator | Peers
                             -> InFlight.finished (record, telemetry) -> SaveStatus done
 
 Threads: the caller's (``save``, ``guard``'s hook, ``load``, ``close``), one snapshot thread
@@ -90,8 +90,9 @@ class Checkpointer:
         self.tier, self.rank, self.world_size, self.node_local = st.tier, st.rank, st.world_size, st.node_local
         self._committer, self._refs, self.engine, self.probe = st.committer, st.refs, st.engine, st.probe
         self._replicator, self._retention, self.session = st.replicator, st.retention, st.session
-        self.unreplicated: list[int] = []
-        """After ``close()``: the steps not replicated before ``close_timeout_s`` (see README)."""
+        self._peers = st.peers  # replicas > 1: zerostall.peers.Peers
+        self.unreplicated: list[int] = []  # after close(): the steps not replicated within close_timeout_s
+        self.unprotected: list[int] = []  # after close(), replicas > 1: this run's steps not held by N nodes
         self._plans = PlanCache()
         self._step_bound: int | None = None  # owner only: no committed step is above it
         self._lease: _pool.Lease | None = None
@@ -306,11 +307,15 @@ class Checkpointer:
         saves started meanwhile from other threads wait until the load is done.
         """
         self.wait()
+        step, report, source = self._peers.plan_load(step, report) if self._peers else (step, report, "")
         borrow = self._lease.pool.borrow_idle() if self._lease is not None else contextlib.nullcontext()
         with self._save_lock, borrow as bounce:
-            return load_into(state_dict, lambda sd: self._stages.load(
+            out = load_into(state_dict, lambda sd: self._stages.load(
                 sd, step, self.config, report, map_location=map_location, engine=self.engine, bounce=bounce,
                 keys=keys, strict=strict))
+        if source:  # peer replicas: the agreed step's files were local, fetched from peers, or remote
+            report.source = source
+        return out
 
     def steps(self, *, include_remote: bool = True) -> list[int]:
         """Committed steps, ascending: local ones and, with a remote tier (unless
@@ -368,10 +373,10 @@ class Checkpointer:
             pass
         if self._persist is not None:  # the snapshot thread is the pool's
             ok = self._persist.stop(left()) and ok
+        budget = self.config.close_timeout_s if deadline is None else min(self.config.close_timeout_s, left() or 0.0)
+        if self._peers is not None:  # bounded: peer transfers still running are cut
+            self.unprotected = self._peers.close(budget)
         if self._replicator is not None:  # bounded: the rest is uploaded by the next run
-            budget = self.config.close_timeout_s
-            if deadline is not None:
-                budget = min(budget, left() or 0.0)
             self.unreplicated = self._replicator.close(budget)
         if ok:
             finalizer = self.__dict__.get("_finalizer")
