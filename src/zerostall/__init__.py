@@ -114,8 +114,8 @@ def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None 
 
 def _saved_per_rank_by(path: str, world_size: int) -> bool:
     """Whether the newest readable step under ``path`` was saved per rank by ``world_size`` ranks."""
-    from .store.local import LocalTier
-    tier = LocalTier(path)
+    from .store.tier import open_root
+    tier = open_root(path)
     for s in reversed(tier.listed_steps() if os.path.isdir(path) else []):
         try:
             man = tier.read_manifest(s)

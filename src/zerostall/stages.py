@@ -63,6 +63,16 @@ class Stages:
             return self.rank, self.world_size
         return s.members.index(self.rank), len(s.members)
 
+    def load(self, state_dict: Any, step: int | None, cfg: CheckpointConfig, report: Any, *,
+             map_location: Any, **kw: Any) -> Any:
+        """One load (caller's thread, under the Checkpointer's save lock): across ranks the
+        newest step every rank can load (collective), else the newest that verifies here."""
+        if self.committer is not None:
+            return self.committer.load_agreed(state_dict, step, cfg, report, map_location=map_location, **kw)
+        from .restore import load
+        return load(self.tier.root, state_dict, step, map_location, verify=cfg.verify_on_load, fallback=cfg.fallback,
+                    rank=self.rank, world_size=self.world_size, remote=cfg.remote, report=report, **kw)
+
     def persister(self, lease: Any, finished: Any) -> Persister:
         """This Checkpointer's persist worker over ``lease``'s ring, fed by the pool's snapshot
         thread, with the post-commit stages subscribed (caller's thread, once)."""

@@ -29,8 +29,8 @@ written by the plain ``Trainer`` still resume through HF's own code.
 Threads: every method here runs on the trainer's thread (HF calls them from ``train()``).
 Under ``torch.distributed`` every rank saves its own state (``rank-R``, its own RNG) and the
 ranks commit each checkpoint together; DeepSpeed, FSDP and SageMaker MP keep their own formats.
-``model.save_pretrained``/``trainer.save_model()`` are unchanged; ``zerostall export``
-converts a checkpoint's ``model.*`` tensors to safetensors.
+``model.save_pretrained``/``trainer.save_model()`` are unchanged; ``zerostall export --format
+transformers`` writes a checkpoint as the plain ``Trainer``'s folder (:mod:`.export`).
 """
 
 from __future__ import annotations
