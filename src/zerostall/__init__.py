@@ -14,7 +14,7 @@ from typing import Any
 from . import errors
 from .errors import ConfigError, ZerostallError
 from .checkpointer import Checkpointer
-from .config import CheckpointConfig, IOConfig, StagingConfig
+from .config import CheckpointConfig, IOConfig, PeersConfig, StagingConfig
 from .handle import SaveHandle
 from .format.objects import register_type
 from .restore import load as _load
@@ -30,6 +30,7 @@ __all__ = [
     "Checkpointer",
     "IOConfig",
     "LoadReport",
+    "PeersConfig",
     "SaveHandle",
     "SaveRecord",
     "StagingConfig",
@@ -113,8 +114,8 @@ def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None 
 
 def _saved_per_rank_by(path: str, world_size: int) -> bool:
     """Whether the newest readable step under ``path`` was saved per rank by ``world_size`` ranks."""
-    from .store.local import LocalTier
-    tier = LocalTier(path)
+    from .store.tier import open_root
+    tier = open_root(path)
     for s in reversed(tier.listed_steps() if os.path.isdir(path) else []):
         try:
             man = tier.read_manifest(s)

@@ -75,6 +75,11 @@ class Worker(Generic[T]):
     def submit(self, item: T) -> None:
         self._q.put(item)
 
+    @property
+    def enqueue(self) -> Callable[[T], None]:
+        """The queue's own (C) ``put``: calling it runs no Python frame (see ``pool.queue``)."""
+        return self._q.put
+
     def stop(self, timeout: float | None = None) -> bool:
         """Finish what is queued and join; False if the thread is still busy after ``timeout``
         (it keeps running as a daemon). Takes no lock without a timeout: signal-handler safe."""

@@ -100,6 +100,9 @@ def cmd_ls(a: argparse.Namespace) -> int:
     tier = _tier(a.path)
     title = a.path if is_url(a.path) else tier.root
     rows = _rows(tier, "remote" if is_url(a.path) else "local")
+    if not is_url(a.path):  # peer replicas: this node's steps' holders, the copies it keeps for others
+        from .peers.status import peer_rows
+        peer_rows(tier.root, rows)
     if a.remote and not is_url(a.path):
         try:
             remote_rows = {r["step"]: r for r in _rows(_tier(a.remote), "remote")}

@@ -3,7 +3,8 @@
 :func:`build_stages` makes, in this order: the root (a ``Tier``, owned by this process or,
 across ranks, by the rank the session elects), the committer (:class:`~.store.committer.
 LocalCommitter` alone, :class:`~.distributed.committer.StoreCommitter` across ranks), the
-incremental tracker, the I/O engine, and the post-commit stage that applies retention:
+incremental tracker, the I/O engine, peer replicas (``replicas > 1``: :mod:`.peers`), and
+the post-commit stage that applies retention:
 the :class:`~.store.replicate.Replicator` with a remote tier (it also applies local
 retention), else :class:`~.store.retention.LocalRetention`. The Checkpointer subscribes
 them to its persist thread. :func:`abandoned` releases them for a Checkpointer dropped
@@ -50,6 +51,8 @@ class Stages:
     retention: LocalRetention | None
     session: Session | None = None
     """Across ranks: the start-up round's outcome (node, copies of the root)."""
+    peers: Any = None
+    """:class:`zerostall.peers.Peers` with ``replicas > 1`` (a post-commit subscriber too)."""
 
     @property
     def plan_rank(self) -> tuple[int, int]:
@@ -60,12 +63,22 @@ class Stages:
             return self.rank, self.world_size
         return s.members.index(self.rank), len(s.members)
 
+    def load(self, state_dict: Any, step: int | None, cfg: CheckpointConfig, report: Any, *,
+             map_location: Any, **kw: Any) -> Any:
+        """One load (caller's thread, under the Checkpointer's save lock): across ranks the
+        newest step every rank can load (collective), else the newest that verifies here."""
+        if self.committer is not None:
+            return self.committer.load_agreed(state_dict, step, cfg, report, map_location=map_location, **kw)
+        from .restore import load
+        return load(self.tier.root, state_dict, step, map_location, verify=cfg.verify_on_load, fallback=cfg.fallback,
+                    rank=self.rank, world_size=self.world_size, remote=cfg.remote, report=report, **kw)
+
     def persister(self, lease: Any, finished: Any) -> Persister:
         """This Checkpointer's persist worker over ``lease``'s ring, fed by the pool's snapshot
         thread, with the post-commit stages subscribed (caller's thread, once)."""
         p = Persister(self.tier, self.engine, lease.ring, finished=finished, upstream=lease.pool.snap,
                       committer=self.committer, refs=self.refs)
-        for sub in (self.retention, self.replicator):
+        for sub in (self.retention, self.replicator, self.peers):
             if sub is not None:
                 p.subscribe(sub)
         return p
@@ -97,7 +110,11 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
     if is_url(path):
         raise ConfigError(f"Checkpointer({path!r}): the root is a local directory (each node's fast disk); "
                           "pass the URL as remote= to replicate there")
+    if cfg.replicas > 1 and world_size < 2:
+        raise ConfigError(f"replicas={cfg.replicas} needs a distributed job of at least {cfg.replicas} nodes "
+                          "(torch.distributed, ZEROSTALL_NODE naming each node); this process saves alone")
     tier: Any = open_root(path, create=True, lock_timeout_s=cfg.lock_timeout_s, io=cfg.io)
+    peers: Any = None
     try:
         tier.check_writable()
         committer: StoreCommitter | None = None
@@ -115,6 +132,9 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
             committer = StoreCommitter(tier, kv, session, per_rank=cfg.dist_mode == "per_rank",
                                        timeout_s=cfg.commit_timeout_s)
             node_local = session.node_local
+            if cfg.replicas > 1:  # after join: the store exchange runs under the session's prefix
+                from .peers import Peers
+                peers = Peers(cfg, tier, kv, session.prefix, rank, world_size, node_local=node_local)
         else:  # the one writer of this root (RootLockedError if another holds it); cleans leftovers
             tier.own()
             node_local = False
@@ -149,10 +169,12 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
                 recent = retain_at_start(tier, cfg.keep_last, protect())  # left one too many
             retention = LocalRetention(tier, cfg.keep_last, protect=protect, recent=recent)
     except BaseException:  # a half-built Checkpointer must not keep the root locked
+        if peers is not None:
+            peers.close(0.0)
         tier.release()
         raise
     return Stages(tier, rank, world_size, node_local, committer, refs, engine, probe, replicator, retention,
-                  session)
+                  session, peers)
 
 
 def abandoned(root: str, persist: Persister, lease: Any, stages: Stages, close_timeout_s: float) -> None:
@@ -164,6 +186,8 @@ def abandoned(root: str, persist: Persister, lease: Any, stages: Stages, close_t
 
     def release() -> None:
         try:
+            if stages.peers is not None:
+                stages.peers.close(close_timeout_s)
             if stages.replicator is not None:
                 stages.replicator.close(close_timeout_s)
         finally:

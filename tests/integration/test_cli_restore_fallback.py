@@ -66,3 +66,14 @@ def test_restore_of_the_damaged_step_only_exits_1(tmp_path, capsys):
     assert cli(["restore", "file://" + rem, "--to", to, "--step", "2"]) == 1
     assert "step 2" in capsys.readouterr().err
     assert LocalTier(to).steps() == []
+
+
+def test_a_failed_download_leaves_a_local_copy_alone(tmp_path, capsys):
+    """A local step 2 that verifies is not removed because the remote's step 2 cannot be fetched."""
+    rem = _remote(tmp_path)
+    to = str(tmp_path / "to")
+    assert cli(["restore", "file://" + rem, "--to", to, "--step", "2"]) == 0
+    _symlink_shard(rem)
+    assert cli(["restore", "file://" + rem, "--to", to]) == 0  # falls back to step 1
+    assert LocalTier(to).steps() == [1, 2]
+    assert zerostall.load(to, step=2)["w"].sum() == 0

@@ -176,6 +176,23 @@ def test_mixed_shared_and_node_local_roots(tmp_path):
         assert zerostall.load(root, rank=r, world_size=3)["x"][0].item() == 10.0 + r
 
 
+def test_replicated_copies_of_two_ranks_each_hold_the_whole_state(tmp_path):
+    """Replicated mode, two nodes of two ranks, one root per node: each copy's two ranks split
+    the tensors between them, and each copy verifies and restores the whole state alone."""
+    a, b = str(tmp_path / "nodeA"), str(tmp_path / "nodeB")
+    res, roots = run(tmp_path, 4, roots=[a, a, b, b], mode="replicated", scenario="steps", steps=[1])
+    for rc, doc, err in res:
+        assert rc == 0, err
+        assert doc["groups"] == ["g0", "g2"] and doc["1"]["state"] == "durable", doc
+    for root, ranks in ((a, (0, 1)), (b, (2, 3))):
+        man = LocalTier(root).read_manifest(1)
+        assert [f.rank for f in man.files] == list(ranks)
+        assert {t.file for t in man.tensors} == {f"rank-{r:05d}.shard" for r in ranks}  # split, not copied
+        assert _verifies(root, 1)
+        got = zerostall.load(root)
+        assert got["x"].tolist() == [1.0] * 1000 and got["y"].tolist() == [i + 1.0 for i in range(500)]
+
+
 def test_form_groups_refuses_a_view_that_is_not_an_equivalence():
     nodes = ["a", "a", "b"]
     assert form_groups([[0, 1], [0, 1], [2]], nodes, "/ck") == [[0, 1], [2]]

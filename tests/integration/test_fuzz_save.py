@@ -14,7 +14,6 @@ import os
 import pathlib
 import shutil
 import tempfile
-import uuid
 
 import numpy as np
 import pytest

@@ -10,6 +10,7 @@ import torch
 
 import zerostall
 from zerostall.store.local import LocalTier
+from tests.helpers import flip_byte
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,11 +81,17 @@ def _damage(ckdir, how):
     elif how == "header_replaced":  # another file of the same size in its place
         with open(shard, "r+b") as f:
             f.write(b"\0" * 4096)
+    elif how == "payload_bit_flipped":  # written to in place: only its mtime says so
+        before = os.stat(shard).st_mtime_ns
+        flip_byte(shard, 4096 + 5)
+        st = os.stat(shard)
+        if st.st_mtime_ns == before:  # the same coarse clock tick as the commit: as if a tick later
+            os.utime(shard, ns=(st.st_atime_ns, before + 1))
 
 
 @pytest.mark.parametrize("mode", ["version", True])
 @pytest.mark.parametrize("how", ["deleted", "manifest_removed", "truncated", "shard_removed", "symlinked",
-                                 "header_replaced"])
+                                 "header_replaced", "payload_bit_flipped"])
 def test_a_lost_base_never_stops_saving(ckdir, mode, how, caplog):
     """Step 0 (the base steps 1.. borrow from) is lost or damaged: the next saves write the
     bytes themselves, commit and load exactly; one warning names the base step."""

@@ -58,7 +58,7 @@ def install_pause(args, rank, out):
 def state_for(rank, step, args):
     n = 1000 + (37 * rank if args.get("mode", "per_rank") == "per_rank" else 0)
     st = {"x": torch.full((n,), float(step * 10 + rank if args.get("mode", "per_rank") == "per_rank" else step)),
-          "step": step}
+          "y": torch.arange(500.0) + step, "step": step}
     if args.get("bad_shape_rank") == rank:
         st["x"] = torch.full((n + 1,), float(step))
     return st

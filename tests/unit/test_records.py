@@ -3,7 +3,7 @@
 import inspect
 import threading
 
-from zerostall.distributed.commit import StoreCommitter
+from zerostall.distributed.committer import StoreCommitter
 from zerostall.staging.job import Handoff, SaveStatus
 from zerostall.store.committer import Committer, LocalCommitter
 

@@ -46,8 +46,10 @@ def restore_remote(tier: LocalTier, remote: Any, engine: Engine, step: int | Non
         raise CheckpointNotFound(f"no committed checkpoint at {remote.url}")
     errors: list[str] = []
     for s in reversed(steps):
+        fetched = False
         try:
             fetch_remote_step(tier, remote, s)
+            fetched = True
             man = verify_step(tier, s, engine)
         except (StateMismatchError, ConfigError):
             raise
@@ -57,10 +59,11 @@ def restore_remote(tier: LocalTier, remote: Any, engine: Engine, step: int | Non
             errors.append(f"step {s}: {reason}")
             if on_failure is not None:
                 on_failure(s, reason)
-            try:
-                tier.delete(s)  # our download, if it committed (a failed fetch committed nothing)
-            except Exception as dexc:  # noqa: BLE001 - reported, the next step is tried anyway
-                log.warning("zerostall: removing the failed download of step %d: %s", s, dexc)
+            if fetched:  # our download committed and failed verification (a failed fetch committed nothing)
+                try:
+                    tier.delete(s)
+                except Exception as dexc:  # noqa: BLE001 - reported, the next step is tried anyway
+                    log.warning("zerostall: removing the failed download of step %d: %s", s, dexc)
             continue
         if report is not None:
             report.step, report.source, report.failed = s, "remote", list(errors)

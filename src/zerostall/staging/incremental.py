@@ -71,7 +71,7 @@ from ..format.layout import HEADER_BYTES, align_up
 from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..format.refs import RefFile
 from ..format.tree import tensor_paths
-from .basefiles import base_file_problem
+from .basefiles import Stamp, base_file_problem, file_stamp
 from .job import Persisted, SaveRequest, Slot
 from .plan import PlanItem, SavePlan
 from .source_crc import CRC_THREADS, _CpuCrc, _CudaCrc, _file_crc  # noqa: F401 - _CpuCrc: tests
@@ -163,6 +163,7 @@ class RefTracker:
         self._seeded = False  # the base came from disk, not from a save of this process
         self._peer: set[int] = set()  # other ranks' protected steps (multi-rank; set_peer_protected)
         self._lost_warned: set[int] = set()  # base steps found gone or damaged (warned once each)
+        self._stamps: dict[tuple[int, str], Stamp] = {}  # base files as they were (basefiles.file_stamp)
         self._dh_warned = False
 
     # -- start-up (caller's thread) --------------------------------------------------------
@@ -208,8 +209,10 @@ class RefTracker:
                 ref = refs[(e.step, e.file)]
             if ref.rank == rank:
                 known[paths[i]] = Known(e, ref, None)
+        stamps = self._stamps_of(known, {})
         with self._lock:
             self._known = known
+            self._stamps = stamps
             self._since_full = steps_after_oldest_ref
             self._seeded = self._seed_root is not None
 
@@ -295,9 +298,10 @@ class RefTracker:
         if self._seed_root is None:
             return known
         files = {(k.ref.step, k.ref.name): k.ref for k in known.values()}
+        stamps = self._stamps
         lost = {}
         for where, ref in files.items():
-            why = base_file_problem(self._seed_root, ref)
+            why = base_file_problem(self._seed_root, ref, stamps.get(where))
             if why is not None:
                 lost[where] = why
         if not lost:
@@ -481,10 +485,27 @@ class RefTracker:
                                                 job.step), own, fps.get(i), dhs.get(i))
         for i, e in ij.refs.items():
             known[paths[i]] = Known(e, refs_by[(e.step, e.file)], fps.get(i), dhs.get(i))
+        stamps = self._stamps_of(known, self._stamps)  # this step's own file: stamped now
         with self._lock:
             self._known = known
+            self._stamps = stamps
             self._seeded = False  # every reference of the new base was checked or written here
             self._unpin(ij)
+
+    def _stamps_of(self, known: dict[str, Known], old: dict[tuple[int, str], Stamp]) -> dict[tuple[int, str], Stamp]:
+        """The stamp of every file ``known`` borrows from: kept from ``old`` (taken when that
+        file became a base), else taken now (a file just committed, or a base read from disk)."""
+        out: dict[tuple[int, str], Stamp] = {}
+        for k in known.values():
+            where = (k.ref.step, k.ref.name)
+            if where in out:
+                continue
+            st = old.get(where)
+            if st is None and self._seed_root is not None:
+                st = file_stamp(self._seed_root, *where)
+            if st is not None:
+                out[where] = st
+        return out
 
     def failed(self, ij: "IncrementalJob") -> None:
         """The save of ``ij`` failed (persist thread)."""
