@@ -31,11 +31,11 @@ def test_flipped_byte_in_one_nodes_newest_local_shard_still_loads(tmp_path):
 
 
 def test_wiped_node_restores_an_incremental_step_from_peers(tmp_path):
-    """incremental=True, replicas=2, 2 nodes: step 2 references step 1's bytes of the frozen
+    """incremental="crc", replicas=2, 2 nodes: step 2 references step 1's bytes of the frozen
     tensor. n1 is wiped; its restart must restore step 2 bit-exact (the referenced step's files
     are held by n0 too: "referenced bytes travel with their own step")."""
     base = str(tmp_path / "job")
-    env = {"ZS_REPLICAS": "2", "ZS_KW": json.dumps({"incremental": True})}
+    env = {"ZS_REPLICAS": "2", "ZS_KW": json.dumps({"incremental": "crc"})}
     nodes = ["n0", "n1"]
     for d in _ok(_launch("save", base, tmp_path, env, nodes=nodes, worker="adv_worker.py")):
         assert d["protected"] == {"1": True, "2": True}, d
