@@ -22,11 +22,15 @@ from helpers import equal
 from peers_worker import checkpointer
 
 
+_FROZEN = {}
+
+
 def state_for(rank, step):
+    """The same ``frozen`` tensor object every time (an incremental save references it)."""
     g = torch.Generator().manual_seed(rank * 1000 + step)
-    frozen = torch.Generator().manual_seed(rank)
-    return {"frozen": torch.randn(256, 1024, generator=frozen), "w": torch.randn(64, 1024, generator=g),
-            "meta": {"rank": rank, "step": step}}
+    if rank not in _FROZEN:
+        _FROZEN[rank] = torch.randn(256, 1024, generator=torch.Generator().manual_seed(rank))
+    return {"frozen": _FROZEN[rank], "w": torch.randn(64, 1024, generator=g), "meta": {"rank": rank, "step": step}}
 
 
 def main():
