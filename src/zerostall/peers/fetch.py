@@ -13,11 +13,11 @@ point-to-point connections):
    newest step in every rank's list, or all raise the same :class:`CheckpointNotFound` naming
    the steps and the ranks that lack them;
 3. if this node lacks the step, its leader fetches the files from live holders (one thread
-   per file, the next holder on a failure), each checked byte by byte against the manifest
-   while it streams in, written with O_DIRECT into ``step-N.partial`` and committed; the other
-   ranks of the node wait for it (``load<k>/node/<node>``). Only when no live node holds a
-   file is the remote tier used (the ordinary load downloads it), and the log says which tier
-   served each file.
+   per file, spread over the holders, the next one on a failure), each checked byte by byte
+   against the manifest while it streams in, written with O_DIRECT into ``step-N.partial``
+   and committed; the other ranks of the node wait for it (``load<k>/node/<node>``). Only
+   when no live node holds a file is the remote tier used (the ordinary load downloads it),
+   and the log says which tier served each file.
 """
 
 from __future__ import annotations
@@ -178,8 +178,9 @@ def _fetch_step(view: PeerView, transport: Transport, tier: LocalTier, engine_fo
     mans: dict[str, Manifest] = {}
     errors: dict[str, str] = {}
 
-    def one(name: str) -> None:
-        for node, src in holders.get(name, []):
+    def one(name: str, i: int) -> None:
+        hs = holders.get(name, [])
+        for node, src in hs[i % len(hs):] + hs[:i % len(hs)] if hs else []:  # files spread over holders
             path = os.path.join(part, name)
             engine = engine_for()
             opened: list[Any] = []
@@ -213,7 +214,7 @@ def _fetch_step(view: PeerView, transport: Transport, tier: LocalTier, engine_fo
                 engine.close()
         errors.setdefault(name, "no live holder")
 
-    threads = [threading.Thread(target=one, args=(n,), daemon=True) for n in names]
+    threads = [threading.Thread(target=one, args=(n, i), daemon=True) for i, n in enumerate(names)]
     for t in threads:
         t.start()
     for t in threads:
