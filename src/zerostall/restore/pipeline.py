@@ -366,7 +366,7 @@ def _fetch(tier: LocalTier, remote: Any, step: int, seen: Any = _ANY) -> tuple[M
         if ref not in tier.steps():
             _fetch(tier, remote, ref, None)
     with _FetchLock(tier.root):
-        now = tier._manifest_ident(step)
+        now = tier.manifest_ident(step)
         if seen is not _ANY and now is not None and now != seen:
             try:
                 if tier.read_manifest(step).checkpoint_id == man.checkpoint_id:
@@ -455,7 +455,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
             if engine is None:
                 engine = choose_engine(tier.root, io or IOConfig())
             fetched = False
-            ident = tier._manifest_ident(s) if src == "local" else listed_ident(remote, s)
+            ident = tier.manifest_ident(s) if src == "local" else listed_ident(remote, s)
             if src == "local":
                 seen_local[s] = ident
             try:

@@ -161,6 +161,13 @@ class LocalTier(Tier):
     def manifest_ident(self, step: int) -> tuple[int, ...] | None:
         return self._manifest_ident(step)
 
+    def stat(self, rel: str) -> int | None:
+        """Size of ``root/rel`` (not following a final symlink), or None when absent."""
+        try:
+            return os.lstat(os.path.join(self.root, rel)).st_size
+        except FileNotFoundError:
+            return None
+
     def _manifest_ident(self, step: int) -> tuple[int, ...] | None:
         try:
             st = os.stat(os.path.join(self.step_dir(step), MANIFEST_NAME), follow_symlinks=False)

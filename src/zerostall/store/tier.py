@@ -10,6 +10,8 @@ Who calls what, from which thread (``[owner]``: only the process holding the roo
       steps()                       committed steps whose manifest validates, ascending
       read_manifest(step)           the validated Manifest (CheckpointNotFound / CorruptCheckpoint)
       open_shard_read(step, name, engine)   a ShardFile-like reader: read(extents), close()
+      stat(rel)                     size of ``step-N/name`` (None: absent), checked before reading
+      manifest_ident(step)          changes when the step is replaced (readers' retry rule)
 
     owning (caller's thread, once at start-up and once at close)
       own(timeout_s)       [owner]  take the root (RootLockedError names the holder), then
@@ -65,6 +67,12 @@ class Tier(ABC):
     @abstractmethod
     def open_shard_read(self, step: int, name: str, engine: "Engine | None" = None) -> "ShardFile":
         """Open ``name`` of committed ``step`` for aligned reads."""
+
+    def stat(self, rel: str) -> int | None:
+        """Size in bytes of ``rel`` (relative to the root, e.g. ``"step-3/rank-00000.shard"``),
+        or None when it does not exist. Restore and verify compare it with the manifest before
+        reading a byte. Any thread."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement Tier.stat")
 
     def check_root(self) -> None:
         """Raise :class:`~zerostall.errors.RootNotFound` naming the root if it does not exist
