@@ -139,8 +139,8 @@ class ShardCursor:
     tensor of ``items[i].nbytes`` bytes to fill, or None (checked only; also for an item whose
     window *is* its destination, read there directly). ``dsts`` may also be a function of
     ``i``, called when item ``i``'s first byte is fed. :meth:`feed` takes the windows of
-    :func:`read_runs` (or any aligned cut of them) in file order; ``copy(dst, src)`` moves
-    bytes (default: inline ``dst.copy_(src)``; the restore pipeline hands it to a worker).
+    :func:`read_runs` (or any aligned cut of them) in file order; ``copy(i, dst, src)`` moves
+    bytes of item ``i`` (default: inline ``dst.copy_(src)``; the restore pipeline hands it to a worker).
     ``on_item(i)`` is called once item ``i`` is complete and has passed its crc32c.
     Owned by one thread (the restore pipeline's consumer, or :func:`read_shard`'s caller).
     """
@@ -156,7 +156,7 @@ class ShardCursor:
         self.open_dsts: dict[int, torch.Tensor | None] = {}  # items started but not finished
 
     def feed(self, w0: int, mv: memoryview, u8: torch.Tensor,
-             copy: Callable[[torch.Tensor, torch.Tensor], Any] | None = None) -> None:
+             copy: Callable[[int, torch.Tensor, torch.Tensor], Any] | None = None) -> None:
         """Check the window of file bytes ``[w0, w0 + len(mv))`` (``u8`` views the same memory)."""
         items, path, verify, crcs = self.items, self.path, self.verify, self.crcs
         w1 = w0 + len(mv)
@@ -183,7 +183,7 @@ class ShardCursor:
                     if copy is None:
                         dst[a - e.offset:b - e.offset].copy_(u8[a - w0:b - w0])
                     else:
-                        copy(dst[a - e.offset:b - e.offset], u8[a - w0:b - w0])
+                        copy(j - 1, dst[a - e.offset:b - e.offset], u8[a - w0:b - w0])
                 if verify:
                     crcs[j - 1] = _crc.crc32c(mv[a - w0:b - w0], crcs[j - 1])
             pos = max(pos, b)
