@@ -110,9 +110,8 @@ def test_in_place_fallback_leaves_no_byte_of_the_failed_step(ckdir):
 
 
 def test_two_pass_when_scratch_would_not_fit(ckdir, monkeypatch, caplog):
-    """Without room for scratch (the bounce too small, no memory to allocate more), a
-    verify-only pass runs before the caller's are written."""
-    monkeypatch.setattr(restore, "_mem_available_bytes", lambda: 0)
+    """Without room for the staged bytes (a bounce smaller than the step), a verify-only pass
+    runs before the caller's are written."""
     monkeypatch.setattr(restore, "_bounce", Arena(1 << 20, mlock=False))
     zerostall.save(ckdir, _state(1.0), step=1)
     zerostall.save(ckdir, _state(2.0), step=2)

@@ -93,10 +93,6 @@ def _host_memory_bytes() -> int:
     return _meminfo("MemTotal", "SwapTotal") or (1 << 62)
 
 
-def _mem_available_bytes() -> int:
-    return _meminfo("MemAvailable") or (1 << 30)
-
-
 def _new(e: TensorEntry, where: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A new tensor for ``e`` and, if it is big enough to be read into directly, its
     page-aligned padded byte buffer."""
@@ -148,42 +144,34 @@ def file_reads(tier: Tier, man: Manifest, engine: Engine | None, dst: Any, *, ne
 
 
 @contextlib.contextmanager
-def _scratch(plan: Plan, bounce: Any, may_allocate: bool) -> Iterator[Any]:
-    """``bounce`` if the plan fits in it (under the shared bounce's lock if it is that one), else a
-    transient huge-page arena (``may_allocate``), else None."""
-    if bounce is not None and plan.fits(bounce.nbytes):
-        with _bounce_lock if bounce is _bounce else contextlib.nullcontext():
-            yield bounce
-        return
-    if may_allocate:
-        arena = Arena(plan.need_bytes(), mlock=False, hugepages=True, prefault=False, detached_views=True)
-        try:
-            yield arena
-        finally:
-            arena.close()
-        return
-    yield None
+def _scratch(plan: Plan, bounce: Any) -> Iterator[Any]:
+    """``bounce`` if the plan fits in it (under the shared bounce's lock if it is that one), else None.
+
+    Never a fresh allocation: new memory faults at 0.15-1 GB/s on a VM (the staging pool's
+    measurement, :meth:`~zerostall.staging.pool.StagingPool.ring_bytes`), slower than
+    reading the step twice from a disk at 3-4 GB/s."""
+    with _bounce_lock if bounce is _bounce else contextlib.nullcontext():
+        yield bounce if plan.fits(bounce.nbytes) else None
 
 
 def read_step(files: list[FileRead], bounce: Any, io: IOConfig, *, verify: bool = True) -> Stats:
-    """Read ``files`` through :mod:`.stream` with the scratch memory that fits: transactional
-    for protected destinations (a verify-only pass first when even that would not fit)."""
+    """Read ``files`` through :mod:`.stream` with ``bounce`` as scratch memory: transactional
+    for protected destinations, with a verify-only pass first when the staged bytes do not fit."""
     global last_stats
-    in_place = any(fr.protect for fr in files)
-    plan = Plan(files, io, in_place=in_place)
-    with _scratch(plan, bounce, plan.need_bytes() <= _mem_available_bytes() // 4) as scratch:
+    plan = Plan(files, io, in_place=any(fr.protect for fr in files))
+    with _scratch(plan, bounce) as scratch:
         if scratch is not None:
             last_stats = plan.run(scratch, verify=verify)
             return last_stats
-    log.info("zerostall: an in-place load of %d bytes does not fit in memory twice; verifying it first",
-             plan.ring_bytes)
+    log.info("zerostall: an in-place load of %d bytes does not fit in %d bytes of scratch; verifying it first",
+             plan.ring_bytes, bounce.nbytes)
     checks = [FileRead(fr.path, fr.file_bytes, fr.header, fr.items, [None] * len(fr.items), fr.open,
                        wanted=fr.wanted) for fr in files]
     copies = [FileRead(fr.path, fr.file_bytes, fr.header, fr.items, fr.dsts, fr.open, wanted=fr.wanted,
                        direct=fr.direct) for fr in files]
     for part in (checks, copies):
         p = Plan(part, io, in_place=False)
-        with _scratch(p, bounce or shared_bounce(), True) as scratch:
+        with _scratch(p, bounce) as scratch:
             last_stats = p.run(scratch, verify=verify or part is checks)
     return last_stats
 

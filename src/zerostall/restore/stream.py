@@ -50,6 +50,7 @@ MIN_SLOTS = 4
 ROLLBACK_FRACTION = 0.6
 """Share of an in-place load's bytes copied under rollback while reading (the rest is staged)."""
 DIRECT_MIN_BYTES = 1 << 20
+OVER_RING = -2
 """New tensors at least this big are read into directly (smaller ones through the ring)."""
 
 
@@ -79,6 +80,8 @@ class Stats:
     """Time the checking thread waited for reads (the rest of the wall time it was busy)."""
     deferred_bytes: int = 0
     rollback_bytes: int = 0
+    fraction: float = 0.0
+    window_bytes: int = 0
 
 
 class _Win:
@@ -139,61 +142,83 @@ class Plan:
         return MIN_SLOTS * self.w + (self.ring_bytes if self.in_place else 0)
 
     def fits(self, scratch_bytes: int) -> bool:
-        return self._window_for(scratch_bytes) is not None
+        return self._shape_for(scratch_bytes) is not None
 
-    def _window_for(self, scratch_bytes: int) -> int | None:
-        room = scratch_bytes - (self.ring_bytes if self.in_place else 0)
-        w = min(self.w, room // MIN_SLOTS // ALIGN_BYTES * ALIGN_BYTES)
-        return w if w >= min(self.w, 1 << 20) else None
+    def _shape_for(self, scratch_bytes: int) -> tuple[int, float] | None:
+        """(window bytes, rollback fraction) for ``scratch_bytes`` of scratch, or None.
+
+        New dict: a ring as large as fits. In place: the staged bytes and the backups together
+        take ``ring_bytes``; the ring lies after them if there is room, else over the end of
+        the staging region (staged windows that overlap it wait for its slots, which the
+        earlier rollback windows free); with no room for either, everything is staged."""
+        if not self.in_place:
+            w = min(self.w, scratch_bytes // MIN_SLOTS // ALIGN_BYTES * ALIGN_BYTES)
+            return (max(w, ALIGN_BYTES), 1.0) if scratch_bytes >= ALIGN_BYTES else None
+        room = scratch_bytes - self.ring_bytes
+        if room < 0:
+            return None
+        if ROLLBACK_FRACTION > 0 and room + (1 - ROLLBACK_FRACTION) * self.ring_bytes >= MIN_SLOTS * self.w:
+            return self.w, ROLLBACK_FRACTION
+        return self.w, 0.0
 
     def run(self, scratch: Any, *, verify: bool = True) -> Stats:
         """Read, check and deliver every file; see the module doc. ``scratch`` (``nbytes``,
         ``u8``) must :meth:`fits`. Raises what a read or a check raised (CorruptCheckpoint,
         StorageError); the protected destinations are then as they were."""
-        w = self._window_for(scratch.nbytes)
-        if w is None:
+        shape = self._shape_for(scratch.nbytes)
+        if shape is None:
             raise ValueError(f"scratch of {scratch.nbytes} bytes; this read needs {self.need_bytes()}")
+        w, fraction = shape
         wins = plan_windows(self.files, w)
-        slots, bk_pos = _layout(wins, scratch, w, self.in_place)
-        return _Run(self.files, wins, scratch, w, slots, bk_pos, verify).go()
+        slots, ring0 = _layout(wins, scratch, w, self.in_place, fraction)
+        run = _Run(self.files, wins, scratch, w, slots, ring0, verify)
+        run.stats.fraction, run.stats.window_bytes = fraction, w
+        return run.go()
 
 
-def _layout(wins: list[_Win], scratch: Any, w: int, in_place: bool) -> tuple[int, int]:
-    """Give each ``ring`` window a slot of the ring at the start of ``scratch``, or (in place,
-    past :data:`ROLLBACK_FRACTION` of the bytes) a staging place after the backup region.
-    Returns (slots, start of the backup region)."""
+def _layout(wins: list[_Win], scratch: Any, w: int, in_place: bool, fraction: float) -> tuple[int, int]:
+    """Give each ``ring`` window a slot of the ring, or (in place, past ``fraction`` of the
+    bytes) a staging place after the backup region (backups from offset 0); a staged window
+    over the ring (``OVER_RING``) waits until every slot is free. Returns (slots, ring start)."""
     ring_wins = [x for x in wins if x.kind == "ring"]
     total = sum(x.n for x in ring_wins)
-    room = scratch.nbytes - (total if in_place else 0)
-    slots = max(1, min(8, room // w))
-    base = slots * w
-    cut = int(total * ROLLBACK_FRACTION) if in_place else total
-    done = 0
-    staged = []
-    for r, x in enumerate(ring_wins):
-        if done < cut:
+    if not in_place:
+        slots = max(1, min(8, scratch.nbytes // w))
+        for r, x in enumerate(ring_wins):
             x.slot = r % slots
-        else:
-            staged.append(x)
+        return slots, 0
+    cut = int(total * fraction)
+    done, rolled, staged = 0, [], []
+    for x in ring_wins:
+        (rolled if done < cut else staged).append(x)
         done += x.n
-    stage = base + (total - sum(x.n for x in staged))  # after the backups of the rollback part
+    slots = MIN_SLOTS if rolled else 0
+    ring0 = total if scratch.nbytes - total >= slots * w else scratch.nbytes - slots * w
+    if ring0 < sum(x.n for x in rolled):  # the backups would reach the ring: stage everything
+        rolled, staged, slots = [], rolled + staged, 0
+    for r, x in enumerate(rolled):
+        x.slot = r % slots
+    stage = sum(x.n for x in rolled)  # after the backups of the rollback part
     for x in staged:
         x.kind, x.buf = "stage", scratch.u8[stage:stage + x.n]
+        if slots and stage + x.n > ring0:
+            x.slot = OVER_RING
         stage += x.n
-    return slots, base
+    return slots, ring0
 
 
 class _Run:
     """One :func:`run`: the window queue shared by the readers, the checker and the copier."""
 
     def __init__(self, files: Sequence[FileRead], wins: list[_Win], scratch: Any, w: int, slots: int,
-                 bk_pos: int, verify: bool):
+                 ring0: int, verify: bool):
         self.files, self.wins, self.scratch, self.w, self.verify = files, wins, scratch, w, verify
         self.owner: list[int | None] = [None] * slots
         self.cond = threading.Condition()
         self.next = 0
         self.abort = False
-        self.bk_pos = bk_pos
+        self.ring0 = ring0
+        self.bk_pos = 0  # backups of the rollback part, from the start of the scratch
         self.backups: list[tuple[torch.Tensor, torch.Tensor]] = []  # (caller's bytes, their saved copy)
         self.deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.stats = Stats(windows=len(wins), bytes_read=sum(x.n for x in wins))
@@ -204,10 +229,13 @@ class _Run:
         with self.cond:
             while not self.abort and self.next < len(self.wins):
                 x = self.wins[self.next]
-                if x.kind != "ring" or self.owner[x.slot] is None:
+                free = (self.owner[x.slot] is None if x.kind == "ring" else
+                        all(o is None for o in self.owner) if x.slot == OVER_RING else True)
+                if free:
                     if x.kind == "ring":
                         self.owner[x.slot] = self.next
-                        x.buf = self.scratch.u8[x.slot * self.w:x.slot * self.w + x.n]
+                        at = self.ring0 + x.slot * self.w
+                        x.buf = self.scratch.u8[at:at + x.n]
                     self.next += 1
                     return x
                 self.cond.wait()
