@@ -52,7 +52,8 @@ from .model import gpt_state_for_size, settle_gc
 
 NUMERIC = ("stall_s", "staged_s", "durable_s", "persist_gbps", "fraction_of_line_rate", "dirty_peak_bytes",
            "writeback_peak_bytes", "psi_io_full_peak", "step_p50_ms", "step_p99_ms", "step_max_ms",
-           "steps_over_2x_median", "rss_peak_bytes", "restore_s", "restore_gbps", "lost_s",
+           "steps_over_2x_median", "rss_peak_bytes", "restore_s", "restore_gbps",
+           "restore_fraction_of_read_line_rate", "lost_s",
            "inproc_lost_s", "inproc_stall_s", "inproc_durable_s", "inproc_step_max_ms")
 COLD = ("cold_stall_s", "cold_setup_s", "cold_durable_s", "cold_lost_s", "cold_rss_peak_bytes")
 
@@ -172,6 +173,8 @@ def run_one(m: Method, step: int, state: Any, target: Any, size: int, line: dict
             "dirty_peak_bytes": tel["dirty_peak_bytes"], "writeback_peak_bytes": tel["writeback_peak_bytes"],
             "psi_io_full_peak": tel["psi_io_full_peak"], "rss_peak_bytes": tel["rss_peak_bytes"],
             "restore_s": restore_s, "restore_gbps": size / restore_s / 1e9, "verified": verified, **stats,
+            "restore_fraction_of_read_line_rate": (size / restore_s / 1e9 / line["read_gbps"]
+                                                   if line.get("read_gbps") else 0.0),
             "_series": {"t0": t_wall, "steps": [(t - t_wall, d * 1e3) for t, d in steps],
                         "dirty": [(s.t - t_wall, s.dirty_bytes) for s in sampler.series]}}
 
@@ -419,7 +422,7 @@ def print_table(doc: dict[str, Any], console: Any) -> None:
                     + f", {doc.get('date', '')}")
     cols = ("method", "lost s (same proc)", "lost s (sep proc)", "stall s", "staged s", "durable s",
             "cold stall s", "cold durable s", "GB/s", "dirty peak MiB", "step p50/p99/max ms", ">2x",
-            "restore GB/s", "ok")
+            "restore GB/s", "x read", "ok")
     for c in cols:
         t.add_column(c, justify="left" if c == "method" else "right")
     for r in doc["results"]:
@@ -431,7 +434,8 @@ def print_table(doc: dict[str, Any], console: Any) -> None:
                   _f(r.get("cold_durable_s"), ".2f"), f"{r['persist_gbps']:.2f}",
                   f"{r['dirty_peak_bytes'] / 2**20:.0f}",
                   f"{r['step_p50_ms']:.0f}/{r['step_p99_ms']:.0f}/{r['step_max_ms']:.0f}", str(r["steps_over_2x_median"]),
-                  f"{r['restore_gbps']:.2f}", "yes" if r["verified"] else "NO")
+                  f"{r['restore_gbps']:.2f}", _f(r.get("restore_fraction_of_read_line_rate"), ".2f"),
+                  "yes" if r["verified"] else "NO")
     console.print(t)
     for r in doc["results"]:
         if r.get("unavailable") or r.get("error"):

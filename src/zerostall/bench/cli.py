@@ -58,13 +58,18 @@ def add_parsers(sub: Any) -> None:
     s.add_argument("--settle-s", type=_positive(float), default=1.0, help="trainer warm-up before each save")
     s.add_argument("--no-line-rate", action="store_true", help="skip the fio/probe line-rate measurement")
     s.add_argument("--no-cold", action="store_true", help="skip the cold scenario (a fresh process per method)")
-    s.add_argument("--scenario", choices=("default", "frozen-base"), default="default",
+    s.add_argument("--scenario", choices=("default", "frozen-base", "restore"), default="default",
                    help="frozen-base: incremental vs full zerostall saves vs torch.save vs DCP of a fine-tune "
-                        "whose base is frozen (uses --size-gib, --repeat, --methods, --dir, --json)")
+                        "whose base is frozen (uses --size-gib, --repeat, --methods, --dir, --json); "
+                        "restore: restore GB/s of zerostall (in place, new dict; both engines), dcp.load, "
+                        "torch.load and torch.load(mmap=True) against the read line rate (uses --size-gib, "
+                        "--repeat, --dir, --json)")
     s.set_defaults(fn=_bench)
 
 
 def _bench(a: argparse.Namespace) -> int:
     if a.scenario == "frozen-base":
         return _lazy("zerostall.bench.frozen", "main")(a)
+    if a.scenario == "restore":
+        return _lazy("zerostall.bench.restore", "main")(a)
     return _lazy("zerostall.bench.bench", "main")(a)
