@@ -53,10 +53,6 @@ def shared_bounce() -> Arena:
     return _bounce
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
 def check_files(tier: Tier, man: Manifest, only: set[str] | None = None, engine: Engine | None = None) -> None:
     """Every shard exists, is a regular file (no symlink, FIFO, device or directory) and has the
     recorded size. Runs before anything is allocated or read, so a hostile manifest cannot make
@@ -219,15 +215,15 @@ def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: An
     # The caller's CPU tensors are filled in place (transactionally, see .stream); every other
     # destination is a new tensor (copied into a GPU or non-contiguous tensor by merge()).
     tensors: list[Any] = [None] * len(man.tensors)
-    dsts: dict[int, tuple[torch.Tensor | None, torch.Tensor | None, bool]] = {}
+    dsts: dict[int, tuple[int | None, torch.Tensor | None, bool]] = {}  # address, direct buffer, protected
     for i in needed:
         dest = in_place.get(i, (None,))[0]
         if dest is not None and dest.device.type == "cpu" and dest.is_contiguous():
             tensors[i] = dest.detach()
-            dsts[i] = (_flat(tensors[i]), None, True)
+            dsts[i] = (tensors[i].data_ptr(), None, True)
         else:
             tensors[i], direct = _new(man.tensors[i], where)
-            dsts[i] = (None if direct is not None else _flat(tensors[i]), direct, False)
+            dsts[i] = (None if direct is not None else tensors[i].data_ptr(), direct, False)
     files = file_reads(tier, man, engine, lambda i: dsts.get(i, (None, None, False)), needed=needed,
                        only=only, sparse=keys is not None)
     read_step(files, bounce, io or engine.cfg, verify=verify)

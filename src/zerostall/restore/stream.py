@@ -30,6 +30,7 @@ huge-page arena, see :func:`scratch_for`).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -56,15 +57,16 @@ OVER_RING = -2
 
 @dataclass
 class FileRead:
-    """One shard file to read: ``items`` sorted by offset, ``dsts[i]`` a flat uint8 tensor to
-    fill (None: checked only, or read into directly: ``direct[i]`` is then a page-aligned flat
-    uint8 buffer of ``align_up(nbytes)`` bytes, its tail the file's padding)."""
+    """One shard file to read: ``items`` sorted by offset, ``dsts[i]`` the address of the
+    ``nbytes`` to fill (the caller keeps that memory alive; None: checked only, or read into
+    directly: ``direct[i]`` is then a page-aligned flat uint8 tensor of ``align_up(nbytes)``
+    bytes, its tail the file's padding)."""
 
     path: str
     file_bytes: int
     header: ShardHeader
     items: Sequence[Item]
-    dsts: list[torch.Tensor | None]
+    dsts: list[int | None]
     open: Callable[[], Any]
     wanted: set[int] | None = None
     direct: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -218,9 +220,10 @@ class _Run:
         self.next = 0
         self.abort = False
         self.ring0 = ring0
+        self.scratch_addr = scratch.u8.data_ptr()
         self.bk_pos = 0  # backups of the rollback part, from the start of the scratch
-        self.backups: list[tuple[torch.Tensor, torch.Tensor]] = []  # (caller's bytes, their saved copy)
-        self.deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.backups: list[tuple[int, int, int]] = []  # (caller's bytes, their saved copy, length)
+        self.deferred: list[tuple[int, int, int]] = []  # (destination, staged bytes, length)
         self.stats = Stats(windows=len(wins), bytes_read=sum(x.n for x in wins))
         self.idents: dict[int, tuple[int, int]] = {}
 
@@ -279,13 +282,13 @@ class _Run:
             self.cond.notify_all()
 
     # -- the copier ----------------------------------------------------------------------------
-    def _copies(self, jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], slot: int) -> None:
+    def _copies(self, jobs: list[tuple[int, int, int, int]], slot: int) -> None:
         try:
-            for dst, src, bk in jobs:
-                if bk is not None:
-                    bk.copy_(dst)
-                    self.backups.append((dst, bk))  # only what was saved is rolled back
-                dst.copy_(src)
+            for dst, src, n, bk in jobs:  # ctypes.memmove releases the GIL
+                if bk:
+                    ctypes.memmove(bk, dst, n)
+                    self.backups.append((dst, bk, n))  # only what was saved is rolled back
+                ctypes.memmove(dst, src, n)
         finally:
             if slot >= 0:
                 self._release(slot)
@@ -307,10 +310,11 @@ class _Run:
                 self.stats.wait_s += time.perf_counter() - t0
                 if x.error is not None:
                     raise x.error
-                jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+                jobs: list[tuple[int, int, int, int]] = []
                 protect = self.files[x.fi].protect
                 assert x.buf is not None
-                cursors[x.fi].feed(x.off, _mv(x.buf), x.buf, lambda i, d, s: self._route(x, i, d, s, protect, jobs))
+                cursors[x.fi].feed(x.off, _mv(x.buf), x.buf, lambda i, d, s, n: self._route(x, i, d, s, n, protect, jobs),
+                                   addr=x.buf.data_ptr())
                 if jobs:
                     copier.submit(self._copies, jobs, x.slot if x.kind == "ring" else -1)
                 elif x.kind == "ring":
@@ -328,40 +332,39 @@ class _Run:
                 t.join()
             copier.shutdown(wait=True)
             if not ok:
-                for dst, bk in reversed(self.backups):
-                    dst.copy_(bk)
+                for dst, bk, n in reversed(self.backups):
+                    ctypes.memmove(dst, bk, n)
         return self.stats
 
-    def _route(self, x: _Win, i: int, dst: torch.Tensor, src: torch.Tensor, protect: set[int],
-               jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> None:
+    def _route(self, x: _Win, i: int, dst: int, src: int, n: int, protect: set[int],
+               jobs: list[tuple[int, int, int, int]]) -> None:
         if x.kind == "stage":
-            self.deferred.append((dst, src))
-            self.stats.deferred_bytes += dst.numel()
+            self.deferred.append((dst, src, n))
+            self.stats.deferred_bytes += n
         elif i in protect:
-            n = dst.numel()
-            bk = self.scratch.u8[self.bk_pos:self.bk_pos + n]
+            bk = self.scratch_addr + self.bk_pos
             self.bk_pos += n
             self.stats.rollback_bytes += n
-            jobs.append((dst, src, bk))
+            jobs.append((dst, src, n, bk))
         else:
-            jobs.append((dst, src, None))
+            jobs.append((dst, src, n, 0))
 
     def _deferred(self) -> None:
         """The staged part, once every byte verified: copied by two threads, split by bytes."""
         if not self.deferred:
             return
-        parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[], []]
+        parts: list[list[tuple[int, int, int]]] = [[], []]
         sizes = [0, 0]
         piece = 16 << 20
-        for dst, src in self.deferred:
-            for p in range(0, dst.numel(), piece):
+        for dst, src, n in self.deferred:
+            for p in range(0, n, piece):
                 k = 0 if sizes[0] <= sizes[1] else 1
-                parts[k].append((dst[p:p + piece], src[p:p + piece]))
-                sizes[k] += min(piece, dst.numel() - p)
+                parts[k].append((dst + p, src + p, min(piece, n - p)))
+                sizes[k] += min(piece, n - p)
 
-        def copy(part: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-            for d, s in part:
-                d.copy_(s)
+        def copy(part: list[tuple[int, int, int]]) -> None:
+            for d, s, n in part:
+                ctypes.memmove(d, s, n)
         with ThreadPoolExecutor(2, thread_name_prefix="zerostall-restore-copy") as ex:
             for f in [ex.submit(copy, p) for p in parts if p]:
                 f.result()
@@ -369,7 +372,6 @@ class _Run:
 
 def _mv(u8: torch.Tensor) -> memoryview:
     """A writable memoryview of a flat uint8 CPU tensor's bytes (no copy)."""
-    import ctypes
     n = u8.numel()
     return memoryview((ctypes.c_ubyte * n).from_address(u8.data_ptr())).cast("B") if n else memoryview(bytearray())
 
@@ -387,7 +389,6 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
 
 
 def _hugepages(addr: int, n: int) -> None:
-    import ctypes
     huge = 2 << 20
     a, b = align_up(addr, huge), (addr + n) // huge * huge
     if b > a:
