@@ -147,7 +147,7 @@ def test_verify_first_when_the_step_does_not_fit_the_scratch(tmp_path, engine, c
 
 @pytest.mark.parametrize("direct_min", [1 << 30, 64 << 10, 1])
 def test_new_dict_direct_and_ring(tmp_path, engine, direct_min, monkeypatch):
-    monkeypatch.setattr(rstep, "DIRECT_MIN_BYTES", direct_min)
+    monkeypatch.setattr(stream, "DIRECT_MIN_BYTES", direct_min)
     root = str(tmp_path / "ck")
     zerostall.save(root, _state(3.0), step=3)
     out = _load(root, engine)
@@ -161,7 +161,7 @@ def test_new_dict_direct_and_ring(tmp_path, engine, direct_min, monkeypatch):
 
 def test_new_dict_direct_checks_the_padding_it_read_into(tmp_path, engine, monkeypatch):
     """A non-zero byte in the padding after a tensor read straight into its destination."""
-    monkeypatch.setattr(rstep, "DIRECT_MIN_BYTES", 1)
+    monkeypatch.setattr(stream, "DIRECT_MIN_BYTES", 1)
     root = str(tmp_path / "ck")
     zerostall.save(root, _state(3.0), step=3)
     man = LocalTier(root).read_manifest(3)

@@ -8,8 +8,8 @@ file (a local tier refuses anything but a regular file; a remote tier streams it
 Destinations: with a ``state_dict``, tensors of matching shape and dtype are filled in place
 (as DCP does), transactionally: a failed step leaves them as they were (:mod:`.stream`
 rolls back or stages; when even that scratch would not fit in memory, a verify-only pass
-runs first). Without one, new tensors are allocated page-aligned and read into directly
-(small ones through the ring), then moved to ``map_location``. ``keys=[...]`` reads only
+runs first). Without one, new tensors are filled through the ring (or read into directly, page-aligned,
+see :data:`.stream.DIRECT_MIN_BYTES`), then moved to ``map_location``. ``keys=[...]`` reads only
 those keys' byte ranges.
 """
 
@@ -34,7 +34,8 @@ from ..staging.arena import Arena
 from ..store.tier import Tier
 from .refs import check_ref_files, ref_groups, ref_reads, shard_where
 from .state import LoadReport, find_in_place, key_report, location_mapper, merge, select_keys
-from .stream import DIRECT_MIN_BYTES, FileRead, Plan, Stats, aligned_empty
+from . import stream
+from .stream import FileRead, Plan, Stats, aligned_empty
 
 log = logging.getLogger("zerostall")
 
@@ -94,7 +95,7 @@ def _new(e: TensorEntry, where: str) -> tuple[torch.Tensor, torch.Tensor | None]
     page-aligned padded byte buffer."""
     try:
         dtype = dtype_from_name(e.dtype)
-        if e.nbytes >= DIRECT_MIN_BYTES:
+        if e.nbytes >= stream.DIRECT_MIN_BYTES:
             buf = aligned_empty(e.nbytes)
             return buf[:e.nbytes].view(dtype).view(e.shape), buf
         return torch.empty(e.shape, dtype=dtype), None

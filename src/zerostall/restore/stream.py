@@ -12,8 +12,9 @@ of the files' bytes. Three kinds of threads, started per call and joined before 
 - the caller's thread checks each window in order with the one shard codec
   (:class:`~zerostall.format.shard.ShardCursor`: header, padding, crc32c, which releases the
   GIL for large buffers) while the next ones are read, and hands the copies to
-- one copier thread (``zerostall-restore-copy``; ``copy_`` releases the GIL), which frees a
-  ring slot once its copies are done.
+- ``COPIERS`` copier threads (``zerostall-restore-copy``; ``ctypes.memmove`` releases the
+  GIL), which free a ring slot once its copies are done (they also take the page faults of
+  new tensors' first touch, next to the reads).
 
 Transactional in-place loads (``FileRead.protect``: the caller's tensors) never leave a
 failed step's bytes behind, and read every byte once. Windows in the first
@@ -50,9 +51,14 @@ MAX_WINDOW_BYTES = 64 << 20
 MIN_SLOTS = 4
 ROLLBACK_FRACTION = 0.6
 """Share of an in-place load's bytes copied under rollback while reading (the rest is staged)."""
-DIRECT_MIN_BYTES = 1 << 20
 OVER_RING = -2
-"""New tensors at least this big are read into directly (smaller ones through the ring)."""
+DIRECT_MIN_BYTES = 1 << 62
+"""New tensors at least this big are read into directly, the rest through the ring. Off: on
+this project's VM (1 GiB new dict, load 9-15) the ring ran at 1.4-2.0 GB/s and direct reads
+at 0.8-1.7 GB/s (0.14 with huge pages advised, compaction): the first touch of a new tensor
+then runs inside the read, with the disk idle, while through the ring the copier threads take
+those page faults next to the reads."""
+COPIERS = 2
 
 
 @dataclass
@@ -299,7 +305,7 @@ class _Run:
         cursors = [ShardCursor(fr.path, fr.header, fr.items, fr.dsts, verify=self.verify) for fr in self.files]
         readers = [threading.Thread(target=self._reader, name=f"zerostall-restore-read-{i}", daemon=True)
                    for i in range(min(READERS, len(self.wins)))]
-        copier = ThreadPoolExecutor(1, thread_name_prefix="zerostall-restore-copy")
+        copier = ThreadPoolExecutor(COPIERS, thread_name_prefix="zerostall-restore-copy")
         ok = False
         try:
             for t in readers:
@@ -378,21 +384,9 @@ def _mv(u8: torch.Tensor) -> memoryview:
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
     """A flat uint8 tensor of ``align_up(nbytes)`` bytes at a page-aligned address (read into
-    with direct I/O), its storage owned by torch's allocator. Large ones ask for transparent
-    huge pages first: the first touch of new memory runs at 0.4-1 GB/s on 4 KiB pages."""
+    with direct I/O), its storage owned by torch's allocator. (Advising huge pages for it
+    measured 0.14 GB/s here: the fault compacts memory.)"""
     padded = align_up(nbytes)
     raw = torch.empty(padded + ALIGN_BYTES, dtype=torch.uint8)
     off = (-raw.data_ptr()) % ALIGN_BYTES
-    if padded >= 4 << 20:
-        _hugepages(raw.data_ptr() + off, padded)
     return raw[off:off + padded]
-
-
-def _hugepages(addr: int, n: int) -> None:
-    huge = 2 << 20
-    a, b = align_up(addr, huge), (addr + n) // huge * huge
-    if b > a:
-        try:
-            ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), 14)  # MADV_HUGEPAGE
-        except (OSError, AttributeError):
-            pass
