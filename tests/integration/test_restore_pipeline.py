@@ -213,3 +213,26 @@ def test_100k_tiny_tensors(tmp_path):
     ptr = sd["p"]["99999"].data_ptr()
     zerostall.load(root, sd)
     assert equal(sd, state) and sd["p"]["99999"].data_ptr() == ptr
+
+
+def test_a_remote_tier_streams_through_the_same_pipeline(tmp_path, engine):
+    """load_step and verify_tier_step on a shared-filesystem tier (file://): the shard is read
+    through the tier's reader (several windows at once), nothing is written locally."""
+    from zerostall.store.tier import open_tier
+    root = str(tmp_path / "remote")
+    zerostall.save(root, _state(6.0), step=6)
+    before = sorted(os.listdir(root))
+    tier = open_tier("file://" + root)
+    eng = get_engine(engine, IOConfig(engine=engine, **SMALL_IO))
+    try:
+        assert equal(rstep.load_step(tier, 6, eng, Arena(8 << 20, mlock=False)), _state(6.0))
+        sd = _dest()
+        rstep.load_step(tier, 6, eng, Arena(8 << 20, mlock=False), sd)
+        assert equal(sd, _state(6.0)) and rstep.last_stats.windows > 10
+        assert rstep.verify_tier_step(tier, 6).step == 6
+        _flip_tensor(root, 6, "model.w")
+        with pytest.raises(CorruptCheckpoint, match=r"model\.w"):
+            rstep.verify_tier_step(tier, 6)
+    finally:
+        eng.close()
+    assert sorted(os.listdir(root)) == before

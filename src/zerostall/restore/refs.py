@@ -21,7 +21,6 @@ from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..format.layout import ShardHeader
 from ..format.manifest import Manifest
 from ..format.refs import RefFile
-from ..format.shard import read_shard
 from ..store.tier import Tier
 from .stream import FileRead
 
@@ -91,33 +90,3 @@ def ref_reads(tier: Tier, man: Manifest, groups: dict[RefFile, list[int]],
                 fr.protect.add(k)
         out.append(fr)
     return out
-
-
-def verify_tier_refs(tier: Tier, man: Manifest, bounce: Any) -> None:
-    """``verify`` of a step on any tier (``restore.verify_tier_step``): the referenced bytes,
-    read through the tier's ``open_shard_read`` like its own shards."""
-    by_key = {(r.step, r.name): r for r in man.ref_files}
-    groups: dict[RefFile, list[Any]] = {}
-    for e in man.tensors:
-        if e.step is not None:
-            groups.setdefault(by_key[(e.step, e.file)], []).append(e)
-    base = tier.url.rstrip("/")
-    for r, entries in groups.items():
-        where = f"{base}/step-{r.step}/{r.name}"
-        try:
-            theirs = tier.read_manifest(r.step)
-        except CheckpointNotFound:
-            raise CorruptCheckpoint(f"step {man.step} references {where}, but step {r.step} is not a "
-                                    "committed checkpoint there (deleted?)", path=where) from None
-        fe = {f.name: f for f in theirs.files}.get(r.name)
-        if fe is None or fe.file_bytes != r.file_bytes or (fe.file_id or theirs.checkpoint_id) != r.file_id:
-            raise CorruptCheckpoint(f"step {man.step} references {where}, but step {r.step}'s manifest does not "
-                                    "list that file as recorded (step overwritten?)", path=where)
-        size = tier.stat(f"step-{r.step}/{r.name}")
-        if size != r.file_bytes:
-            raise CorruptCheckpoint(f"{where}: referenced shard is {size} bytes, step {man.step} says "
-                                    f"{r.file_bytes}", path=where)
-        entries.sort(key=lambda e: e.offset)
-        with tier.open_shard_read(r.step, r.name) as f:
-            read_shard(f, where, r.file_bytes, ShardHeader(r.file_id, r.step, r.rank, r.file_bytes), entries,
-                       [None] * len(entries), bounce, verify=True, wanted=set(range(len(entries))))

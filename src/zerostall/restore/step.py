@@ -27,7 +27,6 @@ from ..errors import CorruptCheckpoint, StateMismatchError
 from ..format.dtypes import dtype_from_name
 from ..format.layout import ShardHeader
 from ..format.manifest import Manifest, TensorEntry
-from ..format.shard import read_shard
 from ..format.tree import decode_tree, tree_tensor_indices
 from ..io.base import Engine
 from ..staging.arena import Arena
@@ -248,29 +247,11 @@ def verify_step(tier: Tier, step: int, engine: Engine, bounce: Any = None) -> Ma
 
 def verify_tier_step(tier: Tier, step: int, bounce: Any = None) -> Manifest:
     """Read every byte of ``step`` on any tier through its ``open_shard_read`` (a remote tier
-    streams its objects; nothing is stored locally) and check it as a load does: header,
-    every tensor's crc32c, zero padding. Raises CorruptCheckpoint (RemoteError if the tier
-    cannot be read)."""
+    streams its objects through the same pipeline, several ranged reads at once; nothing is
+    stored locally) and check it as a load does: header, every tensor's crc32c, zero padding.
+    Raises CorruptCheckpoint (RemoteError if the tier cannot be read)."""
     man = tier.read_manifest(step)
-    bounce = bounce or shared_bounce()
-    by_file: dict[str, list[TensorEntry]] = {}
-    for e in sorted(man.tensors, key=lambda e: e.offset):
-        if e.step is None:  # own bytes; references are checked below
-            by_file.setdefault(e.file, []).append(e)
-    with _bounce_lock if bounce is _bounce else contextlib.nullcontext():
-        for fe in man.files:
-            where = shard_where(tier, step, fe.name)
-            size = tier.stat(f"step-{step}/{fe.name}")
-            if size is None:
-                raise CorruptCheckpoint(f"{where}: shard is missing", path=where)
-            if size != fe.file_bytes:
-                raise CorruptCheckpoint(f"{where}: shard is {size} bytes, manifest says {fe.file_bytes}",
-                                        path=where)
-            header = ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes)
-            items = by_file.get(fe.name, [])
-            with tier.open_shard_read(step, fe.name) as f:
-                read_shard(f, where, fe.file_bytes, header, items, [None] * len(items), bounce)
-        if man.ref_files:
-            from .refs import verify_tier_refs
-            verify_tier_refs(tier, man, bounce)
+    check_files(tier, man, None, None)
+    read_step(file_reads(tier, man, None, lambda i: (None, None, False), needed=None, only=None, sparse=False),
+              bounce or shared_bounce(), IOConfig())
     return man
