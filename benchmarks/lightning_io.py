@@ -66,7 +66,7 @@ def main() -> None:
                 forward_backward()
             step()
         if isinstance(io, ZerostallCheckpointIO):
-            waits = [h._job.guard_wait_s for h in io.handles]
+            waits = [h._job.status.guard_wait_s for h in io.handles]
         io.teardown()
         if isinstance(io, ZerostallCheckpointIO):
             blocked = [b + w for b, w in zip(blocked, waits)]

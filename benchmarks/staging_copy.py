@@ -19,23 +19,23 @@ import torch
 
 from zerostall.bench.model import gpt_state_for_size
 from zerostall.staging.arena import Arena
-from zerostall.staging.job import SaveJob
+from zerostall.staging.job import Job, SaveRequest, SaveStatus, Slot, Source
 from zerostall.staging.plan import build_plan
 from zerostall.staging.ring import BlockRing
 from zerostall.staging.snapshot import Snapshotter
 
 
-def stage_once(snap: Snapshotter, ring: BlockRing, state) -> float:
+def stage_once(snap: Snapshotter, ring: BlockRing, arena: Arena, state) -> float:
     plan = build_plan(state)
-    job = SaveJob(step=0, plan=plan)
-    job.nblocks = ring.blocks_for(plan.file_bytes)
-    job.leaves = [leaf.tensor for leaf in plan.leaves]
-    job.g0 = ring.reserve(job.nblocks)
+    nblocks = ring.blocks_for(plan.file_bytes)
+    slot = Slot(ring.reserve(nblocks), nblocks, arena)
+    leaves = [leaf.tensor for leaf in plan.leaves]
+    job = Job(SaveRequest(step=0, plan=plan), SaveStatus(), slot, Source(leaves))
 
     def drain():
-        g = job.g0
-        while g < job.g_end:
-            hi = min(ring.wait_staged(g), job.g_end)
+        g = slot.g0
+        while g < slot.g_end:
+            hi = min(ring.wait_staged(g), slot.g_end)
             ring.release(g, hi)
             g = hi
 
@@ -43,11 +43,11 @@ def stage_once(snap: Snapshotter, ring: BlockRing, state) -> float:
     d.start()
     t0 = time.perf_counter()
     snap.submit(job)
-    job.staged.wait()
+    job.status.staged.wait()
     t = time.perf_counter() - t0
     d.join()
-    if job.error:
-        raise job.error
+    if job.status.error:
+        raise job.status.error
     return t
 
 
@@ -68,12 +68,12 @@ def main() -> None:
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)  # warm, like the state's tensors
     dst = torch.empty(nbytes, dtype=torch.uint8).fill_(2)
     mm, st = [], []
-    stage_once(snap, ring, state)  # first lap: faults nothing (pre-faulted) but warms caches/TLB
+    stage_once(snap, ring, arena, state)  # first lap: faults nothing (pre-faulted) but warms caches/TLB
     for _ in range(a.repeat):  # interleaved, so both see the same machine load
         t0 = time.perf_counter()
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
         mm.append(time.perf_counter() - t0)
-        st.append(stage_once(snap, ring, state))
+        st.append(stage_once(snap, ring, arena, state))
     snap.stop()
     out = {"bytes": nbytes, "tensors": len(plan.items), "block_bytes": a.block_mib << 20,
            "memmove_s_min": min(mm), "memmove_s_median": statistics.median(mm),

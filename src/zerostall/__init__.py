@@ -48,8 +48,7 @@ def save(path: str | os.PathLike[str], state_dict: Any, step: int, *,
     Streams through a small ring (at most 256 MiB) of the process's staging pool, which
     stays mapped for a few seconds after the call, so a loop of one-shot saves allocates once.
     """
-    with Checkpointer(path, config, **overrides) as ckpt:
-        ckpt._oneshot = True
+    with Checkpointer(path, config, oneshot=True, **overrides) as ckpt:
         return ckpt.save(step, state_dict).result()
 
 

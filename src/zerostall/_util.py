@@ -25,10 +25,19 @@ def load_target(target: str) -> Any:
     return getattr(importlib.import_module(mod), attr)
 
 
+LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+"""Where launchers put a process's rank on its node (torchrun/Lightning/Accelerate, Slurm, Open MPI, MPICH)."""
+
+
 def node_leader() -> bool:
     """Whether this process should print node-wide warnings (RLIMIT_MEMLOCK, host settings):
-    LOCAL_RANK 0, or a process launched without LOCAL_RANK."""
-    return os.environ.get("LOCAL_RANK", "0").strip() in ("", "0")
+    local rank 0 (the first of :data:`LOCAL_RANK_VARS` that is set), or a process launched
+    without one."""
+    for var in LOCAL_RANK_VARS:
+        v = os.environ.get(var, "").strip()
+        if v:
+            return v == "0"
+    return True
 
 
 class Worker(Generic[T]):
@@ -48,14 +57,18 @@ class Worker(Generic[T]):
     def stop(self, timeout: float | None = None) -> bool:
         """Finish what is queued and join; False if the thread is still busy after ``timeout``
         (it keeps running as a daemon). Takes no lock without a timeout: signal-handler safe."""
-        self._q.put(None)
+        self._put_last(None)
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
     def stop_then(self, fn: Callable[[], None]) -> None:
         """Finish what is queued, run ``fn`` in the worker thread, and exit; returns at once
         (for a finalizer, which must not block the thread that happens to collect)."""
-        self._q.put(_Last(fn))  # type: ignore[arg-type]
+        self._put_last(_Last(fn))
+
+    def _put_last(self, item: Any) -> None:
+        """Queue the end of the work (a worker fed by another one sends it the same way)."""
+        self._q.put(item)
 
     def _loop(self) -> None:
         self.on_start()

@@ -21,6 +21,7 @@ from typing import Any, Callable
 from . import cli_dcp
 from .errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, RootNotFound,
                      ZerostallError)
+from .store.tier import is_url, open_root
 
 
 def safe(text: Any) -> str:
@@ -59,31 +60,29 @@ def _engine(name: str, root: str) -> Any:
     return choose_engine(root, IOConfig(engine=name))
 
 
-def _is_url(p: str) -> bool:
-    return "://" in p
-
-
 def _tier(path: str) -> Any:
     """The tier a command reads: a local checkpoint directory, or a remote tier by URL
     (``s3://bucket/prefix``, ``file:///shared/path``)."""
-    from .store.local import LocalTier
-    from .store.tier import open_tier
-    tier = open_tier(path) if _is_url(path) else LocalTier(path)
+    tier = open_root(path)
     tier.check_root()  # RootNotFound (exit 2): a typo is not an empty root
     return tier
 
 
-def _remote_rows(url: str) -> list[dict[str, Any]]:
-    remote = _tier(url)
+def _rows(tier: Any, label: str) -> list[dict[str, Any]]:
+    """``ls`` rows of one tier: its steps (damaged ones too, reported as such), then the
+    staging areas a crash or a save in flight left (not checkpoints)."""
     rows = []
-    for s in remote.listed_steps():  # damaged ones too, reported as such
+    for s in tier.listed_steps():
         try:
-            m = remote.read_manifest(s)
+            m = tier.read_manifest(s)
             rows.append({"step": s, "bytes": m.total_bytes, "tensors": len(m.tensors),
-                         "created_unix": m.created_unix, "state": "committed", "tier": "remote", **_refs_row(m)})
+                         "created_unix": m.created_unix, "state": "committed", "tier": label, **_refs_row(m)})
         except ZerostallError as exc:
             rows.append({"step": s, "bytes": 0, "tensors": 0, "created_unix": 0,
-                         "state": f"invalid manifest: {exc}", "tier": "remote"})
+                         "state": f"invalid manifest: {exc}", "tier": label})
+    for s in tier.partial_steps():
+        rows.append({"step": s, "bytes": 0, "tensors": 0, "created_unix": 0,
+                     "state": "partial (not a checkpoint)", "tier": label})
     return rows
 
 
@@ -94,43 +93,26 @@ def _refs_row(m: Any) -> dict[str, Any]:
 
 
 def cmd_ls(a: argparse.Namespace) -> int:
-    if not _is_url(a.path) and cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
+    if not is_url(a.path) and cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
         return cli_dcp.cmd_ls(a)
     from rich.table import Table
 
-    from .store.local import LocalTier
-    rows = []
-    if _is_url(a.path):
-        rows = _remote_rows(a.path)
-        title = a.path
-    else:
-        tier = LocalTier(a.path)
-        tier.check_root()
-        title = tier.root
-        for s in tier.listed_steps():  # damaged ones too, reported as such
-            try:
-                m = tier.read_manifest(s)
-                rows.append({"step": s, "bytes": m.total_bytes, "tensors": len(m.tensors),
-                             "created_unix": m.created_unix, "state": "committed", "tier": "local", **_refs_row(m)})
-            except ZerostallError as exc:
-                rows.append({"step": s, "bytes": 0, "tensors": 0, "created_unix": 0,
-                             "state": f"invalid manifest: {exc}", "tier": "local"})
-        for s in tier.partial_steps():
-            rows.append({"step": s, "bytes": 0, "tensors": 0, "created_unix": 0,
-                         "state": "partial (not a checkpoint)", "tier": "local"})
-        if a.remote:
-            try:
-                remote_rows = {r["step"]: r for r in _remote_rows(a.remote)}
-            except (RemoteError, RootNotFound) as exc:  # the local listing is still worth showing
-                print(f"zerostall ls: cannot list {a.remote}: {exc}", file=sys.stderr)
-                remote_rows = None
-            for r in rows if remote_rows is not None else []:
-                if r["step"] in remote_rows and r["state"] == "committed":
-                    r["tier"] = "local+remote"
-                    remote_rows.pop(r["step"])
-                elif r["state"] == "committed":
-                    r["tier"] = "local (not replicated)"
-            rows.extend((remote_rows or {}).values())
+    tier = _tier(a.path)
+    title = a.path if is_url(a.path) else tier.root
+    rows = _rows(tier, "remote" if is_url(a.path) else "local")
+    if a.remote and not is_url(a.path):
+        try:
+            remote_rows = {r["step"]: r for r in _rows(_tier(a.remote), "remote")}
+        except (RemoteError, RootNotFound) as exc:  # the local listing is still worth showing
+            print(f"zerostall ls: cannot list {a.remote}: {exc}", file=sys.stderr)
+            remote_rows = None
+        for r in rows if remote_rows is not None else []:
+            if r["step"] in remote_rows and r["state"] == "committed":
+                r["tier"] = "local+remote"
+                remote_rows.pop(r["step"])
+            elif r["state"] == "committed":
+                r["tier"] = "local (not replicated)"
+        rows.extend((remote_rows or {}).values())
     if a.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -153,7 +135,6 @@ def cmd_ls(a: argparse.Namespace) -> int:
 
 def cmd_restore(a: argparse.Namespace) -> int:
     from .restore import fetch_remote_step, verify_step
-    from .store.local import LocalTier
     from .store.tier import open_tier
     remote = open_tier(a.url)  # a plain path too: a shared-filesystem tier
     remote.check_root()
@@ -164,7 +145,7 @@ def cmd_restore(a: argparse.Namespace) -> int:
         steps = [a.step]
     if not steps:
         raise CheckpointNotFound(f"no committed checkpoint at {a.url}")
-    tier = LocalTier(a.to, create=True)
+    tier = open_root(a.to, create=True)
     tier.own()  # a writer of --to: refused (naming the owner) while a training run holds it
     engine = _engine("auto", tier.root)
     try:
@@ -184,7 +165,7 @@ def cmd_restore(a: argparse.Namespace) -> int:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    if not _is_url(a.path) and cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
+    if not is_url(a.path) and cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
         return cli_dcp.cmd_verify(a)
     from .restore import verify_step, verify_tier_step
     from .restore.retry import verify_consistent
@@ -193,7 +174,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     if not steps:  # an existing, empty root: nothing failed (a missing one raised RootNotFound)
         print(f"no checkpoints in {safe(tier.url)}")
         return 0
-    remote = _is_url(a.path)
+    remote = is_url(a.path)
     engine = None if remote else _engine(a.engine, tier.root)
     bad = 0
     try:
@@ -260,7 +241,7 @@ def cmd_export(a: argparse.Namespace) -> int:
         raise ConfigError(f"cannot write {a.out!r}: {out_dir!r} is not a writable directory")
     report = LoadReport()
     with tempfile.TemporaryDirectory(prefix="zerostall-export-") as scratch:
-        src, remote = (scratch, a.path) if _is_url(a.path) else (a.path, None)
+        src, remote = (scratch, a.path) if is_url(a.path) else (a.path, None)
         rank, world = _export_rank(a, remote)
         state = load(src, step=a.step, remote=remote, rank=rank, world_size=world, report=report)
     flat: dict[str, torch.Tensor] = {}

@@ -10,7 +10,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .errors import SaveFailed
-from .staging.job import SaveJob
+from .staging.job import Job
 from .telemetry.record import SaveRecord
 
 if TYPE_CHECKING:
@@ -18,8 +18,12 @@ if TYPE_CHECKING:
 
 
 class SaveHandle:
-    def __init__(self, job: SaveJob, owner: "Checkpointer | None" = None):
+    """Reads the save's :class:`~.staging.job.SaveStatus` (any thread); never writes it except
+    through its methods (``wait_staged`` adds its wait to the stall)."""
+
+    def __init__(self, job: Job, owner: "Checkpointer | None" = None):
         self._job = job
+        self._status = job.status
         self._owner = owner
 
     @property
@@ -29,80 +33,83 @@ class SaveHandle:
     @property
     def skipped(self) -> bool:
         """True when the save was skipped by ``backpressure="skip"``; nothing is written."""
-        return self._job.skipped
+        return self._status.skipped
 
     def staged(self) -> bool:
-        return self._job.staged.is_set()
+        return self._status.staged.is_set()
 
     def durable(self) -> bool:
-        return self._job.durable.is_set()
+        return self._status.durable.is_set()
 
     def done(self) -> bool:
-        return self._job.done.is_set()
+        return self._status.done.is_set()
 
     def replicated(self) -> bool:
         """True once the remote tier holds this checkpoint (committed there)."""
-        return self._job.replicated.is_set() and self._job.replicate_error is None and self._job.error is None
+        st = self._status
+        return st.replicated.is_set() and st.replicate_error is None and st.error is None
 
     def wait_staged(self, timeout: float | None = None) -> bool:
         """Block until the snapshot is complete (the state may then be mutated). The wait
         counts as stall in the record."""
         t0 = time.perf_counter()
-        ok = self._job.staged.wait(timeout)
-        self._job.guard_wait_s += time.perf_counter() - t0
+        ok = self._status.staged.wait(timeout)
+        self._status.add_guard_wait(time.perf_counter() - t0)
         return ok
 
     def wait(self, timeout: float | None = None, tier: str = "local") -> bool:
         """Block until the save is committed (``tier="local"``) or replicated (``"remote"``)
         or has failed; False on timeout. Never raises for a failed save (see ``exception``)."""
+        st = self._status
         if tier == "local":
-            return self._job.done.wait(timeout)
+            return st.done.wait(timeout)
         if tier != "remote":
             raise ValueError(f"tier={tier!r}: choose 'local' or 'remote'")
-        if self._owner is not None and self._owner._replicator is None:
+        if self._owner is not None and not self._owner.has_remote:
             raise ValueError("this Checkpointer has no remote tier (pass remote=URL)")
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._job.done.wait(timeout):
+        if not st.done.wait(timeout):
             return False
-        if self._job.error is not None or self._job.skipped:
+        if st.error is not None or st.skipped:
             return True
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return self._job.replicated.wait(left)
+        return st.replicated.wait(left)
 
     def replication_error(self) -> BaseException | None:
-        return self._job.replicate_error
+        return self._status.replicate_error
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._job.done.wait(timeout)
-        return self._job.error
+        self._status.done.wait(timeout)
+        return self._status.error
 
     def result(self, timeout: float | None = None) -> SaveRecord:
         """The :class:`SaveRecord`; raises :class:`SaveFailed` (cause chained) if the save failed."""
-        if not self._job.done.wait(timeout):
+        st = self._status
+        if not st.done.wait(timeout):
             raise TimeoutError(f"save of step {self.step} not finished after {timeout} s")
-        if self._job.error is not None:
+        if st.error is not None:
             if self._owner is not None:
-                self._owner._error_seen(self._job)
-            raise SaveFailed(f"save of step {self.step} failed: {self._job.error}",
-                             step=self.step) from self._job.error
+                self._owner.error_seen(st)
+            raise SaveFailed(f"save of step {self.step} failed: {st.error}", step=self.step) from st.error
         return record_of(self._job)
 
     def __repr__(self) -> str:
-        state = ("skipped" if self.skipped else "failed" if self._job.error else "durable"
+        state = ("skipped" if self.skipped else "failed" if self._status.error else "durable"
                  if self.durable() else "staged" if self.staged() else "staging")
         return f"<SaveHandle step={self.step} {state}>"
 
 
-def record_of(job: SaveJob) -> SaveRecord:
-    tel = {k: v for k, v in job.telemetry.items() if k in SaveRecord.__dataclass_fields__}
-    nbytes = 0 if job.skipped else job.plan.file_bytes
+def record_of(job: Job) -> SaveRecord:
+    st = job.status
+    tel = {k: v for k, v in st.telemetry.items() if k in SaveRecord.__dataclass_fields__}
+    nbytes = 0 if st.skipped else st.nbytes
     return SaveRecord(
-        step=job.step, bytes=nbytes, stall_s=job.save_block_s + job.guard_wait_s,
-        staged_s=max(0.0, job.t_staged - job.t_submit) if job.t_staged else 0.0,
-        durable_s=max(0.0, job.t_durable - job.t_submit) if job.t_durable else 0.0,
-        snapshot_s=job.snapshot_s, persist_s=job.persist_s, commit_s=job.commit_s,
-        persist_gbps=(nbytes / job.persist_s / 1e9) if job.persist_s > 0 else 0.0,
-        engine=job.engine, arena_bytes=job.arena_bytes, skipped=job.skipped, bytes_written=nbytes,
-        bytes_referenced=0 if job.skipped or job.incr is None else job.incr.bytes_referenced,
-        ok=job.error is None, error=str(job.error or ""), post_commit_errors=tuple(job.post_commit_errors),
+        step=job.step, bytes=nbytes, stall_s=st.save_block_s + st.guard_wait_s,
+        staged_s=max(0.0, st.t_staged - st.t_submit) if st.t_staged else 0.0,
+        durable_s=max(0.0, st.t_durable - st.t_submit) if st.t_durable else 0.0,
+        snapshot_s=st.snapshot_s, persist_s=st.persist_s, commit_s=st.commit_s,
+        persist_gbps=(nbytes / st.persist_s / 1e9) if st.persist_s > 0 else 0.0,
+        engine=job.request.engine, arena_bytes=job.slot.arena_bytes, skipped=st.skipped, bytes_written=nbytes,
+        bytes_referenced=0 if st.skipped or job.incr is None else job.incr.bytes_referenced,
+        ok=st.error is None, error=str(st.error or ""), post_commit_errors=tuple(st.post_commit_errors),
         **tel)  # type: ignore[arg-type]

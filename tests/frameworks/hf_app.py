@@ -10,10 +10,12 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 import torch
 
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 
 SEQ, VOCAB = 16, 64
 
@@ -42,11 +44,17 @@ class CountingTrainer(Trainer):
 
 
 class KillAt(TrainerCallback):
+    """SIGKILL this process as step ``step`` begins, once at least one checkpoint is listed
+    (saves run behind training: on a loaded machine the first may still be in flight)."""
+
     def __init__(self, step):
         self.step = step
 
     def on_step_begin(self, args, state, control, **kw):
         if state.global_step == self.step:
+            deadline = time.monotonic() + 120
+            while get_last_checkpoint(args.output_dir) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -59,6 +67,35 @@ class StopAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kw):
         if state.global_step == self.step:
             control.should_training_stop = True
+
+
+def install_kill_hook(listed):
+    """``ZS_KILL_AT=BOUNDARY:N``: SIGKILL this process at the N-th crossing of a save's
+    boundary: a commit boundary of zerostall's local tier ("manifest", "rename", ...) or
+    the integrations' "publish" (committed, not yet renamed to the framework's name). For
+    N > 1 it first waits (bounded) until ``listed()`` is true: the earlier save is visible."""
+    spec = os.environ.get("ZS_KILL_AT")
+    if not spec:
+        return
+    name, n = spec.split(":")
+    seen = []
+
+    def hook(boundary):
+        if boundary != name:
+            return
+        seen.append(boundary)
+        if len(seen) == int(n):
+            deadline = time.monotonic() + 120
+            while int(n) > 1 and name != "publish" and not listed() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if name == "publish":
+        from zerostall.integrations._common import Publisher
+        Publisher._hook = staticmethod(hook)
+    else:
+        from zerostall.store.local import LocalTier
+        LocalTier._hook = staticmethod(hook)
 
 
 def make_trainer(outdir, kind, steps, *, callbacks=(), save_total_limit=2):
@@ -96,6 +133,7 @@ def main(argv=None):
     if a.ddp:
         return ddp_main(a.outdir)
     torch.set_num_threads(1)
+    install_kill_hook(lambda: get_last_checkpoint(a.outdir) is not None)
     cbs = [KillAt(a.kill_at_step)] if a.kill_at_step is not None else []
     t = make_trainer(a.outdir, a.trainer, a.steps, callbacks=cbs)
     t.train(resume_from_checkpoint=True if a.resume else None)

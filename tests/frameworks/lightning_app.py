@@ -41,6 +41,44 @@ class TinyModel(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)}
 
 
+class DropoutModel(TinyModel):
+    """TinyModel with dropout: its masks come from the global RNG, so an exact resume needs
+    the RNG state in the checkpoint."""
+
+    def __init__(self, args: argparse.Namespace, lr: float = 0.05):
+        super().__init__(args, lr)
+        self.net.insert(3, torch.nn.Dropout(0.3))
+
+
+def install_kill_hook(listed):
+    """``ZS_KILL_AT=BOUNDARY:N[:SUBSTR]``: SIGKILL this process at the N-th crossing of a
+    save's boundary (of a checkpoint whose path holds SUBSTR): a commit boundary of
+    zerostall's local tier ("manifest", ...) or the integrations' "publish" (committed, not
+    yet renamed to its path). For N > 1 it first waits (bounded) until ``listed()``."""
+    spec = os.environ.get("ZS_KILL_AT")
+    if not spec:
+        return
+    name, n, sub = (spec.split(":") + [""])[:3]
+    seen = []
+
+    def hook(owner, boundary):
+        if boundary != name or sub not in str(getattr(owner, "root", "")):
+            return
+        seen.append(boundary)
+        if len(seen) == int(n):
+            deadline = time.monotonic() + 120
+            while int(n) > 1 and name != "publish" and not listed() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if name == "publish":
+        from zerostall.integrations._common import Publisher
+        Publisher._hook = hook
+    else:
+        from zerostall.store.local import LocalTier
+        LocalTier._hook = hook
+
+
 def data():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(N_SAMPLES, DIM, generator=g)
@@ -92,6 +130,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
+    install_kill_hook(lambda: os.path.isdir(os.path.join(a.outdir, "ckpts", "last.ckpt")))
     cbs = [KillAfterEpoch(a.kill_after_epoch)] if a.kill_after_epoch is not None else []
     trainer, _ = make_trainer(a.outdir, a.io, a.epochs, ddp=a.ddp, extra_callbacks=cbs)
     model = TinyModel(argparse.Namespace(seed=a.seed, note="hparams as a Namespace"))

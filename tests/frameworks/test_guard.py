@@ -1,7 +1,7 @@
 """guard() on wrapped optimizers (Accelerate, Lightning) and with closures.
 
 A save is held "not yet staged" by a job whose ``staged`` event the test controls (the seam:
-``Checkpointer._inflight``), so the order of events is checked without timing.
+``Checkpointer._inflight``, its ``status.staged``), so the order of events is checked without timing.
 """
 
 import threading
@@ -12,12 +12,14 @@ import torch
 
 import zerostall
 from tests.helpers import clone, equal
+from zerostall.staging.job import SaveStatus
 
 
 def _pending(ck):
-    job = types.SimpleNamespace(staged=threading.Event(), done=threading.Event(), guard_wait_s=0.0,
-                                submitted=True, reads=lambda storages: True, step=-1)
-    job.done.set()  # Checkpointer.wait()/close() must not wait for it
+    status = SaveStatus()
+    status.queued.set()
+    status.done.set()  # Checkpointer.wait()/close() must not wait for it
+    job = types.SimpleNamespace(status=status, reads=lambda storages: True, step=-1)
     ck._inflight.append(job)
     return job
 
@@ -41,7 +43,7 @@ def _check_step_waits(ck, model, step_fn):
     t, done = _step_in_thread(step_fn)
     assert not done.wait(0.3)  # held by the guard: parameters untouched
     assert equal(model.state_dict(), before)
-    job.staged.set()
+    job.status.staged.set()
     t.join(10)
     assert done.is_set() and not equal(model.state_dict(), before)
     ck._inflight.remove(job)
@@ -90,14 +92,14 @@ def test_guard_with_closure_waits_after_forward_backward(ckdir, as_kwarg):
             opt.zero_grad()
             loss = model(torch.randn(2, 8, generator=torch.Generator().manual_seed(1))).sum()
             loss.backward()
-            seen.append(job.staged.is_set())
+            seen.append(job.status.staged.is_set())
             in_closure.set()
             return loss
 
         t, done = _step_in_thread(lambda: opt.step(closure=closure) if as_kwarg else opt.step(closure))
         assert in_closure.wait(10)  # forward/backward ran while the snapshot was in flight
         assert not done.wait(0.3) and equal(model.state_dict(), before)
-        job.staged.set()
+        job.status.staged.set()
         t.join(10)
         assert done.is_set() and seen == [False] and not equal(model.state_dict(), before)
         ck._inflight.remove(job)
@@ -121,7 +123,7 @@ def test_state_guard_holds_only_the_forward_of_modules_whose_buffers_are_copied(
             before = bn.running_mean.clone()
             t, done = _step_in_thread(lambda: bn(torch.randn(3, 4)))
             assert not done.wait(0.3) and torch.equal(bn.running_mean, before)
-            job.staged.set()
+            job.status.staged.set()
             t.join(10)
             assert done.is_set() and not torch.equal(bn.running_mean, before)
             bn(torch.randn(3, 4))  # nothing pending: the forward hook removes itself

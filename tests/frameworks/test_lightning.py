@@ -280,3 +280,90 @@ def test_resuming_after_a_crash_during_a_replacing_save_loads_the_previous_check
     assert got["epoch"] == 1 and torch.equal(got["state_dict"]["w"], torch.ones(2))
     assert os.path.islink(tmp_path / "last.ckpt")
     assert sorted(os.listdir(tmp_path)) == ["epoch=1-step=16.ckpt", "last.ckpt"]
+
+
+@pytest.mark.parametrize("boundary", ["manifest:1:last.ckpt", "publish:2", "manifest:2:last.ckpt"])
+def test_a_sigkill_during_a_save_of_last_never_blocks_ckpt_path_last(tmp_path, reference, boundary):
+    """SIGKILL during the first save of last.ckpt (before its commit; after it, before the
+    rename) and during a later one: fit(ckpt_path="last") resumes (or starts over when no
+    last.ckpt was committed) and ends bit-exactly where an uninterrupted run does. (The first
+    save left an empty last.ckpt/ and every restart raised CheckpointNotFound.)"""
+    final, _, _ = reference
+    env = {**os.environ, "ZS_KILL_AT": boundary}
+    r = subprocess.run([sys.executable, os.path.join(HERE, "lightning_app.py"), str(tmp_path), "--io", "zerostall",
+                        "--epochs", str(EPOCHS)], env={**env, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "src")]),
+                                                       "OMP_NUM_THREADS": "1"},
+                       timeout=240, capture_output=True, text=True)
+    assert r.returncode == -9, r.stderr[-3000:]
+    last = tmp_path / "ckpts" / "last.ckpt"
+    if boundary.startswith("manifest:2"):  # the first save of last.ckpt (epoch 0) is committed
+        assert is_zerostall_checkpoint(last) and zerostall.load(last)["epoch"] == 0
+    else:
+        assert not os.path.lexists(last), os.listdir(tmp_path / "ckpts")
+    model, _, _ = fit_in_process(tmp_path, "zerostall", EPOCHS, resume="last")
+    assert equal(model.state_dict(), final)
+    names = os.listdir(tmp_path / "ckpts")
+    assert "last.ckpt" in names and not [n for n in names if n.startswith(".")], names
+    assert zerostall.load(last)["epoch"] == EPOCHS - 1
+
+
+def test_a_run_saved_natively_continues_with_the_plugin(tmp_path, reference):
+    """A run begun with Lightning's own checkpointing (last.ckpt a torch.save file) continues
+    with the plugin: the first resume reads the native file (weights-only), the next save of
+    last.ckpt replaces it with a zerostall checkpoint. (It raised ConfigError: 'is a file')."""
+    final, _, _ = reference
+    fit_in_process(tmp_path, "torch", 2)  # Lightning's own checkpointing, then the plugin
+    assert os.path.isfile(tmp_path / "ckpts" / "last.ckpt")
+    model, _, _ = fit_in_process(tmp_path, "zerostall", EPOCHS, resume="last")
+    assert equal(model.state_dict(), final)
+    last = tmp_path / "ckpts" / "last.ckpt"
+    assert is_zerostall_checkpoint(last) and zerostall.load(last)["epoch"] == EPOCHS - 1
+    assert not [n for n in os.listdir(tmp_path / "ckpts") if n.startswith(".")]
+
+
+class _Planted:
+    """Unpickling this (unrestricted) would create the marker file: code would run."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_native_checkpoint_is_read_weights_only(tmp_path):
+    marker = tmp_path / "code-ran"
+    bad = tmp_path / "bad.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "hyper_parameters": {"x": _Planted(str(marker))}}, bad)
+    io = ZerostallCheckpointIO()
+    with pytest.raises(zerostall.errors.ConfigError, match="bad.ckpt.*weights-only.*add_safe_globals"):
+        io.load_checkpoint(bad)
+    assert not marker.exists()
+    good = tmp_path / "good.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "hyper_parameters": {"args": argparse.Namespace(seed=3)}}, good)
+    got = io.load_checkpoint(good)
+    assert got["hyper_parameters"]["args"] == argparse.Namespace(seed=3) and torch.equal(got["state_dict"]["w"], torch.ones(2))
+    io.teardown()
+
+
+def test_rng_state_is_saved_and_restored(tmp_path):
+    """Dropout draws from the global RNG: stopped after epoch 1 and resumed with
+    ckpt_path="last" (in a process whose RNG has moved on), the run ends bit-exactly where an
+    uninterrupted one does, because the checkpoint holds the RNG state and loading restores it."""
+    import lightning as L
+
+    def fit(outdir, epochs, resume=None):
+        torch.set_num_threads(1)
+        trainer, _ = app.make_trainer(str(outdir), "zerostall", epochs)
+        torch.manual_seed(123)
+        model = app.DropoutModel(argparse.Namespace(seed=1))
+        L.seed_everything(7) if resume is None else torch.rand(5)  # a resumed process's RNG has moved on
+        trainer.fit(model, app.data(), ckpt_path=resume)
+        return model
+
+    full = fit(tmp_path / "full", EPOCHS)
+    fit(tmp_path / "stopped", 2)
+    saved = zerostall.load(tmp_path / "stopped" / "ckpts" / "last.ckpt")
+    assert set(saved["zerostall_rng"]) >= {"python", "numpy", "torch"}
+    resumed = fit(tmp_path / "stopped", EPOCHS, resume="last")
+    assert equal(resumed.state_dict(), full.state_dict())

@@ -271,3 +271,54 @@ def test_rng_state_covers_every_cuda_device(tmp_path):
     zerostall.set_rng_state(zerostall.load(tmp_path / "ck")["rng"])
     got = [torch.rand(3, device=f"cuda:{i}") for i in range(torch.cuda.device_count())]
     assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+@dataclasses.dataclass
+class Width:
+    """A script's hyper-parameters class, imported here under this module's name."""
+
+    width: int = 0
+
+
+_SCRIPT = """
+import dataclasses, sys, zerostall
+
+@dataclasses.dataclass
+class Width:
+    width: int = 0
+
+if sys.argv[1] == "save":
+    zerostall.save(sys.argv[2], {"hp": Width(8), "cls": Width}, step=1)
+else:  # load what another program saved as {module}.Width, registering __main__.Width
+    zerostall.register_type(Width)
+    got = zerostall.load(sys.argv[2])
+    assert type(got["hp"]) is Width and got["hp"].width == 5 and got["cls"] is Width, got
+    print("ok")
+"""
+
+
+def test_a_type_of_a_scripts_main_resolves_by_its_qualified_name(tmp_path):
+    """Saved by a script as __main__.Width, loaded where the class is registered from its
+    module (and the reverse); unregistered, attribute access names the type and the fix.
+    (register_type(Width) did not match __main__.Width: 'TaggedData' object has no attribute 'width'.)"""
+    import subprocess
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    r = subprocess.run([sys.executable, str(script), "save", str(tmp_path / "a")], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    plain = zerostall.load(tmp_path / "a")
+    assert plain["hp"] == TaggedData("__main__.Width", {"width": 8})
+    with pytest.raises(AttributeError, match=r"'__main__.Width'.*register_type\(Width\)"):
+        plain["hp"].width
+    zerostall.register_type(Width)
+    try:
+        got = zerostall.load(tmp_path / "a")
+        assert type(got["hp"]) is Width and got["hp"].width == 8 and got["cls"] is Width
+        zerostall.save(tmp_path / "b", {"hp": Width(5), "cls": Width}, step=1)  # recorded as <module>.Width
+    finally:
+        unregister_type(Width)
+    r = subprocess.run([sys.executable, str(script), "load", str(tmp_path / "b")], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

@@ -75,6 +75,58 @@ def test_sigkill_mid_run_then_resume_with_the_mixin(tmp_path, reference):
     assert equal(hf_app.final_params(t), reference)
 
 
+@pytest.mark.parametrize("boundary", ["manifest:1", "publish:1", "manifest:2"])
+def test_get_last_checkpoint_after_a_sigkill_during_a_save(tmp_path, reference, boundary):
+    """HF's own resume path (``get_last_checkpoint``, as HF's example scripts do it) after a
+    SIGKILL during the first save (before its commit; after it, before the rename) and during
+    a later one: it never names an uncommitted checkpoint, and the run resumes bit-exactly.
+    (It named checkpoint-4/ holding only step-4.partial: "Can't find a valid checkpoint".)"""
+    from transformers.trainer_utils import get_last_checkpoint
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "src")]), "OMP_NUM_THREADS": "1",
+           "ZS_KILL_AT": boundary}
+    r = subprocess.run([sys.executable, os.path.join(HERE, "hf_app.py"), str(tmp_path), "--trainer", "zerostall",
+                        "--steps", str(STEPS)], env=env, timeout=300, capture_output=True, text=True)
+    assert r.returncode == -9, r.stderr[-3000:]
+    last = get_last_checkpoint(str(tmp_path))
+    assert last == (str(tmp_path / "checkpoint-4") if boundary == "manifest:2" else None), os.listdir(tmp_path)
+    if last is not None:
+        assert LocalTier(last).steps() == [4] and os.path.isfile(os.path.join(last, "trainer_state.json"))
+    torch.set_num_threads(1)
+    t = hf_app.make_trainer(tmp_path, "zerostall", STEPS)
+    t.train(resume_from_checkpoint=last)
+    assert equal(hf_app.final_params(t), reference)
+    # the staged leftovers are gone; what HF lists is committed
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-12", "checkpoint-8"]
+
+
+def _retention_args(outdir, limit):
+    from transformers import TrainingArguments
+    return TrainingArguments(output_dir=str(outdir), max_steps=16, save_steps=4, eval_strategy="steps",
+                             eval_steps=4, load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                             greater_is_better=True,  # the worse loss "wins": an early checkpoint
+                             save_total_limit=limit, per_device_train_batch_size=4, learning_rate=1e-2,
+                             report_to=[], use_cpu=True, disable_tqdm=True)
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_retention_with_load_best_model_at_end_matches_the_plain_trainer(tmp_path, limit):
+    """save_total_limit with load_best_model_at_end: the same folders remain as with the plain
+    Trainer (three stayed where it keeps two)."""
+    from transformers import Trainer
+
+    from zerostall.integrations.transformers import ZerostallTrainer
+    torch.set_num_threads(1)
+    left = {}
+    for cls in (Trainer, ZerostallTrainer):
+        out = tmp_path / cls.__name__
+        t = cls(model=hf_app.model(), args=_retention_args(out, limit), train_dataset=hf_app.dataset(),
+                eval_dataset=hf_app.dataset(8))
+        t.train()
+        left[cls] = sorted(os.listdir(out)), os.path.basename(t.state.best_model_checkpoint)
+    assert left[ZerostallTrainer] == left[Trainer]
+    assert len(left[Trainer][0]) == limit and left[Trainer][1] != "checkpoint-16"  # the best is an older one
+
+
 def test_load_best_model_at_end_reads_the_zerostall_checkpoint(tmp_path):
     from transformers import TrainingArguments
 

@@ -240,10 +240,10 @@ def test_an_overwrite_queued_behind_a_save_that_references_the_step_is_refused(c
     go = threading.Event()
     decide = RefTracker.decide
 
-    def held(self, job, cuda_run):
-        if job.step == 1:
+    def held(self, req, *args):
+        if req.step == 1:
             assert go.wait(60)
-        return decide(self, job, cuda_run)
+        return decide(self, req, *args)
 
     monkeypatch.setattr(RefTracker, "decide", held)
     frozen = torch.randn(1 << 14)

@@ -9,18 +9,17 @@ import torch
 import zerostall
 from zerostall.store.local import LocalTier
 from zerostall.errors import ZerostallError
-from zerostall.staging.job import SaveJob
+from zerostall.staging.job import Job, SaveRequest, SaveStatus, Slot, Source
 
 from .sigterm_child import drive
 
 
 def _held_job(tensors):
     """An in-flight snapshot that reads ``tensors`` until the test sets ``staged``."""
-    job = SaveJob(step=99, plan=None)
-    job.leaves = list(tensors)
-    job.submitted = True
-    job.done.set()  # wait()/close() need not wait for it
-    return job
+    status = SaveStatus()
+    status.queued.set()
+    status.done.set()  # wait()/close() need not wait for it
+    return Job(SaveRequest(step=99, plan=None), status, Slot(0, 0, None), Source(list(tensors)))
 
 
 def test_guard_waits_only_for_snapshots_of_its_own_optimizer(ckdir):
@@ -38,7 +37,7 @@ def test_guard_waits_only_for_snapshots_of_its_own_optimizer(ckdir):
         t = threading.Thread(target=lambda: (opt_a.step(), done.set()), daemon=True)
         t.start()
         assert not done.wait(0.3)  # a's parameters are still being copied
-        job.staged.set()
+        job.status.staged.set()
         t.join(10)
         assert done.is_set()
         ck._inflight.remove(job)
@@ -66,9 +65,9 @@ def test_handler_call_inside_save_returns(ckdir, where, call):
     elif where == "reserve":
         orig_reserve = ck.ring.reserve
         ck.ring.reserve = lambda n: (handler(), orig_reserve(n))[1]
-    else:
-        orig_submit = ck._persist.submit
-        ck._persist.submit = lambda job: (orig_submit(job), handler())[0]
+    else:  # right after the job was queued (one queue now: the snapshot thread hands it on)
+        orig_queue = ck._lease.queue
+        ck._lease.queue = lambda job: (orig_queue(job), handler())[0]
     if call == "close":
         with pytest.raises(ZerostallError, match="closed") if where != "between_queues" else _nothing():
             h = ck.save(3, state)

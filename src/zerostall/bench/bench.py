@@ -48,7 +48,7 @@ from ..config import IOConfig
 from ..telemetry.host import Sampler
 from .hostinfo import line_rate, machine, memcpy_gbps
 from .methods import Method, available_methods
-from .model import gpt_state_for_size, settle_gc
+from .model import gpt_state_for_size, settle_gc, states_equal
 
 NUMERIC = ("stall_s", "staged_s", "durable_s", "persist_gbps", "fraction_of_line_rate", "dirty_peak_bytes",
            "writeback_peak_bytes", "psi_io_full_peak", "step_p50_ms", "step_p99_ms", "step_max_ms",
@@ -64,14 +64,6 @@ def _map(x: Any, fn: Any) -> Any:
     if isinstance(x, dict):
         return {k: _map(v, fn) for k, v in x.items()}
     return x
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a.cpu(), b.cpu())
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    return a == b
 
 
 def _nbytes(state: Any) -> int:
@@ -165,7 +157,7 @@ def run_one(m: Method, step: int, state: Any, target: Any, size: int, line: dict
     t0 = time.perf_counter()
     restored = m.restore(step, target)
     restore_s = time.perf_counter() - t0
-    verified = _equal(state, restored)
+    verified = states_equal(state, restored)
     m.cleanup(step)
     persist = size / durable / 1e9
     return {"stall_s": stall, "staged_s": staged, "durable_s": durable, "persist_gbps": persist,

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .model import states_equal
+
 
 def state_of(step: int, incremental: bool = False) -> dict[str, object]:
     g = torch.Generator().manual_seed(step)
@@ -30,14 +32,6 @@ def state_of(step: int, incremental: bool = False) -> dict[str, object]:
     if incremental:  # frozen: identical bytes at every step
         out["frozen"] = torch.randn(1 << 20, generator=torch.Generator().manual_seed(7))
     return out
-
-
-def _equal(a: object, b: object) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    return a == b
 
 
 def child(directory: str, incremental: bool = False, ready: str = "READY") -> None:
@@ -72,8 +66,8 @@ def check(directory: str, tally: Tally, incremental: bool = False) -> None:
     from ..io import get_engine
     from ..config import IOConfig
     from ..restore import load, verify_step
-    from ..store.local import LocalTier
-    tier = LocalTier(directory)
+    from ..store.tier import open_root
+    tier = open_root(directory)
     steps = tier.steps()
     tally.partial_seen += bool(tier.partial_steps())
     tally.leftovers_seen += any(not n.endswith(".partial") for n in tier.leftovers())
@@ -83,7 +77,7 @@ def check(directory: str, tally: Tally, incremental: bool = False) -> None:
         return
     try:
         got = load(directory, fallback=False)
-        if not _equal(got, state_of(steps[-1], incremental)):
+        if not states_equal(got, state_of(steps[-1], incremental)):
             tally.failures.append(f"kill {tally.kills}: step {steps[-1]} loads but differs from its state")
             return
         tally.referencing += bool(tier.read_manifest(steps[-1]).ref_files)

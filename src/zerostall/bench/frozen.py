@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from .hostinfo import machine
-from .model import GPTConfig, TinyGPT
+from .model import GPTConfig, TinyGPT, states_equal
 
 METHODS = ("zerostall-full", "zerostall-incremental", "zerostall-incremental-version", "torch.save", "dcp")
 TARGETS = {"bytes_ratio_max": 0.15, "durable_ratio_max": 0.25, "restore_rate_ratio_min": 0.9}
@@ -123,16 +123,6 @@ def _clone(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return type(x)(_clone(v) for v in x)
     return x
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return bool(a == b)
 
 
 def _dir_bytes(d: str) -> int:
@@ -249,7 +239,7 @@ def _restore(m: Any, step: int, expect: Any, d: str) -> tuple[float, bool]:
         t0 = time.perf_counter()
         got = m.load(step, expect)
         best = min(best, time.perf_counter() - t0)
-        ok = ok and _equal(got, expect)
+        ok = ok and states_equal(got, expect)
     return best, ok
 
 

@@ -135,3 +135,18 @@ def gpt_state_for_size(size_bytes: int, seed: int = 0) -> dict[str, dict[str, to
     exp_avg = {k: torch.empty(s).uniform_(-1e-3, 1e-3, generator=g) for k, s in shapes.items()}
     exp_avg_sq = {k: torch.empty(s).uniform_(0, 1e-6, generator=g) for k, s in shapes.items()}
     return {"model": params, "optim_exp_avg": exp_avg, "optim_exp_avg_sq": exp_avg_sq}
+
+
+def states_equal(a: object, b: object) -> bool:
+    """Bit-exact equality of nested state dicts (dicts, lists/tuples, tensors, plain values):
+    same keys, lengths, dtypes, shapes and bytes; tensors on different devices are compared
+    on the CPU. The one comparison of the bench, the crash soak and the tests."""
+    if isinstance(a, torch.Tensor):
+        if not (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape):
+            return False
+        return torch.equal(a, b) if a.device == b.device else torch.equal(a.cpu(), b.cpu())
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(states_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b))
+    return bool(a == b)

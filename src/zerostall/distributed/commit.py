@@ -44,9 +44,9 @@ from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..format.refs import RefFile
 from ..format.tree import remap_tree
 from ..staging.incremental import RefTracker, merged_entries
-from ..staging.job import SaveJob
+from ..staging.job import Persisted, SaveRequest
 from ..store.local import LocalTier
-from ..store.persist import file_entry, tensor_entries
+from ..store.committer import file_entry, tensor_entries
 from .session import Session, Store
 
 log = logging.getLogger("zerostall")
@@ -216,7 +216,8 @@ def _commit_node_copy(store: Store, session: Session, base: str, res: dict[str, 
 
 
 class StoreCommitter:
-    """Multi-rank commit strategy of the persist thread (module docstring).
+    """Multi-rank commit strategy of the persist thread (module docstring); a
+    :class:`~zerostall.store.committer.Committer`.
 
     ``begin``/``commit``/``fail`` run on the persist thread in job order; ``fail`` may also
     run on the caller's thread for a save that failed before it was queued (it then only
@@ -230,8 +231,10 @@ class StoreCommitter:
         self.node_local, self.leaders = session.node_local, session.leaders
         self.refs: RefTracker | None = None
         """Set by the Checkpointer for incremental saves (before the first save)."""
+        self._reported: set[int] = set()  # steps whose outcome this rank sent (persist thread)
 
-    def begin(self, job: SaveJob) -> str:
+    def begin(self, job: SaveRequest) -> str:
+        self._reported.discard(job.step)  # a new save of the step (overwrite)
         d = self.tier.partial_dir(job.step)
         os.makedirs(d, exist_ok=True)
         own = os.path.join(d, job.file_name)
@@ -239,7 +242,7 @@ class StoreCommitter:
             os.unlink(own)
         return d
 
-    def fragment(self, job: SaveJob) -> dict[str, Any]:
+    def fragment(self, job: Persisted) -> dict[str, Any]:
         tree_json = json.dumps(job.plan.tree, sort_keys=True)
         shapes = json.dumps([[it.key, it.dtype, list(it.shape)] for it in job.plan.items], sort_keys=True)
         entries, ref_files = merged_entries(job, tensor_entries(job))  # written and referenced
@@ -252,19 +255,21 @@ class StoreCommitter:
             out["protect"] = sorted(self.refs.own_protected())
         return out
 
-    def commit(self, job: SaveJob) -> None:
-        job.reported = True
+    def commit(self, job: Persisted) -> None:
+        self._reported.add(job.step)
         commit_round(self.store, self.session, self.fragment(job), self.tier, job.step, per_rank=self.per_rank,
-                     timeout_s=self.timeout_s, overwrite=job.overwrite, user_metadata=job.user_metadata,
+                     timeout_s=self.timeout_s, overwrite=job.overwrite, user_metadata=dict(job.user_metadata),
                      protect=self.refs.set_peer_protected if self.refs is not None else None)
+
+    def after_durable(self, job: Persisted) -> tuple[str, ...]:
+        return ()
 
     def report(self, step: int, exc: BaseException) -> None:
         """A save of ``step`` failed on this rank before a job was queued (caller's thread)."""
         report_failure(self.store, self.session, step, exc)
 
-    def fail(self, job: SaveJob, exc: BaseException, *, cleanup: bool = True) -> None:
-        if not job.reported:  # tell the others, so nobody waits for the timeout
-            job.reported = True
+    def fail(self, job: SaveRequest, exc: BaseException, *, cleanup: bool = True) -> None:
+        if job.step not in self._reported:  # its round ran: the others know; else tell them now
             report_failure(self.store, self.session, job.step, exc)
         if not cleanup:
             return

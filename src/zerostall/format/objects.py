@@ -66,6 +66,17 @@ class TaggedData:
     type: str
     data: Any
 
+    def __getattr__(self, attr: str) -> Any:
+        # reached only for attributes a TaggedData lacks: what code that expected the
+        # original object asks for ('cfg.width'); say which type and how to get it back
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        short = self.type.rsplit(".", 1)[-1] if self.type != "class" else "TheClass"
+        raise AttributeError(
+            f"{attr!r}: this {self.type!r} was loaded as TaggedData (its stored fields are in .data), not "
+            f"rebuilt, because the type is not registered; call zerostall.register_type({short}) before "
+            "loading (a class of a script's __main__ matches by its qualified name)")
+
 
 @dataclass(frozen=True)
 class _Registered:
@@ -97,7 +108,10 @@ def register_type(cls: type, *, name: str | None = None, encode: Callable[[Any],
       stored as ``vars(obj)`` and rebuilt with ``cls.__new__(cls)`` + ``__dict__.update``.
 
     ``name`` (default ``module.QualName``) is what the checkpoint records; keep it stable if
-    the class moves. Registration is per process: do it before ``load``.
+    the class moves. A class of a script's ``__main__`` matches by its qualified name: saved
+    by ``python train.py`` as ``__main__.Cfg``, it loads in a program that registers
+    ``train.Cfg`` (and the reverse), unless two registered classes share that qualified name.
+    Registration is per process: do it before ``load``.
     """
     if not isinstance(cls, type):
         raise ConfigError(f"register_type expects a class, got {cls!r}")
@@ -119,6 +133,23 @@ def unregister_type(cls: type) -> None:
         reg = _by_cls.pop(cls, None)
         if reg is not None:
             _by_name.pop(reg.name, None)
+
+
+def _lookup(name: str) -> _Registered | None:
+    """The registration for a recorded type ``name``: exact, else matched by qualified name
+    when one side's module is ``__main__`` (a script's class is ``__main__.Cfg`` when the
+    script runs and ``train.Cfg`` when another program imports it). Ambiguous: None."""
+    reg = _by_name.get(name)
+    if reg is not None:
+        return reg
+    with _lock:
+        regs = [r for r in _by_cls.values() if r.name == _qualname(r.cls)]  # default names only
+    if name.startswith("__main__."):
+        qual = name[len("__main__."):]
+        hits = [r for r in regs if r.cls.__qualname__ == qual]
+    else:
+        hits = [r for r in regs if r.cls.__module__ == "__main__" and name.endswith(f".{r.cls.__qualname__}")]
+    return hits[0] if len(hits) == 1 else None
 
 
 def registered_types() -> dict[str, type]:
@@ -312,7 +343,7 @@ def decode_object(val: Any, dec: Dec, *, build: bool = True) -> Any:
     if not build:
         return TaggedData(name, payload)
     if name == "class":
-        reg = _by_name.get(_str(payload))
+        reg = _lookup(_str(payload))
         return reg.cls if reg is not None else TaggedData("class", payload)
     std = _STANDARD.get(name)
     if std is not None:
@@ -321,7 +352,7 @@ def decode_object(val: Any, dec: Dec, *, build: bool = True) -> Any:
         except (TypeError, ValueError, LookupError, OverflowError) as exc:
             raise ValueError(f"{name} payload {payload!r:.80}: {exc}") from None
         return TaggedData(name, payload) if out is None else out
-    reg = _by_name.get(name)
+    reg = _lookup(name)
     if reg is None:
         return TaggedData(name, payload)
     try:

@@ -1,19 +1,29 @@
-"""Shared by the adapters: rank-local Checkpointers and guards for states a framework mutates.
+"""Shared by the adapters: rank-local Checkpointers, guards for states a framework mutates,
+and the publisher that shows a staged checkpoint under the framework's name once committed.
 
-Called from the training thread only (the framework's checkpoint hooks).
+Called from the training thread only (the framework's checkpoint hooks), except
+:class:`Publisher`'s own thread.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Any
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .._util import Worker
 from ..checkpointer import Checkpointer
 from ..config import CheckpointConfig
-from ..store.local import LocalTier
+from ..errors import ZerostallError
+from ..store.atomic import discard, publish_dir
+from ..store.tier import open_root
+
+log = logging.getLogger("zerostall")
 
 
 def is_committed(path: str | os.PathLike[str]) -> bool:
@@ -23,13 +33,13 @@ def is_committed(path: str | os.PathLike[str]) -> bool:
         return False
     # the tier's own listing: canonical step names whose manifest validates (a crash between the
     # manifest write and the rename leaves step-N.partial/manifest.json, which is not a commit)
-    return bool(LocalTier(p).steps())
+    return bool(open_root(p).steps())
 
 
 def next_step(ckpt: Checkpointer, wanted: int) -> int:
     """``wanted``, or one past the newest committed step when that is not larger (a path saved
     twice gets a new step; keep_last=1 then retires the old one after the commit)."""
-    taken = [j.step for j in tuple(ckpt._inflight)]
+    taken = ckpt.inflight_steps()
     latest = max([*taken, ckpt.latest_step() or -1])
     return wanted if wanted > latest else latest + 1
 
@@ -71,13 +81,17 @@ class StateGuard:
         if ckpt in self._ckpts:
             self._ckpts.remove(ckpt)
 
-    def _pending(self) -> list[Any]:
-        return [j for c in self._ckpts for j in c._pending_staged()]
+    def forget_done(self) -> None:
+        """Stop tracking Checkpointers with nothing in flight (closed by a :class:`Publisher`)."""
+        self._ckpts = [c for c in self._ckpts if c.inflight_steps()]
+
+    def _pending(self) -> bool:
+        return any(c.snapshots_pending() for c in self._ckpts)
 
     def _on_step(self, opt: Any, args: Any, kwargs: Any) -> Any:
         changed = None
         for c in list(self._ckpts):
-            r = c._step_pre_hook(opt, args, kwargs)
+            r = c.step_pre_hook(opt, args, kwargs)
             if r is not None:
                 args, kwargs = changed = r
         return changed
@@ -93,7 +107,7 @@ class StateGuard:
         for b in module._buffers.values():
             if b is not None and b.data_ptr() in self._ptrs:
                 for c in self._ckpts:
-                    c._wait_staged(c._pending_staged())
+                    c.wait_snapshots()
                 return
 
     def close(self) -> None:
@@ -118,3 +132,112 @@ def tensors_of(tree: Any) -> list[torch.Tensor]:
         elif isinstance(x, (list, tuple)):
             stack.extend(x)
     return out
+
+
+@dataclass(frozen=True)
+class _Publish:
+    staged: str  # the Checkpointer's root (a name the framework does not list)
+    final: str  # the framework's name for it
+    handle: Any  # the SaveHandle of the save into ``staged``
+    ckpt: Checkpointer  # closed by the publisher once the save is done
+    before: Callable[[], None] | None  # runs just before the rename (the publisher's thread)
+    after: Callable[[], None] | None  # runs after it (e.g. retention)
+    rename: bool  # False: close only (a rank that does not own the directory)
+
+
+class Publisher(Worker[Any]):
+    """Shows a staged checkpoint directory under the framework's name once it is committed.
+
+    The framework's own "latest checkpoint" discovery (HF ``get_last_checkpoint``, Lightning
+    ``ckpt_path="last"``) lists names; a directory under such a name that holds no committed
+    step (a process killed during its first save) stops a resume. So a save goes into
+    ``staged`` (a hidden sibling); this thread waits until it is committed, closes its
+    Checkpointer, and renames ``staged`` to ``final`` (``publish_dir``: rename, or an atomic
+    exchange with a previous copy), so a listed name always holds a committed checkpoint.
+    A failed save's directory is removed; its error is kept for :meth:`drain`.
+
+    ``submit`` and ``cancel`` from the training thread; one daemon thread publishes, in
+    submission order. ``_hook`` is the crash-test seam: called with ``"publish"`` just
+    before each rename.
+    """
+
+    _hook: Callable[[str], None] | None = None
+
+    def __init__(self, name: str = "zerostall-publish"):
+        super().__init__(name)
+        self._mu = threading.Lock()
+        self._pending: dict[str, int] = {}  # final -> saves queued for it
+        self._cancelled: set[str] = set()
+        self._errors: list[BaseException] = []
+
+    def submit(self, staged: str, final: str, handle: Any, ckpt: Checkpointer, *,
+               before: Callable[[], None] | None = None, after: Callable[[], None] | None = None,
+               rename: bool = True) -> None:
+        with self._mu:
+            self._pending[final] = self._pending.get(final, 0) + 1
+            self._cancelled.discard(final)
+        super().submit(_Publish(staged, final, handle, ckpt, before, after, rename))
+
+    def pending(self, final: str) -> bool:
+        """Whether a save for ``final`` is still queued (not yet published or dropped)."""
+        with self._mu:
+            return self._pending.get(final, 0) > 0
+
+    def cancel(self, final: str) -> None:
+        """The framework removed ``final`` while its save was queued: drop it, not publish it."""
+        with self._mu:
+            if self._pending.get(final, 0):
+                self._cancelled.add(final)
+
+    def drain(self) -> None:
+        """Block until everything submitted so far is published or dropped."""
+        done = threading.Event()
+        Worker.submit(self, done)
+        done.wait()
+
+    def errors(self) -> list[BaseException]:
+        """The failures since the last call (failed saves, failed renames), oldest first."""
+        with self._mu:
+            out, self._errors = self._errors, []
+        return out
+
+    def handle(self, item: Any) -> None:
+        if isinstance(item, threading.Event):
+            item.set()
+            return
+        p: _Publish = item
+        try:
+            p.handle.wait()
+            failed = p.handle.exception()
+            try:
+                p.ckpt.close()
+            except ZerostallError as exc:
+                failed = failed or exc
+            with self._mu:
+                cancelled = p.final in self._cancelled
+            if not p.rename:
+                return
+            if failed is not None or cancelled:
+                discard(p.staged)
+                if failed is not None:
+                    raise failed
+                return
+            if p.before is not None:
+                p.before()
+            if self._hook is not None:
+                self._hook("publish")
+            publish_dir(p.staged, p.final, overwrite=True)
+            if p.after is not None:
+                p.after()
+        except BaseException as exc:  # noqa: BLE001 - kept for drain(), never lost in the thread
+            log.error("zerostall: checkpoint %s was not published: %s", p.final, exc)
+            with self._mu:
+                self._errors.append(exc)
+        finally:
+            with self._mu:
+                n = self._pending.get(p.final, 1) - 1
+                if n > 0:
+                    self._pending[p.final] = n
+                else:
+                    self._pending.pop(p.final, None)
+                    self._cancelled.discard(p.final)

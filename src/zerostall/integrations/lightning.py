@@ -8,12 +8,27 @@
 Each path Lightning names (``epoch=3-step=400.ckpt``, ``last.ckpt``) becomes a zerostall
 checkpoint directory holding one committed step, so ``ModelCheckpoint`` (``save_top_k``,
 ``save_last``, ``every_n_train_steps``), ``trainer.save_checkpoint(path)`` and
-``ckpt_path=`` work unchanged; ``zerostall verify/inspect PATH`` work on them. A save of a
-path that already holds a checkpoint commits a new step and then retires the old one, so the
-path always holds a complete checkpoint. A ``torch.save`` file (or link) at the path is set
-aside as ``.NAME.zerostall-replaced`` until the new checkpoint is durable; if that save fails
-(or the process dies first), the file is put back at the path (at ``teardown()``, or by the
-next run's start-up cleanup), never deleted.
+``ckpt_path=`` work unchanged; ``zerostall verify/inspect PATH`` work on them.
+
+**What a crash leaves.** A path Lightning names only ever holds a committed checkpoint:
+
+- a path that holds no zerostall checkpoint yet (the first save of ``last.ckpt``, every new
+  top-k name) is saved into the hidden sibling ``.NAME.zerostall-first`` and renamed to
+  ``NAME`` by a background thread once committed (over a ``torch.save`` file or link there:
+  an atomic exchange, then the old file is deleted). A SIGKILL before that leaves ``NAME`` as
+  it was (absent, or the old file), which ``ckpt_path="last"`` never picks up wrongly; the next
+  run's first save removes the leftover;
+- a path that holds one commits a new step inside it and then retires the old one.
+
+**RNG.** Each checkpoint also holds :func:`zerostall.rng_state` (Python, numpy, torch CPU
+and CUDA generators, under ``"zerostall_rng"``); ``load_checkpoint`` restores it (on every
+rank: the checkpoint is rank 0's), as the Hugging Face adapter does, so dropout and random
+augmentation continue exactly after a resume.
+
+**Native checkpoints continue.** ``load_checkpoint`` of a ``torch.save`` file (a run begun
+with Lightning's own checkpointing) reads it with ``torch.load(weights_only=True)``
+(``argparse.Namespace`` hyper-parameters allowed; never an unrestricted unpickle); the next
+save of that path replaces the file with a zerostall checkpoint.
 
 **Threads.** Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0 only
 (``load_checkpoint`` on every rank), from the training thread. ``save_checkpoint`` plans and
@@ -45,8 +60,10 @@ import torch
 
 from ..config import CheckpointConfig
 from ..errors import ConfigError, ZerostallError
+from ..rng import rng_state, set_rng_state
+from ..store.atomic import discard
 from ..store.owner import RootLock
-from ._common import StateGuard, is_committed, next_step, open_local, tensors_of
+from ._common import Publisher, StateGuard, is_committed, next_step, open_local, tensors_of
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -63,7 +80,11 @@ log = logging.getLogger("zerostall")
 _REMOVING = ".zerostall-removing"
 """Suffix of a path Lightning removed, deleted once the saves in flight are durable."""
 _REPLACED = ".zerostall-replaced"
-"""Suffix of a torch.save file a save replaces, until that save is durable (else put back)."""
+"""Suffix of a torch.save file set aside by an earlier version while a save replaced it."""
+_FIRST = ".zerostall-first"
+"""Suffix of the hidden sibling a path's first save is written into (renamed once committed)."""
+RNG_KEY = "zerostall_rng"
+"""The checkpoint key holding :func:`zerostall.rng_state` (restored by ``load_checkpoint``)."""
 
 __all__ = ["ZerostallCheckpointIO", "is_zerostall_checkpoint", "load_from_checkpoint"]
 
@@ -101,7 +122,7 @@ class ZerostallCheckpointIO(CheckpointIO):
         self._cleaned: set[str] = set()
         self._waiting: set[str] = set()  # trash paths whose remover waits for saves in flight
         self._errors: list[BaseException] = []
-        self._replaced: dict[str, str] = {}  # path -> its set-aside torch.save file (until durable)
+        self._publisher: Publisher | None = None  # first saves: renamed to their path once committed
         self.handles: list[Any] = []
         """SaveHandles of the saves since the last teardown (newest last)."""
 
@@ -111,25 +132,32 @@ class ZerostallCheckpointIO(CheckpointIO):
             raise TypeError("ZerostallCheckpointIO.save_checkpoint does not take storage_options")
         root = os.path.abspath(os.fspath(path))
         self._clean_stale_trash(os.path.dirname(root))  # before anything of ours is set aside
-        replaced = None
-        if os.path.isfile(root) or os.path.islink(root):
-            # a torch.save file (or a save_last link) under the same name: kept aside until
-            # the new checkpoint is durable, put back if it never is
-            replaced = self._trash_name(root, _REPLACED)
-            os.rename(root, replaced)
-        try:
+        pub = self._publisher
+        if pub is not None and pub.pending(root):  # its first save is still in flight: it goes first
+            pub.drain()
+        checkpoint = {**checkpoint, RNG_KEY: rng_state()}
+        if root in self._ckpts or is_committed(root):
             ck = self._checkpointer(root)
+            staged = None
+        else:  # nothing committed there yet: written aside, shown under its name once committed
+            staged = os.path.join(os.path.dirname(root), f".{os.path.basename(root)}{_FIRST}")
+            if os.path.lexists(staged):
+                discard(staged)
+            ck = open_local(staged, self.config)
+        try:
             step = next_step(ck, int(checkpoint.get("global_step", 0) or 0))
             self._close_idle(keep=root)
             handle = ck.save(step, checkpoint)
         except BaseException:
-            if replaced is not None:
-                self._put_back(root, replaced)
+            if staged is not None:
+                ck.close()
+                discard(staged)
             raise
         self.handles.append(handle)
-        if replaced is not None:
-            self._replaced[root] = replaced
-            self._remove_after(replaced, [handle], keep_if_failed=True)
+        if staged is not None:
+            pub = self._publisher = self._publisher or Publisher("zerostall-lightning-publish")
+            pub.submit(staged, root, handle, ck)
+        self._guard.forget_done()
         if self.wait_staged:
             handle.wait_staged()
         else:
@@ -141,8 +169,10 @@ class ZerostallCheckpointIO(CheckpointIO):
         ck = self._ckpts.get(root)
         if ck is not None:
             ck.wait()
+        if self._publisher is not None and self._publisher.pending(root):
+            self._publisher.drain()
         replaced = os.path.join(os.path.dirname(root), f".{os.path.basename(root)}{_REPLACED}")
-        if root not in self._replaced and os.path.lexists(replaced):
+        if os.path.lexists(replaced):
             # a run that died while a save replaced this path's previous checkpoint: that one
             # goes back first (resuming runs load before they save, when the cleanup runs)
             try:
@@ -150,21 +180,24 @@ class ZerostallCheckpointIO(CheckpointIO):
             except OSError as exc:
                 log.warning("zerostall: could not settle %s: %s", replaced, exc)
         if os.path.isfile(root):
-            raise ConfigError(f"{root} is a file, not a zerostall checkpoint (was it written by torch.save? "
-                              "load it with Lightning's default CheckpointIO)")
-        from .. import load
-        loc = map_location if isinstance(map_location, (str, torch.device)) else None
-        return load(root, map_location=loc, rank=0, world_size=1)
+            out = _load_native(root, map_location)
+        else:
+            from .. import load
+            loc = map_location if isinstance(map_location, (str, torch.device)) else None
+            out = load(root, map_location=loc, rank=0, world_size=1)
+        rng = out.pop(RNG_KEY, None)
+        if isinstance(rng, dict):
+            set_rng_state(rng)
+        return out
 
     def remove_checkpoint(self, path: Any) -> None:
         root = os.path.abspath(os.fspath(path))
+        if self._publisher is not None and self._publisher.pending(root):
+            self._publisher.drain()  # removed right after its first save: published, then set aside
         ck = self._ckpts.pop(root, None)
         if ck is not None:
             self._guard.forget(ck)
             self._close(ck)
-        replaced = self._replaced.pop(root, None)
-        if replaced is not None and os.path.lexists(replaced):  # what this path held before: removed too
-            self._remove_after(replaced, [h for h in self.handles if not h.done()])
         if os.path.islink(root) or os.path.isfile(root):
             os.remove(root)
             return
@@ -182,12 +215,12 @@ class ZerostallCheckpointIO(CheckpointIO):
         for ck in list(self._ckpts.values()):
             self._close(ck)
         self._ckpts.clear()
+        if self._publisher is not None:
+            self._publisher.drain()
+            self._errors.extend(self._publisher.errors())
         for t in self._removers:
             t.join()
         self._removers.clear()
-        for root, replaced in list(self._replaced.items()):
-            self._replaced.pop(root, None)
-            self._settle_replaced(root, replaced)
         self.handles = [h for h in self.handles if not h.done()]
         errors, self._errors = self._errors, []
         if errors:
@@ -205,17 +238,6 @@ class ZerostallCheckpointIO(CheckpointIO):
         elif os.path.lexists(trash):
             os.remove(trash)
         return trash
-
-    def _put_back(self, root: str, replaced: str) -> None:
-        """A save that replaced a file failed before it started: the file goes back."""
-        ck = self._ckpts.pop(root, None)
-        if ck is not None:
-            self._guard.forget(ck)
-            self._close(ck)
-        if os.path.isdir(root) and not is_committed(root):
-            shutil.rmtree(root, ignore_errors=True)
-        if not os.path.lexists(root):
-            os.rename(replaced, root)
 
     def _remove_after(self, trash: str, pending: list[Any], keep_if_failed: bool = False) -> None:
         """Delete ``trash`` (a directory, file or link) once the ``pending`` saves are done
@@ -267,11 +289,27 @@ class ZerostallCheckpointIO(CheckpointIO):
             if n.startswith(".") and n.endswith(_REMOVING):
                 log.info("zerostall: removing %s, left aside by an earlier run", os.path.join(directory, n))
                 self._trash_name(os.path.join(directory, n[1:-len(_REMOVING)]))
+            elif n.startswith(".") and n.endswith(_FIRST):  # a first save a crash cut short
+                self._settle_first(os.path.join(directory, n[1:-len(_FIRST)]), os.path.join(directory, n))
             elif n.startswith(".") and n.endswith(_REPLACED):  # the previous checkpoint of a path
                 try:
                     self._settle_replaced(os.path.join(directory, n[1:-len(_REPLACED)]), os.path.join(directory, n))
                 except OSError as exc:  # never fails the save that is starting
                     log.warning("zerostall: could not settle %s: %s", os.path.join(directory, n), exc)
+
+    def _settle_first(self, root: str, staged: str) -> None:
+        """A first save of ``root`` an earlier run left in ``staged``: removed (never a live
+        writer's). Not published even when committed: a name appearing under ModelCheckpoint
+        after it started makes it save ``last-v1.ckpt`` instead of ``last.ckpt``."""
+        lock = RootLock(staged)
+        try:
+            lock.acquire(0.0)
+        except ZerostallError as exc:
+            log.warning("zerostall: leaving %s alone: %s", staged, exc)
+            return
+        lock.release()
+        log.info("zerostall: removing %s, a first save of an earlier run that was not published", staged)
+        discard(staged)
 
     def _settle_replaced(self, root: str, replaced: str) -> None:
         """``replaced`` held ``root``'s previous checkpoint (a torch.save file or link) while a
@@ -316,10 +354,29 @@ class ZerostallCheckpointIO(CheckpointIO):
     def _close_idle(self, keep: str) -> None:
         """Close the Checkpointers of other paths once their saves are done (frees arenas)."""
         for root, ck in list(self._ckpts.items()):
-            if root != keep and not ck._inflight:
+            if root != keep and not ck.inflight_steps():
                 del self._ckpts[root]
                 self._guard.forget(ck)
                 self._close(ck)
+
+
+def _load_native(path: str, map_location: Any) -> dict[str, Any]:
+    """A ``torch.save`` checkpoint (a run begun with Lightning's own checkpointing), read with
+    ``torch.load(weights_only=True)``: tensors, containers, plain values and
+    ``argparse.Namespace`` (Lightning's usual hyper-parameters); never an unrestricted unpickle."""
+    import argparse
+    import pickle
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            out = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{path} is a torch.save checkpoint that a weights-only load refuses ({first}); "
+                          "zerostall never unpickles arbitrary objects: allow the type with "
+                          "torch.serialization.add_safe_globals([...]) if you trust the file") from None
+    if not isinstance(out, dict):
+        raise ConfigError(f"{path} holds a {type(out).__name__}, not a Lightning checkpoint dict")
+    return out
 
 
 def load_from_checkpoint(cls: Any, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None,

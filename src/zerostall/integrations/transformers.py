@@ -14,11 +14,17 @@ The save runs behind training (the trainer's thread only plans it); the optimize
 the forward of a module whose buffers are being copied wait until the snapshot is staged.
 ``train()`` waits until every save is durable before it returns and raises a failed save.
 
-Resume picks the newest ``checkpoint-N`` whose zerostall step is committed (a checkpoint cut
-short by a crash is skipped); ``save_total_limit`` keeps the newest committed checkpoints
-(and ``best_model_checkpoint``), deleting older ones only once no save is in flight;
-``load_best_model_at_end`` loads through zerostall. Directories written by the plain
-``Trainer`` still resume through HF's own code.
+**A crash never leaves a ``checkpoint-N`` that is not committed.** A save is written into
+``output_dir/.checkpoint-N.zerostall-staging/`` (a name neither HF nor zerostall lists) and
+renamed to ``checkpoint-N`` by a background thread once its step is committed, so HF's own
+``get_last_checkpoint(output_dir)`` (what HF's example scripts resume from) and
+``resume_from_checkpoint=True`` only ever see committed checkpoints, after a SIGKILL at any
+point of any save, the first one included. ``train()`` first removes what a crashed run left
+staged (a committed one is published instead, in a single-process run). ``save_total_limit``
+is applied by HF's own ``rotate_checkpoints`` each time a checkpoint is published (and, at
+the end, HF's ``save_total_limit=1`` + best-model rule), so the same folders remain as with
+the plain ``Trainer``; ``load_best_model_at_end`` loads through zerostall. Directories
+written by the plain ``Trainer`` still resume through HF's own code.
 
 Threads: every method here runs on the trainer's thread (HF calls them from ``train()``).
 Under ``torch.distributed`` every rank saves its own state (``rank-R``, its own RNG) and the
@@ -32,13 +38,12 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 from typing import Any
 
 try:
     from transformers import Trainer
     from transformers.trainer_callback import ExportableState, TrainerState
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, sort_checkpoints
 except ImportError as exc:
     raise ImportError("zerostall.integrations.transformers needs transformers: "
                       "pip install 'zerostall[transformers]'") from exc
@@ -49,7 +54,9 @@ from ..config import CheckpointConfig
 from ..errors import ZerostallError
 from ..format.objects import register_type
 from ..rng import rng_state, set_rng_state
-from ._common import StateGuard, is_committed, next_step
+from ..store.atomic import discard, fsync_dir, publish_dir, write_file_durable
+from ..store.owner import RootLock
+from ._common import Publisher, StateGuard, is_committed, next_step
 
 log = logging.getLogger("zerostall")
 
@@ -59,6 +66,9 @@ register_type(TrainerState)
 
 TRAINER_STATE_NAME = "trainer_state.json"
 _CKPT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+_STAGING = ".zerostall-staging"
+"""Suffix of ``.checkpoint-N`` while its save is in flight (renamed to ``checkpoint-N`` once committed)."""
+_STAGED_RE = re.compile(rf"^\.({PREFIX_CHECKPOINT_DIR}-\d+){re.escape(_STAGING)}$")
 
 
 def _checkpoints(run_dir: str) -> list[tuple[int, str]]:
@@ -89,12 +99,14 @@ class ZerostallTrainerMixin:
         super().__init__(*args, **kwargs)
         cfg = zerostall_config if zerostall_config is not None else CheckpointConfig.from_env()
         self._zs_config = cfg.replace(keep_last=1, overwrite=False)
-        self._zs_ckpts: dict[str, Checkpointer] = {}
+        self._zs_publisher: Publisher | None = None
         self._zs_guard = StateGuard()
         self._zs_resume: tuple[str, dict[str, Any]] | None = None
 
     # -- train: resume resolution, draining ------------------------------------------------
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if self.args.should_save:
+            self._zs_recover(self.args.output_dir)
         if resume_from_checkpoint is True:
             run_dir = self.args.output_dir
             found = last_committed_checkpoint(run_dir)
@@ -122,38 +134,77 @@ class ZerostallTrainerMixin:
         self._zs_finish()
         return out
 
+    def _zs_recover(self, run_dir: str) -> None:
+        """Start-up: what a crashed run left staged is removed, or published when committed
+        (single process only: under torch.distributed other ranks may be choosing a checkpoint)."""
+        try:
+            names = os.listdir(run_dir)
+        except FileNotFoundError:
+            return
+        for n in names:
+            path = os.path.join(run_dir, n)
+            if n.startswith(f".deleting-.{PREFIX_CHECKPOINT_DIR}-"):  # a discard cut short
+                discard(path)
+                continue
+            m = _STAGED_RE.match(n)
+            if m is None:
+                continue
+            lock = RootLock(path)
+            try:
+                lock.acquire(0.0)
+            except ZerostallError as exc:  # a live writer there (another job): leave it
+                log.warning("zerostall: leaving %s alone: %s", path, exc)
+                continue
+            lock.release()
+            final = os.path.join(run_dir, m.group(1))
+            if (is_committed(path) and os.path.isfile(os.path.join(path, TRAINER_STATE_NAME))
+                    and not os.path.exists(final) and self.args.world_size == 1):
+                log.info("zerostall: publishing %s as %s (committed; the run stopped before renaming it)", path, final)
+                publish_dir(path, final)
+            else:
+                log.info("zerostall: removing %s, an unfinished save of an earlier run", path)
+                discard(path)
+
     def _zs_finish(self) -> None:
-        """After train(): every save durable (raising the first failure), then rotation."""
+        """After train(): every save durable and published (raising the first failure), then
+        HF's end-of-training rule for ``save_total_limit=1`` with a best checkpoint."""
         self._zs_resume = None
         self.zerostall_wait()
-        if self.args.should_save:  # saves in flight at the last rotation are committed now
-            self._zs_rotate(self.args.output_dir)
+        best = self.state.best_model_checkpoint
+        if self.args.should_save and best is not None and self.args.save_total_limit == 1:
+            for path in sort_checkpoints(self.args.output_dir, best_model_checkpoint=best):
+                if os.path.exists(best) and not os.path.samefile(path, best):
+                    log.info("zerostall: deleting %s (save_total_limit=1, best model kept)", path)
+                    discard(path)
 
     def zerostall_wait(self) -> None:
-        """Block until every checkpoint is durable; close the checkpointers; raise a failure."""
+        """Block until every checkpoint is durable and published; raise the first failure."""
         self._zs_guard.close()
-        first: BaseException | None = None
-        for path in list(self._zs_ckpts):
-            ck = self._zs_ckpts.pop(path)
-            try:
-                ck.close()
-            except ZerostallError as exc:
-                log.error("zerostall: saving %s failed: %s", path, exc)
-                first = first or exc
-        if first is not None:
-            raise first
+        pub = self._zs_publisher
+        if pub is None:
+            return
+        pub.drain()
+        errors = pub.errors()
+        for exc in errors[1:]:
+            log.error("zerostall: a checkpoint save failed: %s", exc)
+        if errors:
+            raise errors[0]
 
     # -- saving ------------------------------------------------------------------------------
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
-        run_dir = self._get_output_dir(trial=trial)
+        run_dir = os.path.abspath(self._get_output_dir(trial=trial))
         output_dir = os.path.join(run_dir, folder)
-        ck = self._zs_checkpointer(output_dir)  # creates output_dir
+        pub = self._zs_publisher = self._zs_publisher or Publisher("zerostall-hf-publish")
+        if pub.pending(output_dir):  # the same folder saved twice: the first one goes first
+            pub.drain()
+        staging = os.path.join(run_dir, f".{folder}{_STAGING}")
+        ck = Checkpointer(staging, self._zs_config)  # creates it
         if self.state.best_global_step:
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
-            if os.path.exists(best):
+            if os.path.exists(best) or pub.pending(best) or best == output_dir:
                 self.state.best_model_checkpoint = best
         for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
             name = cb.__class__.__name__
@@ -170,44 +221,25 @@ class ZerostallTrainerMixin:
             scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None:
                 state["scaler"] = scaler
-        ck.save(next_step(ck, self.state.global_step), state)
+        try:
+            handle = ck.save(next_step(ck, self.state.global_step), state)
+        except BaseException:
+            ck.close()
+            raise
+        self._zs_guard.forget_done()
         self._zs_guard.track(ck, list(state["model"].values()))
-        if self.args.should_save:
-            self.state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
-            self._zs_rotate(run_dir)
-
-    def _zs_checkpointer(self, path: str) -> Checkpointer:
-        path = os.path.abspath(path)
-        ck = self._zs_ckpts.get(path)
-        if ck is None:
-            ck = self._zs_ckpts[path] = Checkpointer(path, self._zs_config)
-        for other, c in list(self._zs_ckpts.items()):  # release the arenas of finished ones
-            if other != path and not c._inflight:
-                del self._zs_ckpts[other]
-                self._zs_guard.forget(c)
-                c.close()
-        return ck
-
-    def _zs_rotate(self, run_dir: str) -> None:
-        limit = self.args.save_total_limit
-        if limit is None or limit <= 0:
+        if not self.args.should_save:  # the directory is rank 0's: close this rank's part only
+            pub.submit(staging, output_dir, handle, ck, rename=False)
             return
-        ckpts = _checkpoints(os.path.abspath(run_dir))
-        live = {p for p, c in self._zs_ckpts.items() if c._inflight}
-        keep = {p for _, p in ckpts[-limit:]}
-        if self.state.best_model_checkpoint:
-            keep.add(os.path.abspath(self.state.best_model_checkpoint))
-        newest_committed = max((s for s, p in ckpts if is_committed(p)), default=-1)
-        for step, path in ckpts:
-            ap = os.path.abspath(path)
-            if ap in keep or ap in live or step >= newest_committed:
-                continue  # never delete the newest committed checkpoint, nor one being written
-            c = self._zs_ckpts.pop(ap, None)
-            if c is not None:
-                self._zs_guard.forget(c)
-                c.close()
-            log.info("zerostall: deleting %s (save_total_limit=%d)", path, limit)
-            shutil.rmtree(path, ignore_errors=True)
+        # HF's readable copy, durable before the rename makes the folder visible
+        write_file_durable(os.path.join(staging, TRAINER_STATE_NAME), _state_json(self.state).encode())
+        limit, best = self.args.save_total_limit, self.state.best_model_checkpoint
+
+        def rotate() -> None:  # the publisher's thread, right after the rename
+            fsync_dir(run_dir)
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=True)
+
+        pub.submit(staging, output_dir, handle, ck, after=rotate)
 
     # -- loading -------------------------------------------------------------------------------
     def _zs_loaded(self, checkpoint: str) -> dict[str, Any]:
@@ -247,15 +279,21 @@ class ZerostallTrainerMixin:
         set_rng_state(self._zs_loaded(checkpoint)["rng"])
 
     def _load_best_model(self) -> None:
+        if self._zs_publisher is not None:  # the best one may still be in flight
+            self._zs_publisher.drain()
         best = self.state.best_model_checkpoint
         if best is None or not is_committed(best):
             return super()._load_best_model()  # type: ignore[misc]
-        ck = self._zs_ckpts.get(os.path.abspath(best))
-        if ck is not None:
-            ck.wait()
         model = self.accelerator.unwrap_model(self.model)
         result = model.load_state_dict(_zs_load(best)["model"], strict=False)
         self._issue_warnings_after_load(result)
+
+
+def _state_json(state: TrainerState) -> str:
+    """What ``TrainerState.save_to_json`` writes."""
+    import dataclasses
+    import json
+    return json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
 
 
 class ZerostallTrainer(ZerostallTrainerMixin, Trainer):

@@ -171,34 +171,70 @@ class _UringFile(ShardFile):
             L.io_uring_cqe_seen(self.ring, entry)
             return uid, res, None
 
-    def _run_c(self, extents: Sequence[Extent], write: bool, overlap: Callable[[], None] | None) -> bool:
-        """:meth:`_run` through :class:`_CRing`; False (nothing done) if a buffer is read-only."""
-        cring = self.cring
-        assert cring is not None
+    def _run(self, extents: Sequence[Extent], write: bool, overlap: Callable[[], None] | None = None) -> None:
+        """Every extent transferred, through the ctypes ring where it can (not for read-only
+        buffers: their address is not exported), else through the binding."""
         chunks = split_extents(extents, self.engine.cfg.chunk_bytes)
-        pending: list[tuple[int, memoryview, int]] = []
-        for off, mv in reversed(chunks):
-            addr = _address(mv) if len(mv) else 0
-            if addr is None:
-                return False
-            pending.append((off, mv, addr))
+        cring = self.cring
+        if cring is not None:
+            addrs = [_address(mv) if len(mv) else 0 for _, mv in chunks]
+            if None not in addrs:
+                pending = [(off, mv, addr) for (off, mv), addr in zip(chunks, addrs)]
+
+                def queue_c(off: int, mv: memoryview, addr: int, uid: int) -> object:
+                    return addr if cring.queue(write, self.fd, addr, len(mv), off, uid) else None
+
+                def reap_c() -> tuple[int, int, OSError | None]:
+                    uid, res = cring.reap()
+                    return uid, res, OSError(-res, os.strerror(-res)) if res < 0 else None
+
+                self._drive(pending, write, queue_c, cring.submit, reap_c, overlap)
+                return
+
+        def queue_binding(off: int, mv: memoryview, _: int, uid: int) -> object:
+            sqe = L.io_uring_get_sqe(self.ring)
+            if sqe is None:
+                return None
+            iov = self.engine.iovec(mv)  # referenced by inflight until reaped (see module doc)
+            if write:
+                L.io_uring_prep_writev(sqe, self.fd, iov, off)
+            else:
+                L.io_uring_prep_readv(sqe, self.fd, iov, off)
+            L.io_uring_sqe_set_data64(sqe, uid)
+            return iov
+
+        self._drive([(off, mv, 0) for off, mv in chunks], write, queue_binding, lambda: L.io_uring_submit(self.ring),
+                    self._reap, overlap)
+
+    def _drive(self, chunks: list[tuple[int, memoryview, int]], write: bool,
+               queue: Callable[[int, memoryview, int, int], object], submit: Callable[[], object],
+               reap: Callable[[], tuple[int, int | None, OSError | None]],
+               overlap: Callable[[], None] | None) -> None:
+        """The submission loop of both ring paths: keep ``depth`` requests in flight, run
+        ``overlap`` once the first batch is submitted, check every completion's byte count,
+        resubmit short transfers, raise the first error once the ring is drained.
+
+        ``queue(off, mv, addr, uid)`` returns what must stay referenced until the completion
+        (None: the submission queue is full); ``reap()`` returns (uid, res, error)."""
         action = "write" if write else "read"
-        inflight: dict[int, tuple[int, memoryview, int]] = {}  # keeps each buffer alive until reaped
+        pending = list(reversed(chunks))
+        inflight: dict[int, tuple[int, memoryview, int, object]] = {}  # keeps each buffer alive until reaped
         next_id = 0
         first_err: BaseException | None = None
         while pending or inflight:
             queued = 0
             while pending and len(inflight) < self.depth and first_err is None:
                 off, mv, addr = pending[-1]
-                if not cring.queue(write, self.fd, addr, len(mv), off, next_id):
+                kept = queue(off, mv, addr, next_id)
+                if kept is None:
                     break
                 pending.pop()
-                inflight[next_id] = (off, mv, addr)
+                inflight[next_id] = (off, mv, addr, kept)
                 next_id += 1
                 queued += 1
             if queued:
                 try:
-                    cring.submit()
+                    submit()
                 except OSError as exc:
                     raise storage_error(f"submitting {action}s of", self.path, exc) from exc
             if overlap is not None:
@@ -210,75 +246,20 @@ class _UringFile(ShardFile):
             if not inflight:
                 break
             try:
-                uid, res = cring.reap()
+                uid, res, err = reap()
             except OSError as exc:
                 raise storage_error(f"waiting for {action}s of", self.path, exc) from exc
-            off, mv, addr = inflight.pop(uid)
-            if res < 0:
+            off, mv, addr, _ = inflight.pop(uid)
+            if err is not None:
                 if first_err is None:
-                    first_err = storage_error(f"{action} of {len(mv)} bytes at offset {off} of",
-                                              self.path, OSError(-res, os.strerror(-res)))
-            elif res == 0:
-                if first_err is None:
-                    first_err = StorageError(
-                        f"{action} at offset {off} of {self.path!r} transferred 0 of {len(mv)} bytes "
-                        "(file shorter than expected?)", errno=errno.EIO, filename=self.path)
-            elif res < len(mv):  # short transfer: resubmit the rest
-                pending.append((off + res, mv[res:], addr + res))
-        if first_err is not None:
-            raise first_err
-        return True
-
-    def _run(self, extents: Sequence[Extent], write: bool, overlap: Callable[[], None] | None = None) -> None:
-        if self.cring is not None and self._run_c(extents, write, overlap):
-            return
-        action = "write" if write else "read"
-        pending = list(reversed(split_extents(extents, self.engine.cfg.chunk_bytes)))
-        inflight: dict[int, tuple[int, memoryview, object]] = {}
-        next_id = 0
-        first_err: BaseException | None = None
-        while pending or inflight:
-            queued = 0
-            while pending and len(inflight) < self.depth and first_err is None:
-                off, mv = pending.pop()
-                sqe = L.io_uring_get_sqe(self.ring)
-                if sqe is None:
-                    pending.append((off, mv))
-                    break
-                iov = self.engine.iovec(mv)  # referenced by inflight until reaped (see module doc)
-                if write:
-                    L.io_uring_prep_writev(sqe, self.fd, iov, off)
-                else:
-                    L.io_uring_prep_readv(sqe, self.fd, iov, off)
-                L.io_uring_sqe_set_data64(sqe, next_id)
-                inflight[next_id] = (off, mv, iov)
-                next_id += 1
-                queued += 1
-            if queued:
-                L.io_uring_submit(self.ring)
-            if overlap is not None:
-                try:
-                    overlap()
-                except BaseException as exc:  # noqa: BLE001 - raised once the ring is drained
-                    first_err = first_err or exc
-                overlap = None
-            if not inflight:
-                break
-            uid, res, exc = self._reap()
-            if exc is not None:
-                off, mv, _ = inflight.pop(uid)
-                if first_err is None:
-                    first_err = storage_error(f"{action} of {len(mv)} bytes at offset {off} of",
-                                              self.path, exc)
-                continue
-            off, mv, _ = inflight.pop(uid)
-            if res is None or res == 0:
+                    first_err = storage_error(f"{action} of {len(mv)} bytes at offset {off} of", self.path, err)
+            elif not res:
                 if first_err is None:
                     first_err = StorageError(
                         f"{action} at offset {off} of {self.path!r} transferred 0 of {len(mv)} bytes "
                         "(file shorter than expected?)", errno=errno.EIO, filename=self.path)
             elif res < len(mv):  # short transfer: resubmit the rest
-                pending.append((off + res, mv[res:]))
+                pending.append((off + res, mv[res:], addr + res if addr else 0))
         if first_err is not None:
             raise first_err
 

@@ -61,10 +61,10 @@ def check_files(tier: Tier, man: Manifest, only: set[str] | None = None, engine:
         if only is not None and fe.name not in only:
             continue
         where = shard_where(tier, man.step, fe.name)
+        tier.open_shard_read(man.step, fe.name, engine).close()  # refuses a missing file, a symlink, a FIFO...
         size = tier.stat(f"step-{man.step}/{fe.name}")
         if size is None:
-            raise CorruptCheckpoint(f"{where}: shard file is missing", path=where)
-        tier.open_shard_read(man.step, fe.name, engine).close()  # refuses a symlink, FIFO, ...
+            raise CorruptCheckpoint(f"{where}: shard file is missing or not a regular file", path=where)
         if size != fe.file_bytes:
             raise CorruptCheckpoint(f"{where}: shard is {size} bytes, manifest says "
                                     f"{fe.file_bytes} (truncated or replaced)", path=where)

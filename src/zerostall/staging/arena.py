@@ -73,6 +73,26 @@ _populate_ok = True  # cleared once if the kernel lacks MADV_POPULATE_WRITE (< 5
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 
 
+def swap_total_bytes() -> int:
+    """The node's swap space (``SwapTotal``; 0 when unknown): whether an unlocked arena can be paged out."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("SwapTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def memlock_fix(nbytes: int, hard: int) -> str:
+    """The one command that lets this node lock ``nbytes`` (for the warning and ``doctor``)."""
+    if hard == resource.RLIM_INFINITY or hard >= nbytes:
+        return "run 'ulimit -l unlimited' in the shell that launches training"
+    return ("as root, 'echo \"* - memlock unlimited\" > /etc/security/limits.d/90-zerostall.conf' and log in "
+            "again (systemd: LimitMEMLOCK=infinity; docker: --ulimit memlock=-1)")
+
+
 def _cudart():
     """torch's CUDA runtime bindings (the seam unit tests fake to run without a GPU)."""
     return torch.cuda.cudart()
@@ -226,16 +246,20 @@ class Arena:
 
     # -- faulting ---------------------------------------------------------------------------
     def _memlock_allows(self, nbytes: int) -> bool:
-        """Whether RLIMIT_MEMLOCK allows locking ``nbytes``. The limit is the node's setting:
-        only LOCAL_RANK 0 warns (once per process), the other local ranks log at debug level."""
+        """Whether RLIMIT_MEMLOCK allows locking ``nbytes``. The limit is the node's setting, so
+        it is said once per node: by the node's first local rank (once per process), at warning
+        level when the node swaps (the arena may be paged out) and at info level when it has no
+        swap (the budget fits without locking); other local ranks log at debug level."""
         global _warned_memlock
-        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         if soft != resource.RLIM_INFINITY and soft < nbytes:
             if not _warned_memlock:
                 _warned_memlock = True
-                say = log.warning if node_leader() else log.debug
-                say("zerostall: RLIMIT_MEMLOCK is %d bytes, below the %d-byte staging budget; "
-                    "not locking it (raise 'ulimit -l' to keep the arena out of swap)", soft, nbytes)
+                say = (log.warning if swap_total_bytes() else log.info) if node_leader() else log.debug
+                say("zerostall: RLIMIT_MEMLOCK is %d bytes, below the %d-byte staging budget: the arena is "
+                    "not locked%s; fix: %s", soft, nbytes,
+                    "" if swap_total_bytes() else " (no swap on this node: it stays resident anyway)",
+                    memlock_fix(nbytes, hard))
             return False
         return True
 

@@ -5,11 +5,11 @@ Who calls what, from which thread (one :class:`RefTracker` per ``Checkpointer``)
 1. caller's thread, ``save()``: :meth:`RefTracker.prepare` records each tensor's
    *fingerprint* (torch's version counter, data pointer, shape, strides, dtype, device) — a
    few attribute reads per tensor, no data is touched. The plan keeps room for every tensor
-   (the ring reserves the worst case), and the job's layout is marked "not final".
+   (the ring reserves the worst case).
 2. snapshot thread, first thing for the job: :meth:`RefTracker.decide` compares each tensor
    with what the newest committed step recorded under the same key and shrinks the plan to
-   the tensors that must be written; the persist thread waits for this
-   (``job.layout_ready``) before it creates the file, and releases the ring blocks the
+   the tensors that must be written; the persist thread waits for this plan
+   (``Job.layout``) before it creates the file, and releases the ring blocks the
    smaller file does not use. A tensor is referenced when
    - ``mode="crc"`` (``incremental=True``, the sound mode): its fingerprint did not change
      (or is unknown, e.g. after a restart) *and* its bytes are those of the base: on the
@@ -39,7 +39,7 @@ Who calls what, from which thread (one :class:`RefTracker` per ``Checkpointer``)
    tensors are referenced on speculation while their crc runs on the crc threads, the
    changed tensors are staged and written meanwhile, and :meth:`RefTracker.settle` (snapshot
    thread, before ``staged``) appends any that turned out changed after the blocks already
-   staged (``IncrementalJob.extension``; the persist thread writes them and rewrites the
+   staged (``Job.extension``; the persist thread writes them and rewrites the
    header with the final size). Not done for a base read from disk (checked synchronously
    with its file spans) nor when CUDA tensors are undecided.
 3. persist thread: :meth:`before_commit` checks every referenced file is still there;
@@ -70,7 +70,7 @@ from ..errors import ConfigError, StorageError
 from ..format.layout import HEADER_BYTES, align_up
 from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..format.refs import RefFile
-from .job import SaveJob
+from .job import Persisted, SaveRequest, Slot
 from .plan import PlanItem, SavePlan
 from .source_crc import CRC_THREADS, _CpuCrc, _CudaCrc, _file_crc  # noqa: F401 - _CpuCrc: tests
 
@@ -131,18 +131,6 @@ class IncrementalJob:
     dev_hash_bytes: int = 0  # CUDA bytes checked by their device hash (nothing copied to the host)
     dhs: dict[str, int] = field(default_factory=dict)  # key -> device hash computed by this save
     pending: Any = None  # (collect crcs, [(item, leaf, tensor, recorded crc32c)]): referenced on speculation
-    layout: SavePlan | None = None
-    """The plan fixed by :meth:`RefTracker.decide` (what ``layout_ready`` announces); the
-    persist thread opens and writes the file by it even if :meth:`RefTracker.settle` has
-    replaced ``job.plan`` by a longer one meanwhile."""
-    extension: tuple[int, tuple[PlanItem, ...]] | None = None
-    """Set by :meth:`RefTracker.settle` when tensors referenced on speculation had changed:
-    (the file size the persist thread opened the file with, the items appended after it)."""
-    settled: threading.Event = field(default_factory=threading.Event)
-    """Set once ``extension`` and ``job.plan`` are final, before the appended tensors are
-    staged (:meth:`RefTracker.settle`; the snapshot thread sets it on failure too): the
-    persist thread writes the appended blocks while they are staged, so that a ring
-    smaller than the extension cycles instead of deadlocking on ``staged``."""
 
     @property
     def bytes_referenced(self) -> int:
@@ -215,18 +203,19 @@ class RefTracker:
             self._seeded = self._seed_root is not None
 
     # -- caller's thread --------------------------------------------------------------------
-    def prepare(self, job: SaveJob) -> None:
-        job.incr = IncrementalJob(self, {leaf.key: fingerprint(leaf.tensor, leaf.numpy) for leaf in job.plan.leaves})
-        job.layout_ready.clear()
+    def prepare(self, plan: SavePlan) -> "IncrementalJob":
+        """The incremental part of a save of ``plan``: the fingerprints only."""
+        return IncrementalJob(self, {leaf.key: fingerprint(leaf.tensor, leaf.numpy) for leaf in plan.leaves})
 
     def pinned_steps(self) -> set[int]:
         with self._lock:
             return set(self._pins)
 
     # -- snapshot thread --------------------------------------------------------------------
-    def decide(self, job: SaveJob, cuda_run: Callable[[torch.device, Callable[[], None]], None]) -> None:
-        """Choose what to reference; replace ``job.plan``/``job.leaves`` by what to write."""
-        ij: IncrementalJob = job.incr
+    def decide(self, req: SaveRequest, plan: SavePlan, leaves: list[torch.Tensor],
+               cuda_run: Callable[[torch.device, Callable[[], None]], None],
+               ij: "IncrementalJob") -> tuple[SavePlan, list[torch.Tensor]]:
+        """Choose what to reference; return the plan and tensors to write."""
         with self._lock:
             known = self._known
             full = (not known or self._force_full or
@@ -234,11 +223,11 @@ class RefTracker:
             self._force_full = False
             self._since_full = 0 if full else self._since_full + 1
         ij.full = full
-        if self.mode == "crc" and any(_on_device(t) for t in job.leaves or ()):  # full saves too: the next compares
-            self._device_hashes(job.plan.items, list(job.leaves or ()), cuda_run, ij)
+        leaves = list(leaves)
+        if self.mode == "crc" and any(_on_device(t) for t in leaves):  # full saves too: the next compares
+            self._device_hashes(plan.items, leaves, cuda_run, ij)
         if full:
-            return
-        plan, leaves = job.plan, list(job.leaves or ())
+            return plan, leaves
         keep_items: list[PlanItem] = []
         keep_leaves: list[torch.Tensor] = []
         refs: dict[int, TensorEntry] = {}
@@ -246,7 +235,7 @@ class RefTracker:
         verdict: list[bool | None] = []  # True: reference; False: write; None: decided by the crc
         for item, leaf in zip(plan.items, leaves):
             k = known.get(item.key)
-            verdict.append(False if k is None else self._fast_path(item, ij.fps.get(item.key), k, job.step))
+            verdict.append(False if k is None else self._fast_path(item, ij.fps.get(item.key), k, req.step))
         if not self._speculate(plan, leaves, known, verdict, ij):
             self._confirm(plan.items, leaves, known, verdict, cuda_run, ij)
         if self._seeded:
@@ -272,11 +261,9 @@ class RefTracker:
         for it in keep_items:
             items.append(PlanItem(it.index, it.key, it.dtype, it.shape, it.nbytes, off))
             off = align_up(off + it.nbytes)
-        job.plan = SavePlan(tuple(items), max(off, HEADER_BYTES), plan.tree,
-                            tuple(lf for lf, it in zip(plan.leaves, plan.items) if it.index not in refs),
-                            plan.n_tensors, plan.tree_json)
-        job.leaves = keep_leaves
-        ij.layout = job.plan
+        return SavePlan(tuple(items), max(off, HEADER_BYTES), plan.tree,
+                        tuple(lf for lf, it in zip(plan.leaves, plan.items) if it.index not in refs),
+                        plan.n_tensors, plan.tree_json), keep_leaves
 
     def _speculate(self, plan: SavePlan, leaves: list[torch.Tensor], known: dict[str, Known],
                    verdict: list[bool | None], ij: IncrementalJob) -> bool:
@@ -297,25 +284,22 @@ class RefTracker:
             verdict[i] = True
         return True
 
-    def settle(self, job: SaveJob, block_bytes: int, stage: Callable[[Any, Any], None]) -> None:
+    def settle(self, req: SaveRequest, slot: Slot, spec: SavePlan, block_bytes: int,
+               ij: "IncrementalJob") -> tuple[SavePlan, list[torch.Tensor]] | None:
         """Snapshot thread, after the job's layout is staged and before it is marked staged:
         wait for the speculative crc32c (:meth:`_speculate`); a tensor whose bytes changed
         (written around its version counter) is no longer referenced but appended to the
-        file, after the blocks already staged: ``stage(items, tensors)`` copies it. The
-        persist thread writes the appended blocks and the final header after ``staged``.
-        The ring holds one spare block per incremental save for this (``Checkpointer.save``)."""
-        ij: IncrementalJob | None = job.incr
-        if ij is None:
-            return
+        file, after the blocks already staged. Returns the extended plan and the tensors to
+        stage after ``spec``'s (the snapshot thread hands the plan to the persist thread
+        first, which writes the appended blocks as they are staged, then the final header),
+        or None. The ring holds one spare block per incremental save for this."""
         if ij.pending is None:
-            ij.settled.set()
-            return
+            return None
         collect, cands = ij.pending
         ij.pending = None
         changed = [(it, leaf, t) for (it, leaf, t, want), crc in zip(cands, collect()) if crc != want]
         if not changed:
-            ij.settled.set()
-            return
+            return None
         for it, _, _ in changed:
             del ij.refs[it.index]
         used = {(e.step, e.file) for e in ij.refs.values()}
@@ -324,22 +308,18 @@ class RefTracker:
             ij.full = True
             with self._lock:
                 self._since_full = 0
-        spec = job.plan
         off = -(-spec.file_bytes // block_bytes) * block_bytes  # the blocks staged so far stay as they are
         new = []
         for it, _, _ in changed:
             new.append(PlanItem(it.index, it.key, it.dtype, it.shape, it.nbytes, off))
             off = align_up(off + it.nbytes)
-        if job.g0 + -(-off // block_bytes) > job.g_end:  # cannot happen with the spare block; never write past
-            raise StorageError(f"step {job.step}: {len(new)} tensor(s) changed without their version counter "
+        if slot.g0 + -(-off // block_bytes) > slot.g_end:  # cannot happen with the spare block; never write past
+            raise StorageError(f"step {req.step}: {len(new)} tensor(s) changed without their version counter "
                                "and do not fit the staging blocks reserved for this save; nothing committed")
         log.info("zerostall: incremental: step %d: %d tensor(s) changed without a version-counter bump "
-                 "(e.g. %r); written, not referenced", job.step, len(new), new[0].key)
-        ij.extension = (spec.file_bytes, tuple(new))
-        job.plan = SavePlan(spec.items + tuple(new), off, spec.tree, spec.leaves + tuple(lf for _, lf, _ in changed),
-                            spec.n_tensors, spec.tree_json)
-        ij.settled.set()  # the persist thread writes the appended blocks as they are staged
-        stage(tuple(new), [t for _, _, t in changed])
+                 "(e.g. %r); written, not referenced", req.step, len(new), new[0].key)
+        return SavePlan(spec.items + tuple(new), off, spec.tree, spec.leaves + tuple(lf for _, lf, _ in changed),
+                        spec.n_tensors, spec.tree_json), [t for _, _, t in changed]
 
     def _fast_path(self, item: PlanItem, fp: Any, k: Known, step: int) -> bool | None:
         """False: write; True: reference (``"version"`` mode only); None: ask the crc."""
@@ -421,7 +401,7 @@ class RefTracker:
             verdict[i] = checked[where]
 
     # -- persist thread -----------------------------------------------------------------------
-    def before_commit(self, job: SaveJob, root: str) -> None:
+    def before_commit(self, job: Persisted, root: str) -> None:
         """Every referenced file is still a regular file of the recorded size."""
         for r in job.incr.ref_files if job.incr is not None else ():
             path = os.path.join(root, f"step-{r.step}", r.name)
@@ -434,7 +414,7 @@ class RefTracker:
                 raise StorageError(f"{path}: referenced by step {job.step} but no longer the file it "
                                    "was; nothing committed", filename=path)
 
-    def committed(self, job: SaveJob, file: FileEntry, written: list[tuple[int, TensorEntry]]) -> None:
+    def committed(self, job: Persisted, file: FileEntry, written: list[tuple[int, TensorEntry]]) -> None:
         """``job`` is committed: its tensors (written or referenced) are the new base."""
         ij: IncrementalJob = job.incr
         own = RefFile(job.step, file.name, file.rank, file.file_bytes, file.file_id or job.checkpoint_id)
@@ -451,10 +431,8 @@ class RefTracker:
             self._seeded = False  # every reference of the new base was checked or written here
             self._unpin(ij)
 
-    def failed(self, job: SaveJob) -> None:
-        ij: IncrementalJob | None = job.incr
-        if ij is None:
-            return
+    def failed(self, ij: "IncrementalJob") -> None:
+        """The save of ``ij`` failed (persist thread)."""
         with self._lock:
             if ij.full:
                 self._force_full = True  # a full save failed: the next one is full
@@ -499,7 +477,7 @@ class RefTracker:
             self._peer = set(steps)
 
 
-def merged_entries(job: SaveJob, written: list[tuple[int, TensorEntry]]) -> tuple[list[tuple[int, TensorEntry]],
+def merged_entries(job: Persisted, written: list[tuple[int, TensorEntry]]) -> tuple[list[tuple[int, TensorEntry]],
                                                                                    tuple[RefFile, ...]]:
     """(global tensor index, entry) for every tensor of this rank, written and referenced, in
     index order, and the files the references live in (a multi-rank save's fragment)."""
@@ -511,7 +489,7 @@ def merged_entries(job: SaveJob, written: list[tuple[int, TensorEntry]]) -> tupl
     return sorted(merged.items()), ij.ref_files
 
 
-def manifest_parts(job: SaveJob, written: list[tuple[int, TensorEntry]]) -> tuple[tuple[TensorEntry, ...],
+def manifest_parts(job: Persisted, written: list[tuple[int, TensorEntry]]) -> tuple[tuple[TensorEntry, ...],
                                                                                    tuple[RefFile, ...]]:
     """The manifest's ``tensors`` (written and referenced, in global index order) and ``ref_files``."""
     entries, ref_files = merged_entries(job, written)

@@ -1,8 +1,21 @@
-"""One save in flight: the record every pipeline stage reads and fills in.
+"""The records of one save: one per pipeline stage, each written by one thread and handed forward.
 
-Created by the caller's thread in ``Checkpointer.save()``; the snapshot thread fills
-``crcs`` and sets ``staged``; the persist thread sets ``durable`` (or ``error``) and
-``done``. Times are ``time.perf_counter()`` seconds.
+::
+
+    caller (save())        SaveRequest   frozen: step, plan, rank, overwrite, metadata, id
+    staging pool (caller)  Slot          frozen: the save's blocks of the shared ring
+    caller -> snapshot     Source        the tensors; owned by the snapshot thread once queued
+    snapshot -> persist    Handoff[SavePlan] ``layout`` (what to write; an incremental save's is
+                           smaller), ``extension`` (tensors appended by RefTracker.settle) and
+                           Handoff[Staged] ``snapshot``: each put once by the snapshot thread
+    persist -> committer   Persisted     frozen: the final plan, every tensor's crc32c
+    persist -> subscribers Committed     frozen: what retention, replication, peer replicas need
+
+:class:`SaveStatus` is the one object more than one thread touches: events, the error and
+the timings, changed only through its methods (each names its thread); the handle and the
+lifecycle methods read it lock-free. :class:`Job` is the frozen envelope that travels the
+queues (caller -> snapshot thread -> the job's persist thread). No stage writes another
+stage's record, and no flag steers the flow.
 """
 
 from __future__ import annotations
@@ -11,102 +24,281 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Generic, Mapping, TypeVar
 
 import torch
 
 from ..format.layout import ShardHeader, shard_name
 from .plan import SavePlan
 
-
-def _set_event() -> threading.Event:
-    e = threading.Event()
-    e.set()
-    return e
+T = TypeVar("T")
+_COMMIT = object()  # SaveStatus' commit claim
 
 
-@dataclass(eq=False)
-class SaveJob:
+@dataclass(frozen=True, kw_only=True)
+class SaveRequest:
+    """What ``save()`` asked for (caller's thread); never changed. ``plan`` is the plan of
+    the whole state: an incremental save writes a smaller one (``Staged.plan``)."""
+
     step: int
     plan: SavePlan
-    seq: int = 0
     rank: int = 0
     world_size: int = 1
-    g0: int = 0
-    nblocks: int = 0
     overwrite: bool = False
-    user_metadata: dict[str, Any] = field(default_factory=dict)
+    user_metadata: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     checkpoint_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    crcs: list[int] = field(default_factory=list)
-    leaves: list[torch.Tensor] | None = None
-    cuda_event: Any = None
-    """CUDA: ``{device index: event}`` recorded on each device's current stream at ``save()``."""
-    arena: Any = None
-    """The staging arena this job's blocks live in (set when reserved; the pool may swap later)."""
-    reserved: bool = False
-    """Set by the staging pool once blocks ``g0 .. g_end`` of the shared ring are this job's."""
-    pool_drained: bool = False
-    """Set by the pool when it drained this job's blocks itself (it reserved, then reached no worker)."""
-    staged: threading.Event = field(default_factory=threading.Event)
-    durable: threading.Event = field(default_factory=threading.Event)
-    done: threading.Event = field(default_factory=threading.Event)
-    replicated: threading.Event = field(default_factory=threading.Event)
-    replicate_error: BaseException | None = None
-    t_replicated: float = 0.0
-    error: BaseException | None = None
-    post_commit_errors: list[str] = field(default_factory=list)
-    """Problems after the commit point (latest hint, retention): logged, the save stays durable."""
-    skipped: bool = False
-    reported: bool = False
-    """Set by the committer once this rank's outcome of the step was sent to the other ranks."""
-    to_persist: bool = False
-    to_snap: bool = False
-    submitted: bool = False
-    """Set by ``Checkpointer.save()`` once both pipeline threads have the job."""
-    raised_in_save: bool = False
-    """Its error was raised from ``save()`` itself (not re-raised as a background error)."""
-    _reads: set[int] | None = None
-    t_submit: float = field(default_factory=time.perf_counter)
-    t_staged: float = 0.0
-    t_durable: float = 0.0
-    save_block_s: float = 0.0
-    guard_wait_s: float = 0.0
-    snapshot_s: float = 0.0
-    persist_s: float = 0.0
-    commit_s: float = 0.0
     engine: str = ""
-    arena_bytes: int = 0
-    telemetry: dict[str, Any] = field(default_factory=dict)
-    incr: Any = None
-    """The incremental part (:class:`.incremental.IncrementalJob`), or None for a full save."""
-    layout_ready: threading.Event = field(default_factory=_set_event)
-    """Cleared for incremental saves until the snapshot thread has fixed ``plan`` (it may shrink
-    it); the persist thread reads ``plan`` only after this is set."""
-
-    @property
-    def header(self) -> ShardHeader:
-        return ShardHeader(self.checkpoint_id, self.step, self.rank, self.plan.file_bytes)
-
-    @property
-    def g_end(self) -> int:
-        return self.g0 + self.nblocks
 
     @property
     def file_name(self) -> str:
         return shard_name(self.rank)
 
-    def reads(self, storages: set[int]) -> bool:
-        """Whether the snapshot may still read one of ``storages`` (storage addresses).
 
-        Called by the optimizer guard on the caller's thread; False once staged.
-        """
-        leaves = self.leaves  # the snapshot thread drops it once every byte is copied
-        if leaves is None or self.staged.is_set():
+@dataclass(frozen=True)
+class Slot:
+    """Blocks ``g0 .. g_end`` of the shared ring and the arena they live in (the pool may swap
+    arenas between saves). Made by the staging pool under its lock on the caller's thread."""
+
+    g0: int
+    nblocks: int
+    arena: Any
+    arena_bytes: int = 0
+
+    @property
+    def g_end(self) -> int:
+        return self.g0 + self.nblocks
+
+
+@dataclass(frozen=True)
+class Staged:
+    """The snapshot thread's result: the plan as staged (an incremental save's, with any
+    appended tensors) and its timings."""
+
+    plan: SavePlan
+    snapshot_s: float
+    t_staged: float
+
+
+@dataclass(frozen=True)
+class Persisted:
+    """The shard is written and fdatasynced (persist thread -> committer): what a manifest,
+    or a multi-rank fragment, is made of."""
+
+    request: SaveRequest
+    plan: SavePlan
+    crcs: tuple[int, ...]
+    incr: Any = None
+    """The incremental part (:class:`.incremental.IncrementalJob`), read-only by now."""
+    persist_s: float = 0.0
+
+    step = property(lambda self: self.request.step)
+    rank = property(lambda self: self.request.rank)
+    world_size = property(lambda self: self.request.world_size)
+    overwrite = property(lambda self: self.request.overwrite)
+    user_metadata = property(lambda self: self.request.user_metadata)
+    checkpoint_id = property(lambda self: self.request.checkpoint_id)
+    file_name = property(lambda self: self.request.file_name)
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A step committed by this rank's persist thread, handed to the post-commit subscribers
+    (``on_committed``, persist thread, in commit order). ``status`` is there for the stages
+    that report later through it (replication: :meth:`SaveStatus.mark_replicated`)."""
+
+    step: int
+    checkpoint_id: str
+    overwrite: bool
+    rank: int
+    status: "SaveStatus"
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Not a save: ``item`` for the end of ``worker``'s queue, sent through the snapshot thread
+    so that it arrives after every job queued before it (a persist worker's stop)."""
+
+    worker: Any
+    item: Any
+
+
+class Handoff(Generic[T]):
+    """A value put once by one thread and read by another (which may wait for it)."""
+
+    def __init__(self) -> None:
+        self._ev = threading.Event()
+        self._value: Any = None
+
+    def put(self, value: T) -> None:
+        if not self._ev.is_set():
+            self._value = value
+            self._ev.set()
+
+    def get(self, timeout: float | None = None) -> T:
+        self._ev.wait(timeout)
+        return self._value
+
+    def ready(self) -> bool:
+        return self._ev.is_set()
+
+
+class Source:
+    """The caller's tensors and CUDA events of one save. Made on the caller's thread; once
+    queued the snapshot thread owns it and drops the tensors when staged. ``reads`` is the
+    optimizer guard's question (caller's thread, lock-free)."""
+
+    def __init__(self, leaves: list[torch.Tensor] | None, cuda_event: Any = None):
+        self.leaves = leaves
+        self.cuda_event = cuda_event
+        """CUDA: ``{device index: event}`` recorded on each device's current stream at ``save()``."""
+        self._reads: set[int] | None = None
+
+    def drop(self) -> None:
+        self.leaves = None
+
+    def reads(self, storages: set[int], staged: threading.Event) -> bool:
+        """Whether the snapshot may still read one of ``storages`` (storage addresses)."""
+        leaves = self.leaves  # dropped by the snapshot thread once every byte is copied
+        if leaves is None or staged.is_set():
             return False
         if self._reads is None:
             self._reads = {t.untyped_storage().data_ptr() for t in leaves}
         return not self._reads.isdisjoint(storages)
 
-    def fail(self, exc: BaseException) -> None:
+
+class SaveStatus:
+    """Events, error and timings of one save: what the handle, the guard and the lifecycle
+    methods read. Changed only through these methods, each from the thread it names; reads
+    are lock-free (signal handlers poll the events, see ``Checkpointer``)."""
+
+    def __init__(self, t_submit: float | None = None, nbytes: int = 0):
+        self.t_submit = time.perf_counter() if t_submit is None else t_submit
+        self.queued = threading.Event()
+        self.staged = threading.Event()
+        self.durable = threading.Event()
+        self.done = threading.Event()
+        self.replicated = threading.Event()
+        self.error: BaseException | None = None
+        self.error_in_save = False
+        """The error was raised from ``save()`` itself (not to re-raise as a background error)."""
+        self.replicate_error: BaseException | None = None
+        self.skipped = False
+        self.nbytes = nbytes
+        self.save_block_s = self.guard_wait_s = self.snapshot_s = self.persist_s = self.commit_s = 0.0
+        self.t_staged = self.t_durable = self.t_replicated = 0.0
+        self.post_commit_errors: list[str] = []
+        """Problems after the commit point (latest hint, retention): logged, the save stays durable."""
+        self.telemetry: dict[str, Any] = {}
+        self._claims: list[Any] = []
+        self._wait_lock = threading.Lock()
+
+    # -- any thread -------------------------------------------------------------------------
+    def fail(self, exc: BaseException, *, in_save: bool = False) -> bool:
+        """Fail the save unless it failed already or its commit began (then False). Lock-free
+        (``list.append`` is atomic): safe from a signal handler."""
+        self._claims.append(exc)
+        first = self._claims[0]
+        if first is _COMMIT:
+            return False
+        if first is exc:
+            self.error, self.error_in_save = exc, in_save
+        return True
+
+    def add_guard_wait(self, seconds: float) -> None:
+        """A caller waited ``seconds`` for this snapshot (counted as stall)."""
+        with self._wait_lock:
+            self.guard_wait_s += seconds
+
+    # -- caller's thread --------------------------------------------------------------------
+    def mark_queued(self) -> None:
+        """The staging pool is queueing the job (set just before the queue put)."""
+        self.queued.set()
+
+    def set_save_block(self, seconds: float) -> None:
+        self.save_block_s = seconds
+
+    def skip(self, seconds: float) -> None:
+        """``backpressure="skip"``: nothing is written; every event is set."""
+        self.skipped, self.save_block_s, self.nbytes = True, seconds, 0
+        for e in (self.staged, self.durable, self.done):
+            e.set()
+
+    # -- snapshot thread --------------------------------------------------------------------
+    def mark_staged(self, snapshot_s: float, nbytes: int) -> None:
+        self.snapshot_s, self.nbytes = snapshot_s, nbytes
+        self.t_staged = time.perf_counter()
+        self.staged.set()
+
+    # -- persist thread ---------------------------------------------------------------------
+    def claim_commit(self) -> bool:
+        """Just before the commit point: from now on :meth:`fail` from other threads is
+        refused. False (and nothing may be committed) if the save failed first."""
+        self._claims.append(_COMMIT)
+        return self._claims[0] is _COMMIT
+
+    def commit_failed(self, exc: BaseException) -> None:
+        """The commit itself failed after :meth:`claim_commit` (the persist thread's own error)."""
         if self.error is None:
             self.error = exc
+
+    def mark_durable(self, persist_s: float, commit_s: float) -> None:
+        self.persist_s, self.commit_s = persist_s, commit_s
+        self.t_durable = time.perf_counter()
+        self.durable.set()
+
+    def set_persist_s(self, seconds: float) -> None:
+        self.persist_s = seconds
+
+    def note(self, *problems: str) -> None:
+        """Problems after the commit point; the save stays durable."""
+        self.post_commit_errors.extend(problems)
+
+    def set_telemetry(self, telemetry: dict[str, Any]) -> None:
+        self.telemetry = telemetry
+
+    def finish(self) -> None:
+        """The last thing the persist thread does for a save (after its record is built)."""
+        self.done.set()
+
+    # -- replicator thread (or close() on the caller's) ---------------------------------------
+    def replication_failing(self, exc: BaseException | None) -> None:
+        self.replicate_error = exc
+
+    def mark_replicated(self, error: BaseException | None = None) -> None:
+        self.replicate_error = error
+        if error is None:
+            self.t_replicated = time.perf_counter()
+        self.replicated.set()
+
+
+@dataclass(frozen=True, eq=False)
+class Job:
+    """One save in flight: the envelope the queues carry (caller -> snapshot thread -> the
+    ``persist`` worker it names). Frozen; what changes lives in ``status``, ``source`` (the
+    snapshot thread's) and the handoffs (each put once by the snapshot thread)."""
+
+    request: SaveRequest
+    status: SaveStatus
+    slot: Slot
+    source: Source = field(default_factory=lambda: Source(None))
+    incr: Any = None
+    """The incremental part (:class:`.incremental.IncrementalJob`), or None for a full save."""
+    persist: Any = None
+    """The persist worker (``submit(job)``) the snapshot thread hands the job to; None for a
+    slot the pool drains itself."""
+    layout: Handoff[SavePlan] = field(default_factory=Handoff)
+    extension: Handoff[SavePlan | None] = field(default_factory=Handoff)
+    snapshot: Handoff[Staged] = field(default_factory=Handoff)
+
+    @property
+    def step(self) -> int:
+        return self.request.step
+
+    def header(self, plan: SavePlan) -> ShardHeader:
+        r = self.request
+        return ShardHeader(r.checkpoint_id, r.step, r.rank, plan.file_bytes)
+
+    def reads(self, storages: set[int]) -> bool:
+        """Whether the snapshot may still read one of ``storages`` (the optimizer guard)."""
+        return self.source.reads(storages, self.status.staged)

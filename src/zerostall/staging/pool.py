@@ -12,10 +12,12 @@ integrations built on it) stages through the same pool, inside one staging budge
 * when the last user releases its lease the pool lingers ``linger_s`` (so a loop of one-shot
   saves reuses it), then unmaps everything from a timer thread.
 
-Threads: ``lease``/``release`` from any thread (the Checkpointer's owner); ``submit`` from the
-caller's thread in ``save()``; the snapshot thread and the faulter belong to the pool.
-Reservation and enqueueing happen under one lock, so the snapshot thread sees jobs in
-reservation order and the ring's ``staged`` cursor stays monotonic.
+Threads: ``lease``/``release`` from any thread (the Checkpointer's owner); ``reserve`` and
+``queue`` from the caller's thread in ``save()``; the snapshot thread and the faulter belong
+to the pool. Reservation and enqueueing happen under one lock, so the snapshot thread sees
+jobs in reservation order and the ring's ``staged`` cursor stays monotonic. The pool knows
+nothing of Checkpointers: the snapshot thread hands each job on to the persist worker the
+job names.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Callable, Iterator
+from typing import Iterator
 
 from .arena import Arena, ArenaView
-from .job import SaveJob
+from .job import Job, SaveStatus, Slot
 from .ring import BlockRing
 from .snapshot import Snapshotter
 
@@ -37,6 +39,13 @@ LINGER_S = 5.0
 """Seconds an unused pool stays mapped after its last user leaves."""
 ONESHOT_RING_BYTES = 256 << 20
 """What a one-shot save asks of the pool: it streams through a ring this big."""
+
+
+def want_bytes(file_bytes: int, block_bytes: int, slots: int, oneshot: bool) -> int:
+    """What a user saving ``file_bytes`` asks of the pool: ``slots`` copies, or (one-shot
+    saves) at most a ``ONESHOT_RING_BYTES`` ring to stream through."""
+    blocks = -(-file_bytes // block_bytes) * block_bytes
+    return min(blocks, ONESHOT_RING_BYTES) if oneshot else blocks * slots
 RESERVE_MIN_BYTES = 1 << 30
 """Address space reserved at least (twice the ask, if more; never above the budget)."""
 FIRST_LAP_BYTES = 64 << 20
@@ -80,8 +89,11 @@ class Lease:
                 self.want_bytes = nbytes
                 self.pool._retarget()
 
-    def submit(self, job: SaveJob, hand_over: Callable[[SaveJob], None]) -> None:
-        self.pool.submit(job, hand_over)
+    def reserve(self, nblocks: int, status: SaveStatus) -> contextlib.AbstractContextManager[Slot]:
+        return self.pool.reserve(nblocks, status)
+
+    def queue(self, job: Job) -> None:
+        self.pool.queue(job)
 
     def release(self) -> None:
         if not self.released:
@@ -172,49 +184,52 @@ class StagingPool:
         return min(full, lap)
 
     # -- caller's thread ----------------------------------------------------------------------
-    def submit(self, job: SaveJob, hand_over: Callable[[SaveJob], None]) -> None:
-        """Reserve ``job.nblocks`` and call ``hand_over(job)`` (which queues it on its persist
-        thread and on ``self.snap``) under one lock, so the snapshot thread sees jobs in
-        reservation order. If ``hand_over`` raises before queueing anything, the pool drains
-        the reserved blocks itself (the shared ring must move on) and re-raises."""
+    @contextlib.contextmanager
+    def reserve(self, nblocks: int, status: SaveStatus) -> Iterator[Slot]:
+        """Reserve ``nblocks`` of the ring and hold the pool lock while the caller builds its
+        job and calls :meth:`queue` (so the snapshot thread sees jobs in reservation order).
+        Blocks reserved but never queued (an exception, e.g. raised by a signal handler, in
+        the ``with`` body or inside the reservation) are drained by the pool itself (the
+        shared ring must move on); ``status`` fails with that exception."""
         with self.lock:
             self._swap_if_idle()
             want = self.ring_bytes()
             if self.ring.capacity_bytes != want:
                 self.ring.resize(want)
             g0 = self.ring.reserved
+            slot = Slot(g0, nblocks, self.arena, self.ring.capacity_bytes)
             try:
-                self.ring.reserve(job.nblocks)
-                job.g0, job.reserved = g0, True
-                job.arena = self.arena
-                job.arena_bytes = self.ring.capacity_bytes
+                self.ring.reserve(nblocks)
             except BaseException as exc:
                 # interrupted (a signal handler raising) after the ring moved: the blocks are this
-                # job's, and nobody else will ever release them — drain them here
+                # job's, and nobody else will ever release them: drain them here
                 if self.ring.reserved != g0:
-                    job.g0, job.reserved, job.arena = g0, True, self.arena
-                    self._abandon(job, exc)
+                    self._abandon(slot, status, exc)
                 raise
             try:
-                hand_over(job)
+                yield slot
             except BaseException as exc:
-                if not (getattr(job, "to_snap", False) or getattr(job, "to_persist", False)):
-                    self._abandon(job, exc)
+                if not status.queued.is_set():
+                    self._abandon(slot, status, exc)
                 raise
 
-    def _abandon(self, job: SaveJob, exc: BaseException) -> None:
-        """A job that reserved blocks but reached no worker: fail it, let the snapshot thread
-        publish its blocks unwritten and release them, so the shared ring moves on. The caller
-        (``Checkpointer.save``) sees ``job.pool_drained`` and only discards its bookkeeping."""
-        job.fail(exc)
-        job.pool_drained = True
-        self.snap.submit(job)  # publishes the blocks unwritten
-        threading.Thread(target=self._drain, args=(job,), daemon=True).start()
+    def queue(self, job: Job) -> None:
+        """Hand ``job`` to the snapshot thread (inside :meth:`reserve`); it hands the job on to
+        ``job.persist``. One queue put: nothing can stop half-way between two workers."""
+        job.status.mark_queued()
+        self.snap.submit(job)
 
-    def _drain(self, job: SaveJob) -> None:
-        g = job.g0
-        while g < job.g_end:
-            hi = min(self.ring.wait_staged(g), job.g_end)
+    def _abandon(self, slot: Slot, status: SaveStatus, exc: BaseException) -> None:
+        """Blocks reserved that reached no worker: fail the save, let the snapshot thread
+        publish the blocks unwritten (in ring order) and release them from a helper thread."""
+        status.fail(exc, in_save=True)
+        self.snap.submit(slot)  # publishes the blocks unwritten
+        threading.Thread(target=self._drain, args=(slot,), daemon=True).start()
+
+    def _drain(self, slot: Slot) -> None:
+        g = slot.g0
+        while g < slot.g_end:
+            hi = min(self.ring.wait_staged(g), slot.g_end)
             self.ring.release(g, hi)
             g = hi
 

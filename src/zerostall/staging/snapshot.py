@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import ctypes
-import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -34,7 +33,8 @@ import torch
 
 from .._util import Worker, run_in_fresh_thread
 from .arena import Arena
-from .job import SaveJob
+from .job import Forward, Job, Slot, Staged
+from .plan import SavePlan
 from .ring import BlockRing
 
 log = logging.getLogger("zerostall")
@@ -135,7 +135,7 @@ class DeviceStreams:
         ev.synchronize()
 
 
-class Snapshotter(Worker[SaveJob]):
+class Snapshotter(Worker["Job | Slot | Forward"]):
     def __init__(self, arena: Arena, ring: BlockRing):
         self.arena = arena
         self.ring = ring
@@ -143,28 +143,44 @@ class Snapshotter(Worker[SaveJob]):
         super().__init__("zerostall-snapshot")
 
     # -- snapshot thread ----------------------------------------------------------------
-    def handle(self, job: SaveJob) -> None:
+    def handle(self, job: Job | Slot | Forward) -> None:
+        """Stage one job: hand it on to its persist worker, fix its layout (an incremental
+        save decides what to reference), copy, append what changed behind a version counter
+        (incremental), then put ``staged``. Every handoff is put, on failure too."""
+        if isinstance(job, Slot):  # reserved, never queued: publish unwritten, the pool drains
+            self.ring.publish(job.g_end)
+            return
+        if isinstance(job, Forward):  # a persist worker's stop, behind the jobs queued before it
+            Worker._put_last(job.worker, job.item)
+            return
+        if job.persist is not None:
+            job.persist.submit(job)  # the next stage: it writes blocks as they are published
         t0 = time.perf_counter()
+        plan, status = job.request.plan, job.status
         try:
-            if job.incr is not None:  # may shrink job.plan to what must be written
-                job.incr.tracker.decide(job, lambda dev, fn: self._cuda(dev).run(dev, fn, job.cuda_event))
-            job.layout_ready.set()
-            self._stage(job)
+            leaves = job.source.leaves or []
+            if job.incr is not None:  # what must be written: a smaller plan
+                plan, leaves = job.incr.tracker.decide(job.request, plan, leaves, lambda dev, fn: self._cuda(
+                    dev).run(dev, fn, job.source.cuda_event), job.incr)
+            job.layout.put(plan)
+            self._stage(job, plan, plan.items, leaves, header=True)
             if job.incr is not None:  # tensors referenced on speculation that changed: appended
-                job.incr.tracker.settle(job, self.ring.block_bytes, lambda items, tensors: self._stage(
-                    job, items, tensors))
+                ext = job.incr.tracker.settle(job.request, job.slot, plan, self.ring.block_bytes, job.incr)
+                if ext is not None:
+                    old, (plan, tensors) = plan, ext
+                    job.extension.put(plan)  # the persist thread writes the appended blocks as they come
+                    self._stage(job, plan, plan.items[len(old.items):], tensors, header=False)
         except BaseException as exc:  # noqa: BLE001 - reported on the handle
             log.error("zerostall: snapshot of step %d failed: %s", job.step, exc)
-            job.fail(exc)
+            status.fail(exc)
         finally:
-            self.ring.publish(job.g_end)  # a failed job's blocks are drained unwritten
-            job.leaves = None
-            job.layout_ready.set()
-            if job.incr is not None:
-                job.incr.settled.set()
-            job.snapshot_s = time.perf_counter() - t0
-            job.t_staged = time.perf_counter()
-            job.staged.set()
+            self.ring.publish(job.slot.g_end)  # a failed job's blocks are drained unwritten
+            job.source.drop()
+            job.layout.put(plan)
+            job.extension.put(None)
+            snapshot_s = time.perf_counter() - t0
+            job.snapshot.put(Staged(plan, snapshot_s, time.perf_counter()))
+            status.mark_staged(snapshot_s, plan.file_bytes)
 
     def _cuda(self, device: torch.device) -> DeviceStreams:
         """The side streams; the first call registers the arena with ``device`` current (the
@@ -174,10 +190,10 @@ class Snapshotter(Worker[SaveJob]):
             self._streams = DeviceStreams()
         return self._streams
 
-    def _stage_strided(self, job: SaveJob, tensor: torch.Tensor, offset: int, spans: Callable[..., Any]) -> None:
+    def _stage_strided(self, job: Job, tensor: torch.Tensor, offset: int, spans: Callable[..., Any]) -> None:
         """Copy a non-contiguous CPU tensor slice by slice through one small bounce buffer
         (runs in a helper thread; one allocation, never a whole contiguous copy)."""
-        base, B = (job.arena or self.arena).address, self.ring.block_bytes
+        base, B = job.slot.arena.address, self.ring.block_bytes
         es = tensor.element_size()
         buf = torch.empty(min(STRIDED_CHUNK_BYTES, max(tensor.numel() * es, es)), dtype=torch.uint8)
         foff = offset
@@ -188,26 +204,27 @@ class Snapshotter(Worker[SaveJob]):
             buf[:n_sl].view(sl.dtype).view(sl.shape).copy_(sl)
             for aoff, f, n in spans(foff, foff + n_sl):
                 _memmove(base + aoff, buf.data_ptr() + (f - foff), n)
-                self.ring.publish(job.g0 + (f + n) // B)
+                self.ring.publish(job.slot.g0 + (f + n) // B)
             foff += n_sl
 
-    def _stage(self, job: SaveJob, items: Any = None, tensors: Any = None) -> None:
-        """Copy the header and ``job.plan``'s tensors into the job's blocks and publish them;
-        with ``items``/``tensors``, only those (an incremental save's appended tensors, laid
-        out after the blocks staged before: no header, the gap before them never written)."""
+    def _stage(self, job: Job, plan: SavePlan, items: Any, tensors: Any, *, header: bool) -> None:
+        """Copy ``items``' tensors into the job's blocks (with the header of ``plan``, unless
+        ``header=False``: an incremental save's appended tensors, laid out after the blocks
+        staged before, the gap before them never written) and publish them."""
         ring, B = self.ring, self.ring.block_bytes
-        arena = job.arena or self.arena  # the pool swaps arenas only between jobs
+        g0, cuda_event = job.slot.g0, job.source.cuda_event
+        arena = job.slot.arena  # the pool swaps arenas only between jobs
         arena_u8 = arena.u8
-        first_cuda = next((t.device for t in job.leaves or () if t.device.type == "cuda"), None)
+        first_cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
         streams = self._cuda(first_cuda) if first_cuda is not None else None
 
         def spans(a: int, b: int):
             """Yield (arena offset, file offset, length) runs covering file bytes [a, b)."""
             pos = a
             while pos < b:
-                g = job.g0 + pos // B
+                g = g0 + pos // B
                 run_end_g = ring.wait_writable(g)
-                end = min(b, (run_end_g - job.g0) * B)
+                end = min(b, (run_end_g - g0) * B)
                 aoff = ring.slot_offset(g) + pos % B
                 arena.wait_ready(aoff + end - pos)  # the first lap streams behind the faulter
                 yield aoff, pos, end - pos
@@ -219,16 +236,15 @@ class Snapshotter(Worker[SaveJob]):
             for aoff, _, n in spans(a, b):
                 _memset(base + aoff, 0, n)
 
-        if items is None:
-            header = job.header.encode()
-            for aoff, foff, n in spans(0, len(header)):
-                arena.mv[aoff:aoff + n] = header[foff:foff + n]
-            pos = len(header)
-            items, tensors = job.plan.items, job.leaves or ()
+        if header:
+            raw = job.header(plan).encode()
+            for aoff, foff, n in spans(0, len(raw)):
+                arena.mv[aoff:aoff + n] = raw[foff:foff + n]
+            pos = len(raw)
         else:
-            pos = items[0].offset if items else job.plan.file_bytes
+            pos = items[0].offset if items else plan.file_bytes
         for item, tensor in zip(items, tensors):
-            if job.error is not None:  # persist already failed: stop copying, drain
+            if job.status.error is not None:  # persist already failed: stop copying, drain
                 return
             fill_zero(pos, item.offset)
             if item.nbytes:
@@ -249,8 +265,8 @@ class Snapshotter(Worker[SaveJob]):
                             for o, k in arena.pinned_pieces(aoff, n):  # each inside one registration
                                 src = rel + o - aoff
                                 arena_u8[o:o + k].copy_(flat[0][src:src + k], non_blocking=True)
-                        streams.run(tensor.device, copy, job.cuda_event)  # type: ignore[union-attr]
-                    ring.publish(job.g0 + (foff + n) // B)
+                        streams.run(tensor.device, copy, cuda_event)  # type: ignore[union-attr]
+                    ring.publish(g0 + (foff + n) // B)
             pos = item.offset + item.nbytes
-        fill_zero(pos, job.plan.file_bytes)
-        ring.publish(job.g0 + ring.blocks_for(job.plan.file_bytes))  # the tail block too
+        fill_zero(pos, plan.file_bytes)
+        ring.publish(g0 + ring.blocks_for(plan.file_bytes))  # the tail block too

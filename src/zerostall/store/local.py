@@ -39,6 +39,7 @@ import errno
 import logging
 import os
 import re
+import stat as stat_mod
 import threading
 import uuid
 from typing import TYPE_CHECKING, Callable
@@ -49,10 +50,11 @@ from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..format.validate import parse_step_dir, read_small
 from .atomic import fsync_dir, publish_dir, recover_dir, rmtree, write_file_durable
 from .owner import FETCH_STEP_LOCK_RE, RootLock, StepLock
-from .retention import doomed, spare_referenced
+from .retention import doomed, prune
 from .tier import Tier
 
 if TYPE_CHECKING:
+    from ..config import IOConfig
     from ..io.base import Engine, ShardFile
 
 __all__ = ["LocalTier", "fsync_dir", "write_file_durable"]
@@ -91,9 +93,12 @@ class LocalTier(Tier):
     """The crash-test seam: called with each boundary's name (set on an instance, or on the
     class, as a ``staticmethod``, in a forked child to reach a Checkpointer's start-up)."""
 
-    def __init__(self, root: str, *, create: bool = False, lock_timeout_s: float = 0.0):
+    def __init__(self, root: str, *, create: bool = False, lock_timeout_s: float = 0.0,
+                 io: "IOConfig | None" = None):
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
+        self.io = io
+        """The I/O settings for shards opened without an engine (the user's ``engine=``)."""
         self.lock_timeout_s = lock_timeout_s
         self._lock = RootLock(self.root)
         self._valid: dict[int, tuple[tuple[int, ...], bool]] = {}
@@ -161,13 +166,6 @@ class LocalTier(Tier):
     def manifest_ident(self, step: int) -> tuple[int, ...] | None:
         return self._manifest_ident(step)
 
-    def stat(self, rel: str) -> int | None:
-        """Size of ``root/rel`` (not following a final symlink), or None when absent."""
-        try:
-            return os.lstat(os.path.join(self.root, rel)).st_size
-        except FileNotFoundError:
-            return None
-
     def _manifest_ident(self, step: int) -> tuple[int, ...] | None:
         try:
             st = os.stat(os.path.join(self.step_dir(step), MANIFEST_NAME), follow_symlinks=False)
@@ -193,6 +191,25 @@ class LocalTier(Tier):
         with self._valid_mu:
             self._valid[step] = (ident, ok)
         return ok
+
+    def stat(self, rel: str) -> int | None:
+        try:
+            st = os.stat(os.path.join(self.root, rel), follow_symlinks=False)
+        except OSError:
+            return None
+        return st.st_size if stat_mod.S_ISREG(st.st_mode) else None
+
+    def names_in(self, step: int) -> list[str]:
+        try:
+            return sorted(os.listdir(self.step_dir(step)))
+        except OSError:
+            return []
+
+    def put_bytes(self, data: bytes, rel: str) -> None:
+        path = os.path.join(self.root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_file_durable(path, data)
+        fsync_dir(os.path.dirname(path))
 
     def partial_steps(self) -> list[int]:
         return sorted(int(m.group(1)) for n in self._names() if (m := _PARTIAL_RE.match(n)))
@@ -251,7 +268,7 @@ class LocalTier(Tier):
         from ..format.validate import open_regular
         from ..io.base import choose_engine
         path = os.path.join(self.step_dir(step), name)
-        eng = engine or choose_engine(self.root)
+        eng = engine or choose_engine(self.root, self.io)
         try:
             fd = open_regular(path)
         except FileNotFoundError:
@@ -381,7 +398,7 @@ class LocalTier(Tier):
 
     def open_shard_write(self, step: int, name: str, nbytes: int, engine: "Engine | None" = None) -> "ShardFile":
         from ..io.base import choose_engine
-        eng = engine or choose_engine(self.root)
+        eng = engine or choose_engine(self.root, self.io)
         return eng.open_write(os.path.join(self.partial_dir(step), name), nbytes)
 
     def commit(self, step: int, manifest: Manifest, overwrite: bool = False, *,
@@ -467,10 +484,5 @@ class LocalTier(Tier):
             return []
         keep = set(protect) | ({just_committed} if just_committed is not None else set())
         steps = self.steps()
-        gone = spare_referenced(steps, doomed(steps, keep_last, keep), self.read_manifest)
-        for s in gone:
-            self.delete(s)
-        if gone:
-            log.info("zerostall: retention (keep_last=%d) removed steps %s from %s", keep_last, gone, self.root)
-        return gone
+        return prune(self, steps, doomed(steps, keep_last, keep))
 

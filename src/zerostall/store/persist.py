@@ -1,264 +1,208 @@
 """The persist thread: writes staged blocks to the shard file, then commits.
 
-One daemon thread owned by the ``Checkpointer``. For each job, in order: create
-``step-N.partial/`` and the shard file (O_DIRECT, preallocated), write blocks as the
-snapshot thread publishes them (in batches, so the engine keeps its queue full), release
-each block back to the ring once written, ``fdatasync``, then run the local tier's commit
-and retention. On any error before the commit point the job fails, its remaining blocks are
-drained unwritten (so the ring keeps moving and later saves proceed), and its partial
-directory is removed; the previous checkpoint is never touched. After the commit point (the
-rename) nothing fails the job: a ``latest`` hint or retention failure is logged and recorded
-in ``job.post_commit_errors`` (``SaveRecord.post_commit_errors``); the handle is durable.
+One daemon thread per ``Checkpointer``; jobs arrive from the snapshot thread (which hands
+each on as it starts staging it), in order. For each job: ``Committer.begin``, wait for the
+layout (``Job.layout``, put by the snapshot thread), create the shard file (O_DIRECT,
+preallocated), write blocks as the snapshot thread publishes them (in batches, so the engine
+keeps its queue full), release each block back to the ring once written, ``fdatasync``,
+then hand a :class:`~..staging.job.Persisted` record to the committer. On any error before
+the commit point the save fails, its remaining blocks are drained unwritten (so the ring
+keeps moving and later saves proceed), and ``Committer.fail`` removes its partial directory;
+the previous checkpoint is never touched.
+
+After the commit point (``SaveStatus.claim_commit``, then the rename) nothing fails the save:
+the persist thread marks it durable and hands a :class:`~..staging.job.Committed` record to
+each subscriber (``subscribe``: local retention, replication, peer replicas) in order; what
+they raise is recorded as a post-commit problem (``SaveRecord.post_commit_errors``). Last,
+``finished(job)`` of the owner's bookkeeping builds the save's record, and the status is done.
+Nothing here calls back into the ``Checkpointer``.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import mmap
 import os
-import socket
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from .._util import Worker
-from ..errors import CheckpointExistsError
 from ..format.layout import HEADER_BYTES
-from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..format.shard import CrcCursor
 from ..io.base import Engine, ShardFile
-from ..staging.arena import Arena
-from ..staging.incremental import RefTracker, manifest_parts
-from ..staging.job import SaveJob
+from ..staging.incremental import RefTracker
+from ..staging.job import Committed, Forward, Job, Persisted
+from ..staging.plan import SavePlan
 from ..staging.ring import BlockRing
+from .committer import Committer, LocalCommitter, file_entry, tensor_entries
 from .local import LocalTier
-from .retention import dependents, newest_commits
+from .retention import check_not_referenced
 
 log = logging.getLogger("zerostall")
 
 
-def file_entry(job: SaveJob) -> FileEntry:
-    return FileEntry(job.file_name, job.rank, socket.gethostname(), job.plan.file_bytes, job.checkpoint_id)
+class CommitSubscriber(Protocol):
+    """A stage after the commit point (persist thread, in commit order; keep it short: hand
+    the record to your own thread). What it raises is logged and recorded on the save, which
+    stays durable."""
+
+    def on_committed(self, record: Committed) -> None: ...
 
 
-def tensor_entries(job: SaveJob) -> list[tuple[int, TensorEntry]]:
-    """(global tensor index, entry) for every tensor this rank wrote."""
-    return [(it.index, TensorEntry(it.key, it.dtype, it.shape, job.file_name, it.offset, it.nbytes, crc))
-            for it, crc in zip(job.plan.items, job.crcs)]
-
-
-def build_manifest(job: SaveJob) -> Manifest:
-    """The manifest of a single-rank save (with its references, for an incremental one)."""
-    tensors, ref_files = manifest_parts(job, tensor_entries(job))
-    return Manifest(step=job.step, world_size=job.world_size, checkpoint_id=job.checkpoint_id,
-                    created_unix=time.time(), files=(file_entry(job),),
-                    tensors=tensors, tree=job.plan.tree, tree_json=job.plan.tree_json,
-                    user_metadata=dict(job.user_metadata), ref_files=ref_files)
-
-
-class LocalCommitter:
-    """Commit strategy of a single rank: write the manifest and rename (see :mod:`.local`)."""
-
-    def __init__(self, tier: LocalTier):
+class Persister(Worker[Job]):
+    def __init__(self, tier: LocalTier, engine: Engine, ring: BlockRing, *, finished: Callable[[Job], None],
+                 upstream: Any = None, committer: Committer | None = None, refs: RefTracker | None = None):
         self.tier = tier
-
-    def begin(self, job: SaveJob) -> str:
-        return self.tier.begin(job.step)
-
-    def commit(self, job: SaveJob) -> tuple[str, ...]:
-        return self.tier.commit(job.step, build_manifest(job), overwrite=job.overwrite, latest=False)
-
-    def after_durable(self, job: SaveJob) -> tuple[str, ...]:
-        """The ``latest`` hint, once the handle says durable (two fsyncs off that path)."""
-        return self.tier.write_latest(job.step)
-
-    def fail(self, job: SaveJob, exc: BaseException) -> None:
-        self.tier.abort(job.step)
-
-
-def retain_at_start(tier: LocalTier, keep_last: int, protect: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
-    """Start-up retention by a root's new owner (``Checkpointer`` construction, caller's thread,
-    right after ``LocalTier.own()`` and before any save; local tier, no remote).
-
-    A kill between a commit and its retention leaves a step beyond ``keep_last``; without
-    this, each such kill in a row would add one more. Same invariants as after a commit
-    (:mod:`.retention`): validated steps only, never the newest, never ``protect`` nor the
-    steps committed last (:func:`~.retention.newest_commits`), references spared, newest first.
-    A failure is logged, never raised (nothing is lost by keeping a step).
-
-    Returns the ``keep_last`` steps committed last, oldest first: the Persister keeps
-    protecting them as this writer's own newest commits.
-    """
-    recent = newest_commits(tier.steps(), tier.read_manifest, keep_last)
-    try:
-        tier.apply_retention(keep_last, protect=set(recent) | set(protect))
-    except Exception as exc:  # noqa: BLE001 - an extra step on disk is not worth refusing to start
-        log.warning("zerostall: start-up retention (keep_last=%d) in %s failed: %s", keep_last, tier.root, exc)
-    return recent
-
-
-class Persister(Worker[SaveJob]):
-    def __init__(self, tier: LocalTier, engine: Engine, arena: Arena, ring: BlockRing, *,
-                 keep_last: int | None, on_done: Callable[[SaveJob], None], committer: Any = None,
-                 refs: RefTracker | None = None, recent: list[int] = []):  # noqa: B006 - never mutated
-        self.tier = tier
+        self.upstream = upstream
+        """The snapshot worker that hands this one its jobs: ``stop`` travels through it, so
+        every job queued before a stop still reaches this thread first."""
         self.refs = refs
-        self.committer = committer or LocalCommitter(tier)
+        self.committer: Committer = committer or LocalCommitter(tier)
         self.engine = engine
-        self.arena = arena
         self.ring = ring
-        self.keep_last = keep_last
-        self._recent: collections.deque[int] = collections.deque(recent, maxlen=keep_last or 1)
-        """This writer's newest committed steps, oldest first, seeded with the root's last commits
-        (``recent``, from :func:`retain_at_start`): retention never deletes them (see store/retention.py)."""
-        self.on_done = on_done
+        self.finished = finished
+        self._subscribers: list[CommitSubscriber] = []
         self._hdr: mmap.mmap | None = None
         super().__init__("zerostall-persist")
 
+    def _put_last(self, item: Any) -> None:
+        if self.upstream is None:
+            super()._put_last(item)
+        else:
+            self.upstream.submit(Forward(self, item))
+
+    def subscribe(self, subscriber: CommitSubscriber) -> None:
+        """Hand every step this persist thread commits to ``subscriber.on_committed`` (caller's
+        thread, before the first save)."""
+        self._subscribers.append(subscriber)
+
     # -- persist thread -------------------------------------------------------------------
-    def _check_not_referenced(self, job: SaveJob) -> None:
-        """An overwrite commits only if no step borrows the old bytes (persist thread, just
-        before the commit: ``save()`` checked too, but an incremental save queued before it
-        may have referenced the step since)."""
-        if not os.path.isdir(self.tier.step_dir(job.step)):
-            return
-        users = dependents(self.tier.steps(), job.step, self.tier.read_manifest)
-        if users or job.step in self.refs.pinned_steps():
-            raise CheckpointExistsError(
-                f"step {job.step} in {self.tier.root!r} cannot be overwritten: steps {users or 'being saved'} "
-                "reference its bytes (incremental saves); nothing committed, pick another step")
-
-    def _retain(self, job: SaveJob) -> None:
-        """Retention after ``job`` committed; a failure is recorded on the job, never raised."""
-        self._recent.append(job.step)
-        if self.keep_last is None:
-            return
-        try:
-            protect = set(self._recent) | (self.refs.protected() if self.refs is not None else set())
-            self.tier.apply_retention(self.keep_last, protect=protect, just_committed=job.step)
-        except Exception as exc:  # noqa: BLE001 - nothing after the commit point fails the save
-            msg = f"retention after step {job.step} failed: {exc}"
-            log.warning("zerostall: %s", msg)
-            job.post_commit_errors.append(msg)
-
     @property
     def batch_blocks(self) -> int:
         return max(1, min(self.ring.nblocks // 2, 64))  # the shared ring may grow
 
-    def _extents(self, job: SaveJob, g: int, hi: int, file_bytes: int | None = None) -> list[tuple[int, memoryview]]:
+    def _extents(self, job: Job, g: int, hi: int, file_bytes: int) -> list[tuple[int, memoryview]]:
         B, n = self.ring.block_bytes, self.ring.nblocks
-        file_bytes = job.plan.file_bytes if file_bytes is None else file_bytes
-        mv = (job.arena or self.arena).mv  # the pool may have swapped arenas since this Persister began
+        g0, mv = job.slot.g0, job.slot.arena.mv  # the pool may have swapped arenas since this Persister began
         out = []
         while g < hi:
             run_end = min(hi, (g // n + 1) * n)  # split where the ring wraps
-            foff = (g - job.g0) * B
+            foff = (g - g0) * B
             length = min((run_end - g) * B, file_bytes - foff)
             aoff = self.ring.slot_offset(g)
             out.append((foff, mv[aoff:aoff + length]))
             g = run_end
         return out
 
-    def _write_blocks(self, job: SaveJob, f: ShardFile, g: int, file_bytes: int, crc: CrcCursor) -> int:
+    def _write_blocks(self, job: Job, f: ShardFile, g: int, file_bytes: int, crc: CrcCursor) -> int:
         """Write the job's blocks from ``g`` up to ``file_bytes`` as the snapshot thread
         publishes them, checksumming while the writes are in flight; returns the next block."""
-        g_file = min(job.g_end, job.g0 + self.ring.blocks_for(file_bytes))
+        g_file = min(job.slot.g_end, job.slot.g0 + self.ring.blocks_for(file_bytes))
         while g < g_file:
             hi = min(self.ring.wait_staged(g), g_file, g + self.batch_blocks)
-            if job.error is not None:
-                raise job.error
+            _raise_if_failed(job)
             extents = self._extents(job, g, hi, file_bytes)
             f.write(extents, overlap=lambda: crc.feed(extents))
             self.ring.release(g, hi)
             g = hi
         return g
 
-    def _header_block(self, job: SaveJob) -> memoryview:
+    def _header_block(self, job: Job, plan: SavePlan) -> memoryview:
         """The job's header, zero-padded to HEADER_BYTES, in an aligned buffer (O_DIRECT)."""
         if self._hdr is None:
             self._hdr = mmap.mmap(-1, HEADER_BYTES)  # page-aligned; kept (an engine may still reference it)
-        raw = job.header.encode()
+        raw = job.header(plan).encode()
         self._hdr[:] = raw + bytes(HEADER_BYTES - len(raw))
         return memoryview(self._hdr)
 
-    def _drain(self, job: SaveJob, g: int) -> None:
-        while g < job.g_end:
-            hi = min(self.ring.wait_staged(g), job.g_end)
+    def _drain(self, job: Job, g: int) -> None:
+        while g < job.slot.g_end:
+            hi = min(self.ring.wait_staged(g), job.slot.g_end)
             self.ring.release(g, hi)  # ranges: persisters of several Checkpointers share the ring
             g = hi
 
-    def handle(self, job: SaveJob) -> None:
-        job.engine = self.engine.name
-        g = job.g0
-        f: ShardFile | None = None
+    def _write(self, job: Job, part: str) -> tuple[Persisted, int]:
+        """Write and fdatasync the shard; returns the record for the committer and the next block."""
         t0 = time.perf_counter()
+        g = job.slot.g0
+        layout = job.layout.get()  # an incremental save's plan is final only now (smaller)
+        _raise_if_failed(job)
+        f = self.engine.open_write(os.path.join(part, job.request.file_name), layout.file_bytes)
         try:
-            part = self.committer.begin(job)
-            job.layout_ready.wait()  # an incremental save's plan is final only now (smaller)
-            if job.error is not None:
-                raise job.error
-            # an incremental save may append to job.plan until staged (RefTracker.settle): the
-            # file starts as the layout announced by layout_ready
-            plan = job.incr.layout if job.incr is not None and job.incr.layout is not None else job.plan
-            f = self.engine.open_write(os.path.join(part, job.file_name), plan.file_bytes)
-            crc = CrcCursor(plan.items)
-            g = self._write_blocks(job, f, g, plan.file_bytes, crc)
-            if job.incr is not None:  # not staged: the appended blocks may need the ring's slots
-                job.incr.settled.wait()
-            if job.error is not None:
-                raise job.error
+            crc = CrcCursor(layout.items)
+            g = self._write_blocks(job, f, g, layout.file_bytes, crc)
             crcs = crc.crcs
-            ext = job.incr.extension if job.incr is not None else None
+            # not staged yet: the appended blocks may need the ring's slots (RefTracker.settle)
+            ext = job.extension.get()
+            _raise_if_failed(job)
             if ext is not None:  # tensors that changed behind their version counter, appended
-                ext_crc = CrcCursor(ext[1])
-                g = self._write_blocks(job, f, g, job.plan.file_bytes, ext_crc)
+                ext_crc = CrcCursor(ext.items[len(layout.items):])
+                g = self._write_blocks(job, f, g, ext.file_bytes, ext_crc)
                 crcs = crcs + ext_crc.crcs
-            job.staged.wait()
-            if job.error is not None:
-                raise job.error
+            staged = job.snapshot.get()
+            _raise_if_failed(job)
             if ext is not None:
-                f.write([(0, self._header_block(job))])  # the header names the final size
-            self.ring.release(g, job.g_end)  # blocks reserved for tensors an incremental save referenced
-            g = job.g_end
-            job.crcs = crcs
+                f.write([(0, self._header_block(job, staged.plan))])  # the header names the final size
+            self.ring.release(g, job.slot.g_end)  # blocks reserved for tensors an incremental save referenced
+            g = job.slot.g_end
             f.finish()
-            f.close()
-            f = None
-            t1 = time.perf_counter()
-            job.persist_s = t1 - t0
-            if self.refs is not None:
-                self.refs.before_commit(job, self.tier.root)
-                if job.overwrite:
-                    self._check_not_referenced(job)
-            post = self.committer.commit(job)  # the commit point: from here on the step exists
-            if self.refs is not None and job.incr is not None:  # before retention: the new base
-                self.refs.committed(job, file_entry(job), tensor_entries(job))
-            job.commit_s = time.perf_counter() - t1
-            job.t_durable = time.perf_counter()
-            job.post_commit_errors.extend(post or ())
-            job.durable.set()
-            after = getattr(self.committer, "after_durable", None)
-            if after is not None:
-                job.post_commit_errors.extend(after(job))
-            self._retain(job)
-        except BaseException as exc:  # noqa: BLE001 - reported on the handle
-            job.fail(exc)
-            if self.refs is not None and not job.durable.is_set():
-                self.refs.failed(job)
-            self._drain(job, g)
-            if f is not None:
-                try:
-                    f.close()
-                except OSError:
-                    pass
+        except BaseException:
             try:
-                self.committer.fail(job, exc)
+                f.close()
+            except OSError:
+                pass
+            raise
+        f.close()
+        return Persisted(job.request, staged.plan, tuple(crcs), job.incr, time.perf_counter() - t0), g
+
+    def handle(self, job: Job) -> None:
+        req, status = job.request, job.status
+        g = job.slot.g0
+        try:
+            part = self.committer.begin(req)
+            persisted, g = self._write(job, part)
+            t1 = time.perf_counter()
+            if self.refs is not None:
+                self.refs.before_commit(persisted, self.tier.root)
+                if req.overwrite:  # save() checked too, but a save queued before may reference it since
+                    check_not_referenced(self.tier, req.step, self.refs.pinned_steps(), queued=True)
+            if not status.claim_commit():  # failed meanwhile (close() inside save())
+                raise status.error or RuntimeError("failed")
+            post = self.committer.commit(persisted)  # the commit point: from here on the step exists
+            if self.refs is not None and job.incr is not None:  # before retention: the new base
+                self.refs.committed(persisted, file_entry(persisted), tensor_entries(persisted))
+            status.note(*(post or ()))
+            status.mark_durable(persisted.persist_s, time.perf_counter() - t1)
+            status.note(*self.committer.after_durable(persisted))
+            self._publish(Committed(req.step, req.checkpoint_id, req.overwrite, req.rank, status))
+        except BaseException as exc:  # noqa: BLE001 - reported on the handle
+            if not status.fail(exc):  # after claim_commit: this thread's own error
+                status.commit_failed(exc)
+            if self.refs is not None and job.incr is not None and not status.durable.is_set():
+                self.refs.failed(job.incr)
+            self._drain(job, g)
+            try:
+                self.committer.fail(req, exc)
             except Exception as cexc:  # noqa: BLE001 - the original error is the one to report
-                log.error("zerostall: cleaning up step %d failed: %s", job.step, cexc)
-            log.error("zerostall: save of step %d failed, nothing committed: %s", job.step, exc)
+                log.error("zerostall: cleaning up step %d failed: %s", req.step, cexc)
+            log.error("zerostall: save of step %d failed, nothing committed: %s", req.step, exc)
         finally:
             try:
-                self.on_done(job)  # records and telemetry are final before anyone sees done
+                self.finished(job)  # records and telemetry are final before anyone sees done
             except Exception:  # noqa: BLE001 - a sink failing must not wedge the pipeline
-                log.exception("zerostall: recording step %d failed", job.step)
-            job.done.set()
+                log.exception("zerostall: recording step %d failed", req.step)
+            status.finish()
+
+    def _publish(self, record: Committed) -> None:
+        for sub in self._subscribers:
+            try:
+                sub.on_committed(record)
+            except Exception as exc:  # noqa: BLE001 - nothing after the commit point fails the save
+                msg = f"{getattr(sub, 'name', type(sub).__name__)} after step {record.step} failed: {exc}"
+                log.warning("zerostall: %s", msg)
+                record.status.note(msg)
+
+
+def _raise_if_failed(job: Job) -> None:
+    if job.status.error is not None:
+        raise job.status.error

@@ -36,7 +36,7 @@ from ..errors import (CheckpointExistsError, CheckpointNotFound, ConfigError, Co
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..format.validate import parse_step_dir
 from .tier import Tier
-from .tier import open_tier, register_tier  # noqa: F401 - the registry lives in .tier; kept importable here
+from .tier import is_url, open_tier, register_tier  # noqa: F401 - they live in .tier; kept importable here
 
 log = logging.getLogger("zerostall")
 LIST_TIMEOUT_S = 10.0
@@ -106,6 +106,9 @@ class RemoteTier(Tier):
 
     @abstractmethod
     def _put_bytes(self, data: bytes, rel: str) -> None: ...
+
+    def put_bytes(self, data: bytes, rel: str) -> None:
+        self._put_bytes(data, rel)
 
     @abstractmethod
     def _delete(self, rel: str) -> None:
@@ -401,9 +404,3 @@ class ShardIO:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# -- URLs ---------------------------------------------------------------------------------------
-
-def is_url(path: str) -> bool:
-    return "://" in str(path)

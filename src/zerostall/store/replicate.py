@@ -29,7 +29,7 @@ each local commit, and, while steps are pending, again after a backoff (1 s doub
 last pass a deadline; what is still pending is logged and recorded on the handles and
 uploaded by the next run.
 
-Threads: ``submit`` from the persist thread, ``close``/``pending_steps`` from the caller's;
+Threads: ``on_committed`` from the persist thread (a commit subscriber, see :mod:`.persist`), ``close``/``pending_steps`` from the caller's;
 everything else runs on the replicator thread.
 """
 
@@ -44,11 +44,11 @@ from typing import Callable
 
 from ..errors import CheckpointNotFound, CorruptCheckpoint, RemoteError, ZerostallError
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
-from ..staging.job import SaveJob
+from ..staging.job import Committed
 from .local import LocalTier
 from .remote import RemoteTier, drop_cache, file_crc32c
 from .remote_replace import committed_bytes, live_names, others_are_current, refs_current, set_aside, sweep
-from .retention import RetentionPolicy, dependents, spare_referenced
+from .retention import RetentionPolicy, dependents, prune
 
 log = logging.getLogger("zerostall")
 
@@ -81,7 +81,7 @@ class Replicator:
         self.remote: RemoteTier | None = None
         self.last_error: BaseException | None = None
         self._lock = threading.Lock()
-        self._jobs: dict[int, SaveJob] = {}
+        self._jobs: dict[int, Committed] = {}  # this run's commits not replicated yet
         self._recheck: set[int] = set()  # overwritten steps: the remote copy may be the old one
         self._matched: dict[int, str] = {}  # step -> checkpoint id both tiers hold (replicator thread)
         self._pending: list[int] = []
@@ -95,18 +95,20 @@ class Replicator:
             self._thread.start()
 
     # -- any thread --------------------------------------------------------------------------
-    def submit(self, job: SaveJob) -> None:
-        """A step was committed locally (persist thread)."""
+    name = "replication"
+
+    def on_committed(self, record: Committed) -> None:
+        """A step was committed locally (a commit subscriber: persist thread)."""
         with self._lock:
-            self._jobs[job.step] = job
-            if job.overwrite:
-                self._recheck.add(job.step)
+            self._jobs[record.step] = record
+            if record.overwrite:
+                self._recheck.add(record.step)
         self._wake.set()
 
     def pending_steps(self) -> list[int]:
         """Local steps known not to be on the remote tier yet (plus this run's unreplicated saves)."""
         with self._lock:
-            return sorted(set(self._pending) | {s for s, j in self._jobs.items() if not j.replicated.is_set()})
+            return sorted(set(self._pending) | {s for s, j in self._jobs.items() if not j.status.replicated.is_set()})
 
     def close(self, timeout_s: float) -> list[int]:
         """One last pass, for at most ``timeout_s``; then abandon in-flight transfers. Returns the
@@ -128,13 +130,12 @@ class Replicator:
         with self._lock:
             jobs = list(self._jobs.values())
         for job in jobs:
-            if not job.replicated.is_set():
-                job.replicate_error = RemoteError(
+            if not job.status.replicated.is_set():
+                job.status.mark_replicated(RemoteError(
                     f"step {job.step} was not replicated to {url} before close (close_timeout_s={timeout_s:g})"
                     + (f"; last error: {self.last_error}" if self.last_error else "")
                     + f"; the local copy is kept and the next Checkpointer on {self.tier.root} uploads it",
-                    url=url, step=job.step)
-                job.replicated.set()
+                    url=url, step=job.step))
         return pending
 
     def _url(self) -> str:
@@ -163,7 +164,7 @@ class Replicator:
                 delay = 0.0
                 continue
             with self._lock:
-                pending = bool(self._pending) or any(not j.replicated.is_set() for j in self._jobs.values())
+                pending = bool(self._pending) or any(not j.status.replicated.is_set() for j in self._jobs.values())
             if not pending:
                 delay, idle_passes = None, 0
                 continue
@@ -174,8 +175,8 @@ class Replicator:
         self.last_error = exc
         with self._lock:
             for job in self._jobs.values():
-                if not job.replicated.is_set():
-                    job.replicate_error = exc
+                if not job.status.replicated.is_set():
+                    job.status.replication_failing(exc)
         if not self._failing:
             log.warning("zerostall: replication to %s failed (%s); local saves go on, pending steps are "
                         "retried with backoff", self._url(), exc)
@@ -210,12 +211,11 @@ class Replicator:
             # saved this run, but older than anything remote retention keeps (to_replicate): never
             # uploaded, so settled here; otherwise close() waited for it and reported it unreplicated
             moot = [j for s, j in self._jobs.items() if s in local and s not in todo and s not in remote_steps
-                    and s not in blocked and not j.replicated.is_set()]
+                    and s not in blocked and not j.status.replicated.is_set()]
             for j in moot:
                 del self._jobs[j.step]
         for j in moot:
-            j.replicate_error = None
-            j.replicated.set()
+            j.status.mark_replicated(None)
             log.info("zerostall: step %d not uploaded to %s: remote retention would not keep it", j.step, self._url())
         progressed = False
         for s in todo:
@@ -234,7 +234,7 @@ class Replicator:
                 with self._lock:
                     job = self._jobs.get(s)
                 if job is not None:
-                    job.replicate_error = exc
+                    job.status.replication_failing(exc)
         if self._failing:
             log.info("zerostall: replication to %s works again", remote.url)
         self._failing = False
@@ -288,13 +288,11 @@ class Replicator:
     def _settle(self, remote_steps: set[int]) -> None:
         """Handles of steps the remote lists are replicated (manifest there, on every rank)."""
         with self._lock:
-            done = [j for s, j in self._jobs.items() if s in remote_steps and not j.replicated.is_set()]
+            done = [j for s, j in self._jobs.items() if s in remote_steps and not j.status.replicated.is_set()]
             for j in done:
                 del self._jobs[j.step]
         for j in done:
-            j.replicate_error = None
-            j.t_replicated = time.perf_counter()
-            j.replicated.set()
+            j.status.mark_replicated(None)
             log.info("zerostall: step %d replicated to %s", j.step, self._url())
 
     def _wait_for(self, cond: Callable[[], bool]) -> bool:
@@ -376,16 +374,9 @@ class Replicator:
         try:
             if self.local_retention:
                 doomed = self.policy.local_doomed(local, set(local) - set(pending))
-                for s in spare_referenced(local, doomed, self.tier.read_manifest, self.protect()):
-                    if self._cancel.is_set():
-                        return
-                    self.tier.delete(s)
-            if self.rank == 0:
-                for s in spare_referenced(remote_steps, self.policy.remote_doomed(remote_steps), remote.read_manifest):
-                    if self._cancel.is_set():
-                        return
-                    remote.delete(s)
-                    log.info("zerostall: retention removed step %d from %s", s, remote.url)
+                prune(self.tier, local, doomed, protect=self.protect(), cancelled=self._cancel.is_set)
+            if self.rank == 0 and not self._cancel.is_set():
+                prune(remote, remote_steps, self.policy.remote_doomed(remote_steps), cancelled=self._cancel.is_set)
         except (ZerostallError, OSError) as exc:  # retention must not stop replication
             log.warning("zerostall: retention failed: %s", exc)
 

@@ -149,3 +149,79 @@ def dependents(steps: list[int], step: int, read_manifest: Callable[[int], Any])
             except (ZerostallError, OSError, ValueError):
                 pass
     return out
+
+
+def prune(tier: Any, steps: list[int], doomed_steps: list[int], *, protect: set[int] = frozenset(),  # type: ignore[assignment]
+          cancelled: Callable[[], bool] = lambda: False) -> list[int]:
+    """Delete ``doomed_steps`` of ``tier`` (whose committed steps are ``steps``) that no staying
+    step references, newest first (:func:`spare_referenced`), until ``cancelled()``; logs and
+    returns what went. The one apply loop of every tier's retention (the thread that owns the
+    tier's writes: persist thread, replicator, or the caller's at start-up)."""
+    gone = []
+    for s in spare_referenced(steps, doomed_steps, tier.read_manifest, protect):
+        if cancelled():
+            break
+        tier.delete(s)
+        gone.append(s)
+    if gone:
+        log.info("zerostall: retention removed steps %s from %s", gone, getattr(tier, "url", tier))
+    return gone
+
+
+def check_not_referenced(tier: Any, step: int, pinned: set[int], *, queued: bool = False) -> None:
+    """Overwriting ``step`` would break the steps that borrow its bytes (incremental saves):
+    raise :class:`~zerostall.errors.CheckpointExistsError` if any does, or a save in flight
+    pinned it. ``save()`` checks on the caller's thread; the persist thread checks again
+    (``queued=True``) just before the commit: a save queued before may reference it since."""
+    from ..errors import CheckpointExistsError
+    users = dependents(tier.steps(), step, tier.read_manifest)
+    if users or step in pinned:
+        raise CheckpointExistsError(
+            f"step {step} in {getattr(tier, 'root', tier.url)!r} cannot be overwritten: steps "
+            f"{users or 'being saved'} reference its bytes (incremental saves); "
+            f"{'nothing committed, ' if queued else ''}pick another step")
+
+
+class LocalRetention:
+    """``keep_last`` on the local tier after each commit: a commit subscriber (persist thread;
+    local tier without a remote, on the rank(s) that own the root's retention).
+
+    ``recent``: this writer's newest committed steps, oldest first, seeded with the root's last
+    commits (:func:`retain_at_start`): retention never deletes them (see the module docstring)."""
+
+    name = "retention"
+
+    def __init__(self, tier: Any, keep_last: int, *, protect: Callable[[], set[int]] = set,
+                 recent: Iterable[int] = ()):
+        import collections
+        self.tier, self.keep_last, self.protect = tier, keep_last, protect
+        self._recent: collections.deque[int] = collections.deque(recent, maxlen=keep_last or 1)
+
+    def on_committed(self, record: Any) -> None:
+        self._recent.append(record.step)
+        keep = set(self._recent) | self.protect() | {record.step}
+        steps = self.tier.steps()
+        prune(self.tier, steps, doomed(steps, self.keep_last, keep))
+
+
+def retain_at_start(tier: Any, keep_last: int, protect: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
+    """Start-up retention by a root's new owner (``Checkpointer`` construction, caller's thread,
+    right after ``own()`` and before any save; local tier, no remote).
+
+    A kill between a commit and its retention leaves a step beyond ``keep_last``; without
+    this, each such kill in a row would add one more. Same invariants as after a commit:
+    validated steps only, never the newest, never ``protect`` nor the steps committed last
+    (:func:`newest_commits`), references spared, newest first. A failure is logged, never
+    raised (nothing is lost by keeping a step).
+
+    Returns the ``keep_last`` steps committed last, oldest first: :class:`LocalRetention`
+    keeps protecting them as this writer's own newest commits.
+    """
+    recent = newest_commits(tier.steps(), tier.read_manifest, keep_last)
+    try:
+        steps = tier.steps()
+        prune(tier, steps, doomed(steps, keep_last, set(recent) | set(protect)))
+    except Exception as exc:  # noqa: BLE001 - an extra step on disk is not worth refusing to start
+        log.warning("zerostall: start-up retention (keep_last=%d) in %s failed: %s", keep_last,
+                    getattr(tier, "root", tier), exc)
+    return recent

@@ -8,10 +8,13 @@ Who calls what, from which thread (``[owner]``: only the process holding the roo
 
     reading (any thread, any process; no lock; a reader never sees a torn step)
       steps()                       committed steps whose manifest validates, ascending
+      listed_steps()                steps holding a manifest, valid or not (ls, verify)
+      partial_steps()               steps with an uncommitted staging area (ls)
       read_manifest(step)           the validated Manifest (CheckpointNotFound / CorruptCheckpoint)
+      manifest_ident(step)          changes when the step is replaced (restore's retry)
+      stat(rel)                     size of ``step-N/<name>``, or None (restore, replication)
+      names_in(step)                everything under ``step-N/``, committed or not (tools, tests)
       open_shard_read(step, name, engine)   a ShardFile-like reader: read(extents), close()
-      stat(rel)                     size of ``step-N/name`` (None: absent), checked before reading
-      manifest_ident(step)          changes when the step is replaced (readers' retry rule)
 
     owning (caller's thread, once at start-up and once at close)
       own(timeout_s)       [owner]  take the root (RootLockedError names the holder), then
@@ -26,6 +29,7 @@ Who calls what, from which thread (``[owner]``: only the process holding the roo
                                     post-commit problems (strings) that did not undo the commit
       abort(step)          [owner]  discard the staging area
       delete(step)         [owner]  remove a committed step (uncommit first, then the data)
+      put_bytes(data, rel) [owner]  store a small object as is (durable; no commit of its own)
 
 Atomic strategies: POSIX directories write ``step-N.partial/`` and rename it (an existing
 step is exchanged with ``renameat2(RENAME_EXCHANGE)``, see :mod:`.local`); object stores
@@ -33,7 +37,8 @@ upload the data and put the manifest last. Listing trusts only a manifest that v
 a damaged or foreign directory is never counted (by retention or anyone else).
 
 Tiers register under a URL scheme with a lazy import path and an install hint
-(:func:`register_tier`, :func:`open_tier`), the way fsspec does.
+(:func:`register_tier`, :func:`open_tier`), the way fsspec does. :func:`open_root` is the one
+way the library and the CLI turn a checkpoint root (a path, or a URL) into a tier.
 """
 
 from __future__ import annotations
@@ -68,12 +73,6 @@ class Tier(ABC):
     def open_shard_read(self, step: int, name: str, engine: "Engine | None" = None) -> "ShardFile":
         """Open ``name`` of committed ``step`` for aligned reads."""
 
-    def stat(self, rel: str) -> int | None:
-        """Size in bytes of ``rel`` (relative to the root, e.g. ``"step-3/rank-00000.shard"``),
-        or None when it does not exist. Restore and verify compare it with the manifest before
-        reading a byte. Any thread."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement Tier.stat")
-
     def check_root(self) -> None:
         """Raise :class:`~zerostall.errors.RootNotFound` naming the root if it does not exist
         (readers: ``ls``/``verify`` tell a typo from an empty root). Any thread."""
@@ -92,6 +91,18 @@ class Tier(ABC):
         """The newest committed step, or None."""
         steps = self.steps()
         return steps[-1] if steps else None
+
+    def partial_steps(self) -> list[int]:
+        """Steps with an uncommitted staging area (not checkpoints; ``ls`` shows them)."""
+        return []
+
+    @abstractmethod
+    def stat(self, rel: str) -> int | None:
+        """Size in bytes of ``rel`` (``step-N/<name>``), or None when it does not exist."""
+
+    @abstractmethod
+    def names_in(self, step: int) -> list[str]:
+        """Names under ``step-N/``, committed or not, sorted."""
 
     # -- owning: caller's thread ---------------------------------------------------------
     @abstractmethod
@@ -127,6 +138,11 @@ class Tier(ABC):
     def delete(self, step: int) -> None:
         """Remove committed ``step``: uncommit it first, so no reader sees it torn."""
 
+    @abstractmethod
+    def put_bytes(self, data: bytes, rel: str) -> None:
+        """Store ``data`` as ``rel`` as is, durably (tools and tests; a manifest put this way
+        commits nothing that :meth:`commit` would not)."""
+
 
 # -- registry ----------------------------------------------------------------------------
 
@@ -145,6 +161,25 @@ def register_tier(scheme: str, target: str, hint: str = "") -> None:
 
 def tier_schemes() -> list[str]:
     return sorted(s for s in _SCHEMES if s)
+
+
+def is_url(path: Any) -> bool:
+    """Whether ``path`` names a tier by URL (``scheme://...``) rather than a local directory."""
+    return "://" in str(path)
+
+
+def open_root(where: Any, **kwargs: Any) -> Tier:
+    """The tier of a checkpoint root: a local directory (``LocalTier``: the root a
+    Checkpointer writes, ``kwargs`` such as ``create=True``) for a plain path, or the tier
+    registered for a URL's scheme (:func:`open_tier`). The library and the CLI both use it."""
+    if isinstance(where, Tier):
+        return where
+    if is_url(where):
+        return open_tier(str(where), **kwargs)
+    import os
+
+    from .local import LocalTier
+    return LocalTier(os.fspath(where), **kwargs)
 
 
 def open_tier(url: str, **kwargs: Any) -> Any:

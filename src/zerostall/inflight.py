@@ -1,0 +1,163 @@
+"""The saves in flight of one ``Checkpointer`` and the records of those that finished.
+
+Threads: ``add``/``discard`` on the caller's thread in ``save()``; ``finished`` on the
+persist thread (the Persister's last call for each save; the caller's for a skipped one);
+``wait_until``, ``pending_staged`` and ``raise_pending`` on the caller's thread, possibly in
+a signal handler that interrupted ``save()``. So the lists are mutated only with single
+atomic operations (append, remove, pop) and read lock-free from snapshots (``tuple(...)``);
+the waits poll the events with a short sleep instead of blocking on them (an interrupted
+frame may hold an Event's internal lock).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+import torch
+
+from .config import CheckpointConfig
+from .errors import SaveFailed
+from .handle import record_of
+from .staging.job import Job, SaveStatus
+from .telemetry.host import Sampler
+from .telemetry.record import SaveRecord, emit
+
+
+class InFlight:
+    def __init__(self, config: CheckpointConfig):
+        self.config = config
+        self.jobs: list[Job] = []
+        self._failed: list[Job] = []
+        self._samplers: dict[int, Sampler] = {}
+        self.records: collections.deque[SaveRecord] = collections.deque(maxlen=1000)
+
+    # -- caller's thread ------------------------------------------------------------------
+    def add(self, job: Job) -> None:
+        self._samplers[id(job.status)] = Sampler(self.config.telemetry_interval_s)
+        self.jobs.append(job)
+
+    def discard(self, job: Job) -> None:
+        """A save that failed in ``save()`` before it was queued: forget it."""
+        sampler = self._samplers.pop(id(job.status), None)
+        if sampler is not None:
+            sampler.stop()
+        _remove(self.jobs, job)
+
+    def steps(self) -> list[int]:
+        return [j.step for j in tuple(self.jobs)]
+
+    def current(self, status: SaveStatus) -> Job | None:
+        return next((j for j in tuple(self.jobs) if j.status is status), None)
+
+    # -- persist thread ---------------------------------------------------------------------
+    def finished(self, job: Job) -> None:
+        """Build and emit the save's record; a background failure is kept for re-raising."""
+        st = job.status
+        sampler = self._samplers.pop(id(st), None)
+        if sampler is not None:
+            st.set_telemetry(sampler.stop())
+        rec = record_of(job)
+        self.records.append(rec)
+        emit(rec, self.config.metrics_jsonl, int(st.telemetry.get("dirty_threshold_bytes", 0)))
+        if self.config.prometheus:
+            from .telemetry import prometheus
+            prometheus.observe(rec)
+        if st.error is not None and self.config.raise_on_background_error and not st.error_in_save:
+            self._failed.append(job)
+        _remove(self.jobs, job)
+
+    # -- caller's thread, lock-free (signal handlers) ---------------------------------------
+    def wait_until(self, deadline: float | None) -> bool:
+        """Poll until every queued save is done; False at ``deadline`` (monotonic)."""
+        # A save not queued yet belongs to a save() that this thread's signal handler
+        # interrupted: it cannot progress until the handler returns, so it is skipped.
+        jobs = [j for j in tuple(self.jobs) if j.status.queued.is_set()]
+        delay = 0.0005
+        for j in jobs:
+            while not j.status.done.is_set():
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return False
+                time.sleep(delay if deadline is None else min(delay, deadline - now))
+                delay = min(delay * 2, 0.02)
+        return True
+
+    def error_seen(self, status: SaveStatus) -> None:
+        for j in tuple(self._failed):
+            if j.status is status:
+                _remove(self._failed, j)
+
+    def raise_pending(self) -> None:
+        failed = []
+        while True:  # lock-free drain: list.pop is atomic
+            try:
+                failed.append(self._failed.pop(0))
+            except IndexError:
+                break
+        if failed:
+            job = failed[0]
+            raise SaveFailed(f"an earlier background save (step {job.step}) failed: {job.status.error}",
+                             step=job.step) from job.status.error
+
+    # -- the optimizer guard (caller's thread) ------------------------------------------------
+    def pending_staged(self, opt: Any = None) -> list[Job]:
+        """In-flight snapshots not staged yet; with ``opt``, only those that still read its
+        parameters or state."""
+        pending = [j for j in tuple(self.jobs) if not j.status.staged.is_set()]
+        if not pending or opt is None:
+            return pending
+        mine = storages_of(opt)
+        return [j for j in pending if j.reads(mine)]
+
+
+def wait_staged(jobs: list[Job]) -> None:
+    """Wait until ``jobs`` are staged; the wait counts as stall in their records."""
+    for job in jobs:
+        t0 = time.perf_counter()
+        job.status.staged.wait()
+        job.status.add_guard_wait(time.perf_counter() - t0)
+
+
+def step_pre_hook(pending: list[Job], args: Any, kwargs: Any) -> Any:
+    """An optimizer step pre-hook's answer for ``pending`` snapshots: wait now, or defer the
+    wait into the closure so that its forward/backward still overlaps the copy."""
+    if not pending:
+        return None
+    closure = kwargs.get("closure") if kwargs else None
+    where = "kwargs" if closure is not None else None
+    if closure is None and len(args) > 1 and callable(args[1]):  # args[0] is the optimizer
+        closure, where = args[1], "args"
+    if closure is None:
+        wait_staged(pending)
+        return None
+
+    def guarded_closure() -> Any:
+        out = closure()
+        wait_staged(pending)
+        return out
+
+    if where == "kwargs":
+        return args, {**kwargs, "closure": guarded_closure}
+    return (args[0], guarded_closure, *args[2:]), kwargs
+
+
+def storages_of(opt: torch.optim.Optimizer) -> set[int]:
+    """Addresses of the storages an optimizer step writes: its parameters and its state."""
+    out = set()
+    for group in opt.param_groups:
+        for p in group["params"]:
+            out.add(p.untyped_storage().data_ptr())
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                out.add(v.untyped_storage().data_ptr())
+    return out
+
+
+def _remove(lst: list[Any], item: Any) -> None:
+    try:
+        lst.remove(item)
+    except ValueError:
+        pass

@@ -1,0 +1,263 @@
+"""Accelerate: ``accelerator.save_state()``/``load_state()`` through zerostall.
+
+::
+
+    accelerator = ZerostallAccelerator(project_config=ProjectConfiguration(
+        project_dir="run", automatic_checkpoint_naming=True, total_limit=2))   # or the mixin
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    accelerator.register_for_checkpointing(progress)                  # as with Accelerate
+    if accelerator.zerostall_latest() is not None:
+        accelerator.load_state()                                      # the newest committed one
+    ...
+    accelerator.save_state()                                          # returns at once
+    accelerator.end_training()                                        # every save durable
+
+``save_state(output_dir=None)`` saves what Accelerate's own ``save_state`` saves, as one
+zerostall step: every prepared model's state dict (``get_state_dict(model, unwrap=False)``),
+optimizer, scheduler, the gradient scaler, the objects registered with
+``register_for_checkpointing``, stateful dataloaders' state, ``accelerator.step``, this
+process's RNG states (:func:`zerostall.rng_state`) and Accelerate's checkpoint counter
+(``project_configuration.iteration``). Under ``torch.distributed`` every process saves its
+own state and the processes commit together. Hooks registered with
+``register_save_state_pre_hook``/``register_load_state_pre_hook`` run as with Accelerate
+(given the directory being written / read).
+
+**Names, counter, retention.** With ``automatic_checkpoint_naming`` a save goes to
+``project_dir/checkpoints/checkpoint_<iteration>`` and ``load_state()`` without a directory
+loads the newest *committed* one there and sets ``project_configuration.iteration`` to one
+past it (Accelerate's own ``load_state`` leaves the counter at 0, so the next ``save_state``
+of a resumed run fails with "Checkpoint directory ... already exists"); ``total_limit`` keeps
+the newest committed checkpoints, as many as Accelerate keeps.
+
+**What a crash leaves.** A save is written into a hidden staging directory
+(``project_dir/.zerostall-staging/checkpoint_<N>``, or ``.NAME.zerostall-staging`` beside an
+explicit ``output_dir``) and renamed to its name by a background thread once committed: a
+listed checkpoint is always complete, after a SIGKILL at any point of any save. The next
+``load_state``/``save_state`` removes what a crashed run left staged.
+
+``load_state(input_dir)`` of a directory written by Accelerate's own ``save_state`` is handed
+to Accelerate. Threads: every method runs on the training thread; the copy, write, commit and
+rename run behind it. DeepSpeed, FSDP and Megatron-LM keep Accelerate's own checkpointing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any
+
+try:
+    from accelerate import Accelerator
+except ImportError as exc:
+    raise ImportError("zerostall.integrations.accelerate needs Accelerate: pip install 'zerostall[accelerate]'") from exc
+
+from .. import load as _zs_load
+from ..checkpointer import Checkpointer
+from ..config import CheckpointConfig
+from ..errors import CheckpointNotFound, ConfigError, ZerostallError
+from ..rng import rng_state, set_rng_state
+from ..store.atomic import discard, fsync_dir
+from ..store.owner import RootLock
+from ._common import Publisher, StateGuard, is_committed, next_step, tensors_of
+
+log = logging.getLogger("zerostall")
+
+__all__ = ["ZerostallAccelerator", "ZerostallAcceleratorMixin"]
+
+_STAGING_DIR = ".zerostall-staging"
+_AUTO_RE = re.compile(r"^checkpoint_(\d+)$")
+_NATIVE_ONLY = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
+
+
+class ZerostallAcceleratorMixin:
+    """Put before ``Accelerator`` in the bases (see the module docstring).
+
+    ``zerostall_config``: the :class:`~zerostall.CheckpointConfig` of the checkpointers.
+    """
+
+    def __init__(self, *args: Any, zerostall_config: CheckpointConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        cfg = zerostall_config if zerostall_config is not None else CheckpointConfig.from_env()
+        self._zs_config = cfg.replace(keep_last=1, overwrite=False)
+        self._zs_publisher: Publisher | None = None
+        self._zs_guard = StateGuard()
+        self._zs_recovered: set[str] = set()
+        self.zerostall_handles: list[Any] = []
+        """The SaveHandles of the saves so far (newest last)."""
+
+    # -- names ----------------------------------------------------------------------------------
+    def _zs_auto_dir(self) -> str:
+        return os.path.join(os.path.abspath(self.project_dir), "checkpoints")
+
+    def _zs_paths(self, output_dir: Any) -> tuple[str, str]:
+        """(final, staged) directory of a save."""
+        pc = self.project_configuration
+        if pc.automatic_checkpoint_naming:
+            final = os.path.join(self._zs_auto_dir(), f"checkpoint_{pc.iteration}")
+            staged = os.path.join(os.path.abspath(self.project_dir), _STAGING_DIR, f"checkpoint_{pc.iteration}")
+            return final, staged
+        if output_dir is None:
+            raise ConfigError("save_state() needs output_dir (or ProjectConfiguration(automatic_checkpoint_naming=True))")
+        final = os.path.abspath(os.fspath(output_dir))
+        return final, os.path.join(os.path.dirname(final), f".{os.path.basename(final)}{_STAGING_DIR}")
+
+    def zerostall_latest(self) -> str | None:
+        """The newest committed ``checkpoint_<N>`` under ``project_dir/checkpoints``, or None."""
+        d = self._zs_auto_dir()
+        try:
+            names = os.listdir(d)
+        except FileNotFoundError:
+            return None
+        found = sorted((int(m.group(1)), n) for n in names if (m := _AUTO_RE.match(n)))
+        for _, n in reversed(found):
+            if is_committed(os.path.join(d, n)):
+                return os.path.join(d, n)
+        return None
+
+    # -- saving -----------------------------------------------------------------------------------
+    def save_state(self, output_dir: Any = None, safe_serialization: bool = True, **kwargs: Any) -> str:
+        """Start a save (see the module docstring); returns the directory it will have."""
+        kind = str(getattr(self.distributed_type, "name", self.distributed_type))
+        if kind in _NATIVE_ONLY:
+            return super().save_state(output_dir, safe_serialization, **kwargs)  # type: ignore[misc]
+        final, staged = self._zs_paths(output_dir)
+        pc = self.project_configuration
+        if pc.automatic_checkpoint_naming and os.path.exists(final):
+            raise ConfigError(f"checkpoint directory {final} already exists (iteration {pc.iteration}); "
+                              "load_state() it first, or set project_configuration.iteration")
+        if self.is_main_process:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+        self._zs_recover(os.path.dirname(staged), os.path.dirname(final))
+        pub = self._zs_publisher = self._zs_publisher or Publisher("zerostall-accelerate-publish")
+        if pub.pending(final):
+            pub.drain()
+        ck = Checkpointer(staged, self._zs_config)
+        weights = [self.get_state_dict(m, unwrap=False) for m in self._models]
+        for hook in self._save_model_state_pre_hook.values():
+            hook(self._models, weights, staged)
+        state: dict[str, Any] = {
+            "models": weights, "optimizers": list(self._optimizers), "schedulers": list(self._schedulers),
+            "custom": list(self._custom_objects),
+            "dataloaders": [dl.state_dict() if getattr(dl, "use_stateful_dataloader", False) else None
+                            for dl in self._dataloaders],
+            "step": int(self.step), "iteration": int(pc.iteration), "rng": rng_state()}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler
+        try:
+            handle = ck.save(next_step(ck, int(pc.iteration)), state)
+        except BaseException:
+            ck.close()
+            raise
+        self.zerostall_handles.append(handle)
+        self._zs_guard.forget_done()
+        self._zs_guard.track(ck, [t for w in weights for t in tensors_of(w)])
+        limit = pc.total_limit if pc.automatic_checkpoint_naming else None
+
+        def rotate() -> None:  # the publisher's thread, after the rename
+            fsync_dir(os.path.dirname(final))
+            if limit:
+                self._zs_rotate(limit)
+
+        pub.submit(staged, final, handle, ck, after=rotate, rename=self.is_main_process)
+        pc.iteration += 1
+        return final
+
+    def _zs_rotate(self, limit: int) -> None:
+        d = self._zs_auto_dir()
+        found = sorted((int(m.group(1)), n) for n in os.listdir(d) if (m := _AUTO_RE.match(n)))
+        for _, n in found[:max(0, len(found) - limit)]:
+            log.info("zerostall: deleting %s (total_limit=%d)", os.path.join(d, n), limit)
+            discard(os.path.join(d, n))
+
+    def _zs_recover(self, staging_parent: str, final_parent: str) -> None:
+        """Once per directory: remove what a crashed run left staged (main process only)."""
+        if staging_parent in self._zs_recovered or not self.is_main_process:
+            return
+        self._zs_recovered.add(staging_parent)
+        pub = self._zs_publisher
+        try:
+            names = os.listdir(staging_parent)
+        except FileNotFoundError:
+            return
+        for n in names:
+            path = os.path.join(staging_parent, n)
+            auto = staging_parent.endswith(_STAGING_DIR)
+            if not (auto and _AUTO_RE.match(n)) and not (n.startswith(".") and n.endswith(_STAGING_DIR)):
+                continue
+            final = os.path.join(final_parent, n if auto else n[1:-len(_STAGING_DIR)])
+            if pub is not None and pub.pending(final):
+                continue
+            lock = RootLock(path)
+            try:
+                lock.acquire(0.0)
+            except ZerostallError as exc:
+                log.warning("zerostall: leaving %s alone: %s", path, exc)
+                continue
+            lock.release()
+            log.info("zerostall: removing %s, a save of an earlier run that was not published", path)
+            discard(path)
+
+    def zerostall_wait(self) -> None:
+        """Block until every save is durable and published; raise the first failure."""
+        self._zs_guard.close()
+        pub = self._zs_publisher
+        if pub is None:
+            return
+        pub.drain()
+        errors = pub.errors()
+        for exc in errors[1:]:
+            log.error("zerostall: a checkpoint save failed: %s", exc)
+        if errors:
+            raise errors[0]
+
+    def end_training(self) -> None:
+        self.zerostall_wait()
+        super().end_training()  # type: ignore[misc]
+
+    # -- loading ----------------------------------------------------------------------------------
+    def load_state(self, input_dir: Any = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
+        """Load a checkpoint (see the module docstring); a directory written by Accelerate's own
+        ``save_state`` is loaded by Accelerate."""
+        if self._zs_publisher is not None:
+            self._zs_publisher.drain()
+        pc = self.project_configuration
+        if input_dir is None:
+            if not pc.automatic_checkpoint_naming:
+                raise ConfigError("load_state() needs input_dir (or ProjectConfiguration(automatic_checkpoint_naming=True))")
+            path = self.zerostall_latest()
+            if path is None:
+                raise CheckpointNotFound(f"no committed checkpoint_<N> in {self._zs_auto_dir()}")
+        else:
+            path = os.path.abspath(os.path.expanduser(os.fspath(input_dir)))
+            if not is_committed(path):
+                return super().load_state(path, load_kwargs, **kwargs)  # type: ignore[misc]
+        for hook in self._load_model_state_pre_hook.values():
+            hook(list(self._models), path)
+        saved = _zs_load(path)
+        if len(saved["models"]) != len(self._models) or len(saved["custom"]) != len(self._custom_objects):
+            raise ConfigError(f"{path} holds {len(saved['models'])} model(s) and {len(saved['custom'])} registered "
+                              f"object(s); this Accelerator has {len(self._models)} and {len(self._custom_objects)}: "
+                              "prepare and register the same ones as the run that saved it")
+        for m, sd in zip(self._models, saved["models"]):
+            m.load_state_dict(sd)
+        for o, sd in zip(self._optimizers, saved["optimizers"]):
+            o.load_state_dict(sd)
+        for s, sd in zip(self._schedulers, saved["schedulers"]):
+            s.load_state_dict(sd)
+        for obj, sd in zip(self._custom_objects, saved["custom"]):
+            obj.load_state_dict(sd)
+        for dl, sd in zip(self._dataloaders, saved["dataloaders"]):
+            if sd is not None and getattr(dl, "use_stateful_dataloader", False):
+                dl.load_state_dict(sd)
+        if self.scaler is not None and "scaler" in saved:
+            self.scaler.load_state_dict(saved["scaler"])
+        self.step = saved["step"]
+        set_rng_state(saved["rng"])
+        if pc.automatic_checkpoint_naming:
+            m = _AUTO_RE.match(os.path.basename(path))
+            pc.iteration = max(int(saved["iteration"]), int(m.group(1)) if m else -1) + 1
+
+
+class ZerostallAccelerator(ZerostallAcceleratorMixin, Accelerator):
+    """``accelerate.Accelerator`` whose ``save_state``/``load_state`` go through zerostall."""

@@ -1,0 +1,85 @@
+"""How a rank's persist thread commits a step: the :class:`Committer` protocol and the
+single-rank :class:`LocalCommitter` (the multi-rank one is ``distributed.commit.StoreCommitter``).
+
+Called on the persist thread, once per save, in this order: ``begin`` (before the shard is
+opened), then either ``commit`` (the shard is written and fdatasynced; the commit point) and
+``after_durable`` (the handle already says durable), or ``fail`` (any error before the commit
+point: clean up, tell the other ranks). ``report`` runs on the caller's thread for a save that
+failed in ``save()`` before it was queued (never blocks). ``fail`` may also run on the
+caller's thread for a skipped save.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Protocol, Sequence
+
+from ..format.manifest import FileEntry, Manifest, TensorEntry
+from ..staging.incremental import manifest_parts
+from ..staging.job import Persisted, SaveRequest
+from .local import LocalTier
+
+
+class Committer(Protocol):
+    def begin(self, job: SaveRequest) -> str:
+        """Make the step's partial directory; returns its path."""
+        ...
+
+    def commit(self, job: Persisted) -> Sequence[str] | None:
+        """Commit the step (raise: nothing committed); returns problems after the commit point."""
+        ...
+
+    def after_durable(self, job: Persisted) -> Sequence[str]:
+        """Work after the handle says durable (the ``latest`` hint); returns problems."""
+        ...
+
+    def fail(self, job: SaveRequest, exc: BaseException) -> None:
+        """The save failed before the commit point: remove what it wrote, tell the others."""
+        ...
+
+    def report(self, step: int, exc: BaseException) -> None:
+        """A save of ``step`` failed on this rank before it was queued (caller's thread)."""
+        ...
+
+
+def file_entry(job: Persisted) -> FileEntry:
+    return FileEntry(job.file_name, job.rank, socket.gethostname(), job.plan.file_bytes, job.checkpoint_id)
+
+
+def tensor_entries(job: Persisted) -> list[tuple[int, TensorEntry]]:
+    """(global tensor index, entry) for every tensor this rank wrote."""
+    return [(it.index, TensorEntry(it.key, it.dtype, it.shape, job.file_name, it.offset, it.nbytes, crc))
+            for it, crc in zip(job.plan.items, job.crcs)]
+
+
+def build_manifest(job: Persisted) -> Manifest:
+    """The manifest of a single-rank save (with its references, for an incremental one)."""
+    tensors, ref_files = manifest_parts(job, tensor_entries(job))
+    return Manifest(step=job.step, world_size=job.world_size, checkpoint_id=job.checkpoint_id,
+                    created_unix=time.time(), files=(file_entry(job),),
+                    tensors=tensors, tree=job.plan.tree, tree_json=job.plan.tree_json,
+                    user_metadata=dict(job.user_metadata), ref_files=ref_files)
+
+
+class LocalCommitter:
+    """Commit strategy of a single rank: write the manifest and rename (see :mod:`.local`)."""
+
+    def __init__(self, tier: LocalTier):
+        self.tier = tier
+
+    def begin(self, job: SaveRequest) -> str:
+        return self.tier.begin(job.step)
+
+    def commit(self, job: Persisted) -> Sequence[str] | None:
+        return self.tier.commit(job.step, build_manifest(job), overwrite=job.overwrite, latest=False)
+
+    def after_durable(self, job: Persisted) -> Sequence[str]:
+        """The ``latest`` hint, once the handle says durable (two fsyncs off that path)."""
+        return self.tier.write_latest(job.step)
+
+    def fail(self, job: SaveRequest, exc: BaseException) -> None:
+        self.tier.abort(job.step)
+
+    def report(self, step: int, exc: BaseException) -> None:
+        """Nobody else to tell."""

@@ -1,0 +1,63 @@
+"""Accelerate through zerostall: accelerator.save_state()/load_state() with automatic checkpoint
+naming, SIGKILLed during a first and a later save, resumed bit-exactly; the checkpoint counter
+and total_limit as Accelerate's own."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+
+from tests.helpers import equal  # noqa: E402
+from zerostall.store.local import LocalTier  # noqa: E402
+
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, HERE)
+import accelerate_app as app  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(HERE))
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Accelerate's own save_state, uninterrupted: the final parameters and the folders left."""
+    torch.set_num_threads(1)
+    d = tmp_path_factory.mktemp("acc-plain")
+    model = app.run(d, "accelerate", STEPS, resume=False)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, sorted(os.listdir(d / "checkpoints"))
+
+
+def test_uninterrupted_matches_accelerate(tmp_path, reference):
+    final, names = reference
+    model = app.run(tmp_path, "zerostall", STEPS, resume=False)
+    assert equal(model.state_dict(), final)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == names == ["checkpoint_1", "checkpoint_2"]
+    assert LocalTier(tmp_path / "checkpoints" / "checkpoint_2").steps() == [2]
+
+
+@pytest.mark.parametrize("boundary", ["manifest:1", "publish:1", "manifest:2"])
+def test_sigkill_during_a_save_then_load_state(tmp_path, reference, boundary):
+    """A SIGKILL during the first save (before its commit; after it, before the rename) or a
+    later one: checkpoints/ lists only committed checkpoints, load_state() resumes from the
+    newest, the counter continues (Accelerate's own load_state leaves it at 0: the next save
+    fails with 'already exists'), and the run ends bit-exactly (dropout: the RNG is restored)."""
+    final, names = reference
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "src")]), "OMP_NUM_THREADS": "1",
+           "ZS_KILL_AT": boundary}
+    r = subprocess.run([sys.executable, os.path.join(HERE, "accelerate_app.py"), str(tmp_path), "--steps", str(STEPS)],
+                       env=env, timeout=240, capture_output=True, text=True)
+    assert r.returncode == -9, r.stderr[-3000:]
+    ckdir = tmp_path / "checkpoints"
+    listed = sorted(os.listdir(ckdir)) if os.path.isdir(ckdir) else []
+    assert listed == (["checkpoint_0"] if boundary == "manifest:2" else []), listed
+    for n in listed:
+        assert LocalTier(ckdir / n).steps() == [0]
+    torch.set_num_threads(1)
+    model = app.run(tmp_path, "zerostall", STEPS, resume=bool(listed))
+    assert equal(model.state_dict(), final)
+    assert sorted(os.listdir(ckdir)) == names
+    assert os.listdir(tmp_path / ".zerostall-staging") == []
