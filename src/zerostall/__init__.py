@@ -12,8 +12,9 @@ import os
 from typing import Any
 
 from . import errors
+from .errors import ConfigError, ZerostallError
 from .checkpointer import Checkpointer
-from .config import CheckpointConfig, IOConfig, StagingConfig
+from .config import CheckpointConfig, IOConfig, PeersConfig, StagingConfig
 from .handle import SaveHandle
 from .format.objects import register_type
 from .restore import load as _load
@@ -29,6 +30,7 @@ __all__ = [
     "Checkpointer",
     "IOConfig",
     "LoadReport",
+    "PeersConfig",
     "SaveHandle",
     "SaveRecord",
     "StagingConfig",
@@ -56,7 +58,7 @@ def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None 
          map_location: Any = None, *, verify: bool = True, fallback: bool = True,
          io: IOConfig | None = None, rank: int | None = None, world_size: int | None = None,
          remote: str | None = None, keys: list[str] | None = None, strict: bool = False,
-         report: LoadReport | None = None) -> Any:
+         report: LoadReport | None = None, agree: bool | None = None) -> Any:
     """Load the newest checkpoint under ``path`` that verifies (or exactly ``step``).
 
     With ``state_dict``, tensors are loaded in place and the same object is returned (only
@@ -72,12 +74,52 @@ def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None 
     ``remote`` (``s3://bucket/prefix``, ``file:///shared/path``): also consider the steps that
     remote tier holds; a newer (or the only) one is downloaded into ``path`` and loaded from
     there. A remote that is down is skipped with a warning when ``path`` has a checkpoint.
+
+    ``agree``: in a process group, every rank calls ``load`` and all restore the newest step
+    that every rank can load, agreed through the c10d store (``report.why`` says which and
+    why); if none, every rank raises the same :class:`~zerostall.errors.CheckpointNotFound`
+    naming the ranks and files at fault. Default (None): agree when ``rank``/``world_size``
+    come from the process group and the checkpoint was saved per rank by a group of this size.
     """
+    discovered = rank is None and world_size is None
+    info = None
     if rank is None or world_size is None:
         from .distributed.ranks import discover
         info = discover()
         rank = info.rank if rank is None else rank
         world_size = info.world_size if world_size is None else world_size
+    if agree is None:  # auto: a per-rank checkpoint of this group, loaded by every rank of it
+        agree = discovered and info is not None and info.store is not None and world_size > 1 \
+            and _saved_per_rank_by(os.fspath(path), world_size)
+    if agree:
+        from .distributed.agree import collective_base, collective_load
+        from .distributed.store import Store
+        if info is None or info.store is None:
+            from .distributed.ranks import discover
+            info = discover()
+        if info.store is None or info.world_size < 2:
+            raise ConfigError("load(agree=True) needs an initialised process group of more than one rank")
+        store = Store(info.store)
+        try:
+            return load_into(state_dict, lambda sd: collective_load(
+                store, collective_base("zerostall/loads"), rank, world_size, os.fspath(path), sd, step=step,
+                remote=remote, io=io, report=report, map_location=map_location, verify=verify,
+                fallback=fallback, keys=keys, strict=strict))
+        finally:
+            store.close()
     return load_into(state_dict, lambda sd: _load(os.fspath(path), sd, step, map_location, verify=verify,
                                                   fallback=fallback, io=io, rank=rank, world_size=world_size,
                                                   remote=remote, keys=keys, strict=strict, report=report))
+
+
+def _saved_per_rank_by(path: str, world_size: int) -> bool:
+    """Whether the newest readable step under ``path`` was saved per rank by ``world_size`` ranks."""
+    from .store.tier import open_root
+    tier = open_root(path)
+    for s in reversed(tier.listed_steps() if os.path.isdir(path) else []):
+        try:
+            man = tier.read_manifest(s)
+        except ZerostallError:
+            continue
+        return man.world_size == world_size and man.rank_trees is not None
+    return False

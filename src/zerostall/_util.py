@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import os
 import queue
+import resource
 import threading
 from typing import Any, Callable, Generic, TypeVar
 
@@ -40,6 +41,26 @@ def node_leader() -> bool:
     return True
 
 
+def swap_total_bytes() -> int:
+    """The node's swap space (``SwapTotal``; 0 when unknown): whether an unlocked arena can be paged out."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("SwapTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def memlock_fix(nbytes: int, hard: int) -> str:
+    """The one command that lets this node lock ``nbytes`` (for the staging arena's message)."""
+    if hard == resource.RLIM_INFINITY or hard >= nbytes:
+        return "run 'ulimit -l unlimited' in the shell that launches training"
+    return ("as root, 'echo \"* - memlock unlimited\" > /etc/security/limits.d/90-zerostall.conf' and log in "
+            "again (systemd: LimitMEMLOCK=infinity; docker: --ulimit memlock=-1)")
+
+
 class Worker(Generic[T]):
     """One daemon thread draining a FIFO of items with ``handle(item)``, in order.
 
@@ -53,6 +74,11 @@ class Worker(Generic[T]):
 
     def submit(self, item: T) -> None:
         self._q.put(item)
+
+    @property
+    def enqueue(self) -> Callable[[T], None]:
+        """The queue's own (C) ``put``: calling it runs no Python frame (see ``pool.queue``)."""
+        return self._q.put
 
     def stop(self, timeout: float | None = None) -> bool:
         """Finish what is queued and join; False if the thread is still busy after ``timeout``

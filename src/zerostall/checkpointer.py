@@ -5,7 +5,7 @@ The walk of one ``save()``, each stage handing a record forward and none calling
     caller: save()          plan, check -> SaveRequest; pool.reserve -> Slot; pool.queue(Job)
     snapshot thread         hands the Job to its persist worker; copies (Job.layout, .snapshot)
     persist thread          writes, fdatasyncs -> Persisted -> Committer.commit
-                            -> Committed -> subscribers: LocalRetention | Replicator | ...
+                            -> Committed -> subscribers: LocalRetention | Replicator | Peers
                             -> InFlight.finished (record, telemetry) -> SaveStatus done
 
 Threads: the caller's (``save``, ``guard``'s hook, ``load``, ``close``), one snapshot thread
@@ -37,8 +37,8 @@ from .config import CheckpointConfig
 from .errors import CheckpointExistsError, ConfigError, SaveFailed, ZerostallError
 from .handle import SaveHandle
 from .inflight import InFlight, step_pre_hook, wait_staged
-from .restore import load as _load
-from .staging.arena import Arena, budget_bytes
+from .staging.arena import Arena
+from .staging.memory import budget_bytes
 from .staging.job import Job, SaveRequest, SaveStatus, Slot, Source
 from .staging.plan import PlanCache, check_metadata, check_step
 from .staging.ring import BlockRing
@@ -89,9 +89,10 @@ class Checkpointer:
         cfg = self.config
         self.tier, self.rank, self.world_size, self.node_local = st.tier, st.rank, st.world_size, st.node_local
         self._committer, self._refs, self.engine, self.probe = st.committer, st.refs, st.engine, st.probe
-        self._replicator, self._retention = st.replicator, st.retention
-        self.unreplicated: list[int] = []
-        """After ``close()``: the steps not replicated before ``close_timeout_s`` (see README)."""
+        self._replicator, self._retention, self.session = st.replicator, st.retention, st.session
+        self._peers = st.peers  # replicas > 1: zerostall.peers.Peers
+        self.unreplicated: list[int] = []  # after close(): the steps not replicated within close_timeout_s
+        self.unprotected: list[int] = []  # after close(), replicas > 1: this run's steps not held by N nodes
         self._plans = PlanCache()
         self._step_bound: int | None = None  # owner only: no committed step is above it
         self._lease: _pool.Lease | None = None
@@ -120,16 +121,9 @@ class Checkpointer:
     def ring(self) -> BlockRing | None:
         return self._lease.ring if self._lease is not None else None
 
-    @property
-    def has_remote(self) -> bool:
-        return self._replicator is not None
-
     def _ensure_pipeline(self, file_bytes: int) -> None:
-        """Ask the staging pool for what this state wants; never waits for memory.
-
-        The pool faults the arena in the background; the snapshot thread streams through
-        whatever part is ready. A larger state than before grows the pool the same way.
-        """
+        """Ask the staging pool for what this state wants; never waits for memory (the pool
+        faults in the background, grows for a larger state; the snapshot streams through)."""
         want = _pool.want_bytes(file_bytes, self.config.staging.block_bytes, self.config.staging.slots, self._oneshot)
         if self._lease is not None:
             self._lease.want(want)
@@ -162,7 +156,8 @@ class Checkpointer:
             self._lease.arena.wait_ready(self._lease.pool.target)
 
     def _plan(self, state_dict: Any) -> Any:
-        return self._plans.plan(state_dict, rank=self.rank, world_size=self.world_size,
+        prank, pworld = self._stages.plan_rank
+        return self._plans.plan(state_dict, rank=prank, world_size=pworld,
                                 replicated=self.config.dist_mode == "replicated")
 
     # -- caller's thread ----------------------------------------------------------------
@@ -231,7 +226,7 @@ class Checkpointer:
                     raise ZerostallError(f"the Checkpointer was closed while step {step} was being saved")
                 self._lease.queue(job)
         except BaseException as exc:
-            if status.queued.is_set():
+            if status.queued:
                 # The workers finish it as failed: its blocks drain (the ring moves on) and the
                 # persist thread reports it; raised here, so not again as a background error.
                 status.fail(exc, in_save=True)
@@ -284,6 +279,12 @@ class Checkpointer:
         """Steps being saved (queued, not finished), oldest first; empty when idle."""
         return self._book.steps()
 
+    def subscribe(self, subscriber: Any) -> None:
+        """Hand every step this Checkpointer commits to ``subscriber.on_committed(record)`` (a
+        :class:`~.staging.job.Committed`; persist thread, in commit order, after retention and
+        replication's hand-off; what it raises is recorded on the save, which stays durable)."""
+        self._persist.subscribe(subscriber)  # type: ignore[union-attr]
+
     def error_seen(self, status: SaveStatus) -> None:
         """A handle raised its save's error to the caller: not a background error any more."""
         self._book.error_seen(status)
@@ -299,17 +300,22 @@ class Checkpointer:
              keys: list[str] | None = None, strict: bool = False, report: Any = None) -> Any:
         """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load`
         (``keys``, ``strict`` and ``report`` as there).
+        Under torch.distributed, collective: all ranks load the newest step all can load
+        (:mod:`zerostall.distributed.agree`; ``report.why`` says which and why).
 
         Reads through the process's staging pool when no save uses it;
         saves started meanwhile from other threads wait until the load is done.
         """
         self.wait()
+        step, report, source = self._peers.plan_load(step, report) if self._peers else (step, report, "")
         borrow = self._lease.pool.borrow_idle() if self._lease is not None else contextlib.nullcontext()
         with self._save_lock, borrow as bounce:
-            return load_into(state_dict, lambda sd: _load(
-                self.tier.root, sd, step, map_location, verify=self.config.verify_on_load,
-                fallback=self.config.fallback, engine=self.engine, bounce=bounce, rank=self.rank,
-                world_size=self.world_size, remote=self.config.remote, keys=keys, strict=strict, report=report))
+            out = load_into(state_dict, lambda sd: self._stages.load(
+                sd, step, self.config, report, map_location=map_location, engine=self.engine, bounce=bounce,
+                keys=keys, strict=strict))
+        if source:  # peer replicas: the agreed step's files were local, fetched from peers, or remote
+            report.source = source
+        return out
 
     def steps(self, *, include_remote: bool = True) -> list[int]:
         """Committed steps, ascending: local ones and, with a remote tier (unless
@@ -356,7 +362,7 @@ class Checkpointer:
 
         # a save() this call interrupted after queueing its job fails (unless it is committing)
         step, saving = self._saving or (0, None)
-        failed_here = saving is not None and saving.queued.is_set() and saving.fail(
+        failed_here = saving is not None and saving.queued and saving.fail(
             ZerostallError(f"the Checkpointer was closed while step {step} was being saved"), in_save=True)
         ok = self._book.wait_until(deadline)
         if failed_here and saving is not None:  # its handle says so; not a background failure to re-raise here
@@ -367,10 +373,10 @@ class Checkpointer:
             pass
         if self._persist is not None:  # the snapshot thread is the pool's
             ok = self._persist.stop(left()) and ok
+        budget = self.config.close_timeout_s if deadline is None else min(self.config.close_timeout_s, left() or 0.0)
+        if self._peers is not None:  # bounded: peer transfers still running are cut
+            self.unprotected = self._peers.close(budget)
         if self._replicator is not None:  # bounded: the rest is uploaded by the next run
-            budget = self.config.close_timeout_s
-            if deadline is not None:
-                budget = min(budget, left() or 0.0)
             self.unreplicated = self._replicator.close(budget)
         if ok:
             finalizer = self.__dict__.get("_finalizer")

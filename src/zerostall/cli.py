@@ -100,6 +100,9 @@ def cmd_ls(a: argparse.Namespace) -> int:
     tier = _tier(a.path)
     title = a.path if is_url(a.path) else tier.root
     rows = _rows(tier, "remote" if is_url(a.path) else "local")
+    if not is_url(a.path):  # peer replicas: this node's steps' holders, the copies it keeps for others
+        from .peers.status import peer_rows
+        peer_rows(tier.root, rows)
     if a.remote and not is_url(a.path):
         try:
             remote_rows = {r["step"]: r for r in _rows(_tier(a.remote), "remote")}
@@ -134,34 +137,26 @@ def cmd_ls(a: argparse.Namespace) -> int:
 
 
 def cmd_restore(a: argparse.Namespace) -> int:
-    from .restore import fetch_remote_step, verify_step
+    from .restore.fetch import restore_remote  # the library's restore: the same fallback as load(remote=)
     from .store.tier import open_tier
     remote = open_tier(a.url)  # a plain path too: a shared-filesystem tier
     remote.check_root()
-    steps = remote.steps()
-    if a.step is not None:
-        if a.step not in steps:
-            raise CheckpointNotFound(f"no committed step {a.step} at {a.url} (steps: {steps or 'none'})")
-        steps = [a.step]
-    if not steps:
+    if a.step is None and not remote.steps():
         raise CheckpointNotFound(f"no committed checkpoint at {a.url}")
     tier = open_root(a.to, create=True)
     tier.own()  # a writer of --to: refused (naming the owner) while a training run holds it
     engine = _engine("auto", tier.root)
     try:
-        for s in reversed(steps):
-            try:
-                fetch_remote_step(tier, remote, s)
-                m = verify_step(tier, s, engine)
-                print(f"restored step {s} from {a.url} into {tier.step_dir(s)} ({_human(m.total_bytes)}, verified)")
-                return 0
-            except CorruptCheckpoint as exc:
-                print(f"step {s}: FAILED verification: {safe(exc)}", file=sys.stderr)
-                tier.delete(s)
+        m = restore_remote(tier, remote, engine, a.step,
+                           on_failure=lambda s, why: print(f"step {s}: FAILED verification: {safe(why)}",
+                                                           file=sys.stderr))
+    except CorruptCheckpoint:
+        return 1  # each step's failure is printed above
     finally:
         engine.close()
         tier.release()
-    return 1
+    print(f"restored step {m.step} from {a.url} into {tier.step_dir(m.step)} ({_human(m.total_bytes)}, verified)")
+    return 0
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
@@ -223,9 +218,12 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     return 0
 
 
+EXPORT_FORMATS = ("safetensors", "lightning", "transformers", "accelerate")
+
+
 def cmd_export(a: argparse.Namespace) -> int:
-    if a.format != "safetensors":
-        raise ConfigError(f"unknown export format {a.format!r} (supported: safetensors)")
+    if a.format not in EXPORT_FORMATS:
+        raise ConfigError(f"unknown export format {a.format!r} (supported: {', '.join(EXPORT_FORMATS)})")
     try:
         from safetensors.torch import save_file
     except ImportError:
@@ -244,6 +242,11 @@ def cmd_export(a: argparse.Namespace) -> int:
         src, remote = (scratch, a.path) if is_url(a.path) else (a.path, None)
         rank, world = _export_rank(a, remote)
         state = load(src, step=a.step, remote=remote, rank=rank, world_size=world, report=report)
+    if a.format != "safetensors":  # the files the framework's own checkpointing reads
+        from .integrations import export
+        files = export.write(a.format, state, a.out, rank=rank, world_size=world)
+        print(f"wrote step {report.step} as a {a.format} checkpoint: {safe(a.out)} ({', '.join(map(safe, files))})")
+        return 0
     flat: dict[str, torch.Tensor] = {}
 
     def walk(x: Any, prefix: str) -> None:
@@ -339,8 +342,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefix", default="",
                    help="export only keys under this prefix, without it (e.g. --prefix model, so that "
                         "model.load_state_dict(load_file(OUT)) works)")
-    s.add_argument("--format", default="safetensors", help="output format (safetensors)")
-    s.add_argument("out", help="output file")
+    s.add_argument("--format", default="safetensors",
+                   help="safetensors (the tensors, flattened), or what a framework's own checkpointing "
+                        "reads: lightning (a .ckpt file), transformers (a checkpoint-N folder), "
+                        "accelerate (a save_state folder)")
+    s.add_argument("out", help="output file (a folder for transformers/accelerate)")
     s.set_defaults(fn=cmd_export)
 
     from . import cli_host

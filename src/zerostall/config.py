@@ -26,7 +26,7 @@ from typing import Literal
 
 from .errors import ConfigError
 
-__all__ = ["CheckpointConfig", "IOConfig", "StagingConfig", "ALIGN_BYTES"]
+__all__ = ["CheckpointConfig", "IOConfig", "PeersConfig", "StagingConfig", "ALIGN_BYTES"]
 
 ALIGN_BYTES = 4096
 """Alignment of every offset, length and buffer that reaches an O_DIRECT file."""
@@ -94,6 +94,28 @@ class StagingConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PeersConfig:
+    """Peer replicas (``peers/``), used when ``CheckpointConfig.replicas > 1``."""
+
+    timeout_s: float = 30.0
+    """A peer that makes no progress for this long fails the transfer (a stopped or dead node);
+    other transfers, training and ``close()`` are not held up by it."""
+    bandwidth_bytes: int | None = None
+    """Cap on this node's outgoing copies, bytes/s (None: no cap)."""
+    replica_timeout_s: float = 600.0
+    """How long a step may take to be held by ``replicas`` nodes before it is reported unprotected."""
+    listen_host: str | None = None
+    """Address the peer server listens on and publishes (None: loopback for a local rendezvous,
+    else the address that reaches ``MASTER_ADDR``)."""
+
+    def __post_init__(self) -> None:
+        _require(self.timeout_s > 0, "peers.timeout_s", self.timeout_s, "must be > 0 seconds")
+        _require(self.bandwidth_bytes is None or self.bandwidth_bytes >= MiB, "peers.bandwidth_bytes",
+                 self.bandwidth_bytes, "must be None or at least 1 MiB/s")
+        _require(self.replica_timeout_s > 0, "peers.replica_timeout_s", self.replica_timeout_s, "must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """Everything a :class:`~zerostall.Checkpointer` needs; pass overrides as keywords."""
 
@@ -135,6 +157,10 @@ class CheckpointConfig:
     full_every: int | None = 10
     """With ``incremental``: at most ``full_every - 1`` incremental saves follow a full one
     (None: no bound)."""
+    replicas: int = 1
+    """Copies of every step on distinct nodes' local roots (1: off). ``N`` survives the loss of
+    any ``N - 1`` nodes; see the README's "Peer replicas" and :mod:`zerostall.peers`."""
+    peers: PeersConfig = field(default_factory=PeersConfig)
 
     def __post_init__(self) -> None:
         _require(self.backpressure in ("block", "skip"), "backpressure", self.backpressure,
@@ -158,6 +184,9 @@ class CheckpointConfig:
                  "must be > 0")
         _require(self.incremental in (False, True, "crc", "version"), "incremental", self.incremental,
                  "choose False, True (= 'crc': confirmed by crc32c) or 'version'")
+        _require(isinstance(self.replicas, int) and not isinstance(self.replicas, bool) and 1 <= self.replicas <= 16,
+                 "replicas", self.replicas, "must be an int in 1..16 (1: no peer copies)")
+        _require(isinstance(self.peers, PeersConfig), "peers", self.peers, "must be a PeersConfig")
         _require(self.full_every is None or (isinstance(self.full_every, int) and self.full_every >= 1),
                  "full_every", self.full_every, "must be an int >= 1 or None")
 

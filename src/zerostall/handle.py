@@ -6,8 +6,9 @@ Two phases, visible in the API: ``staged()`` (the state may be mutated again) an
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import SaveFailed
 from .staging.job import Job
@@ -49,6 +50,16 @@ class SaveHandle:
         st = self._status
         return st.replicated.is_set() and st.replicate_error is None and st.error is None
 
+    def protected(self) -> bool:
+        """True once every rank's files of this step are held by ``replicas`` nodes (peer
+        replicas, ``replicas > 1``); never for a step whose replication did not finish."""
+        st = self._peer_status()
+        return st is not None and st.protected
+
+    def _peer_status(self) -> Any:
+        peers = self._owner._peers if self._owner is not None else None
+        return peers.status(self.step) if peers is not None else None
+
     def wait_staged(self, timeout: float | None = None) -> bool:
         """Block until the snapshot is complete (the state may then be mutated). The wait
         counts as stall in the record."""
@@ -58,14 +69,26 @@ class SaveHandle:
         return ok
 
     def wait(self, timeout: float | None = None, tier: str = "local") -> bool:
-        """Block until the save is committed (``tier="local"``) or replicated (``"remote"``)
-        or has failed; False on timeout. Never raises for a failed save (see ``exception``)."""
+        """Block until the save is committed (``tier="local"``), replicated (``"remote"``),
+        its peer replication finished (``"peers"``: then see :meth:`protected`) or it has
+        failed; False on timeout. Never raises for a failed save (see ``exception``)."""
         st = self._status
         if tier == "local":
             return st.done.wait(timeout)
+        if tier == "peers":
+            if self._owner is None or self._owner._peers is None:
+                raise ValueError("this Checkpointer keeps no peer copies (pass replicas=N, N > 1)")
+            deadline = None if timeout is None else time.monotonic() + timeout
+            if not st.done.wait(timeout):
+                return False
+            if st.error is not None or st.skipped:
+                return True
+            ps = self._peer_status()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return ps.done.wait(left) if ps is not None else True
         if tier != "remote":
-            raise ValueError(f"tier={tier!r}: choose 'local' or 'remote'")
-        if self._owner is not None and not self._owner.has_remote:
+            raise ValueError(f"tier={tier!r}: choose 'local', 'peers' or 'remote'")
+        if self._owner is not None and not self._owner.config.remote:
             raise ValueError("this Checkpointer has no remote tier (pass remote=URL)")
         deadline = None if timeout is None else time.monotonic() + timeout
         if not st.done.wait(timeout):
@@ -91,7 +114,11 @@ class SaveHandle:
             if self._owner is not None:
                 self._owner.error_seen(st)
             raise SaveFailed(f"save of step {self.step} failed: {st.error}", step=self.step) from st.error
-        return record_of(self._job)
+        rec = record_of(self._job)
+        ps = self._peer_status()
+        if ps is not None and ps.protected:
+            rec = dataclasses.replace(rec, replica_nodes=ps.nodes)
+        return rec
 
     def __repr__(self) -> str:
         state = ("skipped" if self.skipped else "failed" if self._status.error else "durable"

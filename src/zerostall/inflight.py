@@ -73,7 +73,7 @@ class InFlight:
         """Poll until every queued save is done; False at ``deadline`` (monotonic)."""
         # A save not queued yet belongs to a save() that this thread's signal handler
         # interrupted: it cannot progress until the handler returns, so it is skipped.
-        jobs = [j for j in tuple(self.jobs) if j.status.queued.is_set()]
+        jobs = [j for j in tuple(self.jobs) if j.status.queued]
         delay = 0.0005
         for j in jobs:
             while not j.status.done.is_set():

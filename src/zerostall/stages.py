@@ -2,8 +2,9 @@
 
 :func:`build_stages` makes, in this order: the root (a ``Tier``, owned by this process or,
 across ranks, by the rank the session elects), the committer (:class:`~.store.committer.
-LocalCommitter` alone, :class:`~.distributed.commit.StoreCommitter` across ranks), the
-incremental tracker, the I/O engine, and the post-commit stage that applies retention:
+LocalCommitter` alone, :class:`~.distributed.committer.StoreCommitter` across ranks), the
+incremental tracker, the I/O engine, peer replicas (``replicas > 1``: :mod:`.peers`), and
+the post-commit stage that applies retention:
 the :class:`~.store.replicate.Replicator` with a remote tier (it also applies local
 retention), else :class:`~.store.retention.LocalRetention`. The Checkpointer subscribes
 them to its persist thread. :func:`abandoned` releases them for a Checkpointer dropped
@@ -18,9 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import CheckpointConfig
-from .distributed.commit import StoreCommitter
+from .distributed.committer import StoreCommitter
 from .distributed.ranks import discover
-from .distributed.session import Store, join, namespace
+from .distributed.session import Session, join, namespace
+from .distributed.store import Store
 from .errors import ConfigError
 from .io.base import Engine, engine_name_for, get_engine
 from .staging.incremental import RefTracker, mode_of
@@ -36,7 +38,7 @@ log = logging.getLogger("zerostall")
 @dataclass(frozen=True)
 class Stages:
     tier: Any
-    """The root: a ``LocalTier`` (the only tier a Checkpointer writes directly)."""
+    """The root: the local directory tier (the only tier a Checkpointer writes directly)."""
     rank: int
     world_size: int
     node_local: bool
@@ -47,28 +49,58 @@ class Stages:
     probe: Any
     replicator: Replicator | None
     retention: LocalRetention | None
+    session: Session | None = None
+    """Across ranks: the start-up round's outcome (node, copies of the root)."""
+    peers: Any = None
+    """:class:`zerostall.peers.Peers` with ``replicas > 1`` (a post-commit subscriber too)."""
+
+    @property
+    def plan_rank(self) -> tuple[int, int]:
+        """(rank, world size) a replicated save plans with: within this rank's copy of the root,
+        so each copy holds the whole state (distributed/merge.py)."""
+        s = self.session
+        if s is None or not s.members or len(s.leaders) == 1:
+            return self.rank, self.world_size
+        return s.members.index(self.rank), len(s.members)
+
+    def load(self, state_dict: Any, step: int | None, cfg: CheckpointConfig, report: Any, *,
+             map_location: Any, **kw: Any) -> Any:
+        """One load (caller's thread, under the Checkpointer's save lock): across ranks the
+        newest step every rank can load (collective), else the newest that verifies here."""
+        if self.committer is not None:
+            return self.committer.load_agreed(state_dict, step, cfg, report, map_location=map_location, **kw)
+        from .restore import load
+        return load(self.tier.root, state_dict, step, map_location, verify=cfg.verify_on_load, fallback=cfg.fallback,
+                    rank=self.rank, world_size=self.world_size, remote=cfg.remote, report=report, **kw)
 
     def persister(self, lease: Any, finished: Any) -> Persister:
         """This Checkpointer's persist worker over ``lease``'s ring, fed by the pool's snapshot
         thread, with the post-commit stages subscribed (caller's thread, once)."""
         p = Persister(self.tier, self.engine, lease.ring, finished=finished, upstream=lease.pool.snap,
                       committer=self.committer, refs=self.refs)
-        for sub in (self.retention, self.replicator):
+        for sub in (self.retention, self.replicator, self.peers):
             if sub is not None:
                 p.subscribe(sub)
         return p
 
     def release(self, lease: Any) -> None:
         """Once the persist thread has stopped (and the replicator is closed): the crc
-        threads, the engine, the staging lease, the root lock."""
+        threads, the engine, the root lock, the staging lease. Rank 0 first waits (bounded) until
+        every rank read the decisions of its commits: its process may host the store."""
+        if self.committer is not None:
+            late = self.committer.drain()
+            if late:
+                log.warning("zerostall: rank 0 closes before every rank acknowledged steps %s", late)
         try:
             if self.refs is not None:
                 self.refs.close()
             self.engine.close()
         finally:
+            self.tier.release()  # first: once the lease is gone, the root is free too
             if lease is not None:
                 lease.release()  # the pool lingers a moment for the next user, then unmaps
-            self.tier.release()
+            if self.committer is not None:
+                self.committer.close()
 
 
 def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any) -> Stages:
@@ -78,20 +110,31 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
     if is_url(path):
         raise ConfigError(f"Checkpointer({path!r}): the root is a local directory (each node's fast disk); "
                           "pass the URL as remote= to replicate there")
+    if cfg.replicas > 1 and world_size < 2:
+        raise ConfigError(f"replicas={cfg.replicas} needs a distributed job of at least {cfg.replicas} nodes "
+                          "(torch.distributed, ZEROSTALL_NODE naming each node); this process saves alone")
     tier: Any = open_root(path, create=True, lock_timeout_s=cfg.lock_timeout_s, io=cfg.io)
+    peers: Any = None
     try:
         tier.check_writable()
         committer: StoreCommitter | None = None
+        session: Session | None = None
         if world_size > 1:
             if info.store is None:
                 raise ConfigError(f"world size {world_size} but no c10d store: initialise torch.distributed "
                                   "first (init_process_group), pass store=, or use dist_mode='local' to save alone")
-            # rank 0 (shared root) or each host's leader (node-local roots) owns the root
-            session = join(Store(info.store), namespace(tier.root, cfg.dist_name), rank, world_size, tier,
-                           cfg.join_timeout_s)
-            committer = StoreCommitter(tier, Store(info.store), session,
-                                       per_rank=cfg.dist_mode == "per_rank", timeout_s=cfg.commit_timeout_s)
+            kv = Store(info.store)  # zerostall's own connection (distributed/store.py)
+            try:  # rank 0 (shared root) or each copy's leader (node-local roots) owns the root
+                session = join(kv, namespace(tier.root, cfg.dist_name), rank, world_size, tier, cfg.join_timeout_s)
+            except BaseException:
+                kv.close()
+                raise
+            committer = StoreCommitter(tier, kv, session, per_rank=cfg.dist_mode == "per_rank",
+                                       timeout_s=cfg.commit_timeout_s)
             node_local = session.node_local
+            if cfg.replicas > 1:  # after join: the store exchange runs under the session's prefix
+                from .peers import Peers
+                peers = Peers(cfg, tier, kv, session.prefix, rank, world_size, node_local=node_local)
         else:  # the one writer of this root (RootLockedError if another holds it); cleans leftovers
             tier.own()
             node_local = False
@@ -108,7 +151,7 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
             from .telemetry import prometheus
             prometheus.enable()
         protect = refs.protected if refs is not None else set
-        retains = rank == 0 or node_local  # this rank applies the root's retention
+        retains = session is None or session.is_leader  # this rank applies its copy's retention
         replicator: Replicator | None = None
         retention: LocalRetention | None = None
         if cfg.remote:
@@ -126,9 +169,12 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
                 recent = retain_at_start(tier, cfg.keep_last, protect())  # left one too many
             retention = LocalRetention(tier, cfg.keep_last, protect=protect, recent=recent)
     except BaseException:  # a half-built Checkpointer must not keep the root locked
+        if peers is not None:
+            peers.close(0.0)
         tier.release()
         raise
-    return Stages(tier, rank, world_size, node_local, committer, refs, engine, probe, replicator, retention)
+    return Stages(tier, rank, world_size, node_local, committer, refs, engine, probe, replicator, retention,
+                  session, peers)
 
 
 def abandoned(root: str, persist: Persister, lease: Any, stages: Stages, close_timeout_s: float) -> None:
@@ -140,6 +186,8 @@ def abandoned(root: str, persist: Persister, lease: Any, stages: Stages, close_t
 
     def release() -> None:
         try:
+            if stages.peers is not None:
+                stages.peers.close(close_timeout_s)
             if stages.replicator is not None:
                 stages.replicator.close(close_timeout_s)
         finally:

@@ -61,3 +61,20 @@ def test_sigkill_during_a_save_then_load_state(tmp_path, reference, boundary):
     assert equal(model.state_dict(), final)
     assert sorted(os.listdir(ckdir)) == names
     assert os.listdir(tmp_path / ".zerostall-staging") == []
+
+
+def test_export_writes_what_accelerates_load_state_reads(tmp_path, reference):
+    """`zerostall export --format accelerate`: a save_state folder that Accelerate's own
+    load_state() resumes from, to the same end (RNG states included)."""
+    final, _ = reference
+    torch.set_num_threads(1)
+    app.run(tmp_path / "z", "zerostall", 8, resume=False)  # checkpoint_1 holds step 8
+    out = tmp_path / "native" / "checkpoints" / "checkpoint_1"
+    os.makedirs(out.parent)
+    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "zerostall"), "export", "--format", "accelerate",
+                        str(tmp_path / "z" / "checkpoints" / "checkpoint_1"), str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
+            "custom_checkpoint_0.pkl"} <= set(os.listdir(out))
+    model = app.run(tmp_path / "native", "accelerate", STEPS, resume=True)
+    assert equal(model.state_dict(), final)

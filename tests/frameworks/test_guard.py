@@ -17,7 +17,7 @@ from zerostall.staging.job import SaveStatus
 
 def _pending(ck):
     status = SaveStatus()
-    status.queued.set()
+    status.mark_queued()
     status.done.set()  # Checkpointer.wait()/close() must not wait for it
     job = types.SimpleNamespace(status=status, reads=lambda storages: True, step=-1)
     ck._inflight.append(job)

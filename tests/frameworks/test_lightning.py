@@ -367,3 +367,18 @@ def test_rng_state_is_saved_and_restored(tmp_path):
     assert set(saved["zerostall_rng"]) >= {"python", "numpy", "torch"}
     resumed = fit(tmp_path / "stopped", EPOCHS, resume="last")
     assert equal(resumed.state_dict(), full.state_dict())
+
+
+def test_export_writes_what_lightnings_own_checkpointing_resumes_from(tmp_path, reference):
+    """`zerostall export --format lightning` of last.ckpt: a torch.save file that Lightning
+    without the plugin resumes from, to the same end."""
+    final, _, _ = reference
+    fit_in_process(tmp_path / "z", "zerostall", 2)
+    os.makedirs(tmp_path / "native" / "ckpts")
+    out = tmp_path / "native" / "ckpts" / "epoch-1.ckpt"
+    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "zerostall"), "export", "--format", "lightning",
+                        str(tmp_path / "z" / "ckpts" / "last.ckpt"), str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert os.path.isfile(out) and "zerostall_rng" not in torch.load(out, weights_only=False)
+    model, _, _ = fit_in_process(tmp_path / "native", "torch", EPOCHS, resume=str(out))
+    assert equal(model.state_dict(), final)

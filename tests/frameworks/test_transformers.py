@@ -191,3 +191,20 @@ def test_a_training_error_is_not_masked_by_a_failed_checkpoint(tmp_path, monkeyp
     monkeypatch.setattr(LocalTier, "_hook", staticmethod(fail))
     with pytest.raises(ZerostallError):
         t2.train()
+
+
+def test_export_writes_what_the_plain_trainer_resumes_from(tmp_path, reference):
+    """`zerostall export --format transformers` of a ZerostallTrainer checkpoint: the plain
+    Trainer resumes from the folder (model.safetensors, optimizer.pt, scheduler.pt,
+    rng_state.pth, trainer_state.json) and ends bit-exactly (dropout: the RNG state too)."""
+    torch.set_num_threads(1)
+    hf_app.make_trainer(tmp_path / "z", "zerostall", STEPS, callbacks=[hf_app.StopAt(8)]).train()
+    out = tmp_path / "plain" / "checkpoint-8"
+    os.makedirs(out.parent)
+    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "zerostall"), "export", "--format",
+                        "transformers", str(tmp_path / "z" / "checkpoint-8"), str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= set(os.listdir(out))
+    t = hf_app.make_trainer(tmp_path / "plain", "hf", STEPS)
+    t.train(resume_from_checkpoint=str(out))
+    assert equal(hf_app.final_params(t), reference)

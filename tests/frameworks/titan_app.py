@@ -77,6 +77,7 @@ def main(argv=None):
     p.add_argument("--kill-at-save", type=int)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
+    os.makedirs(a.outdir, exist_ok=True)
     if a.kill_at_save:
         from zerostall.distributed.dcp_storage import Writer
         finish, seen = Writer.finish, []

@@ -163,7 +163,7 @@ def main():
             prefix = ck._committer.session.prefix
         dist.barrier()
         store = dist.distributed_c10d._get_default_store()
-        res["left_keys"] = [k for step in range(1, 6) for k in ("result", "fail", "ack", "r1")
+        res["left_keys"] = [k for step in range(1, 6) for k in ("decision", "t0", "ack", "r1", "m0", "done/g0")
                             if store.check([f"{prefix}/s{step}/{k}"])]
         res["outcomes"] = outcomes
     elif scenario == "kill":

@@ -12,7 +12,8 @@ import pytest
 
 import zerostall
 from zerostall.distributed.commit import commit_round
-from zerostall.distributed.session import Session, Store
+from zerostall.distributed.session import Session
+from zerostall.distributed.store import Store
 from zerostall.store.local import LocalTier
 
 from ..helpers import free_port

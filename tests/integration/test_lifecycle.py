@@ -17,7 +17,7 @@ from .sigterm_child import drive
 def _held_job(tensors):
     """An in-flight snapshot that reads ``tensors`` until the test sets ``staged``."""
     status = SaveStatus()
-    status.queued.set()
+    status.mark_queued()
     status.done.set()  # wait()/close() need not wait for it
     return Job(SaveRequest(step=99, plan=None), status, Slot(0, 0, None), Source(list(tensors)))
 

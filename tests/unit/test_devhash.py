@@ -1,6 +1,7 @@
 """The device-side content hash of incremental saves (:mod:`zerostall.staging.devhash`), on the
 CPU: the same torch ops run on CUDA (tests/integration/test_incremental_gpu.py compares them)."""
 
+import json
 import numpy as np
 import pytest
 import torch
@@ -67,7 +68,8 @@ def test_device_path_through_the_seam(ckdir, monkeypatch):
             h.result()
             jobs.append(h._job.incr)
             want.append((base.clone(), head.clone()))
-    assert set(jobs[0].dhs) == {"base", "head"} and jobs[0].full
+    key_of = {i: json.loads(p)[0][1]["v"] for i, p in jobs[0].paths.items()}  # index -> top-level key
+    assert {key_of[i] for i in jobs[0].dhs} == {"base", "head"} and jobs[0].full
     assert jobs[1].dev_hash_bytes == base.numel() * 4 and jobs[1].crc_bytes == 0
     assert {e.key for e in jobs[1].refs.values()} == {"base"}
     assert jobs[2].dev_hash_bytes == base.numel() * 4 and not jobs[2].refs  # the hash differed: written

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from .hostinfo import machine
+from ..store.files import drop_cache
 from .model import GPTConfig, TinyGPT, states_equal
 
 METHODS = ("zerostall-full", "zerostall-incremental", "zerostall-incremental-version", "torch.save", "dcp")
@@ -132,11 +133,7 @@ def _dir_bytes(d: str) -> int:
 def _drop_cache(d: str) -> None:
     for p, _, fs in os.walk(d):
         for f in fs:
-            fd = os.open(os.path.join(p, f), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop_cache(os.path.join(p, f))
 
 
 class _Zerostall:

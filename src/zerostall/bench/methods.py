@@ -121,6 +121,25 @@ class Method:
         pass
 
 
+class AsyncMethod(Method):
+    """A method whose ``start`` returns while the save goes on; ``save`` waits for it."""
+
+    def save(self, step: int, state: Any) -> tuple[float, float, float]:
+        return self.start(step, state).wait()
+
+
+class TorchFileMethod(AsyncMethod):
+    """An async method that writes one ``torch.save`` file per step (restored by ``torch.load``)."""
+
+    filename = "state.pt"
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.dir(step), self.filename)
+
+    def restore(self, step: int, target: Any) -> Any:
+        return torch.load(self._path(step), weights_only=True)
+
+
 class TorchSave(Method):
     name = "torch.save"
     note = "torch.save to a buffered file, then fsync"
@@ -157,7 +176,7 @@ class DCP(Method):
         return target
 
 
-class DCPAsync(Method):
+class DCPAsync(AsyncMethod):
     name = "dcp-async"
     imports = ("torch.distributed.checkpoint", "torch.distributed.checkpoint.staging")
     note = ("dcp.async_save with one reused DefaultStager(use_async_staging=True; pinned and "
@@ -194,9 +213,6 @@ class DCPAsync(Method):
             return False
         return Pending(t0, stall, staged=staging.done if staging is not None else None, durable=durable)
 
-    def save(self, step: int, state: Any) -> tuple[float, float, float]:
-        return self.start(step, state).wait()
-
     def restore(self, step: int, target: Any) -> Any:
         return DCP.restore(self, step, target)  # type: ignore[arg-type]
 
@@ -204,7 +220,7 @@ class DCPAsync(Method):
         self.stager.close()
 
 
-class Zerostall(Method):
+class Zerostall(AsyncMethod):
     def __init__(self, engine: str):
         self.engine = engine
         self.name = f"zerostall-{engine}"
@@ -228,9 +244,6 @@ class Zerostall(Method):
                 return True
             return False
         return Pending(t0, stall, staged=h.staged, durable=durable)
-
-    def save(self, step: int, state: Any) -> tuple[float, float, float]:
-        return self.start(step, state).wait()
 
     def restore(self, step: int, target: Any) -> Any:
         return self.ck.load(target, step=step)

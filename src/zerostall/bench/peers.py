@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from .methods import Method, Pending, fsync_tree
+from .methods import AsyncMethod, Method, Pending, TorchFileMethod, fsync_tree
 
 
-class TorchSnapshot(Method):
+class TorchSnapshot(AsyncMethod):
     imports = ("torchsnapshot",)
 
     def __init__(self, asynchronous: bool):
@@ -56,9 +56,6 @@ class TorchSnapshot(Method):
             return False
         return Pending(t0, stall, durable=durable, after=lambda: fsync_tree(d))
 
-    def save(self, step: int, state: Any) -> tuple[float, float, float]:
-        return self.start(step, state).wait()
-
     def restore(self, step: int, target: Any) -> Any:
         import torchsnapshot
         app = self._app(target)
@@ -66,18 +63,16 @@ class TorchSnapshot(Method):
         return dict(app["state"])
 
 
-class LightningAsync(Method):
+class LightningAsync(TorchFileMethod):
     name = "lightning-async"
     imports = ("lightning.pytorch",)
     note = "lightning AsyncCheckpointIO(TorchCheckpointIO()).save_checkpoint, then fsync"
+    filename = "state.ckpt"
 
     def setup(self, root: str, state: Any) -> None:
         super().setup(root, state)
         from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
         self.io = AsyncCheckpointIO(TorchCheckpointIO())
-
-    def _path(self, step: int) -> str:
-        return os.path.join(self.dir(step), "state.ckpt")
 
     def start(self, step: int, state: Any) -> Pending:
         path = self._path(step)
@@ -95,17 +90,11 @@ class LightningAsync(Method):
             return False
         return Pending(t0, stall, durable=durable, after=lambda: fsync_tree(self.dir(step)))
 
-    def save(self, step: int, state: Any) -> tuple[float, float, float]:
-        return self.start(step, state).wait()
-
-    def restore(self, step: int, target: Any) -> Any:
-        return torch.load(self._path(step), weights_only=True)
-
     def close(self) -> None:
         self.io.teardown()
 
 
-class NVRxAsync(Method):
+class NVRxAsync(TorchFileMethod):
     name = "nvrx-async"
     note = ("nvidia_resiliency_ext TorchAsyncCheckpoint.async_save (CUDA only; its persistent worker "
             "started in setup), then fsync")
@@ -128,9 +117,6 @@ class NVRxAsync(Method):
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             AsyncCallsQueue.warmup_persistent_caller(rank=0)
         self.ckpt = TorchAsyncCheckpoint()
-
-    def _path(self, step: int) -> str:
-        return os.path.join(self.dir(step), "state.pt")
 
     def _worker_died(self) -> str | None:
         """Why the checkpoint worker process is gone, if it is (else its queue waits forever)."""
@@ -156,12 +142,6 @@ class NVRxAsync(Method):
                 raise RuntimeError(died)
             return False
         return Pending(t0, stall, durable=durable, after=lambda: fsync_tree(self.dir(step)))
-
-    def save(self, step: int, state: Any) -> tuple[float, float, float]:
-        return self.start(step, state).wait()
-
-    def restore(self, step: int, target: Any) -> Any:
-        return torch.load(self._path(step), weights_only=True)
 
     def close(self) -> None:
         """Finish or abort its calls without torch.distributed (its blocking finalize asks

@@ -1,11 +1,16 @@
-"""Distributed: rank discovery and the cross-rank commit protocol (and, later, DCP storage).
+"""Distributed: node identity, rank discovery, the start-up round, the cross-rank commit
+protocol, load agreement and the DCP storage plugin.
 
 Imports ``store``, ``format`` and ``staging`` (downward); nothing here imports the
 checkpointer or the CLI.
 """
 
-from .commit import StoreCommitter, commit_round
+from .commit import OutcomeUnknown, commit_round
+from .committer import StoreCommitter
+from .node import failure_domain, node_id
 from .ranks import RankInfo, discover
-from .session import Session, Store, join, namespace
+from .session import Session, join, namespace
+from .store import Store, StoreTimeout
 
-__all__ = ["RankInfo", "Session", "Store", "StoreCommitter", "commit_round", "discover", "join", "namespace"]
+__all__ = ["OutcomeUnknown", "RankInfo", "Session", "Store", "StoreCommitter", "StoreTimeout", "commit_round",
+           "discover", "failure_domain", "join", "namespace", "node_id"]

@@ -1,282 +1,317 @@
-"""The cross-rank commit of one step, through the c10d store (never the training's group).
+"""The cross-rank commit of one step: a written state machine, through the c10d store.
 
 Why the store and not a gloo group: the commit runs on each rank's persist thread, at a
 different moment on every rank. Store requests are independent, safe from any thread and
-bounded by our own deadlines; a collective would have to be entered by every rank in the
-same order, and one rank that failed, skipped or died would leave the others inside it.
+bounded by our own deadlines (:mod:`.store`: zerostall's own connection, every request
+bounded); a collective would have to be entered by every rank in the same order, and one
+rank that failed, skipped or died would leave the others inside it.
 
-Rounds are keyed by (root, step) — ``<ns>/<sid>/s<step>/`` where ``ns`` names the root and
-``sid`` the session agreed at start-up (:mod:`.session`) — never by a per-process counter, so
-a rank that failed or skipped a step cannot shift the keys of later steps. The round of
-step N:
+Keys of the round of step N live under ``<ns>/<sid>/s<N>/`` (root namespace and session
+agreed at start-up, :mod:`.session`), never under a per-process counter, so a rank that
+failed or skipped a step cannot shift the keys of later steps.
 
-1. every rank writes ``step-N.partial/rank-R.shard`` and fdatasyncs it;
-2. rank ``R > 0`` sets ``r<R>`` = its fragment (file entry, tensor entries with crc32c, tree);
-   a rank that failed locally — in ``save()`` before anything was queued, while writing, or
-   by skipping — sets ``fail`` = ``{rank, error}`` instead (rank 0 sets ``result`` directly);
-3. rank 0 (the coordinator) polls until every ``r*`` key exists, ``fail`` exists (the step
-   fails at once on every rank) or ``commit_timeout_s`` passes (the missing ranks are named);
-   if all are durable it merges the fragments into one manifest and runs the local tier's
-   commit (manifest, fsync, rename, fsync, latest);
-4. rank 0 sets ``result`` = ``{"commit": true}`` or ``{"commit": false, "error": ...}``; the
-   others poll for it (same timeout), delete their own ``r<R>``, and on a node-local root each
-   host's leader renames its own copy and sets ``done/<host>`` for the others of its host;
-5. every rank adds 1 to ``ack`` once it is finished with the round (a rank that failed
-   locally does so when it reports); the rank that completes the count deletes ``result``,
-   ``fail``, ``ack`` and ``done/*``. Keys of a round stay behind only when a rank died.
+**The decision is the only truth.** ``decision`` is written once, by ``compare_set`` against
+"absent": whoever writes first wins, and every rank reads the same value afterwards. The
+coordinator (rank 0) writes ``commit``; any rank may write ``abort``. Nothing is renamed
+into ``step-N`` before a ``commit`` decision, and nothing is deleted before an ``abort`` one.
 
-A rank that dies before reporting never reports: rank 0 times out, publishes the failure and
-removes the partial directory; nobody commits. If rank 0 dies, the others time out waiting
-for ``result`` and fail their handles; nothing was renamed, so nothing is committed.
+**One deadline per round.** The first rank to enter the round sets ``t0`` (wall clock,
+``compare_set``); every rank's deadline is ``t0 + commit_timeout_s``. Clocks of the nodes
+must agree to well within that (NTP does).
+
+States of one rank (C: coordinator only, P: the others; ``->`` on an event)::
+
+    WRITING   shard written + fdatasync'ed          -> REPORTED (P sets r<R>; C keeps its own)
+              local failure / skip                  -> ABORTING (sets decision=abort{rank, error})
+    REPORTED  C: all r<R> present                   -> PREPARED (merge; manifest/<group> keys set)
+              C: merge fails (structure, shapes)    -> ABORTING
+              decision present                      -> DECIDED
+              deadline passed                       -> ABORTING (abort{missing ranks: those without r<R>})
+    PREPARED  C: compare_set(decision, commit)      -> DECIDED  (ours, or the abort that came first)
+    ABORTING  compare_set(decision, abort)          -> DECIDED  (ours, or whatever came first)
+    DECIDED   commit, rank leads its copy           -> FINISHING
+              commit, not the leader                -> waits for done/<group> until deadline + grace,
+                                                       then FINISHING itself (the leader is stopped)
+              abort                                 -> FAILED   (deletes its own shard; the leader
+                                                       removes the empty partial directory)
+    FINISHING write manifest (tmp + rename), fsync, rename step-N.partial -> step-N, fsync
+              root; idempotent: a copy another rank renamed with this checkpoint id is done
+                                                    -> DURABLE  (sets done/<group>)
+    any       the store does not answer in time     -> UNKNOWN  (nothing deleted; see below)
+    DURABLE, FAILED, UNKNOWN: add 1 to ``ack``; the rank completing the count deletes the
+    round's keys. Rank 0 (which may host the store) waits, at close(), until the rounds it
+    committed were acknowledged by every rank (bounded), so leaving its ``with`` block does
+    not take the store away from a rank that has yet to read a commit.
+
+What a handle says: durable only after DURABLE, i.e. the decision committed and this rank's
+copy of the root holds ``step-N`` (every rank's shard in it was fdatasync'ed before it
+reported). Failed (:class:`SaveFailed`) only after an abort decision, which no coordinator can
+overturn. UNKNOWN (:class:`OutcomeUnknown`, also a failed handle): the store stopped answering
+before this rank learnt the decision (its host stopped or died); the rank deletes nothing, so
+the coordinator may still commit the step complete; the next collective ``load`` agrees on
+what every rank can restore. An overwrite (``overwrite=True``) is finished by the copy's
+leader only; its peers report UNKNOWN if it does not confirm in time.
+
+Crash states on disk: before FINISHING only ``step-N.partial`` exists (start-up recovery
+removes it); FINISHING's renames are the local tier's (:mod:`zerostall.store.local`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import time
+import uuid
 from typing import Any, Callable
 
-from ..errors import DistributedError, SaveFailed
-from ..format.manifest import FileEntry, Manifest, TensorEntry
-from ..format.refs import RefFile
-from ..format.tree import remap_tree
-from ..staging.incremental import RefTracker, merged_entries
-from ..staging.job import Persisted, SaveRequest
+from ..errors import CheckpointExistsError, DistributedError, SaveFailed, ZerostallError, storage_error
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..store.atomic import fsync_dir, write_file_durable
 from ..store.local import LocalTier
-from ..store.committer import file_entry, tensor_entries
-from .session import Session, Store
+from .merge import manifests, merge, peer_protected
+from .session import Session
+from .store import Store, StoreTimeout
+
+__all__ = ["OutcomeUnknown", "commit_round", "finish_copy", "merge", "peer_protected", "report_failure"]
 
 log = logging.getLogger("zerostall")
 
-
-def merge(fragments: list[dict[str, Any]], step: int, world: int, per_rank: bool,
-          user_metadata: dict[str, Any]) -> Manifest:
-    """One manifest from every rank's fragment (rank order)."""
-    files = tuple(FileEntry(**f["file"]) for f in fragments)
-    ref_files: dict[tuple[int, str], RefFile] = {}
-    for f in fragments:  # incremental saves: each rank borrows from its own earlier files
-        for r in f.get("ref_files", ()):
-            ref_files.setdefault((r["step"], r["name"]), RefFile(**r))
-    if per_rank:
-        tensors: list[TensorEntry] = []
-        trees = []
-        for f in fragments:
-            base = len(tensors)
-            local = {g: i for i, (g, _) in enumerate(f["tensors"])}
-            tensors.extend(TensorEntry(**{**e, "shape": tuple(e["shape"])}) for _, e in f["tensors"])
-            trees.append(remap_tree(f["tree"], lambda g, local=local, base=base: base + local[g]))
-        tree, rank_trees = trees[0], tuple(trees)
-    else:
-        ref = fragments[0]["structure"]
-        for r, f in enumerate(fragments):
-            if f["structure"] != ref:
-                raise SaveFailed(f"rank {r}'s state differs in structure from rank 0's; replicated mode needs "
-                                 "identical state dicts on every rank (use dist_mode='per_rank')", step=step)
-        n = fragments[0]["n_tensors"]
-        slots: list[TensorEntry | None] = [None] * n
-        for f in fragments:
-            for g, e in f["tensors"]:
-                slots[g] = TensorEntry(**{**e, "shape": tuple(e["shape"])})
-        if any(s is None for s in slots):
-            raise SaveFailed(f"step {step}: some tensors were written by no rank", step=step)
-        tensors, tree, rank_trees = slots, fragments[0]["tree"], None  # type: ignore[assignment]
-    return Manifest(step=step, world_size=world, checkpoint_id=fragments[0]["file"]["file_id"],
-                    created_unix=time.time(), files=files, tensors=tuple(tensors), tree=tree,
-                    user_metadata=user_metadata, rank_trees=rank_trees, ref_files=tuple(ref_files.values()))
+fault_hook: Callable[[str, int, int], None] | None = None
+"""Test seam: called as ``fault_hook(point, rank, step)`` at each named point of a round
+(``entered``, ``reported``, ``prepared``, ``decided``, ``finished``, ``acked``); a test pauses,
+stops or kills the rank there."""
 
 
-def peer_protected(fragments: list[dict[str, Any]]) -> set[int]:
-    """Steps any rank's incremental base or save in flight may reference (``RefTracker.protected``
-    at the time the rank reported): the retention of the rank(s) that delete must keep them."""
-    return {int(s) for f in fragments for s in f.get("protect", ())}
+class OutcomeUnknown(DistributedError):
+    """This rank could not learn the round's decision (the store stopped answering): the step
+    may still be committed by the coordinator; nothing of it was deleted here."""
 
 
-def commit_round(store: Store, session: Session, fragment: dict[str, Any], tier: LocalTier, step: int, *,
-                 per_rank: bool, timeout_s: float, overwrite: bool = False,
-                 user_metadata: dict[str, Any] | None = None,
-                 protect: Callable[[set[int]], None] | None = None) -> None:
-    """Steps 2-5 of the protocol for one rank (persist thread). Raises :class:`SaveFailed` or
-    :class:`DistributedError` if nothing was committed. ``protect`` (incremental saves; rank 0
-    and node-local leaders, the ranks that run retention) receives :func:`peer_protected` of
-    the round's fragments before the commit."""
-    base = step_base(session, step)
-    deadline = time.monotonic() + timeout_s
-    try:
-        if session.rank == 0:
-            res = _coordinate(store, session, base, fragment, tier, step, per_rank=per_rank, deadline=deadline,
-                              timeout_s=timeout_s, overwrite=overwrite, user_metadata=user_metadata or {},
-                              protect=protect)
-        else:
-            store.set(f"{base}/r{session.rank}", json.dumps(fragment))
-            if store.poll([f"{base}/result"], deadline) == "timeout":
-                store.delete(f"{base}/r{session.rank}")
-                raise DistributedError(f"step {step}: the coordinator (rank 0) published no result within "
-                                       f"commit_timeout_s={timeout_s:g} s; nothing committed", missing_ranks=(0,))
-            res = store.get_json(f"{base}/result")
-            store.delete(f"{base}/r{session.rank}")
-        if not res["commit"]:
-            raise SaveFailed(res["error"], step=step)
-        if session.node_local:
-            if protect is not None and session.rank in session.leaders and session.rank != 0:
-                protect(set(res.get("protect", ())))
-            _commit_node_copy(store, session, base, res, tier, step, overwrite, deadline, timeout_s)
-    except DistributedError as exc:
-        if str(exc).startswith(f"step {step}:"):
-            raise
-        raise DistributedError(f"step {step}: {exc}", missing_ranks=exc.missing_ranks) from exc
-    finally:
-        ack(store, session, base)
+def _point(name: str, session: Session, step: int) -> None:
+    if fault_hook is not None:
+        fault_hook(name, session.rank, step)
 
 
 def step_base(session: Session, step: int) -> str:
     return f"{session.prefix}/s{step}"
 
 
-def ack(store: Store, session: Session, base: str) -> None:
-    """Step 5: this rank is finished with the round; the last one deletes the round's keys."""
+def grace_s(timeout_s: float) -> float:
+    """How long a copy's other ranks wait past the deadline for its leader to finish it."""
+    return min(max(1.0, timeout_s / 4), 10.0)
+
+
+def _deadline(store: Store, base: str, timeout_s: float) -> float:
+    """The round's one deadline, as a monotonic time on this rank (module docstring)."""
+    now = time.time()
+    t0 = float(store.compare_set(f"{base}/t0", "", repr(now)))
+    return time.monotonic() + (t0 + timeout_s - now)
+
+
+def _decide(store: Store, base: str, value: dict[str, Any], timeout: float) -> dict[str, Any]:
+    got = store.compare_set(f"{base}/decision", "", json.dumps(value), timeout)
+    return json.loads(got)
+
+
+def _missing(store: Store, base: str, world: int, timeout: float) -> list[int]:
+    return [r for r in range(1, world) if not store.check([f"{base}/r{r}"], timeout)]
+
+
+def commit_round(store: Store, session: Session, fragment: dict[str, Any], tier: LocalTier, step: int, *,
+                 per_rank: bool, timeout_s: float, overwrite: bool = False,
+                 user_metadata: dict[str, Any] | None = None,
+                 protect: Callable[[set[int]], None] | None = None) -> tuple[str, ...]:
+    """One rank's part of the round (persist thread), from REPORTED to DURABLE. Returns the
+    post-commit problems (the ``latest`` hint). Raises :class:`SaveFailed` (abort decided),
+    :class:`OutcomeUnknown` (the store stopped answering) or :class:`DistributedError`.
+    ``protect`` (incremental saves; the ranks that run retention) receives the steps the
+    round's fragments protect, before this rank's copy is committed."""
+    base = step_base(session, step)
+    known = False
     try:
-        if store.add(f"{base}/ack", 1) == session.world:
-            store.delete(f"{base}/result", f"{base}/fail", f"{base}/ack",
-                         *(f"{base}/done/{h}" for h in session.hosts))
+        deadline = _deadline(store, base, timeout_s)
+        _point("entered", session, step)
+        if session.rank == 0:
+            dec = _coordinate(store, session, base, fragment, step, per_rank, deadline, timeout_s, user_metadata or {})
+        else:
+            store.set(f"{base}/r{session.rank}", json.dumps(fragment))
+            _point("reported", session, step)
+            state = store.poll([f"{base}/decision"], deadline)
+            if state == "timeout":
+                missing = _missing(store, base, session.world, grace_s(timeout_s))
+                who = (f"rank(s) {', '.join(map(str, missing))} did not report" if missing
+                       else "the coordinator (rank 0) did not decide")
+                dec = _decide(store, base, {"commit": False, "by": session.rank, "missing": missing or [0],
+                                            "error": f"step {step}: {who} within commit_timeout_s={timeout_s:g} s "
+                                                     "(died, stopped, or not saving this step); nothing committed"},
+                              grace_s(timeout_s))
+            else:
+                dec = store.get_json(f"{base}/decision")
+            store.delete(f"{base}/r{session.rank}")
+        known = True
+        _point("decided", session, step)
+        if not dec["commit"]:
+            raise SaveFailed(dec["error"], step=step) if not dec.get("missing") else DistributedError(
+                dec["error"], missing_ranks=tuple(dec["missing"]))
+        if protect is not None and session.is_leader:
+            protect(set(dec.get("protect", ())))
+        post = _finish_mine(store, session, base, dec, tier, step, overwrite, deadline, timeout_s)
+        _point("finished", session, step)
+        return post
+    except DistributedError as exc:
+        if isinstance(exc, OutcomeUnknown) or known and not isinstance(exc, StoreTimeout):
+            raise
+        if known:
+            raise OutcomeUnknown(f"step {step}: committed by the coordinator, but this rank could not confirm its "
+                                 f"copy: {exc}") from exc
+        raise OutcomeUnknown(f"step {step}: outcome unknown: {exc}; this rank deleted nothing, so the coordinator "
+                             "may still commit the step (the next collective load agrees on a step every rank "
+                             "can restore)") from exc
+    finally:
+        if known:
+            ack(store, session, base)
+            _point("acked", session, step)
+
+
+def _coordinate(store: Store, session: Session, base: str, fragment: dict[str, Any], step: int, per_rank: bool,
+                deadline: float, timeout_s: float, user_metadata: dict[str, Any]) -> dict[str, Any]:
+    """C: REPORTED -> PREPARED -> DECIDED; returns the decision."""
+    world = session.world
+    keys = [f"{base}/r{r}" for r in range(1, world)]
+    state = store.poll(keys, deadline, abort=f"{base}/decision")
+    if state == "abort":
+        return store.get_json(f"{base}/decision")
+    if state == "timeout":
+        missing = _missing(store, base, world, grace_s(timeout_s))
+        if missing:
+            return _decide(store, base, {"commit": False, "by": 0, "missing": missing,
+                                         "error": f"step {step}: rank(s) {', '.join(map(str, missing))} did not "
+                                                  f"report within commit_timeout_s={timeout_s:g} s (died, stuck, "
+                                                  "or not saving this step); nothing committed"}, grace_s(timeout_s))
+    try:
+        frags = [fragment] + store.multi_get_json(keys)
+        mans = manifests(frags, session.copies(), session.groups, step, world, per_rank, user_metadata)
+    except ZerostallError as exc:
+        return _decide(store, base, {"commit": False, "by": 0, "error": str(exc) if str(exc).startswith(
+            f"step {step}") else f"step {step}: {exc}"}, grace_s(timeout_s))
+    distinct: dict[bytes, str] = {}  # one key per distinct manifest (per_rank copies share one)
+    names = {name: distinct.setdefault(raw, f"m{len(distinct)}") for name, raw in mans.items()}
+    for raw, key in distinct.items():
+        store.set(f"{base}/{key}", raw.decode())
+    _point("prepared", session, step)
+    kept = sorted(peer_protected(frags))
+    return _decide(store, base, {"commit": True, "manifests": names, "protect": kept}, max(
+        deadline - time.monotonic(), 0.0) + grace_s(timeout_s))
+
+
+def _finish_mine(store: Store, session: Session, base: str, dec: dict[str, Any], tier: LocalTier, step: int,
+                 overwrite: bool, deadline: float, timeout_s: float) -> tuple[str, ...]:
+    """DECIDED(commit) -> DURABLE for this rank's copy."""
+    done_key = f"{base}/done/{session.group}"
+    mkey = dec["manifests"][session.group]
+    if not session.is_leader:
+        until = max(deadline, time.monotonic()) + grace_s(timeout_s)
+        if store.poll([done_key], until) == "ok":
+            done = store.get_json(done_key)
+            if not done["ok"]:
+                raise SaveFailed(f"step {step}: the commit of its copy of the root on node "
+                                 f"{session.nodes[session.leader] if session.nodes else '?'} failed: {done['error']}",
+                                 step=step)
+            return ()
+        if overwrite:
+            raise OutcomeUnknown(f"step {step}: committed by the coordinator, but rank {session.leader} did not "
+                                 f"confirm the overwrite of its copy within {timeout_s:g} s (+ grace)")
+        log.warning("zerostall: step %d: rank %d did not finish the copy of %s in time; rank %d finishes it",
+                    step, session.leader, tier.root, session.rank)
+    raw = store.get(f"{base}/{mkey}")
+    try:
+        post = finish_copy(tier, step, raw, overwrite=overwrite, leader=session.is_leader)
+    except BaseException as exc:
+        store.set(done_key, json.dumps({"ok": False, "error": str(exc)}))
+        raise
+    store.set(done_key, json.dumps({"ok": True}))
+    return post
+
+
+def finish_copy(tier: LocalTier, step: int, manifest: bytes, *, overwrite: bool = False,
+                leader: bool = True) -> tuple[str, ...]:
+    """FINISHING: commit ``step`` in this copy of the root with ``manifest``. Idempotent and
+    safe to race (the manifest goes in by rename; a copy already renamed with this
+    checkpoint id counts as done). Returns post-commit problems (the leader writes ``latest``)."""
+    man = Manifest.from_bytes(manifest)
+    if overwrite:
+        return tier.commit(step, man, overwrite=True)
+    part, final = tier.partial_dir(step), tier.step_dir(step)
+    if _committed_here(tier, step, man.checkpoint_id):
+        return tier.write_latest(step) if leader else ()
+    tmp = os.path.join(part, f".manifest-{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        write_file_durable(tmp, manifest)
+        os.rename(tmp, os.path.join(part, MANIFEST_NAME))
+        tier._step("manifest")
+        fsync_dir(part)
+        tier._step("fsync_dir")
+        os.rename(part, final)
+        tier._step("rename")
+        fsync_dir(tier.root)
+        tier._step("fsync_root")
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if _committed_here(tier, step, man.checkpoint_id):  # another rank of this copy got there first
+            return tier.write_latest(step) if leader else ()
+        if os.path.isdir(final):
+            raise CheckpointExistsError(f"step {step} already exists in {tier.root!r} (pass overwrite=True or "
+                                        "pick another step)") from None
+        raise storage_error(f"committing step {step} in", tier.root, exc) from exc
+    return tier.write_latest(step) if leader else ()
+
+
+def _committed_here(tier: LocalTier, step: int, checkpoint_id: str) -> bool:
+    try:
+        return tier.read_manifest(step).checkpoint_id == checkpoint_id
+    except ZerostallError:
+        return False
+
+
+def ack(store: Store, session: Session, base: str) -> None:
+    """This rank is finished with the round; the last one deletes the round's keys."""
+    try:
+        if store.add(f"{base}/ack", 1, 5.0) == session.world:
+            store.delete(f"{base}/decision", f"{base}/t0", f"{base}/ack", *(f"{base}/m{i}" for i in
+                         range(len(session.leaders))), *(f"{base}/done/{g}" for g in session.groups))
     except DistributedError as exc:  # the store may be gone with rank 0; the round's outcome stands
         log.error("zerostall: could not finish the round %s: %s", base, exc)
 
 
-def report_failure(store: Store, session: Session, step: int, exc: BaseException) -> None:
-    """Step 2 for a rank that failed locally: non-blocking (two store requests), any thread."""
+def report_failure(store: Store, session: Session, step: int, exc: BaseException) -> dict[str, Any] | None:
+    """WRITING -> ABORTING -> DECIDED for a rank that failed locally (any thread; bounded).
+    Returns the decision (None: the store did not answer)."""
     base = step_base(session, step)
     msg = f"step {step}: rank {session.rank} failed: {exc}; nothing committed"
     try:
-        if session.rank == 0:
-            store.set(f"{base}/result", json.dumps({"commit": False, "error": msg}))
-        else:
-            store.set(f"{base}/fail", json.dumps({"rank": session.rank, "error": msg}))
+        dec = _decide(store, base, {"commit": False, "by": session.rank, "error": msg}, 10.0)
     except DistributedError as sexc:
         log.error("zerostall: could not report the failure of step %d to the other ranks: %s", step, sexc)
+        return None
+    store.delete(f"{base}/r{session.rank}")
     ack(store, session, base)
+    return dec
 
 
-def _coordinate(store: Store, session: Session, base: str, fragment: dict[str, Any], tier: LocalTier, step: int,
-                *, per_rank: bool, deadline: float, timeout_s: float, overwrite: bool,
-                user_metadata: dict[str, Any],
-                protect: Callable[[set[int]], None] | None = None) -> dict[str, Any]:
-    world = session.world
-    keys = [f"{base}/r{r}" for r in range(1, world)]
-    try:
-        state = store.poll(keys, deadline, abort=f"{base}/fail")
-        if state == "timeout":
-            missing = [int(k.rsplit("/r", 1)[1]) for k in store.missing(keys)]
-            raise DistributedError(f"step {step}: rank(s) {', '.join(map(str, missing))} did not report within "
-                                   f"commit_timeout_s={timeout_s:g} s (died, stuck, or not saving this step); "
-                                   "nothing committed", missing_ranks=tuple(missing))
-        if state == "abort":
-            raise SaveFailed(store.get_json(f"{base}/fail")["error"], step=step)
-        frags = [fragment] + store.multi_get_json(keys)
-        man = merge(frags, step, world, per_rank, user_metadata)
-        kept = peer_protected(frags)
-        if protect is not None:  # before the commit: the retention right after it must see them
-            protect(kept)
-        if not session.node_local:
-            tier.commit(step, man, overwrite=overwrite)
-        res = {"commit": True, "manifest": man.to_bytes().decode() if session.node_local else None}
-        if session.node_local and kept:
-            res["protect"] = sorted(kept)
-    except BaseException as exc:
-        res = {"commit": False, "error": str(exc)}
+def wait_acked(store: Store, session: Session, steps: list[int], timeout_s: float) -> list[int]:
+    """Rank 0 at close(): wait until every rank acknowledged the rounds of ``steps`` (their
+    ``decision`` key is gone), at most ``timeout_s`` in all; returns the steps still open."""
+    deadline = time.monotonic() + timeout_s
+    open_ = list(steps)
+    while open_ and time.monotonic() < deadline:
         try:
-            store.set(f"{base}/result", json.dumps(res))
-        except DistributedError as sexc:
-            log.error("zerostall: could not publish the failure of step %d: %s", step, sexc)
-        raise
-    store.set(f"{base}/result", json.dumps(res))
-    return res
-
-
-def _commit_node_copy(store: Store, session: Session, base: str, res: dict[str, Any], tier: LocalTier, step: int,
-                      overwrite: bool, deadline: float, timeout_s: float) -> None:
-    """Node-local roots: each host's leader renames its own copy; the others wait for it."""
-    key = f"{base}/done/{session.host}"
-    if session.rank in session.leaders:
-        try:
-            tier.commit(step, Manifest.from_bytes(res["manifest"].encode()), overwrite=overwrite)
-        except BaseException as exc:
-            store.set(key, json.dumps({"ok": False, "error": str(exc)}))
-            raise
-        store.set(key, json.dumps({"ok": True}))
-        return
-    if store.poll([key], deadline) == "timeout":
-        raise DistributedError(f"step {step}: the leader of host {session.host} did not commit its node-local copy "
-                               f"within {timeout_s:g} s")
-    done = store.get_json(key)
-    if not done["ok"]:
-        raise SaveFailed(f"step {step}: the node-local commit on {session.host} failed: {done['error']}", step=step)
-
-
-class StoreCommitter:
-    """Multi-rank commit strategy of the persist thread (module docstring); a
-    :class:`~zerostall.store.committer.Committer`.
-
-    ``begin``/``commit``/``fail`` run on the persist thread in job order; ``fail`` may also
-    run on the caller's thread for a save that failed before it was queued (it then only
-    reports and never blocks).
-    """
-
-    def __init__(self, tier: LocalTier, store: Store, session: Session, *, per_rank: bool, timeout_s: float):
-        self.tier, self.store, self.session = tier, store, session
-        self.rank, self.world = session.rank, session.world
-        self.per_rank, self.timeout_s = per_rank, timeout_s
-        self.node_local, self.leaders = session.node_local, session.leaders
-        self.refs: RefTracker | None = None
-        """Set by the Checkpointer for incremental saves (before the first save)."""
-        self._reported: set[int] = set()  # steps whose outcome this rank sent (persist thread)
-
-    def begin(self, job: SaveRequest) -> str:
-        self._reported.discard(job.step)  # a new save of the step (overwrite)
-        d = self.tier.partial_dir(job.step)
-        os.makedirs(d, exist_ok=True)
-        own = os.path.join(d, job.file_name)
-        if os.path.lexists(own):  # left by an earlier, failed attempt of this rank
-            os.unlink(own)
-        return d
-
-    def fragment(self, job: Persisted) -> dict[str, Any]:
-        tree_json = json.dumps(job.plan.tree, sort_keys=True)
-        shapes = json.dumps([[it.key, it.dtype, list(it.shape)] for it in job.plan.items], sort_keys=True)
-        entries, ref_files = merged_entries(job, tensor_entries(job))  # written and referenced
-        out = {"ok": True, "file": file_entry(job).__dict__, "n_tensors": job.plan.n_tensors,
-               "tensors": [[g, e.to_json()] for g, e in entries], "tree": job.plan.tree,
-               "structure": hashlib.sha256(tree_json.encode()).hexdigest() if not self.per_rank else shapes}
-        if ref_files:
-            out["ref_files"] = [r.to_json() for r in ref_files]
-        if self.refs is not None:
-            out["protect"] = sorted(self.refs.own_protected())
-        return out
-
-    def commit(self, job: Persisted) -> None:
-        self._reported.add(job.step)
-        commit_round(self.store, self.session, self.fragment(job), self.tier, job.step, per_rank=self.per_rank,
-                     timeout_s=self.timeout_s, overwrite=job.overwrite, user_metadata=dict(job.user_metadata),
-                     protect=self.refs.set_peer_protected if self.refs is not None else None)
-
-    def after_durable(self, job: Persisted) -> tuple[str, ...]:
-        return ()
-
-    def report(self, step: int, exc: BaseException) -> None:
-        """A save of ``step`` failed on this rank before a job was queued (caller's thread)."""
-        report_failure(self.store, self.session, step, exc)
-
-    def fail(self, job: SaveRequest, exc: BaseException, *, cleanup: bool = True) -> None:
-        if job.step not in self._reported:  # its round ran: the others know; else tell them now
-            report_failure(self.store, self.session, job.step, exc)
-        if not cleanup:
-            return
-        if self.rank == 0 or self.node_local and self.rank in self.leaders:
-            self.tier.abort(job.step)
-        else:
-            try:
-                os.unlink(os.path.join(self.tier.partial_dir(job.step), job.file_name))
-            except OSError:
-                pass
+            open_ = [s for s in open_ if store.check([f"{step_base(session, s)}/decision"], 2.0)]
+        except DistributedError:
+            return open_
+        if open_:
+            time.sleep(0.02)
+    return open_

@@ -9,6 +9,12 @@ shapes consistent with byte counts, dtypes, plain file names inside the checkpoi
 records inside their files and not overlapping. Every failure is a
 :class:`~zerostall.errors.CorruptCheckpoint` naming the file and the field.
 
+Validation is linear in the file's size: a pickle can make many entries share one object (a
+190 KB file whose entries all shared one list of repeated chunks kept validation busy past
+15 s, quadratic), so no chunk of an entry may repeat another's offsets: every chunk that
+validates then uses a storage record of its own, the chunks walked are bounded by the records,
+and the records by :data:`MAX_RECORDS`.
+
 Called from the caller's thread (``Reader.read_metadata``, the CLI); no state.
 """
 
@@ -35,6 +41,8 @@ from ..format.shard import check_items
 from .dcp_storage import LEGACY_SHARD_RE, SHARD_RE, UnsupportedCheckpoint, _ZSInfo
 
 MAX_METADATA_BYTES = 256 << 20
+MAX_RECORDS = 1 << 24
+"""Storage records one ``.metadata`` may hold (DCP writes one per chunk of every rank)."""
 _MAX_DIM = 1 << 62
 _FSW_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 
@@ -165,6 +173,7 @@ def validate(md: Metadata, where: str, root: str) -> tuple[str, dict[MetadataInd
         kind = kind_of(md)
     except CorruptCheckpoint as exc:
         raise CorruptCheckpoint(f"{where}: {exc}", path=where) from None
+    _check_counts(md, where)
     for k in md.storage_data:
         if not isinstance(k, MetadataIndex) or not isinstance(k.fqn, str):
             raise CorruptCheckpoint(f"{where}: storage_data key {k!r:.80} is not a MetadataIndex", path=where)
@@ -174,6 +183,16 @@ def validate(md: Metadata, where: str, root: str) -> tuple[str, dict[MetadataInd
         _check_entry(fqn, entry, md.storage_data, kind, where)
     _check_files(records, md.storage_data, kind, where, root)
     return kind, records
+
+
+def _check_counts(md: Metadata, where: str) -> None:
+    """Bound the records (:data:`MAX_RECORDS`). The chunks walked are bounded by the records
+    too: a chunk that validates uses a record no other chunk uses (distinct fqns, and no chunk
+    of an entry repeats another's offsets, :func:`_check_entry`), so at most one more chunk
+    than there are records is walked before one is refused, however the pickle shares them."""
+    n_records = len(md.storage_data)
+    if n_records > MAX_RECORDS:
+        raise CorruptCheckpoint(f"{where}: {n_records} storage records, over the limit of {MAX_RECORDS}", path=where)
 
 
 def _zs_record(k: MetadataIndex, v: _ZSInfo, where: str) -> Record:
@@ -242,10 +261,15 @@ def _check_entry(fqn: Any, entry: Any, storage: dict[MetadataIndex, Any], kind: 
         raise CorruptCheckpoint(f"{where}: {f}.properties.dtype is {dtype!r:.80}", path=where)
     if not isinstance(entry.chunks, list):
         raise CorruptCheckpoint(f"{where}: {f}.chunks is not a list", path=where)
+    seen: set[tuple[int, ...]] = set()
     for i, c in enumerate(entry.chunks):
         if not isinstance(c, ChunkStorageMetadata):
             raise CorruptCheckpoint(f"{where}: {f}.chunks[{i}] is a {type(c).__name__}", path=where)
         offs = _shape(c.offsets, where, f"{f}.chunks[{i}].offsets")
+        if offs in seen:
+            raise CorruptCheckpoint(f"{where}: {f}.chunks[{i}] repeats the offsets {list(offs)} of an earlier chunk",
+                                    path=where)
+        seen.add(offs)
         sizes = _shape(c.sizes, where, f"{f}.chunks[{i}].sizes")
         if len(offs) != len(size) or len(sizes) != len(size) or any(o + s > d for o, s, d in zip(offs, sizes, size)):
             raise CorruptCheckpoint(f"{where}: {f}.chunks[{i}] (offsets {list(offs)}, sizes {list(sizes)}) does not "

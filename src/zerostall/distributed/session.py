@@ -1,33 +1,42 @@
-"""Joining the ranks of one checkpoint root: the c10d store behind error translation and
-polling, and the start-up round that every collective ``Checkpointer`` runs.
+"""Joining the ranks of one checkpoint root: the start-up round every collective ``Checkpointer``
+runs, which also finds out where the root's copies are.
 
 Who calls what: ``Checkpointer.__init__`` (caller's thread) calls :func:`join` once; the
 commit rounds (:mod:`.commit`) then use the returned :class:`Session` from the persist
-thread, and the caller's thread only for non-blocking failure reports.
+thread, and the caller's thread only for non-blocking failure reports. Store traffic goes
+through :class:`~.store.Store` (own connection, bounded calls).
 
-Never a blocking ``store.wait``: a c10d store client serialises its requests, so a wait of
-minutes on the persist thread would hold up every other user of the same client — the
-training's own ``new_group``/NCCL initialisation included. Waits here poll ``check`` with a
-short backoff instead; every request holds the client for one round trip.
+**Node identity and root copies.** A rank's node is :func:`.node.node_id` (``ZEROSTALL_NODE``,
+default the host name): it labels files and messages, and peer replicas place copies by it.
+Which ranks share a root is never inferred from names: every rank creates a probe file
+``.zerostall-probe-<nonce>`` in its root and reports which ranks' probes it sees. Ranks that
+see each other's probes share one *copy* of the root (a *group*, named ``g<lowest rank>``,
+whose lowest rank is its *leader*); one group for everybody is a shared root, several are
+node-local roots (any mix: two nodes on one NFS export and a third on its local disk works).
+A view that is not an equivalence -- rank a sees b's probe but b does not see a's, or the
+groups overlap (an odd mount, a root that is a symlink to a directory some ranks cannot
+see) -- is refused on every rank at start-up with :class:`ConfigError` naming the ranks.
 
 Keys live under a namespace derived from the checkpoint root (a hash of its absolute path,
-or of ``dist_name`` when the ranks' paths differ, e.g. per-host node-local roots), never from
-a per-process counter. The start-up round:
+or of ``dist_name`` when the ranks' paths differ, e.g. per-node roots), never from a
+per-process counter. The start-up round:
 
-1. every rank ``r > 0`` sets ``<ns>/join/r<r>`` = ``{nonce, host}``;
-2. rank 0 creates a token file in the root, waits for every join key (``join_timeout_s``),
-   deletes them and answers each rank with ``<ns>/welcome/r<r>`` = ``{nonce, sid, token}``
-   (or ``{nonce, error}``: a rank is missing, everybody fails at once). A welcome whose nonce
-   is not the reader's own is a stale answer to an earlier, abandoned join and is skipped;
-3. under the session prefix ``<ns>/<sid>`` every rank reports whether it sees the token file
-   (a shared root) and its host; rank 0 decides ``node_local`` and the leader (lowest rank)
-   of each host; on a shared root rank 0 owns it (``LocalTier.own``: the root lock, held for
-   the Checkpointer's life, and start-up recovery), then publishes ``ready``;
-4. on a node-local root each host's leader owns its own copy of the root and sets
-   ``cleaned/<host>`` (with the error, if it could not); every rank waits for all hosts';
-   a root that could not be taken fails every rank now (:class:`RootLockedError`), not
-   after a commit timeout;
-5. every rank adds 1 to ``setup_ack``; the one that completes the count deletes the keys.
+1. every rank creates its probe file; every rank ``r > 0`` sets ``<ns>/join/r<r>`` =
+   ``{nonce, node}``;
+2. rank 0 waits for every join key (``join_timeout_s``), deletes them, publishes
+   ``<ns>/<sid>/probes`` (every rank's nonce) and answers each rank with
+   ``<ns>/welcome/r<r>`` = ``{nonce, sid}`` (or ``{nonce, error}``: a rank is missing,
+   everybody fails at once). A welcome whose nonce is not the reader's own is a stale answer
+   to an earlier, abandoned join and is skipped;
+3. under the session prefix ``<ns>/<sid>`` every rank lists its root and reports the ranks
+   whose probes it sees (``sees/r<r>``); rank 0 forms the groups (or refuses the view), on a
+   shared root owns it (``LocalTier.own``: the root lock, held for the Checkpointer's life,
+   and start-up recovery), then publishes ``ready`` = ``{groups, nodes}`` (or ``error``);
+4. with several copies each group's leader owns its copy and sets ``cleaned/<group>`` (with
+   the error, if it could not); every rank waits for all groups'; a root that could not be
+   taken fails every rank now (:class:`RootLockedError`), not after a commit timeout;
+5. every rank removes its probe and adds 1 to ``setup_ack``; the one that completes the count
+   deletes the keys.
 """
 
 from __future__ import annotations
@@ -36,19 +45,21 @@ import hashlib
 import json
 import logging
 import os
-import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from ..errors import DistributedError, RootLockedError, ZerostallError
+from ..errors import ConfigError, DistributedError, RootLockedError, ZerostallError
 from ..store.local import LocalTier
+from .node import node_id
+from .store import Store
 
 log = logging.getLogger("zerostall")
 
 LOCAL_HINT = ("every rank must create the same Checkpointer (same path or dist_name); a process that "
               "saves alone (rank-0-only saving, tools) needs dist_mode='local'")
+PROBE_PREFIX = ".zerostall-probe-"
 
 
 def namespace(root: str, name: str | None = None) -> str:
@@ -57,113 +68,97 @@ def namespace(root: str, name: str | None = None) -> str:
     return "zerostall/" + hashlib.sha256(src.encode()).hexdigest()[:16]
 
 
-class Store:
-    """A c10d store whose errors arrive as :class:`DistributedError` (cause chained) and
-    whose waits poll. Safe from any thread (the client serialises requests)."""
-
-    def __init__(self, store: Any):
-        self.raw = store
-
-    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except DistributedError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - DistStoreError/DistNetworkError/RuntimeError by version
-            raise DistributedError(f"the c10d store failed on {what}: {exc} (is rank 0, which hosts the "
-                                   "store, still alive?)") from exc
-
-    def set(self, key: str, value: str) -> None:
-        self._call(f"set {key!r}", lambda: self.raw.set(key, value))
-
-    def get(self, key: str) -> bytes:
-        return self._call(f"get {key!r}", lambda: self.raw.get(key))
-
-    def get_json(self, key: str) -> Any:
-        return json.loads(self.get(key))
-
-    def multi_get_json(self, keys: list[str]) -> list[Any]:
-        if hasattr(self.raw, "multi_get"):
-            vals = self._call(f"multi_get of {len(keys)} keys", lambda: self.raw.multi_get(keys))
-        else:
-            vals = [self.get(k) for k in keys]
-        return [json.loads(v) for v in vals]
-
-    def add(self, key: str, n: int) -> int:
-        return int(self._call(f"add {key!r}", lambda: self.raw.add(key, n)))
-
-    def check(self, keys: list[str]) -> bool:
-        return bool(self._call(f"check of {len(keys)} keys", lambda: self.raw.check(keys)))
-
-    def delete(self, *keys: str) -> None:
-        """Best effort: a key that is gone, or a store that is gone, is not an error here."""
-        for k in keys:
-            try:
-                self.raw.delete_key(k)
-            except Exception as exc:  # noqa: BLE001
-                log.debug("zerostall: could not delete store key %s: %s", k, exc)
-
-    def poll(self, keys: list[str], deadline: float, abort: str | None = None) -> str:
-        """Wait until every key exists (``"ok"``), ``abort`` exists (``"abort"``) or the
-        monotonic ``deadline`` passes (``"timeout"``)."""
-        delay = 0.002
-        while True:
-            if self.check(keys):
-                return "ok"
-            if abort is not None and self.check([abort]):
-                return "abort"
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return "timeout"
-            time.sleep(min(delay, left))
-            delay = min(delay * 1.5, 0.1)
-
-    def missing(self, keys: list[str]) -> list[str]:
-        return [k for k in keys if not self.check([k])]
-
-
 def _rank_of(key: str) -> int:
     return int(key.rsplit("/r", 1)[1])
 
 
 @dataclass(frozen=True)
 class Session:
-    """What the ranks agreed at start-up; ``prefix`` scopes every later key."""
+    """What the ranks agreed at start-up; ``prefix`` scopes every later key. Immutable; read
+    from any thread. i26's peer tier reads ``node``, ``nodes``, ``groups`` and ``members``."""
 
     prefix: str
     rank: int
     world: int
     node_local: bool
+    """More than one copy of the root (some rank does not see another's probe)."""
     leaders: tuple[int, ...]
-    hosts: tuple[str, ...]
-    host: str
+    """The lowest rank of each copy, ascending (the ranks that own a copy and run retention)."""
+    groups: tuple[str, ...]
+    """The copies' names (``g<leader>``), in ``leaders`` order."""
+    group: str
+    """This rank's copy."""
+    node: str = ""
+    """This rank's :func:`~.node.node_id`."""
+    members: tuple[int, ...] = ()
+    """The ranks that share this rank's copy, ascending (``members[0]`` is its leader)."""
+    nodes: tuple[str, ...] = ()
+    """Every rank's node id, by rank."""
+    leader_of: tuple[int, ...] = ()
+    """Every rank's copy, as its leader's rank, by rank."""
+
+    def copies(self) -> list[tuple[int, ...]]:
+        """The ranks of each copy, in ``leaders`` order (one copy of everybody if unknown)."""
+        if not self.leader_of:
+            return [tuple(range(self.world))]
+        return [tuple(r for r in range(self.world) if self.leader_of[r] == L) for L in self.leaders]
+
+    @property
+    def leader(self) -> int:
+        return self.members[0] if self.members else 0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+    @property
+    def host(self) -> str:  # the name before node-local copies were found by probes
+        return self.group
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return self.groups
+
+
+def _probe(tier: LocalTier, nonce: str) -> str:
+    path = os.path.join(tier.root, PROBE_PREFIX + nonce)
+    with open(path, "w"):
+        pass
+    return path
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def join(store: Store, ns: str, rank: int, world: int, tier: LocalTier, timeout_s: float) -> Session:
     """The start-up round (module docstring). Raises :class:`DistributedError` naming the
-    ranks that did not join within ``timeout_s``."""
-    host = socket.gethostname()
+    ranks that did not join within ``timeout_s``, :class:`ConfigError` for roots the ranks see
+    inconsistently, :class:`RootLockedError` for a copy another writer holds."""
+    node = node_id()
+    nonce = uuid.uuid4().hex
+    probe = _probe(tier, nonce)
+    try:
+        return _join(store, ns, rank, world, tier, timeout_s, node, nonce)
+    finally:
+        _unlink(probe)
+
+
+def _join(store: Store, ns: str, rank: int, world: int, tier: LocalTier, timeout_s: float, node: str,
+          nonce: str) -> Session:
     deadline = time.monotonic() + timeout_s
     if rank == 0:
         sid = uuid.uuid4().hex[:16]
-        token = f".zerostall-shared-{sid}"
-        token_path = os.path.join(tier.root, token)
-        with open(token_path, "w"):
-            pass
-        try:
-            _welcome(store, ns, world, sid, token, deadline, timeout_s, tier.root)
-            return _decide(store, f"{ns}/{sid}", world, host, tier, timeout_s)
-        finally:
-            try:
-                os.unlink(token_path)
-            except OSError:
-                pass
+        _welcome(store, ns, world, sid, nonce, node, deadline, timeout_s, tier.root)
+        return _decide(store, f"{ns}/{sid}", world, node, tier, timeout_s)
     # Rank 0 decides who is missing at its own deadline and answers the ranks present; the
     # others give it a grace period beyond theirs, so both never give up at the same moment
     # (a rank withdrawing its join key while rank 0 reads it would be reported missing).
     deadline += min(max(2.0, timeout_s / 2), 30.0)
-    nonce = uuid.uuid4().hex
-    store.set(f"{ns}/join/r{rank}", json.dumps({"nonce": nonce, "host": host}))
+    store.set(f"{ns}/join/r{rank}", json.dumps({"nonce": nonce, "node": node}))
     key = f"{ns}/welcome/r{rank}"
     while True:
         if store.poll([key], deadline) == "timeout":
@@ -178,16 +173,25 @@ def join(store: Store, ns: str, rank: int, world: int, tier: LocalTier, timeout_
     if "error" in msg:
         raise DistributedError(msg["error"], missing_ranks=tuple(msg.get("missing", ())))
     prefix = f"{ns}/{msg['sid']}"
-    sees = os.path.exists(os.path.join(tier.root, msg["token"]))
-    store.set(f"{prefix}/sees/r{rank}", json.dumps({"host": host, "sees": sees}))
+    store.set(f"{prefix}/sees/r{rank}", json.dumps({"node": node, "sees": _seen(store, prefix, tier)}))
     if store.poll([f"{prefix}/ready"], time.monotonic() + timeout_s) == "timeout":
         raise DistributedError(f"rank {rank}: rank 0 did not finish the start-up round within {timeout_s:g} s",
                                missing_ranks=(0,))
-    return _finish(store, prefix, rank, world, host, tier, store.get_json(f"{prefix}/ready"), timeout_s)
+    return _finish(store, prefix, rank, world, node, tier, store.get_json(f"{prefix}/ready"), timeout_s)
 
 
-def _welcome(store: Store, ns: str, world: int, sid: str, token: str, deadline: float, timeout_s: float,
-             root: str) -> None:
+def _seen(store: Store, prefix: str, tier: LocalTier) -> list[int]:
+    """The ranks whose probe files this rank sees in its root (one listdir)."""
+    nonces = store.get_json(f"{prefix}/probes")
+    try:
+        names = set(os.listdir(tier.root))
+    except OSError:
+        names = set()
+    return [r for r, n in enumerate(nonces) if PROBE_PREFIX + n in names]
+
+
+def _welcome(store: Store, ns: str, world: int, sid: str, nonce: str, node: str, deadline: float,
+             timeout_s: float, root: str) -> None:
     keys = [f"{ns}/join/r{r}" for r in range(1, world)]
     if store.poll(keys, deadline) == "timeout":
         missing = [_rank_of(k) for k in store.missing(keys)]
@@ -202,63 +206,101 @@ def _welcome(store: Store, ns: str, world: int, sid: str, token: str, deadline: 
         raise DistributedError(msg, missing_ranks=tuple(missing))
     joins = store.multi_get_json(keys)
     store.delete(*keys)
+    store.set(f"{ns}/{sid}/probes", json.dumps([nonce] + [j["nonce"] for j in joins]))
     for r, j in zip(range(1, world), joins):
-        store.set(f"{ns}/welcome/r{r}", json.dumps({"nonce": j["nonce"], "sid": sid, "token": token}))
+        store.set(f"{ns}/welcome/r{r}", json.dumps({"nonce": j["nonce"], "sid": sid}))
 
 
-def _decide(store: Store, prefix: str, world: int, host: str, tier: LocalTier, timeout_s: float) -> Session:
+def form_groups(sees: list[list[int]], nodes: list[str], root: str) -> list[list[int]]:
+    """Ranks that see each other's probes share a copy; raises :class:`ConfigError` for a view
+    that is not an equivalence (module docstring). Groups ascending by leader."""
+    world = len(sees)
+    views = [frozenset(v) for v in sees]
+    for r, v in enumerate(views):
+        if r not in v:
+            raise ConfigError(f"rank {r} (node {nodes[r]}) does not see its own probe file in its checkpoint root "
+                              f"{root!r} (as that rank spells it): is the directory writable and not a view that "
+                              "hides new files (e.g. an NFS attribute cache)? Use a directory every rank of the node "
+                              "reads back, or a per-node dist_name")
+        for q in v:
+            if views[q] != v:
+                odd = sorted(v ^ views[q])
+                raise ConfigError(
+                    f"ranks {r} (node {nodes[r]}) and {q} (node {nodes[q]}) disagree on which ranks share the "
+                    f"checkpoint root {root!r}: rank {r} sees ranks {sorted(v)}, rank {q} sees {sorted(views[q])} "
+                    f"(differing: {odd}). Each rank's root must be either one directory shared with exactly the "
+                    "ranks that see it, or its node's own; check the mounts on those nodes")
+    out = sorted({v for v in views}, key=min)
+    if sum(len(g) for g in out) != world:  # unreachable after the checks above; cheap to keep honest
+        raise ConfigError(f"the ranks' views of {root!r} overlap: {[sorted(g) for g in out]}")
+    return [sorted(g) for g in out]
+
+
+def _decide(store: Store, prefix: str, world: int, node: str, tier: LocalTier, timeout_s: float) -> Session:
     keys = [f"{prefix}/sees/r{r}" for r in range(1, world)]
+    own_view = _seen(store, prefix, tier)
     if store.poll(keys, time.monotonic() + timeout_s) == "timeout":
         missing = [_rank_of(k) for k in store.missing(keys)]
         raise DistributedError(f"rank(s) {', '.join(map(str, missing))} joined but did not finish the start-up "
                                f"round within {timeout_s:g} s", missing_ranks=tuple(missing))
-    infos = [{"host": host, "sees": True}] + store.multi_get_json(keys)
-    store.delete(*keys)
-    node_local = not all(i["sees"] for i in infos)
-    leaders: dict[str, int] = {}
-    for r, i in enumerate(infos):
-        leaders.setdefault(i["host"], r)
-    ready: dict[str, Any] = {"node_local": node_local, "leaders": sorted(leaders.values()), "hosts": sorted(leaders)}
-    if not node_local:
-        try:
+    infos = [{"node": node, "sees": own_view}] + store.multi_get_json(keys)
+    store.delete(*keys, f"{prefix}/probes")
+    nodes = [i["node"] for i in infos]
+    ready: dict[str, Any] = {"nodes": nodes}
+    try:
+        groups = form_groups([i["sees"] for i in infos], nodes, tier.root)
+        ready["groups"] = groups
+        if len(groups) == 1:
             tier.own()  # rank 0 is the one owner (lock, leftovers) of a shared root
-        except ZerostallError as exc:  # every rank fails now, not after a commit timeout
-            store.set(f"{prefix}/ready", json.dumps(dict(ready, error=f"rank 0 could not take the checkpoint "
-                                                                     f"root: {exc}")))
-            if store.add(f"{prefix}/setup_ack", 1) == world:
-                store.delete(f"{prefix}/ready", f"{prefix}/setup_ack")
-            raise
+    except ZerostallError as exc:  # every rank fails now, not after a commit timeout
+        kind = "config" if isinstance(exc, ConfigError) else "lock"
+        err = str(exc) if kind == "config" else f"rank 0 could not take the checkpoint root: {exc}"
+        store.set(f"{prefix}/ready", json.dumps(dict(ready, error=err, kind=kind, groups=[list(range(world))])))
+        if store.add(f"{prefix}/setup_ack", 1) == world:
+            store.delete(f"{prefix}/ready", f"{prefix}/setup_ack")
+        raise
     store.set(f"{prefix}/ready", json.dumps(ready))
-    return _finish(store, prefix, 0, world, host, tier, ready, timeout_s)
+    return _finish(store, prefix, 0, world, node, tier, ready, timeout_s)
 
 
-def _finish(store: Store, prefix: str, rank: int, world: int, host: str, tier: LocalTier,
+def _finish(store: Store, prefix: str, rank: int, world: int, node: str, tier: LocalTier,
             ready: dict[str, Any], timeout_s: float) -> Session:
-    node_local, leaders = bool(ready["node_local"]), tuple(ready["leaders"])
+    groups = [tuple(g) for g in ready["groups"]]
+    names = [f"g{g[0]}" for g in groups]
+    mine = next(g for g in groups if rank in g)
+    node_local = len(groups) > 1
     try:
         if "error" in ready:
+            if ready.get("kind") == "config":
+                raise ConfigError(ready["error"])
             raise RootLockedError(ready["error"], root=tier.root)
-        if node_local:  # each host's leader owns its copy of the root; every rank learns the outcome
-            if rank in leaders:
+        if node_local:  # each copy's leader owns it; every rank learns the outcome
+            if rank == mine[0]:
                 err = None
                 try:
                     tier.own()
                 except ZerostallError as exc:
                     err = exc
-                store.set(f"{prefix}/cleaned/{host}", json.dumps(
-                    {"error": f"rank {rank} could not take its node-local root on {host}: {err}"} if err else {}))
+                store.set(f"{prefix}/cleaned/g{rank}", json.dumps(
+                    {"error": f"rank {rank} could not take its copy of the root on node {node}: {err}"}
+                    if err else {}))
                 if err is not None:
                     raise err
-            keys = [f"{prefix}/cleaned/{h}" for h in ready["hosts"]]
+            keys = [f"{prefix}/cleaned/{n}" for n in names]
             if store.poll(keys, time.monotonic() + timeout_s) == "timeout":
                 tier.release()
-                raise DistributedError(f"rank {rank}: a host's leader did not take its node-local root within "
-                                       f"{timeout_s:g} s")
+                late = [n for n, k in zip(groups, keys) if not store.check([k])]
+                raise DistributedError(f"rank {rank}: the leader of a root copy (rank(s) "
+                                       f"{', '.join(str(g[0]) for g in late)}) did not take it within {timeout_s:g} s",
+                                       missing_ranks=tuple(g[0] for g in late))
             errors = [e for m in store.multi_get_json(keys) if (e := m.get("error"))]
             if errors:
                 tier.release()
                 raise RootLockedError(errors[0], root=tier.root)
     finally:
         if store.add(f"{prefix}/setup_ack", 1) == world:
-            store.delete(f"{prefix}/ready", f"{prefix}/setup_ack", *(f"{prefix}/cleaned/{h}" for h in ready["hosts"]))
-    return Session(prefix, rank, world, node_local, leaders, tuple(ready["hosts"]), host)
+            store.delete(f"{prefix}/ready", f"{prefix}/setup_ack", *(f"{prefix}/cleaned/{n}" for n in names))
+    leaders = tuple(g[0] for g in groups)
+    return Session(prefix, rank, world, node_local, leaders, tuple(names), f"g{mine[0]}", node=node,
+                   members=tuple(mine), nodes=tuple(ready["nodes"]),
+                   leader_of=tuple(next(g[0] for g in groups if r in g) for r in range(world)))

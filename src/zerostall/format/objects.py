@@ -10,12 +10,16 @@ calls anything that is not on an allow-list:
 
 - the standard kinds below, rebuilt by code in this module: ``argparse.Namespace``,
   ``pathlib`` paths, ``datetime``/``date``/``time``/``timedelta``, ``set``/``frozenset``,
-  ``bytes``/``bytearray``, ``complex``, ``uuid.UUID``, ``torch.dtype``/``torch.device``,
+  ``bytes``/``bytearray``, ``complex``, ``uuid.UUID``, ``torch.dtype``/``torch.device``/
+  ``torch.Size``, ``collections.defaultdict`` (its ``default_factory`` a builtin type or
+  None) and ``Counter``, numpy ``datetime64``/``timedelta64`` scalars (unit and NaT kept),
   OmegaConf ``DictConfig``/``ListConfig`` (rebuilt with ``OmegaConf.create`` when omegaconf is
-  installed);
-- the types the program registered with :func:`register_type` (dataclasses, enums, any
-  class): those, and only those, are constructed (a registered dataclass through its
-  ``__init__``).
+  installed). Each is matched by its exact type: a subclass is not one of them (it would load
+  back as the base type) and is stored only if registered;
+- the types the program registered with :func:`register_type` (dataclasses, enums,
+  namedtuples, any class, ``__slots__`` ones included): those, and only those, are
+  constructed (a registered dataclass through its ``__init__``, a namedtuple through
+  ``cls(*fields)``).
 
 Anything else (a dataclass, Enum member or class reference whose type is not registered, or
 a kind this version does not know) comes back as :class:`TaggedData` (the type name and the
@@ -29,21 +33,15 @@ itself when it is passed to ``load`` (see :mod:`zerostall.stateful`).
 
 from __future__ import annotations
 
-import argparse
-import base64
 import dataclasses
-import datetime as _dt
 import enum
 import logging
-import pathlib
 import threading
-import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch
-
 from ..errors import ConfigError
+from .kinds import STANDARD as _STANDARD, STANDARD_TYPES, _fields, _str, encode_standard  # noqa: F401 - re-exported
 
 log = logging.getLogger("zerostall")
 
@@ -102,10 +100,14 @@ def register_type(cls: type, *, name: str | None = None, encode: Callable[[Any],
     - a dataclass is stored as its fields and rebuilt with ``cls(**init_fields)`` (fields
       the class no longer has are dropped with a warning; missing ones take their defaults);
     - an Enum is stored as its member name and rebuilt with ``cls[name]``;
+    - a namedtuple is stored as its fields and rebuilt with ``cls(*fields)``;
     - a class (the class object itself, e.g. an optimizer class in hyper-parameters) is
       stored by name and returned as the class;
     - any other class needs ``encode(obj) -> plain tree`` and ``decode(tree) -> obj``, or is
-      stored as ``vars(obj)`` and rebuilt with ``cls.__new__(cls)`` + ``__dict__.update``.
+      stored as its attributes (``vars(obj)`` and the ``__slots__`` that are set) and rebuilt
+      with ``cls.__new__(cls)`` and those attributes set back. A class whose instances have
+      neither a ``__dict__`` nor ``__slots__`` (a C type) is refused here unless it is given
+      ``encode``/``decode``.
 
     ``name`` (default ``module.QualName``) is what the checkpoint records; keep it stable if
     the class moves. A class of a script's ``__main__`` matches by its qualified name: saved
@@ -116,6 +118,11 @@ def register_type(cls: type, *, name: str | None = None, encode: Callable[[Any],
     if not isinstance(cls, type):
         raise ConfigError(f"register_type expects a class, got {cls!r}")
     reg = _Registered(cls, name or _qualname(cls), encode, decode)
+    if (encode is None or decode is None) and not (issubclass(cls, enum.Enum) or dataclasses.is_dataclass(cls)
+                                                   or _is_namedtuple(cls)):
+        if not getattr(cls, "__dictoffset__", 0) and not _slot_names(cls):
+            raise ConfigError(f"register_type({cls.__qualname__}): its instances have neither a __dict__ nor "
+                              "__slots__ to store; pass encode= and decode= (obj -> plain tree -> obj)")
     if reg.name in _STANDARD or reg.name in ("class", "enum"):
         raise ConfigError(f"type name {reg.name!r} is reserved; pass another name=")
     with _lock:
@@ -157,111 +164,27 @@ def registered_types() -> dict[str, type]:
         return {n: r.cls for n, r in _by_name.items()}
 
 
-# -- the standard kinds: name -> (encode payload, decode payload) --------------------------
-
-def _b64(b: bytes) -> str:
-    return base64.b64encode(b).decode("ascii")
+def _is_namedtuple(cls: type) -> bool:
+    return issubclass(cls, tuple) and isinstance(getattr(cls, "_fields", None), tuple)
 
 
-def _unb64(s: Any) -> bytes:
-    if not isinstance(s, str):
-        raise ValueError("bytes payload is not a string")
-    return base64.b64decode(s.encode("ascii"), validate=True)
+def _slot_names(cls: type) -> list[str]:
+    out: list[str] = []
+    for c in cls.__mro__:
+        slots = c.__dict__.get("__slots__", ())
+        for n in ((slots,) if isinstance(slots, str) else slots):
+            if n not in ("__dict__", "__weakref__") and n not in out:
+                out.append(n)
+    return out
 
 
-def _str(x: Any) -> str:
-    if not isinstance(x, str):
-        raise ValueError(f"expected a string, got {type(x).__name__}")
-    return x
-
-
-def _items(p: Any, n: int) -> list[Any]:
-    if not isinstance(p, list) or len(p) != n:
-        raise ValueError(f"expected a list of {n} numbers")
-    return p
-
-
-def _timedelta(days: Any, seconds: Any, us: Any) -> _dt.timedelta:
-    return _dt.timedelta(days=int(days), seconds=int(seconds), microseconds=int(us))
-
-
-def _dtype(name: Any) -> torch.dtype:
-    # only names already bound in the torch namespace: getattr(torch, "_inductor") would import
-    d = vars(torch).get(_str(name))
-    if not isinstance(d, torch.dtype):
-        raise ValueError(f"{name!r} is not a torch dtype")
-    return d
-
-
-def _device(s: Any) -> torch.device:
-    try:
-        return torch.device(_str(s))
-    except RuntimeError as exc:  # torch reports a bad device string as RuntimeError
-        raise ValueError(str(exc).splitlines()[0]) from None
-
-
-def _path(cls: type, s: Any) -> pathlib.PurePath:
-    try:
-        return cls(_str(s))
-    except NotImplementedError:  # a WindowsPath on POSIX (or back): the pure flavour, not an error
-        return (pathlib.PureWindowsPath if issubclass(cls, pathlib.PureWindowsPath)
-                else pathlib.PurePosixPath)(s)
-
-
-def _omegaconf(kind: type, payload: Any) -> Any:
-    if not isinstance(payload, kind):  # never a string: OmegaConf.create would parse it as YAML
-        raise ValueError(f"expected a {kind.__name__}, got {type(payload).__name__}")
-    try:
-        from omegaconf import OmegaConf
-    except ImportError:
-        return None
-    try:
-        return OmegaConf.create(payload)
-    except Exception as exc:  # omegaconf's own errors (bad interpolation grammar, ...)
-        raise ValueError(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
-
-
-_PATHS = {c.__name__: c for c in (pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath,
-                                  pathlib.WindowsPath, pathlib.Path, pathlib.PurePath)}
-
-# name -> decoder of the *decoded* payload. Order of the encoders is in encode_object.
-_STANDARD: dict[str, Callable[[Any], Any]] = {
-    "argparse.Namespace": lambda d: argparse.Namespace(**_fields(d)),
-    "set": lambda items: set(items),
-    "frozenset": lambda items: frozenset(items),
-    "bytes": _unb64,
-    "bytearray": lambda s: bytearray(_unb64(s)),
-    "complex": lambda p: complex(*(float(x) for x in _items(p, 2))),
-    "datetime.datetime": lambda s: _dt.datetime.fromisoformat(_str(s)),
-    "datetime.date": lambda s: _dt.date.fromisoformat(_str(s)),
-    "datetime.time": lambda s: _dt.time.fromisoformat(_str(s)),
-    "datetime.timedelta": lambda p: _timedelta(*_items(p, 3)),
-    "datetime.timezone": lambda p: _dt.timezone(_dt.timedelta(seconds=float(p))),
-    "uuid.UUID": lambda s: uuid.UUID(_str(s)),
-    "torch.dtype": _dtype,
-    "torch.device": _device,
-    "omegaconf.DictConfig": lambda p: _omegaconf(dict, p),
-    "omegaconf.ListConfig": lambda p: _omegaconf(list, p),
-    **{f"pathlib.{n}": (lambda s, c=c: _path(c, s)) for n, c in _PATHS.items()},
-}
-
-
-def _fields(d: Any) -> dict[str, Any]:
-    if not isinstance(d, dict) or not all(isinstance(k, str) for k in d):
-        raise ValueError("fields payload is not a dict with str keys")
-    return d
-
-
-def _is_omegaconf(x: Any) -> str | None:
-    mod = type(x).__module__
-    if not mod.startswith("omegaconf"):
-        return None
-    from omegaconf import DictConfig, ListConfig
-    if isinstance(x, DictConfig):
-        return "omegaconf.DictConfig"
-    if isinstance(x, ListConfig):
-        return "omegaconf.ListConfig"
-    return None
+def _attributes(x: Any) -> dict[str, Any]:
+    """A registered plain class's stored form: its ``__dict__`` and the ``__slots__`` that are set."""
+    out = dict(vars(x)) if hasattr(x, "__dict__") else {}
+    for n in _slot_names(type(x)):
+        if n not in out and hasattr(x, n):
+            out[n] = getattr(x, n)
+    return out
 
 
 def encode_object(x: Any, enc: Enc) -> Any | None:
@@ -275,7 +198,9 @@ def encode_object(x: Any, enc: Enc) -> Any | None:
             return {"o": [reg.name, enc({"name": x.name, "value": x.value})]}
         if dataclasses.is_dataclass(x):
             return {"o": [reg.name, enc(_dc_fields(x))]}
-        return {"o": [reg.name, enc(dict(vars(x)))]}
+        if _is_namedtuple(t):
+            return {"o": [reg.name, enc(dict(zip(t._fields, x)))]}
+        return {"o": [reg.name, enc(_attributes(x))]}
     if isinstance(x, TaggedData):
         return {"o": [x.type, enc(x.data)]}
     if isinstance(x, type):
@@ -283,43 +208,11 @@ def encode_object(x: Any, enc: Enc) -> Any | None:
         return {"o": ["class", {"v": reg.name if reg is not None else _qualname(x)}]}
     if isinstance(x, enum.Enum):
         return {"o": [_qualname(t), enc({"name": x.name, "value": x.value})]}
-    if isinstance(x, argparse.Namespace):
-        return {"o": ["argparse.Namespace", enc(dict(vars(x)))]}
-    if isinstance(x, pathlib.PurePath):
-        return {"o": [f"pathlib.{t.__name__}" if t.__name__ in _PATHS else "pathlib.PurePath", enc(str(x))]}
-    if isinstance(x, (set, frozenset)):
-        items = list(x)
-        try:
-            items.sort()  # a stable order when the items allow one
-        except TypeError:
-            pass
-        return {"o": ["frozenset" if isinstance(x, frozenset) else "set", enc(items)]}
-    if isinstance(x, (bytes, bytearray)):
-        return {"o": ["bytearray" if isinstance(x, bytearray) else "bytes", enc(_b64(bytes(x)))]}
-    if isinstance(x, complex):
-        return {"o": ["complex", enc([x.real, x.imag])]}
-    if isinstance(x, _dt.datetime):
-        return {"o": ["datetime.datetime", enc(x.isoformat())]}
-    if isinstance(x, _dt.date):
-        return {"o": ["datetime.date", enc(x.isoformat())]}
-    if isinstance(x, _dt.time):
-        return {"o": ["datetime.time", enc(x.isoformat())]}
-    if isinstance(x, _dt.timedelta):
-        return {"o": ["datetime.timedelta", enc([x.days, x.seconds, x.microseconds])]}
-    if isinstance(x, _dt.timezone):
-        off = x.utcoffset(None)
-        return {"o": ["datetime.timezone", enc(off.total_seconds())]}
-    if isinstance(x, uuid.UUID):
-        return {"o": ["uuid.UUID", enc(str(x))]}
-    if isinstance(x, torch.dtype):
-        return {"o": ["torch.dtype", enc(str(x).removeprefix("torch."))]}
-    if isinstance(x, torch.device):
-        return {"o": ["torch.device", enc(str(x))]}
-    oc = _is_omegaconf(x)
-    if oc is not None:
-        from omegaconf import OmegaConf
-        return {"o": [oc, enc(OmegaConf.to_container(x, resolve=False))]}
-    if dataclasses.is_dataclass(x):
+    node = encode_standard(x, enc)  # by exact type: a subclass would load back as its base
+    if node is not None:
+        return node
+    # a defaultdict whose factory is not a builtin type falls through: refused by the caller
+    if dataclasses.is_dataclass(x) and not isinstance(x, (dict, list, tuple)):
         return {"o": [_qualname(t), enc(_dc_fields(x))]}
     sd = getattr(x, "state_dict", None)
     if callable(sd) and callable(getattr(x, "load_state_dict", None)):
@@ -375,6 +268,14 @@ def _build_registered(reg: _Registered, payload: Any) -> Any:
         except KeyError:
             raise ValueError(f"{reg.name} has no member {payload['name']!r}") from None
     fields = _fields(payload)
+    if _is_namedtuple(cls):  # as for dataclasses: dropped fields warned, missing ones take their defaults
+        dropped = sorted(set(fields) - set(cls._fields))
+        if dropped:
+            log.warning("zerostall: %s no longer has field(s) %s; dropped on load", reg.name, dropped)
+        missing = [f for f in cls._fields if f not in fields and f not in cls._field_defaults]
+        if missing:
+            raise ValueError(f"namedtuple {reg.name} needs field(s) {missing} the checkpoint lacks")
+        return cls(**{f: fields[f] for f in cls._fields if f in fields})
     if dataclasses.is_dataclass(cls):
         known = {f.name: f for f in dataclasses.fields(cls)}
         dropped = sorted(set(fields) - set(known))
@@ -386,5 +287,12 @@ def _build_registered(reg: _Registered, payload: Any) -> Any:
                 object.__setattr__(obj, k, v)
         return obj
     obj = cls.__new__(cls)
-    obj.__dict__.update(fields)
+    slots = set(_slot_names(cls))
+    for k, v in fields.items():
+        if k in slots:
+            object.__setattr__(obj, k, v)
+        elif hasattr(obj, "__dict__"):
+            obj.__dict__[k] = v
+        else:
+            raise ValueError(f"{reg.name} has no attribute slot {k!r}")
     return obj

@@ -29,11 +29,18 @@ e.g. tied embedding weights) are stored once and restored as one shared tensor.
 from __future__ import annotations
 
 import enum
+import json
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy ships with torch
+    np = None  # type: ignore[assignment]
 
 from ..errors import CorruptCheckpoint, UnsupportedStateError
 from .validate import MAX_INT_BITS, NotPlain, plain_copy
@@ -64,18 +71,68 @@ def _check_int(x: int, path: tuple[Any, ...]) -> int:
     return x
 
 
-def _encode_key(k: Any, path: tuple[Any, ...]) -> Any:
-    if k is None or isinstance(k, (bool, str)):
-        return {"v": k}
-    if isinstance(k, int):
-        return {"v": _check_int(k, path)}
-    if isinstance(k, float):
-        return {"v": k} if math.isfinite(k) else {"f": repr(k)}
-    if isinstance(k, tuple):
-        return {"t": [_encode_key(x, path) for x in k]}
+def _np_plain(x: Any, path: tuple[Any, ...]) -> Any:
+    """The Python value a numpy scalar is stored as (the README's rule: numpy scalars of a
+    bool, int, uint, float, complex, str or bytes dtype load back as Python's bool, int, float,
+    complex, str, bytes); :class:`UnsupportedStateError` for a long double (no exact Python
+    value) and for the other kinds (void, object). datetime64/timedelta64 round-trip as
+    themselves (:mod:`.objects`)."""
+    kind, size = x.dtype.kind, x.dtype.itemsize
+    if (kind == "f" and size > 8) or (kind == "c" and size > 16):
+        raise UnsupportedStateError(
+            f"{_fmt_key(path)!r} holds a numpy {x.dtype} (long double), which has no exact stored form; "
+            "convert it with float(x) or complex(x), or keep it in a float64 tensor or array")
+    if kind in "biufcUS":
+        return x.item()
     raise UnsupportedStateError(
-        f"dict key {k!r} of type {type(k).__name__} under {_fmt_key(path)!r} cannot be stored; "
-        "use str, int, float, bool, None or tuples of those as keys")
+        f"{_fmt_key(path)!r} holds a numpy scalar of dtype {x.dtype}, which cannot be stored; "
+        "convert it to a plain value or store it as an array")
+
+
+def _encode_key(k: Any, path: tuple[Any, ...]) -> Any:
+    tk = type(k)  # exact types: a subclass (an Enum member, np.float64) would load back as its base
+    if k is None or tk is bool or tk is str:
+        return {"v": k}
+    if tk is int:
+        return {"v": _check_int(k, path)}
+    if tk is float:
+        return {"v": k} if math.isfinite(k) else {"f": repr(k)}
+    if tk is tuple:
+        return {"t": [_encode_key(x, path) for x in k]}
+    if np is not None and isinstance(k, np.generic) and k.dtype.kind in "biufU":
+        return _encode_key(_np_plain(k, path), path)  # np.float64(inf) was stored as 'np.float64(inf)'
+    raise UnsupportedStateError(
+        f"dict key {k!r} of type {tk.__module__}.{tk.__qualname__} under {_fmt_key(path)!r} cannot be stored "
+        "(it would not load back as itself); use str, int, float, bool, None or tuples of those as keys "
+        "(numpy bool/int/float/str scalars are stored as the Python value)")
+
+
+_PLAIN_BASES = (dict, list, tuple, str, int, float, complex, bytes, bytearray, set, frozenset)
+
+
+def _refusal(x: Any, path: tuple[Any, ...]) -> UnsupportedStateError:
+    """The error for a value no rule stores, saying what to do."""
+    t, key = type(x), _fmt_key(path)
+    name = f"{t.__module__}.{t.__qualname__}"
+    hint = "or register it with zerostall.register_type"
+    if isinstance(x, tuple) and hasattr(t, "_fields"):
+        return UnsupportedStateError(
+            f"{key!r} holds the namedtuple {name}, which would load back as a plain tuple: register it with "
+            f"zerostall.register_type({t.__name__}) (it then loads back as {t.__name__}) or convert it with tuple(x)")
+    if isinstance(x, dict) and hasattr(x, "default_factory"):
+        return UnsupportedStateError(
+            f"{key!r} holds a defaultdict whose default_factory {x.default_factory!r} cannot be stored "
+            "(a builtin type such as list, int or dict, or None, can): convert it with dict(x)")
+    from .kinds import STANDARD_TYPES
+    bases = _PLAIN_BASES + STANDARD_TYPES + ((np.ndarray,) if np is not None else ())
+    base = next((b for b in t.__mro__[1:] if b in bases), None)
+    if base is not None:
+        return UnsupportedStateError(
+            f"{key!r} holds a {name}, a subclass of {base.__name__} that would load back as a plain "
+            f"{base.__name__}: convert it ({base.__name__}(x)) {hint} (it then loads back as itself)")
+    return UnsupportedStateError(
+        f"{key!r} holds a {name}, which cannot be stored without pickle; convert it to a tensor or to plain "
+        f"values (dict/list/str/int/float), {hint}")
 
 
 def encode_tree(obj: Any, occurrences: list[int] | None = None) -> tuple[Any, list[TensorLeaf]]:
@@ -86,10 +143,6 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None) -> tuple[Any, li
     """
     leaves: list[TensorLeaf] = []
     seen: dict[tuple[Any, ...], int] = {}
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy ships with torch
-        np = None  # type: ignore[assignment]
 
     def tensor_index(t: torch.Tensor, path: tuple[Any, ...], is_np: bool) -> int:
         key = _fmt_key(path)
@@ -132,7 +185,7 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None) -> tuple[Any, li
             raise UnsupportedStateError(f"state is nested deeper than {MAX_DEPTH} at {_fmt_key(path)!r}")
         if isinstance(x, torch.Tensor):
             return {"T": tensor_index(x, path, False)}
-        if np is not None and isinstance(x, np.ndarray):
+        if np is not None and type(x) is np.ndarray:  # a subclass (np.matrix, masked) would lose its type
             if x.dtype.hasobject:
                 raise UnsupportedStateError(
                     f"{_fmt_key(path)!r} is a numpy array of Python objects; it cannot be stored without pickle")
@@ -148,32 +201,32 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None) -> tuple[Any, li
             return {"A": tensor_index(t, path, True)}
         if isinstance(x, enum.Enum):  # before int/str: IntEnum and StrEnum members keep their type
             return objects.encode_object(x, lambda v: enc(v, path, depth + 1))
-        if x is None or isinstance(x, (bool, str)):
+        # exact types from here: a subclass is stored by a rule of its own (objects.py: registered
+        # types, namedtuples, defaultdict, torch.Size, ...) or refused, never as its base type
+        tx = type(x)
+        if x is None or tx is bool or tx is str:
             return {"v": x}
-        if isinstance(x, int):
+        if tx is int:
             return {"v": _check_int(x, path)}
-        if isinstance(x, float):
-            return {"v": float(x)} if math.isfinite(x) else {"f": repr(float(x))}
-        if type(x) is dict or type(x) is list:
+        if tx is float:
+            return {"v": x} if math.isfinite(x) else {"f": repr(x)}
+        if tx is dict or tx is list:
             try:
                 return {"j": plain_copy(x, depth)}
             except NotPlain:
                 pass
-        if isinstance(x, dict):
+        if tx is dict or tx is OrderedDict:  # the rule: an OrderedDict (a module's state_dict()) loads as a dict
             return {"d": [[_encode_key(k, path), enc(v, path + (k,), depth + 1)] for k, v in x.items()]}
-        if isinstance(x, list):
+        if tx is list:
             return {"l": [enc(v, path + (i,), depth + 1) for i, v in enumerate(x)]}
-        if isinstance(x, tuple):  # torch.Size and namedtuples are stored as tuples
+        if tx is tuple:
             return {"t": [enc(v, path + (i,), depth + 1) for i, v in enumerate(x)]}
-        if np is not None and isinstance(x, np.generic):
-            return enc(x.item(), path, depth)
+        if np is not None and isinstance(x, np.generic) and x.dtype.kind not in "Mm":
+            return enc(_np_plain(x, path), path, depth)
         node = objects.encode_object(x, lambda v: enc(v, path, depth + 1))
         if node is not None:
             return node
-        raise UnsupportedStateError(
-            f"{_fmt_key(path)!r} holds a {type(x).__module__}.{type(x).__qualname__}, which cannot be "
-            "stored without pickle; convert it to a tensor or to plain values (dict/list/str/int/float), "
-            "or register it with zerostall.register_type")
+        raise _refusal(x, path)
 
     try:
         return enc(obj, (), 0), leaves
@@ -272,6 +325,35 @@ def tree_tensor_indices(node: Any) -> list[tuple[int, bool]]:
                     stack.extend(p[1] for p in val if isinstance(p, list) and len(p) == 2)
                 elif tag == "o" and isinstance(val, list) and len(val) == 2:
                     stack.append(val[1])
+    return out
+
+
+def tensor_paths(node: Any) -> dict[int, str]:
+    """The identity of every tensor index of an encoded tree: its typed path from the root.
+
+    The path is built from the tree's own nodes (a dict key as its key node, a list or tuple
+    position with its kind, an object with its type name, then ``T`` or ``A``), so ``{"a.b": x}``
+    and ``{"a": {"b": x}}``, the keys ``0`` and ``"0"``, a tuple position and a str key never
+    share one, whatever they print as. An index that appears more than once (tied tensors) takes
+    its first occurrence in walk order, which is the one :func:`encode_tree` gave the leaf to.
+    Returned as compact JSON strings. Used by incremental saves (:mod:`..staging.incremental`)
+    to match a tensor with what the base step recorded for it; no recursion (deep trees)."""
+    out: dict[int, str] = {}
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(node, ())]
+    while stack:
+        n, path = stack.pop()
+        if not isinstance(n, dict) or len(n) != 1:
+            continue
+        (tag, val), = n.items()
+        if tag in ("T", "A"):
+            if isinstance(val, int) and val not in out:
+                out[val] = json.dumps([*path, [tag]], separators=(",", ":"), allow_nan=False)
+        elif tag in ("l", "t") and isinstance(val, list):
+            stack.extend((v, path + ([tag, i],)) for i, v in reversed(list(enumerate(val))))
+        elif tag == "d" and isinstance(val, list):
+            stack.extend((p[1], path + (["d", p[0]],)) for p in reversed(val) if isinstance(p, list) and len(p) == 2)
+        elif tag == "o" and isinstance(val, list) and len(val) == 2:
+            stack.append((val[1], path + (["o", val[0]],)))
     return out
 
 

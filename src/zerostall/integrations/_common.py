@@ -7,6 +7,7 @@ Called from the training thread only (the framework's checkpoint hooks), except
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -19,7 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .._util import Worker
 from ..checkpointer import Checkpointer
 from ..config import CheckpointConfig
-from ..errors import ZerostallError
+from ..errors import ConfigError, ZerostallError
 from ..store.atomic import discard, publish_dir
 from ..store.tier import open_root
 
@@ -48,6 +49,25 @@ def open_local(path: str, config: CheckpointConfig) -> Checkpointer:
     """A Checkpointer that saves alone, whatever torch.distributed says (the caller is the only
     process that saves to ``path``, e.g. Lightning's rank 0)."""
     return Checkpointer(path, config.replace(dist_mode="local"))
+
+
+def load_torch_file(path: str, map_location: Any) -> dict[str, Any]:
+    """A ``torch.save`` checkpoint dict (e.g. a run begun with Lightning's own checkpointing), read with
+    ``torch.load(weights_only=True)``: tensors, containers, plain values and
+    ``argparse.Namespace`` (Lightning's usual hyper-parameters); never an unrestricted unpickle."""
+    import argparse
+    import pickle
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            out = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{path} is a torch.save checkpoint that a weights-only load refuses ({first}); "
+                          "zerostall never unpickles arbitrary objects: allow the type with "
+                          "torch.serialization.add_safe_globals([...]) if you trust the file") from None
+    if not isinstance(out, dict):
+        raise ConfigError(f"{path} holds a {type(out).__name__}, not a Lightning checkpoint dict")
+    return out
 
 
 class StateGuard:
@@ -169,6 +189,13 @@ class Publisher(Worker[Any]):
         self._pending: dict[str, int] = {}  # final -> saves queued for it
         self._cancelled: set[str] = set()
         self._errors: list[BaseException] = []
+        atexit.register(self.drain)  # an interpreter exiting first publishes what committed
+
+    def close(self) -> None:
+        """Drain, then stop the thread (errors stay readable with :meth:`errors`)."""
+        atexit.unregister(self.drain)
+        self.drain()
+        self.stop()
 
     def submit(self, staged: str, final: str, handle: Any, ckpt: Checkpointer, *,
                before: Callable[[], None] | None = None, after: Callable[[], None] | None = None,

@@ -201,10 +201,10 @@ class ZerostallAcceleratorMixin:
     def zerostall_wait(self) -> None:
         """Block until every save is durable and published; raise the first failure."""
         self._zs_guard.close()
-        pub = self._zs_publisher
+        pub, self._zs_publisher = self._zs_publisher, None
         if pub is None:
             return
-        pub.drain()
+        pub.close()
         errors = pub.errors()
         for exc in errors[1:]:
             log.error("zerostall: a checkpoint save failed: %s", exc)

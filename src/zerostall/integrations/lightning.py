@@ -63,7 +63,7 @@ from ..errors import ConfigError, ZerostallError
 from ..rng import rng_state, set_rng_state
 from ..store.atomic import discard
 from ..store.owner import RootLock
-from ._common import Publisher, StateGuard, is_committed, next_step, open_local, tensors_of
+from ._common import Publisher, StateGuard, is_committed, load_torch_file, next_step, open_local, tensors_of
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -180,7 +180,7 @@ class ZerostallCheckpointIO(CheckpointIO):
             except OSError as exc:
                 log.warning("zerostall: could not settle %s: %s", replaced, exc)
         if os.path.isfile(root):
-            out = _load_native(root, map_location)
+            out = load_torch_file(root, map_location)
         else:
             from .. import load
             loc = map_location if isinstance(map_location, (str, torch.device)) else None
@@ -216,8 +216,9 @@ class ZerostallCheckpointIO(CheckpointIO):
             self._close(ck)
         self._ckpts.clear()
         if self._publisher is not None:
-            self._publisher.drain()
+            self._publisher.close()
             self._errors.extend(self._publisher.errors())
+            self._publisher = None
         for t in self._removers:
             t.join()
         self._removers.clear()
@@ -358,25 +359,6 @@ class ZerostallCheckpointIO(CheckpointIO):
                 del self._ckpts[root]
                 self._guard.forget(ck)
                 self._close(ck)
-
-
-def _load_native(path: str, map_location: Any) -> dict[str, Any]:
-    """A ``torch.save`` checkpoint (a run begun with Lightning's own checkpointing), read with
-    ``torch.load(weights_only=True)``: tensors, containers, plain values and
-    ``argparse.Namespace`` (Lightning's usual hyper-parameters); never an unrestricted unpickle."""
-    import argparse
-    import pickle
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            out = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"{path} is a torch.save checkpoint that a weights-only load refuses ({first}); "
-                          "zerostall never unpickles arbitrary objects: allow the type with "
-                          "torch.serialization.add_safe_globals([...]) if you trust the file") from None
-    if not isinstance(out, dict):
-        raise ConfigError(f"{path} holds a {type(out).__name__}, not a Lightning checkpoint dict")
-    return out
 
 
 def load_from_checkpoint(cls: Any, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None,

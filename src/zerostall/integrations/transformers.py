@@ -29,8 +29,8 @@ written by the plain ``Trainer`` still resume through HF's own code.
 Threads: every method here runs on the trainer's thread (HF calls them from ``train()``).
 Under ``torch.distributed`` every rank saves its own state (``rank-R``, its own RNG) and the
 ranks commit each checkpoint together; DeepSpeed, FSDP and SageMaker MP keep their own formats.
-``model.save_pretrained``/``trainer.save_model()`` are unchanged; ``zerostall export``
-converts a checkpoint's ``model.*`` tensors to safetensors.
+``model.save_pretrained``/``trainer.save_model()`` are unchanged; ``zerostall export --format
+transformers`` writes a checkpoint as the plain ``Trainer``'s folder (:mod:`.export`).
 """
 
 from __future__ import annotations
@@ -180,10 +180,10 @@ class ZerostallTrainerMixin:
     def zerostall_wait(self) -> None:
         """Block until every checkpoint is durable and published; raise the first failure."""
         self._zs_guard.close()
-        pub = self._zs_publisher
+        pub, self._zs_publisher = self._zs_publisher, None
         if pub is None:
             return
-        pub.drain()
+        pub.close()
         errors = pub.errors()
         for exc in errors[1:]:
             log.error("zerostall: a checkpoint save failed: %s", exc)
@@ -231,15 +231,17 @@ class ZerostallTrainerMixin:
         if not self.args.should_save:  # the directory is rank 0's: close this rank's part only
             pub.submit(staging, output_dir, handle, ck, rename=False)
             return
-        # HF's readable copy, durable before the rename makes the folder visible
-        write_file_durable(os.path.join(staging, TRAINER_STATE_NAME), _state_json(self.state).encode())
+        text = _state_json(self.state).encode()  # as of this step; written behind training
         limit, best = self.args.save_total_limit, self.state.best_model_checkpoint
+
+        def state_json() -> None:  # the publisher's thread: durable before the rename shows the folder
+            write_file_durable(os.path.join(staging, TRAINER_STATE_NAME), text)
 
         def rotate() -> None:  # the publisher's thread, right after the rename
             fsync_dir(run_dir)
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=True)
 
-        pub.submit(staging, output_dir, handle, ck, after=rotate)
+        pub.submit(staging, output_dir, handle, ck, before=state_json, after=rotate)
 
     # -- loading -------------------------------------------------------------------------------
     def _zs_loaded(self, checkpoint: str) -> dict[str, Any]:

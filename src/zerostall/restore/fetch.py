@@ -1,131 +1,71 @@
-"""Downloading a step from a remote tier into the local one (``load(..., remote=...)``, the CLI).
+"""Restore a remote tier's newest step that verifies into a local root, without loading it.
 
-Called from the caller's thread. One process at a time downloads into a root
-(:class:`_FetchLock`); the step is written into its ``.partial`` and committed like a save's
-(replacing a local copy), the steps it borrows from first.
+The library's entry for ``zerostall restore URL --to DIR`` (the CLI calls nothing else), with
+the fallback rule of :func:`.pipeline.load` (``remote=``): for each remote step, newest first
+(or only ``step``), download it (:func:`.download.fetch_remote_step`, which fetches what an
+incremental step borrows first) and read back every byte (:func:`.pipeline.verify_step`). Any
+defect of that checkpoint (a damaged, missing or symlinked object, a failed download, a
+crc32c mismatch) is reported, its download removed, and the previous step tried, as load()
+does; an error of the arguments (``ConfigError``) is raised, an older step would not help.
+The CLI used to fall back on ``CorruptCheckpoint`` only: a symlinked shard on a ``file://``
+tier (an ``OSError`` of the download) made it exit 1 with an intact older step there.
+
+Called from the caller's thread; the caller owns ``tier`` (``LocalTier.own``).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
-from typing import Any
+from typing import Any, Callable
 
-from ..errors import CorruptCheckpoint, StorageError, ZerostallError, storage_error
+from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint, StateMismatchError, ZerostallError
 from ..format.manifest import Manifest
+from ..io.base import Engine
 from ..store.local import LocalTier
-from ..store.owner import StepLock
-from ..store.tier import Tier
+from .pipeline import fetch_remote_step, verify_step
+from .state import LoadReport
 
 log = logging.getLogger("zerostall")
 
 
-def damaged_local_ref(tier: LocalTier, step: int, exc: BaseException) -> int | None:
-    """The earlier step whose local file ``exc`` (loading ``step``) names, if ``step`` borrows from it."""
-    where = getattr(exc, "path", None)
-    if not isinstance(exc, CorruptCheckpoint) or not where:
-        return None
-    parent = os.path.basename(os.path.dirname(os.path.abspath(where)))
-    if os.path.dirname(os.path.dirname(os.path.abspath(where))) != tier.root or not parent.startswith("step-"):
-        return None
-    try:
-        ref = int(parent[len("step-"):])
-        return ref if ref != step and ref in {r.step for r in tier.read_manifest(step).ref_files} else None
-    except (ValueError, ZerostallError, OSError):
-        return None
+def restore_remote(tier: LocalTier, remote: Any, engine: Engine, step: int | None = None, *,
+                   report: LoadReport | None = None,
+                   on_failure: Callable[[int, str], None] | None = None) -> Manifest:
+    """Fetch and verify the newest step of ``remote`` (or ``step``) into ``tier``; its manifest.
 
-
-FETCH_LOCK_NAME = ".zerostall.fetch.lock"
-
-
-class _FetchLock:
-    """An exclusive ``flock`` on ``<root>/.zerostall.fetch.lock`` while one process downloads
-    a step into ``root``: the ranks of a node restoring into one directory at once take turns
-    (each used to remove the others' ``.partial`` and swap their commits away). Separate from
-    the owner's root lock, which a training run holds for its lifetime."""
-
-    def __init__(self, root: str):
-        self.path = os.path.join(root, FETCH_LOCK_NAME)
-        self.fd = -1
-
-    def __enter__(self) -> "_FetchLock":
-        import fcntl
-        import stat
+    ``on_failure(step, reason)`` is told of each step that failed (the CLI prints them);
+    ``report`` gets the step restored and those failures. Raises ``CheckpointNotFound`` when
+    the remote holds no (such) step, ``CorruptCheckpoint`` when none verifies.
+    """
+    steps = remote.steps()
+    if step is not None:
+        if step not in steps:
+            raise CheckpointNotFound(f"no committed step {step} at {remote.url} (steps: {steps or 'none'})")
+        steps = [step]
+    if not steps:
+        raise CheckpointNotFound(f"no committed checkpoint at {remote.url}")
+    errors: list[str] = []
+    for s in reversed(steps):
+        fetched = False
         try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-            if not stat.S_ISREG(os.fstat(self.fd).st_mode):
-                raise StorageError(f"{self.path!r} is not a regular file; remove it and try again", filename=self.path)
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-        except OSError as exc:
-            if self.fd >= 0:
-                os.close(self.fd)
-                self.fd = -1
-            if isinstance(exc, StorageError):
-                raise
-            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise storage_error("locking", self.path, exc) from exc
-            log.warning("zerostall: %s does not support flock: concurrent restores into it may collide",
-                        os.path.dirname(self.path))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-_ANY = object()
-
-
-def fetch_remote_step(tier: LocalTier, remote: Tier, step: int, seen: Any = _ANY) -> Manifest:
-    """Download ``step`` from ``remote`` into the local tier (direct I/O) and commit it there
-    (replacing a local copy; the steps it borrows from are fetched first if missing locally)."""
-    return fetch(tier, remote, step, seen)[0]
-
-
-def fetch(tier: LocalTier, remote: Tier, step: int, seen: Any = _ANY) -> tuple[Manifest, bool]:
-    """:func:`fetch_remote_step`; also says whether this call downloaded it (False: another
-    process committed the same checkpoint locally since the caller saw ``seen``, the identity
-    of the local manifest the caller found missing (None) or damaged; ``_ANY``: always download).
-    One process at a time downloads into a root (:class:`_FetchLock`)."""
-    man = remote.read_manifest(step)  # validated; names this step
-    os.makedirs(tier.root, exist_ok=True)
-    for ref in sorted({r.step for r in man.ref_files}):  # an incremental step: what it borrows, first
-        if ref not in tier.steps():
-            fetch(tier, remote, ref, None)
-    with _FetchLock(tier.root):
-        now = tier.manifest_ident(step)
-        if seen is not _ANY and now is not None and now != seen:
-            try:
-                if tier.read_manifest(step).checkpoint_id == man.checkpoint_id:
-                    log.info("zerostall: step %d was fetched into %s by another process", step, tier.root)
-                    return man, False
-            except ZerostallError:
-                pass
-        staging = StepLock(tier.root, step)  # the owner's start-up cleanup leaves our .partial alone
-        staging.acquire()
-        try:
-            _download(tier, remote, step, man)
-        finally:
-            staging.release(unlink=True)
-    log.info("zerostall: fetched step %d from %s into %s", step, remote.url, tier.root)
-    return man, True
-
-
-def _download(tier: LocalTier, remote: Any, step: int, man: Manifest) -> None:
-    """Download ``step``'s files into its ``.partial`` and commit it (caller holds the locks)."""
-    part = tier.begin(step)
-    try:
-        for fe in man.files:
-            rel = f"step-{step}/{fe.name}"
-            size = remote.stat(rel)
-            if size != fe.file_bytes:
-                where = remote.where(rel)
-                raise CorruptCheckpoint(f"{where}: {'missing' if size is None else f'{size} bytes'}, the "
-                                        f"manifest says {fe.file_bytes}", path=where)
-            remote.download(rel, os.path.join(part, fe.name), fe.file_bytes)
-    except BaseException:
-        tier.abort(step)
-        raise
-    tier.commit(step, man, overwrite=True)
+            fetch_remote_step(tier, remote, s)
+            fetched = True
+            man = verify_step(tier, s, engine)
+        except (StateMismatchError, ConfigError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - every defect of a checkpoint means: try the previous one
+            reason = str(exc) if isinstance(exc, ZerostallError) else f"{type(exc).__name__}: {exc}"
+            log.error("zerostall: step %d (remote copy) failed: %s", s, reason)
+            errors.append(f"step {s}: {reason}")
+            if on_failure is not None:
+                on_failure(s, reason)
+            if fetched:  # our download committed and failed verification (a failed fetch committed nothing)
+                try:
+                    tier.delete(s)
+                except Exception as dexc:  # noqa: BLE001 - reported, the next step is tried anyway
+                    log.warning("zerostall: removing the failed download of step %d: %s", s, dexc)
+            continue
+        if report is not None:
+            report.step, report.source, report.failed = s, "remote", list(errors)
+        return man
+    raise CorruptCheckpoint(f"no step of {remote.url} verifies: " + "; ".join(errors), path=remote.url)

@@ -17,19 +17,20 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 from ..config import IOConfig
-from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, StateMismatchError, ZerostallError
+from ..errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, DistributedError, RemoteError,
+                      StateMismatchError, ZerostallError)
 from ..io.base import Engine, choose_engine
 from ..staging.arena import Arena
 from ..store.local import LocalTier
-from .fetch import FETCH_LOCK_NAME, damaged_local_ref, fetch, fetch_remote_step
+from .download import FETCH_LOCK_NAME, damaged_local_ref, fetch, fetch_remote_step, rank_files
 from .retry import GONE, MAX_REPLACED, REPLACED, changed_under, listed_ident, remote_changed_under
 from .state import LoadReport, location_mapper
 from .step import load_step, shared_bounce, verify_step, verify_tier_step
 
-__all__ = ["FETCH_LOCK_NAME", "fetch_remote_step", "load", "load_step", "verify_step", "verify_tier_step"]
+__all__ = ["FETCH_LOCK_NAME", "fetch_remote_step", "load", "load_step", "rank_files", "verify_step", "verify_tier_step"]
 
 log = logging.getLogger("zerostall")
 
@@ -37,7 +38,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
          verify: bool = True, fallback: bool = True, engine: Engine | None = None,
          bounce: Arena | None = None, io: IOConfig | None = None, rank: int = 0, world_size: int = 1,
          remote: Any = None, keys: list[str] | None = None, strict: bool = False,
-         report: LoadReport | None = None) -> Any:
+         report: LoadReport | None = None, gate: Callable[[], None] | None = None) -> Any:
     """Load the newest verified checkpoint (or ``step``) under ``path``; see the module doc.
 
     With ``remote`` (a URL or tier), steps only the remote holds are downloaded into ``path``
@@ -91,11 +92,11 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
                 seen_local[s] = ident
             try:
                 if src == "remote":
-                    fetched = fetch(tier, remote, s, seen_local.get(s))[1]
+                    fetched = fetch(tier, remote, s, seen_local.get(s), who=(rank, world_size))[1]
                 out = load_step(tier, s, engine, bounce, state_dict, map_location, verify, rank, world_size,
-                                keys=keys, strict=strict, report=report, io=io)
-            except (StateMismatchError, ConfigError):
-                raise  # the caller's state or arguments, not the checkpoint: an older step would not help
+                                keys=keys, strict=strict, report=report, io=io, gate=gate)
+            except (StateMismatchError, ConfigError, DistributedError):
+                raise  # the caller's state or arguments, or the ranks' agreement (gate): not this copy's defect
             except Exception as exc:  # noqa: BLE001 - every defect of a checkpoint means: try the previous one
                 why = (changed_under(tier, s, ident) if src == "local"  # shared with verify
                        else remote_changed_under(remote, s, ident))

@@ -28,6 +28,9 @@ class LoadReport:
     unexpected_keys: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     """One line per newer step (or copy) that failed, with the reason."""
+    why: str = ""
+    """Under a process group: why every rank loaded this step (the newest all ranks can load,
+    and which newer steps failed on which rank)."""
 
 
 def _join(path: str, k: Any) -> str:

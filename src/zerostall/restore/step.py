@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -150,14 +150,17 @@ def _scratch(plan: Plan, bounce: Any) -> Iterator[Any]:
         yield bounce if plan.fits(bounce.nbytes) else None
 
 
-def read_step(files: list[FileRead], bounce: Any, io: IOConfig, *, verify: bool = True) -> Stats:
+def read_step(files: list[FileRead], bounce: Any, io: IOConfig, *, verify: bool = True,
+              gate: Callable[[], None] | None = None) -> Stats:
     """Read ``files`` through :mod:`.stream` with ``bounce`` as scratch memory: transactional
-    for protected destinations, with a verify-only pass first when the staged bytes do not fit."""
+    for protected destinations, with a verify-only pass first when the staged bytes do not fit.
+    ``gate()`` runs once every byte verified, before any staged byte reaches its destination
+    (what it raises rolls the protected destinations back)."""
     global last_stats
     plan = Plan(files, io, in_place=any(fr.protect for fr in files))
     with _scratch(plan, bounce) as scratch:
         if scratch is not None:
-            last_stats = plan.run(scratch, verify=verify)
+            last_stats = plan.run(scratch, verify=verify, gate=gate)
             return last_stats
     log.info("zerostall: an in-place load of %d bytes does not fit in %d bytes of scratch; verifying it first",
              plan.ring_bytes, bounce.nbytes)
@@ -168,17 +171,20 @@ def read_step(files: list[FileRead], bounce: Any, io: IOConfig, *, verify: bool 
     for part in (checks, copies):
         p = Plan(part, io, in_place=False)
         with _scratch(p, bounce) as scratch:
-            last_stats = p.run(scratch, verify=verify or part is checks)
+            last_stats = p.run(scratch, verify=verify or part is checks, gate=gate if part is checks else None)
     return last_stats
 
 
 def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: Any = None,
               map_location: Any = None, verify: bool = True, rank: int = 0, world_size: int = 1, *,
               keys: list[str] | None = None, strict: bool = False,
-              report: LoadReport | None = None, io: IOConfig | None = None) -> Any:
+              report: LoadReport | None = None, io: IOConfig | None = None,
+              gate: Callable[[], None] | None = None) -> Any:
     """Load one step, transactionally: nothing in ``state_dict`` changes unless the whole step
     (every byte this load needs) verified. Raises CorruptCheckpoint/StorageError for the
-    checkpoint's defects and StateMismatchError for the caller's."""
+    checkpoint's defects and StateMismatchError for the caller's. ``gate`` (the ranks'
+    agreement, :mod:`zerostall.distributed.agree`) runs once every byte verified and before
+    anything stays in ``state_dict`` or is returned; what it raises propagates (rolled back)."""
     man = tier.read_manifest(step)
     where = shard_where(tier, step, "").rstrip("/")
     tree = man.tree_for(rank, world_size)
@@ -226,7 +232,7 @@ def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: An
             dsts[i] = (None if direct is not None else tensors[i].data_ptr(), direct, False)
     files = file_reads(tier, man, engine, lambda i: dsts.get(i, (None, None, False)), needed=needed,
                        only=only, sparse=keys is not None)
-    read_step(files, bounce, io or engine.cfg, verify=verify)
+    read_step(files, bounce, io or engine.cfg, verify=verify, gate=gate)
     for i, j in canon.items():
         tensors[i] = tensors[j]
     if state_dict is None:

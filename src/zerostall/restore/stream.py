@@ -169,7 +169,7 @@ class Plan:
             return self.w, ROLLBACK_FRACTION
         return self.w, 0.0
 
-    def run(self, scratch: Any, *, verify: bool = True) -> Stats:
+    def run(self, scratch: Any, *, verify: bool = True, gate: Callable[[], None] | None = None) -> Stats:
         """Read, check and deliver every file; see the module doc. ``scratch`` (``nbytes``,
         ``u8``) must :meth:`fits`. Raises what a read or a check raised (CorruptCheckpoint,
         StorageError); the protected destinations are then as they were."""
@@ -179,7 +179,7 @@ class Plan:
         w, fraction = shape
         wins = plan_windows(self.files, w)
         slots, ring0 = _layout(wins, scratch, w, self.in_place, fraction)
-        run = _Run(self.files, wins, scratch, w, slots, ring0, verify)
+        run = _Run(self.files, wins, scratch, w, slots, ring0, verify, gate)
         run.stats.fraction, run.stats.window_bytes = fraction, w
         return run.go()
 
@@ -219,13 +219,14 @@ class _Run:
     """One :func:`run`: the window queue shared by the readers, the checker and the copier."""
 
     def __init__(self, files: Sequence[FileRead], wins: list[_Win], scratch: Any, w: int, slots: int,
-                 ring0: int, verify: bool):
+                 ring0: int, verify: bool, gate: Callable[[], None] | None = None):
         self.files, self.wins, self.scratch, self.w, self.verify = files, wins, scratch, w, verify
         self.owner: list[int | None] = [None] * slots
         self.cond = threading.Condition()
         self.next = 0
         self.abort = False
         self.ring0 = ring0
+        self.gate = gate
         self.scratch_addr = scratch.u8.data_ptr()
         self.bk_pos = 0  # backups of the rollback part, from the start of the scratch
         self.backups: list[tuple[int, int, int]] = []  # (caller's bytes, their saved copy, length)
@@ -328,6 +329,8 @@ class _Run:
             for fr, cur in zip(self.files, cursors):
                 cur.finish(fr.wanted)
             copier.shutdown(wait=True)  # every rollback copy is in; its errors surface here
+            if self.gate is not None:  # the ranks' agreement: what it raises rolls back
+                self.gate()
             self._deferred()
             ok = True
         finally:

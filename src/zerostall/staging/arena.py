@@ -42,16 +42,15 @@ import os
 import resource
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 
 import torch
 
-from .._util import node_leader, run_in_fresh_thread
+from .._util import memlock_fix, node_leader, run_in_fresh_thread, swap_total_bytes
+from .memory import _libc, _unforked, populate
 
 log = logging.getLogger("zerostall")
 
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 MADV_DONTFORK = getattr(mmap, "MADV_DONTFORK", 10)
@@ -63,34 +62,7 @@ FAULT_CALL_MIN_BYTES = 2 << 20
 """Smallest call (one transparent huge page)."""
 _warned_memlock = False
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_populate_ok = True  # cleared once if the kernel lacks MADV_POPULATE_WRITE (< 5.14)
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
-
-
-def swap_total_bytes() -> int:
-    """The node's swap space (``SwapTotal``; 0 when unknown): whether an unlocked arena can be paged out."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("SwapTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-def memlock_fix(nbytes: int, hard: int) -> str:
-    """The one command that lets this node lock ``nbytes`` (for the warning and ``doctor``)."""
-    if hard == resource.RLIM_INFINITY or hard >= nbytes:
-        return "run 'ulimit -l unlimited' in the shell that launches training"
-    return ("as root, 'echo \"* - memlock unlimited\" > /etc/security/limits.d/90-zerostall.conf' and log in "
-            "again (systemd: LimitMEMLOCK=infinity; docker: --ulimit memlock=-1)")
 
 
 def _cudart():
@@ -109,64 +81,6 @@ def _in_thread(fn) -> None:
     run_in_fresh_thread(fn, "zerostall-cuda-register")
 
 
-def host_ram_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def local_world_size() -> int:
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
-
-
-def budget_bytes(budget: int | None, fraction: float) -> int:
-    """The staging budget of this process: explicit bytes, else a fraction of RAM per local rank."""
-    if budget is not None:
-        return budget
-    return int(host_ram_bytes() * fraction) // local_world_size()
-
-
-def populate(address: int, nbytes: int) -> None:
-    """Fault ``nbytes`` at ``address`` for writing, without holding the GIL (ctypes releases it)."""
-    global _populate_ok
-    if _populate_ok:
-        if _libc.madvise(ctypes.c_void_p(address), nbytes, MADV_POPULATE_WRITE) == 0:
-            return
-        if ctypes.get_errno() != 22:  # EINVAL: kernel < 5.14; anything else: touch instead
-            log.debug("zerostall: MADV_POPULATE_WRITE failed: %s", os.strerror(ctypes.get_errno()))
-        else:
-            _populate_ok = False
-    ctypes.memset(address, 0, nbytes)
-
-
-_unforked: "weakref.WeakSet[Arena]" = weakref.WeakSet()
-"""Live arenas made with ``dontfork=True`` (their address ranges are holes in a forked child)."""
-
-
-def _fill_holes_in_child() -> None:
-    """After fork, in the child: an anonymous placeholder where each ``dontfork`` arena was.
-
-    The child inherits the Python objects but not the mapping; without a placeholder the range
-    is free, a later mapping of the child may land there, and the stale ``mmap`` object would
-    unmap it when collected (or a stale view would read it). With one, stale views read zeros
-    (no RSS until touched) and the collection unmaps only the placeholder. CUDA registrations
-    are the parent's: forgotten (CUDA cannot be used in a forked child anyway)."""
-    prot = mmap.PROT_READ | mmap.PROT_WRITE
-    flags = (mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10  # MAP_FIXED
-             | getattr(mmap, "MAP_NORESERVE", 0))
-    for a in list(_unforked):
-        if a.closed:
-            continue
-        _libc.mmap(ctypes.c_void_p(a.address), a.nbytes, prot, flags, -1, 0)
-        a._cuda_chunks.clear()
-        a._cuda_starts.clear()
-        a.cuda_registered = False
-        a.locked = False
-        a.forked_copy = True
-
-
-os.register_at_fork(after_in_child=_fill_holes_in_child)
 
 
 @dataclass(frozen=True)

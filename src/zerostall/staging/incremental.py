@@ -70,6 +70,8 @@ from ..errors import ConfigError, StorageError
 from ..format.layout import HEADER_BYTES, align_up
 from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..format.refs import RefFile
+from ..format.tree import tensor_paths
+from .basefiles import Stamp, base_file_problem, file_stamp
 from .job import Persisted, SaveRequest, Slot
 from .plan import PlanItem, SavePlan
 from .source_crc import CRC_THREADS, _CpuCrc, _CudaCrc, _file_crc  # noqa: F401 - _CpuCrc: tests
@@ -108,7 +110,7 @@ def fingerprint(t: torch.Tensor, is_numpy: bool = False) -> tuple[Any, ...] | No
 
 @dataclass(frozen=True)
 class Known:
-    """What the newest committed step holds under one key."""
+    """What the newest committed step holds at one tree path (:func:`..format.tree.tensor_paths`)."""
 
     entry: TensorEntry  # step set: the step (and file) that wrote the bytes
     ref: RefFile
@@ -122,14 +124,18 @@ class IncrementalJob:
     read-only afterwards."""
 
     tracker: "RefTracker"
-    fps: dict[str, tuple[Any, ...] | None]  # key -> fingerprint at save() time
+    fps: dict[int, tuple[Any, ...] | None]  # tensor index -> fingerprint at save() time
+    paths: dict[int, str] = field(default_factory=dict)
+    """Tensor index -> its typed tree path (:func:`..format.tree.tensor_paths`): the identity
+    under which the base is looked up and this save is recorded; never the printed key, which
+    two different paths can share (``"a.b"`` and ``a`` -> ``b``, ``0`` and ``"0"``)."""
     refs: dict[int, TensorEntry] = field(default_factory=dict)  # global tensor index -> reference
     ref_files: tuple[RefFile, ...] = ()
     pinned: tuple[int, ...] = ()
     full: bool = True
     crc_bytes: int = 0  # bytes checksummed from the source on the host (CPU tensors; CUDA via a bounce buffer)
     dev_hash_bytes: int = 0  # CUDA bytes checked by their device hash (nothing copied to the host)
-    dhs: dict[str, int] = field(default_factory=dict)  # key -> device hash computed by this save
+    dhs: dict[int, int] = field(default_factory=dict)  # tensor index -> device hash computed by this save
     pending: Any = None  # (collect crcs, [(item, leaf, tensor, recorded crc32c)]): referenced on speculation
 
     @property
@@ -146,7 +152,8 @@ class RefTracker:
         self.mode = mode
         self.full_every = full_every
         self._lock = threading.Lock()
-        self._known: dict[str, Known] = {}  # replaced, never mutated: readers keep a snapshot
+        self._known: dict[str, Known] = {}  # by tree path; replaced, never mutated: readers keep a snapshot
+        self._paths: tuple[Any, dict[int, str]] = (None, {})  # (tree, its tensor paths): the plan cache reuses trees
         self._pins: collections.Counter[int] = collections.Counter()
         self._since_full = 0  # incremental decisions since the last full one (snapshot thread)
         self._force_full = False
@@ -155,6 +162,8 @@ class RefTracker:
         self._seed_root: str | None = None
         self._seeded = False  # the base came from disk, not from a save of this process
         self._peer: set[int] = set()  # other ranks' protected steps (multi-rank; set_peer_protected)
+        self._lost_warned: set[int] = set()  # base steps found gone or damaged (warned once each)
+        self._stamps: dict[tuple[int, str], Stamp] = {}  # base files as they were (basefiles.file_stamp)
         self._dh_warned = False
 
     # -- start-up (caller's thread) --------------------------------------------------------
@@ -189,23 +198,29 @@ class RefTracker:
                  for f in manifest.files}
         refs = {(r.step, r.name): r for r in manifest.ref_files}
         known = {}
-        for e in manifest.tensors:
+        paths = tensor_paths(manifest.tree_for(rank, manifest.world_size))
+        for i, e in enumerate(manifest.tensors):
+            if i not in paths:  # another rank's tensor (per-rank trees)
+                continue
             if e.step is None:
                 ref = files[e.file]
                 e = TensorEntry(e.key, e.dtype, e.shape, e.file, e.offset, e.nbytes, e.crc32c, manifest.step)
             else:
                 ref = refs[(e.step, e.file)]
             if ref.rank == rank:
-                known[e.key] = Known(e, ref, None)
+                known[paths[i]] = Known(e, ref, None)
+        stamps = self._stamps_of(known, {})
         with self._lock:
             self._known = known
+            self._stamps = stamps
             self._since_full = steps_after_oldest_ref
             self._seeded = self._seed_root is not None
 
     # -- caller's thread --------------------------------------------------------------------
     def prepare(self, plan: SavePlan) -> "IncrementalJob":
         """The incremental part of a save of ``plan``: the fingerprints only."""
-        return IncrementalJob(self, {leaf.key: fingerprint(leaf.tensor, leaf.numpy) for leaf in plan.leaves})
+        return IncrementalJob(self, {it.index: fingerprint(leaf.tensor, leaf.numpy)
+                                     for it, leaf in zip(plan.items, plan.leaves)})
 
     def pinned_steps(self) -> set[int]:
         with self._lock:
@@ -216,12 +231,19 @@ class RefTracker:
                cuda_run: Callable[[torch.device, Callable[[], None]], None],
                ij: "IncrementalJob") -> tuple[SavePlan, list[torch.Tensor]]:
         """Choose what to reference; return the plan and tensors to write."""
+        ij.paths = self._tensor_paths(plan.tree)
         with self._lock:
             known = self._known
             full = (not known or self._force_full or
                     (self.full_every is not None and self._since_full + 1 >= self.full_every))
             self._force_full = False
             self._since_full = 0 if full else self._since_full + 1
+        if not full:
+            known = self._usable(known, req.step)
+            if not known:  # the whole base is lost: a full save
+                full = True
+                with self._lock:
+                    self._since_full = 0
         ij.full = full
         leaves = list(leaves)
         if self.mode == "crc" and any(_on_device(t) for t in leaves):  # full saves too: the next compares
@@ -233,16 +255,17 @@ class RefTracker:
         refs: dict[int, TensorEntry] = {}
         ref_files: dict[tuple[int, str], RefFile] = {}
         verdict: list[bool | None] = []  # True: reference; False: write; None: decided by the crc
+        paths = ij.paths
         for item, leaf in zip(plan.items, leaves):
-            k = known.get(item.key)
-            verdict.append(False if k is None else self._fast_path(item, ij.fps.get(item.key), k, req.step))
+            k = known.get(paths[item.index])
+            verdict.append(False if k is None else self._fast_path(item, ij.fps.get(item.index), k, req.step))
         if not self._speculate(plan, leaves, known, verdict, ij):
             self._confirm(plan.items, leaves, known, verdict, cuda_run, ij)
         if self._seeded:
-            self._verify_on_disk(plan.items, known, verdict)
+            self._verify_on_disk(plan.items, known, verdict, paths)
         for item, leaf, ok in zip(plan.items, leaves, verdict):
             if ok:
-                k = known[item.key]
+                k = known[paths[item.index]]
                 e = k.entry
                 refs[item.index] = TensorEntry(item.key, e.dtype, e.shape, e.file, e.offset, e.nbytes,
                                                e.crc32c, e.step)
@@ -265,6 +288,32 @@ class RefTracker:
                         tuple(lf for lf, it in zip(plan.leaves, plan.items) if it.index not in refs),
                         plan.n_tensors, plan.tree_json), keep_leaves
 
+    def _usable(self, known: dict[str, Known], step: int) -> dict[str, Known]:
+        """``known`` less what lives in a base file that is gone or no longer the file it was
+        (step deleted by hand or by another tool, manifest removed, file truncated, replaced,
+        swapped for a symlink): those tensors are written by this save instead of referenced,
+        and each lost base step is reported once (snapshot thread; per referenced file an
+        ``lstat`` and a read of its 4 KiB header). Without this, every save until the next
+        full one failed at its commit and training went on with no new checkpoint."""
+        if self._seed_root is None:
+            return known
+        files = {(k.ref.step, k.ref.name): k.ref for k in known.values()}
+        stamps = self._stamps
+        lost = {}
+        for where, ref in files.items():
+            why = base_file_problem(self._seed_root, ref, stamps.get(where))
+            if why is not None:
+                lost[where] = why
+        if not lost:
+            return known
+        for (s, name), why in sorted(lost.items()):
+            if s not in self._lost_warned:
+                self._lost_warned.add(s)
+                n = sum(1 for k in known.values() if (k.ref.step, k.ref.name) == (s, name))
+                log.warning("zerostall: incremental: base step %d is gone or damaged (%s: %s); step %d writes "
+                            "the %d tensor(s) it would have referenced there", s, name, why, step, n)
+        return {p: k for p, k in known.items() if (k.ref.step, k.ref.name) not in lost}
+
     def _speculate(self, plan: SavePlan, leaves: list[torch.Tensor], known: dict[str, Known],
                    verdict: list[bool | None], ij: IncrementalJob) -> bool:
         """Start the crc32c of the undecided CPU tensors on the crc threads and reference them
@@ -277,8 +326,8 @@ class RefTracker:
         if self._cpu_crc is None:
             self._cpu_crc = _CpuCrc(CRC_THREADS)
         collect = self._cpu_crc.submit([leaves[i] for i in undecided])
-        ij.pending = (collect, [(plan.items[i], plan.leaves[i], leaves[i], known[plan.items[i].key].entry.crc32c)
-                                for i in undecided])
+        ij.pending = (collect, [(plan.items[i], plan.leaves[i], leaves[i],
+                                 known[ij.paths[plan.items[i].index]].entry.crc32c) for i in undecided])
         ij.crc_bytes += sum(plan.items[i].nbytes for i in undecided)
         for i in undecided:
             verdict[i] = True
@@ -345,10 +394,10 @@ class RefTracker:
             if self._cpu_crc is None:
                 self._cpu_crc = _CpuCrc(CRC_THREADS)
             for i, crc in zip(cpu, self._cpu_crc.many([leaves[i] for i in cpu])):
-                verdict[i] = crc == known[items[i].key].entry.crc32c
+                verdict[i] = crc == known[ij.paths[items[i].index]].entry.crc32c
         ij.crc_bytes += sum(items[i].nbytes for i in cpu)
         for i in gpu:
-            k, h = known[items[i].key], ij.dhs.get(items[i].key)
+            k, h = known[ij.paths[items[i].index]], ij.dhs.get(items[i].index)
             if k.dh is not None and h is not None:  # hashed on the device: 8 bytes came back
                 verdict[i] = h == k.dh
                 ij.dev_hash_bytes += items[i].nbytes
@@ -381,16 +430,26 @@ class RefTracker:
                                 "the host instead", dev, exc)
                 continue
             for i, v in zip(idx, vals):
-                ij.dhs[items[i].key] = int(v)
+                ij.dhs[items[i].index] = int(v)
 
-    def _verify_on_disk(self, items: Any, known: dict[str, Known], verdict: list[bool | None]) -> None:
+    def _tensor_paths(self, tree: Any) -> dict[int, str]:
+        """:func:`..format.tree.tensor_paths` of ``tree``, kept for the next save: the plan
+        cache hands the same tree object back while the state keeps its shape (snapshot thread)."""
+        cached_tree, paths = self._paths
+        if cached_tree is not tree:
+            paths = tensor_paths(tree)
+            self._paths = (tree, paths)
+        return paths
+
+    def _verify_on_disk(self, items: Any, known: dict[str, Known], verdict: list[bool | None],
+                        paths: dict[int, str]) -> None:
         """First save on a base read from disk: a span whose bytes on disk no longer match
         their crc32c is written, not referenced (snapshot thread; plain reads)."""
         checked: dict[tuple[int, str, int], bool] = {}
         for i, ok in enumerate(verdict):
             if not ok:
                 continue
-            e = known[items[i].key].entry
+            e = known[paths[items[i].index]].entry
             where = (e.step, e.file, e.offset)
             if where not in checked:
                 path = os.path.join(self._seed_root or "", f"step-{e.step}", e.file)
@@ -419,17 +478,34 @@ class RefTracker:
         ij: IncrementalJob = job.incr
         own = RefFile(job.step, file.name, file.rank, file.file_bytes, file.file_id or job.checkpoint_id)
         refs_by = {(r.step, r.name): r for r in ij.ref_files}
-        fps, dhs = ij.fps, ij.dhs
+        fps, dhs, paths = ij.fps, ij.dhs, ij.paths
         known: dict[str, Known] = {}
-        for _, e in written:
-            known[e.key] = Known(TensorEntry(e.key, e.dtype, e.shape, e.file, e.offset, e.nbytes, e.crc32c,
-                                             job.step), own, fps.get(e.key), dhs.get(e.key))
-        for e in ij.refs.values():
-            known[e.key] = Known(e, refs_by[(e.step, e.file)], fps.get(e.key), dhs.get(e.key))
+        for i, e in written:
+            known[paths[i]] = Known(TensorEntry(e.key, e.dtype, e.shape, e.file, e.offset, e.nbytes, e.crc32c,
+                                                job.step), own, fps.get(i), dhs.get(i))
+        for i, e in ij.refs.items():
+            known[paths[i]] = Known(e, refs_by[(e.step, e.file)], fps.get(i), dhs.get(i))
+        stamps = self._stamps_of(known, self._stamps)  # this step's own file: stamped now
         with self._lock:
             self._known = known
+            self._stamps = stamps
             self._seeded = False  # every reference of the new base was checked or written here
             self._unpin(ij)
+
+    def _stamps_of(self, known: dict[str, Known], old: dict[tuple[int, str], Stamp]) -> dict[tuple[int, str], Stamp]:
+        """The stamp of every file ``known`` borrows from: kept from ``old`` (taken when that
+        file became a base), else taken now (a file just committed, or a base read from disk)."""
+        out: dict[tuple[int, str], Stamp] = {}
+        for k in known.values():
+            where = (k.ref.step, k.ref.name)
+            if where in out:
+                continue
+            st = old.get(where)
+            if st is None and self._seed_root is not None:
+                st = file_stamp(self._seed_root, *where)
+            if st is not None:
+                out[where] = st
+        return out
 
     def failed(self, ij: "IncrementalJob") -> None:
         """The save of ``ij`` failed (persist thread)."""

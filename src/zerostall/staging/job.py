@@ -174,7 +174,8 @@ class SaveStatus:
 
     def __init__(self, t_submit: float | None = None, nbytes: int = 0):
         self.t_submit = time.perf_counter() if t_submit is None else t_submit
-        self.queued = threading.Event()
+        self.queued = False
+        """Set just before the job's one queue put (no Python frame in between, see ``pool.queue``)."""
         self.staged = threading.Event()
         self.durable = threading.Event()
         self.done = threading.Event()
@@ -212,8 +213,8 @@ class SaveStatus:
 
     # -- caller's thread --------------------------------------------------------------------
     def mark_queued(self) -> None:
-        """The staging pool is queueing the job (set just before the queue put)."""
-        self.queued.set()
+        """The staging pool is queueing the job (a plain store: no Python frame runs after it)."""
+        self.queued = True
 
     def set_save_block(self, seconds: float) -> None:
         self.save_block_s = seconds

@@ -9,6 +9,8 @@ manifest's size.
 
 from __future__ import annotations
 
+import hashlib
+
 import json
 from collections import OrderedDict
 from dataclasses import dataclass, replace
@@ -50,6 +52,9 @@ class SavePlan:
     """Tensors in the whole state (all ranks' shares when replicated)."""
     tree_json: str = ""
     """``tree`` as compact JSON, encoded once on the caller's thread (size check, manifest)."""
+    shapes_digest: str = ""
+    """A digest of every tensor's key, dtype and shape (all ranks' shares when replicated): the
+    replicated-mode structure check compares it across ranks."""
 
     @property
     def payload_bytes(self) -> int:
@@ -192,7 +197,9 @@ def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicate
         nbytes = t.numel() * t.element_size()
         items.append(PlanItem(i, leaf.key, dtype_name(t.dtype, leaf.key), tuple(t.shape), nbytes, off))
         off = align_up(off + nbytes)
-    return SavePlan(tuple(items), max(off, HEADER_BYTES), tree, tuple(leaves), len(all_leaves), tree_json)
+    digest = hashlib.sha256(repr([(leaf.key, str(leaf.tensor.dtype), tuple(leaf.tensor.shape))
+                                  for leaf in all_leaves]).encode()).hexdigest()
+    return SavePlan(tuple(items), max(off, HEADER_BYTES), tree, tuple(leaves), len(all_leaves), tree_json, digest)
 
 
 ENTRY_BYTES = 200

@@ -209,15 +209,19 @@ class StagingPool:
             try:
                 yield slot
             except BaseException as exc:
-                if not status.queued.is_set():
+                if not status.queued:
                     self._abandon(slot, status, exc)
                 raise
 
     def queue(self, job: Job) -> None:
         """Hand ``job`` to the snapshot thread (inside :meth:`reserve`); it hands the job on to
-        ``job.persist``. One queue put: nothing can stop half-way between two workers."""
+        ``job.persist``. One queue put: nothing can stop half-way between two workers. The
+        mark and the put run with no Python frame between them (the put is the queue's C
+        method, looked up first), so a signal handler sees the job either unqueued and
+        unmarked or queued and marked: never marked and lost."""
+        put = self.snap.enqueue
         job.status.mark_queued()
-        self.snap.submit(job)
+        put(job)
 
     def _abandon(self, slot: Slot, status: SaveStatus, exc: BaseException) -> None:
         """Blocks reserved that reached no worker: fail the save, let the snapshot thread

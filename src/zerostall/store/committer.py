@@ -1,5 +1,5 @@
 """How a rank's persist thread commits a step: the :class:`Committer` protocol and the
-single-rank :class:`LocalCommitter` (the multi-rank one is ``distributed.commit.StoreCommitter``).
+single-rank :class:`LocalCommitter` (the multi-rank one is ``distributed.committer.StoreCommitter``).
 
 Called on the persist thread, once per save, in this order: ``begin`` (before the shard is
 opened), then either ``commit`` (the shard is written and fdatasynced; the commit point) and
@@ -11,7 +11,6 @@ caller's thread for a skipped save.
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Protocol, Sequence
 
@@ -44,7 +43,9 @@ class Committer(Protocol):
 
 
 def file_entry(job: Persisted) -> FileEntry:
-    return FileEntry(job.file_name, job.rank, socket.gethostname(), job.plan.file_bytes, job.checkpoint_id)
+    """The manifest's entry of this rank's shard; ``host`` is the node (``ZEROSTALL_NODE``)."""
+    from ..distributed.node import node_id  # here: distributed/ sits above store/ and imports it
+    return FileEntry(job.file_name, job.rank, node_id(), job.plan.file_bytes, job.checkpoint_id)
 
 
 def tensor_entries(job: Persisted) -> list[tuple[int, TensorEntry]]:

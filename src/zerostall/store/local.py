@@ -38,7 +38,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import stat as stat_mod
 import threading
 import uuid
@@ -48,8 +47,9 @@ from ..errors import (CheckpointExistsError, CheckpointNotFound, CorruptCheckpoi
                       StepOrderError, StorageError, ZerostallError, storage_error)
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..format.validate import parse_step_dir, read_small
-from .atomic import fsync_dir, publish_dir, recover_dir, rmtree, write_file_durable
-from .owner import FETCH_STEP_LOCK_RE, RootLock, StepLock
+from .atomic import fsync_dir, publish_dir, rmtree, write_file_durable
+from .owner import RootLock
+from .recovery import _OLD_RE, _PARTIAL_RE, _TEMP_RE, recover_root
 from .retention import doomed, prune
 from .tier import Tier
 
@@ -60,20 +60,6 @@ if TYPE_CHECKING:
 __all__ = ["LocalTier", "fsync_dir", "write_file_durable"]
 
 log = logging.getLogger("zerostall")
-_PARTIAL_RE = re.compile(r"^step-(\d{1,19})\.partial$")
-_OLD_RE = re.compile(r"^step-(\d{1,19})\.old$")
-_FETCH_LOCK_RE = re.compile(FETCH_STEP_LOCK_RE)
-_DELETING_STEP_RE = re.compile(r"^\.deleting-step-(\d{1,19})(?:\.old)?-")
-
-
-def _deleting_step(name: str) -> int | None:
-    m = _DELETING_STEP_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
-_TEMP_RE = re.compile(r"^(latest\.tmp|\.zerostall-write-test-\d+|\.zerostall-probe-[0-9a-f]+)$")
-
-
 def _has_manifest(step_dir: str) -> bool:
     """Whether ``step_dir/manifest.json`` exists in any form (never opened: a FIFO cannot hang
     this). An entry we cannot examine (EACCES, ELOOP, ...) counts, so it is reported as damaged."""
@@ -306,68 +292,14 @@ class LocalTier(Tier):
     def release(self) -> None:
         self._lock.release()
 
-    def clean_stale_partials(self, keep: set[int] = frozenset()) -> list[str]:  # type: ignore[assignment]
-        """Old name of :meth:`own` (``distributed.commit`` calls it on the process that owns the root)."""
-        return self.own()
-
     def recover(self) -> list[str]:
         """Finish or remove everything a crash left (owner only; see the module docstring).
 
-        Returns one line per action; each is logged.
+        Returns one line per action; each is logged (:func:`.recovery.recover_root`).
         """
         if not self._lock.held:
             raise ZerostallError(f"recovering {self.root!r} needs its lock (call own())")
-        done: list[str] = []
-        locks: dict[int, StepLock] = {}
-        busy: set[int] = set()
-
-        def free(step: int | None) -> bool:
-            """Whether this step's leftovers are ours to clean: no restore is downloading into
-            it (its StepLock, taken here without waiting and held until the end)."""
-            if step is None or step in locks:
-                return True
-            if step in busy:
-                return False
-            lk = StepLock(self.root, step)
-            if os.path.lexists(lk.path) and not os.path.isfile(lk.path) or os.path.islink(lk.path):
-                # a directory, FIFO or link under a lock file's name: no process can hold it
-                # (StepLock refuses anything but a regular file), so it is a leftover like the rest
-                rmtree(lk.path) if os.path.isdir(lk.path) and not os.path.islink(lk.path) else os.unlink(lk.path)
-                done.append(f"removed {lk.path} (not a lock file)")
-            if lk.acquire(wait=False):
-                locks[step] = lk
-                return True
-            busy.add(step)
-            done.append(f"kept the leftovers of step {step}: {lk.holder()} is downloading it into {self.root}")
-            return False
-
-        try:
-            for n in sorted(self._names()):
-                if (m := _OLD_RE.match(n)) and free(int(m.group(1))):
-                    step = int(m.group(1))
-                    done += recover_dir(self.step_dir(step), lambda d, s=step: self._valid_dir(d, s),
-                                        self._hook)
-            for n in sorted(self._names()):
-                path = os.path.join(self.root, n)
-                if (m := _PARTIAL_RE.match(n)) and free(int(m.group(1))):
-                    rmtree(path)
-                    done.append(f"removed {path} (an unfinished save)")
-                elif n.startswith(".deleting-") and free(_deleting_step(n)):
-                    rmtree(path)
-                    done.append(f"removed {path} (an interrupted deletion)")
-                elif _TEMP_RE.match(n):
-                    rmtree(path)
-                    done.append(f"removed {path} (a temporary file)")
-                elif (m := _FETCH_LOCK_RE.match(n)) and int(m.group(1)) not in busy and free(int(m.group(1))):
-                    done.append(f"removed {path} (the lock of an interrupted restore)")
-        except OSError as exc:
-            raise storage_error("recovering leftovers in", self.root, exc) from exc
-        finally:
-            for lk in locks.values():
-                lk.release(unlink=True)
-        for line in done:
-            log.info("zerostall: %s", line)
-        return done
+        return recover_root(self.root, self._names, self.step_dir, self._valid_dir, self._hook)
 
     # -- save side (owner; persist thread, except check_new_step on the caller's) -----------
     def check_new_step(self, step: int, overwrite: bool, allow_lower: bool = True) -> None:

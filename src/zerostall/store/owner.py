@@ -8,7 +8,11 @@ second writer's :class:`~zerostall.errors.RootLockedError` names the owner. The 
 never deleted (unlinking a lock file races with the next ``open``). Readers take no lock.
 
 ``flock`` locks an open file description: two ``Checkpointer``s on one root inside one
-process conflict too, as they should. Where the filesystem refuses ``flock`` (``ENOLCK``:
+process conflict too, as they should. A ``fork()`` shares the description with the child, so
+the child would hold the root locked after the writer's ``close()`` (or death): the lock
+belongs to the writer process only, and a forked child closes its copies of every held lock
+descriptor at once (``os.register_at_fork``; :func:`_after_fork_in_child`), which leaves the
+parent's lock untouched (``exec`` children never see it: ``O_CLOEXEC``). Where the filesystem refuses ``flock`` (``ENOLCK``:
 NFS mounted without a lock manager, some FUSE filesystems), ownership cannot be enforced:
 the root is used unlocked, with a warning, and keeping to one writer is up to the user.
 Note that NFSv3 mounted with ``nolock`` (and some FUSE filesystems) grant ``flock``
@@ -28,6 +32,7 @@ import os
 import socket
 import stat
 import time
+import weakref
 
 from ..errors import RootLockedError, StorageError, storage_error
 
@@ -35,6 +40,26 @@ log = logging.getLogger("zerostall")
 
 LOCK_NAME = ".zerostall.lock"
 _NO_LOCKING = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+_HELD: "weakref.WeakSet[RootLock | StepLock]" = weakref.WeakSet()
+"""Locks whose descriptor this process holds (closed in a forked child)."""
+
+
+def _after_fork_in_child() -> None:
+    """A forked child drops its copies of the parent's lock descriptors (not the parent's
+    locks: the description stays open in the parent, which keeps the flock)."""
+    for lock in list(_HELD):
+        fd, lock._fd = lock._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def read_owner(root: str) -> dict[str, object]:
@@ -124,6 +149,7 @@ class RootLock:
             os.close(fd)
             raise
         self._fd = fd
+        _HELD.add(self)
 
     def _record(self, fd: int) -> None:
         info = {"host": socket.gethostname(), "pid": os.getpid(), "start_unix": round(time.time(), 3)}
@@ -188,6 +214,7 @@ class StepLock:
                     if exc.errno not in _NO_LOCKING:
                         raise storage_error("locking", self.path, exc) from exc
                     self._fd = fd
+                    _HELD.add(self)
                     return True
                 try:
                     same = os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
@@ -202,6 +229,7 @@ class StepLock:
                 os.close(fd)
                 raise
             self._fd = fd
+            _HELD.add(self)
             return True
 
     def holder(self) -> str:

@@ -36,12 +36,12 @@ from ..errors import (CheckpointExistsError, CheckpointNotFound, ConfigError, Co
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..format.validate import parse_step_dir
 from .tier import Tier
+from .files import drop_cache, file_crc32c  # noqa: F401 - importable here too (sharedfs, replicate, tests)
 from .tier import is_url, open_tier, register_tier  # noqa: F401 - they live in .tier; kept importable here
 
 log = logging.getLogger("zerostall")
 LIST_TIMEOUT_S = 10.0
 """How long a reader waits for a remote listing before going on without it."""
-_READ_CHUNK = 8 << 20
 
 
 def step_of(rel: str) -> int | None:
@@ -309,37 +309,6 @@ class RemoteTier(Tier):
 
     def where(self, rel: str = "") -> str:
         return f"{self.url.rstrip('/')}/{rel}" if rel else self.url
-
-
-def file_crc32c(path: str) -> tuple[int, int]:
-    """(size, crc32c) of a local file. Read through the page cache (the upload that follows
-    reads the same pages), then dropped from it."""
-    crc, size = 0, 0
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
-            buf = bytearray(_READ_CHUNK)
-            mv = memoryview(buf)
-            while n := f.readinto(buf):
-                crc = _crc.crc32c(mv[:n], crc)
-                size += n
-    finally:
-        os.close(fd)
-    return size, crc
-
-
-def drop_cache(path: str) -> None:
-    """Ask the kernel to drop ``path``'s clean pages (after an upload read it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def list_steps(remote: RemoteTier, timeout_s: float = LIST_TIMEOUT_S) -> tuple[list[int] | None, str]:

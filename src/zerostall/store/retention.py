@@ -1,7 +1,8 @@
 """Retention policies: which committed steps each tier keeps.
 
-Pure functions of step lists; the persist thread (local tier, no remote) or the replicator
-applies them through the tier and logs what it removes. Invariants, whatever the policy
+Pure functions of step lists, and the one loop that applies them (:func:`prune`): the
+:class:`LocalRetention` commit subscriber (persist thread; local tier, no remote) or the
+replicator runs it through the tier and logs what it removes. Invariants, whatever the policy
 says:
 
 - it acts only on *committed* steps, i.e. steps whose manifest validates (``Tier.steps()``):
@@ -23,7 +24,8 @@ by hand, and ``load()`` still picks the highest step). "Its own" survives restar
 owner starts from the ``keep_last`` steps committed last (:func:`newest_commits`, by the
 manifest's ``created_unix``), which only ever keeps more, never deletes more.
 
-When retention runs (local tier, no remote): after each commit (persist thread), and once
+When retention runs (local tier, no remote): after each commit (:class:`LocalRetention`, a
+subscriber of the persist thread's ``Committed`` records), and once
 when a writer takes the root (``Checkpointer`` construction, after ``LocalTier.own()``,
 before any save). A kill between a commit and its retention leaves one step too many; the
 next owner removes it before it commits anything, so a root written with ``keep_last=K``

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..io.probe import io_uring_status, probe
-from ..staging.arena import budget_bytes, host_ram_bytes, local_world_size
+from ..staging.memory import budget_bytes, host_ram_bytes, local_world_size
 from ..telemetry.host import PAGE, read_vmstat
 from .sysctl import RECOMMENDED, read_sysctls
 
@@ -99,6 +99,8 @@ def path_checks(path: str) -> list[Check]:
     if fs in ("tmpfs", "ramfs"):
         out.append(Check("tmpfs", fs, "warn", "checkpoints in RAM do not survive a reboot and compete with "
                          "the staging arena for memory"))
+    from ..peers.status import doctor_checks  # peer replicas: protection and reachability
+    out.extend(Check(*row) for row in doctor_checks(want))
     if fs == "btrfs":
         out.append(Check("btrfs", fs, "warn", "btrfs data checksums make O_DIRECT fall back to buffered "
                          "writes unless the files are nodatasum (chattr +C on the directory)"))

@@ -1,0 +1,173 @@
+"""``zerostall bench --scenario node-loss``: 4 simulated nodes x 1 rank on one machine (gloo,
+``ZEROSTALL_NODE=n0..n3``, each its own root), ``--size-gib`` of state in all.
+
+In one run:
+
+1. *not replicating*: every node saves step 1 (``replicas=1``); rank 0 trains (a timed matmul
+   loop in its own thread of control) before and while the save runs;
+2. *paced replication*: the same with ``replicas=2``, ``peers.bandwidth_bytes`` per node, and a
+   shared-filesystem remote tier (``file://``); bytes moved per save (what every node's
+   leader copied to its holders, acknowledged) against ``(replicas - 1) x state``;
+3. node n1 is wiped and the job restarted: n1's ``load()`` fetches its files from its peers;
+4. n1 is wiped again and its files restored from the shared-filesystem tier, then (when
+   ``AWS_ENDPOINT_URL`` names an S3 server, e.g. radosgw from ``scripts/s3-server.sh``) from S3:
+   the manifest and n1's shard downloaded, committed, loaded and verified -- what a per-rank
+   restore from a remote tier does.
+
+Runs on the CLI's thread; the nodes are subprocesses of :mod:`.nodeloss_worker`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any
+
+NODES = 4
+CAP_BYTES = 200_000_000
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(mode: str, base: str, work: str, mib: int, replicas: int, bw: int, remote: str) -> list[dict[str, Any]]:
+    port = _port()
+    procs = []
+    for r in range(NODES):
+        node = f"n{r}"
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(NODES),
+                   LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", ZEROSTALL_NODE=node,
+                   ZEROSTALL_BUDGET_BYTES=str(max(64, mib + 16) << 20))
+        out = os.path.join(work, f"{mode}-{node}.json")
+        if os.path.exists(out):
+            os.unlink(out)
+        procs.append((subprocess.Popen([sys.executable, "-m", "zerostall.bench.nodeloss_worker", mode, base, out,
+                                        str(mib), str(replicas), str(bw), remote], env=env,
+                                       stderr=subprocess.PIPE, text=True), out))
+    docs = []
+    for p, out in procs:
+        _, err = p.communicate(timeout=1800)
+        if p.returncode != 0 or not os.path.exists(out):
+            raise SystemExit(f"node-loss bench: a node failed in {mode} (rc {p.returncode}):\n{err[-3000:]}")
+        docs.append(json.load(open(out)))
+        if os.environ.get("ZS_BENCH_LOG"):
+            print(err, file=sys.stderr)
+    return docs
+
+
+def recover_from(url: str, root: str, rank: int, world: int) -> tuple[float, float]:
+    """A per-rank restore from a remote tier: manifest + this rank's shard, committed, loaded.
+    Returns (seconds to bring the files in, seconds in all)."""
+    from .. import load
+    from ..format.layout import shard_name
+    from ..store.local import LocalTier
+    from ..store.remote import open_tier
+    remote = open_tier(url)
+    t0 = time.perf_counter()
+    tier = LocalTier(root, create=True)
+    man = remote.read_manifest(1)
+    part = tier.begin(1)
+    name = shard_name(rank)
+    size = next(f.file_bytes for f in man.files if f.name == name)
+    remote.download(f"step-1/{name}", os.path.join(part, name), size)
+    tier.commit(1, man)
+    fetched = time.perf_counter() - t0
+    load(root, rank=rank, world_size=world)  # reads and verifies every byte
+    return fetched, time.perf_counter() - t0
+
+
+def _upload(root: str, url: str) -> None:
+    """n1's shard of step 1 and the manifest, to a remote tier (what its per-rank restore reads)."""
+    from ..store.remote import open_tier
+    tier = open_tier(url)
+    tier.ensure_root()
+    tier.upload(os.path.join(root, "step-1", "rank-00001.shard"), "step-1/rank-00001.shard")
+    tier.upload_bytes(open(os.path.join(root, "step-1", "manifest.json"), "rb").read(), "step-1/manifest.json")
+
+
+def _ms(xs: list[float]) -> float:
+    return statistics.mean(xs) * 1e3 if xs else 0.0
+
+
+def run(size_gib: float, work: str, cap: int) -> dict[str, Any]:
+    mib = max(1, int(size_gib * 1024 / NODES))
+    base, shared = os.path.join(work, "job"), os.path.join(work, "shared")
+    plain = _run("save", base, work, mib, 1, 0, "")
+    shutil.rmtree(base)
+    paced = _run("save", base, work, mib, 2, cap, "")
+    _upload(os.path.join(base, "n1"), f"file://{shared}")  # the shared-fs tier: what n1 needs
+    state_bytes = sum(d["state_bytes"] for d in paced)
+    if os.environ.get("AWS_ENDPOINT_URL"):
+        s3_url = f"s3://zerostall-bench/node-loss-{uuid.uuid4().hex[:8]}"
+        _upload(os.path.join(base, "n1"), s3_url)
+    shutil.rmtree(os.path.join(base, "n1"))
+    loads = _run("load", base, work, mib, 2, cap, "")
+    n1 = loads[1]
+    out: dict[str, Any] = {
+        "scenario": "node-loss", "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "nodes": NODES, "state_bytes": state_bytes, "replicas": 2, "peer_bandwidth_bytes": cap,
+        "bytes_moved_per_save": sum(d["bytes_sent"] for d in paced),
+        "step_ms_idle": _ms(paced[0]["before"]), "step_ms_saving_no_replicas": _ms(plain[0]["during"]),
+        "step_ms_saving_replicating_paced": _ms(paced[0]["during"]),
+        "saved_s_no_replicas": max(d["t_done_s"] for d in plain), "replicated_s": max(d["t_done_s"] for d in paced),
+        "protected": all(d["protected"] for d in paced),
+        "recover_peers_s": n1["load_s"], "fetch_peers_s": n1["fetch_s"], "recover_peers_source": n1["source"],
+        "recover_bit_exact": all(d["equal"] for d in loads),
+    }
+    # the same restart, n1's files from a remote tier instead (the others load locally meanwhile)
+    shutil.rmtree(os.path.join(base, "n1"))
+    r = _run("load_remote", base, work, mib, 1, 0, f"file://{shared}")[1]
+    out["fetch_sharedfs_s"], out["recover_sharedfs_s"] = r["fetch_s"], r["load_s"]
+    if os.environ.get("AWS_ENDPOINT_URL"):
+        shutil.rmtree(os.path.join(base, "n1"))
+        r = _run("load_remote", base, work, mib, 1, 0, s3_url)[1]
+        out["fetch_s3_s"], out["recover_s3_s"] = r["fetch_s"], r["load_s"]
+        from ..store.remote import open_tier
+        open_tier(s3_url).delete(1)
+    return out
+
+
+def main(a: argparse.Namespace) -> int:
+    work = a.dir or tempfile.mkdtemp(prefix="zerostall-node-loss-", dir=".")
+    made = a.dir is None
+    os.makedirs(work, exist_ok=True)
+    try:
+        res = run(a.size_gib, os.path.abspath(work), CAP_BYTES)
+    finally:
+        if made:
+            shutil.rmtree(work, ignore_errors=True)
+    per_node = res["state_bytes"] / NODES
+    print(f"node-loss: {NODES} nodes, {res['state_bytes'] / 2**30:.2f} GiB of state, replicas=2, "
+          f"peer cap {CAP_BYTES / 1e6:.0f} MB/s per node")
+    print(f"  bytes moved per save        {res['bytes_moved_per_save'] / 2**30:.3f} GiB = "
+          f"{res['bytes_moved_per_save'] / res['state_bytes']:.3f} x (replicas-1) x state")
+    print(f"  durable without replicas    {res['saved_s_no_replicas']:.2f} s; protected (2 copies) after "
+          f"{res['replicated_s']:.2f} s")
+    print(f"  recovery of n1 ({per_node / 2**20:.0f} MiB) in the restarted job, files in / files in + load: "
+          f"peers {res['fetch_peers_s']:.2f} / {res['recover_peers_s']:.2f} s, shared fs "
+          f"{res['fetch_sharedfs_s']:.2f} / {res['recover_sharedfs_s']:.2f} s" +
+          (f", S3 {res['fetch_s3_s']:.2f} / {res['recover_s3_s']:.2f} s (files in: peers "
+           f"{res['fetch_s3_s'] / max(res['fetch_peers_s'], 1e-9):.1f}x faster than S3)"
+           if "recover_s3_s" in res else ", S3 skipped (no AWS_ENDPOINT_URL)"))
+    idle = res["step_ms_idle"] or 1.0
+    print(f"  rank 0 step time: idle {res['step_ms_idle']:.2f} ms, saving without replicas "
+          f"{res['step_ms_saving_no_replicas']:.2f} ms, saving + paced replication "
+          f"{res['step_ms_saving_replicating_paced']:.2f} ms "
+          f"({res['step_ms_saving_replicating_paced'] / idle:.2f}x idle)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0

@@ -1,0 +1,107 @@
+"""One simulated node of ``zerostall bench --scenario node-loss`` (started by
+:mod:`.nodeloss` with torchrun-style env and ``ZEROSTALL_NODE``); writes a JSON result.
+
+argv: mode base out mib replicas bandwidth remote. ``save``: rank 0 runs a timed training
+loop (a matmul per step) in its main thread for 1.5 s, saves step 1 (``mib`` MiB per rank),
+and keeps training until the step is protected by ``replicas`` nodes (and on the remote
+tier, if any); the other ranks save and wait. ``load``: every rank restores; its load time
+is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _state(rank: int, mib: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    n = mib << 20 >> 2  # float32 elements
+    return {f"t{i}": torch.randn(n // 8, generator=g) for i in range(8)}
+
+
+def main() -> None:
+    mode, base, out, mib, replicas, bw, remote = sys.argv[1:8]
+    import logging
+    logging.basicConfig(level=logging.INFO, format=f"%(relativeCreated)d [{os.environ['ZEROSTALL_NODE']}] %(message)s")
+    import zerostall
+    from zerostall import PeersConfig
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    node = os.environ["ZEROSTALL_NODE"]
+    torch.set_num_threads(1)
+    ck = None if mode == "load_remote" else zerostall.Checkpointer(
+        os.path.join(base, node), dist_name="node-loss", replicas=int(replicas),
+        peers=PeersConfig(bandwidth_bytes=int(bw) or None, timeout_s=60), remote=remote or None,
+        commit_timeout_s=300, close_timeout_s=120)
+    res: dict[str, object] = {"rank": rank, "node": node}
+    if mode == "save":
+        state = _state(rank, int(mib))
+        ck.prepare(state, wait=True)
+        x = torch.randn(384, 384)
+        steps: list[tuple[float, float]] = []
+
+        def train(until: float | None, cond: Any = None) -> None:
+            while (until is None or time.monotonic() < until) and not (cond is not None and cond()):
+                t0 = time.perf_counter()
+                torch.mm(x, x)
+                steps.append((time.monotonic(), time.perf_counter() - t0))
+        t_start = time.monotonic() + 1.5  # every rank saves at once (the commit is collective)
+        if rank == 0:
+            train(t_start)
+        time.sleep(max(0.0, t_start - time.monotonic()))
+        t_save = time.monotonic()
+        h = ck.save(1, state)
+        done = (lambda: h.done() and (replicas == "1" or ck._peers.status(1) is not None and ck._peers.status(1)
+                                      .done.is_set()) and (not remote or h.replicated()))
+        if rank == 0:
+            train(None, done)
+        h.result()
+        if replicas != "1":
+            h.wait(tier="peers")
+        if remote:
+            h.wait(tier="remote")
+        res["t_done_s"] = time.monotonic() - t_save
+        res["protected"] = h.protected()
+        res["before"] = [d for t, d in steps if t < t_save]
+        res["during"] = [d for t, d in steps if t >= t_save]
+        res["bytes_sent"] = ck._peers.replicator.bytes_sent if ck._peers is not None else 0  # type: ignore[union-attr]
+        res["state_bytes"] = sum(t.numel() * 4 for t in state.values())
+    elif mode == "load":
+        state = {k: torch.empty_like(v) for k, v in _state(rank, int(mib)).items()}
+        report = zerostall.LoadReport()
+        dist.barrier()  # the bench's own sync: every node starts its restore at once
+        t0 = time.monotonic()
+        ck.load(state, report=report)
+        res["load_s"] = time.monotonic() - t0
+        res["source"] = report.source
+        res["fetch_s"] = ck._peers.last_fetch_s if ck._peers is not None else 0.0
+        res["equal"] = all(torch.equal(state[k], v) for k, v in _state(rank, int(mib)).items())
+    else:  # load_remote: n1 restores its files from the remote tier, the others locally, at once
+        from .nodeloss import recover_from
+        dist.barrier()
+        t0 = time.monotonic()
+        if node == "n1":
+            res["fetch_s"], res["load_s"] = recover_from(remote, os.path.join(base, node), rank, world)
+        else:
+            zerostall.load(os.path.join(base, node), rank=rank, world_size=world)
+            res["load_s"] = time.monotonic() - t0
+    if ck is not None:
+        ck.close()
+    json.dump(res, open(out, "w"))
+    if rank == 0:  # the store's host leaves last
+        others = [out.replace(f"-{node}.json", f"-n{r}.json") for r in range(1, world)]
+        deadline = time.monotonic() + 300
+        while not all(os.path.exists(o) for o in others) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""``StoreCommitter``: the persist thread's commit strategy when several ranks save together.
+
+Wires one save job to the round of :mod:`.commit`. ``begin``/``commit``/``fail`` run on the
+persist thread in job order; ``report`` and ``fail`` may also run on the caller's thread for
+a save that failed (or was skipped) before it was queued; they never block past a bounded
+store request. ``drain`` runs on the caller's thread in ``Checkpointer.close()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+from ..staging.incremental import RefTracker, merged_entries
+from ..staging.job import Persisted, SaveRequest
+from ..store.committer import file_entry, tensor_entries
+from ..store.local import LocalTier
+from .agree import collective_base, collective_load
+from .commit import OutcomeUnknown, commit_round, grace_s, report_failure, wait_acked
+from .session import Session
+from .store import Store
+
+
+class StoreCommitter:
+    """Multi-rank commit strategy of the persist thread (:mod:`.commit`); a
+    :class:`~zerostall.store.committer.Committer`."""
+
+    def __init__(self, tier: LocalTier, store: Store, session: Session, *, per_rank: bool, timeout_s: float):
+        self.tier, self.store, self.session = tier, store, session
+        self.rank, self.world = session.rank, session.world
+        self.per_rank, self.timeout_s = per_rank, timeout_s
+        self.node_local, self.leaders = session.node_local, session.leaders
+        self.refs: RefTracker | None = None
+        """Set by the Checkpointer for incremental saves (before the first save)."""
+        self._committed: list[int] = []  # rank 0: rounds whose acknowledgements close() waits for
+        self._reported: set[int] = set()  # steps whose round this rank entered (persist thread)
+
+    def begin(self, job: SaveRequest) -> str:
+        self._reported.discard(job.step)  # a new save of the step (overwrite)
+        d = self.tier.partial_dir(job.step)
+        os.makedirs(d, exist_ok=True)
+        own = os.path.join(d, job.file_name)
+        if os.path.lexists(own):  # left by an earlier, failed attempt of this rank
+            os.unlink(own)
+        return d
+
+    def fragment(self, job: Persisted) -> dict[str, Any]:
+        tree_json = json.dumps(job.plan.tree, sort_keys=True)
+        entries, ref_files = merged_entries(job, tensor_entries(job))  # written and referenced
+        if self.per_rank:
+            structure = json.dumps([[it.key, it.dtype, list(it.shape)] for it in job.plan.items], sort_keys=True)
+        else:  # keys, dtypes and shapes of every tensor of the state, not only those this rank writes
+            structure = hashlib.sha256((tree_json + job.request.plan.shapes_digest).encode()).hexdigest()
+        out = {"ok": True, "file": file_entry(job).__dict__, "n_tensors": job.plan.n_tensors,
+               "tensors": [[g, e.to_json()] for g, e in entries], "tree": job.plan.tree, "structure": structure}
+        if ref_files:
+            out["ref_files"] = [r.to_json() for r in ref_files]
+        if self.refs is not None:
+            out["protect"] = sorted(self.refs.own_protected())
+        return out
+
+    def commit(self, job: Persisted) -> tuple[str, ...]:
+        self._reported.add(job.step)
+        post = commit_round(self.store, self.session, self.fragment(job), self.tier, job.step,
+                            per_rank=self.per_rank, timeout_s=self.timeout_s, overwrite=job.overwrite,
+                            user_metadata=dict(job.user_metadata),
+                            protect=self.refs.set_peer_protected if self.refs is not None else None)
+        if self.rank == 0:
+            self._committed.append(job.step)
+            del self._committed[:-64]
+        return post
+
+    def after_durable(self, job: Persisted) -> tuple[str, ...]:
+        return ()  # the copy's leader wrote the ``latest`` hint in the round
+
+    def report(self, step: int, exc: BaseException) -> None:
+        """A save of ``step`` failed on this rank before a job was queued (caller's thread)."""
+        report_failure(self.store, self.session, step, exc)
+
+    def fail(self, job: SaveRequest, exc: BaseException, *, cleanup: bool = True) -> None:
+        decided = True
+        if job.step not in self._reported:  # its round ran: the others know; else tell them now
+            self._reported.add(job.step)
+            dec = report_failure(self.store, self.session, job.step, exc)
+            decided = dec is not None and not dec.get("commit")
+        if not cleanup or not decided or isinstance(exc, OutcomeUnknown):
+            return  # the coordinator may still commit this step: delete nothing of it
+        if self.session.is_leader:
+            self.tier.abort(job.step)
+        else:
+            try:
+                os.unlink(os.path.join(self.tier.partial_dir(job.step), job.file_name))
+            except OSError:
+                pass
+
+    def load_agreed(self, state_dict: Any, step: int | None, cfg: Any, report: Any, **load_kw: Any) -> Any:
+        """``Checkpointer.load`` across ranks (caller's thread, every rank): the newest step every
+        rank can load (:mod:`.agree`), through this Checkpointer's own store connection."""
+        return collective_load(self.store, collective_base(self.session.prefix), self.rank, self.world,
+                               self.tier.root, state_dict, step=step, remote=cfg.remote, io=cfg.io, report=report,
+                               timeout_s=max(cfg.join_timeout_s, cfg.commit_timeout_s), verify=cfg.verify_on_load,
+                               fallback=cfg.fallback, **load_kw)
+
+    def drain(self) -> list[int]:
+        """Rank 0 at close(): wait (bounded) until every rank read the decisions of the rounds it
+        committed, so a store hosted in this process outlives their reads. Returns the open ones."""
+        if self.rank != 0 or not self._committed:
+            return []
+        open_ = wait_acked(self.store, self.session, self._committed, grace_s(self.timeout_s) * 2)
+        self._committed.clear()
+        return open_
+
+    def close(self) -> None:
+        self.store.close()

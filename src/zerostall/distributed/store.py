@@ -1,0 +1,200 @@
+"""zerostall's own connection to the c10d store: bounded calls, errors translated, polling waits.
+
+Who calls what: :func:`.session.join` (caller's thread, at start-up), the commit rounds
+(persist thread) and failure reports (caller's thread) share one :class:`Store` per
+``Checkpointer``; :mod:`.agree` uses one per collective ``load``. Safe from any thread.
+
+Two rules make every wait here a deadline:
+
+- **Own client.** The training's c10d client serialises its requests: a training thread
+  blocked in ``store.get()`` (or NCCL's initialisation waiting on a key) would hold up every
+  other request on that client. :class:`Store` talks through ``store.clone()`` -- a new
+  connection to the same server, with the same key prefix -- so the training's blocking calls
+  never delay a commit round, and ours never delay theirs.
+- **Bounded calls.** A c10d client has no timeout on a plain request: when the process that
+  hosts the store (rank 0 under a bare ``MASTER_ADDR`` launch) is SIGSTOPped, ``check`` blocks
+  until it resumes. Each request runs on a small daemon thread and the caller waits at most
+  until its deadline; a request that does not answer in time raises :class:`StoreTimeout`,
+  the connection (now out of step) is abandoned and the next call opens a new one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+from ..errors import DistributedError
+
+log = logging.getLogger("zerostall")
+
+DEFAULT_CALL_TIMEOUT_S = 60.0
+
+
+class StoreTimeout(DistributedError):
+    """The c10d store did not answer a request in time (its host stopped, or overloaded): the
+    outcome of whatever the request asked is unknown to this rank."""
+
+
+class _Caller:
+    """One daemon thread running store requests in order; abandoned (left blocked) when a
+    request outlives its deadline."""
+
+    def __init__(self) -> None:
+        self.q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.t = threading.Thread(target=self._run, name="zerostall-store", daemon=True)
+        self.t.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            fn, box, done = item
+            try:
+                box.append((True, fn()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                box.append((False, exc))
+            done.set()
+
+    def call(self, fn: Callable[[], Any], timeout: float) -> tuple[bool, Any] | None:
+        box: list[tuple[bool, Any]] = []
+        done = threading.Event()
+        self.q.put((fn, box, done))
+        return box[0] if done.wait(max(timeout, 0.0)) else None
+
+    def stop(self) -> None:
+        self.q.put(None)
+
+
+class Store:
+    """A c10d store behind its own connection (module docstring); errors arrive as
+    :class:`DistributedError` with torch's chained. ``own_client=False`` shares ``store``
+    itself (tests with a store that cannot be cloned)."""
+
+    def __init__(self, store: Any, *, own_client: bool = True, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S):
+        self.origin = store
+        self.own_client = own_client
+        self.call_timeout_s = call_timeout_s
+        self._mu = threading.Lock()
+        self._caller = _Caller()
+        self.raw: Any = store
+        if own_client:
+            self.raw = self._clone(store)
+
+    def _clone(self, store: Any) -> Any:
+        clone = getattr(store, "clone", None)
+        if clone is None:
+            log.warning("zerostall: this c10d store (%s) cannot open a second connection; sharing the "
+                        "training's, whose blocking calls may then delay checkpoint commits", type(store).__name__)
+            return store
+        got = self._caller.call(clone, self.call_timeout_s)
+        if got is None:
+            self._abandon()
+            raise StoreTimeout(f"could not open a connection to the c10d store within {self.call_timeout_s:g} s "
+                               "(is the process hosting it, rank 0 or the launcher's agent, alive and running?)")
+        ok, val = got
+        if not ok:
+            raise DistributedError(f"could not open a connection to the c10d store: {val}") from val
+        return val
+
+    def _abandon(self) -> None:
+        self._caller.stop()  # runs after the blocked request, if it ever returns
+        self._caller = _Caller()
+
+    def _call(self, what: str, fn: Callable[[Any], Any], timeout: float | None = None) -> Any:
+        t = self.call_timeout_s if timeout is None else timeout
+        # bounded, never a plain `with`: close() may run this from a signal handler that
+        # interrupted this same thread inside the block
+        if not self._mu.acquire(timeout=max(t, 0.001)):
+            raise StoreTimeout(f"the c10d connection stayed busy for {t:.3g} s ({what})")
+        try:
+            raw = self.raw
+            if raw is None:  # the last connection timed out: a new one
+                raw = self.raw = self._clone(self.origin)
+            caller = self._caller
+        finally:
+            self._mu.release()
+        got = caller.call(lambda: fn(raw), t)
+        if got is None:
+            if self._mu.acquire(timeout=1.0):
+                try:
+                    if self.raw is raw and self.own_client:
+                        self.raw = None
+                        self._abandon()
+                finally:
+                    self._mu.release()
+            raise StoreTimeout(f"the c10d store did not answer {what} within {t:.3g} s (is the process "
+                               "hosting it, rank 0 or the launcher's agent, stopped or overloaded?)")
+        ok, val = got
+        if ok:
+            return val
+        if isinstance(val, DistributedError):
+            raise val
+        raise DistributedError(f"the c10d store failed on {what}: {val} (is rank 0, which hosts the "
+                               "store, still alive?)") from val
+
+    # -- requests ------------------------------------------------------------------------------
+    def set(self, key: str, value: str, timeout: float | None = None) -> None:
+        self._call(f"set {key!r}", lambda s: s.set(key, value), timeout)
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        return self._call(f"get {key!r}", lambda s: s.get(key), timeout)
+
+    def get_json(self, key: str, timeout: float | None = None) -> Any:
+        return json.loads(self.get(key, timeout))
+
+    def compare_set(self, key: str, expected: str, desired: str, timeout: float | None = None) -> bytes:
+        """Atomically set ``key`` to ``desired`` if it holds ``expected`` ("" : absent); returns
+        the value it holds afterwards (ours, or the one that was there first)."""
+        return self._call(f"compare_set {key!r}", lambda s: s.compare_set(key, expected, desired), timeout)
+
+    def multi_get_json(self, keys: list[str], timeout: float | None = None) -> list[Any]:
+        if not keys:
+            return []
+        vals = self._call(f"multi_get of {len(keys)} keys",
+                          lambda s: s.multi_get(keys) if hasattr(s, "multi_get") else [s.get(k) for k in keys],
+                          timeout)
+        return [json.loads(v) for v in vals]
+
+    def add(self, key: str, n: int, timeout: float | None = None) -> int:
+        return int(self._call(f"add {key!r}", lambda s: s.add(key, n), timeout))
+
+    def check(self, keys: list[str], timeout: float | None = None) -> bool:
+        return bool(self._call(f"check of {len(keys)} keys", lambda s: s.check(keys), timeout))
+
+    def delete(self, *keys: str) -> None:
+        """Best effort: a key that is gone, or a store that is gone, is not an error here."""
+        for k in keys:
+            try:
+                self._call(f"delete {k!r}", lambda s, k=k: s.delete_key(k), min(self.call_timeout_s, 5.0))
+            except DistributedError as exc:
+                log.debug("zerostall: could not delete store key %s: %s", k, exc)
+                return
+
+    def poll(self, keys: list[str], deadline: float, abort: str | None = None) -> str:
+        """Wait until every key exists (``"ok"``), ``abort`` exists (``"abort"``) or the
+        monotonic ``deadline`` passes (``"timeout"``). A store that stops answering raises
+        :class:`StoreTimeout` at the deadline (plus one second), never later."""
+        delay = 0.002
+        while True:
+            bound = max(deadline - time.monotonic(), 0.0) + 1.0
+            if self.check(keys, bound):
+                return "ok"
+            if abort is not None and self.check([abort], bound):
+                return "abort"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "timeout"
+            time.sleep(min(delay, left))
+            delay = min(delay * 1.5, 0.1)
+
+    def missing(self, keys: list[str], timeout: float | None = None) -> list[str]:
+        return [k for k in keys if not self.check([k], timeout)]
+
+    def close(self) -> None:
+        """Stop the request thread (the connection closes with the last reference)."""
+        self._caller.stop()

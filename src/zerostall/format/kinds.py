@@ -1,0 +1,233 @@
+"""The standard kinds of Python objects in a state tree: each encoded and rebuilt by this module's
+own code, matched by exact type (a subclass is not one of them: it would load back as its
+base type). :mod:`.objects` calls :func:`encode_standard` and looks decoders up in
+:data:`STANDARD`; nothing here imports a module a checkpoint names or calls anything outside
+these decoders. Caller's thread (``save()``/``load()``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import collections
+import datetime as _dt
+import pathlib
+import re
+import uuid
+from typing import Any, Callable
+
+import torch
+
+Enc = Callable[[Any], Any]  # encodes a child value into a tree node
+
+
+# -- the standard kinds: name -> (encode payload, decode payload) --------------------------
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(b).decode("ascii")
+
+
+def _unb64(s: Any) -> bytes:
+    if not isinstance(s, str):
+        raise ValueError("bytes payload is not a string")
+    return base64.b64decode(s.encode("ascii"), validate=True)
+
+
+def _str(x: Any) -> str:
+    if not isinstance(x, str):
+        raise ValueError(f"expected a string, got {type(x).__name__}")
+    return x
+
+
+def _items(p: Any, n: int) -> list[Any]:
+    if not isinstance(p, list) or len(p) != n:
+        raise ValueError(f"expected a list of {n} numbers")
+    return p
+
+
+def _timedelta(days: Any, seconds: Any, us: Any) -> _dt.timedelta:
+    return _dt.timedelta(days=int(days), seconds=int(seconds), microseconds=int(us))
+
+
+def _dtype(name: Any) -> torch.dtype:
+    # only names already bound in the torch namespace: getattr(torch, "_inductor") would import
+    d = vars(torch).get(_str(name))
+    if not isinstance(d, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return d
+
+
+def _device(s: Any) -> torch.device:
+    try:
+        return torch.device(_str(s))
+    except RuntimeError as exc:  # torch reports a bad device string as RuntimeError
+        raise ValueError(str(exc).splitlines()[0]) from None
+
+
+def _path(cls: type, s: Any) -> pathlib.PurePath:
+    try:
+        return cls(_str(s))
+    except NotImplementedError:  # a WindowsPath on POSIX (or back): the pure flavour, not an error
+        return (pathlib.PureWindowsPath if issubclass(cls, pathlib.PureWindowsPath)
+                else pathlib.PurePosixPath)(s)
+
+
+def _omegaconf(kind: type, payload: Any) -> Any:
+    if not isinstance(payload, kind):  # never a string: OmegaConf.create would parse it as YAML
+        raise ValueError(f"expected a {kind.__name__}, got {type(payload).__name__}")
+    try:
+        from omegaconf import OmegaConf
+    except ImportError:
+        return None
+    try:
+        return OmegaConf.create(payload)
+    except Exception as exc:  # omegaconf's own errors (bad interpolation grammar, ...)
+        raise ValueError(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+
+
+_PATHS = {c.__name__: c for c in (pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath,
+                                  pathlib.WindowsPath, pathlib.Path, pathlib.PurePath)}
+
+# name -> decoder of the *decoded* payload. Order of the encoders is in encode_object.
+STANDARD: dict[str, Callable[[Any], Any]] = {
+    "argparse.Namespace": lambda d: argparse.Namespace(**_fields(d)),
+    "set": lambda items: set(items),
+    "frozenset": lambda items: frozenset(items),
+    "bytes": _unb64,
+    "bytearray": lambda s: bytearray(_unb64(s)),
+    "complex": lambda p: complex(*(float(x) for x in _items(p, 2))),
+    "datetime.datetime": lambda s: _dt.datetime.fromisoformat(_str(s)),
+    "datetime.date": lambda s: _dt.date.fromisoformat(_str(s)),
+    "datetime.time": lambda s: _dt.time.fromisoformat(_str(s)),
+    "datetime.timedelta": lambda p: _timedelta(*_items(p, 3)),
+    "datetime.timezone": lambda p: _dt.timezone(_dt.timedelta(seconds=float(p))),
+    "uuid.UUID": lambda s: uuid.UUID(_str(s)),
+    "torch.dtype": _dtype,
+    "torch.device": _device,
+    "omegaconf.DictConfig": lambda p: _omegaconf(dict, p),
+    "omegaconf.ListConfig": lambda p: _omegaconf(list, p),
+    **{f"pathlib.{n}": (lambda s, c=c: _path(c, s)) for n, c in _PATHS.items()},
+}
+
+
+_DT64_RE = re.compile(r"^[<>=|]?[Mm]8(\[\d{0,9}(Y|M|W|D|h|m|s|ms|us|ns|ps|fs|as)\])?$")
+
+
+def _np_time(kind: str, p: Any) -> Any:
+    import numpy as np
+    s, v = _items(p, 2)
+    if not isinstance(s, str) or not _DT64_RE.match(s) or type(v) is not int or not -(1 << 63) <= v < (1 << 63):
+        raise ValueError(f"expected [dtype, int64], got {p!r:.80}")
+    dtype = np.dtype(s)
+    if dtype.kind != kind:
+        raise ValueError(f"dtype {s!r} is not a {'datetime64' if kind == 'M' else 'timedelta64'}")
+    return np.array(v, dtype=np.int64).view(dtype)[()]
+
+
+_FACTORIES: dict[str, Any] = {f"builtins.{f.__name__}": f for f in (int, float, str, bool, list, dict, set, frozenset,
+                                                                     tuple, bytes, bytearray, complex)}
+
+
+def _defaultdict(p: Any) -> collections.defaultdict:
+    name, items = _items(p, 2)
+    if name is not None and name not in _FACTORIES:
+        raise ValueError(f"default_factory {name!r:.80} is not one of {sorted(_FACTORIES)}")
+    if not isinstance(items, dict):
+        raise ValueError("defaultdict items are not a dict")
+    return collections.defaultdict(None if name is None else _FACTORIES[name], items)
+
+
+def _counter(p: Any) -> collections.Counter:
+    if not isinstance(p, dict):
+        raise ValueError("Counter items are not a dict")
+    return collections.Counter(p)
+
+
+def _torch_size(p: Any) -> torch.Size:
+    if not isinstance(p, list) or not all(type(d) is int and d >= 0 for d in p):
+        raise ValueError(f"expected a list of sizes, got {p!r:.80}")
+    return torch.Size(p)
+
+
+STANDARD.update({
+    "torch.Size": _torch_size,
+    "collections.defaultdict": _defaultdict,
+    "collections.Counter": _counter,
+    "numpy.datetime64": lambda p: _np_time("M", p),
+    "numpy.timedelta64": lambda p: _np_time("m", p),
+})
+
+STANDARD_TYPES: tuple[type, ...] = (argparse.Namespace, pathlib.PurePath, _dt.datetime, _dt.date, _dt.time,
+                                    _dt.timedelta, _dt.timezone, uuid.UUID, torch.Size,
+                                    collections.defaultdict, collections.Counter)
+"""Standard kinds a subclass may come from (named in the refusal of an unregistered subclass)."""
+
+
+
+def _fields(d: Any) -> dict[str, Any]:
+    if not isinstance(d, dict) or not all(isinstance(k, str) for k in d):
+        raise ValueError("fields payload is not a dict with str keys")
+    return d
+
+
+def _is_omegaconf(x: Any) -> str | None:
+    mod = type(x).__module__
+    if not mod.startswith("omegaconf"):
+        return None
+    from omegaconf import DictConfig, ListConfig
+    if isinstance(x, DictConfig):
+        return "omegaconf.DictConfig"
+    if isinstance(x, ListConfig):
+        return "omegaconf.ListConfig"
+    return None
+
+
+def encode_standard(x: Any, enc: Enc) -> Any | None:
+    """The ``{"o": ...}`` node of a standard kind, or None if ``x`` is not one (by exact type)."""
+    t = type(x)
+    if t is argparse.Namespace:
+        return {"o": ["argparse.Namespace", enc(dict(vars(x)))]}
+    if _PATHS.get(t.__name__) is t:
+        return {"o": [f"pathlib.{t.__name__}", enc(str(x))]}
+    if t is set or t is frozenset:
+        items = list(x)
+        try:
+            items.sort()  # a stable order when the items allow one
+        except TypeError:
+            pass
+        return {"o": [t.__name__, enc(items)]}
+    if t is bytes or t is bytearray:
+        return {"o": [t.__name__, enc(_b64(bytes(x)))]}
+    if t is complex:
+        return {"o": ["complex", enc([x.real, x.imag])]}
+    if t is _dt.datetime or t is _dt.date or t is _dt.time:
+        return {"o": [f"datetime.{t.__name__}", enc(x.isoformat())]}
+    if t is _dt.timedelta:
+        return {"o": ["datetime.timedelta", enc([x.days, x.seconds, x.microseconds])]}
+    if t is _dt.timezone:
+        off = x.utcoffset(None)
+        return {"o": ["datetime.timezone", enc(off.total_seconds())]}
+    if t is uuid.UUID:
+        return {"o": ["uuid.UUID", enc(str(x))]}
+    if t is torch.dtype:
+        return {"o": ["torch.dtype", enc(str(x).removeprefix("torch."))]}
+    if t is torch.device:
+        return {"o": ["torch.device", enc(str(x))]}
+    if t is torch.Size:
+        return {"o": ["torch.Size", enc(list(x))]}
+    if t is collections.defaultdict:
+        f = x.default_factory
+        name = None if f is None else f"builtins.{getattr(f, '__name__', '')}"
+        if name is not None and _FACTORIES.get(name) is not f:
+            return None  # refused by the caller, naming the key and the factory
+        return {"o": ["collections.defaultdict", enc([name, dict(x)])]}
+    if t is collections.Counter:
+        return {"o": ["collections.Counter", enc(dict(x))]}
+    if t.__module__ == "numpy" and t.__name__ in ("datetime64", "timedelta64"):
+        import numpy as np
+        return {"o": [f"numpy.{t.__name__}", enc([x.dtype.str, int(np.array(x).view(np.int64))])]}
+    oc = _is_omegaconf(x)
+    if oc is not None:
+        from omegaconf import OmegaConf
+        return {"o": [oc, enc(OmegaConf.to_container(x, resolve=False))]}
+    return None

@@ -1,0 +1,128 @@
+"""``zerostall export --format lightning|transformers|accelerate``: a checkpoint written by one of
+the adapters, in the files its framework's own checkpointing writes (and reads back).
+
+- ``lightning``: one ``torch.save`` file (``OUT.ckpt``), what ``TorchCheckpointIO`` writes:
+  ``Trainer.fit(ckpt_path=OUT)`` without the plugin resumes from it.
+- ``transformers``: a ``checkpoint-N`` folder as the plain ``Trainer`` writes it:
+  ``model.safetensors``, ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state.pth``
+  (``rng_state_R.pth`` for rank R of a per-rank checkpoint) and ``trainer_state.json``:
+  ``Trainer.train(resume_from_checkpoint=OUT)`` resumes from it.
+- ``accelerate``: a ``save_state`` folder: ``model.safetensors`` (``model_1...``),
+  ``optimizer.bin``, ``scheduler.bin``, ``scaler.pt``, ``random_states_R.pkl`` and
+  ``custom_checkpoint_I.pkl``: ``Accelerator.load_state(OUT)`` reads it.
+
+Imports no framework (the files are ``torch.save``, safetensors and JSON). Called by the CLI on
+its thread with the loaded state; writes into ``out``'s directory only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+from ..format.objects import TaggedData
+
+FORMATS = ("lightning", "transformers", "accelerate")
+
+
+def _need(state: Any, key: str, kind: str) -> Any:
+    if not isinstance(state, dict) or key not in state:
+        keys = sorted(state)[:20] if isinstance(state, dict) else type(state).__name__
+        raise ConfigError(f"this checkpoint has no {key!r} entry, so it was not written by the {kind} adapter "
+                          f"(top-level keys: {keys}); export --format safetensors writes its tensors")
+    return state[key]
+
+
+def _python_rng(s: Any) -> tuple:
+    r = random.Random()
+    r.setstate((int(s[0]), tuple(int(x) for x in s[1]), s[2]))
+    return r.getstate()
+
+
+def _numpy_rng(s: Any) -> tuple:
+    key = s[1].numpy() if isinstance(s[1], torch.Tensor) else np.asarray(s[1])
+    r = np.random.RandomState()
+    r.set_state((str(s[0]), key.astype(np.uint32), int(s[2]), int(s[3]), float(s[4])))
+    return r.get_state()
+
+
+def _safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
+    from safetensors.torch import save_file
+    seen: set[int] = set()
+    flat = {}
+    for k, v in tensors.items():
+        v = v.detach().contiguous()
+        if v.numel() and v.untyped_storage().data_ptr() in seen:  # tied weights: safetensors refuses aliases
+            v = v.clone()
+        elif v.numel():
+            seen.add(v.untyped_storage().data_ptr())
+        flat[k] = v
+    save_file(flat, path, metadata={"format": "pt"})
+
+
+def _fields(obj: Any) -> Any:
+    if isinstance(obj, TaggedData):
+        return obj.data
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    return obj
+
+
+def write(kind: str, state: Any, out: str, *, rank: int = 0, world_size: int = 1) -> list[str]:
+    """Write ``state`` (a loaded checkpoint of the ``kind`` adapter) at ``out``; the files written."""
+    if kind == "lightning":
+        _need(state, "state_dict", kind)
+        plain = {k: v for k, v in state.items() if k != "zerostall_rng"}
+        torch.save(plain, out)
+        return [out]
+    os.makedirs(out, exist_ok=True)
+    files: list[str] = []
+
+    def save(obj: Any, name: str) -> None:
+        torch.save(obj, os.path.join(out, name))
+        files.append(name)
+
+    rng = state.get("rng") if isinstance(state, dict) else None
+    if kind == "transformers":
+        _safetensors(_need(state, "model", kind), os.path.join(out, "model.safetensors"))
+        files.append("model.safetensors")
+        for key, name in (("optimizer", "optimizer.pt"), ("scheduler", "scheduler.pt"), ("scaler", "scaler.pt")):
+            if key in state:
+                save(state[key], name)
+        if rng is not None:
+            hf = {"python": _python_rng(rng["python"]), "numpy": _numpy_rng(rng["numpy"]), "cpu": rng["torch"]}
+            if rng.get("cuda"):
+                hf["cuda"] = list(rng["cuda"])
+            save(hf, "rng_state.pth" if world_size == 1 else f"rng_state_{rank}.pth")
+        ts = _fields(_need(state, "trainer_state", kind))
+        with open(os.path.join(out, "trainer_state.json"), "w", encoding="utf-8") as f:
+            f.write(json.dumps(ts, indent=2, sort_keys=True) + "\n")
+        files.append("trainer_state.json")
+        return files
+    if kind == "accelerate":
+        for i, sd in enumerate(_need(state, "models", kind)):
+            name = "model.safetensors" if i == 0 else f"model_{i}.safetensors"
+            _safetensors(sd, os.path.join(out, name))
+            files.append(name)
+        for key, stem in (("optimizers", "optimizer"), ("schedulers", "scheduler")):
+            for i, sd in enumerate(state.get(key, [])):
+                save(sd, f"{stem}.bin" if i == 0 else f"{stem}_{i}.bin")
+        if "scaler" in state:
+            save(state["scaler"], "scaler.pt")
+        for i, sd in enumerate(state.get("custom", [])):
+            save(sd, f"custom_checkpoint_{i}.pkl")
+        if rng is not None:
+            acc = {"step": int(state.get("step", 0)), "random_state": _python_rng(rng["python"]),
+                   "numpy_random_seed": _numpy_rng(rng["numpy"]), "torch_manual_seed": rng["torch"]}
+            if rng.get("cuda"):
+                acc["torch_cuda_manual_seed"] = list(rng["cuda"])
+            save(acc, f"random_states_{rank}.pkl")
+        return files
+    raise ConfigError(f"unknown export format {kind!r} (supported: safetensors, {', '.join(FORMATS)})")

@@ -1,0 +1,144 @@
+"""Peer replicas: each committed step copied to ``replicas - 1`` other nodes' local roots, and
+restored from them when a node is replaced (the tier ladder local -> peers -> remote).
+
+Modules, bottom up: :mod:`.placement` (who holds whose files), :mod:`.wire` (messages,
+handshake, field checks), :mod:`.verify` (every byte against the manifest), :mod:`.store`
+(the holder's area on disk), :mod:`.transport` (the interface) and :mod:`.tcp` (the TCP
+implementation), :mod:`.exchange` (what ranks share through the c10d store),
+:mod:`.replicate` (the post-commit stage) and :mod:`.fetch` (restore).
+
+:class:`Peers` is what the Checkpointer holds: built in ``__init__`` (caller's thread; a
+collective start-up exchange through the store), fed committed steps from the persist
+thread, asked for a restore plan by ``load()``, closed by ``close()``. It never touches the
+training's process group. Never imported unless ``replicas > 1``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+from ..config import CheckpointConfig
+from ..distributed.store import Store
+from ..errors import ConfigError
+from ..io.base import Engine, choose_engine
+from ..store.local import LocalTier
+from .exchange import PeerView, advertised_host, setup
+from .fetch import Plan, agree, fetch
+from .placement import Node
+from .replicate import PeerReplicator, StepStatus
+from .store import PeerStore
+from .tcp import Pacer, TcpTransport
+
+__all__ = ["Peers", "StepStatus"]
+log = logging.getLogger("zerostall")
+
+
+class Peers:
+    def __init__(self, cfg: CheckpointConfig, tier: LocalTier, store: Store, prefix: str, rank: int, world: int,
+                 *, node_local: bool):
+        if world < 2:
+            raise ConfigError(f"replicas={cfg.replicas} needs a distributed job of at least {cfg.replicas} nodes "
+                              "(torch.distributed with ZEROSTALL_NODE naming each node); this process saves alone")
+        if cfg.dist_mode != "per_rank":
+            raise ConfigError(f"replicas={cfg.replicas} works with dist_mode='per_rank' only (got {cfg.dist_mode!r})")
+        if not node_local:
+            raise ConfigError(f"replicas={cfg.replicas} needs node-local roots (each node its own {tier.root!r}); "
+                              "this root is shared by every rank, so peer copies would land on the same storage")
+        self.cfg, self.tier, self.store = cfg, tier, store
+        pc = cfg.peers
+        listen, publish = advertised_host(pc.listen_host)
+        self._transport: TcpTransport | None = None
+        self.peer_store: PeerStore | None = None
+
+        def serve(secret: bytes, me: str, nodes: list[Node]) -> tuple[str, int]:
+            self._transport = self._make_transport(secret, me, nodes, listen)
+            self.peer_store = PeerStore(tier, me, self.engine)
+            _, port = self._transport.serve(self.peer_store)
+            return publish, port
+
+        try:
+            self.view: PeerView = setup(store, prefix, rank, world, cfg.replicas, cfg.join_timeout_s, serve)
+        except BaseException:
+            if self._transport is not None:  # a half-built Peers must not keep listening
+                self._transport.close()
+            raise
+        if self._transport is None:  # not this node's leader: a client only
+            self._transport = self._make_transport(self.view.secret, self.view.me, list(self.view.nodes), listen)
+            self.peer_store = PeerStore(tier, self.view.me, self.engine)
+        assert self.peer_store is not None
+        self.replicator = PeerReplicator(tier, self.view, self._transport, store, self.peer_store,
+                                         replicas=cfg.replicas, keep_last=cfg.keep_last,
+                                         replica_timeout_s=pc.replica_timeout_s)
+        self._loads = itertools.count()
+        self.last_fetch_s = 0.0
+        """Seconds the last restore spent bringing this node's files in from peers (bench)."""
+        self.replicator.repair()  # a replaced holder gets the kept steps back
+        log.info("zerostall: peer replicas on: %d copies of every step across %d nodes; node %s listens on %s",
+                 cfg.replicas, len(self.view.nodes), self.view.me, self.view.endpoints[self.view.me])
+
+    def _make_transport(self, secret: bytes, me: str, nodes: list[Node], listen: str) -> TcpTransport:
+        pc = self.cfg.peers
+        return TcpTransport(secret, me, {n.name for n in nodes}, timeout_s=pc.timeout_s,
+                            pacer=Pacer(pc.bandwidth_bytes), listen_host=listen)
+
+    def engine(self) -> Engine:
+        """A fresh engine for one transfer (engines are used by one thread at a time)."""
+        return choose_engine(self.tier.root, self.cfg.io)
+
+    @property
+    def transport(self) -> TcpTransport:
+        assert self._transport is not None
+        return self._transport
+
+    # -- persist thread ----------------------------------------------------------------
+    name = "peer replicas"
+
+    def on_committed(self, record: Any) -> None:
+        """A commit subscriber (:class:`~zerostall.store.persist.CommitSubscriber`): ``record``
+        (a ``Committed``) was committed on every rank; copy it to the peers."""
+        self.replicator.submit(record.step)
+
+    # -- any thread --------------------------------------------------------------------
+    def status(self, step: int) -> StepStatus | None:
+        return self.replicator.status(step)
+
+    # -- caller's thread ---------------------------------------------------------------
+    def plan_load(self, step: int | None, report: Any) -> tuple[int, Any, str]:
+        """``Checkpointer.load``'s first part with peer replicas: ``(the agreed step, the
+        LoadReport to fill, where this node's files came from)``."""
+        from ..restore import LoadReport
+        remote_steps: list[int] = []
+        if self.cfg.remote:
+            from ..store.remote import list_steps, open_tier
+            remote_steps = list_steps(open_tier(self.cfg.remote, io=self.cfg.io))[0] or []
+        plan = self.prepare_load(step, remote_steps)
+        return plan.step, report if report is not None else LoadReport(), plan.source
+
+    def prepare_load(self, step: int | None, remote_steps: list[int]) -> Plan:
+        """Agree on the step and bring this node's files of it into the local root (peers);
+        ``plan.source == "remote"``: the ordinary load must download it."""
+        n = next(self._loads)
+        timeout = self.cfg.join_timeout_s
+        plan = agree(self.store, self.view, self.transport, self.tier, n, step=step, remote_steps=remote_steps,
+                     timeout_s=timeout)
+        if plan.source == "peers":
+            t0 = time.perf_counter()
+            fetch(self.store, self.view, self.transport, self.tier, self.engine, plan, n,
+                  timeout + self.cfg.peers.timeout_s * 4)
+            self.last_fetch_s = time.perf_counter() - t0
+        elif plan.source == "remote":
+            log.warning("zerostall: restore of step %d: this node's files come from the remote tier "
+                        "(no live node holds them)", plan.step)
+        else:
+            log.info("zerostall: restore of step %d: this node's files are local", plan.step)
+        return plan
+
+    def close(self, timeout_s: float) -> list[int]:
+        return self.replicator.close(timeout_s)
+
+    def describe(self) -> dict[str, Any]:
+        return {"node": self.view.me, "nodes": [n.name for n in self.view.nodes],
+                "endpoints": {k: f"{e.host}:{e.port}" for k, e in self.view.endpoints.items()}}

@@ -1,0 +1,121 @@
+"""What the ranks tell each other about peer replicas, through the c10d store (never a
+collective on the training's group).
+
+Keys live under the session prefix agreed at start-up (:mod:`zerostall.distributed.session`)::
+
+    <p>/peers/node/r<R>        {node, domain}     every rank, at start-up
+    <p>/peers/secret           hex(32 random bytes), drawn by rank 0: the job's peer secret
+    <p>/peers/ep/<node>        {host, port}       each node's leader (lowest rank), once serving
+    <p>/peers/s<step>/<node>   {holders, error}   each node's leader, once its files of the step
+                                                  are held (or could not be) -- see .replicate
+    <p>/peers/s<step>/seen     counter: the rank completing it deletes the step's keys
+    <p>/peers/load<k>/r<R>     {steps, why}       every rank, for its k-th load (see .fetch)
+    <p>/peers/load<k>/node/<n> {ok, error}        node n's leader, once it fetched its files
+
+:func:`setup` runs on the caller's thread of ``Checkpointer.__init__``; the per-step keys are
+written and polled by the replicator's threads, the load keys by ``load()``'s caller.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..distributed.node import failure_domain, node_id
+from ..distributed.store import Store
+from ..errors import ConfigError, DistributedError
+from .placement import Node
+from .transport import Endpoint
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """The job as this rank sees it once :func:`setup` returned."""
+
+    prefix: str
+    rank: int
+    world: int
+    me: str
+    nodes: tuple[Node, ...]
+    rank_nodes: tuple[str, ...]
+    endpoints: dict[str, Endpoint] = field(compare=False)
+    secret: bytes = field(repr=False, compare=False)
+
+    @property
+    def leader(self) -> bool:
+        """Whether this rank serves and sends for its node (the lowest rank on it)."""
+        return self.rank_nodes.index(self.me) == self.rank
+
+    def ranks_of(self, node: str) -> list[int]:
+        return [r for r, n in enumerate(self.rank_nodes) if n == node]
+
+    def key(self, *parts: object) -> str:
+        return "/".join([self.prefix, "peers", *map(str, parts)])
+
+
+def advertised_host(listen_host: str | None) -> tuple[str, str]:
+    """``(listen on, publish)``: an explicit host is used as is; otherwise loopback when the
+    job's rendezvous (``MASTER_ADDR``) is local, else every interface, published as the
+    address this host uses to reach ``MASTER_ADDR``."""
+    if listen_host:
+        return listen_host, listen_host
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        local = ipaddress.ip_address(socket.gethostbyname(master)).is_loopback
+    except (OSError, ValueError):
+        local = False
+    if local:
+        return "127.0.0.1", "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, 9))  # no packet is sent: this only picks the route
+            return "0.0.0.0", s.getsockname()[0]
+    except OSError:
+        return "0.0.0.0", socket.gethostbyname(socket.gethostname())
+
+
+def _poll(store: Store, keys: list[str], timeout_s: float, what: str) -> None:
+    if store.poll(keys, time.monotonic() + timeout_s) == "timeout":
+        missing = store.missing(keys)
+        raise DistributedError(f"peer replicas: {what} did not arrive within {timeout_s:g} s "
+                               f"(missing {', '.join(missing[:8])}); is every rank running with the same replicas=?")
+
+
+def setup(store: Store, prefix: str, rank: int, world: int, replicas: int, timeout_s: float,
+          serve: Callable[[bytes, str, list[Node]], tuple[str, int]]) -> PeerView:
+    """The start-up exchange (module doc). ``serve(secret, me, nodes)`` starts this node's
+    server (called on node leaders only) and returns the published ``(host, port)``."""
+    me, domain = node_id(), failure_domain()
+    p = f"{prefix}/peers"
+    store.set(f"{p}/node/r{rank}", json.dumps({"node": me, "domain": domain}))
+    if rank == 0:
+        store.set(f"{p}/secret", secrets.token_hex(32))
+    keys = [f"{p}/node/r{r}" for r in range(world)]
+    _poll(store, keys + [f"{p}/secret"], timeout_s, "the other ranks' node names")
+    infos = store.multi_get_json(keys)
+    secret = bytes.fromhex(store.get(f"{p}/secret").decode())
+    domains: dict[str, str] = {}
+    for r, i in enumerate(infos):
+        if domains.setdefault(i["node"], i["domain"]) != i["domain"]:
+            raise ConfigError(f"node {i['node']!r} reports two failure domains ({domains[i['node']]!r} and "
+                              f"{i['domain']!r} from rank {r}); set ZEROSTALL_FAILURE_DOMAIN alike on every rank "
+                              "of a node")
+    nodes = tuple(sorted(Node(n, d) for n, d in domains.items()))
+    if len(nodes) < replicas:
+        raise ConfigError(f"replicas={replicas} needs at least {replicas} nodes; this job has {len(nodes)} "
+                          f"({', '.join(n.name for n in nodes)}): set ZEROSTALL_NODE per node or lower replicas")
+    rank_nodes = tuple(i["node"] for i in infos)
+    view = PeerView(prefix, rank, world, me, nodes, rank_nodes, {}, secret)
+    if view.leader:
+        host, port = serve(secret, me, list(nodes))
+        store.set(f"{p}/ep/{me}", json.dumps({"host": host, "port": port}))
+    ep_keys = [f"{p}/ep/{n.name}" for n in nodes]
+    _poll(store, ep_keys, timeout_s, "the nodes' peer endpoints")
+    eps = {n.name: Endpoint(n.name, e["host"], int(e["port"])) for n, e in zip(nodes, store.multi_get_json(ep_keys))}
+    return PeerView(prefix, rank, world, me, nodes, rank_nodes, eps, secret)

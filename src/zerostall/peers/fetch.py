@@ -1,0 +1,205 @@
+"""Restore from peers: choose the step every rank can load (counting what live peers hold),
+and bring this node's files of it into the local root before the ordinary load reads them.
+
+Called by ``Checkpointer.load`` on the caller's thread of every rank (a collective in the
+sense that every rank calls it, in the same order; it talks only through the c10d store and
+point-to-point connections):
+
+1. what this rank could load: committed local steps holding its node's files; steps whose
+   files (each of this node's ranks' ``rank-R.shard``) some live peer holds, one checkpoint
+   id (listed from every other node in parallel; a dead or stopped node is skipped after
+   ``peers.timeout_s``); steps on the remote tier;
+2. agreement (:func:`zerostall.distributed.agree.agree_step`, under ``load<k>``): all take the
+   newest step in every rank's list, or all raise the same :class:`CheckpointNotFound` naming
+   the steps and the ranks that lack them;
+3. if this node lacks the step, its leader fetches the files from live holders (one thread
+   per file, spread over the holders, the next one on a failure), each checked byte by byte
+   against the manifest while it streams in, written with O_DIRECT into ``step-N.partial``
+   and committed; the other ranks of the node wait for it (``load<k>/node/<node>``). Only
+   when no live node holds a file is the remote tier used (the ordinary load downloads it),
+   and the log says which tier served each file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..distributed.agree import agree_step
+from ..distributed.store import Store
+from ..errors import CheckpointNotFound, DistributedError, ZerostallError
+from ..format.layout import shard_name
+from ..format.manifest import Manifest
+from ..io.base import Engine
+from ..store.local import LocalTier
+from .exchange import PeerView
+from .transport import Transport
+from .verify import StreamCheck, file_entry
+
+log = logging.getLogger("zerostall")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The outcome of :func:`agree`: the step every rank loads and where this node's files come from."""
+
+    step: int
+    source: str  # "local" | "peers" | "remote"
+    holders: dict[str, list[tuple[str, str]]]  # file name -> [(node, src)] (peers)
+
+
+def _local_steps(tier: LocalTier, view: PeerView, names: list[str]) -> set[int]:
+    out = set()
+    for s in tier.steps():
+        try:
+            man = tier.read_manifest(s)
+            if man.world_size != view.world:
+                continue
+            if all(os.path.getsize(os.path.join(tier.step_dir(s), n)) == file_entry(man, n).file_bytes for n in names):
+                out.add(s)
+        except (OSError, ZerostallError):
+            continue
+    return out
+
+
+Holders = dict[str, list[tuple[str, str]]]
+"""file name -> [(holder node, src node)]"""
+
+
+def _peer_holdings(view: PeerView, transport: Transport, names: list[str]) -> dict[int, Holders]:
+    """step -> file name -> [(holder node, src)] for this node's files, from every live peer."""
+    lists: dict[str, list[dict[str, Any]]] = {}
+
+    def ask(node: str) -> None:
+        try:
+            lists[node] = transport.list_held(view.endpoints[node])
+        except (ZerostallError, OSError) as exc:
+            log.warning("zerostall: restore: node %s is not reachable (%s); its copies are not counted", node, exc)
+
+    threads = [threading.Thread(target=ask, args=(n,), daemon=True) for n in view.endpoints if n != view.me]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    by_step: dict[int, dict[str, dict[str, list[tuple[str, str]]]]] = {}  # step -> ckpt id -> name -> holders
+    for node, held in sorted(lists.items()):
+        for h in held:
+            if not isinstance(h, dict) or not isinstance(h.get("step"), int):
+                continue
+            for name in h.get("files", ()):
+                if name in names:
+                    by_step.setdefault(h["step"], {}).setdefault(str(h.get("checkpoint_id")), {}) \
+                        .setdefault(name, []).append((node, str(h.get("src"))))
+    out = {}
+    for step, ids in by_step.items():
+        for files in ids.values():  # a step overwritten meanwhile: only one copy's files go together
+            if all(n in files for n in names):
+                out[step] = files
+                break
+    return out
+
+
+def agree(store: Store, view: PeerView, transport: Transport, tier: LocalTier, load_no: int, *,
+          step: int | None, remote_steps: list[int], timeout_s: float) -> Plan:
+    """Steps 1-2 of the module doc; raises :class:`CheckpointNotFound` on every rank alike."""
+    names = [shard_name(r) for r in view.ranks_of(view.me)]
+    local = _local_steps(tier, view, names)
+    peers = _peer_holdings(view, transport, names)
+    remote = set(remote_steps)
+    mine = (local | set(peers) | remote) if step is None else ({step} & (local | set(peers) | remote))
+    log.info("zerostall: restore: node %s can load steps %s locally, %s from peers, %s from the remote tier",
+             view.me, sorted(local)[-5:], sorted(peers)[-5:], sorted(remote)[-5:])
+    try:  # the multi-node trust layer's agreement: the newest step in every rank's list
+        s = agree_step(store, view.key(f"load{load_no}"), view.rank, view.world, mine, timeout_s=timeout_s)
+    except CheckpointNotFound as exc:
+        raise CheckpointNotFound(f"{exc} -- counting local roots, live peers and the remote tier (a file is lost "
+                                 "when every node holding it is gone)") from None
+    src = "local" if s in local else "peers" if s in peers else "remote"
+    if src == "remote":
+        log.warning("zerostall: step %d: no live node holds %s; falling back to the remote tier for them", s,
+                    ", ".join(names))
+    return Plan(s, src, peers.get(s, {}))
+
+
+def fetch(store: Store, view: PeerView, transport: Transport, tier: LocalTier, engine_for: Callable[[], Engine],
+          plan: Plan, load_no: int, timeout_s: float) -> None:
+    """Step 3: the node's leader brings ``plan.step``'s files of this node in; others wait."""
+    key = view.key(f"load{load_no}", "node", view.me)
+    if not view.leader:
+        if store.poll([key], time.monotonic() + timeout_s) == "timeout":
+            raise DistributedError(f"restore: the leader of node {view.me} did not fetch step {plan.step} within "
+                                   f"{timeout_s:g} s")
+        res = store.get_json(key)
+        if not res.get("ok"):
+            raise CheckpointNotFound(f"restore of step {plan.step} from peers failed on node {view.me}: {res['error']}")
+        return
+    try:
+        _fetch_files(view, transport, tier, engine_for, plan)
+    except BaseException as exc:
+        store.set(key, json.dumps({"ok": False, "error": str(exc)}))
+        raise
+    store.set(key, json.dumps({"ok": True}))
+
+
+def _fetch_files(view: PeerView, transport: Transport, tier: LocalTier, engine_for: Callable[[], Engine],
+                 plan: Plan) -> None:
+    step = plan.step
+    part = tier.begin(step)
+    mans: dict[str, Manifest] = {}
+    errors: dict[str, str] = {}
+
+    def one(name: str, i: int) -> None:
+        hs = plan.holders.get(name, [])
+        for node, src in hs[i % len(hs):] + hs[:i % len(hs)] if hs else []:  # files spread over holders
+            path = os.path.join(part, name)
+            engine = engine_for()
+            opened: list[Any] = []
+            got: list[Manifest] = []
+
+            def sink(man: Manifest, size: int) -> tuple[Any, StreamCheck]:
+                w = engine.open_write(path, size)
+                opened.append(w)
+                got.append(man)
+                return w, StreamCheck(man, name, f"{node}:{src}/step-{step}/{name}")
+            t0 = time.perf_counter()
+            try:
+                transport.get(view.endpoints[node], src, step, name, sink)
+                opened[0].finish()
+                mans[name] = got[0]
+                dt = time.perf_counter() - t0
+                size = os.path.getsize(path)
+                log.info("zerostall: restore of step %d: %s served by peer %s (%.1f MB in %.2f s)", step, name, node,
+                         size / 1e6, dt)
+                return
+            except (ZerostallError, OSError) as exc:
+                log.warning("zerostall: restore of step %d: fetching %s from node %s failed: %s", step, name, node, exc)
+                errors[name] = f"{node}: {exc}"
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+            finally:
+                for w in opened:
+                    w.close()
+                engine.close()
+        errors.setdefault(name, "no live holder")
+
+    names = [shard_name(r) for r in view.ranks_of(view.me)]
+    threads = [threading.Thread(target=one, args=(n, i), daemon=True) for i, n in enumerate(names)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    missing = [n for n in names if n not in mans]
+    if missing:
+        tier.abort(step)
+        raise CheckpointNotFound(f"restore of step {step}: {', '.join(f'{n} ({errors.get(n)})' for n in missing)}")
+    if len({m.checkpoint_id for m in mans.values()}) > 1:
+        tier.abort(step)
+        raise CheckpointNotFound(f"restore of step {step}: the holders hold files of different checkpoints")
+    tier.commit(step, next(iter(mans.values())), overwrite=step in tier.listed_steps())

@@ -1,0 +1,291 @@
+"""The post-commit stage that copies each committed step to peers, and tells every rank when
+the step is protected (held by ``replicas`` nodes).
+
+Per step, after it committed locally (``submit``, called from the persist thread):
+
+1. on each node's leader, the *sender* thread (idle I/O priority) reads the step's manifest
+   and sends the files of its node's ranks to ``replicas - 1`` holders
+   (:func:`.placement.ranking`: the placement first; a holder that fails is replaced by the
+   next node in the ranking, so one dead node does not leave every step unprotected), one
+   thread per holder, all paced by one per-node bandwidth cap. A file counts as held only
+   when the receiver acknowledged it with the digest :func:`.verify.expected_digest` predicts;
+2. the leader publishes ``s<step>/<node>`` = the holders that acknowledged every file;
+3. the *watcher* thread of every rank polls those keys: once every node published and each
+   has ``replicas - 1`` holders, the step is protected (its handles say so, ``SaveRecord
+   .replica_nodes`` lists the nodes holding this rank's files); a node that does not publish
+   within ``replica_timeout_s`` leaves the step unprotected, never presented as protected;
+4. on a protected step, node leaders apply ``keep_last`` to their peer area: a holder keeps
+   the newest ``keep_last`` protected steps and anything newer (``keep_last`` counts steps,
+   not copies; a step in flight never pushes out the last protected one).
+
+No collective, nothing on the caller's thread; a dead or stopped peer delays only the
+transfers to it (``peers.timeout_s`` without progress each) and, through them, only this
+stage. ``close(timeout_s)`` returns within ``timeout_s``: transfers still running are cut.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..distributed.store import Store
+from ..errors import ZerostallError
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..store.local import LocalTier
+from ..store.replicate import set_idle_io_priority
+from .exchange import PeerView
+from . import status as status_file
+from .placement import ranking
+from .store import PeerStore
+from .transport import Transport
+from .verify import expected_digest
+
+log = logging.getLogger("zerostall")
+
+
+@dataclass
+class StepStatus:
+    """One step's replication as this rank knows it. Written by the watcher thread only."""
+
+    step: int
+    deadline: float
+    done: threading.Event = field(default_factory=threading.Event)
+    protected: bool = False
+    nodes: tuple[str, ...] = ()
+    error: str = ""
+
+
+class PeerReplicator:
+    def __init__(self, tier: LocalTier, view: PeerView, transport: Transport, store: Store, peer_store: PeerStore,
+                 *, replicas: int, keep_last: int | None, replica_timeout_s: float):
+        self.tier, self.view, self.transport, self.store = tier, view, transport, store
+        self.peer_store = peer_store
+        self.replicas, self.keep_last, self.replica_timeout_s = replicas, keep_last, replica_timeout_s
+        self._status: dict[int, StepStatus] = {}
+        self._mu = threading.Lock()
+        self._protected: list[int] = []
+        self._q: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self.repaired = threading.Event()
+        """Set once the start-up repair pass finished (node leaders)."""
+        self.bytes_sent = 0
+        """Bytes this node's leader copied to holders (acknowledged)."""
+        self._watch = threading.Thread(target=self._watch_loop, name="zerostall-peers-watch", daemon=True)
+        self._watch.start()
+        self._send: threading.Thread | None = None
+        if view.leader:
+            self._send = threading.Thread(target=self._send_loop, name="zerostall-peers-send", daemon=True)
+            self._send.start()
+
+    # -- any thread --------------------------------------------------------------------
+    def submit(self, step: int) -> None:
+        """``step`` committed on every rank (persist thread)."""
+        with self._mu:
+            self._status[step] = StepStatus(step, time.monotonic() + self.replica_timeout_s)
+        if self._send is not None:
+            self._q.put(step)
+
+    def status(self, step: int) -> StepStatus | None:
+        return self._status.get(step)
+
+    def wait(self, step: int, timeout: float | None = None) -> bool:
+        st = self._status.get(step)
+        return st is not None and st.done.wait(timeout)
+
+    def close(self, timeout_s: float) -> list[int]:
+        """Wait up to ``timeout_s`` for steps in flight; cut what is left. Returns the steps of
+        this run that are not protected."""
+        deadline = time.monotonic() + timeout_s
+        with self._mu:
+            pending = [s for s in self._status.values() if not s.done.is_set()]
+        for st in pending:
+            st.done.wait(max(0.0, deadline - time.monotonic()))
+        self._stop.set()
+        self._q.put(None)
+        self.transport.close()
+        for t in (self._send, self._watch):
+            if t is not None:
+                t.join(max(0.0, min(1.0, deadline - time.monotonic())))
+        left = []
+        with self._mu:
+            for st in self._status.values():
+                if not st.done.is_set():
+                    st.error = st.error or f"replication of step {st.step} did not finish before close"
+                    st.done.set()
+                if not st.protected:
+                    left.append(st.step)
+        if left:
+            log.warning("zerostall: steps %s are not protected by %d peer copies (see their handles)", sorted(left),
+                        self.replicas)
+        return sorted(left)
+
+    # -- sender thread (node leaders) --------------------------------------------------
+    def repair(self) -> None:
+        """Copy this node's kept steps to placement holders that lack them (after a holder was
+        replaced, or a run that ended before its copies were done); sender thread, in order."""
+        if self._send is not None:
+            self._q.put(-1)
+
+    def _send_loop(self) -> None:
+        set_idle_io_priority()
+        while True:
+            step = self._q.get()
+            if step is None or self._stop.is_set():
+                return
+            if step == -1:
+                self._repair()
+                self.repaired.set()
+                continue
+            holders, error = self._send_step(step)
+            try:
+                self.store.set(self.view.key(f"s{step}", self.view.me),
+                               json.dumps({"holders": holders, "error": error}))
+            except ZerostallError as exc:
+                log.error("zerostall: could not publish the peer copies of step %d: %s", step, exc)
+
+    def _send_step(self, step: int) -> tuple[list[str], str]:
+        v = self.view
+        try:
+            with open(os.path.join(self.tier.step_dir(step), MANIFEST_NAME), "rb") as f:
+                raw = f.read()
+            man = Manifest.from_bytes(raw)
+        except (OSError, ZerostallError) as exc:
+            return [], f"cannot read the manifest of step {step}: {exc}"
+        mine = [fe for fe in man.files if fe.rank < len(v.rank_nodes) and v.rank_nodes[fe.rank] == v.me]
+        want = self.replicas - 1
+        candidates = [n.name for n in ranking(v.me, v.nodes)]
+        held: list[str] = []
+        errors: list[str] = []
+        mu = threading.Lock()
+
+        def slot() -> None:
+            while not self._stop.is_set():
+                with mu:
+                    if not candidates or len(held) >= want:
+                        return
+                    node = candidates.pop(0)
+                try:
+                    sent = 0
+                    for fe in mine:
+                        digest = self.transport.put(v.endpoints[node], v.me, step, fe.name,
+                                                    os.path.join(self.tier.step_dir(step), fe.name), raw)
+                        if digest != expected_digest(man, fe.name):
+                            raise ZerostallError(f"node {node} acknowledged {fe.name} with digest {digest}, "
+                                                 "not the manifest's")
+                        sent += fe.file_bytes
+                    with mu:
+                        held.append(node)
+                        self.bytes_sent += sent
+                    return
+                except (ZerostallError, OSError) as exc:
+                    log.warning("zerostall: step %d: copying to node %s failed: %s", step, node, exc)
+                    with mu:
+                        errors.append(f"{node}: {exc}")
+
+        threads = [threading.Thread(target=slot, name="zerostall-peers-put", daemon=True) for _ in range(want)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        error = "" if len(held) >= want else "; ".join(errors) or "stopped"
+        if error:
+            log.warning("zerostall: step %d: node %s's files are held by %d of %d other nodes: %s", step, v.me,
+                        len(held), want, error)
+        return sorted(held), error
+
+    def _repair(self) -> None:
+        v = self.view
+        steps = self.tier.steps()
+        if self.keep_last is not None:
+            steps = steps[-self.keep_last:]
+        todo = [n.name for n in ranking(v.me, v.nodes)][:self.replicas - 1] if steps else []
+        for attempt in range(3):  # a holder busy restoring may time out once
+            todo = [node for node in todo if not self._stop.is_set() and not self._repair_node(node, steps)]
+            if not todo or self._stop.wait(1.0 * (attempt + 1)):
+                return
+        log.warning("zerostall: repair: node(s) %s could not be brought up to date; the next start tries again",
+                    ", ".join(todo))
+
+    def _repair_node(self, node: str, steps: list[int]) -> bool:
+        v = self.view
+        try:
+            held = self.transport.list_held(v.endpoints[node])
+            have = {(h["step"], h["checkpoint_id"], f) for h in held if h.get("src") == v.me for f in h["files"]}
+            for step in steps:
+                raw = open(os.path.join(self.tier.step_dir(step), MANIFEST_NAME), "rb").read()
+                man = Manifest.from_bytes(raw)
+                for fe in man.files:
+                    if v.rank_nodes[fe.rank] != v.me or (step, man.checkpoint_id, fe.name) in have:
+                        continue
+                    self.transport.put(v.endpoints[node], v.me, step, fe.name,
+                                       os.path.join(self.tier.step_dir(step), fe.name), raw)
+                    log.info("zerostall: repair: %s of step %d copied to node %s", fe.name, step, node)
+            return True
+        except (OSError, ZerostallError, KeyError, TypeError, IndexError) as exc:
+            log.warning("zerostall: repair: copying to node %s failed: %s", node, exc)
+            return False
+
+    # -- watcher thread (every rank) ---------------------------------------------------
+    def _watch_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._mu:
+                pending = sorted((s for s in self._status.values() if not s.done.is_set()), key=lambda s: s.step)
+            for st in pending:
+                try:
+                    self._check(st)
+                except ZerostallError as exc:
+                    log.debug("zerostall: peer status of step %d: %s", st.step, exc)
+            self._stop.wait(0.05 if pending else 0.2)
+
+    def _check(self, st: StepStatus) -> None:
+        v = self.view
+        keys = [v.key(f"s{st.step}", n.name) for n in v.nodes]
+        if not self.store.check(keys):
+            if time.monotonic() > st.deadline:
+                missing = [k.rsplit("/", 1)[1] for k in self.store.missing(keys)]
+                st.error = (f"step {st.step}: node(s) {', '.join(missing)} did not report their peer copies within "
+                            f"replica_timeout_s={self.replica_timeout_s:g} s")
+                log.warning("zerostall: %s; the step is not protected", st.error)
+                st.done.set()
+            return
+        reports = dict(zip((n.name for n in v.nodes), self.store.multi_get_json(keys)))
+        short = {n: r for n, r in reports.items() if len(r.get("holders", ())) < self.replicas - 1}
+        st.nodes = tuple([v.me] + list(reports[v.me].get("holders", ())))
+        if short:
+            st.error = "; ".join(f"{n}: {r.get('error') or 'too few holders'}" for n, r in short.items())
+        else:
+            st.protected = True
+        st.done.set()
+        if v.leader:
+            try:
+                status_file.record(self.tier.root, v.me, st.step, st.protected,
+                                   {n: list(r.get("holders", ())) for n, r in reports.items()}, self.tier.steps(),
+                                   {n: f"{e.host}:{e.port}" for n, e in v.endpoints.items()})
+            except OSError as exc:
+                log.debug("zerostall: could not record the peer status of step %d: %s", st.step, exc)
+        if self.store.add(v.key(f"s{st.step}", "seen"), 1) == v.world:
+            self.store.delete(*keys, v.key(f"s{st.step}", "seen"))
+        if st.protected:
+            log.info("zerostall: step %d is protected: every node's files are held by %d nodes", st.step, self.replicas)
+            if v.leader:
+                self._retain(st.step)
+
+    def _retain(self, step: int) -> None:
+        with self._mu:
+            self._protected = sorted(set(self._protected) | {step})
+            protected = list(self._protected)
+        if self.keep_last is None:
+            return
+        keep = set(protected[-self.keep_last:])
+        try:
+            for s in keep:  # incremental steps: the steps they borrow bytes from stay too
+                man = self.tier.read_manifest(s) if s in self.tier.steps() else None
+                keep |= {r.step for r in man.ref_files} if man is not None else set()
+            self.peer_store.retain(keep, min(protected[-self.keep_last:]))
+        except (OSError, ZerostallError) as exc:
+            log.warning("zerostall: peer-copy retention failed: %s", exc)

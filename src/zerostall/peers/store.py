@@ -1,0 +1,223 @@
+"""The copies a node keeps for its peers, under its own root, and the files it may serve.
+
+Layout (``root`` is this node's checkpoint root; nothing is written outside ``root/peers``)::
+
+    peers/<src node>/step-<N>/manifest.json      written (durably) before any file of the step
+    peers/<src node>/step-<N>/rank-RRRRR.shard   a file of <src node>'s ranks, complete and verified
+    peers/<src node>/step-<N>/.incoming-*        a transfer in flight (removed at start-up)
+
+A file is held once its final name exists: it was received into ``.incoming-*`` with O_DIRECT
+writes from an aligned buffer (the io/ engine chosen for ``root``), every byte checked
+against the manifest (:class:`.verify.StreamCheck`), fdatasync'ed, renamed, and the
+directory fsync'ed. A crash at any point leaves the previous files held and at most an
+``.incoming-*`` that :meth:`PeerStore.clean` removes. A new checkpoint under a step number
+already held (``overwrite=True`` at the source) replaces the old copy as a whole.
+
+Serving (:meth:`PeerStore.path_for`): only committed files of this root -- this node's own
+committed steps (``step-N/``, listed by the local tier) and the peer area's held files.
+
+Threads: the server's connection threads (receive, serve) and the replicator thread
+(retention); one lock per ``(src, step)`` serialises writers of one step directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import stat
+import threading
+import uuid
+from typing import Any, Callable
+
+from ..errors import ZerostallError
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..io.base import Engine
+from ..store.atomic import fsync_dir, write_file_durable
+from ..store.local import LocalTier
+from .verify import StreamCheck, file_entry
+from .wire import check_name, check_node
+
+log = logging.getLogger("zerostall")
+AREA = "peers"
+_STEP_RE = re.compile(r"^step-(\d{1,19})$")
+
+
+class PeerStore:
+    def __init__(self, tier: LocalTier, me: str, engine_for: Callable[[], Engine]):
+        self.tier, self.me = tier, me
+        self.area = os.path.join(tier.root, AREA)
+        self._engine_for = engine_for
+        self._mu = threading.Lock()
+        self._locks: dict[tuple[str, int], threading.Lock] = {}
+
+    def step_dir(self, src: str, step: int) -> str:
+        return os.path.join(self.area, check_node(src), f"step-{step}")
+
+    def _lock(self, src: str, step: int) -> threading.Lock:
+        with self._mu:
+            return self._locks.setdefault((src, step), threading.Lock())
+
+    # -- holding -----------------------------------------------------------------------
+    def clean(self) -> list[str]:
+        """Remove transfers a crash interrupted (start-up, before the server listens)."""
+        gone = []
+        if os.path.isdir(self.area):
+            for name in os.listdir(self.area):
+                if name.startswith(".deleting-"):
+                    shutil.rmtree(os.path.join(self.area, name), ignore_errors=True)
+                elif name.endswith(".tmp"):  # a status hint whose write a crash interrupted
+                    os.unlink(os.path.join(self.area, name))
+        for src, step in self._dirs():
+            d = self.step_dir(src, step)
+            for name in os.listdir(d):
+                if name.startswith(".incoming-"):
+                    os.unlink(os.path.join(d, name))
+                    gone.append(os.path.join(d, name))
+        if gone:
+            log.info("zerostall: removed %d interrupted peer transfers under %s", len(gone), self.area)
+        return gone
+
+    def _dirs(self) -> list[tuple[str, int]]:
+        out = []
+        try:
+            srcs = os.listdir(self.area)
+        except FileNotFoundError:
+            return out
+        for src in srcs:
+            try:
+                check_node(src)
+                names = os.listdir(os.path.join(self.area, src))
+            except (ZerostallError, OSError):
+                continue
+            out.extend((src, int(m.group(1))) for n in names if (m := _STEP_RE.match(n)))
+        return out
+
+    def manifest(self, src: str, step: int) -> Manifest | None:
+        try:
+            with open(os.path.join(self.step_dir(src, step), MANIFEST_NAME), "rb") as f:
+                return Manifest.from_bytes(f.read())
+        except (OSError, ZerostallError):
+            return None
+
+    def held(self) -> list[dict[str, Any]]:
+        """``[{src, step, checkpoint_id, files: [...]}, ...]``: the peer copies held (complete
+        files only), and this node's own committed steps (``src`` = this node)."""
+        out = []
+        for src, step in self._dirs():
+            man = self.manifest(src, step)
+            if man is None or man.step != step:
+                continue
+            d = self.step_dir(src, step)
+            files = [fe.name for fe in man.files if _size(os.path.join(d, fe.name)) == fe.file_bytes]
+            if files:
+                out.append({"src": src, "step": step, "checkpoint_id": man.checkpoint_id, "files": files})
+        for step in self.tier.steps():
+            try:
+                man = self.tier.read_manifest(step)
+            except ZerostallError:
+                continue
+            d = self.tier.step_dir(step)
+            files = [fe.name for fe in man.files if _size(os.path.join(d, fe.name)) == fe.file_bytes]
+            if files:
+                out.append({"src": self.me, "step": step, "checkpoint_id": man.checkpoint_id, "files": files,
+                            "local": True})
+        return out
+
+    def path_for(self, src: str, step: int, name: str) -> tuple[str, Manifest] | None:
+        """A committed file this node may serve, with its step's manifest; None otherwise."""
+        check_name(name)
+        if src == self.me and step in self.tier.steps():
+            try:
+                man = self.tier.read_manifest(step)
+            except ZerostallError:
+                return None
+            path = os.path.join(self.tier.step_dir(step), name)
+        else:
+            man = self.manifest(src, step)
+            path = os.path.join(self.step_dir(src, step), name)
+        if man is None or man.step != step:
+            return None
+        try:
+            fe = file_entry(man, name)
+        except ZerostallError:
+            return None
+        return (path, man) if _size(path) == fe.file_bytes else None
+
+    def receive(self, src: str, step: int, name: str, man_bytes: bytes,
+                fill: Callable[[Any, StreamCheck], None]) -> str:
+        """Keep ``name`` of ``src``'s ``step``: ``fill(writer, check)`` streams the bytes into the
+        open engine file (aligned, in order) through ``check``; returns the digest. Raises on any
+        mismatch; nothing but a removed ``.incoming-*`` is left then."""
+        man = Manifest.from_bytes(man_bytes)
+        if man.step != step:
+            raise ZerostallError(f"the manifest names step {man.step}, the request step {step}")
+        fe = file_entry(man, name)
+        d = self.step_dir(src, step)
+        with self._lock(src, step):
+            old = self.manifest(src, step)
+            if old is not None and old.checkpoint_id != man.checkpoint_id:
+                self._drop(src, step)  # the source overwrote the step: the old copy goes as a whole
+                old = None
+            os.makedirs(d, exist_ok=True)
+            if old is None:
+                write_file_durable(os.path.join(d, MANIFEST_NAME), man.to_bytes())
+                fsync_dir(d)
+                fsync_dir(os.path.dirname(d))
+        tmp = os.path.join(d, f".incoming-{name}-{uuid.uuid4().hex[:8]}")
+        check = StreamCheck(man, name, f"{src}:step-{step}/{name}")
+        engine = self._engine_for()
+        try:
+            w = engine.open_write(tmp, fe.file_bytes)
+            try:
+                fill(w, check)
+                digest = check.digest()
+                w.finish()
+            finally:
+                w.close()
+            with self._lock(src, step):
+                cur = self.manifest(src, step)
+                if cur is None or cur.checkpoint_id != man.checkpoint_id:
+                    raise ZerostallError(f"step {step} of {src} was replaced during the transfer")
+                os.rename(tmp, os.path.join(d, name))
+                fsync_dir(d)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        finally:
+            engine.close()
+        return digest
+
+    def _drop(self, src: str, step: int) -> None:
+        d = self.step_dir(src, step)
+        gone = os.path.join(self.area, f".deleting-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(d, gone)
+        except FileNotFoundError:
+            return
+        fsync_dir(self.area)
+        shutil.rmtree(gone, ignore_errors=True)
+
+    def retain(self, keep: set[int], below: int) -> list[tuple[str, int]]:
+        """Delete held steps lower than ``below`` that are not in ``keep`` (any source)."""
+        gone = []
+        for src, step in self._dirs():
+            if step < below and step not in keep:
+                with self._lock(src, step):
+                    self._drop(src, step)
+                gone.append((src, step))
+        if gone:
+            log.info("zerostall: retention removed peer copies %s from %s", gone, self.area)
+        return gone
+
+
+def _size(path: str) -> int:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return -1
+    return st.st_size if stat.S_ISREG(st.st_mode) else -1

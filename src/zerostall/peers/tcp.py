@@ -1,0 +1,321 @@
+"""Plain TCP peer transport: ``socket.sendfile`` from the committed file, the receiver checks
+every byte and writes with O_DIRECT from an aligned buffer (see :mod:`.transport` for the
+call order and :mod:`.wire` for the messages).
+
+Requests after the handshake, each answered ``{"ok": true, ...}`` or ``{"ok": false,
+"error": ...}`` (then the connection is closed)::
+
+    {"op": "put", "src", "step", "name", "size", "manifest_bytes"} + manifest + file bytes
+        -> {"ok": true, "digest"}   after verify, fdatasync, rename, fsync of the directory
+    {"op": "list"}                 -> {"ok": true, "held": [...]}
+    {"op": "get", "src", "step", "name"}
+        -> {"ok": true, "size", "manifest_bytes"} + manifest + file bytes (sendfile)
+
+Every socket has ``timeout_s``: a peer that stops (SIGSTOP, a hung host) fails the call
+after ``timeout_s`` without progress. The server runs one daemon thread per connection (at
+most ``max_connections``; more are refused), at idle I/O priority; a connection that fails
+the handshake is logged with its address and closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from ..errors import ZerostallError
+from ..format.manifest import Manifest
+from .store import PeerStore
+from .transport import Endpoint, Sink, Transport
+from .verify import StreamCheck, file_entry
+from .wire import (MAX_MANIFEST_BYTES, PeerError, check_name, check_node, check_size, check_step, client_handshake,
+                   recv_exact, recv_msg, recv_msg_or_eof, send_msg, server_handshake)
+
+log = logging.getLogger("zerostall")
+BUF_BYTES = 4 << 20
+MAX_FILE_BYTES = 1 << 46
+
+
+class Pacer:
+    """A token bucket shared by every transfer of this node (``rate`` bytes/s; None: no cap).
+    Any thread."""
+
+    def __init__(self, rate: int | None):
+        self.rate = rate
+        self._mu = threading.Lock()
+        self._next = time.monotonic()
+
+    def take(self, n: int) -> None:
+        if not self.rate:
+            return
+        with self._mu:
+            now = time.monotonic()
+            start = max(self._next, now - 0.05)  # at most 50 ms of burst credit
+            self._next = start + n / self.rate
+            wait = start - now
+        if wait > 0:
+            time.sleep(wait)
+
+
+def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer: Pacer | None = None) -> None:
+    """Receive ``size`` bytes into an aligned buffer, check them, write them to ``w`` (aligned
+    extents: shard files are multiples of 4096 bytes). One buffer, in turn: a double-buffered
+    version (the next chunk received during the O_DIRECT write) measured no faster here
+    (256 MiB, 8 alternating runs each on the loaded 2-core VM: median 0.72 s vs 0.54 s)."""
+    buf = mmap.mmap(-1, BUF_BYTES)
+    mv = memoryview(buf)
+    try:
+        off = 0
+        while off < size:
+            n = min(BUF_BYTES, size - off)
+            got = 0
+            while got < n:
+                k = sock.recv_into(mv[got:n])
+                if not k:
+                    raise PeerError(f"transfer cut after {off + got} of {size} bytes")
+                got += k
+            check.feed(mv[:n])
+            if pacer is not None:
+                pacer.take(n)
+            w.write([(off, mv[:n])])
+            off += n
+    finally:
+        try:
+            mv.release()
+            buf.close()
+        except BufferError:  # slices still referenced by an exception's frames: unmapped by the GC
+            pass
+
+
+def _io_priority(idle: bool) -> None:
+    """This connection thread's disk I/O class: idle for receiving replicas (never competes
+    with the next local save), best-effort for serving a restore (someone is waiting)."""
+    try:
+        import psutil
+        p = psutil.Process(threading.get_native_id())
+        if idle:
+            p.ionice(psutil.IOPRIO_CLASS_IDLE)
+        else:
+            p.ionice(psutil.IOPRIO_CLASS_BE, 4)
+    except Exception as exc:  # noqa: BLE001 - best effort: non-Linux, seccomp
+        log.debug("zerostall: cannot set the I/O priority of a peer connection: %s", exc)
+
+
+class TcpTransport(Transport):
+    name = "tcp"
+
+    def __init__(self, secret: bytes, me: str, nodes: set[str], *, timeout_s: float, pacer: Pacer,
+                 listen_host: str = "127.0.0.1", max_connections: int = 32):
+        self.secret, self.me, self.nodes = secret, me, set(nodes)
+        self.timeout_s, self.pacer = timeout_s, pacer
+        self.listen_host, self.max_connections = listen_host, max_connections
+        self._srv: socket.socket | None = None
+        self._conns: set[socket.socket] = set()
+        self._mu = threading.Lock()
+        self._closed = False
+        self.refused = 0
+        """Connections refused (failed handshake, bad request): for tests and doctor."""
+
+    # -- server ------------------------------------------------------------------------
+    def serve(self, store: PeerStore) -> tuple[str, int]:
+        self.store = store
+        store.clean()
+        self._srv = socket.create_server((self.listen_host, 0), backlog=64)
+        threading.Thread(target=self._accept, name="zerostall-peers-accept", daemon=True).start()
+        return self._srv.getsockname()[:2]
+
+    def _accept(self) -> None:
+        srv = self._srv
+        while srv is not None and not self._closed:
+            try:
+                conn, addr = srv.accept()
+            except OSError:
+                return
+            with self._mu:
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                log.warning("zerostall: peer connection from %s refused: %d connections open", addr,
+                            self.max_connections)
+                conn.close()
+                continue
+            threading.Thread(target=self._serve_conn, args=(conn, addr), name="zerostall-peers-conn",
+                             daemon=True).start()
+
+    def _serve_conn(self, conn: socket.socket, addr: Any) -> None:
+        conn.settimeout(self.timeout_s)
+        peer = "?"
+        try:
+            try:
+                peer = server_handshake(conn, self.secret, self.me)
+            except (PeerError, OSError) as exc:
+                self.refused += 1
+                log.warning("zerostall: peer connection from %s refused: %s", addr, exc)
+                return
+            while not self._closed:
+                msg = recv_msg_or_eof(conn)
+                if msg is None:
+                    return  # the client is done
+                self._handle(conn, peer, msg)
+        except (PeerError, ZerostallError, OSError, ValueError, KeyError, TypeError) as exc:
+            self.refused += 1
+            log.warning("zerostall: request from node %s (%s) refused: %s", peer, addr, exc)
+            try:
+                send_msg(conn, {"ok": False, "error": str(exc)[:2000]})
+            except OSError:
+                pass
+        finally:
+            with self._mu:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _handle(self, conn: socket.socket, peer: str, msg: dict[str, Any]) -> None:
+        op = msg.get("op")
+        _io_priority(idle=op == "put")  # receiving copies yields the disk; serving a restore does not
+        if op == "list":
+            send_msg(conn, {"ok": True, "held": self.store.held()})
+        elif op == "put":
+            src, step, name = check_node(msg.get("src")), check_step(msg.get("step")), check_name(msg.get("name"))
+            if src not in self.nodes or src == self.me or src != peer:
+                raise PeerError(f"node {peer!r} may copy only its own files here, not node {src!r}'s")
+            size = check_size(msg.get("size"), MAX_FILE_BYTES, "file")
+            man_bytes = recv_exact(conn, check_size(msg.get("manifest_bytes"), MAX_MANIFEST_BYTES, "manifest"))
+            man = Manifest.from_bytes(man_bytes)
+            if file_entry(man, name).file_bytes != size:
+                raise PeerError(f"{name}: {size} bytes announced, the manifest says {file_entry(man, name).file_bytes}")
+            digest = self.store.receive(src, step, name, man_bytes, lambda w, check: fill_from(conn, size, w, check))
+            send_msg(conn, {"ok": True, "digest": digest})
+            log.debug("zerostall: holding %s of step %d from %s for node %s", name, step, peer, src)
+        elif op == "get":
+            src, step, name = check_node(msg.get("src")), check_step(msg.get("step")), check_name(msg.get("name"))
+            found = self.store.path_for(src, step, name)
+            if found is None:
+                send_msg(conn, {"ok": False, "error": f"{name} of step {step} of {src} is not held here"})
+                return
+            path, man = found
+            man_bytes = man.to_bytes()
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                send_msg(conn, {"ok": True, "size": size, "manifest_bytes": len(man_bytes)})
+                conn.sendall(man_bytes)
+                conn.sendfile(f)
+        else:
+            raise PeerError(f"unknown request {str(op)[:40]!r}")
+
+    # -- client ------------------------------------------------------------------------
+    def _connect(self, ep: Endpoint) -> socket.socket:
+        try:
+            s = socket.create_connection((ep.host, ep.port), timeout=self.timeout_s)
+        except OSError as exc:
+            raise PeerError(f"node {ep.node} ({ep.host}:{ep.port}) cannot be reached: {exc}") from exc
+        s.settimeout(self.timeout_s)
+        with self._mu:
+            if self._closed:
+                s.close()
+                raise PeerError("the peer transport is closed")
+            self._conns.add(s)
+        try:
+            node = client_handshake(s, self.secret, self.me)
+        except OSError as exc:  # TimeoutError: a stopped or overloaded peer
+            self._drop(s)
+            raise PeerError(f"node {ep.node} ({ep.host}:{ep.port}): no handshake within {self.timeout_s:g} s "
+                            f"({exc or 'timed out'})") from exc
+        except BaseException:
+            self._drop(s)
+            raise
+        if node != ep.node:
+            self._drop(s)
+            raise PeerError(f"{ep.host}:{ep.port} is node {node!r}, not {ep.node!r}")
+        return s
+
+    def _drop(self, s: socket.socket) -> None:
+        with self._mu:
+            self._conns.discard(s)
+        s.close()
+
+    def _call(self, ep: Endpoint, what: str, fn: Any) -> Any:
+        s = self._connect(ep)
+        try:
+            return fn(s)
+        except (OSError, PeerError) as exc:
+            if isinstance(exc, PeerError) and str(exc).startswith(f"node {ep.node}"):
+                raise
+            raise PeerError(f"node {ep.node}: {what} failed: {exc}") from exc
+        finally:
+            self._drop(s)
+
+    def put(self, ep: Endpoint, src: str, step: int, name: str, path: str, man_bytes: bytes) -> str:
+        def run(s: socket.socket) -> str:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                send_msg(s, {"op": "put", "src": src, "step": step, "name": name, "size": size,
+                             "manifest_bytes": len(man_bytes)})
+                s.sendall(man_bytes)
+                off = 0
+                try:
+                    while off < size:
+                        n = min(BUF_BYTES, size - off)
+                        self.pacer.take(n)
+                        sent = s.sendfile(f, off, n)
+                        if not sent:
+                            raise PeerError(f"sent {off} of {size} bytes")
+                        off += sent
+                except OSError:
+                    pass  # the receiver gave up early: its answer says why
+                try:
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # sendfile read through the cache
+                except OSError:
+                    pass
+            reply = recv_msg(s)
+            if not reply.get("ok"):
+                raise PeerError(f"node {ep.node} refused {name} of step {step}: {reply.get('error')}")
+            return str(reply.get("digest"))
+        return self._call(ep, f"copying {name} of step {step}", run)
+
+    def list_held(self, ep: Endpoint) -> list[dict[str, Any]]:
+        def run(s: socket.socket) -> list[dict[str, Any]]:
+            send_msg(s, {"op": "list"})
+            reply = recv_msg(s)
+            if not reply.get("ok") or not isinstance(reply.get("held"), list):
+                raise PeerError(f"node {ep.node} did not list its copies: {reply.get('error')}")
+            return reply["held"]
+        return self._call(ep, "listing", run)
+
+    def get(self, ep: Endpoint, src: str, step: int, name: str, sink: Sink) -> str:
+        def run(s: socket.socket) -> str:
+            send_msg(s, {"op": "get", "src": src, "step": step, "name": name})
+            reply = recv_msg(s)
+            if not reply.get("ok"):
+                raise PeerError(f"node {ep.node}: {reply.get('error')}")
+            size = check_size(reply.get("size"), MAX_FILE_BYTES, "file")
+            man = Manifest.from_bytes(recv_exact(s, check_size(reply.get("manifest_bytes"), MAX_MANIFEST_BYTES,
+                                                               "manifest")))
+            if man.step != step or file_entry(man, name).file_bytes != size:
+                raise PeerError(f"node {ep.node} sent {name} of step {man.step} with {size} bytes, which its "
+                                "manifest does not describe")
+            w, check = sink(man, size)
+            fill_from(s, size, w, check)
+            return check.digest()
+        return self._call(ep, f"fetching {name} of step {step}", run)
+
+    def close(self) -> None:
+        self._closed = True
+        srv, self._srv = self._srv, None
+        if srv is not None:
+            try:
+                srv.shutdown(socket.SHUT_RDWR)  # wakes the accept() of the accept thread
+            except OSError:
+                pass
+            srv.close()
+        with self._mu:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass

@@ -1,0 +1,151 @@
+"""The peer protocol's messages, its handshake and the checks every field goes through.
+
+A message is a 4-byte big-endian length and a JSON object (at most ``MAX_HEADER_BYTES``);
+binary bodies (a manifest, a file) follow with the length the header declared. Both sides
+check every field before acting on it (:func:`check_node`, :func:`check_step`,
+:func:`check_name`, :func:`check_size`): a hostile or corrupt message is refused with an
+error message and the connection closed, never acted on.
+
+Handshake (mutual, per connection; the secret never crosses the wire)::
+
+    server -> client   {"v": 1, "node": S, "nonce": ns}
+    client -> server   {"node": C, "nonce": nc, "mac": HMAC(secret, "c|" ns "|" nc "|" C)}
+    server -> client   {"mac": HMAC(secret, "s|" nc "|" ns "|" S)}   (or {"error": ...} and close)
+
+The secret is drawn per job by rank 0 and shared through the c10d store (:mod:`.exchange`):
+only processes that can read the job's store get in. Functions here run on the calling
+thread; the socket has a timeout set by the caller (a stopped peer raises ``TimeoutError``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import re
+import socket
+import struct
+from typing import Any
+
+from ..errors import ZerostallError
+from ..format.layout import SHARD_NAME_RE
+
+VERSION = 1
+MAX_HEADER_BYTES = 1 << 20
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_STEP = (1 << 63) - 1
+_NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+_LEN = struct.Struct(">I")
+
+
+class PeerError(ZerostallError):
+    """A peer refused a request, broke the protocol or could not be reached."""
+
+
+def send_msg(sock: socket.socket, obj: dict[str, Any]) -> None:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    mv = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(mv[got:])
+        if not k:
+            raise PeerError(f"the peer closed the connection after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+def recv_msg(sock: socket.socket) -> dict[str, Any]:
+    msg = _recv(sock, recv_exact(sock, _LEN.size))
+    return msg
+
+
+def recv_msg_or_eof(sock: socket.socket) -> dict[str, Any] | None:
+    """The next message, or None when the peer closed the connection before sending one."""
+    first = sock.recv(1)
+    if not first:
+        return None
+    return _recv(sock, first + recv_exact(sock, _LEN.size - 1))
+
+
+def _recv(sock: socket.socket, raw: bytes) -> dict[str, Any]:
+    (n,) = _LEN.unpack(raw)
+    if n > MAX_HEADER_BYTES:
+        raise PeerError(f"message header of {n} bytes refused (limit {MAX_HEADER_BYTES})")
+    try:
+        obj = json.loads(recv_exact(sock, n))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PeerError(f"malformed message: {exc}") from None
+    if not isinstance(obj, dict):
+        raise PeerError("malformed message: not a JSON object")
+    return obj
+
+
+def _mac(secret: bytes, *parts: str) -> str:
+    return hmac.new(secret, "|".join(parts).encode(), hashlib.sha256).hexdigest()
+
+
+def server_handshake(sock: socket.socket, secret: bytes, me: str) -> str:
+    """Authenticate the client; returns its node name. Raises :class:`PeerError` (the caller
+    logs it and closes the connection)."""
+    ns = os.urandom(16).hex()
+    send_msg(sock, {"v": VERSION, "node": me, "nonce": ns})
+    msg = recv_msg(sock)
+    node, nc, mac = msg.get("node"), msg.get("nonce"), msg.get("mac")
+    if not (isinstance(node, str) and _NODE_RE.match(node) and isinstance(nc, str) and len(nc) == 32
+            and isinstance(mac, str)):
+        send_msg(sock, {"error": "malformed handshake"})
+        raise PeerError("malformed handshake")
+    if not hmac.compare_digest(mac, _mac(secret, "c", ns, nc, node)):
+        send_msg(sock, {"error": "authentication failed"})
+        raise PeerError(f"authentication failed (claimed node {node!r}): not a process of this job")
+    send_msg(sock, {"mac": _mac(secret, "s", nc, ns, me)})
+    return node
+
+
+def client_handshake(sock: socket.socket, secret: bytes, me: str) -> str:
+    """Authenticate to the server and the server to us; returns the server's node name."""
+    hello = recv_msg(sock)
+    node, ns = hello.get("node"), hello.get("nonce")
+    if hello.get("v") != VERSION or not isinstance(node, str) or not _NODE_RE.match(node) \
+            or not isinstance(ns, str) or len(ns) != 32:
+        raise PeerError(f"unexpected greeting from the peer: {str(hello)[:200]}")
+    nc = os.urandom(16).hex()
+    send_msg(sock, {"node": me, "nonce": nc, "mac": _mac(secret, "c", ns, nc, me)})
+    reply = recv_msg(sock)
+    if "error" in reply:
+        raise PeerError(f"peer {node} refused us: {reply['error']}")
+    if not hmac.compare_digest(str(reply.get("mac", "")), _mac(secret, "s", nc, ns, node)):
+        raise PeerError(f"peer at {sock.getpeername()} claiming node {node!r} does not know the job's secret")
+    return node
+
+
+# -- field checks: each returns the value or raises PeerError naming it ------------------
+
+def check_node(v: Any) -> str:
+    if not isinstance(v, str) or not _NODE_RE.match(v):
+        raise PeerError(f"bad node name {str(v)[:80]!r}")
+    return v
+
+
+def check_step(v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_STEP:
+        raise PeerError(f"bad step {str(v)[:40]!r}")
+    return v
+
+
+def check_name(v: Any) -> str:
+    if not isinstance(v, str) or not SHARD_NAME_RE.match(v):
+        raise PeerError(f"bad file name {str(v)[:80]!r} (expected rank-NNNNN.shard)")
+    return v
+
+
+def check_size(v: Any, limit: int, what: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= limit:
+        raise PeerError(f"bad {what} size {str(v)[:40]!r} (limit {limit})")
+    return v

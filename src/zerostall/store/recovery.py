@@ -1,0 +1,90 @@
+"""Start-up recovery of a local root by its new owner: finish or remove what a crash left.
+
+Called once by :meth:`.local.LocalTier.own` (caller's thread, the root lock held): an
+interrupted overwrite's ``step-N.old`` is finished or rolled back (:func:`.atomic.recover_dir`),
+``step-N.partial`` (an unfinished save), ``.deleting-*`` (an interrupted deletion), temporary
+files and the locks of interrupted restores are removed -- except the leftovers of a step a
+restore is downloading into right now (its :class:`~.owner.StepLock` is held).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Callable
+
+from ..errors import storage_error
+from .atomic import recover_dir, rmtree
+from .owner import FETCH_STEP_LOCK_RE, StepLock
+
+log = logging.getLogger("zerostall")
+
+_PARTIAL_RE = re.compile(r"^step-(\d{1,19})\.partial$")
+_OLD_RE = re.compile(r"^step-(\d{1,19})\.old$")
+_FETCH_LOCK_RE = re.compile(FETCH_STEP_LOCK_RE)
+_DELETING_STEP_RE = re.compile(r"^\.deleting-step-(\d{1,19})(?:\.old)?-")
+
+
+def _deleting_step(name: str) -> int | None:
+    m = _DELETING_STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+_TEMP_RE = re.compile(r"^(latest\.tmp|\.zerostall-write-test-\d+|\.zerostall-probe-[0-9a-f]+)$")
+
+
+def recover_root(root: str, names: Callable[[], list[str]], step_dir: Callable[[int], str],
+                 valid_dir: Callable[[str, int], bool], hook: Callable[[str], None] | None) -> list[str]:
+    """The actions taken on ``root`` (each logged); ``names()`` lists it."""
+    done: list[str] = []
+    locks: dict[int, StepLock] = {}
+    busy: set[int] = set()
+
+    def free(step: int | None) -> bool:
+        """Whether this step's leftovers are ours to clean: no restore is downloading into
+        it (its StepLock, taken here without waiting and held until the end)."""
+        if step is None or step in locks:
+            return True
+        if step in busy:
+            return False
+        lk = StepLock(root, step)
+        if os.path.lexists(lk.path) and not os.path.isfile(lk.path) or os.path.islink(lk.path):
+            # a directory, FIFO or link under a lock file's name: no process can hold it
+            # (StepLock refuses anything but a regular file), so it is a leftover like the rest
+            rmtree(lk.path) if os.path.isdir(lk.path) and not os.path.islink(lk.path) else os.unlink(lk.path)
+            done.append(f"removed {lk.path} (not a lock file)")
+        if lk.acquire(wait=False):
+            locks[step] = lk
+            return True
+        busy.add(step)
+        done.append(f"kept the leftovers of step {step}: {lk.holder()} is downloading it into {root}")
+        return False
+
+    try:
+        for n in sorted(names()):
+            if (m := _OLD_RE.match(n)) and free(int(m.group(1))):
+                step = int(m.group(1))
+                done += recover_dir(step_dir(step), lambda d, s=step: valid_dir(d, s),
+                                    hook)
+        for n in sorted(names()):
+            path = os.path.join(root, n)
+            if (m := _PARTIAL_RE.match(n)) and free(int(m.group(1))):
+                rmtree(path)
+                done.append(f"removed {path} (an unfinished save)")
+            elif n.startswith(".deleting-") and free(_deleting_step(n)):
+                rmtree(path)
+                done.append(f"removed {path} (an interrupted deletion)")
+            elif _TEMP_RE.match(n):
+                rmtree(path)
+                done.append(f"removed {path} (a temporary file)")
+            elif (m := _FETCH_LOCK_RE.match(n)) and int(m.group(1)) not in busy and free(int(m.group(1))):
+                done.append(f"removed {path} (the lock of an interrupted restore)")
+    except OSError as exc:
+        raise storage_error("recovering leftovers in", root, exc) from exc
+    finally:
+        for lk in locks.values():
+            lk.release(unlink=True)
+    for line in done:
+        log.info("zerostall: %s", line)
+    return done

@@ -1,0 +1,70 @@
+"""The root lock belongs to the writer process: a child forked while a Checkpointer is open
+never keeps the root locked after the parent's close() or death (issue 23). Real forks."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zerostall
+from zerostall.errors import RootLockedError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_child_forked_while_open_does_not_keep_the_root_locked(ckdir):
+    ck = zerostall.Checkpointer(ckdir)
+    ck.save(0, {"w": torch.ones(4)}).result()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child lives on (a dataloader worker, a subprocess helper) until told
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        with pytest.raises(RootLockedError):  # the parent still owns it while open
+            zerostall.Checkpointer(ckdir)
+        ck.close()
+        again = zerostall.Checkpointer(ckdir)  # was RootLockedError naming our own pid
+        again.save(1, {"w": torch.zeros(4)}).result()
+        again.close()
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)
+    assert zerostall.load(ckdir)["w"].sum() == 0
+
+
+_PARENT_DIES = r"""
+import os, sys, time, torch, zerostall
+ck = zerostall.Checkpointer(sys.argv[1])
+ck.save(0, {"w": torch.ones(4)}).result()
+pid = os.fork()
+if pid == 0:
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 1), os.dup2(null, 2)  # the test reads the parent's output to its end
+    time.sleep(90)  # outlives its parent
+    os._exit(0)
+print(pid, flush=True)
+os._exit(0)  # the writer dies without close()
+"""
+
+
+def test_child_outliving_its_dead_parent_does_not_keep_the_root_locked(ckdir):
+    out = subprocess.run([sys.executable, "-c", _PARENT_DIES, ckdir], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    child = int(out.stdout.split()[0])
+    try:
+        os.kill(child, 0)  # still alive
+        with zerostall.Checkpointer(ckdir) as ck:  # the kernel dropped the dead writer's lock
+            ck.save(1, {"w": torch.zeros(4)}).result()
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)  # the orphan we made, by its pid
+        except ProcessLookupError:
+            pass
+    assert zerostall.load(ckdir)["w"].sum() == 0

@@ -1,0 +1,175 @@
+"""Peer replicas end to end: 4 simulated nodes x 1 rank (real processes, gloo on 127.0.0.1,
+ZEROSTALL_NODE=n0..n3, each node its own root), nodes killed and wiped, the job restarted."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from zerostall.peers.placement import Node, holders
+from zerostall.store.local import LocalTier
+
+from ..helpers import free_port
+
+HERE = os.path.dirname(__file__)
+NODES = [f"n{i}" for i in range(4)]
+
+
+def _launch(scenario, base, tmp_path, env_extra, timeout=150, stop=None, nodes=NODES):
+    """One process per entry of ``nodes`` (rank r runs on node ``nodes[r]``)."""
+    port = free_port()
+    procs = []
+    for r, node in enumerate(nodes):
+        local = nodes[:r].count(node)
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(len(nodes)),
+                   LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(nodes.count(node)), ZEROSTALL_NODE=node,
+                   ZEROSTALL_BUDGET_BYTES=str(64 << 20),
+                   PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]),
+                   **env_extra)
+        out = str(tmp_path / f"{scenario}-r{r}.json")
+        if os.path.exists(out):
+            os.unlink(out)
+        procs.append((subprocess.Popen([sys.executable, os.path.join(HERE, "peers_worker.py"), scenario, base, out],
+                                       env=env, stderr=subprocess.PIPE, text=True), out))
+    results = []
+    try:
+        if stop is not None:  # the stopped rank is SIGKILLed once the others have finished
+            for p, _ in procs[:stop] + procs[stop + 1:]:
+                p.wait(timeout=timeout)
+            procs[stop][0].kill()
+        for p, out in procs:
+            _, err = p.communicate(timeout=timeout)
+            results.append((p.returncode, json.load(open(out)) if os.path.exists(out) else None, err))
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+    return results
+
+
+def _ok(res):
+    for rc, doc, err in res:
+        assert rc == 0 and doc is not None, err[-3000:]
+    return [doc for _, doc, _ in res]
+
+
+def _wipe(base, node):
+    shutil.rmtree(os.path.join(base, node))
+
+
+def _holder_of(src, replicas):
+    return holders(src, [Node(n, n) for n in NODES], replicas)
+
+
+def test_n3_two_nodes_killed_and_wiped_restore_bit_exact_from_peers(tmp_path, capsys):
+    base = str(tmp_path / "job")
+    res = _launch("save", base, tmp_path, {"ZS_REPLICAS": "3", "ZS_DIE": "1"})
+    assert res[1][0] == -signal.SIGKILL
+    docs = [json.load(open(tmp_path / f"save-r{r}.json")) for r in range(len(NODES))]
+    for d in docs:
+        assert d["protected"] == {"1": True, "2": True}, d
+        assert len(set(d["replica_nodes"]["2"])) == 3 and d["replica_nodes"]["2"][0] == d["node"]
+        assert set(d["replica_nodes"]["2"][1:]) == set(_holder_of(d["node"], 3))
+    for d in (0, 2, 3):
+        assert res[d][0] == 0, res[d][2][-3000:]
+    # every holder holds exactly what the placement says, in its own root only
+    for n in NODES:
+        held = sorted(d for d in os.listdir(os.path.join(base, n, "peers")) if not d.startswith("."))
+        assert held == sorted(s for s in NODES if n in _holder_of(s, 3)), (n, held)
+    # `zerostall ls` of a node's root: its steps' holders and protection, the copies it holds
+    from zerostall.cli import main
+    capsys.readouterr()
+    assert main(["ls", "--json", os.path.join(base, "n0")]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    own = {r["step"]: r for r in rows if r["tier"].startswith("local")}
+    assert own[2]["protected"] is True and own[2]["holders"][0] == "n0"
+    assert set(own[2]["holders"][1:]) == set(_holder_of("n0", 3))
+    assert {r["tier"] for r in rows if r["tier"].startswith("peer copy")} == {
+        f"peer copy of {s}" for s in NODES if "n0" in _holder_of(s, 3)}
+    # `zerostall doctor ROOT`: the newest step's protection; the peers do not answer (job ended)
+    from zerostall.peers.status import doctor_checks
+    rows = {r[0]: r for r in doctor_checks(os.path.join(base, "n0"), timeout_s=0.5)}
+    assert rows["peer_replicas"][2] == "ok" and rows["peer_replicas"][1].startswith("step 2: held by n0")
+    assert {k for k in rows if k.startswith("peer ")} == {f"peer {n}" for n in NODES}
+    assert all(rows[f"peer {n}"][2] == "warn" for n in NODES)
+    _wipe(base, "n1")  # SIGKILLed above, its disk gone
+    _wipe(base, "n2")
+    docs = _ok(_launch("load", base, tmp_path, {"ZS_REPLICAS": "3"}))
+    for d in docs:
+        assert d.get("error") is None, d
+        assert d["step"] == 2 and d["equal"] is True, d
+    assert [d["source"] for d in docs] == ["local", "peers", "peers", "local"]
+    for n in ("n1", "n2"):  # the replacement nodes hold step 2 again, committed and complete
+        assert LocalTier(os.path.join(base, n)).steps() == [2]
+    # repair: the replaced holders hold their sources' kept steps again (each node's start-up pass)
+    assert all(d["repaired"] for d in docs)
+    for n in ("n1", "n2"):
+        for s in NODES:
+            if n in _holder_of(s, 3) and s not in ("n1", "n2"):  # a wiped source has only step 2 now
+                assert sorted(os.listdir(os.path.join(base, n, "peers", s))) == ["step-1", "step-2"], (n, s)
+
+
+def test_n2_both_holders_of_a_file_lost_remote_fallback_or_none_everywhere(tmp_path):
+    base, remote = str(tmp_path / "job"), str(tmp_path / "remote")
+    env = {"ZS_REPLICAS": "2", "ZS_REMOTE": f"file://{remote}"}
+    for d in _ok(_launch("save", base, tmp_path, env)):
+        assert d["protected"] == {"1": True, "2": True}, d
+    # a node and the one holder of its files are lost; that holder's own files live on elsewhere
+    lost = next(n for n in NODES if _holder_of(_holder_of(n, 2)[0], 2)[0] != n)
+    (h,) = _holder_of(lost, 2)
+    _wipe(base, lost)
+    _wipe(base, h)
+    r = NODES.index(lost)
+    # without the remote tier, no step can be loaded by the lost node's rank: every rank says so, alike
+    docs = _ok(_launch("load", base, tmp_path, {"ZS_REPLICAS": "2"}))
+    errors = {d.get("error") for d in docs}
+    assert len(errors) == 1 and None not in errors, docs
+    (msg,) = errors
+    assert f"step 2: missing on rank(s) {r};" in msg and "remote tier" in msg
+    assert all(d["error_type"] == "CheckpointNotFound" for d in docs)
+    assert not os.path.exists(os.path.join(base, lost, "step-2"))
+    # with it: the lost node's files come from the remote tier, the wiped holder's own from its peers
+    docs = _ok(_launch("load", base, tmp_path, env))
+    for d in docs:
+        assert d.get("error") is None and d["step"] == 2 and d["equal"] is True, d
+    src = {d["node"]: d["source"] for d in docs}
+    assert src[lost] == "remote" and src[h] == "peers"
+    assert all(v == "local" for k, v in src.items() if k not in (lost, h))
+
+
+def test_a_stopped_peer_never_hangs_training_or_close(tmp_path):
+    base = str(tmp_path / "job")
+    res = _launch("stop", base, tmp_path, {"ZS_REPLICAS": "2", "ZS_STOP": "3", "ZS_RT": "12", "ZS_PT": "3"}, stop=3)
+    assert res[3][0] == -signal.SIGKILL
+    for rc, d, err in res[:3]:
+        assert rc == 0 and d is not None, err[-3000:]
+        assert d["trained"] == 20 and d["last_durable"] is True
+        assert d["last_protected"] is False  # n3 never reported its copies: never presented as protected
+        assert d["unprotected"] == [2]
+        print(f"{d['node']}: 20 training steps in {d['train_s']:.2f} s, close() in {d['close_s']:.2f} s "
+              "(close_timeout_s=4, peers.timeout_s=3)")
+    # the nodes whose placement named n3 copied to the next node instead (unless n3 took the copy
+    # just before it stopped): every node's step 2 is held by one other node
+    for n in ("n0", "n1", "n2"):
+        held_by = [m for m in NODES if m != n and os.path.isfile(os.path.join(base, m, "peers", n, "step-2",
+                                                                              f"rank-0000{n[1]}.shard"))]
+        assert held_by, res[NODES.index(n)][2][-3000:]
+
+
+def test_two_ranks_per_node_wiped_node_restores_both_ranks_from_peers(tmp_path):
+    nodes = ["n0", "n0", "n1", "n1"]  # the node's leader sends and fetches both ranks' files
+    base = str(tmp_path / "job")
+    for d in _ok(_launch("save", base, tmp_path, {"ZS_REPLICAS": "2"}, nodes=nodes)):
+        assert d["protected"] == {"1": True, "2": True}, d
+    assert sorted(os.listdir(os.path.join(base, "n0", "peers", "n1", "step-2"))) == [
+        "manifest.json", "rank-00002.shard", "rank-00003.shard"]
+    _wipe(base, "n1")
+    docs = _ok(_launch("load", base, tmp_path, {"ZS_REPLICAS": "2"}, nodes=nodes))
+    for d in docs:
+        assert d.get("error") is None and d["step"] == 2 and d["equal"] is True, d
+    assert [d["source"] for d in docs] == ["local", "local", "peers", "peers"]
