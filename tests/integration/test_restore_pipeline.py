@@ -236,3 +236,25 @@ def test_a_remote_tier_streams_through_the_same_pipeline(tmp_path, engine):
     finally:
         eng.close()
     assert sorted(os.listdir(root)) == before
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_a_gate_that_refuses_rolls_back(tmp_path, engine, fraction, monkeypatch):
+    """The ranks' agreement (gate) runs once every byte verified; when it raises (another rank
+    cannot load this step), the rollback copies already made are undone."""
+    from zerostall.errors import DistributedError
+    monkeypatch.setattr(stream, "ROLLBACK_FRACTION", fraction)
+    root = str(tmp_path / "ck")
+    zerostall.save(root, _state(2.0), step=2)
+    calls = []
+
+    def refuse():
+        calls.append(1)
+        raise DistributedError("rank 1 cannot load step 2")
+
+    sd, before = _dest(), _dest()
+    with pytest.raises(DistributedError):
+        _load(root, engine, sd, gate=refuse)
+    assert calls == [1] and equal(sd, before)
+    _load(root, engine, sd, gate=lambda: calls.append(2))
+    assert calls == [1, 2] and equal(sd, _state(2.0))
