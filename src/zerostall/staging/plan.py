@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 
 import json
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -77,49 +78,60 @@ def owners_by_size(leaves: tuple[TensorLeaf, ...] | list[TensorLeaf], world_size
     return owner
 
 
-_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 _PLAIN_TYPES = (str, int, float, bool, type(None))
 _MAP_TYPES = (dict, OrderedDict)
 _SEQ_TYPES = (list, tuple)
+_KEY_TYPES = frozenset((str, int))
+_ALL_TENSORS = "T*"
+"""The marker of a container whose values are all plain tensors (taken in bulk)."""
+_META = operator.attrgetter("shape", "dtype", "device", "layout", "is_nested")
+_PTR, _STRIDE = torch.Tensor.data_ptr, torch.Tensor.stride
+_CONJ, _NEG, _DETACH = torch.Tensor.is_conj, torch.Tensor.is_neg, torch.Tensor.detach
 
 
 def _walk(x: Any, sig: list[Any], tensors: list[torch.Tensor], depth: int = 0) -> bool:
-    """Append ``x``'s structure, plain values and tensor identities to ``sig`` and its tensors
-    to ``tensors`` (in :func:`encode_tree`'s walk order); False where ``x`` holds anything but
-    dicts with str/int keys, lists, tuples, plain tensors and plain scalars (the cache then
-    steps aside and :func:`encode_tree` decides)."""
+    """Append ``x``'s structure and plain values to ``sig`` and its tensors to ``tensors`` (in
+    :func:`encode_tree`'s walk order); False where ``x`` holds anything but dicts with str/int
+    keys, lists, tuples, plain tensors and plain scalars (the cache then steps aside and
+    :func:`encode_tree` decides). A container of tensors only is taken in bulk (C-level
+    ``map``s, no Python frame per tensor); the tensors' own attributes are :func:`_tensor_sig`'s."""
     tx = type(x)
     if tx in _TENSOR_TYPES:
-        if x.is_conj() or x.is_neg() or x.is_nested or x.layout is not torch.strided:
-            return False
-        sig.append((x.data_ptr(), x.shape, x.stride(), x.dtype, x.device))
         tensors.append(x)
         return True
     if depth > 64:
         return False
     if tx in _MAP_TYPES:
+        keys = tuple(x)
+        if not _KEY_TYPES.issuperset(map(type, keys)):
+            return False
+        sig.append((tx, keys, tuple(map(type, keys))))  # 1 and True are equal keys, but encode apart
+        vals = list(x.values())
+    elif tx in _SEQ_TYPES:
         sig.append((tx, len(x)))
-        for k, v in x.items():
-            tk = type(k)
-            if tk is not str and tk is not int:
-                return False
-            sig.append((tk, k))
-            if not _walk(v, sig, tensors, depth + 1):
-                return False
-        return True
-    if tx in _SEQ_TYPES:
-        sig.append((tx, len(x)))
-        for v in x:
-            if not _walk(v, sig, tensors, depth + 1):
-                return False
-        return True
-    if tx is float:  # by its bits: -0.0 == 0.0 and nan != nan, but they encode differently/alike
+        vals = list(x)
+    elif tx is float:  # by its bits: -0.0 == 0.0 and nan != nan, but they encode differently/alike
         sig.append((tx, x.hex()))
         return True
-    if tx in _PLAIN_TYPES:
+    elif tx in _PLAIN_TYPES:
         sig.append((tx, x))
         return True
-    return False
+    else:
+        return False
+    if vals and _TENSOR_TYPES.issuperset(map(type, vals)):
+        sig.append(_ALL_TENSORS)
+        tensors.extend(vals)
+        return True
+    return all(_walk(v, sig, tensors, depth + 1) for v in vals)
+
+
+def _tensor_sig(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
+    """What the plan depends on of every tensor (address, shape, stride, dtype, device, layout),
+    taken attribute by attribute over all of them; None where one is a lazy conj/neg view."""
+    if any(map(_CONJ, tensors)) or any(map(_NEG, tensors)):
+        return None
+    return (tuple(map(_PTR, tensors)), tuple(map(_META, tensors)), tuple(map(_STRIDE, tensors)))
 
 
 class PlanCache:
@@ -131,8 +143,11 @@ class PlanCache:
     the state once for a signature of exactly what the plan depends on and, when it equals
     the last one, returns the last plan with the newly walked tensors in it. Any difference
     (a new key, a changed plain value such as a learning rate, a reallocated tensor) or
-    anything outside the simple types builds the plan again. The cache holds no tensor (the
-    signature holds addresses, shapes and dtypes), so it keeps no memory of the state alive.
+    anything outside the simple types builds the plan again. The walk takes containers of
+    tensors in bulk and each tensor attribute with one C-level ``map`` over all tensors (~1 us
+    per tensor in all; the plan's leaves are detached the same way), so a reused plan costs
+    no Python frame per tensor. The cache holds no tensor (the signature holds addresses,
+    shapes and dtypes), so it keeps no memory of the state alive.
     Caller's thread only (``save()``/``prepare()``, serialised by the Checkpointer).
     """
 
@@ -141,22 +156,29 @@ class PlanCache:
         self._plan: SavePlan | None = None
         self._first_pos: tuple[int, ...] = ()
         self._args: tuple[int, int, bool] | None = None
+        self._keys: tuple[str, ...] = ()
+        self._numpy: tuple[bool, ...] = ()
+        self._in_order = False
+        self._devices: set[str] = set()
 
     def plan(self, state_dict: Any, *, rank: int = 0, world_size: int = 1, replicated: bool = False) -> SavePlan:
         sig: list[Any] = []
         tensors: list[torch.Tensor] = []
         try:
             fast = _walk(state_dict, sig, tensors)
+            tsig = _tensor_sig(tensors) if fast else None
         except Exception:  # noqa: BLE001 - an odd tensor subclass: encode_tree reports it properly
-            fast = False
+            tsig = None
         args = (rank, world_size, replicated)
-        key = tuple(sig) if fast else None
+        key = (tuple(sig), tsig) if tsig is not None else None
         cached = self._plan
         if key is not None and cached is not None and key == self._sig and args == self._args:
-            pos = self._first_pos
-            return replace(cached, leaves=tuple(
-                TensorLeaf(leaf.key, tensors[pos[it.index]].detach(), leaf.numpy)
-                for it, leaf in zip(cached.items, cached.leaves)))
+            if not self._in_order:  # tied weights once in the plan, or this rank's share only
+                pos = self._first_pos
+                tensors = [tensors[pos[it.index]] for it in cached.items]
+            out = replace(cached, leaves=tuple(map(TensorLeaf, self._keys, map(_DETACH, tensors), self._numpy)))
+            out.__dict__["devices"] = set(self._devices)  # the cached_property: devices are in the signature
+            return out
         occurrences: list[int] = []
         plan = build_plan(state_dict, rank=rank, world_size=world_size, replicated=replicated,
                           occurrences=occurrences)
@@ -167,12 +189,13 @@ class PlanCache:
                 first.setdefault(i, p)
             self._first_pos = tuple(first[i] for i in range(len(first)))
             self._sig, self._args = key, args
-            self._plan = replace(plan, leaves=tuple(TensorLeaf(leaf.key, _NO_TENSOR, leaf.numpy)
-                                                     for leaf in plan.leaves))
+            self._keys = tuple(leaf.key for leaf in plan.leaves)
+            self._numpy = tuple(leaf.numpy for leaf in plan.leaves)
+            self._in_order = [it.index for it in plan.items] == list(self._first_pos) == list(range(len(tensors)))
+            self._devices = set(plan.devices)
+            self._plan = replace(plan, leaves=())
         return plan
 
-
-_NO_TENSOR = torch.empty(0)
 
 
 def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicated: bool = False,
