@@ -43,6 +43,13 @@ def _edits():
     def resize_in_place(s):
         s["optim"]["state.5.exp_avg"].resize_(11).fill_(7.0)
 
+    def shrink_in_place(s):  # same storage and address, new shape
+        s["optim"]["state.6.exp_avg"].resize_(2)
+
+    def same_storage_other_view(s):  # same address, new shape and strides
+        t = s["optim"]["state.13.exp_avg"]
+        s["optim"]["state.13.exp_avg"] = t[: t.numel() // 2 * 2].view(2, -1).t()
+
     def dtype_changed(s):
         t = s["optim"]["state.9.exp_avg"]
         t.data = t.data.to(torch.float64) * 3
@@ -67,7 +74,7 @@ def _edits():
             if isinstance(t, torch.Tensor):
                 t.add_(1)
 
-    return [replace_tensor, add_key, remove_key, resize_in_place, dtype_changed, plain_value,
+    return [replace_tensor, add_key, remove_key, resize_in_place, shrink_in_place, same_storage_other_view, dtype_changed, plain_value,
             int_key_to_bool_key, tied, reorder, nested, in_place_values]
 
 
