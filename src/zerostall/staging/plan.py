@@ -85,8 +85,9 @@ _SEQ_TYPES = (list, tuple)
 _KEY_TYPES = frozenset((str, int))
 _ALL_TENSORS = "T*"
 """The marker of a container whose values are all plain tensors (taken in bulk)."""
-_META = operator.attrgetter("shape", "dtype", "device", "layout", "is_nested")
-_PTR, _STRIDE = torch.Tensor.data_ptr, torch.Tensor.stride
+_DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")
+_LAYOUT, _NESTED = operator.attrgetter("layout"), operator.attrgetter("is_nested")
+_PTR, _SIZE, _STRIDE = torch.Tensor.data_ptr, torch.Tensor.size, torch.Tensor.stride
 _CONJ, _NEG, _DETACH = torch.Tensor.is_conj, torch.Tensor.is_neg, torch.Tensor.detach
 
 
@@ -128,10 +129,14 @@ def _walk(x: Any, sig: list[Any], tensors: list[torch.Tensor], depth: int = 0) -
 
 def _tensor_sig(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
     """What the plan depends on of every tensor (address, shape, stride, dtype, device, layout),
-    taken attribute by attribute over all of them; None where one is a lazy conj/neg view."""
-    if any(map(_CONJ, tensors)) or any(map(_NEG, tensors)):
+    taken attribute by attribute over all of them (one tuple each, no tuple per tensor: less for
+    the GC to track); None where one is a lazy conj/neg view, nested or not strided."""
+    if any(map(_CONJ, tensors)) or any(map(_NEG, tensors)) or any(map(_NESTED, tensors)):
         return None
-    return (tuple(map(_PTR, tensors)), tuple(map(_META, tensors)), tuple(map(_STRIDE, tensors)))
+    if tensors and set(map(_LAYOUT, tensors)) != {torch.strided}:
+        return None
+    return (tuple(map(_PTR, tensors)), tuple(map(_SIZE, tensors)), tuple(map(_STRIDE, tensors)),
+            tuple(map(_DTYPE, tensors)), tuple(map(_DEVICE, tensors)))
 
 
 class PlanCache:
