@@ -346,11 +346,11 @@ class Checkpointer:
 
         With ``timeout`` (seconds; pass one from a signal handler) it returns False once the
         time is up with work still running: the threads go on as daemons and the arena stays
-        mapped under them. Takes no lock without a timeout.
+        mapped under them; a later close() waits for the rest and releases. No lock without a timeout.
         """
-        if self._closed:
+        if self.__dict__.get("_released"):
             return True
-        self._closed = True  # first: a save() this call interrupted fails instead of queueing
+        first, self._closed = not self._closed, True  # first: a save() this call interrupted fails
         if os.getpid() != self.__dict__.get("_pid", os.getpid()):
             # a forked child (at its exit, the atexit hook): the saves in flight, the threads
             # and the lock are the parent's; waiting for them hung the child for good
@@ -362,15 +362,13 @@ class Checkpointer:
 
         # a save() this call interrupted after queueing its job fails (unless it is committing)
         step, saving = self._saving or (0, None)
-        failed_here = saving is not None and saving.queued and saving.fail(
+        failed_here = first and saving is not None and saving.queued and saving.fail(
             ZerostallError(f"the Checkpointer was closed while step {step} was being saved"), in_save=True)
         ok = self._book.wait_until(deadline)
         if failed_here and saving is not None:  # its handle says so; not a background failure to re-raise here
             self._book.error_seen(saving)
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown
             atexit.unregister(self._atexit)
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
         if self._persist is not None:  # the snapshot thread is the pool's
             ok = self._persist.stop(left()) and ok
         budget = self.config.close_timeout_s if deadline is None else min(self.config.close_timeout_s, left() or 0.0)
@@ -383,6 +381,7 @@ class Checkpointer:
             if finalizer is not None:
                 finalizer.detach()  # released here instead
             self._stages.release(self._lease)
+            self._released = True
         else:
             log.warning("zerostall: close() gave up after %s s with work in flight; it goes on in daemon "
                         "threads", timeout)
@@ -397,7 +396,5 @@ class Checkpointer:
         if exc_type is None:
             self.close()
         else:  # do not mask the body's exception with a background one
-            try:
+            with contextlib.suppress(ZerostallError):
                 self.close()
-            except ZerostallError:
-                pass
