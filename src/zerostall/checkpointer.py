@@ -173,6 +173,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         if self._closed:
             raise ZerostallError("this Checkpointer is closed")
+        self._book.check_process()
         step = check_step(step)  # and the metadata, leaves and manifest size in check_metadata/_plan
         me = threading.get_ident()
         if self._save_owner == me:
@@ -306,6 +307,7 @@ class Checkpointer:
         Reads through the process's staging pool when no save uses it;
         saves started meanwhile from other threads wait until the load is done.
         """
+        self._book.check_process()
         self.wait()
         step, report, source = self._peers.plan_load(step, report) if self._peers else (step, report, "")
         borrow = self._lease.pool.borrow_idle() if self._lease is not None else contextlib.nullcontext()
@@ -351,10 +353,8 @@ class Checkpointer:
         if self.__dict__.get("_released"):
             return True
         first, self._closed = not self._closed, True  # first: a save() this call interrupted fails
-        if os.getpid() != self.__dict__.get("_pid", os.getpid()):
-            # a forked child (at its exit, the atexit hook): the saves in flight, the threads
-            # and the lock are the parent's; waiting for them hung the child for good
-            return True
+        if os.getpid() != self.__dict__.get("_pid", os.getpid()):  # a forked child (at exit): the saves,
+            return True  # threads and lock are the parent's; waiting for them hung the child for good
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:
