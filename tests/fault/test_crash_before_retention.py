@@ -58,7 +58,7 @@ def _check(tier, steps):
     try:
         for s in steps:
             verify_step(tier, s, eng)
-        from zerostall.restore.pipeline import _shared_bounce
+        from zerostall.restore.step import shared_bounce as _shared_bounce
         assert equal(load_step(tier, steps[-1], eng, _shared_bounce(), verify=True), state(steps[-1]))
     finally:
         eng.close()

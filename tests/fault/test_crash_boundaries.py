@@ -75,7 +75,7 @@ def _content(tier, step):
 
 
 def _bounce():
-    from zerostall.restore.pipeline import _shared_bounce
+    from zerostall.restore.step import shared_bounce as _shared_bounce
     return _shared_bounce()
 
 

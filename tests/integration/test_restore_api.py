@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import zerostall
-from zerostall.restore import pipeline as restore
+from zerostall.restore import step as restore
 from zerostall.errors import ConfigError, CorruptCheckpoint, StateMismatchError
 from zerostall.store.local import LocalTier
+from zerostall.staging.arena import Arena
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -108,15 +109,18 @@ def test_in_place_fallback_leaves_no_byte_of_the_failed_step(ckdir):
     assert rep.missing_keys == ["optim.new_buffer"]
 
 
-def test_two_pass_when_scratch_would_not_fit(ckdir, monkeypatch):
-    """Without room for scratch tensors, a verify-only pass runs before the caller's are written."""
-    monkeypatch.setattr(restore, "_mem_available_bytes", lambda: 0)
+def test_two_pass_when_scratch_would_not_fit(ckdir, monkeypatch, caplog):
+    """Without room for the staged bytes (a bounce smaller than the step), a verify-only pass
+    runs before the caller's are written."""
+    monkeypatch.setattr(restore, "_bounce", Arena(1 << 20, mlock=False))
     zerostall.save(ckdir, _state(1.0), step=1)
     zerostall.save(ckdir, _state(2.0), step=2)
     _flip(ckdir, 2, "optim.m")
     sd = {"model": {"w": torch.zeros(256, 256), "b": torch.zeros(256)}, "optim": {"m": torch.zeros(300_000)}}
     ptr = sd["optim"]["m"].data_ptr()
-    zerostall.load(ckdir, sd)
+    with caplog.at_level("INFO", logger="zerostall"):
+        zerostall.load(ckdir, sd)
+    assert "verifying it first" in caplog.text
     assert sd["optim"]["m"].data_ptr() == ptr  # loaded in place
     assert torch.equal(sd["optim"]["m"], torch.full((300_000,), 1.0))
     assert torch.equal(sd["model"]["w"], torch.full((256, 256), 1.0))
@@ -127,10 +131,10 @@ def test_step_deleted_while_loading_is_not_a_failure(ckdir, monkeypatch):
         zerostall.save(ckdir, _state(float(s)), step=s)
     real = restore.check_files
 
-    def retention_strikes(tier, man, only=None):
+    def retention_strikes(tier, man, only=None, *a):
         if man.step == 3 and os.path.isdir(tier.step_dir(3)):
             tier.delete(3)  # what a writer's keep_last does between our listing and our read
-        return real(tier, man, only)
+        return real(tier, man, only, *a)
 
     monkeypatch.setattr(restore, "check_files", retention_strikes)
     rep = zerostall.LoadReport()

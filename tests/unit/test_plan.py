@@ -38,3 +38,19 @@ def test_errors():
         plan(PlanInput())
     with pytest.raises(ConfigError, match="not a number"):
         parse_count("seventy")
+
+
+def test_manifest_entry_bound_holds_for_every_kind_of_key():
+    """The save-side estimate of a manifest (``entry_bound`` per tensor) is an upper bound of
+    the real entry's JSON: ASCII, escaped and non-ASCII keys, scalars to 8-D, a reference."""
+    import json
+
+    from zerostall.format.manifest import TensorEntry
+    from zerostall.staging.plan import entry_bound
+    keys = ["w", "model.layers.0.attention.wq.weight", 'q"uote\\back', "tab\there", "émbed.ü", "层.权重" * 5]
+    for key in keys:
+        for shape in [(), (7,), (2 ** 40, 3), tuple([99999] * 8)]:
+            e = TensorEntry(key, "float8_e4m3fnuz", shape, "rank-9999999999.shard", 10 ** 19, 10 ** 19,
+                            2 ** 32 - 1, step=10 ** 12)
+            real = len(json.dumps(e.to_json(), separators=(",", ":"))) + 1  # and its comma
+            assert real <= entry_bound(key, len(shape)), (key, shape)

@@ -54,7 +54,8 @@ from .report import _summary, plot, print_table
 
 NUMERIC = ("stall_s", "staged_s", "durable_s", "persist_gbps", "fraction_of_line_rate", "dirty_peak_bytes",
            "writeback_peak_bytes", "psi_io_full_peak", "step_p50_ms", "step_p99_ms", "step_max_ms",
-           "steps_over_2x_median", "rss_peak_bytes", "restore_s", "restore_gbps", "lost_s",
+           "steps_over_2x_median", "rss_peak_bytes", "restore_s", "restore_gbps",
+           "restore_fraction_of_read_line_rate", "lost_s",
            "inproc_lost_s", "inproc_stall_s", "inproc_durable_s", "inproc_step_max_ms")
 COLD = ("cold_stall_s", "cold_setup_s", "cold_durable_s", "cold_lost_s", "cold_rss_peak_bytes")
 
@@ -158,6 +159,8 @@ def run_one(m: Method, step: int, state: Any, target: Any, size: int, line: dict
             "dirty_peak_bytes": tel["dirty_peak_bytes"], "writeback_peak_bytes": tel["writeback_peak_bytes"],
             "psi_io_full_peak": tel["psi_io_full_peak"], "rss_peak_bytes": tel["rss_peak_bytes"],
             "restore_s": restore_s, "restore_gbps": size / restore_s / 1e9, "verified": verified, **stats,
+            "restore_fraction_of_read_line_rate": (size / restore_s / 1e9 / line["read_gbps"]
+                                                   if line.get("read_gbps") else 0.0),
             "_series": {"t0": t_wall, "steps": [(t - t_wall, d * 1e3) for t, d in steps],
                         "dirty": [(s.t - t_wall, s.dirty_bytes) for s in sampler.series]}}
 

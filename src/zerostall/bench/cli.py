@@ -58,11 +58,19 @@ def add_parsers(sub: Any) -> None:
     s.add_argument("--settle-s", type=_positive(float), default=1.0, help="trainer warm-up before each save")
     s.add_argument("--no-line-rate", action="store_true", help="skip the fio/probe line-rate measurement")
     s.add_argument("--no-cold", action="store_true", help="skip the cold scenario (a fresh process per method)")
-    s.add_argument("--scenario", choices=("default", "frozen-base", "node-loss"), default="default",
+    s.add_argument("--tensors", type=_positive(int), default=100_000,
+                   help="many-tensors scenario: how many tensors (--size-gib defaults to 0.25 there)")
+    s.add_argument("--scenario", choices=("default", "frozen-base", "node-loss", "restore", "many-tensors"),
+                   default="default",
                    help="frozen-base: incremental vs full zerostall saves vs torch.save vs DCP of a fine-tune "
                         "whose base is frozen (uses --size-gib, --repeat, --methods, --dir, --json); "
                         "node-loss: 4 simulated nodes with peer replicas, a node wiped and recovered from "
-                        "peers vs the shared-fs and S3 tiers (uses --size-gib (total), --dir, --json)")
+                        "peers vs the shared-fs and S3 tiers (uses --size-gib (total), --dir, --json); "
+                        "restore: restore GB/s of zerostall (in place, new dict; both engines), dcp.load, "
+                        "torch.load and torch.load(mmap=True) against the read line rate (uses --size-gib, "
+                        "--repeat, --dir, --json); many-tensors: --tensors small tensors vs torch.save and DCP "
+                        "(stall, first save, durable, result() with keep_last=1, bytes on disk and staging, "
+                        "restore)")
     s.set_defaults(fn=_bench)
 
 
@@ -71,4 +79,8 @@ def _bench(a: argparse.Namespace) -> int:
         return _lazy("zerostall.bench.frozen", "main")(a)
     if a.scenario == "node-loss":
         return _lazy("zerostall.bench.nodeloss", "main")(a)
+    if a.scenario == "restore":
+        return _lazy("zerostall.bench.restore", "main")(a)
+    if a.scenario == "many-tensors":
+        return _lazy("zerostall.bench.many", "main")(a)
     return _lazy("zerostall.bench.bench", "main")(a)

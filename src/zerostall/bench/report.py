@@ -54,7 +54,7 @@ def print_table(doc: dict[str, Any], console: Any) -> None:
                     + f", {doc.get('date', '')}")
     cols = ("method", "lost s (same proc)", "lost s (sep proc)", "stall s", "staged s", "durable s",
             "cold stall s", "cold durable s", "GB/s", "dirty peak MiB", "step p50/p99/max ms", ">2x",
-            "restore GB/s", "ok")
+            "restore GB/s", "x read", "ok")
     for c in cols:
         t.add_column(c, justify="left" if c == "method" else "right")
     for r in doc["results"]:
@@ -66,7 +66,8 @@ def print_table(doc: dict[str, Any], console: Any) -> None:
                   _f(r.get("cold_durable_s"), ".2f"), f"{r['persist_gbps']:.2f}",
                   f"{r['dirty_peak_bytes'] / 2**20:.0f}",
                   f"{r['step_p50_ms']:.0f}/{r['step_p99_ms']:.0f}/{r['step_max_ms']:.0f}", str(r["steps_over_2x_median"]),
-                  f"{r['restore_gbps']:.2f}", "yes" if r["verified"] else "NO")
+                  f"{r['restore_gbps']:.2f}", _f(r.get("restore_fraction_of_read_line_rate"), ".2f"),
+                  "yes" if r["verified"] else "NO")
     console.print(t)
     for r in doc["results"]:
         if r.get("unavailable") or r.get("error"):

@@ -34,7 +34,9 @@ from .tree import decode_tree, tree_tensor_indices
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-MAX_MANIFEST_BYTES = 256 << 20
+MAX_MANIFEST_BYTES = 512 << 20
+"""Readers refuse larger manifests (a hostile one cannot make them parse gigabytes). A state
+of 1M tensors needs ~230 MB (entries ~169 B each with their key, plus the tree)."""
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _PREFIX = b'{"zerostall_manifest":"crc32c","body_crc32c":"'
 _MID = b'","body":'

@@ -213,6 +213,8 @@ class ZerostallAcceleratorMixin:
 
     def end_training(self) -> None:
         self.zerostall_wait()
+        if self.num_processes > 1:  # every checkpoint renamed before any process goes on
+            self.wait_for_everyone()
         super().end_training()  # type: ignore[misc]
 
     # -- loading ----------------------------------------------------------------------------------
@@ -221,6 +223,8 @@ class ZerostallAcceleratorMixin:
         ``save_state`` is loaded by Accelerate."""
         if self._zs_publisher is not None:
             self._zs_publisher.drain()
+        if self.num_processes > 1:  # the main process renames: every one sees the same checkpoints
+            self.wait_for_everyone()
         pc = self.project_configuration
         if input_dir is None:
             if not pc.automatic_checkpoint_naming:

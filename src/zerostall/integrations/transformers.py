@@ -132,6 +132,10 @@ class ZerostallTrainerMixin:
                 exc.add_note(f"zerostall: finishing the checkpoints also failed: {type(cleanup).__name__}: {cleanup}")
             raise
         self._zs_finish()
+        if self.args.world_size > 1:
+            # rank 0 renames the checkpoints: no rank goes on (e.g. to a resume that lists
+            # them) before every one is in place, so all ranks see the same checkpoints
+            self.accelerator.wait_for_everyone()
         return out
 
     def _zs_recover(self, run_dir: str) -> None:

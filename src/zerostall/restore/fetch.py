@@ -2,7 +2,7 @@
 
 The library's entry for ``zerostall restore URL --to DIR`` (the CLI calls nothing else), with
 the fallback rule of :func:`.pipeline.load` (``remote=``): for each remote step, newest first
-(or only ``step``), download it (:func:`.pipeline.fetch_remote_step`, which fetches what an
+(or only ``step``), download it (:func:`.download.fetch_remote_step`, which fetches what an
 incremental step borrows first) and read back every byte (:func:`.pipeline.verify_step`). Any
 defect of that checkpoint (a damaged, missing or symlinked object, a failed download, a
 crc32c mismatch) is reported, its download removed, and the previous step tried, as load()

@@ -1,0 +1,263 @@
+"""Loading one step: manifest, files, destinations, then every byte through :mod:`.stream`.
+
+Called from the caller's thread by :func:`.pipeline.load` (per candidate step) and by the
+CLI (``verify_step``, ``verify_tier_step``). Any :class:`~zerostall.store.tier.Tier` serves:
+its ``stat`` checks sizes before anything is allocated, its ``open_shard_read`` opens each
+file (a local tier refuses anything but a regular file; a remote tier streams its objects).
+
+Destinations: with a ``state_dict``, tensors of matching shape and dtype are filled in place
+(as DCP does), transactionally: a failed step leaves them as they were (:mod:`.stream`
+rolls back or stages; when even that scratch would not fit in memory, a verify-only pass
+runs first). Without one, new tensors are filled through the ring (or read into directly, page-aligned,
+see :data:`.stream.DIRECT_MIN_BYTES`), then moved to ``map_location``. ``keys=[...]`` reads only
+those keys' byte ranges.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..config import IOConfig
+from ..errors import CorruptCheckpoint, StateMismatchError
+from ..format.dtypes import dtype_from_name
+from ..format.layout import ShardHeader
+from ..format.manifest import Manifest, TensorEntry
+from ..format.tree import decode_tree, tree_tensor_indices
+from ..io.base import Engine
+from ..staging.arena import Arena
+from ..store.tier import Tier
+from .refs import check_ref_files, ref_groups, ref_reads, shard_where
+from .state import LoadReport, find_in_place, key_report, location_mapper, merge, select_keys
+from . import stream
+from .stream import FileRead, Plan, Stats, aligned_empty
+
+log = logging.getLogger("zerostall")
+
+BOUNCE_BYTES = 128 << 20
+_bounce_lock = threading.Lock()
+_bounce: Arena | None = None
+last_stats: Stats | None = None
+"""What the last read of this process did (bench and tests read it; no API)."""
+
+
+def shared_bounce() -> Arena:
+    """The process's restore scratch when no staging pool lends one (faulted once, reused)."""
+    global _bounce
+    if _bounce is None:
+        _bounce = Arena(BOUNCE_BYTES, mlock=False)
+    return _bounce
+
+
+def check_files(tier: Tier, man: Manifest, only: set[str] | None = None, engine: Engine | None = None) -> None:
+    """Every shard exists, is a regular file (no symlink, FIFO, device or directory) and has the
+    recorded size. Runs before anything is allocated or read, so a hostile manifest cannot make
+    us allocate what the files do not hold, and an odd file cannot block the open."""
+    for fe in man.files:
+        if only is not None and fe.name not in only:
+            continue
+        where = shard_where(tier, man.step, fe.name)
+        tier.open_shard_read(man.step, fe.name, engine).close()  # refuses a missing file, a symlink, a FIFO...
+        size = tier.stat(f"step-{man.step}/{fe.name}")
+        if size is None:
+            raise CorruptCheckpoint(f"{where}: shard file is missing or not a regular file", path=where)
+        if size != fe.file_bytes:
+            raise CorruptCheckpoint(f"{where}: shard is {size} bytes, manifest says "
+                                    f"{fe.file_bytes} (truncated or replaced)", path=where)
+    if man.ref_files:  # files of earlier steps this (incremental) step borrows from
+        check_ref_files(tier, man, [r for r in man.ref_files if only is None or r.name in only])
+
+
+def _meminfo(*keys: str) -> int:
+    total = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.split(":")[0] in keys:
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return total
+
+
+def _host_memory_bytes() -> int:
+    """RAM + swap: no allocation larger than this can ever succeed on this host."""
+    return _meminfo("MemTotal", "SwapTotal") or (1 << 62)
+
+
+def _new(e: TensorEntry, where: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A new tensor for ``e`` and, if it is big enough to be read into directly, its
+    page-aligned padded byte buffer."""
+    try:
+        dtype = dtype_from_name(e.dtype)
+        if e.nbytes >= stream.DIRECT_MIN_BYTES:
+            buf = aligned_empty(e.nbytes)
+            return buf[:e.nbytes].view(dtype).view(e.shape), buf
+        return torch.empty(e.shape, dtype=dtype), None
+    except (RuntimeError, MemoryError) as exc:
+        raise CorruptCheckpoint(f"{where}: cannot allocate tensor {e.key!r} ({e.nbytes} bytes): {exc}",
+                                path=where, key=e.key) from None
+
+
+def file_reads(tier: Tier, man: Manifest, engine: Engine | None, dst: Any, *, needed: list[int] | None,
+               only: set[str] | None, sparse: bool) -> list[FileRead]:
+    """One :class:`FileRead` per file to read: own shards (all their items, or with ``sparse``
+    only the ``needed`` ones) and the files of earlier steps the needed entries live in.
+    ``dst(i)`` is ``(flat tensor or None, direct buffer or None, protected)`` for entry ``i``."""
+    alias = man.alias_of
+    pick = set(needed) if needed is not None else None
+    by_file: dict[str, list[int]] = {}
+    for i, e in enumerate(man.tensors):
+        if e.step is None and i not in alias and (not sparse or pick is None or i in pick):
+            by_file.setdefault(e.file, []).append(i)
+    out = []
+    for fe in man.files:
+        if (only is not None and fe.name not in only) or (sparse and fe.name not in by_file):
+            continue
+        idx = sorted(by_file.get(fe.name, []), key=lambda i: man.tensors[i].offset)
+        fr = FileRead(shard_where(tier, man.step, fe.name), fe.file_bytes,
+                      ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes),
+                      [man.tensors[i] for i in idx], [],
+                      lambda name=fe.name: tier.open_shard_read(man.step, name, engine),
+                      wanted=set(range(len(idx))) if sparse else None)
+        for k, i in enumerate(idx):
+            flat, direct, protected = dst(i)
+            fr.dsts.append(flat)
+            if direct is not None:
+                fr.direct[k] = direct
+            if protected:
+                fr.protect.add(k)
+        out.append(fr)
+    if man.ref_files:
+        ids = [i for i, e in enumerate(man.tensors) if e.step is not None and (pick is None or i in pick)]
+        groups = {r: ix for r, ix in ref_groups(man, ids).items() if only is None or r.name in only}
+        out += ref_reads(tier, man, groups, dst, engine)
+    return out
+
+
+@contextlib.contextmanager
+def _scratch(plan: Plan, bounce: Any) -> Iterator[Any]:
+    """``bounce`` if the plan fits in it (under the shared bounce's lock if it is that one), else None.
+
+    Never a fresh allocation: new memory faults at 0.15-1 GB/s on a VM (the staging pool's
+    measurement, :meth:`~zerostall.staging.pool.StagingPool.ring_bytes`), slower than
+    reading the step twice from a disk at 3-4 GB/s."""
+    with _bounce_lock if bounce is _bounce else contextlib.nullcontext():
+        yield bounce if plan.fits(bounce.nbytes) else None
+
+
+def read_step(files: list[FileRead], bounce: Any, io: IOConfig, *, verify: bool = True,
+              gate: Callable[[], None] | None = None) -> Stats:
+    """Read ``files`` through :mod:`.stream` with ``bounce`` as scratch memory: transactional
+    for protected destinations, with a verify-only pass first when the staged bytes do not fit.
+    ``gate()`` runs once every byte verified, before any staged byte reaches its destination
+    (what it raises rolls the protected destinations back)."""
+    global last_stats
+    plan = Plan(files, io, in_place=any(fr.protect for fr in files))
+    with _scratch(plan, bounce) as scratch:
+        if scratch is not None:
+            last_stats = plan.run(scratch, verify=verify, gate=gate)
+            return last_stats
+    log.info("zerostall: an in-place load of %d bytes does not fit in %d bytes of scratch; verifying it first",
+             plan.ring_bytes, bounce.nbytes)
+    checks = [FileRead(fr.path, fr.file_bytes, fr.header, fr.items, [None] * len(fr.items), fr.open,
+                       wanted=fr.wanted) for fr in files]
+    copies = [FileRead(fr.path, fr.file_bytes, fr.header, fr.items, fr.dsts, fr.open, wanted=fr.wanted,
+                       direct=fr.direct) for fr in files]
+    for part in (checks, copies):
+        p = Plan(part, io, in_place=False)
+        with _scratch(p, bounce) as scratch:
+            last_stats = p.run(scratch, verify=verify or part is checks, gate=gate if part is checks else None)
+    return last_stats
+
+
+def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: Any = None,
+              map_location: Any = None, verify: bool = True, rank: int = 0, world_size: int = 1, *,
+              keys: list[str] | None = None, strict: bool = False,
+              report: LoadReport | None = None, io: IOConfig | None = None,
+              gate: Callable[[], None] | None = None) -> Any:
+    """Load one step, transactionally: nothing in ``state_dict`` changes unless the whole step
+    (every byte this load needs) verified. Raises CorruptCheckpoint/StorageError for the
+    checkpoint's defects and StateMismatchError for the caller's. ``gate`` (the ranks'
+    agreement, :mod:`zerostall.distributed.agree`) runs once every byte verified and before
+    anything stays in ``state_dict`` or is returned; what it raises propagates (rolled back)."""
+    man = tier.read_manifest(step)
+    where = shard_where(tier, step, "").rstrip("/")
+    tree = man.tree_for(rank, world_size)
+    if keys is not None:
+        tree = select_keys(tree, keys, step)
+    canon = man.alias_of
+    needed = sorted({canon.get(i, i) for i, _ in tree_tensor_indices(tree)})
+    only = {man.tensors[i].file for i in needed}
+    check_files(tier, man, only, engine)  # before allocating anything the manifest asks for
+    need_bytes = sum(man.tensors[i].nbytes for i in needed)
+    host = _host_memory_bytes()
+    if need_bytes > host:
+        raise CorruptCheckpoint(f"{where}: the manifest asks for {need_bytes} bytes of tensors, more than this "
+                                f"host's RAM and swap ({host}); corrupt, or load it on a bigger host", path=where)
+
+    in_place: dict[int, tuple[torch.Tensor, str]] = {}
+    if state_dict is not None:
+        skeleton = decode_tree(tree, [None] * len(man.tensors), where=where)
+        missing, unexpected = key_report(state_dict, skeleton, keys)
+        if strict and (missing or unexpected):
+            raise StateMismatchError(
+                f"state dict does not match step {step} (strict=True): missing keys {missing[:10]}, "
+                f"unexpected keys {unexpected[:10]}")
+        if report is not None:
+            report.missing_keys, report.unexpected_keys = missing, unexpected
+        find_in_place(state_dict, tree, in_place)
+        for i, (t, key) in list(in_place.items()):
+            e = man.tensors[canon.get(i, i)]
+            if tuple(t.shape) != e.shape or t.dtype != dtype_from_name(e.dtype):
+                raise StateMismatchError(
+                    f"state dict key {key!r} is {t.dtype} {tuple(t.shape)} but the checkpoint "
+                    f"(step {step}) holds {e.dtype} {list(e.shape)}; the checkpoint was saved from a "
+                    "different model or configuration")
+    # The caller's CPU tensors are filled in place (transactionally, see .stream); every other
+    # destination is a new tensor (copied into a GPU or non-contiguous tensor by merge()).
+    tensors: list[Any] = [None] * len(man.tensors)
+    dsts: dict[int, tuple[int | None, torch.Tensor | None, bool]] = {}  # address, direct buffer, protected
+    for i in needed:
+        dest = in_place.get(i, (None,))[0]
+        if dest is not None and dest.device.type == "cpu" and dest.is_contiguous():
+            tensors[i] = dest.detach()
+            dsts[i] = (tensors[i].data_ptr(), None, True)
+        else:
+            tensors[i], direct = _new(man.tensors[i], where)
+            dsts[i] = (None if direct is not None else tensors[i].data_ptr(), direct, False)
+    files = file_reads(tier, man, engine, lambda i: dsts.get(i, (None, None, False)), needed=needed,
+                       only=only, sparse=keys is not None)
+    read_step(files, bounce, io or engine.cfg, verify=verify, gate=gate)
+    for i, j in canon.items():
+        tensors[i] = tensors[j]
+    if state_dict is None:
+        mapper = location_mapper(map_location)
+        done = {i: mapper(tensors[i]) for i in needed}
+        return decode_tree(tree, [done.get(canon.get(i, i)) for i in range(len(tensors))], where=where)
+    return merge(state_dict, decode_tree(tree, tensors, where=where))
+
+
+def verify_step(tier: Tier, step: int, engine: Engine, bounce: Any = None) -> Manifest:
+    """Read every byte of ``step`` and check it, keeping nothing; raises CorruptCheckpoint."""
+    man = tier.read_manifest(step)
+    check_files(tier, man, None, engine)
+    read_step(file_reads(tier, man, engine, lambda i: (None, None, False), needed=None, only=None, sparse=False),
+              bounce or shared_bounce(), engine.cfg)
+    return man
+
+
+def verify_tier_step(tier: Tier, step: int, bounce: Any = None) -> Manifest:
+    """Read every byte of ``step`` on any tier through its ``open_shard_read`` (a remote tier
+    streams its objects through the same pipeline, several ranged reads at once; nothing is
+    stored locally) and check it as a load does: header, every tensor's crc32c, zero padding.
+    Raises CorruptCheckpoint (RemoteError if the tier cannot be read)."""
+    man = tier.read_manifest(step)
+    check_files(tier, man, None, None)
+    read_step(file_reads(tier, man, None, lambda i: (None, None, False), needed=None, only=None, sparse=False),
+              bounce or shared_bounce(), IOConfig())
+    return man

@@ -1,0 +1,395 @@
+"""The restore read pipeline: deep direct reads, checks and copies overlapped, like the save.
+
+Called from the caller's thread by :mod:`.pipeline` (``load_step``, ``verify_step``) with the
+shard files of one step (its own and those it borrows from), each cut into aligned windows
+of the files' bytes. Three kinds of threads, started per call and joined before it returns:
+
+- ``READERS`` reader threads (``zerostall-restore-read``), each with its own open reader of
+  every file (the engine's queue depth per reader: a window is ``chunk_bytes`` requests),
+  claim windows in file order and read each into its buffer: a slot of a bounded ring in
+  the scratch memory, a place in the scratch memory kept until the end (staged), or the
+  destination tensor itself (``direct``: a fresh page-aligned tensor of a new-dict restore);
+- the caller's thread checks each window in order with the one shard codec
+  (:class:`~zerostall.format.shard.ShardCursor`: header, padding, crc32c, which releases the
+  GIL for large buffers) while the next ones are read, and hands the copies to
+- ``COPIERS`` copier threads (``zerostall-restore-copy``; ``ctypes.memmove`` releases the
+  GIL), which free a ring slot once its copies are done (they also take the page faults of
+  new tensors' first touch, next to the reads).
+
+Transactional in-place loads (``FileRead.protect``: the caller's tensors) never leave a
+failed step's bytes behind, and read every byte once. Windows in the first
+:data:`ROLLBACK_FRACTION` of the bytes are copied into the caller's tensors as they verify,
+after the copier saved what they held (rolled back if anything fails later); the rest is
+staged and copied (by two threads) only once every byte of the step verified. Rollback
+copies overlap the reads but cost two copies; staged ones cost one, after the reads; the mix
+keeps both cores busy while the disk reads (measured: see the README's restore section).
+
+The scratch memory is the caller's (the staging pool's faulted arena, or the shared bounce);
+never a fresh allocation the size of the state unless nothing else fits (then a transient
+huge-page arena, see :func:`scratch_for`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..config import ALIGN_BYTES, IOConfig
+from ..errors import CorruptCheckpoint
+from ..format.layout import ShardHeader, align_up
+from ..format.shard import Item, ShardCursor, check_items, read_runs
+
+READERS = 2
+"""Reader threads; each keeps the engine's queue depth in flight on its own reader."""
+MAX_WINDOW_BYTES = 64 << 20
+MIN_SLOTS = 4
+ROLLBACK_FRACTION = 0.6
+"""Share of an in-place load's bytes copied under rollback while reading (the rest is staged)."""
+OVER_RING = -2
+DIRECT_MIN_BYTES = 1 << 62
+"""New tensors at least this big are read into directly, the rest through the ring. Off: on
+this project's VM (1 GiB new dict, load 9-15) the ring ran at 1.4-2.0 GB/s and direct reads
+at 0.8-1.7 GB/s (0.14 with huge pages advised, compaction): the first touch of a new tensor
+then runs inside the read, with the disk idle, while through the ring the copier threads take
+those page faults next to the reads."""
+COPIERS = 2
+
+
+@dataclass
+class FileRead:
+    """One shard file to read: ``items`` sorted by offset, ``dsts[i]`` the address of the
+    ``nbytes`` to fill (the caller keeps that memory alive; None: checked only, or read into
+    directly: ``direct[i]`` is then a page-aligned flat uint8 tensor of ``align_up(nbytes)``
+    bytes, its tail the file's padding)."""
+
+    path: str
+    file_bytes: int
+    header: ShardHeader
+    items: Sequence[Item]
+    dsts: list[int | None]
+    open: Callable[[], Any]
+    wanted: set[int] | None = None
+    direct: dict[int, torch.Tensor] = field(default_factory=dict)
+    protect: set[int] = field(default_factory=set)
+    """Items whose ``dsts`` are the caller's tensors: written only transactionally."""
+
+
+@dataclass
+class Stats:
+    bytes_read: int = 0
+    windows: int = 0
+    wait_s: float = 0.0
+    """Time the checking thread waited for reads (the rest of the wall time it was busy)."""
+    deferred_bytes: int = 0
+    rollback_bytes: int = 0
+    fraction: float = 0.0
+    window_bytes: int = 0
+
+
+class _Win:
+    __slots__ = ("fi", "off", "n", "kind", "slot", "buf", "done", "error")
+
+    def __init__(self, fi: int, off: int, n: int, kind: str, buf: torch.Tensor | None = None, slot: int = -1):
+        self.fi, self.off, self.n, self.kind, self.buf, self.slot = fi, off, n, kind, buf, slot
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+def window_bytes(io: IOConfig) -> int:
+    """One window: enough requests of ``chunk_bytes`` that READERS windows fill the queue."""
+    return max(ALIGN_BYTES, min(MAX_WINDOW_BYTES, io.chunk_bytes * max(1, io.queue_depth // READERS)))
+
+
+def _cut(fi: int, a: int, b: int, w: int, kind: str, out: list[_Win], buf: torch.Tensor | None = None) -> None:
+    for p in range(a, b, w):
+        q = min(p + w, b)
+        out.append(_Win(fi, p, q - p, kind, buf[p - a:q - a] if buf is not None else None))
+
+
+def plan_windows(files: Sequence[FileRead], w: int) -> list[_Win]:
+    """Every byte range to read, in file order: ``direct`` windows over the destinations read
+    into directly, ``ring`` windows (buffers assigned by :func:`layout`) for the rest."""
+    out: list[_Win] = []
+    for fi, fr in enumerate(files):
+        check_items(fr.path, fr.items, fr.file_bytes)
+        dext = sorted((fr.items[i].offset, buf) for i, buf in fr.direct.items())
+        k = 0
+        for r0, r1 in read_runs(fr.items, fr.wanted, fr.file_bytes):
+            pos = r0
+            while k < len(dext) and dext[k][0] < r1:
+                a, buf = dext[k]
+                k += 1
+                if a < pos or a + buf.numel() > r1:
+                    raise CorruptCheckpoint(f"{fr.path}: item at offset {a} overlaps another", path=fr.path)
+                _cut(fi, pos, a, w, "ring", out)
+                _cut(fi, a, a + buf.numel(), w, "direct", out, buf)
+                pos = a + buf.numel()
+            _cut(fi, pos, r1, w, "ring", out)
+    return out
+
+
+class Plan:
+    """The windows of one read of ``files`` and the scratch memory it needs (built on the
+    caller's thread before any byte is read; :meth:`run` then reads)."""
+
+    def __init__(self, files: Sequence[FileRead], io: IOConfig, *, in_place: bool):
+        self.files, self.in_place = files, in_place
+        self.w = window_bytes(io)
+        wins = plan_windows(files, self.w)
+        self.ring_bytes = sum(x.n for x in wins if x.kind == "ring")
+        """Bytes read through scratch memory (the rest lands in its destination directly)."""
+
+    def need_bytes(self) -> int:
+        """Scratch for full-size windows: the ring, plus (in place) backups and staging."""
+        return MIN_SLOTS * self.w + (self.ring_bytes if self.in_place else 0)
+
+    def fits(self, scratch_bytes: int) -> bool:
+        return self._shape_for(scratch_bytes) is not None
+
+    def _shape_for(self, scratch_bytes: int) -> tuple[int, float] | None:
+        """(window bytes, rollback fraction) for ``scratch_bytes`` of scratch, or None.
+
+        New dict: a ring as large as fits. In place: the staged bytes and the backups together
+        take ``ring_bytes``; the ring lies after them if there is room, else over the end of
+        the staging region (staged windows that overlap it wait for its slots, which the
+        earlier rollback windows free); with no room for either, everything is staged."""
+        if not self.in_place:
+            w = min(self.w, scratch_bytes // MIN_SLOTS // ALIGN_BYTES * ALIGN_BYTES)
+            return (max(w, ALIGN_BYTES), 1.0) if scratch_bytes >= ALIGN_BYTES else None
+        room = scratch_bytes - self.ring_bytes
+        if room < 0:
+            return None
+        if ROLLBACK_FRACTION > 0 and room + (1 - ROLLBACK_FRACTION) * self.ring_bytes >= MIN_SLOTS * self.w:
+            return self.w, ROLLBACK_FRACTION
+        return self.w, 0.0
+
+    def run(self, scratch: Any, *, verify: bool = True, gate: Callable[[], None] | None = None) -> Stats:
+        """Read, check and deliver every file; see the module doc. ``scratch`` (``nbytes``,
+        ``u8``) must :meth:`fits`. Raises what a read or a check raised (CorruptCheckpoint,
+        StorageError); the protected destinations are then as they were."""
+        shape = self._shape_for(scratch.nbytes)
+        if shape is None:
+            raise ValueError(f"scratch of {scratch.nbytes} bytes; this read needs {self.need_bytes()}")
+        w, fraction = shape
+        wins = plan_windows(self.files, w)
+        slots, ring0 = _layout(wins, scratch, w, self.in_place, fraction)
+        run = _Run(self.files, wins, scratch, w, slots, ring0, verify, gate)
+        run.stats.fraction, run.stats.window_bytes = fraction, w
+        return run.go()
+
+
+def _layout(wins: list[_Win], scratch: Any, w: int, in_place: bool, fraction: float) -> tuple[int, int]:
+    """Give each ``ring`` window a slot of the ring, or (in place, past ``fraction`` of the
+    bytes) a staging place after the backup region (backups from offset 0); a staged window
+    over the ring (``OVER_RING``) waits until every slot is free. Returns (slots, ring start)."""
+    ring_wins = [x for x in wins if x.kind == "ring"]
+    total = sum(x.n for x in ring_wins)
+    if not in_place:
+        slots = max(1, min(8, scratch.nbytes // w))
+        for r, x in enumerate(ring_wins):
+            x.slot = r % slots
+        return slots, 0
+    cut = int(total * fraction)
+    done, rolled, staged = 0, [], []
+    for x in ring_wins:
+        (rolled if done < cut else staged).append(x)
+        done += x.n
+    slots = MIN_SLOTS if rolled else 0
+    ring0 = total if scratch.nbytes - total >= slots * w else scratch.nbytes - slots * w
+    if ring0 < sum(x.n for x in rolled):  # the backups would reach the ring: stage everything
+        rolled, staged, slots = [], rolled + staged, 0
+    for r, x in enumerate(rolled):
+        x.slot = r % slots
+    stage = sum(x.n for x in rolled)  # after the backups of the rollback part
+    for x in staged:
+        x.kind, x.buf = "stage", scratch.u8[stage:stage + x.n]
+        if slots and stage + x.n > ring0:
+            x.slot = OVER_RING
+        stage += x.n
+    return slots, ring0
+
+
+class _Run:
+    """One :func:`run`: the window queue shared by the readers, the checker and the copier."""
+
+    def __init__(self, files: Sequence[FileRead], wins: list[_Win], scratch: Any, w: int, slots: int,
+                 ring0: int, verify: bool, gate: Callable[[], None] | None = None):
+        self.files, self.wins, self.scratch, self.w, self.verify = files, wins, scratch, w, verify
+        self.owner: list[int | None] = [None] * slots
+        self.cond = threading.Condition()
+        self.next = 0
+        self.abort = False
+        self.ring0 = ring0
+        self.gate = gate
+        self.scratch_addr = scratch.u8.data_ptr()
+        self.bk_pos = 0  # backups of the rollback part, from the start of the scratch
+        self.backups: list[tuple[int, int, int]] = []  # (caller's bytes, their saved copy, length)
+        self.deferred: list[tuple[int, int, int]] = []  # (destination, staged bytes, length)
+        self.stats = Stats(windows=len(wins), bytes_read=sum(x.n for x in wins))
+        self.idents: dict[int, tuple[int, int]] = {}
+
+    # -- reader threads ------------------------------------------------------------------------
+    def _claim(self) -> _Win | None:
+        with self.cond:
+            while not self.abort and self.next < len(self.wins):
+                x = self.wins[self.next]
+                free = (self.owner[x.slot] is None if x.kind == "ring" else
+                        all(o is None for o in self.owner) if x.slot == OVER_RING else True)
+                if free:
+                    if x.kind == "ring":
+                        self.owner[x.slot] = self.next
+                        at = self.ring0 + x.slot * self.w
+                        x.buf = self.scratch.u8[at:at + x.n]
+                    self.next += 1
+                    return x
+                self.cond.wait()
+            return None
+
+    def _open(self, fi: int) -> Any:
+        f = self.files[fi].open()
+        fd = getattr(f, "fd", None)
+        if isinstance(fd, int):
+            st = os.fstat(fd)
+            ident = self.idents.setdefault(fi, (st.st_dev, st.st_ino))
+            if ident != (st.st_dev, st.st_ino):
+                f.close()
+                raise CorruptCheckpoint(f"{self.files[fi].path}: the shard was replaced while it was being read",
+                                        path=self.files[fi].path)
+        return f
+
+    def _reader(self) -> None:
+        opened: dict[int, Any] = {}
+        try:
+            while (x := self._claim()) is not None:
+                try:
+                    if x.fi not in opened:
+                        opened[x.fi] = self._open(x.fi)
+                    assert x.buf is not None
+                    opened[x.fi].read([(x.off, _mv(x.buf))])
+                except BaseException as exc:  # noqa: BLE001 - raised by the checking thread
+                    x.error = exc
+                    with self.cond:
+                        self.abort = True
+                        self.cond.notify_all()
+                finally:
+                    x.done.set()
+        finally:
+            for f in opened.values():
+                f.close()
+
+    def _release(self, slot: int) -> None:
+        with self.cond:
+            self.owner[slot] = None
+            self.cond.notify_all()
+
+    # -- the copier ----------------------------------------------------------------------------
+    def _copies(self, jobs: list[tuple[int, int, int, int]], slot: int) -> None:
+        try:
+            for dst, src, n, bk in jobs:  # ctypes.memmove releases the GIL
+                if bk:
+                    ctypes.memmove(bk, dst, n)
+                    self.backups.append((dst, bk, n))  # only what was saved is rolled back
+                ctypes.memmove(dst, src, n)
+        finally:
+            if slot >= 0:
+                self._release(slot)
+
+    # -- the checking (caller's) thread --------------------------------------------------------
+    def go(self) -> Stats:
+        import time
+        cursors = [ShardCursor(fr.path, fr.header, fr.items, fr.dsts, verify=self.verify) for fr in self.files]
+        readers = [threading.Thread(target=self._reader, name=f"zerostall-restore-read-{i}", daemon=True)
+                   for i in range(min(READERS, len(self.wins)))]
+        copier = ThreadPoolExecutor(COPIERS, thread_name_prefix="zerostall-restore-copy")
+        ok = False
+        try:
+            for t in readers:
+                t.start()
+            for x in self.wins:
+                t0 = time.perf_counter()
+                x.done.wait()
+                self.stats.wait_s += time.perf_counter() - t0
+                if x.error is not None:
+                    raise x.error
+                jobs: list[tuple[int, int, int, int]] = []
+                protect = self.files[x.fi].protect
+                assert x.buf is not None
+                cursors[x.fi].feed(x.off, _mv(x.buf), x.buf, lambda i, d, s, n: self._route(x, i, d, s, n, protect, jobs),
+                                   addr=x.buf.data_ptr())
+                if jobs:
+                    copier.submit(self._copies, jobs, x.slot if x.kind == "ring" else -1)
+                elif x.kind == "ring":
+                    self._release(x.slot)
+            for fr, cur in zip(self.files, cursors):
+                cur.finish(fr.wanted)
+            copier.shutdown(wait=True)  # every rollback copy is in; its errors surface here
+            if self.gate is not None:  # the ranks' agreement: what it raises rolls back
+                self.gate()
+            self._deferred()
+            ok = True
+        finally:
+            with self.cond:
+                self.abort = True
+                self.cond.notify_all()
+            for t in readers:
+                t.join()
+            copier.shutdown(wait=True)
+            if not ok:
+                for dst, bk, n in reversed(self.backups):
+                    ctypes.memmove(dst, bk, n)
+        return self.stats
+
+    def _route(self, x: _Win, i: int, dst: int, src: int, n: int, protect: set[int],
+               jobs: list[tuple[int, int, int, int]]) -> None:
+        if x.kind == "stage":
+            self.deferred.append((dst, src, n))
+            self.stats.deferred_bytes += n
+        elif i in protect:
+            bk = self.scratch_addr + self.bk_pos
+            self.bk_pos += n
+            self.stats.rollback_bytes += n
+            jobs.append((dst, src, n, bk))
+        else:
+            jobs.append((dst, src, n, 0))
+
+    def _deferred(self) -> None:
+        """The staged part, once every byte verified: copied by two threads, split by bytes."""
+        if not self.deferred:
+            return
+        parts: list[list[tuple[int, int, int]]] = [[], []]
+        sizes = [0, 0]
+        piece = 16 << 20
+        for dst, src, n in self.deferred:
+            for p in range(0, n, piece):
+                k = 0 if sizes[0] <= sizes[1] else 1
+                parts[k].append((dst + p, src + p, min(piece, n - p)))
+                sizes[k] += min(piece, n - p)
+
+        def copy(part: list[tuple[int, int, int]]) -> None:
+            for d, s, n in part:
+                ctypes.memmove(d, s, n)
+        with ThreadPoolExecutor(2, thread_name_prefix="zerostall-restore-copy") as ex:
+            for f in [ex.submit(copy, p) for p in parts if p]:
+                f.result()
+
+
+def _mv(u8: torch.Tensor) -> memoryview:
+    """A writable memoryview of a flat uint8 CPU tensor's bytes (no copy)."""
+    n = u8.numel()
+    return memoryview((ctypes.c_ubyte * n).from_address(u8.data_ptr())).cast("B") if n else memoryview(bytearray())
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """A flat uint8 tensor of ``align_up(nbytes)`` bytes at a page-aligned address (read into
+    with direct I/O), its storage owned by torch's allocator. (Advising huge pages for it
+    measured 0.14 GB/s here: the fault compacts memory.)"""
+    padded = align_up(nbytes)
+    raw = torch.empty(padded + ALIGN_BYTES, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % ALIGN_BYTES
+    return raw[off:off + padded]
