@@ -299,9 +299,8 @@ class Checkpointer:
 
     def load(self, state_dict: Any = None, step: int | None = None, map_location: Any = None, *,
              keys: list[str] | None = None, strict: bool = False, report: Any = None) -> Any:
-        """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load`
-        (``keys``, ``strict`` and ``report`` as there).
-        Under torch.distributed, collective: all ranks load the newest step all can load
+        """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load` (``keys``,
+        ``strict``, ``report``). Under torch.distributed, collective: all ranks load the newest step all can load
         (:mod:`zerostall.distributed.agree`; ``report.why`` says which and why).
 
         Reads through the process's staging pool when no save uses it;
@@ -339,8 +338,7 @@ class Checkpointer:
         """Call from a SIGTERM handler: let in-flight saves finish, up to ``timeout`` seconds.
 
         Safe at any instant of ``save()`` on the same thread (takes no lock; a save that the
-        signal interrupted before it was queued is not waited for). True when all finished.
-        """
+        signal interrupted before it was queued is not waited for). True when all finished."""
         return self.wait(timeout)
 
     def close(self, timeout: float | None = None, *, _from_atexit: bool = False) -> bool:
@@ -359,7 +357,9 @@ class Checkpointer:
 
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
-
+        me = threading.get_ident()  # another thread inside save(): it queues its job or gives up first
+        while self._save_owner not in (None, me) and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.002)  # (close() once stopped the persist thread under a job queued after)
         # a save() this call interrupted after queueing its job fails (unless it is committing)
         step, saving = self._saving or (0, None)
         failed_here = first and saving is not None and saving.queued and saving.fail(

@@ -26,7 +26,7 @@ def test_close_from_another_thread_during_save_never_strands_the_save(ckdir):
     def queue_after_a_close_elsewhere(job):
         t = threading.Thread(target=lambda: results.append(ck.close(timeout=10)))
         t.start()
-        t.join(3)  # close() runs meanwhile on its own thread (it may wait for this save)
+        t.join(1)  # close() runs meanwhile on its own thread (it may wait for this save)
         orig_queue(job)
 
     ck._lease.queue = queue_after_a_close_elsewhere
