@@ -314,7 +314,7 @@ class Checkpointer:
             out = load_into(state_dict, lambda sd: self._stages.load(
                 sd, step, self.config, report, map_location=map_location, engine=self.engine, bounce=bounce,
                 keys=keys, strict=strict))
-        if source:  # peer replicas: the agreed step's files were local, fetched from peers, or remote
+        if source and report.step == self._peers.planned_step:  # peer replicas: where its files came from
             report.source = source
         return out
 

@@ -150,7 +150,9 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
         if cfg.prometheus:
             from .telemetry import prometheus
             prometheus.enable()
-        protect = refs.protected if refs is not None else set
+        own_refs = refs.protected if refs is not None else set
+        # peer replicas: the newest protected step stays local until a newer one is protected
+        protect = own_refs if peers is None else (lambda: own_refs() | peers.replicator.newest_protected())
         retains = session is None or session.is_leader  # this rank applies its copy's retention
         replicator: Replicator | None = None
         retention: LocalRetention | None = None
