@@ -20,11 +20,12 @@ def test_close_from_another_thread_during_save_never_strands_the_save(ckdir):
     state = {"w": torch.ones(4096)}
     ck = zerostall.Checkpointer(ckdir)
     ck.save(1, state).result()
-    results = []
+    results, closer = [], []
     orig_queue = ck._lease.queue
 
     def queue_after_a_close_elsewhere(job):
         t = threading.Thread(target=lambda: results.append(ck.close(timeout=10)))
+        closer.append(t)
         t.start()
         t.join(1)  # close() runs meanwhile on its own thread (it may wait for this save)
         orig_queue(job)
@@ -36,9 +37,7 @@ def test_close_from_another_thread_during_save_never_strands_the_save(ckdir):
         h = None
     if h is not None:
         assert h.wait(timeout=30)  # was: never finished
-    for t in threading.enumerate():
-        if t is not threading.current_thread() and t.name.startswith("Thread"):
-            t.join(30)
+    closer[0].join(30)
     assert results == [True]
     assert ck.wait(timeout=30)
     with zerostall.Checkpointer(ckdir, lock_timeout_s=0) as again:  # the root lock is free
