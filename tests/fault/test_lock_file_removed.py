@@ -15,11 +15,11 @@ import zerostall
 from zerostall.errors import RootLockedError, ZerostallError
 
 
-@pytest.mark.xfail(strict=True, reason="adv2: the owner never checks that its locked fd is still the "
-                   "file at ROOT/.zerostall.lock (st_ino of the path vs fstat of the fd); a second "
-                   "Checkpointer then owns the root too. Check it at start-up of a new owner is not "
-                   "enough (the old one has no file to conflict on): the writer should re-check before "
-                   "each commit and fail the save naming the lock file, and say so in the README")
+@pytest.mark.xfail(strict=True, reason="adv2: the root lock lives only on the inode of ROOT/.zerostall.lock; "
+                   "once that name is unlinked a new Checkpointer locks a fresh file and owns the root too. "
+                   "Also flock the root directory's own inode (an O_RDONLY fd of ROOT, which no unlink "
+                   "removes), or have the writer re-check st_ino(path) == fstat(fd).st_ino before each "
+                   "commit and fail naming the lock file")
 def test_second_writer_refused_after_the_lock_file_was_removed(ckdir):
     a = zerostall.Checkpointer(ckdir, lock_timeout_s=0)
     try:
