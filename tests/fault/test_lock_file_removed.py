@@ -15,11 +15,6 @@ import zerostall
 from zerostall.errors import RootLockedError, ZerostallError
 
 
-@pytest.mark.xfail(strict=True, reason="adv2: the root lock lives only on the inode of ROOT/.zerostall.lock; "
-                   "once that name is unlinked a new Checkpointer locks a fresh file and owns the root too. "
-                   "Also flock the root directory's own inode (an O_RDONLY fd of ROOT, which no unlink "
-                   "removes), or have the writer re-check st_ino(path) == fstat(fd).st_ino before each "
-                   "commit and fail naming the lock file")
 def test_second_writer_refused_after_the_lock_file_was_removed(ckdir):
     a = zerostall.Checkpointer(ckdir, lock_timeout_s=0)
     try:
@@ -33,3 +28,5 @@ def test_second_writer_refused_after_the_lock_file_was_removed(ckdir):
             a.close()
         except ZerostallError:
             pass
+    with zerostall.Checkpointer(ckdir, lock_timeout_s=0) as c:  # once the first closed, the root is free
+        assert c.steps() == [1]
