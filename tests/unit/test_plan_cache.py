@@ -64,3 +64,35 @@ def test_plan_cache_keeps_no_tensor_alive_and_steps_aside_for_odd_states():
     assert [lf.numpy for lf in pc.plan(arr).leaves] == [True, False] == [lf.numpy for lf in pc.plan(arr).leaves]
     with pytest.raises(UnsupportedStateError):
         pc.plan({"x": object()})
+
+
+def test_plan_pauses_the_gc_only_while_planning_and_keeps_a_disabled_gc_disabled():
+    import gc
+    import threading
+    from zerostall.staging.plan import PlanCache
+    seen = []
+    cb = lambda phase, info: seen.append(info["generation"]) if phase == "start" else None  # noqa: E731
+    assert gc.isenabled()
+    gc.callbacks.append(cb)
+    try:
+        pc = PlanCache()
+        st = {"opt": {f"s.{i}": torch.ones(1) for i in range(3000)}}
+        pc.plan(st)
+        seen.clear()
+        pc.plan(st)  # many times the gen-0 threshold of allocations: at most the one due at the end
+        assert len(seen) <= 1, seen
+        assert gc.isenabled()
+        threads = [threading.Thread(target=PlanCache().plan, args=(st,)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert gc.isenabled()  # concurrent planners: re-enabled when the last is done
+        gc.disable()
+        try:
+            pc.plan(st)
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+    finally:
+        gc.callbacks.remove(cb)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import threading
 
 import json
 import operator
@@ -141,20 +142,30 @@ def _tensor_sig(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
             tuple(map(_DTYPE, tensors)), tuple(map(_DEVICE, tensors)))
 
 
+_gc_lock = threading.Lock()
+_gc_paused = [0, False]  # [planners inside _no_gc, whether the GC was enabled before the first]
+
+
 @contextlib.contextmanager
 def _no_gc() -> Iterator[None]:
     """Pause the cyclic GC: a plan allocates an object or more per tensor (leaves, detached
     tensors, sizes), which triggered gen-2 collections of the whole heap inside ``save()``
     (1-2 per save at 100k tensors, each scanning the caller's state). None of it is cyclic;
-    the counts carry over, so a collection due runs after ``save()`` returns, when the plan's
-    objects have been handed on. A GC the caller disabled stays disabled."""
-    was = gc.isenabled()
-    gc.disable()
+    the counts carry over, so a collection due runs after the plan is built. A GC the caller
+    disabled stays disabled; Checkpointers planning on several threads at once re-enable it
+    when the last one is done (a count under a lock: no thread sees the others' pause)."""
+    with _gc_lock:
+        if _gc_paused[0] == 0:
+            _gc_paused[1] = gc.isenabled()
+            gc.disable()
+        _gc_paused[0] += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _gc_lock:
+            _gc_paused[0] -= 1
+            if _gc_paused[0] == 0 and _gc_paused[1]:
+                gc.enable()
 
 
 class PlanCache:
