@@ -73,11 +73,11 @@ def recover_from(url: str, root: str, rank: int, world: int) -> tuple[float, flo
     Returns (seconds to bring the files in, seconds in all)."""
     from .. import load
     from ..format.layout import shard_name
-    from ..store.local import LocalTier
     from ..store.remote import open_tier
+    from ..store.tier import open_root
     remote = open_tier(url)
     t0 = time.perf_counter()
-    tier = LocalTier(root, create=True)
+    tier = open_root(root, create=True)
     man = remote.read_manifest(1)
     part = tier.begin(1)
     name = shard_name(rank)

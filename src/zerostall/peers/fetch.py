@@ -36,7 +36,7 @@ from ..errors import CheckpointNotFound, DistributedError, ZerostallError
 from ..format.layout import shard_name
 from ..format.manifest import Manifest
 from ..io.base import Engine
-from ..store.local import LocalTier
+from ..store.tier import RootTier
 from .exchange import PeerView
 from .transport import Transport
 from .verify import StreamCheck, file_entry
@@ -53,7 +53,7 @@ class Plan:
     holders: dict[str, list[tuple[str, str]]]  # file name -> [(node, src)] (peers)
 
 
-def _local_steps(tier: LocalTier, view: PeerView, names: list[str]) -> set[int]:
+def _local_steps(tier: RootTier, view: PeerView, names: list[str]) -> set[int]:
     out = set()
     for s in tier.steps():
         try:
@@ -104,7 +104,7 @@ def _peer_holdings(view: PeerView, transport: Transport, names: list[str]) -> di
     return out
 
 
-def agree(store: Store, view: PeerView, transport: Transport, tier: LocalTier, load_no: int, *,
+def agree(store: Store, view: PeerView, transport: Transport, tier: RootTier, load_no: int, *,
           step: int | None, remote_steps: list[int], timeout_s: float) -> Plan:
     """Steps 1-2 of the module doc; raises :class:`CheckpointNotFound` on every rank alike."""
     names = [shard_name(r) for r in view.ranks_of(view.me)]
@@ -126,7 +126,7 @@ def agree(store: Store, view: PeerView, transport: Transport, tier: LocalTier, l
     return Plan(s, src, peers.get(s, {}))
 
 
-def fetch(store: Store, view: PeerView, transport: Transport, tier: LocalTier, engine_for: Callable[[], Engine],
+def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
           plan: Plan, load_no: int, timeout_s: float) -> None:
     """Step 3: the node's leader brings ``plan.step``'s files of this node in; others wait."""
     key = view.key(f"load{load_no}", "node", view.me)
@@ -146,7 +146,7 @@ def fetch(store: Store, view: PeerView, transport: Transport, tier: LocalTier, e
     store.set(key, json.dumps({"ok": True}))
 
 
-def _fetch_files(view: PeerView, transport: Transport, tier: LocalTier, engine_for: Callable[[], Engine],
+def _fetch_files(view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
                  plan: Plan) -> None:
     step = plan.step
     part = tier.begin(step)

@@ -35,7 +35,7 @@ from ..errors import ZerostallError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..io.base import Engine
 from ..store.atomic import fsync_dir, write_file_durable
-from ..store.local import LocalTier
+from ..store.tier import RootTier
 from .verify import StreamCheck, file_entry
 from .wire import check_name, check_node
 
@@ -45,7 +45,7 @@ _STEP_RE = re.compile(r"^step-(\d{1,19})$")
 
 
 class PeerStore:
-    def __init__(self, tier: LocalTier, me: str, engine_for: Callable[[], Engine]):
+    def __init__(self, tier: RootTier, me: str, engine_for: Callable[[], Engine]):
         self.tier, self.me = tier, me
         self.area = os.path.join(tier.root, AREA)
         self._engine_for = engine_for

@@ -15,14 +15,13 @@ from typing import Any
 from ..errors import CorruptCheckpoint, StorageError, ZerostallError, storage_error
 from ..format.manifest import Manifest
 from ..format.tree import tree_tensor_indices
-from ..store.local import LocalTier
 from ..store.owner import StepLock
-from ..store.tier import Tier
+from ..store.tier import RootTier, Tier
 
 log = logging.getLogger("zerostall")
 
 
-def damaged_local_ref(tier: LocalTier, step: int, exc: BaseException) -> int | None:
+def damaged_local_ref(tier: RootTier, step: int, exc: BaseException) -> int | None:
     """The earlier step whose local file ``exc`` (loading ``step``) names, if ``step`` borrows from it."""
     where = getattr(exc, "path", None)
     if not isinstance(exc, CorruptCheckpoint) or not where:
@@ -79,7 +78,7 @@ class _FetchLock:
 _ANY = object()
 
 
-def fetch_remote_step(tier: LocalTier, remote: Tier, step: int, seen: Any = _ANY) -> Manifest:
+def fetch_remote_step(tier: RootTier, remote: Tier, step: int, seen: Any = _ANY) -> Manifest:
     """Download ``step`` from ``remote`` into the local tier (direct I/O) and commit it there
     (replacing a local copy; the steps it borrows from are fetched first if missing locally)."""
     return fetch(tier, remote, step, seen)[0]
@@ -94,7 +93,7 @@ def rank_files(man: Manifest, rank: int, world_size: int) -> set[str] | None:
     return {man.tensors[canon.get(i, i)].file for i, _ in tree_tensor_indices(man.tree_for(rank, world_size))}
 
 
-def fetch(tier: LocalTier, remote: Tier, step: int, seen: Any = _ANY, only: set[str] | None = None,
+def fetch(tier: RootTier, remote: Tier, step: int, seen: Any = _ANY, only: set[str] | None = None,
           who: tuple[int, int] | None = None) -> tuple[Manifest, bool]:
     """:func:`fetch_remote_step`; also says whether this call downloaded it (False: another
     process committed the same checkpoint locally since the caller saw ``seen``, the identity
@@ -133,7 +132,7 @@ def fetch(tier: LocalTier, remote: Tier, step: int, seen: Any = _ANY, only: set[
     return man, True
 
 
-def _add_files(tier: LocalTier, remote: Any, step: int, man: Manifest, only: set[str]) -> None:
+def _add_files(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[str]) -> None:
     """Download the files in ``only`` into the committed local copy of ``step`` (which lacks them,
     or holds copies that failed), each into a temporary name in it, then renamed into place
     (caller holds the fetch lock)."""
@@ -162,7 +161,7 @@ def _add_files(tier: LocalTier, remote: Any, step: int, man: Manifest, only: set
     fsync_dir(d)
 
 
-def _download(tier: LocalTier, remote: Any, step: int, man: Manifest, only: set[str] | None = None) -> None:
+def _download(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[str] | None = None) -> None:
     """Download ``step``'s files (those in ``only``, if given) into its ``.partial`` and commit it
     (caller holds the locks)."""
     part = tier.begin(step)
