@@ -136,29 +136,29 @@ def _add_files(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[
     """Download the files in ``only`` into the committed local copy of ``step`` (which lacks them,
     or holds copies that failed), each into a temporary name in it, then renamed into place
     (caller holds the fetch lock)."""
-    from ..store.atomic import fsync_dir
+    from ..store.atomic import fsync_dir, unlinked_on_error
     d = tier.step_dir(step)
     for fe in man.files:
         path = os.path.join(d, fe.name)
         if fe.name not in only:  # ours are fetched again even if present: the local ones failed
             continue
-        rel = f"step-{step}/{fe.name}"
-        size = remote.stat(rel)
-        if size != fe.file_bytes:
-            where = remote.where(rel)
-            raise CorruptCheckpoint(f"{where}: {'missing' if size is None else f'{size} bytes'}, the "
-                                    f"manifest says {fe.file_bytes}", path=where)
-        tmp = os.path.join(d, f".fetch-{fe.name}.tmp")
-        try:
+        rel = _checked_rel(remote, step, fe.name, fe.file_bytes)
+        with unlinked_on_error(os.path.join(d, f".fetch-{fe.name}.tmp")) as tmp:
             remote.download(rel, tmp, fe.file_bytes)
             os.rename(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
     fsync_dir(d)
+
+
+def _checked_rel(remote: Any, step: int, name: str, nbytes: int) -> str:
+    """``step-N/<name>`` on ``remote``, after checking it holds the manifest's ``nbytes``
+    (CorruptCheckpoint naming the remote object otherwise)."""
+    rel = f"step-{step}/{name}"
+    size = remote.stat(rel)
+    if size != nbytes:
+        where = remote.where(rel)
+        raise CorruptCheckpoint(f"{where}: {'missing' if size is None else f'{size} bytes'}, the "
+                                f"manifest says {nbytes}", path=where)
+    return rel
 
 
 def _download(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[str] | None = None) -> None:
@@ -169,12 +169,7 @@ def _download(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[s
         for fe in man.files:
             if only is not None and fe.name not in only:
                 continue
-            rel = f"step-{step}/{fe.name}"
-            size = remote.stat(rel)
-            if size != fe.file_bytes:
-                where = remote.where(rel)
-                raise CorruptCheckpoint(f"{where}: {'missing' if size is None else f'{size} bytes'}, the "
-                                        f"manifest says {fe.file_bytes}", path=where)
+            rel = _checked_rel(remote, step, fe.name, fe.file_bytes)
             remote.download(rel, os.path.join(part, fe.name), fe.file_bytes)
     except BaseException:
         tier.abort(step)
