@@ -52,20 +52,6 @@ def unowned(path: str) -> bool:
     return True
 
 
-def finish_publishing(guard: "StateGuard", pub: "Publisher | None") -> None:
-    """Block until every save is durable and published, then raise the first failure (the
-    others are logged): the adapters' ``zerostall_wait``. Training thread."""
-    guard.close()
-    if pub is None:
-        return
-    pub.close()
-    errors = pub.errors()
-    for exc in errors[1:]:
-        log.error("zerostall: a checkpoint save failed: %s", exc)
-    if errors:
-        raise errors[0]
-
-
 def next_step(ckpt: Checkpointer, wanted: int) -> int:
     """``wanted``, or one past the newest committed step when that is not larger (a path saved
     twice gets a new step; keep_last=1 then retires the old one after the commit)."""
@@ -297,3 +283,26 @@ class Publisher(Worker[Any]):
                 else:
                     self._pending.pop(p.final, None)
                     self._cancelled.discard(p.final)
+
+
+
+def adapter_config(zerostall_config: CheckpointConfig | None) -> CheckpointConfig:
+    """The config of the Accelerate and Transformers adapters' checkpointers: the user's (or
+    the environment's) with ``keep_last=1`` and never overwrite (a path saved twice gets a new
+    step, see :func:`next_step`)."""
+    cfg = zerostall_config if zerostall_config is not None else CheckpointConfig.from_env()
+    return cfg.replace(keep_last=1, overwrite=False)
+
+
+def finish_publishing(guard: StateGuard, pub: Publisher | None) -> None:
+    """Block until every save is durable and published, then raise the first failure (the
+    others are logged): the adapters' ``zerostall_wait``. Training thread."""
+    guard.close()
+    if pub is None:
+        return
+    pub.close()
+    errors = pub.errors()
+    for exc in errors[1:]:
+        log.error("zerostall: a checkpoint save failed: %s", exc)
+    if errors:
+        raise errors[0]

@@ -58,7 +58,8 @@ from ..config import CheckpointConfig
 from ..errors import CheckpointNotFound, ConfigError
 from ..rng import rng_state, set_rng_state
 from ..store.atomic import discard, fsync_dir
-from ._common import Publisher, StateGuard, finish_publishing, is_committed, next_step, tensors_of, unowned
+from ._common import (Publisher, StateGuard, adapter_config, finish_publishing, is_committed, next_step, tensors_of,
+                      unowned)
 
 log = logging.getLogger("zerostall")
 
@@ -77,8 +78,7 @@ class ZerostallAcceleratorMixin:
 
     def __init__(self, *args: Any, zerostall_config: CheckpointConfig | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        cfg = zerostall_config if zerostall_config is not None else CheckpointConfig.from_env()
-        self._zs_config = cfg.replace(keep_last=1, overwrite=False)
+        self._zs_config = adapter_config(zerostall_config)
         self._zs_publisher: Publisher | None = None
         self._zs_guard = StateGuard()
         self._zs_recovered: set[str] = set()

@@ -54,7 +54,7 @@ from ..config import CheckpointConfig
 from ..format.objects import register_type
 from ..rng import rng_state, set_rng_state
 from ..store.atomic import discard, fsync_dir, publish_dir, write_file_durable
-from ._common import Publisher, StateGuard, finish_publishing, is_committed, next_step, unowned
+from ._common import Publisher, StateGuard, adapter_config, finish_publishing, is_committed, next_step, unowned
 
 log = logging.getLogger("zerostall")
 
@@ -95,8 +95,7 @@ class ZerostallTrainerMixin:
 
     def __init__(self, *args: Any, zerostall_config: CheckpointConfig | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        cfg = zerostall_config if zerostall_config is not None else CheckpointConfig.from_env()
-        self._zs_config = cfg.replace(keep_last=1, overwrite=False)
+        self._zs_config = adapter_config(zerostall_config)
         self._zs_publisher: Publisher | None = None
         self._zs_guard = StateGuard()
         self._zs_resume: tuple[str, dict[str, Any]] | None = None
