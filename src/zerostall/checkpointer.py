@@ -313,7 +313,7 @@ class Checkpointer:
             out = load_into(state_dict, lambda sd: self._stages.load(
                 sd, step, self.config, report, map_location=map_location, engine=self.engine, bounce=bounce,
                 keys=keys, strict=strict))
-        if source:  # peer replicas: the agreed step's files were local, fetched from peers, or remote
+        if source and report.step == self._peers.planned_step:  # peer replicas: where its files came from
             report.source = source
         return out
 
@@ -374,10 +374,7 @@ class Checkpointer:
         if self._persist is not None:  # the snapshot thread is the pool's
             ok = self._persist.stop(left()) and ok
         budget = self.config.close_timeout_s if deadline is None else min(self.config.close_timeout_s, left() or 0.0)
-        if self._peers is not None:  # bounded: peer transfers still running are cut
-            self.unprotected = self._peers.close(budget)
-        if self._replicator is not None:  # bounded: the rest is uploaded by the next run
-            self.unreplicated = self._replicator.close(budget)
+        self.unprotected, self.unreplicated = self._stages.close_post_commit(budget)  # bounded; the next run goes on
         if ok:
             finalizer = self.__dict__.get("_finalizer")
             if finalizer is not None:

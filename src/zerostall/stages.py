@@ -83,6 +83,14 @@ class Stages:
                 p.subscribe(sub)
         return p
 
+    def close_post_commit(self, budget_s: float) -> tuple[list[int], list[int]]:
+        """Stop the post-commit stages that run threads, each bounded by ``budget_s`` (what is
+        cut is finished by the next run); returns the steps not held by ``replicas`` nodes and
+        those not replicated to the remote tier."""
+        unprotected = self.peers.close(budget_s) if self.peers is not None else []
+        unreplicated = self.replicator.close(budget_s) if self.replicator is not None else []
+        return unprotected, unreplicated
+
     def release(self, lease: Any) -> None:
         """Once the persist thread has stopped (and the replicator is closed): the crc
         threads, the engine, the root lock, the staging lease. Rank 0 first waits (bounded) until
@@ -150,7 +158,9 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
         if cfg.prometheus:
             from .telemetry import prometheus
             prometheus.enable()
-        protect = refs.protected if refs is not None else set
+        own_refs = refs.protected if refs is not None else set
+        # peer replicas: the newest protected step stays local until a newer one is protected
+        protect = own_refs if peers is None else (lambda: own_refs() | peers.replicator.newest_protected())
         retains = session is None or session.is_leader  # this rank applies its copy's retention
         replicator: Replicator | None = None
         retention: LocalRetention | None = None
@@ -186,10 +196,7 @@ def abandoned(root: str, persist: Persister, lease: Any, stages: Stages, close_t
 
     def release() -> None:
         try:
-            if stages.peers is not None:
-                stages.peers.close(close_timeout_s)
-            if stages.replicator is not None:
-                stages.replicator.close(close_timeout_s)
+            stages.close_post_commit(close_timeout_s)
         finally:
             stages.release(lease)
     persist.stop_then(release)

@@ -20,8 +20,8 @@ HERE = os.path.dirname(__file__)
 NODES = [f"n{i}" for i in range(4)]
 
 
-def _launch(scenario, base, tmp_path, env_extra, timeout=150, stop=None, nodes=NODES):
-    """One process per entry of ``nodes`` (rank r runs on node ``nodes[r]``)."""
+def _launch(scenario, base, tmp_path, env_extra, timeout=150, stop=None, nodes=NODES, worker="peers_worker.py"):
+    """One process per entry of ``nodes`` (rank r runs on node ``nodes[r]``), each running ``worker``."""
     port = free_port()
     procs = []
     for r, node in enumerate(nodes):
@@ -34,7 +34,7 @@ def _launch(scenario, base, tmp_path, env_extra, timeout=150, stop=None, nodes=N
         out = str(tmp_path / f"{scenario}-r{r}.json")
         if os.path.exists(out):
             os.unlink(out)
-        procs.append((subprocess.Popen([sys.executable, os.path.join(HERE, "peers_worker.py"), scenario, base, out],
+        procs.append((subprocess.Popen([sys.executable, os.path.join(HERE, worker), scenario, base, out],
                                        env=env, stderr=subprocess.PIPE, text=True), out))
     results = []
     try:

@@ -240,3 +240,21 @@ def test_replicas_config_errors_name_the_value(tmp_path):
         zerostall.Checkpointer(str(tmp_path / "c"), replicas=2)
     with zerostall.Checkpointer(str(tmp_path / "c")) as ck:  # the root was not left locked
         assert ck._peers is None
+
+
+def test_strangers_that_never_authenticate_cannot_lock_the_job_out(pair):
+    """adv1: a foreign client opens as many connections as the server allows and never answers
+    the greeting. The job's own peers must still get in (their copies and restores are what the
+    server is for); today every slot is held by a stranger until peers.timeout_s runs out, and a
+    stranger that reconnects keeps the job out for good."""
+    src, dst, ep, server, client = pair
+    squat = []
+    try:
+        for _ in range(server.max_connections):
+            s = socket.create_connection((ep.host, ep.port), timeout=5)
+            assert recv_msg(s)["node"] == "n1"  # accepted: the server greeted it and holds a slot for it
+            squat.append(s)
+        assert client.list_held(ep) == []  # a job's peer is served all the same
+    finally:
+        for s in squat:
+            s.close()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zerostall
-from zerostall.staging import devhash, incremental
+from zerostall.staging import content_check, devhash
 from zerostall.staging.snapshot import Snapshotter
 
 
@@ -55,7 +55,7 @@ def test_device_path_through_the_seam(ckdir, monkeypatch):
     """CPU tensors taken through the device path: a full save hashes every tensor, an unchanged
     one is then checked by its hash alone (nothing through the host), a write that bypasses
     the version counter is caught, and every step loads bit-exact."""
-    monkeypatch.setattr(incremental, "_on_device", lambda t: True)
+    monkeypatch.setattr(content_check, "_on_device", lambda t: True)
     monkeypatch.setattr(Snapshotter, "_cuda", lambda self, device: _FakeStreams())
     base, head = torch.randn(1 << 16), torch.randn(100)
     jobs, want = [], []

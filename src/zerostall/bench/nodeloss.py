@@ -73,8 +73,7 @@ def recover_from(url: str, root: str, rank: int, world: int) -> tuple[float, flo
     Returns (seconds to bring the files in, seconds in all)."""
     from .. import load
     from ..format.layout import shard_name
-    from ..store.remote import open_tier
-    from ..store.tier import open_root
+    from ..store.tier import open_root, open_tier
     remote = open_tier(url)
     t0 = time.perf_counter()
     tier = open_root(root, create=True)

@@ -13,7 +13,8 @@ import json
 import os
 from typing import Any
 
-from ..staging.incremental import RefTracker, merged_entries
+from ..staging.incremental import RefTracker
+from ..staging.job import merged_entries
 from ..staging.job import Persisted, SaveRequest
 from ..store.committer import file_entry, tensor_entries
 from ..store.tier import RootTier

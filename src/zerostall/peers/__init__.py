@@ -73,6 +73,8 @@ class Peers:
                                          replicas=cfg.replicas, keep_last=cfg.keep_last,
                                          replica_timeout_s=pc.replica_timeout_s)
         self._loads = itertools.count()
+        self.planned_step = -1
+        """The step the last :meth:`plan_load` agreed on (its files are local now)."""
         self.last_fetch_s = 0.0
         """Seconds the last restore spent bringing this node's files in from peers (bench)."""
         self.replicator.repair()  # a replaced holder gets the kept steps back
@@ -115,7 +117,11 @@ class Peers:
             from ..store.remote import list_steps, open_tier
             remote_steps = list_steps(open_tier(self.cfg.remote, io=self.cfg.io))[0] or []
         plan = self.prepare_load(step, remote_steps)
-        return plan.step, report if report is not None else LoadReport(), plan.source
+        self.planned_step = plan.step
+        # unpinned: the collective load starts at the newest step and, if a rank's copy of it
+        # fails to verify (bit rot the size check above cannot see), falls back to an older
+        # one on every rank alike, instead of failing the whole job on the agreed step
+        return (plan.step if step is not None else None), report if report is not None else LoadReport(), plan.source
 
     def prepare_load(self, step: int | None, remote_steps: list[int]) -> Plan:
         """Agree on the step and bring this node's files of it into the local root (peers);

@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..distributed.agree import agree_step
@@ -51,6 +51,8 @@ class Plan:
     step: int
     source: str  # "local" | "peers" | "remote"
     holders: dict[str, list[tuple[str, str]]]  # file name -> [(node, src)] (peers)
+    held: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
+    """Every step live peers hold this node's files of (an incremental step's references)."""
 
 
 def _local_steps(tier: RootTier, view: PeerView, names: list[str]) -> set[int]:
@@ -123,7 +125,7 @@ def agree(store: Store, view: PeerView, transport: Transport, tier: RootTier, lo
     if src == "remote":
         log.warning("zerostall: step %d: no live node holds %s; falling back to the remote tier for them", s,
                     ", ".join(names))
-    return Plan(s, src, peers.get(s, {}))
+    return Plan(s, src, peers.get(s, {}), peers)
 
 
 def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
@@ -148,13 +150,36 @@ def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, en
 
 def _fetch_files(view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
                  plan: Plan) -> None:
-    step = plan.step
+    """``plan.step``'s files of this node, and first those of earlier steps it references
+    (incremental: the bytes it borrows travel with their own step) that are not local."""
+    names = [shard_name(r) for r in view.ranks_of(view.me)]
+    man = _fetch_step(view, transport, tier, engine_for, plan.step, plan.holders, names, commit=False)
+    try:
+        for ref in sorted({r.step for r in man.ref_files if r.name in names}):
+            if ref in tier.steps() and all(os.path.exists(os.path.join(tier.step_dir(ref), r.name))
+                                           for r in man.ref_files if r.step == ref and r.name in names):
+                continue
+            if ref not in plan.held:
+                raise CheckpointNotFound(f"restore of step {plan.step}: it references step {ref}, of which no "
+                                         f"live node holds {', '.join(names)}")
+            log.info("zerostall: restore of step %d: fetching step %d, whose bytes it references", plan.step, ref)
+            _fetch_step(view, transport, tier, engine_for, ref, plan.held[ref], names, commit=True)
+    except BaseException:
+        tier.abort(plan.step)
+        raise
+    tier.commit(plan.step, man, overwrite=plan.step in tier.listed_steps())
+
+
+def _fetch_step(view: PeerView, transport: Transport, tier: LocalTier, engine_for: Callable[[], Engine],
+                step: int, holders: dict[str, list[tuple[str, str]]], names: list[str], *, commit: bool) -> Manifest:
+    """Bring ``names`` of ``step`` into ``step-N.partial`` (verified); commit it when asked.
+    Returns the step's manifest."""
     part = tier.begin(step)
     mans: dict[str, Manifest] = {}
     errors: dict[str, str] = {}
 
     def one(name: str, i: int) -> None:
-        hs = plan.holders.get(name, [])
+        hs = holders.get(name, [])
         for node, src in hs[i % len(hs):] + hs[:i % len(hs)] if hs else []:  # files spread over holders
             path = os.path.join(part, name)
             engine = engine_for()
@@ -189,7 +214,6 @@ def _fetch_files(view: PeerView, transport: Transport, tier: RootTier, engine_fo
                 engine.close()
         errors.setdefault(name, "no live holder")
 
-    names = [shard_name(r) for r in view.ranks_of(view.me)]
     threads = [threading.Thread(target=one, args=(n, i), daemon=True) for i, n in enumerate(names)]
     for t in threads:
         t.start()
@@ -202,4 +226,7 @@ def _fetch_files(view: PeerView, transport: Transport, tier: RootTier, engine_fo
     if len({m.checkpoint_id for m in mans.values()}) > 1:
         tier.abort(step)
         raise CheckpointNotFound(f"restore of step {step}: the holders hold files of different checkpoints")
-    tier.commit(step, next(iter(mans.values())), overwrite=step in tier.listed_steps())
+    man = next(iter(mans.values()))
+    if commit:
+        tier.commit(step, man, overwrite=step in tier.listed_steps())
+    return man

@@ -69,6 +69,11 @@ class PeerReplicator:
         self._status: dict[int, StepStatus] = {}
         self._mu = threading.Lock()
         self._protected: list[int] = []
+        # steps seen protected, ascending; seeded from the status hint an earlier run left, so
+        # start-up retention (keep_last) keeps the newest protected step too
+        seen = status_file.read(tier.root).get("steps", {})
+        self._protected_seen: list[int] = sorted(int(k) for k, v in seen.items()
+                                                 if isinstance(v, dict) and v.get("protected") is True)[-1:]
         self._q: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._stop = threading.Event()
         self.repaired = threading.Event()
@@ -92,6 +97,13 @@ class PeerReplicator:
 
     def status(self, step: int) -> StepStatus | None:
         return self._status.get(step)
+
+    def newest_protected(self) -> set[int]:
+        """The newest step this run saw protected (empty before the first): local retention
+        keeps it until a newer one is protected, or a node lost meanwhile takes the only other
+        copy of this node's files with it (persist thread, via ``protect``)."""
+        with self._mu:
+            return set(self._protected_seen[-1:])
 
     def wait(self, step: int, timeout: float | None = None) -> bool:
         st = self._status.get(step)
@@ -271,6 +283,8 @@ class PeerReplicator:
         if self.store.add(v.key(f"s{st.step}", "seen"), 1) == v.world:
             self.store.delete(*keys, v.key(f"s{st.step}", "seen"))
         if st.protected:
+            with self._mu:
+                self._protected_seen = sorted(set(self._protected_seen[-1:]) | {st.step})
             log.info("zerostall: step %d is protected: every node's files are held by %d nodes", st.step, self.replicas)
             if v.leader:
                 self._retain(st.step)

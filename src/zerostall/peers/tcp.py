@@ -13,8 +13,10 @@ Requests after the handshake, each answered ``{"ok": true, ...}`` or ``{"ok": fa
 
 Every socket has ``timeout_s``: a peer that stops (SIGSTOP, a hung host) fails the call
 after ``timeout_s`` without progress. The server runs one daemon thread per connection (at
-most ``max_connections``; more are refused), at idle I/O priority; a connection that fails
-the handshake is logged with its address and closed.
+most ``max_connections``), at idle I/O priority; a connection that fails the handshake is
+logged with its address and closed. When every slot is taken, the oldest connection that has
+not authenticated yet is dropped for the new one (so strangers that connect and never answer
+cannot lock the job's own peers out); only when all are authenticated is the new one refused.
 """
 
 from __future__ import annotations
@@ -105,6 +107,13 @@ def _io_priority(idle: bool) -> None:
         log.debug("zerostall: cannot set the I/O priority of a peer connection: %s", exc)
 
 
+def _addr(s: socket.socket) -> Any:
+    try:
+        return s.getpeername()
+    except OSError:
+        return "?"
+
+
 class TcpTransport(Transport):
     name = "tcp"
 
@@ -115,6 +124,7 @@ class TcpTransport(Transport):
         self.listen_host, self.max_connections = listen_host, max_connections
         self._srv: socket.socket | None = None
         self._conns: set[socket.socket] = set()
+        self._unauth: list[socket.socket] = []  # accepted, handshake not done yet: oldest first
         self._mu = threading.Lock()
         self._closed = False
         self.refused = 0
@@ -135,10 +145,23 @@ class TcpTransport(Transport):
                 conn, addr = srv.accept()
             except OSError:
                 return
+            evict = None
             with self._mu:
                 full = len(self._conns) >= self.max_connections
+                if full and self._unauth:  # a stranger (or a slow peer) yields its slot
+                    evict = self._unauth.pop(0)
+                    self._conns.discard(evict)
+                    full = False
                 if not full:
                     self._conns.add(conn)
+                    self._unauth.append(conn)
+            if evict is not None:
+                log.warning("zerostall: peer connection %s dropped before it authenticated: every slot was taken",
+                            _addr(evict))
+                try:
+                    evict.shutdown(socket.SHUT_RDWR)  # its thread's recv fails; it closes the socket
+                except OSError:
+                    pass
             if full:
                 log.warning("zerostall: peer connection from %s refused: %d connections open", addr,
                             self.max_connections)
@@ -153,6 +176,9 @@ class TcpTransport(Transport):
         try:
             try:
                 peer = server_handshake(conn, self.secret, self.me)
+                with self._mu:
+                    if conn in self._unauth:
+                        self._unauth.remove(conn)
             except (PeerError, OSError) as exc:
                 self.refused += 1
                 log.warning("zerostall: peer connection from %s refused: %s", addr, exc)
@@ -172,6 +198,8 @@ class TcpTransport(Transport):
         finally:
             with self._mu:
                 self._conns.discard(conn)
+                if conn in self._unauth:
+                    self._unauth.remove(conn)
             conn.close()
 
     def _handle(self, conn: socket.socket, peer: str, msg: dict[str, Any]) -> None:

@@ -15,7 +15,7 @@ import time
 from typing import Protocol, Sequence
 
 from ..format.manifest import FileEntry, Manifest, TensorEntry
-from ..staging.incremental import manifest_parts
+from ..staging.job import manifest_parts
 from ..staging.job import Persisted, SaveRequest
 from .local import LocalTier
 

@@ -1,4 +1,5 @@
-"""Local file helpers of the tiers and the bench: a file's crc32c, and dropping its pages.
+"""Local file helpers of the tiers and the bench: a file's crc32c, dropping its pages, and
+opening a shard for reading only if it is the regular file that was checked.
 
 Any thread; plain reads through the page cache (the caller drops them afterwards).
 """
@@ -6,8 +7,11 @@ Any thread; plain reads through the page cache (the caller drops them afterwards
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import crc32c as _crc
+
+from ..errors import CorruptCheckpoint, StorageError
 
 _READ_CHUNK = 8 << 20
 
@@ -42,5 +46,30 @@ def drop_cache(path: str, *, sync: bool = False) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     except OSError:
         pass
+    finally:
+        os.close(fd)
+
+
+def open_shard_checked(eng: Any, path: str) -> Any:
+    """``eng.open_read(path)`` only if ``path`` is a regular file (no symlink, FIFO, device or
+    directory: :class:`CorruptCheckpoint`) and the one that was checked (not replaced between
+    the check and the engine's open)."""
+    from ..format.validate import open_regular
+    try:
+        fd = open_regular(path)
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{path}: shard file is missing", path=path) from None
+    try:
+        st = os.fstat(fd)
+        try:
+            f = eng.open_read(path)
+        except StorageError as exc:
+            raise CorruptCheckpoint(f"{path}: cannot open shard: {exc}", path=path) from exc
+        fno = getattr(f, "fd", None)
+        st2 = os.fstat(fno) if isinstance(fno, int) else st
+        if (st2.st_dev, st2.st_ino) != (st.st_dev, st.st_ino):
+            f.close()
+            raise CorruptCheckpoint(f"{path}: the shard was replaced while it was being opened", path=path)
+        return f
     finally:
         os.close(fd)

@@ -44,7 +44,7 @@ import uuid
 from typing import TYPE_CHECKING, Callable
 
 from ..errors import (CheckpointExistsError, CheckpointNotFound, CorruptCheckpoint, RootNotFound,
-                      StepOrderError, StorageError, ZerostallError, storage_error)
+                      StepOrderError, ZerostallError, storage_error)
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..format.validate import parse_step_dir, read_small
 from .atomic import fsync_dir, publish_dir, rmtree, write_file_durable
@@ -248,31 +248,11 @@ class LocalTier(Tier):
             return False
 
     def open_shard_read(self, step: int, name: str, engine: "Engine | None" = None) -> "ShardFile":
-        """The engine's reader of ``name``, only if it is a regular file (no symlink, FIFO,
-        device or directory: :class:`CorruptCheckpoint`) and the one that was checked (not
-        replaced between the check and the engine's open). Any thread."""
-        from ..format.validate import open_regular
+        """The engine's reader of ``name``, only if it is the regular file that was checked
+        (:func:`.files.open_shard_checked`). Any thread."""
         from ..io.base import choose_engine
-        path = os.path.join(self.step_dir(step), name)
-        eng = engine or choose_engine(self.root, self.io)
-        try:
-            fd = open_regular(path)
-        except FileNotFoundError:
-            raise CorruptCheckpoint(f"{path}: shard file is missing", path=path) from None
-        try:
-            st = os.fstat(fd)
-            try:
-                f = eng.open_read(path)
-            except StorageError as exc:
-                raise CorruptCheckpoint(f"{path}: cannot open shard: {exc}", path=path) from exc
-            fno = getattr(f, "fd", None)
-            st2 = os.fstat(fno) if isinstance(fno, int) else st
-            if (st2.st_dev, st2.st_ino) != (st.st_dev, st.st_ino):
-                f.close()
-                raise CorruptCheckpoint(f"{path}: the shard was replaced while it was being opened", path=path)
-            return f
-        finally:
-            os.close(fd)
+        from .files import open_shard_checked
+        return open_shard_checked(engine or choose_engine(self.root, self.io), os.path.join(self.step_dir(step), name))
 
     # -- owning (caller's thread) ----------------------------------------------------------
     @property

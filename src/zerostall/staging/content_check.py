@@ -1,0 +1,214 @@
+"""The content check of incremental saves: is a tensor's source still the base's bytes?
+
+A mixin of :class:`.incremental.RefTracker` (it uses the tracker's state: ``mode``, the crc
+engines, ``_seeded``, ``_seed_root``, ``_lock``, ``_since_full``), split out so that each module
+reads as one concern. Every method runs on the snapshot thread: the verdicts inside
+:meth:`RefTracker.decide`, :meth:`ContentCheck.settle` right before a job is marked staged.
+
+A tensor is referenced when
+
+- ``mode="crc"`` (``incremental=True``, the sound mode): its fingerprint did not change
+  (or is unknown, e.g. after a restart) *and* its bytes are those of the base: on the
+  CPU, the crc32c of the source memory (a read, no copy, in 16 MiB pieces on up to 4
+  threads, combined) equals the recorded crc32c; on CUDA, a 64-bit hash computed on the
+  device (:mod:`.devhash`: one read of the tensor in device memory, 8 bytes per tensor
+  back to the host) equals the hash taken when the base was saved — every CUDA tensor
+  of a crc-mode save is hashed (written ones too) for that. Where no such hash exists
+  (the first save after a restart: the base came from disk; a non-contiguous tensor;
+  the hash failed, e.g. out of device memory for its 64 MiB of temporaries), the tensor
+  is copied to the host through one 16 MiB pinned buffer and crc32c-checked: one
+  device-to-host read of it, piece after piece. A changed version counter
+  means "write" without computing anything (the persist thread checksums the staged
+  bytes as for any save). Writes that bypass the version counter (``t.data[...] =``,
+  numpy views, DLPack, extensions writing through ``data_ptr``) leave the fingerprint
+  unchanged and are caught by the crc (or the device hash). A change is missed only if
+  the new bytes have the same crc32c as the old ones (probability 2**-32 for an
+  arbitrary change; crc32c detects every change of up to 3 bits in a tensor shorter than
+  512 MiB, and any burst up to 32 bits), or on CUDA the same device hash (every change
+  confined to one 32-bit word is detected; about 2**-32 or less otherwise).
+- ``mode="version"`` (``incremental="version"``, faster: no read at all for unchanged
+  tensors): an unchanged fingerprint alone. It misses a change made without bumping the
+  version counter (the writes listed above), and a tensor replaced by another one at the
+  same address with the same version count, shape, strides and dtype. Tensors without a
+  version counter (inference tensors, numpy arrays) are still checked by crc.
+The CPU crc does not hold up the write (:meth:`RefTracker._speculate`): the undecided CPU
+tensors are referenced on speculation while their crc runs on the crc threads, the
+changed tensors are staged and written meanwhile, and :meth:`RefTracker.settle` (snapshot
+thread, before ``staged``) appends any that turned out changed after the blocks already
+staged (``Job.extension``; the persist thread writes them and rewrites the
+header with the final size). Not done for a base read from disk (checked synchronously
+with its file spans) nor when CUDA tensors are undecided.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ..errors import StorageError
+from ..format.layout import align_up
+from .job import SaveRequest, Slot
+from .plan import PlanItem, SavePlan
+from .source_crc import CRC_THREADS, _CpuCrc, _CudaCrc, _file_crc
+
+if TYPE_CHECKING:
+    from .incremental import IncrementalJob, Known
+
+log = logging.getLogger("zerostall")
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` is checked on its device (the seam tests use to run the device path on the CPU)."""
+    return t.device.type == "cuda"
+
+
+class ContentCheck:
+    """Per-tensor verdicts (False: write, True: reference, None: undecided), snapshot thread."""
+
+    mode: str
+    _cpu_crc: Any
+    _cuda_crc: Any
+    _seeded: bool
+    _seed_root: str | None
+    _dh_warned: bool
+    _lock: Any
+    _since_full: int
+
+    def _speculate(self, plan: SavePlan, leaves: list[torch.Tensor], known: dict[str, Known],
+                   verdict: list[bool | None], ij: IncrementalJob) -> bool:
+        """Start the crc32c of the undecided CPU tensors on the crc threads and reference them
+        on speculation, so that the tensors that must be written are staged and written while
+        the crc runs (:meth:`settle` appends any that changed). Not for a base read from disk
+        (checked synchronously, with its file spans) nor with undecided CUDA tensors."""
+        undecided = [i for i, v in enumerate(verdict) if v is None]
+        if not undecided or self._seeded or any(_on_device(leaves[i]) for i in undecided):
+            return False
+        if self._cpu_crc is None:
+            self._cpu_crc = _CpuCrc(CRC_THREADS)
+        collect = self._cpu_crc.submit([leaves[i] for i in undecided])
+        ij.pending = (collect, [(plan.items[i], plan.leaves[i], leaves[i],
+                                 known[ij.paths[plan.items[i].index]].entry.crc32c) for i in undecided])
+        ij.crc_bytes += sum(plan.items[i].nbytes for i in undecided)
+        for i in undecided:
+            verdict[i] = True
+        return True
+
+    def settle(self, req: SaveRequest, slot: Slot, spec: SavePlan, block_bytes: int,
+               ij: "IncrementalJob") -> tuple[SavePlan, list[torch.Tensor]] | None:
+        """Snapshot thread, after the job's layout is staged and before it is marked staged:
+        wait for the speculative crc32c (:meth:`_speculate`); a tensor whose bytes changed
+        (written around its version counter) is no longer referenced but appended to the
+        file, after the blocks already staged. Returns the extended plan and the tensors to
+        stage after ``spec``'s (the snapshot thread hands the plan to the persist thread
+        first, which writes the appended blocks as they are staged, then the final header),
+        or None. The ring holds one spare block per incremental save for this."""
+        if ij.pending is None:
+            return None
+        collect, cands = ij.pending
+        ij.pending = None
+        changed = [(it, leaf, t) for (it, leaf, t, want), crc in zip(cands, collect()) if crc != want]
+        if not changed:
+            return None
+        for it, _, _ in changed:
+            del ij.refs[it.index]
+        used = {(e.step, e.file) for e in ij.refs.values()}
+        ij.ref_files = tuple(r for r in ij.ref_files if (r.step, r.name) in used)
+        if not ij.refs:
+            ij.full = True
+            with self._lock:
+                self._since_full = 0
+        off = -(-spec.file_bytes // block_bytes) * block_bytes  # the blocks staged so far stay as they are
+        new = []
+        for it, _, _ in changed:
+            new.append(PlanItem(it.index, it.key, it.dtype, it.shape, it.nbytes, off))
+            off = align_up(off + it.nbytes)
+        if slot.g0 + -(-off // block_bytes) > slot.g_end:  # cannot happen with the spare block; never write past
+            raise StorageError(f"step {req.step}: {len(new)} tensor(s) changed without their version counter "
+                               "and do not fit the staging blocks reserved for this save; nothing committed")
+        log.info("zerostall: incremental: step %d: %d tensor(s) changed without a version-counter bump "
+                 "(e.g. %r); written, not referenced", req.step, len(new), new[0].key)
+        return SavePlan(spec.items + tuple(new), off, spec.tree, spec.leaves + tuple(lf for _, lf, _ in changed),
+                        spec.n_tensors, spec.tree_json), [t for _, _, t in changed]
+
+    def _fast_path(self, item: PlanItem, fp: Any, k: Known, step: int) -> bool | None:
+        """False: write; True: reference (``"version"`` mode only); None: ask the crc."""
+        e = k.entry
+        # a manifest may only reference earlier steps (allow_lower_steps, overwrite: write it)
+        if e.step >= step or e.dtype != item.dtype or e.shape != item.shape or e.nbytes != item.nbytes:
+            return False
+        if not item.nbytes:
+            return False
+        if fp is not None and k.fp is not None:
+            if fp != k.fp:
+                return False  # written by torch since: write it (no read needed)
+            if self.mode == "version":
+                return True
+        return None
+
+    def _confirm(self, items: Any, leaves: list[torch.Tensor], known: dict[str, Known], verdict: list[bool | None],
+                 cuda_run: Callable[[torch.device, Callable[[], None]], None], ij: IncrementalJob) -> None:
+        """Settle every undecided verdict by the crc32c of the source (CPU tensors in parallel)."""
+        cpu = [i for i, v in enumerate(verdict) if v is None and not _on_device(leaves[i])]
+        gpu = [i for i, v in enumerate(verdict) if v is None and _on_device(leaves[i])]
+        if cpu:
+            if self._cpu_crc is None:
+                self._cpu_crc = _CpuCrc(CRC_THREADS)
+            for i, crc in zip(cpu, self._cpu_crc.many([leaves[i] for i in cpu])):
+                verdict[i] = crc == known[ij.paths[items[i].index]].entry.crc32c
+        ij.crc_bytes += sum(items[i].nbytes for i in cpu)
+        for i in gpu:
+            k, h = known[ij.paths[items[i].index]], ij.dhs.get(items[i].index)
+            if k.dh is not None and h is not None:  # hashed on the device: 8 bytes came back
+                verdict[i] = h == k.dh
+                ij.dev_hash_bytes += items[i].nbytes
+                continue
+            if self._cuda_crc is None:  # no device hash of the base (restart, non-contiguous)
+                self._cuda_crc = _CudaCrc()
+            verdict[i] = self._cuda_crc(leaves[i], cuda_run) == k.entry.crc32c
+            ij.crc_bytes += items[i].nbytes
+
+    def _device_hashes(self, items: Any, leaves: list[torch.Tensor],
+                       cuda_run: Callable[[torch.device, Callable[[], None]], None], ij: IncrementalJob) -> None:
+        """:func:`.devhash.device_hash` of every contiguous CUDA tensor of the save (written
+        ones too: the next save compares against them), on each device's side stream after
+        the caller's ``save()`` event; one 8-byte-per-tensor copy back per device. A failure
+        (e.g. out of device memory for the temporaries) leaves the crc path to decide."""
+        from .devhash import device_hash_async
+        by_dev: dict[torch.device, list[int]] = {}
+        for i, (it, t) in enumerate(zip(items, leaves)):
+            if _on_device(t) and it.nbytes and t.is_contiguous():
+                by_dev.setdefault(t.device, []).append(i)
+        for dev, idx in by_dev.items():
+            out: list[torch.Tensor] = []
+            try:
+                cuda_run(dev, lambda idx=idx: out.append(torch.stack([device_hash_async(leaves[i]) for i in idx])))
+                vals = out[0].tolist()
+            except Exception as exc:  # noqa: BLE001 - the crc path is always there
+                if not self._dh_warned:
+                    self._dh_warned = True
+                    log.warning("zerostall: incremental: hashing tensors on %s failed (%s); checking them through "
+                                "the host instead", dev, exc)
+                continue
+            for i, v in zip(idx, vals):
+                ij.dhs[items[i].index] = int(v)
+
+    def _verify_on_disk(self, items: Any, known: dict[str, Known], verdict: list[bool | None],
+                        paths: dict[int, str]) -> None:
+        """First save on a base read from disk: a span whose bytes on disk no longer match
+        their crc32c is written, not referenced (snapshot thread; plain reads)."""
+        checked: dict[tuple[int, str, int], bool] = {}
+        for i, ok in enumerate(verdict):
+            if not ok:
+                continue
+            e = known[paths[items[i].index]].entry
+            where = (e.step, e.file, e.offset)
+            if where not in checked:
+                path = os.path.join(self._seed_root or "", f"step-{e.step}", e.file)
+                checked[where] = _file_crc(path, e.offset, e.nbytes) == e.crc32c
+                if not checked[where]:
+                    log.warning("zerostall: incremental: %s: %r no longer matches its crc32c on disk; "
+                                "writing it again instead of referencing it", path, e.key)
+            verdict[i] = checked[where]
