@@ -170,7 +170,7 @@ def _fetch_files(view: PeerView, transport: Transport, tier: RootTier, engine_fo
     tier.commit(plan.step, man, overwrite=plan.step in tier.listed_steps())
 
 
-def _fetch_step(view: PeerView, transport: Transport, tier: LocalTier, engine_for: Callable[[], Engine],
+def _fetch_step(view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
                 step: int, holders: dict[str, list[tuple[str, str]]], names: list[str], *, commit: bool) -> Manifest:
     """Bring ``names`` of ``step`` into ``step-N.partial`` (verified); commit it when asked.
     Returns the step's manifest."""
