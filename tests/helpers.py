@@ -1,5 +1,8 @@
 """Deep clone / bit-exact comparison of nested state dicts, shared by tests and test workers."""
 
+import argparse
+import collections
+import math
 import socket
 
 import pytest
@@ -44,3 +47,47 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _bits(t):
+    return t.detach().contiguous().reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
+
+
+def same(a, b, path="<root>", more=None):
+    """Type-exact, bit-exact comparison of a saved state ``a`` and what loaded back ``b``
+    (nan == nan, -0.0 != 0.0, tuple != list, dict keys type-exact and in order, defaultdict
+    factories). ``more(a, b, path, same)`` compares the caller's own types: True when it did."""
+    import numpy as np
+
+    def rec(x, y, p):
+        same(x, y, p, more)
+
+    assert type(a) is type(b), f"{path}: {type(a).__name__} came back as {type(b).__name__}"
+    if more is not None and more(a, b, path, rec):
+        return
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert not b.is_conj() and not b.is_neg()
+        assert torch.equal(_bits(a.resolve_conj().resolve_neg()), _bits(b)), f"{path}: bytes differ"
+    elif isinstance(a, np.ndarray):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{path}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes(), f"{path}: bytes differ"
+    elif isinstance(a, dict):
+        assert len(a) == len(b), f"{path}: {len(a)} keys came back as {len(b)}"
+        for (ka, va), (kb, vb) in zip(a.items(), b.items()):
+            rec(ka, kb, f"{path}[key]")
+            rec(va, vb, f"{path}.{ka}")
+        if isinstance(a, collections.defaultdict):
+            assert a.default_factory is b.default_factory, path
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            rec(x, y, f"{path}.{i}")
+    elif isinstance(a, float):
+        assert (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b)), path
+    elif isinstance(a, (np.datetime64, np.timedelta64)):
+        assert a.dtype == b.dtype and ((np.isnat(a) and np.isnat(b)) or a == b), path
+    elif isinstance(a, argparse.Namespace):
+        rec(vars(a), vars(b), path)
+    else:
+        assert a == b, f"{path}: {a!r} came back as {b!r}"

@@ -5,7 +5,7 @@ object) checkpointed with ``accelerator.save_state()`` and resumed with
     python accelerate_app.py OUTDIR --accelerator zerostall|accelerate --steps N [--resume]
 
 Saves every 4 steps; writes OUTDIR/final.pt (the final parameters). ``ZS_KILL_AT`` (see
-``hf_app.install_kill_hook``) SIGKILLs it at a save's boundary.
+``kill_hook.install_kill_hook``) SIGKILLs it at a save's boundary.
 """
 
 import argparse
@@ -18,7 +18,7 @@ from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
 sys.path.insert(0, os.path.dirname(__file__))
-from hf_app import install_kill_hook  # noqa: E402
+from kill_hook import install_kill_hook  # noqa: E402
 
 
 class Progress:

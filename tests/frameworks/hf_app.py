@@ -17,6 +17,9 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
+sys.path.insert(0, os.path.dirname(__file__))
+from kill_hook import install_kill_hook  # noqa: E402
+
 SEQ, VOCAB = 16, 64
 
 
@@ -67,35 +70,6 @@ class StopAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kw):
         if state.global_step == self.step:
             control.should_training_stop = True
-
-
-def install_kill_hook(listed):
-    """``ZS_KILL_AT=BOUNDARY:N``: SIGKILL this process at the N-th crossing of a save's
-    boundary: a commit boundary of zerostall's local tier ("manifest", "rename", ...) or
-    the integrations' "publish" (committed, not yet renamed to the framework's name). For
-    N > 1 it first waits (bounded) until ``listed()`` is true: the earlier save is visible."""
-    spec = os.environ.get("ZS_KILL_AT")
-    if not spec:
-        return
-    name, n = spec.split(":")
-    seen = []
-
-    def hook(boundary):
-        if boundary != name:
-            return
-        seen.append(boundary)
-        if len(seen) == int(n):
-            deadline = time.monotonic() + 120
-            while int(n) > 1 and name != "publish" and not listed() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    if name == "publish":
-        from zerostall.integrations._common import Publisher
-        Publisher._hook = staticmethod(hook)
-    else:
-        from zerostall.store.local import LocalTier
-        LocalTier._hook = staticmethod(hook)
 
 
 def make_trainer(outdir, kind, steps, *, callbacks=(), save_total_limit=2):

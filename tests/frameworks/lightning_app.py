@@ -19,6 +19,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+sys.path.insert(0, os.path.dirname(__file__))
+from kill_hook import install_kill_hook  # noqa: E402
+
 N_SAMPLES, BATCH, DIM = 64, 8, 16  # 8 steps per epoch (4 per rank under DDP)
 
 
@@ -48,35 +51,6 @@ class DropoutModel(TinyModel):
     def __init__(self, args: argparse.Namespace, lr: float = 0.05):
         super().__init__(args, lr)
         self.net.insert(3, torch.nn.Dropout(0.3))
-
-
-def install_kill_hook(listed):
-    """``ZS_KILL_AT=BOUNDARY:N[:SUBSTR]``: SIGKILL this process at the N-th crossing of a
-    save's boundary (of a checkpoint whose path holds SUBSTR): a commit boundary of
-    zerostall's local tier ("manifest", ...) or the integrations' "publish" (committed, not
-    yet renamed to its path). For N > 1 it first waits (bounded) until ``listed()``."""
-    spec = os.environ.get("ZS_KILL_AT")
-    if not spec:
-        return
-    name, n, sub = (spec.split(":") + [""])[:3]
-    seen = []
-
-    def hook(owner, boundary):
-        if boundary != name or sub not in str(getattr(owner, "root", "")):
-            return
-        seen.append(boundary)
-        if len(seen) == int(n):
-            deadline = time.monotonic() + 120
-            while int(n) > 1 and name != "publish" and not listed() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    if name == "publish":
-        from zerostall.integrations._common import Publisher
-        Publisher._hook = hook
-    else:
-        from zerostall.store.local import LocalTier
-        LocalTier._hook = hook
 
 
 def data():

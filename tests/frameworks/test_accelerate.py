@@ -11,14 +11,12 @@ import torch
 
 pytest.importorskip("accelerate")
 
+from tests.frameworks import HERE, app_env  # noqa: E402
 from tests.helpers import equal  # noqa: E402
 from zerostall.store.local import LocalTier  # noqa: E402
 
-HERE = os.path.dirname(__file__)
-sys.path.insert(0, HERE)
 import accelerate_app as app  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(HERE))
 STEPS = 12
 
 
@@ -46,8 +44,7 @@ def test_sigkill_during_a_save_then_load_state(tmp_path, reference, boundary):
     newest, the counter continues (Accelerate's own load_state leaves it at 0: the next save
     fails with 'already exists'), and the run ends bit-exactly (dropout: the RNG is restored)."""
     final, names = reference
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "src")]), "OMP_NUM_THREADS": "1",
-           "ZS_KILL_AT": boundary}
+    env = app_env(ZS_KILL_AT=boundary)
     r = subprocess.run([sys.executable, os.path.join(HERE, "accelerate_app.py"), str(tmp_path), "--steps", str(STEPS)],
                        env=env, timeout=240, capture_output=True, text=True)
     assert r.returncode == -9, r.stderr[-3000:]

@@ -13,22 +13,18 @@ pytest.importorskip("lightning")
 
 import zerostall  # noqa: E402
 from zerostall.store.local import LocalTier  # noqa: E402
+from tests.frameworks import HERE, app_env  # noqa: E402
 from tests.helpers import equal, free_port  # noqa: E402
 from zerostall.integrations.lightning import (  # noqa: E402
     ZerostallCheckpointIO, is_zerostall_checkpoint, load_from_checkpoint)
 
-HERE = os.path.dirname(__file__)
-sys.path.insert(0, HERE)
 import lightning_app as app  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(HERE))
 EPOCHS = 4
 
 
 def run_app(outdir, *args, timeout=240):
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "src")]), OMP_NUM_THREADS="1",
-               PL_DISABLE_FORK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env = app_env(PL_DISABLE_FORK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     return subprocess.run([sys.executable, os.path.join(HERE, "lightning_app.py"), str(outdir), *args],
                           env=env, timeout=timeout, capture_output=True, text=True)
 
@@ -289,10 +285,8 @@ def test_a_sigkill_during_a_save_of_last_never_blocks_ckpt_path_last(tmp_path, r
     last.ckpt was committed) and ends bit-exactly where an uninterrupted run does. (The first
     save left an empty last.ckpt/ and every restart raised CheckpointNotFound.)"""
     final, _, _ = reference
-    env = {**os.environ, "ZS_KILL_AT": boundary}
     r = subprocess.run([sys.executable, os.path.join(HERE, "lightning_app.py"), str(tmp_path), "--io", "zerostall",
-                        "--epochs", str(EPOCHS)], env={**env, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "src")]),
-                                                       "OMP_NUM_THREADS": "1"},
+                        "--epochs", str(EPOCHS)], env=app_env(ZS_KILL_AT=boundary),
                        timeout=240, capture_output=True, text=True)
     assert r.returncode == -9, r.stderr[-3000:]
     last = tmp_path / "ckpts" / "last.ckpt"

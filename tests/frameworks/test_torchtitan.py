@@ -12,18 +12,16 @@ import torch
 
 pytest.importorskip("torchtitan.components.checkpoint")
 
+from tests.frameworks import HERE, app_env  # noqa: E402
 from tests.helpers import equal  # noqa: E402
 
-HERE = os.path.dirname(__file__)
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, HERE)
 import titan_app  # noqa: E402
 
 STEPS = 6
 
 
 def run(outdir, *args):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "src")]), "OMP_NUM_THREADS": "1"}
+    env = app_env()
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(var, None)
     return subprocess.run([sys.executable, os.path.join(HERE, "titan_app.py"), str(outdir), "--steps", str(STEPS), *args],

@@ -12,14 +12,12 @@ pytest.importorskip("transformers")
 
 import zerostall  # noqa: E402
 from zerostall.store.local import LocalTier  # noqa: E402
+from tests.frameworks import HERE, app_env  # noqa: E402
 from tests.helpers import equal, free_port  # noqa: E402
 from zerostall.integrations.transformers import last_committed_checkpoint  # noqa: E402
 
-HERE = os.path.dirname(__file__)
-sys.path.insert(0, HERE)
 import hf_app  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(HERE))
 STEPS = 12
 
 
@@ -58,7 +56,7 @@ def test_stop_and_resume_is_bit_identical(tmp_path, reference):
 
 
 def test_sigkill_mid_run_then_resume_with_the_mixin(tmp_path, reference):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "src")]), "OMP_NUM_THREADS": "1"}
+    env = app_env()
     r = subprocess.run([sys.executable, os.path.join(HERE, "hf_app.py"), str(tmp_path), "--trainer", "mixin",
                         "--steps", str(STEPS), "--kill-at-step", "9"], env=env, timeout=300,
                        capture_output=True, text=True)
@@ -82,8 +80,7 @@ def test_get_last_checkpoint_after_a_sigkill_during_a_save(tmp_path, reference, 
     a later one: it never names an uncommitted checkpoint, and the run resumes bit-exactly.
     (It named checkpoint-4/ holding only step-4.partial: "Can't find a valid checkpoint".)"""
     from transformers.trainer_utils import get_last_checkpoint
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "src")]), "OMP_NUM_THREADS": "1",
-           "ZS_KILL_AT": boundary}
+    env = app_env(ZS_KILL_AT=boundary)
     r = subprocess.run([sys.executable, os.path.join(HERE, "hf_app.py"), str(tmp_path), "--trainer", "zerostall",
                         "--steps", str(STEPS)], env=env, timeout=300, capture_output=True, text=True)
     assert r.returncode == -9, r.stderr[-3000:]
@@ -149,7 +146,7 @@ def test_load_best_model_at_end_reads_the_zerostall_checkpoint(tmp_path):
 
 def test_ddp_two_gloo_processes_resume_exactly(tmp_path):
     import json
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "src")]), "OMP_NUM_THREADS": "1"}
+    env = app_env()
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
                         os.path.join(HERE, "hf_app.py"), str(tmp_path), "--ddp"], env=env, timeout=300,
                        capture_output=True, text=True)

@@ -15,12 +15,9 @@ from zerostall.store.local import LocalTier
 from zerostall.errors import ConfigError, UnsupportedStateError
 from zerostall.format.dtypes import SUPPORTED_DTYPES
 from zerostall.format.validate import MAX_INT_BITS, NUMPY_DTYPES
+from tests.helpers import same
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _bits(t):
-    return t.detach().contiguous().reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
 
 
 def _random(dtype, shape, seed=0):
@@ -28,30 +25,6 @@ def _random(dtype, shape, seed=0):
     n = math.prod(shape)
     raw = torch.randint(0, 256, (n * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8, generator=g)
     return raw.view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
-
-
-def same(a, b, path="<root>"):
-    """Type-exact, bit-exact comparison (nan == nan, -0.0 != 0.0, tuple != list)."""
-    assert type(a) is type(b), f"{path}: {type(a).__name__} came back as {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        assert not b.is_conj() and not b.is_neg()
-        assert torch.equal(_bits(a.resolve_conj().resolve_neg()), _bits(b)), f"{path}: bytes differ"
-    elif isinstance(a, np.ndarray):
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{path}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
-        assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes(), f"{path}: bytes differ"
-    elif isinstance(a, dict):
-        assert list(a) == list(b), f"{path}: keys or their order differ"
-        for k in a:
-            same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            same(x, y, f"{path}.{i}")
-    elif isinstance(a, float):
-        assert (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b)), path
-    else:
-        assert a == b, f"{path}: {a!r} came back as {b!r}"
 
 
 def roundtrip(ckdir, state, step=1):

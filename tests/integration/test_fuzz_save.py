@@ -25,6 +25,7 @@ import zerostall
 from zerostall.errors import UnsupportedStateError
 from zerostall.format.dtypes import SUPPORTED_DTYPES
 from zerostall.format.objects import register_type, unregister_type
+from tests import helpers
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -183,35 +184,18 @@ def expected(x):
 
 
 def same(a, b, path="<root>"):
-    assert type(a) is type(b), f"{path}: {type(a).__name__} came back as {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), path
-        assert a.contiguous().reshape(-1).view(torch.uint8).tolist() == b.reshape(-1).view(torch.uint8).tolist(), path
-    elif isinstance(a, np.ndarray):
-        assert (a.dtype, a.shape) == (b.dtype, b.shape) and a.tobytes() == b.tobytes(), path
-    elif isinstance(a, dict):
-        assert len(a) == len(b), path
-        for (ka, va), (kb, vb) in zip(a.items(), b.items()):
-            same(ka, kb, f"{path}[key]")
-            same(va, vb, f"{path}.{ka}")
-        if isinstance(a, collections.defaultdict):
-            assert a.default_factory is b.default_factory, path
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            same(x, y, f"{path}.{i}")
-    elif isinstance(a, float):
-        assert (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b)), path
-    elif isinstance(a, (np.datetime64, np.timedelta64)):
-        assert a.dtype == b.dtype and ((np.isnat(a) and np.isnat(b)) or a == b), path
-    elif isinstance(a, argparse.Namespace):
-        same(vars(a), vars(b), path)
-    elif isinstance(a, Slotted):
-        same([a.a, a.b], [b.a, b.b], path)
+    helpers.same(a, b, path, more=_same_own)
+
+
+def _same_own(a, b, path, rec):
+    """This file's own registered types."""
+    if isinstance(a, Slotted):
+        rec([a.a, a.b], [b.a, b.b], path)
     elif isinstance(a, Cfg):
-        same(dataclasses.asdict(a), dataclasses.asdict(b), path)
+        rec(dataclasses.asdict(a), dataclasses.asdict(b), path)
     else:
-        assert a == b, f"{path}: {a!r} came back as {b!r}"
+        return False
+    return True
 
 
 @pytest.fixture(scope="module", autouse=True)

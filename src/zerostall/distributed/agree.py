@@ -136,8 +136,8 @@ def collective_base(ns: str) -> str:
 def local_candidates(path: str, remote: Any = None, io: Any = None, step: int | None = None) -> tuple[list[int], Any]:
     """The steps this rank may load: listed in ``path`` (damaged ones too: loading says why) and,
     with ``remote``, those the remote lists. Returns them and the opened remote tier."""
-    from ..store.local import LocalTier
-    steps = set(LocalTier(path).listed_steps()) if os.path.isdir(path) else set()
+    from ..store.tier import open_root
+    steps = set(open_root(path).listed_steps()) if os.path.isdir(path) else set()
     if remote is not None:
         from ..store.remote import list_steps, open_tier
         if isinstance(remote, str):

@@ -68,7 +68,7 @@ from typing import Any, Callable
 from ..errors import CheckpointExistsError, DistributedError, SaveFailed, ZerostallError, storage_error
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..store.atomic import fsync_dir, write_file_durable
-from ..store.local import LocalTier
+from ..store.tier import RootTier
 from .merge import manifests, merge, peer_protected
 from .session import Session
 from .store import Store, StoreTimeout
@@ -118,7 +118,7 @@ def _missing(store: Store, base: str, world: int, timeout: float) -> list[int]:
     return [r for r in range(1, world) if not store.check([f"{base}/r{r}"], timeout)]
 
 
-def commit_round(store: Store, session: Session, fragment: dict[str, Any], tier: LocalTier, step: int, *,
+def commit_round(store: Store, session: Session, fragment: dict[str, Any], tier: RootTier, step: int, *,
                  per_rank: bool, timeout_s: float, overwrite: bool = False,
                  user_metadata: dict[str, Any] | None = None,
                  protect: Callable[[set[int]], None] | None = None) -> tuple[str, ...]:
@@ -205,7 +205,7 @@ def _coordinate(store: Store, session: Session, base: str, fragment: dict[str, A
         deadline - time.monotonic(), 0.0) + grace_s(timeout_s))
 
 
-def _finish_mine(store: Store, session: Session, base: str, dec: dict[str, Any], tier: LocalTier, step: int,
+def _finish_mine(store: Store, session: Session, base: str, dec: dict[str, Any], tier: RootTier, step: int,
                  overwrite: bool, deadline: float, timeout_s: float) -> tuple[str, ...]:
     """DECIDED(commit) -> DURABLE for this rank's copy."""
     done_key = f"{base}/done/{session.group}"
@@ -234,7 +234,7 @@ def _finish_mine(store: Store, session: Session, base: str, dec: dict[str, Any],
     return post
 
 
-def finish_copy(tier: LocalTier, step: int, manifest: bytes, *, overwrite: bool = False,
+def finish_copy(tier: RootTier, step: int, manifest: bytes, *, overwrite: bool = False,
                 leader: bool = True) -> tuple[str, ...]:
     """FINISHING: commit ``step`` in this copy of the root with ``manifest``. Idempotent and
     safe to race (the manifest goes in by rename; a copy already renamed with this
@@ -270,7 +270,7 @@ def finish_copy(tier: LocalTier, step: int, manifest: bytes, *, overwrite: bool 
     return tier.write_latest(step) if leader else ()
 
 
-def _committed_here(tier: LocalTier, step: int, checkpoint_id: str) -> bool:
+def _committed_here(tier: RootTier, step: int, checkpoint_id: str) -> bool:
     try:
         return tier.read_manifest(step).checkpoint_id == checkpoint_id
     except ZerostallError:

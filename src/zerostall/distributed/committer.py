@@ -17,7 +17,7 @@ from ..staging.incremental import RefTracker
 from ..staging.job import merged_entries
 from ..staging.job import Persisted, SaveRequest
 from ..store.committer import file_entry, tensor_entries
-from ..store.local import LocalTier
+from ..store.tier import RootTier
 from .agree import collective_base, collective_load
 from .commit import OutcomeUnknown, commit_round, grace_s, report_failure, wait_acked
 from .session import Session
@@ -28,7 +28,7 @@ class StoreCommitter:
     """Multi-rank commit strategy of the persist thread (:mod:`.commit`); a
     :class:`~zerostall.store.committer.Committer`."""
 
-    def __init__(self, tier: LocalTier, store: Store, session: Session, *, per_rank: bool, timeout_s: float):
+    def __init__(self, tier: RootTier, store: Store, session: Session, *, per_rank: bool, timeout_s: float):
         self.tier, self.store, self.session = tier, store, session
         self.rank, self.world = session.rank, session.world
         self.per_rank, self.timeout_s = per_rank, timeout_s

@@ -42,11 +42,10 @@ from ..format.layout import ShardHeader
 from ..format.shard import read_shard
 from ..staging.arena import Arena
 from .dcp_meta import Record, read_metadata_file, validate
-from .dcp_storage import (METADATA, WINDOW_BYTES, UnsupportedCheckpoint, _io_engine, _ZSInfo, check_checkpoint_id,
-                          metadata_name)
+from .dcp_storage import METADATA, WINDOW_BYTES, CheckpointId, UnsupportedCheckpoint, _io_engine, _ZSInfo, metadata_name
 
 
-class Reader(StorageReader):
+class Reader(CheckpointId, StorageReader):
     """``FileSystemReader``'s drop-in: ``dcp.load(sd, storage_reader=Reader(path))``.
 
     ``verify=False`` skips crc32c and padding checks (metadata validation always runs).
@@ -54,8 +53,7 @@ class Reader(StorageReader):
 
     def __init__(self, path: str | os.PathLike[str], *, io: IOConfig | None = None, verify: bool = True):
         super().__init__()
-        self._id: str | os.PathLike[str] = path
-        self.path = check_checkpoint_id(path)
+        self._set_id(path)
         self.io = io
         self.verify = verify
         self.load_id = uuid.uuid4().hex
@@ -65,16 +63,11 @@ class Reader(StorageReader):
         self.rank: int | None = None
         self.use_collectives = True
 
-    @property
-    def checkpoint_id(self) -> str | os.PathLike[str]:
-        return self._id
-
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
         self.records = {}
         if checkpoint_id:
-            self.path = check_checkpoint_id(checkpoint_id)
-            self._id = checkpoint_id
+            self._set_id(checkpoint_id)
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -267,12 +260,3 @@ class Reader(StorageReader):
                                     f"{tuple(target.size())}", path=path, key=key)
         target.copy_(t)
         planner.commit_tensor(req, target)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            check_checkpoint_id(checkpoint_id)
-        except Exception:  # noqa: BLE001 - DCP asks yes/no
-            return False
-        return True
-

@@ -129,6 +129,31 @@ def check_checkpoint_id(checkpoint_id: Any) -> str:
     return os.path.abspath(p)
 
 
+class CheckpointId:
+    """The checkpoint id :class:`Writer` and :class:`~.dcp_read.Reader` share: DCP's
+    ``checkpoint_id`` property, the id ``reset`` moves to, and ``validate_checkpoint_id``
+    (a local path, never a URL). Caller's thread."""
+
+    _id: str | os.PathLike[str]
+    path: str
+
+    def _set_id(self, checkpoint_id: str | os.PathLike[str]) -> None:
+        self._id = checkpoint_id
+        self.path = check_checkpoint_id(checkpoint_id)
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike[str]:
+        return self._id
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            check_checkpoint_id(checkpoint_id)
+        except Exception:  # noqa: BLE001 - DCP asks yes/no
+            return False
+        return True
+
+
 def _io_engine(path: str, io_cfg: IOConfig | None) -> Any:
     """The I/O engine for ``path``: the one choice ``io/`` makes for every writer and reader."""
     from ..io import choose_engine
@@ -153,7 +178,7 @@ def metadata_name(rank: int | None, use_collectives: bool) -> str:
     return METADATA if use_collectives or rank is None else f"__{rank}{METADATA}"
 
 
-class Writer(StorageWriter):
+class Writer(CheckpointId, StorageWriter):
     """``FileSystemWriter``'s drop-in: ``dcp.save(sd, storage_writer=Writer(path))``.
 
     ``overwrite`` as in ``FileSystemWriter`` (default True). ``io`` picks the engine
@@ -170,8 +195,7 @@ class Writer(StorageWriter):
         if not sync_files:
             raise ConfigError("zerostall.dcp.Writer always makes checkpoints durable; sync_files=False is not "
                               "supported (drop the argument)")
-        self._id: str | os.PathLike[str] = path
-        self.path = check_checkpoint_id(path)
+        self._set_id(path)
         self.io = io
         self.overwrite = overwrite
         self.save_id = uuid.uuid4().hex
@@ -180,14 +204,9 @@ class Writer(StorageWriter):
         self.use_collectives = True
 
     # -- DCP's interface ----------------------------------------------------------------
-    @property
-    def checkpoint_id(self) -> str | os.PathLike[str]:
-        return self._id
-
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.path = check_checkpoint_id(checkpoint_id)
-            self._id = checkpoint_id
+            self._set_id(checkpoint_id)
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -328,14 +347,6 @@ class Writer(StorageWriter):
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            check_checkpoint_id(checkpoint_id)
-        except ConfigError:
-            return False
-        return True
 
 
 def __getattr__(name: str) -> Any:

@@ -30,7 +30,7 @@ per-process counter. The start-up round:
    to an earlier, abandoned join and is skipped;
 3. under the session prefix ``<ns>/<sid>`` every rank lists its root and reports the ranks
    whose probes it sees (``sees/r<r>``); rank 0 forms the groups (or refuses the view), on a
-   shared root owns it (``LocalTier.own``: the root lock, held for the Checkpointer's life,
+   shared root owns it (``RootTier.own``: the root lock, held for the Checkpointer's life,
    and start-up recovery), then publishes ``ready`` = ``{groups, nodes}`` (or ``error``);
 4. with several copies each group's leader owns its copy and sets ``cleaned/<group>`` (with
    the error, if it could not); every rank waits for all groups'; a root that could not be
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, DistributedError, RootLockedError, ZerostallError
-from ..store.local import LocalTier
+from ..store.tier import RootTier
 from .node import node_id
 from .store import Store
 
@@ -120,7 +120,7 @@ class Session:
         return self.groups
 
 
-def _probe(tier: LocalTier, nonce: str) -> str:
+def _probe(tier: RootTier, nonce: str) -> str:
     path = os.path.join(tier.root, PROBE_PREFIX + nonce)
     with open(path, "w"):
         pass
@@ -134,7 +134,7 @@ def _unlink(path: str) -> None:
         pass
 
 
-def join(store: Store, ns: str, rank: int, world: int, tier: LocalTier, timeout_s: float) -> Session:
+def join(store: Store, ns: str, rank: int, world: int, tier: RootTier, timeout_s: float) -> Session:
     """The start-up round (module docstring). Raises :class:`DistributedError` naming the
     ranks that did not join within ``timeout_s``, :class:`ConfigError` for roots the ranks see
     inconsistently, :class:`RootLockedError` for a copy another writer holds."""
@@ -147,7 +147,7 @@ def join(store: Store, ns: str, rank: int, world: int, tier: LocalTier, timeout_
         _unlink(probe)
 
 
-def _join(store: Store, ns: str, rank: int, world: int, tier: LocalTier, timeout_s: float, node: str,
+def _join(store: Store, ns: str, rank: int, world: int, tier: RootTier, timeout_s: float, node: str,
           nonce: str) -> Session:
     deadline = time.monotonic() + timeout_s
     if rank == 0:
@@ -180,7 +180,7 @@ def _join(store: Store, ns: str, rank: int, world: int, tier: LocalTier, timeout
     return _finish(store, prefix, rank, world, node, tier, store.get_json(f"{prefix}/ready"), timeout_s)
 
 
-def _seen(store: Store, prefix: str, tier: LocalTier) -> list[int]:
+def _seen(store: Store, prefix: str, tier: RootTier) -> list[int]:
     """The ranks whose probe files this rank sees in its root (one listdir)."""
     nonces = store.get_json(f"{prefix}/probes")
     try:
@@ -236,7 +236,7 @@ def form_groups(sees: list[list[int]], nodes: list[str], root: str) -> list[list
     return [sorted(g) for g in out]
 
 
-def _decide(store: Store, prefix: str, world: int, node: str, tier: LocalTier, timeout_s: float) -> Session:
+def _decide(store: Store, prefix: str, world: int, node: str, tier: RootTier, timeout_s: float) -> Session:
     keys = [f"{prefix}/sees/r{r}" for r in range(1, world)]
     own_view = _seen(store, prefix, tier)
     if store.poll(keys, time.monotonic() + timeout_s) == "timeout":
@@ -263,7 +263,7 @@ def _decide(store: Store, prefix: str, world: int, node: str, tier: LocalTier, t
     return _finish(store, prefix, 0, world, node, tier, ready, timeout_s)
 
 
-def _finish(store: Store, prefix: str, rank: int, world: int, node: str, tier: LocalTier,
+def _finish(store: Store, prefix: str, rank: int, world: int, node: str, tier: RootTier,
             ready: dict[str, Any], timeout_s: float) -> Session:
     groups = [tuple(g) for g in ready["groups"]]
     names = [f"g{g[0]}" for g in groups]

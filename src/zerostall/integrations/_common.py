@@ -22,6 +22,7 @@ from ..checkpointer import Checkpointer
 from ..config import CheckpointConfig
 from ..errors import ConfigError, ZerostallError
 from ..store.atomic import discard, publish_dir
+from ..store.owner import RootLock
 from ..store.tier import open_root
 
 log = logging.getLogger("zerostall")
@@ -35,6 +36,20 @@ def is_committed(path: str | os.PathLike[str]) -> bool:
     # the tier's own listing: canonical step names whose manifest validates (a crash between the
     # manifest write and the rename leaves step-N.partial/manifest.json, which is not a commit)
     return bool(open_root(p).steps())
+
+
+def unowned(path: str) -> bool:
+    """Whether no live writer holds ``path``'s root lock (taken and let go at once), so an
+    earlier run's leftover there may be removed or published; a held one is logged and left
+    alone. Training thread (start-up cleanup)."""
+    lock = RootLock(path)
+    try:
+        lock.acquire(0.0)
+    except ZerostallError as exc:  # a live writer there (another job)
+        log.warning("zerostall: leaving %s alone: %s", path, exc)
+        return False
+    lock.release()
+    return True
 
 
 def next_step(ckpt: Checkpointer, wanted: int) -> int:
@@ -268,3 +283,26 @@ class Publisher(Worker[Any]):
                 else:
                     self._pending.pop(p.final, None)
                     self._cancelled.discard(p.final)
+
+
+
+def adapter_config(zerostall_config: CheckpointConfig | None) -> CheckpointConfig:
+    """The config of the Accelerate and Transformers adapters' checkpointers: the user's (or
+    the environment's) with ``keep_last=1`` and never overwrite (a path saved twice gets a new
+    step, see :func:`next_step`)."""
+    cfg = zerostall_config if zerostall_config is not None else CheckpointConfig.from_env()
+    return cfg.replace(keep_last=1, overwrite=False)
+
+
+def finish_publishing(guard: StateGuard, pub: Publisher | None) -> None:
+    """Block until every save is durable and published, then raise the first failure (the
+    others are logged): the adapters' ``zerostall_wait``. Training thread."""
+    guard.close()
+    if pub is None:
+        return
+    pub.close()
+    errors = pub.errors()
+    for exc in errors[1:]:
+        log.error("zerostall: a checkpoint save failed: %s", exc)
+    if errors:
+        raise errors[0]

@@ -55,11 +55,11 @@ except ImportError as exc:
 from .. import load as _zs_load
 from ..checkpointer import Checkpointer
 from ..config import CheckpointConfig
-from ..errors import CheckpointNotFound, ConfigError, ZerostallError
+from ..errors import CheckpointNotFound, ConfigError
 from ..rng import rng_state, set_rng_state
 from ..store.atomic import discard, fsync_dir
-from ..store.owner import RootLock
-from ._common import Publisher, StateGuard, is_committed, next_step, tensors_of
+from ._common import (Publisher, StateGuard, adapter_config, finish_publishing, is_committed, next_step, tensors_of,
+                      unowned)
 
 log = logging.getLogger("zerostall")
 
@@ -78,8 +78,7 @@ class ZerostallAcceleratorMixin:
 
     def __init__(self, *args: Any, zerostall_config: CheckpointConfig | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        cfg = zerostall_config if zerostall_config is not None else CheckpointConfig.from_env()
-        self._zs_config = cfg.replace(keep_last=1, overwrite=False)
+        self._zs_config = adapter_config(zerostall_config)
         self._zs_publisher: Publisher | None = None
         self._zs_guard = StateGuard()
         self._zs_recovered: set[str] = set()
@@ -188,28 +187,15 @@ class ZerostallAcceleratorMixin:
             final = os.path.join(final_parent, n if auto else n[1:-len(_STAGING_DIR)])
             if pub is not None and pub.pending(final):
                 continue
-            lock = RootLock(path)
-            try:
-                lock.acquire(0.0)
-            except ZerostallError as exc:
-                log.warning("zerostall: leaving %s alone: %s", path, exc)
+            if not unowned(path):
                 continue
-            lock.release()
             log.info("zerostall: removing %s, a save of an earlier run that was not published", path)
             discard(path)
 
     def zerostall_wait(self) -> None:
         """Block until every save is durable and published; raise the first failure."""
-        self._zs_guard.close()
         pub, self._zs_publisher = self._zs_publisher, None
-        if pub is None:
-            return
-        pub.close()
-        errors = pub.errors()
-        for exc in errors[1:]:
-            log.error("zerostall: a checkpoint save failed: %s", exc)
-        if errors:
-            raise errors[0]
+        finish_publishing(self._zs_guard, pub)
 
     def end_training(self) -> None:
         self.zerostall_wait()

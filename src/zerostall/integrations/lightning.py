@@ -63,7 +63,8 @@ from ..errors import ConfigError, ZerostallError
 from ..rng import rng_state, set_rng_state
 from ..store.atomic import discard
 from ..store.owner import RootLock
-from ._common import Publisher, StateGuard, is_committed, load_torch_file, next_step, open_local, tensors_of
+from ._common import (Publisher, StateGuard, is_committed, load_torch_file, next_step, open_local, tensors_of,
+                      unowned)
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -302,13 +303,8 @@ class ZerostallCheckpointIO(CheckpointIO):
         """A first save of ``root`` an earlier run left in ``staged``: removed (never a live
         writer's). Not published even when committed: a name appearing under ModelCheckpoint
         after it started makes it save ``last-v1.ckpt`` instead of ``last.ckpt``."""
-        lock = RootLock(staged)
-        try:
-            lock.acquire(0.0)
-        except ZerostallError as exc:
-            log.warning("zerostall: leaving %s alone: %s", staged, exc)
+        if not unowned(staged):
             return
-        lock.release()
         log.info("zerostall: removing %s, a first save of an earlier run that was not published", staged)
         discard(staged)
 

@@ -51,12 +51,10 @@ except ImportError as exc:
 from .. import load as _zs_load
 from ..checkpointer import Checkpointer
 from ..config import CheckpointConfig
-from ..errors import ZerostallError
 from ..format.objects import register_type
 from ..rng import rng_state, set_rng_state
 from ..store.atomic import discard, fsync_dir, publish_dir, write_file_durable
-from ..store.owner import RootLock
-from ._common import Publisher, StateGuard, is_committed, next_step
+from ._common import Publisher, StateGuard, adapter_config, finish_publishing, is_committed, next_step, unowned
 
 log = logging.getLogger("zerostall")
 
@@ -97,8 +95,7 @@ class ZerostallTrainerMixin:
 
     def __init__(self, *args: Any, zerostall_config: CheckpointConfig | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        cfg = zerostall_config if zerostall_config is not None else CheckpointConfig.from_env()
-        self._zs_config = cfg.replace(keep_last=1, overwrite=False)
+        self._zs_config = adapter_config(zerostall_config)
         self._zs_publisher: Publisher | None = None
         self._zs_guard = StateGuard()
         self._zs_resume: tuple[str, dict[str, Any]] | None = None
@@ -153,13 +150,8 @@ class ZerostallTrainerMixin:
             m = _STAGED_RE.match(n)
             if m is None:
                 continue
-            lock = RootLock(path)
-            try:
-                lock.acquire(0.0)
-            except ZerostallError as exc:  # a live writer there (another job): leave it
-                log.warning("zerostall: leaving %s alone: %s", path, exc)
+            if not unowned(path):  # a live writer there (another job): leave it
                 continue
-            lock.release()
             final = os.path.join(run_dir, m.group(1))
             if (is_committed(path) and os.path.isfile(os.path.join(path, TRAINER_STATE_NAME))
                     and not os.path.exists(final) and self.args.world_size == 1):
@@ -183,16 +175,8 @@ class ZerostallTrainerMixin:
 
     def zerostall_wait(self) -> None:
         """Block until every checkpoint is durable and published; raise the first failure."""
-        self._zs_guard.close()
         pub, self._zs_publisher = self._zs_publisher, None
-        if pub is None:
-            return
-        pub.close()
-        errors = pub.errors()
-        for exc in errors[1:]:
-            log.error("zerostall: a checkpoint save failed: %s", exc)
-        if errors:
-            raise errors[0]
+        finish_publishing(self._zs_guard, pub)
 
     # -- saving ------------------------------------------------------------------------------
     def _save_checkpoint(self, model: Any, trial: Any) -> None:

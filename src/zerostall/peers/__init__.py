@@ -24,7 +24,7 @@ from ..config import CheckpointConfig
 from ..distributed.store import Store
 from ..errors import ConfigError
 from ..io.base import Engine, choose_engine
-from ..store.local import LocalTier
+from ..store.tier import RootTier
 from .exchange import PeerView, advertised_host, setup
 from .fetch import Plan, agree, fetch
 from .placement import Node
@@ -37,7 +37,7 @@ log = logging.getLogger("zerostall")
 
 
 class Peers:
-    def __init__(self, cfg: CheckpointConfig, tier: LocalTier, store: Store, prefix: str, rank: int, world: int,
+    def __init__(self, cfg: CheckpointConfig, tier: RootTier, store: Store, prefix: str, rank: int, world: int,
                  *, node_local: bool):
         if world < 2:
             raise ConfigError(f"replicas={cfg.replicas} needs a distributed job of at least {cfg.replicas} nodes "

@@ -36,7 +36,7 @@ from ..errors import CheckpointNotFound, DistributedError, ZerostallError
 from ..format.layout import shard_name
 from ..format.manifest import Manifest
 from ..io.base import Engine
-from ..store.local import LocalTier
+from ..store.tier import RootTier
 from .exchange import PeerView
 from .transport import Transport
 from .verify import StreamCheck, file_entry
@@ -55,7 +55,7 @@ class Plan:
     """Every step live peers hold this node's files of (an incremental step's references)."""
 
 
-def _local_steps(tier: LocalTier, view: PeerView, names: list[str]) -> set[int]:
+def _local_steps(tier: RootTier, view: PeerView, names: list[str]) -> set[int]:
     out = set()
     for s in tier.steps():
         try:
@@ -106,7 +106,7 @@ def _peer_holdings(view: PeerView, transport: Transport, names: list[str]) -> di
     return out
 
 
-def agree(store: Store, view: PeerView, transport: Transport, tier: LocalTier, load_no: int, *,
+def agree(store: Store, view: PeerView, transport: Transport, tier: RootTier, load_no: int, *,
           step: int | None, remote_steps: list[int], timeout_s: float) -> Plan:
     """Steps 1-2 of the module doc; raises :class:`CheckpointNotFound` on every rank alike."""
     names = [shard_name(r) for r in view.ranks_of(view.me)]
@@ -128,7 +128,7 @@ def agree(store: Store, view: PeerView, transport: Transport, tier: LocalTier, l
     return Plan(s, src, peers.get(s, {}), peers)
 
 
-def fetch(store: Store, view: PeerView, transport: Transport, tier: LocalTier, engine_for: Callable[[], Engine],
+def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
           plan: Plan, load_no: int, timeout_s: float) -> None:
     """Step 3: the node's leader brings ``plan.step``'s files of this node in; others wait."""
     key = view.key(f"load{load_no}", "node", view.me)
@@ -148,7 +148,7 @@ def fetch(store: Store, view: PeerView, transport: Transport, tier: LocalTier, e
     store.set(key, json.dumps({"ok": True}))
 
 
-def _fetch_files(view: PeerView, transport: Transport, tier: LocalTier, engine_for: Callable[[], Engine],
+def _fetch_files(view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
                  plan: Plan) -> None:
     """``plan.step``'s files of this node, and first those of earlier steps it references
     (incremental: the bytes it borrows travel with their own step) that are not local."""
@@ -170,7 +170,7 @@ def _fetch_files(view: PeerView, transport: Transport, tier: LocalTier, engine_f
     tier.commit(plan.step, man, overwrite=plan.step in tier.listed_steps())
 
 
-def _fetch_step(view: PeerView, transport: Transport, tier: LocalTier, engine_for: Callable[[], Engine],
+def _fetch_step(view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
                 step: int, holders: dict[str, list[tuple[str, str]]], names: list[str], *, commit: bool) -> Manifest:
     """Bring ``names`` of ``step`` into ``step-N.partial`` (verified); commit it when asked.
     Returns the step's manifest."""

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from ..distributed.store import Store
 from ..errors import ZerostallError
 from ..format.manifest import MANIFEST_NAME, Manifest
-from ..store.local import LocalTier
 from ..store.replicate import set_idle_io_priority
+from ..store.tier import RootTier
 from .exchange import PeerView
 from . import status as status_file
 from .placement import ranking
@@ -61,7 +61,7 @@ class StepStatus:
 
 
 class PeerReplicator:
-    def __init__(self, tier: LocalTier, view: PeerView, transport: Transport, store: Store, peer_store: PeerStore,
+    def __init__(self, tier: RootTier, view: PeerView, transport: Transport, store: Store, peer_store: PeerStore,
                  *, replicas: int, keep_last: int | None, replica_timeout_s: float):
         self.tier, self.view, self.transport, self.store = tier, view, transport, store
         self.peer_store = peer_store

@@ -34,8 +34,8 @@ from typing import Any, Callable
 from ..errors import ZerostallError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..io.base import Engine
-from ..store.atomic import fsync_dir, write_file_durable
-from ..store.local import LocalTier
+from ..store.atomic import fsync_dir, unlinked_on_error, write_file_durable
+from ..store.tier import RootTier
 from .verify import StreamCheck, file_entry
 from .wire import check_name, check_node
 
@@ -45,7 +45,7 @@ _STEP_RE = re.compile(r"^step-(\d{1,19})$")
 
 
 class PeerStore:
-    def __init__(self, tier: LocalTier, me: str, engine_for: Callable[[], Engine]):
+    def __init__(self, tier: RootTier, me: str, engine_for: Callable[[], Engine]):
         self.tier, self.me = tier, me
         self.area = os.path.join(tier.root, AREA)
         self._engine_for = engine_for
@@ -165,29 +165,23 @@ class PeerStore:
                 write_file_durable(os.path.join(d, MANIFEST_NAME), man.to_bytes())
                 fsync_dir(d)
                 fsync_dir(os.path.dirname(d))
-        tmp = os.path.join(d, f".incoming-{name}-{uuid.uuid4().hex[:8]}")
         check = StreamCheck(man, name, f"{src}:step-{step}/{name}")
         engine = self._engine_for()
         try:
-            w = engine.open_write(tmp, fe.file_bytes)
-            try:
-                fill(w, check)
-                digest = check.digest()
-                w.finish()
-            finally:
-                w.close()
-            with self._lock(src, step):
-                cur = self.manifest(src, step)
-                if cur is None or cur.checkpoint_id != man.checkpoint_id:
-                    raise ZerostallError(f"step {step} of {src} was replaced during the transfer")
-                os.rename(tmp, os.path.join(d, name))
-                fsync_dir(d)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+            with unlinked_on_error(os.path.join(d, f".incoming-{name}-{uuid.uuid4().hex[:8]}")) as tmp:
+                w = engine.open_write(tmp, fe.file_bytes)
+                try:
+                    fill(w, check)
+                    digest = check.digest()
+                    w.finish()
+                finally:
+                    w.close()
+                with self._lock(src, step):
+                    cur = self.manifest(src, step)
+                    if cur is None or cur.checkpoint_id != man.checkpoint_id:
+                        raise ZerostallError(f"step {step} of {src} was replaced during the transfer")
+                    os.rename(tmp, os.path.join(d, name))
+                    fsync_dir(d)
         finally:
             engine.close()
         return digest

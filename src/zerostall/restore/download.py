@@ -15,14 +15,13 @@ from typing import Any
 from ..errors import CorruptCheckpoint, StorageError, ZerostallError, storage_error
 from ..format.manifest import Manifest
 from ..format.tree import tree_tensor_indices
-from ..store.local import LocalTier
 from ..store.owner import StepLock
-from ..store.tier import Tier
+from ..store.tier import RootTier, Tier
 
 log = logging.getLogger("zerostall")
 
 
-def damaged_local_ref(tier: LocalTier, step: int, exc: BaseException) -> int | None:
+def damaged_local_ref(tier: RootTier, step: int, exc: BaseException) -> int | None:
     """The earlier step whose local file ``exc`` (loading ``step``) names, if ``step`` borrows from it."""
     where = getattr(exc, "path", None)
     if not isinstance(exc, CorruptCheckpoint) or not where:
@@ -79,7 +78,7 @@ class _FetchLock:
 _ANY = object()
 
 
-def fetch_remote_step(tier: LocalTier, remote: Tier, step: int, seen: Any = _ANY) -> Manifest:
+def fetch_remote_step(tier: RootTier, remote: Tier, step: int, seen: Any = _ANY) -> Manifest:
     """Download ``step`` from ``remote`` into the local tier (direct I/O) and commit it there
     (replacing a local copy; the steps it borrows from are fetched first if missing locally)."""
     return fetch(tier, remote, step, seen)[0]
@@ -94,7 +93,7 @@ def rank_files(man: Manifest, rank: int, world_size: int) -> set[str] | None:
     return {man.tensors[canon.get(i, i)].file for i, _ in tree_tensor_indices(man.tree_for(rank, world_size))}
 
 
-def fetch(tier: LocalTier, remote: Tier, step: int, seen: Any = _ANY, only: set[str] | None = None,
+def fetch(tier: RootTier, remote: Tier, step: int, seen: Any = _ANY, only: set[str] | None = None,
           who: tuple[int, int] | None = None) -> tuple[Manifest, bool]:
     """:func:`fetch_remote_step`; also says whether this call downloaded it (False: another
     process committed the same checkpoint locally since the caller saw ``seen``, the identity
@@ -133,36 +132,36 @@ def fetch(tier: LocalTier, remote: Tier, step: int, seen: Any = _ANY, only: set[
     return man, True
 
 
-def _add_files(tier: LocalTier, remote: Any, step: int, man: Manifest, only: set[str]) -> None:
+def _add_files(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[str]) -> None:
     """Download the files in ``only`` into the committed local copy of ``step`` (which lacks them,
     or holds copies that failed), each into a temporary name in it, then renamed into place
     (caller holds the fetch lock)."""
-    from ..store.atomic import fsync_dir
+    from ..store.atomic import fsync_dir, unlinked_on_error
     d = tier.step_dir(step)
     for fe in man.files:
         path = os.path.join(d, fe.name)
         if fe.name not in only:  # ours are fetched again even if present: the local ones failed
             continue
-        rel = f"step-{step}/{fe.name}"
-        size = remote.stat(rel)
-        if size != fe.file_bytes:
-            where = remote.where(rel)
-            raise CorruptCheckpoint(f"{where}: {'missing' if size is None else f'{size} bytes'}, the "
-                                    f"manifest says {fe.file_bytes}", path=where)
-        tmp = os.path.join(d, f".fetch-{fe.name}.tmp")
-        try:
+        rel = _checked_rel(remote, step, fe.name, fe.file_bytes)
+        with unlinked_on_error(os.path.join(d, f".fetch-{fe.name}.tmp")) as tmp:
             remote.download(rel, tmp, fe.file_bytes)
             os.rename(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
     fsync_dir(d)
 
 
-def _download(tier: LocalTier, remote: Any, step: int, man: Manifest, only: set[str] | None = None) -> None:
+def _checked_rel(remote: Any, step: int, name: str, nbytes: int) -> str:
+    """``step-N/<name>`` on ``remote``, after checking it holds the manifest's ``nbytes``
+    (CorruptCheckpoint naming the remote object otherwise)."""
+    rel = f"step-{step}/{name}"
+    size = remote.stat(rel)
+    if size != nbytes:
+        where = remote.where(rel)
+        raise CorruptCheckpoint(f"{where}: {'missing' if size is None else f'{size} bytes'}, the "
+                                f"manifest says {nbytes}", path=where)
+    return rel
+
+
+def _download(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[str] | None = None) -> None:
     """Download ``step``'s files (those in ``only``, if given) into its ``.partial`` and commit it
     (caller holds the locks)."""
     part = tier.begin(step)
@@ -170,12 +169,7 @@ def _download(tier: LocalTier, remote: Any, step: int, man: Manifest, only: set[
         for fe in man.files:
             if only is not None and fe.name not in only:
                 continue
-            rel = f"step-{step}/{fe.name}"
-            size = remote.stat(rel)
-            if size != fe.file_bytes:
-                where = remote.where(rel)
-                raise CorruptCheckpoint(f"{where}: {'missing' if size is None else f'{size} bytes'}, the "
-                                        f"manifest says {fe.file_bytes}", path=where)
+            rel = _checked_rel(remote, step, fe.name, fe.file_bytes)
             remote.download(rel, os.path.join(part, fe.name), fe.file_bytes)
     except BaseException:
         tier.abort(step)

@@ -10,7 +10,7 @@ does; an error of the arguments (``ConfigError``) is raised, an older step would
 The CLI used to fall back on ``CorruptCheckpoint`` only: a symlinked shard on a ``file://``
 tier (an ``OSError`` of the download) made it exit 1 with an intact older step there.
 
-Called from the caller's thread; the caller owns ``tier`` (``LocalTier.own``).
+Called from the caller's thread; the caller owns ``tier`` (``RootTier.own``).
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from typing import Any, Callable
 from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint, StateMismatchError, ZerostallError
 from ..format.manifest import Manifest
 from ..io.base import Engine
-from ..store.local import LocalTier
+from ..store.tier import RootTier
 from .pipeline import fetch_remote_step, verify_step
 from .state import LoadReport
 
 log = logging.getLogger("zerostall")
 
 
-def restore_remote(tier: LocalTier, remote: Any, engine: Engine, step: int | None = None, *,
+def restore_remote(tier: RootTier, remote: Any, engine: Engine, step: int | None = None, *,
                    report: LoadReport | None = None,
                    on_failure: Callable[[int, str], None] | None = None) -> Manifest:
     """Fetch and verify the newest step of ``remote`` (or ``step``) into ``tier``; its manifest.

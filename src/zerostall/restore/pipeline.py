@@ -24,7 +24,7 @@ from ..errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, Distri
                       StateMismatchError, ZerostallError)
 from ..io.base import Engine, choose_engine
 from ..staging.arena import Arena
-from ..store.local import LocalTier
+from ..store.tier import RootTier, is_url, open_root
 from .download import FETCH_LOCK_NAME, damaged_local_ref, fetch, fetch_remote_step, rank_files
 from .retry import GONE, MAX_REPLACED, REPLACED, changed_under, listed_ident, remote_changed_under
 from .state import LoadReport, location_mapper
@@ -61,9 +61,12 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
         keys = list(keys)
     location_mapper(map_location)  # bad map_location: fail before reading anything
     report = report if report is not None else LoadReport()
-    tier = LocalTier(path, create=False)
+    if is_url(path):
+        raise ConfigError(f"load({path!r}): the path is a local directory; pass the URL as remote= to "
+                          "load from it (its steps are downloaded into the directory)")
+    tier: RootTier = open_root(path, create=False)  # type: ignore[assignment]  # a plain path: a RootTier
     if remote is not None and not os.path.isdir(tier.root):
-        tier = LocalTier(path, create=True)
+        tier = open_root(path, create=True)  # type: ignore[assignment]
     own_engine = engine is None
     bounce = bounce or shared_bounce()
     tried: set[tuple[int, str]] = set()

@@ -75,18 +75,23 @@ def ref_reads(tier: Tier, man: Manifest, groups: dict[RefFile, list[int]],
     """One sparse :class:`~.stream.FileRead` per referenced file: only the referenced items'
     extents are read (with the header); ``dst(i)`` is ``(flat tensor or None, direct buffer
     or None, protected)`` for manifest entry ``i``."""
-    out = []
-    for r, idx in groups.items():
-        idx = sorted(idx, key=lambda i: man.tensors[i].offset)
-        fr = FileRead(shard_where(tier, r.step, r.name), r.file_bytes, ShardHeader(r.file_id, r.step, r.rank, r.file_bytes),
-                      [man.tensors[i] for i in idx], [], lambda r=r: tier.open_shard_read(r.step, r.name, engine),
-                      wanted=set(range(len(idx))))
-        for k, i in enumerate(idx):
-            flat, direct, protected = dst(i)
-            fr.dsts.append(flat)
-            if direct is not None:
-                fr.direct[k] = direct
-            if protected:
-                fr.protect.add(k)
-        out.append(fr)
-    return out
+    return [file_read(tier, r.step, r.name, r.file_bytes, ShardHeader(r.file_id, r.step, r.rank, r.file_bytes),
+                      man, sorted(idx, key=lambda i: man.tensors[i].offset), dst, engine)
+            for r, idx in groups.items()]
+
+
+def file_read(tier: Tier, step: int, name: str, file_bytes: int, header: ShardHeader, man: Manifest,
+              idx: list[int], dst: Callable[[int], Any], engine: Any, *, sparse: bool = True) -> FileRead:
+    """The :class:`~.stream.FileRead` of ``step-N/<name>`` for manifest entries ``idx`` (sorted
+    by offset), each read into ``dst(i)`` (see :func:`ref_reads`); ``sparse``: only their
+    extents are read (with the header), else the whole file."""
+    fr = FileRead(shard_where(tier, step, name), file_bytes, header, [man.tensors[i] for i in idx], [],
+                  lambda: tier.open_shard_read(step, name, engine), wanted=set(range(len(idx))) if sparse else None)
+    for k, i in enumerate(idx):
+        flat, direct, protected = dst(i)
+        fr.dsts.append(flat)
+        if direct is not None:
+            fr.direct[k] = direct
+        if protected:
+            fr.protect.add(k)
+    return fr

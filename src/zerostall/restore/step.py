@@ -31,7 +31,7 @@ from ..format.tree import decode_tree, tree_tensor_indices
 from ..io.base import Engine
 from ..staging.arena import Arena
 from ..store.tier import Tier
-from .refs import check_ref_files, ref_groups, ref_reads, shard_where
+from .refs import check_ref_files, file_read, ref_groups, ref_reads, shard_where
 from .state import LoadReport, find_in_place, key_report, location_mapper, merge, select_keys
 from . import stream
 from .stream import FileRead, Plan, Stats, aligned_empty
@@ -119,19 +119,9 @@ def file_reads(tier: Tier, man: Manifest, engine: Engine | None, dst: Any, *, ne
         if (only is not None and fe.name not in only) or (sparse and fe.name not in by_file):
             continue
         idx = sorted(by_file.get(fe.name, []), key=lambda i: man.tensors[i].offset)
-        fr = FileRead(shard_where(tier, man.step, fe.name), fe.file_bytes,
-                      ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes),
-                      [man.tensors[i] for i in idx], [],
-                      lambda name=fe.name: tier.open_shard_read(man.step, name, engine),
-                      wanted=set(range(len(idx))) if sparse else None)
-        for k, i in enumerate(idx):
-            flat, direct, protected = dst(i)
-            fr.dsts.append(flat)
-            if direct is not None:
-                fr.direct[k] = direct
-            if protected:
-                fr.protect.add(k)
-        out.append(fr)
+        out.append(file_read(tier, man.step, fe.name, fe.file_bytes,
+                             ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes),
+                             man, idx, dst, engine, sparse=sparse))
     if man.ref_files:
         ids = [i for i, e in enumerate(man.tensors) if e.step is not None and (pick is None or i in pick)]
         groups = {r: ix for r, ix in ref_groups(man, ids).items() if only is None or r.name in only}

@@ -17,7 +17,8 @@ import os
 import platform
 import stat
 import uuid
-from typing import Callable
+from contextlib import contextmanager, suppress
+from typing import Callable, Iterator
 
 Hook = Callable[[str], None]
 
@@ -41,6 +42,18 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextmanager
+def unlinked_on_error(tmp: str) -> Iterator[str]:
+    """Yield ``tmp``, a temporary file the block writes and renames into place; if the block
+    raises, ``tmp`` is removed (quietly) and the error goes on. Any thread."""
+    try:
+        yield tmp
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def write_file_durable(path: str, data: bytes) -> None:

@@ -44,7 +44,7 @@ way the library and the CLI turn a checkpoint root (a path, or a URL) into a tie
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlparse
 
 from .._util import load_target
@@ -142,6 +142,45 @@ class Tier(ABC):
     def put_bytes(self, data: bytes, rel: str) -> None:
         """Store ``data`` as ``rel`` as is, durably (tools and tests; a manifest put this way
         commits nothing that :meth:`commit` would not)."""
+
+
+class RootTier(Protocol):
+    """A :class:`Tier` that is a directory on this node's filesystem (:class:`~.local.LocalTier`,
+    from :func:`open_root` for a plain path). The distributed commit, restore's download and
+    peer replicas need this beyond the protocol: they write a step's files into its staging
+    directory themselves, then commit it. Threads as in the module docstring."""
+
+    root: str
+    url: str
+
+    def step_dir(self, step: int) -> str:
+        """The directory of committed ``step``."""
+        ...
+
+    def partial_dir(self, step: int) -> str:
+        """The staging directory of ``step`` (what :meth:`Tier.begin` opens)."""
+        ...
+
+    def write_latest(self, step: int) -> tuple[str, ...]:
+        """[owner] Point the ``latest`` hint at ``step``; returns the problems (never raises)."""
+        ...
+
+    def _step(self, name: str) -> None:
+        """The crash-test seam: called at each commit boundary (see :mod:`.local`)."""
+        ...
+
+    # the Tier methods its users call (every RootTier is a Tier)
+    def steps(self) -> list[int]: ...
+    def listed_steps(self) -> list[int]: ...
+    def partial_steps(self) -> list[int]: ...
+    def read_manifest(self, step: int) -> "Manifest": ...
+    def manifest_ident(self, step: int) -> Any: ...
+    def own(self, timeout_s: float | None = None) -> list[str]: ...
+    def release(self) -> None: ...
+    def begin(self, step: int) -> str: ...
+    def commit(self, step: int, manifest: "Manifest", overwrite: bool = False) -> tuple[str, ...]: ...
+    def abort(self, step: int) -> None: ...
+    def delete(self, step: int) -> None: ...
 
 
 # -- registry ----------------------------------------------------------------------------
