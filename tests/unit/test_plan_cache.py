@@ -96,3 +96,17 @@ def test_plan_pauses_the_gc_only_while_planning_and_keeps_a_disabled_gc_disabled
             gc.enable()
     finally:
         gc.callbacks.remove(cb)
+
+
+def test_plan_cache_reused_for_one_ranks_share_and_tied_weights():
+    from zerostall.staging.plan import PlanCache, build_plan
+    st = _state()
+    st["more"] = {f"m{i}": torch.full((i + 1,), float(i)) for i in range(6)}
+    for rank in (0, 1):
+        pc = PlanCache()
+        pc.plan(st, rank=rank, world_size=2, replicated=True)
+        again = pc.plan(st, rank=rank, world_size=2, replicated=True)
+        fresh = build_plan(st, rank=rank, world_size=2, replicated=True)
+        assert _same_layout(again, fresh)
+        assert [lf.tensor.data_ptr() for lf in again.leaves] == [lf.tensor.data_ptr() for lf in fresh.leaves]
+        assert again.devices == {"cpu"}
