@@ -69,8 +69,9 @@ def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer:
     write is in flight (``w.write``'s ``overlap``), chunk k+1 is received and checked into the
     other, so the socket keeps draining and the sender keeps reading; each chunk is checked
     before it is written, and every byte before the caller commits. The single-buffer loop
-    (receive, check, write, in turn) stalled the sender during every write: 256 MiB from a
-    cold holder copy took 0.9-1.9 s on the loaded 2-core VM; overlapped, see the commit log."""
+    (receive, check, write, in turn) stalled the sender during every write (256 MiB from a cold
+    holder copy, 8 alternating runs each on the loaded 2-core VM: median 1.06 s single, 0.91 s
+    overlapped; noisy, load average ~10)."""
     bufs = [mmap.mmap(-1, BUF_BYTES), mmap.mmap(-1, BUF_BYTES)]
     mvs = [memoryview(b) for b in bufs]
 
