@@ -173,6 +173,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         if self._closed:
             raise ZerostallError("this Checkpointer is closed")
+        self._book.check_process()
         step = check_step(step)  # and the metadata, leaves and manifest size in check_metadata/_plan
         me = threading.get_ident()
         if self._save_owner == me:
@@ -298,14 +299,14 @@ class Checkpointer:
 
     def load(self, state_dict: Any = None, step: int | None = None, map_location: Any = None, *,
              keys: list[str] | None = None, strict: bool = False, report: Any = None) -> Any:
-        """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load`
-        (``keys``, ``strict`` and ``report`` as there).
-        Under torch.distributed, collective: all ranks load the newest step all can load
+        """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load` (``keys``,
+        ``strict``, ``report``). Under torch.distributed, collective: all ranks load the newest step all can load
         (:mod:`zerostall.distributed.agree`; ``report.why`` says which and why).
 
         Reads through the process's staging pool when no save uses it;
         saves started meanwhile from other threads wait until the load is done.
         """
+        self._book.check_process()
         self.wait()
         step, report, source = self._peers.plan_load(step, report) if self._peers else (step, report, "")
         borrow = self._lease.pool.borrow_idle() if self._lease is not None else contextlib.nullcontext()
@@ -337,8 +338,7 @@ class Checkpointer:
         """Call from a SIGTERM handler: let in-flight saves finish, up to ``timeout`` seconds.
 
         Safe at any instant of ``save()`` on the same thread (takes no lock; a save that the
-        signal interrupted before it was queued is not waited for). True when all finished.
-        """
+        signal interrupted before it was queued is not waited for). True when all finished."""
         return self.wait(timeout)
 
     def close(self, timeout: float | None = None, *, _from_atexit: bool = False) -> bool:
@@ -346,31 +346,29 @@ class Checkpointer:
 
         With ``timeout`` (seconds; pass one from a signal handler) it returns False once the
         time is up with work still running: the threads go on as daemons and the arena stays
-        mapped under them. Takes no lock without a timeout.
+        mapped under them; a later close() waits for the rest and releases. No lock without a timeout.
         """
-        if self._closed:
+        if self.__dict__.get("_released"):
             return True
-        self._closed = True  # first: a save() this call interrupted fails instead of queueing
-        if os.getpid() != self.__dict__.get("_pid", os.getpid()):
-            # a forked child (at its exit, the atexit hook): the saves in flight, the threads
-            # and the lock are the parent's; waiting for them hung the child for good
-            return True
+        first, self._closed = not self._closed, True  # first: a save() this call interrupted fails
+        if os.getpid() != self.__dict__.get("_pid", os.getpid()):  # a forked child (at exit): the saves,
+            return True  # threads and lock are the parent's; waiting for them hung the child for good
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
-
+        me = threading.get_ident()  # another thread inside save(): it queues its job or gives up first
+        while self._save_owner not in (None, me) and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.002)  # (close() once stopped the persist thread under a job queued after)
         # a save() this call interrupted after queueing its job fails (unless it is committing)
         step, saving = self._saving or (0, None)
-        failed_here = saving is not None and saving.queued and saving.fail(
+        failed_here = first and saving is not None and saving.queued and saving.fail(
             ZerostallError(f"the Checkpointer was closed while step {step} was being saved"), in_save=True)
         ok = self._book.wait_until(deadline)
         if failed_here and saving is not None:  # its handle says so; not a background failure to re-raise here
             self._book.error_seen(saving)
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown
             atexit.unregister(self._atexit)
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
         if self._persist is not None:  # the snapshot thread is the pool's
             ok = self._persist.stop(left()) and ok
         budget = self.config.close_timeout_s if deadline is None else min(self.config.close_timeout_s, left() or 0.0)
@@ -380,6 +378,7 @@ class Checkpointer:
             if finalizer is not None:
                 finalizer.detach()  # released here instead
             self._stages.release(self._lease)
+            self._released = True
         else:
             log.warning("zerostall: close() gave up after %s s with work in flight; it goes on in daemon "
                         "threads", timeout)
@@ -394,7 +393,5 @@ class Checkpointer:
         if exc_type is None:
             self.close()
         else:  # do not mask the body's exception with a background one
-            try:
+            with contextlib.suppress(ZerostallError):
                 self.close()
-            except ZerostallError:
-                pass

@@ -177,6 +177,8 @@ def cmd_verify(a: argparse.Namespace) -> int:
             try:  # a step replaced under us is read again, one deleted meanwhile is skipped (as load does)
                 m = verify_consistent(tier, s, lambda s=s: verify_tier_step(tier, s) if remote
                                       else verify_step(tier, s, engine))
+                if m is None and a.step is not None:  # asked for by number: not there is a failure
+                    raise CheckpointNotFound(f"no committed step {s} in {tier.url}")
                 if m is None:
                     print(f"step {s}: deleted while verifying it (retention?); skipped")
                     continue

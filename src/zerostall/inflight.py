@@ -12,13 +12,14 @@ frame may hold an Event's internal lock).
 from __future__ import annotations
 
 import collections
+import os
 import time
 from typing import Any
 
 import torch
 
 from .config import CheckpointConfig
-from .errors import SaveFailed
+from .errors import SaveFailed, ZerostallError
 from .handle import record_of
 from .staging.job import Job, SaveStatus
 from .telemetry.host import Sampler
@@ -32,6 +33,14 @@ class InFlight:
         self._failed: list[Job] = []
         self._samplers: dict[int, Sampler] = {}
         self.records: collections.deque[SaveRecord] = collections.deque(maxlen=1000)
+        self.pid = os.getpid()  # the process whose threads run these saves
+
+    def check_process(self) -> None:
+        """``save()``/``load()`` in a child forked while the Checkpointer was open: its threads,
+        staging pool and root lock are the parent's (a save there never finished, a load hung)."""
+        if os.getpid() != self.pid:
+            raise ZerostallError(f"this Checkpointer belongs to process {self.pid}; this is a child forked from "
+                                 f"it ({os.getpid()}): create a new Checkpointer (or use zerostall.load) in the child")
 
     # -- caller's thread ------------------------------------------------------------------
     def add(self, job: Job) -> None:
@@ -73,6 +82,8 @@ class InFlight:
         """Poll until every queued save is done; False at ``deadline`` (monotonic)."""
         # A save not queued yet belongs to a save() that this thread's signal handler
         # interrupted: it cannot progress until the handler returns, so it is skipped.
+        if os.getpid() != self.pid:  # a forked child: every save in flight is the parent's
+            return True
         jobs = [j for j in tuple(self.jobs) if j.status.queued]
         delay = 0.0005
         for j in jobs:

@@ -69,7 +69,9 @@ def verify_consistent(tier: Any, step: int, check: Callable[[], T]) -> T | None:
             return check()
         except Exception:
             why = changed_under(tier, step, ident)
-            if why == GONE:
+            # gone only if it was there when the read began (or is no longer listed): a step that
+            # never read (a symlink loop, a missing manifest) is a failure, not a deletion
+            if why == GONE and (ident is not None or step not in tier.listed_steps()):
                 log.info("zerostall: step %d disappeared while verifying it (retention?)", step)
                 return None
             if why != REPLACED or attempt == MAX_REPLACED:

@@ -3,8 +3,9 @@
 Called from the snapshot thread by :meth:`.incremental.RefTracker.decide`, once per file a
 save would borrow from: an ``lstat`` of the step's manifest and of the file, and a read of the
 file's 4 KiB header. Payload bytes are not read; a write into the file since it was committed
-(a flipped bit by hand or by a tool) is caught by its stamp (inode, size, mtime), recorded when
-the tracker made the file a base (:func:`file_stamp`). Bit rot below the filesystem is found
+(a flipped bit by hand or by a tool) is caught by its stamp (inode, size, mtime, ctime), recorded
+when the tracker made the file a base (:func:`file_stamp`). The ctime is what catches a rewrite
+whose tool put the mtime back (``rsync --inplace -t``): user space cannot set it. Bit rot below the filesystem is found
 by restore and ``verify`` (crc32c of every byte).
 """
 
@@ -18,16 +19,20 @@ from ..format.manifest import MANIFEST_NAME
 from ..format.refs import RefFile
 
 
-Stamp = tuple[int, int, int]
+Stamp = tuple[int, int, int, int]
 
 
 def file_stamp(root: str, step: int, name: str) -> Stamp | None:
-    """(inode, size, mtime in ns) of ``root/step-<step>/<name>``; None if it cannot be read."""
+    """(inode, size, mtime, ctime in ns) of ``root/step-<step>/<name>``; None if it cannot be read."""
     try:
         st = os.lstat(os.path.join(root, f"step-{step}", name))
     except OSError:
         return None
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
+    return _stamp(st)
+
+
+def _stamp(st: os.stat_result) -> Stamp:
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def base_file_problem(root: str, ref: RefFile, stamp: Stamp | None = None) -> str | None:
@@ -44,8 +49,8 @@ def base_file_problem(root: str, ref: RefFile, stamp: Stamp | None = None) -> st
             return "not a regular file"
         if st.st_size != ref.file_bytes:
             return f"{st.st_size} bytes, {ref.file_bytes} recorded"
-        if stamp is not None and (st.st_ino, st.st_size, st.st_mtime_ns) != stamp:
-            return "written to or replaced since it was committed (its inode or mtime changed)"
+        if stamp is not None and _stamp(st) != stamp:
+            return "written to, replaced or re-linked since it was committed (its inode, mtime or ctime changed)"
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             head = os.pread(fd, HEADER_BYTES, 0)

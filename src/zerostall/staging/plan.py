@@ -235,9 +235,37 @@ def check_metadata(metadata: Any) -> dict[str, Any]:
     except NotPlain:
         out = None
     if not isinstance(out, dict):
+        where = _not_plain_at(metadata, ()) if type(metadata) is dict else None
+        at = f": {'.'.join(map(str, where[0])) or '<top>'!r} {where[1]}" if where else ""
         raise UnsupportedStateError(
-            "metadata= must be a dict of plain JSON values (str keys; lists, str, int, finite float, bool, None)")
+            "metadata= must be a dict of plain JSON values (str keys; lists, str, int, finite float, bool, None)"
+            + at)
     return out
+
+
+def _not_plain_at(x: Any, path: tuple[Any, ...]) -> tuple[tuple[Any, ...], str] | None:
+    """(key path, what is wrong) of the first value in ``x`` that :func:`plain_copy` refuses;
+    None if it is plain. The error path only."""
+    if len(path) >= 200:
+        return path, "is nested deeper than 200"
+    if type(x) is dict:
+        bad = [k for k in x if type(k) is not str]
+        if bad:
+            return path, f"has a key that is not a str: {bad[0]!r:.80}"
+        items: Any = x.items()
+    elif type(x) is list:
+        items = enumerate(x)
+    else:
+        try:
+            plain_copy(x, 199)  # a leaf: one level, no recursion
+            return None
+        except NotPlain:
+            return path, f"holds {x!r:.80} ({type(x).__module__}.{type(x).__qualname__})"
+    for k, v in items:
+        hit = _not_plain_at(v, path + (k,))
+        if hit is not None:
+            return hit
+    return None
 
 
 def check_manifest_size(state_dict: Any, tree: Any, leaves: Any) -> str:

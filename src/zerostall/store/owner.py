@@ -6,6 +6,8 @@ lifetime; the kernel drops it when the process exits, however it exits, so a cra
 leaves a root locked. The file records who holds it (host, pid, start time) so that a
 second writer's :class:`~zerostall.errors.RootLockedError` names the owner. The file is
 never deleted (unlinking a lock file races with the next ``open``). Readers take no lock.
+The writer also flocks the root directory itself: a lock file unlinked by someone else (a
+user "clearing a stale lock") let a second writer own the root beside the first.
 
 ``flock`` locks an open file description: two ``Checkpointer``s on one root inside one
 process conflict too, as they should. A ``fork()`` shares the description with the child, so
@@ -50,12 +52,16 @@ def _after_fork_in_child() -> None:
     """A forked child drops its copies of the parent's lock descriptors (not the parent's
     locks: the description stays open in the parent, which keeps the flock)."""
     for lock in list(_HELD):
-        fd, lock._fd = lock._fd, None
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        fds = (lock._fd, getattr(lock, "_dfd", None))
+        lock._fd = None
+        if isinstance(lock, RootLock):
+            lock._dfd = None
+        for fd in fds:
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
     _HELD.clear()
 
 
@@ -95,6 +101,9 @@ class RootLock:
         self.root = root
         self.path = os.path.join(root, LOCK_NAME)
         self._fd: int | None = None
+        self._dfd: int | None = None
+        """The root directory itself, flocked too: unlinking the lock file (a user "clearing a
+        stale lock") cannot remove this one, so a second writer is refused all the same."""
         self.enforced = False
         """True when the kernel granted the flock; False when the filesystem has no locking."""
 
@@ -120,10 +129,23 @@ class RootLock:
                                "it) and try again", filename=self.path)
         deadline = time.monotonic() + max(0.0, timeout_s)
         delay = 0.01
+        dfd: int | None = None
         try:
+            try:
+                dfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError:  # the lock file alone
+                dfd = None
             while True:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    try:
+                        if dfd is not None:
+                            fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:  # a writer whose lock file was unlinked holds the root
+                        fcntl.flock(fd, fcntl.LOCK_UN)
+                        raise
+                    except OSError:  # no flock on directories here: the lock file alone
+                        pass
                     self.enforced = True
                     break
                 except BlockingIOError:
@@ -147,8 +169,10 @@ class RootLock:
             self._record(fd)
         except BaseException:
             os.close(fd)
+            if dfd is not None:
+                os.close(dfd)
             raise
-        self._fd = fd
+        self._fd, self._dfd = fd, dfd
         _HELD.add(self)
 
     def _record(self, fd: int) -> None:
@@ -163,8 +187,11 @@ class RootLock:
     def release(self) -> None:
         """Drop the lock (closing the descriptor releases the flock). Idempotent."""
         fd, self._fd = self._fd, None
+        dfd, self._dfd = self._dfd, None
         if fd is not None:
             os.close(fd)
+        if dfd is not None:
+            os.close(dfd)
 
     def __del__(self) -> None:  # a half-built Checkpointer must not keep the root locked
         try:

@@ -169,12 +169,6 @@ class Persister(Worker[Job]):
             if not status.claim_commit():  # failed meanwhile (close() inside save())
                 raise status.error or RuntimeError("failed")
             post = self.committer.commit(persisted)  # the commit point: from here on the step exists
-            if self.refs is not None and job.incr is not None:  # before retention: the new base
-                self.refs.committed(persisted, file_entry(persisted), tensor_entries(persisted))
-            status.note(*(post or ()))
-            status.mark_durable(persisted.persist_s, time.perf_counter() - t1)
-            status.note(*self.committer.after_durable(persisted))
-            self._publish(Committed(req.step, req.checkpoint_id, req.overwrite, req.rank, status))
         except BaseException as exc:  # noqa: BLE001 - reported on the handle
             if not status.fail(exc):  # after claim_commit: this thread's own error
                 status.commit_failed(exc)
@@ -186,6 +180,8 @@ class Persister(Worker[Job]):
             except Exception as cexc:  # noqa: BLE001 - the original error is the one to report
                 log.error("zerostall: cleaning up step %d failed: %s", req.step, cexc)
             log.error("zerostall: save of step %d failed, nothing committed: %s", req.step, exc)
+        else:
+            self._after_commit(job, persisted, post, t1)
         finally:
             try:
                 self.finished(job)  # records and telemetry are final before anyone sees done
@@ -193,14 +189,34 @@ class Persister(Worker[Job]):
                 log.exception("zerostall: recording step %d failed", req.step)
             status.finish()
 
-    def _publish(self, record: Committed) -> None:
+    def _after_commit(self, job: Job, persisted: Persisted, post: Any, t1: float) -> None:
+        """Past the commit point nothing fails the save, whatever it raises (``SystemExit``
+        from a subscriber's hook included): each problem is noted on the save, which stays
+        durable, and every subscriber still sees the step."""
+        req, status = job.request, job.status
+        if self.refs is not None and job.incr is not None:  # before retention: the new base
+            refs = self.refs
+            if not _noted(status, "incremental base", job.step, lambda: refs.committed(
+                    persisted, file_entry(persisted), tensor_entries(persisted))):
+                refs.failed(job.incr)  # the base stays the previous one; unpinned
+        status.note(*(post or ()))
+        status.mark_durable(persisted.persist_s, time.perf_counter() - t1)
+        _noted(status, "the latest hint", job.step, lambda: status.note(*self.committer.after_durable(persisted)))
+        record = Committed(req.step, req.checkpoint_id, req.overwrite, req.rank, status)
         for sub in self._subscribers:
-            try:
-                sub.on_committed(record)
-            except Exception as exc:  # noqa: BLE001 - nothing after the commit point fails the save
-                msg = f"{getattr(sub, 'name', type(sub).__name__)} after step {record.step} failed: {exc}"
-                log.warning("zerostall: %s", msg)
-                record.status.note(msg)
+            _noted(status, getattr(sub, "name", type(sub).__name__), job.step, lambda sub=sub: sub.on_committed(record))
+
+
+def _noted(status: Any, what: str, step: int, fn: Callable[[], None]) -> bool:
+    """Run ``fn`` after the commit point; what it raises is logged and noted on the save."""
+    try:
+        fn()
+        return True
+    except BaseException as exc:  # noqa: BLE001 - nothing after the commit point fails the save
+        msg = f"{what} after step {step} failed: {str(exc) or repr(exc)}"
+        log.warning("zerostall: %s", msg)
+        status.note(msg)
+        return False
 
 
 def _raise_if_failed(job: Job) -> None:

@@ -1,0 +1,46 @@
+"""close() from another thread while save() is between its closed-check and the queue.
+
+Found by adv2: close() skipped a job not queued yet (right for a signal handler that
+interrupted save() on the same thread, wrong for another thread), stopped the persist thread
+and released the root lock and staging lease; save() then queued the job anyway, and its
+handle never finished (no thread left to persist it): wait() and result() hung for good."""
+
+import threading
+
+import pytest
+import torch
+
+import zerostall
+from zerostall.errors import ZerostallError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_close_from_another_thread_during_save_never_strands_the_save(ckdir):
+    state = {"w": torch.ones(4096)}
+    ck = zerostall.Checkpointer(ckdir)
+    ck.save(1, state).result()
+    results, closer = [], []
+    orig_queue = ck._lease.queue
+
+    def queue_after_a_close_elsewhere(job):
+        t = threading.Thread(target=lambda: results.append(ck.close(timeout=10)))
+        closer.append(t)
+        t.start()
+        t.join(1)  # close() runs meanwhile on its own thread (it may wait for this save)
+        orig_queue(job)
+
+    ck._lease.queue = queue_after_a_close_elsewhere
+    try:
+        h = ck.save(2, {"w": torch.zeros(4096)})
+    except ZerostallError:
+        h = None
+    if h is not None:
+        assert h.wait(timeout=30)  # was: never finished
+    closer[0].join(30)
+    assert results == [True]
+    assert ck.wait(timeout=30)
+    with zerostall.Checkpointer(ckdir, lock_timeout_s=0) as again:  # the root lock is free
+        assert 1 in again.steps()
+    if h is not None and h.exception() is None:  # it committed: before close() released the root
+        assert zerostall.load(ckdir)["w"].sum() == 0
