@@ -9,10 +9,15 @@ In one run:
    shared-filesystem remote tier (``file://``); bytes moved per save (what every node's
    leader copied to its holders, acknowledged) against ``(replicas - 1) x state``;
 3. node n1 is wiped and the job restarted: n1's ``load()`` fetches its files from its peers;
-4. n1 is wiped again and its files restored from the shared-filesystem tier, then (when
+4. n1 is wiped again and its files restored from the shared-filesystem tier (its files dropped
+   from the page cache first, like the peers' O_DIRECT copies), then (when
    ``AWS_ENDPOINT_URL`` names an S3 server, e.g. radosgw from ``scripts/s3-server.sh``) from S3:
-   the manifest and n1's shard downloaded, committed, loaded and verified -- what a per-rank
-   restore from a remote tier does.
+   the manifest and n1's shard downloaded and committed, then the same collective load.
+
+Steps 3 and 4 are timed alike (:mod:`.nodeloss_worker`): from a barrier every node leaves at
+once until n1's files are committed in its root ("files in") and until n1's collective
+``Checkpointer.load`` returns, every byte verified ("loaded"); the other nodes load their own
+files in the same collective load each time.
 
 Runs on the CLI's thread; the nodes are subprocesses of :mod:`.nodeloss_worker`.
 """
@@ -29,7 +34,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from typing import Any
 
@@ -68,24 +72,32 @@ def _run(mode: str, base: str, work: str, mib: int, replicas: int, bw: int, remo
     return docs
 
 
-def recover_from(url: str, root: str, rank: int, world: int) -> tuple[float, float]:
-    """A per-rank restore from a remote tier: manifest + this rank's shard, committed, loaded.
-    Returns (seconds to bring the files in, seconds in all)."""
-    from .. import load
+def fetch_from(url: str, tier: Any, rank: int) -> None:
+    """A per-rank restore's first half from a remote tier: the manifest and this rank's shard
+    downloaded into ``tier`` (the Checkpointer's root) and committed; the collective load that
+    follows reads and verifies every byte (what it does after a fetch from peers too)."""
     from ..format.layout import shard_name
-    from ..store.tier import open_root, open_tier
+    from ..store.tier import open_tier
     remote = open_tier(url)
-    t0 = time.perf_counter()
-    tier = open_root(root, create=True)
     man = remote.read_manifest(1)
     part = tier.begin(1)
     name = shard_name(rank)
     size = next(f.file_bytes for f in man.files if f.name == name)
     remote.download(f"step-1/{name}", os.path.join(part, name), size)
     tier.commit(1, man)
-    fetched = time.perf_counter() - t0
-    load(root, rank=rank, world_size=world)  # reads and verifies every byte
-    return fetched, time.perf_counter() - t0
+
+
+def _uncache(path: str) -> None:
+    """Drop ``path`` from the page cache: the peers' copies were written with O_DIRECT, so the
+    shared-filesystem tier is read from the disk too, not from the cache its upload filled."""
+    for d, _, files in os.walk(path):
+        for f in files:
+            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def _upload(root: str, url: str) -> None:
@@ -108,6 +120,7 @@ def run(size_gib: float, work: str, cap: int) -> dict[str, Any]:
     shutil.rmtree(base)
     paced = _run("save", base, work, mib, 2, cap, "")
     _upload(os.path.join(base, "n1"), f"file://{shared}")  # the shared-fs tier: what n1 needs
+    _uncache(shared)
     state_bytes = sum(d["state_bytes"] for d in paced)
     if os.environ.get("AWS_ENDPOINT_URL"):
         s3_url = f"s3://zerostall-bench/node-loss-{uuid.uuid4().hex[:8]}"
@@ -123,17 +136,19 @@ def run(size_gib: float, work: str, cap: int) -> dict[str, Any]:
         "step_ms_saving_replicating_paced": _ms(paced[0]["during"]),
         "saved_s_no_replicas": max(d["t_done_s"] for d in plain), "replicated_s": max(d["t_done_s"] for d in paced),
         "protected": all(d["protected"] for d in paced),
-        "recover_peers_s": n1["load_s"], "fetch_peers_s": n1["fetch_s"], "recover_peers_source": n1["source"],
+        "recover_peers_s": n1["load_s"], "files_peers_s": n1["files_s"], "fetch_only_peers_s": n1["fetch_s"],
+        "recover_peers_source": n1["source"], "others_loaded_peers_s": max(d["load_s"] for d in loads),
         "recover_bit_exact": all(d["equal"] for d in loads),
     }
-    # the same restart, n1's files from a remote tier instead (the others load locally meanwhile)
-    shutil.rmtree(os.path.join(base, "n1"))
-    r = _run("load_remote", base, work, mib, 1, 0, f"file://{shared}")[1]
-    out["fetch_sharedfs_s"], out["recover_sharedfs_s"] = r["fetch_s"], r["load_s"]
-    if os.environ.get("AWS_ENDPOINT_URL"):
+    # the same restart, n1's files from a remote tier instead (timed the same way: worker doc)
+    tiers = [("sharedfs", f"file://{shared}")] + ([("s3", s3_url)] if os.environ.get("AWS_ENDPOINT_URL") else [])
+    for label, url in tiers:
         shutil.rmtree(os.path.join(base, "n1"))
-        r = _run("load_remote", base, work, mib, 1, 0, s3_url)[1]
-        out["fetch_s3_s"], out["recover_s3_s"] = r["fetch_s"], r["load_s"]
+        rs = _run("load_remote", base, work, mib, 1, 0, url)
+        out[f"files_{label}_s"], out[f"recover_{label}_s"] = rs[1]["files_s"], rs[1]["load_s"]
+        out[f"others_loaded_{label}_s"] = max(d["load_s"] for d in rs)
+        out["recover_bit_exact"] = out["recover_bit_exact"] and all(d["equal"] for d in rs)
+    if os.environ.get("AWS_ENDPOINT_URL"):
         from ..store.remote import open_tier
         open_tier(s3_url).delete(1)
     return out
@@ -155,12 +170,18 @@ def main(a: argparse.Namespace) -> int:
           f"{res['bytes_moved_per_save'] / res['state_bytes']:.3f} x (replicas-1) x state")
     print(f"  durable without replicas    {res['saved_s_no_replicas']:.2f} s; protected (2 copies) after "
           f"{res['replicated_s']:.2f} s")
-    print(f"  recovery of n1 ({per_node / 2**20:.0f} MiB) in the restarted job, files in / files in + load: "
-          f"peers {res['fetch_peers_s']:.2f} / {res['recover_peers_s']:.2f} s, shared fs "
-          f"{res['fetch_sharedfs_s']:.2f} / {res['recover_sharedfs_s']:.2f} s" +
-          (f", S3 {res['fetch_s3_s']:.2f} / {res['recover_s3_s']:.2f} s (files in: peers "
-           f"{res['fetch_s3_s'] / max(res['fetch_peers_s'], 1e-9):.1f}x faster than S3)"
-           if "recover_s3_s" in res else ", S3 skipped (no AWS_ENDPOINT_URL)"))
+    print(f"  recovery of n1 ({per_node / 2**20:.0f} MiB) in the restarted job, every tier timed alike from the "
+          "barrier all 4 nodes leave at once: files in (n1's files committed in its root) / loaded (n1's "
+          "collective Checkpointer.load returned, every byte verified; the 3 others load their own files in it):")
+    for label, key in [("peers", "peers"), ("shared fs", "sharedfs"), ("S3", "s3")]:
+        if f"recover_{key}_s" in res:
+            print(f"    {label:10s} {res[f'files_{key}_s']:.2f} / {res[f'recover_{key}_s']:.2f} s")
+    if "recover_s3_s" in res:
+        print(f"    peers vs S3: files in {res['files_s3_s'] / max(res['files_peers_s'], 1e-9):.1f}x faster, "
+              f"loaded {res['recover_s3_s'] / max(res['recover_peers_s'], 1e-9):.1f}x faster")
+    else:
+        print("    S3 skipped (no AWS_ENDPOINT_URL)")
+    print(f"  n1's peer fetch alone {res['fetch_only_peers_s']:.2f} s; all bit-exact: {res['recover_bit_exact']}")
     idle = res["step_ms_idle"] or 1.0
     print(f"  rank 0 step time: idle {res['step_ms_idle']:.2f} ms, saving without replicas "
           f"{res['step_ms_saving_no_replicas']:.2f} ms, saving + paced replication "

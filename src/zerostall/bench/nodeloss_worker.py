@@ -5,7 +5,7 @@ argv: mode base out mib replicas bandwidth remote. ``save``: rank 0 runs a timed
 loop (a matmul per step) in its main thread for 1.5 s, saves step 1 (``mib`` MiB per rank),
 and keeps training until the step is protected by ``replicas`` nodes (and on the remote
 tier, if any); the other ranks save and wait. ``load``: every rank restores; its load time
-is reported.
+is reported; ``load_remote``: the same, n1's files downloaded from ``remote`` first.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     node = os.environ["ZEROSTALL_NODE"]
     torch.set_num_threads(1)
-    ck = None if mode == "load_remote" else zerostall.Checkpointer(
-        os.path.join(base, node), dist_name="node-loss", replicas=int(replicas),
-        peers=PeersConfig(bandwidth_bytes=int(bw) or None, timeout_s=60), remote=remote or None,
+    ck = zerostall.Checkpointer(  # load_remote: the same restart, without peer replicas
+        os.path.join(base, node), dist_name="node-loss", replicas=1 if mode == "load_remote" else int(replicas),
+        peers=PeersConfig(bandwidth_bytes=int(bw) or None, timeout_s=60), remote=(remote or None) if mode == "save" else None,
         commit_timeout_s=300, close_timeout_s=120)
     res: dict[str, object] = {"rank": rank, "node": node}
     if mode == "save":
@@ -73,27 +73,27 @@ def main() -> None:
         res["during"] = [d for t, d in steps if t >= t_save]
         res["bytes_sent"] = ck._peers.replicator.bytes_sent if ck._peers is not None else 0  # type: ignore[union-attr]
         res["state_bytes"] = sum(t.numel() * 4 for t in state.values())
-    elif mode == "load":
+    else:  # load (n1's files from its peers) / load_remote (from the remote tier ``remote``)
+        # Timed alike for every tier, from the barrier every node leaves at once: ``files_s``
+        # until n1's files are in its root (committed), ``load_s`` until its collective
+        # ``Checkpointer.load`` returned (every byte read back and verified, then applied).
+        # The other nodes load their own files in the same collective load, both ways.
         state = {k: torch.empty_like(v) for k, v in _state(rank, int(mib)).items()}
         report = zerostall.LoadReport()
-        dist.barrier()  # the bench's own sync: every node starts its restore at once
-        t0 = time.monotonic()
-        ck.load(state, report=report)
-        res["load_s"] = time.monotonic() - t0
-        res["source"] = report.source
-        res["fetch_s"] = ck._peers.last_fetch_s if ck._peers is not None else 0.0
-        res["equal"] = all(torch.equal(state[k], v) for k, v in _state(rank, int(mib)).items())
-    else:  # load_remote: n1 restores its files from the remote tier, the others locally, at once
-        from .nodeloss import recover_from
         dist.barrier()
         t0 = time.monotonic()
-        if node == "n1":
-            res["fetch_s"], res["load_s"] = recover_from(remote, os.path.join(base, node), rank, world)
-        else:
-            zerostall.load(os.path.join(base, node), rank=rank, world_size=world)
-            res["load_s"] = time.monotonic() - t0
-    if ck is not None:
-        ck.close()
+        if mode == "load_remote" and node == "n1":
+            from .nodeloss import fetch_from
+            fetch_from(remote, ck.tier, rank)
+            res["files_s"] = time.monotonic() - t0
+        ck.load(state, report=report)
+        res["load_s"] = time.monotonic() - t0
+        if mode == "load" and ck._peers is not None and ck._peers.last_fetch_end:
+            res["files_s"] = ck._peers.last_fetch_end - t0
+            res["fetch_s"] = ck._peers.last_fetch_s
+        res["source"] = report.source if mode == "load" else "remote"
+        res["equal"] = all(torch.equal(state[k], v) for k, v in _state(rank, int(mib)).items())
+    ck.close()
     json.dump(res, open(out, "w"))
     if rank == 0:  # the store's host leaves last
         others = [out.replace(f"-{node}.json", f"-n{r}.json") for r in range(1, world)]

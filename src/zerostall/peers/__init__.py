@@ -77,6 +77,8 @@ class Peers:
         """The step the last :meth:`plan_load` agreed on (its files are local now)."""
         self.last_fetch_s = 0.0
         """Seconds the last restore spent bringing this node's files in from peers (bench)."""
+        self.last_fetch_end = 0.0
+        """``time.monotonic()`` when they were in, verified and committed (bench)."""
         self.replicator.repair()  # a replaced holder gets the kept steps back
         log.info("zerostall: peer replicas on: %d copies of every step across %d nodes; node %s listens on %s",
                  cfg.replicas, len(self.view.nodes), self.view.me, self.view.endpoints[self.view.me])
@@ -135,6 +137,7 @@ class Peers:
             fetch(self.store, self.view, self.transport, self.tier, self.engine, plan, n,
                   timeout + self.cfg.peers.timeout_s * 4)
             self.last_fetch_s = time.perf_counter() - t0
+            self.last_fetch_end = time.monotonic()
         elif plan.source == "remote":
             log.warning("zerostall: restore of step %d: this node's files come from the remote tier "
                         "(no live node holds them)", plan.step)

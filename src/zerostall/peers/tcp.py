@@ -64,33 +64,49 @@ class Pacer:
 
 
 def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer: Pacer | None = None) -> None:
-    """Receive ``size`` bytes into an aligned buffer, check them, write them to ``w`` (aligned
-    extents: shard files are multiples of 4096 bytes). One buffer, in turn: a double-buffered
-    version (the next chunk received during the O_DIRECT write) measured no faster here
-    (256 MiB, 8 alternating runs each on the loaded 2-core VM: median 0.72 s vs 0.54 s)."""
-    buf = mmap.mmap(-1, BUF_BYTES)
-    mv = memoryview(buf)
+    """Receive ``size`` bytes into aligned buffers, check them, write them to ``w`` (aligned
+    extents: shard files are multiples of 4096 bytes). Two buffers: while chunk k's O_DIRECT
+    write is in flight (``w.write``'s ``overlap``), chunk k+1 is received and checked into the
+    other, so the socket keeps draining and the sender keeps reading; each chunk is checked
+    before it is written, and every byte before the caller commits. The single-buffer loop
+    (receive, check, write, in turn) stalled the sender during every write (256 MiB from a cold
+    holder copy, 8 alternating runs each on the loaded 2-core VM: median 1.06 s single, 0.91 s
+    overlapped; noisy, load average ~10)."""
+    bufs = [mmap.mmap(-1, BUF_BYTES), mmap.mmap(-1, BUF_BYTES)]
+    mvs = [memoryview(b) for b in bufs]
+
+    def recv(mv: memoryview, off: int) -> int:
+        n = min(BUF_BYTES, size - off)
+        got = 0
+        while got < n:
+            k = sock.recv_into(mv[got:n])
+            if not k:
+                raise PeerError(f"transfer cut after {off + got} of {size} bytes")
+            got += k
+        check.feed(mv[:n])
+        if pacer is not None:
+            pacer.take(n)
+        return n
+
     try:
-        off = 0
-        while off < size:
-            n = min(BUF_BYTES, size - off)
-            got = 0
-            while got < n:
-                k = sock.recv_into(mv[got:n])
-                if not k:
-                    raise PeerError(f"transfer cut after {off + got} of {size} bytes")
-                got += k
-            check.feed(mv[:n])
-            if pacer is not None:
-                pacer.take(n)
-            w.write([(off, mv[:n])])
-            off += n
+        off, i = 0, 0
+        n = recv(mvs[0], 0) if size else 0
+        while n:
+            nxt: list[int] = []
+
+            def overlap(j: int = 1 - i, at: int = off + n) -> None:
+                nxt.append(recv(mvs[j], at) if at < size else 0)
+            w.write([(off, mvs[i][:n])], overlap=overlap)
+            if not nxt:  # an engine that did not call it
+                overlap()
+            off, n, i = off + n, nxt[0], 1 - i
     finally:
-        try:
-            mv.release()
-            buf.close()
-        except BufferError:  # slices still referenced by an exception's frames: unmapped by the GC
-            pass
+        for mv, buf in zip(mvs, bufs):
+            try:
+                mv.release()
+                buf.close()
+            except BufferError:  # slices still referenced by an exception's frames: unmapped by the GC
+                pass
 
 
 def _io_priority(idle: bool) -> None:
@@ -229,6 +245,10 @@ class TcpTransport(Transport):
             man_bytes = man.to_bytes()
             with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
+                try:  # the holder's copy was written with O_DIRECT (not cached): read ahead further
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                except OSError:
+                    pass
                 send_msg(conn, {"ok": True, "size": size, "manifest_bytes": len(man_bytes)})
                 conn.sendall(man_bytes)
                 conn.sendfile(f)
