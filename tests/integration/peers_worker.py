@@ -2,7 +2,8 @@
 
 argv: scenario base out. Env: ZEROSTALL_NODE (the node), ZS_REPLICAS, ZS_STEPS, ZS_REMOTE (a
 file:// URL or empty), ZS_DIE (save: the rank that SIGKILLs itself once its steps are
-protected), ZS_STOP (stop: the rank that SIGSTOPs itself after its commit of the last step).
+protected), ZS_STOP (stop: the rank that SIGSTOPs itself after its commit of the last step),
+ZS_KILL / ZS_KILL_AT (kill: the rank that SIGKILLs itself at that peer-transfer state of step 2).
 Each node's root is ``base/<node>``.
 """
 
@@ -70,6 +71,20 @@ def main():
             res["error"], res["error_type"] = str(exc), type(exc).__name__
         res["repaired"] = ck._peers.replicator.repaired.wait(30)
         ck.close()
+    elif scenario == "kill":  # step 1 protected, then rank ZS_KILL SIGKILLs itself at ZS_KILL_AT during step 2's copies
+        from zerostall.peers import stream
+        ck = checkpointer(base)
+        res["protected"], res["replica_nodes"] = {}, {}
+        for s in (1, 2):
+            if s == 2 and rank == int(os.environ["ZS_KILL"]):
+                point = os.environ["ZS_KILL_AT"]
+                stream.fault_hook = lambda p: os.kill(os.getpid(), signal.SIGKILL) if p == point else None
+            h = ck.save(s, state_for(rank, s))
+            h.result()
+            h.wait(tier="peers", timeout=60)
+            res["protected"][s] = h.protected()
+            res["replica_nodes"][s] = list(h.result().replica_nodes)
+        ck.close()
     elif scenario == "stop":
         ck = checkpointer(base)
         stopper = int(os.environ["ZS_STOP"])
@@ -97,7 +112,7 @@ def main():
     json.dump(res, open(out, "w"))
     if rank == 0:  # rank 0 hosts the c10d store: it leaves last (a stopped rank never finishes)
         others = [out.replace("-r0.json", f"-r{r}.json") for r in range(1, dist.get_world_size())
-                  if str(r) != os.environ.get("ZS_STOP")]
+                  if str(r) not in (os.environ.get("ZS_STOP"), os.environ.get("ZS_KILL"))]
         deadline = time.monotonic() + 60
         while not all(os.path.exists(o) for o in others) and time.monotonic() < deadline:
             time.sleep(0.05)

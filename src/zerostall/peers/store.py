@@ -36,6 +36,7 @@ from ..format.manifest import MANIFEST_NAME, Manifest
 from ..io.base import Engine
 from ..store.atomic import fsync_dir, unlinked_on_error, write_file_durable
 from ..store.tier import RootTier
+from .stream import at
 from .verify import StreamCheck, file_entry
 from .wire import check_name, check_node
 
@@ -192,9 +193,11 @@ class PeerStore:
                 try:
                     fill(w, check)
                     digest = check.digest()
+                    at("recv:before-fsync")
                     w.finish()
                 finally:
                     w.close()
+                at("recv:before-rename")
                 with self._lock(src, step):
                     cur = self.manifest(src, step)
                     if cur is None or cur.checkpoint_id != man.checkpoint_id:

@@ -13,10 +13,24 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from .verify import StreamCheck
 from .wire import PeerError
+
+fault_hook: Callable[[str], None] | None = None
+"""Test seam: called as ``fault_hook(point)`` at each named state of a copy to a holder (the
+kill sweep of the tests SIGKILLs the process there). The sender's points: ``send:connect``
+(connected, before the handshake), ``send:handshake`` (authenticated, nothing asked yet),
+``send:mid-stream`` (half the file sent), ``send:sent`` (every byte sent, no answer yet); the
+holder's: ``recv:handshake`` (accepted, before the handshake), ``recv:mid-stream`` (half
+received), ``recv:before-fsync`` (every byte received and verified), ``recv:before-rename``
+(fdatasync'ed under ``.incoming-*``), ``recv:before-ack`` (renamed, the digest not sent)."""
+
+
+def at(point: str) -> None:
+    if fault_hook is not None:
+        fault_hook(point)
 
 BUF_BYTES = 4 << 20
 READ_AHEAD_BYTES = 32 << 20
@@ -76,7 +90,7 @@ def send_range(sock: socket.socket, f: Any, offset: int, length: int, pacer: Pac
 
 
 def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer: Pacer | None = None,
-              start: int = 0) -> None:
+              start: int = 0, point: str = "") -> None:
     """Receive ``size`` bytes into aligned buffers, check them, write them to ``w`` at file
     offsets ``start``.. (aligned extents: shard files are multiples of 4096 bytes, ranges start
     at aligned tensor offsets). Two buffers: while chunk k's O_DIRECT write is in flight
@@ -85,7 +99,8 @@ def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer:
     and every byte before the caller commits. The single-buffer loop (receive, check, write, in
     turn) stalled the sender during every write (256 MiB from a cold holder copy, 8 alternating
     runs each on the loaded 2-core VM: median 1.06 s single, 0.91 s overlapped; noisy, load
-    average ~10). ``pacer``: the receiver's own cap (a holder pacing what it takes in)."""
+    average ~10). ``pacer``: the receiver's own cap (a holder pacing what it takes in);
+    ``point``: the :data:`fault_hook` prefix (``"recv"`` for a holder's copy)."""
     bufs = [mmap.mmap(-1, BUF_BYTES), mmap.mmap(-1, BUF_BYTES)]
     mvs = [memoryview(b) for b in bufs]
 
@@ -98,6 +113,8 @@ def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer:
             k = sock.recv_into(mv[got:n])
             if not k:
                 raise PeerError(f"transfer cut after {off + got} of {size} bytes")
+            if point and off + got < size // 2 <= off + got + k:
+                at(f"{point}:mid-stream")
             got += k
         check.feed(mv[:n])
         return n

@@ -30,7 +30,7 @@ from typing import Any
 from ..errors import ZerostallError
 from ..format.manifest import Manifest
 from .store import PeerStore
-from .stream import Pacer, fill_from, send_range
+from .stream import Pacer, at, fill_from, send_range
 from .transport import Endpoint, Sink, Transport
 from .verify import file_entry, split_points
 from .wire import (MAX_MANIFEST_BYTES, PeerError, check_name, check_node, check_size, check_step, client_handshake,
@@ -125,6 +125,7 @@ class TcpTransport(Transport):
         peer = "?"
         try:
             try:
+                at("recv:handshake")
                 peer = server_handshake(conn, self.secret, self.me)
                 with self._mu:
                     if conn in self._unauth:
@@ -167,7 +168,8 @@ class TcpTransport(Transport):
             if file_entry(man, name).file_bytes != size:
                 raise PeerError(f"{name}: {size} bytes announced, the manifest says {file_entry(man, name).file_bytes}")
             digest = self.store.receive(src, step, name, man_bytes,
-                                        lambda w, check: fill_from(conn, size, w, check, self.recv_pacer))
+                                        lambda w, check: fill_from(conn, size, w, check, self.recv_pacer, point="recv"))
+            at("recv:before-ack")
             send_msg(conn, {"ok": True, "digest": digest})
             log.debug("zerostall: holding %s of step %d from %s for node %s", name, step, peer, src)
         elif op == "get":
@@ -199,11 +201,13 @@ class TcpTransport(Transport):
         return start, length
 
     # -- client ------------------------------------------------------------------------
-    def _connect(self, ep: Endpoint) -> socket.socket:
+    def _connect(self, ep: Endpoint, op: str = "") -> socket.socket:
         try:
             s = socket.create_connection((ep.host, ep.port), timeout=self.timeout_s)
         except OSError as exc:
             raise PeerError(f"node {ep.node} ({ep.host}:{ep.port}) cannot be reached: {exc}") from exc
+        if op:
+            at(f"{op}:connect")
         s.settimeout(self.timeout_s)
         with self._mu:
             if self._closed:
@@ -222,6 +226,8 @@ class TcpTransport(Transport):
         if node != ep.node:
             self._drop(s)
             raise PeerError(f"{ep.host}:{ep.port} is node {node!r}, not {ep.node!r}")
+        if op:
+            at(f"{op}:handshake")
         return s
 
     def _drop(self, s: socket.socket) -> None:
@@ -229,8 +235,8 @@ class TcpTransport(Transport):
             self._conns.discard(s)
         s.close()
 
-    def _call(self, ep: Endpoint, what: str, fn: Any) -> Any:
-        s = self._connect(ep)
+    def _call(self, ep: Endpoint, what: str, fn: Any, op: str = "") -> Any:
+        s = self._connect(ep, op)
         try:
             return fn(s)
         except (OSError, PeerError) as exc:
@@ -247,7 +253,11 @@ class TcpTransport(Transport):
                 send_msg(s, {"op": "put", "src": src, "step": step, "name": name, "size": size,
                              "manifest_bytes": len(man_bytes)})
                 s.sendall(man_bytes)
-                send_range(s, f, 0, size, self.pacer)
+                half = send_range(s, f, 0, size // 2, self.pacer)
+                if half == size // 2:
+                    at("send:mid-stream")
+                    if send_range(s, f, half, size - half, self.pacer) == size - half:
+                        at("send:sent")
                 try:
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # sendfile read through the cache
                 except OSError:
@@ -256,7 +266,7 @@ class TcpTransport(Transport):
             if not reply.get("ok"):
                 raise PeerError(f"node {ep.node} refused {name} of step {step}: {reply.get('error')}")
             return str(reply.get("digest"))
-        return self._call(ep, f"copying {name} of step {step}", run)
+        return self._call(ep, f"copying {name} of step {step}", run, "send")
 
     def list_held(self, ep: Endpoint) -> list[dict[str, Any]]:
         def run(s: socket.socket) -> list[dict[str, Any]]:
