@@ -1,7 +1,7 @@
 """One rank = one simulated node of the peer-replica tests (run by test_peers.py).
 
 argv: scenario base out. Env: ZEROSTALL_NODE (the node), ZS_REPLICAS, ZS_STEPS, ZS_REMOTE (a
-file:// URL or empty), ZS_DIE (save: the rank that SIGKILLs itself once its steps are
+file:// URL or empty), ZS_QUOTA (peers.quota_bytes), ZS_DIE (save: the rank that SIGKILLs itself once its steps are
 protected), ZS_STOP (stop: the rank that SIGSTOPs itself after its commit of the last step),
 ZS_KILL / ZS_KILL_AT (kill: the rank that SIGKILLs itself at that peer-transfer state of step 2).
 Each node's root is ``base/<node>``.
@@ -31,7 +31,9 @@ def state_for(rank, step):
 def checkpointer(base, **kw):
     node = os.environ["ZEROSTALL_NODE"]
     remote = os.environ.get("ZS_REMOTE") or None
-    peers = PeersConfig(timeout_s=float(os.environ.get("ZS_PT", 5)), replica_timeout_s=float(os.environ.get("ZS_RT", 30)))
+    quota = int(os.environ["ZS_QUOTA"]) if os.environ.get("ZS_QUOTA") else None
+    peers = PeersConfig(timeout_s=float(os.environ.get("ZS_PT", 5)), replica_timeout_s=float(os.environ.get("ZS_RT", 30)),
+                        quota_bytes=quota)
     return zerostall.Checkpointer(os.path.join(base, node), dist_name="peers-test", replicas=int(os.environ["ZS_REPLICAS"]),
                                   peers=peers,
                                   remote=remote, commit_timeout_s=30, close_timeout_s=4, **kw)
@@ -55,6 +57,8 @@ def main():
                 h.wait(tier="remote", timeout=60)
             res["protected"][s] = h.protected()
             res["replica_nodes"][s] = list(h.result().replica_nodes)
+            res.setdefault("durable", {})[s] = h.durable()
+        res["unprotected_error"] = ck._peers.status(steps[-1]).error
         if str(rank) == os.environ.get("ZS_DIE"):
             json.dump(res, open(out, "w"))
             os.kill(os.getpid(), signal.SIGKILL)  # the node dies: no close, no goodbye

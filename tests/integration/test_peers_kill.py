@@ -72,3 +72,19 @@ def test_kill_at_each_peer_transfer_state(tmp_path, point):
             assert doc["protected"]["2"] is False, (r, doc)
         elif doc["protected"]["2"]:
             assert named and named <= copies.get((f"n{r}", 2), set()), (r, doc, copies)
+
+
+def test_holders_over_quota_leave_the_step_unprotected_never_failing_the_save(tmp_path):
+    """Every holder's quota (peers.quota_bytes=4096) is smaller than any file: every copy is
+    refused and logged, the steps stay durable and unprotected, saving goes on."""
+    base = str(tmp_path / "job")
+    res = _launch("save", base, tmp_path, {"ZS_REPLICAS": "2", "ZS_QUOTA": "4096", "ZS_STEPS": "1,2"}, timeout=120)
+    for rc, doc, err in res:
+        assert rc == 0 and doc is not None, err[-3000:]
+        assert doc["durable"] == {"1": True, "2": True}
+        assert doc["protected"] == {"1": False, "2": False}
+        assert "quota" in doc["unprotected_error"]
+        assert "beyond its quota" in err
+    assert not any(os.path.exists(os.path.join(base, n, "peers", src)) and
+                   any(f.endswith(".shard") for _, _, fs in os.walk(os.path.join(base, n, "peers", src)) for f in fs)
+                   for n in NODES for src in NODES)
