@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ConfigError, UnsupportedStateError
 from ..format.dtypes import dtype_name
-from ..format.layout import HEADER_BYTES, align_up
+from ..format.layout import HEADER_BYTES, align_up, place
 from ..format.tree import TensorLeaf, decode_tree, encode_tree
 from ..format.validate import MAX_STEP, NotPlain, plain_copy
 
@@ -239,7 +239,8 @@ class PlanCache:
 
 def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicated: bool = False,
                occurrences: list[int] | None = None) -> SavePlan:
-    """Flatten ``state_dict`` and assign every tensor an aligned offset after the header.
+    """Flatten ``state_dict`` and assign every tensor its offset after the header (packed:
+    :func:`~zerostall.format.layout.place`, the layout's one rule).
 
     With ``replicated`` (every rank holds the same state), this rank's plan holds only the
     tensors it owns (:func:`owners_by_size`); ``PlanItem.index`` stays the global index.
@@ -250,18 +251,18 @@ def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicate
     owner = owners_by_size(all_leaves, world_size) if replicated and world_size > 1 else None
     items = []
     leaves = []
-    off = HEADER_BYTES
+    pos = HEADER_BYTES
     for i, leaf in enumerate(all_leaves):
         if owner is not None and owner[i] != rank:
             continue
         leaves.append(leaf)
         t: torch.Tensor = leaf.tensor
         nbytes = t.numel() * t.element_size()
+        off, pos = place(pos, nbytes)
         items.append(PlanItem(i, leaf.key, dtype_name(t.dtype, leaf.key), tuple(t.shape), nbytes, off))
-        off = align_up(off + nbytes)
     digest = hashlib.sha256(repr([(leaf.key, str(leaf.tensor.dtype), tuple(leaf.tensor.shape))
                                   for leaf in all_leaves]).encode()).hexdigest()
-    return SavePlan(tuple(items), max(off, HEADER_BYTES), tree, tuple(leaves), len(all_leaves), tree_json, digest)
+    return SavePlan(tuple(items), max(align_up(pos), HEADER_BYTES), tree, tuple(leaves), len(all_leaves), tree_json, digest)
 
 
 ENTRY_BYTES = 200
