@@ -149,3 +149,23 @@ def test_unknown_layout_version_refused(packed):
         f.write((3).to_bytes(4, "little"))
     with pytest.raises(CorruptCheckpoint, match="layout version 3"):
         _read(eng, path, header, items, buf)
+
+
+def test_partial_read_with_every_item_listed_checks_the_padding_it_reads(packed):
+    """The DCP reader lists every record of a file: a partial read then checks every padding
+    byte of the pages it reads, and skips the unwanted neighbours' bytes unchecked."""
+    path, header, items, payloads, eng, buf = packed
+    a, b = items[7], items[8]  # 2684 B, then 100 B at the next multiple of 64: a gap between them
+    gap = a.offset + a.nbytes
+    assert b.offset > gap and gap // 4096 == a.offset // 4096
+    flip_byte(path, items[6].offset + 1, 0x10)  # a neighbour on the same pages: not read as a wanted item
+    dsts = [torch.zeros(i.nbytes, dtype=torch.uint8) for i in items]
+    with eng.open_read(path) as f:
+        read_shard(f, path, header.file_bytes, header, items, dsts, buf, wanted={7}, listed=True)
+    assert torch.equal(dsts[7], payloads[7])
+    flip_byte(path, gap, 0x10)
+    with eng.open_read(path) as f:
+        with pytest.raises(CorruptCheckpoint, match="padding"):
+            read_shard(f, path, header.file_bytes, header, items, dsts, buf, wanted={7}, listed=True)
+    with eng.open_read(path) as f:  # not listed: the bytes between could be an unlisted item's
+        read_shard(f, path, header.file_bytes, header, items, dsts, buf, wanted={7})

@@ -149,16 +149,18 @@ class ShardCursor:
     wanted items are checked and copied. In a layout-1 file the pages read hold nothing else,
     so all their padding is checked; in a packed (layout-2) file they may hold neighbours
     that ``items`` need not list (an earlier step's file), so only the padding a page item
-    owns (after it, up to its page's end) is; a whole read checks every byte.
+    owns (after it, up to its page's end) is, unless ``listed`` says ``items`` are every item
+    of the file (the DCP reader's): then every padding byte of the pages read is checked;
+    a whole read checks every byte.
     Owned by one thread (the restore pipeline's consumer, or :func:`read_shard`'s caller).
     """
 
     def __init__(self, path: str, header: ShardHeader, items: Sequence[Item],
                  dsts: Sequence[torch.Tensor | None] | Callable[[int], torch.Tensor | None], *,
                  verify: bool = True, on_item: Callable[[int], None] | None = None,
-                 wanted: set[int] | None = None):
+                 wanted: set[int] | None = None, listed: bool = False):
         self.path, self.header, self.items, self.verify, self.on_item = path, header, items, verify, on_item
-        self.wanted = wanted
+        self.wanted, self.listed = wanted, listed
         self.gaps = verify  # every padding byte checked (not in a partial read of a packed file)
         self.crcs = [0] * len(items)
         self.first = 0  # items before this one are finished (or were skipped)
@@ -175,7 +177,7 @@ class ShardCursor:
         w1 = w0 + len(mv)
         if w0 == 0 and verify:
             ShardHeader.check(mv[:HEADER_BYTES], self.header, path)
-            self.gaps = wanted is None or ShardHeader.version_of(mv) == 1
+            self.gaps = wanted is None or self.listed or ShardHeader.version_of(mv) == 1
             gaps = self.gaps
         tails = verify and not gaps
         while self.first < len(items) and _done_before(items[self.first], w0):
@@ -185,12 +187,15 @@ class ShardCursor:
         while j < len(items) and items[j].offset < w1:
             e = items[j]
             j += 1
-            if _done_before(e, w0) or (wanted is not None and j - 1 not in wanted):
+            if _done_before(e, w0):
                 continue
             end = e.offset + e.nbytes
             a, b = max(e.offset, w0), min(end, w1)
             if gaps and a > pos and not _zeros(mv[pos - w0:a - w0]):
                 raise CorruptCheckpoint(f"{path}: non-zero padding before {e.key!r}", path=path, key=e.key)
+            if wanted is not None and j - 1 not in wanted:  # a neighbour on a page read: not checked
+                pos = max(pos, b)
+                continue
             if a < b:
                 if j - 1 not in self.open_dsts:
                     self.open_dsts[j - 1] = self.get(j - 1)
@@ -240,7 +245,8 @@ def read_runs(items: Sequence[Item], wanted: set[int] | None, file_bytes: int) -
 def read_shard(f: Any, path: str, file_bytes: int, header: ShardHeader, items: Sequence[Item],
                dsts: Sequence[torch.Tensor | None] | Callable[[int], torch.Tensor | None], bounce: Any, *,
                verify: bool = True,
-               wanted: set[int] | None = None, on_item: Callable[[int], None] | None = None) -> None:
+               wanted: set[int] | None = None, on_item: Callable[[int], None] | None = None,
+               listed: bool = False) -> None:
     """Stream a shard through ``bounce``, checking it, and copy items into ``dsts``.
 
     One window at a time on the calling thread (the restore pipeline,
@@ -251,7 +257,7 @@ def read_shard(f: Any, path: str, file_bytes: int, header: ShardHeader, items: S
     Raises :class:`CorruptCheckpoint` naming ``path`` and the item at fault.
     """
     win = bounce.nbytes // ALIGN_BYTES * ALIGN_BYTES
-    cur = ShardCursor(path, header, items, dsts, verify=verify, on_item=on_item, wanted=wanted)
+    cur = ShardCursor(path, header, items, dsts, verify=verify, on_item=on_item, wanted=wanted, listed=listed)
     for r0, r1 in _runs(items, wanted, file_bytes):
         for w0 in range(r0, r1, win):
             w1 = min(w0 + win, r1)
