@@ -210,7 +210,8 @@ class ShardCursor:
                 if verify:
                     crcs[j - 1] = _crc.crc32c(mv[a - w0:b - w0], crcs[j - 1])
             pos = max(pos, b)
-            if tails and end < w1 and e.nbytes >= PAGE_ITEM_BYTES and not _zeros(mv[end - w0:min(align_up(end), w1) - w0]):
+            if (tails and end < w1 and e.nbytes >= PAGE_ITEM_BYTES  # the padding a page item owns
+                    and not _zeros(mv[end - w0:min(align_up(end), w1) - w0])):
                 raise CorruptCheckpoint(f"{path}: non-zero padding after {e.key!r}", path=path, key=e.key)
             if end <= w1:  # complete in this window
                 if verify and crcs[j - 1] != e.crc32c:

@@ -52,7 +52,8 @@ class StreamCheck:
     def __init__(self, man: Manifest, name: str, where: str):
         fe = file_entry(man, name)
         self.where, self.size = where, fe.file_bytes
-        self.header = ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes, man.layout).encode()
+        self.header = ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes,
+                                  man.layout).encode()
         self.items = _items(man, name)
         check_items(where, self.items, fe.file_bytes)
         self.crcs = [0] * len(self.items)

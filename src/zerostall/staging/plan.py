@@ -262,7 +262,8 @@ def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicate
         items.append(PlanItem(i, leaf.key, dtype_name(t.dtype, leaf.key), tuple(t.shape), nbytes, off))
     digest = hashlib.sha256(repr([(leaf.key, str(leaf.tensor.dtype), tuple(leaf.tensor.shape))
                                   for leaf in all_leaves]).encode()).hexdigest()
-    return SavePlan(tuple(items), max(align_up(pos), HEADER_BYTES), tree, tuple(leaves), len(all_leaves), tree_json, digest)
+    return SavePlan(tuple(items), max(align_up(pos), HEADER_BYTES), tree, tuple(leaves), len(all_leaves),
+                    tree_json, digest)
 
 
 def _entry_bytes() -> int:
