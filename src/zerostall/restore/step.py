@@ -25,7 +25,7 @@ import torch
 from ..config import IOConfig
 from ..errors import CorruptCheckpoint, StateMismatchError
 from ..format.dtypes import dtype_from_name
-from ..format.layout import ShardHeader
+from ..format.layout import PAGE_ITEM_BYTES, ShardHeader
 from ..format.manifest import Manifest, TensorEntry
 from ..format.tree import decode_tree, tree_tensor_indices
 from ..io.base import Engine
@@ -94,7 +94,7 @@ def _new(e: TensorEntry, where: str) -> tuple[torch.Tensor, torch.Tensor | None]
     page-aligned padded byte buffer."""
     try:
         dtype = dtype_from_name(e.dtype)
-        if e.nbytes >= stream.DIRECT_MIN_BYTES:
+        if e.nbytes >= max(stream.DIRECT_MIN_BYTES, PAGE_ITEM_BYTES):  # alone on its pages (layout 1 and 2)
             buf = aligned_empty(e.nbytes)
             return buf[:e.nbytes].view(dtype).view(e.shape), buf
         return torch.empty(e.shape, dtype=dtype), None
@@ -232,11 +232,15 @@ def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: An
     return merge(state_dict, decode_tree(tree, tensors, where=where))
 
 
-def verify_step(tier: Tier, step: int, engine: Engine, bounce: Any = None) -> Manifest:
-    """Read every byte of ``step`` and check it, keeping nothing; raises CorruptCheckpoint."""
+def verify_step(tier: Tier, step: int, engine: Engine, bounce: Any = None, *,
+                only: Callable[[Manifest], set[str] | None] | None = None) -> Manifest:
+    """Read every byte of ``step`` and check it, keeping nothing; raises CorruptCheckpoint.
+    ``only(manifest)`` may name the shard files to check (a node-local copy holds its own
+    ranks' files only: ``zerostall verify`` passes them); None checks them all."""
     man = tier.read_manifest(step)
-    check_files(tier, man, None, engine)
-    read_step(file_reads(tier, man, engine, lambda i: (None, None, False), needed=None, only=None, sparse=False),
+    names = only(man) if only is not None else None
+    check_files(tier, man, names, engine)
+    read_step(file_reads(tier, man, engine, lambda i: (None, None, False), needed=None, only=names, sparse=False),
               bounce or shared_bounce(), engine.cfg)
     return man
 
