@@ -40,7 +40,7 @@ def dtype_from_name(name: object, where: str = "manifest") -> torch.dtype:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize  # not a tensor per call: the manifest parser asks once per entry
 
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(_BY_NAME.values())

@@ -17,7 +17,7 @@ import threading
 import json
 import operator
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Iterator
 
@@ -59,6 +59,11 @@ class SavePlan:
     shapes_digest: str = ""
     """A digest of every tensor's key, dtype and shape (all ranks' shares when replicated): the
     replicated-mode structure check compares it across ranks."""
+    memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    """What later stages derive from this layout alone (e.g. the manifest's tensor entries
+    without their crc32c: :func:`~zerostall.format.manifest.tensors_json`), shared by every
+    save that reuses the layout (:class:`PlanCache` copies the plan with ``replace``, which
+    keeps this dict). Written by the persist thread of one Checkpointer (saves persist in order)."""
 
     @property
     def payload_bytes(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Protocol, Sequence
 
-from ..format.manifest import FileEntry, Manifest, TensorEntry
+from ..format.manifest import FileEntry, Manifest, TensorEntry, tensors_json
 from ..staging.job import manifest_parts
 from ..staging.job import Persisted, SaveRequest
 from .local import LocalTier
@@ -50,7 +50,8 @@ def file_entry(job: Persisted) -> FileEntry:
 
 def tensor_entries(job: Persisted) -> list[tuple[int, TensorEntry]]:
     """(global tensor index, entry) for every tensor this rank wrote."""
-    return [(it.index, TensorEntry(it.key, it.dtype, it.shape, job.file_name, it.offset, it.nbytes, crc))
+    name = job.file_name  # once: a property chain per entry cost ~1 s at 100k tensors
+    return [(it.index, TensorEntry(it.key, it.dtype, it.shape, name, it.offset, it.nbytes, crc))
             for it, crc in zip(job.plan.items, job.crcs)]
 
 
@@ -60,6 +61,7 @@ def build_manifest(job: Persisted) -> Manifest:
     return Manifest(step=job.step, world_size=job.world_size, checkpoint_id=job.checkpoint_id,
                     created_unix=time.time(), files=(file_entry(job),),
                     tensors=tensors, tree=job.plan.tree, tree_json=job.plan.tree_json,
+                    tensors_json="" if ref_files else tensors_json(tensors, job.plan.memo),
                     user_metadata=dict(job.user_metadata), ref_files=ref_files)
 
 
