@@ -20,7 +20,7 @@ import json
 import operator
 import re
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c as _crc
@@ -287,8 +287,10 @@ def tensors_json(tensors: tuple[TensorEntry, ...], memo: dict[Any, Any] | None =
     key = ("tensors_json", len(tensors), tensors[0].file if tensors else "")
     parts = memo.get(key) if memo is not None else None
     if parts is None:
-        blank = json.dumps([replace(t, crc32c=0).to_json() for t in tensors], separators=(",", ":"),
-                           allow_nan=False)
+        entries = [t.to_json() for t in tensors]
+        for e in entries:
+            e["crc32c"] = 0
+        blank = json.dumps(entries, separators=(",", ":"), allow_nan=False)
         # every object ends with its crc32c; a key's own '"' is escaped, so the marker
         # cannot occur inside a string
         parts = blank.split(_CRC_TAIL + "0}")
@@ -297,7 +299,7 @@ def tensors_json(tensors: tuple[TensorEntry, ...], memo: dict[Any, Any] | None =
         if memo is not None:
             memo[key] = parts
     crcs = map(_CRC_FMT.format, map(_crc_of, tensors))
-    return "".join([x for pair in zip(parts, crcs) for x in pair] + [parts[-1]])
+    return "".join(map(str.__add__, parts, crcs)) + parts[-1]  # map stops at the shorter: n pairs
 
 
 _crc_of = operator.attrgetter("crc32c")
