@@ -268,13 +268,16 @@ class PlanCache:
                           occurrences=occurrences)
         self._sig = self._plan = None
         if key is not None and len(occurrences) == len(tensors):
-            first: dict[int, int] = {}
-            for p, i in enumerate(occurrences):
-                first.setdefault(i, p)
-            self._first_pos = tuple(first[i] for i in range(len(first)))
+            if occurrences == list(range(len(occurrences))):  # no tied tensors: no Python loop
+                self._first_pos = tuple(occurrences)
+            else:
+                first: dict[int, int] = {}
+                for p, i in enumerate(occurrences):
+                    first.setdefault(i, p)
+                self._first_pos = tuple(first[i] for i in range(len(first)))
             self._sig, self._args = key, args
-            self._keys = tuple(leaf.key for leaf in plan.leaves)
-            self._numpy = tuple(leaf.numpy for leaf in plan.leaves)
+            self._keys = tuple(map(_KEY, plan.leaves))
+            self._numpy = tuple(map(_NUMPY, plan.leaves))
             self._in_order = [it.index for it in plan.items] == list(self._first_pos) == list(range(len(tensors)))
             self._devices = set(plan.devices)
             self._plan = replace(plan, leaves=())
@@ -304,8 +307,9 @@ def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicate
         nbytes = t.numel() * t.element_size()
         items.append(PlanItem(i, leaf.key, dtype_name(t.dtype, leaf.key), tuple(t.shape), nbytes, off))
         off = align_up(off + nbytes)
-    digest = hashlib.sha256(repr([(leaf.key, str(leaf.tensor.dtype), tuple(leaf.tensor.shape))
-                                  for leaf in all_leaves]).encode()).hexdigest()
+    ts = list(map(_TENSOR, all_leaves))  # compared across ranks of one run only: any stable text will do
+    digest = hashlib.sha256(repr((tuple(map(_KEY, all_leaves)), tuple(map(str, map(_DTYPE, ts))),
+                                  tuple(map(_SIZE, ts)))).encode()).hexdigest()
     return SavePlan(tuple(items), max(off, HEADER_BYTES), tree, tuple(leaves), len(all_leaves), tree_json, digest)
 
 
@@ -323,6 +327,19 @@ def entry_bound(key: str, ndim: int) -> int:
     if not (key.isascii() and key.isprintable()) or '"' in key or "\\" in key:
         n *= 6  # json.dumps escapes to at most \uXXXX per character
     return ENTRY_BYTES + n + DIM_BYTES * ndim
+
+
+def _entries_bound(leaves: Any) -> int:
+    """The sum of :func:`entry_bound` over ``leaves``, in bulk where no key needs escaping
+    (one check of all keys joined, C-level sums: ~0.3 s less at 100k tensors)."""
+    keys = list(map(_KEY, leaves))
+    joined = "".join(keys)
+    if not (joined.isascii() and joined.isprintable()) or '"' in joined or "\\" in joined:
+        return sum(entry_bound(leaf.key, leaf.tensor.dim()) for leaf in leaves)
+    return ENTRY_BYTES * len(keys) + len(joined) + DIM_BYTES * sum(map(torch.Tensor.dim, map(_TENSOR, leaves)))
+
+
+_KEY, _TENSOR, _NUMPY = operator.attrgetter("key"), operator.attrgetter("tensor"), operator.attrgetter("numpy")
 
 
 def check_step(step: Any) -> int:
@@ -380,7 +397,7 @@ def check_manifest_size(state_dict: Any, tree: Any, leaves: Any) -> str:
     the manifest would exceed the limit every reader enforces (``MAX_MANIFEST_BYTES``)."""
     from ..format import manifest as mf
     tree_json = json.dumps(tree, separators=(",", ":"), allow_nan=False)
-    est = len(tree_json) + sum(entry_bound(leaf.key, leaf.tensor.dim()) for leaf in leaves)
+    est = len(tree_json) + _entries_bound(leaves)
     limit = mf.MAX_MANIFEST_BYTES
     if est <= limit:
         return tree_json
