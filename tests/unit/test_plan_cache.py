@@ -162,7 +162,7 @@ def test_a_reused_plans_leaves_read_like_a_tuple_of_leaves():
 def test_entries_bound_in_bulk_equals_the_per_entry_bound():
     from zerostall.format.tree import TensorLeaf
     from zerostall.staging.plan import _entries_bound, entry_bound
-    plain = [TensorLeaf(f"model.layer{i}.w", torch.ones(*([2] * (i % 4)))) for i in range(50)]
+    plain = [TensorLeaf(f"model.layer{i}.w", torch.ones([2] * (i % 4))) for i in range(50)]
     for odd in ([], ['q"uote'], ["back\\slash"], ["\u00e9"], ["tab\t"]):
         leaves = plain + [TensorLeaf(k, torch.ones(3)) for k in odd]
         assert _entries_bound(leaves) == sum(entry_bound(lf.key, lf.tensor.dim()) for lf in leaves)
