@@ -40,7 +40,8 @@ from .inflight import InFlight, step_pre_hook, wait_staged
 from .staging.arena import Arena
 from .staging.memory import budget_bytes
 from .staging.job import Job, SaveRequest, SaveStatus, Slot, Source
-from .staging.plan import PlanCache, check_metadata, check_step, plan_tensors
+from .staging.plan import check_metadata, check_step
+from .staging.plan_cache import PlanCache, plan_tensors
 from .staging.ring import BlockRing
 from .staging import pool as _pool
 from .staging.snapshot import record_save_events

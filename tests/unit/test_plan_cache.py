@@ -117,7 +117,7 @@ def test_plan_cache_never_reuses_a_plan_for_a_nested_sparse_or_neg_tensor():
     for neg/conj views, return None), so the plan is built again and encode_tree refuses or
     resolves them exactly as on a first save."""
     from zerostall.errors import UnsupportedStateError
-    from zerostall.staging.plan import PlanCache, _tensor_sig
+    from zerostall.staging.plan_cache import PlanCache, _tensor_sig
     odd = {"sparse": torch.eye(3).to_sparse(), "csr": torch.eye(3).to_sparse_csr(),
            "nested": torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]),
            "jagged": torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], layout=torch.jagged)}
@@ -144,7 +144,8 @@ def test_plan_cache_never_reuses_a_plan_for_a_nested_sparse_or_neg_tensor():
 
 def test_a_reused_plans_leaves_read_like_a_tuple_of_leaves():
     from zerostall.format.tree import TensorLeaf
-    from zerostall.staging.plan import Leaves, PlanCache, build_plan, plan_tensors
+    from zerostall.staging.plan import build_plan
+    from zerostall.staging.plan_cache import Leaves, PlanCache, plan_tensors
     pc, st = PlanCache(), _state()
     pc.plan(st)
     again = pc.plan(st)
