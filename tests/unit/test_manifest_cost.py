@@ -73,3 +73,22 @@ def test_manifest_refs_from_the_commit_then_from_disk_when_the_file_changes(tmp_
         with open(path, "wb") as f:
             f.write(raw)
         assert isinstance(cached.manifest_refs(1), Manifest)  # valid again, parsed again
+
+
+def test_entries_from_plan_items_encode_like_tensor_entries():
+    from zerostall.format.manifest import Entries
+    from zerostall.staging.plan import PlanItem
+    items = tuple(PlanItem(i, k, "bfloat16" if i % 3 else "float32", (2, 3) if i % 2 else (), 12, 8192 + 4096 * i)
+                  for i, k in enumerate(KEYS))
+    memo = {}
+    for bump in (1, 99):
+        crcs = tuple((7 + i * bump) & 0xFFFFFFFF for i in range(len(items)))
+        lazy = Entries(items, "rank-00003.shard", crcs)
+        plain = tuple(TensorEntry(it.key, it.dtype, it.shape, "rank-00003.shard", it.offset, it.nbytes, c)
+                      for it, c in zip(items, crcs))
+        assert lazy == plain and list(lazy) == list(plain) and lazy[2] == plain[2] and lazy[1:3] == plain[1:3]
+        assert tensors_json(lazy, memo) == tensors_json(plain) == tensors_json(lazy)
+        assert _manifest(lazy, tensors_json(lazy, memo)).to_bytes() == _manifest(plain).to_bytes()
+    assert tensors_json(Entries((), "rank-00000.shard", ()), {}) == "[]"
+    with pytest.raises(ValueError):
+        Entries(items, "rank-00000.shard", (1,))

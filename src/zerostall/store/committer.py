@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Protocol, Sequence
 
-from ..format.manifest import FileEntry, Manifest, TensorEntry, tensors_json
+from ..format.manifest import Entries, FileEntry, Manifest, TensorEntry, tensors_json
 from ..staging.job import manifest_parts
 from ..staging.job import Persisted, SaveRequest
 from .local import LocalTier
@@ -57,7 +57,10 @@ def tensor_entries(job: Persisted) -> list[tuple[int, TensorEntry]]:
 
 def build_manifest(job: Persisted) -> Manifest:
     """The manifest of a single-rank save (with its references, for an incremental one)."""
-    tensors, ref_files = manifest_parts(job, tensor_entries(job))
+    if job.incr is None or not job.incr.refs:  # written only: entries made on access
+        tensors, ref_files = Entries(job.plan.items, job.file_name, job.crcs), ()
+    else:
+        tensors, ref_files = manifest_parts(job, tensor_entries(job))
     return Manifest(step=job.step, world_size=job.world_size, checkpoint_id=job.checkpoint_id,
                     created_unix=time.time(), files=(file_entry(job),),
                     tensors=tensors, tree=job.plan.tree, tree_json=job.plan.tree_json,
