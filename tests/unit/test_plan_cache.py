@@ -168,3 +168,56 @@ def test_entries_bound_in_bulk_equals_the_per_entry_bound():
         leaves = plain + [TensorLeaf(k, torch.ones(3)) for k in odd]
         assert _entries_bound(leaves) == sum(entry_bound(lf.key, lf.tensor.dim()) for lf in leaves)
     assert _entries_bound([]) == 0
+
+
+def test_changed_plain_values_make_a_new_tree_on_the_same_layout(monkeypatch):
+    """A step counter, a learning rate, a growing log history: the plan cache keeps the tensor
+    layout and encodes only the tree again, which equals a fresh plan's, tensors included."""
+    from zerostall.staging import plan as plan_mod
+    from zerostall.staging.plan import build_plan
+    from zerostall.staging.plan_cache import PlanCache
+    g = torch.Generator().manual_seed(0)
+    model = {f"w{i}": torch.randn(3, generator=g) for i in range(60)}
+    st = {"model": model, "tied": model["w1"], "opt": {"state": {0: {"step": torch.tensor(1.0)}},
+                                                       "param_groups": [{"lr": 0.1, "params": [0]}]},
+          "step": 1, "log": [{"loss": 1.5}], "cfg": {"name": "run", "sizes": [1, 2]}}
+    pc = PlanCache()
+    pc.plan(st)
+    builds = []
+    real = plan_mod.build_plan
+    monkeypatch.setattr("zerostall.staging.plan_cache.build_plan", lambda *a, **k: builds.append(1) or real(*a, **k))
+
+    def edits():
+        st["step"] += 1
+        yield
+        st["log"].append({"loss": 1.25, "note": "x"})
+        yield
+        st["opt"]["param_groups"][0]["lr"] = -0.0
+        yield
+        st["cfg"]["sizes"] = {"nested": [True, None, 2 ** 40]}
+        yield
+        st["cfg"] = "flat"
+        yield
+    for _ in edits():
+        got = pc.plan(st)
+        fresh = build_plan(st)
+        assert got.tree == fresh.tree and got.tree_json == fresh.tree_json and _same_layout(got, fresh)
+        assert [lf.tensor.data_ptr() for lf in got.leaves] == [lf.tensor.data_ptr() for lf in fresh.leaves]
+        assert pc.plan(st).tree_json == fresh.tree_json  # and cached again
+    assert builds == []  # never rebuilt: the tensors did not change
+    st["cfg"] = {"t": torch.ones(2)}  # a tensor where a plain value was: the structure changed
+    got = pc.plan(st)
+    assert builds == [1] and _same_layout(got, build_plan(st))
+
+
+def test_values_only_rebuild_still_refuses_what_a_fresh_plan_refuses():
+    from zerostall.errors import UnsupportedStateError
+    from zerostall.staging.plan_cache import PlanCache
+    st = {"m": {f"w{i}": torch.ones(2) for i in range(40)}, "n": 1}
+    pc = PlanCache()
+    pc.plan(st)
+    st["n"] = 2 ** 5000  # over the plain int limit
+    with pytest.raises(UnsupportedStateError, match="'n'"):
+        pc.plan(st)
+    st["n"] = 3
+    assert '"n"' in pc.plan(st).tree_json

@@ -65,3 +65,15 @@ def bulk_tensors(x: dict[Any, Any], seen: dict[tuple[Any, ...], int]
     if len(set(idents)) != len(idents) or any(map(seen.__contains__, idents)):
         return None
     return keys, tensors, idents
+
+
+def known_node(x: dict[Any, Any], known: list[int], met: list[int]) -> Any:
+    """The tree node of ``x``, a dict of plain tensors with str keys whose leaf indices are
+    ``known`` from ``met[0]`` on (advanced); None for any other dict. What the per-tensor and
+    the bulk path produce for it, with no tensor looked at (:func:`.tree.encode_tree`)."""
+    vals = x.values()
+    if not vals or not TENSOR_TYPES.issuperset(map(type, vals)) or any(type(k) is not str for k in x):
+        return None
+    i = met[0]
+    met[0] = i + len(x)
+    return {"d": [[{"v": k}, {"T": j}] for k, j in zip(x, known[i:met[0]])]}

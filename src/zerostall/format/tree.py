@@ -46,7 +46,7 @@ except ImportError:  # pragma: no cover - numpy ships with torch
 from ..errors import CorruptCheckpoint, UnsupportedStateError
 from .validate import MAX_INT_BITS, NotPlain, plain_copy
 from . import objects
-from .bulk import bulk_tensors
+from .bulk import bulk_tensors, known_node
 
 MAX_DEPTH = 200
 
@@ -137,16 +137,22 @@ def _refusal(x: Any, path: tuple[Any, ...]) -> UnsupportedStateError:
         f"values (dict/list/str/int/float), {hint}")
 
 
-def encode_tree(obj: Any, occurrences: list[int] | None = None) -> tuple[Any, list[TensorLeaf]]:
+def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int] | None = None) -> Any:
     """Encode ``obj``; raise :class:`UnsupportedStateError` naming the first bad key.
 
     ``occurrences``, if given, receives the leaf index of every tensor met, in walk order
-    (an aliased tensor repeats an earlier index); the plan cache of :mod:`..staging.plan` uses it.
+    (an aliased tensor repeats an earlier index); the plan cache of :mod:`..staging.plan_cache` uses it.
+    ``known``: the ``occurrences`` of an earlier walk of a state with the very same tensors
+    (checked by that plan cache): tensors are not checked again and only the tree is returned.
     """
     leaves: list[TensorLeaf] = []
     seen: dict[tuple[Any, ...], int] = {}
+    met = [0]  # tensors met so far (``known``)
 
     def tensor_index(t: torch.Tensor, path: tuple[Any, ...], is_np: bool) -> int:
+        if known is not None:
+            met[0] += 1
+            return known[met[0] - 1]
         key = _fmt_key(path)
         if type(t) not in (torch.Tensor, torch.nn.Parameter) and not is_np:
             raise UnsupportedStateError(
@@ -220,6 +226,8 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None) -> tuple[Any, li
             except NotPlain:
                 pass
         if tx is dict or tx is OrderedDict:  # the rule: an OrderedDict (a module's state_dict()) loads as a dict
+            if known is not None and (node := known_node(x, known, met)) is not None:
+                return node
             got = bulk_tensors(x, seen) if depth < MAX_DEPTH else None
             if got is not None:  # all plain tensors: what tensor_index does, attribute by attribute in bulk
                 keys, tensors, idents = got
@@ -243,7 +251,7 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None) -> tuple[Any, li
         raise _refusal(x, path)
 
     try:
-        return enc(obj, (), 0), leaves
+        return enc(obj, (), 0) if known is not None else (enc(obj, (), 0), leaves)
     finally:
         del enc  # a recursive closure is a reference cycle: without this, every save's leaves
         # (the caller's tensors) and this frame's objects wait for the cyclic GC

@@ -203,12 +203,13 @@ def _not_plain_at(x: Any, path: tuple[Any, ...]) -> tuple[tuple[Any, ...], str] 
     return None
 
 
-def check_manifest_size(state_dict: Any, tree: Any, leaves: Any) -> str:
+def check_manifest_size(state_dict: Any, tree: Any, leaves: Any, bound: int | None = None) -> str:
     """The tree's JSON; raise :class:`UnsupportedStateError` naming the key that dominates if
-    the manifest would exceed the limit every reader enforces (``MAX_MANIFEST_BYTES``)."""
+    the manifest would exceed the limit every reader enforces (``MAX_MANIFEST_BYTES``).
+    ``bound``: the leaves' entries bound if known (:func:`_entries_bound`)."""
     from ..format import manifest as mf
     tree_json = json.dumps(tree, separators=(",", ":"), allow_nan=False)
-    est = len(tree_json) + _entries_bound(leaves)
+    est = len(tree_json) + (_entries_bound(leaves) if bound is None else bound)
     limit = mf.MAX_MANIFEST_BYTES
     if est <= limit:
         return tree_json

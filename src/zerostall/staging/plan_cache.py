@@ -20,8 +20,8 @@ from typing import Any, Iterator
 
 import torch
 
-from ..format.tree import TensorLeaf
-from .plan import _DTYPE, _KEY, _NUMPY, _SIZE, SavePlan, build_plan
+from ..format.tree import TensorLeaf, encode_tree
+from .plan import _DTYPE, _KEY, _NUMPY, _SIZE, SavePlan, _entries_bound, build_plan, check_manifest_size
 
 class Leaves(Sequence[TensorLeaf]):
     """A reused plan's leaves, kept as three parallel tuples (keys, detached tensors, numpy
@@ -62,18 +62,25 @@ _SEQ_TYPES = (list, tuple)
 _KEY_TYPES = frozenset((str, int))
 _ALL_TENSORS = "T*"
 """The marker of a container whose values are all plain tensors (taken in bulk)."""
+_PLAIN = "V*"
+"""The marker of a container without tensors (its contents are in the values)."""
 _DEVICE = operator.attrgetter("device")
 _PTR, _STRIDE = torch.Tensor.data_ptr, torch.Tensor.stride
 _COMPLEX = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_complex)
 _CONJ, _NEG, _DETACH = torch.Tensor.is_conj, torch.Tensor.is_neg, torch.Tensor.detach
 
 
-def _walk(x: Any, sig: list[Any], tensors: list[torch.Tensor], depth: int = 0) -> bool:
-    """Append ``x``'s structure and plain values to ``sig`` and its tensors to ``tensors`` (in
-    :func:`encode_tree`'s walk order); False where ``x`` holds anything but dicts with str/int
-    keys, lists, tuples, plain tensors and plain scalars (the cache then steps aside and
-    :func:`encode_tree` decides). A container of tensors only is taken in bulk (C-level
-    ``map``s, no Python frame per tensor); the tensors' own attributes are :func:`_tensor_sig`'s."""
+def _walk(x: Any, sig: list[Any], tensors: list[torch.Tensor], depth: int = 0,
+          vals: list[Any] | None = None) -> bool:
+    """Append ``x``'s structure to ``sig``, its plain values to ``vals`` (``sig`` if None) and
+    its tensors to ``tensors`` (in :func:`encode_tree`'s walk order); False where ``x`` holds
+    anything but dicts with str/int keys, lists, tuples, plain tensors and plain scalars (the
+    cache then steps aside and :func:`encode_tree` decides). A container without tensors (a
+    log history, a config) goes to ``vals`` whole: its growing changes values, not the
+    structure. A container of tensors only is taken in bulk (C-level ``map``s, no Python frame
+    per tensor); the tensors' own attributes are :func:`_tensor_sig`'s."""
+    if vals is None:
+        vals = sig
     tx = type(x)
     if tx in _TENSOR_TYPES:
         tensors.append(x)
@@ -85,23 +92,29 @@ def _walk(x: Any, sig: list[Any], tensors: list[torch.Tensor], depth: int = 0) -
         if not _KEY_TYPES.issuperset(map(type, keys)):
             return False
         sig.append((tx, keys, tuple(map(type, keys))))  # 1 and True are equal keys, but encode apart
-        vals = list(x.values())
+        kids = list(x.values())
     elif tx in _SEQ_TYPES:
         sig.append((tx, len(x)))
-        vals = list(x)
-    elif tx is float:  # by its bits: -0.0 == 0.0 and nan != nan, but they encode differently/alike
-        sig.append((tx, x.hex()))
-        return True
-    elif tx in _PLAIN_TYPES:
-        sig.append((tx, x))
+        kids = list(x)
+    elif tx is float or tx in _PLAIN_TYPES:  # a float by its bits: -0.0 == 0.0 and nan != nan,
+        vals.append((tx, x.hex() if tx is float else x))  # but they encode differently/alike
+        if vals is not sig:
+            sig.append(_PLAIN)  # a value here; a plain container in its place is one too
         return True
     else:
         return False
-    if vals and _TENSOR_TYPES.issuperset(map(type, vals)):
+    if kids and _TENSOR_TYPES.issuperset(map(type, kids)):
         sig.append(_ALL_TENSORS)
-        tensors.extend(vals)
+        tensors.extend(kids)
         return True
-    return all(_walk(v, sig, tensors, depth + 1) for v in vals)
+    mark, n = len(sig), len(tensors)
+    if not all(_walk(v, sig, tensors, depth + 1, vals) for v in kids):
+        return False
+    if vals is not sig and len(tensors) == n:  # no tensor inside: all of it is a value
+        vals.append(tuple(sig[mark - 1:]))
+        del sig[mark - 1:]
+        sig.append(_PLAIN)
+    return True
 
 
 def _tensor_sig(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
@@ -167,6 +180,9 @@ class PlanCache:
         self._sig: tuple[Any, ...] | None = None
         self._plan: SavePlan | None = None
         self._first_pos: tuple[int, ...] = ()
+        self._vals: list[Any] = []
+        self._occ: list[int] = []
+        self._bound = 0
         self._args: tuple[int, int, bool] | None = None
         self._keys: tuple[str, ...] = ()
         self._numpy: tuple[bool, ...] = ()
@@ -180,9 +196,10 @@ class PlanCache:
 
     def _plan_of(self, state_dict: Any, rank: int, world_size: int, replicated: bool) -> SavePlan:
         sig: list[Any] = []
+        vals: list[Any] = []
         tensors: list[torch.Tensor] = []
         try:
-            fast = _walk(state_dict, sig, tensors)
+            fast = _walk(state_dict, sig, tensors, 0, vals)
             tsig = _tensor_sig(tensors) if fast else None
         except Exception:  # noqa: BLE001 - an odd tensor subclass: encode_tree reports it properly
             tsig = None
@@ -193,7 +210,13 @@ class PlanCache:
             if not self._in_order:  # tied weights once in the plan, or this rank's share only
                 pos = self._first_pos
                 tensors = [tensors[pos[it.index]] for it in cached.items]
-            out = replace(cached, leaves=Leaves(self._keys, tuple(map(_DETACH, tensors)), self._numpy))
+            leaves = Leaves(self._keys, tuple(map(_DETACH, tensors)), self._numpy)
+            if vals != self._vals:  # plain values changed (a step counter, a log): a new tree only
+                tree = encode_tree(state_dict, known=self._occ)
+                tree_json = check_manifest_size(state_dict, tree, leaves, self._bound)
+                self._plan = cached = replace(cached, tree=tree, tree_json=tree_json)
+                self._vals = vals
+            out = replace(cached, leaves=leaves)
             out.__dict__["devices"] = set(self._devices)  # the cached_property: devices are in the signature
             return out
         occurrences: list[int] = []
@@ -208,7 +231,8 @@ class PlanCache:
                 for p, i in enumerate(occurrences):
                     first.setdefault(i, p)
                 self._first_pos = tuple(first[i] for i in range(len(first)))
-            self._sig, self._args = key, args
+            self._sig, self._args, self._vals, self._occ = key, args, vals, occurrences
+            self._bound = _entries_bound(plan.leaves)
             self._keys = tuple(map(_KEY, plan.leaves))
             self._numpy = tuple(map(_NUMPY, plan.leaves))
             self._in_order = [it.index for it in plan.items] == list(self._first_pos) == list(range(len(tensors)))
