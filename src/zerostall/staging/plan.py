@@ -21,7 +21,7 @@ import torch
 
 from ..errors import ConfigError, UnsupportedStateError
 from ..format.dtypes import dtype_name
-from ..format.layout import HEADER_BYTES, align_up, place
+from ..format.layout import HEADER_BYTES, align_up, pack_offsets, place
 from ..format.tree import TensorLeaf, decode_tree, encode_tree
 from ..format.validate import MAX_STEP, NotPlain, plain_copy
 
@@ -108,10 +108,13 @@ def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicate
     tree, all_leaves = encode_tree(state_dict, occurrences)
     tree_json = check_manifest_size(state_dict, tree, all_leaves)
     owner = owners_by_size(all_leaves, world_size) if replicated and world_size > 1 else None
-    items = []
-    leaves = []
-    pos = HEADER_BYTES
-    for i, leaf in enumerate(all_leaves):
+    if owner is None:
+        items, file_bytes = _items_in_bulk(all_leaves)
+        leaves = list(all_leaves)
+        pos = file_bytes
+    else:
+        items, leaves, pos = [], [], HEADER_BYTES
+    for i, leaf in enumerate(all_leaves if owner is not None else ()):
         if owner is not None and owner[i] != rank:
             continue
         leaves.append(leaf)
@@ -124,6 +127,27 @@ def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicate
                                   tuple(map(_SIZE, ts)))).encode()).hexdigest()
     return SavePlan(tuple(items), max(align_up(pos), HEADER_BYTES), tree, tuple(leaves), len(all_leaves),
                     tree_json, digest)
+
+
+def _items_in_bulk(leaves: list[TensorLeaf]) -> tuple[list[PlanItem], int]:
+    """Every leaf's item and the file's length (:func:`~zerostall.format.layout.pack_offsets`,
+    the layout's one rule), attribute by attribute over all leaves (a first save of 100k
+    tensors: no Python frame per tensor but the offsets' own)."""
+    ts = list(map(_TENSOR, leaves))
+    keys = list(map(_KEY, leaves))
+    dtypes = list(map(_DTYPE, ts))
+    names = {d: dtype_name(d, keys[dtypes.index(d)]) for d in set(dtypes)}  # refuses naming a key
+    nbytes = list(map(operator.mul, map(torch.Tensor.numel, ts), map(torch.Tensor.element_size, ts)))
+    offsets, file_bytes = pack_offsets(nbytes)
+    items = list(map(PlanItem, range(len(ts)), keys, map(names.__getitem__, dtypes), map(_SHAPE, ts), nbytes, offsets))
+    return items, file_bytes
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(_SIZE(t))
+
+
+_SHAPE = _SIZE if _SIZE is not torch.Tensor.size else _shape
 
 
 def _entry_bytes() -> int:
