@@ -70,6 +70,7 @@ def engine(request):
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 def test_in_place_every_layout_is_bit_exact(tmp_path, engine, fraction, monkeypatch):
     monkeypatch.setattr(stream, "ROLLBACK_FRACTION", fraction)
+    monkeypatch.setattr(stream, "ADAPTIVE", False)  # the split exactly as planned
     root = str(tmp_path / "ck")
     zerostall.save(root, _state(2.0), step=2)
     sd = _dest()
@@ -83,8 +84,21 @@ def test_in_place_every_layout_is_bit_exact(tmp_path, engine, fraction, monkeypa
         assert st.rollback_bytes == 0 and st.deferred_bytes > 0
     elif fraction == 0.5:
         assert st.rollback_bytes > 0 and st.deferred_bytes > 0
-    else:  # the ring fits after the backups: every copy under rollback, none staged
+    else:  # every copy swapped in under rollback, none staged
         assert st.rollback_bytes > 0 and st.deferred_bytes == 0
+
+
+def test_in_place_adaptive_swaps_as_the_copiers_keep_up(tmp_path, engine):
+    """The default: every window may be swapped in while reading; the swaps not started when
+    every byte verified are staged copies instead. Every byte lands once, either way."""
+    root = str(tmp_path / "ck")
+    zerostall.save(root, _state(2.0), step=2)
+    sd = _dest()
+    _load(root, engine, sd)
+    st = rstep.last_stats
+    assert equal(sd, _state(2.0))
+    payload = sum(t.numel() * t.element_size() for part in ("model", "optim") for t in sd[part].values())
+    assert st.rollback_bytes + st.deferred_bytes == payload
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 0.95])
@@ -93,6 +107,7 @@ def test_corruption_anywhere_leaves_the_callers_tensors_untouched(tmp_path, engi
     """The step fails at its first, middle or last tensor, after rollback copies were made
     (fraction > 0) or while everything was staged: not one byte of it stays in the caller's tensors."""
     monkeypatch.setattr(stream, "ROLLBACK_FRACTION", fraction)
+    monkeypatch.setattr(stream, "ADAPTIVE", fraction != 0.95)  # 0.95: every planned swap made
     root = str(tmp_path / "ck")
     zerostall.save(root, _state(1.0), step=1)
     zerostall.save(root, _state(2.0), step=2)
