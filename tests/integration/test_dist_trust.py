@@ -19,6 +19,7 @@ from datetime import timedelta
 import pytest
 
 import zerostall
+from zerostall.cli import main as cli
 from zerostall.distributed.session import form_groups
 from zerostall.errors import ConfigError
 from zerostall.restore import verify_step
@@ -130,7 +131,7 @@ def check_consistent(res, roots, steps):
 
 
 # -- node identity and root copies -----------------------------------------------------------------
-def test_node_local_roots_every_copy_commits(tmp_path):
+def test_node_local_roots_every_copy_commits(tmp_path, capsys):
     """Three nodes, one host name, per-node roots: every root commits (no .partial left behind),
     files name their node, each rank restores its own part. With remote=, a fresh node
     restoring rank 1 downloads only rank 1's shard and the manifest; rank 0 restoring into the
@@ -160,6 +161,23 @@ def test_node_local_roots_every_copy_commits(tmp_path):
     assert sorted(os.listdir(os.path.join(fresh, "step-2"))) == ["manifest.json", "rank-00000.shard",
                                                                   "rank-00001.shard"]
     assert zerostall.load(fresh, rank=1, world_size=3)["x"][0].item() == 21.0  # still whole for rank 1
+    _verify_copies(roots, capsys)
+
+
+def _verify_copies(roots, capsys):
+    """``zerostall verify`` on each node's copy checks that copy's shard, names the others as held
+    by other nodes (exit 0); ``--all-files`` requires them all; a copy that lost its own shard fails."""
+    for r, root in enumerate(roots):
+        assert cli(["verify", root, "--node", f"node{r}"]) == 0
+        out = capsys.readouterr().out
+        others = [n for n in range(3) if n != r]
+        assert "step 2: OK" in out and f"ranks {others[0]}, {others[1]} are in other nodes' copies" in out, out
+        assert cli(["verify", root, "--step", "2", "--all-files"]) == 1
+        assert "shard file is missing" in capsys.readouterr().err
+    os.unlink(os.path.join(LocalTier(roots[0]).step_dir(2), "rank-00000.shard"))
+    assert cli(["verify", roots[0], "--step", "2", "--node", "node0"]) == 1
+    assert "rank-00000.shard" in capsys.readouterr().err
+    assert cli(["verify", roots[0], "--step", "1", "--node", "node0"]) == 0  # step 1 untouched
 
 
 def test_mixed_shared_and_node_local_roots(tmp_path):

@@ -232,11 +232,15 @@ def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: An
     return merge(state_dict, decode_tree(tree, tensors, where=where))
 
 
-def verify_step(tier: Tier, step: int, engine: Engine, bounce: Any = None) -> Manifest:
-    """Read every byte of ``step`` and check it, keeping nothing; raises CorruptCheckpoint."""
+def verify_step(tier: Tier, step: int, engine: Engine, bounce: Any = None, *,
+                only: Callable[[Manifest], set[str] | None] | None = None) -> Manifest:
+    """Read every byte of ``step`` and check it, keeping nothing; raises CorruptCheckpoint.
+    ``only(manifest)`` may name the shard files to check (a node-local copy holds its own
+    ranks' files only: ``zerostall verify`` passes them); None checks them all."""
     man = tier.read_manifest(step)
-    check_files(tier, man, None, engine)
-    read_step(file_reads(tier, man, engine, lambda i: (None, None, False), needed=None, only=None, sparse=False),
+    names = only(man) if only is not None else None
+    check_files(tier, man, names, engine)
+    read_step(file_reads(tier, man, engine, lambda i: (None, None, False), needed=None, only=names, sparse=False),
               bounce or shared_bounce(), engine.cfg)
     return man
 
