@@ -273,3 +273,27 @@ def test_a_gate_that_refuses_rolls_back(tmp_path, engine, fraction, monkeypatch)
     assert calls == [1] and equal(sd, before)
     _load(root, engine, sd, gate=lambda: calls.append(2))
     assert calls == [1, 2] and equal(sd, _state(2.0))
+
+
+def test_a_remote_tier_too_big_for_the_scratch_is_read_once(tmp_path, engine, caplog):
+    """In place from a remote tier (slower than faulting new memory) when the lent scratch is
+    too small: a transient scratch, one read of the remote bytes, not a verify-first pass;
+    a damaged object still leaves the caller's tensors as they were."""
+    from zerostall.store.tier import open_tier
+    root = str(tmp_path / "remote")
+    zerostall.save(root, _state(6.0), step=6)
+    tier = open_tier("file://" + root)
+    eng = get_engine(engine, IOConfig(engine=engine, **SMALL_IO))
+    try:
+        sd = _dest()
+        with caplog.at_level("INFO", logger="zerostall"):
+            rstep.load_step(tier, 6, eng, Arena(1 << 20, mlock=False), sd)
+        assert equal(sd, _state(6.0)) and "verifying it first" not in caplog.text
+        assert rstep.last_stats.rollback_bytes + rstep.last_stats.deferred_bytes > 1 << 20
+        _flip_tensor(root, 6, "optim.m")
+        sd, before = _dest(), _dest()
+        with pytest.raises(CorruptCheckpoint, match=r"optim\.m"):
+            rstep.load_step(tier, 6, eng, Arena(1 << 20, mlock=False), sd)
+        assert equal(sd, before)
+    finally:
+        eng.close()
