@@ -103,13 +103,18 @@ def _flip(path, offset):
         f.write(bytes([b[0] ^ 1]))
 
 
-@pytest.mark.parametrize("where,expect", [(4096 + 3, "crc32c"), (4096 + 64 * 8 * 4 // 4 + 5, "padding"),
+@pytest.mark.parametrize("where,expect", [(4096 + 3, "crc32c"), (-1, "padding"),  # -1: the file's last byte
                                           (40, "header")])
 def test_flipped_byte_fails_with_corruption_error(saved_at_4, tmp_path, where, expect):
     bad = str(tmp_path / "bad")
     shutil.copytree(saved_at_4, bad)
     shard = [n for n in os.listdir(bad) if SHARD_RE.match(n) and SHARD_RE.match(n).group(1) == "00001"][0]
-    _flip(os.path.join(bad, shard), where)
+    path = os.path.join(bad, shard)
+    if where < 0:  # small items are packed (layout 2): the padding is after the last one, up to the page end
+        where = os.path.getsize(path) + where
+        with open(path, "rb") as f:
+            assert f.read()[where] == 0
+    _flip(path, where)
     sd = {"w": torch.zeros(64, 8), "r": torch.zeros(5), "extra": {"lr": 0.0}}
     with pytest.raises(BaseException) as ei:  # DCP's CheckpointException derives from BaseException
         dcp.load(sd, storage_reader=Reader(bad))
@@ -322,8 +327,10 @@ def test_filesystemreader_on_ours_says_which_reader(tmp_path):
 
 
 # -- the CLI understands DCP directories ----------------------------------------------------------
-def test_cli_ls_verify_inspect(tmp_path, capsys):
+def test_cli_ls_verify_inspect(tmp_path, capsys, monkeypatch):
     from zerostall.cli import main
+    from zerostall.format import layout
+    monkeypatch.setattr(layout, "WRITE_LAYOUT", 1)  # written as before layout 2: the offset below is that layout's
     zs, fsw = str(tmp_path / "zs"), str(tmp_path / "fsw")
     _save(zs, 1.0)
     dcp.save(_state(1.0), storage_writer=dcp.FileSystemWriter(fsw), no_dist=True)

@@ -1,4 +1,8 @@
-"""format/shard.py: the one shard codec, with windows smaller than items (real files, threads engine)."""
+"""format/shard.py: the one shard codec, with windows smaller than items (real files, threads engine).
+
+These files are written in layout 1 (every item on its own page, through the
+``layout.WRITE_LAYOUT`` seam): the offsets below are that layout's, and the reader must keep
+reading it. Layout 2 (packed) has its own tests in test_packing.py."""
 
 import os
 
@@ -8,6 +12,7 @@ import torch
 
 from zerostall.config import IOConfig
 from zerostall.errors import CorruptCheckpoint
+from zerostall.format import layout
 from zerostall.format.layout import HEADER_BYTES, ShardHeader
 from zerostall.format.shard import CrcCursor, check_items, pack_offsets, read_shard, write_shard
 from zerostall.io import get_engine
@@ -28,7 +33,8 @@ def _payloads():
 
 
 @pytest.fixture(params=[4096, 8192, 1 << 20], ids=["win4k", "win8k", "win1m"])
-def shard(request, tmp_path):
+def shard(request, tmp_path, monkeypatch):
+    monkeypatch.setattr(layout, "WRITE_LAYOUT", 1)
     payloads = _payloads()
     offsets, file_bytes = pack_offsets([p.numel() for p in payloads])
     header = ShardHeader("id", 0, 3, file_bytes)
@@ -106,7 +112,8 @@ def test_overlap_and_out_of_file_refused(shard):
         check_items(path, items, header.file_bytes - 4096)
 
 
-def test_only_empty_items():
+def test_only_empty_items(monkeypatch):
+    monkeypatch.setattr(layout, "WRITE_LAYOUT", 1)
     offsets, file_bytes = pack_offsets([0, 0])
     assert offsets == [HEADER_BYTES, HEADER_BYTES] and file_bytes == HEADER_BYTES
 

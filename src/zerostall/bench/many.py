@@ -66,6 +66,8 @@ def run_many(n: int, size_gib: float, repeat: int, workdir: str | None, console:
             zs.update(stall_s=statistics.median(stalls), durable_s=statistics.median(durables),
                       result_s=statistics.median(results), stall_all_s=stalls)
             zs["disk_bytes_ratio"] = _dir_bytes(os.path.join(root, f"step-{repeat}")) / data
+            man = os.path.join(root, f"step-{repeat}", "manifest.json")
+            zs["manifest_bytes_ratio"] = os.path.getsize(man) / data  # the rest of disk_bytes: the shard
             p = pool.current()
             zs["staging_bytes_ratio"] = (p.arena.ready / data) if p is not None else None
             for name, sd in (("restore_in_place_s", target), ("restore_new_dict_s", None)):

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from ..config import ALIGN_BYTES
 from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..format.dtypes import SUPPORTED_DTYPES, dtype_from_name, dtype_name, itemsize
-from ..format.layout import HEADER_BYTES
+from ..format.layout import HEADER_BYTES, item_align
 from ..format.shard import check_items
 from .dcp_storage import LEGACY_SHARD_RE, SHARD_RE, UnsupportedCheckpoint, _ZSInfo
 
@@ -204,7 +204,7 @@ def _zs_record(k: MetadataIndex, v: _ZSInfo, where: str) -> Record:
         raise CorruptCheckpoint(f"{where}: {f}.file_bytes {file_bytes} is not a multiple of {ALIGN_BYTES}", path=where)
     offset = _int(v.offset, where, f"{f}.offset", HEADER_BYTES)
     nbytes = _int(v.nbytes, where, f"{f}.nbytes")
-    if offset % ALIGN_BYTES or offset + nbytes > file_bytes:
+    if offset % item_align(nbytes) or offset + nbytes > file_bytes:  # layout 1 or 2 (format/layout.py)
         raise CorruptCheckpoint(f"{where}: {f}: offset {offset} + nbytes {nbytes} is unaligned or past the "
                                 f"{file_bytes}-byte file", path=where)
     crc = _int(v.crc32c, where, f"{f}.crc32c", 0, 0xFFFFFFFF)

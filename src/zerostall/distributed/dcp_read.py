@@ -176,7 +176,8 @@ class Reader(CheckpointId, StorageReader):
             raise CorruptCheckpoint(f"{path}: cannot open shard: {exc}", path=path) from exc
         with f:
             read_shard(f, path, info0.file_bytes, ShardHeader(info0.file_id, 0, info0.rank, info0.file_bytes),
-                       items, dst, bounce, verify=self.verify, wanted=set(wanted), on_item=deliver)
+                       items, dst, bounce, verify=self.verify, wanted=set(wanted), on_item=deliver,
+                       listed=True)  # every record of the file: all padding read is checked
 
     @staticmethod
     def _direct_target(reqs: list[ReadItem], info: _ZSInfo, planner: LoadPlanner) -> torch.Tensor | None:

@@ -56,7 +56,8 @@ from ..config import IOConfig
 from ..errors import CheckpointExistsError, ConfigError, CorruptCheckpoint, storage_error
 from ..format.dtypes import dtype_name
 from ..format.layout import ShardHeader
-from ..format.shard import pack_offsets, write_shard
+from ..format.layout import pack_offsets
+from ..format.shard import write_shard
 from ..staging.arena import Arena
 from ..store.local import fsync_dir, write_file_durable
 

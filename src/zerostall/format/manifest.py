@@ -5,7 +5,8 @@ It is written last, inside an envelope that carries the crc32c of the body::
     {"zerostall_manifest": "crc32c", "body_crc32c": "1a2b3c4d", "body": {...}}
 
 ``body`` holds ``format_version``, ``step``, ``world_size``, ``created_unix``,
-``checkpoint_id``, ``alignment``, ``files`` (name, rank, host, file_bytes), ``tensors`` (key,
+``checkpoint_id``, ``alignment`` (the shard layout: ``4096`` every tensor on its own page,
+layout 1, written before 0.5; ``64`` small tensors packed, layout 2: see :mod:`.layout`), ``files`` (name, rank, host, file_bytes), ``tensors`` (key,
 dtype, shape, file, offset, nbytes, crc32c) and ``tree`` (see :mod:`.tree`). Version 2 adds
 references to earlier steps' bytes (``ref_files``, a tensor's ``step``; see :mod:`.refs`);
 a save without references still writes version 1.
@@ -28,7 +29,8 @@ from ..config import ALIGN_BYTES
 from ..errors import CorruptCheckpoint
 from .dtypes import dtype_from_name, itemsize
 from . import validate as V
-from .layout import HEADER_BYTES
+from . import layout as _layout
+from .layout import HEADER_BYTES, MANIFEST_ALIGNMENT
 from .refs import FORMAT_VERSION_REFS, RefFile, parse_ref_files
 from .tree import decode_tree, tree_tensor_indices
 
@@ -97,6 +99,8 @@ class Manifest:
     """``tree`` already encoded as compact JSON (the save plan's), spliced in by :meth:`to_bytes`."""
     alias_of: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
     """Entries that duplicate an earlier one exactly (index -> first index): read and allocated once."""
+    layout: int = field(default_factory=lambda: _layout.WRITE_LAYOUT)
+    """The shard layout of this step's own files (:mod:`.layout`; the body's ``alignment``)."""
 
     def tree_for(self, rank: int, world_size: int) -> Any:
         if self.rank_trees is None:
@@ -121,7 +125,7 @@ class Manifest:
         return {
             "format_version": FORMAT_VERSION_REFS if self.ref_files else self.format_version, "step": self.step, "world_size": self.world_size,
             "checkpoint_id": self.checkpoint_id, "created_unix": self.created_unix,
-            "alignment": ALIGN_BYTES, "checksum": "crc32c",
+            "alignment": MANIFEST_ALIGNMENT[self.layout], "checksum": "crc32c",
             "files": [f.to_json() for f in self.files],
             "tensors": [t.to_json() for t in self.tensors],
             "tree": self.tree, "user_metadata": self.user_metadata,
@@ -179,8 +183,11 @@ class Manifest:
                       f"{FORMAT_VERSION_REFS}; upgrade zerostall to read newer checkpoints)")
         if body.get("checksum") != "crc32c":
             raise bad(f"unknown checksum {body.get('checksum')!r:.40}")
-        if body.get("alignment") != ALIGN_BYTES:
-            raise bad(f"unsupported alignment {body.get('alignment')!r:.40}")
+        layouts = {a: v for v, a in MANIFEST_ALIGNMENT.items()}
+        layout = layouts.get(body.get("alignment")) if type(body.get("alignment")) is int else None
+        if layout is None:
+            raise bad(f"unsupported alignment {body.get('alignment')!r:.40} (this zerostall reads "
+                      f"{sorted(layouts)}; upgrade zerostall to read newer checkpoints)")
 
         def integer(obj: dict[str, Any], k: str, lo: int = 0, hi: int = V.MAX_DIM, ctx: str = "") -> int:
             return V.integer(obj, k, where, lo, hi, ctx)
@@ -247,7 +254,8 @@ class Manifest:
             tensors.append(TensorEntry(key, dt, shape, fname, off, nbytes, crc, ref_step))
             spans.append(V.Span(i, span_file, off, nbytes, (dt, shape, crc), key))
         alias = V.check_spans(spans, {**{f.name: f.file_bytes for f in files.values()},
-                                      **{f"step-{r.step}/{r.name}": r.file_bytes for r in refs.values()}}, where)
+                                      **{f"step-{r.step}/{r.name}": r.file_bytes for r in refs.values()}}, where,
+                              layout)
         rank_trees = body.get("rank_trees")
         if rank_trees is not None and (not isinstance(rank_trees, list) or len(rank_trees) != world):
             raise bad("'rank_trees' must list one tree per rank")
@@ -263,7 +271,7 @@ class Manifest:
                    files=tuple(files.values()), tensors=tuple(tensors), tree=body.get("tree"),
                    user_metadata=meta, format_version=version,
                    rank_trees=tuple(rank_trees) if rank_trees is not None else None, alias_of=alias,
-                   ref_files=tuple(refs.values()))
+                   ref_files=tuple(refs.values()), layout=layout)
 
 
 def _canonical(body: Any) -> bytes:

@@ -6,9 +6,9 @@ Used by the Checkpointer (``store/persist.py`` writes through :class:`CrcCursor`
 :func:`read_shard`), so both check the same things: the header block exactly, every item's
 crc32c, and that every other byte read (gaps between items, the tail) is zero.
 
-Layout (see :mod:`.layout`): a ``HEADER_BYTES`` header block, then each item at the next
-``ALIGN_BYTES``-aligned offset, zero padding up to the next boundary; the file is a
-multiple of ``ALIGN_BYTES``. Every function here runs on the calling thread; none keeps
+Layout (see :mod:`.layout`): a ``HEADER_BYTES`` header block, then the items packed at
+their own alignment (:func:`~.layout.pack_offsets`; page items on page boundaries), zero
+padding between them and up to the end; the file is a multiple of ``ALIGN_BYTES``. Every function here runs on the calling thread; none keeps
 state between calls. Buffers (``buf``/``bounce``) are page-aligned mappings owned by the
 caller, exposing ``mv`` (memoryview), ``u8`` (a torch uint8 view) and ``nbytes`` — the
 staging arena's :class:`~zerostall.staging.arena.Arena` is one.
@@ -28,7 +28,10 @@ import torch
 
 from ..config import ALIGN_BYTES
 from ..errors import CorruptCheckpoint
-from .layout import HEADER_BYTES, ShardHeader, align_up
+from .layout import PAGE_ITEM_BYTES, HEADER_BYTES, ShardHeader, align_up, item_align, item_end, pack_offsets
+
+__all__ = ["CrcCursor", "Item", "ShardCursor", "check_items", "pack_offsets", "read_runs", "read_shard",
+           "write_shard"]
 
 
 class Item(Protocol):
@@ -38,15 +41,6 @@ class Item(Protocol):
     offset: int
     nbytes: int
     crc32c: int
-
-
-def pack_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
-    """Aligned offsets for items of ``sizes`` bytes, in order, and the file's length."""
-    offsets, off = [], HEADER_BYTES
-    for n in sizes:
-        offsets.append(off)
-        off = align_up(off + n)
-    return offsets, max(off, HEADER_BYTES)
 
 
 class CrcCursor:
@@ -109,24 +103,29 @@ def write_shard(f: Any, header: ShardHeader, payloads: Sequence[torch.Tensor], o
 
 
 def check_items(path: str, items: Sequence[Item], file_bytes: int) -> None:
-    """Items sorted by offset lie after the header, aligned, inside the file, without overlap."""
+    """Items sorted by offset lie after the header, aligned (:func:`~.layout.item_align`),
+    inside the file, without overlap, page items alone on their pages (every layout-1 file
+    passes too: its items all start on page boundaries)."""
     end = HEADER_BYTES
     for it in items:
-        if it.offset % ALIGN_BYTES or it.offset < end or it.nbytes < 0 or it.offset + it.nbytes > file_bytes:
+        if (it.nbytes < 0 or it.offset % item_align(it.nbytes) or it.offset < end
+                or it.offset + it.nbytes > file_bytes):
             raise CorruptCheckpoint(
                 f"{path}: item {it.key!r} at offset {it.offset} ({it.nbytes} bytes) is unaligned, overlaps "
                 f"the header or the previous item, or lies outside the {file_bytes}-byte file",
                 path=path, key=it.key)
-        end = it.offset + it.nbytes
+        end = item_end(it.offset, it.nbytes)
 
 
 def _runs(items: Sequence[Item], wanted: set[int] | None, file_bytes: int) -> list[tuple[int, int]]:
-    """The aligned byte ranges to read: the whole file, or the header and the wanted items."""
+    """The aligned byte ranges to read: the whole file, or the header and the pages covering
+    the wanted items (packed items share pages with their neighbours)."""
     if wanted is None:
         return [(0, file_bytes)]
     runs = [(0, HEADER_BYTES)]
     for i in sorted(wanted, key=lambda i: items[i].offset):
-        a, b = items[i].offset, min(align_up(items[i].offset + items[i].nbytes), file_bytes)
+        o = items[i].offset
+        a, b = o - o % ALIGN_BYTES, min(align_up(o + items[i].nbytes), file_bytes)
         if a <= runs[-1][1]:
             runs[-1] = (runs[-1][0], max(runs[-1][1], b))
         else:
@@ -146,13 +145,23 @@ class ShardCursor:
     A destination may also be an int: the address of ``nbytes`` writable bytes the caller keeps
     alive (the restore pipeline's, so that 100k small tensors cost no tensor op each).
     ``on_item(i)`` is called once item ``i`` is complete and has passed its crc32c.
+    ``wanted``: a partial read (the windows of :func:`read_runs` for these items): only the
+    wanted items are checked and copied. In a layout-1 file the pages read hold nothing else,
+    so all their padding is checked; in a packed (layout-2) file they may hold neighbours
+    that ``items`` need not list (an earlier step's file), so only the padding a page item
+    owns (after it, up to its page's end) is, unless ``listed`` says ``items`` are every item
+    of the file (the DCP reader's): then every padding byte of the pages read is checked;
+    a whole read checks every byte.
     Owned by one thread (the restore pipeline's consumer, or :func:`read_shard`'s caller).
     """
 
     def __init__(self, path: str, header: ShardHeader, items: Sequence[Item],
                  dsts: Sequence[torch.Tensor | None] | Callable[[int], torch.Tensor | None], *,
-                 verify: bool = True, on_item: Callable[[int], None] | None = None):
+                 verify: bool = True, on_item: Callable[[int], None] | None = None,
+                 wanted: set[int] | None = None, listed: bool = False):
         self.path, self.header, self.items, self.verify, self.on_item = path, header, items, verify, on_item
+        self.wanted, self.listed = wanted, listed
+        self.gaps = verify  # every padding byte checked (not in a partial read of a packed file)
         self.crcs = [0] * len(items)
         self.first = 0  # items before this one are finished (or were skipped)
         self.finished = [False] * len(items)
@@ -164,10 +173,13 @@ class ShardCursor:
         """Check the window of file bytes ``[w0, w0 + len(mv))`` (``u8`` views the same memory,
         at address ``addr`` if destinations are addresses: see the class doc). ``copy(i, dst,
         src, n)`` gets tensor slices, or addresses for address destinations."""
-        items, path, verify, crcs = self.items, self.path, self.verify, self.crcs
+        items, path, verify, crcs, gaps, wanted = self.items, self.path, self.verify, self.crcs, self.gaps, self.wanted
         w1 = w0 + len(mv)
         if w0 == 0 and verify:
             ShardHeader.check(mv[:HEADER_BYTES], self.header, path)
+            self.gaps = wanted is None or self.listed or ShardHeader.version_of(mv) == 1
+            gaps = self.gaps
+        tails = verify and not gaps
         while self.first < len(items) and _done_before(items[self.first], w0):
             self.first += 1
         pos = max(w0, HEADER_BYTES)  # [w0, pos) is header or payload already walked
@@ -179,8 +191,11 @@ class ShardCursor:
                 continue
             end = e.offset + e.nbytes
             a, b = max(e.offset, w0), min(end, w1)
-            if verify and a > pos and not _zeros(mv[pos - w0:a - w0]):
+            if gaps and a > pos and not _zeros(mv[pos - w0:a - w0]):
                 raise CorruptCheckpoint(f"{path}: non-zero padding before {e.key!r}", path=path, key=e.key)
+            if wanted is not None and j - 1 not in wanted:  # a neighbour on a page read: not checked
+                pos = max(pos, b)
+                continue
             if a < b:
                 if j - 1 not in self.open_dsts:
                     self.open_dsts[j - 1] = self.get(j - 1)
@@ -195,6 +210,9 @@ class ShardCursor:
                 if verify:
                     crcs[j - 1] = _crc.crc32c(mv[a - w0:b - w0], crcs[j - 1])
             pos = max(pos, b)
+            if (tails and end < w1 and e.nbytes >= PAGE_ITEM_BYTES  # the padding a page item owns
+                    and not _zeros(mv[end - w0:min(align_up(end), w1) - w0])):
+                raise CorruptCheckpoint(f"{path}: non-zero padding after {e.key!r}", path=path, key=e.key)
             if end <= w1:  # complete in this window
                 if verify and crcs[j - 1] != e.crc32c:
                     raise CorruptCheckpoint(
@@ -204,7 +222,7 @@ class ShardCursor:
                 self.open_dsts.pop(j - 1, None)
                 if self.on_item is not None:
                     self.on_item(j - 1)
-        if verify and pos < w1 and not _zeros(mv[pos - w0:w1 - w0]):
+        if gaps and pos < w1 and not _zeros(mv[pos - w0:w1 - w0]):
             raise CorruptCheckpoint(f"{path}: non-zero padding at offset {pos}", path=path)
 
     def finish(self, wanted: set[int] | None) -> None:
@@ -220,26 +238,27 @@ class ShardCursor:
 
 
 def read_runs(items: Sequence[Item], wanted: set[int] | None, file_bytes: int) -> list[tuple[int, int]]:
-    """The aligned byte ranges to read: the whole file, or the header and the wanted items'
-    extents (payload and tail padding), in file order."""
+    """The aligned byte ranges to read: the whole file, or the header and the pages covering
+    the wanted items, in file order."""
     return _runs(items, wanted, file_bytes)
 
 
 def read_shard(f: Any, path: str, file_bytes: int, header: ShardHeader, items: Sequence[Item],
                dsts: Sequence[torch.Tensor | None] | Callable[[int], torch.Tensor | None], bounce: Any, *,
                verify: bool = True,
-               wanted: set[int] | None = None, on_item: Callable[[int], None] | None = None) -> None:
+               wanted: set[int] | None = None, on_item: Callable[[int], None] | None = None,
+               listed: bool = False) -> None:
     """Stream a shard through ``bounce``, checking it, and copy items into ``dsts``.
 
     One window at a time on the calling thread (the restore pipeline,
     :mod:`zerostall.restore.stream`, overlaps reads, checks and copies with the same
     :class:`ShardCursor`). ``items``, ``dsts`` and ``on_item`` as there. With ``wanted=None``
     every byte of the file is read and checked; otherwise only the header block and the
-    aligned extents of the wanted items (their payload and tail padding).
+    pages covering the wanted items (their crc32c checked; see :class:`ShardCursor`).
     Raises :class:`CorruptCheckpoint` naming ``path`` and the item at fault.
     """
     win = bounce.nbytes // ALIGN_BYTES * ALIGN_BYTES
-    cur = ShardCursor(path, header, items, dsts, verify=verify, on_item=on_item)
+    cur = ShardCursor(path, header, items, dsts, verify=verify, on_item=on_item, wanted=wanted, listed=listed)
     for r0, r1 in _runs(items, wanted, file_bytes):
         for w0 in range(r0, r1, win):
             w1 = min(w0 + win, r1)

@@ -31,6 +31,7 @@ from typing import Any, Iterable
 
 from ..config import ALIGN_BYTES
 from ..errors import CorruptCheckpoint
+from .layout import item_align, item_end
 
 log = logging.getLogger("zerostall")
 
@@ -112,8 +113,10 @@ class Span:
     key: str
 
 
-def check_spans(spans: Iterable[Span], file_bytes: dict[str, int], where: str) -> dict[int, int]:
-    """Entries inside their files and disjoint; exact duplicates become aliases.
+def check_spans(spans: Iterable[Span], file_bytes: dict[str, int], where: str, layout: int = 1) -> dict[int, int]:
+    """Entries inside their files, aligned as ``layout`` says (1: every entry on a page
+    boundary; 2: :func:`~.layout.item_align`, page items alone on their pages; see
+    :mod:`.layout`) and disjoint; exact duplicates become aliases.
 
     Returns ``{index: index of the first identical entry}`` for the duplicates. Afterwards the
     distinct payload bytes are at most the sum of the files' sizes.
@@ -124,7 +127,8 @@ def check_spans(spans: Iterable[Span], file_bytes: dict[str, int], where: str) -
         fb = file_bytes.get(s.file)
         if fb is None:
             raise bad(where, f"tensor {s.key!r}: file {s.file!r:.80} is not listed in 'files'", s.key)
-        if s.offset % ALIGN_BYTES or s.offset < ALIGN_BYTES or s.offset + s.nbytes > fb:
+        align = ALIGN_BYTES if layout == 1 else item_align(s.nbytes)
+        if s.offset % align or s.offset < ALIGN_BYTES or s.offset + s.nbytes > fb:
             raise bad(where, f"tensor {s.key!r}: offset {s.offset} + {s.nbytes} bytes lies outside "
                              f"{s.file!r} ({fb} bytes) or is unaligned", s.key)
         by_file.setdefault(s.file, []).append(s)
@@ -134,7 +138,7 @@ def check_spans(spans: Iterable[Span], file_bytes: dict[str, int], where: str) -
         for s in lst:
             if s.nbytes == 0:
                 continue
-            if prev is not None and s.offset < prev.offset + prev.nbytes:
+            if prev is not None and s.offset < item_end(prev.offset, prev.nbytes):
                 if (s.offset, s.nbytes, s.ident) == (prev.offset, prev.nbytes, prev.ident):
                     alias[s.index] = alias.get(prev.index, prev.index)
                     continue

@@ -41,7 +41,7 @@ def _digest(header: bytes, crcs: list[int]) -> str:
 
 def expected_digest(man: Manifest, name: str) -> str:
     fe = file_entry(man, name)
-    header = ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes).encode()
+    header = ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes, man.layout).encode()
     return _digest(header, [e.crc32c for e in _items(man, name)])
 
 
@@ -52,7 +52,8 @@ class StreamCheck:
     def __init__(self, man: Manifest, name: str, where: str):
         fe = file_entry(man, name)
         self.where, self.size = where, fe.file_bytes
-        self.header = ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes).encode()
+        self.header = ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes,
+                                  man.layout).encode()
         self.items = _items(man, name)
         check_items(where, self.items, fe.file_bytes)
         self.crcs = [0] * len(self.items)

@@ -25,7 +25,7 @@ import torch
 from ..config import IOConfig
 from ..errors import CorruptCheckpoint, StateMismatchError
 from ..format.dtypes import dtype_from_name
-from ..format.layout import ShardHeader
+from ..format.layout import PAGE_ITEM_BYTES, ShardHeader
 from ..format.manifest import Manifest, TensorEntry
 from ..format.tree import decode_tree, tree_tensor_indices
 from ..io.base import Engine
@@ -95,7 +95,7 @@ def _new(e: TensorEntry, where: str) -> tuple[torch.Tensor, torch.Tensor | None]
     page-aligned padded byte buffer."""
     try:
         dtype = dtype_from_name(e.dtype)
-        if e.nbytes >= stream.DIRECT_MIN_BYTES:
+        if e.nbytes >= max(stream.DIRECT_MIN_BYTES, PAGE_ITEM_BYTES):  # alone on its pages (layout 1 and 2)
             buf = aligned_empty(e.nbytes)
             return buf[:e.nbytes].view(dtype).view(e.shape), buf
         return torch.empty(e.shape, dtype=dtype), None

@@ -308,7 +308,8 @@ class _Run:
     # -- the checking (caller's) thread --------------------------------------------------------
     def go(self) -> Stats:
         import time
-        cursors = [ShardCursor(fr.path, fr.header, fr.items, fr.dsts, verify=self.verify) for fr in self.files]
+        cursors = [ShardCursor(fr.path, fr.header, fr.items, fr.dsts, verify=self.verify, wanted=fr.wanted)
+                   for fr in self.files]
         readers = [threading.Thread(target=self._reader, name=f"zerostall-restore-read-{i}", daemon=True)
                    for i in range(min(READERS, len(self.wins)))]
         copier = ThreadPoolExecutor(COPIERS, thread_name_prefix="zerostall-restore-copy")

@@ -58,6 +58,6 @@ def base_file_problem(root: str, ref: RefFile, stamp: Stamp | None = None) -> st
             os.close(fd)
     except OSError as exc:
         return exc.strerror or str(exc)
-    if head != ShardHeader(ref.file_id, ref.step, ref.rank, ref.file_bytes).encode():
+    if not ShardHeader(ref.file_id, ref.step, ref.rank, ref.file_bytes).matches(head):
         return "its header is not the one written (replaced or damaged)"
     return None

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ..errors import StorageError
-from ..format.layout import align_up
+from ..format.layout import pack_offsets
 from .job import SaveRequest, Slot
 from .plan import PlanItem, SavePlan
 from .source_crc import CRC_THREADS, _CpuCrc, _CudaCrc, _file_crc
@@ -120,11 +120,9 @@ class ContentCheck:
             ij.full = True
             with self._lock:
                 self._since_full = 0
-        off = -(-spec.file_bytes // block_bytes) * block_bytes  # the blocks staged so far stay as they are
-        new = []
-        for it, _, _ in changed:
-            new.append(PlanItem(it.index, it.key, it.dtype, it.shape, it.nbytes, off))
-            off = align_up(off + it.nbytes)
+        start = -(-spec.file_bytes // block_bytes) * block_bytes  # the blocks staged so far stay as they are
+        offsets, off = pack_offsets([it.nbytes for it, _, _ in changed], start)
+        new = [PlanItem(it.index, it.key, it.dtype, it.shape, it.nbytes, o) for (it, _, _), o in zip(changed, offsets)]
         if slot.g0 + -(-off // block_bytes) > slot.g_end:  # cannot happen with the spare block; never write past
             raise StorageError(f"step {req.step}: {len(new)} tensor(s) changed without their version counter "
                                "and do not fit the staging blocks reserved for this save; nothing committed")

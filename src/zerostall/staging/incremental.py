@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ConfigError, StorageError
-from ..format.layout import HEADER_BYTES, align_up
+from ..format.layout import pack_offsets
 from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..format.refs import RefFile
 from ..format.tree import tensor_paths
@@ -248,11 +248,9 @@ class RefTracker(ContentCheck):
                 self._since_full = 0  # nothing referenced: this is a full save
         ij.refs, ij.ref_files, ij.pinned = refs, tuple(ref_files.values()), steps
         ij.full = not refs
-        off, items = HEADER_BYTES, []
-        for it in keep_items:
-            items.append(PlanItem(it.index, it.key, it.dtype, it.shape, it.nbytes, off))
-            off = align_up(off + it.nbytes)
-        return SavePlan(tuple(items), max(off, HEADER_BYTES), plan.tree,
+        offsets, file_bytes = pack_offsets([it.nbytes for it in keep_items])
+        items = [PlanItem(it.index, it.key, it.dtype, it.shape, it.nbytes, off) for it, off in zip(keep_items, offsets)]
+        return SavePlan(tuple(items), file_bytes, plan.tree,
                         tuple(lf for lf, it in zip(plan.leaves, plan.items) if it.index not in refs),
                         plan.n_tensors, plan.tree_json), keep_leaves
 

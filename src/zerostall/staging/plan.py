@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ConfigError, UnsupportedStateError
 from ..format.dtypes import dtype_name
-from ..format.layout import HEADER_BYTES, align_up
+from ..format.layout import HEADER_BYTES, align_up, place
 from ..format.tree import TensorLeaf, decode_tree, encode_tree
 from ..format.validate import MAX_STEP, NotPlain, plain_copy
 
@@ -239,7 +239,8 @@ class PlanCache:
 
 def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicated: bool = False,
                occurrences: list[int] | None = None) -> SavePlan:
-    """Flatten ``state_dict`` and assign every tensor an aligned offset after the header.
+    """Flatten ``state_dict`` and assign every tensor its offset after the header (packed:
+    :func:`~zerostall.format.layout.place`, the layout's one rule).
 
     With ``replicated`` (every rank holds the same state), this rank's plan holds only the
     tensors it owns (:func:`owners_by_size`); ``PlanItem.index`` stays the global index.
@@ -250,26 +251,41 @@ def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicate
     owner = owners_by_size(all_leaves, world_size) if replicated and world_size > 1 else None
     items = []
     leaves = []
-    off = HEADER_BYTES
+    pos = HEADER_BYTES
     for i, leaf in enumerate(all_leaves):
         if owner is not None and owner[i] != rank:
             continue
         leaves.append(leaf)
         t: torch.Tensor = leaf.tensor
         nbytes = t.numel() * t.element_size()
+        off, pos = place(pos, nbytes)
         items.append(PlanItem(i, leaf.key, dtype_name(t.dtype, leaf.key), tuple(t.shape), nbytes, off))
-        off = align_up(off + nbytes)
     digest = hashlib.sha256(repr([(leaf.key, str(leaf.tensor.dtype), tuple(leaf.tensor.shape))
                                   for leaf in all_leaves]).encode()).hexdigest()
-    return SavePlan(tuple(items), max(off, HEADER_BYTES), tree, tuple(leaves), len(all_leaves), tree_json, digest)
+    return SavePlan(tuple(items), max(align_up(pos), HEADER_BYTES), tree, tuple(leaves), len(all_leaves),
+                    tree_json, digest)
 
 
-ENTRY_BYTES = 200
-"""A bound on one tensor entry's JSON in the manifest besides its key and shape: the field
-names, the longest dtype name, a shard name up to rank 10**10, 20-digit offset and size, the
-crc32c and a reference's step (measured entries average ~169 B with their key). Each shape
-dimension adds at most ``DIM_BYTES``."""
-DIM_BYTES = 21
+def _entry_bytes() -> int:
+    """The longest a tensor entry's manifest JSON can be besides its key and shape: every
+    field at its widest (the longest dtype name, a shard name up to rank 10**10, offset and
+    size up to ``MAX_DIM``, the crc32c, a reference's step) and the comma between entries.
+    Entries of real states measure 110-170 B with their key."""
+    from ..format.dtypes import SUPPORTED_DTYPES
+    from ..format.layout import shard_name
+    from ..format.manifest import TensorEntry
+    from ..format.validate import MAX_DIM
+    widest = max((dtype_name(d) for d in SUPPORTED_DTYPES), key=len)
+    e = TensorEntry("", widest, (), shard_name(10 ** 10), MAX_DIM, MAX_DIM, 0xFFFFFFFF, MAX_STEP)
+    return len(json.dumps(e.to_json(), separators=(",", ":"))) + 1
+
+
+ENTRY_BYTES = _entry_bytes()
+"""A bound on one tensor entry's JSON in the manifest besides its key and shape (185 B);
+each shape dimension adds at most ``DIM_BYTES``. The manifest limit is checked on these
+(:func:`check_manifest_size`): 1M tensors with 30-character keys need ~0.25 GB of the 512 MiB."""
+DIM_BYTES = len(str(1 << 62)) + 1
+"""The widest dimension (``MAX_DIM``) and its comma."""
 
 
 def entry_bound(key: str, ndim: int) -> int:

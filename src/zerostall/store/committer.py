@@ -50,7 +50,8 @@ def file_entry(job: Persisted) -> FileEntry:
 
 def tensor_entries(job: Persisted) -> list[tuple[int, TensorEntry]]:
     """(global tensor index, entry) for every tensor this rank wrote."""
-    return [(it.index, TensorEntry(it.key, it.dtype, it.shape, job.file_name, it.offset, it.nbytes, crc))
+    name = job.file_name  # once: a property that formats the name (1M tensors: ~1/3 of the commit)
+    return [(it.index, TensorEntry(it.key, it.dtype, it.shape, name, it.offset, it.nbytes, crc))
             for it, crc in zip(job.plan.items, job.crcs)]
 
 

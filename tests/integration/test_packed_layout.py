@@ -1,0 +1,171 @@
+"""Layout 2 end to end: small tensors packed into shared page-aligned extents (files and
+staging ~1x the data), every earlier layout still read (a layout-1 checkpoint written by
+zerostall before layout 2, committed under tests/data/layout1, and layout-1 steps written
+through the ``layout.WRITE_LAYOUT`` seam), incremental steps borrowing layout-1 files,
+partial ``keys=`` loads, verify and a flipped byte anywhere."""
+
+import json
+import os
+import shutil
+
+import crc32c
+import pytest
+import torch
+
+import zerostall
+from zerostall.cli import main as cli
+from zerostall.config import StagingConfig
+from zerostall.errors import CorruptCheckpoint
+from zerostall.format import layout
+from zerostall.format.layout import HEADER_BYTES, ShardHeader, item_align
+from zerostall.staging import pool
+from zerostall.store.local import LocalTier
+from tests.helpers import flip_byte
+
+from ..helpers import equal
+
+pytestmark = pytest.mark.timeout(120)
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "data", "layout1")
+
+
+def _many(n, per, v=1.0):
+    g = torch.Generator().manual_seed(int(v))
+    return {"optim": {f"state.{i}.exp_avg": torch.randn(per, generator=g) + v for i in range(n)},
+            "odd": {"b": torch.arange(3, dtype=torch.int8), "h": torch.ones(5, dtype=torch.bfloat16) * v,
+                    "c": torch.zeros(2, dtype=torch.complex128) + v, "big": torch.arange(70_000.0) * v},
+            "step": int(v)}
+
+
+def _data_bytes(sd):
+    out = 0
+    for v in sd.values():
+        if isinstance(v, dict):
+            out += _data_bytes(v)
+        elif isinstance(v, torch.Tensor):
+            out += v.numel() * v.element_size()
+    return out
+
+
+def _fixture_state(v):  # what tests/data/layout1_gen.py saved
+    return {"model": {"w": torch.arange(3000, dtype=torch.float32) * v, "b": torch.arange(3, dtype=torch.int64),
+                      "h": (torch.arange(100) * 1).to(torch.bfloat16)},
+            "optim": {"s": torch.tensor(1.0), "m": torch.arange(20000, dtype=torch.float32) + 1}, "step": int(v)}
+
+
+def test_files_and_staging_are_about_the_data(tmp_path):
+    sd = _many(20_000, 671)  # 2684 B each: 1.5x the data when each took its own 4 KiB page
+    data = _data_bytes(sd)
+    root = str(tmp_path / "ck")
+    with zerostall.Checkpointer(root, staging=StagingConfig(block_bytes=1 << 20)) as ck:
+        ck.save(1, sd).result()
+        staged = pool.current().arena.ready
+    man = LocalTier(root).read_manifest(1)
+    shard = os.path.join(root, "step-1", man.files[0].name)
+    assert os.path.getsize(shard) <= data * 1.01 + 2 * 4096
+    assert data <= staged <= data * 1.05  # one slot, whole 1 MiB blocks
+    body = json.loads(open(os.path.join(root, "step-1", "manifest.json"), "rb").read())["body"]
+    assert body["alignment"] == 64 and ShardHeader.version_of(open(shard, "rb").read(64)) == 2
+    for e in man.tensors:
+        assert e.offset % item_align(e.nbytes) == 0
+        assert e.offset % torch.empty((), dtype=getattr(torch, e.dtype)).element_size() == 0  # viewable in place
+    big = next(e for e in man.tensors if e.key == "odd.big")
+    assert big.offset % 4096 == 0
+    assert equal(zerostall.load(root), sd)
+    part = zerostall.load(root, keys=["optim.state.7.exp_avg", "odd.b", "odd.big"])
+    assert torch.equal(part["optim"]["state.7.exp_avg"], sd["optim"]["state.7.exp_avg"])
+    assert torch.equal(part["odd"]["big"], sd["odd"]["big"]) and torch.equal(part["odd"]["b"], sd["odd"]["b"])
+    assert cli(["verify", root]) == 0
+
+
+def test_packed_flips_caught_by_load_and_verify(tmp_path, capsys):
+    sd = _many(50, 37)  # 148 B tensors: several share each page
+    root = str(tmp_path / "ck")
+    zerostall.save(root, sd, step=1)
+    zerostall.save(root, _many(50, 37, 2.0), step=2)
+    man = LocalTier(root).read_manifest(2)
+    shard = os.path.join(root, "step-2", man.files[0].name)
+    es = sorted(man.tensors, key=lambda e: e.offset)
+    gap = next(a.offset + a.nbytes for a, b in zip(es, es[1:]) if b.offset > a.offset + a.nbytes)
+    for pos, needle in ((es[10].offset + 5, "crc32c"), (gap, "padding")):
+        flip_byte(shard, pos, 0x10)
+        assert cli(["verify", root, "--step", "2"]) == 1
+        assert needle in capsys.readouterr().err
+        with pytest.raises(CorruptCheckpoint, match=needle):
+            zerostall.load(root, fallback=False)
+        assert zerostall.load(root)["step"] == 1  # fell back
+        flip_byte(shard, pos, 0x10)
+    assert equal(zerostall.load(root, fallback=False), _many(50, 37, 2.0))
+
+
+def test_committed_layout1_checkpoint_still_loads(tmp_path):
+    root = str(tmp_path / "old")
+    shutil.copytree(FIXTURE, root)
+    body = json.loads(open(os.path.join(root, "step-2", "manifest.json"), "rb").read())["body"]
+    assert body["alignment"] == 4096 and body["format_version"] == 2  # written before layout 2, with refs
+    assert all(t["offset"] % 4096 == 0 for t in body["tensors"])
+    assert cli(["verify", root]) == 0
+    assert equal(zerostall.load(root, step=1), _fixture_state(1))
+    assert equal(zerostall.load(root), _fixture_state(2))
+    sd = _fixture_state(0)
+    zerostall.load(root, sd, step=2)  # in place
+    assert equal(sd, _fixture_state(2))
+    part = zerostall.load(root, keys=["optim.s", "model.w"])
+    assert part["optim"]["s"].item() == 1.0 and torch.equal(part["model"]["w"], _fixture_state(2)["model"]["w"])
+    flip_byte(os.path.join(root, "step-1", "rank-00000.shard"), 4096 + 3000 * 4 + 10, 0x10)  # layout-1 padding
+    with pytest.raises(CorruptCheckpoint, match="padding"):
+        zerostall.load(root, step=1, fallback=False)
+
+
+def test_incremental_over_a_layout1_base(tmp_path):
+    """A new release continues an old run: its first incremental step borrows the layout-1
+    files, writes the changed tensors packed, and every step loads and verifies."""
+    root = str(tmp_path / "old")
+    shutil.copytree(FIXTURE, root)
+    sd = _fixture_state(2)
+    with zerostall.Checkpointer(root, incremental=True) as ck:
+        sd["optim"]["s"].add_(1)
+        sd["step"] = 3
+        ck.save(3, sd).result()
+    man = LocalTier(root).read_manifest(3)
+    assert man.layout == 2 and man.ref_files and {e.step for e in man.tensors if e.step is not None} <= {1, 2}
+    assert next(e for e in man.tensors if e.key == "optim.s").step is None  # written again
+    assert cli(["verify", root]) == 0
+    assert equal(zerostall.load(root), sd)
+    assert equal(zerostall.load(root, step=2), _fixture_state(2))
+
+
+def test_seam_writes_layout1_and_mixed_steps_load(tmp_path, monkeypatch):
+    root = str(tmp_path / "ck")
+    monkeypatch.setattr(layout, "WRITE_LAYOUT", 1)
+    s1 = _many(30, 100, 1.0)
+    with zerostall.Checkpointer(root, incremental=True) as ck:
+        ck.save(1, s1).result()
+    man1 = LocalTier(root).read_manifest(1)
+    assert man1.layout == 1 and all(e.offset % 4096 == 0 for e in man1.tensors)
+    monkeypatch.setattr(layout, "WRITE_LAYOUT", 2)
+    with zerostall.Checkpointer(root, incremental=True) as ck:
+        s1["optim"]["state.3.exp_avg"].add_(1)
+        s1["step"] = 2
+        ck.save(2, s1).result()
+    man2 = LocalTier(root).read_manifest(2)
+    own = [e for e in man2.tensors if e.step is None]
+    assert man2.layout == 2 and own and len(own) < len(man2.tensors)
+    assert all(e.offset % 4096 == 0 for e in man2.tensors if e.step == 1)
+    assert cli(["verify", root]) == 0
+    assert equal(zerostall.load(root), s1)
+    part = zerostall.load(root, keys=["optim.state.3.exp_avg", "optim.state.4.exp_avg"])
+    assert torch.equal(part["optim"]["state.4.exp_avg"], s1["optim"]["state.4.exp_avg"])
+    assert torch.equal(part["optim"]["state.3.exp_avg"], s1["optim"]["state.3.exp_avg"])
+
+
+def test_manifest_refuses_an_unknown_alignment(tmp_path):
+    root = str(tmp_path / "ck")
+    zerostall.save(root, _many(3, 10), step=1)
+    man = LocalTier(root).read_manifest(1)
+    from zerostall.format.manifest import Manifest
+    for bad in (32, 4096.0, True):
+        raw = Manifest.to_bytes(man).replace(b'"alignment":64', b'"alignment":' + json.dumps(bad).encode())
+        body = raw[raw.index(b'"body":') + 7:-2]
+        raw = raw.replace(raw[46:54], f"{crc32c.crc32c(body):08x}".encode(), 1)  # resealed
+        with pytest.raises(CorruptCheckpoint, match="unsupported alignment"):
+            Manifest.from_bytes(raw)
