@@ -27,9 +27,8 @@ gate passed. A failure copies the swapped windows' old bytes back. Swaps overlap
 cost two copies' traffic; staged copies cost one, after the reads; the mix keeps both cores
 busy while the disk reads (measured: see the README's restore section).
 
-The scratch memory is the caller's (the staging pool's faulted arena, or the shared bounce);
-never a fresh allocation the size of the state unless nothing else fits (then a transient
-huge-page arena, see :func:`scratch_for`).
+The scratch memory is the caller's (the staging pool's faulted arena, or the shared bounce;
+a transient one only for a remote tier, see :func:`.step.read_step`).
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -180,42 +180,41 @@ class Plan:
             raise ValueError(f"scratch of {scratch.nbytes} bytes; this read needs {self.need_bytes()}")
         w, fraction = shape
         wins = plan_windows(self.files, w)
-        slots, ring0 = _layout(wins, scratch, w, self.in_place, fraction)
-        run = _Run(self.files, wins, scratch, w, slots, ring0, verify, gate)
+        slots = _layout(wins, scratch, w, self.in_place, fraction)
+        run = _Run(self.files, wins, scratch, w, slots, verify, gate)
         run.stats.fraction, run.stats.window_bytes = fraction, w
         return run.go()
 
 
-def _layout(wins: list[_Win], scratch: Any, w: int, in_place: bool, fraction: float) -> tuple[int, int]:
+def _layout(wins: list[_Win], scratch: Any, w: int, in_place: bool, fraction: float) -> int:
     """Give each ``ring`` window a slot of the ring, or (in place) its own place in the scratch,
     in file order: ``swap`` windows (the first ``fraction`` of the bytes), then ``stage`` ones.
-    Returns (slots, ring start)."""
+    Returns the number of ring slots."""
     ring_wins = [x for x in wins if x.kind == "ring"]
     if not in_place:
         slots = max(1, min(8, scratch.nbytes // w))
         for r, x in enumerate(ring_wins):
             x.slot = r % slots
-        return slots, 0
+        return slots
     cut = int(sum(x.n for x in ring_wins) * fraction)
     at = 0
     for x in ring_wins:
         x.kind, x.buf = ("swap" if at < cut else "stage"), scratch.u8[at:at + x.n]
         at += x.n
-    return 0, 0
+    return 0
 
 
 class _Run:
     """One :func:`run`: the window queue shared by the readers, the checker and the copier."""
 
     def __init__(self, files: Sequence[FileRead], wins: list[_Win], scratch: Any, w: int, slots: int,
-                 ring0: int, verify: bool, gate: Callable[[], None] | None = None):
+                 verify: bool, gate: Callable[[], None] | None = None):
         self.files, self.wins, self.scratch, self.w, self.verify = files, wins, scratch, w, verify
         self.owner: list[int | None] = [None] * slots
         self.cond = threading.Condition()
         self.next = 0
         self.abort = False
         self.closing = False  # every byte verified: swaps not started yet are staged instead
-        self.ring0 = ring0
         self.gate = gate
         self.swapped: list[tuple[int, int, int]] = []  # (caller's bytes, their old bytes in the scratch, length)
         self.deferred: list[tuple[int, int, int]] = []  # (destination, staged bytes, length)
@@ -230,7 +229,7 @@ class _Run:
                 if x.kind != "ring" or self.owner[x.slot] is None:
                     if x.kind == "ring":
                         self.owner[x.slot] = self.next
-                        at = self.ring0 + x.slot * self.w
+                        at = x.slot * self.w
                         x.buf = self.scratch.u8[at:at + x.n]
                     self.next += 1
                     return x
@@ -307,7 +306,6 @@ class _Run:
 
     # -- the checking (caller's) thread --------------------------------------------------------
     def go(self) -> Stats:
-        import time
         cursors = [ShardCursor(fr.path, fr.header, fr.items, fr.dsts, verify=self.verify, wanted=fr.wanted)
                    for fr in self.files]
         readers = [threading.Thread(target=self._reader, name=f"zerostall-restore-read-{i}", daemon=True)
