@@ -58,7 +58,7 @@ def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None 
          map_location: Any = None, *, verify: bool = True, fallback: bool = True,
          io: IOConfig | None = None, rank: int | None = None, world_size: int | None = None,
          remote: str | None = None, keys: list[str] | None = None, strict: bool = False,
-         report: LoadReport | None = None, agree: bool | None = None) -> Any:
+         report: LoadReport | None = None, agree: bool | None = None, download: bool = True) -> Any:
     """Load the newest checkpoint under ``path`` that verifies (or exactly ``step``).
 
     With ``state_dict``, tensors are loaded in place and the same object is returned (only
@@ -74,6 +74,9 @@ def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None 
     ``remote`` (``s3://bucket/prefix``, ``file:///shared/path``): also consider the steps that
     remote tier holds; a newer (or the only) one is downloaded into ``path`` and loaded from
     there. A remote that is down is skipped with a warning when ``path`` has a checkpoint.
+    ``download=False``: a step only the remote holds is streamed from it straight into the
+    restore pipeline (this rank's files, the byte ranges the load needs; every byte checked
+    as from a local copy) and nothing is written under ``path``.
 
     ``agree``: in a process group, every rank calls ``load`` and all restore the newest step
     that every rank can load, agreed through the c10d store (``report.why`` says which and
@@ -104,12 +107,13 @@ def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None 
             return load_into(state_dict, lambda sd: collective_load(
                 store, collective_base("zerostall/loads"), rank, world_size, os.fspath(path), sd, step=step,
                 remote=remote, io=io, report=report, map_location=map_location, verify=verify,
-                fallback=fallback, keys=keys, strict=strict))
+                fallback=fallback, keys=keys, strict=strict, download=download))
         finally:
             store.close()
     return load_into(state_dict, lambda sd: _load(os.fspath(path), sd, step, map_location, verify=verify,
                                                   fallback=fallback, io=io, rank=rank, world_size=world_size,
-                                                  remote=remote, keys=keys, strict=strict, report=report))
+                                                  remote=remote, keys=keys, strict=strict, report=report,
+                                                  download=download))
 
 
 def _saved_per_rank_by(path: str, world_size: int) -> bool:

@@ -70,6 +70,7 @@ def engine(request):
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 def test_in_place_every_layout_is_bit_exact(tmp_path, engine, fraction, monkeypatch):
     monkeypatch.setattr(stream, "ROLLBACK_FRACTION", fraction)
+    monkeypatch.setattr(stream, "ADAPTIVE", False)  # the split exactly as planned
     root = str(tmp_path / "ck")
     zerostall.save(root, _state(2.0), step=2)
     sd = _dest()
@@ -83,8 +84,21 @@ def test_in_place_every_layout_is_bit_exact(tmp_path, engine, fraction, monkeypa
         assert st.rollback_bytes == 0 and st.deferred_bytes > 0
     elif fraction == 0.5:
         assert st.rollback_bytes > 0 and st.deferred_bytes > 0
-    else:  # the ring fits after the backups: every copy under rollback, none staged
+    else:  # every copy swapped in under rollback, none staged
         assert st.rollback_bytes > 0 and st.deferred_bytes == 0
+
+
+def test_in_place_adaptive_swaps_as_the_copiers_keep_up(tmp_path, engine):
+    """The default: every window may be swapped in while reading; the swaps not started when
+    every byte verified are staged copies instead. Every byte lands once, either way."""
+    root = str(tmp_path / "ck")
+    zerostall.save(root, _state(2.0), step=2)
+    sd = _dest()
+    _load(root, engine, sd)
+    st = rstep.last_stats
+    assert equal(sd, _state(2.0))
+    payload = sum(t.numel() * t.element_size() for part in ("model", "optim") for t in sd[part].values())
+    assert st.rollback_bytes + st.deferred_bytes == payload
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 0.95])
@@ -93,6 +107,7 @@ def test_corruption_anywhere_leaves_the_callers_tensors_untouched(tmp_path, engi
     """The step fails at its first, middle or last tensor, after rollback copies were made
     (fraction > 0) or while everything was staged: not one byte of it stays in the caller's tensors."""
     monkeypatch.setattr(stream, "ROLLBACK_FRACTION", fraction)
+    monkeypatch.setattr(stream, "ADAPTIVE", fraction != 0.95)  # 0.95: every planned swap made
     root = str(tmp_path / "ck")
     zerostall.save(root, _state(1.0), step=1)
     zerostall.save(root, _state(2.0), step=2)
@@ -258,3 +273,27 @@ def test_a_gate_that_refuses_rolls_back(tmp_path, engine, fraction, monkeypatch)
     assert calls == [1] and equal(sd, before)
     _load(root, engine, sd, gate=lambda: calls.append(2))
     assert calls == [1, 2] and equal(sd, _state(2.0))
+
+
+def test_a_remote_tier_too_big_for_the_scratch_is_read_once(tmp_path, engine, caplog):
+    """In place from a remote tier (slower than faulting new memory) when the lent scratch is
+    too small: a transient scratch, one read of the remote bytes, not a verify-first pass;
+    a damaged object still leaves the caller's tensors as they were."""
+    from zerostall.store.tier import open_tier
+    root = str(tmp_path / "remote")
+    zerostall.save(root, _state(6.0), step=6)
+    tier = open_tier("file://" + root)
+    eng = get_engine(engine, IOConfig(engine=engine, **SMALL_IO))
+    try:
+        sd = _dest()
+        with caplog.at_level("INFO", logger="zerostall"):
+            rstep.load_step(tier, 6, eng, Arena(1 << 20, mlock=False), sd)
+        assert equal(sd, _state(6.0)) and "verifying it first" not in caplog.text
+        assert rstep.last_stats.rollback_bytes + rstep.last_stats.deferred_bytes > 1 << 20
+        _flip_tensor(root, 6, "optim.m")
+        sd, before = _dest(), _dest()
+        with pytest.raises(CorruptCheckpoint, match=r"optim\.m"):
+            rstep.load_step(tier, 6, eng, Arena(1 << 20, mlock=False), sd)
+        assert equal(sd, before)
+    finally:
+        eng.close()

@@ -38,11 +38,14 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
          verify: bool = True, fallback: bool = True, engine: Engine | None = None,
          bounce: Arena | None = None, io: IOConfig | None = None, rank: int = 0, world_size: int = 1,
          remote: Any = None, keys: list[str] | None = None, strict: bool = False,
-         report: LoadReport | None = None, gate: Callable[[], None] | None = None) -> Any:
+         report: LoadReport | None = None, gate: Callable[[], None] | None = None,
+         download: bool = True) -> Any:
     """Load the newest verified checkpoint (or ``step``) under ``path``; see the module doc.
 
     With ``remote`` (a URL or tier), steps only the remote holds are downloaded into ``path``
-    first; for each step, newest first, the local copy is tried, then the remote one. Any
+    first (``download=False``: streamed from the remote straight through the read pipeline,
+    only this rank's files and only the byte ranges the load needs, nothing written locally);
+    for each step, newest first, the local copy is tried, then the remote one. Any
     failure of a step's checkpoint (not of the caller's state dict) falls back to the previous
     step; a step deleted meanwhile (retention) is not a failure: the listing is read again.
     ``report`` (a :class:`LoadReport`) is filled in with the step loaded and the key report.
@@ -94,10 +97,11 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
             if src == "local":
                 seen_local[s] = ident
             try:
-                if src == "remote":
+                if src == "remote" and download:
                     fetched = fetch(tier, remote, s, seen_local.get(s), who=(rank, world_size))[1]
-                out = load_step(tier, s, engine, bounce, state_dict, map_location, verify, rank, world_size,
-                                keys=keys, strict=strict, report=report, io=io, gate=gate)
+                out = load_step(remote if src == "remote" and not download else tier, s, engine, bounce, state_dict,
+                                map_location, verify, rank, world_size, keys=keys, strict=strict, report=report,
+                                io=io, gate=gate)
             except (StateMismatchError, ConfigError, DistributedError):
                 raise  # the caller's state or arguments, or the ranks' agreement (gate): not this copy's defect
             except Exception as exc:  # noqa: BLE001 - every defect of a checkpoint means: try the previous one

@@ -30,6 +30,7 @@ from ..format.manifest import Manifest, TensorEntry
 from ..format.tree import decode_tree, tree_tensor_indices
 from ..io.base import Engine
 from ..staging.arena import Arena
+from ..store.local import LocalTier
 from ..store.tier import Tier
 from .refs import check_ref_files, file_read, ref_groups, ref_reads, shard_where
 from .state import LoadReport, find_in_place, key_report, location_mapper, merge, select_keys
@@ -145,17 +146,27 @@ def _scratch(plan: Plan, bounce: Any) -> Iterator[Any]:
 
 
 def read_step(files: list[FileRead], bounce: Any, io: IOConfig, *, verify: bool = True,
-              gate: Callable[[], None] | None = None) -> Stats:
+              gate: Callable[[], None] | None = None, slow_source: bool = False) -> Stats:
     """Read ``files`` through :mod:`.stream` with ``bounce`` as scratch memory: transactional
     for protected destinations, with a verify-only pass first when the staged bytes do not fit.
     ``gate()`` runs once every byte verified, before any staged byte reaches its destination
-    (what it raises rolls the protected destinations back)."""
+    (what it raises rolls the protected destinations back). ``slow_source`` (a remote tier,
+    slower than faulting new memory): rather than reading it twice, a transient scratch of
+    the step's size when the host has that much memory available (for a local disk reading
+    twice measured faster: 1.04 vs 0.66 GB/s, 2 GiB in place, load 8, new memory faulting)."""
     global last_stats
     plan = Plan(files, io, in_place=any(fr.protect for fr in files))
     with _scratch(plan, bounce) as scratch:
         if scratch is not None:
             last_stats = plan.run(scratch, verify=verify, gate=gate)
             return last_stats
+    if slow_source and plan.need_bytes() < _meminfo("MemAvailable") // 2:
+        arena = Arena(plan.need_bytes(), mlock=False, hugepages=False, prefault=False)
+        try:
+            last_stats = plan.run(arena, verify=verify, gate=gate)
+            return last_stats
+        finally:
+            arena.close()
     log.info("zerostall: an in-place load of %d bytes does not fit in %d bytes of scratch; verifying it first",
              plan.ring_bytes, bounce.nbytes)
     checks = [FileRead(fr.path, fr.file_bytes, fr.header, fr.items, [None] * len(fr.items), fr.open,
@@ -226,7 +237,7 @@ def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: An
             dsts[i] = (None if direct is not None else tensors[i].data_ptr(), direct, False)
     files = file_reads(tier, man, engine, lambda i: dsts.get(i, (None, None, False)), needed=needed,
                        only=only, sparse=keys is not None)
-    read_step(files, bounce, io or engine.cfg, verify=verify, gate=gate)
+    read_step(files, bounce, io or engine.cfg, verify=verify, gate=gate, slow_source=not isinstance(tier, LocalTier))
     for i, j in canon.items():
         tensors[i] = tensors[j]
     if state_dict is None:

@@ -17,16 +17,18 @@ of the files' bytes. Three kinds of threads, started per call and joined before 
   new tensors' first touch, next to the reads).
 
 Transactional in-place loads (``FileRead.protect``: the caller's tensors) never leave a
-failed step's bytes behind, and read every byte once. Windows in the first
-:data:`ROLLBACK_FRACTION` of the bytes are copied into the caller's tensors as they verify,
-after the copier saved what they held (rolled back if anything fails later); the rest is
-staged and copied (by two threads) only once every byte of the step verified. Rollback
-copies overlap the reads but cost two copies; staged ones cost one, after the reads; the mix
-keeps both cores busy while the disk reads (measured: see the README's restore section).
+failed step's bytes behind, and read every byte once. Every window is read into its own place
+in the scratch memory (the readers never wait for a copy: the disk runs at its rate). Windows
+in the first :data:`ROLLBACK_FRACTION` of the bytes are *swapped* with the caller's bytes by
+the copiers as soon as they verified (in L2-sized pieces: the scratch then holds the old
+bytes, the rollback copy, with no extra memory or traffic over a backup plus a copy); the rest
+stays staged and is copied (by two threads) only once every byte of the step verified and the
+gate passed. A failure copies the swapped windows' old bytes back. Swaps overlap the reads but
+cost two copies' traffic; staged copies cost one, after the reads; the mix keeps both cores
+busy while the disk reads (measured: see the README's restore section).
 
-The scratch memory is the caller's (the staging pool's faulted arena, or the shared bounce);
-never a fresh allocation the size of the state unless nothing else fits (then a transient
-huge-page arena, see :func:`scratch_for`).
+The scratch memory is the caller's (the staging pool's faulted arena, or the shared bounce;
+a transient one only for a remote tier, see :func:`.step.read_step`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -49,9 +52,13 @@ READERS = 2
 """Reader threads; each keeps the engine's queue depth in flight on its own reader."""
 MAX_WINDOW_BYTES = 64 << 20
 MIN_SLOTS = 4
-ROLLBACK_FRACTION = 0.6
-"""Share of an in-place load's bytes copied under rollback while reading (the rest is staged)."""
-OVER_RING = -2
+ROLLBACK_FRACTION = 1.0
+"""Share of an in-place load's bytes swapped in under rollback while reading (the rest is staged)."""
+ADAPTIVE = True
+"""Swaps not yet started when every byte verified become staged copies (one copy's traffic
+instead of two): the copiers swap while the disk reads, as far as the CPU keeps up."""
+SWAP_PIECE = 512 << 10
+"""A swap moves this many bytes at a time through a cache-resident temporary."""
 DIRECT_MIN_BYTES = 1 << 62
 """New tensors at least this big are read into directly, the rest through the ring. Off: on
 this project's VM (1 GiB new dict, load 9-15) the ring ran at 1.4-2.0 GB/s and direct reads
@@ -146,8 +153,8 @@ class Plan:
         """Bytes read through scratch memory (the rest lands in its destination directly)."""
 
     def need_bytes(self) -> int:
-        """Scratch for full-size windows: the ring, plus (in place) backups and staging."""
-        return MIN_SLOTS * self.w + (self.ring_bytes if self.in_place else 0)
+        """Scratch for full-size windows: the ring, or (in place) a place for every window."""
+        return self.ring_bytes if self.in_place else MIN_SLOTS * self.w
 
     def fits(self, scratch_bytes: int) -> bool:
         return self._shape_for(scratch_bytes) is not None
@@ -155,19 +162,14 @@ class Plan:
     def _shape_for(self, scratch_bytes: int) -> tuple[int, float] | None:
         """(window bytes, rollback fraction) for ``scratch_bytes`` of scratch, or None.
 
-        New dict: a ring as large as fits. In place: the staged bytes and the backups together
-        take ``ring_bytes``; the ring lies after them if there is room, else over the end of
-        the staging region (staged windows that overlap it wait for its slots, which the
-        earlier rollback windows free); with no room for either, everything is staged."""
+        New dict: a ring as large as fits. In place: every window has its own place in the
+        scratch (``ring_bytes``), so the readers never wait for a copy."""
         if not self.in_place:
             w = min(self.w, scratch_bytes // MIN_SLOTS // ALIGN_BYTES * ALIGN_BYTES)
             return (max(w, ALIGN_BYTES), 1.0) if scratch_bytes >= ALIGN_BYTES else None
-        room = scratch_bytes - self.ring_bytes
-        if room < 0:
+        if scratch_bytes < self.ring_bytes:
             return None
-        if ROLLBACK_FRACTION > 0 and room + (1 - ROLLBACK_FRACTION) * self.ring_bytes >= MIN_SLOTS * self.w:
-            return self.w, ROLLBACK_FRACTION
-        return self.w, 0.0
+        return self.w, ROLLBACK_FRACTION
 
     def run(self, scratch: Any, *, verify: bool = True, gate: Callable[[], None] | None = None) -> Stats:
         """Read, check and deliver every file; see the module doc. ``scratch`` (``nbytes``,
@@ -178,58 +180,43 @@ class Plan:
             raise ValueError(f"scratch of {scratch.nbytes} bytes; this read needs {self.need_bytes()}")
         w, fraction = shape
         wins = plan_windows(self.files, w)
-        slots, ring0 = _layout(wins, scratch, w, self.in_place, fraction)
-        run = _Run(self.files, wins, scratch, w, slots, ring0, verify, gate)
+        slots = _layout(wins, scratch, w, self.in_place, fraction)
+        run = _Run(self.files, wins, scratch, w, slots, verify, gate)
         run.stats.fraction, run.stats.window_bytes = fraction, w
         return run.go()
 
 
-def _layout(wins: list[_Win], scratch: Any, w: int, in_place: bool, fraction: float) -> tuple[int, int]:
-    """Give each ``ring`` window a slot of the ring, or (in place, past ``fraction`` of the
-    bytes) a staging place after the backup region (backups from offset 0); a staged window
-    over the ring (``OVER_RING``) waits until every slot is free. Returns (slots, ring start)."""
+def _layout(wins: list[_Win], scratch: Any, w: int, in_place: bool, fraction: float) -> int:
+    """Give each ``ring`` window a slot of the ring, or (in place) its own place in the scratch,
+    in file order: ``swap`` windows (the first ``fraction`` of the bytes), then ``stage`` ones.
+    Returns the number of ring slots."""
     ring_wins = [x for x in wins if x.kind == "ring"]
-    total = sum(x.n for x in ring_wins)
     if not in_place:
         slots = max(1, min(8, scratch.nbytes // w))
         for r, x in enumerate(ring_wins):
             x.slot = r % slots
-        return slots, 0
-    cut = int(total * fraction)
-    done, rolled, staged = 0, [], []
+        return slots
+    cut = int(sum(x.n for x in ring_wins) * fraction)
+    at = 0
     for x in ring_wins:
-        (rolled if done < cut else staged).append(x)
-        done += x.n
-    slots = MIN_SLOTS if rolled else 0
-    ring0 = total if scratch.nbytes - total >= slots * w else scratch.nbytes - slots * w
-    if ring0 < sum(x.n for x in rolled):  # the backups would reach the ring: stage everything
-        rolled, staged, slots = [], rolled + staged, 0
-    for r, x in enumerate(rolled):
-        x.slot = r % slots
-    stage = sum(x.n for x in rolled)  # after the backups of the rollback part
-    for x in staged:
-        x.kind, x.buf = "stage", scratch.u8[stage:stage + x.n]
-        if slots and stage + x.n > ring0:
-            x.slot = OVER_RING
-        stage += x.n
-    return slots, ring0
+        x.kind, x.buf = ("swap" if at < cut else "stage"), scratch.u8[at:at + x.n]
+        at += x.n
+    return 0
 
 
 class _Run:
     """One :func:`run`: the window queue shared by the readers, the checker and the copier."""
 
     def __init__(self, files: Sequence[FileRead], wins: list[_Win], scratch: Any, w: int, slots: int,
-                 ring0: int, verify: bool, gate: Callable[[], None] | None = None):
+                 verify: bool, gate: Callable[[], None] | None = None):
         self.files, self.wins, self.scratch, self.w, self.verify = files, wins, scratch, w, verify
         self.owner: list[int | None] = [None] * slots
         self.cond = threading.Condition()
         self.next = 0
         self.abort = False
-        self.ring0 = ring0
+        self.closing = False  # every byte verified: swaps not started yet are staged instead
         self.gate = gate
-        self.scratch_addr = scratch.u8.data_ptr()
-        self.bk_pos = 0  # backups of the rollback part, from the start of the scratch
-        self.backups: list[tuple[int, int, int]] = []  # (caller's bytes, their saved copy, length)
+        self.swapped: list[tuple[int, int, int]] = []  # (caller's bytes, their old bytes in the scratch, length)
         self.deferred: list[tuple[int, int, int]] = []  # (destination, staged bytes, length)
         self.stats = Stats(windows=len(wins), bytes_read=sum(x.n for x in wins))
         self.idents: dict[int, tuple[int, int]] = {}
@@ -239,12 +226,10 @@ class _Run:
         with self.cond:
             while not self.abort and self.next < len(self.wins):
                 x = self.wins[self.next]
-                free = (self.owner[x.slot] is None if x.kind == "ring" else
-                        all(o is None for o in self.owner) if x.slot == OVER_RING else True)
-                if free:
+                if x.kind != "ring" or self.owner[x.slot] is None:
                     if x.kind == "ring":
                         self.owner[x.slot] = self.next
-                        at = self.ring0 + x.slot * self.w
+                        at = x.slot * self.w
                         x.buf = self.scratch.u8[at:at + x.n]
                     self.next += 1
                     return x
@@ -289,20 +274,38 @@ class _Run:
             self.cond.notify_all()
 
     # -- the copier ----------------------------------------------------------------------------
-    def _copies(self, jobs: list[tuple[int, int, int, int]], slot: int) -> None:
+    def _copies(self, jobs: list[tuple[int, int, int, bool]], slot: int) -> None:
         try:
-            for dst, src, n, bk in jobs:  # ctypes.memmove releases the GIL
-                if bk:
-                    ctypes.memmove(bk, dst, n)
-                    self.backups.append((dst, bk, n))  # only what was saved is rolled back
-                ctypes.memmove(dst, src, n)
+            with self.cond:
+                late = self.closing
+                for dst, src, n, swap in jobs:
+                    if swap and late:  # every byte verified meanwhile: one plain copy after the gate
+                        self.deferred.append((dst, src, n))
+                        self.stats.deferred_bytes += n
+                    elif swap:
+                        self.stats.rollback_bytes += n
+            for dst, src, n, swap in jobs:  # ctypes.memmove releases the GIL
+                if swap and not late:
+                    self._swap(dst, src, n)
+                elif not swap:
+                    ctypes.memmove(dst, src, n)
         finally:
             if slot >= 0:
                 self._release(slot)
 
+    def _swap(self, dst: int, src: int, n: int) -> None:
+        """Exchange ``n`` bytes at ``dst`` (the caller's) and ``src`` (the verified window), a
+        cache-resident piece at a time; the scratch then holds the caller's old bytes."""
+        tmp = ctypes.create_string_buffer(min(n, SWAP_PIECE))
+        for p in range(0, n, SWAP_PIECE):
+            k = min(SWAP_PIECE, n - p)
+            ctypes.memmove(tmp, dst + p, k)
+            ctypes.memmove(dst + p, src + p, k)
+            ctypes.memmove(src + p, tmp, k)
+            self.swapped.append((dst + p, src + p, k))  # only what was exchanged is rolled back
+
     # -- the checking (caller's) thread --------------------------------------------------------
     def go(self) -> Stats:
-        import time
         cursors = [ShardCursor(fr.path, fr.header, fr.items, fr.dsts, verify=self.verify, wanted=fr.wanted)
                    for fr in self.files]
         readers = [threading.Thread(target=self._reader, name=f"zerostall-restore-read-{i}", daemon=True)
@@ -318,7 +321,7 @@ class _Run:
                 self.stats.wait_s += time.perf_counter() - t0
                 if x.error is not None:
                     raise x.error
-                jobs: list[tuple[int, int, int, int]] = []
+                jobs: list[tuple[int, int, int, bool]] = []
                 protect = self.files[x.fi].protect
                 assert x.buf is not None
                 cursors[x.fi].feed(x.off, _mv(x.buf), x.buf, lambda i, d, s, n: self._route(x, i, d, s, n, protect, jobs),
@@ -329,6 +332,8 @@ class _Run:
                     self._release(x.slot)
             for fr, cur in zip(self.files, cursors):
                 cur.finish(fr.wanted)
+            with self.cond:
+                self.closing = ADAPTIVE
             copier.shutdown(wait=True)  # every rollback copy is in; its errors surface here
             if self.gate is not None:  # the ranks' agreement: what it raises rolls back
                 self.gate()
@@ -342,22 +347,20 @@ class _Run:
                 t.join()
             copier.shutdown(wait=True)
             if not ok:
-                for dst, bk, n in reversed(self.backups):
-                    ctypes.memmove(dst, bk, n)
+                for dst, old, n in reversed(self.swapped):
+                    ctypes.memmove(dst, old, n)
         return self.stats
 
     def _route(self, x: _Win, i: int, dst: int, src: int, n: int, protect: set[int],
-               jobs: list[tuple[int, int, int, int]]) -> None:
-        if x.kind == "stage":
-            self.deferred.append((dst, src, n))
-            self.stats.deferred_bytes += n
+               jobs: list[tuple[int, int, int, bool]]) -> None:
+        if x.kind == "stage" and i in protect:
+            with self.cond:
+                self.deferred.append((dst, src, n))
+                self.stats.deferred_bytes += n
         elif i in protect:
-            bk = self.scratch_addr + self.bk_pos
-            self.bk_pos += n
-            self.stats.rollback_bytes += n
-            jobs.append((dst, src, n, bk))
-        else:
-            jobs.append((dst, src, n, 0))
+            jobs.append((dst, src, n, True))
+        else:  # a new tensor (or an unprotected destination): no rollback needed
+            jobs.append((dst, src, n, False))
 
     def _deferred(self) -> None:
         """The staged part, once every byte verified: copied by two threads, split by bytes."""

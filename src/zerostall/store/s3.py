@@ -316,13 +316,12 @@ class _RangeReader:
 
             def fill(body: Any = body, mv: Any = mv, n: int = n, off: int = off) -> None:
                 got = 0
-                while got < n:
-                    chunk = body.read(min(n - got, 8 << 20))
-                    if not chunk:
+                while got < n:  # straight into the buffer (no 8 MiB bytes object and copy per chunk)
+                    k = body.readinto(mv[got:got + min(n - got, 8 << 20)])
+                    if not k:
                         raise RemoteError(f"{self.tier.where(self.rel)}: object ended at {off + got}",
                                           url=self.tier.where(self.rel), step=step_of(self.rel))
-                    mv[got:got + len(chunk)] = chunk
-                    got += len(chunk)
+                    got += k
 
             self.tier._call("reading", self.rel, fill)
 
