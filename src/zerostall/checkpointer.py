@@ -40,7 +40,8 @@ from .inflight import InFlight, step_pre_hook, wait_staged
 from .staging.arena import Arena
 from .staging.memory import budget_bytes
 from .staging.job import Job, SaveRequest, SaveStatus, Slot, Source
-from .staging.plan import PlanCache, check_metadata, check_step
+from .staging.plan import check_metadata, check_step
+from .staging.plan_cache import PlanCache, plan_tensors
 from .staging.ring import BlockRing
 from .staging import pool as _pool
 from .staging.snapshot import record_save_events
@@ -216,7 +217,7 @@ class Checkpointer:
             nblocks = self.ring.blocks_for(plan.file_bytes) + spare
             if self.config.backpressure == "skip" and not self.ring.fits_now(nblocks):
                 return self._skip(Job(request, status, Slot(0, 0, None)), t0)
-            leaves = [leaf.tensor for leaf in plan.leaves]
+            leaves = plan_tensors(plan)
             source = Source(leaves, record_save_events(leaves) if "cuda" in plan.devices else None)
             incr = self._refs.prepare(plan) if self._refs is not None else None  # fingerprints; snapshot decides
             self._saving = (step, status)

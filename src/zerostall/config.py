@@ -102,6 +102,17 @@ class PeersConfig:
     other transfers, training and ``close()`` are not held up by it."""
     bandwidth_bytes: int | None = None
     """Cap on this node's outgoing copies, bytes/s (None: no cap)."""
+    receive_bandwidth_bytes: int | None = None
+    """Cap on the copies this node takes in as a holder, bytes/s, all senders together (None: no
+    cap). The receiver reads the socket no faster, so TCP slows the senders down: pacing that
+    holds however many nodes copy to this one at once. Restores are never paced."""
+    quota_bytes: int | None = None
+    """Most bytes of other nodes' copies this node keeps under ``<root>/peers`` (None: no cap)."""
+    quota_fraction: float | None = None
+    """The same as a fraction of the root's filesystem size (0 < f <= 1; with ``quota_bytes``
+    too, the smaller one holds). A copy that would go beyond the quota is refused, logged on
+    both nodes, and the sender tries its next holder; if none takes it, the step stays
+    unprotected (reported on its handle), training is never failed."""
     replica_timeout_s: float = 600.0
     """How long a step may take to be held by ``replicas`` nodes before it is reported unprotected."""
     listen_host: str | None = None
@@ -112,6 +123,12 @@ class PeersConfig:
         _require(self.timeout_s > 0, "peers.timeout_s", self.timeout_s, "must be > 0 seconds")
         _require(self.bandwidth_bytes is None or self.bandwidth_bytes >= MiB, "peers.bandwidth_bytes",
                  self.bandwidth_bytes, "must be None or at least 1 MiB/s")
+        _require(self.receive_bandwidth_bytes is None or self.receive_bandwidth_bytes >= MiB,
+                 "peers.receive_bandwidth_bytes", self.receive_bandwidth_bytes, "must be None or at least 1 MiB/s")
+        _require(self.quota_bytes is None or self.quota_bytes >= 0, "peers.quota_bytes", self.quota_bytes,
+                 "must be None or >= 0 bytes")
+        _require(self.quota_fraction is None or 0 < self.quota_fraction <= 1, "peers.quota_fraction",
+                 self.quota_fraction, "must be None or a fraction in (0, 1] of the root's filesystem")
         _require(self.replica_timeout_s > 0, "peers.replica_timeout_s", self.replica_timeout_s, "must be > 0")
 
 

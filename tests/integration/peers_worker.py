@@ -1,8 +1,9 @@
 """One rank = one simulated node of the peer-replica tests (run by test_peers.py).
 
 argv: scenario base out. Env: ZEROSTALL_NODE (the node), ZS_REPLICAS, ZS_STEPS, ZS_REMOTE (a
-file:// URL or empty), ZS_DIE (save: the rank that SIGKILLs itself once its steps are
-protected), ZS_STOP (stop: the rank that SIGSTOPs itself after its commit of the last step).
+file:// URL or empty), ZS_QUOTA (peers.quota_bytes), ZS_DIE (save: the rank that SIGKILLs itself once its steps are
+protected), ZS_STOP (stop: the rank that SIGSTOPs itself after its commit of the last step),
+ZS_KILL / ZS_KILL_AT (kill: the rank that SIGKILLs itself at that peer-transfer state of step 2).
 Each node's root is ``base/<node>``.
 """
 
@@ -30,7 +31,9 @@ def state_for(rank, step):
 def checkpointer(base, **kw):
     node = os.environ["ZEROSTALL_NODE"]
     remote = os.environ.get("ZS_REMOTE") or None
-    peers = PeersConfig(timeout_s=float(os.environ.get("ZS_PT", 5)), replica_timeout_s=float(os.environ.get("ZS_RT", 30)))
+    quota = int(os.environ["ZS_QUOTA"]) if os.environ.get("ZS_QUOTA") else None
+    peers = PeersConfig(timeout_s=float(os.environ.get("ZS_PT", 5)), replica_timeout_s=float(os.environ.get("ZS_RT", 30)),
+                        quota_bytes=quota)
     return zerostall.Checkpointer(os.path.join(base, node), dist_name="peers-test", replicas=int(os.environ["ZS_REPLICAS"]),
                                   peers=peers,
                                   remote=remote, commit_timeout_s=30, close_timeout_s=4, **kw)
@@ -54,6 +57,8 @@ def main():
                 h.wait(tier="remote", timeout=60)
             res["protected"][s] = h.protected()
             res["replica_nodes"][s] = list(h.result().replica_nodes)
+            res.setdefault("durable", {})[s] = h.durable()
+        res["unprotected_error"] = ck._peers.status(steps[-1]).error
         if str(rank) == os.environ.get("ZS_DIE"):
             json.dump(res, open(out, "w"))
             os.kill(os.getpid(), signal.SIGKILL)  # the node dies: no close, no goodbye
@@ -69,6 +74,20 @@ def main():
         except zerostall.errors.ZerostallError as exc:
             res["error"], res["error_type"] = str(exc), type(exc).__name__
         res["repaired"] = ck._peers.replicator.repaired.wait(30)
+        ck.close()
+    elif scenario == "kill":  # step 1 protected, then rank ZS_KILL SIGKILLs itself at ZS_KILL_AT during step 2's copies
+        from zerostall.peers import stream
+        ck = checkpointer(base)
+        res["protected"], res["replica_nodes"] = {}, {}
+        for s in (1, 2):
+            if s == 2 and rank == int(os.environ["ZS_KILL"]):
+                point = os.environ["ZS_KILL_AT"]
+                stream.fault_hook = lambda p: os.kill(os.getpid(), signal.SIGKILL) if p == point else None
+            h = ck.save(s, state_for(rank, s))
+            h.result()
+            h.wait(tier="peers", timeout=60)
+            res["protected"][s] = h.protected()
+            res["replica_nodes"][s] = list(h.result().replica_nodes)
         ck.close()
     elif scenario == "stop":
         ck = checkpointer(base)
@@ -97,7 +116,7 @@ def main():
     json.dump(res, open(out, "w"))
     if rank == 0:  # rank 0 hosts the c10d store: it leaves last (a stopped rank never finishes)
         others = [out.replace("-r0.json", f"-r{r}.json") for r in range(1, dist.get_world_size())
-                  if str(r) != os.environ.get("ZS_STOP")]
+                  if str(r) not in (os.environ.get("ZS_STOP"), os.environ.get("ZS_KILL"))]
         deadline = time.monotonic() + 60
         while not all(os.path.exists(o) for o in others) and time.monotonic() < deadline:
             time.sleep(0.05)

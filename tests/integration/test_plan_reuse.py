@@ -89,3 +89,19 @@ def test_reused_checkpointer_picks_up_every_change(tmp_path):
             for step in (2 * i, 2 * i + 1):  # the new plan, then the plan cached for the changed state
                 ck.save(step, state).result()
                 _same(state, zerostall.load(tmp_path / "ck", step=step))
+
+
+def test_step_counter_and_growing_log_load_back_at_every_step(tmp_path):
+    """Plain values that change every save (a trainer's step, its log history) reuse the
+    tensor layout (staging/plan_cache.py): each step still loads back exactly as saved."""
+    state = _state(200)
+    state["trainer"] = {"global_step": 0, "log_history": []}
+    with zerostall.Checkpointer(tmp_path / "ck") as ck:
+        for step in range(6):
+            state["trainer"]["global_step"] = step
+            state["trainer"]["log_history"].append({"step": step, "loss": 1.0 / (step + 1)})
+            for t in list(state["optim"].values())[:10]:
+                t.add_(1)
+            ck.save(step, state).result()
+            _same(state, zerostall.load(tmp_path / "ck", step=step))
+        assert zerostall.load(tmp_path / "ck", step=2)["trainer"]["log_history"][-1]["step"] == 2

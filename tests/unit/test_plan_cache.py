@@ -110,3 +110,114 @@ def test_plan_cache_reused_for_one_ranks_share_and_tied_weights():
         assert _same_layout(again, fresh)
         assert [lf.tensor.data_ptr() for lf in again.leaves] == [lf.tensor.data_ptr() for lf in fresh.leaves]
         assert again.devices == {"cpu"}
+
+
+def test_plan_cache_never_reuses_a_plan_for_a_nested_sparse_or_neg_tensor():
+    """The signature takes no layout/is_nested pass: such tensors make its maps raise (or,
+    for neg/conj views, return None), so the plan is built again and encode_tree refuses or
+    resolves them exactly as on a first save."""
+    from zerostall.errors import UnsupportedStateError
+    from zerostall.staging.plan_cache import PlanCache, _tensor_sig
+    odd = {"sparse": torch.eye(3).to_sparse(), "csr": torch.eye(3).to_sparse_csr(),
+           "nested": torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]),
+           "jagged": torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], layout=torch.jagged)}
+    for name, t in odd.items():
+        try:
+            sig = _tensor_sig([torch.ones(2), t])
+        except Exception:  # noqa: BLE001 - raising is how the cache steps aside
+            sig = None
+        assert sig is None, name
+        pc, st = PlanCache(), {f"k{i}": torch.ones(2) for i in range(40)}
+        pc.plan(st)
+        pc.plan(st)  # cached
+        st["k3"] = t
+        with pytest.raises(UnsupportedStateError, match="k3"):
+            pc.plan(st)
+    c = torch.randn(4, dtype=torch.complex64)
+    pc, st = PlanCache(), {"c": c, "x": torch.ones(2)}
+    pc.plan(st)
+    pc.plan(st)
+    st["c"] = c.conj()  # same address, shape, strides, dtype: only the conj bit differs
+    leaf = pc.plan(st).leaves[0]
+    assert not leaf.tensor.is_conj() and torch.equal(leaf.tensor, c.conj().resolve_conj())
+
+
+def test_a_reused_plans_leaves_read_like_a_tuple_of_leaves():
+    from zerostall.format.tree import TensorLeaf
+    from zerostall.staging.plan import build_plan
+    from zerostall.staging.plan_cache import Leaves, PlanCache, plan_tensors
+    pc, st = PlanCache(), _state()
+    pc.plan(st)
+    again = pc.plan(st)
+    fresh = build_plan(st)
+    assert isinstance(again.leaves, Leaves) and len(again.leaves) == len(fresh.leaves) == 3
+    for got in (list(again.leaves), [again.leaves[i] for i in range(3)], list(again.leaves[0:3]),
+                list(again.leaves + ())):
+        assert all(type(lf) is TensorLeaf for lf in got)
+        assert [(lf.key, lf.numpy, lf.tensor.data_ptr()) for lf in got] == \
+            [(lf.key, lf.numpy, lf.tensor.data_ptr()) for lf in fresh.leaves]
+    assert [t.data_ptr() for t in plan_tensors(again)] == [t.data_ptr() for t in plan_tensors(fresh)]
+    assert not any(t.requires_grad for t in plan_tensors(again))
+
+
+def test_entries_bound_in_bulk_equals_the_per_entry_bound():
+    from zerostall.format.tree import TensorLeaf
+    from zerostall.staging.plan import _entries_bound, entry_bound
+    plain = [TensorLeaf(f"model.layer{i}.w", torch.ones([2] * (i % 4))) for i in range(50)]
+    for odd in ([], ['q"uote'], ["back\\slash"], ["\u00e9"], ["tab\t"]):
+        leaves = plain + [TensorLeaf(k, torch.ones(3)) for k in odd]
+        assert _entries_bound(leaves) == sum(entry_bound(lf.key, lf.tensor.dim()) for lf in leaves)
+    assert _entries_bound([]) == 0
+
+
+def test_changed_plain_values_make_a_new_tree_on_the_same_layout(monkeypatch):
+    """A step counter, a learning rate, a growing log history: the plan cache keeps the tensor
+    layout and encodes only the tree again, which equals a fresh plan's, tensors included."""
+    from zerostall.staging import plan as plan_mod
+    from zerostall.staging.plan import build_plan
+    from zerostall.staging.plan_cache import PlanCache
+    g = torch.Generator().manual_seed(0)
+    model = {f"w{i}": torch.randn(3, generator=g) for i in range(60)}
+    st = {"model": model, "tied": model["w1"], "opt": {"state": {0: {"step": torch.tensor(1.0)}},
+                                                       "param_groups": [{"lr": 0.1, "params": [0]}]},
+          "step": 1, "log": [{"loss": 1.5}], "cfg": {"name": "run", "sizes": [1, 2]}}
+    pc = PlanCache()
+    pc.plan(st)
+    builds = []
+    real = plan_mod.build_plan
+    monkeypatch.setattr("zerostall.staging.plan_cache.build_plan", lambda *a, **k: builds.append(1) or real(*a, **k))
+
+    def edits():
+        st["step"] += 1
+        yield
+        st["log"].append({"loss": 1.25, "note": "x"})
+        yield
+        st["opt"]["param_groups"][0]["lr"] = -0.0
+        yield
+        st["cfg"]["sizes"] = {"nested": [True, None, 2 ** 40]}
+        yield
+        st["cfg"] = "flat"
+        yield
+    for _ in edits():
+        got = pc.plan(st)
+        fresh = build_plan(st)
+        assert got.tree == fresh.tree and got.tree_json == fresh.tree_json and _same_layout(got, fresh)
+        assert [lf.tensor.data_ptr() for lf in got.leaves] == [lf.tensor.data_ptr() for lf in fresh.leaves]
+        assert pc.plan(st).tree_json == fresh.tree_json  # and cached again
+    assert builds == []  # never rebuilt: the tensors did not change
+    st["cfg"] = {"t": torch.ones(2)}  # a tensor where a plain value was: the structure changed
+    got = pc.plan(st)
+    assert builds == [1] and _same_layout(got, build_plan(st))
+
+
+def test_values_only_rebuild_still_refuses_what_a_fresh_plan_refuses():
+    from zerostall.errors import UnsupportedStateError
+    from zerostall.staging.plan_cache import PlanCache
+    st = {"m": {f"w{i}": torch.ones(2) for i in range(40)}, "n": 1}
+    pc = PlanCache()
+    pc.plan(st)
+    st["n"] = 2 ** 5000  # over the plain int limit
+    with pytest.raises(UnsupportedStateError, match="'n'"):
+        pc.plan(st)
+    st["n"] = 3
+    assert '"n"' in pc.plan(st).tree_json

@@ -65,7 +65,7 @@ def add_parsers(sub: Any) -> None:
                    help="frozen-base: incremental vs full zerostall saves vs torch.save vs DCP of a fine-tune "
                         "whose base is frozen (uses --size-gib, --repeat, --methods, --dir, --json); "
                         "node-loss: 4 simulated nodes with peer replicas, a node wiped and recovered from "
-                        "peers vs the shared-fs and S3 tiers (uses --size-gib (total), --dir, --json); "
+                        "peers vs the shared-fs and S3 tiers, --repeat rounds in alternating order (uses --size-gib (total), --repeat, --dir, --json); "
                         "restore: restore GB/s of zerostall (in place, new dict; both engines), dcp.load, "
                         "torch.load and torch.load(mmap=True) against the read line rate (uses --size-gib, "
                         "--repeat, --dir, --json); many-tensors: --tensors small tensors vs torch.save and DCP "

@@ -49,3 +49,5 @@ def itemsize(dtype: torch.dtype) -> int:
 
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(_BY_NAME.values())
+DTYPE_NAMES: tuple[str, ...] = tuple(_BY_NAME)
+"""The on-disk names this torch knows (the manifest parser's table)."""

@@ -12,9 +12,11 @@
 Layout 2 (this release writes it): an item of ``PAGE_ITEM_BYTES`` or more starts on a 4 KiB
 boundary and owns its pages (the next item starts at the next boundary after it, so it can
 be read straight into a page-aligned destination); a smaller one follows the previous item at
-its own alignment (:func:`item_align`: 64 bytes, or the next power of two of its size for
-items under 64 bytes, always a multiple of its dtype's size), so a tensor can be viewed in
-place in the staging arena. 100k tensors of 2.7 KB then take ~1.00x their bytes, not 1.5x.
+its own alignment (:func:`item_align`: a cache line, 64 bytes, from 4 KiB up; 16 bytes below
+(the largest dtype's size); the next power of two of its size under 16 bytes: always a
+multiple of its dtype's size), so a tensor can be viewed in place in the staging arena.
+100k tensors of 2.7 KB then take 1.0015x their bytes (1.5x in layout 1), 500k of 537 B
+1.015x (7.6x), 1M scalars 1.0x (1024x); at most 1.6% padding for any tensor of 1 KiB or more.
 Layout 1 (written before): every item at its own 4 KiB boundary; every layout-1 file also
 satisfies layout 2's rules, so one reader (:func:`~.shard.check_items`) reads both.
 
@@ -57,9 +59,14 @@ WRITE_LAYOUT = LAYOUT_VERSION
 """A seam for tests: ``1`` makes every writer lay files out (and head them, and write the
 manifest's ``alignment``) as releases before layout 2 did, to test that they still load."""
 ITEM_ALIGN = 64
-"""The alignment of a packed item of at least this many bytes (a cache line; torch's own)."""
-PAGE_ITEM_BYTES = 64 << 10
-"""Items at least this big start on a 4 KiB boundary and own their pages (under 6.25% padding;
+"""The alignment of a packed item of ``LINE_ITEM_BYTES`` or more (a cache line; torch's own)."""
+LINE_ITEM_BYTES = 4096
+"""Items at least this big are cache-line aligned (at most 1.6% padding); smaller ones to
+``SMALL_ALIGN`` (at most 15 bytes each: 64 would pad 500k tensors of 537 B by 7%)."""
+SMALL_ALIGN = 16
+"""The alignment of a packed item under ``LINE_ITEM_BYTES``: the largest dtype's size."""
+PAGE_ITEM_BYTES = 256 << 10
+"""Items at least this big start on a 4 KiB boundary and own their pages (under 1.6% padding;
 the restore pipeline may read one straight into a page-aligned new tensor)."""
 MANIFEST_ALIGNMENT = {1: ALIGN_BYTES, 2: ITEM_ALIGN}
 """The manifest's ``alignment`` field per layout (readers before layout 2 refuse ``64``)."""
@@ -70,11 +77,14 @@ def align_up(n: int, align: int = ALIGN_BYTES) -> int:
 
 
 def item_align(nbytes: int) -> int:
-    """The alignment of an item of ``nbytes`` in layout 2: 4096 for a page item, else 64 or
-    the next power of two of ``nbytes`` (a multiple of the item's power-of-two dtype size)."""
+    """The alignment of an item of ``nbytes`` in layout 2: 4096 for a page item, 64 from
+    ``LINE_ITEM_BYTES``, else 16 or the next power of two of ``nbytes`` if smaller (always a
+    multiple of the item's power-of-two dtype size, which divides ``nbytes``)."""
     if nbytes >= PAGE_ITEM_BYTES:
         return ALIGN_BYTES
-    return min(ITEM_ALIGN, 1 << max(0, nbytes - 1).bit_length())
+    if nbytes >= LINE_ITEM_BYTES:
+        return ITEM_ALIGN
+    return min(SMALL_ALIGN, 1 << max(0, nbytes - 1).bit_length())
 
 
 def item_end(offset: int, nbytes: int) -> int:

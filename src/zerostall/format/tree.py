@@ -33,6 +33,7 @@ import json
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ except ImportError:  # pragma: no cover - numpy ships with torch
 from ..errors import CorruptCheckpoint, UnsupportedStateError
 from .validate import MAX_INT_BITS, NotPlain, plain_copy
 from . import objects
+from .bulk import bulk_tensors, known_node
 
 MAX_DEPTH = 200
 
@@ -135,16 +137,22 @@ def _refusal(x: Any, path: tuple[Any, ...]) -> UnsupportedStateError:
         f"values (dict/list/str/int/float), {hint}")
 
 
-def encode_tree(obj: Any, occurrences: list[int] | None = None) -> tuple[Any, list[TensorLeaf]]:
+def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int] | None = None) -> Any:
     """Encode ``obj``; raise :class:`UnsupportedStateError` naming the first bad key.
 
     ``occurrences``, if given, receives the leaf index of every tensor met, in walk order
-    (an aliased tensor repeats an earlier index); the plan cache of :mod:`..staging.plan` uses it.
+    (an aliased tensor repeats an earlier index); the plan cache of :mod:`..staging.plan_cache` uses it.
+    ``known``: the ``occurrences`` of an earlier walk of a state with the very same tensors
+    (checked by that plan cache): tensors are not checked again and only the tree is returned.
     """
     leaves: list[TensorLeaf] = []
     seen: dict[tuple[Any, ...], int] = {}
+    met = [0]  # tensors met so far (``known``)
 
     def tensor_index(t: torch.Tensor, path: tuple[Any, ...], is_np: bool) -> int:
+        if known is not None:
+            met[0] += 1
+            return known[met[0] - 1]
         key = _fmt_key(path)
         if type(t) not in (torch.Tensor, torch.nn.Parameter) and not is_np:
             raise UnsupportedStateError(
@@ -167,8 +175,10 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None) -> tuple[Any, li
         t = t.detach()
         if t.is_conj() or t.is_neg():  # a lazy view: its storage holds the other tensor's bytes
             t = t.resolve_conj().resolve_neg()
-        ident = (t.device.type, t.device.index, t.untyped_storage().data_ptr(), t.storage_offset(),
-                 tuple(t.shape), t.stride(), t.dtype, is_np) if t.numel() else None
+        # the data address stands for (storage address, offset): two storages whose bytes sit
+        # at one address with one dtype, shape and strides hold the same bytes anyway
+        ident = (t.device.type, t.device.index, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype,
+                 is_np) if t.numel() else None
         if ident is not None and ident in seen:
             i = seen[ident]
         else:
@@ -216,6 +226,18 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None) -> tuple[Any, li
             except NotPlain:
                 pass
         if tx is dict or tx is OrderedDict:  # the rule: an OrderedDict (a module's state_dict()) loads as a dict
+            if known is not None and (node := known_node(x, known, met)) is not None:
+                return node
+            got = bulk_tensors(x, seen) if depth < MAX_DEPTH else None
+            if got is not None:  # all plain tensors: what tensor_index does, attribute by attribute in bulk
+                keys, tensors, idents = got
+                start = len(leaves)
+                prefix = _fmt_key(path) + "." if path else ""
+                leaves.extend(map(TensorLeaf, [prefix + k for k in keys], tensors, repeat(False)))
+                seen.update(zip(idents, range(start, len(leaves))))
+                if occurrences is not None:
+                    occurrences.extend(range(start, len(leaves)))
+                return {"d": [[{"v": k}, {"T": i}] for k, i in zip(keys, range(start, len(leaves)))]}
             return {"d": [[_encode_key(k, path), enc(v, path + (k,), depth + 1)] for k, v in x.items()]}
         if tx is list:
             return {"l": [enc(v, path + (i,), depth + 1) for i, v in enumerate(x)]}
@@ -229,7 +251,7 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None) -> tuple[Any, li
         raise _refusal(x, path)
 
     try:
-        return enc(obj, (), 0), leaves
+        return enc(obj, (), 0) if known is not None else (enc(obj, (), 0), leaves)
     finally:
         del enc  # a recursive closure is a reference cycle: without this, every save's leaves
         # (the caller's tensors) and this frame's objects wait for the cyclic GC

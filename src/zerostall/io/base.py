@@ -121,6 +121,15 @@ class Engine(ABC):
                 raise storage_error(f"reserving {file_bytes} bytes for", path, exc) from exc
         return self._wrap(path, fd, True)
 
+    def open_update(self, path: str) -> ShardFile:
+        """Open ``path``, created by :meth:`open_write`, for writing more extents: a second writer
+        of the same file for another thread (each thread its own; the caller keeps them apart)."""
+        try:
+            fd = os.open(path, os.O_WRONLY | self._open_flags())
+        except OSError as exc:
+            raise storage_error("opening", path, exc) from exc
+        return self._wrap(path, fd, True)
+
     def open_read(self, path: str) -> ShardFile:
         try:
             fd = os.open(path, os.O_RDONLY | self._open_flags())

@@ -29,7 +29,7 @@ from .exchange import PeerView, advertised_host, setup
 from .fetch import Plan, agree, fetch
 from .placement import Node
 from .replicate import PeerReplicator, StepStatus
-from .store import PeerStore
+from .store import PeerStore, quota_for
 from .tcp import Pacer, TcpTransport
 
 __all__ = ["Peers", "StepStatus"]
@@ -55,7 +55,7 @@ class Peers:
 
         def serve(secret: bytes, me: str, nodes: list[Node]) -> tuple[str, int]:
             self._transport = self._make_transport(secret, me, nodes, listen)
-            self.peer_store = PeerStore(tier, me, self.engine)
+            self.peer_store = self._make_store(me)
             _, port = self._transport.serve(self.peer_store)
             return publish, port
 
@@ -67,7 +67,7 @@ class Peers:
             raise
         if self._transport is None:  # not this node's leader: a client only
             self._transport = self._make_transport(self.view.secret, self.view.me, list(self.view.nodes), listen)
-            self.peer_store = PeerStore(tier, self.view.me, self.engine)
+            self.peer_store = self._make_store(self.view.me)
         assert self.peer_store is not None
         self.replicator = PeerReplicator(tier, self.view, self._transport, store, self.peer_store,
                                          replicas=cfg.replicas, keep_last=cfg.keep_last,
@@ -86,7 +86,12 @@ class Peers:
     def _make_transport(self, secret: bytes, me: str, nodes: list[Node], listen: str) -> TcpTransport:
         pc = self.cfg.peers
         return TcpTransport(secret, me, {n.name for n in nodes}, timeout_s=pc.timeout_s,
-                            pacer=Pacer(pc.bandwidth_bytes), listen_host=listen)
+                            pacer=Pacer(pc.bandwidth_bytes), listen_host=listen,
+                            recv_pacer=Pacer(pc.receive_bandwidth_bytes) if pc.receive_bandwidth_bytes else None)
+
+    def _make_store(self, me: str) -> PeerStore:
+        pc = self.cfg.peers
+        return PeerStore(self.tier, me, self.engine, quota_for(self.tier.root, pc.quota_bytes, pc.quota_fraction))
 
     def engine(self) -> Engine:
         """A fresh engine for one transfer (engines are used by one thread at a time)."""

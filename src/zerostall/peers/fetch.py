@@ -39,7 +39,7 @@ from ..io.base import Engine
 from ..store.tier import RootTier
 from .exchange import PeerView
 from .transport import Transport
-from .verify import StreamCheck, file_entry
+from .verify import StreamCheck, file_entry, ranges
 
 log = logging.getLogger("zerostall")
 
@@ -170,49 +170,138 @@ def _fetch_files(view: PeerView, transport: Transport, tier: RootTier, engine_fo
     tier.commit(plan.step, man, overwrite=plan.step in tier.listed_steps())
 
 
+RANGE_MIN_BYTES = 32 << 20
+"""A file is split across holders only into ranges at least this large (smaller ones cost more
+in connections than they save)."""
+
+
+class _ManifestOnly:
+    """A sink check for a zero-byte range: the get only brings the step's manifest."""
+
+    def feed(self, mv: memoryview) -> None:
+        raise ZerostallError("a zero-byte range received bytes")
+
+    def digest(self) -> str:
+        return ""
+
+
+def _fetch_file(view: PeerView, transport: Transport, engine_for: Callable[[], Engine], step: int,
+                name: str, hs: list[tuple[str, str]], path: str) -> Manifest:
+    """One file of ``step`` into ``path`` from the holders ``hs`` (in order of preference),
+    verified, fdatasync'ed; returns the step's manifest. With two or more live holders the file
+    is cut into ranges at tensor boundaries (:func:`.verify.ranges`), one per holder, fetched
+    in parallel, each checked against the manifest's crc32c as it streams in; a range whose
+    holder fails is fetched again from the next holder (only that range). One holder: the
+    whole file in one stream."""
+    errors: list[str] = []
+    man: Manifest | None = None
+    live = list(hs)
+    if len(hs) > 1:  # the manifest first: it says where the file may be cut
+        for node, src in hs:
+            got: list[Manifest] = []
+
+            def probe(m: Manifest, size: int) -> tuple[Any, Any]:
+                got.append(m)
+                return None, _ManifestOnly()
+            try:
+                transport.get(view.endpoints[node], src, step, name, probe, rng=(0, 0))
+                man = got[0]
+                break
+            except (ZerostallError, OSError) as exc:
+                log.warning("zerostall: restore of step %d: node %s did not send %s's manifest: %s", step, node,
+                            name, exc)
+                errors.append(f"{node}: {exc}")
+                live.remove((node, src))
+    if not live:
+        raise CheckpointNotFound("; ".join(errors) or "no live holder")
+    rngs: list[tuple[int, int] | None] = [None]
+    if man is not None:
+        rngs = list(ranges(man, name, len(live), RANGE_MIN_BYTES))
+    engine = engine_for()
+    first: Any = None  # the file's first writer: creates it; fdatasync'ed once every range is in
+    if man is not None and len(rngs) > 1:
+        first = engine.open_write(path, file_entry(man, name).file_bytes)
+    done: dict[int, Manifest] = {}
+    mu = threading.Lock()
+
+    def one(k: int) -> None:
+        rng = rngs[k]
+        for node, src in live[k % len(live):] + live[:k % len(live)]:
+            opened: list[Any] = []
+            got: list[Manifest] = []
+
+            def sink(m: Manifest, size: int) -> tuple[Any, StreamCheck]:
+                w = engine.open_write(path, size) if first is None else engine.open_update(path)
+                opened.append(w)
+                got.append(m)
+                a, b = rng if rng is not None else (0, size)
+                return w, StreamCheck(m, name, f"{node}:{src}/step-{step}/{name}", a, b)
+            what = name if rng is None else f"{name} bytes {rng[0]}..{rng[1]}"
+            t0 = time.perf_counter()
+            try:
+                transport.get(view.endpoints[node], src, step, name, sink, rng=rng)
+                if first is None:
+                    opened[0].finish()
+                with mu:
+                    done[k] = got[0]
+                n = (rng[1] - rng[0]) if rng is not None else os.path.getsize(path)
+                log.info("zerostall: restore of step %d: %s served by peer %s (%.1f MB in %.2f s)", step, what, node,
+                         n / 1e6, time.perf_counter() - t0)
+                return
+            except (ZerostallError, OSError) as exc:
+                log.warning("zerostall: restore of step %d: fetching %s from node %s failed: %s", step, what, node,
+                            exc)
+                with mu:
+                    errors.append(f"{node}: {exc}")
+                if first is None:
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+            finally:
+                for w in opened:
+                    w.close()
+
+    try:
+        threads = [threading.Thread(target=one, args=(k,), name="zerostall-peers-fetch", daemon=True)
+                   for k in range(len(rngs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if len(done) < len(rngs):
+            raise CheckpointNotFound("; ".join(errors) or "no live holder")
+        if len({m.checkpoint_id for m in done.values()} | ({man.checkpoint_id} if man is not None else set())) > 1:
+            raise CheckpointNotFound("the holders sent ranges of different checkpoints (the step was overwritten)")
+        if first is not None:
+            first.finish()
+    finally:
+        if first is not None:
+            first.close()
+        engine.close()
+    return man if man is not None else done[0]
+
+
 def _fetch_step(view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
                 step: int, holders: dict[str, list[tuple[str, str]]], names: list[str], *, commit: bool) -> Manifest:
-    """Bring ``names`` of ``step`` into ``step-N.partial`` (verified); commit it when asked.
-    Returns the step's manifest."""
+    """Bring ``names`` of ``step`` into ``step-N.partial`` (verified; the files in parallel,
+    each from its holders: :func:`_fetch_file`); commit it when asked. Returns the step's manifest."""
     part = tier.begin(step)
     mans: dict[str, Manifest] = {}
     errors: dict[str, str] = {}
 
     def one(name: str, i: int) -> None:
         hs = holders.get(name, [])
-        for node, src in hs[i % len(hs):] + hs[:i % len(hs)] if hs else []:  # files spread over holders
-            path = os.path.join(part, name)
-            engine = engine_for()
-            opened: list[Any] = []
-            got: list[Manifest] = []
-
-            def sink(man: Manifest, size: int) -> tuple[Any, StreamCheck]:
-                w = engine.open_write(path, size)
-                opened.append(w)
-                got.append(man)
-                return w, StreamCheck(man, name, f"{node}:{src}/step-{step}/{name}")
-            t0 = time.perf_counter()
+        hs = hs[i % len(hs):] + hs[:i % len(hs)] if hs else []  # files spread over holders
+        path = os.path.join(part, name)
+        try:
+            mans[name] = _fetch_file(view, transport, engine_for, step, name, hs, path)
+        except (ZerostallError, OSError) as exc:
+            errors[name] = str(exc)
             try:
-                transport.get(view.endpoints[node], src, step, name, sink)
-                opened[0].finish()
-                mans[name] = got[0]
-                dt = time.perf_counter() - t0
-                size = os.path.getsize(path)
-                log.info("zerostall: restore of step %d: %s served by peer %s (%.1f MB in %.2f s)", step, name, node,
-                         size / 1e6, dt)
-                return
-            except (ZerostallError, OSError) as exc:
-                log.warning("zerostall: restore of step %d: fetching %s from node %s failed: %s", step, name, node, exc)
-                errors[name] = f"{node}: {exc}"
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-            finally:
-                for w in opened:
-                    w.close()
-                engine.close()
-        errors.setdefault(name, "no live holder")
+                os.unlink(path)
+            except OSError:
+                pass
 
     threads = [threading.Thread(target=one, args=(n, i), daemon=True) for i, n in enumerate(names)]
     for t in threads:

@@ -36,6 +36,7 @@ from ..format.manifest import MANIFEST_NAME, Manifest
 from ..io.base import Engine
 from ..store.atomic import fsync_dir, unlinked_on_error, write_file_durable
 from ..store.tier import RootTier
+from .stream import at
 from .verify import StreamCheck, file_entry
 from .wire import check_name, check_node
 
@@ -44,13 +45,31 @@ AREA = "peers"
 _STEP_RE = re.compile(r"^step-(\d{1,19})$")
 
 
+class QuotaExceeded(ZerostallError):
+    """A copy would take this holder's peer area beyond its quota (``peers.quota_bytes`` /
+    ``peers.quota_fraction``)."""
+
+
+def quota_for(root: str, quota_bytes: int | None, quota_fraction: float | None) -> int | None:
+    """The byte limit of ``root``'s peer area from the config (the smaller of the two; None: none)."""
+    limits = [quota_bytes] if quota_bytes is not None else []
+    if quota_fraction is not None:
+        st = os.statvfs(root)
+        limits.append(int(st.f_blocks * st.f_frsize * quota_fraction))
+    return min(limits) if limits else None
+
+
 class PeerStore:
-    def __init__(self, tier: RootTier, me: str, engine_for: Callable[[], Engine]):
+    def __init__(self, tier: RootTier, me: str, engine_for: Callable[[], Engine], quota_bytes: int | None = None):
         self.tier, self.me = tier, me
         self.area = os.path.join(tier.root, AREA)
         self._engine_for = engine_for
         self._mu = threading.Lock()
         self._locks: dict[tuple[str, int], threading.Lock] = {}
+        self.quota_bytes = quota_bytes
+        self._reserved = 0  # bytes of transfers in flight (counted against the quota)
+        self.refused_quota = 0
+        """Copies refused for the quota (tests, doctor)."""
 
     def step_dir(self, src: str, step: int) -> str:
         return os.path.join(self.area, check_node(src), f"step-{step}")
@@ -166,6 +185,7 @@ class PeerStore:
                 fsync_dir(d)
                 fsync_dir(os.path.dirname(d))
         check = StreamCheck(man, name, f"{src}:step-{step}/{name}")
+        self._reserve(src, step, name, fe.file_bytes)
         engine = self._engine_for()
         try:
             with unlinked_on_error(os.path.join(d, f".incoming-{name}-{uuid.uuid4().hex[:8]}")) as tmp:
@@ -173,9 +193,11 @@ class PeerStore:
                 try:
                     fill(w, check)
                     digest = check.digest()
+                    at("recv:before-fsync")
                     w.finish()
                 finally:
                     w.close()
+                at("recv:before-rename")
                 with self._lock(src, step):
                     cur = self.manifest(src, step)
                     if cur is None or cur.checkpoint_id != man.checkpoint_id:
@@ -184,7 +206,34 @@ class PeerStore:
                     fsync_dir(d)
         finally:
             engine.close()
+            with self._mu:
+                self._reserved -= fe.file_bytes
         return digest
+
+    def used_bytes(self) -> int:
+        """Bytes of the files held under the peer area (transfers in flight are counted by
+        their reservations, directories being deleted not at all)."""
+        total = 0
+        for d, dirs, files in os.walk(self.area):
+            dirs[:] = [x for x in dirs if not x.startswith(".")]
+            total += sum(max(_size(os.path.join(d, f)), 0) for f in files if not f.startswith("."))
+        return total
+
+    def _reserve(self, src: str, step: int, name: str, nbytes: int) -> None:
+        """Count ``nbytes`` against the quota for a transfer about to start, or refuse it."""
+        with self._mu:
+            if self.quota_bytes is not None:
+                old = _size(os.path.join(self.step_dir(src, step), name))  # replaced by the new copy
+                used = self.used_bytes() + self._reserved - max(old, 0)
+                if used + nbytes > self.quota_bytes:
+                    self.refused_quota += 1
+                    log.warning("zerostall: node %s refuses %s of step %d from node %s: %d bytes would take its "
+                                "peer copies to %d bytes, beyond its quota of %d (peers.quota_bytes / "
+                                "peers.quota_fraction); that step is protected only if another node takes it",
+                                self.me, name, step, src, nbytes, used + nbytes, self.quota_bytes)
+                    raise QuotaExceeded(f"node {self.me}'s quota for peer copies ({self.quota_bytes} bytes) would be "
+                                        f"exceeded: {used} held, {nbytes} more asked")
+            self._reserved += nbytes
 
     def _drop(self, src: str, step: int) -> None:
         d = self.step_dir(src, step)

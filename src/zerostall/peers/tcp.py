@@ -22,91 +22,23 @@ cannot lock the job's own peers out); only when all are authenticated is the new
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import socket
 import threading
-import time
 from typing import Any
 
 from ..errors import ZerostallError
 from ..format.manifest import Manifest
 from .store import PeerStore
+from .stream import Pacer, at, fill_from, send_range
 from .transport import Endpoint, Sink, Transport
-from .verify import StreamCheck, file_entry
+from .verify import file_entry, split_points
 from .wire import (MAX_MANIFEST_BYTES, PeerError, check_name, check_node, check_size, check_step, client_handshake,
                    recv_exact, recv_msg, recv_msg_or_eof, send_msg, server_handshake)
 
+__all__ = ["Pacer", "TcpTransport", "fill_from"]
 log = logging.getLogger("zerostall")
-BUF_BYTES = 4 << 20
 MAX_FILE_BYTES = 1 << 46
-
-
-class Pacer:
-    """A token bucket shared by every transfer of this node (``rate`` bytes/s; None: no cap).
-    Any thread."""
-
-    def __init__(self, rate: int | None):
-        self.rate = rate
-        self._mu = threading.Lock()
-        self._next = time.monotonic()
-
-    def take(self, n: int) -> None:
-        if not self.rate:
-            return
-        with self._mu:
-            now = time.monotonic()
-            start = max(self._next, now - 0.05)  # at most 50 ms of burst credit
-            self._next = start + n / self.rate
-            wait = start - now
-        if wait > 0:
-            time.sleep(wait)
-
-
-def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer: Pacer | None = None) -> None:
-    """Receive ``size`` bytes into aligned buffers, check them, write them to ``w`` (aligned
-    extents: shard files are multiples of 4096 bytes). Two buffers: while chunk k's O_DIRECT
-    write is in flight (``w.write``'s ``overlap``), chunk k+1 is received and checked into the
-    other, so the socket keeps draining and the sender keeps reading; each chunk is checked
-    before it is written, and every byte before the caller commits. The single-buffer loop
-    (receive, check, write, in turn) stalled the sender during every write (256 MiB from a cold
-    holder copy, 8 alternating runs each on the loaded 2-core VM: median 1.06 s single, 0.91 s
-    overlapped; noisy, load average ~10)."""
-    bufs = [mmap.mmap(-1, BUF_BYTES), mmap.mmap(-1, BUF_BYTES)]
-    mvs = [memoryview(b) for b in bufs]
-
-    def recv(mv: memoryview, off: int) -> int:
-        n = min(BUF_BYTES, size - off)
-        got = 0
-        while got < n:
-            k = sock.recv_into(mv[got:n])
-            if not k:
-                raise PeerError(f"transfer cut after {off + got} of {size} bytes")
-            got += k
-        check.feed(mv[:n])
-        if pacer is not None:
-            pacer.take(n)
-        return n
-
-    try:
-        off, i = 0, 0
-        n = recv(mvs[0], 0) if size else 0
-        while n:
-            nxt: list[int] = []
-
-            def overlap(j: int = 1 - i, at: int = off + n) -> None:
-                nxt.append(recv(mvs[j], at) if at < size else 0)
-            w.write([(off, mvs[i][:n])], overlap=overlap)
-            if not nxt:  # an engine that did not call it
-                overlap()
-            off, n, i = off + n, nxt[0], 1 - i
-    finally:
-        for mv, buf in zip(mvs, bufs):
-            try:
-                mv.release()
-                buf.close()
-            except BufferError:  # slices still referenced by an exception's frames: unmapped by the GC
-                pass
 
 
 def _io_priority(idle: bool) -> None:
@@ -134,9 +66,11 @@ class TcpTransport(Transport):
     name = "tcp"
 
     def __init__(self, secret: bytes, me: str, nodes: set[str], *, timeout_s: float, pacer: Pacer,
-                 listen_host: str = "127.0.0.1", max_connections: int = 32):
+                 listen_host: str = "127.0.0.1", max_connections: int = 32, recv_pacer: Pacer | None = None):
         self.secret, self.me, self.nodes = secret, me, set(nodes)
         self.timeout_s, self.pacer = timeout_s, pacer
+        self.recv_pacer = recv_pacer
+        """The holder's cap on the copies it takes in (all senders together); None: none."""
         self.listen_host, self.max_connections = listen_host, max_connections
         self._srv: socket.socket | None = None
         self._conns: set[socket.socket] = set()
@@ -191,6 +125,7 @@ class TcpTransport(Transport):
         peer = "?"
         try:
             try:
+                at("recv:handshake")
                 peer = server_handshake(conn, self.secret, self.me)
                 with self._mu:
                     if conn in self._unauth:
@@ -232,7 +167,9 @@ class TcpTransport(Transport):
             man = Manifest.from_bytes(man_bytes)
             if file_entry(man, name).file_bytes != size:
                 raise PeerError(f"{name}: {size} bytes announced, the manifest says {file_entry(man, name).file_bytes}")
-            digest = self.store.receive(src, step, name, man_bytes, lambda w, check: fill_from(conn, size, w, check))
+            digest = self.store.receive(src, step, name, man_bytes,
+                                        lambda w, check: fill_from(conn, size, w, check, self.recv_pacer, point="recv"))
+            at("recv:before-ack")
             send_msg(conn, {"ok": True, "digest": digest})
             log.debug("zerostall: holding %s of step %d from %s for node %s", name, step, peer, src)
         elif op == "get":
@@ -245,22 +182,32 @@ class TcpTransport(Transport):
             man_bytes = man.to_bytes()
             with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
-                try:  # the holder's copy was written with O_DIRECT (not cached): read ahead further
-                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                except OSError:
-                    pass
-                send_msg(conn, {"ok": True, "size": size, "manifest_bytes": len(man_bytes)})
+                start, length = self._range(msg, man, name, size)
+                send_msg(conn, {"ok": True, "size": size, "manifest_bytes": len(man_bytes), "offset": start,
+                                "length": length})
                 conn.sendall(man_bytes)
-                conn.sendfile(f)
+                send_range(conn, f, start, length)
         else:
             raise PeerError(f"unknown request {str(op)[:40]!r}")
 
+    @staticmethod
+    def _range(msg: dict[str, Any], man: Any, name: str, size: int) -> tuple[int, int]:
+        """A get's ``offset``/``length`` (default: the whole file), refused unless the range
+        starts at 0 or at a split point of the file and lies inside it."""
+        start = check_size(msg.get("offset", 0), size, "range offset")
+        length = check_size(msg.get("length", size - start), size - start, "range length")
+        if start and start not in split_points(man, name):
+            raise PeerError(f"{name}: a range may start only where a tensor starts, not at byte {start}")
+        return start, length
+
     # -- client ------------------------------------------------------------------------
-    def _connect(self, ep: Endpoint) -> socket.socket:
+    def _connect(self, ep: Endpoint, op: str = "") -> socket.socket:
         try:
             s = socket.create_connection((ep.host, ep.port), timeout=self.timeout_s)
         except OSError as exc:
             raise PeerError(f"node {ep.node} ({ep.host}:{ep.port}) cannot be reached: {exc}") from exc
+        if op:
+            at(f"{op}:connect")
         s.settimeout(self.timeout_s)
         with self._mu:
             if self._closed:
@@ -279,6 +226,8 @@ class TcpTransport(Transport):
         if node != ep.node:
             self._drop(s)
             raise PeerError(f"{ep.host}:{ep.port} is node {node!r}, not {ep.node!r}")
+        if op:
+            at(f"{op}:handshake")
         return s
 
     def _drop(self, s: socket.socket) -> None:
@@ -286,8 +235,8 @@ class TcpTransport(Transport):
             self._conns.discard(s)
         s.close()
 
-    def _call(self, ep: Endpoint, what: str, fn: Any) -> Any:
-        s = self._connect(ep)
+    def _call(self, ep: Endpoint, what: str, fn: Any, op: str = "") -> Any:
+        s = self._connect(ep, op)
         try:
             return fn(s)
         except (OSError, PeerError) as exc:
@@ -304,17 +253,11 @@ class TcpTransport(Transport):
                 send_msg(s, {"op": "put", "src": src, "step": step, "name": name, "size": size,
                              "manifest_bytes": len(man_bytes)})
                 s.sendall(man_bytes)
-                off = 0
-                try:
-                    while off < size:
-                        n = min(BUF_BYTES, size - off)
-                        self.pacer.take(n)
-                        sent = s.sendfile(f, off, n)
-                        if not sent:
-                            raise PeerError(f"sent {off} of {size} bytes")
-                        off += sent
-                except OSError:
-                    pass  # the receiver gave up early: its answer says why
+                half = send_range(s, f, 0, size // 2, self.pacer)
+                if half == size // 2:
+                    at("send:mid-stream")
+                    if send_range(s, f, half, size - half, self.pacer) == size - half:
+                        at("send:sent")
                 try:
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # sendfile read through the cache
                 except OSError:
@@ -323,7 +266,7 @@ class TcpTransport(Transport):
             if not reply.get("ok"):
                 raise PeerError(f"node {ep.node} refused {name} of step {step}: {reply.get('error')}")
             return str(reply.get("digest"))
-        return self._call(ep, f"copying {name} of step {step}", run)
+        return self._call(ep, f"copying {name} of step {step}", run, "send")
 
     def list_held(self, ep: Endpoint) -> list[dict[str, Any]]:
         def run(s: socket.socket) -> list[dict[str, Any]]:
@@ -334,22 +277,29 @@ class TcpTransport(Transport):
             return reply["held"]
         return self._call(ep, "listing", run)
 
-    def get(self, ep: Endpoint, src: str, step: int, name: str, sink: Sink) -> str:
+    def get(self, ep: Endpoint, src: str, step: int, name: str, sink: Sink, rng: tuple[int, int] | None = None) -> str:
         def run(s: socket.socket) -> str:
-            send_msg(s, {"op": "get", "src": src, "step": step, "name": name})
+            req: dict[str, Any] = {"op": "get", "src": src, "step": step, "name": name}
+            if rng is not None:
+                req.update(offset=rng[0], length=rng[1] - rng[0])
+            send_msg(s, req)
             reply = recv_msg(s)
             if not reply.get("ok"):
                 raise PeerError(f"node {ep.node}: {reply.get('error')}")
             size = check_size(reply.get("size"), MAX_FILE_BYTES, "file")
             man = Manifest.from_bytes(recv_exact(s, check_size(reply.get("manifest_bytes"), MAX_MANIFEST_BYTES,
                                                                "manifest")))
-            if man.step != step or file_entry(man, name).file_bytes != size:
-                raise PeerError(f"node {ep.node} sent {name} of step {man.step} with {size} bytes, which its "
-                                "manifest does not describe")
+            start, end = rng if rng is not None else (0, size)
+            if man.step != step or file_entry(man, name).file_bytes != size or \
+                    (reply.get("offset", 0), reply.get("length", size)) != (start, end - start):
+                raise PeerError(f"node {ep.node} sent {name} of step {man.step} with {size} bytes (range "
+                                f"{reply.get('offset')}+{reply.get('length')}), which its manifest or our request "
+                                "does not describe")
             w, check = sink(man, size)
-            fill_from(s, size, w, check)
+            fill_from(s, end - start, w, check, start=start)
             return check.digest()
-        return self._call(ep, f"fetching {name} of step {step}", run)
+        what = f"fetching {name} of step {step}" + (f" (bytes {rng[0]}..{rng[1]})" if rng else "")
+        return self._call(ep, what, run)
 
     def close(self) -> None:
         self._closed = True

@@ -61,9 +61,11 @@ class Transport(ABC):
         """What ``ep`` holds (:meth:`PeerStore.held`)."""
 
     @abstractmethod
-    def get(self, ep: Endpoint, src: str, step: int, name: str, sink: Sink) -> str:
+    def get(self, ep: Endpoint, src: str, step: int, name: str, sink: Sink, rng: tuple[int, int] | None = None) -> str:
         """Stream ``name`` of ``src``'s ``step`` from ``ep`` into ``sink``'s writer, checked;
-        returns the digest of what was received."""
+        returns the digest of what was received. ``rng``: only bytes ``[start, end)``, written
+        at their offsets (``start`` 0 or a :func:`~.verify.split_points` offset; the sink's
+        check covers that range)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -24,8 +24,11 @@ stream through the ring like any tensor (never one whole copy outside the stagin
 
 from __future__ import annotations
 
-import logging
+import bisect
 import ctypes
+import itertools
+import logging
+import operator
 import time
 from typing import Any, Callable, Iterator
 
@@ -43,6 +46,19 @@ log = logging.getLogger("zerostall")
 _memmove = ctypes.memmove
 _memset = ctypes.memset
 STRIDED_CHUNK_BYTES = 8 << 20
+SMALL_ITEM_BYTES = 1 << 20
+"""Tensors up to this size are copied in runs (:meth:`Snapshotter._copy_small`); a larger one
+is streamed block by block, so the persist thread can write its first blocks meanwhile."""
+_OFFSET, _NBYTES = operator.attrgetter("offset"), operator.attrgetter("nbytes")
+_CONTIG = torch.Tensor.is_contiguous
+
+
+def _bulk_ok(tensors: list[torch.Tensor]) -> bool:
+    """Whether every tensor is a contiguous CPU tensor (then copied by address, in runs)."""
+    return {"cpu"}.issuperset(t.type for t in set(map(_DEVICE_OF, tensors))) and all(map(_CONTIG, tensors))
+
+
+_DEVICE_OF = operator.attrgetter("device")
 
 
 def row_slices(t: torch.Tensor, limit: int = STRIDED_CHUNK_BYTES) -> Iterator[torch.Tensor]:
@@ -207,6 +223,38 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
                 self.ring.publish(job.slot.g0 + (f + n) // B)
             foff += n_sl
 
+    def _copy_small(self, job: Job, offs: list[int], lens: list[int], ptrs: list[int], i: int) -> tuple[int, int]:
+        """Copy the run of small contiguous CPU tensors from item ``i`` on that starts in
+        item ``i``'s block and ends inside the writable part of the ring, zeroing the gaps
+        between them; publish the blocks it completes. One ``memmove``/``memset`` per item
+        through a C-level ``map`` (no Python frame per tensor: ~10 us -> <1 us per tensor at
+        100k tensors). Returns (next item, file position after the run); ``(i, offs[i])``
+        when item ``i`` reaches past the writable run (the per-item path streams it)."""
+        ring, B, g0 = self.ring, self.ring.block_bytes, job.slot.g0
+        start = offs[i]
+        blk = start // B
+        run_end = (ring.wait_writable(g0 + blk) - g0) * B  # file offset where the writable run ends
+        j = bisect.bisect_left(offs, (blk + 1) * B, i)  # the items starting in this block
+        while j > i and (offs[j - 1] + lens[j - 1] > run_end or lens[j - 1] > SMALL_ITEM_BYTES):
+            j -= 1
+        k = i
+        while k < j and lens[k] <= SMALL_ITEM_BYTES:
+            k += 1
+        j = k
+        if j == i:
+            return i, start
+        end = offs[j - 1] + lens[j - 1]
+        slot0 = ring.slot_offset(g0 + blk)
+        job.slot.arena.wait_ready(slot0 + end - blk * B)
+        at = job.slot.arena.address + slot0 - blk * B  # arena address of file offset 0, in this run
+        ends = list(map(operator.add, offs[i:j], lens[i:j]))
+        gaps = [(e, s - e) for e, s in zip(ends, offs[i + 1:j]) if s > e]
+        if gaps:
+            list(map(_memset, [at + e for e, _ in gaps], itertools.repeat(0), [n for _, n in gaps]))
+        list(map(_memmove, map(at.__add__, offs[i:j]), ptrs[i:j], lens[i:j]))
+        ring.publish(g0 + end // B)
+        return j, end
+
     def _stage(self, job: Job, plan: SavePlan, items: Any, tensors: Any, *, header: bool) -> None:
         """Copy ``items``' tensors into the job's blocks (with the header of ``plan``, unless
         ``header=False``: an incremental save's appended tensors, laid out after the blocks
@@ -243,15 +291,29 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
             pos = len(raw)
         else:
             pos = items[0].offset if items else plan.file_bytes
-        for item, tensor in zip(items, tensors):
+        items, tensors = list(items), list(tensors)
+        bulk = _bulk_ok(tensors)
+        offs, lens = list(map(_OFFSET, items)), list(map(_NBYTES, items))
+        bulk = bulk and all(map(operator.le, offs, offs[1:]))  # runs are found by bisection
+        ptrs = list(map(torch.Tensor.data_ptr, tensors)) if bulk else []
+        i, n_items = 0, len(items)
+        while i < n_items:
             if job.status.error is not None:  # persist already failed: stop copying, drain
                 return
+            if bulk and lens[i] <= SMALL_ITEM_BYTES:
+                fill_zero(pos, offs[i])
+                j, pos = self._copy_small(job, offs, lens, ptrs, i)
+                if j > i:
+                    i = j
+                    continue
+            item, tensor = items[i], tensors[i]
             fill_zero(pos, item.offset)
             if item.nbytes:
                 on_cpu = tensor.device.type == "cpu"
                 if on_cpu and not tensor.is_contiguous():
                     _in_helper_thread(lambda t=tensor, o=item.offset: self._stage_strided(job, t, o, spans))
                     pos = item.offset + item.nbytes
+                    i += 1
                     continue
                 flat: list[torch.Tensor] = []  # CUDA: made once per tensor, on its own device
                 for aoff, foff, n in spans(item.offset, item.offset + item.nbytes):
@@ -268,5 +330,6 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
                         streams.run(tensor.device, copy, cuda_event)  # type: ignore[union-attr]
                     ring.publish(g0 + (foff + n) // B)
             pos = item.offset + item.nbytes
+            i += 1
         fill_zero(pos, plan.file_bytes)
         ring.publish(g0 + ring.blocks_for(plan.file_bytes))  # the tail block too

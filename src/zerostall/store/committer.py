@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Protocol, Sequence
 
-from ..format.manifest import FileEntry, Manifest, TensorEntry
+from ..format.manifest import Entries, FileEntry, Manifest, TensorEntry, tensors_json
 from ..staging.job import manifest_parts
 from ..staging.job import Persisted, SaveRequest
 from .local import LocalTier
@@ -51,16 +51,20 @@ def file_entry(job: Persisted) -> FileEntry:
 def tensor_entries(job: Persisted) -> list[tuple[int, TensorEntry]]:
     """(global tensor index, entry) for every tensor this rank wrote."""
     name = job.file_name  # once: a property that formats the name (1M tensors: ~1/3 of the commit)
-    return [(it.index, TensorEntry(it.key, it.dtype, it.shape, name, it.offset, it.nbytes, crc))
+    return [(it.index, TensorEntry.fast(it.key, it.dtype, it.shape, name, it.offset, it.nbytes, crc))
             for it, crc in zip(job.plan.items, job.crcs)]
 
 
 def build_manifest(job: Persisted) -> Manifest:
     """The manifest of a single-rank save (with its references, for an incremental one)."""
-    tensors, ref_files = manifest_parts(job, tensor_entries(job))
+    if job.incr is None or not job.incr.refs:  # written only: entries made on access
+        tensors, ref_files = Entries(job.plan.items, job.file_name, job.crcs), ()
+    else:
+        tensors, ref_files = manifest_parts(job, tensor_entries(job))
     return Manifest(step=job.step, world_size=job.world_size, checkpoint_id=job.checkpoint_id,
                     created_unix=time.time(), files=(file_entry(job),),
                     tensors=tensors, tree=job.plan.tree, tree_json=job.plan.tree_json,
+                    tensors_json="" if ref_files else tensors_json(tensors, job.plan.memo),
                     user_metadata=dict(job.user_metadata), ref_files=ref_files)
 
 

@@ -39,7 +39,6 @@ import errno
 import logging
 import os
 import stat as stat_mod
-import threading
 import uuid
 from typing import TYPE_CHECKING, Callable
 
@@ -50,8 +49,9 @@ from ..format.validate import parse_step_dir, read_small
 from .atomic import fsync_dir, publish_dir, rmtree, write_file_durable
 from .owner import RootLock
 from .recovery import _OLD_RE, _PARTIAL_RE, _TEMP_RE, recover_root
-from .retention import doomed, prune
+from .retention import ManifestRefs, doomed, prune
 from .tier import Tier
+from .verdicts import ManifestVerdicts, stat_ident
 
 if TYPE_CHECKING:
     from ..config import IOConfig
@@ -87,8 +87,7 @@ class LocalTier(Tier):
         """The I/O settings for shards opened without an engine (the user's ``engine=``)."""
         self.lock_timeout_s = lock_timeout_s
         self._lock = RootLock(self.root)
-        self._valid: dict[int, tuple[tuple[int, ...], bool]] = {}
-        self._valid_mu = threading.Lock()
+        self._verdicts = ManifestVerdicts()
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise CheckpointNotFound(f"checkpoint path {self.root!r} is a file, not a directory")
         if create:
@@ -149,34 +148,35 @@ class LocalTier(Tier):
                 return s
         return None
 
-    def manifest_ident(self, step: int) -> tuple[int, ...] | None:
-        return self._manifest_ident(step)
+    def manifest_refs(self, step: int) -> Manifest | ManifestRefs:
+        """``step``'s ``ref_files`` (retention's question): from the manifest this tier
+        committed while the file keeps its identity, else :meth:`read_manifest`."""
+        ident = self.manifest_ident(step)
+        hit = self._verdicts.get(step, ident)
+        if hit is not None and hit[1] is not None:
+            return ManifestRefs(step, hit[1])
+        man = self.read_manifest(step)
+        self._verdicts.put(step, ident, True, tuple(man.ref_files))
+        return man
 
-    def _manifest_ident(self, step: int) -> tuple[int, ...] | None:
-        try:
-            st = os.stat(os.path.join(self.step_dir(step), MANIFEST_NAME), follow_symlinks=False)
-        except OSError:
-            return None
-        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    def manifest_ident(self, step: int) -> tuple[int, ...] | None:
+        return stat_ident(os.path.join(self.step_dir(step), MANIFEST_NAME))
 
     def _is_valid(self, step: int) -> bool:
-        ident = self._manifest_ident(step)
+        ident = self.manifest_ident(step)
         if ident is None:
             return False
-        with self._valid_mu:
-            hit = self._valid.get(step)
-        if hit is not None and hit[0] == ident:
-            return hit[1]
+        hit = self._verdicts.get(step, ident)
+        if hit is not None:
+            return hit[0]
+        refs = None
         try:
-            self.read_manifest(step)
-            ok = True
+            refs = tuple(self.read_manifest(step).ref_files)
         except ZerostallError as exc:
-            ok = False
             log.warning("zerostall: %s is not a loadable checkpoint (%s); load and retention ignore it",
                         self.step_dir(step), exc)
-        with self._valid_mu:
-            self._valid[step] = (ident, ok)
-        return ok
+        self._verdicts.put(step, ident, refs is not None, refs)
+        return refs is not None
 
     def stat(self, rel: str) -> int | None:
         try:
@@ -334,10 +334,8 @@ class LocalTier(Tier):
             raise
         except OSError as exc:
             raise storage_error(f"committing step {step} in", self.root, exc) from exc
-        ident = self._manifest_ident(step)  # we wrote this manifest: listing need not parse it again
-        if ident is not None:
-            with self._valid_mu:
-                self._valid[step] = (ident, True)
+        # we wrote this manifest: neither listing nor retention needs to parse it again
+        self._verdicts.put(step, self.manifest_ident(step), True, tuple(manifest.ref_files))
         return self.write_latest(step) if latest else ()
 
     def write_latest(self, step: int) -> tuple[str, ...]:

@@ -105,6 +105,16 @@ class RetentionPolicy:
         return [s for s in doomed(steps, self.keep_last_remote, protect) if not (every and s % every == 0)]
 
 
+@dataclass(frozen=True)
+class ManifestRefs:
+    """The part of a step's manifest retention reads: which earlier steps' files it borrows
+    (``LocalTier.manifest_refs``; :func:`~zerostall.format.refs.referenced_steps` takes it
+    like a manifest)."""
+
+    step: int
+    ref_files: tuple[Any, ...] = ()
+
+
 def spare_referenced(steps: list[int], doomed: list[int], read_manifest: Callable[[int], Any],
                      protect: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
     """``doomed`` minus ``protect`` and every step that a step staying references, transitively,
@@ -160,7 +170,8 @@ def prune(tier: Any, steps: list[int], doomed_steps: list[int], *, protect: set[
     returns what went. The one apply loop of every tier's retention (the thread that owns the
     tier's writes: persist thread, replicator, or the caller's at start-up)."""
     gone = []
-    for s in spare_referenced(steps, doomed_steps, tier.read_manifest, protect):
+    read = getattr(tier, "manifest_refs", tier.read_manifest)  # the local tier's: no re-parse of its own
+    for s in spare_referenced(steps, doomed_steps, read, protect):
         if cancelled():
             break
         tier.delete(s)

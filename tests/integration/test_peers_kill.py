@@ -1,0 +1,90 @@
+"""The peer-transfer kill sweep: 4 simulated nodes x 1 rank (real processes, gloo), step 1
+protected, then one node SIGKILLs itself (the ``peers.stream.fault_hook`` seam, by its own pid)
+at each state of a copy of step 2 -- as the sender of its files, or as a holder receiving
+another node's. After each: the previous protected step is intact on every holder, every file
+a holder keeps under its final name verifies byte for byte, and no step is presented as
+protected unless the nodes it names hold verified copies (never the killed node's unacknowledged
+one). Placement with 4 nodes and replicas=2: n1's files go to n3, n0's to n2 (rank 0 hosts the
+store, so it is never the one killed)."""
+
+import os
+import signal
+
+import pytest
+
+from zerostall.format.manifest import Manifest
+from zerostall.peers.verify import StreamCheck
+
+from .test_peers import NODES, _holder_of, _launch
+
+SEND = ["send:connect", "send:handshake", "send:mid-stream", "send:sent"]
+RECV = ["recv:handshake", "recv:mid-stream", "recv:before-fsync", "recv:before-rename", "recv:before-ack"]
+
+
+def _verified_copies(base):
+    """{(src, step): {holder, ...}} for every complete file a holder keeps; every such file
+    verifies against its step's manifest (a torn or unverified final file fails here)."""
+    out = {}
+    for holder in NODES:
+        area = os.path.join(base, holder, "peers")
+        for src in os.listdir(area) if os.path.isdir(area) else []:
+            if src.startswith(".") or not os.path.isdir(os.path.join(area, src)):
+                continue  # the status hint, a directory being deleted
+            for sd in os.listdir(os.path.join(area, src)):
+                d = os.path.join(area, src, sd)
+                if not sd.startswith("step-"):
+                    continue
+                man = Manifest.from_bytes(open(os.path.join(d, "manifest.json"), "rb").read())
+                for name in os.listdir(d):
+                    if not name.endswith(".shard"):
+                        assert name == "manifest.json" or name.startswith(".incoming-"), (d, name)
+                        continue
+                    check = StreamCheck(man, name, os.path.join(d, name))
+                    check.feed(memoryview(open(os.path.join(d, name), "rb").read()))
+                    check.digest()
+                    out.setdefault((src, man.step), set()).add(holder)
+    return out
+
+
+@pytest.mark.parametrize("point", SEND + RECV)
+def test_kill_at_each_peer_transfer_state(tmp_path, point):
+    base = str(tmp_path / "job")
+    assert _holder_of("n1", 2) == ("n3",) and _holder_of("n0", 2) == ("n2",)
+    victim = 1 if point.startswith("send") else 3  # n1 sends to n3; n3 receives n1's files
+    res = _launch("kill", base, tmp_path, {"ZS_REPLICAS": "2", "ZS_KILL": str(victim), "ZS_KILL_AT": point,
+                                          "ZS_RT": "8", "ZS_PT": "3"}, timeout=120)
+    assert res[victim][0] == -signal.SIGKILL, res[victim][2][-2000:]  # it died there, not elsewhere
+    docs = {}
+    for r, (rc, doc, err) in enumerate(res):
+        if r != victim:
+            assert rc == 0 and doc is not None, err[-3000:]
+            docs[r] = doc
+    copies = _verified_copies(base)
+    for r, doc in docs.items():  # step 1 was protected, and still is on every holder
+        assert doc["protected"]["1"] is True
+        assert copies.get((f"n{r}", 1), set()) >= set(doc["replica_nodes"]["1"]) - {f"n{r}"}
+    for src in NODES:
+        assert len(copies.get((src, 1), ())) >= 1, f"step 1 of {src} lost its copy"
+    for r, doc in docs.items():  # step 2: protected only where verified copies back it
+        named = set(doc["replica_nodes"]["2"]) - {f"n{r}"}
+        assert f"n{victim}" not in named  # it died before acknowledging anything of step 2
+        if point.startswith("send"):  # the victim's own files never reached its holders acknowledged
+            assert doc["protected"]["2"] is False, (r, doc)
+        elif doc["protected"]["2"]:
+            assert named and named <= copies.get((f"n{r}", 2), set()), (r, doc, copies)
+
+
+def test_holders_over_quota_leave_the_step_unprotected_never_failing_the_save(tmp_path):
+    """Every holder's quota (peers.quota_bytes=4096) is smaller than any file: every copy is
+    refused and logged, the steps stay durable and unprotected, saving goes on."""
+    base = str(tmp_path / "job")
+    res = _launch("save", base, tmp_path, {"ZS_REPLICAS": "2", "ZS_QUOTA": "4096", "ZS_STEPS": "1,2"}, timeout=120)
+    for rc, doc, err in res:
+        assert rc == 0 and doc is not None, err[-3000:]
+        assert doc["durable"] == {"1": True, "2": True}
+        assert doc["protected"] == {"1": False, "2": False}
+        assert "quota" in doc["unprotected_error"]
+        assert "beyond its quota" in err
+    assert not any(os.path.exists(os.path.join(base, n, "peers", src)) and
+                   any(f.endswith(".shard") for _, _, fs in os.walk(os.path.join(base, n, "peers", src)) for f in fs)
+                   for n in NODES for src in NODES)
