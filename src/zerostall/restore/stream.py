@@ -50,8 +50,7 @@ from ..format.shard import Item, ShardCursor, check_items, read_runs
 
 READERS = 2
 """Reader threads; each keeps the engine's queue depth in flight on its own reader."""
-MAX_WINDOW_BYTES = 64 << 20
-MIN_SLOTS = 4
+MAX_WINDOW_BYTES, MIN_SLOTS = 64 << 20, 4
 ROLLBACK_FRACTION = 1.0
 """Share of an in-place load's bytes swapped in under rollback while reading (the rest is staged)."""
 ADAPTIVE = True
@@ -311,6 +310,7 @@ class _Run:
         readers = [threading.Thread(target=self._reader, name=f"zerostall-restore-read-{i}", daemon=True)
                    for i in range(min(READERS, len(self.wins)))]
         copier = ThreadPoolExecutor(COPIERS, thread_name_prefix="zerostall-restore-copy")
+        copies: list[Any] = []  # the copiers' futures
         ok = False
         try:
             for t in readers:
@@ -327,7 +327,7 @@ class _Run:
                 cursors[x.fi].feed(x.off, _mv(x.buf), x.buf, lambda i, d, s, n: self._route(x, i, d, s, n, protect, jobs),
                                    addr=x.buf.data_ptr())
                 if jobs:
-                    copier.submit(self._copies, jobs, x.slot if x.kind == "ring" else -1)
+                    copies.append(copier.submit(self._copies, jobs, x.slot if x.kind == "ring" else -1))
                 elif x.kind == "ring":
                     self._release(x.slot)
             for fr, cur in zip(self.files, cursors):
@@ -335,6 +335,7 @@ class _Run:
             with self.cond:
                 self.closing = ADAPTIVE
             copier.shutdown(wait=True)  # every rollback copy is in; its errors surface here
+            [f.result() for f in copies]  # a copier's exception fails the load: rolled back below
             if self.gate is not None:  # the ranks' agreement: what it raises rolls back
                 self.gate()
             self._deferred()

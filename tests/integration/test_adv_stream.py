@@ -1,0 +1,60 @@
+"""Adversarial checks of the in-place restore pipeline (restore/stream.py), found by adv.
+
+A copier thread that fails mid-swap must fail the load and leave every byte of the caller's
+tensors as it was (its exception was dropped by the executor: the load reported success
+with some windows never copied in)."""
+
+import pytest
+import torch
+
+import zerostall
+from zerostall.config import IOConfig
+from zerostall.io.base import get_engine
+from zerostall.restore import load as restore_load
+from zerostall.restore import stream
+from zerostall.staging.arena import Arena
+from tests.helpers import clone, equal
+
+pytestmark = pytest.mark.timeout(300)
+SMALL_IO = dict(chunk_bytes=64 << 10, queue_depth=4)  # 128 KiB windows: many windows
+
+
+def _state(v: float) -> dict:
+    g = torch.Generator().manual_seed(int(v * 10))
+    return {"model": {f"t{i}": torch.randn(1000 + 37 * i, generator=g) + v for i in range(40)},
+            "big": torch.randn(300_000, generator=g) * v, "step": int(v)}
+
+
+def _load(root, sd, **kw):
+    eng = get_engine("threads", IOConfig(engine="threads", **SMALL_IO))
+    try:
+        return restore_load(root, sd, engine=eng, bounce=Arena(32 << 20, mlock=False), **kw)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("fail_at", [1, 5])
+def test_a_copier_that_fails_mid_swap_fails_the_load_and_rolls_back(tmp_path, monkeypatch, fail_at):
+    monkeypatch.setattr(stream, "ROLLBACK_FRACTION", 1.0)
+    monkeypatch.setattr(stream, "ADAPTIVE", False)  # every window swapped by the copiers
+    root = str(tmp_path / "ck")
+    zerostall.save(root, _state(2.0), step=2)
+    calls = []
+    real = stream._Run._swap
+
+    def swap(self, dst, src, n):
+        calls.append(n)
+        if len(calls) == fail_at:
+            raise MemoryError("injected: a copier failed")
+        real(self, dst, src, n)
+
+    monkeypatch.setattr(stream._Run, "_swap", swap)
+    sd = clone(_state(1.0))
+    before = clone(sd)
+    with pytest.raises(Exception):
+        _load(root, sd, step=2, fallback=False)
+    assert len(calls) >= fail_at
+    assert equal(sd, before)  # every byte, including windows swapped in before the failure
+    monkeypatch.setattr(stream._Run, "_swap", real)
+    _load(root, sd, step=2, fallback=False)
+    assert equal(sd, _state(2.0))
