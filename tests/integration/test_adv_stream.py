@@ -58,3 +58,44 @@ def test_a_copier_that_fails_mid_swap_fails_the_load_and_rolls_back(tmp_path, mo
     monkeypatch.setattr(stream._Run, "_swap", real)
     _load(root, sd, step=2, fallback=False)
     assert equal(sd, _state(2.0))
+
+
+def test_a_shard_replaced_between_verify_first_and_copy_is_refused_before_any_copy(tmp_path, monkeypatch):
+    """A step larger than the scratch is read twice (verify, then copy into the caller's
+    tensors). A shard replaced in between (a new file renamed over it, a byte different in its
+    last tensor) was copied item by item until that tensor's crc32c failed: the caller's
+    tensors held the step's bytes and a torn tensor. The copy pass now checks that it reads
+    the file the verify pass verified."""
+    import os
+    import shutil
+
+    from zerostall.errors import CorruptCheckpoint
+    from zerostall.store.local import LocalTier
+    from tests.helpers import flip_byte
+
+    root = str(tmp_path / "ck")
+    zerostall.save(root, _state(2.0), step=2)
+    man = LocalTier(root).read_manifest(2)
+    last = max(man.tensors, key=lambda e: e.offset)
+    shard = os.path.join(root, "step-2", last.file)
+    real, runs = stream.Plan.run, []
+
+    def run(self, *a, **kw):
+        out = real(self, *a, **kw)
+        runs.append(1)
+        if len(runs) == 1:  # the verify pass is done: a different file takes the shard's name
+            shutil.copyfile(shard, shard + ".new")
+            flip_byte(shard + ".new", last.offset + last.nbytes - 1)
+            os.replace(shard + ".new", shard)
+        return out
+
+    monkeypatch.setattr(stream.Plan, "run", run)
+    sd = clone(_state(1.0))
+    before = clone(sd)
+    eng = get_engine("threads", IOConfig(engine="threads", **SMALL_IO))
+    try:
+        with pytest.raises(CorruptCheckpoint):
+            restore_load(root, sd, engine=eng, bounce=Arena(1 << 20, mlock=False), step=2, fallback=False)
+    finally:
+        eng.close()
+    assert runs and equal(sd, before)

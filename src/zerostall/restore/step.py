@@ -169,10 +169,12 @@ def read_step(files: list[FileRead], bounce: Any, io: IOConfig, *, verify: bool 
                        wanted=fr.wanted) for fr in files]
     copies = [FileRead(fr.path, fr.file_bytes, fr.header, fr.items, fr.dsts, fr.open, wanted=fr.wanted,
                        direct=fr.direct) for fr in files]
+    idents: dict[int, tuple[int, ...]] = {}  # the copy pass reads the very files the check verified
     for part in (checks, copies):
         p = Plan(part, io, in_place=False)
         with _scratch(p, bounce) as scratch:
-            last_stats = p.run(scratch, verify=verify or part is checks, gate=gate if part is checks else None)
+            last_stats = p.run(scratch, verify=verify or part is checks, gate=gate if part is checks else None,
+                               idents=idents)
     return last_stats
 
 

@@ -170,17 +170,19 @@ class Plan:
             return None
         return self.w, ROLLBACK_FRACTION
 
-    def run(self, scratch: Any, *, verify: bool = True, gate: Callable[[], None] | None = None) -> Stats:
+    def run(self, scratch: Any, *, verify: bool = True, gate: Callable[[], None] | None = None,
+            idents: dict[int, tuple[int, ...]] | None = None) -> Stats:
         """Read, check and deliver every file; see the module doc. ``scratch`` (``nbytes``,
         ``u8``) must :meth:`fits`. Raises what a read or a check raised (CorruptCheckpoint,
-        StorageError); the protected destinations are then as they were."""
+        StorageError); the protected destinations are then as they were. ``idents``: the files'
+        identities an earlier run saw (a verify-first pass): another file is refused at open."""
         shape = self._shape_for(scratch.nbytes)
         if shape is None:
             raise ValueError(f"scratch of {scratch.nbytes} bytes; this read needs {self.need_bytes()}")
         w, fraction = shape
         wins = plan_windows(self.files, w)
         slots = _layout(wins, scratch, w, self.in_place, fraction)
-        run = _Run(self.files, wins, scratch, w, slots, verify, gate)
+        run = _Run(self.files, wins, scratch, w, slots, verify, gate, {} if idents is None else idents)
         run.stats.fraction, run.stats.window_bytes = fraction, w
         return run.go()
 
@@ -207,18 +209,16 @@ class _Run:
     """One :func:`run`: the window queue shared by the readers, the checker and the copier."""
 
     def __init__(self, files: Sequence[FileRead], wins: list[_Win], scratch: Any, w: int, slots: int,
-                 verify: bool, gate: Callable[[], None] | None = None):
-        self.files, self.wins, self.scratch, self.w, self.verify = files, wins, scratch, w, verify
+                 verify: bool, gate: Callable[[], None] | None, idents: dict[int, tuple[int, ...]]):
+        self.files, self.wins, self.scratch, self.w, self.verify, self.gate = files, wins, scratch, w, verify, gate
         self.owner: list[int | None] = [None] * slots
+        self.idents = idents  # the files' identities at their first open
         self.cond = threading.Condition()
-        self.next = 0
-        self.abort = False
+        self.next, self.abort = 0, False
         self.closing = False  # every byte verified: swaps not started yet are staged instead
-        self.gate = gate
         self.swapped: list[tuple[int, int, int]] = []  # (caller's bytes, their old bytes in the scratch, length)
         self.deferred: list[tuple[int, int, int]] = []  # (destination, staged bytes, length)
         self.stats = Stats(windows=len(wins), bytes_read=sum(x.n for x in wins))
-        self.idents: dict[int, tuple[int, int]] = {}
 
     # -- reader threads ------------------------------------------------------------------------
     def _claim(self) -> _Win | None:
@@ -240,8 +240,8 @@ class _Run:
         fd = getattr(f, "fd", None)
         if isinstance(fd, int):
             st = os.fstat(fd)
-            ident = self.idents.setdefault(fi, (st.st_dev, st.st_ino))
-            if ident != (st.st_dev, st.st_ino):
+            now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)  # a write or a rename changes it
+            if self.idents.setdefault(fi, now) != now:
                 f.close()
                 raise CorruptCheckpoint(f"{self.files[fi].path}: the shard was replaced while it was being read",
                                         path=self.files[fi].path)
