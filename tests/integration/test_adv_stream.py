@@ -99,3 +99,33 @@ def test_a_shard_replaced_between_verify_first_and_copy_is_refused_before_any_co
     finally:
         eng.close()
     assert runs and equal(sd, before)
+
+
+def test_one_tensor_at_two_keys_the_step_holds_apart_is_not_written_by_two_copiers(tmp_path, monkeypatch):
+    """A caller's tensor at two keys (tied weights) that the checkpoint holds as two tensors
+    was filled in place by both items: two copier threads swapping into the same bytes at once
+    (seen: 1 load in 4 left a mix of both tensors' values, 64 MiB each, no error; a failed load
+    could roll back to either). Both now come through new tensors and merge() copies them in
+    key order: the last key wins, as in load_state_dict; an untied tensor stays in place."""
+    from zerostall.restore import step as rstep
+
+    root = str(tmp_path / "ck")
+    n = 300_000
+    zerostall.save(root, {"a": torch.full((n,), 1.0), "b": torch.full((n,), 2.0), "c": torch.full((n,), 3.0)}, step=1)
+    seen = []
+    real = rstep.read_step
+
+    def spy(files, *a, **kw):
+        seen.append([(fr.items[i].key for i in fr.protect) for fr in files])
+        seen[-1] = sorted(k for g in seen[-1] for k in g)
+        return real(files, *a, **kw)
+
+    monkeypatch.setattr(rstep, "read_step", spy)
+    w, c = torch.zeros(n), torch.zeros(n)
+    zerostall.load(root, {"a": w, "b": w, "c": c})
+    assert seen == [["c"]]  # only the untied tensor was filled in place
+    assert torch.equal(w, torch.full((n,), 2.0)) and torch.equal(c, torch.full((n,), 3.0))
+    v = torch.zeros(2 * n)  # partly overlapping views count too
+    zerostall.load(root, {"a": v[:n], "b": v[n // 2:n // 2 + n], "c": c})
+    assert seen[-1] == ["c"] and torch.equal(v[n // 2:n // 2 + n], torch.full((n,), 2.0))
+    assert torch.equal(v[:n // 2], torch.full((n // 2,), 1.0))
