@@ -129,3 +129,49 @@ def test_one_tensor_at_two_keys_the_step_holds_apart_is_not_written_by_two_copie
     zerostall.load(root, {"a": v[:n], "b": v[n // 2:n // 2 + n], "c": c})
     assert seen[-1] == ["c"] and torch.equal(v[n // 2:n // 2 + n], torch.full((n,), 2.0))
     assert torch.equal(v[:n // 2], torch.full((n // 2,), 1.0))
+
+
+@pytest.mark.skipif(__import__("os").environ.get("ZEROSTALL_TEST_S3") != "1",
+                    reason="no S3 server: source the environment of scripts/s3-server.sh")
+def test_a_remote_object_replaced_between_verify_first_and_copy_is_refused(tmp_path, monkeypatch):
+    """The same for a step streamed from S3 (``download=False``) that neither the scratch nor
+    half the host's free memory holds: the copy pass reads the object version (ETag) that the
+    verify pass verified, or nothing."""
+    import os
+    import uuid
+
+    from zerostall.errors import CorruptCheckpoint
+    from zerostall.restore import step as rstep
+    from zerostall.store.remote import open_tier
+
+    url = f"s3://zerostall-remote-test/adv-{uuid.uuid4().hex[:10]}"
+    tier = open_tier(url, attempts=1, read_timeout_s=10)
+    try:
+        with zerostall.Checkpointer(str(tmp_path / "w"), remote=url) as ck:
+            assert ck.save(2, _state(2.0)).wait(timeout=120, tier="remote")
+        man = tier.read_manifest(2)
+        last = max(man.tensors, key=lambda e: e.offset)
+        key = tier._key(f"step-2/{last.file}")
+        monkeypatch.setattr(rstep, "_meminfo", lambda *k: 0)  # no transient scratch: verify first
+        real, runs = stream.Plan.run, []
+
+        def run(self, *a, **kw):
+            out = real(self, *a, **kw)
+            runs.append(1)
+            if len(runs) == 1:  # verified: a changed object is uploaded under the same name
+                raw = bytearray(tier.client.get_object(Bucket=tier.bucket, Key=key)["Body"].read())
+                raw[last.offset + last.nbytes - 1] ^= 0x40
+                tier.client.put_object(Bucket=tier.bucket, Key=key, Body=bytes(raw))
+            return out
+
+        monkeypatch.setattr(stream.Plan, "run", run)
+        sd = clone(_state(1.0))
+        before = clone(sd)
+        empty = str(tmp_path / "empty")
+        os.makedirs(empty)
+        with pytest.raises(CorruptCheckpoint):
+            restore_load(empty, sd, step=2, remote=url, download=False, fallback=False,
+                         bounce=Arena(1 << 20, mlock=False))
+        assert runs and equal(sd, before)
+    finally:
+        tier._delete_prefix("")

@@ -238,13 +238,12 @@ class _Run:
     def _open(self, fi: int) -> Any:
         f = self.files[fi].open()
         fd = getattr(f, "fd", None)
-        if isinstance(fd, int):
-            st = os.fstat(fd)
-            now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)  # a write or a rename changes it
-            if self.idents.setdefault(fi, now) != now:
-                f.close()
-                raise CorruptCheckpoint(f"{self.files[fi].path}: the shard was replaced while it was being read",
-                                        path=self.files[fi].path)
+        st = os.fstat(fd) if isinstance(fd, int) else None  # a write or a rename changes the identity
+        now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) if st else getattr(f, "ident", None)  # or an ETag
+        if now is not None and self.idents.setdefault(fi, now) != now:
+            f.close()
+            raise CorruptCheckpoint(f"{self.files[fi].path}: the shard was replaced while it was being read",
+                                    path=self.files[fi].path)
         return f
 
     def _reader(self) -> None:
