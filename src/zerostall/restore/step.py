@@ -41,17 +41,21 @@ log = logging.getLogger("zerostall")
 
 BOUNCE_BYTES = 128 << 20
 _bounce_lock = threading.Lock()
+_bounce_made = threading.Lock()
 _bounce: Arena | None = None
 last_stats: Stats | None = None
 """What the last read of this process did (bench and tests read it; no API)."""
 
 
 def shared_bounce() -> Arena:
-    """The process's restore scratch when no staging pool lends one (faulted once, reused)."""
+    """The process's restore scratch when no staging pool lends one (faulted once, reused).
+    Any thread: a peer restore faults it on a thread of its own while the node's files are
+    fetched (:meth:`zerostall.peers.Peers.prepare_load`); a second caller waits for that one."""
     global _bounce
-    if _bounce is None:
-        _bounce = Arena(BOUNCE_BYTES, mlock=False)
-    return _bounce
+    with _bounce_made:
+        if _bounce is None:
+            _bounce = Arena(BOUNCE_BYTES, mlock=False)
+        return _bounce
 
 
 def check_files(tier: Tier, man: Manifest, only: set[str] | None = None, engine: Engine | None = None) -> None:
