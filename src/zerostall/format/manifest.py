@@ -112,7 +112,12 @@ class Manifest:
         """Payload bytes this step borrows from earlier steps' files."""
         return sum(t.nbytes for t in self.tensors if t.step is not None)
 
-    def body(self, encode_tensors: bool = True) -> dict[str, Any]:
+    def body(self, encode_tensors: bool = True, objects: bool = False) -> dict[str, Any]:
+        """The body as written (version 3); ``objects``: one object per tensor, as versions 1
+        and 2 held them (``inspect --json``, for people), with the version this was read as."""
+        if objects:
+            return {**self.body(False), "format_version": self.format_version,
+                    "tensors": [t.to_json() for t in self.tensors]}
         return {
             "format_version": FORMAT_VERSION_TABLE, "step": self.step, "world_size": self.world_size,
             "checkpoint_id": self.checkpoint_id, "created_unix": self.created_unix,
