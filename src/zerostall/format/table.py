@@ -90,17 +90,17 @@ def encode_columns(tensors: Sequence[TensorEntry], files: Sequence[str], refs: S
 
 def tensors_json(tensors: Sequence[TensorEntry], memo: dict[Any, Any] | None = None,
                  files: Sequence[str] | None = None) -> str:
-    """``tensors`` (entries without references; ``files``: the manifest's file names, default
-    the one file of :class:`Entries`) as the version 3 table, exactly as
+    """``tensors`` (entries without references; ``files``: the manifest's file names, by
+    default the one file the entries are in) as the version 3 table, exactly as
     :meth:`~.manifest.Manifest.to_bytes` would encode it. Every column but ``crc32c`` (last)
     depends on the layout only: with ``memo`` (the save plan's, shared by every save of one
     layout) they are encoded once and each later save only joins its crc32c values. Persist
     thread."""
     written = isinstance(tensors, Entries)
-    if files is None:
-        if not written:
-            raise ValueError("tensors_json: pass the manifest's file names")
-        files = (tensors.file,)
+    if files is None:  # one file: the single-rank manifest's
+        files = (tensors.file,) if written else tuple({t.file: None for t in tensors}) or ("",)
+        if len(files) > 1:
+            raise ValueError("tensors_json: entries in several files: pass the manifest's file names in order")
     if not written and any(t.step is not None for t in tensors):
         raise ValueError("tensors_json: references are encoded by Manifest.to_bytes")
     key = ("tensors_json", len(tensors), tuple(files), tensors.file if written else "")
@@ -153,7 +153,10 @@ class Entries(Sequence[TensorEntry]):
 
     def json_head(self, file_index: int) -> str:
         """The version 3 table up to ``"crc32c":`` (see :func:`tensors_json`)."""
-        dumps, items = json.dumps, self.items
+        items = self.items
+
+        def dumps(v: Any) -> str:
+            return json.dumps(v, separators=(",", ":"), allow_nan=False)
         dtypes: dict[str, int] = {}
         for it in items:
             dtypes.setdefault(it.dtype, len(dtypes))
@@ -257,12 +260,19 @@ def parse_columns(raw: Any, slots: list[FileSlot], where: str, bad: Bad) -> tupl
 
 
 # -- conversion between the forms (tools and tests: no validation) ---------------------------
+def _slots(body: dict[str, Any]) -> list[tuple[Any, Any]]:
+    """(name, step) per ``file`` index; whatever a hostile body holds passes through."""
+    def rows(v: Any) -> list[Any]:
+        return [r if isinstance(r, dict) else {} for r in v] if isinstance(v, list) else []
+    return ([(f.get("name"), None) for f in rows(body.get("files"))]
+            + [(r.get("name"), r.get("step")) for r in rows(body.get("ref_files"))])
+
+
 def columns_to_objects(body: dict[str, Any]) -> None:
     """Rewrite ``body["tensors"]`` (version 3 columns) as one object per tensor, in place;
     ``format_version`` is left alone. Values pass through unchecked (hostile tests edit them)."""
     t = body["tensors"]
-    slots = [(f.get("name"), None) for f in body.get("files", [])] + [
-        (r.get("name"), r.get("step")) for r in body.get("ref_files", [])]
+    slots = _slots(body)
     out = []
     for key, d, shape, f, off, nbytes, crc in zip(*(t[c] for c in COLUMNS)):
         name, step = slots[f]
@@ -277,9 +287,7 @@ def columns_to_objects(body: dict[str, Any]) -> None:
 def objects_to_columns(body: dict[str, Any]) -> None:
     """The inverse of :func:`columns_to_objects`. An entry that is not an object lands in every
     column; a file the body does not list keeps its name in ``file`` (a reader refuses both)."""
-    slots = [(f.get("name"), None) for f in body.get("files", [])] + [
-        (r.get("name"), r.get("step")) for r in body.get("ref_files", [])]
-    index = {s: i for i, s in enumerate(slots)}
+    index = {s: i for i, s in enumerate(_slots(body))}
     dtypes: dict[Any, int] = {}
     cols: dict[str, list[Any]] = {c: [] for c in COLUMNS}
     for e in body["tensors"]:
@@ -290,7 +298,10 @@ def objects_to_columns(body: dict[str, Any]) -> None:
         dt = e.get("dtype")
         dt_i = dtypes.setdefault(dt, len(dtypes)) if isinstance(dt, str) else -1
         f = e.get("file")
-        f_i = index.get((f, e.get("step")), f if e.get("step") is None else f"step-{e.get('step')}/{f}")
+        try:
+            f_i = index.get((f, e.get("step")), f if e.get("step") is None else f"step-{e.get('step')}/{f}")
+        except TypeError:  # unhashable
+            f_i = f
         for c, v in zip(COLUMNS, (e.get("key"), dt_i, e.get("shape"), f_i, e.get("offset"), e.get("nbytes"),
                                   e.get("crc32c"))):
             cols[c].append(v)
