@@ -28,6 +28,7 @@ from typing import Any
 
 import crc32c as _crc
 
+from .._util import no_gc
 from ..config import ALIGN_BYTES
 from ..errors import CorruptCheckpoint
 from . import validate as V
@@ -150,8 +151,14 @@ class Manifest:
     def from_bytes(cls, raw: bytes, where: str = MANIFEST_NAME) -> "Manifest":
         """Parse and validate; raise :class:`CorruptCheckpoint` naming ``where`` on any defect.
 
-        The whole of :mod:`.validate` runs here, before anyone reads a byte of a shard.
+        The whole of :mod:`.validate` runs here, before anyone reads a byte of a shard. The
+        cyclic GC is paused meanwhile (a few acyclic objects per tensor: see :func:`~.._util.no_gc`).
         """
+        with no_gc():
+            return cls._parse(raw, where)
+
+    @classmethod
+    def _parse(cls, raw: bytes, where: str) -> "Manifest":
 
         def bad(msg: str, key: str | None = None) -> CorruptCheckpoint:
             return V.bad(where, msg, key)
