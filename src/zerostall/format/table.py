@@ -247,7 +247,13 @@ def parse_columns(raw: Any, slots: list[FileSlot], where: str, bad: Bad) -> tupl
     nd, ns = len(names), len(slots)
     out: list[TensorEntry] = []
     spans: list[V.Span] = []
-    for i, (key, d, shape, f, off, nbytes, crc) in enumerate(zip(*cols)):
+    keys, dts, _, fs, offs, nbs, crcs = cols
+    if (_all_ints(dts, 0, nd - 1) and _all_ints(fs, 0, ns - 1) and _all_ints(offs, 0, V.MAX_DIM)
+            and _all_ints(nbs, 0, V.MAX_DIM) and _all_ints(crcs, 0, 0xFFFFFFFF)
+            and set(map(type, keys)) <= {str} and max(map(len, keys), default=0) <= V.MAX_KEY_CHARS):
+        _fast_columns(cols, names, slots, where, out, spans)  # the columns' types and ranges hold
+        return out, spans
+    for i, (key, d, shape, f, off, nbytes, crc) in enumerate(zip(*cols)):  # finds what is wrong
         if type(d) is not int or not 0 <= d < nd:
             raise bad(f"tensor {key!r:.80}: dtype index {d!r:.40} is not in [0, {nd})",
                       key if isinstance(key, str) else None)
@@ -257,6 +263,37 @@ def parse_columns(raw: Any, slots: list[FileSlot], where: str, bad: Bad) -> tupl
         fname, span_file, ref_step = slots[f]
         _entry(i, key, names[d], shape, fname, span_file, ref_step, off, nbytes, crc, where, bad, out, spans)
     return out, spans
+
+
+def _all_ints(col: list[Any], lo: int, hi: int) -> bool:
+    """Every value an int (not bool) in [lo, hi]: C-level passes over the column."""
+    return not col or (set(map(type, col)) == {int} and lo <= min(col) and max(col) <= hi)
+
+
+def _fast_columns(cols: list[list[Any]], names: list[str], slots: list[FileSlot], where: str,
+                  out: list[TensorEntry], spans: list[V.Span]) -> None:
+    """:func:`parse_columns` once keys, indices, offsets, sizes and crc32c values are known to
+    be in range: per entry only the shape is left to check (inline for 0-d and 1-d)."""
+    sizes = [_ITEMSIZE_BY_NAME[n] for n in names]
+    max_dim, new, te, span = V.MAX_DIM, object.__new__, TensorEntry, V.Span
+    for i, (key, d, shape, f, off, nbytes, crc) in enumerate(zip(*cols)):
+        size = sizes[d]
+        if type(shape) is list and not shape and nbytes == size:
+            shape = ()
+        elif (type(shape) is list and len(shape) == 1 and type(shape[0]) is int and 0 <= shape[0] < max_dim
+              and shape[0] * size == nbytes):
+            shape = (shape[0],)
+        else:
+            shape = V.check_shape(shape, size, nbytes, where, key)
+        dt = names[d]
+        fname, span_file, ref_step = slots[f]
+        e = new(te)
+        e.__dict__.update(key=key, dtype=dt, shape=shape, file=fname, offset=off, nbytes=nbytes, crc32c=crc,
+                          step=ref_step)
+        out.append(e)
+        s = new(span)
+        s.__dict__.update(index=i, file=span_file, offset=off, nbytes=nbytes, ident=(dt, shape, crc), key=key)
+        spans.append(s)
 
 
 # -- conversion between the forms (tools and tests: no validation) ---------------------------
