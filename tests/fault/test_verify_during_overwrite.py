@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import zerostall
-from zerostall import cli
+from zerostall import cli, cli_verify
 from zerostall.io.base import choose_engine
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,7 +32,7 @@ class _ActOnFirstOpen:
 
 def _verify_with(monkeypatch, root, act, capsys):
     eng = _ActOnFirstOpen(choose_engine(root), act)
-    monkeypatch.setattr(cli, "_engine", lambda name, r: eng)
+    monkeypatch.setattr(cli_verify, "_engine", lambda name, r: eng)
     capsys.readouterr()
     rc = cli.main(["verify", root])
     out, err = capsys.readouterr()

@@ -297,3 +297,30 @@ def test_a_remote_tier_too_big_for_the_scratch_is_read_once(tmp_path, engine, ca
         assert equal(sd, before)
     finally:
         eng.close()
+
+
+def test_swaps_the_copiers_did_not_start_before_the_end_become_staged_copies(tmp_path, engine, monkeypatch):
+    """The copiers held back (a seam: each copy job waits until every byte verified): every
+    planned swap turns into a staged copy after the checks, bit-exact; and when the step fails,
+    none of them touched the caller's tensors."""
+    import time
+    real = stream._Run._copies
+
+    def late_copies(self, jobs, slot):
+        while not self.closing:
+            time.sleep(0.001)
+        real(self, jobs, slot)
+
+    monkeypatch.setattr(stream._Run, "_copies", late_copies)
+    root = str(tmp_path / "ck")
+    zerostall.save(root, _state(1.0), step=1)
+    zerostall.save(root, _state(2.0), step=2)
+    sd = _dest()
+    _load(root, engine, sd, step=1)
+    st = rstep.last_stats
+    assert equal(sd, _state(1.0)) and st.rollback_bytes == 0 and st.deferred_bytes > 0
+    _flip_tensor(root, 2, "optim.s")
+    sd, before = _dest(), _dest()
+    with pytest.raises(CorruptCheckpoint, match=r"optim\.s"):
+        _load(root, engine, sd, step=2, fallback=False)
+    assert equal(sd, before)

@@ -341,7 +341,7 @@ class _Run:
             ok = True
         finally:
             with self.cond:
-                self.abort = True
+                self.abort = self.closing = True  # a failure: queued swaps are skipped, not undone
                 self.cond.notify_all()
             for t in readers:
                 t.join()
