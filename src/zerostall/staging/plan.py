@@ -153,12 +153,11 @@ _SHAPE = _SIZE if _SIZE is not torch.Tensor.size else _shape
 def _entry_bytes() -> int:
     """The most a tensor entry adds to the manifest's tensor table (format version 3: columns,
     see :mod:`~zerostall.format.table`) besides its key and shape: every field at its widest
-    (a dtype index, a file index past 2**25 files, offset and size up to ``MAX_DIM``, the
+    (a dtype index, a file index past 2**25 files, offset and size of 20 digits, the
     crc32c) and a comma in each column. Entries of real states measure 50-70 B with their key."""
     from ..format.dtypes import SUPPORTED_DTYPES
     from ..format.table import TensorEntry, encode_columns
-    from ..format.validate import MAX_DIM
-    e = TensorEntry("", "float32", (), "f", MAX_DIM, MAX_DIM, 0xFFFFFFFF)
+    e = TensorEntry("", "float32", (), "f", 10 ** 19, 10 ** 19, 0xFFFFFFFF)  # 20 digits > MAX_DIM
     one = encode_columns([e], ["f"])
     one.update(dtypes=[], dtype=[len(SUPPORTED_DTYPES)], file=[1 << 25])
     empty = {k: [] for k in one}
@@ -167,7 +166,7 @@ def _entry_bytes() -> int:
 
 
 ENTRY_BYTES = _entry_bytes()
-"""A bound on what one tensor entry adds to the manifest besides its key and shape (73 B);
+"""A bound on what one tensor entry adds to the manifest besides its key and shape (71 B);
 each shape dimension adds at most ``DIM_BYTES``. The manifest limit is checked on these
 (:func:`check_manifest_size`): 1M tensors with 30-character keys need ~0.1 GB of the 512 MiB
 (plus the state tree)."""
