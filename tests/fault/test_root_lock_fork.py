@@ -15,6 +15,21 @@ from zerostall.errors import RootLockedError
 pytestmark = pytest.mark.timeout(120)
 
 
+def _holders(root):
+    """Every (pid, fd, command line) whose descriptor names the root or its lock file."""
+    targets = {os.path.realpath(root), os.path.realpath(os.path.join(root, ".zerostall.lock"))}
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in targets:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        out.append((int(pid), int(fd), f.read().replace(b"\0", b" ")[:200].decode(errors="replace")))
+        except OSError:
+            continue
+    return out
+
+
 def test_child_forked_while_open_does_not_keep_the_root_locked(ckdir):
     ck = zerostall.Checkpointer(ckdir)
     ck.save(0, {"w": torch.ones(4)}).result()
@@ -29,7 +44,10 @@ def test_child_forked_while_open_does_not_keep_the_root_locked(ckdir):
         with pytest.raises(RootLockedError):  # the parent still owns it while open
             zerostall.Checkpointer(ckdir)
         ck.close()
-        again = zerostall.Checkpointer(ckdir)  # was RootLockedError naming our own pid
+        try:
+            again = zerostall.Checkpointer(ckdir)  # was RootLockedError naming our own pid
+        except RootLockedError as exc:  # say which processes still hold the lock file or the root
+            raise AssertionError(f"{exc}; descriptors on the root: {_holders(ckdir)}") from exc
         again.save(1, {"w": torch.zeros(4)}).result()
         again.close()
     finally:

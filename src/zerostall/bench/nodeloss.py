@@ -9,6 +9,8 @@ In one run:
    shared-filesystem remote tier (``file://``); bytes moved per save (what every node's
    leader copied to its holders, acknowledged) against ``(replicas - 1) x state``;
 3. node n1 is wiped and the job restarted: n1's ``load()`` fetches its files from its peers;
+   the same for a copy of the job saved with ``replicas=3`` ("peers, N=3"): n1's file is cut
+   into two ranges fetched from its two holders at once;
 4. n1 is wiped again and its files restored from the shared-filesystem tier, then (when
    ``AWS_ENDPOINT_URL`` names an S3 server, e.g. radosgw from ``scripts/s3-server.sh``) from S3:
    the manifest and n1's shard downloaded and committed, then the same collective load;
@@ -127,6 +129,8 @@ def run(size_gib: float, work: str, cap: int, rounds: int = 3) -> dict[str, Any]
     _upload(os.path.join(base, "n1"), f"file://{shared}")  # the shared-fs tier: what n1 needs
     _uncache(shared)
     state_bytes = sum(d["state_bytes"] for d in paced)
+    base3 = os.path.join(work, "job3")  # the same job with replicas=3: n1's files on two holders
+    _run("save", base3, work, mib, 3, cap, "")
     s3_url, s3_error = "", ""
     if os.environ.get("AWS_ENDPOINT_URL"):
         s3_url = f"s3://zerostall-bench/node-loss-{uuid.uuid4().hex[:8]}"
@@ -140,6 +144,7 @@ def run(size_gib: float, work: str, cap: int, rounds: int = 3) -> dict[str, Any]
         "bytes_moved_per_save": sum(d["bytes_sent"] for d in paced),
         "step_ms_idle": _ms(paced[0]["before"]), "step_ms_saving_no_replicas": _ms(plain[0]["during"]),
         "step_ms_saving_replicating_paced": _ms(paced[0]["during"]),
+        "step_ms_replicating_only_paced": _ms(paced[0]["replicating"]), "steps_replicating_only": len(paced[0]["replicating"]),
         "saved_s_no_replicas": max(d["t_done_s"] for d in plain), "replicated_s": max(d["t_done_s"] for d in paced),
         "protected": all(d["protected"] for d in paced), "rounds": [], "recover_bit_exact": True,
     }
@@ -148,7 +153,7 @@ def run(size_gib: float, work: str, cap: int, rounds: int = 3) -> dict[str, Any]
     # n1 wiped and the job restarted, its files from each tier in turn, ``rounds`` times in
     # alternation (the shared disk and the other sessions' load drift: one order would favour
     # whichever tier runs last); every node's files dropped from the page cache before each
-    tiers = [("peers", "")] + [("sharedfs", f"file://{shared}")] + \
+    tiers = [("peers", ""), ("peers2h", "")] + [("sharedfs", f"file://{shared}")] + \
         ([("s3", s3_url)] if s3_url else [])
     for r in range(rounds):
         row: dict[str, Any] = {}
@@ -156,18 +161,22 @@ def run(size_gib: float, work: str, cap: int, rounds: int = 3) -> dict[str, Any]
             shutil.rmtree(os.path.join(base, "n1"), ignore_errors=True)
             _uncache(base)
             _uncache(shared)
+            if label == "peers2h":
+                shutil.rmtree(os.path.join(base3, "n1"), ignore_errors=True)
+                _uncache(base3)
             rs = _run("load", base, work, mib, 2, cap, "") if label == "peers" else \
+                _run("load", base3, work, mib, 3, cap, "") if label == "peers2h" else \
                 _run("load_remote", base, work, mib, 1, 0, url)
             row[f"files_{label}_s"], row[f"recover_{label}_s"] = rs[1]["files_s"], rs[1]["load_s"]
             row[f"others_loaded_{label}_s"] = max(d["load_s"] for d in rs)
-            if label == "peers":
-                row["fetch_only_peers_s"], row["recover_peers_source"] = rs[1]["fetch_s"], rs[1]["source"]
+            if label.startswith("peers"):
+                row[f"fetch_only_{label}_s"], row[f"recover_{label}_source"] = rs[1]["fetch_s"], rs[1]["source"]
             out["recover_bit_exact"] = out["recover_bit_exact"] and all(d["equal"] for d in rs)
         out["rounds"].append(row)
     for k in out["rounds"][0]:
         vals = [row[k] for row in out["rounds"]]
         out[k] = statistics.median(vals) if isinstance(vals[0], float) else vals[0]
-    for label, _ in tiers[1:]:
+    for label, _ in tiers[2:]:
         out[f"files_{label}_over_peers"] = [round(row[f"files_{label}_s"] / max(row["files_peers_s"], 1e-9), 2)
                                             for row in out["rounds"]]
         out[f"recover_{label}_over_peers"] = [round(row[f"recover_{label}_s"] / max(row["recover_peers_s"], 1e-9), 2)
@@ -198,7 +207,7 @@ def main(a: argparse.Namespace) -> int:
           "barrier all 4 nodes leave at once: files in (n1's files committed in its root) / loaded (n1's "
           "collective Checkpointer.load returned, every byte verified; the 3 others load their own files in it); "
           f"median of {len(res['rounds'])} rounds in alternating order, each after the page cache was dropped:")
-    for label, key in [("peers", "peers"), ("shared fs", "sharedfs"), ("S3", "s3")]:
+    for label, key in [("peers", "peers"), ("peers, N=3", "peers2h"), ("shared fs", "sharedfs"), ("S3", "s3")]:
         if f"recover_{key}_s" in res:
             each = ", ".join(f"{row[f'files_{key}_s']:.2f}/{row[f'recover_{key}_s']:.2f}" for row in res["rounds"])
             print(f"    {label:10s} {res[f'files_{key}_s']:.2f} / {res[f'recover_{key}_s']:.2f} s   (load after files "
@@ -207,13 +216,17 @@ def main(a: argparse.Namespace) -> int:
         print(f"    S3 / peers, per round: files in {res['files_s3_over_peers']}, loaded {res['recover_s3_over_peers']}")
     else:
         print(f"    S3 skipped ({res.get('s3_error') or 'no AWS_ENDPOINT_URL'})")
+    print("  (peers, N=3: the same job saved with replicas=3, n1's file cut in two ranges fetched from its two "
+          "holders at once)")
     print(f"  n1's peer fetch alone {res['fetch_only_peers_s']:.2f} s (the rest of files in: listing the holders, "
           f"the ranks' agreement, the commit); all bit-exact: {res['recover_bit_exact']}")
     idle = res["step_ms_idle"] or 1.0
     print(f"  rank 0 step time: idle {res['step_ms_idle']:.2f} ms, saving without replicas "
           f"{res['step_ms_saving_no_replicas']:.2f} ms, saving + paced replication "
           f"{res['step_ms_saving_replicating_paced']:.2f} ms "
-          f"({res['step_ms_saving_replicating_paced'] / idle:.2f}x idle)")
+          f"({res['step_ms_saving_replicating_paced'] / idle:.2f}x idle); between durable and protected (only the paced "
+          f"copies run) {res['step_ms_replicating_only_paced']:.2f} ms over {res['steps_replicating_only']} steps "
+          f"({res['step_ms_replicating_only_paced'] / idle:.2f}x idle)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -58,8 +58,15 @@ def main() -> None:
         time.sleep(max(0.0, t_start - time.monotonic()))
         t_save = time.monotonic()
         h = ck.save(1, state)
-        done = (lambda: h.done() and (replicas == "1" or ck._peers.status(1) is not None and ck._peers.status(1)
-                                      .done.is_set()) and (not remote or h.replicated()))
+        durable_at: list[float] = []
+
+        def done() -> bool:
+            if not h.done():
+                return False
+            if not durable_at:
+                durable_at.append(time.monotonic())
+            return (replicas == "1" or ck._peers.status(1) is not None and ck._peers.status(1).done.is_set()) \
+                and (not remote or h.replicated())
         if rank == 0:
             train(None, done)
         h.result()
@@ -71,6 +78,8 @@ def main() -> None:
         res["protected"] = h.protected()
         res["before"] = [d for t, d in steps if t < t_save]
         res["during"] = [d for t, d in steps if t >= t_save]
+        # after the step is durable, until it is protected: only the paced copies run then
+        res["replicating"] = [d for t, d in steps if durable_at and t >= durable_at[0]]
         res["bytes_sent"] = ck._peers.replicator.bytes_sent if ck._peers is not None else 0  # type: ignore[union-attr]
         res["state_bytes"] = sum(t.numel() * 4 for t in state.values())
     else:  # load (n1's files from its peers) / load_remote (from the remote tier ``remote``)

@@ -7,6 +7,8 @@ result into the caller's containers and apply ``map_location``.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -113,6 +115,33 @@ def find_in_place(dest: Any, node: Any, out: dict[int, tuple[torch.Tensor, str]]
     elif tag in ("l", "t") and isinstance(dest, (list, tuple)) and len(dest) == len(val):
         for i, (d, n) in enumerate(zip(dest, val)):
             find_in_place(d, n, out, _join(path, i))
+
+
+def overlapping(dests: dict[int, torch.Tensor]) -> set[int]:
+    """The indices of ``dests`` (contiguous CPU tensors of the caller's, by manifest index) whose
+    bytes overlap another's: one tensor at two keys (tied weights) that the checkpoint holds as
+    two tensors. Filled in place they would be written by two copier threads at once (a mix of
+    both tensors' bytes, and a rollback that may restore either); ``load_step`` reads them into
+    new tensors instead, which ``merge`` copies in key order (the last key wins, as in
+    ``load_state_dict``). Caller's thread; C-level maps only (100k tensors per load)."""
+    idx = [i for i, t in dests.items() if t.numel()]
+    if len(idx) < 2:
+        return set()
+    starts = list(map(torch.Tensor.data_ptr, map(dests.__getitem__, idx)))
+    ends = list(map(operator.add, starts, map(torch.Tensor.nbytes.__get__, map(dests.__getitem__, idx))))
+    order = sorted(range(len(idx)), key=starts.__getitem__)
+    s = list(map(starts.__getitem__, order))
+    reach = list(itertools.accumulate(map(ends.__getitem__, order), max))  # furthest end so far
+    if not any(map(operator.lt, s[1:], reach)):
+        return set()
+    out: set[int] = set()
+    owner = order[0]  # the tensor reaching furthest so far
+    for k in order[1:]:  # rare: only states with aliased tensors get here
+        if starts[k] < ends[owner]:
+            out.update((idx[k], idx[owner]))
+        if ends[k] > ends[owner]:
+            owner = k
+    return out
 
 
 def leaf_paths(x: Any, path: str = "", out: set[str] | None = None) -> set[str]:

@@ -33,7 +33,7 @@ from ..staging.arena import Arena
 from ..store.local import LocalTier
 from ..store.tier import Tier
 from .refs import check_ref_files, file_read, ref_groups, ref_reads, shard_where
-from .state import LoadReport, find_in_place, key_report, location_mapper, merge, select_keys
+from .state import LoadReport, find_in_place, key_report, location_mapper, merge, overlapping, select_keys
 from . import stream
 from .stream import FileRead, Plan, Stats, aligned_empty
 
@@ -41,17 +41,21 @@ log = logging.getLogger("zerostall")
 
 BOUNCE_BYTES = 128 << 20
 _bounce_lock = threading.Lock()
+_bounce_made = threading.Lock()
 _bounce: Arena | None = None
 last_stats: Stats | None = None
 """What the last read of this process did (bench and tests read it; no API)."""
 
 
 def shared_bounce() -> Arena:
-    """The process's restore scratch when no staging pool lends one (faulted once, reused)."""
+    """The process's restore scratch when no staging pool lends one (faulted once, reused).
+    Any thread: a peer restore faults it on a thread of its own while the node's files are
+    fetched (:meth:`zerostall.peers.Peers.prepare_load`); a second caller waits for that one."""
     global _bounce
-    if _bounce is None:
-        _bounce = Arena(BOUNCE_BYTES, mlock=False)
-    return _bounce
+    with _bounce_made:
+        if _bounce is None:
+            _bounce = Arena(BOUNCE_BYTES, mlock=False)
+        return _bounce
 
 
 def check_files(tier: Tier, man: Manifest, only: set[str] | None = None, engine: Engine | None = None) -> None:
@@ -169,10 +173,12 @@ def read_step(files: list[FileRead], bounce: Any, io: IOConfig, *, verify: bool 
                        wanted=fr.wanted) for fr in files]
     copies = [FileRead(fr.path, fr.file_bytes, fr.header, fr.items, fr.dsts, fr.open, wanted=fr.wanted,
                        direct=fr.direct) for fr in files]
+    idents: dict[int, tuple[int, ...]] = {}  # the copy pass reads the very files the check verified
     for part in (checks, copies):
         p = Plan(part, io, in_place=False)
         with _scratch(p, bounce) as scratch:
-            last_stats = p.run(scratch, verify=verify or part is checks, gate=gate if part is checks else None)
+            last_stats = p.run(scratch, verify=verify or part is checks, gate=gate if part is checks else None,
+                               idents=idents)
     return last_stats
 
 
@@ -223,10 +229,12 @@ def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: An
     # destination is a new tensor (copied into a GPU or non-contiguous tensor by merge()).
     tensors: list[Any] = [None] * len(man.tensors)
     dsts: dict[int, tuple[int | None, torch.Tensor | None, bool]] = {}  # address, direct buffer, protected
+    cpu = {i: d.detach() for i in needed if (d := in_place.get(i, (None,))[0]) is not None
+           and d.device.type == "cpu" and d.is_contiguous()}
+    shared = overlapping(cpu)  # one tensor at two keys that the step holds as two: merge() fills it
     for i in needed:
-        dest = in_place.get(i, (None,))[0]
-        if dest is not None and dest.device.type == "cpu" and dest.is_contiguous():
-            tensors[i] = dest.detach()
+        if i in cpu and i not in shared:
+            tensors[i] = cpu[i]
             dsts[i] = (tensors[i].data_ptr(), None, True)
         else:
             tensors[i], direct = _new(man.tensors[i], where)

@@ -50,8 +50,7 @@ from ..format.shard import Item, ShardCursor, check_items, read_runs
 
 READERS = 2
 """Reader threads; each keeps the engine's queue depth in flight on its own reader."""
-MAX_WINDOW_BYTES = 64 << 20
-MIN_SLOTS = 4
+MAX_WINDOW_BYTES, MIN_SLOTS = 64 << 20, 4
 ROLLBACK_FRACTION = 1.0
 """Share of an in-place load's bytes swapped in under rollback while reading (the rest is staged)."""
 ADAPTIVE = True
@@ -171,17 +170,19 @@ class Plan:
             return None
         return self.w, ROLLBACK_FRACTION
 
-    def run(self, scratch: Any, *, verify: bool = True, gate: Callable[[], None] | None = None) -> Stats:
+    def run(self, scratch: Any, *, verify: bool = True, gate: Callable[[], None] | None = None,
+            idents: dict[int, tuple[int, ...]] | None = None) -> Stats:
         """Read, check and deliver every file; see the module doc. ``scratch`` (``nbytes``,
         ``u8``) must :meth:`fits`. Raises what a read or a check raised (CorruptCheckpoint,
-        StorageError); the protected destinations are then as they were."""
+        StorageError); the protected destinations are then as they were. ``idents``: the files'
+        identities an earlier run saw (a verify-first pass): another file is refused at open."""
         shape = self._shape_for(scratch.nbytes)
         if shape is None:
             raise ValueError(f"scratch of {scratch.nbytes} bytes; this read needs {self.need_bytes()}")
         w, fraction = shape
         wins = plan_windows(self.files, w)
         slots = _layout(wins, scratch, w, self.in_place, fraction)
-        run = _Run(self.files, wins, scratch, w, slots, verify, gate)
+        run = _Run(self.files, wins, scratch, w, slots, verify, gate, {} if idents is None else idents)
         run.stats.fraction, run.stats.window_bytes = fraction, w
         return run.go()
 
@@ -208,18 +209,16 @@ class _Run:
     """One :func:`run`: the window queue shared by the readers, the checker and the copier."""
 
     def __init__(self, files: Sequence[FileRead], wins: list[_Win], scratch: Any, w: int, slots: int,
-                 verify: bool, gate: Callable[[], None] | None = None):
-        self.files, self.wins, self.scratch, self.w, self.verify = files, wins, scratch, w, verify
+                 verify: bool, gate: Callable[[], None] | None, idents: dict[int, tuple[int, ...]]):
+        self.files, self.wins, self.scratch, self.w, self.verify, self.gate = files, wins, scratch, w, verify, gate
         self.owner: list[int | None] = [None] * slots
+        self.idents = idents  # the files' identities at their first open
         self.cond = threading.Condition()
-        self.next = 0
-        self.abort = False
+        self.next, self.abort = 0, False
         self.closing = False  # every byte verified: swaps not started yet are staged instead
-        self.gate = gate
         self.swapped: list[tuple[int, int, int]] = []  # (caller's bytes, their old bytes in the scratch, length)
         self.deferred: list[tuple[int, int, int]] = []  # (destination, staged bytes, length)
         self.stats = Stats(windows=len(wins), bytes_read=sum(x.n for x in wins))
-        self.idents: dict[int, tuple[int, int]] = {}
 
     # -- reader threads ------------------------------------------------------------------------
     def _claim(self) -> _Win | None:
@@ -239,13 +238,12 @@ class _Run:
     def _open(self, fi: int) -> Any:
         f = self.files[fi].open()
         fd = getattr(f, "fd", None)
-        if isinstance(fd, int):
-            st = os.fstat(fd)
-            ident = self.idents.setdefault(fi, (st.st_dev, st.st_ino))
-            if ident != (st.st_dev, st.st_ino):
-                f.close()
-                raise CorruptCheckpoint(f"{self.files[fi].path}: the shard was replaced while it was being read",
-                                        path=self.files[fi].path)
+        st = os.fstat(fd) if isinstance(fd, int) else None  # a write or a rename changes the identity
+        now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) if st else getattr(f, "ident", None)  # or an ETag
+        if now is not None and self.idents.setdefault(fi, now) != now:
+            f.close()
+            raise CorruptCheckpoint(f"{self.files[fi].path}: the shard was replaced while it was being read",
+                                    path=self.files[fi].path)
         return f
 
     def _reader(self) -> None:
@@ -311,6 +309,7 @@ class _Run:
         readers = [threading.Thread(target=self._reader, name=f"zerostall-restore-read-{i}", daemon=True)
                    for i in range(min(READERS, len(self.wins)))]
         copier = ThreadPoolExecutor(COPIERS, thread_name_prefix="zerostall-restore-copy")
+        copies: list[Any] = []  # the copiers' futures
         ok = False
         try:
             for t in readers:
@@ -327,7 +326,7 @@ class _Run:
                 cursors[x.fi].feed(x.off, _mv(x.buf), x.buf, lambda i, d, s, n: self._route(x, i, d, s, n, protect, jobs),
                                    addr=x.buf.data_ptr())
                 if jobs:
-                    copier.submit(self._copies, jobs, x.slot if x.kind == "ring" else -1)
+                    copies.append(copier.submit(self._copies, jobs, x.slot if x.kind == "ring" else -1))
                 elif x.kind == "ring":
                     self._release(x.slot)
             for fr, cur in zip(self.files, cursors):
@@ -335,6 +334,7 @@ class _Run:
             with self.cond:
                 self.closing = ADAPTIVE
             copier.shutdown(wait=True)  # every rollback copy is in; its errors surface here
+            [f.result() for f in copies]  # a copier's exception fails the load: rolled back below
             if self.gate is not None:  # the ranks' agreement: what it raises rolls back
                 self.gate()
             self._deferred()

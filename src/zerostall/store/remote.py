@@ -343,6 +343,7 @@ class ShardIO:
                  on_close: Callable[[bool], None] | None = None):
         self.inner, self._on_finish, self._on_close = inner, on_finish, on_close
         self.finished = self.closed = False
+        self.ident = getattr(inner, "ident", None)  # what a reader read (an object's version), if known
 
     def read(self, extents: Any) -> None:
         self.inner.read(extents)

@@ -152,7 +152,8 @@ class S3Tier(RemoteTier):
             self._fail("reading", rel, exc)
 
     def _open_read(self, rel: str, size: int, engine: Any) -> Any:
-        return ShardIO(_RangeReader(self, rel, size))
+        head = self._call("stat of", rel, lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(rel)))
+        return ShardIO(_RangeReader(self, rel, int(head["ContentLength"]), head.get("ETag")))
 
     def read_bytes(self, rel: str, limit: int) -> bytes:
         body = self._get(rel)["Body"]
@@ -299,10 +300,12 @@ def _code(exc: BaseException) -> str:
 
 
 class _RangeReader:
-    """Reads a shard with one ranged GET per extent (restore and ``verify`` of a URL)."""
+    """Reads a shard with one ranged GET per extent (restore and ``verify`` of a URL), each of
+    the object version (``ident``: its ETag) seen when it was opened: a version uploaded since
+    fails the read (412) instead of mixing two versions' bytes."""
 
-    def __init__(self, tier: S3Tier, rel: str, size: int):
-        self.tier, self.rel, self.size = tier, rel, size
+    def __init__(self, tier: S3Tier, rel: str, size: int, etag: str | None = None):
+        self.tier, self.rel, self.size, self.ident = tier, rel, size, etag
 
     def read(self, extents: Any) -> None:
         for off, mv in extents:
@@ -312,7 +315,8 @@ class _RangeReader:
             if off + n > self.size:
                 raise RemoteError(f"{self.tier.where(self.rel)}: read of [{off}, {off + n}) beyond its "
                                   f"{self.size} bytes", url=self.tier.where(self.rel), step=step_of(self.rel))
-            body = self.tier._get(self.rel, Range=f"bytes={off}-{off + n - 1}")["Body"]
+            pin = {"IfMatch": self.ident} if self.ident else {}
+            body = self.tier._get(self.rel, Range=f"bytes={off}-{off + n - 1}", **pin)["Body"]
 
             def fill(body: Any = body, mv: Any = mv, n: int = n, off: int = off) -> None:
                 got = 0
