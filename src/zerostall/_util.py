@@ -5,12 +5,14 @@ The bottom of the import graph: imports nothing from zerostall.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib
 import os
 import queue
 import resource
 import threading
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -134,3 +136,30 @@ def run_in_fresh_thread(fn: Callable[[], None], name: str) -> None:
     t.join()
     if err:
         raise err[0]
+
+
+_GC_LOCK = threading.Lock()
+_GC_PAUSED = [0, False]  # [threads inside no_gc, whether the GC was enabled before the first]
+
+
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """Pause the cyclic GC while building many acyclic objects: a save plan allocates an object
+    or more per tensor (leaves, detached tensors, sizes), which triggered gen-2 collections of
+    the whole heap inside ``save()`` (1-2 per save at 100k tensors, each scanning the caller's
+    state); a manifest parse builds a few per tensor (~half of ``Manifest.from_bytes`` at 100k
+    tensors). The counts carry over, so a collection due runs afterwards. A GC the caller
+    disabled stays disabled; threads pausing at once re-enable it
+    when the last one is done (a count under a lock: no thread sees the others' pause)."""
+    with _GC_LOCK:
+        if _GC_PAUSED[0] == 0:
+            _GC_PAUSED[1] = gc.isenabled()
+            gc.disable()
+        _GC_PAUSED[0] += 1
+    try:
+        yield
+    finally:
+        with _GC_LOCK:
+            _GC_PAUSED[0] -= 1
+            if _GC_PAUSED[0] == 0 and _GC_PAUSED[1]:
+                gc.enable()

@@ -170,7 +170,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         raise CheckpointNotFound(f"no committed checkpoint in {tier.url}")
     m = tier.read_manifest(step)
     if a.json:
-        print(json.dumps(m.body(), indent=1))
+        print(json.dumps(m.body(objects=True), indent=1))
         return 0
     refs = f" + {_human(m.referenced_bytes)} referenced" if m.ref_files else ""
     t = Table(title=f"step {step}: {len(m.tensors)} tensors, {_human(m.total_bytes)} owned{refs}, "
@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("inspect", help="tensors, dtypes, shapes, bytes of a checkpoint")
     s.add_argument("path", help="a local directory, s3://bucket/prefix or file:///path")
     s.add_argument("--step", type=int, help="this step (default: the newest)")
-    s.add_argument("--json", action="store_true", help="print the whole manifest body as JSON")
+    s.add_argument("--json", action="store_true", help="print the whole manifest body as JSON (one object per tensor)")
     s.set_defaults(fn=cmd_inspect)
 
     s = sub.add_parser("export", help="write a checkpoint's tensors to another format")

@@ -13,6 +13,8 @@ import zerostall
 from zerostall.cli import main as cli
 from zerostall.errors import CorruptCheckpoint
 
+from tests.manifest_forms import FORMS, edit
+
 MARKER = "/tmp/zerostall-pwned-marker"
 
 
@@ -21,9 +23,10 @@ class Evil:
         return (os.system, (f"touch {MARKER}",))
 
 
-def _reseal(path, mutate):
+def _reseal(path, mutate, form="columns"):
+    """Edit the body with one dict per tensor; write it back as ``form`` (tests.manifest_forms)."""
     env = json.load(open(path))
-    mutate(env["body"])
+    edit(env["body"], mutate, form)
     canon = json.dumps(env["body"], sort_keys=True, separators=(",", ":")).encode()
     env["body_crc32c"] = f"{crc32c.crc32c(canon):08x}"
     with open(path, "w") as f:
@@ -52,8 +55,9 @@ def _man(ckdir):
     (lambda b: b.update(format_version=2), "format_version"),
     (lambda b: b.update(tree={"pickle": pickle.dumps(Evil()).hex()}), "unknown node tag"),
 ])
-def test_rejected_with_clear_error(ckpt, mutate, msg):
-    _reseal(_man(ckpt), mutate)
+@pytest.mark.parametrize("form", FORMS)
+def test_rejected_with_clear_error(ckpt, mutate, msg, form):
+    _reseal(_man(ckpt), mutate, form)
     with pytest.raises(CorruptCheckpoint, match=msg):
         zerostall.load(ckpt, fallback=False)
     assert cli(["verify", ckpt]) == 1

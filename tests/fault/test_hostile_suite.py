@@ -26,6 +26,8 @@ import zerostall
 from zerostall.cli import main as cli
 from zerostall.errors import CheckpointNotFound, CorruptCheckpoint
 
+from tests.manifest_forms import as_form, as_objects
+
 pytestmark = pytest.mark.timeout(120)
 
 RSS_BOUND = 256 << 20
@@ -50,15 +52,30 @@ def ck(ckdir):
     return ckdir
 
 
+@pytest.fixture
+def ck_objects(ck):
+    """``ck`` with step 2's manifest in the form releases before 0.6 wrote (version 1, one
+    object per tensor): the same hostile edits must fail on it too."""
+    _write_env(ck, dict(_env(ck), _form="objects"))
+    assert isinstance(json.load(open(_p(ck, "manifest.json")))["body"]["tensors"], list)
+    assert zerostall.load(ck, step=2)["w"].equal(_state(2)["w"])  # the legacy form itself loads
+    return ck
+
+
 def _p(ck, *parts):
     return os.path.join(ck, "step-2", *parts)
 
 
 def _env(ck):
-    return json.load(open(_p(ck, "manifest.json")))
+    """Step 2's envelope, its body's tensors as one dict per tensor (``_form`` remembers the
+    form on disk: :func:`_write_env` writes that form back)."""
+    env = json.load(open(_p(ck, "manifest.json")))
+    env["_form"] = as_objects(env["body"])
+    return env
 
 
 def _write_env(ck, env, reseal=True):
+    as_form(env["body"], env.pop("_form", "columns"))
     if reseal:
         canon = json.dumps(env["body"], sort_keys=True, separators=(",", ":")).encode()
         env["body_crc32c"] = f"{crc32c.crc32c(canon):08x}"
@@ -295,8 +312,24 @@ def test_suite_is_large_enough():
     assert len(CASES) >= 40
 
 
+TENSOR_CASES = ("dtype_unknown", "tensor_entry_not_object", "shape_negative", "shape_zero_elems_overflow",
+                "shape_string", "shape_bool_dim", "nbytes_mismatch", "offset_unaligned", "offset_beyond_file",
+                "offset_in_header", "offset_string", "crc_out_of_range", "crc_wrong", "key_not_str",
+                "two_tensors_overlap", "overlapping_50", "tree_numpy_over_bfloat16", "format_version_str")
+"""The cases that edit tensor entries, run again on a manifest in the objects form (version 1)."""
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_hostile_case(ck, name):
+    _check_case(ck, name)
+
+
+@pytest.mark.parametrize("name", TENSOR_CASES)
+def test_hostile_case_objects_form(ck_objects, name):
+    _check_case(ck_objects, name)
+
+
+def _check_case(ck, name):
     import gc
     CASES[name](ck)
     want = _state(1)
@@ -331,10 +364,12 @@ def test_exact_duplicate_entries_are_aliases_allocated_once(ckdir):
     zerostall.save(ckdir, {"big": torch.arange(4 << 20, dtype=torch.float32)}, step=1)
     path = os.path.join(ckdir, "step-1", "manifest.json")
     env = json.load(open(path))
+    as_objects(env["body"])
     t0 = env["body"]["tensors"][0]
     for i in range(50):
         env["body"]["tensors"].append(dict(t0, key=f"alias{i}"))
         env["body"]["tree"]["d"].append([{"v": f"alias{i}"}, {"T": i + 1}])
+    as_form(env["body"], "columns")
     canon = json.dumps(env["body"], sort_keys=True, separators=(",", ":")).encode()
     env["body_crc32c"] = f"{crc32c.crc32c(canon):08x}"
     json.dump(env, open(path, "w"))

@@ -74,7 +74,7 @@ def test_round_trip_bit_exact_and_bytes(ckdir, mode):
     mans = _verify_all(ckdir)
     assert [bool(mm.ref_files) for mm in mans] == [False, True, True, True, False, True]
     assert {r.step for r in mans[5].ref_files} == {4}
-    assert mans[1].format_version == 2 and mans[0].format_version == 1
+    assert mans[1].format_version == mans[0].format_version == 3  # version 3 with and without ref_files
 
 
 def test_in_place_writes_that_bypass_the_version_counter_are_caught(ckdir):

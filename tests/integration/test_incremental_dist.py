@@ -90,7 +90,7 @@ def test_two_ranks_reference_their_own_files(tmp_path, mode, capsys):
         assert {(r.step, r.name, r.rank) for r in man.ref_files} == {(base, n, i) for i, n in enumerate(SHARDS)}
         for e in man.tensors:  # a rank borrows only from its own file
             assert e.file in SHARDS
-        assert man.world_size == 2 and man.format_version == 2
+        assert man.world_size == 2 and man.format_version == 3
     assert cli(["verify", ckdir]) == 0
     capsys.readouterr()
     assert cli(["ls", ckdir, "--json"]) == 0

@@ -43,7 +43,15 @@ def test_the_manifest_estimate_bounds_the_manifest_closely(tmp_path):
 
 
 def test_the_entry_bound_holds_for_the_widest_entry():
-    e = mf.TensorEntry("k" * 40, "float8_e4m3fnuz", (1 << 62,) * 3, "rank-99999999.shard", (1 << 62) - 1,
-                       1 << 62, 0xFFFFFFFF, (1 << 63) - 1)
-    assert len(json.dumps(e.to_json(), separators=(",", ":"))) + 1 <= entry_bound(e.key, 3)
-    assert ENTRY_BYTES < 200 and DIM_BYTES == 20
+    """What one entry adds to the version 3 column table (its values and a comma per column),
+    at every field's widest: a file index past 2**25 files, 2**62 offsets, sizes and dims."""
+    from zerostall.format.table import encode_columns
+    files = ["f0", "f1"]
+    e = mf.TensorEntry("k" * 40, "float8_e4m3fnuz", (1 << 62,) * 3, "f1", (1 << 62) - 1, 1 << 62, 0xFFFFFFFF)
+    other = mf.TensorEntry("j", "float32", (), "f0", 0, 0, 0)
+    dumps = lambda v: len(json.dumps(v, separators=(",", ":")))  # noqa: E731
+    big = encode_columns([other, e], files)
+    big["dtype"][1], big["file"][1] = 99, 1 << 25  # the widest indices: < 100 dtypes, 2**25 files
+    added = dumps(big) - dumps(encode_columns([other], files)) - len(json.dumps(e.dtype))
+    assert added <= entry_bound(e.key, 3)
+    assert ENTRY_BYTES < 100 and DIM_BYTES == 20

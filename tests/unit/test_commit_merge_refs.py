@@ -27,12 +27,14 @@ def test_merge_carries_every_ranks_references_and_round_trips():
     man = merge(frags, step=6, world=3, per_rank=True, user_metadata={})
     assert {(r.step, r.name, r.rank) for r in man.ref_files} == {(3, "rank-00000.shard", 0), (3, "rank-00002.shard", 2)}
     back = Manifest.from_bytes(man.to_bytes())
-    assert back.format_version == 2 and back.ref_files == man.ref_files
+    assert back.format_version == 3 and back.ref_files == man.ref_files
     assert [e.step for e in back.tensors] == [None, 3, None, None, 3]
     assert peer_protected(frags) == {3, 4, 5}
 
 
-def test_merge_without_references_stays_version_1():
+def test_merge_without_references_has_no_ref_files():
     man = merge([_frag(0, False, []), _frag(1, False, [])], step=2, world=2, per_rank=True, user_metadata={})
-    assert man.ref_files == () and Manifest.from_bytes(man.to_bytes()).format_version == 1
+    back = Manifest.from_bytes(man.to_bytes())
+    assert man.ref_files == () and back.format_version == 3 and back.ref_files == ()
+    assert "ref_files" not in man.body()
     assert peer_protected([{"file": {}}, {}]) == set()  # fragments of a non-incremental save

@@ -42,15 +42,25 @@ def test_errors():
 
 def test_manifest_entry_bound_holds_for_every_kind_of_key():
     """The save-side estimate of a manifest (``entry_bound`` per tensor) is an upper bound of
-    the real entry's JSON: ASCII, escaped and non-ASCII keys, scalars to 8-D, a reference."""
+    the real entry's JSON in the version 3 column table (what it adds: its values and a comma
+    per column): ASCII, escaped and non-ASCII keys, scalars to 8-D, a reference (a file index
+    past 2**25 files), every index at its widest."""
     import json
 
     from zerostall.format.manifest import TensorEntry
+    from zerostall.format.table import encode_columns
     from zerostall.staging.plan import entry_bound
+
+    def size(cols):
+        return len(json.dumps(cols, separators=(",", ":")))
+
+    first = TensorEntry("a", "float8_e4m3fnuz", (), "f", 0, 0, 0)
+    base = size(encode_columns([first], ["f"]))
     keys = ["w", "model.layers.0.attention.wq.weight", 'q"uote\\back', "tab\there", "émbed.ü", "层.权重" * 5]
     for key in keys:
         for shape in [(), (7,), (2 ** 40, 3), tuple([99999] * 8)]:
-            e = TensorEntry(key, "float8_e4m3fnuz", shape, "rank-9999999999.shard", 10 ** 19, 10 ** 19,
-                            2 ** 32 - 1, step=10 ** 12)
-            real = len(json.dumps(e.to_json(), separators=(",", ":"))) + 1  # and its comma
+            e = TensorEntry(key, "float8_e4m3fnuz", shape, "f", 10 ** 19, 10 ** 19, 2 ** 32 - 1)
+            cols = encode_columns([first, e], ["f"])
+            cols["dtype"][1], cols["file"][1] = 99, (1 << 25) + 10 ** 6  # < 100 dtypes; 2**25 files + refs
+            real = size(cols) - base
             assert real <= entry_bound(key, len(shape)), (key, shape)

@@ -9,6 +9,8 @@ from zerostall.format import FileEntry, Manifest, TensorEntry
 from zerostall.format.refs import RefFile, closure
 from zerostall.store.retention import dependents, spare_referenced
 
+from tests.manifest_forms import FORMS, edit
+
 F = "rank-00000.zst"
 
 
@@ -33,32 +35,36 @@ def _reseal(body):
 def test_v2_roundtrip_and_v1_without_references():
     m = _manifest()
     body = m.body()
-    assert body["format_version"] == 2
+    assert body["format_version"] == 3 and body["tensors"]["file"] == [0, 1]  # 1: ref_files[0]
     m2 = Manifest.from_bytes(m.to_bytes())
     assert m2.tensors == m.tensors and m2.ref_files == m.ref_files
     assert m2.referenced_bytes == 4096 and m2.total_bytes == 8192
     plain = _manifest(tensors=m.tensors[:1], tree={"d": [[{"v": "w"}, {"T": 0}]]}, ref_files=())
-    assert plain.body()["format_version"] == 1 and "ref_files" not in plain.body()
+    assert plain.body()["format_version"] == 3 and "ref_files" not in plain.body()
+    old = edit(m.body(), lambda b: None, "objects")  # what 0.5 wrote: version 2, objects
+    assert old["format_version"] == 2 and old["tensors"][1]["step"] == 3
+    assert Manifest.from_bytes(_reseal(old)).tensors == m.tensors
     assert Manifest.from_bytes(plain.to_bytes()).ref_files == ()
 
 
 @pytest.mark.parametrize("mutate,msg", [
-    (lambda b: b.pop("ref_files"), "requires a non-empty 'ref_files'"),
+    (lambda b: b.pop("ref_files"), "requires a non-empty 'ref_files'|not listed in 'files' or 'ref_files'"),
     (lambda b: b.update(format_version=1), "needs format_version 2"),
+    (lambda b: b.update(ref_files=[]), "requires a non-empty 'ref_files'"),
     (lambda b: b["ref_files"][0].update(step=7), "not earlier"),
     (lambda b: b["ref_files"][0].update(step=-1), "non-negative"),
     (lambda b: b["ref_files"][0].update(name="../../etc/passwd"), "plain file name"),
     (lambda b: b["ref_files"][0].update(file_bytes=100), "multiple"),
     (lambda b: b["ref_files"][0].update(file_id=""), "file_id"),
     (lambda b: b["ref_files"].append(dict(b["ref_files"][0])), "twice"),
-    (lambda b: b["tensors"][1].update(step=4), "not listed in 'ref_files'"),
-    (lambda b: b["tensors"][1].update(step="3"), "not listed in 'ref_files'"),
+    (lambda b: b["tensors"][1].update(step=4), "not listed in 'ref_files'|not listed in 'files' or 'ref_files'"),
+    (lambda b: b["tensors"][1].update(step="3"), "not listed in 'ref_files'|not listed in 'files' or 'ref_files'"),
     (lambda b: b["tensors"][1].update(offset=12288), "outside"),
     (lambda b: b["tensors"][1].update(offset=4097), "unaligned"),
 ])
-def test_hostile_references_rejected(mutate, msg):
-    body = _manifest().body()
-    mutate(body)
+@pytest.mark.parametrize("form", FORMS)
+def test_hostile_references_rejected(mutate, msg, form):
+    body = edit(_manifest().body(), mutate, form)
     with pytest.raises(CorruptCheckpoint, match=msg):
         Manifest.from_bytes(_reseal(body))
 

@@ -9,9 +9,10 @@ earlier steps it borrows bytes from::
 and a tensor entry with a ``"step"`` field lives in that step's file (``file``, ``offset``,
 ``nbytes`` and ``crc32c`` as for any entry). A reference always names the step that *wrote*
 the bytes (references are flattened when a step re-references), so reading one never
-follows a chain. Version 1 manifests (no references) are what every non-incremental save
-writes, so older readers keep reading them; a version 1 manifest may not hold references
-and a version 2 one must.
+follows a chain. A version 1 manifest may not hold references and a version 2 one must;
+version 3 (the column table, :mod:`.table`: every save since 0.6) lists ``ref_files`` only
+when it has references, and a reference's step is that of the ref file its ``file`` index
+names.
 
 Who relies on this: ``restore`` opens ``step-<S>/<name>`` read-only and checks it like an
 own shard (regular file, size, exact header built from ``file_id``/``step``/``rank``,
@@ -52,7 +53,7 @@ class RefFile:
 def parse_ref_files(raw: Any, step: int, bad: Callable[[str], Exception]) -> dict[tuple[int, str], RefFile]:
     """Validate a manifest body's ``ref_files``; keyed by (step, name). ``bad`` builds the error."""
     if not isinstance(raw, list) or not raw:
-        raise bad("format_version 2 requires a non-empty 'ref_files' list")
+        raise bad("format_version 2 requires a non-empty 'ref_files' list (version 3 omits it without references)")
     out: dict[tuple[int, str], RefFile] = {}
     for r in raw:
         if not isinstance(r, dict):

@@ -151,23 +151,25 @@ _SHAPE = _SIZE if _SIZE is not torch.Tensor.size else _shape
 
 
 def _entry_bytes() -> int:
-    """The longest a tensor entry's manifest JSON can be besides its key and shape: every
-    field at its widest (the longest dtype name, a shard name up to rank 10**10, offset and
-    size up to ``MAX_DIM``, the crc32c, a reference's step) and the comma between entries.
-    Entries of real states measure 110-170 B with their key."""
+    """The most a tensor entry adds to the manifest's tensor table (format version 3: columns,
+    see :mod:`~zerostall.format.table`) besides its key and shape: every field at its widest
+    (a dtype index, a file index past 2**25 files, offset and size of 20 digits, the
+    crc32c) and a comma in each column. Entries of real states measure 50-70 B with their key."""
     from ..format.dtypes import SUPPORTED_DTYPES
-    from ..format.layout import shard_name
-    from ..format.manifest import TensorEntry
-    from ..format.validate import MAX_DIM
-    widest = max((dtype_name(d) for d in SUPPORTED_DTYPES), key=len)
-    e = TensorEntry("", widest, (), shard_name(10 ** 10), MAX_DIM, MAX_DIM, 0xFFFFFFFF, MAX_STEP)
-    return len(json.dumps(e.to_json(), separators=(",", ":"))) + 1
+    from ..format.table import TensorEntry, encode_columns
+    e = TensorEntry("", "float32", (), "f", 10 ** 19, 10 ** 19, 0xFFFFFFFF)  # 20 digits > MAX_DIM
+    one = encode_columns([e], ["f"])
+    one.update(dtypes=[], dtype=[len(SUPPORTED_DTYPES)], file=[1 << 25])
+    empty = {k: [] for k in one}
+    dumps = lambda v: json.dumps(v, separators=(",", ":"))  # noqa: E731
+    return len(dumps(one)) - len(dumps(empty)) + len(one) - 1  # a comma in each column but dtypes
 
 
 ENTRY_BYTES = _entry_bytes()
-"""A bound on one tensor entry's JSON in the manifest besides its key and shape (185 B);
+"""A bound on what one tensor entry adds to the manifest besides its key and shape (71 B);
 each shape dimension adds at most ``DIM_BYTES``. The manifest limit is checked on these
-(:func:`check_manifest_size`): 1M tensors with 30-character keys need ~0.25 GB of the 512 MiB."""
+(:func:`check_manifest_size`): 1M tensors with 30-character keys need ~0.1 GB of the 512 MiB
+(plus the state tree)."""
 DIM_BYTES = len(str(1 << 62)) + 1
 """The widest dimension (``MAX_DIM``) and its comma."""
 

@@ -9,10 +9,7 @@ keep a tensor of the caller's alive between saves.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import operator
-import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
@@ -20,6 +17,7 @@ from typing import Any, Iterator
 
 import torch
 
+from .._util import no_gc
 from ..format.tree import TensorLeaf, encode_tree
 from .plan import _DTYPE, _KEY, _NUMPY, _SIZE, SavePlan, _entries_bound, build_plan, check_manifest_size
 
@@ -133,30 +131,7 @@ def _tensor_sig(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
             dtypes, tuple(map(_DEVICE, tensors)))
 
 
-_gc_lock = threading.Lock()
-_gc_paused = [0, False]  # [planners inside _no_gc, whether the GC was enabled before the first]
-
-
-@contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
-    """Pause the cyclic GC: a plan allocates an object or more per tensor (leaves, detached
-    tensors, sizes), which triggered gen-2 collections of the whole heap inside ``save()``
-    (1-2 per save at 100k tensors, each scanning the caller's state). None of it is cyclic;
-    the counts carry over, so a collection due runs after the plan is built. A GC the caller
-    disabled stays disabled; Checkpointers planning on several threads at once re-enable it
-    when the last one is done (a count under a lock: no thread sees the others' pause)."""
-    with _gc_lock:
-        if _gc_paused[0] == 0:
-            _gc_paused[1] = gc.isenabled()
-            gc.disable()
-        _gc_paused[0] += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_paused[0] -= 1
-            if _gc_paused[0] == 0 and _gc_paused[1]:
-                gc.enable()
+_no_gc = no_gc  # the cyclic GC paused while a plan is built (see :func:`~zerostall._util.no_gc`)
 
 
 class PlanCache:
