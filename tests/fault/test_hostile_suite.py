@@ -54,7 +54,7 @@ def ck(ckdir):
 
 @pytest.fixture
 def ck_objects(ck):
-    """``ck`` with step 2's manifest in the form releases before 0.6 wrote (version 1, one
+    """``ck`` with step 2's manifest in the form earlier releases wrote (version 1, one
     object per tensor): the same hostile edits must fail on it too."""
     _write_env(ck, dict(_env(ck), _form="objects"))
     assert isinstance(json.load(open(_p(ck, "manifest.json")))["body"]["tensors"], list)

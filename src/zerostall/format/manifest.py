@@ -6,11 +6,11 @@ It is written last, inside an envelope that carries the crc32c of the body::
 
 ``body`` holds ``format_version``, ``step``, ``world_size``, ``created_unix``,
 ``checkpoint_id``, ``alignment`` (the shard layout: ``4096`` every tensor on its own page,
-layout 1, written before 0.5; ``64`` small tensors packed, layout 2: see :mod:`.layout`), ``files``
+layout 1, written before layout 2; ``64`` small tensors packed, layout 2: see :mod:`.layout`), ``files``
 (name, rank, host, file_bytes), ``tensors`` (key, dtype, shape, file, offset, nbytes, crc32c of
 each tensor: see :mod:`.table`) and ``tree`` (see :mod:`.tree`). Version 2 added references to
 earlier steps' bytes (``ref_files``, a tensor's ``step``; see :mod:`.refs`), version 1 has
-none; both hold one JSON object per tensor. Version 3, what every save writes since 0.6, holds
+none; both hold one JSON object per tensor. Version 3, what every save writes now, holds
 the tensor table as columns (~1/3 of the bytes, parsed ~2x faster) and ``ref_files`` where a
 save references; older readers refuse it, naming the version, and ask for an upgrade.
 :meth:`Manifest.from_bytes` checks the envelope, the version and every field before anyone

@@ -10,7 +10,7 @@ and a tensor entry with a ``"step"`` field lives in that step's file (``file``, 
 ``nbytes`` and ``crc32c`` as for any entry). A reference always names the step that *wrote*
 the bytes (references are flattened when a step re-references), so reading one never
 follows a chain. A version 1 manifest may not hold references and a version 2 one must;
-version 3 (the column table, :mod:`.table`: every save since 0.6) lists ``ref_files`` only
+version 3 (the column table, :mod:`.table`: every save now) lists ``ref_files`` only
 when it has references, and a reference's step is that of the ref file its ``file`` index
 names.
 

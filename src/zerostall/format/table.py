@@ -1,6 +1,6 @@
 """The manifest's tensor table: its two encodings, their parsers, and the save path's encoder.
 
-Format version 3 (written since 0.6) stores ``tensors`` as columns, one JSON array per field,
+Format version 3 (written by every save since 2026-12-01) stores ``tensors`` as columns, one JSON array per field,
 in the order of the tensor indices the state tree refers to::
 
     "tensors": {"dtypes": ["float32", "bfloat16"], "key": ["w", "b"], "dtype": [0, 1],
