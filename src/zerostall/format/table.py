@@ -188,17 +188,17 @@ def _entry(i: int, key: Any, dt: Any, shape: Any, fname: Any, span_file: Any, re
     ctx = f"tensor {key!r}: "
     if type(nbytes) is not int or not 0 <= nbytes <= max_dim:
         V.integer({"nbytes": nbytes}, "nbytes", where, 0, max_dim, ctx)  # raises
-    if type(shape) is list and not shape and nbytes == size:
-        shape = ()
-    elif (type(shape) is list and len(shape) == 1 and type(shape[0]) is int and 0 <= shape[0] < max_dim
-          and shape[0] * size == nbytes):
-        shape = (shape[0],)
-    else:
-        shape = V.check_shape(shape, size, nbytes, where, key)
+    shape = V.check_shape(shape, size, nbytes, where, key)
     if type(off) is not int or not 0 <= off <= max_dim:
         V.integer({"offset": off}, "offset", where, 0, max_dim, ctx)  # raises
     if type(crc) is not int or not 0 <= crc <= 0xFFFFFFFF:
         V.integer({"crc32c": crc}, "crc32c", where, 0, 0xFFFFFFFF, ctx)  # raises
+    _add(out, spans, i, key, dt, shape, fname, span_file, ref_step, off, nbytes, crc)
+
+
+def _add(out: list[TensorEntry], spans: list[V.Span], i: int, key: str, dt: str, shape: tuple[int, ...],
+         fname: str, span_file: str, ref_step: int | None, off: int, nbytes: int, crc: int) -> None:
+    """Append a checked entry and its span (built without the frozen ``__init__``s: 1M per parse)."""
     out.append(TensorEntry.fast(key, dt, shape, fname, off, nbytes, crc, ref_step))
     s = object.__new__(V.Span)
     s.__dict__.update(index=i, file=span_file, offset=off, nbytes=nbytes, ident=(dt, shape, crc), key=key)
@@ -275,25 +275,10 @@ def _fast_columns(cols: list[list[Any]], names: list[str], slots: list[FileSlot]
     """:func:`parse_columns` once keys, indices, offsets, sizes and crc32c values are known to
     be in range: per entry only the shape is left to check (inline for 0-d and 1-d)."""
     sizes = [_ITEMSIZE_BY_NAME[n] for n in names]
-    max_dim, new, te, span = V.MAX_DIM, object.__new__, TensorEntry, V.Span
     for i, (key, d, shape, f, off, nbytes, crc) in enumerate(zip(*cols)):
-        size = sizes[d]
-        if type(shape) is list and not shape and nbytes == size:
-            shape = ()
-        elif (type(shape) is list and len(shape) == 1 and type(shape[0]) is int and 0 <= shape[0] < max_dim
-              and shape[0] * size == nbytes):
-            shape = (shape[0],)
-        else:
-            shape = V.check_shape(shape, size, nbytes, where, key)
-        dt = names[d]
         fname, span_file, ref_step = slots[f]
-        e = new(te)
-        e.__dict__.update(key=key, dtype=dt, shape=shape, file=fname, offset=off, nbytes=nbytes, crc32c=crc,
-                          step=ref_step)
-        out.append(e)
-        s = new(span)
-        s.__dict__.update(index=i, file=span_file, offset=off, nbytes=nbytes, ident=(dt, shape, crc), key=key)
-        spans.append(s)
+        _add(out, spans, i, key, names[d], V.check_shape(shape, sizes[d], nbytes, where, key),
+             fname, span_file, ref_step, off, nbytes, crc)
 
 
 # -- conversion between the forms (tools and tests: no validation) ---------------------------
