@@ -91,3 +91,31 @@ def same(a, b, path="<root>", more=None):
         rec(vars(a), vars(b), path)
     else:
         assert a == b, f"{path}: {a!r} came back as {b!r}"
+
+
+class ShardItem:
+    """What the shard codec needs of one item (``format.shard.Item``), for codec tests."""
+
+    def __init__(self, key, offset, nbytes, crc):
+        self.key, self.offset, self.nbytes, self.crc32c = key, offset, nbytes, crc
+
+
+def write_test_shard(path, payloads, rank, window):
+    """Write ``payloads`` (uint8 tensors) as one shard at ``path`` through a ``window``-byte arena
+    with the threads engine, laid out by the current layout's ``pack_offsets``. Returns
+    ``(header, items, engine, arena)``; the caller closes the engine and the arena."""
+    from zerostall.config import IOConfig
+    from zerostall.format.layout import ShardHeader, pack_offsets
+    from zerostall.format.shard import write_shard
+    from zerostall.io import get_engine
+    from zerostall.staging.arena import Arena
+    offsets, file_bytes = pack_offsets([p.numel() for p in payloads])
+    header = ShardHeader("id", 0, rank, file_bytes)
+    eng = get_engine("threads", IOConfig())
+    buf = Arena(window, mlock=False)
+    f = eng.open_write(path, file_bytes)
+    crcs = write_shard(f, header, payloads, offsets, buf)
+    f.finish()
+    f.close()
+    items = [ShardItem(f"k{i}", o, p.numel(), c) for i, (o, p, c) in enumerate(zip(offsets, payloads, crcs))]
+    return header, items, eng, buf

@@ -5,37 +5,23 @@ import crc32c
 import pytest
 import torch
 
-from zerostall.config import IOConfig
 from zerostall.errors import CorruptCheckpoint
-from zerostall.format.layout import (HEADER_BYTES, PAGE_ITEM_BYTES, ShardHeader, item_align,
-                                     pack_offsets)
-from zerostall.format.shard import CrcCursor, check_items, read_runs, read_shard, write_shard
-from zerostall.io import get_engine
-from zerostall.staging.arena import Arena
-from tests.helpers import flip_byte
+from zerostall.format.layout import HEADER_BYTES, PAGE_ITEM_BYTES, item_align
+from zerostall.format.shard import CrcCursor, check_items, read_runs, read_shard
+from tests.helpers import ShardItem, flip_byte, write_test_shard
 
 SIZES = [0, 1, 4, 2, 12, 64, 2684, 2684, 100, PAGE_ITEM_BYTES + 8, 3, 2684, 8, 0, 5000]
 
 
-class Item:
-    def __init__(self, key, offset, nbytes, crc):
-        self.key, self.offset, self.nbytes, self.crc32c = key, offset, nbytes, crc
+Item = ShardItem
 
 
 @pytest.fixture(params=[4096, 1 << 20], ids=["win4k", "win1m"])
 def packed(request, tmp_path):
     g = torch.Generator().manual_seed(1)
     payloads = [torch.randint(1, 256, (n,), dtype=torch.uint8, generator=g) for n in SIZES]  # no zero byte
-    offsets, file_bytes = pack_offsets([p.numel() for p in payloads])
-    header = ShardHeader("id", 0, 0, file_bytes)
-    eng = get_engine("threads", IOConfig())
     path = str(tmp_path / "p.shard")
-    buf = Arena(request.param, mlock=False)
-    f = eng.open_write(path, file_bytes)
-    crcs = write_shard(f, header, payloads, offsets, buf)
-    f.finish()
-    f.close()
-    items = [Item(f"k{i}", o, p.numel(), c) for i, (o, p, c) in enumerate(zip(offsets, payloads, crcs))]
+    header, items, eng, buf = write_test_shard(path, payloads, 0, request.param)
     yield path, header, items, payloads, eng, buf
     eng.close()
     buf.close()

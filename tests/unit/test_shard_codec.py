@@ -10,21 +10,16 @@ import crc32c
 import pytest
 import torch
 
-from zerostall.config import IOConfig
 from zerostall.errors import CorruptCheckpoint
 from zerostall.format import layout
-from zerostall.format.layout import HEADER_BYTES, ShardHeader
-from zerostall.format.shard import CrcCursor, check_items, pack_offsets, read_shard, write_shard
-from zerostall.io import get_engine
-from zerostall.staging.arena import Arena
-from tests.helpers import flip_byte
+from zerostall.format.layout import HEADER_BYTES
+from zerostall.format.shard import CrcCursor, check_items, pack_offsets, read_shard
+from tests.helpers import ShardItem, flip_byte, write_test_shard
 
 SIZES = [0, 1, 4096, 10_000, 0, 3, 20_000, 4095]
 
 
-class Item:
-    def __init__(self, key, offset, nbytes, crc):
-        self.key, self.offset, self.nbytes, self.crc32c = key, offset, nbytes, crc
+Item = ShardItem
 
 
 def _payloads():
@@ -36,16 +31,8 @@ def _payloads():
 def shard(request, tmp_path, monkeypatch):
     monkeypatch.setattr(layout, "WRITE_LAYOUT", 1)
     payloads = _payloads()
-    offsets, file_bytes = pack_offsets([p.numel() for p in payloads])
-    header = ShardHeader("id", 0, 3, file_bytes)
-    eng = get_engine("threads", IOConfig())
     path = str(tmp_path / "s.shard")
-    buf = Arena(request.param, mlock=False)
-    f = eng.open_write(path, file_bytes)
-    crcs = write_shard(f, header, payloads, offsets, buf)
-    f.finish()
-    f.close()
-    items = [Item(f"k{i}", o, p.numel(), c) for i, (o, p, c) in enumerate(zip(offsets, payloads, crcs))]
+    header, items, eng, buf = write_test_shard(path, payloads, 3, request.param)
     yield path, header, items, payloads, eng, buf
     eng.close()
     buf.close()
