@@ -43,6 +43,7 @@ import resource
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -91,6 +92,8 @@ class ArenaView:
     mv: memoryview
     u8: torch.Tensor
     address: int
+    arena: Any = None
+    """The arena it views (restore's CUDA copies register it and cut copies at its chunks)."""
 
 
 class Arena:
@@ -264,7 +267,7 @@ class Arena:
 
     def view(self, nbytes: int) -> ArenaView:
         n = min(nbytes, self.nbytes)
-        return ArenaView(n, self.mv[:n], self.u8[:n], self.address)
+        return ArenaView(n, self.mv[:n], self.u8[:n], self.address, self)
 
     # -- CUDA -------------------------------------------------------------------------------
     def _cuda_register(self, off: int, n: int) -> None:
