@@ -247,9 +247,10 @@ def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: An
     # merge()), on the CUDA device map_location names if it names one.
     tensors: list[Any] = [None] * len(man.tensors)
     dsts: dict[int, tuple[Any, ...]] = {}  # address, direct buffer, protected[, CUDA bytes]
-    mine = {i: d.detach() for i in needed if (d := in_place.get(i, (None,))[0]) is not None and d.is_contiguous()}
-    cpu = {i: d for i, d in mine.items() if d.device.type == "cpu"}
-    gpu = {i: d for i, d in mine.items() if d.device.type == "cuda"}
+    cpu = {i: d.detach() for i in needed if (d := in_place.get(i, (None,))[0]) is not None
+           and d.device.type == "cpu" and d.is_contiguous()}
+    gpu = {i: d.detach() for i in needed if (d := in_place.get(i, (None,))[0]) is not None
+           and d.device.type == "cuda" and d.is_contiguous()} if len(cpu) < len(in_place) else {}
     shared = overlapping(cpu) | overlapping(gpu)  # one tensor at two keys that the step holds as two: merge() fills it
     target = cuda_target(map_location) if state_dict is None else None
     for i in needed:
