@@ -251,3 +251,32 @@ def test_cuda_target_names_a_device_only_where_one_exists():
     assert device_copy.cuda_target("cuda:0") == want
     assert device_copy.cuda_target({"cpu": "cuda:0"}) == want
     assert device_copy.cuda_target(torch.device("cuda", 0)) == want
+
+
+def test_the_scratch_is_pinned_once_kept_from_forks_and_copies_cut_at_its_registered_chunks(monkeypatch):
+    """register_scratch on an arena view (the pool's) pins its arena, MADV_DONTFORK first,
+    once; the copier cuts a copy that crosses two registered chunks (one async copy may not
+    span two registrations). cudart faulted at the arena's seam (tests/unit/test_arena_cuda.py)."""
+    from tests.unit.test_arena_cuda import FakeCudart, fake_on_device
+    from zerostall.staging import arena as zarena
+    from zerostall.staging.memory import _unforked
+    cudart = FakeCudart()
+    monkeypatch.setattr(zarena, "_cudart", lambda: cudart)
+    monkeypatch.setattr(zarena, "_on_device", fake_on_device)
+    monkeypatch.setattr(zarena, "FAULT_CHUNK_BYTES", 1 << 20)
+    a = zarena.Arena(4 << 20, mlock=False)
+    cudart.arenas.append(a)
+    try:
+        view = a.view(a.ready)
+        assert view.arena is a and a not in _unforked
+        device_copy.register_scratch(view, 0)
+        device_copy.register_scratch(view, 0)
+        assert a in _unforked and a.cuda_registered and a.cuda_pinned_bytes == 4 << 20
+        assert len(cudart.regs) == 4  # once: 4 chunks of 1 MiB, not 8
+        cuda = FakeCuda()
+        cp = device_copy.CudaCopier(view, [None], cuda=cuda)
+        assert cp._pieces(a.address + (1 << 20) - 100, 300) == [((1 << 20) - 100, 100), (1 << 20, 200)]
+        with pytest.raises(ValueError, match="outside the restore scratch"):
+            cp._pieces(a.address + (4 << 20) - 10, 20)
+    finally:
+        a.close()

@@ -125,11 +125,12 @@ def cuda_target(map_location: Any) -> torch.device | None:
 
 def register_scratch(scratch: Any, device: int) -> None:
     """Pin the scratch for DMA (the staging pool's arena, the shared bounce; once: later calls
-    return at once). An arena registers its faulted prefix (and what it faults later): a
-    transient scratch (a remote tier's, not faulted ahead) stays pageable, and its copies
-    are staged by the driver (synchronous for the copier thread, still correct)."""
+    return at once), kept from forked children first. An arena registers its faulted prefix
+    (and what it faults later): a transient scratch (a remote tier's, not faulted ahead)
+    stays pageable, its copies staged by the driver (synchronous for the copier, correct)."""
     arena = getattr(scratch, "arena", None) or scratch
     if hasattr(arena, "register_cuda") and not arena.cuda_registered:
+        arena.keep_from_fork()  # the kernel copies pinned pages into every forked child (DataLoader workers)
         arena.register_cuda(device)
 
 

@@ -302,8 +302,7 @@ class _Run:
                 elif not late:
                     self._swap(dst, src, n)
             if dev:  # returns once the copies are done: the slot may be reused
-                assert self.dev is not None
-                self.dev.copy(dev)
+                self.dev.copy(dev)  # type: ignore[union-attr]  # set when any destination is CUDA
         finally:
             if slot >= 0:
                 self._release(slot)

@@ -147,8 +147,7 @@ class Arena:
             # arena nor, if its pages are pinned for DMA (cudaHostRegister), the pages
             # themselves at fork time (the kernel copies DMA-pinned anonymous pages eagerly).
             # Only for owners that never use the arena in a child (the pool).
-            if _libc.madvise(ctypes.c_void_p(self.address), self.nbytes, MADV_DONTFORK) == 0:
-                _unforked.add(self)
+            self.keep_from_fork()
         if hugepages:
             try:
                 self._map.madvise(MADV_HUGEPAGE)  # only sets a flag on the mapping: instant
@@ -289,6 +288,13 @@ class Arena:
     def cuda_pinned_bytes(self) -> int:
         """Bytes registered with CUDA so far."""
         return sum(n for _, n in self._cuda_chunks)
+
+    def keep_from_fork(self) -> None:
+        """``MADV_DONTFORK`` (see the constructor's ``dontfork``): a forked child gets a zero
+        placeholder instead of a copy. Restore calls it before pinning the shared bounce for
+        CUDA copies (:func:`zerostall.restore.device_copy.register_scratch`)."""
+        if self not in _unforked and _libc.madvise(ctypes.c_void_p(self.address), self.nbytes, MADV_DONTFORK) == 0:
+            _unforked.add(self)
 
     def register_cuda(self, device: int | None = None) -> None:
         """Pin the faulted prefix for DMA now, and every chunk the faulter adds later (once),
