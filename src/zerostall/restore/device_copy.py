@@ -44,6 +44,7 @@ ring slot is freed once the copy's event completed.
 from __future__ import annotations
 
 import ctypes
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Sequence
 
@@ -146,7 +147,8 @@ class CudaCopier:
         self.base = self.u8.data_ptr()
         self.arena = getattr(scratch, "arena", None) or scratch
         self.copied = 0
-        """Bytes handed to the device so far."""
+        """Bytes copied to the device so far (under ``_lock``: two copier threads add)."""
+        self._lock = threading.Lock()
         self.streams: dict[int, Any] = {}
         for i in sorted(set(devices)):
             register_scratch(scratch, i)
@@ -172,6 +174,7 @@ class CudaCopier:
         for job in jobs:
             by_dev.setdefault(job[0].device.index, []).append(job)
         used: list[Any] = []
+        done = 0
         try:
             for i, part in by_dev.items():
                 s = self.streams[i]
@@ -182,9 +185,11 @@ class CudaCopier:
                         for off, k in self._pieces(src, n):
                             dst[at:at + k].copy_(self.u8[off:off + k], non_blocking=True)
                             at += k
-                        self.copied += n
+                        done += n
         finally:
             self._wait(used)
+            with self._lock:
+                self.copied += done
 
     def _wait(self, streams: Sequence[Any]) -> None:
         events = []
