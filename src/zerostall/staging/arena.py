@@ -41,15 +41,16 @@ import resource
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .._util import memlock_fix, node_leader, run_in_fresh_thread, swap_total_bytes
-from .memory import _libc, _unforked, populate
+from .memory import MADV_NOHUGEPAGE, _libc, _unforked, populate, probe_pages
 
 log = logging.getLogger("zerostall")
 
-MADV_HUGEPAGE, MADV_NOHUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14), getattr(mmap, "MADV_NOHUGEPAGE", 15)
+MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 MADV_DONTNEED, MADV_DONTFORK = getattr(mmap, "MADV_DONTNEED", 4), getattr(mmap, "MADV_DONTFORK", 10)
 PROBE_BYTES, PROBE_RATIO = 8 << 20, 2.0
 """An arena advised huge pages faults this many bytes of each page size first, and uses 4 KiB
@@ -89,6 +90,8 @@ class ArenaView:
     mv: memoryview
     u8: torch.Tensor
     address: int
+    arena: Any = None
+    """The arena it views (restore's CUDA copies register it and cut copies at its chunks)."""
 
 
 class Arena:
@@ -142,8 +145,7 @@ class Arena:
             # arena nor, if its pages are pinned for DMA (cudaHostRegister), the pages
             # themselves at fork time (the kernel copies DMA-pinned anonymous pages eagerly).
             # Only for owners that never use the arena in a child (the pool).
-            if _libc.madvise(ctypes.c_void_p(self.address), self.nbytes, MADV_DONTFORK) == 0:
-                _unforked.add(self)
+            self.keep_from_fork()
         self.pages = "4k"  # or "huge" (advised and not slower: _probe_pages), "probing" until then
         self._small_rate = 0.0  # bytes/s of the 4 KiB probe
         if hugepages:
@@ -204,24 +206,13 @@ class Arena:
                 self._call_bytes = max(FAULT_CALL_MIN_BYTES, min(FAULT_CHUNK_BYTES, fit))
 
     def _probe_pages(self, off: int, n: int) -> int:
-        """Fault :data:`PROBE_BYTES` at ``off`` with huge pages, the next ones with 4 KiB pages,
-        and keep huge pages unless slower (:meth:`_use_small`); returns the bytes faulted. Huge
-        pages fault at 8 GB/s where the kernel has them at hand, 0.1-0.4 GB/s on a VM whose host
-        took its free huge pages back (here: 400 MiB in 0.9-1.6 s, 0.15-0.22 s with 4 KiB
-        pages; copies into either ran at 6-13 GB/s)."""
+        """Fault both page sizes first (:func:`.memory.probe_pages`); returns the bytes faulted."""
         self.pages = "huge"
         if n < 2 * PROBE_BYTES:
             return 0
-        t0 = time.perf_counter()
-        self._fault_once(off, PROBE_BYTES)
-        t1 = time.perf_counter()
-        rest = self.address + off + PROBE_BYTES
-        _libc.madvise(ctypes.c_void_p(rest), self.nbytes - off - PROBE_BYTES, MADV_NOHUGEPAGE)
-        self._fault_once(off + PROBE_BYTES, PROBE_BYTES)
-        self._small_rate = PROBE_BYTES / max(time.perf_counter() - t1, 1e-9)
-        _libc.madvise(ctypes.c_void_p(rest + PROBE_BYTES), self.nbytes - off - 2 * PROBE_BYTES, MADV_HUGEPAGE)
-        if PROBE_BYTES * PROBE_RATIO < (t1 - t0) * self._small_rate:  # the 4 KiB probe stays as it is
-            self._use_small(off + 2 * PROBE_BYTES, f"{PROBE_BYTES / (t1 - t0) / 1e9:.2f} GB/s")
+        huge_rate, self._small_rate = probe_pages(self.address, self.nbytes, off, PROBE_BYTES, self._fault_once)
+        if huge_rate * PROBE_RATIO < self._small_rate:  # the 4 KiB probe stays as it is
+            self._use_small(off + 2 * PROBE_BYTES, f"{huge_rate / 1e9:.2f} GB/s")
         return 2 * PROBE_BYTES
 
     def _use_small(self, off: int, why: str) -> None:
@@ -297,7 +288,7 @@ class Arena:
 
     def view(self, nbytes: int) -> ArenaView:
         n = min(nbytes, self.nbytes)
-        return ArenaView(n, self.mv[:n], self.u8[:n], self.address)
+        return ArenaView(n, self.mv[:n], self.u8[:n], self.address, self)
 
     # -- CUDA -------------------------------------------------------------------------------
     def _cuda_register(self, off: int, n: int) -> None:
@@ -319,6 +310,13 @@ class Arena:
     def cuda_pinned_bytes(self) -> int:
         """Bytes registered with CUDA so far."""
         return sum(n for _, n in self._cuda_chunks)
+
+    def keep_from_fork(self) -> None:
+        """``MADV_DONTFORK`` (see the constructor's ``dontfork``): a forked child gets a zero
+        placeholder instead of a copy. Restore calls it before pinning the shared bounce for
+        CUDA copies (:func:`zerostall.restore.device_copy.register_scratch`)."""
+        if self not in _unforked and _libc.madvise(ctypes.c_void_p(self.address), self.nbytes, MADV_DONTFORK) == 0:
+            _unforked.add(self)
 
     def register_cuda(self, device: int | None = None) -> None:
         """Pin the faulted prefix for DMA now, and every chunk the faulter adds later (once),
