@@ -75,3 +75,20 @@ def test_a_clean_large_manifest_takes_the_bulk_path(monkeypatch):
     spans = [V.Span(i, "f", o, n, ("float32", (n // 4,), 0), f"t.{i}") for i, (o, n) in enumerate(zip(offs, nbytes))]
     monkeypatch.setattr(V, "item_align", None)  # the loop would call it: the bulk path must not need it
     assert V.check_spans(spans, {"f": end}, "m", 2) == {}
+
+
+def test_parsed_column_spans_agree_with_span_objects():
+    """A version 3 manifest's entries reach check_spans as columns (format.table.EntrySpans),
+    Span objects built only if the loop runs: same answers as with the objects."""
+    from zerostall.format.table import EntrySpans, TensorEntry
+    rng = random.Random(7)
+    for _ in range(200):
+        spans, files = _case(rng, 2)
+        spans.sort(key=lambda s: s.index)
+        entries = [TensorEntry(s.key, "float32", s.ident[1], s.file, s.offset, s.nbytes, 0) for s in spans]
+        cols = EntrySpans(entries, [s.file for s in spans])
+        objs = list(cols)
+        assert [(o.index, o.file, o.offset, o.nbytes, o.key) for o in objs] == \
+               [(s.index, s.file, s.offset, s.nbytes, s.key) for s in spans]
+        for bulk_min in (1, 1 << 60):
+            assert _run(cols, files, 2, bulk_min) == _run(objs, files, 2, bulk_min)
