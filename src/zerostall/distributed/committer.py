@@ -48,14 +48,15 @@ class StoreCommitter:
         return d
 
     def fragment(self, job: Persisted) -> dict[str, Any]:
-        tree_json = json.dumps(job.plan.tree, sort_keys=True)
+        tree = job.plan.final()[0]  # frozen Python objects encoded (if the snapshot thread has not yet)
+        tree_json = json.dumps(tree, sort_keys=True)
         entries, ref_files = merged_entries(job, tensor_entries(job))  # written and referenced
         if self.per_rank:
             structure = json.dumps([[it.key, it.dtype, list(it.shape)] for it in job.plan.items], sort_keys=True)
         else:  # keys, dtypes and shapes of every tensor of the state, not only those this rank writes
             structure = hashlib.sha256((tree_json + job.request.plan.shapes_digest).encode()).hexdigest()
         out = {"ok": True, "file": file_entry(job).__dict__, "n_tensors": job.plan.n_tensors,
-               "tensors": [[g, e.to_json()] for g, e in entries], "tree": job.plan.tree, "structure": structure}
+               "tensors": [[g, e.to_json()] for g, e in entries], "tree": tree, "structure": structure}
         if ref_files:
             out["ref_files"] = [r.to_json() for r in ref_files]
         if self.refs is not None:

@@ -197,6 +197,11 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
             snapshot_s = time.perf_counter() - t0
             job.snapshot.put(Staged(plan, snapshot_s, time.perf_counter()))
             status.mark_staged(snapshot_s, plan.file_bytes)
+        if plan.lazy is not None and status.error is None:  # the Python objects, while the blocks are written
+            try:
+                plan.lazy.result()
+            except Exception:  # noqa: BLE001 - kept by the plan: the committer's final() raises it
+                pass
 
     def _cuda(self, device: torch.device) -> DeviceStreams:
         """The side streams; the first call registers the arena with ``device`` current (the
