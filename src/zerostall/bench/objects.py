@@ -7,8 +7,10 @@ of JSON), ``log`` (``--log-entries`` small dicts, a Hugging Face-style log histo
 (``save()`` stall and durable), then ``--repeat`` steady saves, each after appending one log
 entry and bumping the step (what a trainer does between saves): the median ``save()`` stall
 (the caller's blocked time) and durable (``handle.wait()``); ``torch.save`` + fsync of the
-same state and ``json.dumps`` of its Python part (medians of ``--repeat``). Each saved state
-is loaded back and compared. Runs on the caller's thread.
+same state and ``json.dumps`` of its Python part (medians of ``--repeat``). A probe thread
+(small torch ops in a loop, standing in for training) records its longest pause during each
+save, up to durable: the GIL held by the save's work on any thread. Each saved state is
+loaded back and compared. Runs on the caller's thread.
 """
 
 from __future__ import annotations
@@ -103,38 +105,45 @@ def _median(fn: Any, repeat: int) -> float:
     return statistics.median(times)
 
 
+class Probe:
+    """A thread standing in for the training loop: small torch ops back to back, each
+    iteration's end time recorded. :meth:`max_gap` is the longest pause between two iterations
+    in a window: how long the training thread could not run (the GIL held by a save's work,
+    on the caller's thread or in the background)."""
+
+    def __init__(self) -> None:
+        import threading
+        self.ends: list[float] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, name="bench-probe", daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        a = torch.randn(64, 64)
+        while not self._stop.is_set():
+            a = torch.tanh(a @ a)
+            self.ends.append(time.perf_counter())
+            time.sleep(0.0005)
+
+    def max_gap(self, t0: float, t1: float) -> float:
+        ends = [t for t in self.ends if t0 <= t <= t1]
+        return max((b - a for a, b in zip(ends, ends[1:])), default=t1 - t0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join()
+
+
 def run_one(name: str, state: dict[str, Any], repeat: int, workdir: str) -> dict[str, Any]:
     import zerostall
     root = os.path.join(workdir, f"zs-{name}")
     out: dict[str, Any] = {"json_bytes": len(json.dumps(_python_part(state)))}
-    with zerostall.Checkpointer(root, keep_last=2) as ck:
-        t0 = time.perf_counter()
-        h = ck.save(0, state)
-        out["first_stall_s"] = time.perf_counter() - t0
-        h.wait()
-        out["first_durable_s"] = time.perf_counter() - t0
-        h.result()
-        stalls, durables = [], []
-        for r in range(1, repeat + 1):
-            _advance(state, r)
-            t0 = time.perf_counter()
-            h = ck.save(r, state)
-            stalls.append(time.perf_counter() - t0)
-            h.wait()
-            durables.append(time.perf_counter() - t0)
-            h.result()
-        out.update(stall_s=statistics.median(stalls), durable_s=statistics.median(durables), stall_all_s=stalls)
-        out["verified"] = _equal(state, ck.load(step=repeat))
-    shutil.rmtree(root, ignore_errors=True)
-    path = os.path.join(workdir, f"{name}.pt")
-
-    def tsave() -> None:
-        with open(path, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-    out["torch_save_s"] = _median(tsave, repeat)
-    os.unlink(path)
+    probe = Probe()
+    try:
+        _run_zerostall(out, zerostall, root, state, repeat, probe)
+        _run_torch(out, name, state, repeat, workdir, probe)
+    finally:
+        probe.stop()
     py = _python_part(state)
     out["json_dumps_s"] = _median(lambda: json.dumps(py), repeat)
     out["ratios"] = {"stall_vs_json_dumps": out["stall_s"] / out["json_dumps_s"],
@@ -142,6 +151,49 @@ def run_one(name: str, state: dict[str, Any], repeat: int, workdir: str) -> dict
                      "durable_vs_torch_save": out["durable_s"] / out["torch_save_s"],
                      "first_stall_vs_json_dumps": out["first_stall_s"] / out["json_dumps_s"]}
     return out
+
+
+def _run_zerostall(out: dict[str, Any], zerostall: Any, root: str, state: dict[str, Any], repeat: int,
+                   probe: Probe) -> None:
+    with zerostall.Checkpointer(root, keep_last=2) as ck:
+        t0 = time.perf_counter()
+        h = ck.save(0, state)
+        out["first_stall_s"] = time.perf_counter() - t0
+        h.wait()
+        out["first_durable_s"] = time.perf_counter() - t0
+        h.result()
+        stalls, durables, gaps = [], [], []
+        for r in range(1, repeat + 1):
+            _advance(state, r)
+            time.sleep(0.05)
+            t0 = time.perf_counter()
+            h = ck.save(r, state)
+            stalls.append(time.perf_counter() - t0)
+            h.wait()
+            durables.append(time.perf_counter() - t0)
+            h.result()
+            gaps.append(probe.max_gap(t0, time.perf_counter()))
+        out.update(stall_s=statistics.median(stalls), durable_s=statistics.median(durables), stall_all_s=stalls,
+                   probe_max_gap_s=statistics.median(gaps))
+        out["verified"] = _equal(state, ck.load(step=repeat))
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _run_torch(out: dict[str, Any], name: str, state: dict[str, Any], repeat: int, workdir: str,
+               probe: Probe) -> None:
+    path = os.path.join(workdir, f"{name}.pt")
+    times, gaps = [], []
+    for _ in range(repeat):
+        time.sleep(0.05)
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        times.append(time.perf_counter() - t0)
+        gaps.append(probe.max_gap(t0, time.perf_counter()))
+    out["torch_save_s"], out["torch_save_probe_max_gap_s"] = statistics.median(times), statistics.median(gaps)
+    os.unlink(path)
 
 
 def run_objects(config_mib: float, log_entries: int, repeat: int, workdir: str | None, console: Any,
@@ -179,7 +231,9 @@ def main(a: Any) -> int:
                       f"json.dumps {r['json_dumps_s'] * 1e3:.0f} ms, torch.save {r['torch_save_s'] * 1e3:.0f} ms: "
                       f"stall {r['ratios']['stall_vs_json_dumps']:.2f}x json.dumps, "
                       f"{r['ratios']['stall_vs_torch_save']:.2f}x torch.save; durable "
-                      f"{r['ratios']['durable_vs_torch_save']:.2f}x torch.save; verified {r['verified']}")
+                      f"{r['ratios']['durable_vs_torch_save']:.2f}x torch.save; a training thread's longest pause "
+                      f"{r['probe_max_gap_s'] * 1e3:.0f} ms (torch.save {r['torch_save_probe_max_gap_s'] * 1e3:.0f} ms); "
+                      f"verified {r['verified']}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(doc, f, indent=1)
