@@ -166,8 +166,8 @@ def test_an_unchanged_container_reuses_the_last_encoding_and_a_changed_one_is_en
         ck.save(2, state).result()
         memo2 = ck._plans._memo
         cfg = freeze(state["config"])
-        assert memo2[cfg] is memo1[cfg]  # the config's (node, JSON): reused, not encoded again
-        assert freeze(state["trainer"]["log_history"]) in memo2
+        assert all(memo2[p] is memo1[p] for p in cfg)  # the config's copy and JSON: reused, not encoded again
+        assert all(p in memo2 for p in freeze(state["trainer"]["log_history"]))
         assert ck.load(step=2)["trainer"]["log_history"][-1]["step"] == 99
 
 
@@ -179,17 +179,17 @@ def test_deferred_tree_encodes_each_part_once_and_keeps_its_error():
         if path == ("bad",):
             raise UnsupportedStateError("'bad' is bad")
         return {"j": obj}
-    a, b = freeze(list(range(N))), freeze(["x"] * N)
-    tree = {"d": [[{"v": "a"}, Frozen(a, ("a",))], [{"v": "b"}, Frozen(b, ("b",))], [{"v": "c"}, {"T": 0}]]}
+    a, b = freeze(list(range(N))), freeze(("x",) * N)
+    tree = {"d": [[{"v": "a"}, Frozen(list, a, ("a",))], [{"v": "b"}, Frozen(tuple, b, ("b",))], [{"v": "c"}, {"T": 0}]]}
     lazy = DeferredTree(tree, encode, lambda t, j: None)
-    got, text = lazy.result()
-    assert got == {"d": [[{"v": "a"}, {"j": list(range(N))}], [{"v": "b"}, {"j": ["x"] * N}], [{"v": "c"}, {"T": 0}]]}
+    got, text = lazy.result()  # a plain list: its JSON as it stands; a tuple: by the tree's rules (encode)
+    assert got == {"d": [[{"v": "a"}, {"j": list(range(N))}], [{"v": "b"}, {"j": ("x",) * N}], [{"v": "c"}, {"T": 0}]]}
     assert text == '{"d":[[{"v":"a"},{"j":%s}],[{"v":"b"},{"j":%s}],[{"v":"c"},{"T":0}]]}' % (
         str(list(range(N))).replace(" ", ""), str(["x"] * N).replace(" ", "").replace("'", '"'))
-    assert lazy.result() == (got, text) and calls == [("a",), ("b",)]
+    assert lazy.result() == (got, text) and calls == [("b",)]
     again = DeferredTree(tree, encode, lambda t, j: None, prev=lazy.memo)
-    assert again.result() == (got, text) and len(calls) == 2  # both reused
-    bad = DeferredTree({"l": [Frozen(a, ("bad",))]}, encode, lambda t, j: None)
+    assert again.result() == (got, text) and len(calls) == 2  # the slices reused; the tuple's node built again
+    bad = DeferredTree({"l": [Frozen(tuple, a, ("bad",))]}, encode, lambda t, j: None)
     for _ in range(2):
         with pytest.raises(UnsupportedStateError, match="'bad' is bad"):
             bad.result()
@@ -200,6 +200,28 @@ def test_freeze_refuses_every_object_that_is_not_a_builtin_value_and_thaw_resolv
     for odd in (torch.ones(1), OrderedDict(a=1), [1, object()], {"a": type("S", (str,), {})("x")}, [print],
                 [int], {"d": __import__("argparse").Namespace()}, [1 + 2j]):
         assert freeze(odd) is None, odd
-    assert thaw(freeze({"a": [1, (2, 3), {4}, b"5", None]})) == {"a": [1, (2, 3), {4}, b"5", None]}
+    assert [thaw(p) for p in freeze({"a": [1, (2, 3), {4}, b"5", None]})] == [{"a": [1, (2, 3), {4}, b"5", None]}]
     with pytest.raises(pickle.UnpicklingError, match="names builtins.print"):
         thaw(pickle.dumps([print], protocol=5))
+
+
+def test_large_containers_frozen_in_slices_round_trip_and_a_growing_log_reencodes_its_tail_only(ckdir, monkeypatch):
+    from zerostall.format import frozen
+    monkeypatch.setattr(frozen, "PART_BYTES", 4096)  # many slices
+    hist = _log(3000)
+    cfg = {f"k{i}": [i, f"v{i}", {"x": i / 3}] for i in range(2000)}
+    odd = list(range(1000)) + [(1, 2), {3}, {4: "int key"}] + list(range(500))  # not plain in a late slice
+    parts = freeze(hist)
+    assert len(parts) > 10 and len(freeze(cfg)) > 10
+    with zerostall.Checkpointer(ckdir) as ck:
+        ck.save(1, {"hist": hist, "cfg": cfg, "odd": odd, "w": torch.ones(1)}).result()
+        memo1 = dict(ck._plans._memo)
+        hist.append({"loss": 0.0, "step": 3000, "tag": "t"})
+        ck.save(2, {"hist": hist, "cfg": cfg, "odd": odd, "w": torch.ones(1)}).result()
+        memo2 = ck._plans._memo
+        got = ck.load(step=2)
+    assert got["hist"] == hist and list(got["cfg"]) == list(cfg) and got["cfg"] == cfg
+    assert got["odd"] == odd and type(got["odd"][1000]) is tuple and got["odd"][1001] == {3}
+    new = freeze(hist)
+    assert new[:-1] == parts[:-1] and all(memo2[p] is memo1[p] for p in new[:-1])  # only the tail slice is new
+    assert new[-1] not in memo1

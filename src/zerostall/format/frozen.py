@@ -29,18 +29,23 @@ import os
 import pickle
 import re
 import threading
+from itertools import chain, islice
 from typing import Any, Callable
+
+from .._util import no_gc
+from .validate import is_plain
 
 __all__ = ["DeferredTree", "Frozen", "freeze", "thaw"]
 
 
 class Frozen:
-    """A container snapshotted by :func:`freeze` at ``path`` (its key path, for errors)."""
+    """A container of type ``kind`` snapshotted by :func:`freeze` as ``parts`` (pickled slices
+    of its items, in order) at ``path`` (its key path, for errors)."""
 
-    __slots__ = ("data", "path")
+    __slots__ = ("kind", "parts", "path")
 
-    def __init__(self, data: bytes, path: tuple[Any, ...]):
-        self.data, self.path = data, path
+    def __init__(self, kind: type, parts: tuple[bytes, ...], path: tuple[Any, ...]):
+        self.kind, self.parts, self.path = kind, parts, path
 
 
 class _Refuse(Exception):
@@ -62,11 +67,14 @@ step counter that changes every save then leaves the large config beside it unch
 encoding the next save reuses."""
 
 
-def freeze(x: Any) -> bytes | None:
-    """``x`` (an exact dict/list/tuple/set/frozenset) as pickled bytes if it holds builtin
-    values only, else None (a tensor, an object of another type, a cycle, nesting past the
-    interpreter's recursion limit). Caller's thread. Fast mode: no memo (shared subtrees are
-    written twice, as the JSON holds them twice), a cycle is refused."""
+PART_BYTES = 1 << 20
+"""About the size of one slice of a large container (the first :data:`PROBE_ITEMS` items set
+the slice length): the GIL is let go between slices, and a growing log history re-encodes only
+its last slices (the others' bytes are the previous save's)."""
+PROBE_ITEMS = 64
+
+
+def _dump(x: Any) -> bytes | None:
     buf = io.BytesIO()
     p = _Pickler(buf, protocol=5)
     p.fast = True  # no memo: each object written where it occurs; cycles raise ValueError
@@ -75,6 +83,33 @@ def freeze(x: Any) -> bytes | None:
     except (_Refuse, ValueError, RecursionError, TypeError, pickle.PicklingError):
         return None
     return buf.getvalue()
+
+
+def freeze(x: Any) -> tuple[bytes, ...] | None:
+    """``x`` (an exact dict/list/tuple) as pickled slices of its items if it holds builtin
+    values only, else None (a tensor, an object of another type, a cycle, nesting past the
+    interpreter's recursion limit). Caller's thread. The first slice holds
+    :data:`PROBE_ITEMS` items, the others as many as make about :data:`PART_BYTES` at the
+    first's size per item (so equal leading items slice alike, save after save). Fast mode: no
+    memo (shared subtrees are written twice, as the JSON holds them twice), a cycle is refused."""
+    n = len(x)
+    if n <= PROBE_ITEMS:
+        one = _dump(x)
+        return None if one is None else (one,)
+    items = iter(x.items()) if type(x) is dict else None
+    cut: Callable[[int, int], Any] = (lambda i, j: dict(islice(items, j - i))) if items is not None else (
+        lambda i, j: x[i:j])
+    first = _dump(cut(0, PROBE_ITEMS))
+    if first is None:
+        return None
+    parts = [first]
+    per = max(PROBE_ITEMS, PROBE_ITEMS * PART_BYTES // len(first))
+    for i in range(PROBE_ITEMS, n, per):
+        part = _dump(cut(i, i + per))
+        if part is None:
+            return None
+        parts.append(part)
+    return tuple(parts)
 
 
 class _Unpickler(pickle.Unpickler):
@@ -98,14 +133,14 @@ class DeferredTree:
 
     ``encode(obj, path)`` encodes one thawed container (:func:`.tree.encode_tree`'s rules);
     ``check(tree, tree_json)`` raises if the manifest would be too large. ``prev``: the
-    previous save's ``{snapshot: (node, json)}``, reused for unchanged containers; this save's
+    previous save's ``{slice: (copy, json or None)}``, reused for unchanged slices; this save's
     are collected in :attr:`memo` (handed to the next save by the plan cache)."""
 
     def __init__(self, tree: Any, encode: Callable[[Any, tuple[Any, ...]], Any],
-                 check: Callable[[Any, str], None], prev: dict[bytes, tuple[Any, str]] | None = None):
+                 check: Callable[[Any, str], None], prev: dict[bytes, tuple[Any, str | None]] | None = None):
         self._tree, self._encode, self._check = tree, encode, check
         self._prev = prev or {}
-        self.memo: dict[bytes, tuple[Any, str]] = {}
+        self.memo: dict[bytes, tuple[Any, str | None]] = {}
         self._lock = threading.Lock()
         self._done: tuple[Any, str] | None = None
         self._error: BaseException | None = None
@@ -115,7 +150,8 @@ class DeferredTree:
         with self._lock:
             if self._done is None and self._error is None:
                 try:
-                    self._done = self._finish()
+                    with no_gc():  # acyclic copies: a gen-2 collection would scan the heap, GIL held
+                        self._done = self._finish()
                 except BaseException as exc:  # noqa: BLE001 - kept and raised to every caller
                     self._error = exc
                 self._tree = self._encode = self._check = None  # type: ignore[assignment]
@@ -124,13 +160,35 @@ class DeferredTree:
                 raise self._error
             return self._done  # type: ignore[return-value]
 
-    def _piece(self, f: Frozen) -> tuple[Any, str]:
-        got = self.memo.get(f.data) or self._prev.get(f.data)
+    def _part(self, data: bytes, depth: int) -> tuple[Any, str | None]:
+        """(the slice's private copy, its JSON if it is plain JSON else None), the previous
+        save's if the bytes are equal."""
+        got = self.memo.get(data) or self._prev.get(data)
         if got is None:
-            node = self._encode(thaw(f.data), f.path)
-            got = (node, json.dumps(node, separators=(",", ":"), allow_nan=False))
-        self.memo[f.data] = got
+            obj = thaw(data)
+            got = (obj, json.dumps(obj, separators=(",", ":"), allow_nan=False) if is_plain(obj, depth) else None)
+        self.memo[data] = got
         return got
+
+    def _piece(self, f: Frozen) -> tuple[Any, str]:
+        """The node of one frozen container and its JSON: ``{"j": ...}`` joined from its slices'
+        JSON when they are all plain, else the container rebuilt and encoded by the tree's rules."""
+        parts = [self._part(p, len(f.path)) for p in f.parts]
+        objs = [o for o, _ in parts]
+        if len(objs) == 1:
+            whole = objs[0]
+        elif f.kind is dict:
+            whole = {}
+            for o in objs:
+                whole.update(o)
+        else:
+            whole = f.kind(chain.from_iterable(objs))
+        if f.kind is not tuple and all(t is not None for _, t in parts):
+            inner = ",".join(t[1:-1] for _, t in parts if len(t) > 2)  # type: ignore[index]
+            text = "[%s]" % inner if f.kind is list else "{%s}" % inner
+            return {"j": whole}, '{"j":%s}' % text
+        node = self._encode(whole, f.path)
+        return node, json.dumps(node, separators=(",", ":"), allow_nan=False)
 
     def _finish(self) -> tuple[Any, str]:
         pieces: list[tuple[Any, str]] = []
@@ -159,14 +217,3 @@ def _substitute(node: Any, nxt: Callable[[], Any]) -> Any:
     if type(node) is list:
         return [_substitute(v, nxt) for v in node]
     return node
-
-
-def has_frozen(node: Any) -> bool:
-    """Whether ``node`` (a tree being built) holds a :class:`Frozen` part."""
-    if type(node) is Frozen:
-        return True
-    if type(node) is dict:
-        return any(map(has_frozen, node.values()))
-    if type(node) is list:
-        return any(map(has_frozen, node))
-    return False

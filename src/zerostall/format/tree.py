@@ -235,7 +235,7 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int]
                 if data is None and _TENSOR_TYPES.isdisjoint(map(type, x.values() if tx is dict else x)):
                     data = freeze(x)
                 if data is not None:
-                    frozen.append(Frozen(data, path))
+                    frozen.append(Frozen(tx, data, path))
                     return frozen[-1]
         elif tx is dict or tx is list:
             try:

@@ -276,7 +276,7 @@ def finish_tree(tree: Any, leaves: Any, frozen: list[Frozen], bound: int | None 
     lazy = DeferredTree(tree, _encode_part, lambda t, j: check_manifest_size(None, t, n, bound, j), memo)
     skeleton = len(json.dumps(tree, separators=(",", ":"), default=_zero))
     from ..format import manifest as mf
-    if skeleton + bound + FROZEN_GROWTH * sum(len(f.data) for f in frozen) > mf.MAX_MANIFEST_BYTES:
+    if skeleton + bound + FROZEN_GROWTH * sum(len(p) for f in frozen for p in f.parts) > mf.MAX_MANIFEST_BYTES:
         tree, tree_json = lazy.result()
         return tree, tree_json, None
     return tree, "", lazy
