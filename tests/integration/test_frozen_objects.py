@@ -15,7 +15,7 @@ import torch
 import zerostall
 from zerostall.errors import SaveFailed, UnsupportedStateError
 from zerostall.format.objects import TaggedData
-from zerostall.format.frozen import FREEZE_MIN, DeferredTree, Frozen, freeze, thaw
+from zerostall.format.frozen import FREEZE_MIN, DeferredTree, Frozen, freeze, skeleton_json, thaw
 from zerostall.store.local import LocalTier
 
 N = FREEZE_MIN + 3  # a container this long is frozen whole
@@ -181,15 +181,17 @@ def test_deferred_tree_encodes_each_part_once_and_keeps_its_error():
         return {"j": obj}
     a, b = freeze(list(range(N))), freeze(("x",) * N)
     tree = {"d": [[{"v": "a"}, Frozen(list, a, ("a",))], [{"v": "b"}, Frozen(tuple, b, ("b",))], [{"v": "c"}, {"T": 0}]]}
-    lazy = DeferredTree(tree, encode, lambda t, j: None)
+    parts = [tree["d"][0][1], tree["d"][1][1]]
+    lazy = DeferredTree(tree, skeleton_json(tree, parts), parts, encode, lambda t, j: None)
     got, text = lazy.result()  # a plain list: its JSON as it stands; a tuple: by the tree's rules (encode)
     assert got == {"d": [[{"v": "a"}, {"j": list(range(N))}], [{"v": "b"}, {"j": ("x",) * N}], [{"v": "c"}, {"T": 0}]]}
     assert text == '{"d":[[{"v":"a"},{"j":%s}],[{"v":"b"},{"j":%s}],[{"v":"c"},{"T":0}]]}' % (
         str(list(range(N))).replace(" ", ""), str(["x"] * N).replace(" ", "").replace("'", '"'))
     assert lazy.result() == (got, text) and calls == [("b",)]
-    again = DeferredTree(tree, encode, lambda t, j: None, prev=lazy.memo)
+    again = DeferredTree(tree, skeleton_json(tree, parts), parts, encode, lambda t, j: None, prev=lazy.memo)
     assert again.result() == (got, text) and len(calls) == 2  # the slices reused; the tuple's node built again
-    bad = DeferredTree({"l": [Frozen(tuple, a, ("bad",))]}, encode, lambda t, j: None)
+    one = [Frozen(tuple, a, ("bad",))]
+    bad = DeferredTree({"l": one}, skeleton_json({"l": one}, one), one, encode, lambda t, j: None)
     for _ in range(2):
         with pytest.raises(UnsupportedStateError, match="'bad' is bad"):
             bad.result()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import io
 import json
+import operator
 import os
 import pickle
 import re
@@ -126,19 +127,33 @@ _NONCE = os.urandom(6).hex()
 _MARK = re.compile(re.escape(json.dumps(f"\x00zs{_NONCE}:")[:-1]) + r"(\d+)\\u0000\"")
 
 
+def skeleton_json(tree: Any, frozen: list[Frozen]) -> str:
+    """The tree's compact JSON with a marker where each of ``frozen`` (all the tree's
+    :class:`Frozen` parts) sits (caller's thread: its length bounds the manifest's)."""
+    pos = {id(f): i for i, f in enumerate(frozen)}
+
+    def mark(o: Any) -> str:
+        if type(o) is not Frozen:
+            raise TypeError(f"{type(o).__name__} in a state tree")
+        return f"\x00zs{_NONCE}:{pos[id(o)]}\x00"
+    return json.dumps(tree, separators=(",", ":"), allow_nan=False, default=mark)
+
+
 class DeferredTree:
     """A state tree with :class:`Frozen` parts, finished on first :meth:`result` (any thread;
     the first caller does the work under a lock, later ones get the cached tree and JSON or
     the same error).
 
-    ``encode(obj, path)`` encodes one thawed container (:func:`.tree.encode_tree`'s rules);
+    ``skeleton``: :func:`skeleton_json` of ``tree`` and ``frozen``. ``encode(obj, path)``
+    encodes one thawed container that is not plain JSON (:func:`.tree.encode_tree`'s rules);
     ``check(tree, tree_json)`` raises if the manifest would be too large. ``prev``: the
     previous save's ``{slice: (copy, json or None)}``, reused for unchanged slices; this save's
     are collected in :attr:`memo` (handed to the next save by the plan cache)."""
 
-    def __init__(self, tree: Any, encode: Callable[[Any, tuple[Any, ...]], Any],
+    def __init__(self, tree: Any, skeleton: str, frozen: list[Frozen], encode: Callable[[Any, tuple[Any, ...]], Any],
                  check: Callable[[Any, str], None], prev: dict[bytes, tuple[Any, str | None]] | None = None):
-        self._tree, self._encode, self._check = tree, encode, check
+        self._tree, self._skeleton, self._frozen = tree, skeleton, frozen
+        self._encode, self._check = encode, check
         self._prev = prev or {}
         self.memo: dict[bytes, tuple[Any, str | None]] = {}
         self._lock = threading.Lock()
@@ -154,12 +169,11 @@ class DeferredTree:
                         self._done = self._finish()
                 except BaseException as exc:  # noqa: BLE001 - kept and raised to every caller
                     self._error = exc
-                self._tree = self._encode = self._check = None  # type: ignore[assignment]
+                self._tree = self._skeleton = self._frozen = self._encode = self._check = None  # type: ignore[assignment]
                 self._prev = {}
             if self._error is not None:
                 raise self._error
             return self._done  # type: ignore[return-value]
-
     def _part(self, data: bytes, depth: int) -> tuple[Any, str | None]:
         """(the slice's private copy, its JSON if it is plain JSON else None), the previous
         save's if the bytes are equal."""
@@ -191,29 +205,34 @@ class DeferredTree:
         return node, json.dumps(node, separators=(",", ":"), allow_nan=False)
 
     def _finish(self) -> tuple[Any, str]:
-        pieces: list[tuple[Any, str]] = []
-
-        def mark(o: Any) -> str:
-            if type(o) is not Frozen:
-                raise TypeError(f"{type(o).__name__} in a state tree")
-            pieces.append(self._piece(o))
-            return f"\x00zs{_NONCE}:{len(pieces) - 1}\x00"
-
-        skeleton = json.dumps(self._tree, separators=(",", ":"), allow_nan=False, default=mark)
-        text = _MARK.sub(lambda m: pieces[int(m.group(1))][1], skeleton)
-        nodes = iter(pieces)
-        tree = _substitute(self._tree, lambda: next(nodes)[0])  # json.dumps's order: the walk's
+        pieces = [self._piece(f) for f in self._frozen]
+        text = _MARK.sub(lambda m: pieces[int(m.group(1))][1], self._skeleton)
+        nodes = {id(f): p[0] for f, p in zip(self._frozen, pieces)}
+        tree = _substitute(self._tree, nodes)
         self._check(tree, text)
         return tree, text
 
 
-def _substitute(node: Any, nxt: Callable[[], Any]) -> Any:
-    """A copy of the tree's skeleton with each :class:`Frozen` replaced by ``nxt()``, in
-    ``json.dumps`` order (dict values in insertion order, lists in order)."""
+_LEAF_TAGS = frozenset(("T", "A", "v", "f", "j"))
+_SECOND = operator.itemgetter(1)
+
+
+def _substitute(node: Any, nodes: dict[int, Any]) -> Any:
+    """The tree with each :class:`Frozen` replaced by its node (``nodes`` by ``id``); parts
+    without one are shared, not copied (told apart by C-level passes: a dict of 100k tensors
+    costs no Python frame per tensor)."""
     if type(node) is Frozen:
-        return nxt()
-    if type(node) is dict:
-        return {k: _substitute(v, nxt) for k, v in node.items()}
-    if type(node) is list:
-        return [_substitute(v, nxt) for v in node]
+        return nodes[id(node)]
+    if type(node) is not dict or len(node) != 1:
+        return node
+    (tag, val), = node.items()
+    if tag in ("l", "t", "d"):
+        kids = list(map(_SECOND, val)) if tag == "d" else val
+        if Frozen not in set(map(type, kids)) and _LEAF_TAGS.issuperset(map(next, map(iter, kids))):
+            return node
+        if tag == "d":
+            return {tag: [[k, _substitute(v, nodes)] for k, v in val]}
+        return {tag: [_substitute(v, nodes) for v in val]}
+    if tag == "o":
+        return {tag: [val[0], _substitute(val[1], nodes)]}
     return node

@@ -22,7 +22,7 @@ import torch
 from ..errors import ConfigError, UnsupportedStateError
 from ..format.dtypes import dtype_name
 from ..format.layout import HEADER_BYTES, align_up, pack_offsets, place
-from ..format.frozen import DeferredTree, Frozen
+from ..format.frozen import DeferredTree, Frozen, skeleton_json
 from ..format.tree import TensorLeaf, decode_tree, encode_tree
 from ..format.validate import MAX_STEP, NotPlain, plain_copy
 
@@ -273,17 +273,14 @@ def finish_tree(tree: Any, leaves: Any, frozen: list[Frozen], bound: int | None 
     if not frozen:
         return tree, check_manifest_size(None, tree, leaves, bound), None
     n = leaves if isinstance(leaves, int) else len(leaves)
-    lazy = DeferredTree(tree, _encode_part, lambda t, j: check_manifest_size(None, t, n, bound, j), memo)
-    skeleton = len(json.dumps(tree, separators=(",", ":"), default=_zero))
+    skeleton = skeleton_json(tree, frozen)
+    lazy = DeferredTree(tree, skeleton, frozen, _encode_part, lambda t, j: check_manifest_size(None, t, n, bound, j),
+                        memo)
     from ..format import manifest as mf
-    if skeleton + bound + FROZEN_GROWTH * sum(len(p) for f in frozen for p in f.parts) > mf.MAX_MANIFEST_BYTES:
+    if len(skeleton) + bound + FROZEN_GROWTH * sum(len(p) for f in frozen for p in f.parts) > mf.MAX_MANIFEST_BYTES:
         tree, tree_json = lazy.result()
         return tree, tree_json, None
     return tree, "", lazy
-
-
-def _zero(_: Any) -> int:
-    return 0
 
 
 def _encode_part(obj: Any, path: tuple[Any, ...]) -> Any:
