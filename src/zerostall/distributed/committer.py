@@ -64,8 +64,9 @@ class StoreCommitter:
         return out
 
     def commit(self, job: Persisted) -> tuple[str, ...]:
+        fragment = self.fragment(job)  # may raise (a frozen object's encoding): fail() then tells the others
         self._reported.add(job.step)
-        post = commit_round(self.store, self.session, self.fragment(job), self.tier, job.step,
+        post = commit_round(self.store, self.session, fragment, self.tier, job.step,
                             per_rank=self.per_rank, timeout_s=self.timeout_s, overwrite=job.overwrite,
                             user_metadata=dict(job.user_metadata),
                             protect=self.refs.set_peer_protected if self.refs is not None else None)

@@ -18,6 +18,11 @@ C encoder),
 set, bytes, OmegaConf config, class reference...; see :mod:`.objects` for the rule that
 decoding never imports or runs anything outside an allow-list).
 
+Inside ``save()`` (``frozen=``), a dict, list or tuple of FREEZE_MIN items or more made of builtin
+values only is not encoded on the caller's thread but snapshotted by the C pickler and left
+in the tree as a :class:`.frozen.Frozen`, encoded by the rules above later, off the caller's
+thread (:mod:`.frozen`); a smaller container is walked, each item frozen or encoded alone.
+
 Ints are bounded (:data:`.validate.MAX_INT_BITS`) so that what is saved can be parsed back.
 Views are saved by value: a conjugate or negative view is resolved first (its bytes alone
 would be the other tensor's), and never merged with the tensor it views.

@@ -2,9 +2,12 @@
 
 Called from the caller's thread inside ``save()``; pure metadata work (no tensor data is
 read), so its cost is proportional to the number of tensors and plain values, not their
-size. Everything that could make a save fail later for its input is checked here, before
-anything is queued: the step's range, the metadata, every leaf (in ``encode_tree``) and the
-manifest's size.
+size. What could make a save fail later for its input is checked here, before anything is
+queued: the step's range, the metadata, every leaf (in ``encode_tree``) and the manifest's
+size; except inside the containers of builtin values snapshotted for encoding off this
+thread (:mod:`..format.frozen`): an int over the bound, a dict key no rule stores, nesting
+past the limit or a manifest over its limit found there fail the save at ``result()``,
+naming the key (:func:`finish_tree`).
 """
 
 from __future__ import annotations

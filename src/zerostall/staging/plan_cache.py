@@ -161,7 +161,11 @@ class PlanCache:
     tensors in bulk and each tensor attribute with one C-level ``map`` over all tensors (~1 us
     per tensor in all; the plan's leaves are detached the same way), so a reused plan costs
     no Python frame per tensor. The cache holds no tensor (the signature holds addresses,
-    shapes and dtypes), so it keeps no memory of the state alive.
+    shapes and dtypes), so it keeps no memory of the state alive. Containers of builtin
+    values (a config, a log history) are compared by their snapshots
+    (:func:`~zerostall.format.frozen.freeze`, one C pass); when one changed, the tree is
+    rebuilt around the snapshots and encoded off this thread, the unchanged slices reusing
+    the last save's encoding (``_memo``, which holds copies, never the caller's objects).
     Caller's thread only (``save()``/``prepare()``, serialised by the Checkpointer).
     """
 

@@ -12,6 +12,11 @@ stream at ``save()`` time (:func:`record_save_events`); an event recorded on the
 stream after the copy is waited for before the bytes are published. On a multi-GPU node a
 rank's tensors may live on any device, so nothing assumes device 0.
 
+After a job is staged (and ``wait_staged()`` released) this thread also encodes the save's
+Python objects that ``save()`` only snapshotted (:class:`~zerostall.format.frozen.DeferredTree`),
+while the persist thread writes the blocks; an error there is kept by the plan and raised by
+the committer (the save fails naming the key).
+
 Never mutates the caller's tensors; drops its references to them once the job is staged.
 
 CPU bytes move with ``memmove``/``memset`` through ctypes (which releases the GIL), never
