@@ -70,7 +70,7 @@ def add_parsers(sub: Any) -> None:
                         "peers vs the shared-fs and S3 tiers, --repeat rounds in alternating order (uses --size-gib (total), --repeat, --dir, --json); "
                         "restore: restore GB/s of zerostall (in place, new dict; both engines), dcp.load, "
                         "torch.load and torch.load(mmap=True) against the read line rate (uses --size-gib, "
-                        "--repeat, --dir, --json); many-tensors: --tensors small tensors vs torch.save and DCP "
+                        "--repeat, --dir, --json, --device: cuda restores into GPU tensors); many-tensors: --tensors small tensors vs torch.save and DCP "
                         "(stall, first save, durable, result() with keep_last=1, bytes on disk and staging, "
                         "restore); objects: a --config-mib config tree, a --log-entries log history and both "
                         "with tensors: save() stall and durable vs torch.save and json.dumps (uses --repeat, --dir, --json)")
