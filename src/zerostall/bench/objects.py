@@ -127,8 +127,9 @@ class Probe:
             time.sleep(0.0005)
 
     def max_gap(self, t0: float, t1: float) -> float:
-        ends = [t for t in self.ends if t0 <= t <= t1]
-        return max((b - a for a, b in zip(ends, ends[1:])), default=t1 - t0)
+        """The longest time in [t0, t1] without an iteration ending (the window's edges count)."""
+        ends = [t0] + [t for t in self.ends if t0 < t < t1] + [t1]
+        return max(b - a for a, b in zip(ends, ends[1:]))
 
     def stop(self) -> None:
         self._stop.set()
