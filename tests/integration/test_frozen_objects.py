@@ -200,8 +200,9 @@ def test_deferred_tree_encodes_each_part_once_and_keeps_its_error():
 def test_freeze_refuses_every_object_that_is_not_a_builtin_value_and_thaw_resolves_no_global():
     from collections import OrderedDict
     for odd in (torch.ones(1), OrderedDict(a=1), [1, object()], {"a": type("S", (str,), {})("x")}, [print],
-                [int], {"d": __import__("argparse").Namespace()}, [1 + 2j]):
+                [list], {"d": __import__("argparse").Namespace()}, [1 + 2j]):
         assert freeze(odd) is None, odd
+    assert [thaw(p) for p in freeze([int])] == [[int]]  # the types numpy scalars reduce to: a class reference
     assert [thaw(p) for p in freeze({"a": [1, (2, 3), {4}, b"5", None]})] == [{"a": [1, (2, 3), {4}, b"5", None]}]
     with pytest.raises(pickle.UnpicklingError, match="names builtins.print"):
         thaw(pickle.dumps([print], protocol=5))
@@ -227,3 +228,28 @@ def test_large_containers_frozen_in_slices_round_trip_and_a_growing_log_reencode
     new = freeze(hist)
     assert new[:-1] == parts[:-1] and all(memo2[p] is memo1[p] for p in new[:-1])  # only the tail slice is new
     assert new[-1] not in memo1
+
+
+def test_numpy_scalars_in_a_log_history_are_snapshotted_as_their_python_values(ckdir):
+    """Metrics functions return np.float64 and friends: snapshotted (not walked on the caller's
+    thread) as the Python values the tree stores them as; a long double is still refused by
+    save() naming the key, and a pickle naming any other global is refused by thaw."""
+    import numpy as np
+    hist = [{"eval_f1": np.float64(i / 7), "n": np.int64(i), "ok": np.bool_(i % 2), "h": np.float16(0.5),
+             "f32": np.float32(i / 3), "name": np.str_(f"r{i}")} for i in range(N)]
+    assert freeze(hist) is not None
+    with zerostall.Checkpointer(ckdir) as ck:
+        h = ck.save(1, {"hist": hist})
+        hist[0]["eval_f1"] = np.float64(-1)
+        h.result()
+        got = ck.load(step=1)["hist"]
+    assert got[3] == {"eval_f1": 3 / 7, "n": 3, "ok": True, "h": 0.5, "f32": float(np.float32(1.0)), "name": "r3"}
+    assert [type(v) for v in got[3].values()] == [float, int, bool, float, float, str]
+    assert got[0]["eval_f1"] == 0.0
+    bad = [np.longdouble(1)] + list(range(N))
+    assert freeze(bad) is None
+    with zerostall.Checkpointer(ckdir) as ck:
+        with pytest.raises(UnsupportedStateError, match=r"'x\.0' holds a numpy float128"):
+            ck.save(2, {"x": bad})
+    with pytest.raises(pickle.UnpicklingError, match="names builtins.eval"):
+        thaw(pickle.dumps([eval], protocol=5))

@@ -34,6 +34,11 @@ from itertools import chain, islice
 from typing import Any, Callable
 
 from .._util import no_gc
+
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy ships with torch
+    np = None  # type: ignore[assignment]
 from .validate import is_plain
 
 __all__ = ["DeferredTree", "Frozen", "freeze", "thaw"]
@@ -53,10 +58,23 @@ class _Refuse(Exception):
     pass
 
 
+_NUMPY_AS = {"b": bool, "i": int, "u": int, "f": float, "U": str, "S": bytes}
+"""numpy scalar kinds and the Python type the tree stores them as (the README's rule, as
+:func:`.tree._np_plain`: ``x.item()``); a long double or any other kind is refused here."""
+_TO = frozenset(_NUMPY_AS.values())
+
+
 class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         # reached for every object the C pickler does not write itself: only exact builtin
-        # containers, str, bytes, bytearray, int, float, bool and None get past
+        # containers, str, bytes, bytearray, int, float, bool and None get past, and numpy
+        # scalars (np.float64 from a metrics function, in a log history) as their Python value
+        if np is not None and isinstance(obj, np.generic):
+            to = _NUMPY_AS.get(obj.dtype.kind)
+            if to is not None and not (to is float and obj.dtype.itemsize > 8):
+                return to, (obj.item(),)
+        if obj in _TO:  # the type named by the reduction above: written as a global
+            return NotImplemented
         raise _Refuse
 
 
@@ -113,8 +131,14 @@ def freeze(x: Any) -> tuple[bytes, ...] | None:
     return tuple(parts)
 
 
+_BUILTINS = {t.__name__: t for t in set(_NUMPY_AS.values())}
+
+
 class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:  # never reached for freeze()'s bytes
+    def find_class(self, module: str, name: str) -> Any:
+        # freeze()'s bytes name only the builtin types numpy scalars are stored as
+        if module == "builtins" and name in _BUILTINS:
+            return _BUILTINS[name]
         raise pickle.UnpicklingError(f"frozen state names {module}.{name}")
 
 
