@@ -1,24 +1,27 @@
 """Python-object subtrees snapshotted on the caller's thread, encoded in the background.
 
 A state's Python part (a config tree, a trainer's log history) used to be checked, copied and
-JSON-encoded inside ``save()``: a 16 MiB config cost ~1 s of the caller's time, 3.75x a
+JSON-encoded inside ``save()``: a 16 MiB config cost 1-2 s of the caller's time, 4-8x a
 ``json.dumps`` of it. Now :func:`.tree.encode_tree` (caller's thread) replaces each container
-made of builtin values only (exact ``dict``/``list``/``tuple``/``set``/``frozenset`` of ``str``,
-``int``, ``float``, ``bool``, ``None``, ``bytes``, ``bytearray``, nested) by a :class:`Frozen`:
-the container serialized by the C pickler in one pass (~10x cheaper than the JSON encoding),
-which is the save's snapshot: mutating the caller's objects after ``save()`` returns changes
-nothing saved. Anything else (a tensor, a dataclass, a subclass, an ``OrderedDict``) makes
-:func:`freeze` give up at once, and the caller's walk goes on into the container as before,
-so unknown types are still refused from ``save()`` naming the key.
+of :data:`FREEZE_MIN` items or more made of builtin values only (exact ``dict``/``list``/
+``tuple``/``set``/``frozenset`` of ``str``, ``int``, ``float``, ``bool``, ``None``, ``bytes``,
+``bytearray``, nested; numpy bool/int/float/str scalars as their Python values, which is how the
+tree stores them) by a :class:`Frozen`: the container serialized by the C pickler in slices of
+about :data:`PART_BYTES` (~10x cheaper than the JSON encoding). That is the save's snapshot:
+mutating the caller's objects after ``save()`` returns changes nothing saved. Anything else (a
+tensor, a dataclass, a subclass, an ``OrderedDict``, a cycle) makes :func:`freeze` give up at
+once, and the caller's walk goes on into the container as before, so unknown types are still
+refused by ``save()`` naming the key.
 
 :class:`DeferredTree` later (the snapshot thread, after the tensors are staged; else whoever
-asks first: the committer) rebuilds each frozen container (:func:`thaw`: a private unpickler
-that resolves no global, so nothing but builtin values can come back), encodes it with the
-ordinary rules of :func:`.tree.encode_tree` and splices the JSON into the tree's. What only
-this encoding can find (an int over ``MAX_INT_BITS``, a dict key no rule stores, nesting past
-``MAX_DEPTH``, a manifest over its limit) fails the save: ``handle.result()`` raises the
-:class:`~zerostall.errors.UnsupportedStateError` naming the key. An unchanged container (its
-snapshot equal, byte for byte, to the previous save's) reuses the previous save's encoding.
+asks first: the committer) rebuilds each slice (:func:`thaw`: a private unpickler that resolves
+no global but the builtin types above, so nothing but builtin values can come back), checks it
+(:func:`.validate.is_plain`) and splices its JSON into the tree's; a container that is not plain
+JSON is encoded by the ordinary rules of :func:`.tree.encode_tree`. What only this encoding can
+find (an int over ``MAX_INT_BITS``, a dict key no rule stores, nesting past ``MAX_DEPTH``, a
+manifest over its limit) fails the save: ``handle.result()`` raises ``SaveFailed`` caused by the
+:class:`~zerostall.errors.UnsupportedStateError` naming the key. A slice whose bytes equal the
+previous save's reuses that save's encoding.
 """
 
 from __future__ import annotations
@@ -34,14 +37,14 @@ from itertools import chain, islice
 from typing import Any, Callable
 
 from .._util import no_gc
+from .validate import is_plain
 
 try:
     import numpy as np
 except ImportError:  # pragma: no cover - numpy ships with torch
     np = None  # type: ignore[assignment]
-from .validate import is_plain
 
-__all__ = ["DeferredTree", "Frozen", "freeze", "thaw"]
+__all__ = ["DeferredTree", "Frozen", "freeze", "skeleton_json", "thaw"]
 
 
 class Frozen:
@@ -73,12 +76,11 @@ class _Pickler(pickle.Pickler):
             to = _NUMPY_AS.get(obj.dtype.kind)
             if to is not None and not (to is float and obj.dtype.itemsize > 8):
                 return to, (obj.item(),)
-        if obj in _TO:  # the type named by the reduction above: written as a global
+        if type(obj) is type and obj in _TO:  # the type named by the reduction above: a global
             return NotImplemented
         raise _Refuse
 
 
-_CONTAINERS = frozenset((dict, list, tuple, set, frozenset))
 FREEZE_MIN = 17
 """Containers with at least this many items are frozen whole; a smaller one (the top of a state,
 ``{"config": ..., "step": 3}``) is walked, each of its items frozen (or encoded) on its own: a
@@ -131,7 +133,7 @@ def freeze(x: Any) -> tuple[bytes, ...] | None:
     return tuple(parts)
 
 
-_BUILTINS = {t.__name__: t for t in set(_NUMPY_AS.values())}
+_BUILTINS = {t.__name__: t for t in _TO}
 
 
 class _Unpickler(pickle.Unpickler):
