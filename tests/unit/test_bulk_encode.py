@@ -8,6 +8,7 @@ import torch
 from zerostall.errors import UnsupportedStateError
 from zerostall.format import bulk
 from zerostall.format.tree import encode_tree
+from zerostall.staging.plan_cache import _tensor_sig, _walk
 
 
 def _per_tensor(state, monkeypatch):
@@ -16,9 +17,28 @@ def _per_tensor(state, monkeypatch):
         return encode_tree(state, occ := [])[0:2] + (occ,)
 
 
+def _columns(state):
+    """The plan cache's signature reads of ``state`` (what a first save passes down), or None."""
+    tensors = []
+    if not _walk(state, [], tensors, 0, []):
+        return None
+    tsig = _tensor_sig(tensors)
+    return (tensors, *tsig) if tsig is not None else None
+
+
 def _check_same(state, monkeypatch, copied=()):
     tree, leaves = encode_tree(state, occ := [])
     want_tree, want_leaves, want_occ = _per_tensor(state, monkeypatch)
+    cols = _columns(state)
+    got = [(tree, leaves, occ)]
+    if cols is not None:  # the first save's path: attributes read from the signature's columns
+        got.append(encode_tree(state, occ2 := [], columns=cols) + (occ2,))
+    for tree, leaves, occ in got:
+        _same_as(tree, leaves, occ, want_tree, want_leaves, want_occ, copied)
+    return got[0][:2]
+
+
+def _same_as(tree, leaves, occ, want_tree, want_leaves, want_occ, copied):
     assert tree == want_tree
     assert occ == want_occ
     assert [lf.key for lf in leaves] == [lf.key for lf in want_leaves]
@@ -28,7 +48,6 @@ def _check_same(state, monkeypatch, copied=()):
         if a.key not in copied:  # a resolved conj view is a new copy each time
             assert a.tensor.data_ptr() == b.tensor.data_ptr() and a.tensor.stride() == b.tensor.stride()
         assert not a.tensor.requires_grad
-    return tree, leaves
 
 
 def _many(n=40, shape=(3, 2), seed=0, dtype=torch.float32):
@@ -39,7 +58,7 @@ def _many(n=40, shape=(3, 2), seed=0, dtype=torch.float32):
 def test_bulk_taken_for_a_dict_of_tensors(monkeypatch):
     calls = []
     real = bulk.bulk_tensors
-    monkeypatch.setattr("zerostall.format.tree.bulk_tensors", lambda x, seen: calls.append(r := real(x, seen)) or r)
+    monkeypatch.setattr("zerostall.format.tree.bulk_tensors", lambda x, seen, *cols: calls.append(r := real(x, seen, *cols)) or r)
     state = {"model": _many(), "optim": {"state": _many(50, (4,), 1)}, "lr": 0.1}
     tree, leaves = encode_tree(state)
     assert sum(r is not None for r in calls) == 2  # both containers of tensors went in bulk
@@ -82,3 +101,30 @@ def test_conj_and_neg_views_resolved_like_per_tensor(monkeypatch):
     state = {"m": {**_many(), "c": torch.randn(3, dtype=torch.complex64).conj()}}
     tree, leaves = _check_same(state, monkeypatch, copied=("m.c",))
     assert not leaves[-1].tensor.is_conj()
+
+
+def test_first_plan_reads_the_signature_columns_and_lays_out_alike(monkeypatch):
+    from zerostall.staging.plan import build_plan
+    from zerostall.staging.plan_cache import PlanCache
+    a = _many(40, seed=6)
+    a["tied"] = a["w1"]
+    state = {"model": _many(50, (2, 3), 7), "opt": {"s": a, "l": [torch.ones(2), a["w2"]]}, "step": 3}
+    taken = []
+    real = bulk._from_columns
+    monkeypatch.setattr(bulk, "_from_columns", lambda *x: taken.append(r := real(*x)) or r)
+    plan = PlanCache().plan(state)  # a first save: columns passed down
+    assert [r is not None for r in taken] == [True, False]  # "model" in bulk from columns; "s" (a tie): per tensor
+    want = build_plan(state)
+    assert plan.tree_json == want.tree_json and plan.tree == want.tree
+    assert plan.items == want.items and plan.file_bytes == want.file_bytes
+    assert [lf.key for lf in plan.leaves] == [lf.key for lf in want.leaves]
+    assert all(x.tensor.data_ptr() == y.tensor.data_ptr() for x, y in zip(plan.leaves, want.leaves))
+
+
+def test_columns_of_other_tensors_are_not_used(monkeypatch):
+    state = {"m": _many(40, seed=8)}
+    stale = _columns({"m": _many(40, seed=8)})  # equal values, other tensor objects
+    taken = []
+    monkeypatch.setattr(bulk, "_from_columns", lambda *x: taken.append(x))
+    tree, leaves = encode_tree(state, columns=stale)
+    assert taken == [] and [lf.tensor.data_ptr() for lf in leaves] == [t.data_ptr() for t in state["m"].values()]

@@ -6,14 +6,17 @@ str keys whose values are all ``torch.Tensor``/``nn.Parameter``: a large model's
 optimizer's state (100k tensors: ~1 s less on a first save). Decides nothing on its own:
 anything unusual (a nested, quantized, sparse, conj/neg-view, empty or aliased tensor, a
 device other than cpu/cuda) returns None and the per-tensor path encodes the container and
-raises its precise errors. Never mutates its input.
+raises its precise errors. Never mutates its input. On a first save the plan cache has
+already read every tensor's address, sizes, strides, dtype and device for its signature
+(:func:`..staging.plan_cache._tensor_sig`): those columns are passed down and read here
+instead of from the tensors again (~0.2 s less at 100k tensors).
 """
 
 from __future__ import annotations
 
 import operator
 from itertools import repeat
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -30,8 +33,14 @@ _QUANTIZED = frozenset(getattr(torch, n) for n in ("qint8", "quint8", "qint32", 
 _TYPE, _INDEX = operator.attrgetter("type"), operator.attrgetter("index")
 _DTYPE = operator.attrgetter("dtype")
 
+Columns = tuple[Sequence[Any], ...]
+"""(tensors, data addresses, sizes, strides, dtypes, devices), index-aligned, in
+:func:`.tree.encode_tree`'s walk order: what the plan cache's signature took of every tensor
+(where it took them, each tensor is strided, has sizes and an address and is no
+conjugate or negative view: it refuses the state otherwise)."""
 
-def bulk_tensors(x: dict[Any, Any], seen: dict[tuple[Any, ...], int]
+
+def bulk_tensors(x: dict[Any, Any], seen: dict[tuple[Any, ...], int], cols: Columns | None = None
                  ) -> tuple[list[str], list[torch.Tensor], list[tuple[Any, ...]]] | None:
     """(keys, detached tensors, identities) of ``x``, a dict whose values are all plain tensors,
     in its order; None where the per-tensor path must decide (see the module docstring).
@@ -39,7 +48,8 @@ def bulk_tensors(x: dict[Any, Any], seen: dict[tuple[Any, ...], int]
     The identities are :func:`.tree.encode_tree`'s (device type and index, data address,
     shape, strides, dtype, numpy flag); None also when two values, or a value
     and a tensor in ``seen`` (met earlier in the walk), share one: tied weights keep the
-    per-tensor path's dedup."""
+    per-tensor path's dedup. ``cols``: :data:`Columns` of these values (``x``'s slice of
+    the walk), used only where its tensors are ``x``'s values themselves, object for object."""
     if len(x) < BULK_MIN:
         return None
     keys = list(x)
@@ -48,6 +58,8 @@ def bulk_tensors(x: dict[Any, Any], seen: dict[tuple[Any, ...], int]
     vals = list(x.values())
     if not TENSOR_TYPES.issuperset(map(type, vals)):
         return None
+    if cols is not None and len(cols[0]) == len(vals) and all(map(operator.is_, vals, cols[0])):
+        return _from_columns(keys, vals, cols, seen)
     dtypes = set(map(_DTYPE, vals))
     if any(d.is_complex or d in _QUANTIZED for d in dtypes):  # conj views, quantized: per tensor
         return None
@@ -62,6 +74,30 @@ def bulk_tensors(x: dict[Any, Any], seen: dict[tuple[Any, ...], int]
     tensors = list(map(_T.detach, vals))
     idents = list(zip(types, map(_INDEX, devices), map(_T.data_ptr, tensors), map(_SIZES, tensors),
                       map(_T.stride, tensors), map(_DTYPE, tensors), repeat(False)))
+    if len(set(idents)) != len(idents) or any(map(seen.__contains__, idents)):
+        return None
+    return keys, tensors, idents
+
+
+def _from_columns(keys: list[str], vals: list[torch.Tensor], cols: Columns, seen: dict[tuple[Any, ...], int]
+                  ) -> tuple[list[str], list[torch.Tensor], list[tuple[Any, ...]]] | None:
+    """:func:`bulk_tensors` with the attributes read from ``cols``: the checks its maps make
+    (nested, layout, neg/conj view) hold where the plan cache took them; the others are made."""
+    _, ptrs, sizes, strides, dtypes, devices = cols
+    if any(d.is_complex or d in _QUANTIZED for d in set(dtypes)):
+        return None
+    if 0 in map(_T.numel, vals):
+        return None
+    kinds = {d: (d.type, d.index) for d in set(devices)}
+    if not {"cpu", "cuda"}.issuperset(t for t, _ in kinds.values()):
+        return None
+    if len(kinds) == 1:  # one device (the usual case): no map over it
+        (kind, index), = kinds.values()
+        types, indices = repeat(kind), repeat(index)
+    else:
+        types, indices = map(_TYPE, devices), map(_INDEX, devices)
+    tensors = list(map(_T.detach, vals))
+    idents = list(zip(types, indices, ptrs, sizes, strides, dtypes, repeat(False)))
     if len(set(idents)) != len(idents) or any(map(seen.__contains__, idents)):
         return None
     return keys, tensors, idents

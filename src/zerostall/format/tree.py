@@ -36,9 +36,9 @@ from __future__ import annotations
 import enum
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from functools import partial
 from itertools import repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -50,7 +50,7 @@ except ImportError:  # pragma: no cover - numpy ships with torch
 from ..errors import CorruptCheckpoint, UnsupportedStateError
 from .validate import MAX_INT_BITS, NotPlain, plain_copy
 from . import objects
-from .bulk import TENSOR_TYPES as _TENSOR_TYPES, bulk_tensors, known_node
+from .bulk import TENSOR_TYPES as _TENSOR_TYPES, Columns, bulk_tensors, known_node
 from .frozen import FREEZE_MIN, Frozen, freeze
 from .nodes import remap_tree, tensor_paths, tree_tensor_indices  # noqa: F401 - re-exported
 
@@ -58,13 +58,18 @@ MAX_DEPTH = 200
 _FREEZABLE = frozenset((dict, list, tuple))
 
 
-@dataclass(frozen=True)
-class TensorLeaf:
-    """One tensor to store: its display key, the tensor, and whether it was a numpy array."""
+class TensorLeaf(NamedTuple):
+    """One tensor to store: its display key, the tensor, and whether it was a numpy array (a
+    named tuple: the bulk path makes 100k of them per first save through ``tuple.__new__``, one
+    object each, no Python frame; a frozen dataclass cost ~90 ms and two objects each)."""
 
     key: str
     tensor: torch.Tensor
     numpy: bool = False
+
+
+_new_leaves = partial(map, partial(tuple.__new__, TensorLeaf))
+"""``_new_leaves(zip(keys, tensors, numpy_flags))``: the leaves, made at C level."""
 
 
 def _fmt_key(path: tuple[Any, ...]) -> str:
@@ -146,7 +151,7 @@ def _refusal(x: Any, path: tuple[Any, ...]) -> UnsupportedStateError:
 
 def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int] | None = None, *,
                 frozen: list[Frozen] | None = None, snapshots: dict[int, bytes] | None = None,
-                path: tuple[Any, ...] = ()) -> Any:
+                path: tuple[Any, ...] = (), columns: Columns | None = None) -> Any:
     """Encode ``obj``; raise :class:`UnsupportedStateError` naming the first bad key.
 
     ``occurrences``, if given, receives the leaf index of every tensor met, in walk order
@@ -157,15 +162,18 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int]
     snapshotted (:func:`.frozen.freeze`; ``snapshots``: ``{id(container): bytes}`` already
     taken in this ``save()``) and left in the tree as a :class:`.frozen.Frozen`, also appended
     to ``frozen``; :class:`.frozen.DeferredTree` encodes it later. ``path``: where ``obj`` sits
-    in the state (errors name the full key).
+    in the state (errors name the full key). ``columns``: the tensors of ``obj`` in walk order
+    with their attributes, as the plan cache's signature took them (:data:`.bulk.Columns`):
+    a dict of tensors taken in bulk reads its attributes there instead of from each tensor
+    (where its tensors are those very objects, else as usual).
     """
     leaves: list[TensorLeaf] = []
     seen: dict[tuple[Any, ...], int] = {}
-    met = [0]  # tensors met so far (``known``)
+    met = [0]  # tensors met so far, in walk order (``known``, ``columns``)
 
     def tensor_index(t: torch.Tensor, path: tuple[Any, ...], is_np: bool) -> int:
+        met[0] += 1
         if known is not None:
-            met[0] += 1
             return known[met[0] - 1]
         key = _fmt_key(path)
         if type(t) not in (torch.Tensor, torch.nn.Parameter) and not is_np:
@@ -250,12 +258,15 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int]
         if tx is dict or tx is OrderedDict:  # the rule: an OrderedDict (a module's state_dict()) loads as a dict
             if known is not None and (node := known_node(x, known, met)) is not None:
                 return node
-            got = bulk_tensors(x, seen) if depth < MAX_DEPTH else None
+            got = None
+            if depth < MAX_DEPTH:
+                got = bulk_tensors(x, seen, columns and tuple(c[met[0]:met[0] + len(x)] for c in columns))
             if got is not None:  # all plain tensors: what tensor_index does, attribute by attribute in bulk
                 keys, tensors, idents = got
+                met[0] += len(keys)
                 start = len(leaves)
                 prefix = _fmt_key(path) + "." if path else ""
-                leaves.extend(map(TensorLeaf, [prefix + k for k in keys], tensors, repeat(False)))
+                leaves.extend(_new_leaves(zip([prefix + k for k in keys] if prefix else keys, tensors, repeat(False))))
                 seen.update(zip(idents, range(start, len(leaves))))
                 if occurrences is not None:
                     occurrences.extend(range(start, len(leaves)))

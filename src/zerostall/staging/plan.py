@@ -82,7 +82,8 @@ class SavePlan:
 
     @cached_property
     def devices(self) -> set[str]:
-        return {leaf.tensor.device.type for leaf in self.leaves}
+        """The device types of the leaves (C-level maps; the few distinct devices typed)."""
+        return {d.type for d in set(map(_DEVICE_OF, map(_TENSOR, self.leaves)))}
 
 
 def owners_by_size(leaves: tuple[TensorLeaf, ...] | list[TensorLeaf], world_size: int) -> list[int]:
@@ -112,16 +113,17 @@ def __getattr__(name: str) -> Any:
 
 
 def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicated: bool = False,
-               occurrences: list[int] | None = None, memo: dict[bytes, Any] | None = None) -> SavePlan:
+               occurrences: list[int] | None = None, memo: dict[bytes, Any] | None = None,
+               columns: Any = None) -> SavePlan:
     """Flatten ``state_dict`` and assign every tensor its offset after the header (packed:
     :func:`~zerostall.format.layout.place`, the layout's one rule).
 
     With ``replicated`` (every rank holds the same state), this rank's plan holds only the
     tensors it owns (:func:`owners_by_size`); ``PlanItem.index`` stays the global index.
-    ``occurrences``: see :func:`encode_tree`; ``memo``: see :func:`finish_tree`.
+    ``occurrences`` and ``columns``: see :func:`encode_tree`; ``memo``: see :func:`finish_tree`.
     """
     frozen: list[Frozen] = []
-    tree, all_leaves = encode_tree(state_dict, occurrences, frozen=frozen)
+    tree, all_leaves = encode_tree(state_dict, occurrences, frozen=frozen, columns=columns)
     tree, tree_json, lazy = finish_tree(tree, all_leaves, frozen, memo=memo)
     owner = owners_by_size(all_leaves, world_size) if replicated and world_size > 1 else None
     if owner is None:
@@ -211,6 +213,7 @@ def _entries_bound(leaves: Any) -> int:
 
 
 _KEY, _TENSOR, _NUMPY = operator.attrgetter("key"), operator.attrgetter("tensor"), operator.attrgetter("numpy")
+_DEVICE_OF = operator.attrgetter("device")
 
 
 def check_step(step: Any) -> int:

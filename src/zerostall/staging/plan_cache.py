@@ -19,7 +19,7 @@ import torch
 
 from .._util import no_gc
 from ..format.frozen import FREEZE_MIN, Frozen, freeze
-from ..format.tree import TensorLeaf, encode_tree
+from ..format.tree import TensorLeaf, _new_leaves, encode_tree
 from .plan import _DTYPE, _KEY, _NUMPY, _SIZE, SavePlan, _entries_bound, build_plan, finish_tree
 
 class Leaves(Sequence[TensorLeaf]):
@@ -38,11 +38,11 @@ class Leaves(Sequence[TensorLeaf]):
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
-            return tuple(map(TensorLeaf, self.keys[i], self.tensors[i], self.numpy[i]))
+            return tuple(_new_leaves(zip(self.keys[i], self.tensors[i], self.numpy[i])))
         return TensorLeaf(self.keys[i], self.tensors[i], self.numpy[i])
 
     def __iter__(self) -> Iterator[TensorLeaf]:
-        return map(TensorLeaf, self.keys, self.tensors, self.numpy)
+        return _new_leaves(zip(self.keys, self.tensors, self.numpy))
 
     def __add__(self, other: Any) -> tuple[TensorLeaf, ...]:
         return tuple(self) + tuple(other)
@@ -232,7 +232,8 @@ class PlanCache:
             return out
         occurrences: list[int] = []
         plan = build_plan(state_dict, rank=rank, world_size=world_size, replicated=replicated,
-                          occurrences=occurrences, memo=self._memo)
+                          occurrences=occurrences, memo=self._memo,
+                          columns=(tensors, *tsig) if tsig is not None else None)  # the signature's reads, reused
         self._memo = plan.lazy.memo if plan.lazy is not None else {}
         self._sig = self._plan = None
         if key is not None and len(occurrences) == len(tensors):
