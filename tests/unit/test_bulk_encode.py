@@ -128,3 +128,20 @@ def test_columns_of_other_tensors_are_not_used(monkeypatch):
     monkeypatch.setattr(bulk, "_from_columns", lambda *x: taken.append(x))
     tree, leaves = encode_tree(state, columns=stale)
     assert taken == [] and [lf.tensor.data_ptr() for lf in leaves] == [t.data_ptr() for t in state["m"].values()]
+
+
+def test_large_bulk_nodes_json_spliced_byte_for_byte():
+    import json
+    from zerostall.staging.plan import build_plan
+    from zerostall.staging.plan_cache import PlanCache
+    big = {f"layer.{i}.w\u00e9\"\\\x00" if i % 97 == 0 else f"layer.{i}.w": torch.full((2,), float(i))
+           for i in range(bulk.TEXT_MIN + 5)}
+    state = {"model": big, "opt": {"state": _many(bulk.TEXT_MIN, (1,), 9), "lr": 0.5, "n": [1, None]},
+             "mark": "\x00zsbulk", "s": _many(40, seed=10)}
+    for plan in (build_plan(state), PlanCache().plan(state)):
+        assert plan.tree_json == json.dumps(plan.tree, separators=(",", ":"), allow_nan=False)
+        assert plan.tree == build_plan(state).tree  # the nodes' pairs are back in place
+        assert plan.tree["d"][0][1]["d"][97] == [{"v": "layer.97.w\u00e9\"\\\x00"}, {"T": 97}]
+    texts = []
+    tree, leaves = encode_tree(state, texts=texts)
+    assert len(texts) == 2 and [n is tree["d"][0][1] for n, _ in texts] == [True, False]

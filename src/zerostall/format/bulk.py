@@ -14,7 +14,10 @@ instead of from the tensors again (~0.2 s less at 100k tensors).
 
 from __future__ import annotations
 
+import json
 import operator
+import re
+import secrets
 from itertools import repeat
 from typing import Any, Sequence
 
@@ -113,3 +116,53 @@ def known_node(x: dict[Any, Any], known: list[int], met: list[int]) -> Any:
     i = met[0]
     met[0] = i + len(x)
     return {"d": [[{"v": k}, {"T": j}] for k, j in zip(x, known[i:met[0]])]}
+
+
+TEXT_MIN = 1024
+"""A dict of at least this many tensors taken in bulk also gets its node's JSON made here
+(:func:`pairs_json`), spliced into the tree's by :func:`dumps_tree`: 100k tensors ~0.1-0.2 s
+less on a first save than the C encoder walking 300k small containers."""
+_PAIR = '[{{"v":{}}},{{"T":{}}}]'.format
+_NONCE = secrets.token_hex(8)
+_MARK = re.compile(re.escape(json.dumps(f"\x00zsbulk{_NONCE}:")[:-1]) + "([0-9]+)" + re.escape(json.dumps("\x00")[1:]))
+"""A marker as the encoder writes it (``"\\u0000zsbulk<nonce>:<i>\\u0000"``)."""
+
+
+class _Marker:
+    __slots__ = ("i",)
+
+    def __init__(self, i: int):
+        self.i = i
+
+
+def _mark(m: Any) -> str:
+    if type(m) is not _Marker:
+        raise TypeError(f"Object of type {type(m).__name__} is not JSON serializable")
+    return f"\x00zsbulk{_NONCE}:{m.i}\x00"
+
+
+def pairs_json(keys: list[str], start: int) -> str:
+    """The compact JSON of ``[[{"v": key}, {"T": start + i}], ...]``, exactly as ``json.dumps``
+    (``ensure_ascii``) writes it: C-level maps over the keys, no container per tensor."""
+    return "[" + ",".join(map(_PAIR, map(json.encoder.encode_basestring_ascii, keys),
+                              range(start, start + len(keys)))) + "]"
+
+
+def dumps_tree(tree: Any, texts: list[tuple[dict[str, Any], str]]) -> str:
+    """``json.dumps(tree, separators=(",", ":"), allow_nan=False)``, with each ``(node, text)``
+    of ``texts`` (dict nodes ``{"d": pairs}`` of ``tree`` and :func:`pairs_json` of their pairs)
+    written as its text: each node's pairs are swapped for a marker while the encoder runs
+    (caller's thread; the tree is a plan's own, seen by no other thread yet), then restored."""
+    def dumps(t: Any, **kw: Any) -> str:
+        return json.dumps(t, separators=(",", ":"), allow_nan=False, **kw)
+    if not texts:
+        return dumps(tree)
+    saved = [node["d"] for node, _ in texts]
+    try:
+        for i, (node, _) in enumerate(texts):
+            node["d"] = _Marker(i)
+        out = dumps(tree, default=_mark)
+    finally:
+        for (node, _), pairs in zip(texts, saved):
+            node["d"] = pairs
+    return _MARK.sub(lambda m: texts[int(m.group(1))][1], out)

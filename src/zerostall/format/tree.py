@@ -50,7 +50,7 @@ except ImportError:  # pragma: no cover - numpy ships with torch
 from ..errors import CorruptCheckpoint, UnsupportedStateError
 from .validate import MAX_INT_BITS, NotPlain, plain_copy
 from . import objects
-from .bulk import TENSOR_TYPES as _TENSOR_TYPES, Columns, bulk_tensors, known_node
+from .bulk import TENSOR_TYPES as _TENSOR_TYPES, TEXT_MIN, Columns, bulk_tensors, known_node, pairs_json
 from .frozen import FREEZE_MIN, Frozen, freeze
 from .nodes import remap_tree, tensor_paths, tree_tensor_indices  # noqa: F401 - re-exported
 
@@ -151,7 +151,8 @@ def _refusal(x: Any, path: tuple[Any, ...]) -> UnsupportedStateError:
 
 def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int] | None = None, *,
                 frozen: list[Frozen] | None = None, snapshots: dict[int, bytes] | None = None,
-                path: tuple[Any, ...] = (), columns: Columns | None = None) -> Any:
+                path: tuple[Any, ...] = (), columns: Columns | None = None,
+                texts: list[tuple[dict[str, Any], str]] | None = None) -> Any:
     """Encode ``obj``; raise :class:`UnsupportedStateError` naming the first bad key.
 
     ``occurrences``, if given, receives the leaf index of every tensor met, in walk order
@@ -165,7 +166,8 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int]
     in the state (errors name the full key). ``columns``: the tensors of ``obj`` in walk order
     with their attributes, as the plan cache's signature took them (:data:`.bulk.Columns`):
     a dict of tensors taken in bulk reads its attributes there instead of from each tensor
-    (where its tensors are those very objects, else as usual).
+    (where its tensors are those very objects, else as usual). ``texts``: receives (node, its
+    pairs' JSON) for each large dict taken in bulk (:func:`.bulk.dumps_tree`).
     """
     leaves: list[TensorLeaf] = []
     seen: dict[tuple[Any, ...], int] = {}
@@ -270,7 +272,10 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int]
                 seen.update(zip(idents, range(start, len(leaves))))
                 if occurrences is not None:
                     occurrences.extend(range(start, len(leaves)))
-                return {"d": [[{"v": k}, {"T": i}] for k, i in zip(keys, range(start, len(leaves)))]}
+                node = {"d": [[{"v": k}, {"T": i}] for k, i in zip(keys, range(start, len(leaves)))]}
+                if texts is not None and len(keys) >= TEXT_MIN:
+                    texts.append((node, pairs_json(keys, start)))
+                return node
             return {"d": [[_encode_key(k, path), enc(v, path + (k,), depth + 1)] for k, v in x.items()]}
         if tx is list:
             return {"l": [enc(v, path + (i,), depth + 1) for i, v in enumerate(x)]}

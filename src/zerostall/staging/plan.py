@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import ConfigError, UnsupportedStateError
+from ..format.bulk import dumps_tree
 from ..format.dtypes import dtype_name
 from ..format.layout import HEADER_BYTES, align_up, pack_offsets, place
 from ..format.frozen import DeferredTree, Frozen, skeleton_json
@@ -123,8 +124,9 @@ def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicate
     ``occurrences`` and ``columns``: see :func:`encode_tree`; ``memo``: see :func:`finish_tree`.
     """
     frozen: list[Frozen] = []
-    tree, all_leaves = encode_tree(state_dict, occurrences, frozen=frozen, columns=columns)
-    tree, tree_json, lazy = finish_tree(tree, all_leaves, frozen, memo=memo)
+    texts: list[tuple[dict[str, Any], str]] = []
+    tree, all_leaves = encode_tree(state_dict, occurrences, frozen=frozen, columns=columns, texts=texts)
+    tree, tree_json, lazy = finish_tree(tree, all_leaves, frozen, memo=memo, texts=texts)
     owner = owners_by_size(all_leaves, world_size) if replicated and world_size > 1 else None
     if owner is None:
         items, file_bytes = _items_in_bulk(all_leaves)
@@ -273,15 +275,17 @@ estimate reaches the manifest limit is encoded on the caller's thread, so ``save
 
 
 def finish_tree(tree: Any, leaves: Any, frozen: list[Frozen], bound: int | None = None,
-                memo: dict[bytes, Any] | None = None) -> tuple[Any, str, DeferredTree | None]:
+                memo: dict[bytes, Any] | None = None, texts: list[Any] | None = None
+                ) -> tuple[Any, str, DeferredTree | None]:
     """(tree, tree_json, lazy) for a plan (caller's thread). Without frozen parts: the tree,
     its JSON and None (the manifest's size checked here). With them: a
     :class:`~zerostall.format.frozen.DeferredTree` that encodes them later (``memo``: the
     previous save's encodings) and checks the manifest's size then, unless the estimate
-    (:data:`FROZEN_GROWTH`) says it may not fit: then it is finished now and raises here."""
+    (:data:`FROZEN_GROWTH`) says it may not fit: then it is finished now and raises here.
+    ``texts``: large bulk nodes' JSON made by :func:`encode_tree` (spliced, not encoded again)."""
     bound = _entries_bound(leaves) if bound is None else bound
     if not frozen:
-        return tree, check_manifest_size(None, tree, leaves, bound), None
+        return tree, check_manifest_size(None, tree, leaves, bound, dumps_tree(tree, texts) if texts else None), None
     n = leaves if isinstance(leaves, int) else len(leaves)
     skeleton = skeleton_json(tree, frozen)
     lazy = DeferredTree(tree, skeleton, frozen, _encode_part, lambda t, j: check_manifest_size(None, t, n, bound, j),
