@@ -17,7 +17,7 @@ import hashlib
 import json
 import operator
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, NamedTuple
 
 import torch
@@ -151,6 +151,10 @@ def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicate
                     tree_json, digest, lazy=lazy)
 
 
+_new_item = partial(tuple.__new__, PlanItem)
+"""``_new_item((index, key, dtype, shape, nbytes, offset))``: a :class:`PlanItem` with no Python frame."""
+
+
 def _items_in_bulk(leaves: list[TensorLeaf]) -> tuple[list[PlanItem], int]:
     """Every leaf's item and the file's length (:func:`~zerostall.format.layout.pack_offsets`,
     the layout's one rule), attribute by attribute over all leaves (a first save of 100k
@@ -161,7 +165,8 @@ def _items_in_bulk(leaves: list[TensorLeaf]) -> tuple[list[PlanItem], int]:
     names = {d: dtype_name(d, keys[dtypes.index(d)]) for d in set(dtypes)}  # refuses naming a key
     nbytes = list(map(operator.mul, map(torch.Tensor.numel, ts), map(torch.Tensor.element_size, ts)))
     offsets, file_bytes = pack_offsets(nbytes)
-    items = list(map(PlanItem, range(len(ts)), keys, map(names.__getitem__, dtypes), map(_SHAPE, ts), nbytes, offsets))
+    items = list(map(_new_item, zip(range(len(ts)), keys, map(names.__getitem__, dtypes), map(_SHAPE, ts), nbytes,
+                                    offsets)))
     return items, file_bytes
 
 
