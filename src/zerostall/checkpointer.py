@@ -41,7 +41,7 @@ from .staging.arena import Arena
 from .staging.memory import budget_bytes
 from .staging.job import Job, SaveRequest, SaveStatus, Slot, Source
 from .staging.plan import check_metadata, check_step
-from .staging.plan_cache import PlanCache, payload_bytes, plan_tensors
+from .staging.plan_cache import PlanCache, plan_tensors
 from .staging.ring import BlockRing
 from .staging import pool as _pool
 from .staging.snapshot import record_save_events
@@ -156,10 +156,9 @@ class Checkpointer:
         if wait and self._lease is not None:
             self._lease.arena.wait_ready(self._lease.pool.target)
 
-    def _plan(self, state_dict: Any) -> Any:
-        prank, pworld = self._stages.plan_rank
-        return self._plans.plan(state_dict, rank=prank, world_size=pworld,
-                                replicated=self.config.dist_mode == "replicated")
+    def _plan(self, state_dict: Any, walked: Any = None) -> Any:
+        (prank, pworld), repl = self._stages.plan_rank, self.config.dist_mode == "replicated"
+        return self._plans.plan(state_dict, rank=prank, world_size=pworld, replicated=repl, walked=walked)
 
     # -- caller's thread ----------------------------------------------------------------
     def save(self, step: int, state_dict: Any, *, overwrite: bool | None = None,
@@ -203,9 +202,10 @@ class Checkpointer:
             self.tier.check_new_step(step, ow, allow_lower=self.config.allow_lower_steps or fast)
             if ow:
                 check_not_referenced(self.tier, step, self._refs.pinned_steps() if self._refs is not None else set())
-            if (self._lease is None or not self._lease.want_bytes) and (early := payload_bytes(state_dict)):
-                self._ensure_pipeline(early)  # a first save: the pool faults while the plan is built
-            plan = self._plan(state_dict)
+            walked = self._plans.walk(state_dict)  # once per save; a first save's pool faults during the plan
+            if (self._lease is None or not self._lease.want_bytes) and (early := walked.payload_bytes()):
+                self._ensure_pipeline(early)
+            plan = self._plan(state_dict, walked)
             if self.tier.owned and (self._step_bound is None or step > self._step_bound):
                 newest = self.tier.latest() if self._step_bound is None else None
                 self._step_bound = max(step, newest if newest is not None else -1)

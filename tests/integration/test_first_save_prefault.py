@@ -20,10 +20,10 @@ def test_the_pool_faults_while_the_first_plan_is_built(tmp_path, monkeypatch):
     seen = []
     real = Checkpointer._plan
 
-    def plan(self, sd):
+    def plan(self, sd, *walked):
         p = pool.current()
         seen.append(None if p is None else p.arena.target)
-        return real(self, sd)
+        return real(self, sd, *walked)
 
     monkeypatch.setattr(Checkpointer, "_plan", plan)
     with Checkpointer(tmp_path / "ck") as ck:
@@ -43,3 +43,22 @@ def test_an_unsupported_state_leases_nothing_early(tmp_path):
         with pytest.raises(UnsupportedStateError):
             ck.save(1, {"w": torch.ones(1000), "odd": Odd()})
         assert ck._lease is None or ck._lease.want_bytes == 0  # joined at most: nothing asked for
+
+
+def test_a_save_walks_the_state_once(tmp_path, monkeypatch):
+    from zerostall.staging import plan_cache
+    state = {"m": {f"w{i}": torch.full((10,), float(i)) for i in range(40)}, "step": 3}
+    tops = []
+    real = plan_cache._walk
+
+    def walk(x, *a, **k):
+        if x is state:
+            tops.append(1)
+        return real(x, *a, **k)
+
+    monkeypatch.setattr(plan_cache, "_walk", walk)
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, state).result()  # the first: sizes the pool from the walk, then plans from it
+        ck.save(2, state).result()
+        assert len(tops) == 2
+    assert torch.equal(zerostall.load(str(tmp_path / "ck"))["m"]["w7"], state["m"]["w7"])

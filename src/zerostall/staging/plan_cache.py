@@ -13,7 +13,7 @@ import operator
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
@@ -145,17 +145,31 @@ def _tensor_sig(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
             dtypes, tuple(map(_DEVICE, tensors)))
 
 
-def payload_bytes(state_dict: Any) -> int:
-    """The tensors' bytes in ``state_dict`` (C-level maps over one :func:`_walk`: ~10 ms for
-    100k tensors), 0 where the walk steps aside: a lower bound of the first save's shard file,
-    so that the staging pool starts faulting while the plan is built (``Checkpointer.save``)."""
-    tensors: list[torch.Tensor] = []
-    try:
-        if not _walk(state_dict, [], tensors, 0, []):
+class Walk(NamedTuple):
+    """One signature walk of a state (:meth:`PlanCache.walk`): structure, plain values, the
+    tensors in walk order, the frozen snapshots by ``id``, the tensors' signature (None where
+    the cache steps aside) and whether the walk understood the whole state."""
+
+    sig: list[Any]
+    vals: list[Any]
+    tensors: list[torch.Tensor]
+    snapshots: dict[int, bytes]
+    tsig: tuple[Any, ...] | None
+    fast: bool
+
+    def payload_bytes(self) -> int:
+        """The tensors' bytes (0 where the walk stepped aside): a first save's early estimate of
+        its shard file, so that the staging pool starts faulting while the plan is built
+        (``Checkpointer.save``; tied tensors counted each time)."""
+        if not self.fast:
             return 0
-        return sum(map(operator.mul, map(torch.Tensor.numel, tensors), map(torch.Tensor.element_size, tensors)))
-    except Exception:  # noqa: BLE001 - an odd tensor: the plan reports it
-        return 0
+        try:
+            return sum(map(_NBYTES_OF, self.tensors))
+        except Exception:  # noqa: BLE001 - an odd tensor: the plan reports it
+            return 0
+
+
+_NBYTES_OF = operator.attrgetter("nbytes")
 
 
 _no_gc = no_gc  # the cyclic GC paused while a plan is built (see :func:`~zerostall._util.no_gc`)
@@ -197,21 +211,38 @@ class PlanCache:
         self._memo: dict[bytes, Any] = {}
         """The last save's frozen parts' encodings (:class:`~zerostall.format.frozen.DeferredTree`)."""
 
-    def plan(self, state_dict: Any, *, rank: int = 0, world_size: int = 1, replicated: bool = False) -> SavePlan:
-        """The plan of ``state_dict``; Python's cyclic GC is paused meanwhile (see :func:`_no_gc`)."""
+    def plan(self, state_dict: Any, *, rank: int = 0, world_size: int = 1, replicated: bool = False,
+             walked: Walk | None = None) -> SavePlan:
+        """The plan of ``state_dict``; Python's cyclic GC is paused meanwhile (see :func:`_no_gc`).
+        ``walked``: :meth:`walk` of ``state_dict`` in this very ``save()`` (else walked here)."""
         with _no_gc():
-            return self._plan_of(state_dict, rank, world_size, replicated)
+            return self._plan_of(state_dict, rank, world_size, replicated, walked or self._walk_of(state_dict))
 
-    def _plan_of(self, state_dict: Any, rank: int, world_size: int, replicated: bool) -> SavePlan:
+    @staticmethod
+    def walk(state_dict: Any) -> Walk:
+        """The signature walk of ``state_dict`` (what :meth:`plan` compares), taken apart from
+        the plan so that a first ``save()`` sizes the staging pool from it before planning
+        (:meth:`Walk.payload_bytes`) and walks the state once; GC paused as in :meth:`plan`.
+        The caller keeps it for the one ``save()`` only (it holds the state's tensors)."""
+        with _no_gc():
+            return PlanCache._walk_of(state_dict)
+
+    @staticmethod
+    def _walk_of(state_dict: Any) -> Walk:
         sig: list[Any] = []
         vals: list[Any] = []
         tensors: list[torch.Tensor] = []
-        snapshots: dict[int, bytes] = {}  # id() -> snapshot: the walked objects live through this call
+        snapshots: dict[int, bytes] = {}  # id() -> snapshot: the walked objects live through this save
+        fast = False
         try:
             fast = _walk(state_dict, sig, tensors, 0, vals, snapshots)
             tsig = _tensor_sig(tensors) if fast else None
         except Exception:  # noqa: BLE001 - an odd tensor subclass: encode_tree reports it properly
             tsig = None
+        return Walk(sig, vals, tensors, snapshots, tsig, fast)
+
+    def _plan_of(self, state_dict: Any, rank: int, world_size: int, replicated: bool, walked: Walk) -> SavePlan:
+        sig, vals, tensors, snapshots, tsig, _ = walked
         args = (rank, world_size, replicated)
         key = (tuple(sig), tsig) if tsig is not None else None
         cached = self._plan
