@@ -54,7 +54,9 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _run(mode: str, base: str, work: str, mib: int, replicas: int, bw: int, remote: str) -> list[dict[str, Any]]:
+def _run(mode: str, base: str, work: str, mib: int, replicas: int, bw: int, remote: str,
+         cpu: str = "idle") -> list[dict[str, Any]]:
+    """The 4 nodes of one phase (``mode``: the worker's), each its own process; their JSON results."""
     port = _port()
     procs = []
     for r in range(NODES):
@@ -66,7 +68,7 @@ def _run(mode: str, base: str, work: str, mib: int, replicas: int, bw: int, remo
         if os.path.exists(out):
             os.unlink(out)
         procs.append((subprocess.Popen([sys.executable, "-m", "zerostall.bench.nodeloss_worker", mode, base, out,
-                                        str(mib), str(replicas), str(bw), remote], env=env,
+                                        str(mib), str(replicas), str(bw), remote, cpu], env=env,
                                        stderr=subprocess.PIPE, text=True), out))
     docs = []
     for p, out in procs:

@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 from ..distributed.store import Store
 from ..errors import ZerostallError
 from ..format.manifest import MANIFEST_NAME, Manifest
-from ..store.replicate import set_idle_io_priority
 from ..store.tier import RootTier
 from .exchange import PeerView
 from . import status as status_file
 from .placement import ranking
+from .priority import background
 from .store import PeerStore
 from .transport import Transport
 from .verify import expected_digest
@@ -62,7 +62,9 @@ class StepStatus:
 
 class PeerReplicator:
     def __init__(self, tier: RootTier, view: PeerView, transport: Transport, store: Store, peer_store: PeerStore,
-                 *, replicas: int, keep_last: int | None, replica_timeout_s: float):
+                 *, replicas: int, keep_last: int | None, replica_timeout_s: float, cpu_priority: str = "idle"):
+        self.cpu_priority = cpu_priority
+        """The sender's CPU priority (:func:`.priority.background`; its put threads inherit it)."""
         self.tier, self.view, self.transport, self.store = tier, view, transport, store
         self.peer_store = peer_store
         self.replicas, self.keep_last, self.replica_timeout_s = replicas, keep_last, replica_timeout_s
@@ -144,7 +146,7 @@ class PeerReplicator:
             self._q.put(-1)
 
     def _send_loop(self) -> None:
-        set_idle_io_priority()
+        background(self.cpu_priority)
         while True:
             step = self._q.get()
             if step is None or self._stop.is_set():

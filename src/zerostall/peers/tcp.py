@@ -29,6 +29,7 @@ from typing import Any
 
 from ..errors import ZerostallError
 from ..format.manifest import Manifest
+from .priority import background
 from .store import PeerStore
 from .stream import Pacer, at, fill_from, send_range
 from .transport import Endpoint, Sink, Transport
@@ -41,16 +42,12 @@ log = logging.getLogger("zerostall")
 MAX_FILE_BYTES = 1 << 46
 
 
-def _io_priority(idle: bool) -> None:
-    """This connection thread's disk I/O class: idle for receiving replicas (never competes
-    with the next local save), best-effort for serving a restore (someone is waiting)."""
+def _serving_io_priority() -> None:
+    """A connection thread serving a restore or a listing: best-effort disk I/O (someone is
+    waiting; threads receiving copies go idle instead, :func:`.priority.background`)."""
     try:
         import psutil
-        p = psutil.Process(threading.get_native_id())
-        if idle:
-            p.ionice(psutil.IOPRIO_CLASS_IDLE)
-        else:
-            p.ionice(psutil.IOPRIO_CLASS_BE, 4)
+        psutil.Process(threading.get_native_id()).ionice(psutil.IOPRIO_CLASS_BE, 4)
     except Exception as exc:  # noqa: BLE001 - best effort: non-Linux, seccomp
         log.debug("zerostall: cannot set the I/O priority of a peer connection: %s", exc)
 
@@ -66,7 +63,10 @@ class TcpTransport(Transport):
     name = "tcp"
 
     def __init__(self, secret: bytes, me: str, nodes: set[str], *, timeout_s: float, pacer: Pacer,
-                 listen_host: str = "127.0.0.1", max_connections: int = 32, recv_pacer: Pacer | None = None):
+                 listen_host: str = "127.0.0.1", max_connections: int = 32, recv_pacer: Pacer | None = None,
+                 cpu_priority: str = "normal"):
+        self.cpu_priority = cpu_priority
+        """A connection thread receiving a copy (``put``) lowers itself to this (:mod:`.priority`)."""
         self.secret, self.me, self.nodes = secret, me, set(nodes)
         self.timeout_s, self.pacer = timeout_s, pacer
         self.recv_pacer = recv_pacer
@@ -155,7 +155,10 @@ class TcpTransport(Transport):
 
     def _handle(self, conn: socket.socket, peer: str, msg: dict[str, Any]) -> None:
         op = msg.get("op")
-        _io_priority(idle=op == "put")  # receiving copies yields the disk; serving a restore does not
+        if op == "put":  # receiving copies yields the CPU and the disk (for good: this thread only receives)
+            background(self.cpu_priority)
+        else:  # serving a restore does not
+            _serving_io_priority()
         if op == "list":
             send_msg(conn, {"ok": True, "held": self.store.held()})
         elif op == "put":
