@@ -4,9 +4,9 @@ training, per ``peers.cpu_priority`` setting, alternated in one run.
 The save phase of ``--scenario node-loss`` (:mod:`.nodeloss`: 4 simulated nodes x 1 rank on
 gloo, ``--size-gib`` of state in all, ``replicas=2``, 200 MB/s per node; rank 0 trains a
 384x384 matmul loop in its main thread before, during and after the save until the step is
-protected), run ``--repeat`` times per setting, the settings' order reversed every other
+protected, and 1.5 s after), run ``--repeat`` times per setting, the settings' order reversed every other
 round (the machine's other load drifts). Per run: rank 0's mean step time idle (the 1.5 s
-before the save) and in the window where only the paced copies run (durable -> protected),
+before the save and the 1.5 s after the step is protected) and in the window where only the paced copies run (durable -> protected),
 their ratio, the CPU seconds every node's process spent in that window, and the load average
 when the run started. Medians per setting.
 
@@ -38,7 +38,7 @@ def run(size_gib: float, work: str, rounds: int, modes: tuple[str, ...] = MODES)
             shutil.rmtree(base, ignore_errors=True)
             load = os.getloadavg()[0]
             docs = _run("save", base, work, mib, 2, CAP_BYTES, "", cpu=mode)
-            idle, rep = _ms(docs[0]["before"]), _ms(docs[0]["replicating"])
+            idle, rep = _ms(docs[0]["before"] + docs[0]["after"]), _ms(docs[0]["replicating"])
             runs.append({"round": r, "cpu_priority": mode, "load_avg_1m": round(load, 2),
                          "step_ms_idle": round(idle, 3), "step_ms_replicating_only": round(rep, 3),
                          "replicating_over_idle": round(rep / max(idle, 1e-9), 3),

@@ -80,12 +80,16 @@ def main() -> None:
         res["cpu_replicating_s"] = time.process_time() - cpu_at[0]
         if remote:
             h.wait(tier="remote")
-        res["t_done_s"] = time.monotonic() - t_save
+        t_protected = time.monotonic()
+        res["t_done_s"] = t_protected - t_save
+        if rank == 0:
+            train(t_protected + 1.5)  # idle again: the step time before and after brackets the save
         res["protected"] = h.protected()
         res["before"] = [d for t, d in steps if t < t_save]
-        res["during"] = [d for t, d in steps if t >= t_save]
+        res["during"] = [d for t, d in steps if t >= t_save and (rank != 0 or t < t_protected)]
         # after the step is durable, until it is protected: only the paced copies run then
-        res["replicating"] = [d for t, d in steps if durable_at and t >= durable_at[0]]
+        res["replicating"] = [d for t, d in steps if durable_at and durable_at[0] <= t < t_protected] if rank == 0 else []
+        res["after"] = [d for t, d in steps if rank == 0 and t >= t_protected]
         res["bytes_sent"] = ck._peers.replicator.bytes_sent if ck._peers is not None else 0  # type: ignore[union-attr]
         res["state_bytes"] = sum(t.numel() * 4 for t in state.values())
     else:  # load (n1's files from its peers) / load_remote (from the remote tier ``remote``)

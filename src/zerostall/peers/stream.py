@@ -33,6 +33,9 @@ def at(point: str) -> None:
         fault_hook(point)
 
 BUF_BYTES = 4 << 20
+"""The receiver's buffers (two per transfer) and the unit it checks and writes."""
+SEND_BYTES = 16 << 20
+"""Bytes per ``sendfile`` call (and per pacing step) on the sender: fewer, larger calls."""
 READ_AHEAD_BYTES = 32 << 20
 """How far ahead of ``sendfile`` the sender asks the kernel to read (``POSIX_FADV_WILLNEED``):
 a holder's copy was written with O_DIRECT, so it is not cached, and ``sendfile``'s own
@@ -61,7 +64,7 @@ class Pacer:
 
 def send_range(sock: socket.socket, f: Any, offset: int, length: int, pacer: Pacer | None = None) -> int:
     """``sendfile`` bytes ``[offset, offset + length)`` of open file ``f`` to ``sock`` in
-    ``BUF_BYTES`` pieces (each paced), keeping ``READ_AHEAD_BYTES`` of read-ahead requested.
+    ``SEND_BYTES`` pieces (each paced), keeping ``READ_AHEAD_BYTES`` of read-ahead requested.
     Returns the bytes sent; stops early (returning fewer) when the receiver closed: its answer
     says why."""
     fd = f.fileno()
@@ -77,7 +80,7 @@ def send_range(sock: socket.socket, f: Any, offset: int, length: int, pacer: Pac
                 except OSError:
                     pass
                 ahead = nxt
-            n = min(BUF_BYTES, end - off)
+            n = min(SEND_BYTES, end - off)
             if pacer is not None:
                 pacer.take(n)
             sent = sock.sendfile(f, off, n)
