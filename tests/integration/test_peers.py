@@ -20,8 +20,9 @@ HERE = os.path.dirname(__file__)
 NODES = [f"n{i}" for i in range(4)]
 
 
-def _launch(scenario, base, tmp_path, env_extra, timeout=150, stop=None, nodes=NODES, worker="peers_worker.py"):
-    """One process per entry of ``nodes`` (rank r runs on node ``nodes[r]``), each running ``worker``."""
+def _spawn(scenario, base, tmp_path, env_extra, nodes=NODES, worker="peers_worker.py"):
+    """One process per entry of ``nodes`` (rank r runs on node ``nodes[r]``), each running
+    ``worker``: ``[(Popen, its result file), ...]``."""
     port = free_port()
     procs = []
     for r, node in enumerate(nodes):
@@ -36,20 +37,43 @@ def _launch(scenario, base, tmp_path, env_extra, timeout=150, stop=None, nodes=N
             os.unlink(out)
         procs.append((subprocess.Popen([sys.executable, os.path.join(HERE, worker), scenario, base, out],
                                        env=env, stderr=subprocess.PIPE, text=True), out))
+    return procs
+
+
+def _collect(procs, timeout):
+    """Each process's ``(returncode, result document or None, stderr)``; any still running
+    after ``timeout`` is continued (if stopped) and killed."""
     results = []
+    try:
+        for p, out in procs:
+            _, err = p.communicate(timeout=timeout)
+            results.append((p.returncode, json.load(open(out)) if os.path.exists(out) else None, err))
+    finally:
+        _kill_all(procs)
+    return results
+
+
+def _kill_all(procs):
+    """Continue (if stopped) and kill every process of ``procs`` still running (by pid: ours)."""
+    for p, _ in procs:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+            p.wait()
+
+
+def _launch(scenario, base, tmp_path, env_extra, timeout=150, stop=None, nodes=NODES, worker="peers_worker.py"):
+    """One process per entry of ``nodes`` (rank r runs on node ``nodes[r]``), each running ``worker``."""
+    procs = _spawn(scenario, base, tmp_path, env_extra, nodes, worker)
     try:
         if stop is not None:  # the stopped rank is SIGKILLed once the others have finished
             for p, _ in procs[:stop] + procs[stop + 1:]:
                 p.wait(timeout=timeout)
             procs[stop][0].kill()
-        for p, out in procs:
-            _, err = p.communicate(timeout=timeout)
-            results.append((p.returncode, json.load(open(out)) if os.path.exists(out) else None, err))
-    finally:
-        for p, _ in procs:
-            if p.poll() is None:
-                p.kill()
-    return results
+    except BaseException:
+        _kill_all(procs)
+        raise
+    return _collect(procs, timeout)
 
 
 def _ok(res):

@@ -45,6 +45,7 @@ def main() -> None:
     if mode == "save":
         state = _state(rank, int(mib))
         ck.prepare(state, wait=True)
+        dist.barrier()  # every node's state made and staged: nothing else runs in rank 0's idle window
         x = torch.randn(384, 384)
         steps: list[tuple[float, float]] = []
 
@@ -84,6 +85,7 @@ def main() -> None:
         res["t_done_s"] = t_protected - t_save
         if rank == 0:
             train(t_protected + 1.5)  # idle again: the step time before and after brackets the save
+        dist.barrier()  # the others close only after rank 0's idle window after the save
         res["protected"] = h.protected()
         res["before"] = [d for t, d in steps if t < t_save]
         res["during"] = [d for t, d in steps if t >= t_save and (rank != 0 or t < t_protected)]

@@ -158,9 +158,15 @@ class PeerReplicator:
             holders, error = self._send_step(step)
             try:
                 self.store.set(self.view.key(f"s{step}", self.view.me),
-                               json.dumps({"holders": holders, "error": error}))
+                               json.dumps({"holders": holders, "error": error, "usage": self._usage()}))
             except ZerostallError as exc:
                 log.error("zerostall: could not publish the peer copies of step %d: %s", step, exc)
+
+    def _usage(self) -> dict[str, object]:
+        try:
+            return self.peer_store.usage()
+        except OSError as exc:
+            return {"error": str(exc)}
 
     def _send_step(self, step: int) -> tuple[list[str], str]:
         v = self.view
@@ -279,7 +285,9 @@ class PeerReplicator:
             try:
                 status_file.record(self.tier.root, v.me, st.step, st.protected,
                                    {n: list(r.get("holders", ())) for n, r in reports.items()}, self.tier.steps(),
-                                   {n: f"{e.host}:{e.port}" for n, e in v.endpoints.items()})
+                                   {n: f"{e.host}:{e.port}" for n, e in v.endpoints.items()},
+                                   {**{n: r["usage"] for n, r in reports.items() if isinstance(r.get("usage"), dict)},
+                                    v.me: self._usage()})
             except OSError as exc:
                 log.debug("zerostall: could not record the peer status of step %d: %s", st.step, exc)
         if self.store.add(v.key(f"s{st.step}", "seen"), 1) == v.world:
