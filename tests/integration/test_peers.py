@@ -113,6 +113,10 @@ def test_n3_two_nodes_killed_and_wiped_restore_bit_exact_from_peers(tmp_path, ca
     own = {r["step"]: r for r in rows if r["tier"].startswith("local")}
     assert own[2]["protected"] is True and own[2]["holders"][0] == "n0"
     assert set(own[2]["holders"][1:]) == set(_holder_of("n0", 3))
+    # each holder's use of its area for peers' copies (no quota here), as reported with step 2
+    assert set(own[2]["holder_usage"]) == set(_holder_of("n0", 3))
+    for h, u in own[2]["holder_usage"].items():
+        assert u["quota_bytes"] is None and u["used_bytes"] > 0 and u["refused"] == 0, (h, u)
     assert {r["tier"] for r in rows if r["tier"].startswith("peer copy")} == {
         f"peer copy of {s}" for s in NODES if "n0" in _holder_of(s, 3)}
     # `zerostall doctor ROOT`: the newest step's protection; the peers do not answer (job ended)
