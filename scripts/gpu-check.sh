@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The device check for a session that is lent a GPU: the GPU tests and the GPU bench, once.
+# The device check for a session that is lent a GPU: the GPU tests, the CUDA restore bench and
+# the GPU save bench, once.
 # Writes logs and the bench JSON/plot under ${OUT:-gpu-out}. Not run in CI (no GPU there).
 # The device machine has no package registry: wheels for what its image lacks (crc32c,
 # liburing, the bench peers) travel in .whl/ (see the README's "GPU check"); without .whl/
@@ -24,6 +25,12 @@ timeout 90 python3 scripts/gpu_diag.py 2>&1 | tee "$OUT/diag.txt"
 # say so (-rs), on a machine with one device
 timeout 240 python3 -m pytest -q -m gpu -rs -p no:cacheprovider --continue-on-collection-errors tests tests/unit/test_device_streams.py 2>&1 \
   | tee "$OUT/pytest-gpu.log"
+# restore into CUDA tensors (issue 25): GB/s and fraction of the read line rate, in place and new
+# dict (map_location="cuda"), vs dcp.load and torch.load; ~1-2 min at 2 GiB
+timeout "${RESTORE_S:-240}" zerostall bench --scenario restore --device cuda --size-gib "${BENCH_GIB:-2}" \
+  --repeat "${BENCH_REPEAT:-2}" --dir /tmp/zs-bench-restore --json "$OUT/bench-restore-cuda.json" 2>&1 \
+  | tee "$OUT/bench-restore-cuda.log"
+rm -rf /tmp/zs-bench-restore
 timeout "$BENCH_S" zerostall bench --device cuda --size-gib "${BENCH_GIB:-2}" --repeat "${BENCH_REPEAT:-2}" \
   --methods "${BENCH_METHODS:-torch.save,dcp,dcp-async,zerostall-uring,zerostall.save,nvrx-async,torchsnapshot-async,lightning-async}" \
   --dir /tmp/zs-bench --json "$OUT/bench-cuda.json" --plot "$OUT/bench-cuda.png" 2>&1 | tee "$OUT/bench-cuda.log"

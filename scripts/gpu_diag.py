@@ -7,6 +7,8 @@ What it answers (all questions the code was written around without a device at h
 * device-to-host GB/s into torch's pinned memory, into the registered arena, and a copy that
   spans two separately registered ranges versus the same bytes as two copies (does the driver
   treat a spanning copy as pageable?); cudaHostRegister time per GiB;
+* host-to-device GB/s (the restore side) from pageable, pinned and registered memory on a
+  side stream, and the same spanning-copy question;
 * fork after cudaHostRegister of anonymous memory: does the kernel copy the pinned pages into
   the child at fork (the reason the pool's arenas are MADV_DONTFORK), and how long fork takes.
 """
@@ -121,6 +123,48 @@ def d2h():
     a.close()
 
 
+@section("host-to-device (restore into CUDA tensors)")
+def h2d():
+    """The restore side: H2D GB/s from pageable memory, torch's pinned memory and the
+    registered arena (one range; a copy spanning two registrations versus split, as for D2H),
+    from one side stream as restore/device_copy.py copies."""
+    from zerostall.staging.arena import Arena, CUDA_HOST_REGISTER_PORTABLE
+    n = 256 * MiB
+    dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+    s = torch.cuda.Stream()
+    pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.empty(n, dtype=torch.uint8)
+
+    def on_side(fn):
+        def run():
+            with torch.cuda.stream(s):
+                fn()
+            s.synchronize()
+        return run
+    print(f"torch pinned: {gbps(n, on_side(lambda: dst.copy_(pinned, non_blocking=True))):.1f} GB/s; "
+          f"pageable non_blocking: {gbps(n, on_side(lambda: dst.copy_(pageable, non_blocking=True))):.1f} GB/s")
+    a = Arena(n, mlock=False, prefault=True)
+    cudart = torch.cuda.cudart()
+    half = n // 2
+    errs = [int(cudart.cudaHostRegister(a.address, half, CUDA_HOST_REGISTER_PORTABLE)),
+            int(cudart.cudaHostRegister(a.address + half, half, CUDA_HOST_REGISTER_PORTABLE))]
+    src = a.u8
+    try:
+        spanning_txt = f"{gbps(n, on_side(lambda: dst.copy_(src, non_blocking=True))):.1f} GB/s"
+    except Exception as exc:  # noqa: BLE001 - reported
+        torch.cuda.synchronize()
+        spanning_txt = f"FAILS ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+
+    def split():
+        dst[:half].copy_(src[:half], non_blocking=True)
+        dst[half:].copy_(src[half:], non_blocking=True)
+    print(f"registered arena (errors {errs}): one copy spanning both ranges {spanning_txt}; "
+          f"split at the boundary {gbps(n, on_side(split)):.1f} GB/s")
+    for off in (0, half):
+        cudart.cudaHostUnregister(a.address + off)
+    a.close()
+
+
 @section("fork after cudaHostRegister (no MADV_DONTFORK)")
 def fork_pinned():
     from zerostall.staging.arena import Arena, CUDA_HOST_REGISTER_PORTABLE
@@ -180,5 +224,5 @@ if __name__ == "__main__":
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to diagnose")
         sys.exit(0)
-    for fn in (versions, pool_after_save, d2h, fork_pinned):
+    for fn in (versions, pool_after_save, d2h, h2d, fork_pinned):
         fn()

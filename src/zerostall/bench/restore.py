@@ -5,7 +5,10 @@ One run, one process, page cache dropped before every restore: zerostall in plac
 ``zerostall.load``, as in a process without a pool: a verify-first second read),
 zerostall into a new dict, ``dcp.load`` in place, ``torch.load`` and ``torch.load(mmap=True)``
 with every byte touched. Each restore is checked bit for bit. Called by the bench CLI on the
-caller's thread; nothing here runs concurrently.
+caller's thread; nothing here runs concurrently. ``--device cuda``: the state and the
+in-place targets live on the GPU, new dicts load with ``map_location="cuda"`` (zerostall,
+``torch.load``), every row ends with ``torch.cuda.synchronize()``; the rows' fraction of the
+read line rate is then the CUDA restore's (issue 25's target: >= 0.8).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def _flat(state: Any) -> list[torch.Tensor]:
 
 def _equal(a: Any, b: Any) -> bool:
     fa, fb = _flat(a), _flat(b)
-    return len(fa) == len(fb) and all(x.dtype == y.dtype and x.shape == y.shape and
+    return len(fa) == len(fb) and all(x.dtype == y.dtype and x.shape == y.shape and x.device == y.device and
                                       torch.equal(x.view(torch.uint8) if x.dtype != torch.bool else x,
                                                   y.view(torch.uint8) if y.dtype != torch.bool else y)
                                       for x, y in zip(fa, fb))
@@ -66,7 +69,7 @@ def _pool_ready() -> None:
 
 
 def run_restore_bench(size_gib: float, repeat: int, workdir: str | None, engines: list[str] | None,
-                      console: Any, line: dict[str, Any] | None = None) -> dict[str, Any]:
+                      console: Any, line: dict[str, Any] | None = None, device: str = "cpu") -> dict[str, Any]:
     from .. import Checkpointer
     from .. import load as zs_load
     from .hostinfo import line_rate
@@ -76,6 +79,10 @@ def run_restore_bench(size_gib: float, repeat: int, workdir: str | None, engines
     os.makedirs(workdir, exist_ok=True)
     try:
         state = gpt_state_for_size(int(size_gib * (1 << 30)))
+        cuda = device != "cpu"
+        if cuda:
+            state = {k: {n: t.to(device) for n, t in v.items()} for k, v in state.items()}
+        to = {"map_location": device} if cuda else {}
         size = sum(t.numel() * t.element_size() for t in _flat(state))
         target = {k: {n: torch.zeros_like(t) for n, t in v.items()} for k, v in state.items()}
         settle_gc()
@@ -92,6 +99,8 @@ def run_restore_bench(size_gib: float, repeat: int, workdir: str | None, engines
             _drop(root)
             t0 = time.perf_counter()
             out = fn()
+            if cuda:
+                torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             good = _equal(state, out)
             rows.setdefault(name, []).append(dt)
@@ -108,11 +117,14 @@ def run_restore_bench(size_gib: float, repeat: int, workdir: str | None, engines
                     for t in _flat(target):
                         t.zero_()
                     timed(f"zerostall-{eng} in place", lambda: ck.load(target, step=1), root)
-                    timed(f"zerostall-{eng} new dict", lambda: ck.load(step=1), root)
+                    timed(f"zerostall-{eng} new dict", lambda: ck.load(step=1, **to), root)
                     for t in _flat(target):
                         t.zero_()
                     timed(f"zerostall.load-{eng} in place", lambda: zs_load(root, target, step=1, io=IOConfig(engine=eng)),
                           root)
+                    if cuda:
+                        timed(f"zerostall.load-{eng} new dict", lambda: zs_load(root, step=1, io=IOConfig(engine=eng), **to),
+                              root)
             shutil.rmtree(root, ignore_errors=True)
         import torch.distributed.checkpoint as dcp
         root = os.path.join(workdir, "dcp")
@@ -128,7 +140,9 @@ def run_restore_bench(size_gib: float, repeat: int, workdir: str | None, engines
         path = os.path.join(root, "state.pt")
         torch.save(state, path)
         for _ in range(repeat):
-            timed("torch.load", lambda: torch.load(path, weights_only=True), root)
+            timed("torch.load", lambda: torch.load(path, weights_only=True, **to), root)
+            if cuda:
+                continue  # mmap + touch measures the page cache's CPU path only
 
             def mm() -> Any:
                 out = torch.load(path, weights_only=True, mmap=True)
@@ -142,17 +156,18 @@ def run_restore_bench(size_gib: float, repeat: int, workdir: str | None, engines
     read = float(line.get("read_gbps") or 0.0)
     med = {k: size / statistics.median(v) / 1e9 for k, v in rows.items()}
     dcp_gbps = med.get("dcp.load in place")
-    results = [{"method": k, "restore_gbps": g, "fraction_of_read_line_rate": g / read if read else None,
+    results = [{"method": k, "device": device, "restore_gbps": g, "fraction_of_read_line_rate": g / read if read else None,
                 "vs_dcp_load": g / dcp_gbps if dcp_gbps else None, "runs_s": rows[k], "verified": ok[k]}
                for k, g in med.items()]
-    return {"scenario": "restore", "size_bytes": size, "line_rate": line, "repeat": repeat,
+    return {"scenario": "restore", "device": device,
+            "device_name": torch.cuda.get_device_name() if device != "cpu" else "cpu", "size_bytes": size, "line_rate": line, "repeat": repeat,
             "load_avg": os.getloadavg(), "results": results}
 
 
 def print_restore(doc: dict[str, Any], console: Any) -> None:
     from rich.table import Table
     lr = doc["line_rate"]
-    t = Table(title=f"restore, {doc['size_bytes'] / 2**30:.2f} GiB, page cache dropped, median of "
+    t = Table(title=f"restore into {doc.get('device', 'cpu')}, {doc['size_bytes'] / 2**30:.2f} GiB, page cache dropped, median of "
                     f"{doc['repeat']}; read line rate {lr.get('read_gbps', 0):.2f} GB/s ({lr.get('tool')}); "
                     f"load {doc['load_avg'][0]:.1f}")
     for c in ("method", "restore GB/s", "x read line rate", "x dcp.load", "ok"):
@@ -172,7 +187,7 @@ def main(a: Any) -> int:
     from rich.console import Console
     warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # DCP without a process group
     console = Console(width=max(150, Console().width))
-    doc = run_restore_bench(a.size_gib, a.repeat, a.dir, None, console)
+    doc = run_restore_bench(a.size_gib, a.repeat, a.dir, None, console, device=getattr(a, "device", "cpu"))
     print_restore(doc, console)
     if a.json:
         with open(a.json, "w") as f:

@@ -73,8 +73,8 @@ def check_ref_files(tier: Tier, man: Manifest, refs: list[RefFile]) -> None:
 def ref_reads(tier: Tier, man: Manifest, groups: dict[RefFile, list[int]],
               dst: Callable[[int], Any], engine: Any) -> list[FileRead]:
     """One sparse :class:`~.stream.FileRead` per referenced file: only the referenced items'
-    extents are read (with the header); ``dst(i)`` is ``(flat tensor or None, direct buffer
-    or None, protected)`` for manifest entry ``i``."""
+    extents are read (with the header); ``dst(i)`` is ``(address or None, direct buffer
+    or None, protected[, CUDA bytes or None])`` for manifest entry ``i``."""
     return [file_read(tier, r.step, r.name, r.file_bytes, ShardHeader(r.file_id, r.step, r.rank, r.file_bytes),
                       man, sorted(idx, key=lambda i: man.tensors[i].offset), dst, engine)
             for r, idx in groups.items()]
@@ -88,10 +88,12 @@ def file_read(tier: Tier, step: int, name: str, file_bytes: int, header: ShardHe
     fr = FileRead(shard_where(tier, step, name), file_bytes, header, [man.tensors[i] for i in idx], [],
                   lambda: tier.open_shard_read(step, name, engine), wanted=set(range(len(idx))) if sparse else None)
     for k, i in enumerate(idx):
-        flat, direct, protected = dst(i)
+        flat, direct, protected, *device = dst(i)
         fr.dsts.append(flat)
         if direct is not None:
             fr.direct[k] = direct
         if protected:
             fr.protect.add(k)
+        if device and device[0] is not None:  # CUDA memory: flat uint8 bytes at address ``flat``
+            fr.device[k] = device[0]
     return fr

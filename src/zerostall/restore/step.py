@@ -10,7 +10,9 @@ Destinations: with a ``state_dict``, tensors of matching shape and dtype are fil
 rolls back or stages; when even that scratch would not fit in memory, a verify-only pass
 runs first). Without one, new tensors are filled through the ring (or read into directly, page-aligned,
 see :data:`.stream.DIRECT_MIN_BYTES`), then moved to ``map_location``. ``keys=[...]`` reads only
-those keys' byte ranges.
+those keys' byte ranges. CUDA destinations (the caller's contiguous CUDA tensors; new tensors
+when ``map_location`` names a CUDA device) are filled from the pinned scratch by
+:mod:`.device_copy` (the caller's staged until the gate), not through CPU tensors.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ..staging.arena import Arena
 from ..store.local import LocalTier
 from ..store.tier import Tier
 from .refs import check_ref_files, file_read, ref_groups, ref_reads, shard_where
+from .device_copy import cuda_target
 from .state import LoadReport, find_in_place, key_report, location_mapper, merge, overlapping, select_keys
 from . import stream
 from .stream import FileRead, Plan, Stats, aligned_empty
@@ -108,11 +111,25 @@ def _new(e: TensorEntry, where: str) -> tuple[torch.Tensor, torch.Tensor | None]
                                 path=where, key=e.key) from None
 
 
+def _new_on(e: TensorEntry, device: torch.device, where: str) -> torch.Tensor:
+    """A new tensor for ``e`` on CUDA ``device`` (filled by :mod:`.device_copy`)."""
+    try:
+        return torch.empty(e.shape, dtype=dtype_from_name(e.dtype), device=device)
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        raise CorruptCheckpoint(f"{where}: cannot allocate tensor {e.key!r} ({e.nbytes} bytes) on {device}: "
+                                f"{exc}", path=where, key=e.key) from None
+
+
+def _flat_u8(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of contiguous ``t`` as a flat uint8 view (no copy)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
 def file_reads(tier: Tier, man: Manifest, engine: Engine | None, dst: Any, *, needed: list[int] | None,
                only: set[str] | None, sparse: bool) -> list[FileRead]:
     """One :class:`FileRead` per file to read: own shards (all their items, or with ``sparse``
     only the ``needed`` ones) and the files of earlier steps the needed entries live in.
-    ``dst(i)`` is ``(flat tensor or None, direct buffer or None, protected)`` for entry ``i``."""
+    ``dst(i)`` is ``(address or None, direct buffer or None, protected[, CUDA bytes])`` for entry ``i``."""
     alias = man.alias_of
     pick = set(needed) if needed is not None else None
     by_file: dict[str, list[int]] = {}
@@ -172,7 +189,7 @@ def read_step(files: list[FileRead], bounce: Any, io: IOConfig, *, verify: bool 
     checks = [FileRead(fr.path, fr.file_bytes, fr.header, fr.items, [None] * len(fr.items), fr.open,
                        wanted=fr.wanted) for fr in files]
     copies = [FileRead(fr.path, fr.file_bytes, fr.header, fr.items, fr.dsts, fr.open, wanted=fr.wanted,
-                       direct=fr.direct) for fr in files]
+                       direct=fr.direct, device=fr.device) for fr in files]
     idents: dict[int, tuple[int, ...]] = {}  # the copy pass reads the very files the check verified
     for part in (checks, copies):
         p = Plan(part, io, in_place=False)
@@ -225,17 +242,27 @@ def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: An
                     f"state dict key {key!r} is {t.dtype} {tuple(t.shape)} but the checkpoint "
                     f"(step {step}) holds {e.dtype} {list(e.shape)}; the checkpoint was saved from a "
                     "different model or configuration")
-    # The caller's CPU tensors are filled in place (transactionally, see .stream); every other
-    # destination is a new tensor (copied into a GPU or non-contiguous tensor by merge()).
+    # The caller's contiguous CPU and CUDA tensors are filled in place (transactionally, see
+    # .stream); every other destination is a new tensor (copied into a non-contiguous tensor by
+    # merge()), on the CUDA device map_location names if it names one.
     tensors: list[Any] = [None] * len(man.tensors)
-    dsts: dict[int, tuple[int | None, torch.Tensor | None, bool]] = {}  # address, direct buffer, protected
+    dsts: dict[int, tuple[Any, ...]] = {}  # address, direct buffer, protected[, CUDA bytes]
     cpu = {i: d.detach() for i in needed if (d := in_place.get(i, (None,))[0]) is not None
            and d.device.type == "cpu" and d.is_contiguous()}
-    shared = overlapping(cpu)  # one tensor at two keys that the step holds as two: merge() fills it
+    gpu = {i: d.detach() for i in needed if (d := in_place.get(i, (None,))[0]) is not None
+           and d.device.type == "cuda" and d.is_contiguous()} if len(cpu) < len(in_place) else {}
+    shared = overlapping(cpu) | overlapping(gpu)  # one tensor at two keys that the step holds as two: merge() fills it
+    target = cuda_target(map_location) if state_dict is None else None
     for i in needed:
         if i in cpu and i not in shared:
             tensors[i] = cpu[i]
             dsts[i] = (tensors[i].data_ptr(), None, True)
+        elif i in gpu and i not in shared:
+            tensors[i] = gpu[i]
+            dsts[i] = (tensors[i].data_ptr(), None, True, _flat_u8(tensors[i]))
+        elif target is not None:
+            tensors[i] = _new_on(man.tensors[i], target, where)
+            dsts[i] = (tensors[i].data_ptr(), None, False, _flat_u8(tensors[i]))
         else:
             tensors[i], direct = _new(man.tensors[i], where)
             dsts[i] = (None if direct is not None else tensors[i].data_ptr(), direct, False)

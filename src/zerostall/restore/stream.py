@@ -14,7 +14,9 @@ of the files' bytes. Three kinds of threads, started per call and joined before 
   GIL for large buffers) while the next ones are read, and hands the copies to
 - ``COPIERS`` copier threads (``zerostall-restore-copy``; ``ctypes.memmove`` releases the
   GIL), which free a ring slot once its copies are done (they also take the page faults of
-  new tensors' first touch, next to the reads).
+  new tensors' first touch, next to the reads). How bytes move is :mod:`.device_copy`'s:
+  memmove for CPU destinations, host-to-device copies on a side stream for CUDA ones
+  (``FileRead.device``), a slot freed once their event completed.
 
 Transactional in-place loads (``FileRead.protect``: the caller's tensors) never leave a
 failed step's bytes behind, and read every byte once. Every window is read into its own place
@@ -25,7 +27,8 @@ bytes, the rollback copy, with no extra memory or traffic over a backup plus a c
 stays staged and is copied (by two threads) only once every byte of the step verified and the
 gate passed. A failure copies the swapped windows' old bytes back. Swaps overlap the reads but
 cost two copies' traffic; staged copies cost one, after the reads; the mix keeps both cores
-busy while the disk reads (measured: see the README's restore section).
+busy while the disk reads (measured: see the README's restore section). The caller's CUDA
+tensors are always staged (copied after the gate; why: :mod:`.device_copy`).
 
 The scratch memory is the caller's (the staging pool's faulted arena, or the shared bounce;
 a transient one only for a remote tier, see :func:`.step.read_step`).
@@ -47,6 +50,7 @@ from ..config import ALIGN_BYTES, IOConfig
 from ..errors import CorruptCheckpoint
 from ..format.layout import ShardHeader, align_up
 from ..format.shard import Item, ShardCursor, check_items, read_runs
+from .device_copy import CudaCopier, HostCopier, copy_staged
 
 READERS = 2
 """Reader threads; each keeps the engine's queue depth in flight on its own reader."""
@@ -56,8 +60,6 @@ ROLLBACK_FRACTION = 1.0
 ADAPTIVE = True
 """Swaps not yet started when every byte verified become staged copies (one copy's traffic
 instead of two): the copiers swap while the disk reads, as far as the CPU keeps up."""
-SWAP_PIECE = 512 << 10
-"""A swap moves this many bytes at a time through a cache-resident temporary."""
 DIRECT_MIN_BYTES = 1 << 62
 """New tensors at least this big are read into directly, the rest through the ring. Off: on
 this project's VM (1 GiB new dict, load 9-15) the ring ran at 1.4-2.0 GB/s and direct reads
@@ -84,6 +86,9 @@ class FileRead:
     direct: dict[int, torch.Tensor] = field(default_factory=dict)
     protect: set[int] = field(default_factory=set)
     """Items whose ``dsts`` are the caller's tensors: written only transactionally."""
+    device: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Items whose destination is CUDA memory: a flat uint8 CUDA tensor (``dsts[i]`` its
+    address); copied by :class:`~.device_copy.CudaCopier` (never ``direct``)."""
 
 
 @dataclass
@@ -96,6 +101,8 @@ class Stats:
     rollback_bytes: int = 0
     fraction: float = 0.0
     window_bytes: int = 0
+    device_bytes: int = 0
+    """Bytes copied into CUDA memory."""
 
 
 class _Win:
@@ -218,7 +225,11 @@ class _Run:
         self.closing = False  # every byte verified: swaps not started yet are staged instead
         self.swapped: list[tuple[int, int, int]] = []  # (caller's bytes, their old bytes in the scratch, length)
         self.deferred: list[tuple[int, int, int]] = []  # (destination, staged bytes, length)
+        self.deferred_dev: list[tuple[torch.Tensor, int, int]] = []  # (CUDA destination, staged bytes, length)
         self.stats = Stats(windows=len(wins), bytes_read=sum(x.n for x in wins))
+        self.host = HostCopier()
+        devices = {t.device.index for fr in files for t in fr.device.values()}
+        self.dev = CudaCopier(scratch, devices) if devices else None
 
     # -- reader threads ------------------------------------------------------------------------
     def _claim(self) -> _Win | None:
@@ -272,7 +283,7 @@ class _Run:
             self.cond.notify_all()
 
     # -- the copier ----------------------------------------------------------------------------
-    def _copies(self, jobs: list[tuple[int, int, int, bool]], slot: int) -> None:
+    def _copies(self, jobs: list[tuple[Any, int, int, bool | None]], slot: int) -> None:
         try:
             with self.cond:
                 late = self.closing
@@ -282,25 +293,23 @@ class _Run:
                         self.stats.deferred_bytes += n
                     elif swap:
                         self.stats.rollback_bytes += n
-            for dst, src, n, swap in jobs:  # ctypes.memmove releases the GIL
-                if swap and not late:
+            dev: list[Any] = []
+            for dst, src, n, swap in jobs:  # swap None: a CUDA destination
+                if swap is False:
+                    ctypes.memmove(dst, src, n)  # releases the GIL
+                elif swap is None:
+                    dev.append((dst, src, n))
+                elif not late:
                     self._swap(dst, src, n)
-                elif not swap:
-                    ctypes.memmove(dst, src, n)
+            if dev:  # returns once the copies are done: the slot may be reused
+                self.dev.copy(dev)  # type: ignore[union-attr]  # set when any destination is CUDA
         finally:
             if slot >= 0:
                 self._release(slot)
 
     def _swap(self, dst: int, src: int, n: int) -> None:
-        """Exchange ``n`` bytes at ``dst`` (the caller's) and ``src`` (the verified window), a
-        cache-resident piece at a time; the scratch then holds the caller's old bytes."""
-        tmp = ctypes.create_string_buffer(min(n, SWAP_PIECE))
-        for p in range(0, n, SWAP_PIECE):
-            k = min(SWAP_PIECE, n - p)
-            ctypes.memmove(tmp, dst + p, k)
-            ctypes.memmove(dst + p, src + p, k)
-            ctypes.memmove(src + p, tmp, k)
-            self.swapped.append((dst + p, src + p, k))  # only what was exchanged is rolled back
+        """Exchange the caller's bytes at ``dst`` with the verified window's at ``src``."""
+        self.host.swap(dst, src, n, self.swapped)
 
     # -- the checking (caller's) thread --------------------------------------------------------
     def go(self) -> Stats:
@@ -320,7 +329,7 @@ class _Run:
                 self.stats.wait_s += time.perf_counter() - t0
                 if x.error is not None:
                     raise x.error
-                jobs: list[tuple[int, int, int, bool]] = []
+                jobs: list[tuple[Any, int, int, bool | None]] = []
                 protect = self.files[x.fi].protect
                 assert x.buf is not None
                 cursors[x.fi].feed(x.off, _mv(x.buf), x.buf, lambda i, d, s, n: self._route(x, i, d, s, n, protect, jobs),
@@ -337,7 +346,7 @@ class _Run:
             [f.result() for f in copies]  # a copier's exception fails the load: rolled back below
             if self.gate is not None:  # the ranks' agreement: what it raises rolls back
                 self.gate()
-            self._deferred()
+            copy_staged(self.deferred, self.deferred_dev, self.dev)  # the staged part, verified
             ok = True
         finally:
             with self.cond:
@@ -346,14 +355,26 @@ class _Run:
             for t in readers:
                 t.join()
             copier.shutdown(wait=True)
+            if self.dev is not None:
+                self.dev.sync()  # nothing in flight from the scratch or into a tensor once we return
+                self.stats.device_bytes = self.dev.copied
             if not ok:
-                for dst, old, n in reversed(self.swapped):
-                    ctypes.memmove(dst, old, n)
+                self.host.rollback(self.swapped)
         return self.stats
 
     def _route(self, x: _Win, i: int, dst: int, src: int, n: int, protect: set[int],
-               jobs: list[tuple[int, int, int, bool]]) -> None:
-        if x.kind == "stage" and i in protect:
+               jobs: list[tuple[Any, int, int, bool | None]]) -> None:
+        dev = self.files[x.fi].device
+        if dev and i in dev:  # CUDA memory: the caller's staged until the gate, a new tensor now
+            t = dev[i]
+            at = dst - t.data_ptr()
+            if i in protect:
+                self.deferred_dev.append((t[at:at + n], src, n))
+                with self.cond:
+                    self.stats.deferred_bytes += n
+            else:
+                jobs.append((t[at:at + n], src, n, None))
+        elif x.kind == "stage" and i in protect:
             with self.cond:
                 self.deferred.append((dst, src, n))
                 self.stats.deferred_bytes += n
@@ -361,27 +382,6 @@ class _Run:
             jobs.append((dst, src, n, True))
         else:  # a new tensor (or an unprotected destination): no rollback needed
             jobs.append((dst, src, n, False))
-
-    def _deferred(self) -> None:
-        """The staged part, once every byte verified: copied by two threads, split by bytes."""
-        if not self.deferred:
-            return
-        parts: list[list[tuple[int, int, int]]] = [[], []]
-        sizes = [0, 0]
-        piece = 16 << 20
-        for dst, src, n in self.deferred:
-            for p in range(0, n, piece):
-                k = 0 if sizes[0] <= sizes[1] else 1
-                parts[k].append((dst + p, src + p, min(piece, n - p)))
-                sizes[k] += min(piece, n - p)
-
-        def copy(part: list[tuple[int, int, int]]) -> None:
-            for d, s, n in part:
-                ctypes.memmove(d, s, n)
-        with ThreadPoolExecutor(2, thread_name_prefix="zerostall-restore-copy") as ex:
-            for f in [ex.submit(copy, p) for p in parts if p]:
-                f.result()
-
 
 def _mv(u8: torch.Tensor) -> memoryview:
     """A writable memoryview of a flat uint8 CPU tensor's bytes (no copy)."""

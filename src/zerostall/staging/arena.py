@@ -43,6 +43,7 @@ import resource
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -91,6 +92,8 @@ class ArenaView:
     mv: memoryview
     u8: torch.Tensor
     address: int
+    arena: Any = None
+    """The arena it views (restore's CUDA copies register it and cut copies at its chunks)."""
 
 
 class Arena:
@@ -144,8 +147,7 @@ class Arena:
             # arena nor, if its pages are pinned for DMA (cudaHostRegister), the pages
             # themselves at fork time (the kernel copies DMA-pinned anonymous pages eagerly).
             # Only for owners that never use the arena in a child (the pool).
-            if _libc.madvise(ctypes.c_void_p(self.address), self.nbytes, MADV_DONTFORK) == 0:
-                _unforked.add(self)
+            self.keep_from_fork()
         if hugepages:
             try:
                 self._map.madvise(MADV_HUGEPAGE)  # only sets a flag on the mapping: instant
@@ -264,7 +266,7 @@ class Arena:
 
     def view(self, nbytes: int) -> ArenaView:
         n = min(nbytes, self.nbytes)
-        return ArenaView(n, self.mv[:n], self.u8[:n], self.address)
+        return ArenaView(n, self.mv[:n], self.u8[:n], self.address, self)
 
     # -- CUDA -------------------------------------------------------------------------------
     def _cuda_register(self, off: int, n: int) -> None:
@@ -286,6 +288,13 @@ class Arena:
     def cuda_pinned_bytes(self) -> int:
         """Bytes registered with CUDA so far."""
         return sum(n for _, n in self._cuda_chunks)
+
+    def keep_from_fork(self) -> None:
+        """``MADV_DONTFORK`` (see the constructor's ``dontfork``): a forked child gets a zero
+        placeholder instead of a copy. Restore calls it before pinning the shared bounce for
+        CUDA copies (:func:`zerostall.restore.device_copy.register_scratch`)."""
+        if self not in _unforked and _libc.madvise(ctypes.c_void_p(self.address), self.nbytes, MADV_DONTFORK) == 0:
+            _unforked.add(self)
 
     def register_cuda(self, device: int | None = None) -> None:
         """Pin the faulted prefix for DMA now, and every chunk the faulter adds later (once),

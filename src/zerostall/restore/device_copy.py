@@ -1,0 +1,225 @@
+"""The copy stage of the restore read pipeline: moving verified bytes out of the scratch.
+
+The seam between :mod:`.stream` (which reads, checks and decides *when* bytes may reach a
+destination) and *how* they get there. Called by :class:`.stream._Run`: ``copy``/``swap``
+from its copier threads (``zerostall-restore-copy``), ``deferred`` (after the gate) and
+``rollback`` (on failure) from the caller's thread. Two copiers share that pipeline logic:
+
+- :class:`HostCopier`: CPU destinations, given as addresses; ``ctypes.memmove`` (which
+  releases the GIL), never a torch op (see :mod:`..staging.snapshot` on OpenMP teams).
+- :class:`CudaCopier`: CUDA destinations (the caller's CUDA tensors of an in-place load, new
+  tensors of a load with ``map_location`` a CUDA device). Host-to-device copies from the
+  scratch, which is registered with ``cudaHostRegister`` first (pinned: DMA straight from
+  it, never cut at a boundary between two registered chunks, see
+  :meth:`~zerostall.staging.arena.Arena.pinned_pieces`), ``non_blocking`` on one side stream
+  per device that first waits for the caller's current stream (an event recorded when the
+  load starts, on the caller's thread: kernels the caller queued before the load touch the
+  destinations first). Every ``copy`` ends by recording an event on each stream it used and
+  waiting for it (a blocking-sync event: the thread sleeps, the GIL released), even when a
+  copy raised: the copier frees a ring slot only after that, so a window's memory is reused
+  only once its DMA is done; what raised reaches the copier's future, which fails the load.
+  The destinations are written only by the side streams, and :meth:`CudaCopier.sync` (run by
+  the pipeline before it returns, on failure too) waits for them all, so nothing is in
+  flight from the scratch or into a tensor once the load returns, and no ``record_stream``
+  is needed (no tensor is freed while a copy into it may run).
+
+Transactional in-place loads into CUDA tensors *stage*, they do not swap: the caller's CUDA
+bytes are written only once every byte of the step verified and the gate passed, from the
+scratch places where the windows were read (an in-place read gives every window its own
+place, see :func:`.stream._layout`; when the scratch is smaller than the step, the load
+verifies first and copies in a second read, as for CPU tensors). Why not a swap as for CPU
+tensors (old device bytes to a device temporary, the new ones in, the temporary back to
+the scratch as the rollback copy): a swap moves every byte three times over the bus and
+the device (D2D, H2D, D2H) to win the overlap of one H2D with the reads, and one H2D from
+pinned memory runs at 20-50 GB/s (PCIe 4/5, NVLink-C2C more), 10-20x a local disk's read
+rate: after the gate it adds 5-10% of the read time, while a swap would add device
+memory traffic next to the caller's kernels and a rollback path that could itself fail half
+way on the device. Staged, a failed step has touched no device byte: the rollback is empty.
+A copy that fails *after* the gate (a device fault, not the checkpoint's) raises and may
+leave the destinations part written, as a failing memmove could. New tensors (nothing to
+protect) are copied as soon as their window verified, overlapped with the reads, and the
+ring slot is freed once the copy's event completed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable, Sequence
+
+import torch
+
+SWAP_PIECE = 512 << 10
+"""A swap moves this many bytes at a time through a cache-resident temporary."""
+
+HostJob = tuple[int, int, int]
+"""(destination address, source address in the scratch, bytes)."""
+DeviceJob = tuple[torch.Tensor, int, int]
+"""(flat uint8 CUDA tensor: the destination bytes, source address in the scratch, bytes)."""
+
+
+class HostCopier:
+    """CPU destinations by address. Stateless: any thread."""
+
+    @staticmethod
+    def copy(jobs: Iterable[HostJob]) -> None:
+        for dst, src, n in jobs:  # ctypes.memmove releases the GIL
+            ctypes.memmove(dst, src, n)
+
+    @staticmethod
+    def copy_split(jobs: Sequence[HostJob], piece: int = 16 << 20) -> None:
+        """``jobs`` copied by two threads, split by bytes in ``piece``-sized parts (the staged
+        part of an in-place load, after the gate)."""
+        if not jobs:
+            return
+        parts: list[list[HostJob]] = [[], []]
+        sizes = [0, 0]
+        for dst, src, n in jobs:
+            for p in range(0, n, piece):
+                k = 0 if sizes[0] <= sizes[1] else 1
+                parts[k].append((dst + p, src + p, min(piece, n - p)))
+                sizes[k] += min(piece, n - p)
+        with ThreadPoolExecutor(2, thread_name_prefix="zerostall-restore-copy") as ex:
+            for f in [ex.submit(HostCopier.copy, p) for p in parts if p]:
+                f.result()
+
+    @staticmethod
+    def swap(dst: int, src: int, n: int, swapped: list[HostJob]) -> None:
+        """Exchange ``n`` bytes at ``dst`` (the caller's) and ``src`` (the verified window), a
+        cache-resident piece at a time; the scratch then holds the caller's old bytes. Each
+        piece exchanged is appended to ``swapped`` (only what was exchanged is rolled back)."""
+        tmp = ctypes.create_string_buffer(min(n, SWAP_PIECE))
+        for p in range(0, n, SWAP_PIECE):
+            k = min(SWAP_PIECE, n - p)
+            ctypes.memmove(tmp, dst + p, k)
+            ctypes.memmove(dst + p, src + p, k)
+            ctypes.memmove(src + p, tmp, k)
+            swapped.append((dst + p, src + p, k))
+
+    @staticmethod
+    def rollback(swapped: Sequence[HostJob]) -> None:
+        """Copy the swapped pieces' old bytes back, newest first."""
+        for dst, old, n in reversed(swapped):
+            ctypes.memmove(dst, old, n)
+
+    @staticmethod
+    def sync() -> None:
+        """Nothing in flight: memmove is synchronous."""
+
+
+def cuda_target(map_location: Any) -> torch.device | None:
+    """The CUDA device a new-dict load's tensors end on, when ``map_location`` names one (a
+    device, its name or index, or a dict mapping ``"cpu"`` to one); None otherwise (then
+    they are read into CPU tensors and mapped after, as before: a callable is called with
+    each CPU storage). ``map_location`` was checked by :func:`.state.location_mapper`."""
+    if isinstance(map_location, dict):
+        target = map_location.get("cpu", map_location.get(torch.device("cpu")))
+        return None if target is None else cuda_target(target)
+    if isinstance(map_location, (str, torch.device)) or (isinstance(map_location, int)
+                                                          and not isinstance(map_location, bool)):
+        dev = torch.device("cuda", map_location) if isinstance(map_location, int) else torch.device(map_location)
+        if dev.type == "cuda" and torch.cuda.is_available():  # else mapped after, as before (which raises)
+            return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+    return None
+
+
+def register_scratch(scratch: Any, device: int) -> None:
+    """Pin the scratch for DMA (the staging pool's arena, the shared bounce; once: later calls
+    return at once), kept from forked children first. An arena registers its faulted prefix
+    (and what it faults later): a transient scratch (a remote tier's, not faulted ahead)
+    stays pageable, its copies staged by the driver (synchronous for the copier, correct)."""
+    arena = getattr(scratch, "arena", None) or scratch
+    if hasattr(arena, "register_cuda") and not arena.cuda_registered:
+        arena.keep_from_fork()  # the kernel copies pinned pages into every forked child (DataLoader workers)
+        arena.register_cuda(device)
+
+
+class CudaCopier:
+    """Host-to-device copies from ``scratch`` into CUDA destinations on ``devices``; see the
+    module doc. Built on the caller's thread when a load starts (it records the caller's
+    streams there); ``copy`` from any thread; ``sync`` from the caller's thread at the end.
+    ``cuda`` is ``torch.cuda``: the seam a test fakes to run the pipeline logic without a GPU."""
+
+    def __init__(self, scratch: Any, devices: Iterable[int], cuda: Any = torch.cuda):
+        self.cuda = cuda
+        self.u8: torch.Tensor = scratch.u8
+        self.base = self.u8.data_ptr()
+        self.arena = getattr(scratch, "arena", None) or scratch
+        self.copied = 0
+        """Bytes copied to the device so far (under ``_lock``: two copier threads add)."""
+        self._lock = threading.Lock()
+        self.streams: dict[int, Any] = {}
+        for i in sorted(set(devices)):
+            register_scratch(scratch, i)
+            with cuda.device(i):
+                s = cuda.Stream(device=i)
+                s.wait_event(cuda.current_stream(i).record_event())  # after the caller's queued work
+            self.streams[i] = s
+
+    def _pieces(self, src: int, n: int) -> list[tuple[int, int]]:
+        """``n`` bytes at address ``src`` as (scratch offset, length) pieces inside one
+        registered chunk each."""
+        off = src - self.base
+        if not (0 <= off and off + n <= self.u8.numel()):
+            raise ValueError(f"a device copy's source [{src:#x}, +{n}) lies outside the restore scratch")
+        pinned = getattr(self.arena, "pinned_pieces", None)
+        return pinned(off, n) if pinned is not None else [(off, n)]
+
+    def copy(self, jobs: Sequence[DeviceJob]) -> None:
+        """Queue every job's H2D copy on its device's side stream, then wait until they are
+        done (also when queuing one raised: what was queued has finished before the scratch
+        may be reused; the error is re-raised)."""
+        by_dev: dict[int, list[DeviceJob]] = {}
+        for job in jobs:
+            by_dev.setdefault(job[0].device.index, []).append(job)
+        used: list[Any] = []
+        done = 0
+        try:
+            for i, part in by_dev.items():
+                s = self.streams[i]
+                used.append(s)
+                with self.cuda.device(i), self.cuda.stream(s):
+                    for dst, src, n in part:
+                        at = 0
+                        for off, k in self._pieces(src, n):
+                            dst[at:at + k].copy_(self.u8[off:off + k], non_blocking=True)
+                            at += k
+                        done += n
+        finally:
+            self._wait(used)
+            with self._lock:
+                self.copied += done
+
+    def _wait(self, streams: Sequence[Any]) -> None:
+        events = []
+        for s in streams:
+            ev = self.cuda.Event(blocking=True)  # the waiting thread sleeps instead of spinning a core
+            ev.record(s)
+            events.append(ev)
+        for ev in events:
+            ev.synchronize()  # releases the GIL
+
+    def swap(self, dst: Any, src: int, n: int, swapped: list[Any]) -> None:
+        raise NotImplementedError("protected CUDA destinations are staged, never swapped (see the module doc)")
+
+    @staticmethod
+    def rollback(swapped: Sequence[Any]) -> None:
+        """Nothing to undo: no protected device byte is written before the gate."""
+
+    def sync(self) -> None:
+        """Wait for every copy queued on the side streams (none should be left)."""
+        self._wait(list(self.streams.values()))
+
+
+def copy_staged(host: Sequence[HostJob], dev: Sequence[DeviceJob], copier: CudaCopier | None) -> None:
+    """The staged part of an in-place load, once every byte verified and the gate passed
+    (caller's thread): the CPU destinations' by two threads (:meth:`HostCopier.copy_split`),
+    the CUDA ones' meanwhile on a thread of their own. Raises what a copy raised."""
+    if not dev or copier is None:
+        HostCopier.copy_split(host)
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="zerostall-restore-copy") as ex:
+        done = ex.submit(copier.copy, dev)
+        HostCopier.copy_split(host)
+    done.result()
