@@ -3,7 +3,8 @@ the step is protected (held by ``replicas`` nodes).
 
 Per step, after it committed locally (``submit``, called from the persist thread):
 
-1. on each node's leader, the *sender* thread (idle I/O priority) reads the step's manifest
+1. on each node's leader, the *sender* thread (idle I/O class, ``peers.cpu_priority``:
+   :mod:`.priority`) reads the step's manifest
    and sends the files of its node's ranks to ``replicas - 1`` holders
    (:func:`.placement.ranking`: the placement first; a holder that fails is replaced by the
    next node in the ranking, so one dead node does not leave every step unprotected), one

@@ -13,7 +13,8 @@ Requests after the handshake, each answered ``{"ok": true, ...}`` or ``{"ok": fa
 
 Every socket has ``timeout_s``: a peer that stops (SIGSTOP, a hung host) fails the call
 after ``timeout_s`` without progress. The server runs one daemon thread per connection (at
-most ``max_connections``), at idle I/O priority; a connection that fails the handshake is
+most ``max_connections``); one receiving a copy lowers its own CPU priority and I/O class
+(:mod:`.priority`), one serving a restore keeps them; a connection that fails the handshake is
 logged with its address and closed. When every slot is taken, the oldest connection that has
 not authenticated yet is dropped for the new one (so strangers that connect and never answer
 cannot lock the job's own peers out); only when all are authenticated is the new one refused.
