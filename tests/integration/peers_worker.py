@@ -76,6 +76,10 @@ def main():
         except zerostall.errors.ZerostallError as exc:
             res["error"], res["error_type"] = str(exc), type(exc).__name__
         res["repaired"] = ck._peers.replicator.repaired.wait(30)
+        # no node closes (its server with it) before every node's repair pass is over: a
+        # holder that left early would cut the others' repairs to it (the next start would
+        # finish them; the test checks this run's)
+        dist.barrier()
         ck.close()
     elif scenario == "kill":  # step 1 protected, then rank ZS_KILL SIGKILLs itself at ZS_KILL_AT during step 2's copies
         from zerostall.peers import stream

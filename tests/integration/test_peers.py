@@ -125,6 +125,7 @@ def test_n3_two_nodes_killed_and_wiped_restore_bit_exact_from_peers(tmp_path, ca
     assert rows["peer_replicas"][2] == "ok" and rows["peer_replicas"][1].startswith("step 2: held by n0")
     assert {k for k in rows if k.startswith("peer ")} == {f"peer {n}" for n in NODES}
     assert all(rows[f"peer {n}"][2] == "warn" for n in NODES)
+    assert all(rows[f"peer_quota {n}"][2] == "ok" and "(no quota)" in rows[f"peer_quota {n}"][1] for n in NODES)
     _wipe(base, "n1")  # SIGKILLed above, its disk gone
     _wipe(base, "n2")
     docs = _ok(_launch("load", base, tmp_path, {"ZS_REPLICAS": "3"}))

@@ -88,8 +88,8 @@ def test_holders_over_quota_leave_the_step_unprotected_never_failing_the_save(tm
     from zerostall.peers.status import doctor_checks  # `zerostall doctor ROOT`: each node says it refused
     for n in NODES:  # (a node's own row is taken once every report is in: after every refusal)
         rows = {r[0]: r for r in doctor_checks(os.path.join(base, n), timeout_s=0.2)}
-        assert rows[f"peer quota {n}"][2] == "warn" and "over its quota" in rows[f"peer quota {n}"][3], rows
-        assert "copies refused" in rows[f"peer quota {n}"][1], rows
+        assert rows[f"peer_quota {n}"][2] == "warn" and "over its quota" in rows[f"peer_quota {n}"][3], rows
+        assert "copies refused" in rows[f"peer_quota {n}"][1], rows
     assert not any(os.path.exists(os.path.join(base, n, "peers", src)) and
                    any(f.endswith(".shard") for _, _, fs in os.walk(os.path.join(base, n, "peers", src)) for f in fs)
                    for n in NODES for src in NODES)

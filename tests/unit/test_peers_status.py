@@ -59,7 +59,7 @@ def test_ls_shows_each_holders_quota_use(tmp_path, capsys):
 
 def test_doctor_says_which_holder_is_near_or_over_its_quota(tmp_path):
     rows = {r[0]: r for r in status.doctor_checks(_root(tmp_path), timeout_s=0.2)}
-    assert rows["peer quota n0"][2] == "ok" and rows["peer quota n1"][2] == "ok"
-    assert rows["peer quota n2"][2] == "warn" and "near its quota" in rows["peer quota n2"][3]
-    assert rows["peer quota n3"][2] == "warn" and "over its quota" in rows["peer quota n3"][3]
-    assert "peers.quota_bytes" in rows["peer quota n3"][3]
+    assert rows["peer_quota n0"][2] == "ok" and rows["peer_quota n1"][2] == "ok"
+    assert rows["peer_quota n2"][2] == "warn" and "near its quota" in rows["peer_quota n2"][3]
+    assert rows["peer_quota n3"][2] == "warn" and "over its quota" in rows["peer_quota n3"][3]
+    assert "peers.quota_bytes" in rows["peer_quota n3"][3]
