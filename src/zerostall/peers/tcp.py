@@ -32,7 +32,7 @@ from ..errors import ZerostallError
 from ..format.manifest import Manifest
 from .priority import background
 from .store import PeerStore
-from .stream import Pacer, at, fill_from, send_range
+from .stream import FETCH_BUF_BYTES, Pacer, at, fill_from, send_range
 from .transport import Endpoint, Sink, Transport
 from .verify import file_entry, split_points
 from .wire import (MAX_MANIFEST_BYTES, PeerError, check_name, check_node, check_size, check_step, client_handshake,
@@ -300,7 +300,7 @@ class TcpTransport(Transport):
                                 f"{reply.get('offset')}+{reply.get('length')}), which its manifest or our request "
                                 "does not describe")
             w, check = sink(man, size)
-            fill_from(s, end - start, w, check, start=start)
+            fill_from(s, end - start, w, check, start=start, buf_bytes=FETCH_BUF_BYTES)
             return check.digest()
         what = f"fetching {name} of step {step}" + (f" (bytes {rng[0]}..{rng[1]})" if rng else "")
         return self._call(ep, what, run)
