@@ -144,7 +144,8 @@ def run(size_gib: float, work: str, cap: int, rounds: int = 3) -> dict[str, Any]
         "scenario": "node-loss", "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "nodes": NODES, "state_bytes": state_bytes, "replicas": 2, "peer_bandwidth_bytes": cap,
         "bytes_moved_per_save": sum(d["bytes_sent"] for d in paced),
-        "step_ms_idle": _ms(paced[0]["before"] + paced[0]["after"]), "step_ms_saving_no_replicas": _ms(plain[0]["during"]),
+        "step_ms_idle": _ms(paced[0]["before"] + paced[0]["after"]),  # before the save and after protected
+        "step_ms_saving_no_replicas": _ms(plain[0]["during"]),
         "step_ms_saving_replicating_paced": _ms(paced[0]["during"]),
         "step_ms_replicating_only_paced": _ms(paced[0]["replicating"]), "steps_replicating_only": len(paced[0]["replicating"]),
         "saved_s_no_replicas": max(d["t_done_s"] for d in plain), "replicated_s": max(d["t_done_s"] for d in paced),

@@ -4,11 +4,11 @@ training, per ``peers.cpu_priority`` setting, alternated in one run.
 The save phase of ``--scenario node-loss`` (:mod:`.nodeloss`: 4 simulated nodes x 1 rank on
 gloo, ``--size-gib`` of state in all, ``replicas=2``, 200 MB/s per node; rank 0 trains a
 384x384 matmul loop in its main thread before, during and after the save until the step is
-protected, and 1.5 s after), run ``--repeat`` times per setting, the settings' order reversed every other
-round (the machine's other load drifts). Per run: rank 0's mean step time idle (the 1.5 s
-before the save and the 1.5 s after the step is protected) and in the window where only the paced copies run (durable -> protected),
-their ratio, the CPU seconds every node's process spent in that window, and the load average
-when the run started. Medians per setting.
+protected, and 1.5 s after), run ``--repeat`` times per setting, the settings' order reversed
+every other round (the machine's other load drifts). Per run: rank 0's mean step time idle
+(the 1.5 s before the save and the 1.5 s after the step is protected) and in the window where
+only the paced copies run (durable -> protected), their ratio, the CPU seconds every node's
+process spent in that window, and the load average when the run started. Medians per setting.
 
 Runs on the CLI's thread; the nodes are subprocesses of :mod:`.nodeloss_worker`.
 """
@@ -38,7 +38,8 @@ def run(size_gib: float, work: str, rounds: int, modes: tuple[str, ...] = MODES)
             shutil.rmtree(base, ignore_errors=True)
             load = os.getloadavg()[0]
             docs = _run("save", base, work, mib, 2, CAP_BYTES, "", cpu=mode)
-            idle, rep = _ms(docs[0]["before"] + docs[0]["after"]), _ms(docs[0]["replicating"])
+            idle = _ms(docs[0]["before"] + docs[0]["after"])
+            rep = _ms(docs[0]["replicating"])
             runs.append({"round": r, "cpu_priority": mode, "load_avg_1m": round(load, 2),
                          "step_ms_idle": round(idle, 3), "step_ms_replicating_only": round(rep, 3),
                          "replicating_over_idle": round(rep / max(idle, 1e-9), 3),
@@ -70,7 +71,8 @@ def main(a: argparse.Namespace) -> int:
     print(f"replication cost: {NODES} nodes x {res['state_mib_per_node']} MiB, replicas=2, peer cap "
           f"{CAP_BYTES / 1e6:.0f} MB/s per node; rank 0's step time while only the paced copies run vs idle")
     for x in res["runs"]:
-        print(f"  round {x['round']} {x['cpu_priority']:6s} load {x['load_avg_1m']:5.2f}: idle {x['step_ms_idle']:.2f} ms, "
+        print(f"  round {x['round']} {x['cpu_priority']:6s} load {x['load_avg_1m']:5.2f}: "
+              f"idle {x['step_ms_idle']:.2f} ms, "
               f"replicating {x['step_ms_replicating_only']:.2f} ms over {x['steps_replicating_only']} steps "
               f"= {x['replicating_over_idle']:.2f}x; protected after {x['protected_s']:.2f} s; CPU s per node "
               f"{x['cpu_replicating_s']}")

@@ -39,7 +39,8 @@ def main() -> None:
     torch.set_num_threads(1)
     ck = zerostall.Checkpointer(  # load_remote: the same restart, without peer replicas
         os.path.join(base, node), dist_name="node-loss", replicas=1 if mode == "load_remote" else int(replicas),
-        peers=PeersConfig(bandwidth_bytes=int(bw) or None, timeout_s=60, cpu_priority=cpu), remote=(remote or None) if mode == "save" else None,
+        peers=PeersConfig(bandwidth_bytes=int(bw) or None, timeout_s=60, cpu_priority=cpu),
+        remote=(remote or None) if mode == "save" else None,
         commit_timeout_s=300, close_timeout_s=120)
     res: dict[str, object] = {"rank": rank, "node": node}
     if mode == "save":
@@ -90,7 +91,7 @@ def main() -> None:
         res["before"] = [d for t, d in steps if t < t_save]
         res["during"] = [d for t, d in steps if t >= t_save and (rank != 0 or t < t_protected)]
         # after the step is durable, until it is protected: only the paced copies run then
-        res["replicating"] = [d for t, d in steps if durable_at and durable_at[0] <= t < t_protected] if rank == 0 else []
+        res["replicating"] = [d for t, d in steps if durable_at and durable_at[0] <= t < t_protected]
         res["after"] = [d for t, d in steps if rank == 0 and t >= t_protected]
         res["bytes_sent"] = ck._peers.replicator.bytes_sent if ck._peers is not None else 0  # type: ignore[union-attr]
         res["state_bytes"] = sum(t.numel() * 4 for t in state.values())
