@@ -166,6 +166,20 @@ def main():
         res["left_keys"] = [k for step in range(1, 6) for k in ("decision", "t0", "ack", "r1", "m0", "done/g0")
                             if store.check([f"{prefix}/s{step}/{k}"])]
         res["outcomes"] = outcomes
+    elif scenario == "background_fail":  # rank 1's step 2 fails only when its objects are encoded
+        import time
+        outcomes = {}
+        with zerostall.Checkpointer(ckdir, commit_timeout_s=30, raise_on_background_error=False) as ck:
+            for step in (1, 2, 3):
+                state = {"x": torch.full((100,), float(rank + step)), "cfg": list(range(20))}
+                if (step, rank) == (2, 1):
+                    state["cfg"][7] = 2 ** 5000  # snapshotted by save(); refused by the background encoding
+                t0 = time.monotonic()
+                h = ck.save(step, state)
+                exc = h.exception(timeout=120)
+                outcomes[step] = {"error": str(exc) if exc else None, "elapsed_s": time.monotonic() - t0}
+            res["steps"] = ck.steps()
+        res["outcomes"] = outcomes
     elif scenario == "kill":
         if rank == 2:
             from engines import FaultyEngine

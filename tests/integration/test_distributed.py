@@ -149,6 +149,21 @@ def test_local_failure_fails_the_step_everywhere_and_the_next_commits(tmp_path):
         assert zerostall.load(ckdir, rank=r, world_size=2)["x"][0].item() == float(r + 5)
 
 
+def test_a_rank_failing_in_its_background_object_encoding_fails_the_step_everywhere(tmp_path):
+    """Rank 1's save(2) returns (its Python objects only snapshotted) and fails when they are
+    encoded (an int over the bound): every rank's step 2 fails through the failure report,
+    naming the key on rank 1, not by the 30 s commit timeout; 1 and 3 commit."""
+    ckdir = str(tmp_path / "ckpt")
+    res = _launch("background_fail", 2, ckdir, tmp_path)
+    for rc, doc, err in res:
+        assert rc == 0, err
+        assert doc["steps"] == [1, 3]
+        assert doc["outcomes"]["1"]["error"] is None and doc["outcomes"]["3"]["error"] is None
+    r0, r1 = res[0][1]["outcomes"], res[1][1]["outcomes"]
+    assert "'cfg.7' holds an int of 5001 bits" in r1["2"]["error"]
+    assert "step 2: rank 1 failed" in r0["2"]["error"] and "did not report" not in r0["2"]["error"]
+
+
 def test_sigkill_one_rank_mid_persist(tmp_path):
     ckdir = str(tmp_path / "ckpt")
     res = _launch("kill", 3, ckdir, tmp_path)

@@ -54,6 +54,15 @@ def _nbytes(sd, device="cuda"):
     return sum(t.nbytes for t in sd.values() if t.device.type == device)
 
 
+@pytest.fixture
+def small_bounce():
+    """A 1 MiB scratch (a step larger than it is verified first, then copied through the
+    ring); closed after the test, which unregisters it before unmapping it."""
+    a = Arena(1 << 20, mlock=False)
+    yield a
+    a.close()
+
+
 def _ck(tmp_path):
     root = str(tmp_path / "ck")
     zerostall.save(root, _state(1.0), step=1)
@@ -102,12 +111,13 @@ def test_new_dict_with_map_location_cuda_lands_on_the_device(tmp_path, where):
     assert rstep.last_stats.device_bytes == _nbytes(out)
 
 
-def test_a_state_larger_than_the_scratch_verifies_first_then_copies_through_the_ring(tmp_path):
+def test_a_state_larger_than_the_scratch_verifies_first_then_copies_through_the_ring(tmp_path, small_bounce):
     root = _ck(tmp_path)
     sd = _dest()
-    restore_load(root, sd, step=2, bounce=Arena(1 << 20, mlock=False))  # 1 MiB: verify, then the ring
+    restore_load(root, sd, step=2, bounce=small_bounce)  # 1 MiB: verify, then the ring
     assert _same(sd, _state(2.0)) and rstep.last_stats.device_bytes == _nbytes(sd)
-    out = restore_load(root, step=1, map_location="cuda", bounce=Arena(1 << 20, mlock=False))
+    assert small_bounce.cuda_registered and small_bounce.cuda_pinned_bytes == small_bounce.nbytes
+    out = restore_load(root, step=1, map_location="cuda", bounce=small_bounce)
     assert _same(out, _state(1.0))
 
 
@@ -123,13 +133,13 @@ def test_mixed_cpu_and_cuda_destinations(tmp_path):
     assert rstep.last_stats.device_bytes == _nbytes(sd)
 
 
-@pytest.mark.parametrize("bounce_bytes", [None, 1 << 20], ids=["staged", "verify-first"])
-def test_a_corrupt_step_leaves_the_cuda_tensors_unchanged(tmp_path, bounce_bytes):
+@pytest.mark.parametrize("small", [False, True], ids=["staged", "verify-first"])
+def test_a_corrupt_step_leaves_the_cuda_tensors_unchanged(tmp_path, small, small_bounce):
     root = _ck(tmp_path)
     _flip(root, 2, "w", at=4_000_000)  # late in the step: earlier windows verified first
     sd = _dest()
     before = {k: t.clone() for k, t in sd.items()}
-    kw = {} if bounce_bytes is None else {"bounce": Arena(bounce_bytes, mlock=False)}
+    kw = {"bounce": small_bounce} if small else {}
     with pytest.raises(CorruptCheckpoint, match="'w'"):
         restore_load(root, sd, step=2, fallback=False, **kw)
     torch.cuda.synchronize()

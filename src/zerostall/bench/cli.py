@@ -60,8 +60,10 @@ def add_parsers(sub: Any) -> None:
     s.add_argument("--no-cold", action="store_true", help="skip the cold scenario (a fresh process per method)")
     s.add_argument("--tensors", type=_positive(int), default=100_000,
                    help="many-tensors scenario: how many tensors (--size-gib defaults to 0.25 there)")
+    s.add_argument("--config-mib", type=_positive(float), default=16.0, help="objects scenario: config tree size, MiB of JSON")
+    s.add_argument("--log-entries", type=_positive(int), default=10_000, help="objects scenario: log history entries")
     s.add_argument("--scenario", choices=("default", "frozen-base", "node-loss", "replication-cost", "restore",
-                                             "many-tensors"),
+                                         "many-tensors", "objects"),
                    default="default",
                    help="frozen-base: incremental vs full zerostall saves vs torch.save vs DCP of a fine-tune "
                         "whose base is frozen (uses --size-gib, --repeat, --methods, --dir, --json); "
@@ -71,9 +73,10 @@ def add_parsers(sub: Any) -> None:
                         "alternated --repeat rounds: the trainer's step time while only the paced copies run; "
                         "restore: restore GB/s of zerostall (in place, new dict; both engines), dcp.load, "
                         "torch.load and torch.load(mmap=True) against the read line rate (uses --size-gib, "
-                        "--repeat, --dir, --json); many-tensors: --tensors small tensors vs torch.save and DCP "
+                        "--repeat, --dir, --json, --device: cuda restores into GPU tensors); many-tensors: --tensors small tensors vs torch.save and DCP "
                         "(stall, first save, durable, result() with keep_last=1, bytes on disk and staging, "
-                        "restore)")
+                        "restore); objects: a --config-mib config tree, a --log-entries log history and both "
+                        "with tensors: save() stall and durable vs torch.save and json.dumps (uses --repeat, --dir, --json)")
     s.set_defaults(fn=_bench)
 
 
@@ -88,4 +91,6 @@ def _bench(a: argparse.Namespace) -> int:
         return _lazy("zerostall.bench.restore", "main")(a)
     if a.scenario == "many-tensors":
         return _lazy("zerostall.bench.many", "main")(a)
+    if a.scenario == "objects":
+        return _lazy("zerostall.bench.objects", "main")(a)
     return _lazy("zerostall.bench.bench", "main")(a)

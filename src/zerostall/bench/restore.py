@@ -123,8 +123,8 @@ def run_restore_bench(size_gib: float, repeat: int, workdir: str | None, engines
                     timed(f"zerostall.load-{eng} in place", lambda: zs_load(root, target, step=1, io=IOConfig(engine=eng)),
                           root)
                     if cuda:
-                        timed(f"zerostall.load-{eng} new dict", lambda: zs_load(root, step=1, io=IOConfig(engine=eng), **to),
-                              root)
+                        timed(f"zerostall.load-{eng} new dict",
+                              lambda: zs_load(root, step=1, io=IOConfig(engine=eng), **to), root)
             shutil.rmtree(root, ignore_errors=True)
         import torch.distributed.checkpoint as dcp
         root = os.path.join(workdir, "dcp")
@@ -156,18 +156,21 @@ def run_restore_bench(size_gib: float, repeat: int, workdir: str | None, engines
     read = float(line.get("read_gbps") or 0.0)
     med = {k: size / statistics.median(v) / 1e9 for k, v in rows.items()}
     dcp_gbps = med.get("dcp.load in place")
-    results = [{"method": k, "device": device, "restore_gbps": g, "fraction_of_read_line_rate": g / read if read else None,
+    results = [{"method": k, "device": device, "restore_gbps": g,
+                "fraction_of_read_line_rate": g / read if read else None,
                 "vs_dcp_load": g / dcp_gbps if dcp_gbps else None, "runs_s": rows[k], "verified": ok[k]}
                for k, g in med.items()]
     return {"scenario": "restore", "device": device,
-            "device_name": torch.cuda.get_device_name() if device != "cpu" else "cpu", "size_bytes": size, "line_rate": line, "repeat": repeat,
+            "device_name": torch.cuda.get_device_name() if device != "cpu" else "cpu", "size_bytes": size,
+            "line_rate": line, "repeat": repeat,
             "load_avg": os.getloadavg(), "results": results}
 
 
 def print_restore(doc: dict[str, Any], console: Any) -> None:
     from rich.table import Table
     lr = doc["line_rate"]
-    t = Table(title=f"restore into {doc.get('device', 'cpu')}, {doc['size_bytes'] / 2**30:.2f} GiB, page cache dropped, median of "
+    t = Table(title=f"restore into {doc.get('device', 'cpu')}, {doc['size_bytes'] / 2**30:.2f} GiB, "
+                    f"page cache dropped, median of "
                     f"{doc['repeat']}; read line rate {lr.get('read_gbps', 0):.2f} GB/s ({lr.get('tool')}); "
                     f"load {doc['load_avg'][0]:.1f}")
     for c in ("method", "restore GB/s", "x read line rate", "x dcp.load", "ok"):

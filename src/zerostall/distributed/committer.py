@@ -48,14 +48,15 @@ class StoreCommitter:
         return d
 
     def fragment(self, job: Persisted) -> dict[str, Any]:
-        tree_json = json.dumps(job.plan.tree, sort_keys=True)
+        tree = job.plan.final()[0]  # frozen Python objects encoded (if the snapshot thread has not yet)
+        tree_json = json.dumps(tree, sort_keys=True)
         entries, ref_files = merged_entries(job, tensor_entries(job))  # written and referenced
         if self.per_rank:
             structure = json.dumps([[it.key, it.dtype, list(it.shape)] for it in job.plan.items], sort_keys=True)
         else:  # keys, dtypes and shapes of every tensor of the state, not only those this rank writes
             structure = hashlib.sha256((tree_json + job.request.plan.shapes_digest).encode()).hexdigest()
         out = {"ok": True, "file": file_entry(job).__dict__, "n_tensors": job.plan.n_tensors,
-               "tensors": [[g, e.to_json()] for g, e in entries], "tree": job.plan.tree, "structure": structure}
+               "tensors": [[g, e.to_json()] for g, e in entries], "tree": tree, "structure": structure}
         if ref_files:
             out["ref_files"] = [r.to_json() for r in ref_files]
         if self.refs is not None:
@@ -63,8 +64,9 @@ class StoreCommitter:
         return out
 
     def commit(self, job: Persisted) -> tuple[str, ...]:
+        fragment = self.fragment(job)  # may raise (a frozen object's encoding): fail() then tells the others
         self._reported.add(job.step)
-        post = commit_round(self.store, self.session, self.fragment(job), self.tier, job.step,
+        post = commit_round(self.store, self.session, fragment, self.tier, job.step,
                             per_rank=self.per_rank, timeout_s=self.timeout_s, overwrite=job.overwrite,
                             user_metadata=dict(job.user_metadata),
                             protect=self.refs.set_peer_protected if self.refs is not None else None)

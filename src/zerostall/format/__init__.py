@@ -1,7 +1,9 @@
 """On-disk format: shard layout, manifest, dtypes, the state-dict tree and checksums.
 
 Pure functions and frozen records; this layer performs no I/O of its own except reading
-and writing the small manifest. It never unpickles anything.
+and writing the small manifest. It never unpickles anything read from a
+file: the only unpickler (:mod:`.frozen`) reads the caller's own in-memory snapshot of builtin
+containers and resolves no global but the builtin value types.
 """
 
 from .dtypes import dtype_from_name, dtype_name

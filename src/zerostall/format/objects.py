@@ -1,7 +1,8 @@
 """Common Python objects in a state tree, stored as tagged JSON: no pickle, no code on load.
 
-Called by :mod:`.tree` (on the caller's thread, inside ``save()``/``load()``) for a leaf that
-is not a tensor, an array, a plain value or a container. One node shape::
+Called by :mod:`.tree` (on the caller's thread, inside ``save()``/``load()``; for the containers
+``save()`` snapshotted, on the thread that encodes them: :mod:`.frozen`) for a leaf that is not
+a tensor, an array, a plain value or a container. One node shape::
 
     {"o": [TYPE, PAYLOAD]}     TYPE a string naming the kind, PAYLOAD an ordinary tree node
 

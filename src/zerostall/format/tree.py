@@ -18,6 +18,11 @@ C encoder),
 set, bytes, OmegaConf config, class reference...; see :mod:`.objects` for the rule that
 decoding never imports or runs anything outside an allow-list).
 
+Inside ``save()`` (``frozen=``), a dict, list or tuple of FREEZE_MIN items or more made of builtin
+values only is not encoded on the caller's thread but snapshotted by the C pickler and left
+in the tree as a :class:`.frozen.Frozen`, encoded by the rules above later, off the caller's
+thread (:mod:`.frozen`); a smaller container is walked, each item frozen or encoded alone.
+
 Ints are bounded (:data:`.validate.MAX_INT_BITS`) so that what is saved can be parsed back.
 Views are saved by value: a conjugate or negative view is resolved first (its bytes alone
 would be the other tensor's), and never merged with the tensor it views.
@@ -29,7 +34,6 @@ e.g. tied embedding weights) are stored once and restored as one shared tensor.
 from __future__ import annotations
 
 import enum
-import json
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -46,9 +50,12 @@ except ImportError:  # pragma: no cover - numpy ships with torch
 from ..errors import CorruptCheckpoint, UnsupportedStateError
 from .validate import MAX_INT_BITS, NotPlain, plain_copy
 from . import objects
-from .bulk import bulk_tensors, known_node
+from .bulk import TENSOR_TYPES as _TENSOR_TYPES, bulk_tensors, known_node
+from .frozen import FREEZE_MIN, Frozen, freeze
+from .nodes import remap_tree, tensor_paths, tree_tensor_indices  # noqa: F401 - re-exported
 
 MAX_DEPTH = 200
+_FREEZABLE = frozenset((dict, list, tuple))
 
 
 @dataclass(frozen=True)
@@ -137,13 +144,20 @@ def _refusal(x: Any, path: tuple[Any, ...]) -> UnsupportedStateError:
         f"values (dict/list/str/int/float), {hint}")
 
 
-def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int] | None = None) -> Any:
+def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int] | None = None, *,
+                frozen: list[Frozen] | None = None, snapshots: dict[int, bytes] | None = None,
+                path: tuple[Any, ...] = ()) -> Any:
     """Encode ``obj``; raise :class:`UnsupportedStateError` naming the first bad key.
 
     ``occurrences``, if given, receives the leaf index of every tensor met, in walk order
     (an aliased tensor repeats an earlier index); the plan cache of :mod:`..staging.plan_cache` uses it.
     ``known``: the ``occurrences`` of an earlier walk of a state with the very same tensors
     (checked by that plan cache): tensors are not checked again and only the tree is returned.
+    ``frozen``: if given, a dict, list or tuple of builtin values only is not encoded but
+    snapshotted (:func:`.frozen.freeze`; ``snapshots``: ``{id(container): bytes}`` already
+    taken in this ``save()``) and left in the tree as a :class:`.frozen.Frozen`, also appended
+    to ``frozen``; :class:`.frozen.DeferredTree` encodes it later. ``path``: where ``obj`` sits
+    in the state (errors name the full key).
     """
     leaves: list[TensorLeaf] = []
     seen: dict[tuple[Any, ...], int] = {}
@@ -220,7 +234,15 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int]
             return {"v": _check_int(x, path)}
         if tx is float:
             return {"v": x} if math.isfinite(x) else {"f": repr(x)}
-        if tx is dict or tx is list:
+        if frozen is not None:  # a large container of builtin values: snapshotted, encoded later
+            if tx in _FREEZABLE and len(x) >= FREEZE_MIN:
+                data = snapshots.get(id(x)) if snapshots else None
+                if data is None and _TENSOR_TYPES.isdisjoint(map(type, x.values() if tx is dict else x)):
+                    data = freeze(x)
+                if data is not None:
+                    frozen.append(Frozen(tx, data, path))
+                    return frozen[-1]
+        elif tx is dict or tx is list:
             try:
                 return {"j": plain_copy(x, depth)}
             except NotPlain:
@@ -251,7 +273,7 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int]
         raise _refusal(x, path)
 
     try:
-        return enc(obj, (), 0) if known is not None else (enc(obj, (), 0), leaves)
+        return enc(obj, path, len(path)) if known is not None else (enc(obj, path, len(path)), leaves)
     finally:
         del enc  # a recursive closure is a reference cycle: without this, every save's leaves
         # (the caller's tensors) and this frame's objects wait for the cyclic GC
@@ -329,66 +351,3 @@ def decode_tree(node: Any, tensors: list[Any], where: str = "manifest", *, build
         # cyclic GC, whose munmap of it then ran inside whatever call triggered the GC (a
         # ``save()`` blocked 170-380 ms)
         del dec, dec_key
-
-
-def tree_tensor_indices(node: Any) -> list[tuple[int, bool]]:
-    """(index, is_numpy) of every tensor leaf, in tree order (used by validation)."""
-    out: list[tuple[int, bool]] = []
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if isinstance(n, dict):
-            for tag, val in n.items():
-                if tag in ("T", "A"):
-                    out.append((val, tag == "A"))
-                elif tag in ("l", "t"):
-                    stack.extend(val if isinstance(val, list) else [])
-                elif tag == "d" and isinstance(val, list):
-                    stack.extend(p[1] for p in val if isinstance(p, list) and len(p) == 2)
-                elif tag == "o" and isinstance(val, list) and len(val) == 2:
-                    stack.append(val[1])
-    return out
-
-
-def tensor_paths(node: Any) -> dict[int, str]:
-    """The identity of every tensor index of an encoded tree: its typed path from the root.
-
-    The path is built from the tree's own nodes (a dict key as its key node, a list or tuple
-    position with its kind, an object with its type name, then ``T`` or ``A``), so ``{"a.b": x}``
-    and ``{"a": {"b": x}}``, the keys ``0`` and ``"0"``, a tuple position and a str key never
-    share one, whatever they print as. An index that appears more than once (tied tensors) takes
-    its first occurrence in walk order, which is the one :func:`encode_tree` gave the leaf to.
-    Returned as compact JSON strings. Used by incremental saves (:mod:`..staging.incremental`)
-    to match a tensor with what the base step recorded for it; no recursion (deep trees)."""
-    out: dict[int, str] = {}
-    stack: list[tuple[Any, tuple[Any, ...]]] = [(node, ())]
-    while stack:
-        n, path = stack.pop()
-        if not isinstance(n, dict) or len(n) != 1:
-            continue
-        (tag, val), = n.items()
-        if tag in ("T", "A"):
-            if isinstance(val, int) and val not in out:
-                out[val] = json.dumps([*path, [tag]], separators=(",", ":"), allow_nan=False)
-        elif tag in ("l", "t") and isinstance(val, list):
-            stack.extend((v, path + ([tag, i],)) for i, v in reversed(list(enumerate(val))))
-        elif tag == "d" and isinstance(val, list):
-            stack.extend((p[1], path + (["d", p[0]],)) for p in reversed(val) if isinstance(p, list) and len(p) == 2)
-        elif tag == "o" and isinstance(val, list) and len(val) == 2:
-            stack.append((val[1], path + (["o", val[0]],)))
-    return out
-
-
-def remap_tree(node: Any, mapping: Any) -> Any:
-    """A copy of ``node`` with every tensor index ``i`` replaced by ``mapping(i)``."""
-    if isinstance(node, dict) and len(node) == 1:
-        (tag, val), = node.items()
-        if tag in ("T", "A"):
-            return {tag: mapping(val)}
-        if tag in ("l", "t"):
-            return {tag: [remap_tree(v, mapping) for v in val]}
-        if tag == "d":
-            return {tag: [[k, remap_tree(v, mapping)] for k, v in val]}
-        if tag == "o":
-            return {tag: [val[0], remap_tree(val[1], mapping)]}
-    return node

@@ -129,7 +129,7 @@ class ContentCheck:
         log.info("zerostall: incremental: step %d: %d tensor(s) changed without a version-counter bump "
                  "(e.g. %r); written, not referenced", req.step, len(new), new[0].key)
         return SavePlan(spec.items + tuple(new), off, spec.tree, spec.leaves + tuple(lf for _, lf, _ in changed),
-                        spec.n_tensors, spec.tree_json), [t for _, _, t in changed]
+                        spec.n_tensors, spec.tree_json, lazy=spec.lazy), [t for _, _, t in changed]
 
     def _fast_path(self, item: PlanItem, fp: Any, k: Known, step: int) -> bool | None:
         """False: write; True: reference (``"version"`` mode only); None: ask the crc."""

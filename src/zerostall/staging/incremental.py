@@ -252,7 +252,7 @@ class RefTracker(ContentCheck):
         items = [PlanItem(it.index, it.key, it.dtype, it.shape, it.nbytes, off) for it, off in zip(keep_items, offsets)]
         return SavePlan(tuple(items), file_bytes, plan.tree,
                         tuple(lf for lf, it in zip(plan.leaves, plan.items) if it.index not in refs),
-                        plan.n_tensors, plan.tree_json), keep_leaves
+                        plan.n_tensors, plan.tree_json, lazy=plan.lazy), keep_leaves
 
     def _usable(self, known: dict[str, Known], step: int) -> dict[str, Known]:
         """``known`` less what lives in a base file that is gone or no longer the file it was

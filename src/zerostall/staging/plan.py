@@ -2,9 +2,12 @@
 
 Called from the caller's thread inside ``save()``; pure metadata work (no tensor data is
 read), so its cost is proportional to the number of tensors and plain values, not their
-size. Everything that could make a save fail later for its input is checked here, before
-anything is queued: the step's range, the metadata, every leaf (in ``encode_tree``) and the
-manifest's size.
+size. What could make a save fail later for its input is checked here, before anything is
+queued: the step's range, the metadata, every leaf (in ``encode_tree``) and the manifest's
+size; except inside the containers of builtin values snapshotted for encoding off this
+thread (:mod:`..format.frozen`): an int over the bound, a dict key no rule stores, nesting
+past the limit or a manifest over its limit found there fail the save at ``result()``,
+naming the key (:func:`finish_tree`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from ..errors import ConfigError, UnsupportedStateError
 from ..format.dtypes import dtype_name
 from ..format.layout import HEADER_BYTES, align_up, pack_offsets, place
+from ..format.frozen import DeferredTree, Frozen, skeleton_json
 from ..format.tree import TensorLeaf, decode_tree, encode_tree
 from ..format.validate import MAX_STEP, NotPlain, plain_copy
 
@@ -55,11 +59,20 @@ class SavePlan:
     shapes_digest: str = ""
     """A digest of every tensor's key, dtype and shape (all ranks' shares when replicated): the
     replicated-mode structure check compares it across ranks."""
+    lazy: DeferredTree | None = field(default=None, compare=False, repr=False)
+    """Set when parts of ``tree`` are :class:`~zerostall.format.frozen.Frozen` snapshots (then
+    ``tree_json`` is ""): :meth:`final` encodes them (background)."""
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
     """What later stages derive from this layout alone (e.g. the manifest's tensor entries
     without their crc32c: :func:`~zerostall.format.manifest.tensors_json`), shared by every
     save that reuses the layout (:class:`PlanCache` copies the plan with ``replace``, which
     keeps this dict). Written by the persist thread of one Checkpointer (saves persist in order)."""
+
+    def final(self) -> tuple[Any, str]:
+        """(tree, compact JSON) with every frozen part encoded: at once when nothing was
+        deferred, else the first call encodes (the snapshot thread, after staging; or the
+        committer); raises :class:`UnsupportedStateError` naming the key if that encoding fails."""
+        return (self.tree, self.tree_json) if self.lazy is None else self.lazy.result()
 
     @property
     def payload_bytes(self) -> int:
@@ -97,16 +110,17 @@ def __getattr__(name: str) -> Any:
 
 
 def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicated: bool = False,
-               occurrences: list[int] | None = None) -> SavePlan:
+               occurrences: list[int] | None = None, memo: dict[bytes, Any] | None = None) -> SavePlan:
     """Flatten ``state_dict`` and assign every tensor its offset after the header (packed:
     :func:`~zerostall.format.layout.place`, the layout's one rule).
 
     With ``replicated`` (every rank holds the same state), this rank's plan holds only the
     tensors it owns (:func:`owners_by_size`); ``PlanItem.index`` stays the global index.
-    ``occurrences``: see :func:`encode_tree`.
+    ``occurrences``: see :func:`encode_tree`; ``memo``: see :func:`finish_tree`.
     """
-    tree, all_leaves = encode_tree(state_dict, occurrences)
-    tree_json = check_manifest_size(state_dict, tree, all_leaves)
+    frozen: list[Frozen] = []
+    tree, all_leaves = encode_tree(state_dict, occurrences, frozen=frozen)
+    tree, tree_json, lazy = finish_tree(tree, all_leaves, frozen, memo=memo)
     owner = owners_by_size(all_leaves, world_size) if replicated and world_size > 1 else None
     if owner is None:
         items, file_bytes = _items_in_bulk(all_leaves)
@@ -126,7 +140,7 @@ def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicate
     digest = hashlib.sha256(repr((tuple(map(_KEY, all_leaves)), tuple(map(str, map(_DTYPE, ts))),
                                   tuple(map(_SIZE, ts)))).encode()).hexdigest()
     return SavePlan(tuple(items), max(align_up(pos), HEADER_BYTES), tree, tuple(leaves), len(all_leaves),
-                    tree_json, digest)
+                    tree_json, digest, lazy=lazy)
 
 
 def _items_in_bulk(leaves: list[TensorLeaf]) -> tuple[list[PlanItem], int]:
@@ -245,19 +259,56 @@ def _not_plain_at(x: Any, path: tuple[Any, ...]) -> tuple[tuple[Any, ...], str] 
     return None
 
 
-def check_manifest_size(state_dict: Any, tree: Any, leaves: Any, bound: int | None = None) -> str:
+FROZEN_GROWTH = 8
+"""What :func:`finish_tree` assumes a frozen snapshot's bytes may grow to as JSON (measured
+1.2-1.3x for configs and log histories; up to ~25x for a tree of empty sets): a state whose
+estimate reaches the manifest limit is encoded on the caller's thread, so ``save()`` raises."""
+
+
+def finish_tree(tree: Any, leaves: Any, frozen: list[Frozen], bound: int | None = None,
+                memo: dict[bytes, Any] | None = None) -> tuple[Any, str, DeferredTree | None]:
+    """(tree, tree_json, lazy) for a plan (caller's thread). Without frozen parts: the tree,
+    its JSON and None (the manifest's size checked here). With them: a
+    :class:`~zerostall.format.frozen.DeferredTree` that encodes them later (``memo``: the
+    previous save's encodings) and checks the manifest's size then, unless the estimate
+    (:data:`FROZEN_GROWTH`) says it may not fit: then it is finished now and raises here."""
+    bound = _entries_bound(leaves) if bound is None else bound
+    if not frozen:
+        return tree, check_manifest_size(None, tree, leaves, bound), None
+    n = leaves if isinstance(leaves, int) else len(leaves)
+    skeleton = skeleton_json(tree, frozen)
+    lazy = DeferredTree(tree, skeleton, frozen, _encode_part, lambda t, j: check_manifest_size(None, t, n, bound, j),
+                        memo)
+    from ..format import manifest as mf
+    if len(skeleton) + bound + FROZEN_GROWTH * sum(len(p) for f in frozen for p in f.parts) > mf.MAX_MANIFEST_BYTES:
+        tree, tree_json = lazy.result()
+        return tree, tree_json, None
+    return tree, "", lazy
+
+
+def _encode_part(obj: Any, path: tuple[Any, ...]) -> Any:
+    """One thawed container's node (:class:`~zerostall.format.frozen.DeferredTree`)."""
+    node, leaves = encode_tree(obj, path=path)
+    assert not leaves, "a frozen snapshot holds no tensor"
+    return node
+
+
+def check_manifest_size(state_dict: Any, tree: Any, leaves: Any, bound: int | None = None,
+                        tree_json: str | None = None) -> str:
     """The tree's JSON; raise :class:`UnsupportedStateError` naming the key that dominates if
     the manifest would exceed the limit every reader enforces (``MAX_MANIFEST_BYTES``).
-    ``bound``: the leaves' entries bound if known (:func:`_entries_bound`)."""
+    ``bound``: the leaves' entries bound if known (:func:`_entries_bound`); ``leaves`` may be
+    their count when ``bound`` is given; ``tree_json``: the tree's JSON if already encoded."""
     from ..format import manifest as mf
-    tree_json = json.dumps(tree, separators=(",", ":"), allow_nan=False)
+    if tree_json is None:
+        tree_json = json.dumps(tree, separators=(",", ":"), allow_nan=False)
     est = len(tree_json) + (_entries_bound(leaves) if bound is None else bound)
     limit = mf.MAX_MANIFEST_BYTES
     if est <= limit:
         return tree_json
     tensors_part = est - len(tree_json)
     if tensors_part > len(tree_json):
-        what = f"its {len(leaves)} tensor entries (~{tensors_part >> 20} MiB)"
+        what = f"its {leaves if isinstance(leaves, int) else len(leaves)} tensor entries (~{tensors_part >> 20} MiB)"
     else:
         key, size = _dominant(tree)
         what = f"key {key!r} (~{size >> 20} MiB of JSON)"

@@ -18,8 +18,9 @@ from typing import Any, Iterator
 import torch
 
 from .._util import no_gc
+from ..format.frozen import FREEZE_MIN, Frozen, freeze
 from ..format.tree import TensorLeaf, encode_tree
-from .plan import _DTYPE, _KEY, _NUMPY, _SIZE, SavePlan, _entries_bound, build_plan, check_manifest_size
+from .plan import _DTYPE, _KEY, _NUMPY, _SIZE, SavePlan, _entries_bound, build_plan, finish_tree
 
 class Leaves(Sequence[TensorLeaf]):
     """A reused plan's leaves, kept as three parallel tuples (keys, detached tensors, numpy
@@ -57,6 +58,7 @@ _TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 _PLAIN_TYPES = (str, int, float, bool, type(None))
 _MAP_TYPES = (dict, OrderedDict)
 _SEQ_TYPES = (list, tuple)
+_FREEZABLE = frozenset((dict, list, tuple))
 _KEY_TYPES = frozenset((str, int))
 _ALL_TENSORS = "T*"
 """The marker of a container whose values are all plain tensors (taken in bulk)."""
@@ -69,14 +71,17 @@ _CONJ, _NEG, _DETACH = torch.Tensor.is_conj, torch.Tensor.is_neg, torch.Tensor.d
 
 
 def _walk(x: Any, sig: list[Any], tensors: list[torch.Tensor], depth: int = 0,
-          vals: list[Any] | None = None) -> bool:
+          vals: list[Any] | None = None, snapshots: dict[int, bytes] | None = None) -> bool:
     """Append ``x``'s structure to ``sig``, its plain values to ``vals`` (``sig`` if None) and
     its tensors to ``tensors`` (in :func:`encode_tree`'s walk order); False where ``x`` holds
     anything but dicts with str/int keys, lists, tuples, plain tensors and plain scalars (the
     cache then steps aside and :func:`encode_tree` decides). A container without tensors (a
     log history, a config) goes to ``vals`` whole: its growing changes values, not the
     structure. A container of tensors only is taken in bulk (C-level ``map``s, no Python frame
-    per tensor); the tensors' own attributes are :func:`_tensor_sig`'s."""
+    per tensor); the tensors' own attributes are :func:`_tensor_sig`'s. With ``snapshots``, a
+    dict/list/tuple of builtin values only is taken whole as its :func:`~zerostall.format.frozen.freeze`
+    snapshot (one C pass; its bytes compare as its values do), recorded by ``id`` for
+    :func:`encode_tree` in the same ``save()``."""
     if vals is None:
         vals = sig
     tx = type(x)
@@ -85,6 +90,15 @@ def _walk(x: Any, sig: list[Any], tensors: list[torch.Tensor], depth: int = 0,
         return True
     if depth > 64:
         return False
+    if snapshots is not None and tx in _FREEZABLE and len(x) >= FREEZE_MIN and _TENSOR_TYPES.isdisjoint(
+            map(type, x.values() if tx is dict else x)):
+        data = freeze(x)
+        if data is not None:
+            snapshots[id(x)] = data
+            vals.append((tx, data))
+            if vals is not sig:
+                sig.append(_PLAIN)
+            return True
     if tx in _MAP_TYPES:
         keys = tuple(x)
         if not _KEY_TYPES.issuperset(map(type, keys)):
@@ -106,7 +120,7 @@ def _walk(x: Any, sig: list[Any], tensors: list[torch.Tensor], depth: int = 0,
         tensors.extend(kids)
         return True
     mark, n = len(sig), len(tensors)
-    if not all(_walk(v, sig, tensors, depth + 1, vals) for v in kids):
+    if not all(_walk(v, sig, tensors, depth + 1, vals, snapshots) for v in kids):
         return False
     if vals is not sig and len(tensors) == n:  # no tensor inside: all of it is a value
         vals.append(tuple(sig[mark - 1:]))
@@ -147,7 +161,11 @@ class PlanCache:
     tensors in bulk and each tensor attribute with one C-level ``map`` over all tensors (~1 us
     per tensor in all; the plan's leaves are detached the same way), so a reused plan costs
     no Python frame per tensor. The cache holds no tensor (the signature holds addresses,
-    shapes and dtypes), so it keeps no memory of the state alive.
+    shapes and dtypes), so it keeps no memory of the state alive. Containers of builtin
+    values (a config, a log history) are compared by their snapshots
+    (:func:`~zerostall.format.frozen.freeze`, one C pass); when one changed, the tree is
+    rebuilt around the snapshots and encoded off this thread, the unchanged slices reusing
+    the last save's encoding (``_memo``, which holds copies, never the caller's objects).
     Caller's thread only (``save()``/``prepare()``, serialised by the Checkpointer).
     """
 
@@ -163,6 +181,8 @@ class PlanCache:
         self._numpy: tuple[bool, ...] = ()
         self._in_order = False
         self._devices: set[str] = set()
+        self._memo: dict[bytes, Any] = {}
+        """The last save's frozen parts' encodings (:class:`~zerostall.format.frozen.DeferredTree`)."""
 
     def plan(self, state_dict: Any, *, rank: int = 0, world_size: int = 1, replicated: bool = False) -> SavePlan:
         """The plan of ``state_dict``; Python's cyclic GC is paused meanwhile (see :func:`_no_gc`)."""
@@ -173,8 +193,9 @@ class PlanCache:
         sig: list[Any] = []
         vals: list[Any] = []
         tensors: list[torch.Tensor] = []
+        snapshots: dict[int, bytes] = {}  # id() -> snapshot: the walked objects live through this call
         try:
-            fast = _walk(state_dict, sig, tensors, 0, vals)
+            fast = _walk(state_dict, sig, tensors, 0, vals, snapshots)
             tsig = _tensor_sig(tensors) if fast else None
         except Exception:  # noqa: BLE001 - an odd tensor subclass: encode_tree reports it properly
             tsig = None
@@ -187,16 +208,19 @@ class PlanCache:
                 tensors = [tensors[pos[it.index]] for it in cached.items]
             leaves = Leaves(self._keys, tuple(map(_DETACH, tensors)), self._numpy)
             if vals != self._vals:  # plain values changed (a step counter, a log): a new tree only
-                tree = encode_tree(state_dict, known=self._occ)
-                tree_json = check_manifest_size(state_dict, tree, leaves, self._bound)
-                self._plan = cached = replace(cached, tree=tree, tree_json=tree_json)
+                frozen: list[Frozen] = []
+                tree = encode_tree(state_dict, known=self._occ, frozen=frozen, snapshots=snapshots)
+                tree, tree_json, lazy = finish_tree(tree, len(leaves), frozen, self._bound, self._memo)
+                self._plan = cached = replace(cached, tree=tree, tree_json=tree_json, lazy=lazy)
                 self._vals = vals
+                self._memo = lazy.memo if lazy is not None else {}
             out = replace(cached, leaves=leaves)
             out.__dict__["devices"] = set(self._devices)  # the cached_property: devices are in the signature
             return out
         occurrences: list[int] = []
         plan = build_plan(state_dict, rank=rank, world_size=world_size, replicated=replicated,
-                          occurrences=occurrences)
+                          occurrences=occurrences, memo=self._memo)
+        self._memo = plan.lazy.memo if plan.lazy is not None else {}
         self._sig = self._plan = None
         if key is not None and len(occurrences) == len(tensors):
             if occurrences == list(range(len(occurrences))):  # no tied tensors: no Python loop

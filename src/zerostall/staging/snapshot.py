@@ -12,6 +12,11 @@ stream at ``save()`` time (:func:`record_save_events`); an event recorded on the
 stream after the copy is waited for before the bytes are published. On a multi-GPU node a
 rank's tensors may live on any device, so nothing assumes device 0.
 
+After a job is staged (and ``wait_staged()`` released) this thread also encodes the save's
+Python objects that ``save()`` only snapshotted (:class:`~zerostall.format.frozen.DeferredTree`),
+while the persist thread writes the blocks; an error there is kept by the plan and raised by
+the committer (the save fails naming the key).
+
 Never mutates the caller's tensors; drops its references to them once the job is staged.
 
 CPU bytes move with ``memmove``/``memset`` through ctypes (which releases the GIL), never
@@ -197,6 +202,11 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
             snapshot_s = time.perf_counter() - t0
             job.snapshot.put(Staged(plan, snapshot_s, time.perf_counter()))
             status.mark_staged(snapshot_s, plan.file_bytes)
+        if plan.lazy is not None and status.error is None:  # the Python objects, while the blocks are written
+            try:
+                plan.lazy.result()
+            except Exception:  # noqa: BLE001 - kept by the plan: the committer's final() raises it
+                pass
 
     def _cuda(self, device: torch.device) -> DeviceStreams:
         """The side streams; the first call registers the arena with ``device`` current (the

@@ -61,9 +61,10 @@ def build_manifest(job: Persisted) -> Manifest:
         tensors, ref_files = Entries(job.plan.items, job.file_name, job.crcs), ()
     else:
         tensors, ref_files = manifest_parts(job, tensor_entries(job))
+    tree, tree_json = job.plan.final()  # frozen Python objects encoded (if the snapshot thread has not yet)
     return Manifest(step=job.step, world_size=job.world_size, checkpoint_id=job.checkpoint_id,
                     created_unix=time.time(), files=(file_entry(job),),
-                    tensors=tensors, tree=job.plan.tree, tree_json=job.plan.tree_json,
+                    tensors=tensors, tree=tree, tree_json=tree_json,
                     tensors_json="" if ref_files else tensors_json(tensors, job.plan.memo),
                     user_metadata=dict(job.user_metadata), ref_files=ref_files)
 

@@ -1,0 +1,264 @@
+"""Python-object subtrees snapshotted on the caller's thread, encoded in the background.
+
+A state's Python part (a config tree, a trainer's log history) used to be checked, copied and
+JSON-encoded inside ``save()``: a 16 MiB config cost 1-2 s of the caller's time, 4-8x a
+``json.dumps`` of it. Now :func:`.tree.encode_tree` (caller's thread) replaces each container
+of :data:`FREEZE_MIN` items or more made of builtin values only (exact ``dict``/``list``/
+``tuple``/``set``/``frozenset`` of ``str``, ``int``, ``float``, ``bool``, ``None``, ``bytes``,
+``bytearray``, nested; numpy bool/int/float/str scalars as their Python values, which is how the
+tree stores them) by a :class:`Frozen`: the container serialized by the C pickler in slices of
+about :data:`PART_BYTES` (~10x cheaper than the JSON encoding). That is the save's snapshot:
+mutating the caller's objects after ``save()`` returns changes nothing saved. Anything else (a
+tensor, a dataclass, a subclass, an ``OrderedDict``, a cycle) makes :func:`freeze` give up at
+once, and the caller's walk goes on into the container as before, so unknown types are still
+refused by ``save()`` naming the key.
+
+:class:`DeferredTree` later (the snapshot thread, after the tensors are staged; else whoever
+asks first: the committer) rebuilds each slice (:func:`thaw`: a private unpickler that resolves
+no global but the builtin types above, so nothing but builtin values can come back), checks it
+(:func:`.validate.is_plain`) and splices its JSON into the tree's; a container that is not plain
+JSON is encoded by the ordinary rules of :func:`.tree.encode_tree`. What only this encoding can
+find (an int over ``MAX_INT_BITS``, a dict key no rule stores, nesting past ``MAX_DEPTH``, a
+manifest over its limit) fails the save: ``handle.result()`` raises ``SaveFailed`` caused by the
+:class:`~zerostall.errors.UnsupportedStateError` naming the key. A slice whose bytes equal the
+previous save's reuses that save's encoding.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import operator
+import os
+import pickle
+import re
+import threading
+from itertools import chain, islice
+from typing import Any, Callable
+
+from .._util import no_gc
+from .validate import is_plain
+
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy ships with torch
+    np = None  # type: ignore[assignment]
+
+__all__ = ["DeferredTree", "Frozen", "freeze", "skeleton_json", "thaw"]
+
+
+class Frozen:
+    """A container of type ``kind`` snapshotted by :func:`freeze` as ``parts`` (pickled slices
+    of its items, in order) at ``path`` (its key path, for errors)."""
+
+    __slots__ = ("kind", "parts", "path")
+
+    def __init__(self, kind: type, parts: tuple[bytes, ...], path: tuple[Any, ...]):
+        self.kind, self.parts, self.path = kind, parts, path
+
+
+class _Refuse(Exception):
+    pass
+
+
+_NUMPY_AS = {"b": bool, "i": int, "u": int, "f": float, "U": str, "S": bytes}
+"""numpy scalar kinds and the Python type the tree stores them as (the README's rule, as
+:func:`.tree._np_plain`: ``x.item()``); a long double or any other kind is refused here."""
+_TO = frozenset(_NUMPY_AS.values())
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        # reached for every object the C pickler does not write itself: only exact builtin
+        # containers, str, bytes, bytearray, int, float, bool and None get past, and numpy
+        # scalars (np.float64 from a metrics function, in a log history) as their Python value
+        if np is not None and isinstance(obj, np.generic):
+            to = _NUMPY_AS.get(obj.dtype.kind)
+            if to is not None and not (to is float and obj.dtype.itemsize > 8):
+                return to, (obj.item(),)
+        if type(obj) is type and obj in _TO:  # the type named by the reduction above: a global
+            return NotImplemented
+        raise _Refuse
+
+
+FREEZE_MIN = 17
+"""Containers with at least this many items are frozen whole; a smaller one (the top of a state,
+``{"config": ..., "step": 3}``) is walked, each of its items frozen (or encoded) on its own: a
+step counter that changes every save then leaves the large config beside it unchanged, whose
+encoding the next save reuses."""
+
+
+PART_BYTES = 1 << 20
+"""About the size of one slice of a large container (the first :data:`PROBE_ITEMS` items set
+the slice length): the GIL is let go between slices, and a growing log history re-encodes only
+its last slices (the others' bytes are the previous save's)."""
+PROBE_ITEMS = 64
+
+
+def _dump(x: Any) -> bytes | None:
+    buf = io.BytesIO()
+    p = _Pickler(buf, protocol=5)
+    p.fast = True  # no memo: each object written where it occurs; cycles raise ValueError
+    try:
+        p.dump(x)
+    except (_Refuse, ValueError, RecursionError, TypeError, pickle.PicklingError):
+        return None
+    return buf.getvalue()
+
+
+def freeze(x: Any) -> tuple[bytes, ...] | None:
+    """``x`` (an exact dict/list/tuple) as pickled slices of its items if it holds builtin
+    values only, else None (a tensor, an object of another type, a cycle, nesting past the
+    interpreter's recursion limit). Caller's thread. The first slice holds
+    :data:`PROBE_ITEMS` items, the others as many as make about :data:`PART_BYTES` at the
+    first's size per item (so equal leading items slice alike, save after save). Fast mode: no
+    memo (shared subtrees are written twice, as the JSON holds them twice), a cycle is refused."""
+    n = len(x)
+    if n <= PROBE_ITEMS:
+        one = _dump(x)
+        return None if one is None else (one,)
+    items = iter(x.items()) if type(x) is dict else None
+    cut: Callable[[int, int], Any] = (lambda i, j: dict(islice(items, j - i))) if items is not None else (
+        lambda i, j: x[i:j])
+    first = _dump(cut(0, PROBE_ITEMS))
+    if first is None:
+        return None
+    parts = [first]
+    per = max(PROBE_ITEMS, PROBE_ITEMS * PART_BYTES // len(first))
+    for i in range(PROBE_ITEMS, n, per):
+        part = _dump(cut(i, i + per))
+        if part is None:
+            return None
+        parts.append(part)
+    return tuple(parts)
+
+
+_BUILTINS = {t.__name__: t for t in _TO}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        # freeze()'s bytes name only the builtin types numpy scalars are stored as
+        if module == "builtins" and name in _BUILTINS:
+            return _BUILTINS[name]
+        raise pickle.UnpicklingError(f"frozen state names {module}.{name}")
+
+
+def thaw(data: bytes) -> Any:
+    """The container :func:`freeze` wrote (a private copy; builtin values only)."""
+    return _Unpickler(io.BytesIO(data)).load()
+
+
+_NONCE = os.urandom(6).hex()
+_MARK = re.compile(re.escape(json.dumps(f"\x00zs{_NONCE}:")[:-1]) + r"(\d+)\\u0000\"")
+
+
+def skeleton_json(tree: Any, frozen: list[Frozen]) -> str:
+    """The tree's compact JSON with a marker where each of ``frozen`` (all the tree's
+    :class:`Frozen` parts) sits (caller's thread: its length bounds the manifest's)."""
+    pos = {id(f): i for i, f in enumerate(frozen)}
+
+    def mark(o: Any) -> str:
+        if type(o) is not Frozen:
+            raise TypeError(f"{type(o).__name__} in a state tree")
+        return f"\x00zs{_NONCE}:{pos[id(o)]}\x00"
+    return json.dumps(tree, separators=(",", ":"), allow_nan=False, default=mark)
+
+
+class DeferredTree:
+    """A state tree with :class:`Frozen` parts, finished on first :meth:`result` (any thread;
+    the first caller does the work under a lock, later ones get the cached tree and JSON or
+    the same error).
+
+    ``skeleton``: :func:`skeleton_json` of ``tree`` and ``frozen``. ``encode(obj, path)``
+    encodes one thawed container that is not plain JSON (:func:`.tree.encode_tree`'s rules);
+    ``check(tree, tree_json)`` raises if the manifest would be too large. ``prev``: the
+    previous save's ``{slice: (copy, json or None)}``, reused for unchanged slices; this save's
+    are collected in :attr:`memo` (handed to the next save by the plan cache)."""
+
+    def __init__(self, tree: Any, skeleton: str, frozen: list[Frozen], encode: Callable[[Any, tuple[Any, ...]], Any],
+                 check: Callable[[Any, str], None], prev: dict[bytes, tuple[Any, str | None]] | None = None):
+        self._tree, self._skeleton, self._frozen = tree, skeleton, frozen
+        self._encode, self._check = encode, check
+        self._prev = prev or {}
+        self.memo: dict[bytes, tuple[Any, str | None]] = {}
+        self._lock = threading.Lock()
+        self._done: tuple[Any, str] | None = None
+        self._error: BaseException | None = None
+
+    def result(self) -> tuple[Any, str]:
+        """(tree, compact JSON of it) with every frozen part encoded; raises what encoding raised."""
+        with self._lock:
+            if self._done is None and self._error is None:
+                try:
+                    with no_gc():  # acyclic copies: a gen-2 collection would scan the heap, GIL held
+                        self._done = self._finish()
+                except BaseException as exc:  # noqa: BLE001 - kept and raised to every caller
+                    self._error = exc
+                self._tree = self._skeleton = self._frozen = self._encode = self._check = None  # type: ignore[assignment]
+                self._prev = {}
+            if self._error is not None:
+                raise self._error
+            return self._done  # type: ignore[return-value]
+    def _part(self, data: bytes, depth: int) -> tuple[Any, str | None]:
+        """(the slice's private copy, its JSON if it is plain JSON else None), the previous
+        save's if the bytes are equal."""
+        got = self.memo.get(data) or self._prev.get(data)
+        if got is None:
+            obj = thaw(data)
+            got = (obj, json.dumps(obj, separators=(",", ":"), allow_nan=False) if is_plain(obj, depth) else None)
+        self.memo[data] = got
+        return got
+
+    def _piece(self, f: Frozen) -> tuple[Any, str]:
+        """The node of one frozen container and its JSON: ``{"j": ...}`` joined from its slices'
+        JSON when they are all plain, else the container rebuilt and encoded by the tree's rules."""
+        parts = [self._part(p, len(f.path)) for p in f.parts]
+        objs = [o for o, _ in parts]
+        if len(objs) == 1:
+            whole = objs[0]
+        elif f.kind is dict:
+            whole = {}
+            for o in objs:
+                whole.update(o)
+        else:
+            whole = f.kind(chain.from_iterable(objs))
+        if f.kind is not tuple and all(t is not None for _, t in parts):
+            inner = ",".join(t[1:-1] for _, t in parts if len(t) > 2)  # type: ignore[index]
+            text = "[%s]" % inner if f.kind is list else "{%s}" % inner
+            return {"j": whole}, '{"j":%s}' % text
+        node = self._encode(whole, f.path)
+        return node, json.dumps(node, separators=(",", ":"), allow_nan=False)
+
+    def _finish(self) -> tuple[Any, str]:
+        pieces = [self._piece(f) for f in self._frozen]
+        text = _MARK.sub(lambda m: pieces[int(m.group(1))][1], self._skeleton)
+        nodes = {id(f): p[0] for f, p in zip(self._frozen, pieces)}
+        tree = _substitute(self._tree, nodes)
+        self._check(tree, text)
+        return tree, text
+
+
+_LEAF_TAGS = frozenset(("T", "A", "v", "f", "j"))
+_SECOND = operator.itemgetter(1)
+
+
+def _substitute(node: Any, nodes: dict[int, Any]) -> Any:
+    """The tree with each :class:`Frozen` replaced by its node (``nodes`` by ``id``); parts
+    without one are shared, not copied (told apart by C-level passes: a dict of 100k tensors
+    costs no Python frame per tensor)."""
+    if type(node) is Frozen:
+        return nodes[id(node)]
+    if type(node) is not dict or len(node) != 1:
+        return node
+    (tag, val), = node.items()
+    if tag in ("l", "t", "d"):
+        kids = list(map(_SECOND, val)) if tag == "d" else val
+        if Frozen not in set(map(type, kids)) and _LEAF_TAGS.issuperset(map(next, map(iter, kids))):
+            return node
+        if tag == "d":
+            return {tag: [[k, _substitute(v, nodes)] for k, v in val]}
+        return {tag: [_substitute(v, nodes) for v in val]}
+    if tag == "o":
+        return {tag: [val[0], _substitute(val[1], nodes)]}
+    return node
