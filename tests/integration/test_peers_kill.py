@@ -46,11 +46,16 @@ def _verified_copies(base):
     return out
 
 
+def sweep_victim(point):
+    """The rank a sweep stops or kills at ``point``: n1 sends its files to n3; n3 receives them."""
+    assert _holder_of("n1", 2) == ("n3",) and _holder_of("n0", 2) == ("n2",)
+    return 1 if point.startswith("send") else 3
+
+
 @pytest.mark.parametrize("point", SEND + RECV)
 def test_kill_at_each_peer_transfer_state(tmp_path, point):
     base = str(tmp_path / "job")
-    assert _holder_of("n1", 2) == ("n3",) and _holder_of("n0", 2) == ("n2",)
-    victim = 1 if point.startswith("send") else 3  # n1 sends to n3; n3 receives n1's files
+    victim = sweep_victim(point)
     res = _launch("kill", base, tmp_path, {"ZS_REPLICAS": "2", "ZS_KILL": str(victim), "ZS_KILL_AT": point,
                                           "ZS_RT": "8", "ZS_PT": "3"}, timeout=120)
     assert res[victim][0] == -signal.SIGKILL, res[victim][2][-2000:]  # it died there, not elsewhere

@@ -23,7 +23,7 @@ import time
 import pytest
 
 from .test_peers import NODES, _collect, _holder_of, _kill_all, _spawn
-from .test_peers_kill import RECV, SEND, _verified_copies
+from .test_peers_kill import RECV, SEND, _verified_copies, sweep_victim
 
 CLOSE_TIMEOUT_S, PEER_TIMEOUT_S = 4, 3  # peers_worker.checkpointer's close_timeout_s; ZS_PT below
 
@@ -47,8 +47,7 @@ def _wait_stopped(p, deadline):
 @pytest.mark.parametrize("point", SEND + RECV)
 def test_a_peer_stopped_at_each_transfer_state(tmp_path, point):
     base = str(tmp_path / "job")
-    assert _holder_of("n1", 2) == ("n3",) and _holder_of("n0", 2) == ("n2",)
-    victim = 1 if point.startswith("send") else 3  # n1 sends to n3; n3 receives n1's files
+    victim = sweep_victim(point)
     procs = _spawn("stopat", base, tmp_path, {"ZS_REPLICAS": "2", "ZS_STOP_RANK": str(victim), "ZS_STOP_AT": point,
                                               "ZS_RT": "8", "ZS_PT": str(PEER_TIMEOUT_S)})
     try:

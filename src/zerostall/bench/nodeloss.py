@@ -30,6 +30,7 @@ Runs on the CLI's thread; the nodes are subprocesses of :mod:`.nodeloss_worker`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -40,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 from ..errors import ZerostallError
 
@@ -190,15 +191,21 @@ def run(size_gib: float, work: str, cap: int, rounds: int = 3) -> dict[str, Any]
     return out
 
 
-def main(a: argparse.Namespace) -> int:
-    work = a.dir or tempfile.mkdtemp(prefix="zerostall-node-loss-", dir=".")
-    made = a.dir is None
+@contextlib.contextmanager
+def workdir(a: argparse.Namespace, prefix: str) -> Iterator[str]:
+    """``--dir`` (kept) or a new temporary directory under the current one (removed after)."""
+    work = a.dir or tempfile.mkdtemp(prefix=prefix, dir=".")
     os.makedirs(work, exist_ok=True)
     try:
-        res = run(a.size_gib, os.path.abspath(work), CAP_BYTES, rounds=a.repeat)
+        yield os.path.abspath(work)
     finally:
-        if made:
+        if a.dir is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def main(a: argparse.Namespace) -> int:
+    with workdir(a, "zerostall-node-loss-") as work:
+        res = run(a.size_gib, work, CAP_BYTES, rounds=a.repeat)
     per_node = res["state_bytes"] / NODES
     print(f"node-loss: {NODES} nodes, {res['state_bytes'] / 2**30:.2f} GiB of state, replicas=2, "
           f"peer cap {CAP_BYTES / 1e6:.0f} MB/s per node")

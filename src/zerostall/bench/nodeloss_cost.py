@@ -21,10 +21,9 @@ import json
 import os
 import shutil
 import statistics
-import tempfile
 from typing import Any
 
-from .nodeloss import CAP_BYTES, NODES, _ms, _run
+from .nodeloss import CAP_BYTES, NODES, _ms, _run, workdir
 
 MODES = ("normal", "nice", "idle")
 
@@ -60,14 +59,8 @@ def run(size_gib: float, work: str, rounds: int, modes: tuple[str, ...] = MODES)
 
 
 def main(a: argparse.Namespace) -> int:
-    work = a.dir or tempfile.mkdtemp(prefix="zerostall-replication-cost-", dir=".")
-    made = a.dir is None
-    os.makedirs(work, exist_ok=True)
-    try:
-        res = run(a.size_gib, os.path.abspath(work), a.repeat)
-    finally:
-        if made:
-            shutil.rmtree(work, ignore_errors=True)
+    with workdir(a, "zerostall-replication-cost-") as work:
+        res = run(a.size_gib, work, a.repeat)
     print(f"replication cost: {NODES} nodes x {res['state_mib_per_node']} MiB, replicas=2, peer cap "
           f"{CAP_BYTES / 1e6:.0f} MB/s per node; rank 0's step time while only the paced copies run vs idle")
     for x in res["runs"]:
