@@ -65,9 +65,11 @@ _OFFSET, _NBYTES = operator.attrgetter("offset"), operator.attrgetter("nbytes")
 _CONTIG = torch.Tensor.is_contiguous
 
 
-def _bulk_ok(tensors: list[torch.Tensor]) -> bool:
-    """Whether every tensor is a contiguous CPU tensor (then copied by address, in runs)."""
-    return {"cpu"}.issuperset(t.type for t in set(map(_DEVICE_OF, tensors))) and all(map(_CONTIG, tensors))
+def _bulk_ok(tensors: list[torch.Tensor], devices: Any = None) -> bool:
+    """Whether every tensor is a contiguous CPU tensor (then copied by address, in runs);
+    ``devices``: their distinct devices, if known."""
+    devices = set(map(_DEVICE_OF, tensors)) if devices is None else devices
+    return {"cpu"}.issuperset(d.type for d in devices) and all(map(_CONTIG, tensors))
 
 
 _DEVICE_OF = operator.attrgetter("device")
@@ -280,7 +282,8 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
         g0, cuda_event = job.slot.g0, job.source.cuda_event
         arena = job.slot.arena  # the pool swaps arenas only between jobs
         arena_u8 = arena.u8
-        first_cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
+        devices = list(dict.fromkeys(map(_DEVICE_OF, tensors)))  # distinct, in order (one C-level map)
+        first_cuda = next((d for d in devices if d.type == "cuda"), None)
         streams = self._cuda(first_cuda) if first_cuda is not None else None
 
         def spans(a: int, b: int):
@@ -309,7 +312,7 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
         else:
             pos = items[0].offset if items else plan.file_bytes
         items, tensors = list(items), list(tensors)
-        bulk = _bulk_ok(tensors)
+        bulk = _bulk_ok(tensors, devices)
         offs, lens = list(map(_OFFSET, items)), list(map(_NBYTES, items))
         bulk = bulk and all(map(operator.le, offs, offs[1:]))  # runs are found by bisection
         ptrs = list(map(torch.Tensor.data_ptr, tensors)) if bulk else []
