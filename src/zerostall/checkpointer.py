@@ -156,9 +156,9 @@ class Checkpointer:
         if wait and self._lease is not None:
             self._lease.arena.wait_ready(self._lease.pool.target)
 
-    def _plan(self, state_dict: Any, walked: Any = None) -> Any:
+    def _plan(self, state_dict: Any) -> Any:
         (prank, pworld), repl = self._stages.plan_rank, self.config.dist_mode == "replicated"
-        return self._plans.plan(state_dict, rank=prank, world_size=pworld, replicated=repl, walked=walked)
+        return self._plans.plan(state_dict, rank=prank, world_size=pworld, replicated=repl, early=self._ensure_pipeline)
 
     # -- caller's thread ----------------------------------------------------------------
     def save(self, step: int, state_dict: Any, *, overwrite: bool | None = None,
@@ -202,10 +202,7 @@ class Checkpointer:
             self.tier.check_new_step(step, ow, allow_lower=self.config.allow_lower_steps or fast)
             if ow:
                 check_not_referenced(self.tier, step, self._refs.pinned_steps() if self._refs is not None else set())
-            walked = self._plans.walk(state_dict)  # once per save; a first save's pool faults during the plan
-            if (self._lease is None or not self._lease.want_bytes) and (early := walked.payload_bytes()):
-                self._ensure_pipeline(early)
-            plan = self._plan(state_dict, walked)
+            plan = self._plan(state_dict)  # a new plan asks the pool for the tensors' bytes first (faults meanwhile)
             if self.tier.owned and (self._step_bound is None or step > self._step_bound):
                 newest = self.tier.latest() if self._step_bound is None else None
                 self._step_bound = max(step, newest if newest is not None else -1)

@@ -13,7 +13,7 @@ import operator
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -146,7 +146,7 @@ def _tensor_sig(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
 
 
 class Walk(NamedTuple):
-    """One signature walk of a state (:meth:`PlanCache.walk`): structure, plain values, the
+    """One signature walk of a state (:meth:`PlanCache.plan`): structure, plain values, the
     tensors in walk order, the frozen snapshots by ``id``, the tensors' signature (None where
     the cache steps aside) and whether the walk understood the whole state."""
 
@@ -212,20 +212,13 @@ class PlanCache:
         """The last save's frozen parts' encodings (:class:`~zerostall.format.frozen.DeferredTree`)."""
 
     def plan(self, state_dict: Any, *, rank: int = 0, world_size: int = 1, replicated: bool = False,
-             walked: Walk | None = None) -> SavePlan:
+             early: Callable[[int], Any] | None = None) -> SavePlan:
         """The plan of ``state_dict``; Python's cyclic GC is paused meanwhile (see :func:`_no_gc`).
-        ``walked``: :meth:`walk` of ``state_dict`` in this very ``save()`` (else walked here)."""
+        ``early(nbytes)``: told the state's tensor bytes (:meth:`Walk.payload_bytes`, from the
+        signature walk: the state is walked once) before a plan is built anew, never for a
+        reused one; ``save()`` asks the staging pool for them, which faults while the plan is built."""
         with _no_gc():
-            return self._plan_of(state_dict, rank, world_size, replicated, walked or self._walk_of(state_dict))
-
-    @staticmethod
-    def walk(state_dict: Any) -> Walk:
-        """The signature walk of ``state_dict`` (what :meth:`plan` compares), taken apart from
-        the plan so that a first ``save()`` sizes the staging pool from it before planning
-        (:meth:`Walk.payload_bytes`) and walks the state once; GC paused as in :meth:`plan`.
-        The caller keeps it for the one ``save()`` only (it holds the state's tensors)."""
-        with _no_gc():
-            return PlanCache._walk_of(state_dict)
+            return self._plan_of(state_dict, rank, world_size, replicated, self._walk_of(state_dict), early)
 
     @staticmethod
     def _walk_of(state_dict: Any) -> Walk:
@@ -241,7 +234,8 @@ class PlanCache:
             tsig = None
         return Walk(sig, vals, tensors, snapshots, tsig, fast)
 
-    def _plan_of(self, state_dict: Any, rank: int, world_size: int, replicated: bool, walked: Walk) -> SavePlan:
+    def _plan_of(self, state_dict: Any, rank: int, world_size: int, replicated: bool, walked: Walk,
+                 early: Callable[[int], Any] | None) -> SavePlan:
         sig, vals, tensors, snapshots, tsig, _ = walked
         args = (rank, world_size, replicated)
         key = (tuple(sig), tsig) if tsig is not None else None
@@ -261,6 +255,8 @@ class PlanCache:
             out = replace(cached, leaves=leaves)
             out.__dict__["devices"] = set(self._devices)  # the cached_property: devices are in the signature
             return out
+        if early is not None and (nbytes := walked.payload_bytes()):
+            early(nbytes)
         occurrences: list[int] = []
         plan = build_plan(state_dict, rank=rank, world_size=world_size, replicated=replicated,
                           occurrences=occurrences, memo=self._memo,
