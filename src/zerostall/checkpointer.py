@@ -41,7 +41,7 @@ from .staging.arena import Arena
 from .staging.memory import budget_bytes
 from .staging.job import Job, SaveRequest, SaveStatus, Slot, Source
 from .staging.plan import check_metadata, check_step
-from .staging.plan_cache import PlanCache, plan_tensors
+from .staging.plan_cache import PlanCache, payload_bytes, plan_tensors
 from .staging.ring import BlockRing
 from .staging import pool as _pool
 from .staging.snapshot import record_save_events
@@ -203,6 +203,8 @@ class Checkpointer:
             self.tier.check_new_step(step, ow, allow_lower=self.config.allow_lower_steps or fast)
             if ow:
                 check_not_referenced(self.tier, step, self._refs.pinned_steps() if self._refs is not None else set())
+            if (self._lease is None or not self._lease.want_bytes) and (early := payload_bytes(state_dict)):
+                self._ensure_pipeline(early)  # a first save: the pool faults while the plan is built
             plan = self._plan(state_dict)
             if self.tier.owned and (self._step_bound is None or step > self._step_bound):
                 newest = self.tier.latest() if self._step_bound is None else None

@@ -78,18 +78,17 @@ def test_a_shard_replaced_between_verify_first_and_copy_is_refused_before_any_co
     man = LocalTier(root).read_manifest(2)
     last = max(man.tensors, key=lambda e: e.offset)
     shard = os.path.join(root, "step-2", last.file)
-    real, runs = stream.Plan.run, []
+    from zerostall.restore import step as rstep
+    real, runs = rstep.read_later, []
 
-    def run(self, *a, **kw):
-        out = real(self, *a, **kw)
-        runs.append(1)
-        if len(runs) == 1:  # the verify pass is done: a different file takes the shard's name
-            shutil.copyfile(shard, shard + ".new")
-            flip_byte(shard + ".new", last.offset + last.nbytes - 1)
-            os.replace(shard + ".new", shard)
-        return out
+    def read_later(*a, **kw):
+        runs.append(1)  # the verify pass is done: a different file takes the shard's name
+        shutil.copyfile(shard, shard + ".new")
+        flip_byte(shard + ".new", last.offset + last.nbytes - 1)
+        os.replace(shard + ".new", shard)
+        return real(*a, **kw)
 
-    monkeypatch.setattr(stream.Plan, "run", run)
+    monkeypatch.setattr(rstep, "read_later", read_later)
     sd = clone(_state(1.0))
     before = clone(sd)
     eng = get_engine("threads", IOConfig(engine="threads", **SMALL_IO))
@@ -153,18 +152,16 @@ def test_a_remote_object_replaced_between_verify_first_and_copy_is_refused(tmp_p
         last = max(man.tensors, key=lambda e: e.offset)
         key = tier._key(f"step-2/{last.file}")
         monkeypatch.setattr(rstep, "_meminfo", lambda *k: 0)  # no transient scratch: verify first
-        real, runs = stream.Plan.run, []
+        real, runs = rstep.read_later, []
 
-        def run(self, *a, **kw):
-            out = real(self, *a, **kw)
-            runs.append(1)
-            if len(runs) == 1:  # verified: a changed object is uploaded under the same name
-                raw = bytearray(tier.client.get_object(Bucket=tier.bucket, Key=key)["Body"].read())
-                raw[last.offset + last.nbytes - 1] ^= 0x40
-                tier.client.put_object(Bucket=tier.bucket, Key=key, Body=bytes(raw))
-            return out
+        def read_later(*a, **kw):
+            runs.append(1)  # verified: a changed object is uploaded under the same name
+            raw = bytearray(tier.client.get_object(Bucket=tier.bucket, Key=key)["Body"].read())
+            raw[last.offset + last.nbytes - 1] ^= 0x40
+            tier.client.put_object(Bucket=tier.bucket, Key=key, Body=bytes(raw))
+            return real(*a, **kw)
 
-        monkeypatch.setattr(stream.Plan, "run", run)
+        monkeypatch.setattr(rstep, "read_later", read_later)
         sd = clone(_state(1.0))
         before = clone(sd)
         empty = str(tmp_path / "empty")

@@ -18,7 +18,9 @@ def test_restore_scenario_json(tmp_path):
     assert doc["scenario"] == "restore" and doc["repeat"] == 1 and doc["line_rate"]["read_gbps"] > 0
     res = {r["method"]: r for r in doc["results"]}
     for name in ("zerostall-threads in place", "zerostall-threads new dict", "zerostall.load-threads in place",
-                 "dcp.load in place", "torch.load", "torch.load(mmap=True)+touch"):
+                 "dcp.load in place", "torch.load", "torch.load(mmap=True)+touch",
+                 "zerostall.load in place (fresh process)", "dcp.load in place (fresh process)",
+                 "torch.load (fresh process)"):
         r = res[name]
         assert r["verified"] is True, name
         assert r["restore_gbps"] > 0 and len(r["runs_s"]) == 1

@@ -150,6 +150,17 @@ def run_restore_bench(size_gib: float, repeat: int, workdir: str | None, engines
                 return out
             timed("torch.load(mmap=True)+touch", mm, root)
         shutil.rmtree(root, ignore_errors=True)
+        if not cuda:  # a fresh process per load, methods alternating: a job after a restart
+            from .coldload import run_cold_loads, save_all
+            cold = os.path.join(workdir, "cold")
+            for r in run_cold_loads(size_gib, repeat, save_all(size_gib, cold)):
+                name = {"zerostall": "zerostall.load in place", "dcp": "dcp.load in place",
+                        "torch": "torch.load"}[r["method"]] + " (fresh process)"
+                rows.setdefault(name, []).append(r["s"])
+                ok[name] = ok.get(name, True) and r["verified"]
+                console.print(f"  {name}: {size / r['s'] / 1e9:.2f} GB/s (load {r['load_avg']:.1f})"
+                              f"{'' if r['verified'] else ' NOT BIT-EXACT'}")
+            shutil.rmtree(cold, ignore_errors=True)
     finally:
         if own:
             shutil.rmtree(workdir, ignore_errors=True)

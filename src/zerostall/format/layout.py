@@ -106,11 +106,31 @@ def pack_offsets(sizes: Sequence[int], start: int = HEADER_BYTES) -> tuple[list[
     """Layout-2 offsets for items of ``sizes`` bytes, in order, from ``start`` (a page
     boundary), and the file's length (a multiple of 4096). The one offset assignment: the
     save plan, incremental saves and the DCP plugin all place items with it."""
+    if WRITE_LAYOUT == 1:
+        offsets, pos = [], start
+        for n in sizes:
+            off, pos = place(pos, n)
+            offsets.append(off)
+        return offsets, max(align_up(pos), start)
+    # place() and item_align() inlined (same rule; a test compares them over random sizes):
+    # 100k tensors in ~0.05 s instead of ~0.6 s of a first save's plan
     offsets, pos = [], start
+    append = offsets.append
+    small, page, line, mask = _SMALL_ALIGN, PAGE_ITEM_BYTES, LINE_ITEM_BYTES, ALIGN_BYTES - 1
     for n in sizes:
-        off, pos = place(pos, n)
-        offsets.append(off)
+        if n >= page:
+            off = (pos + mask) & ~mask
+            pos = (off + n + mask) & ~mask
+        else:
+            a = (ITEM_ALIGN if n >= line else SMALL_ALIGN if n > 8 else small[n]) - 1
+            off = (pos + a) & ~a
+            pos = off + n
+        append(off)
     return offsets, max(align_up(pos), start)
+
+
+_SMALL_ALIGN = tuple(min(SMALL_ALIGN, 1 << max(0, n - 1).bit_length()) for n in range(9))
+""":func:`item_align` of items of 0-8 bytes (larger small items: ``SMALL_ALIGN``)."""
 
 
 @dataclass(frozen=True)

@@ -230,7 +230,8 @@ def parse_objects(raw: Any, files: dict[str, Any], refs: dict[tuple[int, str], A
     return out, spans
 
 
-def parse_columns(raw: Any, slots: list[FileSlot], where: str, bad: Bad) -> tuple[list[TensorEntry], list[V.Span]]:
+def parse_columns(raw: Any, slots: list[FileSlot], where: str, bad: Bad
+                  ) -> tuple[list[TensorEntry], "list[V.Span] | EntrySpans"]:
     """Format version 3: the column table (``slots``: :func:`file_slots`)."""
     if not isinstance(raw, dict):
         raise bad("'tensors' must be an object of columns (format_version 3)")
@@ -251,8 +252,7 @@ def parse_columns(raw: Any, slots: list[FileSlot], where: str, bad: Bad) -> tupl
     if (_all_ints(dts, 0, nd - 1) and _all_ints(fs, 0, ns - 1) and _all_ints(offs, 0, V.MAX_DIM)
             and _all_ints(nbs, 0, V.MAX_DIM) and _all_ints(crcs, 0, 0xFFFFFFFF)
             and set(map(type, keys)) <= {str} and max(map(len, keys), default=0) <= V.MAX_KEY_CHARS):
-        _fast_columns(cols, names, slots, where, out, spans)  # the columns' types and ranges hold
-        return out, spans
+        return out, _fast_columns(cols, names, slots, where, out)  # the columns' types and ranges hold
     for i, (key, d, shape, f, off, nbytes, crc) in enumerate(zip(*cols)):  # finds what is wrong
         if type(d) is not int or not 0 <= d < nd:
             raise bad(f"tensor {key!r:.80}: dtype index {d!r:.40} is not in [0, {nd})",
@@ -271,14 +271,39 @@ def _all_ints(col: list[Any], lo: int, hi: int) -> bool:
 
 
 def _fast_columns(cols: list[list[Any]], names: list[str], slots: list[FileSlot], where: str,
-                  out: list[TensorEntry], spans: list[V.Span]) -> None:
+                  out: list[TensorEntry]) -> "EntrySpans":
     """:func:`parse_columns` once keys, indices, offsets, sizes and crc32c values are known to
-    be in range: per entry only the shape is left to check (inline for 0-d and 1-d)."""
+    be in range: per entry only the shape is left to check (inline for 0-d and 1-d). The spans
+    are the entries' own fields (:class:`EntrySpans`: no object per entry unless needed)."""
     sizes = [_ITEMSIZE_BY_NAME[n] for n in names]
-    for i, (key, d, shape, f, off, nbytes, crc) in enumerate(zip(*cols)):
-        fname, span_file, ref_step = slots[f]
-        _add(out, spans, i, key, names[d], V.check_shape(shape, sizes[d], nbytes, where, key),
-             fname, span_file, ref_step, off, nbytes, crc)
+    fast, check = TensorEntry.fast, V.check_shape
+    for key, d, shape, f, off, nbytes, crc in zip(*cols):
+        fname, _, ref_step = slots[f]
+        out.append(fast(key, names[d], check(shape, sizes[d], nbytes, where, key), fname, off, nbytes, crc, ref_step))
+    return EntrySpans(out, [slots[f][1] for f in cols[3]])
+
+
+class EntrySpans:
+    """The spans of parsed entries for :func:`~.validate.check_spans`, as columns (its bulk
+    check) or, iterated, as :class:`~.validate.Span` objects built then (its per-span loop)."""
+
+    def __init__(self, entries: list[TensorEntry], files: list[str]):
+        self.entries, self.files = entries, files
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def columns(self) -> tuple[list[str], Iterator[int], Iterator[int], Iterator[int]]:
+        """(span files, offsets, sizes, indices)."""
+        es = self.entries
+        return self.files, map(_OFFSET, es), map(_NBYTES, es), iter(range(len(es)))
+
+    def __iter__(self) -> Iterator[V.Span]:
+        for i, (e, f) in enumerate(zip(self.entries, self.files)):
+            yield V.Span(i, f, e.offset, e.nbytes, (e.dtype, e.shape, e.crc32c), e.key)
+
+
+_OFFSET, _NBYTES = operator.attrgetter("offset"), operator.attrgetter("nbytes")
 
 
 # -- conversion between the forms (tools and tests: no validation) ---------------------------

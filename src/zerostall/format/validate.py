@@ -23,15 +23,18 @@ from __future__ import annotations
 import json
 import logging
 import math
+import operator
 import os
 import re
 import stat
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+import numpy as np
+
 from ..config import ALIGN_BYTES
 from ..errors import CorruptCheckpoint
-from .layout import item_align, item_end
+from .layout import ITEM_ALIGN, LINE_ITEM_BYTES, PAGE_ITEM_BYTES, SMALL_ALIGN, item_align, item_end
 
 log = logging.getLogger("zerostall")
 
@@ -127,6 +130,9 @@ def check_spans(spans: Iterable[Span], file_bytes: dict[str, int], where: str, l
     Returns ``{index: index of the first identical entry}`` for the duplicates. Afterwards the
     distinct payload bytes are at most the sum of the files' sizes.
     """
+    spans = spans if isinstance(spans, list) or hasattr(spans, "columns") else list(spans)
+    if len(spans) >= _BULK_SPANS and _disjoint_in_bulk(spans, file_bytes, layout):  # type: ignore[arg-type]
+        return {}  # the common case, checked in bulk; anything else takes the loop (exact messages)
     alias: dict[int, int] = {}
     by_file: dict[str, list[Span]] = {}
     for s in spans:
@@ -152,6 +158,51 @@ def check_spans(spans: Iterable[Span], file_bytes: dict[str, int], where: str, l
                                  f"(offset {s.offset} < {prev.offset} + {prev.nbytes})", s.key)
             prev = s
     return alias
+
+
+_BULK_SPANS = 1024
+_FILE, _OFF, _NB, _IDX = (operator.attrgetter(a) for a in ("file", "offset", "nbytes", "index"))
+
+
+def _disjoint_in_bulk(spans: Any, file_bytes: dict[str, int], layout: int) -> bool:
+    """True if every span lies in a listed file, aligned, and no two overlap (then
+    :func:`check_spans` has nothing to report and no alias): numpy over all spans at once
+    (1M spans: ~0.2 s instead of ~2 s). False where any of that fails or does not fit int64:
+    the loop then finds what and says it."""
+    n = len(spans)
+    cols = spans.columns() if hasattr(spans, "columns") else (  # parsed columns (format.table), or Spans
+        list(map(_FILE, spans)), map(_OFF, spans), map(_NB, spans), map(_IDX, spans))
+    names, offs, nbs, idx = cols
+    try:
+        sizes = [file_bytes.get(f) for f in set(names)]
+        if None in sizes:
+            return False
+        off = np.fromiter(offs, np.int64, n)
+        nb = np.fromiter(nbs, np.int64, n)
+    except (OverflowError, TypeError, ValueError):
+        return False
+    if len(set(names)) != 1:
+        return False  # several files: the loop (per-file order)
+    fb = sizes[0]
+    if type(fb) is not int or not 0 <= fb < 1 << 61:  # offset + size stays inside int64
+        return False
+    if off.min() < ALIGN_BYTES or nb.min() < 0 or off.max() > fb or nb.max() > fb or (off + nb > fb).any():
+        return False
+    if layout == 1:
+        align = np.full(n, ALIGN_BYTES, np.int64)
+    else:  # layout.item_align in bulk
+        small = np.minimum(SMALL_ALIGN, 1 << np.ceil(np.log2(np.maximum(nb, 1))).astype(np.int64))
+        align = np.where(nb >= PAGE_ITEM_BYTES, ALIGN_BYTES, np.where(nb >= LINE_ITEM_BYTES, ITEM_ALIGN, small))
+    if (off % align).any():
+        return False
+    order = np.lexsort((np.fromiter(idx, np.int64, n), -nb, off))
+    o, n = off[order], nb[order]
+    keep = n > 0
+    o, n = o[keep], n[keep]
+    end = o + n
+    page = n >= PAGE_ITEM_BYTES
+    end[page] = (end[page] + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES  # layout.item_end
+    return bool((o[1:] >= end[:-1]).all())
 
 
 def check_tree_refs(indices: Iterable[tuple[Any, bool]], dtypes: list[str], where: str) -> None:

@@ -184,19 +184,63 @@ def read_step(files: list[FileRead], bounce: Any, io: IOConfig, *, verify: bool 
             return last_stats
         finally:
             arena.close()
-    log.info("zerostall: an in-place load of %d bytes does not fit in %d bytes of scratch; verifying it first",
-             plan.ring_bytes, bounce.nbytes)
-    checks = [FileRead(fr.path, fr.file_bytes, fr.header, fr.items, [None] * len(fr.items), fr.open,
-                       wanted=fr.wanted) for fr in files]
-    copies = [FileRead(fr.path, fr.file_bytes, fr.header, fr.items, fr.dsts, fr.open, wanted=fr.wanted,
-                       direct=fr.direct, device=fr.device) for fr in files]
-    idents: dict[int, tuple[int, ...]] = {}  # the copy pass reads the very files the check verified
-    for part in (checks, copies):
-        p = Plan(part, io, in_place=False)
-        with _scratch(p, bounce) as scratch:
-            last_stats = p.run(scratch, verify=verify or part is checks, gate=gate if part is checks else None,
-                               idents=idents)
+    head_bytes = _head_bytes(plan)
+    log.info("zerostall: an in-place load of %d bytes does not fit in %d bytes of scratch; verifying it first "
+             "(the first %d bytes under rollback in new memory, the rest read again)", plan.ring_bytes,
+             bounce.nbytes, head_bytes)
+    idents: dict[int, tuple[int, ...]] = {}  # the second pass reads the very files the first verified
+    second: list[Stats] = []
+    head = Arena(head_bytes, mlock=False, hugepages=False, prefault=False) if head_bytes else _NO_HEAD
+    try:
+        with _bounce_lock if bounce is _bounce else contextlib.nullcontext():
+            last_stats = plan.run(bounce, verify=True, gate=gate, idents=idents, head=head,
+                                  then=lambda first: second.extend(read_later(files, first, bounce, io, verify, idents)))
+    finally:
+        if head is not _NO_HEAD:
+            head.close()
+    if second:  # what both passes read, and what the second delivered
+        last_stats.bytes_read += second[0].bytes_read
+        last_stats.device_bytes += second[0].device_bytes
     return last_stats
+
+
+def read_later(files: list[FileRead], first: Stats, ring: Any, io: IOConfig, verify: bool,
+               idents: dict[int, tuple[int, ...]]) -> list[Stats]:
+    """A split read's second pass (every byte verified, the gate passed): the items past the
+    head, read again from the very files the first pass opened, checked again, through the
+    ``ring`` straight into their destinations. Runs inside the first pass's ``then``: what it
+    raises rolls the head back."""
+    ks = [k for k in range(len(files)) if first.later.get(k)]
+    if not ks:
+        return []
+    later = [FileRead(files[k].path, files[k].file_bytes, files[k].header, files[k].items, files[k].dsts,
+                      files[k].open, wanted=first.later[k], device=files[k].device) for k in ks]
+    return [Plan(later, io, in_place=False).run(ring, verify=verify,
+                                                idents={j: idents[k] for j, k in enumerate(ks) if k in idents})]
+
+
+HEAD_FRACTION = 0.5
+"""Share of an in-place load that does not fit the scratch read once, under rollback, into new
+memory (faulted by the readers' direct reads); the rest is verified first and read again.
+New memory faults at 1-2 GB/s here (4 KiB pages; huge pages 0.1-0.35 GB/s when the host
+reclaimed them), about a third of the disk's read rate, so faulting part while the disk reads
+the rest twice beats both a whole-state scratch and a double read of everything (measured:
+see the README's restore section)."""
+
+
+class _NoHead:
+    nbytes = 0
+    u8 = None
+
+
+_NO_HEAD: Any = _NoHead()
+
+
+def _head_bytes(plan: Plan) -> int:
+    """New memory for a split read's head: :data:`HEAD_FRACTION` of the plan, at most half of
+    what the host has available, 0 if that is less than one window."""
+    n = min(int(plan.ring_bytes * HEAD_FRACTION), _meminfo("MemAvailable") // 2)
+    return n if n >= plan.w else 0
 
 
 def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: Any = None,

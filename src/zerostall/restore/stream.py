@@ -49,12 +49,10 @@ import torch
 from ..config import ALIGN_BYTES, IOConfig
 from ..errors import CorruptCheckpoint
 from ..format.layout import ShardHeader, align_up
-from ..format.shard import Item, ShardCursor, check_items, read_runs
+from ..format.shard import Item, ShardCursor
+from .windows import MIN_SLOTS, READERS, _layout, _Win, plan_windows, window_bytes
 from .device_copy import CudaCopier, HostCopier, copy_staged
 
-READERS = 2
-"""Reader threads; each keeps the engine's queue depth in flight on its own reader."""
-MAX_WINDOW_BYTES, MIN_SLOTS = 64 << 20, 4
 ROLLBACK_FRACTION = 1.0
 """Share of an in-place load's bytes swapped in under rollback while reading (the rest is staged)."""
 ADAPTIVE = True
@@ -101,50 +99,10 @@ class Stats:
     rollback_bytes: int = 0
     fraction: float = 0.0
     window_bytes: int = 0
+    later: dict[int, set[int]] = field(default_factory=dict)
+    """A split read (``Plan.run(head=)``): protected items checked but not delivered, per file."""
     device_bytes: int = 0
     """Bytes copied into CUDA memory."""
-
-
-class _Win:
-    __slots__ = ("fi", "off", "n", "kind", "slot", "buf", "done", "error")
-
-    def __init__(self, fi: int, off: int, n: int, kind: str, buf: torch.Tensor | None = None, slot: int = -1):
-        self.fi, self.off, self.n, self.kind, self.buf, self.slot = fi, off, n, kind, buf, slot
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-
-
-def window_bytes(io: IOConfig) -> int:
-    """One window: enough requests of ``chunk_bytes`` that READERS windows fill the queue."""
-    return max(ALIGN_BYTES, min(MAX_WINDOW_BYTES, io.chunk_bytes * max(1, io.queue_depth // READERS)))
-
-
-def _cut(fi: int, a: int, b: int, w: int, kind: str, out: list[_Win], buf: torch.Tensor | None = None) -> None:
-    for p in range(a, b, w):
-        q = min(p + w, b)
-        out.append(_Win(fi, p, q - p, kind, buf[p - a:q - a] if buf is not None else None))
-
-
-def plan_windows(files: Sequence[FileRead], w: int) -> list[_Win]:
-    """Every byte range to read, in file order: ``direct`` windows over the destinations read
-    into directly, ``ring`` windows (buffers assigned by :func:`layout`) for the rest."""
-    out: list[_Win] = []
-    for fi, fr in enumerate(files):
-        check_items(fr.path, fr.items, fr.file_bytes)
-        dext = sorted((fr.items[i].offset, buf) for i, buf in fr.direct.items())
-        k = 0
-        for r0, r1 in read_runs(fr.items, fr.wanted, fr.file_bytes):
-            pos = r0
-            while k < len(dext) and dext[k][0] < r1:
-                a, buf = dext[k]
-                k += 1
-                if a < pos or a + buf.numel() > r1:
-                    raise CorruptCheckpoint(f"{fr.path}: item at offset {a} overlaps another", path=fr.path)
-                _cut(fi, pos, a, w, "ring", out)
-                _cut(fi, a, a + buf.numel(), w, "direct", out, buf)
-                pos = a + buf.numel()
-            _cut(fi, pos, r1, w, "ring", out)
-    return out
 
 
 class Plan:
@@ -178,38 +136,36 @@ class Plan:
         return self.w, ROLLBACK_FRACTION
 
     def run(self, scratch: Any, *, verify: bool = True, gate: Callable[[], None] | None = None,
-            idents: dict[int, tuple[int, ...]] | None = None) -> Stats:
+            idents: dict[int, tuple[int, ...]] | None = None, head: Any = None,
+            then: Callable[[Stats], None] | None = None) -> Stats:
         """Read, check and deliver every file; see the module doc. ``scratch`` (``nbytes``,
         ``u8``) must :meth:`fits`. Raises what a read or a check raised (CorruptCheckpoint,
         StorageError); the protected destinations are then as they were. ``idents``: the files'
-        identities an earlier run saw (a verify-first pass): another file is refused at open."""
-        shape = self._shape_for(scratch.nbytes)
+        identities an earlier run saw (a verify-first pass): another file is refused at open.
+
+        ``head`` (in place only; ``scratch`` then holds just a ring): the windows that fit in
+        ``head.nbytes`` get their places there (swapped or staged as usual); the later ones go
+        through the ring and are only checked: their protected items are not delivered but
+        listed in ``Stats.later`` (file index -> item indices) for a second, sparse read:
+        ``then(stats)``, called once every byte verified and the gate passed, before the staged
+        windows are copied (the ring is free again; what it raises rolls the swapped windows
+        back: :func:`.step.read_step`'s split read)."""
+        if head is not None:
+            w = min(self.w, scratch.nbytes // MIN_SLOTS // ALIGN_BYTES * ALIGN_BYTES)
+            if not self.in_place or w < ALIGN_BYTES:
+                raise ValueError(f"a split read needs an in-place plan and a ring of {MIN_SLOTS} windows")
+            shape: tuple[int, float] | None = (w, ROLLBACK_FRACTION)
+        else:
+            shape = self._shape_for(scratch.nbytes)
         if shape is None:
             raise ValueError(f"scratch of {scratch.nbytes} bytes; this read needs {self.need_bytes()}")
         w, fraction = shape
         wins = plan_windows(self.files, w)
-        slots = _layout(wins, scratch, w, self.in_place, fraction)
+        slots = _layout(wins, scratch if head is None else head, w, self.in_place, fraction, ring=scratch)
         run = _Run(self.files, wins, scratch, w, slots, verify, gate, {} if idents is None else idents)
+        run.then, run.split = then, head is not None
         run.stats.fraction, run.stats.window_bytes = fraction, w
         return run.go()
-
-
-def _layout(wins: list[_Win], scratch: Any, w: int, in_place: bool, fraction: float) -> int:
-    """Give each ``ring`` window a slot of the ring, or (in place) its own place in the scratch,
-    in file order: ``swap`` windows (the first ``fraction`` of the bytes), then ``stage`` ones.
-    Returns the number of ring slots."""
-    ring_wins = [x for x in wins if x.kind == "ring"]
-    if not in_place:
-        slots = max(1, min(8, scratch.nbytes // w))
-        for r, x in enumerate(ring_wins):
-            x.slot = r % slots
-        return slots
-    cut = int(sum(x.n for x in ring_wins) * fraction)
-    at = 0
-    for x in ring_wins:
-        x.kind, x.buf = ("swap" if at < cut else "stage"), scratch.u8[at:at + x.n]
-        at += x.n
-    return 0
 
 
 class _Run:
@@ -227,6 +183,8 @@ class _Run:
         self.deferred: list[tuple[int, int, int]] = []  # (destination, staged bytes, length)
         self.deferred_dev: list[tuple[torch.Tensor, int, int]] = []  # (CUDA destination, staged bytes, length)
         self.stats = Stats(windows=len(wins), bytes_read=sum(x.n for x in wins))
+        self.then: Callable[[Stats], None] | None = None
+        self.split = False
         self.host = HostCopier()
         devices = {t.device.index for fr in files for t in fr.device.values()}
         self.dev = CudaCopier(scratch, devices) if devices else None
@@ -346,6 +304,8 @@ class _Run:
             [f.result() for f in copies]  # a copier's exception fails the load: rolled back below
             if self.gate is not None:  # the ranks' agreement: what it raises rolls back
                 self.gate()
+            if self.then is not None:  # a split read's second pass: what it raises rolls back too
+                self.then(self.stats)
             copy_staged(self.deferred, self.deferred_dev, self.dev)  # the staged part, verified
             ok = True
         finally:
@@ -365,7 +325,10 @@ class _Run:
     def _route(self, x: _Win, i: int, dst: int, src: int, n: int, protect: set[int],
                jobs: list[tuple[Any, int, int, bool | None]]) -> None:
         dev = self.files[x.fi].device
-        if dev and i in dev:  # CUDA memory: the caller's staged until the gate, a new tensor now
+        if i in protect and (x.kind == "ring" or (self.split and dev and i in dev)):
+            # a split read's later window (or a CUDA item: its copies read the scratch only): read again
+            self.stats.later.setdefault(x.fi, set()).add(i)
+        elif dev and i in dev:  # CUDA memory: the caller's staged until the gate, a new tensor now
             t = dev[i]
             at = dst - t.data_ptr()
             if i in protect:
@@ -382,6 +345,7 @@ class _Run:
             jobs.append((dst, src, n, True))
         else:  # a new tensor (or an unprotected destination): no rollback needed
             jobs.append((dst, src, n, False))
+
 
 def _mv(u8: torch.Tensor) -> memoryview:
     """A writable memoryview of a flat uint8 CPU tensor's bytes (no copy)."""

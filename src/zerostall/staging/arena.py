@@ -8,15 +8,13 @@ Two kinds of users:
   the whole budget as *address space only* (``MAP_NORESERVE``: no RSS until touched), then
   :meth:`Arena.fault_to` asks a background thread to fault a prefix of it, published in
   64 MiB chunks, through ctypes ``madvise(MADV_POPULATE_WRITE)`` (or ``mlock``) calls of a
-  few milliseconds each (they hold the mmap lock), which release the GIL. Writers call :meth:`wait_ready` before touching a range, so a first save streams
-  through the part that is ready while the rest is still being faulted, and a training
-  thread in the same process keeps running meanwhile. Python's ``mmap.madvise`` holds the
-  GIL for the whole call (measured: 866 ms of a concurrent thread blocked for 2 GiB); never
-  use it for large ranges.
+  few milliseconds each (they hold the mmap lock), which release the GIL. Writers call
+  :meth:`wait_ready` before touching a range, so a first save streams through the part that
+  is ready while the rest is faulted, and a training thread keeps running meanwhile. (Python's
+  ``mmap.madvise`` holds the GIL for the whole call: 866 ms for 2 GiB; never for large ranges.)
 
-Fresh anonymous memory is slow to touch the first time (the VM may fault and zero every
-page: 0.4-3 GB/s measured here), which is why the faulting happens once and the memory is
-reused. On CUDA the faulted prefix is registered with ``cudaHostRegister`` chunk by chunk,
+Fresh anonymous memory is slow to touch the first time (0.4-3 GB/s measured here; huge pages
+sometimes far slower: :meth:`Arena._probe_pages`), so it is faulted once and reused. On CUDA the faulted prefix is registered with ``cudaHostRegister`` chunk by chunk,
 so device-to-host copies are DMA into it; never ``pin_memory()`` per tensor. Registration:
 
 * runs with the device of the first CUDA save current (never a context on device 0 for a
@@ -48,13 +46,15 @@ from typing import Any
 import torch
 
 from .._util import memlock_fix, node_leader, run_in_fresh_thread, swap_total_bytes
-from .memory import _libc, _unforked, populate
+from .memory import MADV_NOHUGEPAGE, _libc, _unforked, populate, probe_pages
 
 log = logging.getLogger("zerostall")
 
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
-MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
-MADV_DONTFORK = getattr(mmap, "MADV_DONTFORK", 10)
+MADV_DONTNEED, MADV_DONTFORK = getattr(mmap, "MADV_DONTNEED", 4), getattr(mmap, "MADV_DONTFORK", 10)
+PROBE_BYTES, PROBE_RATIO = 8 << 20, 2.0
+"""An arena advised huge pages faults this many bytes of each page size first, and uses 4 KiB
+pages once huge pages fault ``PROBE_RATIO`` times slower (:meth:`Arena._probe_pages`)."""
 FAULT_CHUNK_BYTES = 64 << 20
 """Bytes the background faulter publishes (and registers with CUDA) at a time."""
 FAULT_CALL_S = 0.004
@@ -80,8 +80,6 @@ def _in_thread(fn) -> None:
     """Run ``fn`` in a thread that then exits (see the module docstring: CUDA's per-thread last
     error must not reach a thread that launches kernels)."""
     run_in_fresh_thread(fn, "zerostall-cuda-register")
-
-
 
 
 @dataclass(frozen=True)
@@ -148,9 +146,12 @@ class Arena:
             # themselves at fork time (the kernel copies DMA-pinned anonymous pages eagerly).
             # Only for owners that never use the arena in a child (the pool).
             self.keep_from_fork()
+        self.pages = "4k"  # or "huge" (advised and not slower: _probe_pages), "probing" until then
+        self._small_rate = 0.0  # bytes/s of the 4 KiB probe
         if hugepages:
             try:
                 self._map.madvise(MADV_HUGEPAGE)  # only sets a flag on the mapping: instant
+                self.pages = "probing"
             except (OSError, ValueError):
                 pass
         if mlock:
@@ -190,15 +191,36 @@ class Arena:
         calls sized from the measured rate keep that wait to a few milliseconds.
         """
         end = off + n
+        if self.pages == "probing":
+            off += self._probe_pages(off, n)
         while off < end:
             k = min(self._call_bytes, end - off)
             t0 = time.perf_counter()
             self._fault_once(off, k)
             dt = time.perf_counter() - t0
             off += k
+            if self.pages == "huge" and k * PROBE_RATIO < dt * self._small_rate and off < self.nbytes:
+                self._use_small(off, f"{k / dt / 1e9:.2f} GB/s")  # the kernel's free huge pages ran out
             if k == self._call_bytes:  # a full call: size the next one from its rate
                 fit = int(k / max(dt, 1e-6) * FAULT_CALL_S) // FAULT_CALL_MIN_BYTES * FAULT_CALL_MIN_BYTES
                 self._call_bytes = max(FAULT_CALL_MIN_BYTES, min(FAULT_CHUNK_BYTES, fit))
+
+    def _probe_pages(self, off: int, n: int) -> int:
+        """Fault both page sizes first (:func:`.memory.probe_pages`); returns the bytes faulted."""
+        self.pages = "huge"
+        if n < 2 * PROBE_BYTES:
+            return 0
+        huge_rate, self._small_rate = probe_pages(self.address, self.nbytes, off, PROBE_BYTES, self._fault_once)
+        if huge_rate * PROBE_RATIO < self._small_rate:  # the 4 KiB probe stays as it is
+            self._use_small(off + 2 * PROBE_BYTES, f"{huge_rate / 1e9:.2f} GB/s")
+        return 2 * PROBE_BYTES
+
+    def _use_small(self, off: int, why: str) -> None:
+        """4 KiB pages from ``off`` on: huge pages faulted at ``why``, under 1/PROBE_RATIO of them."""
+        self.pages = "4k"
+        _libc.madvise(ctypes.c_void_p(self.address + off), self.nbytes - off, MADV_NOHUGEPAGE)
+        log.debug("zerostall: huge pages fault at %s, 4 KiB pages at %.2f GB/s: 4 KiB pages from offset %d",
+                  why, self._small_rate / 1e9, off)
 
     def _fault_once(self, off: int, n: int) -> None:
         """Fault [off, off+n): mlock (which faults too) when locking, else populate."""

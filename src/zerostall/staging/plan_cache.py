@@ -145,6 +145,19 @@ def _tensor_sig(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
             dtypes, tuple(map(_DEVICE, tensors)))
 
 
+def payload_bytes(state_dict: Any) -> int:
+    """The tensors' bytes in ``state_dict`` (C-level maps over one :func:`_walk`: ~10 ms for
+    100k tensors), 0 where the walk steps aside: a lower bound of the first save's shard file,
+    so that the staging pool starts faulting while the plan is built (``Checkpointer.save``)."""
+    tensors: list[torch.Tensor] = []
+    try:
+        if not _walk(state_dict, [], tensors, 0, []):
+            return 0
+        return sum(map(operator.mul, map(torch.Tensor.numel, tensors), map(torch.Tensor.element_size, tensors)))
+    except Exception:  # noqa: BLE001 - an odd tensor: the plan reports it
+        return 0
+
+
 _no_gc = no_gc  # the cyclic GC paused while a plan is built (see :func:`~zerostall._util.no_gc`)
 
 
