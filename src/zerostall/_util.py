@@ -22,6 +22,15 @@ class _Last:
         self.fn = fn
 
 
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"`` (the CLI's and the status hints' byte counts)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 def load_target(target: str) -> Any:
     """``"package.module:attr"`` -> the attribute (raises ImportError/AttributeError)."""
     mod, _, attr = target.partition(":")

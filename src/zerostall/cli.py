@@ -19,6 +19,7 @@ import sys
 from typing import Any, Callable
 
 from . import cli_dcp
+from ._util import human_bytes as _human
 from .errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, RootNotFound,
                      ZerostallError)
 from .store.tier import is_url, open_root
@@ -44,14 +45,6 @@ def cell(text: Any) -> str:
 def _console() -> Any:
     from rich.console import Console
     return Console(emoji=False, highlight=False)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _engine(name: str, root: str) -> Any:
@@ -133,6 +126,10 @@ def cmd_ls(a: argparse.Namespace) -> int:
         t.add_row(str(r["step"]), _human(r["bytes"]), ref, str(r["tensors"]), created, cell(r["tier"]),
                   cell(r["state"]))
     _console().print(t)
+    if not is_url(a.path):
+        from .peers.status import quota_lines
+        for line in quota_lines(tier.root):
+            print(safe(line))
     return 0
 
 

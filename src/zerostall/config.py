@@ -115,6 +115,11 @@ class PeersConfig:
     unprotected (reported on its handle), training is never failed."""
     replica_timeout_s: float = 600.0
     """How long a step may take to be held by ``replicas`` nodes before it is reported unprotected."""
+    cpu_priority: str = "idle"
+    """CPU priority of the threads that copy replicas (the sender's, and a holder's receiving
+    connections; never a restore's): ``"idle"`` (``SCHED_IDLE`` per thread: they run only when a
+    core would otherwise be idle), ``"nice"`` (nice 19 per thread) or ``"normal"`` (unchanged).
+    Their disk I/O is at the idle I/O class either way. See :mod:`zerostall.peers.priority`."""
     listen_host: str | None = None
     """Address the peer server listens on and publishes (None: loopback for a local rendezvous,
     else the address that reaches ``MASTER_ADDR``)."""
@@ -129,6 +134,8 @@ class PeersConfig:
                  "must be None or >= 0 bytes")
         _require(self.quota_fraction is None or 0 < self.quota_fraction <= 1, "peers.quota_fraction",
                  self.quota_fraction, "must be None or a fraction in (0, 1] of the root's filesystem")
+        _require(self.cpu_priority in ("idle", "nice", "normal"), "peers.cpu_priority", self.cpu_priority,
+                 "must be 'idle', 'nice' or 'normal'")
         _require(self.replica_timeout_s > 0, "peers.replica_timeout_s", self.replica_timeout_s, "must be > 0")
 
 

@@ -3,7 +3,9 @@
 argv: scenario base out. Env: ZEROSTALL_NODE (the node), ZS_REPLICAS, ZS_STEPS, ZS_REMOTE (a
 file:// URL or empty), ZS_QUOTA (peers.quota_bytes), ZS_DIE (save: the rank that SIGKILLs itself once its steps are
 protected), ZS_STOP (stop: the rank that SIGSTOPs itself after its commit of the last step),
-ZS_KILL / ZS_KILL_AT (kill: the rank that SIGKILLs itself at that peer-transfer state of step 2).
+ZS_KILL / ZS_KILL_AT (kill: the rank that SIGKILLs itself at that peer-transfer state of step 2),
+ZS_STOP_RANK / ZS_STOP_AT (stopat: the rank that SIGSTOPs itself at that state of step 2; the
+test continues it).
 Each node's root is ``base/<node>``.
 """
 
@@ -74,6 +76,10 @@ def main():
         except zerostall.errors.ZerostallError as exc:
             res["error"], res["error_type"] = str(exc), type(exc).__name__
         res["repaired"] = ck._peers.replicator.repaired.wait(30)
+        # no node closes (its server with it) before every node's repair pass is over: a
+        # holder that left early would cut the others' repairs to it (the next start would
+        # finish them; the test checks this run's)
+        dist.barrier()
         ck.close()
     elif scenario == "kill":  # step 1 protected, then rank ZS_KILL SIGKILLs itself at ZS_KILL_AT during step 2's copies
         from zerostall.peers import stream
@@ -89,6 +95,35 @@ def main():
             res["protected"][s] = h.protected()
             res["replica_nodes"][s] = list(h.result().replica_nodes)
         ck.close()
+    elif scenario == "stopat":  # step 1 protected; rank ZS_STOP_RANK SIGSTOPs itself at ZS_STOP_AT in step 2's copies
+        from zerostall.peers import stream
+        ck = checkpointer(base)
+        res["protected"], res["replica_nodes"], res["durable"] = {}, {}, {}
+        for s in (1, 2):
+            if s == 2 and rank == int(os.environ["ZS_STOP_RANK"]):
+                point, fired = os.environ["ZS_STOP_AT"], []
+
+                def hook(p, point=point, fired=fired):
+                    if p == point and not fired:  # once: the state the test sweeps
+                        fired.append(p)
+                        os.kill(os.getpid(), signal.SIGSTOP)
+                stream.fault_hook = hook
+            h = ck.save(s, state_for(rank, s))
+            h.result()
+            if s == 2:
+                x = torch.zeros(1)
+                for _ in range(20):  # "training" goes on while copies to or from the stopped node time out
+                    x += 1
+                    time.sleep(0.05)
+                res["trained"] = int(x.item())
+            h.wait(tier="peers", timeout=60)
+            res["protected"][s] = h.protected()
+            res["replica_nodes"][s] = list(h.result().replica_nodes)
+            res["durable"][s] = h.durable()
+        t0 = time.monotonic()
+        ck.close()
+        res["close_s"] = time.monotonic() - t0
+        res["unprotected"] = ck.unprotected
     elif scenario == "stop":
         ck = checkpointer(base)
         stopper = int(os.environ["ZS_STOP"])
@@ -117,7 +152,7 @@ def main():
     if rank == 0:  # rank 0 hosts the c10d store: it leaves last (a stopped rank never finishes)
         others = [out.replace("-r0.json", f"-r{r}.json") for r in range(1, dist.get_world_size())
                   if str(r) not in (os.environ.get("ZS_STOP"), os.environ.get("ZS_KILL"))]
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while not all(os.path.exists(o) for o in others) and time.monotonic() < deadline:
             time.sleep(0.05)
     os._exit(0)  # not destroy_process_group: a stopped or dead peer must not hold our exit

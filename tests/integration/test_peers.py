@@ -20,8 +20,9 @@ HERE = os.path.dirname(__file__)
 NODES = [f"n{i}" for i in range(4)]
 
 
-def _launch(scenario, base, tmp_path, env_extra, timeout=150, stop=None, nodes=NODES, worker="peers_worker.py"):
-    """One process per entry of ``nodes`` (rank r runs on node ``nodes[r]``), each running ``worker``."""
+def _spawn(scenario, base, tmp_path, env_extra, nodes=NODES, worker="peers_worker.py"):
+    """One process per entry of ``nodes`` (rank r runs on node ``nodes[r]``), each running
+    ``worker``: ``[(Popen, its result file), ...]``."""
     port = free_port()
     procs = []
     for r, node in enumerate(nodes):
@@ -36,20 +37,43 @@ def _launch(scenario, base, tmp_path, env_extra, timeout=150, stop=None, nodes=N
             os.unlink(out)
         procs.append((subprocess.Popen([sys.executable, os.path.join(HERE, worker), scenario, base, out],
                                        env=env, stderr=subprocess.PIPE, text=True), out))
+    return procs
+
+
+def _collect(procs, timeout):
+    """Each process's ``(returncode, result document or None, stderr)``; any still running
+    after ``timeout`` is continued (if stopped) and killed."""
     results = []
+    try:
+        for p, out in procs:
+            _, err = p.communicate(timeout=timeout)
+            results.append((p.returncode, json.load(open(out)) if os.path.exists(out) else None, err))
+    finally:
+        _kill_all(procs)
+    return results
+
+
+def _kill_all(procs):
+    """Continue (if stopped) and kill every process of ``procs`` still running (by pid: ours)."""
+    for p, _ in procs:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+            p.wait()
+
+
+def _launch(scenario, base, tmp_path, env_extra, timeout=150, stop=None, nodes=NODES, worker="peers_worker.py"):
+    """One process per entry of ``nodes`` (rank r runs on node ``nodes[r]``), each running ``worker``."""
+    procs = _spawn(scenario, base, tmp_path, env_extra, nodes, worker)
     try:
         if stop is not None:  # the stopped rank is SIGKILLed once the others have finished
             for p, _ in procs[:stop] + procs[stop + 1:]:
                 p.wait(timeout=timeout)
             procs[stop][0].kill()
-        for p, out in procs:
-            _, err = p.communicate(timeout=timeout)
-            results.append((p.returncode, json.load(open(out)) if os.path.exists(out) else None, err))
-    finally:
-        for p, _ in procs:
-            if p.poll() is None:
-                p.kill()
-    return results
+    except BaseException:
+        _kill_all(procs)
+        raise
+    return _collect(procs, timeout)
 
 
 def _ok(res):
@@ -89,6 +113,10 @@ def test_n3_two_nodes_killed_and_wiped_restore_bit_exact_from_peers(tmp_path, ca
     own = {r["step"]: r for r in rows if r["tier"].startswith("local")}
     assert own[2]["protected"] is True and own[2]["holders"][0] == "n0"
     assert set(own[2]["holders"][1:]) == set(_holder_of("n0", 3))
+    # each holder's use of its area for peers' copies (no quota here), as reported with step 2
+    assert set(own[2]["holder_usage"]) == set(_holder_of("n0", 3))
+    for h, u in own[2]["holder_usage"].items():
+        assert u["quota_bytes"] is None and u["used_bytes"] > 0 and u["refused"] == 0, (h, u)
     assert {r["tier"] for r in rows if r["tier"].startswith("peer copy")} == {
         f"peer copy of {s}" for s in NODES if "n0" in _holder_of(s, 3)}
     # `zerostall doctor ROOT`: the newest step's protection; the peers do not answer (job ended)
@@ -97,6 +125,7 @@ def test_n3_two_nodes_killed_and_wiped_restore_bit_exact_from_peers(tmp_path, ca
     assert rows["peer_replicas"][2] == "ok" and rows["peer_replicas"][1].startswith("step 2: held by n0")
     assert {k for k in rows if k.startswith("peer ")} == {f"peer {n}" for n in NODES}
     assert all(rows[f"peer {n}"][2] == "warn" for n in NODES)
+    assert all(rows[f"peer_quota {n}"][2] == "ok" and "(no quota)" in rows[f"peer_quota {n}"][1] for n in NODES)
     _wipe(base, "n1")  # SIGKILLed above, its disk gone
     _wipe(base, "n2")
     docs = _ok(_launch("load", base, tmp_path, {"ZS_REPLICAS": "3"}))

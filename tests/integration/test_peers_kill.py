@@ -46,11 +46,16 @@ def _verified_copies(base):
     return out
 
 
+def sweep_victim(point):
+    """The rank a sweep stops or kills at ``point``: n1 sends its files to n3; n3 receives them."""
+    assert _holder_of("n1", 2) == ("n3",) and _holder_of("n0", 2) == ("n2",)
+    return 1 if point.startswith("send") else 3
+
+
 @pytest.mark.parametrize("point", SEND + RECV)
 def test_kill_at_each_peer_transfer_state(tmp_path, point):
     base = str(tmp_path / "job")
-    assert _holder_of("n1", 2) == ("n3",) and _holder_of("n0", 2) == ("n2",)
-    victim = 1 if point.startswith("send") else 3  # n1 sends to n3; n3 receives n1's files
+    victim = sweep_victim(point)
     res = _launch("kill", base, tmp_path, {"ZS_REPLICAS": "2", "ZS_KILL": str(victim), "ZS_KILL_AT": point,
                                           "ZS_RT": "8", "ZS_PT": "3"}, timeout=120)
     assert res[victim][0] == -signal.SIGKILL, res[victim][2][-2000:]  # it died there, not elsewhere
@@ -85,6 +90,11 @@ def test_holders_over_quota_leave_the_step_unprotected_never_failing_the_save(tm
         assert doc["protected"] == {"1": False, "2": False}
         assert "quota" in doc["unprotected_error"]
         assert "beyond its quota" in err
+    from zerostall.peers.status import doctor_checks  # `zerostall doctor ROOT`: each node says it refused
+    for n in NODES:  # (a node's own row is taken once every report is in: after every refusal)
+        rows = {r[0]: r for r in doctor_checks(os.path.join(base, n), timeout_s=0.2)}
+        assert rows[f"peer_quota {n}"][2] == "warn" and "over its quota" in rows[f"peer_quota {n}"][3], rows
+        assert "copies refused" in rows[f"peer_quota {n}"][1], rows
     assert not any(os.path.exists(os.path.join(base, n, "peers", src)) and
                    any(f.endswith(".shard") for _, _, fs in os.walk(os.path.join(base, n, "peers", src)) for f in fs)
                    for n in NODES for src in NODES)

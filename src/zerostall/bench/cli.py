@@ -62,12 +62,15 @@ def add_parsers(sub: Any) -> None:
                    help="many-tensors scenario: how many tensors (--size-gib defaults to 0.25 there)")
     s.add_argument("--config-mib", type=_positive(float), default=16.0, help="objects scenario: config tree size, MiB of JSON")
     s.add_argument("--log-entries", type=_positive(int), default=10_000, help="objects scenario: log history entries")
-    s.add_argument("--scenario", choices=("default", "frozen-base", "node-loss", "restore", "many-tensors", "objects"),
+    s.add_argument("--scenario", choices=("default", "frozen-base", "node-loss", "replication-cost", "restore",
+                                         "many-tensors", "objects"),
                    default="default",
                    help="frozen-base: incremental vs full zerostall saves vs torch.save vs DCP of a fine-tune "
                         "whose base is frozen (uses --size-gib, --repeat, --methods, --dir, --json); "
                         "node-loss: 4 simulated nodes with peer replicas, a node wiped and recovered from "
                         "peers vs the shared-fs and S3 tiers, --repeat rounds in alternating order (uses --size-gib (total), --repeat, --dir, --json); "
+                        "replication-cost: node-loss's save phase per peers.cpu_priority (normal, nice, idle), "
+                        "alternated --repeat rounds: the trainer's step time while only the paced copies run; "
                         "restore: restore GB/s of zerostall (in place, new dict; both engines), dcp.load, "
                         "torch.load and torch.load(mmap=True) against the read line rate (uses --size-gib, "
                         "--repeat, --dir, --json, --device: cuda restores into GPU tensors); many-tensors: --tensors small tensors vs torch.save and DCP "
@@ -82,6 +85,8 @@ def _bench(a: argparse.Namespace) -> int:
         return _lazy("zerostall.bench.frozen", "main")(a)
     if a.scenario == "node-loss":
         return _lazy("zerostall.bench.nodeloss", "main")(a)
+    if a.scenario == "replication-cost":
+        return _lazy("zerostall.bench.nodeloss_cost", "main")(a)
     if a.scenario == "restore":
         return _lazy("zerostall.bench.restore", "main")(a)
     if a.scenario == "many-tensors":

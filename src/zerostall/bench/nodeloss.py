@@ -30,6 +30,7 @@ Runs on the CLI's thread; the nodes are subprocesses of :mod:`.nodeloss_worker`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -40,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 from ..errors import ZerostallError
 
@@ -54,7 +55,9 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _run(mode: str, base: str, work: str, mib: int, replicas: int, bw: int, remote: str) -> list[dict[str, Any]]:
+def _run(mode: str, base: str, work: str, mib: int, replicas: int, bw: int, remote: str,
+         cpu: str = "idle") -> list[dict[str, Any]]:
+    """The 4 nodes of one phase (``mode``: the worker's), each its own process; their JSON results."""
     port = _port()
     procs = []
     for r in range(NODES):
@@ -66,7 +69,7 @@ def _run(mode: str, base: str, work: str, mib: int, replicas: int, bw: int, remo
         if os.path.exists(out):
             os.unlink(out)
         procs.append((subprocess.Popen([sys.executable, "-m", "zerostall.bench.nodeloss_worker", mode, base, out,
-                                        str(mib), str(replicas), str(bw), remote], env=env,
+                                        str(mib), str(replicas), str(bw), remote, cpu], env=env,
                                        stderr=subprocess.PIPE, text=True), out))
     docs = []
     for p, out in procs:
@@ -142,7 +145,8 @@ def run(size_gib: float, work: str, cap: int, rounds: int = 3) -> dict[str, Any]
         "scenario": "node-loss", "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "nodes": NODES, "state_bytes": state_bytes, "replicas": 2, "peer_bandwidth_bytes": cap,
         "bytes_moved_per_save": sum(d["bytes_sent"] for d in paced),
-        "step_ms_idle": _ms(paced[0]["before"]), "step_ms_saving_no_replicas": _ms(plain[0]["during"]),
+        "step_ms_idle": _ms(paced[0]["before"] + paced[0]["after"]),  # before the save and after protected
+        "step_ms_saving_no_replicas": _ms(plain[0]["during"]),
         "step_ms_saving_replicating_paced": _ms(paced[0]["during"]),
         "step_ms_replicating_only_paced": _ms(paced[0]["replicating"]), "steps_replicating_only": len(paced[0]["replicating"]),
         "saved_s_no_replicas": max(d["t_done_s"] for d in plain), "replicated_s": max(d["t_done_s"] for d in paced),
@@ -187,15 +191,21 @@ def run(size_gib: float, work: str, cap: int, rounds: int = 3) -> dict[str, Any]
     return out
 
 
-def main(a: argparse.Namespace) -> int:
-    work = a.dir or tempfile.mkdtemp(prefix="zerostall-node-loss-", dir=".")
-    made = a.dir is None
+@contextlib.contextmanager
+def workdir(a: argparse.Namespace, prefix: str) -> Iterator[str]:
+    """``--dir`` (kept) or a new temporary directory under the current one (removed after)."""
+    work = a.dir or tempfile.mkdtemp(prefix=prefix, dir=".")
     os.makedirs(work, exist_ok=True)
     try:
-        res = run(a.size_gib, os.path.abspath(work), CAP_BYTES, rounds=a.repeat)
+        yield os.path.abspath(work)
     finally:
-        if made:
+        if a.dir is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def main(a: argparse.Namespace) -> int:
+    with workdir(a, "zerostall-node-loss-") as work:
+        res = run(a.size_gib, work, CAP_BYTES, rounds=a.repeat)
     per_node = res["state_bytes"] / NODES
     print(f"node-loss: {NODES} nodes, {res['state_bytes'] / 2**30:.2f} GiB of state, replicas=2, "
           f"peer cap {CAP_BYTES / 1e6:.0f} MB/s per node")

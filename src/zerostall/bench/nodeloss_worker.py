@@ -1,7 +1,7 @@
 """One simulated node of ``zerostall bench --scenario node-loss`` (started by
 :mod:`.nodeloss` with torchrun-style env and ``ZEROSTALL_NODE``); writes a JSON result.
 
-argv: mode base out mib replicas bandwidth remote. ``save``: rank 0 runs a timed training
+argv: mode base out mib replicas bandwidth remote [cpu_priority]. ``save``: rank 0 runs a timed training
 loop (a matmul per step) in its main thread for 1.5 s, saves step 1 (``mib`` MiB per rank),
 and keeps training until the step is protected by ``replicas`` nodes (and on the remote
 tier, if any); the other ranks save and wait. ``load``: every rank restores; its load time
@@ -28,6 +28,7 @@ def _state(rank: int, mib: int) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     mode, base, out, mib, replicas, bw, remote = sys.argv[1:8]
+    cpu = sys.argv[8] if len(sys.argv) > 8 else "idle"
     import logging
     logging.basicConfig(level=logging.INFO, format=f"%(relativeCreated)d [{os.environ['ZEROSTALL_NODE']}] %(message)s")
     import zerostall
@@ -38,12 +39,14 @@ def main() -> None:
     torch.set_num_threads(1)
     ck = zerostall.Checkpointer(  # load_remote: the same restart, without peer replicas
         os.path.join(base, node), dist_name="node-loss", replicas=1 if mode == "load_remote" else int(replicas),
-        peers=PeersConfig(bandwidth_bytes=int(bw) or None, timeout_s=60), remote=(remote or None) if mode == "save" else None,
+        peers=PeersConfig(bandwidth_bytes=int(bw) or None, timeout_s=60, cpu_priority=cpu),
+        remote=(remote or None) if mode == "save" else None,
         commit_timeout_s=300, close_timeout_s=120)
     res: dict[str, object] = {"rank": rank, "node": node}
     if mode == "save":
         state = _state(rank, int(mib))
         ck.prepare(state, wait=True)
+        dist.barrier()  # every node's state made and staged: nothing else runs in rank 0's idle window
         x = torch.randn(384, 384)
         steps: list[tuple[float, float]] = []
 
@@ -59,27 +62,37 @@ def main() -> None:
         t_save = time.monotonic()
         h = ck.save(1, state)
         durable_at: list[float] = []
+        cpu_at: list[float] = []  # process CPU seconds (every thread) when durable
 
         def done() -> bool:
             if not h.done():
                 return False
             if not durable_at:
                 durable_at.append(time.monotonic())
+                cpu_at.append(time.process_time())
             return (replicas == "1" or ck._peers.status(1) is not None and ck._peers.status(1).done.is_set()) \
                 and (not remote or h.replicated())
         if rank == 0:
             train(None, done)
         h.result()
+        if not cpu_at:
+            cpu_at.append(time.process_time())
         if replicas != "1":
             h.wait(tier="peers")
+        res["cpu_replicating_s"] = time.process_time() - cpu_at[0]
         if remote:
             h.wait(tier="remote")
-        res["t_done_s"] = time.monotonic() - t_save
+        t_protected = time.monotonic()
+        res["t_done_s"] = t_protected - t_save
+        if rank == 0:
+            train(t_protected + 1.5)  # idle again: the step time before and after brackets the save
+        dist.barrier()  # the others close only after rank 0's idle window after the save
         res["protected"] = h.protected()
         res["before"] = [d for t, d in steps if t < t_save]
-        res["during"] = [d for t, d in steps if t >= t_save]
+        res["during"] = [d for t, d in steps if t >= t_save and (rank != 0 or t < t_protected)]
         # after the step is durable, until it is protected: only the paced copies run then
-        res["replicating"] = [d for t, d in steps if durable_at and t >= durable_at[0]]
+        res["replicating"] = [d for t, d in steps if durable_at and durable_at[0] <= t < t_protected]
+        res["after"] = [d for t, d in steps if rank == 0 and t >= t_protected]
         res["bytes_sent"] = ck._peers.replicator.bytes_sent if ck._peers is not None else 0  # type: ignore[union-attr]
         res["state_bytes"] = sum(t.numel() * 4 for t in state.values())
     else:  # load (n1's files from its peers) / load_remote (from the remote tier ``remote``)

@@ -72,7 +72,7 @@ class Peers:
         assert self.peer_store is not None
         self.replicator = PeerReplicator(tier, self.view, self._transport, store, self.peer_store,
                                          replicas=cfg.replicas, keep_last=cfg.keep_last,
-                                         replica_timeout_s=pc.replica_timeout_s)
+                                         replica_timeout_s=pc.replica_timeout_s, cpu_priority=pc.cpu_priority)
         self._loads = itertools.count()
         self.planned_step = -1
         """The step the last :meth:`plan_load` agreed on (its files are local now)."""
@@ -87,7 +87,7 @@ class Peers:
     def _make_transport(self, secret: bytes, me: str, nodes: list[Node], listen: str) -> TcpTransport:
         pc = self.cfg.peers
         return TcpTransport(secret, me, {n.name for n in nodes}, timeout_s=pc.timeout_s,
-                            pacer=Pacer(pc.bandwidth_bytes), listen_host=listen,
+                            pacer=Pacer(pc.bandwidth_bytes), listen_host=listen, cpu_priority=pc.cpu_priority,
                             recv_pacer=Pacer(pc.receive_bandwidth_bytes) if pc.receive_bandwidth_bytes else None)
 
     def _make_store(self, me: str) -> PeerStore:

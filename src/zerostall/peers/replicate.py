@@ -3,7 +3,8 @@ the step is protected (held by ``replicas`` nodes).
 
 Per step, after it committed locally (``submit``, called from the persist thread):
 
-1. on each node's leader, the *sender* thread (idle I/O priority) reads the step's manifest
+1. on each node's leader, the *sender* thread (idle I/O class, ``peers.cpu_priority``:
+   :mod:`.priority`) reads the step's manifest
    and sends the files of its node's ranks to ``replicas - 1`` holders
    (:func:`.placement.ranking`: the placement first; a holder that fails is replaced by the
    next node in the ranking, so one dead node does not leave every step unprotected), one
@@ -36,11 +37,11 @@ from dataclasses import dataclass, field
 from ..distributed.store import Store
 from ..errors import ZerostallError
 from ..format.manifest import MANIFEST_NAME, Manifest
-from ..store.replicate import set_idle_io_priority
 from ..store.tier import RootTier
 from .exchange import PeerView
 from . import status as status_file
 from .placement import ranking
+from .priority import background
 from .store import PeerStore
 from .transport import Transport
 from .verify import expected_digest
@@ -62,7 +63,9 @@ class StepStatus:
 
 class PeerReplicator:
     def __init__(self, tier: RootTier, view: PeerView, transport: Transport, store: Store, peer_store: PeerStore,
-                 *, replicas: int, keep_last: int | None, replica_timeout_s: float):
+                 *, replicas: int, keep_last: int | None, replica_timeout_s: float, cpu_priority: str = "idle"):
+        self.cpu_priority = cpu_priority
+        """The sender's CPU priority (:func:`.priority.background`; its put threads inherit it)."""
         self.tier, self.view, self.transport, self.store = tier, view, transport, store
         self.peer_store = peer_store
         self.replicas, self.keep_last, self.replica_timeout_s = replicas, keep_last, replica_timeout_s
@@ -144,7 +147,7 @@ class PeerReplicator:
             self._q.put(-1)
 
     def _send_loop(self) -> None:
-        set_idle_io_priority()
+        background(self.cpu_priority)
         while True:
             step = self._q.get()
             if step is None or self._stop.is_set():
@@ -156,9 +159,15 @@ class PeerReplicator:
             holders, error = self._send_step(step)
             try:
                 self.store.set(self.view.key(f"s{step}", self.view.me),
-                               json.dumps({"holders": holders, "error": error}))
+                               json.dumps({"holders": holders, "error": error, "usage": self._usage()}))
             except ZerostallError as exc:
                 log.error("zerostall: could not publish the peer copies of step %d: %s", step, exc)
+
+    def _usage(self) -> dict[str, object]:
+        try:
+            return self.peer_store.usage()
+        except OSError as exc:
+            return {"error": str(exc)}
 
     def _send_step(self, step: int) -> tuple[list[str], str]:
         v = self.view
@@ -277,7 +286,9 @@ class PeerReplicator:
             try:
                 status_file.record(self.tier.root, v.me, st.step, st.protected,
                                    {n: list(r.get("holders", ())) for n, r in reports.items()}, self.tier.steps(),
-                                   {n: f"{e.host}:{e.port}" for n, e in v.endpoints.items()})
+                                   {n: f"{e.host}:{e.port}" for n, e in v.endpoints.items()},
+                                   {**{n: r["usage"] for n, r in reports.items() if isinstance(r.get("usage"), dict)},
+                                    v.me: self._usage()})
             except OSError as exc:
                 log.debug("zerostall: could not record the peer status of step %d: %s", st.step, exc)
         if self.store.add(v.key(f"s{st.step}", "seen"), 1) == v.world:

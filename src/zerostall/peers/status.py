@@ -14,6 +14,7 @@ import os
 import threading
 from typing import Any
 
+from .._util import human_bytes
 from ..errors import ZerostallError
 from ..store.atomic import write_file_durable
 
@@ -36,15 +37,19 @@ def read(root: str) -> dict[str, Any]:
 
 
 def record(root: str, me: str, step: int, protected: bool, holders: dict[str, list[str]], keep: list[int],
-           endpoints: dict[str, str] | None = None) -> None:
-    """Add ``step``'s outcome; forget steps not in ``keep`` (the root's committed steps)."""
+           endpoints: dict[str, str] | None = None, usage: dict[str, dict[str, Any]] | None = None) -> None:
+    """Add ``step``'s outcome; forget steps not in ``keep`` (the root's committed steps).
+    ``usage``: every node's peer area against its quota (:meth:`.store.PeerStore.usage`) as
+    each reported it with ``step``."""
     with _mu:
         doc = read(root)
         steps = {k: v for k, v in doc.get("steps", {}).items() if int(k) in keep}
         steps[str(step)] = {"protected": protected, "holders": holders}
         os.makedirs(os.path.dirname(path(root)), exist_ok=True)
         tmp = path(root) + ".tmp"
-        body = {"node": me, "steps": steps, "endpoints": endpoints or doc.get("endpoints", {})}
+        body = {"node": me, "steps": steps, "endpoints": endpoints or doc.get("endpoints", {}),
+                "usage": usage if usage is not None else doc.get("usage", {}),
+                "usage_step": step if usage is not None else doc.get("usage_step")}
         write_file_durable(tmp, json.dumps(body, sort_keys=True).encode())
         os.rename(tmp, path(root))
 
@@ -59,6 +64,8 @@ def peer_rows(root: str, rows: list[dict[str, Any]]) -> None:
         if st is not None and r["state"] == "committed":
             mine = st.get("holders", {}).get(me, [])
             r["holders"], r["protected"] = [me, *mine], bool(st.get("protected"))
+            usage = _usage(doc)
+            r["holder_usage"] = {h: usage[h] for h in mine if h in usage}
             r["tier"] = f"local+peers({','.join(mine)})" + (" protected" if r["protected"] else " NOT protected")
     area = os.path.join(root, "peers")
     for src in sorted(os.listdir(area)) if os.path.isdir(area) else []:
@@ -72,6 +79,60 @@ def peer_rows(root: str, rows: list[dict[str, Any]]) -> None:
                                                                  for f in files),
                              "tensors": 0, "created_unix": 0, "state": f"held for node {src}: {', '.join(files)}",
                              "tier": f"peer copy of {src}"})
+
+
+def _usage(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    usage = doc.get("usage")
+    return {str(n): u for n, u in usage.items() if isinstance(u, dict)} if isinstance(usage, dict) else {}
+
+
+def quota_state(u: dict[str, Any]) -> tuple[str, str]:
+    """``(text, verdict)`` for one node's usage: verdict ``ok``, ``near`` (the next round of
+    copies, ``next_bytes`` more, would not fit), ``over`` (more held than the quota, or copies
+    refused) or ``none`` (no quota)."""
+    used, quota, nxt = int(u.get("used_bytes") or 0), u.get("quota_bytes"), int(u.get("next_bytes") or 0)
+    refused = int(u.get("refused") or 0)
+    if quota is None:
+        return f"{human_bytes(used)} of peers' copies (no quota)", "none"
+    quota = int(quota)
+    text = f"{human_bytes(used)} of {human_bytes(quota)} quota ({100 * used / max(quota, 1):.0f}%)"
+    if refused:
+        text += f", {refused} copies refused"
+    if used > quota or refused:
+        return text, "over"
+    if used + nxt > quota:
+        return text + f"; the next copies need {human_bytes(nxt)} more", "near"
+    return text, "ok"
+
+
+def quota_lines(root: str) -> list[str]:
+    """``zerostall ls``: each node's peer area against its quota, as the nodes reported it with
+    the newest step this node recorded (this node's own use read from its disk now)."""
+    doc = read(root)
+    usage = _usage(doc)
+    me = doc.get("node")
+    if me in usage:
+        usage[me] = {**usage[me], "used_bytes": _area_bytes(root)}
+    lines = []
+    for node, u in sorted(usage.items()):
+        text, verdict = quota_state(u)
+        lines.append(f"  {node}: {text}" + ({"near": "  NEAR QUOTA", "over": "  OVER QUOTA"}.get(verdict, "")))
+    if lines:
+        lines.insert(0, f"peers' copies held by each node (as of step {doc.get('usage_step')}):")
+    return lines
+
+
+def _area_bytes(root: str) -> int:
+    total = 0
+    for d, dirs, files in os.walk(os.path.join(root, "peers")):
+        dirs[:] = [x for x in dirs if not x.startswith(".")]
+        for f in files:
+            if not f.startswith("."):
+                try:
+                    total += os.path.getsize(os.path.join(d, f))
+                except OSError:
+                    pass
+    return total
 
 
 def doctor_checks(root: str, timeout_s: float = 1.0) -> list[tuple[str, Any, str, str]]:
@@ -92,6 +153,13 @@ def doctor_checks(root: str, timeout_s: float = 1.0) -> list[tuple[str, Any, str
         nodes = [doc.get("node", "?"), *steps[s].get("holders", {}).get(doc.get("node"), [])]
         out.append(("peer_replicas", f"step {s}: held by {', '.join(nodes)}", "ok" if ok else "warn",
                     "" if ok else "the newest step is not protected: a lost node loses it"))
+    for node, u in sorted(_usage(doc).items()):
+        text, verdict = quota_state(u)
+        advice = {"near": "near its quota: the next copies may be refused and steps left unprotected; raise "
+                          "peers.quota_bytes / peers.quota_fraction on that node or lower keep_last",
+                  "over": "over its quota: copies are refused and steps left unprotected; raise "
+                          "peers.quota_bytes / peers.quota_fraction on that node or lower keep_last"}.get(verdict, "")
+        out.append((f"peer_quota {node}", text, "warn" if advice else "ok", advice))
     for node, ep in sorted(doc.get("endpoints", {}).items()):
         host, _, port = ep.rpartition(":")
         try:

@@ -219,6 +219,26 @@ class PeerStore:
             total += sum(max(_size(os.path.join(d, f)), 0) for f in files if not f.startswith("."))
         return total
 
+    def usage(self) -> dict[str, Any]:
+        """What this node's peer area holds against its quota, for ``zerostall ls``/``doctor``
+        (published with each step's report, recorded in every node's status hint):
+        ``used_bytes`` (complete files held), ``quota_bytes`` (None: no quota), ``next_bytes``
+        (the newest held step of every source added up: the room the next round of copies
+        needs on top, since older copies are dropped only once a newer step is protected) and
+        ``refused`` (copies this process refused for the quota)."""
+        newest: dict[str, int] = {}
+        for src, step in self._dirs():
+            newest[src] = max(newest.get(src, -1), step)
+        nxt = 0
+        for src, step in newest.items():
+            d = self.step_dir(src, step)
+            try:
+                nxt += sum(max(_size(os.path.join(d, f)), 0) for f in os.listdir(d) if f.endswith(".shard"))
+            except OSError:
+                pass
+        return {"used_bytes": self.used_bytes(), "quota_bytes": self.quota_bytes, "next_bytes": nxt,
+                "refused": self.refused_quota}
+
     def _reserve(self, src: str, step: int, name: str, nbytes: int) -> None:
         """Count ``nbytes`` against the quota for a transfer about to start, or refuse it."""
         with self._mu:

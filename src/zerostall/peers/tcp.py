@@ -13,7 +13,8 @@ Requests after the handshake, each answered ``{"ok": true, ...}`` or ``{"ok": fa
 
 Every socket has ``timeout_s``: a peer that stops (SIGSTOP, a hung host) fails the call
 after ``timeout_s`` without progress. The server runs one daemon thread per connection (at
-most ``max_connections``), at idle I/O priority; a connection that fails the handshake is
+most ``max_connections``); one receiving a copy lowers its own CPU priority and I/O class
+(:mod:`.priority`), one serving a restore keeps them; a connection that fails the handshake is
 logged with its address and closed. When every slot is taken, the oldest connection that has
 not authenticated yet is dropped for the new one (so strangers that connect and never answer
 cannot lock the job's own peers out); only when all are authenticated is the new one refused.
@@ -29,8 +30,9 @@ from typing import Any
 
 from ..errors import ZerostallError
 from ..format.manifest import Manifest
+from .priority import background
 from .store import PeerStore
-from .stream import Pacer, at, fill_from, send_range
+from .stream import FETCH_BUF_BYTES, Pacer, at, fill_from, send_range
 from .transport import Endpoint, Sink, Transport
 from .verify import file_entry, split_points
 from .wire import (MAX_MANIFEST_BYTES, PeerError, check_name, check_node, check_size, check_step, client_handshake,
@@ -41,16 +43,12 @@ log = logging.getLogger("zerostall")
 MAX_FILE_BYTES = 1 << 46
 
 
-def _io_priority(idle: bool) -> None:
-    """This connection thread's disk I/O class: idle for receiving replicas (never competes
-    with the next local save), best-effort for serving a restore (someone is waiting)."""
+def _serving_io_priority() -> None:
+    """A connection thread serving a restore or a listing: best-effort disk I/O (someone is
+    waiting; threads receiving copies go idle instead, :func:`.priority.background`)."""
     try:
         import psutil
-        p = psutil.Process(threading.get_native_id())
-        if idle:
-            p.ionice(psutil.IOPRIO_CLASS_IDLE)
-        else:
-            p.ionice(psutil.IOPRIO_CLASS_BE, 4)
+        psutil.Process(threading.get_native_id()).ionice(psutil.IOPRIO_CLASS_BE, 4)
     except Exception as exc:  # noqa: BLE001 - best effort: non-Linux, seccomp
         log.debug("zerostall: cannot set the I/O priority of a peer connection: %s", exc)
 
@@ -66,7 +64,10 @@ class TcpTransport(Transport):
     name = "tcp"
 
     def __init__(self, secret: bytes, me: str, nodes: set[str], *, timeout_s: float, pacer: Pacer,
-                 listen_host: str = "127.0.0.1", max_connections: int = 32, recv_pacer: Pacer | None = None):
+                 listen_host: str = "127.0.0.1", max_connections: int = 32, recv_pacer: Pacer | None = None,
+                 cpu_priority: str = "normal"):
+        self.cpu_priority = cpu_priority
+        """A connection thread receiving a copy (``put``) lowers itself to this (:mod:`.priority`)."""
         self.secret, self.me, self.nodes = secret, me, set(nodes)
         self.timeout_s, self.pacer = timeout_s, pacer
         self.recv_pacer = recv_pacer
@@ -155,7 +156,10 @@ class TcpTransport(Transport):
 
     def _handle(self, conn: socket.socket, peer: str, msg: dict[str, Any]) -> None:
         op = msg.get("op")
-        _io_priority(idle=op == "put")  # receiving copies yields the disk; serving a restore does not
+        if op == "put":  # receiving copies yields the CPU and the disk (for good: this thread only receives)
+            background(self.cpu_priority)
+        else:  # serving a restore does not
+            _serving_io_priority()
         if op == "list":
             send_msg(conn, {"ok": True, "held": self.store.held()})
         elif op == "put":
@@ -296,7 +300,7 @@ class TcpTransport(Transport):
                                 f"{reply.get('offset')}+{reply.get('length')}), which its manifest or our request "
                                 "does not describe")
             w, check = sink(man, size)
-            fill_from(s, end - start, w, check, start=start)
+            fill_from(s, end - start, w, check, start=start, buf_bytes=FETCH_BUF_BYTES)
             return check.digest()
         what = f"fetching {name} of step {step}" + (f" (bytes {rng[0]}..{rng[1]})" if rng else "")
         return self._call(ep, what, run)
