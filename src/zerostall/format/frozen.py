@@ -183,7 +183,8 @@ class DeferredTree:
     this save's are collected in :attr:`memo` (handed to the next save by the plan cache)."""
 
     def __init__(self, tree: Any, skeleton: str, frozen: list[Frozen], encode: Callable[[Any, tuple[Any, ...]], Any],
-                 check: Callable[[Any, str], None], prev: dict[tuple[int, bytes], tuple[Any, str | None]] | None = None):
+                 check: Callable[[Any, str], None],
+                 prev: dict[tuple[int, bytes], tuple[Any, str | None]] | None = None):
         self._tree, self._skeleton, self._frozen = tree, skeleton, frozen
         self._encode, self._check = encode, check
         self._prev = prev or {}

@@ -160,7 +160,8 @@ def doctor_checks(root: str, timeout_s: float = 1.0) -> list[tuple[str, Any, str
                           "peers.quota_bytes / peers.quota_fraction on that node or lower keep_last",
                   "over": "over its quota: copies are refused and steps left unprotected; raise "
                           "peers.quota_bytes / peers.quota_fraction on that node or lower keep_last",
-                  "bad": f"the usage hint in {path(root)} is damaged; the next step's copies record it again"}.get(verdict, "")
+                  "bad": f"the usage hint in {path(root)} is damaged; the next step's copies record it again",
+                  }.get(verdict, "")
         out.append((f"peer_quota {node}", text, "warn" if advice else "ok", advice))
     for node, ep in sorted(doc.get("endpoints", {}).items()):
         host, _, port = ep.rpartition(":")
