@@ -125,14 +125,14 @@ def test_a_second_read_failing_part_way_says_the_state_is_part_loaded(tmp_path, 
     root = str(tmp_path / "ck")
     zerostall.save(root, _state(2.0), step=2)
     real = rstep.read_later
+    last = max(e.offset + e.nbytes for e in LocalTier(root).read_manifest(2).tensors)
 
-    class Failing:  # the shard's reader; the 3rd read of the second pass fails (a disk error)
-        def __init__(self, f, calls):
-            self.f, self.calls, self.fd = f, calls, getattr(f, "fd", None)
+    class Failing:  # the shard's reader: the second pass's read of the step's last bytes fails (a disk error)
+        def __init__(self, f):  # the windows before it were checked and copied in before its error is seen
+            self.f, self.fd = f, getattr(f, "fd", None)
 
         def read(self, extents):
-            self.calls.append(1)
-            if len(self.calls) == 3:
+            if any(off + len(mv) >= last for off, mv in extents):
                 raise OSError(errno.EIO, "injected: Input/output error")
             return self.f.read(extents)
 
@@ -140,8 +140,7 @@ def test_a_second_read_failing_part_way_says_the_state_is_part_loaded(tmp_path, 
             self.f.close()
 
     def read_later(files, *a, **kw):
-        calls: list = []
-        files = [dataclasses.replace(fr, open=lambda o=fr.open: Failing(o(), calls)) for fr in files]
+        files = [dataclasses.replace(fr, open=lambda o=fr.open: Failing(o())) for fr in files]
         return real(files, *a, **kw)
     monkeypatch.setattr(rstep, "read_later", read_later)
     sd = clone(_state(1.0))
