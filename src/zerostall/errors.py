@@ -101,13 +101,18 @@ class RootNotFound(CheckpointNotFound):
 class CorruptCheckpoint(ZerostallError):
     """A manifest or shard failed validation or its crc32c check.
 
-    ``path`` names the file and ``key`` the tensor when known.
+    ``path`` names the file and ``key`` the tensor when known. ``part_loaded``: the load had
+    begun writing the caller's state dict when it failed (a step larger than the scratch, read
+    a second time into it once verified, whose second read failed part way), so the state
+    dict is part this step's, part as it was.
     """
 
-    def __init__(self, message: str, *, path: str | None = None, key: str | None = None):
+    def __init__(self, message: str, *, path: str | None = None, key: str | None = None,
+                 part_loaded: bool = False):
         super().__init__(message)
         self.path = path
         self.key = key
+        self.part_loaded = part_loaded
 
 
 class StorageError(ZerostallError, OSError):

@@ -166,8 +166,8 @@ def test_an_unchanged_container_reuses_the_last_encoding_and_a_changed_one_is_en
         ck.save(2, state).result()
         memo2 = ck._plans._memo
         cfg = freeze(state["config"])
-        assert all(memo2[p] is memo1[p] for p in cfg)  # the config's copy and JSON: reused, not encoded again
-        assert all(p in memo2 for p in freeze(state["trainer"]["log_history"]))
+        assert all(memo2[1, p] is memo1[1, p] for p in cfg)  # the config's copy and JSON: reused, not encoded again
+        assert all((2, p) in memo2 for p in freeze(state["trainer"]["log_history"]))  # keyed by depth too
         assert ck.load(step=2)["trainer"]["log_history"][-1]["step"] == 99
 
 
@@ -226,8 +226,8 @@ def test_large_containers_frozen_in_slices_round_trip_and_a_growing_log_reencode
     assert got["hist"] == hist and list(got["cfg"]) == list(cfg) and got["cfg"] == cfg
     assert got["odd"] == odd and type(got["odd"][1000]) is tuple and got["odd"][1001] == {3}
     new = freeze(hist)
-    assert new[:-1] == parts[:-1] and all(memo2[p] is memo1[p] for p in new[:-1])  # only the tail slice is new
-    assert new[-1] not in memo1
+    assert new[:-1] == parts[:-1] and all(memo2[1, p] is memo1[1, p] for p in new[:-1])  # only the tail slice is new
+    assert (1, new[-1]) not in memo1
 
 
 def test_numpy_scalars_in_a_log_history_are_snapshotted_as_their_python_values(ckdir):
@@ -253,3 +253,46 @@ def test_numpy_scalars_in_a_log_history_are_snapshotted_as_their_python_values(c
             ck.save(2, {"x": bad})
     with pytest.raises(pickle.UnpicklingError, match="names builtins.eval"):
         thaw(pickle.dumps([eval], protocol=5))
+
+
+# -- adversarial review (adv): each failed before its fix ------------------------------------
+def test_a_pickle_buffer_in_a_large_container_is_refused_by_save_as_in_a_small_one(ckdir):
+    """The C pickler writes a ``PickleBuffer`` itself (no ``reducer_override``): frozen, it came
+    back as a bytearray (or bytes), a type the walk refuses; now refused alike, naming the key."""
+    for buf in (pickle.PickleBuffer(bytearray(b"ab")), pickle.PickleBuffer(b"ab")):
+        for n in (1, N):
+            with zerostall.Checkpointer(ckdir) as ck:
+                with pytest.raises(UnsupportedStateError, match=r"'cfg\.0' holds a pickle\.PickleBuffer"):
+                    ck.save(1, {"cfg": [buf] + list(range(n - 1))})
+        assert freeze([buf] * N) is None
+    assert LocalTier(ckdir).steps() == []
+
+
+def _nested(depth: int) -> list:
+    x: list = [0]
+    for _ in range(depth):
+        x = [x]
+    return x
+
+
+def _wrapped(x: object, depth: int) -> object:
+    for _ in range(depth):
+        x = [x]
+    return x
+
+
+def test_a_frozen_container_too_deep_where_it_sits_fails_whatever_was_encoded_before(ckdir):
+    """The same snapshot bytes at two depths: the encoding reused for equal bytes (in one save,
+    and from the last save) skipped the depth check of the deeper one, so a state nested past
+    200 was saved or refused depending on what sat beside it or was saved before."""
+    cfg = [_nested(150) for _ in range(N)]  # plain at depth 1; past 200 at depth 101
+    deep = _wrapped(cfg, 100)
+    for i, before in enumerate(([], [{"cfg": cfg}])):  # beside it in one save; saved the step before
+        with zerostall.Checkpointer(f"{ckdir}{i}") as ck:
+            for step, state in enumerate(before, 1):
+                ck.save(step, state).result()
+            _fails_with(ck.save(5, {"cfg": cfg, "deep": deep} if not before else {"deep": deep}),
+                        r"nested deeper than 200 at 'deep\.0\.0")
+            assert LocalTier(f"{ckdir}{i}").steps() == list(range(1, len(before) + 1))
+    with zerostall.Checkpointer(f"{ckdir}-alone") as ck:  # as it fails alone
+        _fails_with(ck.save(1, {"deep": deep}), r"nested deeper than 200 at 'deep\.0\.0")

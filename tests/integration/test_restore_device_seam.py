@@ -280,3 +280,24 @@ def test_the_scratch_is_pinned_once_kept_from_forks_and_copies_cut_at_its_regist
             cp._pieces(a.address + (4 << 20) - 10, 20)
     finally:
         a.close()
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_a_device_copy_failing_after_the_gate_leaves_every_cpu_destination_as_it_was(tmp_path, fake, monkeypatch,
+                                                                                     fraction):
+    """(adv) An in-place load of CPU and device destinations whose staged device copy fails
+    after the gate (a device fault): the CPU destinations swapped in were rolled back while
+    the staged ones had been copied in meanwhile, so the caller's CPU tensors were left half
+    of the old step and half of the new. Now the device copy runs first: a fault leaves every
+    CPU destination as it was (the device ones may be part written, as documented)."""
+    monkeypatch.setattr(stream, "ADAPTIVE", False)  # the windows' fate fixed by the fraction
+    monkeypatch.setattr(stream, "ROLLBACK_FRACTION", fraction)  # CPU windows swapped / staged
+    monkeypatch.setattr(device_copy.CudaCopier, "_pieces", lambda self, src, n: (_ for _ in ()).throw(
+        RuntimeError("injected: device fault")))
+    root = _ck(tmp_path)
+    cpu = {"model.w", "model.emb", "model.b", "optim.m", "optim.s"}
+    sd, before = _dest(), _dest()
+    with pytest.raises(RuntimeError, match="device fault"):
+        _read(root, 2, _flat(sd), True, 32 << 20, cpu=cpu)
+    got, old = _flat(sd), _flat(before)
+    assert {k for k in cpu if not torch.equal(got[k], old[k])} == set()

@@ -110,3 +110,42 @@ def test_a_failing_gate_or_second_read_rolls_the_head_back(tmp_path, monkeypatch
     monkeypatch.setattr(rstep, "read_later", real)
     _load(root, "threads", sd)
     assert equal(sd, _state(2.0))
+
+
+def test_a_second_read_failing_part_way_says_the_state_is_part_loaded(tmp_path, monkeypatch):
+    """(adv) The tail's second read writes the caller's tensors as it goes (no memory to keep
+    their old bytes): when it fails part way (EIO on the disk, after the step verified), the
+    head was rolled back but the tail items already read stayed new, and the error said
+    nothing about it (a CorruptCheckpoint, as for a step that changed nothing). The error
+    now says the state dict is part loaded (the caller must load again); the head is still
+    rolled back when no tail byte was written (test above)."""
+    import dataclasses
+    import errno
+    monkeypatch.setattr(rstep, "HEAD_FRACTION", 0.3)
+    root = str(tmp_path / "ck")
+    zerostall.save(root, _state(2.0), step=2)
+    real = rstep.read_later
+    last = max(e.offset + e.nbytes for e in LocalTier(root).read_manifest(2).tensors)
+
+    class Failing:  # the shard's reader: the second pass's read of the step's last bytes fails (a disk error)
+        def __init__(self, f):  # the windows before it were checked and copied in before its error is seen
+            self.f, self.fd = f, getattr(f, "fd", None)
+
+        def read(self, extents):
+            if any(off + len(mv) >= last for off, mv in extents):
+                raise OSError(errno.EIO, "injected: Input/output error")
+            return self.f.read(extents)
+
+        def close(self):
+            self.f.close()
+
+    def read_later(files, *a, **kw):
+        files = [dataclasses.replace(fr, open=lambda o=fr.open: Failing(o())) for fr in files]
+        return real(files, *a, **kw)
+    monkeypatch.setattr(rstep, "read_later", read_later)
+    sd = clone(_state(1.0))
+    before = clone(sd)
+    with pytest.raises(CorruptCheckpoint, match="part loaded") as got:
+        _load(root, "threads", sd)
+    assert "Input/output error" in str(got.value) and "not modified" not in str(got.value) and got.value.part_loaded
+    assert not equal(sd, before)  # what the message says: some of it is the new step's

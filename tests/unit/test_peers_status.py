@@ -63,3 +63,24 @@ def test_doctor_says_which_holder_is_near_or_over_its_quota(tmp_path):
     assert rows["peer_quota n2"][2] == "warn" and "near its quota" in rows["peer_quota n2"][3]
     assert rows["peer_quota n3"][2] == "warn" and "over its quota" in rows["peer_quota n3"][3]
     assert "peers.quota_bytes" in rows["peer_quota n3"][3]
+
+
+def test_ls_and_doctor_skip_a_damaged_usage_entry_instead_of_crashing(tmp_path, capsys):
+    """(adv) The status hint is read leniently (bad JSON: no hint), but a usage entry whose
+    numbers are not numbers (a damaged or hand-edited file, another version's) made ``zerostall
+    ls`` and ``doctor`` die with a TypeError traceback; now that node's usage is reported
+    as unreadable and the others as before."""
+    root = _root(tmp_path)
+    p = status.path(root)
+    with open(p) as f:
+        doc = json.load(f)
+    doc["usage"]["n1"] = {"used_bytes": [1], "quota_bytes": "big"}
+    doc["usage"]["n3"] = "not a dict"
+    with open(p, "w") as f:
+        json.dump(doc, f)
+    assert main(["ls", root]) == 0
+    out = capsys.readouterr().out
+    assert "n1: usage unreadable" in out and "n2: 60.0 MiB of 100.0 MiB" in out
+    rows = {name: (value, st) for name, value, st, _ in status.doctor_checks(root, timeout_s=0.2)}
+    assert rows["peer_quota n1"] == ("usage unreadable", "warn")
+    assert rows["peer_quota n2"][1] == "warn" and "peer_quota n3" not in rows

@@ -21,7 +21,7 @@ JSON is encoded by the ordinary rules of :func:`.tree.encode_tree`. What only th
 find (an int over ``MAX_INT_BITS``, a dict key no rule stores, nesting past ``MAX_DEPTH``, a
 manifest over its limit) fails the save: ``handle.result()`` raises ``SaveFailed`` caused by the
 :class:`~zerostall.errors.UnsupportedStateError` naming the key. A slice whose bytes equal the
-previous save's reuses that save's encoding.
+previous save's at the same depth reuses that save's encoding.
 """
 
 from __future__ import annotations
@@ -95,9 +95,15 @@ its last slices (the others' bytes are the previous save's)."""
 PROBE_ITEMS = 64
 
 
+def _no_buffer(buf: pickle.PickleBuffer) -> bool:
+    # the C pickler writes a PickleBuffer itself (no reducer_override): it would thaw as a
+    # bytearray or bytes, a type change the walk refuses (naming the key)
+    raise _Refuse
+
+
 def _dump(x: Any) -> bytes | None:
     buf = io.BytesIO()
-    p = _Pickler(buf, protocol=5)
+    p = _Pickler(buf, protocol=5, buffer_callback=_no_buffer)
     p.fast = True  # no memo: each object written where it occurs; cycles raise ValueError
     try:
         p.dump(x)
@@ -173,15 +179,16 @@ class DeferredTree:
     ``skeleton``: :func:`skeleton_json` of ``tree`` and ``frozen``. ``encode(obj, path)``
     encodes one thawed container that is not plain JSON (:func:`.tree.encode_tree`'s rules);
     ``check(tree, tree_json)`` raises if the manifest would be too large. ``prev``: the
-    previous save's ``{slice: (copy, json or None)}``, reused for unchanged slices; this save's
-    are collected in :attr:`memo` (handed to the next save by the plan cache)."""
+    previous save's ``{(depth, slice): (copy, json or None)}``, reused for unchanged slices;
+    this save's are collected in :attr:`memo` (handed to the next save by the plan cache)."""
 
     def __init__(self, tree: Any, skeleton: str, frozen: list[Frozen], encode: Callable[[Any, tuple[Any, ...]], Any],
-                 check: Callable[[Any, str], None], prev: dict[bytes, tuple[Any, str | None]] | None = None):
+                 check: Callable[[Any, str], None],
+                 prev: dict[tuple[int, bytes], tuple[Any, str | None]] | None = None):
         self._tree, self._skeleton, self._frozen = tree, skeleton, frozen
         self._encode, self._check = encode, check
         self._prev = prev or {}
-        self.memo: dict[bytes, tuple[Any, str | None]] = {}
+        self.memo: dict[tuple[int, bytes], tuple[Any, str | None]] = {}
         self._lock = threading.Lock()
         self._done: tuple[Any, str] | None = None
         self._error: BaseException | None = None
@@ -202,12 +209,14 @@ class DeferredTree:
             return self._done  # type: ignore[return-value]
     def _part(self, data: bytes, depth: int) -> tuple[Any, str | None]:
         """(the slice's private copy, its JSON if it is plain JSON else None), the previous
-        save's if the bytes are equal."""
-        got = self.memo.get(data) or self._prev.get(data)
+        save's if the bytes are equal at the same depth (whether it is plain depends on both:
+        nesting past the limit)."""
+        key = (depth, data)
+        got = self.memo.get(key) or self._prev.get(key)
         if got is None:
             obj = thaw(data)
             got = (obj, json.dumps(obj, separators=(",", ":"), allow_nan=False) if is_plain(obj, depth) else None)
-        self.memo[data] = got
+        self.memo[key] = got
         return got
 
     def _piece(self, f: Frozen) -> tuple[Any, str]:

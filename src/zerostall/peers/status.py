@@ -89,12 +89,13 @@ def _usage(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def quota_state(u: dict[str, Any]) -> tuple[str, str]:
     """``(text, verdict)`` for one node's usage: verdict ``ok``, ``near`` (the next round of
     copies, ``next_bytes`` more, would not fit), ``over`` (more held than the quota, or copies
-    refused) or ``none`` (no quota)."""
-    used, quota, nxt = int(u.get("used_bytes") or 0), u.get("quota_bytes"), int(u.get("next_bytes") or 0)
-    refused = int(u.get("refused") or 0)
+    refused), ``none`` (no quota) or ``bad`` (the hint's numbers are not counts)."""
+    nums = [u.get(k) for k in ("used_bytes", "quota_bytes", "next_bytes", "refused")]
+    if not all(v is None or (type(v) is int and v >= 0) for v in nums):  # a damaged hint: say so, go on
+        return "usage unreadable", "bad"
+    used, quota, nxt, refused = nums[0] or 0, nums[1], nums[2] or 0, nums[3] or 0
     if quota is None:
         return f"{human_bytes(used)} of peers' copies (no quota)", "none"
-    quota = int(quota)
     text = f"{human_bytes(used)} of {human_bytes(quota)} quota ({100 * used / max(quota, 1):.0f}%)"
     if refused:
         text += f", {refused} copies refused"
@@ -158,7 +159,9 @@ def doctor_checks(root: str, timeout_s: float = 1.0) -> list[tuple[str, Any, str
         advice = {"near": "near its quota: the next copies may be refused and steps left unprotected; raise "
                           "peers.quota_bytes / peers.quota_fraction on that node or lower keep_last",
                   "over": "over its quota: copies are refused and steps left unprotected; raise "
-                          "peers.quota_bytes / peers.quota_fraction on that node or lower keep_last"}.get(verdict, "")
+                          "peers.quota_bytes / peers.quota_fraction on that node or lower keep_last",
+                  "bad": f"the usage hint in {path(root)} is damaged; the next step's copies record it again",
+                  }.get(verdict, "")
         out.append((f"peer_quota {node}", text, "warn" if advice else "ok", advice))
     for node, ep in sorted(doc.get("endpoints", {}).items()):
         host, _, port = ep.rpartition(":")

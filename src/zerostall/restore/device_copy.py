@@ -36,8 +36,9 @@ rate: after the gate it adds 5-10% of the read time, while a swap would add devi
 memory traffic next to the caller's kernels and a rollback path that could itself fail half
 way on the device. Staged, a failed step has touched no device byte: the rollback is empty.
 A copy that fails *after* the gate (a device fault, not the checkpoint's) raises and may
-leave the destinations part written, as a failing memmove could. New tensors (nothing to
-protect) are copied as soon as their window verified, overlapped with the reads, and the
+leave the CUDA destinations part written; the CPU ones of the same load are then as they
+were (the device copies run before the staged CPU copies, see :func:`copy_staged`). New
+tensors (nothing to protect) are copied as soon as their window verified, overlapped with the reads, and the
 ring slot is freed once the copy's event completed.
 """
 
@@ -214,12 +215,11 @@ class CudaCopier:
 
 def copy_staged(host: Sequence[HostJob], dev: Sequence[DeviceJob], copier: CudaCopier | None) -> None:
     """The staged part of an in-place load, once every byte verified and the gate passed
-    (caller's thread): the CPU destinations' by two threads (:meth:`HostCopier.copy_split`),
-    the CUDA ones' meanwhile on a thread of their own. Raises what a copy raised."""
-    if not dev or copier is None:
-        HostCopier.copy_split(host)
-        return
-    with ThreadPoolExecutor(1, thread_name_prefix="zerostall-restore-copy") as ex:
-        done = ex.submit(copier.copy, dev)
-        HostCopier.copy_split(host)
-    done.result()
+    (caller's thread): the CUDA destinations' first, then the CPU ones' by two threads
+    (:meth:`HostCopier.copy_split`). Raises what a copy raised. In that order because a device
+    copy can fail (a device fault) and a memmove cannot: a device failure then leaves every
+    CPU destination as it was (the swapped ones rolled back by the caller, the staged ones not
+    written yet), not half of them the new step's (they were copied in meanwhile)."""
+    if dev and copier is not None:
+        copier.copy(dev)
+    HostCopier.copy_split(host)

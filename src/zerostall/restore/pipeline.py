@@ -77,6 +77,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
     refetched: set[int] = set()
     seen_local: dict[int, Any] = {}  # step -> identity of the local manifest this load tried
     errors: list[str] = []
+    part_loaded = False  # a failed step wrote part of the state dict (CorruptCheckpoint.part_loaded)
     try:
         while True:
             steps = tier.listed_steps()  # damaged ones too: each is tried and its defect reported
@@ -132,6 +133,7 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
                     except Exception as fexc:  # noqa: BLE001 - reported below with the original defect
                         log.error("zerostall: fetching step %d again failed: %s", bad_ref, fexc)
                 reason = str(exc) if isinstance(exc, ZerostallError) else f"{type(exc).__name__}: {exc}"
+                part_loaded = part_loaded or getattr(exc, "part_loaded", False)
                 log.error("zerostall: step %d (%s copy) failed: %s", s, src, reason)
                 errors.append(f"step {s} ({src}): {reason}")
                 if fetched and isinstance(exc, CorruptCheckpoint):
@@ -162,8 +164,9 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
             extra = f" ({len(parts)} unfinished .partial directories)" if parts else ""
             raise CheckpointNotFound(f"no committed checkpoint in {where}{extra}")
         raise CorruptCheckpoint(f"no checkpoint in {tier.root!r} verifies: " + "; ".join(errors) +
-                                (" The state dict was not modified." if state_dict is not None else ""),
-                                path=tier.root)
+                                ("" if state_dict is None else " The state dict is part loaded: load a step into it "
+                                 "again." if part_loaded else " The state dict was not modified."),
+                                path=tier.root, part_loaded=part_loaded)
     finally:
         if own_engine and engine is not None:
             engine.close()

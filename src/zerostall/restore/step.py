@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..config import IOConfig
-from ..errors import CorruptCheckpoint, StateMismatchError
+from ..errors import CorruptCheckpoint, StateMismatchError, ZerostallError
 from ..format.dtypes import dtype_from_name
 from ..format.layout import PAGE_ITEM_BYTES, ShardHeader
 from ..format.manifest import Manifest, TensorEntry
@@ -215,8 +215,18 @@ def read_later(files: list[FileRead], first: Stats, ring: Any, io: IOConfig, ver
         return []
     later = [FileRead(files[k].path, files[k].file_bytes, files[k].header, files[k].items, files[k].dsts,
                       files[k].open, wanted=first.later[k], device=files[k].device) for k in ks]
-    return [Plan(later, io, in_place=False).run(ring, verify=verify,
-                                                idents={j: idents[k] for j, k in enumerate(ks) if k in idents})]
+    plan = Plan(later, io, in_place=False)
+    try:
+        return [plan.run(ring, verify=verify, idents={j: idents[k] for j, k in enumerate(ks) if k in idents})]
+    except Exception as exc:
+        if plan.stats is None or not plan.stats.written_bytes:
+            raise  # nothing of the state dict written: the head rolls back, it is as it was
+        # the tail is written as it verifies (no memory for its old bytes): say so, never "not modified"
+        reason = str(exc) if isinstance(exc, ZerostallError) else f"{type(exc).__name__}: {exc}"
+        raise CorruptCheckpoint(
+            f"{later[0].path}: the second read of this step (larger than the restore scratch) failed after "
+            f"writing up to {plan.stats.written_bytes} bytes of the state dict ({reason}); the state dict is "
+            "part loaded: load a step into it again", path=later[0].path, part_loaded=True) from exc
 
 
 HEAD_FRACTION = 0.5

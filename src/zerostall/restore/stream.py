@@ -103,6 +103,8 @@ class Stats:
     """A split read (``Plan.run(head=)``): protected items checked but not delivered, per file."""
     device_bytes: int = 0
     """Bytes copied into CUDA memory."""
+    written_bytes: int = 0
+    """Bytes handed to the copiers for unprotected destinations (written as they verify)."""
 
 
 class Plan:
@@ -115,6 +117,8 @@ class Plan:
         wins = plan_windows(files, self.w)
         self.ring_bytes = sum(x.n for x in wins if x.kind == "ring")
         """Bytes read through scratch memory (the rest lands in its destination directly)."""
+        self.stats: Stats | None = None
+        """The last :meth:`run`'s, also when it raised (what it had written)."""
 
     def need_bytes(self) -> int:
         """Scratch for full-size windows: the ring, or (in place) a place for every window."""
@@ -165,6 +169,7 @@ class Plan:
         run = _Run(self.files, wins, scratch, w, slots, verify, gate, {} if idents is None else idents)
         run.then, run.split = then, head is not None
         run.stats.fraction, run.stats.window_bytes = fraction, w
+        self.stats = run.stats
         return run.go()
 
 
@@ -293,6 +298,7 @@ class _Run:
                 cursors[x.fi].feed(x.off, _mv(x.buf), x.buf, lambda i, d, s, n: self._route(x, i, d, s, n, protect, jobs),
                                    addr=x.buf.data_ptr())
                 if jobs:
+                    self.stats.written_bytes += sum(j[2] for j in jobs if not j[3])  # swap False/None
                     copies.append(copier.submit(self._copies, jobs, x.slot if x.kind == "ring" else -1))
                 elif x.kind == "ring":
                     self._release(x.slot)

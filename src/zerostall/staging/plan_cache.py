@@ -208,7 +208,7 @@ class PlanCache:
         self._numpy: tuple[bool, ...] = ()
         self._in_order = False
         self._devices: set[str] = set()
-        self._memo: dict[bytes, Any] = {}
+        self._memo: dict[tuple[int, bytes], Any] = {}
         """The last save's frozen parts' encodings (:class:`~zerostall.format.frozen.DeferredTree`)."""
 
     def plan(self, state_dict: Any, *, rank: int = 0, world_size: int = 1, replicated: bool = False,
