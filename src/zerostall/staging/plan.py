@@ -114,7 +114,7 @@ def __getattr__(name: str) -> Any:
 
 
 def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicated: bool = False,
-               occurrences: list[int] | None = None, memo: dict[bytes, Any] | None = None,
+               occurrences: list[int] | None = None, memo: dict[tuple[int, bytes], Any] | None = None,
                columns: Any = None) -> SavePlan:
     """Flatten ``state_dict`` and assign every tensor its offset after the header (packed:
     :func:`~zerostall.format.layout.place`, the layout's one rule).
@@ -280,7 +280,7 @@ estimate reaches the manifest limit is encoded on the caller's thread, so ``save
 
 
 def finish_tree(tree: Any, leaves: Any, frozen: list[Frozen], bound: int | None = None,
-                memo: dict[bytes, Any] | None = None, texts: list[Any] | None = None
+                memo: dict[tuple[int, bytes], Any] | None = None, texts: list[Any] | None = None
                 ) -> tuple[Any, str, DeferredTree | None]:
     """(tree, tree_json, lazy) for a plan (caller's thread). Without frozen parts: the tree,
     its JSON and None (the manifest's size checked here). With them: a
