@@ -119,3 +119,12 @@ def write_test_shard(path, payloads, rank, window):
     f.close()
     items = [ShardItem(f"k{i}", o, p.numel(), c) for i, (o, p, c) in enumerate(zip(offsets, payloads, crcs))]
     return header, items, eng, buf
+
+
+def two_steps(tmp_path, state):
+    """A root under ``tmp_path`` with steps 1 and 2 saved from ``state(1.0)`` and ``state(2.0)``."""
+    import zerostall
+    root = str(tmp_path / "ck")
+    zerostall.save(root, state(1.0), step=1)
+    zerostall.save(root, state(2.0), step=2)
+    return root

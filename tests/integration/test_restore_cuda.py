@@ -10,7 +10,6 @@ tensor and ``copy_`` afterwards). Written without a device at hand: small tensor
 timing, every value compared bit for bit.
 """
 
-import os
 
 import pytest
 import torch
@@ -20,8 +19,8 @@ from zerostall.errors import CorruptCheckpoint, DistributedError
 from zerostall.restore import load as restore_load
 from zerostall.restore import step as rstep
 from zerostall.staging.arena import Arena
-from zerostall.store.local import LocalTier
-from tests.helpers import flip_byte
+from tests.helpers import two_steps
+from tests.integration.test_restore_pipeline import _flip_tensor
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
 
@@ -64,16 +63,11 @@ def small_bounce():
 
 
 def _ck(tmp_path):
-    root = str(tmp_path / "ck")
-    zerostall.save(root, _state(1.0), step=1)
-    zerostall.save(root, _state(2.0), step=2)
-    return root
+    return two_steps(tmp_path, _state)
 
 
 def _flip(root, step, key, at=1000):
-    man = LocalTier(root).read_manifest(step)
-    e = next(t for t in man.tensors if t.key == key)
-    flip_byte(os.path.join(root, f"step-{step}", e.file), e.offset + at)
+    _flip_tensor(root, step, key, at)
 
 
 def test_in_place_into_cuda_tensors_is_bit_exact_and_goes_through_the_device_copier(tmp_path):

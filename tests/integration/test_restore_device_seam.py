@@ -16,7 +16,6 @@ import threading
 import pytest
 import torch
 
-import zerostall
 from zerostall.config import IOConfig
 from zerostall.errors import CorruptCheckpoint
 from zerostall.io.base import get_engine
@@ -25,7 +24,7 @@ from zerostall.restore import step as rstep
 from zerostall.restore import stream
 from zerostall.staging.arena import Arena
 from zerostall.store.local import LocalTier
-from tests.helpers import equal
+from tests.helpers import equal, two_steps
 from tests.integration.test_restore_pipeline import SMALL_IO, _dest, _flip_tensor, _state
 
 pytestmark = pytest.mark.timeout(300)
@@ -131,10 +130,7 @@ def _read(root, step, dests, protected, scratch_bytes, gate=None, cpu=()):
 
 
 def _ck(tmp_path):
-    root = str(tmp_path / "ck")
-    zerostall.save(root, _state(1.0), step=1)
-    zerostall.save(root, _state(2.0), step=2)
-    return root
+    return two_steps(tmp_path, _state)
 
 
 def _same(a, b):
@@ -236,7 +232,7 @@ def test_a_device_copy_that_raises_fails_the_load_after_waiting_for_what_was_que
         _read(root, 2, out, False, 1 << 20)
     seq = [w for _, w in fake.log if w in ("copy", "sync")]
     assert seq.count("sync") >= seq.count("copy")  # every copy call waited for its events, the failing one too
-    sd, before = _dest(), _dest()
+    sd = _dest()
     calls.clear()
     with pytest.raises(RuntimeError, match="injected"):  # staged: the failure is after the gate, raised
         _read(root, 2, _flat(sd), True, 32 << 20, cpu={"model.w"})

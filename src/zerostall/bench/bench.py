@@ -50,7 +50,7 @@ from .hostinfo import line_rate, machine, memcpy_gbps
 from .methods import Method, available_methods
 from ..store.files import drop_cache
 from .model import gpt_state_for_size, settle_gc, states_equal
-from .report import _summary, plot, print_table
+from .report import _summary, plot, print_table, write_doc
 
 NUMERIC = ("stall_s", "staged_s", "durable_s", "persist_gbps", "fraction_of_line_rate", "dirty_peak_bytes",
            "writeback_peak_bytes", "psi_io_full_peak", "step_p50_ms", "step_p99_ms", "step_max_ms",
@@ -238,16 +238,6 @@ def error_row(name: str, exc: BaseException) -> dict[str, Any]:
     why = f"{type(exc).__name__}: {exc}"[:500]
     return {"method": name, "repeats": 0, "note": f"failed: {why}", "error": why, "verified": False,
             **{k: None for k in NUMERIC + COLD}, "min": {}, "max": {}}
-
-
-def write_doc(doc: dict[str, Any], path: str | None) -> None:
-    """Write the results document atomically (a kill mid-write leaves the previous one)."""
-    if not path:
-        return
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
 
 
 def free_memory() -> None:

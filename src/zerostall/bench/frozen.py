@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shutil
 import statistics
@@ -43,6 +42,7 @@ from torch import nn
 from .hostinfo import machine
 from ..store.files import drop_cache
 from .model import GPTConfig, TinyGPT, states_equal
+from .report import write_doc
 
 METHODS = ("zerostall-full", "zerostall-incremental", "zerostall-incremental-version", "torch.save", "dcp")
 TARGETS = {"bytes_ratio_max": 0.15, "durable_ratio_max": 0.25, "restore_rate_ratio_min": 0.9}
@@ -342,7 +342,6 @@ def main(a: argparse.Namespace) -> int:
     console.print("ratios in parentheses: to zerostall-full (restore: rate ratio); targets for the incremental "
                   "methods: bytes <= 15%, durable <= 25%, restore rate >= 90%, bit-exact")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_doc(doc, a.json)
         console.print(f"wrote {a.json}")
     return 0 if all(x["bit_exact"] for x in doc["results"]) else 1

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .report import write_doc
 from .restore import _drop, _equal
 
 
@@ -125,7 +126,6 @@ def run_many(n: int, size_gib: float, repeat: int, workdir: str | None, console:
 
 def main(a: Any) -> int:
     """``zerostall bench --scenario many-tensors``."""
-    import json
     import warnings
 
     from rich.console import Console
@@ -143,7 +143,5 @@ def main(a: Any) -> int:
                   f"{zs['staging_bytes_ratio'] or 0:.2f}x; restore new dict {zs['restore_new_dict_s']:.2f} s "
                   f"({r['restore_vs_torch_load']:.2f}x torch.load's {ts['restore_s']:.2f} s), in place "
                   f"{zs['restore_in_place_s']:.2f} s (dcp.load {dc['restore_s']:.2f} s)")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=1)
+    write_doc(doc, a.json)
     return 0 if zs["verified"] and ts["verified"] and dc["verified"] else 1

@@ -44,6 +44,7 @@ import uuid
 from typing import Any, Iterator
 
 from ..errors import ZerostallError
+from .report import write_doc
 
 NODES = 4
 CAP_BYTES = 200_000_000
@@ -237,7 +238,5 @@ def main(a: argparse.Namespace) -> int:
           f"({res['step_ms_saving_replicating_paced'] / idle:.2f}x idle); between durable and protected (only the paced "
           f"copies run) {res['step_ms_replicating_only_paced']:.2f} ms over {res['steps_replicating_only']} steps "
           f"({res['step_ms_replicating_only_paced'] / idle:.2f}x idle)")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    write_doc(res, a.json)
     return 0

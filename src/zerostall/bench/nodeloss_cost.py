@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shutil
 import statistics
 from typing import Any
 
 from .nodeloss import CAP_BYTES, NODES, _ms, _run, workdir
+from .report import write_doc
 
 MODES = ("normal", "nice", "idle")
 
@@ -73,7 +73,5 @@ def main(a: argparse.Namespace) -> int:
         m = res[mode]
         print(f"  median {mode:6s}: {m['replicating_over_idle']:.3f}x idle, nodes 1-3 CPU "
               f"{m['cpu_replicating_s_nodes_1_3']:.2f} s, protected after {m['protected_s']:.2f} s")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    write_doc(res, a.json)
     return 0

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from .report import write_doc
+
 
 def config_tree(mib: float, seed: int = 0) -> dict[str, Any]:
     """A nested config of about ``mib`` MiB of JSON: sections of dicts and lists of str, int,
@@ -240,7 +242,5 @@ def main(a: Any) -> int:
                       f"{r['ratios']['durable_vs_torch_save']:.2f}x torch.save; a training thread's longest pause "
                       f"{r['probe_max_gap_s'] * 1e3:.0f} ms to durable, {r['probe_max_gap_to_result_s'] * 1e3:.0f} ms to result() (torch.save {r['torch_save_probe_max_gap_s'] * 1e3:.0f} ms); "
                       f"verified {r['verified']}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=1)
+    write_doc(doc, a.json)
     return 0 if ok else 1

@@ -3,8 +3,21 @@ the optional plot (caller's thread, after the runs)."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from typing import Any
+
+
+def write_doc(doc: dict[str, Any], path: str | None) -> None:
+    """Write a bench results document (every scenario's ``--json``) atomically: a kill mid-write leaves
+    the previous one."""
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
 
 
 def _summary(row: dict[str, Any]) -> str:

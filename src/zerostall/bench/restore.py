@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import IOConfig
+from .report import write_doc
 
 
 def _flat(state: Any) -> list[torch.Tensor]:
@@ -195,7 +196,6 @@ def print_restore(doc: dict[str, Any], console: Any) -> None:
 
 def main(a: Any) -> int:
     """``zerostall bench --scenario restore``."""
-    import json
     import warnings
 
     from rich.console import Console
@@ -204,7 +204,6 @@ def main(a: Any) -> int:
     doc = run_restore_bench(a.size_gib, a.repeat, a.dir, None, console, device=getattr(a, "device", "cpu"))
     print_restore(doc, console)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_doc(doc, a.json)
         console.print(f"wrote {a.json}")
     return 0 if all(r["verified"] for r in doc["results"]) else 1
