@@ -57,6 +57,24 @@ def test_probe_keeps_the_faster_page_size(monkeypatch, slow_huge):
         a.close()
 
 
+def test_a_small_first_fault_leaves_the_probe_to_the_first_large_one(monkeypatch):
+    # a first ask under two probes (a first save's small ring) used to settle on huge pages
+    # unprobed, for good: huge pages that fault slower were then never given up
+    monkeypatch.setattr(arena_mod, "PROBE_RATIO", 0.0)  # huge pages always count as slower
+    n = 8 * PROBE_BYTES
+    a = Arena(n, mlock=False, hugepages=True, prefault=False)
+    try:
+        a.fault_to(PROBE_BYTES // 2)
+        a.wait_ready(PROBE_BYTES // 2)
+        assert a.pages == "probing"
+        a.fault_to(n)
+        a.wait_ready(n)
+        assert a.pages == "4k"
+        assert any("nh" in fl for lo, hi, fl in _flags(a) if hi == a.nbytes)  # the rest on 4 KiB pages
+    finally:
+        a.close()
+
+
 def test_no_probe_without_huge_pages_or_for_a_small_arena():
     a = Arena(4 << 20, mlock=False, hugepages=False)
     assert a.pages == "4k" and not any("hg" in fl or "nh" in fl for _, _, fl in _flags(a))

@@ -1,9 +1,10 @@
 """The copy stage of the restore read pipeline: moving verified bytes out of the scratch.
 
 The seam between :mod:`.stream` (which reads, checks and decides *when* bytes may reach a
-destination) and *how* they get there. Called by :class:`.stream._Run`: ``copy``/``swap``
-from its copier threads (``zerostall-restore-copy``), ``deferred`` (after the gate) and
-``rollback`` (on failure) from the caller's thread. Two copiers share that pipeline logic:
+destination) and *how* they get there. Called by :class:`.stream._Run`: ``copy`` (both
+copiers) and :meth:`HostCopier.swap` from its copier threads (``zerostall-restore-copy``),
+:func:`copy_staged` (after the gate), :meth:`HostCopier.rollback` (on failure) and
+:meth:`CudaCopier.sync` (at the end) from the caller's thread. Two copiers:
 
 - :class:`HostCopier`: CPU destinations, given as addresses; ``ctypes.memmove`` (which
   releases the GIL), never a torch op (see :mod:`..staging.snapshot` on OpenMP teams).
@@ -104,10 +105,6 @@ class HostCopier:
         for dst, old, n in reversed(swapped):
             ctypes.memmove(dst, old, n)
 
-    @staticmethod
-    def sync() -> None:
-        """Nothing in flight: memmove is synchronous."""
-
 
 def cuda_target(map_location: Any) -> torch.device | None:
     """The CUDA device a new-dict load's tensors end on, when ``map_location`` names one (a
@@ -200,13 +197,6 @@ class CudaCopier:
             events.append(ev)
         for ev in events:
             ev.synchronize()  # releases the GIL
-
-    def swap(self, dst: Any, src: int, n: int, swapped: list[Any]) -> None:
-        raise NotImplementedError("protected CUDA destinations are staged, never swapped (see the module doc)")
-
-    @staticmethod
-    def rollback(swapped: Sequence[Any]) -> None:
-        """Nothing to undo: no protected device byte is written before the gate."""
 
     def sync(self) -> None:
         """Wait for every copy queued on the side streams (none should be left)."""

@@ -190,7 +190,6 @@ class _Run:
         self.stats = Stats(windows=len(wins), bytes_read=sum(x.n for x in wins))
         self.then: Callable[[Stats], None] | None = None
         self.split = False
-        self.host = HostCopier()
         devices = {t.device.index for fr in files for t in fr.device.values()}
         self.dev = CudaCopier(scratch, devices) if devices else None
 
@@ -272,7 +271,7 @@ class _Run:
 
     def _swap(self, dst: int, src: int, n: int) -> None:
         """Exchange the caller's bytes at ``dst`` with the verified window's at ``src``."""
-        self.host.swap(dst, src, n, self.swapped)
+        HostCopier.swap(dst, src, n, self.swapped)
 
     # -- the checking (caller's) thread --------------------------------------------------------
     def go(self) -> Stats:
@@ -325,7 +324,7 @@ class _Run:
                 self.dev.sync()  # nothing in flight from the scratch or into a tensor once we return
                 self.stats.device_bytes = self.dev.copied
             if not ok:
-                self.host.rollback(self.swapped)
+                HostCopier.rollback(self.swapped)
         return self.stats
 
     def _route(self, x: _Win, i: int, dst: int, src: int, n: int, protect: set[int],

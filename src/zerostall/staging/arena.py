@@ -46,11 +46,10 @@ from typing import Any
 import torch
 
 from .._util import memlock_fix, node_leader, run_in_fresh_thread, swap_total_bytes
-from .memory import MADV_NOHUGEPAGE, _libc, _unforked, populate, probe_pages
+from .memory import MADV_HUGEPAGE, MADV_NOHUGEPAGE, _libc, _unforked, populate, probe_pages
 
 log = logging.getLogger("zerostall")
 
-MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 MADV_DONTNEED, MADV_DONTFORK = getattr(mmap, "MADV_DONTNEED", 4), getattr(mmap, "MADV_DONTFORK", 10)
 PROBE_BYTES, PROBE_RATIO = 8 << 20, 2.0
 """An arena advised huge pages faults this many bytes of each page size first, and uses 4 KiB
@@ -206,10 +205,14 @@ class Arena:
                 self._call_bytes = max(FAULT_CALL_MIN_BYTES, min(FAULT_CHUNK_BYTES, fit))
 
     def _probe_pages(self, off: int, n: int) -> int:
-        """Fault both page sizes first (:func:`.memory.probe_pages`); returns the bytes faulted."""
-        self.pages = "huge"
+        """Fault both page sizes first (:func:`.memory.probe_pages`); returns the bytes faulted.
+        A smaller ask is faulted unprobed and the arena stays ``"probing"`` until one is large
+        enough (else a small first ask would keep huge pages, however slow, for good)."""
         if n < 2 * PROBE_BYTES:
+            if self.nbytes - off < 2 * PROBE_BYTES:  # no room left for a probe: huge pages as advised
+                self.pages = "huge"
             return 0
+        self.pages = "huge"
         huge_rate, self._small_rate = probe_pages(self.address, self.nbytes, off, PROBE_BYTES, self._fault_once)
         if huge_rate * PROBE_RATIO < self._small_rate:  # the 4 KiB probe stays as it is
             self._use_small(off + 2 * PROBE_BYTES, f"{huge_rate / 1e9:.2f} GB/s")
