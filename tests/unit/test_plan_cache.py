@@ -221,3 +221,24 @@ def test_values_only_rebuild_still_refuses_what_a_fresh_plan_refuses():
         pc.plan(st)
     st["n"] = 3
     assert '"n"' in pc.plan(st).tree_json
+
+
+def test_a_first_plan_freezes_each_config_container_once(monkeypatch):
+    # the plan cache's walk snapshots a large builtin container; the first plan it builds reuses
+    # that snapshot instead of pickling the container a second time on the caller's thread
+    from zerostall.format import frozen as frozen_mod, tree as tree_mod
+    from zerostall.staging import plan_cache as pc_mod
+    from zerostall.staging.plan import PlanCache, build_plan
+    calls = []
+    real = frozen_mod.freeze
+
+    def counting(x, *a, **k):
+        calls.append(id(x))
+        return real(x, *a, **k)
+    monkeypatch.setattr(tree_mod, "freeze", counting)
+    monkeypatch.setattr(pc_mod, "freeze", counting)
+    config = {f"k{i}": [i, str(i), float(i)] for i in range(40)}
+    st = {"model": {"w": torch.ones(4)}, "config": config}
+    plan = PlanCache().plan(st)
+    assert calls.count(id(config)) == 1, calls
+    assert plan.lazy is not None and plan.lazy.result()[1] == build_plan(st).lazy.result()[1]  # the same JSON

@@ -50,7 +50,7 @@ except ImportError:  # pragma: no cover - numpy ships with torch
 from ..errors import CorruptCheckpoint, UnsupportedStateError
 from .validate import MAX_INT_BITS, NotPlain, plain_copy
 from . import objects
-from .bulk import TENSOR_TYPES as _TENSOR_TYPES, TEXT_MIN, Columns, bulk_tensors, known_node, pairs_json
+from .bulk import BULK_MIN, TENSOR_TYPES as _TENSOR_TYPES, TEXT_MIN, Columns, bulk_tensors, known_node, pairs_json
 from .frozen import FREEZE_MIN, Frozen, freeze
 from .nodes import remap_tree, tensor_paths, tree_tensor_indices  # noqa: F401 - re-exported
 
@@ -261,7 +261,7 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int]
             if known is not None and (node := known_node(x, known, met)) is not None:
                 return node
             got = None
-            if depth < MAX_DEPTH:
+            if depth < MAX_DEPTH and len(x) >= BULK_MIN:  # (no column slices for the many small dicts)
                 got = bulk_tensors(x, seen, columns and tuple(c[met[0]:met[0] + len(x)] for c in columns))
             if got is not None:  # all plain tensors: what tensor_index does, attribute by attribute in bulk
                 keys, tensors, idents = got

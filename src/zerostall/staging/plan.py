@@ -115,17 +115,19 @@ def __getattr__(name: str) -> Any:
 
 def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicated: bool = False,
                occurrences: list[int] | None = None, memo: dict[tuple[int, bytes], Any] | None = None,
-               columns: Any = None) -> SavePlan:
+               columns: Any = None, snapshots: dict[int, Any] | None = None) -> SavePlan:
     """Flatten ``state_dict`` and assign every tensor its offset after the header (packed:
     :func:`~zerostall.format.layout.place`, the layout's one rule).
 
     With ``replicated`` (every rank holds the same state), this rank's plan holds only the
     tensors it owns (:func:`owners_by_size`); ``PlanItem.index`` stays the global index.
-    ``occurrences`` and ``columns``: see :func:`encode_tree`; ``memo``: see :func:`finish_tree`.
+    ``occurrences``, ``columns`` and ``snapshots`` (the plan cache's walk already froze those
+    containers): see :func:`encode_tree`; ``memo``: see :func:`finish_tree`.
     """
     frozen: list[Frozen] = []
     texts: list[tuple[dict[str, Any], str]] = []
-    tree, all_leaves = encode_tree(state_dict, occurrences, frozen=frozen, columns=columns, texts=texts)
+    tree, all_leaves = encode_tree(state_dict, occurrences, frozen=frozen, columns=columns, texts=texts,
+                                   snapshots=snapshots)
     tree, tree_json, lazy = finish_tree(tree, all_leaves, frozen, memo=memo, texts=texts)
     owner = owners_by_size(all_leaves, world_size) if replicated and world_size > 1 else None
     if owner is None:

@@ -259,7 +259,7 @@ class PlanCache:
             early(nbytes)
         occurrences: list[int] = []
         plan = build_plan(state_dict, rank=rank, world_size=world_size, replicated=replicated,
-                          occurrences=occurrences, memo=self._memo,
+                          occurrences=occurrences, memo=self._memo, snapshots=snapshots,
                           columns=(tensors, *tsig) if tsig is not None else None)  # the signature's reads, reused
         self._memo = plan.lazy.memo if plan.lazy is not None else {}
         self._sig = self._plan = None
