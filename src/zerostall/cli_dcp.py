@@ -16,6 +16,7 @@ import re
 import sys
 
 from .errors import CheckpointNotFound, ZerostallError
+from ._util import human_bytes as _human
 
 _STEP_DIR_RE = re.compile(r"^step-(\d{1,19})$")
 
@@ -56,11 +57,6 @@ def _targets(a: argparse.Namespace) -> list[tuple[str, str]]:
         if not steps:
             raise CheckpointNotFound(f"no DCP checkpoint step-{a.step} in {a.path}")
     return [(f"step {s}", d) for s, d in steps]
-
-
-def _human(n: float) -> str:
-    from .cli import _human as h
-    return h(n)
 
 
 def cmd_ls(a: argparse.Namespace) -> int:

@@ -31,9 +31,8 @@ import threading
 
 from ..store.replicate import set_idle_io_priority
 
-__all__ = ["background", "CPU_MODES"]
+__all__ = ["background"]
 log = logging.getLogger("zerostall")
-CPU_MODES = ("idle", "nice", "normal")
 
 
 def background(cpu: str) -> None:
