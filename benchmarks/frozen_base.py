@@ -8,7 +8,7 @@ Usage: python benchmarks/frozen_base.py [--size-gib 0.5] [--repeat 5] [--json FI
 
 import sys
 
-from zerostall.cli import main
+from zerostall.cli.app import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", "--scenario", "frozen-base", *sys.argv[1:]]))

@@ -25,7 +25,7 @@ import torch
 
 from zerostall.format.manifest import FileEntry, Manifest, TensorEntry
 from zerostall.format.tree import decode_tree
-from zerostall.staging.plan import build_plan
+from zerostall.saving.plan import build_plan
 
 
 def _best(fn, repeat: int) -> float:

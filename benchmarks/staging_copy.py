@@ -18,11 +18,11 @@ import time
 import torch
 
 from zerostall.bench.model import gpt_state_for_size
-from zerostall.staging.arena import Arena
-from zerostall.staging.job import Job, SaveRequest, SaveStatus, Slot, Source
-from zerostall.staging.plan import build_plan
-from zerostall.staging.ring import BlockRing
-from zerostall.staging.snapshot import Snapshotter
+from zerostall.memory.arena import Arena
+from zerostall.saving.job import Job, SaveRequest, SaveStatus, Slot, Source
+from zerostall.saving.plan import build_plan
+from zerostall.memory.ring import BlockRing
+from zerostall.saving.snapshot import Snapshotter
 
 
 def stage_once(snap: Snapshotter, ring: BlockRing, arena: Arena, state) -> float:

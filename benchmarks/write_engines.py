@@ -14,7 +14,7 @@ import tempfile
 
 from zerostall.bench.hostinfo import _fio, measure_engine
 from zerostall.config import IOConfig
-from zerostall.staging.arena import Arena
+from zerostall.memory.arena import Arena
 
 
 def main() -> None:

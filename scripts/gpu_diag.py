@@ -62,7 +62,7 @@ def versions():
 @section("pool arena after a CUDA save")
 def pool_after_save():
     import zerostall
-    from zerostall.staging import pool as zpool
+    from zerostall.memory import pool as zpool
     x = torch.randn(64 * MiB, device="cuda")  # 256 MiB
     with tempfile.TemporaryDirectory() as d:
         with zerostall.Checkpointer(d) as ck:
@@ -108,7 +108,7 @@ def _spanning_vs_split(dst, src, n, wrap=lambda fn: fn):
 
 @section("device-to-host bandwidth")
 def d2h():
-    from zerostall.staging.arena import Arena, CUDA_HOST_REGISTER_PORTABLE
+    from zerostall.memory.arena import Arena, CUDA_HOST_REGISTER_PORTABLE
     n = 256 * MiB
     src = torch.randn(n // 4, device="cuda").view(torch.uint8)
     pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
@@ -136,7 +136,7 @@ def h2d():
     """The restore side: H2D GB/s from pageable memory, torch's pinned memory and the
     registered arena (one range; a copy spanning two registrations versus split, as for D2H),
     from one side stream as restore/device_copy.py copies."""
-    from zerostall.staging.arena import Arena, CUDA_HOST_REGISTER_PORTABLE
+    from zerostall.memory.arena import Arena, CUDA_HOST_REGISTER_PORTABLE
     n = 256 * MiB
     dst = torch.empty(n, dtype=torch.uint8, device="cuda")
     s = torch.cuda.Stream()
@@ -166,7 +166,7 @@ def h2d():
 
 @section("fork after cudaHostRegister (no MADV_DONTFORK)")
 def fork_pinned():
-    from zerostall.staging.arena import Arena, CUDA_HOST_REGISTER_PORTABLE
+    from zerostall.memory.arena import Arena, CUDA_HOST_REGISTER_PORTABLE
     n = 512 * MiB
     a = Arena(n, mlock=False, prefault=True)
     ctypes.memset(a.address, 1, n)

@@ -108,7 +108,7 @@ def write_test_shard(path, payloads, rank, window):
     from zerostall.format.layout import ShardHeader, pack_offsets
     from zerostall.format.shard import write_shard
     from zerostall.io import get_engine
-    from zerostall.staging.arena import Arena
+    from zerostall.memory.arena import Arena
     offsets, file_bytes = pack_offsets([p.numel() for p in payloads])
     header = ShardHeader("id", 0, rank, file_bytes)
     eng = get_engine("threads", IOConfig())

@@ -15,7 +15,7 @@ from . import errors
 from .errors import ConfigError, ZerostallError
 from .checkpointer import Checkpointer
 from .config import CheckpointConfig, IOConfig, PeersConfig, StagingConfig
-from .handle import SaveHandle
+from .saving.handle import SaveHandle
 from .format.objects import register_type
 from .restore import load as _load
 from .restore import LoadReport

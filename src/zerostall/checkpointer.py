@@ -35,21 +35,21 @@ from typing import Any
 
 from .config import CheckpointConfig
 from .errors import CheckpointExistsError, ConfigError, SaveFailed, ZerostallError
-from .handle import SaveHandle
-from .inflight import InFlight, step_pre_hook, wait_staged
-from .staging.arena import Arena
-from .staging.memory import budget_bytes
-from .staging.job import Job, SaveRequest, SaveStatus, Slot, Source
-from .staging.plan import check_metadata, check_step
-from .staging.plan_cache import PlanCache, plan_tensors
-from .staging.ring import BlockRing
-from .staging import pool as _pool
-from .staging.snapshot import record_save_events
+from .saving.handle import SaveHandle
+from .saving.inflight import InFlight, step_pre_hook, wait_staged
+from .memory.arena import Arena
+from .memory.host import budget_bytes
+from .saving.job import Job, SaveRequest, SaveStatus, Slot, Source
+from .saving.plan import check_metadata, check_step
+from .saving.plan_cache import PlanCache, plan_tensors
+from .memory.ring import BlockRing
+from .memory import pool as _pool
+from .saving.snapshot import record_save_events
 from .stateful import load_into, unwrap_optimizer
-from .store.persist import Persister
+from .saving.persist import Persister
 from .store.remote import open_tier
 from .store.retention import check_not_referenced
-from .stages import abandoned, build_stages
+from .saving.stages import abandoned, build_stages
 from .telemetry.host import start_sampling_thread
 
 log = logging.getLogger("zerostall")

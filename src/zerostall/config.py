@@ -175,7 +175,7 @@ class CheckpointConfig:
     incremental: bool | str = False
     """Reference tensors unchanged since the last committed step instead of rewriting them:
     ``True`` (= ``"crc"``: version counter as a hint, confirmed by a crc32c of the source),
-    ``"version"`` (version counter only; see :mod:`zerostall.staging.incremental` for what it
+    ``"version"`` (version counter only; see :mod:`zerostall.saving.incremental` for what it
     can miss) or ``False``. Off by default: retention then keeps exactly ``keep_last`` steps
     and no step depends on another's file."""
     full_every: int | None = 10

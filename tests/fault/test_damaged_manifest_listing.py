@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import zerostall
-from zerostall.cli import main
+from zerostall.cli.app import main
 from zerostall.format.manifest import MANIFEST_NAME
 from zerostall.store.local import LocalTier
 from zerostall.store.sharedfs import FileTier

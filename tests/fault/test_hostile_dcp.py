@@ -244,7 +244,7 @@ def test_good_ones_load(good, good_fsw):
 
 
 def test_cli_on_hostile_metadata_does_not_hang(good, tmp_path, capsys):
-    from zerostall.cli import main
+    from zerostall.cli.app import main
     path = _copy(good, tmp_path)
     os.unlink(os.path.join(path, ".metadata"))
     os.mkfifo(os.path.join(path, ".metadata"))

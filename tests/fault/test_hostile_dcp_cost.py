@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from zerostall.dcp import Reader, Writer
-from zerostall.distributed import dcp_meta
+from zerostall.integrations import dcp_meta
 from zerostall.errors import CorruptCheckpoint
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning")]

@@ -20,7 +20,7 @@ from zerostall.cli import main as cli
 from zerostall.format.manifest import MANIFEST_NAME
 from zerostall.store.local import LocalTier
 from zerostall.store.remote import open_tier
-from zerostall.store.replicate import Replicator
+from zerostall.saving.upload import Replicator
 from zerostall.store.retention import RetentionPolicy
 
 pytestmark = pytest.mark.timeout(600)
@@ -276,7 +276,7 @@ def test_a_step_overwritten_locally_while_it_uploads_is_never_committed_torn(tmp
     shard it uploads is the second copy's. It must not commit the first copy's manifest over
     it (the old code did: a torn remote step, its handle marked replicated); the next pass
     uploads the second copy."""
-    import zerostall.store.replicate as replicate
+    import zerostall.saving.upload as replicate
     local = str(tmp_path / "local")
     url = f"{base_url}/swap"
     if remote_had_it:  # an earlier copy of step 2 is on the remote (replaced meanwhile)

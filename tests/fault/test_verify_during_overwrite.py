@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import zerostall
-from zerostall import cli, cli_verify
+from zerostall.cli import app as cli, verify as cli_verify
 from zerostall.io.base import choose_engine
 
 pytestmark = pytest.mark.timeout(120)

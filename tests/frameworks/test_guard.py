@@ -12,7 +12,7 @@ import torch
 
 import zerostall
 from tests.helpers import clone, equal
-from zerostall.staging.job import SaveStatus
+from zerostall.saving.job import SaveStatus
 
 
 def _pending(ck):

@@ -79,7 +79,7 @@ def main(argv=None):
     torch.set_num_threads(1)
     os.makedirs(a.outdir, exist_ok=True)
     if a.kill_at_save:
-        from zerostall.distributed.dcp_storage import Writer
+        from zerostall.integrations.dcp_writer import Writer
         finish, seen = Writer.finish, []
 
         def dying_finish(self, metadata, results):

@@ -12,7 +12,7 @@ from zerostall.config import IOConfig
 from zerostall.io.base import get_engine
 from zerostall.restore import load as restore_load
 from zerostall.restore import stream
-from zerostall.staging.arena import Arena
+from zerostall.memory.arena import Arena
 from tests.helpers import clone, equal
 
 pytestmark = pytest.mark.timeout(300)

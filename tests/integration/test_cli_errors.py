@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import zerostall
-from zerostall.cli import build_parser, main
+from zerostall.cli.app import build_parser
+from zerostall.cli.app import main
 
 pytestmark = pytest.mark.timeout(120)
 

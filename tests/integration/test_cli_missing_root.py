@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from zerostall.cli import main
+from zerostall.cli.app import main
 
 pytestmark = pytest.mark.timeout(120)
 S3 = os.environ.get("ZEROSTALL_TEST_S3") == "1"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import zerostall
-from zerostall.cli import main
+from zerostall.cli.app import main
 
 pytestmark = pytest.mark.timeout(120)
 

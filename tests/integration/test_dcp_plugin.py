@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from zerostall.dcp import CheckpointAlreadyExists, Reader, UnsupportedCheckpoint, Writer
-from zerostall.distributed.dcp_storage import SHARD_RE
+from zerostall.integrations.dcp_writer import SHARD_RE
 from zerostall.errors import ConfigError, CorruptCheckpoint
 
 from .test_distributed import _launch
@@ -236,7 +236,7 @@ _CRASH = textwrap.dedent("""
     import os, sys, warnings, torch
     warnings.filterwarnings("ignore")
     import torch.distributed.checkpoint as dcp
-    import zerostall.distributed.dcp_storage as ds
+    import zerostall.integrations.dcp_writer as ds
     point, path = sys.argv[1], sys.argv[2]
     die = lambda *a, **k: os._exit(9)
     if point == "mid_write":
@@ -273,7 +273,7 @@ def test_crashed_save_keeps_previous_and_does_not_block_next(tmp_path, point):
 
 
 def test_failed_write_removes_its_shard_and_keeps_previous(tmp_path, monkeypatch):
-    import zerostall.distributed.dcp_storage as ds
+    import zerostall.integrations.dcp_writer as ds
     path = str(tmp_path / "ck")
     _save(path, 1.0)
 
@@ -328,7 +328,7 @@ def test_filesystemreader_on_ours_says_which_reader(tmp_path):
 
 # -- the CLI understands DCP directories ----------------------------------------------------------
 def test_cli_ls_verify_inspect(tmp_path, capsys, monkeypatch):
-    from zerostall.cli import main
+    from zerostall.cli.app import main
     from zerostall.format import layout
     monkeypatch.setattr(layout, "WRITE_LAYOUT", 1)  # written as before layout 2: the offset below is that layout's
     zs, fsw = str(tmp_path / "zs"), str(tmp_path / "fsw")
@@ -373,7 +373,7 @@ def test_clear_messages_for_other_directories(tmp_path):
 
 def test_overwrite_false_without_hard_links(tmp_path, monkeypatch):
     import errno
-    import zerostall.distributed.dcp_storage as ds
+    import zerostall.integrations.dcp_writer as ds
 
     def no_link(src, dst):
         raise OSError(errno.EPERM, "Operation not permitted")
@@ -413,7 +413,7 @@ def test_checkpoints_of_earlier_releases(tmp_path):
 def test_cli_on_a_root_of_dcp_steps(tmp_path, capsys):
     """torchtitan's layout: <root>/step-N/ each a DCP checkpoint."""
     import json
-    from zerostall.cli import main
+    from zerostall.cli.app import main
     root = str(tmp_path / "root")
     for s in (10, 20):
         _save(os.path.join(root, f"step-{s}"), float(s))

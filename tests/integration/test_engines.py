@@ -9,7 +9,7 @@ from zerostall.config import IOConfig
 from zerostall.errors import StorageError
 from zerostall.io import get_engine
 from zerostall.io._sys import resident_pages
-from zerostall.staging.arena import Arena
+from zerostall.memory.arena import Arena
 from zerostall.telemetry.host import read_vmstat
 
 from tests.helpers import skip_unless_engine

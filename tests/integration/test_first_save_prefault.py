@@ -9,7 +9,7 @@ import torch
 import zerostall
 from zerostall import Checkpointer
 from zerostall.errors import UnsupportedStateError
-from zerostall.staging import pool
+from zerostall.memory import pool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -18,7 +18,7 @@ def test_the_pool_faults_while_the_first_plan_is_built(tmp_path, monkeypatch):
     state = {"m": {f"w{i}": torch.full((1000 + i,), float(i)) for i in range(300)}, "step": 3}
     payload = sum(t.numel() * 4 for t in state["m"].values())
     seen = []
-    from zerostall.staging import plan_cache
+    from zerostall.saving import plan_cache
     real = plan_cache.build_plan
 
     def plan(sd, **kw):
@@ -47,7 +47,7 @@ def test_an_unsupported_state_leases_nothing_early(tmp_path):
 
 
 def test_a_save_walks_the_state_once(tmp_path, monkeypatch):
-    from zerostall.staging import plan_cache
+    from zerostall.saving import plan_cache
     state = {"m": {f"w{i}": torch.full((10,), float(i)) for i in range(40)}, "step": 3}
     tops = []
     real = plan_cache._walk

@@ -236,7 +236,7 @@ def test_an_overwrite_queued_behind_a_save_that_references_the_step_is_refused(c
     its commit, or it commits and breaks step 1 (which had been reported durable)."""
     import threading
 
-    from zerostall.staging.incremental import RefTracker
+    from zerostall.saving.incremental import RefTracker
     go = threading.Event()
     decide = RefTracker.decide
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import zerostall
-from zerostall.staging import devhash
+from zerostall.saving import devhash
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 

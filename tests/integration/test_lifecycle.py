@@ -9,7 +9,7 @@ import torch
 import zerostall
 from zerostall.store.local import LocalTier
 from zerostall.errors import ZerostallError
-from zerostall.staging.job import Job, SaveRequest, SaveStatus, Slot, Source
+from zerostall.saving.job import Job, SaveRequest, SaveStatus, Slot, Source
 
 from .sigterm_child import drive
 

@@ -1,7 +1,7 @@
 """1M tensors saved and restored (#25): the state of a large MoE's per-parameter optimizer
 kept small in bytes for CI (1M scalars, 4 MB of data). Packed (layout 2), the shard is the
 data plus its header, not 1M pages (4 GB); the manifest fits the limit readers accept, and
-the save's estimate of it (:func:`~zerostall.staging.plan.check_manifest_size`) bounds what
+the save's estimate of it (:func:`~zerostall.saving.plan.check_manifest_size`) bounds what
 is written without refusing states that fit."""
 
 import json
@@ -12,7 +12,7 @@ import torch
 
 import zerostall
 from zerostall.format import manifest as mf
-from zerostall.staging.plan import DIM_BYTES, ENTRY_BYTES, entry_bound
+from zerostall.saving.plan import DIM_BYTES, ENTRY_BYTES, entry_bound
 from zerostall.store.local import LocalTier
 
 pytestmark = pytest.mark.timeout(300)

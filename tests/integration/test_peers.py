@@ -106,7 +106,7 @@ def test_n3_two_nodes_killed_and_wiped_restore_bit_exact_from_peers(tmp_path, ca
         held = sorted(d for d in os.listdir(os.path.join(base, n, "peers")) if not d.startswith("."))
         assert held == sorted(s for s in NODES if n in _holder_of(s, 3)), (n, held)
     # `zerostall ls` of a node's root: its steps' holders and protection, the copies it holds
-    from zerostall.cli import main
+    from zerostall.cli.app import main
     capsys.readouterr()
     assert main(["ls", "--json", os.path.join(base, "n0")]) == 0
     rows = json.loads(capsys.readouterr().out)

@@ -12,7 +12,7 @@ import zerostall
 from zerostall.restore import step as restore
 from zerostall.errors import ConfigError, CorruptCheckpoint, StateMismatchError
 from zerostall.store.local import LocalTier
-from zerostall.staging.arena import Arena
+from zerostall.memory.arena import Arena
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -18,7 +18,7 @@ import zerostall
 from zerostall.errors import CorruptCheckpoint, DistributedError
 from zerostall.restore import load as restore_load
 from zerostall.restore import step as rstep
-from zerostall.staging.arena import Arena
+from zerostall.memory.arena import Arena
 from tests.helpers import two_steps
 from tests.integration.test_restore_pipeline import _flip_tensor
 

@@ -22,7 +22,7 @@ from zerostall.io.base import get_engine
 from zerostall.restore import device_copy
 from zerostall.restore import step as rstep
 from zerostall.restore import stream
-from zerostall.staging.arena import Arena
+from zerostall.memory.arena import Arena
 from zerostall.store.local import LocalTier
 from tests.helpers import equal, two_steps
 from tests.integration.test_restore_pipeline import SMALL_IO, _dest, _flip_tensor, _state
@@ -254,8 +254,8 @@ def test_the_scratch_is_pinned_once_kept_from_forks_and_copies_cut_at_its_regist
     once; the copier cuts a copy that crosses two registered chunks (one async copy may not
     span two registrations). cudart faulted at the arena's seam (tests/unit/test_arena_cuda.py)."""
     from tests.unit.test_arena_cuda import FakeCudart, fake_on_device
-    from zerostall.staging import arena as zarena
-    from zerostall.staging.memory import _unforked
+    from zerostall.memory import arena as zarena
+    from zerostall.memory.host import _unforked
     cudart = FakeCudart()
     monkeypatch.setattr(zarena, "_cudart", lambda: cudart)
     monkeypatch.setattr(zarena, "_on_device", fake_on_device)

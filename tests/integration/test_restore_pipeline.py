@@ -19,7 +19,7 @@ from zerostall.io.threads import ThreadsEngine, _ThreadsFile
 from zerostall.restore import load as restore_load
 from zerostall.restore import step as rstep
 from zerostall.restore import stream
-from zerostall.staging.arena import Arena
+from zerostall.memory.arena import Arena
 from zerostall.store.local import LocalTier
 from tests.helpers import clone, equal, flip_byte, skip_unless_engine
 

@@ -18,7 +18,7 @@ from zerostall.errors import CorruptCheckpoint, DistributedError
 from zerostall.io.base import get_engine
 from zerostall.restore import load as restore_load
 from zerostall.restore import step as rstep
-from zerostall.staging.arena import Arena
+from zerostall.memory.arena import Arena
 from zerostall.store.local import LocalTier
 from tests.helpers import clone, equal, flip_byte, skip_unless_engine
 

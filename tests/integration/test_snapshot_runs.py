@@ -9,7 +9,7 @@ import torch
 
 import zerostall
 from zerostall import CheckpointConfig, Checkpointer, StagingConfig
-from zerostall.staging import snapshot
+from zerostall.saving import snapshot
 
 from ..helpers import clone, equal
 

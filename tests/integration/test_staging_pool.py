@@ -7,9 +7,9 @@ import torch
 
 import zerostall
 from zerostall import Checkpointer, CheckpointConfig, StagingConfig
-from zerostall.staging import arena as arena_mod
-from zerostall.staging import pool
-from zerostall.staging.ring import BlockRing
+from zerostall.memory import arena as arena_mod
+from zerostall.memory import pool
+from zerostall.memory.ring import BlockRing
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,7 +3,7 @@
 import torch
 
 import zerostall
-from zerostall.staging.job import Committed
+from zerostall.saving.job import Committed
 from zerostall.store.tier import open_root
 
 

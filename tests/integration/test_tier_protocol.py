@@ -12,7 +12,7 @@ import zerostall
 from zerostall.errors import CheckpointExistsError
 from zerostall.format.manifest import MANIFEST_NAME, Manifest
 from zerostall.restore import verify_tier_step
-from zerostall.staging.arena import Arena
+from zerostall.memory.arena import Arena
 from zerostall.store.tier import Tier, open_root, open_tier
 
 S3 = os.environ.get("ZEROSTALL_TEST_S3") == "1"

@@ -11,7 +11,7 @@ import pytest
 from tests.helpers import skip_unless_engine
 from zerostall.config import IOConfig
 from zerostall.io import choose_engine
-from zerostall.staging.arena import Arena
+from zerostall.memory.arena import Arena
 
 pytestmark = pytest.mark.timeout(120)
 

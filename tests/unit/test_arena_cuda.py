@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from zerostall.staging import arena as zarena
-from zerostall.staging import pool as zpool
+from zerostall.memory import arena as zarena
+from zerostall.memory import pool as zpool
 
 MiB = 1 << 20
 

@@ -1,6 +1,6 @@
 """The background faulter's calls: bounded, covering the range exactly, sized from the rate."""
 
-import zerostall.staging.arena as A
+import zerostall.memory.arena as A
 
 
 def test_fault_calls_cover_the_range_in_bounded_pieces(monkeypatch):

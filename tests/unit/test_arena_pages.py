@@ -5,8 +5,8 @@ flags in /proc/self/smaps (``nh``: MADV_NOHUGEPAGE, ``hg``: MADV_HUGEPAGE)."""
 
 import pytest
 
-from zerostall.staging import arena as arena_mod
-from zerostall.staging.arena import PROBE_BYTES, Arena
+from zerostall.memory import arena as arena_mod
+from zerostall.memory.arena import PROBE_BYTES, Arena
 
 
 def _flags(a: Arena) -> list[tuple[int, int, set[str]]]:

@@ -8,7 +8,7 @@ import torch
 from zerostall.errors import UnsupportedStateError
 from zerostall.format import bulk
 from zerostall.format.tree import encode_tree
-from zerostall.staging.plan_cache import _tensor_sig, _walk
+from zerostall.saving.plan_cache import _tensor_sig, _walk
 
 
 def _per_tensor(state, monkeypatch):
@@ -104,8 +104,8 @@ def test_conj_and_neg_views_resolved_like_per_tensor(monkeypatch):
 
 
 def test_first_plan_reads_the_signature_columns_and_lays_out_alike(monkeypatch):
-    from zerostall.staging.plan import build_plan
-    from zerostall.staging.plan_cache import PlanCache
+    from zerostall.saving.plan import build_plan
+    from zerostall.saving.plan_cache import PlanCache
     a = _many(40, seed=6)
     a["tied"] = a["w1"]
     state = {"model": _many(50, (2, 3), 7), "opt": {"s": a, "l": [torch.ones(2), a["w2"]]}, "step": 3}
@@ -132,8 +132,8 @@ def test_columns_of_other_tensors_are_not_used(monkeypatch):
 
 def test_large_bulk_nodes_json_spliced_byte_for_byte():
     import json
-    from zerostall.staging.plan import build_plan
-    from zerostall.staging.plan_cache import PlanCache
+    from zerostall.saving.plan import build_plan
+    from zerostall.saving.plan_cache import PlanCache
     big = {f"layer.{i}.w\u00e9\"\\\x00" if i % 97 == 0 else f"layer.{i}.w": torch.full((2,), float(i))
            for i in range(bulk.TEXT_MIN + 5)}
     state = {"model": big, "opt": {"state": _many(bulk.TEXT_MIN, (1,), 9), "lr": 0.5, "n": [1, None]},

@@ -1,4 +1,4 @@
-"""The device-side content hash of incremental saves (:mod:`zerostall.staging.devhash`), on the
+"""The device-side content hash of incremental saves (:mod:`zerostall.saving.devhash`), on the
 CPU: the same torch ops run on CUDA (tests/integration/test_incremental_gpu.py compares them)."""
 
 import json
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import zerostall
-from zerostall.staging import content_check, devhash
-from zerostall.staging.snapshot import Snapshotter
+from zerostall.saving import content_check, devhash
+from zerostall.saving.snapshot import Snapshotter
 
 
 @pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 17, 1000, 4099])

@@ -1,11 +1,11 @@
 """Which device and stream each CUDA copy runs on, with torch.cuda faked at the one seam
-(:class:`zerostall.staging.snapshot.DeviceStreams` takes the ``cuda`` module): runs without a GPU."""
+(:class:`zerostall.saving.snapshot.DeviceStreams` takes the ``cuda`` module): runs without a GPU."""
 
 import contextlib
 
 import torch
 
-from zerostall.staging.snapshot import DeviceStreams, record_save_events
+from zerostall.saving.snapshot import DeviceStreams, record_save_events
 
 
 class FakeCuda:

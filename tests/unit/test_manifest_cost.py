@@ -79,7 +79,7 @@ def test_manifest_refs_from_the_commit_then_from_disk_when_the_file_changes(tmp_
 
 def test_entries_from_plan_items_encode_like_tensor_entries():
     from zerostall.format.manifest import Entries
-    from zerostall.staging.plan import PlanItem
+    from zerostall.saving.plan import PlanItem
     items = tuple(PlanItem(i, k, "bfloat16" if i % 3 else "float32", (2, 3) if i % 2 else (), 12, 8192 + 4096 * i)
                   for i, k in enumerate(KEYS))
     memo = {}

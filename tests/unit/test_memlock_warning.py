@@ -6,7 +6,7 @@ import resource
 
 import pytest
 
-from zerostall.staging import arena as zarena
+from zerostall.memory import arena as zarena
 
 MiB = 1 << 20
 

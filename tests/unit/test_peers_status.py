@@ -8,7 +8,7 @@ import os
 import torch
 
 import zerostall
-from zerostall.cli import main
+from zerostall.cli.app import main
 from zerostall.peers import status
 
 MiB = 1 << 20

@@ -49,7 +49,7 @@ def test_manifest_entry_bound_holds_for_every_kind_of_key():
 
     from zerostall.format.manifest import TensorEntry
     from zerostall.format.table import encode_columns
-    from zerostall.staging.plan import entry_bound
+    from zerostall.saving.plan import entry_bound
 
     def size(cols):
         return len(json.dumps(cols, separators=(",", ":")))

@@ -16,7 +16,7 @@ def _same_layout(a, b):
 
 
 def test_plan_cache_reuses_the_layout_with_the_new_walks_tensors():
-    from zerostall.staging.plan import PlanCache, build_plan
+    from zerostall.saving.plan import PlanCache, build_plan
     pc, st = PlanCache(), _state()
     first = pc.plan(st)
     again = pc.plan(st)
@@ -30,7 +30,7 @@ def test_plan_cache_reuses_the_layout_with_the_new_walks_tensors():
 
 def test_plan_cache_rebuilds_when_a_plain_value_or_shape_changes():
     import json
-    from zerostall.staging.plan import PlanCache, build_plan
+    from zerostall.saving.plan import PlanCache, build_plan
     pc, st = PlanCache(), _state()
     pc.plan(st)
     st["opt"]["param_groups"][0]["lr"] = 0.05
@@ -52,7 +52,7 @@ def test_plan_cache_keeps_no_tensor_alive_and_steps_aside_for_odd_states():
 
     import numpy as np
     from zerostall.errors import UnsupportedStateError
-    from zerostall.staging.plan import PlanCache
+    from zerostall.saving.plan import PlanCache
     pc, st = PlanCache(), _state()
     pc.plan(st)
     pc.plan(st)
@@ -69,7 +69,7 @@ def test_plan_cache_keeps_no_tensor_alive_and_steps_aside_for_odd_states():
 def test_plan_pauses_the_gc_only_while_planning_and_keeps_a_disabled_gc_disabled():
     import gc
     import threading
-    from zerostall.staging.plan import PlanCache
+    from zerostall.saving.plan import PlanCache
     seen = []
     cb = lambda phase, info: seen.append(info["generation"]) if phase == "start" else None  # noqa: E731
     assert gc.isenabled()
@@ -99,7 +99,7 @@ def test_plan_pauses_the_gc_only_while_planning_and_keeps_a_disabled_gc_disabled
 
 
 def test_plan_cache_reused_for_one_ranks_share_and_tied_weights():
-    from zerostall.staging.plan import PlanCache, build_plan
+    from zerostall.saving.plan import PlanCache, build_plan
     st = _state()
     st["more"] = {f"m{i}": torch.full((i + 1,), float(i)) for i in range(6)}
     for rank in (0, 1):
@@ -117,7 +117,7 @@ def test_plan_cache_never_reuses_a_plan_for_a_nested_sparse_or_neg_tensor():
     for neg/conj views, return None), so the plan is built again and encode_tree refuses or
     resolves them exactly as on a first save."""
     from zerostall.errors import UnsupportedStateError
-    from zerostall.staging.plan_cache import PlanCache, _tensor_sig
+    from zerostall.saving.plan_cache import PlanCache, _tensor_sig
     odd = {"sparse": torch.eye(3).to_sparse(), "csr": torch.eye(3).to_sparse_csr(),
            "nested": torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]),
            "jagged": torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], layout=torch.jagged)}
@@ -144,8 +144,8 @@ def test_plan_cache_never_reuses_a_plan_for_a_nested_sparse_or_neg_tensor():
 
 def test_a_reused_plans_leaves_read_like_a_tuple_of_leaves():
     from zerostall.format.tree import TensorLeaf
-    from zerostall.staging.plan import build_plan
-    from zerostall.staging.plan_cache import Leaves, PlanCache, plan_tensors
+    from zerostall.saving.plan import build_plan
+    from zerostall.saving.plan_cache import Leaves, PlanCache, plan_tensors
     pc, st = PlanCache(), _state()
     pc.plan(st)
     again = pc.plan(st)
@@ -162,7 +162,7 @@ def test_a_reused_plans_leaves_read_like_a_tuple_of_leaves():
 
 def test_entries_bound_in_bulk_equals_the_per_entry_bound():
     from zerostall.format.tree import TensorLeaf
-    from zerostall.staging.plan import _entries_bound, entry_bound
+    from zerostall.saving.plan import _entries_bound, entry_bound
     plain = [TensorLeaf(f"model.layer{i}.w", torch.ones([2] * (i % 4))) for i in range(50)]
     for odd in ([], ['q"uote'], ["back\\slash"], ["\u00e9"], ["tab\t"]):
         leaves = plain + [TensorLeaf(k, torch.ones(3)) for k in odd]
@@ -173,9 +173,9 @@ def test_entries_bound_in_bulk_equals_the_per_entry_bound():
 def test_changed_plain_values_make_a_new_tree_on_the_same_layout(monkeypatch):
     """A step counter, a learning rate, a growing log history: the plan cache keeps the tensor
     layout and encodes only the tree again, which equals a fresh plan's, tensors included."""
-    from zerostall.staging import plan as plan_mod
-    from zerostall.staging.plan import build_plan
-    from zerostall.staging.plan_cache import PlanCache
+    from zerostall.saving import plan as plan_mod
+    from zerostall.saving.plan import build_plan
+    from zerostall.saving.plan_cache import PlanCache
     g = torch.Generator().manual_seed(0)
     model = {f"w{i}": torch.randn(3, generator=g) for i in range(60)}
     st = {"model": model, "tied": model["w1"], "opt": {"state": {0: {"step": torch.tensor(1.0)}},
@@ -185,7 +185,7 @@ def test_changed_plain_values_make_a_new_tree_on_the_same_layout(monkeypatch):
     pc.plan(st)
     builds = []
     real = plan_mod.build_plan
-    monkeypatch.setattr("zerostall.staging.plan_cache.build_plan", lambda *a, **k: builds.append(1) or real(*a, **k))
+    monkeypatch.setattr("zerostall.saving.plan_cache.build_plan", lambda *a, **k: builds.append(1) or real(*a, **k))
 
     def edits():
         st["step"] += 1
@@ -212,7 +212,7 @@ def test_changed_plain_values_make_a_new_tree_on_the_same_layout(monkeypatch):
 
 def test_values_only_rebuild_still_refuses_what_a_fresh_plan_refuses():
     from zerostall.errors import UnsupportedStateError
-    from zerostall.staging.plan_cache import PlanCache
+    from zerostall.saving.plan_cache import PlanCache
     st = {"m": {f"w{i}": torch.ones(2) for i in range(40)}, "n": 1}
     pc = PlanCache()
     pc.plan(st)
@@ -227,8 +227,8 @@ def test_a_first_plan_freezes_each_config_container_once(monkeypatch):
     # the plan cache's walk snapshots a large builtin container; the first plan it builds reuses
     # that snapshot instead of pickling the container a second time on the caller's thread
     from zerostall.format import frozen as frozen_mod, tree as tree_mod
-    from zerostall.staging import plan_cache as pc_mod
-    from zerostall.staging.plan import PlanCache, build_plan
+    from zerostall.saving import plan_cache as pc_mod
+    from zerostall.saving.plan import PlanCache, build_plan
     calls = []
     real = frozen_mod.freeze
 

@@ -3,9 +3,9 @@
 import inspect
 import threading
 
-from zerostall.distributed.committer import StoreCommitter
-from zerostall.staging.job import Handoff, SaveStatus
-from zerostall.store.committer import Committer, LocalCommitter
+from zerostall.saving.commit_ranks import StoreCommitter
+from zerostall.saving.job import Handoff, SaveStatus
+from zerostall.saving.commit_local import Committer, LocalCommitter
 
 
 def test_the_first_failure_wins_and_a_claimed_commit_refuses_later_ones():

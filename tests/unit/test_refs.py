@@ -115,7 +115,7 @@ def test_parallel_source_crc_equals_crc_of_the_bytes():
     import crc32c
     import torch
 
-    from zerostall.staging import incremental as inc
+    from zerostall.saving import incremental as inc
     ts = [torch.randn(n) for n in (0, 1, 1000, (16 << 20) // 4, (16 << 20) // 4 + 3, 5 << 20)]
     ts.append(torch.randn(300, 200).t())  # not contiguous
     for threads in (1, 3):

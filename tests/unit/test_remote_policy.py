@@ -9,7 +9,7 @@ import pytest
 import zerostall
 from zerostall.errors import RemoteError
 
-from zerostall.store.replicate import set_idle_io_priority
+from zerostall.saving.upload import set_idle_io_priority
 from zerostall.store.retention import RetentionPolicy
 
 

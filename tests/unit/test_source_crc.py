@@ -5,7 +5,7 @@ import crc32c
 import pytest
 import torch
 
-from zerostall.staging import source_crc
+from zerostall.saving import source_crc
 
 
 def _views():

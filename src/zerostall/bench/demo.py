@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpointer import Checkpointer
-from ..handle import SaveHandle
+from ..saving.handle import SaveHandle
 from .model import GPTConfig, TinyGPT, batch, corpus, encode
 
 DEMO_CFG = GPTConfig(vocab=96, ctx=64, d_model=256, n_layer=4, n_head=4)

@@ -13,8 +13,8 @@ import torch
 
 from ..config import IOConfig
 from ..io import get_engine, probe
-from ..staging.arena import Arena
-from ..staging.memory import host_ram_bytes
+from ..memory.arena import Arena
+from ..memory.host import host_ram_bytes
 
 
 def machine(path: str) -> dict[str, object]:

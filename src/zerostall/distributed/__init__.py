@@ -1,16 +1,15 @@
 """Distributed: node identity, rank discovery, the start-up round, the cross-rank commit
-protocol, load agreement and the DCP storage plugin.
+protocol and load agreement.
 
-Imports ``store``, ``format`` and ``staging`` (downward); nothing here imports the
+Imports ``store``, ``format`` and ``memory`` (downward); nothing here imports the
 checkpointer or the CLI.
 """
 
 from .commit import OutcomeUnknown, commit_round
-from .committer import StoreCommitter
 from .node import failure_domain, node_id
 from .ranks import RankInfo, discover
 from .session import Session, join, namespace
 from .store import Store, StoreTimeout
 
-__all__ = ["OutcomeUnknown", "RankInfo", "Session", "Store", "StoreCommitter", "StoreTimeout", "commit_round",
+__all__ = ["OutcomeUnknown", "RankInfo", "Session", "Store", "StoreTimeout", "commit_round",
            "discover", "failure_domain", "join", "namespace", "node_id"]

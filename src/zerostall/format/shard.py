@@ -11,7 +11,7 @@ their own alignment (:func:`~.layout.pack_offsets`; page items on page boundarie
 padding between them and up to the end; the file is a multiple of ``ALIGN_BYTES``. Every function here runs on the calling thread; none keeps
 state between calls. Buffers (``buf``/``bounce``) are page-aligned mappings owned by the
 caller, exposing ``mv`` (memoryview), ``u8`` (a torch uint8 view) and ``nbytes`` — the
-staging arena's :class:`~zerostall.staging.arena.Arena` is one.
+staging arena's :class:`~zerostall.memory.arena.Arena` is one.
 
 This layer never opens files itself: the caller passes an open engine file (``read`` /
 ``write`` of aligned extents), so one place (``io/``) chooses how bytes move.

@@ -107,7 +107,7 @@ class Peers:
     name = "peer replicas"
 
     def on_committed(self, record: Any) -> None:
-        """A commit subscriber (:class:`~zerostall.store.persist.CommitSubscriber`): ``record``
+        """A commit subscriber (:class:`~zerostall.saving.persist.CommitSubscriber`): ``record``
         (a ``Committed``) was committed on every rank; copy it to the peers."""
         self.replicator.submit(record.step)
 

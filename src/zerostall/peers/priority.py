@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 
-from ..store.replicate import set_idle_io_priority
+from ..saving.upload import set_idle_io_priority
 
 __all__ = ["background"]
 log = logging.getLogger("zerostall")

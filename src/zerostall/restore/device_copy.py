@@ -12,7 +12,7 @@ copiers) and :meth:`HostCopier.swap` from its copier threads (``zerostall-restor
   tensors of a load with ``map_location`` a CUDA device). Host-to-device copies from the
   scratch, which is registered with ``cudaHostRegister`` first (pinned: DMA straight from
   it, never cut at a boundary between two registered chunks, see
-  :meth:`~zerostall.staging.arena.Arena.pinned_pieces`), ``non_blocking`` on one side stream
+  :meth:`~zerostall.memory.arena.Arena.pinned_pieces`), ``non_blocking`` on one side stream
   per device that first waits for the caller's current stream (an event recorded when the
   load starts, on the caller's thread: kernels the caller queued before the load touch the
   destinations first). Every ``copy`` ends by recording an event on each stream it used and

@@ -23,7 +23,7 @@ from ..config import IOConfig
 from ..errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, DistributedError, RemoteError,
                       StateMismatchError, ZerostallError)
 from ..io.base import Engine, choose_engine
-from ..staging.arena import Arena
+from ..memory.arena import Arena
 from ..store.tier import RootTier, is_url, open_root
 from .download import FETCH_LOCK_NAME, damaged_local_ref, fetch, fetch_remote_step, rank_files
 from .retry import GONE, MAX_REPLACED, REPLACED, changed_under, listed_ident, remote_changed_under

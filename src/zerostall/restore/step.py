@@ -31,7 +31,7 @@ from ..format.layout import PAGE_ITEM_BYTES, ShardHeader
 from ..format.manifest import Manifest, TensorEntry
 from ..format.tree import decode_tree, tree_tensor_indices
 from ..io.base import Engine
-from ..staging.arena import Arena
+from ..memory.arena import Arena
 from ..store.local import LocalTier
 from ..store.tier import Tier
 from .refs import check_ref_files, file_read, ref_groups, ref_reads, shard_where
@@ -156,7 +156,7 @@ def _scratch(plan: Plan, bounce: Any) -> Iterator[Any]:
     """``bounce`` if the plan fits in it (under the shared bounce's lock if it is that one), else None.
 
     Never a fresh allocation: new memory faults at 0.15-1 GB/s on a VM (the staging pool's
-    measurement, :meth:`~zerostall.staging.pool.StagingPool.ring_bytes`), slower than
+    measurement, :meth:`~zerostall.memory.pool.StagingPool.ring_bytes`), slower than
     reading the step twice from a disk at 3-4 GB/s."""
     with _bounce_lock if bounce is _bounce else contextlib.nullcontext():
         yield bounce if plan.fits(bounce.nbytes) else None

@@ -149,7 +149,7 @@ def others_are_current(remote: "RemoteTier", step: int, manifest: Manifest, rank
     object of the replaced checkpoint from the new one; committing over a stale one would
     tear the step. Rank 0 checks before it puts the manifest."""
     from ..format.layout import HEADER_BYTES, ShardHeader
-    from ..staging.arena import Arena
+    from ..memory.arena import Arena
     buf = Arena(HEADER_BYTES, mlock=False)
     try:
         for fe in manifest.files:

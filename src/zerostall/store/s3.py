@@ -177,7 +177,7 @@ class S3Tier(RemoteTier):
     def download(self, rel: str, local_path: str, size: int) -> None:
         """Stream the object through an aligned buffer into ``local_path`` with direct I/O."""
         from ..io import choose_engine
-        from ..staging.arena import Arena
+        from ..memory.arena import Arena
         d = os.path.dirname(local_path)
         body = self._get(rel)["Body"]
         eng = choose_engine(d, self.io)

@@ -76,7 +76,7 @@ class FileTier(RemoteTier):
 
     def _stream(self, src: str, sink: Callable[[int, memoryview], None]) -> int:
         """Read ``src`` with the engine through one aligned bounce buffer; returns its size."""
-        from ..staging.arena import Arena
+        from ..memory.arena import Arena
         size = os.path.getsize(src)
         eng = self._engine()
         buf = Arena(min(64 << 20, max(size, ALIGN_BYTES)), mlock=False)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..io.probe import io_uring_status, probe
-from ..staging.memory import budget_bytes, host_ram_bytes, local_world_size
+from ..memory.host import budget_bytes, host_ram_bytes, local_world_size
 from ..telemetry.host import PAGE, read_vmstat
 from .sysctl import RECOMMENDED, read_sysctls
 

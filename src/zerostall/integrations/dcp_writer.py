@@ -58,7 +58,7 @@ from ..format.dtypes import dtype_name
 from ..format.layout import ShardHeader
 from ..format.layout import pack_offsets
 from ..format.shard import write_shard
-from ..staging.arena import Arena
+from ..memory.arena import Arena
 from ..store.local import fsync_dir, write_file_durable
 
 log = logging.getLogger("zerostall")
@@ -351,8 +351,8 @@ class Writer(CheckpointId, StorageWriter):
 
 
 def __getattr__(name: str) -> Any:
-    # the reader moved to .dcp_read; keep ``from zerostall.distributed.dcp_storage import Reader`` working
+    # the reader moved to .dcp_read; keep ``from zerostall.integrations.dcp_writer import Reader`` working
     if name == "Reader":
-        from .dcp_read import Reader
+        from .dcp_reader import Reader
         return Reader
     raise AttributeError(name)

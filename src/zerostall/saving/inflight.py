@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from .config import CheckpointConfig
-from .errors import SaveFailed, ZerostallError
+from ..config import CheckpointConfig
+from ..errors import SaveFailed, ZerostallError
 from .handle import record_of
-from .staging.job import Job, SaveStatus
-from .telemetry.host import Sampler
-from .telemetry.record import SaveRecord, emit
+from .job import Job, SaveStatus
+from ..telemetry.host import Sampler
+from ..telemetry.record import SaveRecord, emit
 
 
 class InFlight:
@@ -71,7 +71,7 @@ class InFlight:
         self.records.append(rec)
         emit(rec, self.config.metrics_jsonl, int(st.telemetry.get("dirty_threshold_bytes", 0)))
         if self.config.prometheus:
-            from .telemetry import prometheus
+            from ..telemetry import prometheus
             prometheus.observe(rec)
         if st.error is not None and self.config.raise_on_background_error and not st.error_in_save:
             self._failed.append(job)

@@ -40,9 +40,10 @@ from ..errors import CheckpointNotFound, CorruptCheckpoint, StorageError
 from ..format.dtypes import dtype_from_name
 from ..format.layout import ShardHeader
 from ..format.shard import read_shard
-from ..staging.arena import Arena
+from ..memory.arena import Arena
 from .dcp_meta import Record, read_metadata_file, validate
-from .dcp_storage import METADATA, WINDOW_BYTES, CheckpointId, UnsupportedCheckpoint, _io_engine, _ZSInfo, metadata_name
+from .dcp_writer import (METADATA, WINDOW_BYTES, CheckpointId, UnsupportedCheckpoint, _io_engine, _ZSInfo,
+    metadata_name)
 
 
 class Reader(CheckpointId, StorageReader):

@@ -15,9 +15,9 @@ import time
 from typing import Protocol, Sequence
 
 from ..format.manifest import Entries, FileEntry, Manifest, TensorEntry, tensors_json
-from ..staging.job import manifest_parts
-from ..staging.job import Persisted, SaveRequest
-from .local import LocalTier
+from .job import manifest_parts
+from .job import Persisted, SaveRequest
+from ..store.local import LocalTier
 
 
 class Committer(Protocol):

@@ -38,7 +38,7 @@ from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..format.dtypes import SUPPORTED_DTYPES, dtype_from_name, dtype_name, itemsize
 from ..format.layout import HEADER_BYTES, item_align
 from ..format.shard import check_items
-from .dcp_storage import LEGACY_SHARD_RE, SHARD_RE, UnsupportedCheckpoint, _ZSInfo
+from .dcp_writer import LEGACY_SHARD_RE, SHARD_RE, UnsupportedCheckpoint, _ZSInfo
 
 MAX_METADATA_BYTES = 256 << 20
 MAX_RECORDS = 1 << 24
@@ -55,7 +55,7 @@ _ALLOWED = {
     ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-    ("collections", "OrderedDict"), ("zerostall.distributed.dcp_storage", "_ZSInfo"),
+    ("collections", "OrderedDict"), ("zerostall.integrations.dcp_writer", "_ZSInfo"),
 }
 """Every class DCP's metadata (ours and FileSystemWriter's) is made of; nothing else."""
 
@@ -69,7 +69,7 @@ class _SafeUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "zerostall.dist.dcp_storage":  # written before dist/ became distributed/
-            module = "zerostall.distributed.dcp_storage"
+            module = "zerostall.integrations.dcp_writer"
         # vars(), not getattr: torch's module __getattr__ imports submodules (torch._inductor)
         if (module, name) in _ALLOWED or (module == "torch" and isinstance(vars(torch).get(name), torch.dtype)):
             return super().find_class(module, name)

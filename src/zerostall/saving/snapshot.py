@@ -40,10 +40,10 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .._util import Worker, run_in_fresh_thread
-from .arena import Arena
+from ..memory.arena import Arena
 from .job import Forward, Job, Slot, Staged
 from .plan import SavePlan
-from .ring import BlockRing
+from ..memory.ring import BlockRing
 
 log = logging.getLogger("zerostall")
 

@@ -18,11 +18,11 @@ import os
 import sys
 from typing import Any, Callable
 
-from . import cli_dcp
-from ._util import human_bytes as _human
-from .errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, RootNotFound,
-                     ZerostallError)
-from .store.tier import is_url, open_root
+from . import dcp as cli_dcp
+from .._util import human_bytes as _human
+from ..errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, RootNotFound,
+    ZerostallError)
+from ..store.tier import is_url, open_root
 
 
 def safe(text: Any) -> str:
@@ -48,8 +48,8 @@ def _console() -> Any:
 
 
 def _engine(name: str, root: str) -> Any:
-    from .config import IOConfig
-    from .io import choose_engine
+    from ..config import IOConfig
+    from ..io import choose_engine
     return choose_engine(root, IOConfig(engine=name))
 
 
@@ -94,7 +94,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
     title = a.path if is_url(a.path) else tier.root
     rows = _rows(tier, "remote" if is_url(a.path) else "local")
     if not is_url(a.path):  # peer replicas: this node's steps' holders, the copies it keeps for others
-        from .peers.status import peer_rows
+        from ..peers.status import peer_rows
         peer_rows(tier.root, rows)
     if a.remote and not is_url(a.path):
         try:
@@ -127,15 +127,15 @@ def cmd_ls(a: argparse.Namespace) -> int:
                   cell(r["state"]))
     _console().print(t)
     if not is_url(a.path):
-        from .peers.status import quota_lines
+        from ..peers.status import quota_lines
         for line in quota_lines(tier.root):
             print(safe(line))
     return 0
 
 
 def cmd_restore(a: argparse.Namespace) -> int:
-    from .restore.fetch import restore_remote  # the library's restore: the same fallback as load(remote=)
-    from .store.tier import open_tier
+    from ..restore.fetch import restore_remote  # the library's restore: the same fallback as load(remote=)
+    from ..store.tier import open_tier
     remote = open_tier(a.url)  # a plain path too: a shared-filesystem tier
     remote.check_root()
     if a.step is None and not remote.steps():
@@ -196,8 +196,8 @@ def cmd_export(a: argparse.Namespace) -> int:
 
     import torch
 
-    from .restore import load
-    from .restore import LoadReport
+    from ..restore import load
+    from ..restore import LoadReport
     out_dir = os.path.dirname(os.path.abspath(a.out))
     if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
         raise ConfigError(f"cannot write {a.out!r}: {out_dir!r} is not a writable directory")
@@ -207,7 +207,7 @@ def cmd_export(a: argparse.Namespace) -> int:
         rank, world = _export_rank(a, remote)
         state = load(src, step=a.step, remote=remote, rank=rank, world_size=world, report=report)
     if a.format != "safetensors":  # the files the framework's own checkpointing reads
-        from .integrations import export
+        from ..integrations import export
         files = export.write(a.format, state, a.out, rank=rank, world_size=world)
         print(f"wrote step {report.step} as a {a.format} checkpoint: {safe(a.out)} ({', '.join(map(safe, files))})")
         return 0
@@ -317,8 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out", help="output file (a folder for transformers/accelerate)")
     s.set_defaults(fn=cmd_export)
 
-    from . import cli_host
-    from .bench import cli as bench_cli
+    from . import host as cli_host
+    from ..bench import cli as bench_cli
     bench_cli.add_parsers(sub)
     cli_host.add_parsers(sub)
     return p

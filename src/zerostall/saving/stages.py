@@ -18,19 +18,19 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .config import CheckpointConfig
-from .distributed.committer import StoreCommitter
-from .distributed.ranks import discover
-from .distributed.session import Session, join, namespace
-from .distributed.store import Store
-from .errors import ConfigError
-from .io.base import Engine, engine_name_for, get_engine
-from .staging.incremental import RefTracker, mode_of
-from .store.persist import Persister
-from .store.remote import open_tier
-from .store.replicate import Replicator
-from .store.retention import LocalRetention, RetentionPolicy, retain_at_start
-from .store.tier import is_url, open_root
+from ..config import CheckpointConfig
+from .commit_ranks import StoreCommitter
+from ..distributed.ranks import discover
+from ..distributed.session import Session, join, namespace
+from ..distributed.store import Store
+from ..errors import ConfigError
+from ..io.base import Engine, engine_name_for, get_engine
+from .incremental import RefTracker, mode_of
+from .persist import Persister
+from ..store.remote import open_tier
+from .upload import Replicator
+from ..store.retention import LocalRetention, RetentionPolicy, retain_at_start
+from ..store.tier import is_url, open_root
 
 log = logging.getLogger("zerostall")
 
@@ -69,7 +69,7 @@ class Stages:
         newest step every rank can load (collective), else the newest that verifies here."""
         if self.committer is not None:
             return self.committer.load_agreed(state_dict, step, cfg, report, map_location=map_location, **kw)
-        from .restore import load
+        from ..restore import load
         return load(self.tier.root, state_dict, step, map_location, verify=cfg.verify_on_load, fallback=cfg.fallback,
                     rank=self.rank, world_size=self.world_size, remote=cfg.remote, report=report, **kw)
 
@@ -141,7 +141,7 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
                                        timeout_s=cfg.commit_timeout_s)
             node_local = session.node_local
             if cfg.replicas > 1:  # after join: the store exchange runs under the session's prefix
-                from .peers import Peers
+                from ..peers import Peers
                 peers = Peers(cfg, tier, kv, session.prefix, rank, world_size, node_local=node_local)
         else:  # the one writer of this root (RootLockedError if another holds it); cleans leftovers
             tier.own()
@@ -156,7 +156,7 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
         name, probe = engine_name_for(tier.root, cfg.io)
         engine: Engine = get_engine(name, cfg.io)
         if cfg.prometheus:
-            from .telemetry import prometheus
+            from ..telemetry import prometheus
             prometheus.enable()
         own_refs = refs.protected if refs is not None else set
         # peer replicas: the newest protected step stays local until a newer one is protected

@@ -29,9 +29,9 @@ import threading
 from typing import Iterator
 
 from .arena import Arena, ArenaView
-from .job import Job, SaveStatus, Slot
+from ..saving.job import Job, SaveStatus, Slot
 from .ring import BlockRing
-from .snapshot import Snapshotter
+from ..saving.snapshot import Snapshotter
 
 log = logging.getLogger("zerostall")
 

@@ -22,9 +22,9 @@ from ..config import IOConfig
 from ..errors import CorruptCheckpoint
 from ..format.layout import ShardHeader
 from ..format.shard import read_shard
-from ..staging.arena import Arena
+from ..memory.arena import Arena
 from .dcp_meta import Record, read_metadata_file, validate
-from .dcp_storage import METADATA, WINDOW_BYTES, _io_engine
+from .dcp_writer import METADATA, WINDOW_BYTES, _io_engine
 
 _RANK_MD_RE = re.compile(r"^__(\d+)\.metadata$")
 KIND_NAMES = {"zerostall": "zerostall.dcp", "filesystem": "FileSystemWriter"}

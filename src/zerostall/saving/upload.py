@@ -44,11 +44,12 @@ from typing import Callable
 
 from ..errors import CheckpointNotFound, CorruptCheckpoint, RemoteError, ZerostallError
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
-from ..staging.job import Committed
-from .local import LocalTier
-from .remote import RemoteTier, drop_cache, file_crc32c
-from .remote_replace import committed_bytes, live_names, others_are_current, refs_current, set_aside, sweep
-from .retention import RetentionPolicy, dependents, prune
+from .job import Committed
+from ..store.local import LocalTier
+from ..store.remote import RemoteTier, drop_cache, file_crc32c
+from ..store.remote_replace import (committed_bytes, live_names, others_are_current, refs_current, set_aside,
+    sweep)
+from ..store.retention import RetentionPolicy, dependents, prune
 
 log = logging.getLogger("zerostall")
 

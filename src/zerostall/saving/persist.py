@@ -30,13 +30,13 @@ from .._util import Worker
 from ..format.layout import HEADER_BYTES
 from ..format.shard import CrcCursor
 from ..io.base import Engine, ShardFile
-from ..staging.incremental import RefTracker
-from ..staging.job import Committed, Forward, Job, Persisted
-from ..staging.plan import SavePlan
-from ..staging.ring import BlockRing
-from .committer import Committer, LocalCommitter, file_entry, tensor_entries
-from .local import LocalTier
-from .retention import check_not_referenced
+from .incremental import RefTracker
+from .job import Committed, Forward, Job, Persisted
+from .plan import SavePlan
+from ..memory.ring import BlockRing
+from .commit_local import Committer, LocalCommitter, file_entry, tensor_entries
+from ..store.local import LocalTier
+from ..store.retention import check_not_referenced
 
 log = logging.getLogger("zerostall")
 

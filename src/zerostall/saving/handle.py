@@ -10,12 +10,12 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
-from .errors import SaveFailed
-from .staging.job import Job
-from .telemetry.record import SaveRecord
+from ..errors import SaveFailed
+from .job import Job
+from ..telemetry.record import SaveRecord
 
 if TYPE_CHECKING:
-    from .checkpointer import Checkpointer
+    from ..checkpointer import Checkpointer
 
 
 class SaveHandle:

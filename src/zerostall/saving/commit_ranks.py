@@ -13,20 +13,20 @@ import json
 import os
 from typing import Any
 
-from ..staging.incremental import RefTracker
-from ..staging.job import merged_entries
-from ..staging.job import Persisted, SaveRequest
-from ..store.committer import file_entry, tensor_entries
+from .incremental import RefTracker
+from .job import merged_entries
+from .job import Persisted, SaveRequest
+from .commit_local import file_entry, tensor_entries
 from ..store.tier import RootTier
-from .agree import collective_base, collective_load
-from .commit import OutcomeUnknown, commit_round, grace_s, report_failure, wait_acked
-from .session import Session
-from .store import Store
+from ..distributed.agree import collective_base, collective_load
+from ..distributed.commit import OutcomeUnknown, commit_round, grace_s, report_failure, wait_acked
+from ..distributed.session import Session
+from ..distributed.store import Store
 
 
 class StoreCommitter:
     """Multi-rank commit strategy of the persist thread (:mod:`.commit`); a
-    :class:`~zerostall.store.committer.Committer`."""
+    :class:`~zerostall.saving.commit_local.Committer`."""
 
     def __init__(self, tier: RootTier, store: Store, session: Session, *, per_rank: bool, timeout_s: float):
         self.tier, self.store, self.session = tier, store, session

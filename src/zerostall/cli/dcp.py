@@ -15,8 +15,8 @@ import os
 import re
 import sys
 
-from .errors import CheckpointNotFound, ZerostallError
-from ._util import human_bytes as _human
+from ..errors import CheckpointNotFound, ZerostallError
+from .._util import human_bytes as _human
 
 _STEP_DIR_RE = re.compile(r"^step-(\d{1,19})$")
 
@@ -24,7 +24,7 @@ _STEP_DIR_RE = re.compile(r"^step-(\d{1,19})$")
 def _step_dirs(root: str) -> list[tuple[int, str]]:
     """(step, dir) of the DCP checkpoints directly under ``root``, ascending; [] if ``root``
     holds a zerostall Checkpointer step (``manifest.json``)."""
-    from .distributed.dcp_inspect import is_dcp_dir as _is
+    from ..integrations.dcp_describe import is_dcp_dir as _is
     try:
         names = os.listdir(root)
     except OSError:
@@ -42,13 +42,13 @@ def _step_dirs(root: str) -> list[tuple[int, str]]:
 
 
 def is_dcp_dir(path: str) -> bool:
-    from .distributed.dcp_inspect import is_dcp_dir as _is
+    from ..integrations.dcp_describe import is_dcp_dir as _is
     return _is(path) or bool(_step_dirs(path))
 
 
 def _targets(a: argparse.Namespace) -> list[tuple[str, str]]:
     """(label, checkpoint dir) to act on."""
-    from .distributed.dcp_inspect import is_dcp_dir as _is
+    from ..integrations.dcp_describe import is_dcp_dir as _is
     if _is(a.path):
         return [(a.path, a.path)]
     steps = _step_dirs(a.path)
@@ -60,7 +60,7 @@ def _targets(a: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def cmd_ls(a: argparse.Namespace) -> int:
-    from .distributed.dcp_inspect import describe, metadata_files
+    from ..integrations.dcp_describe import describe, metadata_files
     rows = []
     for label, d in _targets(a):
         for name in metadata_files(d):
@@ -83,8 +83,8 @@ def cmd_ls(a: argparse.Namespace) -> int:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    from .config import IOConfig
-    from .distributed.dcp_inspect import metadata_files, verify
+    from ..config import IOConfig
+    from ..integrations.dcp_describe import metadata_files, verify
     bad = 0
     for label, d in _targets(a):
         for name in metadata_files(d):
@@ -99,7 +99,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from .distributed.dcp_inspect import describe, metadata_files
+    from ..integrations.dcp_describe import describe, metadata_files
     targets = _targets(a)[-1:]  # a root: the newest step (or --step)
     infos = [describe(d, n) for _, d in targets for n in metadata_files(d)]
     if a.json:

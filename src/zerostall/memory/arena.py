@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from .._util import memlock_fix, node_leader, run_in_fresh_thread, swap_total_bytes
-from .memory import MADV_HUGEPAGE, MADV_NOHUGEPAGE, _libc, _unforked, populate, probe_pages
+from .host import MADV_HUGEPAGE, MADV_NOHUGEPAGE, _libc, _unforked, populate, probe_pages
 
 log = logging.getLogger("zerostall")
 
