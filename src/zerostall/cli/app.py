@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "else the host name): shards written on other nodes live in their copies")
     s.add_argument("--all-files", action="store_true",
                    help="require every rank's shard in this root (a shared root), not only this copy's")
-    s.set_defaults(fn=_lazy(".cli_verify", "cmd_verify"))
+    s.set_defaults(fn=_lazy(".verify", "cmd_verify"))
 
     s = sub.add_parser("inspect", help="tensors, dtypes, shapes, bytes of a checkpoint")
     s.add_argument("path", help="a local directory, s3://bucket/prefix or file:///path")

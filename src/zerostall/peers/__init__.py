@@ -88,8 +88,10 @@ class Peers:
     def _make_transport(self, secret: bytes, me: str, nodes: list[Node], listen: str) -> TcpTransport:
         pc = self.cfg.peers
         return TcpTransport(secret, me, {n.name for n in nodes}, timeout_s=pc.timeout_s,
-                            pacer=Pacer(pc.bandwidth_bytes), listen_host=listen, cpu_priority=pc.cpu_priority,
-                            recv_pacer=Pacer(pc.receive_bandwidth_bytes) if pc.receive_bandwidth_bytes else None)
+                            pacer=Pacer(pc.bandwidth_bytes, pc.timeout_s), listen_host=listen,
+                            cpu_priority=pc.cpu_priority,
+                            recv_pacer=Pacer(pc.receive_bandwidth_bytes, pc.timeout_s)
+                            if pc.receive_bandwidth_bytes else None)
 
     def _make_store(self, me: str) -> PeerStore:
         pc = self.cfg.peers
