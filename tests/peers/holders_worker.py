@@ -1,6 +1,6 @@
 """One rank = one simulated node of the holder-housekeeping test (test_holders.py).
 
-argv: scenario base out; env as tests/integration/peers_worker.py (ZEROSTALL_NODE, ...). Rank R's
+argv: scenario base out; env as peers_worker.py (ZEROSTALL_NODE, ...). Rank R's
 root is ``base/root<R>`` whatever its node name; the last rank starts under the name of the
 rank before it (its own root: a duplicate), then takes ``n<R>`` for the rest. One process
 group runs three Checkpointers in turn on the same roots (three runs of the job, a restart

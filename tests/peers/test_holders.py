@@ -9,9 +9,7 @@ import shutil
 from zerostall.cli.app import main as cli
 from zerostall.format.manifest import MANIFEST_NAME
 
-from ..integration.test_peers import _launch, _ok
-
-HERE = os.path.dirname(__file__)
+from .test_peers import _launch, _ok
 
 
 def test_holders_keep_last_across_restarts_incremental_and_duplicate_names(tmp_path, capsys):
@@ -21,8 +19,8 @@ def test_holders_keep_last_across_restarts_incremental_and_duplicate_names(tmp_p
     incremental="crc" and steps 5-8 (6-8 borrow 5's frozen tensor): every step protected, the
     watcher alive, holders keep 7, 8 and the step they reference."""
     base = str(tmp_path / "job")
-    docs = _ok(_launch("holders", base, tmp_path, {}, nodes=["n0", "n1", "n1"], worker=os.path.join(
-        HERE, "holders_worker.py"), timeout=240))
+    docs = _ok(_launch("holders", base, tmp_path, {}, nodes=["n0", "n1", "n1"], worker="holders_worker.py",
+                       timeout=240))
     bad = []  # every property checked, all failures reported together
     for d in docs:
         if d.get("dup_type") != "ConfigError" or "ranks 1, 2 all call their node 'n1'" not in d["dup_error"]:
