@@ -39,7 +39,7 @@ log = logging.getLogger("zerostall")
 
 class Peers:
     def __init__(self, cfg: CheckpointConfig, tier: RootTier, store: Store, prefix: str, rank: int, world: int,
-                 *, node_local: bool):
+                 *, node_local: bool, copies: tuple[int, ...] = ()):
         if world < 2:
             raise ConfigError(f"replicas={cfg.replicas} needs a distributed job of at least {cfg.replicas} nodes "
                               "(torch.distributed with ZEROSTALL_NODE naming each node); this process saves alone")
@@ -61,7 +61,8 @@ class Peers:
             return publish, port
 
         try:
-            self.view: PeerView = setup(store, prefix, rank, world, cfg.replicas, cfg.join_timeout_s, serve)
+            self.view: PeerView = setup(store, prefix, rank, world, cfg.replicas, cfg.join_timeout_s, serve,
+                                        copies)
         except BaseException:
             if self._transport is not None:  # a half-built Peers must not keep listening
                 self._transport.close()
