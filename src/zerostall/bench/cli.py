@@ -62,13 +62,17 @@ def add_parsers(sub: Any) -> None:
                    help="many-tensors scenario: how many tensors (--size-gib defaults to 0.25 there)")
     s.add_argument("--config-mib", type=_positive(float), default=16.0, help="objects scenario: config tree size, MiB of JSON")
     s.add_argument("--log-entries", type=_positive(int), default=10_000, help="objects scenario: log history entries")
-    s.add_argument("--scenario", choices=("default", "frozen-base", "node-loss", "replication-cost", "restore",
-                                         "many-tensors", "objects", "every-step"),
+    s.add_argument("--scenario", choices=("default", "frozen-base", "node-loss", "node-loss-links", "replication-cost",
+                                         "restore", "many-tensors", "objects", "every-step"),
                    default="default",
                    help="frozen-base: incremental vs full zerostall saves vs torch.save vs DCP of a fine-tune "
                         "whose base is frozen (uses --size-gib, --repeat, --methods, --dir, --json); "
                         "node-loss: 4 simulated nodes with peer replicas, a node wiped and recovered from "
                         "peers vs the shared-fs and S3 tiers, --repeat rounds in alternating order (uses --size-gib (total), --repeat, --dir, --json); "
+                        "node-loss-links: node-loss on a cluster of network namespaces, each node behind a "
+                        "link of --link-mbit, S3 (radosgw) behind --s3-mbit: recovery time and fraction of the "
+                        "physical limit per tier (root and a source checkout: tests/cluster; uses --size-gib "
+                        "(total), --repeat, --dir, --json); "
                         "replication-cost: node-loss's save phase per peers.cpu_priority (normal, nice, idle), "
                         "alternated --repeat rounds: the trainer's step time while only the paced copies run; "
                         "restore: restore GB/s of zerostall (in place, new dict; both engines), dcp.load, "
@@ -83,6 +87,8 @@ def add_parsers(sub: Any) -> None:
                         "--methods, --dir, --json)")
     s.add_argument("--seconds", type=_positive(float), default=6.0, help="every-step: seconds per mode")
     s.add_argument("--every", type=_positive(int), default=10, help="every-step: the interval of zs-every-K")
+    s.add_argument("--link-mbit", type=_positive(float), default=4000.0, help="node-loss-links: each node's link")
+    s.add_argument("--s3-mbit", type=float, default=1000.0, help="node-loss-links: the S3 server's link (0: no S3)")
     s.set_defaults(fn=_bench)
 
 
@@ -91,6 +97,8 @@ def _bench(a: argparse.Namespace) -> int:
         return _lazy("zerostall.bench.frozen", "main")(a)
     if a.scenario == "node-loss":
         return _lazy("zerostall.bench.nodeloss", "main")(a)
+    if a.scenario == "node-loss-links":
+        return _node_loss_links(a)
     if a.scenario == "replication-cost":
         return _lazy("zerostall.bench.nodeloss_cost", "main")(a)
     if a.scenario == "restore":
@@ -102,3 +110,20 @@ def _bench(a: argparse.Namespace) -> int:
     if a.scenario == "objects":
         return _lazy("zerostall.bench.objects", "main")(a)
     return _lazy("zerostall.bench.bench", "main")(a)
+
+
+def _node_loss_links(a: argparse.Namespace) -> int:
+    """The scenario lives beside the namespace-cluster harness in the source tree (tests/cluster),
+    not in the installed package: run it from there."""
+    import os
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    if not os.path.isfile(os.path.join(repo, "tests", "cluster", "nodeloss_links.py")):
+        print("node-loss-links needs a zerostall source checkout (tests/cluster/nodeloss_links.py); run "
+              "`python -m tests.cluster.nodeloss_links` from one", file=sys.stderr)
+        return 2
+    sys.path.insert(0, repo)
+    argv = ["--mib", str(max(1, int(a.size_gib * 1024 / 4))),
+            "--link-mbit", str(a.link_mbit), "--s3-mbit", str(a.s3_mbit), "--rounds", str(a.repeat)]
+    argv += (["--dir", a.dir] if a.dir else []) + (["--json", a.json] if a.json else [])
+    return _lazy("tests.cluster.nodeloss_links", "main")(argv)
