@@ -19,6 +19,7 @@ import sys
 from typing import Any, Callable
 
 from . import dcp as cli_dcp
+from . import demo_bench
 from .._util import human_bytes as _human
 from ..errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, RootNotFound,
     ZerostallError)
@@ -318,8 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_export)
 
     from . import host as cli_host
-    from ..bench import cli as bench_cli
-    bench_cli.add_parsers(sub)
+    demo_bench.add_parsers(sub)
     cli_host.add_parsers(sub)
     return p
 
