@@ -6,7 +6,7 @@ process that does not exit, within ``--answer-timeout-s``).
 Usage: python benchmarks/sigterm_soak.py [--procs 40] [--signals 25] [--parallel 2] [--seed 0]
        [--zerostall-src PATH]   # e.g. an older checkout's src/, to compare
 
-The test suite runs a short version (tests/integration/test_lifecycle.py, 104 signals).
+The test suite runs a short version (tests/saving/test_lifecycle.py, 104 signals).
 Measured here (2 cores, shared with other jobs): 16 processes x 25 signals = 400 SIGTERMs,
 304 of them inside save(), 0 hung, 0 nonzero exits (115 s). The checkout before the
 lock-free lifecycle (db460fd, ``--zerostall-src``) hung in its first process: signal 17 of
@@ -22,7 +22,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "integration"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "saving"))
 from sigterm_child import drive  # noqa: E402
 
 

@@ -23,7 +23,7 @@ fi
 timeout 90 python3 scripts/gpu_diag.py 2>&1 | tee "$OUT/diag.txt"
 # every GPU test; the two-device cases (test_gpu.py::test_two_devices_*) are skipped, and
 # say so (-rs), on a machine with one device
-timeout 240 python3 -m pytest -q -m gpu -rs -p no:cacheprovider --continue-on-collection-errors tests tests/unit/test_device_streams.py 2>&1 \
+timeout 240 python3 -m pytest -q -m gpu -rs -p no:cacheprovider --continue-on-collection-errors tests tests/saving/test_device_streams.py 2>&1 \
   | tee "$OUT/pytest-gpu.log"
 # restore into CUDA tensors (issue 25): GB/s and fraction of the read line rate, in place and new
 # dict (map_location="cuda"), vs dcp.load and torch.load; ~1-2 min at 2 GiB

@@ -63,7 +63,7 @@ def add_parsers(sub: Any) -> None:
     s.add_argument("--config-mib", type=_positive(float), default=16.0, help="objects scenario: config tree size, MiB of JSON")
     s.add_argument("--log-entries", type=_positive(int), default=10_000, help="objects scenario: log history entries")
     s.add_argument("--scenario", choices=("default", "frozen-base", "node-loss", "replication-cost", "restore",
-                                         "many-tensors", "objects"),
+                                         "many-tensors", "objects", "every-step"),
                    default="default",
                    help="frozen-base: incremental vs full zerostall saves vs torch.save vs DCP of a fine-tune "
                         "whose base is frozen (uses --size-gib, --repeat, --methods, --dir, --json); "
@@ -76,7 +76,13 @@ def add_parsers(sub: Any) -> None:
                         "--repeat, --dir, --json, --device: cuda restores into GPU tensors); many-tensors: --tensors small tensors vs torch.save and DCP "
                         "(stall, first save, durable, result() with keep_last=1, bytes on disk and staging, "
                         "restore); objects: a --config-mib config tree, a --log-entries log history and both "
-                        "with tensors: save() stall and durable vs torch.save and json.dumps (uses --repeat, --dir, --json)")
+                        "with tensors: save() stall and durable vs torch.save and json.dumps (uses --repeat, --dir, --json); "
+                        "every-step: an in-process trainer checkpointing every step (block, skip), every --every "
+                        "steps and with dcp.async_save, on all cores and all but one, and the CPU per GiB saved "
+                        "against one copy + one crc32c pass (uses --size-gib (default 0.25), --seconds, --repeat, "
+                        "--methods, --dir, --json)")
+    s.add_argument("--seconds", type=_positive(float), default=6.0, help="every-step: seconds per mode")
+    s.add_argument("--every", type=_positive(int), default=10, help="every-step: the interval of zs-every-K")
     s.set_defaults(fn=_bench)
 
 
@@ -91,6 +97,8 @@ def _bench(a: argparse.Namespace) -> int:
         return _lazy("zerostall.bench.restore", "main")(a)
     if a.scenario == "many-tensors":
         return _lazy("zerostall.bench.many", "main")(a)
+    if a.scenario == "every-step":
+        return _lazy("zerostall.bench.everystep", "main")(a)
     if a.scenario == "objects":
         return _lazy("zerostall.bench.objects", "main")(a)
     return _lazy("zerostall.bench.bench", "main")(a)

@@ -1,7 +1,7 @@
 """The staging arena's CUDA registration with the runtime faked at its two seams
 (``arena._cudart``, ``arena._on_device``): which ranges are registered, on which device, from
 which threads, split copies, unregistration before unmapping, failure, and the pool's swap to
-a larger reservation. Runs without a GPU; tests/integration/test_gpu.py runs the real thing."""
+a larger reservation. Runs without a GPU; tests/gpu/test_gpu.py runs the real thing."""
 
 import contextlib
 import logging

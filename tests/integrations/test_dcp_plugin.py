@@ -20,7 +20,7 @@ from zerostall.dcp import CheckpointAlreadyExists, Reader, UnsupportedCheckpoint
 from zerostall.integrations.dcp_writer import SHARD_RE
 from zerostall.errors import ConfigError, CorruptCheckpoint
 
-from .test_distributed import _launch
+from tests.distributed.test_distributed import _launch
 
 warnings.filterwarnings("ignore", message=".*assuming the intent is to")
 warnings.filterwarnings("ignore", message=".*Detected an existing checkpoint")

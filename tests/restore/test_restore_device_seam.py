@@ -8,7 +8,7 @@ the caller's device destinations are written only after every byte verified and 
 passed (a corrupt step or a failing gate leaves them as they were and copies nothing); new
 ones are copied while reading and a ring slot is freed only after its copy's event was
 waited for; a copy that raises fails the load, after what was queued was waited for.
-The same paths on a real device: tests/integration/test_restore_cuda.py.
+The same paths on a real device: tests/restore/test_restore_cuda.py.
 """
 
 import threading
@@ -25,7 +25,7 @@ from zerostall.restore import stream
 from zerostall.memory.arena import Arena
 from zerostall.store.local import LocalTier
 from tests.helpers import equal, two_steps
-from tests.integration.test_restore_pipeline import SMALL_IO, _dest, _flip_tensor, _state
+from tests.restore.test_restore_pipeline import SMALL_IO, _dest, _flip_tensor, _state
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -252,8 +252,8 @@ def test_cuda_target_names_a_device_only_where_one_exists():
 def test_the_scratch_is_pinned_once_kept_from_forks_and_copies_cut_at_its_registered_chunks(monkeypatch):
     """register_scratch on an arena view (the pool's) pins its arena, MADV_DONTFORK first,
     once; the copier cuts a copy that crosses two registered chunks (one async copy may not
-    span two registrations). cudart faulted at the arena's seam (tests/unit/test_arena_cuda.py)."""
-    from tests.unit.test_arena_cuda import FakeCudart, fake_on_device
+    span two registrations). cudart faulted at the arena's seam (tests/memory/test_arena_cuda.py)."""
+    from tests.memory.test_arena_cuda import FakeCudart, fake_on_device
     from zerostall.memory import arena as zarena
     from zerostall.memory.host import _unforked
     cudart = FakeCudart()

@@ -1,5 +1,5 @@
 """The device-side content hash of incremental saves (:mod:`zerostall.saving.devhash`), on the
-CPU: the same torch ops run on CUDA (tests/integration/test_incremental_gpu.py compares them)."""
+CPU: the same torch ops run on CUDA (tests/saving/test_incremental_gpu.py compares them)."""
 
 import json
 import numpy as np

@@ -20,7 +20,7 @@ from zerostall.restore import load as restore_load
 from zerostall.restore import step as rstep
 from zerostall.memory.arena import Arena
 from tests.helpers import two_steps
-from tests.integration.test_restore_pipeline import _flip_tensor
+from tests.restore.test_restore_pipeline import _flip_tensor
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
 
