@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from zerostall import _term
 from zerostall.config import IOConfig
 from zerostall.telemetry.host import Sampler
 from .hostinfo import line_rate, machine, memcpy_gbps
@@ -354,11 +355,8 @@ def _run_method(a: argparse.Namespace, m: Method, name: str, state: Any, target:
 def main(a: argparse.Namespace) -> int:
     import warnings
 
-    from rich.console import Console
     warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # DCP without a process group
-    console = Console()
-    if console.width < 150:
-        console = Console(width=150)
+    console = _term.console()
     doc = run_bench(a, console)
     print_table(doc, console)
     if a.json:

@@ -9,7 +9,7 @@ from typing import Any
 
 SCENARIOS = {"default": "bench", "frozen-base": "frozen", "node-loss": "nodeloss",
              "replication-cost": "nodeloss_cost", "restore": "restore", "many-tensors": "many",
-             "objects": "objects"}
+             "objects": "objects", "every-step": "everystep"}
 
 
 def _positive(kind: Any) -> Any:
@@ -66,7 +66,13 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                         "--repeat, --dir, --json, --device: cuda restores into GPU tensors); many-tensors: --tensors small tensors vs torch.save and DCP "
                         "(stall, first save, durable, result() with keep_last=1, bytes on disk and staging, "
                         "restore); objects: a --config-mib config tree, a --log-entries log history and both "
-                        "with tensors: save() stall and durable vs torch.save and json.dumps (uses --repeat, --dir, --json)")
+                        "with tensors: save() stall and durable vs torch.save and json.dumps (uses --repeat, --dir, --json); "
+                        "every-step: an in-process trainer checkpointing every step (block, skip), every --every "
+                        "steps and with dcp.async_save, on all cores and all but one, and the CPU per GiB saved "
+                        "against one copy + one crc32c pass (uses --size-gib (default 0.25), --seconds, --repeat, "
+                        "--methods, --dir, --json)")
+    s.add_argument("--seconds", type=_positive(float), default=6.0, help="every-step: seconds per mode")
+    s.add_argument("--every", type=_positive(int), default=10, help="every-step: the interval of zs-every-K")
 
 
 def run(a: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from zerostall import _term
 from zerostall.demo.model import GPTConfig, TinyGPT
 from zerostall.store.files import drop_cache
 
@@ -311,9 +312,8 @@ def run(work: str, size_bytes: float, repeat: int, methods: list[str], log: Call
 
 def main(a: argparse.Namespace) -> int:
     """Entry point of ``zerostall bench --scenario frozen-base`` (CLI thread)."""
-    from rich.console import Console
     from rich.table import Table
-    console = Console()
+    console = _term.console()
     methods = a.methods.split(",") if a.methods else list(METHODS)
     for n in methods:
         if n not in METHODS:

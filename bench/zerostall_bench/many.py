@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from zerostall import _term
+
 from .report import write_doc
 from .restore import _drop, _equal
 
@@ -128,9 +130,8 @@ def main(a: Any) -> int:
     """``zerostall bench --scenario many-tensors``."""
     import warnings
 
-    from rich.console import Console
     warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-    console = Console(width=150)
+    console = _term.console()
     size = a.size_gib if a.size_gib != 2.0 else 0.25  # the scenario's default: 256 MiB
     doc = run_many(a.tensors, size, a.repeat, a.dir, console)
     zs, ts, dc, r = doc["zerostall"], doc["torch_save"], doc["dcp"], doc["ratios"]

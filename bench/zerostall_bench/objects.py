@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from zerostall import _term
+
 from .report import write_doc
 
 
@@ -225,8 +227,7 @@ def run_objects(config_mib: float, log_entries: int, repeat: int, workdir: str |
 
 def main(a: Any) -> int:
     """``zerostall bench --scenario objects``."""
-    from rich.console import Console
-    console = Console(width=150)
+    console = _term.console()
     doc = run_objects(a.config_mib, a.log_entries, a.repeat, a.dir, console)
     ok = True
     for name in ("config", "log", "both"):

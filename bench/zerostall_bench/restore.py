@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from zerostall import _term
 from zerostall.config import IOConfig
 from .report import write_doc
 
@@ -198,9 +199,8 @@ def main(a: Any) -> int:
     """``zerostall bench --scenario restore``."""
     import warnings
 
-    from rich.console import Console
     warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # DCP without a process group
-    console = Console(width=max(150, Console().width))
+    console = _term.console()
     doc = run_restore_bench(a.size_gib, a.repeat, a.dir, None, console, device=getattr(a, "device", "cpu"))
     print_restore(doc, console)
     if a.json:

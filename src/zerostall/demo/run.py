@@ -28,7 +28,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .. import load, save
+from .. import _term, load, save
+from .._term import safe
 from ..checkpointer import Checkpointer
 from ..saving.handle import SaveHandle
 from .model import GPTConfig, TinyGPT, batch, corpus, encode
@@ -120,6 +121,7 @@ def _spawn(args: list[str]) -> subprocess.Popen[str]:
 
 def run_demo(steps: int, every: int, ckdir: str, seed: int, tiny: bool, console: Any) -> bool:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.text import Text
 
     cfg = TINY_CFG if tiny else DEMO_CFG
     ref_dir, crash_dir, work = (os.path.join(ckdir, n) for n in ("reference", "crashed", "work"))
@@ -127,14 +129,15 @@ def run_demo(steps: int, every: int, ckdir: str, seed: int, tiny: bool, console:
     kill_step = ((steps * 2 // 3) // every) * every - 1
     if kill_step < every:
         raise SystemExit("demo: --steps must be at least 3 x --every")
-    console.print(f"[bold]zerostall demo[/]: GPT ({cfg.n_params / 1e6:.2f} M params, AdamW state "
-                  f"{cfg.n_params * 12 / 2**20:.0f} MiB per checkpoint), {steps} steps, a checkpoint "
-                  f"every {every}, into {ckdir}")
+    console.print(Text.assemble(("zerostall demo", "bold"), f": GPT ({cfg.n_params / 1e6:.2f} M params, AdamW state "
+                                f"{cfg.n_params * 12 / 2**20:.0f} MiB per checkpoint), {steps} steps, a checkpoint "
+                                f"every {every}, into {safe(ckdir)}"))
 
     # 1. the reference run, in this process
     lines: list[tuple[int, SaveHandle]] = []
-    with Progress(TextColumn("[1/3] training"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-                  TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), console=console) as prog:
+    with Progress(TextColumn("[1/3] training", markup=False), BarColumn(),
+                  TextColumn("{task.completed}/{task.total} steps", markup=False),
+                  TextColumn("loss {task.fields[loss]}", markup=False), TimeElapsedColumn(), console=console) as prog:
         task = prog.add_task("train", total=steps, loss="-")
 
         def show_done() -> None:
@@ -182,13 +185,15 @@ def run_demo(steps: int, every: int, ckdir: str, seed: int, tiny: bool, console:
             break
     child.wait()
     if killed_at is None:
-        console.print(f"[red]the child ended before step {kill_step}: {child.stderr.read() if child.stderr else ''}")
+        console.print(Text(f"the child ended before step {kill_step}: {safe(child.stderr.read() if child.stderr else '')}",
+                           style="red"))
         return False
     committed = sorted(int(n[5:]) for n in os.listdir(crash_dir) if n.startswith("step-") and n[5:].isdigit())
     partial = os.path.isdir(os.path.join(crash_dir, f"step-{kill_step}.partial"))
-    console.print(f"  killed (exit {child.returncode}); committed steps on disk: {committed}; step {kill_step}: "
-                  + ("[yellow]caught mid-persist (a .partial directory, not a checkpoint)[/]" if partial
-                     else "committed before the kill landed" if kill_step in committed else "not started"))
+    console.print(Text.assemble(f"  killed (exit {child.returncode}); committed steps on disk: {committed}; "
+                                f"step {kill_step}: ",
+                                ("caught mid-persist (a .partial directory, not a checkpoint)", "yellow") if partial
+                                else "committed before the kill landed" if kill_step in committed else "not started"))
 
     # 3. resume from the newest committed checkpoint and finish
     resumed_from = max(committed) if committed else None
@@ -198,7 +203,7 @@ def run_demo(steps: int, every: int, ckdir: str, seed: int, tiny: bool, console:
                     "--out", out, "--resume"] + (["--tiny"] if tiny else []))
     _, err = child.communicate()
     if child.returncode != 0:
-        console.print(f"[red]resume failed:[/]\n{err}")
+        console.print(Text.assemble(("resume failed:", "red"), f"\n{safe(err)}"))
         return False
     with open(out) as f:
         resumed = {int(k): float.fromhex(v) for k, v in json.load(f)["losses"].items()}
@@ -206,18 +211,19 @@ def run_demo(steps: int, every: int, ckdir: str, seed: int, tiny: bool, console:
     ref_params = ref_model.state_dict()
     loss_ok = bool(resumed) and all(resumed[s] == ref_losses[s] for s in resumed)
     diff = [k for k in ref_params if not torch.equal(ref_params[k], params[k])]
-    console.print(f"  resumed steps {min(resumed)}..{max(resumed)}: losses "
-                  + ("[green]bit-identical[/]" if loss_ok else "[red]DIFFER[/]") + " to the uninterrupted run; "
-                  "final parameters: " + ("[green]bit-identical[/]" if not diff else f"[red]{len(diff)} tensors differ[/]"))
+    console.print(Text.assemble(f"  resumed steps {min(resumed)}..{max(resumed)}: losses ",
+                                ("bit-identical", "green") if loss_ok else ("DIFFER", "red"),
+                                " to the uninterrupted run; final parameters: ",
+                                ("bit-identical", "green") if not diff else (f"{len(diff)} tensors differ", "red")))
     ok = loss_ok and not diff
-    console.print(f"[bold green]VERDICT: PASS[/] — checkpoints cost the loop {lost_ms:.1f} ms each "
-                  f"({frac:.2%} of training time, measured) and survived a SIGKILL" if ok else "[bold red]VERDICT: FAIL[/]")
+    console.print(Text.assemble(("VERDICT: PASS", "bold green"), f" — checkpoints cost the loop {lost_ms:.1f} ms each "
+                                f"({frac:.2%} of training time, measured) and survived a SIGKILL") if ok
+                  else Text("VERDICT: FAIL", style="bold red"))
     return ok
 
 
 def main(a: argparse.Namespace) -> int:
-    from rich.console import Console
-    console = Console()
+    console = _term.console()
     ckdir = a.dir or tempfile.mkdtemp(prefix="zerostall-demo-")
     t0 = time.time()
     try:
@@ -225,7 +231,7 @@ def main(a: argparse.Namespace) -> int:
     finally:
         if not a.keep and a.dir is None:
             shutil.rmtree(ckdir, ignore_errors=True)
-    console.print(f"demo finished in {time.time() - t0:.1f} s" + (f"; checkpoints kept in {ckdir}" if a.keep or a.dir else ""))
+    console.print(f"demo finished in {time.time() - t0:.1f} s" + (f"; checkpoints kept in {safe(ckdir)}" if a.keep or a.dir else ""))
     return 0 if ok else 1
 
 
