@@ -13,7 +13,7 @@ returned, every byte verified (``loaded``).
 
 **Fraction of the physical limit** = (bytes moved / files-in time) / limit, where the limit is
 min(every link on the path, the disk's O_DIRECT read, its O_DIRECT write), measured here (the
-disk with fio or zerostall's own probe). The ratio between tiers is a stated simulation (link
+disk with the line-rate probe of ``zerostall doctor``: io_uring, 4 MiB requests, depth 32). The ratio between tiers is a stated simulation (link
 rates we chose); the fraction of the limit is ours to own.
 
 Run (root; from the repository root)::
@@ -62,14 +62,10 @@ def _uncache(path: str) -> None:
 
 
 def disk_rates(directory: str, size: int = 512 << 20) -> dict[str, Any]:
-    """The disk's O_DIRECT write/read rates in bytes/s (the library bench's line-rate probe)."""
-    try:
-        from zerostall.bench.hostinfo import line_rate
-    except ImportError:  # the bench moved out of the library
-        from bench.hostinfo import line_rate  # type: ignore[no-redef]
-    r = line_rate(directory, size)
-    return {"write_Bps": float(r["write_gbps"]) * 1e9, "read_Bps": float(r["read_gbps"]) * 1e9,
-            "tool": r.get("tool")}
+    """The disk's O_DIRECT write/read rates in bytes/s (the line-rate probe of ``zerostall doctor``)."""
+    from zerostall.tuning.line_rate import line_rate_probe
+    r = line_rate_probe(directory, size)
+    return {"write_Bps": r["write_gbps"] * 1e9, "read_Bps": r["read_gbps"] * 1e9, "tool": "zerostall probe"}
 
 
 class Bench:
