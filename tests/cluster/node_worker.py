@@ -85,7 +85,7 @@ def arm(fault):
     wait for the gate ``<where>`` (the test cuts the network meanwhile). ``where``: ``send``
     (the node's copy to a holder, half sent), ``reported``/``entered``/... (a commit round
     point, :data:`zerostall.distributed.commit.fault_hook`), ``fetch`` (a restore fetch from
-    a holder, the first chunk in)."""
+    a holder other than the store's host, the first chunk in)."""
     if not fault:
         return
     where, node, step = fault.split(":")
@@ -113,7 +113,9 @@ def arm(fault):
 
                 def first(mv):
                     feed(mv)
-                    pause(bytes=len(mv), size=size, peer=sock.getpeername()[0])
+                    # never the store's host: cutting it off would cut off the whole job
+                    if sock.getpeername()[0] != os.environ.get("MASTER_ADDR"):
+                        pause(bytes=len(mv), size=size, peer=sock.getpeername()[0])
                 check.feed = first
             return orig(sock, size, w, check, *a, **k)
         tcp.fill_from = fill_from

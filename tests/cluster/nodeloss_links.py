@@ -68,6 +68,28 @@ def disk_rates(directory: str, size: int = 512 << 20) -> dict[str, Any]:
     return {"write_Bps": r["write_gbps"] * 1e9, "read_Bps": r["read_gbps"] * 1e9, "tool": "zerostall probe"}
 
 
+_SINK = ("import socket\ns = socket.create_server(('0.0.0.0', 5001))\nwhile True:\n    c, _ = s.accept()\n"
+         "    while c.recv(1 << 22):\n        pass\n    c.close()\n")
+_SEND = ("import socket, sys, time\ns = socket.create_connection((sys.argv[1], 5001))\nb = bytes(4 << 20)\n"
+         "t = time.monotonic()\nfor _ in range(int(sys.argv[2])):\n    s.sendall(b)\ns.shutdown(socket.SHUT_WR)\n"
+         "s.recv(1)\nprint(int(sys.argv[2]) * (4 << 20) / (time.monotonic() - t))\n")
+
+
+def bare_stream(c: Cluster, mib: int = 256) -> float:
+    """Bytes/s of one bare TCP stream n0 -> n1 over their shaped links (no disk, no zerostall):
+    what this machine's CPUs let a link carry at this moment."""
+    sink = c.nodes[1].spawn([sys.executable, "-c", _SINK])
+    try:
+        for _ in range(50):
+            if c.nodes[0].run([sys.executable, "-c", f"import socket; socket.create_connection(('{c.nodes[1].addr}', 5001)).close()"]).returncode == 0:
+                break
+            time.sleep(0.1)
+        r = c.nodes[0].run([sys.executable, "-c", _SEND, c.nodes[1].addr, str(mib // 4)], timeout=600)
+        return float(r.stdout.strip())
+    finally:
+        c.kill(sink)
+
+
 class Bench:
     def __init__(self, c: Cluster, work: str, mib: int, env: dict[str, str]):
         self.c, self.work, self.mib, self.env = c, work, mib, env
@@ -128,6 +150,7 @@ def run(mib: int, link_mbit: float, s3_mbit: float | None, rounds: int, work: st
         saved = b.job("save", roots2, {"ZS_REPLICAS": "2", "ZS_UPLOAD": uploads})
         saved3 = b.job("save", roots3, {"ZS_REPLICAS": "3"})
         disk = disk_rates(os.path.join(work, "cluster"))
+        stream = bare_stream(c)
         link_Bps = link_mbit * 1e6 / 8
         tiers = [("peers", roots2, {"ZS_REPLICAS": "2"}, "load"),
                  ("peers N=3", roots3, {"ZS_REPLICAS": "3"}, "load"),
@@ -159,7 +182,7 @@ def run(mib: int, link_mbit: float, s3_mbit: float | None, rounds: int, work: st
                 timespec="seconds"),
             "machine": f"{platform.node()} {os.cpu_count()} CPUs, {platform.release()}",
             "load_avg": os.getloadavg(), "mib_per_node": mib, "link_mbit": link_mbit, "s3_mbit": s3_mbit,
-            "disk": disk, "s3_error": s3_error, "protected": all(d["protected"] for d in saved + saved3),
+            "disk": disk, "bare_stream_Bps": stream, "s3_error": s3_error, "protected": all(d["protected"] for d in saved + saved3),
             "protected_s": max(d["protected_s"] for d in saved), "rounds": rows, "tiers": {}}
         for label, *_ in tiers:
             files = statistics.median(row[label]["files_s"] for row in rows)
@@ -168,6 +191,7 @@ def run(mib: int, link_mbit: float, s3_mbit: float | None, rounds: int, work: st
                 "files_s": files, "load_s": statistics.median(row[label]["load_s"] for row in rows),
                 "bytes": nbytes, "rate_Bps": nbytes / files, "limit_Bps": limits[label],
                 "fraction_of_limit": nbytes / files / limits[label],
+                "fraction_of_bare_stream": nbytes / files / min(limits[label], stream),
                 "fraction_each_round": [round(nbytes / row[label]["files_s"] / limits[label], 3) for row in rows],
                 "bit_exact": all(row[label]["bit_exact"] for row in rows),
                 "source": rows[0][label]["source"]}
@@ -183,7 +207,8 @@ def report(res: dict[str, Any]) -> str:
     lines = [f"node-loss on shaped links: 4 nodes x {res['mib_per_node']} MiB, links {res['link_mbit']:g} mbit "
              f"({res['link_mbit'] / 8:g} MB/s) each way per node, S3 behind {res['s3_mbit']} mbit; disk O_DIRECT "
              f"write {d['write_Bps'] / 1e9:.2f} GB/s, read {d['read_Bps'] / 1e9:.2f} GB/s ({d['tool']}); "
-             f"{len(res['rounds'])} rounds, medians; load average {res['load_avg'][0]:.1f}",
+             f"{len(res['rounds'])} rounds, medians; load average {res['load_avg'][0]:.1f}; one bare TCP stream "
+             f"n0 -> n1 over these links (no disk): {res['bare_stream_Bps'] / 1e6:.0f} MB/s",
              "| tier | files in (s) | loaded (s) | MB/s | limit MB/s | fraction of limit (each round) |",
              "|---|---|---|---|---|---|"]
     for label, t in res["tiers"].items():
