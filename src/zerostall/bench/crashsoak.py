@@ -66,7 +66,7 @@ def check(directory: str, tally: Tally, incremental: bool = False) -> None:
     from ..io import get_engine
     from ..config import IOConfig
     from ..restore import load, verify_step
-    from ..store.tier import open_root
+    from ..store import open_root
     tier = open_root(directory)
     steps = tier.steps()
     tally.partial_seen += bool(tier.partial_steps())

@@ -36,7 +36,7 @@ def many_state(n: int, total_bytes: int) -> dict[str, dict[str, torch.Tensor]]:
 
 def run_many(n: int, size_gib: float, repeat: int, workdir: str | None, console: Any) -> dict[str, Any]:
     from .. import Checkpointer
-    from ..memory import pool
+    from ..saving import pool
     own = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="zerostall-bench-many-", dir=os.getcwd())
     os.makedirs(workdir, exist_ok=True)

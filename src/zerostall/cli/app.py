@@ -16,24 +16,23 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Callable
+from typing import Any
 
 from . import dcp as cli_dcp
 from .._util import human_bytes as _human
 from ..errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, RootNotFound,
     ZerostallError)
-from ..store.tier import is_url, open_root
-
-
-def safe(text: Any) -> str:
-    """``text`` with control characters (ESC, BEL, bidi overrides, ...) shown as escapes."""
-    out = []
-    for ch in str(text):
-        if ch.isprintable() or ch == " ":
-            out.append(ch)
-        else:
-            out.append(repr(ch)[1:-1] if ord(ch) < 0x10000 else f"\\U{ord(ch):08x}")
-    return "".join(out)
+from ..store import open_root
+from ..store.tier import is_url
+from ..restore.fetch import restore_remote
+from ..store.tier import open_tier
+from ..restore import load
+from ..restore import LoadReport
+from . import host as cli_host
+from ..peers.status import peer_rows, quota_lines
+from ..integrations import export
+from .common import _engine, _tier, safe
+from .verify import cmd_verify
 
 
 def cell(text: Any) -> str:
@@ -45,20 +44,6 @@ def cell(text: Any) -> str:
 def _console() -> Any:
     from rich.console import Console
     return Console(emoji=False, highlight=False)
-
-
-def _engine(name: str, root: str) -> Any:
-    from ..config import IOConfig
-    from ..io import choose_engine
-    return choose_engine(root, IOConfig(engine=name))
-
-
-def _tier(path: str) -> Any:
-    """The tier a command reads: a local checkpoint directory, or a remote tier by URL
-    (``s3://bucket/prefix``, ``file:///shared/path``)."""
-    tier = open_root(path)
-    tier.check_root()  # RootNotFound (exit 2): a typo is not an empty root
-    return tier
 
 
 def _rows(tier: Any, label: str) -> list[dict[str, Any]]:
@@ -94,7 +79,6 @@ def cmd_ls(a: argparse.Namespace) -> int:
     title = a.path if is_url(a.path) else tier.root
     rows = _rows(tier, "remote" if is_url(a.path) else "local")
     if not is_url(a.path):  # peer replicas: this node's steps' holders, the copies it keeps for others
-        from ..peers.status import peer_rows
         peer_rows(tier.root, rows)
     if a.remote and not is_url(a.path):
         try:
@@ -127,15 +111,12 @@ def cmd_ls(a: argparse.Namespace) -> int:
                   cell(r["state"]))
     _console().print(t)
     if not is_url(a.path):
-        from ..peers.status import quota_lines
         for line in quota_lines(tier.root):
             print(safe(line))
     return 0
 
 
 def cmd_restore(a: argparse.Namespace) -> int:
-    from ..restore.fetch import restore_remote  # the library's restore: the same fallback as load(remote=)
-    from ..store.tier import open_tier
     remote = open_tier(a.url)  # a plain path too: a shared-filesystem tier
     remote.check_root()
     if a.step is None and not remote.steps():
@@ -196,8 +177,6 @@ def cmd_export(a: argparse.Namespace) -> int:
 
     import torch
 
-    from ..restore import load
-    from ..restore import LoadReport
     out_dir = os.path.dirname(os.path.abspath(a.out))
     if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
         raise ConfigError(f"cannot write {a.out!r}: {out_dir!r} is not a writable directory")
@@ -207,7 +186,6 @@ def cmd_export(a: argparse.Namespace) -> int:
         rank, world = _export_rank(a, remote)
         state = load(src, step=a.step, remote=remote, rank=rank, world_size=world, report=report)
     if a.format != "safetensors":  # the files the framework's own checkpointing reads
-        from ..integrations import export
         files = export.write(a.format, state, a.out, rank=rank, world_size=world)
         print(f"wrote step {report.step} as a {a.format} checkpoint: {safe(a.out)} ({', '.join(map(safe, files))})")
         return 0
@@ -261,13 +239,6 @@ def _export_rank(a: argparse.Namespace, remote: str | None) -> tuple[int, int]:
     return a.rank, m.world_size
 
 
-def _lazy(module: str, fn: str) -> Callable[[argparse.Namespace], int]:
-    def run(a: argparse.Namespace) -> int:
-        import importlib
-        return getattr(importlib.import_module(module, __package__), fn)(a)
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zerostall", description="Checkpoint PyTorch training without stalling it.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -294,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "else the host name): shards written on other nodes live in their copies")
     s.add_argument("--all-files", action="store_true",
                    help="require every rank's shard in this root (a shared root), not only this copy's")
-    s.set_defaults(fn=_lazy(".cli_verify", "cmd_verify"))
+    s.set_defaults(fn=cmd_verify)
 
     s = sub.add_parser("inspect", help="tensors, dtypes, shapes, bytes of a checkpoint")
     s.add_argument("path", help="a local directory, s3://bucket/prefix or file:///path")
@@ -317,7 +288,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out", help="output file (a folder for transformers/accelerate)")
     s.set_defaults(fn=cmd_export)
 
-    from . import host as cli_host
     from ..bench import cli as bench_cli
     bench_cli.add_parsers(sub)
     cli_host.add_parsers(sub)
