@@ -17,7 +17,7 @@ from pathlib import Path
 PKG = Path(importlib.util.find_spec("zerostall").origin).parent  # not imported: only read
 
 LAYERS: list[set[str]] = [
-    {"_util", "errors"},
+    {"_term", "_util", "errors"},
     {"config"},
     {"format"},
     {"io", "memory", "telemetry"},
@@ -27,7 +27,7 @@ LAYERS: list[set[str]] = [
     {"saving", "restore"},
     {"checkpointer", "rng", "stateful"},
     {""},  # zerostall/__init__.py: the public face
-    {"tuning", "integrations", "dcp", "cli"},
+    {"tuning", "integrations", "dcp", "demo", "cli"},
 ]
 """Bottom to top: a module may import from its own layer (without a circle) or any lower one.
 The name is the first part below ``zerostall`` ("" is the package's own ``__init__``)."""
