@@ -70,7 +70,7 @@ class StagingConfig:
     faults ``min(budget, the largest ask)`` in the background. ``budget_bytes`` wins over
     ``budget_fraction`` (of host RAM, shared by ``LOCAL_WORLD_SIZE`` ranks). A state larger
     than the pool streams through it as a ring of ``block_bytes`` blocks. One slot by
-    default: measured (``benchmarks/slots.py``), a second slot doubled the memory and the
+    default: measured (``bench/scripts/slots.py``), a second slot doubled the memory and the
     faulting and did not make back-to-back saves stage sooner on a disk faster than memory
     faulting; pass ``slots=2`` when saves come faster than the disk persists one.
     """

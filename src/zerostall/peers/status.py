@@ -17,6 +17,7 @@ from typing import Any
 from .._util import human_bytes
 from ..errors import ZerostallError
 from ..store.atomic import write_file_durable
+from .wire import recv_msg
 
 NAME = ".status.json"
 _mu = threading.Lock()
@@ -75,6 +76,8 @@ def peer_rows(root: str, rows: list[dict[str, Any]]) -> None:
         for name in sorted(os.listdir(d)):
             if name.startswith("step-") and name[5:].isdigit():
                 files = sorted(f for f in os.listdir(os.path.join(d, name)) if f.endswith(".shard"))
+                if not files:  # a copy cut before any file arrived (its manifest only): nothing held
+                    continue
                 rows.append({"step": int(name[5:]), "bytes": sum(os.path.getsize(os.path.join(d, name, f))
                                                                  for f in files),
                              "tensors": 0, "created_unix": 0, "state": f"held for node {src}: {', '.join(files)}",
@@ -142,7 +145,6 @@ def doctor_checks(root: str, timeout_s: float = 1.0) -> list[tuple[str, Any, str
     Connects without the job's secret: the peers log the connection as refused."""
     import socket
 
-    from .wire import recv_msg
     doc = read(root)
     if not doc:
         return []
