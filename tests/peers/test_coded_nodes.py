@@ -15,7 +15,7 @@ import signal
 
 from zerostall.store.local import LocalTier
 
-from ..integration.test_peers import _launch
+from .test_peers import _launch
 
 HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "coded_worker.py")

@@ -43,7 +43,7 @@ log = logging.getLogger("zerostall")
 
 class Peers:
     def __init__(self, cfg: CheckpointConfig, tier: RootTier, store: Store, prefix: str, rank: int, world: int,
-                 *, node_local: bool):
+                 *, node_local: bool, copies: tuple[int, ...] = ()):
         pc = cfg.peers
         what = f"replicas={cfg.replicas}" if pc.code is None else \
             f"peers.code={pc.code!r} (RS({pc.data_fragments},{pc.parity_fragments}))"
@@ -72,7 +72,8 @@ class Peers:
             return publish, port
 
         try:
-            self.view: PeerView = setup(store, prefix, rank, world, cfg.replicas, cfg.join_timeout_s, serve)
+            self.view: PeerView = setup(store, prefix, rank, world, cfg.replicas, cfg.join_timeout_s, serve,
+                                        copies)
             if pc.code is not None:  # every rank, not only the leaders that serve
                 check_cluster(pc.data_fragments, pc.parity_fragments, [n.name for n in self.view.nodes])
         except BaseException:
@@ -104,8 +105,10 @@ class Peers:
     def _make_transport(self, secret: bytes, me: str, nodes: list[Node], listen: str) -> TcpTransport:
         pc = self.cfg.peers
         return TcpTransport(secret, me, {n.name for n in nodes}, timeout_s=pc.timeout_s,
-                            pacer=Pacer(pc.bandwidth_bytes), listen_host=listen, cpu_priority=pc.cpu_priority,
-                            recv_pacer=Pacer(pc.receive_bandwidth_bytes) if pc.receive_bandwidth_bytes else None)
+                            pacer=Pacer(pc.bandwidth_bytes, pc.timeout_s), listen_host=listen,
+                            cpu_priority=pc.cpu_priority,
+                            recv_pacer=Pacer(pc.receive_bandwidth_bytes, pc.timeout_s)
+                            if pc.receive_bandwidth_bytes else None)
 
     def _make_store(self, me: str) -> PeerStore:
         pc = self.cfg.peers

@@ -37,6 +37,7 @@ from typing import Any
 
 import crc32c as _crc
 
+from ..config import ALIGN_BYTES
 from ..errors import ZerostallError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from .coding import STRIPE_BYTES, Code, Layout, descriptor_id
@@ -133,13 +134,14 @@ class CodedReplicator(PeerReplicator):
                 failed.append(f"{node} (fragment {i}): {exc}")
         parity = any(i >= k for i in ups)
         crcs = dict.fromkeys(ups, 0)
-        bufs = [mmap.mmap(-1, min(fb, STRIPE_BYTES)) for _ in range(k)]
+        stripe = _stripe_bytes(getattr(self.transport, "pacer", None), len(plan))
+        bufs = [mmap.mmap(-1, min(fb, stripe)) for _ in range(k)]
         mvs = [memoryview(b) for b in bufs]
         fds: dict[str, int] = {}
         try:
             for name, _ in lay.files:
                 fds[name] = os.open(os.path.join(self.tier.step_dir(step), name), os.O_RDONLY | os.O_CLOEXEC)
-            for off, n in lay.stripes():
+            for off, n in lay.stripes(stripe):
                 if not ups or self._stop.is_set():
                     break
                 for i in (range(k) if parity else [i for i in ups if i < k]):
@@ -236,6 +238,16 @@ class CodedReplicator(PeerReplicator):
                 log.info("zerostall: repair: fragment %d of step %d sent to node %s", i, step, node)
             if errors:
                 log.warning("zerostall: repair of step %d: %s", step, "; ".join(errors))
+
+
+def _stripe_bytes(pacer: Any, fragments: int) -> int:
+    """Bytes of each fragment per stripe. The holders are fed in turn, so with a bandwidth cap
+    one waits for the other fragments' pieces between two of its own: two pacer pieces
+    (``rate * timeout_s / 8`` each) across all fragments keep that wait near a quarter of
+    ``peers.timeout_s``, after which the holder would give up."""
+    if pacer is None or not pacer.rate:
+        return STRIPE_BYTES
+    return max(ALIGN_BYTES, min(STRIPE_BYTES, 2 * pacer.piece_bytes // fragments // ALIGN_BYTES * ALIGN_BYTES))
 
 
 def _read(lay: Layout, fds: dict[str, int], index: int, off: int, n: int, mv: memoryview) -> None:

@@ -106,11 +106,12 @@ class Layout:
             a = max(pos, base)
             yield None, 0, a - index * self.fragment_bytes, end - a
 
-    def stripes(self) -> Iterator[tuple[int, int]]:
-        """``(offset, length)`` of each stripe of a fragment."""
+    def stripes(self, stripe_bytes: int = STRIPE_BYTES) -> Iterator[tuple[int, int]]:
+        """``(offset, length)`` of each stripe of a fragment (any aligned size: a parity byte
+        depends only on the data bytes at its own offset)."""
         f = self.fragment_bytes
-        for off in range(0, f, STRIPE_BYTES):
-            yield off, min(STRIPE_BYTES, f - off)
+        for off in range(0, f, stripe_bytes):
+            yield off, min(stripe_bytes, f - off)
 
     # -- the descriptor every holder keeps beside its fragment -----------------------------
     def describe(self, step: int, checkpoint_id: str, src: str) -> bytes:

@@ -302,10 +302,13 @@ class Upload:
 
     def send(self, mv: memoryview) -> None:
         assert self.sock is not None
-        if self.pacer is not None:
-            self.pacer.take(len(mv))
+        piece = len(mv) if self.pacer is None or not self.pacer.rate else self.pacer.piece_bytes
         try:
-            self.sock.sendall(mv)
+            for a in range(0, len(mv), piece):  # send, then pay (:class:`.stream.Pacer`)
+                n = min(piece, len(mv) - a)
+                self.sock.sendall(mv[a:a + n])
+                if self.pacer is not None:
+                    self.pacer.take(n)
             before, self.sent = self.sent, self.sent + len(mv)
             if before < self.size // 2 <= self.sent:
                 at("frag-send:mid-stream")
