@@ -75,3 +75,15 @@ def test_config_code_is_exclusive_with_replicas_and_a_small_cluster_is_refused_b
     with pytest.raises(ConfigError, match=r"needs at least 7 nodes; this job has 5 .* at most 4, or use replicas"):
         check_cluster(4, 2, [f"n{i}" for i in range(5)])
     check_cluster(4, 2, [f"n{i}" for i in range(7)])
+
+
+def test_under_a_bandwidth_cap_a_holder_waits_at_most_a_quarter_of_its_timeout_between_pieces():
+    from zerostall.peers.coded import _stripe_bytes
+    from zerostall.peers.coding import STRIPE_BYTES
+    from zerostall.peers.stream import Pacer
+    assert _stripe_bytes(None, 6) == _stripe_bytes(Pacer(None), 6) == STRIPE_BYTES
+    for rate, timeout, frags in ((2 << 20, 5.0, 6), (200_000_000, 30.0, 10), (1 << 20, 2.0, 64)):
+        stripe = _stripe_bytes(Pacer(rate, timeout), frags)
+        assert stripe % 4096 == 0 and stripe <= STRIPE_BYTES
+        # a holder's next piece comes after every other fragment's piece of the stripe was paid for
+        assert frags * stripe / rate <= max(timeout / 4, frags * 4096 / rate), (rate, timeout, frags, stripe)
