@@ -41,6 +41,7 @@ from itertools import repeat
 from typing import Any, NamedTuple
 
 import torch
+from .kinds import STANDARD_TYPES
 
 try:
     import numpy as np
@@ -137,7 +138,6 @@ def _refusal(x: Any, path: tuple[Any, ...]) -> UnsupportedStateError:
         return UnsupportedStateError(
             f"{key!r} holds a defaultdict whose default_factory {x.default_factory!r} cannot be stored "
             "(a builtin type such as list, int or dict, or None, can): convert it with dict(x)")
-    from .kinds import STANDARD_TYPES
     bases = _PLAIN_BASES + STANDARD_TYPES + ((np.ndarray,) if np is not None else ())
     base = next((b for b in t.__mro__[1:] if b in bases), None)
     if base is not None:

@@ -19,12 +19,13 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..config import CheckpointConfig
 from ..distributed.store import Store
 from ..errors import ConfigError
 from ..io.base import Engine, choose_engine
+from ..store.remote import list_steps, open_tier
 from ..store.tier import RootTier
 from .coded import CodedReplicator, check_cluster
 from .coded_restore import holdings, rebuild
@@ -136,22 +137,21 @@ class Peers:
         return self.replicator.status(step)
 
     # -- caller's thread ---------------------------------------------------------------
-    def plan_load(self, step: int | None, report: Any) -> tuple[int, Any, str]:
-        """``Checkpointer.load``'s first part with peer replicas: ``(the agreed step, the
-        LoadReport to fill, where this node's files came from)``."""
-        from ..restore import LoadReport
+    def plan_load(self, step: int | None, warm: Callable[[], Any] | None = None) -> tuple[int | None, str]:
+        """``Checkpointer.load``'s first part with peer replicas: ``(the step to load, where this
+        node's files came from)``; ``warm`` (the restore scratch's fault) runs on a thread of its
+        own while this node's files are at hand."""
         remote_steps: list[int] = []
         if self.cfg.remote:
-            from ..store.remote import list_steps, open_tier
             remote_steps = list_steps(open_tier(self.cfg.remote, io=self.cfg.io))[0] or []
-        plan = self.prepare_load(step, remote_steps)
+        plan = self.prepare_load(step, remote_steps, warm)
         self.planned_step = plan.step
         # unpinned: the collective load starts at the newest step and, if a rank's copy of it
         # fails to verify (bit rot the size check above cannot see), falls back to an older
         # one on every rank alike, instead of failing the whole job on the agreed step
-        return (plan.step if step is not None else None), report if report is not None else LoadReport(), plan.source
+        return (plan.step if step is not None else None), plan.source
 
-    def prepare_load(self, step: int | None, remote_steps: list[int]) -> Plan:
+    def prepare_load(self, step: int | None, remote_steps: list[int], warm: Callable[[], Any] | None = None) -> Plan:
         """Agree on the step and bring this node's files of it into the local root (peers);
         ``plan.source == "remote"``: the ordinary load must download it."""
         n = next(self._loads)
@@ -159,15 +159,14 @@ class Peers:
         coded = holdings(self.view, self.transport) if self.cfg.peers.code is not None else {}
         plan = agree(self.store, self.view, self.transport, self.tier, n, step=step, remote_steps=remote_steps,
                      timeout_s=timeout, coded=set(coded))
-        if plan.source not in ("peers", "coded"):
+        if plan.source not in ("peers", "coded") and warm is not None:
             # The load that follows reads through a 128 MiB scratch faulted on first use (a
             # restarted process has no faulted staging pool yet), after the ranks' agreement,
             # and the collective load waits for the slowest rank: 0.5-2.8 s of the node-loss
             # bench's load on the loaded 2-core VM. The nodes with their files at hand fault it
             # now, while a replaced node fetches; the fetching node does not (on two cores its
             # fault slowed the fetch and the agreement by as much as it saved).
-            from ..restore.step import shared_bounce
-            threading.Thread(target=shared_bounce, name="zerostall-bounce-fault", daemon=True).start()
+            threading.Thread(target=warm, name="zerostall-bounce-fault", daemon=True).start()
         if plan.source in ("peers", "coded"):
             t0 = time.perf_counter()
             files_in = None if plan.source == "peers" else \

@@ -17,6 +17,7 @@ from typing import Any
 from .._util import human_bytes
 from ..errors import ZerostallError
 from ..store.atomic import write_file_durable
+from .wire import recv_msg
 
 NAME = ".status.json"
 _mu = threading.Lock()
@@ -160,7 +161,6 @@ def doctor_checks(root: str, timeout_s: float = 1.0) -> list[tuple[str, Any, str
     Connects without the job's secret: the peers log the connection as refused."""
     import socket
 
-    from .wire import recv_msg
     doc = read(root)
     if not doc:
         return []

@@ -18,7 +18,7 @@ from .job import merged_entries
 from .job import Persisted, SaveRequest
 from .commit_local import file_entry, tensor_entries
 from ..store.tier import RootTier
-from ..distributed.agree import collective_base, collective_load
+from ..restore.agreed import collective_base, collective_load
 from ..distributed.commit import OutcomeUnknown, commit_round, grace_s, report_failure, wait_acked
 from ..distributed.session import Session
 from ..distributed.store import Store

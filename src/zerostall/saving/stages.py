@@ -30,7 +30,10 @@ from .persist import Persister
 from ..store.remote import open_tier
 from .upload import Replicator
 from ..store.retention import LocalRetention, RetentionPolicy, retain_at_start
-from ..store.tier import is_url, open_root
+from ..store import open_root
+from ..store.tier import is_url
+from ..restore import load
+from ..telemetry import prometheus
 
 log = logging.getLogger("zerostall")
 
@@ -69,7 +72,6 @@ class Stages:
         newest step every rank can load (collective), else the newest that verifies here."""
         if self.committer is not None:
             return self.committer.load_agreed(state_dict, step, cfg, report, map_location=map_location, **kw)
-        from ..restore import load
         return load(self.tier.root, state_dict, step, map_location, verify=cfg.verify_on_load, fallback=cfg.fallback,
                     rank=self.rank, world_size=self.world_size, remote=cfg.remote, report=report, **kw)
 
@@ -158,7 +160,6 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
         name, probe = engine_name_for(tier.root, cfg.io)
         engine: Engine = get_engine(name, cfg.io)
         if cfg.prometheus:
-            from ..telemetry import prometheus
             prometheus.enable()
         own_refs = refs.protected if refs is not None else set
         # peer replicas: the newest protected step stays local until a newer one is protected
