@@ -30,7 +30,7 @@ def _torch_threads_restored():
 def _release_staging_pool():
     """A test leaves no staging pool lingering behind it (RSS and address-space checks of the next)."""
     yield
-    from zerostall.memory import pool
+    from zerostall.saving import pool
     pool.release_now()
 
 

@@ -62,7 +62,7 @@ def versions():
 @section("pool arena after a CUDA save")
 def pool_after_save():
     import zerostall
-    from zerostall.memory import pool as zpool
+    from zerostall.saving import pool as zpool
     x = torch.randn(64 * MiB, device="cuda")  # 256 MiB
     with tempfile.TemporaryDirectory() as d:
         with zerostall.Checkpointer(d) as ck:

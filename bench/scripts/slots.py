@@ -21,7 +21,7 @@ import torch
 
 from zerostall import Checkpointer, CheckpointConfig, StagingConfig
 from zerostall_bench.model import gpt_state_for_size
-from zerostall.memory import pool
+from zerostall.saving import pool
 
 
 def one(slots: int, state, root: str) -> dict:

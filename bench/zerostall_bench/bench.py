@@ -17,7 +17,7 @@ The headline per method is **training time lost per checkpoint** = time blocked 
 the sum over the steps taken during the save of (step time - baseline median step time),
 for both trainers (``lost_s``: the separate process, plus the blocked time; ``inproc_lost_s``).
 Medians over ``--repeat`` runs, with min and max. The JSON document's field names are a
-contract (see the README). A method that cannot run here is reported with ``unavailable``;
+contract (see docs/benchmarks.md). A method that cannot run here is reported with ``unavailable``;
 one that fails mid-run with ``error`` (the bench goes on with the next).
 
 With ``--json`` the document is rewritten after every method with ``"complete": false``
@@ -182,7 +182,7 @@ def run_cold(name: str, size_gib: float, workdir: str, settle_s: float,
              device: str = "cpu") -> dict[str, float] | None:
     """The method's first save in a fresh process (see :mod:`.cold`), the state on ``device``;
     None if it failed or timed out."""
-    from zerostall.memory import pool
+    from zerostall.saving import pool
     pool.release_now()  # this process's staging memory is not the child's business
     out = os.path.join(workdir, "cold.json")
     try:
@@ -245,7 +245,7 @@ def free_memory() -> None:
     """Between methods: drop the process's staging pool and unreferenced objects, and hand
     glibc's free heap back to the OS, so the next method (and its cold child) start lean."""
     import gc
-    from zerostall.memory import pool
+    from zerostall.saving import pool
     pool.release_now()
     gc.collect()
     try:

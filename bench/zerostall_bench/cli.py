@@ -8,8 +8,8 @@ from typing import Any
 
 
 SCENARIOS = {"default": "bench", "frozen-base": "frozen", "node-loss": "nodeloss", "node-loss-links": "nodeloss_links",
-             "replication-cost": "nodeloss_cost", "restore": "restore", "many-tensors": "many",
-             "objects": "objects", "every-step": "everystep"}
+             "node-loss-coded": "nodeloss_coded", "replication-cost": "nodeloss_cost", "restore": "restore",
+             "many-tensors": "many", "objects": "objects", "every-step": "everystep"}
 
 
 def _positive(kind: Any) -> Any:
@@ -63,6 +63,9 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                         "link of --link-mbit, S3 (radosgw) behind --s3-mbit: recovery time and fraction of the "
                         "physical limit per tier (root and a source checkout: tests/cluster; uses --size-gib "
                         "(total), --repeat, --dir, --json); "
+                        "node-loss-coded: replicas=3 vs an RS(4,2) code on 7 nodes (the namespace cluster "
+                        "harness when it runs here): bytes moved, encode CPU, the trainer's step time, a wiped "
+                        "node's recovery (uses --size-gib (total), --repeat, --dir, --json); "
                         "replication-cost: node-loss's save phase per peers.cpu_priority (normal, nice, idle), "
                         "alternated --repeat rounds: the trainer's step time while only the paced copies run; "
                         "restore: restore GB/s of zerostall (in place, new dict; both engines), dcp.load, "

@@ -38,7 +38,7 @@ def many_state(n: int, total_bytes: int) -> dict[str, dict[str, torch.Tensor]]:
 
 def run_many(n: int, size_gib: float, repeat: int, workdir: str | None, console: Any) -> dict[str, Any]:
     from zerostall import Checkpointer
-    from zerostall.memory import pool
+    from zerostall.saving import pool
     own = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="zerostall-bench-many-", dir=os.getcwd())
     os.makedirs(workdir, exist_ok=True)

@@ -64,7 +64,7 @@ def _touch(state: Any) -> None:
 def _pool_ready() -> None:
     """Wait until the staging pool has faulted what its users want (on a VM fresh memory
     faults at 0.15-1 GB/s, and a load meanwhile reads the step twice: see restore/step.py)."""
-    from zerostall.memory import pool
+    from zerostall.saving import pool
     p = pool.current()
     if p is not None:
         p.arena.wait_ready(min(p.arena.target, p.arena.nbytes))

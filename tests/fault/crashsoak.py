@@ -68,7 +68,7 @@ def check(directory: str, tally: Tally, incremental: bool = False) -> None:
     from zerostall.io import get_engine
     from zerostall.config import IOConfig
     from zerostall.restore import load, verify_step
-    from zerostall.store.tier import open_root
+    from zerostall.store import open_root
     tier = open_root(directory)
     steps = tier.steps()
     tally.partial_seen += bool(tier.partial_steps())

@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Callable
+from typing import Any
 
 from . import dcp as cli_dcp
 from . import demo_bench
@@ -24,21 +24,15 @@ from .._term import console as _console, safe, table
 from .._util import human_bytes as _human
 from ..errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, RootNotFound,
     ZerostallError)
-from ..store.tier import is_url, open_root
-
-
-def _engine(name: str, root: str) -> Any:
-    from ..config import IOConfig
-    from ..io import choose_engine
-    return choose_engine(root, IOConfig(engine=name))
-
-
-def _tier(path: str) -> Any:
-    """The tier a command reads: a local checkpoint directory, or a remote tier by URL
-    (``s3://bucket/prefix``, ``file:///shared/path``)."""
-    tier = open_root(path)
-    tier.check_root()  # RootNotFound (exit 2): a typo is not an empty root
-    return tier
+from ..store import open_root
+from ..store.tier import is_url, open_tier
+from ..restore import LoadReport, load
+from ..restore.fetch import restore_remote
+from . import host as cli_host
+from ..peers.status import peer_rows, quota_lines
+from ..integrations import export
+from .common import _engine, _tier
+from .verify import cmd_verify
 
 
 def _rows(tier: Any, label: str) -> list[dict[str, Any]]:
@@ -72,7 +66,6 @@ def cmd_ls(a: argparse.Namespace) -> int:
     title = a.path if is_url(a.path) else tier.root
     rows = _rows(tier, "remote" if is_url(a.path) else "local")
     if not is_url(a.path):  # peer replicas: this node's steps' holders, the copies it keeps for others
-        from ..peers.status import peer_rows
         peer_rows(tier.root, rows)
     if a.remote and not is_url(a.path):
         try:
@@ -104,15 +97,12 @@ def cmd_ls(a: argparse.Namespace) -> int:
                   safe(r["state"]))
     _console().print(t)
     if not is_url(a.path):
-        from ..peers.status import quota_lines
         for line in quota_lines(tier.root):
             print(safe(line))
     return 0
 
 
 def cmd_restore(a: argparse.Namespace) -> int:
-    from ..restore.fetch import restore_remote  # the library's restore: the same fallback as load(remote=)
-    from ..store.tier import open_tier
     remote = open_tier(a.url)  # a plain path too: a shared-filesystem tier
     remote.check_root()
     if a.step is None and not remote.steps():
@@ -170,8 +160,6 @@ def cmd_export(a: argparse.Namespace) -> int:
 
     import torch
 
-    from ..restore import load
-    from ..restore import LoadReport
     out_dir = os.path.dirname(os.path.abspath(a.out))
     if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
         raise ConfigError(f"cannot write {a.out!r}: {out_dir!r} is not a writable directory")
@@ -181,7 +169,6 @@ def cmd_export(a: argparse.Namespace) -> int:
         rank, world = _export_rank(a, remote)
         state = load(src, step=a.step, remote=remote, rank=rank, world_size=world, report=report)
     if a.format != "safetensors":  # the files the framework's own checkpointing reads
-        from ..integrations import export
         files = export.write(a.format, state, a.out, rank=rank, world_size=world)
         print(f"wrote step {report.step} as a {a.format} checkpoint: {safe(a.out)} ({', '.join(map(safe, files))})")
         return 0
@@ -235,13 +222,6 @@ def _export_rank(a: argparse.Namespace, remote: str | None) -> tuple[int, int]:
     return a.rank, m.world_size
 
 
-def _lazy(module: str, fn: str) -> Callable[[argparse.Namespace], int]:
-    def run(a: argparse.Namespace) -> int:
-        import importlib
-        return getattr(importlib.import_module(module, __package__), fn)(a)
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zerostall", description="Checkpoint PyTorch training without stalling it.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -270,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require every rank's shard in this root (a shared root), not only this copy's")
     s.add_argument("--json", action="store_true",
                    help="print one JSON object per step (state ok/failed/deleted) instead of lines")
-    s.set_defaults(fn=_lazy(".verify", "cmd_verify"))
+    s.set_defaults(fn=cmd_verify)
 
     s = sub.add_parser("inspect", help="tensors, dtypes, shapes, bytes of a checkpoint")
     s.add_argument("path", help="a local directory, s3://bucket/prefix or file:///path")
@@ -293,7 +273,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out", help="output file (a folder for transformers/accelerate)")
     s.set_defaults(fn=cmd_export)
 
-    from . import host as cli_host
     demo_bench.add_parsers(sub)
     cli_host.add_parsers(sub)
     return p

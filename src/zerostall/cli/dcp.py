@@ -18,6 +18,7 @@ import sys
 from ..errors import CheckpointNotFound, ZerostallError
 from .._term import safe
 from .._util import human_bytes as _human
+from ..config import IOConfig
 
 _STEP_DIR_RE = re.compile(r"^step-(\d{1,19})$")
 
@@ -84,7 +85,6 @@ def cmd_ls(a: argparse.Namespace) -> int:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    from ..config import IOConfig
     from ..integrations.dcp_describe import metadata_files, verify
     rows = []
     for label, d in _targets(a):

@@ -7,6 +7,11 @@ import json
 import os
 import sys
 from typing import Any
+from ..tuning.doctor import host_checks, path_checks, probe_line_rate
+from ..tuning.sysctl import apply_sysctls, sysctl_d_text
+from ..tuning.plan import PlanInput, parse_count, plan
+from ..telemetry.monitor import live, render, sample
+from ..telemetry.trace import BPFTRACE_PROGRAM, kprobes_available, trace_pid, trace_tracefs
 
 from .._term import console, safe, table
 
@@ -21,8 +26,6 @@ def _print_checks(checks: list[Any]) -> None:
 
 
 def cmd_doctor(a: argparse.Namespace) -> int:
-    from ..tuning.doctor import host_checks, path_checks, probe_line_rate
-    from ..tuning.sysctl import apply_sysctls, sysctl_d_text
     checks = host_checks() + path_checks(a.path)
     if a.probe:
         checks.append(probe_line_rate(a.path))
@@ -47,7 +50,6 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-    from ..tuning.plan import PlanInput, parse_count, plan
     p = PlanInput(params=parse_count(a.params, "--params") if a.params else None,
                   bytes_per_param=a.bytes_per_param,
                   checkpoint_bytes=parse_count(a.checkpoint_bytes, "--checkpoint-bytes") if a.checkpoint_bytes else None,
@@ -78,7 +80,6 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
 
 def cmd_monitor(a: argparse.Namespace) -> int:
-    from ..telemetry.monitor import live, render, sample
     if a.once:
         doc = sample(a.pid)
         if a.json:
@@ -91,7 +92,6 @@ def cmd_monitor(a: argparse.Namespace) -> int:
 
 
 def cmd_trace(a: argparse.Namespace) -> int:
-    from ..telemetry.trace import BPFTRACE_PROGRAM, kprobes_available, trace_pid, trace_tracefs
     if a.print_program:
         print(BPFTRACE_PROGRAM)
         return 0

@@ -9,17 +9,19 @@ import sys
 from typing import Any
 
 from . import dcp as cli_dcp
-from .app import _engine, _human, _tier
 from .._term import safe
+from .._util import human_bytes as _human
+from .common import _engine, _tier
 from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..store.tier import is_url
+from ..restore import verify_step, verify_tier_step
+from ..restore.retry import verify_consistent
+from ..distributed.node import node_id
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
     if not is_url(a.path) and cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
         return cli_dcp.cmd_verify(a)
-    from ..restore import verify_step, verify_tier_step
-    from ..restore.retry import verify_consistent
     tier = _tier(a.path)
     steps = [a.step] if a.step is not None else tier.listed_steps()
     rows: list[dict[str, Any]] = []  # --json: one per step, printed at the end
@@ -78,7 +80,6 @@ def _this_copy(tier: Any, man: Any, node: str | None, all_files: bool, away: lis
     written on a node none of this copy's files come from and that is not this node
     (``--node``, default ``ZEROSTALL_NODE`` or the host name); any other missing shard fails
     as missing. ``--all-files`` requires every shard here (a shared root)."""
-    from ..distributed.node import node_id
     away.clear()
     if all_files:
         return None

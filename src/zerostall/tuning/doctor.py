@@ -17,6 +17,7 @@ from ..memory.host import budget_bytes, host_ram_bytes, local_world_size
 from ..telemetry.host import PAGE, read_vmstat
 from .line_rate import line_rate_probe
 from .sysctl import RECOMMENDED, read_sysctls
+from ..peers.status import doctor_checks
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,6 @@ def path_checks(path: str) -> list[Check]:
     if fs in ("tmpfs", "ramfs"):
         out.append(Check("tmpfs", fs, "warn", "checkpoints in RAM do not survive a reboot and compete with "
                          "the staging arena for memory"))
-    from ..peers.status import doctor_checks  # peer replicas: protection and reachability
     out.extend(Check(*row) for row in doctor_checks(want))
     if fs == "btrfs":
         out.append(Check("btrfs", fs, "warn", "btrfs data checksums make O_DIRECT fall back to buffered "

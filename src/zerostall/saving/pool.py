@@ -28,10 +28,10 @@ import os
 import threading
 from typing import Iterator
 
-from .arena import Arena, ArenaView
-from ..saving.job import Job, SaveStatus, Slot
-from .ring import BlockRing
-from ..saving.snapshot import Snapshotter
+from ..memory.arena import Arena, ArenaView
+from .job import Job, SaveStatus, Slot
+from ..memory.ring import BlockRing
+from .snapshot import Snapshotter
 
 log = logging.getLogger("zerostall")
 
