@@ -187,6 +187,8 @@ class SaveStatus:
         """The error was raised from ``save()`` itself (not to re-raise as a background error)."""
         self.replicate_error: BaseException | None = None
         self.skipped = False
+        self.interval_steps = 0
+        """Steps since the previous save that was not skipped (0 for the first)."""
         self.nbytes = nbytes
         self.save_block_s = self.guard_wait_s = self.snapshot_s = self.persist_s = self.commit_s = 0.0
         self.t_staged = self.t_durable = self.t_replicated = 0.0
@@ -217,6 +219,9 @@ class SaveStatus:
     def mark_queued(self) -> None:
         """The staging pool is queueing the job (a plain store: no Python frame runs after it)."""
         self.queued = True
+
+    def set_interval(self, step: int, last_saved: int | None) -> None:
+        self.interval_steps = 0 if last_saved is None else step - last_saved
 
     def set_save_block(self, seconds: float) -> None:
         self.save_block_s = seconds
