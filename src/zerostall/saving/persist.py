@@ -127,6 +127,9 @@ class Persister(Worker[Job]):
         g = job.slot.g0
         layout = job.layout.get()  # an incremental save's plan is final only now (smaller)
         _raise_if_failed(job)
+        arena, ring_bytes = job.slot.arena, self.ring.capacity_bytes
+        if getattr(arena, "ready", 0) >= ring_bytes:  # once faulted (registering would fault it, here and now)
+            self.engine.pin_buffer(arena.address, ring_bytes)
         f = self.engine.open_write(os.path.join(part, job.request.file_name), layout.file_bytes)
         try:
             crc = CrcCursor(layout.items)
