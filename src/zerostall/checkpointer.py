@@ -35,6 +35,7 @@ from typing import Any
 
 from .config import CheckpointConfig
 from .errors import CheckpointExistsError, ConfigError, SaveFailed, ZerostallError
+from .saving import copycrc
 from .saving.handle import SaveHandle
 from .saving.inflight import InFlight, step_pre_hook, wait_staged
 from .memory.arena import Arena
@@ -225,7 +226,8 @@ class Checkpointer:
             incr = self._refs.prepare(plan) if self._refs is not None else None  # fingerprints; snapshot decides
             self._saving = (step, status)
             with self._lease.reserve(nblocks, status) as slot:  # the pool lock: jobs queue in ring order
-                job = Job(request, status, slot, source, incr, persist=self._persist)
+                job = Job(request, status, slot, source, incr, persist=self._persist,
+                          crc_at_copy=copycrc.ENABLED and incr is None and plan.devices <= {"cpu"})
                 self._book.add(job)
                 if self._closed:  # close() ran in a handler inside save()
                     raise ZerostallError(f"the Checkpointer was closed while step {step} was being saved")

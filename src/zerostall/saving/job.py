@@ -80,6 +80,8 @@ class Staged:
     plan: SavePlan
     snapshot_s: float
     t_staged: float
+    crcs: tuple[int, ...] | None = None
+    """Every item's crc32c, taken as it was copied (``Job.crc_at_copy``); else None."""
 
 
 @dataclass(frozen=True)
@@ -295,6 +297,9 @@ class Job:
     persist: Any = None
     """The persist worker (``submit(job)``) the snapshot thread hands the job to; None for a
     slot the pool drains itself."""
+    crc_at_copy: bool = False
+    """The snapshot thread checksums each tensor as it copies it (a full save of host tensors:
+    :mod:`.copycrc`), so the persist thread writes without a crc pass of its own."""
     layout: Handoff[SavePlan] = field(default_factory=Handoff)
     extension: Handoff[SavePlan | None] = field(default_factory=Handoff)
     snapshot: Handoff[Staged] = field(default_factory=Handoff)
