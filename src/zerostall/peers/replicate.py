@@ -69,14 +69,20 @@ class PeerReplicator:
         self.tier, self.view, self.transport, self.store = tier, view, transport, store
         self.peer_store = peer_store
         self.replicas, self.keep_last, self.replica_timeout_s = replicas, keep_last, replica_timeout_s
+        self.want = replicas - 1
+        """Holders every node's report must name for a protected step (a code: its k + m)."""
+        self._extra: dict[int, dict[str, object]] = {}
+        """More of a step's report, set by the sender thread before it publishes (a code's fragments)."""
         self._status: dict[int, StepStatus] = {}
         self._mu = threading.Lock()
-        self._protected: list[int] = []
         # steps seen protected, ascending; seeded from the status hint an earlier run left, so
-        # start-up retention (keep_last) keeps the newest protected step too
+        # that retention after a restart counts the earlier run's protected steps toward
+        # keep_last (holders keep the newest keep_last, not only this run's) and local
+        # retention keeps the newest protected step
         seen = status_file.read(tier.root).get("steps", {})
-        self._protected_seen: list[int] = sorted(int(k) for k, v in seen.items()
-                                                 if isinstance(v, dict) and v.get("protected") is True)[-1:]
+        self._protected: list[int] = sorted(int(k) for k, v in seen.items()
+                                            if isinstance(v, dict) and v.get("protected") is True)
+        self._protected_seen: list[int] = self._protected[-1:]
         self._q: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._stop = threading.Event()
         self.repaired = threading.Event()
@@ -135,8 +141,8 @@ class PeerReplicator:
                 if not st.protected:
                     left.append(st.step)
         if left:
-            log.warning("zerostall: steps %s are not protected by %d peer copies (see their handles)", sorted(left),
-                        self.replicas)
+            log.warning("zerostall: steps %s are not protected by %d other nodes (see their handles)", sorted(left),
+                        self.want)
         return sorted(left)
 
     # -- sender thread (node leaders) --------------------------------------------------
@@ -159,7 +165,8 @@ class PeerReplicator:
             holders, error = self._send_step(step)
             try:
                 self.store.set(self.view.key(f"s{step}", self.view.me),
-                               json.dumps({"holders": holders, "error": error, "usage": self._usage()}))
+                               json.dumps({"holders": holders, "error": error, "usage": self._usage(),
+                                           **self._extra.pop(step, {})}))
             except ZerostallError as exc:
                 log.error("zerostall: could not publish the peer copies of step %d: %s", step, exc)
 
@@ -275,7 +282,7 @@ class PeerReplicator:
                 st.done.set()
             return
         reports = dict(zip((n.name for n in v.nodes), self.store.multi_get_json(keys)))
-        short = {n: r for n, r in reports.items() if len(r.get("holders", ())) < self.replicas - 1}
+        short = {n: r for n, r in reports.items() if len(r.get("holders", ())) < self.want}
         st.nodes = tuple([v.me] + list(reports[v.me].get("holders", ())))
         if short:
             st.error = "; ".join(f"{n}: {r.get('error') or 'too few holders'}" for n, r in short.items())
@@ -288,7 +295,10 @@ class PeerReplicator:
                                    {n: list(r.get("holders", ())) for n, r in reports.items()}, self.tier.steps(),
                                    {n: f"{e.host}:{e.port}" for n, e in v.endpoints.items()},
                                    {**{n: r["usage"] for n, r in reports.items() if isinstance(r.get("usage"), dict)},
-                                    v.me: self._usage()})
+                                    v.me: self._usage()},
+                                   {"code": reports[v.me]["code"], "fragments": {n: r.get("fragments", {})
+                                                                                 for n, r in reports.items()}}
+                                   if "code" in reports[v.me] else None)
             except OSError as exc:
                 log.debug("zerostall: could not record the peer status of step %d: %s", st.step, exc)
         if self.store.add(v.key(f"s{st.step}", "seen"), 1) == v.world:
@@ -296,7 +306,8 @@ class PeerReplicator:
         if st.protected:
             with self._mu:
                 self._protected_seen = sorted(set(self._protected_seen[-1:]) | {st.step})
-            log.info("zerostall: step %d is protected: every node's files are held by %d nodes", st.step, self.replicas)
+            log.info("zerostall: step %d is protected: every node's files are held by %d other nodes", st.step,
+                     self.want)
             if v.leader:
                 self._retain(st.step)
 
@@ -307,10 +318,8 @@ class PeerReplicator:
         if self.keep_last is None:
             return
         keep = set(protected[-self.keep_last:])
-        try:
-            for s in keep:  # incremental steps: the steps they borrow bytes from stay too
-                man = self.tier.read_manifest(s) if s in self.tier.steps() else None
-                keep |= {r.step for r in man.ref_files} if man is not None else set()
-            self.peer_store.retain(keep, min(protected[-self.keep_last:]))
+        try:  # incremental steps: the steps they borrow bytes from stay too (per source, from the
+            # held copies' own manifests: PeerStore.retain)
+            self.peer_store.retain(keep, min(keep))
         except (OSError, ZerostallError) as exc:
             log.warning("zerostall: peer-copy retention failed: %s", exc)
