@@ -70,7 +70,7 @@ class StagingConfig:
     faults ``min(budget, the largest ask)`` in the background. ``budget_bytes`` wins over
     ``budget_fraction`` (of host RAM, shared by ``LOCAL_WORLD_SIZE`` ranks). A state larger
     than the pool streams through it as a ring of ``block_bytes`` blocks. One slot by
-    default: measured (``benchmarks/slots.py``), a second slot doubled the memory and the
+    default: measured (``bench/scripts/slots.py``), a second slot doubled the memory and the
     faulting and did not make back-to-back saves stage sooner on a disk faster than memory
     faulting; pass ``slots=2`` when saves come faster than the disk persists one.
     """
@@ -137,6 +137,15 @@ class PeersConfig:
         _require(self.cpu_priority in ("idle", "nice", "normal"), "peers.cpu_priority", self.cpu_priority,
                  "must be 'idle', 'nice' or 'normal'")
         _require(self.replica_timeout_s > 0, "peers.replica_timeout_s", self.replica_timeout_s, "must be > 0")
+        for name, rate in (("bandwidth_bytes", self.bandwidth_bytes),
+                           ("receive_bandwidth_bytes", self.receive_bandwidth_bytes)):
+            # a paced transfer moves pieces of rate * timeout_s / 8 bytes (peers.stream.Pacer):
+            # at least a MiB per timeout keeps pieces useful and every pause well within it
+            if rate is not None and rate * self.timeout_s < MiB:
+                raise ConfigError(f"peers.{name}={rate} with peers.timeout_s={self.timeout_s:g}: a holder fails a "
+                                  "transfer that makes no progress for timeout_s, and at this rate less than 1 MiB "
+                                  f"moves in that time; raise peers.timeout_s to at least {MiB / rate:.3g} s "
+                                  "or the cap")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""Helpers every subcommand uses (main thread): printing untrusted names, opening a tier."""
+"""Helpers the subcommands share (main thread): the engine and the tier a command reads."""
 
 from __future__ import annotations
 
@@ -7,17 +7,6 @@ from typing import Any
 from ..config import IOConfig
 from ..io import choose_engine
 from ..store import open_root
-
-
-def safe(text: Any) -> str:
-    """``text`` with control characters (ESC, BEL, bidi overrides, ...) shown as escapes."""
-    out = []
-    for ch in str(text):
-        if ch.isprintable() or ch == " ":
-            out.append(ch)
-        else:
-            out.append(repr(ch)[1:-1] if ord(ch) < 0x10000 else f"\\U{ord(ch):08x}")
-    return "".join(out)
 
 
 def _engine(name: str, root: str) -> Any:

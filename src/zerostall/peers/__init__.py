@@ -40,7 +40,7 @@ log = logging.getLogger("zerostall")
 
 class Peers:
     def __init__(self, cfg: CheckpointConfig, tier: RootTier, store: Store, prefix: str, rank: int, world: int,
-                 *, node_local: bool):
+                 *, node_local: bool, copies: tuple[int, ...] = ()):
         if world < 2:
             raise ConfigError(f"replicas={cfg.replicas} needs a distributed job of at least {cfg.replicas} nodes "
                               "(torch.distributed with ZEROSTALL_NODE naming each node); this process saves alone")
@@ -62,7 +62,8 @@ class Peers:
             return publish, port
 
         try:
-            self.view: PeerView = setup(store, prefix, rank, world, cfg.replicas, cfg.join_timeout_s, serve)
+            self.view: PeerView = setup(store, prefix, rank, world, cfg.replicas, cfg.join_timeout_s, serve,
+                                        copies)
         except BaseException:
             if self._transport is not None:  # a half-built Peers must not keep listening
                 self._transport.close()
@@ -88,8 +89,10 @@ class Peers:
     def _make_transport(self, secret: bytes, me: str, nodes: list[Node], listen: str) -> TcpTransport:
         pc = self.cfg.peers
         return TcpTransport(secret, me, {n.name for n in nodes}, timeout_s=pc.timeout_s,
-                            pacer=Pacer(pc.bandwidth_bytes), listen_host=listen, cpu_priority=pc.cpu_priority,
-                            recv_pacer=Pacer(pc.receive_bandwidth_bytes) if pc.receive_bandwidth_bytes else None)
+                            pacer=Pacer(pc.bandwidth_bytes, pc.timeout_s), listen_host=listen,
+                            cpu_priority=pc.cpu_priority,
+                            recv_pacer=Pacer(pc.receive_bandwidth_bytes, pc.timeout_s)
+                            if pc.receive_bandwidth_bytes else None)
 
     def _make_store(self, me: str) -> PeerStore:
         pc = self.cfg.peers

@@ -87,10 +87,30 @@ def _poll(store: Store, keys: list[str], timeout_s: float, what: str) -> None:
                                f"(missing {', '.join(missing[:8])}); is every rank running with the same replicas=?")
 
 
+def duplicate_names(names: list[str], copies: tuple[int, ...]) -> str:
+    """The refusal of a job in which one node name (``ZEROSTALL_NODE``) labels ranks that write
+    separate copies of the root (``copies``: every rank's copy, as its leader's rank, from the
+    start-up probes), or "" if none does. Ranks sharing one root may share a name; ranks whose
+    roots are separate must not: placement would count two machines as one."""
+    seen: dict[str, dict[int, int]] = {}
+    for r, (n, c) in enumerate(zip(names, copies)):
+        seen.setdefault(n, {}).setdefault(c, r)
+    bad = {n: sorted(cs.values()) for n, cs in seen.items() if len(cs) > 1}
+    if not bad:
+        return ""
+    what = "; ".join(f"ranks {', '.join(map(str, rs))} all call their node {n!r} but write separate roots"
+                     for n, rs in sorted(bad.items()))
+    return (f"peer replicas: {what}. Give every machine its own ZEROSTALL_NODE (ranks sharing one root on one "
+            "machine keep one name): with a name shared by two machines, copies would be placed on the very "
+            "machine they protect, and no step could be protected")
+
+
 def setup(store: Store, prefix: str, rank: int, world: int, replicas: int, timeout_s: float,
-          serve: Callable[[bytes, str, list[Node]], tuple[str, int]]) -> PeerView:
+          serve: Callable[[bytes, str, list[Node]], tuple[str, int]], copies: tuple[int, ...] = ()) -> PeerView:
     """The start-up exchange (module doc). ``serve(secret, me, nodes)`` starts this node's
-    server (called on node leaders only) and returns the published ``(host, port)``."""
+    server (called on node leaders only) and returns the published ``(host, port)``.
+    ``copies``: every rank's copy of the root (its leader's rank; the session's
+    ``leader_of``): a node name shared by separate copies is refused on every rank alike."""
     me, domain = node_id(), failure_domain()
     p = f"{prefix}/peers"
     store.set(f"{p}/node/r{rank}", json.dumps({"node": me, "domain": domain}))
@@ -100,6 +120,8 @@ def setup(store: Store, prefix: str, rank: int, world: int, replicas: int, timeo
     _poll(store, keys + [f"{p}/secret"], timeout_s, "the other ranks' node names")
     infos = store.multi_get_json(keys)
     secret = bytes.fromhex(store.get(f"{p}/secret").decode())
+    if copies and (dup := duplicate_names([i["node"] for i in infos], copies)):
+        raise ConfigError(dup)
     domains: dict[str, str] = {}
     for r, i in enumerate(infos):
         if domains.setdefault(i["node"], i["domain"]) != i["domain"]:

@@ -71,12 +71,14 @@ class PeerReplicator:
         self.replicas, self.keep_last, self.replica_timeout_s = replicas, keep_last, replica_timeout_s
         self._status: dict[int, StepStatus] = {}
         self._mu = threading.Lock()
-        self._protected: list[int] = []
         # steps seen protected, ascending; seeded from the status hint an earlier run left, so
-        # start-up retention (keep_last) keeps the newest protected step too
+        # that retention after a restart counts the earlier run's protected steps toward
+        # keep_last (holders keep the newest keep_last, not only this run's) and local
+        # retention keeps the newest protected step
         seen = status_file.read(tier.root).get("steps", {})
-        self._protected_seen: list[int] = sorted(int(k) for k, v in seen.items()
-                                                 if isinstance(v, dict) and v.get("protected") is True)[-1:]
+        self._protected: list[int] = sorted(int(k) for k, v in seen.items()
+                                            if isinstance(v, dict) and v.get("protected") is True)
+        self._protected_seen: list[int] = self._protected[-1:]
         self._q: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._stop = threading.Event()
         self.repaired = threading.Event()
@@ -307,10 +309,8 @@ class PeerReplicator:
         if self.keep_last is None:
             return
         keep = set(protected[-self.keep_last:])
-        try:
-            for s in keep:  # incremental steps: the steps they borrow bytes from stay too
-                man = self.tier.read_manifest(s) if s in self.tier.steps() else None
-                keep |= {r.step for r in man.ref_files} if man is not None else set()
-            self.peer_store.retain(keep, min(protected[-self.keep_last:]))
+        try:  # incremental steps: the steps they borrow bytes from stay too (per source, from the
+            # held copies' own manifests: PeerStore.retain)
+            self.peer_store.retain(keep, min(keep))
         except (OSError, ZerostallError) as exc:
             log.warning("zerostall: peer-copy retention failed: %s", exc)

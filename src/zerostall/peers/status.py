@@ -76,6 +76,8 @@ def peer_rows(root: str, rows: list[dict[str, Any]]) -> None:
         for name in sorted(os.listdir(d)):
             if name.startswith("step-") and name[5:].isdigit():
                 files = sorted(f for f in os.listdir(os.path.join(d, name)) if f.endswith(".shard"))
+                if not files:  # a copy cut before any file arrived (its manifest only): nothing held
+                    continue
                 rows.append({"step": int(name[5:]), "bytes": sum(os.path.getsize(os.path.join(d, name, f))
                                                                  for f in files),
                              "tensors": 0, "created_unix": 0, "state": f"held for node {src}: {', '.join(files)}",

@@ -266,10 +266,22 @@ class PeerStore:
         shutil.rmtree(gone, ignore_errors=True)
 
     def retain(self, keep: set[int], below: int) -> list[tuple[str, int]]:
-        """Delete held steps lower than ``below`` that are not in ``keep`` (any source)."""
+        """Delete held steps lower than ``below`` that are not in ``keep`` (any source), nor
+        referenced by a step of the same source that stays (incremental: read from the held
+        copies' manifests, transitively)."""
         gone = []
-        for src, step in self._dirs():
-            if step < below and step not in keep:
+        dirs = self._dirs()
+        spared: set[tuple[str, int]] = set()
+        todo = [(src, step) for src, step in dirs if step >= below or step in keep]
+        while todo:
+            src, step = todo.pop()
+            man = self.manifest(src, step)
+            for ref in {r.step for r in man.ref_files} if man is not None else ():
+                if (src, ref) not in spared:
+                    spared.add((src, ref))
+                    todo.append((src, ref))
+        for src, step in dirs:
+            if step < below and step not in keep and (src, step) not in spared:
                 with self._lock(src, step):
                     self._drop(src, step)
                 gone.append((src, step))

@@ -47,22 +47,41 @@ a holder's copy was written with O_DIRECT, so it is not cached, and ``sendfile``
 read-ahead (128 KiB-2 MiB) keeps one request in flight at a time."""
 
 
-class Pacer:
-    """A token bucket shared by every transfer it paces (``rate`` bytes/s; None: no cap). Any thread."""
+PIECES_PER_TIMEOUT = 8
+"""A paced transfer moves pieces of at most ``rate * timeout_s / PIECES_PER_TIMEOUT`` bytes, so
+the pause between two of a transfer's pieces stays well within the peer's ``timeout_s`` (a
+quarter of it with two transfers sharing the pacer, half with four)."""
+MIN_PIECE_BYTES = 64 << 10
 
-    def __init__(self, rate: int | None):
+
+class Pacer:
+    """A token bucket shared by every transfer it paces (``rate`` bytes/s; None: no cap). Any thread.
+
+    Send before sleep: a transfer moves a piece of at most :attr:`piece_bytes`, then pays for it
+    with :meth:`take`. The first byte of a transfer never waits for the bucket, and no pause
+    between two pieces is longer than the pieces queued before it take at ``rate``; the other
+    end, which fails a transfer after ``timeout_s`` without progress, never times out on the
+    pacer (:class:`~zerostall.config.PeersConfig` refuses a ``rate`` and ``timeout_s`` too small
+    for that)."""
+
+    def __init__(self, rate: int | None, timeout_s: float | None = None):
         self.rate = rate
         self._mu = threading.Lock()
         self._next = time.monotonic()
+        self.piece_bytes = SEND_BYTES
+        """The most bytes a transfer moves before it pays (:data:`PIECES_PER_TIMEOUT`)."""
+        if rate and timeout_s is not None:
+            self.piece_bytes = max(MIN_PIECE_BYTES, min(SEND_BYTES, int(rate * timeout_s / PIECES_PER_TIMEOUT)))
 
     def take(self, n: int) -> None:
+        """Pay for ``n`` bytes just moved: sleep until the bucket allows the next piece."""
         if not self.rate:
             return
         with self._mu:
             now = time.monotonic()
             start = max(self._next, now - 0.05)  # at most 50 ms of burst credit
             self._next = start + n / self.rate
-            wait = start - now
+            wait = self._next - now
         if wait > 0:
             time.sleep(wait)
 
@@ -85,13 +104,13 @@ def send_range(sock: socket.socket, f: Any, offset: int, length: int, pacer: Pac
                 except OSError:
                     pass
                 ahead = nxt
-            n = min(SEND_BYTES, end - off)
-            if pacer is not None:
-                pacer.take(n)
+            n = min(SEND_BYTES if pacer is None else pacer.piece_bytes, end - off)
             sent = sock.sendfile(f, off, n)
             if not sent:
                 raise PeerError(f"sent {off - offset} of {length} bytes")
             off += sent
+            if pacer is not None:
+                pacer.take(sent)  # after the send: the holder never waits on the bucket for a first byte
     except OSError:
         pass  # the receiver gave up early
     return off - offset
@@ -115,16 +134,16 @@ def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer:
 
     def recv(mv: memoryview, off: int) -> int:
         n = min(buf_bytes, size - off)
-        if pacer is not None:
-            pacer.take(n)
         got = 0
         while got < n:
-            k = sock.recv_into(mv[got:n])
+            k = sock.recv_into(mv[got:n if pacer is None else min(n, got + pacer.piece_bytes)])
             if not k:
                 raise PeerError(f"transfer cut after {off + got} of {size} bytes")
             if point and off + got < size // 2 <= off + got + k:
                 at(f"{point}:mid-stream")
             got += k
+            if pacer is not None:
+                pacer.take(k)  # after the read, in pieces: the sender never stalls past its timeout
         check.feed(mv[:n])
         return n
 

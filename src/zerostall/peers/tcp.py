@@ -147,6 +147,10 @@ class TcpTransport(Transport):
                 send_msg(conn, {"ok": False, "error": str(exc)[:2000]})
             except OSError:
                 pass
+        except Exception as exc:  # noqa: BLE001 - a connection thread never dies unlogged
+            self.refused += 1
+            log.error("zerostall: connection from node %s (%s) failed: %s: %s", peer, addr, type(exc).__name__,
+                      str(exc)[:500])
         finally:
             with self._mu:
                 self._conns.discard(conn)

@@ -1,6 +1,8 @@
 """The peer protocol's messages, its handshake and the checks every field goes through.
 
-A message is a 4-byte big-endian length and a JSON object (at most ``MAX_HEADER_BYTES``);
+A message is a 4-byte big-endian length and a JSON object (at most ``MAX_HEADER_BYTES``, a
+handshake's at most ``MAX_HANDSHAKE_BYTES``; nested at most ``MAX_DEPTH`` deep, checked before
+it is parsed);
 binary bodies (a manifest, a file) follow with the length the header declared. Both sides
 check every field before acting on it (:func:`check_node`, :func:`check_step`,
 :func:`check_name`, :func:`check_size`): a hostile or corrupt message is refused with an
@@ -33,6 +35,11 @@ from ..format.layout import SHARD_NAME_RE
 
 VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
+MAX_HANDSHAKE_BYTES = 4096
+"""A handshake message is three short fields: anything longer is refused before it is parsed."""
+MAX_DEPTH = 16
+"""The deepest nesting of arrays and objects a message may have (the protocol's own go four
+deep): checked before parsing, so a hostile message cannot exhaust the parser's recursion."""
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_STEP = (1 << 63) - 1
 _NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -60,9 +67,9 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv_msg(sock: socket.socket) -> dict[str, Any]:
-    msg = _recv(sock, recv_exact(sock, _LEN.size))
-    return msg
+def recv_msg(sock: socket.socket, limit: int = MAX_HEADER_BYTES) -> dict[str, Any]:
+    """The next message; ``limit``: its most bytes (:data:`MAX_HANDSHAKE_BYTES` in a handshake)."""
+    return _recv(sock, recv_exact(sock, _LEN.size), limit)
 
 
 def recv_msg_or_eof(sock: socket.socket) -> dict[str, Any] | None:
@@ -73,14 +80,33 @@ def recv_msg_or_eof(sock: socket.socket) -> dict[str, Any] | None:
     return _recv(sock, first + recv_exact(sock, _LEN.size - 1))
 
 
-def _recv(sock: socket.socket, raw: bytes) -> dict[str, Any]:
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_BRACKETS = re.compile(rb"[\[\]{}]")
+
+
+def nesting(raw: bytes) -> int:
+    """The deepest nesting of arrays and objects in JSON text ``raw`` (strings skipped)."""
+    depth = deepest = 0
+    for m in _BRACKETS.finditer(_STRING.sub(b'""', raw)):
+        if m.group() in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+def _recv(sock: socket.socket, raw: bytes, limit: int = MAX_HEADER_BYTES) -> dict[str, Any]:
     (n,) = _LEN.unpack(raw)
-    if n > MAX_HEADER_BYTES:
-        raise PeerError(f"message header of {n} bytes refused (limit {MAX_HEADER_BYTES})")
+    if n > limit:
+        raise PeerError(f"message of {n} bytes refused (limit {limit})")
+    body = recv_exact(sock, n)
+    if nesting(body) > MAX_DEPTH:
+        raise PeerError(f"message nested deeper than {MAX_DEPTH} levels refused")
     try:
-        obj = json.loads(recv_exact(sock, n))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise PeerError(f"malformed message: {exc}") from None
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise PeerError(f"malformed message: {str(exc)[:200]}") from None
     if not isinstance(obj, dict):
         raise PeerError("malformed message: not a JSON object")
     return obj
@@ -95,7 +121,10 @@ def server_handshake(sock: socket.socket, secret: bytes, me: str) -> str:
     logs it and closes the connection)."""
     ns = os.urandom(16).hex()
     send_msg(sock, {"v": VERSION, "node": me, "nonce": ns})
-    msg = recv_msg(sock)
+    try:
+        msg = recv_msg(sock, MAX_HANDSHAKE_BYTES)
+    except PeerError as exc:
+        raise PeerError(f"handshake refused: {exc}") from None
     node, nc, mac = msg.get("node"), msg.get("nonce"), msg.get("mac")
     if not (isinstance(node, str) and _NODE_RE.match(node) and isinstance(nc, str) and len(nc) == 32
             and isinstance(mac, str)):
@@ -110,14 +139,14 @@ def server_handshake(sock: socket.socket, secret: bytes, me: str) -> str:
 
 def client_handshake(sock: socket.socket, secret: bytes, me: str) -> str:
     """Authenticate to the server and the server to us; returns the server's node name."""
-    hello = recv_msg(sock)
+    hello = recv_msg(sock, MAX_HANDSHAKE_BYTES)
     node, ns = hello.get("node"), hello.get("nonce")
     if hello.get("v") != VERSION or not isinstance(node, str) or not _NODE_RE.match(node) \
             or not isinstance(ns, str) or len(ns) != 32:
         raise PeerError(f"unexpected greeting from the peer: {str(hello)[:200]}")
     nc = os.urandom(16).hex()
     send_msg(sock, {"node": me, "nonce": nc, "mac": _mac(secret, "c", ns, nc, me)})
-    reply = recv_msg(sock)
+    reply = recv_msg(sock, MAX_HANDSHAKE_BYTES)
     if "error" in reply:
         raise PeerError(f"peer {node} refused us: {reply['error']}")
     if not hmac.compare_digest(str(reply.get("mac", "")), _mac(secret, "s", nc, ns, node)):

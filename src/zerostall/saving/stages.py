@@ -125,9 +125,9 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
                           "(torch.distributed, ZEROSTALL_NODE naming each node); this process saves alone")
     tier: Any = open_root(path, create=True, lock_timeout_s=cfg.lock_timeout_s, io=cfg.io)
     peers: Any = None
+    committer: StoreCommitter | None = None
     try:
         tier.check_writable()
-        committer: StoreCommitter | None = None
         session: Session | None = None
         if world_size > 1:
             if info.store is None:
@@ -144,7 +144,8 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
             node_local = session.node_local
             if cfg.replicas > 1:  # after join: the store exchange runs under the session's prefix
                 from ..peers import Peers
-                peers = Peers(cfg, tier, kv, session.prefix, rank, world_size, node_local=node_local)
+                peers = Peers(cfg, tier, kv, session.prefix, rank, world_size, node_local=node_local,
+                              copies=session.leader_of)
         else:  # the one writer of this root (RootLockedError if another holds it); cleans leftovers
             tier.own()
             node_local = False
@@ -183,6 +184,8 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
         if peers is not None:
             peers.close(0.0)
         tier.release()
+        if committer is not None:  # its own store connection
+            committer.close()
         raise
     return Stages(tier, rank, world_size, node_local, committer, refs, engine, probe, replicator, retention,
                   session, peers)
