@@ -8,8 +8,8 @@ from typing import Any
 
 
 SCENARIOS = {"default": "bench", "frozen-base": "frozen", "node-loss": "nodeloss",
-             "replication-cost": "nodeloss_cost", "restore": "restore", "many-tensors": "many",
-             "objects": "objects", "every-step": "everystep"}
+             "node-loss-coded": "nodeloss_coded", "replication-cost": "nodeloss_cost", "restore": "restore",
+             "many-tensors": "many", "objects": "objects", "every-step": "everystep"}
 
 
 def _positive(kind: Any) -> Any:
@@ -59,6 +59,9 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                         "whose base is frozen (uses --size-gib, --repeat, --methods, --dir, --json); "
                         "node-loss: 4 simulated nodes with peer replicas, a node wiped and recovered from "
                         "peers vs the shared-fs and S3 tiers, --repeat rounds in alternating order (uses --size-gib (total), --repeat, --dir, --json); "
+                        "node-loss-coded: replicas=3 vs an RS(4,2) code on 7 nodes (the namespace cluster "
+                        "harness when it runs here): bytes moved, encode CPU, the trainer's step time, a wiped "
+                        "node's recovery (uses --size-gib (total), --repeat, --dir, --json); "
                         "replication-cost: node-loss's save phase per peers.cpu_priority (normal, nice, idle), "
                         "alternated --repeat rounds: the trainer's step time while only the paced copies run; "
                         "restore: restore GB/s of zerostall (in place, new dict; both engines), dcp.load, "

@@ -39,17 +39,20 @@ class PeerFailed(DistributedError):
 
 
 def _gather(store: Store, base: str, rank: int, world: int, value: Any, timeout_s: float, what: str) -> list[Any]:
-    """Post ``value`` as ``<base>/r<rank>`` and return every rank's; the last reader deletes them."""
-    store.set(f"{base}/r{rank}", json.dumps(value))
-    keys = [f"{base}/r{r}" for r in range(world)]
-    if store.poll(keys, time.monotonic() + timeout_s) == "timeout":
-        missing = [r for r in range(world) if not store.check([keys[r]])]
-        raise DistributedError(f"rank(s) {', '.join(map(str, missing))} did not {what} within {timeout_s:g} s "
-                               "(every rank must call load() together; pass agree=False to load alone)",
-                               missing_ranks=tuple(missing))
-    vals = store.multi_get_json(keys)
-    if store.add(f"{base}/n", 1) == world:
-        store.delete(*keys, f"{base}/n")
+    """Post ``value`` as ``<base>/r<rank>`` and return every rank's; the last reader deletes them.
+    Every request ends by ``timeout_s`` plus a second, whatever the store does."""
+    deadline = time.monotonic() + timeout_s
+    with store.bounded(deadline + 1.0):
+        store.set(f"{base}/r{rank}", json.dumps(value))
+        keys = [f"{base}/r{r}" for r in range(world)]
+        if store.poll(keys, deadline) == "timeout":
+            missing = [r for r in range(world) if not store.check([keys[r]])]
+            raise DistributedError(f"rank(s) {', '.join(map(str, missing))} did not {what} within {timeout_s:g} s "
+                                   "(every rank must call load() together; pass agree=False to load alone)",
+                                   missing_ranks=tuple(missing))
+        vals = store.multi_get_json(keys)
+        if store.add(f"{base}/n", 1) == world:
+            store.delete(*keys, f"{base}/n")
     return vals
 
 

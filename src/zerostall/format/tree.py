@@ -86,7 +86,7 @@ def _check_int(x: int, path: tuple[Any, ...]) -> int:
 
 
 def _np_plain(x: Any, path: tuple[Any, ...]) -> Any:
-    """The Python value a numpy scalar is stored as (the README's rule: numpy scalars of a
+    """The Python value a numpy scalar is stored as (the rule of docs/usage.md: numpy scalars of a
     bool, int, uint, float, complex, str or bytes dtype load back as Python's bool, int, float,
     complex, str, bytes); :class:`UnsupportedStateError` for a long double (no exact Python
     value) and for the other kinds (void, object). datetime64/timedelta64 round-trip as

@@ -27,8 +27,12 @@ from ..errors import ConfigError
 from ..io.base import Engine, choose_engine
 from ..store.remote import list_steps, open_tier
 from ..store.tier import RootTier
+from .coded import CodedReplicator, check_cluster
+from .coded_restore import holdings, rebuild
+from .coding import require_codec
 from .exchange import PeerView, advertised_host, setup
 from .fetch import Plan, agree, fetch
+from .fragments import FragmentStore, register
 from .placement import Node
 from .replicate import PeerReplicator, StepStatus
 from .store import PeerStore, quota_for
@@ -41,16 +45,20 @@ log = logging.getLogger("zerostall")
 class Peers:
     def __init__(self, cfg: CheckpointConfig, tier: RootTier, store: Store, prefix: str, rank: int, world: int,
                  *, node_local: bool, copies: tuple[int, ...] = ()):
+        pc = cfg.peers
+        what = f"replicas={cfg.replicas}" if pc.code is None else \
+            f"peers.code={pc.code!r} (RS({pc.data_fragments},{pc.parity_fragments}))"
         if world < 2:
-            raise ConfigError(f"replicas={cfg.replicas} needs a distributed job of at least {cfg.replicas} nodes "
+            raise ConfigError(f"{what} needs a distributed job of at least {cfg.replicas} nodes "
                               "(torch.distributed with ZEROSTALL_NODE naming each node); this process saves alone")
         if cfg.dist_mode != "per_rank":
-            raise ConfigError(f"replicas={cfg.replicas} works with dist_mode='per_rank' only (got {cfg.dist_mode!r})")
+            raise ConfigError(f"{what} works with dist_mode='per_rank' only (got {cfg.dist_mode!r})")
         if not node_local:
-            raise ConfigError(f"replicas={cfg.replicas} needs node-local roots (each node its own {tier.root!r}); "
+            raise ConfigError(f"{what} needs node-local roots (each node its own {tier.root!r}); "
                               "this root is shared by every rank, so peer copies would land on the same storage")
         self.cfg, self.tier, self.store = cfg, tier, store
-        pc = cfg.peers
+        if pc.code is not None:
+            require_codec()  # before any exchange: every rank fails alike, with the install hint
         listen, publish = advertised_host(pc.listen_host)
         self._transport: TcpTransport | None = None
         self.peer_store: PeerStore | None = None
@@ -58,12 +66,17 @@ class Peers:
         def serve(secret: bytes, me: str, nodes: list[Node]) -> tuple[str, int]:
             self._transport = self._make_transport(secret, me, nodes, listen)
             self.peer_store = self._make_store(me)
+            if pc.code is not None:
+                register(self._transport, FragmentStore(self.peer_store), {n.name for n in nodes}, me,
+                         pc.cpu_priority, self._transport.recv_pacer)
             _, port = self._transport.serve(self.peer_store)
             return publish, port
 
         try:
             self.view: PeerView = setup(store, prefix, rank, world, cfg.replicas, cfg.join_timeout_s, serve,
                                         copies)
+            if pc.code is not None:  # every rank, not only the leaders that serve
+                check_cluster(pc.data_fragments, pc.parity_fragments, [n.name for n in self.view.nodes])
         except BaseException:
             if self._transport is not None:  # a half-built Peers must not keep listening
                 self._transport.close()
@@ -72,9 +85,11 @@ class Peers:
             self._transport = self._make_transport(self.view.secret, self.view.me, list(self.view.nodes), listen)
             self.peer_store = self._make_store(self.view.me)
         assert self.peer_store is not None
-        self.replicator = PeerReplicator(tier, self.view, self._transport, store, self.peer_store,
-                                         replicas=cfg.replicas, keep_last=cfg.keep_last,
-                                         replica_timeout_s=pc.replica_timeout_s, cpu_priority=pc.cpu_priority)
+        args = (tier, self.view, self._transport, store, self.peer_store)
+        kw = dict(replicas=cfg.replicas, keep_last=cfg.keep_last, replica_timeout_s=pc.replica_timeout_s,
+                  cpu_priority=pc.cpu_priority)
+        self.replicator: PeerReplicator = PeerReplicator(*args, **kw) if pc.code is None else \
+            CodedReplicator(*args, data_fragments=pc.data_fragments, parity_fragments=pc.parity_fragments, **kw)
         self._loads = itertools.count()
         self.planned_step = -1
         """The step the last :meth:`plan_load` agreed on (its files are local now)."""
@@ -83,8 +98,10 @@ class Peers:
         self.last_fetch_end = 0.0
         """``time.monotonic()`` when they were in, verified and committed (bench)."""
         self.replicator.repair()  # a replaced holder gets the kept steps back
-        log.info("zerostall: peer replicas on: %d copies of every step across %d nodes; node %s listens on %s",
-                 cfg.replicas, len(self.view.nodes), self.view.me, self.view.endpoints[self.view.me])
+        log.info("zerostall: peer copies on: %s across %d nodes; node %s listens on %s",
+                 f"{cfg.replicas} copies of every step" if pc.code is None else
+                 f"RS({pc.data_fragments},{pc.parity_fragments}) fragments of every step", len(self.view.nodes),
+                 self.view.me, self.view.endpoints[self.view.me])
 
     def _make_transport(self, secret: bytes, me: str, nodes: list[Node], listen: str) -> TcpTransport:
         pc = self.cfg.peers
@@ -139,9 +156,10 @@ class Peers:
         ``plan.source == "remote"``: the ordinary load must download it."""
         n = next(self._loads)
         timeout = self.cfg.join_timeout_s
+        coded = holdings(self.view, self.transport) if self.cfg.peers.code is not None else {}
         plan = agree(self.store, self.view, self.transport, self.tier, n, step=step, remote_steps=remote_steps,
-                     timeout_s=timeout)
-        if plan.source != "peers" and warm is not None:
+                     timeout_s=timeout, coded=set(coded))
+        if plan.source not in ("peers", "coded") and warm is not None:
             # The load that follows reads through a 128 MiB scratch faulted on first use (a
             # restarted process has no faulted staging pool yet), after the ranks' agreement,
             # and the collective load waits for the slowest rank: 0.5-2.8 s of the node-loss
@@ -149,10 +167,12 @@ class Peers:
             # now, while a replaced node fetches; the fetching node does not (on two cores its
             # fault slowed the fetch and the agreement by as much as it saved).
             threading.Thread(target=warm, name="zerostall-bounce-fault", daemon=True).start()
-        if plan.source == "peers":
+        if plan.source in ("peers", "coded"):
             t0 = time.perf_counter()
+            files_in = None if plan.source == "peers" else \
+                (lambda: rebuild(self.view, self.transport, self.tier, self.engine, plan.step, coded))
             fetch(self.store, self.view, self.transport, self.tier, self.engine, plan, n,
-                  timeout + self.cfg.peers.timeout_s * 4)
+                  timeout + self.cfg.peers.timeout_s * 4, files_in=files_in)
             self.last_fetch_s = time.perf_counter() - t0
             self.last_fetch_end = time.monotonic()
         elif plan.source == "remote":

@@ -49,7 +49,7 @@ class Plan:
     """The outcome of :func:`agree`: the step every rank loads and where this node's files come from."""
 
     step: int
-    source: str  # "local" | "peers" | "remote"
+    source: str  # "local" | "peers" | "coded" | "remote"
     holders: dict[str, list[tuple[str, str]]]  # file name -> [(node, src)] (peers)
     held: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
     """Every step live peers hold this node's files of (an incremental step's references)."""
@@ -107,21 +107,24 @@ def _peer_holdings(view: PeerView, transport: Transport, names: list[str]) -> di
 
 
 def agree(store: Store, view: PeerView, transport: Transport, tier: RootTier, load_no: int, *,
-          step: int | None, remote_steps: list[int], timeout_s: float) -> Plan:
-    """Steps 1-2 of the module doc; raises :class:`CheckpointNotFound` on every rank alike."""
+          step: int | None, remote_steps: list[int], timeout_s: float, coded: set[int] = frozenset()) -> Plan:
+    """Steps 1-2 of the module doc; raises :class:`CheckpointNotFound` on every rank alike.
+    ``coded``: the steps live holders hold enough fragments of to rebuild this node's files
+    (coded copies, :func:`.coded_restore.holdings`); source ``"coded"``."""
     names = [shard_name(r) for r in view.ranks_of(view.me)]
     local = _local_steps(tier, view, names)
     peers = _peer_holdings(view, transport, names)
     remote = set(remote_steps)
-    mine = (local | set(peers) | remote) if step is None else ({step} & (local | set(peers) | remote))
+    have = local | set(peers) | set(coded) | remote
+    mine = have if step is None else ({step} & have)
     log.info("zerostall: restore: node %s can load steps %s locally, %s from peers, %s from the remote tier",
-             view.me, sorted(local)[-5:], sorted(peers)[-5:], sorted(remote)[-5:])
+             view.me, sorted(local)[-5:], sorted(set(peers) | set(coded))[-5:], sorted(remote)[-5:])
     try:  # the multi-node trust layer's agreement: the newest step in every rank's list
         s = agree_step(store, view.key(f"load{load_no}"), view.rank, view.world, mine, timeout_s=timeout_s)
     except CheckpointNotFound as exc:
         raise CheckpointNotFound(f"{exc} -- counting local roots, live peers and the remote tier (a file is lost "
                                  "when every node holding it is gone)") from None
-    src = "local" if s in local else "peers" if s in peers else "remote"
+    src = "local" if s in local else "peers" if s in peers else "coded" if s in coded else "remote"
     if src == "remote":
         log.warning("zerostall: step %d: no live node holds %s; falling back to the remote tier for them", s,
                     ", ".join(names))
@@ -129,8 +132,9 @@ def agree(store: Store, view: PeerView, transport: Transport, tier: RootTier, lo
 
 
 def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
-          plan: Plan, load_no: int, timeout_s: float) -> None:
-    """Step 3: the node's leader brings ``plan.step``'s files of this node in; others wait."""
+          plan: Plan, load_no: int, timeout_s: float, files_in: Callable[[], None] | None = None) -> None:
+    """Step 3: the node's leader brings ``plan.step``'s files of this node in (``files_in``:
+    another way, e.g. a rebuild from coded fragments); others wait."""
     key = view.key(f"load{load_no}", "node", view.me)
     if not view.leader:
         if store.poll([key], time.monotonic() + timeout_s) == "timeout":
@@ -141,7 +145,10 @@ def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, en
             raise CheckpointNotFound(f"restore of step {plan.step} from peers failed on node {view.me}: {res['error']}")
         return
     try:
-        _fetch_files(view, transport, tier, engine_for, plan)
+        if files_in is not None:
+            files_in()
+        else:
+            _fetch_files(view, transport, tier, engine_for, plan)
     except BaseException as exc:
         store.set(key, json.dumps({"ok": False, "error": str(exc)}))
         raise

@@ -120,8 +120,9 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
     if is_url(path):
         raise ConfigError(f"Checkpointer({path!r}): the root is a local directory (each node's fast disk); "
                           "pass the URL as remote= to replicate there")
-    if cfg.replicas > 1 and world_size < 2:
-        raise ConfigError(f"replicas={cfg.replicas} needs a distributed job of at least {cfg.replicas} nodes "
+    if cfg.peer_copies and world_size < 2:
+        what = f"replicas={cfg.replicas}" if cfg.peers.code is None else f"peers.code={cfg.peers.code!r}"
+        raise ConfigError(f"{what} needs a distributed job of several nodes "
                           "(torch.distributed, ZEROSTALL_NODE naming each node); this process saves alone")
     tier: Any = open_root(path, create=True, lock_timeout_s=cfg.lock_timeout_s, io=cfg.io)
     peers: Any = None
@@ -142,7 +143,7 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
             committer = StoreCommitter(tier, kv, session, per_rank=cfg.dist_mode == "per_rank",
                                        timeout_s=cfg.commit_timeout_s)
             node_local = session.node_local
-            if cfg.replicas > 1:  # after join: the store exchange runs under the session's prefix
+            if cfg.peer_copies:  # after join: the store exchange runs under the session's prefix
                 from ..peers import Peers
                 peers = Peers(cfg, tier, kv, session.prefix, rank, world_size, node_local=node_local,
                               copies=session.leader_of)
