@@ -62,7 +62,7 @@ def test_load_while_the_step_is_overwritten(tmp_path, older):
 # again (verify used to report the old manifest + new shard as CORRUPT and exit 1), a step
 # deleted meanwhile (retention) is skipped, not failed; a damaged step still fails. The rule is
 # load's (``restore_retry``). The seam: an engine that lets the writer act just before verify
-# opens a shard (as in test_load_during_overwrite).
+# opens a shard (as in the load test above).
 
 class _ActOnFirstOpen:
     def __init__(self, inner, act):
