@@ -35,7 +35,6 @@ from typing import Any
 
 from .config import CheckpointConfig
 from .errors import CheckpointExistsError, ConfigError, SaveFailed, ZerostallError
-from .saving import copycrc
 from .saving.handle import SaveHandle
 from .saving.inflight import InFlight, step_pre_hook, wait_staged
 from .memory.arena import Arena
@@ -45,6 +44,7 @@ from .saving.plan import check_metadata, check_step
 from .saving.plan_cache import PlanCache, plan_tensors
 from .memory.ring import BlockRing
 from .saving import pool as _pool
+from .saving import snapshot as _snapshot
 from .saving.snapshot import record_save_events
 from .restore.state import LoadReport
 from .restore.step import shared_bounce
@@ -229,7 +229,7 @@ class Checkpointer:
             self._saving = (step, status)
             with self._lease.reserve(nblocks, status) as slot:  # the pool lock: jobs queue in ring order
                 job = Job(request, status, slot, source, incr, persist=self._persist,
-                          crc_at_copy=copycrc.ENABLED and incr is None and plan.devices <= {"cpu"})
+                          crc_at_copy=_snapshot.CRC_AT_COPY and incr is None and plan.devices <= {"cpu"})
                 self._book.add(job)
                 if self._closed:  # close() ran in a handler inside save()
                     raise ZerostallError(f"the Checkpointer was closed while step {step} was being saved")

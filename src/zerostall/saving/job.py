@@ -299,7 +299,7 @@ class Job:
     slot the pool drains itself."""
     crc_at_copy: bool = False
     """The snapshot thread checksums each tensor as it copies it (a full save of host tensors:
-    :mod:`.copycrc`), so the persist thread writes without a crc pass of its own."""
+    :data:`.snapshot.CRC_AT_COPY`), so the persist thread writes without a crc pass of its own."""
     layout: Handoff[SavePlan] = field(default_factory=Handoff)
     extension: Handoff[SavePlan | None] = field(default_factory=Handoff)
     snapshot: Handoff[Staged] = field(default_factory=Handoff)

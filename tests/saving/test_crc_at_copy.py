@@ -1,36 +1,19 @@
-"""Checksumming at copy time (saving/copycrc.py): the fast copy+crc and its plain twin leave the
-same bytes and the same crc32c, and a save of host tensors that checksums as it copies writes
-the same shard bytes and manifest crc32c as one whose persist thread checksums (the twin), for
-small tensors copied in runs, large ones across blocks, a strided view, an empty tensor."""
+"""Checksumming at copy time (``snapshot.CRC_AT_COPY``, ``_fast.copy_crc``): a save of host
+tensors that checksums as it copies writes the same shard bytes and manifest crc32c as one whose
+persist thread checksums (the twin), for small tensors copied in runs, large ones across blocks,
+a strided view, an empty tensor, bf16; both load and verify. The copy+crc functions' own twin
+test is in tests/api/test_fast.py."""
 
-import ctypes
 import os
 
-import crc32c
 import torch
 
 from zerostall import Checkpointer
 from zerostall.config import StagingConfig
 from zerostall.format.layout import HEADER_BYTES
-from zerostall.saving import copycrc
+from zerostall.saving import snapshot
 from zerostall.saving.snapshot import SMALL_ITEM_BYTES
 from zerostall.store.local import LocalTier
-
-
-def test_copy_crc_equals_its_plain_twin():
-    n = 3 * copycrc.PIECE_BYTES + 12345
-    src = bytearray(os.urandom(n))
-    out = []
-    for fn in (copycrc.copy_crc, copycrc.copy_then_crc):
-        dst = bytearray(n + 64)
-        addr = ctypes.addressof((ctypes.c_char * len(dst)).from_buffer(dst))
-        s_addr = ctypes.addressof((ctypes.c_char * n).from_buffer(src))
-        crc = fn(addr + 64, s_addr, n, memoryview(dst), 64, crc32c.crc32c(b"seed"))
-        out.append((bytes(dst), crc))
-    assert out[0] == out[1] and out[0][0][64:] == bytes(src)
-    assert out[0][1] == crc32c.crc32c(bytes(src), crc32c.crc32c(b"seed"))
-    mv = memoryview(bytes(src))
-    assert copycrc.crc_runs(mv, [0, 100], [100, 5000]) == [crc32c.crc32c(src[:100]), crc32c.crc32c(src[100:5000])]
 
 
 def _state():
@@ -42,7 +25,7 @@ def _state():
 
 
 def _save(root, state, monkeypatch, enabled):
-    monkeypatch.setattr(copycrc, "ENABLED", enabled)
+    monkeypatch.setattr(snapshot, "CRC_AT_COPY", enabled)
     with Checkpointer(root, staging=StagingConfig(block_bytes=1 << 20)) as ck:
         h = ck.save(1, state)
         assert h._job.crc_at_copy is enabled
