@@ -51,6 +51,7 @@ import liburing as L
 from ..config import IOConfig
 from ..errors import StorageError, storage_error
 from .base import Engine, Extent, ShardFile, split_extents
+from .uring_fixed import FIXED_PIECE_BYTES, PieceIovec, load_fixed
 
 log = logging.getLogger("zerostall")
 
@@ -82,30 +83,7 @@ class _Cqe(ctypes.Structure):
 
 
 _C = _load_c()
-_FIXED_SIG = {"io_uring_register_buffers": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]),
-              "io_uring_unregister_buffers": (ctypes.c_int, [ctypes.c_void_p]),
-              "io_uring_prep_write_fixed": (None, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint,
-                                                   ctypes.c_uint64, ctypes.c_int])}
-
-
-def _load_fixed(lib: ctypes.CDLL | None) -> bool:
-    """Whether the binding's library exports registered-buffer writes (they are optional)."""
-    try:
-        for name, (res, args) in _FIXED_SIG.items():
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = res, args
-        return lib is not None
-    except AttributeError:
-        return False
-
-
-_HAS_FIXED = _load_fixed(_C)
-FIXED_PIECE_BYTES = 1 << 30
-"""The kernel's largest registered buffer: a longer region is registered in pieces of this size."""
-
-
-class _Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+_HAS_FIXED = load_fixed(_C)
 _RING_STRUCT_BYTES = 4096
 """Room for liburing's ``struct io_uring`` (216 bytes in liburing 2.x)."""
 
@@ -138,7 +116,7 @@ class _CRing:
             return
         self.unpin()
         pieces = [(address + o, min(FIXED_PIECE_BYTES, nbytes - o)) for o in range(0, nbytes, FIXED_PIECE_BYTES)]
-        iovs = (_Iovec * len(pieces))(*pieces)
+        iovs = (PieceIovec * len(pieces))(*pieces)
         rc = _C.io_uring_register_buffers(self.ptr, iovs, len(pieces))
         if rc < 0:
             self.refused = want
