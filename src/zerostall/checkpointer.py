@@ -219,9 +219,10 @@ class Checkpointer:
                                   user_metadata=dict(metadata or {}), engine=self.engine.name)
             nblocks = self.ring.blocks_for(plan.file_bytes) + spare
             status.set_interval(step, self._last_saved)
-            if self.config.backpressure == "skip":
-                asked, room = True, self._room(step, nblocks)
-                if not room:
+            if self.config.backpressure == "skip":  # room now, on every rank (None: a rank failed or is gone)
+                asked, room = True, self.ring.fits_now(nblocks)
+                room = self._committer.agree_room(step, room) if self._committer is not None else room
+                if not room:  # every rank skips this step: no round starts
                     return self._skip(Job(request, status, Slot(0, 0, None)), t0, report=room is None)
             leaves = plan_tensors(plan)
             source = Source(leaves, record_save_events(leaves) if "cuda" in plan.devices else None)
@@ -250,12 +251,6 @@ class Checkpointer:
             raise
         status.set_save_block(time.perf_counter() - t0)
         return SaveHandle(job, self)
-
-    def _room(self, step: int, nblocks: int) -> bool | None:
-        """``backpressure="skip"``: room in the ring now, on every rank (agreed: all skip the same
-        step and no round starts; None: a rank failed or did not answer, this one skips alone)."""
-        room = self.ring.fits_now(nblocks)  # type: ignore[union-attr]
-        return self._committer.agree_room(step, room) if self._committer is not None else room
 
     def _skip(self, job: Job, t0: float, *, report: bool = True) -> SaveHandle:
         job.status.skip(time.perf_counter() - t0)  # routine when saving every step (docs/every-step.md)
