@@ -205,7 +205,7 @@ class CheckpointConfig:
     (None: no bound)."""
     replicas: int = 1
     """Copies of every step on distinct nodes' local roots (1: off). ``N`` survives the loss of
-    any ``N - 1`` nodes; see the README's "Peer replicas" and :mod:`zerostall.peers`."""
+    any ``N - 1`` nodes; see docs/peers.md and :mod:`zerostall.peers`."""
     peers: PeersConfig = field(default_factory=PeersConfig)
 
     @property

@@ -17,7 +17,7 @@ from pathlib import Path
 PKG = Path(importlib.util.find_spec("zerostall").origin).parent  # not imported: only read
 
 LAYERS: list[set[str]] = [
-    {"_term", "_util", "errors"},
+    {"_fast", "_term", "_util", "errors"},
     {"config"},
     {"format"},
     {"io", "memory", "telemetry"},

@@ -36,23 +36,23 @@ from __future__ import annotations
 import enum
 import math
 from collections import OrderedDict
-from functools import partial
 from itertools import repeat
 from typing import Any, NamedTuple
 
 import torch
-from .kinds import STANDARD_TYPES
 
 try:
     import numpy as np
 except ImportError:  # pragma: no cover - numpy ships with torch
     np = None  # type: ignore[assignment]
 
+from .._fast import tuples_maker
 from ..errors import CorruptCheckpoint, UnsupportedStateError
 from .validate import MAX_INT_BITS, NotPlain, plain_copy
 from . import objects
 from .bulk import BULK_MIN, TENSOR_TYPES as _TENSOR_TYPES, TEXT_MIN, Columns, bulk_tensors, known_node, pairs_json
 from .frozen import FREEZE_MIN, Frozen, freeze
+from .kinds import STANDARD_TYPES
 from .nodes import remap_tree, tensor_paths, tree_tensor_indices  # noqa: F401 - re-exported
 
 MAX_DEPTH = 200
@@ -61,16 +61,15 @@ _FREEZABLE = frozenset((dict, list, tuple))
 
 class TensorLeaf(NamedTuple):
     """One tensor to store: its display key, the tensor, and whether it was a numpy array (a
-    named tuple: the bulk path makes 100k of them per first save through ``tuple.__new__``, one
-    object each, no Python frame; a frozen dataclass cost ~90 ms and two objects each)."""
+    named tuple: the bulk path makes them in bulk, :func:`~zerostall._fast.tuples_maker`)."""
 
     key: str
     tensor: torch.Tensor
     numpy: bool = False
 
 
-_new_leaves = partial(map, partial(tuple.__new__, TensorLeaf))
-"""``_new_leaves(zip(keys, tensors, numpy_flags))``: the leaves, made at C level."""
+new_leaves = tuples_maker(TensorLeaf)
+"""``new_leaves(zip(keys, tensors, numpy_flags))``: the leaves."""
 
 
 def _fmt_key(path: tuple[Any, ...]) -> str:
@@ -87,7 +86,7 @@ def _check_int(x: int, path: tuple[Any, ...]) -> int:
 
 
 def _np_plain(x: Any, path: tuple[Any, ...]) -> Any:
-    """The Python value a numpy scalar is stored as (the README's rule: numpy scalars of a
+    """The Python value a numpy scalar is stored as (the rule of docs/usage.md: numpy scalars of a
     bool, int, uint, float, complex, str or bytes dtype load back as Python's bool, int, float,
     complex, str, bytes); :class:`UnsupportedStateError` for a long double (no exact Python
     value) and for the other kinds (void, object). datetime64/timedelta64 round-trip as
@@ -268,7 +267,7 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int]
                 met[0] += len(keys)
                 start = len(leaves)
                 prefix = _fmt_key(path) + "." if path else ""
-                leaves.extend(_new_leaves(zip([prefix + k for k in keys] if prefix else keys, tensors, repeat(False))))
+                leaves.extend(new_leaves(zip([prefix + k for k in keys] if prefix else keys, tensors, repeat(False))))
                 seen.update(zip(idents, range(start, len(leaves))))
                 if occurrences is not None:
                     occurrences.extend(range(start, len(leaves)))
@@ -363,7 +362,6 @@ def decode_tree(node: Any, tensors: list[Any], where: str = "manifest", *, build
         return dec(node, 0)
     finally:
         # ``dec``/``dec_key`` refer to themselves through their cells: a reference cycle that held
-        # ``tensors`` (a restore's scratch: the whole state, 2 GiB in the bench) until the next
-        # cyclic GC, whose munmap of it then ran inside whatever call triggered the GC (a
-        # ``save()`` blocked 170-380 ms)
+        # ``tensors`` (a restore's scratch: the whole state) until the next cyclic GC, whose
+        # munmap of it then ran inside whatever call triggered the GC (a ``save()`` blocked)
         del dec, dec_key

@@ -235,7 +235,7 @@ memory (faulted by the readers' direct reads); the rest is verified first and re
 New memory faults at 1-2 GB/s here (4 KiB pages; huge pages 0.1-0.35 GB/s when the host
 reclaimed them), about a third of the disk's read rate, so faulting part while the disk reads
 the rest twice beats both a whole-state scratch and a double read of everything (measured:
-see the README's restore section)."""
+see docs/design.md, Restore pipeline)."""
 
 
 class _NoHead:
