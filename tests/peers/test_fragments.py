@@ -64,6 +64,7 @@ class Job:
                                replica_timeout_s=30, data_fragments=2, parity_fragments=1)
 
     def send(self, rep, step, plan=None):
+        rep.view = self.view()  # the holders' endpoints now
         tier = LocalTier(self.src)
         raw = open(os.path.join(tier.step_dir(step), MANIFEST_NAME), "rb").read()
         lay = rep._layout(tier.read_manifest(step))
@@ -212,3 +213,76 @@ def test_a_holder_stopped_mid_fetch_is_replaced_by_the_next_fragment(job, tmp_pa
         os.kill(pid, signal.SIGCONT)
         os.waitpid(pid, 0)
         os.close(r)
+
+
+def _fork(fn):
+    """Run ``fn()`` in a forked child; its pid. The child ends with ``os._exit``."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            fn()
+        finally:
+            os._exit(0)
+    return pid
+
+
+def _kill_at(point):
+    def hook(p):
+        if p == point:  # this very thread: os.kill may let it run on for a moment
+            signal.pthread_kill(threading.get_ident(), signal.SIGKILL)
+    return hook
+
+
+def test_sigkill_at_each_state_of_a_fragment_transfer_keeps_the_previous_step(job, tmp_path):
+    """The sender (a forked child sending n0's parity fragment) or the holder (a forked child
+    serving n3) SIGKILLed at each state: n3 keeps only whole fragments under final names after
+    start-up cleaning, step 1 stays intact on every holder and rebuilds bit-exact."""
+    job.save(1)
+    rep = job.replicator()
+    assert len(job.send(rep, 1)[0]) == 3
+    before = {n: open(job.fragment(n, 1, i), "rb").read() for i, n in enumerate(NODES[1:])}
+    parent_n3 = job.eps["n3"]
+    n3 = LocalTier(str(tmp_path / "n3"))
+    for k, point in enumerate(["frag-send:connect", "frag-send:handshake", "frag-send:mid-stream", "frag-send:sent",
+                               "frag-recv:mid-stream", "frag-recv:before-fsync", "frag-recv:before-rename",
+                               "frag-recv:before-ack"]):
+        step = 2 + k
+        job.save(step)
+        if point.startswith("frag-send"):
+            job.eps["n3"] = parent_n3
+            pid = _fork(lambda: (setattr(stream, "fault_hook", _kill_at(point)), job.send(rep, step, {2: "n3"})))
+            _, status = os.waitpid(pid, 0)
+        else:
+            job.servers["n3"][0].close()
+            r, w = os.pipe()
+
+            def holder():
+                stream.fault_hook = _kill_at(point)
+                t = TcpTransport(SECRET, "n3", set(NODES), timeout_s=3, pacer=Pacer(None))
+                ps = PeerStore(n3, "n3", lambda: choose_engine(n3.root))
+                register(t, FragmentStore(ps), set(NODES), "n3", "normal", None)
+                os.write(w, str(t.serve(ps)[1]).encode())
+                time.sleep(60)
+            pid = _fork(holder)
+            os.close(w)
+            job.eps["n3"] = Endpoint("n3", "127.0.0.1", int(os.read(r, 32)))
+            os.close(r)
+            ok, failed = job.send(rep, step, {2: "n3"})
+            assert ok == {} and failed, (point, ok)
+            _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, point
+        PeerStore(n3, "n3", lambda: choose_engine(n3.root)).clean()  # what the next start does
+        d = os.path.join(n3.root, "peers", "n0", f"step-{step}")
+        left = sorted(os.listdir(d)) if os.path.isdir(d) else []
+        assert not [f for f in left if f.startswith(".")], (point, left)
+        if point != "frag-recv:before-ack":  # renamed only after fsync: a final name is a whole fragment
+            assert "fragment-2" not in left, (point, left)
+        for i, n in enumerate(NODES[1:]):
+            assert open(job.fragment(n, 1, i), "rb").read() == before[n], (point, n)
+    job.servers["n3"] = (TcpTransport(SECRET, "n3", set(NODES), timeout_s=3, pacer=Pacer(None)), None)
+    ps = PeerStore(n3, "n3", lambda: choose_engine(n3.root))
+    register(job.servers["n3"][0], FragmentStore(ps), set(NODES), "n3", "normal", None)
+    job.eps["n3"] = Endpoint("n3", *job.servers["n3"][0].serve(ps))
+    tier, step = job.restore_into(str(tmp_path / "new"))  # no later step has k fragments anywhere
+    assert step == 1 and open(os.path.join(tier.step_dir(1), NAME), "rb").read() == \
+        open(os.path.join(job.src, "step-1", NAME), "rb").read()
