@@ -111,6 +111,8 @@ def test_fragments_sent_checked_held_and_rebuilt_bit_exact_from_any_two(job, tmp
     assert len(d0) == len(d1) == HEADER + fb
     assert (d0[HEADER:] + d1[HEADER:])[:len(shard)] == shard and not any((d0[HEADER:] + d1[HEADER:])[len(shard):])
     assert rep.fragment_bytes_sent == 3 * fb and rep.encode_cpu_s > 0
+    # a holder's quota accounting counts its fragments (ls / doctor: the room the next round needs)
+    assert job.servers["n1"][1].usage()["next_bytes"] == HEADER + fb
     assert 3 * fb <= 1.05 * 1.5 * len(shard)  # (k+m)/k of the state, plus padding to 4 KiB
     # rebuilt from the data fragments (n3, parity, gone), then with a data fragment's holder gone
     for gone in ("n3", "n1"):
