@@ -4,7 +4,9 @@ Every name here is a shortcut around a cost of CPython, ctypes or torch that a s
 many tensors pays per item; ``docs/speed-tricks.md`` says what each saves and where the figure
 came from, and ``tests/api/test_fast.py`` checks each against its twin (equal values, equal
 bytes). The core calls these names, never the tricks themselves. Any thread; nothing here holds
-state but the libc handle and a per-process nonce.
+state but the libc handle and a per-process nonce. Imports no torch (the manifest parser uses
+these; the CLI's ``ls``/``inspect`` run without torch): the tricks on tensors are in
+:mod:`._fast_torch`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import secrets
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
-import torch
 from crc32c import crc32c as _crc32c
 
 R = TypeVar("R")
@@ -68,15 +69,6 @@ GETTERS = {"key": KEY, "tensor": TENSOR, "numpy": NUMPY, "dtype": DTYPE, "device
            "layout": LAYOUT, "is_nested": IS_NESTED}
 """Each getter by the attribute it reads (the twin of each is ``getattr(x, name)``)."""
 
-
-def plain_shape_of(t: torch.Tensor) -> tuple[int, ...]:
-    """The twin of :data:`shape_of`."""
-    return tuple(t.shape)
-
-
-shape_of: Callable[[torch.Tensor], tuple[int, ...]] = getattr(torch._C, "_non_sym_sizes", None) or plain_shape_of
-"""A tensor's sizes as a plain tuple of ints, without building a ``torch.Size`` (torch's private
-``_non_sym_sizes`` where this torch has it)."""
 
 # -- libc: one handle, every prototype declared once -----------------------------------------
 libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
