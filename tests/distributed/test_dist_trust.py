@@ -312,6 +312,21 @@ def test_one_busy_rank_skips_the_step_on_every_rank(tmp_path):
         assert doc["3"]["interval"] == (3 - max(s for s in saved if s < 3) if 3 in saved else 2)
 
 
+def test_a_rank_failing_in_save_ends_the_others_room_agreement(tmp_path):
+    """backpressure='skip': rank 1's save() of step 2 raises before the room agreement (an
+    unsupported leaf). Its failure report ends rank 0's wait for the agreement at once (the
+    commit timeout is 600 s, the ranks' run is bounded far below it): rank 0 skips step 2, and
+    the agreements of the later steps stay in step (step 3 commits on both)."""
+    res, roots = run(tmp_path, 2, shared=True, scenario="skip", steps=[1, 2, 3], fail_rank=1, fail_step=2,
+                     timeout=600, ck={"backpressure": "skip"}, proc_timeout=120)
+    for rc, doc, err in res:
+        assert rc == 0, err
+    assert res[0][1]["2"]["error"] == "skipped here" and res[1][1]["2"]["error"] == "raised here"
+    for _, doc, _ in res:
+        assert doc["1"]["state"] == doc["3"]["state"] == "durable", doc
+    assert LocalTier(roots[0]).steps() == [1, 3]
+
+
 def test_rank0_leaving_after_its_with_block(tmp_path):
     """Rank 0 hosts the store and exits right after its `with` block; rank 1 reads the decision
     late: its handle still says durable (rank 0's close waited for every rank's acknowledgement)."""
