@@ -140,8 +140,13 @@ def main():
                 del ring.fits_now
             else:
                 handles[step] = ck.save(step, state_for(rank, step, args))
+        from zerostall.distributed.commit import step_base
         for step, h in handles.items():
             res[str(step)] = outcome(h)
+            res[str(step)]["interval"] = h.result().interval_steps if h.exception() is None else None
+            base = step_base(ck.session, step)  # a skipped step leaves no round behind
+            res[str(step)]["round_keys"] = [k for k in ("t0", "decision", f"r{rank}")
+                                            if ck._committer.store.check([f"{base}/{k}"])]
     elif scenario == "leave":  # rank 0 leaves right after its with block; rank 1 reads late
         if rank == 1:
             commit_mod.fault_hook = lambda p, r, s: time.sleep(1.5) if p == "reported" else None
