@@ -317,8 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out", help="output file (a folder for transformers/accelerate)")
     s.set_defaults(fn=cmd_export)
 
+    from . import delete as cli_delete
     from . import host as cli_host
     from ..bench import cli as bench_cli
+    cli_delete.add_parser(sub)
     bench_cli.add_parsers(sub)
     cli_host.add_parsers(sub)
     return p

@@ -30,6 +30,7 @@ from .exchange import PeerView, advertised_host, setup
 from .fetch import Plan, agree, fetch
 from .placement import Node
 from .replicate import PeerReplicator, StepStatus
+from . import tombstones
 from .store import PeerStore, quota_for
 from .tcp import Pacer, TcpTransport
 
@@ -62,7 +63,7 @@ class Peers:
 
         try:
             self.view: PeerView = setup(store, prefix, rank, world, cfg.replicas, cfg.join_timeout_s, serve,
-                                        copies)
+                                        copies, tombstones.read(tier.root))
         except BaseException:
             if self._transport is not None:  # a half-built Peers must not keep listening
                 self._transport.close()
@@ -71,6 +72,10 @@ class Peers:
             self._transport = self._make_transport(self.view.secret, self.view.me, list(self.view.nodes), listen)
             self.peer_store = self._make_store(self.view.me)
         assert self.peer_store is not None
+        if self.view.leader and self.view.deleted:  # steps deleted for good on any node: their copies go here too
+            if tombstones.merge(tombstones.read(tier.root), self.view.deleted) != tombstones.read(tier.root):
+                tombstones.write(tier.root, tombstones.merge(tombstones.read(tier.root), self.view.deleted))
+            tombstones.drop_dead(tier.root, self.view.deleted)
         self.replicator = PeerReplicator(tier, self.view, self._transport, store, self.peer_store,
                                          replicas=cfg.replicas, keep_last=cfg.keep_last,
                                          replica_timeout_s=pc.replica_timeout_s, cpu_priority=pc.cpu_priority)

@@ -40,6 +40,7 @@ from ..format.manifest import MANIFEST_NAME, Manifest
 from ..store.tier import RootTier
 from .exchange import PeerView
 from . import status as status_file
+from . import tombstones
 from .placement import ranking
 from .priority import background
 from .store import PeerStore
@@ -242,6 +243,8 @@ class PeerReplicator:
             for step in steps:
                 raw = open(os.path.join(self.tier.step_dir(step), MANIFEST_NAME), "rb").read()
                 man = Manifest.from_bytes(raw)
+                if tombstones.dead(v.deleted, step, man.checkpoint_id, man.created_unix):
+                    continue  # deleted for good on some node (zerostall delete): no copies of it again
                 for fe in man.files:
                     if v.rank_nodes[fe.rank] != v.me or (step, man.checkpoint_id, fe.name) in have:
                         continue
