@@ -6,10 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench clean
 
-$(STAMP): pyproject.toml requirements-dev.txt
+$(STAMP): pyproject.toml bench/pyproject.toml requirements-dev.txt requirements-torchtitan.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-dev.txt
+	# torchtitan's recipe test: --no-deps, so that nothing can replace the pinned torch
+	$(BIN)/pip install -q --no-deps -r requirements-torchtitan.txt
 	touch $(STAMP)
 
 demo: $(STAMP)

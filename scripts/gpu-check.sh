@@ -12,15 +12,15 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl 2>&1 | tail -2
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . -e ./bench 2>&1 | tail -2
 else
-  python3 -m pip install -q -e '.[all,test]' 2>&1 | tail -2
+  python3 -m pip install -q -e '.[all,test]' -e ./bench 2>&1 | tail -2
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; uname -r; nproc; free -g;
   python3 -c 'import torch, zerostall; print("torch", torch.__version__, "cuda devices:", torch.cuda.device_count())';
   df -hT . /tmp; } 2>&1 | tee "$OUT/machine.txt"
 # facts about the CUDA staging path (registration, D2H GB/s, fork after pinning): ~10 s, never fails
-timeout 90 python3 scripts/gpu_diag.py 2>&1 | tee "$OUT/diag.txt"
+timeout 90 python3 bench/scripts/gpu_diag.py 2>&1 | tee "$OUT/diag.txt"
 # every GPU test; the two-device cases (test_gpu.py::test_two_devices_*) are skipped, and
 # say so (-rs), on a machine with one device
 timeout 240 python3 -m pytest -q -m gpu -rs -p no:cacheprovider --continue-on-collection-errors tests tests/saving/test_device_streams.py 2>&1 \

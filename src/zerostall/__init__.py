@@ -17,10 +17,14 @@ from .checkpointer import Checkpointer
 from .config import CheckpointConfig, IOConfig, PeersConfig, StagingConfig
 from .saving.handle import SaveHandle
 from .format.objects import register_type
+from .distributed.ranks import discover
+from .distributed.store import Store
 from .restore import load as _load
 from .restore import LoadReport
+from .restore.agreed import collective_base, collective_load
 from .rng import rng_state, set_rng_state
 from .stateful import load_into
+from .store import open_root
 from .telemetry.record import SaveRecord
 
 __version__ = "0.1.0"
@@ -87,7 +91,6 @@ def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None 
     discovered = rank is None and world_size is None
     info = None
     if rank is None or world_size is None:
-        from .distributed.ranks import discover
         info = discover()
         rank = info.rank if rank is None else rank
         world_size = info.world_size if world_size is None else world_size
@@ -95,10 +98,7 @@ def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None 
         agree = discovered and info is not None and info.store is not None and world_size > 1 \
             and _saved_per_rank_by(os.fspath(path), world_size)
     if agree:
-        from .distributed.agree import collective_base, collective_load
-        from .distributed.store import Store
         if info is None or info.store is None:
-            from .distributed.ranks import discover
             info = discover()
         if info.store is None or info.world_size < 2:
             raise ConfigError("load(agree=True) needs an initialised process group of more than one rank")
@@ -118,7 +118,6 @@ def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None 
 
 def _saved_per_rank_by(path: str, world_size: int) -> bool:
     """Whether the newest readable step under ``path`` was saved per rank by ``world_size`` ranks."""
-    from .store.tier import open_root
     tier = open_root(path)
     for s in reversed(tier.listed_steps() if os.path.isdir(path) else []):
         try:

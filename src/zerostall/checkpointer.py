@@ -43,11 +43,13 @@ from .saving.job import Job, SaveRequest, SaveStatus, Slot, Source
 from .saving.plan import check_metadata, check_step
 from .saving.plan_cache import PlanCache, plan_tensors
 from .memory.ring import BlockRing
-from .memory import pool as _pool
+from .saving import pool as _pool
 from .saving.snapshot import record_save_events
+from .restore.state import LoadReport
+from .restore.step import shared_bounce
 from .stateful import load_into, unwrap_optimizer
 from .saving.persist import Persister
-from .store.remote import open_tier
+from .store.remote import list_steps, open_tier
 from .store.retention import check_not_referenced
 from .saving.stages import abandoned, build_stages
 from .telemetry.host import start_sampling_thread
@@ -115,7 +117,7 @@ class Checkpointer:
     # -- the pipeline: this Checkpointer's persist thread over the process's staging pool --
     @property
     def arena(self) -> Arena | None:
-        """The process's staging arena (shared through :mod:`.staging.pool`)."""
+        """The process's staging arena (shared through :mod:`.saving.pool`)."""
         return self._lease.arena if self._lease is not None else None
 
     @property
@@ -308,7 +310,10 @@ class Checkpointer:
         """
         self._book.check_process()
         self.wait()
-        step, report, source = self._peers.plan_load(step, report) if self._peers else (step, report, "")
+        source = ""
+        if self._peers:
+            report = report if report is not None else LoadReport()
+            step, source = self._peers.plan_load(step, warm=shared_bounce)
         borrow = self._lease.pool.borrow_idle() if self._lease is not None else contextlib.nullcontext()
         with self._save_lock, borrow as bounce:
             out = load_into(state_dict, lambda sd: self._stages.load(
@@ -325,7 +330,6 @@ class Checkpointer:
         local = self.tier.steps()
         if not include_remote or not self.config.remote:
             return local
-        from .store.remote import list_steps
         remote, _ = list_steps(open_tier(self.config.remote, io=self.config.io))
         return sorted(set(local) | set(remote or []))
 

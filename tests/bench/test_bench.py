@@ -2,7 +2,7 @@
 
 import json
 
-from zerostall.bench.bench import COLD
+from zerostall_bench.bench import COLD
 from zerostall.cli import main as cli
 
 NUMERIC = ("stall_s", "staged_s", "durable_s", "persist_gbps", "fraction_of_line_rate", "dirty_peak_bytes",
@@ -59,8 +59,8 @@ def test_bench_unknown_method_is_clear(tmp_path, capsys):
 def test_bench_writes_partial_results_and_reports_a_failing_method(tmp_path, monkeypatch):
     """The JSON is on disk after every method (marked incomplete until the end), and a method
     that raises gets an error row while the next one still runs."""
-    import zerostall.bench.bench as bench
-    from zerostall.bench import methods as M
+    import zerostall_bench.bench as bench
+    from zerostall_bench import methods as M
 
     seen = []
     real_write = bench.write_doc
@@ -81,10 +81,21 @@ def test_bench_writes_partial_results_and_reports_a_failing_method(tmp_path, mon
     assert rc == 1  # a failed method fails the bench
     import psutil
     left = [c for c in psutil.Process().children(recursive=True)
-            if "zerostall.bench.trainer" in " ".join(c.cmdline())]
+            if "zerostall_bench.trainer" in " ".join(c.cmdline())]
     assert not left, f"the failed method's trainer process outlived it: {left}"
     assert [len(d["results"]) for d in seen[:2]] == [1, 2] and seen[0]["complete"] is False
     first = seen[0]["results"][0]
     assert first["method"] == "torch.save" and "disk on fire" in first["error"] and first["verified"] is False
     final = json.loads(out.read_text())
     assert final["complete"] is True and final["results"][1]["verified"] is True
+
+
+def test_bench_without_its_package_says_how_to_install_it(monkeypatch, capsys):
+    """Where zerostall_bench is not installed, ``zerostall bench`` exits 1 with the install
+    command instead of a traceback; the rest of the CLI is unaffected."""
+    from zerostall.cli import demo_bench
+    monkeypatch.setattr(demo_bench, "bench_installed", lambda: False)
+    assert cli(["bench", "--size-gib", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "pip install -e ./bench" in err and "zerostall-bench" in err
+    assert cli(["plan", "--params", "1e9"]) == 0

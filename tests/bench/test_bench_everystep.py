@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from zerostall.bench import everystep
+from zerostall_bench import everystep
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from zerostall.bench.frozen import METHODS
+from zerostall_bench.frozen import METHODS
 from zerostall.cli import main as cli
 
 pytestmark = pytest.mark.timeout(300)

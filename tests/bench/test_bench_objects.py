@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from zerostall.bench.objects import config_tree
+from zerostall_bench.objects import config_tree
 from zerostall.cli import main as cli
 
 pytestmark = pytest.mark.timeout(300)

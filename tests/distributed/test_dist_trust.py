@@ -46,10 +46,13 @@ def _wait_file(path, procs, timeout=120):
         time.sleep(0.02)
 
 
-def run(tmp_path, world, *, shared=False, agent=True, signals=(), proc_timeout=240, roots=None, **args):
-    """Launch ``world`` ranks of trust_worker.py; ``signals``: (rank, step, "kill"|"stop")
-    applied when that rank pauses at its fault point for that step. Returns per-rank
-    (returncode, result, stderr) and the roots."""
+def run(tmp_path, world, *, shared=False, agent=True, signals=(), proc_timeout=240, roots=None, settle_timeout=120,
+        **args):
+    """Launch ``world`` ranks of trust_worker.py; ``signals``: (rank, step, "kill"|"stop"|"hold")
+    applied when that rank pauses at its fault point for that step ("hold": it stays paused
+    until the next "stop" stopped its rank; a stopped rank is continued
+    once every other rank wrote its outcome of the step, which must happen within
+    ``settle_timeout``). Returns per-rank (returncode, result, stderr) and the roots."""
     out = tmp_path / "out"
     out.mkdir(parents=True, exist_ok=True)
     if roots is None:
@@ -73,19 +76,27 @@ def run(tmp_path, world, *, shared=False, agent=True, signals=(), proc_timeout=2
         procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "trust_worker.py")], env=env,
                                       stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True))
     try:
+        held = []
         for rank, step, action in signals:
             _wait_file(str(out / f"paused-r{rank}-s{step}"), procs)
             pid = _read(out / f"paused-r{rank}-s{step}")["pid"]
             assert pid == procs[rank].pid
+            if action == "hold":  # stays paused until the next "stop" has stopped its rank
+                held.append(out / f"go-r{rank}-s{step}")
+                continue
             if action == "kill":
                 os.kill(pid, signal.SIGKILL)
                 continue
             os.kill(pid, signal.SIGSTOP)
             (out / f"go-r{rank}-s{step}").touch()
+            for go in held:
+                go.touch()
+            held.clear()
             try:
                 for q in range(world):  # every other rank settles the step while this one is stopped
                     if q != rank:
-                        _wait_file(str(out / f"s{step}-r{q}.json"), procs)
+                        _wait_file(str(out / f"s{step}-r{q}.json"), procs, settle_timeout)
+                assert _proc_state(pid) in ("T", "t"), pid  # settled while it was still stopped
             finally:
                 os.kill(pid, signal.SIGCONT)
         res = []
@@ -100,6 +111,12 @@ def run(tmp_path, world, *, shared=False, agent=True, signals=(), proc_timeout=2
                 p.wait()
         del master
     return res, roots
+
+
+def _proc_state(pid):
+    """The scheduler state letter of process ``pid`` from /proc (T: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def _verifies(root, step):

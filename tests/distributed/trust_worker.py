@@ -55,6 +55,18 @@ def install_pause(args, rank, out):
     commit_mod.fault_hook = hook
 
 
+def install_partition(out):
+    """The store seam: from now on every request of this rank's zerostall store connections
+    hangs (as over a link that is down) until ``<out>/heal`` exists."""
+    from zerostall.distributed import store as store_mod
+    heal = os.path.join(out, "heal")
+
+    def hang(what):
+        while not os.path.exists(heal):
+            time.sleep(0.01)
+    store_mod.fault_hook = hang
+
+
 def state_for(rank, step, args):
     n = 1000 + (37 * rank if args.get("mode", "per_rank") == "per_rank" else 0)
     st = {"x": torch.full((n,), float(step * 10 + rank if args.get("mode", "per_rank") == "per_rank" else step)),
@@ -71,6 +83,16 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     root = args["roots"][rank]
     install_pause(args, rank, out)
+    slow = args.get("slow_persist")  # {"steps": [...], "s": seconds}: every rank's persist of those steps is slow
+    if slow:
+        paused = commit_mod.fault_hook
+
+        def hook(point, r, step, paused=paused):
+            if point == "persist" and step in slow["steps"]:
+                time.sleep(slow["s"])
+            if paused is not None:
+                paused(point, r, step)
+        commit_mod.fault_hook = hook
     res = {"rank": rank, "node": os.environ.get("ZEROSTALL_NODE")}
     kw = dict(dist_mode=args.get("mode", "per_rank"), commit_timeout_s=args.get("timeout", 30),
               raise_on_background_error=False, join_timeout_s=60)
@@ -90,13 +112,22 @@ def main():
         os._exit(0)
     res["node_local"], res["groups"] = ck.session.node_local, list(ck.session.groups)
     if scenario == "steps":  # save args["steps"]; a barrier between steps unless a rank may die
+        cut = args.get("partition")  # [rank, step]: that rank's store requests hang from that step's save
         for step in args["steps"]:
+            if cut is not None and cut == [rank, step]:
+                install_partition(out)
             h = ck.save(step, state_for(rank, step, args))
             oc = outcome(h)
             write(os.path.join(out, f"s{step}-r{rank}.json"), oc)
             res[str(step)] = oc
             if not args.get("no_barrier"):
                 dist.barrier()
+        if args.get("load"):  # every rank loads the newest step: the one all can, bit-exact
+            rep = zerostall.LoadReport()
+            got = ck.load(report=rep)
+            want = state_for(rank, int(got["step"]), args)
+            res["loaded"] = int(got["step"])
+            res["exact"] = all(torch.equal(got[k], want[k]) for k in ("x", "y"))
     elif scenario == "skip":  # back-to-back saves; this rank's arena says "busy" for one step
         handles = {}
         # room in the staging ring for every save in flight: only the seam below makes one skip

@@ -1,7 +1,7 @@
 """SIGKILL a saving process at random moments, 30 times: the newest commit always loads."""
 
 import zerostall
-from zerostall.bench.crashsoak import run, state_of
+from tests.fault.crashsoak import run, state_of
 from zerostall.store.local import LocalTier
 
 

@@ -70,7 +70,7 @@ def test_huge_claim_checked_against_file_before_allocation(ckpt):
         b["files"][0]["file_bytes"] = 1 << 50
         b["tensors"][0].update(shape=[1 << 47], nbytes=4 << 47)
     _reseal(_man(ckpt), grow)
-    from zerostall.memory import pool
+    from zerostall.saving import pool
     pool.release_now()  # the one-shot save's staging pool reserves the budget as address space
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (8 << 30, hard))  # an allocation attempt would fail loudly

@@ -18,7 +18,7 @@ from zerostall.config import StagingConfig
 from zerostall.errors import CorruptCheckpoint
 from zerostall.format import layout
 from zerostall.format.layout import HEADER_BYTES, ShardHeader, item_align
-from zerostall.memory import pool
+from zerostall.saving import pool
 from zerostall.store.local import LocalTier
 from tests.helpers import flip_byte
 

@@ -102,7 +102,7 @@ def test_dtypes_layouts_and_streaming_through_a_small_ring(ckdir):
         "big": big,
     }
     want = {k: v.cpu().clone() for k, v in state.items()}
-    from zerostall.memory import pool as zpool
+    from zerostall.saving import pool as zpool
     zpool.release_now()  # a larger pool left by an earlier test would not stream
     cfg = zerostall.CheckpointConfig(staging=zerostall.StagingConfig(budget_bytes=64 << 20, block_bytes=8 << 20))
     with zerostall.Checkpointer(ckdir, cfg) as ck:
@@ -117,7 +117,7 @@ def test_dtypes_layouts_and_streaming_through_a_small_ring(ckdir):
 def test_one_shot_save_and_new_checkpointers_share_a_pinned_pool(tmp_path):
     """Several Checkpointers and the one-shot save in one process: every save of CUDA state
     round-trips, and the pool they share is registered with CUDA (page-locked)."""
-    from zerostall.memory import pool as zpool
+    from zerostall.saving import pool as zpool
 
     x = torch.randn(4 << 20, device="cuda")
     saved = []

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zerostall
-from zerostall.memory import pool as zpool
+from zerostall.saving import pool as zpool
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 

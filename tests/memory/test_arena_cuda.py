@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from zerostall.memory import arena as zarena
-from zerostall.memory import pool as zpool
+from zerostall.saving import pool as zpool
 
 MiB = 1 << 20
 

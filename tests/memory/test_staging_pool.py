@@ -8,7 +8,7 @@ import torch
 import zerostall
 from zerostall import Checkpointer, CheckpointConfig, StagingConfig
 from zerostall.memory import arena as arena_mod
-from zerostall.memory import pool
+from zerostall.saving import pool
 from zerostall.memory.ring import BlockRing
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""SIGTERM at random instants of a saving loop (run by test_lifecycle.py and benchmarks/sigterm_soak.py).
+"""SIGTERM at random instants of a saving loop (run by test_lifecycle.py and bench/scripts/sigterm_soak.py).
 
 As a script: a training-like loop that calls ``save()`` back to back (200 small tensors, so
 most of its time is inside ``save()``) with ``on_preemption()`` in its SIGTERM handler. The

@@ -179,6 +179,6 @@ def test_fifty_saves_no_leaks(ckdir):
         recs = [h.result() for h in records]
     assert all(r.ok or r.skipped for r in recs)
     assert ck.steps() == [47, 48, 49]  # keep_last=3
-    from zerostall.memory import pool
+    from zerostall.saving import pool
     pool.release_now()  # the process's staging pool (and its threads) would linger a few seconds
     assert threading.active_count() <= threads0 + 1  # io pool threads gone; +1 tolerance for torch

@@ -9,7 +9,7 @@ import torch
 import zerostall
 from zerostall import Checkpointer
 from zerostall.errors import UnsupportedStateError
-from zerostall.memory import pool
+from zerostall.saving import pool
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,7 +16,8 @@ def _same_layout(a, b):
 
 
 def test_plan_cache_reuses_the_layout_with_the_new_walks_tensors():
-    from zerostall.saving.plan import PlanCache, build_plan
+    from zerostall.saving.plan import build_plan
+    from zerostall.saving.plan_cache import PlanCache
     pc, st = PlanCache(), _state()
     first = pc.plan(st)
     again = pc.plan(st)
@@ -30,7 +31,8 @@ def test_plan_cache_reuses_the_layout_with_the_new_walks_tensors():
 
 def test_plan_cache_rebuilds_when_a_plain_value_or_shape_changes():
     import json
-    from zerostall.saving.plan import PlanCache, build_plan
+    from zerostall.saving.plan import build_plan
+    from zerostall.saving.plan_cache import PlanCache
     pc, st = PlanCache(), _state()
     pc.plan(st)
     st["opt"]["param_groups"][0]["lr"] = 0.05
@@ -52,7 +54,7 @@ def test_plan_cache_keeps_no_tensor_alive_and_steps_aside_for_odd_states():
 
     import numpy as np
     from zerostall.errors import UnsupportedStateError
-    from zerostall.saving.plan import PlanCache
+    from zerostall.saving.plan_cache import PlanCache
     pc, st = PlanCache(), _state()
     pc.plan(st)
     pc.plan(st)
@@ -69,7 +71,7 @@ def test_plan_cache_keeps_no_tensor_alive_and_steps_aside_for_odd_states():
 def test_plan_pauses_the_gc_only_while_planning_and_keeps_a_disabled_gc_disabled():
     import gc
     import threading
-    from zerostall.saving.plan import PlanCache
+    from zerostall.saving.plan_cache import PlanCache
     seen = []
     cb = lambda phase, info: seen.append(info["generation"]) if phase == "start" else None  # noqa: E731
     assert gc.isenabled()
@@ -99,7 +101,8 @@ def test_plan_pauses_the_gc_only_while_planning_and_keeps_a_disabled_gc_disabled
 
 
 def test_plan_cache_reused_for_one_ranks_share_and_tied_weights():
-    from zerostall.saving.plan import PlanCache, build_plan
+    from zerostall.saving.plan import build_plan
+    from zerostall.saving.plan_cache import PlanCache
     st = _state()
     st["more"] = {f"m{i}": torch.full((i + 1,), float(i)) for i in range(6)}
     for rank in (0, 1):
@@ -228,7 +231,8 @@ def test_a_first_plan_freezes_each_config_container_once(monkeypatch):
     # that snapshot instead of pickling the container a second time on the caller's thread
     from zerostall.format import frozen as frozen_mod, tree as tree_mod
     from zerostall.saving import plan_cache as pc_mod
-    from zerostall.saving.plan import PlanCache, build_plan
+    from zerostall.saving.plan import build_plan
+    from zerostall.saving.plan_cache import PlanCache
     calls = []
     real = frozen_mod.freeze
 

@@ -4,7 +4,7 @@ import torch
 
 import zerostall
 from zerostall.saving.job import Committed
-from zerostall.store.tier import open_root
+from zerostall.store import open_root
 
 
 class Recorder:

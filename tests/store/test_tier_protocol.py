@@ -13,7 +13,8 @@ from zerostall.errors import CheckpointExistsError
 from zerostall.format.manifest import MANIFEST_NAME, Manifest
 from zerostall.restore import verify_tier_step
 from zerostall.memory.arena import Arena
-from zerostall.store.tier import Tier, open_root, open_tier
+from zerostall.store import open_root
+from zerostall.store.tier import Tier, open_tier
 
 S3 = os.environ.get("ZEROSTALL_TEST_S3") == "1"
 

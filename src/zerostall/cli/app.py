@@ -16,49 +16,23 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Callable
+from typing import Any
 
 from . import dcp as cli_dcp
+from . import demo_bench
+from .._term import console as _console, safe, table
 from .._util import human_bytes as _human
 from ..errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, RootNotFound,
     ZerostallError)
-from ..store.tier import is_url, open_root
-
-
-def safe(text: Any) -> str:
-    """``text`` with control characters (ESC, BEL, bidi overrides, ...) shown as escapes."""
-    out = []
-    for ch in str(text):
-        if ch.isprintable() or ch == " ":
-            out.append(ch)
-        else:
-            out.append(repr(ch)[1:-1] if ord(ch) < 0x10000 else f"\\U{ord(ch):08x}")
-    return "".join(out)
-
-
-def cell(text: Any) -> str:
-    """``text`` for a rich table cell: :func:`safe`, then markup escaped."""
-    from rich.markup import escape
-    return escape(safe(text))
-
-
-def _console() -> Any:
-    from rich.console import Console
-    return Console(emoji=False, highlight=False)
-
-
-def _engine(name: str, root: str) -> Any:
-    from ..config import IOConfig
-    from ..io import choose_engine
-    return choose_engine(root, IOConfig(engine=name))
-
-
-def _tier(path: str) -> Any:
-    """The tier a command reads: a local checkpoint directory, or a remote tier by URL
-    (``s3://bucket/prefix``, ``file:///shared/path``)."""
-    tier = open_root(path)
-    tier.check_root()  # RootNotFound (exit 2): a typo is not an empty root
-    return tier
+from ..store import open_root
+from ..store.tier import is_url, open_tier
+from ..restore import LoadReport, load
+from ..restore.fetch import restore_remote
+from . import host as cli_host
+from ..peers.status import peer_rows, quota_lines
+from ..integrations import export
+from .common import _engine, _tier
+from .verify import cmd_verify
 
 
 def _rows(tier: Any, label: str) -> list[dict[str, Any]]:
@@ -88,13 +62,10 @@ def _refs_row(m: Any) -> dict[str, Any]:
 def cmd_ls(a: argparse.Namespace) -> int:
     if not is_url(a.path) and cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
         return cli_dcp.cmd_ls(a)
-    from rich.table import Table
-
     tier = _tier(a.path)
     title = a.path if is_url(a.path) else tier.root
     rows = _rows(tier, "remote" if is_url(a.path) else "local")
     if not is_url(a.path):  # peer replicas: this node's steps' holders, the copies it keeps for others
-        from ..peers.status import peer_rows
         peer_rows(tier.root, rows)
     if a.remote and not is_url(a.path):
         try:
@@ -116,26 +87,22 @@ def cmd_ls(a: argparse.Namespace) -> int:
         print(f"no checkpoints in {safe(title)}")
         return 0
     import datetime as dt
-    t = Table(title=f"checkpoints in {cell(title)}")
-    for col in ("step", "size", "referenced", "tensors", "created", "tier", "state"):
-        t.add_column(col, justify="right" if col in ("step", "size", "referenced", "tensors") else "left")
+    t = table(f"checkpoints in {title}", ("step", "size", "referenced", "tensors", "created", "tier", "state"),
+              right=("step", "size", "referenced", "tensors"))
     for r in sorted(rows, key=lambda r: r["step"]):
         created = dt.datetime.fromtimestamp(r["created_unix"]).isoformat(" ", "seconds") if r["created_unix"] else ""
         ref = (f"{_human(r['bytes_referenced'])} in {','.join(map(str, r['references_steps']))}"
                if r.get("bytes_referenced") else "")
-        t.add_row(str(r["step"]), _human(r["bytes"]), ref, str(r["tensors"]), created, cell(r["tier"]),
-                  cell(r["state"]))
+        t.add_row(str(r["step"]), _human(r["bytes"]), ref, str(r["tensors"]), created, safe(r["tier"]),
+                  safe(r["state"]))
     _console().print(t)
     if not is_url(a.path):
-        from ..peers.status import quota_lines
         for line in quota_lines(tier.root):
             print(safe(line))
     return 0
 
 
 def cmd_restore(a: argparse.Namespace) -> int:
-    from ..restore.fetch import restore_remote  # the library's restore: the same fallback as load(remote=)
-    from ..store.tier import open_tier
     remote = open_tier(a.url)  # a plain path too: a shared-filesystem tier
     remote.check_root()
     if a.step is None and not remote.steps():
@@ -152,15 +119,14 @@ def cmd_restore(a: argparse.Namespace) -> int:
     finally:
         engine.close()
         tier.release()
-    print(f"restored step {m.step} from {a.url} into {tier.step_dir(m.step)} ({_human(m.total_bytes)}, verified)")
+    print(f"restored step {m.step} from {safe(a.url)} into {safe(tier.step_dir(m.step))} "
+          f"({_human(m.total_bytes)}, verified)")
     return 0
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
     if cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
         return cli_dcp.cmd_inspect(a)
-    from rich.table import Table
-
     tier = _tier(a.path)
     step = a.step if a.step is not None else tier.latest()
     if step is None:
@@ -170,13 +136,11 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         print(json.dumps(m.body(objects=True), indent=1))
         return 0
     refs = f" + {_human(m.referenced_bytes)} referenced" if m.ref_files else ""
-    t = Table(title=f"step {step}: {len(m.tensors)} tensors, {_human(m.total_bytes)} owned{refs}, "
-                    f"world size {m.world_size}")
-    for col in ("key", "dtype", "shape", "bytes", "file", "offset", "crc32c"):
-        t.add_column(col)
+    t = table(f"step {step}: {len(m.tensors)} tensors, {_human(m.total_bytes)} owned{refs}, world size {m.world_size}",
+              ("key", "dtype", "shape", "bytes", "file", "offset", "crc32c"))
     for e in m.tensors:
         where = e.file if e.step is None else f"step-{e.step}/{e.file}"
-        t.add_row(cell(e.key), e.dtype, str(list(e.shape)), _human(e.nbytes), cell(where), str(e.offset),
+        t.add_row(safe(e.key), e.dtype, str(list(e.shape)), _human(e.nbytes), safe(where), str(e.offset),
                   f"{e.crc32c:08x}")
     _console().print(t)
     return 0
@@ -196,8 +160,6 @@ def cmd_export(a: argparse.Namespace) -> int:
 
     import torch
 
-    from ..restore import load
-    from ..restore import LoadReport
     out_dir = os.path.dirname(os.path.abspath(a.out))
     if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
         raise ConfigError(f"cannot write {a.out!r}: {out_dir!r} is not a writable directory")
@@ -207,7 +169,6 @@ def cmd_export(a: argparse.Namespace) -> int:
         rank, world = _export_rank(a, remote)
         state = load(src, step=a.step, remote=remote, rank=rank, world_size=world, report=report)
     if a.format != "safetensors":  # the files the framework's own checkpointing reads
-        from ..integrations import export
         files = export.write(a.format, state, a.out, rank=rank, world_size=world)
         print(f"wrote step {report.step} as a {a.format} checkpoint: {safe(a.out)} ({', '.join(map(safe, files))})")
         return 0
@@ -261,13 +222,6 @@ def _export_rank(a: argparse.Namespace, remote: str | None) -> tuple[int, int]:
     return a.rank, m.world_size
 
 
-def _lazy(module: str, fn: str) -> Callable[[argparse.Namespace], int]:
-    def run(a: argparse.Namespace) -> int:
-        import importlib
-        return getattr(importlib.import_module(module, __package__), fn)(a)
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zerostall", description="Checkpoint PyTorch training without stalling it.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -294,7 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
                                   "else the host name): shards written on other nodes live in their copies")
     s.add_argument("--all-files", action="store_true",
                    help="require every rank's shard in this root (a shared root), not only this copy's")
-    s.set_defaults(fn=_lazy(".verify", "cmd_verify"))
+    s.add_argument("--json", action="store_true",
+                   help="print one JSON object per step (state ok/failed/deleted) instead of lines")
+    s.set_defaults(fn=cmd_verify)
 
     s = sub.add_parser("inspect", help="tensors, dtypes, shapes, bytes of a checkpoint")
     s.add_argument("path", help="a local directory, s3://bucket/prefix or file:///path")
@@ -317,11 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out", help="output file (a folder for transformers/accelerate)")
     s.set_defaults(fn=cmd_export)
 
-    from . import delete as cli_delete
-    from . import host as cli_host
-    from ..bench import cli as bench_cli
     cli_delete.add_parser(sub)
-    bench_cli.add_parsers(sub)
+    demo_bench.add_parsers(sub)
     cli_host.add_parsers(sub)
     return p
 

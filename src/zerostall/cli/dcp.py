@@ -16,7 +16,9 @@ import re
 import sys
 
 from ..errors import CheckpointNotFound, ZerostallError
+from .._term import safe
 from .._util import human_bytes as _human
+from ..config import IOConfig
 
 _STEP_DIR_RE = re.compile(r"^step-(\d{1,19})$")
 
@@ -75,27 +77,32 @@ def cmd_ls(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"DCP checkpoints in {a.path}")
+    print(f"DCP checkpoints in {safe(a.path)}")
     for r in rows:
-        print(f"  {r['checkpoint']}: {r['metadata']}: {r['format']}, {r['entries']} entries, {_human(r['bytes'])} "
-              f"in {r['files']} file(s), {r['state']}")
+        print(f"  {safe(r['checkpoint'])}: {safe(r['metadata'])}: {r['format']}, {r['entries']} entries, "
+              f"{_human(r['bytes'])} in {r['files']} file(s), {safe(r['state'])}")
     return 0
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    from ..config import IOConfig
     from ..integrations.dcp_describe import metadata_files, verify
-    bad = 0
+    rows = []
     for label, d in _targets(a):
         for name in metadata_files(d):
             try:
                 i = verify(d, name, IOConfig(engine=getattr(a, "engine", "auto")))
                 how = "verified" if i.kind == "zerostall" else "loaded (FileSystemWriter stores no checksums)"
-                print(f"{label}: {name}: OK ({i.kind_name}, {len(i.entries)} entries, {_human(i.total_bytes)} {how})")
+                rows.append({"checkpoint": label, "metadata": name, "state": "ok", "format": i.kind_name,
+                             "entries": len(i.entries), "bytes": i.total_bytes, "checksums": i.kind == "zerostall"})
+                if not getattr(a, "json", False):
+                    print(f"{safe(label)}: {safe(name)}: OK ({i.kind_name}, {len(i.entries)} entries, "
+                          f"{_human(i.total_bytes)} {how})")
             except ZerostallError as exc:
-                bad += 1
-                print(f"{label}: {name}: FAILED: {exc}", file=sys.stderr)
-    return 1 if bad else 0
+                rows.append({"checkpoint": label, "metadata": name, "state": "failed", "error": str(exc)})
+                print(f"{safe(label)}: {safe(name)}: FAILED: {safe(exc)}", file=sys.stderr)
+    if getattr(a, "json", False):
+        print(json.dumps(rows, indent=1))
+    return 1 if any(r["state"] == "failed" for r in rows) else 0
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
@@ -107,8 +114,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
                            "files": i.files, "entries": i.entries} for i in infos], indent=1))
         return 0
     for i in infos:
-        print(f"{i.metadata}: {i.kind_name}, {len(i.entries)} entries, {_human(i.total_bytes)}")
+        print(f"{safe(i.metadata)}: {i.kind_name}, {len(i.entries)} entries, {_human(i.total_bytes)}")
         for e in i.entries:
             shape = "" if e["type"] == "object" else f" {e['shape']}"
-            print(f"  {e['key']!r}: {e['type']} {e['dtype']}{shape}, {e['chunks']} chunk(s)")
+            print(f"  {safe(repr(e['key']))}: {e['type']} {e['dtype']}{shape}, {e['chunks']} chunk(s)")
     return 0

@@ -7,23 +7,25 @@ import json
 import os
 import sys
 from typing import Any
+from ..tuning.doctor import host_checks, path_checks, probe_line_rate
+from ..tuning.sysctl import apply_sysctls, sysctl_d_text
+from ..tuning.plan import PlanInput, parse_count, plan
+from ..telemetry.monitor import live, render, sample
+from ..telemetry.trace import BPFTRACE_PROGRAM, kprobes_available, trace_pid, trace_tracefs
+
+from .._term import console, safe, table
 
 
 def _print_checks(checks: list[Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-    t = Table(title="zerostall doctor")
-    for c in ("check", "value", "status", "advice"):
-        t.add_column(c, overflow="fold")
+    from rich.text import Text
+    t = table("zerostall doctor", ("check", "value", "status", "advice"), fold=True)
     colors = {"ok": "green", "warn": "yellow", "info": "blue"}
     for c in checks:
-        t.add_row(c.name, str(c.value), f"[{colors.get(c.status, 'white')}]{c.status}[/]", c.advice)
-    Console(width=max(120, Console().width)).print(t)
+        t.add_row(safe(c.name), safe(c.value), Text(safe(c.status), style=colors.get(c.status, "white")), safe(c.advice))
+    console().print(t)
 
 
 def cmd_doctor(a: argparse.Namespace) -> int:
-    from ..tuning.doctor import host_checks, path_checks, probe_line_rate
-    from ..tuning.sysctl import apply_sysctls, sysctl_d_text
     checks = host_checks() + path_checks(a.path)
     if a.probe:
         checks.append(probe_line_rate(a.path))
@@ -34,7 +36,7 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     if a.write_sysctl:
         with open(a.write_sysctl, "w") as f:
             f.write(sysctl_d_text())
-        print(f"wrote {a.write_sysctl}; install it in /etc/sysctl.d/ and run 'sysctl --system'", file=sys.stderr)
+        print(f"wrote {safe(a.write_sysctl)}; install it in /etc/sysctl.d/ and run 'sysctl --system'", file=sys.stderr)
     if a.apply:
         if os.geteuid() != 0:
             print("--apply needs root", file=sys.stderr)
@@ -48,7 +50,6 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-    from ..tuning.plan import PlanInput, parse_count, plan
     p = PlanInput(params=parse_count(a.params, "--params") if a.params else None,
                   bytes_per_param=a.bytes_per_param,
                   checkpoint_bytes=parse_count(a.checkpoint_bytes, "--checkpoint-bytes") if a.checkpoint_bytes else None,
@@ -79,21 +80,18 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
 
 def cmd_monitor(a: argparse.Namespace) -> int:
-    from ..telemetry.monitor import live, render, sample
     if a.once:
         doc = sample(a.pid)
         if a.json:
             print(json.dumps(doc, indent=1))
         else:
-            from rich.console import Console
-            Console().print(render(doc, None))
+            console().print(render(doc, None))
         return 0
     live(a.pid, a.interval_s)
     return 0
 
 
 def cmd_trace(a: argparse.Namespace) -> int:
-    from ..telemetry.trace import BPFTRACE_PROGRAM, kprobes_available, trace_pid, trace_tracefs
     if a.print_program:
         print(BPFTRACE_PROGRAM)
         return 0
@@ -114,9 +112,9 @@ def cmd_trace(a: argparse.Namespace) -> int:
     for label, n in rep.histogram():
         print(f"  {label:>18} {n:6d} {'#' * min(60, n)}")
     for pause, comm, pid in rep.worst[:5]:
-        print(f"  worst: {comm} (pid {pid}) paused {pause} ms")
+        print(f"  worst: {safe(comm)} (pid {pid}) paused {pause} ms")
     if rep.note:
-        print(f"  note: {rep.note}")
+        print(f"  note: {safe(rep.note)}")
     return 0
 
 

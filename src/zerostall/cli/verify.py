@@ -4,28 +4,32 @@ copy of the root, the shards that copy holds. Called by :mod:`.cli` on the main 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
 from . import dcp as cli_dcp
-from .app import _engine, _human, _tier, safe
+from .._term import safe
+from .._util import human_bytes as _human
+from .common import _engine, _tier
 from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..store.tier import is_url
+from ..restore import verify_step, verify_tier_step
+from ..restore.retry import verify_consistent
+from ..distributed.node import node_id
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
     if not is_url(a.path) and cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
         return cli_dcp.cmd_verify(a)
-    from ..restore import verify_step, verify_tier_step
-    from ..restore.retry import verify_consistent
     tier = _tier(a.path)
     steps = [a.step] if a.step is not None else tier.listed_steps()
+    rows: list[dict[str, Any]] = []  # --json: one per step, printed at the end
     if not steps:  # an existing, empty root: nothing failed (a missing one raised RootNotFound)
-        print(f"no checkpoints in {safe(tier.url)}")
+        print("[]" if a.json else f"no checkpoints in {safe(tier.url)}")
         return 0
     remote = is_url(a.path)
     engine = None if remote else _engine(a.engine, tier.root)
-    bad = 0
     try:
         for s in steps:
             away: list[Any] = []
@@ -36,22 +40,36 @@ def cmd_verify(a: argparse.Namespace) -> int:
                 if m is None and a.step is not None:  # asked for by number: not there is a failure
                     raise CheckpointNotFound(f"no committed step {s} in {tier.url}")
                 if m is None:
-                    print(f"step {s}: deleted while verifying it (retention?); skipped")
+                    rows.append({"step": s, "state": "deleted"})
+                    _say(a, f"step {s}: deleted while verifying it (retention?); skipped")
                     continue
+                ref_steps = sorted({r.step for r in m.ref_files})
+                rows.append({"step": s, "state": "ok", "tensors": len(m.tensors), "bytes_owned": m.total_bytes,
+                             "bytes_referenced": m.referenced_bytes, "references_steps": ref_steps,
+                             "ranks_elsewhere": [f.rank for f in away],
+                             "hosts_elsewhere": sorted({f.host for f in away})})
                 refs = (f" + {_human(m.referenced_bytes)} referenced in step(s) "
-                        f"{', '.join(str(x) for x in sorted({r.step for r in m.ref_files}))}" if m.ref_files else "")
-                print(f"step {s}: OK ({len(m.tensors)} tensors, {_human(m.total_bytes)} owned{refs} verified)")
+                        f"{', '.join(str(x) for x in ref_steps)}" if m.ref_files else "")
+                _say(a, f"step {s}: OK ({len(m.tensors)} tensors, {_human(m.total_bytes)} owned{refs} verified)")
                 if away:
-                    print(f"  ranks {', '.join(str(f.rank) for f in away)} are in other nodes' copies "
-                          f"({', '.join(sorted({f.host for f in away}))}), not in this one: verify them there "
-                          "(or pass --all-files to require every shard here)")
+                    _say(a, f"  ranks {', '.join(str(f.rank) for f in away)} are in other nodes' copies "
+                            f"({safe(', '.join(sorted({f.host for f in away})))}), not in this one: verify them "
+                            "there (or pass --all-files to require every shard here)")
             except (CorruptCheckpoint, CheckpointNotFound) as exc:
-                bad += 1
+                rows.append({"step": s, "state": "failed", "error": str(exc)})
                 print(f"step {s}: FAILED: {safe(exc)}", file=sys.stderr)
     finally:
         if engine is not None:
             engine.close()
-    return 1 if bad else 0
+    if a.json:
+        print(json.dumps(rows, indent=1))
+    return 1 if any(r["state"] == "failed" for r in rows) else 0
+
+
+def _say(a: argparse.Namespace, line: str) -> None:
+    """A progress line on stdout; with ``--json`` stdout holds only the document."""
+    if not a.json:
+        print(line, flush=True)
 
 
 def _this_copy(tier: Any, man: Any, node: str | None, all_files: bool, away: list[Any]) -> set[str] | None:
@@ -62,7 +80,6 @@ def _this_copy(tier: Any, man: Any, node: str | None, all_files: bool, away: lis
     written on a node none of this copy's files come from and that is not this node
     (``--node``, default ``ZEROSTALL_NODE`` or the host name); any other missing shard fails
     as missing. ``--all-files`` requires every shard here (a shared root)."""
-    from ..distributed.node import node_id
     away.clear()
     if all_files:
         return None

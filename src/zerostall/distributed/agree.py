@@ -1,7 +1,7 @@
 """One step for all ranks: agreeing, through the c10d store, on the step every rank restores.
 
-Who calls what: ``Checkpointer.load`` and ``zerostall.load`` (caller's thread, every rank of
-the group, collectively) call :func:`agreed_load`; peer replicas (i26) may call
+Who calls what: :func:`zerostall.restore.agreed.collective_load` (caller's thread, every rank
+of the group, collectively) calls :func:`agreed_load`; peer replicas (i26) may call
 :func:`agree_step` directly with the steps their peers hold. Keys live under a ``base`` the
 caller makes unique per collective call (a session prefix plus a per-process count).
 
@@ -24,7 +24,6 @@ ends the agreement on every rank: that rank re-raises it, the others raise
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any, Callable, Iterable
 
@@ -40,17 +39,20 @@ class PeerFailed(DistributedError):
 
 
 def _gather(store: Store, base: str, rank: int, world: int, value: Any, timeout_s: float, what: str) -> list[Any]:
-    """Post ``value`` as ``<base>/r<rank>`` and return every rank's; the last reader deletes them."""
-    store.set(f"{base}/r{rank}", json.dumps(value))
-    keys = [f"{base}/r{r}" for r in range(world)]
-    if store.poll(keys, time.monotonic() + timeout_s) == "timeout":
-        missing = [r for r in range(world) if not store.check([keys[r]])]
-        raise DistributedError(f"rank(s) {', '.join(map(str, missing))} did not {what} within {timeout_s:g} s "
-                               "(every rank must call load() together; pass agree=False to load alone)",
-                               missing_ranks=tuple(missing))
-    vals = store.multi_get_json(keys)
-    if store.add(f"{base}/n", 1) == world:
-        store.delete(*keys, f"{base}/n")
+    """Post ``value`` as ``<base>/r<rank>`` and return every rank's; the last reader deletes them.
+    Every request ends by ``timeout_s`` plus a second, whatever the store does."""
+    deadline = time.monotonic() + timeout_s
+    with store.bounded(deadline + 1.0):
+        store.set(f"{base}/r{rank}", json.dumps(value))
+        keys = [f"{base}/r{r}" for r in range(world)]
+        if store.poll(keys, deadline) == "timeout":
+            missing = [r for r in range(world) if not store.check([keys[r]])]
+            raise DistributedError(f"rank(s) {', '.join(map(str, missing))} did not {what} within {timeout_s:g} s "
+                                   "(every rank must call load() together; pass agree=False to load alone)",
+                                   missing_ranks=tuple(missing))
+        vals = store.multi_get_json(keys)
+        if store.add(f"{base}/n", 1) == world:
+            store.delete(*keys, f"{base}/n")
     return vals
 
 
@@ -121,46 +123,3 @@ def agreed_load(store: Store, base: str, rank: int, world: int, candidates: Iter
         history.append(f"step {step} failed on " + ", ".join(f"rank {r} ({o['error']})" for r, o in bad))
         left.discard(step)
     raise DistributedError("load agreement did not converge")  # pragma: no cover - bounded by the candidates
-
-
-_calls: dict[str, int] = {}
-
-
-def collective_base(ns: str) -> str:
-    """A key base for this process's next collective load under ``ns``: every rank counts its
-    collective loads of a root the same way (each is a collective call)."""
-    n = _calls[ns] = _calls.get(ns, 0) + 1
-    return f"{ns}/load{n}"
-
-
-def local_candidates(path: str, remote: Any = None, io: Any = None, step: int | None = None) -> tuple[list[int], Any]:
-    """The steps this rank may load: listed in ``path`` (damaged ones too: loading says why) and,
-    with ``remote``, those the remote lists. Returns them and the opened remote tier."""
-    from ..store.tier import open_root
-    steps = set(open_root(path).listed_steps()) if os.path.isdir(path) else set()
-    if remote is not None:
-        from ..store.remote import list_steps, open_tier
-        if isinstance(remote, str):
-            remote = open_tier(remote, io=io)
-        listed, _ = list_steps(remote)
-        steps |= set(listed or [])
-    if step is not None:
-        steps &= {step}
-    return sorted(steps), remote
-
-
-def collective_load(store: Store, base: str, rank: int, world: int, path: str, state_dict: Any, *,
-                    step: int | None = None, remote: Any = None, io: Any = None, report: Any = None,
-                    timeout_s: float = 600.0, **load_kw: Any) -> Any:
-    """``zerostall.restore.load`` on every rank of a group, agreeing on one step (module
-    docstring). Called by ``Checkpointer.load`` and ``zerostall.load`` (caller's thread)."""
-    from ..restore import LoadReport, load
-    report = report if report is not None else LoadReport()
-    cands, remote = local_candidates(path, remote, io, step)
-
-    fallback = load_kw.pop("fallback", True)
-
-    def one(s: int, gate: Callable[[], None]) -> Any:
-        return load(path, state_dict, s, remote=remote, io=io, report=report, gate=gate, rank=rank,
-                    world_size=world, **load_kw)
-    return agreed_load(store, base, rank, world, cands, one, timeout_s=timeout_s, report=report, fallback=fallback)

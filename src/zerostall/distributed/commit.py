@@ -16,8 +16,21 @@ coordinator (rank 0) writes ``commit``; any rank may write ``abort``. Nothing is
 into ``step-N`` before a ``commit`` decision, and nothing is deleted before an ``abort`` one.
 
 **One deadline per round.** The first rank to enter the round sets ``t0`` (wall clock,
-``compare_set``); every rank's deadline is ``t0 + commit_timeout_s``. Clocks of the nodes
-must agree to well within that (NTP does).
+``compare_set``) together with ``d``, how long it took from beginning the step's persist
+(``b/r<R>``, which every rank posts when its persist thread picks the step up) to the round;
+every rank's deadline is ``t0 + commit_timeout_s``. Clocks of the nodes must agree to well
+within that (NTP does). At the deadline, a rank that has not reported but began the step
+later than the first rank (still busy with an earlier step, e.g. one that another rank
+skipped and so ran ahead) gets the first rank's lead: the deadline moves, once, to its
+``b + d + commit_timeout_s``. A rank that never began the step (dead, stopped, cut off)
+moves nothing.
+
+**Every wait a deadline.** Every store request of a round runs inside
+:meth:`.store.Store.bounded`: before ``t0`` is known, until this rank's entry plus
+``commit_timeout_s`` plus :func:`grace_s`; then until the deadline plus two graces (the
+coordinator's decision and a stopped leader's copy each get one). A store that stops
+answering (its host stopped, a link down) therefore ends the round as UNKNOWN by then, and
+the handle with it -- not when the store answers again.
 
 States of one rank (C: coordinator only, P: the others; ``->`` on an event)::
 
@@ -94,8 +107,9 @@ log = logging.getLogger("zerostall")
 
 fault_hook: Callable[[str, int, int], None] | None = None
 """Test seam: called as ``fault_hook(point, rank, step)`` at each named point of a round
-(``entered``, ``reported``, ``prepared``, ``decided``, ``finished``, ``acked``); a test pauses,
-stops or kills the rank there."""
+(``persist``: the persist thread picked the step up; ``begin``: before any request of the
+round; ``entered``, ``reported``, ``prepared``, ``decided``, ``finished``, ``acked``); a test
+pauses, stops or kills the rank there."""
 
 
 class OutcomeUnknown(DistributedError):
@@ -103,9 +117,13 @@ class OutcomeUnknown(DistributedError):
     may still be committed by the coordinator; nothing of it was deleted here."""
 
 
-def _point(name: str, session: Session, step: int) -> None:
+def fault_point(name: str, session: Session, step: int) -> None:
+    """Call :data:`fault_hook` (the persist thread's ``persist`` point is in ``saving``)."""
     if fault_hook is not None:
         fault_hook(name, session.rank, step)
+
+
+_point = fault_point
 
 
 def step_base(session: Session, step: int) -> str:
@@ -117,11 +135,40 @@ def grace_s(timeout_s: float) -> float:
     return min(max(1.0, timeout_s / 4), 10.0)
 
 
-def _deadline(store: Store, base: str, timeout_s: float) -> float:
-    """The round's one deadline, as a monotonic time on this rank (module docstring)."""
+def _deadline(store: Store, base: str, timeout_s: float, began: float | None) -> tuple[float, float]:
+    """The round's one deadline, as a monotonic time on this rank, and the first rank's lead
+    ``d`` (module docstring)."""
     now = time.time()
-    t0 = float(store.compare_set(f"{base}/t0", "", repr(now)))
-    return time.monotonic() + (t0 + timeout_s - now)
+    mine = json.dumps({"t0": now, "d": max(0.0, now - began) if began is not None else 0.0})
+    got = json.loads(store.compare_set(f"{base}/t0", "", mine))
+    return time.monotonic() + (float(got["t0"]) + timeout_s - now), float(got["d"])
+
+
+def post_begin(store: Store, session: Session, step: int) -> float:
+    """This rank's persist thread picked ``step`` up: post when (``b/r<R>``, best effort,
+    bounded); returns the wall time, for :func:`commit_round`'s ``began``."""
+    now = time.time()
+    try:
+        with store.bounded(time.monotonic() + 1.0):
+            store.set(f"{step_base(session, step)}/b{session.rank}", repr(now))
+    except DistributedError as exc:
+        log.debug("zerostall: step %d: could not post the start of its persist: %s", step, exc)
+    return now
+
+
+def _extended(store: Store, base: str, ranks: list[int], d: float, timeout_s: float, deadline: float) -> float | None:
+    """At the deadline: the later deadline a lagging rank earns (module docstring), as a
+    monotonic time, or None."""
+    latest = None
+    for r in ranks:
+        key = f"{base}/b{r}"
+        if store.check([key]):
+            b = float(store.get(key))
+            latest = b if latest is None else max(latest, b)
+    if latest is None:
+        return None
+    later = time.monotonic() + (latest + d + timeout_s - time.time())
+    return later if later > deadline + 0.05 else None
 
 
 def _decide(store: Store, base: str, value: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -136,65 +183,94 @@ def _missing(store: Store, base: str, world: int, timeout: float) -> list[int]:
 def commit_round(store: Store, session: Session, fragment: dict[str, Any], tier: RootTier, step: int, *,
                  per_rank: bool, timeout_s: float, overwrite: bool = False,
                  user_metadata: dict[str, Any] | None = None,
-                 protect: Callable[[set[int]], None] | None = None) -> tuple[str, ...]:
+                 protect: Callable[[set[int]], None] | None = None, began: float | None = None) -> tuple[str, ...]:
     """One rank's part of the round (persist thread), from REPORTED to DURABLE. Returns the
     post-commit problems (the ``latest`` hint). Raises :class:`SaveFailed` (abort decided),
     :class:`OutcomeUnknown` (the store stopped answering) or :class:`DistributedError`.
     ``protect`` (incremental saves; the ranks that run retention) receives the steps the
-    round's fragments protect, before this rank's copy is committed."""
+    round's fragments protect, before this rank's copy is committed. ``began``: when this
+    rank's persist thread picked the step up (:func:`post_begin`). Returns or raises by the
+    deadline plus two :func:`grace_s` (module docstring), whatever the store does."""
     base = step_base(session, step)
     known = False
-    try:
-        deadline = _deadline(store, base, timeout_s)
-        _point("entered", session, step)
-        if session.rank == 0:
-            dec = _coordinate(store, session, base, fragment, step, per_rank, deadline, timeout_s, user_metadata or {})
-        else:
-            store.set(f"{base}/r{session.rank}", json.dumps(fragment))
-            _point("reported", session, step)
-            state = store.poll([f"{base}/decision"], deadline)
-            if state == "timeout":
-                missing = _missing(store, base, session.world, grace_s(timeout_s))
-                who = (f"rank(s) {', '.join(map(str, missing))} did not report" if missing
-                       else "the coordinator (rank 0) did not decide")
-                dec = _decide(store, base, {"commit": False, "by": session.rank, "missing": missing or [0],
-                                            "error": f"step {step}: {who} within commit_timeout_s={timeout_s:g} s "
-                                                     "(died, stopped, or not saving this step); nothing committed"},
-                              grace_s(timeout_s))
+    _point("begin", session, step)
+    grace = grace_s(timeout_s)
+    with store.bounded(time.monotonic() + timeout_s + grace) as scope:
+        try:
+            deadline, lead = _deadline(store, base, timeout_s, began)
+            scope.until = deadline + 2 * grace
+            _point("entered", session, step)
+            if session.rank == 0:
+                dec = _coordinate(store, session, base, fragment, step, per_rank, deadline, timeout_s,
+                                  user_metadata or {}, lead, scope)
             else:
-                dec = store.get_json(f"{base}/decision")
-            store.delete(f"{base}/r{session.rank}")
-        known = True
-        _point("decided", session, step)
-        if not dec["commit"]:
-            raise SaveFailed(dec["error"], step=step) if not dec.get("missing") else DistributedError(
-                dec["error"], missing_ranks=tuple(dec["missing"]))
-        if protect is not None and session.is_leader:
-            protect(set(dec.get("protect", ())))
-        post = _finish_mine(store, session, base, dec, tier, step, overwrite, deadline, timeout_s)
-        _point("finished", session, step)
-        return post
-    except DistributedError as exc:
-        if isinstance(exc, OutcomeUnknown) or known and not isinstance(exc, StoreTimeout):
-            raise
-        if known:
-            raise OutcomeUnknown(f"step {step}: committed by the coordinator, but this rank could not confirm its "
-                                 f"copy: {exc}") from exc
-        raise OutcomeUnknown(f"step {step}: outcome unknown: {exc}; this rank deleted nothing, so the coordinator "
-                             "may still commit the step (the next collective load agrees on a step every rank "
-                             "can restore)") from exc
-    finally:
-        if known:
-            ack(store, session, base)
-            _point("acked", session, step)
+                dec = _await_decision(store, session, base, fragment, step, deadline, timeout_s, lead, scope)
+            known = True
+            _point("decided", session, step)
+            if not dec["commit"]:
+                raise SaveFailed(dec["error"], step=step) if not dec.get("missing") else DistributedError(
+                    dec["error"], missing_ranks=tuple(dec["missing"]))
+            if protect is not None and session.is_leader:
+                protect(set(dec.get("protect", ())))
+            post = _finish_mine(store, session, base, dec, tier, step, overwrite, deadline, timeout_s)
+            _point("finished", session, step)
+            return post
+        except DistributedError as exc:
+            if isinstance(exc, OutcomeUnknown) or known and not isinstance(exc, StoreTimeout):
+                raise
+            if known:
+                raise OutcomeUnknown(f"step {step}: committed by the coordinator, but this rank could not confirm "
+                                     f"its copy: {exc}") from exc
+            raise OutcomeUnknown(f"step {step}: outcome unknown: {exc}; this rank deleted nothing, so the "
+                                 "coordinator may still commit the step (the next collective load agrees on a step "
+                                 "every rank can restore)") from exc
+        finally:
+            if known:
+                ack(store, session, base)
+                _point("acked", session, step)
+
+
+def _await_decision(store: Store, session: Session, base: str, fragment: dict[str, Any], step: int,
+                    deadline: float, timeout_s: float, lead: float, scope: Any) -> dict[str, Any]:
+    """P: REPORTED -> DECIDED; returns the decision."""
+    store.set(f"{base}/r{session.rank}", json.dumps(fragment))
+    _point("reported", session, step)
+    state = store.poll([f"{base}/decision"], deadline)
+    if state == "timeout":
+        later = _extended(store, base, [0] + _missing(store, base, session.world, grace_s(timeout_s)), lead,
+                          timeout_s, deadline)
+        if later is not None:
+            scope.until = later + 2 * grace_s(timeout_s)
+            state = store.poll([f"{base}/decision"], later)
+    if state == "timeout":
+        missing = _missing(store, base, session.world, grace_s(timeout_s))
+        who = (f"rank(s) {', '.join(map(str, missing))} did not report" if missing
+               else "the coordinator (rank 0) did not decide")
+        dec = _decide(store, base, {"commit": False, "by": session.rank, "missing": missing or [0],
+                                    "error": f"step {step}: {who} within commit_timeout_s={timeout_s:g} s "
+                                             "(died, stopped, or not saving this step); nothing committed"},
+                      grace_s(timeout_s))
+    else:
+        dec = store.get_json(f"{base}/decision")
+    store.delete(f"{base}/r{session.rank}", f"{base}/b{session.rank}")
+    return dec
 
 
 def _coordinate(store: Store, session: Session, base: str, fragment: dict[str, Any], step: int, per_rank: bool,
-                deadline: float, timeout_s: float, user_metadata: dict[str, Any]) -> dict[str, Any]:
+                deadline: float, timeout_s: float, user_metadata: dict[str, Any], lead: float = 0.0,
+                scope: Any = None) -> dict[str, Any]:
     """C: REPORTED -> PREPARED -> DECIDED; returns the decision."""
     world = session.world
     keys = [f"{base}/r{r}" for r in range(1, world)]
     state = store.poll(keys, deadline, abort=f"{base}/decision")
+    if state == "timeout":
+        later = _extended(store, base, _missing(store, base, world, grace_s(timeout_s)), lead, timeout_s, deadline)
+        if later is not None:
+            if scope is not None:
+                scope.until = later + 2 * grace_s(timeout_s)
+            deadline = later
+            state = store.poll(keys, later, abort=f"{base}/decision")
+    store.delete(f"{base}/b0")
     if state == "abort":
         return store.get_json(f"{base}/decision")
     if state == "timeout":
@@ -373,13 +449,14 @@ def report_failure(store: Store, session: Session, step: int, exc: BaseException
     Returns the decision (None: the store did not answer)."""
     base = step_base(session, step)
     msg = f"step {step}: rank {session.rank} failed: {exc}; nothing committed"
-    try:
-        dec = _decide(store, base, {"commit": False, "by": session.rank, "error": msg}, 10.0)
-    except DistributedError as sexc:
-        log.error("zerostall: could not report the failure of step %d to the other ranks: %s", step, sexc)
-        return None
-    store.delete(f"{base}/r{session.rank}")
-    ack(store, session, base)
+    with store.bounded(time.monotonic() + 10.0):
+        try:
+            dec = _decide(store, base, {"commit": False, "by": session.rank, "error": msg}, 10.0)
+        except DistributedError as sexc:
+            log.error("zerostall: could not report the failure of step %d to the other ranks: %s", step, sexc)
+            return None
+        store.delete(f"{base}/r{session.rank}", f"{base}/b{session.rank}")
+        ack(store, session, base)
     return dec
 
 

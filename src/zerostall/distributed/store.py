@@ -15,23 +15,44 @@ Two rules make every wait here a deadline:
   hosts the store (rank 0 under a bare ``MASTER_ADDR`` launch) is SIGSTOPped, ``check`` blocks
   until it resumes. Each request runs on a small daemon thread and the caller waits at most
   until its deadline; a request that does not answer in time raises :class:`StoreTimeout`,
-  the connection (now out of step) is abandoned and the next call opens a new one.
+  the connection (now out of step) is abandoned and the next call opens a new one. A caller
+  with a deadline of its own (a commit round) runs its requests inside :meth:`Store.bounded`:
+  each then waits at most until that deadline (plus :data:`LATE_CALL_S` for a request issued
+  after it), and once one of them timed out the rest fail at once -- so the round ends at its
+  deadline whatever the store does, never at the store's resume.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..errors import DistributedError
 
 log = logging.getLogger("zerostall")
 
 DEFAULT_CALL_TIMEOUT_S = 60.0
+LATE_CALL_S = 0.5
+"""What a request issued past its :meth:`Store.bounded` deadline may still take (a commit's
+last acknowledgement to a store that answers)."""
+
+fault_hook: Callable[[str], None] | None = None
+"""Test seam: called as ``fault_hook(what)`` on the request thread before each request; a test
+blocks it there to cut this process off from the store (as a link that is down would)."""
+
+
+class _Bound:
+    """One :meth:`Store.bounded` scope of one thread: its deadline, and whether a request in it
+    has already timed out (the rest then fail at once)."""
+
+    def __init__(self, until: float):
+        self.until = until
+        self.dead: str | None = None
 
 
 class StoreTimeout(DistributedError):
@@ -70,6 +91,11 @@ class _Caller:
         self.q.put(None)
 
 
+def _hook(what: str) -> None:
+    if fault_hook is not None:
+        fault_hook(what)
+
+
 class Store:
     """A c10d store behind its own connection (module docstring); errors arrive as
     :class:`DistributedError` with torch's chained. ``own_client=False`` shares ``store``
@@ -81,20 +107,22 @@ class Store:
         self.call_timeout_s = call_timeout_s
         self._mu = threading.Lock()
         self._caller = _Caller()
+        self._scope = threading.local()
         self.raw: Any = store
         if own_client:
             self.raw = self._clone(store)
 
-    def _clone(self, store: Any) -> Any:
+    def _clone(self, store: Any, timeout: float | None = None) -> Any:
         clone = getattr(store, "clone", None)
         if clone is None:
             log.warning("zerostall: this c10d store (%s) cannot open a second connection; sharing the "
                         "training's, whose blocking calls may then delay checkpoint commits", type(store).__name__)
             return store
-        got = self._caller.call(clone, self.call_timeout_s)
+        t = self.call_timeout_s if timeout is None else timeout
+        got = self._caller.call(lambda: (_hook("connect"), clone())[1], t)
         if got is None:
             self._abandon()
-            raise StoreTimeout(f"could not open a connection to the c10d store within {self.call_timeout_s:g} s "
+            raise StoreTimeout(f"could not open a connection to the c10d store within {t:.3g} s "
                                "(is the process hosting it, rank 0 or the launcher's agent, alive and running?)")
         ok, val = got
         if not ok:
@@ -105,8 +133,32 @@ class Store:
         self._caller.stop()  # runs after the blocked request, if it ever returns
         self._caller = _Caller()
 
+    @contextlib.contextmanager
+    def bounded(self, until: float) -> Iterator[_Bound]:
+        """Within this block, every request of the calling thread ends by the monotonic time
+        ``until`` (module docstring); the scope's ``until`` may be moved later by its owner."""
+        prev = getattr(self._scope, "bound", None)
+        b = self._scope.bound = _Bound(until)
+        try:
+            yield b
+        finally:
+            self._scope.bound = prev
+
     def _call(self, what: str, fn: Callable[[Any], Any], timeout: float | None = None) -> Any:
         t = self.call_timeout_s if timeout is None else timeout
+        b: _Bound | None = getattr(self._scope, "bound", None)
+        if b is not None:
+            if b.dead is not None:
+                raise StoreTimeout(f"{what}: not sent, the c10d store did not answer {b.dead} before it")
+            t = min(t, max(b.until - time.monotonic(), LATE_CALL_S))
+        try:
+            return self._call_once(what, fn, t)
+        except StoreTimeout:
+            if b is not None:
+                b.dead = what
+            raise
+
+    def _call_once(self, what: str, fn: Callable[[Any], Any], t: float) -> Any:
         # bounded, never a plain `with`: close() may run this from a signal handler that
         # interrupted this same thread inside the block
         if not self._mu.acquire(timeout=max(t, 0.001)):
@@ -114,11 +166,11 @@ class Store:
         try:
             raw = self.raw
             if raw is None:  # the last connection timed out: a new one
-                raw = self.raw = self._clone(self.origin)
+                raw = self.raw = self._clone(self.origin, t)
             caller = self._caller
         finally:
             self._mu.release()
-        got = caller.call(lambda: fn(raw), t)
+        got = caller.call(lambda: (_hook(what), fn(raw))[1], t)
         if got is None:
             if self._mu.acquire(timeout=1.0):
                 try:

@@ -62,7 +62,7 @@ class _Refuse(Exception):
 
 
 _NUMPY_AS = {"b": bool, "i": int, "u": int, "f": float, "U": str, "S": bytes}
-"""numpy scalar kinds and the Python type the tree stores them as (the README's rule, as
+"""numpy scalar kinds and the Python type the tree stores them as (the rule of docs/usage.md, as
 :func:`.tree._np_plain`: ``x.item()``); a long double or any other kind is refused here."""
 _TO = frozenset(_NUMPY_AS.values())
 

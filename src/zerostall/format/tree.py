@@ -41,6 +41,7 @@ from itertools import repeat
 from typing import Any, NamedTuple
 
 import torch
+from .kinds import STANDARD_TYPES
 
 try:
     import numpy as np
@@ -86,7 +87,7 @@ def _check_int(x: int, path: tuple[Any, ...]) -> int:
 
 
 def _np_plain(x: Any, path: tuple[Any, ...]) -> Any:
-    """The Python value a numpy scalar is stored as (the README's rule: numpy scalars of a
+    """The Python value a numpy scalar is stored as (the rule of docs/usage.md: numpy scalars of a
     bool, int, uint, float, complex, str or bytes dtype load back as Python's bool, int, float,
     complex, str, bytes); :class:`UnsupportedStateError` for a long double (no exact Python
     value) and for the other kinds (void, object). datetime64/timedelta64 round-trip as
@@ -137,7 +138,6 @@ def _refusal(x: Any, path: tuple[Any, ...]) -> UnsupportedStateError:
         return UnsupportedStateError(
             f"{key!r} holds a defaultdict whose default_factory {x.default_factory!r} cannot be stored "
             "(a builtin type such as list, int or dict, or None, can): convert it with dict(x)")
-    from .kinds import STANDARD_TYPES
     bases = _PLAIN_BASES + STANDARD_TYPES + ((np.ndarray,) if np is not None else ())
     base = next((b for b in t.__mro__[1:] if b in bases), None)
     if base is not None:

@@ -23,7 +23,7 @@ from ..config import CheckpointConfig
 from ..errors import ConfigError, ZerostallError
 from ..store.atomic import discard, publish_dir
 from ..store.owner import RootLock
-from ..store.tier import open_root
+from ..store import open_root
 
 log = logging.getLogger("zerostall")
 

@@ -60,6 +60,7 @@ from ..format.layout import pack_offsets
 from ..format.shard import write_shard
 from ..memory.arena import Arena
 from ..store.local import fsync_dir, write_file_durable
+from ..io import choose_engine
 
 log = logging.getLogger("zerostall")
 
@@ -157,7 +158,6 @@ class CheckpointId:
 
 def _io_engine(path: str, io_cfg: IOConfig | None) -> Any:
     """The I/O engine for ``path``: the one choice ``io/`` makes for every writer and reader."""
-    from ..io import choose_engine
     return choose_engine(path, io_cfg or IOConfig())
 
 
@@ -348,11 +348,3 @@ class Writer(CheckpointId, StorageWriter):
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
-
-
-def __getattr__(name: str) -> Any:
-    # the reader moved to .dcp_read; keep ``from zerostall.integrations.dcp_writer import Reader`` working
-    if name == "Reader":
-        from .dcp_reader import Reader
-        return Reader
-    raise AttributeError(name)

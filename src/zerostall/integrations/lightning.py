@@ -65,6 +65,7 @@ from ..store.atomic import discard
 from ..store.owner import RootLock
 from ._common import (Publisher, StateGuard, is_committed, load_torch_file, next_step, open_local, tensors_of,
                       unowned)
+from .. import load
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -183,7 +184,6 @@ class ZerostallCheckpointIO(CheckpointIO):
         if os.path.isfile(root):
             out = load_torch_file(root, map_location)
         else:
-            from .. import load
             loc = map_location if isinstance(map_location, (str, torch.device)) else None
             out = load(root, map_location=loc, rank=0, world_size=1)
         rng = out.pop(RNG_KEY, None)
@@ -369,7 +369,6 @@ def load_from_checkpoint(cls: Any, checkpoint_path: Any, map_location: Any = Non
     import importlib
     saving = importlib.import_module(f"{_PL}.core.saving")
     pl = importlib.import_module(_PL)
-    from .. import load
     loc = map_location if isinstance(map_location, (str, torch.device)) else None
     checkpoint = load(root, map_location=loc, rank=0, world_size=1)
     if hparams_file is not None:

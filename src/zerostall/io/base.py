@@ -26,15 +26,14 @@ from __future__ import annotations
 import errno
 import os
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 from .._util import load_target
 from ..config import ALIGN_BYTES, IOConfig
 from ..errors import ConfigError, StorageError, storage_error
 from . import _sys
 
-if TYPE_CHECKING:
-    from .probe import ProbeResult
+from .probe import ProbeResult, probe
 
 Extent = tuple[int, memoryview]
 """(file offset, buffer): both aligned; ``len(buffer)`` is a multiple of ALIGN_BYTES."""
@@ -140,8 +139,8 @@ class Engine(ABC):
         return self._wrap(path, fd, False)
 
     def _fallback_reader(self, path: str) -> ShardFile:
-        from .buffered import BufferedEngine
-        return BufferedEngine(self.cfg).open_read(path)
+        engine: Engine = load_target(_REGISTRY["buffered"][0])(self.cfg)  # a registry target: above this module
+        return engine.open_read(path)
 
     @abstractmethod
     def _wrap(self, path: str, fd: int, writable: bool) -> ShardFile: ...
@@ -200,12 +199,11 @@ def get_engine(name: str, cfg: IOConfig) -> Engine:
     return cls(cfg)
 
 
-def engine_name_for(path: str, cfg: IOConfig) -> tuple[str, "ProbeResult | None"]:
+def engine_name_for(path: str, cfg: IOConfig) -> tuple[str, ProbeResult | None]:
     """The engine ``cfg`` asks for on ``path``: the configured name, or the probe's verdict
     for ``auto`` (with the probe result; ``path`` must then exist and be writable)."""
     if cfg.engine != "auto":
         return cfg.engine, None
-    from .probe import probe
     res = probe(path)
     return res.engine, res
 

@@ -4,7 +4,7 @@ Two kinds of users:
 
 * small scratch buffers (restore's bounce buffer, remote uploads, the DCP plugin):
   ``Arena(nbytes)`` maps and pre-faults ``nbytes`` at once, in the caller's thread;
-* the process-wide staging pool (:mod:`.pool`): ``Arena(budget, prefault=False)`` reserves
+* the process-wide staging pool (:mod:`zerostall.saving.pool`): ``Arena(budget, prefault=False)`` reserves
   the whole budget as *address space only* (``MAP_NORESERVE``: no RSS until touched), then
   :meth:`Arena.fault_to` asks a background thread to fault a prefix of it, published in
   64 MiB chunks, through ctypes ``madvise(MADV_POPULATE_WRITE)`` (or ``mlock``) calls of a

@@ -9,7 +9,7 @@ one condition variable, carry the whole protocol:
 * ``released`` — advanced by the persist threads: every block below it is on disk (or
   abandoned) and its slot may be overwritten.
 
-The ring is shared by every Checkpointer of the process (see :mod:`.pool`): one snapshot
+The ring is shared by every Checkpointer of the process (see :mod:`zerostall.saving.pool`): one snapshot
 thread stages jobs in reservation order, so ``staged`` is a plain cursor; each Checkpointer
 has its own persist thread, so releases may arrive out of order across jobs and are given as
 ranges (``release(lo, hi)``); ``released`` only moves over a contiguous prefix.

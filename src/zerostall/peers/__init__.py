@@ -19,15 +19,20 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..config import CheckpointConfig
 from ..distributed.store import Store
 from ..errors import ConfigError
 from ..io.base import Engine, choose_engine
+from ..store.remote import list_steps, open_tier
 from ..store.tier import RootTier
+from .coded import CodedReplicator, check_cluster
+from .coded_restore import holdings, rebuild
+from .coding import require_codec
 from .exchange import PeerView, advertised_host, setup
 from .fetch import Plan, agree, fetch
+from .fragments import FragmentStore, register
 from .placement import Node
 from .replicate import PeerReplicator, StepStatus
 from . import tombstones
@@ -41,16 +46,20 @@ log = logging.getLogger("zerostall")
 class Peers:
     def __init__(self, cfg: CheckpointConfig, tier: RootTier, store: Store, prefix: str, rank: int, world: int,
                  *, node_local: bool, copies: tuple[int, ...] = ()):
+        pc = cfg.peers
+        what = f"replicas={cfg.replicas}" if pc.code is None else \
+            f"peers.code={pc.code!r} (RS({pc.data_fragments},{pc.parity_fragments}))"
         if world < 2:
-            raise ConfigError(f"replicas={cfg.replicas} needs a distributed job of at least {cfg.replicas} nodes "
+            raise ConfigError(f"{what} needs a distributed job of at least {cfg.replicas} nodes "
                               "(torch.distributed with ZEROSTALL_NODE naming each node); this process saves alone")
         if cfg.dist_mode != "per_rank":
-            raise ConfigError(f"replicas={cfg.replicas} works with dist_mode='per_rank' only (got {cfg.dist_mode!r})")
+            raise ConfigError(f"{what} works with dist_mode='per_rank' only (got {cfg.dist_mode!r})")
         if not node_local:
-            raise ConfigError(f"replicas={cfg.replicas} needs node-local roots (each node its own {tier.root!r}); "
+            raise ConfigError(f"{what} needs node-local roots (each node its own {tier.root!r}); "
                               "this root is shared by every rank, so peer copies would land on the same storage")
         self.cfg, self.tier, self.store = cfg, tier, store
-        pc = cfg.peers
+        if pc.code is not None:
+            require_codec()  # before any exchange: every rank fails alike, with the install hint
         listen, publish = advertised_host(pc.listen_host)
         self._transport: TcpTransport | None = None
         self.peer_store: PeerStore | None = None
@@ -58,12 +67,17 @@ class Peers:
         def serve(secret: bytes, me: str, nodes: list[Node]) -> tuple[str, int]:
             self._transport = self._make_transport(secret, me, nodes, listen)
             self.peer_store = self._make_store(me)
+            if pc.code is not None:
+                register(self._transport, FragmentStore(self.peer_store), {n.name for n in nodes}, me,
+                         pc.cpu_priority, self._transport.recv_pacer)
             _, port = self._transport.serve(self.peer_store)
             return publish, port
 
         try:
             self.view: PeerView = setup(store, prefix, rank, world, cfg.replicas, cfg.join_timeout_s, serve,
                                         copies, tombstones.read(tier.root))
+            if pc.code is not None:  # every rank, not only the leaders that serve
+                check_cluster(pc.data_fragments, pc.parity_fragments, [n.name for n in self.view.nodes])
         except BaseException:
             if self._transport is not None:  # a half-built Peers must not keep listening
                 self._transport.close()
@@ -76,9 +90,11 @@ class Peers:
             if tombstones.merge(tombstones.read(tier.root), self.view.deleted) != tombstones.read(tier.root):
                 tombstones.write(tier.root, tombstones.merge(tombstones.read(tier.root), self.view.deleted))
             tombstones.drop_dead(tier.root, self.view.deleted)
-        self.replicator = PeerReplicator(tier, self.view, self._transport, store, self.peer_store,
-                                         replicas=cfg.replicas, keep_last=cfg.keep_last,
-                                         replica_timeout_s=pc.replica_timeout_s, cpu_priority=pc.cpu_priority)
+        args = (tier, self.view, self._transport, store, self.peer_store)
+        kw = dict(replicas=cfg.replicas, keep_last=cfg.keep_last, replica_timeout_s=pc.replica_timeout_s,
+                  cpu_priority=pc.cpu_priority)
+        self.replicator: PeerReplicator = PeerReplicator(*args, **kw) if pc.code is None else \
+            CodedReplicator(*args, data_fragments=pc.data_fragments, parity_fragments=pc.parity_fragments, **kw)
         self._loads = itertools.count()
         self.planned_step = -1
         """The step the last :meth:`plan_load` agreed on (its files are local now)."""
@@ -87,8 +103,10 @@ class Peers:
         self.last_fetch_end = 0.0
         """``time.monotonic()`` when they were in, verified and committed (bench)."""
         self.replicator.repair()  # a replaced holder gets the kept steps back
-        log.info("zerostall: peer replicas on: %d copies of every step across %d nodes; node %s listens on %s",
-                 cfg.replicas, len(self.view.nodes), self.view.me, self.view.endpoints[self.view.me])
+        log.info("zerostall: peer copies on: %s across %d nodes; node %s listens on %s",
+                 f"{cfg.replicas} copies of every step" if pc.code is None else
+                 f"RS({pc.data_fragments},{pc.parity_fragments}) fragments of every step", len(self.view.nodes),
+                 self.view.me, self.view.endpoints[self.view.me])
 
     def _make_transport(self, secret: bytes, me: str, nodes: list[Node], listen: str) -> TcpTransport:
         pc = self.cfg.peers
@@ -124,41 +142,42 @@ class Peers:
         return self.replicator.status(step)
 
     # -- caller's thread ---------------------------------------------------------------
-    def plan_load(self, step: int | None, report: Any) -> tuple[int, Any, str]:
-        """``Checkpointer.load``'s first part with peer replicas: ``(the agreed step, the
-        LoadReport to fill, where this node's files came from)``."""
-        from ..restore import LoadReport
+    def plan_load(self, step: int | None, warm: Callable[[], Any] | None = None) -> tuple[int | None, str]:
+        """``Checkpointer.load``'s first part with peer replicas: ``(the step to load, where this
+        node's files came from)``; ``warm`` (the restore scratch's fault) runs on a thread of its
+        own while this node's files are at hand."""
         remote_steps: list[int] = []
         if self.cfg.remote:
-            from ..store.remote import list_steps, open_tier
             remote_steps = list_steps(open_tier(self.cfg.remote, io=self.cfg.io))[0] or []
-        plan = self.prepare_load(step, remote_steps)
+        plan = self.prepare_load(step, remote_steps, warm)
         self.planned_step = plan.step
         # unpinned: the collective load starts at the newest step and, if a rank's copy of it
         # fails to verify (bit rot the size check above cannot see), falls back to an older
         # one on every rank alike, instead of failing the whole job on the agreed step
-        return (plan.step if step is not None else None), report if report is not None else LoadReport(), plan.source
+        return (plan.step if step is not None else None), plan.source
 
-    def prepare_load(self, step: int | None, remote_steps: list[int]) -> Plan:
+    def prepare_load(self, step: int | None, remote_steps: list[int], warm: Callable[[], Any] | None = None) -> Plan:
         """Agree on the step and bring this node's files of it into the local root (peers);
         ``plan.source == "remote"``: the ordinary load must download it."""
         n = next(self._loads)
         timeout = self.cfg.join_timeout_s
+        coded = holdings(self.view, self.transport) if self.cfg.peers.code is not None else {}
         plan = agree(self.store, self.view, self.transport, self.tier, n, step=step, remote_steps=remote_steps,
-                     timeout_s=timeout)
-        if plan.source != "peers":
+                     timeout_s=timeout, coded=set(coded))
+        if plan.source not in ("peers", "coded") and warm is not None:
             # The load that follows reads through a 128 MiB scratch faulted on first use (a
             # restarted process has no faulted staging pool yet), after the ranks' agreement,
             # and the collective load waits for the slowest rank: 0.5-2.8 s of the node-loss
             # bench's load on the loaded 2-core VM. The nodes with their files at hand fault it
             # now, while a replaced node fetches; the fetching node does not (on two cores its
             # fault slowed the fetch and the agreement by as much as it saved).
-            from ..restore.step import shared_bounce
-            threading.Thread(target=shared_bounce, name="zerostall-bounce-fault", daemon=True).start()
-        if plan.source == "peers":
+            threading.Thread(target=warm, name="zerostall-bounce-fault", daemon=True).start()
+        if plan.source in ("peers", "coded"):
             t0 = time.perf_counter()
+            files_in = None if plan.source == "peers" else \
+                (lambda: rebuild(self.view, self.transport, self.tier, self.engine, plan.step, coded))
             fetch(self.store, self.view, self.transport, self.tier, self.engine, plan, n,
-                  timeout + self.cfg.peers.timeout_s * 4)
+                  timeout + self.cfg.peers.timeout_s * 4, files_in=files_in)
             self.last_fetch_s = time.perf_counter() - t0
             self.last_fetch_end = time.monotonic()
         elif plan.source == "remote":

@@ -57,7 +57,7 @@ class Plan:
     """The outcome of :func:`agree`: the step every rank loads and where this node's files come from."""
 
     step: int
-    source: str  # "local" | "peers" | "remote"
+    source: str  # "local" | "peers" | "coded" | "remote"
     holders: dict[str, list[tuple[str, str]]]  # file name -> [(node, src)] (peers)
     held: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
     """Every step live peers hold this node's files of (an incremental step's references)."""
@@ -151,8 +151,10 @@ def _offer_ids(store: Store, view: PeerView, load_no: int, offer: dict[int, list
 
 
 def agree(store: Store, view: PeerView, transport: Transport, tier: RootTier, load_no: int, *,
-          step: int | None, remote_steps: list[int], timeout_s: float) -> Plan:
-    """Steps 1-2 of the module doc; raises :class:`CheckpointNotFound` on every rank alike."""
+          step: int | None, remote_steps: list[int], timeout_s: float, coded: set[int] = frozenset()) -> Plan:
+    """Steps 1-2 of the module doc; raises :class:`CheckpointNotFound` on every rank alike.
+    ``coded``: the steps live holders hold enough fragments of to rebuild this node's files
+    (coded copies, :func:`.coded_restore.holdings`); source ``"coded"``."""
     names = [shard_name(r) for r in view.ranks_of(view.me)]
     local, committed = _local_steps(tier, view, names)
     peers = _peer_holdings(view, transport, names)
@@ -161,11 +163,12 @@ def agree(store: Store, view: PeerView, transport: Transport, tier: RootTier, lo
         if not peers[st]:
             del peers[st]
     remote = set(remote_steps)
+    # coded fragments and the remote tier: the commit is not known here ("*")
     offer = {st: [local[st]] if st in local else sorted(peers[st]) if st in peers else ["*"]
-             for st in set(local) | set(peers) | remote if step is None or st == step}
+             for st in set(local) | set(peers) | set(coded) | remote if step is None or st == step}
     common = _offer_ids(store, view, load_no, offer, timeout_s)
     log.info("zerostall: restore: node %s can load steps %s locally, %s from peers, %s from the remote tier",
-             view.me, sorted(local)[-5:], sorted(peers)[-5:], sorted(remote)[-5:])
+             view.me, sorted(local)[-5:], sorted(set(peers) | set(coded))[-5:], sorted(remote)[-5:])
     try:  # the multi-node trust layer's agreement: the newest step in every rank's list
         s = agree_step(store, view.key(f"load{load_no}"), view.rank, view.world, set(common), timeout_s=timeout_s)
     except CheckpointNotFound as exc:
@@ -173,7 +176,7 @@ def agree(store: Store, view: PeerView, transport: Transport, tier: RootTier, lo
                                  "when every node holding it is gone; a step counts only where every rank "
                                  "can load the same commit of it)") from None
     cid = common[s] if common[s] != "*" else ""
-    src = "local" if s in local else "peers" if cid in peers.get(s, {}) else "remote"
+    src = "local" if s in local else "peers" if cid in peers.get(s, {}) else "coded" if s in coded else "remote"
     if src == "remote":
         log.warning("zerostall: step %d: no live node holds %s; falling back to the remote tier for them", s,
                     ", ".join(names))
@@ -182,8 +185,9 @@ def agree(store: Store, view: PeerView, transport: Transport, tier: RootTier, lo
 
 
 def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
-          plan: Plan, load_no: int, timeout_s: float) -> None:
-    """Step 3: the node's leader brings ``plan.step``'s files of this node in; others wait."""
+          plan: Plan, load_no: int, timeout_s: float, files_in: Callable[[], None] | None = None) -> None:
+    """Step 3: the node's leader brings ``plan.step``'s files of this node in (``files_in``:
+    another way, e.g. a rebuild from coded fragments); others wait."""
     key = view.key(f"load{load_no}", "node", view.me)
     if not view.leader:
         if store.poll([key], time.monotonic() + timeout_s) == "timeout":
@@ -194,7 +198,10 @@ def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, en
             raise CheckpointNotFound(f"restore of step {plan.step} from peers failed on node {view.me}: {res['error']}")
         return
     try:
-        _fetch_files(view, transport, tier, engine_for, plan)
+        if files_in is not None:
+            files_in()
+        else:
+            _fetch_files(view, transport, tier, engine_for, plan)
     except BaseException as exc:
         store.set(key, json.dumps({"ok": False, "error": str(exc)}))
         raise
@@ -221,10 +228,10 @@ def _fetch_files(view: PeerView, transport: Transport, tier: RootTier, engine_fo
     except BaseException:
         tier.abort(plan.step)
         raise
-    _commit_fetched(tier, plan.step, man)
+    commit_fetched(tier, plan.step, man)
 
 
-def _commit_fetched(tier: RootTier, step: int, man: Manifest) -> None:
+def commit_fetched(tier: RootTier, step: int, man: Manifest) -> None:
     """Commit the fetched ``step-N.partial``. Into a step committed here already only the same
     commit goes, and the step's files that were not fetched stay (linked into the new
     directory before the overwrite): a fetch adds files, it never drops a committed step's."""
@@ -404,5 +411,5 @@ def _fetch_step(view: PeerView, transport: Transport, tier: RootTier, engine_for
         raise CheckpointNotFound(f"restore of step {step}: the holders hold files of different checkpoints")
     man = next(iter(mans.values()))
     if commit:
-        _commit_fetched(tier, step, man)
+        commit_fetched(tier, step, man)
     return man

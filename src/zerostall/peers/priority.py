@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 
-from ..saving.upload import set_idle_io_priority
+from ..io.priority import set_idle_io_priority
 
 __all__ = ["background"]
 log = logging.getLogger("zerostall")

@@ -17,6 +17,7 @@ from ..format.manifest import Manifest
 from ..format.tree import tree_tensor_indices
 from ..store.owner import StepLock
 from ..store.tier import RootTier, Tier
+from ..store.atomic import fsync_dir, unlinked_on_error
 
 log = logging.getLogger("zerostall")
 
@@ -136,7 +137,6 @@ def _add_files(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[
     """Download the files in ``only`` into the committed local copy of ``step`` (which lacks them,
     or holds copies that failed), each into a temporary name in it, then renamed into place
     (caller holds the fetch lock)."""
-    from ..store.atomic import fsync_dir, unlinked_on_error
     d = tier.step_dir(step)
     for fe in man.files:
         path = os.path.join(d, fe.name)

@@ -24,11 +24,13 @@ from ..errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, Distri
                       StateMismatchError, ZerostallError)
 from ..io.base import Engine, choose_engine
 from ..memory.arena import Arena
-from ..store.tier import RootTier, is_url, open_root
+from ..store import open_root
+from ..store.tier import RootTier, is_url
 from .download import FETCH_LOCK_NAME, damaged_local_ref, fetch, fetch_remote_step, rank_files
 from .retry import GONE, MAX_REPLACED, REPLACED, changed_under, listed_ident, remote_changed_under
 from .state import LoadReport, location_mapper
 from .step import load_step, shared_bounce, verify_step, verify_tier_step
+from ..store.remote import list_steps, open_tier
 
 __all__ = ["FETCH_LOCK_NAME", "fetch_remote_step", "load", "load_step", "rank_files", "verify_step", "verify_tier_step"]
 
@@ -53,7 +55,6 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
     remote_why = ""
     remote_steps: list[int] = []
     if remote is not None:
-        from ..store.remote import list_steps, open_tier
         if isinstance(remote, str):
             remote = open_tier(remote, io=io)
         listed, remote_why = list_steps(remote)

@@ -156,7 +156,7 @@ def _scratch(plan: Plan, bounce: Any) -> Iterator[Any]:
     """``bounce`` if the plan fits in it (under the shared bounce's lock if it is that one), else None.
 
     Never a fresh allocation: new memory faults at 0.15-1 GB/s on a VM (the staging pool's
-    measurement, :meth:`~zerostall.memory.pool.StagingPool.ring_bytes`), slower than
+    measurement, :meth:`~zerostall.saving.pool.StagingPool.ring_bytes`), slower than
     reading the step twice from a disk at 3-4 GB/s."""
     with _bounce_lock if bounce is _bounce else contextlib.nullcontext():
         yield bounce if plan.fits(bounce.nbytes) else None
@@ -235,7 +235,7 @@ memory (faulted by the readers' direct reads); the rest is verified first and re
 New memory faults at 1-2 GB/s here (4 KiB pages; huge pages 0.1-0.35 GB/s when the host
 reclaimed them), about a third of the disk's read rate, so faulting part while the disk reads
 the rest twice beats both a whole-state scratch and a double read of everything (measured:
-see the README's restore section)."""
+see docs/design.md, Restore pipeline)."""
 
 
 class _NoHead:

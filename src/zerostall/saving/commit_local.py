@@ -18,6 +18,7 @@ from ..format.manifest import Entries, FileEntry, Manifest, TensorEntry, tensors
 from .job import manifest_parts
 from .job import Persisted, SaveRequest
 from ..store.local import LocalTier
+from ..distributed.node import node_id
 
 
 class Committer(Protocol):
@@ -44,7 +45,6 @@ class Committer(Protocol):
 
 def file_entry(job: Persisted) -> FileEntry:
     """The manifest's entry of this rank's shard; ``host`` is the node (``ZEROSTALL_NODE``)."""
-    from ..distributed.node import node_id  # here: distributed/ sits above store/ and imports it
     return FileEntry(job.file_name, job.rank, node_id(), job.plan.file_bytes, job.checkpoint_id)
 
 

@@ -19,8 +19,9 @@ from .job import Persisted, SaveRequest
 from .commit_local import file_entry, tensor_entries
 from ..store.recovery import DECIDED_NAME
 from ..store.tier import RootTier
-from ..distributed.agree import collective_base, collective_load
-from ..distributed.commit import OutcomeUnknown, commit_round, grace_s, report_failure, wait_acked
+from ..restore.agreed import collective_base, collective_load
+from ..distributed.commit import (OutcomeUnknown, commit_round, fault_point, grace_s, post_begin, report_failure,
+                                  wait_acked)
 from ..distributed.session import Session
 from ..distributed.store import Store
 
@@ -38,9 +39,16 @@ class StoreCommitter:
         """Set by the Checkpointer for incremental saves (before the first save)."""
         self._committed: list[int] = []  # rank 0: rounds whose acknowledgements close() waits for
         self._reported: set[int] = set()  # steps whose round this rank entered (persist thread)
+        self._began: dict[int, float] = {}  # step -> when the persist thread picked it up (persist thread)
 
     def begin(self, job: SaveRequest) -> str:
         self._reported.discard(job.step)  # a new save of the step (overwrite)
+        # the round's deadline counts a rank that began the step late (busy with an earlier one) from then
+        self._began[job.step] = post_begin(self.store, self.session, job.step)
+        del_old = [s for s in self._began if s != job.step][:-8]
+        for s in del_old:
+            del self._began[s]
+        fault_point("persist", self.session, job.step)
         d = self.tier.partial_dir(job.step)
         os.makedirs(d, exist_ok=True)
         own = os.path.join(d, job.file_name)
@@ -73,7 +81,8 @@ class StoreCommitter:
         post = commit_round(self.store, self.session, fragment, self.tier, job.step,
                             per_rank=self.per_rank, timeout_s=self.timeout_s, overwrite=job.overwrite,
                             user_metadata=dict(job.user_metadata),
-                            protect=self.refs.set_peer_protected if self.refs is not None else None)
+                            protect=self.refs.set_peer_protected if self.refs is not None else None,
+                            began=self._began.pop(job.step, None))
         if self.rank == 0:
             self._committed.append(job.step)
             del self._committed[:-64]

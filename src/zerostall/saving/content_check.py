@@ -53,6 +53,7 @@ from ..format.layout import pack_offsets
 from .job import SaveRequest, Slot
 from .plan import PlanItem, SavePlan
 from .source_crc import CRC_THREADS, _CpuCrc, _CudaCrc, _file_crc
+from .devhash import device_hash_async
 
 if TYPE_CHECKING:
     from .incremental import IncrementalJob, Known
@@ -174,7 +175,6 @@ class ContentCheck:
         ones too: the next save compares against them), on each device's side stream after
         the caller's ``save()`` event; one 8-byte-per-tensor copy back per device. A failure
         (e.g. out of device memory for the temporaries) leaves the crc path to decide."""
-        from .devhash import device_hash_async
         by_dev: dict[torch.device, list[int]] = {}
         for i, (it, t) in enumerate(zip(items, leaves)):
             if _on_device(t) and it.nbytes and t.is_contiguous():

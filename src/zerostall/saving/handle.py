@@ -8,21 +8,30 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..errors import SaveFailed
 from .job import Job
 from ..telemetry.record import SaveRecord
 
-if TYPE_CHECKING:
-    from ..checkpointer import Checkpointer
+
+
+class Owner(Protocol):
+    """What a handle reads of the ``Checkpointer`` that made it (any thread)."""
+    _peers: Any
+    """:class:`zerostall.peers.Peers` with ``replicas > 1``, else None."""
+    config: Any
+    """Its :class:`~zerostall.config.CheckpointConfig` (``remote``)."""
+
+    def error_seen(self, status: Any) -> None:
+        """``result()`` raised the failure of ``status``'s save to the caller."""
 
 
 class SaveHandle:
     """Reads the save's :class:`~.staging.job.SaveStatus` (any thread); never writes it except
     through its methods (``wait_staged`` adds its wait to the stall)."""
 
-    def __init__(self, job: Job, owner: "Checkpointer | None" = None):
+    def __init__(self, job: Job, owner: Owner | None = None):
         self._job = job
         self._status = job.status
         self._owner = owner

@@ -24,6 +24,7 @@ from .handle import record_of
 from .job import Job, SaveStatus
 from ..telemetry.host import Sampler
 from ..telemetry.record import SaveRecord, emit
+from ..telemetry import prometheus
 
 
 class InFlight:
@@ -71,7 +72,6 @@ class InFlight:
         self.records.append(rec)
         emit(rec, self.config.metrics_jsonl, int(st.telemetry.get("dirty_threshold_bytes", 0)))
         if self.config.prometheus:
-            from ..telemetry import prometheus
             prometheus.observe(rec)
         if st.error is not None and self.config.raise_on_background_error and not st.error_in_save:
             self._failed.append(job)

@@ -29,6 +29,9 @@ from ..format.layout import HEADER_BYTES, align_up, pack_offsets, place
 from ..format.frozen import DeferredTree, Frozen, skeleton_json
 from ..format.tree import TensorLeaf, decode_tree, encode_tree
 from ..format.validate import MAX_STEP, NotPlain, plain_copy
+from ..format.dtypes import SUPPORTED_DTYPES
+from ..format.table import TensorEntry, encode_columns
+from ..format import manifest as mf
 
 
 def decode_key(k_node: Any) -> Any:
@@ -105,14 +108,6 @@ _SIZE = getattr(torch._C, "_non_sym_sizes", None) or torch.Tensor.size
 the cost; 0.25 s of a 100k-tensor save's signature). The two compare equal."""
 
 
-def __getattr__(name: str) -> Any:
-    """The plan cache moved to :mod:`.plan_cache`; its names still resolve here."""
-    if name in ("PlanCache", "Leaves", "plan_tensors", "_tensor_sig", "_walk", "_no_gc"):
-        from . import plan_cache
-        return getattr(plan_cache, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicated: bool = False,
                occurrences: list[int] | None = None, memo: dict[tuple[int, bytes], Any] | None = None,
                columns: Any = None, snapshots: dict[int, Any] | None = None) -> SavePlan:
@@ -184,8 +179,6 @@ def _entry_bytes() -> int:
     see :mod:`~zerostall.format.table`) besides its key and shape: every field at its widest
     (a dtype index, a file index past 2**25 files, offset and size of 20 digits, the
     crc32c) and a comma in each column. Entries of real states measure 50-70 B with their key."""
-    from ..format.dtypes import SUPPORTED_DTYPES
-    from ..format.table import TensorEntry, encode_columns
     e = TensorEntry("", "float32", (), "f", 10 ** 19, 10 ** 19, 0xFFFFFFFF)  # 20 digits > MAX_DIM
     one = encode_columns([e], ["f"])
     one.update(dtypes=[], dtype=[len(SUPPORTED_DTYPES)], file=[1 << 25])
@@ -297,7 +290,6 @@ def finish_tree(tree: Any, leaves: Any, frozen: list[Frozen], bound: int | None 
     skeleton = skeleton_json(tree, frozen)
     lazy = DeferredTree(tree, skeleton, frozen, _encode_part, lambda t, j: check_manifest_size(None, t, n, bound, j),
                         memo)
-    from ..format import manifest as mf
     if len(skeleton) + bound + FROZEN_GROWTH * sum(len(p) for f in frozen for p in f.parts) > mf.MAX_MANIFEST_BYTES:
         tree, tree_json = lazy.result()
         return tree, tree_json, None
@@ -317,7 +309,6 @@ def check_manifest_size(state_dict: Any, tree: Any, leaves: Any, bound: int | No
     the manifest would exceed the limit every reader enforces (``MAX_MANIFEST_BYTES``).
     ``bound``: the leaves' entries bound if known (:func:`_entries_bound`); ``leaves`` may be
     their count when ``bound`` is given; ``tree_json``: the tree's JSON if already encoded."""
-    from ..format import manifest as mf
     if tree_json is None:
         tree_json = json.dumps(tree, separators=(",", ":"), allow_nan=False)
     est = len(tree_json) + (_entries_bound(leaves) if bound is None else bound)

@@ -22,6 +22,7 @@ import torch
 
 from ..format.crc_combine import combine
 from .snapshot import STRIDED_CHUNK_BYTES, row_slices
+from .snapshot import _in_helper_thread
 
 _CRC_PIECE = 16 << 20  # pieces of a tensor checksummed in parallel (then combined)
 CRC_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -101,7 +102,6 @@ def _strided_crc(t: torch.Tensor, limit: int = STRIDED_CHUNK_BYTES) -> int:
     """crc32c of a non-contiguous CPU tensor's bytes in row-major order (what staging writes),
     through one bounce buffer of at most ``limit`` bytes; the copies are torch ops, run in a
     short-lived helper thread (see :mod:`.snapshot`)."""
-    from .snapshot import _in_helper_thread
     es = t.element_size()
     out: list[int] = []
 

@@ -30,7 +30,10 @@ from .persist import Persister
 from ..store.remote import open_tier
 from .upload import Replicator
 from ..store.retention import LocalRetention, RetentionPolicy, retain_at_start
-from ..store.tier import is_url, open_root
+from ..store import open_root
+from ..store.tier import is_url
+from ..restore import load
+from ..telemetry import prometheus
 
 log = logging.getLogger("zerostall")
 
@@ -69,7 +72,6 @@ class Stages:
         newest step every rank can load (collective), else the newest that verifies here."""
         if self.committer is not None:
             return self.committer.load_agreed(state_dict, step, cfg, report, map_location=map_location, **kw)
-        from ..restore import load
         return load(self.tier.root, state_dict, step, map_location, verify=cfg.verify_on_load, fallback=cfg.fallback,
                     rank=self.rank, world_size=self.world_size, remote=cfg.remote, report=report, **kw)
 
@@ -118,8 +120,9 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
     if is_url(path):
         raise ConfigError(f"Checkpointer({path!r}): the root is a local directory (each node's fast disk); "
                           "pass the URL as remote= to replicate there")
-    if cfg.replicas > 1 and world_size < 2:
-        raise ConfigError(f"replicas={cfg.replicas} needs a distributed job of at least {cfg.replicas} nodes "
+    if cfg.peer_copies and world_size < 2:
+        what = f"replicas={cfg.replicas}" if cfg.peers.code is None else f"peers.code={cfg.peers.code!r}"
+        raise ConfigError(f"{what} needs a distributed job of several nodes "
                           "(torch.distributed, ZEROSTALL_NODE naming each node); this process saves alone")
     tier: Any = open_root(path, create=True, lock_timeout_s=cfg.lock_timeout_s, io=cfg.io)
     peers: Any = None
@@ -140,7 +143,7 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
             committer = StoreCommitter(tier, kv, session, per_rank=cfg.dist_mode == "per_rank",
                                        timeout_s=cfg.commit_timeout_s)
             node_local = session.node_local
-            if cfg.replicas > 1:  # after join: the store exchange runs under the session's prefix
+            if cfg.peer_copies:  # after join: the store exchange runs under the session's prefix
                 from ..peers import Peers
                 peers = Peers(cfg, tier, kv, session.prefix, rank, world_size, node_local=node_local,
                               copies=session.leader_of)
@@ -157,7 +160,6 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
         name, probe = engine_name_for(tier.root, cfg.io)
         engine: Engine = get_engine(name, cfg.io)
         if cfg.prometheus:
-            from ..telemetry import prometheus
             prometheus.enable()
         own_refs = refs.protected if refs is not None else set
         # peer replicas: the newest protected step stays local until a newer one is protected

@@ -50,20 +50,9 @@ from ..store.remote import RemoteTier, drop_cache, file_crc32c
 from ..store.remote_replace import (committed_bytes, live_names, others_are_current, refs_current, set_aside,
     sweep)
 from ..store.retention import RetentionPolicy, dependents, prune
+from ..io.priority import set_idle_io_priority
 
 log = logging.getLogger("zerostall")
-
-
-def set_idle_io_priority() -> bool:
-    """IOPRIO_CLASS_IDLE for the calling thread (and the threads it creates later), through
-    psutil (no per-architecture syscall numbers here). False where the OS refuses."""
-    try:
-        import psutil
-        psutil.Process(threading.get_native_id()).ionice(psutil.IOPRIO_CLASS_IDLE)
-        return True
-    except Exception as exc:  # noqa: BLE001 - best effort: non-Linux, seccomp, old psutil
-        log.debug("zerostall: cannot set idle I/O priority for the replicator: %s", exc)
-        return False
 
 
 class Replicator:

@@ -1,5 +1,23 @@
-"""Tiers: where committed checkpoints live (local directory now; remote tiers plug in here)."""
+"""Tiers: where committed checkpoints live (the local root a Checkpointer writes; remote tiers
+registered by URL scheme in :mod:`.tier`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
 
 from .local import LocalTier
+from .tier import Tier, is_url, open_tier
 
-__all__ = ["LocalTier"]
+__all__ = ["LocalTier", "open_root"]
+
+
+def open_root(where: Any, **kwargs: Any) -> Tier:
+    """The tier of a checkpoint root: a local directory (``LocalTier``: the root a
+    Checkpointer writes, ``kwargs`` such as ``create=True``) for a plain path, or the tier
+    registered for a URL's scheme (:func:`open_tier`). The library and the CLI both use it."""
+    if isinstance(where, Tier):
+        return where
+    if is_url(where):
+        return open_tier(str(where), **kwargs)
+    return LocalTier(os.fspath(where), **kwargs)

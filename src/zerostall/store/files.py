@@ -12,6 +12,7 @@ from typing import Any
 import crc32c as _crc
 
 from ..errors import CorruptCheckpoint, StorageError
+from ..format.validate import open_regular
 
 _READ_CHUNK = 8 << 20
 
@@ -54,7 +55,6 @@ def open_shard_checked(eng: Any, path: str) -> Any:
     """``eng.open_read(path)`` only if ``path`` is a regular file (no symlink, FIFO, device or
     directory: :class:`CorruptCheckpoint`) and the one that was checked (not replaced between
     the check and the engine's open)."""
-    from ..format.validate import open_regular
     try:
         fd = open_regular(path)
     except FileNotFoundError:

@@ -40,8 +40,9 @@ import logging
 import os
 import stat as stat_mod
 import uuid
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
+from ..config import IOConfig
 from ..errors import (CheckpointExistsError, CheckpointNotFound, CorruptCheckpoint, RootNotFound,
                       StepOrderError, ZerostallError, storage_error)
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
@@ -52,10 +53,8 @@ from .recovery import _OLD_RE, _PARTIAL_RE, _TEMP_RE, recover_root
 from .retention import ManifestRefs, doomed, prune
 from .tier import Tier
 from .verdicts import ManifestVerdicts, stat_ident
-
-if TYPE_CHECKING:
-    from ..config import IOConfig
-    from ..io.base import Engine, ShardFile
+from ..io.base import Engine, ShardFile, choose_engine
+from .files import open_shard_checked
 
 __all__ = ["LocalTier", "fsync_dir", "write_file_durable"]
 
@@ -250,8 +249,6 @@ class LocalTier(Tier):
     def open_shard_read(self, step: int, name: str, engine: "Engine | None" = None) -> "ShardFile":
         """The engine's reader of ``name``, only if it is the regular file that was checked
         (:func:`.files.open_shard_checked`). Any thread."""
-        from ..io.base import choose_engine
-        from .files import open_shard_checked
         return open_shard_checked(engine or choose_engine(self.root, self.io), os.path.join(self.step_dir(step), name))
 
     # -- owning (caller's thread) ----------------------------------------------------------
@@ -309,7 +306,6 @@ class LocalTier(Tier):
         return d
 
     def open_shard_write(self, step: int, name: str, nbytes: int, engine: "Engine | None" = None) -> "ShardFile":
-        from ..io.base import choose_engine
         eng = engine or choose_engine(self.root, self.io)
         return eng.open_write(os.path.join(self.partial_dir(step), name), nbytes)
 

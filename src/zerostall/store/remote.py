@@ -38,6 +38,7 @@ from ..format.validate import parse_step_dir
 from .tier import Tier
 from .files import drop_cache, file_crc32c  # noqa: F401 - importable here too (sharedfs, replicate, tests)
 from .tier import is_url, open_tier, register_tier  # noqa: F401 - they live in .tier; kept importable here
+from .remote_replace import set_aside, sweep
 
 log = logging.getLogger("zerostall")
 LIST_TIMEOUT_S = 10.0
@@ -220,7 +221,6 @@ class RemoteTier(Tier):
         """No staging area: objects go to their final names and count only once the manifest
         is there; a committed step there is first set aside (:mod:`.remote_replace`), so
         writing over its names tears nothing. Returns the step's location."""
-        from .remote_replace import set_aside
         set_aside(self, step)
         return self.where(f"step-{step}")
 
@@ -244,7 +244,6 @@ class RemoteTier(Tier):
         self.upload_bytes(manifest.to_bytes(), rel)
         self.hook("commit")
         try:  # after the commit point: what the manifest does not name (a replaced copy) goes
-            from .remote_replace import sweep
             sweep(self, step, manifest)
         except ZerostallError as exc:
             return (f"step {step} is committed on {self.url}, but removing the objects it replaced failed: {exc}",)

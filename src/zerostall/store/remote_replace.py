@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Callable
 
 from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest
+from ..format.layout import HEADER_BYTES, ShardHeader
+from ..memory.arena import Arena
 
 if TYPE_CHECKING:
     from .remote import RemoteTier
@@ -148,8 +150,6 @@ def others_are_current(remote: "RemoteTier", step: int, manifest: Manifest, rank
     header (checkpoint id, step, rank, size) is read back. Size alone cannot tell a stale
     object of the replaced checkpoint from the new one; committing over a stale one would
     tear the step. Rank 0 checks before it puts the manifest."""
-    from ..format.layout import HEADER_BYTES, ShardHeader
-    from ..memory.arena import Arena
     buf = Arena(HEADER_BYTES, mlock=False)
     try:
         for fe in manifest.files:

@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterable
 
 from ..errors import CheckpointNotFound, ConfigError, ZerostallError
 from ..format.refs import closure, referenced_steps
+from ..errors import CheckpointExistsError
 
 log = logging.getLogger("zerostall")
 
@@ -186,7 +187,6 @@ def check_not_referenced(tier: Any, step: int, pinned: set[int], *, queued: bool
     raise :class:`~zerostall.errors.CheckpointExistsError` if any does, or a save in flight
     pinned it. ``save()`` checks on the caller's thread; the persist thread checks again
     (``queued=True``) just before the commit: a save queued before may reference it since."""
-    from ..errors import CheckpointExistsError
     users = dependents(tier.steps(), step, tier.read_manifest)
     if users or step in pinned:
         raise CheckpointExistsError(

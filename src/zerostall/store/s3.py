@@ -38,6 +38,8 @@ from ..config import ALIGN_BYTES, IOConfig
 from ..errors import CheckpointNotFound, ConfigError, RemoteError, RootNotFound
 from ..format.manifest import MANIFEST_NAME
 from .remote import RemoteTier, ShardIO, step_of
+from ..io import choose_engine
+from ..memory.arena import Arena
 
 log = logging.getLogger("zerostall")
 _NOT_FOUND = ("404", "NoSuchKey", "NotFound", "NoSuchBucket")
@@ -176,8 +178,6 @@ class S3Tier(RemoteTier):
 
     def download(self, rel: str, local_path: str, size: int) -> None:
         """Stream the object through an aligned buffer into ``local_path`` with direct I/O."""
-        from ..io import choose_engine
-        from ..memory.arena import Arena
         d = os.path.dirname(local_path)
         body = self._get(rel)["Body"]
         eng = choose_engine(d, self.io)

@@ -23,6 +23,9 @@ from ..errors import CheckpointNotFound, CorruptCheckpoint, RemoteError, RootNot
 from ..format.manifest import MANIFEST_NAME
 from ..format.validate import open_regular, parse_step_dir
 from .remote import RemoteTier, ShardIO, drop_cache, file_crc32c, step_of
+from ..io import choose_engine
+from ..memory.arena import Arena
+from .local import fsync_dir, write_file_durable
 
 log = logging.getLogger("zerostall")
 
@@ -71,12 +74,10 @@ class FileTier(RemoteTier):
                            errno=exc.errno)
 
     def _engine(self) -> Any:
-        from ..io import choose_engine
         return choose_engine(self.root, self.io)
 
     def _stream(self, src: str, sink: Callable[[int, memoryview], None]) -> int:
         """Read ``src`` with the engine through one aligned bounce buffer; returns its size."""
-        from ..memory.arena import Arena
         size = os.path.getsize(src)
         eng = self._engine()
         buf = Arena(min(64 << 20, max(size, ALIGN_BYTES)), mlock=False)
@@ -124,7 +125,6 @@ class FileTier(RemoteTier):
                               step=step_of(rel)) from exc
 
     def _put_bytes(self, data: bytes, rel: str) -> None:
-        from .local import fsync_dir, write_file_durable
         self._unlink_step_link(rel)
         dst = self._path(rel)
         try:
@@ -216,7 +216,6 @@ class FileTier(RemoteTier):
         return ShardIO(inner, on_close=(lambda _: eng.close()) if engine is None else None)
 
     def _open_write(self, rel: str, nbytes: int, engine: Any) -> Any:
-        from .local import fsync_dir
         self._unlink_step_link(rel)
         dst = self._path(rel)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
@@ -257,7 +256,6 @@ class FileTier(RemoteTier):
     def _copy_within(self, src: str, dst: str) -> bool:
         """A hard link where the filesystem has them: the same bytes, nothing copied, and
         nothing to tear (files here are replaced by rename, never rewritten in place)."""
-        from .local import fsync_dir
         self._unlink_step_link(dst)
         s, d = self._path(src), self._path(dst)
         linked = True

@@ -207,20 +207,6 @@ def is_url(path: Any) -> bool:
     return "://" in str(path)
 
 
-def open_root(where: Any, **kwargs: Any) -> Tier:
-    """The tier of a checkpoint root: a local directory (``LocalTier``: the root a
-    Checkpointer writes, ``kwargs`` such as ``create=True``) for a plain path, or the tier
-    registered for a URL's scheme (:func:`open_tier`). The library and the CLI both use it."""
-    if isinstance(where, Tier):
-        return where
-    if is_url(where):
-        return open_tier(str(where), **kwargs)
-    import os
-
-    from .local import LocalTier
-    return LocalTier(os.fspath(where), **kwargs)
-
-
 def open_tier(url: str, **kwargs: Any) -> Any:
     """The tier for ``url`` (``s3://bucket/prefix``, ``file:///path`` or a plain path: a
     shared-filesystem tier); ``kwargs`` go to its constructor (``io=``, ...)."""

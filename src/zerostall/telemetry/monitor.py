@@ -9,6 +9,7 @@ import os
 import time
 from typing import Any
 
+from .._term import console, safe
 from .host import HostSample
 
 
@@ -73,15 +74,15 @@ def render(doc: dict[str, Any], prev: dict[str, Any] | None) -> Any:
         t.add_row("direct reclaim scans/s", f"{(doc['pgscan_direct'] - prev['pgscan_direct']) / dt:,.0f}", "")
     p = doc.get("process")
     if p:
-        t.add_row(f"pid {p['pid']} ({p['comm']})", f"state {p['state']}",
-                  f"wchan {p['wchan']}; {p['threads_in_d']} thread(s) in D")
+        t.add_row(f"pid {p['pid']} ({safe(p['comm'])})", f"state {p['state']}",
+                  f"wchan {safe(p['wchan'])}; {p['threads_in_d']} thread(s) in D")
     return t
 
 
 def live(pid: int | None, interval_s: float) -> None:
     from rich.live import Live
     prev = None
-    with Live(render(sample(pid), None), refresh_per_second=4) as view:
+    with Live(render(sample(pid), None), console=console(), refresh_per_second=4) as view:
         while True:
             time.sleep(interval_s)
             doc = sample(pid)

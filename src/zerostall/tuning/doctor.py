@@ -15,7 +15,9 @@ from typing import Any
 from ..io.probe import io_uring_status, probe
 from ..memory.host import budget_bytes, host_ram_bytes, local_world_size
 from ..telemetry.host import PAGE, read_vmstat
+from .line_rate import line_rate_probe
 from .sysctl import RECOMMENDED, read_sysctls
+from ..peers.status import doctor_checks
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,6 @@ def path_checks(path: str) -> list[Check]:
     if fs in ("tmpfs", "ramfs"):
         out.append(Check("tmpfs", fs, "warn", "checkpoints in RAM do not survive a reboot and compete with "
                          "the staging arena for memory"))
-    from ..peers.status import doctor_checks  # peer replicas: protection and reachability
     out.extend(Check(*row) for row in doctor_checks(want))
     if fs == "btrfs":
         out.append(Check("btrfs", fs, "warn", "btrfs data checksums make O_DIRECT fall back to buffered "
@@ -108,7 +109,6 @@ def path_checks(path: str) -> list[Check]:
 
 
 def probe_line_rate(path: str, size: int = 512 << 20) -> Check:
-    from ..bench.hostinfo import _probe
-    r = _probe(path, size)
+    r = line_rate_probe(path, size)
     return Check("line_rate", {k: round(v, 2) for k, v in r.items()}, "info",
                  f"O_DIRECT {size >> 20} MiB, 4 MiB requests, depth 32 (GB/s)")

@@ -1,0 +1,365 @@
+"""``zerostall bench --scenario every-step``: what checkpointing every step costs a training loop
+in the same process, against the one-pass limit (one copy and one crc32c of the bytes).
+
+The trainer (:class:`Trainer`): ``--size-gib`` of state (half parameters, half SGD momentum
+buffers, 64 tensors by default) and a step of ``--matmuls`` 1024x1024 matmuls followed by an
+optimizer step that writes every tensor. For each trainer thread count (all cores, then all but
+one: ``torch.set_num_threads``) it runs each mode for ``--seconds`` and reports steps/s:
+
+* ``none``: no checkpoint (the baseline);
+* ``zs-block``: ``Checkpointer.save`` every step, ``backpressure="block"`` (save() waits for room);
+* ``zs-skip``: every step with ``backpressure="skip"`` (a step is skipped while the previous save
+  holds the arena): the interval it reached is steps / saves committed;
+* ``zs-every-K``: every ``--every`` steps, blocking;
+* ``dcp-async``: ``dcp.async_save`` every step with one reused ``DefaultStager`` (async
+  staging), waiting for the previous save first and for staging before the optimizer step (as
+  DCP's documentation asks).
+
+Then, with one torch thread and no matmuls, the CPU cost (:func:`cpu_per_gib`): process CPU
+seconds per GiB saved of back-to-back saves (the optimizer step and the state dict's making,
+timed on their own thread, subtracted), beside the one-pass limit of the same bytes
+(:func:`one_pass_limit`: a memmove into a reused buffer plus a crc32c pass, one thread each).
+Runs on the caller's thread; the saves' own threads are the library's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any, Callable
+
+import crc32c
+import torch
+
+from .report import write_doc
+
+MODES = ("none", "zs-block", "zs-skip", "zs-every-K", "dcp-async")
+
+
+def process_cpu_s() -> float:
+    """User + system CPU seconds of this process (every thread, living or exited)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+class Trainer:
+    """A state of ``size_bytes`` in ``n_tensors`` tensors (parameters + momentum buffers) and
+    its step: ``matmuls`` matmuls of ``dim`` x ``dim`` (the forward/backward stand-in), then
+    an SGD step with momentum that writes every tensor. Caller's thread only."""
+
+    def __init__(self, size_bytes: int, n_tensors: int = 64, matmuls: int = 5, dim: int = 1024):
+        n_params = max(1, n_tensors // 2)
+        per = max(1, size_bytes // (2 * n_params) // 4)
+        g = torch.Generator().manual_seed(0)
+        self.params = [torch.nn.Parameter(torch.randn(per, generator=g)) for _ in range(n_params)]
+        for p in self.params:
+            p.grad = torch.randn(per, generator=g) * 1e-3
+        self.opt = torch.optim.SGD(self.params, lr=1e-3, momentum=0.9)
+        self.opt.step()  # the momentum buffers exist from now on
+        self.matmuls, self.x = matmuls, torch.randn(dim, dim, generator=g)
+        self.nbytes = sum(t.numel() * 4 for t in self.params) * 2
+
+    def forward(self) -> None:
+        y = self.x
+        for _ in range(self.matmuls):
+            y = torch.mm(self.x, y) * 1e-3
+
+    def state(self) -> dict[str, Any]:
+        return {"model": {f"p{i}": p for i, p in enumerate(self.params)}, "optim": self.opt.state_dict()}
+
+
+class Saver:
+    """One mode's checkpointing, called by the loop: ``after_step(step)`` once per step
+    (after the optimizer step), ``drain()`` at the end; counts what was saved."""
+
+    saves = 0
+    skips = 0
+    bytes_saved = 0
+
+    def after_step(self, step: int) -> None:
+        pass
+
+    def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ZsSaver(Saver):
+    def __init__(self, tr: Trainer, root: str, every: int = 1, backpressure: str = "block"):
+        from zerostall.checkpointer import Checkpointer
+        self.tr, self.every = tr, every
+        self.ck = Checkpointer(root, keep_last=2, backpressure=backpressure)
+        self.ck.guard(tr.opt)  # the optimizer step waits only while a snapshot still reads the state
+        self.ck.prepare(tr.state(), wait=True)
+        self.handles: list[Any] = []
+
+    def after_step(self, step: int) -> None:
+        if step % self.every == 0:
+            self.handles.append(self.ck.save(step, self.tr.state()))
+            self._count()
+
+    def _count(self, wait: bool = False) -> None:
+        keep = []
+        for h in self.handles:
+            if not (wait or h.done()):
+                keep.append(h)
+                continue
+            h.wait()
+            if h.skipped:
+                self.skips += 1
+            else:
+                self.saves += 1
+                self.bytes_saved += h.result().bytes
+        self.handles = keep
+
+    def drain(self) -> None:
+        self.ck.wait()
+        self._count(wait=True)
+
+    def close(self) -> None:
+        self.ck.close()
+
+
+class DcpSaver(Saver):
+    """``dcp.async_save`` every step with one reused async ``DefaultStager``."""
+
+    def __init__(self, tr: Trainer, root: str):
+        from .methods import DCPAsync
+        self.tr, self.m = tr, DCPAsync()
+        self.m.setup(root, tr.state())
+        self.pending: Any = None
+        self.hook = tr.opt.register_step_pre_hook(lambda *a: self._wait_staged())
+        self.last = -1
+
+    def _wait_staged(self) -> None:
+        p = self.pending
+        if p is not None:
+            while not p.staged_s:  # polls staging_completion
+                if p.poll():
+                    break
+                time.sleep(0.0005)
+
+    def _finish(self) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+            self.saves += 1
+            self.bytes_saved += self.tr.nbytes
+            self.m.cleanup(self.last - 2)  # keep the newest two, as the Checkpointer does
+            self.pending = None
+
+    def after_step(self, step: int) -> None:
+        self._finish()  # DCP: the previous async_save must finish before the next starts
+        self.pending, self.last = self.m.start(step, self.tr.state()), step
+
+    def drain(self) -> None:
+        self._finish()
+
+    def close(self) -> None:
+        self.hook.remove()
+        self.m.close()
+
+
+def run_mode(tr: Trainer, saver: Saver, seconds: float, warmup_steps: int = 3) -> dict[str, Any]:
+    """The training loop with ``saver`` for ``seconds`` after ``warmup_steps``: steps/s, the
+    process CPU per step, what was saved (the drain after the window is not timed)."""
+    step = 0
+    for _ in range(warmup_steps):
+        tr.forward()
+        tr.opt.step()
+        saver.after_step(step)
+        step += 1
+    saver.drain()
+    saver.saves = saver.skips = saver.bytes_saved = 0
+    first = step
+    c0, t0 = process_cpu_s(), time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        tr.forward()
+        tr.opt.step()
+        saver.after_step(step)
+        step += 1
+    wall, cpu = time.perf_counter() - t0, process_cpu_s() - c0
+    saver.drain()
+    n = step - first
+    return {"steps": n, "wall_s": wall, "steps_per_s": n / wall, "cpu_s_per_step": cpu / max(n, 1),
+            "saves": saver.saves, "skips": saver.skips, "bytes_saved": saver.bytes_saved,
+            "interval_steps": n / saver.saves if saver.saves else None}
+
+
+def one_pass_limit(tensors: list[torch.Tensor], repeat: int = 3) -> dict[str, float]:
+    """The least CPU one save can cost: each tensor memmoved into a reused buffer, then a
+    crc32c pass over the same bytes; one thread each (this one), best of ``repeat`` passes
+    after a warm one. Seconds per GiB."""
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    buf = ctypes.create_string_buffer(total)
+    base = ctypes.addressof(buf)
+    copies, crcs = [], []
+    for r in range(repeat + 1):
+        c0 = time.thread_time()
+        off = 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            ctypes.memmove(base + off, t.data_ptr(), n)
+            off += n
+        c1 = time.thread_time()
+        off = 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            crc32c.crc32c((ctypes.c_char * n).from_address(base + off))
+            off += n
+        c2 = time.thread_time()
+        if r:
+            copies.append(c1 - c0)
+            crcs.append(c2 - c1)
+    gib = total / (1 << 30)
+    copy_s, crc_s = min(copies) / gib, min(crcs) / gib
+    return {"copy_s_per_gib": copy_s, "crc_s_per_gib": crc_s, "limit_s_per_gib": copy_s + crc_s}
+
+
+def cpu_per_gib(tr: Trainer, make: Callable[[], Saver], saves: int) -> dict[str, Any]:
+    """Back-to-back saves (one per optimizer step, no matmuls): process CPU seconds per GiB
+    saved, less the optimizer step's and the state dict's own CPU (timed on this thread)."""
+    saver = make()
+    try:
+        for s in range(3):  # warm
+            tr.opt.step()
+            saver.after_step(s)
+        saver.drain()
+        saver.saves = saver.skips = saver.bytes_saved = 0
+        user = 0.0
+        c0, t0 = process_cpu_s(), time.perf_counter()
+        for s in range(3, 3 + saves):
+            u0 = time.thread_time()
+            tr.opt.step()  # the guard's wait sleeps: no CPU of its own
+            u1 = time.thread_time()
+            saver.after_step(s)
+            user += u1 - u0
+        saver.drain()
+        cpu, wall = process_cpu_s() - c0 - user, time.perf_counter() - t0
+    finally:
+        saver.close()
+    gib = saver.bytes_saved / (1 << 30)
+    return {"saves": saver.saves, "cpu_s": cpu, "wall_s": wall, "gib": gib,
+            "cpu_s_per_gib": cpu / gib if gib else None, "cpu_s_per_save": cpu / max(saver.saves, 1)}
+
+
+def run_every_step(size_gib: float, seconds: float, every: int, repeat: int, workdir: str | None,
+                   modes: tuple[str, ...] = MODES, n_tensors: int = 64, matmuls: int = 5, dim: int = 1024,
+                   cpu_saves: int = 20, console: Any = None) -> dict[str, Any]:
+    own = workdir is None
+    workdir = workdir or tempfile.mkdtemp(prefix="zerostall-bench-everystep-", dir=os.getcwd())
+    os.makedirs(workdir, exist_ok=True)
+    say = console.print if console is not None else (lambda *a: None)
+    threads0 = torch.get_num_threads()
+    cores = os.cpu_count() or 1
+    doc: dict[str, Any] = {"scenario": "every-step", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                           "cores": cores, "seconds": seconds, "every": every, "repeat": repeat,
+                           "load_avg_start": list(os.getloadavg()), "runs": {}}
+    try:
+        tr = Trainer(int(size_gib * (1 << 30)), n_tensors, matmuls, dim)
+        doc.update(state_bytes=tr.nbytes, tensors=len(tr.params) * 2, matmuls=matmuls)
+        n = 0
+
+        def make(mode: str) -> Saver:
+            nonlocal n
+            n += 1
+            root = os.path.join(workdir, f"{mode}-{n}")
+            if mode == "none":
+                return Saver()
+            if mode == "dcp-async":
+                return DcpSaver(tr, root)
+            if mode == "zs-every-K":
+                return ZsSaver(tr, root, every=every)
+            return ZsSaver(tr, root, backpressure="skip" if mode == "zs-skip" else "block")
+
+        for threads in sorted({cores, max(1, cores - 1)}, reverse=True):
+            torch.set_num_threads(threads)
+            rows: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+            for r in range(repeat):
+                for mode in (modes if r % 2 == 0 else tuple(reversed(modes))):  # alternate the order
+                    saver = make(mode)
+                    try:
+                        rows[mode].append(run_mode(tr, saver, seconds))
+                    finally:
+                        saver.close()
+                        shutil.rmtree(os.path.join(workdir, f"{mode}-{n}"), ignore_errors=True)
+                    say(f"threads={threads} {mode}: {rows[mode][-1]['steps_per_s']:.2f} steps/s, "
+                        f"interval {rows[mode][-1]['interval_steps']}")
+            doc["runs"][str(threads)] = _summarise(rows)
+        torch.set_num_threads(1)
+        tensors = [p.detach() for p in tr.params] + [tr.opt.state[p]["momentum_buffer"] for p in tr.params]
+        doc["one_pass"] = one_pass_limit(tensors)
+        doc["cpu"] = {}
+        for m in ("zs-block", "dcp-async"):
+            if m in modes:
+                doc["cpu"][m] = cpu_per_gib(tr, lambda m=m: make(m), cpu_saves)
+                shutil.rmtree(os.path.join(workdir, f"{m}-{n}"), ignore_errors=True)
+        lim = doc["one_pass"]["limit_s_per_gib"]
+        for v in doc["cpu"].values():
+            v["x_one_pass"] = v["cpu_s_per_gib"] / lim if v["cpu_s_per_gib"] else None
+    finally:
+        torch.set_num_threads(threads0)
+        if own:
+            shutil.rmtree(workdir, ignore_errors=True)
+    doc["load_avg_end"] = list(os.getloadavg())
+    return doc
+
+
+def _summarise(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Median steps/s per mode and the throughput loss against ``none``."""
+    out: dict[str, Any] = {}
+    for mode, rs in rows.items():
+        if not rs:
+            continue
+        med = statistics.median(r["steps_per_s"] for r in rs)
+        ivals = [r["interval_steps"] for r in rs if r["interval_steps"]]
+        out[mode] = {"steps_per_s": med, "cpu_s_per_step": statistics.median(r["cpu_s_per_step"] for r in rs),
+                     "interval_steps": statistics.median(ivals) if ivals else None,
+                     "saves": sum(r["saves"] for r in rs), "skips": sum(r["skips"] for r in rs), "runs": rs}
+    base = out.get("none", {}).get("steps_per_s")
+    for mode, v in out.items():
+        v["loss"] = 1 - v["steps_per_s"] / base if base else None
+    return out
+
+
+def main(a: Any) -> int:
+    """``zerostall bench --scenario every-step``."""
+    import warnings
+
+    from rich.console import Console
+    from rich.table import Table
+    warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+    console = Console(width=150)
+    size = a.size_gib if a.size_gib != 2.0 else 0.25  # the scenario's default: 256 MiB
+    modes = tuple(m for m in a.methods.split(",")) if a.methods else MODES
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        console.print(f"unknown every-step modes {bad}: choose from {', '.join(MODES)}")
+        return 2
+    doc = run_every_step(size, a.seconds, a.every, a.repeat, a.dir, modes, console=console,
+                         matmuls=getattr(a, "matmuls", 5), dim=getattr(a, "dim", 1024),
+                         cpu_saves=getattr(a, "cpu_saves", 20))
+    for threads, run in doc["runs"].items():
+        t = Table(title=f"every-step, {doc['state_bytes'] / 2**20:.0f} MiB in {doc['tensors']} tensors, "
+                        f"trainer on {threads} of {doc['cores']} cores, {doc['date']}")
+        for c in ("mode", "steps/s", "loss vs none", "interval (steps)", "saves", "skips", "CPU s/step"):
+            t.add_column(c, justify="left" if c == "mode" else "right")
+        for mode, v in run.items():
+            t.add_row(mode, f"{v['steps_per_s']:.2f}", "-" if v["loss"] is None else f"{v['loss'] * 100:.1f}%",
+                      "-" if v["interval_steps"] is None else f"{v['interval_steps']:.2f}", str(v["saves"]),
+                      str(v["skips"]), f"{v['cpu_s_per_step']:.3f}")
+        console.print(t)
+    op = doc["one_pass"]
+    console.print(f"one-pass limit: {op['limit_s_per_gib']:.3f} CPU s/GiB (copy {op['copy_s_per_gib']:.3f} + "
+                  f"crc32c {op['crc_s_per_gib']:.3f})")
+    for m, v in doc["cpu"].items():
+        console.print(f"{m}: {v['cpu_s_per_gib']:.3f} CPU s/GiB saved ({v['x_one_pass']:.2f}x the one-pass limit), "
+                      f"{v['cpu_s_per_save'] * 1e3:.1f} ms per save")
+    write_doc(doc, a.json)
+    return 0

@@ -1,0 +1,58 @@
+"""Text output for the CLI and the bench: the one console they print rich tables and lines through.
+
+Never interprets text as markup or emoji codes: a key, a path, an error message or a hint such
+as ``pip install 'zerostall[uring]'`` prints as written. Styles come only from
+:class:`rich.text.Text` objects the caller builds (``Text(s, style="green")``,
+``Text.assemble(...)``), never from brackets inside a string. Control characters in text that
+came from outside (a checkpoint, a path) are shown as escapes by :func:`safe`.
+
+Width: on a terminal, its width (``COLUMNS`` when set, as rich reads it); anywhere else (a pipe,
+a log file, a test's captured stdout) lines are never wrapped or cropped, so one record stays
+one line of the log. The bottom of the import graph: imports nothing from zerostall; rich is
+imported when a console is made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NO_WRAP_WIDTH = 1 << 20  # wide enough that no record is wrapped; tables take their content's width
+
+
+def safe(text: Any) -> str:
+    """``text`` with control characters (ESC, BEL, bidi overrides, ...) shown as escapes."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    out = []
+    for ch in s:
+        if ch.isprintable() or ch == " ":
+            out.append(ch)
+        else:
+            out.append(repr(ch)[1:-1] if ord(ch) < 0x10000 else f"\\U{ord(ch):08x}")
+    return "".join(out)
+
+
+def console(*, stderr: bool = False) -> Any:
+    """A :class:`rich.console.Console` on stdout (``stderr=True``: stderr) that prints literally.
+
+    Made per command on the calling thread; it writes to the stream current when it prints
+    (so a test's captured stdout works).
+    """
+    from rich.console import Console
+    c = Console(stderr=stderr, markup=False, emoji=False, highlight=False)
+    if not c.is_terminal:  # a log: full lines, whatever the terminal (or COLUMNS) around it says
+        c.width = NO_WRAP_WIDTH
+        c.soft_wrap = True
+    return c
+
+
+def table(title: str, columns: list[str] | tuple[str, ...], *, right: tuple[str, ...] = (),
+          fold: bool = False) -> Any:
+    """A :class:`rich.table.Table` with these columns (those in ``right`` right-justified;
+    ``fold``: long cells wrap within their column on a narrow terminal instead of being cut)."""
+    from rich.table import Table
+    t = Table(title=safe(title))
+    for col in columns:
+        t.add_column(col, justify="right" if col in right else "left", overflow="fold" if fold else "ellipsis")
+    return t

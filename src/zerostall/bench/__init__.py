@@ -1,1 +1,0 @@
-"""The main job and the proof: ``zerostall demo`` and ``zerostall bench``."""

@@ -1,0 +1,248 @@
+"""``zerostall demo``: train a small transformer with async checkpoints, crash it, resume it.
+
+Three runs of the same seeded training (a pure function of seed and step):
+
+1. the reference: uninterrupted, checkpointing every ``--every`` steps, one line per
+   checkpoint (stall, persist rate, engine, host dirty-page rise);
+2. a child process trained the same way and killed with SIGKILL right after a
+   checkpoint's ``save()`` returned, i.e. while that checkpoint is being persisted;
+3. a child process that resumes from the newest committed checkpoint and finishes.
+
+The verdict compares run 3's losses and final parameters with run 1's, bit for bit.
+Exit status 0 only if they match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .. import _term, load, save
+from .._term import safe
+from ..checkpointer import Checkpointer
+from ..saving.handle import SaveHandle
+from .model import GPTConfig, TinyGPT, batch, corpus, encode
+
+DEMO_CFG = GPTConfig(vocab=96, ctx=64, d_model=256, n_layer=4, n_head=4)
+TINY_CFG = GPTConfig(vocab=96, ctx=32, d_model=64, n_layer=1, n_head=2)
+BATCH = 16
+
+
+def train(cfg: GPTConfig, ckpt_dir: str, steps: int, every: int, seed: int, resume: bool = False,
+          on_save: Callable[[int, SaveHandle], None] | None = None,
+          on_step: Callable[[int, float], None] | None = None) -> tuple[dict[int, float], TinyGPT]:
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    torch.manual_seed(seed)
+    model = TinyGPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    data = encode(corpus(), cfg.vocab)
+    losses: dict[int, float] = {}
+    start = 0
+    with Checkpointer(ckpt_dir, keep_last=3) as ck:
+        ck.guard(opt)  # optimizer.step() waits only while a snapshot is still being copied
+        if resume:
+            st = ck.load()
+            model.load_state_dict(st["model"])
+            opt.load_state_dict(st["optim"])
+            torch.set_rng_state(st["rng"])
+            start = st["step"] + 1
+        for step in range(start, steps):
+            x, y = batch(data, step, seed, BATCH, cfg.ctx)
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step,
+                     "rng": torch.get_rng_state()}
+            if step == start:  # AdamW state exists now: allocate and pre-fault the arena once
+                ck.prepare(state)
+            losses[step] = loss.item()
+            if on_step:
+                on_step(step, losses[step])
+            if (step + 1) % every == 0:
+                h = ck.save(step, state)
+                if on_save:
+                    on_save(step, h)
+    return losses, model
+
+
+def loop_cost(step_ends: list[float], saves: list[tuple[float, SaveHandle]]) -> tuple[float, float]:
+    """Training time lost per checkpoint (ms) and as a fraction of the whole loop.
+
+    ``step_ends``: perf_counter at the start and after every step; ``saves``: (perf_counter
+    right after ``save()`` returned, handle). A step is charged to a checkpoint when it overlaps
+    [save() called, durable]; its excess over the median of the uncharged steps is the loss
+    (the step that called ``save()`` carries the blocked time; it is the step after ``opt.step``).
+    """
+    import statistics
+    spans = []
+    for t_ret, h in saves:
+        r = h.result()
+        t_call = t_ret - r.stall_s
+        spans.append((t_call, t_call + r.durable_s))
+    durs = [(step_ends[i], step_ends[i + 1]) for i in range(len(step_ends) - 1)]
+    charged = [any(a < e and s < b for s, e in spans) for a, b in durs]
+    free = [b - a for (a, b), c in zip(durs, charged) if not c] or [b - a for a, b in durs]
+    med = statistics.median(free)
+    lost = sum((b - a) - med for (a, b), c in zip(durs, charged) if c)
+    total = step_ends[-1] - step_ends[0]
+    n = max(1, len(saves))
+    return lost / n * 1e3, max(0.0, lost) / total if total > 0 else 0.0
+
+
+def _child(a: argparse.Namespace) -> int:
+    cfg = TINY_CFG if a.tiny else DEMO_CFG
+
+    def announce(step: int, h: SaveHandle) -> None:
+        print(f"SAVED {step}", flush=True)
+
+    losses, model = train(cfg, a.dir, a.steps, a.every, a.seed, resume=a.resume, on_save=announce)
+    with open(a.out, "w") as f:
+        json.dump({"losses": {str(k): v.hex() for k, v in losses.items()}}, f)
+    save(a.out + ".params", {k: v for k, v in model.state_dict().items()}, step=0)
+    return 0
+
+
+def _spawn(args: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "zerostall.demo.run", "--child", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def run_demo(steps: int, every: int, ckdir: str, seed: int, tiny: bool, console: Any) -> bool:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.text import Text
+
+    cfg = TINY_CFG if tiny else DEMO_CFG
+    ref_dir, crash_dir, work = (os.path.join(ckdir, n) for n in ("reference", "crashed", "work"))
+    os.makedirs(work, exist_ok=True)
+    kill_step = ((steps * 2 // 3) // every) * every - 1
+    if kill_step < every:
+        raise SystemExit("demo: --steps must be at least 3 x --every")
+    console.print(Text.assemble(("zerostall demo", "bold"), f": GPT ({cfg.n_params / 1e6:.2f} M params, AdamW state "
+                                f"{cfg.n_params * 12 / 2**20:.0f} MiB per checkpoint), {steps} steps, a checkpoint "
+                                f"every {every}, into {safe(ckdir)}"))
+
+    # 1. the reference run, in this process
+    lines: list[tuple[int, SaveHandle]] = []
+    with Progress(TextColumn("[1/3] training", markup=False), BarColumn(),
+                  TextColumn("{task.completed}/{task.total} steps", markup=False),
+                  TextColumn("loss {task.fields[loss]}", markup=False), TimeElapsedColumn(), console=console) as prog:
+        task = prog.add_task("train", total=steps, loss="-")
+
+        def show_done() -> None:
+            for step, h in list(lines):
+                if h.done():
+                    lines.remove((step, h))
+                    r = h.result()
+                    prog.console.print(
+                        f"  ckpt {step:>4} | stall {r.stall_s * 1e3:5.1f} ms | {r.persist_gbps:4.2f} GB/s "
+                        f"{r.engine} | durable {r.durable_s * 1e3:4.0f} ms | nr_dirty +{r.dirty_rise_bytes >> 20} MiB")
+
+        step_ends: list[float] = [time.perf_counter()]
+        saves: list[tuple[float, SaveHandle]] = []
+
+        def on_step(step: int, loss: float) -> None:
+            step_ends.append(time.perf_counter())
+            prog.update(task, completed=step + 1, loss=f"{loss:.3f}")
+            show_done()
+
+        def on_save(step: int, h: SaveHandle) -> None:
+            saves.append((time.perf_counter(), h))
+            lines.append((step, h))
+
+        ref_losses, ref_model = train(cfg, ref_dir, steps, every, seed, on_step=on_step, on_save=on_save)
+        show_done()
+    lost_ms, frac = loop_cost(step_ends, saves)
+    console.print(f"  measured: checkpoints cost the training loop {lost_ms:.1f} ms each (time blocked in save() "
+                  f"+ extra step time while a save was in flight, vs the median step), {frac:.2%} of training time")
+
+    # 2. the crash: kill a child while it persists the checkpoint of kill_step
+    console.print(f"[2/3] training in a child process; SIGKILL when the checkpoint of step {kill_step} "
+                  "is being persisted")
+    child = _spawn(["--dir", crash_dir, "--steps", str(steps), "--every", str(every), "--seed", str(seed),
+                    "--out", os.path.join(work, "crashed.json")] + (["--tiny"] if tiny else []))
+    assert child.stdout is not None
+    killed_at = None
+    partial_dir = os.path.join(crash_dir, f"step-{kill_step}.partial")
+    for line in child.stdout:
+        if line.strip() == f"SAVED {kill_step}":
+            deadline = time.monotonic() + 2.0  # kill once the persist thread has started writing
+            while not os.path.isdir(partial_dir) and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            child.send_signal(signal.SIGKILL)
+            killed_at = kill_step
+            break
+    child.wait()
+    if killed_at is None:
+        console.print(Text(f"the child ended before step {kill_step}: {safe(child.stderr.read() if child.stderr else '')}",
+                           style="red"))
+        return False
+    committed = sorted(int(n[5:]) for n in os.listdir(crash_dir) if n.startswith("step-") and n[5:].isdigit())
+    partial = os.path.isdir(os.path.join(crash_dir, f"step-{kill_step}.partial"))
+    console.print(Text.assemble(f"  killed (exit {child.returncode}); committed steps on disk: {committed}; "
+                                f"step {kill_step}: ",
+                                ("caught mid-persist (a .partial directory, not a checkpoint)", "yellow") if partial
+                                else "committed before the kill landed" if kill_step in committed else "not started"))
+
+    # 3. resume from the newest committed checkpoint and finish
+    resumed_from = max(committed) if committed else None
+    console.print(f"[3/3] resuming in a new process from step {resumed_from} and training to {steps}")
+    out = os.path.join(work, "resumed.json")
+    child = _spawn(["--dir", crash_dir, "--steps", str(steps), "--every", str(every), "--seed", str(seed),
+                    "--out", out, "--resume"] + (["--tiny"] if tiny else []))
+    _, err = child.communicate()
+    if child.returncode != 0:
+        console.print(Text.assemble(("resume failed:", "red"), f"\n{safe(err)}"))
+        return False
+    with open(out) as f:
+        resumed = {int(k): float.fromhex(v) for k, v in json.load(f)["losses"].items()}
+    params = load(out + ".params")
+    ref_params = ref_model.state_dict()
+    loss_ok = bool(resumed) and all(resumed[s] == ref_losses[s] for s in resumed)
+    diff = [k for k in ref_params if not torch.equal(ref_params[k], params[k])]
+    console.print(Text.assemble(f"  resumed steps {min(resumed)}..{max(resumed)}: losses ",
+                                ("bit-identical", "green") if loss_ok else ("DIFFER", "red"),
+                                " to the uninterrupted run; final parameters: ",
+                                ("bit-identical", "green") if not diff else (f"{len(diff)} tensors differ", "red")))
+    ok = loss_ok and not diff
+    console.print(Text.assemble(("VERDICT: PASS", "bold green"), f" — checkpoints cost the loop {lost_ms:.1f} ms each "
+                                f"({frac:.2%} of training time, measured) and survived a SIGKILL") if ok
+                  else Text("VERDICT: FAIL", style="bold red"))
+    return ok
+
+
+def main(a: argparse.Namespace) -> int:
+    console = _term.console()
+    ckdir = a.dir or tempfile.mkdtemp(prefix="zerostall-demo-")
+    t0 = time.time()
+    try:
+        ok = run_demo(a.steps, a.every, ckdir, a.seed, getattr(a, "tiny", False), console)
+    finally:
+        if not a.keep and a.dir is None:
+            shutil.rmtree(ckdir, ignore_errors=True)
+    console.print(f"demo finished in {time.time() - t0:.1f} s" + (f"; checkpoints kept in {safe(ckdir)}" if a.keep or a.dir else ""))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--child", action="store_true")
+    p.add_argument("--dir")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--every", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--tiny", action="store_true")
+    sys.exit(_child(p.parse_args()))

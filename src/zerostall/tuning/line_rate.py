@@ -1,0 +1,53 @@
+"""The disk's direct-I/O line rate, measured with zerostall's own engines.
+
+Called by ``zerostall doctor --probe`` (tuning/doctor.py) and by the bench (zerostall_bench),
+from the caller's thread; writes one file of ``size`` bytes in the directory and removes it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ..config import IOConfig
+from ..io import get_engine, probe
+from ..memory.arena import Arena
+
+
+def measure_engine(engine: str, directory: str, size: int, cfg: IOConfig, buf: Arena) -> tuple[float, float]:
+    """(write, read) GB/s of ``engine`` for a ``size``-byte file in ``directory`` from ``buf``."""
+    eng = get_engine(engine, cfg)
+    path = os.path.join(directory, f"zerostall-linerate-{engine}.bin")
+    try:
+        f = eng.open_write(path, size)
+        t0 = time.perf_counter()
+        for off in range(0, size, buf.nbytes):
+            n = min(buf.nbytes, size - off)
+            f.write([(off, buf.mv[:n])])
+        f.finish()
+        w = size / (time.perf_counter() - t0) / 1e9
+        f.close()
+        r = eng.open_read(path)
+        t0 = time.perf_counter()
+        for off in range(0, size, buf.nbytes):
+            n = min(buf.nbytes, size - off)
+            r.read([(off, buf.mv[:n])])
+        rd = size / (time.perf_counter() - t0) / 1e9
+        r.close()
+        return w, rd
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+        eng.close()
+
+
+def line_rate_probe(directory: str, size: int) -> dict[str, float]:
+    """O_DIRECT io_uring (or threads where io_uring is unavailable), 4 MiB requests, depth 32:
+    {"write_gbps", "read_gbps"}."""
+    cfg = IOConfig(chunk_bytes=4 << 20, queue_depth=32, threads=8)
+    buf = Arena(min(size, 1 << 30), mlock=False)
+    try:
+        w, rd = measure_engine("uring" if probe(directory).io_uring else "threads", directory, size, cfg, buf)
+    finally:
+        buf.close()
+    return {"write_gbps": w, "read_gbps": rd}
