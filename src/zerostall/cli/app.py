@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 from . import dcp as cli_dcp
+from . import delete as cli_delete
 from . import demo_bench
 from .._term import console as _console, safe, table
 from .._util import human_bytes as _human

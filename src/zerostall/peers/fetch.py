@@ -127,10 +127,10 @@ def _peer_holdings(view: PeerView, transport: Transport, names: list[str]) -> di
 
 
 def _offer_ids(store: Store, view: PeerView, load_no: int, offer: dict[int, list[str]],
-               timeout_s: float) -> dict[int, str]:
+               timeout_s: float) -> tuple[dict[int, str], set[int]]:
     """Every rank posts, per step, the checkpoint ids it can load it as ("*": any, the remote
-    tier's); returns the steps one id is common to every rank, with that id (the same on every
-    rank)."""
+    tier's); returns the steps one id is common to every rank, with that id, and the steps every
+    rank offers as different commits (the same on every rank)."""
     base = view.key(f"load{load_no}", "ids")
     store.set(f"{base}/r{view.rank}", json.dumps({str(k): v for k, v in offer.items()}))
     keys = [f"{base}/r{r}" for r in range(view.world)]
@@ -142,12 +142,15 @@ def _offer_ids(store: Store, view: PeerView, load_no: int, offer: dict[int, list
     if store.add(f"{base}/n", 1) == view.world:
         store.delete(*keys, f"{base}/n")
     common: dict[int, str] = {}
+    split: set[int] = set()
     for k in set(offers[0]).intersection(*offers[1:]):
         concrete = [set(o[k]) for o in offers if o[k] != ["*"]]
         ids = set.intersection(*concrete) if concrete else {"*"}
         if ids:
             common[int(k)] = max(ids)
-    return common
+        else:
+            split.add(int(k))
+    return common, split
 
 
 def agree(store: Store, view: PeerView, transport: Transport, tier: RootTier, load_no: int, *,
@@ -166,15 +169,16 @@ def agree(store: Store, view: PeerView, transport: Transport, tier: RootTier, lo
     # coded fragments and the remote tier: the commit is not known here ("*")
     offer = {st: [local[st]] if st in local else sorted(peers[st]) if st in peers else ["*"]
              for st in set(local) | set(peers) | set(coded) | remote if step is None or st == step}
-    common = _offer_ids(store, view, load_no, offer, timeout_s)
+    common, split = _offer_ids(store, view, load_no, offer, timeout_s)
     log.info("zerostall: restore: node %s can load steps %s locally, %s from peers, %s from the remote tier",
              view.me, sorted(local)[-5:], sorted(set(peers) | set(coded))[-5:], sorted(remote)[-5:])
     try:  # the multi-node trust layer's agreement: the newest step in every rank's list
-        s = agree_step(store, view.key(f"load{load_no}"), view.rank, view.world, set(common), timeout_s=timeout_s)
+        s = agree_step(store, view.key(f"load{load_no}"), view.rank, view.world, set(offer) - split,
+                       timeout_s=timeout_s)
     except CheckpointNotFound as exc:
-        raise CheckpointNotFound(f"{exc} -- counting local roots, live peers and the remote tier (a file is lost "
-                                 "when every node holding it is gone; a step counts only where every rank "
-                                 "can load the same commit of it)") from None
+        other = f"; step(s) {', '.join(map(str, sorted(split)))}: the ranks hold different commits" if split else ""
+        raise CheckpointNotFound(f"{exc}{other} -- counting local roots, live peers and the remote tier (a file is "
+                                 "lost when every node holding it is gone)") from None
     cid = common[s] if common[s] != "*" else ""
     src = "local" if s in local else "peers" if cid in peers.get(s, {}) else "coded" if s in coded else "remote"
     if src == "remote":

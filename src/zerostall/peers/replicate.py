@@ -81,8 +81,9 @@ class PeerReplicator:
         # keep_last (holders keep the newest keep_last, not only this run's) and local
         # retention keeps the newest protected step
         seen = status_file.read(tier.root).get("steps", {})
+        here = set(tier.steps())  # not a step deleted since (zerostall delete)
         self._protected: list[int] = sorted(int(k) for k, v in seen.items()
-                                            if isinstance(v, dict) and v.get("protected") is True)
+                                            if isinstance(v, dict) and v.get("protected") is True and int(k) in here)
         self._protected_seen: list[int] = self._protected[-1:]
         self._q: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._stop = threading.Event()
