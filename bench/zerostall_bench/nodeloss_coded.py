@@ -3,7 +3,7 @@
 state in all.
 
 Where it runs: on the namespace cluster harness (``tests/cluster/harness.py``: each node a
-network namespace with its own address and a ``tc`` shaped link, ``LINK_MBIT`` each way) when
+network namespace with its own address and a ``tc`` shaped link, :data:`LINK_MBIT` each way) when
 it is available (root, ``ip netns``, ``tc``); otherwise as simulated nodes on 127.0.0.1 (no
 link limits), and the result says which (``where``).
 
@@ -41,7 +41,8 @@ from .nodeloss import _ms, workdir
 from .report import write_doc
 
 NODES = 7
-LINK_MBIT = 400
+LINK_MBIT = int(os.environ.get("ZS_BENCH_LINK_MBIT", "400"))
+"""Every node's link on the cluster, each way (env ``ZS_BENCH_LINK_MBIT``)."""
 RESTORE_LINK_X = 4
 PROTECTIONS = ("r3", "rs4,2")
 

@@ -93,7 +93,7 @@ class Checkpointer:
         self.tier, self.rank, self.world_size, self.node_local = st.tier, st.rank, st.world_size, st.node_local
         self._committer, self._refs, self.engine, self.probe = st.committer, st.refs, st.engine, st.probe
         self._replicator, self._retention, self.session = st.replicator, st.retention, st.session
-        self._peers = st.peers  # replicas > 1: zerostall.peers.Peers
+        self._peers = st.peers  # replicas > 1: zerostall.peers.service.Peers
         self.unreplicated: list[int] = []  # after close(): the steps not replicated within close_timeout_s
         self.unprotected: list[int] = []  # after close(), replicas > 1: this run's steps not held by N nodes
         self._plans = PlanCache()

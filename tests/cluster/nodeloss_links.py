@@ -19,7 +19,7 @@ rates we chose); the fraction of the limit is ours to own.
 Run (root; from the repository root)::
 
     PYTHONPATH=$PWD/src python -m tests.cluster.nodeloss_links --mib 512 --link-mbit 4000 \\
-        --s3-mbit 1000 --rounds 2 --json benchmarks/results/cluster-nodeloss-<date>.json
+        --s3-mbit 1000 --rounds 2 --json bench/results/cluster-nodeloss-<date>.json
 
 Runs on the caller's thread; ranks are :mod:`.bench_worker` processes in the namespaces.
 """

@@ -6,6 +6,8 @@ data + 2 parity fragments on the 6 other nodes. One save, then two restarts:
   files bit-exact from the 4 fragments left, every rank loads the same step, and the fragments
   the wiped holders lost are recomputed onto them (repair);
 * the owner plus 3 holders lost (n1..n4 wiped): every rank raises the same CheckpointNotFound.
+
+And a job of 3 nodes with RS(2,1) (4 nodes needed): every rank refuses to start, naming the numbers.
 """
 
 import json
@@ -94,3 +96,12 @@ def test_rs42_owner_plus_m_lost_rebuilds_bit_exact_and_one_more_fails_alike(tmp_
     docs = _docs(_launch("load", base, tmp_path, ENV, nodes=NODES, worker=WORKER, timeout=180))
     assert {d.get("error_type") for d in docs} == {"CheckpointNotFound"}, docs
     assert len({d["error"] for d in docs}) == 1, [d["error"] for d in docs]
+
+
+def test_a_cluster_smaller_than_k_plus_m_plus_1_is_refused_at_start_up_on_every_rank(tmp_path):
+    docs = _docs(_launch("load", str(tmp_path / "job"), tmp_path, {"ZS_K": "2", "ZS_M": "1"}, nodes=NODES[:3],
+                         worker=WORKER, timeout=120))
+    for d in docs:
+        assert d["error_type"] == "ConfigError", d
+        assert "needs at least 4 nodes; this job has 3 (n0, n1, n2)" in d["error"], d
+        assert "at most 2, or use replicas=N" in d["error"], d

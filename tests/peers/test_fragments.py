@@ -64,6 +64,7 @@ class Job:
                                replica_timeout_s=30, data_fragments=2, parity_fragments=1)
 
     def send(self, rep, step, plan=None):
+        rep.view = self.view()  # the holders' endpoints now
         tier = LocalTier(self.src)
         raw = open(os.path.join(tier.step_dir(step), MANIFEST_NAME), "rb").read()
         lay = rep._layout(tier.read_manifest(step))
@@ -110,6 +111,8 @@ def test_fragments_sent_checked_held_and_rebuilt_bit_exact_from_any_two(job, tmp
     assert len(d0) == len(d1) == HEADER + fb
     assert (d0[HEADER:] + d1[HEADER:])[:len(shard)] == shard and not any((d0[HEADER:] + d1[HEADER:])[len(shard):])
     assert rep.fragment_bytes_sent == 3 * fb and rep.encode_cpu_s > 0
+    # a holder's quota accounting counts its fragments (ls / doctor: the room the next round needs)
+    assert job.servers["n1"][1].usage()["next_bytes"] == HEADER + fb
     assert 3 * fb <= 1.05 * 1.5 * len(shard)  # (k+m)/k of the state, plus padding to 4 KiB
     # rebuilt from the data fragments (n3, parity, gone), then with a data fragment's holder gone
     for gone in ("n3", "n1"):
@@ -212,3 +215,97 @@ def test_a_holder_stopped_mid_fetch_is_replaced_by_the_next_fragment(job, tmp_pa
         os.kill(pid, signal.SIGCONT)
         os.waitpid(pid, 0)
         os.close(r)
+
+
+def _fork(fn):
+    """Run ``fn()`` in a forked child; its pid. The child ends with ``os._exit``."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            fn()
+        finally:
+            os._exit(0)
+    return pid
+
+
+def _kill_at(point):
+    def hook(p):
+        if p == point:  # this very thread: os.kill may let it run on for a moment
+            signal.pthread_kill(threading.get_ident(), signal.SIGKILL)
+    return hook
+
+
+def test_sigkill_at_each_state_of_a_fragment_transfer_keeps_the_previous_step(job, tmp_path):
+    """The sender (a forked child sending n0's parity fragment) or the holder (a forked child
+    serving n3) SIGKILLed at each state: n3 keeps only whole fragments under final names after
+    start-up cleaning, step 1 stays intact on every holder and rebuilds bit-exact."""
+    job.save(1)
+    rep = job.replicator()
+    assert len(job.send(rep, 1)[0]) == 3
+    before = {n: open(job.fragment(n, 1, i), "rb").read() for i, n in enumerate(NODES[1:])}
+    parent_n3 = job.eps["n3"]
+    n3 = LocalTier(str(tmp_path / "n3"))
+    for k, point in enumerate(["frag-send:connect", "frag-send:handshake", "frag-send:mid-stream", "frag-send:sent",
+                               "frag-recv:mid-stream", "frag-recv:before-fsync", "frag-recv:before-rename",
+                               "frag-recv:before-ack"]):
+        step = 2 + k
+        job.save(step)
+        if point.startswith("frag-send"):
+            job.eps["n3"] = parent_n3
+            pid = _fork(lambda: (setattr(stream, "fault_hook", _kill_at(point)), job.send(rep, step, {2: "n3"})))
+            _, status = os.waitpid(pid, 0)
+        else:
+            job.servers["n3"][0].close()
+            r, w = os.pipe()
+
+            def holder():
+                stream.fault_hook = _kill_at(point)
+                t = TcpTransport(SECRET, "n3", set(NODES), timeout_s=3, pacer=Pacer(None))
+                ps = PeerStore(n3, "n3", lambda: choose_engine(n3.root))
+                register(t, FragmentStore(ps), set(NODES), "n3", "normal", None)
+                os.write(w, str(t.serve(ps)[1]).encode())
+                time.sleep(60)
+            pid = _fork(holder)
+            os.close(w)
+            job.eps["n3"] = Endpoint("n3", "127.0.0.1", int(os.read(r, 32)))
+            os.close(r)
+            ok, failed = job.send(rep, step, {2: "n3"})
+            assert ok == {} and failed, (point, ok)
+            _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, point
+        PeerStore(n3, "n3", lambda: choose_engine(n3.root)).clean()  # what the next start does
+        d = os.path.join(n3.root, "peers", "n0", f"step-{step}")
+        left = sorted(os.listdir(d)) if os.path.isdir(d) else []
+        assert not [f for f in left if f.startswith(".")], (point, left)
+        if point != "frag-recv:before-ack":  # renamed only after fsync: a final name is a whole fragment
+            assert "fragment-2" not in left, (point, left)
+        for i, n in enumerate(NODES[1:]):
+            assert open(job.fragment(n, 1, i), "rb").read() == before[n], (point, n)
+    job.servers["n3"] = (TcpTransport(SECRET, "n3", set(NODES), timeout_s=3, pacer=Pacer(None)), None)
+    ps = PeerStore(n3, "n3", lambda: choose_engine(n3.root))
+    register(job.servers["n3"][0], FragmentStore(ps), set(NODES), "n3", "normal", None)
+    job.eps["n3"] = Endpoint("n3", *job.servers["n3"][0].serve(ps))
+    tier, step = job.restore_into(str(tmp_path / "new"))  # no later step has k fragments anywhere
+    assert step == 1 and open(os.path.join(tier.step_dir(1), NAME), "rb").read() == \
+        open(os.path.join(job.src, "step-1", NAME), "rb").read()
+
+
+def test_an_incremental_step_is_rebuilt_with_the_step_it_references(job, tmp_path):
+    """Each step codes only the bytes its own files hold; rebuilding an incremental step
+    rebuilds the earlier step it borrows tensors from too, and the load is bit-exact."""
+    frozen = torch.randn(300_000, generator=torch.Generator().manual_seed(7))
+    with zerostall.Checkpointer(job.src, incremental=True) as ck:
+        ck.save(1, {"frozen": frozen, "w": torch.zeros(1000)}).result()
+        ck.save(2, {"frozen": frozen, "w": torch.ones(1000)}).result()
+    src = LocalTier(job.src)
+    assert {r.step for r in src.read_manifest(2).ref_files} == {1}  # step 2 borrows "frozen" from step 1
+    assert os.path.getsize(os.path.join(job.src, "step-2", NAME)) < os.path.getsize(os.path.join(job.src, "step-1",
+                                                                                                   NAME))
+    rep = job.replicator()
+    for step in (1, 2):
+        assert len(job.send(rep, step)[0]) == 3
+    tier, step = job.restore_into(str(tmp_path / "new"))
+    assert step == 2 and tier.steps() == [1, 2]
+    back = {"frozen": torch.empty(300_000), "w": torch.empty(1000)}
+    zerostall.load(tier.root, back, step=2)
+    assert torch.equal(back["frozen"], frozen) and torch.equal(back["w"], torch.ones(1000))

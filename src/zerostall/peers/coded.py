@@ -38,7 +38,7 @@ from typing import Any
 import crc32c as _crc
 
 from ..config import ALIGN_BYTES
-from ..errors import ZerostallError
+from ..errors import ConfigError, ZerostallError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from .coding import STRIPE_BYTES, Code, Layout, descriptor_id
 from .fragments import Upload, list_fragments
@@ -51,7 +51,6 @@ log = logging.getLogger("zerostall")
 
 def check_cluster(k: int, m: int, nodes: list[str]) -> None:
     """Refuse a job too small for RS(k, m): the owner and k + m holders on distinct nodes."""
-    from ..errors import ConfigError
     if len(nodes) < k + m + 1:
         raise ConfigError(f"peers.code='rs' with data_fragments={k} and parity_fragments={m} puts {k + m} fragments "
                           f"of each node's files on {k + m} other nodes, so it needs at least {k + m + 1} nodes; this "

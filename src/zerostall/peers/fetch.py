@@ -154,10 +154,13 @@ def _offer_ids(store: Store, view: PeerView, load_no: int, offer: dict[int, list
 
 
 def agree(store: Store, view: PeerView, transport: Transport, tier: RootTier, load_no: int, *,
-          step: int | None, remote_steps: list[int], timeout_s: float, coded: set[int] = frozenset()) -> Plan:
+          step: int | None, remote_steps: list[int], timeout_s: float,
+          coded: dict[int, Any] | None = None) -> Plan:
     """Steps 1-2 of the module doc; raises :class:`CheckpointNotFound` on every rank alike.
-    ``coded``: the steps live holders hold enough fragments of to rebuild this node's files
-    (coded copies, :func:`.coded_restore.holdings`); source ``"coded"``."""
+    ``coded``: step -> the checkpoint ids of the commits live holders hold enough fragments of
+    to rebuild this node's files (coded copies, :func:`.coded_restore.holdings`); source
+    ``"coded"``."""
+    coded = coded or {}
     names = [shard_name(r) for r in view.ranks_of(view.me)]
     local, committed = _local_steps(tier, view, names)
     peers = _peer_holdings(view, transport, names)
@@ -166,8 +169,8 @@ def agree(store: Store, view: PeerView, transport: Transport, tier: RootTier, lo
         if not peers[st]:
             del peers[st]
     remote = set(remote_steps)
-    # coded fragments and the remote tier: the commit is not known here ("*")
-    offer = {st: [local[st]] if st in local else sorted(peers[st]) if st in peers else ["*"]
+    # the remote tier: the commit is not known here ("*")
+    offer = {st: [local[st]] if st in local else sorted(set(peers.get(st, ())) | set(coded.get(st, ()))) or ["*"]
              for st in set(local) | set(peers) | set(coded) | remote if step is None or st == step}
     common, split = _offer_ids(store, view, load_no, offer, timeout_s)
     log.info("zerostall: restore: node %s can load steps %s locally, %s from peers, %s from the remote tier",
@@ -180,7 +183,8 @@ def agree(store: Store, view: PeerView, transport: Transport, tier: RootTier, lo
         raise CheckpointNotFound(f"{exc}{other} -- counting local roots, live peers and the remote tier (a file is "
                                  "lost when every node holding it is gone)") from None
     cid = common[s] if common[s] != "*" else ""
-    src = "local" if s in local else "peers" if cid in peers.get(s, {}) else "coded" if s in coded else "remote"
+    src = "local" if s in local else "peers" if cid in peers.get(s, {}) else "coded" if cid in coded.get(s, ()) \
+        else "remote"
     if src == "remote":
         log.warning("zerostall: step %d: no live node holds %s; falling back to the remote tier for them", s,
                     ", ".join(names))

@@ -19,7 +19,7 @@ from ..telemetry.record import SaveRecord
 class Owner(Protocol):
     """What a handle reads of the ``Checkpointer`` that made it (any thread)."""
     _peers: Any
-    """:class:`zerostall.peers.Peers` with ``replicas > 1``, else None."""
+    """:class:`zerostall.peers.service.Peers` with ``replicas > 1``, else None."""
     config: Any
     """Its :class:`~zerostall.config.CheckpointConfig` (``remote``)."""
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import itertools
 import logging
 import operator
 import time
@@ -39,6 +38,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .._fast import DEVICE, NBYTES, OFFSET, copy_runs, zero_runs
 from .._util import Worker, run_in_fresh_thread
 from ..memory.arena import Arena
 from .job import Forward, Job, Slot, Staged
@@ -48,31 +48,20 @@ from ..memory.ring import BlockRing
 log = logging.getLogger("zerostall")
 
 
-_memmove = ctypes.memmove
-_memset = ctypes.memset
-_held = ctypes.PyDLL(None)  # calls through it keep the GIL: for runs of small copies
-_memmove_held, _memset_held = _held.memmove, _held.memset
-_memmove_held.argtypes, _memmove_held.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p
-_memset_held.argtypes, _memset_held.restype = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t], ctypes.c_void_p
-"""memmove/memset without releasing the GIL. ``ctypes.memmove`` releases and takes it back per
-call: 100k copies of 2.7 KB took 438 ms with another thread running Python code, 131 ms
-holding it (a run of one block holds it ~1-3 ms, under the interpreter's 5 ms switch interval)."""
+_memmove, _memset = ctypes.memmove, ctypes.memset
 STRIDED_CHUNK_BYTES = 8 << 20
 SMALL_ITEM_BYTES = 1 << 20
 """Tensors up to this size are copied in runs (:meth:`Snapshotter._copy_small`); a larger one
 is streamed block by block, so the persist thread can write its first blocks meanwhile."""
-_OFFSET, _NBYTES = operator.attrgetter("offset"), operator.attrgetter("nbytes")
 _CONTIG = torch.Tensor.is_contiguous
 
 
 def _bulk_ok(tensors: list[torch.Tensor], devices: Any = None) -> bool:
     """Whether every tensor is a contiguous CPU tensor (then copied by address, in runs);
     ``devices``: their distinct devices, if known."""
-    devices = set(map(_DEVICE_OF, tensors)) if devices is None else devices
+    devices = set(map(DEVICE, tensors)) if devices is None else devices
     return {"cpu"}.issuperset(d.type for d in devices) and all(map(_CONTIG, tensors))
 
-
-_DEVICE_OF = operator.attrgetter("device")
 
 
 def row_slices(t: torch.Tensor, limit: int = STRIDED_CHUNK_BYTES) -> Iterator[torch.Tensor]:
@@ -246,9 +235,9 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
         """Copy the run of small contiguous CPU tensors from item ``i`` on that starts in
         item ``i``'s block and ends inside the writable part of the ring, zeroing the gaps
         between them; publish the blocks it completes. One ``memmove``/``memset`` per item
-        through a C-level ``map`` (no Python frame per tensor: ~10 us -> <1 us per tensor at
-        100k tensors), the GIL held throughout (:data:`_memmove_held`). Returns (next item, file position after the run); ``(i, offs[i])``
-        when item ``i`` reaches past the writable run (the per-item path streams it)."""
+        through a C-level ``map``, the GIL held throughout (:func:`~zerostall._fast.copy_runs`).
+        Returns (next item, file position after the run); ``(i, offs[i])`` when item ``i``
+        reaches past the writable run (the per-item path streams it)."""
         ring, B, g0 = self.ring, self.ring.block_bytes, job.slot.g0
         start = offs[i]
         blk = start // B
@@ -269,8 +258,8 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
         ends = list(map(operator.add, offs[i:j], lens[i:j]))
         gaps = [(e, s - e) for e, s in zip(ends, offs[i + 1:j]) if s > e]
         if gaps:
-            list(map(_memset_held, [at + e for e, _ in gaps], itertools.repeat(0), [n for _, n in gaps]))
-        list(map(_memmove_held, map(at.__add__, offs[i:j]), ptrs[i:j], lens[i:j]))
+            zero_runs([at + e for e, _ in gaps], [n for _, n in gaps])
+        copy_runs(map(at.__add__, offs[i:j]), ptrs[i:j], lens[i:j])
         ring.publish(g0 + end // B)
         return j, end
 
@@ -282,7 +271,7 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
         g0, cuda_event = job.slot.g0, job.source.cuda_event
         arena = job.slot.arena  # the pool swaps arenas only between jobs
         arena_u8 = arena.u8
-        devices = list(dict.fromkeys(map(_DEVICE_OF, tensors)))  # distinct, in order (one C-level map)
+        devices = list(dict.fromkeys(map(DEVICE, tensors)))  # distinct, in order (one C-level map)
         first_cuda = next((d for d in devices if d.type == "cuda"), None)
         streams = self._cuda(first_cuda) if first_cuda is not None else None
 
@@ -313,7 +302,7 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
             pos = items[0].offset if items else plan.file_bytes
         items, tensors = list(items), list(tensors)
         bulk = _bulk_ok(tensors, devices)
-        offs, lens = list(map(_OFFSET, items)), list(map(_NBYTES, items))
+        offs, lens = list(map(OFFSET, items)), list(map(NBYTES, items))
         bulk = bulk and all(map(operator.le, offs, offs[1:]))  # runs are found by bisection
         ptrs = list(map(torch.Tensor.data_ptr, tensors)) if bulk else []
         i, n_items = 0, len(items)
