@@ -15,6 +15,7 @@ import argparse
 import os
 
 from ..errors import RootNotFound
+from ..peers.tombstones import delete_step
 
 
 def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -26,7 +27,6 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
 
 
 def cmd_delete(a: argparse.Namespace) -> int:
-    from ..peers.tombstones import delete_step
     for root in a.roots:
         if not os.path.isdir(root):
             raise RootNotFound(f"no checkpoint directory {root!r}", root=root)
