@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from zerostall.errors import CorruptCheckpoint, UnsupportedStateError
-from zerostall.format import FileEntry, Manifest, TensorEntry, decode_tree, encode_tree
+from zerostall.format import FileEntry, Manifest, TensorEntry
+from zerostall.format.decode import decode_tree
 from zerostall.format.layout import ShardHeader
-from zerostall.format.tree import decode_tree, encode_tree
+from zerostall.format.tree import encode_tree
 
 from tests.manifest_forms import FORMS, edit
 

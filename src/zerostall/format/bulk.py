@@ -21,7 +21,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .._fast import DEVICE, DTYPE, INDEX, IS_NESTED, LAYOUT, TYPE, Splice, shape_of
+from .._fast import DEVICE, DTYPE, INDEX, IS_NESTED, LAYOUT, TYPE, Splice
+from .._fast_torch import shape_of
 
 TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 BULK_MIN = 32

@@ -37,7 +37,8 @@ from .layout import HEADER_BYTES, MANIFEST_ALIGNMENT
 from .refs import FORMAT_VERSION_REFS, RefFile, parse_ref_files
 from .table import (FORMAT_VERSION_TABLE, Entries, TensorEntry, encode_columns, file_slots, parse_columns,
                     parse_objects, tensors_json)
-from .tree import decode_tree, tree_tensor_indices
+from .decode import decode_tree
+from .nodes import tree_tensor_indices
 
 __all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "Entries", "FileEntry", "Manifest", "TensorEntry", "tensors_json"]
 

@@ -24,13 +24,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from .dtypes import DTYPE_NAMES, dtype_from_name, itemsize
+from .dtype_names import ITEMSIZE_BY_NAME as _ITEMSIZE_BY_NAME, unknown_dtype
 from . import validate as V
 from .._fast import CRC32C, DTYPE, KEY, NBYTES, OFFSET, SHAPE, frozen_maker
 
 FORMAT_VERSION_TABLE = 3
 COLUMNS = ("key", "dtype", "shape", "file", "offset", "nbytes", "crc32c")
-_ITEMSIZE_BY_NAME = {name: itemsize(dtype_from_name(name)) for name in DTYPE_NAMES}
 
 
 @dataclass(frozen=True)
@@ -175,7 +174,7 @@ def _entry(i: int, key: Any, dt: Any, shape: Any, fname: Any, span_file: Any, re
         raise bad(f"tensor entry {i} has no valid key")
     size = _ITEMSIZE_BY_NAME.get(dt) if type(dt) is str else None
     if size is None:
-        dtype_from_name(dt, where=f"{where}: tensor {key!r}")  # raises: unknown
+        raise unknown_dtype(dt, f"{where}: tensor {key!r}")
     max_dim = V.MAX_DIM
     ctx = f"tensor {key!r}: "
     if type(nbytes) is not int or not 0 <= nbytes <= max_dim:
@@ -235,7 +234,7 @@ def parse_columns(raw: Any, slots: list[FileSlot], where: str, bad: Bad
         raise bad(f"'tensors' columns differ in length ({', '.join(f'{k}: {len(c)}' for k, c in zip(COLUMNS, cols))})")
     for name in names:
         if type(name) is not str or name not in _ITEMSIZE_BY_NAME:
-            dtype_from_name(name, where=f"{where}: 'tensors' dtypes")  # raises: unknown
+            raise unknown_dtype(name, f"{where}: 'tensors' dtypes")
     nd, ns = len(names), len(slots)
     out: list[TensorEntry] = []
     spans: list[V.Span] = []

@@ -29,8 +29,6 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-import numpy as np
-
 from ..config import ALIGN_BYTES
 from ..errors import CorruptCheckpoint
 from .layout import ITEM_ALIGN, LINE_ITEM_BYTES, PAGE_ITEM_BYTES, SMALL_ALIGN, item_align, item_end
@@ -43,6 +41,8 @@ MAX_DIM = 1 << 62
 MAX_NDIM = 64
 MAX_ELEMENTS = 1 << 62
 MAX_KEY_CHARS = 1 << 16
+MAX_DEPTH = 200
+"""Deepest nesting of a state tree that is saved or loaded."""
 MAX_INT_BITS = 4096
 """Plain ints in a state are bounded (saved and loaded alike): 4096 bits is far below the
 digit limit of Python's int<->str conversion, so what is saved can always be parsed."""
@@ -168,6 +168,7 @@ def _disjoint_in_bulk(spans: Any, file_bytes: dict[str, int], layout: int) -> bo
     :func:`check_spans` has nothing to report and no alias): numpy over all spans at once.
     False where any of that fails or does not fit int64:
     the loop then finds what and says it."""
+    import numpy as np  # here, not at the top: a small manifest (zerostall ls/inspect) needs none
     n = len(spans)
     cols = spans.columns() if hasattr(spans, "columns") else (  # parsed columns (format.table), or Spans
         list(map(FILE, spans)), map(OFFSET, spans), map(NBYTES, spans), map(INDEX, spans))

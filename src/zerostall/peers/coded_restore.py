@@ -1,7 +1,7 @@
 """Coded copies, the restore side: which steps live holders can rebuild this node's files of
 (:func:`holdings`), and the rebuild itself (:func:`rebuild`).
 
-Called by :meth:`zerostall.peers.Peers.prepare_load` on the caller's thread of every rank:
+Called by :meth:`zerostall.peers.service.Peers.prepare_load` on the caller's thread of every rank:
 :func:`holdings` before the ranks' agreement (a step counts once live nodes hold k distinct
 fragments of one coding of it), :func:`rebuild` on the node's leader when the agreed step is
 neither local nor otherwise at hand (:func:`.fetch.fetch` runs it and tells the node's other
@@ -58,10 +58,12 @@ class Rebuild:
     holders: dict[int, list[str]] = field(default_factory=dict)
 
 
-def holdings(view: PeerView, transport: Any) -> dict[int, Rebuild]:
-    """step -> :class:`Rebuild` for every step of this node of which live nodes hold at least
-    k fragments of one coding (every other node asked in parallel; an unreachable one is
-    skipped after ``peers.timeout_s``)."""
+def holdings(view: PeerView, transport: Any) -> dict[int, dict[str, Rebuild]]:
+    """step -> checkpoint id -> :class:`Rebuild` for every commit of a step of this node of
+    which live nodes hold at least k fragments of one coding (every other node asked in
+    parallel; an unreachable one is skipped after ``peers.timeout_s``). Every commit is kept:
+    holders may still keep a superseded commit of an overwritten step, and only the ranks'
+    agreement says which one the step is."""
     lists: dict[str, list[dict[str, Any]]] = {}
 
     def ask(node: str) -> None:
@@ -85,11 +87,24 @@ def holdings(view: PeerView, transport: Any) -> dict[int, Rebuild]:
                         groups.setdefault(key, {}).setdefault(int(i), []).append(node)
             except (KeyError, TypeError, ValueError):
                 continue
-    out: dict[int, Rebuild] = {}
+    out: dict[int, dict[str, Rebuild]] = {}
     for (step, ckpt, desc, k, m), frags in groups.items():
-        if len(frags) >= k and (step not in out or len(frags) > len(out[step].holders)):
-            out[step] = Rebuild(step, ckpt, desc, k, m, frags)
-    return out
+        ids = out.setdefault(step, {})
+        if len(frags) >= k and (ckpt not in ids or len(frags) > len(ids[ckpt].holders)):
+            ids[ckpt] = Rebuild(step, ckpt, desc, k, m, frags)
+    return {step: ids for step, ids in out.items() if ids}
+
+
+def _pick(coded: dict[int, dict[str, Rebuild]], step: int, checkpoint_id: str) -> Rebuild:
+    """The coding of ``step`` to rebuild: that of commit ``checkpoint_id`` ("": the one held
+    by the most fragments); :class:`CheckpointNotFound` when live nodes hold too few."""
+    ids = coded.get(step, {})
+    if checkpoint_id and checkpoint_id in ids:
+        return ids[checkpoint_id]
+    if checkpoint_id or not ids:
+        raise CheckpointNotFound(f"restore of step {step}: live nodes hold fewer than k fragments of its commit "
+                                 f"{checkpoint_id or '(any)'}" + (f" (only of {', '.join(sorted(ids))})" if ids else ""))
+    return max(ids.values(), key=lambda r: len(r.holders))
 
 
 class _ConcatWriter:
@@ -120,19 +135,22 @@ class _ConcatWriter:
 
 
 def rebuild(view: PeerView, transport: Any, tier: RootTier, engine_for: Callable[[], Engine], step: int,
-            coded: dict[int, Rebuild]) -> None:
-    """The module doc's steps 1-3 for ``step`` (and the earlier steps it references)."""
+            coded: dict[int, dict[str, Rebuild]], checkpoint_id: str = "") -> None:
+    """The module doc's steps 1-3 for ``step`` (and the earlier steps it references).
+    ``checkpoint_id``: the commit of the step the ranks agreed on (a referenced step's commit
+    is the one its reference names)."""
     names = [shard_name(r) for r in view.ranks_of(view.me)]
-    man = _rebuild_step(view, transport, tier, engine_for, coded[step], names, commit=False)
+    man = _rebuild_step(view, transport, tier, engine_for, _pick(coded, step, checkpoint_id), names, commit=False)
     try:
         for ref in sorted({r.step for r in man.ref_files if r.name in names}):
             if ref in tier.steps() and all(os.path.exists(os.path.join(tier.step_dir(ref), r.name))
                                            for r in man.ref_files if r.step == ref and r.name in names):
                 continue
-            if ref not in coded:
+            ref_ids = {r.file_id for r in man.ref_files if r.step == ref and r.name in names}
+            if ref not in coded or len(ref_ids) != 1:
                 raise CheckpointNotFound(f"restore of step {step}: it references step {ref}, of which live nodes "
                                          f"hold fewer than k fragments of {', '.join(names)}")
-            _rebuild_step(view, transport, tier, engine_for, coded[ref], names, commit=True)
+            _rebuild_step(view, transport, tier, engine_for, _pick(coded, ref, ref_ids.pop()), names, commit=True)
     except BaseException:
         tier.abort(step)
         raise

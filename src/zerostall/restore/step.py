@@ -29,7 +29,8 @@ from ..errors import CorruptCheckpoint, StateMismatchError, ZerostallError
 from ..format.dtypes import dtype_from_name
 from ..format.layout import PAGE_ITEM_BYTES, ShardHeader
 from ..format.manifest import Manifest, TensorEntry
-from ..format.tree import decode_tree, tree_tensor_indices
+from ..format.decode import decode_tree
+from ..format.nodes import tree_tensor_indices
 from ..io.base import Engine
 from ..memory.arena import Arena
 from ..store.local import LocalTier
@@ -53,7 +54,7 @@ last_stats: Stats | None = None
 def shared_bounce() -> Arena:
     """The process's restore scratch when no staging pool lends one (faulted once, reused).
     Any thread: a peer restore faults it on a thread of its own while the node's files are
-    fetched (:meth:`zerostall.peers.Peers.prepare_load`); a second caller waits for that one."""
+    fetched (:meth:`zerostall.peers.service.Peers.prepare_load`); a second caller waits for that one."""
     global _bounce
     with _bounce_made:
         if _bounce is None:

@@ -27,12 +27,14 @@ from ..format.bulk import dumps_tree
 from ..format.dtypes import dtype_name
 from ..format.layout import HEADER_BYTES, align_up, pack_offsets, place
 from ..format.frozen import DeferredTree, Frozen, skeleton_json
-from ..format.tree import TensorLeaf, decode_tree, encode_tree
+from ..format.decode import decode_tree
+from ..format.tree import TensorLeaf, encode_tree
 from ..format.validate import MAX_STEP, NotPlain, plain_copy
 from ..format.dtypes import SUPPORTED_DTYPES
 from ..format.table import TensorEntry, encode_columns
 from ..format import manifest as mf
-from .._fast import DEVICE, DTYPE, KEY, NUMPY, TENSOR, shape_of, tuples_maker
+from .._fast import DEVICE, DTYPE, KEY, NUMPY, TENSOR, tuples_maker
+from .._fast_torch import shape_of
 
 
 def decode_key(k_node: Any) -> Any:

@@ -20,7 +20,8 @@ from .._util import no_gc
 from ..format.frozen import FREEZE_MIN, Frozen, freeze
 from ..format.tree import TensorLeaf, encode_tree, new_leaves
 from .plan import SavePlan, _entries_bound, build_plan, finish_tree
-from .._fast import DEVICE, DTYPE, KEY, NBYTES, NUMPY, shape_of
+from .._fast import DEVICE, DTYPE, KEY, NBYTES, NUMPY
+from .._fast_torch import shape_of
 
 class Leaves(Sequence[TensorLeaf]):
     """A reused plan's leaves, kept as three parallel tuples (keys, detached tensors, numpy

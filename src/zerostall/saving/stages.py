@@ -55,7 +55,7 @@ class Stages:
     session: Session | None = None
     """Across ranks: the start-up round's outcome (node, copies of the root)."""
     peers: Any = None
-    """:class:`zerostall.peers.Peers` with ``replicas > 1`` (a post-commit subscriber too)."""
+    """:class:`zerostall.peers.service.Peers` with ``replicas > 1`` (a post-commit subscriber too)."""
 
     @property
     def plan_rank(self) -> tuple[int, int]:
@@ -144,7 +144,7 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
                                        timeout_s=cfg.commit_timeout_s)
             node_local = session.node_local
             if cfg.peer_copies:  # after join: the store exchange runs under the session's prefix
-                from ..peers import Peers
+                from ..peers.service import Peers
                 peers = Peers(cfg, tier, kv, session.prefix, rank, world_size, node_local=node_local,
                               copies=session.leader_of)
         else:  # the one writer of this root (RootLockedError if another holds it); cleans leftovers
