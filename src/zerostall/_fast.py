@@ -21,6 +21,8 @@ import secrets
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
+from crc32c import crc32c as _crc32c
+
 R = TypeVar("R")
 
 # -- records ------------------------------------------------------------------------------
@@ -104,6 +106,41 @@ def zero_runs(dsts: Iterable[int], lens: Iterable[int]) -> None:
     """``memset(dst, 0, n)`` of each (dst, n), the GIL held throughout."""
     dsts = list(dsts)
     list(map(memset_held, dsts, [0] * len(dsts), lens))
+
+
+# -- one pass: copy and checksum while the bytes are in the cache ------------------------------
+CRC_PIECE_BYTES = 512 << 10
+"""Copied, then checksummed, piece by piece: small enough to stay in a core's cache between the
+two (1 MiB of L2 per core where this was measured)."""
+
+
+def copy_crc(dst: int, src: int, n: int, dst_mv: memoryview, doff: int, crc: int = 0) -> int:
+    """Copy ``n`` bytes from address ``src`` to ``dst`` (``dst_mv[doff:]`` views ``dst``) and return
+    ``crc`` extended over them, piece by piece while each piece is still in the cache: one pass
+    over memory instead of a copy and a second read. ``ctypes.memmove`` and ``crc32c`` release the
+    GIL. Twin: :func:`copy_then_crc`."""
+    for p in range(0, n, CRC_PIECE_BYTES):
+        k = min(CRC_PIECE_BYTES, n - p)
+        ctypes.memmove(dst + p, src + p, k)
+        crc = _crc32c(dst_mv[doff + p:doff + p + k], crc)
+    return crc
+
+
+def copy_then_crc(dst: int, src: int, n: int, dst_mv: memoryview, doff: int, crc: int = 0) -> int:
+    """The twin of :func:`copy_crc`: one copy, then one checksum of the copy."""
+    ctypes.memmove(dst, src, n)
+    return _crc32c(dst_mv[doff:doff + n], crc)
+
+
+def crc_runs(mv: memoryview, starts: Sequence[int], ends: Sequence[int]) -> list[int]:
+    """crc32c of each ``mv[start:end]`` (a run of small items just copied) by C-level maps, no
+    Python frame per item. Twin: :func:`plain_crc_runs`."""
+    return list(map(_crc32c, map(mv.__getitem__, map(slice, starts, ends))))
+
+
+def plain_crc_runs(mv: memoryview, starts: Sequence[int], ends: Sequence[int]) -> list[int]:
+    """The twin of :func:`crc_runs`: one ``crc32c`` call per item."""
+    return [_crc32c(mv[a:b]) for a, b in zip(starts, ends)]
 
 
 # -- JSON with already-encoded pieces spliced in ----------------------------------------------

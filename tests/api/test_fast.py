@@ -5,10 +5,12 @@ from __future__ import annotations
 import ctypes
 import json
 import mmap
+import os
 import types
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import crc32c
 import torch
 
 from zerostall import _fast, _fast_torch
@@ -85,3 +87,21 @@ def test_splice_equals_encoding_the_pieces_in_place():
     assert text == json.dumps(want, separators=(",", ":"))
     assert other.splice(text, ["7"]) == json.dumps(dict(want, l=[want["l"][0], 7, "\x00zs plain"]),
                                                    separators=(",", ":"))
+
+
+def test_copy_crc_equals_its_plain_twin():
+    n = 3 * _fast.CRC_PIECE_BYTES + 12345
+    src = bytearray(os.urandom(n))
+    out = []
+    for fn in (_fast.copy_crc, _fast.copy_then_crc):
+        dst = bytearray(n + 64)
+        addr = ctypes.addressof((ctypes.c_char * len(dst)).from_buffer(dst))
+        s_addr = ctypes.addressof((ctypes.c_char * n).from_buffer(src))
+        crc = fn(addr + 64, s_addr, n, memoryview(dst), 64, crc32c.crc32c(b"seed"))
+        out.append((bytes(dst), crc))
+    assert out[0] == out[1] and out[0][0][64:] == bytes(src)
+    assert out[0][1] == crc32c.crc32c(bytes(src), crc32c.crc32c(b"seed"))
+    mv = memoryview(bytes(src))
+    runs = ([0, 100, 100], [100, 5000, 100])
+    assert _fast.crc_runs(mv, *runs) == _fast.plain_crc_runs(mv, *runs) == [
+        crc32c.crc32c(src[:100]), crc32c.crc32c(src[100:5000]), 0]

@@ -114,7 +114,8 @@ def arm(fault):
                 def first(mv):
                     feed(mv)
                     # never the store's host: cutting it off would cut off the whole job
-                    if sock.getpeername()[0] != os.environ.get("MASTER_ADDR"):
+                    # and a transfer with bytes still to come (not a range done in one chunk)
+                    if sock.getpeername()[0] != os.environ.get("MASTER_ADDR") and size > len(mv):
                         pause(bytes=len(mv), size=size, peer=sock.getpeername()[0])
                 check.feed = first
             return orig(sock, size, w, check, *a, **k)
