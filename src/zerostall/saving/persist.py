@@ -193,7 +193,7 @@ class Persister(Worker[Job]):
                 self.committer.fail(req, exc)
             except Exception as cexc:  # noqa: BLE001 - the original error is the one to report
                 log.error("zerostall: cleaning up step %d failed: %s", req.step, cexc)
-            log.error("zerostall: save of step %d failed, nothing committed: %s", req.step, exc)
+            log.error("zerostall: save of step %d failed: %s", req.step, exc)  # the error says what is committed
         else:
             self._after_commit(job, persisted, post, t1)
         finally:
