@@ -133,7 +133,13 @@ def main():
         # room in the staging ring for every save in flight: only the seam below makes one skip
         ck.prepare({"pad": torch.empty(3 * ck.config.staging.block_bytes // 4)})
         for step in args["steps"]:
-            if rank == args["skip_rank"] and step == args["skip_step"]:
+            if rank == args.get("fail_rank") and step == args.get("fail_step"):
+                try:  # an unsupported leaf: save() raises before the room agreement
+                    ck.save(step, {**state_for(rank, step, args), "bad": object()})
+                except zerostall.errors.ZerostallError:
+                    res[str(step)] = {"state": "failed", "error": "raised here"}
+                continue
+            if rank == args.get("skip_rank") and step == args.get("skip_step"):
                 ring = ck._lease.ring
                 ring.fits_now = lambda n: False  # the seam: the ring is full right now
                 handles[step] = ck.save(step, state_for(rank, step, args))
