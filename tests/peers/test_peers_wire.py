@@ -258,3 +258,24 @@ def test_strangers_that_never_authenticate_cannot_lock_the_job_out(pair):
     finally:
         for s in squat:
             s.close()
+
+
+def test_a_nodes_own_outgoing_connections_do_not_take_its_servers_slots(pair, tmp_path):
+    """adv: at a load every node lists every other node at once (one thread each), so a job of
+    more than ``max_connections`` nodes has that many of its own connections open while the
+    others list it. Those are not connections to its server: they must not make it refuse
+    the peers asking it ("the peer closed the connection after 0 of 4 bytes"), which leaves
+    their copies uncounted and the restore falling back to an older step."""
+    src, dst, ep, server, client = pair
+    other_root = LocalTier(str(tmp_path / "n2"), create=True)
+    other = TcpTransport(SECRET, "n2", {"n0", "n1", "n2"}, timeout_s=5, pacer=Pacer(None))
+    eo = Endpoint("n2", *other.serve(PeerStore(other_root, "n2", lambda: choose_engine(other_root.root))))
+    out = []
+    try:
+        for _ in range(server.max_connections):  # n1 (the server of the pair) busy asking n2
+            out.append(server.open(eo))
+        assert client.list_held(ep) == []  # n0 asking n1 is served all the same
+    finally:
+        for s in out:
+            server.release(s)
+        other.close()
