@@ -28,13 +28,13 @@ from ..io.base import Engine, choose_engine
 from ..store.remote import list_steps, open_tier
 from ..store.tier import RootTier
 from .exchange import PeerView, advertised_host, setup
-from .fetch import Plan, agree, fetch
+from .fetch import Offer, fetch, offer
 from .placement import Node
 from .replicate import PeerReplicator, StepStatus
 from .store import PeerStore, quota_for
 from .tcp import Pacer, TcpTransport
 
-__all__ = ["Peers", "StepStatus"]
+__all__ = ["PeerLoad", "Peers", "StepStatus"]
 log = logging.getLogger("zerostall")
 
 
@@ -76,8 +76,6 @@ class Peers:
                                          replicas=cfg.replicas, keep_last=cfg.keep_last,
                                          replica_timeout_s=pc.replica_timeout_s, cpu_priority=pc.cpu_priority)
         self._loads = itertools.count()
-        self.planned_step = -1
-        """The step the last :meth:`plan_load` agreed on (its files are local now)."""
         self.last_fetch_s = 0.0
         """Seconds the last restore spent bringing this node's files in from peers (bench)."""
         self.last_fetch_end = 0.0
@@ -120,28 +118,16 @@ class Peers:
         return self.replicator.status(step)
 
     # -- caller's thread ---------------------------------------------------------------
-    def plan_load(self, step: int | None, warm: Callable[[], Any] | None = None) -> tuple[int | None, str]:
-        """``Checkpointer.load``'s first part with peer replicas: ``(the step to load, where this
-        node's files came from)``; ``warm`` (the restore scratch's fault) runs on a thread of its
-        own while this node's files are at hand."""
-        remote_steps: list[int] = []
-        if self.cfg.remote:
-            remote_steps = list_steps(open_tier(self.cfg.remote, io=self.cfg.io))[0] or []
-        plan = self.prepare_load(step, remote_steps, warm)
-        self.planned_step = plan.step
-        # unpinned: the collective load starts at the newest step and, if a rank's copy of it
-        # fails to verify (bit rot the size check above cannot see), falls back to an older
-        # one on every rank alike, instead of failing the whole job on the agreed step
-        return (plan.step if step is not None else None), plan.source
-
-    def prepare_load(self, step: int | None, remote_steps: list[int], warm: Callable[[], Any] | None = None) -> Plan:
-        """Agree on the step and bring this node's files of it into the local root (peers);
-        ``plan.source == "remote"``: the ordinary load must download it."""
+    def plan_load(self, step: int | None, warm: Callable[[], Any] | None = None) -> "PeerLoad":
+        """``Checkpointer.load``'s first part with peer replicas (every rank, collectively): what
+        this node can load counting live holders; the collective load then tries the steps all
+        ranks offer, newest first, and calls :meth:`PeerLoad.prepare` before each. ``warm``
+        (the restore scratch's fault) runs on a thread of its own when this node's newest files
+        are at hand."""
         n = next(self._loads)
-        timeout = self.cfg.join_timeout_s
-        plan = agree(self.store, self.view, self.transport, self.tier, n, step=step, remote_steps=remote_steps,
-                     timeout_s=timeout)
-        if plan.source != "peers" and warm is not None:
+        got = offer(self.view, self.transport, self.tier)
+        steps = got.steps() if step is None else got.steps() & {step}
+        if warm is not None and (not steps or max(steps) in got.local):
             # The load that follows reads through a 128 MiB scratch faulted on first use (a
             # restarted process has no faulted staging pool yet), after the ranks' agreement,
             # and the collective load waits for the slowest rank: 0.5-2.8 s of the node-loss
@@ -149,18 +135,17 @@ class Peers:
             # now, while a replaced node fetches; the fetching node does not (on two cores its
             # fault slowed the fetch and the agreement by as much as it saved).
             threading.Thread(target=warm, name="zerostall-bounce-fault", daemon=True).start()
-        if plan.source == "peers":
-            t0 = time.perf_counter()
-            fetch(self.store, self.view, self.transport, self.tier, self.engine, plan, n,
-                  timeout + self.cfg.peers.timeout_s * 4)
-            self.last_fetch_s = time.perf_counter() - t0
-            self.last_fetch_end = time.monotonic()
-        elif plan.source == "remote":
-            log.warning("zerostall: restore of step %d: this node's files come from the remote tier "
-                        "(no live node holds them)", plan.step)
-        else:
-            log.info("zerostall: restore of step %d: this node's files are local", plan.step)
-        return plan
+        return PeerLoad(self, n, got, steps)
+
+    def _fetch(self, load: "PeerLoad", step: int) -> bool:
+        t0 = time.perf_counter()
+        timeout = self.cfg.join_timeout_s + self.cfg.peers.timeout_s * 4
+        if not fetch(self.store, self.view, self.transport, self.tier, self.engine, load.offer, step, load.number,
+                     timeout):
+            return False
+        self.last_fetch_s = time.perf_counter() - t0
+        self.last_fetch_end = time.monotonic()
+        return True
 
     def close(self, timeout_s: float) -> list[int]:
         return self.replicator.close(timeout_s)
@@ -168,3 +153,22 @@ class Peers:
     def describe(self) -> dict[str, Any]:
         return {"node": self.view.me, "nodes": [n.name for n in self.view.nodes],
                 "endpoints": {k: f"{e.host}:{e.port}" for k, e in self.view.endpoints.items()}}
+
+
+class PeerLoad:
+    """One collective load's part of the peer tier (caller's thread of every rank): ``steps``
+    (what this node can load, its local files and what live holders keep for it, every step
+    of them, so a fallback after a fetch still finds older ones) and :meth:`prepare`."""
+
+    def __init__(self, peers: Peers, number: int, got: Offer, steps: set[int]):
+        self.peers, self.number, self.offer, self.steps = peers, number, got, steps
+        self.fetched: set[int] = set()
+        """Steps whose files this node brought in from peers during this load."""
+
+    def prepare(self, step: int) -> None:
+        """Called by the collective load before it loads ``step`` (every rank, the same steps
+        in the same order): brings this node's files of it in from peers when they are not
+        local (:func:`.fetch.fetch`). A failed fetch raises :class:`CheckpointNotFound`, which
+        the agreement reports to every rank like any defect of the step: all fall back."""
+        if self.peers._fetch(self, step):
+            self.fetched.add(step)

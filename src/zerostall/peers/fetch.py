@@ -1,23 +1,24 @@
-"""Restore from peers: choose the step every rank can load (counting what live peers hold),
-and bring this node's files of it into the local root before the ordinary load reads them.
+"""Restore from peers: what this node could load counting what live peers hold, and bringing
+this node's files of a step into the local root before the ordinary load reads them.
 
-Called by ``Checkpointer.load`` on the caller's thread of every rank (a collective in the
-sense that every rank calls it, in the same order; it talks only through the c10d store and
-point-to-point connections):
+Called by ``Checkpointer.load`` on the caller's thread of every rank (every rank calls it, in
+the same order; it talks only through the c10d store and point-to-point connections):
 
-1. what this rank could load: committed local steps holding its node's files; steps whose
-   files (each of this node's ranks' ``rank-R.shard``) some live peer holds, one checkpoint
-   id (listed from every other node in parallel; a dead or stopped node is skipped after
-   ``peers.timeout_s``); steps on the remote tier;
-2. agreement (:func:`zerostall.distributed.agree.agree_step`, under ``load<k>``): all take the
-   newest step in every rank's list, or all raise the same :class:`CheckpointNotFound` naming
-   the steps and the ranks that lack them;
-3. if this node lacks the step, its leader fetches the files from live holders (one thread
-   per file, spread over the holders, the next one on a failure), each checked byte by byte
-   against the manifest while it streams in, written with O_DIRECT into ``step-N.partial``
-   and committed; the other ranks of the node wait for it (``load<k>/node/<node>``). Only
-   when no live node holds a file is the remote tier used (the ordinary load downloads it),
-   and the log says which tier served each file.
+1. :func:`offer`: what this rank could load -- committed local steps holding its node's
+   files; steps whose files (each of this node's ranks' ``rank-R.shard``) some live peer
+   holds, one checkpoint id (listed from every other node in parallel; a dead or stopped node
+   is skipped after ``peers.timeout_s``). The collective load (:mod:`zerostall.distributed.agree`)
+   adds them to the steps it offers, with the local and remote ones;
+2. for each step the ranks agree to try, newest first, :func:`fetch` (before the step is
+   loaded, on every rank): if this node lacks the step, its leader fetches the files from live
+   holders (one thread per file, spread over the holders, the next one on a failure), each
+   checked byte by byte against the manifest while it streams in, written with O_DIRECT into
+   ``step-N.partial`` and committed; the other ranks of the node wait for it
+   (``load<k>/node/<node>/s<N>``). A fetch that fails (no live holder, a flipped byte from the
+   only one) fails that step on this rank like any defect of it: every rank hears it through
+   the agreement and all fall back to the next step together, which the holders may still
+   hold for this node. Only when no live node holds a file is the remote tier used (the
+   ordinary load downloads it), and the log says which tier served each file.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..distributed.agree import agree_step
 from ..distributed.store import Store
 from ..errors import CheckpointNotFound, DistributedError, ZerostallError
 from ..format.layout import shard_name
@@ -45,14 +45,16 @@ log = logging.getLogger("zerostall")
 
 
 @dataclass(frozen=True)
-class Plan:
-    """The outcome of :func:`agree`: the step every rank loads and where this node's files come from."""
+class Offer:
+    """What :func:`offer` found: the steps whose files of this node are local, and every step
+    live peers hold them of (an incremental step's references too)."""
 
-    step: int
-    source: str  # "local" | "peers" | "remote"
-    holders: dict[str, list[tuple[str, str]]]  # file name -> [(node, src)] (peers)
+    local: set[int]
     held: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
-    """Every step live peers hold this node's files of (an incremental step's references)."""
+    """step -> file name -> [(holder node, src node)]"""
+
+    def steps(self) -> set[int]:
+        return self.local | set(self.held)
 
 
 def _local_steps(tier: RootTier, view: PeerView, names: list[str]) -> set[int]:
@@ -106,68 +108,64 @@ def _peer_holdings(view: PeerView, transport: Transport, names: list[str]) -> di
     return out
 
 
-def agree(store: Store, view: PeerView, transport: Transport, tier: RootTier, load_no: int, *,
-          step: int | None, remote_steps: list[int], timeout_s: float) -> Plan:
-    """Steps 1-2 of the module doc; raises :class:`CheckpointNotFound` on every rank alike."""
+def offer(view: PeerView, transport: Transport, tier: RootTier) -> Offer:
+    """Step 1 of the module doc (caller's thread)."""
     names = [shard_name(r) for r in view.ranks_of(view.me)]
     local = _local_steps(tier, view, names)
     peers = _peer_holdings(view, transport, names)
-    remote = set(remote_steps)
-    mine = (local | set(peers) | remote) if step is None else ({step} & (local | set(peers) | remote))
-    log.info("zerostall: restore: node %s can load steps %s locally, %s from peers, %s from the remote tier",
-             view.me, sorted(local)[-5:], sorted(peers)[-5:], sorted(remote)[-5:])
-    try:  # the multi-node trust layer's agreement: the newest step in every rank's list
-        s = agree_step(store, view.key(f"load{load_no}"), view.rank, view.world, mine, timeout_s=timeout_s)
-    except CheckpointNotFound as exc:
-        raise CheckpointNotFound(f"{exc} -- counting local roots, live peers and the remote tier (a file is lost "
-                                 "when every node holding it is gone)") from None
-    src = "local" if s in local else "peers" if s in peers else "remote"
-    if src == "remote":
-        log.warning("zerostall: step %d: no live node holds %s; falling back to the remote tier for them", s,
-                    ", ".join(names))
-    return Plan(s, src, peers.get(s, {}), peers)
+    log.info("zerostall: restore: node %s can load steps %s locally, %s from peers", view.me, sorted(local)[-5:],
+             sorted(peers)[-5:])
+    return Offer(local, peers)
 
 
 def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
-          plan: Plan, load_no: int, timeout_s: float) -> None:
-    """Step 3: the node's leader brings ``plan.step``'s files of this node in; others wait."""
-    key = view.key(f"load{load_no}", "node", view.me)
+          got: Offer, step: int, load_no: int, timeout_s: float) -> bool:
+    """Step 2: the node's leader brings ``step``'s files of this node in; the others wait.
+    Returns whether it fetched (False: the files are local, or no peer holds them). Raises
+    :class:`CheckpointNotFound` on every rank of the node when the fetch failed."""
+    if step in got.local or step not in got.held:
+        return False
+    key = view.key(f"load{load_no}", "node", view.me, f"s{step}")
     if not view.leader:
         if store.poll([key], time.monotonic() + timeout_s) == "timeout":
-            raise DistributedError(f"restore: the leader of node {view.me} did not fetch step {plan.step} within "
+            raise DistributedError(f"restore: the leader of node {view.me} did not fetch step {step} within "
                                    f"{timeout_s:g} s")
         res = store.get_json(key)
         if not res.get("ok"):
-            raise CheckpointNotFound(f"restore of step {plan.step} from peers failed on node {view.me}: {res['error']}")
-        return
+            raise CheckpointNotFound(f"restore of step {step} from peers failed on node {view.me}: {res['error']}")
+        return True
     try:
-        _fetch_files(view, transport, tier, engine_for, plan)
+        _fetch_files(view, transport, tier, engine_for, step, got.held[step], got.held)
     except BaseException as exc:
         store.set(key, json.dumps({"ok": False, "error": str(exc)}))
+        if isinstance(exc, ZerostallError) and not isinstance(exc, CheckpointNotFound):
+            raise CheckpointNotFound(f"restore of step {step} from peers failed on node {view.me}: {exc}") from exc
         raise
     store.set(key, json.dumps({"ok": True}))
+    got.local.add(step)
+    return True
 
 
 def _fetch_files(view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
-                 plan: Plan) -> None:
-    """``plan.step``'s files of this node, and first those of earlier steps it references
+                 step: int, holders: Holders, held: dict[int, Holders]) -> None:
+    """``step``'s files of this node, and first those of earlier steps it references
     (incremental: the bytes it borrows travel with their own step) that are not local."""
     names = [shard_name(r) for r in view.ranks_of(view.me)]
-    man = _fetch_step(view, transport, tier, engine_for, plan.step, plan.holders, names, commit=False)
+    man = _fetch_step(view, transport, tier, engine_for, step, holders, names, commit=False)
     try:
         for ref in sorted({r.step for r in man.ref_files if r.name in names}):
             if ref in tier.steps() and all(os.path.exists(os.path.join(tier.step_dir(ref), r.name))
                                            for r in man.ref_files if r.step == ref and r.name in names):
                 continue
-            if ref not in plan.held:
-                raise CheckpointNotFound(f"restore of step {plan.step}: it references step {ref}, of which no "
+            if ref not in held:
+                raise CheckpointNotFound(f"restore of step {step}: it references step {ref}, of which no "
                                          f"live node holds {', '.join(names)}")
-            log.info("zerostall: restore of step %d: fetching step %d, whose bytes it references", plan.step, ref)
-            _fetch_step(view, transport, tier, engine_for, ref, plan.held[ref], names, commit=True)
+            log.info("zerostall: restore of step %d: fetching step %d, whose bytes it references", step, ref)
+            _fetch_step(view, transport, tier, engine_for, ref, held[ref], names, commit=True)
     except BaseException:
-        tier.abort(plan.step)
+        tier.abort(step)
         raise
-    tier.commit(plan.step, man, overwrite=plan.step in tier.listed_steps())
+    tier.commit(step, man, overwrite=step in tier.listed_steps())
 
 
 RANGE_MIN_BYTES = 32 << 20
