@@ -66,7 +66,6 @@ def _kill(procs):
             os.kill(p.pid, signal.SIGCONT)
             p.kill()
             p.wait()
-    return docs
 
 
 def _wait(paths, procs, timeout=240):
@@ -79,6 +78,7 @@ def _wait(paths, procs, timeout=240):
 
 def _store_values(master):
     out = {}
+    master.set_timeout(timedelta(seconds=2))  # a key deleted since the listing: get() would wait for it
     for k in master.list_keys():
         try:
             out[k] = master.get(k)
