@@ -4,7 +4,9 @@
 # Writes logs and the bench JSON/plot under ${OUT:-gpu-out}. Not run in CI (no GPU there).
 # The device machine has no package registry: wheels for what its image lacks (crc32c,
 # liburing, the bench peers) travel in .whl/ (see the README's "GPU check"); without .whl/
-# the packages are installed from the index.
+# the packages are installed from the index. The root pyproject's PEP 639 license needs
+# setuptools >= 77 for the --no-build-isolation install below: where the image's is older, put a
+# setuptools wheel (e.g. setuptools-84.2.1-py3-none-any.whl) in .whl/ too.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 BENCH_S=${BENCH_S:-300}

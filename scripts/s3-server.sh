@@ -7,9 +7,13 @@
 #   scripts/s3-server.sh stop      stop it and remove its data
 #
 # State lives in $ZS_S3_DIR (default /tmp/zerostall-s3). Port: $ZS_S3_PORT (default 7480).
+# The S3 endpoint listens on $ZS_S3_HOST (default 127.0.0.1; the monitor and OSD stay on
+# loopback): run inside a network namespace with ZS_S3_HOST=<its address> to serve other
+# namespaces (tests/cluster/nodeloss_links.py does).
 set -euo pipefail
 DIR=${ZS_S3_DIR:-/tmp/zerostall-s3}
 PORT=${ZS_S3_PORT:-7480}
+HOST=${ZS_S3_HOST:-127.0.0.1}
 MONPORT=${ZS_S3_MONPORT:-6790}
 ACCESS=zerostall-test
 SECRET=zerostall-test-secret
@@ -62,9 +66,9 @@ mon data = $DIR/mon
 [osd.0]
 osd data = $DIR/osd
 [client.rgw.zs]
-rgw frontends = beast endpoint=127.0.0.1:$PORT
+rgw frontends = beast endpoint=$HOST:$PORT
 rgw data = $DIR/rgw
-rgw dns name = 127.0.0.1
+rgw dns name = $HOST
 CONF
   monmaptool --create --addv a "[v2:127.0.0.1:$MONPORT]" --fsid "$FSID" "$DIR/monmap" >/dev/null
   ceph-authtool --create-keyring "$DIR/keyring" --gen-key -n mon. --cap mon 'allow *' >/dev/null
@@ -77,14 +81,14 @@ CONF
   for _ in $(seq 120); do timeout 5 ceph -c "$CONF" osd stat 2>/dev/null | grep -q "1 up" && break; sleep 0.5; done
   mkdir -p "$DIR/rgw"
   radosgw -c "$CONF" -n client.rgw.zs
-  for _ in $(seq 120); do curl -s -o /dev/null "http://127.0.0.1:$PORT" && break; sleep 0.5; done
+  for _ in $(seq 120); do curl -s -o /dev/null "http://$HOST:$PORT" && break; sleep 0.5; done
   timeout 60 radosgw-admin -c "$CONF" user create --uid=zerostall --display-name=zerostall \
     --access-key=$ACCESS --secret-key=$SECRET >/dev/null 2>&1 || true
   env_out
 }
 
 env_out() {
-  echo "export AWS_ENDPOINT_URL=http://127.0.0.1:$PORT"
+  echo "export AWS_ENDPOINT_URL=http://$HOST:$PORT"
   echo "export AWS_ACCESS_KEY_ID=$ACCESS"
   echo "export AWS_SECRET_ACCESS_KEY=$SECRET"
   echo "export AWS_DEFAULT_REGION=us-east-1"

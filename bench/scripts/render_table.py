@@ -1,4 +1,4 @@
-"""Render a `zerostall bench --json` document as the Markdown tables used in the README.
+"""Render a `zerostall bench --json` document as the Markdown tables of docs/benchmarks.md.
 
 Usage: python bench/scripts/render_table.py bench.json
 """

@@ -17,7 +17,7 @@ The headline per method is **training time lost per checkpoint** = time blocked 
 the sum over the steps taken during the save of (step time - baseline median step time),
 for both trainers (``lost_s``: the separate process, plus the blocked time; ``inproc_lost_s``).
 Medians over ``--repeat`` runs, with min and max. The JSON document's field names are a
-contract (see the README). A method that cannot run here is reported with ``unavailable``;
+contract (see docs/benchmarks.md). A method that cannot run here is reported with ``unavailable``;
 one that fails mid-run with ``error`` (the bench goes on with the next).
 
 With ``--json`` the document is rewritten after every method with ``"complete": false``

@@ -7,9 +7,9 @@ import importlib
 from typing import Any
 
 
-SCENARIOS = {"default": "bench", "frozen-base": "frozen", "node-loss": "nodeloss",
-             "replication-cost": "nodeloss_cost", "restore": "restore", "many-tensors": "many",
-             "objects": "objects", "every-step": "everystep"}
+SCENARIOS = {"default": "bench", "frozen-base": "frozen", "node-loss": "nodeloss", "node-loss-links": "nodeloss_links",
+             "node-loss-coded": "nodeloss_coded", "replication-cost": "nodeloss_cost", "restore": "restore",
+             "many-tensors": "many", "objects": "objects", "every-step": "everystep"}
 
 
 def _positive(kind: Any) -> Any:
@@ -59,6 +59,13 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                         "whose base is frozen (uses --size-gib, --repeat, --methods, --dir, --json); "
                         "node-loss: 4 simulated nodes with peer replicas, a node wiped and recovered from "
                         "peers vs the shared-fs and S3 tiers, --repeat rounds in alternating order (uses --size-gib (total), --repeat, --dir, --json); "
+                        "node-loss-links: node-loss on a cluster of network namespaces, each node behind a "
+                        "link of --link-mbit, S3 (radosgw) behind --s3-mbit: recovery time and fraction of the "
+                        "physical limit per tier (root and a source checkout: tests/cluster; uses --size-gib "
+                        "(total), --repeat, --dir, --json); "
+                        "node-loss-coded: replicas=3 vs an RS(4,2) code on 7 nodes (the namespace cluster "
+                        "harness when it runs here): bytes moved, encode CPU, the trainer's step time, a wiped "
+                        "node's recovery (uses --size-gib (total), --repeat, --dir, --json); "
                         "replication-cost: node-loss's save phase per peers.cpu_priority (normal, nice, idle), "
                         "alternated --repeat rounds: the trainer's step time while only the paced copies run; "
                         "restore: restore GB/s of zerostall (in place, new dict; both engines), dcp.load, "
@@ -73,6 +80,8 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                         "--methods, --dir, --json)")
     s.add_argument("--seconds", type=_positive(float), default=6.0, help="every-step: seconds per mode")
     s.add_argument("--every", type=_positive(int), default=10, help="every-step: the interval of zs-every-K")
+    s.add_argument("--link-mbit", type=_positive(float), default=4000.0, help="node-loss-links: each node's link")
+    s.add_argument("--s3-mbit", type=float, default=1000.0, help="node-loss-links: the S3 server's link (0: no S3)")
 
 
 def run(a: argparse.Namespace) -> int:

@@ -4,28 +4,29 @@ Public surface (see README): :class:`Checkpointer`, :func:`save`, :func:`load`, 
 the handle and record types, :mod:`zerostall.errors`, :func:`register_type` (objects allowed
 to be rebuilt on load), :func:`rng_state`/:func:`set_rng_state`. Framework adapters live in
 :mod:`zerostall.integrations` (imported on demand).
+
+Each public name is bound on first use (PEP 562 ``__getattr__``, from the module
+:data:`_SOURCES` names), so that ``import zerostall`` and the CLI's commands that never touch
+a tensor (``--help``, ``plan``, ``ls``, ``inspect``, ``doctor``) do not import torch;
+``dir(zerostall)`` and ``__all__`` list every name all the same.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from . import errors
-from .errors import ConfigError, ZerostallError
-from .checkpointer import Checkpointer
-from .config import CheckpointConfig, IOConfig, PeersConfig, StagingConfig
-from .saving.handle import SaveHandle
-from .format.objects import register_type
-from .distributed.ranks import discover
-from .distributed.store import Store
-from .restore import load as _load
-from .restore import LoadReport
-from .restore.agreed import collective_base, collective_load
-from .rng import rng_state, set_rng_state
-from .stateful import load_into
-from .store import open_root
-from .telemetry.record import SaveRecord
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
+    from .config import CheckpointConfig, IOConfig, PeersConfig, StagingConfig
+    from .format.objects import register_type
+    from .oneshot import load, save
+    from .restore import LoadReport
+    from .rng import rng_state, set_rng_state
+    from .saving.handle import SaveHandle
+    from .telemetry.record import SaveRecord
 
 __version__ = "0.1.0"
 
@@ -46,83 +47,23 @@ __all__ = [
     "set_rng_state",
 ]
 
-
-def save(path: str | os.PathLike[str], state_dict: Any, step: int, *,
-         config: CheckpointConfig | None = None, **overrides: Any) -> SaveRecord:
-    """Save ``state_dict`` as ``step`` under ``path`` and wait until it is durable.
-
-    Streams through a small ring (at most 256 MiB) of the process's staging pool, which
-    stays mapped for a few seconds after the call, so a loop of one-shot saves allocates once.
-    """
-    with Checkpointer(path, config, oneshot=True, **overrides) as ckpt:
-        return ckpt.save(step, state_dict).result()
+_SOURCES = {
+    "CheckpointConfig": ".config", "Checkpointer": ".checkpointer", "IOConfig": ".config",
+    "LoadReport": ".restore", "PeersConfig": ".config", "SaveHandle": ".saving.handle",
+    "SaveRecord": ".telemetry.record", "StagingConfig": ".config", "load": ".oneshot",
+    "register_type": ".format.objects", "rng_state": ".rng", "save": ".oneshot", "set_rng_state": ".rng",
+}
+"""Where each public name lives (every name of ``__all__`` but the module ``errors``)."""
 
 
-def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None = None,
-         map_location: Any = None, *, verify: bool = True, fallback: bool = True,
-         io: IOConfig | None = None, rank: int | None = None, world_size: int | None = None,
-         remote: str | None = None, keys: list[str] | None = None, strict: bool = False,
-         report: LoadReport | None = None, agree: bool | None = None, download: bool = True) -> Any:
-    """Load the newest checkpoint under ``path`` that verifies (or exactly ``step``).
-
-    With ``state_dict``, tensors are loaded in place and the same object is returned (only
-    once the whole step verified: a step that fails leaves it untouched); otherwise a new
-    state dict is returned (tensors on ``map_location``: a device, a dict or a callable, as
-    ``torch.load`` accepts). ``keys=["model_args"]`` reads only those (dotted) keys' bytes.
-    Keys of ``state_dict`` the checkpoint lacks are logged (``strict=True``: raised as
-    :class:`~zerostall.errors.StateMismatchError`); pass a :class:`LoadReport` as ``report`` to
-    get the step loaded and the missing/unexpected keys. ``rank``/``world_size`` (default:
-    from torch.distributed or the environment) pick this rank's state from a checkpoint
-    saved per rank.
-
-    ``remote`` (``s3://bucket/prefix``, ``file:///shared/path``): also consider the steps that
-    remote tier holds; a newer (or the only) one is downloaded into ``path`` and loaded from
-    there. A remote that is down is skipped with a warning when ``path`` has a checkpoint.
-    ``download=False``: a step only the remote holds is streamed from it straight into the
-    restore pipeline (this rank's files, the byte ranges the load needs; every byte checked
-    as from a local copy) and nothing is written under ``path``.
-
-    ``agree``: in a process group, every rank calls ``load`` and all restore the newest step
-    that every rank can load, agreed through the c10d store (``report.why`` says which and
-    why); if none, every rank raises the same :class:`~zerostall.errors.CheckpointNotFound`
-    naming the ranks and files at fault. Default (None): agree when ``rank``/``world_size``
-    come from the process group and the checkpoint was saved per rank by a group of this size.
-    """
-    discovered = rank is None and world_size is None
-    info = None
-    if rank is None or world_size is None:
-        info = discover()
-        rank = info.rank if rank is None else rank
-        world_size = info.world_size if world_size is None else world_size
-    if agree is None:  # auto: a per-rank checkpoint of this group, loaded by every rank of it
-        agree = discovered and info is not None and info.store is not None and world_size > 1 \
-            and _saved_per_rank_by(os.fspath(path), world_size)
-    if agree:
-        if info is None or info.store is None:
-            info = discover()
-        if info.store is None or info.world_size < 2:
-            raise ConfigError("load(agree=True) needs an initialised process group of more than one rank")
-        store = Store(info.store)
-        try:
-            return load_into(state_dict, lambda sd: collective_load(
-                store, collective_base("zerostall/loads"), rank, world_size, os.fspath(path), sd, step=step,
-                remote=remote, io=io, report=report, map_location=map_location, verify=verify,
-                fallback=fallback, keys=keys, strict=strict, download=download))
-        finally:
-            store.close()
-    return load_into(state_dict, lambda sd: _load(os.fspath(path), sd, step, map_location, verify=verify,
-                                                  fallback=fallback, io=io, rank=rank, world_size=world_size,
-                                                  remote=remote, keys=keys, strict=strict, report=report,
-                                                  download=download))
+def __getattr__(name: str) -> Any:
+    source = _SOURCES.get(name)
+    if source is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(source, __name__), name)
+    globals()[name] = value
+    return value
 
 
-def _saved_per_rank_by(path: str, world_size: int) -> bool:
-    """Whether the newest readable step under ``path`` was saved per rank by ``world_size`` ranks."""
-    tier = open_root(path)
-    for s in reversed(tier.listed_steps() if os.path.isdir(path) else []):
-        try:
-            man = tier.read_manifest(s)
-        except ZerostallError:
-            continue
-        return man.world_size == world_size and man.rank_trees is not None
-    return False
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -14,6 +14,7 @@ imported when a console is made.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 NO_WRAP_WIDTH = 1 << 20  # wide enough that no record is wrapped; tables take their content's width
@@ -41,7 +42,12 @@ def console(*, stderr: bool = False) -> Any:
     """
     from rich.console import Console
     c = Console(stderr=stderr, markup=False, emoji=False, highlight=False)
-    if not c.is_terminal:  # a log: full lines, whatever the terminal (or COLUMNS) around it says
+    stream = sys.stderr if stderr else sys.stdout
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without one, or closed
+        tty = False
+    if not tty:  # a log: full lines, whatever COLUMNS or FORCE_COLOR say
         c.width = NO_WRAP_WIDTH
         c.soft_wrap = True
     return c

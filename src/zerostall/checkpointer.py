@@ -44,6 +44,7 @@ from .saving.plan import check_metadata, check_step
 from .saving.plan_cache import PlanCache, plan_tensors
 from .memory.ring import BlockRing
 from .saving import pool as _pool
+from .saving import snapshot as _snapshot
 from .saving.snapshot import record_save_events
 from .restore.state import LoadReport
 from .restore.step import shared_bounce
@@ -93,11 +94,12 @@ class Checkpointer:
         self.tier, self.rank, self.world_size, self.node_local = st.tier, st.rank, st.world_size, st.node_local
         self._committer, self._refs, self.engine, self.probe = st.committer, st.refs, st.engine, st.probe
         self._replicator, self._retention, self.session = st.replicator, st.retention, st.session
-        self._peers = st.peers  # replicas > 1: zerostall.peers.Peers
+        self._peers = st.peers  # replicas > 1: zerostall.peers.service.Peers
         self.unreplicated: list[int] = []  # after close(): the steps not replicated within close_timeout_s
         self.unprotected: list[int] = []  # after close(), replicas > 1: this run's steps not held by N nodes
         self._plans = PlanCache()
         self._step_bound: int | None = None  # owner only: no committed step is above it
+        self._last_saved: int | None = None  # the step of the newest save queued (not skipped)
         self._lease: _pool.Lease | None = None
         self._persist: Persister | None = None
         self._save_lock = threading.Lock()  # serialises save()/load() callers; never on a lifecycle path
@@ -194,7 +196,7 @@ class Checkpointer:
         ow = self.config.overwrite if overwrite is None else overwrite
         if step in self._book.steps():  # not reported: its round is running
             raise CheckpointExistsError(f"step {step} is already being saved")
-        status, job = SaveStatus(t0), None
+        status, job, asked = SaveStatus(t0), None, False
         try:
             self._book.raise_pending()
             metadata = check_metadata(metadata)
@@ -216,18 +218,24 @@ class Checkpointer:
             request = SaveRequest(step=step, plan=plan, rank=self.rank, world_size=self.world_size, overwrite=ow,
                                   user_metadata=dict(metadata or {}), engine=self.engine.name)
             nblocks = self.ring.blocks_for(plan.file_bytes) + spare
-            if self.config.backpressure == "skip" and not self.ring.fits_now(nblocks):
-                return self._skip(Job(request, status, Slot(0, 0, None)), t0)
+            status.set_interval(step, self._last_saved)
+            if self.config.backpressure == "skip":  # room now, on every rank (None: a rank failed or is gone)
+                asked, room = True, self.ring.fits_now(nblocks)
+                room = self._committer.agree_room(step, room) if self._committer is not None else room
+                if not room:  # every rank skips this step: no round starts
+                    return self._skip(Job(request, status, Slot(0, 0, None)), t0, report=room is None)
             leaves = plan_tensors(plan)
             source = Source(leaves, record_save_events(leaves) if "cuda" in plan.devices else None)
             incr = self._refs.prepare(plan) if self._refs is not None else None  # fingerprints; snapshot decides
             self._saving = (step, status)
             with self._lease.reserve(nblocks, status) as slot:  # the pool lock: jobs queue in ring order
-                job = Job(request, status, slot, source, incr, persist=self._persist)
+                job = Job(request, status, slot, source, incr, persist=self._persist,
+                          crc_at_copy=_snapshot.CRC_AT_COPY and incr is None and plan.devices <= {"cpu"})
                 self._book.add(job)
                 if self._closed:  # close() ran in a handler inside save()
                     raise ZerostallError(f"the Checkpointer was closed while step {step} was being saved")
                 self._lease.queue(job)
+            self._last_saved = step
         except BaseException as exc:
             if status.queued:
                 # The workers finish it as failed: its blocks drain (the ring moves on) and the
@@ -237,15 +245,17 @@ class Checkpointer:
                 if job is not None:
                     self._book.discard(job)
                 if self._committer is not None:
-                    self._committer.report(step, exc)
+                    self._committer.report(step, exc)  # the others' room agreement aborts on it too
+                    if self.config.backpressure == "skip" and not asked:
+                        self._committer.pass_room()
             raise
         status.set_save_block(time.perf_counter() - t0)
         return SaveHandle(job, self)
 
-    def _skip(self, job: Job, t0: float) -> SaveHandle:
-        job.status.skip(time.perf_counter() - t0)
-        log.warning("zerostall: step %d skipped: earlier saves still hold the staging arena", job.step)
-        if self._committer is not None:  # the other ranks must not wait for this rank
+    def _skip(self, job: Job, t0: float, *, report: bool = True) -> SaveHandle:
+        job.status.skip(time.perf_counter() - t0)  # routine when saving every step (docs/every-step.md)
+        log.info("zerostall: step %d skipped: earlier saves still hold the staging arena", job.step)
+        if self._committer is not None and report:
             self._committer.fail(job.request, SaveFailed(f"rank {self.rank} skipped step {job.step} (arena busy)",
                                                          step=job.step))
         self._book.finished(job)
@@ -320,7 +330,7 @@ class Checkpointer:
                 sd, step, self.config, report, map_location=map_location, engine=self.engine, bounce=bounce,
                 keys=keys, strict=strict, peer=peer))
         if peer is not None and report.step in peer.fetched:  # peer replicas: where its files came from
-            report.source = "peers"
+            report.source = peer.fetched[report.step]
         return out
 
     def steps(self, *, include_remote: bool = True) -> list[int]:

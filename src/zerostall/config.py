@@ -120,6 +120,15 @@ class PeersConfig:
     connections; never a restore's): ``"idle"`` (``SCHED_IDLE`` per thread: they run only when a
     core would otherwise be idle), ``"nice"`` (nice 19 per thread) or ``"normal"`` (unchanged).
     Their disk I/O is at the idle I/O class either way. See :mod:`zerostall.peers.priority`."""
+    code: str | None = None
+    """``"rs"``: coded copies instead of ``replicas`` (:mod:`zerostall.peers.coded`): each node's
+    files of a step cut into ``data_fragments`` pieces plus ``parity_fragments`` Reed-Solomon
+    parity pieces, one per other node; survives the owner plus any ``parity_fragments`` holders
+    at ``(k + m) / k`` of the bytes. Needs ``k + m + 1`` nodes and ``zerostall[coded]``."""
+    data_fragments: int = 4
+    """k: data fragments per node and step (with ``code``)."""
+    parity_fragments: int = 2
+    """m: parity fragments per node and step (with ``code``)."""
     listen_host: str | None = None
     """Address the peer server listens on and publishes (None: loopback for a local rendezvous,
     else the address that reaches ``MASTER_ADDR``)."""
@@ -137,6 +146,10 @@ class PeersConfig:
         _require(self.cpu_priority in ("idle", "nice", "normal"), "peers.cpu_priority", self.cpu_priority,
                  "must be 'idle', 'nice' or 'normal'")
         _require(self.replica_timeout_s > 0, "peers.replica_timeout_s", self.replica_timeout_s, "must be > 0")
+        _require(self.code in (None, "rs"), "peers.code", self.code, "must be None (full copies) or 'rs'")
+        for name, v in (("data_fragments", self.data_fragments), ("parity_fragments", self.parity_fragments)):
+            _require(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 32, f"peers.{name}", v,
+                     "must be an int in 1..32")
         for name, rate in (("bandwidth_bytes", self.bandwidth_bytes),
                            ("receive_bandwidth_bytes", self.receive_bandwidth_bytes)):
             # a paced transfer moves pieces of rate * timeout_s / 8 bytes (peers.stream.Pacer):
@@ -192,8 +205,13 @@ class CheckpointConfig:
     (None: no bound)."""
     replicas: int = 1
     """Copies of every step on distinct nodes' local roots (1: off). ``N`` survives the loss of
-    any ``N - 1`` nodes; see the README's "Peer replicas" and :mod:`zerostall.peers`."""
+    any ``N - 1`` nodes; see docs/peers.md and :mod:`zerostall.peers`."""
     peers: PeersConfig = field(default_factory=PeersConfig)
+
+    @property
+    def peer_copies(self) -> bool:
+        """Whether steps are protected on peers (``replicas > 1`` or ``peers.code``)."""
+        return self.replicas > 1 or self.peers.code is not None
 
     def __post_init__(self) -> None:
         _require(self.backpressure in ("block", "skip"), "backpressure", self.backpressure,
@@ -220,6 +238,9 @@ class CheckpointConfig:
         _require(isinstance(self.replicas, int) and not isinstance(self.replicas, bool) and 1 <= self.replicas <= 16,
                  "replicas", self.replicas, "must be an int in 1..16 (1: no peer copies)")
         _require(isinstance(self.peers, PeersConfig), "peers", self.peers, "must be a PeersConfig")
+        if self.peers.code is not None and self.replicas != 1:
+            raise ConfigError(f"replicas={self.replicas} and peers.code={self.peers.code!r} are two ways to protect "
+                              "a step on peers: keep replicas=1 with a code, or peers.code=None with replicas")
         _require(self.full_every is None or (isinstance(self.full_every, int) and self.full_every >= 1),
                  "full_every", self.full_every, "must be an int >= 1 or None")
 

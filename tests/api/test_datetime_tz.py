@@ -1,6 +1,6 @@
 """Aware datetimes and timezones round-trip as values, not only as instants.
 
-Found by adv2 (README "What a state dict may hold": every accepted value loads back as the
+Found by adv2 ("What a state dict may hold" in docs/usage.md: every accepted value loads back as the
 same type with the same value): a ``datetime`` is stored as ``isoformat()``, which keeps the
 UTC offset but not the zone, the fold, or a ``timezone``'s name. All three load back ``==``
 to the original (same instant), yet behave differently afterwards."""

@@ -1,8 +1,8 @@
-"""``torch.nn.Parameter`` leaves: accepted by ``save()`` and loaded back by the README's listed
+"""``torch.nn.Parameter`` leaves: accepted by ``save()`` and loaded back by docs/usage.md's listed
 conversion (a plain tensor, ``requires_grad`` False), while an in-place load fills the caller's
 Parameter and leaves it a Parameter.
 
-Found by adv2: the conversion was not listed in README "What a state dict may hold".
+Found by adv2: the conversion was not listed in "What a state dict may hold" in docs/usage.md.
 ``model.state_dict(keep_vars=True)`` and ``dict(model.named_parameters())`` hold Parameters."""
 
 import torch

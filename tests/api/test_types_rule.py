@@ -1,5 +1,5 @@
-"""Whatever save() accepts loads back, type for type (or as the README's rule says); what
-cannot is refused in save(), naming the key (issue 23). Every type the README's "What a state
+"""Whatever save() accepts loads back, type for type (or as the rule of docs/usage.md says); what
+cannot is refused in save(), naming the key (issue 23). Every type docs/usage.md's "What a state
 dict may hold" lists is tested both ways: saved and loaded back, or refused."""
 
 import argparse

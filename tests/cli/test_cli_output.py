@@ -50,6 +50,14 @@ def test_ls_inspect_verify_restore_print_brackets_verbatim(root, tmp_path, capsy
     assert f"from {root} into {dest}" in out, out
 
 
+def test_piped_rows_stay_whole_whatever_columns_or_force_color_say(root, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "40")
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    assert cli(["inspect", root]) == 0
+    out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", capsys.readouterr().out)
+    assert _lines_with(out, LONG_KEY, "float32"), out
+
+
 def test_doctor_prints_paths_and_hints_verbatim(root, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "liburing", None)  # import fails: the hint names the extra
     assert cli(["doctor", root]) == 0

@@ -19,3 +19,13 @@ def cluster(tmp_path):
     yield make
     for c in made:
         c.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The partition suite (``-m partitions``) runs only when asked for: deselected otherwise."""
+    if "partitions" in (config.getoption("markexpr", "") or ""):
+        return
+    keep = [it for it in items if it.get_closest_marker("partitions") is None]
+    if len(keep) != len(items):
+        config.hook.pytest_deselected(items=[it for it in items if it.get_closest_marker("partitions")])
+        items[:] = keep

@@ -118,7 +118,7 @@ def cleanup_stale() -> list[str]:
     with open("/proc/mounts") as f:
         mounts = [ln.split()[1] for ln in f]
     for mnt in mounts:
-        m = re.search(rf"/{PREFIX}(\d+)x\d+-[^/]*/disks/[^/]+$", mnt)
+        m = re.search(rf"/disks/{PREFIX}(\d+)x\d+-[^/]+$", mnt)
         if m and not _pid_alive(int(m.group(1))):
             _sh(["umount", "-l", mnt], check=False)
             removed.append(mnt)
@@ -228,7 +228,7 @@ class Cluster:
         with open(img, "wb") as f:
             f.truncate(self.disk_bytes)
         _sh(["mkfs.ext4", "-q", "-F", "-m", "0", img])
-        mnt = os.path.join(self.base, "disks", name)
+        mnt = os.path.join(self.base, "disks", f"{self.tag}-{name}")  # the tag: cleanup_stale finds it
         os.makedirs(mnt, exist_ok=True)
         _sh(["mount", "-o", "loop", img, mnt])  # autoclear: the loop device goes with the umount
         self._disks.append(mnt)
@@ -401,6 +401,8 @@ class Cluster:
         _ip("netns", "del", self.bridge_ns, check=False)
         for mnt in self._disks:
             _sh(["umount", "-l", mnt], check=False)
+        if self._disks:
+            shutil.rmtree(os.path.join(self.base, "disks"), ignore_errors=True)
         if self._own_base:
             shutil.rmtree(self.base, ignore_errors=True)
 

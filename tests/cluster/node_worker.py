@@ -9,7 +9,9 @@ Env: ``ZS_ROOT`` (this node's root), ``ZS_ADDR`` (its address), ``ZS_REPLICAS``,
 ``ZS_STEPS`` (``1,2,3``), ``ZS_MIB`` (MiB of state per rank), ``ZS_PT`` / ``ZS_RT``
 (``peers.timeout_s`` / ``replica_timeout_s``), ``ZS_CT`` (``commit_timeout_s``),
 ``ZS_GATE_BEFORE`` (steps before whose save every rank says ``ready`` and waits for the gate
-``step-<s>``), ``ZS_FAULT`` (``where:node:step``, see :func:`arm`).
+``step-<s>``), ``ZS_FAULT`` (``where:node:step``, see :func:`arm`), ``ZS_LOAD_STEP`` (load:
+that step, not the newest), ``ZS_REPAIR_BARRIER`` (load: wait for this node's repair pass,
+then a barrier, so no holder leaves before the others' repairs are over).
 
 Scenarios: ``save`` (each step saved, "training" while it commits and replicates; every
 handle's outcome an event) and ``load`` (the collective load; the restored state compared with
@@ -74,6 +76,7 @@ def checkpointer():
     return zerostall.Checkpointer(os.environ["ZS_ROOT"], dist_name="cluster-test",
                                   replicas=int(os.environ.get("ZS_REPLICAS", 2)), peers=peers,
                                   commit_timeout_s=float(os.environ.get("ZS_CT", 8)), close_timeout_s=4,
+                                  raise_on_background_error=False,  # a failed step is an outcome here
                                   join_timeout_s=float(os.environ.get("ZS_JT", 30)))
 
 
@@ -82,7 +85,7 @@ def arm(fault):
     wait for the gate ``<where>`` (the test cuts the network meanwhile). ``where``: ``send``
     (the node's copy to a holder, half sent), ``reported``/``entered``/... (a commit round
     point, :data:`zerostall.distributed.commit.fault_hook`), ``fetch`` (a restore fetch from
-    a holder, the first chunk in)."""
+    a holder other than the store's host, the first chunk in)."""
     if not fault:
         return
     where, node, step = fault.split(":")
@@ -110,7 +113,10 @@ def arm(fault):
 
                 def first(mv):
                     feed(mv)
-                    pause(bytes=len(mv), size=size)
+                    # never the store's host: cutting it off would cut off the whole job
+                    # and a transfer with bytes still to come (not a range done in one chunk)
+                    if sock.getpeername()[0] != os.environ.get("MASTER_ADDR") and size > len(mv):
+                        pause(bytes=len(mv), size=size, peer=sock.getpeername()[0])
                 check.feed = first
             return orig(sock, size, w, check, *a, **k)
         tcp.fill_from = fill_from
@@ -152,6 +158,7 @@ def save(ck):
             gate(f"step-{s}")
         if armed is not None:
             armed["on"] = s == fault_step
+        ev("saving", step=s)
         h = ck.save(s, state_for(RANK, s))
         trained = train_until(lambda: h.wait(timeout=0))
         ev("done", step=s, trained=trained, **outcome(h))
@@ -165,11 +172,15 @@ def load(ck):
     report = zerostall.LoadReport()
     state = state_for(RANK, 0)
     arm(os.environ.get("ZS_FAULT", ""))
+    step = int(os.environ["ZS_LOAD_STEP"]) if os.environ.get("ZS_LOAD_STEP") else None
     try:
-        ck.load(state, report=report)
+        ck.load(state, step=step, report=report)
         ev("loaded", step=report.step, source=report.source, equal=equal(state, state_for(RANK, report.step)))
     except zerostall.errors.ZerostallError as exc:
         ev("load-failed", error_type=type(exc).__name__, error=str(exc)[:800])
+    if os.environ.get("ZS_REPAIR_BARRIER"):  # holders stay up until every node's repair pass is over
+        ev("repaired", ok=ck._peers.replicator.repaired.wait(300))
+        dist.barrier()
 
 
 def main():

@@ -18,19 +18,19 @@ def test_four_nodes_partition_during_replication_heal_wipe_restore(cluster, tmp_
     job = Job(c, str(tmp_path / "run1"), "save", env)
     # the peer tier on each node listens on its own address (reachable from the other
     # namespaces) and publishes it: the route to MASTER_ADDR, n0's 10.x address
-    serving = job.wait_for(lambda e: len(of(e, "serving")) == 4 and of(e, "serving"), 60, "peer servers")
+    serving = job.wait_for(lambda e: len(of(e, "serving")) == 4 and of(e, "serving"), 400, "peer servers")
     for s in serving:
         assert s["endpoints"] == {nd.name: [nd.addr, s["endpoints"][nd.name][1]] for nd in c.nodes}, s
     started = {e["node"]: e for e in of(job.events(), "started")}
     assert all(e["master"] == c.nodes[0].addr for e in started.values())
     # n2 is half way through copying step 2 to its holder: cut it off
-    job.wait_for(lambda e: of(e, "at-send", node="n2"), 60, "n2 copying step 2")
+    job.wait_for(lambda e: of(e, "at-send", node="n2"), 120, "n2 copying step 2")
     c.partition([n2])
     job.event("partitioned", node="n2")
     job.gate("send")
     # the majority: step 2 durable, its peer stage over (n2's copies cannot be confirmed), trained on
     majority = ("n0", "n1", "n3")
-    job.wait_for(lambda e: all(of(e, "peers-done", node=n, step=2) for n in majority), 60, "majority's step 2")
+    job.wait_for(lambda e: all(of(e, "peers-done", node=n, step=2) for n in majority), 120, "majority's step 2")
     c.heal([n2])
     job.event("healed", node="n2")
     ev = job.events()
@@ -41,9 +41,9 @@ def test_four_nodes_partition_during_replication_heal_wipe_restore(cluster, tmp_
         assert of(ev, "done", node=n, step=2)[0]["durable"] is True
         assert done["trained"] > 0  # the majority trained on while n2 was cut off
     # everyone through step 2 (n2 after the heal), then step 3 on the healed network
-    job.wait_for(lambda e: len(of(e, "ready", step=3)) == 4, 60, "every rank ready for step 3")
+    job.wait_for(lambda e: len(of(e, "ready", step=3)) == 4, 120, "every rank ready for step 3")
     job.gate("step-3")
-    assert job.wait(90) == [0, 0, 0, 0], job.tail()
+    assert job.wait(300) == [0, 0, 0, 0], job.tail()
     ev = job.events()
     for nd in c.nodes:
         (d3,) = of(ev, "peers-done", node=nd.name, step=3)
@@ -56,7 +56,7 @@ def test_four_nodes_partition_during_replication_heal_wipe_restore(cluster, tmp_
     assert os.listdir(n3.root) == []
     job2 = Job(c, str(tmp_path / "run2"), "load", {"ZS_REPLICAS": "2", "ZS_PT": "2", "ZS_RT": "6"},
                launcher="torchrun")
-    assert job2.wait(90) == [0, 0, 0, 0], job2.tail()
+    assert job2.wait(400) == [0, 0, 0, 0], job2.tail()
     loaded = {e["node"]: e for e in of(job2.events(), "loaded")}
     assert set(loaded) == {nd.name for nd in c.nodes}, job2.tail()
     for nd in c.nodes:

@@ -288,10 +288,12 @@ def test_coordinator_stopped_while_hosting_the_store(tmp_path):
     assert LocalTier(roots[0]).steps() == [1, 2] and _verifies(roots[0], 2)
 
 
-def test_one_skipped_save_fails_one_step(tmp_path):
-    """Saves 1..5 back to back; rank 1's arena is 'busy' at step 2 (backpressure='skip'): step 2
-    fails on both ranks, every other step commits. Meanwhile rank 0's training thread sits in
-    a blocking wait on the default store's client: zerostall's own connection is not delayed."""
+def test_one_busy_rank_skips_the_step_on_every_rank(tmp_path):
+    """Saves 1..5 back to back; rank 1's arena is 'busy' at step 2 (backpressure='skip'): both
+    ranks skip step 2 (agreed in save(), no commit round started or left waiting), every other
+    step commits, and each record says how many steps passed since the previous save. Meanwhile
+    rank 0's training thread sits in a blocking wait on the default store's client:
+    zerostall's own connection is not delayed."""
     res, roots = run(tmp_path, 2, shared=True, scenario="skip", steps=[1, 2, 3, 4, 5], skip_rank=1, skip_step=2,
                      timeout=20, ck={"backpressure": "skip"}, block_training_store=0)
     for rc, doc, err in res:
@@ -302,7 +304,27 @@ def test_one_skipped_save_fails_one_step(tmp_path):
     skipped = {s for s in range(1, 6) for _, doc, _ in res if doc[str(s)].get("error") == "skipped here"}
     assert 2 in skipped
     assert verdicts == {s: "failed" if s in skipped else "committed" for s in range(1, 6)}, (verdicts, skipped)
-    assert "rank 1 skipped step 2" in res[0][1]["2"]["error"]
+    for _, doc, _ in res:
+        assert all(doc[str(s)].get("error") == "skipped here" for s in skipped), doc  # every rank, same steps
+        assert all(doc[str(s)]["round_keys"] == [] for s in skipped), doc
+        saved = [s for s in range(1, 6) if s not in skipped]
+        assert [doc[str(s)]["interval"] for s in saved] == [0] + [b - a for a, b in zip(saved, saved[1:])], doc
+        assert doc["3"]["interval"] == (3 - max(s for s in saved if s < 3) if 3 in saved else 2)
+
+
+def test_a_rank_failing_in_save_ends_the_others_room_agreement(tmp_path):
+    """backpressure='skip': rank 1's save() of step 2 raises before the room agreement (an
+    unsupported leaf). Its failure report ends rank 0's wait for the agreement at once (the
+    commit timeout is 600 s, the ranks' run is bounded far below it): rank 0 skips step 2, and
+    the agreements of the later steps stay in step (step 3 commits on both)."""
+    res, roots = run(tmp_path, 2, shared=True, scenario="skip", steps=[1, 2, 3], fail_rank=1, fail_step=2,
+                     timeout=600, ck={"backpressure": "skip"}, proc_timeout=120)
+    for rc, doc, err in res:
+        assert rc == 0, err
+    assert res[0][1]["2"]["error"] == "skipped here" and res[1][1]["2"]["error"] == "raised here"
+    for _, doc, _ in res:
+        assert doc["1"]["state"] == doc["3"]["state"] == "durable", doc
+    assert LocalTier(roots[0]).steps() == [1, 3]
 
 
 def test_rank0_leaving_after_its_with_block(tmp_path):

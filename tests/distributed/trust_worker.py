@@ -133,15 +133,26 @@ def main():
         # room in the staging ring for every save in flight: only the seam below makes one skip
         ck.prepare({"pad": torch.empty(3 * ck.config.staging.block_bytes // 4)})
         for step in args["steps"]:
-            if rank == args["skip_rank"] and step == args["skip_step"]:
+            if rank == args.get("fail_rank") and step == args.get("fail_step"):
+                try:  # an unsupported leaf: save() raises before the room agreement
+                    ck.save(step, {**state_for(rank, step, args), "bad": object()})
+                except zerostall.errors.ZerostallError:
+                    res[str(step)] = {"state": "failed", "error": "raised here"}
+                continue
+            if rank == args.get("skip_rank") and step == args.get("skip_step"):
                 ring = ck._lease.ring
                 ring.fits_now = lambda n: False  # the seam: the ring is full right now
                 handles[step] = ck.save(step, state_for(rank, step, args))
                 del ring.fits_now
             else:
                 handles[step] = ck.save(step, state_for(rank, step, args))
+        from zerostall.distributed.commit import step_base
         for step, h in handles.items():
             res[str(step)] = outcome(h)
+            res[str(step)]["interval"] = h.result().interval_steps if h.exception() is None else None
+            base = step_base(ck.session, step)  # a skipped step leaves no round behind
+            res[str(step)]["round_keys"] = [k for k in ("t0", "decision", f"r{rank}")
+                                            if ck._committer.store.check([f"{base}/{k}"])]
     elif scenario == "leave":  # rank 0 leaves right after its with block; rank 1 reads late
         if rank == 1:
             commit_mod.fault_hook = lambda p, r, s: time.sleep(1.5) if p == "reported" else None

@@ -1,4 +1,6 @@
-"""Two processes on one root: the second writer is refused, 50 times, each time while the
+"""One writer per root: a second writer is refused, and a removed lock file is handled.
+
+Two processes on one root: the second writer is refused, 50 times, each time while the
 owner has a save in flight; the in-flight saves are not disturbed and readers see only
 committed steps."""
 
@@ -11,6 +13,7 @@ import torch
 
 import zerostall
 from zerostall.errors import RootLockedError
+from zerostall.errors import RootLockedError, ZerostallError
 from zerostall.store.local import LocalTier
 
 N = 50
@@ -74,3 +77,28 @@ def test_fifo_planted_as_the_lock_file_is_refused_not_hung(tmp_path):
             zerostall.Checkpointer(root)
     finally:
         os.close(fd)
+
+
+# The root lock file removed by a third party while its writer is open.
+#
+# Found by adv2: after ``rm ROOT/.zerostall.lock`` (a user "clearing a stale lock" after a
+# RootLockedError, a tmp cleaner removing dotfiles), a second Checkpointer opens the root as
+# its owner (it locks a new file of that name) while the first keeps saving: two writers, each
+# of which cleans the other's ``.partial`` directories at start and applies retention to the
+# other's steps.
+
+def test_second_writer_refused_after_the_lock_file_was_removed(ckdir):
+    a = zerostall.Checkpointer(ckdir, lock_timeout_s=0)
+    try:
+        a.save(1, {"x": torch.ones(2)}).result()
+        os.unlink(os.path.join(ckdir, ".zerostall.lock"))
+        with pytest.raises(RootLockedError):
+            b = zerostall.Checkpointer(ckdir, lock_timeout_s=0)
+            b.close()
+    finally:
+        try:
+            a.close()
+        except ZerostallError:
+            pass
+    with zerostall.Checkpointer(ckdir, lock_timeout_s=0) as c:  # once the first closed, the root is free
+        assert c.steps() == [1]

@@ -16,7 +16,8 @@ import torch
 import zerostall
 from zerostall.errors import CorruptCheckpoint, UnsupportedStateError
 from zerostall.format.objects import TaggedData, unregister_type
-from zerostall.format.tree import decode_tree, encode_tree
+from zerostall.format.decode import decode_tree
+from zerostall.format.tree import encode_tree
 
 
 class Color(enum.Enum):

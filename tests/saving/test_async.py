@@ -132,12 +132,12 @@ def test_skip_and_block_policies_with_slow_engine(ckdir):
         h1 = ck.save(1, state)
         box["e"].writes_started.wait()
         h2 = ck.save(2, state)  # the disk holds step 1's blocks: no room
-        assert h2.skipped and h2.done() and h2.result().skipped
+        assert h2.skipped and h2.done() and h2.result().skipped and h2.result().interval_steps == 1
         gate.set()
-        assert h1.result().ok
+        assert h1.result().ok and h1.result().interval_steps == 0  # the first save
         h3 = ck.save(3, state)
         assert not h3.skipped
-        h3.result()
+        assert h3.result().interval_steps == 2  # the interval the disk allowed: step 2 was skipped
     assert ck.steps() == [1, 3]
 
     gate.clear()

@@ -1,7 +1,7 @@
 """Fuzz save() over generated state dicts (issue 23): nested dicts, lists and tuples of every
-leaf type the README's "What a state dict may hold" lists, with tricky keys, plus values the
+leaf type "What a state dict may hold" in docs/usage.md lists, with tricky keys, plus values the
 rule refuses. For each state, either save() refuses it naming the key of a value (or dict
-key) the rule refuses, or the step loads back equal, type for type (after the README's three
+key) the rule refuses, or the step loads back equal, type for type (after docs/usage.md's three
 written conversions). A fixed, derandomized example budget keeps it deterministic in CI."""
 
 import argparse
@@ -172,7 +172,7 @@ def unwrap(x, path=(), bad=None):
 
 
 def expected(x):
-    """What the README's rule says loads back: OrderedDict -> dict, numpy bool/int/float/str
+    """What the rule of docs/usage.md says loads back: OrderedDict -> dict, numpy bool/int/float/str
     scalars -> the Python value; everything else as it is."""
     if type(x) in (dict, collections.OrderedDict):
         return {expected(k): expected(v) for k, v in x.items()}

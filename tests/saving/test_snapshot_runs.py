@@ -31,8 +31,8 @@ def _count_runs(monkeypatch):
     runs = []
     real = snapshot.Snapshotter._copy_small
 
-    def spy(self, job, offs, lens, ptrs, i):
-        j, end = real(self, job, offs, lens, ptrs, i)
+    def spy(self, job, offs, lens, ptrs, i, *crcs):
+        j, end = real(self, job, offs, lens, ptrs, i, *crcs)
         runs.append(j - i)
         return j, end
     monkeypatch.setattr(snapshot.Snapshotter, "_copy_small", spy)

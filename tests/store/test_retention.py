@@ -1,4 +1,6 @@
-"""Retention that cannot delete what it just saved, and failures after the commit point."""
+"""Retention, local and remote: what it keeps, and what is never uploaded because it would not be kept.
+
+Retention that cannot delete what it just saved, and failures after the commit point."""
 
 import errno
 import os
@@ -150,3 +152,20 @@ def test_retention_failure_is_recorded_not_a_failed_save(ckdir):
         except SaveFailed:  # pragma: no cover - the assertion below explains
             pytest.fail("a post-commit failure surfaced as a failed save")
     assert zerostall.load(ckdir)["i"] == 3
+
+
+# A step remote retention would not keep is never uploaded, and close() does not wait for it.
+
+def test_step_older_than_remote_retention_keeps_is_settled_not_pending(tmp_path):
+    url = f"file://{tmp_path / 'remote'}"
+    with zerostall.Checkpointer(str(tmp_path / "a"), remote=url) as ck:
+        ck.save(100, {"w": torch.ones(4)}).wait(tier="remote")
+    ck = zerostall.Checkpointer(str(tmp_path / "b"), remote=url, keep_last_remote=1, close_timeout_s=5)
+    h = ck.save(5, {"w": torch.zeros(4)})
+    h.result()
+    ck.close()
+    # keep_last_remote=1 with step 100 on the remote: step 5 would be deleted at once, so it is not
+    # uploaded, and it is not reported as a replication failure
+    assert ck.unreplicated == []
+    assert h.replicated() and h.replication_error() is None
+    assert zerostall.load(str(tmp_path / "b"))["w"].sum() == 0

@@ -26,13 +26,9 @@ from ..errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, Remote
     ZerostallError)
 from ..store import open_root
 from ..store.tier import is_url, open_tier
-from ..restore import LoadReport, load
-from ..restore.fetch import restore_remote
 from . import host as cli_host
 from ..peers.status import peer_rows, quota_lines
-from ..integrations import export
 from .common import _engine, _tier
-from .verify import cmd_verify
 
 
 def _rows(tier: Any, label: str) -> list[dict[str, Any]]:
@@ -102,7 +98,16 @@ def cmd_ls(a: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(a: argparse.Namespace) -> int:
+    """``zerostall verify``. The commands that read or write tensors (verify, restore, export)
+    import the restore walk (and so torch) when they run: ``--help``, ``plan``, ``ls``,
+    ``inspect`` and ``doctor`` never need it (tests/cli/test_cli_startup.py)."""
+    from .verify import cmd_verify
+    return cmd_verify(a)
+
+
 def cmd_restore(a: argparse.Namespace) -> int:
+    from ..restore.fetch import restore_remote  # torch (see _verify)
     remote = open_tier(a.url)  # a plain path too: a shared-filesystem tier
     remote.check_root()
     if a.step is None and not remote.steps():
@@ -160,6 +165,8 @@ def cmd_export(a: argparse.Namespace) -> int:
 
     import torch
 
+    from ..integrations import export  # torch (see _verify)
+    from ..restore import LoadReport, load
     out_dir = os.path.dirname(os.path.abspath(a.out))
     if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
         raise ConfigError(f"cannot write {a.out!r}: {out_dir!r} is not a writable directory")
@@ -250,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require every rank's shard in this root (a shared root), not only this copy's")
     s.add_argument("--json", action="store_true",
                    help="print one JSON object per step (state ok/failed/deleted) instead of lines")
-    s.set_defaults(fn=cmd_verify)
+    s.set_defaults(fn=_verify)
 
     s = sub.add_parser("inspect", help="tensors, dtypes, shapes, bytes of a checkpoint")
     s.add_argument("path", help="a local directory, s3://bucket/prefix or file:///path")

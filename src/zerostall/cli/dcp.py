@@ -1,9 +1,9 @@
 """``zerostall ls/verify/inspect`` on DCP checkpoints (zerostall.dcp or FileSystemWriter).
 
-cli.py hands over a local directory when :func:`is_dcp_dir` says it is one: a DCP
+app.py hands over a local directory when :func:`is_dcp_dir` says it is one: a DCP
 checkpoint directory (``.metadata`` or ``__R.metadata``), or a root whose ``step-N``
 subdirectories are DCP checkpoints (torchtitan's layout) and which holds no zerostall
-Checkpointer step. Everything else stays in cli.py. Exit status as there: 0 fine, 1 a check
+Checkpointer step. Everything else stays in app.py. Exit status as there: 0 fine, 1 a check
 failed; ``--step N`` picks ``step-N`` under a root.
 """
 
@@ -16,6 +16,8 @@ import re
 import sys
 
 from ..errors import CheckpointNotFound, ZerostallError
+from ..integrations import dcp_files
+from ..integrations.dcp_files import metadata_files
 from .._term import safe
 from .._util import human_bytes as _human
 from ..config import IOConfig
@@ -26,7 +28,6 @@ _STEP_DIR_RE = re.compile(r"^step-(\d{1,19})$")
 def _step_dirs(root: str) -> list[tuple[int, str]]:
     """(step, dir) of the DCP checkpoints directly under ``root``, ascending; [] if ``root``
     holds a zerostall Checkpointer step (``manifest.json``)."""
-    from ..integrations.dcp_describe import is_dcp_dir as _is
     try:
         names = os.listdir(root)
     except OSError:
@@ -38,20 +39,19 @@ def _step_dirs(root: str) -> list[tuple[int, str]]:
         if m and not os.path.islink(d):
             if os.path.lexists(os.path.join(d, "manifest.json")):
                 return []
-            if _is(d):
+            if dcp_files.is_dcp_dir(d):
                 out.append((int(m.group(1)), d))
     return sorted(out)
 
 
 def is_dcp_dir(path: str) -> bool:
-    from ..integrations.dcp_describe import is_dcp_dir as _is
-    return _is(path) or bool(_step_dirs(path))
+    """A DCP checkpoint directory, or a root of ``step-N`` ones; by its files (imports no torch)."""
+    return dcp_files.is_dcp_dir(path) or bool(_step_dirs(path))
 
 
 def _targets(a: argparse.Namespace) -> list[tuple[str, str]]:
     """(label, checkpoint dir) to act on."""
-    from ..integrations.dcp_describe import is_dcp_dir as _is
-    if _is(a.path):
+    if dcp_files.is_dcp_dir(a.path):
         return [(a.path, a.path)]
     steps = _step_dirs(a.path)
     if getattr(a, "step", None) is not None:
@@ -62,7 +62,7 @@ def _targets(a: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def cmd_ls(a: argparse.Namespace) -> int:
-    from ..integrations.dcp_describe import describe, metadata_files
+    from ..integrations.dcp_describe import describe
     rows = []
     for label, d in _targets(a):
         for name in metadata_files(d):
@@ -85,7 +85,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    from ..integrations.dcp_describe import metadata_files, verify
+    from ..integrations.dcp_describe import verify
     rows = []
     for label, d in _targets(a):
         for name in metadata_files(d):
@@ -106,7 +106,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from ..integrations.dcp_describe import describe, metadata_files
+    from ..integrations.dcp_describe import describe
     targets = _targets(a)[-1:]  # a root: the newest step (or --step)
     infos = [describe(d, n) for _, d in targets for n in metadata_files(d)]
     if a.json:

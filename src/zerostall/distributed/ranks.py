@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -26,8 +25,9 @@ def discover(store: Any = None, mode: str = "per_rank") -> RankInfo:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     if mode == "local":
         return RankInfo(0, 1, local, None)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    dist = sys.modules.get("torch.distributed")  # a process group exists only once this was imported
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
         if store is None and world > 1:
             from torch.distributed import distributed_c10d as c10d
             store = c10d._get_default_store()

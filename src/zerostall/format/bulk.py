@@ -3,38 +3,34 @@ of a dict's values instead of a Python frame with a dozen attribute reads per te
 
 Called by :func:`.tree.encode_tree` (caller's thread, inside ``save()``) for each dict with
 str keys whose values are all ``torch.Tensor``/``nn.Parameter``: a large model's or
-optimizer's state (100k tensors: ~1 s less on a first save). Decides nothing on its own:
+optimizer's state. Decides nothing on its own:
 anything unusual (a nested, quantized, sparse, conj/neg-view, empty or aliased tensor, a
 device other than cpu/cuda) returns None and the per-tensor path encodes the container and
 raises its precise errors. Never mutates its input. On a first save the plan cache has
 already read every tensor's address, sizes, strides, dtype and device for its signature
 (:func:`..staging.plan_cache._tensor_sig`): those columns are passed down and read here
-instead of from the tensors again (~0.2 s less at 100k tensors).
+instead of from the tensors again.
 """
 
 from __future__ import annotations
 
 import json
 import operator
-import re
-import secrets
 from itertools import repeat
 from typing import Any, Sequence
 
 import torch
+
+from .._fast import DEVICE, DTYPE, INDEX, IS_NESTED, LAYOUT, TYPE, Splice
+from .._fast_torch import shape_of
 
 TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 BULK_MIN = 32
 """Smaller containers take the per-tensor path (the maps' setup would cost more)."""
 
 _T = torch.Tensor
-_SIZES = getattr(torch._C, "_non_sym_sizes", None) or (lambda t: tuple(t.shape))
-_DEVICE, _LAYOUT = operator.attrgetter("device"), operator.attrgetter("layout")
-_NESTED = operator.attrgetter("is_nested")
 _QUANTIZED = frozenset(getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
                        if hasattr(torch, n))
-_TYPE, _INDEX = operator.attrgetter("type"), operator.attrgetter("index")
-_DTYPE = operator.attrgetter("dtype")
 
 Columns = tuple[Sequence[Any], ...]
 """(tensors, data addresses, sizes, strides, dtypes, devices), index-aligned, in
@@ -63,20 +59,20 @@ def bulk_tensors(x: dict[Any, Any], seen: dict[tuple[Any, ...], int], cols: Colu
         return None
     if cols is not None and len(cols[0]) == len(vals) and all(map(operator.is_, vals, cols[0])):
         return _from_columns(keys, vals, cols, seen)
-    dtypes = set(map(_DTYPE, vals))
+    dtypes = set(map(DTYPE, vals))
     if any(d.is_complex or d in _QUANTIZED for d in dtypes):  # conj views, quantized: per tensor
         return None
-    if any(map(_NESTED, vals)) or any(map(_T.is_neg, vals)):
+    if any(map(IS_NESTED, vals)) or any(map(_T.is_neg, vals)):
         return None
-    if set(map(_LAYOUT, vals)) != {torch.strided} or 0 in map(_T.numel, vals):
+    if set(map(LAYOUT, vals)) != {torch.strided} or 0 in map(_T.numel, vals):
         return None
-    devices = list(map(_DEVICE, vals))
-    types = list(map(_TYPE, devices))
+    devices = list(map(DEVICE, vals))
+    types = list(map(TYPE, devices))
     if not {"cpu", "cuda"}.issuperset(types):
         return None
     tensors = list(map(_T.detach, vals))
-    idents = list(zip(types, map(_INDEX, devices), map(_T.data_ptr, tensors), map(_SIZES, tensors),
-                      map(_T.stride, tensors), map(_DTYPE, tensors), repeat(False)))
+    idents = list(zip(types, map(INDEX, devices), map(_T.data_ptr, tensors), map(shape_of, tensors),
+                      map(_T.stride, tensors), map(DTYPE, tensors), repeat(False)))
     if len(set(idents)) != len(idents) or any(map(seen.__contains__, idents)):
         return None
     return keys, tensors, idents
@@ -98,7 +94,7 @@ def _from_columns(keys: list[str], vals: list[torch.Tensor], cols: Columns, seen
         (kind, index), = kinds.values()
         types, indices = repeat(kind), repeat(index)
     else:
-        types, indices = map(_TYPE, devices), map(_INDEX, devices)
+        types, indices = map(TYPE, devices), map(INDEX, devices)
     tensors = list(map(_T.detach, vals))
     idents = list(zip(types, indices, ptrs, sizes, strides, dtypes, repeat(False)))
     if len(set(idents)) != len(idents) or any(map(seen.__contains__, idents)):
@@ -120,25 +116,10 @@ def known_node(x: dict[Any, Any], known: list[int], met: list[int]) -> Any:
 
 TEXT_MIN = 1024
 """A dict of at least this many tensors taken in bulk also gets its node's JSON made here
-(:func:`pairs_json`), spliced into the tree's by :func:`dumps_tree`: 100k tensors ~0.1-0.2 s
-less on a first save than the C encoder walking 300k small containers."""
+(:func:`pairs_json`), spliced into the tree's by :func:`dumps_tree` (cheaper than the C
+encoder walking three small containers per tensor)."""
 _PAIR = '[{{"v":{}}},{{"T":{}}}]'.format
-_NONCE = secrets.token_hex(8)
-_MARK = re.compile(re.escape(json.dumps(f"\x00zsbulk{_NONCE}:")[:-1]) + "([0-9]+)" + re.escape(json.dumps("\x00")[1:]))
-"""A marker as the encoder writes it (``"\\u0000zsbulk<nonce>:<i>\\u0000"``)."""
-
-
-class _Marker:
-    __slots__ = ("i",)
-
-    def __init__(self, i: int):
-        self.i = i
-
-
-def _mark(m: Any) -> str:
-    if type(m) is not _Marker:
-        raise TypeError(f"Object of type {type(m).__name__} is not JSON serializable")
-    return f"\x00zsbulk{_NONCE}:{m.i}\x00"
+_SPLICE = Splice("bulk")
 
 
 def pairs_json(keys: list[str], start: int) -> str:
@@ -160,9 +141,9 @@ def dumps_tree(tree: Any, texts: list[tuple[dict[str, Any], str]]) -> str:
     saved = [node["d"] for node, _ in texts]
     try:
         for i, (node, _) in enumerate(texts):
-            node["d"] = _Marker(i)
-        out = dumps(tree, default=_mark)
+            node["d"] = _SPLICE.mark(i)
+        out = dumps(tree)
     finally:
         for (node, _), pairs in zip(texts, saved):
             node["d"] = pairs
-    return _MARK.sub(lambda m: texts[int(m.group(1))][1], out)
+    return _SPLICE.splice(out, [text for _, text in texts])

@@ -1,23 +1,18 @@
-"""Names of the tensor dtypes the format stores, and their torch equivalents.
+"""The torch dtypes of the names the format stores (:mod:`.dtype_names`, the on-disk contract).
 
-The names are the on-disk contract: an unknown name in a manifest is corruption, never a
-lookup by ``getattr(torch, name)`` on untrusted input.
+A name this torch has no dtype for (a float8 kind an older torch lacks) fails as unknown
+when a tensor of it is loaded.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..errors import CorruptCheckpoint, UnsupportedStateError
-
-_CANDIDATES = (
-    "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
-    "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
-    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
-)
+from ..errors import UnsupportedStateError
+from .dtype_names import DTYPE_NAMES, unknown_dtype
 
 _BY_NAME: dict[str, torch.dtype] = {
-    n: getattr(torch, n) for n in _CANDIDATES if isinstance(getattr(torch, n, None), torch.dtype)
+    n: getattr(torch, n) for n in DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)
 }
 _BY_DTYPE: dict[torch.dtype, str] = {d: n for n, d in _BY_NAME.items()}
 
@@ -35,7 +30,7 @@ def dtype_name(dtype: torch.dtype, key: str = "?") -> str:
 def dtype_from_name(name: object, where: str = "manifest") -> torch.dtype:
     """The torch dtype for an on-disk name; unknown names are corruption."""
     if not isinstance(name, str) or name not in _BY_NAME:
-        raise CorruptCheckpoint(f"{where}: unknown dtype {name!r}", path=where)
+        raise unknown_dtype(name, where)
     return _BY_NAME[name]
 
 
@@ -49,5 +44,4 @@ def itemsize(dtype: torch.dtype) -> int:
 
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(_BY_NAME.values())
-DTYPE_NAMES: tuple[str, ...] = tuple(_BY_NAME)
-"""The on-disk names this torch knows (the manifest parser's table)."""
+"""The dtypes this torch can save and load."""

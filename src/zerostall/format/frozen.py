@@ -1,13 +1,13 @@
 """Python-object subtrees snapshotted on the caller's thread, encoded in the background.
 
-A state's Python part (a config tree, a trainer's log history) used to be checked, copied and
-JSON-encoded inside ``save()``: a 16 MiB config cost 1-2 s of the caller's time, 4-8x a
-``json.dumps`` of it. Now :func:`.tree.encode_tree` (caller's thread) replaces each container
-of :data:`FREEZE_MIN` items or more made of builtin values only (exact ``dict``/``list``/
-``tuple``/``set``/``frozenset`` of ``str``, ``int``, ``float``, ``bool``, ``None``, ``bytes``,
-``bytearray``, nested; numpy bool/int/float/str scalars as their Python values, which is how the
+A state's Python part (a config tree, a trainer's log history) checked, copied and
+JSON-encoded inside ``save()`` would cost the caller several times a ``json.dumps`` of it, so
+:func:`.tree.encode_tree` (caller's thread) replaces each container of :data:`FREEZE_MIN`
+items or more made of builtin values only (exact ``dict``/``list``/``tuple``/``set``/
+``frozenset`` of ``str``, ``int``, ``float``, ``bool``, ``None``, ``bytes``, ``bytearray``,
+nested; numpy bool/int/float/str scalars as their Python values, which is how the
 tree stores them) by a :class:`Frozen`: the container serialized by the C pickler in slices of
-about :data:`PART_BYTES` (~10x cheaper than the JSON encoding). That is the save's snapshot:
+about :data:`PART_BYTES` (far cheaper than the JSON encoding). That is the save's snapshot:
 mutating the caller's objects after ``save()`` returns changes nothing saved. Anything else (a
 tensor, a dataclass, a subclass, an ``OrderedDict``, a cycle) makes :func:`freeze` give up at
 once, and the caller's walk goes on into the container as before, so unknown types are still
@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import io
 import json
-import operator
-import os
 import pickle
-import re
 import threading
 from itertools import chain, islice
 from typing import Any, Callable
 
+from .._fast import SECOND, Splice
 from .._util import no_gc
 from .validate import is_plain
 
@@ -62,7 +60,7 @@ class _Refuse(Exception):
 
 
 _NUMPY_AS = {"b": bool, "i": int, "u": int, "f": float, "U": str, "S": bytes}
-"""numpy scalar kinds and the Python type the tree stores them as (the README's rule, as
+"""numpy scalar kinds and the Python type the tree stores them as (the rule of docs/usage.md, as
 :func:`.tree._np_plain`: ``x.item()``); a long double or any other kind is refused here."""
 _TO = frozenset(_NUMPY_AS.values())
 
@@ -155,8 +153,7 @@ def thaw(data: bytes) -> Any:
     return _Unpickler(io.BytesIO(data)).load()
 
 
-_NONCE = os.urandom(6).hex()
-_MARK = re.compile(re.escape(json.dumps(f"\x00zs{_NONCE}:")[:-1]) + r"(\d+)\\u0000\"")
+_SPLICE = Splice("frozen")
 
 
 def skeleton_json(tree: Any, frozen: list[Frozen]) -> str:
@@ -167,7 +164,7 @@ def skeleton_json(tree: Any, frozen: list[Frozen]) -> str:
     def mark(o: Any) -> str:
         if type(o) is not Frozen:
             raise TypeError(f"{type(o).__name__} in a state tree")
-        return f"\x00zs{_NONCE}:{pos[id(o)]}\x00"
+        return _SPLICE.mark(pos[id(o)])
     return json.dumps(tree, separators=(",", ":"), allow_nan=False, default=mark)
 
 
@@ -241,7 +238,7 @@ class DeferredTree:
 
     def _finish(self) -> tuple[Any, str]:
         pieces = [self._piece(f) for f in self._frozen]
-        text = _MARK.sub(lambda m: pieces[int(m.group(1))][1], self._skeleton)
+        text = _SPLICE.splice(self._skeleton, [p[1] for p in pieces])
         nodes = {id(f): p[0] for f, p in zip(self._frozen, pieces)}
         tree = _substitute(self._tree, nodes)
         self._check(tree, text)
@@ -249,7 +246,6 @@ class DeferredTree:
 
 
 _LEAF_TAGS = frozenset(("T", "A", "v", "f", "j"))
-_SECOND = operator.itemgetter(1)
 
 
 def _substitute(node: Any, nodes: dict[int, Any]) -> Any:
@@ -262,7 +258,7 @@ def _substitute(node: Any, nodes: dict[int, Any]) -> Any:
         return node
     (tag, val), = node.items()
     if tag in ("l", "t", "d"):
-        kids = list(map(_SECOND, val)) if tag == "d" else val
+        kids = list(map(SECOND, val)) if tag == "d" else val
         if Frozen not in set(map(type, kids)) and _LEAF_TAGS.issuperset(map(next, map(iter, kids))):
             return node
         if tag == "d":

@@ -2,7 +2,9 @@
 own code, matched by exact type (a subclass is not one of them: it would load back as its
 base type). :mod:`.objects` calls :func:`encode_standard` and looks decoders up in
 :data:`STANDARD`; nothing here imports a module a checkpoint names or calls anything outside
-these decoders. Caller's thread (``save()``/``load()``).
+these decoders. Caller's thread (``save()``/``load()``). torch is imported only to build or
+encode a torch kind (``torch.dtype``, ``torch.device``, ``torch.Size``): checking a manifest's
+tree needs none.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import datetime as _dt
 import pathlib
 import re
 import uuid
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 Enc = Callable[[Any], Any]  # encodes a child value into a tree node
 
@@ -50,6 +53,7 @@ def _timedelta(days: Any, seconds: Any, us: Any) -> _dt.timedelta:
 
 
 def _dtype(name: Any) -> torch.dtype:
+    import torch
     # only names already bound in the torch namespace: getattr(torch, "_inductor") would import
     d = vars(torch).get(_str(name))
     if not isinstance(d, torch.dtype):
@@ -58,6 +62,7 @@ def _dtype(name: Any) -> torch.dtype:
 
 
 def _device(s: Any) -> torch.device:
+    import torch
     try:
         return torch.device(_str(s))
     except RuntimeError as exc:  # torch reports a bad device string as RuntimeError
@@ -146,6 +151,7 @@ def _counter(p: Any) -> collections.Counter:
 def _torch_size(p: Any) -> torch.Size:
     if not isinstance(p, list) or not all(type(d) is int and d >= 0 for d in p):
         raise ValueError(f"expected a list of sizes, got {p!r:.80}")
+    import torch
     return torch.Size(p)
 
 
@@ -158,9 +164,10 @@ STANDARD.update({
 })
 
 STANDARD_TYPES: tuple[type, ...] = (argparse.Namespace, pathlib.PurePath, _dt.datetime, _dt.date, _dt.time,
-                                    _dt.timedelta, _dt.timezone, uuid.UUID, torch.Size,
+                                    _dt.timedelta, _dt.timezone, uuid.UUID,
                                     collections.defaultdict, collections.Counter)
-"""Standard kinds a subclass may come from (named in the refusal of an unregistered subclass)."""
+"""Standard kinds a subclass may come from (named in the refusal of an unregistered subclass;
+:mod:`.tree` adds ``torch.Size``)."""
 
 
 
@@ -209,12 +216,14 @@ def encode_standard(x: Any, enc: Enc) -> Any | None:
         return {"o": ["datetime.timezone", enc(off.total_seconds())]}
     if t is uuid.UUID:
         return {"o": ["uuid.UUID", enc(str(x))]}
-    if t is torch.dtype:
-        return {"o": ["torch.dtype", enc(str(x).removeprefix("torch."))]}
-    if t is torch.device:
-        return {"o": ["torch.device", enc(str(x))]}
-    if t is torch.Size:
-        return {"o": ["torch.Size", enc(list(x))]}
+    if t.__module__ == "torch":  # (a torch object exists only once torch is imported)
+        import torch
+        if t is torch.dtype:
+            return {"o": ["torch.dtype", enc(str(x).removeprefix("torch."))]}
+        if t is torch.device:
+            return {"o": ["torch.device", enc(str(x))]}
+        if t is torch.Size:
+            return {"o": ["torch.Size", enc(list(x))]}
     if t is collections.defaultdict:
         f = x.default_factory
         name = None if f is None else f"builtins.{getattr(f, '__name__', '')}"

@@ -11,7 +11,7 @@ layout 1, written before layout 2; ``64`` small tensors packed, layout 2: see :m
 each tensor: see :mod:`.table`) and ``tree`` (see :mod:`.tree`). Version 2 added references to
 earlier steps' bytes (``ref_files``, a tensor's ``step``; see :mod:`.refs`), version 1 has
 none; both hold one JSON object per tensor. Version 3, what every save writes now, holds
-the tensor table as columns (~1/3 of the bytes, parsed ~2x faster) and ``ref_files`` where a
+the tensor table as columns (fewer bytes, parsed faster) and ``ref_files`` where a
 save references; older readers refuse it, naming the version, and ask for an upgrade.
 :meth:`Manifest.from_bytes` checks the envelope, the version and every field before anyone
 reads a byte of a shard: paths cannot leave the checkpoint directory, offsets and sizes are
@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c as _crc
 
+from .._fast import Splice
 from .._util import no_gc
 from ..config import ALIGN_BYTES
 from ..errors import CorruptCheckpoint
@@ -37,7 +37,8 @@ from .layout import HEADER_BYTES, MANIFEST_ALIGNMENT
 from .refs import FORMAT_VERSION_REFS, RefFile, parse_ref_files
 from .table import (FORMAT_VERSION_TABLE, Entries, TensorEntry, encode_columns, file_slots, parse_columns,
                     parse_objects, tensors_json)
-from .tree import decode_tree, tree_tensor_indices
+from .decode import decode_tree
+from .nodes import tree_tensor_indices
 
 __all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "Entries", "FileEntry", "Manifest", "TensorEntry", "tensors_json"]
 
@@ -48,6 +49,7 @@ MAX_MANIFEST_BYTES = 512 << 20
 """Readers refuse larger manifests (a hostile one cannot make them parse gigabytes). A state
 of 1M tensors needs ~230 MB as version 2 (entries ~169 B each with their key, plus the tree),
 less as version 3."""
+_SPLICE = Splice("manifest")
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _PREFIX = b'{"zerostall_manifest":"crc32c","body_crc32c":"'
 _MID = b'","body":'
@@ -134,17 +136,12 @@ class Manifest:
     def to_bytes(self) -> bytes:
         """The envelope; the crc32c covers the exact bytes of ``body`` as written."""
         d = self.body(encode_tensors=not self.tensors_json)
-        done = {"tree": self.tree_json, "tensors": self.tensors_json}  # encoded before: spliced in
-        markers = {}
-        for k, v in done.items():
+        pieces: list[str] = []  # encoded before: spliced in
+        for k, v in (("tree", self.tree_json), ("tensors", self.tensors_json)):
             if v:
-                markers[k] = d[k] = f"\x00{k}-{uuid.uuid4().hex}\x00"
-        text = json.dumps(d, separators=(",", ":"), allow_nan=False)
-        for k, m in markers.items():
-            enc = json.dumps(m)
-            i = text.index(enc)
-            text = text[:i] + done[k] + text[i + len(enc):]
-        body = text.encode()
+                d[k] = _SPLICE.mark(len(pieces))
+                pieces.append(v)
+        body = _SPLICE.splice(json.dumps(d, separators=(",", ":"), allow_nan=False), pieces).encode()
         return b"".join((_PREFIX, f"{_crc.crc32c(body):08x}".encode(), _MID, body, b"}\n"))
 
     @classmethod

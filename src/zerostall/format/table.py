@@ -9,9 +9,9 @@ in the order of the tensor indices the state tree refers to::
 
 ``dtype`` indexes ``dtypes``; ``file`` indexes the body's ``files`` followed by its
 ``ref_files`` (an index past ``files`` is a reference: the entry's step is that ref file's).
-At 100k tensors this is ~60 B per tensor instead of ~150-190 for versions 1 and 2, which
-hold one object per tensor (``{"key", "dtype", "shape", "file", "offset", "nbytes",
-"crc32c"[, "step"]}``), and it parses ~2x faster (fewer, larger JSON containers). Readers
+This takes fewer bytes per tensor than versions 1 and 2, which hold one object per tensor
+(``{"key", "dtype", "shape", "file", "offset", "nbytes", "crc32c"[, "step"]}``), and parses
+faster (fewer, larger JSON containers). Readers
 keep reading both (:func:`parse_objects`, :func:`parse_columns`); every per-entry check is
 the same for both. Called by :meth:`~.manifest.Manifest.from_bytes` and ``to_bytes`` (any
 thread) and by the single-rank committer through :func:`tensors_json` (persist thread).
@@ -20,17 +20,16 @@ thread) and by the single-rank committer through :func:`tensors_json` (persist t
 from __future__ import annotations
 
 import json
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from .dtypes import DTYPE_NAMES, dtype_from_name, itemsize
+from .dtype_names import ITEMSIZE_BY_NAME as _ITEMSIZE_BY_NAME, unknown_dtype
 from . import validate as V
+from .._fast import CRC32C, DTYPE, KEY, NBYTES, OFFSET, SHAPE, frozen_maker
 
 FORMAT_VERSION_TABLE = 3
 COLUMNS = ("key", "dtype", "shape", "file", "offset", "nbytes", "crc32c")
-_ITEMSIZE_BY_NAME = {name: itemsize(dtype_from_name(name)) for name in DTYPE_NAMES}
 
 
 @dataclass(frozen=True)
@@ -45,16 +44,6 @@ class TensorEntry:
     step: int | None = None
     """Set for a reference: the bytes live in ``step-<step>/<file>`` (see :mod:`.refs`)."""
 
-    @classmethod
-    def fast(cls, key: str, dtype: str, shape: tuple[int, ...], file: str, offset: int, nbytes: int, crc32c: int,
-             step: int | None = None) -> "TensorEntry":
-        """The same entry, built without the frozen ``__init__``'s setattr per field (half the
-        cost: a save or parse of 1M entries builds 1M)."""
-        e = object.__new__(cls)
-        e.__dict__.update(key=key, dtype=dtype, shape=shape, file=file, offset=offset, nbytes=nbytes, crc32c=crc32c,
-                          step=step)
-        return e
-
     def to_json(self) -> dict[str, Any]:
         """The entry as format versions 1 and 2 wrote it (one object per tensor)."""
         out = {"key": self.key, "dtype": self.dtype, "shape": list(self.shape), "file": self.file,
@@ -62,6 +51,12 @@ class TensorEntry:
         if self.step is not None:
             out["step"] = self.step
         return out
+
+
+new_entry = frozen_maker(TensorEntry)
+"""``new_entry(key=, dtype=, shape=, file=, offset=, nbytes=, crc32c=, step=)``: a checked entry
+(a save or parse of 1M entries builds 1M)."""
+_new_span = frozen_maker(V.Span)
 
 
 FileSlot = tuple[str, str, "int | None"]
@@ -115,7 +110,7 @@ def tensors_json(tensors: Sequence[TensorEntry], memo: dict[Any, Any] | None = N
             head = text[:-3]  # cut '[]}' after "crc32c":
         if memo is not None:
             memo[key] = head
-    crcs = tensors.crcs if written else map(_crc_of, tensors)
+    crcs = tensors.crcs if written else map(CRC32C, tensors)
     return "".join((head, "[", ",".join(map(str, crcs)), "]}"))
 
 
@@ -123,7 +118,7 @@ class Entries(Sequence[TensorEntry]):
     """The tensor entries of one written shard, kept as the save plan's items (anything with
     ``key``, ``dtype``, ``shape``, ``offset``, ``nbytes``), the shard's name and the crc32c
     values: a :class:`TensorEntry` is made only on access. The single-rank committer's manifest
-    (persist thread): making 100k entries per save cost ~0.7 s, and :func:`tensors_json`
+    (persist thread): making every entry per save is costly, and :func:`tensors_json`
     encodes these without them. Immutable; compares like the tuple of its entries."""
 
     __slots__ = ("items", "file", "crcs")
@@ -157,22 +152,15 @@ class Entries(Sequence[TensorEntry]):
 
         def dumps(v: Any) -> str:
             return json.dumps(v, separators=(",", ":"), allow_nan=False)
-        dcol = list(map(_DTYPE_OF, items))  # every column by C-level maps (100k: ~0.1 s less)
+        dcol = list(map(DTYPE, items))  # every column by C-level maps
         dtypes = {d: str(i) for i, d in enumerate(dict.fromkeys(dcol))}  # in order of first use
         return "".join((
-            '{"dtypes":', dumps(list(dtypes)), ',"key":', dumps(list(map(_KEY_OF, items))),
+            '{"dtypes":', dumps(list(dtypes)), ',"key":', dumps(list(map(KEY, items))),
             ',"dtype":[', ",".join(map(dtypes.__getitem__, dcol)), '],"shape":',
-            dumps(list(map(_SHAPE_OF, items))),
+            dumps(list(map(SHAPE, items))),
             ',"file":[', ",".join([str(file_index)] * len(items)),
-            '],"offset":[', ",".join(map(str, map(_OFFSET_OF, items))),
-            '],"nbytes":[', ",".join(map(str, map(_NBYTES_OF, items))), '],"crc32c":'))
-
-
-_KEY_OF, _DTYPE_OF, _SHAPE_OF = operator.attrgetter("key"), operator.attrgetter("dtype"), operator.attrgetter("shape")
-_OFFSET_OF, _NBYTES_OF = operator.attrgetter("offset"), operator.attrgetter("nbytes")
-
-
-_crc_of = operator.attrgetter("crc32c")
+            '],"offset":[', ",".join(map(str, map(OFFSET, items))),
+            '],"nbytes":[', ",".join(map(str, map(NBYTES, items))), '],"crc32c":'))
 
 
 # -- parsing (untrusted input) ---------------------------------------------------------------
@@ -186,7 +174,7 @@ def _entry(i: int, key: Any, dt: Any, shape: Any, fname: Any, span_file: Any, re
         raise bad(f"tensor entry {i} has no valid key")
     size = _ITEMSIZE_BY_NAME.get(dt) if type(dt) is str else None
     if size is None:
-        dtype_from_name(dt, where=f"{where}: tensor {key!r}")  # raises: unknown
+        raise unknown_dtype(dt, f"{where}: tensor {key!r}")
     max_dim = V.MAX_DIM
     ctx = f"tensor {key!r}: "
     if type(nbytes) is not int or not 0 <= nbytes <= max_dim:
@@ -201,11 +189,10 @@ def _entry(i: int, key: Any, dt: Any, shape: Any, fname: Any, span_file: Any, re
 
 def _add(out: list[TensorEntry], spans: list[V.Span], i: int, key: str, dt: str, shape: tuple[int, ...],
          fname: str, span_file: str, ref_step: int | None, off: int, nbytes: int, crc: int) -> None:
-    """Append a checked entry and its span (built without the frozen ``__init__``s: 1M per parse)."""
-    out.append(TensorEntry.fast(key, dt, shape, fname, off, nbytes, crc, ref_step))
-    s = object.__new__(V.Span)
-    s.__dict__.update(index=i, file=span_file, offset=off, nbytes=nbytes, ident=(dt, shape, crc), key=key)
-    spans.append(s)
+    """Append a checked entry and its span."""
+    out.append(new_entry(key=key, dtype=dt, shape=shape, file=fname, offset=off, nbytes=nbytes, crc32c=crc,
+                         step=ref_step))
+    spans.append(_new_span(index=i, file=span_file, offset=off, nbytes=nbytes, ident=(dt, shape, crc), key=key))
 
 
 def parse_objects(raw: Any, files: dict[str, Any], refs: dict[tuple[int, str], Any], where: str,
@@ -247,7 +234,7 @@ def parse_columns(raw: Any, slots: list[FileSlot], where: str, bad: Bad
         raise bad(f"'tensors' columns differ in length ({', '.join(f'{k}: {len(c)}' for k, c in zip(COLUMNS, cols))})")
     for name in names:
         if type(name) is not str or name not in _ITEMSIZE_BY_NAME:
-            dtype_from_name(name, where=f"{where}: 'tensors' dtypes")  # raises: unknown
+            raise unknown_dtype(name, f"{where}: 'tensors' dtypes")
     nd, ns = len(names), len(slots)
     out: list[TensorEntry] = []
     spans: list[V.Span] = []
@@ -279,10 +266,11 @@ def _fast_columns(cols: list[list[Any]], names: list[str], slots: list[FileSlot]
     be in range: per entry only the shape is left to check (inline for 0-d and 1-d). The spans
     are the entries' own fields (:class:`EntrySpans`: no object per entry unless needed)."""
     sizes = [_ITEMSIZE_BY_NAME[n] for n in names]
-    fast, check = TensorEntry.fast, V.check_shape
+    check = V.check_shape
     for key, d, shape, f, off, nbytes, crc in zip(*cols):
         fname, _, ref_step = slots[f]
-        out.append(fast(key, names[d], check(shape, sizes[d], nbytes, where, key), fname, off, nbytes, crc, ref_step))
+        out.append(new_entry(key=key, dtype=names[d], shape=check(shape, sizes[d], nbytes, where, key), file=fname,
+                             offset=off, nbytes=nbytes, crc32c=crc, step=ref_step))
     return EntrySpans(out, [slots[f][1] for f in cols[3]])
 
 
@@ -299,14 +287,11 @@ class EntrySpans:
     def columns(self) -> tuple[list[str], Iterator[int], Iterator[int], Iterator[int]]:
         """(span files, offsets, sizes, indices)."""
         es = self.entries
-        return self.files, map(_OFFSET, es), map(_NBYTES, es), iter(range(len(es)))
+        return self.files, map(OFFSET, es), map(NBYTES, es), iter(range(len(es)))
 
     def __iter__(self) -> Iterator[V.Span]:
         for i, (e, f) in enumerate(zip(self.entries, self.files)):
             yield V.Span(i, f, e.offset, e.nbytes, (e.dtype, e.shape, e.crc32c), e.key)
-
-
-_OFFSET, _NBYTES = operator.attrgetter("offset"), operator.attrgetter("nbytes")
 
 
 # -- conversion between the forms (tools and tests: no validation) ---------------------------

@@ -1,9 +1,9 @@
 """The state dict's structure as JSON, with tensors replaced by indices.
 
 ``encode_tree`` walks a nested state dict (dicts, lists, tuples, tensors, numpy arrays and
-plain values) and returns a JSON-able tree plus the list of tensor leaves; ``decode_tree``
-does the reverse with the restored tensors. Nothing is pickled: a leaf that is not a tensor,
-an array or a plain value (None, bool, int, float, str) is rejected with the key that holds
+plain values) and returns a JSON-able tree plus the list of tensor leaves;
+:func:`.decode.decode_tree` does the reverse with the restored tensors (without torch).
+Nothing is pickled: a leaf that is not a tensor, an array or a plain value (None, bool, int, float, str) is rejected with the key that holds
 it. Dict keys may be str, int, float, bool, None or tuples of those (optimizer state uses
 int keys).
 
@@ -36,41 +36,38 @@ from __future__ import annotations
 import enum
 import math
 from collections import OrderedDict
-from functools import partial
 from itertools import repeat
 from typing import Any, NamedTuple
 
 import torch
-from .kinds import STANDARD_TYPES
 
 try:
     import numpy as np
 except ImportError:  # pragma: no cover - numpy ships with torch
     np = None  # type: ignore[assignment]
 
-from ..errors import CorruptCheckpoint, UnsupportedStateError
-from .validate import MAX_INT_BITS, NotPlain, plain_copy
+from .._fast import tuples_maker
+from ..errors import UnsupportedStateError
+from .validate import MAX_DEPTH, MAX_INT_BITS, NotPlain, plain_copy
 from . import objects
 from .bulk import BULK_MIN, TENSOR_TYPES as _TENSOR_TYPES, TEXT_MIN, Columns, bulk_tensors, known_node, pairs_json
 from .frozen import FREEZE_MIN, Frozen, freeze
-from .nodes import remap_tree, tensor_paths, tree_tensor_indices  # noqa: F401 - re-exported
+from .kinds import STANDARD_TYPES
 
-MAX_DEPTH = 200
 _FREEZABLE = frozenset((dict, list, tuple))
 
 
 class TensorLeaf(NamedTuple):
     """One tensor to store: its display key, the tensor, and whether it was a numpy array (a
-    named tuple: the bulk path makes 100k of them per first save through ``tuple.__new__``, one
-    object each, no Python frame; a frozen dataclass cost ~90 ms and two objects each)."""
+    named tuple: the bulk path makes them in bulk, :func:`~zerostall._fast.tuples_maker`)."""
 
     key: str
     tensor: torch.Tensor
     numpy: bool = False
 
 
-_new_leaves = partial(map, partial(tuple.__new__, TensorLeaf))
-"""``_new_leaves(zip(keys, tensors, numpy_flags))``: the leaves, made at C level."""
+new_leaves = tuples_maker(TensorLeaf)
+"""``new_leaves(zip(keys, tensors, numpy_flags))``: the leaves."""
 
 
 def _fmt_key(path: tuple[Any, ...]) -> str:
@@ -87,7 +84,7 @@ def _check_int(x: int, path: tuple[Any, ...]) -> int:
 
 
 def _np_plain(x: Any, path: tuple[Any, ...]) -> Any:
-    """The Python value a numpy scalar is stored as (the README's rule: numpy scalars of a
+    """The Python value a numpy scalar is stored as (the rule of docs/usage.md: numpy scalars of a
     bool, int, uint, float, complex, str or bytes dtype load back as Python's bool, int, float,
     complex, str, bytes); :class:`UnsupportedStateError` for a long double (no exact Python
     value) and for the other kinds (void, object). datetime64/timedelta64 round-trip as
@@ -138,7 +135,7 @@ def _refusal(x: Any, path: tuple[Any, ...]) -> UnsupportedStateError:
         return UnsupportedStateError(
             f"{key!r} holds a defaultdict whose default_factory {x.default_factory!r} cannot be stored "
             "(a builtin type such as list, int or dict, or None, can): convert it with dict(x)")
-    bases = _PLAIN_BASES + STANDARD_TYPES + ((np.ndarray,) if np is not None else ())
+    bases = _PLAIN_BASES + STANDARD_TYPES + (torch.Size,) + ((np.ndarray,) if np is not None else ())
     base = next((b for b in t.__mro__[1:] if b in bases), None)
     if base is not None:
         return UnsupportedStateError(
@@ -268,7 +265,7 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int]
                 met[0] += len(keys)
                 start = len(leaves)
                 prefix = _fmt_key(path) + "." if path else ""
-                leaves.extend(_new_leaves(zip([prefix + k for k in keys] if prefix else keys, tensors, repeat(False))))
+                leaves.extend(new_leaves(zip([prefix + k for k in keys] if prefix else keys, tensors, repeat(False))))
                 seen.update(zip(idents, range(start, len(leaves))))
                 if occurrences is not None:
                     occurrences.extend(range(start, len(leaves)))
@@ -293,77 +290,3 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int]
     finally:
         del enc  # a recursive closure is a reference cycle: without this, every save's leaves
         # (the caller's tensors) and this frame's objects wait for the cyclic GC
-
-
-def decode_tree(node: Any, tensors: list[Any], where: str = "manifest", *, build_objects: bool = True) -> Any:
-    """Rebuild the state dict from ``node`` and the restored ``tensors`` (index-aligned).
-
-    ``build_objects=False`` (validation) checks object nodes without constructing anything.
-    """
-
-    def bad(msg: str) -> CorruptCheckpoint:
-        return CorruptCheckpoint(f"{where}: invalid state tree: {msg}", path=where)
-
-    def dec_key(k: Any) -> Any:
-        if isinstance(k, dict) and len(k) == 1:
-            if "v" in k and (k["v"] is None or isinstance(k["v"], (bool, int, float, str))):
-                return k["v"]
-            if "f" in k:
-                return dec_float(k["f"])
-            if "t" in k and isinstance(k["t"], list):
-                return tuple(dec_key(x) for x in k["t"])
-        raise bad(f"bad dict key {k!r:.80}")
-
-    def dec_float(s: Any) -> float:
-        if s not in ("nan", "inf", "-inf"):
-            raise bad(f"bad float {s!r:.80}")
-        return float(s)
-
-    def dec(n: Any, depth: int) -> Any:
-        if depth > MAX_DEPTH:
-            raise bad(f"nested deeper than {MAX_DEPTH}")
-        if not isinstance(n, dict) or len(n) != 1:
-            raise bad(f"node {n!r:.80}")
-        (tag, val), = n.items()
-        if tag == "v":
-            if val is None or isinstance(val, (bool, int, float, str)):
-                return val
-            raise bad(f"plain value {val!r:.80}")
-        if tag == "f":
-            return dec_float(val)
-        if tag == "j":  # plain JSON, parsed with finite numbers only
-            return val
-        if tag in ("T", "A"):
-            if not isinstance(val, int) or isinstance(val, bool) or not 0 <= val < len(tensors):
-                raise bad(f"tensor index {val!r:.80}")
-            t = tensors[val]
-            return t.numpy() if tag == "A" and t is not None else t
-        if tag in ("l", "t"):
-            if not isinstance(val, list):
-                raise bad(f"{tag} node is not a list")
-            items = [dec(v, depth + 1) for v in val]
-            return items if tag == "l" else tuple(items)
-        if tag == "d":
-            if not isinstance(val, list):
-                raise bad("dict node is not a list")
-            out = {}
-            for pair in val:
-                if not isinstance(pair, list) or len(pair) != 2:
-                    raise bad(f"dict item {pair!r:.80}")
-                out[dec_key(pair[0])] = dec(pair[1], depth + 1)
-            return out
-        if tag == "o":
-            try:
-                return objects.decode_object(val, lambda v: dec(v, depth + 1), build=build_objects)
-            except ValueError as exc:
-                raise bad(str(exc)) from None
-        raise bad(f"unknown node tag {tag!r:.20}")
-
-    try:
-        return dec(node, 0)
-    finally:
-        # ``dec``/``dec_key`` refer to themselves through their cells: a reference cycle that held
-        # ``tensors`` (a restore's scratch: the whole state, 2 GiB in the bench) until the next
-        # cyclic GC, whose munmap of it then ran inside whatever call triggered the GC (a
-        # ``save()`` blocked 170-380 ms)
-        del dec, dec_key

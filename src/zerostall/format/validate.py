@@ -23,18 +23,16 @@ from __future__ import annotations
 import json
 import logging
 import math
-import operator
 import os
 import re
 import stat
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-import numpy as np
-
 from ..config import ALIGN_BYTES
 from ..errors import CorruptCheckpoint
 from .layout import ITEM_ALIGN, LINE_ITEM_BYTES, PAGE_ITEM_BYTES, SMALL_ALIGN, item_align, item_end
+from .._fast import FILE, INDEX, NBYTES, OFFSET
 
 log = logging.getLogger("zerostall")
 
@@ -43,6 +41,8 @@ MAX_DIM = 1 << 62
 MAX_NDIM = 64
 MAX_ELEMENTS = 1 << 62
 MAX_KEY_CHARS = 1 << 16
+MAX_DEPTH = 200
+"""Deepest nesting of a state tree that is saved or loaded."""
 MAX_INT_BITS = 4096
 """Plain ints in a state are bounded (saved and loaded alike): 4096 bits is far below the
 digit limit of Python's int<->str conversion, so what is saved can always be parsed."""
@@ -161,17 +161,17 @@ def check_spans(spans: Iterable[Span], file_bytes: dict[str, int], where: str, l
 
 
 _BULK_SPANS = 1024
-_FILE, _OFF, _NB, _IDX = (operator.attrgetter(a) for a in ("file", "offset", "nbytes", "index"))
 
 
 def _disjoint_in_bulk(spans: Any, file_bytes: dict[str, int], layout: int) -> bool:
     """True if every span lies in a listed file, aligned, and no two overlap (then
-    :func:`check_spans` has nothing to report and no alias): numpy over all spans at once
-    (1M spans: ~0.2 s instead of ~2 s). False where any of that fails or does not fit int64:
+    :func:`check_spans` has nothing to report and no alias): numpy over all spans at once.
+    False where any of that fails or does not fit int64:
     the loop then finds what and says it."""
+    import numpy as np  # here, not at the top: a small manifest (zerostall ls/inspect) needs none
     n = len(spans)
     cols = spans.columns() if hasattr(spans, "columns") else (  # parsed columns (format.table), or Spans
-        list(map(_FILE, spans)), map(_OFF, spans), map(_NB, spans), map(_IDX, spans))
+        list(map(FILE, spans)), map(OFFSET, spans), map(NBYTES, spans), map(INDEX, spans))
     names, offs, nbs, idx = cols
     try:
         sizes = [file_bytes.get(f) for f in set(names)]

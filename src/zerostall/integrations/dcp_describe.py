@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,25 +23,10 @@ from ..format.layout import ShardHeader
 from ..format.shard import read_shard
 from ..memory.arena import Arena
 from .dcp_meta import Record, read_metadata_file, validate
-from .dcp_writer import METADATA, WINDOW_BYTES, _io_engine
+from .dcp_files import METADATA
+from .dcp_writer import WINDOW_BYTES, _io_engine
 
-_RANK_MD_RE = re.compile(r"^__(\d+)\.metadata$")
 KIND_NAMES = {"zerostall": "zerostall.dcp", "filesystem": "FileSystemWriter"}
-
-
-def metadata_files(path: str) -> list[str]:
-    """The DCP metadata files of the directory ``path`` (global, or one per rank), or []."""
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return []
-    if METADATA in names:
-        return [METADATA]
-    return sorted((n for n in names if _RANK_MD_RE.match(n)), key=lambda n: int(_RANK_MD_RE.match(n).group(1)))
-
-
-def is_dcp_dir(path: str) -> bool:
-    return os.path.isdir(path) and bool(metadata_files(path))
 
 
 @dataclass

@@ -42,8 +42,8 @@ from ..format.layout import ShardHeader
 from ..format.shard import read_shard
 from ..memory.arena import Arena
 from .dcp_meta import Record, read_metadata_file, validate
-from .dcp_writer import (METADATA, WINDOW_BYTES, CheckpointId, UnsupportedCheckpoint, _io_engine, _ZSInfo,
-    metadata_name)
+from .dcp_files import METADATA
+from .dcp_writer import WINDOW_BYTES, CheckpointId, UnsupportedCheckpoint, _io_engine, _ZSInfo, metadata_name
 
 
 class Reader(CheckpointId, StorageReader):

@@ -61,10 +61,10 @@ from ..format.shard import write_shard
 from ..memory.arena import Arena
 from ..store.local import fsync_dir, write_file_durable
 from ..io import choose_engine
+from .dcp_files import METADATA
 
 log = logging.getLogger("zerostall")
 
-METADATA = ".metadata"
 DCP_VERSION = "1.0.0"  # the ``Metadata.version`` FileSystemWriter records for this layout
 WINDOW_BYTES = 64 << 20
 SHARD_RE = re.compile(r"^rank-(\d{5,})-([0-9a-f]{12})\.shard$")

@@ -8,19 +8,12 @@ through the page cache), ``sync_file_range(2)``, ``statx(2)`` for STATX_DIOALIGN
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 from dataclasses import dataclass
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+from .._fast import libc as _libc
 
-_libc.fallocate64.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-_libc.fallocate64.restype = ctypes.c_int
-_libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-_libc.sync_file_range.restype = ctypes.c_int
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_libc.mincore.restype = ctypes.c_int
 
 SYNC_FILE_RANGE_WAIT_BEFORE = 1
 SYNC_FILE_RANGE_WRITE = 2
@@ -87,10 +80,6 @@ def statx_dioalign(path: str) -> DioAlign | None:
     return DioAlign(buf.stx_dio_mem_align, buf.stx_dio_offset_align)
 
 
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int64]
-_libc.mmap.restype = ctypes.c_void_p
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import threading
 from typing import Callable, Sequence
@@ -50,6 +51,9 @@ import liburing as L
 from ..config import IOConfig
 from ..errors import StorageError, storage_error
 from .base import Engine, Extent, ShardFile, split_extents
+from .uring_fixed import FIXED_PIECE_BYTES, PieceIovec, load_fixed
+
+log = logging.getLogger("zerostall")
 
 
 def _load_c() -> ctypes.CDLL | None:
@@ -79,6 +83,7 @@ class _Cqe(ctypes.Structure):
 
 
 _C = _load_c()
+_HAS_FIXED = load_fixed(_C)
 _RING_STRUCT_BYTES = 4096
 """Room for liburing's ``struct io_uring`` (216 bytes in liburing 2.x)."""
 
@@ -98,11 +103,43 @@ class _CRing:
             raise OSError(-rc, os.strerror(-rc))
         self.cqe_ptr = ctypes.c_void_p()
         self.open = True
+        self.pinned: tuple[int, int] | None = None
+        """(address, bytes) registered with the ring: writes from it skip the kernel's page pinning."""
+        self.refused: tuple[int, int] | None = None
+
+    def pin(self, address: int, nbytes: int) -> None:
+        """Register ``[address, address + nbytes)`` as fixed buffers (the ring idle; its owner's
+        thread). The kernel pins those pages once instead of at every write; a refusal (the
+        memlock limit, an old kernel) leaves plain writes, and is not tried again."""
+        want = (address, nbytes)
+        if not _HAS_FIXED or want in (self.pinned, self.refused):
+            return
+        self.unpin()
+        pieces = [(address + o, min(FIXED_PIECE_BYTES, nbytes - o)) for o in range(0, nbytes, FIXED_PIECE_BYTES)]
+        iovs = (PieceIovec * len(pieces))(*pieces)
+        rc = _C.io_uring_register_buffers(self.ptr, iovs, len(pieces))
+        if rc < 0:
+            self.refused = want
+            log.debug("zerostall: io_uring refused to register %d bytes as fixed buffers: %s", nbytes, os.strerror(-rc))
+            return
+        self.pinned = want
+
+    def unpin(self) -> None:
+        if self.pinned is not None:
+            self.pinned = None
+            _C.io_uring_unregister_buffers(self.ptr)
 
     def queue(self, write: bool, fd: int, addr: int, n: int, off: int, uid: int) -> bool:
         sqe = _C.io_uring_get_sqe(self.ptr)
         if not sqe:
             return False
+        p = self.pinned
+        if write and p is not None and p[0] <= addr and addr + n <= p[0] + p[1]:
+            i = (addr - p[0]) // FIXED_PIECE_BYTES
+            if (addr + n - 1 - p[0]) // FIXED_PIECE_BYTES == i:  # inside one registered piece
+                _C.io_uring_prep_write_fixed(sqe, fd, addr, n, off, i)
+                _C.io_uring_sqe_set_data64(sqe, uid)
+                return True
         (_C.io_uring_prep_write if write else _C.io_uring_prep_read)(sqe, fd, addr, n, off)
         _C.io_uring_sqe_set_data64(sqe, uid)
         return True
@@ -137,10 +174,11 @@ class _UringFile(ShardFile):
     def __init__(self, engine: "UringEngine", path: str, fd: int, writable: bool):
         super().__init__(engine, path, fd, writable)
         self.depth = engine.cfg.queue_depth
-        self.cring: _CRing | None = None
-        if _C is not None and engine.use_c:
+        self.cring: _CRing | None = engine.pinned_ring() if writable else None  # long-lived: not this file's
+        self.own_cring = False
+        if self.cring is None and _C is not None and engine.use_c:
             try:
-                self.cring = _CRing(max(2, self.depth))
+                self.cring, self.own_cring = _CRing(max(2, self.depth)), True
             except OSError as exc:
                 raise storage_error("io_uring setup for", path, exc,
                                     "io_uring may be disabled; use engine='threads'") from exc
@@ -271,7 +309,7 @@ class _UringFile(ShardFile):
 
     def close(self) -> None:
         if not self._closed:
-            if self.cring is not None:
+            if self.cring is not None and self.own_cring:
                 self.cring.close()
             L.io_uring_queue_exit(self.ring)
             os.close(self.efd)
@@ -303,6 +341,36 @@ class UringEngine(Engine):
         super().__init__(cfg)
         self._iovecs: dict[tuple[int, int], object] = {}
         self._iovecs_mu = threading.Lock()
+        self._local = threading.local()
+        self._pinned: list[_CRing] = []  # every thread's long-lived ring, closed with the engine
+
+    def pin_buffer(self, address: int, nbytes: int) -> None:
+        """The calling thread writes from ``[address, address + nbytes)`` file after file (the
+        persist thread, its staging arena, once it is faulted): its files share one long-lived
+        ring with that region registered, so no write pins its pages again."""
+        if _C is None or not self.use_c or not _HAS_FIXED:
+            return
+        ring = getattr(self._local, "ring", None)
+        if ring is None:
+            try:
+                ring = _CRing(max(2, self.cfg.queue_depth))
+            except OSError:
+                return  # each file opens its own ring, and reports the error there
+            self._local.ring = ring
+            with self._iovecs_mu:
+                self._pinned.append(ring)
+        ring.pin(address, nbytes)
+
+    def pinned_ring(self) -> _CRing | None:
+        """The calling thread's long-lived ring (:meth:`pin_buffer`), if it has one."""
+        return getattr(self._local, "ring", None)
+
+    def close(self) -> None:
+        with self._iovecs_mu:
+            rings, self._pinned = self._pinned, []
+        for r in rings:
+            r.unpin()
+            r.close()
 
     def iovec(self, mv: memoryview) -> object:
         """An ``Iovec`` over ``mv``'s bytes that pins nothing (see the module doc); any thread."""

@@ -17,17 +17,13 @@ import time
 import weakref
 from typing import Any
 
+from .._fast import libc as _libc
+
 log = logging.getLogger("zerostall")
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 MADV_HUGEPAGE, MADV_NOHUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14), getattr(mmap, "MADV_NOHUGEPAGE", 15)
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _populate_ok = True  # cleared once if the kernel lacks MADV_POPULATE_WRITE (< 5.14)
 
 

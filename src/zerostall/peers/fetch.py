@@ -52,9 +52,11 @@ class Offer:
     local: set[int]
     held: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
     """step -> file name -> [(holder node, src node)]"""
+    coded: set[int] = field(default_factory=set)
+    """Steps live holders keep enough coded fragments of to rebuild this node's files."""
 
     def steps(self) -> set[int]:
-        return self.local | set(self.held)
+        return self.local | set(self.held) | self.coded
 
 
 def _local_steps(tier: RootTier, view: PeerView, names: list[str]) -> set[int]:
@@ -108,22 +110,24 @@ def _peer_holdings(view: PeerView, transport: Transport, names: list[str]) -> di
     return out
 
 
-def offer(view: PeerView, transport: Transport, tier: RootTier) -> Offer:
-    """Step 1 of the module doc (caller's thread)."""
+def offer(view: PeerView, transport: Transport, tier: RootTier, coded: set[int] = frozenset()) -> Offer:
+    """Step 1 of the module doc (caller's thread). ``coded``: the steps live holders hold
+    enough fragments of to rebuild this node's files (:func:`.coded_restore.holdings`)."""
     names = [shard_name(r) for r in view.ranks_of(view.me)]
     local = _local_steps(tier, view, names)
     peers = _peer_holdings(view, transport, names)
     log.info("zerostall: restore: node %s can load steps %s locally, %s from peers", view.me, sorted(local)[-5:],
-             sorted(peers)[-5:])
-    return Offer(local, peers)
+             sorted(set(peers) | set(coded))[-5:])
+    return Offer(local, peers, set(coded) - local - set(peers))
 
 
 def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
-          got: Offer, step: int, load_no: int, timeout_s: float) -> bool:
-    """Step 2: the node's leader brings ``step``'s files of this node in; the others wait.
-    Returns whether it fetched (False: the files are local, or no peer holds them). Raises
-    :class:`CheckpointNotFound` on every rank of the node when the fetch failed."""
-    if step in got.local or step not in got.held:
+          got: Offer, step: int, load_no: int, timeout_s: float, files_in: Callable[[], None] | None = None) -> bool:
+    """Step 2: the node's leader brings ``step``'s files of this node in (from the holders of
+    whole copies; for a step only coded fragments cover, ``files_in``: the rebuild); the others
+    wait. Returns whether it fetched (False: the files are local, or no peer holds them).
+    Raises :class:`CheckpointNotFound` on every rank of the node when the fetch failed."""
+    if step in got.local or (step not in got.held and (step not in got.coded or files_in is None)):
         return False
     key = view.key(f"load{load_no}", "node", view.me, f"s{step}")
     if not view.leader:
@@ -135,7 +139,10 @@ def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, en
             raise CheckpointNotFound(f"restore of step {step} from peers failed on node {view.me}: {res['error']}")
         return True
     try:
-        _fetch_files(view, transport, tier, engine_for, step, got.held[step], got.held)
+        if files_in is not None and step not in got.held:
+            files_in()
+        else:
+            _fetch_files(view, transport, tier, engine_for, step, got.held[step], got.held)
     except BaseException as exc:
         store.set(key, json.dumps({"ok": False, "error": str(exc)}))
         if isinstance(exc, ZerostallError) and not isinstance(exc, CheckpointNotFound):

@@ -69,6 +69,10 @@ class PeerReplicator:
         self.tier, self.view, self.transport, self.store = tier, view, transport, store
         self.peer_store = peer_store
         self.replicas, self.keep_last, self.replica_timeout_s = replicas, keep_last, replica_timeout_s
+        self.want = replicas - 1
+        """Holders every node's report must name for a protected step (a code: its k + m)."""
+        self._extra: dict[int, dict[str, object]] = {}
+        """More of a step's report, set by the sender thread before it publishes (a code's fragments)."""
         self._status: dict[int, StepStatus] = {}
         self._mu = threading.Lock()
         # steps seen protected, ascending; seeded from the status hint an earlier run left, so
@@ -137,8 +141,8 @@ class PeerReplicator:
                 if not st.protected:
                     left.append(st.step)
         if left:
-            log.warning("zerostall: steps %s are not protected by %d peer copies (see their handles)", sorted(left),
-                        self.replicas)
+            log.warning("zerostall: steps %s are not protected by %d other nodes (see their handles)", sorted(left),
+                        self.want)
         return sorted(left)
 
     # -- sender thread (node leaders) --------------------------------------------------
@@ -161,7 +165,8 @@ class PeerReplicator:
             holders, error = self._send_step(step)
             try:
                 self.store.set(self.view.key(f"s{step}", self.view.me),
-                               json.dumps({"holders": holders, "error": error, "usage": self._usage()}))
+                               json.dumps({"holders": holders, "error": error, "usage": self._usage(),
+                                           **self._extra.pop(step, {})}))
             except ZerostallError as exc:
                 log.error("zerostall: could not publish the peer copies of step %d: %s", step, exc)
 
@@ -277,7 +282,7 @@ class PeerReplicator:
                 st.done.set()
             return
         reports = dict(zip((n.name for n in v.nodes), self.store.multi_get_json(keys)))
-        short = {n: r for n, r in reports.items() if len(r.get("holders", ())) < self.replicas - 1}
+        short = {n: r for n, r in reports.items() if len(r.get("holders", ())) < self.want}
         st.nodes = tuple([v.me] + list(reports[v.me].get("holders", ())))
         if short:
             st.error = "; ".join(f"{n}: {r.get('error') or 'too few holders'}" for n, r in short.items())
@@ -290,7 +295,10 @@ class PeerReplicator:
                                    {n: list(r.get("holders", ())) for n, r in reports.items()}, self.tier.steps(),
                                    {n: f"{e.host}:{e.port}" for n, e in v.endpoints.items()},
                                    {**{n: r["usage"] for n, r in reports.items() if isinstance(r.get("usage"), dict)},
-                                    v.me: self._usage()})
+                                    v.me: self._usage()},
+                                   {"code": reports[v.me]["code"], "fragments": {n: r.get("fragments", {})
+                                                                                 for n, r in reports.items()}}
+                                   if "code" in reports[v.me] else None)
             except OSError as exc:
                 log.debug("zerostall: could not record the peer status of step %d: %s", st.step, exc)
         if self.store.add(v.key(f"s{st.step}", "seen"), 1) == v.world:
@@ -298,7 +306,8 @@ class PeerReplicator:
         if st.protected:
             with self._mu:
                 self._protected_seen = sorted(set(self._protected_seen[-1:]) | {st.step})
-            log.info("zerostall: step %d is protected: every node's files are held by %d nodes", st.step, self.replicas)
+            log.info("zerostall: step %d is protected: every node's files are held by %d other nodes", st.step,
+                     self.want)
             if v.leader:
                 self._retain(st.step)
 

@@ -38,14 +38,16 @@ def read(root: str) -> dict[str, Any]:
 
 
 def record(root: str, me: str, step: int, protected: bool, holders: dict[str, list[str]], keep: list[int],
-           endpoints: dict[str, str] | None = None, usage: dict[str, dict[str, Any]] | None = None) -> None:
+           endpoints: dict[str, str] | None = None, usage: dict[str, dict[str, Any]] | None = None,
+           coded: dict[str, Any] | None = None) -> None:
     """Add ``step``'s outcome; forget steps not in ``keep`` (the root's committed steps).
     ``usage``: every node's peer area against its quota (:meth:`.store.PeerStore.usage`) as
-    each reported it with ``step``."""
+    each reported it with ``step``. ``coded`` (coded copies): ``{"code": [k, m], "fragments":
+    {node: {holder: index}}}``."""
     with _mu:
         doc = read(root)
         steps = {k: v for k, v in doc.get("steps", {}).items() if int(k) in keep}
-        steps[str(step)] = {"protected": protected, "holders": holders}
+        steps[str(step)] = {"protected": protected, "holders": holders, **(coded or {})}
         os.makedirs(os.path.dirname(path(root)), exist_ok=True)
         tmp = path(root) + ".tmp"
         body = {"node": me, "steps": steps, "endpoints": endpoints or doc.get("endpoints", {}),
@@ -68,6 +70,13 @@ def peer_rows(root: str, rows: list[dict[str, Any]]) -> None:
             usage = _usage(doc)
             r["holder_usage"] = {h: usage[h] for h in mine if h in usage}
             r["tier"] = f"local+peers({','.join(mine)})" + (" protected" if r["protected"] else " NOT protected")
+            if _coded(st):
+                k, m = st["code"]
+                frags = st.get("fragments", {}).get(me, {})
+                r["fragments"], r["rebuildable"] = frags, len(frags) >= k
+                r["tier"] = (f"local+RS({k},{m}) fragments {len(frags)}/{k + m} on {','.join(sorted(frags))}"
+                             + (" protected" if r["protected"] else
+                                " NOT protected" + ("" if r["rebuildable"] else ", NOT rebuildable")))
     area = os.path.join(root, "peers")
     for src in sorted(os.listdir(area)) if os.path.isdir(area) else []:
         d = os.path.join(area, src)
@@ -75,13 +84,20 @@ def peer_rows(root: str, rows: list[dict[str, Any]]) -> None:
             continue
         for name in sorted(os.listdir(d)):
             if name.startswith("step-") and name[5:].isdigit():
-                files = sorted(f for f in os.listdir(os.path.join(d, name)) if f.endswith(".shard"))
+                files = sorted(f for f in os.listdir(os.path.join(d, name))
+                               if f.endswith(".shard") or f.startswith("fragment-"))
                 if not files:  # a copy cut before any file arrived (its manifest only): nothing held
                     continue
                 rows.append({"step": int(name[5:]), "bytes": sum(os.path.getsize(os.path.join(d, name, f))
                                                                  for f in files),
                              "tensors": 0, "created_unix": 0, "state": f"held for node {src}: {', '.join(files)}",
                              "tier": f"peer copy of {src}"})
+
+
+def _coded(st: dict[str, Any]) -> bool:
+    code = st.get("code")
+    return isinstance(code, list) and len(code) == 2 and all(type(v) is int and v > 0 for v in code) \
+        and isinstance(st.get("fragments", {}), dict)
 
 
 def _usage(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -154,8 +170,17 @@ def doctor_checks(root: str, timeout_s: float = 1.0) -> list[tuple[str, Any, str
         s = max(steps, key=int)
         ok = bool(steps[s].get("protected"))
         nodes = [doc.get("node", "?"), *steps[s].get("holders", {}).get(doc.get("node"), [])]
-        out.append(("peer_replicas", f"step {s}: held by {', '.join(nodes)}", "ok" if ok else "warn",
-                    "" if ok else "the newest step is not protected: a lost node loses it"))
+        if _coded(steps[s]):
+            k, m = steps[s]["code"]
+            frags = steps[s].get("fragments", {}).get(doc.get("node"), {})
+            text = f"step {s}: RS({k},{m}), {len(frags)} of {k + m} fragments held ({', '.join(sorted(frags))})"
+            out.append(("peer_fragments", text, "ok" if ok else "warn", "" if ok else
+                        "the newest step is not protected: " + (
+                            f"it survives the loss of this node and {len(frags) - k} of its holders"
+                            if len(frags) >= k else "it cannot be rebuilt if this node is lost")))
+        else:
+            out.append(("peer_replicas", f"step {s}: held by {', '.join(nodes)}", "ok" if ok else "warn",
+                        "" if ok else "the newest step is not protected: a lost node loses it"))
     for node, u in sorted(_usage(doc).items()):
         text, verdict = quota_state(u)
         advice = {"near": "near its quota: the next copies may be refused and steps left unprotected; raise "

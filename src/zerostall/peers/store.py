@@ -233,7 +233,8 @@ class PeerStore:
         for src, step in newest.items():
             d = self.step_dir(src, step)
             try:
-                nxt += sum(max(_size(os.path.join(d, f)), 0) for f in os.listdir(d) if f.endswith(".shard"))
+                nxt += sum(max(_size(os.path.join(d, f)), 0) for f in os.listdir(d)
+                           if f.endswith(".shard") or f.startswith("fragment-"))  # a coded copy's fragment
             except OSError:
                 pass
         return {"used_bytes": self.used_bytes(), "quota_bytes": self.quota_bytes, "next_bytes": nxt,

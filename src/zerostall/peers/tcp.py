@@ -80,6 +80,9 @@ class TcpTransport(Transport):
         self._closed = False
         self.refused = 0
         """Connections refused (failed handshake, bad request): for tests and doctor."""
+        self.ops: dict[str, Any] = {}
+        """More requests served beside put/list/get: op -> ``handler(conn, peer node, message)``
+        (coded copies' fragments: :func:`.fragments.register`, before :meth:`serve`)."""
 
     # -- server ------------------------------------------------------------------------
     def serve(self, store: PeerStore) -> tuple[str, int]:
@@ -180,6 +183,8 @@ class TcpTransport(Transport):
             at("recv:before-ack")
             send_msg(conn, {"ok": True, "digest": digest})
             log.debug("zerostall: holding %s of step %d from %s for node %s", name, step, peer, src)
+        elif op in self.ops:
+            self.ops[op](conn, peer, msg)
         elif op == "get":
             src, step, name = check_node(msg.get("src")), check_step(msg.get("step")), check_name(msg.get("name"))
             found = self.store.path_for(src, step, name)
@@ -238,6 +243,18 @@ class TcpTransport(Transport):
         if op:
             at(f"{op}:handshake")
         return s
+
+    def open(self, ep: Endpoint, op: str = "") -> socket.socket:
+        """An authenticated connection to ``ep`` for a caller that drives it itself (a coded
+        copy's fragment upload); hand it back with :meth:`release`."""
+        return self._connect(ep, op)
+
+    def release(self, s: socket.socket) -> None:
+        self._drop(s)
+
+    def call(self, ep: Endpoint, what: str, fn: Any, op: str = "") -> Any:
+        """``fn(socket)`` on a fresh connection to ``ep``; errors name the node and ``what``."""
+        return self._call(ep, what, fn, op)
 
     def _drop(self, s: socket.socket) -> None:
         with self._mu:

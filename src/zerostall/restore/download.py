@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpoint, StorageError, ZerostallError, storage_error
 from ..format.manifest import Manifest
-from ..format.tree import tree_tensor_indices
+from ..format.nodes import tree_tensor_indices
 from ..store.owner import StepLock
 from ..store.tier import RootTier, Tier
 from ..store.atomic import fsync_dir, unlinked_on_error

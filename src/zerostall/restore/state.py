@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..errors import ConfigError, StateMismatchError
-from ..format.tree import decode_tree
+from ..format.decode import decode_tree
 
 
 @dataclass

@@ -29,7 +29,8 @@ from ..errors import CorruptCheckpoint, StateMismatchError, ZerostallError
 from ..format.dtypes import dtype_from_name
 from ..format.layout import PAGE_ITEM_BYTES, ShardHeader
 from ..format.manifest import Manifest, TensorEntry
-from ..format.tree import decode_tree, tree_tensor_indices
+from ..format.decode import decode_tree
+from ..format.nodes import tree_tensor_indices
 from ..io.base import Engine
 from ..memory.arena import Arena
 from ..store.local import LocalTier
@@ -53,7 +54,7 @@ last_stats: Stats | None = None
 def shared_bounce() -> Arena:
     """The process's restore scratch when no staging pool lends one (faulted once, reused).
     Any thread: a peer restore faults it on a thread of its own while the node's files are
-    fetched (:meth:`zerostall.peers.Peers.plan_load`); a second caller waits for that one."""
+    fetched (:meth:`zerostall.peers.service.Peers.plan_load`); a second caller waits for that one."""
     global _bounce
     with _bounce_made:
         if _bounce is None:
@@ -235,7 +236,7 @@ memory (faulted by the readers' direct reads); the rest is verified first and re
 New memory faults at 1-2 GB/s here (4 KiB pages; huge pages 0.1-0.35 GB/s when the host
 reclaimed them), about a third of the disk's read rate, so faulting part while the disk reads
 the rest twice beats both a whole-state scratch and a double read of everything (measured:
-see the README's restore section)."""
+see docs/design.md, Restore pipeline)."""
 
 
 class _NoHead:

@@ -27,7 +27,7 @@ bytes, the rollback copy, with no extra memory or traffic over a backup plus a c
 stays staged and is copied (by two threads) only once every byte of the step verified and the
 gate passed. A failure copies the swapped windows' old bytes back. Swaps overlap the reads but
 cost two copies' traffic; staged copies cost one, after the reads; the mix keeps both cores
-busy while the disk reads (measured: see the README's restore section). The caller's CUDA
+busy while the disk reads (measured: see docs/benchmarks.md). The caller's CUDA
 tensors are always staged (copied after the gate; why: :mod:`.device_copy`).
 
 The scratch memory is the caller's (the staging pool's faulted arena, or the shared bounce;

@@ -21,7 +21,8 @@ from .commit_local import file_entry, tensor_entries
 from ..store.tier import RootTier
 from ..restore.agreed import collective_base, collective_load
 from ..distributed.commit import (OutcomeUnknown, commit_round, fault_point, grace_s, post_begin, report_failure,
-                                  wait_acked)
+                                  step_base, wait_acked)
+from ..distributed.room import agree_room
 from ..distributed.session import Session
 from ..distributed.store import Store
 
@@ -40,6 +41,7 @@ class StoreCommitter:
         self._committed: list[int] = []  # rank 0: rounds whose acknowledgements close() waits for
         self._reported: set[int] = set()  # steps whose round this rank entered (persist thread)
         self._began: dict[int, float] = {}  # step -> when the persist thread picked it up (persist thread)
+        self._room_seq = 0  # skip-mode saves agreed so far (caller's thread)
 
     def begin(self, job: SaveRequest) -> str:
         self._reported.discard(job.step)  # a new save of the step (overwrite)
@@ -87,6 +89,19 @@ class StoreCommitter:
 
     def after_durable(self, job: Persisted) -> tuple[str, ...]:
         return ()  # the copy's leader wrote the ``latest`` hint in the round
+
+    def agree_room(self, step: int, room: bool) -> bool | None:
+        """``backpressure="skip"``: whether every rank has staging room for this save (caller's
+        thread, in ``save()``, every rank in the same order); None when a rank reported ``step``
+        failed or did not answer within the commit timeout (:func:`~zerostall.distributed.room.agree_room`)."""
+        self._room_seq += 1
+        return agree_room(self.store, self.session, self._room_seq, room, self.timeout_s,
+                          abort=f"{step_base(self.session, step)}/decision")
+
+    def pass_room(self) -> None:
+        """This rank's ``save()`` failed before its room agreement (it reported the step failed,
+        which aborts the others' wait): keep the agreements' count in step with theirs."""
+        self._room_seq += 1
 
     def report(self, step: int, exc: BaseException) -> None:
         """A save of ``step`` failed on this rank before a job was queued (caller's thread)."""

@@ -19,7 +19,7 @@ from ..telemetry.record import SaveRecord
 class Owner(Protocol):
     """What a handle reads of the ``Checkpointer`` that made it (any thread)."""
     _peers: Any
-    """:class:`zerostall.peers.Peers` with ``replicas > 1``, else None."""
+    """:class:`zerostall.peers.service.Peers` with ``replicas > 1``, else None."""
     config: Any
     """Its :class:`~zerostall.config.CheckpointConfig` (``remote``)."""
 
@@ -147,5 +147,6 @@ def record_of(job: Job) -> SaveRecord:
         persist_gbps=(nbytes / st.persist_s / 1e9) if st.persist_s > 0 else 0.0,
         engine=job.request.engine, arena_bytes=job.slot.arena_bytes, skipped=st.skipped, bytes_written=nbytes,
         bytes_referenced=0 if st.skipped or job.incr is None else job.incr.bytes_referenced,
+        interval_steps=st.interval_steps,
         ok=st.error is None, error=str(st.error or ""), post_commit_errors=tuple(st.post_commit_errors),
         **tel)  # type: ignore[arg-type]

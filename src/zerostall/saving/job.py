@@ -80,6 +80,8 @@ class Staged:
     plan: SavePlan
     snapshot_s: float
     t_staged: float
+    crcs: tuple[int, ...] | None = None
+    """Every item's crc32c, taken as it was copied (``Job.crc_at_copy``); else None."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,8 @@ class SaveStatus:
         """The error was raised from ``save()`` itself (not to re-raise as a background error)."""
         self.replicate_error: BaseException | None = None
         self.skipped = False
+        self.interval_steps = 0
+        """Steps since the previous save that was not skipped (0 for the first)."""
         self.nbytes = nbytes
         self.save_block_s = self.guard_wait_s = self.snapshot_s = self.persist_s = self.commit_s = 0.0
         self.t_staged = self.t_durable = self.t_replicated = 0.0
@@ -217,6 +221,9 @@ class SaveStatus:
     def mark_queued(self) -> None:
         """The staging pool is queueing the job (a plain store: no Python frame runs after it)."""
         self.queued = True
+
+    def set_interval(self, step: int, last_saved: int | None) -> None:
+        self.interval_steps = 0 if last_saved is None else step - last_saved
 
     def set_save_block(self, seconds: float) -> None:
         self.save_block_s = seconds
@@ -290,6 +297,9 @@ class Job:
     persist: Any = None
     """The persist worker (``submit(job)``) the snapshot thread hands the job to; None for a
     slot the pool drains itself."""
+    crc_at_copy: bool = False
+    """The snapshot thread checksums each tensor as it copies it (a full save of host tensors:
+    :data:`.snapshot.CRC_AT_COPY`), so the persist thread writes without a crc pass of its own."""
     layout: Handoff[SavePlan] = field(default_factory=Handoff)
     extension: Handoff[SavePlan | None] = field(default_factory=Handoff)
     snapshot: Handoff[Staged] = field(default_factory=Handoff)

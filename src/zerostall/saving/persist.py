@@ -94,15 +94,16 @@ class Persister(Worker[Job]):
             g = run_end
         return out
 
-    def _write_blocks(self, job: Job, f: ShardFile, g: int, file_bytes: int, crc: CrcCursor) -> int:
+    def _write_blocks(self, job: Job, f: ShardFile, g: int, file_bytes: int, crc: CrcCursor | None) -> int:
         """Write the job's blocks from ``g`` up to ``file_bytes`` as the snapshot thread
-        publishes them, checksumming while the writes are in flight; returns the next block."""
+        publishes them, checksumming while the writes are in flight (``crc``; None: the snapshot
+        thread checksummed them as it copied); returns the next block."""
         g_file = min(job.slot.g_end, job.slot.g0 + self.ring.blocks_for(file_bytes))
         while g < g_file:
             hi = min(self.ring.wait_staged(g), g_file, g + self.batch_blocks)
             _raise_if_failed(job)
             extents = self._extents(job, g, hi, file_bytes)
-            f.write(extents, overlap=lambda: crc.feed(extents))
+            f.write(extents, overlap=None if crc is None else lambda: crc.feed(extents))
             self.ring.release(g, hi)
             g = hi
         return g
@@ -127,11 +128,14 @@ class Persister(Worker[Job]):
         g = job.slot.g0
         layout = job.layout.get()  # an incremental save's plan is final only now (smaller)
         _raise_if_failed(job)
+        arena, ring_bytes = job.slot.arena, self.ring.capacity_bytes
+        if getattr(arena, "ready", 0) >= ring_bytes:  # once faulted (registering would fault it, here and now)
+            self.engine.pin_buffer(arena.address, ring_bytes)
         f = self.engine.open_write(os.path.join(part, job.request.file_name), layout.file_bytes)
         try:
-            crc = CrcCursor(layout.items)
+            crc = None if job.crc_at_copy else CrcCursor(layout.items)
             g = self._write_blocks(job, f, g, layout.file_bytes, crc)
-            crcs = crc.crcs
+            crcs = crc.crcs if crc is not None else []
             # not staged yet: the appended blocks may need the ring's slots (RefTracker.settle)
             ext = job.extension.get()
             _raise_if_failed(job)
@@ -141,6 +145,10 @@ class Persister(Worker[Job]):
                 crcs = crcs + ext_crc.crcs
             staged = job.snapshot.get()
             _raise_if_failed(job)
+            if crc is None:  # checksummed at copy time (never with an extension: a full save)
+                if staged.crcs is None or len(staged.crcs) != len(staged.plan.items):
+                    raise RuntimeError(f"step {job.step}: the snapshot gave no crc32c of its tensors")
+                crcs = list(staged.crcs)
             if ext is not None:
                 f.write([(0, self._header_block(job, staged.plan))])  # the header names the final size
             self.ring.release(g, job.slot.g_end)  # blocks reserved for tensors an incremental save referenced

@@ -17,7 +17,7 @@ import hashlib
 import json
 import operator
 from dataclasses import dataclass, field
-from functools import cached_property, partial
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import torch
@@ -27,11 +27,14 @@ from ..format.bulk import dumps_tree
 from ..format.dtypes import dtype_name
 from ..format.layout import HEADER_BYTES, align_up, pack_offsets, place
 from ..format.frozen import DeferredTree, Frozen, skeleton_json
-from ..format.tree import TensorLeaf, decode_tree, encode_tree
+from ..format.decode import decode_tree
+from ..format.tree import TensorLeaf, encode_tree
 from ..format.validate import MAX_STEP, NotPlain, plain_copy
 from ..format.dtypes import SUPPORTED_DTYPES
 from ..format.table import TensorEntry, encode_columns
 from ..format import manifest as mf
+from .._fast import DEVICE, DTYPE, KEY, NUMPY, TENSOR, tuples_maker
+from .._fast_torch import shape_of
 
 
 def decode_key(k_node: Any) -> Any:
@@ -39,8 +42,7 @@ def decode_key(k_node: Any) -> Any:
 
 
 class PlanItem(NamedTuple):
-    """One tensor's place in the shard file (a named tuple: 100k of them built per first save
-    cost 4x less than frozen dataclasses)."""
+    """One tensor's place in the shard file (a named tuple, made in bulk: :data:`new_items`)."""
 
     index: int
     key: str
@@ -48,6 +50,10 @@ class PlanItem(NamedTuple):
     shape: tuple[int, ...]
     nbytes: int
     offset: int
+
+
+new_items = tuples_maker(PlanItem)
+"""``new_items(rows)``: the :class:`PlanItem` of each row ``(index, key, dtype, shape, nbytes, offset)``."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,7 @@ class SavePlan:
     @cached_property
     def devices(self) -> set[str]:
         """The device types of the leaves (C-level maps; the few distinct devices typed)."""
-        return {d.type for d in set(map(_DEVICE_OF, map(_TENSOR, self.leaves)))}
+        return {d.type for d in set(map(DEVICE, map(TENSOR, self.leaves)))}
 
 
 def owners_by_size(leaves: tuple[TensorLeaf, ...] | list[TensorLeaf], world_size: int) -> list[int]:
@@ -100,12 +106,6 @@ def owners_by_size(leaves: tuple[TensorLeaf, ...] | list[TensorLeaf], world_size
         owner[i] = r
         load[r] += sizes[i]
     return owner
-
-
-_DTYPE = operator.attrgetter("dtype")
-_SIZE = getattr(torch._C, "_non_sym_sizes", None) or torch.Tensor.size
-"""A tensor's sizes as a plain tuple: ``Tensor.size`` builds a ``torch.Size`` per call (~6x
-the cost; 0.25 s of a 100k-tensor save's signature). The two compare equal."""
 
 
 def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicated: bool = False,
@@ -141,37 +141,26 @@ def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicate
         items.append(PlanItem(i, leaf.key, dtype_name(t.dtype, leaf.key), tuple(t.shape), nbytes, off))
     digest = ""
     if replicated:  # only the replicated mode's commit compares it (across ranks of one run: any stable text will do)
-        ts = list(map(_TENSOR, all_leaves))
-        digest = hashlib.sha256(repr((tuple(map(_KEY, all_leaves)), tuple(map(str, map(_DTYPE, ts))),
-                                      tuple(map(_SIZE, ts)))).encode()).hexdigest()
+        ts = list(map(TENSOR, all_leaves))
+        digest = hashlib.sha256(repr((tuple(map(KEY, all_leaves)), tuple(map(str, map(DTYPE, ts))),
+                                      tuple(map(shape_of, ts)))).encode()).hexdigest()
     return SavePlan(tuple(items), max(align_up(pos), HEADER_BYTES), tree, tuple(leaves), len(all_leaves),
                     tree_json, digest, lazy=lazy)
-
-
-_new_item = partial(tuple.__new__, PlanItem)
-"""``_new_item((index, key, dtype, shape, nbytes, offset))``: a :class:`PlanItem` with no Python frame."""
 
 
 def _items_in_bulk(leaves: list[TensorLeaf]) -> tuple[list[PlanItem], int]:
     """Every leaf's item and the file's length (:func:`~zerostall.format.layout.pack_offsets`,
     the layout's one rule), attribute by attribute over all leaves (a first save of 100k
     tensors: no Python frame per tensor but the offsets' own)."""
-    ts = list(map(_TENSOR, leaves))
-    keys = list(map(_KEY, leaves))
-    dtypes = list(map(_DTYPE, ts))
+    ts = list(map(TENSOR, leaves))
+    keys = list(map(KEY, leaves))
+    dtypes = list(map(DTYPE, ts))
     names = {d: dtype_name(d, keys[dtypes.index(d)]) for d in set(dtypes)}  # refuses naming a key
     nbytes = list(map(operator.mul, map(torch.Tensor.numel, ts), map(torch.Tensor.element_size, ts)))
     offsets, file_bytes = pack_offsets(nbytes)
-    items = list(map(_new_item, zip(range(len(ts)), keys, map(names.__getitem__, dtypes), map(_SHAPE, ts), nbytes,
-                                    offsets)))
+    items = list(new_items(zip(range(len(ts)), keys, map(names.__getitem__, dtypes), map(shape_of, ts), nbytes,
+                               offsets)))
     return items, file_bytes
-
-
-def _shape(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(_SIZE(t))
-
-
-_SHAPE = _SIZE if _SIZE is not torch.Tensor.size else _shape
 
 
 def _entry_bytes() -> int:
@@ -206,16 +195,12 @@ def entry_bound(key: str, ndim: int) -> int:
 
 def _entries_bound(leaves: Any) -> int:
     """The sum of :func:`entry_bound` over ``leaves``, in bulk where no key needs escaping
-    (one check of all keys joined, C-level sums: ~0.3 s less at 100k tensors)."""
-    keys = list(map(_KEY, leaves))
+    (one check of all keys joined, C-level sums)."""
+    keys = list(map(KEY, leaves))
     joined = "".join(keys)
     if not (joined.isascii() and joined.isprintable()) or '"' in joined or "\\" in joined:
         return sum(entry_bound(leaf.key, leaf.tensor.dim()) for leaf in leaves)
-    return ENTRY_BYTES * len(keys) + len(joined) + DIM_BYTES * sum(map(torch.Tensor.dim, map(_TENSOR, leaves)))
-
-
-_KEY, _TENSOR, _NUMPY = operator.attrgetter("key"), operator.attrgetter("tensor"), operator.attrgetter("numpy")
-_DEVICE_OF = operator.attrgetter("device")
+    return ENTRY_BYTES * len(keys) + len(joined) + DIM_BYTES * sum(map(torch.Tensor.dim, map(TENSOR, leaves)))
 
 
 def check_step(step: Any) -> int:
@@ -269,8 +254,8 @@ def _not_plain_at(x: Any, path: tuple[Any, ...]) -> tuple[tuple[Any, ...], str] 
 
 
 FROZEN_GROWTH = 8
-"""What :func:`finish_tree` assumes a frozen snapshot's bytes may grow to as JSON (measured
-1.2-1.3x for configs and log histories; up to ~25x for a tree of empty sets): a state whose
+"""What :func:`finish_tree` assumes a frozen snapshot's bytes may grow to as JSON (docs/speed-tricks.md
+has what was measured): a state whose
 estimate reaches the manifest limit is encoded on the caller's thread, so ``save()`` raises."""
 
 

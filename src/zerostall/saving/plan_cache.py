@@ -9,7 +9,6 @@ keep a tensor of the caller's alive between saves.
 
 from __future__ import annotations
 
-import operator
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
@@ -19,8 +18,10 @@ import torch
 
 from .._util import no_gc
 from ..format.frozen import FREEZE_MIN, Frozen, freeze
-from ..format.tree import TensorLeaf, _new_leaves, encode_tree
-from .plan import _DTYPE, _KEY, _NUMPY, _SIZE, SavePlan, _entries_bound, build_plan, finish_tree
+from ..format.tree import TensorLeaf, encode_tree, new_leaves
+from .plan import SavePlan, _entries_bound, build_plan, finish_tree
+from .._fast import DEVICE, DTYPE, KEY, NBYTES, NUMPY
+from .._fast_torch import shape_of
 
 class Leaves(Sequence[TensorLeaf]):
     """A reused plan's leaves, kept as three parallel tuples (keys, detached tensors, numpy
@@ -38,11 +39,11 @@ class Leaves(Sequence[TensorLeaf]):
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
-            return tuple(_new_leaves(zip(self.keys[i], self.tensors[i], self.numpy[i])))
+            return tuple(new_leaves(zip(self.keys[i], self.tensors[i], self.numpy[i])))
         return TensorLeaf(self.keys[i], self.tensors[i], self.numpy[i])
 
     def __iter__(self) -> Iterator[TensorLeaf]:
-        return _new_leaves(zip(self.keys, self.tensors, self.numpy))
+        return new_leaves(zip(self.keys, self.tensors, self.numpy))
 
     def __add__(self, other: Any) -> tuple[TensorLeaf, ...]:
         return tuple(self) + tuple(other)
@@ -64,7 +65,6 @@ _ALL_TENSORS = "T*"
 """The marker of a container whose values are all plain tensors (taken in bulk)."""
 _PLAIN = "V*"
 """The marker of a container without tensors (its contents are in the values)."""
-_DEVICE = operator.attrgetter("device")
 _PTR, _STRIDE = torch.Tensor.data_ptr, torch.Tensor.stride
 _COMPLEX = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_complex)
 _CONJ, _NEG, _DETACH = torch.Tensor.is_conj, torch.Tensor.is_neg, torch.Tensor.detach
@@ -134,15 +134,15 @@ def _tensor_sig(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
     taken attribute by attribute over all of them (one tuple each, no tuple per tensor: less for
     the GC to track); None where one is a lazy conj/neg view; raises for a nested or
     non-strided one (the caller then builds the plan, and ``encode_tree`` says what is wrong)."""
-    dtypes = tuple(map(_DTYPE, tensors))
+    dtypes = tuple(map(DTYPE, tensors))
     if not _COMPLEX.isdisjoint(dtypes) and any(map(_CONJ, tensors)):  # only complex tensors have a conj bit
         return None
     if any(map(_NEG, tensors)):
         return None
     # no layout or is_nested pass: a sparse, CSR or mkldnn tensor has no data_ptr() and a
     # nested one no sizes, so the maps below raise for them and the caller builds the plan
-    return (tuple(map(_PTR, tensors)), tuple(map(_SIZE, tensors)), tuple(map(_STRIDE, tensors)),
-            dtypes, tuple(map(_DEVICE, tensors)))
+    return (tuple(map(_PTR, tensors)), tuple(map(shape_of, tensors)), tuple(map(_STRIDE, tensors)),
+            dtypes, tuple(map(DEVICE, tensors)))
 
 
 class Walk(NamedTuple):
@@ -164,12 +164,9 @@ class Walk(NamedTuple):
         if not self.fast:
             return 0
         try:
-            return sum(map(_NBYTES_OF, self.tensors))
+            return sum(map(NBYTES, self.tensors))
         except Exception:  # noqa: BLE001 - an odd tensor: the plan reports it
             return 0
-
-
-_NBYTES_OF = operator.attrgetter("nbytes")
 
 
 _no_gc = no_gc  # the cyclic GC paused while a plan is built (see :func:`~zerostall._util.no_gc`)
@@ -180,13 +177,13 @@ class PlanCache:
 
     A training loop saves the same tensors (same storage, shapes, strides, dtypes, devices)
     under the same keys with the same plain values, save after save; flattening, validating
-    and laying it out again cost ~5 us per tensor on the caller's thread. :meth:`plan` walks
+    and laying it out again costs a Python frame per tensor on the caller's thread. :meth:`plan` walks
     the state once for a signature of exactly what the plan depends on and, when it equals
     the last one, returns the last plan with the newly walked tensors in it. Any difference
     (a new key, a changed plain value such as a learning rate, a reallocated tensor) or
     anything outside the simple types builds the plan again. The walk takes containers of
-    tensors in bulk and each tensor attribute with one C-level ``map`` over all tensors (~1 us
-    per tensor in all; the plan's leaves are detached the same way), so a reused plan costs
+    tensors in bulk and each tensor attribute with one C-level ``map`` over all tensors (the
+    plan's leaves are detached the same way), so a reused plan costs
     no Python frame per tensor. The cache holds no tensor (the signature holds addresses,
     shapes and dtypes), so it keeps no memory of the state alive. Containers of builtin
     values (a config, a log history) are compared by their snapshots
@@ -273,12 +270,11 @@ class PlanCache:
                 self._first_pos = tuple(first[i] for i in range(len(first)))
             self._sig, self._args, self._vals, self._occ = key, args, vals, occurrences
             self._bound = _entries_bound(plan.leaves)
-            self._keys = tuple(map(_KEY, plan.leaves))
-            self._numpy = tuple(map(_NUMPY, plan.leaves))
+            self._keys = tuple(map(KEY, plan.leaves))
+            self._numpy = tuple(map(NUMPY, plan.leaves))
             self._in_order = [it.index for it in plan.items] == list(self._first_pos) == list(range(len(tensors)))
             self._devices = set(plan.devices)
             self._plan = replace(plan, leaves=())
         return plan
-
 
 

@@ -171,11 +171,10 @@ class StagingPool:
         """The ring a save reserved now gets: the target, or, while the faulter is still
         behind, the faulted prefix (at least ``FIRST_LAP_BYTES``). Pool lock held.
 
-        Fresh memory faults at whatever speed the host gives a VM's untouched pages: measured
-        0.15 GB/s on this project's VM (2 MiB pages at ~14 ms each, the hypervisor backing
-        them) against ~3 GB/s to disk. A first save whose ring spans the whole target waited
-        for every page (1 GiB: durable after 7.2 s, 0.9 s warm); through the faulted prefix it
-        cycles at disk speed while the faulter goes on, and later saves get the larger ring
+        Fresh memory faults at whatever speed the host gives a VM's untouched pages, which
+        can be far below the disk's (docs/speed-tricks.md). A first save whose ring spans the
+        whole target waited for every page; through the faulted prefix it cycles at disk
+        speed while the faulter goes on, and later saves get the larger ring
         (the ring is resized only between saves).
         """
         B = self.block_bytes

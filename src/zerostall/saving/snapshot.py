@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import itertools
 import logging
 import operator
 import time
@@ -39,6 +38,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .._fast import DEVICE, NBYTES, OFFSET, copy_crc, copy_runs, crc_runs, zero_runs
 from .._util import Worker, run_in_fresh_thread
 from ..memory.arena import Arena
 from .job import Forward, Job, Slot, Staged
@@ -48,31 +48,24 @@ from ..memory.ring import BlockRing
 log = logging.getLogger("zerostall")
 
 
-_memmove = ctypes.memmove
-_memset = ctypes.memset
-_held = ctypes.PyDLL(None)  # calls through it keep the GIL: for runs of small copies
-_memmove_held, _memset_held = _held.memmove, _held.memset
-_memmove_held.argtypes, _memmove_held.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p
-_memset_held.argtypes, _memset_held.restype = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t], ctypes.c_void_p
-"""memmove/memset without releasing the GIL. ``ctypes.memmove`` releases and takes it back per
-call: 100k copies of 2.7 KB took 438 ms with another thread running Python code, 131 ms
-holding it (a run of one block holds it ~1-3 ms, under the interpreter's 5 ms switch interval)."""
+_memmove, _memset = ctypes.memmove, ctypes.memset
+CRC_AT_COPY = True
+"""A full save of host tensors checksums each tensor as the snapshot thread copies it
+(:func:`~zerostall._fast.copy_crc`; ``Job.crc_at_copy``): the persist thread then writes without a
+crc pass of its own. The seam the tests flip to compare with the persist thread's checksums."""
 STRIDED_CHUNK_BYTES = 8 << 20
 SMALL_ITEM_BYTES = 1 << 20
 """Tensors up to this size are copied in runs (:meth:`Snapshotter._copy_small`); a larger one
 is streamed block by block, so the persist thread can write its first blocks meanwhile."""
-_OFFSET, _NBYTES = operator.attrgetter("offset"), operator.attrgetter("nbytes")
 _CONTIG = torch.Tensor.is_contiguous
 
 
 def _bulk_ok(tensors: list[torch.Tensor], devices: Any = None) -> bool:
     """Whether every tensor is a contiguous CPU tensor (then copied by address, in runs);
     ``devices``: their distinct devices, if known."""
-    devices = set(map(_DEVICE_OF, tensors)) if devices is None else devices
+    devices = set(map(DEVICE, tensors)) if devices is None else devices
     return {"cpu"}.issuperset(d.type for d in devices) and all(map(_CONTIG, tensors))
 
-
-_DEVICE_OF = operator.attrgetter("device")
 
 
 def row_slices(t: torch.Tensor, limit: int = STRIDED_CHUNK_BYTES) -> Iterator[torch.Tensor]:
@@ -187,13 +180,14 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
             job.persist.submit(job)  # the next stage: it writes blocks as they are published
         t0 = time.perf_counter()
         plan, status = job.request.plan, job.status
+        crcs = [0] * len(plan.items) if job.crc_at_copy and job.incr is None else None
         try:
             leaves = job.source.leaves or []
             if job.incr is not None:  # what must be written: a smaller plan
                 plan, leaves = job.incr.tracker.decide(job.request, plan, leaves, lambda dev, fn: self._cuda(
                     dev).run(dev, fn, job.source.cuda_event), job.incr)
             job.layout.put(plan)
-            self._stage(job, plan, plan.items, leaves, header=True)
+            self._stage(job, plan, plan.items, leaves, header=True, crcs=crcs)
             if job.incr is not None:  # tensors referenced on speculation that changed: appended
                 ext = job.incr.tracker.settle(job.request, job.slot, plan, self.ring.block_bytes, job.incr)
                 if ext is not None:
@@ -209,7 +203,7 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
             job.layout.put(plan)
             job.extension.put(None)
             snapshot_s = time.perf_counter() - t0
-            job.snapshot.put(Staged(plan, snapshot_s, time.perf_counter()))
+            job.snapshot.put(Staged(plan, snapshot_s, time.perf_counter(), None if crcs is None else tuple(crcs)))
             status.mark_staged(snapshot_s, plan.file_bytes)
         if plan.lazy is not None and status.error is None:  # the Python objects, while the blocks are written
             try:
@@ -225,9 +219,11 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
             self._streams = DeviceStreams()
         return self._streams
 
-    def _stage_strided(self, job: Job, tensor: torch.Tensor, offset: int, spans: Callable[..., Any]) -> None:
+    def _stage_strided(self, job: Job, tensor: torch.Tensor, offset: int, spans: Callable[..., Any],
+                       crc: list[int] | None = None) -> None:
         """Copy a non-contiguous CPU tensor slice by slice through one small bounce buffer
-        (runs in a helper thread; one allocation, never a whole contiguous copy)."""
+        (runs in a helper thread; one allocation, never a whole contiguous copy); with ``crc``
+        (one int), extend it over the bytes as they are staged."""
         base, B = job.slot.arena.address, self.ring.block_bytes
         es = tensor.element_size()
         buf = torch.empty(min(STRIDED_CHUNK_BYTES, max(tensor.numel() * es, es)), dtype=torch.uint8)
@@ -238,17 +234,21 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
                 buf = torch.empty(n_sl, dtype=torch.uint8)
             buf[:n_sl].view(sl.dtype).view(sl.shape).copy_(sl)
             for aoff, f, n in spans(foff, foff + n_sl):
-                _memmove(base + aoff, buf.data_ptr() + (f - foff), n)
+                if crc is None:
+                    _memmove(base + aoff, buf.data_ptr() + (f - foff), n)
+                else:
+                    crc[0] = copy_crc(base + aoff, buf.data_ptr() + (f - foff), n, job.slot.arena.mv, aoff, crc[0])
                 self.ring.publish(job.slot.g0 + (f + n) // B)
             foff += n_sl
 
-    def _copy_small(self, job: Job, offs: list[int], lens: list[int], ptrs: list[int], i: int) -> tuple[int, int]:
+    def _copy_small(self, job: Job, offs: list[int], lens: list[int], ptrs: list[int], i: int,
+                    crcs: list[int] | None = None) -> tuple[int, int]:
         """Copy the run of small contiguous CPU tensors from item ``i`` on that starts in
         item ``i``'s block and ends inside the writable part of the ring, zeroing the gaps
         between them; publish the blocks it completes. One ``memmove``/``memset`` per item
-        through a C-level ``map`` (no Python frame per tensor: ~10 us -> <1 us per tensor at
-        100k tensors), the GIL held throughout (:data:`_memmove_held`). Returns (next item, file position after the run); ``(i, offs[i])``
-        when item ``i`` reaches past the writable run (the per-item path streams it)."""
+        through a C-level ``map``, the GIL held throughout (:func:`~zerostall._fast.copy_runs`).
+        Returns (next item, file position after the run); ``(i, offs[i])`` when item ``i``
+        reaches past the writable run (the per-item path streams it)."""
         ring, B, g0 = self.ring, self.ring.block_bytes, job.slot.g0
         start = offs[i]
         blk = start // B
@@ -269,20 +269,25 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
         ends = list(map(operator.add, offs[i:j], lens[i:j]))
         gaps = [(e, s - e) for e, s in zip(ends, offs[i + 1:j]) if s > e]
         if gaps:
-            list(map(_memset_held, [at + e for e, _ in gaps], itertools.repeat(0), [n for _, n in gaps]))
-        list(map(_memmove_held, map(at.__add__, offs[i:j]), ptrs[i:j], lens[i:j]))
+            zero_runs([at + e for e, _ in gaps], [n for _, n in gaps])
+        copy_runs(map(at.__add__, offs[i:j]), ptrs[i:j], lens[i:j])
+        if crcs is not None:  # the run just copied (at most a block), checksummed while in the cache
+            a0 = slot0 - blk * B  # arena offset of file offset 0 in this run
+            crcs[i:j] = crc_runs(job.slot.arena.mv, [a0 + o for o in offs[i:j]], [a0 + e for e in ends])
         ring.publish(g0 + end // B)
         return j, end
 
-    def _stage(self, job: Job, plan: SavePlan, items: Any, tensors: Any, *, header: bool) -> None:
+    def _stage(self, job: Job, plan: SavePlan, items: Any, tensors: Any, *, header: bool,
+               crcs: list[int] | None = None) -> None:
         """Copy ``items``' tensors into the job's blocks (with the header of ``plan``, unless
         ``header=False``: an incremental save's appended tensors, laid out after the blocks
-        staged before, the gap before them never written) and publish them."""
+        staged before, the gap before them never written) and publish them; with ``crcs`` (one
+        per item, host tensors only) checksum each as it is copied (:data:`CRC_AT_COPY`)."""
         ring, B = self.ring, self.ring.block_bytes
         g0, cuda_event = job.slot.g0, job.source.cuda_event
         arena = job.slot.arena  # the pool swaps arenas only between jobs
         arena_u8 = arena.u8
-        devices = list(dict.fromkeys(map(_DEVICE_OF, tensors)))  # distinct, in order (one C-level map)
+        devices = list(dict.fromkeys(map(DEVICE, tensors)))  # distinct, in order (one C-level map)
         first_cuda = next((d for d in devices if d.type == "cuda"), None)
         streams = self._cuda(first_cuda) if first_cuda is not None else None
 
@@ -313,7 +318,7 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
             pos = items[0].offset if items else plan.file_bytes
         items, tensors = list(items), list(tensors)
         bulk = _bulk_ok(tensors, devices)
-        offs, lens = list(map(_OFFSET, items)), list(map(_NBYTES, items))
+        offs, lens = list(map(OFFSET, items)), list(map(NBYTES, items))
         bulk = bulk and all(map(operator.le, offs, offs[1:]))  # runs are found by bisection
         ptrs = list(map(torch.Tensor.data_ptr, tensors)) if bulk else []
         i, n_items = 0, len(items)
@@ -322,7 +327,7 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
                 return
             if bulk and lens[i] <= SMALL_ITEM_BYTES:
                 fill_zero(pos, offs[i])
-                j, pos = self._copy_small(job, offs, lens, ptrs, i)
+                j, pos = self._copy_small(job, offs, lens, ptrs, i, crcs)
                 if j > i:
                     i = j
                     continue
@@ -331,14 +336,19 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
             if item.nbytes:
                 on_cpu = tensor.device.type == "cpu"
                 if on_cpu and not tensor.is_contiguous():
-                    _in_helper_thread(lambda t=tensor, o=item.offset: self._stage_strided(job, t, o, spans))
+                    box = None if crcs is None else [0]
+                    _in_helper_thread(lambda t=tensor, o=item.offset: self._stage_strided(job, t, o, spans, box))
+                    if box is not None:
+                        crcs[i] = box[0]
                     pos = item.offset + item.nbytes
                     i += 1
                     continue
                 flat: list[torch.Tensor] = []  # CUDA: made once per tensor, on its own device
                 for aoff, foff, n in spans(item.offset, item.offset + item.nbytes):
                     rel = foff - item.offset
-                    if on_cpu:
+                    if on_cpu and crcs is not None:
+                        crcs[i] = copy_crc(base + aoff, tensor.data_ptr() + rel, n, arena.mv, aoff, crcs[i])
+                    elif on_cpu:
                         _memmove(base + aoff, tensor.data_ptr() + rel, n)
                     else:
                         def copy(aoff=aoff, rel=rel, n=n, tensor=tensor) -> None:

@@ -55,7 +55,7 @@ class Stages:
     session: Session | None = None
     """Across ranks: the start-up round's outcome (node, copies of the root)."""
     peers: Any = None
-    """:class:`zerostall.peers.Peers` with ``replicas > 1`` (a post-commit subscriber too)."""
+    """:class:`zerostall.peers.service.Peers` with ``replicas > 1`` (a post-commit subscriber too)."""
 
     @property
     def plan_rank(self) -> tuple[int, int]:
@@ -122,8 +122,9 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
     if is_url(path):
         raise ConfigError(f"Checkpointer({path!r}): the root is a local directory (each node's fast disk); "
                           "pass the URL as remote= to replicate there")
-    if cfg.replicas > 1 and world_size < 2:
-        raise ConfigError(f"replicas={cfg.replicas} needs a distributed job of at least {cfg.replicas} nodes "
+    if cfg.peer_copies and world_size < 2:
+        what = f"replicas={cfg.replicas}" if cfg.peers.code is None else f"peers.code={cfg.peers.code!r}"
+        raise ConfigError(f"{what} needs a distributed job of several nodes "
                           "(torch.distributed, ZEROSTALL_NODE naming each node); this process saves alone")
     tier: Any = open_root(path, create=True, lock_timeout_s=cfg.lock_timeout_s, io=cfg.io)
     peers: Any = None
@@ -144,8 +145,8 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
             committer = StoreCommitter(tier, kv, session, per_rank=cfg.dist_mode == "per_rank",
                                        timeout_s=cfg.commit_timeout_s)
             node_local = session.node_local
-            if cfg.replicas > 1:  # after join: the store exchange runs under the session's prefix
-                from ..peers import Peers
+            if cfg.peer_copies:  # after join: the store exchange runs under the session's prefix
+                from ..peers.service import Peers
                 peers = Peers(cfg, tier, kv, session.prefix, rank, world_size, node_local=node_local,
                               copies=session.leader_of)
         else:  # the one writer of this root (RootLockedError if another holds it); cleans leftovers

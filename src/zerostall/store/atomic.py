@@ -11,7 +11,6 @@ rename/unlink/fsync, so a test can crash the process at every boundary.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import platform
@@ -20,6 +19,8 @@ import uuid
 from contextlib import contextmanager, suppress
 from typing import Callable, Iterator
 
+from .._fast import libc as _libc
+
 Hook = Callable[[str], None]
 
 _AT_FDCWD = -100
@@ -27,11 +28,7 @@ RENAME_EXCHANGE = 2
 # renameat2(2) syscall numbers, for a libc without the wrapper (glibc < 2.28, some musl)
 _SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "ppc64le": 357, "s390x": 347, "riscv64": 276}
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _renameat2 = getattr(_libc, "renameat2", None)
-if _renameat2 is not None:
-    _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    _renameat2.restype = ctypes.c_int
 
 EXCHANGE_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)
 

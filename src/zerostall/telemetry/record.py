@@ -46,6 +46,9 @@ class SaveRecord:
     """Shard bytes this save wrote (== ``bytes``)."""
     bytes_referenced: int = 0
     """Tensor bytes an incremental save referenced in earlier steps' files instead of writing."""
+    interval_steps: int = 0
+    """Steps since this Checkpointer's previous save that was not skipped (0 for its first): with
+    ``backpressure="skip"`` and a save every step, the interval the disk allowed."""
     replica_nodes: tuple[str, ...] = ()
     """Peer replicas: this rank's node and the nodes holding copies of its files, once the step
     is protected (every rank's files held by ``replicas`` nodes); empty otherwise."""

@@ -15,7 +15,6 @@ from typing import Any
 from ..io.probe import io_uring_status, probe
 from ..memory.host import budget_bytes, host_ram_bytes, local_world_size
 from ..telemetry.host import PAGE, read_vmstat
-from .line_rate import line_rate_probe
 from .sysctl import RECOMMENDED, read_sysctls
 from ..peers.status import doctor_checks
 
@@ -109,6 +108,7 @@ def path_checks(path: str) -> list[Check]:
 
 
 def probe_line_rate(path: str, size: int = 512 << 20) -> Check:
+    from .line_rate import line_rate_probe  # the staging arena (torch): only --probe needs it
     r = line_rate_probe(path, size)
     return Check("line_rate", {k: round(v, 2) for k, v in r.items()}, "info",
                  f"O_DIRECT {size >> 20} MiB, 4 MiB requests, depth 32 (GB/s)")

@@ -1,0 +1,373 @@
+"""Coded copies on the wire and on a holder's disk: one fragment of one node's step per holder.
+
+Layout on the holder, beside full copies (:mod:`.store`; the same step directory, so retention,
+quota and start-up cleaning treat a step's fragments like its files)::
+
+    peers/<src>/step-<N>/manifest.json    the step's manifest, durable before any fragment
+    peers/<src>/step-<N>/coding.json      the coding descriptor (:meth:`.coding.Layout.describe`)
+    peers/<src>/step-<N>/fragment-<i>     a 4096-byte header block + the fragment's bytes
+    peers/<src>/step-<N>/.incoming-*      a transfer in flight (removed at start-up)
+
+The header block is ``MAGIC`` + JSON ``{index, bytes, crc32c, descriptor}``, zero padded. A
+fragment is held once its final name exists: received with O_DIRECT writes into
+``.incoming-*``, its crc32c computed as it streamed in and compared with the one the sender
+announces after the last byte (the sender only knows a parity fragment's crc32c then), the
+header written, fdatasync'ed, renamed, the directory fsync'ed; then acknowledged with the
+crc32c. A crash at any point leaves the previous fragments held and at most an ``.incoming-*``.
+
+Requests (after the handshake of :mod:`.wire`; registered on :class:`.tcp.TcpTransport`)::
+
+    {"op": "fput", "src", "step", "index", "size", "manifest_bytes", "coding_bytes"}
+        + manifest + descriptor + fragment bytes, then {"crc32c"}  -> {"ok", "digest"}
+    {"op": "flist", "src"}                     -> {"ok", "held": [{step, checkpoint_id, ...}]}
+    {"op": "fget", "src", "step", "index"}     -> {"ok", "manifest_bytes", "coding_bytes",
+                                                  "size"} + manifest + descriptor + file
+
+Fault points (:func:`.stream.at`, the kill sweep's seam): the sender's ``frag-send:connect``,
+``frag-send:handshake``, ``frag-send:mid-stream``, ``frag-send:sent``; the holder's
+``frag-recv:mid-stream``, ``frag-recv:before-fsync``, ``frag-recv:before-rename``,
+``frag-recv:before-ack``; a holder serving a restore, ``frag-serve:mid-stream``.
+
+Threads: the server's connection threads (fput, flist, fget), the replicator's sender
+thread (:class:`Upload`), a restore's fetch threads (:func:`download`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import uuid
+from typing import Any, Callable
+
+import crc32c as _crc
+
+from ..config import ALIGN_BYTES
+from ..errors import CorruptCheckpoint, ZerostallError
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..store.atomic import fsync_dir, unlinked_on_error, write_file_durable
+from .coding import Layout, descriptor_id
+from .priority import background
+from .store import PeerStore
+from .stream import FETCH_BUF_BYTES, Pacer, at, fill_from, send_range
+from .transport import Endpoint
+from .wire import (MAX_MANIFEST_BYTES, PeerError, check_node, check_size, check_step, recv_exact, recv_msg,
+                   send_msg)
+
+__all__ = ["CODING_NAME", "FragmentStore", "Upload", "download", "register"]
+log = logging.getLogger("zerostall")
+CODING_NAME = "coding.json"
+MAGIC = b"ZSFRAG1\n"
+HEADER = ALIGN_BYTES
+MAX_FRAGMENT_BYTES = 1 << 44
+_FRAG_RE = re.compile(r"^fragment-(\d{1,2})$")
+
+
+def fragment_name(index: int) -> str:
+    return f"fragment-{index}"
+
+
+def header_block(index: int, nbytes: int, crc: int, desc_id: str) -> bytes:
+    body = MAGIC + json.dumps({"index": index, "bytes": nbytes, "crc32c": crc, "descriptor": desc_id}).encode()
+    return body.ljust(HEADER, b"\0")
+
+
+def parse_header(raw: bytes, where: str) -> dict[str, Any]:
+    if len(raw) != HEADER or not raw.startswith(MAGIC):
+        raise CorruptCheckpoint(f"{where}: not a fragment (bad header block)", path=where)
+    try:
+        doc = json.loads(raw[len(MAGIC):].rstrip(b"\0"))
+        if not all(isinstance(doc.get(k), t) for k, t in (("index", int), ("bytes", int), ("crc32c", int),
+                                                           ("descriptor", str))):
+            raise ValueError("missing fields")
+    except (ValueError, UnicodeDecodeError, AttributeError) as exc:
+        raise CorruptCheckpoint(f"{where}: bad fragment header ({exc})", path=where) from None
+    return doc
+
+
+class FragmentCheck:
+    """crc32c of a fragment's bytes as they stream in (:func:`.stream.fill_from`'s check)."""
+
+    def __init__(self) -> None:
+        self.crc, self.n = 0, 0
+
+    def feed(self, mv: memoryview) -> None:
+        self.crc = _crc.crc32c(mv, self.crc)
+        self.n += len(mv)
+
+    def digest(self) -> str:
+        return f"{self.crc:08x}"
+
+
+class FragmentStore:
+    """The fragments a holder keeps, in :class:`.store.PeerStore`'s step directories."""
+
+    def __init__(self, store: PeerStore):
+        self.store = store
+
+    def receive(self, src: str, step: int, index: int, man_bytes: bytes, desc_bytes: bytes,
+                fill: Callable[[Any, FragmentCheck], int]) -> str:
+        """Keep fragment ``index``: ``fill(writer, check)`` streams its bytes into the writer
+        at offset ``HEADER`` through ``check`` and returns the crc32c the sender announced."""
+        man = Manifest.from_bytes(man_bytes)
+        where = f"{src}:step-{step}/{fragment_name(index)}"
+        lay, doc = Layout.parse(desc_bytes, where)
+        if man.step != step or doc["step"] != step or doc["checkpoint_id"] != man.checkpoint_id or \
+                doc["src"] != src or not 0 <= index < lay.k + lay.m:
+            raise PeerError(f"{where}: the descriptor, the manifest and the request disagree")
+        ps, d = self.store, self.store.step_dir(src, step)
+        with ps._lock(src, step):
+            old = ps.manifest(src, step)
+            if old is not None and (old.checkpoint_id != man.checkpoint_id or self._desc(src, step) != desc_bytes):
+                ps._drop(src, step)  # the source overwrote the step (or re-coded it): the old one goes whole
+                old = None
+            os.makedirs(d, exist_ok=True)
+            if old is None:
+                write_file_durable(os.path.join(d, CODING_NAME), desc_bytes)
+                write_file_durable(os.path.join(d, MANIFEST_NAME), man.to_bytes())
+                fsync_dir(d)
+                fsync_dir(os.path.dirname(d))
+        size = HEADER + lay.fragment_bytes
+        name = fragment_name(index)
+        ps._reserve(src, step, name, size)
+        engine = ps._engine_for()
+        try:
+            with unlinked_on_error(os.path.join(d, f".incoming-{name}-{uuid.uuid4().hex[:8]}")) as tmp:
+                w = engine.open_write(tmp, size)
+                try:
+                    check = FragmentCheck()
+                    claimed = fill(w, check)
+                    if check.n != lay.fragment_bytes or check.crc != claimed:
+                        raise CorruptCheckpoint(f"{where}: received {check.n} bytes with crc32c {check.crc:08x}; "
+                                                f"the sender sent {lay.fragment_bytes} with {claimed:08x}", path=where)
+                    buf = _aligned(header_block(index, lay.fragment_bytes, check.crc, descriptor_id(desc_bytes)))
+                    w.write([(0, buf)])
+                    at("frag-recv:before-fsync")
+                    w.finish()
+                finally:
+                    w.close()
+                at("frag-recv:before-rename")
+                with ps._lock(src, step):
+                    if self._desc(src, step) != desc_bytes:
+                        raise ZerostallError(f"step {step} of {src} was replaced during the transfer")
+                    os.rename(tmp, os.path.join(d, name))
+                    fsync_dir(d)
+        finally:
+            engine.close()
+            with ps._mu:
+                ps._reserved -= size
+        return check.digest()
+
+    def _desc(self, src: str, step: int) -> bytes | None:
+        try:
+            with open(os.path.join(self.store.step_dir(src, step), CODING_NAME), "rb") as f:
+                return f.read(MAX_MANIFEST_BYTES)
+        except OSError:
+            return None
+
+    def held(self, src: str | None = None) -> list[dict[str, Any]]:
+        """``[{src, step, checkpoint_id, descriptor, k, m, fragments: {index: crc32c}}]``: every
+        step of which complete fragments are held here (of ``src`` only, if given)."""
+        out = []
+        for s, step in self.store._dirs():
+            if src is not None and s != src:
+                continue
+            raw = self._desc(s, step)
+            man = self.store.manifest(s, step)
+            if raw is None or man is None:
+                continue
+            d = self.store.step_dir(s, step)
+            try:
+                lay, doc = Layout.parse(raw, d)
+            except CorruptCheckpoint:
+                continue
+            frags: dict[str, int] = {}
+            for name in os.listdir(d):
+                m = _FRAG_RE.match(name)
+                if m is None:
+                    continue
+                try:
+                    h = read_header(os.path.join(d, name), lay.fragment_bytes)
+                except (OSError, CorruptCheckpoint):
+                    continue
+                if h["index"] == int(m.group(1)) and h["descriptor"] == descriptor_id(raw):
+                    frags[str(h["index"])] = h["crc32c"]
+            if frags and doc["checkpoint_id"] == man.checkpoint_id:
+                out.append({"src": s, "step": step, "checkpoint_id": man.checkpoint_id,
+                            "descriptor": descriptor_id(raw), "k": lay.k, "m": lay.m, "fragments": frags})
+        return out
+
+    def path_for(self, src: str, step: int, index: int) -> tuple[str, bytes, bytes] | None:
+        """``(fragment path, manifest bytes, descriptor bytes)`` of a held fragment; None otherwise."""
+        raw = self._desc(src, step)
+        man = self.store.manifest(src, step)
+        if raw is None or man is None:
+            return None
+        path = os.path.join(self.store.step_dir(src, step), fragment_name(index))
+        try:
+            lay, _ = Layout.parse(raw, path)
+            read_header(path, lay.fragment_bytes)
+        except (OSError, CorruptCheckpoint):
+            return None
+        return path, man.to_bytes(), raw
+
+
+def read_header(path: str, fragment_bytes: int) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        h = parse_header(f.read(HEADER), path)
+        if os.fstat(f.fileno()).st_size != HEADER + fragment_bytes or h["bytes"] != fragment_bytes:
+            raise CorruptCheckpoint(f"{path}: {os.fstat(f.fileno()).st_size} bytes, expected "
+                                    f"{HEADER + fragment_bytes}", path=path)
+    return h
+
+
+def _aligned(data: bytes) -> memoryview:
+    import mmap
+    buf = mmap.mmap(-1, max(ALIGN_BYTES, -(-len(data) // ALIGN_BYTES) * ALIGN_BYTES))
+    buf[:len(data)] = data
+    return memoryview(buf)
+
+
+# -- server side: registered on the transport ------------------------------------------------
+
+def register(transport: Any, frags: FragmentStore, nodes: set[str], me: str, cpu_priority: str,
+             recv_pacer: Pacer | None) -> None:
+    """Serve ``fput``, ``flist`` and ``fget`` on ``transport`` (before it serves)."""
+
+    def fput(conn: socket.socket, peer: str, msg: dict[str, Any]) -> None:
+        background(cpu_priority)  # receiving copies yields the CPU and the disk
+        src, step = check_node(msg.get("src")), check_step(msg.get("step"))
+        if src not in nodes or src == me or src != peer:
+            raise PeerError(f"node {peer!r} may send only its own fragments here, not node {src!r}'s")
+        index = check_size(msg.get("index"), 63, "fragment index")
+        size = check_size(msg.get("size"), MAX_FRAGMENT_BYTES, "fragment")
+        man_bytes = recv_exact(conn, check_size(msg.get("manifest_bytes"), MAX_MANIFEST_BYTES, "manifest"))
+        desc = recv_exact(conn, check_size(msg.get("coding_bytes"), 1 << 20, "coding descriptor"))
+        lay, _ = Layout.parse(desc, f"{src}:step-{step}")
+        if size != lay.fragment_bytes:
+            raise PeerError(f"fragment of {size} bytes announced, the descriptor says {lay.fragment_bytes}")
+
+        def fill(w: Any, check: FragmentCheck) -> int:
+            fill_from(conn, size, w, check, recv_pacer, start=HEADER, point="frag-recv")
+            tail = recv_msg(conn)
+            return check_size(tail.get("crc32c"), 0xFFFFFFFF, "crc32c")
+        digest = frags.receive(src, step, index, man_bytes, desc, fill)
+        at("frag-recv:before-ack")
+        send_msg(conn, {"ok": True, "digest": digest})
+
+    def flist(conn: socket.socket, peer: str, msg: dict[str, Any]) -> None:
+        src = msg.get("src")
+        send_msg(conn, {"ok": True, "held": frags.held(check_node(src) if src is not None else None)})
+
+    def fget(conn: socket.socket, peer: str, msg: dict[str, Any]) -> None:
+        src, step = check_node(msg.get("src")), check_step(msg.get("step"))
+        index = check_size(msg.get("index"), 63, "fragment index")
+        found = frags.path_for(src, step, index)
+        if found is None:
+            send_msg(conn, {"ok": False, "error": f"fragment {index} of step {step} of {src} is not held here"})
+            return
+        path, man_bytes, desc = found
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            send_msg(conn, {"ok": True, "size": size, "manifest_bytes": len(man_bytes), "coding_bytes": len(desc)})
+            conn.sendall(man_bytes + desc)
+            if send_range(conn, f, 0, size // 2) == size // 2:
+                at("frag-serve:mid-stream")
+                send_range(conn, f, size // 2, size - size // 2)
+
+    transport.ops.update(fput=fput, flist=flist, fget=fget)
+
+
+# -- client side -----------------------------------------------------------------------------
+
+class Upload:
+    """One fragment on its way to one holder, fed in order by the sender thread: ``send`` each
+    stripe, then ``finish(crc)``; any error closes the connection (``close`` is idempotent)."""
+
+    def __init__(self, transport: Any, ep: Endpoint, src: str, step: int, index: int, size: int,
+                 man_bytes: bytes, desc: bytes, pacer: Pacer | None):
+        self.ep, self.index, self.size, self.pacer = ep, index, size, pacer
+        self.transport = transport
+        self.sent = 0
+        self.sock: socket.socket | None = transport.open(ep, "frag-send")
+        try:
+            send_msg(self.sock, {"op": "fput", "src": src, "step": step, "index": index, "size": size,
+                                 "manifest_bytes": len(man_bytes), "coding_bytes": len(desc)})
+            self.sock.sendall(man_bytes + desc)
+        except OSError as exc:
+            self.close()
+            raise PeerError(f"node {ep.node}: fragment {index}: {exc}") from exc
+
+    def send(self, mv: memoryview) -> None:
+        assert self.sock is not None
+        piece = len(mv) if self.pacer is None or not self.pacer.rate else self.pacer.piece_bytes
+        try:
+            for a in range(0, len(mv), piece):  # send, then pay (:class:`.stream.Pacer`)
+                n = min(piece, len(mv) - a)
+                self.sock.sendall(mv[a:a + n])
+                if self.pacer is not None:
+                    self.pacer.take(n)
+            before, self.sent = self.sent, self.sent + len(mv)
+            if before < self.size // 2 <= self.sent:
+                at("frag-send:mid-stream")
+        except OSError as exc:
+            self.close()
+            raise PeerError(f"node {self.ep.node}: fragment {self.index} cut after {self.sent} bytes: {exc}") from exc
+
+    def finish(self, crc: int) -> str:
+        """Announce the crc32c; the holder's digest once it verified, synced and renamed."""
+        assert self.sock is not None
+        try:
+            at("frag-send:sent")
+            send_msg(self.sock, {"crc32c": crc})
+            reply = recv_msg(self.sock)
+        except OSError as exc:
+            raise PeerError(f"node {self.ep.node}: fragment {self.index}: no answer: {exc}") from exc
+        finally:
+            self.close()
+        if not reply.get("ok"):
+            raise PeerError(f"node {self.ep.node} refused fragment {self.index}: {reply.get('error')}")
+        return str(reply.get("digest"))
+
+    def close(self) -> None:
+        s, self.sock = self.sock, None
+        if s is not None:
+            self.transport.release(s)
+
+
+def list_fragments(transport: Any, ep: Endpoint, src: str) -> list[dict[str, Any]]:
+    def run(s: socket.socket) -> list[dict[str, Any]]:
+        send_msg(s, {"op": "flist", "src": src})
+        reply = recv_msg(s)
+        if not reply.get("ok") or not isinstance(reply.get("held"), list):
+            raise PeerError(f"node {ep.node} did not list its fragments: {reply.get('error')}")
+        return reply["held"]
+    return transport.call(ep, "listing fragments", run)
+
+
+def download(transport: Any, ep: Endpoint, src: str, step: int, index: int,
+             sink: Callable[[bytes, bytes, dict[str, Any]], tuple[Any, FragmentCheck]]) -> tuple[bytes, bytes]:
+    """Fetch fragment ``index`` of ``src``'s ``step`` from ``ep``: ``sink(manifest bytes,
+    descriptor, header)`` returns the writer the fragment's bytes go to (at offsets 0..) and the
+    check to feed; raises unless their crc32c equals the header's. Returns (manifest, descriptor)."""
+    def run(s: socket.socket) -> tuple[bytes, bytes]:
+        send_msg(s, {"op": "fget", "src": src, "step": step, "index": index})
+        reply = recv_msg(s)
+        if not reply.get("ok"):
+            raise PeerError(f"node {ep.node}: {reply.get('error')}")
+        size = check_size(reply.get("size"), MAX_FRAGMENT_BYTES + HEADER, "fragment")
+        man_bytes = recv_exact(s, check_size(reply.get("manifest_bytes"), MAX_MANIFEST_BYTES, "manifest"))
+        desc = recv_exact(s, check_size(reply.get("coding_bytes"), 1 << 20, "coding descriptor"))
+        where = f"{ep.node}:{src}/step-{step}/{fragment_name(index)}"
+        head = parse_header(recv_exact(s, HEADER), where)
+        if head["index"] != index or head["descriptor"] != descriptor_id(desc) or size != HEADER + head["bytes"]:
+            raise PeerError(f"{where}: the holder sent a fragment its header or descriptor does not describe")
+        w, check = sink(man_bytes, desc, head)
+        fill_from(s, head["bytes"], w, check, buf_bytes=min(FETCH_BUF_BYTES, max(HEADER, head["bytes"])))
+        if check.crc != head["crc32c"]:
+            raise CorruptCheckpoint(f"{where}: crc32c {check.crc:08x} of the bytes received, "
+                                    f"{head['crc32c']:08x} recorded", path=where)
+        return man_bytes, desc
+    return transport.call(ep, f"fetching fragment {index} of step {step}", run)

@@ -1,0 +1,184 @@
+""":class:`Peers` is what the Checkpointer holds: built in ``__init__`` (caller's thread; a
+collective start-up exchange through the store), fed committed steps from the persist
+thread, asked for a restore plan by ``load()``, closed by ``close()``. It never touches the
+training's process group. Never imported unless ``replicas > 1``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from ..config import CheckpointConfig
+from ..distributed.store import Store
+from ..errors import ConfigError
+from ..io.base import Engine, choose_engine
+from ..store.tier import RootTier
+from .coded import CodedReplicator, check_cluster
+from .coded_restore import holdings, rebuild
+from .coding import require_codec
+from .exchange import PeerView, advertised_host, setup
+from .fetch import Offer, fetch, offer
+from .fragments import FragmentStore, register
+from .placement import Node
+from .replicate import PeerReplicator, StepStatus
+from .store import PeerStore, quota_for
+from .tcp import Pacer, TcpTransport
+
+__all__ = ["Peers", "StepStatus"]
+log = logging.getLogger("zerostall")
+
+
+class Peers:
+    def __init__(self, cfg: CheckpointConfig, tier: RootTier, store: Store, prefix: str, rank: int, world: int,
+                 *, node_local: bool, copies: tuple[int, ...] = ()):
+        pc = cfg.peers
+        what = f"replicas={cfg.replicas}" if pc.code is None else \
+            f"peers.code={pc.code!r} (RS({pc.data_fragments},{pc.parity_fragments}))"
+        if world < 2:
+            raise ConfigError(f"{what} needs a distributed job of at least {cfg.replicas} nodes "
+                              "(torch.distributed with ZEROSTALL_NODE naming each node); this process saves alone")
+        if cfg.dist_mode != "per_rank":
+            raise ConfigError(f"{what} works with dist_mode='per_rank' only (got {cfg.dist_mode!r})")
+        if not node_local:
+            raise ConfigError(f"{what} needs node-local roots (each node its own {tier.root!r}); "
+                              "this root is shared by every rank, so peer copies would land on the same storage")
+        self.cfg, self.tier, self.store = cfg, tier, store
+        if pc.code is not None:
+            require_codec()  # before any exchange: every rank fails alike, with the install hint
+        listen, publish = advertised_host(pc.listen_host)
+        self._transport: TcpTransport | None = None
+        self.peer_store: PeerStore | None = None
+
+        def serve(secret: bytes, me: str, nodes: list[Node]) -> tuple[str, int]:
+            self._transport = self._make_transport(secret, me, nodes, listen)
+            self.peer_store = self._make_store(me)
+            if pc.code is not None:
+                register(self._transport, FragmentStore(self.peer_store), {n.name for n in nodes}, me,
+                         pc.cpu_priority, self._transport.recv_pacer)
+            _, port = self._transport.serve(self.peer_store)
+            return publish, port
+
+        try:
+            self.view: PeerView = setup(store, prefix, rank, world, cfg.replicas, cfg.join_timeout_s, serve,
+                                        copies)
+            if pc.code is not None:  # every rank, not only the leaders that serve
+                check_cluster(pc.data_fragments, pc.parity_fragments, [n.name for n in self.view.nodes])
+        except BaseException:
+            if self._transport is not None:  # a half-built Peers must not keep listening
+                self._transport.close()
+            raise
+        if self._transport is None:  # not this node's leader: a client only
+            self._transport = self._make_transport(self.view.secret, self.view.me, list(self.view.nodes), listen)
+            self.peer_store = self._make_store(self.view.me)
+        assert self.peer_store is not None
+        args = (tier, self.view, self._transport, store, self.peer_store)
+        kw = dict(replicas=cfg.replicas, keep_last=cfg.keep_last, replica_timeout_s=pc.replica_timeout_s,
+                  cpu_priority=pc.cpu_priority)
+        self.replicator: PeerReplicator = PeerReplicator(*args, **kw) if pc.code is None else \
+            CodedReplicator(*args, data_fragments=pc.data_fragments, parity_fragments=pc.parity_fragments, **kw)
+        self._loads = itertools.count()
+        self.last_fetch_s = 0.0
+        """Seconds the last restore spent bringing this node's files in from peers (bench)."""
+        self.last_fetch_end = 0.0
+        """``time.monotonic()`` when they were in, verified and committed (bench)."""
+        self.replicator.repair()  # a replaced holder gets the kept steps back
+        log.info("zerostall: peer copies on: %s across %d nodes; node %s listens on %s",
+                 f"{cfg.replicas} copies of every step" if pc.code is None else
+                 f"RS({pc.data_fragments},{pc.parity_fragments}) fragments of every step", len(self.view.nodes),
+                 self.view.me, self.view.endpoints[self.view.me])
+
+    def _make_transport(self, secret: bytes, me: str, nodes: list[Node], listen: str) -> TcpTransport:
+        pc = self.cfg.peers
+        return TcpTransport(secret, me, {n.name for n in nodes}, timeout_s=pc.timeout_s,
+                            pacer=Pacer(pc.bandwidth_bytes, pc.timeout_s), listen_host=listen,
+                            cpu_priority=pc.cpu_priority,
+                            recv_pacer=Pacer(pc.receive_bandwidth_bytes, pc.timeout_s)
+                            if pc.receive_bandwidth_bytes else None)
+
+    def _make_store(self, me: str) -> PeerStore:
+        pc = self.cfg.peers
+        return PeerStore(self.tier, me, self.engine, quota_for(self.tier.root, pc.quota_bytes, pc.quota_fraction))
+
+    def engine(self) -> Engine:
+        """A fresh engine for one transfer (engines are used by one thread at a time)."""
+        return choose_engine(self.tier.root, self.cfg.io)
+
+    @property
+    def transport(self) -> TcpTransport:
+        assert self._transport is not None
+        return self._transport
+
+    # -- persist thread ----------------------------------------------------------------
+    name = "peer replicas"
+
+    def on_committed(self, record: Any) -> None:
+        """A commit subscriber (:class:`~zerostall.saving.persist.CommitSubscriber`): ``record``
+        (a ``Committed``) was committed on every rank; copy it to the peers."""
+        self.replicator.submit(record.step)
+
+    # -- any thread --------------------------------------------------------------------
+    def status(self, step: int) -> StepStatus | None:
+        return self.replicator.status(step)
+
+    # -- caller's thread ---------------------------------------------------------------
+    def plan_load(self, step: int | None, warm: Callable[[], Any] | None = None) -> "PeerLoad":
+        """``Checkpointer.load``'s first part with peer replicas (every rank, collectively): what
+        this node can load counting live holders (whole copies, and coded fragments enough to
+        rebuild its files); the collective load then tries the steps all ranks offer, newest
+        first, and calls :meth:`PeerLoad.prepare` before each. ``warm`` (the restore scratch's
+        fault) runs on a thread of its own when this node's newest files are at hand."""
+        n = next(self._loads)
+        coded = holdings(self.view, self.transport) if self.cfg.peers.code is not None else {}
+        got = offer(self.view, self.transport, self.tier, set(coded))
+        steps = got.steps() if step is None else got.steps() & {step}
+        if warm is not None and (not steps or max(steps) in got.local):
+            # The load that follows reads through a 128 MiB scratch faulted on first use (a
+            # restarted process has no faulted staging pool yet), after the ranks' agreement,
+            # and the collective load waits for the slowest rank: 0.5-2.8 s of the node-loss
+            # bench's load on the loaded 2-core VM. The nodes with their files at hand fault it
+            # now, while a replaced node fetches; the fetching node does not (on two cores its
+            # fault slowed the fetch and the agreement by as much as it saved).
+            threading.Thread(target=warm, name="zerostall-bounce-fault", daemon=True).start()
+        return PeerLoad(self, n, got, steps, coded)
+
+    def _fetch(self, load: "PeerLoad", step: int) -> bool:
+        t0 = time.perf_counter()
+        timeout = self.cfg.join_timeout_s + self.cfg.peers.timeout_s * 4
+        files_in = None if step not in load.offer.coded else \
+            (lambda: rebuild(self.view, self.transport, self.tier, self.engine, step, load.coded))
+        if not fetch(self.store, self.view, self.transport, self.tier, self.engine, load.offer, step, load.number,
+                     timeout, files_in=files_in):
+            return False
+        self.last_fetch_s = time.perf_counter() - t0
+        self.last_fetch_end = time.monotonic()
+        return True
+
+    def close(self, timeout_s: float) -> list[int]:
+        return self.replicator.close(timeout_s)
+
+    def describe(self) -> dict[str, Any]:
+        return {"node": self.view.me, "nodes": [n.name for n in self.view.nodes],
+                "endpoints": {k: f"{e.host}:{e.port}" for k, e in self.view.endpoints.items()}}
+
+
+class PeerLoad:
+    """One collective load's part of the peer tier (caller's thread of every rank): ``steps``
+    (what this node can load, its local files and what live holders keep for it, every step
+    of them, so a fallback after a fetch still finds older ones) and :meth:`prepare`."""
+
+    def __init__(self, peers: Peers, number: int, got: Offer, steps: set[int], coded: Any):
+        self.peers, self.number, self.offer, self.steps, self.coded = peers, number, got, steps, coded
+        self.fetched: dict[int, str] = {}
+        """Steps whose files this node brought in during this load -> "peers" or "coded"."""
+
+    def prepare(self, step: int) -> None:
+        """Called by the collective load before it loads ``step`` (every rank, the same steps
+        in the same order): brings this node's files of it in from peers when they are not
+        local (:func:`.fetch.fetch`). A failed fetch raises :class:`CheckpointNotFound`, which
+        the agreement reports to every rank like any defect of the step: all fall back."""
+        if self.peers._fetch(self, step):
+            self.fetched[step] = "coded" if step in self.offer.coded else "peers"

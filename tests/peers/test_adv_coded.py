@@ -1,0 +1,49 @@
+"""Adversarial checks of coded copies (adv): the one-process harness of test_fragments.py
+(node n0's root, holder servers n1..n3 on real sockets)."""
+
+import os
+
+import torch
+
+import zerostall
+from zerostall.io.base import choose_engine
+from zerostall.peers.coded import CodedReplicator
+from zerostall.peers.coded_restore import holdings, rebuild
+from zerostall.store.local import LocalTier
+
+from .test_fragments import NAME, Job
+
+
+def _state(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(50_000, generator=g), "meta": {"seed": seed}}
+
+
+def test_a_superseded_coding_of_the_step_is_never_rebuilt_as_the_commit_asked_for(tmp_path):
+    """RS(1,2): commit A of step 1 coded onto n1, n2, n3; the owner overwrites step 1 (commit
+    B, same sizes) and only n3 takes B's fragment before the owner is lost. Live holders then
+    keep two fragments of A and one of B, each enough to rebuild. The ranks agreed on commit B
+    (every other node's local step 1): the rebuild must give B's bytes, never the superseded
+    A's (which passes every crc check, being a whole older commit)."""
+    job = Job(tmp_path)
+    try:
+        rep = CodedReplicator(LocalTier(job.src), job.view(), job.client, None, None, replicas=1, keep_last=None,
+                              replica_timeout_s=30, data_fragments=1, parity_fragments=2)
+        zerostall.save(job.src, _state(1), 1)
+        assert len(job.send(rep, 1)[0]) == 3
+        cid_a = LocalTier(job.src).read_manifest(1).checkpoint_id
+        zerostall.save(job.src, _state(2), 1, overwrite=True)
+        assert job.send(rep, 1, {2: "n3"})[0] == {2: "n3"}
+        cid_b = LocalTier(job.src).read_manifest(1).checkpoint_id
+        shard_b = open(os.path.join(job.src, "step-1", NAME), "rb").read()
+        assert cid_a != cid_b
+
+        coded = holdings(job.view(), job.client)
+        assert set(coded[1]) == {cid_a, cid_b}  # every commit live holders can rebuild, by checkpoint id
+        root = str(tmp_path / "new")
+        tier = LocalTier(root, create=True)
+        rebuild(job.view(), job.client, tier, lambda: choose_engine(root), 1, coded, checkpoint_id=cid_b)
+        assert tier.read_manifest(1).checkpoint_id == cid_b
+        assert open(os.path.join(tier.step_dir(1), NAME), "rb").read() == shard_b
+    finally:
+        job.close()
