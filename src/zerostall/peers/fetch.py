@@ -1,24 +1,32 @@
-"""Restore from peers: what this node could load counting what live peers hold, and bringing
-this node's files of a step into the local root before the ordinary load reads them.
+"""Restore from peers: choose the step every rank can load (counting what live peers hold),
+and bring this node's files of it into the local root before the ordinary load reads them.
 
-Called by ``Checkpointer.load`` on the caller's thread of every rank (every rank calls it, in
-the same order; it talks only through the c10d store and point-to-point connections):
+Called by ``Checkpointer.load`` on the caller's thread of every rank (a collective in the
+sense that every rank calls it, in the same order; it talks only through the c10d store and
+point-to-point connections):
 
-1. :func:`offer`: what this rank could load -- committed local steps holding its node's
-   files; steps whose files (each of this node's ranks' ``rank-R.shard``) some live peer
-   holds, one checkpoint id (listed from every other node in parallel; a dead or stopped node
-   is skipped after ``peers.timeout_s``). The collective load (:mod:`zerostall.distributed.agree`)
-   adds them to the steps it offers, with the local and remote ones;
-2. for each step the ranks agree to try, newest first, :func:`fetch` (before the step is
-   loaded, on every rank): if this node lacks the step, its leader fetches the files from live
-   holders (one thread per file, spread over the holders, the next one on a failure), each
-   checked byte by byte against the manifest while it streams in, written with O_DIRECT into
-   ``step-N.partial`` and committed; the other ranks of the node wait for it
-   (``load<k>/node/<node>/s<N>``). A fetch that fails (no live holder, a flipped byte from the
-   only one) fails that step on this rank like any defect of it: every rank hears it through
-   the agreement and all fall back to the next step together, which the holders may still
-   hold for this node. Only when no live node holds a file is the remote tier used (the
-   ordinary load downloads it), and the log says which tier served each file.
+1. what this rank could load: committed local steps holding its node's files; steps whose
+   files (each of this node's ranks' ``rank-R.shard``) some live peer holds, one checkpoint
+   id (listed from every other node in parallel; a dead or stopped node is skipped after
+   ``peers.timeout_s``); steps on the remote tier;
+2. every rank posts, per step, the checkpoint ids it can load it as (its committed local
+   copy's, else those live holders hold), and a step is offered only where one id is common
+   to every rank (a superseded copy of an overwritten step is never restored as the step);
+   the collective load (:mod:`zerostall.distributed.agree`) adds these steps -- every one of
+   them, not only the newest -- to the ones it offers, and tries the newest common, falling
+   back together;
+3. before each step is tried, :func:`fetch`: if this node lacks its files, the node's leader
+   fetches them (only that commit's copies) from live holders (one thread per file, spread
+   over the holders, the next one on a failure), each checked byte by byte against the
+   manifest while it streams in, written with O_DIRECT into ``step-N.partial`` and
+   committed; the other ranks of the node wait for it (``load<k>/node/<node>/s<N>``). A fetch
+   that fails (no live holder, the only one stopped or serving a flipped byte) fails that step
+   on this rank like any defect of it: every rank hears it through the agreement and all fall
+   back to the next step together. Only when no live node holds a file is the remote tier used
+   (the ordinary load downloads it), and the log says which tier served each file. A fetch
+   never replaces a committed step's files it did not bring: into a step committed here
+   already (e.g. a restart on fewer nodes, where a node's rank number changed) only a copy of
+   the same commit is fetched, and the step's own files stay beside the fetched ones.
 """
 
 from __future__ import annotations
@@ -34,9 +42,10 @@ from typing import Any, Callable
 from ..distributed.store import Store
 from ..errors import CheckpointNotFound, DistributedError, ZerostallError
 from ..format.layout import shard_name
-from ..format.manifest import Manifest
+from ..format.manifest import MANIFEST_NAME, Manifest
 from ..io.base import Engine
 from ..store.tier import RootTier
+from . import tombstones
 from .exchange import PeerView
 from .transport import Transport
 from .verify import StreamCheck, file_entry, ranges
@@ -45,40 +54,68 @@ log = logging.getLogger("zerostall")
 
 
 @dataclass(frozen=True)
+class Plan:
+    """One step's fetch (:func:`fetch` builds it for :func:`_fetch_files`): the step, where its files come
+    from, and the commit every rank loads."""
+
+    step: int
+    source: str  # "local" | "peers" | "coded" | "remote"
+    holders: dict[str, list[tuple[str, str]]]  # file name -> [(node, src)] (peers)
+    held: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
+    """Every step live peers hold this node's files of (an incremental step's references)."""
+    checkpoint_id: str = ""
+    """The commit of ``step`` every rank loads ("": not known, the remote tier's)."""
+
+
+@dataclass(frozen=True)
 class Offer:
-    """What :func:`offer` found: the steps whose files of this node are local, and every step
-    live peers hold them of (an incremental step's references too)."""
+    """What :func:`offer` found: the steps whose files of this node are local, those live
+    holders keep whole copies of (only the commit every rank can load) or enough coded
+    fragments of, and the steps the ranks hold as different commits (offered by nobody)."""
 
     local: set[int]
     held: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
-    """step -> file name -> [(holder node, src node)]"""
+    """step -> file name -> [(holder node, src node)], of the commit in ``ids``"""
     coded: set[int] = field(default_factory=set)
-    """Steps live holders keep enough coded fragments of to rebuild this node's files."""
+    ids: dict[int, str] = field(default_factory=dict)
+    """step -> the commit every rank offers it as ("": the remote tier's, not known)"""
+    split: set[int] = field(default_factory=set)
+    refs: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
+    """Every step live peers hold this node's files of (an incremental step's references)."""
 
     def steps(self) -> set[int]:
-        return self.local | set(self.held) | self.coded
+        return (self.local | set(self.held) | self.coded) - self.split
 
 
-def _local_steps(tier: RootTier, view: PeerView, names: list[str]) -> set[int]:
-    out = set()
-    for s in tier.steps():
+def _local_steps(tier: RootTier, view: PeerView, names: list[str]) -> tuple[dict[int, str], dict[int, str | None]]:
+    """``(loadable, committed)``: step -> checkpoint id of the committed local steps holding
+    this node's files, and of every committed local step (None: its manifest is unreadable)."""
+    out: dict[int, str] = {}
+    committed: dict[int, str | None] = {}
+    for s in tier.listed_steps():
         try:
             man = tier.read_manifest(s)
+        except ZerostallError:
+            committed[s] = None
+            continue
+        committed[s] = man.checkpoint_id
+        try:
             if man.world_size != view.world:
                 continue
             if all(os.path.getsize(os.path.join(tier.step_dir(s), n)) == file_entry(man, n).file_bytes for n in names):
-                out.add(s)
+                out[s] = man.checkpoint_id
         except (OSError, ZerostallError):
             continue
-    return out
+    return out, committed
 
 
 Holders = dict[str, list[tuple[str, str]]]
 """file name -> [(holder node, src node)]"""
 
 
-def _peer_holdings(view: PeerView, transport: Transport, names: list[str]) -> dict[int, Holders]:
-    """step -> file name -> [(holder node, src)] for this node's files, from every live peer."""
+def _peer_holdings(view: PeerView, transport: Transport, names: list[str]) -> dict[int, dict[str, Holders]]:
+    """step -> checkpoint id -> file name -> [(holder node, src)] for this node's files (every
+    one of them held), from every live peer."""
     lists: dict[str, list[dict[str, Any]]] = {}
 
     def ask(node: str) -> None:
@@ -97,33 +134,78 @@ def _peer_holdings(view: PeerView, transport: Transport, names: list[str]) -> di
         for h in held:
             if not isinstance(h, dict) or not isinstance(h.get("step"), int):
                 continue
+            if tombstones.dead(view.deleted, h["step"], h.get("checkpoint_id"), h.get("created_unix")):
+                continue  # deleted for good (zerostall delete): never restored
             for name in h.get("files", ()):
                 if name in names:
                     by_step.setdefault(h["step"], {}).setdefault(str(h.get("checkpoint_id")), {}) \
                         .setdefault(name, []).append((node, str(h.get("src"))))
-    out = {}
+    out: dict[int, dict[str, Holders]] = {}
     for step, ids in by_step.items():
-        for files in ids.values():  # a step overwritten meanwhile: only one copy's files go together
+        for cid, files in ids.items():  # a step overwritten meanwhile: only one copy's files go together
             if all(n in files for n in names):
-                out[step] = files
-                break
+                out.setdefault(step, {})[cid] = files
     return out
 
 
-def offer(view: PeerView, transport: Transport, tier: RootTier, coded: set[int] = frozenset()) -> Offer:
-    """Step 1 of the module doc (caller's thread). ``coded``: the steps live holders hold
-    enough fragments of to rebuild this node's files (:func:`.coded_restore.holdings`)."""
+def _offer_ids(store: Store, view: PeerView, load_no: int, offer: dict[int, list[str]],
+               timeout_s: float) -> tuple[dict[int, str], set[int]]:
+    """Every rank posts, per step, the checkpoint ids it can load it as ("*": any, the remote
+    tier's); returns the steps one id is common to every rank, with that id, and the steps every
+    rank offers as different commits (the same on every rank)."""
+    base = view.key(f"load{load_no}", "ids")
+    store.set(f"{base}/r{view.rank}", json.dumps({str(k): v for k, v in offer.items()}))
+    keys = [f"{base}/r{r}" for r in range(view.world)]
+    if store.poll(keys, time.monotonic() + timeout_s) == "timeout":
+        missing = [r for r in range(view.world) if not store.check([keys[r]])]
+        raise DistributedError(f"restore: rank(s) {', '.join(map(str, missing))} did not offer the steps they can "
+                               f"load within {timeout_s:g} s", missing_ranks=tuple(missing))
+    offers = store.multi_get_json(keys)
+    if store.add(f"{base}/n", 1) == view.world:
+        store.delete(*keys, f"{base}/n")
+    common: dict[int, str] = {}
+    split: set[int] = set()
+    for k in set(offers[0]).intersection(*offers[1:]):
+        concrete = [set(o[k]) for o in offers if o[k] != ["*"]]
+        ids = set.intersection(*concrete) if concrete else {"*"}
+        if ids:
+            common[int(k)] = max(ids)
+        else:
+            split.add(int(k))
+    return common, split
+
+
+def offer(store: Store, view: PeerView, transport: Transport, tier: RootTier, load_no: int, *,
+          step: int | None, remote_steps: list[int], timeout_s: float,
+          coded: dict[int, Any] | None = None) -> Offer:
+    """Steps 1-2 of the module doc (collective: every rank calls it). ``coded``: step -> the
+    checkpoint ids of the commits live holders hold enough fragments of to rebuild this node's
+    files (coded copies, :func:`.coded_restore.holdings`)."""
+    coded = coded or {}
     names = [shard_name(r) for r in view.ranks_of(view.me)]
-    local = _local_steps(tier, view, names)
+    local, committed = _local_steps(tier, view, names)
     peers = _peer_holdings(view, transport, names)
-    log.info("zerostall: restore: node %s can load steps %s locally, %s from peers", view.me, sorted(local)[-5:],
-             sorted(set(peers) | set(coded))[-5:])
-    return Offer(local, peers, set(coded) - local - set(peers))
+    for st in set(peers) & set(committed) - set(local):  # a fetch into a committed step: its own commit only
+        peers[st] = {cid: f for cid, f in peers[st].items() if cid == committed[st]}
+        if not peers[st]:
+            del peers[st]
+    remote = set(remote_steps)
+    # the remote tier: the commit is not known here ("*")
+    mine = {st: [local[st]] if st in local else sorted(set(peers.get(st, ())) | set(coded.get(st, ()))) or ["*"]
+            for st in set(local) | set(peers) | set(coded) | remote if step is None or st == step}
+    common, split = _offer_ids(store, view, load_no, mine, timeout_s)
+    log.info("zerostall: restore: node %s can load steps %s locally, %s from peers, %s from the remote tier",
+             view.me, sorted(local)[-5:], sorted(set(peers) | set(coded))[-5:], sorted(remote)[-5:])
+    ids = {st: (cid if cid != "*" else "") for st, cid in common.items()}
+    held = {st: peers[st][ids[st]] for st in peers if st in ids and ids[st] in peers[st] and st not in local}
+    got_coded = {st for st in coded if st in ids and ids[st] in coded[st] and st not in local and st not in held}
+    refs = {st: cids[max(cids)] for st, cids in peers.items()}
+    return Offer(set(local), held, got_coded, ids, split, refs)
 
 
 def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
           got: Offer, step: int, load_no: int, timeout_s: float, files_in: Callable[[], None] | None = None) -> bool:
-    """Step 2: the node's leader brings ``step``'s files of this node in (from the holders of
+    """Step 3: the node's leader brings ``step``'s files of this node in (from the holders of
     whole copies; for a step only coded fragments cover, ``files_in``: the rebuild); the others
     wait. Returns whether it fetched (False: the files are local, or no peer holds them).
     Raises :class:`CheckpointNotFound` on every rank of the node when the fetch failed."""
@@ -139,10 +221,11 @@ def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, en
             raise CheckpointNotFound(f"restore of step {step} from peers failed on node {view.me}: {res['error']}")
         return True
     try:
-        if files_in is not None and step not in got.held:
+        if step not in got.held and files_in is not None:
             files_in()
         else:
-            _fetch_files(view, transport, tier, engine_for, step, got.held[step], got.held)
+            _fetch_files(view, transport, tier, engine_for,
+                         Plan(step, "peers", got.held[step], got.refs, got.ids.get(step, "")))
     except BaseException as exc:
         store.set(key, json.dumps({"ok": False, "error": str(exc)}))
         if isinstance(exc, ZerostallError) and not isinstance(exc, CheckpointNotFound):
@@ -154,25 +237,50 @@ def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, en
 
 
 def _fetch_files(view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
-                 step: int, holders: Holders, held: dict[int, Holders]) -> None:
-    """``step``'s files of this node, and first those of earlier steps it references
+                 plan: Plan) -> None:
+    """``plan.step``'s files of this node, and first those of earlier steps it references
     (incremental: the bytes it borrows travel with their own step) that are not local."""
     names = [shard_name(r) for r in view.ranks_of(view.me)]
-    man = _fetch_step(view, transport, tier, engine_for, step, holders, names, commit=False)
+    man = _fetch_step(view, transport, tier, engine_for, plan.step, plan.holders, names, commit=False,
+                      checkpoint_id=plan.checkpoint_id)
     try:
         for ref in sorted({r.step for r in man.ref_files if r.name in names}):
             if ref in tier.steps() and all(os.path.exists(os.path.join(tier.step_dir(ref), r.name))
                                            for r in man.ref_files if r.step == ref and r.name in names):
                 continue
-            if ref not in held:
-                raise CheckpointNotFound(f"restore of step {step}: it references step {ref}, of which no "
+            if ref not in plan.held:
+                raise CheckpointNotFound(f"restore of step {plan.step}: it references step {ref}, of which no "
                                          f"live node holds {', '.join(names)}")
-            log.info("zerostall: restore of step %d: fetching step %d, whose bytes it references", step, ref)
-            _fetch_step(view, transport, tier, engine_for, ref, held[ref], names, commit=True)
+            log.info("zerostall: restore of step %d: fetching step %d, whose bytes it references", plan.step, ref)
+            _fetch_step(view, transport, tier, engine_for, ref, plan.held[ref], names, commit=True)
     except BaseException:
-        tier.abort(step)
+        tier.abort(plan.step)
         raise
-    tier.commit(step, man, overwrite=step in tier.listed_steps())
+    commit_fetched(tier, plan.step, man)
+
+
+def commit_fetched(tier: RootTier, step: int, man: Manifest) -> None:
+    """Commit the fetched ``step-N.partial``. Into a step committed here already only the same
+    commit goes, and the step's files that were not fetched stay (linked into the new
+    directory before the overwrite): a fetch adds files, it never drops a committed step's."""
+    if step not in tier.listed_steps():
+        tier.commit(step, man)
+        return
+    try:
+        here = tier.read_manifest(step).checkpoint_id
+    except ZerostallError:
+        here = None
+    if here != man.checkpoint_id:
+        tier.abort(step)
+        raise CheckpointNotFound(f"restore of step {step}: {tier.root!r} holds another commit of step {step} "
+                                 f"({here or 'its manifest unreadable'}, the peers' is {man.checkpoint_id}); a fetch "
+                                 "never replaces a committed step")
+    part, final = tier.partial_dir(step), tier.step_dir(step)
+    for name in os.listdir(final):
+        src, dst = os.path.join(final, name), os.path.join(part, name)
+        if name != MANIFEST_NAME and not os.path.lexists(dst) and os.path.isfile(src) and not os.path.islink(src):
+            os.link(src, dst)
+    tier.commit(step, man, overwrite=True)
 
 
 RANGE_MIN_BYTES = 32 << 20
@@ -191,13 +299,20 @@ class _ManifestOnly:
 
 
 def _fetch_file(view: PeerView, transport: Transport, engine_for: Callable[[], Engine], step: int,
-                name: str, hs: list[tuple[str, str]], path: str) -> Manifest:
+                name: str, hs: list[tuple[str, str]], path: str, checkpoint_id: str = "") -> Manifest:
     """One file of ``step`` into ``path`` from the holders ``hs`` (in order of preference),
     verified, fdatasync'ed; returns the step's manifest. With two or more live holders the file
     is cut into ranges at tensor boundaries (:func:`.verify.ranges`), one per holder, fetched
     in parallel, each checked against the manifest's crc32c as it streams in; a range whose
     holder fails is fetched again from the next holder (only that range). One holder: the
-    whole file in one stream."""
+    whole file in one stream. ``checkpoint_id``: the commit the copy must belong to (a holder
+    sending another one fails like a holder sending a wrong byte)."""
+
+    def same_commit(m: Manifest, node: str) -> Manifest:
+        if checkpoint_id and m.checkpoint_id != checkpoint_id:
+            raise ZerostallError(f"node {node} holds another commit of step {step} ({m.checkpoint_id}, not the "
+                                 f"agreed {checkpoint_id})")
+        return m
     errors: list[str] = []
     man: Manifest | None = None
     live = list(hs)
@@ -205,8 +320,8 @@ def _fetch_file(view: PeerView, transport: Transport, engine_for: Callable[[], E
         for node, src in hs:
             got: list[Manifest] = []
 
-            def probe(m: Manifest, size: int) -> tuple[Any, Any]:
-                got.append(m)
+            def probe(m: Manifest, size: int, node: str = node) -> tuple[Any, Any]:
+                got.append(same_commit(m, node))
                 return None, _ManifestOnly()
             try:
                 transport.get(view.endpoints[node], src, step, name, probe, rng=(0, 0))
@@ -235,7 +350,8 @@ def _fetch_file(view: PeerView, transport: Transport, engine_for: Callable[[], E
             opened: list[Any] = []
             got: list[Manifest] = []
 
-            def sink(m: Manifest, size: int) -> tuple[Any, StreamCheck]:
+            def sink(m: Manifest, size: int, node: str = node) -> tuple[Any, StreamCheck]:
+                same_commit(m, node)
                 w = engine.open_write(path, size) if first is None else engine.open_update(path)
                 opened.append(w)
                 got.append(m)
@@ -288,7 +404,8 @@ def _fetch_file(view: PeerView, transport: Transport, engine_for: Callable[[], E
 
 
 def _fetch_step(view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
-                step: int, holders: dict[str, list[tuple[str, str]]], names: list[str], *, commit: bool) -> Manifest:
+                step: int, holders: dict[str, list[tuple[str, str]]], names: list[str], *, commit: bool,
+                checkpoint_id: str = "") -> Manifest:
     """Bring ``names`` of ``step`` into ``step-N.partial`` (verified; the files in parallel,
     each from its holders: :func:`_fetch_file`); commit it when asked. Returns the step's manifest."""
     part = tier.begin(step)
@@ -300,7 +417,7 @@ def _fetch_step(view: PeerView, transport: Transport, tier: RootTier, engine_for
         hs = hs[i % len(hs):] + hs[:i % len(hs)] if hs else []  # files spread over holders
         path = os.path.join(part, name)
         try:
-            mans[name] = _fetch_file(view, transport, engine_for, step, name, hs, path)
+            mans[name] = _fetch_file(view, transport, engine_for, step, name, hs, path, checkpoint_id)
         except (ZerostallError, OSError) as exc:
             errors[name] = str(exc)
             try:
@@ -322,5 +439,5 @@ def _fetch_step(view: PeerView, transport: Transport, tier: RootTier, engine_for
         raise CheckpointNotFound(f"restore of step {step}: the holders hold files of different checkpoints")
     man = next(iter(mans.values()))
     if commit:
-        tier.commit(step, man, overwrite=step in tier.listed_steps())
+        commit_fetched(tier, step, man)
     return man

@@ -16,6 +16,7 @@ from ..config import CheckpointConfig
 from ..distributed.store import Store
 from ..errors import ConfigError
 from ..io.base import Engine, choose_engine
+from ..store.remote import list_steps, open_tier
 from ..store.tier import RootTier
 from .coded import CodedReplicator, check_cluster
 from .coded_restore import holdings, rebuild
@@ -25,6 +26,7 @@ from .fetch import Offer, fetch, offer
 from .fragments import FragmentStore, register
 from .placement import Node
 from .replicate import PeerReplicator, StepStatus
+from . import tombstones
 from .store import PeerStore, quota_for
 from .tcp import Pacer, TcpTransport
 
@@ -64,7 +66,7 @@ class Peers:
 
         try:
             self.view: PeerView = setup(store, prefix, rank, world, cfg.replicas, cfg.join_timeout_s, serve,
-                                        copies)
+                                        copies, tombstones.read(tier.root))
             if pc.code is not None:  # every rank, not only the leaders that serve
                 check_cluster(pc.data_fragments, pc.parity_fragments, [n.name for n in self.view.nodes])
         except BaseException:
@@ -75,6 +77,11 @@ class Peers:
             self._transport = self._make_transport(self.view.secret, self.view.me, list(self.view.nodes), listen)
             self.peer_store = self._make_store(self.view.me)
         assert self.peer_store is not None
+        if self.view.leader and self.view.deleted:  # steps deleted for good on any node: their copies go here too
+            mine = tombstones.read(tier.root)
+            if tombstones.merge(mine, self.view.deleted) != mine:
+                tombstones.write(tier.root, tombstones.merge(mine, self.view.deleted))
+            tombstones.drop_dead(tier.root, self.view.deleted)
         args = (tier, self.view, self._transport, store, self.peer_store)
         kw = dict(replicas=cfg.replicas, keep_last=cfg.keep_last, replica_timeout_s=pc.replica_timeout_s,
                   cpu_priority=pc.cpu_priority)
@@ -133,7 +140,11 @@ class Peers:
         fault) runs on a thread of its own when this node's newest files are at hand."""
         n = next(self._loads)
         coded = holdings(self.view, self.transport) if self.cfg.peers.code is not None else {}
-        got = offer(self.view, self.transport, self.tier, set(coded))
+        remote_steps: list[int] = []
+        if self.cfg.remote:
+            remote_steps = list_steps(open_tier(self.cfg.remote, io=self.cfg.io))[0] or []
+        got = offer(self.store, self.view, self.transport, self.tier, n, step=step, remote_steps=remote_steps,
+                    timeout_s=self.cfg.join_timeout_s, coded=coded)
         steps = got.steps() if step is None else got.steps() & {step}
         if warm is not None and (not steps or max(steps) in got.local):
             # The load that follows reads through a 128 MiB scratch faulted on first use (a
@@ -149,7 +160,8 @@ class Peers:
         t0 = time.perf_counter()
         timeout = self.cfg.join_timeout_s + self.cfg.peers.timeout_s * 4
         files_in = None if step not in load.offer.coded else \
-            (lambda: rebuild(self.view, self.transport, self.tier, self.engine, step, load.coded))
+            (lambda: rebuild(self.view, self.transport, self.tier, self.engine, step, load.coded,
+                             load.offer.ids.get(step, "")))
         if not fetch(self.store, self.view, self.transport, self.tier, self.engine, load.offer, step, load.number,
                      timeout, files_in=files_in):
             return False

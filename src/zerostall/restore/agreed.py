@@ -43,16 +43,18 @@ def local_candidates(path: str, remote: Any = None, io: Any = None, step: int | 
 
 def collective_load(store: Store, base: str, rank: int, world: int, path: str, state_dict: Any, *,
                     step: int | None = None, remote: Any = None, io: Any = None, report: Any = None,
-                    timeout_s: float = 600.0, extra_steps: Iterable[int] = (),
+                    timeout_s: float = 600.0, extra_steps: Iterable[int] = (), exclude_steps: Iterable[int] = (),
                     prepare: Callable[[int], None] | None = None, **load_kw: Any) -> Any:
     """``zerostall.restore.load`` on every rank of a group, agreeing on one step (module
     docstring). Called by ``Checkpointer.load`` and ``zerostall.load`` (caller's thread).
     ``extra_steps``: more steps this rank can load (peer replicas: those live holders keep for
-    its node); ``prepare(step)`` runs before each step is loaded (bringing those files in): what
+    its node); ``exclude_steps``: steps not to offer (the ranks hold different commits of
+    them); ``prepare(step)`` runs before each step is loaded (bringing those files in): what
     it raises fails that step on this rank, and every rank falls back together."""
     report = report if report is not None else LoadReport()
     cands, remote = local_candidates(path, remote, io, step)
-    cands = sorted(set(cands) | {int(s) for s in extra_steps if step is None or int(s) == step})
+    cands = sorted((set(cands) | {int(s) for s in extra_steps if step is None or int(s) == step})
+                   - {int(s) for s in exclude_steps})
 
     fallback = load_kw.pop("fallback", True)
 
