@@ -115,7 +115,8 @@ def test_a_failed_peer_restore_falls_back_together_and_the_secret_stays_out_of_t
     master = TCPStore("127.0.0.1", port, world_size=None, is_master=True, wait_for_workers=False,
                       timeout=timedelta(seconds=300))
     go = str(tmp_path / "go")
-    procs = _spawn("save", base, tmp_path, port, {"ZS_STEPS": "1,2,3,4", "ZS_GO": go, "ZEROSTALL_PEER_SECRET": SECRET})
+    procs = _spawn("save", base, tmp_path, port, {"ZS_STEPS": "1,2,3,4", "ZS_GO": go, "ZS_PT": "15",
+                                                   "ZEROSTALL_PEER_SECRET": SECRET})
     try:
         _wait([out + ".ready" for _, out in procs], procs)
         ready = [json.load(open(out + ".ready")) for _, out in procs]
