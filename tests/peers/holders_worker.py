@@ -4,7 +4,7 @@ argv: scenario base out; env as peers_worker.py (ZEROSTALL_NODE, ...). Rank R's
 root is ``base/root<R>`` whatever its node name; the last rank starts under the name of the
 rank before it (its own root: a duplicate), then takes ``n<R>`` for the rest. One process
 group runs three Checkpointers in turn on the same roots (three runs of the job, a restart
-between each)."""
+between each). load: a restart that loads (after the test deleted a step)."""
 
 import json
 import logging
@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import zerostall
+from helpers import equal
 from adv_worker import state_for as frozen_state
 from peers_worker import state_for
 from zerostall import PeersConfig
@@ -79,6 +80,20 @@ def main():
         ck.close()
         dist.barrier()
         res["held_after_run3"] = held(root)
+    elif scenario == "load":  # a restart after `zerostall delete` (the test ran it)
+        os.environ["ZEROSTALL_NODE"] = f"n{rank}"
+        ck = checkpointer(root, keep_last=2, incremental="crc")
+        report = zerostall.LoadReport()
+        state = frozen_state(rank + 100, 0)
+        try:
+            ck.load(state, report=report)
+            res["step"], res["source"] = report.step, report.source
+            res["equal"] = equal(state, frozen_state(rank, report.step))
+        except zerostall.errors.ZerostallError as exc:
+            res["error"] = str(exc)
+        dist.barrier()
+        ck.close()
+        res["held"] = held(root)
     json.dump(res, open(out, "w"))
     if rank == 0:  # rank 0 hosts the c10d store: it leaves last
         others = [out.replace("-r0.json", f"-r{r}.json") for r in range(1, dist.get_world_size())]

@@ -1,6 +1,7 @@
-"""Housekeeping on holders (issue 32, items 4, 11, 12, 14): 3 simulated nodes x 1 rank (real
+"""Housekeeping on holders (issue 32, items 4, 11, 12, 13, 14): 3 simulated nodes x 1 rank (real
 processes, gloo), replicas=2, keep_last=2, one process group running three Checkpointers in
-turn on the same roots (two restarts), then ``zerostall ls`` on a holder."""
+turn on the same roots (two restarts), ``zerostall delete`` and a restart; ``zerostall ls``
+on a holder."""
 
 import json
 import os
@@ -36,6 +37,17 @@ def test_holders_keep_last_across_restarts_incremental_and_duplicate_names(tmp_p
     if any(steps != [5, 7, 8] for h in holdings for steps in h.values()):
         bad.append(f"after the incremental run the holders keep {holdings}, not 7, 8 and the referenced 5")
     assert not bad, "\n".join(bad)
+    # `zerostall delete` of step 8 on the roots of n0 and n1 (n2's is not reached): the restart
+    # resumes from step 7 on every rank -- step 8 is not fetched back from n2, which holds
+    # n0's copy of it -- and n2 drops that copy at start-up (n0's tombstone)
+    assert os.path.isdir(os.path.join(base, "root2", "peers", "n0", "step-8"))
+    capsys.readouterr()
+    assert cli(["delete", os.path.join(base, "root0"), os.path.join(base, "root1"), "--step", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "removed step 8 from" in out and "removed the copy of node n1's step 8" in out, out
+    docs = _ok(_launch("load", base, tmp_path, {}, nodes=["n0", "n1", "n2"], worker="holders_worker.py"))
+    assert [(d.get("step"), d.get("equal")) for d in docs] == [(7, True)] * 3, docs
+    assert docs[2]["held"] == {"n0": [5, 7]}, docs[2]
 
 
 def test_ls_lists_no_manifest_only_copy(tmp_path, capsys):

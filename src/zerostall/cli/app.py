@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 from . import dcp as cli_dcp
+from . import delete as cli_delete
 from . import demo_bench
 from .._term import console as _console, safe, table
 from .._util import human_bytes as _human
@@ -280,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out", help="output file (a folder for transformers/accelerate)")
     s.set_defaults(fn=cmd_export)
 
+    cli_delete.add_parser(sub)
     demo_bench.add_parsers(sub)
     cli_host.add_parsers(sub)
     return p

@@ -42,13 +42,20 @@ States of one rank (C: coordinator only, P: the others; ``->`` on an event)::
               deadline passed                       -> ABORTING (abort{missing ranks: those without r<R>})
     PREPARED  C: compare_set(decision, commit)      -> DECIDED  (ours, or the abort that came first)
     ABORTING  compare_set(decision, abort)          -> DECIDED  (ours, or whatever came first)
-    DECIDED   commit, rank leads its copy           -> FINISHING
+    DECIDED   commit, rank leads its copy           -> RECORDING
               commit, not the leader                -> waits for done/<group> until deadline + grace,
-                                                       then FINISHING itself (the leader is stopped)
+                                                       then RECORDING itself (the leader is stopped)
               abort                                 -> FAILED   (deletes its own shard; the leader
                                                        removes the empty partial directory)
-    FINISHING write manifest (tmp + rename), fsync, rename step-N.partial -> step-N, fsync
-              root; idempotent: a copy another rank renamed with this checkpoint id is done
+    RECORDING the decided manifest into step-N.partial/manifest.decided (tmp + rename, fsync
+              the directory): the copy's record of the decision; sets rec/<group>
+                                                    -> RECORDED once every copy's rec/<group> is set
+                                                       (until deadline + grace; a copy missing or
+                                                       failing then: this copy still FINISHES, but
+                                                       its ranks report UNKNOWN, never durable)
+    RECORDED  (fault point ``recorded``)
+              rename manifest.decided -> manifest.json, fsync, rename step-N.partial -> step-N,
+              fsync root; idempotent: a copy another rank renamed with this checkpoint id is done
                                                     -> DURABLE  (sets done/<group>)
     any       the store does not answer in time     -> UNKNOWN  (nothing deleted; see below)
     DURABLE, FAILED, UNKNOWN: add 1 to ``ack``; the rank completing the count deletes the
@@ -56,17 +63,24 @@ States of one rank (C: coordinator only, P: the others; ``->`` on an event)::
     committed were acknowledged by every rank (bounded), so leaving its ``with`` block does
     not take the store away from a rank that has yet to read a commit.
 
-What a handle says: durable only after DURABLE, i.e. the decision committed and this rank's
-copy of the root holds ``step-N`` (every rank's shard in it was fdatasync'ed before it
-reported). Failed (:class:`SaveFailed`) only after an abort decision, which no coordinator can
+What a handle says: durable only after DURABLE, i.e. the decision committed, *every* copy of
+the root recorded it durably, and this rank's copy holds ``step-N`` (every rank's shard in it
+was fdatasync'ed before it reported). So a rank killed after the decision -- the coordinator
+included, between its record and its own rename -- loses nothing that a handle called
+durable: its copy's next start-up recovery finds ``manifest.decided`` and completes the rename
+(:mod:`zerostall.store.recovery`); killed before its record, no rank's handle says durable.
+Failed (:class:`SaveFailed`) only after an abort decision, which no coordinator can
 overturn. UNKNOWN (:class:`OutcomeUnknown`, also a failed handle): the store stopped answering
 before this rank learnt the decision (its host stopped or died); the rank deletes nothing, so
 the coordinator may still commit the step complete; the next collective ``load`` agrees on
 what every rank can restore. An overwrite (``overwrite=True``) is finished by the copy's
 leader only; its peers report UNKNOWN if it does not confirm in time.
 
-Crash states on disk: before FINISHING only ``step-N.partial`` exists (start-up recovery
-removes it); FINISHING's renames are the local tier's (:mod:`zerostall.store.local`).
+Crash states on disk: before RECORDING only ``step-N.partial`` exists (start-up recovery
+removes it); from RECORDING on, ``step-N.partial`` holding ``manifest.decided`` is a step the
+decision committed (recovery completes it); the renames are the local tier's
+(:mod:`zerostall.store.local`). An overwrite (``overwrite=True``) records nothing: it goes
+through the local tier's overwrite protocol, finished by the copy's leader only.
 """
 
 from __future__ import annotations
@@ -81,6 +95,7 @@ from typing import Any, Callable
 from ..errors import CheckpointExistsError, DistributedError, SaveFailed, ZerostallError, storage_error
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..store.atomic import fsync_dir, write_file_durable
+from ..store.recovery import DECIDED_NAME
 from ..store.tier import RootTier
 from .merge import manifests, merge, peer_protected
 from .session import Session
@@ -290,6 +305,8 @@ def _finish_mine(store: Store, session: Session, base: str, dec: dict[str, Any],
         until = max(deadline, time.monotonic()) + grace_s(timeout_s)
         if store.poll([done_key], until) == "ok":
             done = store.get_json(done_key)
+            if done.get("unknown"):
+                raise OutcomeUnknown(done["error"])
             if not done["ok"]:
                 raise SaveFailed(f"step {step}: the commit of its copy of the root on node "
                                  f"{session.nodes[session.leader] if session.nodes else '?'} failed: {done['error']}",
@@ -301,13 +318,72 @@ def _finish_mine(store: Store, session: Session, base: str, dec: dict[str, Any],
         log.warning("zerostall: step %d: rank %d did not finish the copy of %s in time; rank %d finishes it",
                     step, session.leader, tier.root, session.rank)
     raw = store.get(f"{base}/{mkey}")
+    if overwrite:
+        try:
+            post = finish_copy(tier, step, raw, overwrite=True, leader=session.is_leader)
+        except BaseException as exc:
+            store.set(done_key, json.dumps({"ok": False, "error": str(exc)}))
+            raise
+        store.set(done_key, json.dumps({"ok": True}))
+        return post
+    rec_key = f"{base}/rec/{session.group}"
     try:
-        post = finish_copy(tier, step, raw, overwrite=overwrite, leader=session.is_leader)
+        record_decision(tier, step, raw)
+    except BaseException as exc:
+        store.set(rec_key, json.dumps({"ok": False, "error": str(exc)}))
+        store.set(done_key, json.dumps({"ok": False, "error": str(exc)}))
+        raise
+    store.set(rec_key, json.dumps({"ok": True}))
+    problems = _records(store, session, base, max(deadline, time.monotonic()) + grace_s(timeout_s))
+    _point("recorded", session, step)
+    try:
+        post = finish_copy(tier, step, raw, leader=session.is_leader)
     except BaseException as exc:
         store.set(done_key, json.dumps({"ok": False, "error": str(exc)}))
         raise
+    if problems:
+        err = (f"step {step}: committed by the coordinator and in this copy, but {'; '.join(problems)}: the "
+               "step may be missing from that copy at the next start (the next collective load agrees on a step "
+               "every rank can restore)")
+        store.set(done_key, json.dumps({"ok": False, "unknown": True, "error": err}))
+        raise OutcomeUnknown(err)
     store.set(done_key, json.dumps({"ok": True}))
     return post
+
+
+def _records(store: Store, session: Session, base: str, until: float) -> list[str]:
+    """RECORDING -> RECORDED: wait until every copy recorded the decision (or ``until``);
+    returns what is wrong (copies that did not record it, or failed to)."""
+    keys = {g: f"{base}/rec/{g}" for g in session.groups}
+    store.poll(list(keys.values()), until)
+    late = [g for g, k in keys.items() if not store.check([k])]
+    failed = [(g, r["error"]) for g, r in zip([g for g in keys if g not in late],
+                                               store.multi_get_json([keys[g] for g in keys if g not in late]))
+              if not r.get("ok")]
+    where = {g: session.nodes[int(g[1:])] if session.nodes else g for g in keys}
+    out = [f"the copy on node {where[g]} (rank {g[1:]}) did not record the decision in time" for g in late]
+    return out + [f"the copy on node {where[g]} (rank {g[1:]}) could not record it: {e}" for g, e in failed]
+
+
+def record_decision(tier: RootTier, step: int, manifest: bytes) -> None:
+    """RECORDING: the decided manifest into ``step-N.partial/manifest.decided``, durably
+    (tmp + rename, fsync of the directory, which also makes the shards' entries durable).
+    Idempotent (a rank taking over from a stopped leader may record again)."""
+    part = tier.partial_dir(step)
+    rec = os.path.join(part, DECIDED_NAME)
+    if os.path.exists(rec) or _committed_here(tier, step, Manifest.from_bytes(manifest).checkpoint_id):
+        return
+    tmp = os.path.join(part, f".manifest-{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        write_file_durable(tmp, manifest)
+        os.rename(tmp, rec)
+        fsync_dir(part)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise storage_error(f"recording the commit decision of step {step} in", tier.root, exc) from exc
 
 
 def finish_copy(tier: RootTier, step: int, manifest: bytes, *, overwrite: bool = False,
@@ -322,9 +398,13 @@ def finish_copy(tier: RootTier, step: int, manifest: bytes, *, overwrite: bool =
     if _committed_here(tier, step, man.checkpoint_id):
         return tier.write_latest(step) if leader else ()
     tmp = os.path.join(part, f".manifest-{uuid.uuid4().hex[:8]}.tmp")
+    rec = os.path.join(part, DECIDED_NAME)
     try:
-        write_file_durable(tmp, manifest)
-        os.rename(tmp, os.path.join(part, MANIFEST_NAME))
+        if os.path.exists(rec):  # recorded: the record becomes the manifest
+            os.rename(rec, os.path.join(part, MANIFEST_NAME))
+        else:
+            write_file_durable(tmp, manifest)
+            os.rename(tmp, os.path.join(part, MANIFEST_NAME))
         tier._step("manifest")
         fsync_dir(part)
         tier._step("fsync_dir")
@@ -358,7 +438,8 @@ def ack(store: Store, session: Session, base: str) -> None:
     try:
         if store.add(f"{base}/ack", 1, 5.0) == session.world:
             store.delete(f"{base}/decision", f"{base}/t0", f"{base}/ack", *(f"{base}/m{i}" for i in
-                         range(len(session.leaders))), *(f"{base}/done/{g}" for g in session.groups))
+                         range(len(session.leaders))), *(f"{base}/done/{g}" for g in session.groups),
+                         *(f"{base}/rec/{g}" for g in session.groups))
     except DistributedError as exc:  # the store may be gone with rank 0; the round's outcome stands
         log.error("zerostall: could not finish the round %s: %s", base, exc)
 

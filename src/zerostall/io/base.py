@@ -149,10 +149,11 @@ class Engine(ABC):
         """The seam fault-injection tests replace."""
         os.fdatasync(fd)
 
-    def pin_buffer(self, address: int, nbytes: int) -> None:
+    def pin_buffer(self, address: int, nbytes: int, *, fresh: bool = False) -> None:
         """A hint from the thread that writes every file from this region (the persist thread,
         its staging arena; called between files): an engine may register it once (io_uring's
-        fixed buffers) instead of pinning its pages at each write. Default: nothing."""
+        fixed buffers) instead of pinning its pages at each write. ``fresh``: the region is
+        another mapping than the one last given, even at the same address. Default: nothing."""
 
     def close(self) -> None:
         """Release rings, pools. Idempotent."""

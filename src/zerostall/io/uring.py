@@ -106,11 +106,14 @@ class _CRing:
         """(address, bytes) registered with the ring: writes from it skip the kernel's page pinning."""
         self.refused: tuple[int, int] | None = None
 
-    def pin(self, address: int, nbytes: int) -> None:
+    def pin(self, address: int, nbytes: int, fresh: bool = False) -> None:
         """Register ``[address, address + nbytes)`` as fixed buffers (the ring idle; its owner's
         thread). The kernel pins those pages once instead of at every write; a refusal (the
         memlock limit, an old kernel) leaves plain writes, and is not tried again."""
         want = (address, nbytes)
+        if fresh:  # registered pages are the old mapping's, whatever the address
+            self.unpin()
+            self.refused = None
         if not _HAS_FIXED or want in (self.pinned, self.refused):
             return
         self.unpin()
@@ -343,7 +346,7 @@ class UringEngine(Engine):
         self._local = threading.local()
         self._pinned: list[_CRing] = []  # every thread's long-lived ring, closed with the engine
 
-    def pin_buffer(self, address: int, nbytes: int) -> None:
+    def pin_buffer(self, address: int, nbytes: int, *, fresh: bool = False) -> None:
         """The calling thread writes from ``[address, address + nbytes)`` file after file (the
         persist thread, its staging arena, once it is faulted): its files share one long-lived
         ring with that region registered, so no write pins its pages again."""
@@ -358,7 +361,7 @@ class UringEngine(Engine):
             self._local.ring = ring
             with self._iovecs_mu:
                 self._pinned.append(ring)
-        ring.pin(address, nbytes)
+        ring.pin(address, nbytes, fresh)
 
     def pinned_ring(self) -> _CRing | None:
         """The calling thread's long-lived ring (:meth:`pin_buffer`), if it has one."""

@@ -38,6 +38,7 @@ from ..io.base import Engine
 from ..store.tier import RootTier
 from .coding import Code, Layout
 from .exchange import PeerView
+from .fetch import commit_fetched
 from .fragments import FragmentCheck, download, list_fragments
 from .verify import StreamCheck
 
@@ -154,7 +155,7 @@ def rebuild(view: PeerView, transport: Any, tier: RootTier, engine_for: Callable
     except BaseException:
         tier.abort(step)
         raise
-    tier.commit(step, man, overwrite=step in tier.listed_steps())
+    commit_fetched(tier, step, man)  # never drops a committed step's own files
 
 
 def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Callable[[], Engine], rb: Rebuild,
@@ -266,7 +267,7 @@ def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Ca
     for i in got:
         _unlink(os.path.join(part, f".fragment-{i}"))
     if commit:
-        tier.commit(rb.step, man, overwrite=rb.step in tier.listed_steps())
+        commit_fetched(tier, rb.step, man)
     return man
 
 

@@ -5,7 +5,8 @@ Keys live under the session prefix agreed at start-up (:mod:`zerostall.distribut
 
     <p>/peers/node/r<R>        {node, domain}     every rank, at start-up
     <p>/peers/secret           hex(32 random bytes), drawn by rank 0: the job's peer secret
-    <p>/peers/ep/<node>        {host, port}       each node's leader (lowest rank), once serving
+    <p>/peers/ep/<node>        {host, port, deleted} each node's leader (lowest rank), once serving;
+                                                  ``deleted``: its tombstones (.tombstones)
     <p>/peers/s<step>/<node>   {holders, error}   each node's leader, once its files of the step
                                                   are held (or could not be) -- see .replicate
     <p>/peers/s<step>/seen     counter: the rank completing it deletes the step's keys
@@ -25,11 +26,12 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from ..distributed.node import failure_domain, node_id
 from ..distributed.store import Store
 from ..errors import ConfigError, DistributedError
+from . import tombstones
 from .placement import Node
 from .transport import Endpoint
 
@@ -46,6 +48,8 @@ class PeerView:
     rank_nodes: tuple[str, ...]
     endpoints: dict[str, Endpoint] = field(compare=False)
     secret: bytes = field(repr=False, compare=False)
+    deleted: dict[int, dict[str, Any]] = field(default_factory=dict, compare=False)
+    """Every node's tombstones merged (:mod:`.tombstones`): steps deleted for good."""
 
     @property
     def leader(self) -> bool:
@@ -106,11 +110,14 @@ def duplicate_names(names: list[str], copies: tuple[int, ...]) -> str:
 
 
 def setup(store: Store, prefix: str, rank: int, world: int, replicas: int, timeout_s: float,
-          serve: Callable[[bytes, str, list[Node]], tuple[str, int]], copies: tuple[int, ...] = ()) -> PeerView:
+          serve: Callable[[bytes, str, list[Node]], tuple[str, int]], copies: tuple[int, ...] = (),
+          deleted: dict[int, dict[str, Any]] | None = None) -> PeerView:
     """The start-up exchange (module doc). ``serve(secret, me, nodes)`` starts this node's
     server (called on node leaders only) and returns the published ``(host, port)``.
     ``copies``: every rank's copy of the root (its leader's rank; the session's
-    ``leader_of``): a node name shared by separate copies is refused on every rank alike."""
+    ``leader_of``): a node name shared by separate copies is refused on every rank alike.
+    ``deleted``: this node's tombstones, published with its endpoint; the view carries every
+    node's, merged."""
     me, domain = node_id(), failure_domain()
     p = f"{prefix}/peers"
     store.set(f"{p}/node/r{rank}", json.dumps({"node": me, "domain": domain}))
@@ -136,8 +143,13 @@ def setup(store: Store, prefix: str, rank: int, world: int, replicas: int, timeo
     view = PeerView(prefix, rank, world, me, nodes, rank_nodes, {}, secret)
     if view.leader:
         host, port = serve(secret, me, list(nodes))
-        store.set(f"{p}/ep/{me}", json.dumps({"host": host, "port": port}))
+        store.set(f"{p}/ep/{me}", json.dumps({"host": host, "port": port,
+                                              "deleted": {str(k): v for k, v in (deleted or {}).items()}}))
     ep_keys = [f"{p}/ep/{n.name}" for n in nodes]
     _poll(store, ep_keys, timeout_s, "the nodes' peer endpoints")
-    eps = {n.name: Endpoint(n.name, e["host"], int(e["port"])) for n, e in zip(nodes, store.multi_get_json(ep_keys))}
-    return PeerView(prefix, rank, world, me, nodes, rank_nodes, eps, secret)
+    got = store.multi_get_json(ep_keys)
+    eps = {n.name: Endpoint(n.name, e["host"], int(e["port"])) for n, e in zip(nodes, got)}
+    merged: dict[int, dict[str, Any]] = {}
+    for e in got:
+        merged = tombstones.merge(merged, tombstones.parse(e.get("deleted")))
+    return PeerView(prefix, rank, world, me, nodes, rank_nodes, eps, secret, merged)

@@ -11,13 +11,20 @@ point-to-point connections):
    ``peers.timeout_s``); steps on the remote tier;
 2. agreement (:func:`zerostall.distributed.agree.agree_step`, under ``load<k>``): all take the
    newest step in every rank's list, or all raise the same :class:`CheckpointNotFound` naming
-   the steps and the ranks that lack them;
+   the steps and the ranks that lack them. A step counts only as one commit: every rank first
+   posts, per step, the checkpoint ids it can load it as (its committed local copy's, else
+   those live holders hold), and a step is a candidate only where one id is common to every
+   rank; the fetch takes only that commit's copies (a superseded copy of an overwritten step
+   is never restored as the step);
 3. if this node lacks the step, its leader fetches the files from live holders (one thread
    per file, spread over the holders, the next one on a failure), each checked byte by byte
    against the manifest while it streams in, written with O_DIRECT into ``step-N.partial``
    and committed; the other ranks of the node wait for it (``load<k>/node/<node>``). Only
    when no live node holds a file is the remote tier used (the ordinary load downloads it),
-   and the log says which tier served each file.
+   and the log says which tier served each file. A fetch never replaces a committed step's
+   files it did not bring: into a step committed here already (e.g. a restart on fewer nodes,
+   where a node's rank number changed) only a copy of the same commit is fetched, and the
+   step's own files stay beside the fetched ones.
 """
 
 from __future__ import annotations
@@ -34,9 +41,10 @@ from ..distributed.agree import agree_step
 from ..distributed.store import Store
 from ..errors import CheckpointNotFound, DistributedError, ZerostallError
 from ..format.layout import shard_name
-from ..format.manifest import Manifest
+from ..format.manifest import MANIFEST_NAME, Manifest
 from ..io.base import Engine
 from ..store.tier import RootTier
+from . import tombstones
 from .exchange import PeerView
 from .transport import Transport
 from .verify import StreamCheck, file_entry, ranges
@@ -53,28 +61,39 @@ class Plan:
     holders: dict[str, list[tuple[str, str]]]  # file name -> [(node, src)] (peers)
     held: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
     """Every step live peers hold this node's files of (an incremental step's references)."""
+    checkpoint_id: str = ""
+    """The commit of ``step`` every rank loads ("": not known, the remote tier's)."""
 
 
-def _local_steps(tier: RootTier, view: PeerView, names: list[str]) -> set[int]:
-    out = set()
-    for s in tier.steps():
+def _local_steps(tier: RootTier, view: PeerView, names: list[str]) -> tuple[dict[int, str], dict[int, str | None]]:
+    """``(loadable, committed)``: step -> checkpoint id of the committed local steps holding
+    this node's files, and of every committed local step (None: its manifest is unreadable)."""
+    out: dict[int, str] = {}
+    committed: dict[int, str | None] = {}
+    for s in tier.listed_steps():
         try:
             man = tier.read_manifest(s)
+        except ZerostallError:
+            committed[s] = None
+            continue
+        committed[s] = man.checkpoint_id
+        try:
             if man.world_size != view.world:
                 continue
             if all(os.path.getsize(os.path.join(tier.step_dir(s), n)) == file_entry(man, n).file_bytes for n in names):
-                out.add(s)
+                out[s] = man.checkpoint_id
         except (OSError, ZerostallError):
             continue
-    return out
+    return out, committed
 
 
 Holders = dict[str, list[tuple[str, str]]]
 """file name -> [(holder node, src node)]"""
 
 
-def _peer_holdings(view: PeerView, transport: Transport, names: list[str]) -> dict[int, Holders]:
-    """step -> file name -> [(holder node, src)] for this node's files, from every live peer."""
+def _peer_holdings(view: PeerView, transport: Transport, names: list[str]) -> dict[int, dict[str, Holders]]:
+    """step -> checkpoint id -> file name -> [(holder node, src)] for this node's files (every
+    one of them held), from every live peer."""
     lists: dict[str, list[dict[str, Any]]] = {}
 
     def ask(node: str) -> None:
@@ -93,42 +112,84 @@ def _peer_holdings(view: PeerView, transport: Transport, names: list[str]) -> di
         for h in held:
             if not isinstance(h, dict) or not isinstance(h.get("step"), int):
                 continue
+            if tombstones.dead(view.deleted, h["step"], h.get("checkpoint_id"), h.get("created_unix")):
+                continue  # deleted for good (zerostall delete): never restored
             for name in h.get("files", ()):
                 if name in names:
                     by_step.setdefault(h["step"], {}).setdefault(str(h.get("checkpoint_id")), {}) \
                         .setdefault(name, []).append((node, str(h.get("src"))))
-    out = {}
+    out: dict[int, dict[str, Holders]] = {}
     for step, ids in by_step.items():
-        for files in ids.values():  # a step overwritten meanwhile: only one copy's files go together
+        for cid, files in ids.items():  # a step overwritten meanwhile: only one copy's files go together
             if all(n in files for n in names):
-                out[step] = files
-                break
+                out.setdefault(step, {})[cid] = files
     return out
 
 
+def _offer_ids(store: Store, view: PeerView, load_no: int, offer: dict[int, list[str]],
+               timeout_s: float) -> tuple[dict[int, str], set[int]]:
+    """Every rank posts, per step, the checkpoint ids it can load it as ("*": any, the remote
+    tier's); returns the steps one id is common to every rank, with that id, and the steps every
+    rank offers as different commits (the same on every rank)."""
+    base = view.key(f"load{load_no}", "ids")
+    store.set(f"{base}/r{view.rank}", json.dumps({str(k): v for k, v in offer.items()}))
+    keys = [f"{base}/r{r}" for r in range(view.world)]
+    if store.poll(keys, time.monotonic() + timeout_s) == "timeout":
+        missing = [r for r in range(view.world) if not store.check([keys[r]])]
+        raise DistributedError(f"restore: rank(s) {', '.join(map(str, missing))} did not offer the steps they can "
+                               f"load within {timeout_s:g} s", missing_ranks=tuple(missing))
+    offers = store.multi_get_json(keys)
+    if store.add(f"{base}/n", 1) == view.world:
+        store.delete(*keys, f"{base}/n")
+    common: dict[int, str] = {}
+    split: set[int] = set()
+    for k in set(offers[0]).intersection(*offers[1:]):
+        concrete = [set(o[k]) for o in offers if o[k] != ["*"]]
+        ids = set.intersection(*concrete) if concrete else {"*"}
+        if ids:
+            common[int(k)] = max(ids)
+        else:
+            split.add(int(k))
+    return common, split
+
+
 def agree(store: Store, view: PeerView, transport: Transport, tier: RootTier, load_no: int, *,
-          step: int | None, remote_steps: list[int], timeout_s: float, coded: set[int] = frozenset()) -> Plan:
+          step: int | None, remote_steps: list[int], timeout_s: float,
+          coded: dict[int, Any] | None = None) -> Plan:
     """Steps 1-2 of the module doc; raises :class:`CheckpointNotFound` on every rank alike.
-    ``coded``: the steps live holders hold enough fragments of to rebuild this node's files
-    (coded copies, :func:`.coded_restore.holdings`); source ``"coded"``."""
+    ``coded``: step -> the checkpoint ids of the commits live holders hold enough fragments of
+    to rebuild this node's files (coded copies, :func:`.coded_restore.holdings`); source
+    ``"coded"``."""
+    coded = coded or {}
     names = [shard_name(r) for r in view.ranks_of(view.me)]
-    local = _local_steps(tier, view, names)
+    local, committed = _local_steps(tier, view, names)
     peers = _peer_holdings(view, transport, names)
+    for st in set(peers) & set(committed) - set(local):  # a fetch into a committed step: its own commit only
+        peers[st] = {cid: f for cid, f in peers[st].items() if cid == committed[st]}
+        if not peers[st]:
+            del peers[st]
     remote = set(remote_steps)
-    have = local | set(peers) | set(coded) | remote
-    mine = have if step is None else ({step} & have)
+    # the remote tier: the commit is not known here ("*")
+    offer = {st: [local[st]] if st in local else sorted(set(peers.get(st, ())) | set(coded.get(st, ()))) or ["*"]
+             for st in set(local) | set(peers) | set(coded) | remote if step is None or st == step}
+    common, split = _offer_ids(store, view, load_no, offer, timeout_s)
     log.info("zerostall: restore: node %s can load steps %s locally, %s from peers, %s from the remote tier",
              view.me, sorted(local)[-5:], sorted(set(peers) | set(coded))[-5:], sorted(remote)[-5:])
     try:  # the multi-node trust layer's agreement: the newest step in every rank's list
-        s = agree_step(store, view.key(f"load{load_no}"), view.rank, view.world, mine, timeout_s=timeout_s)
+        s = agree_step(store, view.key(f"load{load_no}"), view.rank, view.world, set(offer) - split,
+                       timeout_s=timeout_s)
     except CheckpointNotFound as exc:
-        raise CheckpointNotFound(f"{exc} -- counting local roots, live peers and the remote tier (a file is lost "
-                                 "when every node holding it is gone)") from None
-    src = "local" if s in local else "peers" if s in peers else "coded" if s in coded else "remote"
+        other = f"; step(s) {', '.join(map(str, sorted(split)))}: the ranks hold different commits" if split else ""
+        raise CheckpointNotFound(f"{exc}{other} -- counting local roots, live peers and the remote tier (a file is "
+                                 "lost when every node holding it is gone)") from None
+    cid = common[s] if common[s] != "*" else ""
+    src = "local" if s in local else "peers" if cid in peers.get(s, {}) else "coded" if cid in coded.get(s, ()) \
+        else "remote"
     if src == "remote":
         log.warning("zerostall: step %d: no live node holds %s; falling back to the remote tier for them", s,
                     ", ".join(names))
-    return Plan(s, src, peers.get(s, {}), peers)
+    held = {st: ids[max(ids)] for st, ids in peers.items()}
+    return Plan(s, src, peers[s][cid] if src == "peers" else {}, held, cid)
 
 
 def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
@@ -160,7 +221,8 @@ def _fetch_files(view: PeerView, transport: Transport, tier: RootTier, engine_fo
     """``plan.step``'s files of this node, and first those of earlier steps it references
     (incremental: the bytes it borrows travel with their own step) that are not local."""
     names = [shard_name(r) for r in view.ranks_of(view.me)]
-    man = _fetch_step(view, transport, tier, engine_for, plan.step, plan.holders, names, commit=False)
+    man = _fetch_step(view, transport, tier, engine_for, plan.step, plan.holders, names, commit=False,
+                      checkpoint_id=plan.checkpoint_id)
     try:
         for ref in sorted({r.step for r in man.ref_files if r.name in names}):
             if ref in tier.steps() and all(os.path.exists(os.path.join(tier.step_dir(ref), r.name))
@@ -174,7 +236,31 @@ def _fetch_files(view: PeerView, transport: Transport, tier: RootTier, engine_fo
     except BaseException:
         tier.abort(plan.step)
         raise
-    tier.commit(plan.step, man, overwrite=plan.step in tier.listed_steps())
+    commit_fetched(tier, plan.step, man)
+
+
+def commit_fetched(tier: RootTier, step: int, man: Manifest) -> None:
+    """Commit the fetched ``step-N.partial``. Into a step committed here already only the same
+    commit goes, and the step's files that were not fetched stay (linked into the new
+    directory before the overwrite): a fetch adds files, it never drops a committed step's."""
+    if step not in tier.listed_steps():
+        tier.commit(step, man)
+        return
+    try:
+        here = tier.read_manifest(step).checkpoint_id
+    except ZerostallError:
+        here = None
+    if here != man.checkpoint_id:
+        tier.abort(step)
+        raise CheckpointNotFound(f"restore of step {step}: {tier.root!r} holds another commit of step {step} "
+                                 f"({here or 'its manifest unreadable'}, the peers' is {man.checkpoint_id}); a fetch "
+                                 "never replaces a committed step")
+    part, final = tier.partial_dir(step), tier.step_dir(step)
+    for name in os.listdir(final):
+        src, dst = os.path.join(final, name), os.path.join(part, name)
+        if name != MANIFEST_NAME and not os.path.lexists(dst) and os.path.isfile(src) and not os.path.islink(src):
+            os.link(src, dst)
+    tier.commit(step, man, overwrite=True)
 
 
 RANGE_MIN_BYTES = 32 << 20
@@ -193,13 +279,20 @@ class _ManifestOnly:
 
 
 def _fetch_file(view: PeerView, transport: Transport, engine_for: Callable[[], Engine], step: int,
-                name: str, hs: list[tuple[str, str]], path: str) -> Manifest:
+                name: str, hs: list[tuple[str, str]], path: str, checkpoint_id: str = "") -> Manifest:
     """One file of ``step`` into ``path`` from the holders ``hs`` (in order of preference),
     verified, fdatasync'ed; returns the step's manifest. With two or more live holders the file
     is cut into ranges at tensor boundaries (:func:`.verify.ranges`), one per holder, fetched
     in parallel, each checked against the manifest's crc32c as it streams in; a range whose
     holder fails is fetched again from the next holder (only that range). One holder: the
-    whole file in one stream."""
+    whole file in one stream. ``checkpoint_id``: the commit the copy must belong to (a holder
+    sending another one fails like a holder sending a wrong byte)."""
+
+    def same_commit(m: Manifest, node: str) -> Manifest:
+        if checkpoint_id and m.checkpoint_id != checkpoint_id:
+            raise ZerostallError(f"node {node} holds another commit of step {step} ({m.checkpoint_id}, not the "
+                                 f"agreed {checkpoint_id})")
+        return m
     errors: list[str] = []
     man: Manifest | None = None
     live = list(hs)
@@ -207,8 +300,8 @@ def _fetch_file(view: PeerView, transport: Transport, engine_for: Callable[[], E
         for node, src in hs:
             got: list[Manifest] = []
 
-            def probe(m: Manifest, size: int) -> tuple[Any, Any]:
-                got.append(m)
+            def probe(m: Manifest, size: int, node: str = node) -> tuple[Any, Any]:
+                got.append(same_commit(m, node))
                 return None, _ManifestOnly()
             try:
                 transport.get(view.endpoints[node], src, step, name, probe, rng=(0, 0))
@@ -237,7 +330,8 @@ def _fetch_file(view: PeerView, transport: Transport, engine_for: Callable[[], E
             opened: list[Any] = []
             got: list[Manifest] = []
 
-            def sink(m: Manifest, size: int) -> tuple[Any, StreamCheck]:
+            def sink(m: Manifest, size: int, node: str = node) -> tuple[Any, StreamCheck]:
+                same_commit(m, node)
                 w = engine.open_write(path, size) if first is None else engine.open_update(path)
                 opened.append(w)
                 got.append(m)
@@ -290,7 +384,8 @@ def _fetch_file(view: PeerView, transport: Transport, engine_for: Callable[[], E
 
 
 def _fetch_step(view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
-                step: int, holders: dict[str, list[tuple[str, str]]], names: list[str], *, commit: bool) -> Manifest:
+                step: int, holders: dict[str, list[tuple[str, str]]], names: list[str], *, commit: bool,
+                checkpoint_id: str = "") -> Manifest:
     """Bring ``names`` of ``step`` into ``step-N.partial`` (verified; the files in parallel,
     each from its holders: :func:`_fetch_file`); commit it when asked. Returns the step's manifest."""
     part = tier.begin(step)
@@ -302,7 +397,7 @@ def _fetch_step(view: PeerView, transport: Transport, tier: RootTier, engine_for
         hs = hs[i % len(hs):] + hs[:i % len(hs)] if hs else []  # files spread over holders
         path = os.path.join(part, name)
         try:
-            mans[name] = _fetch_file(view, transport, engine_for, step, name, hs, path)
+            mans[name] = _fetch_file(view, transport, engine_for, step, name, hs, path, checkpoint_id)
         except (ZerostallError, OSError) as exc:
             errors[name] = str(exc)
             try:
@@ -324,5 +419,5 @@ def _fetch_step(view: PeerView, transport: Transport, tier: RootTier, engine_for
         raise CheckpointNotFound(f"restore of step {step}: the holders hold files of different checkpoints")
     man = next(iter(mans.values()))
     if commit:
-        tier.commit(step, man, overwrite=step in tier.listed_steps())
+        commit_fetched(tier, step, man)
     return man

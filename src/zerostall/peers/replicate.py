@@ -40,6 +40,7 @@ from ..format.manifest import MANIFEST_NAME, Manifest
 from ..store.tier import RootTier
 from .exchange import PeerView
 from . import status as status_file
+from . import tombstones
 from .placement import ranking
 from .priority import background
 from .store import PeerStore
@@ -80,8 +81,9 @@ class PeerReplicator:
         # keep_last (holders keep the newest keep_last, not only this run's) and local
         # retention keeps the newest protected step
         seen = status_file.read(tier.root).get("steps", {})
+        here = set(tier.steps())  # not a step deleted since (zerostall delete)
         self._protected: list[int] = sorted(int(k) for k, v in seen.items()
-                                            if isinstance(v, dict) and v.get("protected") is True)
+                                            if isinstance(v, dict) and v.get("protected") is True and int(k) in here)
         self._protected_seen: list[int] = self._protected[-1:]
         self._q: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -247,6 +249,8 @@ class PeerReplicator:
             for step in steps:
                 raw = open(os.path.join(self.tier.step_dir(step), MANIFEST_NAME), "rb").read()
                 man = Manifest.from_bytes(raw)
+                if tombstones.dead(v.deleted, step, man.checkpoint_id, man.created_unix):
+                    continue  # deleted for good on some node (zerostall delete): no copies of it again
                 for fe in man.files:
                     if v.rank_nodes[fe.rank] != v.me or (step, man.checkpoint_id, fe.name) in have:
                         continue

@@ -27,6 +27,7 @@ from .fetch import Plan, agree, fetch
 from .fragments import FragmentStore, register
 from .placement import Node
 from .replicate import PeerReplicator, StepStatus
+from . import tombstones
 from .store import PeerStore, quota_for
 from .tcp import Pacer, TcpTransport
 
@@ -66,7 +67,7 @@ class Peers:
 
         try:
             self.view: PeerView = setup(store, prefix, rank, world, cfg.replicas, cfg.join_timeout_s, serve,
-                                        copies)
+                                        copies, tombstones.read(tier.root))
             if pc.code is not None:  # every rank, not only the leaders that serve
                 check_cluster(pc.data_fragments, pc.parity_fragments, [n.name for n in self.view.nodes])
         except BaseException:
@@ -77,6 +78,11 @@ class Peers:
             self._transport = self._make_transport(self.view.secret, self.view.me, list(self.view.nodes), listen)
             self.peer_store = self._make_store(self.view.me)
         assert self.peer_store is not None
+        if self.view.leader and self.view.deleted:  # steps deleted for good on any node: their copies go here too
+            mine = tombstones.read(tier.root)
+            if tombstones.merge(mine, self.view.deleted) != mine:
+                tombstones.write(tier.root, tombstones.merge(mine, self.view.deleted))
+            tombstones.drop_dead(tier.root, self.view.deleted)
         args = (tier, self.view, self._transport, store, self.peer_store)
         kw = dict(replicas=cfg.replicas, keep_last=cfg.keep_last, replica_timeout_s=pc.replica_timeout_s,
                   cpu_priority=pc.cpu_priority)
@@ -150,7 +156,7 @@ class Peers:
         timeout = self.cfg.join_timeout_s
         coded = holdings(self.view, self.transport) if self.cfg.peers.code is not None else {}
         plan = agree(self.store, self.view, self.transport, self.tier, n, step=step, remote_steps=remote_steps,
-                     timeout_s=timeout, coded=set(coded))
+                     timeout_s=timeout, coded=coded)
         if plan.source not in ("peers", "coded") and warm is not None:
             # The load that follows reads through a 128 MiB scratch faulted on first use (a
             # restarted process has no faulted staging pool yet), after the ranks' agreement,
@@ -162,7 +168,8 @@ class Peers:
         if plan.source in ("peers", "coded"):
             t0 = time.perf_counter()
             files_in = None if plan.source == "peers" else \
-                (lambda: rebuild(self.view, self.transport, self.tier, self.engine, plan.step, coded))
+                (lambda: rebuild(self.view, self.transport, self.tier, self.engine, plan.step, coded,
+                                 plan.checkpoint_id))
             fetch(self.store, self.view, self.transport, self.tier, self.engine, plan, n,
                   timeout + self.cfg.peers.timeout_s * 4, files_in=files_in)
             self.last_fetch_s = time.perf_counter() - t0

@@ -131,7 +131,8 @@ class PeerStore:
             d = self.step_dir(src, step)
             files = [fe.name for fe in man.files if _size(os.path.join(d, fe.name)) == fe.file_bytes]
             if files:
-                out.append({"src": src, "step": step, "checkpoint_id": man.checkpoint_id, "files": files})
+                out.append({"src": src, "step": step, "checkpoint_id": man.checkpoint_id, "files": files,
+                            "created_unix": man.created_unix})
         for step in self.tier.steps():
             try:
                 man = self.tier.read_manifest(step)
@@ -141,7 +142,7 @@ class PeerStore:
             files = [fe.name for fe in man.files if _size(os.path.join(d, fe.name)) == fe.file_bytes]
             if files:
                 out.append({"src": self.me, "step": step, "checkpoint_id": man.checkpoint_id, "files": files,
-                            "local": True})
+                            "created_unix": man.created_unix, "local": True})
         return out
 
     def path_for(self, src: str, step: int, name: str) -> tuple[str, Manifest] | None:

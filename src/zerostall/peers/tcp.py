@@ -74,7 +74,8 @@ class TcpTransport(Transport):
         """The holder's cap on the copies it takes in (all senders together); None: none."""
         self.listen_host, self.max_connections = listen_host, max_connections
         self._srv: socket.socket | None = None
-        self._conns: set[socket.socket] = set()
+        self._conns: set[socket.socket] = set()  # every open connection, ours and accepted (close() ends them)
+        self._served: set[socket.socket] = set()  # accepted: what max_connections bounds (not our own)
         self._unauth: list[socket.socket] = []  # accepted, handshake not done yet: oldest first
         self._mu = threading.Lock()
         self._closed = False
@@ -101,13 +102,15 @@ class TcpTransport(Transport):
                 return
             evict = None
             with self._mu:
-                full = len(self._conns) >= self.max_connections
+                full = len(self._served) >= self.max_connections
                 if full and self._unauth:  # a stranger (or a slow peer) yields its slot
                     evict = self._unauth.pop(0)
                     self._conns.discard(evict)
+                    self._served.discard(evict)
                     full = False
                 if not full:
                     self._conns.add(conn)
+                    self._served.add(conn)
                     self._unauth.append(conn)
             if evict is not None:
                 log.warning("zerostall: peer connection %s dropped before it authenticated: every slot was taken",
@@ -157,6 +160,7 @@ class TcpTransport(Transport):
         finally:
             with self._mu:
                 self._conns.discard(conn)
+                self._served.discard(conn)
                 if conn in self._unauth:
                     self._unauth.remove(conn)
             conn.close()

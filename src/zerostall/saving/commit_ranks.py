@@ -17,6 +17,7 @@ from .incremental import RefTracker
 from .job import merged_entries
 from .job import Persisted, SaveRequest
 from .commit_local import file_entry, tensor_entries
+from ..store.recovery import DECIDED_NAME
 from ..store.tier import RootTier
 from ..restore.pipeline import collective_base, collective_load
 from ..distributed.commit import (OutcomeUnknown, commit_round, fault_point, grace_s, post_begin, report_failure,
@@ -55,6 +56,9 @@ class StoreCommitter:
         own = os.path.join(d, job.file_name)
         if os.path.lexists(own):  # left by an earlier, failed attempt of this rank
             os.unlink(own)
+        rec = os.path.join(d, DECIDED_NAME)
+        if self.session.is_leader and os.path.lexists(rec):  # an earlier round's record: not this one's
+            os.unlink(rec)
         return d
 
     def fragment(self, job: Persisted) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import logging
 import mmap
 import os
 import time
+import weakref
 from typing import Any, Callable, Protocol
 
 from .._util import Worker
@@ -63,6 +64,7 @@ class Persister(Worker[Job]):
         self.finished = finished
         self._subscribers: list[CommitSubscriber] = []
         self._hdr: mmap.mmap | None = None
+        self._pinned: Callable[[], Any] = lambda: None  # the arena registered with the engine (weak)
         super().__init__("zerostall-persist")
 
     def _put_last(self, item: Any) -> None:
@@ -130,7 +132,11 @@ class Persister(Worker[Job]):
         _raise_if_failed(job)
         arena, ring_bytes = job.slot.arena, self.ring.capacity_bytes
         if getattr(arena, "ready", 0) >= ring_bytes:  # once faulted (registering would fault it, here and now)
-            self.engine.pin_buffer(arena.address, ring_bytes)
+            # another arena (the pool swapped them) may sit where the registered one was: register anew
+            fresh = arena is not self._pinned()
+            self.engine.pin_buffer(arena.address, ring_bytes, fresh=fresh)
+            if fresh:
+                self._pinned = weakref.ref(arena)
         f = self.engine.open_write(os.path.join(part, job.request.file_name), layout.file_bytes)
         try:
             crc = None if job.crc_at_copy else CrcCursor(layout.items)
@@ -187,7 +193,7 @@ class Persister(Worker[Job]):
                 self.committer.fail(req, exc)
             except Exception as cexc:  # noqa: BLE001 - the original error is the one to report
                 log.error("zerostall: cleaning up step %d failed: %s", req.step, cexc)
-            log.error("zerostall: save of step %d failed, nothing committed: %s", req.step, exc)
+            log.error("zerostall: save of step %d failed: %s", req.step, exc)  # the error says what is committed
         else:
             self._after_commit(job, persisted, post, t1)
         finally:

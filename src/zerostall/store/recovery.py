@@ -1,7 +1,10 @@
 """Start-up recovery of a local root by its new owner: finish or remove what a crash left.
 
 Called once by :meth:`.local.LocalTier.own` (caller's thread, the root lock held): an
-interrupted overwrite's ``step-N.old`` is finished or rolled back (:func:`.atomic.recover_dir`),
+interrupted overwrite's ``step-N.old`` is finished or rolled back (:func:`.atomic.recover_dir`);
+a ``step-N.partial`` holding ``manifest.decided`` -- a step the ranks' commit decision
+committed, whose rename a crash interrupted (:mod:`zerostall.distributed.commit`, RECORDING)
+-- is completed: the record becomes its manifest and the directory ``step-N``; any other
 ``step-N.partial`` (an unfinished save), ``.deleting-*`` (an interrupted deletion), temporary
 files and the locks of interrupted restores are removed -- except the leftovers of a step a
 restore is downloading into right now (its :class:`~.owner.StepLock` is held).
@@ -14,11 +17,16 @@ import os
 import re
 from typing import Callable
 
-from ..errors import storage_error
-from .atomic import recover_dir, rmtree
+from ..errors import ZerostallError, storage_error
+from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
+from .atomic import fsync_dir, recover_dir, rmtree
 from .owner import FETCH_STEP_LOCK_RE, StepLock
 
 log = logging.getLogger("zerostall")
+
+DECIDED_NAME = "manifest.decided"
+"""In ``step-N.partial/``: the manifest the ranks' commit decision committed, recorded by the
+copy before any rank's handle says durable; its presence makes the partial a committed step."""
 
 _PARTIAL_RE = re.compile(r"^step-(\d{1,19})\.partial$")
 _OLD_RE = re.compile(r"^step-(\d{1,19})\.old$")
@@ -70,6 +78,10 @@ def recover_root(root: str, names: Callable[[], list[str]], step_dir: Callable[[
         for n in sorted(names()):
             path = os.path.join(root, n)
             if (m := _PARTIAL_RE.match(n)) and free(int(m.group(1))):
+                if _complete_decided(root, path, step_dir(int(m.group(1))), int(m.group(1))):
+                    done.append(f"completed step {m.group(1)} in {root} (committed by the ranks' decision; a crash "
+                                "interrupted its rename)")
+                    continue
                 rmtree(path)
                 done.append(f"removed {path} (an unfinished save)")
             elif n.startswith(".deleting-") and free(_deleting_step(n)):
@@ -88,3 +100,24 @@ def recover_root(root: str, names: Callable[[], list[str]], step_dir: Callable[[
     for line in done:
         log.info("zerostall: %s", line)
     return done
+
+
+def _complete_decided(root: str, part: str, final: str, step: int) -> bool:
+    """Rename ``part`` into ``final`` if it holds a decision record of ``step`` (and ``final``
+    does not exist); False: not a decided step, the caller removes it."""
+    rec = os.path.join(part, DECIDED_NAME)
+    if os.path.lexists(final) or not os.path.isfile(rec) or os.path.islink(rec):
+        return False
+    try:
+        with open(rec, "rb") as f:
+            man = Manifest.from_bytes(f.read(MAX_MANIFEST_BYTES + 1), where=rec)
+    except (OSError, ZerostallError) as exc:
+        log.warning("zerostall: %s is not a readable decision record (%s); the partial step is removed", rec, exc)
+        return False
+    if man.step != step:
+        return False
+    os.rename(rec, os.path.join(part, MANIFEST_NAME))
+    fsync_dir(part)
+    os.rename(part, final)
+    fsync_dir(root)
+    return True

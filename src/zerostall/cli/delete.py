@@ -1,0 +1,38 @@
+"""``zerostall delete ROOT [ROOT ...] --step N``: delete steps for good.
+
+Runs on the caller's thread of the CLI process, one root after the other, each under its
+root lock (the job must be stopped: a root a running job owns is refused, naming it). For
+each root: a tombstone recorded first, then the root's own ``step-N`` and every copy of
+step N it holds for other nodes removed (:func:`zerostall.peers.tombstones.delete_step`). Run
+it on every node, each with its own root; a holder not reached now (down, or its root not
+mounted here) drops its copies when the job next starts, from the tombstones of the nodes
+that were.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..errors import RootNotFound
+from ..peers.tombstones import delete_step
+
+
+def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    s = sub.add_parser("delete", help="delete steps for good: from each root given and from the copies it holds for "
+                                      "peers (a tombstone keeps them from coming back from other holders)")
+    s.add_argument("roots", nargs="+", metavar="ROOT", help="a local checkpoint directory (one per node)")
+    s.add_argument("--step", type=int, action="append", required=True, help="the step to delete (repeat for more)")
+    s.set_defaults(fn=cmd_delete)
+
+
+def cmd_delete(a: argparse.Namespace) -> int:
+    for root in a.roots:
+        if not os.path.isdir(root):
+            raise RootNotFound(f"no checkpoint directory {root!r}", root=root)
+    for root in a.roots:
+        for step in a.step:
+            done = delete_step(root, step)
+            for line in done or [f"step {step}: nothing of it in {root} (recorded as deleted)"]:
+                print(line)
+    return 0

@@ -1,0 +1,156 @@
+"""Steps deleted for good: ``peers/.deleted.json`` in a node's root, and the deletion itself.
+
+A step deleted from every root would otherwise come back at the next start, fetched from the
+holders that keep copies of it. ``zerostall delete ROOT --step N`` (:func:`delete_step`, run
+on each node while the job is stopped: it takes the root's lock) removes the node's own
+``step-N`` and every copy of step N the root holds for other nodes, after recording a
+*tombstone* for the step: the checkpoint ids it removed and the time of the deletion. A copy
+of step N is dead if its checkpoint id is recorded, or if its manifest was created before the
+deletion; a later save of step N (a new commit, created after) is not.
+
+Who honours tombstones: at start-up every node's leader publishes its own with its peer
+endpoint (:mod:`.exchange`), every node merges the others' into its file and drops the dead
+copies it holds (so a holder that was stopped during the deletion drops them too), and a
+restore never counts a dead copy (:mod:`.fetch`). Read by any thread; written by the CLI and
+by the node leader's start-up (atomically: tmp, fdatasync, rename).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+import uuid
+from typing import Any
+
+from ..errors import ZerostallError
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..store.atomic import fsync_dir, rmtree, write_file_durable
+from ..store.local import LocalTier
+
+log = logging.getLogger("zerostall")
+NAME = ".deleted.json"
+_STEP_RE = re.compile(r"^step-(\d{1,19})$")
+
+Tombs = dict[int, dict[str, Any]]
+"""step -> {"ids": [checkpoint ids removed], "before": unix time of the deletion}"""
+
+
+def path(root: str) -> str:
+    return os.path.join(root, "peers", NAME)
+
+
+def read(root: str) -> Tombs:
+    """This root's tombstones ({} if none or unreadable: a damaged file deletes nothing)."""
+    try:
+        with open(path(root), "rb") as f:
+            doc = json.loads(f.read(1 << 22))
+        return parse(doc)
+    except (OSError, ValueError):
+        return {}
+
+
+def parse(doc: Any) -> Tombs:
+    """Tombstones from JSON (a file's or a peer's); malformed entries are skipped."""
+    out: Tombs = {}
+    if not isinstance(doc, dict):
+        return out
+    for k, v in doc.items():
+        if not (isinstance(k, str) and k.isdigit() and isinstance(v, dict)):
+            continue
+        ids = [i for i in v.get("ids", ()) if isinstance(i, str)] if isinstance(v.get("ids"), list) else []
+        before = v.get("before")
+        out[int(k)] = {"ids": sorted(set(ids)), "before": float(before) if isinstance(before, (int, float)) else 0.0}
+    return out
+
+
+def merge(a: Tombs, b: Tombs) -> Tombs:
+    out = {s: dict(v) for s, v in a.items()}
+    for s, v in b.items():
+        cur = out.setdefault(s, {"ids": [], "before": 0.0})
+        cur["ids"] = sorted(set(cur["ids"]) | set(v["ids"]))
+        cur["before"] = max(cur["before"], v["before"])
+    return out
+
+
+def write(root: str, tombs: Tombs) -> None:
+    os.makedirs(os.path.join(root, "peers"), exist_ok=True)
+    tmp = path(root) + f".{uuid.uuid4().hex[:8]}.tmp"
+    write_file_durable(tmp, json.dumps({str(s): v for s, v in sorted(tombs.items())}, sort_keys=True).encode())
+    os.rename(tmp, path(root))
+    fsync_dir(os.path.dirname(tmp))
+
+
+def dead(tombs: Tombs, step: int, checkpoint_id: Any, created_unix: Any) -> bool:
+    """Whether a copy of ``step`` (this commit, created then) was deleted for good."""
+    t = tombs.get(step)
+    if t is None:
+        return False
+    if checkpoint_id in t["ids"]:
+        return True
+    return isinstance(created_unix, (int, float)) and created_unix < t["before"]
+
+
+def drop_dead(root: str, tombs: Tombs) -> list[tuple[str, int]]:
+    """Remove the copies held under ``root/peers`` that ``tombs`` declares dead (node leader's
+    start-up, before its server answers; or the CLI)."""
+    area = os.path.join(root, "peers")
+    gone = []
+    for src in sorted(os.listdir(area)) if os.path.isdir(area) else []:
+        d = os.path.join(area, src)
+        if src.startswith(".") or not os.path.isdir(d) or os.path.islink(d):
+            continue
+        for name in sorted(os.listdir(d)):
+            m = _STEP_RE.match(name)
+            if not m or int(m.group(1)) not in tombs:
+                continue
+            try:
+                with open(os.path.join(d, name, MANIFEST_NAME), "rb") as f:
+                    man = Manifest.from_bytes(f.read())
+                ident: tuple[Any, Any] = (man.checkpoint_id, man.created_unix)
+            except (OSError, ZerostallError):
+                ident = (None, None)  # no readable manifest: nothing to serve, nothing to keep
+            if ident == (None, None) or dead(tombs, int(m.group(1)), *ident):
+                doomed = os.path.join(area, f".deleting-{uuid.uuid4().hex[:8]}")
+                os.rename(os.path.join(d, name), doomed)
+                fsync_dir(area)
+                rmtree(doomed)
+                gone.append((src, int(m.group(1))))
+    if gone:
+        log.info("zerostall: removed copies of deleted steps %s from %s", gone, area)
+    return gone
+
+
+def delete_step(root: str, step: int, *, lock_timeout_s: float = 0.0) -> list[str]:
+    """Delete ``step`` for good from ``root`` (the job stopped: takes the root's lock): record
+    its tombstone, then remove the root's own ``step-N`` and the copies of step N it holds for
+    other nodes. Returns one line per thing removed."""
+    tier = LocalTier(root, lock_timeout_s=lock_timeout_s)
+    tier.own()
+    try:
+        ids = []
+        if step in tier.listed_steps():
+            try:
+                ids.append(tier.read_manifest(step).checkpoint_id)
+            except ZerostallError:
+                pass
+        area = os.path.join(root, "peers")
+        for src in sorted(os.listdir(area)) if os.path.isdir(area) else []:
+            try:
+                with open(os.path.join(area, src, f"step-{step}", MANIFEST_NAME), "rb") as f:
+                    ids.append(Manifest.from_bytes(f.read()).checkpoint_id)
+            except (OSError, ZerostallError):
+                continue
+        tombs = merge(read(root), {step: {"ids": ids, "before": time.time()}})
+        write(root, tombs)  # first: a crash from here on leaves the step deleted, never back
+        done = []
+        if step in tier.listed_steps():
+            tier.delete(step)
+            done.append(f"removed step {step} from {root}")
+        done += [f"removed the copy of node {src}'s step {s} held in {root}"
+                 for src, s in drop_dead(root, {step: tombs[step]})]
+        return done
+    finally:
+        tier.release()
