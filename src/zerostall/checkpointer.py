@@ -321,17 +321,17 @@ class Checkpointer:
         """
         self._book.check_process()
         self.wait()
-        source = ""
+        peer = None
         if self._peers:
             report = report if report is not None else LoadReport()
-            step, source = self._peers.plan_load(step, warm=shared_bounce)
+            peer = self._peers.plan_load(step, warm=shared_bounce)
         borrow = self._lease.pool.borrow_idle() if self._lease is not None else contextlib.nullcontext()
         with self._save_lock, borrow as bounce:
             out = load_into(state_dict, lambda sd: self._stages.load(
                 sd, step, self.config, report, map_location=map_location, engine=self.engine, bounce=bounce,
-                keys=keys, strict=strict))
-        if source and report.step == self._peers.planned_step:  # peer replicas: where its files came from
-            report.source = source
+                keys=keys, strict=strict, peer=peer))
+        if peer is not None and report.step in peer.fetched:  # peer replicas: where its files came from
+            report.source = peer.fetched[report.step]
         return out
 
     def steps(self, *, include_remote: bool = True) -> list[int]:

@@ -166,6 +166,22 @@ def save(ck):
             trained = train_until(lambda: h.wait(timeout=0, tier="peers"))
             ev("peers-done", step=s, trained=trained, protected=h.protected(),
                nodes=list(h.result().replica_nodes) if h.protected() else [])
+    ev("finished")
+    last_out()
+
+
+def last_out(timeout=120.0):
+    """Rank 0 hosts the c10d store (bare launch): it leaves only once every rank said
+    ``finished`` (through the events file, not the store), so no rank loses the store while
+    it still needs it."""
+    if RANK != 0:
+        return
+    end, world = time.monotonic() + timeout, dist.get_world_size()
+    while time.monotonic() < end:
+        with open(os.path.join(CTL, "events.jsonl")) as f:
+            if sum('"ev": "finished"' in ln for ln in f) >= world:
+                return
+        time.sleep(0.05)
 
 
 def load(ck):
@@ -178,6 +194,8 @@ def load(ck):
         ev("loaded", step=report.step, source=report.source, equal=equal(state, state_for(RANK, report.step)))
     except zerostall.errors.ZerostallError as exc:
         ev("load-failed", error_type=type(exc).__name__, error=str(exc)[:800])
+    ev("finished")
+    last_out()
     if os.environ.get("ZS_REPAIR_BARRIER"):  # holders stay up until every node's repair pass is over
         ev("repaired", ok=ck._peers.replicator.repaired.wait(300))
         dist.barrier()

@@ -149,8 +149,6 @@ def test_node_cut_off_before_it_learns_a_commit_still_loads_the_step_after_resta
     assert {e["step"] for e in loaded.values()} == {2}, loaded
 
 
-@pytest.mark.xfail(strict=True, reason="issue #32 item 8: the partitioned rank's handle waits for the heal, not "
-                                       "commit_timeout_s (engineer edges-wait is fixing it)")
 def test_node_partitioned_while_every_rank_saves_ends_at_its_deadline(cluster, tmp_path):
     """Issue #32 item 8: n2's link is down while every rank saves step 2; the majority's
     round fails at its deadline, and n2's handle must end at it too (OutcomeUnknown), not at

@@ -1,7 +1,7 @@
 """Coded copies, the restore side: which steps live holders can rebuild this node's files of
 (:func:`holdings`), and the rebuild itself (:func:`rebuild`).
 
-Called by :meth:`zerostall.peers.service.Peers.prepare_load` on the caller's thread of every rank:
+Called through :meth:`zerostall.peers.service.PeerLoad.prepare` on the caller's thread of every rank:
 :func:`holdings` before the ranks' agreement (a step counts once live nodes hold k distinct
 fragments of one coding of it), :func:`rebuild` on the node's leader when the agreed step is
 neither local nor otherwise at hand (:func:`.fetch.fetch` runs it and tells the node's other

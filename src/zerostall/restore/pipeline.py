@@ -10,9 +10,7 @@ logged with the file and tensor at fault, and the previous one is tried (``fallb
 Every defect of a checkpoint falls back (manifest, files, allocation, bytes), never one of
 the caller's (:class:`StateMismatchError`, :class:`ConfigError`). A step that disappears while
 it is read (a writer's retention) is not a failure: the listing is read again. In-place
-loads are transactional: a fallback never leaves a failed step's bytes behind. Across ranks,
-:func:`collective_load` runs it on every rank of a group, agreeing on one step
-(:mod:`zerostall.distributed.agree`: the rounds).
+loads are transactional: a fallback never leaves a failed step's bytes behind.
 """
 
 from __future__ import annotations
@@ -24,8 +22,6 @@ from typing import Any, Callable
 from ..config import IOConfig
 from ..errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, DistributedError, RemoteError,
                       StateMismatchError, ZerostallError)
-from ..distributed.agree import agreed_load
-from ..distributed.store import Store
 from ..io.base import Engine, choose_engine
 from ..memory.arena import Arena
 from ..store import open_root
@@ -175,44 +171,3 @@ def load(path: str, state_dict: Any = None, step: int | None = None, map_locatio
     finally:
         if own_engine and engine is not None:
             engine.close()
-
-
-# -- agreed across ranks: every rank loads the same step, the newest all can load ----------
-_calls: dict[str, int] = {}
-
-
-def collective_base(ns: str) -> str:
-    """A key base for this process's next collective load under ``ns``: every rank counts its
-    collective loads of a root the same way (each is a collective call)."""
-    n = _calls[ns] = _calls.get(ns, 0) + 1
-    return f"{ns}/load{n}"
-
-
-def local_candidates(path: str, remote: Any = None, io: Any = None, step: int | None = None) -> tuple[list[int], Any]:
-    """The steps this rank may load: listed in ``path`` (damaged ones too: loading says why) and,
-    with ``remote``, those the remote lists. Returns them and the opened remote tier."""
-    steps = set(open_root(path).listed_steps()) if os.path.isdir(path) else set()
-    if remote is not None:
-        if isinstance(remote, str):
-            remote = open_tier(remote, io=io)
-        listed, _ = list_steps(remote)
-        steps |= set(listed or [])
-    if step is not None:
-        steps &= {step}
-    return sorted(steps), remote
-
-
-def collective_load(store: Store, base: str, rank: int, world: int, path: str, state_dict: Any, *,
-                    step: int | None = None, remote: Any = None, io: Any = None, report: Any = None,
-                    timeout_s: float = 600.0, **load_kw: Any) -> Any:
-    """``zerostall.restore.load`` on every rank of a group, agreeing on one step (module
-    docstring). Called by ``Checkpointer.load`` and ``zerostall.load`` (caller's thread)."""
-    report = report if report is not None else LoadReport()
-    cands, remote = local_candidates(path, remote, io, step)
-
-    fallback = load_kw.pop("fallback", True)
-
-    def one(s: int, gate: Callable[[], None]) -> Any:
-        return load(path, state_dict, s, remote=remote, io=io, report=report, gate=gate, rank=rank,
-                    world_size=world, **load_kw)
-    return agreed_load(store, base, rank, world, cands, one, timeout_s=timeout_s, report=report, fallback=fallback)

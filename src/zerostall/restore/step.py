@@ -54,7 +54,7 @@ last_stats: Stats | None = None
 def shared_bounce() -> Arena:
     """The process's restore scratch when no staging pool lends one (faulted once, reused).
     Any thread: a peer restore faults it on a thread of its own while the node's files are
-    fetched (:meth:`zerostall.peers.service.Peers.prepare_load`); a second caller waits for that one."""
+    fetched (:meth:`zerostall.peers.service.Peers.plan_load`); a second caller waits for that one."""
     global _bounce
     with _bounce_made:
         if _bounce is None:

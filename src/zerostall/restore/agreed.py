@@ -1,0 +1,67 @@
+"""Restore, agreed across ranks: every rank of a group loads the same step, the newest all can
+load (the rounds: :mod:`zerostall.distributed.agree`).
+
+Called by ``Checkpointer.load`` (through the store committer) and ``zerostall.load`` (caller's
+thread, every rank of the group, collectively).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable
+
+from ..distributed.agree import agreed_load
+from ..distributed.store import Store
+from ..store.remote import list_steps
+from ..store.tier import open_tier
+from ..store import open_root
+from .pipeline import load
+from .state import LoadReport
+
+_calls: dict[str, int] = {}
+
+
+def collective_base(ns: str) -> str:
+    """A key base for this process's next collective load under ``ns``: every rank counts its
+    collective loads of a root the same way (each is a collective call)."""
+    n = _calls[ns] = _calls.get(ns, 0) + 1
+    return f"{ns}/load{n}"
+
+
+def local_candidates(path: str, remote: Any = None, io: Any = None, step: int | None = None) -> tuple[list[int], Any]:
+    """The steps this rank may load: listed in ``path`` (damaged ones too: loading says why) and,
+    with ``remote``, those the remote lists. Returns them and the opened remote tier."""
+    steps = set(open_root(path).listed_steps()) if os.path.isdir(path) else set()
+    if remote is not None:
+        if isinstance(remote, str):
+            remote = open_tier(remote, io=io)
+        listed, _ = list_steps(remote)
+        steps |= set(listed or [])
+    if step is not None:
+        steps &= {step}
+    return sorted(steps), remote
+
+
+def collective_load(store: Store, base: str, rank: int, world: int, path: str, state_dict: Any, *,
+                    step: int | None = None, remote: Any = None, io: Any = None, report: Any = None,
+                    timeout_s: float = 600.0, extra_steps: Iterable[int] = (), exclude_steps: Iterable[int] = (),
+                    prepare: Callable[[int], None] | None = None, **load_kw: Any) -> Any:
+    """``zerostall.restore.load`` on every rank of a group, agreeing on one step (module
+    docstring). Called by ``Checkpointer.load`` and ``zerostall.load`` (caller's thread).
+    ``extra_steps``: more steps this rank can load (peer replicas: those live holders keep for
+    its node); ``exclude_steps``: steps not to offer (the ranks hold different commits of
+    them); ``prepare(step)`` runs before each step is loaded (bringing those files in): what
+    it raises fails that step on this rank, and every rank falls back together."""
+    report = report if report is not None else LoadReport()
+    cands, remote = local_candidates(path, remote, io, step)
+    cands = sorted((set(cands) | {int(s) for s in extra_steps if step is None or int(s) == step})
+                   - {int(s) for s in exclude_steps})
+
+    fallback = load_kw.pop("fallback", True)
+
+    def one(s: int, gate: Callable[[], None]) -> Any:
+        if prepare is not None:
+            prepare(s)
+        return load(path, state_dict, s, remote=remote, io=io, report=report, gate=gate, rank=rank,
+                    world_size=world, **load_kw)
+    return agreed_load(store, base, rank, world, cands, one, timeout_s=timeout_s, report=report, fallback=fallback)
