@@ -36,6 +36,7 @@ from ..format.layout import shard_name
 from ..format.manifest import Manifest
 from ..io.base import Engine
 from ..store.tier import RootTier
+from . import tombstones
 from .coding import Code, Layout
 from .exchange import PeerView
 from .fetch import commit_fetched
@@ -83,6 +84,8 @@ def holdings(view: PeerView, transport: Any) -> dict[int, dict[str, Rebuild]]:
         for h in held:
             try:
                 key = (int(h["step"]), str(h["checkpoint_id"]), str(h["descriptor"]), int(h["k"]), int(h["m"]))
+                if tombstones.dead(view.deleted, key[0], key[1], h.get("created_unix")):
+                    continue  # deleted for good (zerostall delete): never rebuilt
                 for i in h["fragments"]:
                     if 0 <= int(i) < key[3] + key[4]:
                         groups.setdefault(key, {}).setdefault(int(i), []).append(node)
