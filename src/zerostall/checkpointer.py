@@ -50,7 +50,8 @@ from .restore.state import LoadReport
 from .restore.step import shared_bounce
 from .stateful import load_into, unwrap_optimizer
 from .saving.persist import Persister
-from .store.remote import list_steps, open_tier
+from .store.remote import list_steps
+from .store.tier import open_tier
 from .store.retention import check_not_referenced
 from .saving.stages import abandoned, build_stages
 from .telemetry.host import start_sampling_thread

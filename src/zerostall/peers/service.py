@@ -16,7 +16,8 @@ from ..config import CheckpointConfig
 from ..distributed.store import Store
 from ..errors import ConfigError
 from ..io.base import Engine, choose_engine
-from ..store.remote import list_steps, open_tier
+from ..store.remote import list_steps
+from ..store.tier import open_tier
 from ..store.tier import RootTier
 from .coded import CodedReplicator, check_cluster
 from .coded_restore import holdings, rebuild

@@ -12,7 +12,8 @@ from typing import Any, Callable, Iterable
 
 from ..distributed.agree import agreed_load
 from ..distributed.store import Store
-from ..store.remote import list_steps, open_tier
+from ..store.remote import list_steps
+from ..store.tier import open_tier
 from ..store import open_root
 from .pipeline import load
 from .state import LoadReport

@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from ..io.base import Engine, engine_name_for, get_engine
 from .incremental import RefTracker, mode_of
 from .persist import Persister
-from ..store.remote import open_tier
+from ..store.tier import open_tier
 from .upload import Replicator
 from ..store.retention import LocalRetention, RetentionPolicy, retain_at_start
 from ..store import open_root
