@@ -107,3 +107,15 @@ def test_terminal_width_follows_columns(root):
     lines = [line for line in text.replace("\r", "").split("\n") if line.strip()]
     assert any("crc32c" in line for line in lines), text
     assert max(len(line) for line in lines) <= 72, text
+
+
+def test_delete_refuses_a_negative_step_and_prints_a_bracketed_root_literally(tmp_path, capsys):
+    from zerostall.cli import main as cli_main
+    root = tmp_path / "run[bold]x[/]"
+    root.mkdir(parents=True)
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["delete", str(root), "--step", "-1"])
+    assert exc.value.code == 2
+    assert "-1 is not a step number" in capsys.readouterr().err
+    assert cli_main(["delete", str(root), "--step", "3"]) == 0
+    assert f"step 3: nothing of it in {root}" in capsys.readouterr().out
