@@ -113,7 +113,7 @@ def _uncache(path: str) -> None:
 
 def _upload(root: str, url: str) -> None:
     """n1's shard of step 1 and the manifest, to a remote tier (what its per-rank restore reads)."""
-    from zerostall.store.remote import open_tier
+    from zerostall.store.tier import open_tier
     tier = open_tier(url)
     tier.ensure_root()
     tier.upload(os.path.join(root, "step-1", "rank-00001.shard"), "step-1/rank-00001.shard")
@@ -187,7 +187,7 @@ def run(size_gib: float, work: str, cap: int, rounds: int = 3) -> dict[str, Any]
         out[f"recover_{label}_over_peers"] = [round(row[f"recover_{label}_s"] / max(row["recover_peers_s"], 1e-9), 2)
                                               for row in out["rounds"]]
     if s3_url:
-        from zerostall.store.remote import open_tier
+        from zerostall.store.tier import open_tier
         open_tier(s3_url).delete(1)
     return out
 

@@ -30,18 +30,14 @@ R = TypeVar("R")
 
 def tuple_maker(cls: type[R]) -> Callable[[Iterable[Any]], R]:
     """``make(row)``: the named tuple ``cls`` holding ``row`` (its fields in order), made at C
-    level (no Python frame, no length check: the caller's rows have the right length)."""
+    level (no Python frame, no length check: the caller's rows have the right length). Twin:
+    ``cls(*row)``."""
     return partial(tuple.__new__, cls)  # type: ignore[return-value]
 
 
 def tuples_maker(cls: type[R]) -> Callable[[Iterable[Iterable[Any]]], Iterator[R]]:
     """``make(rows)``: a lazy ``map`` of :func:`tuple_maker` over ``rows``."""
     return partial(map, tuple_maker(cls))  # type: ignore[return-value]
-
-
-def plain_tuple_maker(cls: type[R]) -> Callable[[Iterable[Any]], R]:
-    """The twin of :func:`tuple_maker`: ``cls(*row)``."""
-    return lambda row: cls(*row)
 
 
 def frozen_maker(cls: type[R]) -> Callable[..., R]:
@@ -58,16 +54,12 @@ def frozen_maker(cls: type[R]) -> Callable[..., R]:
     return make
 
 
-# -- column getters: ``map(OFFSET, items)`` reads one attribute per item at C level ------------
+# -- column getters: ``map(OFFSET, items)`` reads one attribute per item at C level (twin: getattr)
 KEY, TENSOR, NUMPY, DTYPE, DEVICE, SHAPE = map(operator.attrgetter, ("key", "tensor", "numpy", "dtype", "device",
                                                                     "shape"))
 FILE, OFFSET, NBYTES, CRC32C, INDEX = map(operator.attrgetter, ("file", "offset", "nbytes", "crc32c", "index"))
 TYPE, LAYOUT, IS_NESTED = map(operator.attrgetter, ("type", "layout", "is_nested"))
 SECOND = operator.itemgetter(1)
-GETTERS = {"key": KEY, "tensor": TENSOR, "numpy": NUMPY, "dtype": DTYPE, "device": DEVICE, "shape": SHAPE,
-           "file": FILE, "offset": OFFSET, "nbytes": NBYTES, "crc32c": CRC32C, "index": INDEX, "type": TYPE,
-           "layout": LAYOUT, "is_nested": IS_NESTED}
-"""Each getter by the attribute it reads (the twin of each is ``getattr(x, name)``)."""
 
 
 # -- libc: one handle, every prototype declared once -----------------------------------------

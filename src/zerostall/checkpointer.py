@@ -50,7 +50,8 @@ from .restore.state import LoadReport
 from .restore.step import shared_bounce
 from .stateful import load_into, unwrap_optimizer
 from .saving.persist import Persister
-from .store.remote import list_steps, open_tier
+from .store.remote import list_steps
+from .store.tier import open_tier
 from .store.retention import check_not_referenced
 from .saving.stages import abandoned, build_stages
 from .telemetry.host import start_sampling_thread
@@ -320,17 +321,17 @@ class Checkpointer:
         """
         self._book.check_process()
         self.wait()
-        source = ""
+        peer = None
         if self._peers:
             report = report if report is not None else LoadReport()
-            step, source = self._peers.plan_load(step, warm=shared_bounce)
+            peer = self._peers.plan_load(step, warm=shared_bounce)
         borrow = self._lease.pool.borrow_idle() if self._lease is not None else contextlib.nullcontext()
         with self._save_lock, borrow as bounce:
             out = load_into(state_dict, lambda sd: self._stages.load(
                 sd, step, self.config, report, map_location=map_location, engine=self.engine, bounce=bounce,
-                keys=keys, strict=strict))
-        if source and report.step == self._peers.planned_step:  # peer replicas: where its files came from
-            report.source = source
+                keys=keys, strict=strict, peer=peer))
+        if peer is not None and report.step in peer.fetched:  # peer replicas: where its files came from
+            report.source = peer.fetched[report.step]
         return out
 
     def steps(self, *, include_remote: bool = True) -> list[int]:

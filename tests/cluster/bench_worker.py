@@ -37,7 +37,7 @@ def fetch_from(url, tier, rank):
     """n1's files of step 1 from a remote tier into its root, committed (what a replacement
     node does before the collective load reads and verifies them)."""
     from zerostall.format.layout import shard_name
-    from zerostall.store.remote import open_tier
+    from zerostall.store.tier import open_tier
     remote = open_tier(url)
     man = remote.read_manifest(1)
     part = tier.begin(1)
@@ -48,7 +48,7 @@ def fetch_from(url, tier, rank):
 
 
 def upload(root, url):
-    from zerostall.store.remote import open_tier
+    from zerostall.store.tier import open_tier
     tier = open_tier(url)
     tier.ensure_root()
     tier.upload(os.path.join(root, "step-1", "rank-00001.shard"), "step-1/rank-00001.shard")

@@ -19,7 +19,7 @@ import torch
 import zerostall
 from zerostall import LoadReport
 from zerostall.restore import FETCH_LOCK_NAME
-from zerostall.store.remote import open_tier
+from zerostall.store.tier import open_tier
 
 SECOND = """
 import sys, zerostall

@@ -18,7 +18,8 @@ import zerostall
 from zerostall.cli import main as cli
 from zerostall.errors import RemoteError
 from zerostall.store.local import LocalTier
-from zerostall.store.remote import file_crc32c, open_tier
+from zerostall.store.files import file_crc32c
+from zerostall.store.tier import open_tier
 
 from ..s3proxy import FaultyProxy, free_port
 

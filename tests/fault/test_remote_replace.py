@@ -19,7 +19,7 @@ from zerostall import LoadReport
 from zerostall.cli import main as cli
 from zerostall.format.manifest import MANIFEST_NAME
 from zerostall.store.local import LocalTier
-from zerostall.store.remote import open_tier
+from zerostall.store.tier import open_tier
 from zerostall.saving.upload import Replicator
 from zerostall.store.retention import RetentionPolicy
 

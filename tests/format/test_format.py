@@ -33,9 +33,9 @@ def test_manifest_roundtrip():
     assert m2.tensors == m.tensors and m2.files == m.files and m2.step == 7
 
 
-def test_manifest_written_as_columns_and_objects_form_still_read():
-    """Version 3 writes the tensor table as columns; a version 1 body (one object per tensor,
-    what earlier releases wrote) reads back to the same entries."""
+def test_manifest_written_as_columns_and_an_earlier_version_refused():
+    """Version 3 writes the tensor table as columns; a version 1 or 2 body (one object per
+    tensor, what earlier releases wrote) is refused naming its version and what to do."""
     m = _manifest(tensors=(TensorEntry("w", "float32", (2, 3), "rank-00000.shard", 4096, 24, 123),
                            TensorEntry("b", "bfloat16", (), "rank-00000.shard", 0x2000 - 2, 2, 7)),
                   files=(FileEntry("rank-00000.shard", 0, "h", 12288),),
@@ -47,8 +47,14 @@ def test_manifest_written_as_columns_and_objects_form_still_read():
     assert Manifest.from_bytes(m.to_bytes()).tensors == m.tensors
     old = edit(m.body(), lambda b: None, "objects")
     assert old["format_version"] == 1 and old["tensors"][1] == m.tensors[1].to_json()
-    back = Manifest.from_bytes(_reseal(old))
-    assert back.tensors == m.tensors and back.format_version == 1
+    for version in (1, 2):
+        old["format_version"] = version
+        with pytest.raises(CorruptCheckpoint, match=f"format_version {version} was written by an earlier zerostall;"
+                                                    " this zerostall reads only format_version 3: load the checkpoint "
+                                                    "with the zerostall that wrote it and save it again"):
+            Manifest.from_bytes(_reseal(old))
+    with pytest.raises(CorruptCheckpoint, match="format_version 4 was written by a newer zerostall"):
+        Manifest.from_bytes(_reseal({**m.body(), "format_version": 4}))
 
 
 @pytest.mark.parametrize("mutate,msg", [

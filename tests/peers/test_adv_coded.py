@@ -1,6 +1,7 @@
 """Adversarial checks of coded copies (adv): the one-process harness of test_fragments.py
 (node n0's root, holder servers n1..n3 on real sockets)."""
 
+import dataclasses
 import os
 
 import torch
@@ -45,5 +46,24 @@ def test_a_superseded_coding_of_the_step_is_never_rebuilt_as_the_commit_asked_fo
         rebuild(job.view(), job.client, tier, lambda: choose_engine(root), 1, coded, checkpoint_id=cid_b)
         assert tier.read_manifest(1).checkpoint_id == cid_b
         assert open(os.path.join(tier.step_dir(1), NAME), "rb").read() == shard_b
+    finally:
+        job.close()
+
+
+def test_fragments_of_a_step_deleted_for_good_are_not_counted(tmp_path):
+    """`zerostall delete` recorded a tombstone for step 2 (a holder was down and still keeps
+    its fragments): a restore must not count them, as it does not count such full copies."""
+    job = Job(tmp_path)
+    try:
+        rep = job.replicator()
+        for step in (1, 2):
+            job.save(step)
+            assert len(job.send(rep, step)[0]) == 3
+        cid = LocalTier(job.src).read_manifest(2).checkpoint_id
+        view = dataclasses.replace(job.view(), deleted={2: {"ids": [cid], "before": 0.0}})
+        assert sorted(holdings(view, job.client)) == [1]
+        created = LocalTier(job.src).read_manifest(2).created_unix
+        view = dataclasses.replace(job.view(), deleted={2: {"ids": [], "before": created + 1}})
+        assert sorted(holdings(view, job.client)) == [1]
     finally:
         job.close()

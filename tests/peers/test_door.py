@@ -117,3 +117,26 @@ def test_a_cap_too_low_for_the_timeout_is_refused_at_config_time():
     with pytest.raises(ConfigError, match=r"peers.receive_bandwidth_bytes.*peers.timeout_s"):
         zerostall.PeersConfig(receive_bandwidth_bytes=1 << 20, timeout_s=0.5)
     zerostall.PeersConfig(bandwidth_bytes=2 << 20, timeout_s=5)  # the pair of the report: fine
+
+
+def test_the_peer_secret_comes_from_the_launcher_and_a_loose_file_is_refused(tmp_path, monkeypatch):
+    """``ZEROSTALL_PEER_SECRET_FILE`` must be this user's and readable by it alone; the key the
+    handshake uses is derived per session and never equals what the launcher gave."""
+    from zerostall.peers import exchange
+    monkeypatch.delenv(exchange.SECRET_ENV, raising=False)
+    monkeypatch.delenv(exchange.SECRET_FILE_ENV, raising=False)
+    assert exchange.given_secret() is None  # the store fallback (warned at start-up)
+    f = tmp_path / "secret"
+    f.write_text("0123456789abcdef-the-job\n")
+    os.chmod(f, 0o644)
+    monkeypatch.setenv(exchange.SECRET_FILE_ENV, str(f))
+    with pytest.raises(ConfigError, match=r"ZEROSTALL_PEER_SECRET_FILE=.*chmod 600"):
+        exchange.given_secret()
+    os.chmod(f, 0o600)
+    assert exchange.given_secret() == b"0123456789abcdef-the-job"
+    k1, k2 = exchange.session_key(b"0123456789abcdef-the-job", "a"), exchange.session_key(b"0123456789abcdef-the-job", "b")
+    assert k1 != k2 and b"0123456789abcdef" not in k1 and exchange.fingerprint(k1) not in (k1.hex(), k2.hex())
+    monkeypatch.delenv(exchange.SECRET_FILE_ENV)
+    monkeypatch.setenv(exchange.SECRET_ENV, "short")
+    with pytest.raises(ConfigError, match="at least 16"):
+        exchange.given_secret()

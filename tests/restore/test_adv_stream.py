@@ -141,7 +141,7 @@ def test_a_remote_object_replaced_between_verify_first_and_copy_is_refused(tmp_p
 
     from zerostall.errors import CorruptCheckpoint
     from zerostall.restore import step as rstep
-    from zerostall.store.remote import open_tier
+    from zerostall.store.tier import open_tier
 
     url = f"s3://zerostall-remote-test/adv-{uuid.uuid4().hex[:10]}"
     tier = open_tier(url, attempts=1, read_timeout_s=10)

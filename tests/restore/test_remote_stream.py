@@ -14,7 +14,7 @@ import torch
 import zerostall
 from zerostall.errors import CorruptCheckpoint
 from zerostall.restore import step as rstep
-from zerostall.store.remote import open_tier
+from zerostall.store.tier import open_tier
 from tests.helpers import equal
 
 pytestmark = pytest.mark.timeout(300)

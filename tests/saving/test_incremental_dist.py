@@ -22,7 +22,7 @@ from zerostall.format.layout import HEADER_BYTES
 from zerostall.io import get_engine
 from zerostall.restore import verify_step
 from zerostall.store.local import LocalTier
-from zerostall.store.remote import open_tier
+from zerostall.store.tier import open_tier
 from tests.helpers import flip_byte
 
 from ..helpers import free_port

@@ -10,7 +10,7 @@ import torch
 
 import zerostall
 from zerostall.cli import main as cli
-from zerostall.store.remote import open_tier
+from zerostall.store.tier import open_tier
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -16,7 +16,7 @@ import torch
 
 import zerostall
 from zerostall.cli import main as cli
-from zerostall.store.remote import open_tier
+from zerostall.store.tier import open_tier
 
 from ..s3proxy import FaultyProxy
 

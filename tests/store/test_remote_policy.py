@@ -9,7 +9,7 @@ import pytest
 import zerostall
 from zerostall.errors import RemoteError
 
-from zerostall.io.priority import set_idle_io_priority
+from zerostall.io._sys import set_idle_io_priority
 from zerostall.store.retention import RetentionPolicy
 
 

@@ -2,7 +2,7 @@
 
 ::
 
-    rank-RRRRR.shard (``.zst`` in checkpoints written before 0.2; not compressed)
+    rank-RRRRR.shard
     offset 0      header block: magic, layout version, JSON {checkpoint_id, step, rank,
                   file_bytes}, zero-padded to 4096
     offset 4096   payload of tensor 0
@@ -38,10 +38,8 @@ from ..errors import CorruptCheckpoint
 
 HEADER_BYTES = ALIGN_BYTES
 SHARD_SUFFIX = ".shard"
-"""Shard files are ``rank-RRRRR.shard``; releases before 0.2 named them ``.zst`` though they were
-never zstandard-compressed. Readers follow the names the manifest records, so both load."""
-LEGACY_SHARD_SUFFIXES = (".zst",)
-SHARD_NAME_RE = re.compile(r"^rank-(\d{5,})(\.shard|\.zst)$")
+"""Shard files are ``rank-RRRRR.shard``."""
+SHARD_NAME_RE = re.compile(r"^rank-(\d{5,})\.shard$")
 
 
 def shard_name(rank: int) -> str:
@@ -73,6 +71,14 @@ MANIFEST_ALIGNMENT = {1: ALIGN_BYTES, 2: ITEM_ALIGN}
 
 def align_up(n: int, align: int = ALIGN_BYTES) -> int:
     return (n + align - 1) // align * align
+
+
+def version_advice(what: str, version: int, current: int) -> str:
+    """Why ``what`` ``version`` cannot be read by this zerostall, which has only ``current``, and what to do."""
+    if version < current:
+        return (f"{what} {version} was written by an earlier zerostall; this zerostall reads only {what} "
+                f"{current}: load the checkpoint with the zerostall that wrote it and save it again")
+    return f"{what} {version} was written by a newer zerostall; this one reads only {what} {current}: upgrade zerostall"
 
 
 def item_align(nbytes: int) -> int:

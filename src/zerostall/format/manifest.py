@@ -6,13 +6,12 @@ It is written last, inside an envelope that carries the crc32c of the body::
 
 ``body`` holds ``format_version``, ``step``, ``world_size``, ``created_unix``,
 ``checkpoint_id``, ``alignment`` (the shard layout: ``4096`` every tensor on its own page,
-layout 1, written before layout 2; ``64`` small tensors packed, layout 2: see :mod:`.layout`), ``files``
+layout 1; ``64`` small tensors packed, layout 2, what saves write: see :mod:`.layout`), ``files``
 (name, rank, host, file_bytes), ``tensors`` (key, dtype, shape, file, offset, nbytes, crc32c of
-each tensor: see :mod:`.table`) and ``tree`` (see :mod:`.tree`). Version 2 added references to
-earlier steps' bytes (``ref_files``, a tensor's ``step``; see :mod:`.refs`), version 1 has
-none; both hold one JSON object per tensor. Version 3, what every save writes now, holds
-the tensor table as columns (fewer bytes, parsed faster) and ``ref_files`` where a
-save references; older readers refuse it, naming the version, and ask for an upgrade.
+each tensor, as columns: see :mod:`.table`), ``tree`` (see :mod:`.tree`) and, where a save
+references earlier steps' bytes, ``ref_files`` (see :mod:`.refs`). There is one format
+version, :data:`FORMAT_VERSION`; a manifest of any other (an earlier zerostall's, or a newer
+one's) is refused naming its version and what to do.
 :meth:`Manifest.from_bytes` checks the envelope, the version and every field before anyone
 reads a byte of a shard: paths cannot leave the checkpoint directory, offsets and sizes are
 consistent, dtypes are known, shape products equal nbytes. No pickle, ever.
@@ -33,22 +32,19 @@ from ..config import ALIGN_BYTES
 from ..errors import CorruptCheckpoint
 from . import validate as V
 from . import layout as _layout
-from .layout import HEADER_BYTES, MANIFEST_ALIGNMENT
-from .refs import FORMAT_VERSION_REFS, RefFile, parse_ref_files
-from .table import (FORMAT_VERSION_TABLE, Entries, TensorEntry, encode_columns, file_slots, parse_columns,
-                    parse_objects, tensors_json)
+from .layout import HEADER_BYTES, MANIFEST_ALIGNMENT, version_advice
+from .refs import RefFile, parse_ref_files
+from .table import FORMAT_VERSION_TABLE, Entries, TensorEntry, encode_columns, file_slots, parse_columns, tensors_json
 from .decode import decode_tree
 from .nodes import tree_tensor_indices
 
 __all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "Entries", "FileEntry", "Manifest", "TensorEntry", "tensors_json"]
 
 FORMAT_VERSION = FORMAT_VERSION_TABLE
-READ_VERSIONS = (1, FORMAT_VERSION_REFS, FORMAT_VERSION_TABLE)
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 512 << 20
 """Readers refuse larger manifests (a hostile one cannot make them parse gigabytes). A state
-of 1M tensors needs ~230 MB as version 2 (entries ~169 B each with their key, plus the tree),
-less as version 3."""
+of 1M tensors needs well under it."""
 _SPLICE = Splice("manifest")
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _PREFIX = b'{"zerostall_manifest":"crc32c","body_crc32c":"'
@@ -176,14 +172,14 @@ class Manifest:
         tail = 2 if raw.endswith(b"}\n") else 1
         if raw.startswith(_PREFIX) and raw[len(_PREFIX) + 8:n] == _MID:
             got = f"{_crc.crc32c(raw[n:len(raw) - tail]):08x}"
-        else:  # the first envelope: crc32c of the sorted, compact re-encoding of the body
+        else:  # a rewritten envelope (tools, tests): crc32c of the sorted, compact re-encoding of the body
             got = f"{_crc.crc32c(_canonical(body)):08x}"
         if want != got:
             raise bad(f"manifest checksum mismatch (recorded {want!r:.20}, computed {got!r})")
         version = body.get("format_version")
-        if type(version) is not int or version not in READ_VERSIONS:
-            raise bad(f"unknown format_version {version!r:.40} (this zerostall reads {list(READ_VERSIONS)}; "
-                      "upgrade zerostall to read newer checkpoints)")
+        if type(version) is not int or version != FORMAT_VERSION:
+            raise bad(version_advice("format_version", version, FORMAT_VERSION) if type(version) is int else
+                      f"unknown format_version {version!r:.40} (this zerostall reads only {FORMAT_VERSION})")
         if body.get("checksum") != "crc32c":
             raise bad(f"unknown checksum {body.get('checksum')!r:.40}")
         layouts = {a: v for v, a in MANIFEST_ALIGNMENT.items()}
@@ -226,14 +222,9 @@ class Manifest:
                 raise bad(f"{ctx}bad host {host!r:.80}")
             files[name] = FileEntry(name, integer(f, "rank", 0, world - 1, ctx), host, fb, fid)
         refs: dict[tuple[int, str], RefFile] = {}
-        if version == FORMAT_VERSION_REFS or (version == FORMAT_VERSION_TABLE and "ref_files" in body):
+        if "ref_files" in body:
             refs = parse_ref_files(body.get("ref_files"), step, bad)
-        elif "ref_files" in body:
-            raise bad(f"'ref_files' needs format_version {FORMAT_VERSION_REFS} or {FORMAT_VERSION_TABLE}")
-        if version == FORMAT_VERSION_TABLE:
-            tensors, spans = parse_columns(tensors_raw, file_slots(list(files), list(refs.values())), where, bad)
-        else:
-            tensors, spans = parse_objects(tensors_raw, files, refs, where, bad)
+        tensors, spans = parse_columns(tensors_raw, file_slots(list(files), list(refs.values())), where, bad)
         alias = V.check_spans(spans, {**{f.name: f.file_bytes for f in files.values()},
                                       **{f"step-{r.step}/{r.name}": r.file_bytes for r in refs.values()}}, where,
                               layout)
@@ -257,5 +248,3 @@ class Manifest:
 
 def _canonical(body: Any) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-
-

@@ -1,18 +1,16 @@
 """References: manifest entries whose bytes live in an earlier step's shard (incremental saves).
 
-A manifest of ``format_version`` 2 may list, besides its own ``files``, the shard files of
-earlier steps it borrows bytes from::
+A manifest may list, besides its own ``files``, the shard files of earlier steps it borrows
+bytes from::
 
-    "ref_files": [{"step": 40, "name": "rank-00000.zst", "rank": 0,
+    "ref_files": [{"step": 40, "name": "rank-00000.shard", "rank": 0,
                    "file_bytes": 1073745920, "file_id": "9f0c..."}]
 
 and a tensor entry with a ``"step"`` field lives in that step's file (``file``, ``offset``,
 ``nbytes`` and ``crc32c`` as for any entry). A reference always names the step that *wrote*
 the bytes (references are flattened when a step re-references), so reading one never
-follows a chain. A version 1 manifest may not hold references and a version 2 one must;
-version 3 (the column table, :mod:`.table`: every save now) lists ``ref_files`` only
-when it has references, and a reference's step is that of the ref file its ``file`` index
-names.
+follows a chain. A manifest lists ``ref_files`` only when it has references, and a
+reference's step is that of the ref file its ``file`` index names (:mod:`.table`).
 
 Who relies on this: ``restore`` opens ``step-<S>/<name>`` read-only and checks it like an
 own shard (regular file, size, exact header built from ``file_id``/``step``/``rank``,
@@ -30,7 +28,6 @@ from typing import Any, Callable, Iterable
 from ..config import ALIGN_BYTES
 from .layout import HEADER_BYTES
 
-FORMAT_VERSION_REFS = 2
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -53,7 +50,7 @@ class RefFile:
 def parse_ref_files(raw: Any, step: int, bad: Callable[[str], Exception]) -> dict[tuple[int, str], RefFile]:
     """Validate a manifest body's ``ref_files``; keyed by (step, name). ``bad`` builds the error."""
     if not isinstance(raw, list) or not raw:
-        raise bad("format_version 2 requires a non-empty 'ref_files' list (version 3 omits it without references)")
+        raise bad("a manifest with references requires a non-empty 'ref_files' list (one without omits it)")
     out: dict[tuple[int, str], RefFile] = {}
     for r in raw:
         if not isinstance(r, dict):

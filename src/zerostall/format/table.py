@@ -1,7 +1,7 @@
-"""The manifest's tensor table: its two encodings, their parsers, and the save path's encoder.
+"""The manifest's tensor table: its encoding, its parser, and the save path's encoder.
 
-Format version 3 (written by every save since 2026-12-01) stores ``tensors`` as columns, one JSON array per field,
-in the order of the tensor indices the state tree refers to::
+Format version 3 stores ``tensors`` as columns, one JSON array per field, in the order of the
+tensor indices the state tree refers to::
 
     "tensors": {"dtypes": ["float32", "bfloat16"], "key": ["w", "b"], "dtype": [0, 1],
                 "shape": [[1000], [64]], "file": [0, 0], "offset": [4096, 8192],
@@ -9,12 +9,10 @@ in the order of the tensor indices the state tree refers to::
 
 ``dtype`` indexes ``dtypes``; ``file`` indexes the body's ``files`` followed by its
 ``ref_files`` (an index past ``files`` is a reference: the entry's step is that ref file's).
-This takes fewer bytes per tensor than versions 1 and 2, which hold one object per tensor
-(``{"key", "dtype", "shape", "file", "offset", "nbytes", "crc32c"[, "step"]}``), and parses
-faster (fewer, larger JSON containers). Readers
-keep reading both (:func:`parse_objects`, :func:`parse_columns`); every per-entry check is
-the same for both. Called by :meth:`~.manifest.Manifest.from_bytes` and ``to_bytes`` (any
-thread) and by the single-rank committer through :func:`tensors_json` (persist thread).
+This takes fewer bytes per tensor than one object per tensor would (``{"key", "dtype",
+"shape", "file", "offset", "nbytes", "crc32c"[, "step"]}``, the form ``inspect --json`` shows),
+and parses faster (fewer, larger JSON containers). Called by
+:meth:`~.manifest.Manifest.from_bytes` and ``to_bytes`` (any thread) and by the single-rank committer through :func:`tensors_json` (persist thread).
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ class TensorEntry:
     """Set for a reference: the bytes live in ``step-<step>/<file>`` (see :mod:`.refs`)."""
 
     def to_json(self) -> dict[str, Any]:
-        """The entry as format versions 1 and 2 wrote it (one object per tensor)."""
+        """The entry as one JSON object (``inspect --json``)."""
         out = {"key": self.key, "dtype": self.dtype, "shape": list(self.shape), "file": self.file,
                "offset": self.offset, "nbytes": self.nbytes, "crc32c": self.crc32c}
         if self.step is not None:
@@ -195,31 +193,6 @@ def _add(out: list[TensorEntry], spans: list[V.Span], i: int, key: str, dt: str,
     spans.append(_new_span(index=i, file=span_file, offset=off, nbytes=nbytes, ident=(dt, shape, crc), key=key))
 
 
-def parse_objects(raw: Any, files: dict[str, Any], refs: dict[tuple[int, str], Any], where: str,
-                  bad: Bad) -> tuple[list[TensorEntry], list[V.Span]]:
-    """Format versions 1 and 2: a list with one object per tensor."""
-    if not isinstance(raw, list):
-        raise bad("'files' and 'tensors' must be lists")
-    out: list[TensorEntry] = []
-    spans: list[V.Span] = []
-    for i, t in enumerate(raw):
-        if not isinstance(t, dict):
-            raise bad(f"tensor entry {i} is not an object")
-        key, fname, ref_step = t.get("key"), t.get("file"), t.get("step")
-        span_file = fname
-        if ref_step is not None:  # a reference (format version 2): bytes in an earlier step's file
-            if not isinstance(fname, str) or type(ref_step) is not int or (ref_step, fname) not in refs:
-                raise bad(f"tensor {key!r:.80}: step-{ref_step!r:.20}/{fname!r:.80} is not listed in 'ref_files'",
-                          key if isinstance(key, str) else None)
-            span_file = f"step-{ref_step}/{fname}"
-        elif not isinstance(fname, str) or fname not in files:
-            if isinstance(key, str):
-                raise bad(f"tensor {key!r:.80}: file {fname!r:.80} is not listed in 'files'", key)
-        _entry(i, key, t.get("dtype"), t.get("shape"), fname, span_file, ref_step, t.get("offset"),
-               t.get("nbytes"), t.get("crc32c"), where, bad, out, spans)
-    return out, spans
-
-
 def parse_columns(raw: Any, slots: list[FileSlot], where: str, bad: Bad
                   ) -> tuple[list[TensorEntry], "list[V.Span] | EntrySpans"]:
     """Format version 3: the column table (``slots``: :func:`file_slots`)."""
@@ -292,52 +265,3 @@ class EntrySpans:
     def __iter__(self) -> Iterator[V.Span]:
         for i, (e, f) in enumerate(zip(self.entries, self.files)):
             yield V.Span(i, f, e.offset, e.nbytes, (e.dtype, e.shape, e.crc32c), e.key)
-
-
-# -- conversion between the forms (tools and tests: no validation) ---------------------------
-def _slots(body: dict[str, Any]) -> list[tuple[Any, Any]]:
-    """(name, step) per ``file`` index; whatever a hostile body holds passes through."""
-    def rows(v: Any) -> list[Any]:
-        return [r if isinstance(r, dict) else {} for r in v] if isinstance(v, list) else []
-    return ([(f.get("name"), None) for f in rows(body.get("files"))]
-            + [(r.get("name"), r.get("step")) for r in rows(body.get("ref_files"))])
-
-
-def columns_to_objects(body: dict[str, Any]) -> None:
-    """Rewrite ``body["tensors"]`` (version 3 columns) as one object per tensor, in place;
-    ``format_version`` is left alone. Values pass through unchecked (hostile tests edit them)."""
-    t = body["tensors"]
-    slots = _slots(body)
-    out = []
-    for key, d, shape, f, off, nbytes, crc in zip(*(t[c] for c in COLUMNS)):
-        name, step = slots[f]
-        e = {"key": key, "dtype": t["dtypes"][d], "shape": shape, "file": name, "offset": off, "nbytes": nbytes,
-             "crc32c": crc}
-        if step is not None:
-            e["step"] = step
-        out.append(e)
-    body["tensors"] = out
-
-
-def objects_to_columns(body: dict[str, Any]) -> None:
-    """The inverse of :func:`columns_to_objects`. An entry that is not an object lands in every
-    column; a file the body does not list keeps its name in ``file`` (a reader refuses both)."""
-    index = {s: i for i, s in enumerate(_slots(body))}
-    dtypes: dict[Any, int] = {}
-    cols: dict[str, list[Any]] = {c: [] for c in COLUMNS}
-    for e in body["tensors"]:
-        if not isinstance(e, dict):
-            for c in COLUMNS:
-                cols[c].append(e)
-            continue
-        dt = e.get("dtype")
-        dt_i = dtypes.setdefault(dt, len(dtypes)) if isinstance(dt, str) else -1
-        f = e.get("file")
-        try:
-            f_i = index.get((f, e.get("step")), f if e.get("step") is None else f"step-{e.get('step')}/{f}")
-        except TypeError:  # unhashable
-            f_i = f
-        for c, v in zip(COLUMNS, (e.get("key"), dt_i, e.get("shape"), f_i, e.get("offset"), e.get("nbytes"),
-                                  e.get("crc32c"))):
-            cols[c].append(v)
-    body["tensors"] = {"dtypes": list(dtypes), **cols}

@@ -146,6 +146,47 @@ def _refusal(x: Any, path: tuple[Any, ...]) -> UnsupportedStateError:
         f"values (dict/list/str/int/float), {hint}")
 
 
+def _storable(t: torch.Tensor, key: str, is_np: bool) -> torch.Tensor:
+    """``t`` detached and resolved (a lazy conj/neg view's storage holds the other tensor's
+    bytes), or :class:`UnsupportedStateError` naming ``key`` and what to do."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and not is_np:
+        raise UnsupportedStateError(
+            f"{key!r} is a {type(t).__name__}; zerostall stores plain tensors only "
+            "(for DTensor/ShardedTensor state use zerostall.dcp with torch.distributed.checkpoint)")
+    if t.is_nested:
+        raise UnsupportedStateError(
+            f"{key!r} is a nested tensor; store its components (t.unbind()) or a padded tensor instead")
+    if t.device.type == "meta":
+        raise UnsupportedStateError(
+            f"{key!r} is a meta tensor and has no data to save; materialize it first")
+    if t.device.type not in ("cpu", "cuda"):
+        raise UnsupportedStateError(
+            f"{key!r} is on device {t.device}; zerostall stages cpu and cuda tensors only "
+            "(move it with .cpu() first)")
+    if t.is_sparse or t.layout != torch.strided:
+        raise UnsupportedStateError(f"{key!r} has layout {t.layout}; convert it with .to_dense()")
+    if t.is_quantized:
+        raise UnsupportedStateError(f"{key!r} is quantized; dequantize it first")
+    t = t.detach()
+    return t.resolve_conj().resolve_neg() if t.is_conj() or t.is_neg() else t
+
+
+def _from_numpy(x: Any, path: tuple[Any, ...]) -> torch.Tensor:
+    """A tensor over the numpy array ``x`` (a C-contiguous copy if it is not), or
+    :class:`UnsupportedStateError` naming its key."""
+    if x.dtype.hasobject:
+        raise UnsupportedStateError(
+            f"{_fmt_key(path)!r} is a numpy array of Python objects; it cannot be stored without pickle")
+    if not x.dtype.isnative:
+        raise UnsupportedStateError(
+            f"{_fmt_key(path)!r} is a numpy array with non-native byte order ({x.dtype.str}); "
+            "convert it with arr.astype(arr.dtype.newbyteorder('='))")
+    try:  # np.ascontiguousarray would turn a 0-d array into shape (1,)
+        return torch.from_numpy(x if x.flags.c_contiguous else x.copy(order="C"))
+    except TypeError as exc:
+        raise UnsupportedStateError(f"{_fmt_key(path)!r}: numpy dtype {x.dtype} is not supported ({exc})") from None
+
+
 def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int] | None = None, *,
                 frozen: list[Frozen] | None = None, snapshots: dict[int, bytes] | None = None,
                 path: tuple[Any, ...] = (), columns: Columns | None = None,
@@ -175,27 +216,7 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int]
         if known is not None:
             return known[met[0] - 1]
         key = _fmt_key(path)
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) and not is_np:
-            raise UnsupportedStateError(
-                f"{key!r} is a {type(t).__name__}; zerostall stores plain tensors only "
-                "(for DTensor/ShardedTensor state use zerostall.dcp with torch.distributed.checkpoint)")
-        if t.is_nested:
-            raise UnsupportedStateError(
-                f"{key!r} is a nested tensor; store its components (t.unbind()) or a padded tensor instead")
-        if t.device.type == "meta":
-            raise UnsupportedStateError(
-                f"{key!r} is a meta tensor and has no data to save; materialize it first")
-        if t.device.type not in ("cpu", "cuda"):
-            raise UnsupportedStateError(
-                f"{key!r} is on device {t.device}; zerostall stages cpu and cuda tensors only "
-                "(move it with .cpu() first)")
-        if t.is_sparse or t.layout != torch.strided:
-            raise UnsupportedStateError(f"{key!r} has layout {t.layout}; convert it with .to_dense()")
-        if t.is_quantized:
-            raise UnsupportedStateError(f"{key!r} is quantized; dequantize it first")
-        t = t.detach()
-        if t.is_conj() or t.is_neg():  # a lazy view: its storage holds the other tensor's bytes
-            t = t.resolve_conj().resolve_neg()
+        t = _storable(t, key, is_np)
         # the data address stands for (storage address, offset): two storages whose bytes sit
         # at one address with one dtype, shape and strides hold the same bytes anyway
         ident = (t.device.type, t.device.index, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype,
@@ -217,19 +238,7 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int]
         if isinstance(x, torch.Tensor):
             return {"T": tensor_index(x, path, False)}
         if np is not None and type(x) is np.ndarray:  # a subclass (np.matrix, masked) would lose its type
-            if x.dtype.hasobject:
-                raise UnsupportedStateError(
-                    f"{_fmt_key(path)!r} is a numpy array of Python objects; it cannot be stored without pickle")
-            if not x.dtype.isnative:
-                raise UnsupportedStateError(
-                    f"{_fmt_key(path)!r} is a numpy array with non-native byte order ({x.dtype.str}); "
-                    "convert it with arr.astype(arr.dtype.newbyteorder('='))")
-            try:  # np.ascontiguousarray would turn a 0-d array into shape (1,)
-                t = torch.from_numpy(x if x.flags.c_contiguous else x.copy(order="C"))
-            except TypeError as exc:
-                raise UnsupportedStateError(
-                    f"{_fmt_key(path)!r}: numpy dtype {x.dtype} is not supported ({exc})") from None
-            return {"A": tensor_index(t, path, True)}
+            return {"A": tensor_index(_from_numpy(x, path), path, True)}
         if isinstance(x, enum.Enum):  # before int/str: IntEnum and StrEnum members keep their type
             return objects.encode_object(x, lambda v: enc(v, path, depth + 1))
         # exact types from here: a subclass is stored by a rule of its own (objects.py: registered

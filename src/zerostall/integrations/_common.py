@@ -17,13 +17,9 @@ from typing import Any, Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .._util import Worker
-from ..checkpointer import Checkpointer
-from ..config import CheckpointConfig
+from .. import CheckpointConfig, Checkpointer
 from ..errors import ConfigError, ZerostallError
-from ..store.atomic import discard, publish_dir
-from ..store.owner import RootLock
-from ..store import open_root
+from ..extend import RootLock, Worker, discard, open_root, publish_dir
 
 log = logging.getLogger("zerostall")
 

@@ -52,12 +52,9 @@ try:
 except ImportError as exc:
     raise ImportError("zerostall.integrations.accelerate needs Accelerate: pip install 'zerostall[accelerate]'") from exc
 
-from .. import load as _zs_load
-from ..checkpointer import Checkpointer
-from ..config import CheckpointConfig
+from .. import CheckpointConfig, Checkpointer, load as _zs_load, rng_state, set_rng_state
 from ..errors import CheckpointNotFound, ConfigError
-from ..rng import rng_state, set_rng_state
-from ..store.atomic import discard, fsync_dir
+from ..extend import discard, fsync_dir
 from ._common import (Publisher, StateGuard, adapter_config, finish_publishing, is_committed, next_step, tensors_of,
                       unowned)
 

@@ -38,7 +38,7 @@ from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..format.dtypes import SUPPORTED_DTYPES, dtype_from_name, dtype_name, itemsize
 from ..format.layout import HEADER_BYTES, item_align
 from ..format.shard import check_items
-from .dcp_writer import LEGACY_SHARD_RE, SHARD_RE, UnsupportedCheckpoint, _ZSInfo
+from .dcp_writer import SHARD_RE, UnsupportedCheckpoint, _ZSInfo
 
 MAX_METADATA_BYTES = 256 << 20
 MAX_RECORDS = 1 << 24
@@ -68,11 +68,12 @@ class _SafeUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "zerostall.dist.dcp_storage":  # written before dist/ became distributed/
-            module = "zerostall.integrations.dcp_writer"
         # vars(), not getattr: torch's module __getattr__ imports submodules (torch._inductor)
         if (module, name) in _ALLOWED or (module == "torch" and isinstance(vars(torch).get(name), torch.dtype)):
             return super().find_class(module, name)
+        if module.startswith("zerostall."):
+            raise CorruptCheckpoint(f"{self.where}: DCP metadata refers to {module}.{name}: written by an earlier "
+                                    "zerostall; load it with that zerostall and save it again", path=self.where)
         raise CorruptCheckpoint(f"{self.where}: DCP metadata refers to {module}.{name}, which DCP checkpoint "
                                 "metadata never contains; refusing to unpickle it", path=self.where)
 
@@ -197,14 +198,15 @@ def _check_counts(md: Metadata, where: str) -> None:
 
 def _zs_record(k: MetadataIndex, v: _ZSInfo, where: str) -> Record:
     f = f"storage record {k.fqn!r}"
-    if not isinstance(v.file, str) or not (SHARD_RE.match(v.file) or LEGACY_SHARD_RE.match(v.file)):
-        raise CorruptCheckpoint(f"{where}: {f}.file is {v.file!r:.80}, not a shard file name", path=where)
+    if not isinstance(v.file, str) or not SHARD_RE.match(v.file):
+        raise CorruptCheckpoint(f"{where}: {f}.file is {v.file!r:.80}, not a shard file name (rank-NNNNN.shard; an "
+                                "earlier zerostall's .zst: load it with that zerostall and save it again)", path=where)
     file_bytes = _int(v.file_bytes, where, f"{f}.file_bytes", HEADER_BYTES)
     if file_bytes % ALIGN_BYTES:
         raise CorruptCheckpoint(f"{where}: {f}.file_bytes {file_bytes} is not a multiple of {ALIGN_BYTES}", path=where)
     offset = _int(v.offset, where, f"{f}.offset", HEADER_BYTES)
     nbytes = _int(v.nbytes, where, f"{f}.nbytes")
-    if offset % item_align(nbytes) or offset + nbytes > file_bytes:  # layout 1 or 2 (format/layout.py)
+    if offset % item_align(nbytes) or offset + nbytes > file_bytes:  # format/layout.py
         raise CorruptCheckpoint(f"{where}: {f}: offset {offset} + nbytes {nbytes} is unaligned or past the "
                                 f"{file_bytes}-byte file", path=where)
     crc = _int(v.crc32c, where, f"{f}.crc32c", 0, 0xFFFFFFFF)

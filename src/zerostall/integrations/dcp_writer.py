@@ -69,7 +69,6 @@ DCP_VERSION = "1.0.0"  # the ``Metadata.version`` FileSystemWriter records for t
 WINDOW_BYTES = 64 << 20
 SHARD_RE = re.compile(r"^rank-(\d{5,})-([0-9a-f]{12})\.shard$")
 """Shard files this writer creates: storage index and save id."""
-LEGACY_SHARD_RE = re.compile(r"^rank-(\d{5,})\.zst$")
 """Shard files of zerostall.dcp before 0.2 (written to ``<path>.partial`` and renamed)."""
 _TMP_RE = re.compile(r"^(__\d+)?\.metadata\.[0-9a-f]{12}\.tmp$")
 
@@ -332,7 +331,7 @@ class Writer(CheckpointId, StorageWriter):
             log.info("zerostall: %s also holds per-rank DCP metadata; leaving unreferenced shards in place", self.path)
             return
         for n in names:
-            m = SHARD_RE.match(n) or LEGACY_SHARD_RE.match(n)
+            m = SHARD_RE.match(n)
             if m is not None:
                 if n in keep or (per_rank and int(m.group(1)) != self.rank):
                     continue

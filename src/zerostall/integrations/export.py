@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from ..format.objects import TaggedData
+from ..extend import TaggedData
 
 FORMATS = ("lightning", "transformers", "accelerate")
 

@@ -58,14 +58,11 @@ from typing import Any
 
 import torch
 
-from ..config import CheckpointConfig
 from ..errors import ConfigError, ZerostallError
-from ..rng import rng_state, set_rng_state
-from ..store.atomic import discard
-from ..store.owner import RootLock
+from ..extend import RootLock, discard
 from ._common import (Publisher, StateGuard, is_committed, load_torch_file, next_step, open_local, tensors_of,
                       unowned)
-from .. import load
+from .. import CheckpointConfig, load, rng_state, set_rng_state
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO

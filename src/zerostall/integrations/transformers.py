@@ -48,12 +48,8 @@ except ImportError as exc:
     raise ImportError("zerostall.integrations.transformers needs transformers: "
                       "pip install 'zerostall[transformers]'") from exc
 
-from .. import load as _zs_load
-from ..checkpointer import Checkpointer
-from ..config import CheckpointConfig
-from ..format.objects import register_type
-from ..rng import rng_state, set_rng_state
-from ..store.atomic import discard, fsync_dir, publish_dir, write_file_durable
+from .. import CheckpointConfig, Checkpointer, load as _zs_load, register_type, rng_state, set_rng_state
+from ..extend import discard, fsync_dir, publish_dir, write_file_durable
 from ._common import Publisher, StateGuard, adapter_config, finish_publishing, is_committed, next_step, unowned
 
 log = logging.getLogger("zerostall")

@@ -1,19 +1,23 @@
-"""Thin ctypes wrappers for the Linux calls Python's ``os`` lacks or emulates.
+"""Thin wrappers for the Linux calls Python's ``os`` lacks or emulates.
 
 ``fallocate(2)`` (never ``os.posix_fallocate``: glibc may emulate it by writing zeros
 through the page cache), ``sync_file_range(2)``, ``statx(2)`` for STATX_DIOALIGN and
-``mincore(2)`` (used by tests and ``doctor`` to prove pages stay out of the page cache).
+``mincore(2)`` (used by tests and ``doctor`` to prove pages stay out of the page cache), the
+idle I/O class of a background thread.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 
 from .._fast import libc as _libc
 
+log = logging.getLogger("zerostall")
 
 SYNC_FILE_RANGE_WAIT_BEFORE = 1
 SYNC_FILE_RANGE_WRITE = 2
@@ -112,3 +116,16 @@ def resident_pages(path: str) -> tuple[int, int]:
 def buffer_address(mv: memoryview) -> int:
     """Address of the first byte of a writable buffer (an mmap slice or bytearray)."""
     return ctypes.addressof(ctypes.c_char.from_buffer(mv))
+
+
+def set_idle_io_priority() -> bool:
+    """IOPRIO_CLASS_IDLE for the calling thread and the threads it creates later (the uploader,
+    the peer replication threads: their disk I/O takes only what the training leaves over),
+    through psutil (no per-architecture syscall numbers here). False where the OS refuses."""
+    try:
+        import psutil
+        psutil.Process(threading.get_native_id()).ionice(psutil.IOPRIO_CLASS_IDLE)
+        return True
+    except Exception as exc:  # noqa: BLE001 - best effort: non-Linux, seccomp, old psutil
+        log.debug("zerostall: cannot set idle I/O priority for the replicator: %s", exc)
+        return False

@@ -26,9 +26,8 @@ binding, each handled here:
 
 * every call of the binding holds the GIL, ``io_uring_submit`` included: for ``O_DIRECT`` the
   kernel builds and queues the block requests inside that call, and it sleeps there when the
-  device's request tags run out. Measured here (512 MiB, 8 MiB requests, depth 16): 25-278 ms
-  of the GIL per 512 MiB (up to 82 ms in one call) on a loaded 2-core host, which a training
-  thread in the same process waits through. So where the binding's shared library exports
+  device's request tags run out, for tens of milliseconds on a loaded host
+  (docs/speed-tricks.md), which a training thread in the same process waits through. So where the binding's shared library exports
   liburing's C functions (it links liburing statically), the ring is driven through ctypes
   (:class:`_CRing`), which releases the GIL around every call: submission and the wait for
   completions (``io_uring_wait_cqe``) run without it, and no eventfd is needed. Otherwise,

@@ -4,18 +4,19 @@ Two kinds of users:
 
 * small scratch buffers (restore's bounce buffer, remote uploads, the DCP plugin):
   ``Arena(nbytes)`` maps and pre-faults ``nbytes`` at once, in the caller's thread;
-* the process-wide staging pool (:mod:`zerostall.saving.pool`): ``Arena(budget, prefault=False)`` reserves
-  the whole budget as *address space only* (``MAP_NORESERVE``: no RSS until touched), then
-  :meth:`Arena.fault_to` asks a background thread to fault a prefix of it, published in
-  64 MiB chunks, through ctypes ``madvise(MADV_POPULATE_WRITE)`` (or ``mlock``) calls of a
-  few milliseconds each (they hold the mmap lock), which release the GIL. Writers call
-  :meth:`wait_ready` before touching a range, so a first save streams through the part that
-  is ready while the rest is faulted, and a training thread keeps running meanwhile. (Python's
-  ``mmap.madvise`` holds the GIL for the whole call: 866 ms for 2 GiB; never for large ranges.)
+* the process-wide staging pool (:mod:`zerostall.saving.pool`): ``Arena(budget, prefault=False)``
+  reserves the whole budget as *address space only* (``MAP_NORESERVE``: no RSS until touched),
+  then :meth:`Arena.fault_to` asks a background thread to fault a prefix of it, published in
+  64 MiB chunks, through ctypes ``madvise(MADV_POPULATE_WRITE)`` (or ``mlock``) calls of a few
+  milliseconds each (they hold the mmap lock), which release the GIL. Writers call
+  :meth:`wait_ready` before touching a range, so a first save streams through the part that is
+  ready while the rest is faulted, and a training thread keeps running meanwhile. (Python's
+  ``mmap.madvise`` holds the GIL for the whole call: never for large ranges.)
 
-Fresh anonymous memory is slow to touch the first time (0.4-3 GB/s measured here; huge pages
-sometimes far slower: :meth:`Arena._probe_pages`), so it is faulted once and reused. On CUDA the faulted prefix is registered with ``cudaHostRegister`` chunk by chunk,
-so device-to-host copies are DMA into it; never ``pin_memory()`` per tensor. Registration:
+Fresh anonymous memory is slow to touch the first time (huge pages sometimes slower still:
+:meth:`Arena._probe_pages`), so it is faulted once and reused. On CUDA the faulted prefix is
+registered with ``cudaHostRegister`` chunk by chunk, so device-to-host copies are DMA into
+it; never ``pin_memory()`` per tensor. Registration:
 
 * runs with the device of the first CUDA save current (never a context on device 0 for a
   rank that trains on cuda:3) and with ``cudaHostRegisterPortable`` (pinned for every device);
@@ -25,8 +26,7 @@ so device-to-host copies are DMA into it; never ``pin_memory()`` per tensor. Reg
 * that fails (pinned-memory limits) is logged once and stops: copies into unregistered
   memory are still correct, only synchronous;
 * is undone (``cudaHostUnregister``, chunk by chunk) before the memory is unmapped.
-Copies are split at registration chunk boundaries (:meth:`Arena.pinned_pieces`), so each
-one lies inside one registered range.
+Copies are split at registration chunks (:meth:`Arena.pinned_pieces`): each in one range.
 """
 
 from __future__ import annotations
@@ -184,10 +184,9 @@ class Arena:
 
         ``madvise(MADV_POPULATE_WRITE)`` holds the process's mmap lock for reading and ``mlock``
         for writing for the whole call; every ``mmap``/``munmap`` of the process meanwhile
-        (a thread's stack, a large ``malloc``, torch's CPU allocator) waits behind it. One
-        64 MiB call of fresh memory took 60-150 ms here (the VM zeroes pages at 0.4-3 GB/s),
-        and a ``threading.Thread.start()`` in the first ``save()`` waited 143 ms on it;
-        calls sized from the measured rate keep that wait to a few milliseconds.
+        (a thread's stack, a large ``malloc``, torch's CPU allocator, a ``Thread.start()`` in
+        the first ``save()``) waits behind it; calls sized from the measured rate keep that
+        wait short (docs/speed-tricks.md).
         """
         end = off + n
         if self.pages == "probing":

@@ -92,9 +92,8 @@ def probe_pages(address: int, nbytes: int, off: int, probe: int, fault: Any) -> 
     """(huge page, 4 KiB page) fault rates in bytes/s of a mapping of ``nbytes`` at ``address``
     advised huge pages: ``fault(off, probe)`` with huge pages, then ``fault(off + probe, probe)``
     with 4 KiB pages (``MADV_NOHUGEPAGE`` on that range only). The arena's faulter thread, on
-    its first call. Huge pages fault at 8 GB/s where the kernel has them at hand, 0.1-0.4 GB/s
-    on a VM whose host took its free huge pages back (here: 400 MiB in 0.9-1.6 s, 0.15-0.22 s
-    with 4 KiB pages; copies into either ran at 6-13 GB/s)."""
+    its first call. Huge pages fault fast where the kernel has them at hand, far slower than
+    4 KiB pages on a VM whose host took its free huge pages back (docs/speed-tricks.md)."""
     t0 = time.perf_counter()
     fault(off, probe)
     t1 = time.perf_counter()

@@ -1,7 +1,7 @@
 """Coded copies, the restore side: which steps live holders can rebuild this node's files of
 (:func:`holdings`), and the rebuild itself (:func:`rebuild`).
 
-Called by :meth:`zerostall.peers.service.Peers.prepare_load` on the caller's thread of every rank:
+Called through :meth:`zerostall.peers.service.PeerLoad.prepare` on the caller's thread of every rank:
 :func:`holdings` before the ranks' agreement (a step counts once live nodes hold k distinct
 fragments of one coding of it), :func:`rebuild` on the node's leader when the agreed step is
 neither local nor otherwise at hand (:func:`.fetch.fetch` runs it and tells the node's other
@@ -36,6 +36,7 @@ from ..format.layout import shard_name
 from ..format.manifest import Manifest
 from ..io.base import Engine
 from ..store.tier import RootTier
+from . import tombstones
 from .coding import Code, Layout
 from .exchange import PeerView
 from .fetch import commit_fetched
@@ -83,6 +84,8 @@ def holdings(view: PeerView, transport: Any) -> dict[int, dict[str, Rebuild]]:
         for h in held:
             try:
                 key = (int(h["step"]), str(h["checkpoint_id"]), str(h["descriptor"]), int(h["k"]), int(h["m"]))
+                if tombstones.dead(view.deleted, key[0], key[1], h.get("created_unix")):
+                    continue  # deleted for good (zerostall delete): never rebuilt
                 for i in h["fragments"]:
                     if 0 <= int(i) < key[3] + key[4]:
                         groups.setdefault(key, {}).setdefault(int(i), []).append(node)

@@ -3,15 +3,17 @@ collective on the training's group).
 
 Keys live under the session prefix agreed at start-up (:mod:`zerostall.distributed.session`)::
 
-    <p>/peers/node/r<R>        {node, domain}     every rank, at start-up
-    <p>/peers/secret           hex(32 random bytes), drawn by rank 0: the job's peer secret
+    <p>/peers/node/r<R>        {node, domain, fp} every rank, at start-up (fp: a fingerprint of
+                                                  the secret it was given, never the secret)
+    <p>/peers/secret           hex(32 random bytes), drawn by rank 0: the job's peer secret,
+                               only when the launcher gave none (:func:`given_secret`)
     <p>/peers/ep/<node>        {host, port, deleted} each node's leader (lowest rank), once serving;
                                                   ``deleted``: its tombstones (.tombstones)
     <p>/peers/s<step>/<node>   {holders, error}   each node's leader, once its files of the step
                                                   are held (or could not be) -- see .replicate
     <p>/peers/s<step>/seen     counter: the rank completing it deletes the step's keys
-    <p>/peers/load<k>/r<R>     {steps, why}       every rank, for its k-th load (see .fetch)
-    <p>/peers/load<k>/node/<n> {ok, error}        node n's leader, once it fetched its files
+    <p>/peers/load<k>/node/<n>/s<N>  {ok, error}  node n's leader, once it fetched its files of
+                                                  step N in its k-th load (see .fetch)
 
 :func:`setup` runs on the caller's thread of ``Checkpointer.__init__``; the per-step keys are
 written and polled by the replicator's threads, the load keys by ``load()``'s caller.
@@ -19,11 +21,15 @@ written and polled by the replicator's threads, the load keys by ``load()``'s ca
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import json
+import logging
 import os
 import secrets
 import socket
+import stat
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -34,6 +40,56 @@ from ..errors import ConfigError, DistributedError
 from . import tombstones
 from .placement import Node
 from .transport import Endpoint
+
+log = logging.getLogger("zerostall")
+
+SECRET_ENV = "ZEROSTALL_PEER_SECRET"
+SECRET_FILE_ENV = "ZEROSTALL_PEER_SECRET_FILE"
+_warned = False
+
+
+def given_secret() -> bytes | None:
+    """The job's peer secret as the launcher gave it, or None (the store fallback).
+
+    ``ZEROSTALL_PEER_SECRET_FILE`` names a file only this user can read (a regular file owned
+    by the process's user, no group or other permission bits: mode 0600 or 0400), whose
+    content (stripped) is the secret; else ``ZEROSTALL_PEER_SECRET`` holds it. At least 16
+    characters either way. Raises :class:`ConfigError` naming the variable or file."""
+    path = os.environ.get(SECRET_FILE_ENV)
+    if path:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise ConfigError(f"{SECRET_FILE_ENV}={path!r}: cannot open it ({exc.strerror}); give a regular file "
+                              "readable only by the job's user (chmod 600)") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                raise ConfigError(f"{SECRET_FILE_ENV}={path!r} is not a regular file of this user readable by it "
+                                  f"alone (mode {stat.S_IMODE(st.st_mode):o}, owner uid {st.st_uid}): run "
+                                  f"`chmod 600 {path}` as its owner")
+            raw = os.read(fd, 1 << 16).strip()
+        finally:
+            os.close(fd)
+        what = SECRET_FILE_ENV
+    elif os.environ.get(SECRET_ENV):
+        raw, what = os.environ[SECRET_ENV].strip().encode(), SECRET_ENV
+    else:
+        return None
+    if len(raw) < 16:
+        raise ConfigError(f"{what}: the peer secret must be at least 16 characters (e.g. `openssl rand -hex 32`)")
+    return raw
+
+
+def session_key(given: bytes, prefix: str) -> bytes:
+    """The handshake key of this session, derived from the given secret (never stored)."""
+    return hmac.new(given, b"zerostall-peers|" + prefix.encode(), hashlib.sha256).digest()
+
+
+def fingerprint(key: bytes) -> str:
+    """What a rank publishes of its key, so that ranks given different secrets fail at once:
+    a MAC of a fixed label, useless for the handshake (whose MACs are over nonces)."""
+    return hmac.new(key, b"zerostall-peers-fingerprint", hashlib.sha256).hexdigest()[:32]
 
 
 @dataclass(frozen=True)
@@ -118,17 +174,37 @@ def setup(store: Store, prefix: str, rank: int, world: int, replicas: int, timeo
     ``leader_of``): a node name shared by separate copies is refused on every rank alike.
     ``deleted``: this node's tombstones, published with its endpoint; the view carries every
     node's, merged."""
+    global _warned
     me, domain = node_id(), failure_domain()
     p = f"{prefix}/peers"
-    store.set(f"{p}/node/r{rank}", json.dumps({"node": me, "domain": domain}))
-    if rank == 0:
+    given = given_secret()
+    key = session_key(given, prefix) if given is not None else None
+    store.set(f"{p}/node/r{rank}", json.dumps({"node": me, "domain": domain,
+                                               "fp": fingerprint(key) if key is not None else None}))
+    if rank == 0 and key is None:
         store.set(f"{p}/secret", secrets.token_hex(32))
     keys = [f"{p}/node/r{r}" for r in range(world)]
-    _poll(store, keys + [f"{p}/secret"], timeout_s, "the other ranks' node names")
+    _poll(store, keys, timeout_s, "the other ranks' node names")
     infos = store.multi_get_json(keys)
-    secret = bytes.fromhex(store.get(f"{p}/secret").decode())
     if copies and (dup := duplicate_names([i["node"] for i in infos], copies)):
         raise ConfigError(dup)
+    fps = [i.get("fp") for i in infos]
+    if len(set(fps)) > 1:
+        mine = fps[rank]
+        odd = [r for r, f in enumerate(fps) if f != mine]
+        raise ConfigError(f"peer replicas: rank(s) {', '.join(map(str, odd))} were given another peer secret than "
+                          f"rank {rank} ({SECRET_ENV} / {SECRET_FILE_ENV} set alike on every rank, or on none)")
+    if key is not None:
+        secret = key
+    else:
+        _poll(store, [f"{p}/secret"], timeout_s, "the job's peer secret")
+        secret = bytes.fromhex(store.get(f"{p}/secret").decode())
+        if not _warned:
+            _warned = True
+            log.warning("zerostall: peer replicas authenticate with a secret kept in the c10d store: any process "
+                        "that reaches MASTER_PORT can read it and act as a peer (read and plant checkpoint copies); "
+                        "give every rank %s (or %s, a file of mode 600) to keep it out of the store "
+                        "(docs/peers.md, Security)", SECRET_ENV, SECRET_FILE_ENV)
     domains: dict[str, str] = {}
     for r, i in enumerate(infos):
         if domains.setdefault(i["node"], i["domain"]) != i["domain"]:

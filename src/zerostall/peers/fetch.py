@@ -9,22 +9,24 @@ point-to-point connections):
    files (each of this node's ranks' ``rank-R.shard``) some live peer holds, one checkpoint
    id (listed from every other node in parallel; a dead or stopped node is skipped after
    ``peers.timeout_s``); steps on the remote tier;
-2. agreement (:func:`zerostall.distributed.agree.agree_step`, under ``load<k>``): all take the
-   newest step in every rank's list, or all raise the same :class:`CheckpointNotFound` naming
-   the steps and the ranks that lack them. A step counts only as one commit: every rank first
-   posts, per step, the checkpoint ids it can load it as (its committed local copy's, else
-   those live holders hold), and a step is a candidate only where one id is common to every
-   rank; the fetch takes only that commit's copies (a superseded copy of an overwritten step
-   is never restored as the step);
-3. if this node lacks the step, its leader fetches the files from live holders (one thread
-   per file, spread over the holders, the next one on a failure), each checked byte by byte
-   against the manifest while it streams in, written with O_DIRECT into ``step-N.partial``
-   and committed; the other ranks of the node wait for it (``load<k>/node/<node>``). Only
-   when no live node holds a file is the remote tier used (the ordinary load downloads it),
-   and the log says which tier served each file. A fetch never replaces a committed step's
-   files it did not bring: into a step committed here already (e.g. a restart on fewer nodes,
-   where a node's rank number changed) only a copy of the same commit is fetched, and the
-   step's own files stay beside the fetched ones.
+2. every rank posts, per step, the checkpoint ids it can load it as (its committed local
+   copy's, else those live holders hold), and a step is offered only where one id is common
+   to every rank (a superseded copy of an overwritten step is never restored as the step);
+   the collective load (:mod:`zerostall.distributed.agree`) adds these steps -- every one of
+   them, not only the newest -- to the ones it offers, and tries the newest common, falling
+   back together;
+3. before each step is tried, :func:`fetch`: if this node lacks its files, the node's leader
+   fetches them (only that commit's copies) from live holders (one thread per file, spread
+   over the holders, the next one on a failure), each checked byte by byte against the
+   manifest while it streams in, written with O_DIRECT into ``step-N.partial`` and
+   committed; the other ranks of the node wait for it (``load<k>/node/<node>/s<N>``). A fetch
+   that fails (no live holder, the only one stopped or serving a flipped byte) fails that step
+   on this rank like any defect of it: every rank hears it through the agreement and all fall
+   back to the next step together. Only when no live node holds a file is the remote tier used
+   (the ordinary load downloads it), and the log says which tier served each file. A fetch
+   never replaces a committed step's files it did not bring: into a step committed here
+   already (e.g. a restart on fewer nodes, where a node's rank number changed) only a copy of
+   the same commit is fetched, and the step's own files stay beside the fetched ones.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..distributed.agree import agree_step
 from ..distributed.store import Store
 from ..errors import CheckpointNotFound, DistributedError, ZerostallError
 from ..format.layout import shard_name
@@ -54,7 +55,8 @@ log = logging.getLogger("zerostall")
 
 @dataclass(frozen=True)
 class Plan:
-    """The outcome of :func:`agree`: the step every rank loads and where this node's files come from."""
+    """One step's fetch (:func:`fetch` builds it for :func:`_fetch_files`): the step, where its files come
+    from, and the commit every rank loads."""
 
     step: int
     source: str  # "local" | "peers" | "coded" | "remote"
@@ -63,6 +65,26 @@ class Plan:
     """Every step live peers hold this node's files of (an incremental step's references)."""
     checkpoint_id: str = ""
     """The commit of ``step`` every rank loads ("": not known, the remote tier's)."""
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What :func:`offer` found: the steps whose files of this node are local, those live
+    holders keep whole copies of (only the commit every rank can load) or enough coded
+    fragments of, and the steps the ranks hold as different commits (offered by nobody)."""
+
+    local: set[int]
+    held: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
+    """step -> file name -> [(holder node, src node)], of the commit in ``ids``"""
+    coded: set[int] = field(default_factory=set)
+    ids: dict[int, str] = field(default_factory=dict)
+    """step -> the commit every rank offers it as ("": the remote tier's, not known)"""
+    split: set[int] = field(default_factory=set)
+    refs: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
+    """Every step live peers hold this node's files of (an incremental step's references)."""
+
+    def steps(self) -> set[int]:
+        return (self.local | set(self.held) | self.coded) - self.split
 
 
 def _local_steps(tier: RootTier, view: PeerView, names: list[str]) -> tuple[dict[int, str], dict[int, str | None]]:
@@ -153,13 +175,12 @@ def _offer_ids(store: Store, view: PeerView, load_no: int, offer: dict[int, list
     return common, split
 
 
-def agree(store: Store, view: PeerView, transport: Transport, tier: RootTier, load_no: int, *,
+def offer(store: Store, view: PeerView, transport: Transport, tier: RootTier, load_no: int, *,
           step: int | None, remote_steps: list[int], timeout_s: float,
-          coded: dict[int, Any] | None = None) -> Plan:
-    """Steps 1-2 of the module doc; raises :class:`CheckpointNotFound` on every rank alike.
-    ``coded``: step -> the checkpoint ids of the commits live holders hold enough fragments of
-    to rebuild this node's files (coded copies, :func:`.coded_restore.holdings`); source
-    ``"coded"``."""
+          coded: dict[int, Any] | None = None) -> Offer:
+    """Steps 1-2 of the module doc (collective: every rank calls it). ``coded``: step -> the
+    checkpoint ids of the commits live holders hold enough fragments of to rebuild this node's
+    files (coded copies, :func:`.coded_restore.holdings`)."""
     coded = coded or {}
     names = [shard_name(r) for r in view.ranks_of(view.me)]
     local, committed = _local_steps(tier, view, names)
@@ -170,50 +191,49 @@ def agree(store: Store, view: PeerView, transport: Transport, tier: RootTier, lo
             del peers[st]
     remote = set(remote_steps)
     # the remote tier: the commit is not known here ("*")
-    offer = {st: [local[st]] if st in local else sorted(set(peers.get(st, ())) | set(coded.get(st, ()))) or ["*"]
-             for st in set(local) | set(peers) | set(coded) | remote if step is None or st == step}
-    common, split = _offer_ids(store, view, load_no, offer, timeout_s)
+    mine = {st: [local[st]] if st in local else sorted(set(peers.get(st, ())) | set(coded.get(st, ()))) or ["*"]
+            for st in set(local) | set(peers) | set(coded) | remote if step is None or st == step}
+    common, split = _offer_ids(store, view, load_no, mine, timeout_s)
     log.info("zerostall: restore: node %s can load steps %s locally, %s from peers, %s from the remote tier",
              view.me, sorted(local)[-5:], sorted(set(peers) | set(coded))[-5:], sorted(remote)[-5:])
-    try:  # the multi-node trust layer's agreement: the newest step in every rank's list
-        s = agree_step(store, view.key(f"load{load_no}"), view.rank, view.world, set(offer) - split,
-                       timeout_s=timeout_s)
-    except CheckpointNotFound as exc:
-        other = f"; step(s) {', '.join(map(str, sorted(split)))}: the ranks hold different commits" if split else ""
-        raise CheckpointNotFound(f"{exc}{other} -- counting local roots, live peers and the remote tier (a file is "
-                                 "lost when every node holding it is gone)") from None
-    cid = common[s] if common[s] != "*" else ""
-    src = "local" if s in local else "peers" if cid in peers.get(s, {}) else "coded" if cid in coded.get(s, ()) \
-        else "remote"
-    if src == "remote":
-        log.warning("zerostall: step %d: no live node holds %s; falling back to the remote tier for them", s,
-                    ", ".join(names))
-    held = {st: ids[max(ids)] for st, ids in peers.items()}
-    return Plan(s, src, peers[s][cid] if src == "peers" else {}, held, cid)
+    ids = {st: (cid if cid != "*" else "") for st, cid in common.items()}
+    held = {st: peers[st][ids[st]] for st in peers if st in ids and ids[st] in peers[st] and st not in local}
+    got_coded = {st for st in coded if st in ids and ids[st] in coded[st] and st not in local and st not in held}
+    refs = {st: cids[max(cids)] for st, cids in peers.items()}
+    return Offer(set(local), held, got_coded, ids, split, refs)
 
 
 def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
-          plan: Plan, load_no: int, timeout_s: float, files_in: Callable[[], None] | None = None) -> None:
-    """Step 3: the node's leader brings ``plan.step``'s files of this node in (``files_in``:
-    another way, e.g. a rebuild from coded fragments); others wait."""
-    key = view.key(f"load{load_no}", "node", view.me)
+          got: Offer, step: int, load_no: int, timeout_s: float, files_in: Callable[[], None] | None = None) -> bool:
+    """Step 3: the node's leader brings ``step``'s files of this node in (from the holders of
+    whole copies; for a step only coded fragments cover, ``files_in``: the rebuild); the others
+    wait. Returns whether it fetched (False: the files are local, or no peer holds them).
+    Raises :class:`CheckpointNotFound` on every rank of the node when the fetch failed."""
+    if step in got.local or (step not in got.held and (step not in got.coded or files_in is None)):
+        return False
+    key = view.key(f"load{load_no}", "node", view.me, f"s{step}")
     if not view.leader:
         if store.poll([key], time.monotonic() + timeout_s) == "timeout":
-            raise DistributedError(f"restore: the leader of node {view.me} did not fetch step {plan.step} within "
+            raise DistributedError(f"restore: the leader of node {view.me} did not fetch step {step} within "
                                    f"{timeout_s:g} s")
         res = store.get_json(key)
         if not res.get("ok"):
-            raise CheckpointNotFound(f"restore of step {plan.step} from peers failed on node {view.me}: {res['error']}")
-        return
+            raise CheckpointNotFound(f"restore of step {step} from peers failed on node {view.me}: {res['error']}")
+        return True
     try:
-        if files_in is not None:
+        if step not in got.held and files_in is not None:
             files_in()
         else:
-            _fetch_files(view, transport, tier, engine_for, plan)
+            _fetch_files(view, transport, tier, engine_for,
+                         Plan(step, "peers", got.held[step], got.refs, got.ids.get(step, "")))
     except BaseException as exc:
         store.set(key, json.dumps({"ok": False, "error": str(exc)}))
+        if isinstance(exc, ZerostallError) and not isinstance(exc, CheckpointNotFound):
+            raise CheckpointNotFound(f"restore of step {step} from peers failed on node {view.me}: {exc}") from exc
         raise
     store.set(key, json.dumps({"ok": True}))
+    got.local.add(step)
+    return True
 
 
 def _fetch_files(view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],

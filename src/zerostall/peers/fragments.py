@@ -168,7 +168,7 @@ class FragmentStore:
             return None
 
     def held(self, src: str | None = None) -> list[dict[str, Any]]:
-        """``[{src, step, checkpoint_id, descriptor, k, m, fragments: {index: crc32c}}]``: every
+        """``[{src, step, checkpoint_id, created_unix, descriptor, k, m, fragments: {index: crc32c}}]``: every
         step of which complete fragments are held here (of ``src`` only, if given)."""
         out = []
         for s, step in self.store._dirs():
@@ -196,7 +196,8 @@ class FragmentStore:
                     frags[str(h["index"])] = h["crc32c"]
             if frags and doc["checkpoint_id"] == man.checkpoint_id:
                 out.append({"src": s, "step": step, "checkpoint_id": man.checkpoint_id,
-                            "descriptor": descriptor_id(raw), "k": lay.k, "m": lay.m, "fragments": frags})
+                            "created_unix": man.created_unix, "descriptor": descriptor_id(raw), "k": lay.k,
+                            "m": lay.m, "fragments": frags})
         return out
 
     def path_for(self, src: str, step: int, index: int) -> tuple[str, bytes, bytes] | None:

@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 
-from ..io.priority import set_idle_io_priority
+from ..io._sys import set_idle_io_priority
 
 __all__ = ["background"]
 log = logging.getLogger("zerostall")

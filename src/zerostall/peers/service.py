@@ -16,13 +16,14 @@ from ..config import CheckpointConfig
 from ..distributed.store import Store
 from ..errors import ConfigError
 from ..io.base import Engine, choose_engine
-from ..store.remote import list_steps, open_tier
+from ..store.remote import list_steps
+from ..store.tier import open_tier
 from ..store.tier import RootTier
 from .coded import CodedReplicator, check_cluster
 from .coded_restore import holdings, rebuild
 from .coding import require_codec
 from .exchange import PeerView, advertised_host, setup
-from .fetch import Plan, agree, fetch
+from .fetch import Offer, fetch, offer
 from .fragments import FragmentStore, register
 from .placement import Node
 from .replicate import PeerReplicator, StepStatus
@@ -88,8 +89,6 @@ class Peers:
         self.replicator: PeerReplicator = PeerReplicator(*args, **kw) if pc.code is None else \
             CodedReplicator(*args, data_fragments=pc.data_fragments, parity_fragments=pc.parity_fragments, **kw)
         self._loads = itertools.count()
-        self.planned_step = -1
-        """The step the last :meth:`plan_load` agreed on (its files are local now)."""
         self.last_fetch_s = 0.0
         """Seconds the last restore spent bringing this node's files in from peers (bench)."""
         self.last_fetch_end = 0.0
@@ -134,29 +133,21 @@ class Peers:
         return self.replicator.status(step)
 
     # -- caller's thread ---------------------------------------------------------------
-    def plan_load(self, step: int | None, warm: Callable[[], Any] | None = None) -> tuple[int | None, str]:
-        """``Checkpointer.load``'s first part with peer replicas: ``(the step to load, where this
-        node's files came from)``; ``warm`` (the restore scratch's fault) runs on a thread of its
-        own while this node's files are at hand."""
+    def plan_load(self, step: int | None, warm: Callable[[], Any] | None = None) -> "PeerLoad":
+        """``Checkpointer.load``'s first part with peer replicas (every rank, collectively): what
+        this node can load counting live holders (whole copies, and coded fragments enough to
+        rebuild its files); the collective load then tries the steps all ranks offer, newest
+        first, and calls :meth:`PeerLoad.prepare` before each. ``warm`` (the restore scratch's
+        fault) runs on a thread of its own when this node's newest files are at hand."""
+        n = next(self._loads)
+        coded = holdings(self.view, self.transport) if self.cfg.peers.code is not None else {}
         remote_steps: list[int] = []
         if self.cfg.remote:
             remote_steps = list_steps(open_tier(self.cfg.remote, io=self.cfg.io))[0] or []
-        plan = self.prepare_load(step, remote_steps, warm)
-        self.planned_step = plan.step
-        # unpinned: the collective load starts at the newest step and, if a rank's copy of it
-        # fails to verify (bit rot the size check above cannot see), falls back to an older
-        # one on every rank alike, instead of failing the whole job on the agreed step
-        return (plan.step if step is not None else None), plan.source
-
-    def prepare_load(self, step: int | None, remote_steps: list[int], warm: Callable[[], Any] | None = None) -> Plan:
-        """Agree on the step and bring this node's files of it into the local root (peers);
-        ``plan.source == "remote"``: the ordinary load must download it."""
-        n = next(self._loads)
-        timeout = self.cfg.join_timeout_s
-        coded = holdings(self.view, self.transport) if self.cfg.peers.code is not None else {}
-        plan = agree(self.store, self.view, self.transport, self.tier, n, step=step, remote_steps=remote_steps,
-                     timeout_s=timeout, coded=coded)
-        if plan.source not in ("peers", "coded") and warm is not None:
+        got = offer(self.store, self.view, self.transport, self.tier, n, step=step, remote_steps=remote_steps,
+                    timeout_s=self.cfg.join_timeout_s, coded=coded)
+        steps = got.steps() if step is None else got.steps() & {step}
+        if warm is not None and (not steps or max(steps) in got.local):
             # The load that follows reads through a 128 MiB scratch faulted on first use (a
             # restarted process has no faulted staging pool yet), after the ranks' agreement,
             # and the collective load waits for the slowest rank: 0.5-2.8 s of the node-loss
@@ -164,21 +155,20 @@ class Peers:
             # now, while a replaced node fetches; the fetching node does not (on two cores its
             # fault slowed the fetch and the agreement by as much as it saved).
             threading.Thread(target=warm, name="zerostall-bounce-fault", daemon=True).start()
-        if plan.source in ("peers", "coded"):
-            t0 = time.perf_counter()
-            files_in = None if plan.source == "peers" else \
-                (lambda: rebuild(self.view, self.transport, self.tier, self.engine, plan.step, coded,
-                                 plan.checkpoint_id))
-            fetch(self.store, self.view, self.transport, self.tier, self.engine, plan, n,
-                  timeout + self.cfg.peers.timeout_s * 4, files_in=files_in)
-            self.last_fetch_s = time.perf_counter() - t0
-            self.last_fetch_end = time.monotonic()
-        elif plan.source == "remote":
-            log.warning("zerostall: restore of step %d: this node's files come from the remote tier "
-                        "(no live node holds them)", plan.step)
-        else:
-            log.info("zerostall: restore of step %d: this node's files are local", plan.step)
-        return plan
+        return PeerLoad(self, n, got, steps, coded)
+
+    def _fetch(self, load: "PeerLoad", step: int) -> bool:
+        t0 = time.perf_counter()
+        timeout = self.cfg.join_timeout_s + self.cfg.peers.timeout_s * 4
+        files_in = None if step not in load.offer.coded else \
+            (lambda: rebuild(self.view, self.transport, self.tier, self.engine, step, load.coded,
+                             load.offer.ids.get(step, "")))
+        if not fetch(self.store, self.view, self.transport, self.tier, self.engine, load.offer, step, load.number,
+                     timeout, files_in=files_in):
+            return False
+        self.last_fetch_s = time.perf_counter() - t0
+        self.last_fetch_end = time.monotonic()
+        return True
 
     def close(self, timeout_s: float) -> list[int]:
         return self.replicator.close(timeout_s)
@@ -186,3 +176,22 @@ class Peers:
     def describe(self) -> dict[str, Any]:
         return {"node": self.view.me, "nodes": [n.name for n in self.view.nodes],
                 "endpoints": {k: f"{e.host}:{e.port}" for k, e in self.view.endpoints.items()}}
+
+
+class PeerLoad:
+    """One collective load's part of the peer tier (caller's thread of every rank): ``steps``
+    (what this node can load, its local files and what live holders keep for it, every step
+    of them, so a fallback after a fetch still finds older ones) and :meth:`prepare`."""
+
+    def __init__(self, peers: Peers, number: int, got: Offer, steps: set[int], coded: Any):
+        self.peers, self.number, self.offer, self.steps, self.coded = peers, number, got, steps, coded
+        self.fetched: dict[int, str] = {}
+        """Steps whose files this node brought in during this load -> "peers" or "coded"."""
+
+    def prepare(self, step: int) -> None:
+        """Called by the collective load before it loads ``step`` (every rank, the same steps
+        in the same order): brings this node's files of it in from peers when they are not
+        local (:func:`.fetch.fetch`). A failed fetch raises :class:`CheckpointNotFound`, which
+        the agreement reports to every rank like any defect of the step: all fall back."""
+        if self.peers._fetch(self, step):
+            self.fetched[step] = "coded" if step in self.offer.coded else "peers"

@@ -25,7 +25,8 @@ kill sweep of the tests SIGKILLs the process there). The sender's points: ``send
 ``send:mid-stream`` (half the file sent), ``send:sent`` (every byte sent, no answer yet); the
 holder's: ``recv:handshake`` (accepted, before the handshake), ``recv:mid-stream`` (half
 received), ``recv:before-fsync`` (every byte received and verified), ``recv:before-rename``
-(fdatasync'ed under ``.incoming-*``), ``recv:before-ack`` (renamed, the digest not sent)."""
+(fdatasync'ed under ``.incoming-*``), ``recv:before-ack`` (renamed, the digest not sent); a
+holder serving a restore: ``serve:sending`` (the reply and manifest sent, no file byte yet)."""
 
 
 def at(point: str) -> None:

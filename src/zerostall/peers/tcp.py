@@ -203,6 +203,7 @@ class TcpTransport(Transport):
                 send_msg(conn, {"ok": True, "size": size, "manifest_bytes": len(man_bytes), "offset": start,
                                 "length": length})
                 conn.sendall(man_bytes)
+                at("serve:sending")
                 send_range(conn, f, start, length)
         else:
             raise PeerError(f"unknown request {str(op)[:40]!r}")

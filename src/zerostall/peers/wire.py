@@ -14,7 +14,8 @@ Handshake (mutual, per connection; the secret never crosses the wire)::
     client -> server   {"node": C, "nonce": nc, "mac": HMAC(secret, "c|" ns "|" nc "|" C)}
     server -> client   {"mac": HMAC(secret, "s|" nc "|" ns "|" S)}   (or {"error": ...} and close)
 
-The secret is drawn per job by rank 0 and shared through the c10d store (:mod:`.exchange`):
+The secret is the launcher's (``ZEROSTALL_PEER_SECRET[_FILE]``, keyed per session) or, failing that,
+drawn per job by rank 0 and shared through the c10d store (:mod:`.exchange`):
 only processes that can read the job's store get in. Functions here run on the calling
 thread; the socket has a timeout set by the caller (a stopped peer raises ``TimeoutError``).
 """

@@ -8,11 +8,12 @@ thread, every rank of the group, collectively).
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from ..distributed.agree import agreed_load
 from ..distributed.store import Store
-from ..store.remote import list_steps, open_tier
+from ..store.remote import list_steps
+from ..store.tier import open_tier
 from ..store import open_root
 from .pipeline import load
 from .state import LoadReport
@@ -43,15 +44,24 @@ def local_candidates(path: str, remote: Any = None, io: Any = None, step: int | 
 
 def collective_load(store: Store, base: str, rank: int, world: int, path: str, state_dict: Any, *,
                     step: int | None = None, remote: Any = None, io: Any = None, report: Any = None,
-                    timeout_s: float = 600.0, **load_kw: Any) -> Any:
+                    timeout_s: float = 600.0, extra_steps: Iterable[int] = (), exclude_steps: Iterable[int] = (),
+                    prepare: Callable[[int], None] | None = None, **load_kw: Any) -> Any:
     """``zerostall.restore.load`` on every rank of a group, agreeing on one step (module
-    docstring). Called by ``Checkpointer.load`` and ``zerostall.load`` (caller's thread)."""
+    docstring). Called by ``Checkpointer.load`` and ``zerostall.load`` (caller's thread).
+    ``extra_steps``: more steps this rank can load (peer replicas: those live holders keep for
+    its node); ``exclude_steps``: steps not to offer (the ranks hold different commits of
+    them); ``prepare(step)`` runs before each step is loaded (bringing those files in): what
+    it raises fails that step on this rank, and every rank falls back together."""
     report = report if report is not None else LoadReport()
     cands, remote = local_candidates(path, remote, io, step)
+    cands = sorted((set(cands) | {int(s) for s in extra_steps if step is None or int(s) == step})
+                   - {int(s) for s in exclude_steps})
 
     fallback = load_kw.pop("fallback", True)
 
     def one(s: int, gate: Callable[[], None]) -> Any:
+        if prepare is not None:
+            prepare(s)
         return load(path, state_dict, s, remote=remote, io=io, report=report, gate=gate, rank=rank,
                     world_size=world, **load_kw)
     return agreed_load(store, base, rank, world, cands, one, timeout_s=timeout_s, report=report, fallback=fallback)

@@ -32,8 +32,8 @@ verifies first and copies in a second read, as for CPU tensors). Why not a swap 
 tensors (old device bytes to a device temporary, the new ones in, the temporary back to
 the scratch as the rollback copy): a swap moves every byte three times over the bus and
 the device (D2D, H2D, D2H) to win the overlap of one H2D with the reads, and one H2D from
-pinned memory runs at 20-50 GB/s (PCIe 4/5, NVLink-C2C more), 10-20x a local disk's read
-rate: after the gate it adds 5-10% of the read time, while a swap would add device
+pinned memory runs an order of magnitude faster than a local disk reads (PCIe 4/5,
+NVLink-C2C more): after the gate it adds a small part of the read time, while a swap would add device
 memory traffic next to the caller's kernels and a rollback path that could itself fail half
 way on the device. Staged, a failed step has touched no device byte: the rollback is empty.
 A copy that fails *after* the gate (a device fault, not the checkpoint's) raises and may

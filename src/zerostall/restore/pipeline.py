@@ -25,12 +25,12 @@ from ..errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, Distri
 from ..io.base import Engine, choose_engine
 from ..memory.arena import Arena
 from ..store import open_root
-from ..store.tier import RootTier, is_url
+from ..store.remote import list_steps
+from ..store.tier import RootTier, is_url, open_tier
 from .download import FETCH_LOCK_NAME, damaged_local_ref, fetch, fetch_remote_step, rank_files
 from .retry import GONE, MAX_REPLACED, REPLACED, changed_under, listed_ident, remote_changed_under
 from .state import LoadReport, location_mapper
 from .step import load_step, shared_bounce, verify_step, verify_tier_step
-from ..store.remote import list_steps, open_tier
 
 __all__ = ["FETCH_LOCK_NAME", "fetch_remote_step", "load", "load_step", "rank_files", "verify_step", "verify_tier_step"]
 

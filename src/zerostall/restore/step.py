@@ -54,7 +54,7 @@ last_stats: Stats | None = None
 def shared_bounce() -> Arena:
     """The process's restore scratch when no staging pool lends one (faulted once, reused).
     Any thread: a peer restore faults it on a thread of its own while the node's files are
-    fetched (:meth:`zerostall.peers.service.Peers.prepare_load`); a second caller waits for that one."""
+    fetched (:meth:`zerostall.peers.service.Peers.plan_load`); a second caller waits for that one."""
     global _bounce
     with _bounce_made:
         if _bounce is None:
@@ -156,9 +156,8 @@ def file_reads(tier: Tier, man: Manifest, engine: Engine | None, dst: Any, *, ne
 def _scratch(plan: Plan, bounce: Any) -> Iterator[Any]:
     """``bounce`` if the plan fits in it (under the shared bounce's lock if it is that one), else None.
 
-    Never a fresh allocation: new memory faults at 0.15-1 GB/s on a VM (the staging pool's
-    measurement, :meth:`~zerostall.saving.pool.StagingPool.ring_bytes`), slower than
-    reading the step twice from a disk at 3-4 GB/s."""
+    Never a fresh allocation: new memory can fault slower than a disk reads the step twice
+    (docs/speed-tricks.md; :meth:`~zerostall.saving.pool.StagingPool.ring_bytes`)."""
     with _bounce_lock if bounce is _bounce else contextlib.nullcontext():
         yield bounce if plan.fits(bounce.nbytes) else None
 
@@ -171,7 +170,7 @@ def read_step(files: list[FileRead], bounce: Any, io: IOConfig, *, verify: bool 
     (what it raises rolls the protected destinations back). ``slow_source`` (a remote tier,
     slower than faulting new memory): rather than reading it twice, a transient scratch of
     the step's size when the host has that much memory available (for a local disk reading
-    twice measured faster: 1.04 vs 0.66 GB/s, 2 GiB in place, load 8, new memory faulting)."""
+    twice measured faster: docs/speed-tricks.md)."""
     global last_stats
     plan = Plan(files, io, in_place=any(fr.protect for fr in files))
     with _scratch(plan, bounce) as scratch:
@@ -233,9 +232,8 @@ def read_later(files: list[FileRead], first: Stats, ring: Any, io: IOConfig, ver
 HEAD_FRACTION = 0.5
 """Share of an in-place load that does not fit the scratch read once, under rollback, into new
 memory (faulted by the readers' direct reads); the rest is verified first and read again.
-New memory faults at 1-2 GB/s here (4 KiB pages; huge pages 0.1-0.35 GB/s when the host
-reclaimed them), about a third of the disk's read rate, so faulting part while the disk reads
-the rest twice beats both a whole-state scratch and a double read of everything (measured:
+New memory faults at a fraction of the disk's read rate (docs/speed-tricks.md), so faulting
+part while the disk reads the rest twice beats both a whole-state scratch and a double read of everything (measured:
 see docs/design.md, Restore pipeline)."""
 
 

@@ -59,9 +59,8 @@ ADAPTIVE = True
 """Swaps not yet started when every byte verified become staged copies (one copy's traffic
 instead of two): the copiers swap while the disk reads, as far as the CPU keeps up."""
 DIRECT_MIN_BYTES = 1 << 62
-"""New tensors at least this big are read into directly, the rest through the ring. Off: on
-this project's VM (1 GiB new dict, load 9-15) the ring ran at 1.4-2.0 GB/s and direct reads
-at 0.8-1.7 GB/s (0.14 with huge pages advised, compaction): the first touch of a new tensor
+"""New tensors at least this big are read into directly, the rest through the ring. Off: the
+ring measured faster than direct reads (docs/speed-tricks.md): the first touch of a new tensor
 then runs inside the read, with the disk idle, while through the ring the copier threads take
 those page faults next to the reads."""
 COPIERS = 2
@@ -360,8 +359,8 @@ def _mv(u8: torch.Tensor) -> memoryview:
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
     """A flat uint8 tensor of ``align_up(nbytes)`` bytes at a page-aligned address (read into
-    with direct I/O), its storage owned by torch's allocator. (Advising huge pages for it
-    measured 0.14 GB/s here: the fault compacts memory.)"""
+    with direct I/O), its storage owned by torch's allocator. (Not advised huge pages: the
+    fault compacts memory.)"""
     padded = align_up(nbytes)
     raw = torch.empty(padded + ALIGN_BYTES, dtype=torch.uint8)
     off = (-raw.data_ptr()) % ALIGN_BYTES

@@ -13,6 +13,7 @@ import json
 import os
 from typing import Any
 
+from ..errors import CheckpointNotFound
 from .incremental import RefTracker
 from .job import merged_entries
 from .job import Persisted, SaveRequest
@@ -126,13 +127,25 @@ class StoreCommitter:
             except OSError:
                 pass
 
-    def load_agreed(self, state_dict: Any, step: int | None, cfg: Any, report: Any, **load_kw: Any) -> Any:
+    def load_agreed(self, state_dict: Any, step: int | None, cfg: Any, report: Any, *, peer: Any = None,
+                    **load_kw: Any) -> Any:
         """``Checkpointer.load`` across ranks (caller's thread, every rank): the newest step every
-        rank can load (:mod:`.agree`), through this Checkpointer's own store connection."""
-        return collective_load(self.store, collective_base(self.session.prefix), self.rank, self.world,
-                               self.tier.root, state_dict, step=step, remote=cfg.remote, io=cfg.io, report=report,
-                               timeout_s=max(cfg.join_timeout_s, cfg.commit_timeout_s), verify=cfg.verify_on_load,
-                               fallback=cfg.fallback, **load_kw)
+        rank can load (:mod:`.agree`), through this Checkpointer's own store connection; with
+        ``peer`` (a :class:`zerostall.peers.PeerLoad`) counting the steps live holders keep for
+        this node, fetched before each is tried."""
+        try:
+            return collective_load(self.store, collective_base(self.session.prefix), self.rank, self.world,
+                                   self.tier.root, state_dict, step=step, remote=cfg.remote, io=cfg.io,
+                                   report=report, timeout_s=max(cfg.join_timeout_s, cfg.commit_timeout_s),
+                                   verify=cfg.verify_on_load, fallback=cfg.fallback,
+                                   extra_steps=peer.steps if peer is not None else (),
+                                   exclude_steps=peer.offer.split if peer is not None else (),
+                                   prepare=peer.prepare if peer is not None else None, **load_kw)
+        except CheckpointNotFound as exc:
+            if peer is None:
+                raise
+            raise CheckpointNotFound(f"{exc} -- counting local roots, live peers and the remote tier (a file is "
+                                     "lost when every node holding it is gone)") from None
 
     def drain(self) -> list[int]:
         """Rank 0 at close(): wait (bounded) until every rank read the decisions of the rounds it

@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from ..io.base import Engine, engine_name_for, get_engine
 from .incremental import RefTracker, mode_of
 from .persist import Persister
-from ..store.remote import open_tier
+from ..store.tier import open_tier
 from .upload import Replicator
 from ..store.retention import LocalRetention, RetentionPolicy, retain_at_start
 from ..store import open_root
@@ -67,11 +67,13 @@ class Stages:
         return s.members.index(self.rank), len(s.members)
 
     def load(self, state_dict: Any, step: int | None, cfg: CheckpointConfig, report: Any, *,
-             map_location: Any, **kw: Any) -> Any:
+             map_location: Any, peer: Any = None, **kw: Any) -> Any:
         """One load (caller's thread, under the Checkpointer's save lock): across ranks the
-        newest step every rank can load (collective), else the newest that verifies here."""
+        newest step every rank can load (collective), else the newest that verifies here.
+        ``peer``: the peer tier's part (:class:`zerostall.peers.PeerLoad`; ``replicas > 1``)."""
         if self.committer is not None:
-            return self.committer.load_agreed(state_dict, step, cfg, report, map_location=map_location, **kw)
+            return self.committer.load_agreed(state_dict, step, cfg, report, map_location=map_location, peer=peer,
+                                              **kw)
         return load(self.tier.root, state_dict, step, map_location, verify=cfg.verify_on_load, fallback=cfg.fallback,
                     rank=self.rank, world_size=self.world_size, remote=cfg.remote, report=report, **kw)
 

@@ -46,11 +46,12 @@ from ..errors import CheckpointNotFound, CorruptCheckpoint, RemoteError, Zerosta
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from .job import Committed
 from ..store.local import LocalTier
-from ..store.remote import RemoteTier, drop_cache, file_crc32c
+from ..store.files import drop_cache, file_crc32c
+from ..store.remote import RemoteTier
 from ..store.remote_replace import (committed_bytes, live_names, others_are_current, refs_current, set_aside,
     sweep)
 from ..store.retention import RetentionPolicy, dependents, prune
-from ..io.priority import set_idle_io_priority
+from ..io._sys import set_idle_io_priority
 
 log = logging.getLogger("zerostall")
 

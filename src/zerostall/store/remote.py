@@ -36,8 +36,7 @@ from ..errors import (CheckpointExistsError, CheckpointNotFound, ConfigError, Co
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..format.validate import parse_step_dir
 from .tier import Tier
-from .files import drop_cache, file_crc32c  # noqa: F401 - importable here too (sharedfs, replicate, tests)
-from .tier import is_url, open_tier, register_tier  # noqa: F401 - they live in .tier; kept importable here
+from .files import file_crc32c
 from .remote_replace import set_aside, sweep
 
 log = logging.getLogger("zerostall")

@@ -22,7 +22,8 @@ from ..config import ALIGN_BYTES, IOConfig
 from ..errors import CheckpointNotFound, CorruptCheckpoint, RemoteError, RootNotFound, ZerostallError
 from ..format.manifest import MANIFEST_NAME
 from ..format.validate import open_regular, parse_step_dir
-from .remote import RemoteTier, ShardIO, drop_cache, file_crc32c, step_of
+from .files import drop_cache, file_crc32c
+from .remote import RemoteTier, ShardIO, step_of
 from ..io import choose_engine
 from ..memory.arena import Arena
 from .local import fsync_dir, write_file_durable

@@ -2,8 +2,8 @@
 
 A manifest is parsed once per identity (device, inode, size, mtime, ctime): listing the steps
 of a root per save costs a listdir and a stat per step, and retention after a commit reads the
-references of the manifest the tier just wrote without parsing it again (a 100k-tensor manifest
-took the persist thread 2-3 s to re-parse). A file that changes in any way gets a new identity
+references of the manifest the tier just wrote without parsing it again (a large manifest
+takes the persist thread seconds to re-parse). A file that changes in any way gets a new identity
 and is parsed and validated again. Used by :class:`.local.LocalTier` from any thread (one lock).
 """
 

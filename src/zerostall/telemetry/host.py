@@ -5,8 +5,8 @@ None). A :class:`Sampler` keeps the peaks and deltas of one save; it is created 
 ``Checkpointer`` on the caller's thread in ``save()`` and stopped by the persist thread.
 All samplers of the process are served by one daemon thread (:class:`_Hub`): creating one
 only registers it (no thread start, no /proc read on the caller's thread: a thread start
-waits for the new thread to be scheduled, which took up to 6 ms of ``save()`` on a loaded
-2-core host), and one /proc read per tick serves every sampler due.
+waits for the new thread to be scheduled, on a loaded host a visible part of ``save()``), and
+one /proc read per tick serves every sampler due.
 """
 
 from __future__ import annotations
