@@ -34,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..distributed.store import Store
+from ..distributed.store import Store, StoreTimeout
 from ..errors import ZerostallError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..store.tier import RootTier
@@ -277,10 +277,19 @@ class PeerReplicator:
     def _check(self, st: StepStatus) -> None:
         v = self.view
         keys = [v.key(f"s{st.step}", n.name) for n in v.nodes]
-        if not self.store.check(keys):
-            if time.monotonic() > st.deadline:
-                missing = [k.rsplit("/", 1)[1] for k in self.store.missing(keys)]
-                st.error = (f"step {st.step}: node(s) {', '.join(missing)} did not report their peer copies within "
+        missing = None  # set once the deadline has passed: who did not report
+        try:  # a store that does not answer (a partitioned node) must not hold the step past its deadline
+            with self.store.bounded(st.deadline):
+                ready = self.store.check(keys)
+                if not ready and time.monotonic() > st.deadline:
+                    missing = ", ".join(k.rsplit("/", 1)[1] for k in self.store.missing(keys))
+        except StoreTimeout as exc:
+            if time.monotonic() <= st.deadline:
+                return
+            ready, missing = False, f"(unknown: the c10d store did not answer: {exc})"
+        if not ready:
+            if missing is not None:
+                st.error = (f"step {st.step}: node(s) {missing} did not report their peer copies within "
                             f"replica_timeout_s={self.replica_timeout_s:g} s")
                 log.warning("zerostall: %s; the step is not protected", st.error)
                 st.done.set()
