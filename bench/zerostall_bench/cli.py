@@ -4,24 +4,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from typing import Any
 
+from zerostall.cli.demo_bench import _positive
 
 SCENARIOS = {"default": "bench", "frozen-base": "frozen", "node-loss": "nodeloss", "node-loss-links": "nodeloss_links",
              "node-loss-coded": "nodeloss_coded", "replication-cost": "nodeloss_cost", "restore": "restore",
              "many-tensors": "many", "objects": "objects", "every-step": "everystep"}
-
-
-def _positive(kind: Any) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-        return v
-    return parse
 
 
 def _device(text: str) -> str:

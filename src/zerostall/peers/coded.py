@@ -39,7 +39,7 @@ import crc32c as _crc
 
 from ..config import ALIGN_BYTES
 from ..errors import ConfigError, ZerostallError
-from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.manifest import Manifest
 from .coding import STRIPE_BYTES, Code, Layout, descriptor_id
 from .fragments import Upload, list_fragments
 from .placement import ranking
@@ -73,9 +73,7 @@ class CodedReplicator(PeerReplicator):
     def _send_step(self, step: int) -> tuple[list[str], str]:
         v = self.view
         try:
-            with open(os.path.join(self.tier.step_dir(step), MANIFEST_NAME), "rb") as f:
-                raw = f.read()
-            man = Manifest.from_bytes(raw)
+            raw, man = self._step_manifest(step)
         except (OSError, ZerostallError) as exc:
             return [], f"cannot read the manifest of step {step}: {exc}"
         lay = self._layout(man)
@@ -214,8 +212,7 @@ class CodedReplicator(PeerReplicator):
             if self._stop.is_set():
                 return
             try:
-                raw = open(os.path.join(self.tier.step_dir(step), MANIFEST_NAME), "rb").read()
-                man = Manifest.from_bytes(raw)
+                raw, man = self._step_manifest(step)
             except (OSError, ZerostallError) as exc:
                 log.warning("zerostall: repair of step %d: %s", step, exc)
                 continue

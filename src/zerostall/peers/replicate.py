@@ -178,12 +178,17 @@ class PeerReplicator:
         except OSError as exc:
             return {"error": str(exc)}
 
+    def _step_manifest(self, step: int) -> tuple[bytes, Manifest]:
+        """The manifest of ``step`` in this node's root, raw and parsed (sender thread); raises
+        ``OSError`` or ``ZerostallError`` where it cannot be read."""
+        with open(os.path.join(self.tier.step_dir(step), MANIFEST_NAME), "rb") as f:
+            raw = f.read()
+        return raw, Manifest.from_bytes(raw)
+
     def _send_step(self, step: int) -> tuple[list[str], str]:
         v = self.view
         try:
-            with open(os.path.join(self.tier.step_dir(step), MANIFEST_NAME), "rb") as f:
-                raw = f.read()
-            man = Manifest.from_bytes(raw)
+            raw, man = self._step_manifest(step)
         except (OSError, ZerostallError) as exc:
             return [], f"cannot read the manifest of step {step}: {exc}"
         mine = [fe for fe in man.files if fe.rank < len(v.rank_nodes) and v.rank_nodes[fe.rank] == v.me]
