@@ -82,9 +82,12 @@ class Offer:
     split: set[int] = field(default_factory=set)
     refs: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
     """Every step live peers hold this node's files of (an incremental step's references)."""
+    unshared: set[int] = field(default_factory=set)
+    """Steps this node could load that some other rank offered not at all: never agreed, but
+    counted as this node's, so that an error names only the ranks that truly lack a step."""
 
     def steps(self) -> set[int]:
-        return (self.local | set(self.held) | self.coded) - self.split
+        return (self.local | set(self.held) | self.coded | self.unshared) - self.split
 
 
 def _local_steps(tier: RootTier, view: PeerView, names: list[str]) -> tuple[dict[int, str], dict[int, str | None]]:
@@ -200,7 +203,8 @@ def offer(store: Store, view: PeerView, transport: Transport, tier: RootTier, lo
     held = {st: peers[st][ids[st]] for st in peers if st in ids and ids[st] in peers[st] and st not in local}
     got_coded = {st for st in coded if st in ids and ids[st] in coded[st] and st not in local and st not in held}
     refs = {st: cids[max(cids)] for st, cids in peers.items()}
-    return Offer(set(local), held, got_coded, ids, split, refs)
+    unshared = set(mine) - set(common) - split
+    return Offer(set(local), held, got_coded, ids, split, refs, unshared)
 
 
 def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
