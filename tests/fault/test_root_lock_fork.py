@@ -1,6 +1,7 @@
 """The root lock belongs to the writer process: a child forked while a Checkpointer is open
 never keeps the root locked after the parent's close() or death (issue 23). Real forks."""
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -53,6 +54,30 @@ def test_child_forked_while_open_does_not_keep_the_root_locked(ckdir):
     finally:
         os.write(w, b"x")
         os.close(w)
+        os.waitpid(pid, 0)
+    assert zerostall.load(ckdir)["w"].sum() == 0
+
+
+def test_child_that_still_holds_a_copy_of_the_lock_descriptor_does_not_keep_it(ckdir):
+    """The moment between fork() and the child's at-fork handler, made to last: libc's fork
+    runs no Python handler, so the child keeps its copy of every descriptor until it exits."""
+    ck = zerostall.Checkpointer(ckdir)
+    ck.save(0, {"w": torch.ones(4)}).result()
+    r, w = os.pipe()
+    pid = ctypes.CDLL(None, use_errno=True).fork()
+    if pid == 0:
+        os.read(r, 1)
+        os._exit(0)
+    assert pid > 0, os.strerror(ctypes.get_errno())
+    try:
+        assert any(p == pid for p, _, _ in _holders(ckdir))  # the child does hold the lock file open
+        ck.close()
+        with zerostall.Checkpointer(ckdir) as again:  # was RootLockedError naming our own pid
+            again.save(1, {"w": torch.zeros(4)}).result()
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.close(r)
         os.waitpid(pid, 0)
     assert zerostall.load(ckdir)["w"].sum() == 0
 

@@ -72,6 +72,11 @@ class _FetchLock:
 
     def __exit__(self, *exc: object) -> None:
         if self.fd >= 0:
+            import fcntl
+            try:  # on the description: a child forked meanwhile must not keep it locked
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+            except OSError:
+                pass
             os.close(self.fd)
             self.fd = -1
 

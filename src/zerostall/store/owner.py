@@ -68,6 +68,16 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _unlock_and_close(fd: int) -> None:
+    """``LOCK_UN`` acts on the open file description, which a forked child shares until its
+    at-fork handler closes its copy; a plain ``close`` would leave the lock to that child."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except OSError:  # no locking on this filesystem, or never locked
+        pass
+    os.close(fd)
+
+
 def read_owner(root: str) -> dict[str, object]:
     """What the lock file of ``root`` says about its holder ({} if nothing readable)."""
     try:
@@ -185,13 +195,14 @@ class RootLock:
             log.warning("zerostall: could not record the owner in %s: %s", self.path, exc)
 
     def release(self) -> None:
-        """Drop the lock (closing the descriptor releases the flock). Idempotent."""
+        """Drop the lock. Idempotent. Unlocks before closing: a child forked a moment ago may
+        not have run :func:`_after_fork_in_child` yet, and its copy of the descriptor would
+        keep a merely closed description locked until it does."""
         fd, self._fd = self._fd, None
         dfd, self._dfd = self._dfd, None
-        if fd is not None:
-            os.close(fd)
-        if dfd is not None:
-            os.close(dfd)
+        for d in (fd, dfd):
+            if d is not None:
+                _unlock_and_close(d)
 
     def __del__(self) -> None:  # a half-built Checkpointer must not keep the root locked
         try:
@@ -285,4 +296,4 @@ class StepLock:
                 except FileNotFoundError:
                     pass
         finally:
-            os.close(fd)
+            _unlock_and_close(fd)
