@@ -1,4 +1,4 @@
-"""Plain TCP peer transport: ``socket.sendfile`` from the committed file, the receiver checks
+"""Plain TCP peer transport: the committed file read ahead with O_DIRECT and sent, the receiver checks
 every byte and writes with O_DIRECT from an aligned buffer (see :mod:`.transport` for the
 call order and :mod:`.wire` for the messages).
 
@@ -9,7 +9,7 @@ Requests after the handshake, each answered ``{"ok": true, ...}`` or ``{"ok": fa
         -> {"ok": true, "digest"}   after verify, fdatasync, rename, fsync of the directory
     {"op": "list"}                 -> {"ok": true, "held": [...]}
     {"op": "get", "src", "step", "name"}
-        -> {"ok": true, "size", "manifest_bytes"} + manifest + file bytes (sendfile)
+        -> {"ok": true, "size", "manifest_bytes"} + manifest + file bytes
 
 Every socket has ``timeout_s``: a peer that stops (SIGSTOP, a hung host) fails the call
 after ``timeout_s`` without progress. The server runs one daemon thread per connection (at
@@ -289,7 +289,7 @@ class TcpTransport(Transport):
                     if send_range(s, f, half, size - half, self.pacer) == size - half:
                         at("send:sent")
                 try:
-                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # sendfile read through the cache
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # a buffered read-ahead (no O_DIRECT here)
                 except OSError:
                     pass
             reply = recv_msg(s)
