@@ -18,6 +18,11 @@ Run (root, repository root)::
 
     PYTHONPATH=$PWD/src python -m tests.cluster.linkprobe --mbit 4000 1600 --mib 256 --rounds 3
 
+    # the same run against another tree's code (variants prefixed ``before:``)
+    git worktree add /tmp/zs-before main
+    PYTHONPATH=$PWD/src python -m tests.cluster.linkprobe --before /tmp/zs-before/src \
+        --variants bare net before:net full before:full
+
 A worker of this module runs in each namespace (``serve`` on n0, the variants on n1); the
 driver runs on the caller's thread.
 """
@@ -168,7 +173,8 @@ def _drops(c: Any) -> int:
     return n
 
 
-def probe(mbit: float, mib: int, rounds: int, work: str, variants: list[str] = VARIANTS) -> dict[str, Any]:
+def probe(mbit: float, mib: int, rounds: int, work: str, variants: list[str] = VARIANTS,
+          before: str | None = None) -> dict[str, Any]:
     from .harness import Cluster
     env = {"PYTHONPATH": os.pathsep.join([os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__)))), "src"), os.environ.get("PYTHONPATH", "")]), "PYTHONUNBUFFERED": "1"}
@@ -178,6 +184,11 @@ def probe(mbit: float, mib: int, rounds: int, work: str, variants: list[str] = V
         srv = n0.spawn([*me, "serve", n0.root, str(mib)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                        text=True)
         port = int(srv.stdout.readline())
+        ports = {"": port}
+        if before:  # the same file served by the other tree's code, on a port of its own
+            old = n0.spawn([*me, "serve", n0.root, str(mib)], env={**env, "PYTHONPATH": before}, stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True)
+            ports["before:"] = int(old.stdout.readline())
         sink = n1.spawn([*me, "sink"], env=env)
         time.sleep(1)
         shard = os.path.join(n0.root, "step-1", NAME)
@@ -192,7 +203,10 @@ def probe(mbit: float, mib: int, rounds: int, work: str, variants: list[str] = V
                 else:
                     if not v.endswith("-warm"):
                         _uncache(shard)
-                    res = n1.run([*me, "get", v.removesuffix("-warm"), n0.addr, str(port), n1.root], timeout=600)
+                    tree = "before:" if v.startswith("before:") else ""
+                    pre = ["env", f"PYTHONPATH={before}"] if tree else []
+                    res = n1.run([*pre, *me, "get", v.removeprefix(tree).removesuffix("-warm"), n0.addr,
+                                  str(ports[tree]), n1.root], timeout=600)
                 if res.returncode != 0:
                     raise SystemExit(f"linkprobe {v} failed: {res.stderr[-2000:]}")
                 lines = res.stdout.strip().splitlines()
@@ -229,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--variants", nargs="+", default=VARIANTS,
-                    help="of bare, net, crc, full (suffix -warm: the holder's file left in the page cache)")
+                    help="of bare, net, crc, full (suffix -warm: the holder's file left in the page cache; prefix "
+                         "before: the code of the --before tree, served and fetched by it)")
+    ap.add_argument("--before", default=None, help="another tree's src/ (e.g. a checkout of main) for before: variants")
     a = ap.parse_args(argv)
     work = f"/tmp/zs-linkprobe-{os.getpid()}"
     os.makedirs(work, exist_ok=True)
@@ -237,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                                           time.gmtime()), "rates": []}
     try:
         for mbit in a.mbit:
-            res = probe(mbit, a.mib, a.rounds, work, a.variants)
+            res = probe(mbit, a.mib, a.rounds, work, a.variants, a.before)
             out["rates"].append(res)
             print(f"{mbit:g} mbit ({res['link_Bps'] / 1e6:.0f} MB/s), load {os.getloadavg()[0]:.1f}: " + ", ".join(
                 f"{k} {res['median_Bps'][k] / 1e6:.0f} MB/s ({res['of_link'][k]:.2f} link, {res['of_bare'][k]:.2f} "
