@@ -246,8 +246,8 @@ class CodedReplicator(PeerReplicator):
 
 
 def _stripe_bytes(pacer: Any, fragments: int) -> int:
-    """Bytes of each fragment per stripe. The holders are fed in turn, so with a bandwidth cap
-    one waits for the other fragments' pieces between two of its own: two pacer pieces
+    """Bytes of each fragment per stripe. The feeds share the node's pacer, so with a bandwidth
+    cap a feed waits for the other feeds' stripes between two of its own: two pacer pieces
     (``rate * timeout_s / 8`` each) across all fragments keep that wait near a quarter of
     ``peers.timeout_s``, after which the holder would give up."""
     if pacer is None or not pacer.rate:
