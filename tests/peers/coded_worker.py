@@ -1,12 +1,16 @@
 """One rank = one simulated node of the coded-copy tests (run by test_coded_nodes.py).
 
 argv: scenario base out. Env: ZEROSTALL_NODE (the node), ZS_K / ZS_M (RS(k, m)), ZS_DIE (save:
-the rank that SIGKILLs itself once its steps are protected). Each node's root is ``base/<node>``.
+the rank that SIGKILLs itself once its steps are protected), ZS_REMOTE (a remote tier's URL:
+save waits until each step is there too), ZS_WIPE (scenario "fallback": the nodes whose roots
+are wiped after the save, before the job restarts twice in the same processes: once without the
+remote tier, then with it). Each node's root is ``base/<node>``.
 """
 
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 
@@ -24,12 +28,25 @@ def state_for(rank, step):
             "meta": {"rank": rank, "step": step}}
 
 
-def checkpointer(base):
+def checkpointer(base, remote=None):
     node = os.environ["ZEROSTALL_NODE"]
     peers = PeersConfig(timeout_s=5, replica_timeout_s=30, code="rs", data_fragments=int(os.environ["ZS_K"]),
                         parity_fragments=int(os.environ["ZS_M"]))
     return zerostall.Checkpointer(os.path.join(base, node), dist_name="coded-test", peers=peers, commit_timeout_s=30,
-                                  close_timeout_s=4)
+                                  close_timeout_s=4, remote=remote)
+
+
+def load(ck, rank, res):
+    """Load the newest step every rank can into ``res`` (step, source, equal; or the error)."""
+    report = zerostall.LoadReport()
+    state = state_for(rank, 0)
+    try:
+        ck.load(state, report=report)
+        res["step"], res["source"] = report.step, report.source
+        res["equal"] = equal(state, state_for(rank, report.step))
+    except zerostall.errors.ZerostallError as exc:
+        res["error"], res["error_type"] = str(exc), type(exc).__name__
+    return res
 
 
 def main():
@@ -38,13 +55,15 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     res = {"rank": rank, "node": os.environ["ZEROSTALL_NODE"]}
-    if scenario == "save":
-        ck = checkpointer(base)
+    if scenario in ("save", "fallback"):
+        ck = checkpointer(base, os.environ.get("ZS_REMOTE"))
         res["protected"], res["replica_nodes"] = {}, {}
         for s in (1, 2):
             h = ck.save(s, state_for(rank, s))
             h.result()
             h.wait(tier="peers", timeout=60)
+            if os.environ.get("ZS_REMOTE"):
+                res.setdefault("durable", {})[s] = h.wait(tier="remote", timeout=60)
             res["protected"][s] = h.protected()
             res["replica_nodes"][s] = list(h.result().replica_nodes)
         rep = ck._peers.replicator
@@ -60,17 +79,19 @@ def main():
             res["error"], res["error_type"] = str(exc), type(exc).__name__
             json.dump(res, open(out, "w"))
             return
-        report = zerostall.LoadReport()
-        state = state_for(rank, 0)
-        try:
-            ck.load(state, report=report)
-            res["step"], res["source"] = report.step, report.source
-            res["equal"] = equal(state, state_for(rank, report.step))
-        except zerostall.errors.ZerostallError as exc:
-            res["error"], res["error_type"] = str(exc), type(exc).__name__
+        load(ck, rank, res)
         res["repaired"] = ck._peers.replicator.repaired.wait(30)
         dist.barrier()  # no holder leaves before every node's repair pass is over
         ck.close()
+    if scenario == "fallback":  # nodes replaced; the job restarted twice: without the remote tier, then with it
+        dist.barrier()
+        if res["node"] in os.environ["ZS_WIPE"].split(","):
+            shutil.rmtree(os.path.join(base, res["node"]))
+        dist.barrier()
+        for key, remote in (("without", None), ("with", os.environ["ZS_REMOTE"])):
+            ck = checkpointer(base, remote)
+            res[key] = load(ck, rank, {})
+            ck.close()
     json.dump(res, open(out, "w"))
 
 
