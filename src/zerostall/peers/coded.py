@@ -26,7 +26,9 @@ class, ``peers.cpu_priority``: :mod:`.priority`) does, per step:
 Retention is the base class's: fragments live in the holder's step directories, so
 ``keep_last`` counts steps. :meth:`CodedReplicator._repair` (start-up) gives the fragments of
 the kept steps that no live node holds to nodes holding none of that step, recomputed from
-this node's own files.
+this node's own files: the fragments of the commit in this node's manifest (the descriptor
+names its checkpoint id, so a holder's fragment of another commit of the step counts for
+nothing), never of a step deleted for good (:mod:`.tombstones`), as the replica repair.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from ..errors import ConfigError, ZerostallError
 from ..format.manifest import Manifest
 from .coding import STRIPE_BYTES, Code, Layout, descriptor_id
 from .fragments import Upload, list_fragments
+from . import tombstones
 from .placement import ranking
 from .replicate import PeerReplicator
 
@@ -225,6 +228,8 @@ class CodedReplicator(PeerReplicator):
             except (OSError, ZerostallError) as exc:
                 log.warning("zerostall: repair of step %d: %s", step, exc)
                 continue
+            if tombstones.dead(v.deleted, step, man.checkpoint_id, man.created_unix):
+                continue  # deleted for good on some node (zerostall delete): no fragments of it again
             lay = self._layout(man)
             desc = lay.describe(step, man.checkpoint_id, v.me)
             held: dict[int, str] = {}
