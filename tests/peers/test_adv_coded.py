@@ -21,6 +21,19 @@ def _state(seed):
     return {"w": torch.randn(50_000, generator=g), "meta": {"seed": seed}}
 
 
+def _superseded(job):
+    """RS(1,2): step 1 as commit A on n1, n2, n3, then overwritten (commit B) with only n3
+    taking B's fragment: ``(replicator, A's checkpoint id, B's)``."""
+    rep = CodedReplicator(LocalTier(job.src), job.view(), job.client, None, None, replicas=1, keep_last=None,
+                          replica_timeout_s=30, data_fragments=1, parity_fragments=2)
+    zerostall.save(job.src, _state(1), 1)
+    assert len(job.send(rep, 1)[0]) == 3
+    cid_a = LocalTier(job.src).read_manifest(1).checkpoint_id
+    zerostall.save(job.src, _state(2), 1, overwrite=True)
+    assert job.send(rep, 1, {2: "n3"})[0] == {2: "n3"}
+    return rep, cid_a, LocalTier(job.src).read_manifest(1).checkpoint_id
+
+
 def test_a_superseded_coding_of_the_step_is_never_rebuilt_as_the_commit_asked_for(tmp_path):
     """RS(1,2): commit A of step 1 coded onto n1, n2, n3; the owner overwrites step 1 (commit
     B, same sizes) and only n3 takes B's fragment before the owner is lost. Live holders then
@@ -29,14 +42,7 @@ def test_a_superseded_coding_of_the_step_is_never_rebuilt_as_the_commit_asked_fo
     A's (which passes every crc check, being a whole older commit)."""
     job = Job(tmp_path)
     try:
-        rep = CodedReplicator(LocalTier(job.src), job.view(), job.client, None, None, replicas=1, keep_last=None,
-                              replica_timeout_s=30, data_fragments=1, parity_fragments=2)
-        zerostall.save(job.src, _state(1), 1)
-        assert len(job.send(rep, 1)[0]) == 3
-        cid_a = LocalTier(job.src).read_manifest(1).checkpoint_id
-        zerostall.save(job.src, _state(2), 1, overwrite=True)
-        assert job.send(rep, 1, {2: "n3"})[0] == {2: "n3"}
-        cid_b = LocalTier(job.src).read_manifest(1).checkpoint_id
+        rep, cid_a, cid_b = _superseded(job)
         shard_b = open(os.path.join(job.src, "step-1", NAME), "rb").read()
         assert cid_a != cid_b
 
@@ -99,13 +105,7 @@ def test_the_repair_counts_only_fragments_of_the_commit_it_holds_and_replaces_th
     there, so live holders keep B whole and nothing of A."""
     job = Job(tmp_path)
     try:
-        rep = CodedReplicator(LocalTier(job.src), job.view(), job.client, None, None, replicas=1, keep_last=None,
-                              replica_timeout_s=30, data_fragments=1, parity_fragments=2)
-        zerostall.save(job.src, _state(1), 1)
-        assert len(job.send(rep, 1)[0]) == 3
-        zerostall.save(job.src, _state(2), 1, overwrite=True)
-        assert job.send(rep, 1, {2: "n3"})[0] == {2: "n3"}
-        cid_b = LocalTier(job.src).read_manifest(1).checkpoint_id
+        rep, _, cid_b = _superseded(job)
         rep._repair()
         coded = holdings(job.view(), job.client)
         assert list(coded[1]) == [cid_b] and sorted(coded[1][cid_b].holders) == [0, 1, 2]
