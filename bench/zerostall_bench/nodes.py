@@ -22,9 +22,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+Spawn = Callable[[int, list[str], dict[str, str]], subprocess.Popen]
+
+
 def run_nodes(bench: str, mode: str, work: str, nodes: int, argv: Callable[[int, str], list[str]],
-              env: Callable[[int], dict[str, str]],
-              spawn: Callable[[int, list[str], dict[str, str]], subprocess.Popen] | None = None) -> list[dict[str, Any]]:
+              env: Callable[[int], dict[str, str]], spawn: Spawn | None = None) -> list[dict[str, Any]]:
     """One process per node (rank r: ``argv(r, its result file)``, torchrun-style ``env(r)``
     added to this process's environment, ``spawn`` to start it elsewhere, e.g. in a network
     namespace); their JSON results in rank order. A node that fails ends the bench with its stderr."""
