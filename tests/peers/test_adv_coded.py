@@ -22,8 +22,8 @@ def _state(seed):
 
 
 def _superseded(job):
-    """RS(1,2): commit A of step 1 coded onto n1, n2, n3, then step 1 overwritten (commit B,
-    same sizes) with only n3 taking B's fragment. ``(replicator, id of A, id of B)``."""
+    """RS(1,2): step 1 as commit A on n1, n2, n3, then overwritten (commit B) with only n3
+    taking B's fragment: ``(replicator, A's checkpoint id, B's)``."""
     rep = CodedReplicator(LocalTier(job.src), job.view(), job.client, None, None, replicas=1, keep_last=None,
                           replica_timeout_s=30, data_fragments=1, parity_fragments=2)
     zerostall.save(job.src, _state(1), 1)
@@ -51,7 +51,7 @@ def test_a_superseded_coding_of_the_step_is_never_rebuilt_as_the_commit_asked_fo
     A's (which passes every crc check, being a whole older commit)."""
     job = Job(tmp_path)
     try:
-        _, cid_a, cid_b = _superseded(job)
+        rep, cid_a, cid_b = _superseded(job)
         shard_b = open(os.path.join(job.src, "step-1", NAME), "rb").read()
         assert cid_a != cid_b
 
