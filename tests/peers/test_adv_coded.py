@@ -34,6 +34,15 @@ def _superseded(job):
     return rep, cid_a, LocalTier(job.src).read_manifest(1).checkpoint_id
 
 
+def _steps_1_and_2_coded(job):
+    """Steps 1 and 2 saved, each coded onto the three holders; the replicator."""
+    rep = job.replicator()
+    for step in (1, 2):
+        job.save(step)
+        assert len(job.send(rep, step)[0]) == 3
+    return rep
+
+
 def test_a_superseded_coding_of_the_step_is_never_rebuilt_as_the_commit_asked_for(tmp_path):
     """RS(1,2): commit A of step 1 coded onto n1, n2, n3; the owner overwrites step 1 (commit
     B, same sizes) and only n3 takes B's fragment before the owner is lost. Live holders then
@@ -62,10 +71,7 @@ def test_fragments_of_a_step_deleted_for_good_are_not_counted(tmp_path):
     its fragments): a restore must not count them, as it does not count such full copies."""
     job = Job(tmp_path)
     try:
-        rep = job.replicator()
-        for step in (1, 2):
-            job.save(step)
-            assert len(job.send(rep, step)[0]) == 3
+        _steps_1_and_2_coded(job)
         cid = LocalTier(job.src).read_manifest(2).checkpoint_id
         view = dataclasses.replace(job.view(), deleted={2: {"ids": [cid], "before": 0.0}})
         assert sorted(holdings(view, job.client)) == [1]
@@ -83,10 +89,7 @@ def test_the_repair_never_brings_back_the_fragments_of_a_step_deleted_for_good(t
     step 2 (as the replica repair never copies a deleted step again)."""
     job = Job(tmp_path)
     try:
-        rep = job.replicator()
-        for step in (1, 2):
-            job.save(step)
-            assert len(job.send(rep, step)[0]) == 3
+        rep = _steps_1_and_2_coded(job)
         tombs = {2: {"ids": [LocalTier(job.src).read_manifest(2).checkpoint_id], "before": 0.0}}
         for n in NODES[1:]:
             assert tombstones.drop_dead(str(tmp_path / n), tombs) == [("n0", 2)]
