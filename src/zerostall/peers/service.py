@@ -23,7 +23,8 @@ from .coded import CodedReplicator, check_cluster
 from .coded_restore import holdings, rebuild
 from .coding import require_codec
 from .exchange import PeerView, advertised_host, setup
-from .fetch import Offer, fetch, offer
+from .fetch import fetch
+from .offer import Offer, offer
 from .fragments import FragmentStore, register
 from .placement import Node
 from .replicate import PeerReplicator, StepStatus
