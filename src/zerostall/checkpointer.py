@@ -46,7 +46,7 @@ from .memory.ring import BlockRing
 from .saving import pool as _pool
 from .saving import snapshot as _snapshot
 from .saving.snapshot import record_save_events
-from .restore.state import LoadReport
+from .restore import LoadReport, LoadRequest
 from .restore.step import shared_bounce
 from .stateful import load_into, unwrap_optimizer
 from .saving.persist import Persister
@@ -313,9 +313,9 @@ class Checkpointer:
             peer = self._peers.plan_load(step, warm=shared_bounce)
         borrow = self._lease.pool.borrow_idle() if self._lease is not None else contextlib.nullcontext()
         with self._save_lock, borrow as bounce:
+            request = LoadRequest(step=step, map_location=map_location, keys=keys, strict=strict)
             out = load_into(state_dict, lambda sd: self._stages.load(
-                sd, step, self.config, report, map_location=map_location, engine=self.engine, bounce=bounce,
-                keys=keys, strict=strict, peer=peer))
+                sd, request, self.config, report, engine=self.engine, bounce=bounce, peer=peer))
         if peer is not None and report.step in peer.fetched:  # peer replicas: where its files came from
             report.source = peer.fetched[report.step]
         return out
