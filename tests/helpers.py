@@ -141,3 +141,16 @@ def two_steps(tmp_path, state):
     zerostall.save(root, state(1.0), step=1)
     zerostall.save(root, state(2.0), step=2)
     return root
+
+
+def seal_manifest(body, crc=None):
+    """The bytes of a manifest file around ``body`` (a dict), in the one envelope zerostall
+    writes and reads; ``crc``: record this crc32c (8 hex digits) instead of the body's."""
+    import json
+
+    from zerostall.format.manifest import envelope
+    raw = envelope(json.dumps(body, separators=(",", ":")).encode())
+    if crc is not None:
+        at = raw.index(b'"body_crc32c":"') + len(b'"body_crc32c":"')
+        raw = raw[:at] + crc.encode() + raw[at + 8:]
+    return raw
