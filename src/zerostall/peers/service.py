@@ -151,10 +151,10 @@ class Peers:
         if warm is not None and (not steps or max(steps) in got.local):
             # The load that follows reads through a 128 MiB scratch faulted on first use (a
             # restarted process has no faulted staging pool yet), after the ranks' agreement,
-            # and the collective load waits for the slowest rank: 0.5-2.8 s of the node-loss
-            # bench's load on the loaded 2-core VM. The nodes with their files at hand fault it
-            # now, while a replaced node fetches; the fetching node does not (on two cores its
-            # fault slowed the fetch and the agreement by as much as it saved).
+            # and the collective load waits for the slowest rank (docs/benchmarks.md, peer
+            # copies). The nodes with their files at hand fault it now, while a replaced node
+            # fetches; the fetching node does not (on few cores its fault slowed the fetch and
+            # the agreement by as much as it saved).
             threading.Thread(target=warm, name="zerostall-bounce-fault", daemon=True).start()
         return PeerLoad(self, n, got, steps, coded)
 

@@ -37,9 +37,8 @@ BUF_BYTES = 4 << 20
 """The receiver's buffers (two per transfer) and the unit it checks and writes."""
 FETCH_BUF_BYTES = 16 << 20
 """A restore's buffers (two per file or range fetched at once): someone waits for a restore,
-and larger pieces kept the holder's ``sendfile`` and the O_DIRECT writes busier (256 MiB from
-a cold holder copy, 6 alternating runs each, load average ~8: median 0.49 s with 4 MiB, 0.38 s
-with 16 MiB)."""
+and larger pieces keep the holder's ``sendfile`` and the O_DIRECT writes busier (measured:
+docs/speed-tricks.md)."""
 SEND_BYTES = 16 << 20
 """Bytes per ``sendfile`` call (and per pacing step) on the sender: fewer, larger calls."""
 READ_AHEAD_BYTES = 32 << 20
@@ -124,10 +123,8 @@ def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer:
     at aligned tensor offsets). Two buffers: while chunk k's O_DIRECT write is in flight
     (``w.write``'s ``overlap``), chunk k+1 is received and checked into the other, so the socket
     keeps draining and the sender keeps reading; each chunk is checked before it is written,
-    and every byte before the caller commits. The single-buffer loop (receive, check, write, in
-    turn) stalled the sender during every write (256 MiB from a cold holder copy, 8 alternating
-    runs each on the loaded 2-core VM: median 1.06 s single, 0.91 s overlapped; noisy, load
-    average ~10). ``pacer``: the receiver's own cap (a holder pacing what it takes in);
+    and every byte before the caller commits. A single-buffer loop (receive, check, write, in
+    turn) stalls the sender during every write (measured: docs/speed-tricks.md). ``pacer``: the receiver's own cap (a holder pacing what it takes in);
     ``point``: the :data:`fault_hook` prefix (``"recv"`` for a holder's copy); ``buf_bytes``:
     each buffer's size (:data:`BUF_BYTES` for copies, :data:`FETCH_BUF_BYTES` for restores)."""
     bufs = [mmap.mmap(-1, buf_bytes), mmap.mmap(-1, buf_bytes)]
