@@ -5,8 +5,6 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import skip_unless_engine
-
 # zerostall_bench (bench/, beside src/) is installed by `make test`; a checkout run with only
 # PYTHONPATH=src finds it here, and so do the processes the bench tests start.
 _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
@@ -14,6 +12,7 @@ if importlib.util.find_spec("zerostall_bench") is None and os.path.isdir(_BENCH)
     sys.path.insert(0, _BENCH)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_BENCH, os.environ.get("PYTHONPATH")) if p)
 
+from tests.helpers import skip_unless_engine  # noqa: E402 (tests.helpers imports zerostall_bench)
 
 
 @pytest.fixture(autouse=True)

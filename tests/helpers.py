@@ -7,6 +7,7 @@ import socket
 
 import pytest
 import torch
+from zerostall_bench.model import states_equal  # the bench checks its restores with the same test
 
 
 def clone(x):
@@ -17,21 +18,6 @@ def clone(x):
     if isinstance(x, (list, tuple)):
         return type(x)(clone(v) for v in x)
     return x
-
-
-def states_equal(a: object, b: object) -> bool:
-    """Bit-exact equality of nested state dicts (dicts, lists/tuples, tensors, plain values):
-    same keys, lengths, dtypes, shapes and bytes; tensors on different devices are compared
-    on the CPU."""
-    if isinstance(a, torch.Tensor):
-        if not (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape):
-            return False
-        return torch.equal(a, b) if a.device == b.device else torch.equal(a.cpu(), b.cpu())
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(states_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b))
-    return bool(a == b)
 
 
 equal = states_equal

@@ -35,52 +35,27 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import uuid
 from typing import Any, Iterator
 
 from zerostall.errors import ZerostallError
+from .nodes import free_port, node_env, run_nodes
 from .report import write_doc
 
 NODES = 4
 CAP_BYTES = 200_000_000
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(mode: str, base: str, work: str, mib: int, replicas: int, bw: int, remote: str,
+def _run(mode: str, base: str, work: str, mib: int, replicas: int | str, bw: int, remote: str,
          cpu: str = "idle") -> list[dict[str, Any]]:
     """The 4 nodes of one phase (``mode``: the worker's), each its own process; their JSON results."""
-    port = _port()
-    procs = []
-    for r in range(NODES):
-        node = f"n{r}"
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(NODES),
-                   LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", ZEROSTALL_NODE=node,
-                   ZEROSTALL_BUDGET_BYTES=str(max(64, mib + 16) << 20))
-        out = os.path.join(work, f"{mode}-{node}.json")
-        if os.path.exists(out):
-            os.unlink(out)
-        procs.append((subprocess.Popen([sys.executable, "-m", "zerostall_bench.nodeloss_worker", mode, base, out,
-                                        str(mib), str(replicas), str(bw), remote, cpu], env=env,
-                                       stderr=subprocess.PIPE, text=True), out))
-    docs = []
-    for p, out in procs:
-        _, err = p.communicate(timeout=1800)
-        if p.returncode != 0 or not os.path.exists(out):
-            raise SystemExit(f"node-loss bench: a node failed in {mode} (rc {p.returncode}):\n{err[-3000:]}")
-        docs.append(json.load(open(out)))
-        if os.environ.get("ZS_BENCH_LOG"):
-            print(err, file=sys.stderr)
-    return docs
+    port = free_port()
+    return run_nodes("node-loss bench", mode, work, NODES,
+                     lambda r, out: ["zerostall_bench.nodeloss_worker", mode, base, out, str(mib), str(replicas),
+                                     str(bw), remote, cpu],
+                     lambda r: dict(node_env(r, NODES, port, mib), MASTER_ADDR="127.0.0.1", ZEROSTALL_NODE=f"n{r}"))
 
 
 def fetch_from(url: str, tier: Any, rank: int) -> None:

@@ -13,13 +13,15 @@ Per protection, in the order given, ``--repeat`` rounds with the order reversed 
    the step is coded and sent, and after it is protected. Measured: bytes every node's leader
    moved to peers (acknowledged) against the state, the sender thread's CPU seconds in the
    parity arithmetic per GB of state, rank 0's step time while only the copies run (durable ->
-   protected) against idle (before the save, after protected), the time to protected;
+   protected) against idle (before the save, after protected; means and medians), the time
+   to protected;
 2. *recovery*: node n1 wiped (its root and everything it held for others), the job restarted;
    n1's files come from its peers while the others load their own. On the cluster, n1's link is
    ``RESTORE_LINK_X`` times a holder's for this phase: a replacement whose link is faster than
    one holder's share is what k parallel fetches are for; with replicas=3 its file comes from
    its 2 holders (ranges), with RS(k,m) from k holders. Measured: n1's files in (committed)
-   and loaded, from the barrier all nodes leave at once.
+   and loaded, from the barrier all nodes leave at once, its fetch alone, and what its bytes
+   take over one holder's link (``LINK_MBIT``): what k parallel fetches are to beat.
 
 Runs on the CLI's thread; the nodes are subprocesses.
 """
@@ -28,16 +30,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 from typing import Any
 
 from .nodeloss import _ms, workdir
+from .nodes import free_port, node_env, run_nodes
 from .report import write_doc
 
 NODES = 7
@@ -62,38 +63,18 @@ def _harness() -> Any:
     return harness
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _phase(cluster: Any, mode: str, roots: list[str], work: str, mib: int, protect: str) -> list[dict[str, Any]]:
-    port = _port() if cluster is None else 29500 + (os.getpid() % 1000)
-    procs = []
-    for r in range(NODES):
-        node = f"n{r}"
-        env = dict(MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(NODES), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                   ZEROSTALL_BUDGET_BYTES=str(max(64, mib + 16) << 20))
-        out = os.path.join(work, f"{mode}-{node}.json")
-        if os.path.exists(out):
-            os.unlink(out)
-        argv = [sys.executable, "-m", "zerostall_bench.nodeloss_coded_worker", mode, roots[r], out, str(mib), protect]
-        if cluster is None:
-            p = subprocess.Popen(argv, env=dict(os.environ, MASTER_ADDR="127.0.0.1", ZEROSTALL_NODE=node, **env),
-                                 stderr=subprocess.PIPE, text=True)
-        else:
-            p = cluster.nodes[r].spawn(argv, env=env, stderr=subprocess.PIPE, text=True)
-        procs.append((p, out))
-    docs = []
-    for p, out in procs:
-        _, err = p.communicate(timeout=1800)
-        if p.returncode != 0 or not os.path.exists(out):
-            raise SystemExit(f"node-loss-coded: a node failed in {mode} {protect} (rc {p.returncode}):\n{err[-3000:]}")
-        docs.append(json.load(open(out)))
-        if os.environ.get("ZS_BENCH_LOG"):
-            print(err, file=sys.stderr)
-    return docs
+    port = free_port() if cluster is None else 29500 + (os.getpid() % 1000)
+
+    def env(r: int) -> dict[str, str]:
+        e = node_env(r, NODES, port, mib)
+        return e if cluster is not None else dict(e, MASTER_ADDR="127.0.0.1", ZEROSTALL_NODE=f"n{r}")
+
+    def spawn(r: int, cmd: list[str], e: dict[str, str]) -> subprocess.Popen:
+        return cluster.nodes[r].spawn(cmd, env=e, stderr=subprocess.PIPE, text=True)
+    return run_nodes(f"node-loss-coded ({protect})", mode, work, NODES,
+                     lambda r, out: ["zerostall_bench.nodeloss_coded_worker", mode, roots[r], out, str(mib), protect],
+                     env, None if cluster is None else spawn)
 
 
 def _one(cluster: Any, work: str, mib: int, protect: str) -> dict[str, Any]:
@@ -115,7 +96,9 @@ def _one(cluster: Any, work: str, mib: int, protect: str) -> dict[str, Any]:
     for root in roots:
         shutil.rmtree(root, ignore_errors=True)
     idle, rep = _ms(saved[0]["idle"]), _ms(saved[0]["replicating"])
+    idle_med, rep_med = _median_ms(saved[0]["idle"]), _median_ms(saved[0]["replicating"])
     n1 = loaded[1]
+    one_link = saved[1]["state_bytes"] / (LINK_MBIT * 1e6 / 8) if cluster is not None else 0.0
     return {"protect": protect, "load_avg_1m": round(load, 2), "state_bytes": state,
             "bytes_moved_per_save": sum(d["bytes_sent"] for d in saved),
             "moved_over_state": round(sum(d["bytes_sent"] for d in saved) / state, 4),
@@ -124,9 +107,16 @@ def _one(cluster: Any, work: str, mib: int, protect: str) -> dict[str, Any]:
             "protected_after_s": round(max(d["t_protected_s"] for d in saved), 3),
             "step_ms_idle": round(idle, 3), "step_ms_replicating": round(rep, 3),
             "replicating_over_idle": round(rep / max(idle, 1e-9), 3), "steps_replicating": len(saved[0]["replicating"]),
+            "step_ms_idle_median": round(idle_med, 3), "step_ms_replicating_median": round(rep_med, 3),
+            "replicating_over_idle_median": round(rep_med / max(idle_med, 1e-9), 3),
+            "n1_one_link_s": round(one_link, 3),
             "n1_source": n1["source"], "n1_files_in_s": round(n1.get("files_s", 0.0), 3),
             "n1_fetch_s": round(n1.get("fetch_s", 0.0), 3), "n1_loaded_s": round(n1["load_s"], 3),
             "bit_exact": all(d["equal"] for d in loaded)}
+
+
+def _median_ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e3 if xs else 0.0
 
 
 def run(size_gib: float, work: str, rounds: int, protections: tuple[str, ...] = PROTECTIONS) -> dict[str, Any]:
@@ -150,8 +140,8 @@ def run(size_gib: float, work: str, rounds: int, protections: tuple[str, ...] = 
         mine = [x for x in runs if x["protect"] == protect]
         out[protect] = {k: statistics.median(x[k] for x in mine) for k in
                         ("moved_over_state", "encode_cpu_s_per_gb", "protected_after_s", "step_ms_idle",
-                         "step_ms_replicating", "replicating_over_idle", "n1_files_in_s", "n1_fetch_s",
-                         "n1_loaded_s")}
+                         "step_ms_replicating", "replicating_over_idle", "replicating_over_idle_median",
+                         "n1_files_in_s", "n1_fetch_s", "n1_one_link_s", "n1_loaded_s")}
     return out
 
 
@@ -164,8 +154,10 @@ def main(a: argparse.Namespace) -> int:
               f"{x['moved_over_state']:.3f} x state, encode {x['encode_cpu_s_per_gb']:.2f} CPU-s/GB, "
               f"protected after {x['protected_after_s']:.2f} s, "
               f"step time {x['step_ms_replicating']:.2f} ms vs {x['step_ms_idle']:.2f} idle "
-              f"({x['replicating_over_idle']:.2f}x, {x['steps_replicating']} steps); n1 ({x['n1_source']}) files in "
-              f"{x['n1_files_in_s']:.2f} s (fetch {x['n1_fetch_s']:.2f}), loaded {x['n1_loaded_s']:.2f} s; "
+              f"({x['replicating_over_idle']:.2f}x, medians {x['replicating_over_idle_median']:.2f}x, "
+              f"{x['steps_replicating']} steps); n1 ({x['n1_source']}) files in "
+              f"{x['n1_files_in_s']:.2f} s (fetch {x['n1_fetch_s']:.2f}; one holder's link: "
+              f"{x['n1_one_link_s']:.2f}), loaded {x['n1_loaded_s']:.2f} s; "
               f"bit-exact {x['bit_exact']}")
     for protect in PROTECTIONS:
         m = res[protect]

@@ -11,7 +11,6 @@ its files took to come in and its load.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -20,11 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
-def _state(rank: int, mib: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(rank)
-    n = mib << 20 >> 2
-    return {f"t{i}": torch.randn(n // 8, generator=g) for i in range(8)}
+from .nodes import Trainer, leave, state as make_state
 
 
 def main() -> None:
@@ -45,22 +40,12 @@ def main() -> None:
     ck = zerostall.Checkpointer(root, dist_name="node-loss-coded", commit_timeout_s=300, close_timeout_s=120, **kw)
     res: dict[str, Any] = {"rank": rank, "node": os.environ["ZEROSTALL_NODE"]}
     if mode == "save":
-        state = _state(rank, mib)
+        state = make_state(rank, mib)
         ck.prepare(state, wait=True)
         dist.barrier()
-        x = torch.randn(384, 384)
-        steps: list[tuple[float, float]] = []
-
-        def train(until: float | None, cond: Any = None) -> None:
-            while (until is None or time.monotonic() < until) and not (cond is not None and cond()):
-                t0 = time.perf_counter()
-                torch.mm(x, x)
-                steps.append((time.monotonic(), time.perf_counter() - t0))
-        t_start = time.monotonic() + 1.5
-        if rank == 0:
-            train(t_start)
-        time.sleep(max(0.0, t_start - time.monotonic()))
-        t_save = time.monotonic()
+        trainer = Trainer()
+        train, steps = trainer.train, trainer.steps
+        t_save = trainer.lead_in(rank == 0)
         h = ck.save(1, state)
         durable_at: list[float] = []
 
@@ -84,7 +69,7 @@ def main() -> None:
                    idle=[d for t, d in steps if t < t_save or t >= t_protected],
                    replicating=[d for t, d in steps if durable_at and durable_at[0] <= t < t_protected])
     else:
-        state = {k: torch.empty_like(v) for k, v in _state(rank, mib).items()}
+        state = {k: torch.empty_like(v) for k, v in make_state(rank, mib).items()}
         report = zerostall.LoadReport()
         dist.barrier()
         t0 = time.monotonic()
@@ -93,15 +78,8 @@ def main() -> None:
         if ck._peers.last_fetch_end:
             res["files_s"], res["fetch_s"] = ck._peers.last_fetch_end - t0, ck._peers.last_fetch_s
         res["source"] = report.source
-        res["equal"] = all(torch.equal(state[k], v) for k, v in _state(rank, mib).items())
-    ck.close()
-    json.dump(res, open(out, "w"))
-    if rank == 0:  # the store's host leaves last
-        others = [out.replace(f"-{res['node']}.json", f"-n{r}.json") for r in range(1, world)]
-        deadline = time.monotonic() + 300
-        while not all(os.path.exists(o) for o in others) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    os._exit(0)
+        res["equal"] = all(torch.equal(state[k], v) for k, v in make_state(rank, mib).items())
+    leave(ck, res, out, world)
 
 
 if __name__ == "__main__":

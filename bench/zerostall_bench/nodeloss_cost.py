@@ -1,10 +1,13 @@
 """``zerostall bench --scenario replication-cost``: what paced peer replication costs the
-training, per ``peers.cpu_priority`` setting, alternated in one run.
+training, per ``peers.cpu_priority`` setting, and of coded copies (RS(2,1), at the default
+priority), alternated in one run.
 
 The save phase of ``--scenario node-loss`` (:mod:`.nodeloss`: 4 simulated nodes x 1 rank on
 gloo, ``--size-gib`` of state in all, ``replicas=2``, 200 MB/s per node; rank 0 trains a
 384x384 matmul loop in its main thread before, during and after the save until the step is
-protected, and 1.5 s after), run ``--repeat`` times per setting, the settings' order reversed
+protected, and 1.5 s after), and the same with ``peers.code="rs"`` RS(2,1) at the default
+``cpu_priority`` (each node's files coded into 2 data + 1 parity fragments on its 3 peers,
+1.5x the state sent instead of 1x), run ``--repeat`` times per setting, the settings' order reversed
 every other round (the machine's other load drifts). Per run: rank 0's mean step time idle
 (the 1.5 s before the save and the 1.5 s after the step is protected) and in the window where
 only the paced copies run (durable -> protected), their ratio, the CPU seconds every node's
@@ -25,7 +28,8 @@ from typing import Any
 from .nodeloss import CAP_BYTES, NODES, _ms, _run, workdir
 from .report import write_doc
 
-MODES = ("normal", "nice", "idle")
+MODES = ("normal", "nice", "idle", "rs2,1")
+"""``peers.cpu_priority`` settings of ``replicas=2``; ``rs<k>,<m>``: that code at the default priority."""
 
 
 def run(size_gib: float, work: str, rounds: int, modes: tuple[str, ...] = MODES) -> dict[str, Any]:
@@ -36,7 +40,9 @@ def run(size_gib: float, work: str, rounds: int, modes: tuple[str, ...] = MODES)
         for mode in modes if r % 2 == 0 else modes[::-1]:
             shutil.rmtree(base, ignore_errors=True)
             load = os.getloadavg()[0]
-            docs = _run("save", base, work, mib, 2, CAP_BYTES, "", cpu=mode)
+            coded = mode.startswith("rs")
+            docs = _run("save", base, work, mib, mode if coded else 2, CAP_BYTES, "",
+                        cpu="idle" if coded else mode)
             idle = _ms(docs[0]["before"] + docs[0]["after"])
             rep = _ms(docs[0]["replicating"])
             runs.append({"round": r, "cpu_priority": mode, "load_avg_1m": round(load, 2),
@@ -61,7 +67,8 @@ def run(size_gib: float, work: str, rounds: int, modes: tuple[str, ...] = MODES)
 def main(a: argparse.Namespace) -> int:
     with workdir(a, "zerostall-replication-cost-") as work:
         res = run(a.size_gib, work, a.repeat)
-    print(f"replication cost: {NODES} nodes x {res['state_mib_per_node']} MiB, replicas=2, peer cap "
+    print(f"replication cost: {NODES} nodes x {res['state_mib_per_node']} MiB, replicas=2 per cpu_priority and "
+          f"RS(2,1) at the default, peer cap "
           f"{CAP_BYTES / 1e6:.0f} MB/s per node; rank 0's step time while only the paced copies run vs idle")
     for x in res["runs"]:
         print(f"  round {x['round']} {x['cpu_priority']:6s} load {x['load_avg_1m']:5.2f}: "

@@ -1,7 +1,8 @@
 """One simulated node of ``zerostall bench --scenario node-loss`` (started by
 :mod:`.nodeloss` with torchrun-style env and ``ZEROSTALL_NODE``); writes a JSON result.
 
-argv: mode base out mib replicas bandwidth remote [cpu_priority]. ``save``: rank 0 runs a timed training
+argv: mode base out mib replicas bandwidth remote [cpu_priority]. ``replicas``: N, or ``rs<k>,<m>``
+for coded copies (``peers.code="rs"``). ``save``: rank 0 runs a timed training
 loop (a matmul per step) in its main thread for 1.5 s, saves step 1 (``mib`` MiB per rank),
 and keeps training until the step is protected by ``replicas`` nodes (and on the remote
 tier, if any); the other ranks save and wait. ``load``: every rank restores; its load time
@@ -10,20 +11,14 @@ is reported; ``load_remote``: the same, n1's files downloaded from ``remote`` fi
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-
-def _state(rank: int, mib: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(rank)
-    n = mib << 20 >> 2  # float32 elements
-    return {f"t{i}": torch.randn(n // 8, generator=g) for i in range(8)}
+from .nodes import Trainer, leave, state as make_state
 
 
 def main() -> None:
@@ -37,29 +32,24 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     node = os.environ["ZEROSTALL_NODE"]
     torch.set_num_threads(1)
+    code = {}
+    if replicas.startswith("rs"):
+        k, m = (int(x) for x in replicas[2:].split(","))
+        code, replicas = dict(code="rs", data_fragments=k, parity_fragments=m), "1"
     ck = zerostall.Checkpointer(  # load_remote: the same restart, without peer replicas
         os.path.join(base, node), dist_name="node-loss", replicas=1 if mode == "load_remote" else int(replicas),
-        peers=PeersConfig(bandwidth_bytes=int(bw) or None, timeout_s=60, cpu_priority=cpu),
+        peers=PeersConfig(bandwidth_bytes=int(bw) or None, timeout_s=60, cpu_priority=cpu,
+                          **(code if mode != "load_remote" else {})),
         remote=(remote or None) if mode == "save" else None,
         commit_timeout_s=300, close_timeout_s=120)
     res: dict[str, object] = {"rank": rank, "node": node}
     if mode == "save":
-        state = _state(rank, int(mib))
+        state = make_state(rank, int(mib))
         ck.prepare(state, wait=True)
         dist.barrier()  # every node's state made and staged: nothing else runs in rank 0's idle window
-        x = torch.randn(384, 384)
-        steps: list[tuple[float, float]] = []
-
-        def train(until: float | None, cond: Any = None) -> None:
-            while (until is None or time.monotonic() < until) and not (cond is not None and cond()):
-                t0 = time.perf_counter()
-                torch.mm(x, x)
-                steps.append((time.monotonic(), time.perf_counter() - t0))
-        t_start = time.monotonic() + 1.5  # every rank saves at once (the commit is collective)
-        if rank == 0:
-            train(t_start)
-        time.sleep(max(0.0, t_start - time.monotonic()))
-        t_save = time.monotonic()
+        trainer = Trainer()
+        train, steps = trainer.train, trainer.steps
+        t_save = trainer.lead_in(rank == 0)
         h = ck.save(1, state)
         durable_at: list[float] = []
         cpu_at: list[float] = []  # process CPU seconds (every thread) when durable
@@ -70,14 +60,14 @@ def main() -> None:
             if not durable_at:
                 durable_at.append(time.monotonic())
                 cpu_at.append(time.process_time())
-            return (replicas == "1" or ck._peers.status(1) is not None and ck._peers.status(1).done.is_set()) \
+            return (ck._peers is None or ck._peers.status(1) is not None and ck._peers.status(1).done.is_set()) \
                 and (not remote or h.replicated())
         if rank == 0:
             train(None, done)
         h.result()
         if not cpu_at:
             cpu_at.append(time.process_time())
-        if replicas != "1":
+        if ck._peers is not None:
             h.wait(tier="peers")
         res["cpu_replicating_s"] = time.process_time() - cpu_at[0]
         if remote:
@@ -100,7 +90,7 @@ def main() -> None:
         # until n1's files are in its root (committed), ``load_s`` until its collective
         # ``Checkpointer.load`` returned (every byte read back and verified, then applied).
         # The other nodes load their own files in the same collective load, both ways.
-        state = {k: torch.empty_like(v) for k, v in _state(rank, int(mib)).items()}
+        state = {k: torch.empty_like(v) for k, v in make_state(rank, int(mib)).items()}
         report = zerostall.LoadReport()
         dist.barrier()
         t0 = time.monotonic()
@@ -114,15 +104,8 @@ def main() -> None:
             res["files_s"] = ck._peers.last_fetch_end - t0
             res["fetch_s"] = ck._peers.last_fetch_s
         res["source"] = report.source if mode == "load" else "remote"
-        res["equal"] = all(torch.equal(state[k], v) for k, v in _state(rank, int(mib)).items())
-    ck.close()
-    json.dump(res, open(out, "w"))
-    if rank == 0:  # the store's host leaves last
-        others = [out.replace(f"-{node}.json", f"-n{r}.json") for r in range(1, world)]
-        deadline = time.monotonic() + 300
-        while not all(os.path.exists(o) for o in others) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    os._exit(0)
+        res["equal"] = all(torch.equal(state[k], v) for k, v in make_state(rank, int(mib)).items())
+    leave(ck, res, out, world)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,9 @@ NUMERIC = ("stall_s", "staged_s", "durable_s", "persist_gbps", "fraction_of_line
 COLD = ("cold_stall_s", "cold_setup_s", "cold_durable_s", "cold_lost_s", "cold_rss_peak_bytes")
 
 
-def test_bench_small_json_contract(tmp_path):
-    out = tmp_path / "bench.json"
-    rc = cli(["bench", "--size-gib", "0.0625", "--repeat", "1", "--methods",
-              "torch.save,zerostall-threads,zerostall.save,nvrx-async",
-              "--dir", str(tmp_path / "work"), "--json", str(out), "--settle-s", "0.2"])
-    assert rc == 0
-    doc = json.loads(out.read_text())
+def test_bench_small_json_contract(bench_json, tmp_path):
+    doc = bench_json("bench.json", "--size-gib", "0.0625", "--repeat", "1", "--methods",
+                     "torch.save,zerostall-threads,zerostall.save,nvrx-async", "--settle-s", "0.2")
     assert doc["complete"] is True and not (tmp_path / "bench.json.tmp").exists()
     assert set(doc) >= {"machine", "size_bytes", "throttle_write_mbps", "line_rate", "memcpy_gbps", "results"}
     assert {"cpu", "ram_bytes", "kernel", "fs", "device"} <= set(doc["machine"])

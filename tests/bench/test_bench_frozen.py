@@ -1,8 +1,6 @@
 """``zerostall bench --scenario frozen-base`` at a small size: the document's structure, the
 bytes (deterministic) and the bit-exact flags. No timing thresholds (the host is shared)."""
 
-import json
-
 import pytest
 
 from zerostall_bench.frozen import METHODS
@@ -11,11 +9,8 @@ from zerostall.cli import main as cli
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_frozen_base_json(tmp_path):
-    out = tmp_path / "frozen.json"
-    assert cli(["bench", "--scenario", "frozen-base", "--size-gib", "0.01", "--repeat", "2",
-                "--dir", str(tmp_path / "work"), "--json", str(out)]) == 0
-    doc = json.loads(out.read_text())
+def test_frozen_base_json(bench_json):
+    doc = bench_json("frozen.json", "--scenario", "frozen-base", "--size-gib", "0.01", "--repeat", "2")
     assert doc["scenario"] == "frozen-base" and doc["repeat"] == 2
     assert {"cpu", "cores", "ram_bytes", "kernel", "fs"} <= set(doc["machine"])
     assert len(doc["load_avg_start"]) == 3 and doc["date_utc"]

@@ -6,16 +6,13 @@ import json
 import pytest
 
 from zerostall_bench.objects import config_tree
-from zerostall.cli import main as cli
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_objects_scenario_json(tmp_path):
-    out = tmp_path / "objects.json"
-    assert cli(["bench", "--scenario", "objects", "--config-mib", "0.25", "--log-entries", "300", "--repeat", "2",
-                "--dir", str(tmp_path / "work"), "--json", str(out)]) == 0
-    doc = json.loads(out.read_text())
+def test_objects_scenario_json(bench_json, tmp_path):
+    doc = bench_json("objects.json", "--scenario", "objects", "--config-mib", "0.25", "--log-entries", "300",
+                     "--repeat", "2")
     assert doc["scenario"] == "objects" and doc["log_entries"] == 300 and doc["repeat"] == 2
     for name in ("config", "log", "both"):
         r = doc[name]

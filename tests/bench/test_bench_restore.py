@@ -1,20 +1,13 @@
 """``zerostall bench --scenario restore`` at a small size: every method's row, bit-exact, and
 the fractions of the read line rate and of dcp.load. No timing thresholds (the host is shared)."""
 
-import json
-
 import pytest
-
-from zerostall.cli import main as cli
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_restore_scenario_json(tmp_path):
-    out = tmp_path / "restore.json"
-    assert cli(["bench", "--scenario", "restore", "--size-gib", "0.01", "--repeat", "1",
-                "--dir", str(tmp_path / "work"), "--json", str(out)]) == 0
-    doc = json.loads(out.read_text())
+def test_restore_scenario_json(bench_json):
+    doc = bench_json("restore.json", "--scenario", "restore", "--size-gib", "0.01", "--repeat", "1")
     assert doc["scenario"] == "restore" and doc["repeat"] == 1 and doc["line_rate"]["read_gbps"] > 0
     res = {r["method"]: r for r in doc["results"]}
     for name in ("zerostall-threads in place", "zerostall-threads new dict", "zerostall.load-threads in place",
@@ -28,11 +21,9 @@ def test_restore_scenario_json(tmp_path):
     assert res["dcp.load in place"]["vs_dcp_load"] == pytest.approx(1.0)
 
 
-def test_many_tensors_scenario_json(tmp_path):
-    out = tmp_path / "many.json"
-    assert cli(["bench", "--scenario", "many-tensors", "--tensors", "2000", "--size-gib", "0.005",
-                "--repeat", "2", "--dir", str(tmp_path / "work"), "--json", str(out)]) == 0
-    doc = json.loads(out.read_text())
+def test_many_tensors_scenario_json(bench_json):
+    doc = bench_json("many.json", "--scenario", "many-tensors", "--tensors", "2000", "--size-gib", "0.005",
+                     "--repeat", "2")
     assert doc["scenario"] == "many-tensors" and doc["tensors"] == 2000
     zs = doc["zerostall"]
     assert zs["verified"] and doc["torch_save"]["verified"] and doc["dcp"]["verified"]

@@ -93,6 +93,27 @@ def _heal_when(job, c, nodes, pred, what):
     job.event("healed")
 
 
+MAJORITY = ("n0", "n1", "n3")  # of 4 nodes, without n2
+
+
+def _cut_off_n2(job, c, gate):
+    """Cut n2 off, then open ``gate``: the majority's handles of step 2 must end (within the
+    round's deadline); n2 is healed once its own handle ended (see :func:`_heal_when`)."""
+    n2 = c.nodes[2]
+    c.partition([n2])
+    job.event("partitioned", node="n2")
+    job.gate(gate)
+    job.wait_for(lambda e: all(of(e, "done", node=n, step=2) for n in MAJORITY), CT + 60, "majority's step 2")
+    _heal_when(job, c, [n2], lambda e: of(e, "done", node="n2", step=2), "n2's step 2")
+
+
+def _step_3_everywhere(job, nodes):
+    """Open step 3's gate once all ``nodes`` ranks are ready for it; the job must end well."""
+    job.wait_for(lambda e: len(of(e, "ready", step=3)) == nodes, 120, "every rank ready for step 3")
+    job.gate("step-3")
+    assert job.wait(START) == [0] * nodes, job.tail()
+
+
 # -- a node cut off during a commit round -------------------------------------------------------
 @pytest.mark.parametrize("point", ["entered", "reported"])
 def test_node_partitioned_during_commit_round(cluster, tmp_path, point):
@@ -101,21 +122,13 @@ def test_node_partitioned_during_commit_round(cluster, tmp_path, point):
     the decision: ``OutcomeUnknown``, or ``SaveFailed``/``DistributedError``, never durable
     alone); after the heal step 3 commits everywhere and the restarted job loads one step."""
     c = cluster(4)
-    n2 = c.nodes[2]
     job = Job(c, str(tmp_path / "save"), "save", _env(ZS_STEPS="1,2,3", ZS_GATE_BEFORE="3",
                                                         ZS_FAULT=f"{point}:n2:2"))
     job.wait_for(lambda e: of(e, f"at-{point}", node="n2"), START, f"n2 at {point} of step 2")
-    c.partition([n2])
-    job.event("partitioned", node="n2")
-    job.gate(point)
-    majority = ("n0", "n1", "n3")
-    job.wait_for(lambda e: all(of(e, "done", node=n, step=2) for n in majority), CT + 60, "majority's step 2")
-    _heal_when(job, c, [n2], lambda e: of(e, "done", node="n2", step=2), "n2's step 2")
-    job.wait_for(lambda e: len(of(e, "ready", step=3)) == 4, 120, "every rank ready for step 3")
-    job.gate("step-3")
-    assert job.wait(START) == [0] * 4, job.tail()
+    _cut_off_n2(job, c, point)
+    _step_3_everywhere(job, 4)
     ev = job.events()
-    for n in majority:
+    for n in MAJORITY:
         assert of(ev, "done", node=n, step=2)[0]["trained"] > 0
     mine = of(ev, "done", node="n2", step=2)[0]
     if point == "entered":  # n2 never reported: nothing of step 2 committed anywhere
@@ -133,15 +146,9 @@ def test_node_cut_off_before_it_learns_a_commit_still_loads_the_step_after_resta
     step 2 was durable, that step (n2's copy completed from the decision or its files fetched),
     not the one before it."""
     c = cluster(4)
-    n2 = c.nodes[2]
     job = Job(c, str(tmp_path / "save"), "save", _env(ZS_STEPS="1,2", ZS_FAULT="reported:n2:2"))
     job.wait_for(lambda e: of(e, "at-reported", node="n2"), START, "n2 reported step 2")
-    c.partition([n2])
-    job.event("partitioned", node="n2")
-    job.gate("reported")
-    job.wait_for(lambda e: all(of(e, "done", node=n, step=2) for n in ("n0", "n1", "n3")), CT + 60,
-                 "majority's step 2")
-    _heal_when(job, c, [n2], lambda e: of(e, "done", node="n2", step=2), "n2's step 2")
+    _cut_off_n2(job, c, "reported")
     assert job.wait(START) == [0] * 4, job.tail()
     ev = job.events()
     _done_before_heal(job, "n2", 2)
@@ -155,18 +162,10 @@ def test_node_partitioned_while_every_rank_saves_ends_at_its_deadline(cluster, t
     round fails at its deadline, and n2's handle must end at it too (OutcomeUnknown), not at
     the heal. After the heal step 3 commits everywhere and loads bit-exact."""
     c = cluster(4)
-    n2 = c.nodes[2]
     job = Job(c, str(tmp_path / "save"), "save", _env(ZS_STEPS="1,2,3", ZS_GATE_BEFORE="2,3"))
     job.wait_for(lambda e: len(of(e, "ready", step=2)) == 4, START, "every rank ready for step 2")
-    c.partition([n2])
-    job.event("partitioned", node="n2")
-    job.gate("step-2")
-    job.wait_for(lambda e: all(of(e, "done", node=n, step=2) for n in ("n0", "n1", "n3")), CT + 60,
-                 "majority's step 2")
-    _heal_when(job, c, [n2], lambda e: of(e, "done", node="n2", step=2), "n2's step 2")
-    job.wait_for(lambda e: len(of(e, "ready", step=3)) == 4, 120, "every rank ready for step 3")
-    job.gate("step-3")
-    assert job.wait(START) == [0] * 4, job.tail()
+    _cut_off_n2(job, c, "step-2")
+    _step_3_everywhere(job, 4)
     ev = job.events()
     assert all(e["durable"] for e in of(ev, "done", step=3)), of(ev, "done", step=3)
     assert not any(e["durable"] for e in of(ev, "done", step=2))
@@ -225,9 +224,7 @@ def test_minority_partitioned_together_during_replication(cluster, tmp_path):
                  "majority's step 2")
     _heal_when(job, c, minority, lambda e: all(of(e, "peers-done", node=n, step=2) for n in ("n3", "n4")),
                "the minority's step 2")
-    job.wait_for(lambda e: len(of(e, "ready", step=3)) == 5, 120, "every rank ready for step 3")
-    job.gate("step-3")
-    assert job.wait(START) == [0] * 5, job.tail()
+    _step_3_everywhere(job, 5)
     ev = job.events()
     assert all(e["protected"] for e in of(ev, "peers-done", step=3)), of(ev, "peers-done", step=3)
     # step 2 is presented as protected only where verified copies back it: every holder named

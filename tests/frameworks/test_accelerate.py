@@ -3,15 +3,13 @@ naming, SIGKILLed during a first and a later save, resumed bit-exactly; the chec
 and total_limit as Accelerate's own."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("accelerate")
 
-from tests.frameworks import HERE, app_env  # noqa: E402
+from tests.frameworks import export, run_app  # noqa: E402
 from tests.helpers import equal  # noqa: E402
 from zerostall.store.local import LocalTier  # noqa: E402
 
@@ -44,9 +42,7 @@ def test_sigkill_during_a_save_then_load_state(tmp_path, reference, boundary):
     newest, the counter continues (Accelerate's own load_state leaves it at 0: the next save
     fails with 'already exists'), and the run ends bit-exactly (dropout: the RNG is restored)."""
     final, names = reference
-    env = app_env(ZS_KILL_AT=boundary)
-    r = subprocess.run([sys.executable, os.path.join(HERE, "accelerate_app.py"), str(tmp_path), "--steps", str(STEPS)],
-                       env=env, timeout=240, capture_output=True, text=True)
+    r = run_app("accelerate_app.py", tmp_path, "--steps", str(STEPS), timeout=240, ZS_KILL_AT=boundary)
     assert r.returncode == -9, r.stderr[-3000:]
     ckdir = tmp_path / "checkpoints"
     listed = sorted(os.listdir(ckdir)) if os.path.isdir(ckdir) else []
@@ -68,9 +64,7 @@ def test_export_writes_what_accelerates_load_state_reads(tmp_path, reference):
     app.run(tmp_path / "z", "zerostall", 8, resume=False)  # checkpoint_1 holds step 8
     out = tmp_path / "native" / "checkpoints" / "checkpoint_1"
     os.makedirs(out.parent)
-    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "zerostall"), "export", "--format", "accelerate",
-                        str(tmp_path / "z" / "checkpoints" / "checkpoint_1"), str(out)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    export("accelerate", tmp_path / "z" / "checkpoints" / "checkpoint_1", out)
     assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
             "custom_checkpoint_0.pkl"} <= set(os.listdir(out))
     model = app.run(tmp_path / "native", "accelerate", STEPS, resume=True)

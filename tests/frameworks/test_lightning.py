@@ -3,8 +3,6 @@ Lightning's own checkpointing; Namespace hyper-parameters; DDP with 2 gloo proce
 
 import argparse
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ pytest.importorskip("lightning")
 
 import zerostall  # noqa: E402
 from zerostall.store.local import LocalTier  # noqa: E402
-from tests.frameworks import HERE, app_env  # noqa: E402
+from tests.frameworks import export, run_app  # noqa: E402
 from tests.helpers import equal, free_port  # noqa: E402
 from zerostall.integrations.lightning import (  # noqa: E402
     ZerostallCheckpointIO, is_zerostall_checkpoint, load_from_checkpoint)
@@ -23,10 +21,9 @@ import lightning_app as app  # noqa: E402
 EPOCHS = 4
 
 
-def run_app(outdir, *args, timeout=240):
-    env = app_env(PL_DISABLE_FORK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    return subprocess.run([sys.executable, os.path.join(HERE, "lightning_app.py"), str(outdir), *args],
-                          env=env, timeout=timeout, capture_output=True, text=True)
+def run_lightning(outdir, *args, timeout=240):
+    return run_app("lightning_app.py", outdir, *args, timeout=timeout, PL_DISABLE_FORK="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(free_port()))
 
 
 def fit_in_process(outdir, io, epochs, resume=None):
@@ -87,7 +84,7 @@ def test_resume_with_ckpt_path_and_load_from_checkpoint(tmp_path, reference):
 
 def test_sigkill_mid_run_then_resume_is_exact(tmp_path, reference):
     final, _, _ = reference
-    r = run_app(tmp_path, "--io", "zerostall", "--epochs", str(EPOCHS), "--kill-after-epoch", "1")
+    r = run_lightning(tmp_path, "--io", "zerostall", "--epochs", str(EPOCHS), "--kill-after-epoch", "1")
     assert r.returncode == -9, r.stderr[-3000:]
     last = tmp_path / "ckpts" / "last.ckpt"
     assert is_zerostall_checkpoint(last)
@@ -102,14 +99,14 @@ def params(sd):
 
 
 def test_ddp_two_gloo_processes(tmp_path):
-    r = run_app(tmp_path, "--io", "zerostall", "--epochs", "2", "--ddp")
+    r = run_lightning(tmp_path, "--io", "zerostall", "--epochs", "2", "--ddp")
     assert r.returncode == 0, r.stderr[-3000:]
     f0, f1 = (torch.load(tmp_path / f"final-rank{i}.pt") for i in (0, 1))
     assert equal(params(f0), params(f1))  # DDP replicas (BatchNorm statistics are per rank)
     last = zerostall.load(tmp_path / "ckpts" / "last.ckpt")
     assert equal(last["state_dict"], f0) and last["global_step"] == 8
     # resume under DDP from epoch 0 (every rank loads the rank-0 checkpoint) to the same end
-    r = run_app(tmp_path / "resumed", "--io", "zerostall", "--epochs", "2", "--ddp",
+    r = run_lightning(tmp_path / "resumed", "--io", "zerostall", "--epochs", "2", "--ddp",
                 "--resume", str(tmp_path / "ckpts" / "epoch=0-step=4.ckpt"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert equal(torch.load(tmp_path / "resumed" / "final-rank0.pt"), f0)
@@ -285,9 +282,8 @@ def test_a_sigkill_during_a_save_of_last_never_blocks_ckpt_path_last(tmp_path, r
     last.ckpt was committed) and ends bit-exactly where an uninterrupted run does. (The first
     save left an empty last.ckpt/ and every restart raised CheckpointNotFound.)"""
     final, _, _ = reference
-    r = subprocess.run([sys.executable, os.path.join(HERE, "lightning_app.py"), str(tmp_path), "--io", "zerostall",
-                        "--epochs", str(EPOCHS)], env=app_env(ZS_KILL_AT=boundary),
-                       timeout=240, capture_output=True, text=True)
+    r = run_app("lightning_app.py", tmp_path, "--io", "zerostall", "--epochs", str(EPOCHS), timeout=240,
+                ZS_KILL_AT=boundary)
     assert r.returncode == -9, r.stderr[-3000:]
     last = tmp_path / "ckpts" / "last.ckpt"
     if boundary.startswith("manifest:2"):  # the first save of last.ckpt (epoch 0) is committed
@@ -370,9 +366,7 @@ def test_export_writes_what_lightnings_own_checkpointing_resumes_from(tmp_path, 
     fit_in_process(tmp_path / "z", "zerostall", 2)
     os.makedirs(tmp_path / "native" / "ckpts")
     out = tmp_path / "native" / "ckpts" / "epoch-1.ckpt"
-    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "zerostall"), "export", "--format", "lightning",
-                        str(tmp_path / "z" / "ckpts" / "last.ckpt"), str(out)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    export("lightning", tmp_path / "z" / "ckpts" / "last.ckpt", out)
     assert os.path.isfile(out) and "zerostall_rng" not in torch.load(out, weights_only=False)
     model, _, _ = fit_in_process(tmp_path / "native", "torch", EPOCHS, resume=str(out))
     assert equal(model.state_dict(), final)

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 import zerostall  # noqa: E402
 from zerostall.store.local import LocalTier  # noqa: E402
-from tests.frameworks import HERE, app_env  # noqa: E402
+from tests.frameworks import HERE, app_env, export, run_app  # noqa: E402
 from tests.helpers import equal, free_port  # noqa: E402
 from zerostall.integrations.transformers import last_committed_checkpoint  # noqa: E402
 
@@ -56,10 +56,7 @@ def test_stop_and_resume_is_bit_identical(tmp_path, reference):
 
 
 def test_sigkill_mid_run_then_resume_with_the_mixin(tmp_path, reference):
-    env = app_env()
-    r = subprocess.run([sys.executable, os.path.join(HERE, "hf_app.py"), str(tmp_path), "--trainer", "mixin",
-                        "--steps", str(STEPS), "--kill-at-step", "9"], env=env, timeout=300,
-                       capture_output=True, text=True)
+    r = run_app("hf_app.py", tmp_path, "--trainer", "mixin", "--steps", str(STEPS), "--kill-at-step", "9", timeout=300)
     assert r.returncode == -9, r.stderr[-3000:]
     assert not os.path.exists(tmp_path / "final.pt")
     # a checkpoint cut short by a crash is skipped (HF's own get_last_checkpoint would pick it)
@@ -80,9 +77,8 @@ def test_get_last_checkpoint_after_a_sigkill_during_a_save(tmp_path, reference, 
     a later one: it never names an uncommitted checkpoint, and the run resumes bit-exactly.
     (It named checkpoint-4/ holding only step-4.partial: "Can't find a valid checkpoint".)"""
     from transformers.trainer_utils import get_last_checkpoint
-    env = app_env(ZS_KILL_AT=boundary)
-    r = subprocess.run([sys.executable, os.path.join(HERE, "hf_app.py"), str(tmp_path), "--trainer", "zerostall",
-                        "--steps", str(STEPS)], env=env, timeout=300, capture_output=True, text=True)
+    r = run_app("hf_app.py", tmp_path, "--trainer", "zerostall", "--steps", str(STEPS), timeout=300,
+                ZS_KILL_AT=boundary)
     assert r.returncode == -9, r.stderr[-3000:]
     last = get_last_checkpoint(str(tmp_path))
     assert last == (str(tmp_path / "checkpoint-4") if boundary == "manifest:2" else None), os.listdir(tmp_path)
@@ -198,9 +194,7 @@ def test_export_writes_what_the_plain_trainer_resumes_from(tmp_path, reference):
     hf_app.make_trainer(tmp_path / "z", "zerostall", STEPS, callbacks=[hf_app.StopAt(8)]).train()
     out = tmp_path / "plain" / "checkpoint-8"
     os.makedirs(out.parent)
-    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "zerostall"), "export", "--format",
-                        "transformers", str(tmp_path / "z" / "checkpoint-8"), str(out)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    export("transformers", tmp_path / "z" / "checkpoint-8", out)
     assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= set(os.listdir(out))
     t = hf_app.make_trainer(tmp_path / "plain", "hf", STEPS)
     t.train(resume_from_checkpoint=str(out))

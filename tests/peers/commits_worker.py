@@ -7,18 +7,12 @@ superseded copy back (as if the overwrite's copy had never reached it). load: ev
 and says which step, from where, and whether the values are that step's last commit.
 """
 
-import json
-import logging
 import os
 import shutil
-import sys
-import time
 
 import torch.distributed as dist
 
-import zerostall
-from helpers import equal
-from peers_worker import checkpointer, state_for
+from workers import env_checkpointer, leave, load_into, protect, report, start, state_for
 
 
 def committed_state(rank, step):
@@ -27,19 +21,13 @@ def committed_state(rank, step):
 
 
 def main():
-    scenario, base, out = sys.argv[1], sys.argv[2], sys.argv[3]
-    me = os.environ["ZEROSTALL_NODE"]
-    logging.basicConfig(level=logging.INFO, format=f"%(relativeCreated)d [{me}] %(message)s")
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    scenario, base, out, rank, me = start()
     res = {"rank": rank, "node": me}
-    ck = checkpointer(base)
+    ck = env_checkpointer(base)
     if scenario == "overwrite":
         res["protected"] = {}
         for s, st in ((1, state_for(rank, 1)), (2, state_for(rank, 2)), (2, committed_state(rank, 2))):
-            h = ck.save(s, st, overwrite=s == 2 and "2" in res["protected"])
-            h.result()
-            h.wait(tier="peers", timeout=60)
+            h = protect(ck, s, st, overwrite=s == 2 and "2" in res["protected"])
             res["protected"][str(s)] = res["protected"].get(str(s), []) + [h.protected()]
             copy = os.path.join(base, me, "peers", "n0", "step-2")
             if s == 2 and len(res["protected"]["2"]) == 1 and os.path.isdir(copy):
@@ -52,23 +40,11 @@ def main():
             shutil.rmtree(copy)
             shutil.copytree(os.path.join(base, "superseded"), copy)
     elif scenario == "load":
-        report = zerostall.LoadReport()
-        state = state_for(rank + 100, 0)
-        try:
-            ck.load(state, report=report)
-            res["step"], res["source"] = report.step, report.source
-            res["equal"] = equal(state, committed_state(rank, report.step))
-        except zerostall.errors.ZerostallError as exc:
-            res["error"], res["error_type"] = str(exc), type(exc).__name__
+        load_into(ck, state_for(rank + 100, 0), lambda step: committed_state(rank, step), res)
         dist.barrier()
         ck.close()
-    json.dump(res, open(out, "w"))
-    if rank == 0:  # rank 0 hosts the c10d store: it leaves last
-        others = [out.replace("-r0.json", f"-r{r}.json") for r in range(1, dist.get_world_size())]
-        deadline = time.monotonic() + 60
-        while not all(os.path.exists(o) for o in others) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    os._exit(0)
+    report(res, out)
+    leave(out)
 
 
 if __name__ == "__main__":

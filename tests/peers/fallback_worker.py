@@ -7,44 +7,29 @@ Each node's root is ``base/<node>``; the c10d store is hosted by the test proces
 """
 
 import json
-import logging
 import os
-import sys
+import signal
 import time
 
-import torch
 import torch.distributed as dist
 
-import zerostall
+from workers import checkpointer, load_into, report, save_steps, start
+from workers import state_for as _state_for
 from zerostall import PeersConfig
 
 
 def state_for(rank, step):
-    g = torch.Generator().manual_seed(rank * 1000 + step)
-    return {"w": torch.randn(64, 1024, generator=g), "meta": {"rank": rank, "step": step}}
-
-
-def equal(a, b):
-    return torch.equal(a["w"], b["w"]) and a["meta"] == b["meta"]
+    return _state_for(rank, step, rows=64, bias=False)
 
 
 def main():
-    scenario, base, out = sys.argv[1], sys.argv[2], sys.argv[3]
-    node = os.environ["ZEROSTALL_NODE"]
-    logging.basicConfig(level=logging.INFO, format=f"%(relativeCreated)d [{node}] %(message)s")
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    ck = zerostall.Checkpointer(os.path.join(base, node), dist_name="fallback-test", replicas=2,
-                                peers=PeersConfig(timeout_s=float(os.environ.get("ZS_PT", 5))), commit_timeout_s=30,
-                                close_timeout_s=4)
+    scenario, base, out, rank, node = start()
+    peers = PeersConfig(timeout_s=float(os.environ.get("ZS_PT", 5)))
+    ck = checkpointer(os.path.join(base, node), "fallback-test", peers, replicas=2)
     res = {"rank": rank, "node": node}
     if scenario == "save":
         res["protected"] = {}
-        for s in [int(x) for x in os.environ["ZS_STEPS"].split(",")]:
-            h = ck.save(s, state_for(rank, s))
-            h.result()
-            h.wait(tier="peers", timeout=60)
-            res["protected"][s] = h.protected()
+        save_steps(ck, rank, [int(x) for x in os.environ["ZS_STEPS"].split(",")], res, state_for)
         res["endpoint"] = ck._peers.describe()["endpoints"][node]
         with open(out + ".ready", "w") as f:
             json.dump(res, f)
@@ -53,7 +38,6 @@ def main():
             time.sleep(0.05)
     elif scenario == "load":
         if os.environ.get("ZS_STOP_SERVE") == node:  # the holder stops the first time it serves a restore
-            import signal
             from zerostall.peers import stream
             fired = []
 
@@ -63,18 +47,10 @@ def main():
                     open(out + ".stopped", "w").close()
                     os.kill(os.getpid(), signal.SIGSTOP)  # the test continues it, by pid
             stream.fault_hook = hook
-        report = zerostall.LoadReport()
-        state = state_for(rank, 0)
-        try:
-            ck.load(state, report=report)
-            res["step"], res["source"], res["why"] = report.step, report.source, report.why
-            res["equal"] = equal(state, state_for(rank, report.step))
-        except zerostall.errors.ZerostallError as exc:
-            res["error"], res["error_type"] = str(exc), type(exc).__name__
+        load_into(ck, state_for(rank, 0), lambda step: state_for(rank, step), res)
         dist.barrier()
     ck.close()
-    with open(out, "w") as f:
-        json.dump(res, f)
+    report(res, out)
     dist.barrier()
     os._exit(0)
 

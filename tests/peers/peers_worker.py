@@ -6,55 +6,28 @@ protected), ZS_STOP (stop: the rank that SIGSTOPs itself after its commit of the
 ZS_KILL / ZS_KILL_AT (kill: the rank that SIGKILLs itself at that peer-transfer state of step 2),
 ZS_STOP_RANK / ZS_STOP_AT (stopat: the rank that SIGSTOPs itself at that state of step 2; the
 test continues it).
-Each node's root is ``base/<node>``.
+Each node's root is ``base/<node>`` (:func:`workers.env_checkpointer`).
 """
 
-import json
-import logging
 import os
 import signal
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-import zerostall
-from helpers import equal
-from zerostall import PeersConfig
-
-
-def state_for(rank, step):
-    g = torch.Generator().manual_seed(rank * 1000 + step)
-    return {"w": torch.randn(256, 1024, generator=g), "b": torch.randn(257, generator=g).to(torch.bfloat16),
-            "meta": {"rank": rank, "step": step}}
-
-
-def checkpointer(base, **kw):
-    node = os.environ["ZEROSTALL_NODE"]
-    remote = os.environ.get("ZS_REMOTE") or None
-    quota = int(os.environ["ZS_QUOTA"]) if os.environ.get("ZS_QUOTA") else None
-    peers = PeersConfig(timeout_s=float(os.environ.get("ZS_PT", 5)), replica_timeout_s=float(os.environ.get("ZS_RT", 30)),
-                        quota_bytes=quota)
-    return zerostall.Checkpointer(os.path.join(base, node), dist_name="peers-test", replicas=int(os.environ["ZS_REPLICAS"]),
-                                  peers=peers,
-                                  remote=remote, commit_timeout_s=30, close_timeout_s=4, **kw)
+from workers import env_checkpointer, leave, load_into, protect, report, save_steps, start, state_for
 
 
 def main():
-    scenario, base, out = sys.argv[1], sys.argv[2], sys.argv[3]
-    logging.basicConfig(level=logging.INFO, format=f"%(relativeCreated)d [{os.environ['ZEROSTALL_NODE']}] %(message)s")
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    res = {"rank": rank, "node": os.environ["ZEROSTALL_NODE"]}
+    scenario, base, out, rank, node = start()
+    res = {"rank": rank, "node": node}
     steps = [int(s) for s in os.environ.get("ZS_STEPS", "1,2").split(",")]
     if scenario == "save":
-        ck = checkpointer(base)
+        ck = env_checkpointer(base)
         res["protected"], res["replica_nodes"] = {}, {}
         for s in steps:
-            h = ck.save(s, state_for(rank, s))
-            h.result()
-            h.wait(tier="peers", timeout=60)
+            h = protect(ck, s, state_for(rank, s))
             if os.environ.get("ZS_REMOTE"):
                 h.wait(tier="remote", timeout=60)
             res["protected"][s] = h.protected()
@@ -62,19 +35,12 @@ def main():
             res.setdefault("durable", {})[s] = h.durable()
         res["unprotected_error"] = ck._peers.status(steps[-1]).error
         if str(rank) == os.environ.get("ZS_DIE"):
-            json.dump(res, open(out, "w"))
+            report(res, out)
             os.kill(os.getpid(), signal.SIGKILL)  # the node dies: no close, no goodbye
         ck.close()
     elif scenario == "load":
-        ck = checkpointer(base)
-        report = zerostall.LoadReport()
-        state = state_for(rank, 0)
-        try:
-            ck.load(state, report=report)
-            res["step"], res["source"] = report.step, report.source
-            res["equal"] = equal(state, state_for(rank, report.step))
-        except zerostall.errors.ZerostallError as exc:
-            res["error"], res["error_type"] = str(exc), type(exc).__name__
+        ck = env_checkpointer(base)
+        load_into(ck, state_for(rank, 0), lambda step: state_for(rank, step), res)
         res["repaired"] = ck._peers.replicator.repaired.wait(30)
         # no node closes (its server with it) before every node's repair pass is over: a
         # holder that left early would cut the others' repairs to it (the next start would
@@ -83,21 +49,16 @@ def main():
         ck.close()
     elif scenario == "kill":  # step 1 protected, then rank ZS_KILL SIGKILLs itself at ZS_KILL_AT during step 2's copies
         from zerostall.peers import stream
-        ck = checkpointer(base)
-        res["protected"], res["replica_nodes"] = {}, {}
-        for s in (1, 2):
-            if s == 2 and rank == int(os.environ["ZS_KILL"]):
-                point = os.environ["ZS_KILL_AT"]
-                stream.fault_hook = lambda p: os.kill(os.getpid(), signal.SIGKILL) if p == point else None
-            h = ck.save(s, state_for(rank, s))
-            h.result()
-            h.wait(tier="peers", timeout=60)
-            res["protected"][s] = h.protected()
-            res["replica_nodes"][s] = list(h.result().replica_nodes)
+        ck = env_checkpointer(base)
+        save_steps(ck, rank, (1,), res, nodes=True)
+        if rank == int(os.environ["ZS_KILL"]):
+            point = os.environ["ZS_KILL_AT"]
+            stream.fault_hook = lambda p: os.kill(os.getpid(), signal.SIGKILL) if p == point else None
+        save_steps(ck, rank, (2,), res, nodes=True)
         ck.close()
     elif scenario == "stopat":  # step 1 protected; rank ZS_STOP_RANK SIGSTOPs itself at ZS_STOP_AT in step 2's copies
         from zerostall.peers import stream
-        ck = checkpointer(base)
+        ck = env_checkpointer(base)
         res["protected"], res["replica_nodes"], res["durable"] = {}, {}, {}
         for s in (1, 2):
             if s == 2 and rank == int(os.environ["ZS_STOP_RANK"]):
@@ -125,7 +86,7 @@ def main():
         res["close_s"] = time.monotonic() - t0
         res["unprotected"] = ck.unprotected
     elif scenario == "stop":
-        ck = checkpointer(base)
+        ck = env_checkpointer(base)
         stopper = int(os.environ["ZS_STOP"])
         for s in steps:
             h = ck.save(s, state_for(rank, s))
@@ -148,14 +109,9 @@ def main():
         ck.close()
         res["close_s"] = time.monotonic() - t0
         res["unprotected"] = ck.unprotected
-    json.dump(res, open(out, "w"))
-    if rank == 0:  # rank 0 hosts the c10d store: it leaves last (a stopped rank never finishes)
-        others = [out.replace("-r0.json", f"-r{r}.json") for r in range(1, dist.get_world_size())
-                  if str(r) not in (os.environ.get("ZS_STOP"), os.environ.get("ZS_KILL"))]
-        deadline = time.monotonic() + 120
-        while not all(os.path.exists(o) for o in others) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    os._exit(0)  # not destroy_process_group: a stopped or dead peer must not hold our exit
+    report(res, out)
+    # a stopped rank never finishes
+    leave(out, absent=[int(os.environ[k]) for k in ("ZS_STOP", "ZS_KILL") if os.environ.get(k)], wait_s=120)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def _spawn(scenario, base, tmp_path, port, env_extra):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2",
                    LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", ZEROSTALL_NODE=node, TORCHELASTIC_USE_AGENT_STORE="True",
                    ZEROSTALL_BUDGET_BYTES=str(64 << 20),
-                   PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), HERE,
+                   PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE,
                                                os.environ.get("PYTHONPATH", "")]), **env_extra)
         out = str(tmp_path / f"{scenario}-r{r}.json")
         procs.append((subprocess.Popen([sys.executable, os.path.join(HERE, "fallback_worker.py"), scenario, base, out],

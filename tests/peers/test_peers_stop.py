@@ -25,7 +25,7 @@ import pytest
 from .test_peers import NODES, _collect, _holder_of, _kill_all, _spawn
 from .test_peers_kill import RECV, SEND, _verified_copies, sweep_victim
 
-CLOSE_TIMEOUT_S, PEER_TIMEOUT_S = 4, 3  # peers_worker.checkpointer's close_timeout_s; ZS_PT below
+CLOSE_TIMEOUT_S, PEER_TIMEOUT_S = 4, 3  # workers.checkpointer's close_timeout_s; ZS_PT below
 
 
 def _state(pid):

@@ -110,18 +110,25 @@ class Boom(OSError):
     pass
 
 
+def _save_failing_at(c, step, point, err, msg):
+    """Save ``step`` while the tier's ``point`` (its fault seam) fails with ``Boom(err, msg)``;
+    the handle and its record."""
+    def hook(name):
+        if name == point:
+            raise Boom(err, msg)
+
+    c.tier._hook = hook
+    try:
+        h = c.save(step, st(step))
+        return h, h.result()
+    finally:
+        c.tier._hook = None
+
+
 def test_latest_hint_failure_leaves_the_step_committed_and_durable(ckdir):
     with zerostall.Checkpointer(ckdir) as c:
         c.save(1, st(1)).result()
-
-        def hook(name):
-            if name == "latest_tmp":
-                raise Boom(errno.ENOSPC, "No space left on device")
-
-        c.tier._hook = hook
-        h = c.save(2, st(2))
-        rec = h.result()  # no SaveFailed
-        c.tier._hook = None
+        h, rec = _save_failing_at(c, 2, "latest_tmp", errno.ENOSPC, "No space left on device")  # no SaveFailed
         assert h.durable() and h.exception() is None and rec.ok
         assert len(rec.post_commit_errors) == 1 and "latest" in rec.post_commit_errors[0]
         assert "No space left" in rec.post_commit_errors[0] and "committed" in rec.post_commit_errors[0]
@@ -136,15 +143,7 @@ def test_latest_hint_failure_leaves_the_step_committed_and_durable(ckdir):
 def test_retention_failure_is_recorded_not_a_failed_save(ckdir):
     with zerostall.Checkpointer(ckdir, keep_last=1) as c:
         c.save(1, st(1)).result()
-
-        def hook(name):
-            if name == "delete_rename":
-                raise Boom(errno.EIO, "Input/output error")
-
-        c.tier._hook = hook
-        h = c.save(2, st(2))
-        rec = h.result()
-        c.tier._hook = None
+        h, rec = _save_failing_at(c, 2, "delete_rename", errno.EIO, "Input/output error")
         assert h.durable() and rec.ok and rec.error == ""
         assert any("retention after step 2 failed" in e for e in rec.post_commit_errors)
         try:

@@ -10,9 +10,12 @@ class, ``peers.cpu_priority``: :mod:`.priority`) does, per step:
 2. the placement's first k + m nodes (:func:`.placement.ranking`: failure domains first) get
    fragments 0..k+m-1; a connection per holder (:class:`.fragments.Upload`);
 3. stripe by stripe (:data:`.coding.STRIPE_BYTES` of every fragment): read the k data pieces
-   of the files, compute the m parity pieces (zfec, GIL released), send each piece to its
-   holder (one bandwidth cap for the node, :class:`.stream.Pacer`), folding it into that
-   fragment's crc32c; a holder that fails or stops (``peers.timeout_s``) drops out alone;
+   of the files, compute the m parity pieces (zfec, GIL released), hand each piece to its
+   fragment's feed thread (:class:`_Feed`, one per holder, all sending side by side under one
+   bandwidth cap for the node, :class:`.stream.Pacer`), which folds it into that fragment's
+   crc32c; two sets of stripe buffers (:data:`BUFFER_SETS`) let the coding of a stripe overlap
+   the sending of the one before; a holder that fails, stops or falls a set behind for half of
+   ``peers.timeout_s`` drops out alone;
 4. announce each fragment's crc32c; a holder acknowledges with it only after it checked the
    bytes, fdatasync'ed and renamed the fragment (:class:`.fragments.FragmentStore`);
 5. fragments whose holder failed go to the next nodes in the ranking (a second pass codes
@@ -23,7 +26,9 @@ class, ``peers.cpu_priority``: :mod:`.priority`) does, per step:
 Retention is the base class's: fragments live in the holder's step directories, so
 ``keep_last`` counts steps. :meth:`CodedReplicator._repair` (start-up) gives the fragments of
 the kept steps that no live node holds to nodes holding none of that step, recomputed from
-this node's own files.
+this node's own files: the fragments of the commit in this node's manifest (the descriptor
+names its checkpoint id, so a holder's fragment of another commit of the step counts for
+nothing), never of a step deleted for good (:mod:`.tombstones`), as the replica repair.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import queue
+import socket
 import threading
 import time
 from typing import Any
@@ -42,6 +49,7 @@ from ..errors import ConfigError, ZerostallError
 from ..format.manifest import Manifest
 from .coding import STRIPE_BYTES, Code, Layout, descriptor_id
 from .fragments import Upload, list_fragments
+from . import tombstones
 from .placement import ranking
 from .replicate import PeerReplicator
 
@@ -119,73 +127,77 @@ class CodedReplicator(PeerReplicator):
 
     def _code_and_send(self, step: int, lay: Layout, raw: bytes, desc: bytes,
                        plan: dict[int, str]) -> tuple[dict[int, str], list[str]]:
-        """One coding pass over the files: fragment i to ``plan[i]`` (module doc, 2-4)."""
+        """One coding pass over the files: fragment i to ``plan[i]`` (module doc, 2-4). This
+        thread reads and codes; each fragment goes out on a :class:`_Feed` thread of its own."""
         v, k, fb = self.view, self.k, lay.fragment_bytes
-        failed: list[str] = []
-        ups: dict[int, Upload] = {}
-        for i, node in sorted(plan.items()):
-            try:
-                ups[i] = Upload(self.transport, v.endpoints[node], v.me, step, i, fb, raw, desc,
-                                getattr(self.transport, "pacer", None))
-            except (ZerostallError, OSError) as exc:
-                failed.append(f"{node} (fragment {i}): {exc}")
-        parity = any(i >= k for i in ups)
-        crcs = dict.fromkeys(ups, 0)
+        parity = any(i >= k for i in plan)
         stripe = _stripe_bytes(getattr(self.transport, "pacer", None), len(plan))
-        bufs = [mmap.mmap(-1, min(fb, stripe)) for _ in range(k)]
-        mvs = [memoryview(b) for b in bufs]
+        sets = [[mmap.mmap(-1, min(fb, stripe)) for _ in range(k)] for _ in range(BUFFER_SETS)]
+        mvs = [[memoryview(b) for b in bufs] for bufs in sets]
+        cond = threading.Condition()
+        feeds = {i: _Feed(self, cond, step, i, node, raw, desc, fb) for i, node in sorted(plan.items())}
+        lag_s = getattr(self.transport, "timeout_s", 60.0) / 2
         fds: dict[str, int] = {}
+        coded = False
         try:
+            for f in feeds.values():
+                f.thread.start()
             for name, _ in lay.files:
                 fds[name] = os.open(os.path.join(self.tier.step_dir(step), name), os.O_RDONLY | os.O_CLOEXEC)
-            for off, n in lay.stripes(stripe):
-                if not ups or self._stop.is_set():
+            for s, (off, n) in enumerate(lay.stripes(stripe)):
+                live = [f for f in feeds.values() if not f.dead]
+                if not live or self._stop.is_set():
                     break
-                for i in (range(k) if parity else [i for i in ups if i < k]):
-                    _read(lay, fds, i, off, n, mvs[i])
-                pieces: dict[int, Any] = {i: mvs[i][:n] for i in range(k)}
+                _wait_for(cond, live, s - BUFFER_SETS, lag_s, self._stop)
+                bufs = mvs[s % BUFFER_SETS]
+                for i in (range(k) if parity else [i for i in feeds if i < k and not feeds[i].dead]):
+                    _read(lay, fds, i, off, n, bufs[i])
+                pieces: dict[int, Any] = {i: bufs[i][:n] for i in range(k)}
                 if parity:
                     t0 = time.thread_time()
-                    pieces.update(enumerate(self.code.parity([mvs[i][:n] for i in range(k)]), start=k))
+                    pieces.update(enumerate(self.code.parity([bufs[i][:n] for i in range(k)]), start=k))
                     self.encode_cpu_s += time.thread_time() - t0
-                for i, up in list(ups.items()):
-                    crcs[i] = _crc.crc32c(pieces[i], crcs[i])
-                    try:
-                        up.send(pieces[i])
-                    except ZerostallError as exc:
-                        failed.append(f"{plan[i]} (fragment {i}): {exc}")
-                        del ups[i]
-            ok: dict[int, str] = {}
-            for i, up in ups.items():
+                for i, f in feeds.items():
+                    if not f.dead:
+                        f.q.put((s, pieces[i]))
+            for f in feeds.values():
                 if self._stop.is_set():
-                    break
-                try:
-                    digest = up.finish(crcs[i])
-                    if digest != f"{crcs[i]:08x}":
-                        raise ZerostallError(f"acknowledged with crc32c {digest}, sent {crcs[i]:08x}")
-                    ok[i] = plan[i]
-                    with self._mu:
-                        self.fragment_bytes_sent += fb
-                        self.bytes_sent += fb
-                except (ZerostallError, OSError) as exc:
-                    log.warning("zerostall: step %d: fragment %d to node %s failed: %s", step, i, plan[i], exc)
-                    failed.append(f"{plan[i]} (fragment {i}): {exc}")
-            return ok, failed
+                    f.abort("stopped")
+                f.q.put(None)
+            coded = True
         finally:
-            for up in ups.values():
-                up.close()
+            if not coded:  # an exception: no feed waits for a stripe that will not come
+                for f in feeds.values():
+                    f.abort("the coding pass failed")
+                    f.q.put(None)
+            for f in feeds.values():
+                if f.thread.ident is not None:
+                    f.thread.join()
             for fd in fds.values():
                 try:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read once, for the copies
                 except OSError:
                     pass
                 os.close(fd)
-            for mv, b in zip(mvs, bufs):
+            for mv, b in zip((m for ms in mvs for m in ms), (b for bs in sets for b in bs)):
                 try:
                     mv.release()
                     b.close()
                 except BufferError:  # a slice still referenced (an exception's frames): unmapped by the GC
                     pass
+        ok: dict[int, str] = {}
+        failed: list[str] = []
+        for i, f in feeds.items():
+            if f.acked:
+                ok[i] = plan[i]
+                with self._mu:
+                    self.fragment_bytes_sent += fb
+                    self.bytes_sent += fb
+            else:
+                log.warning("zerostall: step %d: fragment %d to node %s failed: %s", step, i, plan[i],
+                            f.error or "stopped")
+                failed.append(f"{plan[i]} (fragment {i}): {f.error or 'stopped'}")
+        return ok, failed
 
     # -- start-up repair (sender thread) -------------------------------------------------
     def _repair(self) -> None:
@@ -216,6 +228,8 @@ class CodedReplicator(PeerReplicator):
             except (OSError, ZerostallError) as exc:
                 log.warning("zerostall: repair of step %d: %s", step, exc)
                 continue
+            if tombstones.dead(v.deleted, step, man.checkpoint_id, man.created_unix):
+                continue  # deleted for good on some node (zerostall delete): no fragments of it again
             lay = self._layout(man)
             desc = lay.describe(step, man.checkpoint_id, v.me)
             held: dict[int, str] = {}
@@ -237,13 +251,116 @@ class CodedReplicator(PeerReplicator):
 
 
 def _stripe_bytes(pacer: Any, fragments: int) -> int:
-    """Bytes of each fragment per stripe. The holders are fed in turn, so with a bandwidth cap
-    one waits for the other fragments' pieces between two of its own: two pacer pieces
+    """Bytes of each fragment per stripe. The feeds share the node's pacer, so with a bandwidth
+    cap a feed waits for the other feeds' stripes between two of its own: two pacer pieces
     (``rate * timeout_s / 8`` each) across all fragments keep that wait near a quarter of
     ``peers.timeout_s``, after which the holder would give up."""
     if pacer is None or not pacer.rate:
         return STRIPE_BYTES
     return max(ALIGN_BYTES, min(STRIPE_BYTES, 2 * pacer.piece_bytes // fragments // ALIGN_BYTES * ALIGN_BYTES))
+
+
+BUFFER_SETS = 2
+"""Sets of k data-stripe buffers: the sender thread reads and codes stripe s into one while the
+feeds still send stripe s - 1 from the other; a set is reused only once every live feed sent it."""
+
+
+class _Feed:
+    """One fragment on its way to its holder (:class:`.fragments.Upload`), on a thread of its
+    own: started by the replicator's sender thread (so at the replication's CPU and I/O
+    priority, :mod:`.priority`), it connects, sends the stripes the sender thread puts in
+    ``q`` in order (``(stripe number, buffer)``; ``None``: the last one was sent), folds each
+    into the fragment's crc32c, announces it and waits for the holder's acknowledgement. Every
+    feed shares the node's pacer, so the holders are fed side by side at the node's cap.
+
+    ``sent`` (the last stripe number sent) and ``dead`` are written under ``cond`` by this
+    thread, ``dead`` also by :meth:`abort` (the sender thread); the sender thread waits on
+    ``cond`` before it reuses a buffer set."""
+
+    def __init__(self, rep: "CodedReplicator", cond: threading.Condition, step: int, index: int, node: str,
+                 raw: bytes, desc: bytes, size: int):
+        self.rep, self.cond, self.step, self.index, self.node = rep, cond, step, index, node
+        self.raw, self.desc, self.size = raw, desc, size
+        self.q: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
+        self.sent = -1
+        self.dead = False
+        self.acked = False
+        self.error = ""
+        self.ended = threading.Event()
+        self._up: Upload | None = None
+        self.thread = threading.Thread(target=self._run, name="zerostall-peers-fput", daemon=True)
+
+    def _run(self) -> None:
+        rep = self.rep
+        try:
+            self._up = Upload(rep.transport, rep.view.endpoints[self.node], rep.view.me, self.step, self.index,
+                              self.size, self.raw, self.desc, getattr(rep.transport, "pacer", None))
+            crc = 0
+            while True:
+                item = self.q.get()
+                if item is None or self.dead:
+                    break
+                s, piece = item
+                crc = _crc.crc32c(piece, crc)
+                self._up.send(piece)
+                with self.cond:
+                    self.sent = s
+                    self.cond.notify_all()
+            if not self.dead:
+                digest = self._up.finish(crc)
+                if digest != f"{crc:08x}":
+                    raise ZerostallError(f"acknowledged with crc32c {digest}, sent {crc:08x}")
+                self.acked = True
+        except Exception as exc:  # noqa: BLE001 - any failure drops this holder alone
+            self.error = self.error or str(exc)
+        finally:
+            up, self._up = self._up, None
+            if up is not None:
+                up.close()
+            with self.cond:
+                self.dead = self.dead or not self.acked
+                self.cond.notify_all()
+            self.ended.set()
+
+    def abort(self, why: str) -> None:
+        """Drop this holder (sender thread): its thread stops at its next step; a send in
+        flight is cut (the socket is shut down, not closed: the feed's thread closes it)."""
+        with self.cond:
+            if self.acked or self.dead:
+                return
+            self.dead, self.error = True, why
+            self.cond.notify_all()
+        up = self._up
+        sock = up.sock if up is not None else None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def _wait_for(cond: threading.Condition, feeds: list[_Feed], stripe: int, lag_s: float,
+              stop: threading.Event) -> None:
+    """Until every feed of ``feeds`` sent stripe ``stripe`` (or died). A feed still short of it
+    after ``lag_s`` (half of ``peers.timeout_s``) is dropped: its holder stopped or crawls, and
+    the other holders, fed nothing meanwhile, would give up on their transfers after
+    ``peers.timeout_s`` without progress."""
+    if stripe < 0:
+        return
+    deadline = time.monotonic() + lag_s
+    with cond:
+        while not stop.is_set():
+            behind = [f for f in feeds if not f.dead and f.sent < stripe]
+            if not behind:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            cond.wait(min(left, 0.5))
+    for f in feeds:
+        if not f.dead and f.sent < stripe:
+            f.abort(f"stopped: still sending stripe {f.sent + 1} after {lag_s:g} s, while the others were at "
+                    f"stripe {stripe + BUFFER_SETS}")
 
 
 def _read(lay: Layout, fds: dict[str, int], index: int, off: int, n: int, mv: memoryview) -> None:
