@@ -13,13 +13,15 @@ Per protection, in the order given, ``--repeat`` rounds with the order reversed 
    the step is coded and sent, and after it is protected. Measured: bytes every node's leader
    moved to peers (acknowledged) against the state, the sender thread's CPU seconds in the
    parity arithmetic per GB of state, rank 0's step time while only the copies run (durable ->
-   protected) against idle (before the save, after protected), the time to protected;
+   protected) against idle (before the save, after protected; means and medians), the time
+   to protected;
 2. *recovery*: node n1 wiped (its root and everything it held for others), the job restarted;
    n1's files come from its peers while the others load their own. On the cluster, n1's link is
    ``RESTORE_LINK_X`` times a holder's for this phase: a replacement whose link is faster than
    one holder's share is what k parallel fetches are for; with replicas=3 its file comes from
    its 2 holders (ranges), with RS(k,m) from k holders. Measured: n1's files in (committed)
-   and loaded, from the barrier all nodes leave at once.
+   and loaded, from the barrier all nodes leave at once, its fetch alone, and what its bytes
+   take over one holder's link (``LINK_MBIT``): what k parallel fetches are to beat.
 
 Runs on the CLI's thread; the nodes are subprocesses.
 """
