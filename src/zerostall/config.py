@@ -14,6 +14,7 @@ Environment overrides (read only by :meth:`CheckpointConfig.from_env`, which
 ``ZEROSTALL_BUDGET_FRACTION``  staging budget as a fraction of host RAM (default 0.4)
 ``ZEROSTALL_BACKPRESSURE``     ``block`` | ``skip``
 ``ZEROSTALL_DIST_MODE``        ``per_rank`` | ``replicated`` | ``local``
+``ZEROSTALL_PEER_PORT``        ``peers.listen_port`` (0: a port the kernel picks)
 =============================  =====================================================
 """
 
@@ -132,6 +133,11 @@ class PeersConfig:
     listen_host: str | None = None
     """Address the peer server listens on and publishes (None: loopback for a local rendezvous,
     else the address that reaches ``MASTER_ADDR``)."""
+    listen_port: int = 0
+    """TCP port the peer server listens on (0: one the kernel picks, published through the
+    store). A fixed port is for firewalls that open only named ports between nodes; every node
+    leader binds it on its own address, so it needs one node per host address
+    (``ZEROSTALL_PEER_PORT``)."""
 
     def __post_init__(self) -> None:
         _require(self.timeout_s > 0, "peers.timeout_s", self.timeout_s, "must be > 0 seconds")
@@ -147,6 +153,9 @@ class PeersConfig:
                  "must be 'idle', 'nice' or 'normal'")
         _require(self.replica_timeout_s > 0, "peers.replica_timeout_s", self.replica_timeout_s, "must be > 0")
         _require(self.code in (None, "rs"), "peers.code", self.code, "must be None (full copies) or 'rs'")
+        _require(isinstance(self.listen_port, int) and not isinstance(self.listen_port, bool)
+                 and 0 <= self.listen_port <= 65535, "peers.listen_port", self.listen_port,
+                 "must be a TCP port 1..65535, or 0 for one the kernel picks")
         for name, v in (("data_fragments", self.data_fragments), ("parity_fragments", self.parity_fragments)):
             _require(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 32, f"peers.{name}", v,
                      "must be an int in 1..32")
@@ -280,6 +289,12 @@ class CheckpointConfig:
             top["backpressure"] = env["ZEROSTALL_BACKPRESSURE"]
         if "ZEROSTALL_DIST_MODE" in env:
             top["dist_mode"] = env["ZEROSTALL_DIST_MODE"]
+        if "ZEROSTALL_PEER_PORT" in env:
+            try:
+                top["peers"] = dataclasses.replace(cfg.peers, listen_port=num("ZEROSTALL_PEER_PORT", int))
+            except ConfigError as exc:
+                raise ConfigError(f"environment variable ZEROSTALL_PEER_PORT={env['ZEROSTALL_PEER_PORT']!r}: "
+                                  f"{exc}") from None
         if io_changes:
             top["io"] = dataclasses.replace(cfg.io, **io_changes)  # type: ignore[arg-type]
         if st_changes:

@@ -72,7 +72,8 @@ def checkpointer():
     # "normal": the copies are the thing under test, not their cost to the training; at "idle" a
     # loaded machine starves them past replica_timeout_s
     peers = PeersConfig(timeout_s=float(os.environ.get("ZS_PT", 2)), replica_timeout_s=float(os.environ.get("ZS_RT", 8)),
-                        cpu_priority=os.environ.get("ZS_CPU", "normal"))
+                        cpu_priority=os.environ.get("ZS_CPU", "normal"),
+                        listen_port=int(os.environ.get("ZEROSTALL_PEER_PORT", 0)))  # the env twin, kept
     return zerostall.Checkpointer(os.environ["ZS_ROOT"], dist_name="cluster-test",
                                   replicas=int(os.environ.get("ZS_REPLICAS", 2)), peers=peers,
                                   commit_timeout_s=float(os.environ.get("ZS_CT", 8)), close_timeout_s=4,

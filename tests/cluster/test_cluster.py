@@ -1,7 +1,8 @@
 """The 4-node job on network namespaces (tests/cluster/harness.py), on every CI run: each node
 its own address, root and ZEROSTALL_NODE; c10d, gloo and the peer tier over a bridge.
 
-Saves steps 1-3 with replicas=2; n2's link goes down while it copies step 2 to its holder
+Saves steps 1-3 with replicas=2 (the save job's peer servers on a fixed port, as behind a
+firewall); n2's link goes down while it copies step 2 to its holder
 (the majority's handles finish and it trains on), then heals; step 3 is saved by every node;
 n3's root is wiped and the job restarted: every rank loads step 3 bit-exact, n3 from peers."""
 
@@ -14,13 +15,13 @@ def test_four_nodes_partition_during_replication_heal_wipe_restore(cluster, tmp_
     c = cluster(4)
     n2, n3 = c.nodes[2], c.nodes[3]
     env = {"ZS_REPLICAS": "2", "ZS_STEPS": "1,2,3", "ZS_GATE_BEFORE": "3", "ZS_FAULT": "send:n2:2",
-           "ZS_PT": "2", "ZS_RT": "6", "ZS_CT": "10"}
+           "ZS_PT": "2", "ZS_RT": "6", "ZS_CT": "10", "ZEROSTALL_PEER_PORT": "7700"}
     job = Job(c, str(tmp_path / "run1"), "save", env)
     # the peer tier on each node listens on its own address (reachable from the other
     # namespaces) and publishes it: the route to MASTER_ADDR, n0's 10.x address
     serving = job.wait_for(lambda e: len(of(e, "serving")) == 4 and of(e, "serving"), 400, "peer servers")
     for s in serving:
-        assert s["endpoints"] == {nd.name: [nd.addr, s["endpoints"][nd.name][1]] for nd in c.nodes}, s
+        assert s["endpoints"] == {nd.name: [nd.addr, 7700] for nd in c.nodes}, s
     started = {e["node"]: e for e in of(job.events(), "started")}
     assert all(e["master"] == c.nodes[0].addr for e in started.values())
     # n2 is half way through copying step 2 to its holder: cut it off

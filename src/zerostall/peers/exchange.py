@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from ..distributed.node import failure_domain, node_id
 from ..distributed.store import Store
-from ..errors import ConfigError, DistributedError
+from ..errors import ConfigError, DistributedError, ZerostallError
 from . import tombstones
 from .placement import Node
 from .transport import Endpoint
@@ -218,12 +218,19 @@ def setup(store: Store, prefix: str, rank: int, world: int, replicas: int, timeo
     rank_nodes = tuple(i["node"] for i in infos)
     view = PeerView(prefix, rank, world, me, nodes, rank_nodes, {}, secret)
     if view.leader:
-        host, port = serve(secret, me, list(nodes))
+        try:
+            host, port = serve(secret, me, list(nodes))
+        except ZerostallError as exc:  # e.g. a taken peers.listen_port: every rank fails with it, not at a timeout
+            store.set(f"{p}/ep/{me}", json.dumps({"error": str(exc)}))
+            raise
         store.set(f"{p}/ep/{me}", json.dumps({"host": host, "port": port,
                                               "deleted": {str(k): v for k, v in (deleted or {}).items()}}))
     ep_keys = [f"{p}/ep/{n.name}" for n in nodes]
     _poll(store, ep_keys, timeout_s, "the nodes' peer endpoints")
     got = store.multi_get_json(ep_keys)
+    for n, e in zip(nodes, got):
+        if "error" in e:
+            raise ConfigError(f"peer replicas: node {n.name}'s peer server did not start: {e['error']}")
     eps = {n.name: Endpoint(n.name, e["host"], int(e["port"])) for n, e in zip(nodes, got)}
     merged: dict[int, dict[str, Any]] = {}
     for e in got:

@@ -104,6 +104,7 @@ class Peers:
         pc = self.cfg.peers
         return TcpTransport(secret, me, {n.name for n in nodes}, timeout_s=pc.timeout_s,
                             pacer=Pacer(pc.bandwidth_bytes, pc.timeout_s), listen_host=listen,
+                            listen_port=pc.listen_port,
                             cpu_priority=pc.cpu_priority,
                             recv_pacer=Pacer(pc.receive_bandwidth_bytes, pc.timeout_s)
                             if pc.receive_bandwidth_bytes else None)

@@ -1,5 +1,5 @@
-"""Moving one file's bytes over a peer connection: the sender's paced ``sendfile`` with read-ahead
-(:func:`send_range`), the receiver's checked, double-buffered O_DIRECT write (:func:`fill_from`),
+"""Moving one file's bytes over a peer connection: the sender's paced send from O_DIRECT
+read-ahead (:func:`send_range`), the receiver's checked, double-buffered O_DIRECT write (:func:`fill_from`),
 and the token bucket both sides pace with (:class:`Pacer`).
 
 Called on the connection's thread (a server connection thread, a replicator transfer thread,
@@ -8,15 +8,21 @@ a restore fetch thread); nothing here is shared but a :class:`Pacer`.
 
 from __future__ import annotations
 
+import errno
+import logging
 import mmap
 import os
+import queue
 import socket
 import threading
 import time
 from typing import Any, Callable
 
+from ..config import ALIGN_BYTES
 from .verify import StreamCheck
 from .wire import PeerError
+
+log = logging.getLogger("zerostall")
 
 fault_hook: Callable[[str], None] | None = None
 """Test seam: called as ``fault_hook(point)`` at each named state of a copy to a holder (the
@@ -34,17 +40,18 @@ def at(point: str) -> None:
         fault_hook(point)
 
 BUF_BYTES = 4 << 20
-"""The receiver's buffers (two per transfer) and the unit it checks and writes."""
+"""The receiver's buffers (:data:`RECV_BUFS` per transfer) and the unit it checks and writes."""
 FETCH_BUF_BYTES = 16 << 20
-"""A restore's buffers (two per file or range fetched at once): someone waits for a restore,
-and larger pieces keep the holder's ``sendfile`` and the O_DIRECT writes busier (measured:
-docs/speed-tricks.md)."""
+"""A restore's buffers (:data:`RECV_BUFS` per file or range fetched at once): someone waits for
+a restore, and larger pieces keep the O_DIRECT writes fewer and larger."""
+RECV_BUFS = 3
+"""Receive buffers per transfer: one being checked and written, two for the socket to fill."""
 SEND_BYTES = 16 << 20
-"""Bytes per ``sendfile`` call (and per pacing step) on the sender: fewer, larger calls."""
-READ_AHEAD_BYTES = 32 << 20
-"""How far ahead of ``sendfile`` the sender asks the kernel to read (``POSIX_FADV_WILLNEED``):
-a holder's copy was written with O_DIRECT, so it is not cached, and ``sendfile``'s own
-read-ahead (128 KiB-2 MiB) keeps one request in flight at a time."""
+"""The most bytes a paced transfer moves before it pays the :class:`Pacer`."""
+SEND_BUF_BYTES = 4 << 20
+"""The sender's read-ahead buffers (:data:`SEND_BUFS` per transfer) and its O_DIRECT read size."""
+SEND_BUFS = 4
+"""Buffers read ahead per transfer: the disk reads up to three ahead of the one being sent."""
 
 
 PIECES_PER_TIMEOUT = 8
@@ -86,81 +93,198 @@ class Pacer:
             time.sleep(wait)
 
 
+class _ReadAhead:
+    """Bytes ``[offset, offset + length)`` of an open file, read ahead on a thread of their own
+    into :data:`SEND_BUFS` aligned buffers of :data:`SEND_BUF_BYTES`, with O_DIRECT (the file
+    reopened through ``/proc/self/fd``: the same inode, even if renamed or deleted since) where
+    the filesystem takes it, else buffered. The sending thread iterates over the filled pieces
+    (``memoryview``s, in file order) and hands each buffer back by taking the next one; a read
+    error is raised there. :meth:`close` stops the reader (any thread that iterates)."""
+
+    def __init__(self, fd: int, offset: int, length: int):
+        self.fd, self.offset, self.end = fd, offset, offset + length
+        try:
+            self.dfd: int | None = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+        except OSError:  # tmpfs, some FUSE: no O_DIRECT
+            self.dfd = None
+        self.bufs = [mmap.mmap(-1, SEND_BUF_BYTES) for _ in range(SEND_BUFS)]
+        self.free: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self.full: queue.SimpleQueue[tuple[int, int, int] | BaseException | None] = queue.SimpleQueue()
+        for i in range(SEND_BUFS):
+            self.free.put(i)
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="zerostall-peers-readahead", daemon=True)
+        self._thread.start()
+
+    def _pread(self, mv: memoryview, pos: int) -> int:
+        if self.dfd is not None and pos % ALIGN_BYTES == 0:
+            try:
+                return os.preadv(self.dfd, [mv], pos)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                os.close(self.dfd)  # a filesystem that opens O_DIRECT but refuses its reads
+                self.dfd = None
+        got = 0
+        while got < len(mv):
+            k = os.preadv(self.fd, [mv[got:]], pos + got)
+            if not k:
+                break
+            got += k
+        return got
+
+    def _run(self) -> None:
+        pos = self.offset - self.offset % ALIGN_BYTES
+        try:
+            while pos < self.end:
+                i = self.free.get()
+                if i is None or self._stop:
+                    return
+                want = min(SEND_BUF_BYTES, -(-(self.end - pos) // ALIGN_BYTES) * ALIGN_BYTES)
+                got = self._pread(memoryview(self.bufs[i])[:want], pos)
+                if got <= 0 or (got < want and pos + got < self.end and self.dfd is None):
+                    raise PeerError(f"the file ended at byte {pos + max(got, 0)}, before byte {self.end}")
+                self.full.put((i, max(self.offset - pos, 0), min(got, self.end - pos)))
+                pos += got
+            self.full.put(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the sending thread
+            self.full.put(exc)
+
+    def __iter__(self) -> Any:
+        held: int | None = None
+        while True:
+            if held is not None:
+                self.free.put(held)
+                held = None
+            item = self.full.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            held, a, b = item
+            yield memoryview(self.bufs[held])[a:b]
+
+    def close(self) -> None:
+        self._stop = True
+        self.free.put(None)
+        self._thread.join()
+        if self.dfd is not None:
+            os.close(self.dfd)
+        for buf in self.bufs:
+            try:
+                buf.close()
+            except BufferError:  # a view still referenced by an exception's frames: unmapped by the GC
+                pass
+
+
 def send_range(sock: socket.socket, f: Any, offset: int, length: int, pacer: Pacer | None = None) -> int:
-    """``sendfile`` bytes ``[offset, offset + length)`` of open file ``f`` to ``sock`` in
-    ``SEND_BYTES`` pieces (each paced), keeping ``READ_AHEAD_BYTES`` of read-ahead requested.
-    Returns the bytes sent; stops early (returning fewer) when the receiver closed: its answer
-    says why."""
-    fd = f.fileno()
-    ahead = offset  # read-ahead requested up to here
-    end = offset + length
-    off = offset
+    """Send bytes ``[offset, offset + length)`` of open file ``f`` to ``sock``: read ahead on
+    a thread of their own with O_DIRECT (:class:`_ReadAhead`), sent from its buffers (each
+    ``send`` waits at most the socket's timeout for progress; with ``pacer``, paid for in
+    pieces). A holder's copy was written with O_DIRECT, so it is not cached: ``sendfile``
+    from it read the disk on the sending thread, one read-ahead window at a time, and the
+    socket idled while it did (see docs/cluster.md, the link probe). Returns the bytes sent;
+    stops early (returning fewer) when the receiver closed (its answer says why) or the file
+    could not be read (logged: the receiver sees a cut transfer)."""
+    reader = _ReadAhead(f.fileno(), offset, length)
+    pieces = iter(reader)
+    sent = 0
     try:
-        while off < end:
-            if ahead < min(end, off + READ_AHEAD_BYTES // 2):
-                nxt = min(end, off + READ_AHEAD_BYTES)
-                try:
-                    os.posix_fadvise(fd, ahead, nxt - ahead, os.POSIX_FADV_WILLNEED)
-                except OSError:
-                    pass
-                ahead = nxt
-            n = min(SEND_BYTES if pacer is None else pacer.piece_bytes, end - off)
-            sent = sock.sendfile(f, off, n)
-            if not sent:
-                raise PeerError(f"sent {off - offset} of {length} bytes")
-            off += sent
-            if pacer is not None:
-                pacer.take(sent)  # after the send: the holder never waits on the bucket for a first byte
-    except OSError:
-        pass  # the receiver gave up early
-    return off - offset
+        for mv in pieces:
+            pos = 0
+            while pos < len(mv):
+                k = sock.send(mv[pos:pos + (len(mv) if pacer is None else pacer.piece_bytes)])
+                pos += k
+                sent += k
+                if pacer is not None:
+                    pacer.take(k)  # after the send: the holder never waits on the bucket for a first byte
+            del mv
+    except PeerError as exc:
+        log.warning("zerostall: sending %s stopped: %s", getattr(f, "name", "a file"), exc)
+    except OSError as exc:
+        if not isinstance(exc, (ConnectionError, TimeoutError)) and exc.errno not in (errno.EPIPE, errno.ECONNRESET):
+            log.warning("zerostall: reading %s to send it failed: %s", getattr(f, "name", "a file"), exc)
+    finally:
+        pieces.close()
+        reader.close()
+    return sent
 
 
 def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer: Pacer | None = None,
               start: int = 0, point: str = "", buf_bytes: int = BUF_BYTES) -> None:
     """Receive ``size`` bytes into aligned buffers, check them, write them to ``w`` at file
     offsets ``start``.. (aligned extents: shard files are multiples of 4096 bytes, ranges start
-    at aligned tensor offsets). Two buffers: while chunk k's O_DIRECT write is in flight
-    (``w.write``'s ``overlap``), chunk k+1 is received and checked into the other, so the socket
-    keeps draining and the sender keeps reading; each chunk is checked before it is written,
-    and every byte before the caller commits. A single-buffer loop (receive, check, write, in
-    turn) stalls the sender during every write (measured: docs/speed-tricks.md). ``pacer``: the receiver's own cap (a holder pacing what it takes in);
-    ``point``: the :data:`fault_hook` prefix (``"recv"`` for a holder's copy); ``buf_bytes``:
-    each buffer's size (:data:`BUF_BYTES` for copies, :data:`FETCH_BUF_BYTES` for restores)."""
-    bufs = [mmap.mmap(-1, buf_bytes), mmap.mmap(-1, buf_bytes)]
-    mvs = [memoryview(b) for b in bufs]
+    at aligned tensor offsets). A thread of its own receives into :data:`RECV_BUFS` buffers
+    while the caller's thread checks each filled one and writes it with O_DIRECT, so the
+    socket keeps draining during the crc and the write (in one loop, every crc and every
+    write stalled the stream and the sender behind it: docs/cluster.md, the link probe). Each
+    buffer is checked before it is written, and every byte before the caller commits.
+    ``pacer``: the receiver's own cap (a holder pacing what it takes in); ``point``: the
+    :data:`fault_hook` prefix (``"recv"`` for a holder's copy; called on the receiving
+    thread); ``buf_bytes``: each buffer's size (:data:`BUF_BYTES` for copies,
+    :data:`FETCH_BUF_BYTES` for restores). On an error the receiving thread is woken by a
+    ``shutdown(SHUT_RD)`` of ``sock`` (the caller may still send its answer)."""
+    bufs = [mmap.mmap(-1, buf_bytes) for _ in range(RECV_BUFS)]
+    free: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+    full: queue.SimpleQueue[tuple[int, int] | BaseException] = queue.SimpleQueue()
+    for i in range(RECV_BUFS):
+        free.put(i)
 
-    def recv(mv: memoryview, off: int) -> int:
-        n = min(buf_bytes, size - off)
-        got = 0
-        while got < n:
-            k = sock.recv_into(mv[got:n if pacer is None else min(n, got + pacer.piece_bytes)])
-            if not k:
-                raise PeerError(f"transfer cut after {off + got} of {size} bytes")
-            if point and off + got < size // 2 <= off + got + k:
-                at(f"{point}:mid-stream")
-            got += k
-            if pacer is not None:
-                pacer.take(k)  # after the read, in pieces: the sender never stalls past its timeout
-        check.feed(mv[:n])
-        return n
+    def receive() -> None:
+        off = 0
+        try:
+            while off < size:
+                i = free.get()
+                if i is None:
+                    return
+                mv = memoryview(bufs[i])
+                try:
+                    n = min(buf_bytes, size - off)
+                    got = 0
+                    while got < n:
+                        k = sock.recv_into(mv[got:n if pacer is None else min(n, got + pacer.piece_bytes)])
+                        if not k:
+                            raise PeerError(f"transfer cut after {off + got} of {size} bytes")
+                        if point and off + got < size // 2 <= off + got + k:
+                            at(f"{point}:mid-stream")
+                        got += k
+                        if pacer is not None:
+                            pacer.take(k)  # after the read, in pieces: the sender never stalls past its timeout
+                finally:
+                    mv.release()
+                full.put((i, n))
+                off += n
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            full.put(exc)
 
+    t = threading.Thread(target=receive, name="zerostall-peers-recv", daemon=True)
+    t.start()
     try:
-        off, i = 0, 0
-        n = recv(mvs[0], 0) if size else 0
-        while n:
-            nxt: list[int] = []
-
-            def overlap(j: int = 1 - i, at: int = off + n) -> None:
-                nxt.append(recv(mvs[j], at) if at < size else 0)
-            w.write([(start + off, mvs[i][:n])], overlap=overlap)
-            if not nxt:  # an engine that did not call it
-                overlap()
-            off, n, i = off + n, nxt[0], 1 - i
-    finally:
-        for mv, buf in zip(mvs, bufs):
+        off = 0
+        while off < size:
+            item = full.get()
+            if isinstance(item, BaseException):
+                raise item
+            i, n = item
+            mv = memoryview(bufs[i])
             try:
+                check.feed(mv[:n])
+                w.write([(start + off, mv[:n])])
+            finally:
                 mv.release()
+            free.put(i)
+            off += n
+    except BaseException:
+        free.put(None)
+        try:
+            sock.shutdown(socket.SHUT_RD)  # a receive in progress returns
+        except OSError:
+            pass
+        raise
+    finally:
+        t.join(10)
+        for buf in bufs:
+            try:
                 buf.close()
-            except BufferError:  # slices still referenced by an exception's frames: unmapped by the GC
+            except BufferError:  # still referenced (an exception's frames, a receive not woken): unmapped by the GC
                 pass

@@ -1,4 +1,4 @@
-"""Plain TCP peer transport: ``socket.sendfile`` from the committed file, the receiver checks
+"""Plain TCP peer transport: the committed file read ahead with O_DIRECT and sent, the receiver checks
 every byte and writes with O_DIRECT from an aligned buffer (see :mod:`.transport` for the
 call order and :mod:`.wire` for the messages).
 
@@ -9,7 +9,7 @@ Requests after the handshake, each answered ``{"ok": true, ...}`` or ``{"ok": fa
         -> {"ok": true, "digest"}   after verify, fdatasync, rename, fsync of the directory
     {"op": "list"}                 -> {"ok": true, "held": [...]}
     {"op": "get", "src", "step", "name"}
-        -> {"ok": true, "size", "manifest_bytes"} + manifest + file bytes (sendfile)
+        -> {"ok": true, "size", "manifest_bytes"} + manifest + file bytes
 
 Every socket has ``timeout_s``: a peer that stops (SIGSTOP, a hung host) fails the call
 after ``timeout_s`` without progress. The server runs one daemon thread per connection (at
@@ -28,7 +28,7 @@ import socket
 import threading
 from typing import Any
 
-from ..errors import ZerostallError
+from ..errors import ConfigError, ZerostallError
 from ..format.manifest import Manifest
 from .priority import background
 from .store import PeerStore
@@ -65,14 +65,14 @@ class TcpTransport(Transport):
 
     def __init__(self, secret: bytes, me: str, nodes: set[str], *, timeout_s: float, pacer: Pacer,
                  listen_host: str = "127.0.0.1", max_connections: int = 32, recv_pacer: Pacer | None = None,
-                 cpu_priority: str = "normal"):
+                 cpu_priority: str = "normal", listen_port: int = 0):
         self.cpu_priority = cpu_priority
         """A connection thread receiving a copy (``put``) lowers itself to this (:mod:`.priority`)."""
         self.secret, self.me, self.nodes = secret, me, set(nodes)
         self.timeout_s, self.pacer = timeout_s, pacer
         self.recv_pacer = recv_pacer
         """The holder's cap on the copies it takes in (all senders together); None: none."""
-        self.listen_host, self.max_connections = listen_host, max_connections
+        self.listen_host, self.listen_port, self.max_connections = listen_host, listen_port, max_connections
         self._srv: socket.socket | None = None
         self._conns: set[socket.socket] = set()  # every open connection, ours and accepted (close() ends them)
         self._served: set[socket.socket] = set()  # accepted: what max_connections bounds (not our own)
@@ -89,7 +89,15 @@ class TcpTransport(Transport):
     def serve(self, store: PeerStore) -> tuple[str, int]:
         self.store = store
         store.clean()
-        self._srv = socket.create_server((self.listen_host, 0), backlog=64)
+        try:
+            self._srv = socket.create_server((self.listen_host, self.listen_port), backlog=64)
+        except OSError as exc:
+            if not self.listen_port:
+                raise
+            raise ConfigError(f"peers.listen_port={self.listen_port}: node {self.me} cannot listen on "
+                              f"{self.listen_host}:{self.listen_port} ({exc.strerror or exc}); another process "
+                              "holds that port (or another node of this job on the same address): free it, pick "
+                              "another one (ZEROSTALL_PEER_PORT), or 0 for a port the kernel picks") from exc
         threading.Thread(target=self._accept, name="zerostall-peers-accept", daemon=True).start()
         return self._srv.getsockname()[:2]
 
@@ -289,7 +297,7 @@ class TcpTransport(Transport):
                     if send_range(s, f, half, size - half, self.pacer) == size - half:
                         at("send:sent")
                 try:
-                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # sendfile read through the cache
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # a buffered read-ahead (no O_DIRECT here)
                 except OSError:
                     pass
             reply = recv_msg(s)

@@ -1,7 +1,7 @@
 """The peer transport interface: how committed files move between nodes.
 
-One implementation today, :class:`~.tcp.TcpTransport` (plain TCP, ``socket.sendfile`` from the
-committed file, chosen by measurement: see docs/benchmarks.md). An RDMA engine
+One implementation today, :class:`~.tcp.TcpTransport` (plain TCP, the committed file read
+ahead with O_DIRECT and sent, chosen by measurement: see docs/benchmarks.md). An RDMA engine
 (NIXL, Mooncake TransferEngine) fits behind the same four calls: it would register the
 receiver's aligned buffer and pull or push the file's extents instead of streaming them,
 while the handshake, the field checks and the verification (:mod:`.wire`, :mod:`.verify`,
