@@ -25,26 +25,13 @@ import torch.distributed as dist
 
 import zerostall
 from zerostall import PeersConfig
+from zerostall_bench.nodeloss import fetch_from  # n1's files of step 1 from a remote tier, committed
 
 
 def state(rank, mib):
     g = torch.Generator().manual_seed(rank)
     n = mib << 20 >> 2
     return {f"t{i}": torch.randn(n // 8, generator=g) for i in range(8)}
-
-
-def fetch_from(url, tier, rank):
-    """n1's files of step 1 from a remote tier into its root, committed (what a replacement
-    node does before the collective load reads and verifies them)."""
-    from zerostall.format.layout import shard_name
-    from zerostall.store.tier import open_tier
-    remote = open_tier(url)
-    man = remote.read_manifest(1)
-    part = tier.begin(1)
-    name = shard_name(rank)
-    size = next(f.file_bytes for f in man.files if f.name == name)
-    remote.download(f"step-1/{name}", os.path.join(part, name), size)
-    tier.commit(1, man)
 
 
 def upload(root, url):

@@ -23,10 +23,11 @@ def _hooked(hook, fn):
         stream.fault_hook = None
 
 
-def test_every_holder_acknowledges_while_the_others_are_still_at_their_fsync(job):  # noqa: F811
-    """All three holders wait for each other just before they acknowledge: only a sender that
-    talks to them side by side gets every acknowledgement (one that finishes the holders in
-    turn waits for the first one's answer, which never comes before the others are there)."""
+def test_the_holders_are_answered_side_by_side_each_waiting_for_the_others_before_its_ack(job):  # noqa: F811
+    """All three holders, each with its fragment fsync'ed and renamed, wait for each other before
+    they acknowledge: only a sender that talks to them side by side gets every acknowledgement
+    (one that finishes the holders in turn waits for the first one's answer, which never comes
+    before the others are there)."""
     job.save(1)
     rep = job.replicator()
     barrier = threading.Barrier(3, timeout=5)

@@ -7,15 +7,14 @@ Called from the caller's thread. One process at a time downloads into a root
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 from typing import Any
 
-from ..errors import CorruptCheckpoint, StorageError, ZerostallError, storage_error
+from ..errors import CorruptCheckpoint, ZerostallError
 from ..format.manifest import Manifest
 from ..format.nodes import tree_tensor_indices
-from ..store.owner import StepLock
+from ..store.owner import FileLock, StepLock
 from ..store.tier import RootTier, Tier
 from ..store.atomic import fsync_dir, unlinked_on_error
 
@@ -44,41 +43,23 @@ class _FetchLock:
     """An exclusive ``flock`` on ``<root>/.zerostall.fetch.lock`` while one process downloads
     a step into ``root``: the ranks of a node restoring into one directory at once take turns
     (each used to remove the others' ``.partial`` and swap their commits away). Separate from
-    the owner's root lock, which a training run holds for its lifetime."""
+    the owner's root lock, which a training run holds for its lifetime. A
+    :class:`~zerostall.store.owner.FileLock` that is never removed, so a child forked meanwhile
+    neither keeps it (its at-fork handler closes its copy) nor unlocks it."""
 
     def __init__(self, root: str):
         self.path = os.path.join(root, FETCH_LOCK_NAME)
-        self.fd = -1
+        self._lock = FileLock(self.path)
 
     def __enter__(self) -> "_FetchLock":
-        import fcntl
-        import stat
-        try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-            if not stat.S_ISREG(os.fstat(self.fd).st_mode):
-                raise StorageError(f"{self.path!r} is not a regular file; remove it and try again", filename=self.path)
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-        except OSError as exc:
-            if self.fd >= 0:
-                os.close(self.fd)
-                self.fd = -1
-            if isinstance(exc, StorageError):
-                raise
-            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise storage_error("locking", self.path, exc) from exc
+        self._lock.acquire(wait=True)
+        if not self._lock.enforced:
             log.warning("zerostall: %s does not support flock: concurrent restores into it may collide",
                         os.path.dirname(self.path))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.fd >= 0:
-            import fcntl
-            try:  # on the description: a child forked meanwhile must not keep it locked
-                fcntl.flock(self.fd, fcntl.LOCK_UN)
-            except OSError:
-                pass
-            os.close(self.fd)
-            self.fd = -1
+        self._lock.release(unlink=False)
 
 
 _ANY = object()

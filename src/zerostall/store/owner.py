@@ -14,7 +14,13 @@ process conflict too, as they should. A ``fork()`` shares the description with t
 the child would hold the root locked after the writer's ``close()`` (or death): the lock
 belongs to the writer process only, and a forked child closes its copies of every held lock
 descriptor at once (``os.register_at_fork``; :func:`_after_fork_in_child`), which leaves the
-parent's lock untouched (``exec`` children never see it: ``O_CLOEXEC``). Where the filesystem refuses ``flock`` (``ENOLCK``:
+parent's lock untouched (``exec`` children never see it: ``O_CLOEXEC``). A lock is registered
+for that in the same step as its descriptor is opened, with forks held off meanwhile
+(``_FORK_GUARD``), so a fork from another thread while ``acquire`` runs leaves no locked copy
+in the child either. Release unlocks the description before closing it (a child between its
+fork and its handler shares it), but only in the process that acquired it: a child forked
+without Python's handlers (libc's ``fork`` through ctypes or C code) that releases its copy
+merely closes it, and never unlocks the parent's root. Where the filesystem refuses ``flock`` (``ENOLCK``:
 NFS mounted without a lock manager, some FUSE filesystems), ownership cannot be enforced:
 the root is used unlocked, with a warning, and keeping to one writer is up to the user.
 Note that NFSv3 mounted with ``nolock`` (and some FUSE filesystems) grant ``flock``
@@ -33,6 +39,7 @@ import logging
 import os
 import socket
 import stat
+import threading
 import time
 import weakref
 
@@ -44,38 +51,65 @@ LOCK_NAME = ".zerostall.lock"
 _NO_LOCKING = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
-_HELD: "weakref.WeakSet[RootLock | StepLock]" = weakref.WeakSet()
-"""Locks whose descriptor this process holds (closed in a forked child)."""
+_HELD: "weakref.WeakSet[RootLock | FileLock]" = weakref.WeakSet()
+"""Locks whose descriptors this process opened (closed in a forked child)."""
+
+_FORK_GUARD = threading.Lock()
+"""Held while a lock descriptor is opened and registered in ``_HELD``, or unregistered and
+closed; ``os.fork`` takes it first (``before=``), so no child is born holding a descriptor its
+at-fork handler does not know of. Never held across a wait."""
+
+
+def _before_fork() -> None:
+    _FORK_GUARD.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _FORK_GUARD.release()
 
 
 def _after_fork_in_child() -> None:
     """A forked child drops its copies of the parent's lock descriptors (not the parent's
     locks: the description stays open in the parent, which keeps the flock)."""
     for lock in list(_HELD):
-        fds = (lock._fd, getattr(lock, "_dfd", None))
-        lock._fd = None
-        if isinstance(lock, RootLock):
-            lock._dfd = None
-        for fd in fds:
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        for fd in lock._forget():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
     _HELD.clear()
+    _FORK_GUARD.release()  # taken by this thread in _before_fork
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
 
 
-def _unlock_and_close(fd: int) -> None:
-    """``LOCK_UN`` acts on the open file description, which a forked child shares until its
-    at-fork handler closes its copy; a plain ``close`` would leave the lock to that child."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    except OSError:  # no locking on this filesystem, or never locked
-        pass
-    os.close(fd)
+def _open_held(lock: "RootLock | FileLock", path: str, flags: int) -> int:
+    """Open a descriptor of ``lock`` and register the lock for the at-fork handler in one step."""
+    with _FORK_GUARD:
+        fd = os.open(path, flags, 0o644)
+        lock._pid = os.getpid()
+        _HELD.add(lock)
+    return fd
+
+
+def _close_held(lock: "RootLock | FileLock") -> None:
+    """Close the descriptors of ``lock``, unlocking their description first, but only in the
+    process that opened them: ``LOCK_UN`` acts on the open file description, which a forked
+    child shares until its at-fork handler closes its copy (a plain ``close`` would leave the
+    lock to that child), and which a child forked without the handler shares for good (its
+    ``LOCK_UN`` would unlock the parent)."""
+    with _FORK_GUARD:
+        _HELD.discard(lock)
+        owner = lock._pid == os.getpid()
+        for fd in lock._forget():
+            if owner:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                except OSError:  # no locking on this filesystem, or never locked
+                    pass
+            os.close(fd)
 
 
 def read_owner(root: str) -> dict[str, object]:
@@ -116,6 +150,13 @@ class RootLock:
         stale lock") cannot remove this one, so a second writer is refused all the same."""
         self.enforced = False
         """True when the kernel granted the flock; False when the filesystem has no locking."""
+        self._pid = 0
+        """The process that opened the descriptors (only it unlocks them)."""
+
+    def _forget(self) -> list[int]:
+        fds = [d for d in (self._fd, self._dfd) if d is not None]
+        self._fd = self._dfd = None
+        return fds
 
     @property
     def held(self) -> bool:
@@ -130,19 +171,18 @@ class RootLock:
         if self._fd is not None:
             return
         try:  # O_NONBLOCK: a FIFO planted there must not block the open
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            self._fd = fd = _open_held(self, self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+                                       | os.O_NONBLOCK)
         except OSError as exc:
             raise storage_error("creating the lock file", self.path, exc) from exc
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO would hang read_owner (we hold a writer end)
-            os.close(fd)
-            raise StorageError(f"lock file {self.path!r} is not a regular file; remove it (zerostall recreates "
-                               "it) and try again", filename=self.path)
         deadline = time.monotonic() + max(0.0, timeout_s)
         delay = 0.01
-        dfd: int | None = None
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO would hang read_owner (we hold a writer end)
+                raise StorageError(f"lock file {self.path!r} is not a regular file; remove it (zerostall "
+                                   "recreates it) and try again", filename=self.path)
             try:
-                dfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                self._dfd = dfd = _open_held(self, self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             except OSError:  # the lock file alone
                 dfd = None
             while True:
@@ -178,12 +218,8 @@ class RootLock:
                     break
             self._record(fd)
         except BaseException:
-            os.close(fd)
-            if dfd is not None:
-                os.close(dfd)
+            _close_held(self)
             raise
-        self._fd, self._dfd = fd, dfd
-        _HELD.add(self)
 
     def _record(self, fd: int) -> None:
         info = {"host": socket.gethostname(), "pid": os.getpid(), "start_unix": round(time.time(), 3)}
@@ -198,11 +234,7 @@ class RootLock:
         """Drop the lock. Idempotent. Unlocks before closing: a child forked a moment ago may
         not have run :func:`_after_fork_in_child` yet, and its copy of the descriptor would
         keep a merely closed description locked until it does."""
-        fd, self._fd = self._fd, None
-        dfd, self._dfd = self._dfd, None
-        for d in (fd, dfd):
-            if d is not None:
-                _unlock_and_close(d)
+        _close_held(self)
 
     def __del__(self) -> None:  # a half-built Checkpointer must not keep the root locked
         try:
@@ -215,28 +247,31 @@ FETCH_STEP_LOCK = ".zerostall-fetch-step-{step}.lock"
 FETCH_STEP_LOCK_RE = r"^\.zerostall-fetch-step-(\d{1,19})\.lock$"
 
 
-class StepLock:
-    """``flock`` on ``<root>/.zerostall-fetch-step-N.lock``, held by a process that downloads
-    step N into a root it does not own (``load(remote=)``, ``zerostall restore``): its
-    ``step-N.partial`` and what its commit leaves (``step-N.old``, ``.deleting-step-N-*``)
-    are in use. The owner's start-up cleanup (:meth:`.local.LocalTier.recover`) takes the
-    same lock without waiting for every step it cleans, and skips a step whose lock is held.
+class FileLock:
+    """An exclusive ``flock`` on one file that whoever holds it last may remove
+    (release(unlink=True)); :meth:`acquire` therefore checks, once locked, that the path still
+    names the file it locked, and starts again otherwise. The file records its holder. Caller's
+    thread; one acquire, one release."""
 
-    Unlike the root lock this file is removed by whoever holds it last (release(unlink=True));
-    :meth:`acquire` therefore checks, once locked, that the path still names the file it
-    locked, and starts again otherwise. Caller's thread; one acquire, one release.
-    """
-
-    def __init__(self, root: str, step: int):
-        self.path = os.path.join(root, FETCH_STEP_LOCK.format(step=step))
+    def __init__(self, path: str):
+        self.path = path
         self._fd: int | None = None
+        self._pid = 0
+        self.enforced = False
+        """True when the kernel granted the flock; False when the filesystem has no locking."""
+
+    def _forget(self) -> list[int]:
+        fds = [self._fd] if self._fd is not None else []
+        self._fd = None
+        return fds
 
     def acquire(self, wait: bool = True) -> bool:
         """Take the lock (waiting for a holder if ``wait``); False if held elsewhere and not
         ``wait``. Where the filesystem has no ``flock``, returns True unenforced."""
         while True:
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+                self._fd = fd = _open_held(self, self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+                                           | os.O_NONBLOCK)
             except OSError as exc:
                 raise storage_error("creating the lock file", self.path, exc) from exc
             try:
@@ -246,28 +281,26 @@ class StepLock:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
                 except BlockingIOError:
-                    os.close(fd)
+                    _close_held(self)
                     return False
                 except OSError as exc:
                     if exc.errno not in _NO_LOCKING:
                         raise storage_error("locking", self.path, exc) from exc
-                    self._fd = fd
-                    _HELD.add(self)
+                    self.enforced = False
                     return True
                 try:
                     same = os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
                 except FileNotFoundError:
                     same = False
                 if not same:  # its last holder removed it while we waited: lock the new one
-                    os.close(fd)
+                    _close_held(self)
                     continue
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode() + b"\n", 0)
             except BaseException:
-                os.close(fd)
+                _close_held(self)
                 raise
-            self._fd = fd
-            _HELD.add(self)
+            self.enforced = True
             return True
 
     def holder(self) -> str:
@@ -285,15 +318,27 @@ class StepLock:
             os.close(fd)
 
     def release(self, unlink: bool = True) -> None:
-        """Remove the file (while still holding it, so a waiter sees it gone) and unlock."""
-        fd, self._fd = self._fd, None
-        if fd is None:
+        """Remove the file (while still holding it, so a waiter sees it gone) and unlock.
+        ``unlink`` only in the process that acquired it (a forked child never removes it)."""
+        if self._fd is None:
             return
         try:
-            if unlink:
+            if unlink and self._pid == os.getpid():
                 try:
                     os.unlink(self.path)
                 except FileNotFoundError:
                     pass
         finally:
-            _unlock_and_close(fd)
+            _close_held(self)
+
+
+class StepLock(FileLock):
+    """``flock`` on ``<root>/.zerostall-fetch-step-N.lock``, held by a process that downloads
+    step N into a root it does not own (``load(remote=)``, ``zerostall restore``): its
+    ``step-N.partial`` and what its commit leaves (``step-N.old``, ``.deleting-step-N-*``)
+    are in use. The owner's start-up cleanup (:meth:`.local.LocalTier.recover`) takes the
+    same lock without waiting for every step it cleans, and skips a step whose lock is held.
+    Unlike the root lock this file is removed by whoever holds it last."""
+
+    def __init__(self, root: str, step: int):
+        super().__init__(os.path.join(root, FETCH_STEP_LOCK.format(step=step)))

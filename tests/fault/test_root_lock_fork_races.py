@@ -1,0 +1,141 @@
+"""The root lock against forks at the wrong moment: a child that runs no at-fork handler and
+releases its copy, and a fork while acquire() has the lock but has not registered it yet.
+Either would hand the root to a second writer while the first still writes. Real forks."""
+
+import ctypes
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from zerostall.errors import RootLockedError
+from zerostall.store.owner import RootLock, StepLock
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_a_child_without_the_at_fork_handler_releasing_its_copy_leaves_the_writer_locked(tmp_path):
+    """libc's fork runs no Python handler: the child's RootLock still names the shared
+    description, and its release() (a Checkpointer closed or collected in the child) must not
+    unlock the parent's root."""
+    root = str(tmp_path)
+    lock = RootLock(root)
+    lock.acquire()
+    pid = ctypes.CDLL(None, use_errno=True).fork()
+    if pid == 0:
+        try:
+            lock.release()
+        finally:
+            os._exit(0)
+    assert pid > 0, os.strerror(ctypes.get_errno())
+    os.waitpid(pid, 0)
+    try:
+        second = RootLock(root)
+        with pytest.raises(RootLockedError):  # the parent is still the writer
+            second.acquire()
+    finally:
+        lock.release()
+    third = RootLock(root)
+    third.acquire()  # and its own release does free it
+    third.release()
+
+
+_FORK_IN_ACQUIRE = r"""
+import os, sys, time
+from zerostall.store import owner
+which, root = sys.argv[1], sys.argv[2]
+
+def fork_now():  # another thread's fork, at the moment the flock is taken but not yet registered
+    pid = os.fork()
+    if pid == 0:
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 1), os.dup2(null, 2)
+        time.sleep(90)  # outlives its parent
+        os._exit(0)
+    print(pid, flush=True)
+
+if which == "root":
+    record = owner.RootLock._record
+    def _record(self, fd):
+        fork_now()
+        record(self, fd)
+    owner.RootLock._record = _record
+    held = owner.RootLock(root)  # kept: a collected RootLock releases itself
+    held.acquire()
+else:
+    real = owner.os.ftruncate
+    class _Os:  # StepLock writes its holder right after the flock: fork there
+        def __getattr__(self, name):
+            return getattr(os, name)
+        @staticmethod
+        def ftruncate(fd, n):
+            fork_now()
+            return real(fd, n)
+    owner.os = _Os()
+    held = owner.StepLock(root, 7)
+    held.acquire()
+os._exit(0)  # the writer dies without release()
+"""
+
+
+@pytest.mark.parametrize("which", ["root", "step"])
+def test_a_fork_while_acquire_is_half_way_leaves_no_lock_to_the_child(tmp_path, which):
+    root = str(tmp_path)
+    env = dict(os.environ)
+    out = subprocess.run([sys.executable, "-c", _FORK_IN_ACQUIRE, which, root], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    child = int(out.stdout.split()[0])
+    try:
+        os.kill(child, 0)  # the child lives on
+        if which == "root":
+            lock = RootLock(root)
+            lock.acquire()  # the writer is dead: the root is free
+            lock.release()
+        else:
+            step = StepLock(root, 7)
+            assert step.acquire(wait=False), "the dead writer's child kept the step lock"
+            step.release()
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)  # the orphan we made, by its pid
+        except ProcessLookupError:
+            pass
+
+
+_FORK_IN_FETCH = r"""
+import os, sys, time
+from zerostall.restore.download import _FetchLock
+with _FetchLock(sys.argv[1]):  # a download into the root, while another thread forks a helper
+    pid = os.fork()
+    if pid == 0:
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 1), os.dup2(null, 2)
+        time.sleep(90)  # outlives its parent
+        os._exit(0)
+    print(pid, flush=True)
+    os._exit(0)  # the restoring process dies mid-download
+"""
+
+
+def test_a_child_forked_during_a_download_does_not_keep_the_fetch_lock(tmp_path):
+    """Every rank of the node restoring into this root would wait on it for good."""
+    root = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", _FORK_IN_FETCH, root], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    child = int(out.stdout.split()[0])
+    try:
+        os.kill(child, 0)
+        fd = os.open(os.path.join(root, ".zerostall.fetch.lock"), os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: the orphan holds it
+        finally:
+            os.close(fd)
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
