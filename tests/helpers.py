@@ -127,3 +127,48 @@ def two_steps(tmp_path, state):
     zerostall.save(root, state(1.0), step=1)
     zerostall.save(root, state(2.0), step=2)
     return root
+
+
+def seal_manifest(body, crc=None):
+    """The bytes of a manifest file around ``body`` (a dict), in the one envelope zerostall
+    writes and reads; ``crc``: record this crc32c (8 hex digits) instead of the body's."""
+    import json
+
+    from zerostall.format.manifest import envelope
+    raw = envelope(json.dumps(body, separators=(",", ":")).encode())
+    if crc is not None:
+        at = raw.index(b'"body_crc32c":"') + len(b'"body_crc32c":"')
+        raw = raw[:at] + crc.encode() + raw[at + 8:]
+    return raw
+
+
+def resident_pages(path):
+    """(resident, total) pages of ``path`` in the page cache, by ``mincore(2)`` on a mapping
+    (mapping a file does not fault its pages in: this observes the cache without changing it)."""
+    import ctypes
+    import mmap
+    import os
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                               ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0, 0
+    npages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        raise OSError(ctypes.get_errno(), "mmap failed", path)
+    try:
+        vec = (ctypes.c_ubyte * npages)()
+        if libc.mincore(addr, size, vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore failed", path)
+        return sum(v & 1 for v in vec), npages
+    finally:
+        libc.munmap(addr, size)
+

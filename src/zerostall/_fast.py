@@ -69,9 +69,7 @@ _VP, _SZ, _INT = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
 for _name, _args, _res in (
         ("fallocate64", [_INT, _INT, ctypes.c_int64, ctypes.c_int64], _INT),
         ("sync_file_range", [_INT, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], _INT),
-        ("mincore", [_VP, _SZ, _VP], _INT),
         ("mmap", [_VP, _SZ, _INT, _INT, _INT, ctypes.c_long], _VP),
-        ("munmap", [_VP, _SZ], _INT),
         ("mlock", [_VP, _SZ], _INT),
         ("munlock", [_VP, _SZ], _INT),
         ("madvise", [_VP, _SZ, _INT], _INT),

@@ -34,7 +34,7 @@ import weakref
 from typing import Any
 
 from .config import CheckpointConfig
-from .errors import CheckpointExistsError, ConfigError, SaveFailed, ZerostallError
+from .errors import CheckpointExistsError, ConfigError, ZerostallError
 from .saving.handle import SaveHandle
 from .saving.inflight import InFlight, step_pre_hook, wait_staged
 from .memory.arena import Arena
@@ -46,14 +46,14 @@ from .memory.ring import BlockRing
 from .saving import pool as _pool
 from .saving import snapshot as _snapshot
 from .saving.snapshot import record_save_events
-from .restore.state import LoadReport
+from .restore import LoadReport, LoadRequest
 from .restore.step import shared_bounce
 from .stateful import load_into, unwrap_optimizer
 from .saving.persist import Persister
 from .store.remote import list_steps
 from .store.tier import open_tier
-from .store.retention import check_not_referenced
 from .saving.stages import abandoned, build_stages
+from .saving.admit import StepOrder, room_now, skip
 from .telemetry.host import start_sampling_thread
 
 log = logging.getLogger("zerostall")
@@ -99,7 +99,7 @@ class Checkpointer:
         self.unreplicated: list[int] = []  # after close(): the steps not replicated within close_timeout_s
         self.unprotected: list[int] = []  # after close(), replicas > 1: this run's steps not held by N nodes
         self._plans = PlanCache()
-        self._step_bound: int | None = None  # owner only: no committed step is above it
+        self._order = StepOrder(self.tier, self._refs, allow_lower=cfg.allow_lower_steps)
         self._last_saved: int | None = None  # the step of the newest save queued (not skipped)
         self._lease: _pool.Lease | None = None
         self._persist: Persister | None = None
@@ -201,16 +201,9 @@ class Checkpointer:
         try:
             self._book.raise_pending()
             metadata = check_metadata(metadata)
-            # Owning the root, only this writer adds steps: above every step it has seen, the
-            # step-order check needs no listing (a listdir and a stat per step, per save).
-            fast = self.tier.owned and self._step_bound is not None and step > self._step_bound
-            self.tier.check_new_step(step, ow, allow_lower=self.config.allow_lower_steps or fast)
-            if ow:
-                check_not_referenced(self.tier, step, self._refs.pinned_steps() if self._refs is not None else set())
+            self._order.check(step, ow)
             plan = self._plan(state_dict)  # a new plan asks the pool for the tensors' bytes first (faults meanwhile)
-            if self.tier.owned and (self._step_bound is None or step > self._step_bound):
-                newest = self.tier.latest() if self._step_bound is None else None
-                self._step_bound = max(step, newest if newest is not None else -1)
+            self._order.admitted(step)
             # an incremental save keeps one spare block: tensors it referenced on speculation
             # that turn out changed are appended after its other blocks (RefTracker.settle)
             spare = 1 if self._refs is not None else 0
@@ -221,10 +214,12 @@ class Checkpointer:
             nblocks = self.ring.blocks_for(plan.file_bytes) + spare
             status.set_interval(step, self._last_saved)
             if self.config.backpressure == "skip":  # room now, on every rank (None: a rank failed or is gone)
-                asked, room = True, self.ring.fits_now(nblocks)
-                room = self._committer.agree_room(step, room) if self._committer is not None else room
+                asked, room = True, room_now(self.ring, self._committer, step, nblocks)
                 if not room:  # every rank skips this step: no round starts
-                    return self._skip(Job(request, status, Slot(0, 0, None)), t0, report=room is None)
+                    job = Job(request, status, Slot(0, 0, None))
+                    skip(job, t0, self._committer, self.rank, report=room is None)
+                    self._book.finished(job)
+                    return SaveHandle(job, self)
             leaves = plan_tensors(plan)
             source = Source(leaves, record_save_events(leaves) if "cuda" in plan.devices else None)
             incr = self._refs.prepare(plan) if self._refs is not None else None  # fingerprints; snapshot decides
@@ -251,15 +246,6 @@ class Checkpointer:
                         self._committer.pass_room()
             raise
         status.set_save_block(time.perf_counter() - t0)
-        return SaveHandle(job, self)
-
-    def _skip(self, job: Job, t0: float, *, report: bool = True) -> SaveHandle:
-        job.status.skip(time.perf_counter() - t0)  # routine when saving every step (docs/every-step.md)
-        log.info("zerostall: step %d skipped: earlier saves still hold the staging arena", job.step)
-        if self._committer is not None and report:
-            self._committer.fail(job.request, SaveFailed(f"rank {self.rank} skipped step {job.step} (arena busy)",
-                                                         step=job.step))
-        self._book.finished(job)
         return SaveHandle(job, self)
 
     # -- the optimizer guard and the frameworks' adapters (caller's thread) ---------------
@@ -327,9 +313,9 @@ class Checkpointer:
             peer = self._peers.plan_load(step, warm=shared_bounce)
         borrow = self._lease.pool.borrow_idle() if self._lease is not None else contextlib.nullcontext()
         with self._save_lock, borrow as bounce:
+            request = LoadRequest(step=step, map_location=map_location, keys=keys, strict=strict)
             out = load_into(state_dict, lambda sd: self._stages.load(
-                sd, step, self.config, report, map_location=map_location, engine=self.engine, bounce=bounce,
-                keys=keys, strict=strict, peer=peer))
+                sd, request, self.config, report, engine=self.engine, bounce=bounce, peer=peer))
         if peer is not None and report.step in peer.fetched:  # peer replicas: where its files came from
             report.source = peer.fetched[report.step]
         return out

@@ -6,6 +6,7 @@ agreement of every rank through the c10d store.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 from .checkpointer import Checkpointer
@@ -14,7 +15,7 @@ from .distributed.ranks import discover
 from .distributed.store import Store
 from .errors import ConfigError, ZerostallError
 from .restore import load as _load
-from .restore import LoadReport
+from .restore import LoadReport, LoadRequest
 from .restore.agreed import collective_base, collective_load
 from .stateful import load_into
 from .store import open_root
@@ -73,6 +74,8 @@ def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None 
     if agree is None:  # auto: a per-rank checkpoint of this group, loaded by every rank of it
         agree = discovered and info is not None and info.store is not None and world_size > 1 \
             and _saved_per_rank_by(os.fspath(path), world_size)
+    request = LoadRequest(step=step, map_location=map_location, verify=verify, fallback=fallback, io=io,
+                          remote=remote, keys=keys, strict=strict, download=download)
     if agree:
         if info is None or info.store is None:
             info = discover()
@@ -81,15 +84,12 @@ def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None 
         store = Store(info.store)
         try:
             return load_into(state_dict, lambda sd: collective_load(
-                store, collective_base("zerostall/loads"), rank, world_size, os.fspath(path), sd, step=step,
-                remote=remote, io=io, report=report, map_location=map_location, verify=verify,
-                fallback=fallback, keys=keys, strict=strict, download=download))
+                store, collective_base("zerostall/loads"), rank, world_size, os.fspath(path), sd, request,
+                report=report))
         finally:
             store.close()
-    return load_into(state_dict, lambda sd: _load(os.fspath(path), sd, step, map_location, verify=verify,
-                                                  fallback=fallback, io=io, rank=rank, world_size=world_size,
-                                                  remote=remote, keys=keys, strict=strict, report=report,
-                                                  download=download))
+    return load_into(state_dict, lambda sd: _load(os.fspath(path), sd, replace(request, rank=rank,
+                                                                               world_size=world_size), report=report))
 
 
 def _saved_per_rank_by(path: str, world_size: int) -> bool:

@@ -203,16 +203,7 @@ def test_framework_adapters_use_the_public_surface():
     assert not inside, "use zerostall, zerostall.errors or zerostall.extend:\n" + "\n".join(inside)
 
 
-OVER_400: dict[str, str] = {
-    "zerostall.checkpointer": "over 400 with the every-step skip agreement (ranks agree on room); to split",
-    "zerostall.distributed.commit": "grown past 400 lines by features landed beside this test; to split",
-    "zerostall.peers.fetch": "grown past 400 lines by features landed beside this test; to split",
-}
-"""Modules over 400 lines still to split, each with why (the list may only shrink)."""
-
-
 def test_no_module_over_400_lines():
     sizes = {m: len(p.read_text().splitlines()) for m, p in _modules().items()}
-    big = {m: n for m, n in sizes.items() if n > 400 and m not in OVER_400}
+    big = {m: n for m, n in sizes.items() if n > 400}
     assert not big, f"split these modules (over 400 lines): {big}"
-    assert all(sizes.get(m, 0) > 400 for m in OVER_400), "OVER_400 lists a module now small enough: drop it"

@@ -8,7 +8,16 @@ import sys
 import pytest
 
 from zerostall.cli import main as cli
-from zerostall.tuning.sysctl import RECOMMENDED, read_sysctls, restore_sysctls
+from zerostall.tuning.sysctl import RECOMMENDED, read_sysctls
+
+
+def restore_sysctls(values):
+    """Write back values from ``read_sysctls`` (ratios after bytes where the ratio was set)."""
+    for n, v in values.items():
+        if v is None or (v == 0 and (n.endswith("_bytes") or n.endswith("_ratio"))):
+            continue
+        with open(os.path.join("/proc/sys", *n.split(".")), "w") as f:
+            f.write(str(v))
 
 
 def test_doctor_json_reports_every_field(tmp_path, capsys):

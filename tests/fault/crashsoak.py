@@ -67,7 +67,7 @@ def check(directory: str, tally: Tally, incremental: bool = False) -> None:
     from zerostall.errors import ZerostallError
     from zerostall.io import get_engine
     from zerostall.config import IOConfig
-    from zerostall.restore import load, verify_step
+    from zerostall.restore import LoadRequest, load, verify_step
     from zerostall.store import open_root
     tier = open_root(directory)
     steps = tier.steps()
@@ -78,7 +78,7 @@ def check(directory: str, tally: Tally, incremental: bool = False) -> None:
         tally.empty += 1
         return
     try:
-        got = load(directory, fallback=False)
+        got = load(directory, None, LoadRequest(fallback=False))
         if not states_equal(got, state_of(steps[-1], incremental)):
             tally.failures.append(f"kill {tally.kills}: step {steps[-1]} loads but differs from its state")
             return

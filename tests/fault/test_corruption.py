@@ -7,7 +7,6 @@ import torch
 
 import zerostall
 from zerostall.cli import main as cli
-from zerostall.format import layout
 from zerostall.store.local import LocalTier
 from tests.helpers import flip_byte
 
@@ -23,18 +22,14 @@ def _flip(path, pos):
     flip_byte(path, pos, 0x10)
 
 
-# layout 1 (each tensor on its own page, as written before layout 2; through the seam):
-# header, payload start, payload middle, padding after w, second tensor, tail padding;
-# layout 2 (packed): w at 4096..24096, b right after it (24 bytes), then padding to 24576
-@pytest.mark.parametrize("layout_v,pos", [(1, p) for p in (0, 100, 4096, 4096 + 9999, 4096 + 20000 + 5, 24576,
-                                                            24576 + 20, 28000)]
-                         + [(2, p) for p in (0, 100, 4096, 4096 + 9999, 24096 + 5, 24096 + 24 + 3, 24575)])
-def test_flipped_shard_byte_detected(ckdir, layout_v, pos, capsys, monkeypatch):
-    monkeypatch.setattr(layout, "WRITE_LAYOUT", layout_v)
+# header, payload start, payload middle, second tensor (w at 4096..24096, b right after it,
+# 24 bytes), the padding after it, the last byte of the file (padding to 24576)
+@pytest.mark.parametrize("pos", (0, 100, 4096, 4096 + 9999, 24096 + 5, 24096 + 24 + 3, 24575))
+def test_flipped_shard_byte_detected(ckdir, pos, capsys):
     shard = _two_steps(ckdir)
     assert pos < os.path.getsize(shard)
     offsets = {e.key: e.offset for e in LocalTier(ckdir).read_manifest(2).tensors}
-    assert offsets == ({"w": 4096, "b": 24576} if layout_v == 1 else {"w": 4096, "b": 24096})
+    assert offsets == {"w": 4096, "b": 24096}
     _flip(shard, pos)
     assert cli(["verify", ckdir, "--step", "2"]) == 1
     err = capsys.readouterr().err

@@ -13,6 +13,7 @@ import zerostall
 from zerostall.cli import main as cli
 from zerostall.errors import CorruptCheckpoint
 
+from tests.helpers import seal_manifest
 from tests.manifest_forms import FORMS, edit
 
 MARKER = "/tmp/zerostall-pwned-marker"
@@ -27,10 +28,8 @@ def _reseal(path, mutate, form="columns"):
     """Edit the body with one dict per tensor; write it back as ``form`` (tests.manifest_forms)."""
     env = json.load(open(path))
     edit(env["body"], mutate, form)
-    canon = json.dumps(env["body"], sort_keys=True, separators=(",", ":")).encode()
-    env["body_crc32c"] = f"{crc32c.crc32c(canon):08x}"
-    with open(path, "w") as f:
-        json.dump(env, f)
+    with open(path, "wb") as f:
+        f.write(seal_manifest(env["body"]))
 
 
 @pytest.fixture

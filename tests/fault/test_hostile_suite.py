@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 
-import crc32c
 import numpy as np
 import pytest
 import torch
@@ -26,6 +25,7 @@ import zerostall
 from zerostall.cli import main as cli
 from zerostall.errors import CheckpointNotFound, CorruptCheckpoint
 
+from tests.helpers import seal_manifest
 from tests.manifest_forms import as_form, as_objects
 
 pytestmark = pytest.mark.timeout(120)
@@ -77,11 +77,8 @@ def _env(ck):
 
 def _write_env(ck, env, reseal=True):
     as_form(env["body"], env.pop("_form", "columns"))
-    if reseal:
-        canon = json.dumps(env["body"], sort_keys=True, separators=(",", ":")).encode()
-        env["body_crc32c"] = f"{crc32c.crc32c(canon):08x}"
-    with open(_p(ck, "manifest.json"), "w") as f:
-        json.dump(env, f)
+    with open(_p(ck, "manifest.json"), "wb") as f:
+        f.write(seal_manifest(env["body"], None if reseal else env["body_crc32c"]))
 
 
 def body(mutate):
@@ -371,9 +368,8 @@ def test_exact_duplicate_entries_are_aliases_allocated_once(ckdir):
         env["body"]["tensors"].append(dict(t0, key=f"alias{i}"))
         env["body"]["tree"]["d"].append([{"v": f"alias{i}"}, {"T": i + 1}])
     as_form(env["body"], "columns")
-    canon = json.dumps(env["body"], sort_keys=True, separators=(",", ":")).encode()
-    env["body_crc32c"] = f"{crc32c.crc32c(canon):08x}"
-    json.dump(env, open(path, "w"))
+    with open(path, "wb") as f:
+        f.write(seal_manifest(env["body"]))
     gc.collect()
     _reset_peak()
     base = _vm("VmRSS")

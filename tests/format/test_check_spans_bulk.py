@@ -1,7 +1,8 @@
 """``validate.check_spans`` checks large manifests' spans in bulk (numpy) and falls back to
 the per-span loop wherever anything is off: both must agree on every input, clean or not
 (overlaps, exact duplicates that become aliases, misalignment, spans past the file's end,
-unlisted files, sizes beyond int64), for both layouts."""
+unlisted files, sizes beyond int64), over packed offsets and page-per-item ones (which the
+packed rules accept too)."""
 
 import random
 
@@ -12,11 +13,11 @@ from zerostall.format import validate as V
 from zerostall.format.layout import ALIGN_BYTES, align_up, pack_offsets
 
 
-def _run(spans, sizes, layout, bulk_min):
+def _run(spans, sizes, bulk_min):
     old = V._BULK_SPANS
     V._BULK_SPANS = bulk_min
     try:
-        return "ok", V.check_spans(spans, sizes, "manifest.json", layout)
+        return "ok", V.check_spans(spans, sizes, "manifest.json")
     except CorruptCheckpoint as exc:
         return "error", str(exc)
     finally:
@@ -63,8 +64,8 @@ def test_bulk_and_loop_agree(layout):
     clean = 0
     for _ in range(400):
         spans, files = _case(rng, layout)
-        loop = _run(spans, files, layout, 1 << 60)
-        assert _run(spans, files, layout, 1) == loop
+        loop = _run(spans, files, 1 << 60)
+        assert _run(spans, files, 1) == loop
         clean += loop == ("ok", {})
     assert 100 < clean < 400  # both kinds of input were exercised
 
@@ -74,7 +75,7 @@ def test_a_clean_large_manifest_takes_the_bulk_path(monkeypatch):
     offs, end = pack_offsets(nbytes)
     spans = [V.Span(i, "f", o, n, ("float32", (n // 4,), 0), f"t.{i}") for i, (o, n) in enumerate(zip(offs, nbytes))]
     monkeypatch.setattr(V, "item_align", None)  # the loop would call it: the bulk path must not need it
-    assert V.check_spans(spans, {"f": end}, "m", 2) == {}
+    assert V.check_spans(spans, {"f": end}, "m") == {}
 
 
 def test_parsed_column_spans_agree_with_span_objects():
@@ -91,4 +92,4 @@ def test_parsed_column_spans_agree_with_span_objects():
         assert [(o.index, o.file, o.offset, o.nbytes, o.key) for o in objs] == \
                [(s.index, s.file, s.offset, s.nbytes, s.key) for s in spans]
         for bulk_min in (1, 1 << 60):
-            assert _run(cols, files, 2, bulk_min) == _run(objs, files, 2, bulk_min)
+            assert _run(cols, files, bulk_min) == _run(objs, files, bulk_min)

@@ -15,6 +15,7 @@ from zerostall.format.decode import decode_tree
 from zerostall.format.layout import ShardHeader
 from zerostall.format.tree import encode_tree
 
+from tests.helpers import seal_manifest
 from tests.manifest_forms import FORMS, edit
 
 
@@ -39,7 +40,7 @@ def test_manifest_written_as_columns_and_an_earlier_version_refused():
     m = _manifest(tensors=(TensorEntry("w", "float32", (2, 3), "rank-00000.shard", 4096, 24, 123),
                            TensorEntry("b", "bfloat16", (), "rank-00000.shard", 0x2000 - 2, 2, 7)),
                   files=(FileEntry("rank-00000.shard", 0, "h", 12288),),
-                  tree={"d": [[{"v": "w"}, {"T": 0}], [{"v": "b"}, {"T": 1}]]}, layout=2)
+                  tree={"d": [[{"v": "w"}, {"T": 0}], [{"v": "b"}, {"T": 1}]]})
     body = m.body()
     assert body["format_version"] == 3 and body["tensors"] == {
         "dtypes": ["float32", "bfloat16"], "key": ["w", "b"], "dtype": [0, 1], "shape": [[2, 3], []],
@@ -93,10 +94,7 @@ def test_every_single_byte_flip_in_manifest_is_detected():
 
 
 def _reseal(body):
-    import crc32c
-    canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return json.dumps({"zerostall_manifest": "crc32c", "body_crc32c": f"{crc32c.crc32c(canon):08x}",
-                       "body": body}).encode()
+    return seal_manifest(body)
 
 
 @pytest.mark.parametrize("mutate,msg", [

@@ -1,8 +1,8 @@
 """Layout 2 end to end: small tensors packed into shared page-aligned extents (files and
-staging ~1x the data), layout-1 steps written through the ``layout.WRITE_LAYOUT`` seam still
-read, a checkpoint of an earlier release (manifest versions 1 and 2, committed under
-tests/data/layout1) refused naming its version, partial ``keys=`` loads, verify and a flipped
-byte anywhere."""
+staging ~1x the data), a checkpoint of an earlier release (manifest versions 1 and 2,
+committed under tests/data/layout1; a layout-1 shard, a layout-1 manifest or a re-encoded
+envelope written by hand) refused naming the file, its version and what to do, partial
+``keys=`` loads, verify and a flipped byte anywhere."""
 
 import json
 import os
@@ -16,11 +16,10 @@ import zerostall
 from zerostall.cli import main as cli
 from zerostall.config import StagingConfig
 from zerostall.errors import CorruptCheckpoint
-from zerostall.format import layout
-from zerostall.format.layout import HEADER_BYTES, ShardHeader, item_align
+from zerostall.format.layout import ShardHeader, item_align
 from zerostall.saving import pool
 from zerostall.store.local import LocalTier
-from tests.helpers import flip_byte
+from tests.helpers import flip_byte, seal_manifest
 
 from ..helpers import equal
 
@@ -123,33 +122,55 @@ def test_a_new_run_over_an_earlier_release_root_saves_in_full(tmp_path):
         sd["step"] = 3
         ck.save(3, sd).result()
     man = LocalTier(root).read_manifest(3)
-    assert man.layout == 2 and not man.ref_files and all(e.step is None for e in man.tensors)
+    with open(os.path.join(root, "step-3", man.files[0].name), "rb") as f:
+        assert ShardHeader.version_of(f.read(64)) == 2
+    assert not man.ref_files and all(e.step is None for e in man.tensors)
     assert cli(["verify", root, "--step", "3"]) == 0
     assert equal(zerostall.load(root), sd)
 
 
-def test_seam_writes_layout1_and_mixed_steps_load(tmp_path, monkeypatch):
+AGAIN = ("was written by an earlier zerostall; this zerostall reads only {what} 2: load the checkpoint with the "
+         "zerostall that wrote it and save it again")
+
+
+def test_a_layout1_shard_is_refused_naming_the_file_and_its_layout(tmp_path, capsys):
+    """A shard whose header says layout 1 (every tensor on its own page, what came before),
+    written by hand: load and verify name the file, its layout and what to do."""
     root = str(tmp_path / "ck")
-    monkeypatch.setattr(layout, "WRITE_LAYOUT", 1)
-    s1 = _many(30, 100, 1.0)
-    with zerostall.Checkpointer(root, incremental=True) as ck:
-        ck.save(1, s1).result()
-    man1 = LocalTier(root).read_manifest(1)
-    assert man1.layout == 1 and all(e.offset % 4096 == 0 for e in man1.tensors)
-    monkeypatch.setattr(layout, "WRITE_LAYOUT", 2)
-    with zerostall.Checkpointer(root, incremental=True) as ck:
-        s1["optim"]["state.3.exp_avg"].add_(1)
-        s1["step"] = 2
-        ck.save(2, s1).result()
-    man2 = LocalTier(root).read_manifest(2)
-    own = [e for e in man2.tensors if e.step is None]
-    assert man2.layout == 2 and own and len(own) < len(man2.tensors)
-    assert all(e.offset % 4096 == 0 for e in man2.tensors if e.step == 1)
-    assert cli(["verify", root]) == 0
-    assert equal(zerostall.load(root), s1)
-    part = zerostall.load(root, keys=["optim.state.3.exp_avg", "optim.state.4.exp_avg"])
-    assert torch.equal(part["optim"]["state.4.exp_avg"], s1["optim"]["state.4.exp_avg"])
-    assert torch.equal(part["optim"]["state.3.exp_avg"], s1["optim"]["state.3.exp_avg"])
+    zerostall.save(root, _many(3, 10), step=1)
+    shard = os.path.join(root, "step-1", "rank-00000.shard")
+    with open(shard, "r+b") as f:
+        f.seek(8)  # magic, then the layout version (little-endian u32)
+        f.write((1).to_bytes(4, "little"))
+    with pytest.raises(CorruptCheckpoint) as ei:
+        zerostall.load(root, fallback=False)
+    assert shard in str(ei.value)
+    assert "shard layout version 1 " + AGAIN.format(what="shard layout version") in str(ei.value)
+    assert cli(["verify", root]) == 1
+    assert "shard layout version 1 was written by an earlier zerostall" in capsys.readouterr().err
+
+
+def test_a_layout1_manifest_and_a_reencoded_envelope_are_refused(tmp_path):
+    """A manifest whose alignment says layout 1 (4096), and one whose envelope's crc32c covers
+    a re-encoding of the body (the sorted form tools wrote), both written by hand: each is
+    refused naming the manifest and what to do."""
+    root = str(tmp_path / "ck")
+    zerostall.save(root, _many(3, 10), step=1)
+    path = os.path.join(root, "step-1", "manifest.json")
+    body = json.loads(open(path, "rb").read())["body"]
+    with open(path, "wb") as f:
+        f.write(seal_manifest({**body, "alignment": 4096}))
+    with pytest.raises(CorruptCheckpoint, match="manifest.json.*alignment 4096: shard layout version 1 " +
+                       AGAIN.format(what="shard layout version")):
+        zerostall.load(root, fallback=False)
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    with open(path, "w") as f:
+        json.dump({"zerostall_manifest": "crc32c", "body_crc32c": f"{crc32c.crc32c(canon):08x}", "body": body}, f)
+    with pytest.raises(CorruptCheckpoint, match="manifest.json.*the envelope is not the one this zerostall writes"):
+        zerostall.load(root, fallback=False)
+    with open(path, "wb") as f:
+        f.write(seal_manifest(body))  # the writer's envelope around the same body loads
+    assert equal(zerostall.load(root, fallback=False), _many(3, 10))
 
 
 def test_manifest_refuses_an_unknown_alignment(tmp_path):

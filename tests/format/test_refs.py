@@ -1,6 +1,5 @@
 """Format version 2: references to earlier steps' bytes, validated like own entries."""
 
-import json
 
 import pytest
 
@@ -9,6 +8,7 @@ from zerostall.format import FileEntry, Manifest, TensorEntry
 from zerostall.format.refs import RefFile, closure
 from zerostall.store.retention import dependents, spare_referenced
 
+from tests.helpers import seal_manifest
 from tests.manifest_forms import FORMS, edit
 
 F = "rank-00000.zst"
@@ -26,10 +26,7 @@ def _manifest(**kw):
 
 
 def _reseal(body):
-    import crc32c
-    canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return json.dumps({"zerostall_manifest": "crc32c", "body_crc32c": f"{crc32c.crc32c(canon):08x}",
-                       "body": body}).encode()
+    return seal_manifest(body)
 
 
 def test_roundtrip_with_and_without_references_and_v2_refused():

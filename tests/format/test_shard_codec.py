@@ -1,8 +1,8 @@
 """format/shard.py: the one shard codec, with windows smaller than items (real files, threads engine).
 
-These files are written in layout 1 (every item on its own page, through the
-``layout.WRITE_LAYOUT`` seam): the offsets below are that layout's, and the reader must keep
-reading it. Layout 2 (packed) has its own tests in test_packing.py."""
+The items of :data:`SIZES` packed (layout 2): k0 (0 B) and k1 (1 B) at 4096, k2 at 4160..8256,
+k3 at 8256..18256, k5 (3 B) at 18256, k6 at 18304..38304, k7 at 38304..42399, the file 45056
+bytes; test_packing.py has more of the packing itself."""
 
 import os
 
@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from zerostall.errors import CorruptCheckpoint
-from zerostall.format import layout
-from zerostall.format.layout import HEADER_BYTES
+from zerostall.format.layout import HEADER_BYTES, item_align
 from zerostall.format.shard import CrcCursor, check_items, pack_offsets, read_shard
 from tests.helpers import ShardItem, flip_byte, write_test_shard
 
@@ -28,8 +27,7 @@ def _payloads():
 
 
 @pytest.fixture(params=[4096, 8192, 1 << 20], ids=["win4k", "win8k", "win1m"])
-def shard(request, tmp_path, monkeypatch):
-    monkeypatch.setattr(layout, "WRITE_LAYOUT", 1)
+def shard(request, tmp_path):
     payloads = _payloads()
     path = str(tmp_path / "s.shard")
     header, items, eng, buf = write_test_shard(path, payloads, 3, request.param)
@@ -38,18 +36,20 @@ def shard(request, tmp_path, monkeypatch):
     buf.close()
 
 
-def _read(eng, path, header, items, buf, wanted=None, dsts=None):
+def _read(eng, path, header, items, buf, wanted=None, dsts=None, listed=False):
     got = []
     dsts = dsts if dsts is not None else [torch.empty(i.nbytes, dtype=torch.uint8) for i in items]
     with eng.open_read(path) as f:
-        read_shard(f, path, header.file_bytes, header, items, dsts, buf, wanted=wanted, on_item=got.append)
+        read_shard(f, path, header.file_bytes, header, items, dsts, buf, wanted=wanted, on_item=got.append,
+                   listed=listed)
     return dsts, got
 
 
 def test_layout_and_crcs(shard):
     path, header, items, payloads, eng, buf = shard
     assert os.path.getsize(path) == header.file_bytes and header.file_bytes % 4096 == 0
-    assert items[0].offset == HEADER_BYTES and all(i.offset % 4096 == 0 for i in items)
+    assert [i.offset for i in items] == [4096, 4096, 4160, 8256, 18256, 18256, 18304, 38304]
+    assert header.file_bytes == 45056 and all(i.offset % item_align(i.nbytes) == 0 for i in items)
     assert [i.crc32c for i in items] == [crc32c.crc32c(p.numpy().tobytes()) for p in payloads]
     check_items(path, items, header.file_bytes)
     cur = CrcCursor(items)
@@ -68,7 +68,7 @@ def test_read_whole_and_wanted(shard):
 
 
 @pytest.mark.parametrize("offset,needle", [(HEADER_BYTES + 4096 * 2 + 100, "crc32c"),  # inside k3
-                                           (HEADER_BYTES + 1000, "padding"),   # after k1's one byte
+                                           (HEADER_BYTES + 10, "padding"),   # after k1's one byte
                                            (7, "magic"), (40, "header")])
 def test_flips_are_caught(shard, offset, needle):
     path, header, items, payloads, eng, buf = shard
@@ -85,8 +85,8 @@ def test_tail_padding_flip_caught(shard):
         f.write(b"\x01")
     with pytest.raises(CorruptCheckpoint, match="padding"):
         _read(eng, path, header, items, buf)
-    with pytest.raises(CorruptCheckpoint, match="padding"):
-        _read(eng, path, header, items, buf, wanted={len(items) - 1})
+    with pytest.raises(CorruptCheckpoint, match="padding"):  # a partial read, every item of the file listed
+        _read(eng, path, header, items, buf, wanted={len(items) - 1}, listed=True)
 
 
 def test_overlap_and_out_of_file_refused(shard):
@@ -99,8 +99,7 @@ def test_overlap_and_out_of_file_refused(shard):
         check_items(path, items, header.file_bytes - 4096)
 
 
-def test_only_empty_items(monkeypatch):
-    monkeypatch.setattr(layout, "WRITE_LAYOUT", 1)
+def test_only_empty_items():
     offsets, file_bytes = pack_offsets([0, 0])
     assert offsets == [HEADER_BYTES, HEADER_BYTES] and file_bytes == HEADER_BYTES
 

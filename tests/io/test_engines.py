@@ -8,11 +8,10 @@ import torch
 from zerostall.config import IOConfig
 from zerostall.errors import StorageError
 from zerostall.io import get_engine
-from zerostall.io._sys import resident_pages
 from zerostall.memory.arena import Arena
 from zerostall.telemetry.host import read_vmstat
 
-from tests.helpers import skip_unless_engine
+from tests.helpers import resident_pages, skip_unless_engine
 
 
 @pytest.mark.parametrize("nbytes", [4096, 12288, (8 << 20) + 4096, 3 * (8 << 20)])

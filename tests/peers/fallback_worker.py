@@ -22,9 +22,24 @@ def state_for(rank, step):
     return _state_for(rank, step, rows=64, bias=False)
 
 
+def _stop_at_first_serve(out):
+    """The holder SIGSTOPs itself the first time it sends a restore's bytes."""
+    from zerostall.peers import stream
+    fired = []
+
+    def hook(point):
+        if point == "serve:sending" and not fired:
+            fired.append(point)
+            open(out + ".stopped", "w").close()
+            os.kill(os.getpid(), signal.SIGSTOP)  # the test continues it, by pid
+    stream.fault_hook = hook
+
+
 def main():
     scenario, base, out, rank, node = start()
     peers = PeersConfig(timeout_s=float(os.environ.get("ZS_PT", 5)))
+    if scenario == "load" and os.environ.get("ZS_STOP_SERVE") == node:
+        _stop_at_first_serve(out)  # before the Checkpointer: its peer server serves from its start
     ck = checkpointer(os.path.join(base, node), "fallback-test", peers, replicas=2)
     res = {"rank": rank, "node": node}
     if scenario == "save":
@@ -37,16 +52,6 @@ def main():
         while not os.path.exists(os.environ["ZS_GO"]) and time.monotonic() < deadline:
             time.sleep(0.05)
     elif scenario == "load":
-        if os.environ.get("ZS_STOP_SERVE") == node:  # the holder stops the first time it serves a restore
-            from zerostall.peers import stream
-            fired = []
-
-            def hook(point):
-                if point == "serve:sending" and not fired:
-                    fired.append(point)
-                    open(out + ".stopped", "w").close()
-                    os.kill(os.getpid(), signal.SIGSTOP)  # the test continues it, by pid
-            stream.fault_hook = hook
         load_into(ck, state_for(rank, 0), lambda step: state_for(rank, step), res)
         dist.barrier()
     ck.close()

@@ -10,6 +10,7 @@ import torch
 import zerostall
 from zerostall.config import IOConfig
 from zerostall.io.base import get_engine
+from zerostall.restore import LoadRequest
 from zerostall.restore import load as restore_load
 from zerostall.restore import stream
 from zerostall.memory.arena import Arena
@@ -28,7 +29,7 @@ def _state(v: float) -> dict:
 def _load(root, sd, **kw):
     eng = get_engine("threads", IOConfig(engine="threads", **SMALL_IO))
     try:
-        return restore_load(root, sd, engine=eng, bounce=Arena(32 << 20, mlock=False), **kw)
+        return restore_load(root, sd, LoadRequest(**kw), engine=eng, bounce=Arena(32 << 20, mlock=False))
     finally:
         eng.close()
 
@@ -94,7 +95,7 @@ def test_a_shard_replaced_between_verify_first_and_copy_is_refused_before_any_co
     eng = get_engine("threads", IOConfig(engine="threads", **SMALL_IO))
     try:
         with pytest.raises(CorruptCheckpoint):
-            restore_load(root, sd, engine=eng, bounce=Arena(1 << 20, mlock=False), step=2, fallback=False)
+            restore_load(root, sd, LoadRequest(step=2, fallback=False), engine=eng, bounce=Arena(1 << 20, mlock=False))
     finally:
         eng.close()
     assert runs and equal(sd, before)
@@ -167,7 +168,7 @@ def test_a_remote_object_replaced_between_verify_first_and_copy_is_refused(tmp_p
         empty = str(tmp_path / "empty")
         os.makedirs(empty)
         with pytest.raises(CorruptCheckpoint):
-            restore_load(empty, sd, step=2, remote=url, download=False, fallback=False,
+            restore_load(empty, sd, LoadRequest(step=2, remote=url, download=False, fallback=False),
                          bounce=Arena(1 << 20, mlock=False))
         assert runs and equal(sd, before)
     finally:

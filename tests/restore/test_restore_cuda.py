@@ -16,6 +16,7 @@ import torch
 
 import zerostall
 from zerostall.errors import CorruptCheckpoint, DistributedError
+from zerostall.restore import LoadRequest
 from zerostall.restore import load as restore_load
 from zerostall.restore import step as rstep
 from zerostall.memory.arena import Arena
@@ -108,10 +109,10 @@ def test_new_dict_with_map_location_cuda_lands_on_the_device(tmp_path, where):
 def test_a_state_larger_than_the_scratch_verifies_first_then_copies_through_the_ring(tmp_path, small_bounce):
     root = _ck(tmp_path)
     sd = _dest()
-    restore_load(root, sd, step=2, bounce=small_bounce)  # 1 MiB: verify, then the ring
+    restore_load(root, sd, LoadRequest(step=2), bounce=small_bounce)  # 1 MiB: verify, then the ring
     assert _same(sd, _state(2.0)) and rstep.last_stats.device_bytes == _nbytes(sd)
     assert small_bounce.cuda_registered and small_bounce.cuda_pinned_bytes == small_bounce.nbytes
-    out = restore_load(root, step=1, map_location="cuda", bounce=small_bounce)
+    out = restore_load(root, None, LoadRequest(step=1, map_location="cuda"), bounce=small_bounce)
     assert _same(out, _state(1.0))
 
 
@@ -135,7 +136,7 @@ def test_a_corrupt_step_leaves_the_cuda_tensors_unchanged(tmp_path, small, small
     before = {k: t.clone() for k, t in sd.items()}
     kw = {"bounce": small_bounce} if small else {}
     with pytest.raises(CorruptCheckpoint, match="'w'"):
-        restore_load(root, sd, step=2, fallback=False, **kw)
+        restore_load(root, sd, LoadRequest(step=2, fallback=False), **kw)
     torch.cuda.synchronize()
     assert _same(sd, before)
     restore_load(root, sd, **kw)  # falls back to step 1
@@ -150,7 +151,7 @@ def test_a_failing_gate_leaves_the_cuda_tensors_unchanged(tmp_path):
     def gate():
         raise DistributedError("injected: another rank failed")
     with pytest.raises(DistributedError):
-        restore_load(root, sd, step=2, gate=gate)
+        restore_load(root, sd, LoadRequest(step=2, gate=gate))
     torch.cuda.synchronize()
     assert _same(sd, before)
 

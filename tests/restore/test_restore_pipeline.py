@@ -16,6 +16,7 @@ from zerostall.config import IOConfig
 from zerostall.errors import CorruptCheckpoint, StorageError
 from zerostall.io.base import get_engine
 from zerostall.io.threads import ThreadsEngine, _ThreadsFile
+from zerostall.restore import LoadRequest
 from zerostall.restore import load as restore_load
 from zerostall.restore import step as rstep
 from zerostall.restore import stream
@@ -49,8 +50,9 @@ def _dest(v: float = -7.0) -> dict:
 def _load(root, engine, sd=None, **kw):
     eng = get_engine(engine, IOConfig(engine=engine, **SMALL_IO))
     bounce = kw.pop("bounce", None) or Arena(32 << 20, mlock=False)
+    report = kw.pop("report", None)
     try:
-        return restore_load(root, sd, engine=eng, bounce=bounce, **kw)
+        return restore_load(root, sd, LoadRequest(**kw), engine=eng, bounce=bounce, report=report)
     finally:
         eng.close()
 

@@ -16,6 +16,7 @@ import zerostall
 from zerostall.config import IOConfig
 from zerostall.errors import CorruptCheckpoint, DistributedError
 from zerostall.io.base import get_engine
+from zerostall.restore import LoadRequest
 from zerostall.restore import load as restore_load
 from zerostall.restore import step as rstep
 from zerostall.memory.arena import Arena
@@ -35,7 +36,7 @@ def _state(v: float) -> dict:
 def _load(root, engine, sd, **kw):
     eng = get_engine(engine, IOConfig(engine=engine, **SMALL_IO))
     try:  # 1 MiB of scratch: a ring of 256 KiB windows, far less than the ~3.5 MiB step
-        return restore_load(root, sd, engine=eng, bounce=Arena(1 << 20, mlock=False), fallback=False, **kw)
+        return restore_load(root, sd, LoadRequest(fallback=False, **kw), engine=eng, bounce=Arena(1 << 20, mlock=False))
     finally:
         eng.close()
 

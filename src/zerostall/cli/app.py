@@ -167,7 +167,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     import torch
 
     from ..integrations import export  # torch (see _verify)
-    from ..restore import LoadReport, load
+    from ..restore import LoadReport, LoadRequest, load
     out_dir = os.path.dirname(os.path.abspath(a.out))
     if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
         raise ConfigError(f"cannot write {a.out!r}: {out_dir!r} is not a writable directory")
@@ -175,7 +175,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="zerostall-export-") as scratch:
         src, remote = (scratch, a.path) if is_url(a.path) else (a.path, None)
         rank, world = _export_rank(a, remote)
-        state = load(src, step=a.step, remote=remote, rank=rank, world_size=world, report=report)
+        state = load(src, None, LoadRequest(step=a.step, remote=remote, rank=rank, world_size=world), report=report)
     if a.format != "safetensors":  # the files the framework's own checkpointing reads
         files = export.write(a.format, state, a.out, rank=rank, world_size=world)
         print(f"wrote step {report.step} as a {a.format} checkpoint: {safe(a.out)} ({', '.join(map(safe, files))})")

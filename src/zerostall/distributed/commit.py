@@ -76,32 +76,24 @@ the coordinator may still commit the step complete; the next collective ``load``
 what every rank can restore. An overwrite (``overwrite=True``) is finished by the copy's
 leader only; its peers report UNKNOWN if it does not confirm in time.
 
-Crash states on disk: before RECORDING only ``step-N.partial`` exists (start-up recovery
-removes it); from RECORDING on, ``step-N.partial`` holding ``manifest.decided`` is a step the
-decision committed (recovery completes it); the renames are the local tier's
-(:mod:`zerostall.store.local`). An overwrite (``overwrite=True``) records nothing: it goes
-through the local tier's overwrite protocol, finished by the copy's leader only.
+The disk side of a copy (RECORDING, the renames, what a crash leaves) is :mod:`.finish`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import time
-import uuid
 from typing import Any, Callable
 
-from ..errors import CheckpointExistsError, DistributedError, SaveFailed, ZerostallError, storage_error
-from ..format.manifest import MANIFEST_NAME, Manifest
-from ..store.atomic import fsync_dir, write_file_durable
-from ..store.recovery import DECIDED_NAME
+from ..errors import DistributedError, SaveFailed, ZerostallError
 from ..store.tier import RootTier
+from .finish import finish_copy, record_decision
 from .merge import manifests, merge, peer_protected
 from .session import Session
 from .store import Store, StoreTimeout
 
-__all__ = ["OutcomeUnknown", "commit_round", "finish_copy", "merge", "peer_protected", "report_failure"]
+__all__ = ["OutcomeUnknown", "commit_round", "merge", "peer_protected", "report_failure"]
 
 log = logging.getLogger("zerostall")
 
@@ -122,8 +114,6 @@ def fault_point(name: str, session: Session, step: int) -> None:
     if fault_hook is not None:
         fault_hook(name, session.rank, step)
 
-
-_point = fault_point
 
 
 def step_base(session: Session, step: int) -> str:
@@ -193,27 +183,27 @@ def commit_round(store: Store, session: Session, fragment: dict[str, Any], tier:
     deadline plus two :func:`grace_s` (module docstring), whatever the store does."""
     base = step_base(session, step)
     known = False
-    _point("begin", session, step)
+    fault_point("begin", session, step)
     grace = grace_s(timeout_s)
     with store.bounded(time.monotonic() + timeout_s + grace) as scope:
         try:
             deadline, lead = _deadline(store, base, timeout_s, began)
             scope.until = deadline + 2 * grace
-            _point("entered", session, step)
+            fault_point("entered", session, step)
             if session.rank == 0:
                 dec = _coordinate(store, session, base, fragment, step, per_rank, deadline, timeout_s,
                                   user_metadata or {}, lead, scope)
             else:
                 dec = _await_decision(store, session, base, fragment, step, deadline, timeout_s, lead, scope)
             known = True
-            _point("decided", session, step)
+            fault_point("decided", session, step)
             if not dec["commit"]:
                 raise SaveFailed(dec["error"], step=step) if not dec.get("missing") else DistributedError(
                     dec["error"], missing_ranks=tuple(dec["missing"]))
             if protect is not None and session.is_leader:
                 protect(set(dec.get("protect", ())))
             post = _finish_mine(store, session, base, dec, tier, step, overwrite, deadline, timeout_s)
-            _point("finished", session, step)
+            fault_point("finished", session, step)
             return post
         except DistributedError as exc:
             if isinstance(exc, OutcomeUnknown) or known and not isinstance(exc, StoreTimeout):
@@ -227,14 +217,14 @@ def commit_round(store: Store, session: Session, fragment: dict[str, Any], tier:
         finally:
             if known:
                 ack(store, session, base)
-                _point("acked", session, step)
+                fault_point("acked", session, step)
 
 
 def _await_decision(store: Store, session: Session, base: str, fragment: dict[str, Any], step: int,
                     deadline: float, timeout_s: float, lead: float, scope: Any) -> dict[str, Any]:
     """P: REPORTED -> DECIDED; returns the decision."""
     store.set(f"{base}/r{session.rank}", json.dumps(fragment))
-    _point("reported", session, step)
+    fault_point("reported", session, step)
     state = store.poll([f"{base}/decision"], deadline)
     if state == "timeout":
         later = _extended(store, base, [0] + _missing(store, base, session.world, grace_s(timeout_s)), lead,
@@ -290,7 +280,7 @@ def _coordinate(store: Store, session: Session, base: str, fragment: dict[str, A
     names = {name: distinct.setdefault(raw, f"m{len(distinct)}") for name, raw in mans.items()}
     for raw, key in distinct.items():
         store.set(f"{base}/{key}", raw.decode())
-    _point("prepared", session, step)
+    fault_point("prepared", session, step)
     kept = sorted(peer_protected(frags))
     return _decide(store, base, {"commit": True, "manifests": names, "protect": kept}, max(
         deadline - time.monotonic(), 0.0) + grace_s(timeout_s))
@@ -335,7 +325,7 @@ def _finish_mine(store: Store, session: Session, base: str, dec: dict[str, Any],
         raise
     store.set(rec_key, json.dumps({"ok": True}))
     problems = _records(store, session, base, max(deadline, time.monotonic()) + grace_s(timeout_s))
-    _point("recorded", session, step)
+    fault_point("recorded", session, step)
     try:
         post = finish_copy(tier, step, raw, leader=session.is_leader)
     except BaseException as exc:
@@ -363,74 +353,6 @@ def _records(store: Store, session: Session, base: str, until: float) -> list[st
     where = {g: session.nodes[int(g[1:])] if session.nodes else g for g in keys}
     out = [f"the copy on node {where[g]} (rank {g[1:]}) did not record the decision in time" for g in late]
     return out + [f"the copy on node {where[g]} (rank {g[1:]}) could not record it: {e}" for g, e in failed]
-
-
-def record_decision(tier: RootTier, step: int, manifest: bytes) -> None:
-    """RECORDING: the decided manifest into ``step-N.partial/manifest.decided``, durably
-    (tmp + rename, fsync of the directory, which also makes the shards' entries durable).
-    Idempotent (a rank taking over from a stopped leader may record again)."""
-    part = tier.partial_dir(step)
-    rec = os.path.join(part, DECIDED_NAME)
-    if os.path.exists(rec) or _committed_here(tier, step, Manifest.from_bytes(manifest).checkpoint_id):
-        return
-    tmp = os.path.join(part, f".manifest-{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        write_file_durable(tmp, manifest)
-        os.rename(tmp, rec)
-        fsync_dir(part)
-    except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise storage_error(f"recording the commit decision of step {step} in", tier.root, exc) from exc
-
-
-def finish_copy(tier: RootTier, step: int, manifest: bytes, *, overwrite: bool = False,
-                leader: bool = True) -> tuple[str, ...]:
-    """FINISHING: commit ``step`` in this copy of the root with ``manifest``. Idempotent and
-    safe to race (the manifest goes in by rename; a copy already renamed with this
-    checkpoint id counts as done). Returns post-commit problems (the leader writes ``latest``)."""
-    man = Manifest.from_bytes(manifest)
-    if overwrite:
-        return tier.commit(step, man, overwrite=True)
-    part, final = tier.partial_dir(step), tier.step_dir(step)
-    if _committed_here(tier, step, man.checkpoint_id):
-        return tier.write_latest(step) if leader else ()
-    tmp = os.path.join(part, f".manifest-{uuid.uuid4().hex[:8]}.tmp")
-    rec = os.path.join(part, DECIDED_NAME)
-    try:
-        if os.path.exists(rec):  # recorded: the record becomes the manifest
-            os.rename(rec, os.path.join(part, MANIFEST_NAME))
-        else:
-            write_file_durable(tmp, manifest)
-            os.rename(tmp, os.path.join(part, MANIFEST_NAME))
-        tier._step("manifest")
-        fsync_dir(part)
-        tier._step("fsync_dir")
-        os.rename(part, final)
-        tier._step("rename")
-        fsync_dir(tier.root)
-        tier._step("fsync_root")
-    except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if _committed_here(tier, step, man.checkpoint_id):  # another rank of this copy got there first
-            return tier.write_latest(step) if leader else ()
-        if os.path.isdir(final):
-            raise CheckpointExistsError(f"step {step} already exists in {tier.root!r} (pass overwrite=True or "
-                                        "pick another step)") from None
-        raise storage_error(f"committing step {step} in", tier.root, exc) from exc
-    return tier.write_latest(step) if leader else ()
-
-
-def _committed_here(tier: RootTier, step: int, checkpoint_id: str) -> bool:
-    try:
-        return tier.read_manifest(step).checkpoint_id == checkpoint_id
-    except ZerostallError:
-        return False
 
 
 def ack(store: Store, session: Session, base: str) -> None:

@@ -9,15 +9,15 @@
     ...           payload of tensor k at the offset the manifest records (see below)
     file_bytes    end of file (a multiple of 4096; logical lengths live in the manifest)
 
-Layout 2 (this release writes it): an item of ``PAGE_ITEM_BYTES`` or more starts on a 4 KiB
+Layout 2, the one this release writes and reads: an item of ``PAGE_ITEM_BYTES`` or more starts on a 4 KiB
 boundary and owns its pages (the next item starts at the next boundary after it, so it can
 be read straight into a page-aligned destination); a smaller one follows the previous item at
 its own alignment (:func:`item_align`: a cache line, 64 bytes, from 4 KiB up; 16 bytes below
 (the largest dtype's size); the next power of two of its size under 16 bytes: always a
 multiple of its dtype's size), so a tensor can be viewed in place in the staging arena.
 At most 1.6% padding for any tensor of 1 KiB or more (docs/speed-tricks.md has the figures).
-Layout 1 (written before): every item at its own 4 KiB boundary; every layout-1 file also
-satisfies layout 2's rules, so one reader (:func:`~.shard.check_items`) reads both.
+A file of another layout (layout 1, every item on its own page, came before) is refused
+naming its layout and what to do (:meth:`ShardHeader.check`).
 
 The file is still read and written in aligned extents only (O_DIRECT); a partial read
 (``keys=``) reads the pages covering the wanted items. Every byte of the file is either
@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Sequence
 
 from ..config import ALIGN_BYTES
@@ -49,12 +49,7 @@ def shard_name(rank: int) -> str:
 MAGIC = b"ZSTLSHRD"
 _FIXED = struct.Struct("<8sII")  # magic, layout version, JSON length
 LAYOUT_VERSION = 2
-"""What this release writes: small items packed (see the module doc)."""
-READ_LAYOUTS = (1, 2)
-"""Shard layouts this release reads."""
-WRITE_LAYOUT = LAYOUT_VERSION
-"""A seam for tests: ``1`` makes every writer lay files out (and head them, and write the
-manifest's ``alignment``) as releases before layout 2 did, to test that they still load."""
+"""The one shard layout this release writes and reads: small items packed (see the module doc)."""
 ITEM_ALIGN = 64
 """The alignment of a packed item of ``LINE_ITEM_BYTES`` or more (a cache line; torch's own)."""
 LINE_ITEM_BYTES = 4096
@@ -65,8 +60,8 @@ SMALL_ALIGN = 16
 PAGE_ITEM_BYTES = 256 << 10
 """Items at least this big start on a 4 KiB boundary and own their pages (under 1.6% padding;
 the restore pipeline may read one straight into a page-aligned new tensor)."""
-MANIFEST_ALIGNMENT = {1: ALIGN_BYTES, 2: ITEM_ALIGN}
-"""The manifest's ``alignment`` field per layout (readers before layout 2 refuse ``64``)."""
+MANIFEST_ALIGNMENT = ITEM_ALIGN
+"""The manifest's ``alignment`` field, which names the layout (``4096``: layout 1)."""
 
 
 def align_up(n: int, align: int = ALIGN_BYTES) -> int:
@@ -100,9 +95,6 @@ def item_end(offset: int, nbytes: int) -> int:
 
 def place(pos: int, nbytes: int) -> tuple[int, int]:
     """(offset, next position) of an item of ``nbytes`` placed at the first free ``pos``."""
-    if WRITE_LAYOUT == 1:  # every item on its own page
-        off = align_up(pos)
-        return off, align_up(off + nbytes)
     off = align_up(pos, item_align(nbytes))
     return off, item_end(off, nbytes)
 
@@ -111,12 +103,6 @@ def pack_offsets(sizes: Sequence[int], start: int = HEADER_BYTES) -> tuple[list[
     """Layout-2 offsets for items of ``sizes`` bytes, in order, from ``start`` (a page
     boundary), and the file's length (a multiple of 4096). The one offset assignment: the
     save plan, incremental saves and the DCP plugin all place items with it."""
-    if WRITE_LAYOUT == 1:
-        offsets, pos = [], start
-        for n in sizes:
-            off, pos = place(pos, n)
-            offsets.append(off)
-        return offsets, max(align_up(pos), start)
     # place() and item_align() inlined (same rule; a test compares them over random sizes):
     # no Python call per tensor in a first save's plan
     offsets, pos = [], start
@@ -144,19 +130,13 @@ class ShardHeader:
     step: int
     rank: int
     file_bytes: int
-    version: int = 0
-    """The layout the file is written in (:data:`READ_LAYOUTS`; 0: :data:`WRITE_LAYOUT`)."""
-
-    def __post_init__(self) -> None:
-        if not self.version:
-            object.__setattr__(self, "version", WRITE_LAYOUT)
 
     def encode(self) -> bytes:
         """The full ``HEADER_BYTES`` header block, zero-padded."""
         body = json.dumps({"checkpoint_id": self.checkpoint_id, "step": self.step,
                            "rank": self.rank, "file_bytes": self.file_bytes},
                           sort_keys=True, separators=(",", ":")).encode()
-        raw = _FIXED.pack(MAGIC, self.version, len(body)) + body
+        raw = _FIXED.pack(MAGIC, LAYOUT_VERSION, len(body)) + body
         if len(raw) > HEADER_BYTES:
             raise ValueError("shard header does not fit in one block")
         return raw + bytes(HEADER_BYTES - len(raw))
@@ -167,23 +147,19 @@ class ShardHeader:
         return _FIXED.unpack_from(block)[1] if len(block) >= _FIXED.size else 0
 
     def matches(self, block: bytes | memoryview) -> bool:
-        """Whether ``block`` is exactly this header, in any layout this release reads (a
-        step may borrow an earlier release's layout-1 files)."""
-        block = bytes(block[:HEADER_BYTES])
-        version = self.version_of(block)
-        return version in READ_LAYOUTS and block == replace(self, version=version).encode()
+        """Whether ``block`` is exactly this header."""
+        return bytes(block[:HEADER_BYTES]) == self.encode()
 
     @classmethod
     def check(cls, block: bytes | memoryview, expected: "ShardHeader", path: str) -> None:
-        """Raise :class:`CorruptCheckpoint` unless ``block`` is ``expected``'s header (in any
-        layout of :data:`READ_LAYOUTS`)."""
+        """Raise :class:`CorruptCheckpoint` unless ``block`` is ``expected``'s header (naming
+        the file's layout and what to do when it is not :data:`LAYOUT_VERSION`)."""
         block = bytes(block[:HEADER_BYTES])
         if block[:8] != MAGIC:
             raise CorruptCheckpoint(f"{path}: not a zerostall shard (bad magic)", path=path)
         version = cls.version_of(block)
-        if version not in READ_LAYOUTS:
-            raise CorruptCheckpoint(f"{path}: shard layout version {version} is not one this zerostall reads "
-                                    f"{READ_LAYOUTS}: upgrade zerostall to read newer checkpoints", path=path)
+        if version != LAYOUT_VERSION:
+            raise CorruptCheckpoint(f"{path}: {version_advice('shard layout version', version, LAYOUT_VERSION)}", path=path)
         if not expected.matches(block):
             raise CorruptCheckpoint(
                 f"{path}: shard header does not match the manifest (step {expected.step}, "

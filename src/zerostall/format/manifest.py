@@ -5,13 +5,14 @@ It is written last, inside an envelope that carries the crc32c of the body::
     {"zerostall_manifest": "crc32c", "body_crc32c": "1a2b3c4d", "body": {...}}
 
 ``body`` holds ``format_version``, ``step``, ``world_size``, ``created_unix``,
-``checkpoint_id``, ``alignment`` (the shard layout: ``4096`` every tensor on its own page,
-layout 1; ``64`` small tensors packed, layout 2, what saves write: see :mod:`.layout`), ``files``
+``checkpoint_id``, ``alignment`` (the shard layout: ``64``, small tensors packed, layout 2, the
+one this release writes and reads: see :mod:`.layout`), ``files``
 (name, rank, host, file_bytes), ``tensors`` (key, dtype, shape, file, offset, nbytes, crc32c of
 each tensor, as columns: see :mod:`.table`), ``tree`` (see :mod:`.tree`) and, where a save
 references earlier steps' bytes, ``ref_files`` (see :mod:`.refs`). There is one format
-version, :data:`FORMAT_VERSION`; a manifest of any other (an earlier zerostall's, or a newer
-one's) is refused naming its version and what to do.
+version, :data:`FORMAT_VERSION`, one shard layout and one envelope (the crc32c covers the body's
+bytes as written); a manifest of any other version or layout (an earlier zerostall's, or a
+newer one's) or with a re-encoded body is refused naming the file, its version and what to do.
 :meth:`Manifest.from_bytes` checks the envelope, the version and every field before anyone
 reads a byte of a shard: paths cannot leave the checkpoint directory, offsets and sizes are
 consistent, dtypes are known, shape products equal nbytes. No pickle, ever.
@@ -31,8 +32,7 @@ from .._util import no_gc
 from ..config import ALIGN_BYTES
 from ..errors import CorruptCheckpoint
 from . import validate as V
-from . import layout as _layout
-from .layout import HEADER_BYTES, MANIFEST_ALIGNMENT, version_advice
+from .layout import HEADER_BYTES, LAYOUT_VERSION, MANIFEST_ALIGNMENT, version_advice
 from .refs import RefFile, parse_ref_files
 from .table import FORMAT_VERSION_TABLE, Entries, TensorEntry, encode_columns, file_slots, parse_columns, tensors_json
 from .decode import decode_tree
@@ -89,8 +89,6 @@ class Manifest:
     ``files`` in order), spliced in by :meth:`to_bytes`."""
     alias_of: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
     """Entries that duplicate an earlier one exactly (index -> first index): read and allocated once."""
-    layout: int = field(default_factory=lambda: _layout.WRITE_LAYOUT)
-    """The shard layout of this step's own files (:mod:`.layout`; the body's ``alignment``)."""
 
     def tree_for(self, rank: int, world_size: int) -> Any:
         if self.rank_trees is None:
@@ -120,7 +118,7 @@ class Manifest:
         return {
             "format_version": FORMAT_VERSION_TABLE, "step": self.step, "world_size": self.world_size,
             "checkpoint_id": self.checkpoint_id, "created_unix": self.created_unix,
-            "alignment": MANIFEST_ALIGNMENT[self.layout], "checksum": "crc32c",
+            "alignment": MANIFEST_ALIGNMENT, "checksum": "crc32c",
             "files": [f.to_json() for f in self.files],
             "tensors": encode_columns(self.tensors, [f.name for f in self.files], self.ref_files)
             if encode_tensors else None,
@@ -137,8 +135,7 @@ class Manifest:
             if v:
                 d[k] = _SPLICE.mark(len(pieces))
                 pieces.append(v)
-        body = _SPLICE.splice(json.dumps(d, separators=(",", ":"), allow_nan=False), pieces).encode()
-        return b"".join((_PREFIX, f"{_crc.crc32c(body):08x}".encode(), _MID, body, b"}\n"))
+        return envelope(_SPLICE.splice(json.dumps(d, separators=(",", ":"), allow_nan=False), pieces).encode())
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str = MANIFEST_NAME) -> "Manifest":
@@ -167,26 +164,30 @@ class Manifest:
         body = env.get("body")
         if not isinstance(body, dict):
             raise bad("missing body")
-        want = env.get("body_crc32c")
+        version = body.get("format_version")
         n = len(_PREFIX) + 8 + len(_MID)
+        if not raw.startswith(_PREFIX) or raw[len(_PREFIX) + 8:n] != _MID:
+            raise bad(version_advice("format_version", version, FORMAT_VERSION) if type(version) is int and
+                      version != FORMAT_VERSION else
+                      "the envelope is not the one this zerostall writes (its crc32c does not cover the body's "
+                      "bytes as written: an earlier zerostall's form, or a tool re-encoded the file); load the "
+                      "checkpoint with the zerostall that wrote it and save it again")
+        want = env.get("body_crc32c")
         tail = 2 if raw.endswith(b"}\n") else 1
-        if raw.startswith(_PREFIX) and raw[len(_PREFIX) + 8:n] == _MID:
-            got = f"{_crc.crc32c(raw[n:len(raw) - tail]):08x}"
-        else:  # a rewritten envelope (tools, tests): crc32c of the sorted, compact re-encoding of the body
-            got = f"{_crc.crc32c(_canonical(body)):08x}"
+        got = f"{_crc.crc32c(raw[n:len(raw) - tail]):08x}"
         if want != got:
             raise bad(f"manifest checksum mismatch (recorded {want!r:.20}, computed {got!r})")
-        version = body.get("format_version")
         if type(version) is not int or version != FORMAT_VERSION:
             raise bad(version_advice("format_version", version, FORMAT_VERSION) if type(version) is int else
                       f"unknown format_version {version!r:.40} (this zerostall reads only {FORMAT_VERSION})")
         if body.get("checksum") != "crc32c":
             raise bad(f"unknown checksum {body.get('checksum')!r:.40}")
-        layouts = {a: v for v, a in MANIFEST_ALIGNMENT.items()}
-        layout = layouts.get(body.get("alignment")) if type(body.get("alignment")) is int else None
-        if layout is None:
-            raise bad(f"unsupported alignment {body.get('alignment')!r:.40} (this zerostall reads "
-                      f"{sorted(layouts)}; upgrade zerostall to read newer checkpoints)")
+        alignment = body.get("alignment")
+        if type(alignment) is int and alignment == ALIGN_BYTES:  # every tensor on its own page
+            raise bad(f"alignment {ALIGN_BYTES}: {version_advice('shard layout version', 1, LAYOUT_VERSION)}")
+        if type(alignment) is not int or alignment != MANIFEST_ALIGNMENT:
+            raise bad(f"unsupported alignment {alignment!r:.40} (this zerostall reads only {MANIFEST_ALIGNMENT}, "
+                      f"shard layout {LAYOUT_VERSION}; upgrade zerostall to read newer checkpoints)")
 
         def integer(obj: dict[str, Any], k: str, lo: int = 0, hi: int = V.MAX_DIM, ctx: str = "") -> int:
             return V.integer(obj, k, where, lo, hi, ctx)
@@ -226,8 +227,7 @@ class Manifest:
             refs = parse_ref_files(body.get("ref_files"), step, bad)
         tensors, spans = parse_columns(tensors_raw, file_slots(list(files), list(refs.values())), where, bad)
         alias = V.check_spans(spans, {**{f.name: f.file_bytes for f in files.values()},
-                                      **{f"step-{r.step}/{r.name}": r.file_bytes for r in refs.values()}}, where,
-                              layout)
+                                      **{f"step-{r.step}/{r.name}": r.file_bytes for r in refs.values()}}, where)
         rank_trees = body.get("rank_trees")
         if rank_trees is not None and (not isinstance(rank_trees, list) or len(rank_trees) != world):
             raise bad("'rank_trees' must list one tree per rank")
@@ -243,8 +243,10 @@ class Manifest:
                    files=tuple(files.values()), tensors=tuple(tensors), tree=body.get("tree"),
                    user_metadata=meta, format_version=version,
                    rank_trees=tuple(rank_trees) if rank_trees is not None else None, alias_of=alias,
-                   ref_files=tuple(refs.values()), layout=layout)
+                   ref_files=tuple(refs.values()))
 
 
-def _canonical(body: Any) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+def envelope(body: bytes) -> bytes:
+    """The manifest file around ``body`` (the compact JSON of a manifest body): the one form
+    :meth:`Manifest.from_bytes` reads, its crc32c over ``body``'s bytes as they are."""
+    return b"".join((_PREFIX, f"{_crc.crc32c(body):08x}".encode(), _MID, body, b"}\n"))

@@ -104,8 +104,7 @@ def write_shard(f: Any, header: ShardHeader, payloads: Sequence[torch.Tensor], o
 
 def check_items(path: str, items: Sequence[Item], file_bytes: int) -> None:
     """Items sorted by offset lie after the header, aligned (:func:`~.layout.item_align`),
-    inside the file, without overlap, page items alone on their pages (every layout-1 file
-    passes too: its items all start on page boundaries)."""
+    inside the file, without overlap, page items alone on their pages."""
     end = HEADER_BYTES
     for it in items:
         if (it.nbytes < 0 or it.offset % item_align(it.nbytes) or it.offset < end
@@ -146,8 +145,7 @@ class ShardCursor:
     alive (the restore pipeline's, so that 100k small tensors cost no tensor op each).
     ``on_item(i)`` is called once item ``i`` is complete and has passed its crc32c.
     ``wanted``: a partial read (the windows of :func:`read_runs` for these items): only the
-    wanted items are checked and copied. In a layout-1 file the pages read hold nothing else,
-    so all their padding is checked; in a packed (layout-2) file they may hold neighbours
+    wanted items are checked and copied. The pages read may hold neighbours
     that ``items`` need not list (an earlier step's file), so only the padding a page item
     owns (after it, up to its page's end) is, unless ``listed`` says ``items`` are every item
     of the file (the DCP reader's): then every padding byte of the pages read is checked;
@@ -161,7 +159,7 @@ class ShardCursor:
                  wanted: set[int] | None = None, listed: bool = False):
         self.path, self.header, self.items, self.verify, self.on_item = path, header, items, verify, on_item
         self.wanted, self.listed = wanted, listed
-        self.gaps = verify  # every padding byte checked (not in a partial read of a packed file)
+        self.gaps = verify and (wanted is None or listed)  # every padding byte checked (see the class doc)
         self.crcs = [0] * len(items)
         self.first = 0  # items before this one are finished (or were skipped)
         self.finished = [False] * len(items)
@@ -177,8 +175,6 @@ class ShardCursor:
         w1 = w0 + len(mv)
         if w0 == 0 and verify:
             ShardHeader.check(mv[:HEADER_BYTES], self.header, path)
-            self.gaps = wanted is None or self.listed or ShardHeader.version_of(mv) == 1
-            gaps = self.gaps
         tails = verify and not gaps
         while self.first < len(items) and _done_before(items[self.first], w0):
             self.first += 1

@@ -187,16 +187,14 @@ def _from_numpy(x: Any, path: tuple[Any, ...]) -> torch.Tensor:
         raise UnsupportedStateError(f"{_fmt_key(path)!r}: numpy dtype {x.dtype} is not supported ({exc})") from None
 
 
-def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int] | None = None, *,
-                frozen: list[Frozen] | None = None, snapshots: dict[int, bytes] | None = None,
-                path: tuple[Any, ...] = (), columns: Columns | None = None,
-                texts: list[tuple[dict[str, Any], str]] | None = None) -> Any:
-    """Encode ``obj``; raise :class:`UnsupportedStateError` naming the first bad key.
+def encode_tree(obj: Any, occurrences: list[int] | None = None, *, frozen: list[Frozen] | None = None,
+                snapshots: dict[int, bytes] | None = None, path: tuple[Any, ...] = (),
+                columns: Columns | None = None, texts: list[tuple[dict[str, Any], str]] | None = None
+                ) -> tuple[Any, list[TensorLeaf]]:
+    """Encode ``obj``: ``(tree, leaves)``; raise :class:`UnsupportedStateError` naming the first bad key.
 
     ``occurrences``, if given, receives the leaf index of every tensor met, in walk order
-    (an aliased tensor repeats an earlier index); the plan cache of :mod:`..staging.plan_cache` uses it.
-    ``known``: the ``occurrences`` of an earlier walk of a state with the very same tensors
-    (checked by that plan cache): tensors are not checked again and only the tree is returned.
+    (an aliased tensor repeats an earlier index); the plan cache of :mod:`..saving.plan_cache` uses it.
     ``frozen``: if given, a dict, list or tuple of builtin values only is not encoded but
     snapshotted (:func:`.frozen.freeze`; ``snapshots``: ``{id(container): bytes}`` already
     taken in this ``save()``) and left in the tree as a :class:`.frozen.Frozen`, also appended
@@ -207,40 +205,45 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int]
     (where its tensors are those very objects, else as usual). ``texts``: receives (node, its
     pairs' JSON) for each large dict taken in bulk (:func:`.bulk.dumps_tree`).
     """
-    leaves: list[TensorLeaf] = []
-    seen: dict[tuple[Any, ...], int] = {}
-    met = [0]  # tensors met so far, in walk order (``known``, ``columns``)
+    walk = _Walk(occurrences, None, frozen, snapshots, columns, texts)
+    return walk.node(obj, path, len(path)), walk.leaves
 
-    def tensor_index(t: torch.Tensor, path: tuple[Any, ...], is_np: bool) -> int:
-        met[0] += 1
-        if known is not None:
-            return known[met[0] - 1]
-        key = _fmt_key(path)
-        t = _storable(t, key, is_np)
-        # the data address stands for (storage address, offset): two storages whose bytes sit
-        # at one address with one dtype, shape and strides hold the same bytes anyway
-        ident = (t.device.type, t.device.index, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype,
-                 is_np) if t.numel() else None
-        if ident is not None and ident in seen:
-            i = seen[ident]
-        else:
-            leaves.append(TensorLeaf(key, t, is_np))
-            i = len(leaves) - 1
-            if ident is not None:
-                seen[ident] = i
-        if occurrences is not None:
-            occurrences.append(i)
-        return i
 
-    def enc(x: Any, path: tuple[Any, ...], depth: int) -> Any:
+def encode_known(obj: Any, known: list[int], *, frozen: list[Frozen] | None = None,
+                 snapshots: dict[int, bytes] | None = None) -> Any:
+    """The tree of ``obj`` alone, for a state with the very same tensors as an earlier walk
+    whose ``occurrences`` were ``known`` (checked by the plan cache): tensors are neither
+    checked nor collected again, only the plain values are encoded (``frozen``, ``snapshots``:
+    as :func:`encode_tree`)."""
+    return _Walk(None, known, frozen, snapshots, None, None).node(obj, (), 0)
+
+
+class _Walk:
+    """One walk of a state (:func:`encode_tree`, :func:`encode_known`), on the caller's thread,
+    used once. It holds no reference to itself, so the caller's tensors it collected are freed
+    with it (a recursive closure was a reference cycle, left to the cyclic GC)."""
+
+    __slots__ = ("occurrences", "known", "frozen", "snapshots", "columns", "texts", "leaves", "seen", "met")
+
+    def __init__(self, occurrences: list[int] | None, known: list[int] | None, frozen: list[Frozen] | None,
+                 snapshots: dict[int, bytes] | None, columns: Columns | None,
+                 texts: list[tuple[dict[str, Any], str]] | None):
+        self.occurrences, self.known, self.frozen, self.snapshots = occurrences, known, frozen, snapshots
+        self.columns, self.texts = columns, texts
+        self.leaves: list[TensorLeaf] = []
+        self.seen: dict[tuple[Any, ...], int] = {}  # a tensor's identity -> its leaf index
+        self.met = [0]  # tensors met so far, in walk order (``known``, ``columns``)
+
+    def node(self, x: Any, path: tuple[Any, ...], depth: int) -> Any:
+        """The tree node of ``x`` at ``path``: the rules of the module docstring, in order."""
         if depth > MAX_DEPTH:
             raise UnsupportedStateError(f"state is nested deeper than {MAX_DEPTH} at {_fmt_key(path)!r}")
         if isinstance(x, torch.Tensor):
-            return {"T": tensor_index(x, path, False)}
+            return {"T": self.tensor(x, path, False)}
         if np is not None and type(x) is np.ndarray:  # a subclass (np.matrix, masked) would lose its type
-            return {"A": tensor_index(_from_numpy(x, path), path, True)}
+            return {"A": self.tensor(_from_numpy(x, path), path, True)}
         if isinstance(x, enum.Enum):  # before int/str: IntEnum and StrEnum members keep their type
-            return objects.encode_object(x, lambda v: enc(v, path, depth + 1))
+            return objects.encode_object(x, lambda v: self.node(v, path, depth + 1))
         # exact types from here: a subclass is stored by a rule of its own (objects.py: registered
         # types, namedtuples, defaultdict, torch.Size, ...) or refused, never as its base type
         tx = type(x)
@@ -250,52 +253,87 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None, known: list[int]
             return {"v": _check_int(x, path)}
         if tx is float:
             return {"v": x} if math.isfinite(x) else {"f": repr(x)}
-        if frozen is not None:  # a large container of builtin values: snapshotted, encoded later
-            if tx in _FREEZABLE and len(x) >= FREEZE_MIN:
-                data = snapshots.get(id(x)) if snapshots else None
-                if data is None and _TENSOR_TYPES.isdisjoint(map(type, x.values() if tx is dict else x)):
-                    data = freeze(x)
-                if data is not None:
-                    frozen.append(Frozen(tx, data, path))
-                    return frozen[-1]
+        if (frozen := self.frozen) is not None:  # a large container of builtin values: snapshotted, encoded later
+            if tx in _FREEZABLE and len(x) >= FREEZE_MIN and (got := self.snapshot(x, tx, path, frozen)) is not None:
+                return got
         elif tx is dict or tx is list:
             try:
                 return {"j": plain_copy(x, depth)}
             except NotPlain:
                 pass
         if tx is dict or tx is OrderedDict:  # the rule: an OrderedDict (a module's state_dict()) loads as a dict
-            if known is not None and (node := known_node(x, known, met)) is not None:
-                return node
-            got = None
-            if depth < MAX_DEPTH and len(x) >= BULK_MIN:  # (no column slices for the many small dicts)
-                got = bulk_tensors(x, seen, columns and tuple(c[met[0]:met[0] + len(x)] for c in columns))
-            if got is not None:  # all plain tensors: what tensor_index does, attribute by attribute in bulk
-                keys, tensors, idents = got
-                met[0] += len(keys)
-                start = len(leaves)
-                prefix = _fmt_key(path) + "." if path else ""
-                leaves.extend(new_leaves(zip([prefix + k for k in keys] if prefix else keys, tensors, repeat(False))))
-                seen.update(zip(idents, range(start, len(leaves))))
-                if occurrences is not None:
-                    occurrences.extend(range(start, len(leaves)))
-                node = {"d": [[{"v": k}, {"T": i}] for k, i in zip(keys, range(start, len(leaves)))]}
-                if texts is not None and len(keys) >= TEXT_MIN:
-                    texts.append((node, pairs_json(keys, start)))
-                return node
-            return {"d": [[_encode_key(k, path), enc(v, path + (k,), depth + 1)] for k, v in x.items()]}
+            return self.dict_node(x, path, depth)
         if tx is list:
-            return {"l": [enc(v, path + (i,), depth + 1) for i, v in enumerate(x)]}
+            return {"l": [self.node(v, path + (i,), depth + 1) for i, v in enumerate(x)]}
         if tx is tuple:
-            return {"t": [enc(v, path + (i,), depth + 1) for i, v in enumerate(x)]}
+            return {"t": [self.node(v, path + (i,), depth + 1) for i, v in enumerate(x)]}
         if np is not None and isinstance(x, np.generic) and x.dtype.kind not in "Mm":
-            return enc(_np_plain(x, path), path, depth)
-        node = objects.encode_object(x, lambda v: enc(v, path, depth + 1))
+            return self.node(_np_plain(x, path), path, depth)
+        node = objects.encode_object(x, lambda v: self.node(v, path, depth + 1))
         if node is not None:
             return node
         raise _refusal(x, path)
 
-    try:
-        return enc(obj, path, len(path)) if known is not None else (enc(obj, path, len(path)), leaves)
-    finally:
-        del enc  # a recursive closure is a reference cycle: without this, every save's leaves
-        # (the caller's tensors) and this frame's objects wait for the cyclic GC
+    def tensor(self, t: torch.Tensor, path: tuple[Any, ...], is_np: bool) -> int:
+        """The leaf index of the tensor ``t`` (checked, detached; a view of bytes met before
+        shares that leaf)."""
+        self.met[0] += 1
+        if self.known is not None:
+            return self.known[self.met[0] - 1]
+        key = _fmt_key(path)
+        t = _storable(t, key, is_np)
+        # the data address stands for (storage address, offset): two storages whose bytes sit
+        # at one address with one dtype, shape and strides hold the same bytes anyway
+        ident = (t.device.type, t.device.index, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype,
+                 is_np) if t.numel() else None
+        if ident is not None and ident in self.seen:
+            i = self.seen[ident]
+        else:
+            self.leaves.append(TensorLeaf(key, t, is_np))
+            i = len(self.leaves) - 1
+            if ident is not None:
+                self.seen[ident] = i
+        if self.occurrences is not None:
+            self.occurrences.append(i)
+        return i
+
+    def snapshot(self, x: Any, tx: type, path: tuple[Any, ...], frozen: list[Frozen]) -> Frozen | None:
+        """``x`` (a large dict, list or tuple) snapshotted as a :class:`.frozen.Frozen` (also
+        appended to ``frozen``), or None where it holds tensors or cannot be frozen (then it is walked)."""
+        data = self.snapshots.get(id(x)) if self.snapshots else None
+        if data is None and _TENSOR_TYPES.isdisjoint(map(type, x.values() if tx is dict else x)):
+            data = freeze(x)
+        if data is None:
+            return None
+        frozen.append(Frozen(tx, data, path))
+        return frozen[-1]
+
+    def dict_node(self, x: dict[Any, Any], path: tuple[Any, ...], depth: int) -> Any:
+        """A dict's node: from the known walk, in bulk when all its values are plain tensors,
+        else key by key."""
+        if self.known is not None and (node := known_node(x, self.known, self.met)) is not None:
+            return node
+        if depth < MAX_DEPTH and len(x) >= BULK_MIN:  # (no column slices for the many small dicts)
+            m, cols = self.met[0], self.columns
+            got = bulk_tensors(x, self.seen, cols and tuple(c[m:m + len(x)] for c in cols))
+            if got is not None:
+                return self.bulk_node(got, path)
+        return {"d": [[_encode_key(k, path), self.node(v, path + (k,), depth + 1)] for k, v in x.items()]}
+
+    def bulk_node(self, got: tuple[list[str], list[torch.Tensor], list[tuple[Any, ...]]],
+                  path: tuple[Any, ...]) -> Any:
+        """A dict of plain tensors taken in bulk (:func:`.bulk.bulk_tensors`): what
+        :meth:`tensor` does, attribute by attribute, for all of them at once."""
+        keys, tensors, idents = got
+        self.met[0] += len(keys)
+        leaves = self.leaves
+        start = len(leaves)
+        prefix = _fmt_key(path) + "." if path else ""
+        leaves.extend(new_leaves(zip([prefix + k for k in keys] if prefix else keys, tensors, repeat(False))))
+        self.seen.update(zip(idents, range(start, len(leaves))))
+        if self.occurrences is not None:
+            self.occurrences.extend(range(start, len(leaves)))
+        node = {"d": [[{"v": k}, {"T": i}] for k, i in zip(keys, range(start, len(leaves)))]}
+        if self.texts is not None and len(keys) >= TEXT_MIN:
+            self.texts.append((node, pairs_json(keys, start)))
+        return node

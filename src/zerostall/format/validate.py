@@ -122,16 +122,15 @@ class Span:
     key: str
 
 
-def check_spans(spans: Iterable[Span], file_bytes: dict[str, int], where: str, layout: int = 1) -> dict[int, int]:
-    """Entries inside their files, aligned as ``layout`` says (1: every entry on a page
-    boundary; 2: :func:`~.layout.item_align`, page items alone on their pages; see
-    :mod:`.layout`) and disjoint; exact duplicates become aliases.
+def check_spans(spans: Iterable[Span], file_bytes: dict[str, int], where: str) -> dict[int, int]:
+    """Entries inside their files, aligned (:func:`~.layout.item_align`, page items alone on
+    their pages; see :mod:`.layout`) and disjoint; exact duplicates become aliases.
 
     Returns ``{index: index of the first identical entry}`` for the duplicates. Afterwards the
     distinct payload bytes are at most the sum of the files' sizes.
     """
     spans = spans if isinstance(spans, list) or hasattr(spans, "columns") else list(spans)
-    if len(spans) >= _BULK_SPANS and _disjoint_in_bulk(spans, file_bytes, layout):  # type: ignore[arg-type]
+    if len(spans) >= _BULK_SPANS and _disjoint_in_bulk(spans, file_bytes):  # type: ignore[arg-type]
         return {}  # the common case, checked in bulk; anything else takes the loop (exact messages)
     alias: dict[int, int] = {}
     by_file: dict[str, list[Span]] = {}
@@ -139,8 +138,7 @@ def check_spans(spans: Iterable[Span], file_bytes: dict[str, int], where: str, l
         fb = file_bytes.get(s.file)
         if fb is None:
             raise bad(where, f"tensor {s.key!r}: file {s.file!r:.80} is not listed in 'files'", s.key)
-        align = ALIGN_BYTES if layout == 1 else item_align(s.nbytes)
-        if s.offset % align or s.offset < ALIGN_BYTES or s.offset + s.nbytes > fb:
+        if s.offset % item_align(s.nbytes) or s.offset < ALIGN_BYTES or s.offset + s.nbytes > fb:
             raise bad(where, f"tensor {s.key!r}: offset {s.offset} + {s.nbytes} bytes lies outside "
                              f"{s.file!r} ({fb} bytes) or is unaligned", s.key)
         by_file.setdefault(s.file, []).append(s)
@@ -163,7 +161,7 @@ def check_spans(spans: Iterable[Span], file_bytes: dict[str, int], where: str, l
 _BULK_SPANS = 1024
 
 
-def _disjoint_in_bulk(spans: Any, file_bytes: dict[str, int], layout: int) -> bool:
+def _disjoint_in_bulk(spans: Any, file_bytes: dict[str, int]) -> bool:
     """True if every span lies in a listed file, aligned, and no two overlap (then
     :func:`check_spans` has nothing to report and no alias): numpy over all spans at once.
     False where any of that fails or does not fit int64:
@@ -188,11 +186,9 @@ def _disjoint_in_bulk(spans: Any, file_bytes: dict[str, int], layout: int) -> bo
         return False
     if off.min() < ALIGN_BYTES or nb.min() < 0 or off.max() > fb or nb.max() > fb or (off + nb > fb).any():
         return False
-    if layout == 1:
-        align = np.full(n, ALIGN_BYTES, np.int64)
-    else:  # layout.item_align in bulk
-        small = np.minimum(SMALL_ALIGN, 1 << np.ceil(np.log2(np.maximum(nb, 1))).astype(np.int64))
-        align = np.where(nb >= PAGE_ITEM_BYTES, ALIGN_BYTES, np.where(nb >= LINE_ITEM_BYTES, ITEM_ALIGN, small))
+    # layout.item_align in bulk
+    small = np.minimum(SMALL_ALIGN, 1 << np.ceil(np.log2(np.maximum(nb, 1))).astype(np.int64))
+    align = np.where(nb >= PAGE_ITEM_BYTES, ALIGN_BYTES, np.where(nb >= LINE_ITEM_BYTES, ITEM_ALIGN, small))
     if (off % align).any():
         return False
     order = np.lexsort((np.fromiter(idx, np.int64, n), -nb, off))

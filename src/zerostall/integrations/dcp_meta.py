@@ -10,8 +10,8 @@ records inside their files and not overlapping. Every failure is a
 :class:`~zerostall.errors.CorruptCheckpoint` naming the file and the field.
 
 Validation is linear in the file's size: a pickle can make many entries share one object (a
-190 KB file whose entries all shared one list of repeated chunks kept validation busy past
-15 s, quadratic), so no chunk of an entry may repeat another's offsets: every chunk that
+small file whose entries all share one list of repeated chunks made validation quadratic:
+docs/speed-tricks.md), so no chunk of an entry may repeat another's offsets: every chunk that
 validates then uses a storage record of its own, the chunks walked are bounded by the records,
 and the records by :data:`MAX_RECORDS`.
 

@@ -1,16 +1,14 @@
 """Thin wrappers for the Linux calls Python's ``os`` lacks or emulates.
 
 ``fallocate(2)`` (never ``os.posix_fallocate``: glibc may emulate it by writing zeros
-through the page cache), ``sync_file_range(2)``, ``statx(2)`` for STATX_DIOALIGN and
-``mincore(2)`` (used by tests and ``doctor`` to prove pages stay out of the page cache), the
-idle I/O class of a background thread.
+through the page cache), ``sync_file_range(2)``, ``statx(2)`` for STATX_DIOALIGN, the idle
+I/O class of a background thread.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import mmap
 import os
 import threading
 from dataclasses import dataclass
@@ -83,39 +81,6 @@ def statx_dioalign(path: str) -> DioAlign | None:
         return None
     return DioAlign(buf.stx_dio_mem_align, buf.stx_dio_offset_align)
 
-
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def resident_pages(path: str) -> tuple[int, int]:
-    """(resident, total) pages of ``path`` in the page cache, by ``mincore`` on a mapping.
-
-    Mapping a file does not fault its pages in, so this observes the cache without changing it.
-    """
-    size = os.path.getsize(path)
-    if size == 0:
-        return 0, 0
-    page = mmap.PAGESIZE
-    npages = (size + page - 1) // page
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr is None or addr == _MAP_FAILED:
-            _raise(path)
-    finally:
-        os.close(fd)
-    try:
-        vec = (ctypes.c_ubyte * npages)()
-        if _libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
-            _raise(path)
-        return sum(v & 1 for v in vec), npages
-    finally:
-        _libc.munmap(ctypes.c_void_p(addr), size)
-
-
-def buffer_address(mv: memoryview) -> int:
-    """Address of the first byte of a writable buffer (an mmap slice or bytearray)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(mv))
 
 
 def set_idle_io_priority() -> bool:

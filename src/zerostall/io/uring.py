@@ -18,8 +18,8 @@ binding, each handled here:
   those small ctypes objects (:func:`_iovec`);
 * after ``io_uring_wait_cqe`` only ``cqe[0]`` is valid, and a negative ``res`` is raised as
   ``OSError`` (the entry's ``user_data`` is still readable; we advance past it ourselves);
-* ``io_uring_wait_cqe`` blocks *holding the GIL* (measured: a spinning thread got ~1% of
-  its normal iterations during the wait), which would freeze the training thread and the
+* ``io_uring_wait_cqe`` blocks *holding the GIL* (measured: a spinning thread all but stopped
+  during the wait; docs/speed-tricks.md), which would freeze the training thread and the
   snapshot thread for the whole persist. So we never call it: an eventfd is registered with
   the ring, ``os.eventfd_read`` (which releases the GIL) waits, and ``io_uring_peek_cqe``
   reaps without blocking.

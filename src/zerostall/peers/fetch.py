@@ -1,32 +1,20 @@
-"""Restore from peers: choose the step every rank can load (counting what live peers hold),
-and bring this node's files of it into the local root before the ordinary load reads them.
+"""Restore from peers, step 3 (steps 1-2, which step and which commit, are :mod:`.offer`):
+bring this node's files of the step about to be tried into the local root before the
+ordinary load reads them.
 
-Called by ``Checkpointer.load`` on the caller's thread of every rank (a collective in the
-sense that every rank calls it, in the same order; it talks only through the c10d store and
-point-to-point connections):
-
-1. what this rank could load: committed local steps holding its node's files; steps whose
-   files (each of this node's ranks' ``rank-R.shard``) some live peer holds, one checkpoint
-   id (listed from every other node in parallel; a dead or stopped node is skipped after
-   ``peers.timeout_s``); steps on the remote tier;
-2. every rank posts, per step, the checkpoint ids it can load it as (its committed local
-   copy's, else those live holders hold), and a step is offered only where one id is common
-   to every rank (a superseded copy of an overwritten step is never restored as the step);
-   the collective load (:mod:`zerostall.distributed.agree`) adds these steps -- every one of
-   them, not only the newest -- to the ones it offers, and tries the newest common, falling
-   back together;
-3. before each step is tried, :func:`fetch`: if this node lacks its files, the node's leader
-   fetches them (only that commit's copies) from live holders (one thread per file, spread
-   over the holders, the next one on a failure), each checked byte by byte against the
-   manifest while it streams in, written with O_DIRECT into ``step-N.partial`` and
-   committed; the other ranks of the node wait for it (``load<k>/node/<node>/s<N>``). A fetch
-   that fails (no live holder, the only one stopped or serving a flipped byte) fails that step
-   on this rank like any defect of it: every rank hears it through the agreement and all fall
-   back to the next step together. Only when no live node holds a file is the remote tier used
-   (the ordinary load downloads it), and the log says which tier served each file. A fetch
-   never replaces a committed step's files it did not bring: into a step committed here
-   already (e.g. a restart on fewer nodes, where a node's rank number changed) only a copy of
-   the same commit is fetched, and the step's own files stay beside the fetched ones.
+Called by ``Checkpointer.load`` (through :mod:`.service`) on the caller's thread of every
+rank, before each step is tried: :func:`fetch`: if this node lacks its files, the node's
+leader fetches them (only that commit's copies) from live holders (one thread per file, spread
+over the holders, the next one on a failure), each checked byte by byte against the manifest
+while it streams in, written with O_DIRECT into ``step-N.partial`` and committed; the other
+ranks of the node wait for it (``load<k>/node/<node>/s<N>``). A fetch that fails (no live
+holder, the only one stopped or serving a flipped byte) fails that step on this rank like any
+defect of it: every rank hears it through the agreement and all fall back to the next step
+together. Only when no live node holds a file is the remote tier used (the ordinary load
+downloads it), and the log says which tier served each file. A fetch never replaces a
+committed step's files it did not bring: into a step committed here already (e.g. a restart on
+fewer nodes, where a node's rank number changed) only a copy of the same commit is fetched,
+and the step's own files stay beside the fetched ones.
 """
 
 from __future__ import annotations
@@ -45,8 +33,8 @@ from ..format.layout import shard_name
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..io.base import Engine
 from ..store.tier import RootTier
-from . import tombstones
 from .exchange import PeerView
+from .offer import Offer
 from .transport import Transport
 from .verify import StreamCheck, file_entry, ranges
 
@@ -66,145 +54,6 @@ class Plan:
     checkpoint_id: str = ""
     """The commit of ``step`` every rank loads ("": not known, the remote tier's)."""
 
-
-@dataclass(frozen=True)
-class Offer:
-    """What :func:`offer` found: the steps whose files of this node are local, those live
-    holders keep whole copies of (only the commit every rank can load) or enough coded
-    fragments of, and the steps the ranks hold as different commits (offered by nobody)."""
-
-    local: set[int]
-    held: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
-    """step -> file name -> [(holder node, src node)], of the commit in ``ids``"""
-    coded: set[int] = field(default_factory=set)
-    ids: dict[int, str] = field(default_factory=dict)
-    """step -> the commit every rank offers it as ("": the remote tier's, not known)"""
-    split: set[int] = field(default_factory=set)
-    refs: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
-    """Every step live peers hold this node's files of (an incremental step's references)."""
-    unshared: set[int] = field(default_factory=set)
-    """Steps this node could load that some other rank offered not at all: never agreed, but
-    counted as this node's, so that an error names only the ranks that truly lack a step."""
-
-    def steps(self) -> set[int]:
-        return (self.local | set(self.held) | self.coded | self.unshared) - self.split
-
-
-def _local_steps(tier: RootTier, view: PeerView, names: list[str]) -> tuple[dict[int, str], dict[int, str | None]]:
-    """``(loadable, committed)``: step -> checkpoint id of the committed local steps holding
-    this node's files, and of every committed local step (None: its manifest is unreadable)."""
-    out: dict[int, str] = {}
-    committed: dict[int, str | None] = {}
-    for s in tier.listed_steps():
-        try:
-            man = tier.read_manifest(s)
-        except ZerostallError:
-            committed[s] = None
-            continue
-        committed[s] = man.checkpoint_id
-        try:
-            if man.world_size != view.world:
-                continue
-            if all(os.path.getsize(os.path.join(tier.step_dir(s), n)) == file_entry(man, n).file_bytes for n in names):
-                out[s] = man.checkpoint_id
-        except (OSError, ZerostallError):
-            continue
-    return out, committed
-
-
-Holders = dict[str, list[tuple[str, str]]]
-"""file name -> [(holder node, src node)]"""
-
-
-def _peer_holdings(view: PeerView, transport: Transport, names: list[str]) -> dict[int, dict[str, Holders]]:
-    """step -> checkpoint id -> file name -> [(holder node, src)] for this node's files (every
-    one of them held), from every live peer."""
-    lists: dict[str, list[dict[str, Any]]] = {}
-
-    def ask(node: str) -> None:
-        try:
-            lists[node] = transport.list_held(view.endpoints[node])
-        except (ZerostallError, OSError) as exc:
-            log.warning("zerostall: restore: node %s is not reachable (%s); its copies are not counted", node, exc)
-
-    threads = [threading.Thread(target=ask, args=(n,), daemon=True) for n in view.endpoints if n != view.me]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    by_step: dict[int, dict[str, dict[str, list[tuple[str, str]]]]] = {}  # step -> ckpt id -> name -> holders
-    for node, held in sorted(lists.items()):
-        for h in held:
-            if not isinstance(h, dict) or not isinstance(h.get("step"), int):
-                continue
-            if tombstones.dead(view.deleted, h["step"], h.get("checkpoint_id"), h.get("created_unix")):
-                continue  # deleted for good (zerostall delete): never restored
-            for name in h.get("files", ()):
-                if name in names:
-                    by_step.setdefault(h["step"], {}).setdefault(str(h.get("checkpoint_id")), {}) \
-                        .setdefault(name, []).append((node, str(h.get("src"))))
-    out: dict[int, dict[str, Holders]] = {}
-    for step, ids in by_step.items():
-        for cid, files in ids.items():  # a step overwritten meanwhile: only one copy's files go together
-            if all(n in files for n in names):
-                out.setdefault(step, {})[cid] = files
-    return out
-
-
-def _offer_ids(store: Store, view: PeerView, load_no: int, offer: dict[int, list[str]],
-               timeout_s: float) -> tuple[dict[int, str], set[int]]:
-    """Every rank posts, per step, the checkpoint ids it can load it as ("*": any, the remote
-    tier's); returns the steps one id is common to every rank, with that id, and the steps every
-    rank offers as different commits (the same on every rank)."""
-    base = view.key(f"load{load_no}", "ids")
-    store.set(f"{base}/r{view.rank}", json.dumps({str(k): v for k, v in offer.items()}))
-    keys = [f"{base}/r{r}" for r in range(view.world)]
-    if store.poll(keys, time.monotonic() + timeout_s) == "timeout":
-        missing = [r for r in range(view.world) if not store.check([keys[r]])]
-        raise DistributedError(f"restore: rank(s) {', '.join(map(str, missing))} did not offer the steps they can "
-                               f"load within {timeout_s:g} s", missing_ranks=tuple(missing))
-    offers = store.multi_get_json(keys)
-    if store.add(f"{base}/n", 1) == view.world:
-        store.delete(*keys, f"{base}/n")
-    common: dict[int, str] = {}
-    split: set[int] = set()
-    for k in set(offers[0]).intersection(*offers[1:]):
-        concrete = [set(o[k]) for o in offers if o[k] != ["*"]]
-        ids = set.intersection(*concrete) if concrete else {"*"}
-        if ids:
-            common[int(k)] = max(ids)
-        else:
-            split.add(int(k))
-    return common, split
-
-
-def offer(store: Store, view: PeerView, transport: Transport, tier: RootTier, load_no: int, *,
-          step: int | None, remote_steps: list[int], timeout_s: float,
-          coded: dict[int, Any] | None = None) -> Offer:
-    """Steps 1-2 of the module doc (collective: every rank calls it). ``coded``: step -> the
-    checkpoint ids of the commits live holders hold enough fragments of to rebuild this node's
-    files (coded copies, :func:`.coded_restore.holdings`)."""
-    coded = coded or {}
-    names = [shard_name(r) for r in view.ranks_of(view.me)]
-    local, committed = _local_steps(tier, view, names)
-    peers = _peer_holdings(view, transport, names)
-    for st in set(peers) & set(committed) - set(local):  # a fetch into a committed step: its own commit only
-        peers[st] = {cid: f for cid, f in peers[st].items() if cid == committed[st]}
-        if not peers[st]:
-            del peers[st]
-    remote = set(remote_steps)
-    # the remote tier: the commit is not known here ("*")
-    mine = {st: [local[st]] if st in local else sorted(set(peers.get(st, ())) | set(coded.get(st, ()))) or ["*"]
-            for st in set(local) | set(peers) | set(coded) | remote if step is None or st == step}
-    common, split = _offer_ids(store, view, load_no, mine, timeout_s)
-    log.info("zerostall: restore: node %s can load steps %s locally, %s from peers, %s from the remote tier",
-             view.me, sorted(local)[-5:], sorted(set(peers) | set(coded))[-5:], sorted(remote)[-5:])
-    ids = {st: (cid if cid != "*" else "") for st, cid in common.items()}
-    held = {st: peers[st][ids[st]] for st in peers if st in ids and ids[st] in peers[st] and st not in local}
-    got_coded = {st for st in coded if st in ids and ids[st] in coded[st] and st not in local and st not in held}
-    refs = {st: cids[max(cids)] for st, cids in peers.items()}
-    unshared = set(mine) - set(common) - split
-    return Offer(set(local), held, got_coded, ids, split, refs, unshared)
 
 
 def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],

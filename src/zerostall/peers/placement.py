@@ -4,7 +4,7 @@ spread across failure domains.
 ``holders(src, nodes, replicas)`` returns the ``replicas - 1`` other nodes that keep copies of
 ``src``'s files. Every node computes the same answer from the same node list (sorted, with
 their failure domains); the step does not enter the hash, so a node's holders stay the same
-from step to step (a restore asks every live node anyway, see :mod:`.fetch`).
+from step to step (a restore asks every live node anyway, see :mod:`.offer`).
 
 How it picks: every other node ``h`` gets the score ``sha256(src | h)``; candidates are taken in
 score order, first one per failure domain not used yet (and never ``src``'s own domain), then,

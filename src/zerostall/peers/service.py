@@ -23,7 +23,8 @@ from .coded import CodedReplicator, check_cluster
 from .coded_restore import holdings, rebuild
 from .coding import require_codec
 from .exchange import PeerView, advertised_host, setup
-from .fetch import Offer, fetch, offer
+from .fetch import fetch
+from .offer import Offer, offer
 from .fragments import FragmentStore, register
 from .placement import Node
 from .replicate import PeerReplicator, StepStatus
@@ -151,10 +152,10 @@ class Peers:
         if warm is not None and (not steps or max(steps) in got.local):
             # The load that follows reads through a 128 MiB scratch faulted on first use (a
             # restarted process has no faulted staging pool yet), after the ranks' agreement,
-            # and the collective load waits for the slowest rank: 0.5-2.8 s of the node-loss
-            # bench's load on the loaded 2-core VM. The nodes with their files at hand fault it
-            # now, while a replaced node fetches; the fetching node does not (on two cores its
-            # fault slowed the fetch and the agreement by as much as it saved).
+            # and the collective load waits for the slowest rank (docs/benchmarks.md, peer
+            # copies). The nodes with their files at hand fault it now, while a replaced node
+            # fetches; the fetching node does not (on few cores its fault slowed the fetch and
+            # the agreement by as much as it saved).
             threading.Thread(target=warm, name="zerostall-bounce-fault", daemon=True).start()
         return PeerLoad(self, n, got, steps, coded)
 

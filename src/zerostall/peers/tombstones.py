@@ -11,7 +11,7 @@ deletion; a later save of step N (a new commit, created after) is not.
 Who honours tombstones: at start-up every node's leader publishes its own with its peer
 endpoint (:mod:`.exchange`), every node merges the others' into its file and drops the dead
 copies it holds (so a holder that was stopped during the deletion drops them too), and a
-restore never counts a dead copy (:mod:`.fetch`). Read by any thread; written by the CLI and
+restore never counts a dead copy (:mod:`.offer`). Read by any thread; written by the CLI and
 by the node leader's start-up (atomically: tmp, fdatasync, rename).
 """
 

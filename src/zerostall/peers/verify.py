@@ -42,7 +42,7 @@ def _digest(header: bytes, crcs: list[int]) -> str:
 
 def expected_digest(man: Manifest, name: str) -> str:
     fe = file_entry(man, name)
-    header = ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes, man.layout).encode()
+    header = ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes).encode()
     return _digest(header, [e.crc32c for e in _items(man, name)])
 
 
@@ -59,8 +59,7 @@ class StreamCheck:
         fe = file_entry(man, name)
         self.where, self.size = where, fe.file_bytes
         self.start, self.end = start, fe.file_bytes if end is None else end
-        self.header = ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes,
-                                  man.layout).encode()
+        self.header = ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes).encode()
         every = _items(man, name)
         check_items(where, every, fe.file_bytes)
         if not 0 <= start <= self.end <= fe.file_bytes or (start and start not in split_points(man, name)):

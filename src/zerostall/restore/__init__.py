@@ -10,8 +10,8 @@ Modules, downward only:
 - :mod:`.retry` -- the rule for a step that changes while it is read (load and verify share it).
 """
 
-from .pipeline import FETCH_LOCK_NAME, fetch_remote_step, load, load_step, verify_step, verify_tier_step
+from .pipeline import FETCH_LOCK_NAME, LoadRequest, fetch_remote_step, load, load_step, verify_step, verify_tier_step
 from .state import LoadReport
 
-__all__ = ["FETCH_LOCK_NAME", "LoadReport", "fetch_remote_step", "load", "load_step", "verify_step",
+__all__ = ["FETCH_LOCK_NAME", "LoadReport", "LoadRequest", "fetch_remote_step", "load", "load_step", "verify_step",
            "verify_tier_step"]

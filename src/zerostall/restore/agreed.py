@@ -8,6 +8,7 @@ thread, every rank of the group, collectively).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any, Callable, Iterable
 
 from ..distributed.agree import agreed_load
@@ -15,7 +16,7 @@ from ..distributed.store import Store
 from ..store.remote import list_steps
 from ..store.tier import open_tier
 from ..store import open_root
-from .pipeline import load
+from .pipeline import LoadRequest, load
 from .state import LoadReport
 
 _calls: dict[str, int] = {}
@@ -42,26 +43,28 @@ def local_candidates(path: str, remote: Any = None, io: Any = None, step: int | 
     return sorted(steps), remote
 
 
-def collective_load(store: Store, base: str, rank: int, world: int, path: str, state_dict: Any, *,
-                    step: int | None = None, remote: Any = None, io: Any = None, report: Any = None,
-                    timeout_s: float = 600.0, extra_steps: Iterable[int] = (), exclude_steps: Iterable[int] = (),
-                    prepare: Callable[[int], None] | None = None, **load_kw: Any) -> Any:
+def collective_load(store: Store, base: str, rank: int, world: int, path: str, state_dict: Any,
+                    request: LoadRequest, *, report: Any = None, timeout_s: float = 600.0,
+                    extra_steps: Iterable[int] = (), exclude_steps: Iterable[int] = (),
+                    prepare: Callable[[int], None] | None = None, engine: Any = None, bounce: Any = None) -> Any:
     """``zerostall.restore.load`` on every rank of a group, agreeing on one step (module
     docstring). Called by ``Checkpointer.load`` and ``zerostall.load`` (caller's thread).
+    ``request``: what to load (its ``rank``, ``world_size`` and ``gate`` are this call's own;
+    ``fallback`` applies across the agreed steps, each step's load falls back between its copies).
     ``extra_steps``: more steps this rank can load (peer replicas: those live holders keep for
     its node); ``exclude_steps``: steps not to offer (the ranks hold different commits of
     them); ``prepare(step)`` runs before each step is loaded (bringing those files in): what
     it raises fails that step on this rank, and every rank falls back together."""
     report = report if report is not None else LoadReport()
-    cands, remote = local_candidates(path, remote, io, step)
+    step = request.step
+    cands, remote = local_candidates(path, request.remote, request.io, step)
     cands = sorted((set(cands) | {int(s) for s in extra_steps if step is None or int(s) == step})
                    - {int(s) for s in exclude_steps})
-
-    fallback = load_kw.pop("fallback", True)
 
     def one(s: int, gate: Callable[[], None]) -> Any:
         if prepare is not None:
             prepare(s)
-        return load(path, state_dict, s, remote=remote, io=io, report=report, gate=gate, rank=rank,
-                    world_size=world, **load_kw)
-    return agreed_load(store, base, rank, world, cands, one, timeout_s=timeout_s, report=report, fallback=fallback)
+        req = replace(request, step=s, remote=remote, gate=gate, rank=rank, world_size=world, fallback=True)
+        return load(path, state_dict, req, engine=engine, bounce=bounce, report=report)
+    return agreed_load(store, base, rank, world, cands, one, timeout_s=timeout_s, report=report,
+                       fallback=request.fallback)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..config import IOConfig
@@ -32,26 +33,56 @@ from .retry import GONE, MAX_REPLACED, REPLACED, changed_under, listed_ident, re
 from .state import LoadReport, location_mapper
 from .step import load_step, shared_bounce, verify_step, verify_tier_step
 
-__all__ = ["FETCH_LOCK_NAME", "fetch_remote_step", "load", "load_step", "rank_files", "verify_step", "verify_tier_step"]
+__all__ = ["FETCH_LOCK_NAME", "LoadRequest", "fetch_remote_step", "load", "load_step", "rank_files", "verify_step",
+           "verify_tier_step"]
 
 log = logging.getLogger("zerostall")
 
-def load(path: str, state_dict: Any = None, step: int | None = None, map_location: Any = None, *,
-         verify: bool = True, fallback: bool = True, engine: Engine | None = None,
-         bounce: Arena | None = None, io: IOConfig | None = None, rank: int = 0, world_size: int = 1,
-         remote: Any = None, keys: list[str] | None = None, strict: bool = False,
-         report: LoadReport | None = None, gate: Callable[[], None] | None = None,
-         download: bool = True) -> Any:
-    """Load the newest verified checkpoint (or ``step``) under ``path``; see the module doc.
 
-    With ``remote`` (a URL or tier), steps only the remote holds are downloaded into ``path``
-    first (``download=False``: streamed from the remote straight through the read pipeline,
-    only this rank's files and only the byte ranges the load needs, nothing written locally);
-    for each step, newest first, the local copy is tried, then the remote one. Any
+@dataclass(frozen=True, kw_only=True)
+class LoadRequest:
+    """What one :func:`load` asks for; built on the caller's thread, never changed after
+    (``dataclasses.replace`` derives another, e.g. one step of a collective load)."""
+
+    step: int | None = None
+    """Exactly this step (None: the newest that verifies)."""
+    map_location: Any = None
+    """Where new tensors go, as ``torch.load`` takes it (a device, a dict or a callable)."""
+    verify: bool = True
+    fallback: bool = True
+    """A step that fails tries the previous one."""
+    keys: list[str] | None = None
+    """Only these dotted keys' bytes are read (None: all)."""
+    strict: bool = False
+    """Keys of the state dict the checkpoint lacks raise :class:`StateMismatchError`."""
+    rank: int = 0
+    world_size: int = 1
+    remote: Any = None
+    """A URL or tier whose steps are considered too."""
+    download: bool = True
+    """A step only ``remote`` holds is downloaded into the root (False: streamed, nothing written)."""
+    io: IOConfig | None = None
+    gate: Callable[[], None] | None = None
+    """Called once a step verified, before the state dict is touched (the ranks' agreement)."""
+
+
+def load(path: str, state_dict: Any = None, request: LoadRequest | None = None, *, engine: Engine | None = None,
+         bounce: Arena | None = None, report: LoadReport | None = None) -> Any:
+    """Load the newest verified checkpoint (or ``request.step``) under ``path``; see the module doc.
+
+    With ``request.remote`` (a URL or tier), steps only the remote holds are downloaded into
+    ``path`` first (``download=False``: streamed from the remote straight through the read
+    pipeline, only this rank's files and only the byte ranges the load needs, nothing written
+    locally); for each step, newest first, the local copy is tried, then the remote one. Any
     failure of a step's checkpoint (not of the caller's state dict) falls back to the previous
     step; a step deleted meanwhile (retention) is not a failure: the listing is read again.
-    ``report`` (a :class:`LoadReport`) is filled in with the step loaded and the key report.
+    ``engine`` and ``bounce``: the I/O engine and staging memory to read with (None: opened
+    here). ``report`` (a :class:`LoadReport`) is filled in with the step loaded and the key report.
     """
+    req = request if request is not None else LoadRequest()
+    step, map_location, verify, fallback = req.step, req.map_location, req.verify, req.fallback
+    io, rank, world_size, remote, keys = req.io, req.rank, req.world_size, req.remote, req.keys
+    strict, gate, download = req.strict, req.gate, req.download
     remote_why = ""
     remote_steps: list[int] = []
     if remote is not None:

@@ -103,7 +103,7 @@ def _new(e: TensorEntry, where: str) -> tuple[torch.Tensor, torch.Tensor | None]
     page-aligned padded byte buffer."""
     try:
         dtype = dtype_from_name(e.dtype)
-        if e.nbytes >= max(stream.DIRECT_MIN_BYTES, PAGE_ITEM_BYTES):  # alone on its pages (layout 1 and 2)
+        if e.nbytes >= max(stream.DIRECT_MIN_BYTES, PAGE_ITEM_BYTES):  # alone on its pages
             buf = aligned_empty(e.nbytes)
             return buf[:e.nbytes].view(dtype).view(e.shape), buf
         return torch.empty(e.shape, dtype=dtype), None

@@ -127,20 +127,19 @@ class StoreCommitter:
             except OSError:
                 pass
 
-    def load_agreed(self, state_dict: Any, step: int | None, cfg: Any, report: Any, *, peer: Any = None,
-                    **load_kw: Any) -> Any:
+    def load_agreed(self, state_dict: Any, request: Any, cfg: Any, report: Any, *, peer: Any = None,
+                    engine: Any = None, bounce: Any = None) -> Any:
         """``Checkpointer.load`` across ranks (caller's thread, every rank): the newest step every
         rank can load (:mod:`.agree`), through this Checkpointer's own store connection; with
         ``peer`` (a :class:`zerostall.peers.PeerLoad`) counting the steps live holders keep for
         this node, fetched before each is tried."""
         try:
             return collective_load(self.store, collective_base(self.session.prefix), self.rank, self.world,
-                                   self.tier.root, state_dict, step=step, remote=cfg.remote, io=cfg.io,
-                                   report=report, timeout_s=max(cfg.join_timeout_s, cfg.commit_timeout_s),
-                                   verify=cfg.verify_on_load, fallback=cfg.fallback,
+                                   self.tier.root, state_dict, request, report=report,
+                                   timeout_s=max(cfg.join_timeout_s, cfg.commit_timeout_s),
                                    extra_steps=peer.steps if peer is not None else (),
                                    exclude_steps=peer.offer.split if peer is not None else (),
-                                   prepare=peer.prepare if peer is not None else None, **load_kw)
+                                   prepare=peer.prepare if peer is not None else None, engine=engine, bounce=bounce)
         except CheckpointNotFound as exc:
             if peer is None:
                 raise

@@ -193,7 +193,7 @@ class SaveStatus:
         """Steps since the previous save that was not skipped (0 for the first)."""
         self.nbytes = nbytes
         self.save_block_s = self.guard_wait_s = self.snapshot_s = self.persist_s = self.commit_s = 0.0
-        self.t_staged = self.t_durable = self.t_replicated = 0.0
+        self.t_staged = self.t_durable = 0.0
         self.post_commit_errors: list[str] = []
         """Problems after the commit point (latest hint, retention): logged, the save stays durable."""
         self.telemetry: dict[str, Any] = {}
@@ -257,9 +257,6 @@ class SaveStatus:
         self.t_durable = time.perf_counter()
         self.durable.set()
 
-    def set_persist_s(self, seconds: float) -> None:
-        self.persist_s = seconds
-
     def note(self, *problems: str) -> None:
         """Problems after the commit point; the save stays durable."""
         self.post_commit_errors.extend(problems)
@@ -277,8 +274,6 @@ class SaveStatus:
 
     def mark_replicated(self, error: BaseException | None = None) -> None:
         self.replicate_error = error
-        if error is None:
-            self.t_replicated = time.perf_counter()
         self.replicated.set()
 
 

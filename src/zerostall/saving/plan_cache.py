@@ -18,7 +18,7 @@ import torch
 
 from .._util import no_gc
 from ..format.frozen import FREEZE_MIN, Frozen, freeze
-from ..format.tree import TensorLeaf, encode_tree, new_leaves
+from ..format.tree import TensorLeaf, encode_known, new_leaves
 from .plan import SavePlan, _entries_bound, build_plan, finish_tree
 from .._fast import DEVICE, DTYPE, KEY, NBYTES, NUMPY
 from .._fast_torch import shape_of
@@ -244,7 +244,7 @@ class PlanCache:
             leaves = Leaves(self._keys, tuple(map(_DETACH, tensors)), self._numpy)
             if vals != self._vals:  # plain values changed (a step counter, a log): a new tree only
                 frozen: list[Frozen] = []
-                tree = encode_tree(state_dict, known=self._occ, frozen=frozen, snapshots=snapshots)
+                tree = encode_known(state_dict, self._occ, frozen=frozen, snapshots=snapshots)
                 tree, tree_json, lazy = finish_tree(tree, len(leaves), frozen, self._bound, self._memo)
                 self._plan = cached = replace(cached, tree=tree, tree_json=tree_json, lazy=lazy)
                 self._vals = vals

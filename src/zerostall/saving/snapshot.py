@@ -21,8 +21,8 @@ Never mutates the caller's tensors; drops its references to them once the job is
 
 CPU bytes move with ``memmove``/``memset`` through ctypes (which releases the GIL), never
 with a torch op: a long-lived thread that has run an OpenMP-parallel torch op keeps its
-own OpenMP team, and measured here that alone slowed the training thread's steps by ~15%
-for as long as the thread lived. The rare non-contiguous CPU tensor is copied by torch in a
+own OpenMP team, which alone slowed the training thread's steps for as long as the thread
+lived (measured: docs/speed-tricks.md). The rare non-contiguous CPU tensor is copied by torch in a
 short-lived helper thread instead, in row chunks of at most ``STRIDED_CHUNK_BYTES`` that
 stream through the ring like any tensor (never one whole copy outside the staging budget).
 """

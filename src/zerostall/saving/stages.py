@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..config import CheckpointConfig
@@ -32,7 +32,7 @@ from .upload import Replicator
 from ..store.retention import LocalRetention, RetentionPolicy, retain_at_start
 from ..store import open_root
 from ..store.tier import is_url
-from ..restore import load
+from ..restore import LoadRequest, load
 from ..telemetry import prometheus
 
 log = logging.getLogger("zerostall")
@@ -66,16 +66,18 @@ class Stages:
             return self.rank, self.world_size
         return s.members.index(self.rank), len(s.members)
 
-    def load(self, state_dict: Any, step: int | None, cfg: CheckpointConfig, report: Any, *,
-             map_location: Any, peer: Any = None, **kw: Any) -> Any:
+    def load(self, state_dict: Any, request: LoadRequest, cfg: CheckpointConfig, report: Any, *,
+             engine: Engine, bounce: Any, peer: Any = None) -> Any:
         """One load (caller's thread, under the Checkpointer's save lock): across ranks the
         newest step every rank can load (collective), else the newest that verifies here.
+        ``request``: the caller's (step, keys, map_location, strict); ``cfg`` adds the rest.
         ``peer``: the peer tier's part (:class:`zerostall.peers.PeerLoad`; ``replicas > 1``)."""
+        request = replace(request, verify=cfg.verify_on_load, fallback=cfg.fallback, remote=cfg.remote)
         if self.committer is not None:
-            return self.committer.load_agreed(state_dict, step, cfg, report, map_location=map_location, peer=peer,
-                                              **kw)
-        return load(self.tier.root, state_dict, step, map_location, verify=cfg.verify_on_load, fallback=cfg.fallback,
-                    rank=self.rank, world_size=self.world_size, remote=cfg.remote, report=report, **kw)
+            return self.committer.load_agreed(state_dict, replace(request, io=cfg.io), cfg, report, peer=peer,
+                                              engine=engine, bounce=bounce)
+        return load(self.tier.root, state_dict, replace(request, rank=self.rank, world_size=self.world_size),
+                    engine=engine, bounce=bounce, report=report)
 
     def persister(self, lease: Any, finished: Any) -> Persister:
         """This Checkpointer's persist worker over ``lease``'s ring, fed by the pool's snapshot

@@ -50,7 +50,7 @@ from ..format.validate import parse_step_dir, read_small
 from .atomic import fsync_dir, publish_dir, rmtree, write_file_durable
 from .owner import RootLock
 from .recovery import _OLD_RE, _PARTIAL_RE, _TEMP_RE, recover_root
-from .retention import ManifestRefs, doomed, prune
+from .retention import ManifestRefs
 from .tier import Tier
 from .verdicts import ManifestVerdicts, stat_ident
 from ..io.base import Engine, ShardFile, choose_engine
@@ -381,14 +381,4 @@ class LocalTier(Tier):
             raise storage_error(f"deleting step {step} from", self.root, exc) from exc
         log.info("zerostall: removed step %d from %s", step, self.root)
 
-    def apply_retention(self, keep_last: int | None, protect: set[int] = frozenset(),  # type: ignore[assignment]
-                        just_committed: int | None = None) -> list[int]:
-        """Delete all but the newest ``keep_last`` committed steps (manifest validates); never
-        the newest, never ``just_committed``, never one in ``protect``, never one that a kept
-        step references (incremental saves; deleted newest first)."""
-        if keep_last is None:
-            return []
-        keep = set(protect) | ({just_committed} if just_committed is not None else set())
-        steps = self.steps()
-        return prune(self, steps, doomed(steps, keep_last, keep))
 

@@ -3,7 +3,7 @@
 Called once by :meth:`.local.LocalTier.own` (caller's thread, the root lock held): an
 interrupted overwrite's ``step-N.old`` is finished or rolled back (:func:`.atomic.recover_dir`);
 a ``step-N.partial`` holding ``manifest.decided`` -- a step the ranks' commit decision
-committed, whose rename a crash interrupted (:mod:`zerostall.distributed.commit`, RECORDING)
+committed, whose rename a crash interrupted (:mod:`zerostall.distributed.finish`, RECORDING)
 -- is completed: the record becomes its manifest and the directory ``step-N``; any other
 ``step-N.partial`` (an unfinished save), ``.deleting-*`` (an interrupted deletion), temporary
 files and the locks of interrupted restores are removed -- except the leftovers of a step a

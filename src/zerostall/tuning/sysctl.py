@@ -60,11 +60,3 @@ def apply_sysctls() -> dict[str, int | None]:
                 f.write(str(v))
     return before
 
-
-def restore_sysctls(values: dict[str, int | None]) -> None:
-    """Write back values from :func:`read_sysctls` (ratios after bytes where the ratio was set)."""
-    for n, v in values.items():
-        if v is None or (v == 0 and (n.endswith("_bytes") or n.endswith("_ratio"))):
-            continue
-        with open(_path(n), "w") as f:
-            f.write(str(v))

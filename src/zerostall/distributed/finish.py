@@ -1,0 +1,92 @@
+"""The disk side of one copy of the root in the cross-rank commit (:mod:`.commit`): recording
+the decision (RECORDING) and the renames that make the step durable (RECORDED -> DURABLE).
+
+Called on the persist thread of a copy's leader, or of another rank of the copy taking over
+from a stopped leader; both functions are idempotent and safe to race (each step goes in by
+rename, and a copy already renamed with the decided checkpoint id counts as done).
+
+Crash states on disk: before RECORDING only ``step-N.partial`` exists (start-up recovery
+removes it); from RECORDING on, ``step-N.partial`` holding ``manifest.decided`` is a step the
+decision committed (recovery completes it); the renames are the local tier's
+(:mod:`zerostall.store.local`). An overwrite (``overwrite=True``) records nothing: it goes
+through the local tier's overwrite protocol, finished by the copy's leader only.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+from ..errors import CheckpointExistsError, ZerostallError, storage_error
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..store.atomic import fsync_dir, write_file_durable
+from ..store.recovery import DECIDED_NAME
+from ..store.tier import RootTier
+
+
+def record_decision(tier: RootTier, step: int, manifest: bytes) -> None:
+    """RECORDING: the decided manifest into ``step-N.partial/manifest.decided``, durably
+    (tmp + rename, fsync of the directory, which also makes the shards' entries durable).
+    Idempotent (a rank taking over from a stopped leader may record again)."""
+    part = tier.partial_dir(step)
+    rec = os.path.join(part, DECIDED_NAME)
+    if os.path.exists(rec) or committed_here(tier, step, Manifest.from_bytes(manifest).checkpoint_id):
+        return
+    tmp = os.path.join(part, f".manifest-{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        write_file_durable(tmp, manifest)
+        os.rename(tmp, rec)
+        fsync_dir(part)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise storage_error(f"recording the commit decision of step {step} in", tier.root, exc) from exc
+
+
+def finish_copy(tier: RootTier, step: int, manifest: bytes, *, overwrite: bool = False,
+                leader: bool = True) -> tuple[str, ...]:
+    """FINISHING: commit ``step`` in this copy of the root with ``manifest``. Idempotent and
+    safe to race (the manifest goes in by rename; a copy already renamed with this
+    checkpoint id counts as done). Returns post-commit problems (the leader writes ``latest``)."""
+    man = Manifest.from_bytes(manifest)
+    if overwrite:
+        return tier.commit(step, man, overwrite=True)
+    part, final = tier.partial_dir(step), tier.step_dir(step)
+    if committed_here(tier, step, man.checkpoint_id):
+        return tier.write_latest(step) if leader else ()
+    tmp = os.path.join(part, f".manifest-{uuid.uuid4().hex[:8]}.tmp")
+    rec = os.path.join(part, DECIDED_NAME)
+    try:
+        if os.path.exists(rec):  # recorded: the record becomes the manifest
+            os.rename(rec, os.path.join(part, MANIFEST_NAME))
+        else:
+            write_file_durable(tmp, manifest)
+            os.rename(tmp, os.path.join(part, MANIFEST_NAME))
+        tier._step("manifest")
+        fsync_dir(part)
+        tier._step("fsync_dir")
+        os.rename(part, final)
+        tier._step("rename")
+        fsync_dir(tier.root)
+        tier._step("fsync_root")
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if committed_here(tier, step, man.checkpoint_id):  # another rank of this copy got there first
+            return tier.write_latest(step) if leader else ()
+        if os.path.isdir(final):
+            raise CheckpointExistsError(f"step {step} already exists in {tier.root!r} (pass overwrite=True or "
+                                        "pick another step)") from None
+        raise storage_error(f"committing step {step} in", tier.root, exc) from exc
+    return tier.write_latest(step) if leader else ()
+
+
+def committed_here(tier: RootTier, step: int, checkpoint_id: str) -> bool:
+    try:
+        return tier.read_manifest(step).checkpoint_id == checkpoint_id
+    except ZerostallError:
+        return False
