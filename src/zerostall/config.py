@@ -50,7 +50,6 @@ class IOConfig:
     queue_depth: int = 16
     threads: int = 4
     buffered_dirty_limit_bytes: int = 64 * MiB
-    io_priority_idle: bool = False
 
     def __post_init__(self) -> None:
         _require(isinstance(self.engine, str) and self.engine != "", "engine", self.engine,
