@@ -50,7 +50,6 @@ class IOConfig:
     queue_depth: int = 16
     threads: int = 4
     buffered_dirty_limit_bytes: int = 64 * MiB
-    io_priority_idle: bool = False
 
     def __post_init__(self) -> None:
         _require(isinstance(self.engine, str) and self.engine != "", "engine", self.engine,
@@ -290,11 +289,13 @@ class CheckpointConfig:
         if "ZEROSTALL_DIST_MODE" in env:
             top["dist_mode"] = env["ZEROSTALL_DIST_MODE"]
         if "ZEROSTALL_PEER_PORT" in env:
+            raw = env["ZEROSTALL_PEER_PORT"]
             try:
-                top["peers"] = dataclasses.replace(cfg.peers, listen_port=num("ZEROSTALL_PEER_PORT", int))
-            except ConfigError as exc:
-                raise ConfigError(f"environment variable ZEROSTALL_PEER_PORT={env['ZEROSTALL_PEER_PORT']!r}: "
-                                  f"{exc}") from None
+                top["peers"] = dataclasses.replace(cfg.peers, listen_port=int(raw))
+            except (ValueError, ConfigError) as exc:
+                why = exc if isinstance(exc, ConfigError) else \
+                    "not a number: set a TCP port 1..65535, or 0 for one the kernel picks"
+                raise ConfigError(f"environment variable ZEROSTALL_PEER_PORT={raw!r}: {why}") from None
         if io_changes:
             top["io"] = dataclasses.replace(cfg.io, **io_changes)  # type: ignore[arg-type]
         if st_changes:

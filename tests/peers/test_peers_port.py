@@ -97,3 +97,29 @@ def test_a_node_that_cannot_listen_fails_every_rank_of_the_exchange_at_once(monk
     assert isinstance(errors["a"], ConfigError) and "7711" in str(errors["a"])
     assert isinstance(errors["b"], ConfigError)
     assert "node a's peer server did not start" in str(errors["b"]) and "7711" in str(errors["b"])
+
+
+def test_a_port_that_is_not_a_number_is_named_once_with_what_to_set():
+    for bad in ("x", "", "7700.0"):
+        with pytest.raises(ConfigError) as got:
+            CheckpointConfig.from_env(environ={"ZEROSTALL_PEER_PORT": bad})
+        msg = str(got.value)
+        assert msg.count("ZEROSTALL_PEER_PORT") == 1 and "1..65535" in msg, msg
+
+
+def test_an_address_that_is_not_this_hosts_is_not_blamed_on_a_taken_port(tmp_path):
+    """192.0.2.1 (TEST-NET-1) is no address of this host: the error says to fix
+    peers.listen_host, not that another process holds the port; with port 0 too (a ConfigError
+    the start-up exchange hands to every rank, not a bare OSError they wait out)."""
+    tier = LocalTier(str(tmp_path / "n1"), create=True)
+    store = PeerStore(tier, "n1", lambda: choose_engine(tier.root))
+    for port in (_free_port(), 0):
+        t = TcpTransport(SECRET, "n1", {"n0", "n1"}, timeout_s=5, pacer=Pacer(None), listen_host="192.0.2.1",
+                         listen_port=port)
+        try:
+            with pytest.raises(ConfigError) as got:
+                t.serve(store)
+        finally:
+            t.close()
+        msg = str(got.value)
+        assert "192.0.2.1" in msg and "peers.listen_host" in msg and "another process" not in msg, msg

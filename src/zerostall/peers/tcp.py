@@ -22,6 +22,7 @@ cannot lock the job's own peers out); only when all are authenticated is the new
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -60,6 +61,22 @@ def _addr(s: socket.socket) -> Any:
         return "?"
 
 
+def _bind_error(me: str, host: str, port: int, exc: OSError) -> str:
+    """Why node ``me`` cannot listen on ``host:port``, and what to change."""
+    where = f"{'peers.listen_port=%d: ' % port if port else ''}node {me} cannot listen on {host}:{port} " \
+            f"({exc.strerror or exc})"
+    if exc.errno == errno.EADDRINUSE:
+        return (f"{where}; another process holds that port (or another node of this job on the same address): "
+                "free it, pick another one (ZEROSTALL_PEER_PORT), or 0 for a port the kernel picks")
+    if exc.errno == errno.EACCES:
+        return (f"{where}; ports below 1024 need privileges (CAP_NET_BIND_SERVICE): pick one above 1023 "
+                "(ZEROSTALL_PEER_PORT), or 0 for a port the kernel picks")
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return (f"{where}; {host} is not an address of this host: set peers.listen_host to one of its "
+                "addresses, or None for the one that reaches MASTER_ADDR")
+    return f"{where}; check peers.listen_host and peers.listen_port"
+
+
 class TcpTransport(Transport):
     name = "tcp"
 
@@ -91,13 +108,8 @@ class TcpTransport(Transport):
         store.clean()
         try:
             self._srv = socket.create_server((self.listen_host, self.listen_port), backlog=64)
-        except OSError as exc:
-            if not self.listen_port:
-                raise
-            raise ConfigError(f"peers.listen_port={self.listen_port}: node {self.me} cannot listen on "
-                              f"{self.listen_host}:{self.listen_port} ({exc.strerror or exc}); another process "
-                              "holds that port (or another node of this job on the same address): free it, pick "
-                              "another one (ZEROSTALL_PEER_PORT), or 0 for a port the kernel picks") from exc
+        except OSError as exc:  # a ConfigError: the start-up exchange hands it to every rank at once
+            raise ConfigError(_bind_error(self.me, self.listen_host, self.listen_port, exc)) from exc
         threading.Thread(target=self._accept, name="zerostall-peers-accept", daemon=True).start()
         return self._srv.getsockname()[:2]
 

@@ -172,29 +172,13 @@ def load(path: str, state_dict: Any = None, request: LoadRequest | None = None, 
                     tier.delete(s)  # drop the bad download (a failed fetch committed nothing: a local copy stays)
                 continue
             report.step, report.source, report.failed = s, src, list(errors)
-            if errors:
-                log.warning("zerostall: loaded step %d (%s) after newer copies failed: %s", s, src,
-                            "; ".join(errors))
-            else:
-                log.info("zerostall: loaded step %d from %s (%s)", s, tier.root, src)
-            if report.missing_keys:
-                log.warning("zerostall: step %d lacks %d keys of the state dict (left unchanged): %s", s,
-                            len(report.missing_keys), ", ".join(report.missing_keys[:10]))
-            if report.unexpected_keys:
-                log.info("zerostall: step %d holds %d keys the state dict lacked (added): %s", s,
-                         len(report.unexpected_keys), ", ".join(report.unexpected_keys[:10]))
+            _log_loaded(report, tier.root)
             return out
         if not errors:
             if remote_why and not tried:
                 raise RemoteError(f"no committed checkpoint in {tier.root!r}, and the remote tier could not be "
                                   f"listed: {remote_why}", url=remote.url)
-            where = f"{tier.root!r}" + (f" or {remote.url}" if remote is not None else "")
-            if step is not None:
-                raise CheckpointNotFound(f"no committed checkpoint for step {step} in {where} "
-                                         f"(steps: {sorted(set(tier.listed_steps()) | set(remote_steps)) or 'none'})")
-            parts = tier.partial_steps()
-            extra = f" ({len(parts)} unfinished .partial directories)" if parts else ""
-            raise CheckpointNotFound(f"no committed checkpoint in {where}{extra}")
+            raise _not_found(tier, remote, step, remote_steps)
         raise CorruptCheckpoint(f"no checkpoint in {tier.root!r} verifies: " + "; ".join(errors) +
                                 ("" if state_dict is None else " The state dict is part loaded: load a step into it "
                                  "again." if part_loaded else " The state dict was not modified."),
@@ -202,3 +186,29 @@ def load(path: str, state_dict: Any = None, request: LoadRequest | None = None, 
     finally:
         if own_engine and engine is not None:
             engine.close()
+
+
+def _log_loaded(report: LoadReport, root: str) -> None:
+    """Log the step a load returned, the newer copies that failed before it and the key report."""
+    s, src, errors = report.step, report.source, report.failed
+    if errors:
+        log.warning("zerostall: loaded step %d (%s) after newer copies failed: %s", s, src, "; ".join(errors))
+    else:
+        log.info("zerostall: loaded step %d from %s (%s)", s, root, src)
+    if report.missing_keys:
+        log.warning("zerostall: step %d lacks %d keys of the state dict (left unchanged): %s", s,
+                    len(report.missing_keys), ", ".join(report.missing_keys[:10]))
+    if report.unexpected_keys:
+        log.info("zerostall: step %d holds %d keys the state dict lacked (added): %s", s,
+                 len(report.unexpected_keys), ", ".join(report.unexpected_keys[:10]))
+
+
+def _not_found(tier: RootTier, remote: Any, step: int | None, remote_steps: list[int]) -> CheckpointNotFound:
+    """The error of a load that found no committed step to try (``step``: the one asked for)."""
+    where = f"{tier.root!r}" + (f" or {remote.url}" if remote is not None else "")
+    if step is not None:
+        return CheckpointNotFound(f"no committed checkpoint for step {step} in {where} "
+                                  f"(steps: {sorted(set(tier.listed_steps()) | set(remote_steps)) or 'none'})")
+    parts = tier.partial_steps()
+    extra = f" ({len(parts)} unfinished .partial directories)" if parts else ""
+    return CheckpointNotFound(f"no committed checkpoint in {where}{extra}")
