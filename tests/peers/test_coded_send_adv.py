@@ -6,6 +6,9 @@ import threading
 import time
 
 import pytest
+import torch
+
+import zerostall
 
 from zerostall.peers import stream
 
@@ -115,3 +118,14 @@ def test_close_during_the_parallel_send_ends_every_feed_and_holds_nothing_unackn
     assert not ok and len(failed) == 3, (ok, failed)
     assert left == []
     assert not _feeds()
+
+
+def test_a_holder_over_its_quota_is_dropped_alone_and_the_sender_says_why(job):  # noqa: F811
+    """n2 has room for nothing: it refuses the fragment as soon as it is announced, while the
+    sender is still streaming it; the failure names the holder's quota, not a reset connection."""
+    zerostall.save(job.src, {"w": torch.arange(12 << 20, dtype=torch.float32)}, 1)  # fragments of 24 MiB
+    job.servers["n2"][1].quota_bytes = 1
+    rep = job.replicator()
+    ok, failed = job.send(rep, 1)
+    assert sorted(ok.values()) == ["n1", "n3"] and len(failed) == 1, (ok, failed)
+    assert failed[0].startswith("n2 (fragment 1)") and "quota" in failed[0], failed

@@ -314,8 +314,25 @@ class Upload:
             if before < self.size // 2 <= self.sent:
                 at("frag-send:mid-stream")
         except OSError as exc:
+            why = self._refusal(exc)
             self.close()
+            if why:
+                raise PeerError(f"node {self.ep.node} refused fragment {self.index}: {why}") from exc
             raise PeerError(f"node {self.ep.node}: fragment {self.index} cut after {self.sent} bytes: {exc}") from exc
+
+    def _refusal(self, exc: OSError) -> str:
+        """The holder's reason when it refused the fragment while it was still coming (its
+        quota, a bad descriptor): it answers, then closes, and our next send fails with a reset
+        connection; the answer may still wait in our receive buffer. "" when there is none (a
+        stopped holder's timeout is not waited out twice)."""
+        if not isinstance(exc, (ConnectionResetError, BrokenPipeError)) or self.sock is None:
+            return ""
+        try:
+            self.sock.settimeout(min(1.0, self.sock.gettimeout() or 1.0))
+            reply = recv_msg(self.sock)
+        except (OSError, ZerostallError, ValueError):
+            return ""
+        return "" if reply.get("ok") else str(reply.get("error") or "")[:2000]
 
     def finish(self, crc: int) -> str:
         """Announce the crc32c; the holder's digest once it verified, synced and renamed."""

@@ -16,9 +16,11 @@ waiting for those) nor by the caller's or persist threads.
 
 An unprivileged thread cannot undo either (raising a nice value or leaving ``SCHED_IDLE``
 needs ``RLIMIT_NICE``/``CAP_SYS_NICE``), which is why only threads that do nothing but copy
-replicas call this. They hold the GIL only between the C calls that release it
-(``sendfile``, ``recv_into``, crc32c of a 4 MiB chunk, the O_DIRECT write), so a training
-thread of the same process waits for a de-prioritised holder of the GIL at most that short
+replicas call this; the helper threads a copy starts (the sender's read-ahead, the
+receiver's receiving thread) inherit it (a Linux thread starts with its creator's policy, nice
+value and I/O priority). They hold the GIL only between the C calls that release it (the
+O_DIRECT read, ``send``, ``recv_into``, crc32c of a 4 MiB chunk, the O_DIRECT write), so a
+training thread of the same process waits for a de-prioritised holder of the GIL at most that short
 stretch of Python (plus the time the scheduler takes to run it: on a core that the training
 leaves idle while it waits, at once).
 """

@@ -309,7 +309,8 @@ class TcpTransport(Transport):
                     if send_range(s, f, half, size - half, self.pacer) == size - half:
                         at("send:sent")
                 try:
-                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # a buffered read-ahead (no O_DIRECT here)
+                    # a filesystem without O_DIRECT: the read-ahead went through the cache
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
                 except OSError:
                     pass
             reply = recv_msg(s)

@@ -54,10 +54,11 @@ _NO_LOCKING = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 _HELD: "weakref.WeakSet[RootLock | FileLock]" = weakref.WeakSet()
 """Locks whose descriptors this process opened (closed in a forked child)."""
 
-_FORK_GUARD = threading.Lock()
+_FORK_GUARD = threading.RLock()
 """Held while a lock descriptor is opened and registered in ``_HELD``, or unregistered and
 closed; ``os.fork`` takes it first (``before=``), so no child is born holding a descriptor its
-at-fork handler does not know of. Never held across a wait."""
+at-fork handler does not know of. Never held across a wait; reentrant, so a signal handler
+that forks on the thread holding it does not deadlock."""
 
 
 def _before_fork() -> None:
