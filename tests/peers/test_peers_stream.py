@@ -139,3 +139,43 @@ def test_fill_from_reports_a_cut_transfer():
     with pytest.raises(PeerError, match="cut after 100000 of"):
         fill_from(b, 1 << 20, _Writer(), _Check(), buf_bytes=1 << 20)
     b.close()
+
+
+def test_send_range_shuts_the_stream_when_the_file_ends_early(tmp_path):
+    """A holder's copy truncated under the sender (or unreadable): the receiver sees the cut
+    at once, instead of waiting its timeout for bytes that never come (and then reading the
+    sender's late error answer as file bytes)."""
+    path, data = _file(tmp_path, 1 << 20)
+    a, b = socket.socketpair()
+    b.settimeout(60)  # a guard only: with the stream shut the receive ends at once
+    got, ended = bytearray(), []
+
+    def receive() -> None:
+        try:
+            _receive_all(b, got)
+            ended.append("eof")
+        except OSError as exc:
+            ended.append(repr(exc))
+    t = threading.Thread(target=receive)
+    t.start()
+    with open(path, "rb", buffering=0) as f:
+        sent = send_range(a, f, 0, 2 << 20)  # the connection stays open: the caller's to close
+    t.join(90)
+    assert (sent, bytes(got), ended) == (1 << 20, data, ["eof"])
+    a.close()
+    b.close()
+
+
+def test_send_range_raises_when_the_receiver_takes_nothing_for_its_timeout(tmp_path):
+    """A receiver that stopped reading (SIGSTOP, a hung host) will not answer either: the
+    sender fails after one timeout instead of waiting a second one for the answer."""
+    path, _ = _file(tmp_path, 8 << 20)
+    a, b = socket.socketpair()
+    a.settimeout(0.2)
+    threads = set(threading.enumerate())
+    with open(path, "rb", buffering=0) as f, pytest.raises(TimeoutError):
+        send_range(a, f, 0, 8 << 20)
+    assert not set(threading.enumerate()) - threads  # the read-ahead thread is gone
+    assert b.recv(1 << 20)  # what was sent before the stall is there, then the stream is shut
+    a.close()
+    b.close()

@@ -185,7 +185,12 @@ def send_range(sock: socket.socket, f: Any, offset: int, length: int, pacer: Pac
     from it read the disk on the sending thread, one read-ahead window at a time, and the
     socket idled while it did (see docs/cluster.md, the link probe). Returns the bytes sent;
     stops early (returning fewer) when the receiver closed (its answer says why) or the file
-    could not be read (logged: the receiver sees a cut transfer)."""
+    could not be read (logged). Raises ``TimeoutError`` when the receiver took nothing for the
+    socket's timeout (a stopped peer: it will not answer either, so the caller must not wait a
+    second timeout for its answer). On any early stop the socket is shut for writing: the
+    stream is broken, and the receiver sees a cut transfer at once instead of waiting its own
+    timeout for bytes that never come (and then taking the sender's late error answer for
+    file bytes)."""
     reader = _ReadAhead(f.fileno(), offset, length)
     pieces = iter(reader)
     sent = 0
@@ -201,13 +206,25 @@ def send_range(sock: socket.socket, f: Any, offset: int, length: int, pacer: Pac
             del mv
     except PeerError as exc:
         log.warning("zerostall: sending %s stopped: %s", getattr(f, "name", "a file"), exc)
+    except TimeoutError:
+        _shut_wr(sock)
+        raise
     except OSError as exc:
-        if not isinstance(exc, (ConnectionError, TimeoutError)) and exc.errno not in (errno.EPIPE, errno.ECONNRESET):
+        if not isinstance(exc, ConnectionError) and exc.errno not in (errno.EPIPE, errno.ECONNRESET):
             log.warning("zerostall: reading %s to send it failed: %s", getattr(f, "name", "a file"), exc)
     finally:
         pieces.close()
         reader.close()
+    if sent < length:
+        _shut_wr(sock)
     return sent
+
+
+def _shut_wr(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:  # already reset or closed by the other side
+        pass
 
 
 def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer: Pacer | None = None,
