@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -58,13 +59,26 @@ def test_child_forked_while_open_does_not_keep_the_root_locked(ckdir):
     assert zerostall.load(ckdir)["w"].sum() == 0
 
 
+def _reap(pid, wait_s=30):
+    """Wait for the child ``pid``; a child forked without handlers that hangs (a lock another
+    thread held at the fork) is killed, by its pid, rather than hang the test."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError(f"the child {pid} forked without handlers hung")
+
+
 def test_child_that_still_holds_a_copy_of_the_lock_descriptor_does_not_keep_it(ckdir):
     """The moment between fork() and the child's at-fork handler, made to last: libc's fork
     runs no Python handler, so the child keeps its copy of every descriptor until it exits."""
     ck = zerostall.Checkpointer(ckdir)
     ck.save(0, {"w": torch.ones(4)}).result()
     r, w = os.pipe()
-    pid = ctypes.CDLL(None, use_errno=True).fork()
+    pid = ctypes.PyDLL(None, use_errno=True).fork()  # PyDLL: the GIL stays ours across it, so the child has it
     if pid == 0:
         os.read(r, 1)
         os._exit(0)
@@ -78,7 +92,7 @@ def test_child_that_still_holds_a_copy_of_the_lock_descriptor_does_not_keep_it(c
         os.write(w, b"x")
         os.close(w)
         os.close(r)
-        os.waitpid(pid, 0)
+        _reap(pid)
     assert zerostall.load(ckdir)["w"].sum() == 0
 
 
