@@ -105,21 +105,31 @@ def arm(fault):
         stream.fault_hook = lambda p: pause() if p == "send:mid-stream" and armed.get("on") else None
         return armed
     if where == "fetch":
-        from zerostall.peers import tcp
+        from zerostall.peers import stream, tcp
         orig = tcp.fill_from
 
-        def fill_from(sock, size, w, check, *a, **k):
-            if not k.get("point"):
-                feed = check.feed
+        class Pausing:
+            """The socket as fill_from's receiving thread sees it: pauses that thread once the
+            first buffer's bytes are in, so nothing more is taken off the link until the gate."""
 
-                def first(mv):
-                    feed(mv)
-                    # never the store's host: cutting it off would cut off the whole job
-                    # and a transfer with bytes still to come (not a range done in one chunk)
-                    if sock.getpeername()[0] != os.environ.get("MASTER_ADDR") and size > len(mv):
-                        pause(bytes=len(mv), size=size, peer=sock.getpeername()[0])
-                check.feed = first
-            return orig(sock, size, w, check, *a, **k)
+            def __init__(self, sock, size):
+                self.sock, self.size, self.got = sock, size, 0
+
+            def recv_into(self, mv):
+                k = self.sock.recv_into(mv)
+                self.got += k
+                # never the store's host: cutting it off would cut off the whole job; and a
+                # transfer with bytes still to come (not a range done in one buffer)
+                if self.got >= min(stream.FETCH_BUF_BYTES, self.size) and self.size > self.got and \
+                        self.sock.getpeername()[0] != os.environ.get("MASTER_ADDR"):
+                    pause(bytes=self.got, size=self.size, peer=self.sock.getpeername()[0])
+                return k
+
+            def __getattr__(self, name):
+                return getattr(self.sock, name)
+
+        def fill_from(sock, size, w, check, *a, **k):
+            return orig(sock if k.get("point") else Pausing(sock, size), size, w, check, *a, **k)
         tcp.fill_from = fill_from
         return None
     from zerostall.distributed import commit
