@@ -2,7 +2,6 @@
 releases its copy, and a fork while acquire() has the lock but has not registered it yet.
 Either would hand the root to a second writer while the first still writes. Real forks."""
 
-import ctypes
 import fcntl
 import os
 import signal
@@ -11,36 +10,57 @@ import sys
 
 import pytest
 
-from zerostall.errors import RootLockedError
 from zerostall.store.owner import RootLock, StepLock
 
 pytestmark = pytest.mark.timeout(120)
 
 
+_CHILD_RELEASES = r"""
+import ctypes, os, sys
+from zerostall.errors import RootLockedError
+from zerostall.store.owner import RootLock
+lock = RootLock(sys.argv[1])
+lock.acquire()
+pid = ctypes.PyDLL(None).fork()  # libc's: no Python handler runs; PyDLL keeps the GIL across it
+if pid == 0:
+    try:
+        lock.release()  # a Checkpointer closed or collected in the child
+    finally:
+        os._exit(0)
+os.waitpid(pid, 0)
+try:
+    RootLock(sys.argv[1]).acquire()
+    print("taken by a second writer")
+except RootLockedError:
+    print("still held")
+lock.release()
+third = RootLock(sys.argv[1])
+third.acquire()  # and the writer's own release does free it
+third.release()
+print("free")
+"""
+
+
+def _run_alone(script, *args, timeout=60):
+    """``script`` in a fresh interpreter of its own session: no other thread of this test
+    process holds the GIL or a lock when it forks without handlers; killed whole on a hang."""
+    p = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # its session: the process we started and its forks, by pid
+        out, err = p.communicate()
+        raise AssertionError(f"hung: {out} {err}") from None
+    return p.returncode, out, err
+
+
 def test_a_child_without_the_at_fork_handler_releasing_its_copy_leaves_the_writer_locked(tmp_path):
     """libc's fork runs no Python handler: the child's RootLock still names the shared
-    description, and its release() (a Checkpointer closed or collected in the child) must not
-    unlock the parent's root."""
-    root = str(tmp_path)
-    lock = RootLock(root)
-    lock.acquire()
-    pid = ctypes.CDLL(None, use_errno=True).fork()
-    if pid == 0:
-        try:
-            lock.release()
-        finally:
-            os._exit(0)
-    assert pid > 0, os.strerror(ctypes.get_errno())
-    os.waitpid(pid, 0)
-    try:
-        second = RootLock(root)
-        with pytest.raises(RootLockedError):  # the parent is still the writer
-            second.acquire()
-    finally:
-        lock.release()
-    third = RootLock(root)
-    third.acquire()  # and its own release does free it
-    third.release()
+    description, and its release() must not unlock the parent's root."""
+    rc, out, err = _run_alone(_CHILD_RELEASES, str(tmp_path))
+    assert rc == 0, err
+    assert out.split("\n")[:2] == ["still held", "free"], out
 
 
 _FORK_IN_ACQUIRE = r"""
