@@ -121,11 +121,11 @@ def test_fill_from_stops_its_receiving_thread_when_a_piece_fails_its_check():
     t = threading.Thread(target=send, daemon=True)
     t.start()  # then the sender goes quiet, the socket open: a receive would block
     w = _Writer()
-    before = {t.name for t in threading.enumerate()}
+    before = set(threading.enumerate())
     with pytest.raises(CorruptCheckpoint):
         fill_from(b, 64 << 20, w, _Check(fail_at=1 << 20), buf_bytes=1 << 20)
     assert [off for off, _ in w.extents] == [0]  # the piece before it, never the failed one
-    assert not [t for t in threading.enumerate() if t.name == "zerostall-peers-recv" and t.name not in before]
+    assert not [t for t in set(threading.enumerate()) - before if t.name == "zerostall-peers-recv"]
     b.sendall(b"answer")  # the caller can still answer on the socket
     t.join(10)
     assert a.recv(16) == b"answer"
@@ -179,3 +179,29 @@ def test_send_range_raises_when_the_receiver_takes_nothing_for_its_timeout(tmp_p
     assert b.recv(1 << 20)  # what was sent before the stall is there, then the stream is shut
     a.close()
     b.close()
+
+
+def test_fill_from_a_failing_write_while_every_buffer_is_full_ends_the_receiving_thread():
+    """The sender keeps sending, so the receiving thread fills every buffer and waits for one
+    back; the write of the first fails (a full disk): the error comes out, nothing hangs."""
+    a, b = socket.socketpair()
+
+    def send() -> None:
+        try:
+            a.sendall(os.urandom(16 << 20))
+        except OSError:  # the receiver shut its side
+            pass
+    t = threading.Thread(target=send, daemon=True)
+    t.start()
+
+    class Full(_Writer):
+        def write(self, extents, overlap=None):
+            raise OSError(28, "No space left on device")
+    before = set(threading.enumerate())
+    with pytest.raises(OSError, match="No space left"):
+        fill_from(b, 16 << 20, Full(), _Check(), buf_bytes=1 << 20)
+    assert not [x for x in set(threading.enumerate()) - before if x.name == "zerostall-peers-recv"]
+    b.close()
+    t.join(30)
+    assert not t.is_alive()
+    a.close()
