@@ -63,19 +63,25 @@ def test_a_child_without_the_at_fork_handler_releasing_its_copy_leaves_the_write
     assert out.split("\n")[:2] == ["still held", "free"], out
 
 
-_FORK_IN_ACQUIRE = r"""
+_ORPHAN = r"""
 import os, sys, time
-from zerostall.store import owner
-which, root = sys.argv[1], sys.argv[2]
 
-def fork_now():  # another thread's fork, at the moment the flock is taken but not yet registered
+def fork_orphan():  # a child that outlives this process (output to /dev/null); prints its pid
     pid = os.fork()
     if pid == 0:
         null = os.open(os.devnull, os.O_RDWR)
         os.dup2(null, 1), os.dup2(null, 2)
-        time.sleep(90)  # outlives its parent
+        time.sleep(90)
         os._exit(0)
     print(pid, flush=True)
+"""
+
+_FORK_IN_ACQUIRE = _ORPHAN + r"""
+from zerostall.store import owner
+which, root = sys.argv[1], sys.argv[2]
+
+def fork_now():  # another thread's fork, at the moment the flock is taken but not yet registered
+    fork_orphan()
 
 if which == "root":
     record = owner.RootLock._record
@@ -126,17 +132,10 @@ def test_a_fork_while_acquire_is_half_way_leaves_no_lock_to_the_child(tmp_path, 
             pass
 
 
-_FORK_IN_FETCH = r"""
-import os, sys, time
+_FORK_IN_FETCH = _ORPHAN + r"""
 from zerostall.restore.download import _FetchLock
 with _FetchLock(sys.argv[1]):  # a download into the root, while another thread forks a helper
-    pid = os.fork()
-    if pid == 0:
-        null = os.open(os.devnull, os.O_RDWR)
-        os.dup2(null, 1), os.dup2(null, 2)
-        time.sleep(90)  # outlives its parent
-        os._exit(0)
-    print(pid, flush=True)
+    fork_orphan()
     os._exit(0)  # the restoring process dies mid-download
 """
 

@@ -12,6 +12,7 @@ import zerostall
 
 from zerostall.peers import stream
 
+from .test_coded_send import _hooked
 from .test_fragments import job  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.timeout(120)
@@ -19,14 +20,6 @@ pytestmark = pytest.mark.timeout(120)
 
 def _feeds():
     return [t for t in threading.enumerate() if t.name == "zerostall-peers-fput"]
-
-
-def _hooked(hook, fn):
-    stream.fault_hook = hook
-    try:
-        return fn()
-    finally:
-        stream.fault_hook = None
 
 
 def test_no_feed_thread_outlives_its_pass_over_many_sends(job):  # noqa: F811
