@@ -79,8 +79,9 @@ def test_a_lone_save_ends_with_its_doomed_step_gone(ckdir):
     state = {"w": torch.randn(1000)}
     with zerostall.Checkpointer(ckdir, keep_last=2) as ck:
         for s in (1, 2, 3):
-            ck.save(s, state).result(timeout=60)
+            rec = ck.save(s, state).result(timeout=60)
             assert _deleting(ckdir) == []  # nothing queued behind: removed before the save is done
+            assert rec.post_commit_s > 0  # the persist thread's time after durable: hint, retention, removal
         assert ck.tier.steps() == [2, 3]
 
 

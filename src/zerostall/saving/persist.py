@@ -218,6 +218,7 @@ class Persister(Worker[Job]):
         finally:
             if self.tier.deferred and self.idle():  # else while the next save's writes are in flight
                 self.tier.deferred.run()
+            status.mark_post_commit()
             try:
                 self.finished(job)  # records and telemetry are final before anyone sees done
             except Exception:  # noqa: BLE001 - a sink failing must not wedge the pipeline
