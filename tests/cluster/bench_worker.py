@@ -38,10 +38,16 @@ from zerostall.restore import step as restore_step
 from zerostall_bench.nodeloss import fetch_from  # n1's files of step 1 from a remote tier, committed
 
 
+_states = {}
+
+
 def state(rank, mib):
-    g = torch.Generator().manual_seed(rank)
-    n = mib << 20 >> 2
-    return {f"t{i}": torch.randn(n // 8, generator=g) for i in range(8)}
+    """The rank's state (made once per process: the reference every load is compared with)."""
+    if (rank, mib) not in _states:
+        g = torch.Generator().manual_seed(rank)
+        n = mib << 20 >> 2
+        _states[rank, mib] = {f"t{i}": torch.randn(n // 8, generator=g) for i in range(8)}
+    return _states[rank, mib]
 
 
 def upload(root, url):

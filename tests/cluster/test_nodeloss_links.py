@@ -31,9 +31,9 @@ def test_fraction_divides_the_fetch_not_the_agreement_and_the_median_of_rounds()
     assert p["fraction_each_round"] == [0.5, 0.25, 0.4]
     assert got["shared fs"]["fraction_of_bare_stream"] is None  # not behind a link
     res = {"disk": DISK, "mib_per_node": 256, "s3_mbit": 1000, "load_avg": (1.0, 1.0, 1.0), "protected": True,
-           "protected_s": 1.0, "elapsed_s": 60, "s3_error": "",
+           "protected_s": 1.0, "elapsed_s": 60, "s3_error": "", "phases": {"saves_s": 9},
            "rates": [{"link_mbit": 4000, "link_Bps": 500e6, "bare_stream_Bps": 400e6, "rounds": rows,
-                      "tiers": got, "load_avg": (1.0, 1.0, 1.0)}]}
+                      "tiers": got, "load_avg": (1.0, 1.0, 1.0), "elapsed_s": 40}]}
     text = report(res)
     assert "| peers | 1.45 | 1.95 | 1.25 | 200 | 500 | 0.40 (0.5, 0.25, 0.4) | 0.50 |" in text
     assert "bare TCP stream n0 -> n1 over them: 400 MB/s (0.80 of the link)" in text
