@@ -4,6 +4,8 @@ discard, and the start-up recovery that completes them; plus durable small files
 Used by the local tier and the DCP plugin (anything that commits a directory by renaming
 it). Every function is synchronous; callers are the owner of the parent directory (one
 process, see :mod:`.owner`) on its persist thread or its caller's thread at start-up.
+:class:`DeferredRemovals` lets the persist thread remove a tree it already took out of the
+listing at a time of its choosing (while its next writes are in flight).
 ``hook`` arguments are the test seam: called with a boundary name after each
 rename/unlink/fsync, so a test can crash the process at every boundary.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import platform
 import stat
@@ -22,6 +25,7 @@ from typing import Callable, Iterator
 from .._fast import libc as _libc
 
 Hook = Callable[[str], None]
+log = logging.getLogger("zerostall")
 
 _AT_FDCWD = -100
 RENAME_EXCHANGE = 2
@@ -122,6 +126,60 @@ def rmtree(path: str, hook: Hook | None = None) -> None:
 
 def _noop(_: str) -> None:
     pass
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still allocate on ``path``'s filesystem (the seam the
+    tests fake a nearly full disk with)."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+class DeferredRemovals:
+    """Trees already out of their directory's listing (renamed to ``.deleting-*``, the rename
+    fsynced), whose files are removed later by the thread that owns the directory.
+
+    Unlinking a large file frees its extents in the filesystem's journal: tens of
+    milliseconds per GiB of the owner thread's time. Retention's deletions are deferred so that
+    the persist thread runs them while the next save's writes are in flight (or when it has
+    nothing queued) instead of between one commit and the next write. A crash before
+    :meth:`run` leaves ``.deleting-*`` entries, which the owner's start-up recovery removes.
+    Owner thread only (not thread-safe); ``hook`` is the crash-test seam, read at each call.
+    """
+
+    MARGIN_BYTES = 64 << 20
+    """Free space asked beyond a new file's size before deferring removals further."""
+
+    def __init__(self, root: str, hook: Hook):
+        self.root, self._hook = root, hook
+        self.paths: list[str] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.paths)
+
+    def add(self, path: str) -> None:
+        self.paths.append(path)
+
+    def run(self) -> None:
+        """Remove every pending tree now. A failure is logged, never raised: the tree is out
+        of the listing already and the next owner's recovery removes what is left."""
+        while self.paths:
+            path = self.paths.pop(0)
+            try:
+                rmtree(path, self._hook)
+            except OSError as exc:
+                log.warning("zerostall: could not remove %s (removed at the next start-up): %s", path, exc)
+
+    def run_if_short(self, nbytes: int) -> None:
+        """Before preallocating ``nbytes``: remove the pending trees now unless the filesystem
+        has room for ``nbytes`` (and a margin) beside them, so deferring never costs an ENOSPC."""
+        if self.paths:
+            try:
+                short = free_bytes(self.root) < nbytes + self.MARGIN_BYTES
+            except OSError:
+                short = True
+            if short:
+                self.run()
 
 
 def discard(path: str, hook: Hook | None = None) -> None:
