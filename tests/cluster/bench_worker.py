@@ -17,7 +17,7 @@ Timed alike from a barrier every rank leaves at once (``t0``): ``files_s`` until
 are committed in its root, ``load_s`` until the collective load returned, every byte verified.
 For ``load`` each rank also reports its timeline (seconds after ``t0``): ``offer_s`` (the
 ranks agreed what each node can load), ``fetch`` (start, end of this node's peer fetch, or of
-its no-op), ``load_s``. ``fetch_first``: every rank waits at a barrier after the fetch step,
+its no-op), ``reads_from_s`` (its load goes on to read its files), ``load_s``. ``fetch_first``: every rank waits at a barrier after the fetch step,
 so the other nodes' loads start once n1's files are in (see the driver's docstring: on this
 one VM the four nodes share a disk and two cores, which a cluster's nodes do not).
 
@@ -105,6 +105,7 @@ def run(cmd, rank, node, mib):
                     res["fetch"] = [t - t0, time.monotonic() - t0]
                     if cmd.get("fetch_first"):
                         dist.barrier()  # every rank's load waits for n1's files (caller's thread of each rank)
+                    res["reads_from_s"] = time.monotonic() - t0  # this rank's load reads its files from here
             ck._peers.plan_load, ck._peers._fetch = timed_plan, timed_fetch
         dist.barrier()
         t0 = time.monotonic()

@@ -203,8 +203,8 @@ def summarize(rows: list[dict[str, Any]], limit: dict[str, float], bare_Bps: flo
 
 def _timeline(res: list[dict[str, Any]]) -> dict[str, Any]:
     """Seconds after the restart's barrier: the agreement, n1's fetch, each node's load end."""
-    return {d["node"]: {"offer_s": round(d.get("offer_s", 0.0), 3),
-                        "fetch": [round(x, 3) for x in d.get("fetch", [])], "loaded_s": round(d["load_s"], 3)}
+    return {d["node"]: {"offer_s": round(d.get("offer_s", 0.0), 3), "fetch": [round(x, 3) for x in d.get("fetch", [])],
+                        "reads_from_s": round(d.get("reads_from_s", 0.0), 3), "loaded_s": round(d["load_s"], 3)}
             for d in res}
 
 
@@ -296,10 +296,11 @@ def report(res: dict[str, Any]) -> str:
             tl = rate["tiers"].get(label, {}).get("timeline")
             if tl:
                 n1 = tl["n1"]
-                others = [v["loaded_s"] for k, v in tl.items() if k != "n1"]
+                others = [v for k, v in tl.items() if k != "n1"]
                 lines.append(f"  {label}, round 1 (s after the restart): agreed {n1['offer_s']:.2f}; n1 fetch "
                              f"{n1['fetch'][0]:.2f}-{n1['fetch'][1]:.2f}, loaded {n1['loaded_s']:.2f}; the others "
-                             f"loaded {min(others):.2f}-{max(others):.2f}")
+                             f"read from {min(v['reads_from_s'] for v in others):.2f}, loaded "
+                             f"{min(v['loaded_s'] for v in others):.2f}-{max(v['loaded_s'] for v in others):.2f}")
     lines.append(f"all bit-exact: {all(t['bit_exact'] for r in res['rates'] for t in r['tiers'].values())}; step "
                  f"protected: {res['protected']} after {res['protected_s']:.2f} s; measured in {res['elapsed_s']:.0f} s (saves "
                  f"{res['phases']['saves_s']:.0f} s, " + ", ".join(f"{r['link_mbit']:g} mbit {r['elapsed_s']:.0f} s"
