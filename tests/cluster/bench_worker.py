@@ -17,7 +17,7 @@ Timed alike from a barrier every rank leaves at once (``t0``): ``files_s`` until
 are committed in its root, ``load_s`` until the collective load returned, every byte verified.
 For ``load`` each rank also reports its timeline (seconds after ``t0``): ``offer_s`` (the
 ranks agreed what each node can load), ``fetch`` (start, end of this node's peer fetch, or of
-its no-op), ``load_s``. ``fetch_first``: every rank waits at a barrier after the fetch step,
+its no-op), ``reads_from_s`` (its load goes on to read its files), ``load_s``. ``fetch_first``: every rank waits at a barrier after the fetch step,
 so the other nodes' loads start once n1's files are in (see the driver's docstring: on this
 one VM the four nodes share a disk and two cores, which a cluster's nodes do not).
 
@@ -38,10 +38,16 @@ from zerostall.restore import step as restore_step
 from zerostall_bench.nodeloss import fetch_from  # n1's files of step 1 from a remote tier, committed
 
 
+_states = {}
+
+
 def state(rank, mib):
-    g = torch.Generator().manual_seed(rank)
-    n = mib << 20 >> 2
-    return {f"t{i}": torch.randn(n // 8, generator=g) for i in range(8)}
+    """The rank's state (made once per process: the reference every load is compared with)."""
+    if (rank, mib) not in _states:
+        g = torch.Generator().manual_seed(rank)
+        n = mib << 20 >> 2
+        _states[rank, mib] = {f"t{i}": torch.randn(n // 8, generator=g) for i in range(8)}
+    return _states[rank, mib]
 
 
 def upload(root, url):
@@ -99,6 +105,7 @@ def run(cmd, rank, node, mib):
                     res["fetch"] = [t - t0, time.monotonic() - t0]
                     if cmd.get("fetch_first"):
                         dist.barrier()  # every rank's load waits for n1's files (caller's thread of each rank)
+                    res["reads_from_s"] = time.monotonic() - t0  # this rank's load reads its files from here
             ck._peers.plan_load, ck._peers._fetch = timed_plan, timed_fetch
         dist.barrier()
         t0 = time.monotonic()

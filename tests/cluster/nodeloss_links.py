@@ -203,8 +203,8 @@ def summarize(rows: list[dict[str, Any]], limit: dict[str, float], bare_Bps: flo
 
 def _timeline(res: list[dict[str, Any]]) -> dict[str, Any]:
     """Seconds after the restart's barrier: the agreement, n1's fetch, each node's load end."""
-    return {d["node"]: {"offer_s": round(d.get("offer_s", 0.0), 3),
-                        "fetch": [round(x, 3) for x in d.get("fetch", [])], "loaded_s": round(d["load_s"], 3)}
+    return {d["node"]: {"offer_s": round(d.get("offer_s", 0.0), 3), "fetch": [round(x, 3) for x in d.get("fetch", [])],
+                        "reads_from_s": round(d.get("reads_from_s", 0.0), 3), "loaded_s": round(d["load_s"], 3)}
             for d in res}
 
 
@@ -228,6 +228,7 @@ def run(mib: int, rates_mbit: list[float], s3_mbit: float | None, rounds: int, w
             t_start = time.monotonic()
             saved = w.job("save", roots2, replicas=2, upload=" ".join([f"file://{shared}"] + ([s3_url] if s3_url else [])))
             saved3 = w.job("save", roots3, replicas=3)
+            phases = {"saves_s": time.monotonic() - t_start}
             disk = disk_rates(os.path.join(work, "cluster"))
             tiers: list[tuple[str, dict[str, str], str, dict[str, Any]]] = [
                 ("peers", roots2, "load", {"replicas": 2, "fetch_first": True}),
@@ -238,6 +239,7 @@ def run(mib: int, rates_mbit: list[float], s3_mbit: float | None, rounds: int, w
                 tiers.append(("S3", roots2, "load_remote", {"remote": s3_url}))
             per_rate = []
             for mbit in rates_mbit:
+                t_rate = time.monotonic()
                 for nd in c.nodes:
                     c.set_rate(nd, mbit)
                 bare = bare_stream(c)
@@ -259,7 +261,8 @@ def run(mib: int, rates_mbit: list[float], s3_mbit: float | None, rounds: int, w
                 link_Bps = mbit * 1e6 / 8
                 lim = limits(link_Bps, (s3_mbit or 0) * 1e6 / 8, disk)
                 per_rate.append({"link_mbit": mbit, "link_Bps": link_Bps, "bare_stream_Bps": bare, "rounds": rows,
-                                 "tiers": summarize(rows, lim, bare), "load_avg": os.getloadavg()})
+                                 "tiers": summarize(rows, lim, bare), "load_avg": os.getloadavg(),
+                                 "elapsed_s": time.monotonic() - t_rate})
             elapsed = time.monotonic() - t_start
         finally:
             w.close()
@@ -269,7 +272,7 @@ def run(mib: int, rates_mbit: list[float], s3_mbit: float | None, rounds: int, w
             "machine": f"{platform.node()} {os.cpu_count()} CPUs, {platform.release()}",
             "load_avg": os.getloadavg(), "mib_per_node": mib, "s3_mbit": s3_mbit, "disk": disk, "s3_error": s3_error,
             "protected": all(d["protected"] for d in saved + saved3), "protected_s": max(d["protected_s"] for d in saved),
-            "elapsed_s": elapsed, "rates": per_rate}
+            "elapsed_s": elapsed, "phases": phases, "rates": per_rate}
 
 
 def report(res: dict[str, Any]) -> str:
@@ -293,12 +296,15 @@ def report(res: dict[str, Any]) -> str:
             tl = rate["tiers"].get(label, {}).get("timeline")
             if tl:
                 n1 = tl["n1"]
-                others = [v["loaded_s"] for k, v in tl.items() if k != "n1"]
+                others = [v for k, v in tl.items() if k != "n1"]
                 lines.append(f"  {label}, round 1 (s after the restart): agreed {n1['offer_s']:.2f}; n1 fetch "
                              f"{n1['fetch'][0]:.2f}-{n1['fetch'][1]:.2f}, loaded {n1['loaded_s']:.2f}; the others "
-                             f"loaded {min(others):.2f}-{max(others):.2f}")
+                             f"read from {min(v['reads_from_s'] for v in others):.2f}, loaded "
+                             f"{min(v['loaded_s'] for v in others):.2f}-{max(v['loaded_s'] for v in others):.2f}")
     lines.append(f"all bit-exact: {all(t['bit_exact'] for r in res['rates'] for t in r['tiers'].values())}; step "
-                 f"protected: {res['protected']} after {res['protected_s']:.2f} s; measured in {res['elapsed_s']:.0f} s"
+                 f"protected: {res['protected']} after {res['protected_s']:.2f} s; measured in {res['elapsed_s']:.0f} s (saves "
+                 f"{res['phases']['saves_s']:.0f} s, " + ", ".join(f"{r['link_mbit']:g} mbit {r['elapsed_s']:.0f} s"
+                                                                  for r in res["rates"]) + ")"
                  + (f"; S3: {res['s3_error']}" if res["s3_error"] else ""))
     return "\n".join(lines)
 
