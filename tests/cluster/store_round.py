@@ -1,7 +1,8 @@
 """Many ranks' commit round through one real c10d TCPStore across namespaces: ``--nodes`` nodes
 of the namespace cluster, ``--ranks`` ranks on each (threads of one process per node,
-:mod:`.store_worker`), the store hosted in n0's namespace on its 10.x address, every rank's
-requests crossing the bridge (n0's own ranks go to its address too).
+:mod:`.store_worker`, forked from one process that imported torch once), the store hosted in
+n0's namespace on its 10.x address, every rank's requests crossing the bridge (n0's own ranks
+go to its address too).
 
 Phases, timed from the ranks' events (one clock for every namespace):
 
@@ -68,9 +69,9 @@ class _Run:
 
     def tail(self, n: int = 2000) -> str:
         out = []
-        for path in sorted(glob.glob(os.path.join(self.ctl, "node-*.log"))):
+        for path in sorted(glob.glob(os.path.join(self.ctl, "nodes.log"))):
             with open(path) as f:
-                out.append(f"--- {os.path.basename(path)}\n{f.read()[-n:]}")
+                out.append(f"--- {os.path.basename(path)}\n{f.read()[-4 * n:]}")
         return "\n".join(out)
 
     def wait(self, pred: Any, timeout: float, what: str) -> list[dict[str, Any]]:
@@ -153,16 +154,14 @@ def run(nodes: int, ranks: int, work: str, *, timeout: float = 60.0, fault: bool
         out["store"] = f"{c.nodes[0].addr}:{port} (n0's namespace)"
         env = {"PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")]),
                "PYTHONUNBUFFERED": "1"}
-        procs = []
+        spec = [{"name": nd.name, "ns": nd.ns, "root": nd.root} for nd in c.nodes]
+        argv = [sys.executable, "-m", "tests.cluster.store_worker", "--ctl", ctl, "--spec", json.dumps(spec),
+                "--master", c.nodes[0].addr, "--ranks", str(ranks), "--port", str(port),
+                "--steps", ",".join(map(str, steps)), "--timeouts", ",".join(map(str, timeouts)),
+                "--victim", str(-1 if victim is None else victim), "--cut-step", "2"]
         t_spawn = time.monotonic()
-        for k, nd in enumerate(c.nodes):
-            argv = [sys.executable, "-m", "tests.cluster.store_worker", "--ctl", ctl, "--root", nd.root,
-                    "--node", str(k), "--nodes", str(nodes), "--ranks", str(ranks), "--port", str(port),
-                    "--steps", ",".join(map(str, steps)), "--timeouts", ",".join(map(str, timeouts))]
-            if k == victim:
-                argv += ["--victim", "--cut-step", "2"]
-            with open(os.path.join(ctl, f"node-{k}.log"), "w") as log:
-                procs.append(nd.spawn(argv, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+        with open(os.path.join(ctl, "nodes.log"), "w") as log:  # the zygote forks the node processes
+            procs = [c.nodes[0].spawn(argv, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)]
         r = _Run(c, ctl, procs)
         ev = r.wait(lambda e: sum(x["ev"] == "up" for x in e) == nodes, 900, "start-up")
         out["start_s"] = max(e["t"] for e in ev if e["ev"] == "up") - t_spawn

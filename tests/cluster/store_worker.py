@@ -1,6 +1,9 @@
-"""One node of the store-round run (:mod:`.store_round`): ``--ranks`` ranks of a job as threads
-of this one process, inside the node's namespace. Node 0's process also hosts the job's c10d
-``TCPStore`` on n0's 10.x address (``MASTER_ADDR``), as rank 0 does under a bare launch.
+"""The nodes of the store-round run (:mod:`.store_round`): one process per node, inside the
+node's namespace, whose ``--ranks`` ranks are threads; node 0's process also hosts the job's
+c10d ``TCPStore`` on n0's 10.x address, as rank 0 does under a bare launch. The driver starts
+one zygote in n0's namespace (:func:`main`): it imports torch and zerostall once and forks the
+node processes, each moving into its own node's namespace (``setns``), so N nodes cost one
+import, not N.
 
 Each rank is what the library makes of a rank, minus torch tensors: its own ``TCPStore``
 client to n0 over the bridge, wrapped in :class:`~zerostall.distributed.store.Store` (which
@@ -15,7 +18,7 @@ content and the fragment describing it are synthetic (the round never reads a sh
 Control (the driver's thread, files in ``--ctl``, shared by every namespace): the node's
 main thread polls for ``go-connect``, ``go-<step>``, ``cut-<step>`` and ``end`` and wakes
 the ranks; events are JSON lines in ``events-<node>.jsonl`` (times: ``time.monotonic()``,
-one clock for every namespace of the machine). With ``--victim`` this node's ranks stop at
+one clock for every namespace of the machine). With ``--victim K`` node K's ranks stop at
 the round's ``entered`` point of step ``--cut-step`` (the round's deadline is set, they have
 not reported) until ``cut-<step>`` exists: the driver takes the node's link down in between.
 """
@@ -23,6 +26,7 @@ not reported) until ``cut-<step>`` exists: the driver takes the node's link down
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import os
@@ -55,10 +59,9 @@ class _Committer(StoreCommitter):
 
 
 class Node:
-    def __init__(self, a: argparse.Namespace):
-        self.a = a
-        self.name = os.environ["ZEROSTALL_NODE"]
-        self.addr = os.environ["MASTER_ADDR"]
+    def __init__(self, a: argparse.Namespace, k: int, name: str, root: str, victim: bool):
+        self.a, self.k, self.name, self.root, self.victim = a, k, name, root, victim
+        self.addr = a.master
         self.world = a.nodes * a.ranks
         self._mu = threading.Lock()
         self._log = os.path.join(a.ctl, f"events-{self.name}.jsonl")
@@ -89,7 +92,7 @@ class Node:
     def hook(self, point: str, rank: int, step: int) -> None:
         """The round's fault points: time them; hold the victim's ranks at ``entered``."""
         self.marks.setdefault((rank, step), {})[point] = time.monotonic()
-        if self.a.victim and point == "entered" and step == self.a.cut_step:
+        if self.victim and point == "entered" and step == self.a.cut_step:
             self.ev("entered", rank=rank, step=step)
             self.gate(f"cut-{step}").wait(300)
 
@@ -101,10 +104,10 @@ class Node:
             client = TCPStore(self.addr, a.port, is_master=False, timeout=timedelta(seconds=a.join_timeout))
             store = Store(client)  # zerostall's own connection (clone), bounded calls
             self.ev("connected", rank=r, t0=t)
-            tier = LocalTier(os.path.join(a.root, "root"), create=True)
+            tier = LocalTier(os.path.join(self.root, "root"), create=True)
             session = join(store, namespace("", "zs-store-round"), r, world, tier, a.join_timeout)
             self.ev("joined", rank=r, group=session.group, groups=len(session.groups))
-            cm = _Committer(tier, store, session, per_rank=True, timeout_s=a.timeout)
+            cm = _Committer(tier, store, session, per_rank=True, timeout_s=a.timeouts[0])
             for step, timeout in zip(a.steps, a.timeouts):
                 self.gate(f"go-{step}").wait()
                 cm.timeout_s = timeout
@@ -145,38 +148,90 @@ class Node:
         return out
 
 
+CLONE_NEWNET = 0x40000000
+
+
+def enter(ns: str) -> None:
+    """Move this process into the network namespace ``ns`` (as ``ip netns exec`` does, minus
+    its mount namespace, which nothing here needs)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {ns}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def node_main(a: argparse.Namespace, k: int, spec: dict[str, str]) -> int:
+    """One node's process: its ranks' threads (and n0's the store) until ``end``."""
+    os.environ["ZEROSTALL_NODE"] = spec["name"]
+    node = Node(a, k, spec["name"], spec["root"], victim=k == a.victim)
+    commit.fault_hook = node.hook
+    master = None
+    if k == 0:  # the job's store, on n0's address, as rank 0 hosts it under a bare launch
+        master = TCPStore(a.master, a.port, world_size=None, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=a.join_timeout))
+    for i in range(a.ranks):
+        r = k * a.ranks + i
+        threading.Thread(target=node.rank, args=(r,), name=f"rank-{r}", daemon=True).start()
+    node.ev("up", pid=os.getpid(), store=master is not None)
+    node.watch()
+    return 0  # the caller's os._exit ends the process; no store teardown to wait for
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The zygote: imports torch and zerostall once, then forks one process per node, each
+    moving into its node's namespace; waits for them (a node process that fails is an
+    ``error`` event). Started in n0's namespace, so the harness ends everything it leaves."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--ctl", required=True)
-    ap.add_argument("--root", required=True)
-    ap.add_argument("--node", type=int, required=True)
-    ap.add_argument("--nodes", type=int, required=True)
+    ap.add_argument("--spec", type=json.loads, required=True, help='[{"name", "ns", "root"}, ...] by node')
+    ap.add_argument("--master", required=True, help="n0's address: the store's")
     ap.add_argument("--ranks", type=int, required=True)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--steps", type=lambda s: [int(x) for x in s.split(",")], required=True)
     ap.add_argument("--timeouts", type=lambda s: [float(x) for x in s.split(",")], required=True,
                     help="commit_timeout_s of each step's round")
     ap.add_argument("--join-timeout", type=float, default=300.0)
-    ap.add_argument("--timeout", type=float, default=60.0)
-    ap.add_argument("--victim", action="store_true")
+    ap.add_argument("--victim", type=int, default=-1, help="the node whose ranks wait at entered of --cut-step")
     ap.add_argument("--cut-step", type=int, default=0)
     a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(threadName)s %(message)s")
-    node = Node(a)
-    commit.fault_hook = node.hook
-    master = None
-    if a.node == 0:  # the job's store, on n0's address, as rank 0 hosts it under a bare launch
-        master = TCPStore(node.addr, a.port, world_size=None, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=a.join_timeout))
-    threads = [threading.Thread(target=node.rank, args=(a.node * a.ranks + i,), name=f"rank-{a.node * a.ranks + i}",
-                                daemon=True) for i in range(a.ranks)]
-    for t in threads:
-        t.start()
-    node.ev("up", pid=os.getpid(), store=master is not None)
-    node.watch()
-    del master
-    return 0
+    a.nodes = len(a.spec)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(process)d %(threadName)s %(message)s")
+    sys.stdout.flush()
+    kids = {}
+    for k, spec in enumerate(a.spec):
+        pid = os.fork()
+        if pid == 0:
+            rc = 1
+            try:
+                enter(spec["ns"])
+                rc = node_main(a, k, spec)
+            except BaseException:  # noqa: BLE001
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(rc)
+        kids[pid] = spec["name"]
+    rc = 0
+    while kids:
+        pid, status = os.wait()
+        name = kids.pop(pid, None)
+        if name is not None and os.waitstatus_to_exitcode(status) != 0:
+            rc = 1
+            line = json.dumps({"ev": "error", "node": name, "rank": -1, "t": time.monotonic(),
+                               "error": f"node {name}'s process (pid {pid}) ended with {status}",
+                               "tb": f"node {name}'s process (pid {pid}) ended with status {status}"})
+            with open(os.path.join(a.ctl, f"events-{name}.jsonl"), "a") as f:
+                f.write(line + "\n")
+    return rc
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # nothing to tear down: the node processes are gone, and torch's teardown takes seconds
