@@ -139,7 +139,10 @@ def free_bytes(path: str) -> int:
 def unshared(path: str) -> bool:
     """Whether no open file description of any process refers to the file at ``path`` now: a
     write lease (``F_SETLEASE``) is granted only then, and released at once. False where leases
-    are refused (another owner, a filesystem without them) or on any error."""
+    are refused (another owner, a filesystem or platform without them) or on any error."""
+    setlease = getattr(fcntl, "F_SETLEASE", None)  # Linux only
+    if setlease is None:
+        return False
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
@@ -147,8 +150,8 @@ def unshared(path: str) -> bool:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return False
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        fcntl.fcntl(fd, setlease, fcntl.F_WRLCK)
+        fcntl.fcntl(fd, setlease, fcntl.F_UNLCK)
         return True
     except OSError:
         return False
