@@ -53,6 +53,14 @@ def _three_saves(root, monkeypatch, hold_open=False):
                 return real(path, nbytes)
 
             monkeypatch.setattr(ck.engine, name, opener)
+        real_begin, go3 = ck.tier.begin, threading.Event()
+
+        def begin(step):  # save 3 starts once save 2's leftovers were looked at
+            if step == 3:
+                assert go3.wait(60)
+            return real_begin(step)
+
+        monkeypatch.setattr(ck.tier, "begin", begin)
         armed[0] = True
         h2 = ck.save(2, state)
         h3 = ck.save(3, state)
@@ -60,6 +68,7 @@ def _three_saves(root, monkeypatch, hold_open=False):
         gate.set()
         h2.result(timeout=60)
         after2 = _deleting(root)
+        go3.set()
         h3.result(timeout=60)
         after3 = _deleting(root)
         steps = ck.tier.steps()
