@@ -243,7 +243,7 @@ def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Ca
 
         def sink(man_bytes: bytes, desc: bytes, head: dict[str, Any]) -> tuple[Any, FragmentCheck]:
             lay = setup(man_bytes, desc, where)
-            tl.mark("first-byte", i, node)
+            tl.mark("set-up", i, node)
             if i < lay.k:
                 w: Any = _ConcatWriter(engine, lay, part, i, where, checks, written)
             else:
@@ -255,7 +255,7 @@ def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Ca
         tl.mark("request", i, node)
         try:
             download(transport, view.endpoints[node], view.me, rb.step, i, sink,
-                     connected=lambda: tl.mark("connected", i, node))
+                     connected=lambda: tl.mark("connected", i, node), first_byte=lambda: tl.mark("first-byte", i, node))
             tl.mark("last-byte", i, node, fed[0].n)
         except BaseException:
             for c in checks.values():

@@ -6,7 +6,9 @@ Events (``what``; ``fragment`` and ``node`` where they belong to one stream)::
 
     request      a fetch thread asks ``node`` for ``fragment``
     connected    the connection is authenticated, the request about to go out
-    first-byte   the fragment's header block is in (its bytes follow)
+    first-byte   the holder's reply is in (the manifest, descriptor and fragment follow)
+    set-up       the fragment's header block is in, its destination open (the node's files
+                 are created and preallocated by the first fragment's set-up)
     checked      a piece of ``nbytes`` fragment bytes checked against the manifest (data
                  fragments: every tensor and padding byte in it) and written
     last-byte    every byte of the fragment in, written (``nbytes``: the fragment's size)
