@@ -48,8 +48,8 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                         "node-loss: 4 simulated nodes with peer replicas, a node wiped and recovered from "
                         "peers vs the shared-fs and S3 tiers, --repeat rounds in alternating order (uses --size-gib (total), --repeat, --dir, --json); "
                         "node-loss-links: node-loss on a cluster of network namespaces, each node behind a "
-                        "link of --link-mbit, S3 (radosgw) behind --s3-mbit: recovery time and fraction of the "
-                        "physical limit per tier (root and a source checkout: tests/cluster; uses --size-gib "
+                        "link of --link-mbit (each rate in turn), S3 (radosgw) behind --s3-mbit: recovery time "
+                        "and fraction of the physical limit per tier, and a bare TCP stream's rate (root and a source checkout: tests/cluster; uses --size-gib "
                         "(total), --repeat, --dir, --json); "
                         "node-loss-coded: replicas=3 vs an RS(4,2) code on 7 nodes (the namespace cluster "
                         "harness when it runs here): bytes moved, encode CPU, the trainer's step time, a wiped "
@@ -68,7 +68,10 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                         "--methods, --dir, --json)")
     s.add_argument("--seconds", type=_positive(float), default=6.0, help="every-step: seconds per mode")
     s.add_argument("--every", type=_positive(int), default=10, help="every-step: the interval of zs-every-K")
-    s.add_argument("--link-mbit", type=_positive(float), default=4000.0, help="node-loss-links: each node's link")
+    s.add_argument("--spare-core-only", action="store_true",
+                   help="every-step: run the trainer only on all cores but one (not on all cores too)")
+    s.add_argument("--link-mbit", type=_positive(float), nargs="+", default=[4000.0, 1600.0],
+                   help="node-loss-links: each node's link, megabits/s (several: each in turn)")
     s.add_argument("--s3-mbit", type=float, default=1000.0, help="node-loss-links: the S3 server's link (0: no S3)")
 
 

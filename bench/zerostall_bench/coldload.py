@@ -3,9 +3,11 @@
 Run by :func:`run_cold_loads` (``zerostall bench --scenario restore``, and the ``cold-load``
 rows) as ``python -m zerostall_bench.coldload --method M --path P --size-gib S --out F``:
 builds the bench model's state (the checkpoint's bytes, to compare) and a zeroed target of
-the same shapes, drops the page cache of ``P``, then times one load of ``P`` by method ``M``
-(``zerostall``: ``zerostall.load(P, target)`` in place; ``dcp``: ``dcp.load`` in place;
-``torch``: ``torch.load``) and checks it bit for bit. Writes one JSON object to ``--out``.
+the same shapes, times the imports method ``M`` needs beyond torch (``import_s``: the package
+and, for zerostall, the modules ``zerostall.load`` binds on first use), drops the page cache of
+``P``, then times one load of ``P`` (``s``; ``zerostall``: ``zerostall.load(P, target)`` in
+place; ``dcp``: ``dcp.load`` in place; ``torch``: ``torch.load``) and checks it bit for bit.
+Writes one JSON object to ``--out``.
 The parent alternates the methods, one fresh process per run, on the caller's thread.
 """
 
@@ -32,20 +34,24 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     state = gpt_state_for_size(int(a.size_gib * (1 << 30)))
     target = {k: {n: torch.zeros_like(t) for n, t in v.items()} for k, v in state.items()}
+    t0 = time.perf_counter()
     if a.method == "zerostall":
         import zerostall
-        load = lambda: zerostall.load(a.path, target, step=1)  # noqa: E731
+        zs_load = zerostall.load  # bound on first use: its modules import here, not in the timed load
+        load = lambda: zs_load(a.path, target, step=1)  # noqa: E731
     elif a.method == "dcp":
         import torch.distributed.checkpoint as dcp
         load = lambda: (dcp.load(target, storage_reader=dcp.FileSystemReader(a.path), no_dist=True), target)[1]  # noqa: E731
     else:
         load = lambda: torch.load(os.path.join(a.path, "state.pt"), weights_only=True)  # noqa: E731
+    import_s = time.perf_counter() - t0
     _drop(a.path)
     load_avg = os.getloadavg()[0]
     t0 = time.perf_counter()
     out = load()
     dt = time.perf_counter() - t0
-    doc: dict[str, Any] = {"method": a.method, "s": dt, "load_avg": load_avg, "verified": _equal(state, out)}
+    doc: dict[str, Any] = {"method": a.method, "s": dt, "import_s": import_s, "load_avg": load_avg,
+                           "verified": _equal(state, out)}
     if a.method == "zerostall":
         from zerostall.restore import step
         s = step.last_stats

@@ -20,7 +20,7 @@ def main(a: argparse.Namespace) -> int:
         return 2
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
-    argv = ["--mib", str(max(1, int(a.size_gib * 1024 / 4))), "--link-mbit", str(a.link_mbit),
+    argv = ["--mib", str(max(1, int(a.size_gib * 1024 / 4))), "--link-mbit", *map(str, a.link_mbit),
             "--s3-mbit", str(a.s3_mbit), "--rounds", str(a.repeat)]
     argv += (["--dir", a.dir] if a.dir else []) + (["--json", a.json] if a.json else [])
     return int(importlib.import_module("tests.cluster.nodeloss_links").main(argv) or 0)

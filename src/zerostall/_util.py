@@ -112,14 +112,25 @@ class Worker(Generic[T]):
         while True:
             item = self._q.get()
             if item is None:
+                self.on_exit()
                 return
             if isinstance(item, _Last):
+                self.on_exit()
                 item.fn()
                 return
             self.handle(item)
 
+    def idle(self) -> bool:
+        """Nothing is queued behind the item being handled (worker thread; a hint: an item
+        may arrive right after)."""
+        return self._q.empty()
+
     def on_start(self) -> None:
         """Runs first, in the worker thread."""
+
+    def on_exit(self) -> None:
+        """Runs last, in the worker thread, once every queued item is handled (before a
+        ``stop_then`` function)."""
 
     def handle(self, item: T) -> None:
         raise NotImplementedError

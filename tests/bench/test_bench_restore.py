@@ -19,6 +19,11 @@ def test_restore_scenario_json(bench_json):
         assert r["restore_gbps"] > 0 and len(r["runs_s"]) == 1
         assert r["fraction_of_read_line_rate"] == pytest.approx(r["restore_gbps"] / doc["line_rate"]["read_gbps"])
     assert res["dcp.load in place"]["vs_dcp_load"] == pytest.approx(1.0)
+    for m in ("zerostall.load in place", "dcp.load in place", "torch.load"):  # the imports timed apart
+        alone, first = res[f"{m} (fresh process)"], res[f"{m} (fresh process, with its imports)"]
+        assert first["verified"] is True and first["runs_s"][0] >= alone["runs_s"][0], m
+    assert res["zerostall.load in place (fresh process, with its imports)"]["runs_s"][0] > \
+        res["zerostall.load in place (fresh process)"]["runs_s"][0]
 
 
 def test_many_tensors_scenario_json(bench_json):

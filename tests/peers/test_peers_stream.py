@@ -205,3 +205,62 @@ def test_fill_from_a_failing_write_while_every_buffer_is_full_ends_the_receiving
     t.join(30)
     assert not t.is_alive()
     a.close()
+
+
+def test_fill_from_checks_the_next_piece_while_the_one_before_is_written():
+    """With pieces waiting (the disk behind the link), each piece's crc runs while the piece
+    before it is being written (the engines' ``overlap``), so the disk does not idle during the
+    crc; still no piece is written before it was checked, and a bad piece is never written."""
+    data = os.urandom(3 << 20)
+    a, b = socket.socketpair()
+    sent = threading.Event()
+    t = threading.Thread(target=lambda: (a.sendall(data), sent.set()), daemon=True)
+    t.start()
+    events: list[tuple[str, int]] = []
+
+    before = set(threading.enumerate())
+
+    class Check(_Check):
+        def feed(self, mv):
+            if not self.fed:  # the receiving thread takes the rest into its other buffers and ends
+                assert sent.wait(30)
+                for x in set(threading.enumerate()) - before:
+                    if x.name == "zerostall-peers-recv":
+                        x.join(30)
+            events.append(("check", len(self.fed)))
+            super().feed(mv)
+
+    class Writer(_Writer):
+        def write(self, extents, overlap=None):  # as the engines do: overlap runs while the write is in
+            events.append(("write", extents[0][0]))  # flight, its error raised once the write ended
+            err = None
+            try:
+                if overlap is not None:
+                    overlap()
+            except CorruptCheckpoint as exc:
+                err = exc
+            super().write(extents)
+            events.append(("written", extents[0][0]))
+            if err is not None:
+                raise err
+    check, w = Check(fail_at=None), Writer()
+    fill_from(b, len(data), w, check, buf_bytes=1 << 20)
+    assert bytes(check.fed) == data and b"".join(x for _, x in w.extents) == data
+    mb = 1 << 20
+    assert events == [("check", 0), ("write", 0), ("check", mb), ("written", 0), ("write", mb), ("check", 2 * mb),
+                      ("written", mb), ("write", 2 * mb), ("written", 2 * mb)]
+    a.close()
+    b.close()
+    # a bad piece found during the write of the one before: that one is written, the bad one never
+    a, b = socket.socketpair()
+    sent.clear()
+    t = threading.Thread(target=lambda: (a.sendall(data), sent.set()), daemon=True)
+    t.start()
+    events.clear()
+    before = set(threading.enumerate())
+    w = Writer()
+    with pytest.raises(CorruptCheckpoint):
+        fill_from(b, len(data), w, Check(fail_at=mb + 1), buf_bytes=1 << 20)
+    assert [off for off, _ in w.extents] == [0]
+    a.close()
+    b.close()

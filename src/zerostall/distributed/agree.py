@@ -46,7 +46,7 @@ def _gather(store: Store, base: str, rank: int, world: int, value: Any, timeout_
         store.set(f"{base}/r{rank}", json.dumps(value))
         keys = [f"{base}/r{r}" for r in range(world)]
         if store.poll(keys, deadline) == "timeout":
-            missing = [r for r in range(world) if not store.check([keys[r]])]
+            missing = [int(k.rsplit("/r", 1)[1]) for k in store.missing(keys)]
             raise DistributedError(f"rank(s) {', '.join(map(str, missing))} did not {what} within {timeout_s:g} s "
                                    "(every rank must call load() together; pass agree=False to load alone)",
                                    missing_ranks=tuple(missing))

@@ -23,7 +23,9 @@ within that (NTP does). At the deadline, a rank that has not reported but began 
 later than the first rank (still busy with an earlier step, e.g. one that another rank
 skipped and so ran ahead) gets the first rank's lead: the deadline moves, once, to its
 ``b + d + commit_timeout_s``. A rank that never began the step (dead, stopped, cut off)
-moves nothing.
+moves nothing. The coordinator judges this at the deadline; the others give it one
+:func:`grace_s` to decide before each looks for itself (in ~2 log2(world) requests), so a
+lost node costs the store O(world) requests at the deadline, not O(world^2).
 
 **Every wait a deadline.** Every store request of a round runs inside
 :meth:`.store.Store.bounded`: before ``t0`` is known, until this rank's entry plus
@@ -39,7 +41,7 @@ States of one rank (C: coordinator only, P: the others; ``->`` on an event)::
     REPORTED  C: all r<R> present                   -> PREPARED (merge; manifest/<group> keys set)
               C: merge fails (structure, shapes)    -> ABORTING
               decision present                      -> DECIDED
-              deadline passed                       -> ABORTING (abort{missing ranks: those without r<R>})
+              deadline (P: + grace) passed          -> ABORTING (abort{missing ranks: those without r<R>})
     PREPARED  C: compare_set(decision, commit)      -> DECIDED  (ours, or the abort that came first)
     ABORTING  compare_set(decision, abort)          -> DECIDED  (ours, or whatever came first)
     DECIDED   commit, rank leads its copy           -> RECORDING
@@ -149,14 +151,12 @@ def post_begin(store: Store, session: Session, step: int) -> float:
 def _extended(store: Store, base: str, ranks: list[int], d: float, timeout_s: float, deadline: float) -> float | None:
     """At the deadline: the later deadline a lagging rank earns (module docstring), as a
     monotonic time, or None."""
-    latest = None
-    for r in ranks:
-        key = f"{base}/b{r}"
-        if store.check([key]):
-            b = float(store.get(key))
-            latest = b if latest is None else max(latest, b)
-    if latest is None:
+    keys = [f"{base}/b{r}" for r in ranks]
+    absent = set(store.missing(keys))
+    began = store.multi_get_json([k for k in keys if k not in absent])
+    if not began:
         return None
+    latest = max(float(b) for b in began)
     later = time.monotonic() + (latest + d + timeout_s - time.time())
     return later if later > deadline + 0.05 else None
 
@@ -167,7 +167,7 @@ def _decide(store: Store, base: str, value: dict[str, Any], timeout: float) -> d
 
 
 def _missing(store: Store, base: str, world: int, timeout: float) -> list[int]:
-    return [r for r in range(1, world) if not store.check([f"{base}/r{r}"], timeout)]
+    return [int(k.rsplit("/r", 1)[1]) for k in store.missing([f"{base}/r{r}" for r in range(1, world)], timeout)]
 
 
 def commit_round(store: Store, session: Session, fragment: dict[str, Any], tier: RootTier, step: int, *,
@@ -225,15 +225,17 @@ def _await_decision(store: Store, session: Session, base: str, fragment: dict[st
     """P: REPORTED -> DECIDED; returns the decision."""
     store.set(f"{base}/r{session.rank}", json.dumps(fragment))
     fault_point("reported", session, step)
-    state = store.poll([f"{base}/decision"], deadline)
+    grace = grace_s(timeout_s)
+    # the coordinator decides at the deadline: a grace for it before every rank looks for itself
+    state, missing = store.poll([f"{base}/decision"], deadline + grace), None
     if state == "timeout":
-        later = _extended(store, base, [0] + _missing(store, base, session.world, grace_s(timeout_s)), lead,
-                          timeout_s, deadline)
+        missing = _missing(store, base, session.world, grace)
+        later = _extended(store, base, [0] + missing, lead, timeout_s, deadline)
         if later is not None:
-            scope.until = later + 2 * grace_s(timeout_s)
-            state = store.poll([f"{base}/decision"], later)
+            scope.until = later + 2 * grace
+            state, missing = store.poll([f"{base}/decision"], later + grace), None
     if state == "timeout":
-        missing = _missing(store, base, session.world, grace_s(timeout_s))
+        missing = _missing(store, base, session.world, grace) if missing is None else missing
         who = (f"rank(s) {', '.join(map(str, missing))} did not report" if missing
                else "the coordinator (rank 0) did not decide")
         dec = _decide(store, base, {"commit": False, "by": session.rank, "missing": missing or [0],

@@ -17,9 +17,10 @@ Two rules make every wait here a deadline:
   until its deadline; a request that does not answer in time raises :class:`StoreTimeout`,
   the connection (now out of step) is abandoned and the next call opens a new one. A caller
   with a deadline of its own (a commit round) runs its requests inside :meth:`Store.bounded`:
-  each then waits at most until that deadline (plus :data:`LATE_CALL_S` for a request issued
-  after it), and once one of them timed out the rest fail at once -- so the round ends at its
-  deadline whatever the store does, never at the store's resume.
+  each then waits at most until that deadline; the requests issued after it share
+  :data:`LATE_CALL_S` (not one each, so a loop of requests to a store that answers, but
+  slowly, cannot run on), and once one of them timed out the rest fail at once -- so the round
+  ends at its deadline whatever the store does, never at the store's resume.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ log = logging.getLogger("zerostall")
 
 DEFAULT_CALL_TIMEOUT_S = 60.0
 LATE_CALL_S = 0.5
-"""What a request issued past its :meth:`Store.bounded` deadline may still take (a commit's
-last acknowledgement to a store that answers)."""
+"""What the requests issued past their :meth:`Store.bounded` deadline may still take, all
+together (a commit's last acknowledgement to a store that answers)."""
 
 fault_hook: Callable[[str], None] | None = None
 """Test seam: called as ``fault_hook(what)`` on the request thread before each request; a test
@@ -53,6 +54,7 @@ class _Bound:
     def __init__(self, until: float):
         self.until = until
         self.dead: str | None = None
+        self.late: tuple[float, float] | None = None  # (until, end of the late allowance) once past until
 
 
 class StoreTimeout(DistributedError):
@@ -150,7 +152,15 @@ class Store:
         if b is not None:
             if b.dead is not None:
                 raise StoreTimeout(f"{what}: not sent, the c10d store did not answer {b.dead} before it")
-            t = min(t, max(b.until - time.monotonic(), LATE_CALL_S))
+            now = time.monotonic()
+            if now < b.until:
+                t = min(t, max(b.until - now, LATE_CALL_S))
+            else:  # past the deadline: one LATE_CALL_S for all the scope's requests (moved with until)
+                if b.late is None or b.late[0] != b.until:
+                    b.late = (b.until, now + LATE_CALL_S)
+                t = min(t, b.late[1] - now)
+                if t <= 0:
+                    raise StoreTimeout(f"{what}: not sent, {LATE_CALL_S:g} s past the deadline of its round")
         try:
             return self._call_once(what, fn, t)
         except StoreTimeout:
@@ -245,7 +255,21 @@ class Store:
             delay = min(delay * 1.5, 0.1)
 
     def missing(self, keys: list[str], timeout: float | None = None) -> list[str]:
-        return [k for k in keys if not self.check([k], timeout)]
+        """The keys that do not exist, in order: one request when none is missing, else the
+        list split in halves (the keys of a lost node's ranks are contiguous: ~2 log2(len(keys))
+        requests, not one per key, which matters when hundreds of ranks ask at once)."""
+        out: list[str] = []
+
+        def scan(part: list[str]) -> None:
+            if not part or self.check(part, timeout):
+                return
+            if len(part) == 1:
+                out.append(part[0])
+                return
+            scan(part[:len(part) // 2])
+            scan(part[len(part) // 2:])
+        scan(list(keys))
+        return out
 
     def close(self) -> None:
         """Stop the request thread (the connection closes with the last reference)."""

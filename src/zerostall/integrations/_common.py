@@ -48,6 +48,34 @@ def unowned(path: str) -> bool:
     return True
 
 
+def recover_staged(parent: str, final_of: Callable[[str], str | None],
+                   publish: Callable[[str, str], bool] = lambda staged, final: False,
+                   cut_short: Callable[[str], bool] = lambda name: False) -> None:
+    """Start-up, the training thread of the one process that publishes: each save an earlier run
+    left staged in ``parent`` (``final_of(name)``: the checkpoint directory the entry ``name``
+    was to become, None for anything else) that no live writer holds is published there when
+    ``publish(staged, final)`` (committed, the run stopped before renaming it), else removed;
+    entries ``cut_short(name)`` (a discard a crash interrupted) are removed."""
+    try:
+        names = os.listdir(parent)
+    except FileNotFoundError:
+        return
+    for n in names:
+        path = os.path.join(parent, n)
+        if cut_short(n):
+            discard(path)
+            continue
+        final = final_of(n)
+        if final is None or not unowned(path):  # not a staged save, or a live writer's (another job)
+            continue
+        if publish(path, final):
+            log.info("zerostall: publishing %s as %s (committed; the run stopped before renaming it)", path, final)
+            publish_dir(path, final)
+        else:
+            log.info("zerostall: removing %s, a save of an earlier run that was not published", path)
+            discard(path)
+
+
 def next_step(ckpt: Checkpointer, wanted: int) -> int:
     """``wanted``, or one past the newest committed step when that is not larger (a path saved
     twice gets a new step; keep_last=1 then retires the old one after the commit)."""

@@ -55,8 +55,8 @@ except ImportError as exc:
 from .. import CheckpointConfig, Checkpointer, load as _zs_load, rng_state, set_rng_state
 from ..errors import CheckpointNotFound, ConfigError
 from ..extend import discard, fsync_dir
-from ._common import (Publisher, StateGuard, adapter_config, finish_publishing, is_committed, next_step, tensors_of,
-                      unowned)
+from ._common import (Publisher, StateGuard, adapter_config, finish_publishing, is_committed, next_step,
+                      recover_staged, tensors_of)
 
 log = logging.getLogger("zerostall")
 
@@ -171,23 +171,17 @@ class ZerostallAcceleratorMixin:
         if staging_parent in self._zs_recovered or not self.is_main_process:
             return
         self._zs_recovered.add(staging_parent)
-        pub = self._zs_publisher
-        try:
-            names = os.listdir(staging_parent)
-        except FileNotFoundError:
-            return
-        for n in names:
-            path = os.path.join(staging_parent, n)
-            auto = staging_parent.endswith(_STAGING_DIR)
-            if not (auto and _AUTO_RE.match(n)) and not (n.startswith(".") and n.endswith(_STAGING_DIR)):
-                continue
-            final = os.path.join(final_parent, n if auto else n[1:-len(_STAGING_DIR)])
-            if pub is not None and pub.pending(final):
-                continue
-            if not unowned(path):
-                continue
-            log.info("zerostall: removing %s, a save of an earlier run that was not published", path)
-            discard(path)
+        pub, auto = self._zs_publisher, staging_parent.endswith(_STAGING_DIR)
+
+        def final_of(n: str) -> str | None:
+            if auto and _AUTO_RE.match(n):
+                final = os.path.join(final_parent, n)
+            elif n.startswith(".") and n.endswith(_STAGING_DIR):
+                final = os.path.join(final_parent, n[1:-len(_STAGING_DIR)])
+            else:
+                return None
+            return None if pub is not None and pub.pending(final) else final  # this run's, in flight
+        recover_staged(staging_parent, final_of)
 
     def zerostall_wait(self) -> None:
         """Block until every save is durable and published; raise the first failure."""

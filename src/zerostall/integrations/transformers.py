@@ -49,8 +49,9 @@ except ImportError as exc:
                       "pip install 'zerostall[transformers]'") from exc
 
 from .. import CheckpointConfig, Checkpointer, load as _zs_load, register_type, rng_state, set_rng_state
-from ..extend import discard, fsync_dir, publish_dir, write_file_durable
-from ._common import Publisher, StateGuard, adapter_config, finish_publishing, is_committed, next_step, unowned
+from ..extend import discard, fsync_dir, write_file_durable
+from ._common import (Publisher, StateGuard, adapter_config, finish_publishing, is_committed, next_step,
+                      recover_staged)
 
 log = logging.getLogger("zerostall")
 
@@ -134,28 +135,14 @@ class ZerostallTrainerMixin:
     def _zs_recover(self, run_dir: str) -> None:
         """Start-up: what a crashed run left staged is removed, or published when committed
         (single process only: under torch.distributed other ranks may be choosing a checkpoint)."""
-        try:
-            names = os.listdir(run_dir)
-        except FileNotFoundError:
-            return
-        for n in names:
-            path = os.path.join(run_dir, n)
-            if n.startswith(f".deleting-.{PREFIX_CHECKPOINT_DIR}-"):  # a discard cut short
-                discard(path)
-                continue
+        def final_of(n: str) -> str | None:
             m = _STAGED_RE.match(n)
-            if m is None:
-                continue
-            if not unowned(path):  # a live writer there (another job): leave it
-                continue
-            final = os.path.join(run_dir, m.group(1))
-            if (is_committed(path) and os.path.isfile(os.path.join(path, TRAINER_STATE_NAME))
-                    and not os.path.exists(final) and self.args.world_size == 1):
-                log.info("zerostall: publishing %s as %s (committed; the run stopped before renaming it)", path, final)
-                publish_dir(path, final)
-            else:
-                log.info("zerostall: removing %s, an unfinished save of an earlier run", path)
-                discard(path)
+            return None if m is None else os.path.join(run_dir, m.group(1))
+
+        def publish(path: str, final: str) -> bool:
+            return (is_committed(path) and os.path.isfile(os.path.join(path, TRAINER_STATE_NAME))
+                    and not os.path.exists(final) and self.args.world_size == 1)
+        recover_staged(run_dir, final_of, publish, lambda n: n.startswith(f".deleting-.{PREFIX_CHECKPOINT_DIR}-"))
 
     def _zs_finish(self) -> None:
         """After train(): every save durable and published (raising the first failure), then

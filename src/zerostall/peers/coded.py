@@ -78,12 +78,8 @@ class CodedReplicator(PeerReplicator):
         self.want = self.k + self.m
 
     # -- sender thread -----------------------------------------------------------------
-    def _send_step(self, step: int) -> tuple[list[str], str]:
+    def _send_step(self, step: int, raw: bytes, man: Manifest) -> tuple[list[str], str]:
         v = self.view
-        try:
-            raw, man = self._step_manifest(step)
-        except (OSError, ZerostallError) as exc:
-            return [], f"cannot read the manifest of step {step}: {exc}"
         lay = self._layout(man)
         desc = lay.describe(step, man.checkpoint_id, v.me)
         candidates = [n.name for n in ranking(v.me, v.nodes)]

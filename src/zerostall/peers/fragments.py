@@ -39,15 +39,13 @@ import logging
 import os
 import re
 import socket
-import uuid
 from typing import Any, Callable
 
 import crc32c as _crc
 
 from ..config import ALIGN_BYTES
 from ..errors import CorruptCheckpoint, ZerostallError
-from ..format.manifest import MANIFEST_NAME, Manifest
-from ..store.atomic import fsync_dir, unlinked_on_error, write_file_durable
+from ..format.manifest import Manifest
 from .coding import Layout, descriptor_id
 from .priority import background
 from .store import PeerStore
@@ -117,47 +115,19 @@ class FragmentStore:
         if man.step != step or doc["step"] != step or doc["checkpoint_id"] != man.checkpoint_id or \
                 doc["src"] != src or not 0 <= index < lay.k + lay.m:
             raise PeerError(f"{where}: the descriptor, the manifest and the request disagree")
-        ps, d = self.store, self.store.step_dir(src, step)
-        with ps._lock(src, step):
-            old = ps.manifest(src, step)
-            if old is not None and (old.checkpoint_id != man.checkpoint_id or self._desc(src, step) != desc_bytes):
-                ps._drop(src, step)  # the source overwrote the step (or re-coded it): the old one goes whole
-                old = None
-            os.makedirs(d, exist_ok=True)
-            if old is None:
-                write_file_durable(os.path.join(d, CODING_NAME), desc_bytes)
-                write_file_durable(os.path.join(d, MANIFEST_NAME), man.to_bytes())
-                fsync_dir(d)
-                fsync_dir(os.path.dirname(d))
-        size = HEADER + lay.fragment_bytes
-        name = fragment_name(index)
-        ps._reserve(src, step, name, size)
-        engine = ps._engine_for()
-        try:
-            with unlinked_on_error(os.path.join(d, f".incoming-{name}-{uuid.uuid4().hex[:8]}")) as tmp:
-                w = engine.open_write(tmp, size)
-                try:
-                    check = FragmentCheck()
-                    claimed = fill(w, check)
-                    if check.n != lay.fragment_bytes or check.crc != claimed:
-                        raise CorruptCheckpoint(f"{where}: received {check.n} bytes with crc32c {check.crc:08x}; "
-                                                f"the sender sent {lay.fragment_bytes} with {claimed:08x}", path=where)
-                    buf = _aligned(header_block(index, lay.fragment_bytes, check.crc, descriptor_id(desc_bytes)))
-                    w.write([(0, buf)])
-                    at("frag-recv:before-fsync")
-                    w.finish()
-                finally:
-                    w.close()
-                at("frag-recv:before-rename")
-                with ps._lock(src, step):
-                    if self._desc(src, step) != desc_bytes:
-                        raise ZerostallError(f"step {step} of {src} was replaced during the transfer")
-                    os.rename(tmp, os.path.join(d, name))
-                    fsync_dir(d)
-        finally:
-            engine.close()
-            with ps._mu:
-                ps._reserved -= size
+        ps = self.store
+        ps.open_step(src, step, man, lambda held: held.checkpoint_id == man.checkpoint_id and  # else overwritten
+                     self._desc(src, step) == desc_bytes, ((CODING_NAME, desc_bytes),))  # or re-coded
+        check = FragmentCheck()
+
+        def write(w: Any) -> None:
+            claimed = fill(w, check)
+            if check.n != lay.fragment_bytes or check.crc != claimed:
+                raise CorruptCheckpoint(f"{where}: received {check.n} bytes with crc32c {check.crc:08x}; "
+                                        f"the sender sent {lay.fragment_bytes} with {claimed:08x}", path=where)
+            w.write([(0, _aligned(header_block(index, lay.fragment_bytes, check.crc, descriptor_id(desc_bytes))))])
+        ps.keep(src, step, fragment_name(index), HEADER + lay.fragment_bytes, write,
+                lambda: self._desc(src, step) == desc_bytes, "frag-recv")
         return check.digest()
 
     def _desc(self, src: str, step: int) -> bytes | None:

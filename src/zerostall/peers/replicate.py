@@ -164,7 +164,12 @@ class PeerReplicator:
                 self._repair()
                 self.repaired.set()
                 continue
-            holders, error = self._send_step(step)
+            try:
+                raw, man = self._step_manifest(step)
+            except (OSError, ZerostallError) as exc:
+                holders, error = [], f"cannot read the manifest of step {step}: {exc}"
+            else:
+                holders, error = self._send_step(step, raw, man)
             try:
                 self.store.set(self.view.key(f"s{step}", self.view.me),
                                json.dumps({"holders": holders, "error": error, "usage": self._usage(),
@@ -185,12 +190,10 @@ class PeerReplicator:
             raw = f.read()
         return raw, Manifest.from_bytes(raw)
 
-    def _send_step(self, step: int) -> tuple[list[str], str]:
+    def _send_step(self, step: int, raw: bytes, man: Manifest) -> tuple[list[str], str]:
+        """Copy ``step`` (its manifest ``raw``, parsed ``man``) to its holders; sender thread.
+        Returns the holders and an error ("" when every copy is held)."""
         v = self.view
-        try:
-            raw, man = self._step_manifest(step)
-        except (OSError, ZerostallError) as exc:
-            return [], f"cannot read the manifest of step {step}: {exc}"
         mine = [fe for fe in man.files if fe.rank < len(v.rank_nodes) and v.rank_nodes[fe.rank] == v.me]
         want = self.replicas - 1
         candidates = [n.name for n in ranking(v.me, v.nodes)]

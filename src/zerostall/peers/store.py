@@ -29,7 +29,7 @@ import shutil
 import stat
 import threading
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from ..errors import ZerostallError
 from ..format.manifest import MANIFEST_NAME, Manifest
@@ -43,6 +43,7 @@ from .wire import check_name, check_node
 log = logging.getLogger("zerostall")
 AREA = "peers"
 _STEP_RE = re.compile(r"^step-(\d{1,19})$")
+T = TypeVar("T")
 
 
 class QuotaExceeded(ZerostallError):
@@ -174,42 +175,67 @@ class PeerStore:
         if man.step != step:
             raise ZerostallError(f"the manifest names step {man.step}, the request step {step}")
         fe = file_entry(man, name)
+        def same(held: Manifest | None) -> bool:  # else the source overwrote the step
+            return held is not None and held.checkpoint_id == man.checkpoint_id
+
+        self.open_step(src, step, man, same)
+        check = StreamCheck(man, name, f"{src}:step-{step}/{name}")
+
+        def write(w: Any) -> str:
+            fill(w, check)
+            return check.digest()
+        return self.keep(src, step, name, fe.file_bytes, write, lambda: same(self.manifest(src, step)), "recv")
+
+    def open_step(self, src: str, step: int, man: Manifest, same: Callable[[Manifest], bool],
+                  first: tuple[tuple[str, bytes], ...] = ()) -> None:
+        """The directory of ``src``'s ``step`` ready for a file of checkpoint ``man``, under the
+        step's lock: a copy held there whose manifest is not ``same`` goes as a whole; a new directory gets ``first`` (name, bytes) files and then the
+        manifest, durably. A receiving connection thread, before its file's bytes."""
         d = self.step_dir(src, step)
         with self._lock(src, step):
             old = self.manifest(src, step)
-            if old is not None and old.checkpoint_id != man.checkpoint_id:
-                self._drop(src, step)  # the source overwrote the step: the old copy goes as a whole
+            if old is not None and not same(old):
+                self._drop(src, step)
                 old = None
             os.makedirs(d, exist_ok=True)
             if old is None:
+                for name, data in first:
+                    write_file_durable(os.path.join(d, name), data)
                 write_file_durable(os.path.join(d, MANIFEST_NAME), man.to_bytes())
                 fsync_dir(d)
                 fsync_dir(os.path.dirname(d))
-        check = StreamCheck(man, name, f"{src}:step-{step}/{name}")
-        self._reserve(src, step, name, fe.file_bytes)
+
+    def keep(self, src: str, step: int, name: str, nbytes: int, write: Callable[[Any], T],
+             same: Callable[[], bool], hooks: str) -> T:
+        """Receive file ``name`` (``nbytes``) of ``src``'s ``step`` (after :meth:`open_step`):
+        reserve its room in the quota, ``write(writer)`` into an ``.incoming-*`` file (it raises
+        on any mismatch), fdatasync, and rename it to ``name`` under the step's lock if the step
+        is still ``same()``; returns what ``write`` returned. A failure leaves nothing but a
+        removed ``.incoming-*``. ``hooks``: the fault-hook prefix (``<hooks>:before-fsync``,
+        ``<hooks>:before-rename``). A receiving connection thread."""
+        d = self.step_dir(src, step)
+        self._reserve(src, step, name, nbytes)
         engine = self._engine_for()
         try:
             with unlinked_on_error(os.path.join(d, f".incoming-{name}-{uuid.uuid4().hex[:8]}")) as tmp:
-                w = engine.open_write(tmp, fe.file_bytes)
+                w = engine.open_write(tmp, nbytes)
                 try:
-                    fill(w, check)
-                    digest = check.digest()
-                    at("recv:before-fsync")
+                    out = write(w)
+                    at(f"{hooks}:before-fsync")
                     w.finish()
                 finally:
                     w.close()
-                at("recv:before-rename")
+                at(f"{hooks}:before-rename")
                 with self._lock(src, step):
-                    cur = self.manifest(src, step)
-                    if cur is None or cur.checkpoint_id != man.checkpoint_id:
+                    if not same():
                         raise ZerostallError(f"step {step} of {src} was replaced during the transfer")
                     os.rename(tmp, os.path.join(d, name))
                     fsync_dir(d)
         finally:
             engine.close()
             with self._mu:
-                self._reserved -= fe.file_bytes
-        return digest
+                self._reserved -= nbytes
+        return out
 
     def used_bytes(self) -> int:
         """Bytes of the files held under the peer area (transfers in flight are counted by

@@ -272,7 +272,9 @@ def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer:
     while the caller's thread checks each filled one and writes it with O_DIRECT, so the
     socket keeps draining during the crc and the write (in one loop, every crc and every
     write stalled the stream and the sender behind it: docs/cluster.md, the link probe). Each
-    buffer is checked before it is written, and every byte before the caller commits.
+    buffer is checked before it is written, and every byte before the caller commits; while
+    one is written the next, if it is in already, is checked (the write's ``overlap``), so the
+    disk does not idle during the crc when the link outruns it.
     ``pacer``: the receiver's own cap (a holder pacing what it takes in); ``point``: the
     :data:`fault_hook` prefix (``"recv"`` for a holder's copy; called on the receiving
     thread); ``buf_bytes``: each buffer's size (:data:`BUF_BYTES` for copies,
@@ -313,21 +315,46 @@ def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer:
 
     t = threading.Thread(target=receive, name="zerostall-peers-recv", daemon=True)
     t.start()
+    taken = [0]  # bytes handed over by the receiving thread so far
+
+    def take(block: bool) -> tuple[int, int, int] | None:
+        """The next filled buffer, checked: (index, bytes, file offset - start); None when none
+        is waiting (``block`` False) or every byte was taken."""
+        if taken[0] >= size:
+            return None
+        try:
+            item = full.get(block)
+        except queue.Empty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        i, n = item
+        piece = (i, n, taken[0])
+        taken[0] += n
+        mv = memoryview(bufs[i])
+        try:
+            check.feed(mv[:n])
+        finally:
+            mv.release()
+        return piece
+
     try:
-        off = 0
-        while off < size:
-            item = full.get()
-            if isinstance(item, BaseException):
-                raise item
-            i, n = item
+        ready = take(True)
+        while ready is not None:
+            nxt: list[tuple[int, int, int] | None] = [None]
+
+            def overlap() -> None:
+                # the next piece, if it is in already, is checked while this one is written:
+                # the disk does not idle during the crc (the checked-before-written order holds)
+                nxt[0] = take(False)
+            i, n, off = ready
             mv = memoryview(bufs[i])
             try:
-                check.feed(mv[:n])
-                w.write([(start + off, mv[:n])])
+                w.write([(start + off, mv[:n])], overlap)
             finally:
                 mv.release()
             free.put(i)
-            off += n
+            ready = nxt[0] if nxt[0] is not None else take(True)
     except BaseException:
         free.put(None)
         try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..config import IOConfig
@@ -79,22 +79,11 @@ def load(path: str, state_dict: Any = None, request: LoadRequest | None = None, 
     ``engine`` and ``bounce``: the I/O engine and staging memory to read with (None: opened
     here). ``report`` (a :class:`LoadReport`) is filled in with the step loaded and the key report.
     """
-    req = request if request is not None else LoadRequest()
-    step, map_location, verify, fallback = req.step, req.map_location, req.verify, req.fallback
-    io, rank, world_size, remote, keys = req.io, req.rank, req.world_size, req.remote, req.keys
-    strict, gate, download = req.strict, req.gate, req.download
-    remote_why = ""
-    remote_steps: list[int] = []
+    req = _checked(request if request is not None else LoadRequest())
+    remote, remote_why, remote_steps = req.remote, "", []
     if remote is not None:
-        if isinstance(remote, str):
-            remote = open_tier(remote, io=io)
         listed, remote_why = list_steps(remote)
         remote_steps = listed or []
-    if keys is not None:
-        if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
-            raise ConfigError(f"keys={keys!r} must be a list of str (dotted key paths)")
-        keys = list(keys)
-    location_mapper(map_location)  # bad map_location: fail before reading anything
     report = report if report is not None else LoadReport()
     if is_url(path):
         raise ConfigError(f"load({path!r}): the path is a local directory; pass the URL as remote= to "
@@ -104,88 +93,143 @@ def load(path: str, state_dict: Any = None, request: LoadRequest | None = None, 
         tier = open_root(path, create=True)  # type: ignore[assignment]
     own_engine = engine is None
     bounce = bounce or shared_bounce()
-    tried: set[tuple[int, str]] = set()
-    replaced: dict[int, int] = {}
-    refetched: set[int] = set()
-    seen_local: dict[int, Any] = {}  # step -> identity of the local manifest this load tried
-    errors: list[str] = []
-    part_loaded = False  # a failed step wrote part of the state dict (CorruptCheckpoint.part_loaded)
+    walk = _Fallback(tier, remote, remote_steps, req.step, req.fallback)
     try:
-        while True:
-            steps = tier.listed_steps()  # damaged ones too: each is tried and its defect reported
-            every = sorted(set(steps) | set(remote_steps))
-            if step is not None:
-                every = [s for s in every if s == step]
-            todo = [(s, src) for s in reversed(every)
-                    for src in (["local"] if s in steps else []) + (["remote"] if s in remote_steps else [])
-                    if (s, src) not in tried]
-            if not todo or (errors and not fallback):
-                break
-            s, src = todo[0]
-            tried.add((s, src))
+        while (candidate := walk.next()) is not None:
+            s, src = candidate
             if engine is None:
-                engine = choose_engine(tier.root, io or IOConfig())
+                engine = choose_engine(tier.root, req.io or IOConfig())
+            ident = walk.ident(s, src)
             fetched = False
-            ident = tier.manifest_ident(s) if src == "local" else listed_ident(remote, s)
-            if src == "local":
-                seen_local[s] = ident
             try:
-                if src == "remote" and download:
-                    fetched = fetch(tier, remote, s, seen_local.get(s), who=(rank, world_size))[1]
-                out = load_step(remote if src == "remote" and not download else tier, s, engine, bounce, state_dict,
-                                map_location, verify, rank, world_size, keys=keys, strict=strict, report=report,
-                                io=io, gate=gate)
+                if src == "remote" and req.download:
+                    fetched = fetch(tier, remote, s, walk.seen_local.get(s), who=(req.rank, req.world_size))[1]
+                out = load_step(remote if src == "remote" and not req.download else tier, s, engine, bounce,
+                                state_dict, req.map_location, req.verify, req.rank, req.world_size, keys=req.keys,
+                                strict=req.strict, report=report, io=req.io, gate=req.gate)
             except (StateMismatchError, ConfigError, DistributedError):
                 raise  # the caller's state or arguments, or the ranks' agreement (gate): not this copy's defect
             except Exception as exc:  # noqa: BLE001 - every defect of a checkpoint means: try the previous one
-                why = (changed_under(tier, s, ident) if src == "local"  # shared with verify
-                       else remote_changed_under(remote, s, ident))
-                if why is not None and fetched:
-                    tier.delete(s)  # our download of the remote copy that was replaced (or removed) meanwhile
-                if why == GONE:
-                    log.info("zerostall: step %d disappeared while loading (retention?); listing again", s)
-                    continue
-                if why == REPLACED and replaced.get(s, 0) < MAX_REPLACED:
-                    # the writer overwrote this step while we read it (old manifest, new shard): read it again
-                    replaced[s] = replaced.get(s, 0) + 1
-                    tried.discard((s, src))
-                    log.info("zerostall: step %d was overwritten while loading; reading it again", s)
-                    continue
-                bad_ref = damaged_local_ref(tier, s, exc) if fetched and s not in refetched else None
-                if bad_ref is not None and bad_ref in remote_steps:
-                    # an incremental step borrows from a local step whose file is damaged: the
-                    # remote's copy of that step is what this remote step references
-                    refetched.add(s)
-                    log.warning("zerostall: step %d borrows from local step %d, which is damaged (%s); "
-                                "fetching step %d from the remote again", s, bad_ref, exc, bad_ref)
-                    try:
-                        fetch_remote_step(tier, remote, bad_ref)
-                        tried.discard((s, src))
-                        continue
-                    except Exception as fexc:  # noqa: BLE001 - reported below with the original defect
-                        log.error("zerostall: fetching step %d again failed: %s", bad_ref, fexc)
-                reason = str(exc) if isinstance(exc, ZerostallError) else f"{type(exc).__name__}: {exc}"
-                part_loaded = part_loaded or getattr(exc, "part_loaded", False)
-                log.error("zerostall: step %d (%s copy) failed: %s", s, src, reason)
-                errors.append(f"step {s} ({src}): {reason}")
-                if fetched and isinstance(exc, CorruptCheckpoint):
-                    tier.delete(s)  # drop the bad download (a failed fetch committed nothing: a local copy stays)
+                walk.failed(s, src, ident, fetched, exc)
                 continue
-            report.step, report.source, report.failed = s, src, list(errors)
+            report.step, report.source, report.failed = s, src, list(walk.errors)
             _log_loaded(report, tier.root)
             return out
-        if not errors:
-            if remote_why and not tried:
-                raise RemoteError(f"no committed checkpoint in {tier.root!r}, and the remote tier could not be "
-                                  f"listed: {remote_why}", url=remote.url)
-            raise _not_found(tier, remote, step, remote_steps)
-        raise CorruptCheckpoint(f"no checkpoint in {tier.root!r} verifies: " + "; ".join(errors) +
-                                ("" if state_dict is None else " The state dict is part loaded: load a step into it "
-                                 "again." if part_loaded else " The state dict was not modified."),
-                                path=tier.root, part_loaded=part_loaded)
+        raise walk.error(state_dict, remote_why)
     finally:
         if own_engine and engine is not None:
             engine.close()
+
+
+def _checked(req: LoadRequest) -> LoadRequest:
+    """``req`` with its remote opened (a URL becomes a tier) and ``keys`` a list; a bad
+    ``keys`` or ``map_location`` raises :class:`ConfigError` before anything is read."""
+    remote, keys = req.remote, req.keys
+    if isinstance(remote, str):
+        remote = open_tier(remote, io=req.io)
+    if keys is not None:
+        if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
+            raise ConfigError(f"keys={keys!r} must be a list of str (dotted key paths)")
+        keys = list(keys)
+    location_mapper(req.map_location)
+    return replace(req, remote=remote, keys=keys)
+
+
+@dataclass
+class _Fallback:
+    """One load's walk over the candidate copies, newest step first, local before remote
+    (caller's thread): which were tried, which failed and why. A copy deleted or overwritten
+    while it was read, or a downloaded step whose local base is damaged, is tried again."""
+
+    tier: RootTier
+    remote: Any
+    remote_steps: list[int]
+    step: int | None
+    fallback: bool
+    tried: set[tuple[int, str]] = field(default_factory=set)
+    replaced: dict[int, int] = field(default_factory=dict)
+    refetched: set[int] = field(default_factory=set)
+    seen_local: dict[int, Any] = field(default_factory=dict)
+    """Step -> identity of the local manifest this load tried (a download must not replace it)."""
+    errors: list[str] = field(default_factory=list)
+    part_loaded: bool = False
+    """A failed step wrote part of the state dict (:attr:`CorruptCheckpoint.part_loaded`)."""
+
+    def next(self) -> tuple[int, str] | None:
+        """The next (step, "local" | "remote") to try, from a fresh listing; None when done."""
+        steps = self.tier.listed_steps()  # damaged ones too: each is tried and its defect reported
+        every = sorted(set(steps) | set(self.remote_steps))
+        if self.step is not None:
+            every = [s for s in every if s == self.step]
+        todo = [(s, src) for s in reversed(every)
+                for src in (["local"] if s in steps else []) + (["remote"] if s in self.remote_steps else [])
+                if (s, src) not in self.tried]
+        if not todo or (self.errors and not self.fallback):
+            return None
+        self.tried.add(todo[0])
+        return todo[0]
+
+    def ident(self, s: int, src: str) -> Any:
+        """The identity of the copy about to be read (to tell a change under the read)."""
+        if src == "remote":
+            return listed_ident(self.remote, s)
+        ident = self.seen_local[s] = self.tier.manifest_ident(s)
+        return ident
+
+    def failed(self, s: int, src: str, ident: Any, fetched: bool, exc: Exception) -> None:
+        """Copy (``s``, ``src``) raised ``exc`` (``fetched``: this load downloaded it): tried
+        again if it changed under the read or borrows from a damaged local base, else recorded."""
+        tier, remote = self.tier, self.remote
+        why = changed_under(tier, s, ident) if src == "local" else remote_changed_under(remote, s, ident)
+        if why is not None and fetched:
+            tier.delete(s)  # our download of the remote copy that was replaced (or removed) meanwhile
+        if why == GONE:
+            log.info("zerostall: step %d disappeared while loading (retention?); listing again", s)
+            return
+        if why == REPLACED and self.replaced.get(s, 0) < MAX_REPLACED:
+            # the writer overwrote this step while we read it (old manifest, new shard): read it again
+            self.replaced[s] = self.replaced.get(s, 0) + 1
+            self.tried.discard((s, src))
+            log.info("zerostall: step %d was overwritten while loading; reading it again", s)
+            return
+        bad_ref = damaged_local_ref(tier, s, exc) if fetched and s not in self.refetched else None
+        if bad_ref is not None and bad_ref in self.remote_steps:
+            # an incremental step borrows from a local step whose file is damaged: the
+            # remote's copy of that step is what this remote step references
+            self.refetched.add(s)
+            log.warning("zerostall: step %d borrows from local step %d, which is damaged (%s); "
+                        "fetching step %d from the remote again", s, bad_ref, exc, bad_ref)
+            try:
+                fetch_remote_step(tier, remote, bad_ref)
+                self.tried.discard((s, src))
+                return
+            except Exception as fexc:  # noqa: BLE001 - reported below with the original defect
+                log.error("zerostall: fetching step %d again failed: %s", bad_ref, fexc)
+        reason = str(exc) if isinstance(exc, ZerostallError) else f"{type(exc).__name__}: {exc}"
+        self.part_loaded = self.part_loaded or getattr(exc, "part_loaded", False)
+        log.error("zerostall: step %d (%s copy) failed: %s", s, src, reason)
+        self.errors.append(f"step {s} ({src}): {reason}")
+        if fetched and isinstance(exc, CorruptCheckpoint):
+            tier.delete(s)  # drop the bad download (a failed fetch committed nothing: a local copy stays)
+
+    def error(self, state_dict: Any, remote_why: str) -> ZerostallError:
+        """What a load that ran out of candidates raises (``remote_why``: the remote's listing failure)."""
+        tier, remote = self.tier, self.remote
+        if self.errors:
+            return CorruptCheckpoint(f"no checkpoint in {tier.root!r} verifies: " + "; ".join(self.errors) +
+                                     ("" if state_dict is None else " The state dict is part loaded: load a step "
+                                      "into it again." if self.part_loaded else " The state dict was not modified."),
+                                     path=tier.root, part_loaded=self.part_loaded)
+        if remote_why and not self.tried:
+            return RemoteError(f"no committed checkpoint in {tier.root!r}, and the remote tier could not be "
+                               f"listed: {remote_why}", url=remote.url)
+        where = f"{tier.root!r}" + (f" or {remote.url}" if remote is not None else "")
+        if self.step is not None:
+            return CheckpointNotFound(f"no committed checkpoint for step {self.step} in {where} "
+                                      f"(steps: {sorted(set(tier.listed_steps()) | set(self.remote_steps)) or 'none'})")
+        parts = tier.partial_steps()
+        extra = f" ({len(parts)} unfinished .partial directories)" if parts else ""
+        return CheckpointNotFound(f"no committed checkpoint in {where}{extra}")
 
 
 def _log_loaded(report: LoadReport, root: str) -> None:
@@ -201,14 +245,3 @@ def _log_loaded(report: LoadReport, root: str) -> None:
     if report.unexpected_keys:
         log.info("zerostall: step %d holds %d keys the state dict lacked (added): %s", s,
                  len(report.unexpected_keys), ", ".join(report.unexpected_keys[:10]))
-
-
-def _not_found(tier: RootTier, remote: Any, step: int | None, remote_steps: list[int]) -> CheckpointNotFound:
-    """The error of a load that found no committed step to try (``step``: the one asked for)."""
-    where = f"{tier.root!r}" + (f" or {remote.url}" if remote is not None else "")
-    if step is not None:
-        return CheckpointNotFound(f"no committed checkpoint for step {step} in {where} "
-                                  f"(steps: {sorted(set(tier.listed_steps()) | set(remote_steps)) or 'none'})")
-    parts = tier.partial_steps()
-    extra = f" ({len(parts)} unfinished .partial directories)" if parts else ""
-    return CheckpointNotFound(f"no committed checkpoint in {where}{extra}")

@@ -30,6 +30,19 @@ def shard_where(tier: Tier, step: int, name: str) -> str:
     return f"{tier.url.rstrip('/')}/step-{step}/{name}"
 
 
+def check_size(tier: Tier, step: int, name: str, want: int, recorded_by: str = "manifest says") -> None:
+    """Shard ``step-N/<name>`` on ``tier`` is a regular file of ``want`` bytes, else
+    :class:`CorruptCheckpoint` naming it; ``recorded_by`` says who recorded that size (an
+    incremental step's reference to an earlier step's file). Caller's thread, before any read."""
+    path = shard_where(tier, step, name)
+    size = tier.stat(f"step-{step}/{name}")
+    if size is None:
+        raise CorruptCheckpoint(f"{path}: shard file is missing or not a regular file ({recorded_by} {want} bytes)",
+                                path=path)
+    if size != want:
+        raise CorruptCheckpoint(f"{path}: shard is {size} bytes, {recorded_by} {want} (truncated or replaced)", path=path)
+
+
 def ref_groups(man: Manifest, indices: Iterable[int]) -> dict[RefFile, list[int]]:
     """The manifest entries ``indices`` that live in earlier steps' files, grouped by file."""
     by_key = {(r.step, r.name): r for r in man.ref_files}
@@ -61,13 +74,7 @@ def check_ref_files(tier: Tier, man: Manifest, refs: list[RefFile]) -> None:
         if fe is None or fe.file_bytes != r.file_bytes or (fe.file_id or manifests[r.step].checkpoint_id) != r.file_id:
             raise CorruptCheckpoint(f"{where}, but step {r.step}'s manifest does not list that file as "
                                     "recorded (step overwritten?)", path=step_where)
-        path = shard_where(tier, r.step, r.name)
-        size = tier.stat(f"step-{r.step}/{r.name}")
-        if size is None:
-            raise CorruptCheckpoint(f"{path}: referenced shard file is missing ({where})", path=path)
-        if size != r.file_bytes:
-            raise CorruptCheckpoint(f"{path}: referenced shard is {size} bytes, {where} with "
-                                    f"{r.file_bytes} (truncated or replaced)", path=path)
+        check_size(tier, r.step, r.name, r.file_bytes, f"{where} with")
 
 
 def ref_reads(tier: Tier, man: Manifest, groups: dict[RefFile, list[int]],

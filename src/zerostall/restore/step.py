@@ -35,7 +35,7 @@ from ..io.base import Engine
 from ..memory.arena import Arena
 from ..store.local import LocalTier
 from ..store.tier import Tier
-from .refs import check_ref_files, file_read, ref_groups, ref_reads, shard_where
+from .refs import check_ref_files, check_size, file_read, ref_groups, ref_reads, shard_where
 from .device_copy import cuda_target
 from .state import LoadReport, find_in_place, key_report, location_mapper, merge, overlapping, select_keys
 from . import stream
@@ -69,14 +69,8 @@ def check_files(tier: Tier, man: Manifest, only: set[str] | None = None, engine:
     for fe in man.files:
         if only is not None and fe.name not in only:
             continue
-        where = shard_where(tier, man.step, fe.name)
         tier.open_shard_read(man.step, fe.name, engine).close()  # refuses a missing file, a symlink, a FIFO...
-        size = tier.stat(f"step-{man.step}/{fe.name}")
-        if size is None:
-            raise CorruptCheckpoint(f"{where}: shard file is missing or not a regular file", path=where)
-        if size != fe.file_bytes:
-            raise CorruptCheckpoint(f"{where}: shard is {size} bytes, manifest says "
-                                    f"{fe.file_bytes} (truncated or replaced)", path=where)
+        check_size(tier, man.step, fe.name, fe.file_bytes)
     if man.ref_files:  # files of earlier steps this (incremental) step borrows from
         check_ref_files(tier, man, [r for r in man.ref_files if only is None or r.name in only])
 

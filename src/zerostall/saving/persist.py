@@ -16,6 +16,16 @@ each subscriber (``subscribe``: local retention, replication, peer replicas) in 
 they raise is recorded as a post-commit problem (``SaveRecord.post_commit_errors``). Last,
 ``finished(job)`` of the owner's bookkeeping builds the save's record, and the status is done.
 Nothing here calls back into the ``Checkpointer``.
+
+Local retention takes a doomed step out of the listing at once but leaves its files
+(``LocalTier.deferred``). The next full save writes over the doomed shard (moved into its
+partial directory when no process has it open): its writes then neither allocate nor convert
+extents, and no unlink frees (on a ``discard`` mount, trims) the old ones, work that sat
+between one commit and the next write (docs/every-step.md). This thread
+removes what is left while the next save's first writes are in flight, or before the save's
+status is done when nothing is queued behind it (a lone save ends with its old step gone but
+for its shard, kept out of the listing as the next save's spare: ``spare_shard``), or before
+preallocating a shard the filesystem has no room for beside them, and at exit.
 """
 
 from __future__ import annotations
@@ -73,6 +83,9 @@ class Persister(Worker[Job]):
         else:
             self.upstream.submit(Forward(self, item))
 
+    def on_exit(self) -> None:
+        self.tier.deferred.run()
+
     def subscribe(self, subscriber: CommitSubscriber) -> None:
         """Hand every step this persist thread commits to ``subscriber.on_committed`` (caller's
         thread, before the first save)."""
@@ -96,18 +109,24 @@ class Persister(Worker[Job]):
             g = run_end
         return out
 
-    def _write_blocks(self, job: Job, f: ShardFile, g: int, file_bytes: int, crc: CrcCursor | None) -> int:
+    def _write_blocks(self, job: Job, f: ShardFile, g: int, file_bytes: int, crc: CrcCursor | None,
+                      chores: Callable[[], None] | None = None) -> int:
         """Write the job's blocks from ``g`` up to ``file_bytes`` as the snapshot thread
         publishes them, checksumming while the writes are in flight (``crc``; None: the snapshot
-        thread checksummed them as it copied); returns the next block."""
+        thread checksummed them as it copied) and running ``chores`` (once, never raising)
+        while the first ones are; returns the next block."""
         g_file = min(job.slot.g_end, job.slot.g0 + self.ring.blocks_for(file_bytes))
         while g < g_file:
             hi = min(self.ring.wait_staged(g), g_file, g + self.batch_blocks)
             _raise_if_failed(job)
             extents = self._extents(job, g, hi, file_bytes)
-            f.write(extents, overlap=None if crc is None else lambda: crc.feed(extents))
+            feed = None if crc is None else (lambda: crc.feed(extents))
+            f.write(extents, overlap=feed if chores is None else _both(chores, feed))
+            chores = None
             self.ring.release(g, hi)
             g = hi
+        if chores is not None:  # nothing to write (an incremental save that references everything)
+            chores()
         return g
 
     def _header_block(self, job: Job, plan: SavePlan) -> memoryview:
@@ -137,10 +156,16 @@ class Persister(Worker[Job]):
             self.engine.pin_buffer(arena.address, ring_bytes, fresh=fresh)
             if fresh:
                 self._pinned = weakref.ref(arena)
-        f = self.engine.open_write(os.path.join(part, job.request.file_name), layout.file_bytes)
+        deferred, path = self.tier.deferred, os.path.join(part, job.request.file_name)
+        # a full save writes every byte of its file: it may write over a doomed step's shard
+        if job.incr is None and deferred and deferred.take(job.request.file_name, path):
+            f = self.engine.open_rewrite(path, layout.file_bytes)
+        else:
+            deferred.run_if_short(layout.file_bytes)
+            f = self.engine.open_write(path, layout.file_bytes)
         try:
             crc = None if job.crc_at_copy else CrcCursor(layout.items)
-            g = self._write_blocks(job, f, g, layout.file_bytes, crc)
+            g = self._write_blocks(job, f, g, layout.file_bytes, crc, deferred.run if deferred else None)
             crcs = crc.crcs if crc is not None else []
             # not staged yet: the appended blocks may need the ring's slots (RefTracker.settle)
             ext = job.extension.get()
@@ -197,6 +222,9 @@ class Persister(Worker[Job]):
         else:
             self._after_commit(job, persisted, post, t1)
         finally:
+            if self.tier.deferred and self.idle():  # else while the next save's writes are in flight
+                self.tier.deferred.run(keep=req.file_name)  # the next save writes over the spare
+            status.mark_post_commit()
             try:
                 self.finished(job)  # records and telemetry are final before anyone sees done
             except Exception:  # noqa: BLE001 - a sink failing must not wedge the pipeline
@@ -231,6 +259,14 @@ def _noted(status: Any, what: str, step: int, fn: Callable[[], None]) -> bool:
         log.warning("zerostall: %s", msg)
         status.note(msg)
         return False
+
+
+def _both(first: Callable[[], None], then: Callable[[], None] | None) -> Callable[[], None]:
+    def run() -> None:
+        first()
+        if then is not None:
+            then()
+    return run
 
 
 def _raise_if_failed(job: Job) -> None:

@@ -4,6 +4,8 @@ discard, and the start-up recovery that completes them; plus durable small files
 Used by the local tier and the DCP plugin (anything that commits a directory by renaming
 it). Every function is synchronous; callers are the owner of the parent directory (one
 process, see :mod:`.owner`) on its persist thread or its caller's thread at start-up.
+:class:`DeferredRemovals` lets the persist thread remove a tree it already took out of the
+listing at a time of its choosing (while its next writes are in flight).
 ``hook`` arguments are the test seam: called with a boundary name after each
 rename/unlink/fsync, so a test can crash the process at every boundary.
 """
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
+import logging
 import os
 import platform
 import stat
@@ -22,6 +26,7 @@ from typing import Callable, Iterator
 from .._fast import libc as _libc
 
 Hook = Callable[[str], None]
+log = logging.getLogger("zerostall")
 
 _AT_FDCWD = -100
 RENAME_EXCHANGE = 2
@@ -122,6 +127,111 @@ def rmtree(path: str, hook: Hook | None = None) -> None:
 
 def _noop(_: str) -> None:
     pass
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still allocate on ``path``'s filesystem (the seam the
+    tests fake a nearly full disk with)."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def unshared(path: str) -> bool:
+    """Whether no open file description of any process refers to the file at ``path`` now: a
+    write lease (``F_SETLEASE``) is granted only then, and released at once. False where leases
+    are refused (another owner, a filesystem without them) or on any error."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+class DeferredRemovals:
+    """Trees already out of their directory's listing (renamed to ``.deleting-*``, the rename
+    fsynced), whose files are removed later by the thread that owns the directory.
+
+    Unlinking a large file frees its extents (and, on a filesystem mounted with ``discard``,
+    trims them): tens of milliseconds per GiB of the owner thread's time, and a new file's
+    first writes then allocate and convert extents again. So the persist thread first takes
+    a doomed shard to write the next save over (:meth:`take`), and runs the rest of the
+    removals while the next save's writes are in flight (or when it has nothing queued)
+    instead of between one commit and the next write. A crash before :meth:`run` leaves
+    ``.deleting-*`` entries, which the owner's start-up recovery removes.
+    Owner thread only (not thread-safe); ``hook`` is the crash-test seam, read at each call.
+    """
+
+    MARGIN_BYTES = 64 << 20
+    """Free space asked beyond a new file's size before deferring removals further."""
+
+    def __init__(self, root: str, hook: Hook):
+        self.root, self._hook = root, hook
+        self.paths: list[str] = []
+        self.spare = True
+        """Whether :meth:`run` may keep one file for :meth:`take` (``CheckpointConfig.spare_shard``)."""
+
+    def __bool__(self) -> bool:
+        return bool(self.paths)
+
+    def add(self, path: str) -> None:
+        self.paths.append(path)
+
+    def run(self, keep: str | None = None) -> None:
+        """Remove every pending tree now, except, with ``keep`` (and :attr:`spare`), the first
+        regular file of that name: a spare the next save may write over; its tree stays
+        pending. A failure is logged, never raised: the tree is out of the listing already
+        and the next owner's recovery removes what is left."""
+        kept = None
+        for path in list(self.paths):
+            try:
+                if kept is None and keep is not None and self.spare and os.path.isfile(os.path.join(path, keep)):
+                    kept = path
+                    for entry in os.scandir(path):
+                        if entry.name != keep:
+                            rmtree(entry.path, self._hook)
+                    continue
+                rmtree(path, self._hook)
+            except OSError as exc:
+                log.warning("zerostall: could not remove %s (removed at the next start-up): %s", path, exc)
+            self.paths.remove(path)
+
+    def take(self, name: str, dest: str) -> bool:
+        """Move the file ``name`` of a pending tree to ``dest`` (on the same filesystem) for
+        the persist thread to write over: its blocks are reused instead of freed and allocated
+        again. Only a regular file that no process has open (:func:`unshared`: a reader that
+        opened the doomed step before it left the listing keeps reading its bytes). Returns
+        whether it moved one. A crash after the move leaves it in ``dest``'s partial directory,
+        which recovery removes."""
+        for tree in self.paths:
+            src = os.path.join(tree, name)
+            if unshared(src):
+                try:
+                    os.rename(src, dest)
+                except OSError:
+                    continue
+                self._hook("recycle")
+                return True
+        return False
+
+    def run_if_short(self, nbytes: int) -> None:
+        """Before preallocating ``nbytes``: remove the pending trees now unless the filesystem
+        has room for ``nbytes`` (and a margin) beside them, so deferring never costs an ENOSPC."""
+        if self.paths:
+            try:
+                short = free_bytes(self.root) < nbytes + self.MARGIN_BYTES
+            except OSError:
+                short = True
+            if short:
+                self.run()
 
 
 def discard(path: str, hook: Hook | None = None) -> None:

@@ -22,7 +22,8 @@ logged. After 4 the checkpoint exists; 6 is a hint for humans and tools (readers
 listing), and a failure there is reported as a post-commit problem, never as a failed save.
 
 Deleting a committed step (retention, a bad download) renames it to ``.deleting-step-N-*``
-("delete_rename"), fsyncs the root ("delete_fsync"), then removes the files ("unlink").
+("delete_rename"), fsyncs the root ("delete_fsync"), then removes the files ("unlink"); for
+retention after a commit the persist thread removes them later (:class:`~.atomic.DeferredRemovals`).
 
 Ownership: :meth:`LocalTier.own` takes ``<root>/.zerostall.lock`` (:mod:`.owner`) before
 recovering; only the owner writes. Readers (``steps``, ``read_manifest``, ``load``,
@@ -47,7 +48,7 @@ from ..errors import (CheckpointExistsError, CheckpointNotFound, CorruptCheckpoi
                       StepOrderError, ZerostallError, storage_error)
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..format.validate import parse_step_dir, read_small
-from .atomic import fsync_dir, publish_dir, rmtree, write_file_durable
+from .atomic import DeferredRemovals, fsync_dir, publish_dir, rmtree, write_file_durable
 from .owner import RootLock
 from .recovery import _OLD_RE, _PARTIAL_RE, _TEMP_RE, recover_root
 from .retention import ManifestRefs
@@ -87,6 +88,8 @@ class LocalTier(Tier):
         self.lock_timeout_s = lock_timeout_s
         self._lock = RootLock(self.root)
         self._verdicts = ManifestVerdicts()
+        self.deferred = DeferredRemovals(self.root, lambda name: self._step(name))
+        """Deleted steps whose files the persist thread removes later (``delete(defer=True)``)."""
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise CheckpointNotFound(f"checkpoint path {self.root!r} is a file, not a directory")
         if create:
@@ -364,8 +367,9 @@ class LocalTier(Tier):
         except OSError as exc:
             log.warning("zerostall: could not remove %s: %s", self.partial_dir(step), exc)
 
-    def delete(self, step: int) -> None:
-        """Remove a committed step: take it out of the listing, fsync the root, then delete."""
+    def delete(self, step: int, *, defer: bool = False) -> None:
+        """Remove a committed step: take it out of the listing, fsync the root, then delete its
+        files (``defer``: leave that to whoever runs :attr:`deferred`, the persist thread)."""
         d = self.step_dir(step)
         gone = os.path.join(self.root, f".deleting-step-{step}-{uuid.uuid4().hex[:8]}")
         try:
@@ -376,7 +380,10 @@ class LocalTier(Tier):
             self._step("delete_rename")
             fsync_dir(self.root)
             self._step("delete_fsync")
-            rmtree(gone, self._step)
+            if defer:
+                self.deferred.add(gone)
+            else:
+                rmtree(gone, self._step)
         except OSError as exc:
             raise storage_error(f"deleting step {step} from", self.root, exc) from exc
         log.info("zerostall: removed step %d from %s", step, self.root)

@@ -165,17 +165,22 @@ def dependents(steps: list[int], step: int, read_manifest: Callable[[int], Any])
 
 
 def prune(tier: Any, steps: list[int], doomed_steps: list[int], *, protect: set[int] = frozenset(),  # type: ignore[assignment]
-          cancelled: Callable[[], bool] = lambda: False) -> list[int]:
+          cancelled: Callable[[], bool] = lambda: False, defer: bool = False) -> list[int]:
     """Delete ``doomed_steps`` of ``tier`` (whose committed steps are ``steps``) that no staying
     step references, newest first (:func:`spare_referenced`), until ``cancelled()``; logs and
     returns what went. The one apply loop of every tier's retention (the thread that owns the
-    tier's writes: persist thread, replicator, or the caller's at start-up)."""
+    tier's writes: persist thread, replicator, or the caller's at start-up). ``defer`` (the
+    local tier, from its persist thread): the steps leave the listing now, their files are
+    removed by the persist thread later (``LocalTier.deferred``)."""
     gone = []
     read = getattr(tier, "manifest_refs", tier.read_manifest)  # the local tier's: no re-parse of its own
     for s in spare_referenced(steps, doomed_steps, read, protect):
         if cancelled():
             break
-        tier.delete(s)
+        if defer:
+            tier.delete(s, defer=True)
+        else:
+            tier.delete(s)
         gone.append(s)
     if gone:
         log.info("zerostall: retention removed steps %s from %s", gone, getattr(tier, "url", tier))
@@ -197,7 +202,9 @@ def check_not_referenced(tier: Any, step: int, pinned: set[int], *, queued: bool
 
 class LocalRetention:
     """``keep_last`` on the local tier after each commit: a commit subscriber (persist thread;
-    local tier without a remote, on the rank(s) that own the root's retention).
+    local tier without a remote, on the rank(s) that own the root's retention). A doomed step
+    leaves the listing here; its files are removed by the persist thread while the next save's
+    writes are in flight, or at once when nothing is queued (``LocalTier.deferred``).
 
     ``recent``: this writer's newest committed steps, oldest first, seeded with the root's last
     commits (:func:`retain_at_start`): retention never deletes them (see the module docstring)."""
@@ -214,7 +221,7 @@ class LocalRetention:
         self._recent.append(record.step)
         keep = set(self._recent) | self.protect() | {record.step}
         steps = self.tier.steps()
-        prune(self.tier, steps, doomed(steps, self.keep_last, keep))
+        prune(self.tier, steps, doomed(steps, self.keep_last, keep), defer=True)
 
 
 def retain_at_start(tier: Any, keep_last: int, protect: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
