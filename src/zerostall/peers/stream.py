@@ -56,8 +56,8 @@ SEND_BUFS = 4
 
 
 SOCKET_SEND_BYTES = 4 << 20
-"""The kernel send buffer a peer connection asks for (:func:`roomy_send_buffer`; the kernel
-doubles it)."""
+"""The kernel send buffer a holder's connection asks for (:func:`roomy_send_buffer`; the
+kernel doubles it)."""
 
 
 @functools.lru_cache(maxsize=None)

@@ -248,7 +248,6 @@ class TcpTransport(Transport):
         if op:
             at(f"{op}:connect")
         s.settimeout(self.timeout_s)
-        roomy_send_buffer(s)  # a sender of copies, likewise
         with self._mu:
             if self._closed:
                 s.close()
