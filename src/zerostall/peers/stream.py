@@ -76,11 +76,10 @@ def roomy_send_buffer(sock: socket.socket) -> None:
     Why: a peer socket has a timeout, so CPython sends in non-blocking pieces, each taking
     only what the send buffer has room for, and takes the GIL back between two of them.
     Autotuning sizes the buffer from the congestion window: on a low-latency link a few
-    milliseconds of data. A sender that waits that long for a core or the GIL (a node loading
-    its own state while it serves a restore) left the link idle: each holder's stream of a
-    coded restore ran at 0.6 of its link on a loaded host, a bare blocking stream at 0.95
-    (docs/peers.md, "What bounds a coded restore"). With this buffer the kernel keeps
-    sending for as long as the buffer lasts while the sender waits. Never set below the
+    milliseconds of data. A sender that waits longer for a core or the GIL (a node loading
+    its own state while it serves a restore) leaves the link idle, where a blocking stream
+    would sleep in the kernel (docs/peers.md, "What bounds a coded restore"). With this
+    buffer the kernel keeps sending for as long as the buffer lasts while the sender waits. Never set below the
     ceiling autotuning would reach (``net.ipv4.tcp_wmem``'s max): on fast, far links
     autotuning is what keeps them full."""
     want = max(SOCKET_SEND_BYTES, _sysctl("net/ipv4/tcp_wmem", 2) // 2)
