@@ -137,15 +137,18 @@ def free_bytes(path: str) -> int:
 
 
 def unshared(path: str) -> bool:
-    """Whether no open file description of any process refers to the file at ``path`` now: a
-    write lease (``F_SETLEASE``) is granted only then, and released at once. False where leases
-    are refused (another owner, a filesystem without them) or on any error."""
+    """Whether the file at ``path`` has no other name (a hard link: a user's ``cp -al`` backup,
+    zerostall's own links) and no open file description of any process refers to it now: a
+    write lease (``F_SETLEASE``) is granted only then, and released at once; the kernel grants
+    it whatever the link count. False where leases are refused (another owner, a filesystem
+    without them) or on any error."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
             return False
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
