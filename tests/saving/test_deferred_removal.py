@@ -164,3 +164,19 @@ def test_a_doomed_shard_hard_linked_elsewhere_is_never_written_over(ckdir, tmp_p
             ck.save(s, {"w": torch.full((300_000,), float(s))}).result(timeout=60)
         assert "recycle" not in events
     assert open(backup, "rb").read() == before
+
+
+@pytest.mark.parametrize("fs", ["ceph", "fuse.juicefs"])
+def test_a_doomed_shard_on_a_filesystem_other_nodes_share_is_never_written_over(ckdir, monkeypatch, fs):
+    """A write lease sees only this kernel's opens: on a filesystem other nodes mount, a
+    reader there (an evaluator loading the step) is invisible to it, and unlink keeps an
+    opened file readable where writing over it would not."""
+    monkeypatch.setattr(atomic, "fs_of", lambda path: (fs, "/"))
+    events = []
+    with zerostall.Checkpointer(ckdir, keep_last=1) as ck:
+        ck.save(1, {"w": torch.ones(1000)}).result(timeout=60)
+        ck.tier._hook = events.append
+        for s in (2, 3):
+            ck.save(s, {"w": torch.full((1000,), float(s))}).result(timeout=60)
+        assert "recycle" not in events and _deleting(ckdir) == []  # no spare kept either
+    assert zerostall.load(ckdir)["w"].equal(torch.full((1000,), 3.0))
