@@ -68,6 +68,8 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                         "--methods, --dir, --json)")
     s.add_argument("--seconds", type=_positive(float), default=6.0, help="every-step: seconds per mode")
     s.add_argument("--every", type=_positive(int), default=10, help="every-step: the interval of zs-every-K")
+    s.add_argument("--spare-core-only", action="store_true",
+                   help="every-step: run the trainer only on all cores but one (not on all cores too)")
     s.add_argument("--link-mbit", type=_positive(float), nargs="+", default=[4000.0, 1600.0],
                    help="node-loss-links: each node's link, megabits/s (several: each in turn)")
     s.add_argument("--s3-mbit", type=float, default=1000.0, help="node-loss-links: the S3 server's link (0: no S3)")

@@ -13,7 +13,16 @@ one: ``torch.set_num_threads``) it runs each mode for ``--seconds`` and reports 
 * ``zs-every-K``: every ``--every`` steps, blocking;
 * ``dcp-async``: ``dcp.async_save`` every step with one reused ``DefaultStager`` (async
   staging), waiting for the previous save first and for staging before the optimizer step (as
-  DCP's documentation asks).
+  DCP's documentation asks);
+* ``zs-block-2slots`` (only when named in ``--methods``): ``zs-block`` with a staging arena of
+  two snapshots (``StagingConfig(slots=2)``: twice the state's bytes of host memory).
+
+Beside steps/s each mode reports what explains its loss within the run: the time the trainer
+waited per step (zerostall: ``save()`` plus the optimizer guard, from each save's record;
+DCP: its wait for staging and for the previous save), and the save cycle: the persist
+thread's time per save (zerostall: ``persist_s + commit_s + post_commit_s`` of the records,
+the least interval between saves it keeps up with; DCP: start to finish of each async save).
+When the cycle is longer than the step, ``block`` waits and ``skip`` skips.
 
 Then, with one torch thread and no matmuls, the CPU cost (:func:`cpu_per_gib`): process CPU
 seconds per GiB saved of back-to-back saves (the optimizer step, timed on its own thread,
@@ -24,27 +33,20 @@ Runs on the caller's thread; the saves' own threads are the library's.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import resource
 import shutil
 import statistics
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any
 
-import crc32c
 import torch
 
+from .everystep_cpu import cpu_per_gib, one_pass_limit, process_cpu_s
 from .report import write_doc
 
 MODES = ("none", "zs-block", "zs-skip", "zs-every-K", "dcp-async")
-
-
-def process_cpu_s() -> float:
-    """User + system CPU seconds of this process (every thread, living or exited)."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+EXTRA_MODES = ("zs-block-2slots",)
 
 
 class Trainer:
@@ -80,6 +82,15 @@ class Saver:
     saves = 0
     skips = 0
     bytes_saved = 0
+    waited_s = 0.0
+    """The trainer's waits for checkpointing (save() and the optimizer guard)."""
+    cycles_s: list[float]
+    """Per save: the pipeline's time per save (see the module docstring)."""
+    writes_s: list[float]
+
+    def reset(self) -> None:
+        self.saves = self.skips = self.bytes_saved = 0
+        self.waited_s, self.cycles_s, self.writes_s = 0.0, [], []
 
     def after_step(self, step: int) -> None:
         pass
@@ -92,10 +103,12 @@ class Saver:
 
 
 class ZsSaver(Saver):
-    def __init__(self, tr: Trainer, root: str, every: int = 1, backpressure: str = "block"):
+    def __init__(self, tr: Trainer, root: str, every: int = 1, backpressure: str = "block", slots: int = 1):
         from zerostall.checkpointer import Checkpointer
+        from zerostall.config import StagingConfig
         self.tr, self.every = tr, every
-        self.ck = Checkpointer(root, keep_last=2, backpressure=backpressure)
+        self.reset()
+        self.ck = Checkpointer(root, keep_last=2, backpressure=backpressure, staging=StagingConfig(slots=slots))
         self.ck.guard(tr.opt)  # the optimizer step waits only while a snapshot still reads the state
         self.ck.prepare(tr.state(), wait=True)
         self.handles: list[Any] = []
@@ -111,12 +124,15 @@ class ZsSaver(Saver):
             if not (wait or h.done()):
                 keep.append(h)
                 continue
-            h.wait()
+            rec = h.result()
+            self.waited_s += rec.stall_s  # save() and the guard's wait for this snapshot
             if h.skipped:
                 self.skips += 1
             else:
                 self.saves += 1
-                self.bytes_saved += h.result().bytes
+                self.bytes_saved += rec.bytes
+                self.cycles_s.append(rec.persist_s + rec.commit_s + getattr(rec, "post_commit_s", 0.0))  # 0: an older library
+                self.writes_s.append(rec.persist_s)
         self.handles = keep
 
     def drain(self) -> None:
@@ -133,22 +149,30 @@ class DcpSaver(Saver):
     def __init__(self, tr: Trainer, root: str):
         from .methods import DCPAsync
         self.tr, self.m = tr, DCPAsync()
+        self.reset()
         self.m.setup(root, tr.state())
         self.pending: Any = None
+        self.started = 0.0
         self.hook = tr.opt.register_step_pre_hook(lambda *a: self._wait_staged())
         self.last = -1
 
     def _wait_staged(self) -> None:
         p = self.pending
         if p is not None:
+            t0 = time.perf_counter()
             while not p.staged_s:  # polls staging_completion
                 if p.poll():
                     break
                 time.sleep(0.0005)
+            self.waited_s += time.perf_counter() - t0
 
     def _finish(self) -> None:
         if self.pending is not None:
+            t0 = time.perf_counter()
             self.pending.wait()
+            t1 = time.perf_counter()
+            self.waited_s += t1 - t0
+            self.cycles_s.append(t1 - self.started)  # an upper bound: done at latest when waited for
             self.saves += 1
             self.bytes_saved += self.tr.nbytes
             self.m.cleanup(self.last - 2)  # keep the newest two, as the Checkpointer does
@@ -156,6 +180,7 @@ class DcpSaver(Saver):
 
     def after_step(self, step: int) -> None:
         self._finish()  # DCP: the previous async_save must finish before the next starts
+        self.started = time.perf_counter()
         self.pending, self.last = self.m.start(step, self.tr.state()), step
 
     def drain(self) -> None:
@@ -176,7 +201,7 @@ def run_mode(tr: Trainer, saver: Saver, seconds: float, warmup_steps: int = 3) -
         saver.after_step(step)
         step += 1
     saver.drain()
-    saver.saves = saver.skips = saver.bytes_saved = 0
+    saver.reset()
     first = step
     c0, t0 = process_cpu_s(), time.perf_counter()
     while time.perf_counter() - t0 < seconds:
@@ -187,85 +212,17 @@ def run_mode(tr: Trainer, saver: Saver, seconds: float, warmup_steps: int = 3) -
     wall, cpu = time.perf_counter() - t0, process_cpu_s() - c0
     saver.drain()
     n = step - first
+    med = (lambda xs: statistics.median(xs) if xs else None)
     return {"steps": n, "wall_s": wall, "steps_per_s": n / wall, "cpu_s_per_step": cpu / max(n, 1),
             "saves": saver.saves, "skips": saver.skips, "bytes_saved": saver.bytes_saved,
-            "interval_steps": n / saver.saves if saver.saves else None}
-
-
-def one_pass_limit(tensors: list[torch.Tensor], repeat: int = 3) -> dict[str, float]:
-    """The least CPU one save can cost: each tensor memmoved into a reused buffer, then a
-    crc32c pass over the same bytes; one thread each (this one), best of ``repeat`` passes
-    after a warm one. Seconds per GiB."""
-    total = sum(t.numel() * t.element_size() for t in tensors)
-    buf = ctypes.create_string_buffer(total)
-    base = ctypes.addressof(buf)
-    copies, crcs = [], []
-    for r in range(repeat + 1):
-        c0 = time.thread_time()
-        off = 0
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            ctypes.memmove(base + off, t.data_ptr(), n)
-            off += n
-        c1 = time.thread_time()
-        off = 0
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            crc32c.crc32c((ctypes.c_char * n).from_address(base + off))
-            off += n
-        c2 = time.thread_time()
-        if r:
-            copies.append(c1 - c0)
-            crcs.append(c2 - c1)
-    gib = total / (1 << 30)
-    copy_s, crc_s = min(copies) / gib, min(crcs) / gib
-    return {"copy_s_per_gib": copy_s, "crc_s_per_gib": crc_s, "limit_s_per_gib": copy_s + crc_s}
-
-
-def cpu_per_gib(tr: Trainer, make: Callable[[], Saver], saves: int, tensors: list[torch.Tensor],
-                rounds: int = 3) -> dict[str, Any]:
-    """Back-to-back saves (one per optimizer step, no matmuls): process CPU seconds per GiB
-    saved, less the optimizer step's and the state dict's own CPU (timed on this thread), in
-    ``rounds`` rounds each after a one-pass limit measurement (:func:`one_pass_limit`), so that
-    both see the same load on a shared host; ``x_one_pass`` is the ratio of the totals."""
-    saver = make()
-    limits: list[float] = []
-    cpu = wall = 0.0
-    n_saves = gib = 0.0
-    try:
-        for s in range(3):  # warm
-            tr.opt.step()
-            saver.after_step(s)
-        saver.drain()
-        s = 3
-        for r in range(rounds):
-            limits.append(one_pass_limit(tensors, repeat=1)["limit_s_per_gib"])
-            saver.saves = saver.skips = saver.bytes_saved = 0
-            user = 0.0
-            c0, t0 = process_cpu_s(), time.perf_counter()
-            for _ in range(max(1, saves // rounds)):
-                u0 = time.thread_time()
-                tr.opt.step()  # the guard's wait sleeps: no CPU of its own
-                user += time.thread_time() - u0
-                saver.after_step(s)
-                s += 1
-            saver.drain()
-            cpu += process_cpu_s() - c0 - user
-            wall += time.perf_counter() - t0
-            n_saves += saver.saves
-            gib += saver.bytes_saved / (1 << 30)
-    finally:
-        saver.close()
-    per = cpu / gib if gib else None
-    lim = statistics.median(limits)
-    return {"saves": int(n_saves), "cpu_s": cpu, "wall_s": wall, "gib": gib, "cpu_s_per_gib": per,
-            "cpu_s_per_save": cpu / max(n_saves, 1), "limit_s_per_gib": lim, "limits": limits,
-            "x_one_pass": per / lim if per else None}
+            "interval_steps": n / saver.saves if saver.saves else None,
+            "waited_s_per_step": saver.waited_s / max(n, 1), "save_cycle_s": med(saver.cycles_s),
+            "write_s": med(saver.writes_s)}
 
 
 def run_every_step(size_gib: float, seconds: float, every: int, repeat: int, workdir: str | None,
                    modes: tuple[str, ...] = MODES, n_tensors: int = 64, matmuls: int = 5, dim: int = 1024,
-                   cpu_saves: int = 20, console: Any = None) -> dict[str, Any]:
+                   cpu_saves: int = 20, console: Any = None, spare_core_only: bool = False) -> dict[str, Any]:
     own = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="zerostall-bench-everystep-", dir=os.getcwd())
     os.makedirs(workdir, exist_ok=True)
@@ -290,9 +247,11 @@ def run_every_step(size_gib: float, seconds: float, every: int, repeat: int, wor
                 return DcpSaver(tr, root)
             if mode == "zs-every-K":
                 return ZsSaver(tr, root, every=every)
-            return ZsSaver(tr, root, backpressure="skip" if mode == "zs-skip" else "block")
+            return ZsSaver(tr, root, backpressure="skip" if mode == "zs-skip" else "block",
+                           slots=2 if mode == "zs-block-2slots" else 1)
 
-        for threads in sorted({cores, max(1, cores - 1)}, reverse=True):
+        counts = {max(1, cores - 1)} if spare_core_only else {cores, max(1, cores - 1)}
+        for threads in sorted(counts, reverse=True):
             torch.set_num_threads(threads)
             rows: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
             for r in range(repeat):
@@ -303,8 +262,10 @@ def run_every_step(size_gib: float, seconds: float, every: int, repeat: int, wor
                     finally:
                         saver.close()
                         shutil.rmtree(os.path.join(workdir, f"{mode}-{n}"), ignore_errors=True)
-                    say(f"threads={threads} {mode}: {rows[mode][-1]['steps_per_s']:.2f} steps/s, "
-                        f"interval {rows[mode][-1]['interval_steps']}")
+                    last = rows[mode][-1]
+                    say(f"threads={threads} {mode}: {last['steps_per_s']:.2f} steps/s, interval "
+                        f"{last['interval_steps']}, waited {last['waited_s_per_step'] * 1e3:.1f} ms/step, save "
+                        f"cycle {_ms(last['save_cycle_s'])} ms")
             doc["runs"][str(threads)] = _summarise(rows)
         torch.set_num_threads(1)
         tensors = [p.detach() for p in tr.params] + [tr.opt.state[p]["momentum_buffer"] for p in tr.params]
@@ -330,13 +291,23 @@ def _summarise(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             continue
         med = statistics.median(r["steps_per_s"] for r in rs)
         ivals = [r["interval_steps"] for r in rs if r["interval_steps"]]
+        cyc = [r["save_cycle_s"] for r in rs if r["save_cycle_s"] is not None]
+        wr = [r["write_s"] for r in rs if r["write_s"] is not None]
         out[mode] = {"steps_per_s": med, "cpu_s_per_step": statistics.median(r["cpu_s_per_step"] for r in rs),
                      "interval_steps": statistics.median(ivals) if ivals else None,
+                     "step_s": 1 / med if med else None,
+                     "waited_s_per_step": statistics.median(r["waited_s_per_step"] for r in rs),
+                     "save_cycle_s": statistics.median(cyc) if cyc else None,
+                     "write_s": statistics.median(wr) if wr else None,
                      "saves": sum(r["saves"] for r in rs), "skips": sum(r["skips"] for r in rs), "runs": rs}
     base = out.get("none", {}).get("steps_per_s")
     for mode, v in out.items():
         v["loss"] = 1 - v["steps_per_s"] / base if base else None
     return out
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
 
 
 def main(a: Any) -> int:
@@ -349,23 +320,27 @@ def main(a: Any) -> int:
     console = Console(width=150)
     size = a.size_gib if a.size_gib != 2.0 else 0.25  # the scenario's default: 256 MiB
     modes = tuple(m for m in a.methods.split(",")) if a.methods else MODES
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in MODES + EXTRA_MODES]
     if bad:
-        console.print(f"unknown every-step modes {bad}: choose from {', '.join(MODES)}")
+        console.print(f"unknown every-step modes {bad}: choose from {', '.join(MODES + EXTRA_MODES)}")
         return 2
     doc = run_every_step(size, a.seconds, a.every, a.repeat, a.dir, modes, console=console,
                          matmuls=getattr(a, "matmuls", 5), dim=getattr(a, "dim", 1024),
-                         cpu_saves=getattr(a, "cpu_saves", 20))
+                         cpu_saves=getattr(a, "cpu_saves", 20), spare_core_only=getattr(a, "spare_core_only", False))
     for threads, run in doc["runs"].items():
         t = Table(title=f"every-step, {doc['state_bytes'] / 2**20:.0f} MiB in {doc['tensors']} tensors, "
                         f"trainer on {threads} of {doc['cores']} cores, {doc['date']}")
-        for c in ("mode", "steps/s", "loss vs none", "interval (steps)", "saves", "skips", "CPU s/step"):
+        for c in ("mode", "steps/s", "loss vs none", "step ms", "waited ms/step", "save cycle ms", "write ms",
+                  "interval (steps)", "saves", "skips", "CPU s/step"):
             t.add_column(c, justify="left" if c == "mode" else "right")
         for mode, v in run.items():
             t.add_row(mode, f"{v['steps_per_s']:.2f}", "-" if v["loss"] is None else f"{v['loss'] * 100:.1f}%",
-                      "-" if v["interval_steps"] is None else f"{v['interval_steps']:.2f}", str(v["saves"]),
-                      str(v["skips"]), f"{v['cpu_s_per_step']:.3f}")
+                      _ms(v["step_s"]), f"{v['waited_s_per_step'] * 1e3:.1f}", _ms(v["save_cycle_s"]),
+                      _ms(v["write_s"]), "-" if v["interval_steps"] is None else f"{v['interval_steps']:.2f}",
+                      str(v["saves"]), str(v["skips"]), f"{v['cpu_s_per_step']:.3f}")
         console.print(t)
+    console.print("waited: the trainer's time in save() and the optimizer guard (DCP: its staging and previous-save "
+                  "waits) per step; save cycle: the persist thread's time per save (DCP: start to done)")
     op = doc["one_pass"]
     console.print(f"one-pass limit: {op['limit_s_per_gib']:.3f} CPU s/GiB (copy {op['copy_s_per_gib']:.3f} + "
                   f"crc32c {op['crc_s_per_gib']:.3f})")

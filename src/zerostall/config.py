@@ -200,6 +200,12 @@ class CheckpointConfig:
     """Longest pause between two replication passes while steps are pending (backoff from 1 s)."""
     lock_timeout_s: float = 0.0
     """How long a new Checkpointer waits for another writer to release the root (0: fail at once)."""
+    spare_shard: bool = True
+    """With ``keep_last``: the shard of the step retention removes last is kept (out of the
+    listing, in ``.deleting-step-N-*/``) until the next save writes over it, so saves reuse
+    its disk blocks instead of freeing and allocating them (docs/every-step.md). The root
+    then holds one shard more between saves (not during one); ``close()`` removes it, and so
+    does a save whose filesystem lacks the room. ``False``: removed at once."""
     allow_lower_steps: bool = False
     """Allow saving a step lower than the root's newest committed step (see store/retention.py)."""
     incremental: bool | str = False

@@ -29,6 +29,11 @@ def test_every_step_scenario_json(tmp_path):
         assert skip["interval_steps"] >= 1 and skip["runs"][0]["steps"] == skip["saves"] + skip["skips"]
         k = run["zs-every-K"]
         assert k["skips"] == 0 and k["saves"] <= k["runs"][0]["steps"] // 3 + 1
+        assert run["none"]["waited_s_per_step"] == 0 and run["none"]["save_cycle_s"] is None
+        for mode in ("zs-block", "zs-skip", "dcp-async"):  # what explains the loss, within the run
+            assert run[mode]["waited_s_per_step"] >= 0 and run[mode]["save_cycle_s"] > 0
+        for mode in ("zs-block", "zs-skip"):  # the cycle holds the write
+            assert 0 < run[mode]["write_s"] <= run[mode]["save_cycle_s"]
     op = doc["one_pass"]
     assert op["limit_s_per_gib"] == pytest.approx(op["copy_s_per_gib"] + op["crc_s_per_gib"]) and op["copy_s_per_gib"] > 0
     for m in ("zs-block", "dcp-async"):

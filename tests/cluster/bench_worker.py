@@ -15,9 +15,12 @@ A command: ``{"mode", "root", "replicas", "upload", "remote", "fetch_first"}``, 
 
 Timed alike from a barrier every rank leaves at once (``t0``): ``files_s`` until n1's files
 are committed in its root, ``load_s`` until the collective load returned, every byte verified.
+``restart_s``: the ``Checkpointer``'s start-up before that barrier (the ranks' join, the peer
+exchange, the holders' repair copies to the wiped n1), not in those times.
 For ``load`` each rank also reports its timeline (seconds after ``t0``): ``offer_s`` (the
 ranks agreed what each node can load), ``fetch`` (start, end of this node's peer fetch, or of
-its no-op), ``reads_from_s`` (its load goes on to read its files), ``load_s``. ``fetch_first``: every rank waits at a barrier after the fetch step,
+its no-op), ``reads_from_s`` (its load goes on to read its files), ``load_s``.
+``fetch_first``: every rank waits at a barrier after the fetch step,
 so the other nodes' loads start once n1's files are in (see the driver's docstring: on this
 one VM the four nodes share a disk and two cores, which a cluster's nodes do not).
 
@@ -69,6 +72,7 @@ def run(cmd, rank, node, mib):
     mode, root = cmd["mode"], cmd["root"]
     replicas = 1 if mode == "load_remote" else int(cmd.get("replicas", 2))
     forget_scratch()
+    t_restart = time.monotonic()
     ck = zerostall.Checkpointer(root, dist_name="node-loss-links", replicas=replicas,
                                 peers=PeersConfig(timeout_s=60, replica_timeout_s=900, cpu_priority="normal"),
                                 commit_timeout_s=300, close_timeout_s=120)
@@ -107,6 +111,7 @@ def run(cmd, rank, node, mib):
                         dist.barrier()  # every rank's load waits for n1's files (caller's thread of each rank)
                     res["reads_from_s"] = time.monotonic() - t0  # this rank's load reads its files from here
             ck._peers.plan_load, ck._peers._fetch = timed_plan, timed_fetch
+        res["restart_s"] = time.monotonic() - t_restart  # the Checkpointer's start-up, the holders' repair copies
         dist.barrier()
         t0 = time.monotonic()
         if mode == "load_remote" and node == "n1":

@@ -203,7 +203,8 @@ def summarize(rows: list[dict[str, Any]], limit: dict[str, float], bare_Bps: flo
 
 def _timeline(res: list[dict[str, Any]]) -> dict[str, Any]:
     """Seconds after the restart's barrier: the agreement, n1's fetch, each node's load end."""
-    return {d["node"]: {"offer_s": round(d.get("offer_s", 0.0), 3), "fetch": [round(x, 3) for x in d.get("fetch", [])],
+    return {d["node"]: {"restart_s": round(d.get("restart_s", 0.0), 3), "offer_s": round(d.get("offer_s", 0.0), 3),
+                        "fetch": [round(x, 3) for x in d.get("fetch", [])],
                         "reads_from_s": round(d.get("reads_from_s", 0.0), 3), "loaded_s": round(d["load_s"], 3)}
             for d in res}
 
@@ -297,7 +298,9 @@ def report(res: dict[str, Any]) -> str:
             if tl:
                 n1 = tl["n1"]
                 others = [v for k, v in tl.items() if k != "n1"]
-                lines.append(f"  {label}, round 1 (s after the restart): agreed {n1['offer_s']:.2f}; n1 fetch "
+                start = max(v.get("restart_s", 0.0) for v in tl.values())
+                lines.append(f"  {label}, round 1 (s after the restart's barrier; the ranks' start-up before it, "
+                             f"with the holders' repair copies to n1: {start:.2f}): agreed {n1['offer_s']:.2f}; n1 fetch "
                              f"{n1['fetch'][0]:.2f}-{n1['fetch'][1]:.2f}, loaded {n1['loaded_s']:.2f}; the others "
                              f"read from {min(v['reads_from_s'] for v in others):.2f}, loaded "
                              f"{min(v['loaded_s'] for v in others):.2f}-{max(v['loaded_s'] for v in others):.2f}")

@@ -153,7 +153,7 @@ def run(nodes: int, ranks: int, work: str, *, timeout: float = 60.0, fault: bool
     with Cluster(nodes, rate_mbit=rate_mbit, base=os.path.join(work, "cluster")) as c:
         out["store"] = f"{c.nodes[0].addr}:{port} (n0's namespace)"
         env = {"PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")]),
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", "ZS_DRIVER_PID": str(os.getpid())}
         spec = [{"name": nd.name, "ns": nd.ns, "root": nd.root} for nd in c.nodes]
         argv = [sys.executable, "-m", "tests.cluster.store_worker", "--ctl", ctl, "--spec", json.dumps(spec),
                 "--master", c.nodes[0].addr, "--ranks", str(ranks), "--port", str(port),

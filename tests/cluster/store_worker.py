@@ -30,6 +30,7 @@ import ctypes
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -38,15 +39,20 @@ from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
-from torch.distributed import TCPStore
+if __name__ == "__main__" and os.environ.get("ZS_DRIVER_PID"):  # before the imports that take seconds
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the driver
+    if os.getppid() != int(os.environ["ZS_DRIVER_PID"]):
+        os._exit(1)
 
-from zerostall.distributed import commit
-from zerostall.distributed.commit import OutcomeUnknown
-from zerostall.distributed.session import join, namespace
-from zerostall.distributed.store import Store
-from zerostall.errors import DistributedError, SaveFailed
-from zerostall.saving.commit_ranks import StoreCommitter
-from zerostall.store.local import LocalTier
+from torch.distributed import TCPStore  # noqa: E402
+
+from zerostall.distributed import commit  # noqa: E402
+from zerostall.distributed.commit import OutcomeUnknown  # noqa: E402
+from zerostall.distributed.session import join, namespace  # noqa: E402
+from zerostall.distributed.store import Store  # noqa: E402
+from zerostall.errors import DistributedError, SaveFailed  # noqa: E402
+from zerostall.saving.commit_ranks import StoreCommitter  # noqa: E402
+from zerostall.store.local import LocalTier  # noqa: E402
 
 SHARD = b"\0" * 4096 + bytes(range(16)) + b"\0" * 4080  # a header page and a data page (O_DIRECT size)
 
@@ -149,6 +155,15 @@ class Node:
 
 
 CLONE_NEWNET = 0x40000000
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent (pid ``parent``) ends: the driver killed, no node
+    process lingers in a namespace that the next cluster's clean-up deletes."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it ended before the request
+        os._exit(1)
 
 
 def enter(ns: str) -> None:
@@ -201,12 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     a.nodes = len(a.spec)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(process)d %(threadName)s %(message)s")
     sys.stdout.flush()
-    kids = {}
+    kids, zygote = {}, os.getpid()
     for k, spec in enumerate(a.spec):
         pid = os.fork()
         if pid == 0:
             rc = 1
             try:
+                die_with_parent(zygote)
                 enter(spec["ns"])
                 rc = node_main(a, k, spec)
             except BaseException:  # noqa: BLE001

@@ -34,10 +34,10 @@ def test_fraction_divides_the_fetch_not_the_agreement_and_the_median_of_rounds()
            "protected_s": 1.0, "elapsed_s": 60, "s3_error": "", "phases": {"saves_s": 9},
            "rates": [{"link_mbit": 4000, "link_Bps": 500e6, "bare_stream_Bps": 400e6, "rounds": rows,
                       "tiers": got, "load_avg": (1.0, 1.0, 1.0), "elapsed_s": 40}]}
-    tl = {"n1": {"offer_s": 0.05, "fetch": [0.06, 0.7], "reads_from_s": 0.7, "loaded_s": 1.2},
+    tl = {"n1": {"restart_s": 2.5, "offer_s": 0.05, "fetch": [0.06, 0.7], "reads_from_s": 0.7, "loaded_s": 1.2},
           "n0": {"offer_s": 0.05, "fetch": [0.06, 0.06], "reads_from_s": 0.71, "loaded_s": 1.3}}
     got["peers"]["timeline"] = tl
     text = report(res)
-    assert "n1 fetch 0.06-0.70, loaded 1.20; the others read from 0.71, loaded 1.30-1.30" in text
+    assert "repair copies to n1: 2.50): agreed 0.05; n1 fetch 0.06-0.70, loaded 1.20; the others read from 0.71, loaded 1.30-1.30" in text
     assert "| peers | 1.45 | 1.95 | 1.25 | 200 | 500 | 0.40 (0.5, 0.25, 0.4) | 0.50 |" in text
     assert "bare TCP stream n0 -> n1 over them: 400 MB/s (0.80 of the link)" in text

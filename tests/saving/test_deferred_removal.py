@@ -1,10 +1,11 @@
 """Retention's deletions off the path between two saves (docs/every-step.md).
 
-A step that local retention dooms leaves the listing at once; its files are removed by the
-persist thread while the next save's first writes are in flight when a save is queued
-behind (saving every step), before preallocating when the disk has no room beside them, at
-once when nothing is queued, and at close. Real O_DIRECT files, the LocalTier's ``_hook``
-seam for the order of boundaries, the shard opens seen through the engine.
+A step that local retention dooms leaves the listing at once. The next full save writes over
+its shard (unless a process holds it open); the persist thread removes the rest while that
+save's first writes are in flight when it is queued behind (saving every step), before
+preallocating when the disk has no room beside them, at once when nothing is queued, and at
+close. Real O_DIRECT files, the LocalTier's ``_hook`` seam for the order of boundaries, the
+shard opens seen through the engine.
 """
 
 import os
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import zerostall
+from zerostall.format.layout import shard_name
 from zerostall.store import atomic
 
 
@@ -21,10 +23,12 @@ def _deleting(root):
     return sorted(n for n in os.listdir(root) if n.startswith(".deleting-"))
 
 
-def _three_saves(root, monkeypatch):
+def _three_saves(root, monkeypatch, hold_open=False):
     """keep_last=1; save 3 is queued behind save 2 (whose persist thread waits at its
-    ``latest`` boundary until then). Returns the events, the listing when save 2 was done
-    and the listing when save 3 was done."""
+    ``latest`` boundary until then). ``hold_open``: a reader keeps step 1's shard open
+    throughout (and reads it at the end). Returns the events, the listing when save 2 was
+    done, the listing when save 3 was done, the steps, step 1's shard inode and step 3's, and
+    what the reader read (or None)."""
     state = {"w": torch.randn(300_000), "step": 0}
     events, gate, armed = [], threading.Event(), [False]
 
@@ -34,16 +38,21 @@ def _three_saves(root, monkeypatch):
             armed[0] = False
             assert gate.wait(60)
 
+    shard = shard_name(0)
     with zerostall.Checkpointer(root, keep_last=1) as ck:
         ck.save(1, state).result(timeout=60)
+        ino1 = os.stat(os.path.join(root, "step-1", shard)).st_ino
+        reader = os.open(os.path.join(root, "step-1", shard), os.O_RDONLY) if hold_open else None
+        first = os.pread(reader, 1 << 20, 0) if hold_open else None
         ck.tier._hook = hook
-        real_open = ck.engine.open_write
+        for name in ("open_write", "open_rewrite"):
+            real = getattr(ck.engine, name)
 
-        def open_write(path, nbytes):
-            events.append(f"open {os.path.basename(os.path.dirname(path))}")
-            return real_open(path, nbytes)
+            def opener(path, nbytes, real=real, name=name):
+                events.append(f"{name} {os.path.basename(os.path.dirname(path))}")
+                return real(path, nbytes)
 
-        monkeypatch.setattr(ck.engine, "open_write", open_write)
+            monkeypatch.setattr(ck.engine, name, opener)
         armed[0] = True
         h2 = ck.save(2, state)
         h3 = ck.save(3, state)
@@ -54,34 +63,64 @@ def _three_saves(root, monkeypatch):
         h3.result(timeout=60)
         after3 = _deleting(root)
         steps = ck.tier.steps()
-    return events, after2, after3, steps
+        ino3 = os.stat(os.path.join(root, "step-3", shard)).st_ino
+        assert zerostall.load(root, step=3)["w"].equal(state["w"])  # every byte verified (crc32c)
+    read = None
+    if reader is not None:
+        read = os.pread(reader, 1 << 20, 0) == first
+        os.close(reader)
+    return events, after2, after3, steps, ino1, ino3, read
 
 
-def test_a_doomed_step_is_removed_while_the_next_save_writes(ckdir, monkeypatch):
-    events, after2, after3, steps = _three_saves(ckdir, monkeypatch)
+def test_the_next_save_writes_over_the_doomed_shard_and_removes_the_rest_while_it_writes(ckdir, monkeypatch):
+    events, after2, after3, steps, ino1, ino3, _ = _three_saves(ckdir, monkeypatch)
     assert len(after2) == 1 and after2[0].startswith(".deleting-step-1-")  # out of the listing, files later
-    assert after3 == [] and steps == [3] and _deleting(ckdir) == []
-    i_open3 = events.index("open step-3.partial")
-    first_unlink = events.index("unlink")
-    # step 1's files went after step 3's shard was opened: while its writes were in flight
-    assert events.index("delete_fsync") < i_open3 < first_unlink < events.index("manifest", i_open3)
+    assert [n[:17] for n in after3] == [".deleting-step-2-"]  # step 2's shard: the next save's spare
+    assert steps == [3] and _deleting(ckdir) == []  # close() removed it
+    assert ino3 == ino1  # step 1's shard, written over (its blocks reused), not unlinked
+    i_open3 = events.index("open_rewrite step-3.partial")
+    assert "open_write step-3.partial" not in events
+    # moved, then opened; step 1's other files went while step 3's writes were in flight
+    assert events.index("delete_fsync") < events.index("recycle") < i_open3
+    assert i_open3 < events.index("unlink", i_open3) < events.index("manifest", i_open3)
+
+
+def test_a_doomed_shard_a_reader_holds_open_is_never_written_over(ckdir, monkeypatch):
+    events, after2, after3, steps, ino1, ino3, read = _three_saves(ckdir, monkeypatch, hold_open=True)
+    assert read is True  # the reader still reads step 1's bytes
+    assert ino3 != ino1 and "recycle" not in events and steps == [3] and len(after3) == 1
+    i_open3 = events.index("open_write step-3.partial")
+    assert i_open3 < events.index("unlink", i_open3) < events.index("manifest", i_open3)  # removed while writing
 
 
 def test_a_short_disk_removes_the_doomed_step_before_preallocating(ckdir, monkeypatch):
     monkeypatch.setattr(atomic, "free_bytes", lambda path: 0)
-    events, after2, after3, steps = _three_saves(ckdir, monkeypatch)
-    assert len(after2) == 1 and after3 == [] and steps == [3]
-    i_open3 = events.index("open step-3.partial")
+    events, after2, after3, steps, ino1, ino3, read = _three_saves(ckdir, monkeypatch, hold_open=True)
+    assert len(after2) == 1 and len(after3) == 1 and steps == [3] and read is True
+    i_open3 = events.index("open_write step-3.partial")
     assert events.index("unlink") < i_open3  # room first: deferring never costs an ENOSPC
 
 
-def test_a_lone_save_ends_with_its_doomed_step_gone(ckdir):
+@pytest.mark.parametrize("spare", [True, False])
+def test_a_lone_save_keeps_only_a_spare_shard_which_the_next_save_writes_over(ckdir, spare):
     state = {"w": torch.randn(1000)}
-    with zerostall.Checkpointer(ckdir, keep_last=2) as ck:
-        for s in (1, 2, 3):
-            ck.save(s, state).result(timeout=60)
-            assert _deleting(ckdir) == []  # nothing queued behind: removed before the save is done
-        assert ck.tier.steps() == [2, 3]
+    shard = shard_name(0)
+    events = []
+    with zerostall.Checkpointer(ckdir, keep_last=2, spare_shard=spare) as ck:
+        ck.tier._hook = events.append
+        for s in (1, 2, 3, 4):
+            rec = ck.save(s, state).result(timeout=60)
+            assert rec.post_commit_s > 0  # the persist thread's time after durable: hint, retention, removal
+            left = _deleting(ckdir)
+            if s < 3 or not spare:  # nothing doomed yet, or removed before the save is done
+                assert left == []
+            else:  # nothing queued behind: all removed but the doomed shard, out of the listing
+                assert len(left) == 1 and left[0].startswith(f".deleting-step-{s - 2}-")
+                assert os.listdir(os.path.join(ckdir, left[0])) == [shard]
+        assert ck.tier.steps() == [3, 4]
+        assert events.count("recycle") == (1 if spare else 0)  # step 4 wrote over step 1's shard
+    assert _deleting(ckdir) == []  # close() removed the spare
+    assert zerostall.load(ckdir)["w"].equal(state["w"])
 
 
 def test_deferred_removals_run_at_exit_and_a_failure_is_only_logged(tmp_path, caplog):
@@ -107,3 +146,37 @@ def test_deferred_removals_run_at_exit_and_a_failure_is_only_logged(tmp_path, ca
         d.run()
     assert os.listdir(root) == [".deleting-step-a"] and not d  # the other one went; a is left to recovery
     assert "could not remove" in caplog.text and seen.count("unlink") == 3
+
+
+def test_a_doomed_shard_hard_linked_elsewhere_is_never_written_over(ckdir, tmp_path):
+    """A user's ``cp -al`` / ``rsync --link-dest`` backup of a step (or zerostall's own links)
+    shares the shard's inode: writing over it would overwrite the backup too."""
+    shard = shard_name(0)
+    backup = str(tmp_path / "backup-step-1")
+    with zerostall.Checkpointer(ckdir, keep_last=1) as ck:
+        events = []
+        ck.save(1, {"w": torch.ones(300_000)}).result(timeout=60)
+        before = open(os.path.join(ckdir, "step-1", shard), "rb").read()
+        os.link(os.path.join(ckdir, "step-1", shard), backup)
+        assert atomic.unshared(backup) is False  # no process has it open, but another name has it
+        ck.tier._hook = events.append
+        for s in (2, 3):
+            ck.save(s, {"w": torch.full((300_000,), float(s))}).result(timeout=60)
+        assert "recycle" not in events
+    assert open(backup, "rb").read() == before
+
+
+@pytest.mark.parametrize("fs", ["ceph", "fuse.juicefs"])
+def test_a_doomed_shard_on_a_filesystem_other_nodes_share_is_never_written_over(ckdir, monkeypatch, fs):
+    """A write lease sees only this kernel's opens: on a filesystem other nodes mount, a
+    reader there (an evaluator loading the step) is invisible to it, and unlink keeps an
+    opened file readable where writing over it would not."""
+    monkeypatch.setattr(atomic, "fs_of", lambda path: (fs, "/"))
+    events = []
+    with zerostall.Checkpointer(ckdir, keep_last=1) as ck:
+        ck.save(1, {"w": torch.ones(1000)}).result(timeout=60)
+        ck.tier._hook = events.append
+        for s in (2, 3):
+            ck.save(s, {"w": torch.full((1000,), float(s))}).result(timeout=60)
+        assert "recycle" not in events and _deleting(ckdir) == []  # no spare kept either
+    assert zerostall.load(ckdir)["w"].equal(torch.full((1000,), 3.0))

@@ -120,6 +120,25 @@ class Engine(ABC):
                 raise storage_error(f"reserving {file_bytes} bytes for", path, exc) from exc
         return self._wrap(path, fd, True)
 
+    def open_rewrite(self, path: str, file_bytes: int) -> ShardFile:
+        """Open the existing file ``path`` (a doomed step's shard the caller moved here; nobody
+        else has it open) to write ``file_bytes`` over it from offset 0: its blocks are reused,
+        so writes neither allocate nor convert unwritten extents. Its length becomes
+        ``file_bytes``; the caller writes every byte below that."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | self._open_flags())
+        except OSError as exc:
+            raise storage_error("opening", path, exc) from exc
+        try:
+            if os.fstat(fd).st_size > file_bytes:
+                os.ftruncate(fd, file_bytes)
+            _sys.fallocate(fd, 0, file_bytes, path)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                os.close(fd)
+                raise storage_error(f"reserving {file_bytes} bytes for", path, exc) from exc
+        return self._wrap(path, fd, True)
+
     def open_update(self, path: str) -> ShardFile:
         """Open ``path``, created by :meth:`open_write`, for writing more extents: a second writer
         of the same file for another thread (each thread its own; the caller keeps them apart)."""

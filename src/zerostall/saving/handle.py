@@ -138,7 +138,7 @@ def record_of(job: Job) -> SaveRecord:
         step=job.step, bytes=nbytes, stall_s=st.save_block_s + st.guard_wait_s,
         staged_s=max(0.0, st.t_staged - st.t_submit) if st.t_staged else 0.0,
         durable_s=max(0.0, st.t_durable - st.t_submit) if st.t_durable else 0.0,
-        snapshot_s=st.snapshot_s, persist_s=st.persist_s, commit_s=st.commit_s,
+        snapshot_s=st.snapshot_s, persist_s=st.persist_s, commit_s=st.commit_s, post_commit_s=st.post_commit_s,
         persist_gbps=(nbytes / st.persist_s / 1e9) if st.persist_s > 0 else 0.0,
         engine=job.request.engine, arena_bytes=job.slot.arena_bytes, skipped=st.skipped, bytes_written=nbytes,
         bytes_referenced=0 if st.skipped or job.incr is None else job.incr.bytes_referenced,

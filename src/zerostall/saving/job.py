@@ -193,6 +193,7 @@ class SaveStatus:
         """Steps since the previous save that was not skipped (0 for the first)."""
         self.nbytes = nbytes
         self.save_block_s = self.guard_wait_s = self.snapshot_s = self.persist_s = self.commit_s = 0.0
+        self.post_commit_s = 0.0
         self.t_staged = self.t_durable = 0.0
         self.post_commit_errors: list[str] = []
         """Problems after the commit point (latest hint, retention): logged, the save stays durable."""
@@ -256,6 +257,11 @@ class SaveStatus:
         self.persist_s, self.commit_s = persist_s, commit_s
         self.t_durable = time.perf_counter()
         self.durable.set()
+
+    def mark_post_commit(self) -> None:
+        """The persist thread is done with this durable save (hints, subscribers, removals)."""
+        if self.t_durable:
+            self.post_commit_s = time.perf_counter() - self.t_durable
 
     def note(self, *problems: str) -> None:
         """Problems after the commit point; the save stays durable."""

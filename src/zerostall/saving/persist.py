@@ -18,12 +18,14 @@ they raise is recorded as a post-commit problem (``SaveRecord.post_commit_errors
 Nothing here calls back into the ``Checkpointer``.
 
 Local retention takes a doomed step out of the listing at once but leaves its files
-(``LocalTier.deferred``): unlinking a shard frees its extents, as long as a good part of a
-write, and in a save per step it would sit between one commit and the next write. This
-thread removes them while the next save's first writes are in flight, or before the save's
-status is done when nothing is queued behind it (so a lone save ends with its old step gone,
-as without the deferral), or before preallocating a shard the filesystem has no room for
-beside them, and at exit.
+(``LocalTier.deferred``). The next full save writes over the doomed shard (moved into its
+partial directory when no process has it open): its writes then neither allocate nor convert
+extents, and no unlink frees (on a ``discard`` mount, trims) the old ones, work that sat
+between one commit and the next write (docs/every-step.md). This thread
+removes what is left while the next save's first writes are in flight, or before the save's
+status is done when nothing is queued behind it (a lone save ends with its old step gone but
+for its shard, kept out of the listing as the next save's spare: ``spare_shard``), or before
+preallocating a shard the filesystem has no room for beside them, and at exit.
 """
 
 from __future__ import annotations
@@ -154,9 +156,13 @@ class Persister(Worker[Job]):
             self.engine.pin_buffer(arena.address, ring_bytes, fresh=fresh)
             if fresh:
                 self._pinned = weakref.ref(arena)
-        deferred = self.tier.deferred
-        deferred.run_if_short(layout.file_bytes)
-        f = self.engine.open_write(os.path.join(part, job.request.file_name), layout.file_bytes)
+        deferred, path = self.tier.deferred, os.path.join(part, job.request.file_name)
+        # a full save writes every byte of its file: it may write over a doomed step's shard
+        if job.incr is None and deferred and deferred.take(job.request.file_name, path):
+            f = self.engine.open_rewrite(path, layout.file_bytes)
+        else:
+            deferred.run_if_short(layout.file_bytes)
+            f = self.engine.open_write(path, layout.file_bytes)
         try:
             crc = None if job.crc_at_copy else CrcCursor(layout.items)
             g = self._write_blocks(job, f, g, layout.file_bytes, crc, deferred.run if deferred else None)
@@ -217,7 +223,8 @@ class Persister(Worker[Job]):
             self._after_commit(job, persisted, post, t1)
         finally:
             if self.tier.deferred and self.idle():  # else while the next save's writes are in flight
-                self.tier.deferred.run()
+                self.tier.deferred.run(keep=req.file_name)  # the next save writes over the spare
+            status.mark_post_commit()
             try:
                 self.finished(job)  # records and telemetry are final before anyone sees done
             except Exception:  # noqa: BLE001 - a sink failing must not wedge the pipeline

@@ -185,6 +185,7 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
             if tier.owned:  # the owner applies keep_last now: a kill between a commit and its retention
                 recent = retain_at_start(tier, cfg.keep_last, protect())  # left one too many
             retention = LocalRetention(tier, cfg.keep_last, protect=protect, recent=recent)
+            tier.deferred.spare = cfg.spare_shard and not cfg.incremental  # only a full save writes over one
     except BaseException:  # a half-built Checkpointer must not keep the root locked
         if peers is not None:
             peers.close(0.0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import logging
 import os
 import platform
@@ -23,6 +24,7 @@ from contextlib import contextmanager, suppress
 from typing import Callable, Iterator
 
 from .._fast import libc as _libc
+from ..io.probe import fs_of
 
 Hook = Callable[[str], None]
 log = logging.getLogger("zerostall")
@@ -135,15 +137,47 @@ def free_bytes(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def unshared(path: str) -> bool:
+    """Whether the file at ``path`` has no other name (a hard link: a user's ``cp -al`` backup,
+    zerostall's own links) and no open file description of any process refers to it now: a
+    write lease (``F_SETLEASE``) is granted only then, and released at once; the kernel grants
+    it whatever the link count. False where leases are refused (another owner, a filesystem
+    without them) or on any error."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            return False
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+LOCAL_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "bcachefs", "jfs", "nilfs2",
+                      "tmpfs", "overlay"})
+"""Filesystems one kernel serves alone: a write lease there sees every process that has a file
+open. On one that other nodes mount (NFS, CephFS, Lustre, GPFS, FUSE clients) it sees only this
+node's, and a reader elsewhere keeps an unlinked file's bytes but not ones written over."""
+
+
 class DeferredRemovals:
     """Trees already out of their directory's listing (renamed to ``.deleting-*``, the rename
     fsynced), whose files are removed later by the thread that owns the directory.
 
-    Unlinking a large file frees its extents in the filesystem's journal: tens of
-    milliseconds per GiB of the owner thread's time. Retention's deletions are deferred so that
-    the persist thread runs them while the next save's writes are in flight (or when it has
-    nothing queued) instead of between one commit and the next write. A crash before
-    :meth:`run` leaves ``.deleting-*`` entries, which the owner's start-up recovery removes.
+    Unlinking a large file frees its extents (and, on a filesystem mounted with ``discard``,
+    trims them): tens of milliseconds per GiB of the owner thread's time, and a new file's
+    first writes then allocate and convert extents again. So the persist thread first takes
+    a doomed shard to write the next save over (:meth:`take`), and runs the rest of the
+    removals while the next save's writes are in flight (or when it has nothing queued)
+    instead of between one commit and the next write. A crash before :meth:`run` leaves
+    ``.deleting-*`` entries, which the owner's start-up recovery removes.
     Owner thread only (not thread-safe); ``hook`` is the crash-test seam, read at each call.
     """
 
@@ -153,6 +187,15 @@ class DeferredRemovals:
     def __init__(self, root: str, hook: Hook):
         self.root, self._hook = root, hook
         self.paths: list[str] = []
+        self.spare = True
+        """Whether :meth:`run` may keep one file for :meth:`take` (``CheckpointConfig.spare_shard``)."""
+        self._local: bool | None = None
+
+    def _local_fs(self) -> bool:
+        """Whether the root is on a :data:`LOCAL_FS` (read once, when first needed)."""
+        if self._local is None:
+            self._local = fs_of(self.root)[0] in LOCAL_FS
+        return self._local
 
     def __bool__(self) -> bool:
         return bool(self.paths)
@@ -160,15 +203,45 @@ class DeferredRemovals:
     def add(self, path: str) -> None:
         self.paths.append(path)
 
-    def run(self) -> None:
-        """Remove every pending tree now. A failure is logged, never raised: the tree is out
-        of the listing already and the next owner's recovery removes what is left."""
-        while self.paths:
-            path = self.paths.pop(0)
+    def run(self, keep: str | None = None) -> None:
+        """Remove every pending tree now, except, with ``keep`` (and :attr:`spare`), the first
+        regular file of that name: a spare the next save may write over; its tree stays
+        pending. A failure is logged, never raised: the tree is out of the listing already
+        and the next owner's recovery removes what is left."""
+        kept = None
+        for path in list(self.paths):
             try:
+                if (kept is None and keep is not None and self.spare and self._local_fs()
+                        and os.path.isfile(os.path.join(path, keep))):
+                    kept = path
+                    for entry in os.scandir(path):
+                        if entry.name != keep:
+                            rmtree(entry.path, self._hook)
+                    continue
                 rmtree(path, self._hook)
             except OSError as exc:
                 log.warning("zerostall: could not remove %s (removed at the next start-up): %s", path, exc)
+            self.paths.remove(path)
+
+    def take(self, name: str, dest: str) -> bool:
+        """Move the file ``name`` of a pending tree to ``dest`` (on the same filesystem) for
+        the persist thread to write over: its blocks are reused instead of freed and allocated
+        again. Only a regular file that no process has open (:func:`unshared`: a reader that
+        opened the doomed step before it left the listing keeps reading its bytes), on a
+        filesystem no other node mounts (:data:`LOCAL_FS`). Returns whether it moved one. A
+        crash after the move leaves it in ``dest``'s partial directory, which recovery removes."""
+        if not self.paths or not self._local_fs():
+            return False
+        for tree in self.paths:
+            src = os.path.join(tree, name)
+            if unshared(src):
+                try:
+                    os.rename(src, dest)
+                except OSError:
+                    continue
+                self._hook("recycle")
+                return True
+        return False
 
     def run_if_short(self, nbytes: int) -> None:
         """Before preallocating ``nbytes``: remove the pending trees now unless the filesystem

@@ -46,6 +46,11 @@ class SaveRecord:
     """Shard bytes this save wrote (== ``bytes``)."""
     bytes_referenced: int = 0
     """Tensor bytes an incremental save referenced in earlier steps' files instead of writing."""
+    post_commit_s: float = 0.0
+    """The persist thread's time on this save after it was durable (the ``latest`` hint,
+    retention, replication's hand-off, removals of doomed steps): ``persist_s + commit_s +
+    post_commit_s`` is the thread's time per save, the least interval between two saves it
+    keeps up with."""
     interval_steps: int = 0
     """Steps since this Checkpointer's previous save that was not skipped (0 for its first): with
     ``backpressure="skip"`` and a save every step, the interval the disk allowed."""
