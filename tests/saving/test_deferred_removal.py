@@ -146,3 +146,37 @@ def test_deferred_removals_run_at_exit_and_a_failure_is_only_logged(tmp_path, ca
         d.run()
     assert os.listdir(root) == [".deleting-step-a"] and not d  # the other one went; a is left to recovery
     assert "could not remove" in caplog.text and seen.count("unlink") == 3
+
+
+def test_a_doomed_shard_hard_linked_elsewhere_is_never_written_over(ckdir, tmp_path):
+    """A user's ``cp -al`` / ``rsync --link-dest`` backup of a step (or zerostall's own links)
+    shares the shard's inode: writing over it would overwrite the backup too."""
+    shard = shard_name(0)
+    backup = str(tmp_path / "backup-step-1")
+    with zerostall.Checkpointer(ckdir, keep_last=1) as ck:
+        events = []
+        ck.save(1, {"w": torch.ones(300_000)}).result(timeout=60)
+        before = open(os.path.join(ckdir, "step-1", shard), "rb").read()
+        os.link(os.path.join(ckdir, "step-1", shard), backup)
+        assert atomic.unshared(backup) is False  # no process has it open, but another name has it
+        ck.tier._hook = events.append
+        for s in (2, 3):
+            ck.save(s, {"w": torch.full((300_000,), float(s))}).result(timeout=60)
+        assert "recycle" not in events
+    assert open(backup, "rb").read() == before
+
+
+@pytest.mark.parametrize("fs", ["ceph", "fuse.juicefs"])
+def test_a_doomed_shard_on_a_filesystem_other_nodes_share_is_never_written_over(ckdir, monkeypatch, fs):
+    """A write lease sees only this kernel's opens: on a filesystem other nodes mount, a
+    reader there (an evaluator loading the step) is invisible to it, and unlink keeps an
+    opened file readable where writing over it would not."""
+    monkeypatch.setattr(atomic, "fs_of", lambda path: (fs, "/"))
+    events = []
+    with zerostall.Checkpointer(ckdir, keep_last=1) as ck:
+        ck.save(1, {"w": torch.ones(1000)}).result(timeout=60)
+        ck.tier._hook = events.append
+        for s in (2, 3):
+            ck.save(s, {"w": torch.full((1000,), float(s))}).result(timeout=60)
+        assert "recycle" not in events and _deleting(ckdir) == []  # no spare kept either
+    assert zerostall.load(ckdir)["w"].equal(torch.full((1000,), 3.0))
