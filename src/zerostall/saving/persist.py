@@ -25,7 +25,8 @@ between one commit and the next write (docs/every-step.md). This thread
 removes what is left while the next save's first writes are in flight, or before the save's
 status is done when nothing is queued behind it (a lone save ends with its old step gone but
 for its shard, kept out of the listing as the next save's spare: ``spare_shard``), or before
-preallocating a shard the filesystem has no room for beside them, and at exit.
+preallocating a shard (or growing the one written over) the filesystem has no room for beside
+them, and at exit.
 """
 
 from __future__ import annotations
@@ -159,6 +160,9 @@ class Persister(Worker[Job]):
         deferred, path = self.tier.deferred, os.path.join(part, job.request.file_name)
         # a full save writes every byte of its file: it may write over a doomed step's shard
         if job.incr is None and deferred and deferred.take(job.request.file_name, path):
+            growth = layout.file_bytes - os.path.getsize(path)
+            if growth > 0:  # the file grows: that allocates too
+                deferred.run_if_short(growth)
             f = self.engine.open_rewrite(path, layout.file_bytes)
         else:
             deferred.run_if_short(layout.file_bytes)
