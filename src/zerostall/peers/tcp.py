@@ -22,6 +22,7 @@ cannot lock the job's own peers out); only when all are authenticated is the new
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -135,10 +136,8 @@ class TcpTransport(Transport):
             if evict is not None:
                 log.warning("zerostall: peer connection %s dropped before it authenticated: every slot was taken",
                             _addr(evict))
-                try:
+                with contextlib.suppress(OSError):
                     evict.shutdown(socket.SHUT_RDWR)  # its thread's recv fails; it closes the socket
-                except OSError:
-                    pass
             if full:
                 log.warning("zerostall: peer connection from %s refused: %d connections open", addr,
                             self.max_connections)
@@ -169,10 +168,8 @@ class TcpTransport(Transport):
         except (PeerError, ZerostallError, OSError, ValueError, KeyError, TypeError) as exc:
             self.refused += 1
             log.warning("zerostall: request from node %s (%s) refused: %s", peer, addr, exc)
-            try:
+            with contextlib.suppress(OSError):
                 send_msg(conn, {"ok": False, "error": str(exc)[:2000]})
-            except OSError:
-                pass
         except Exception as exc:  # noqa: BLE001 - a connection thread never dies unlogged
             self.refused += 1
             log.error("zerostall: connection from node %s (%s) failed: %s: %s", peer, addr, type(exc).__name__,
@@ -356,15 +353,11 @@ class TcpTransport(Transport):
         self._closed = True
         srv, self._srv = self._srv, None
         if srv is not None:
-            try:
+            with contextlib.suppress(OSError):
                 srv.shutdown(socket.SHUT_RDWR)  # wakes the accept() of the accept thread
-            except OSError:
-                pass
             srv.close()
         with self._mu:
             conns = list(self._conns)
         for c in conns:
-            try:
+            with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
