@@ -189,3 +189,22 @@ def test_a_doomed_shard_on_a_filesystem_other_nodes_share_is_never_written_over(
             ck.save(s, {"w": torch.full((1000,), float(s))}).result(timeout=60)
         assert "recycle" not in events and _deleting(ckdir) == []  # no spare kept either
     assert zerostall.load(ckdir)["w"].equal(torch.full((1000,), 3.0))
+
+
+def test_a_doomed_shard_that_cannot_be_written_over_gives_way_to_a_new_file(ckdir, monkeypatch):
+    """The shard taken may refuse the rewrite (a user made the old step read-only, a growth
+    the disk has no room for): the save writes a new file instead of failing."""
+    from zerostall.errors import storage_error
+    events = []
+    with zerostall.Checkpointer(ckdir, keep_last=1) as ck:
+        ck.save(1, {"w": torch.ones(1000)}).result(timeout=60)
+        ck.tier._hook = events.append
+
+        def refuse(path, nbytes):
+            events.append("open_rewrite")
+            raise storage_error("opening", path, PermissionError(13, "Permission denied", path))
+        monkeypatch.setattr(ck.engine, "open_rewrite", refuse)
+        for s in (2, 3):
+            ck.save(s, {"w": torch.full((1000,), float(s))}).result(timeout=60)
+        assert "recycle" in events and "open_rewrite" in events and ck.tier.steps() == [3]
+    assert zerostall.load(ckdir)["w"].equal(torch.full((1000,), 3.0)) and _deleting(ckdir) == []
