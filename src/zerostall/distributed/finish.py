@@ -14,6 +14,7 @@ through the local tier's overwrite protocol, finished by the copy's leader only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 
@@ -38,10 +39,8 @@ def record_decision(tier: RootTier, step: int, manifest: bytes) -> None:
         os.rename(tmp, rec)
         fsync_dir(part)
     except OSError as exc:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise storage_error(f"recording the commit decision of step {step} in", tier.root, exc) from exc
 
 
@@ -72,10 +71,8 @@ def finish_copy(tier: RootTier, step: int, manifest: bytes, *, overwrite: bool =
         fsync_dir(tier.root)
         tier._step("fsync_root")
     except OSError as exc:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         if committed_here(tier, step, man.checkpoint_id):  # another rank of this copy got there first
             return tier.write_latest(step) if leader else ()
         if os.path.isdir(final):

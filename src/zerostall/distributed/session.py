@@ -41,6 +41,7 @@ per-process counter. The start-up round:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -128,10 +129,8 @@ def _probe(tier: RootTier, nonce: str) -> str:
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass
 
 
 def join(store: Store, ns: str, rank: int, world: int, tier: RootTier, timeout_s: float) -> Session:

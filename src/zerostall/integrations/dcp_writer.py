@@ -35,6 +35,7 @@ One Writer serves one save at a time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import io
@@ -280,10 +281,8 @@ class Writer(CheckpointId, StorageWriter):
             finally:
                 f.close()
         except BaseException:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(path)  # never referenced by any metadata; don't leave it behind
-            except OSError:
-                pass
             raise
         finally:
             eng.close()

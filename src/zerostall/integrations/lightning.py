@@ -50,6 +50,7 @@ shard state (FSDP, DeepSpeed) use their own checkpoint I/O and are not covered.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -253,10 +254,8 @@ class ZerostallCheckpointIO(CheckpointIO):
                 if os.path.isdir(trash) and not os.path.islink(trash):
                     shutil.rmtree(trash, ignore_errors=True)
                 elif os.path.lexists(trash):
-                    try:
+                    with contextlib.suppress(FileNotFoundError):  # removed along with its path meanwhile
                         os.remove(trash)
-                    except FileNotFoundError:  # removed along with its path meanwhile
-                        pass
             finally:
                 self._waiting.discard(trash)
 

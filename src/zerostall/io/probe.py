@@ -8,6 +8,7 @@ where seccomp refuses it). The verdict and its reason are logged once per direct
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -98,10 +99,8 @@ def _try_direct(directory: str) -> tuple[bool, _sys.DioAlign | None, str]:
         return True, _sys.statx_dioalign(name), "O_DIRECT works"
     finally:
         os.close(fd)
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(name)
-        except OSError:
-            pass
 
 
 @lru_cache(maxsize=64)

@@ -394,7 +394,5 @@ class Arena:
         self.closed = True
         del self.u8
         self.mv.release()
-        try:
+        with contextlib.suppress(BufferError):  # a tensor view is still alive somewhere; the GC will unmap
             self._map.close()
-        except BufferError:  # a tensor view is still alive somewhere; the GC will unmap
-            pass

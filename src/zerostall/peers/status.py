@@ -9,6 +9,7 @@ restore never trusts it (it asks the live peers).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -148,10 +149,8 @@ def _area_bytes(root: str) -> int:
         dirs[:] = [x for x in dirs if not x.startswith(".")]
         for f in files:
             if not f.startswith("."):
-                try:
+                with contextlib.suppress(OSError):
                     total += os.path.getsize(os.path.join(d, f))
-                except OSError:
-                    pass
     return total
 
 

@@ -22,6 +22,7 @@ cannot lock the job's own peers out); only when all are authenticated is the new
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -33,7 +34,7 @@ from ..errors import ConfigError, ZerostallError
 from ..format.manifest import Manifest
 from .priority import background
 from .store import PeerStore
-from .stream import FETCH_BUF_BYTES, Pacer, at, fill_from, send_range
+from .stream import FETCH_BUF_BYTES, Pacer, at, fill_from, roomy_send_buffer, send_range
 from .transport import Endpoint, Sink, Transport
 from .verify import file_entry, split_points
 from .wire import (MAX_MANIFEST_BYTES, PeerError, check_name, check_node, check_size, check_step, client_handshake,
@@ -135,10 +136,8 @@ class TcpTransport(Transport):
             if evict is not None:
                 log.warning("zerostall: peer connection %s dropped before it authenticated: every slot was taken",
                             _addr(evict))
-                try:
+                with contextlib.suppress(OSError):
                     evict.shutdown(socket.SHUT_RDWR)  # its thread's recv fails; it closes the socket
-                except OSError:
-                    pass
             if full:
                 log.warning("zerostall: peer connection from %s refused: %d connections open", addr,
                             self.max_connections)
@@ -149,6 +148,7 @@ class TcpTransport(Transport):
 
     def _serve_conn(self, conn: socket.socket, addr: Any) -> None:
         conn.settimeout(self.timeout_s)
+        roomy_send_buffer(conn)  # a holder serving a restore keeps its link busy while it waits for a core
         peer = "?"
         try:
             try:
@@ -169,10 +169,8 @@ class TcpTransport(Transport):
         except (PeerError, ZerostallError, OSError, ValueError, KeyError, TypeError) as exc:
             self.refused += 1
             log.warning("zerostall: request from node %s (%s) refused: %s", peer, addr, exc)
-            try:
+            with contextlib.suppress(OSError):
                 send_msg(conn, {"ok": False, "error": str(exc)[:2000]})
-            except OSError:
-                pass
         except Exception as exc:  # noqa: BLE001 - a connection thread never dies unlogged
             self.refused += 1
             log.error("zerostall: connection from node %s (%s) failed: %s: %s", peer, addr, type(exc).__name__,
@@ -356,15 +354,11 @@ class TcpTransport(Transport):
         self._closed = True
         srv, self._srv = self._srv, None
         if srv is not None:
-            try:
+            with contextlib.suppress(OSError):
                 srv.shutdown(socket.SHUT_RDWR)  # wakes the accept() of the accept thread
-            except OSError:
-                pass
             srv.close()
         with self._mu:
             conns = list(self._conns)
         for c in conns:
-            try:
+            with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass

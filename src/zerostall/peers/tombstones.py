@@ -17,6 +17,7 @@ by the node leader's start-up (atomically: tmp, fdatasync, rename).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -132,10 +133,8 @@ def delete_step(root: str, step: int, *, lock_timeout_s: float = 0.0) -> list[st
     try:
         ids = []
         if step in tier.listed_steps():
-            try:
+            with contextlib.suppress(ZerostallError):
                 ids.append(tier.read_manifest(step).checkpoint_id)
-            except ZerostallError:
-                pass
         area = os.path.join(root, "peers")
         for src in sorted(os.listdir(area)) if os.path.isdir(area) else []:
             try:

@@ -7,6 +7,7 @@ Called from the caller's thread. One process at a time downloads into a root
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
@@ -99,10 +100,8 @@ def fetch(tier: RootTier, remote: Tier, step: int, seen: Any = _ANY, only: set[s
         now = tier.manifest_ident(step)
         same = False
         if now is not None:
-            try:
+            with contextlib.suppress(ZerostallError):
                 same = tier.read_manifest(step).checkpoint_id == man.checkpoint_id
-            except ZerostallError:
-                pass
         if same and only is not None:  # another rank of this node fetched its own files of it
             _add_files(tier, remote, step, man, only)
             return man, True

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from ..errors import SaveFailed
 from .job import Job
@@ -87,25 +87,20 @@ class SaveHandle:
         if tier == "peers":
             if self._owner is None or self._owner._peers is None:
                 raise ValueError("this Checkpointer keeps no peer copies (pass replicas=N, N > 1)")
-            deadline = None if timeout is None else time.monotonic() + timeout
-            if not st.done.wait(timeout):
-                return False
-            if st.error is not None or st.skipped:
-                return True
-            ps = self._peer_status()
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            return ps.done.wait(left) if ps is not None else True
-        if tier != "remote":
+            then: Callable[[float | None], bool] = \
+                lambda left: (ps := self._peer_status()) is None or ps.done.wait(left)
+        elif tier == "remote":
+            if self._owner is not None and not self._owner.config.remote:
+                raise ValueError("this Checkpointer has no remote tier (pass remote=URL)")
+            then = st.replicated.wait
+        else:
             raise ValueError(f"tier={tier!r}: choose 'local', 'peers' or 'remote'")
-        if self._owner is not None and not self._owner.config.remote:
-            raise ValueError("this Checkpointer has no remote tier (pass remote=URL)")
         deadline = None if timeout is None else time.monotonic() + timeout
         if not st.done.wait(timeout):
             return False
-        if st.error is not None or st.skipped:
+        if st.error is not None or st.skipped:  # nothing goes beyond the local tier
             return True
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return st.replicated.wait(left)
+        return then(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def replication_error(self) -> BaseException | None:
         return self._status.replicate_error

@@ -24,6 +24,7 @@ from contextlib import contextmanager, suppress
 from typing import Callable, Iterator
 
 from .._fast import libc as _libc
+from ..io.probe import fs_of
 
 Hook = Callable[[str], None]
 log = logging.getLogger("zerostall")
@@ -137,9 +138,11 @@ def free_bytes(path: str) -> int:
 
 
 def unshared(path: str) -> bool:
-    """Whether no open file description of any process refers to the file at ``path`` now: a
-    write lease (``F_SETLEASE``) is granted only then, and released at once. False where leases
-    are refused (another owner, a filesystem or platform without them) or on any error."""
+    """Whether the file at ``path`` has no other name (a hard link: a user's ``cp -al`` backup,
+    zerostall's own links) and no open file description of any process refers to it now: a
+    write lease (``F_SETLEASE``) is granted only then, and released at once; the kernel grants
+    it whatever the link count. False where leases are refused (another owner, a filesystem or
+    platform without them) or on any error."""
     setlease = getattr(fcntl, "F_SETLEASE", None)  # Linux only
     if setlease is None:
         return False
@@ -148,7 +151,8 @@ def unshared(path: str) -> bool:
     except OSError:
         return False
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
             return False
         fcntl.fcntl(fd, setlease, fcntl.F_WRLCK)
         fcntl.fcntl(fd, setlease, fcntl.F_UNLCK)
@@ -157,6 +161,13 @@ def unshared(path: str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+LOCAL_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "bcachefs", "jfs", "nilfs2",
+                      "tmpfs", "overlay"})
+"""Filesystems one kernel serves alone: a write lease there sees every process that has a file
+open. On one that other nodes mount (NFS, CephFS, Lustre, GPFS, FUSE clients) it sees only this
+node's, and a reader elsewhere keeps an unlinked file's bytes but not ones written over."""
 
 
 class DeferredRemovals:
@@ -181,6 +192,13 @@ class DeferredRemovals:
         self.paths: list[str] = []
         self.spare = True
         """Whether :meth:`run` may keep one file for :meth:`take` (``CheckpointConfig.spare_shard``)."""
+        self._local: bool | None = None
+
+    def _local_fs(self) -> bool:
+        """Whether the root is on a :data:`LOCAL_FS` (read once, when first needed)."""
+        if self._local is None:
+            self._local = fs_of(self.root)[0] in LOCAL_FS
+        return self._local
 
     def __bool__(self) -> bool:
         return bool(self.paths)
@@ -196,7 +214,8 @@ class DeferredRemovals:
         kept = None
         for path in list(self.paths):
             try:
-                if kept is None and keep is not None and self.spare and os.path.isfile(os.path.join(path, keep)):
+                if (kept is None and keep is not None and self.spare and self._local_fs()
+                        and os.path.isfile(os.path.join(path, keep))):
                     kept = path
                     for entry in os.scandir(path):
                         if entry.name != keep:
@@ -211,9 +230,11 @@ class DeferredRemovals:
         """Move the file ``name`` of a pending tree to ``dest`` (on the same filesystem) for
         the persist thread to write over: its blocks are reused instead of freed and allocated
         again. Only a regular file that no process has open (:func:`unshared`: a reader that
-        opened the doomed step before it left the listing keeps reading its bytes). Returns
-        whether it moved one. A crash after the move leaves it in ``dest``'s partial directory,
-        which recovery removes."""
+        opened the doomed step before it left the listing keeps reading its bytes), on a
+        filesystem no other node mounts (:data:`LOCAL_FS`). Returns whether it moved one. A
+        crash after the move leaves it in ``dest``'s partial directory, which recovery removes."""
+        if not self.paths or not self._local_fs():
+            return False
         for tree in self.paths:
             src = os.path.join(tree, name)
             if unshared(src):

@@ -36,6 +36,7 @@ a step whose lock is held, and removes the lock files of interrupted downloads.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -213,10 +214,8 @@ class LocalTier(Tier):
         try:
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             os.close(fd)
-            try:
+            with contextlib.suppress(FileNotFoundError):  # the owner's start-up cleanup got there first
                 os.unlink(probe)
-            except FileNotFoundError:  # the owner's start-up cleanup got there first
-                pass
         except OSError as exc:
             raise storage_error("writing to checkpoint directory", self.root, exc,
                                 "pick a writable directory or fix its permissions/attributes") from exc
@@ -354,10 +353,8 @@ class LocalTier(Tier):
         except Exception as exc:  # noqa: BLE001 - after the commit point nothing undoes the commit
             msg = f"step {step} is committed, but updating {os.path.join(self.root, 'latest')} failed: {exc}"
             log.warning("zerostall: %s", msg)
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
             return (msg,)
         return ()
 

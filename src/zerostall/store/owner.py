@@ -31,6 +31,7 @@ Called from the caller's thread (``Checkpointer.__init__``/``close``); not threa
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import errno
 import fcntl
@@ -74,10 +75,8 @@ def _after_fork_in_child() -> None:
     locks: the description stays open in the parent, which keeps the flock)."""
     for lock in list(_HELD):
         for fd in lock._forget():
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
     _HELD.clear()
     _FORK_GUARD.release()  # taken by this thread in _before_fork
 
@@ -106,10 +105,8 @@ def _close_held(lock: "RootLock | FileLock") -> None:
         owner = lock._pid == os.getpid()
         for fd in lock._forget():
             if owner:
-                try:
+                with contextlib.suppress(OSError):  # no locking on this filesystem, or never locked
                     fcntl.flock(fd, fcntl.LOCK_UN)
-                except OSError:  # no locking on this filesystem, or never locked
-                    pass
             os.close(fd)
 
 
@@ -240,7 +237,7 @@ class RootLock:
     def __del__(self) -> None:  # a half-built Checkpointer must not keep the root locked
         try:
             self.release()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
+        except Exception:  # noqa: BLE001 - interpreter shutdown (contextlib may be gone by then)
             pass
 
 
@@ -325,10 +322,8 @@ class FileLock:
             return
         try:
             if unlink and self._pid == os.getpid():
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path)
-                except FileNotFoundError:
-                    pass
         finally:
             _close_held(self)
 

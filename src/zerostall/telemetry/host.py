@@ -11,6 +11,7 @@ one /proc read per tick serves every sampler due.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -50,10 +51,8 @@ def read_psi(path: str) -> dict[str, dict[str, float]] | None:
         vals = {}
         for p in parts[1:]:
             k, _, v = p.partition("=")
-            try:
+            with contextlib.suppress(ValueError):
                 vals[k] = float(v)
-            except ValueError:
-                pass
         out[parts[0]] = vals
     return out
 

@@ -14,6 +14,7 @@ Changes nothing but the trace instance it creates and removes (and a tracefs mou
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -97,10 +98,8 @@ def trace_tracefs(seconds: float) -> TraceReport:
         with open(os.path.join(inst, "trace")) as f:
             lines = f.readlines()
     finally:
-        try:
+        with contextlib.suppress(OSError):
             os.rmdir(inst)
-        except OSError:
-            pass
         if mounted_here:
             subprocess.run(["umount", TRACEFS], capture_output=True)
     events = parse_trace_lines(lines)
