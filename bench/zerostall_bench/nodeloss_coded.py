@@ -21,7 +21,12 @@ Per protection, in the order given, ``--repeat`` rounds with the order reversed 
    one holder's share is what k parallel fetches are for; with replicas=3 its file comes from
    its 2 holders (ranges), with RS(k,m) from k holders. Measured: n1's files in (committed)
    and loaded, from the barrier all nodes leave at once, its fetch alone, and what its bytes
-   take over one holder's link (``LINK_MBIT``): what k parallel fetches are to beat.
+   take over one holder's link (``LINK_MBIT``): what k parallel fetches are to beat. With a
+   code, from the rebuild's timeline (:class:`zerostall.peers.timeline.Timeline`): each
+   holder's stream (first to last byte, MB/s, and as a fraction of its link), and the
+   fetch's fraction of the k-link limit: (n1's bytes / k) / link rate, the time k holders'
+   links need at full rate, divided by the fetch's time (1.0: every holder's egress full
+   from the first byte to the commit).
 
 Runs on the CLI's thread; the nodes are subprocesses.
 """
@@ -38,13 +43,15 @@ import sys
 from typing import Any
 
 from .nodeloss import _ms, workdir
-from .nodes import free_port, node_env, run_nodes
+from .nodes import free_port, node_env, run_nodes, split_methods
 from .report import write_doc
 
 NODES = 7
 LINK_MBIT = int(os.environ.get("ZS_BENCH_LINK_MBIT", "400"))
 """Every node's link on the cluster, each way (env ``ZS_BENCH_LINK_MBIT``)."""
-RESTORE_LINK_X = 4
+RESTORE_LINK_X = 8
+"""n1's link while it recovers, in holders' links: twice the k = 4 holders' egress together, so the holders'
+egress stays the limit (at 4x, n1's ingress would be a second bottleneck of the same rate)."""
 PROTECTIONS = ("r3", "rs4,2")
 
 
@@ -98,7 +105,11 @@ def _one(cluster: Any, work: str, mib: int, protect: str) -> dict[str, Any]:
     idle, rep = _ms(saved[0]["idle"]), _ms(saved[0]["replicating"])
     idle_med, rep_med = _median_ms(saved[0]["idle"]), _median_ms(saved[0]["replicating"])
     n1 = loaded[1]
-    one_link = saved[1]["state_bytes"] / (LINK_MBIT * 1e6 / 8) if cluster is not None else 0.0
+    link_bps = LINK_MBIT * 1e6 / 8
+    one_link = saved[1]["state_bytes"] / link_bps if cluster is not None else 0.0
+    streams = [s for s in n1.get("timeline", {}).get("streams", []) if s["end"] == "done"]
+    k = int(protect[2:].split(",")[0]) if protect.startswith("rs") else min(int(protect[1:]) - 1, 2)
+    k_link = one_link / k
     return {"protect": protect, "load_avg_1m": round(load, 2), "state_bytes": state,
             "bytes_moved_per_save": sum(d["bytes_sent"] for d in saved),
             "moved_over_state": round(sum(d["bytes_sent"] for d in saved) / state, 4),
@@ -106,10 +117,19 @@ def _one(cluster: Any, work: str, mib: int, protect: str) -> dict[str, Any]:
             "protected": all(d["protected"] for d in saved),
             "protected_after_s": round(max(d["t_protected_s"] for d in saved), 3),
             "step_ms_idle": round(idle, 3), "step_ms_replicating": round(rep, 3),
-            "replicating_over_idle": round(rep / max(idle, 1e-9), 3), "steps_replicating": len(saved[0]["replicating"]),
+            "step_time_copying_over_idle_means": round(rep / max(idle, 1e-9), 3),
+            "steps_replicating": len(saved[0]["replicating"]),
             "step_ms_idle_median": round(idle_med, 3), "step_ms_replicating_median": round(rep_med, 3),
-            "replicating_over_idle_median": round(rep_med / max(idle_med, 1e-9), 3),
-            "n1_one_link_s": round(one_link, 3),
+            "step_time_copying_over_idle": round(rep_med / max(idle_med, 1e-9), 3),
+            "n1_one_link_s": round(one_link, 3), "n1_k_link_limit_s": round(k_link, 3),
+            "n1_fetch_of_k_link": round(k_link / n1["fetch_s"], 3) if n1.get("fetch_s") and k_link else 0.0,
+            "n1_streams": [{"fragment": s["fragment"], "node": s["node"], "MBps": round(s["Bps"] / 1e6, 2),
+                            "of_link": round(s["Bps"] / link_bps, 3) if cluster is not None else 0.0,
+                            "connected_s": s["connected_s"], "first_byte_s": s["first_byte_s"],
+                            "last_byte_s": s["last_byte_s"]} for s in streams],
+            "n1_stream_of_link_median": round(statistics.median(s["Bps"] / link_bps for s in streams), 3)
+            if streams and cluster is not None else 0.0,
+            "n1_phases": n1.get("timeline", {}).get("phases", {}),
             "n1_source": n1["source"], "n1_files_in_s": round(n1.get("files_s", 0.0), 3),
             "n1_fetch_s": round(n1.get("fetch_s", 0.0), 3), "n1_loaded_s": round(n1["load_s"], 3),
             "bit_exact": all(d["equal"] for d in loaded)}
@@ -140,29 +160,45 @@ def run(size_gib: float, work: str, rounds: int, protections: tuple[str, ...] = 
         mine = [x for x in runs if x["protect"] == protect]
         out[protect] = {k: statistics.median(x[k] for x in mine) for k in
                         ("moved_over_state", "encode_cpu_s_per_gb", "protected_after_s", "step_ms_idle",
-                         "step_ms_replicating", "replicating_over_idle", "replicating_over_idle_median",
-                         "n1_files_in_s", "n1_fetch_s", "n1_one_link_s", "n1_loaded_s")}
+                         "step_ms_replicating", "step_time_copying_over_idle_means", "step_time_copying_over_idle",
+                         "n1_files_in_s", "n1_fetch_s", "n1_one_link_s", "n1_k_link_limit_s", "n1_fetch_of_k_link",
+                         "n1_stream_of_link_median", "n1_loaded_s")}
     return out
 
 
 def main(a: argparse.Namespace) -> int:
+    protections = tuple(split_methods(a.methods)) if a.methods else PROTECTIONS
+    for p in protections:
+        if not (p[:1] == "r" and p[1:].isdigit() or p.startswith("rs") and p.count(",") == 1):
+            raise SystemExit(f"node-loss-coded: --methods {p!r}: use r<N> (replicas=N) or rs<k>,<m> (e.g. rs4,2)")
     with workdir(a, "zerostall-node-loss-coded-") as work:
-        res = run(a.size_gib, work, a.repeat)
+        res = run(a.size_gib, work, a.repeat, protections)
     print(f"node-loss-coded: {NODES} nodes x {res['state_mib_per_node']} MiB; {res['where']}")
     for x in res["runs"]:
         print(f"  round {x['round']} {x['protect']:6s} load {x['load_avg_1m']:5.2f}: moved "
               f"{x['moved_over_state']:.3f} x state, encode {x['encode_cpu_s_per_gb']:.2f} CPU-s/GB, "
               f"protected after {x['protected_after_s']:.2f} s, "
               f"step time {x['step_ms_replicating']:.2f} ms vs {x['step_ms_idle']:.2f} idle "
-              f"({x['replicating_over_idle']:.2f}x, medians {x['replicating_over_idle_median']:.2f}x, "
+              f"(step time while copying / idle {x['step_time_copying_over_idle']:.2f}, medians; means "
+              f"{x['step_time_copying_over_idle_means']:.2f}; "
               f"{x['steps_replicating']} steps); n1 ({x['n1_source']}) files in "
               f"{x['n1_files_in_s']:.2f} s (fetch {x['n1_fetch_s']:.2f}; one holder's link: "
-              f"{x['n1_one_link_s']:.2f}), loaded {x['n1_loaded_s']:.2f} s; "
+              f"{x['n1_one_link_s']:.2f}; k-link limit {x['n1_k_link_limit_s']:.2f}: "
+              f"{x['n1_fetch_of_k_link']:.2f} of it), loaded {x['n1_loaded_s']:.2f} s; "
               f"bit-exact {x['bit_exact']}")
-    for protect in PROTECTIONS:
+        for st in x["n1_streams"]:
+            print(f"      fragment {st['fragment']} from {st['node']}: {st['MBps']:.1f} MB/s "
+                  f"({st['of_link']:.2f} of its link), first byte {st['first_byte_s']:.2f} s, last "
+                  f"{st['last_byte_s']:.2f} s")
+        if x["n1_phases"]:
+            print("      phases (first, last event, s): " + ", ".join(
+                f"{k} {v[0]:.2f}-{v[1]:.2f}" for k, v in x["n1_phases"].items()))
+    for protect in protections:
         m = res[protect]
         print(f"  median {protect:6s}: moved {m['moved_over_state']:.3f} x state, {m['encode_cpu_s_per_gb']:.2f} "
-              f"CPU-s/GB, step {m['replicating_over_idle']:.2f}x idle, protected {m['protected_after_s']:.2f} s, "
-              f"n1 files in {m['n1_files_in_s']:.2f} s, loaded {m['n1_loaded_s']:.2f} s")
+              f"CPU-s/GB, step time while copying / idle {m['step_time_copying_over_idle']:.2f}, protected {m['protected_after_s']:.2f} s, "
+              f"n1 files in {m['n1_files_in_s']:.2f} s (fetch {m['n1_fetch_s']:.2f} s: {m['n1_fetch_of_k_link']:.2f} "
+              f"of the k-link limit; streams {m['n1_stream_of_link_median']:.2f} of a link), "
+              f"loaded {m['n1_loaded_s']:.2f} s")
     write_doc(res, a.json)
     return 0

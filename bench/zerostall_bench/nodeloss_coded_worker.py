@@ -77,6 +77,8 @@ def main() -> None:
         res["load_s"] = time.monotonic() - t0
         if ck._peers.last_fetch_end:
             res["files_s"], res["fetch_s"] = ck._peers.last_fetch_end - t0, ck._peers.last_fetch_s
+        if ck._peers.last_timeline is not None:
+            res["timeline"] = ck._peers.last_timeline.summary()
         res["source"] = report.source
         res["equal"] = all(torch.equal(state[k], v) for k, v in make_state(rank, mib).items())
     leave(ck, res, out, world)

@@ -8,10 +8,14 @@ gloo, ``--size-gib`` of state in all, ``replicas=2``, 200 MB/s per node; rank 0 
 protected, and 1.5 s after), and the same with ``peers.code="rs"`` RS(2,1) at the default
 ``cpu_priority`` (each node's files coded into 2 data + 1 parity fragments on its 3 peers,
 1.5x the state sent instead of 1x), run ``--repeat`` times per setting, the settings' order reversed
-every other round (the machine's other load drifts). Per run: rank 0's mean step time idle
-(the 1.5 s before the save and the 1.5 s after the step is protected) and in the window where
-only the paced copies run (durable -> protected), their ratio, the CPU seconds every node's
-process spent in that window, and the load average when the run started. Medians per setting.
+every other round (the machine's other load drifts). ``--methods`` picks settings (e.g.
+``idle,rs2,1``: replicas=2 at the default priority and RS(2,1)). Per run: rank 0's step time
+idle (the 1.5 s before the save and the 1.5 s after the step is protected) and in the window
+where only the paced copies run (durable -> protected), means and medians, and
+``step_time_copying_over_idle``: the step time while the copies run divided by the idle step
+time (medians of the steps; above 1: the copies slow the trainer; the target is <= 1.05), the
+same of the means, the CPU seconds every node's process spent in that window, and the load
+average when the run started. Medians per setting.
 
 Runs on the CLI's thread; the nodes are subprocesses of :mod:`.nodeloss_worker`.
 """
@@ -26,6 +30,7 @@ import statistics
 from typing import Any
 
 from .nodeloss import CAP_BYTES, NODES, _ms, _run, workdir
+from .nodes import split_methods
 from .report import write_doc
 
 MODES = ("normal", "nice", "idle", "rs2,1")
@@ -45,9 +50,13 @@ def run(size_gib: float, work: str, rounds: int, modes: tuple[str, ...] = MODES)
                         cpu="idle" if coded else mode)
             idle = _ms(docs[0]["before"] + docs[0]["after"])
             rep = _ms(docs[0]["replicating"])
+            idle_med = statistics.median(docs[0]["before"] + docs[0]["after"]) * 1e3
+            rep_med = statistics.median(docs[0]["replicating"] or [0.0]) * 1e3
             runs.append({"round": r, "cpu_priority": mode, "load_avg_1m": round(load, 2),
                          "step_ms_idle": round(idle, 3), "step_ms_replicating_only": round(rep, 3),
-                         "replicating_over_idle": round(rep / max(idle, 1e-9), 3),
+                         "step_ms_idle_median": round(idle_med, 3), "step_ms_copying_median": round(rep_med, 3),
+                         "step_time_copying_over_idle": round(rep_med / max(idle_med, 1e-9), 3),
+                         "step_time_copying_over_idle_means": round(rep / max(idle, 1e-9), 3),
                          "steps_replicating_only": len(docs[0]["replicating"]),
                          "protected_s": round(max(d["t_done_s"] for d in docs), 3),
                          "protected": all(d["protected"] for d in docs),
@@ -59,26 +68,40 @@ def run(size_gib: float, work: str, rounds: int, modes: tuple[str, ...] = MODES)
     for mode in modes:
         mine = [x for x in runs if x["cpu_priority"] == mode]
         out[mode] = {k: statistics.median(x[k] for x in mine) for k in
-                     ("step_ms_idle", "step_ms_replicating_only", "replicating_over_idle", "protected_s")}
+                     ("step_ms_idle", "step_ms_replicating_only", "step_ms_idle_median", "step_ms_copying_median",
+                      "step_time_copying_over_idle", "step_time_copying_over_idle_means", "protected_s")}
         out[mode]["cpu_replicating_s_nodes_1_3"] = statistics.median(sum(x["cpu_replicating_s"][1:]) for x in mine)
     return out
 
 
+def modes_of(methods: str | None) -> tuple[str, ...]:
+    """``--methods`` (:func:`.nodes.split_methods`), checked; default :data:`MODES`."""
+    out = split_methods(methods) if methods else list(MODES)
+    for m in out:
+        if m not in ("normal", "nice", "idle") and not (m.startswith("rs") and m.count(",") == 1
+                                                         and m[2:].replace(",", "").isdigit()):
+            raise SystemExit(f"replication-cost: --methods {m!r}: use normal, nice, idle or rs<k>,<m> (e.g. rs2,1)")
+    return tuple(out)
+
+
 def main(a: argparse.Namespace) -> int:
+    modes = modes_of(a.methods)
     with workdir(a, "zerostall-replication-cost-") as work:
-        res = run(a.size_gib, work, a.repeat)
+        res = run(a.size_gib, work, a.repeat, modes)
     print(f"replication cost: {NODES} nodes x {res['state_mib_per_node']} MiB, replicas=2 per cpu_priority and "
           f"RS(2,1) at the default, peer cap "
           f"{CAP_BYTES / 1e6:.0f} MB/s per node; rank 0's step time while only the paced copies run vs idle")
     for x in res["runs"]:
         print(f"  round {x['round']} {x['cpu_priority']:6s} load {x['load_avg_1m']:5.2f}: "
               f"idle {x['step_ms_idle']:.2f} ms, "
-              f"replicating {x['step_ms_replicating_only']:.2f} ms over {x['steps_replicating_only']} steps "
-              f"= {x['replicating_over_idle']:.2f}x; protected after {x['protected_s']:.2f} s; CPU s per node "
-              f"{x['cpu_replicating_s']}")
-    for mode in MODES:
+              f"while copying {x['step_ms_replicating_only']:.2f} ms (means) over {x['steps_replicating_only']} steps; "
+              f"step time while copying / idle = {x['step_time_copying_over_idle']:.3f} (medians; means "
+              f"{x['step_time_copying_over_idle_means']:.3f}); protected after {x['protected_s']:.2f} s; CPU s per "
+              f"node {x['cpu_replicating_s']}")
+    for mode in modes:
         m = res[mode]
-        print(f"  median {mode:6s}: {m['replicating_over_idle']:.3f}x idle, nodes 1-3 CPU "
+        print(f"  median {mode:6s}: step time while copying / idle = {m['step_time_copying_over_idle']:.3f} "
+              f"(above 1: slower; target <= 1.05), nodes 1-3 CPU "
               f"{m['cpu_replicating_s_nodes_1_3']:.2f} s, protected after {m['protected_s']:.2f} s")
     write_doc(res, a.json)
     return 0

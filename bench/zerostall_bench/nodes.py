@@ -103,3 +103,15 @@ def leave(ck: Any, res: dict[str, Any], out: str, world: int) -> None:
         while not all(os.path.exists(o) for o in others) and time.monotonic() < deadline:
             time.sleep(0.05)
     os._exit(0)
+
+
+def split_methods(methods: str) -> list[str]:
+    """``--methods`` of the peer benches: comma-separated, ``rs<k>,<m>`` keeping its own comma
+    (``idle,rs2,1`` -> ``["idle", "rs2,1"]``)."""
+    out: list[str] = []
+    for tok in (t.strip() for t in methods.split(",") if t.strip()):
+        if tok.isdigit() and out and out[-1].startswith("rs") and "," not in out[-1]:
+            out[-1] += "," + tok
+        else:
+            out.append(tok)
+    return out

@@ -23,12 +23,12 @@ def _deleting(root):
     return sorted(n for n in os.listdir(root) if n.startswith(".deleting-"))
 
 
-def _three_saves(root, monkeypatch, hold_open=False):
+def _three_saves(root, monkeypatch, hold_open=False, grow=False):
     """keep_last=1; save 3 is queued behind save 2 (whose persist thread waits at its
     ``latest`` boundary until then). ``hold_open``: a reader keeps step 1's shard open
     throughout (and reads it at the end). Returns the events, the listing when save 2 was
     done, the listing when save 3 was done, the steps, step 1's shard inode and step 3's, and
-    what the reader read (or None)."""
+    what the reader read (or None). ``grow``: save 3's tensor is twice the size."""
     state = {"w": torch.randn(300_000), "step": 0}
     events, gate, armed = [], threading.Event(), [False]
 
@@ -55,7 +55,8 @@ def _three_saves(root, monkeypatch, hold_open=False):
             monkeypatch.setattr(ck.engine, name, opener)
         armed[0] = True
         h2 = ck.save(2, state)
-        h3 = ck.save(3, state)
+        state3 = {"w": torch.randn(600_000)} if grow else state
+        h3 = ck.save(3, state3)
         assert h3.wait_staged(60)  # the snapshot thread has handed it to the persist thread
         gate.set()
         h2.result(timeout=60)
@@ -64,7 +65,7 @@ def _three_saves(root, monkeypatch, hold_open=False):
         after3 = _deleting(root)
         steps = ck.tier.steps()
         ino3 = os.stat(os.path.join(root, "step-3", shard)).st_ino
-        assert zerostall.load(root, step=3)["w"].equal(state["w"])  # every byte verified (crc32c)
+        assert zerostall.load(root, step=3)["w"].equal(state3["w"])  # every byte verified (crc32c)
     read = None
     if reader is not None:
         read = os.pread(reader, 1 << 20, 0) == first
@@ -99,6 +100,14 @@ def test_a_short_disk_removes_the_doomed_step_before_preallocating(ckdir, monkey
     assert len(after2) == 1 and len(after3) == 1 and steps == [3] and read is True
     i_open3 = events.index("open_write step-3.partial")
     assert events.index("unlink") < i_open3  # room first: deferring never costs an ENOSPC
+
+
+def test_a_short_disk_removes_the_doomed_step_before_growing_the_shard_it_writes_over(ckdir, monkeypatch):
+    monkeypatch.setattr(atomic, "free_bytes", lambda path: 0)
+    events, after2, after3, steps, ino1, ino3, _ = _three_saves(ckdir, monkeypatch, grow=True)
+    assert ino3 == ino1 and steps == [3]  # written over, and longer now
+    i_open3 = events.index("open_rewrite step-3.partial")
+    assert events.index("recycle") < events.index("unlink") < i_open3  # room first, as for a new file
 
 
 @pytest.mark.parametrize("spare", [True, False])
@@ -180,3 +189,22 @@ def test_a_doomed_shard_on_a_filesystem_other_nodes_share_is_never_written_over(
             ck.save(s, {"w": torch.full((1000,), float(s))}).result(timeout=60)
         assert "recycle" not in events and _deleting(ckdir) == []  # no spare kept either
     assert zerostall.load(ckdir)["w"].equal(torch.full((1000,), 3.0))
+
+
+def test_a_doomed_shard_that_cannot_be_written_over_gives_way_to_a_new_file(ckdir, monkeypatch):
+    """The shard taken may refuse the rewrite (a user made the old step read-only, a growth
+    the disk has no room for): the save writes a new file instead of failing."""
+    from zerostall.errors import storage_error
+    events = []
+    with zerostall.Checkpointer(ckdir, keep_last=1) as ck:
+        ck.save(1, {"w": torch.ones(1000)}).result(timeout=60)
+        ck.tier._hook = events.append
+
+        def refuse(path, nbytes):
+            events.append("open_rewrite")
+            raise storage_error("opening", path, PermissionError(13, "Permission denied", path))
+        monkeypatch.setattr(ck.engine, "open_rewrite", refuse)
+        for s in (2, 3):
+            ck.save(s, {"w": torch.full((1000,), float(s))}).result(timeout=60)
+        assert "recycle" in events and "open_rewrite" in events and ck.tier.steps() == [3]
+    assert zerostall.load(ckdir)["w"].equal(torch.full((1000,), 3.0)) and _deleting(ckdir) == []

@@ -7,26 +7,32 @@ fragments of one coding of it), :func:`rebuild` on the node's leader when the ag
 neither local nor otherwise at hand (:func:`.fetch.fetch` runs it and tells the node's other
 ranks the outcome).
 
-The rebuild, into ``step-N.partial`` of the local root:
+The rebuild, into ``step-N.partial`` of the local root, every phase beside the others:
 
 1. k fetch threads, fragments in index order (data fragments first, so nothing is decoded
    while their holders live), each fragment from one holder, the next holder of the same
    fragment -- or the next fragment -- when one fails, stops (``peers.timeout_s``) or sends a
-   byte that does not match the fragment's crc32c (checked as it streams in; a data fragment
-   goes straight into the node's files at its offsets with O_DIRECT, a parity fragment into a
-   ``.fragment-<i>`` scratch file);
-2. the data fragments that did not come are decoded stripe by stripe from the k that did and
-   written into the files; every file is fdatasync'ed;
-3. every file is read back through :class:`.verify.StreamCheck` (each tensor's crc32c, the
-   header, zero padding), as a local copy's load would check it, the kernel asked to read two
-   pieces ahead (``POSIX_FADV_WILLNEED``: the disk reads while the CPU checks); the scratch
-   files go, and the step is committed (incremental steps: the steps it references first).
+   wrong byte. A data fragment's bytes are checked as they stream in, piece by piece, as a
+   local copy's load would check them (each tensor's crc32c, the header, zero padding:
+   :class:`.piececheck.PieceCheck`), then written straight into the node's files at their
+   offsets with O_DIRECT; so a wrong byte stops its stream at the first tensor it ends, and
+   nothing is read back. A parity fragment goes into a ``.fragment-<i>`` scratch file. Every
+   fragment's own crc32c is checked at its last byte.
+2. The data fragments that no live holder serves are decoded stripe by stripe as the k
+   fragments stream in (:class:`.coded_decode.StripeDecoder`, a thread of its own), each
+   decoded stripe checked like a received one and written; when a fragment the decode used
+   fails, the decode runs again after the fetch from the k fragments that came.
+3. Every file's check is finished (every byte checked exactly once), the files are
+   fdatasync'ed, the scratch files go, and the step is committed (incremental steps: the
+   steps it references first).
+
+What happened when goes to a :class:`.timeline.Timeline` (per stream: request, connection,
+first byte, each piece checked, last byte, done or failed; decoded stripes, sync, commit).
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import threading
 from dataclasses import dataclass, field
@@ -38,15 +44,16 @@ from ..format.manifest import Manifest
 from ..io.base import Engine
 from ..store.tier import RootTier
 from . import tombstones
-from .coding import Code, Layout
+from .coded_decode import StripeDecoder
+from .coding import Layout
 from .exchange import PeerView
 from .fetch import commit_fetched
 from .fragments import FragmentCheck, download, list_fragments
-from .verify import StreamCheck
+from .piececheck import PieceCheck
+from .timeline import Timeline
 
 __all__ = ["Rebuild", "holdings", "rebuild"]
 log = logging.getLogger("zerostall")
-READ_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -114,10 +121,13 @@ def _pick(coded: dict[int, dict[str, Rebuild]], step: int, checkpoint_id: str) -
 
 class _ConcatWriter:
     """Writes data fragment ``index``'s bytes (fragment offsets) into the node's files at
-    their own offsets; padding must be zero. One fetch thread; :meth:`close` always."""
+    their own offsets, each piece checked first (:class:`.piececheck.PieceCheck`; padding must
+    be zero); reports how far the fragment is written. One fetch thread; :meth:`close` always."""
 
-    def __init__(self, engine: Engine, lay: Layout, part: str, index: int, where: str):
+    def __init__(self, engine: Engine, lay: Layout, part: str, index: int, where: str,
+                 checks: dict[str, PieceCheck], written: Callable[[int, int], None]):
         self.engine, self.lay, self.part, self.index, self.where = engine, lay, part, index, where
+        self.checks, self.written = checks, written
         self._open: dict[str, Any] = {}
 
     def write(self, extents: list[tuple[int, memoryview]], overlap: Callable[[], None] | None = None) -> None:
@@ -128,9 +138,11 @@ class _ConcatWriter:
                     if bytes(piece).count(0) != n:
                         raise CorruptCheckpoint(f"{self.where}: non-zero padding", path=self.where)
                     continue
+                self.checks[name].feed(self.index, foff, piece)
                 if name not in self._open:
                     self._open[name] = self.engine.open_update(os.path.join(self.part, name))
                 self._open[name].write([(foff, piece)])
+            self.written(off, len(mv))
         if overlap is not None:
             overlap()
 
@@ -139,13 +151,31 @@ class _ConcatWriter:
             w.close()
 
 
+class _ScratchWriter:
+    """A parity fragment into its ``.fragment-<i>`` scratch file (read by the decode); reports
+    how far it is written. One fetch thread; :meth:`close` always."""
+
+    def __init__(self, w: Any, written: Callable[[int, int], None]):
+        self.w, self.written = w, written
+
+    def write(self, extents: list[tuple[int, memoryview]], overlap: Callable[[], None] | None = None) -> None:
+        self.w.write(extents, overlap)
+        for off, mv in extents:
+            self.written(off, len(mv))
+
+    def close(self) -> None:
+        self.w.close()
+
+
 def rebuild(view: PeerView, transport: Any, tier: RootTier, engine_for: Callable[[], Engine], step: int,
-            coded: dict[int, dict[str, Rebuild]], checkpoint_id: str = "") -> None:
+            coded: dict[int, dict[str, Rebuild]], checkpoint_id: str = "", timeline: Timeline | None = None) -> None:
     """The module doc's steps 1-3 for ``step`` (and the earlier steps it references).
     ``checkpoint_id``: the commit of the step the ranks agreed on (a referenced step's commit
-    is the one its reference names)."""
+    is the one its reference names). ``timeline``: where the rebuild's events go (bench, tests)."""
+    tl = timeline if timeline is not None else Timeline()
     names = [shard_name(r) for r in view.ranks_of(view.me)]
-    man = _rebuild_step(view, transport, tier, engine_for, _pick(coded, step, checkpoint_id), names, commit=False)
+    man = _rebuild_step(view, transport, tier, engine_for, _pick(coded, step, checkpoint_id), names, tl,
+                        commit=False)
     try:
         for ref in sorted({r.step for r in man.ref_files if r.name in names}):
             if ref in tier.steps() and all(os.path.exists(os.path.join(tier.step_dir(ref), r.name))
@@ -155,15 +185,16 @@ def rebuild(view: PeerView, transport: Any, tier: RootTier, engine_for: Callable
             if ref not in coded or len(ref_ids) != 1:
                 raise CheckpointNotFound(f"restore of step {step}: it references step {ref}, of which live nodes "
                                          f"hold fewer than k fragments of {', '.join(names)}")
-            _rebuild_step(view, transport, tier, engine_for, _pick(coded, ref, ref_ids.pop()), names, commit=True)
+            _rebuild_step(view, transport, tier, engine_for, _pick(coded, ref, ref_ids.pop()), names, tl, commit=True)
     except BaseException:
         tier.abort(step)
         raise
     commit_fetched(tier, step, man)  # never drops a committed step's own files
+    tl.mark("committed")
 
 
 def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Callable[[], Engine], rb: Rebuild,
-                  names: list[str], *, commit: bool) -> Manifest:
+                  names: list[str], tl: Timeline, *, commit: bool) -> Manifest:
     part = tier.begin(rb.step)
     engine = engine_for()
     mu = threading.Lock()
@@ -172,6 +203,11 @@ def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Ca
     pending = sorted(rb.holders)  # data fragments first
     meta: dict[str, Any] = {}
     firsts: dict[str, Any] = {}  # each file's creating writer: fdatasync'ed once all is in
+    checks: dict[str, PieceCheck] = {}
+    early: list[Any] = []  # the decode that runs beside the streams: [thread, result box]
+    # what the first k fragments on offer leave out: decoded while the streams go on
+    use0 = pending[:rb.k]
+    missing0 = [i for i in range(rb.k) if i not in use0]
 
     def setup(man_bytes: bytes, desc: bytes, where: str) -> Layout:
         with mu:
@@ -184,7 +220,14 @@ def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Ca
                                             path=where)
                 for name, size in lay.files:
                     firsts[name] = engine.open_write(os.path.join(part, name), size)
-                meta.update(lay=lay, man=man, desc=desc)
+                    checks[name] = PieceCheck(man, name, f"step {rb.step} {name} rebuilt from fragments")
+                meta.update(lay=lay, man=man, desc=desc, dec=StripeDecoder(engine, lay, part, checks, tl))
+                if missing0 and len(use0) == rb.k:
+                    box: list[Any] = []
+                    t = threading.Thread(target=_run_decode, args=(meta["dec"], use0, missing0, box),
+                                         name="zerostall-peers-decode", daemon=True)
+                    early.extend([t, box])
+                    t.start()
             elif desc != meta["desc"]:
                 raise CorruptCheckpoint(f"{where}: a fragment of another coding of the step", path=where)
             return meta["lay"]
@@ -192,20 +235,34 @@ def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Ca
     def one_fragment(i: int, node: str) -> None:
         where = f"{node}:{view.me}/step-{rb.step}/fragment-{i}"
         opened: list[Any] = []
+        fed: list[Any] = []
+
+        def written(off: int, n: int) -> None:
+            meta["dec"].advance(i, off + n)
+            tl.mark("checked", i, node, n)
 
         def sink(man_bytes: bytes, desc: bytes, head: dict[str, Any]) -> tuple[Any, FragmentCheck]:
             lay = setup(man_bytes, desc, where)
+            tl.mark("set-up", i, node)
             if i < lay.k:
-                w: Any = _ConcatWriter(engine, lay, part, i, where)
+                w: Any = _ConcatWriter(engine, lay, part, i, where, checks, written)
             else:
-                w = engine.open_write(os.path.join(part, f".fragment-{i}"), lay.fragment_bytes)
+                w = _ScratchWriter(engine.open_write(os.path.join(part, f".fragment-{i}"), lay.fragment_bytes),
+                                   written)
             opened.append(w)
-            return w, FragmentCheck()
+            fed.append(FragmentCheck())
+            return w, fed[0]
+        tl.mark("request", i, node)
         try:
-            download(transport, view.endpoints[node], view.me, rb.step, i, sink)
-            if i >= rb.k:
-                opened[0].finish()
+            download(transport, view.endpoints[node], view.me, rb.step, i, sink,
+                     connected=lambda: tl.mark("connected", i, node), first_byte=lambda: tl.mark("first-byte", i, node))
+            tl.mark("last-byte", i, node, fed[0].n)
         except BaseException:
+            for c in checks.values():
+                c.forget(i)
+            if "dec" in meta:
+                meta["dec"].fail(i)
+            tl.mark("failed", i, node, fed[0].n if fed else 0)
             if i >= rb.k:
                 _unlink(os.path.join(part, f".fragment-{i}"))
             raise
@@ -228,6 +285,7 @@ def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Ca
                         one_fragment(i, node)
                         with mu:
                             got[i] = node
+                        tl.mark("done", i, node)
                         log.info("zerostall: restore of step %d: fragment %d served by peer %s", rb.step, i, node)
                         break
                     except (ZerostallError, OSError) as exc:
@@ -246,20 +304,31 @@ def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Ca
             t.start()
         for t in threads:
             t.join()
+        if "dec" in meta:
+            meta["dec"].end()
+        if early:
+            early[0].join()
         if len(got) < rb.k:
             raise CheckpointNotFound(f"restore of step {rb.step}: {len(got)} of the {rb.k} fragments needed came "
                                      f"in ({'; '.join(errors) or 'no live holder'})")
         lay, man = meta["lay"], meta["man"]
         missing = [i for i in range(rb.k) if i not in got]
-        if missing:
+        if missing and not (early and early[1] == [True] and meta["dec"].clean(use0) and set(use0) <= set(got)):
             log.info("zerostall: restore of step %d: decoding data fragment(s) %s from fragments %s", rb.step,
                      missing, sorted(got))
-            _decode(engine, lay, part, sorted(got)[:rb.k], missing)
+            for i in missing:
+                for c in checks.values():
+                    c.forget(i)
+            meta["dec"].decode(sorted(got)[:rb.k], missing, wait=False)
+        for c in checks.values():
+            c.finish()  # every byte of every file checked as it came: nothing is read back
         for w in firsts.values():
             w.finish()
-        for name, _ in lay.files:
-            _verify(man, os.path.join(part, name), f"step {rb.step} {name} rebuilt from fragments")
+        tl.mark("synced")
     except BaseException:
+        if early:
+            meta["dec"].end()
+            early[0].join()
         for w in firsts.values():
             w.close()
         engine.close()
@@ -272,88 +341,18 @@ def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Ca
         _unlink(os.path.join(part, f".fragment-{i}"))
     if commit:
         commit_fetched(tier, rb.step, man)
+        tl.mark("committed")
     return man
 
 
-def _decode(engine: Engine, lay: Layout, part: str, use: list[int], missing: list[int]) -> None:
-    """Data fragments ``missing`` from fragments ``use`` (k of them, in ``part``), stripe by stripe."""
-    code = Code(lay.k, lay.m)
-    bufs = {i: mmap.mmap(-1, lay.fragment_bytes if lay.fragment_bytes < READ_BYTES else READ_BYTES) for i in use}
-    out = mmap.mmap(-1, len(next(iter(bufs.values()))))
-    fds: dict[str, int] = {}
-    writers: dict[str, Any] = {}
+def _run_decode(dec: StripeDecoder, use: list[int], missing: list[int], box: list[Any]) -> None:
+    """The decode beside the streams (its own thread): ``box`` gets True when it decoded every
+    stripe; False or the error when it gave up (the rebuild then decodes after the fetch)."""
     try:
-        for name, _ in lay.files:
-            fds[name] = os.open(os.path.join(part, name), os.O_RDONLY | os.O_CLOEXEC)
-        for i in use:
-            if i >= lay.k:
-                fds[f".fragment-{i}"] = os.open(os.path.join(part, f".fragment-{i}"), os.O_RDONLY | os.O_CLOEXEC)
-        step = len(out)
-        for off in range(0, lay.fragment_bytes, step):
-            n = min(step, lay.fragment_bytes - off)
-            blocks: dict[int, Any] = {}
-            for i in use:
-                mv = memoryview(bufs[i])[:n]
-                if i < lay.k:
-                    for name, foff, at, ln in lay.pieces(i, off, n):
-                        dst = mv[at - off:at - off + ln]
-                        if name is None:
-                            dst[:] = bytes(ln)
-                        else:
-                            _pread(fds[name], dst, foff)
-                else:
-                    _pread(fds[f".fragment-{i}"], mv, off)
-                blocks[i] = mv
-            for i, data in code.recover(blocks, missing).items():
-                omv = memoryview(out)[:n]
-                omv[:] = data
-                for name, foff, at, ln in lay.pieces(i, off, n):
-                    if name is None:
-                        continue
-                    if name not in writers:
-                        writers[name] = engine.open_update(os.path.join(part, name))
-                    writers[name].write([(foff, omv[at - off:at - off + ln])])
-            del blocks
-    finally:
-        for w in writers.values():
-            w.close()
-        for fd in fds.values():
-            os.close(fd)
-
-
-def _pread(fd: int, mv: memoryview, off: int) -> None:
-    got = 0
-    while got < len(mv):
-        r = os.preadv(fd, [mv[got:]], off + got)
-        if r <= 0:
-            raise CorruptCheckpoint(f"short read at offset {off + got} while decoding")
-        got += r
-
-
-def _verify(man: Manifest, path: str, where: str) -> None:
-    check = StreamCheck(man, os.path.basename(path), where)
-    size = os.path.getsize(path)
-    buf = bytearray(min(READ_BYTES, max(size, 1)))
-    with open(path, "rb", buffering=0) as f:
-        off = ahead = 0
-        while off < size:
-            if ahead < min(size, off + 2 * len(buf)):  # the kernel reads the next pieces while this
-                nxt = min(size, off + 3 * len(buf))  # one is checked (the file was written O_DIRECT: uncached)
-                try:
-                    os.posix_fadvise(f.fileno(), ahead, nxt - ahead, os.POSIX_FADV_WILLNEED)
-                except OSError:
-                    pass
-                ahead = nxt
-            n = f.readinto(memoryview(buf)[:min(len(buf), size - off)])
-            if not n:
-                raise CorruptCheckpoint(f"{where}: short read at {off}", path=path)
-            check.feed(memoryview(buf)[:n])
-            off += n
-        try:
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
-    check.digest()
+        box.append(dec.decode(use, missing, wait=True))
+    except (ZerostallError, OSError) as exc:
+        log.info("zerostall: the decode beside the fetch gave up (%s); it runs again after the fetch", exc)
+        box.append(exc)
 
 
 def _unlink(path: str) -> None:

@@ -336,13 +336,21 @@ def list_fragments(transport: Any, ep: Endpoint, src: str) -> list[dict[str, Any
 
 
 def download(transport: Any, ep: Endpoint, src: str, step: int, index: int,
-             sink: Callable[[bytes, bytes, dict[str, Any]], tuple[Any, FragmentCheck]]) -> tuple[bytes, bytes]:
+             sink: Callable[[bytes, bytes, dict[str, Any]], tuple[Any, FragmentCheck]],
+             connected: Callable[[], None] | None = None,
+             first_byte: Callable[[], None] | None = None) -> tuple[bytes, bytes]:
     """Fetch fragment ``index`` of ``src``'s ``step`` from ``ep``: ``sink(manifest bytes,
     descriptor, header)`` returns the writer the fragment's bytes go to (at offsets 0..) and the
-    check to feed; raises unless their crc32c equals the header's. Returns (manifest, descriptor)."""
+    check to feed; raises unless their crc32c equals the header's. ``connected()``: called once
+    the connection is authenticated, ``first_byte()`` once the holder's reply is in (a
+    restore's timeline). Returns (manifest, descriptor)."""
     def run(s: socket.socket) -> tuple[bytes, bytes]:
+        if connected is not None:
+            connected()
         send_msg(s, {"op": "fget", "src": src, "step": step, "index": index})
         reply = recv_msg(s)
+        if first_byte is not None:
+            first_byte()
         if not reply.get("ok"):
             raise PeerError(f"node {ep.node}: {reply.get('error')}")
         size = check_size(reply.get("size"), MAX_FRAGMENT_BYTES + HEADER, "fragment")

@@ -31,6 +31,7 @@ from .replicate import PeerReplicator, StepStatus
 from . import tombstones
 from .store import PeerStore, quota_for
 from .tcp import Pacer, TcpTransport
+from .timeline import Timeline
 
 __all__ = ["Peers", "StepStatus"]
 log = logging.getLogger("zerostall")
@@ -94,6 +95,8 @@ class Peers:
         """Seconds the last restore spent bringing this node's files in from peers (bench)."""
         self.last_fetch_end = 0.0
         """``time.monotonic()`` when they were in, verified and committed (bench)."""
+        self.last_timeline: Timeline | None = None
+        """The last rebuild from coded fragments, event by event (bench: per-holder stream rates)."""
         self.replicator.repair()  # a replaced holder gets the kept steps back
         log.info("zerostall: peer copies on: %s across %d nodes; node %s listens on %s",
                  f"{cfg.replicas} copies of every step" if pc.code is None else
@@ -162,14 +165,16 @@ class Peers:
     def _fetch(self, load: "PeerLoad", step: int) -> bool:
         t0 = time.perf_counter()
         timeout = self.cfg.join_timeout_s + self.cfg.peers.timeout_s * 4
+        tl = Timeline()
         files_in = None if step not in load.offer.coded else \
             (lambda: rebuild(self.view, self.transport, self.tier, self.engine, step, load.coded,
-                             load.offer.ids.get(step, "")))
+                             load.offer.ids.get(step, ""), timeline=tl))
         if not fetch(self.store, self.view, self.transport, self.tier, self.engine, load.offer, step, load.number,
                      timeout, files_in=files_in):
             return False
         self.last_fetch_s = time.perf_counter() - t0
         self.last_fetch_end = time.monotonic()
+        self.last_timeline = tl if tl.events else None
         return True
 
     def close(self, timeout_s: float) -> list[int]:

@@ -9,6 +9,7 @@ a restore fetch thread); nothing here is shared but a :class:`Pacer`.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -52,6 +53,41 @@ SEND_BUF_BYTES = 4 << 20
 """The sender's read-ahead buffers (:data:`SEND_BUFS` per transfer) and its O_DIRECT read size."""
 SEND_BUFS = 4
 """Buffers read ahead per transfer: the disk reads up to three ahead of the one being sent."""
+
+
+SOCKET_SEND_BYTES = 4 << 20
+"""The kernel send buffer a holder's connection asks for (:func:`roomy_send_buffer`; the
+kernel doubles it)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _sysctl(name: str, field: int) -> int:
+    try:
+        with open(f"/proc/sys/{name}") as f:
+            return int(f.read().split()[field])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def roomy_send_buffer(sock: socket.socket) -> None:
+    """Give ``sock`` a send buffer of :data:`SOCKET_SEND_BYTES` (or the autotuning ceiling, if
+    higher) where the host allows that much (``net.core.wmem_max``); else leave it to autotuning.
+
+    Why: a peer socket has a timeout, so CPython sends in non-blocking pieces, each taking
+    only what the send buffer has room for, and takes the GIL back between two of them.
+    Autotuning sizes the buffer from the congestion window: on a low-latency link a few
+    milliseconds of data. A sender that waits longer for a core or the GIL (a node loading
+    its own state while it serves a restore) leaves the link idle, where a blocking stream
+    would sleep in the kernel (docs/peers.md, "What bounds a coded restore"). With this
+    buffer the kernel keeps sending for as long as the buffer lasts while the sender waits. Never set below the
+    ceiling autotuning would reach (``net.ipv4.tcp_wmem``'s max): on fast, far links
+    autotuning is what keeps them full."""
+    want = max(SOCKET_SEND_BYTES, _sysctl("net/ipv4/tcp_wmem", 2) // 2)
+    if want <= _sysctl("net/core/wmem_max", 0):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, want)
+        except OSError:  # not a TCP socket (tests' socketpairs), or a seccomp filter
+            pass
 
 
 PIECES_PER_TIMEOUT = 8

@@ -34,7 +34,7 @@ from ..errors import ConfigError, ZerostallError
 from ..format.manifest import Manifest
 from .priority import background
 from .store import PeerStore
-from .stream import FETCH_BUF_BYTES, Pacer, at, fill_from, send_range
+from .stream import FETCH_BUF_BYTES, Pacer, at, fill_from, roomy_send_buffer, send_range
 from .transport import Endpoint, Sink, Transport
 from .verify import file_entry, split_points
 from .wire import (MAX_MANIFEST_BYTES, PeerError, check_name, check_node, check_size, check_step, client_handshake,
@@ -148,6 +148,7 @@ class TcpTransport(Transport):
 
     def _serve_conn(self, conn: socket.socket, addr: Any) -> None:
         conn.settimeout(self.timeout_s)
+        roomy_send_buffer(conn)  # a holder serving a restore keeps its link busy while it waits for a core
         peer = "?"
         try:
             try:

@@ -31,7 +31,7 @@ def file_entry(man: Manifest, name: str) -> FileEntry:
     raise CorruptCheckpoint(f"step {man.step}'s manifest lists no file {name!r}")
 
 
-def _items(man: Manifest, name: str) -> list[TensorEntry]:
+def own_items(man: Manifest, name: str) -> list[TensorEntry]:
     """The tensors whose bytes live in ``name`` of this step (not references to earlier steps)."""
     return sorted((e for e in man.tensors if e.file == name and e.step is None), key=lambda e: e.offset)
 
@@ -43,7 +43,7 @@ def _digest(header: bytes, crcs: list[int]) -> str:
 def expected_digest(man: Manifest, name: str) -> str:
     fe = file_entry(man, name)
     header = ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes).encode()
-    return _digest(header, [e.crc32c for e in _items(man, name)])
+    return _digest(header, [e.crc32c for e in own_items(man, name)])
 
 
 class StreamCheck:
@@ -60,7 +60,7 @@ class StreamCheck:
         self.where, self.size = where, fe.file_bytes
         self.start, self.end = start, fe.file_bytes if end is None else end
         self.header = ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes).encode()
-        every = _items(man, name)
+        every = own_items(man, name)
         check_items(where, every, fe.file_bytes)
         if not 0 <= start <= self.end <= fe.file_bytes or (start and start not in split_points(man, name)):
             raise CorruptCheckpoint(f"{where}: bytes {start}..{self.end} are not a range this file splits into",
@@ -118,7 +118,7 @@ def split_points(man: Manifest, name: str) -> list[int]:
     """Offsets where ``name`` may be cut into ranges fetched from different holders, ascending:
     the start of each of its own tensors after the first (aligned; no tensor crosses one)."""
     out, end = [], HEADER_BYTES
-    for e in _items(man, name):
+    for e in own_items(man, name):
         if e.offset >= end and e.offset % ALIGN_BYTES == 0 and e.offset > HEADER_BYTES:
             out.append(e.offset)
         end = max(end, e.offset + e.nbytes)

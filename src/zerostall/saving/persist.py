@@ -25,7 +25,8 @@ between one commit and the next write (docs/every-step.md). This thread
 removes what is left while the next save's first writes are in flight, or before the save's
 status is done when nothing is queued behind it (a lone save ends with its old step gone but
 for its shard, kept out of the listing as the next save's spare: ``spare_shard``), or before
-preallocating a shard the filesystem has no room for beside them, and at exit.
+preallocating a shard (or growing the one written over) the filesystem has no room for beside
+them, and at exit.
 """
 
 from __future__ import annotations
@@ -137,6 +138,20 @@ class Persister(Worker[Job]):
         self._hdr[:] = raw + bytes(HEADER_BYTES - len(raw))
         return memoryview(self._hdr)
 
+    def _rewrite(self, path: str, file_bytes: int) -> ShardFile | None:
+        """The doomed shard moved to ``path``, opened to write ``file_bytes`` over it; None
+        (the file removed) when it refuses (a user made the old step read-only; a growth the
+        disk has no room for): the caller writes a new file, a save never fails for a spare."""
+        try:
+            growth = file_bytes - os.path.getsize(path)
+            if growth > 0:  # the file grows: that allocates too
+                self.tier.deferred.run_if_short(growth)
+            return self.engine.open_rewrite(path, file_bytes)
+        except OSError as exc:  # StorageError included
+            log.info("zerostall: writing a new %s, not over the old shard: %s", path, exc)
+            os.unlink(path)
+            return None
+
     def _drain(self, job: Job, g: int) -> None:
         while g < job.slot.g_end:
             hi = min(self.ring.wait_staged(g), job.slot.g_end)
@@ -158,9 +173,10 @@ class Persister(Worker[Job]):
                 self._pinned = weakref.ref(arena)
         deferred, path = self.tier.deferred, os.path.join(part, job.request.file_name)
         # a full save writes every byte of its file: it may write over a doomed step's shard
+        f: ShardFile | None = None
         if job.incr is None and deferred and deferred.take(job.request.file_name, path):
-            f = self.engine.open_rewrite(path, layout.file_bytes)
-        else:
+            f = self._rewrite(path, layout.file_bytes)
+        if f is None:
             deferred.run_if_short(layout.file_bytes)
             f = self.engine.open_write(path, layout.file_bytes)
         try:
