@@ -11,7 +11,7 @@ dict, and the timed ``zerostall.load`` in place) and ``--fresh`` fresh processes
 ``zerostall`` and bind ``zerostall.load``: timed; drop the page cache; one load: timed). Every
 load is checked bit for bit. Wall seconds are noisy on a shared host; process CPU seconds and
 bytes read say whether the work itself changed. Prints a table of medians and new/old; about
-2-3 minutes at 0.5 GiB, 3 rounds. Data under this directory's --dir (default /tmp), deleted after.
+3 minutes at 0.5 GiB, 3 rounds, on a quiet host (8 at load 15-20: --rounds 2 there). Data under --dir (default /tmp), deleted after.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -172,6 +173,7 @@ def main() -> int:
         return 0
     if not a.old:
         p.error("OLD_REV is required")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` still removes the worktree
     work = tempfile.mkdtemp(prefix="zerostall-load-ab-", dir=a.dir)
     old_tree = os.path.join(work, "old")
     subprocess.run(["git", "-C", REPO, "worktree", "add", "-q", "--detach", old_tree, a.old], check=True)
