@@ -112,12 +112,7 @@ class Engine(ABC):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._open_flags(), 0o644)
         except OSError as exc:
             raise storage_error("creating", path, exc) from exc
-        try:
-            _sys.fallocate(fd, 0, file_bytes, path)
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                os.close(fd)
-                raise storage_error(f"reserving {file_bytes} bytes for", path, exc) from exc
+        self._reserve(fd, path, file_bytes)
         return self._wrap(path, fd, True)
 
     def open_rewrite(self, path: str, file_bytes: int) -> ShardFile:
@@ -132,12 +127,22 @@ class Engine(ABC):
         try:
             if os.fstat(fd).st_size > file_bytes:
                 os.ftruncate(fd, file_bytes)
+        except OSError as exc:
+            os.close(fd)
+            raise storage_error(f"truncating to {file_bytes} bytes", path, exc) from exc
+        self._reserve(fd, path, file_bytes)
+        return self._wrap(path, fd, True)
+
+    @staticmethod
+    def _reserve(fd: int, path: str, file_bytes: int) -> None:
+        """Preallocate ``file_bytes`` of the open ``fd`` (where the filesystem can); on a real
+        failure (e.g. ENOSPC) close ``fd`` and raise the storage error naming ``path``."""
+        try:
             _sys.fallocate(fd, 0, file_bytes, path)
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 os.close(fd)
                 raise storage_error(f"reserving {file_bytes} bytes for", path, exc) from exc
-        return self._wrap(path, fd, True)
 
     def open_update(self, path: str) -> ShardFile:
         """Open ``path``, created by :meth:`open_write`, for writing more extents: a second writer
