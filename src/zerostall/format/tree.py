@@ -48,8 +48,7 @@ _FREEZABLE = frozenset((dict, list, tuple))
 
 
 class TensorLeaf(NamedTuple):
-    """One tensor to store: its display key, the tensor, and whether it was a numpy array (a
-    named tuple: the bulk path makes them in bulk, :func:`~zerostall._fast.tuples_maker`)."""
+    """One tensor to store: its display key, the tensor, and whether it was a numpy array."""
 
     key: str
     tensor: torch.Tensor
@@ -74,11 +73,9 @@ def _check_int(x: int, path: tuple[Any, ...]) -> int:
 
 
 def _np_plain(x: Any, path: tuple[Any, ...]) -> Any:
-    """The Python value a numpy scalar is stored as (the rule of docs/usage.md: numpy scalars of a
-    bool, int, uint, float, complex, str or bytes dtype load back as Python's bool, int, float,
-    complex, str, bytes); :class:`UnsupportedStateError` for a long double (no exact Python
-    value) and for the other kinds (void, object). datetime64/timedelta64 round-trip as
-    themselves (:mod:`.objects`)."""
+    """The Python value a numpy bool/int/uint/float/complex/str/bytes scalar is stored as (the
+    rule of docs/usage.md); :class:`UnsupportedStateError` for a long double (no exact Python
+    value) and the other kinds (datetime64/timedelta64 are objects: :mod:`.kinds`)."""
     kind, size = x.dtype.kind, x.dtype.itemsize
     if (kind == "f" and size > 8) or (kind == "c" and size > 16):
         raise UnsupportedStateError(
@@ -209,8 +206,7 @@ def encode_known(obj: Any, known: list[int], *, frozen: list[Frozen] | None = No
                  snapshots: dict[int, bytes] | None = None) -> Any:
     """The tree of ``obj`` alone, for a state with the very same tensors as an earlier walk
     whose ``occurrences`` were ``known`` (checked by the plan cache): tensors are neither
-    checked nor collected again, only the plain values are encoded (``frozen``, ``snapshots``:
-    as :func:`encode_tree`)."""
+    checked nor collected again (``frozen``, ``snapshots``: as :func:`encode_tree`)."""
     return _Walk(None, known, frozen, snapshots, None, None).node(obj, (), 0)
 
 
@@ -289,8 +285,8 @@ class _Walk:
         return i
 
     def snapshot(self, x: Any, tx: type, path: tuple[Any, ...], frozen: list[Frozen]) -> Frozen | None:
-        """``x`` (a large dict, list or tuple) snapshotted as a :class:`.frozen.Frozen` (also
-        appended to ``frozen``), or None where it holds tensors or cannot be frozen (then it is walked)."""
+        """``x`` (a large dict, list or tuple) as a :class:`.frozen.Frozen` appended to ``frozen``,
+        or None where it holds tensors or cannot be frozen (then it is walked)."""
         data = self.snapshots.get(id(x)) if self.snapshots else None
         if data is None and _TENSOR_TYPES.isdisjoint(map(type, x.values() if tx is dict else x)):
             data = freeze(x)
@@ -313,8 +309,7 @@ class _Walk:
 
     def bulk_node(self, got: tuple[list[str], list[torch.Tensor], list[tuple[Any, ...]]],
                   path: tuple[Any, ...]) -> Any:
-        """A dict of plain tensors taken in bulk (:func:`.bulk.bulk_tensors`): what
-        :meth:`tensor` does, attribute by attribute, for all of them at once."""
+        """A dict of plain tensors taken in bulk (:func:`.bulk.bulk_tensors`): :meth:`tensor` for all at once."""
         keys, tensors, idents = got
         self.met[0] += len(keys)
         leaves = self.leaves

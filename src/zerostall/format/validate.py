@@ -12,7 +12,7 @@ What is checked:
 - shapes: bounded rank and dims, the element count computed without overflow even for
   zero-element tensors with absurd dims, ``shape x itemsize == nbytes``;
 - entries lie inside their file, aligned, and do not overlap, except exact duplicates
-  (recorded aliases), which are read and allocated once (:attr:`Validated.alias_of`);
+  (recorded aliases), which are read and allocated once (:attr:`.manifest.Manifest.alias_of`);
 - the distinct bytes the manifest asks to allocate are bounded by the files' sizes;
 - the state tree references existing entries, and a numpy node (``A``) only a dtype numpy has
   (:func:`.decode.decode_tree`);

@@ -5,12 +5,11 @@ Called from the CLI's thread. Reads /proc only.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 from .._term import console, safe
-from .host import HostSample
+from .host import HostSample, read_threads
 
 
 def process_state(pid: int) -> dict[str, Any]:
@@ -23,14 +22,7 @@ def process_state(pid: int) -> dict[str, Any]:
         out["state"] = stat[stat.rfind(")") + 2]
         with open(f"/proc/{pid}/wchan") as f:
             out["wchan"] = f.read().strip() or None
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    s = f.read()
-                if s[s.rfind(")") + 2] == "D":
-                    out["threads_in_d"] += 1
-            except OSError:
-                pass
+        out["threads_in_d"] = sum(1 for _, _, state, _ in read_threads(pid) if state == "D")
     except OSError:
         pass
     return out
