@@ -155,21 +155,15 @@ Bad = Callable[..., Exception]
 
 def _entry(i: int, key: Any, dt: Any, shape: Any, fname: Any, ref_step: Any, off: Any, nbytes: Any, crc: Any,
            where: str, bad: Bad) -> TensorEntry:
-    """One entry, checked (the common case inline, the naming helpers only where a check fails)."""
+    """One entry, checked (the columns failed :func:`parse_columns`' bulk checks: find what is wrong)."""
     if not isinstance(key, str) or len(key) > V.MAX_KEY_CHARS:
         raise bad(f"tensor entry {i} has no valid key")
     size = _ITEMSIZE_BY_NAME.get(dt) if type(dt) is str else None
     if size is None:
         raise unknown_dtype(dt, f"{where}: tensor {key!r}")
-    max_dim = V.MAX_DIM
-    ctx = f"tensor {key!r}: "
-    if type(nbytes) is not int or not 0 <= nbytes <= max_dim:
-        V.integer({"nbytes": nbytes}, "nbytes", where, 0, max_dim, ctx)  # raises
+    for name, v, hi in (("nbytes", nbytes, V.MAX_DIM), ("offset", off, V.MAX_DIM), ("crc32c", crc, 0xFFFFFFFF)):
+        V.integer({name: v}, name, where, 0, hi, f"tensor {key!r}: ")
     shape = V.check_shape(shape, size, nbytes, where, key)
-    if type(off) is not int or not 0 <= off <= max_dim:
-        V.integer({"offset": off}, "offset", where, 0, max_dim, ctx)  # raises
-    if type(crc) is not int or not 0 <= crc <= 0xFFFFFFFF:
-        V.integer({"crc32c": crc}, "crc32c", where, 0, 0xFFFFFFFF, ctx)  # raises
     return new_entry(key=key, dtype=dt, shape=shape, file=fname, offset=off, nbytes=nbytes, crc32c=crc, step=ref_step)
 
 

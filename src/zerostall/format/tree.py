@@ -29,12 +29,8 @@ from collections import OrderedDict
 from itertools import repeat
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
-
-try:
-    import numpy as np
-except ImportError:  # pragma: no cover - numpy ships with torch
-    np = None  # type: ignore[assignment]
 
 from .._fast import tuples_maker
 from ..errors import UnsupportedStateError
@@ -106,7 +102,7 @@ def _encode_key(k: Any, path: tuple[Any, ...]) -> Any:
         return node
     if tk is tuple:
         return {"t": [_encode_key(x, path) for x in k]}
-    if np is not None and isinstance(k, np.generic) and k.dtype.kind in "biufU":
+    if isinstance(k, np.generic) and k.dtype.kind in "biufU":
         return _encode_key(_np_plain(k, path), path)
     raise UnsupportedStateError(
         f"dict key {k!r} of type {tk.__module__}.{tk.__qualname__} under {_fmt_key(path)!r} cannot be stored "
@@ -114,7 +110,9 @@ def _encode_key(k: Any, path: tuple[Any, ...]) -> Any:
         "(numpy bool/int/float/str scalars are stored as the Python value)")
 
 
-_PLAIN_BASES = (dict, list, tuple, str, int, float, complex, bytes, bytearray, set, frozenset)
+_STORED_BASES = (dict, list, tuple, str, int, float, complex, bytes, bytearray, set, frozenset, torch.Size,
+                 np.ndarray) + STANDARD_TYPES
+"""Types a subclass of which is refused as such (it would load back as its base)."""
 
 
 def _refusal(x: Any, path: tuple[Any, ...]) -> UnsupportedStateError:
@@ -130,8 +128,7 @@ def _refusal(x: Any, path: tuple[Any, ...]) -> UnsupportedStateError:
         return UnsupportedStateError(
             f"{key!r} holds a defaultdict whose default_factory {x.default_factory!r} cannot be stored "
             "(a builtin type such as list, int or dict, or None, can): convert it with dict(x)")
-    bases = _PLAIN_BASES + STANDARD_TYPES + (torch.Size,) + ((np.ndarray,) if np is not None else ())
-    base = next((b for b in t.__mro__[1:] if b in bases), None)
+    base = next((b for b in t.__mro__[1:] if b in _STORED_BASES), None)
     if base is not None:
         return UnsupportedStateError(
             f"{key!r} holds a {name}, a subclass of {base.__name__} that would load back as a plain "
@@ -232,7 +229,7 @@ class _Walk:
             raise UnsupportedStateError(f"state is nested deeper than {MAX_DEPTH} at {_fmt_key(path)!r}")
         if isinstance(x, torch.Tensor):
             return {"T": self.tensor(x, path, False)}
-        if np is not None and type(x) is np.ndarray:  # a subclass (np.matrix, masked) would lose its type
+        if type(x) is np.ndarray:  # a subclass (np.matrix, masked) would lose its type
             return {"A": self.tensor(_from_numpy(x, path), path, True)}
         if isinstance(x, enum.Enum):  # before int/str: IntEnum and StrEnum members keep their type
             return objects.encode_object(x, lambda v: self.node(v, path, depth + 1))
@@ -254,7 +251,7 @@ class _Walk:
             return {"l": [self.node(v, path + (i,), depth + 1) for i, v in enumerate(x)]}
         if tx is tuple:
             return {"t": [self.node(v, path + (i,), depth + 1) for i, v in enumerate(x)]}
-        if np is not None and isinstance(x, np.generic) and x.dtype.kind not in "Mm":
+        if isinstance(x, np.generic) and x.dtype.kind not in "Mm":
             return self.node(_np_plain(x, path), path, depth)
         node = objects.encode_object(x, lambda v: self.node(v, path, depth + 1))
         if node is not None:
