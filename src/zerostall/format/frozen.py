@@ -186,7 +186,8 @@ class DeferredTree:
                         self._done = self._finish()
                 except BaseException as exc:  # noqa: BLE001 - kept and raised to every caller
                     self._error = exc
-                self._tree = self._skeleton = self._frozen = self._encode = self._check = None  # type: ignore[assignment]
+                self._tree = self._skeleton = self._frozen = None  # type: ignore[assignment]
+                self._encode = self._check = None  # type: ignore[assignment]
                 self._prev = {}
             if self._error is not None:
                 raise self._error

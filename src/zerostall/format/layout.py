@@ -154,7 +154,8 @@ class ShardHeader:
             raise CorruptCheckpoint(f"{path}: not a zerostall shard (bad magic)", path=path)
         version = cls.version_of(block)
         if version != LAYOUT_VERSION:
-            raise CorruptCheckpoint(f"{path}: {version_advice('shard layout version', version, LAYOUT_VERSION)}", path=path)
+            raise CorruptCheckpoint(f"{path}: {version_advice('shard layout version', version, LAYOUT_VERSION)}",
+                                    path=path)
         if not expected.matches(block):
             raise CorruptCheckpoint(
                 f"{path}: shard header does not match the manifest (step {expected.step}, "

@@ -56,8 +56,10 @@ def render(doc: dict[str, Any], prev: dict[str, Any] | None) -> Any:
     t.add_column("value", justify="right")
     t.add_column("")
     thr, bg = doc["dirty_threshold_bytes"], doc["dirty_background_threshold_bytes"]
-    t.add_row("nr_dirty", f"{doc['dirty_bytes'] / mib:,.0f} MiB", f"{_bar(doc['dirty_bytes'], thr)} throttle at {thr / mib:,.0f} MiB")
-    t.add_row("nr_writeback", f"{doc['writeback_bytes'] / mib:,.0f} MiB", f"background writeback from {bg / mib:,.0f} MiB")
+    t.add_row("nr_dirty", f"{doc['dirty_bytes'] / mib:,.0f} MiB",
+              f"{_bar(doc['dirty_bytes'], thr)} throttle at {thr / mib:,.0f} MiB")
+    t.add_row("nr_writeback", f"{doc['writeback_bytes'] / mib:,.0f} MiB",
+              f"background writeback from {bg / mib:,.0f} MiB")
     t.add_row("PSI io full avg10", f"{doc['psi_io_full_avg10']:.2f} %", "")
     t.add_row("PSI memory full avg10", f"{doc['psi_mem_full_avg10']:.2f} %", "")
     if prev is not None:
