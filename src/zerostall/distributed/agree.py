@@ -1,9 +1,8 @@
 """One step for all ranks: agreeing, through the c10d store, on the step every rank restores.
 
 Who calls what: :func:`zerostall.restore.agreed.collective_load` (caller's thread, every rank
-of the group, collectively) calls :func:`agreed_load`; peer replicas (i26) may call
-:func:`agree_step` directly with the steps their peers hold. Keys live under a ``base`` the
-caller makes unique per collective call (a session prefix plus a per-process count).
+of the group, collectively) calls :func:`agreed_load`, under a key ``base`` it makes unique
+per collective call.
 
 The rounds of :func:`agreed_load`, until one succeeds or no candidate is left:
 
