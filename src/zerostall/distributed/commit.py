@@ -148,8 +148,7 @@ def _extended(store: Store, base: str, ranks: list[int], d: float, timeout_s: fl
 
 
 def _decide(store: Store, base: str, value: dict[str, Any], timeout: float) -> dict[str, Any]:
-    got = store.compare_set(f"{base}/decision", "", json.dumps(value), timeout)
-    return json.loads(got)
+    return json.loads(store.compare_set(f"{base}/decision", "", json.dumps(value), timeout))
 
 
 def _missing(store: Store, base: str, world: int, timeout: float) -> list[int]:
