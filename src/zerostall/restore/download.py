@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint, StateMismatchError, ZerostallError
 from ..format.manifest import Manifest
-from ..format.nodes import tree_tensor_indices
+from ..format.decode import tree_tensor_indices
 from ..io.base import Engine
 from ..store.owner import FileLock, StepLock
 from ..store.tier import RootTier, Tier
