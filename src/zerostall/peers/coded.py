@@ -4,10 +4,10 @@ i to holder i, k + m distinct other nodes (``peers.code="rs"``, ``peers.data_fra
 ``peers.parity_fragments``).
 
 :class:`CodedReplicator` is a :class:`.replicate.PeerReplicator` whose sender thread (idle I/O
-class, ``peers.cpu_priority``: :mod:`.priority`) does, per step:
+class, ``peers.cpu_priority``: :func:`.stream.background`) does, per step:
 
 1. read the step's manifest; the node's files in name order make the :class:`.coding.Layout`;
-2. the placement's first k + m nodes (:func:`.placement.ranking`: failure domains first) get
+2. the placement's first k + m nodes (:func:`.exchange.ranking`: failure domains first) get
    fragments 0..k+m-1; a connection per holder (:class:`.fragments.Upload`);
 3. stripe by stripe (:data:`.coding.STRIPE_BYTES` of every fragment): read the k data pieces
    of the files, compute the m parity pieces (zfec, GIL released), hand each piece to its
@@ -50,7 +50,7 @@ from ..format.manifest import Manifest
 from .coding import STRIPE_BYTES, Code, Layout, descriptor_id
 from .fragments import Upload, list_fragments
 from . import tombstones
-from .placement import ranking
+from .exchange import ask_peers, ranking
 from .replicate import PeerReplicator
 
 __all__ = ["CodedReplicator", "check_cluster"]
@@ -147,7 +147,7 @@ class CodedReplicator(PeerReplicator):
                 _wait_for(cond, live, s - BUFFER_SETS, lag_s, self._stop)
                 bufs = mvs[s % BUFFER_SETS]
                 for i in (range(k) if parity else [i for i in feeds if i < k and not feeds[i].dead]):
-                    _read(lay, fds, i, off, n, bufs[i])
+                    lay.read(fds.__getitem__, i, off, bufs[i][:n])
                 pieces: dict[int, Any] = {i: bufs[i][:n] for i in range(k)}
                 if parity:
                     t0 = time.thread_time()
@@ -203,18 +203,7 @@ class CodedReplicator(PeerReplicator):
             steps = steps[-self.keep_last:]
         if not steps:
             return
-        lists: dict[str, list[dict[str, Any]]] = {}
-
-        def ask(node: str) -> None:
-            try:
-                lists[node] = list_fragments(self.transport, v.endpoints[node], v.me)
-            except (ZerostallError, OSError) as exc:
-                log.warning("zerostall: repair: node %s did not list its fragments: %s", node, exc)
-        threads = [threading.Thread(target=ask, args=(n.name,), daemon=True) for n in v.nodes if n.name != v.me]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        lists = ask_peers(v, lambda ep: list_fragments(self.transport, ep, v.me), "repair")
         candidates = [n.name for n in ranking(v.me, v.nodes) if n.name in lists]
         for step in steps:
             if self._stop.is_set():
@@ -264,7 +253,7 @@ feeds still send stripe s - 1 from the other; a set is reused only once every li
 class _Feed:
     """One fragment on its way to its holder (:class:`.fragments.Upload`), on a thread of its
     own: started by the replicator's sender thread (so at the replication's CPU and I/O
-    priority, :mod:`.priority`), it connects, sends the stripes the sender thread puts in
+    priority, :func:`.stream.background`), it connects, sends the stripes the sender thread puts in
     ``q`` in order (``(stripe number, buffer)``; ``None``: the last one was sent), folds each
     into the fragment's crc32c, announces it and waits for the holder's acknowledgement. Every
     feed shares the node's pacer, so the holders are fed side by side at the node's cap.
@@ -358,17 +347,3 @@ def _wait_for(cond: threading.Condition, feeds: list[_Feed], stripe: int, lag_s:
             f.abort(f"stopped: still sending stripe {f.sent + 1} after {lag_s:g} s, while the others were at "
                     f"stripe {stripe + BUFFER_SETS}")
 
-
-def _read(lay: Layout, fds: dict[str, int], index: int, off: int, n: int, mv: memoryview) -> None:
-    """Bytes ``[off, off + n)`` of data fragment ``index`` into ``mv`` (padding as zeros)."""
-    for name, foff, at, length in lay.pieces(index, off, n):
-        dst = mv[at - off:at - off + length]
-        if name is None:
-            dst[:] = bytes(length)
-            continue
-        got = 0
-        while got < length:
-            r = os.preadv(fds[name], [dst[got:]], foff + got)
-            if r <= 0:
-                raise ZerostallError(f"{name} is shorter than its manifest says (offset {foff + got})")
-            got += r

@@ -14,7 +14,7 @@ The rebuild, into ``step-N.partial`` of the local root, every phase beside the o
    fragment -- or the next fragment -- when one fails, stops (``peers.timeout_s``) or sends a
    wrong byte. A data fragment's bytes are checked as they stream in, piece by piece, as a
    local copy's load would check them (each tensor's crc32c, the header, zero padding:
-   :class:`.piececheck.PieceCheck`), then written straight into the node's files at their
+   :class:`.verify.PieceCheck`), then written straight into the node's files at their
    offsets with O_DIRECT; so a wrong byte stops its stream at the first tensor it ends, and
    nothing is read back. A parity fragment goes into a ``.fragment-<i>`` scratch file. Every
    fragment's own crc32c is checked at its last byte.
@@ -44,13 +44,12 @@ from ..format.manifest import Manifest
 from ..io.base import Engine
 from ..store.tier import RootTier
 from . import tombstones
-from .coded_decode import StripeDecoder
+from .coded_decode import StripeDecoder, Timeline, scatter
 from .coding import Layout
-from .exchange import PeerView
-from .fetch import commit_fetched
+from .exchange import PeerView, ask_peers, in_parallel
+from .fetch import commit_fetched, commit_with_refs
 from .fragments import FragmentCheck, download, list_fragments
-from .piececheck import PieceCheck
-from .timeline import Timeline
+from .verify import PieceCheck
 
 __all__ = ["Rebuild", "holdings", "rebuild"]
 log = logging.getLogger("zerostall")
@@ -74,19 +73,7 @@ def holdings(view: PeerView, transport: Any) -> dict[int, dict[str, Rebuild]]:
     parallel; an unreachable one is skipped after ``peers.timeout_s``). Every commit is kept:
     holders may still keep a superseded commit of an overwritten step, and only the ranks'
     agreement says which one the step is."""
-    lists: dict[str, list[dict[str, Any]]] = {}
-
-    def ask(node: str) -> None:
-        try:
-            lists[node] = list_fragments(transport, view.endpoints[node], view.me)
-        except (ZerostallError, OSError) as exc:
-            log.warning("zerostall: restore: node %s did not list its fragments (%s); they are not counted", node,
-                        exc)
-    threads = [threading.Thread(target=ask, args=(n,), daemon=True) for n in view.endpoints if n != view.me]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    lists = ask_peers(view, lambda ep: list_fragments(transport, ep, view.me), "restore")
     groups: dict[tuple[int, str, str, int, int], dict[int, list[str]]] = {}
     for node, held in sorted(lists.items()):
         for h in held:
@@ -121,27 +108,18 @@ def _pick(coded: dict[int, dict[str, Rebuild]], step: int, checkpoint_id: str) -
 
 class _ConcatWriter:
     """Writes data fragment ``index``'s bytes (fragment offsets) into the node's files at
-    their own offsets, each piece checked first (:class:`.piececheck.PieceCheck`; padding must
+    their own offsets, each piece checked first (:class:`.verify.PieceCheck`; padding must
     be zero); reports how far the fragment is written. One fetch thread; :meth:`close` always."""
 
-    def __init__(self, engine: Engine, lay: Layout, part: str, index: int, where: str,
-                 checks: dict[str, PieceCheck], written: Callable[[int, int], None]):
-        self.engine, self.lay, self.part, self.index, self.where = engine, lay, part, index, where
+    def __init__(self, engine: Engine, lay: Layout, part: str, index: int, checks: dict[str, PieceCheck],
+                 written: Callable[[int, int], None]):
+        self.engine, self.lay, self.part, self.index = engine, lay, part, index
         self.checks, self.written = checks, written
         self._open: dict[str, Any] = {}
 
     def write(self, extents: list[tuple[int, memoryview]], overlap: Callable[[], None] | None = None) -> None:
         for off, mv in extents:
-            for name, foff, at, n in self.lay.pieces(self.index, off, len(mv)):
-                piece = mv[at - off:at - off + n]
-                if name is None:
-                    if bytes(piece).count(0) != n:
-                        raise CorruptCheckpoint(f"{self.where}: non-zero padding", path=self.where)
-                    continue
-                self.checks[name].feed(self.index, foff, piece)
-                if name not in self._open:
-                    self._open[name] = self.engine.open_update(os.path.join(self.part, name))
-                self._open[name].write([(foff, piece)])
+            scatter(self.engine, self.lay, self.part, self.index, off, mv, self.checks, self._open)
             self.written(off, len(mv))
         if overlap is not None:
             overlap()
@@ -176,20 +154,14 @@ def rebuild(view: PeerView, transport: Any, tier: RootTier, engine_for: Callable
     names = [shard_name(r) for r in view.ranks_of(view.me)]
     man = _rebuild_step(view, transport, tier, engine_for, _pick(coded, step, checkpoint_id), names, tl,
                         commit=False)
-    try:
-        for ref in sorted({r.step for r in man.ref_files if r.name in names}):
-            if ref in tier.steps() and all(os.path.exists(os.path.join(tier.step_dir(ref), r.name))
-                                           for r in man.ref_files if r.step == ref and r.name in names):
-                continue
-            ref_ids = {r.file_id for r in man.ref_files if r.step == ref and r.name in names}
-            if ref not in coded or len(ref_ids) != 1:
-                raise CheckpointNotFound(f"restore of step {step}: it references step {ref}, of which live nodes "
-                                         f"hold fewer than k fragments of {', '.join(names)}")
-            _rebuild_step(view, transport, tier, engine_for, _pick(coded, ref, ref_ids.pop()), names, tl, commit=True)
-    except BaseException:
-        tier.abort(step)
-        raise
-    commit_fetched(tier, step, man)  # never drops a committed step's own files
+
+    def bring(ref: int) -> None:
+        ref_ids = {r.file_id for r in man.ref_files if r.step == ref and r.name in names}
+        if ref not in coded or len(ref_ids) != 1:
+            raise CheckpointNotFound(f"restore of step {step}: it references step {ref}, of which live nodes "
+                                     f"hold fewer than k fragments of {', '.join(names)}")
+        _rebuild_step(view, transport, tier, engine_for, _pick(coded, ref, ref_ids.pop()), names, tl, commit=True)
+    commit_with_refs(tier, step, man, names, bring)  # never drops a committed step's own files
     tl.mark("committed")
 
 
@@ -245,7 +217,7 @@ def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Ca
             lay = setup(man_bytes, desc, where)
             tl.mark("set-up", i, node)
             if i < lay.k:
-                w: Any = _ConcatWriter(engine, lay, part, i, where, checks, written)
+                w: Any = _ConcatWriter(engine, lay, part, i, checks, written)
             else:
                 w = _ScratchWriter(engine.open_write(os.path.join(part, f".fragment-{i}"), lay.fragment_bytes),
                                    written)
@@ -298,12 +270,7 @@ def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Ca
                     inflight[0] -= 1
 
     try:
-        threads = [threading.Thread(target=worker, name="zerostall-peers-fragment", daemon=True)
-                   for _ in range(rb.k)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        in_parallel(worker, [()] * rb.k, "zerostall-peers-fragment")
         if "dec" in meta:
             meta["dec"].end()
         if early:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..config import ALIGN_BYTES
 from ..errors import ConfigError, CorruptCheckpoint
@@ -106,6 +107,16 @@ class Layout:
             a = max(pos, base)
             yield None, 0, a - index * self.fragment_bytes, end - a
 
+    def read(self, fd_of: Callable[[str], int], index: int, off: int, mv: memoryview) -> None:
+        """Bytes ``[off, off + len(mv))`` of data fragment ``index`` into ``mv``, from the files
+        (``fd_of(name)``: an open descriptor) and zeros for the padding."""
+        for name, foff, at, n in self.pieces(index, off, len(mv)):
+            dst = mv[at - off:at - off + n]
+            if name is None:
+                dst[:] = bytes(n)
+            else:
+                pread_exact(fd_of(name), dst, foff, name)
+
     def stripes(self, stripe_bytes: int = STRIPE_BYTES) -> Iterator[tuple[int, int]]:
         """``(offset, length)`` of each stripe of a fragment (any aligned size: a parity byte
         depends only on the data bytes at its own offset)."""
@@ -137,6 +148,17 @@ class Layout:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CorruptCheckpoint(f"{where}: bad coding descriptor ({exc})", path=where) from None
         return lay, doc
+
+
+def pread_exact(fd: int, mv: memoryview, off: int, name: str) -> None:
+    """Fill ``mv`` from byte ``off`` of ``fd`` (file ``name``), or raise :class:`CorruptCheckpoint`."""
+    got = 0
+    while got < len(mv):
+        r = os.preadv(fd, [mv[got:]], off + got)
+        if r <= 0:
+            raise CorruptCheckpoint(f"{name} ends at byte {off + got}, before the size its manifest records",
+                                    path=name)
+        got += r
 
 
 def descriptor_id(raw: bytes) -> str:

@@ -33,9 +33,9 @@ from ..format.layout import shard_name
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..io.base import Engine
 from ..store.tier import RootTier
-from .exchange import PeerView
+from .exchange import PeerView, in_parallel
 from .offer import Offer
-from .transport import Transport
+from .tcp import TcpTransport
 from .verify import StreamCheck, file_entry, ranges
 
 log = logging.getLogger("zerostall")
@@ -56,7 +56,7 @@ class Plan:
 
 
 
-def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
+def fetch(store: Store, view: PeerView, transport: TcpTransport, tier: RootTier, engine_for: Callable[[], Engine],
           got: Offer, step: int, load_no: int, timeout_s: float, files_in: Callable[[], None] | None = None) -> bool:
     """Step 3: the node's leader brings ``step``'s files of this node in (from the holders of
     whole copies; for a step only coded fragments cover, ``files_in``: the rebuild); the others
@@ -89,27 +89,36 @@ def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, en
     return True
 
 
-def _fetch_files(view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
+def _fetch_files(view: PeerView, transport: TcpTransport, tier: RootTier, engine_for: Callable[[], Engine],
                  plan: Plan) -> None:
     """``plan.step``'s files of this node, and first those of earlier steps it references
     (incremental: the bytes it borrows travel with their own step) that are not local."""
     names = [shard_name(r) for r in view.ranks_of(view.me)]
     man = _fetch_step(view, transport, tier, engine_for, plan.step, plan.holders, names, commit=False,
                       checkpoint_id=plan.checkpoint_id)
+
+    def bring(ref: int) -> None:
+        if ref not in plan.held:
+            raise CheckpointNotFound(f"restore of step {plan.step}: it references step {ref}, of which no "
+                                     f"live node holds {', '.join(names)}")
+        log.info("zerostall: restore of step %d: fetching step %d, whose bytes it references", plan.step, ref)
+        _fetch_step(view, transport, tier, engine_for, ref, plan.held[ref], names, commit=True)
+    commit_with_refs(tier, plan.step, man, names, bring)
+
+
+def commit_with_refs(tier: RootTier, step: int, man: Manifest, names: list[str], bring: Callable[[int], None]) -> None:
+    """``step``'s files ``names`` are in ``step-N.partial`` (``man``): ``bring(ref)`` each earlier
+    step they reference (incremental) that is not local, then commit ``step``; on a failure
+    ``step``'s partial directory goes."""
     try:
         for ref in sorted({r.step for r in man.ref_files if r.name in names}):
-            if ref in tier.steps() and all(os.path.exists(os.path.join(tier.step_dir(ref), r.name))
-                                           for r in man.ref_files if r.step == ref and r.name in names):
-                continue
-            if ref not in plan.held:
-                raise CheckpointNotFound(f"restore of step {plan.step}: it references step {ref}, of which no "
-                                         f"live node holds {', '.join(names)}")
-            log.info("zerostall: restore of step %d: fetching step %d, whose bytes it references", plan.step, ref)
-            _fetch_step(view, transport, tier, engine_for, ref, plan.held[ref], names, commit=True)
+            if ref not in tier.steps() or not all(os.path.exists(os.path.join(tier.step_dir(ref), r.name))
+                                                  for r in man.ref_files if r.step == ref and r.name in names):
+                bring(ref)
     except BaseException:
-        tier.abort(plan.step)
+        tier.abort(step)
         raise
-    commit_fetched(tier, plan.step, man)
+    commit_fetched(tier, step, man)
 
 
 def commit_fetched(tier: RootTier, step: int, man: Manifest) -> None:
@@ -151,7 +160,7 @@ class _ManifestOnly:
         return ""
 
 
-def _fetch_file(view: PeerView, transport: Transport, engine_for: Callable[[], Engine], step: int,
+def _fetch_file(view: PeerView, transport: TcpTransport, engine_for: Callable[[], Engine], step: int,
                 name: str, hs: list[tuple[str, str]], path: str, checkpoint_id: str = "") -> Manifest:
     """One file of ``step`` into ``path`` from the holders ``hs`` (in order of preference),
     verified, fdatasync'ed; returns the step's manifest. With two or more live holders the file
@@ -237,12 +246,7 @@ def _fetch_file(view: PeerView, transport: Transport, engine_for: Callable[[], E
                     w.close()
 
     try:
-        threads = [threading.Thread(target=one, args=(k,), name="zerostall-peers-fetch", daemon=True)
-                   for k in range(len(rngs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        in_parallel(one, [(k,) for k in range(len(rngs))], "zerostall-peers-fetch")
         if len(done) < len(rngs):
             raise CheckpointNotFound("; ".join(errors) or "no live holder")
         if len({m.checkpoint_id for m in done.values()} | ({man.checkpoint_id} if man is not None else set())) > 1:
@@ -256,7 +260,7 @@ def _fetch_file(view: PeerView, transport: Transport, engine_for: Callable[[], E
     return man if man is not None else done[0]
 
 
-def _fetch_step(view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
+def _fetch_step(view: PeerView, transport: TcpTransport, tier: RootTier, engine_for: Callable[[], Engine],
                 step: int, holders: dict[str, list[tuple[str, str]]], names: list[str], *, commit: bool,
                 checkpoint_id: str = "") -> Manifest:
     """Bring ``names`` of ``step`` into ``step-N.partial`` (verified; the files in parallel,
@@ -278,11 +282,7 @@ def _fetch_step(view: PeerView, transport: Transport, tier: RootTier, engine_for
             except OSError:
                 pass
 
-    threads = [threading.Thread(target=one, args=(n, i), daemon=True) for i, n in enumerate(names)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_parallel(one, [(n, i) for i, n in enumerate(names)])
     missing = [n for n in names if n not in mans]
     if missing:
         tier.abort(step)

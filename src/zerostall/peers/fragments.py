@@ -47,11 +47,9 @@ from ..config import ALIGN_BYTES
 from ..errors import CorruptCheckpoint, ZerostallError
 from ..format.manifest import Manifest
 from .coding import Layout, descriptor_id
-from .priority import background
 from .store import PeerStore
-from .stream import FETCH_BUF_BYTES, Pacer, at, fill_from, send_range
-from .transport import Endpoint
-from .wire import (MAX_MANIFEST_BYTES, PeerError, check_node, check_size, check_step, recv_exact, recv_msg,
+from .stream import FETCH_BUF_BYTES, Pacer, at, background, fill_from, send_range
+from .wire import (MAX_MANIFEST_BYTES, Endpoint, PeerError, check_node, check_size, check_step, recv_exact, recv_msg,
                    send_msg)
 
 __all__ = ["CODING_NAME", "FragmentStore", "Upload", "download", "register"]

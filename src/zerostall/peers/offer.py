@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,8 +33,8 @@ from ..errors import DistributedError, ZerostallError
 from ..format.layout import shard_name
 from ..store.tier import RootTier
 from . import tombstones
-from .exchange import PeerView
-from .transport import Transport
+from .exchange import PeerView, ask_peers
+from .tcp import TcpTransport
 from .verify import file_entry
 
 log = logging.getLogger("zerostall")
@@ -89,22 +88,10 @@ Holders = dict[str, list[tuple[str, str]]]
 """file name -> [(holder node, src node)]"""
 
 
-def _peer_holdings(view: PeerView, transport: Transport, names: list[str]) -> dict[int, dict[str, Holders]]:
+def _peer_holdings(view: PeerView, transport: TcpTransport, names: list[str]) -> dict[int, dict[str, Holders]]:
     """step -> checkpoint id -> file name -> [(holder node, src)] for this node's files (every
     one of them held), from every live peer."""
-    lists: dict[str, list[dict[str, Any]]] = {}
-
-    def ask(node: str) -> None:
-        try:
-            lists[node] = transport.list_held(view.endpoints[node])
-        except (ZerostallError, OSError) as exc:
-            log.warning("zerostall: restore: node %s is not reachable (%s); its copies are not counted", node, exc)
-
-    threads = [threading.Thread(target=ask, args=(n,), daemon=True) for n in view.endpoints if n != view.me]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    lists = ask_peers(view, transport.list_held, "restore")
     by_step: dict[int, dict[str, dict[str, list[tuple[str, str]]]]] = {}  # step -> ckpt id -> name -> holders
     for node, held in sorted(lists.items()):
         for h in held:
@@ -151,7 +138,7 @@ def _offer_ids(store: Store, view: PeerView, load_no: int, offer: dict[int, list
     return common, split
 
 
-def offer(store: Store, view: PeerView, transport: Transport, tier: RootTier, load_no: int, *,
+def offer(store: Store, view: PeerView, transport: TcpTransport, tier: RootTier, load_no: int, *,
           step: int | None, remote_steps: list[int], timeout_s: float,
           coded: dict[int, Any] | None = None) -> Offer:
     """Steps 1-2 of the module doc (collective: every rank calls it). ``coded``: step -> the

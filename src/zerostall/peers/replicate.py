@@ -4,9 +4,9 @@ the step is protected (held by ``replicas`` nodes).
 Per step, after it committed locally (``submit``, called from the persist thread):
 
 1. on each node's leader, the *sender* thread (idle I/O class, ``peers.cpu_priority``:
-   :mod:`.priority`) reads the step's manifest
+   :func:`.stream.background`) reads the step's manifest
    and sends the files of its node's ranks to ``replicas - 1`` holders
-   (:func:`.placement.ranking`: the placement first; a holder that fails is replaced by the
+   (:func:`.exchange.ranking`: the placement first; a holder that fails is replaced by the
    next node in the ranking, so one dead node does not leave every step unprotected), one
    thread per holder, all paced by one per-node bandwidth cap. A file counts as held only
    when the receiver acknowledged it with the digest :func:`.verify.expected_digest` predicts;
@@ -38,13 +38,12 @@ from ..distributed.store import Store, StoreTimeout
 from ..errors import ZerostallError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..store.tier import RootTier
-from .exchange import PeerView
+from .exchange import PeerView, in_parallel, ranking
 from . import status as status_file
 from . import tombstones
-from .placement import ranking
-from .priority import background
 from .store import PeerStore
-from .transport import Transport
+from .stream import background
+from .tcp import TcpTransport
 from .verify import expected_digest
 
 log = logging.getLogger("zerostall")
@@ -63,10 +62,10 @@ class StepStatus:
 
 
 class PeerReplicator:
-    def __init__(self, tier: RootTier, view: PeerView, transport: Transport, store: Store, peer_store: PeerStore,
+    def __init__(self, tier: RootTier, view: PeerView, transport: TcpTransport, store: Store, peer_store: PeerStore,
                  *, replicas: int, keep_last: int | None, replica_timeout_s: float, cpu_priority: str = "idle"):
         self.cpu_priority = cpu_priority
-        """The sender's CPU priority (:func:`.priority.background`; its put threads inherit it)."""
+        """The sender's CPU priority (:func:`.stream.background`; its put threads inherit it)."""
         self.tier, self.view, self.transport, self.store = tier, view, transport, store
         self.peer_store = peer_store
         self.replicas, self.keep_last, self.replica_timeout_s = replicas, keep_last, replica_timeout_s
@@ -225,11 +224,7 @@ class PeerReplicator:
                     with mu:
                         errors.append(f"{node}: {exc}")
 
-        threads = [threading.Thread(target=slot, name="zerostall-peers-put", daemon=True) for _ in range(want)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        in_parallel(slot, [()] * want, "zerostall-peers-put")
         error = "" if len(held) >= want else "; ".join(errors) or "stopped"
         if error:
             log.warning("zerostall: step %d: node %s's files are held by %d of %d other nodes: %s", step, v.me,

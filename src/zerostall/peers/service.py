@@ -20,18 +20,17 @@ from ..store.remote import list_steps
 from ..store.tier import open_tier
 from ..store.tier import RootTier
 from .coded import CodedReplicator, check_cluster
+from .coded_decode import Timeline
 from .coded_restore import holdings, rebuild
 from .coding import require_codec
-from .exchange import PeerView, advertised_host, setup
+from .exchange import Node, PeerView, advertised_host, setup
 from .fetch import fetch
 from .offer import Offer, offer
 from .fragments import FragmentStore, register
-from .placement import Node
 from .replicate import PeerReplicator, StepStatus
 from . import tombstones
 from .store import PeerStore, quota_for
 from .tcp import Pacer, TcpTransport
-from .timeline import Timeline
 
 __all__ = ["Peers", "StepStatus"]
 log = logging.getLogger("zerostall")

@@ -1,6 +1,7 @@
 """Moving one file's bytes over a peer connection: the sender's paced send from O_DIRECT
 read-ahead (:func:`send_range`), the receiver's checked, double-buffered O_DIRECT write (:func:`fill_from`),
-and the token bucket both sides pace with (:class:`Pacer`).
+the token bucket both sides pace with (:class:`Pacer`) and the priority of the threads that copy
+replicas (:func:`background`).
 
 Called on the connection's thread (a server connection thread, a replicator transfer thread,
 a restore fetch thread); nothing here is shared but a :class:`Pacer`.
@@ -20,6 +21,7 @@ import time
 from typing import Any, Callable
 
 from ..config import ALIGN_BYTES
+from ..io._sys import set_idle_io_priority
 from .verify import StreamCheck
 from .wire import PeerError
 
@@ -39,6 +41,27 @@ holder serving a restore: ``serve:sending`` (the reply and manifest sent, no fil
 def at(point: str) -> None:
     if fault_hook is not None:
         fault_hook(point)
+
+
+def background(cpu: str) -> None:
+    """Idle I/O class and ``cpu`` priority for the calling thread, so that copies take only what
+    the training leaves over (best effort: a refusal is logged at debug).
+
+    ``cpu``: ``"idle"`` (``SCHED_IDLE``: runs only on a core that would idle), ``"nice"`` (nice
+    19) or ``"normal"``. Called only by threads that do nothing but copy replicas (the
+    replicator's sender, a holder's connection thread receiving a ``put``): an unprivileged
+    thread cannot undo it, and the threads it starts later (read-ahead, receiving) inherit it.
+    Never by threads serving or fetching a restore (someone waits for those)."""
+    set_idle_io_priority()
+    tid = threading.get_native_id()
+    try:
+        if cpu == "idle":
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        elif cpu == "nice":
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+    except (AttributeError, OSError) as exc:
+        log.debug("zerostall: cannot lower the CPU priority (%s) of replication thread %d: %s", cpu, tid, exc)
+
 
 BUF_BYTES = 4 << 20
 """The receiver's buffers (:data:`RECV_BUFS` per transfer) and the unit it checks and writes."""

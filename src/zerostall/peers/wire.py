@@ -29,6 +29,7 @@ import os
 import re
 import socket
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ZerostallError
@@ -49,6 +50,15 @@ _LEN = struct.Struct(">I")
 
 class PeerError(ZerostallError):
     """A peer refused a request, broke the protocol or could not be reached."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a node's peer server listens (published through the c10d store)."""
+
+    node: str
+    host: str
+    port: int
 
 
 def send_msg(sock: socket.socket, obj: dict[str, Any]) -> None:
