@@ -1,18 +1,12 @@
 """Coded copies, the restore's decode: the data fragments no live holder serves, rebuilt stripe by
-stripe from k fragments that came, each decoded stripe checked (:class:`.verify.PieceCheck`)
-and written with O_DIRECT into the node's files.
+stripe from k fragments that came, checked (:class:`.verify.PieceCheck`) and written with O_DIRECT;
+and the rebuild's :class:`Timeline`.
 
-:class:`StripeDecoder` follows the fetch threads: they report how far each fragment is in
-(:meth:`~StripeDecoder.advance`, after each piece is written), and :meth:`~StripeDecoder.decode`
-with ``wait=True`` decodes each stripe as soon as all k fragments it needs are in that far, on
-a thread of its own while the streams go on; it gives up (returns False) as soon as one of
-them fails, and the rebuild then decodes again after the fetch (``wait=False``) from the k that
-did come. The decode reads the k fragments' stripes back from this node's disk (the data
-fragments' bytes from the files they were written into, parity from ``.fragment-<i>``
-scratch files): a stripe is read once it is written, so the reads overlap the streams too.
-
-Threads: the fetch threads call :meth:`~StripeDecoder.advance`/:meth:`~StripeDecoder.fail`,
-the rebuild's caller :meth:`~StripeDecoder.end`; one thread at a time runs :meth:`~StripeDecoder.decode`.
+:class:`StripeDecoder` follows the fetch threads (:meth:`~StripeDecoder.advance` after each piece
+written, :meth:`~StripeDecoder.fail`); :meth:`~StripeDecoder.decode` with ``wait=True`` decodes
+each stripe once the k fragments it needs are in that far, on a thread of its own, reading
+their stripes back from this node's disk (parity from ``.fragment-<i>`` scratch files), and
+gives up as soon as one fails; the rebuild then decodes again after the fetch (``wait=False``).
 """
 
 from __future__ import annotations
@@ -93,7 +87,7 @@ class StripeDecoder:
         fds: dict[str, int] = {}
         writers: dict[str, Any] = {}
 
-        def fd_of(name: str) -> int:  # opened once a fragment is in that far (a parity's scratch file: from its first byte)
+        def fd_of(name: str) -> int:  # opened once a fragment is in that far (a parity's file exists from then)
             if name not in fds:
                 fds[name] = os.open(os.path.join(self.part, name), os.O_RDONLY | os.O_CLOEXEC)
             return fds[name]

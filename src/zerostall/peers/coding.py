@@ -1,16 +1,11 @@
-"""Erasure coding of a node's files for coded peer copies: a systematic Reed-Solomon code over
-GF(2^8) (``zfec``), k data fragments + m parity fragments, any k of which rebuild the rest.
+"""Erasure coding of a node's files for coded peer copies: systematic Reed-Solomon over GF(2^8)
+(``zfec``, chosen for releasing the GIL and taking buffers without a copy: docs/peers.md), k data
++ m parity fragments, any k of which rebuild the rest.
 
-The k data fragments are plain byte ranges of the node's files of a step, concatenated in
-:class:`Layout` order and cut into k equal pieces of ``fragment_bytes`` (a multiple of 4096,
-the last one zero-padded), so while every data fragment's holder lives nothing is decoded.
-Parity is computed stripe by stripe (:data:`STRIPE_BYTES` of each fragment at a time), so the
-memory a coding pass needs is ``(k + m) x STRIPE_BYTES`` whatever the state's size.
-
-zfec was chosen by measurement (docs/peers.md, "Coded copies"): its encode and decode release
-the GIL during the arithmetic and take any buffer without a copy; pyeclib (liberasurecode +
-ISA-L) holds the GIL and copies every fragment. Pure functions and a stateless codec: any
-thread (the replicator's sender thread encodes; a restore's fetch thread decodes).
+The data fragments are plain byte ranges of the node's files of a step, concatenated in
+:class:`Layout` order and cut into k pieces of ``fragment_bytes`` (a multiple of 4096, the last
+zero-padded): while every data fragment's holder lives nothing is decoded. Parity is computed
+per stripe, so coding needs ``(k + m) x STRIPE_BYTES`` of memory. Any thread.
 """
 
 from __future__ import annotations

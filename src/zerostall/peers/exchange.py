@@ -1,22 +1,20 @@
-"""What the ranks tell each other about peer replicas, through the c10d store (never a
-collective on the training's group).
+"""What the ranks tell each other about peer replicas, through the c10d store (never a collective
+on the training's group), the placement of copies, and the secret the handshake uses.
 
 Keys live under the session prefix agreed at start-up (:mod:`zerostall.distributed.session`)::
 
     <p>/peers/node/r<R>        {node, domain, fp} every rank, at start-up (fp: a fingerprint of
                                                   the secret it was given, never the secret)
-    <p>/peers/secret           hex(32 random bytes), drawn by rank 0: the job's peer secret,
-                               only when the launcher gave none (:func:`given_secret`)
-    <p>/peers/ep/<node>        {host, port, deleted} each node's leader (lowest rank), once serving;
-                                                  ``deleted``: its tombstones (.tombstones)
-    <p>/peers/s<step>/<node>   {holders, error}   each node's leader, once its files of the step
-                                                  are held (or could not be) -- see .replicate
+    <p>/peers/secret           hex(32 random bytes), drawn by rank 0 only when the launcher gave
+                               no secret (:func:`given_secret`)
+    <p>/peers/ep/<node>        {host, port, deleted} each node's leader once serving (deleted:
+                                                  its tombstones)
+    <p>/peers/s<step>/<node>   {holders, error}   each node's leader, once its copies of the step
+                                                  are held or failed (:mod:`.replicate`)
     <p>/peers/s<step>/seen     counter: the rank completing it deletes the step's keys
-    <p>/peers/load<k>/node/<n>/s<N>  {ok, error}  node n's leader, once it fetched its files of
-                                                  step N in its k-th load (see .fetch)
+    <p>/peers/load<k>/node/<n>/s<N>  {ok, error}  node n's leader, after fetching step N (:mod:`.fetch`)
 
-:func:`setup` runs on the caller's thread of ``Checkpointer.__init__``; the per-step keys are
-written and polled by the replicator's threads, the load keys by ``load()``'s caller.
+:func:`setup` runs on the caller's thread of ``Checkpointer.__init__``.
 """
 
 from __future__ import annotations

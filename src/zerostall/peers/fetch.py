@@ -1,20 +1,13 @@
-"""Restore from peers, step 3 (steps 1-2, which step and which commit, are :mod:`.offer`):
-bring this node's files of the step about to be tried into the local root before the
-ordinary load reads them.
+"""Restore from peers, step 3 (steps 1-2 are :mod:`.offer`): bring this node's files of the step
+about to be tried into the local root before the ordinary load reads them.
 
-Called by ``Checkpointer.load`` (through :mod:`.service`) on the caller's thread of every
-rank, before each step is tried: :func:`fetch`: if this node lacks its files, the node's
-leader fetches them (only that commit's copies) from live holders (one thread per file, spread
-over the holders, the next one on a failure), each checked byte by byte against the manifest
-while it streams in, written with O_DIRECT into ``step-N.partial`` and committed; the other
-ranks of the node wait for it (``load<k>/node/<node>/s<N>``). A fetch that fails (no live
-holder, the only one stopped or serving a flipped byte) fails that step on this rank like any
-defect of it: every rank hears it through the agreement and all fall back to the next step
-together. Only when no live node holds a file is the remote tier used (the ordinary load
-downloads it), and the log says which tier served each file. A fetch never replaces a
-committed step's files it did not bring: into a step committed here already (e.g. a restart on
-fewer nodes, where a node's rank number changed) only a copy of the same commit is fetched,
-and the step's own files stay beside the fetched ones.
+:func:`fetch` (``load()``'s caller thread, every rank, before each step is tried): the node's
+leader fetches its files from live holders (one thread per file, a file cut into ranges across
+holders, the next holder on a failure), each checked against the manifest as it streams in,
+written with O_DIRECT into ``step-N.partial`` and committed; the node's other ranks wait for it.
+A failed fetch fails that step on every rank through the agreement, and all fall back together.
+A fetch never replaces a committed step's files: into a step committed here already only a
+copy of the same commit goes, beside the step's own files.
 """
 
 from __future__ import annotations
@@ -24,7 +17,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..distributed.store import Store
@@ -39,21 +31,6 @@ from .tcp import TcpTransport
 from .verify import StreamCheck, file_entry, ranges
 
 log = logging.getLogger("zerostall")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One step's fetch (:func:`fetch` builds it for :func:`_fetch_files`): the step, where its files come
-    from, and the commit every rank loads."""
-
-    step: int
-    source: str  # "local" | "peers" | "coded" | "remote"
-    holders: dict[str, list[tuple[str, str]]]  # file name -> [(node, src)] (peers)
-    held: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
-    """Every step live peers hold this node's files of (an incremental step's references)."""
-    checkpoint_id: str = ""
-    """The commit of ``step`` every rank loads ("": not known, the remote tier's)."""
-
 
 
 def fetch(store: Store, view: PeerView, transport: TcpTransport, tier: RootTier, engine_for: Callable[[], Engine],
@@ -77,8 +54,7 @@ def fetch(store: Store, view: PeerView, transport: TcpTransport, tier: RootTier,
         if step not in got.held and files_in is not None:
             files_in()
         else:
-            _fetch_files(view, transport, tier, engine_for,
-                         Plan(step, "peers", got.held[step], got.refs, got.ids.get(step, "")))
+            _fetch_files(view, transport, tier, engine_for, step, got)
     except BaseException as exc:
         store.set(key, json.dumps({"ok": False, "error": str(exc)}))
         if isinstance(exc, ZerostallError) and not isinstance(exc, CheckpointNotFound):
@@ -90,20 +66,20 @@ def fetch(store: Store, view: PeerView, transport: TcpTransport, tier: RootTier,
 
 
 def _fetch_files(view: PeerView, transport: TcpTransport, tier: RootTier, engine_for: Callable[[], Engine],
-                 plan: Plan) -> None:
-    """``plan.step``'s files of this node, and first those of earlier steps it references
-    (incremental: the bytes it borrows travel with their own step) that are not local."""
+                 step: int, got: Offer) -> None:
+    """``step``'s files of this node (the agreed commit's), and first those of earlier steps it
+    references (incremental: the bytes it borrows travel with their own step) that are not local."""
     names = [shard_name(r) for r in view.ranks_of(view.me)]
-    man = _fetch_step(view, transport, tier, engine_for, plan.step, plan.holders, names, commit=False,
-                      checkpoint_id=plan.checkpoint_id)
+    man = _fetch_step(view, transport, tier, engine_for, step, got.held[step], names, commit=False,
+                      checkpoint_id=got.ids.get(step, ""))
 
     def bring(ref: int) -> None:
-        if ref not in plan.held:
-            raise CheckpointNotFound(f"restore of step {plan.step}: it references step {ref}, of which no "
+        if ref not in got.refs:
+            raise CheckpointNotFound(f"restore of step {step}: it references step {ref}, of which no "
                                      f"live node holds {', '.join(names)}")
-        log.info("zerostall: restore of step %d: fetching step %d, whose bytes it references", plan.step, ref)
-        _fetch_step(view, transport, tier, engine_for, ref, plan.held[ref], names, commit=True)
-    commit_with_refs(tier, plan.step, man, names, bring)
+        log.info("zerostall: restore of step %d: fetching step %d, whose bytes it references", step, ref)
+        _fetch_step(view, transport, tier, engine_for, ref, got.refs[ref], names, commit=True)
+    commit_with_refs(tier, step, man, names, bring)
 
 
 def commit_with_refs(tier: RootTier, step: int, man: Manifest, names: list[str], bring: Callable[[int], None]) -> None:

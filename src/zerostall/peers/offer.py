@@ -1,22 +1,12 @@
-"""Restore from peers, steps 1-2: which steps this rank could load, counting what live peers
-hold, and the one commit of each that every rank can load.
+"""Restore from peers, steps 1-2 (step 3, bringing the files in, is :mod:`.fetch`). Every rank
+calls :func:`offer` in the same order (through :mod:`.service`; only the c10d store and
+point-to-point connections):
 
-Called by ``Checkpointer.load`` (through :mod:`.service`) on the caller's thread of every rank
-(a collective in the sense that every rank calls it, in the same order; it talks only through
-the c10d store and point-to-point connections):
-
-1. what this rank could load: committed local steps holding its node's files; steps whose
-   files (each of this node's ranks' ``rank-R.shard``) some live peer holds, one checkpoint
-   id (listed from every other node in parallel; a dead or stopped node is skipped after
-   ``peers.timeout_s``); steps on the remote tier;
-2. every rank posts, per step, the checkpoint ids it can load it as (its committed local
-   copy's, else those live holders hold), and a step is offered only where one id is common
-   to every rank (a superseded copy of an overwritten step is never restored as the step);
-   the collective load (:mod:`zerostall.distributed.agree`) adds these steps -- every one of
-   them, not only the newest -- to the ones it offers, and tries the newest common, falling
-   back together.
-
-Step 3, bringing a step's files in before it is tried, is :mod:`.fetch`.
+1. what this rank could load: committed local steps holding its node's files, steps whose
+   files live peers hold (listed from every other node in parallel), steps on the remote tier;
+2. every rank posts, per step, the checkpoint ids it can load it as, and a step is offered only
+   where one id is common to every rank (a superseded copy of an overwritten step is never
+   restored); the collective load (:mod:`zerostall.distributed.agree`) tries the newest.
 """
 
 from __future__ import annotations

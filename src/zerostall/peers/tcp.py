@@ -35,8 +35,8 @@ from ..format.manifest import Manifest
 from .store import PeerStore
 from .stream import FETCH_BUF_BYTES, Pacer, at, background, fill_from, roomy_send_buffer, send_range
 from .verify import StreamCheck, file_entry, split_points
-from .wire import (MAX_MANIFEST_BYTES, Endpoint, PeerError, check_name, check_node, check_size, check_step, client_handshake,
-                   recv_exact, recv_msg, recv_msg_or_eof, send_msg, server_handshake)
+from .wire import (MAX_MANIFEST_BYTES, Endpoint, PeerError, check_name, check_node, check_size, check_step,
+                   client_handshake, recv_exact, recv_msg, recv_msg_or_eof, send_msg, server_handshake)
 
 __all__ = ["Pacer", "TcpTransport", "fill_from"]
 log = logging.getLogger("zerostall")
@@ -311,13 +311,14 @@ class TcpTransport:
             return str(reply.get("digest"))
         return self.call(ep, f"copying {name} of step {step}", run, "send")
 
-    def list_held(self, ep: Endpoint) -> list[dict[str, Any]]:
-        """What ``ep`` holds (:meth:`.store.PeerStore.held`)."""
+    def list_held(self, ep: Endpoint, op: str = "list", **fields: Any) -> list[dict[str, Any]]:
+        """What ``ep`` holds (:meth:`.store.PeerStore.held`; ``op="flist", src=node``: the coded
+        fragments of ``node`` it holds, :meth:`.fragments.FragmentStore.held`)."""
         def run(s: socket.socket) -> list[dict[str, Any]]:
-            send_msg(s, {"op": "list"})
+            send_msg(s, {"op": op, **fields})
             reply = recv_msg(s)
             if not reply.get("ok") or not isinstance(reply.get("held"), list):
-                raise PeerError(f"node {ep.node} did not list its copies: {reply.get('error')}")
+                raise PeerError(f"node {ep.node} did not list what it holds ({op}): {reply.get('error')}")
             return reply["held"]
         return self.call(ep, "listing", run)
 
