@@ -18,6 +18,7 @@ of the kept steps that no live node holds of this commit, never of a step delete
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -33,9 +34,8 @@ from ..config import ALIGN_BYTES
 from ..errors import ConfigError, ZerostallError
 from ..format.manifest import Manifest
 from .coding import STRIPE_BYTES, Code, Layout, descriptor_id
-from .stream import at
+from .stream import at, shutdown, unmap
 from .wire import PeerError, recv_msg, send_msg
-from . import tombstones
 from .exchange import ask_peers, ranking
 from .replicate import PeerReplicator
 
@@ -158,12 +158,10 @@ class CodedReplicator(PeerReplicator):
                 except OSError:
                     pass
                 os.close(fd)
-            for mv, b in zip((m for ms in mvs for m in ms), (b for bs in sets for b in bs)):
-                try:
+            for mv in (m for ms in mvs for m in ms):
+                with contextlib.suppress(BufferError):  # a slice still referenced: unmapped by the GC
                     mv.release()
-                    b.close()
-                except BufferError:  # a slice still referenced (an exception's frames): unmapped by the GC
-                    pass
+            unmap([b for bs in sets for b in bs])
         ok: dict[int, str] = {}
         failed: list[str] = []
         for i, f in feeds.items():
@@ -186,16 +184,9 @@ class CodedReplicator(PeerReplicator):
             return
         lists = ask_peers(v, lambda ep: self.transport.list_held(ep, "flist", src=v.me), "repair")
         candidates = [n.name for n in ranking(v.me, v.nodes) if n.name in lists]
-        for step in steps:
+        for step, raw, man in steps:
             if self._stop.is_set():
                 return
-            try:
-                raw, man = self._step_manifest(step)
-            except (OSError, ZerostallError) as exc:
-                log.warning("zerostall: repair of step %d: %s", step, exc)
-                continue
-            if tombstones.dead(v.deleted, step, man.checkpoint_id, man.created_unix):
-                continue  # deleted for good on some node (zerostall delete): no fragments of it again
             lay = self._layout(man)
             desc = lay.describe(step, man.checkpoint_id, v.me)
             held: dict[int, str] = {}
@@ -325,10 +316,7 @@ class _Feed:
             self.cond.notify_all()
         sock = self.sock
         if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shutdown(sock, socket.SHUT_RDWR)
 
 
 def _wait_for(cond: threading.Condition, feeds: list[_Feed], stripe: int, lag_s: float,

@@ -53,10 +53,8 @@ class Rebuild:
 
 def holdings(view: PeerView, transport: Any) -> dict[int, dict[str, Rebuild]]:
     """step -> checkpoint id -> :class:`Rebuild` for every commit of a step of this node of
-    which live nodes hold at least k fragments of one coding (every other node asked in
-    parallel; an unreachable one is skipped after ``peers.timeout_s``). Every commit is kept:
-    holders may still keep a superseded commit of an overwritten step, and only the ranks'
-    agreement says which one the step is."""
+    which live nodes hold at least k fragments of one coding (every commit: holders may keep a
+    superseded one of an overwritten step, and only the ranks' agreement says which is the step)."""
     lists = ask_peers(view, lambda ep: transport.list_held(ep, "flist", src=view.me), "restore")
     groups: dict[tuple[int, str, str, int, int], dict[int, list[str]]] = {}
     for node, held in sorted(lists.items()):
@@ -86,7 +84,8 @@ def _pick(coded: dict[int, dict[str, Rebuild]], step: int, checkpoint_id: str) -
         return ids[checkpoint_id]
     if checkpoint_id or not ids:
         raise CheckpointNotFound(f"restore of step {step}: live nodes hold fewer than k fragments of its commit "
-                                 f"{checkpoint_id or '(any)'}" + (f" (only of {', '.join(sorted(ids))})" if ids else ""))
+                                 f"{checkpoint_id or '(any)'}"
+                                 + (f" (only of {', '.join(sorted(ids))})" if ids else ""))
     return max(ids.values(), key=lambda r: len(r.holders))
 
 
@@ -239,6 +238,7 @@ def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Ca
                 with mu:
                     inflight[0] -= 1
 
+    ok = False
     try:
         in_parallel(worker, [()] * rb.k, "zerostall-peers-fragment")
         if "dec" in meta:
@@ -262,18 +262,16 @@ def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Ca
         for w in firsts.values():
             w.finish()
         tl.mark("synced")
-    except BaseException:
-        if early:
+        ok = True
+    finally:
+        if early and not ok:
             meta["dec"].end()
             early[0].join()
         for w in firsts.values():
             w.close()
         engine.close()
-        tier.abort(rb.step)
-        raise
-    for w in firsts.values():
-        w.close()
-    engine.close()
+        if not ok:
+            tier.abort(rb.step)
     for i in got:
         _unlink(os.path.join(part, f".fragment-{i}"))
     if commit:

@@ -84,7 +84,7 @@ def ranking(src: str, nodes: Sequence[Node]) -> list[Node]:
 
 
 def holders(src: str, nodes: Sequence[Node], replicas: int) -> tuple[str, ...]:
-    """The ``replicas - 1`` nodes that keep copies of ``src``'s files (see the module doc)."""
+    """The ``replicas - 1`` nodes that keep copies of ``src``'s files (the placement above)."""
     if replicas < 1:
         raise ConfigError(f"replicas={replicas} must be >= 1")
     if replicas - 1 > len({n.name for n in nodes}) - 1:

@@ -121,9 +121,7 @@ def commit_fetched(tier: RootTier, step: int, man: Manifest) -> None:
     tier.commit(step, man, overwrite=True)
 
 
-RANGE_MIN_BYTES = 32 << 20
-"""A file is split across holders only into ranges at least this large (smaller ones cost more
-in connections than they save)."""
+RANGE_MIN_BYTES = 32 << 20  # a file is split across holders only into ranges this large (fewer connections)
 
 
 class _ManifestOnly:
@@ -139,12 +137,10 @@ class _ManifestOnly:
 def _fetch_file(view: PeerView, transport: TcpTransport, engine_for: Callable[[], Engine], step: int,
                 name: str, hs: list[tuple[str, str]], path: str, checkpoint_id: str = "") -> Manifest:
     """One file of ``step`` into ``path`` from the holders ``hs`` (in order of preference),
-    verified, fdatasync'ed; returns the step's manifest. With two or more live holders the file
-    is cut into ranges at tensor boundaries (:func:`.verify.ranges`), one per holder, fetched
-    in parallel, each checked against the manifest's crc32c as it streams in; a range whose
-    holder fails is fetched again from the next holder (only that range). One holder: the
-    whole file in one stream. ``checkpoint_id``: the commit the copy must belong to (a holder
-    sending another one fails like a holder sending a wrong byte)."""
+    verified, fdatasync'ed; returns the step's manifest. With several live holders the file is
+    cut into ranges at tensor boundaries (:func:`.verify.ranges`), one per holder, fetched in
+    parallel; a range whose holder fails is fetched again from the next one. ``checkpoint_id``:
+    the commit the copy must belong to (another one fails like a wrong byte)."""
 
     def same_commit(m: Manifest, node: str) -> Manifest:
         if checkpoint_id and m.checkpoint_id != checkpoint_id:

@@ -129,32 +129,31 @@ class FragmentStore:
         except OSError:
             return None
 
+    def _coding(self, src: str, step: int) -> tuple[bytes, Manifest, Layout, dict[str, Any]] | None:
+        """``(descriptor bytes, manifest, layout, descriptor)`` of a coded step held here, or None."""
+        raw, man = self._desc(src, step), self.store.manifest(src, step)
+        try:
+            return (raw, man, *Layout.parse(raw, self.store.step_dir(src, step))) if raw and man else None
+        except CorruptCheckpoint:
+            return None
+
     def held(self, src: str | None = None) -> list[dict[str, Any]]:
-        """``[{src, step, checkpoint_id, created_unix, descriptor, k, m, fragments: {index: crc32c}}]``: every
-        step of which complete fragments are held here (of ``src`` only, if given)."""
+        """``[{src, step, checkpoint_id, created_unix, descriptor, k, m, fragments: {index: crc32c}}]``:
+        every step of which complete fragments are held here (of ``src`` only, if given)."""
         out = []
         for s, step in self.store._dirs():
-            if src is not None and s != src:
+            got = self._coding(s, step) if src is None or s == src else None
+            if got is None:
                 continue
-            raw = self._desc(s, step)
-            man = self.store.manifest(s, step)
-            if raw is None or man is None:
-                continue
+            raw, man, lay, doc = got
             d = self.store.step_dir(s, step)
-            try:
-                lay, doc = Layout.parse(raw, d)
-            except CorruptCheckpoint:
-                continue
             frags: dict[str, int] = {}
             for name in os.listdir(d):
-                m = _FRAG_RE.match(name)
-                if m is None:
-                    continue
                 try:
-                    h = read_header(os.path.join(d, name), lay.fragment_bytes)
+                    h = read_header(os.path.join(d, name), lay.fragment_bytes) if _FRAG_RE.match(name) else None
                 except (OSError, CorruptCheckpoint):
                     continue
-                if h["index"] == int(m.group(1)) and h["descriptor"] == descriptor_id(raw):
+                if h is not None and name == fragment_name(h["index"]) and h["descriptor"] == descriptor_id(raw):
                     frags[str(h["index"])] = h["crc32c"]
             if frags and doc["checkpoint_id"] == man.checkpoint_id:
                 out.append({"src": s, "step": step, "checkpoint_id": man.checkpoint_id,
@@ -164,17 +163,15 @@ class FragmentStore:
 
     def path_for(self, src: str, step: int, index: int) -> tuple[str, bytes, bytes] | None:
         """``(fragment path, manifest bytes, descriptor bytes)`` of a held fragment; None otherwise."""
-        raw = self._desc(src, step)
-        man = self.store.manifest(src, step)
-        if raw is None or man is None:
-            return None
+        got = self._coding(src, step)
         path = os.path.join(self.store.step_dir(src, step), fragment_name(index))
         try:
-            lay, _ = Layout.parse(raw, path)
-            read_header(path, lay.fragment_bytes)
+            if got is None:
+                return None
+            read_header(path, got[2].fragment_bytes)
         except (OSError, CorruptCheckpoint):
             return None
-        return path, man.to_bytes(), raw
+        return path, got[1].to_bytes(), got[0]
 
 
 def read_header(path: str, fragment_bytes: int) -> dict[str, Any]:

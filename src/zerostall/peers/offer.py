@@ -28,6 +28,8 @@ from .tcp import TcpTransport
 from .verify import file_entry
 
 log = logging.getLogger("zerostall")
+Holders = dict[str, list[tuple[str, str]]]  # file name -> [(holder node, src node)]
+
 
 @dataclass(frozen=True)
 class Offer:
@@ -36,14 +38,11 @@ class Offer:
     fragments of, and the steps the ranks hold as different commits (offered by nobody)."""
 
     local: set[int]
-    held: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
-    """step -> file name -> [(holder node, src node)], of the commit in ``ids``"""
+    held: dict[int, Holders] = field(default_factory=dict)  # step -> its holders, of the commit in ids
     coded: set[int] = field(default_factory=set)
-    ids: dict[int, str] = field(default_factory=dict)
-    """step -> the commit every rank offers it as ("": the remote tier's, not known)"""
+    ids: dict[int, str] = field(default_factory=dict)  # step -> the commit every rank loads ("": the remote's)
     split: set[int] = field(default_factory=set)
-    refs: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
-    """Every step live peers hold this node's files of (an incremental step's references)."""
+    refs: dict[int, Holders] = field(default_factory=dict)  # every step peers hold (incremental references)
     unshared: set[int] = field(default_factory=set)
     """Steps this node could load that some other rank offered not at all: never agreed, but
     counted as this node's, so that an error names only the ranks that truly lack a step."""
@@ -72,10 +71,6 @@ def _local_steps(tier: RootTier, view: PeerView, names: list[str]) -> tuple[dict
         except (OSError, ZerostallError):
             continue
     return out, committed
-
-
-Holders = dict[str, list[tuple[str, str]]]
-"""file name -> [(holder node, src node)]"""
 
 
 def _peer_holdings(view: PeerView, transport: TcpTransport, names: list[str]) -> dict[int, dict[str, Holders]]:

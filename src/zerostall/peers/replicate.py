@@ -216,10 +216,21 @@ class PeerReplicator:
                         len(held), want, error)
         return sorted(held), error
 
-    def _kept(self) -> list[int]:
-        """The local steps a start-up repair brings to their holders (the newest ``keep_last``)."""
+    def _kept(self) -> list[tuple[int, bytes, Manifest]]:
+        """The local steps a start-up repair brings to their holders (the newest ``keep_last``),
+        with their manifests; a step deleted for good on some node (zerostall delete) or whose
+        manifest cannot be read is left out."""
         steps = self.tier.steps()
-        return steps if self.keep_last is None else steps[-self.keep_last:]
+        out = []
+        for step in steps if self.keep_last is None else steps[-self.keep_last:]:
+            try:
+                raw, man = self._step_manifest(step)
+            except (OSError, ZerostallError) as exc:
+                log.warning("zerostall: repair of step %d: %s", step, exc)
+                continue
+            if not tombstones.dead(self.view.deleted, step, man.checkpoint_id, man.created_unix):
+                out.append((step, raw, man))
+        return out
 
     def _repair(self) -> None:
         v = self.view
@@ -232,15 +243,12 @@ class PeerReplicator:
         log.warning("zerostall: repair: node(s) %s could not be brought up to date; the next start tries again",
                     ", ".join(todo))
 
-    def _repair_node(self, node: str, steps: list[int]) -> bool:
+    def _repair_node(self, node: str, steps: list[tuple[int, bytes, Manifest]]) -> bool:
         v = self.view
         try:
             held = self.transport.list_held(v.endpoints[node])
             have = {(h["step"], h["checkpoint_id"], f) for h in held if h.get("src") == v.me for f in h["files"]}
-            for step in steps:
-                raw, man = self._step_manifest(step)
-                if tombstones.dead(v.deleted, step, man.checkpoint_id, man.created_unix):
-                    continue  # deleted for good on some node (zerostall delete): no copies of it again
+            for step, raw, man in steps:
                 for fe in man.files:
                     if v.rank_nodes[fe.rank] != v.me or (step, man.checkpoint_id, fe.name) in have:
                         continue

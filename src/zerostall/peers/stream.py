@@ -200,11 +200,7 @@ class _ReadAhead:
         self._thread.join()
         if self.dfd is not None:
             os.close(self.dfd)
-        for buf in self.bufs:
-            try:
-                buf.close()
-            except BufferError:  # a view still referenced by an exception's frames: unmapped by the GC
-                pass
+        unmap(self.bufs)
 
 
 def send_range(sock: socket.socket, f: Any, offset: int, length: int, pacer: Pacer | None = None) -> int:
@@ -231,7 +227,7 @@ def send_range(sock: socket.socket, f: Any, offset: int, length: int, pacer: Pac
     except PeerError as exc:
         log.warning("zerostall: sending %s stopped: %s", getattr(f, "name", "a file"), exc)
     except TimeoutError:
-        _shut_wr(sock)
+        shutdown(sock, socket.SHUT_WR)
         raise
     except OSError as exc:
         if not isinstance(exc, ConnectionError) and exc.errno not in (errno.EPIPE, errno.ECONNRESET):
@@ -240,15 +236,26 @@ def send_range(sock: socket.socket, f: Any, offset: int, length: int, pacer: Pac
         pieces.close()
         reader.close()
     if sent < length:
-        _shut_wr(sock)
+        shutdown(sock, socket.SHUT_WR)
     return sent
 
 
-def _shut_wr(sock: socket.socket) -> None:
+def shutdown(sock: socket.socket, how: int) -> None:
+    """``sock.shutdown(how)`` unless the other side reset or closed it already."""
     try:
-        sock.shutdown(socket.SHUT_WR)
-    except OSError:  # already reset or closed by the other side
+        sock.shutdown(how)
+    except OSError:
         pass
+
+
+def unmap(bufs: list[Any]) -> None:
+    """Close mmap buffers; one still referenced (by an exception's frames, a receive not woken)
+    is left to the GC."""
+    for buf in bufs:
+        try:
+            buf.close()
+        except BufferError:
+            pass
 
 
 def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer: Pacer | None = None,
@@ -324,9 +331,7 @@ def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer:
         while ready is not None:
             nxt: list[tuple[int, int, int] | None] = [None]
 
-            def overlap() -> None:
-                # the next piece, if it is in already, is checked while this one is written:
-                # the disk does not idle during the crc (the checked-before-written order holds)
+            def overlap() -> None:  # the next piece, if in, is checked while this one is written
                 nxt[0] = take(False)
             i, n, off = ready
             mv = memoryview(bufs[i])
@@ -338,15 +343,8 @@ def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer:
             ready = nxt[0] if nxt[0] is not None else take(True)
     except BaseException:
         free.put(None)
-        try:
-            sock.shutdown(socket.SHUT_RD)  # a receive in progress returns
-        except OSError:
-            pass
+        shutdown(sock, socket.SHUT_RD)  # a receive in progress returns
         raise
     finally:
         t.join(10)
-        for buf in bufs:
-            try:
-                buf.close()
-            except BufferError:  # still referenced (an exception's frames, a receive not woken): unmapped by the GC
-                pass
+        unmap(bufs)

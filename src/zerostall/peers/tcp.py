@@ -33,7 +33,7 @@ from typing import Any, Callable
 from ..errors import ConfigError, ZerostallError
 from ..format.manifest import Manifest
 from .store import PeerStore
-from .stream import FETCH_BUF_BYTES, Pacer, at, background, fill_from, roomy_send_buffer, send_range
+from .stream import FETCH_BUF_BYTES, Pacer, at, background, fill_from, roomy_send_buffer, send_range, shutdown
 from .verify import StreamCheck, file_entry, split_points
 from .wire import (MAX_MANIFEST_BYTES, Endpoint, PeerError, check_name, check_node, check_size, check_step,
                    client_handshake, recv_exact, recv_msg, recv_msg_or_eof, send_msg, server_handshake)
@@ -84,12 +84,10 @@ class TcpTransport:
     def __init__(self, secret: bytes, me: str, nodes: set[str], *, timeout_s: float, pacer: Pacer,
                  listen_host: str = "127.0.0.1", max_connections: int = 32, recv_pacer: Pacer | None = None,
                  cpu_priority: str = "normal", listen_port: int = 0):
-        self.cpu_priority = cpu_priority
-        """A connection thread receiving a copy (``put``) lowers itself to this (:func:`.stream.background`)."""
+        self.cpu_priority = cpu_priority  # a connection thread receiving a copy lowers itself to this
         self.secret, self.me, self.nodes = secret, me, set(nodes)
         self.timeout_s, self.pacer = timeout_s, pacer
-        self.recv_pacer = recv_pacer
-        """The holder's cap on the copies it takes in (all senders together); None: none."""
+        self.recv_pacer = recv_pacer  # the holder's cap on the copies it takes in, all senders together
         self.listen_host, self.listen_port, self.max_connections = listen_host, listen_port, max_connections
         self._srv: socket.socket | None = None
         self._conns: set[socket.socket] = set()  # every open connection, ours and accepted (close() ends them)
@@ -97,11 +95,8 @@ class TcpTransport:
         self._unauth: list[socket.socket] = []  # accepted, handshake not done yet: oldest first
         self._mu = threading.Lock()
         self._closed = False
-        self.refused = 0
-        """Connections refused (failed handshake, bad request): for tests and doctor."""
-        self.ops: dict[str, Any] = {}
-        """More requests served beside put/list/get: op -> ``handler(conn, peer node, message)``
-        (coded copies' fragments: :func:`.fragments.register`, before :meth:`serve`)."""
+        self.refused = 0  # connections refused (failed handshake, bad request): tests, doctor
+        self.ops: dict[str, Any] = {}  # more requests: op -> handler(conn, peer, msg) (:func:`.fragments.register`)
 
     # -- server ------------------------------------------------------------------------
     def serve(self, store: PeerStore) -> tuple[str, int]:
@@ -137,8 +132,7 @@ class TcpTransport:
             if evict is not None:
                 log.warning("zerostall: peer connection %s dropped before it authenticated: every slot was taken",
                             _addr(evict))
-                with contextlib.suppress(OSError):
-                    evict.shutdown(socket.SHUT_RDWR)  # its thread's recv fails; it closes the socket
+                shutdown(evict, socket.SHUT_RDWR)  # its thread's recv fails; it closes the socket
             if full:
                 log.warning("zerostall: peer connection from %s refused: %d connections open", addr,
                             self.max_connections)
@@ -354,11 +348,9 @@ class TcpTransport:
         self._closed = True
         srv, self._srv = self._srv, None
         if srv is not None:
-            with contextlib.suppress(OSError):
-                srv.shutdown(socket.SHUT_RDWR)  # wakes the accept() of the accept thread
+            shutdown(srv, socket.SHUT_RDWR)  # wakes the accept() of the accept thread
             srv.close()
         with self._mu:
             conns = list(self._conns)
         for c in conns:
-            with contextlib.suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)
+            shutdown(c, socket.SHUT_RDWR)

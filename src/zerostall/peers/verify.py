@@ -224,9 +224,7 @@ class PieceCheck(_FileCheck):
             if crc != e.crc32c:  # one source sent the whole tensor: that source is at fault
                 raise self._crc_error(e, crc)
             self._done[j] = True
-        # a tensor two sources share is judged by :meth:`finish`, once every source's own
-        # crc32c passed: a wrong part of it may come from either, and the one that ends it
-        # first is not the one to blame
+        # a tensor two sources share is judged by finish() (module doc)
 
     def _whole(self, j: int) -> int | None:
         """Tensor ``j``'s crc32c when its parts cover it exactly, else None."""
