@@ -16,6 +16,7 @@ node's leader, run by :func:`.fetch.fetch`), into ``step-N.partial``, every phas
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -205,7 +206,8 @@ def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Ca
                 meta["dec"].fail(i)
             tl.mark("failed", i, node, fed[0].n if fed else 0)
             if i >= rb.k:
-                _unlink(os.path.join(part, f".fragment-{i}"))
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(part, f".fragment-{i}"))
             raise
         finally:
             for w in opened:
@@ -273,7 +275,8 @@ def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Ca
         if not ok:
             tier.abort(rb.step)
     for i in got:
-        _unlink(os.path.join(part, f".fragment-{i}"))
+        with contextlib.suppress(OSError):  # a data fragment has no scratch file
+            os.unlink(os.path.join(part, f".fragment-{i}"))
     if commit:
         commit_fetched(tier, rb.step, man)
         tl.mark("committed")
@@ -289,9 +292,3 @@ def _run_decode(dec: StripeDecoder, use: list[int], missing: list[int], box: lis
         log.info("zerostall: the decode beside the fetch gave up (%s); it runs again after the fetch", exc)
         box.append(exc)
 
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

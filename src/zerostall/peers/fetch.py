@@ -12,6 +12,7 @@ copy of the same commit goes, beside the step's own files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -209,10 +210,8 @@ def _fetch_file(view: PeerView, transport: TcpTransport, engine_for: Callable[[]
                 with mu:
                     errors.append(f"{node}: {exc}")
                 if first is None:
-                    try:
+                    with contextlib.suppress(OSError):
                         os.unlink(path)
-                    except OSError:
-                        pass
             finally:
                 for w in opened:
                     w.close()
@@ -249,10 +248,8 @@ def _fetch_step(view: PeerView, transport: TcpTransport, tier: RootTier, engine_
             mans[name] = _fetch_file(view, transport, engine_for, step, name, hs, path, checkpoint_id)
         except (ZerostallError, OSError) as exc:
             errors[name] = str(exc)
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(path)
-            except OSError:
-                pass
 
     in_parallel(one, [(n, i) for i, n in enumerate(names)])
     missing = [n for n in names if n not in mans]

@@ -83,6 +83,7 @@ class _FileCheck:
         return self._bad(f"{e.key!r} failed its crc32c check (manifest {e.crc32c:08x}, received {crc:08x}{why})",
                          e.key)
 
+
 class StreamCheck(_FileCheck):
     """Checks ``name`` of ``man`` fed in file order; raises :class:`CorruptCheckpoint` at the
     first wrong byte (naming ``where`` and the tensor).
