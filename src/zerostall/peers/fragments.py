@@ -132,8 +132,10 @@ class FragmentStore:
     def _coding(self, src: str, step: int) -> tuple[bytes, Manifest, Layout, dict[str, Any]] | None:
         """``(descriptor bytes, manifest, layout, descriptor)`` of a coded step held here, or None."""
         raw, man = self._desc(src, step), self.store.manifest(src, step)
+        if raw is None or man is None:
+            return None
         try:
-            return (raw, man, *Layout.parse(raw, self.store.step_dir(src, step))) if raw and man else None
+            return (raw, man, *Layout.parse(raw, self.store.step_dir(src, step)))
         except CorruptCheckpoint:
             return None
 
