@@ -24,15 +24,13 @@ from . import dcp as cli_dcp
 from . import delete as cli_delete
 from .._term import console as _console, safe, table
 from .._util import human_bytes as _human
-from ..config import IOConfig
 from ..errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, RootNotFound,
     ZerostallError)
-from ..io import choose_engine
 from ..store import open_root
 from ..store.tier import is_url, open_tier
 from . import host as cli_host
 from ..peers.status import peer_rows, quota_lines
-from .common import _tier
+from .common import _engine, _tier
 
 
 def _rows(tier: Any, label: str) -> list[dict[str, Any]]:
@@ -115,7 +113,7 @@ def cmd_restore(a: argparse.Namespace) -> int:
         raise CheckpointNotFound(f"no committed checkpoint at {a.url}")
     tier = open_root(a.to, create=True)
     tier.own()  # a writer of --to: refused (naming the owner) while a training run holds it
-    engine = choose_engine(tier.root, IOConfig())
+    engine = _engine("auto", tier.root)
     try:
         m = restore_remote(tier, remote, engine, a.step,
                            on_failure=lambda s, why: print(f"step {s}: FAILED verification: {safe(why)}",

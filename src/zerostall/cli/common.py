@@ -1,10 +1,16 @@
-"""What the subcommands share (main thread): the tier a command reads."""
+"""Helpers the subcommands share (main thread): the engine and the tier a command reads."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..config import IOConfig
+from ..io import choose_engine
 from ..store import open_root
+
+
+def _engine(name: str, root: str) -> Any:
+    return choose_engine(root, IOConfig(engine=name))
 
 
 def _tier(path: str) -> Any:

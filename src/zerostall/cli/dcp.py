@@ -26,7 +26,7 @@ _RANK_MD_RE = re.compile(r"^__(\d+)\.metadata$")
 
 def metadata_files(path: str) -> list[str]:
     """The DCP metadata files of the directory ``path``: the global ``.metadata``, else one
-    per rank (``__R.metadata``, in rank order), else []."""
+    per rank (``__R.metadata``, in rank order), else [] (not a DCP checkpoint directory)."""
     try:
         names = os.listdir(path)
     except OSError:
@@ -34,10 +34,6 @@ def metadata_files(path: str) -> list[str]:
     if ".metadata" in names:
         return [".metadata"]
     return sorted((n for n in names if _RANK_MD_RE.match(n)), key=lambda n: int(_RANK_MD_RE.match(n).group(1)))
-
-
-def _is_checkpoint(path: str) -> bool:
-    return os.path.isdir(path) and bool(metadata_files(path))
 
 
 def _step_dirs(root: str) -> list[tuple[int, str]]:
@@ -54,19 +50,19 @@ def _step_dirs(root: str) -> list[tuple[int, str]]:
         if m and not os.path.islink(d):
             if os.path.lexists(os.path.join(d, "manifest.json")):
                 return []
-            if _is_checkpoint(d):
+            if metadata_files(d):
                 out.append((int(m.group(1)), d))
     return sorted(out)
 
 
 def is_dcp_dir(path: str) -> bool:
     """A DCP checkpoint directory, or a root of ``step-N`` ones; by its files (imports no torch)."""
-    return _is_checkpoint(path) or bool(_step_dirs(path))
+    return bool(metadata_files(path) or _step_dirs(path))
 
 
 def _targets(a: argparse.Namespace) -> list[tuple[str, str]]:
     """(label, checkpoint dir) to act on."""
-    if _is_checkpoint(a.path):
+    if metadata_files(a.path):
         return [(a.path, a.path)]
     steps = _step_dirs(a.path)
     if getattr(a, "step", None) is not None:

@@ -11,10 +11,8 @@ from typing import Any
 from . import dcp as cli_dcp
 from .._term import safe
 from .._util import human_bytes as _human
-from .common import _tier
-from ..config import IOConfig
+from .common import _engine, _tier
 from ..errors import CheckpointNotFound, CorruptCheckpoint
-from ..io import choose_engine
 from ..store.tier import is_url
 from ..restore import verify_step, verify_tier_step
 from ..restore.retry import verify_consistent
@@ -31,7 +29,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
         print("[]" if a.json else f"no checkpoints in {safe(tier.url)}")
         return 0
     remote = is_url(a.path)
-    engine = None if remote else choose_engine(tier.root, IOConfig(engine=a.engine))
+    engine = None if remote else _engine(a.engine, tier.root)
     try:
         for s in steps:
             away: list[Any] = []

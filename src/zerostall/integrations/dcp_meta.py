@@ -9,11 +9,9 @@ shapes consistent with byte counts, dtypes, plain file names inside the checkpoi
 records inside their files and not overlapping. Every failure is a
 :class:`~zerostall.errors.CorruptCheckpoint` naming the file and the field.
 
-Validation is linear in the file's size: a pickle can make many entries share one object (a
-small file whose entries all share one list of repeated chunks made validation quadratic:
-docs/speed-tricks.md), so no chunk of an entry may repeat another's offsets: every chunk that
-validates then uses a storage record of its own, the chunks walked are bounded by the records,
-and the records by :data:`MAX_RECORDS`.
+Validation is linear in the file's size, however the pickle shares objects between entries
+(docs/speed-tricks.md): the chunks walked are bounded by the records (:func:`validate`), and the
+records by :data:`MAX_RECORDS`.
 
 Called from the caller's thread (``Reader.read_metadata``, the CLI); no state.
 """

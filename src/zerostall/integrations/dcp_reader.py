@@ -87,16 +87,14 @@ class Reader(CheckpointId, StorageReader):
         self._set_id(path)
         self.io = io
         self.verify = verify
-        self.load_id = uuid.uuid4().hex
-        self.storage_data: dict[MetadataIndex, Any] = {}
-        self.records: dict[MetadataIndex, Record] = {}
         self.kind = "zerostall"
         self.rank: int | None = None
         self.use_collectives = True
+        self.reset()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        self.storage_data = {}
-        self.records = {}
+        self.storage_data: dict[MetadataIndex, Any] = {}
+        self.records: dict[MetadataIndex, Record] = {}
         if checkpoint_id:
             self._set_id(checkpoint_id)
         self.load_id = uuid.uuid4().hex

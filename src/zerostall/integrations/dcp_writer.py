@@ -199,7 +199,7 @@ class Writer(CheckpointId, StorageWriter):
         self._set_id(path)
         self.io = io
         self.overwrite = overwrite
-        self.save_id = uuid.uuid4().hex
+        self.save_id = uuid.uuid4().hex  # fresh per save (reset)
         self.is_coordinator = False
         self.rank: int | None = None
         self.use_collectives = True

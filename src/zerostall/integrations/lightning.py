@@ -125,10 +125,10 @@ class ZerostallCheckpointIO(CheckpointIO):
         self._clean_stale_trash(os.path.dirname(root))  # before anything of ours is set aside
         self._saves.drain(root)  # its first save is still in flight: it goes first
         checkpoint = {**checkpoint, RNG_KEY: rng_state()}
-        if root in self._ckpts or is_committed(root):
-            ck = self._checkpointer(root)
-            staged = None
-        else:  # nothing committed there yet: written aside, shown under its name once committed
+        ck, staged = self._ckpts.get(root), None
+        if ck is None and is_committed(root):
+            ck = self._ckpts[root] = Checkpointer(root, self.config)
+        elif ck is None:  # nothing committed there yet: written aside, shown under its name once committed
             staged = _aside(root, _FIRST)
             if os.path.lexists(staged):
                 discard(staged)
@@ -231,13 +231,6 @@ class ZerostallCheckpointIO(CheckpointIO):
         t = threading.Thread(target=remove, name="zerostall-lightning-remove", daemon=True)
         t.start()
         self._removers.append(t)
-
-    def _checkpointer(self, root: str) -> Any:
-        ck = self._ckpts.get(root)
-        if ck is None:
-            self._clean_stale_trash(os.path.dirname(root))
-            ck = self._ckpts[root] = Checkpointer(root, self.config)
-        return ck
 
     def _clean_stale_trash(self, directory: str) -> None:
         """Remove what a crashed run left set aside (once per directory and plugin)."""
