@@ -14,7 +14,8 @@ What is checked:
 - entries lie inside their file, aligned, and do not overlap, except exact duplicates
   (recorded aliases), which are read and allocated once (:attr:`Validated.alias_of`);
 - the distinct bytes the manifest asks to allocate are bounded by the files' sizes;
-- the state tree references existing entries, and a numpy node (``A``) only a dtype numpy has;
+- the state tree references existing entries, and a numpy node (``A``) only a dtype numpy has
+  (:func:`.decode.decode_tree`);
 - step directory names are canonical (``step-3``, not ``step-03``) and below 2**63.
 """
 
@@ -47,6 +48,15 @@ MAX_INT_BITS = 4096
 """Plain ints in a state are bounded (saved and loaded alike): 4096 bits is far below the
 digit limit of Python's int<->str conversion, so what is saved can always be parsed."""
 
+ITEMSIZE_BY_NAME: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8, "complex128": 16,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+}
+"""The tensor dtype names the format stores and their element sizes: the on-disk contract. Any
+other name is corruption, never a lookup by ``getattr(torch, name)`` (:mod:`.dtypes` maps them
+to this torch's dtypes)."""
+
 NUMPY_DTYPES = frozenset({
     "float64", "float32", "float16", "complex64", "complex128", "int64", "int32", "int16", "int8",
     "uint8", "uint16", "uint32", "uint64", "bool",
@@ -59,6 +69,11 @@ _warned_names: set[str] = set()
 
 def bad(where: str, msg: str, key: str | None = None) -> CorruptCheckpoint:
     return CorruptCheckpoint(f"{where}: {msg}", path=where, key=key)
+
+
+def unknown_dtype(name: object, where: str = "manifest") -> CorruptCheckpoint:
+    """The error for a dtype name the format does not define."""
+    return bad(where, f"unknown dtype {name!r}")
 
 
 # -- JSON ------------------------------------------------------------------------------------
@@ -199,16 +214,6 @@ def _disjoint_in_bulk(spans: Any, file_bytes: dict[str, int]) -> bool:
     page = n >= PAGE_ITEM_BYTES
     end[page] = (end[page] + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES  # layout.item_end
     return bool((o[1:] >= end[:-1]).all())
-
-
-def check_tree_refs(indices: Iterable[tuple[Any, bool]], dtypes: list[str], where: str) -> None:
-    n = len(dtypes)
-    for idx, is_np in indices:
-        if type(idx) is not int or not 0 <= idx < n:
-            raise bad(where, f"state tree refers to tensor {idx!r:.40}, which is not in 'tensors'")
-        if is_np and dtypes[idx] not in NUMPY_DTYPES:
-            raise bad(where, f"state tree holds a numpy array over tensor {idx} of dtype {dtypes[idx]}, "
-                             "which numpy cannot represent")
 
 
 # -- directory entries and files -------------------------------------------------------------
