@@ -155,9 +155,6 @@ class StateGuard:
         """Stop tracking Checkpointers with nothing in flight (closed by a :class:`Publisher`)."""
         self._ckpts = [c for c in self._ckpts if c.inflight_steps()]
 
-    def _pending(self) -> bool:
-        return any(c.snapshots_pending() for c in self._ckpts)
-
     def _on_step(self, opt: Any, args: Any, kwargs: Any) -> Any:
         changed = None
         for c in list(self._ckpts):
@@ -167,8 +164,7 @@ class StateGuard:
         return changed
 
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
-        pending = self._pending()
-        if not pending:
+        if not any(c.snapshots_pending() for c in self._ckpts):
             self._ptrs.clear()
             if self._fwd_hook is not None:
                 self._fwd_hook.remove()

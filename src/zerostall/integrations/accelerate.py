@@ -48,7 +48,7 @@ except ImportError as exc:
 
 from .. import CheckpointConfig, load as _zs_load, rng_state, set_rng_state
 from ..errors import CheckpointNotFound, ConfigError
-from ..extend import discard, fsync_dir
+from ..extend import discard
 from ._common import AdapterSaves, is_committed, newest_committed, numbered, recover_staged, tensors_of
 
 log = logging.getLogger("zerostall")
@@ -122,12 +122,7 @@ class ZerostallAcceleratorMixin:
         ck, handle = self._zs_saves.save(staged, int(pc.iteration), state, tensors_of(weights))
         self.zerostall_handles.append(handle)
         limit = pc.total_limit if pc.automatic_checkpoint_naming else None
-
-        def rotate() -> None:  # the publisher's thread, after the rename
-            fsync_dir(os.path.dirname(final))
-            if limit:
-                self._zs_rotate(limit)
-
+        rotate = (lambda: self._zs_rotate(limit)) if limit else None  # the publisher's thread, once renamed
         self._zs_saves.publish(staged, final, handle, ck, after=rotate, rename=self.is_main_process)
         pc.iteration += 1
         return final

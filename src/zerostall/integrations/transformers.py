@@ -27,6 +27,8 @@ DeepSpeed, FSDP and SageMaker MP keep their own formats.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import re
@@ -41,7 +43,7 @@ except ImportError as exc:
                       "pip install 'zerostall[transformers]'") from exc
 
 from .. import CheckpointConfig, load as _zs_load, register_type, rng_state, set_rng_state
-from ..extend import discard, fsync_dir, write_file_durable
+from ..extend import discard, write_file_durable
 from ._common import AdapterSaves, is_committed, newest_committed, recover_staged
 
 log = logging.getLogger("zerostall")
@@ -173,8 +175,7 @@ class ZerostallTrainerMixin:
         def state_json() -> None:  # the publisher's thread: durable before the rename shows the folder
             write_file_durable(os.path.join(staging, TRAINER_STATE_NAME), text)
 
-        def rotate() -> None:  # the publisher's thread, right after the rename
-            fsync_dir(run_dir)
+        def rotate() -> None:  # the publisher's thread, once the rename is durable (publish_dir)
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=True)
 
         saves.publish(staging, output_dir, handle, ck, before=state_json, after=rotate)
@@ -228,8 +229,6 @@ class ZerostallTrainerMixin:
 
 def _state_json(state: TrainerState) -> str:
     """What ``TrainerState.save_to_json`` writes."""
-    import dataclasses
-    import json
     return json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
 
 
