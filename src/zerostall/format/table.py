@@ -9,10 +9,8 @@ tensor indices the state tree refers to::
 
 ``dtype`` indexes ``dtypes``; ``file`` indexes the body's ``files`` followed by its
 ``ref_files`` (an index past ``files`` is a reference: the entry's step is that ref file's).
-This takes fewer bytes per tensor than one object per tensor would (``{"key", "dtype",
-"shape", "file", "offset", "nbytes", "crc32c"[, "step"]}``, the form ``inspect --json`` shows),
-and parses faster (fewer, larger JSON containers). Called by
-:meth:`~.manifest.Manifest.from_bytes` and ``to_bytes`` (any thread) and by the single-rank committer through :func:`tensors_json` (persist thread).
+Called by :class:`~.manifest.Manifest` (any thread) and by the single-rank committer through
+:func:`tensors_json` (persist thread).
 """
 
 from __future__ import annotations
@@ -106,9 +104,8 @@ def tensors_json(tensors: Sequence[TensorEntry], memo: dict[Any, Any] | None = N
 class Entries(Sequence[TensorEntry]):
     """The tensor entries of one written shard, kept as the save plan's items (anything with
     ``key``, ``dtype``, ``shape``, ``offset``, ``nbytes``), the shard's name and the crc32c
-    values: a :class:`TensorEntry` is made only on access. The single-rank committer's manifest
-    (persist thread): making every entry per save is costly, and :func:`tensors_json`
-    encodes these without them. Immutable; compares like the tuple of its entries."""
+    values: a :class:`TensorEntry` is made only on access (:func:`tensors_json` needs none).
+    The single-rank committer's (persist thread). Immutable; compares like the tuple of its entries."""
 
     __slots__ = ("items", "file", "crcs")
 
@@ -223,8 +220,8 @@ def _all_ints(col: list[Any], lo: int, hi: int) -> bool:
 def _fast_columns(cols: list[list[Any]], names: list[str], slots: list[FileSlot], where: str,
                   out: list[TensorEntry]) -> "EntrySpans":
     """:func:`parse_columns` once keys, indices, offsets, sizes and crc32c values are known to
-    be in range: per entry only the shape is left to check (inline for 0-d and 1-d). The spans
-    are the entries' own fields (:class:`EntrySpans`: no object per entry unless needed)."""
+    be in range: per entry only the shape is left to check. The spans are the entries' own
+    fields (:class:`EntrySpans`: no object per entry unless needed)."""
     sizes = [_ITEMSIZE_BY_NAME[n] for n in names]
     check = V.check_shape
     for key, d, shape, f, off, nbytes, crc in zip(*cols):

@@ -106,7 +106,7 @@ def integer(obj: dict[str, Any], k: str, where: str, lo: int = 0, hi: int = MAX_
 # -- shapes and entries ----------------------------------------------------------------------
 def check_shape(shape: Any, itemsize: int, nbytes: int, where: str, key: str) -> tuple[int, ...]:
     """A shape whose element count (with every dim, even when one is 0) stays bounded.
-    0-d and 1-d shapes that fit take one inline check (a manifest of 1M entries parses 1M)."""
+    0-d and 1-d shapes that fit take one inline check (one call per entry of a manifest)."""
     if type(shape) is list:
         if not shape and nbytes == itemsize:
             return ()
@@ -178,9 +178,8 @@ _BULK_SPANS = 1024
 
 def _disjoint_in_bulk(spans: Any, file_bytes: dict[str, int]) -> bool:
     """True if every span lies in a listed file, aligned, and no two overlap (then
-    :func:`check_spans` has nothing to report and no alias): numpy over all spans at once.
-    False where any of that fails or does not fit int64:
-    the loop then finds what and says it."""
+    :func:`check_spans` has nothing to report): numpy over all spans at once. False where any
+    of that fails or does not fit int64: the loop then finds what and says it."""
     import numpy as np  # here, not at the top: a small manifest (zerostall ls/inspect) needs none
     n = len(spans)
     cols = spans.columns() if hasattr(spans, "columns") else (  # parsed columns (format.table), or Spans
@@ -272,17 +271,11 @@ def read_small(path: str, limit: int) -> bytes:
         size = os.fstat(fd).st_size
         if size > limit:
             raise bad(path, f"file is {size} bytes, over the {limit} limit")
-        chunks = []
-        got = 0
-        while got <= limit:
-            b = os.read(fd, min(1 << 20, limit + 1 - got))
-            if not b:
-                break
-            chunks.append(b)
-            got += len(b)
-        if got > limit:
+        with open(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)  # the file may have grown since the fstat
+        if len(data) > limit:
             raise bad(path, f"file is over the {limit} limit")
-        return b"".join(chunks)
+        return data
     finally:
         os.close(fd)
 
