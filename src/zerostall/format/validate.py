@@ -271,11 +271,14 @@ def read_small(path: str, limit: int) -> bytes:
         size = os.fstat(fd).st_size
         if size > limit:
             raise bad(path, f"file is {size} bytes, over the {limit} limit")
-        with open(fd, "rb", closefd=False) as f:
-            data = f.read(limit + 1)  # the file may have grown since the fstat
-        if len(data) > limit:
+        chunks: list[bytes] = []  # by pieces: one read of limit + 1 bytes would reserve that much memory
+        got = 0  # the file may have grown since the fstat
+        while got <= limit and (b := os.read(fd, min(1 << 20, limit + 1 - got))):
+            chunks.append(b)
+            got += len(b)
+        if got > limit:
             raise bad(path, f"file is over the {limit} limit")
-        return data
+        return b"".join(chunks)
     finally:
         os.close(fd)
 
