@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 
 from ..config import ALIGN_BYTES
 from ..errors import CheckpointNotFound, CorruptCheckpoint
-from ..format.dtypes import SUPPORTED_DTYPES, dtype_from_name, dtype_name, itemsize
+from ..format.dtypes import SUPPORTED_DTYPES, dtype_from_name, dtype_name
 from ..format.layout import HEADER_BYTES, item_align
 from ..format.shard import check_items
 from .dcp_writer import SHARD_RE, UnsupportedCheckpoint, _ZSInfo
@@ -197,7 +197,7 @@ def _zs_record(k: MetadataIndex, v: _ZSInfo, where: str) -> Record:
             raise CorruptCheckpoint(f"{where}: {f}: an object of {nbytes} bytes has shape {list(shape)}", path=where)
     else:
         dt = dtype_from_name(v.dtype, f"{where}: {f}.dtype")
-        if math.prod(shape) * itemsize(dt) != nbytes:
+        if math.prod(shape) * dt.itemsize != nbytes:
             raise CorruptCheckpoint(f"{where}: {f}: shape {list(shape)} of {v.dtype} is not {nbytes} bytes",
                                     path=where)
     return Record(k.fqn, v.file, offset, nbytes, crc)
