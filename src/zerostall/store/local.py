@@ -53,7 +53,7 @@ from .atomic import DeferredRemovals, fsync_dir, publish_dir, rmtree, write_file
 from .owner import RootLock
 from .recovery import _OLD_RE, _PARTIAL_RE, _TEMP_RE, recover_root
 from .retention import ManifestRefs
-from .tier import Tier
+from .tier import RootTier
 from .verdicts import ManifestVerdicts, stat_ident
 from ..io.base import Engine, ShardFile, choose_engine
 from .files import open_shard_checked
@@ -61,6 +61,8 @@ from .files import open_shard_checked
 __all__ = ["LocalTier", "fsync_dir", "write_file_durable"]
 
 log = logging.getLogger("zerostall")
+
+
 def _has_manifest(step_dir: str) -> bool:
     """Whether ``step_dir/manifest.json`` exists in any form (never opened: a FIFO cannot hang
     this). An entry we cannot examine (EACCES, ELOOP, ...) counts, so it is reported as damaged."""
@@ -73,12 +75,12 @@ def _has_manifest(step_dir: str) -> bool:
         return True
 
 
-class LocalTier(Tier):
+class LocalTier(RootTier):
     exchange = True
     """Use ``renameat2(RENAME_EXCHANGE)`` for overwrites (tests set False for the two-phase path)."""
     _hook: Callable[[str], None] | None = None
-    """The crash-test seam: called with each boundary's name (set on an instance, or on the
-    class, as a ``staticmethod``, in a forked child to reach a Checkpointer's start-up)."""
+    """The crash-test seam: called with each boundary's name (on an instance, or on the class as
+    a ``staticmethod`` to reach a Checkpointer's start-up in a forked child)."""
 
     def __init__(self, root: str, *, create: bool = False, lock_timeout_s: float = 0.0,
                  io: "IOConfig | None" = None):
@@ -136,11 +138,7 @@ class LocalTier(Tier):
         return sorted(out)
 
     def steps(self) -> list[int]:
-        """Committed steps: those whose manifest validates, ascending.
-
-        A manifest is parsed once per file identity (inode, size, mtime, ctime) and the
-        verdict cached, so calling this per save costs a listdir and a stat per step.
-        """
+        """Committed steps (manifest validates), ascending; verdicts cached (:mod:`.verdicts`)."""
         return [s for s in self.listed_steps() if self._is_valid(s)]
 
     def latest(self) -> int | None:
@@ -241,13 +239,6 @@ class LocalTier(Tier):
             raise CorruptCheckpoint(f"{path}: manifest says step {man.step}, directory says {step}", path=path)
         return man
 
-    def _valid_dir(self, d: str, step: int) -> bool:
-        try:
-            self._read_manifest_at(d, step)
-            return True
-        except ZerostallError:
-            return False
-
     def open_shard_read(self, step: int, name: str, engine: "Engine | None" = None) -> "ShardFile":
         """The engine's reader of ``name``, only if it is the regular file that was checked
         (:func:`.files.open_shard_checked`). Any thread."""
@@ -272,13 +263,11 @@ class LocalTier(Tier):
         self._lock.release()
 
     def recover(self) -> list[str]:
-        """Finish or remove everything a crash left (owner only; see the module docstring).
-
-        Returns one line per action; each is logged (:func:`.recovery.recover_root`).
-        """
+        """Finish or remove everything a crash left (owner only; :func:`.recovery.recover_root`);
+        returns one logged line per action."""
         if not self._lock.held:
             raise ZerostallError(f"recovering {self.root!r} needs its lock (call own())")
-        return recover_root(self.root, self._names, self.step_dir, self._valid_dir, self._hook)
+        return recover_root(self)
 
     # -- save side (owner; persist thread, except check_new_step on the caller's) -----------
     def check_new_step(self, step: int, overwrite: bool, allow_lower: bool = True) -> None:
@@ -339,9 +328,6 @@ class LocalTier(Tier):
     def write_latest(self, step: int) -> tuple[str, ...]:
         """Step 6: the ``latest`` hint (a committed step is durable without it); returns the
         problem, if any, instead of raising."""
-        return self._write_latest(step)
-
-    def _write_latest(self, step: int) -> tuple[str, ...]:
         tmp = os.path.join(self.root, "latest.tmp")
         try:
             newest = self.latest()

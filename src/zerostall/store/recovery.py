@@ -15,12 +15,15 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from ..errors import ZerostallError, storage_error
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from .atomic import fsync_dir, recover_dir, rmtree
 from .owner import FETCH_STEP_LOCK_RE, StepLock
+
+if TYPE_CHECKING:
+    from .local import LocalTier
 
 log = logging.getLogger("zerostall")
 
@@ -42,9 +45,17 @@ def _deleting_step(name: str) -> int | None:
 _TEMP_RE = re.compile(r"^(latest\.tmp|\.zerostall-write-test-\d+|\.zerostall-probe-[0-9a-f]+)$")
 
 
-def recover_root(root: str, names: Callable[[], list[str]], step_dir: Callable[[int], str],
-                 valid_dir: Callable[[str, int], bool], hook: Callable[[str], None] | None) -> list[str]:
-    """The actions taken on ``root`` (each logged); ``names()`` lists it."""
+def recover_root(tier: "LocalTier") -> list[str]:
+    """The actions taken on ``tier``'s root (each logged)."""
+    root, names, step_dir, hook = tier.root, tier._names, tier.step_dir, tier._hook
+
+    def valid_dir(d: str, step: int) -> bool:
+        try:
+            tier._read_manifest_at(d, step)
+            return True
+        except ZerostallError:
+            return False
+
     done: list[str] = []
     locks: dict[int, StepLock] = {}
     busy: set[int] = set()
@@ -73,8 +84,7 @@ def recover_root(root: str, names: Callable[[], list[str]], step_dir: Callable[[
         for n in sorted(names()):
             if (m := _OLD_RE.match(n)) and free(int(m.group(1))):
                 step = int(m.group(1))
-                done += recover_dir(step_dir(step), lambda d, s=step: valid_dir(d, s),
-                                    hook)
+                done += recover_dir(step_dir(step), lambda d, s=step: valid_dir(d, s), hook)
         for n in sorted(names()):
             path = os.path.join(root, n)
             if (m := _PARTIAL_RE.match(n)) and free(int(m.group(1))):

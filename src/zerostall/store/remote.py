@@ -13,12 +13,8 @@ Faults are contained at this boundary: every OS or botocore error leaves as a
 retries — S3 requests use botocore's own bounded ``standard`` retry mode (see
 :mod:`.s3`); a step that fails stays pending and the replicator tries it again at its next
 pass. :func:`list_steps` bounds a listing by a short timeout for readers that must not wait
-on a remote that is down (restore from local, ``steps()``).
-
-Registry (:mod:`.tier`; fsspec-style, lazy, with install hints): ``s3://bucket/prefix`` -> :class:`S3Tier`
-(boto3; ``pip install 'zerostall[s3]'``), ``file:///path`` or a plain path ->
-:class:`~.sharedfs.FileTier` (a shared or parallel filesystem: Lustre, GPFS, NFS with one
-file per rank).
+on a remote that is down (restore from local, ``steps()``). Implementations:
+:class:`~.s3.S3Tier` and :class:`~.sharedfs.FileTier`, registered by scheme in :mod:`.tier`.
 """
 
 from __future__ import annotations
@@ -27,6 +23,7 @@ import logging
 import os
 import threading
 from abc import abstractmethod
+from functools import cached_property
 from typing import Any, Callable
 
 import crc32c as _crc
@@ -38,6 +35,7 @@ from ..format.validate import parse_step_dir
 from .tier import Tier
 from .files import file_crc32c
 from .remote_replace import set_aside, sweep
+from .verdicts import ManifestVerdicts
 
 log = logging.getLogger("zerostall")
 LIST_TIMEOUT_S = 10.0
@@ -52,33 +50,28 @@ def step_of(rel: str) -> int | None:
 class RemoteTier(Tier):
     """One remote location, implementing :class:`~.tier.Tier` the object-store way.
 
-    Commit strategy: data objects are written at their final names (each verified by its
-    crc32c read back), the manifest last (:meth:`commit`), so a reader never sees a step
-    before it is complete; :meth:`delete` removes the manifest first. Owning: a remote root
-    has no lock (object stores have no ``flock``); it is written by the replicator of the one
-    Checkpointer that owns the local root (rank 0 commits), and :meth:`own` only creates the
-    bucket/directory. Leftovers of an interrupted upload (data objects without a manifest)
-    are not steps; the next upload of that step overwrites them.
+    Commit strategy: data objects at their final names (each verified by its crc32c read
+    back), the manifest last (:meth:`commit`); :meth:`delete` removes the manifest first.
+    A remote root has no lock (object stores have no ``flock``): it is written by the
+    replicator of the Checkpointer that owns the local root, and :meth:`own` only creates the
+    bucket/directory. Data objects without a manifest are not a step; the next upload of
+    that step overwrites them. One thread at a time, except :meth:`cancel` (any thread).
 
-    Used by one thread at a time, except :meth:`cancel` (any thread).
+    Each implementation provides the primitives below; names are ``step-N/<name>`` (``rel``),
+    and every failure leaves as RemoteError.
     """
 
     url: str
 
-    # -- primitives each remote tier provides ---------------------------------------------------
     @abstractmethod
     def _manifests(self) -> dict[int, tuple[Any, ...]]:
         """{step: identity of its manifest object (size, mtime/etag)} for every ``step-N``
-        holding one; raises RemoteError."""
+        holding one."""
 
     @abstractmethod
     def read_bytes(self, rel: str, limit: int) -> bytes:
         """At most ``limit + 1`` bytes of ``rel`` (so callers can tell "over the limit");
         CheckpointNotFound if it does not exist."""
-
-    @abstractmethod
-    def stat(self, rel: str) -> int | None:
-        """Size of ``rel`` in bytes, or None when it does not exist."""
 
     @abstractmethod
     def checksum(self, rel: str) -> tuple[int, int]:
@@ -90,7 +83,7 @@ class RemoteTier(Tier):
 
     @abstractmethod
     def _open_read(self, rel: str, size: int, engine: Any) -> Any:
-        """A reader of ``rel`` with ``read(extents)``/``close()`` (a ShardFile's reading half)."""
+        """A reader of ``rel`` with ``read(extents)``/``close()``."""
 
     @abstractmethod
     def _open_write(self, rel: str, nbytes: int, engine: Any) -> Any:
@@ -119,13 +112,9 @@ class RemoteTier(Tier):
         """Remove every object under ``rel`` (a ``step-N/`` prefix)."""
 
     @abstractmethod
-    def names_in(self, step: int) -> list[str]:
-        """Names of the objects under ``step-N/`` (any, committed or not)."""
-
-    @abstractmethod
     def _copy_within(self, src: str, dst: str) -> bool:
-        """Copy object ``src`` to ``dst`` on the tier (server-side copy); True if ``dst`` is
-        ``src``'s bytes by construction (a hard link), so there is nothing to check."""
+        """Copy ``src`` to ``dst`` on the tier; True if ``dst`` is ``src``'s bytes by
+        construction (a hard link), so there is nothing to check."""
 
     def copy_object(self, src: str, dst: str, size: int) -> None:
         """Copy ``src`` (``size`` bytes) to ``dst`` on the tier and check the copy read back
@@ -160,38 +149,33 @@ class RemoteTier(Tier):
 
     # -- the Tier protocol: reading ---------------------------------------------------------------
     def listed_steps(self) -> list[int]:
-        """Steps holding a manifest object (not validated), ascending: for ``ls``/``verify``."""
         return sorted(self._manifests())
 
     def manifest_ident(self, step: int) -> Any:
-        """The manifest object's identity (size, etag/mtime) from a listing; None if absent."""
         return self._manifests().get(step)
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending: the manifest object exists and validates. Each manifest
-        is read once per object identity (size, etag/mtime) and the verdict cached, so a
-        listing costs one LIST (S3) or one stat per step."""
+        """Committed steps, ascending. Each manifest is read once per object identity (size,
+        etag/mtime), so a listing costs one LIST (S3) or one stat per step."""
         out = []
         for step, ident in self._manifests().items():
-            hit = self._verdicts.get(step)
-            if hit is None or hit[0] != ident:
+            hit = self._verdicts.get(step, ident)
+            if hit is None:
                 try:
                     self.read_manifest(step)
-                    ok = True
                 except (CorruptCheckpoint, CheckpointNotFound) as exc:
                     log.warning("zerostall: %s: step %d is not a valid checkpoint: %s", self.url, step, exc)
-                    ok = False
-                hit = self._verdicts[step] = (ident, ok)
-            if hit[1]:
-                out.append(step)
+                    self._verdicts.put(step, ident, False)
+                    continue
+                self._verdicts.put(step, ident, True)
+            elif not hit[0]:
+                continue
+            out.append(step)
         return sorted(out)
 
-    @property
-    def _verdicts(self) -> dict[int, tuple[Any, bool]]:
-        v = self.__dict__.get("_verdict_cache")
-        if v is None:
-            v = self.__dict__["_verdict_cache"] = {}
-        return v
+    @cached_property
+    def _verdicts(self) -> ManifestVerdicts:
+        return ManifestVerdicts()
 
     def read_manifest(self, step: int) -> Manifest:
         where = self.where(f"step-{step}/{MANIFEST_NAME}")
@@ -257,7 +241,7 @@ class RemoteTier(Tier):
         """Uncommit (manifest first), then remove the data."""
         self._delete(f"step-{step}/{MANIFEST_NAME}")
         self._delete_prefix(f"step-{step}/")
-        self._verdicts.pop(step, None)
+        self._verdicts.forget(step)
 
     # -- shared logic -------------------------------------------------------------------------
     def upload(self, local_path: str, rel: str, crc: int | None = None) -> None:

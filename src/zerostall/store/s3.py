@@ -11,17 +11,11 @@ other 4xx (403, 404, 400). Short connect timeout and a bounded read timeout, so 
 blackholed endpoint fails a request in seconds, not minutes. Nothing above this module
 retries a request; the replicator retries a *step* at its next pass.
 
-Integrity, measured on Ceph 16 (radosgw 16.2.15): it ignores S3's flexible checksum headers
-(an object PUT with a wrong ``x-amz-checksum-crc32`` is accepted, and HEAD returns no
-checksum), so they cannot be trusted. Each uploaded object is therefore read back with a
-GET and its crc32c recomputed and compared with the local file's (a read-back costs a
-fraction of the upload: docs/speed-tricks.md); the crc is also stored as the object's
-``x-amz-meta-zerostall-crc32c`` for tools. Restore verifies every tensor's crc32c again.
-
-Why boto3 over obstore: it is the SDK every S3-compatible server is tested against
-(radosgw included), and s3transfer gives parallel multipart with a bandwidth cap out of
-the box; the upload runs in a background thread, so obstore's lower per-request overhead
-would not change what the training loop sees.
+Integrity: S3's flexible checksum headers cannot be trusted (radosgw ignores them), so each
+uploaded object is read back with a GET and its crc32c compared with the local file's; the
+crc is also stored as the object's ``x-amz-meta-zerostall-crc32c`` for tools. boto3 because
+every S3-compatible server is tested against it, and s3transfer gives parallel multipart
+with a bandwidth cap.
 """
 
 from __future__ import annotations
@@ -87,11 +81,17 @@ class S3Tier(RemoteTier):
         msg = f"{action} {self.where(rel)} failed: {exc}" + (f" ({hint})" if hint else "")
         raise RemoteError(msg, url=self.where(rel), step=step_of(rel)) from exc
 
-    def _call(self, action: str, rel: str, fn: Callable[[], Any]) -> Any:
+    def _call(self, action: str, rel: str, fn: Callable[[], Any], missing: Callable[[], Any] | None = None) -> Any:
+        """``fn()``, its botocore and OS errors translated; with ``missing``, a not-found error
+        returns ``missing()`` instead."""
         from botocore.exceptions import BotoCoreError, ClientError
         try:
             return fn()
-        except (BotoCoreError, ClientError, OSError) as exc:
+        except ClientError as exc:
+            if missing is not None and _code(exc) in _NOT_FOUND:
+                return missing()
+            self._fail(action, rel, exc)
+        except (BotoCoreError, OSError) as exc:
             self._fail(action, rel, exc)
 
     # -- reading ------------------------------------------------------------------------------
@@ -119,39 +119,24 @@ class S3Tier(RemoteTier):
         return out
 
     def check_root(self) -> None:
-        from botocore.exceptions import ClientError
-        try:
-            self.client.head_bucket(Bucket=self.bucket)
-        except ClientError as exc:
-            if _code(exc) in _NOT_FOUND:
-                raise RootNotFound(f"{self.url}: bucket {self.bucket!r} does not exist at "
-                                   f"{self.client.meta.endpoint_url} (check the URL and AWS_ENDPOINT_URL; "
-                                   "the replicator creates it at its first upload)", root=self.url) from None
-            self._fail("checking", "", exc)
-        except Exception as exc:  # noqa: BLE001 - translated at the boundary
-            self._fail("checking", "", exc)
+        def missing() -> NoReturn:
+            raise RootNotFound(f"{self.url}: bucket {self.bucket!r} does not exist at "
+                               f"{self.client.meta.endpoint_url} (check the URL and AWS_ENDPOINT_URL; "
+                               "the replicator creates it at its first upload)", root=self.url)
+
+        self._call("checking", "", lambda: self.client.head_bucket(Bucket=self.bucket), missing)
 
     def stat(self, rel: str) -> int | None:
-        from botocore.exceptions import ClientError
-        try:
-            return int(self.client.head_object(Bucket=self.bucket, Key=self._key(rel))["ContentLength"])
-        except ClientError as exc:
-            if _code(exc) in _NOT_FOUND:
-                return None
-            self._fail("stat of", rel, exc)
-        except Exception as exc:  # noqa: BLE001 - translated at the boundary
-            self._fail("stat of", rel, exc)
+        head = self._call("stat of", rel, lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(rel)),
+                          lambda: None)
+        return None if head is None else int(head["ContentLength"])
 
     def _get(self, rel: str, **kw: Any) -> Any:
-        from botocore.exceptions import ClientError
-        try:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(rel), **kw)
-        except ClientError as exc:
-            if _code(exc) in _NOT_FOUND:
-                raise CheckpointNotFound(f"{self.where(rel)} does not exist") from None
-            self._fail("reading", rel, exc)
-        except Exception as exc:  # noqa: BLE001 - translated at the boundary
-            self._fail("reading", rel, exc)
+        def missing() -> NoReturn:
+            raise CheckpointNotFound(f"{self.where(rel)} does not exist")
+
+        return self._call("reading", rel, lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(rel), **kw),
+                          missing)
 
     def _open_read(self, rel: str, size: int, engine: Any) -> Any:
         head = self._call("stat of", rel, lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(rel)))
@@ -211,14 +196,8 @@ class S3Tier(RemoteTier):
     # -- writing (replicator thread) ------------------------------------------------------------
     def ensure_root(self) -> None:
         from botocore.exceptions import ClientError
-        try:
-            self.client.head_bucket(Bucket=self.bucket)
-            return
-        except ClientError as exc:
-            if _code(exc) not in _NOT_FOUND:
-                self._fail("checking bucket", "", exc)
-        except Exception as exc:  # noqa: BLE001 - translated at the boundary
-            self._fail("checking bucket", "", exc)
+        if self._call("checking bucket", "", lambda: self.client.head_bucket(Bucket=self.bucket), lambda: None):
+            return  # it exists
         try:
             self.client.create_bucket(Bucket=self.bucket)
         except ClientError as exc:

@@ -44,7 +44,7 @@ way the library and the CLI turn a checkpoint root (a path, or a URL) into a tie
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from .._util import load_target
@@ -56,11 +56,10 @@ if TYPE_CHECKING:
 
 
 class Tier(ABC):
-    """The protocol every tier implements (see the module docstring for the call order)."""
+    """The protocol every tier implements (the module docstring lists who calls what, when)."""
 
     url: str
 
-    # -- reading: any thread, no lock ----------------------------------------------------
     @abstractmethod
     def steps(self) -> list[int]:
         """Committed steps whose manifest validates, ascending. Cheap enough to call per save."""
@@ -75,25 +74,21 @@ class Tier(ABC):
 
     def check_root(self) -> None:
         """Raise :class:`~zerostall.errors.RootNotFound` naming the root if it does not exist
-        (readers: ``ls``/``verify`` tell a typo from an empty root). Any thread."""
+        (``ls``/``verify`` tell a typo from an empty root)."""
 
     def manifest_ident(self, step: int) -> Any:
-        """An identity of ``step``'s manifest that changes when the step is replaced (None: it
-        has none). Readers compare it to tell a step replaced under them from a damaged one
-        (:mod:`zerostall.restore.retry`). Any thread."""
+        """Changes when ``step`` is replaced (None: absent), so a reader tells a step replaced
+        under it from a damaged one (:mod:`zerostall.restore.retry`)."""
         return step if step in self.listed_steps() else None
 
     def listed_steps(self) -> list[int]:
-        """Steps holding a manifest, valid or not (tools that report damaged steps)."""
         return self.steps()
 
     def latest(self) -> int | None:
-        """The newest committed step, or None."""
         steps = self.steps()
         return steps[-1] if steps else None
 
     def partial_steps(self) -> list[int]:
-        """Steps with an uncommitted staging area (not checkpoints; ``ls`` shows them)."""
         return []
 
     @abstractmethod
@@ -104,16 +99,14 @@ class Tier(ABC):
     def names_in(self, step: int) -> list[str]:
         """Names under ``step-N/``, committed or not, sorted."""
 
-    # -- owning: caller's thread ---------------------------------------------------------
     @abstractmethod
-    def own(self, timeout_s: float = 0.0) -> list[str]:
+    def own(self, timeout_s: float | None = None) -> list[str]:
         """Become the root's only writer, then recover it; returns the actions taken."""
 
     @abstractmethod
     def release(self) -> None:
         """Stop owning the root (idempotent)."""
 
-    # -- writing: the owner's background thread ----------------------------------------
     @abstractmethod
     def begin(self, step: int) -> str:
         """Open the staging area of ``step`` (replacing a stale one); returns its location."""
@@ -124,11 +117,9 @@ class Tier(ABC):
 
     @abstractmethod
     def commit(self, step: int, manifest: "Manifest", overwrite: bool = False) -> tuple[str, ...]:
-        """Make ``step`` committed atomically; shards must already be durable.
-
-        Raises if nothing was committed. Returns the problems met after the commit point
-        (e.g. a ``latest`` hint that could not be written): logged, never a failed save.
-        """
+        """Make ``step`` committed atomically; shards must already be durable. Raises if nothing
+        was committed; returns the problems met after the commit point (logged, never a failed
+        save)."""
 
     @abstractmethod
     def abort(self, step: int) -> None:
@@ -140,47 +131,32 @@ class Tier(ABC):
 
     @abstractmethod
     def put_bytes(self, data: bytes, rel: str) -> None:
-        """Store ``data`` as ``rel`` as is, durably (tools and tests; a manifest put this way
-        commits nothing that :meth:`commit` would not)."""
+        """Store ``data`` as ``rel`` as is, durably (commits nothing :meth:`commit` would not)."""
 
 
-class RootTier(Protocol):
+class RootTier(Tier):
     """A :class:`Tier` that is a directory on this node's filesystem (:class:`~.local.LocalTier`,
     from :func:`open_root` for a plain path). The distributed commit, restore's download and
     peer replicas need this beyond the protocol: they write a step's files into its staging
     directory themselves, then commit it. Threads as in the module docstring."""
 
     root: str
-    url: str
 
+    @abstractmethod
     def step_dir(self, step: int) -> str:
         """The directory of committed ``step``."""
-        ...
 
+    @abstractmethod
     def partial_dir(self, step: int) -> str:
         """The staging directory of ``step`` (what :meth:`Tier.begin` opens)."""
-        ...
 
+    @abstractmethod
     def write_latest(self, step: int) -> tuple[str, ...]:
         """[owner] Point the ``latest`` hint at ``step``; returns the problems (never raises)."""
-        ...
 
+    @abstractmethod
     def _step(self, name: str) -> None:
         """The crash-test seam: called at each commit boundary (see :mod:`.local`)."""
-        ...
-
-    # the Tier methods its users call (every RootTier is a Tier)
-    def steps(self) -> list[int]: ...
-    def listed_steps(self) -> list[int]: ...
-    def partial_steps(self) -> list[int]: ...
-    def read_manifest(self, step: int) -> "Manifest": ...
-    def manifest_ident(self, step: int) -> Any: ...
-    def own(self, timeout_s: float | None = None) -> list[str]: ...
-    def release(self) -> None: ...
-    def begin(self, step: int) -> str: ...
-    def commit(self, step: int, manifest: "Manifest", overwrite: bool = False) -> tuple[str, ...]: ...
-    def abort(self, step: int) -> None: ...
-    def delete(self, step: int) -> None: ...
 
 
 # -- registry ----------------------------------------------------------------------------
