@@ -127,9 +127,8 @@ class LocalTier(RootTier):
 
     # -- reading (any thread, any process, no lock) ----------------------------------------
     def listed_steps(self) -> list[int]:
-        """``step-N`` entries holding something named ``manifest.json`` (not validated: a FIFO,
-        a directory, a symlink, an unreadable file count too), ascending: for tools that report
-        damaged steps (``ls``, ``verify``, ``load``'s fallback), so none is hidden."""
+        """``step-N`` entries holding anything named ``manifest.json`` (a FIFO, a symlink, an
+        unreadable file count too), ascending: tools that report damaged steps hide none."""
         out = []
         for n in self._names():
             s = parse_step_dir(n, self.root)  # canonical names only: 'step-03' is ignored, with a warning
@@ -142,16 +141,15 @@ class LocalTier(RootTier):
         return [s for s in self.listed_steps() if self._is_valid(s)]
 
     def latest(self) -> int | None:
-        """The newest committed step; validates manifests newest first, stopping at the first
-        good one (a save's step-order check runs this on the caller's thread)."""
+        """The newest committed step, validating manifests newest first only until one is good."""
         for s in reversed(self.listed_steps()):
             if self._is_valid(s):
                 return s
         return None
 
     def manifest_refs(self, step: int) -> Manifest | ManifestRefs:
-        """``step``'s ``ref_files`` (retention's question): from the manifest this tier
-        committed while the file keeps its identity, else :meth:`read_manifest`."""
+        """``step``'s ``ref_files`` (retention's question), from the cache while the manifest
+        keeps its identity, else :meth:`read_manifest`."""
         ident = self.manifest_ident(step)
         hit = self._verdicts.get(step, ident)
         if hit is not None and hit[1] is not None:
@@ -164,20 +162,7 @@ class LocalTier(RootTier):
         return stat_ident(os.path.join(self.step_dir(step), MANIFEST_NAME))
 
     def _is_valid(self, step: int) -> bool:
-        ident = self.manifest_ident(step)
-        if ident is None:
-            return False
-        hit = self._verdicts.get(step, ident)
-        if hit is not None:
-            return hit[0]
-        refs = None
-        try:
-            refs = tuple(self.read_manifest(step).ref_files)
-        except ZerostallError as exc:
-            log.warning("zerostall: %s is not a loadable checkpoint (%s); load and retention ignore it",
-                        self.step_dir(step), exc)
-        self._verdicts.put(step, ident, refs is not None, refs)
-        return refs is not None
+        return self._verdicts.valid(step, self.manifest_ident(step), self.read_manifest, self.step_dir(step))
 
     def stat(self, rel: str) -> int | None:
         try:

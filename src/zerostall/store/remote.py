@@ -1,20 +1,14 @@
-"""Remote tiers: where committed checkpoints are trickled to, chosen by URL.
+"""Remote tiers: where committed checkpoints are trickled to, chosen by URL (:mod:`.tier`).
 
-Every tier stores the local layout under its root (``<root>/step-N/<shard files>``,
-``<root>/step-N/manifest.json``) and commits the object-store way: data first, each object
-verified by re-reading its crc32c from the tier, the manifest last, so a remote checkpoint
-exists only once complete (a step is *committed* on a tier when its manifest is there).
-Called from the replicator thread (uploads, deletes) and from ``load``/the CLI (listing,
-downloads); one thread per tier object, except :meth:`RemoteTier.cancel`, which any thread
-may call.
+A remote tier keeps the local layout (``step-N/<shards>``, ``step-N/manifest.json``) and
+commits the object-store way (:class:`RemoteTier`). Called from the replicator thread
+(uploads, deletes) and from ``load``/the CLI (listing, downloads).
 
-Faults are contained at this boundary: every OS or botocore error leaves as a
-:class:`~zerostall.errors.RemoteError` naming the URL (and step), and nothing here loops on
-retries — S3 requests use botocore's own bounded ``standard`` retry mode (see
-:mod:`.s3`); a step that fails stays pending and the replicator tries it again at its next
-pass. :func:`list_steps` bounds a listing by a short timeout for readers that must not wait
-on a remote that is down (restore from local, ``steps()``). Implementations:
-:class:`~.s3.S3Tier` and :class:`~.sharedfs.FileTier`, registered by scheme in :mod:`.tier`.
+Faults stop at this boundary: every OS or botocore error leaves as a
+:class:`~zerostall.errors.RemoteError` naming the URL (and step), and nothing here retries
+(S3 requests use botocore's bounded retries, :mod:`.s3`; a failed step stays pending for the
+replicator's next pass). :func:`list_steps` bounds a listing for readers that must not wait
+on a remote that is down. Implementations: :class:`~.s3.S3Tier`, :class:`~.sharedfs.FileTier`.
 """
 
 from __future__ import annotations
@@ -50,8 +44,9 @@ def step_of(rel: str) -> int | None:
 class RemoteTier(Tier):
     """One remote location, implementing :class:`~.tier.Tier` the object-store way.
 
-    Commit strategy: data objects at their final names (each verified by its crc32c read
-    back), the manifest last (:meth:`commit`); :meth:`delete` removes the manifest first.
+    Data objects go to their final names (each verified by its crc32c read back), the
+    manifest last (:meth:`commit`): a step exists only once complete; :meth:`delete` removes
+    the manifest first.
     A remote root has no lock (object stores have no ``flock``): it is written by the
     replicator of the Checkpointer that owns the local root, and :meth:`own` only creates the
     bucket/directory. Data objects without a manifest are not a step; the next upload of
@@ -117,9 +112,9 @@ class RemoteTier(Tier):
         construction (a hard link), so there is nothing to check."""
 
     def copy_object(self, src: str, dst: str, size: int) -> None:
-        """Copy ``src`` (``size`` bytes) to ``dst`` on the tier and check the copy read back
-        against the source's crc32c. CorruptCheckpoint if the source is not what its step
-        says (missing, another size, bytes other than recorded); RemoteError if the tier fails."""
+        """Copy ``src`` (``size`` bytes) to ``dst`` on the tier, checked against the source's
+        crc32c. CorruptCheckpoint if the source is not what its step says; RemoteError if the
+        tier fails."""
         got = self.stat(src)
         if got != size:
             raise CorruptCheckpoint(f"{self.where(src)}: {'missing' if got is None else f'{got} bytes'}, its "
@@ -157,21 +152,9 @@ class RemoteTier(Tier):
     def steps(self) -> list[int]:
         """Committed steps, ascending. Each manifest is read once per object identity (size,
         etag/mtime), so a listing costs one LIST (S3) or one stat per step."""
-        out = []
-        for step, ident in self._manifests().items():
-            hit = self._verdicts.get(step, ident)
-            if hit is None:
-                try:
-                    self.read_manifest(step)
-                except (CorruptCheckpoint, CheckpointNotFound) as exc:
-                    log.warning("zerostall: %s: step %d is not a valid checkpoint: %s", self.url, step, exc)
-                    self._verdicts.put(step, ident, False)
-                    continue
-                self._verdicts.put(step, ident, True)
-            elif not hit[0]:
-                continue
-            out.append(step)
-        return sorted(out)
+        return sorted(step for step, ident in self._manifests().items()
+                      if self._verdicts.valid(step, ident, self.read_manifest, self.where(f"step-{step}"),
+                                              (CorruptCheckpoint, CheckpointNotFound)))
 
     @cached_property
     def _verdicts(self) -> ManifestVerdicts:
@@ -201,9 +184,8 @@ class RemoteTier(Tier):
 
     # -- writing ------------------------------------------------------------------------------------
     def begin(self, step: int) -> str:
-        """No staging area: objects go to their final names and count only once the manifest
-        is there; a committed step there is first set aside (:mod:`.remote_replace`), so
-        writing over its names tears nothing. Returns the step's location."""
+        """No staging area: a committed step there is first set aside (:mod:`.remote_replace`),
+        so writing over its names tears nothing. Returns the step's location."""
         set_aside(self, step)
         return self.where(f"step-{step}")
 
@@ -245,19 +227,16 @@ class RemoteTier(Tier):
 
     # -- shared logic -------------------------------------------------------------------------
     def upload(self, local_path: str, rel: str, crc: int | None = None) -> None:
-        """Copy a local file to ``rel`` and verify it end to end: the crc32c of the bytes the
-        tier stores (read back) must equal the local file's. A mismatch removes the object and
-        raises RemoteError."""
+        """Copy a local file to ``rel`` and :meth:`verify` it against the local file's crc32c."""
         if crc is None:
             _, crc = file_crc32c(local_path)
         self._put_file(local_path, rel, crc)
         self.verify(rel, os.path.getsize(local_path), crc)
 
     def upload_bytes(self, data: bytes, rel: str, previous: bytes | None = None) -> None:
-        """Store ``data`` at ``rel`` and read it back to check it (manifests: small). If the
-        check cannot be made, the object is removed again: an unverified manifest must not
-        commit a step; where it replaced ``previous`` (a committed manifest), that is put
-        back instead, so the step it committed does not vanish."""
+        """Store ``data`` at ``rel`` and read it back to check it (manifests). If the check fails
+        the object is removed (an unverified manifest must not commit a step), or ``previous``
+        (the committed manifest it replaced) put back, so that step does not vanish."""
         self._put_bytes(data, rel)
         try:
             self.verify(rel, len(data), _crc.crc32c(data))
@@ -272,6 +251,8 @@ class RemoteTier(Tier):
             raise
 
     def verify(self, rel: str, size: int, crc: int) -> None:
+        """The tier must store ``size`` bytes with ``crc`` at ``rel``: else the object is removed
+        and RemoteError raised."""
         got_size, got_crc = self.checksum(rel)
         if (got_size, got_crc) != (size, crc):
             try:
@@ -294,10 +275,9 @@ class RemoteTier(Tier):
 
 
 def list_steps(remote: RemoteTier, timeout_s: float = LIST_TIMEOUT_S) -> tuple[list[int] | None, str]:
-    """(the remote's committed steps, "") or (None, why) — logged as a warning — if the
-    listing fails or takes longer than ``timeout_s`` (a hung mount, a blackholed endpoint):
-    readers go on with the local tier. The listing runs in a daemon thread, abandoned on
-    timeout."""
+    """(the remote's committed steps, "") or (None, why), logged, if the listing fails or
+    takes over ``timeout_s`` (a hung mount): readers go on with the local tier. The listing
+    runs in a daemon thread, abandoned on timeout."""
     out: dict[str, Any] = {}
 
     def run() -> None:

@@ -1,40 +1,16 @@
 """The Tier protocol: one interface for every place checkpoints live, and the tier registry.
 
-A tier holds checkpoints as ``step-N`` units, each committed by its manifest. The local
+A tier holds checkpoints as ``step-N`` units, each committed by its manifest: the local
 directory (:class:`~zerostall.store.local.LocalTier`), a shared filesystem and S3 implement
-the same methods; restore, verify, ls, retention and replication are functions over tiers.
-
-Who calls what, from which thread (``[owner]``: only the process holding the root)::
-
-    reading (any thread, any process; no lock; a reader never sees a torn step)
-      steps()                       committed steps whose manifest validates, ascending
-      listed_steps()                steps holding a manifest, valid or not (ls, verify)
-      partial_steps()               steps with an uncommitted staging area (ls)
-      read_manifest(step)           the validated Manifest (CheckpointNotFound / CorruptCheckpoint)
-      manifest_ident(step)          changes when the step is replaced (restore's retry)
-      stat(rel)                     size of ``step-N/<name>``, or None (restore, replication)
-      names_in(step)                everything under ``step-N/``, committed or not (tools, tests)
-      open_shard_read(step, name, engine)   a ShardFile-like reader: read(extents), close()
-
-    owning (caller's thread, once at start-up and once at close)
-      own(timeout_s)       [owner]  take the root (RootLockedError names the holder), then
-                                    finish or remove what a crash left; returns what it did
-      release()            [owner]  drop the root (idempotent)
-
-    writing (the persist/replicator thread of the owner; one step at a time per thread)
-      begin(step)          [owner]  open a staging area for ``step`` (never visible to readers)
-      open_shard_write(step, name, nbytes, engine)   a ShardFile-like writer in the staging area:
-                                    write(extents), finish() (durable), close()
-      commit(step, manifest, overwrite=False)   the tier's atomic strategy; returns the
-                                    post-commit problems (strings) that did not undo the commit
-      abort(step)          [owner]  discard the staging area
-      delete(step)         [owner]  remove a committed step (uncommit first, then the data)
-      put_bytes(data, rel) [owner]  store a small object as is (durable; no commit of its own)
+the same methods, and restore, verify, ls, retention and replication are functions over
+tiers. :class:`Tier` says who calls each method, from which thread (``[owner]``: only the
+process holding the root).
 
 Atomic strategies: POSIX directories write ``step-N.partial/`` and rename it (an existing
 step is exchanged with ``renameat2(RENAME_EXCHANGE)``, see :mod:`.local`); object stores
-upload the data and put the manifest last. Listing trusts only a manifest that validates, so
-a damaged or foreign directory is never counted (by retention or anyone else).
+upload the data and put the manifest last (:mod:`.remote`). Listing trusts only a manifest
+that validates, so a damaged or foreign directory is never counted (by retention or anyone
+else).
 
 Tiers register under a URL scheme with a lazy import path and an install hint
 (:func:`register_tier`, :func:`open_tier`), the way fsspec does. :func:`open_root` is the one
@@ -56,10 +32,11 @@ if TYPE_CHECKING:
 
 
 class Tier(ABC):
-    """The protocol every tier implements (the module docstring lists who calls what, when)."""
+    """The protocol every tier implements, grouped by who calls it."""
 
     url: str
 
+    # -- reading: any thread, any process; no lock; a reader never sees a torn step -----------
     @abstractmethod
     def steps(self) -> list[int]:
         """Committed steps whose manifest validates, ascending. Cheap enough to call per save."""
@@ -70,7 +47,7 @@ class Tier(ABC):
 
     @abstractmethod
     def open_shard_read(self, step: int, name: str, engine: "Engine | None" = None) -> "ShardFile":
-        """Open ``name`` of committed ``step`` for aligned reads."""
+        """A ShardFile-like reader of ``name`` of committed ``step``: ``read(extents)``, ``close()``."""
 
     def check_root(self) -> None:
         """Raise :class:`~zerostall.errors.RootNotFound` naming the root if it does not exist
@@ -82,6 +59,7 @@ class Tier(ABC):
         return step if step in self.listed_steps() else None
 
     def listed_steps(self) -> list[int]:
+        """Steps holding a manifest, valid or not (``ls``, ``verify`` report the damaged ones)."""
         return self.steps()
 
     def latest(self) -> int | None:
@@ -89,6 +67,7 @@ class Tier(ABC):
         return steps[-1] if steps else None
 
     def partial_steps(self) -> list[int]:
+        """Steps with an uncommitted staging area (``ls``)."""
         return []
 
     @abstractmethod
@@ -97,23 +76,28 @@ class Tier(ABC):
 
     @abstractmethod
     def names_in(self, step: int) -> list[str]:
-        """Names under ``step-N/``, committed or not, sorted."""
+        """Names under ``step-N/``, committed or not, sorted (tools, tests)."""
 
+    # -- owning: the caller's thread, once at start-up and once at close ----------------------
     @abstractmethod
     def own(self, timeout_s: float | None = None) -> list[str]:
-        """Become the root's only writer, then recover it; returns the actions taken."""
+        """[owner] Take the root (RootLockedError names the holder), then finish or remove what
+        a crash left; returns the actions taken."""
 
     @abstractmethod
     def release(self) -> None:
-        """Stop owning the root (idempotent)."""
+        """[owner] Stop owning the root (idempotent)."""
 
+    # -- writing: the owner's persist/replicator thread, one step at a time per thread --------
     @abstractmethod
     def begin(self, step: int) -> str:
-        """Open the staging area of ``step`` (replacing a stale one); returns its location."""
+        """[owner] Open the staging area of ``step``, never visible to readers (replacing a
+        stale one); returns its location."""
 
     @abstractmethod
     def open_shard_write(self, step: int, name: str, nbytes: int, engine: "Engine | None" = None) -> "ShardFile":
-        """Create shard ``name`` of ``nbytes`` in ``step``'s staging area."""
+        """A ShardFile-like writer of shard ``name`` (``nbytes``) in ``step``'s staging area:
+        ``write(extents)``, ``finish()`` (durable), ``close()``."""
 
     @abstractmethod
     def commit(self, step: int, manifest: "Manifest", overwrite: bool = False) -> tuple[str, ...]:
@@ -123,15 +107,16 @@ class Tier(ABC):
 
     @abstractmethod
     def abort(self, step: int) -> None:
-        """Discard ``step``'s staging area (never a committed step)."""
+        """[owner] Discard ``step``'s staging area (never a committed step)."""
 
     @abstractmethod
     def delete(self, step: int) -> None:
-        """Remove committed ``step``: uncommit it first, so no reader sees it torn."""
+        """[owner] Remove committed ``step``: uncommit it first, so no reader sees it torn."""
 
     @abstractmethod
     def put_bytes(self, data: bytes, rel: str) -> None:
-        """Store ``data`` as ``rel`` as is, durably (commits nothing :meth:`commit` would not)."""
+        """[owner] Store ``data`` as ``rel`` as is, durably (commits nothing :meth:`commit`
+        would not)."""
 
 
 class RootTier(Tier):

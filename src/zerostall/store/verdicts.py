@@ -10,9 +10,14 @@ tier's identity is its manifest object's (etag, size, mtime).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
+
+from ..errors import ZerostallError
+
+log = logging.getLogger("zerostall")
 
 
 def stat_ident(path: str) -> tuple[int, ...] | None:
@@ -43,6 +48,23 @@ class ManifestVerdicts:
         if ident is not None:
             with self._mu:
                 self._known[step] = (ident, ok, refs)
+
+    def valid(self, step: int, ident: Any, read: Callable[[int], Any], where: str,
+              errors: tuple[type[BaseException], ...] = (ZerostallError,)) -> bool:
+        """Whether ``step``'s manifest (identity ``ident``; None: absent) validates: the cached
+        verdict, else ``read(step)`` (``errors`` mean invalid, logged naming ``where``)."""
+        if ident is None:
+            return False
+        hit = self.get(step, ident)
+        if hit is not None:
+            return hit[0]
+        refs = None
+        try:
+            refs = tuple(read(step).ref_files)
+        except errors as exc:
+            log.warning("zerostall: %s is not a loadable checkpoint (%s); load and retention ignore it", where, exc)
+        self.put(step, ident, refs is not None, refs)
+        return refs is not None
 
     def forget(self, step: int) -> None:
         with self._mu:
