@@ -58,8 +58,6 @@ from .verdicts import ManifestVerdicts, stat_ident
 from ..io.base import Engine, ShardFile, choose_engine
 from .files import open_shard_checked
 
-__all__ = ["LocalTier", "fsync_dir", "write_file_durable"]
-
 log = logging.getLogger("zerostall")
 
 

@@ -96,22 +96,21 @@ class S3Tier(RemoteTier):
 
     # -- reading ------------------------------------------------------------------------------
     def _objects(self, prefix: str) -> list[dict[str, Any]]:
-        from botocore.exceptions import ClientError
-        out: list[dict[str, Any]] = []
-        pager = self.client.get_paginator("list_objects_v2")
-        try:
-            for page in pager.paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
-                out.extend(page.get("Contents", []))
-        except ClientError as exc:
-            if _code(exc) == "NoSuchBucket":
-                return []  # nothing replicated yet
-            raise
-        return out
+        """Every object under ``prefix`` (none while the bucket does not exist)."""
+        def run() -> list[dict[str, Any]]:
+            pager = self.client.get_paginator("list_objects_v2")
+            return [o for page in pager.paginate(Bucket=self.bucket, Prefix=self._key(prefix))
+                    for o in page.get("Contents", [])]
+
+        return self._call("listing", prefix, run, lambda: [])
+
+    def _head(self, rel: str) -> dict[str, Any]:
+        return self._call("stat of", rel, lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(rel)))
 
     def _manifests(self) -> dict[int, tuple[Any, ...]]:
         base = self._key("")
         out: dict[int, tuple[Any, ...]] = {}
-        for o in self._call("listing", "", lambda: self._objects("")):
+        for o in self._objects(""):
             rel = o["Key"][len(base):]
             parts = rel.split("/")
             if len(parts) == 2 and parts[1] == MANIFEST_NAME and (s := step_of(rel)) is not None:
@@ -139,7 +138,7 @@ class S3Tier(RemoteTier):
                           missing)
 
     def _open_read(self, rel: str, size: int, engine: Any) -> Any:
-        head = self._call("stat of", rel, lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(rel)))
+        head = self._head(rel)
         return ShardIO(_RangeReader(self, rel, int(head["ContentLength"]), head.get("ETag")))
 
     def read_bytes(self, rel: str, limit: int) -> bytes:
@@ -177,12 +176,11 @@ class S3Tier(RemoteTier):
                     n = min(buf.nbytes, size - off)
                     got = 0
                     while got < n:
-                        chunk = body.read(n - got)
-                        if not chunk:
+                        k = body.readinto(buf.mv[got:n])
+                        if not k:
                             raise RemoteError(f"{self.where(rel)}: object ended at {off + got} of {size} bytes",
                                               url=self.where(rel), step=step_of(rel))
-                        buf.mv[got:got + len(chunk)] = chunk
-                        got += len(chunk)
+                        got += k
                     w.write([(off, buf.mv[:n])])
                     off += n
                 w.finish()
@@ -238,15 +236,14 @@ class S3Tier(RemoteTier):
         self._call("deleting", rel, lambda: self.client.delete_object(Bucket=self.bucket, Key=self._key(rel)))
 
     def _delete_prefix(self, rel: str) -> None:
-        keys = [{"Key": o["Key"]} for o in self._call("listing", rel, lambda: self._objects(rel))]
+        keys = [{"Key": o["Key"]} for o in self._objects(rel)]
         for i in range(0, len(keys), 1000):
             self._call("deleting", rel, lambda: self.client.delete_objects(
                 Bucket=self.bucket, Delete={"Objects": keys[i:i + 1000], "Quiet": True}))
 
     def names_in(self, step: int) -> list[str]:
         base = self._key(f"step-{step}/")
-        return sorted(o["Key"][len(base):] for o in self._call("listing", f"step-{step}/",
-                                                                lambda: self._objects(f"step-{step}/")))
+        return sorted(o["Key"][len(base):] for o in self._objects(f"step-{step}/"))
 
     def _copy_within(self, src: str, dst: str) -> bool:
         """Server-side copy (multipart for large objects, through s3transfer); checked by the caller."""
@@ -256,8 +253,7 @@ class S3Tier(RemoteTier):
 
     def stored_crc(self, rel: str) -> int:
         """The crc32c recorded at upload (``x-amz-meta-zerostall-crc32c``), else read back."""
-        head = self._call("stat of", rel, lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(rel)))
-        rec = (head.get("Metadata") or {}).get(META_CRC, "")
+        rec = (self._head(rel).get("Metadata") or {}).get(META_CRC, "")
         try:
             return int(rec, 16)
         except ValueError:

@@ -26,17 +26,13 @@ from .files import drop_cache, file_crc32c
 from .remote import RemoteTier, ShardIO, step_of
 from ..io import choose_engine
 from ..memory.arena import Arena
-from .local import fsync_dir, write_file_durable
+from .atomic import fsync_dir, write_file_durable
 
 log = logging.getLogger("zerostall")
 
 
-
 class FileTier(RemoteTier):
-    """A directory on a shared/parallel filesystem, written with the probed engine.
-
-    Atomicity per file: written as ``name.part``, fdatasync'ed, renamed; the manifest last.
-    """
+    """A directory on a shared/parallel filesystem (see the module docstring)."""
 
     def __init__(self, url: str, io: IOConfig | None = None, **_: Any):
         self.url = url
@@ -139,17 +135,21 @@ class FileTier(RemoteTier):
     def checksum(self, rel: str) -> tuple[int, int]:
         """Shards (4 KiB multiples) are re-read with direct I/O, from the device or server, not
         from the page cache; small unaligned files (manifests) through the cache, then dropped."""
-        crc = [0]
-        path = self._path(rel)
+        path, crc = self._path(rel), 0
+
+        def add(off: int, mv: memoryview) -> None:
+            nonlocal crc
+            crc = _crc.crc32c(mv, crc)
+
         try:
             if os.path.getsize(path) % ALIGN_BYTES:
-                size, crc[0] = file_crc32c(path)
+                size, crc = file_crc32c(path)
                 drop_cache(path)
-                return size, crc[0]
-            size = self._stream(path, lambda off, mv: crc.__setitem__(0, _crc.crc32c(mv, crc[0])))
+            else:
+                size = self._stream(path, add)
         except OSError as exc:
             raise self._err("reading back", rel, exc) from exc
-        return size, crc[0]
+        return size, crc
 
     def download(self, rel: str, local_path: str, size: int) -> None:
         try:
