@@ -62,12 +62,6 @@ def _on_device(index: int | None):
     return torch.cuda.device(index) if index is not None else contextlib.nullcontext()
 
 
-def _in_thread(fn) -> None:
-    """Run ``fn`` in a thread that then exits (see the module docstring: CUDA's per-thread last
-    error must not reach a thread that launches kernels)."""
-    run_in_fresh_thread(fn, "zerostall-cuda-register")
-
-
 @dataclass(frozen=True)
 class ArenaView:
     """A prefix of an arena, shaped like an :class:`Arena` for readers (restore's bounce)."""
@@ -304,7 +298,7 @@ class Arena:
                         self._cuda_register(off, min(FAULT_CHUNK_BYTES, self.ready - off))
 
             if self.ready:
-                _in_thread(prefix)
+                run_in_fresh_thread(prefix, "zerostall-cuda-register")  # its CUDA errors die with it
             self.cuda_registered = True
 
     def pinned_pieces(self, off: int, n: int) -> list[tuple[int, int]]:
@@ -344,7 +338,7 @@ class Arena:
                         cudart.cudaHostUnregister(self.address + off)
 
             try:
-                _in_thread(unregister)
+                run_in_fresh_thread(unregister, "zerostall-cuda-register")
             except Exception as exc:  # noqa: BLE001 - e.g. CUDA already shut down at exit
                 log.debug("zerostall: cudaHostUnregister of the staging arena failed: %s", exc)
             self._cuda_chunks.clear()

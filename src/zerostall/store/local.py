@@ -26,12 +26,10 @@ Deleting a committed step (retention, a bad download) renames it to ``.deleting-
 retention after a commit the persist thread removes them later (:class:`~.atomic.DeferredRemovals`).
 
 Ownership: :meth:`LocalTier.own` takes ``<root>/.zerostall.lock`` (:mod:`.owner`) before
-recovering; only the owner writes. Readers (``steps``, ``read_manifest``, ``load``,
-``verify``, ``ls``) take no lock: they never see a torn step, because a step directory
-appears only by rename, complete. A process downloading a step into a root it does not own
-(``load(remote=)``) holds that step's :class:`~.owner.StepLock` while its ``step-N.partial``
-and its commit are in flight; the owner's start-up cleanup skips (and logs) the leftovers of
-a step whose lock is held, and removes the lock files of interrupted downloads.
+recovering; only the owner writes. Readers take no lock: a step directory appears only by
+rename, complete. A process downloading a step into a root it does not own
+(``load(remote=)``) holds that step's :class:`~.owner.StepLock`, and start-up recovery leaves
+that step's leftovers alone (:mod:`.recovery`).
 """
 
 from __future__ import annotations
@@ -223,8 +221,7 @@ class LocalTier(RootTier):
         return man
 
     def open_shard_read(self, step: int, name: str, engine: "Engine | None" = None) -> "ShardFile":
-        """The engine's reader of ``name``, only if it is the regular file that was checked
-        (:func:`.files.open_shard_checked`). Any thread."""
+        """The engine's reader of ``name`` (:func:`.files.open_shard_checked`). Any thread."""
         return open_shard_checked(engine or choose_engine(self.root, self.io), os.path.join(self.step_dir(step), name))
 
     # -- owning (caller's thread) ----------------------------------------------------------

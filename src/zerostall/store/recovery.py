@@ -1,13 +1,11 @@
 """Start-up recovery of a local root by its new owner: finish or remove what a crash left.
 
-Called once by :meth:`.local.LocalTier.own` (caller's thread, the root lock held): an
-interrupted overwrite's ``step-N.old`` is finished or rolled back (:func:`.atomic.recover_dir`);
-a ``step-N.partial`` holding ``manifest.decided`` -- a step the ranks' commit decision
-committed, whose rename a crash interrupted (:mod:`zerostall.distributed.finish`, RECORDING)
--- is completed: the record becomes its manifest and the directory ``step-N``; any other
-``step-N.partial`` (an unfinished save), ``.deleting-*`` (an interrupted deletion), temporary
-files and the locks of interrupted restores are removed -- except the leftovers of a step a
-restore is downloading into right now (its :class:`~.owner.StepLock` is held).
+Called once by :meth:`.local.LocalTier.own` (caller's thread, the root lock held):
+``step-N.old`` is finished or rolled back (:func:`.atomic.recover_dir`); a ``step-N.partial``
+holding ``manifest.decided`` (committed by the ranks' decision, :mod:`zerostall.distributed.finish`)
+is completed; any other ``step-N.partial``, ``.deleting-*``, temporary files and the locks of
+interrupted restores are removed, except for a step a restore is downloading into now (its
+:class:`~.owner.StepLock` is held).
 """
 
 from __future__ import annotations

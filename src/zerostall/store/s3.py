@@ -4,12 +4,10 @@ Endpoint and credentials come from the standard AWS chain (``AWS_ENDPOINT_URL`` 
 ``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``~/.aws``) and
 are never logged. The bucket is created on first use if it does not exist.
 
-Retries: one policy, botocore's ``standard`` mode with ``attempts`` attempts per request
-(default 3), exponential backoff with jitter, only on what can succeed next time —
-connection errors, 5xx, throttling (503 SlowDown, 429) and 408/RequestTimeout; never on any
-other 4xx (403, 404, 400). Short connect timeout and a bounded read timeout, so a dead or
-blackholed endpoint fails a request in seconds, not minutes. Nothing above this module
-retries a request; the replicator retries a *step* at its next pass.
+Retries: botocore's ``standard`` mode, ``attempts`` per request (default 3), backoff with
+jitter, only on connection errors, 5xx, throttling and 408 (never another 4xx); short
+timeouts, so a dead endpoint fails a request in seconds. Nothing above this module retries a
+request; the replicator retries a *step* at its next pass.
 
 Integrity: S3's flexible checksum headers cannot be trusted (radosgw ignores them), so each
 uploaded object is read back with a GET and its crc32c compared with the local file's; the

@@ -1,10 +1,8 @@
 """The shared-filesystem tier: ``file:///path`` or a plain path (Lustre, GPFS, NFS, ...).
 
-The remote layout (``step-N/<shards>``, ``step-N/manifest.json``) in a directory that every
-node mounts. Files are written with the probed engine (direct I/O where the filesystem
-allows it) as ``name.part``, fdatasync'ed and renamed; the manifest last (the commit). OS
-errors leave as :class:`~zerostall.errors.RemoteError` naming the path and step. A hung
-mount is bounded for readers by :func:`.remote.list_steps`' timeout.
+The remote layout in a directory that every node mounts. Files are written with the probed
+engine (direct I/O where the filesystem allows it) as ``name.part``, fdatasync'ed and
+renamed; the manifest last (the commit). OS errors leave as RemoteError naming path and step.
 """
 
 from __future__ import annotations
@@ -50,10 +48,9 @@ class FileTier(RemoteTier):
         return os.path.join(self.root, rel)
 
     def _unlink_step_link(self, rel: str) -> None:
-        """A step directory that is a symlink is no checkpoint (reading refuses it). Before
-        anything is written or removed under it, the link itself goes, never its target:
-        uploads went through it and the sweep then deleted every file there that the new
-        manifest did not name, outside the tier. Called by every mutating request."""
+        """Remove a step directory that is a symlink (no checkpoint: reading refuses it), never
+        its target, before anything is written or removed under it (else a sweep would delete
+        files outside the tier). Called by every mutating request."""
         top = self._path(rel.split("/", 1)[0])
         if "/" in rel and os.path.islink(top):
             log.warning("zerostall: %s is a symlink, not a checkpoint directory: removing the link (not what it "
