@@ -40,7 +40,7 @@ from ..errors import ConfigError, StorageError
 from ..format.layout import pack_offsets
 from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..format.refs import RefFile
-from ..format.nodes import tensor_paths
+from ..format.decode import tensor_paths
 from .basefiles import Stamp, base_file_problem, file_stamp
 from .job import Persisted, SaveRequest
 from .plan import PlanItem, SavePlan
@@ -78,7 +78,7 @@ def fingerprint(t: torch.Tensor, is_numpy: bool = False) -> tuple[Any, ...] | No
 
 @dataclass(frozen=True)
 class Known:
-    """What the newest committed step holds at one tree path (:func:`..format.nodes.tensor_paths`)."""
+    """What the newest committed step holds at one tree path (:func:`..format.decode.tensor_paths`)."""
 
     entry: TensorEntry  # step set: the step (and file) that wrote the bytes
     ref: RefFile
@@ -94,7 +94,7 @@ class IncrementalJob:
     tracker: "RefTracker"
     fps: dict[int, tuple[Any, ...] | None]  # tensor index -> fingerprint at save() time
     paths: dict[int, str] = field(default_factory=dict)
-    """Tensor index -> its typed tree path (:func:`..format.nodes.tensor_paths`): the identity
+    """Tensor index -> its typed tree path (:func:`..format.decode.tensor_paths`): the identity
     under which the base is looked up and this save is recorded; never the printed key, which
     two different paths can share (``"a.b"`` and ``a`` -> ``b``, ``0`` and ``"0"``)."""
     refs: dict[int, TensorEntry] = field(default_factory=dict)  # global tensor index -> reference
@@ -281,7 +281,7 @@ class RefTracker(ContentCheck):
         return {p: k for p, k in known.items() if (k.ref.step, k.ref.name) not in lost}
 
     def _tensor_paths(self, tree: Any) -> dict[int, str]:
-        """:func:`..format.nodes.tensor_paths` of ``tree``, kept for the next save: the plan
+        """:func:`..format.decode.tensor_paths` of ``tree``, kept for the next save: the plan
         cache hands the same tree object back while the state keeps its shape (snapshot thread)."""
         cached_tree, paths = self._paths
         if cached_tree is not tree:
