@@ -91,10 +91,8 @@ _RING_STRUCT_BYTES = 4096
 
 
 class _CRing:
-    """One io_uring driven through liburing's C functions by ctypes (GIL released in each call).
-
-    Used by one thread at a time, like the file that owns it.
-    """
+    """One io_uring driven through liburing's C functions by ctypes (GIL released in each call);
+    used by one thread at a time, like the file that owns it."""
 
     def __init__(self, depth: int):
         assert _C is not None
@@ -111,8 +109,7 @@ class _CRing:
 
     def pin(self, address: int, nbytes: int, fresh: bool = False) -> None:
         """Register ``[address, address + nbytes)`` as fixed buffers (the ring idle; its owner's
-        thread). The kernel pins those pages once instead of at every write; a refusal (the
-        memlock limit, an old kernel) leaves plain writes, and is not tried again."""
+        thread); a refusal (the memlock limit, an old kernel) leaves plain writes, not retried."""
         want = (address, nbytes)
         if fresh:  # registered pages are the old mapping's, whatever the address
             self.unpin()
@@ -350,9 +347,7 @@ class UringEngine(Engine):
         self._pinned: list[_CRing] = []  # every thread's long-lived ring, closed with the engine
 
     def pin_buffer(self, address: int, nbytes: int, *, fresh: bool = False) -> None:
-        """The calling thread writes from ``[address, address + nbytes)`` file after file (the
-        persist thread, its staging arena, once it is faulted): its files share one long-lived
-        ring with that region registered, so no write pins its pages again."""
+        """The calling thread's files share one long-lived ring with this region registered."""
         if _C is None or not self.use_c or not _HAS_FIXED:
             return
         ring = getattr(self._local, "ring", None)

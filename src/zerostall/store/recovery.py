@@ -69,7 +69,7 @@ def recover_root(tier: "LocalTier") -> list[str]:
         if os.path.lexists(lk.path) and not os.path.isfile(lk.path) or os.path.islink(lk.path):
             # a directory, FIFO or link under a lock file's name: no process can hold it
             # (StepLock refuses anything but a regular file), so it is a leftover like the rest
-            rmtree(lk.path) if os.path.isdir(lk.path) and not os.path.islink(lk.path) else os.unlink(lk.path)
+            rmtree(lk.path)  # never follows a link
             done.append(f"removed {lk.path} (not a lock file)")
         if lk.acquire(wait=False):
             locks[step] = lk

@@ -159,10 +159,6 @@ def register_tier(scheme: str, target: str, hint: str = "") -> None:
     _SCHEMES[scheme] = (target, hint)
 
 
-def tier_schemes() -> list[str]:
-    return sorted(s for s in _SCHEMES if s)
-
-
 def is_url(path: Any) -> bool:
     """Whether ``path`` names a tier by URL (``scheme://...``) rather than a local directory."""
     return "://" in str(path)
@@ -173,7 +169,8 @@ def open_tier(url: str, **kwargs: Any) -> Any:
     shared-filesystem tier); ``kwargs`` go to its constructor (``io=``, ...)."""
     scheme = urlparse(url).scheme if "://" in url else ""
     if scheme not in _SCHEMES:
-        raise ConfigError(f"no tier for {scheme}:// URLs (known: {', '.join(s + '://' for s in tier_schemes())} "
+        known = ", ".join(s + "://" for s in sorted(_SCHEMES) if s)
+        raise ConfigError(f"no tier for {scheme}:// URLs (known: {known} "
                           "or a plain path); register one with zerostall.store.tier.register_tier")
     target, hint = _SCHEMES[scheme]
     try:
