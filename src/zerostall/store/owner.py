@@ -44,7 +44,7 @@ LOCK_NAME = ".zerostall.lock"
 _NO_LOCKING = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
-_HELD: "weakref.WeakSet[RootLock | FileLock]" = weakref.WeakSet()
+_HELD: "weakref.WeakSet[_Held]" = weakref.WeakSet()
 """Locks whose descriptors this process opened (closed in a forked child)."""
 
 _FORK_GUARD = threading.RLock()
@@ -74,7 +74,7 @@ os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
                     after_in_child=_after_fork_in_child)
 
 
-def _open_held(lock: "RootLock | FileLock", path: str, flags: int) -> int:
+def _open_held(lock: "_Held", path: str, flags: int) -> int:
     """Open a descriptor of ``lock`` and register the lock for the at-fork handler in one step."""
     with _FORK_GUARD:
         fd = os.open(path, flags, 0o644)
@@ -83,7 +83,7 @@ def _open_held(lock: "RootLock | FileLock", path: str, flags: int) -> int:
     return fd
 
 
-def _close_held(lock: "RootLock | FileLock") -> None:
+def _close_held(lock: "_Held") -> None:
     """Close the descriptors of ``lock``, unlocking their shared description first, but only
     in the process that opened them (see the module docstring)."""
     with _FORK_GUARD:
@@ -96,7 +96,7 @@ def _close_held(lock: "RootLock | FileLock") -> None:
             os.close(fd)
 
 
-def _open_lock_file(lock: "RootLock | FileLock", path: str) -> int:
+def _open_lock_file(lock: "_Held", path: str) -> int:
     """Open (create) the lock file ``path`` for ``lock``: a regular file, else StorageError
     naming it (O_NONBLOCK: a FIFO planted there must not block the open, nor a read later)."""
     try:
@@ -141,14 +141,13 @@ def describe_owner(owner: dict[str, object]) -> str:
     return f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')} (since {when})"
 
 
-class RootLock:
-    """The exclusive lock on one root. ``acquire`` once, ``release`` once (idempotent)."""
+class _Held:
+    """The descriptors of a lock (the at-fork handler and :func:`_close_held` forget them)."""
 
-    def __init__(self, root: str):
-        self.root = root
-        self.path = os.path.join(root, LOCK_NAME)
+    def __init__(self, path: str):
+        self.path = path
         self._fd: int | None = None
-        self._dfd: int | None = None  # the root directory, flocked too
+        self._dfd: int | None = None  # RootLock: the root directory, flocked too
         self.enforced = False
         """True when the kernel granted the flock; False when the filesystem has no locking."""
         self._pid = 0  # the process that opened the descriptors (only it unlocks them)
@@ -157,6 +156,14 @@ class RootLock:
         fds = [d for d in (self._fd, self._dfd) if d is not None]
         self._fd = self._dfd = None
         return fds
+
+
+class RootLock(_Held):
+    """The exclusive lock on one root. ``acquire`` once, ``release`` once (idempotent)."""
+
+    def __init__(self, root: str):
+        super().__init__(os.path.join(root, LOCK_NAME))
+        self.root = root
 
     @property
     def held(self) -> bool:
@@ -238,22 +245,11 @@ FETCH_STEP_LOCK = ".zerostall-fetch-step-{step}.lock"
 FETCH_STEP_LOCK_RE = r"^\.zerostall-fetch-step-(\d{1,19})\.lock$"
 
 
-class FileLock:
+class FileLock(_Held):
     """An exclusive ``flock`` on one file that whoever holds it last may remove
     (release(unlink=True)); :meth:`acquire` therefore checks, once locked, that the path still
     names the file it locked, and starts again otherwise. The file records its holder. Caller's
     thread; one acquire, one release."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self._fd: int | None = None
-        self._pid = 0
-        self.enforced = False
-
-    def _forget(self) -> list[int]:
-        fds = [self._fd] if self._fd is not None else []
-        self._fd = None
-        return fds
 
     def acquire(self, wait: bool = True) -> bool:
         """Take the lock (waiting for a holder if ``wait``); False if held elsewhere and not
