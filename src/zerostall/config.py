@@ -119,7 +119,7 @@ class PeersConfig:
     """CPU priority of the threads that copy replicas (the sender's, and a holder's receiving
     connections; never a restore's): ``"idle"`` (``SCHED_IDLE`` per thread: they run only when a
     core would otherwise be idle), ``"nice"`` (nice 19 per thread) or ``"normal"`` (unchanged).
-    Their disk I/O is at the idle I/O class either way. See :mod:`zerostall.peers.priority`."""
+    Their disk I/O is at the idle I/O class either way. See :func:`zerostall.peers.stream.background`."""
     code: str | None = None
     """``"rs"``: coded copies instead of ``replicas`` (:mod:`zerostall.peers.coded`): each node's
     files of a step cut into ``data_fragments`` pieces plus ``parity_fragments`` Reed-Solomon
