@@ -29,7 +29,7 @@ except ImportError as exc:
     raise ImportError("zerostall.integrations.accelerate needs Accelerate: "
                       "pip install 'zerostall[accelerate]'") from exc
 
-from .. import CheckpointConfig, load as _zs_load, rng_state, set_rng_state
+from .. import CheckpointConfig, Checkpointer, load as _zs_load, rng_state, set_rng_state
 from ..errors import CheckpointNotFound, ConfigError
 from ..extend import discard
 from ._common import AdapterSaves, is_committed, newest_committed, numbered, recover_staged, tensors_of
@@ -92,6 +92,7 @@ class ZerostallAcceleratorMixin:
             os.makedirs(os.path.dirname(final), exist_ok=True)
         self._zs_recover(os.path.dirname(staged), os.path.dirname(final))
         self._zs_saves.drain(final)
+        ck = Checkpointer(staged, self._zs_saves.config)  # creates the directory the pre-hooks are given
         weights = [self.get_state_dict(m, unwrap=False) for m in self._models]
         for hook in self._save_model_state_pre_hook.values():
             hook(self._models, weights, staged)
@@ -103,7 +104,7 @@ class ZerostallAcceleratorMixin:
             "step": int(self.step), "iteration": int(pc.iteration), "rng": rng_state()}
         if self.scaler is not None:
             state["scaler"] = self.scaler
-        ck, handle = self._zs_saves.save(staged, int(pc.iteration), state, tensors_of(weights))
+        ck, handle = self._zs_saves.save(ck, int(pc.iteration), state, tensors_of(weights))
         self.zerostall_handles.append(handle)
         limit = pc.total_limit if pc.automatic_checkpoint_naming else None
         rotate = (lambda: self._zs_rotate(limit)) if limit else None  # the publisher's thread, once renamed
