@@ -41,11 +41,10 @@ from ..format.layout import pack_offsets
 from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..format.refs import RefFile
 from ..format.nodes import tensor_paths
-from .basefiles import Stamp, base_file_problem, file_stamp
 from .job import Persisted, SaveRequest
 from .plan import PlanItem, SavePlan
 from . import content_check
-from .content_check import ContentCheck
+from .content_check import ContentCheck, Stamp, base_file_problem, file_stamp
 from .source_crc import _CpuCrc, _CudaCrc  # _CpuCrc: also a test seam
 
 log = logging.getLogger("zerostall")
@@ -83,7 +82,7 @@ class Known:
     entry: TensorEntry  # step set: the step (and file) that wrote the bytes
     ref: RefFile
     fp: tuple[Any, ...] | None
-    dh: int | None = None  # CUDA tensors: :func:`.devhash.device_hash` of these bytes, if computed
+    dh: int | None = None  # CUDA tensors: :func:`.source_crc.device_hash_async` of these bytes, if computed
 
 
 @dataclass
@@ -131,7 +130,7 @@ class RefTracker(ContentCheck):
         self._seeded = False  # the base came from disk, not from a save of this process
         self._peer: set[int] = set()  # other ranks' protected steps (multi-rank; set_peer_protected)
         self._lost_warned: set[int] = set()  # base steps found gone or damaged (warned once each)
-        self._stamps: dict[tuple[int, str], Stamp] = {}  # base files as they were (basefiles.file_stamp)
+        self._stamps: dict[tuple[int, str], Stamp] = {}  # base files as they were (content_check.file_stamp)
         self._dh_warned = False
 
     # -- start-up (caller's thread) --------------------------------------------------------

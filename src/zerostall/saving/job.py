@@ -30,8 +30,6 @@ from typing import Any, Generic, Mapping, TypeVar
 import torch
 
 from ..format.layout import ShardHeader, shard_name
-from ..format.manifest import TensorEntry
-from ..format.refs import RefFile
 from .plan import SavePlan
 
 T = TypeVar("T")
@@ -317,21 +315,3 @@ class Job:
         """Whether the snapshot may still read one of ``storages`` (the optimizer guard)."""
         return self.source.reads(storages, self.status.staged)
 
-
-def merged_entries(job: Persisted, written: list[tuple[int, TensorEntry]]) -> tuple[list[tuple[int, TensorEntry]],
-                                                                                   tuple[RefFile, ...]]:
-    """(global tensor index, entry) for every tensor of this rank, written and referenced, in
-    index order, and the files the references live in (a multi-rank save's fragment)."""
-    ij = job.incr  # an IncrementalJob (.incremental), or None
-    if ij is None or not ij.refs:
-        return list(written), ()
-    merged = dict(written)
-    merged.update(ij.refs)
-    return sorted(merged.items()), ij.ref_files
-
-
-def manifest_parts(job: Persisted, written: list[tuple[int, TensorEntry]]) -> tuple[tuple[TensorEntry, ...],
-                                                                                   tuple[RefFile, ...]]:
-    """The manifest's ``tensors`` (written and referenced, in global index order) and ``ref_files``."""
-    entries, ref_files = merged_entries(job, written)
-    return tuple(e for _, e in entries), ref_files
