@@ -106,7 +106,6 @@ class Worker(Generic[T]):
         self._q.put(item)
 
     def _loop(self) -> None:
-        self.on_start()
         while True:
             item = self._q.get()
             if item is None:
@@ -122,9 +121,6 @@ class Worker(Generic[T]):
         """Nothing is queued behind the item being handled (worker thread; a hint: an item
         may arrive right after)."""
         return self._q.empty()
-
-    def on_start(self) -> None:
-        """Runs first, in the worker thread."""
 
     def on_exit(self) -> None:
         """Runs last, in the worker thread, once every queued item is handled (before a

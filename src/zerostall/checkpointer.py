@@ -147,11 +147,8 @@ class Checkpointer:
         self._finalizer.atexit = False  # at exit the atexit hook closes it properly
 
     def prepare(self, state_dict: Any, *, wait: bool = False) -> None:
-        """Start allocating and faulting staging memory for ``state_dict``; returns at once.
-
-        The faulting runs in a background thread without the GIL. ``wait=True`` blocks until
-        the memory is faulted (for benchmarks of the steady state).
-        """
+        """Start allocating and faulting staging memory for ``state_dict`` (in the background);
+        ``wait=True`` blocks until the memory is faulted (benchmarks of the steady state)."""
         self._ensure_pipeline(self._plan(state_dict).file_bytes)
         if wait and self._lease is not None:
             self._lease.arena.wait_ready(self._lease.pool.target)
@@ -281,9 +278,7 @@ class Checkpointer:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every save started so far is committed or failed; False on timeout.
-
-        Signal-handler safe (no lock; polls), like :meth:`on_preemption` and :meth:`close`.
-        """
+        Signal-handler safe (no lock; polls)."""
         return self._book.wait_until(None if timeout is None else time.monotonic() + timeout)
 
     def load(self, state_dict: Any = None, step: int | None = None, map_location: Any = None, *,
@@ -326,10 +321,8 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def on_preemption(self, timeout: float | None = 60.0) -> bool:
-        """Call from a SIGTERM handler: let in-flight saves finish, up to ``timeout`` seconds.
-
-        Safe at any instant of ``save()`` on the same thread (takes no lock; a save that the
-        signal interrupted before it was queued is not waited for). True when all finished."""
+        """Call from a SIGTERM handler: let in-flight saves finish, up to ``timeout`` seconds
+        (:meth:`wait`; a save the signal interrupted before it was queued is not waited for)."""
         return self.wait(timeout)
 
     def close(self, timeout: float | None = None, *, _from_atexit: bool = False) -> bool:

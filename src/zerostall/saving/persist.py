@@ -85,10 +85,6 @@ class Persister(Worker[Job]):
         self._subscribers.append(subscriber)
 
     # -- persist thread -------------------------------------------------------------------
-    @property
-    def batch_blocks(self) -> int:
-        return max(1, min(self.ring.nblocks // 2, 64))  # the shared ring may grow
-
     def _extents(self, job: Job, g: int, hi: int, file_bytes: int) -> list[tuple[int, memoryview]]:
         B, n = self.ring.block_bytes, self.ring.nblocks
         g0, mv = job.slot.g0, job.slot.arena.mv  # the pool may have swapped arenas since this Persister began
@@ -110,7 +106,7 @@ class Persister(Worker[Job]):
         while the first ones are; returns the next block."""
         g_file = min(job.slot.g_end, job.slot.g0 + self.ring.blocks_for(file_bytes))
         while g < g_file:
-            hi = min(self.ring.wait_staged(g), g_file, g + self.batch_blocks)
+            hi = min(self.ring.wait_staged(g), g_file, g + max(1, min(self.ring.nblocks // 2, 64)))
             _raise_if_failed(job)
             extents = self._extents(job, g, hi, file_bytes)
             feed = None if crc is None else (lambda: crc.feed(extents))

@@ -51,13 +51,6 @@ is streamed block by block, so the persist thread can write its first blocks mea
 _CONTIG = torch.Tensor.is_contiguous
 
 
-def _bulk_ok(tensors: list[torch.Tensor], devices: Any = None) -> bool:
-    """Whether every tensor is a contiguous CPU tensor (then copied by address, in runs);
-    ``devices``: their distinct devices, if known."""
-    devices = set(map(DEVICE, tensors)) if devices is None else devices
-    return {"cpu"}.issuperset(d.type for d in devices) and all(map(_CONTIG, tensors))
-
-
 def row_slices(t: torch.Tensor, limit: int = STRIDED_CHUNK_BYTES) -> Iterator[torch.Tensor]:
     """Consecutive slices (views) of ``t`` covering it in row-major order, each at most
     ``limit`` bytes (or one element row of the innermost dimension)."""
@@ -93,13 +86,6 @@ def bounce_rows(t: torch.Tensor, limit: int = STRIDED_CHUNK_BYTES) -> Iterator[t
 def _in_helper_thread(fn: Callable[[], None]) -> None:
     """Run a torch op in a thread that then exits (see the module docstring)."""
     run_in_fresh_thread(fn, "zerostall-copy")
-
-
-def flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous 1-D uint8 view of ``t`` (a copy only if ``t`` is not contiguous)."""
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
 
 
 def _index(device: torch.device, cuda: Any) -> int:
@@ -239,7 +225,8 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
                     crcs: list[int] | None = None) -> tuple[int, int]:
         """Copy the run of small contiguous CPU tensors from item ``i`` on that starts in
         item ``i``'s block and ends inside the writable part of the ring, zeroing the gaps
-        between them (:func:`~zerostall._fast.copy_runs`); publish the blocks it completes. Returns (next item, file position after the run); ``(i, offs[i])`` when item ``i``
+        between them (:func:`~zerostall._fast.copy_runs`); publish the blocks it completes.
+        Returns (next item, file position after the run); ``(i, offs[i])`` when item ``i``
         reaches past the writable run (the per-item path streams it)."""
         ring, B, g0 = self.ring, self.ring.block_bytes, job.slot.g0
         start = offs[i]
@@ -309,7 +296,8 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
         else:
             pos = items[0].offset if items else plan.file_bytes
         items, tensors = list(items), list(tensors)
-        bulk = _bulk_ok(tensors, devices)
+        # contiguous CPU tensors only: copied by address, in runs
+        bulk = {"cpu"}.issuperset(d.type for d in devices) and all(map(_CONTIG, tensors))
         offs, lens = list(map(OFFSET, items)), list(map(NBYTES, items))
         bulk = bulk and all(map(operator.le, offs, offs[1:]))  # runs are found by bisection
         ptrs = list(map(torch.Tensor.data_ptr, tensors)) if bulk else []
@@ -345,7 +333,7 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
                     else:
                         def copy(aoff=aoff, rel=rel, n=n, tensor=tensor) -> None:
                             if not flat:
-                                flat.append(flat_bytes(tensor))
+                                flat.append(tensor.contiguous().reshape(-1).view(torch.uint8))
                             for o, k in arena.pinned_pieces(aoff, n):  # each inside one registration
                                 src = rel + o - aoff
                                 arena_u8[o:o + k].copy_(flat[0][src:src + k], non_blocking=True)

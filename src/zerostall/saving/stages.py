@@ -1,14 +1,11 @@
 """The stages of one ``Checkpointer``'s pipeline, built once on the caller's thread.
 
-:func:`build_stages` makes, in this order: the root (a ``Tier``, owned by this process or,
-across ranks, by the rank the session elects), the committer (:class:`~.store.committer.
-LocalCommitter` alone, :class:`~.distributed.committer.StoreCommitter` across ranks), the
-incremental tracker, the I/O engine, peer replicas (``replicas > 1``: :mod:`.peers`), and
-the post-commit stage that applies retention:
-the :class:`~.store.replicate.Replicator` with a remote tier (it also applies local
-retention), else :class:`~.store.retention.LocalRetention`. The Checkpointer subscribes
-them to its persist thread. :func:`abandoned` releases them for a Checkpointer dropped
-without ``close()``.
+:func:`build_stages` makes, in this order: the root (owned by this process or, across ranks,
+by the rank the session elects), the committer (:class:`.commit_ranks.StoreCommitter` across
+ranks; alone the persist thread's ``LocalCommitter``), the incremental tracker, the I/O engine,
+peer replicas (``replicas > 1``), and the post-commit stage that applies retention (the
+:class:`.upload.Replicator` with a remote tier, else ``LocalRetention``). :func:`abandoned`
+releases them for a Checkpointer dropped without ``close()``.
 """
 
 from __future__ import annotations
