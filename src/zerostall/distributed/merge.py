@@ -12,7 +12,7 @@ from typing import Any
 from ..errors import SaveFailed
 from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..format.refs import RefFile
-from ..format.nodes import remap_tree
+from ..format.decode import remap_tree
 
 
 def merge(fragments: list[dict[str, Any]], step: int, world: int, per_rank: bool,

@@ -2,14 +2,10 @@
 of a dict's values instead of a Python frame with a dozen attribute reads per tensor.
 
 Called by :func:`.tree.encode_tree` (caller's thread, inside ``save()``) for each dict with
-str keys whose values are all ``torch.Tensor``/``nn.Parameter``: a large model's or
-optimizer's state. Decides nothing on its own:
+str keys whose values are all ``torch.Tensor``/``nn.Parameter``. Decides nothing on its own:
 anything unusual (a nested, quantized, sparse, conj/neg-view, empty or aliased tensor, a
 device other than cpu/cuda) returns None and the per-tensor path encodes the container and
-raises its precise errors. Never mutates its input. On a first save the plan cache has
-already read every tensor's address, sizes, strides, dtype and device for its signature
-(:func:`..staging.plan_cache._tensor_sig`): those columns are passed down and read here
-instead of from the tensors again.
+raises its precise errors. Never mutates its input.
 """
 
 from __future__ import annotations
@@ -59,10 +55,7 @@ def bulk_tensors(x: dict[Any, Any], seen: dict[tuple[Any, ...], int], cols: Colu
         return None
     if cols is not None and len(cols[0]) == len(vals) and all(map(operator.is_, vals, cols[0])):
         return _from_columns(keys, vals, cols, seen)
-    dtypes = set(map(DTYPE, vals))
-    if any(d.is_complex or d in _QUANTIZED for d in dtypes):  # conj views, quantized: per tensor
-        return None
-    if any(map(IS_NESTED, vals)) or any(map(_T.is_neg, vals)):
+    if _odd(set(map(DTYPE, vals))) or any(map(IS_NESTED, vals)) or any(map(_T.is_neg, vals)):
         return None
     if set(map(LAYOUT, vals)) != {torch.strided} or 0 in map(_T.numel, vals):
         return None
@@ -71,8 +64,19 @@ def bulk_tensors(x: dict[Any, Any], seen: dict[tuple[Any, ...], int], cols: Colu
     if not {"cpu", "cuda"}.issuperset(types):
         return None
     tensors = list(map(_T.detach, vals))
-    idents = list(zip(types, map(INDEX, devices), map(_T.data_ptr, tensors), map(shape_of, tensors),
-                      map(_T.stride, tensors), map(DTYPE, tensors), repeat(False)))
+    return _unaliased(keys, tensors, seen, types, map(INDEX, devices), map(_T.data_ptr, tensors),
+                      map(shape_of, tensors), map(_T.stride, tensors), map(DTYPE, tensors))
+
+
+def _odd(dtypes: set[torch.dtype]) -> bool:
+    """Whether a complex (maybe a conj view) or quantized dtype is among them (per tensor then)."""
+    return any(d.is_complex or d in _QUANTIZED for d in dtypes)
+
+
+def _unaliased(keys: list[str], tensors: list[torch.Tensor], seen: dict[tuple[Any, ...], int], *columns: Any
+               ) -> tuple[list[str], list[torch.Tensor], list[tuple[Any, ...]]] | None:
+    """(keys, tensors, identities from ``columns``) unless two are one or one is in ``seen``."""
+    idents = list(zip(*columns, repeat(False)))
     if len(set(idents)) != len(idents) or any(map(seen.__contains__, idents)):
         return None
     return keys, tensors, idents
@@ -83,9 +87,7 @@ def _from_columns(keys: list[str], vals: list[torch.Tensor], cols: Columns, seen
     """:func:`bulk_tensors` with the attributes read from ``cols``: the checks its maps make
     (nested, layout, neg/conj view) hold where the plan cache took them; the others are made."""
     _, ptrs, sizes, strides, dtypes, devices = cols
-    if any(d.is_complex or d in _QUANTIZED for d in set(dtypes)):
-        return None
-    if 0 in map(_T.numel, vals):
+    if _odd(set(dtypes)) or 0 in map(_T.numel, vals):
         return None
     kinds = {d: (d.type, d.index) for d in set(devices)}
     if not {"cpu", "cuda"}.issuperset(t for t, _ in kinds.values()):
@@ -95,11 +97,7 @@ def _from_columns(keys: list[str], vals: list[torch.Tensor], cols: Columns, seen
         types, indices = repeat(kind), repeat(index)
     else:
         types, indices = map(TYPE, devices), map(INDEX, devices)
-    tensors = list(map(_T.detach, vals))
-    idents = list(zip(types, indices, ptrs, sizes, strides, dtypes, repeat(False)))
-    if len(set(idents)) != len(idents) or any(map(seen.__contains__, idents)):
-        return None
-    return keys, tensors, idents
+    return _unaliased(keys, list(map(_T.detach, vals)), seen, types, indices, ptrs, sizes, strides, dtypes)
 
 
 def known_node(x: dict[Any, Any], known: list[int], met: list[int]) -> Any:

@@ -1,22 +1,26 @@
-"""Rebuild a state dict from its JSON tree (see :mod:`.tree` for the node encoding) and the
-restored tensors; with ``build_objects=False``, check a tree's structure only (the manifest
-parser). Imports no torch: ``zerostall ls``/``inspect``/``verify`` parse manifests without it.
-Caller's thread (``load()``, the manifest parser).
+"""Read an encoded state tree (see :mod:`.tree` for the node shapes): rebuild the state dict
+from it and the restored tensors (:func:`decode_tree`; with ``build_objects=False``, check its
+structure only: the manifest parser), list the tensor indices it references, each tensor's
+typed path, a copy with indices remapped. Imports no torch: ``zerostall ls``/``inspect``/
+``verify`` parse manifests without it. Pure functions; any thread.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ..errors import CorruptCheckpoint
 from . import objects
-from .validate import MAX_DEPTH
+from .validate import MAX_DEPTH, NUMPY_DTYPES
 
 
 def decode_tree(node: Any, tensors: list[Any], where: str = "manifest", *, build_objects: bool = True) -> Any:
     """Rebuild the state dict from ``node`` and the restored ``tensors`` (index-aligned).
 
-    ``build_objects=False`` (validation) checks object nodes without constructing anything.
+    ``build_objects=False`` (validation; ``tensors``: the entries' dtype names) checks the
+    structure, the tensor indices and that a numpy node's dtype has a numpy form, without
+    constructing anything.
     """
 
     def bad(msg: str) -> CorruptCheckpoint:
@@ -53,8 +57,12 @@ def decode_tree(node: Any, tensors: list[Any], where: str = "manifest", *, build
             return val
         if tag in ("T", "A"):
             if not isinstance(val, int) or isinstance(val, bool) or not 0 <= val < len(tensors):
-                raise bad(f"tensor index {val!r:.80}")
+                raise bad(f"it refers to tensor {val!r:.40}, which is not in 'tensors'")
             t = tensors[val]
+            if not build_objects:
+                if tag == "A" and t not in NUMPY_DTYPES:
+                    raise bad(f"a numpy array over tensor {val} of dtype {t}, which numpy cannot represent")
+                return None
             return t.numpy() if tag == "A" and t is not None else t
         if tag in ("l", "t"):
             if not isinstance(val, list):
@@ -84,3 +92,66 @@ def decode_tree(node: Any, tensors: list[Any], where: str = "manifest", *, build
         # ``tensors`` (a restore's scratch: the whole state) until the next cyclic GC, whose
         # munmap of it then ran inside whatever call triggered the GC (a ``save()`` blocked)
         del dec, dec_key
+
+
+def tree_tensor_indices(node: Any) -> list[tuple[int, bool]]:
+    """(index, is_numpy) of every tensor leaf, in tree order."""
+    out: list[tuple[int, bool]] = []
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            for tag, val in n.items():
+                if tag in ("T", "A"):
+                    out.append((val, tag == "A"))
+                elif tag in ("l", "t"):
+                    stack.extend(val if isinstance(val, list) else [])
+                elif tag == "d" and isinstance(val, list):
+                    stack.extend(p[1] for p in val if isinstance(p, list) and len(p) == 2)
+                elif tag == "o" and isinstance(val, list) and len(val) == 2:
+                    stack.append(val[1])
+    return out
+
+
+def tensor_paths(node: Any) -> dict[int, str]:
+    """The identity of every tensor index of an encoded tree: its typed path from the root.
+
+    The path is built from the tree's own nodes (a dict key as its key node, a list or tuple
+    position with its kind, an object with its type name, then ``T`` or ``A``), so ``{"a.b": x}``
+    and ``{"a": {"b": x}}``, the keys ``0`` and ``"0"``, a tuple position and a str key never
+    share one, whatever they print as. An index that appears more than once (tied tensors) takes
+    its first occurrence in walk order, which is the one :func:`encode_tree` gave the leaf to.
+    Returned as compact JSON strings. Used by incremental saves (:mod:`..staging.incremental`)
+    to match a tensor with what the base step recorded for it; no recursion (deep trees)."""
+    out: dict[int, str] = {}
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(node, ())]
+    while stack:
+        n, path = stack.pop()
+        if not isinstance(n, dict) or len(n) != 1:
+            continue
+        (tag, val), = n.items()
+        if tag in ("T", "A"):
+            if isinstance(val, int) and val not in out:
+                out[val] = json.dumps([*path, [tag]], separators=(",", ":"), allow_nan=False)
+        elif tag in ("l", "t") and isinstance(val, list):
+            stack.extend((v, path + ([tag, i],)) for i, v in reversed(list(enumerate(val))))
+        elif tag == "d" and isinstance(val, list):
+            stack.extend((p[1], path + (["d", p[0]],)) for p in reversed(val) if isinstance(p, list) and len(p) == 2)
+        elif tag == "o" and isinstance(val, list) and len(val) == 2:
+            stack.append((val[1], path + (["o", val[0]],)))
+    return out
+
+
+def remap_tree(node: Any, mapping: Any) -> Any:
+    """A copy of ``node`` with every tensor index ``i`` replaced by ``mapping(i)``."""
+    if isinstance(node, dict) and len(node) == 1:
+        (tag, val), = node.items()
+        if tag in ("T", "A"):
+            return {tag: mapping(val)}
+        if tag in ("l", "t"):
+            return {tag: [remap_tree(v, mapping) for v in val]}
+        if tag == "d":
+            return {tag: [[k, remap_tree(v, mapping)] for k, v in val]}
+        if tag == "o":
+            return {tag: [val[0], remap_tree(val[1], mapping)]}
+    return node

@@ -1,4 +1,4 @@
-"""The torch dtypes of the names the format stores (:mod:`.dtype_names`, the on-disk contract).
+"""The torch dtypes of the names the format stores (:data:`.validate.ITEMSIZE_BY_NAME`).
 
 A name this torch has no dtype for (a float8 kind an older torch lacks) fails as unknown
 when a tensor of it is loaded.
@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedStateError
-from .dtype_names import DTYPE_NAMES, unknown_dtype
+from .validate import ITEMSIZE_BY_NAME, unknown_dtype
 
 _BY_NAME: dict[str, torch.dtype] = {
-    n: getattr(torch, n) for n in DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)
+    n: getattr(torch, n) for n in ITEMSIZE_BY_NAME if isinstance(getattr(torch, n, None), torch.dtype)
 }
 _BY_DTYPE: dict[torch.dtype, str] = {d: n for n, d in _BY_NAME.items()}
 

@@ -1,27 +1,23 @@
 """Python-object subtrees snapshotted on the caller's thread, encoded in the background.
 
-A state's Python part (a config tree, a trainer's log history) checked, copied and
-JSON-encoded inside ``save()`` would cost the caller several times a ``json.dumps`` of it, so
-:func:`.tree.encode_tree` (caller's thread) replaces each container of :data:`FREEZE_MIN`
-items or more made of builtin values only (exact ``dict``/``list``/``tuple``/``set``/
-``frozenset`` of ``str``, ``int``, ``float``, ``bool``, ``None``, ``bytes``, ``bytearray``,
-nested; numpy bool/int/float/str scalars as their Python values, which is how the
-tree stores them) by a :class:`Frozen`: the container serialized by the C pickler in slices of
-about :data:`PART_BYTES` (far cheaper than the JSON encoding). That is the save's snapshot:
-mutating the caller's objects after ``save()`` returns changes nothing saved. Anything else (a
-tensor, a dataclass, a subclass, an ``OrderedDict``, a cycle) makes :func:`freeze` give up at
-once, and the caller's walk goes on into the container as before, so unknown types are still
-refused by ``save()`` naming the key.
+Checking, copying and JSON-encoding a state's Python part (a config, a log history) inside
+``save()`` would cost the caller several ``json.dumps`` of it, so :func:`.tree.encode_tree`
+replaces each container of :data:`FREEZE_MIN` items or more made of builtin values only
+(exact ``dict``/``list``/``tuple``/``set``/``frozenset`` of ``str``, ``int``, ``float``,
+``bool``, ``None``, ``bytes``, ``bytearray``, nested; numpy bool/int/float/str scalars as
+their Python values) by a :class:`Frozen`: the container serialized by the C pickler in
+slices of about :data:`PART_BYTES`. That is the save's snapshot: mutating the caller's objects
+after ``save()`` returns changes nothing saved. Anything else (a tensor, a dataclass, a
+subclass, an ``OrderedDict``, a cycle) makes :func:`freeze` give up, and the walk goes into
+the container as usual (so ``save()`` still refuses unknown types naming the key).
 
-:class:`DeferredTree` later (the snapshot thread, after the tensors are staged; else whoever
-asks first: the committer) rebuilds each slice (:func:`thaw`: a private unpickler that resolves
-no global but the builtin types above, so nothing but builtin values can come back), checks it
-(:func:`.validate.is_plain`) and splices its JSON into the tree's; a container that is not plain
-JSON is encoded by the ordinary rules of :func:`.tree.encode_tree`. What only this encoding can
-find (an int over ``MAX_INT_BITS``, a dict key no rule stores, nesting past ``MAX_DEPTH``, a
-manifest over its limit) fails the save: ``handle.result()`` raises ``SaveFailed`` caused by the
-:class:`~zerostall.errors.UnsupportedStateError` naming the key. A slice whose bytes equal the
-previous save's at the same depth reuses that save's encoding.
+:class:`DeferredTree` later (the snapshot thread once the tensors are staged, else whoever asks
+first) rebuilds each slice with a private unpickler that resolves no global but those builtin
+types (:func:`thaw`), and splices its JSON into the tree's; a container that is not plain JSON
+is encoded by :func:`.tree.encode_tree`'s rules. What only this encoding can find (an int over
+``MAX_INT_BITS``, a dict key no rule stores, nesting past ``MAX_DEPTH``, a manifest over its
+limit) fails the save: ``handle.result()`` raises ``SaveFailed`` caused by the
+:class:`~zerostall.errors.UnsupportedStateError` naming the key.
 """
 
 from __future__ import annotations
@@ -30,6 +26,7 @@ import io
 import json
 import pickle
 import threading
+from dataclasses import dataclass
 from itertools import chain, islice
 from typing import Any, Callable
 
@@ -45,14 +42,14 @@ except ImportError:  # pragma: no cover - numpy ships with torch
 __all__ = ["DeferredTree", "Frozen", "freeze", "skeleton_json", "thaw"]
 
 
+@dataclass(eq=False, slots=True)
 class Frozen:
     """A container of type ``kind`` snapshotted by :func:`freeze` as ``parts`` (pickled slices
-    of its items, in order) at ``path`` (its key path, for errors)."""
+    of its items, in order) at ``path`` (its key path, for errors). Compared by identity."""
 
-    __slots__ = ("kind", "parts", "path")
-
-    def __init__(self, kind: type, parts: tuple[bytes, ...], path: tuple[Any, ...]):
-        self.kind, self.parts, self.path = kind, parts, path
+    kind: type
+    parts: tuple[bytes, ...]
+    path: tuple[Any, ...]
 
 
 class _Refuse(Exception):
@@ -60,16 +57,14 @@ class _Refuse(Exception):
 
 
 _NUMPY_AS = {"b": bool, "i": int, "u": int, "f": float, "U": str, "S": bytes}
-"""numpy scalar kinds and the Python type the tree stores them as (the rule of docs/usage.md, as
-:func:`.tree._np_plain`: ``x.item()``); a long double or any other kind is refused here."""
+"""numpy scalar kinds and the Python type the tree stores them as (as :func:`.tree._np_plain`)."""
 _TO = frozenset(_NUMPY_AS.values())
 
 
 class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
-        # reached for every object the C pickler does not write itself: only exact builtin
-        # containers, str, bytes, bytearray, int, float, bool and None get past, and numpy
-        # scalars (np.float64 from a metrics function, in a log history) as their Python value
+        # reached for every object the C pickler does not write itself: only the builtin values
+        # of the module docstring get past, numpy scalars as their Python value
         if np is not None and isinstance(obj, np.generic):
             to = _NUMPY_AS.get(obj.dtype.kind)
             if to is not None and not (to is float and obj.dtype.itemsize > 8):
@@ -80,16 +75,14 @@ class _Pickler(pickle.Pickler):
 
 
 FREEZE_MIN = 17
-"""Containers with at least this many items are frozen whole; a smaller one (the top of a state,
-``{"config": ..., "step": 3}``) is walked, each of its items frozen (or encoded) on its own: a
-step counter that changes every save then leaves the large config beside it unchanged, whose
-encoding the next save reuses."""
-
+"""Containers with at least this many items are frozen whole; a smaller one (the top of a
+state, ``{"config": ..., "step": 3}``) is walked, each item frozen or encoded on its own (so
+the step counter's change leaves the config's encoding reusable)."""
 
 PART_BYTES = 1 << 20
-"""About the size of one slice of a large container (the first :data:`PROBE_ITEMS` items set
-the slice length): the GIL is let go between slices, and a growing log history re-encodes only
-its last slices (the others' bytes are the previous save's)."""
+"""About the size of one slice of a large container: the GIL is let go between slices, and a
+growing log history re-encodes only its last slices (a slice with the previous save's bytes
+reuses its encoding)."""
 PROBE_ITEMS = 64
 
 
@@ -112,11 +105,10 @@ def _dump(x: Any) -> bytes | None:
 
 def freeze(x: Any) -> tuple[bytes, ...] | None:
     """``x`` (an exact dict/list/tuple) as pickled slices of its items if it holds builtin
-    values only, else None (a tensor, an object of another type, a cycle, nesting past the
-    interpreter's recursion limit). Caller's thread. The first slice holds
-    :data:`PROBE_ITEMS` items, the others as many as make about :data:`PART_BYTES` at the
-    first's size per item (so equal leading items slice alike, save after save). Fast mode: no
-    memo (shared subtrees are written twice, as the JSON holds them twice), a cycle is refused."""
+    values only, else None (a tensor, another type, a cycle, nesting past the recursion
+    limit). Caller's thread. The first slice holds :data:`PROBE_ITEMS` items, the others as
+    many as make about :data:`PART_BYTES` at the first's size per item (so equal leading items
+    slice alike, save after save). No memo: shared subtrees are written twice, as in the JSON."""
     n = len(x)
     if n <= PROBE_ITEMS:
         one = _dump(x)
@@ -170,14 +162,12 @@ def skeleton_json(tree: Any, frozen: list[Frozen]) -> str:
 
 class DeferredTree:
     """A state tree with :class:`Frozen` parts, finished on first :meth:`result` (any thread;
-    the first caller does the work under a lock, later ones get the cached tree and JSON or
-    the same error).
+    the first caller does the work under a lock, later ones get the cached result or error).
 
     ``skeleton``: :func:`skeleton_json` of ``tree`` and ``frozen``. ``encode(obj, path)``
-    encodes one thawed container that is not plain JSON (:func:`.tree.encode_tree`'s rules);
-    ``check(tree, tree_json)`` raises if the manifest would be too large. ``prev``: the
-    previous save's ``{(depth, slice): (copy, json or None)}``, reused for unchanged slices;
-    this save's are collected in :attr:`memo` (handed to the next save by the plan cache)."""
+    encodes a thawed container that is not plain JSON; ``check(tree, tree_json)`` raises if
+    the manifest would be too large. ``prev``: the previous save's :attr:`memo`
+    (``{(depth, slice): (copy, json or None)}``), reused for unchanged slices."""
 
     def __init__(self, tree: Any, skeleton: str, frozen: list[Frozen], encode: Callable[[Any, tuple[Any, ...]], Any],
                  check: Callable[[Any, str], None],
@@ -206,8 +196,7 @@ class DeferredTree:
             return self._done  # type: ignore[return-value]
     def _part(self, data: bytes, depth: int) -> tuple[Any, str | None]:
         """(the slice's private copy, its JSON if it is plain JSON else None), the previous
-        save's if the bytes are equal at the same depth (whether it is plain depends on both:
-        nesting past the limit)."""
+        save's if the bytes are equal at the same depth (nesting past the limit is not plain)."""
         key = (depth, data)
         got = self.memo.get(key) or self._prev.get(key)
         if got is None:
@@ -250,8 +239,7 @@ _LEAF_TAGS = frozenset(("T", "A", "v", "f", "j"))
 
 def _substitute(node: Any, nodes: dict[int, Any]) -> Any:
     """The tree with each :class:`Frozen` replaced by its node (``nodes`` by ``id``); parts
-    without one are shared, not copied (told apart by C-level passes: a dict of 100k tensors
-    costs no Python frame per tensor)."""
+    without one are shared, not copied (found by C-level passes: no frame per tensor)."""
     if type(node) is Frozen:
         return nodes[id(node)]
     if type(node) is not dict or len(node) != 1:

@@ -6,23 +6,18 @@
     offset 0      header block: magic, layout version, JSON {checkpoint_id, step, rank,
                   file_bytes}, zero-padded to 4096
     offset 4096   payload of tensor 0
-    ...           payload of tensor k at the offset the manifest records (see below)
+    ...           payload of tensor k at the offset the manifest records
     file_bytes    end of file (a multiple of 4096; logical lengths live in the manifest)
 
-Layout 2, the one this release writes and reads: an item of ``PAGE_ITEM_BYTES`` or more starts on a 4 KiB
-boundary and owns its pages (the next item starts at the next boundary after it, so it can
-be read straight into a page-aligned destination); a smaller one follows the previous item at
-its own alignment (:func:`item_align`: a cache line, 64 bytes, from 4 KiB up; 16 bytes below
-(the largest dtype's size); the next power of two of its size under 16 bytes: always a
-multiple of its dtype's size), so a tensor can be viewed in place in the staging arena.
-At most 1.6% padding for any tensor of 1 KiB or more (docs/speed-tricks.md has the figures).
-A file of another layout (layout 1, every item on its own page, came before) is refused
-naming its layout and what to do (:meth:`ShardHeader.check`).
+Layout 2, the one this release writes and reads: an item of ``PAGE_ITEM_BYTES`` or more starts
+on a 4 KiB boundary and owns its pages (it can be read straight into a page-aligned
+destination); a smaller one follows the previous item at its own alignment
+(:func:`item_align`, always a multiple of its dtype's size), so a tensor can be viewed in place
+in the staging arena. A file of another layout is refused naming its layout and what to do.
 
-The file is still read and written in aligned extents only (O_DIRECT); a partial read
-(``keys=``) reads the pages covering the wanted items. Every byte of the file is either
-covered by a crc32c (payloads), compared exactly (header) or must be zero (padding): a
-flipped bit anywhere is detected.
+The file is read and written in aligned extents only (O_DIRECT). Every byte of it is covered
+by a crc32c (payloads), compared exactly (header) or must be zero (padding): a flipped bit
+anywhere is detected.
 """
 
 from __future__ import annotations
@@ -46,6 +41,7 @@ def shard_name(rank: int) -> str:
     """The file name every writer (Checkpointer, DCP plugin) gives rank ``rank``'s shard."""
     return f"rank-{rank:05d}{SHARD_SUFFIX}"
 
+
 MAGIC = b"ZSTLSHRD"
 _FIXED = struct.Struct("<8sII")  # magic, layout version, JSON length
 LAYOUT_VERSION = 2
@@ -53,13 +49,11 @@ LAYOUT_VERSION = 2
 ITEM_ALIGN = 64
 """The alignment of a packed item of ``LINE_ITEM_BYTES`` or more (a cache line; torch's own)."""
 LINE_ITEM_BYTES = 4096
-"""Items at least this big are cache-line aligned (at most 1.6% padding); smaller ones to
-``SMALL_ALIGN`` (at most 15 bytes each: 64 would pad 500k tensors of 537 B by 7%)."""
+"""Items at least this big are cache-line aligned; smaller ones to ``SMALL_ALIGN`` (less padding)."""
 SMALL_ALIGN = 16
 """The alignment of a packed item under ``LINE_ITEM_BYTES``: the largest dtype's size."""
 PAGE_ITEM_BYTES = 256 << 10
-"""Items at least this big start on a 4 KiB boundary and own their pages (under 1.6% padding;
-the restore pipeline may read one straight into a page-aligned new tensor)."""
+"""Items at least this big start on a 4 KiB boundary and own their pages."""
 MANIFEST_ALIGNMENT = ITEM_ALIGN
 """The manifest's ``alignment`` field, which names the layout (``4096``: layout 1)."""
 
@@ -103,8 +97,7 @@ def pack_offsets(sizes: Sequence[int], start: int = HEADER_BYTES) -> tuple[list[
     """Layout-2 offsets for items of ``sizes`` bytes, in order, from ``start`` (a page
     boundary), and the file's length (a multiple of 4096). The one offset assignment: the
     save plan, incremental saves and the DCP plugin all place items with it."""
-    # place() and item_align() inlined (same rule; a test compares them over random sizes):
-    # no Python call per tensor in a first save's plan
+    # place() inlined (a test compares them over random sizes): no Python call per tensor
     offsets, pos = [], start
     append = offsets.append
     small, page, line, mask = _SMALL_ALIGN, PAGE_ITEM_BYTES, LINE_ITEM_BYTES, ALIGN_BYTES - 1

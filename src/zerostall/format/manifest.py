@@ -36,7 +36,6 @@ from .layout import HEADER_BYTES, LAYOUT_VERSION, MANIFEST_ALIGNMENT, version_ad
 from .refs import RefFile, parse_ref_files
 from .table import FORMAT_VERSION_TABLE, Entries, TensorEntry, encode_columns, file_slots, parse_columns, tensors_json
 from .decode import decode_tree
-from .nodes import tree_tensor_indices
 
 __all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "Entries", "FileEntry", "Manifest", "TensorEntry", "tensors_json"]
 
@@ -233,9 +232,7 @@ class Manifest:
             raise bad("'rank_trees' must list one tree per rank")
         dtypes = [t.dtype for t in tensors]
         for tree in [body.get("tree")] + (rank_trees or []):
-            V.check_tree_refs(tree_tensor_indices(tree), dtypes, where)
-            decode_tree(tree, [None] * len(tensors), where=where,  # structure only: unknown tags fail here
-                        build_objects=False)
+            decode_tree(tree, dtypes, where=where, build_objects=False)
         meta = body.get("user_metadata", {})
         if not isinstance(meta, dict):
             raise bad("'user_metadata' is not an object")

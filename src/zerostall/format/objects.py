@@ -1,35 +1,21 @@
 """Common Python objects in a state tree, stored as tagged JSON: no pickle, no code on load.
 
-Called by :mod:`.tree` (on the caller's thread, inside ``save()``/``load()``; for the containers
-``save()`` snapshotted, on the thread that encodes them: :mod:`.frozen`) for a leaf that is not
-a tensor, an array, a plain value or a container. One node shape::
-
-    {"o": [TYPE, PAYLOAD]}     TYPE a string naming the kind, PAYLOAD an ordinary tree node
+Called by :mod:`.tree` (inside ``save()``/``load()``, or on the thread that encodes
+:mod:`.frozen` containers) for a leaf that is not a tensor, an array, a plain value or a
+container. One node shape: ``{"o": [TYPE, PAYLOAD]}``, TYPE a string naming the kind, PAYLOAD
+an ordinary tree node.
 
 **The decoding rule.** Decoding never imports a module named by the checkpoint and never
-calls anything that is not on an allow-list:
+calls anything that is not on an allow-list: the standard kinds of :mod:`.kinds` (matched by
+exact type: a subclass would load back as the base type, so it is stored only if registered),
+and the types the program registered with :func:`register_type`. Anything else (a dataclass,
+Enum member or class reference whose type is not registered, or a kind this version does not
+know) comes back as :class:`TaggedData` (the type name and the decoded payload); saving a
+``TaggedData`` again writes the original node, so such values survive a load/save round trip.
 
-- the standard kinds below, rebuilt by code in this module: ``argparse.Namespace``,
-  ``pathlib`` paths, ``datetime``/``date``/``time``/``timedelta``, ``set``/``frozenset``,
-  ``bytes``/``bytearray``, ``complex``, ``uuid.UUID``, ``torch.dtype``/``torch.device``/
-  ``torch.Size``, ``collections.defaultdict`` (its ``default_factory`` a builtin type or
-  None) and ``Counter``, numpy ``datetime64``/``timedelta64`` scalars (unit and NaT kept),
-  OmegaConf ``DictConfig``/``ListConfig`` (rebuilt with ``OmegaConf.create`` when omegaconf is
-  installed). Each is matched by its exact type: a subclass is not one of them (it would load
-  back as the base type) and is stored only if registered;
-- the types the program registered with :func:`register_type` (dataclasses, enums,
-  namedtuples, any class, ``__slots__`` ones included): those, and only those, are
-  constructed (a registered dataclass through its ``__init__``, a namedtuple through
-  ``cls(*fields)``).
-
-Anything else (a dataclass, Enum member or class reference whose type is not registered, or
-a kind this version does not know) comes back as :class:`TaggedData` (the type name and the
-decoded payload: plain dicts/lists/values/tensors); saving a ``TaggedData`` again writes the
-original node, so such values survive a load/save round trip unchanged.
-
-Objects with ``state_dict()`` (modules, optimizers, schedulers, scalers, any ``Stateful``)
-are stored as their state dict (no tag): they load back as that dict, or into the object
-itself when it is passed to ``load`` (see :mod:`zerostall.stateful`).
+Objects with ``state_dict()`` (modules, optimizers, any ``Stateful``) are stored as their
+state dict (no tag): they load back as that dict, or into the object itself when it is
+passed to ``load`` (see :mod:`zerostall.stateful`).
 """
 
 from __future__ import annotations
@@ -46,8 +32,7 @@ from .kinds import STANDARD as _STANDARD, STANDARD_TYPES, _fields, _str, encode_
 
 log = logging.getLogger("zerostall")
 
-__all__ = ["TaggedData", "decode_object", "encode_object", "register_type", "registered_types",
-           "unregister_type"]
+__all__ = ["TaggedData", "decode_object", "encode_object", "register_type", "unregister_type"]
 
 Enc = Callable[[Any], Any]  # encodes a child value into a tree node
 Dec = Callable[[Any], Any]  # decodes a child tree node
@@ -66,8 +51,7 @@ class TaggedData:
     data: Any
 
     def __getattr__(self, attr: str) -> Any:
-        # reached only for attributes a TaggedData lacks: what code that expected the
-        # original object asks for ('cfg.width'); say which type and how to get it back
+        # reached only for what code that expected the original object asks for ('cfg.width')
         if attr.startswith("__"):
             raise AttributeError(attr)
         short = self.type.rsplit(".", 1)[-1] if self.type != "class" else "TheClass"
@@ -158,11 +142,6 @@ def _lookup(name: str) -> _Registered | None:
     else:
         hits = [r for r in regs if r.cls.__module__ == "__main__" and name.endswith(f".{r.cls.__qualname__}")]
     return hits[0] if len(hits) == 1 else None
-
-
-def registered_types() -> dict[str, type]:
-    with _lock:
-        return {n: r.cls for n, r in _by_name.items()}
 
 
 def _is_namedtuple(cls: type) -> bool:
@@ -269,19 +248,17 @@ def _build_registered(reg: _Registered, payload: Any) -> Any:
         except KeyError:
             raise ValueError(f"{reg.name} has no member {payload['name']!r}") from None
     fields = _fields(payload)
-    if _is_namedtuple(cls):  # as for dataclasses: dropped fields warned, missing ones take their defaults
-        dropped = sorted(set(fields) - set(cls._fields))
-        if dropped:
-            log.warning("zerostall: %s no longer has field(s) %s; dropped on load", reg.name, dropped)
+    known = (cls._fields if _is_namedtuple(cls) else
+             {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else fields)
+    dropped = sorted(set(fields) - set(known))
+    if dropped:  # then missing ones take their defaults
+        log.warning("zerostall: %s no longer has field(s) %s; dropped on load", reg.name, dropped)
+    if _is_namedtuple(cls):
         missing = [f for f in cls._fields if f not in fields and f not in cls._field_defaults]
         if missing:
             raise ValueError(f"namedtuple {reg.name} needs field(s) {missing} the checkpoint lacks")
         return cls(**{f: fields[f] for f in cls._fields if f in fields})
     if dataclasses.is_dataclass(cls):
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        dropped = sorted(set(fields) - set(known))
-        if dropped:
-            log.warning("zerostall: %s no longer has field(s) %s; dropped on load", reg.name, dropped)
         obj = cls(**{k: v for k, v in fields.items() if k in known and known[k].init})
         for k, v in fields.items():
             if k in known and not known[k].init:

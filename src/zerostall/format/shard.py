@@ -1,20 +1,15 @@
-"""The one shard codec: how items are laid out in a shard file, written and read back checked.
+"""The one shard codec (layout: :mod:`.layout`): items written into a shard file and read back checked.
 
-Used by the Checkpointer (``store/persist.py`` writes through :class:`CrcCursor`,
-``restore.py`` reads through :func:`read_shard`) and by the DCP plugin
-(``distributed/dcp_storage.py`` writes with :func:`write_shard`, ``distributed/dcp_read.py`` reads with
+Used by the Checkpointer (the persist thread writes through :class:`CrcCursor`, the restore
+pipeline reads through :class:`ShardCursor`) and by the DCP plugin (:func:`write_shard`,
 :func:`read_shard`), so both check the same things: the header block exactly, every item's
 crc32c, and that every other byte read (gaps between items, the tail) is zero.
 
-Layout (see :mod:`.layout`): a ``HEADER_BYTES`` header block, then the items packed at
-their own alignment (:func:`~.layout.pack_offsets`; page items on page boundaries), zero
-padding between them and up to the end; the file is a multiple of ``ALIGN_BYTES``. Every function here runs on the calling thread; none keeps
-state between calls. Buffers (``buf``/``bounce``) are page-aligned mappings owned by the
-caller, exposing ``mv`` (memoryview), ``u8`` (a torch uint8 view) and ``nbytes`` — the
-staging arena's :class:`~zerostall.memory.arena.Arena` is one.
-
-This layer never opens files itself: the caller passes an open engine file (``read`` /
-``write`` of aligned extents), so one place (``io/``) chooses how bytes move.
+Every function runs on the calling thread and keeps no state between calls. Buffers
+(``buf``/``bounce``) are page-aligned mappings owned by the caller, exposing ``mv``
+(memoryview), ``u8`` (a torch uint8 view) and ``nbytes`` (the staging
+:class:`~zerostall.memory.arena.Arena` is one). This layer never opens files: the caller passes
+an open engine file (``read``/``write`` of aligned extents), so ``io/`` alone chooses how bytes move.
 """
 
 from __future__ import annotations
@@ -116,9 +111,9 @@ def check_items(path: str, items: Sequence[Item], file_bytes: int) -> None:
         end = item_end(it.offset, it.nbytes)
 
 
-def _runs(items: Sequence[Item], wanted: set[int] | None, file_bytes: int) -> list[tuple[int, int]]:
-    """The aligned byte ranges to read: the whole file, or the header and the pages covering
-    the wanted items (packed items share pages with their neighbours)."""
+def read_runs(items: Sequence[Item], wanted: set[int] | None, file_bytes: int) -> list[tuple[int, int]]:
+    """The aligned byte ranges to read, in file order: the whole file, or the header and the
+    pages covering the wanted items (packed items share pages with their neighbours)."""
     if wanted is None:
         return [(0, file_bytes)]
     runs = [(0, HEADER_BYTES)]
@@ -135,21 +130,15 @@ def _runs(items: Sequence[Item], wanted: set[int] | None, file_bytes: int) -> li
 class ShardCursor:
     """Checks a shard fed window by window, in file order, and copies items into ``dsts``.
 
-    ``items`` are sorted by offset (see :func:`check_items`); ``dsts[i]`` is a flat uint8 CPU
-    tensor of ``items[i].nbytes`` bytes to fill, or None (checked only; also for an item whose
-    window *is* its destination, read there directly). ``dsts`` may also be a function of
-    ``i``, called when item ``i``'s first byte is fed. :meth:`feed` takes the windows of
-    :func:`read_runs` (or any aligned cut of them) in file order; ``copy(i, dst, src)`` moves
-    bytes of item ``i`` (default: inline ``dst.copy_(src)``; the restore pipeline hands it to a worker).
-    A destination may also be an int: the address of ``nbytes`` writable bytes the caller keeps
-    alive (the restore pipeline's, so that 100k small tensors cost no tensor op each).
+    ``items`` are sorted by offset (see :func:`check_items`); ``dsts[i]`` (or ``dsts(i)``,
+    called when item ``i``'s first byte is fed) is a flat uint8 CPU tensor of
+    ``items[i].nbytes`` bytes to fill, the int address of that many writable bytes the caller
+    keeps alive (no tensor op per item), or None (checked only, or read in place).
     ``on_item(i)`` is called once item ``i`` is complete and has passed its crc32c.
-    ``wanted``: a partial read (the windows of :func:`read_runs` for these items): only the
-    wanted items are checked and copied. The pages read may hold neighbours
-    that ``items`` need not list (an earlier step's file), so only the padding a page item
-    owns (after it, up to its page's end) is, unless ``listed`` says ``items`` are every item
-    of the file (the DCP reader's): then every padding byte of the pages read is checked;
-    a whole read checks every byte.
+    ``wanted``: a partial read (the windows of :func:`read_runs` for these items): only those
+    are checked and copied, and of the padding only what a page item owns (the pages may hold
+    neighbours ``items`` does not list), unless ``listed`` says ``items`` are every item of
+    the file: then every padding byte read is checked, as in a whole read.
     Owned by one thread (the restore pipeline's consumer, or :func:`read_shard`'s caller).
     """
 
@@ -168,9 +157,10 @@ class ShardCursor:
 
     def feed(self, w0: int, mv: memoryview, u8: torch.Tensor,
              copy: Callable[[int, Any, Any, int], Any] | None = None, addr: int = 0) -> None:
-        """Check the window of file bytes ``[w0, w0 + len(mv))`` (``u8`` views the same memory,
-        at address ``addr`` if destinations are addresses: see the class doc). ``copy(i, dst,
-        src, n)`` gets tensor slices, or addresses for address destinations."""
+        """Check the window of file bytes ``[w0, w0 + len(mv))`` (windows of :func:`read_runs`,
+        in file order; ``u8`` views the same memory, at ``addr``). ``copy(i, dst, src, n)``
+        moves item ``i``'s bytes (tensor slices, or addresses for address destinations;
+        default inline)."""
         items, path, verify, crcs, gaps, wanted = self.items, self.path, self.verify, self.crcs, self.gaps, self.wanted
         w1 = w0 + len(mv)
         if w0 == 0 and verify:
@@ -233,29 +223,18 @@ class ShardCursor:
                     self.on_item(i)
 
 
-def read_runs(items: Sequence[Item], wanted: set[int] | None, file_bytes: int) -> list[tuple[int, int]]:
-    """The aligned byte ranges to read: the whole file, or the header and the pages covering
-    the wanted items, in file order."""
-    return _runs(items, wanted, file_bytes)
-
-
 def read_shard(f: Any, path: str, file_bytes: int, header: ShardHeader, items: Sequence[Item],
                dsts: Sequence[torch.Tensor | None] | Callable[[int], torch.Tensor | None], bounce: Any, *,
                verify: bool = True,
                wanted: set[int] | None = None, on_item: Callable[[int], None] | None = None,
                listed: bool = False) -> None:
-    """Stream a shard through ``bounce``, checking it, and copy items into ``dsts``.
-
-    One window at a time on the calling thread (the restore pipeline,
-    :mod:`zerostall.restore.stream`, overlaps reads, checks and copies with the same
-    :class:`ShardCursor`). ``items``, ``dsts`` and ``on_item`` as there. With ``wanted=None``
-    every byte of the file is read and checked; otherwise only the header block and the
-    pages covering the wanted items (their crc32c checked; see :class:`ShardCursor`).
-    Raises :class:`CorruptCheckpoint` naming ``path`` and the item at fault.
+    """Stream a shard through ``bounce`` one window at a time, checking it, and copy items into
+    ``dsts`` (arguments as :class:`ShardCursor`'s). With ``wanted=None`` every byte of the file
+    is read and checked. Raises :class:`CorruptCheckpoint` naming ``path`` and the item at fault.
     """
     win = bounce.nbytes // ALIGN_BYTES * ALIGN_BYTES
     cur = ShardCursor(path, header, items, dsts, verify=verify, on_item=on_item, wanted=wanted, listed=listed)
-    for r0, r1 in _runs(items, wanted, file_bytes):
+    for r0, r1 in read_runs(items, wanted, file_bytes):
         for w0 in range(r0, r1, win):
             w1 = min(w0 + win, r1)
             f.read([(w0, bounce.mv[:w1 - w0])])
@@ -273,8 +252,8 @@ def _zero_bytes(n: int) -> bytes:
 
 
 def _zeros(mv: memoryview) -> bool:
-    """Whether every byte of ``mv`` is zero, without a tensor op for a small gap (one comes
-    per item: a bytes compare costs far less than ``Tensor.any``)."""
+    """Whether every byte of ``mv`` is zero (a small gap, one per item, by a bytes compare: far
+    cheaper than ``Tensor.any``)."""
     n = len(mv)
     if n > 1 << 16:
         return not torch.frombuffer(mv, dtype=torch.uint8).any().item()

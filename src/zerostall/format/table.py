@@ -9,10 +9,8 @@ tensor indices the state tree refers to::
 
 ``dtype`` indexes ``dtypes``; ``file`` indexes the body's ``files`` followed by its
 ``ref_files`` (an index past ``files`` is a reference: the entry's step is that ref file's).
-This takes fewer bytes per tensor than one object per tensor would (``{"key", "dtype",
-"shape", "file", "offset", "nbytes", "crc32c"[, "step"]}``, the form ``inspect --json`` shows),
-and parses faster (fewer, larger JSON containers). Called by
-:meth:`~.manifest.Manifest.from_bytes` and ``to_bytes`` (any thread) and by the single-rank committer through :func:`tensors_json` (persist thread).
+Called by :class:`~.manifest.Manifest` (any thread) and by the single-rank committer through
+:func:`tensors_json` (persist thread).
 """
 
 from __future__ import annotations
@@ -22,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from .dtype_names import ITEMSIZE_BY_NAME as _ITEMSIZE_BY_NAME, unknown_dtype
 from . import validate as V
+from .validate import ITEMSIZE_BY_NAME as _ITEMSIZE_BY_NAME, unknown_dtype
 from .._fast import CRC32C, DTYPE, KEY, NBYTES, OFFSET, SHAPE, frozen_maker
 
 FORMAT_VERSION_TABLE = 3
@@ -81,43 +79,33 @@ def encode_columns(tensors: Sequence[TensorEntry], files: Sequence[str], refs: S
             "nbytes": [t.nbytes for t in tensors], "crc32c": [t.crc32c for t in tensors]}
 
 
-def tensors_json(tensors: Sequence[TensorEntry], memo: dict[Any, Any] | None = None,
-                 files: Sequence[str] | None = None) -> str:
-    """``tensors`` (entries without references; ``files``: the manifest's file names, by
-    default the one file the entries are in) as the version 3 table, exactly as
-    :meth:`~.manifest.Manifest.to_bytes` would encode it. Every column but ``crc32c`` (last)
-    depends on the layout only: with ``memo`` (the save plan's, shared by every save of one
-    layout) they are encoded once and each later save only joins its crc32c values. Persist
-    thread."""
-    written = isinstance(tensors, Entries)
-    if files is None:  # one file: the single-rank manifest's
-        files = (tensors.file,) if written else tuple({t.file: None for t in tensors}) or ("",)
+def tensors_json(tensors: Sequence[TensorEntry], memo: dict[Any, Any] | None = None) -> str:
+    """``tensors`` (entries of one file, without references) as the version 3 table, exactly as
+    :meth:`~.manifest.Manifest.to_bytes` encodes it for a manifest of that one file. Every
+    column but ``crc32c`` (last) depends on the layout only: with ``memo`` (the save plan's,
+    shared by every save of one layout) they are encoded once and each later save only joins
+    its crc32c values. Persist thread."""
+    if not isinstance(tensors, Entries):
+        files = {t.file: None for t in tensors}
         if len(files) > 1:
-            raise ValueError("tensors_json: entries in several files: pass the manifest's file names in order")
-    if not written and any(t.step is not None for t in tensors):
-        raise ValueError("tensors_json: references are encoded by Manifest.to_bytes")
-    key = ("tensors_json", len(tensors), tuple(files), tensors.file if written else "")
+            raise ValueError("tensors_json: entries in several files are encoded by Manifest.to_bytes")
+        if any(t.step is not None for t in tensors):
+            raise ValueError("tensors_json: references are encoded by Manifest.to_bytes")
+        tensors = Entries(tensors, next(iter(files), ""), list(map(CRC32C, tensors)))
+    key = ("tensors_json", len(tensors), tensors.file)
     head = memo.get(key) if memo is not None else None
     if head is None:
-        if written:
-            head = tensors.json_head(list(files).index(tensors.file))
-        else:
-            cols = encode_columns(tensors, files)
-            cols["crc32c"] = []
-            text = json.dumps(cols, separators=(",", ":"), allow_nan=False)
-            head = text[:-3]  # cut '[]}' after "crc32c":
+        head = tensors.json_head()
         if memo is not None:
             memo[key] = head
-    crcs = tensors.crcs if written else map(CRC32C, tensors)
-    return "".join((head, "[", ",".join(map(str, crcs)), "]}"))
+    return "".join((head, "[", ",".join(map(str, tensors.crcs)), "]}"))
 
 
 class Entries(Sequence[TensorEntry]):
     """The tensor entries of one written shard, kept as the save plan's items (anything with
     ``key``, ``dtype``, ``shape``, ``offset``, ``nbytes``), the shard's name and the crc32c
-    values: a :class:`TensorEntry` is made only on access. The single-rank committer's manifest
-    (persist thread): making every entry per save is costly, and :func:`tensors_json`
-    encodes these without them. Immutable; compares like the tuple of its entries."""
+    values: a :class:`TensorEntry` is made only on access (:func:`tensors_json` needs none).
+    The single-rank committer's (persist thread). Immutable; compares like the tuple of its entries."""
 
     __slots__ = ("items", "file", "crcs")
 
@@ -144,8 +132,9 @@ class Entries(Sequence[TensorEntry]):
     def __hash__(self) -> int:
         return hash(tuple(self))
 
-    def json_head(self, file_index: int) -> str:
-        """The version 3 table up to ``"crc32c":`` (see :func:`tensors_json`)."""
+    def json_head(self) -> str:
+        """The version 3 table up to ``"crc32c":``, for a manifest of this one file (see
+        :func:`tensors_json`)."""
         items = self.items
 
         def dumps(v: Any) -> str:
@@ -156,7 +145,7 @@ class Entries(Sequence[TensorEntry]):
             '{"dtypes":', dumps(list(dtypes)), ',"key":', dumps(list(map(KEY, items))),
             ',"dtype":[', ",".join(map(dtypes.__getitem__, dcol)), '],"shape":',
             dumps(list(map(SHAPE, items))),
-            ',"file":[', ",".join([str(file_index)] * len(items)),
+            ',"file":[', ",".join(["0"] * len(items)),
             '],"offset":[', ",".join(map(str, map(OFFSET, items))),
             '],"nbytes":[', ",".join(map(str, map(NBYTES, items))), '],"crc32c":'))
 
@@ -167,7 +156,8 @@ Bad = Callable[..., Exception]
 
 def _entry(i: int, key: Any, dt: Any, shape: Any, fname: Any, span_file: Any, ref_step: Any, off: Any,
            nbytes: Any, crc: Any, where: str, bad: Bad, out: list[TensorEntry], spans: list[V.Span]) -> None:
-    """Check one entry (the common case inline, the naming helpers only where a check fails)."""
+    """Check one entry (the common case inline, the naming helpers only where a check fails) and
+    append it and its span."""
     if not isinstance(key, str) or len(key) > V.MAX_KEY_CHARS:
         raise bad(f"tensor entry {i} has no valid key")
     size = _ITEMSIZE_BY_NAME.get(dt) if type(dt) is str else None
@@ -182,12 +172,6 @@ def _entry(i: int, key: Any, dt: Any, shape: Any, fname: Any, span_file: Any, re
         V.integer({"offset": off}, "offset", where, 0, max_dim, ctx)  # raises
     if type(crc) is not int or not 0 <= crc <= 0xFFFFFFFF:
         V.integer({"crc32c": crc}, "crc32c", where, 0, 0xFFFFFFFF, ctx)  # raises
-    _add(out, spans, i, key, dt, shape, fname, span_file, ref_step, off, nbytes, crc)
-
-
-def _add(out: list[TensorEntry], spans: list[V.Span], i: int, key: str, dt: str, shape: tuple[int, ...],
-         fname: str, span_file: str, ref_step: int | None, off: int, nbytes: int, crc: int) -> None:
-    """Append a checked entry and its span."""
     out.append(new_entry(key=key, dtype=dt, shape=shape, file=fname, offset=off, nbytes=nbytes, crc32c=crc,
                          step=ref_step))
     spans.append(_new_span(index=i, file=span_file, offset=off, nbytes=nbytes, ident=(dt, shape, crc), key=key))
@@ -236,8 +220,8 @@ def _all_ints(col: list[Any], lo: int, hi: int) -> bool:
 def _fast_columns(cols: list[list[Any]], names: list[str], slots: list[FileSlot], where: str,
                   out: list[TensorEntry]) -> "EntrySpans":
     """:func:`parse_columns` once keys, indices, offsets, sizes and crc32c values are known to
-    be in range: per entry only the shape is left to check (inline for 0-d and 1-d). The spans
-    are the entries' own fields (:class:`EntrySpans`: no object per entry unless needed)."""
+    be in range: per entry only the shape is left to check. The spans are the entries' own
+    fields (:class:`EntrySpans`: no object per entry unless needed)."""
     sizes = [_ITEMSIZE_BY_NAME[n] for n in names]
     check = V.check_shape
     for key, d, shape, f, off, nbytes, crc in zip(*cols):

@@ -1,34 +1,24 @@
 """The state dict's structure as JSON, with tensors replaced by indices.
 
 ``encode_tree`` walks a nested state dict (dicts, lists, tuples, tensors, numpy arrays and
-plain values) and returns a JSON-able tree plus the list of tensor leaves;
-:func:`.decode.decode_tree` does the reverse with the restored tensors (without torch).
-Nothing is pickled: a leaf that is not a tensor, an array or a plain value (None, bool, int, float, str) is rejected with the key that holds
-it. Dict keys may be str, int, float, bool, None or tuples of those (optimizer state uses
-int keys).
+plain values) and returns a JSON-able tree plus the list of tensor leaves, on the caller's
+thread; :func:`.decode.decode_tree` does the reverse (without torch). Nothing is pickled: a
+leaf no rule stores is rejected with the key that holds it. Dict keys may be str, int, float,
+bool, None or tuples of those (optimizer state uses int keys).
 
 Node encoding (one key per node): ``{"v": x}`` plain value, ``{"f": "nan"|"inf"|"-inf"}``
 non-finite float, ``{"T": i}`` tensor i, ``{"A": i}`` numpy array stored as tensor i,
 ``{"l": [...]}`` list, ``{"t": [...]}`` tuple, ``{"d": [[key, node], ...]}`` dict,
-``{"j": x}`` a subtree that is plain JSON as it stands (dicts with str keys, lists, str,
-bounded ints, finite floats, bool, None): stored verbatim, so a long log history costs
-about one ``json.dumps`` (checked and copied by :func:`.validate.plain_copy`, encoded by the
-C encoder),
-``{"o": [type, node]}`` a common Python object (dataclass, Namespace, Enum, path, datetime,
-set, bytes, OmegaConf config, class reference...; see :mod:`.objects` for the rule that
-decoding never imports or runs anything outside an allow-list).
-
-Inside ``save()`` (``frozen=``), a dict, list or tuple of FREEZE_MIN items or more made of builtin
-values only is not encoded on the caller's thread but snapshotted by the C pickler and left
-in the tree as a :class:`.frozen.Frozen`, encoded by the rules above later, off the caller's
-thread (:mod:`.frozen`); a smaller container is walked, each item frozen or encoded alone.
+``{"j": x}`` a subtree that is plain JSON as it stands (checked and copied by
+:func:`.validate.plain_copy`), ``{"o": [type, node]}`` a common Python object (see
+:mod:`.objects` for the rule that decoding never imports or runs anything outside an
+allow-list). Inside ``save()`` (``frozen=``) a large container of builtin values is left in
+the tree as a :class:`.frozen.Frozen`, encoded by these rules later, off the caller's thread.
 
 Ints are bounded (:data:`.validate.MAX_INT_BITS`) so that what is saved can be parsed back.
-Views are saved by value: a conjugate or negative view is resolved first (its bytes alone
-would be the other tensor's), and never merged with the tensor it views.
-
-Two keys that are views of the same bytes (same storage, offset, shape, stride and dtype,
-e.g. tied embedding weights) are stored once and restored as one shared tensor.
+Views are saved by value: a conjugate or negative view is resolved first. Two keys that are
+views of the same bytes (same storage, offset, shape, stride and dtype, e.g. tied embedding
+weights) are stored once and restored as one shared tensor.
 """
 
 from __future__ import annotations
@@ -101,18 +91,26 @@ def _np_plain(x: Any, path: tuple[Any, ...]) -> Any:
         "convert it to a plain value or store it as an array")
 
 
+def _scalar(x: Any, tx: type, path: tuple[Any, ...]) -> Any:
+    """The node of ``x`` if it is None or an exact bool, str, int or float, else None (a
+    subclass, an Enum member or np.float64, would load back as its base)."""
+    if x is None or tx is bool or tx is str:
+        return {"v": x}
+    if tx is int:
+        return {"v": _check_int(x, path)}
+    if tx is float:
+        return {"v": x} if math.isfinite(x) else {"f": repr(x)}
+    return None
+
+
 def _encode_key(k: Any, path: tuple[Any, ...]) -> Any:
-    tk = type(k)  # exact types: a subclass (an Enum member, np.float64) would load back as its base
-    if k is None or tk is bool or tk is str:
-        return {"v": k}
-    if tk is int:
-        return {"v": _check_int(k, path)}
-    if tk is float:
-        return {"v": k} if math.isfinite(k) else {"f": repr(k)}
+    tk = type(k)
+    if (node := _scalar(k, tk, path)) is not None:
+        return node
     if tk is tuple:
         return {"t": [_encode_key(x, path) for x in k]}
     if np is not None and isinstance(k, np.generic) and k.dtype.kind in "biufU":
-        return _encode_key(_np_plain(k, path), path)  # np.float64(inf) was stored as 'np.float64(inf)'
+        return _encode_key(_np_plain(k, path), path)
     raise UnsupportedStateError(
         f"dict key {k!r} of type {tk.__module__}.{tk.__qualname__} under {_fmt_key(path)!r} cannot be stored "
         "(it would not load back as itself); use str, int, float, bool, None or tuples of those as keys "
@@ -193,17 +191,15 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None, *, frozen: list[
                 ) -> tuple[Any, list[TensorLeaf]]:
     """Encode ``obj``: ``(tree, leaves)``; raise :class:`UnsupportedStateError` naming the first bad key.
 
-    ``occurrences``, if given, receives the leaf index of every tensor met, in walk order
-    (an aliased tensor repeats an earlier index); the plan cache of :mod:`..saving.plan_cache` uses it.
-    ``frozen``: if given, a dict, list or tuple of builtin values only is not encoded but
-    snapshotted (:func:`.frozen.freeze`; ``snapshots``: ``{id(container): bytes}`` already
-    taken in this ``save()``) and left in the tree as a :class:`.frozen.Frozen`, also appended
-    to ``frozen``; :class:`.frozen.DeferredTree` encodes it later. ``path``: where ``obj`` sits
-    in the state (errors name the full key). ``columns``: the tensors of ``obj`` in walk order
-    with their attributes, as the plan cache's signature took them (:data:`.bulk.Columns`):
-    a dict of tensors taken in bulk reads its attributes there instead of from each tensor
-    (where its tensors are those very objects, else as usual). ``texts``: receives (node, its
-    pairs' JSON) for each large dict taken in bulk (:func:`.bulk.dumps_tree`).
+    ``occurrences`` receives the leaf index of every tensor met, in walk order (an aliased
+    tensor repeats an earlier index; for :mod:`..saving.plan_cache`). ``frozen``: a dict, list
+    or tuple of builtin values only is snapshotted (:func:`.frozen.freeze`; ``snapshots``:
+    ``{id(container): bytes}`` already taken in this ``save()``), left in the tree as a
+    :class:`.frozen.Frozen` and appended to ``frozen``. ``path``: where ``obj`` sits in the
+    state (errors name the full key). ``columns``: the tensors of ``obj`` in walk order with
+    their attributes (:data:`.bulk.Columns`), read instead of each tensor's by a dict taken in
+    bulk. ``texts``: receives (node, its pairs' JSON) for each large dict taken in bulk
+    (:func:`.bulk.dumps_tree`).
     """
     walk = _Walk(occurrences, None, frozen, snapshots, columns, texts)
     return walk.node(obj, path, len(path)), walk.leaves
@@ -220,8 +216,8 @@ def encode_known(obj: Any, known: list[int], *, frozen: list[Frozen] | None = No
 
 class _Walk:
     """One walk of a state (:func:`encode_tree`, :func:`encode_known`), on the caller's thread,
-    used once. It holds no reference to itself, so the caller's tensors it collected are freed
-    with it (a recursive closure was a reference cycle, left to the cyclic GC)."""
+    used once. Not a recursive closure: that would be a reference cycle holding the caller's
+    tensors until the cyclic GC."""
 
     __slots__ = ("occurrences", "known", "frozen", "snapshots", "columns", "texts", "leaves", "seen", "met")
 
@@ -244,15 +240,10 @@ class _Walk:
             return {"A": self.tensor(_from_numpy(x, path), path, True)}
         if isinstance(x, enum.Enum):  # before int/str: IntEnum and StrEnum members keep their type
             return objects.encode_object(x, lambda v: self.node(v, path, depth + 1))
-        # exact types from here: a subclass is stored by a rule of its own (objects.py: registered
-        # types, namedtuples, defaultdict, torch.Size, ...) or refused, never as its base type
+        # exact types from here: a subclass is stored by a rule of its own (objects.py) or refused
         tx = type(x)
-        if x is None or tx is bool or tx is str:
-            return {"v": x}
-        if tx is int:
-            return {"v": _check_int(x, path)}
-        if tx is float:
-            return {"v": x} if math.isfinite(x) else {"f": repr(x)}
+        if (node := _scalar(x, tx, path)) is not None:
+            return node
         if (frozen := self.frozen) is not None:  # a large container of builtin values: snapshotted, encoded later
             if tx in _FREEZABLE and len(x) >= FREEZE_MIN and (got := self.snapshot(x, tx, path, frozen)) is not None:
                 return got

@@ -14,7 +14,8 @@ What is checked:
 - entries lie inside their file, aligned, and do not overlap, except exact duplicates
   (recorded aliases), which are read and allocated once (:attr:`Validated.alias_of`);
 - the distinct bytes the manifest asks to allocate are bounded by the files' sizes;
-- the state tree references existing entries, and a numpy node (``A``) only a dtype numpy has;
+- the state tree references existing entries, and a numpy node (``A``) only a dtype numpy has
+  (:func:`.decode.decode_tree`);
 - step directory names are canonical (``step-3``, not ``step-03``) and below 2**63.
 """
 
@@ -47,6 +48,15 @@ MAX_INT_BITS = 4096
 """Plain ints in a state are bounded (saved and loaded alike): 4096 bits is far below the
 digit limit of Python's int<->str conversion, so what is saved can always be parsed."""
 
+ITEMSIZE_BY_NAME: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8, "complex128": 16,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+}
+"""The tensor dtype names the format stores and their element sizes: the on-disk contract. Any
+other name is corruption, never a lookup by ``getattr(torch, name)`` (:mod:`.dtypes` maps them
+to this torch's dtypes)."""
+
 NUMPY_DTYPES = frozenset({
     "float64", "float32", "float16", "complex64", "complex128", "int64", "int32", "int16", "int8",
     "uint8", "uint16", "uint32", "uint64", "bool",
@@ -59,6 +69,11 @@ _warned_names: set[str] = set()
 
 def bad(where: str, msg: str, key: str | None = None) -> CorruptCheckpoint:
     return CorruptCheckpoint(f"{where}: {msg}", path=where, key=key)
+
+
+def unknown_dtype(name: object, where: str = "manifest") -> CorruptCheckpoint:
+    """The error for a dtype name the format does not define."""
+    return bad(where, f"unknown dtype {name!r}")
 
 
 # -- JSON ------------------------------------------------------------------------------------
@@ -91,7 +106,7 @@ def integer(obj: dict[str, Any], k: str, where: str, lo: int = 0, hi: int = MAX_
 # -- shapes and entries ----------------------------------------------------------------------
 def check_shape(shape: Any, itemsize: int, nbytes: int, where: str, key: str) -> tuple[int, ...]:
     """A shape whose element count (with every dim, even when one is 0) stays bounded.
-    0-d and 1-d shapes that fit take one inline check (a manifest of 1M entries parses 1M)."""
+    0-d and 1-d shapes that fit take one inline check (one call per entry of a manifest)."""
     if type(shape) is list:
         if not shape and nbytes == itemsize:
             return ()
@@ -163,9 +178,8 @@ _BULK_SPANS = 1024
 
 def _disjoint_in_bulk(spans: Any, file_bytes: dict[str, int]) -> bool:
     """True if every span lies in a listed file, aligned, and no two overlap (then
-    :func:`check_spans` has nothing to report and no alias): numpy over all spans at once.
-    False where any of that fails or does not fit int64:
-    the loop then finds what and says it."""
+    :func:`check_spans` has nothing to report): numpy over all spans at once. False where any
+    of that fails or does not fit int64: the loop then finds what and says it."""
     import numpy as np  # here, not at the top: a small manifest (zerostall ls/inspect) needs none
     n = len(spans)
     cols = spans.columns() if hasattr(spans, "columns") else (  # parsed columns (format.table), or Spans
@@ -199,16 +213,6 @@ def _disjoint_in_bulk(spans: Any, file_bytes: dict[str, int]) -> bool:
     page = n >= PAGE_ITEM_BYTES
     end[page] = (end[page] + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES  # layout.item_end
     return bool((o[1:] >= end[:-1]).all())
-
-
-def check_tree_refs(indices: Iterable[tuple[Any, bool]], dtypes: list[str], where: str) -> None:
-    n = len(dtypes)
-    for idx, is_np in indices:
-        if type(idx) is not int or not 0 <= idx < n:
-            raise bad(where, f"state tree refers to tensor {idx!r:.40}, which is not in 'tensors'")
-        if is_np and dtypes[idx] not in NUMPY_DTYPES:
-            raise bad(where, f"state tree holds a numpy array over tensor {idx} of dtype {dtypes[idx]}, "
-                             "which numpy cannot represent")
 
 
 # -- directory entries and files -------------------------------------------------------------
@@ -267,17 +271,11 @@ def read_small(path: str, limit: int) -> bytes:
         size = os.fstat(fd).st_size
         if size > limit:
             raise bad(path, f"file is {size} bytes, over the {limit} limit")
-        chunks = []
-        got = 0
-        while got <= limit:
-            b = os.read(fd, min(1 << 20, limit + 1 - got))
-            if not b:
-                break
-            chunks.append(b)
-            got += len(b)
-        if got > limit:
+        with open(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)  # the file may have grown since the fstat
+        if len(data) > limit:
             raise bad(path, f"file is over the {limit} limit")
-        return b"".join(chunks)
+        return data
     finally:
         os.close(fd)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpoint, ZerostallError
 from ..format.manifest import Manifest
-from ..format.nodes import tree_tensor_indices
+from ..format.decode import tree_tensor_indices
 from ..store.owner import FileLock, StepLock
 from ..store.tier import RootTier, Tier
 from ..store.atomic import fsync_dir, unlinked_on_error

@@ -30,7 +30,7 @@ from ..format.dtypes import dtype_from_name
 from ..format.layout import PAGE_ITEM_BYTES, ShardHeader
 from ..format.manifest import Manifest, TensorEntry
 from ..format.decode import decode_tree
-from ..format.nodes import tree_tensor_indices
+from ..format.decode import tree_tensor_indices
 from ..io.base import Engine
 from ..memory.arena import Arena
 from ..store.local import LocalTier

@@ -39,7 +39,7 @@ from ..errors import StorageError
 from ..format.layout import pack_offsets
 from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..format.refs import RefFile
-from ..format.nodes import tensor_paths
+from ..format.decode import tensor_paths
 from .job import Persisted, SaveRequest
 from .plan import PlanItem, SavePlan
 from . import content_check
@@ -67,7 +67,7 @@ def fingerprint(t: torch.Tensor, is_numpy: bool = False) -> tuple[Any, ...] | No
 
 @dataclass(frozen=True)
 class Known:
-    """What the newest committed step holds at one tree path (:func:`..format.nodes.tensor_paths`)."""
+    """What the newest committed step holds at one tree path (:func:`..format.decode.tensor_paths`)."""
 
     entry: TensorEntry  # step set: the step (and file) that wrote the bytes
     ref: RefFile
@@ -83,7 +83,7 @@ class IncrementalJob:
     tracker: "RefTracker"
     fps: dict[int, tuple[Any, ...] | None]  # tensor index -> fingerprint at save() time
     paths: dict[int, str] = field(default_factory=dict)
-    """Tensor index -> its typed tree path (:func:`..format.nodes.tensor_paths`): the identity
+    """Tensor index -> its typed tree path (:func:`..format.decode.tensor_paths`): the identity
     under which the base is looked up and this save is recorded; never the printed key, which
     two different paths can share (``"a.b"`` and ``a`` -> ``b``, ``0`` and ``"0"``)."""
     refs: dict[int, TensorEntry] = field(default_factory=dict)  # global tensor index -> reference
@@ -257,7 +257,7 @@ class RefTracker(ContentCheck):
         return {p: k for p, k in known.items() if (k.ref.step, k.ref.name) not in lost}
 
     def _tensor_paths(self, tree: Any) -> dict[int, str]:
-        """:func:`..format.nodes.tensor_paths` of ``tree``, kept for the next save: the plan
+        """:func:`..format.decode.tensor_paths` of ``tree``, kept for the next save: the plan
         cache hands the same tree object back while the state keeps its shape (snapshot thread)."""
         cached_tree, paths = self._paths
         if cached_tree is not tree:

@@ -3,10 +3,8 @@
 Parsers accept kernels that lack fields (missing keys read as 0, a missing PSI file as
 None). A :class:`Sampler` keeps the peaks and deltas of one save; it is created by the
 ``Checkpointer`` on the caller's thread in ``save()`` and stopped by the persist thread.
-All samplers of the process are served by one daemon thread (:class:`_Hub`): creating one
-only registers it (no thread start, no /proc read on the caller's thread: a thread start
-waits for the new thread to be scheduled, on a loaded host a visible part of ``save()``), and
-one /proc read per tick serves every sampler due.
+All samplers of the process are served by one daemon thread (:class:`_Hub`), so creating one
+starts no thread and reads no /proc on the caller's thread.
 """
 
 from __future__ import annotations
@@ -196,15 +194,12 @@ class Sampler:
             self._take(s)
 
     def _take(self, s: HostSample) -> None:
-        if self.first is None:
-            self.first = self.last = s
-            self.peak_dirty, self.peak_writeback, self.peak_rss = s.dirty_bytes, s.writeback_bytes, s.rss_bytes
-            if self.keep_series:
-                self.series.append(s)
-            return
         prev, self.last = self.last, s
-        assert prev is not None
-        dt_us = (s.t - prev.t) * 1e6
+        if self.first is None:
+            self.first = s
+        if self.keep_series:
+            self.series.append(s)
+        dt_us = (s.t - prev.t) * 1e6 if prev is not None else 0.0
         if dt_us > 0:  # PSI "full" as % of wall time over this interval (avg10 lags a short save)
             self.peak_psi_io = max(self.peak_psi_io, 100 * (s.psi_io_full_total_us - prev.psi_io_full_total_us) / dt_us)
             self.peak_psi_mem = max(self.peak_psi_mem,
@@ -212,8 +207,6 @@ class Sampler:
         self.peak_dirty = max(self.peak_dirty, s.dirty_bytes)
         self.peak_writeback = max(self.peak_writeback, s.writeback_bytes)
         self.peak_rss = max(self.peak_rss, s.rss_bytes)
-        if self.keep_series:
-            self.series.append(s)
 
     def stop(self) -> dict[str, float | int]:
         final = HostSample.now()
