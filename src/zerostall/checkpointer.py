@@ -63,13 +63,12 @@ class Checkpointer:
     :class:`CheckpointConfig` (e.g. ``keep_last=3``). Without ``config`` the
     ``ZEROSTALL_*`` environment overrides apply.
 
-    Under ``torch.distributed`` (or torchrun's environment) every rank writes its own
-    ``rank-R.shard`` and rank 0 commits once all are durable, coordinating through the c10d
-    store (``store=`` to pass another); see :mod:`zerostall.distributed.commit`. Every rank creates
-    a Checkpointer on the same root (or ``dist_name``) within ``join_timeout_s`` of each
-    other and saves the same steps; ``dist_mode="local"`` for a process that saves alone.
-    ``oneshot=True`` (``zerostall.save``): saves stream through a small ring of the staging
-    pool instead of asking for the whole state.
+    Under ``torch.distributed`` every rank writes its own ``rank-R.shard`` and rank 0 commits
+    once all are durable, through the c10d store (``store=`` to pass another; see
+    :mod:`zerostall.distributed.commit`). Every rank creates a Checkpointer on the same root (or
+    ``dist_name``) within ``join_timeout_s`` and saves the same steps; ``dist_mode="local"``
+    for a process that saves alone. ``oneshot=True`` (``zerostall.save``): saves stream
+    through a small ring of the staging pool.
     """
 
     def __init__(self, path: str | os.PathLike[str], config: CheckpointConfig | None = None, *,
@@ -268,7 +267,7 @@ class Checkpointer:
 
     def subscribe(self, subscriber: Any) -> None:
         """Hand every step this Checkpointer commits to ``subscriber.on_committed(record)`` (a
-        :class:`~.staging.job.Committed`; persist thread, in commit order, after retention and
+        :class:`~.saving.job.Committed`; persist thread, in commit order, after retention and
         replication's hand-off; what it raises is recorded on the save, which stays durable)."""
         self._persist.subscribe(subscriber)  # type: ignore[union-attr]
 
@@ -284,12 +283,9 @@ class Checkpointer:
     def load(self, state_dict: Any = None, step: int | None = None, map_location: Any = None, *,
              keys: list[str] | None = None, strict: bool = False, report: Any = None) -> Any:
         """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load` (``keys``,
-        ``strict``, ``report``). Under torch.distributed, collective: all ranks load the newest step all can load
-        (:mod:`zerostall.distributed.agree`; ``report.why`` says which and why).
-
-        Reads through the process's staging pool when no save uses it;
-        saves started meanwhile from other threads wait until the load is done.
-        """
+        ``strict``, ``report``). Under torch.distributed, collective: all ranks load the newest
+        step all can load (``report.why`` says which and why). Saves started meanwhile from
+        other threads wait until the load is done."""
         self._book.check_process()
         self.wait()
         peer = None
@@ -329,9 +325,8 @@ class Checkpointer:
         """Drain in-flight saves, stop the threads, free the arena; re-raises a pending error.
 
         With ``timeout`` (seconds; pass one from a signal handler) it returns False once the
-        time is up with work still running: the threads go on as daemons and the arena stays
-        mapped under them; a later close() waits for the rest and releases. No lock without a timeout.
-        """
+        time is up with work still running (the threads go on as daemons; a later close()
+        waits for the rest and releases). No lock without a timeout."""
         if self.__dict__.get("_released"):
             return True
         first, self._closed = not self._closed, True  # first: a save() this call interrupted fails

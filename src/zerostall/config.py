@@ -101,22 +101,19 @@ class PeersConfig:
     """Cap on this node's outgoing copies, bytes/s (None: no cap)."""
     receive_bandwidth_bytes: int | None = None
     """Cap on the copies this node takes in as a holder, bytes/s, all senders together (None: no
-    cap). The receiver reads the socket no faster, so TCP slows the senders down: pacing that
-    holds however many nodes copy to this one at once. Restores are never paced."""
+    cap; TCP slows the senders down). Restores are never paced."""
     quota_bytes: int | None = None
     """Most bytes of other nodes' copies this node keeps under ``<root>/peers`` (None: no cap)."""
     quota_fraction: float | None = None
-    """The same as a fraction of the root's filesystem size (0 < f <= 1; with ``quota_bytes``
-    too, the smaller one holds). A copy that would go beyond the quota is refused, logged on
-    both nodes, and the sender tries its next holder; if none takes it, the step stays
-    unprotected (reported on its handle), training is never failed."""
+    """The same as a fraction of the root's filesystem size (0 < f <= 1; with ``quota_bytes`` too,
+    the smaller holds). A copy beyond the quota is refused and the sender tries its next holder;
+    if none takes it, the step stays unprotected (reported on its handle)."""
     replica_timeout_s: float = 600.0
     """How long a step may take to be held by ``replicas`` nodes before it is reported unprotected."""
     cpu_priority: str = "idle"
-    """CPU priority of the threads that copy replicas (the sender's, and a holder's receiving
-    connections; never a restore's): ``"idle"`` (``SCHED_IDLE`` per thread: they run only when a
-    core would otherwise be idle), ``"nice"`` (nice 19 per thread) or ``"normal"`` (unchanged).
-    Their disk I/O is at the idle I/O class either way. See :mod:`zerostall.peers.priority`."""
+    """CPU priority of the threads that copy replicas (never a restore's): ``"idle"``
+    (``SCHED_IDLE``), ``"nice"`` (nice 19) or ``"normal"``; their disk I/O is at the idle I/O
+    class either way (:mod:`zerostall.peers.priority`)."""
     code: str | None = None
     """``"rs"``: coded copies instead of ``replicas`` (:mod:`zerostall.peers.coded`): each node's
     files of a step cut into ``data_fragments`` pieces plus ``parity_fragments`` Reed-Solomon

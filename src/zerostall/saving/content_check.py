@@ -141,12 +141,10 @@ class ContentCheck:
     def settle(self, req: SaveRequest, slot: Slot, spec: SavePlan, block_bytes: int,
                ij: "IncrementalJob") -> tuple[SavePlan, list[torch.Tensor]] | None:
         """Snapshot thread, after the job's layout is staged and before it is marked staged:
-        wait for the speculative crc32c (:meth:`_speculate`); a tensor whose bytes changed
-        (written around its version counter) is no longer referenced but appended to the
-        file, after the blocks already staged. Returns the extended plan and the tensors to
-        stage after ``spec``'s (the snapshot thread hands the plan to the persist thread
-        first, which writes the appended blocks as they are staged, then the final header),
-        or None. The ring holds one spare block per incremental save for this."""
+        wait for the speculative crc32c (:meth:`_speculate`); a tensor whose bytes changed is
+        no longer referenced but appended after the blocks already staged (in the spare block
+        the ring holds per incremental save). Returns the extended plan and the tensors to
+        stage after ``spec``'s, or None."""
         if ij.pending is None:
             return None
         collect, cands = ij.pending
@@ -212,7 +210,7 @@ class ContentCheck:
 
     def _device_hashes(self, items: Any, leaves: list[torch.Tensor],
                        cuda_run: Callable[[torch.device, Callable[[], None]], None], ij: IncrementalJob) -> None:
-        """:func:`.devhash.device_hash` of every contiguous CUDA tensor of the save (written
+        """:func:`.source_crc.device_hash_async` of every contiguous CUDA tensor of the save (written
         ones too: the next save compares against them), on each device's side stream after
         the caller's ``save()`` event; one 8-byte-per-tensor copy back per device. A failure
         (e.g. out of device memory for the temporaries) leaves the crc path to decide."""

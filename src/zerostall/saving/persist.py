@@ -100,10 +100,9 @@ class Persister(Worker[Job]):
 
     def _write_blocks(self, job: Job, f: ShardFile, g: int, file_bytes: int, crc: CrcCursor | None,
                       chores: Callable[[], None] | None = None) -> int:
-        """Write the job's blocks from ``g`` up to ``file_bytes`` as the snapshot thread
-        publishes them, checksumming while the writes are in flight (``crc``; None: the snapshot
-        thread checksummed them as it copied) and running ``chores`` (once, never raising)
-        while the first ones are; returns the next block."""
+        """Write the job's blocks from ``g`` up to ``file_bytes`` as they are published,
+        checksumming while the writes are in flight (``crc``; None: checksummed at copy) and
+        running ``chores`` (once, never raising) while the first ones are; returns the next block."""
         g_file = min(job.slot.g_end, job.slot.g0 + self.ring.blocks_for(file_bytes))
         while g < g_file:
             hi = min(self.ring.wait_staged(g), g_file, g + max(1, min(self.ring.nblocks // 2, 64)))
@@ -127,9 +126,8 @@ class Persister(Worker[Job]):
         return memoryview(self._hdr)
 
     def _rewrite(self, path: str, file_bytes: int) -> ShardFile | None:
-        """The doomed shard moved to ``path``, opened to write ``file_bytes`` over it; None
-        (the file removed) when it refuses (a user made the old step read-only; a growth the
-        disk has no room for): the caller writes a new file, a save never fails for a spare."""
+        """The doomed shard moved to ``path``, opened to write ``file_bytes`` over it; None (the
+        file removed) when that fails: the caller writes a new file, a save never fails for a spare."""
         try:
             growth = file_bytes - os.path.getsize(path)
             if growth > 0:  # the file grows: that allocates too

@@ -197,10 +197,9 @@ class PlanCache:
 
     def plan(self, state_dict: Any, *, rank: int = 0, world_size: int = 1, replicated: bool = False,
              early: Callable[[int], Any] | None = None) -> SavePlan:
-        """The plan of ``state_dict``; Python's cyclic GC is paused meanwhile (see :func:`_no_gc`).
-        ``early(nbytes)``: told the state's tensor bytes (:meth:`Walk.payload_bytes`, from the
-        signature walk: the state is walked once) before a plan is built anew, never for a
-        reused one; ``save()`` asks the staging pool for them, which faults while the plan is built."""
+        """The plan of ``state_dict``, the cyclic GC paused meanwhile. ``early(nbytes)``: told the
+        state's tensor bytes (:meth:`Walk.payload_bytes`) before a plan is built anew, never for a
+        reused one (``save()`` asks the staging pool for them, which faults meanwhile)."""
         with _no_gc():
             return self._plan_of(state_dict, rank, world_size, replicated, self._walk_of(state_dict), early)
 

@@ -241,11 +241,9 @@ def current() -> StagingPool | None:
 
 def lease(want_bytes: int, budget: int, block_bytes: int, *, mlock: bool = True,
           hugepages: bool = True) -> Lease:
-    """Join the process's pool (creating it if needed) asking for ``want_bytes`` of staging.
-
-    The first lease of a pool fixes its budget and block size; later ones with other values
-    share it as it is while it has users (one budget per process), and replace it when not.
-    """
+    """Join the process's pool (creating it if needed) asking for ``want_bytes`` of staging. The
+    first lease fixes its budget and block size; later ones with other values share it as it
+    is while it has users, and replace it when not."""
     global _pool, _timer
     with _lock:
         if _timer is not None:

@@ -154,9 +154,9 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
 
     # -- snapshot thread ----------------------------------------------------------------
     def handle(self, job: Job | Slot | Forward) -> None:
-        """Stage one job: hand it on to its persist worker, fix its layout (an incremental
-        save decides what to reference), copy, append what changed behind a version counter
-        (incremental), then put ``staged``. Every handoff is put, on failure too."""
+        """Stage one job: hand it on to its persist worker, fix its layout (incremental saves
+        decide what to reference), copy, append what changed (incremental), then put
+        ``staged``. Every handoff is put, on failure too."""
         if isinstance(job, Slot):  # reserved, never queued: publish unwritten, the pool drains
             self.ring.publish(job.g_end)
             return

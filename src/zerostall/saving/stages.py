@@ -43,7 +43,7 @@ class Stages:
     world_size: int
     node_local: bool
     committer: StoreCommitter | None
-    """None alone: the persist thread's :class:`~.store.committer.LocalCommitter`."""
+    """None alone: the persist thread's :class:`.commit_local.LocalCommitter`."""
     refs: RefTracker | None
     engine: Engine
     probe: Any
@@ -67,8 +67,7 @@ class Stages:
              engine: Engine, bounce: Any, peer: Any = None) -> Any:
         """One load (caller's thread, under the Checkpointer's save lock): across ranks the
         newest step every rank can load (collective), else the newest that verifies here.
-        ``request``: the caller's (step, keys, map_location, strict); ``cfg`` adds the rest.
-        ``peer``: the peer tier's part (:class:`zerostall.peers.PeerLoad`; ``replicas > 1``)."""
+        ``cfg`` completes ``request``; ``peer``: :class:`zerostall.peers.PeerLoad` (``replicas > 1``)."""
         request = replace(request, verify=cfg.verify_on_load, fallback=cfg.fallback, remote=cfg.remote)
         if self.committer is not None:
             return self.committer.load_agreed(state_dict, replace(request, io=cfg.io), cfg, report, peer=peer,
