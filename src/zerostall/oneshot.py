@@ -11,7 +11,7 @@ from typing import Any
 
 from .checkpointer import Checkpointer
 from .config import CheckpointConfig, IOConfig
-from .distributed.ranks import discover
+from .distributed.node import discover
 from .distributed.store import Store
 from .errors import ConfigError, ZerostallError
 from .restore import load as _load

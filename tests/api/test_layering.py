@@ -43,7 +43,7 @@ LAZY: dict[tuple[str, str], str] = {
         "the restore walk (torch): only the commands that read tensors' bytes need it; --help, plan, ls, "
         "inspect and doctor start without torch (tests/cli/test_cli_startup.py)",
     ("zerostall.cli.app", "zerostall.restore"): "torch: only export needs it (as cli.verify)",
-    ("zerostall.cli.app", "zerostall.restore.fetch"): "torch: only restore needs it (as cli.verify)",
+    ("zerostall.cli.app", "zerostall.restore.download"): "torch: only restore needs it (as cli.verify)",
     ("zerostall.cli.app", "zerostall.integrations.export"): "torch: only export needs it (as cli.verify)",
     ("zerostall.tuning.doctor", "zerostall.tuning.line_rate"):
         "the staging arena (torch): only doctor --probe measures the line rate",

@@ -133,8 +133,8 @@ def test_a_fork_while_acquire_is_half_way_leaves_no_lock_to_the_child(tmp_path, 
 
 
 _FORK_IN_FETCH = _ORPHAN + r"""
-from zerostall.restore.download import _FetchLock
-with _FetchLock(sys.argv[1]):  # a download into the root, while another thread forks a helper
+from zerostall.restore.download import fetch_lock
+with fetch_lock(sys.argv[1]):  # a download into the root, while another thread forks a helper
     fork_orphan()
     os._exit(0)  # the restoring process dies mid-download
 """

@@ -108,7 +108,7 @@ def _verify(a: argparse.Namespace) -> int:
 
 
 def cmd_restore(a: argparse.Namespace) -> int:
-    from ..restore.fetch import restore_remote  # torch (see _verify)
+    from ..restore.download import restore_remote  # torch (see _verify)
     remote = open_tier(a.url)  # a plain path too: a shared-filesystem tier
     remote.check_root()
     if a.step is None and not remote.steps():

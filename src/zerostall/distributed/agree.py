@@ -1,9 +1,8 @@
 """One step for all ranks: agreeing, through the c10d store, on the step every rank restores.
 
 Who calls what: :func:`zerostall.restore.agreed.collective_load` (caller's thread, every rank
-of the group, collectively) calls :func:`agreed_load`; peer replicas (i26) may call
-:func:`agree_step` directly with the steps their peers hold. Keys live under a ``base`` the
-caller makes unique per collective call (a session prefix plus a per-process count).
+of the group, collectively) calls :func:`agreed_load`, under a key ``base`` it makes unique
+per collective call.
 
 The rounds of :func:`agreed_load`, until one succeeds or no candidate is left:
 
@@ -23,6 +22,7 @@ ends the agreement on every rank: that rank re-raises it, the others raise
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from typing import Any, Callable, Iterable
@@ -82,7 +82,7 @@ def agreed_load(store: Store, base: str, rank: int, world: int, candidates: Iter
     ``LoadReport``) gets ``why``."""
     left = {int(s) for s in candidates}
     history: list[str] = []
-    for i in range(1 << 16):
+    for i in itertools.count():  # ends: each round drops a step, and none left raises
         if history and not fallback:
             raise CheckpointNotFound("the newest step every rank could load failed and fallback=False: "
                                      + "; ".join(history))
@@ -122,4 +122,3 @@ def agreed_load(store: Store, base: str, rank: int, world: int, candidates: Iter
         bad = [(r, o) for r, o in enumerate(outcomes) if not o["ok"]]
         history.append(f"step {step} failed on " + ", ".join(f"rank {r} ({o['error']})" for r, o in bad))
         left.discard(step)
-    raise DistributedError("load agreement did not converge")  # pragma: no cover - bounded by the candidates

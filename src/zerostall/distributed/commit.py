@@ -1,14 +1,9 @@
 """The cross-rank commit of one step: a written state machine, through the c10d store.
 
-Why the store and not a gloo group: the commit runs on each rank's persist thread, at a
-different moment on every rank. Store requests are independent, safe from any thread and
-bounded by our own deadlines (:mod:`.store`: zerostall's own connection, every request
-bounded); a collective would have to be entered by every rank in the same order, and one
-rank that failed, skipped or died would leave the others inside it.
-
-Keys of the round of step N live under ``<ns>/<sid>/s<N>/`` (root namespace and session
-agreed at start-up, :mod:`.session`), never under a per-process counter, so a rank that
-failed or skipped a step cannot shift the keys of later steps.
+Called on each rank's persist thread, at a different moment on every rank: hence the store,
+never a collective (why, and what the commit guarantees: docs/distributed.md). Keys of the
+round of step N live under ``<ns>/<sid>/s<N>/`` (:mod:`.session`), never under a per-process
+counter, so a rank that failed or skipped a step cannot shift later steps' keys.
 
 **The decision is the only truth.** ``decision`` is written once, by ``compare_set`` against
 "absent": whoever writes first wins, and every rank reads the same value afterwards. The
@@ -16,23 +11,20 @@ coordinator (rank 0) writes ``commit``; any rank may write ``abort``. Nothing is
 into ``step-N`` before a ``commit`` decision, and nothing is deleted before an ``abort`` one.
 
 **One deadline per round.** The first rank to enter the round sets ``t0`` (wall clock,
-``compare_set``) together with ``d``, how long it took from beginning the step's persist
-(``b/r<R>``, which every rank posts when its persist thread picks the step up) to the round;
-every rank's deadline is ``t0 + commit_timeout_s``. Clocks of the nodes must agree to well
-within that (NTP does). At the deadline, a rank that has not reported but began the step
-later than the first rank (still busy with an earlier step, e.g. one that another rank
-skipped and so ran ahead) gets the first rank's lead: the deadline moves, once, to its
-``b + d + commit_timeout_s``. A rank that never began the step (dead, stopped, cut off)
-moves nothing. The coordinator judges this at the deadline; the others give it one
-:func:`grace_s` to decide before each looks for itself (in ~2 log2(world) requests), so a
-lost node costs the store O(world) requests at the deadline, not O(world^2).
+``compare_set``; the nodes' clocks must agree to well within the timeout) together with
+``d``, how long it took from beginning the step's persist (``b/r<R>``, posted by
+:func:`post_begin`) to the round; every rank's deadline is ``t0 + commit_timeout_s``. At the
+deadline, a rank that has not reported but began the step later than the first rank (still
+busy with an earlier step) gets the first rank's lead: the deadline moves, once, to its
+``b + d + commit_timeout_s``. A rank that never began the step (dead, stopped, cut off) moves
+nothing. The coordinator judges this at the deadline; the others give it one :func:`grace_s`
+before each looks for itself (in ~2 log2(world) requests: O(world) in all, not O(world^2)).
 
 **Every wait a deadline.** Every store request of a round runs inside
-:meth:`.store.Store.bounded`: before ``t0`` is known, until this rank's entry plus
-``commit_timeout_s`` plus :func:`grace_s`; then until the deadline plus two graces (the
-coordinator's decision and a stopped leader's copy each get one). A store that stops
-answering (its host stopped, a link down) therefore ends the round as UNKNOWN by then, and
-the handle with it -- not when the store answers again.
+:meth:`.store.Store.bounded`: until this rank's entry plus ``commit_timeout_s`` plus
+:func:`grace_s` before ``t0`` is known, then until the deadline plus two graces (the
+coordinator's decision and a stopped leader's copy each get one): a store that stops
+answering ends the round as UNKNOWN by then, not when it answers again.
 
 States of one rank (C: coordinator only, P: the others; ``->`` on an event)::
 
@@ -65,28 +57,23 @@ States of one rank (C: coordinator only, P: the others; ``->`` on an event)::
     committed were acknowledged by every rank (bounded), so leaving its ``with`` block does
     not take the store away from a rank that has yet to read a commit.
 
-What a handle says: durable only after DURABLE, i.e. the decision committed, *every* copy of
-the root recorded it durably, and this rank's copy holds ``step-N`` (every rank's shard in it
-was fdatasync'ed before it reported). So a rank killed after the decision -- the coordinator
-included, between its record and its own rename -- loses nothing that a handle called
-durable: its copy's next start-up recovery finds ``manifest.decided`` and completes the rename
-(:mod:`zerostall.store.recovery`); killed before its record, no rank's handle says durable.
-Failed (:class:`SaveFailed`) only after an abort decision, which no coordinator can
-overturn. UNKNOWN (:class:`OutcomeUnknown`, also a failed handle): the store stopped answering
-before this rank learnt the decision (its host stopped or died); the rank deletes nothing, so
-the coordinator may still commit the step complete; the next collective ``load`` agrees on
-what every rank can restore. An overwrite (``overwrite=True``) is finished by the copy's
-leader only; its peers report UNKNOWN if it does not confirm in time.
+A handle says durable only after DURABLE: the decision committed, *every* copy of the root
+recorded it (start-up recovery completes a recorded copy, :mod:`zerostall.store.recovery`)
+and this rank's copy holds ``step-N``; failed only after an abort decision; UNKNOWN
+(:class:`OutcomeUnknown`) when the store stopped answering first (nothing deleted; the next
+collective ``load`` agrees on what every rank can restore). An overwrite is finished by the
+copy's leader only; its peers report UNKNOWN if it does not confirm in time.
 
 The disk side of a copy (RECORDING, the renames, what a crash leaves) is :mod:`.finish`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..errors import DistributedError, SaveFailed, ZerostallError
 from ..store.tier import RootTier
@@ -115,7 +102,6 @@ def fault_point(name: str, session: Session, step: int) -> None:
     """Call :data:`fault_hook` (the persist thread's ``persist`` point is in ``saving``)."""
     if fault_hook is not None:
         fault_hook(name, session.rank, step)
-
 
 
 def step_base(session: Session, step: int) -> str:
@@ -162,12 +148,20 @@ def _extended(store: Store, base: str, ranks: list[int], d: float, timeout_s: fl
 
 
 def _decide(store: Store, base: str, value: dict[str, Any], timeout: float) -> dict[str, Any]:
-    got = store.compare_set(f"{base}/decision", "", json.dumps(value), timeout)
-    return json.loads(got)
+    return json.loads(store.compare_set(f"{base}/decision", "", json.dumps(value), timeout))
 
 
 def _missing(store: Store, base: str, world: int, timeout: float) -> list[int]:
     return [int(k.rsplit("/r", 1)[1]) for k in store.missing([f"{base}/r{r}" for r in range(1, world)], timeout)]
+
+
+def _abort_late(store: Store, base: str, by: int, missing: list[int], step: int, timeout_s: float) -> dict[str, Any]:
+    """ABORTING at the deadline: ``missing`` ranks did not report (none: the coordinator did not decide)."""
+    who = (f"rank(s) {', '.join(map(str, missing))} did not report" if missing
+           else "the coordinator (rank 0) did not decide")
+    return _decide(store, base, {"commit": False, "by": by, "missing": missing or [0],
+                                 "error": f"step {step}: {who} within commit_timeout_s={timeout_s:g} s (died, "
+                                          "stopped, or not saving this step); nothing committed"}, grace_s(timeout_s))
 
 
 def commit_round(store: Store, session: Session, fragment: dict[str, Any], tier: RootTier, step: int, *,
@@ -236,12 +230,7 @@ def _await_decision(store: Store, session: Session, base: str, fragment: dict[st
             state, missing = store.poll([f"{base}/decision"], later + grace), None
     if state == "timeout":
         missing = _missing(store, base, session.world, grace) if missing is None else missing
-        who = (f"rank(s) {', '.join(map(str, missing))} did not report" if missing
-               else "the coordinator (rank 0) did not decide")
-        dec = _decide(store, base, {"commit": False, "by": session.rank, "missing": missing or [0],
-                                    "error": f"step {step}: {who} within commit_timeout_s={timeout_s:g} s "
-                                             "(died, stopped, or not saving this step); nothing committed"},
-                      grace_s(timeout_s))
+        dec = _abort_late(store, base, session.rank, missing, step, timeout_s)
     else:
         dec = store.get_json(f"{base}/decision")
     store.delete(f"{base}/r{session.rank}", f"{base}/b{session.rank}")
@@ -249,8 +238,8 @@ def _await_decision(store: Store, session: Session, base: str, fragment: dict[st
 
 
 def _coordinate(store: Store, session: Session, base: str, fragment: dict[str, Any], step: int, per_rank: bool,
-                deadline: float, timeout_s: float, user_metadata: dict[str, Any], lead: float = 0.0,
-                scope: Any = None) -> dict[str, Any]:
+                deadline: float, timeout_s: float, user_metadata: dict[str, Any], lead: float,
+                scope: Any) -> dict[str, Any]:
     """C: REPORTED -> PREPARED -> DECIDED; returns the decision."""
     world = session.world
     keys = [f"{base}/r{r}" for r in range(1, world)]
@@ -258,8 +247,7 @@ def _coordinate(store: Store, session: Session, base: str, fragment: dict[str, A
     if state == "timeout":
         later = _extended(store, base, _missing(store, base, world, grace_s(timeout_s)), lead, timeout_s, deadline)
         if later is not None:
-            if scope is not None:
-                scope.until = later + 2 * grace_s(timeout_s)
+            scope.until = later + 2 * grace_s(timeout_s)
             deadline = later
             state = store.poll(keys, later, abort=f"{base}/decision")
     store.delete(f"{base}/b0")
@@ -268,10 +256,7 @@ def _coordinate(store: Store, session: Session, base: str, fragment: dict[str, A
     if state == "timeout":
         missing = _missing(store, base, world, grace_s(timeout_s))
         if missing:
-            return _decide(store, base, {"commit": False, "by": 0, "missing": missing,
-                                         "error": f"step {step}: rank(s) {', '.join(map(str, missing))} did not "
-                                                  f"report within commit_timeout_s={timeout_s:g} s (died, stuck, "
-                                                  "or not saving this step); nothing committed"}, grace_s(timeout_s))
+            return _abort_late(store, base, 0, missing, step, timeout_s)
     try:
         frags = [fragment] + store.multi_get_json(keys)
         mans = manifests(frags, session.copies(), session.groups, step, world, per_rank, user_metadata)
@@ -311,28 +296,18 @@ def _finish_mine(store: Store, session: Session, base: str, dec: dict[str, Any],
                     step, session.leader, tier.root, session.rank)
     raw = store.get(f"{base}/{mkey}")
     if overwrite:
-        try:
+        with _failure_posted(store, done_key):
             post = finish_copy(tier, step, raw, overwrite=True, leader=session.is_leader)
-        except BaseException as exc:
-            store.set(done_key, json.dumps({"ok": False, "error": str(exc)}))
-            raise
         store.set(done_key, json.dumps({"ok": True}))
         return post
     rec_key = f"{base}/rec/{session.group}"
-    try:
+    with _failure_posted(store, rec_key, done_key):
         record_decision(tier, step, raw)
-    except BaseException as exc:
-        store.set(rec_key, json.dumps({"ok": False, "error": str(exc)}))
-        store.set(done_key, json.dumps({"ok": False, "error": str(exc)}))
-        raise
     store.set(rec_key, json.dumps({"ok": True}))
     problems = _records(store, session, base, max(deadline, time.monotonic()) + grace_s(timeout_s))
     fault_point("recorded", session, step)
-    try:
+    with _failure_posted(store, done_key):
         post = finish_copy(tier, step, raw, leader=session.is_leader)
-    except BaseException as exc:
-        store.set(done_key, json.dumps({"ok": False, "error": str(exc)}))
-        raise
     if problems:
         err = (f"step {step}: committed by the coordinator and in this copy, but {'; '.join(problems)}: the "
                "step may be missing from that copy at the next start (the next collective load agrees on a step "
@@ -341,6 +316,17 @@ def _finish_mine(store: Store, session: Session, base: str, dec: dict[str, Any],
         raise OutcomeUnknown(err)
     store.set(done_key, json.dumps({"ok": True}))
     return post
+
+
+@contextlib.contextmanager
+def _failure_posted(store: Store, *keys: str) -> Iterator[None]:
+    """What the block raises is set as ``{"ok": false, "error"}`` under each of ``keys``, then re-raised."""
+    try:
+        yield
+    except BaseException as exc:
+        for k in keys:
+            store.set(k, json.dumps({"ok": False, "error": str(exc)}))
+        raise
 
 
 def _records(store: Store, session: Session, base: str, until: float) -> list[str]:

@@ -14,13 +14,12 @@ through the local tier's overwrite protocol, finished by the copy's leader only.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import uuid
 
 from ..errors import CheckpointExistsError, ZerostallError, storage_error
 from ..format.manifest import MANIFEST_NAME, Manifest
-from ..store.atomic import fsync_dir, write_file_durable
+from ..store.atomic import fsync_dir, unlinked_on_error, write_file_durable
 from ..store.recovery import DECIDED_NAME
 from ..store.tier import RootTier
 
@@ -33,14 +32,10 @@ def record_decision(tier: RootTier, step: int, manifest: bytes) -> None:
     rec = os.path.join(part, DECIDED_NAME)
     if os.path.exists(rec) or committed_here(tier, step, Manifest.from_bytes(manifest).checkpoint_id):
         return
-    tmp = os.path.join(part, f".manifest-{uuid.uuid4().hex[:8]}.tmp")
     try:
-        write_file_durable(tmp, manifest)
-        os.rename(tmp, rec)
+        _write_as(part, manifest, rec)
         fsync_dir(part)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         raise storage_error(f"recording the commit decision of step {step} in", tier.root, exc) from exc
 
 
@@ -55,14 +50,12 @@ def finish_copy(tier: RootTier, step: int, manifest: bytes, *, overwrite: bool =
     part, final = tier.partial_dir(step), tier.step_dir(step)
     if committed_here(tier, step, man.checkpoint_id):
         return tier.write_latest(step) if leader else ()
-    tmp = os.path.join(part, f".manifest-{uuid.uuid4().hex[:8]}.tmp")
     rec = os.path.join(part, DECIDED_NAME)
     try:
         if os.path.exists(rec):  # recorded: the record becomes the manifest
             os.rename(rec, os.path.join(part, MANIFEST_NAME))
         else:
-            write_file_durable(tmp, manifest)
-            os.rename(tmp, os.path.join(part, MANIFEST_NAME))
+            _write_as(part, manifest, os.path.join(part, MANIFEST_NAME))
         tier._step("manifest")
         fsync_dir(part)
         tier._step("fsync_dir")
@@ -71,8 +64,6 @@ def finish_copy(tier: RootTier, step: int, manifest: bytes, *, overwrite: bool =
         fsync_dir(tier.root)
         tier._step("fsync_root")
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         if committed_here(tier, step, man.checkpoint_id):  # another rank of this copy got there first
             return tier.write_latest(step) if leader else ()
         if os.path.isdir(final):
@@ -80,6 +71,13 @@ def finish_copy(tier: RootTier, step: int, manifest: bytes, *, overwrite: bool =
                                         "pick another step)") from None
         raise storage_error(f"committing step {step} in", tier.root, exc) from exc
     return tier.write_latest(step) if leader else ()
+
+
+def _write_as(part: str, data: bytes, dst: str) -> None:
+    """``data`` into ``dst`` durably: a temporary in ``part`` (removed on failure), fdatasync, rename."""
+    with unlinked_on_error(os.path.join(part, f".manifest-{uuid.uuid4().hex[:8]}.tmp")) as tmp:
+        write_file_durable(tmp, data)
+        os.rename(tmp, dst)
 
 
 def committed_here(tier: RootTier, step: int, checkpoint_id: str) -> bool:

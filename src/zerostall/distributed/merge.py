@@ -33,13 +33,7 @@ def merge(fragments: list[dict[str, Any]], step: int, world: int, per_rank: bool
             trees.append(remap_tree(f["tree"], lambda g, local=local, base=base: base + local[g]))
         tree, rank_trees = trees[0], tuple(trees)
     else:
-        ref = fragments[0]["structure"]
-        for f in fragments:
-            if f["structure"] != ref:
-                r, r0 = f["file"]["rank"], fragments[0]["file"]["rank"]
-                raise SaveFailed(f"step {step}: rank {r}'s state differs from rank {r0}'s in its keys, dtypes or "
-                                 "shapes; replicated mode needs identical state dicts on every rank (use "
-                                 "dist_mode='per_rank')", step=step)
+        _same_structure(fragments, step)
         n = fragments[0]["n_tensors"]
         slots: list[TensorEntry | None] = [None] * n
         for f in fragments:
@@ -64,14 +58,19 @@ def manifests(fragments: list[dict[str, Any]], groups: list[tuple[int, ...]], na
     if per_rank or len(groups) == 1:
         one = merge([by_rank[r] for r in range(world)], step, world, per_rank, user_metadata).to_bytes()
         return {n: one for n in names}
-    ref = by_rank[0]["structure"]
-    for r in range(world):  # every copy holds the same state: compare across copies too
-        if by_rank[r]["structure"] != ref:
-            raise SaveFailed(f"step {step}: rank {r}'s state differs from rank 0's in its keys, dtypes or shapes; "
-                             "replicated mode needs identical state dicts on every rank (use "
-                             "dist_mode='per_rank')", step=step)
+    _same_structure([by_rank[r] for r in range(world)], step)  # every copy holds the same state
     return {n: merge([by_rank[r] for r in g], step, world, False, user_metadata).to_bytes()
             for n, g in zip(names, groups)}
+
+
+def _same_structure(fragments: list[dict[str, Any]], step: int) -> None:
+    """Replicated mode: every fragment's state has the first one's keys, dtypes and shapes."""
+    for f in fragments:
+        if f["structure"] != fragments[0]["structure"]:
+            r, r0 = f["file"]["rank"], fragments[0]["file"]["rank"]
+            raise SaveFailed(f"step {step}: rank {r}'s state differs from rank {r0}'s in its keys, dtypes or "
+                             "shapes; replicated mode needs identical state dicts on every rank (use "
+                             "dist_mode='per_rank')", step=step)
 
 
 def peer_protected(fragments: list[dict[str, Any]]) -> set[int]:

@@ -1,4 +1,4 @@
-"""Node identity: which machine (and failure domain) a process runs on.
+"""Where a process runs: its node (and failure domain), its rank and world (:func:`discover`).
 
 A node is named by ``ZEROSTALL_NODE`` when set, else by the host name. Containers that share
 one host name, or several simulated nodes on one machine (every multi-node test here), set
@@ -13,6 +13,9 @@ from __future__ import annotations
 import os
 import re
 import socket
+import sys
+from dataclasses import dataclass
+from typing import Any
 
 from ..errors import ConfigError
 
@@ -38,3 +41,30 @@ def failure_domain() -> str:
     """This node's failure domain: ``$ZEROSTALL_FAILURE_DOMAIN``, else the node itself."""
     value = os.environ.get(DOMAIN_ENV, "").strip()
     return _check(DOMAIN_ENV, value) if value else node_id()
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_world_size: int
+    store: Any = None
+
+
+def discover(store: Any = None, mode: str = "per_rank") -> RankInfo:
+    """From an initialised process group (any backend), else RANK/WORLD_SIZE/LOCAL_WORLD_SIZE.
+
+    ``mode="local"``: a world of one (rank 0, no store), whatever the process group says —
+    for a process that saves alone (rank-0-only frameworks, tools).
+    """
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if mode == "local":
+        return RankInfo(0, 1, local, None)
+    dist = sys.modules.get("torch.distributed")  # a process group exists only once this was imported
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if store is None and world > 1:
+            from torch.distributed import distributed_c10d as c10d
+            store = c10d._get_default_store()
+        return RankInfo(rank, world, local, store)
+    return RankInfo(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), local, store)

@@ -1,21 +1,16 @@
 """Whether every rank has staging room for the next save: ``backpressure="skip"`` across ranks.
 
-A rank alone skips a save when its staging arena is still held by earlier saves. Across ranks
-each rank's answer differs with its disk and its timing, and a step skipped on one rank only
-would fail everywhere (its commit round cannot complete) and leave the others' bytes written
-for nothing. So in ``save()`` (caller's thread, every rank, in the same order of saves) each
-rank adds its answer to one counter of the store and the ranks skip together when any one has
-no room::
+A step skipped on one rank only would fail everywhere (its commit round cannot complete), so
+in ``save()`` (caller's thread, every rank, in the same order of saves) the ranks skip
+together when any one has no room::
 
     add(<prefix>/room<seq>, 1 + BUSY * busy)   # one request per rank
     last to arrive: set(<prefix>/room<seq>/all, total)
     the others: poll for .../all (bounded), read it; skip iff total >= BUSY
 
-``seq`` counts this Checkpointer's skip-mode saves, the same on every rank (they save the same
-steps). Rank 0 deletes the keys of ``seq - 2``: every rank has read them, since every rank
-added to ``seq - 1`` before ``seq`` could complete. A rank that does not come within
-``timeout_s``, or whose ``save()`` failed before (it reported the step failed and counts the
-agreement as passed), makes the others skip alone.
+``seq`` counts this Checkpointer's skip-mode saves, the same on every rank. Rank 0 deletes the
+keys of ``seq - 2``: every rank added to ``seq - 1`` before ``seq`` could complete, so has read
+them.
 """
 
 from __future__ import annotations

@@ -2,24 +2,15 @@
 runs, which also finds out where the root's copies are.
 
 Who calls what: ``Checkpointer.__init__`` (caller's thread) calls :func:`join` once; the
-commit rounds (:mod:`.commit`) then use the returned :class:`Session` from the persist
-thread, and the caller's thread only for non-blocking failure reports. Store traffic goes
-through :class:`~.store.Store` (own connection, bounded calls).
+commit rounds (:mod:`.commit`) then use the returned :class:`Session` from the persist thread.
 
-**Node identity and root copies.** A rank's node is :func:`.node.node_id` (``ZEROSTALL_NODE``,
-default the host name): it labels files and messages, and peer replicas place copies by it.
-Which ranks share a root is never inferred from names: every rank creates a probe file
-``.zerostall-probe-<nonce>`` in its root and reports which ranks' probes it sees. Ranks that
-see each other's probes share one *copy* of the root (a *group*, named ``g<lowest rank>``,
-whose lowest rank is its *leader*); one group for everybody is a shared root, several are
-node-local roots (any mix: two nodes on one NFS export and a third on its local disk works).
-A view that is not an equivalence -- rank a sees b's probe but b does not see a's, or the
-groups overlap (an odd mount, a root that is a symlink to a directory some ranks cannot
-see) -- is refused on every rank at start-up with :class:`ConfigError` naming the ranks.
+**Root copies** (docs/distributed.md). Ranks that see each other's probe files
+(``.zerostall-probe-<nonce>``) share one *copy* of the root (a *group*, named ``g<lowest
+rank>``, whose lowest rank is its *leader*); a view that is not an equivalence is refused on
+every rank at start-up with :class:`ConfigError` naming the ranks.
 
 Keys live under a namespace derived from the checkpoint root (a hash of its absolute path,
-or of ``dist_name`` when the ranks' paths differ, e.g. per-node roots), never from a
-per-process counter. The start-up round:
+or of ``dist_name``), never from a per-process counter. The start-up round:
 
 1. every rank creates its probe file; every rank ``r > 0`` sets ``<ns>/join/r<r>`` =
    ``{nonce, node}``;
@@ -76,7 +67,7 @@ def _rank_of(key: str) -> int:
 @dataclass(frozen=True)
 class Session:
     """What the ranks agreed at start-up; ``prefix`` scopes every later key. Immutable; read
-    from any thread. i26's peer tier reads ``node``, ``nodes``, ``groups`` and ``members``."""
+    from any thread (the peer tier reads ``node``, ``nodes``, ``groups`` and ``members``)."""
 
     prefix: str
     rank: int
@@ -112,38 +103,19 @@ class Session:
     def is_leader(self) -> bool:
         return self.rank == self.leader
 
-    @property
-    def host(self) -> str:  # the name before node-local copies were found by probes
-        return self.group
-
-    @property
-    def hosts(self) -> tuple[str, ...]:
-        return self.groups
-
-
-def _probe(tier: RootTier, nonce: str) -> str:
-    path = os.path.join(tier.root, PROBE_PREFIX + nonce)
-    with open(path, "w"):
-        pass
-    return path
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-
 
 def join(store: Store, ns: str, rank: int, world: int, tier: RootTier, timeout_s: float) -> Session:
     """The start-up round (module docstring). Raises :class:`DistributedError` naming the
     ranks that did not join within ``timeout_s``, :class:`ConfigError` for roots the ranks see
     inconsistently, :class:`RootLockedError` for a copy another writer holds."""
-    node = node_id()
     nonce = uuid.uuid4().hex
-    probe = _probe(tier, nonce)
+    probe = os.path.join(tier.root, PROBE_PREFIX + nonce)
+    open(probe, "w").close()
     try:
-        return _join(store, ns, rank, world, tier, timeout_s, node, nonce)
+        return _join(store, ns, rank, world, tier, timeout_s, node_id(), nonce)
     finally:
-        _unlink(probe)
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
 
 
 def _join(store: Store, ns: str, rank: int, world: int, tier: RootTier, timeout_s: float, node: str,
@@ -213,7 +185,6 @@ def _welcome(store: Store, ns: str, world: int, sid: str, nonce: str, node: str,
 def form_groups(sees: list[list[int]], nodes: list[str], root: str) -> list[list[int]]:
     """Ranks that see each other's probes share a copy; raises :class:`ConfigError` for a view
     that is not an equivalence (module docstring). Groups ascending by leader."""
-    world = len(sees)
     views = [frozenset(v) for v in sees]
     for r, v in enumerate(views):
         if r not in v:
@@ -229,10 +200,7 @@ def form_groups(sees: list[list[int]], nodes: list[str], root: str) -> list[list
                     f"checkpoint root {root!r}: rank {r} sees ranks {sorted(v)}, rank {q} sees {sorted(views[q])} "
                     f"(differing: {odd}). Each rank's root must be either one directory shared with exactly the "
                     "ranks that see it, or its node's own; check the mounts on those nodes")
-    out = sorted({v for v in views}, key=min)
-    if sum(len(g) for g in out) != world:  # unreachable after the checks above; cheap to keep honest
-        raise ConfigError(f"the ranks' views of {root!r} overlap: {[sorted(g) for g in out]}")
-    return [sorted(g) for g in out]
+    return [sorted(g) for g in sorted(set(views), key=min)]
 
 
 def _decide(store: Store, prefix: str, world: int, node: str, tier: RootTier, timeout_s: float) -> Session:
@@ -275,16 +243,13 @@ def _finish(store: Store, prefix: str, rank: int, world: int, node: str, tier: R
             raise RootLockedError(ready["error"], root=tier.root)
         if node_local:  # each copy's leader owns it; every rank learns the outcome
             if rank == mine[0]:
-                err = None
                 try:
                     tier.own()
                 except ZerostallError as exc:
-                    err = exc
-                store.set(f"{prefix}/cleaned/g{rank}", json.dumps(
-                    {"error": f"rank {rank} could not take its copy of the root on node {node}: {err}"}
-                    if err else {}))
-                if err is not None:
-                    raise err
+                    store.set(f"{prefix}/cleaned/g{rank}", json.dumps(
+                        {"error": f"rank {rank} could not take its copy of the root on node {node}: {exc}"}))
+                    raise
+                store.set(f"{prefix}/cleaned/g{rank}", "{}")
             keys = [f"{prefix}/cleaned/{n}" for n in names]
             if store.poll(keys, time.monotonic() + timeout_s) == "timeout":
                 tier.release()

@@ -7,20 +7,17 @@ Who calls what: :func:`.session.join` (caller's thread, at start-up), the commit
 Two rules make every wait here a deadline:
 
 - **Own client.** The training's c10d client serialises its requests: a training thread
-  blocked in ``store.get()`` (or NCCL's initialisation waiting on a key) would hold up every
-  other request on that client. :class:`Store` talks through ``store.clone()`` -- a new
-  connection to the same server, with the same key prefix -- so the training's blocking calls
-  never delay a commit round, and ours never delay theirs.
+  blocked in ``store.get()`` would hold up every other request on it. :class:`Store` talks
+  through ``store.clone()`` (a new connection to the same server, same key prefix), so the
+  training's blocking calls never delay a commit round, and ours never delay theirs.
 - **Bounded calls.** A c10d client has no timeout on a plain request: when the process that
-  hosts the store (rank 0 under a bare ``MASTER_ADDR`` launch) is SIGSTOPped, ``check`` blocks
-  until it resumes. Each request runs on a small daemon thread and the caller waits at most
-  until its deadline; a request that does not answer in time raises :class:`StoreTimeout`,
-  the connection (now out of step) is abandoned and the next call opens a new one. A caller
-  with a deadline of its own (a commit round) runs its requests inside :meth:`Store.bounded`:
-  each then waits at most until that deadline; the requests issued after it share
-  :data:`LATE_CALL_S` (not one each, so a loop of requests to a store that answers, but
-  slowly, cannot run on), and once one of them timed out the rest fail at once -- so the round
-  ends at its deadline whatever the store does, never at the store's resume.
+  hosts the store is SIGSTOPped, ``check`` blocks until it resumes. Each request runs on a
+  small daemon thread and the caller waits at most until its deadline; a request that does
+  not answer in time raises :class:`StoreTimeout`, the connection (now out of step) is
+  abandoned and the next call opens a new one. Inside :meth:`Store.bounded` (a commit round's
+  deadline) each request waits at most until that deadline; the requests issued after it
+  share :data:`LATE_CALL_S` (not one each), and once one timed out the rest fail at once: the
+  round ends at its deadline whatever the store does.
 """
 
 from __future__ import annotations
@@ -31,6 +28,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from ..errors import DistributedError
@@ -47,14 +45,14 @@ fault_hook: Callable[[str], None] | None = None
 blocks it there to cut this process off from the store (as a link that is down would)."""
 
 
+@dataclass
 class _Bound:
     """One :meth:`Store.bounded` scope of one thread: its deadline, and whether a request in it
     has already timed out (the rest then fail at once)."""
 
-    def __init__(self, until: float):
-        self.until = until
-        self.dead: str | None = None
-        self.late: tuple[float, float] | None = None  # (until, end of the late allowance) once past until
+    until: float
+    dead: str | None = None
+    late: tuple[float, float] | None = None  # (until, end of the late allowance) once past until
 
 
 class StoreTimeout(DistributedError):
@@ -110,9 +108,7 @@ class Store:
         self._mu = threading.Lock()
         self._caller = _Caller()
         self._scope = threading.local()
-        self.raw: Any = store
-        if own_client:
-            self.raw = self._clone(store)
+        self.raw: Any = self._clone(store) if own_client else store
 
     def _clone(self, store: Any, timeout: float | None = None) -> Any:
         clone = getattr(store, "clone", None)

@@ -3,15 +3,15 @@
 Called from the caller's thread (``zerostall.load``, ``Checkpointer.load``, the CLI).
 Modules, downward only:
 
-- :mod:`.pipeline` -- candidate steps newest first, per step: manifest, files, bytes, fallback;
-  remote fetch; ``verify_step``/``verify_tier_step`` for the CLI.
+- :mod:`.pipeline` -- candidate steps newest first, per step (:mod:`.step`, :mod:`.stream`),
+  fallback; a remote's steps through :mod:`.download`.
 - :mod:`.state` -- where restored tensors go (in place, new, ``keys=``) and the :class:`LoadReport`.
-- :mod:`.refs` -- incremental steps' borrowed bytes (reference files).
 - :mod:`.retry` -- the rule for a step that changes while it is read (load and verify share it).
 """
 
-from .pipeline import FETCH_LOCK_NAME, LoadRequest, fetch_remote_step, load, load_step, verify_step, verify_tier_step
+from .download import FETCH_LOCK_NAME
+from .pipeline import LoadRequest, load
 from .state import LoadReport
+from .step import load_step, verify_step, verify_tier_step
 
-__all__ = ["FETCH_LOCK_NAME", "LoadReport", "LoadRequest", "fetch_remote_step", "load", "load_step", "verify_step",
-           "verify_tier_step"]
+__all__ = ["FETCH_LOCK_NAME", "LoadReport", "LoadRequest", "load", "load_step", "verify_step", "verify_tier_step"]

@@ -29,20 +29,6 @@ def collective_base(ns: str) -> str:
     return f"{ns}/load{n}"
 
 
-def local_candidates(path: str, remote: Any = None, io: Any = None, step: int | None = None) -> tuple[list[int], Any]:
-    """The steps this rank may load: listed in ``path`` (damaged ones too: loading says why) and,
-    with ``remote``, those the remote lists. Returns them and the opened remote tier."""
-    steps = set(open_root(path).listed_steps()) if os.path.isdir(path) else set()
-    if remote is not None:
-        if isinstance(remote, str):
-            remote = open_tier(remote, io=io)
-        listed, _ = list_steps(remote)
-        steps |= set(listed or [])
-    if step is not None:
-        steps &= {step}
-    return sorted(steps), remote
-
-
 def collective_load(store: Store, base: str, rank: int, world: int, path: str, state_dict: Any,
                     request: LoadRequest, *, report: Any = None, timeout_s: float = 600.0,
                     extra_steps: Iterable[int] = (), exclude_steps: Iterable[int] = (),
@@ -56,15 +42,20 @@ def collective_load(store: Store, base: str, rank: int, world: int, path: str, s
     them); ``prepare(step)`` runs before each step is loaded (bringing those files in): what
     it raises fails that step on this rank, and every rank falls back together."""
     report = report if report is not None else LoadReport()
-    step = request.step
-    cands, remote = local_candidates(path, request.remote, request.io, step)
-    cands = sorted((set(cands) | {int(s) for s in extra_steps if step is None or int(s) == step})
-                   - {int(s) for s in exclude_steps})
+    # the steps this rank may load: listed in path (damaged ones too: loading says why), the remote's
+    cands = set(open_root(path).listed_steps()) if os.path.isdir(path) else set()
+    remote = request.remote
+    if isinstance(remote, str):
+        remote = open_tier(remote, io=request.io)
+    if remote is not None:
+        cands |= set(list_steps(remote)[0] or [])
+    cands = {s for s in cands | {int(s) for s in extra_steps} if request.step in (None, s)}
+    cands -= {int(s) for s in exclude_steps}
 
     def one(s: int, gate: Callable[[], None]) -> Any:
         if prepare is not None:
             prepare(s)
         req = replace(request, step=s, remote=remote, gate=gate, rank=rank, world_size=world, fallback=True)
         return load(path, state_dict, req, engine=engine, bounce=bounce, report=report)
-    return agreed_load(store, base, rank, world, cands, one, timeout_s=timeout_s, report=report,
+    return agreed_load(store, base, rank, world, sorted(cands), one, timeout_s=timeout_s, report=report,
                        fallback=request.fallback)

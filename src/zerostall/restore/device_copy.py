@@ -1,46 +1,30 @@
 """The copy stage of the restore read pipeline: moving verified bytes out of the scratch.
 
-The seam between :mod:`.stream` (which reads, checks and decides *when* bytes may reach a
-destination) and *how* they get there. Called by :class:`.stream._Run`: ``copy`` (both
-copiers) and :meth:`HostCopier.swap` from its copier threads (``zerostall-restore-copy``),
-:func:`copy_staged` (after the gate), :meth:`HostCopier.rollback` (on failure) and
-:meth:`CudaCopier.sync` (at the end) from the caller's thread. Two copiers:
+:mod:`.stream` reads, checks and decides *when* bytes may reach a destination; this module is
+*how*. Called by :class:`.stream._Run`: :meth:`CudaCopier.copy` and :func:`swap` from its copier
+threads (``zerostall-restore-copy``), :func:`copy_staged` (after the gate), :func:`rollback`
+(on failure) and :meth:`CudaCopier.sync` (at the end) from the caller's thread.
 
-- :class:`HostCopier`: CPU destinations, given as addresses; ``ctypes.memmove`` (which
-  releases the GIL), never a torch op (see :mod:`..staging.snapshot` on OpenMP teams).
-- :class:`CudaCopier`: CUDA destinations (the caller's CUDA tensors of an in-place load, new
-  tensors of a load with ``map_location`` a CUDA device). Host-to-device copies from the
-  scratch, which is registered with ``cudaHostRegister`` first (pinned: DMA straight from
-  it, never cut at a boundary between two registered chunks, see
-  :meth:`~zerostall.memory.arena.Arena.pinned_pieces`), ``non_blocking`` on one side stream
-  per device that first waits for the caller's current stream (an event recorded when the
-  load starts, on the caller's thread: kernels the caller queued before the load touch the
-  destinations first). Every ``copy`` ends by recording an event on each stream it used and
-  waiting for it (a blocking-sync event: the thread sleeps, the GIL released), even when a
-  copy raised: the copier frees a ring slot only after that, so a window's memory is reused
-  only once its DMA is done; what raised reaches the copier's future, which fails the load.
-  The destinations are written only by the side streams, and :meth:`CudaCopier.sync` (run by
-  the pipeline before it returns, on failure too) waits for them all, so nothing is in
-  flight from the scratch or into a tensor once the load returns, and no ``record_stream``
-  is needed (no tensor is freed while a copy into it may run).
+- CPU destinations, given as addresses: ``ctypes.memmove`` (which releases the GIL), never a
+  torch op (see :mod:`..staging.snapshot` on OpenMP teams).
+- CUDA destinations (the caller's CUDA tensors of an in-place load, new tensors when
+  ``map_location`` is a CUDA device): :class:`CudaCopier`, host-to-device copies from the
+  scratch, pinned with ``cudaHostRegister`` (never cut at a boundary between two registered
+  chunks, :meth:`~zerostall.memory.arena.Arena.pinned_pieces`), ``non_blocking`` on one side
+  stream per device that first waits for the caller's current stream (kernels the caller
+  queued before the load touch the destinations first). Every ``copy`` waits for its copies
+  (a blocking-sync event, GIL released), even when one raised, so a ring slot is reused only
+  once its DMA is done; :meth:`CudaCopier.sync` waits for every stream before the load
+  returns, so nothing is in flight from the scratch or into a tensor then (no
+  ``record_stream`` needed).
 
-Transactional in-place loads into CUDA tensors *stage*, they do not swap: the caller's CUDA
-bytes are written only once every byte of the step verified and the gate passed, from the
-scratch places where the windows were read (an in-place read gives every window its own
-place, see :func:`.stream._layout`; when the scratch is smaller than the step, the load
-verifies first and copies in a second read, as for CPU tensors). Why not a swap as for CPU
-tensors (old device bytes to a device temporary, the new ones in, the temporary back to
-the scratch as the rollback copy): a swap moves every byte three times over the bus and
-the device (D2D, H2D, D2H) to win the overlap of one H2D with the reads, and one H2D from
-pinned memory runs an order of magnitude faster than a local disk reads (PCIe 4/5,
-NVLink-C2C more): after the gate it adds a small part of the read time, while a swap would add device
-memory traffic next to the caller's kernels and a rollback path that could itself fail half
-way on the device. Staged, a failed step has touched no device byte: the rollback is empty.
-A copy that fails *after* the gate (a device fault, not the checkpoint's) raises and may
-leave the CUDA destinations part written; the CPU ones of the same load are then as they
-were (the device copies run before the staged CPU copies, see :func:`copy_staged`). New
-tensors (nothing to protect) are copied as soon as their window verified, overlapped with the reads, and the
-ring slot is freed once the copy's event completed.
+The caller's CUDA tensors are *staged*, never swapped: written only once every byte of the
+step verified and the gate passed (a swap would move every byte three times over the bus to
+overlap one host-to-device copy, which is far faster than the disk read anyway, and its
+rollback could itself fail on the device). A failed step has then touched no device byte. A
+device copy that fails *after* the gate raises and may leave CUDA destinations part written;
+the CPU ones are then as they were (:func:`copy_staged` runs the device copies first). New
+tensors are copied as soon as their window verified.
 """
 
 from __future__ import annotations
@@ -61,72 +45,66 @@ DeviceJob = tuple[torch.Tensor, int, int]
 """(flat uint8 CUDA tensor: the destination bytes, source address in the scratch, bytes)."""
 
 
-class HostCopier:
-    """CPU destinations by address. Stateless: any thread."""
+def _copy(jobs: Iterable[HostJob]) -> None:
+    for dst, src, n in jobs:  # ctypes.memmove releases the GIL
+        ctypes.memmove(dst, src, n)
 
-    @staticmethod
-    def copy(jobs: Iterable[HostJob]) -> None:
-        for dst, src, n in jobs:  # ctypes.memmove releases the GIL
-            ctypes.memmove(dst, src, n)
 
-    @staticmethod
-    def copy_split(jobs: Sequence[HostJob], piece: int = 16 << 20) -> None:
-        """``jobs`` copied by two threads, split by bytes in ``piece``-sized parts (the staged
-        part of an in-place load, after the gate)."""
-        if not jobs:
-            return
-        parts: list[list[HostJob]] = [[], []]
-        sizes = [0, 0]
-        for dst, src, n in jobs:
-            for p in range(0, n, piece):
-                k = 0 if sizes[0] <= sizes[1] else 1
-                parts[k].append((dst + p, src + p, min(piece, n - p)))
-                sizes[k] += min(piece, n - p)
-        with ThreadPoolExecutor(2, thread_name_prefix="zerostall-restore-copy") as ex:
-            for f in [ex.submit(HostCopier.copy, p) for p in parts if p]:
-                f.result()
+def _copy_split(jobs: Sequence[HostJob], piece: int = 16 << 20) -> None:
+    """``jobs`` copied by two threads, split by bytes in ``piece``-sized parts."""
+    if not jobs:
+        return
+    parts: list[list[HostJob]] = [[], []]
+    sizes = [0, 0]
+    for dst, src, n in jobs:
+        for p in range(0, n, piece):
+            k = 0 if sizes[0] <= sizes[1] else 1
+            parts[k].append((dst + p, src + p, min(piece, n - p)))
+            sizes[k] += min(piece, n - p)
+    with ThreadPoolExecutor(2, thread_name_prefix="zerostall-restore-copy") as ex:
+        for f in [ex.submit(_copy, p) for p in parts if p]:
+            f.result()
 
-    @staticmethod
-    def swap(dst: int, src: int, n: int, swapped: list[HostJob]) -> None:
-        """Exchange ``n`` bytes at ``dst`` (the caller's) and ``src`` (the verified window), a
-        cache-resident piece at a time; the scratch then holds the caller's old bytes. Each
-        piece exchanged is appended to ``swapped`` (only what was exchanged is rolled back)."""
-        tmp = ctypes.create_string_buffer(min(n, SWAP_PIECE))
-        for p in range(0, n, SWAP_PIECE):
-            k = min(SWAP_PIECE, n - p)
-            ctypes.memmove(tmp, dst + p, k)
-            ctypes.memmove(dst + p, src + p, k)
-            ctypes.memmove(src + p, tmp, k)
-            swapped.append((dst + p, src + p, k))
 
-    @staticmethod
-    def rollback(swapped: Sequence[HostJob]) -> None:
-        """Copy the swapped pieces' old bytes back, newest first."""
-        for dst, old, n in reversed(swapped):
-            ctypes.memmove(dst, old, n)
+def swap(dst: int, src: int, n: int, swapped: list[HostJob]) -> None:
+    """Exchange ``n`` bytes at ``dst`` (the caller's) and ``src`` (the verified window), a
+    cache-resident piece at a time; the scratch then holds the caller's old bytes. Each
+    piece exchanged is appended to ``swapped`` (only what was exchanged is rolled back)."""
+    tmp = ctypes.create_string_buffer(min(n, SWAP_PIECE))
+    for p in range(0, n, SWAP_PIECE):
+        k = min(SWAP_PIECE, n - p)
+        ctypes.memmove(tmp, dst + p, k)
+        ctypes.memmove(dst + p, src + p, k)
+        ctypes.memmove(src + p, tmp, k)
+        swapped.append((dst + p, src + p, k))
+
+
+def rollback(swapped: Sequence[HostJob]) -> None:
+    """Copy the swapped pieces' old bytes back, newest first."""
+    for dst, old, n in reversed(swapped):
+        ctypes.memmove(dst, old, n)
 
 
 def cuda_target(map_location: Any) -> torch.device | None:
     """The CUDA device a new-dict load's tensors end on, when ``map_location`` names one (a
     device, its name or index, or a dict mapping ``"cpu"`` to one); None otherwise (then
-    they are read into CPU tensors and mapped after, as before: a callable is called with
-    each CPU storage). ``map_location`` was checked by :func:`.state.location_mapper`."""
+    they are read into CPU tensors and mapped after). ``map_location`` was checked by
+    :func:`.state.location_mapper`."""
     if isinstance(map_location, dict):
         target = map_location.get("cpu", map_location.get(torch.device("cpu")))
         return None if target is None else cuda_target(target)
     if isinstance(map_location, (str, torch.device)) or (isinstance(map_location, int)
                                                           and not isinstance(map_location, bool)):
         dev = torch.device("cuda", map_location) if isinstance(map_location, int) else torch.device(map_location)
-        if dev.type == "cuda" and torch.cuda.is_available():  # else mapped after, as before (which raises)
+        if dev.type == "cuda" and torch.cuda.is_available():  # else mapped after (which raises)
             return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
     return None
 
 
 def register_scratch(scratch: Any, device: int) -> None:
-    """Pin the scratch for DMA (the staging pool's arena, the shared bounce; once: later calls
-    return at once), kept from forked children first. An arena registers its faulted prefix
-    (and what it faults later): a transient scratch (a remote tier's, not faulted ahead)
-    stays pageable, its copies staged by the driver (synchronous for the copier, correct)."""
+    """Pin the scratch for DMA (once; later calls return at once), kept from forked children
+    first. An arena registers its faulted prefix (and what it faults later): a transient
+    scratch (a remote tier's) stays pageable, its copies staged by the driver (correct)."""
     arena = getattr(scratch, "arena", None) or scratch
     if hasattr(arena, "register_cuda") and not arena.cuda_registered:
         arena.keep_from_fork()  # the kernel copies pinned pages into every forked child (DataLoader workers)
@@ -206,10 +184,9 @@ class CudaCopier:
 def copy_staged(host: Sequence[HostJob], dev: Sequence[DeviceJob], copier: CudaCopier | None) -> None:
     """The staged part of an in-place load, once every byte verified and the gate passed
     (caller's thread): the CUDA destinations' first, then the CPU ones' by two threads
-    (:meth:`HostCopier.copy_split`). Raises what a copy raised. In that order because a device
-    copy can fail (a device fault) and a memmove cannot: a device failure then leaves every
-    CPU destination as it was (the swapped ones rolled back by the caller, the staged ones not
-    written yet), not half of them the new step's (they were copied in meanwhile)."""
+    Raises what a copy raised. In that order because a device copy can fail (a device fault)
+    and a memmove cannot: a device failure then leaves every CPU destination as it was (the
+    swapped ones rolled back by the caller, the staged ones not written yet)."""
     if dev and copier is not None:
         copier.copy(dev)
-    HostCopier.copy_split(host)
+    _copy_split(host)

@@ -1,7 +1,8 @@
-"""Downloading a step from a remote tier into the local one (``load(..., remote=...)``, ``restore_remote``).
+"""Downloading a step from a remote tier into the local one (``load(..., remote=...)``, and
+``zerostall restore URL --to DIR``: :func:`restore_remote`).
 
 Called from the caller's thread. One process at a time downloads into a root
-(:class:`_FetchLock`); the step is written into its ``.partial`` and committed like a save's
+(:func:`fetch_lock`); the step is written into its ``.partial`` and committed like a save's
 (replacing a local copy), the steps it borrows from first.
 """
 
@@ -10,16 +11,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any
+from typing import Any, Callable, Iterator
 
-from ..errors import CorruptCheckpoint, ZerostallError
+from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint, StateMismatchError, ZerostallError
 from ..format.manifest import Manifest
 from ..format.decode import tree_tensor_indices
+from ..io.base import Engine
 from ..store.owner import FileLock, StepLock
 from ..store.tier import RootTier, Tier
 from ..store.atomic import fsync_dir, unlinked_on_error
+from .state import LoadReport
+from .step import verify_step
 
 log = logging.getLogger("zerostall")
+
+FETCH_LOCK_NAME = ".zerostall.fetch.lock"
+_ANY = object()
 
 
 def damaged_local_ref(tier: RootTier, step: int, exc: BaseException) -> int | None:
@@ -37,39 +44,21 @@ def damaged_local_ref(tier: RootTier, step: int, exc: BaseException) -> int | No
         return None
 
 
-FETCH_LOCK_NAME = ".zerostall.fetch.lock"
-
-
-class _FetchLock:
+@contextlib.contextmanager
+def fetch_lock(root: str) -> Iterator[None]:
     """An exclusive ``flock`` on ``<root>/.zerostall.fetch.lock`` while one process downloads
-    a step into ``root``: the ranks of a node restoring into one directory at once take turns
-    (each used to remove the others' ``.partial`` and swap their commits away). Separate from
-    the owner's root lock, which a training run holds for its lifetime. A
+    a step into ``root``: the ranks of a node restoring into one directory at once take turns.
+    Separate from the owner's root lock, which a training run holds for its lifetime. A
     :class:`~zerostall.store.owner.FileLock` that is never removed, so a child forked meanwhile
     neither keeps it (its at-fork handler closes its copy) nor unlocks it."""
-
-    def __init__(self, root: str):
-        self.path = os.path.join(root, FETCH_LOCK_NAME)
-        self._lock = FileLock(self.path)
-
-    def __enter__(self) -> "_FetchLock":
-        self._lock.acquire(wait=True)
-        if not self._lock.enforced:
-            log.warning("zerostall: %s does not support flock: concurrent restores into it may collide",
-                        os.path.dirname(self.path))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release(unlink=False)
-
-
-_ANY = object()
-
-
-def fetch_remote_step(tier: RootTier, remote: Tier, step: int, seen: Any = _ANY) -> Manifest:
-    """Download ``step`` from ``remote`` into the local tier (direct I/O) and commit it there
-    (replacing a local copy; the steps it borrows from are fetched first if missing locally)."""
-    return fetch(tier, remote, step, seen)[0]
+    lock = FileLock(os.path.join(root, FETCH_LOCK_NAME))
+    lock.acquire(wait=True)
+    if not lock.enforced:
+        log.warning("zerostall: %s does not support flock: concurrent restores into it may collide", root)
+    try:
+        yield
+    finally:
+        lock.release(unlink=False)
 
 
 def rank_files(man: Manifest, rank: int, world_size: int) -> set[str] | None:
@@ -81,22 +70,22 @@ def rank_files(man: Manifest, rank: int, world_size: int) -> set[str] | None:
     return {man.tensors[canon.get(i, i)].file for i, _ in tree_tensor_indices(man.tree_for(rank, world_size))}
 
 
-def fetch(tier: RootTier, remote: Tier, step: int, seen: Any = _ANY, only: set[str] | None = None,
+def fetch(tier: RootTier, remote: Tier, step: int, seen: Any = _ANY,
           who: tuple[int, int] | None = None) -> tuple[Manifest, bool]:
-    """:func:`fetch_remote_step`; also says whether this call downloaded it (False: another
-    process committed the same checkpoint locally since the caller saw ``seen``, the identity
-    of the local manifest the caller found missing (None) or damaged; ``_ANY``: always download).
-    One process at a time downloads into a root (:class:`_FetchLock`). ``who`` = (rank,
-    world_size): a per-rank checkpoint fetches only that rank's files (and the manifest); a
-    local copy of the same checkpoint that lacks them gets them added in place."""
+    """Download ``step`` from ``remote`` into the local tier (direct I/O) and commit it there
+    (replacing a local copy; the steps it borrows from are fetched first if missing locally).
+    Returns its manifest and whether this call downloaded it (False: another process committed
+    the same checkpoint locally since the caller saw ``seen``, the identity of the local
+    manifest the caller found missing (None) or damaged; ``_ANY``: always download). ``who`` =
+    (rank, world_size): a per-rank checkpoint fetches only that rank's files (and the
+    manifest); a local copy of the same checkpoint that lacks them gets them added in place."""
     man = remote.read_manifest(step)  # validated; names this step
-    if who is not None:
-        only = rank_files(man, *who)
+    only = rank_files(man, *who) if who is not None else None
     os.makedirs(tier.root, exist_ok=True)
     for ref in sorted({r.step for r in man.ref_files}):  # an incremental step: what it borrows, first
         if ref not in tier.steps():
             fetch(tier, remote, ref, None)
-    with _FetchLock(tier.root):
+    with fetch_lock(tier.root):
         now = tier.manifest_ident(step)
         same = False
         if now is not None:
@@ -124,13 +113,12 @@ def _add_files(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[
     (caller holds the fetch lock)."""
     d = tier.step_dir(step)
     for fe in man.files:
-        path = os.path.join(d, fe.name)
         if fe.name not in only:  # ours are fetched again even if present: the local ones failed
             continue
         rel = _checked_rel(remote, step, fe.name, fe.file_bytes)
         with unlinked_on_error(os.path.join(d, f".fetch-{fe.name}.tmp")) as tmp:
             remote.download(rel, tmp, fe.file_bytes)
-            os.rename(tmp, path)
+            os.rename(tmp, os.path.join(d, fe.name))
     fsync_dir(d)
 
 
@@ -146,17 +134,64 @@ def _checked_rel(remote: Any, step: int, name: str, nbytes: int) -> str:
     return rel
 
 
-def _download(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[str] | None = None) -> None:
+def _download(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[str] | None) -> None:
     """Download ``step``'s files (those in ``only``, if given) into its ``.partial`` and commit it
     (caller holds the locks)."""
     part = tier.begin(step)
     try:
         for fe in man.files:
-            if only is not None and fe.name not in only:
-                continue
-            rel = _checked_rel(remote, step, fe.name, fe.file_bytes)
-            remote.download(rel, os.path.join(part, fe.name), fe.file_bytes)
+            if only is None or fe.name in only:
+                rel = _checked_rel(remote, step, fe.name, fe.file_bytes)
+                remote.download(rel, os.path.join(part, fe.name), fe.file_bytes)
     except BaseException:
         tier.abort(step)
         raise
     tier.commit(step, man, overwrite=True)
+
+
+def restore_remote(tier: RootTier, remote: Any, engine: Engine, step: int | None = None, *,
+                   report: LoadReport | None = None,
+                   on_failure: Callable[[int, str], None] | None = None) -> Manifest:
+    """Download and verify the newest step of ``remote`` (or ``step``) into ``tier`` without
+    loading it; its manifest. The library's entry for ``zerostall restore URL --to DIR``, with
+    the fallback rule of :func:`.pipeline.load`: any defect of a step (a damaged, missing or
+    symlinked object, a failed download, a crc32c mismatch) is reported, its download removed,
+    and the previous step tried; an error of the arguments (``ConfigError``) is raised.
+
+    Caller's thread; the caller owns ``tier`` (``RootTier.own``). ``on_failure(step, reason)``
+    is told of each step that failed (the CLI prints them); ``report`` gets the step restored
+    and those failures. Raises ``CheckpointNotFound`` when the remote holds no (such) step,
+    ``CorruptCheckpoint`` when none verifies.
+    """
+    steps = remote.steps()
+    if step is not None:
+        if step not in steps:
+            raise CheckpointNotFound(f"no committed step {step} at {remote.url} (steps: {steps or 'none'})")
+        steps = [step]
+    if not steps:
+        raise CheckpointNotFound(f"no committed checkpoint at {remote.url}")
+    errors: list[str] = []
+    for s in reversed(steps):
+        fetched = False
+        try:
+            fetch(tier, remote, s)
+            fetched = True
+            man = verify_step(tier, s, engine)
+        except (StateMismatchError, ConfigError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - every defect of a checkpoint means: try the previous one
+            reason = str(exc) if isinstance(exc, ZerostallError) else f"{type(exc).__name__}: {exc}"
+            log.error("zerostall: step %d (remote copy) failed: %s", s, reason)
+            errors.append(f"step {s}: {reason}")
+            if on_failure is not None:
+                on_failure(s, reason)
+            if fetched:  # our download committed and failed verification (a failed fetch committed nothing)
+                try:
+                    tier.delete(s)
+                except Exception as dexc:  # noqa: BLE001 - reported, the next step is tried anyway
+                    log.warning("zerostall: removing the failed download of step %d: %s", s, dexc)
+            continue
+        if report is not None:
+            report.step, report.source, report.failed = s, "remote", list(errors)
+        return man
+    raise CorruptCheckpoint(f"no step of {remote.url} verifies: " + "; ".join(errors), path=remote.url)

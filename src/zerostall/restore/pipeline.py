@@ -1,20 +1,16 @@
-"""Restore: find the newest committed checkpoint that verifies and load it.
+"""Restore: find the newest committed checkpoint that verifies and load it (:func:`load`).
 
-Called from the caller's thread (``zerostall.load``, ``Checkpointer.load``, the CLI).
-For each candidate step, newest first (local copy, then the remote's): :func:`.step.load_step`
-reads and validates the manifest (nothing is read from a shard before it passes), checks
-each shard's size and kind, then streams the bytes through :mod:`.stream` (deep direct
-reads, header, every tensor's crc32c, zero padding, copies overlapped). A step that fails is
-logged with the file and tensor at fault, and the previous one is tried (``fallback=True``).
-
-Every defect of a checkpoint falls back (manifest, files, allocation, bytes), never one of
-the caller's (:class:`StateMismatchError`, :class:`ConfigError`). A step that disappears while
-it is read (a writer's retention) is not a failure: the listing is read again. In-place
-loads are transactional: a fallback never leaves a failed step's bytes behind.
+Called from the caller's thread (``zerostall.load``, ``Checkpointer.load``, the CLI). For
+each candidate step, newest first (local copy, then the remote's), :func:`.step.load_step`
+loads it; a step that fails is logged with the file and tensor at fault, and the previous
+one is tried. Every defect of a checkpoint falls back (manifest, files, allocation, bytes),
+never one of the caller's (:class:`StateMismatchError`, :class:`ConfigError`). In-place loads
+are transactional: a fallback never leaves a failed step's bytes behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field, replace
@@ -28,13 +24,10 @@ from ..memory.arena import Arena
 from ..store import open_root
 from ..store.remote import list_steps
 from ..store.tier import RootTier, is_url, open_tier
-from .download import FETCH_LOCK_NAME, damaged_local_ref, fetch, fetch_remote_step, rank_files
-from .retry import GONE, MAX_REPLACED, REPLACED, changed_under, listed_ident, remote_changed_under
+from .download import damaged_local_ref, fetch
+from .retry import GONE, MAX_REPLACED, REPLACED, changed_under
 from .state import LoadReport, location_mapper
-from .step import load_step, shared_bounce, verify_step, verify_tier_step
-
-__all__ = ["FETCH_LOCK_NAME", "LoadRequest", "fetch_remote_step", "load", "load_step", "rank_files", "verify_step",
-           "verify_tier_step"]
+from .step import load_step, shared_bounce
 
 log = logging.getLogger("zerostall")
 
@@ -71,13 +64,11 @@ def load(path: str, state_dict: Any = None, request: LoadRequest | None = None, 
     """Load the newest verified checkpoint (or ``request.step``) under ``path``; see the module doc.
 
     With ``request.remote`` (a URL or tier), steps only the remote holds are downloaded into
-    ``path`` first (``download=False``: streamed from the remote straight through the read
-    pipeline, only this rank's files and only the byte ranges the load needs, nothing written
-    locally); for each step, newest first, the local copy is tried, then the remote one. Any
-    failure of a step's checkpoint (not of the caller's state dict) falls back to the previous
-    step; a step deleted meanwhile (retention) is not a failure: the listing is read again.
-    ``engine`` and ``bounce``: the I/O engine and staging memory to read with (None: opened
-    here). ``report`` (a :class:`LoadReport`) is filled in with the step loaded and the key report.
+    ``path`` first (``download=False``: streamed from the remote, only the byte ranges this
+    rank needs, nothing written locally). A step deleted meanwhile (retention) is not a
+    failure: the listing is read again. ``engine`` and ``bounce``: the I/O engine and staging
+    memory to read with (None: opened here). ``report`` (a :class:`LoadReport`) is filled in
+    with the step loaded and the key report.
     """
     req = _checked(request if request is not None else LoadRequest())
     remote, remote_why, remote_steps = req.remote, "", []
@@ -171,16 +162,18 @@ class _Fallback:
 
     def ident(self, s: int, src: str) -> Any:
         """The identity of the copy about to be read (to tell a change under the read)."""
-        if src == "remote":
-            return listed_ident(self.remote, s)
-        ident = self.seen_local[s] = self.tier.manifest_ident(s)
-        return ident
+        if src == "local":
+            ident = self.seen_local[s] = self.tier.manifest_ident(s)
+            return ident
+        with contextlib.suppress(Exception):  # a remote that cannot be listed: its failure is the step's own
+            return self.remote.manifest_ident(s)
+        return None
 
     def failed(self, s: int, src: str, ident: Any, fetched: bool, exc: Exception) -> None:
         """Copy (``s``, ``src``) raised ``exc`` (``fetched``: this load downloaded it): tried
         again if it changed under the read or borrows from a damaged local base, else recorded."""
         tier, remote = self.tier, self.remote
-        why = changed_under(tier, s, ident) if src == "local" else remote_changed_under(remote, s, ident)
+        why = changed_under(remote if src == "remote" else tier, s, ident, remote=src == "remote")
         if why is not None and fetched:
             tier.delete(s)  # our download of the remote copy that was replaced (or removed) meanwhile
         if why == GONE:
@@ -200,7 +193,7 @@ class _Fallback:
             log.warning("zerostall: step %d borrows from local step %d, which is damaged (%s); "
                         "fetching step %d from the remote again", s, bad_ref, exc, bad_ref)
             try:
-                fetch_remote_step(tier, remote, bad_ref)
+                fetch(tier, remote, bad_ref)
                 self.tried.discard((s, src))
                 return
             except Exception as fexc:  # noqa: BLE001 - reported below with the original defect

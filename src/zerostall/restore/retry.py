@@ -29,35 +29,24 @@ MAX_REPLACED = 5
 GONE, REPLACED = "gone", "replaced"
 
 
-def changed_under(tier: Any, step: int, ident: Any) -> str | None:
+def changed_under(tier: Any, step: int, ident: Any, *, remote: bool = False) -> str | None:
     """:data:`GONE`, :data:`REPLACED` or None (unchanged) for ``step``, whose manifest had
-    identity ``ident`` when the failed read began."""
-    now = tier.manifest_ident(step)
+    identity ``ident`` when the failed read began. ``remote`` (``load`` of a step it reads from
+    a remote tier): None where ``ident`` is unknown or the tier cannot be listed (a remote that
+    is down: the failure is then taken as the step's own)."""
+    if remote and ident is None:
+        return None
+    try:
+        now = tier.manifest_ident(step)
+    except Exception:  # noqa: BLE001 - a listing that fails tells nothing
+        if remote:
+            return None
+        raise
     if now is None:
         return GONE
     if ident is not None and now != ident:
         return REPLACED
     return None
-
-
-def listed_ident(tier: Any, step: int) -> Any:
-    """``tier.manifest_ident(step)``, or None where the tier cannot be listed (a remote that is
-    down: the failure is then taken as the step's own)."""
-    try:
-        return tier.manifest_ident(step)
-    except Exception:  # noqa: BLE001 - a listing that fails tells nothing
-        return None
-
-
-def remote_changed_under(tier: Any, step: int, ident: Any) -> str | None:
-    """:func:`changed_under` for a remote tier (``load`` of a step it fetches from there):
-    None where the tier cannot be listed, or where ``ident`` is unknown."""
-    if ident is None:
-        return None
-    try:
-        return changed_under(tier, step, ident)
-    except Exception:  # noqa: BLE001 - as above
-        return None
 
 
 def verify_consistent(tier: Any, step: int, check: Callable[[], T]) -> T | None:

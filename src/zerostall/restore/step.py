@@ -6,13 +6,11 @@ its ``stat`` checks sizes before anything is allocated, its ``open_shard_read`` 
 file (a local tier refuses anything but a regular file; a remote tier streams its objects).
 
 Destinations: with a ``state_dict``, tensors of matching shape and dtype are filled in place
-(as DCP does), transactionally: a failed step leaves them as they were (:mod:`.stream`
-rolls back or stages; when even that scratch would not fit in memory, a verify-only pass
-runs first). Without one, new tensors are filled through the ring (or read into directly, page-aligned,
-see :data:`.stream.DIRECT_MIN_BYTES`), then moved to ``map_location``. ``keys=[...]`` reads only
-those keys' byte ranges. CUDA destinations (the caller's contiguous CUDA tensors; new tensors
-when ``map_location`` names a CUDA device) are filled from the pinned scratch by
-:mod:`.device_copy` (the caller's staged until the gate), not through CPU tensors.
+(as DCP does), transactionally (:mod:`.stream`; when its scratch would not fit in memory, a
+verify-only pass runs first: :func:`read_step`). Without one, new tensors are filled, then
+moved to ``map_location`` (on a CUDA device it names, filled there by :mod:`.device_copy`).
+``keys=[...]`` reads only those keys' byte ranges, as does an incremental step from the
+earlier steps' files it borrows (:func:`check_ref_files`).
 """
 
 from __future__ import annotations
@@ -20,22 +18,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Any, Callable, Iterator
+from types import SimpleNamespace
+from typing import Any, Callable
 
 import torch
 
 from ..config import IOConfig
-from ..errors import CorruptCheckpoint, StateMismatchError, ZerostallError
+from ..errors import CheckpointNotFound, CorruptCheckpoint, StateMismatchError, ZerostallError
 from ..format.dtypes import dtype_from_name
 from ..format.layout import PAGE_ITEM_BYTES, ShardHeader
 from ..format.manifest import Manifest, TensorEntry
+from ..format.refs import RefFile
 from ..format.decode import decode_tree
 from ..format.decode import tree_tensor_indices
 from ..io.base import Engine
 from ..memory.arena import Arena
 from ..store.local import LocalTier
 from ..store.tier import Tier
-from .refs import check_ref_files, check_size, file_read, ref_groups, ref_reads, shard_where
 from .device_copy import cuda_target
 from .state import LoadReport, find_in_place, key_report, location_mapper, merge, overlapping, select_keys
 from . import stream
@@ -60,6 +59,69 @@ def shared_bounce() -> Arena:
         if _bounce is None:
             _bounce = Arena(BOUNCE_BYTES, mlock=False)
         return _bounce
+
+
+def shard_where(tier: Tier, step: int, name: str) -> str:
+    """How messages name file ``name`` of ``step`` on ``tier`` (a path for a local tier)."""
+    return f"{tier.url.rstrip('/')}/step-{step}/{name}"
+
+
+def check_size(tier: Tier, step: int, name: str, want: int, recorded_by: str = "manifest says") -> None:
+    """Shard ``step-N/<name>`` on ``tier`` is a regular file of ``want`` bytes, else
+    :class:`CorruptCheckpoint` naming it; ``recorded_by`` says who recorded that size (an
+    incremental step's reference to an earlier step's file). Caller's thread, before any read."""
+    path = shard_where(tier, step, name)
+    size = tier.stat(f"step-{step}/{name}")
+    if size is None:
+        raise CorruptCheckpoint(f"{path}: shard file is missing or not a regular file ({recorded_by} {want} bytes)",
+                                path=path)
+    if size != want:
+        raise CorruptCheckpoint(f"{path}: shard is {size} bytes, {recorded_by} {want} (truncated or replaced)", path=path)
+
+
+def check_ref_files(tier: Tier, man: Manifest, refs: list[RefFile]) -> None:
+    """An incremental step's borrowed files (its entries that carry a ``step``, see
+    :mod:`.format.refs`): each belongs to a committed step whose manifest lists it with the
+    same size and id, and has that size; else :class:`CorruptCheckpoint` naming it (the step
+    fails, restore falls back). Runs before anything is allocated or read, like
+    :func:`check_files`; the pipeline then checks their header, every referenced tensor's
+    crc32c and padding, reading only the referenced ranges (:func:`file_reads`)."""
+    manifests: dict[int, Manifest] = {}
+    for r in refs:
+        where = f"step {man.step} references step-{r.step}/{r.name}"
+        step_where = shard_where(tier, r.step, "").rstrip("/")
+        if r.step not in manifests:
+            try:
+                manifests[r.step] = tier.read_manifest(r.step)
+            except CheckpointNotFound:
+                raise CorruptCheckpoint(f"{where}, but step {r.step} is not a committed checkpoint in "
+                                        f"{tier.url!r} (deleted?)", path=step_where) from None
+        own = {f.name: f for f in manifests[r.step].files}
+        fe = own.get(r.name)
+        if fe is None or fe.file_bytes != r.file_bytes or (fe.file_id or manifests[r.step].checkpoint_id) != r.file_id:
+            raise CorruptCheckpoint(f"{where}, but step {r.step}'s manifest does not list that file as "
+                                    "recorded (step overwritten?)", path=step_where)
+        check_size(tier, r.step, r.name, r.file_bytes, f"{where} with")
+
+
+def file_read(tier: Tier, step: int, name: str, file_bytes: int, header: ShardHeader, man: Manifest,
+              idx: list[int], dst: Callable[[int], Any], engine: Any, *, sparse: bool = True) -> FileRead:
+    """The :class:`~.stream.FileRead` of ``step-N/<name>`` for manifest entries ``idx``, each
+    read into ``dst(i)``: ``(address or None, direct buffer or None, protected[, CUDA bytes or
+    None])``; ``sparse``: only their extents are read (with the header), else the whole file."""
+    idx = sorted(idx, key=lambda i: man.tensors[i].offset)
+    fr = FileRead(shard_where(tier, step, name), file_bytes, header, [man.tensors[i] for i in idx], [],
+                  lambda: tier.open_shard_read(step, name, engine), wanted=set(range(len(idx))) if sparse else None)
+    for k, i in enumerate(idx):
+        flat, direct, protected, *device = dst(i)
+        fr.dsts.append(flat)
+        if direct is not None:
+            fr.direct[k] = direct
+        if protected:
+            fr.protect.add(k)
+        if device and device[0] is not None:  # CUDA memory: flat uint8 bytes at address ``flat``
+            fr.device[k] = device[0]
+    return fr
 
 
 def check_files(tier: Tier, man: Manifest, only: set[str] | None = None, engine: Engine | None = None) -> None:
@@ -87,32 +149,21 @@ def _meminfo(*keys: str) -> int:
     return total
 
 
-def _host_memory_bytes() -> int:
-    """RAM + swap: no allocation larger than this can ever succeed on this host."""
-    return _meminfo("MemTotal", "SwapTotal") or (1 << 62)
-
-
-def _new(e: TensorEntry, where: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A new tensor for ``e`` and, if it is big enough to be read into directly, its
-    page-aligned padded byte buffer."""
+def _new(e: TensorEntry, where: str, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A new tensor for ``e`` (on CUDA ``device`` if given) and, if it is a CPU one big enough
+    to be read into directly, its page-aligned padded byte buffer."""
     try:
         dtype = dtype_from_name(e.dtype)
+        if device is not None:
+            return torch.empty(e.shape, dtype=dtype, device=device), None
         if e.nbytes >= max(stream.DIRECT_MIN_BYTES, PAGE_ITEM_BYTES):  # alone on its pages
             buf = aligned_empty(e.nbytes)
             return buf[:e.nbytes].view(dtype).view(e.shape), buf
         return torch.empty(e.shape, dtype=dtype), None
-    except (RuntimeError, MemoryError) as exc:
-        raise CorruptCheckpoint(f"{where}: cannot allocate tensor {e.key!r} ({e.nbytes} bytes): {exc}",
-                                path=where, key=e.key) from None
-
-
-def _new_on(e: TensorEntry, device: torch.device, where: str) -> torch.Tensor:
-    """A new tensor for ``e`` on CUDA ``device`` (filled by :mod:`.device_copy`)."""
-    try:
-        return torch.empty(e.shape, dtype=dtype_from_name(e.dtype), device=device)
     except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-        raise CorruptCheckpoint(f"{where}: cannot allocate tensor {e.key!r} ({e.nbytes} bytes) on {device}: "
-                                f"{exc}", path=where, key=e.key) from None
+        on = f" on {device}" if device is not None else ""
+        raise CorruptCheckpoint(f"{where}: cannot allocate tensor {e.key!r} ({e.nbytes} bytes){on}: {exc}",
+                                path=where, key=e.key) from None
 
 
 def _flat_u8(t: torch.Tensor) -> torch.Tensor:
@@ -127,33 +178,27 @@ def file_reads(tier: Tier, man: Manifest, engine: Engine | None, dst: Any, *, ne
     ``dst(i)`` is ``(address or None, direct buffer or None, protected[, CUDA bytes])`` for entry ``i``."""
     alias = man.alias_of
     pick = set(needed) if needed is not None else None
+    by_ref = {(r.step, r.name): r for r in man.ref_files}
     by_file: dict[str, list[int]] = {}
+    refs: dict[RefFile, list[int]] = {}
     for i, e in enumerate(man.tensors):
-        if e.step is None and i not in alias and (not sparse or pick is None or i in pick):
+        if e.step is not None:  # lives in an earlier step's file (an incremental step)
+            if pick is None or i in pick:
+                refs.setdefault(by_ref[(e.step, e.file)], []).append(i)
+        elif i not in alias and (not sparse or pick is None or i in pick):
             by_file.setdefault(e.file, []).append(i)
-    out = []
-    for fe in man.files:
-        if (only is not None and fe.name not in only) or (sparse and fe.name not in by_file):
-            continue
-        idx = sorted(by_file.get(fe.name, []), key=lambda i: man.tensors[i].offset)
-        out.append(file_read(tier, man.step, fe.name, fe.file_bytes,
-                             ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes),
-                             man, idx, dst, engine, sparse=sparse))
-    if man.ref_files:
-        ids = [i for i, e in enumerate(man.tensors) if e.step is not None and (pick is None or i in pick)]
-        groups = {r: ix for r, ix in ref_groups(man, ids).items() if only is None or r.name in only}
-        out += ref_reads(tier, man, groups, dst, engine)
-    return out
+    out = [file_read(tier, man.step, fe.name, fe.file_bytes,
+                     ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes),
+                     man, by_file.get(fe.name, []), dst, engine, sparse=sparse)
+           for fe in man.files if (only is None or fe.name in only) and (not sparse or fe.name in by_file)]
+    return out + [file_read(tier, r.step, r.name, r.file_bytes, ShardHeader(r.file_id, r.step, r.rank, r.file_bytes),
+                            man, ix, dst, engine)  # only the referenced items' extents
+                  for r, ix in refs.items() if only is None or r.name in only]
 
 
-@contextlib.contextmanager
-def _scratch(plan: Plan, bounce: Any) -> Iterator[Any]:
-    """``bounce`` if the plan fits in it (under the shared bounce's lock if it is that one), else None.
-
-    Never a fresh allocation: new memory can fault slower than a disk reads the step twice
-    (docs/speed-tricks.md; :meth:`~zerostall.saving.pool.StagingPool.ring_bytes`)."""
-    with _bounce_lock if bounce is _bounce else contextlib.nullcontext():
-        yield bounce if plan.fits(bounce.nbytes) else None
+def _held(bounce: Any) -> Any:
+    """The shared bounce's lock if ``bounce`` is that one (a staging pool's is its caller's own)."""
+    return _bounce_lock if bounce is _bounce else contextlib.nullcontext()
 
 
 def read_step(files: list[FileRead], bounce: Any, io: IOConfig, *, verify: bool = True,
@@ -167,31 +212,26 @@ def read_step(files: list[FileRead], bounce: Any, io: IOConfig, *, verify: bool 
     twice measured faster: docs/speed-tricks.md)."""
     global last_stats
     plan = Plan(files, io, in_place=any(fr.protect for fr in files))
-    with _scratch(plan, bounce) as scratch:
-        if scratch is not None:
-            last_stats = plan.run(scratch, verify=verify, gate=gate)
+    with _held(bounce):
+        if plan.fits(bounce.nbytes):
+            last_stats = plan.run(bounce, verify=verify, gate=gate)
             return last_stats
+    # never a fresh scratch for a local disk: new memory can fault slower than the disk reads the
+    # step twice (docs/speed-tricks.md; :meth:`~zerostall.saving.pool.StagingPool.ring_bytes`)
     if slow_source and plan.need_bytes() < _meminfo("MemAvailable") // 2:
-        arena = Arena(plan.need_bytes(), mlock=False, hugepages=False, prefault=False)
-        try:
+        with contextlib.closing(Arena(plan.need_bytes(), mlock=False, hugepages=False, prefault=False)) as arena:
             last_stats = plan.run(arena, verify=verify, gate=gate)
             return last_stats
-        finally:
-            arena.close()
     head_bytes = _head_bytes(plan)
     log.info("zerostall: an in-place load of %d bytes does not fit in %d bytes of scratch; verifying it first "
              "(the first %d bytes under rollback in new memory, the rest read again)", plan.ring_bytes,
              bounce.nbytes, head_bytes)
     idents: dict[int, tuple[int, ...]] = {}  # the second pass reads the very files the first verified
     second: list[Stats] = []
-    head = Arena(head_bytes, mlock=False, hugepages=False, prefault=False) if head_bytes else _NO_HEAD
-    try:
-        with _bounce_lock if bounce is _bounce else contextlib.nullcontext():
-            last_stats = plan.run(bounce, verify=True, gate=gate, idents=idents, head=head,
-                                  then=lambda first: second.extend(read_later(files, first, bounce, io, verify, idents)))
-    finally:
-        if head is not _NO_HEAD:
-            head.close()
+    new = contextlib.closing(Arena(head_bytes, mlock=False, hugepages=False, prefault=False)) if head_bytes else None
+    with new or contextlib.nullcontext(_NO_HEAD) as head, _held(bounce):
+        last_stats = plan.run(bounce, verify=True, gate=gate, idents=idents, head=head,
+                              then=lambda first: second.extend(read_later(files, first, bounce, io, verify, idents)))
     if second:  # what both passes read, and what the second delivered
         last_stats.bytes_read += second[0].bytes_read
         last_stats.device_bytes += second[0].device_bytes
@@ -225,18 +265,10 @@ def read_later(files: list[FileRead], first: Stats, ring: Any, io: IOConfig, ver
 
 HEAD_FRACTION = 0.5
 """Share of an in-place load that does not fit the scratch read once, under rollback, into new
-memory (faulted by the readers' direct reads); the rest is verified first and read again.
-New memory faults at a fraction of the disk's read rate (docs/speed-tricks.md), so faulting
-part while the disk reads the rest twice beats both a whole-state scratch and a double read of everything (measured:
-see docs/design.md, Restore pipeline)."""
+memory; the rest is verified first and read again (why this mix: docs/speed-tricks.md)."""
 
 
-class _NoHead:
-    nbytes = 0
-    u8 = None
-
-
-_NO_HEAD: Any = _NoHead()
+_NO_HEAD: Any = SimpleNamespace(nbytes=0, u8=None)
 
 
 def _head_bytes(plan: Plan) -> int:
@@ -266,7 +298,7 @@ def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: An
     only = {man.tensors[i].file for i in needed}
     check_files(tier, man, only, engine)  # before allocating anything the manifest asks for
     need_bytes = sum(man.tensors[i].nbytes for i in needed)
-    host = _host_memory_bytes()
+    host = _meminfo("MemTotal", "SwapTotal") or (1 << 62)  # no larger allocation can succeed here
     if need_bytes > host:
         raise CorruptCheckpoint(f"{where}: the manifest asks for {need_bytes} bytes of tensors, more than this "
                                 f"host's RAM and swap ({host}); corrupt, or load it on a bigger host", path=where)
@@ -307,12 +339,10 @@ def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: An
         elif i in gpu and i not in shared:
             tensors[i] = gpu[i]
             dsts[i] = (tensors[i].data_ptr(), None, True, _flat_u8(tensors[i]))
-        elif target is not None:
-            tensors[i] = _new_on(man.tensors[i], target, where)
-            dsts[i] = (tensors[i].data_ptr(), None, False, _flat_u8(tensors[i]))
         else:
-            tensors[i], direct = _new(man.tensors[i], where)
-            dsts[i] = (None if direct is not None else tensors[i].data_ptr(), direct, False)
+            tensors[i], direct = _new(man.tensors[i], where, target)
+            dsts[i] = ((tensors[i].data_ptr(), None, False, _flat_u8(tensors[i])) if target is not None else
+                       (None if direct is not None else tensors[i].data_ptr(), direct, False))
     files = file_reads(tier, man, engine, lambda i: dsts.get(i, (None, None, False)), needed=needed,
                        only=only, sparse=keys is not None)
     read_step(files, bounce, io or engine.cfg, verify=verify, gate=gate, slow_source=not isinstance(tier, LocalTier))
@@ -330,12 +360,7 @@ def verify_step(tier: Tier, step: int, engine: Engine, bounce: Any = None, *,
     """Read every byte of ``step`` and check it, keeping nothing; raises CorruptCheckpoint.
     ``only(manifest)`` may name the shard files to check (a node-local copy holds its own
     ranks' files only: ``zerostall verify`` passes them); None checks them all."""
-    man = tier.read_manifest(step)
-    names = only(man) if only is not None else None
-    check_files(tier, man, names, engine)
-    read_step(file_reads(tier, man, engine, lambda i: (None, None, False), needed=None, only=names, sparse=False),
-              bounce or shared_bounce(), engine.cfg)
-    return man
+    return _verify(tier, step, engine, bounce, only, engine.cfg)
 
 
 def verify_tier_step(tier: Tier, step: int, bounce: Any = None) -> Manifest:
@@ -343,8 +368,14 @@ def verify_tier_step(tier: Tier, step: int, bounce: Any = None) -> Manifest:
     streams its objects through the same pipeline, several ranged reads at once; nothing is
     stored locally) and check it as a load does: header, every tensor's crc32c, zero padding.
     Raises CorruptCheckpoint (RemoteError if the tier cannot be read)."""
+    return _verify(tier, step, None, bounce, None, IOConfig())
+
+
+def _verify(tier: Tier, step: int, engine: Engine | None, bounce: Any,
+            only: Callable[[Manifest], set[str] | None] | None, io: IOConfig) -> Manifest:
     man = tier.read_manifest(step)
-    check_files(tier, man, None, None)
-    read_step(file_reads(tier, man, None, lambda i: (None, None, False), needed=None, only=None, sparse=False),
-              bounce or shared_bounce(), IOConfig())
+    names = only(man) if only is not None else None
+    check_files(tier, man, names, engine)
+    read_step(file_reads(tier, man, engine, lambda i: (None, None, False), needed=None, only=names, sparse=False),
+              bounce or shared_bounce(), io)
     return man

@@ -1,34 +1,27 @@
 """The restore read pipeline: deep direct reads, checks and copies overlapped, like the save.
 
-Called from the caller's thread by :mod:`.pipeline` (``load_step``, ``verify_step``) with the
-shard files of one step (its own and those it borrows from), each cut into aligned windows
-of the files' bytes. Three kinds of threads, started per call and joined before it returns:
+Called from the caller's thread by :mod:`.step` (``load_step``, ``verify_step``) with the
+shard files of one step (its own and those it borrows from), cut into aligned windows
+(:mod:`.windows`). Three kinds of threads, started per call and joined before it returns:
 
 - ``READERS`` reader threads (``zerostall-restore-read``), each with its own open reader of
-  every file (the engine's queue depth per reader: a window is ``chunk_bytes`` requests),
-  claim windows in file order and read each into its buffer: a slot of a bounded ring in
-  the scratch memory, a place in the scratch memory kept until the end (staged), or the
-  destination tensor itself (``direct``: a fresh page-aligned tensor of a new-dict restore);
+  every file, claim windows in file order and read each into its buffer: a slot of a bounded
+  ring in the scratch memory, a place in the scratch kept until the end (staged), or the
+  destination tensor itself (``direct``);
 - the caller's thread checks each window in order with the one shard codec
-  (:class:`~zerostall.format.shard.ShardCursor`: header, padding, crc32c, which releases the
-  GIL for large buffers) while the next ones are read, and hands the copies to
-- ``COPIERS`` copier threads (``zerostall-restore-copy``; ``ctypes.memmove`` releases the
-  GIL), which free a ring slot once its copies are done (they also take the page faults of
-  new tensors' first touch, next to the reads). How bytes move is :mod:`.device_copy`'s:
-  memmove for CPU destinations, host-to-device copies on a side stream for CUDA ones
-  (``FileRead.device``), a slot freed once their event completed.
+  (:class:`~zerostall.format.shard.ShardCursor`: header, padding, crc32c) while the next ones
+  are read, and hands the copies to
+- ``COPIERS`` copier threads (``zerostall-restore-copy``), which free a ring slot once its
+  copies are done (they also take the page faults of new tensors' first touch). How bytes
+  move is :mod:`.device_copy`'s.
 
 Transactional in-place loads (``FileRead.protect``: the caller's tensors) never leave a
-failed step's bytes behind, and read every byte once. Every window is read into its own place
-in the scratch memory (the readers never wait for a copy: the disk runs at its rate). Windows
-in the first :data:`ROLLBACK_FRACTION` of the bytes are *swapped* with the caller's bytes by
-the copiers as soon as they verified (in L2-sized pieces: the scratch then holds the old
-bytes, the rollback copy, with no extra memory or traffic over a backup plus a copy); the rest
-stays staged and is copied (by two threads) only once every byte of the step verified and the
-gate passed. A failure copies the swapped windows' old bytes back. Swaps overlap the reads but
-cost two copies' traffic; staged copies cost one, after the reads; the mix keeps both cores
-busy while the disk reads (measured: see docs/benchmarks.md). The caller's CUDA
-tensors are always staged (copied after the gate; why: :mod:`.device_copy`).
+failed step's bytes behind, and read every byte once: every window gets its own place in the
+scratch (the readers never wait for a copy). Windows in the first :data:`ROLLBACK_FRACTION` of
+the bytes are *swapped* with the caller's bytes by the copiers as soon as they verified (the
+scratch then holds the old bytes, the rollback copy); the rest stays staged and is copied only
+once every byte verified and the gate passed. A failure copies the swapped windows' old bytes
+back. The caller's CUDA tensors are always staged (:mod:`.device_copy`).
 
 The scratch memory is the caller's (the staging pool's faulted arena, or the shared bounce;
 a transient one only for a remote tier, see :func:`.step.read_step`).
@@ -51,7 +44,7 @@ from ..errors import CorruptCheckpoint
 from ..format.layout import ShardHeader, align_up
 from ..format.shard import Item, ShardCursor
 from .windows import MIN_SLOTS, READERS, _layout, _Win, plan_windows, window_bytes
-from .device_copy import CudaCopier, HostCopier, copy_staged
+from .device_copy import CudaCopier, copy_staged, rollback, swap
 
 ROLLBACK_FRACTION = 1.0
 """Share of an in-place load's bytes swapped in under rollback while reading (the rest is staged)."""
@@ -59,10 +52,8 @@ ADAPTIVE = True
 """Swaps not yet started when every byte verified become staged copies (one copy's traffic
 instead of two): the copiers swap while the disk reads, as far as the CPU keeps up."""
 DIRECT_MIN_BYTES = 1 << 62
-"""New tensors at least this big are read into directly, the rest through the ring. Off: the
-ring measured faster than direct reads (docs/speed-tricks.md): the first touch of a new tensor
-then runs inside the read, with the disk idle, while through the ring the copier threads take
-those page faults next to the reads."""
+"""New tensors at least this big are read into directly, the rest through the ring (off: why,
+docs/speed-tricks.md)."""
 COPIERS = 2
 
 
@@ -96,8 +87,6 @@ class Stats:
     """Time the checking thread waited for reads (the rest of the wall time it was busy)."""
     deferred_bytes: int = 0
     rollback_bytes: int = 0
-    fraction: float = 0.0
-    window_bytes: int = 0
     later: dict[int, set[int]] = field(default_factory=dict)
     """A split read (``Plan.run(head=)``): protected items checked but not delivered, per file."""
     device_bytes: int = 0
@@ -124,19 +113,18 @@ class Plan:
         return self.ring_bytes if self.in_place else MIN_SLOTS * self.w
 
     def fits(self, scratch_bytes: int) -> bool:
-        return self._shape_for(scratch_bytes) is not None
+        return self._window_for(scratch_bytes, split=False) is not None
 
-    def _shape_for(self, scratch_bytes: int) -> tuple[int, float] | None:
-        """(window bytes, rollback fraction) for ``scratch_bytes`` of scratch, or None.
-
-        New dict: a ring as large as fits. In place: every window has its own place in the
-        scratch (``ring_bytes``), so the readers never wait for a copy."""
-        if not self.in_place:
-            w = min(self.w, scratch_bytes // MIN_SLOTS // ALIGN_BYTES * ALIGN_BYTES)
-            return (max(w, ALIGN_BYTES), 1.0) if scratch_bytes >= ALIGN_BYTES else None
-        if scratch_bytes < self.ring_bytes:
-            return None
-        return self.w, ROLLBACK_FRACTION
+    def _window_for(self, scratch_bytes: int, *, split: bool) -> int | None:
+        """The window bytes for ``scratch_bytes`` of scratch, or None if it does not fit. In
+        place: every window has its own place in the scratch (``ring_bytes``), so the readers
+        never wait for a copy; else (a new dict, a split read's ring) a ring as large as fits."""
+        if self.in_place and not split:
+            return self.w if scratch_bytes >= self.ring_bytes else None
+        w = min(self.w, scratch_bytes // MIN_SLOTS // ALIGN_BYTES * ALIGN_BYTES)
+        if split:
+            return w if w >= ALIGN_BYTES else None
+        return max(w, ALIGN_BYTES) if scratch_bytes >= ALIGN_BYTES else None
 
     def run(self, scratch: Any, *, verify: bool = True, gate: Callable[[], None] | None = None,
             idents: dict[int, tuple[int, ...]] | None = None, head: Any = None,
@@ -153,21 +141,15 @@ class Plan:
         ``then(stats)``, called once every byte verified and the gate passed, before the staged
         windows are copied (the ring is free again; what it raises rolls the swapped windows
         back: :func:`.step.read_step`'s split read)."""
-        if head is not None:
-            w = min(self.w, scratch.nbytes // MIN_SLOTS // ALIGN_BYTES * ALIGN_BYTES)
-            if not self.in_place or w < ALIGN_BYTES:
-                raise ValueError(f"a split read needs an in-place plan and a ring of {MIN_SLOTS} windows")
-            shape: tuple[int, float] | None = (w, ROLLBACK_FRACTION)
-        else:
-            shape = self._shape_for(scratch.nbytes)
-        if shape is None:
+        w = self._window_for(scratch.nbytes, split=head is not None)
+        if head is not None and (not self.in_place or w is None):
+            raise ValueError(f"a split read needs an in-place plan and a ring of {MIN_SLOTS} windows")
+        if w is None:
             raise ValueError(f"scratch of {scratch.nbytes} bytes; this read needs {self.need_bytes()}")
-        w, fraction = shape
         wins = plan_windows(self.files, w)
-        slots = _layout(wins, scratch if head is None else head, w, self.in_place, fraction, ring=scratch)
+        slots = _layout(wins, scratch if head is None else head, w, self.in_place, ROLLBACK_FRACTION, ring=scratch)
         run = _Run(self.files, wins, scratch, w, slots, verify, gate, {} if idents is None else idents)
         run.then, run.split = then, head is not None
-        run.stats.fraction, run.stats.window_bytes = fraction, w
         self.stats = run.stats
         return run.go()
 
@@ -270,7 +252,7 @@ class _Run:
 
     def _swap(self, dst: int, src: int, n: int) -> None:
         """Exchange the caller's bytes at ``dst`` with the verified window's at ``src``."""
-        HostCopier.swap(dst, src, n, self.swapped)
+        swap(dst, src, n, self.swapped)
 
     # -- the checking (caller's) thread --------------------------------------------------------
     def go(self) -> Stats:
@@ -323,7 +305,7 @@ class _Run:
                 self.dev.sync()  # nothing in flight from the scratch or into a tensor once we return
                 self.stats.device_bytes = self.dev.copied
             if not ok:
-                HostCopier.rollback(self.swapped)
+                rollback(self.swapped)
         return self.stats
 
     def _route(self, x: _Win, i: int, dst: int, src: int, n: int, protect: set[int],

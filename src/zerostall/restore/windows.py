@@ -73,26 +73,22 @@ def _layout(wins: list[_Win], scratch: Any, w: int, in_place: bool, fraction: fl
     In place with a separate ``ring`` (a split read): the windows past ``scratch.nbytes`` stay
     ``ring`` windows (checked only). Returns the number of ring slots."""
     ring_wins = [x for x in wins if x.kind == "ring"]
-    if not in_place:
-        slots = max(1, min(8, scratch.nbytes // w))
-        for r, x in enumerate(ring_wins):
-            x.slot = r % slots
-        return slots
-    split = ring is not None and ring is not scratch
-    if split:
-        fit, at = [], 0
-        for x in ring_wins:
-            if at + x.n > scratch.nbytes:
+    split = in_place and ring is not None and ring is not scratch
+    placed: list[_Win] = []
+    if in_place:
+        at = 0
+        for x in ring_wins:  # in file order, while they fit (all of them but in a split read)
+            if split and at + x.n > scratch.nbytes:
                 break
-            fit.append(x)
+            placed.append(x)
             at += x.n
-        rest, ring_wins = ring_wins[len(fit):], fit
-        slots = max(1, min(8, ring.nbytes // w))
-        for r, x in enumerate(rest):
-            x.slot = r % slots
-    cut = int(sum(x.n for x in ring_wins) * fraction)
-    at = 0
-    for x in ring_wins:
-        x.kind, x.buf = ("swap" if at < cut else "stage"), scratch.u8[at:at + x.n]
-        at += x.n
-    return slots if split else 0
+        cut, at = int(at * fraction), 0
+        for x in placed:
+            x.kind, x.buf = ("swap" if at < cut else "stage"), scratch.u8[at:at + x.n]
+            at += x.n
+        if not split:
+            return 0
+    slots = max(1, min(8, (ring if split else scratch).nbytes // w))
+    for r, x in enumerate(ring_wins[len(placed):]):
+        x.slot = r % slots
+    return slots

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..config import CheckpointConfig
 from .commit_ranks import StoreCommitter
-from ..distributed.ranks import discover
+from ..distributed.node import discover
 from ..distributed.session import Session, join, namespace
 from ..distributed.store import Store
 from ..errors import ConfigError
