@@ -96,12 +96,11 @@ class InFlight:
                 _remove(self._failed, j)
 
     def raise_pending(self) -> None:
+        """Raise the first background failure not seen yet as :class:`SaveFailed`; drops the rest."""
         failed = []
-        while True:  # lock-free drain: list.pop is atomic
-            try:
+        with contextlib.suppress(IndexError):
+            while True:  # lock-free drain: list.pop is atomic
                 failed.append(self._failed.pop(0))
-            except IndexError:
-                break
         if failed:
             job = failed[0]
             raise SaveFailed(f"an earlier background save (step {job.step}) failed: {job.status.error}",
