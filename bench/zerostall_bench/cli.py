@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from zerostall.cli.demo_bench import _positive
+from zerostall.cli.app import _positive
 
 SCENARIOS = {"default": "bench", "frozen-base": "frozen", "node-loss": "nodeloss", "node-loss-links": "nodeloss_links",
              "node-loss-coded": "nodeloss_coded", "replication-cost": "nodeloss_cost", "restore": "restore",
@@ -23,7 +23,7 @@ def _device(text: str) -> str:
 
 
 def add_arguments(s: argparse.ArgumentParser) -> None:
-    """The options of ``zerostall bench``; the library's CLI (zerostall/cli/demo_bench.py) calls
+    """The options of ``zerostall bench``; the library's CLI (zerostall/cli/app.py) calls
     this when it builds its parser, then runs :func:`run` with the parsed namespace."""
     s.add_argument("--size-gib", type=_positive(float), default=2.0, help="checkpoint size to save, GiB")
     s.add_argument("--repeat", type=_positive(int), default=3, help="saves per method")

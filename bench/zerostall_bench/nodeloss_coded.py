@@ -22,7 +22,7 @@ Per protection, in the order given, ``--repeat`` rounds with the order reversed 
    its 2 holders (ranges), with RS(k,m) from k holders. Measured: n1's files in (committed)
    and loaded, from the barrier all nodes leave at once, its fetch alone, and what its bytes
    take over one holder's link (``LINK_MBIT``): what k parallel fetches are to beat. With a
-   code, from the rebuild's timeline (:class:`zerostall.peers.timeline.Timeline`): each
+   code, from the rebuild's timeline (:class:`zerostall.peers.coded_decode.Timeline`): each
    holder's stream (first to last byte, MB/s, and as a fraction of its link), and the
    fetch's fraction of the k-link limit: (n1's bytes / k) / link rate, the time k holders'
    links need at full rate, divided by the fetch's time (1.0: every holder's egress full

@@ -113,7 +113,7 @@ class PeersConfig:
     cpu_priority: str = "idle"
     """CPU priority of the threads that copy replicas (never a restore's): ``"idle"``
     (``SCHED_IDLE``), ``"nice"`` (nice 19) or ``"normal"``; their disk I/O is at the idle I/O
-    class either way (:mod:`zerostall.peers.priority`)."""
+    class either way (:func:`zerostall.peers.stream.background`)."""
     code: str | None = None
     """``"rs"``: coded copies instead of ``replicas`` (:mod:`zerostall.peers.coded`): each node's
     files of a step cut into ``data_fragments`` pieces plus ``parity_fragments`` Reed-Solomon

@@ -35,7 +35,7 @@ LAYERS: list[set[str]] = [
 The name is the first part below ``zerostall`` ("" is the package's own ``__init__``)."""
 
 LAZY: dict[tuple[str, str], str] = {
-    ("zerostall.cli.dcp", "zerostall.integrations.dcp_describe"):
+    ("zerostall.cli.dcp", "zerostall.integrations.dcp_reader"):
         "imports torch.distributed.checkpoint (~0.7 s): only the dcp subcommands need it",
     ("zerostall.saving.stages", "zerostall.peers.service"):
         "peer replicas (sockets, threads, their module tree) load only with replicas > 1",

@@ -89,8 +89,8 @@ def test_bench_writes_partial_results_and_reports_a_failing_method(tmp_path, mon
 def test_bench_without_its_package_says_how_to_install_it(monkeypatch, capsys):
     """Where zerostall_bench is not installed, ``zerostall bench`` exits 1 with the install
     command instead of a traceback; the rest of the CLI is unaffected."""
-    from zerostall.cli import demo_bench
-    monkeypatch.setattr(demo_bench, "bench_installed", lambda: False)
+    from zerostall.cli import app
+    monkeypatch.setattr(app, "bench_installed", lambda: False)
     assert cli(["bench", "--size-gib", "1"]) == 1
     err = capsys.readouterr().err
     assert "pip install -e ./bench" in err and "zerostall-bench" in err

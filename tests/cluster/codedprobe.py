@@ -54,7 +54,7 @@ def _transport(me: str, n: int) -> Any:
 
 def _view(eps: dict[str, Any], n: int) -> Any:
     from zerostall.peers.exchange import PeerView
-    from zerostall.peers.placement import Node
+    from zerostall.peers.exchange import Node
     return PeerView("p", 0, 1, "n0", tuple(Node(x, x) for x in _nodes(n)), ("n0",), eps, SECRET)
 
 
@@ -95,7 +95,7 @@ def _send(root: str, mib: int, k: int, m: int, eps_json: str) -> None:
     import zerostall
     from zerostall.format.manifest import MANIFEST_NAME
     from zerostall.peers.coded import CodedReplicator
-    from zerostall.peers.transport import Endpoint
+    from zerostall.peers.wire import Endpoint
     from zerostall.store.local import LocalTier
     n = k + m + 1
     g = torch.Generator().manual_seed(0)
@@ -119,10 +119,10 @@ def _rebuild(root: str, k: int, m: int, eps_json: str) -> None:
     import shutil
     from zerostall.io.base import choose_engine
     from zerostall.peers.coded_restore import holdings, rebuild
-    from zerostall.peers.transport import Endpoint
+    from zerostall.peers.wire import Endpoint
     from zerostall.store.local import LocalTier
     try:
-        from zerostall.peers.timeline import Timeline
+        from zerostall.peers.coded_decode import Timeline
     except ImportError:  # a --before tree
         class Timeline:  # type: ignore[no-redef]
             def summary(self) -> dict[str, Any]:

@@ -108,7 +108,7 @@ def _get(variant: str, host: str, port: int, root: str) -> None:
     """n1: one fetch of n0's file in ``variant``; prints bytes/s."""
     from zerostall.io.base import choose_engine
     from zerostall.peers.tcp import Pacer, TcpTransport
-    from zerostall.peers.transport import Endpoint
+    from zerostall.peers.wire import Endpoint
     from zerostall.peers.verify import StreamCheck
     tr = TcpTransport(SECRET, "n1", {"n0", "n1"}, timeout_s=60, pacer=Pacer(None))
     path = os.path.join(root, "fetched.shard")

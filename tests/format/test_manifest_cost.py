@@ -94,3 +94,27 @@ def test_entries_from_plan_items_encode_like_tensor_entries():
     assert json.loads(tensors_json(Entries((), "rank-00000.shard", ()), {})) == EMPTY
     with pytest.raises(ValueError):
         Entries(items, "rank-00000.shard", (1,))
+
+
+_READ_UNDER_LIMIT = r"""
+import resource, sys
+from zerostall.format.manifest import MAX_MANIFEST_BYTES
+from zerostall.store.local import LocalTier
+vm = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize:")).split()[1]) << 10
+resource.setrlimit(resource.RLIMIT_AS, (vm + (64 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+assert MAX_MANIFEST_BYTES > 64 << 20  # the limit is far above what the read may reserve
+man = LocalTier(sys.argv[1]).read_manifest(1)
+print("read", man.step, len(man.tensors))
+"""
+
+
+def test_a_manifest_is_read_without_reserving_memory_for_its_size_limit(tmp_path):
+    # a small manifest costs a small read: under an address-space limit (ulimit -v, strict
+    # overcommit) reading it must not reserve MAX_MANIFEST_BYTES
+    import subprocess
+    import sys
+    with zerostall.Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"a": torch.ones(3)}).result()
+    out = subprocess.run([sys.executable, "-c", _READ_UNDER_LIMIT, str(tmp_path / "ck")], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "read 1 1" in out.stdout, out.stderr[-2000:]

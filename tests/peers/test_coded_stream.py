@@ -17,8 +17,8 @@ from zerostall.errors import CorruptCheckpoint
 from zerostall.peers import coded_decode, fragments, stream
 from zerostall.peers.coding import descriptor_id
 from zerostall.peers.fragments import HEADER, header_block, parse_header
-from zerostall.peers.piececheck import PieceCheck
-from zerostall.peers.timeline import Timeline
+from zerostall.peers.verify import PieceCheck
+from zerostall.peers.coded_decode import Timeline
 from zerostall.store.local import LocalTier
 
 

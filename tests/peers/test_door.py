@@ -16,7 +16,7 @@ from zerostall.errors import ConfigError
 from zerostall.io.base import choose_engine
 from zerostall.peers.store import PeerStore
 from zerostall.peers.tcp import Pacer, TcpTransport
-from zerostall.peers.transport import Endpoint
+from zerostall.peers.wire import Endpoint
 from zerostall.peers.wire import recv_msg
 from zerostall.store.local import LocalTier
 

@@ -25,7 +25,7 @@ from datetime import timedelta
 from tests.helpers import flip_byte, free_port
 from zerostall.format.layout import HEADER_BYTES
 from zerostall.peers.tcp import Pacer, TcpTransport
-from zerostall.peers.transport import Endpoint
+from zerostall.peers.wire import Endpoint
 from zerostall.peers.wire import PeerError
 
 HERE = os.path.dirname(__file__)

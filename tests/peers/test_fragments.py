@@ -21,10 +21,10 @@ from zerostall.peers.coded import CodedReplicator
 from zerostall.peers.coded_restore import holdings, rebuild
 from zerostall.peers.exchange import PeerView
 from zerostall.peers.fragments import HEADER, FragmentStore, register
-from zerostall.peers.placement import Node
+from zerostall.peers.exchange import Node
 from zerostall.peers.store import PeerStore
 from zerostall.peers.tcp import Pacer, TcpTransport
-from zerostall.peers.transport import Endpoint
+from zerostall.peers.wire import Endpoint
 from zerostall.store.local import LocalTier
 
 SECRET = b"s" * 32

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from zerostall.peers.placement import Node, holders
+from zerostall.peers.exchange import Node, holders
 from zerostall.store.local import LocalTier
 
 from ..helpers import free_port

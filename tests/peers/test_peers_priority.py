@@ -9,7 +9,7 @@ import pytest
 
 from zerostall import PeersConfig
 from zerostall.errors import ConfigError
-from zerostall.peers.priority import background
+from zerostall.peers.stream import background
 
 
 def _in_thread(cpu):

@@ -15,7 +15,7 @@ from zerostall.errors import CheckpointNotFound, ConfigError, CorruptCheckpoint
 from zerostall.io.base import choose_engine
 from zerostall.peers.store import PeerStore, quota_for
 from zerostall.peers.tcp import Pacer, TcpTransport
-from zerostall.peers.transport import Endpoint
+from zerostall.peers.wire import Endpoint
 from zerostall.peers.verify import StreamCheck, ranges, split_points
 from zerostall.peers.wire import PeerError
 from zerostall.store.local import LocalTier

@@ -16,10 +16,10 @@ from tests.helpers import flip_byte
 from zerostall.errors import ConfigError
 from zerostall.format.layout import HEADER_BYTES
 from zerostall.io.base import choose_engine
-from zerostall.peers.placement import Node, holders, ranking
+from zerostall.peers.exchange import Node, holders, ranking
 from zerostall.peers.store import PeerStore
 from zerostall.peers.tcp import Pacer, TcpTransport
-from zerostall.peers.transport import Endpoint
+from zerostall.peers.wire import Endpoint
 from zerostall.peers.verify import StreamCheck, expected_digest
 from zerostall.peers.wire import PeerError, client_handshake, recv_msg, send_msg
 from zerostall.store.local import LocalTier

@@ -12,6 +12,8 @@ not interpreted and control characters are shown as escapes, never sent to the t
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -20,7 +22,6 @@ from typing import Any
 
 from . import dcp as cli_dcp
 from . import delete as cli_delete
-from . import demo_bench
 from .._term import console as _console, safe, table
 from .._util import human_bytes as _human
 from ..errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, RootNotFound,
@@ -40,7 +41,10 @@ def _rows(tier: Any, label: str) -> list[dict[str, Any]]:
         try:
             m = tier.read_manifest(s)
             rows.append({"step": s, "bytes": m.total_bytes, "tensors": len(m.tensors),
-                         "created_unix": m.created_unix, "state": "committed", "tier": label, **_refs_row(m)})
+                         "created_unix": m.created_unix, "state": "committed", "tier": label,
+                         # bytes the step owns (its files) vs borrows from earlier steps (incremental saves)
+                         "bytes_owned": m.total_bytes, "bytes_referenced": m.referenced_bytes,
+                         "references_steps": sorted({r.step for r in m.ref_files})})
         except ZerostallError as exc:
             rows.append({"step": s, "bytes": 0, "tensors": 0, "created_unix": 0,
                          "state": f"invalid manifest: {exc}", "tier": label})
@@ -48,12 +52,6 @@ def _rows(tier: Any, label: str) -> list[dict[str, Any]]:
         rows.append({"step": s, "bytes": 0, "tensors": 0, "created_unix": 0,
                      "state": "partial (not a checkpoint)", "tier": label})
     return rows
-
-
-def _refs_row(m: Any) -> dict[str, Any]:
-    """Bytes a step owns (its files) vs borrows from earlier steps (incremental saves)."""
-    return {"bytes_owned": m.total_bytes, "bytes_referenced": m.referenced_bytes,
-            "references_steps": sorted({r.step for r in m.ref_files})}
 
 
 def cmd_ls(a: argparse.Namespace) -> int:
@@ -159,12 +157,10 @@ def cmd_export(a: argparse.Namespace) -> int:
     if a.format not in EXPORT_FORMATS:
         raise ConfigError(f"unknown export format {a.format!r} (supported: {', '.join(EXPORT_FORMATS)})")
     try:
-        from safetensors.torch import save_file
+        import safetensors  # noqa: F401 - checked before the checkpoint is read
     except ImportError:
         raise ConfigError("export needs the safetensors package: pip install 'zerostall[safetensors]'") from None
     import tempfile
-
-    import torch
 
     from ..integrations import export  # torch (see _verify)
     from ..restore import LoadReport, LoadRequest, load
@@ -180,36 +176,15 @@ def cmd_export(a: argparse.Namespace) -> int:
         files = export.write(a.format, state, a.out, rank=rank, world_size=world)
         print(f"wrote step {report.step} as a {a.format} checkpoint: {safe(a.out)} ({', '.join(map(safe, files))})")
         return 0
-    flat: dict[str, torch.Tensor] = {}
-
-    def walk(x: Any, prefix: str) -> None:
-        if isinstance(x, torch.Tensor):
-            if prefix in flat:
-                raise ZerostallError(f"key {prefix!r} appears twice after flattening; cannot export")
-            flat[prefix] = x.contiguous()
-        elif isinstance(x, dict):
-            for k, v in x.items():
-                walk(v, f"{prefix}.{k}" if prefix else str(k))
-        elif isinstance(x, (list, tuple)):
-            for i, v in enumerate(x):
-                walk(v, f"{prefix}.{i}" if prefix else str(i))
-
-    walk(state, "")
+    flat = export.flatten(state)
     if a.prefix:
         strip = a.prefix.rstrip(".") + "."
         flat = {k[len(strip):]: v for k, v in flat.items() if k.startswith(strip)}
         if not flat:
             raise ConfigError(f"no tensor key of step {report.step} starts with {strip!r} "
                               f"(top-level keys: {sorted(state)[:20] if isinstance(state, dict) else []})")
-    # safetensors refuses shared storage; clone aliases (tied weights)
-    seen: set[int] = set()
-    for k, v in flat.items():
-        if v.numel() and v.untyped_storage().data_ptr() in seen:
-            flat[k] = v.clone()
-        elif v.numel():
-            seen.add(v.untyped_storage().data_ptr())
-    save_file(flat, a.out, metadata={"zerostall_step": str(report.step), "source": a.path,
-                                     **({"zerostall_rank": str(rank)} if world > 1 else {})})
+    export.save_safetensors(flat, a.out, {"zerostall_step": str(report.step), "source": a.path,
+                                          **({"zerostall_rank": str(rank)} if world > 1 else {})})
     print(f"wrote {len(flat)} tensors of step {report.step} to {safe(a.out)}")
     return 0
 
@@ -228,6 +203,62 @@ def _export_rank(a: argparse.Namespace, remote: str | None) -> tuple[int, int]:
     if a.rank is None or not 0 <= a.rank < m.world_size:
         raise ConfigError(f"step {step} was saved per rank by {m.world_size} ranks: pass --rank 0..{m.world_size - 1}")
     return a.rank, m.world_size
+
+
+BENCH_HINT = ("the benchmark lives in the zerostall-bench package, which is not installed here: "
+              "from a zerostall checkout, pip install -e ./bench (make test and make bench install it)")
+
+
+def _positive(kind: Any) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+        return v
+    return parse
+
+
+def _demo(a: argparse.Namespace) -> int:
+    return int(importlib.import_module("zerostall.demo.run").main(a))
+
+
+def bench_installed() -> bool:
+    """Whether the zerostall_bench package can be imported (a seam for the test of the hint)."""
+    return importlib.util.find_spec("zerostall_bench") is not None
+
+
+def _bench_missing(a: argparse.Namespace) -> int:
+    print(f"zerostall bench: {BENCH_HINT}", file=sys.stderr)
+    return 1
+
+
+def _add_demo_bench(sub: Any) -> None:
+    """``zerostall demo`` (:mod:`zerostall.demo`) and ``zerostall bench`` (the separate zerostall_bench
+    package, found here and imported only then; where it is not installed the command says how)."""
+    s = sub.add_parser("demo", help="train a small transformer with async checkpoints, crash it, resume bit-exact")
+    s.add_argument("--steps", type=_positive(int), default=60, help="training steps")
+    s.add_argument("--every", type=_positive(int), default=10, help="checkpoint interval in steps")
+    s.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir, removed)")
+    s.add_argument("--keep", action="store_true", help="keep the checkpoint directory")
+    s.add_argument("--seed", type=int, default=0, help="random seed of the model and data")
+    s.add_argument("--tiny", action="store_true", help="a tiny model (used by the tests)")
+    s.set_defaults(fn=_demo)
+
+    help_ = "zerostall vs torch.save vs DCP on the same disk, with a training loop running"
+    if bench_installed():
+        from zerostall_bench import cli as bench_cli  # argparse only: no torch at parser build time
+        s = sub.add_parser("bench", help=help_)
+        bench_cli.add_arguments(s)
+        s.set_defaults(fn=bench_cli.run)
+    else:
+        # every word after "bench", options and --help included, is taken as an argument: any
+        # invocation prints the hint (prefix_chars no argument starts with)
+        s = sub.add_parser("bench", help=f"{help_} (needs zerostall-bench)", add_help=False, prefix_chars="\0")
+        s.add_argument("args", nargs="*")
+        s.set_defaults(fn=_bench_missing)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -282,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_export)
 
     cli_delete.add_parser(sub)
-    demo_bench.add_parsers(sub)
+    _add_demo_bench(sub)
     cli_host.add_parsers(sub)
     return p
 

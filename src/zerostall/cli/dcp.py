@@ -16,13 +16,24 @@ import re
 import sys
 
 from ..errors import CheckpointNotFound, ZerostallError
-from ..integrations import dcp_files
-from ..integrations.dcp_files import metadata_files
 from .._term import safe
 from .._util import human_bytes as _human
 from ..config import IOConfig
 
 _STEP_DIR_RE = re.compile(r"^step-(\d{1,19})$")
+_RANK_MD_RE = re.compile(r"^__(\d+)\.metadata$")
+
+
+def metadata_files(path: str) -> list[str]:
+    """The DCP metadata files of the directory ``path``: the global ``.metadata``, else one
+    per rank (``__R.metadata``, in rank order), else [] (not a DCP checkpoint directory)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    if ".metadata" in names:
+        return [".metadata"]
+    return sorted((n for n in names if _RANK_MD_RE.match(n)), key=lambda n: int(_RANK_MD_RE.match(n).group(1)))
 
 
 def _step_dirs(root: str) -> list[tuple[int, str]]:
@@ -39,19 +50,19 @@ def _step_dirs(root: str) -> list[tuple[int, str]]:
         if m and not os.path.islink(d):
             if os.path.lexists(os.path.join(d, "manifest.json")):
                 return []
-            if dcp_files.is_dcp_dir(d):
+            if metadata_files(d):
                 out.append((int(m.group(1)), d))
     return sorted(out)
 
 
 def is_dcp_dir(path: str) -> bool:
     """A DCP checkpoint directory, or a root of ``step-N`` ones; by its files (imports no torch)."""
-    return dcp_files.is_dcp_dir(path) or bool(_step_dirs(path))
+    return bool(metadata_files(path) or _step_dirs(path))
 
 
 def _targets(a: argparse.Namespace) -> list[tuple[str, str]]:
     """(label, checkpoint dir) to act on."""
-    if dcp_files.is_dcp_dir(a.path):
+    if metadata_files(a.path):
         return [(a.path, a.path)]
     steps = _step_dirs(a.path)
     if getattr(a, "step", None) is not None:
@@ -62,7 +73,7 @@ def _targets(a: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def cmd_ls(a: argparse.Namespace) -> int:
-    from ..integrations.dcp_describe import describe
+    from ..integrations.dcp_reader import describe
     rows = []
     for label, d in _targets(a):
         for name in metadata_files(d):
@@ -85,7 +96,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    from ..integrations.dcp_describe import verify
+    from ..integrations.dcp_reader import verify
     rows = []
     for label, d in _targets(a):
         for name in metadata_files(d):
@@ -106,7 +117,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from ..integrations.dcp_describe import describe
+    from ..integrations.dcp_reader import describe
     targets = _targets(a)[-1:]  # a root: the newest step (or --step)
     infos = [describe(d, n) for _, d in targets for n in metadata_files(d)]
     if a.json:

@@ -16,15 +16,6 @@ from ..telemetry.trace import BPFTRACE_PROGRAM, kprobes_available, trace_pid, tr
 from .._term import console, safe, table
 
 
-def _print_checks(checks: list[Any]) -> None:
-    from rich.text import Text
-    t = table("zerostall doctor", ("check", "value", "status", "advice"), fold=True)
-    colors = {"ok": "green", "warn": "yellow", "info": "blue"}
-    for c in checks:
-        t.add_row(safe(c.name), safe(c.value), Text(safe(c.status), style=colors.get(c.status, "white")), safe(c.advice))
-    console().print(t)
-
-
 def cmd_doctor(a: argparse.Namespace) -> int:
     checks = host_checks() + path_checks(a.path)
     if a.probe:
@@ -32,7 +23,13 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps([c.to_json() for c in checks], indent=1))
     else:
-        _print_checks(checks)
+        from rich.text import Text
+        t = table("zerostall doctor", ("check", "value", "status", "advice"), fold=True)
+        colors = {"ok": "green", "warn": "yellow", "info": "blue"}
+        for c in checks:
+            t.add_row(safe(c.name), safe(c.value), Text(safe(c.status), style=colors.get(c.status, "white")),
+                      safe(c.advice))
+        console().print(t)
     if a.write_sysctl:
         with open(a.write_sysctl, "w") as f:
             f.write(sysctl_d_text())

@@ -42,11 +42,6 @@ class GPTConfig:
     n_layer: int = 2
     n_head: int = 4
 
-    @property
-    def n_params(self) -> int:
-        d = self.d_model
-        return self.vocab * d + self.ctx * d + self.n_layer * (12 * d * d + 13 * d) + 2 * d + d * self.vocab
-
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):

@@ -104,13 +104,11 @@ def loop_cost(step_ends: list[float], saves: list[tuple[float, SaveHandle]]) -> 
 def _child(a: argparse.Namespace) -> int:
     cfg = TINY_CFG if a.tiny else DEMO_CFG
 
-    def announce(step: int, h: SaveHandle) -> None:
-        print(f"SAVED {step}", flush=True)
-
-    losses, model = train(cfg, a.dir, a.steps, a.every, a.seed, resume=a.resume, on_save=announce)
+    losses, model = train(cfg, a.dir, a.steps, a.every, a.seed, resume=a.resume,
+                          on_save=lambda step, h: print(f"SAVED {step}", flush=True))
     with open(a.out, "w") as f:
         json.dump({"losses": {str(k): v.hex() for k, v in losses.items()}}, f)
-    save(a.out + ".params", {k: v for k, v in model.state_dict().items()}, step=0)
+    save(a.out + ".params", dict(model.state_dict()), step=0)
     return 0
 
 
@@ -129,8 +127,9 @@ def run_demo(steps: int, every: int, ckdir: str, seed: int, tiny: bool, console:
     kill_step = ((steps * 2 // 3) // every) * every - 1
     if kill_step < every:
         raise SystemExit("demo: --steps must be at least 3 x --every")
-    console.print(Text.assemble(("zerostall demo", "bold"), f": GPT ({cfg.n_params / 1e6:.2f} M params, AdamW state "
-                                f"{cfg.n_params * 12 / 2**20:.0f} MiB per checkpoint), {steps} steps, a checkpoint "
+    n_params = sum(p.numel() for p in TinyGPT(cfg).parameters())
+    console.print(Text.assemble(("zerostall demo", "bold"), f": GPT ({n_params / 1e6:.2f} M params, AdamW state "
+                                f"{n_params * 12 / 2**20:.0f} MiB per checkpoint), {steps} steps, a checkpoint "
                                 f"every {every}, into {safe(ckdir)}"))
 
     # 1. the reference run, in this process
@@ -170,8 +169,9 @@ def run_demo(steps: int, every: int, ckdir: str, seed: int, tiny: bool, console:
     # 2. the crash: kill a child while it persists the checkpoint of kill_step
     console.print(f"[2/3] training in a child process; SIGKILL when the checkpoint of step {kill_step} "
                   "is being persisted")
-    child = _spawn(["--dir", crash_dir, "--steps", str(steps), "--every", str(every), "--seed", str(seed),
-                    "--out", os.path.join(work, "crashed.json")] + (["--tiny"] if tiny else []))
+    args = ["--dir", crash_dir, "--steps", str(steps), "--every", str(every), "--seed", str(seed)] + \
+        (["--tiny"] if tiny else [])
+    child = _spawn([*args, "--out", os.path.join(work, "crashed.json")])
     assert child.stdout is not None
     killed_at = None
     partial_dir = os.path.join(crash_dir, f"step-{kill_step}.partial")
@@ -189,7 +189,7 @@ def run_demo(steps: int, every: int, ckdir: str, seed: int, tiny: bool, console:
                            style="red"))
         return False
     committed = sorted(int(n[5:]) for n in os.listdir(crash_dir) if n.startswith("step-") and n[5:].isdigit())
-    partial = os.path.isdir(os.path.join(crash_dir, f"step-{kill_step}.partial"))
+    partial = os.path.isdir(partial_dir)
     console.print(Text.assemble(f"  killed (exit {child.returncode}); committed steps on disk: {committed}; "
                                 f"step {kill_step}: ",
                                 ("caught mid-persist (a .partial directory, not a checkpoint)", "yellow") if partial
@@ -199,8 +199,7 @@ def run_demo(steps: int, every: int, ckdir: str, seed: int, tiny: bool, console:
     resumed_from = max(committed) if committed else None
     console.print(f"[3/3] resuming in a new process from step {resumed_from} and training to {steps}")
     out = os.path.join(work, "resumed.json")
-    child = _spawn(["--dir", crash_dir, "--steps", str(steps), "--every", str(every), "--seed", str(seed),
-                    "--out", out, "--resume"] + (["--tiny"] if tiny else []))
+    child = _spawn([*args, "--out", out, "--resume"])
     _, err = child.communicate()
     if child.returncode != 0:
         console.print(Text.assemble(("resume failed:", "red"), f"\n{safe(err)}"))

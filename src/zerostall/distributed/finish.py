@@ -81,6 +81,7 @@ def _write_as(part: str, data: bytes, dst: str) -> None:
 
 
 def committed_here(tier: RootTier, step: int, checkpoint_id: str) -> bool:
+    """``step`` is committed in ``tier`` with ``checkpoint_id`` (False: absent, another, or unreadable)."""
     try:
         return tier.read_manifest(step).checkpoint_id == checkpoint_id
     except ZerostallError:

@@ -24,8 +24,10 @@ DOMAIN_ENV = "ZEROSTALL_FAILURE_DOMAIN"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
 
-def _check(env: str, value: str) -> str:
-    if not _NAME_RE.match(value):
+def _named(env: str) -> str:
+    """``$env`` (stripped), checked to be a valid name; "" when unset."""
+    value = os.environ.get(env, "").strip()
+    if value and not _NAME_RE.match(value):
         raise ConfigError(f"{env}={value!r} is not a valid name: use 1-128 letters, digits, '.', '_', ':' "
                           "or '-', starting with a letter or digit")
     return value
@@ -33,14 +35,12 @@ def _check(env: str, value: str) -> str:
 
 def node_id() -> str:
     """This process's node name: ``$ZEROSTALL_NODE``, else the host name."""
-    value = os.environ.get(NODE_ENV, "").strip()
-    return _check(NODE_ENV, value) if value else socket.gethostname()
+    return _named(NODE_ENV) or socket.gethostname()
 
 
 def failure_domain() -> str:
     """This node's failure domain: ``$ZEROSTALL_FAILURE_DOMAIN``, else the node itself."""
-    value = os.environ.get(DOMAIN_ENV, "").strip()
-    return _check(DOMAIN_ENV, value) if value else node_id()
+    return _named(DOMAIN_ENV) or node_id()
 
 
 @dataclass(frozen=True)

@@ -119,10 +119,9 @@ def tensor_paths(node: Any) -> dict[int, str]:
     The path is built from the tree's own nodes (a dict key as its key node, a list or tuple
     position with its kind, an object with its type name, then ``T`` or ``A``), so ``{"a.b": x}``
     and ``{"a": {"b": x}}``, the keys ``0`` and ``"0"``, a tuple position and a str key never
-    share one, whatever they print as. An index that appears more than once (tied tensors) takes
-    its first occurrence in walk order, which is the one :func:`encode_tree` gave the leaf to.
-    Returned as compact JSON strings. Used by incremental saves (:mod:`..staging.incremental`)
-    to match a tensor with what the base step recorded for it; no recursion (deep trees)."""
+    share one. An index that appears more than once (tied tensors) takes its first occurrence in
+    walk order (:func:`.tree.encode_tree`'s). Compact JSON strings, for incremental saves
+    (:mod:`..saving.incremental`) to match a tensor with the base step's; no recursion."""
     out: dict[int, str] = {}
     stack: list[tuple[Any, tuple[Any, ...]]] = [(node, ())]
     while stack:

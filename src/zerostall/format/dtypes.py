@@ -34,14 +34,5 @@ def dtype_from_name(name: object, where: str = "manifest") -> torch.dtype:
     return _BY_NAME[name]
 
 
-_ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in _BY_NAME.values()}
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    """Bytes per element (a dict lookup: the manifest parser asks once per tensor entry)."""
-    size = _ITEMSIZE.get(dtype)
-    return size if size is not None else torch.empty((), dtype=dtype).element_size()
-
-
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(_BY_NAME.values())
 """The dtypes this torch can save and load."""

@@ -30,14 +30,11 @@ from dataclasses import dataclass
 from itertools import chain, islice
 from typing import Any, Callable
 
+import numpy as np
+
 from .._fast import SECOND, Splice
 from .._util import no_gc
 from .validate import is_plain
-
-try:
-    import numpy as np
-except ImportError:  # pragma: no cover - numpy ships with torch
-    np = None  # type: ignore[assignment]
 
 __all__ = ["DeferredTree", "Frozen", "freeze", "skeleton_json", "thaw"]
 
@@ -65,7 +62,7 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         # reached for every object the C pickler does not write itself: only the builtin values
         # of the module docstring get past, numpy scalars as their Python value
-        if np is not None and isinstance(obj, np.generic):
+        if isinstance(obj, np.generic):
             to = _NUMPY_AS.get(obj.dtype.kind)
             if to is not None and not (to is float and obj.dtype.itemsize > 8):
                 return to, (obj.item(),)
@@ -189,7 +186,8 @@ class DeferredTree:
                         self._done = self._finish()
                 except BaseException as exc:  # noqa: BLE001 - kept and raised to every caller
                     self._error = exc
-                self._tree = self._skeleton = self._frozen = self._encode = self._check = None  # type: ignore[assignment]
+                self._tree = self._skeleton = self._frozen = None  # type: ignore[assignment]
+                self._encode = self._check = None  # type: ignore[assignment]
                 self._prev = {}
             if self._error is not None:
                 raise self._error

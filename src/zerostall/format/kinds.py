@@ -1,10 +1,11 @@
-"""The standard kinds of Python objects in a state tree: each encoded and rebuilt by this module's
-own code, matched by exact type (a subclass is not one of them: it would load back as its
+"""The standard kinds of Python objects in a state tree (``argparse.Namespace``, ``pathlib``
+paths, ``datetime`` values, ``set``/``frozenset``, ``bytes``/``bytearray``, ``complex``,
+``uuid.UUID``, ``torch.dtype``/``device``/``Size``, ``defaultdict`` with a builtin factory,
+``Counter``, numpy ``datetime64``/``timedelta64``, OmegaConf configs), each encoded and
+rebuilt by this module's own code and matched by exact type (a subclass would load back as its
 base type). :mod:`.objects` calls :func:`encode_standard` and looks decoders up in
-:data:`STANDARD`; nothing here imports a module a checkpoint names or calls anything outside
-these decoders. Caller's thread (``save()``/``load()``). torch is imported only to build or
-encode a torch kind (``torch.dtype``, ``torch.device``, ``torch.Size``): checking a manifest's
-tree needs none.
+:data:`STANDARD`; nothing here imports a module a checkpoint names. torch is imported only to
+build or encode a torch kind: checking a manifest's tree needs none.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ if TYPE_CHECKING:
 
 Enc = Callable[[Any], Any]  # encodes a child value into a tree node
 
-
-# -- the standard kinds: name -> (encode payload, decode payload) --------------------------
 
 def _b64(b: bytes) -> str:
     return base64.b64encode(b).decode("ascii")
@@ -93,28 +92,6 @@ def _omegaconf(kind: type, payload: Any) -> Any:
 _PATHS = {c.__name__: c for c in (pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath,
                                   pathlib.WindowsPath, pathlib.Path, pathlib.PurePath)}
 
-# name -> decoder of the *decoded* payload. Order of the encoders is in encode_object.
-STANDARD: dict[str, Callable[[Any], Any]] = {
-    "argparse.Namespace": lambda d: argparse.Namespace(**_fields(d)),
-    "set": lambda items: set(items),
-    "frozenset": lambda items: frozenset(items),
-    "bytes": _unb64,
-    "bytearray": lambda s: bytearray(_unb64(s)),
-    "complex": lambda p: complex(*(float(x) for x in _items(p, 2))),
-    "datetime.datetime": lambda s: _dt.datetime.fromisoformat(_str(s)),
-    "datetime.date": lambda s: _dt.date.fromisoformat(_str(s)),
-    "datetime.time": lambda s: _dt.time.fromisoformat(_str(s)),
-    "datetime.timedelta": lambda p: _timedelta(*_items(p, 3)),
-    "datetime.timezone": lambda p: _dt.timezone(_dt.timedelta(seconds=float(p))),
-    "uuid.UUID": lambda s: uuid.UUID(_str(s)),
-    "torch.dtype": _dtype,
-    "torch.device": _device,
-    "omegaconf.DictConfig": lambda p: _omegaconf(dict, p),
-    "omegaconf.ListConfig": lambda p: _omegaconf(list, p),
-    **{f"pathlib.{n}": (lambda s, c=c: _path(c, s)) for n, c in _PATHS.items()},
-}
-
-
 _DT64_RE = re.compile(r"^[<>=|]?[Mm]8(\[\d{0,9}(Y|M|W|D|h|m|s|ms|us|ns|ps|fs|as)\])?$")
 
 
@@ -155,20 +132,38 @@ def _torch_size(p: Any) -> torch.Size:
     return torch.Size(p)
 
 
-STANDARD.update({
+# name -> decoder of the *decoded* payload (the encoders: encode_standard)
+STANDARD: dict[str, Callable[[Any], Any]] = {
+    "argparse.Namespace": lambda d: argparse.Namespace(**_fields(d)),
+    "set": set,
+    "frozenset": frozenset,
+    "bytes": _unb64,
+    "bytearray": lambda s: bytearray(_unb64(s)),
+    "complex": lambda p: complex(*(float(x) for x in _items(p, 2))),
+    "datetime.datetime": lambda s: _dt.datetime.fromisoformat(_str(s)),
+    "datetime.date": lambda s: _dt.date.fromisoformat(_str(s)),
+    "datetime.time": lambda s: _dt.time.fromisoformat(_str(s)),
+    "datetime.timedelta": lambda p: _timedelta(*_items(p, 3)),
+    "datetime.timezone": lambda p: _dt.timezone(_dt.timedelta(seconds=float(p))),
+    "uuid.UUID": lambda s: uuid.UUID(_str(s)),
+    "torch.dtype": _dtype,
+    "torch.device": _device,
+    "omegaconf.DictConfig": lambda p: _omegaconf(dict, p),
+    "omegaconf.ListConfig": lambda p: _omegaconf(list, p),
     "torch.Size": _torch_size,
     "collections.defaultdict": _defaultdict,
     "collections.Counter": _counter,
     "numpy.datetime64": lambda p: _np_time("M", p),
     "numpy.timedelta64": lambda p: _np_time("m", p),
-})
+    **{f"pathlib.{n}": (lambda s, c=c: _path(c, s)) for n, c in _PATHS.items()},
+}
+
 
 STANDARD_TYPES: tuple[type, ...] = (argparse.Namespace, pathlib.PurePath, _dt.datetime, _dt.date, _dt.time,
                                     _dt.timedelta, _dt.timezone, uuid.UUID,
                                     collections.defaultdict, collections.Counter)
 """Standard kinds a subclass may come from (named in the refusal of an unregistered subclass;
 :mod:`.tree` adds ``torch.Size``)."""
-
 
 
 def _fields(d: Any) -> dict[str, Any]:

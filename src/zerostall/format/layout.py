@@ -35,6 +35,8 @@ HEADER_BYTES = ALIGN_BYTES
 SHARD_SUFFIX = ".shard"
 """Shard files are ``rank-RRRRR.shard``."""
 SHARD_NAME_RE = re.compile(r"^rank-(\d{5,})\.shard$")
+FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+"""A plain file name inside a checkpoint (what a manifest may name)."""
 
 
 def shard_name(rank: int) -> str:
@@ -152,7 +154,8 @@ class ShardHeader:
             raise CorruptCheckpoint(f"{path}: not a zerostall shard (bad magic)", path=path)
         version = cls.version_of(block)
         if version != LAYOUT_VERSION:
-            raise CorruptCheckpoint(f"{path}: {version_advice('shard layout version', version, LAYOUT_VERSION)}", path=path)
+            raise CorruptCheckpoint(f"{path}: {version_advice('shard layout version', version, LAYOUT_VERSION)}",
+                                    path=path)
         if not expected.matches(block):
             raise CorruptCheckpoint(
                 f"{path}: shard header does not match the manifest (step {expected.step}, "

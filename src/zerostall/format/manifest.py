@@ -1,27 +1,22 @@
 """The manifest: the JSON document that makes a directory a checkpoint.
 
-It is written last, inside an envelope that carries the crc32c of the body::
+It is written last, inside an envelope that carries the crc32c of the body's bytes as written::
 
     {"zerostall_manifest": "crc32c", "body_crc32c": "1a2b3c4d", "body": {...}}
 
 ``body`` holds ``format_version``, ``step``, ``world_size``, ``created_unix``,
-``checkpoint_id``, ``alignment`` (the shard layout: ``64``, small tensors packed, layout 2, the
-one this release writes and reads: see :mod:`.layout`), ``files``
-(name, rank, host, file_bytes), ``tensors`` (key, dtype, shape, file, offset, nbytes, crc32c of
-each tensor, as columns: see :mod:`.table`), ``tree`` (see :mod:`.tree`) and, where a save
-references earlier steps' bytes, ``ref_files`` (see :mod:`.refs`). There is one format
-version, :data:`FORMAT_VERSION`, one shard layout and one envelope (the crc32c covers the body's
-bytes as written); a manifest of any other version or layout (an earlier zerostall's, or a
-newer one's) or with a re-encoded body is refused naming the file, its version and what to do.
-:meth:`Manifest.from_bytes` checks the envelope, the version and every field before anyone
-reads a byte of a shard: paths cannot leave the checkpoint directory, offsets and sizes are
-consistent, dtypes are known, shape products equal nbytes. No pickle, ever.
+``checkpoint_id``, ``alignment`` (names the shard layout: :mod:`.layout`), ``files`` (name,
+rank, host, file_bytes), ``tensors`` (the table of :mod:`.table`), ``tree`` (:mod:`.tree`) and,
+where a save references earlier steps' bytes, ``ref_files`` (:mod:`.refs`). A manifest of any
+other version or layout, or with a re-encoded body, is refused naming the file, its version and
+what to do. :meth:`Manifest.from_bytes` checks everything before anyone reads a byte of a
+shard: paths cannot leave the checkpoint directory, offsets and sizes are consistent, dtypes
+are known, shape products equal nbytes. No pickle, ever.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +27,7 @@ from .._util import no_gc
 from ..config import ALIGN_BYTES
 from ..errors import CorruptCheckpoint
 from . import validate as V
-from .layout import HEADER_BYTES, LAYOUT_VERSION, MANIFEST_ALIGNMENT, version_advice
+from .layout import FILE_NAME_RE, HEADER_BYTES, LAYOUT_VERSION, MANIFEST_ALIGNMENT, version_advice
 from .refs import RefFile, parse_ref_files
 from .table import FORMAT_VERSION_TABLE, Entries, TensorEntry, encode_columns, file_slots, parse_columns, tensors_json
 from .decode import decode_tree
@@ -42,10 +37,8 @@ __all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "Entries", "FileEntry", "Manifest"
 FORMAT_VERSION = FORMAT_VERSION_TABLE
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 512 << 20
-"""Readers refuse larger manifests (a hostile one cannot make them parse gigabytes). A state
-of 1M tensors needs well under it."""
+"""Readers refuse larger manifests (a hostile one cannot make them parse gigabytes)."""
 _SPLICE = Splice("manifest")
-_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _PREFIX = b'{"zerostall_manifest":"crc32c","body_crc32c":"'
 _MID = b'","body":'
 
@@ -84,8 +77,7 @@ class Manifest:
     tree_json: str = field(default="", compare=False, repr=False)
     """``tree`` already encoded as compact JSON (the save plan's), spliced in by :meth:`to_bytes`."""
     tensors_json: str = field(default="", compare=False, repr=False)
-    """``tensors`` already encoded as the version 3 table (:func:`~.table.tensors_json`, over
-    ``files`` in order), spliced in by :meth:`to_bytes`."""
+    """``tensors`` already encoded (:func:`~.table.tensors_json`), spliced in by :meth:`to_bytes`."""
     alias_of: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
     """Entries that duplicate an earlier one exactly (index -> first index): read and allocated once."""
 
@@ -109,8 +101,7 @@ class Manifest:
         return sum(t.nbytes for t in self.tensors if t.step is not None)
 
     def body(self, encode_tensors: bool = True, objects: bool = False) -> dict[str, Any]:
-        """The body as written (version 3); ``objects``: one object per tensor, as versions 1
-        and 2 held them (``inspect --json``, for people), with the version this was read as."""
+        """The body as written; ``objects``: one object per tensor (``inspect --json``, for people)."""
         if objects:
             return {**self.body(False), "format_version": self.format_version,
                     "tensors": [t.to_json() for t in self.tensors]}
@@ -137,17 +128,10 @@ class Manifest:
         return envelope(_SPLICE.splice(json.dumps(d, separators=(",", ":"), allow_nan=False), pieces).encode())
 
     @classmethod
+    @no_gc()
     def from_bytes(cls, raw: bytes, where: str = MANIFEST_NAME) -> "Manifest":
-        """Parse and validate; raise :class:`CorruptCheckpoint` naming ``where`` on any defect.
-
-        The whole of :mod:`.validate` runs here, before anyone reads a byte of a shard. The
-        cyclic GC is paused meanwhile (a few acyclic objects per tensor: see :func:`~.._util.no_gc`).
-        """
-        with no_gc():
-            return cls._parse(raw, where)
-
-    @classmethod
-    def _parse(cls, raw: bytes, where: str) -> "Manifest":
+        """Parse and validate (:mod:`.validate`); raise :class:`CorruptCheckpoint` naming
+        ``where`` on any defect. The cyclic GC is paused meanwhile (:func:`~.._util.no_gc`)."""
 
         def bad(msg: str, key: str | None = None) -> CorruptCheckpoint:
             return V.bad(where, msg, key)
@@ -207,7 +191,7 @@ class Manifest:
             if not isinstance(f, dict):
                 raise bad("file entry is not an object")
             name = f.get("name")
-            if not isinstance(name, str) or not _FILE_RE.match(name) or name == MANIFEST_NAME:
+            if not isinstance(name, str) or not FILE_NAME_RE.match(name) or name == MANIFEST_NAME:
                 raise bad(f"file name {name!r:.80} is not a plain file name inside the checkpoint")
             if name in files:
                 raise bad(f"file {name!r} listed twice")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import ConfigError
-from .kinds import STANDARD as _STANDARD, STANDARD_TYPES, _fields, _str, encode_standard  # noqa: F401 - re-exported
+from .kinds import STANDARD as _STANDARD, _fields, _str, encode_standard
 
 log = logging.getLogger("zerostall")
 

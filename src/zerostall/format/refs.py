@@ -6,29 +6,20 @@ bytes from::
     "ref_files": [{"step": 40, "name": "rank-00000.shard", "rank": 0,
                    "file_bytes": 1073745920, "file_id": "9f0c..."}]
 
-and a tensor entry with a ``"step"`` field lives in that step's file (``file``, ``offset``,
-``nbytes`` and ``crc32c`` as for any entry). A reference always names the step that *wrote*
-the bytes (references are flattened when a step re-references), so reading one never
-follows a chain. A manifest lists ``ref_files`` only when it has references, and a
-reference's step is that of the ref file its ``file`` index names (:mod:`.table`).
-
-Who relies on this: ``restore`` opens ``step-<S>/<name>`` read-only and checks it like an
-own shard (regular file, size, exact header built from ``file_id``/``step``/``rank``,
-crc32c of every referenced tensor, zero padding after it); retention keeps every step
-referenced by a kept step (:func:`closure`, from the manifests on the tier); the remote
-tier uploads each file once, with its own step. Pure functions; no I/O.
+A tensor entry whose ``file`` index points past ``files`` lives in that ref file (:mod:`.table`).
+A reference always names the step that *wrote* the bytes (references are flattened when a step
+re-references), so reading one never follows a chain; a manifest lists ``ref_files`` only when
+it has references. Restore checks a referenced file like an own shard; retention keeps every
+step a kept step references (:func:`closure`). Pure functions; no I/O.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable
 
 from ..config import ALIGN_BYTES
-from .layout import HEADER_BYTES
-
-_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+from .layout import FILE_NAME_RE, HEADER_BYTES
 
 
 @dataclass(frozen=True)
@@ -43,8 +34,7 @@ class RefFile:
     """The checkpoint id in that shard's header (always explicit for references)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "name": self.name, "rank": self.rank, "file_bytes": self.file_bytes,
-                "file_id": self.file_id}
+        return asdict(self)
 
 
 def parse_ref_files(raw: Any, step: int, bad: Callable[[str], Exception]) -> dict[tuple[int, str], RefFile]:
@@ -61,7 +51,7 @@ def parse_ref_files(raw: Any, step: int, bad: Callable[[str], Exception]) -> dic
                 raise bad(f"ref_files: field {k!r} = {v!r:.60} is not a non-negative integer")
         if s >= step:
             raise bad(f"ref_files: step {s} is not earlier than this step ({step})")
-        if not isinstance(name, str) or not _FILE_RE.match(name) or name == "manifest.json":
+        if not isinstance(name, str) or not FILE_NAME_RE.match(name) or name == "manifest.json":
             raise bad(f"ref_files: file name {name!r:.80} is not a plain file name")
         if fb % ALIGN_BYTES or fb < HEADER_BYTES:
             raise bad(f"ref_files: step-{s}/{name}: file_bytes {fb} is not a multiple of {ALIGN_BYTES} >= header")

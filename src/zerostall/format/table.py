@@ -52,7 +52,6 @@ class TensorEntry:
 new_entry = frozen_maker(TensorEntry)
 """``new_entry(key=, dtype=, shape=, file=, offset=, nbytes=, crc32c=, step=)``: a checked entry
 (a save or parse of 1M entries builds 1M)."""
-_new_span = frozen_maker(V.Span)
 
 
 FileSlot = tuple[str, str, "int | None"]
@@ -154,31 +153,21 @@ class Entries(Sequence[TensorEntry]):
 Bad = Callable[..., Exception]
 
 
-def _entry(i: int, key: Any, dt: Any, shape: Any, fname: Any, span_file: Any, ref_step: Any, off: Any,
-           nbytes: Any, crc: Any, where: str, bad: Bad, out: list[TensorEntry], spans: list[V.Span]) -> None:
-    """Check one entry (the common case inline, the naming helpers only where a check fails) and
-    append it and its span."""
+def _entry(i: int, key: Any, dt: Any, shape: Any, fname: Any, ref_step: Any, off: Any, nbytes: Any, crc: Any,
+           where: str, bad: Bad) -> TensorEntry:
+    """One entry, checked (the columns failed :func:`parse_columns`' bulk checks: find what is wrong)."""
     if not isinstance(key, str) or len(key) > V.MAX_KEY_CHARS:
         raise bad(f"tensor entry {i} has no valid key")
     size = _ITEMSIZE_BY_NAME.get(dt) if type(dt) is str else None
     if size is None:
         raise unknown_dtype(dt, f"{where}: tensor {key!r}")
-    max_dim = V.MAX_DIM
-    ctx = f"tensor {key!r}: "
-    if type(nbytes) is not int or not 0 <= nbytes <= max_dim:
-        V.integer({"nbytes": nbytes}, "nbytes", where, 0, max_dim, ctx)  # raises
+    for name, v, hi in (("nbytes", nbytes, V.MAX_DIM), ("offset", off, V.MAX_DIM), ("crc32c", crc, 0xFFFFFFFF)):
+        V.integer({name: v}, name, where, 0, hi, f"tensor {key!r}: ")
     shape = V.check_shape(shape, size, nbytes, where, key)
-    if type(off) is not int or not 0 <= off <= max_dim:
-        V.integer({"offset": off}, "offset", where, 0, max_dim, ctx)  # raises
-    if type(crc) is not int or not 0 <= crc <= 0xFFFFFFFF:
-        V.integer({"crc32c": crc}, "crc32c", where, 0, 0xFFFFFFFF, ctx)  # raises
-    out.append(new_entry(key=key, dtype=dt, shape=shape, file=fname, offset=off, nbytes=nbytes, crc32c=crc,
-                         step=ref_step))
-    spans.append(_new_span(index=i, file=span_file, offset=off, nbytes=nbytes, ident=(dt, shape, crc), key=key))
+    return new_entry(key=key, dtype=dt, shape=shape, file=fname, offset=off, nbytes=nbytes, crc32c=crc, step=ref_step)
 
 
-def parse_columns(raw: Any, slots: list[FileSlot], where: str, bad: Bad
-                  ) -> tuple[list[TensorEntry], "list[V.Span] | EntrySpans"]:
+def parse_columns(raw: Any, slots: list[FileSlot], where: str, bad: Bad) -> tuple[list[TensorEntry], "EntrySpans"]:
     """Format version 3: the column table (``slots``: :func:`file_slots`)."""
     if not isinstance(raw, dict):
         raise bad("'tensors' must be an object of columns (format_version 3)")
@@ -194,22 +183,27 @@ def parse_columns(raw: Any, slots: list[FileSlot], where: str, bad: Bad
             raise unknown_dtype(name, f"{where}: 'tensors' dtypes")
     nd, ns = len(names), len(slots)
     out: list[TensorEntry] = []
-    spans: list[V.Span] = []
     keys, dts, _, fs, offs, nbs, crcs = cols
     if (_all_ints(dts, 0, nd - 1) and _all_ints(fs, 0, ns - 1) and _all_ints(offs, 0, V.MAX_DIM)
             and _all_ints(nbs, 0, V.MAX_DIM) and _all_ints(crcs, 0, 0xFFFFFFFF)
             and set(map(type, keys)) <= {str} and max(map(len, keys), default=0) <= V.MAX_KEY_CHARS):
-        return out, _fast_columns(cols, names, slots, where, out)  # the columns' types and ranges hold
-    for i, (key, d, shape, f, off, nbytes, crc) in enumerate(zip(*cols)):  # finds what is wrong
-        if type(d) is not int or not 0 <= d < nd:
-            raise bad(f"tensor {key!r:.80}: dtype index {d!r:.40} is not in [0, {nd})",
-                      key if isinstance(key, str) else None)
-        if type(f) is not int or not 0 <= f < ns:
-            raise bad(f"tensor {key!r:.80}: file {f!r:.40} is not listed in 'files' or 'ref_files'",
-                      key if isinstance(key, str) else None)
-        fname, span_file, ref_step = slots[f]
-        _entry(i, key, names[d], shape, fname, span_file, ref_step, off, nbytes, crc, where, bad, out, spans)
-    return out, spans
+        sizes = [_ITEMSIZE_BY_NAME[n] for n in names]  # the columns' types and ranges hold: only shapes are left
+        check = V.check_shape
+        for key, d, shape, f, off, nbytes, crc in zip(*cols):
+            fname, _, ref_step = slots[f]
+            out.append(new_entry(key=key, dtype=names[d], shape=check(shape, sizes[d], nbytes, where, key),
+                                 file=fname, offset=off, nbytes=nbytes, crc32c=crc, step=ref_step))
+    else:
+        for i, (key, d, shape, f, off, nbytes, crc) in enumerate(zip(*cols)):  # finds what is wrong
+            if type(d) is not int or not 0 <= d < nd:
+                raise bad(f"tensor {key!r:.80}: dtype index {d!r:.40} is not in [0, {nd})",
+                          key if isinstance(key, str) else None)
+            if type(f) is not int or not 0 <= f < ns:
+                raise bad(f"tensor {key!r:.80}: file {f!r:.40} is not listed in 'files' or 'ref_files'",
+                          key if isinstance(key, str) else None)
+            fname, _, ref_step = slots[f]
+            out.append(_entry(i, key, names[d], shape, fname, ref_step, off, nbytes, crc, where, bad))
+    return out, EntrySpans(out, [slots[f][1] for f in fs])
 
 
 def _all_ints(col: list[Any], lo: int, hi: int) -> bool:
@@ -217,23 +211,10 @@ def _all_ints(col: list[Any], lo: int, hi: int) -> bool:
     return not col or (set(map(type, col)) == {int} and lo <= min(col) and max(col) <= hi)
 
 
-def _fast_columns(cols: list[list[Any]], names: list[str], slots: list[FileSlot], where: str,
-                  out: list[TensorEntry]) -> "EntrySpans":
-    """:func:`parse_columns` once keys, indices, offsets, sizes and crc32c values are known to
-    be in range: per entry only the shape is left to check. The spans are the entries' own
-    fields (:class:`EntrySpans`: no object per entry unless needed)."""
-    sizes = [_ITEMSIZE_BY_NAME[n] for n in names]
-    check = V.check_shape
-    for key, d, shape, f, off, nbytes, crc in zip(*cols):
-        fname, _, ref_step = slots[f]
-        out.append(new_entry(key=key, dtype=names[d], shape=check(shape, sizes[d], nbytes, where, key), file=fname,
-                             offset=off, nbytes=nbytes, crc32c=crc, step=ref_step))
-    return EntrySpans(out, [slots[f][1] for f in cols[3]])
-
-
 class EntrySpans:
     """The spans of parsed entries for :func:`~.validate.check_spans`, as columns (its bulk
-    check) or, iterated, as :class:`~.validate.Span` objects built then (its per-span loop)."""
+    check) or, iterated, as :class:`~.validate.Span` objects built then (its per-span loop):
+    no object per entry unless needed."""
 
     def __init__(self, entries: list[TensorEntry], files: list[str]):
         self.entries, self.files = entries, files

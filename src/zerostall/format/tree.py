@@ -29,12 +29,8 @@ from collections import OrderedDict
 from itertools import repeat
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
-
-try:
-    import numpy as np
-except ImportError:  # pragma: no cover - numpy ships with torch
-    np = None  # type: ignore[assignment]
 
 from .._fast import tuples_maker
 from ..errors import UnsupportedStateError
@@ -48,8 +44,7 @@ _FREEZABLE = frozenset((dict, list, tuple))
 
 
 class TensorLeaf(NamedTuple):
-    """One tensor to store: its display key, the tensor, and whether it was a numpy array (a
-    named tuple: the bulk path makes them in bulk, :func:`~zerostall._fast.tuples_maker`)."""
+    """One tensor to store: its display key, the tensor, and whether it was a numpy array."""
 
     key: str
     tensor: torch.Tensor
@@ -74,11 +69,9 @@ def _check_int(x: int, path: tuple[Any, ...]) -> int:
 
 
 def _np_plain(x: Any, path: tuple[Any, ...]) -> Any:
-    """The Python value a numpy scalar is stored as (the rule of docs/usage.md: numpy scalars of a
-    bool, int, uint, float, complex, str or bytes dtype load back as Python's bool, int, float,
-    complex, str, bytes); :class:`UnsupportedStateError` for a long double (no exact Python
-    value) and for the other kinds (void, object). datetime64/timedelta64 round-trip as
-    themselves (:mod:`.objects`)."""
+    """The Python value a numpy bool/int/uint/float/complex/str/bytes scalar is stored as (the
+    rule of docs/usage.md); :class:`UnsupportedStateError` for a long double (no exact Python
+    value) and the other kinds (datetime64/timedelta64 are objects: :mod:`.kinds`)."""
     kind, size = x.dtype.kind, x.dtype.itemsize
     if (kind == "f" and size > 8) or (kind == "c" and size > 16):
         raise UnsupportedStateError(
@@ -109,7 +102,7 @@ def _encode_key(k: Any, path: tuple[Any, ...]) -> Any:
         return node
     if tk is tuple:
         return {"t": [_encode_key(x, path) for x in k]}
-    if np is not None and isinstance(k, np.generic) and k.dtype.kind in "biufU":
+    if isinstance(k, np.generic) and k.dtype.kind in "biufU":
         return _encode_key(_np_plain(k, path), path)
     raise UnsupportedStateError(
         f"dict key {k!r} of type {tk.__module__}.{tk.__qualname__} under {_fmt_key(path)!r} cannot be stored "
@@ -117,7 +110,9 @@ def _encode_key(k: Any, path: tuple[Any, ...]) -> Any:
         "(numpy bool/int/float/str scalars are stored as the Python value)")
 
 
-_PLAIN_BASES = (dict, list, tuple, str, int, float, complex, bytes, bytearray, set, frozenset)
+_STORED_BASES = (dict, list, tuple, str, int, float, complex, bytes, bytearray, set, frozenset, torch.Size,
+                 np.ndarray) + STANDARD_TYPES
+"""Types a subclass of which is refused as such (it would load back as its base)."""
 
 
 def _refusal(x: Any, path: tuple[Any, ...]) -> UnsupportedStateError:
@@ -133,8 +128,7 @@ def _refusal(x: Any, path: tuple[Any, ...]) -> UnsupportedStateError:
         return UnsupportedStateError(
             f"{key!r} holds a defaultdict whose default_factory {x.default_factory!r} cannot be stored "
             "(a builtin type such as list, int or dict, or None, can): convert it with dict(x)")
-    bases = _PLAIN_BASES + STANDARD_TYPES + (torch.Size,) + ((np.ndarray,) if np is not None else ())
-    base = next((b for b in t.__mro__[1:] if b in bases), None)
+    base = next((b for b in t.__mro__[1:] if b in _STORED_BASES), None)
     if base is not None:
         return UnsupportedStateError(
             f"{key!r} holds a {name}, a subclass of {base.__name__} that would load back as a plain "
@@ -209,8 +203,7 @@ def encode_known(obj: Any, known: list[int], *, frozen: list[Frozen] | None = No
                  snapshots: dict[int, bytes] | None = None) -> Any:
     """The tree of ``obj`` alone, for a state with the very same tensors as an earlier walk
     whose ``occurrences`` were ``known`` (checked by the plan cache): tensors are neither
-    checked nor collected again, only the plain values are encoded (``frozen``, ``snapshots``:
-    as :func:`encode_tree`)."""
+    checked nor collected again (``frozen``, ``snapshots``: as :func:`encode_tree`)."""
     return _Walk(None, known, frozen, snapshots, None, None).node(obj, (), 0)
 
 
@@ -236,7 +229,7 @@ class _Walk:
             raise UnsupportedStateError(f"state is nested deeper than {MAX_DEPTH} at {_fmt_key(path)!r}")
         if isinstance(x, torch.Tensor):
             return {"T": self.tensor(x, path, False)}
-        if np is not None and type(x) is np.ndarray:  # a subclass (np.matrix, masked) would lose its type
+        if type(x) is np.ndarray:  # a subclass (np.matrix, masked) would lose its type
             return {"A": self.tensor(_from_numpy(x, path), path, True)}
         if isinstance(x, enum.Enum):  # before int/str: IntEnum and StrEnum members keep their type
             return objects.encode_object(x, lambda v: self.node(v, path, depth + 1))
@@ -258,7 +251,7 @@ class _Walk:
             return {"l": [self.node(v, path + (i,), depth + 1) for i, v in enumerate(x)]}
         if tx is tuple:
             return {"t": [self.node(v, path + (i,), depth + 1) for i, v in enumerate(x)]}
-        if np is not None and isinstance(x, np.generic) and x.dtype.kind not in "Mm":
+        if isinstance(x, np.generic) and x.dtype.kind not in "Mm":
             return self.node(_np_plain(x, path), path, depth)
         node = objects.encode_object(x, lambda v: self.node(v, path, depth + 1))
         if node is not None:
@@ -289,8 +282,8 @@ class _Walk:
         return i
 
     def snapshot(self, x: Any, tx: type, path: tuple[Any, ...], frozen: list[Frozen]) -> Frozen | None:
-        """``x`` (a large dict, list or tuple) snapshotted as a :class:`.frozen.Frozen` (also
-        appended to ``frozen``), or None where it holds tensors or cannot be frozen (then it is walked)."""
+        """``x`` (a large dict, list or tuple) as a :class:`.frozen.Frozen` appended to ``frozen``,
+        or None where it holds tensors or cannot be frozen (then it is walked)."""
         data = self.snapshots.get(id(x)) if self.snapshots else None
         if data is None and _TENSOR_TYPES.isdisjoint(map(type, x.values() if tx is dict else x)):
             data = freeze(x)
@@ -313,8 +306,7 @@ class _Walk:
 
     def bulk_node(self, got: tuple[list[str], list[torch.Tensor], list[tuple[Any, ...]]],
                   path: tuple[Any, ...]) -> Any:
-        """A dict of plain tensors taken in bulk (:func:`.bulk.bulk_tensors`): what
-        :meth:`tensor` does, attribute by attribute, for all of them at once."""
+        """A dict of plain tensors taken in bulk (:func:`.bulk.bulk_tensors`): :meth:`tensor` for all at once."""
         keys, tensors, idents = got
         self.met[0] += len(keys)
         leaves = self.leaves

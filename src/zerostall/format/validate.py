@@ -12,7 +12,7 @@ What is checked:
 - shapes: bounded rank and dims, the element count computed without overflow even for
   zero-element tensors with absurd dims, ``shape x itemsize == nbytes``;
 - entries lie inside their file, aligned, and do not overlap, except exact duplicates
-  (recorded aliases), which are read and allocated once (:attr:`Validated.alias_of`);
+  (recorded aliases), which are read and allocated once (:attr:`.manifest.Manifest.alias_of`);
 - the distinct bytes the manifest asks to allocate are bounded by the files' sizes;
 - the state tree references existing entries, and a numpy node (``A``) only a dtype numpy has
   (:func:`.decode.decode_tree`);
@@ -237,15 +237,15 @@ def parse_step_dir(name: str, root: str = "") -> int | None:
     return step
 
 
-def open_regular(path: str, flags: int = os.O_RDONLY) -> int:
-    """Open ``path`` only if it is a regular file: no symlink, no FIFO, device or directory.
+def open_regular(path: str) -> int:
+    """Open ``path`` for reading only if it is a regular file: no symlink, no FIFO, device or directory.
 
     ``O_NONBLOCK`` keeps a FIFO from blocking the open; ``O_NOFOLLOW`` refuses a final symlink.
     The caller owns the returned fd (blocking mode restored). ``FileNotFoundError`` passes
     through; anything else odd is :class:`CorruptCheckpoint`.
     """
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise
     except OSError as exc:
@@ -271,11 +271,14 @@ def read_small(path: str, limit: int) -> bytes:
         size = os.fstat(fd).st_size
         if size > limit:
             raise bad(path, f"file is {size} bytes, over the {limit} limit")
-        with open(fd, "rb", closefd=False) as f:
-            data = f.read(limit + 1)  # the file may have grown since the fstat
-        if len(data) > limit:
+        chunks: list[bytes] = []  # by pieces: one read of limit + 1 bytes would reserve that much memory
+        got = 0  # the file may have grown since the fstat
+        while got <= limit and (b := os.read(fd, min(1 << 20, limit + 1 - got))):
+            chunks.append(b)
+            got += len(b)
+        if got > limit:
             raise bad(path, f"file is over the {limit} limit")
-        return data
+        return b"".join(chunks)
     finally:
         os.close(fd)
 

@@ -1,5 +1,6 @@
-"""Shared by the adapters: rank-local Checkpointers, guards for states a framework mutates,
-and the publisher that shows a staged checkpoint under the framework's name once committed.
+"""Shared by the adapters: their saving state (:class:`AdapterSaves`), the guard for states a
+framework mutates, and the publisher that shows a staged checkpoint under the framework's name
+once committed.
 
 Called from the training thread only (the framework's checkpoint hooks), except
 :class:`Publisher`'s own thread.
@@ -10,7 +11,9 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -32,6 +35,20 @@ def is_committed(path: str | os.PathLike[str]) -> bool:
     # the tier's own listing: canonical step names whose manifest validates (a crash between the
     # manifest write and the rename leaves step-N.partial/manifest.json, which is not a commit)
     return bool(open_root(p).steps())
+
+
+def numbered(parent: str, pattern: re.Pattern[str]) -> list[tuple[int, str]]:
+    """(N, path) of the entries of ``parent`` whose name ``pattern`` matches (N: its group 1), ascending."""
+    try:
+        names = os.listdir(parent)
+    except FileNotFoundError:
+        return []
+    return sorted((int(m.group(1)), os.path.join(parent, n)) for n in names if (m := pattern.match(n)))
+
+
+def newest_committed(parent: str, pattern: re.Pattern[str]) -> str | None:
+    """The newest of :func:`numbered`'s entries holding a committed zerostall step, or None."""
+    return next((path for _, path in reversed(numbered(parent, pattern)) if is_committed(path)), None)
 
 
 def unowned(path: str) -> bool:
@@ -82,12 +99,6 @@ def next_step(ckpt: Checkpointer, wanted: int) -> int:
     taken = ckpt.inflight_steps()
     latest = max([*taken, ckpt.latest_step() or -1])
     return wanted if wanted > latest else latest + 1
-
-
-def open_local(path: str, config: CheckpointConfig) -> Checkpointer:
-    """A Checkpointer that saves alone, whatever torch.distributed says (the caller is the only
-    process that saves to ``path``, e.g. Lightning's rank 0)."""
-    return Checkpointer(path, config.replace(dist_mode="local"))
 
 
 def load_torch_file(path: str, map_location: Any) -> dict[str, Any]:
@@ -144,9 +155,6 @@ class StateGuard:
         """Stop tracking Checkpointers with nothing in flight (closed by a :class:`Publisher`)."""
         self._ckpts = [c for c in self._ckpts if c.inflight_steps()]
 
-    def _pending(self) -> bool:
-        return any(c.snapshots_pending() for c in self._ckpts)
-
     def _on_step(self, opt: Any, args: Any, kwargs: Any) -> Any:
         changed = None
         for c in list(self._ckpts):
@@ -156,8 +164,7 @@ class StateGuard:
         return changed
 
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
-        pending = self._pending()
-        if not pending:
+        if not any(c.snapshots_pending() for c in self._ckpts):
             self._ptrs.clear()
             if self._fwd_hook is not None:
                 self._fwd_hook.remove()
@@ -213,9 +220,9 @@ class Publisher(Worker[Any]):
     ``staged`` (a hidden sibling); this thread waits until it is committed, closes its
     Checkpointer, and renames ``staged`` to ``final`` (``publish_dir``: rename, or an atomic
     exchange with a previous copy), so a listed name always holds a committed checkpoint.
-    A failed save's directory is removed; its error is kept for :meth:`drain`.
+    A failed save's directory is removed; its error is kept for :meth:`errors`.
 
-    ``submit`` and ``cancel`` from the training thread; one daemon thread publishes, in
+    ``submit`` from the training thread; one daemon thread publishes, in
     submission order. ``_hook`` is the crash-test seam: called with ``"publish"`` just
     before each rename.
     """
@@ -225,8 +232,7 @@ class Publisher(Worker[Any]):
     def __init__(self, name: str = "zerostall-publish"):
         super().__init__(name)
         self._mu = threading.Lock()
-        self._pending: dict[str, int] = {}  # final -> saves queued for it
-        self._cancelled: set[str] = set()
+        self._pending: Counter[str] = Counter()  # final -> saves queued for it
         self._errors: list[BaseException] = []
         atexit.register(self.drain)  # an interpreter exiting first publishes what committed
 
@@ -240,20 +246,13 @@ class Publisher(Worker[Any]):
                before: Callable[[], None] | None = None, after: Callable[[], None] | None = None,
                rename: bool = True) -> None:
         with self._mu:
-            self._pending[final] = self._pending.get(final, 0) + 1
-            self._cancelled.discard(final)
+            self._pending[final] += 1
         super().submit(_Publish(staged, final, handle, ckpt, before, after, rename))
 
     def pending(self, final: str) -> bool:
         """Whether a save for ``final`` is still queued (not yet published or dropped)."""
         with self._mu:
-            return self._pending.get(final, 0) > 0
-
-    def cancel(self, final: str) -> None:
-        """The framework removed ``final`` while its save was queued: drop it, not publish it."""
-        with self._mu:
-            if self._pending.get(final, 0):
-                self._cancelled.add(final)
+            return self._pending[final] > 0
 
     def drain(self) -> None:
         """Block until everything submitted so far is published or dropped."""
@@ -279,15 +278,11 @@ class Publisher(Worker[Any]):
                 p.ckpt.close()
             except ZerostallError as exc:
                 failed = failed or exc
-            with self._mu:
-                cancelled = p.final in self._cancelled
             if not p.rename:
                 return
-            if failed is not None or cancelled:
+            if failed is not None:
                 discard(p.staged)
-                if failed is not None:
-                    raise failed
-                return
+                raise failed
             if p.before is not None:
                 p.before()
             if self._hook is not None:
@@ -301,32 +296,67 @@ class Publisher(Worker[Any]):
                 self._errors.append(exc)
         finally:
             with self._mu:
-                n = self._pending.get(p.final, 1) - 1
-                if n > 0:
-                    self._pending[p.final] = n
-                else:
-                    self._pending.pop(p.final, None)
-                    self._cancelled.discard(p.final)
+                self._pending[p.final] -= 1
+                if self._pending[p.final] <= 0:
+                    del self._pending[p.final]
 
 
 
-def adapter_config(zerostall_config: CheckpointConfig | None) -> CheckpointConfig:
-    """The config of the Accelerate and Transformers adapters' checkpointers: the user's (or
-    the environment's) with ``keep_last=1`` and never overwrite (a path saved twice gets a new
-    step, see :func:`next_step`)."""
-    cfg = zerostall_config if zerostall_config is not None else CheckpointConfig.from_env()
-    return cfg.replace(keep_last=1, overwrite=False)
+class AdapterSaves:
+    """The saving side the adapters share (their training thread): the checkpointers' config
+    (the user's or the environment's, with ``keep_last=1`` and never overwrite: a path saved
+    twice gets a new step, :func:`next_step`), the :class:`StateGuard` and the
+    :class:`Publisher` (started by the first save that needs it)."""
 
+    def __init__(self, config: CheckpointConfig | None, thread_name: str, **fields: Any) -> None:
+        cfg = config if config is not None else CheckpointConfig.from_env()
+        self.config = cfg.replace(keep_last=1, overwrite=False, **fields)
+        self.guard = StateGuard()
+        self.publisher: Publisher | None = None
+        self._thread_name = thread_name
 
-def finish_publishing(guard: StateGuard, pub: Publisher | None) -> None:
-    """Block until every save is durable and published, then raise the first failure (the
-    others are logged): the adapters' ``zerostall_wait``. Training thread."""
-    guard.close()
-    if pub is None:
-        return
-    pub.close()
-    errors = pub.errors()
-    for exc in errors[1:]:
-        log.error("zerostall: a checkpoint save failed: %s", exc)
-    if errors:
-        raise errors[0]
+    def drain(self, final: str | None = None) -> None:
+        """Block until every queued save (only when one of ``final`` is queued) is published."""
+        pub = self.publisher
+        if pub is not None and (final is None or pub.pending(final)):
+            pub.drain()
+
+    def publish(self, staged: str, final: str, handle: Any, ckpt: Checkpointer, **kwargs: Any) -> None:
+        """Hand the save ``handle`` into ``staged`` to the publisher (:meth:`Publisher.submit`)."""
+        self.publisher = self.publisher or Publisher(self._thread_name)
+        self.publisher.submit(staged, final, handle, ckpt, **kwargs)
+
+    def save(self, staged: str, step: int, state: dict[str, Any], tensors: list[torch.Tensor]) -> tuple[Any, Any]:
+        """(Checkpointer, SaveHandle) of a save of ``state`` into a new Checkpointer at
+        ``staged``, at ``step`` or past the newest there; the guard holds ``tensors``'s
+        in-place updates until the snapshot is staged."""
+        ck = Checkpointer(staged, self.config)
+        try:
+            handle = ck.save(next_step(ck, step), state)
+        except BaseException:
+            ck.close()
+            raise
+        self.track(ck, tensors)
+        return ck, handle
+
+    def track(self, ckpt: Checkpointer, tensors: list[torch.Tensor]) -> None:
+        self.guard.forget_done()
+        self.guard.track(ckpt, tensors)
+
+    def finish(self) -> list[BaseException]:
+        """Block until every save is durable and published; the failures, oldest first."""
+        self.guard.close()
+        pub, self.publisher = self.publisher, None
+        if pub is None:
+            return []
+        pub.close()
+        return pub.errors()
+
+    def wait(self) -> None:
+        """:meth:`finish`, raising the first failure (the others are logged): the adapters'
+        ``zerostall_wait``."""
+        errors = self.finish()
+        for exc in errors[1:]:
+            log.error("zerostall: a checkpoint save failed: %s", exc)
+        if errors:
+            raise errors[0]

@@ -1,4 +1,4 @@
-"""Accelerate: ``accelerator.save_state()``/``load_state()`` through zerostall.
+"""Accelerate: ``accelerator.save_state()``/``load_state()`` through zerostall (docs/integrations.md).
 
 ::
 
@@ -13,27 +13,21 @@
     accelerator.end_training()                                        # every save durable
 
 ``save_state(output_dir=None)`` saves what Accelerate's own ``save_state`` saves, as one
-zerostall step: every prepared model's state dict (``get_state_dict(model, unwrap=False)``),
-optimizer, scheduler, the gradient scaler, the objects registered with
-``register_for_checkpointing``, stateful dataloaders' state, ``accelerator.step``, this
-process's RNG states (:func:`zerostall.rng_state`) and Accelerate's checkpoint counter
-(``project_configuration.iteration``). Under ``torch.distributed`` every process saves its
-own state and the processes commit together. Hooks registered with
-``register_save_state_pre_hook``/``register_load_state_pre_hook`` run as with Accelerate
-(given the directory being written / read).
+zerostall step (prepared models, optimizers, schedulers, the gradient scaler, registered
+objects, stateful dataloaders, ``accelerator.step``, this process's RNG states) plus
+Accelerate's checkpoint counter (``project_configuration.iteration``). Under
+``torch.distributed`` every process saves its own state and the processes commit together.
+The save/load pre-hooks run as with Accelerate.
 
-**Names, counter, retention.** With ``automatic_checkpoint_naming`` a save goes to
-``project_dir/checkpoints/checkpoint_<iteration>`` and ``load_state()`` without a directory
-loads the newest *committed* one there and sets ``project_configuration.iteration`` to one
-past it (Accelerate's own ``load_state`` leaves the counter at 0, so the next ``save_state``
-of a resumed run fails with "Checkpoint directory ... already exists"); ``total_limit`` keeps
-the newest committed checkpoints, as many as Accelerate keeps.
+With ``automatic_checkpoint_naming`` a save goes to ``project_dir/checkpoints/checkpoint_<N>``;
+``load_state()`` loads the newest *committed* one and sets the counter past it (Accelerate's
+own leaves it at 0, so a resumed run's next ``save_state`` would fail); ``total_limit`` keeps
+as many committed checkpoints as Accelerate keeps.
 
-**What a crash leaves.** A save is written into a hidden staging directory
-(``project_dir/.zerostall-staging/checkpoint_<N>``, or ``.NAME.zerostall-staging`` beside an
-explicit ``output_dir``) and renamed to its name by a background thread once committed: a
-listed checkpoint is always complete, after a SIGKILL at any point of any save. The next
-``load_state``/``save_state`` removes what a crashed run left staged.
+**What a crash leaves.** A save is written into ``project_dir/.zerostall-staging/checkpoint_<N>``
+(or ``.NAME.zerostall-staging`` beside an explicit ``output_dir``) and renamed to its name by the
+:class:`~._common.Publisher` once committed: a listed checkpoint is always complete. The next
+``save_state`` removes what a crashed run left staged.
 
 ``load_state(input_dir)`` of a directory written by Accelerate's own ``save_state`` is handed
 to Accelerate. Threads: every method runs on the training thread; the copy, write, commit and
@@ -52,11 +46,10 @@ try:
 except ImportError as exc:
     raise ImportError("zerostall.integrations.accelerate needs Accelerate: pip install 'zerostall[accelerate]'") from exc
 
-from .. import CheckpointConfig, Checkpointer, load as _zs_load, rng_state, set_rng_state
+from .. import CheckpointConfig, load as _zs_load, rng_state, set_rng_state
 from ..errors import CheckpointNotFound, ConfigError
-from ..extend import discard, fsync_dir
-from ._common import (Publisher, StateGuard, adapter_config, finish_publishing, is_committed, next_step,
-                      recover_staged, tensors_of)
+from ..extend import discard
+from ._common import AdapterSaves, is_committed, newest_committed, numbered, recover_staged, tensors_of
 
 log = logging.getLogger("zerostall")
 
@@ -75,9 +68,7 @@ class ZerostallAcceleratorMixin:
 
     def __init__(self, *args: Any, zerostall_config: CheckpointConfig | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._zs_config = adapter_config(zerostall_config)
-        self._zs_publisher: Publisher | None = None
-        self._zs_guard = StateGuard()
+        self._zs_saves = AdapterSaves(zerostall_config, "zerostall-accelerate-publish")
         self._zs_recovered: set[str] = set()
         self.zerostall_handles: list[Any] = []
         """The SaveHandles of the saves so far (newest last)."""
@@ -100,16 +91,7 @@ class ZerostallAcceleratorMixin:
 
     def zerostall_latest(self) -> str | None:
         """The newest committed ``checkpoint_<N>`` under ``project_dir/checkpoints``, or None."""
-        d = self._zs_auto_dir()
-        try:
-            names = os.listdir(d)
-        except FileNotFoundError:
-            return None
-        found = sorted((int(m.group(1)), n) for n in names if (m := _AUTO_RE.match(n)))
-        for _, n in reversed(found):
-            if is_committed(os.path.join(d, n)):
-                return os.path.join(d, n)
-        return None
+        return newest_committed(self._zs_auto_dir(), _AUTO_RE)
 
     # -- saving -----------------------------------------------------------------------------------
     def save_state(self, output_dir: Any = None, safe_serialization: bool = True, **kwargs: Any) -> str:
@@ -125,10 +107,7 @@ class ZerostallAcceleratorMixin:
         if self.is_main_process:
             os.makedirs(os.path.dirname(final), exist_ok=True)
         self._zs_recover(os.path.dirname(staged), os.path.dirname(final))
-        pub = self._zs_publisher = self._zs_publisher or Publisher("zerostall-accelerate-publish")
-        if pub.pending(final):
-            pub.drain()
-        ck = Checkpointer(staged, self._zs_config)
+        self._zs_saves.drain(final)
         weights = [self.get_state_dict(m, unwrap=False) for m in self._models]
         for hook in self._save_model_state_pre_hook.values():
             hook(self._models, weights, staged)
@@ -140,38 +119,26 @@ class ZerostallAcceleratorMixin:
             "step": int(self.step), "iteration": int(pc.iteration), "rng": rng_state()}
         if self.scaler is not None:
             state["scaler"] = self.scaler
-        try:
-            handle = ck.save(next_step(ck, int(pc.iteration)), state)
-        except BaseException:
-            ck.close()
-            raise
+        ck, handle = self._zs_saves.save(staged, int(pc.iteration), state, tensors_of(weights))
         self.zerostall_handles.append(handle)
-        self._zs_guard.forget_done()
-        self._zs_guard.track(ck, [t for w in weights for t in tensors_of(w)])
         limit = pc.total_limit if pc.automatic_checkpoint_naming else None
-
-        def rotate() -> None:  # the publisher's thread, after the rename
-            fsync_dir(os.path.dirname(final))
-            if limit:
-                self._zs_rotate(limit)
-
-        pub.submit(staged, final, handle, ck, after=rotate, rename=self.is_main_process)
+        rotate = (lambda: self._zs_rotate(limit)) if limit else None  # the publisher's thread, once renamed
+        self._zs_saves.publish(staged, final, handle, ck, after=rotate, rename=self.is_main_process)
         pc.iteration += 1
         return final
 
     def _zs_rotate(self, limit: int) -> None:
-        d = self._zs_auto_dir()
-        found = sorted((int(m.group(1)), n) for n in os.listdir(d) if (m := _AUTO_RE.match(n)))
-        for _, n in found[:max(0, len(found) - limit)]:
-            log.info("zerostall: deleting %s (total_limit=%d)", os.path.join(d, n), limit)
-            discard(os.path.join(d, n))
+        found = numbered(self._zs_auto_dir(), _AUTO_RE)
+        for _, path in found[:max(0, len(found) - limit)]:
+            log.info("zerostall: deleting %s (total_limit=%d)", path, limit)
+            discard(path)
 
     def _zs_recover(self, staging_parent: str, final_parent: str) -> None:
         """Once per directory: remove what a crashed run left staged (main process only)."""
         if staging_parent in self._zs_recovered or not self.is_main_process:
             return
         self._zs_recovered.add(staging_parent)
-        pub, auto = self._zs_publisher, staging_parent.endswith(_STAGING_DIR)
+        pub, auto = self._zs_saves.publisher, staging_parent.endswith(_STAGING_DIR)
 
         def final_of(n: str) -> str | None:
             if auto and _AUTO_RE.match(n):
@@ -185,8 +152,7 @@ class ZerostallAcceleratorMixin:
 
     def zerostall_wait(self) -> None:
         """Block until every save is durable and published; raise the first failure."""
-        pub, self._zs_publisher = self._zs_publisher, None
-        finish_publishing(self._zs_guard, pub)
+        self._zs_saves.wait()
 
     def end_training(self) -> None:
         self.zerostall_wait()
@@ -198,8 +164,7 @@ class ZerostallAcceleratorMixin:
     def load_state(self, input_dir: Any = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
         """Load a checkpoint (see the module docstring); a directory written by Accelerate's own
         ``save_state`` is loaded by Accelerate."""
-        if self._zs_publisher is not None:
-            self._zs_publisher.drain()
+        self._zs_saves.drain()
         if self.num_processes > 1:  # the main process renames: every one sees the same checkpoints
             self.wait_for_everyone()
         pc = self.project_configuration
@@ -220,14 +185,10 @@ class ZerostallAcceleratorMixin:
             raise ConfigError(f"{path} holds {len(saved['models'])} model(s) and {len(saved['custom'])} registered "
                               f"object(s); this Accelerator has {len(self._models)} and {len(self._custom_objects)}: "
                               "prepare and register the same ones as the run that saved it")
-        for m, sd in zip(self._models, saved["models"]):
-            m.load_state_dict(sd)
-        for o, sd in zip(self._optimizers, saved["optimizers"]):
-            o.load_state_dict(sd)
-        for s, sd in zip(self._schedulers, saved["schedulers"]):
-            s.load_state_dict(sd)
-        for obj, sd in zip(self._custom_objects, saved["custom"]):
-            obj.load_state_dict(sd)
+        for objs, key in ((self._models, "models"), (self._optimizers, "optimizers"),
+                          (self._schedulers, "schedulers"), (self._custom_objects, "custom")):
+            for obj, sd in zip(objs, saved[key]):
+                obj.load_state_dict(sd)
         for dl, sd in zip(self._dataloaders, saved["dataloaders"]):
             if sd is not None and getattr(dl, "use_stateful_dataloader", False):
                 dl.load_state_dict(sd)

@@ -9,11 +9,9 @@ shapes consistent with byte counts, dtypes, plain file names inside the checkpoi
 records inside their files and not overlapping. Every failure is a
 :class:`~zerostall.errors.CorruptCheckpoint` naming the file and the field.
 
-Validation is linear in the file's size: a pickle can make many entries share one object (a
-small file whose entries all share one list of repeated chunks made validation quadratic:
-docs/speed-tricks.md), so no chunk of an entry may repeat another's offsets: every chunk that
-validates then uses a storage record of its own, the chunks walked are bounded by the records,
-and the records by :data:`MAX_RECORDS`.
+Validation is linear in the file's size, however the pickle shares objects between entries
+(docs/speed-tricks.md): the chunks walked are bounded by the records (:func:`validate`), and the
+records by :data:`MAX_RECORDS`.
 
 Called from the caller's thread (``Reader.read_metadata``, the CLI); no state.
 """
@@ -30,12 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, TensorStorageMetadata)
 
 from ..config import ALIGN_BYTES
 from ..errors import CheckpointNotFound, CorruptCheckpoint
-from ..format.dtypes import SUPPORTED_DTYPES, dtype_from_name, dtype_name, itemsize
+from ..format.dtypes import SUPPORTED_DTYPES, dtype_from_name, dtype_name
 from ..format.layout import HEADER_BYTES, item_align
 from ..format.shard import check_items
 from .dcp_writer import SHARD_RE, UnsupportedCheckpoint, _ZSInfo
@@ -107,14 +106,8 @@ def read_metadata_file(path: str) -> Metadata:
         if st.st_size > MAX_METADATA_BYTES:
             raise CorruptCheckpoint(f"{path}: DCP metadata is {st.st_size} bytes, over the "
                                     f"{MAX_METADATA_BYTES}-byte limit", path=path)
-        chunks, left = [], st.st_size + 1
-        while left > 0:
-            b = os.read(fd, min(left, 1 << 20))
-            if not b:
-                break
-            chunks.append(b)
-            left -= len(b)
-        raw = b"".join(chunks)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(st.st_size + 1)
     except OSError as exc:
         raise CorruptCheckpoint(f"{path}: cannot read DCP metadata ({os.strerror(exc.errno or 0)})",
                                 path=path) from None
@@ -146,22 +139,11 @@ def _shape(v: Any, where: str, field: str) -> tuple[int, ...]:
     return tuple(_int(d, where, f"{field}[{i}]") for i, d in enumerate(v))
 
 
-def kind_of(md: Metadata) -> str:
-    """``"zerostall"`` or ``"filesystem"`` (FileSystemWriter), from the storage records."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    kinds = {type(v) for v in md.storage_data.values()} if isinstance(md.storage_data, dict) else set()
-    if kinds <= {_ZSInfo}:
-        return "zerostall"
-    if kinds == {_StorageInfo}:
-        return "filesystem"
-    raise CorruptCheckpoint("DCP metadata mixes storage records of "
-                            f"{sorted(k.__name__ for k in kinds)}; not a checkpoint this reader knows")
-
-
 def validate(md: Metadata, where: str, root: str) -> tuple[str, dict[MetadataIndex, Record]]:
     """Check every field of ``md`` (read from ``where``) and its files under ``root``.
 
-    Returns the kind (see :func:`kind_of`) and the records in codec terms. Raises
+    Returns the kind, ``"zerostall"`` or ``"filesystem"`` (FileSystemWriter's records), and
+    the records in codec terms. Raises
     :class:`CorruptCheckpoint` (the subclass :class:`UnsupportedCheckpoint` for a valid
     FileSystemWriter checkpoint this reader cannot read).
     """
@@ -170,11 +152,21 @@ def validate(md: Metadata, where: str, root: str) -> tuple[str, dict[MetadataInd
                                 "not a dict", path=where)
     if not isinstance(md.storage_data, dict):
         raise CorruptCheckpoint(f"{where}: storage_data is {type(md.storage_data).__name__}, not a dict", path=where)
-    try:
-        kind = kind_of(md)
-    except CorruptCheckpoint as exc:
-        raise CorruptCheckpoint(f"{where}: {exc}", path=where) from None
-    _check_counts(md, where)
+    kinds = {type(v) for v in md.storage_data.values()}
+    if kinds <= {_ZSInfo}:
+        kind = "zerostall"
+    elif kinds == {_StorageInfo}:
+        kind = "filesystem"
+    else:
+        raise CorruptCheckpoint(f"{where}: DCP metadata mixes storage records of "
+                                f"{sorted(k.__name__ for k in kinds)}; not a checkpoint this reader knows", path=where)
+    # The chunks walked are bounded by the records too: a chunk that validates uses a record no
+    # other chunk uses (distinct fqns, and no chunk of an entry repeats another's offsets,
+    # _check_entry), so at most one more chunk than there are records is walked before one is
+    # refused, however the pickle shares them.
+    if len(md.storage_data) > MAX_RECORDS:
+        raise CorruptCheckpoint(f"{where}: {len(md.storage_data)} storage records, over the limit of {MAX_RECORDS}",
+                                path=where)
     for k in md.storage_data:
         if not isinstance(k, MetadataIndex) or not isinstance(k.fqn, str):
             raise CorruptCheckpoint(f"{where}: storage_data key {k!r:.80} is not a MetadataIndex", path=where)
@@ -184,16 +176,6 @@ def validate(md: Metadata, where: str, root: str) -> tuple[str, dict[MetadataInd
         _check_entry(fqn, entry, md.storage_data, kind, where)
     _check_files(records, md.storage_data, kind, where, root)
     return kind, records
-
-
-def _check_counts(md: Metadata, where: str) -> None:
-    """Bound the records (:data:`MAX_RECORDS`). The chunks walked are bounded by the records
-    too: a chunk that validates uses a record no other chunk uses (distinct fqns, and no chunk
-    of an entry repeats another's offsets, :func:`_check_entry`), so at most one more chunk
-    than there are records is walked before one is refused, however the pickle shares them."""
-    n_records = len(md.storage_data)
-    if n_records > MAX_RECORDS:
-        raise CorruptCheckpoint(f"{where}: {n_records} storage records, over the limit of {MAX_RECORDS}", path=where)
 
 
 def _zs_record(k: MetadataIndex, v: _ZSInfo, where: str) -> Record:
@@ -221,7 +203,7 @@ def _zs_record(k: MetadataIndex, v: _ZSInfo, where: str) -> Record:
             raise CorruptCheckpoint(f"{where}: {f}: an object of {nbytes} bytes has shape {list(shape)}", path=where)
     else:
         dt = dtype_from_name(v.dtype, f"{where}: {f}.dtype")
-        if math.prod(shape) * itemsize(dt) != nbytes:
+        if math.prod(shape) * dt.itemsize != nbytes:
             raise CorruptCheckpoint(f"{where}: {f}: shape {list(shape)} of {v.dtype} is not {nbytes} bytes",
                                     path=where)
     return Record(k.fqn, v.file, offset, nbytes, crc)

@@ -1,4 +1,5 @@
-"""A ``torch.distributed.checkpoint`` storage reader: zerostall.dcp and FileSystemWriter checkpoints.
+"""A ``torch.distributed.checkpoint`` storage reader for zerostall.dcp and FileSystemWriter
+checkpoints, and what ``zerostall ls/verify/inspect`` show of them (:func:`describe`, :func:`verify`).
 
 ``dcp.load(sd, storage_reader=Reader(path))`` (DCP's planner reshards). ``read_metadata``
 reads ``.metadata`` through :mod:`.dcp_meta` (regular file only, allow-list unpickler, every
@@ -17,7 +18,9 @@ otherwise, so loading never runs code.
 
 Call order (DCP's): ``reset`` -> ``read_metadata`` -> ``set_up_storage_reader`` ->
 ``prepare_local_plan`` -> ``prepare_global_plan`` (coordinator) -> ``read_data`` (every rank).
-One Reader serves one load at a time.
+One Reader serves one load at a time. :func:`describe` and :func:`verify` run on the CLI's
+thread; ``verify`` reads every byte of a zerostall.dcp checkpoint through the codec, and for a
+FileSystemWriter one (no checksums) checks that every record loads with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ import io
 import os
 import stat
 import uuid
-from typing import Any
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -42,8 +47,33 @@ from ..format.layout import ShardHeader
 from ..format.shard import read_shard
 from ..memory.arena import Arena
 from .dcp_meta import Record, read_metadata_file, validate
-from .dcp_files import METADATA
-from .dcp_writer import WINDOW_BYTES, CheckpointId, UnsupportedCheckpoint, _io_engine, _ZSInfo, metadata_name
+from .dcp_writer import (METADATA, WINDOW_BYTES, CheckpointId, UnsupportedCheckpoint, _io_engine, _ZSInfo,
+                         metadata_name)
+
+
+def _by_file(records: dict[MetadataIndex, Record],
+             storage: dict[MetadataIndex, Any]) -> dict[str, list[tuple[Record, Any]]]:
+    """Each file's (record, storage record) pairs, in file order."""
+    out: dict[str, list[tuple[Record, Any]]] = {}
+    for k, r in records.items():
+        out.setdefault(r.file, []).append((r, storage[k]))
+    for entries in out.values():
+        entries.sort(key=lambda rv: rv[0].offset)
+    return out
+
+
+@contextmanager
+def _shard_io(path: str, io_cfg: IOConfig | None, largest: int) -> Iterator[tuple[Any, Arena]]:
+    """The I/O engine for ``path`` and a bounce buffer for files of up to ``largest`` bytes."""
+    bounce = Arena(min(WINDOW_BYTES, largest), mlock=False, prefault=False)
+    try:
+        eng = _io_engine(path, io_cfg)
+        try:
+            yield eng, bounce
+        finally:
+            eng.close()
+    finally:
+        bounce.close()
 
 
 class Reader(CheckpointId, StorageReader):
@@ -57,16 +87,14 @@ class Reader(CheckpointId, StorageReader):
         self._set_id(path)
         self.io = io
         self.verify = verify
-        self.load_id = uuid.uuid4().hex
-        self.storage_data: dict[MetadataIndex, Any] = {}
-        self.records: dict[MetadataIndex, Record] = {}
         self.kind = "zerostall"
         self.rank: int | None = None
         self.use_collectives = True
+        self.reset()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        self.storage_data = {}
-        self.records = {}
+        self.storage_data: dict[MetadataIndex, Any] = {}
+        self.records: dict[MetadataIndex, Record] = {}
         if checkpoint_id:
             self._set_id(checkpoint_id)
         self.load_id = uuid.uuid4().hex
@@ -126,19 +154,11 @@ class Reader(CheckpointId, StorageReader):
     def _read_zerostall(self, per_file: dict[str, list[ReadItem]], planner: LoadPlanner) -> None:
         if not per_file:
             return
-        all_by_file: dict[str, list[tuple[Record, _ZSInfo]]] = {}
-        for k, rec in self.records.items():
-            all_by_file.setdefault(rec.file, []).append((rec, self.storage_data[k]))
+        all_by_file = _by_file(self.records, self.storage_data)
         largest = max(self.storage_data[reqs[0].storage_index].file_bytes for reqs in per_file.values())
-        bounce = Arena(min(WINDOW_BYTES, largest), mlock=False, prefault=False)
-        eng = _io_engine(self.path, self.io)
-        try:
+        with _shard_io(self.path, self.io, largest) as (eng, bounce):
             for fname, reqs in per_file.items():
-                self._read_shard(eng, bounce, fname, reqs, sorted(all_by_file[fname], key=lambda ri: ri[0].offset),
-                                 planner)
-        finally:
-            eng.close()
-            bounce.close()
+                self._read_shard(eng, bounce, fname, reqs, all_by_file[fname], planner)
 
     def _read_shard(self, eng: Any, bounce: Arena, fname: str, reqs: list[ReadItem],
                     entries: list[tuple[Record, _ZSInfo]], planner: LoadPlanner) -> None:
@@ -262,3 +282,75 @@ class Reader(CheckpointId, StorageReader):
                                     f"{tuple(target.size())}", path=path, key=key)
         target.copy_(t)
         planner.commit_tensor(req, target)
+
+
+KIND_NAMES = {"zerostall": "zerostall.dcp", "filesystem": "FileSystemWriter"}
+
+
+@dataclass
+class DcpInfo:
+    """One validated metadata file of a DCP checkpoint, summarised."""
+
+    metadata: str
+    kind: str
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+    total_bytes: int = 0
+    save_id: str = ""
+
+    @property
+    def kind_name(self) -> str:
+        return KIND_NAMES.get(self.kind, self.kind)
+
+
+def describe(path: str, name: str = METADATA) -> DcpInfo:
+    """The summary of ``path``'s metadata file ``name`` (validated first); raise CorruptCheckpoint."""
+    where = os.path.join(path, name)
+    md = read_metadata_file(where)
+    kind, records = validate(md, where, path)
+    return _summary(where, kind, md, records)
+
+
+def _summary(where: str, kind: str, md: Metadata, records: dict[Any, Record]) -> DcpInfo:
+    info = DcpInfo(where, kind, save_id=str(getattr(md.storage_meta, "save_id", "") or ""))
+    for fqn, entry in md.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata):
+            info.entries.append({"key": fqn, "type": "object", "dtype": "", "shape": [], "chunks": 1})
+        else:
+            dtype = str(entry.properties.dtype).replace("torch.", "")
+            info.entries.append({"key": fqn, "type": "tensor", "dtype": dtype,
+                                 "shape": list(entry.size), "chunks": len(entry.chunks)})
+    info.files = sorted({r.file for r in records.values()})
+    info.total_bytes = sum(r.nbytes for r in records.values())
+    return info
+
+
+def verify(path: str, name: str = METADATA, io_cfg: IOConfig | None = None) -> DcpInfo:
+    """Check every byte (zerostall.dcp) or every record (FileSystemWriter); raise CorruptCheckpoint."""
+    where = os.path.join(path, name)
+    md = read_metadata_file(where)
+    kind, records = validate(md, where, path)
+    by_file = _by_file(records, md.storage_data)
+    if kind == "zerostall":
+        largest = max((v.file_bytes for rs in by_file.values() for _, v in rs), default=4096)
+        with _shard_io(path, io_cfg, largest) as (eng, bounce):
+            for fname, rs in by_file.items():
+                v0 = rs[0][1]
+                with eng.open_read(os.path.join(path, fname)) as f:
+                    read_shard(f, os.path.join(path, fname), v0.file_bytes,
+                               ShardHeader(v0.file_id, 0, v0.rank, v0.file_bytes), [r for r, _ in rs],
+                               [None] * len(rs), bounce)
+        return _summary(where, kind, md, records)
+    for fname, rs in by_file.items():
+        fpath = os.path.join(path, fname)
+        with open(fpath, "rb") as f:
+            for r, _ in rs:
+                f.seek(r.offset)
+                raw = f.read(r.nbytes)
+                try:
+                    torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+                except Exception as exc:  # noqa: BLE001 - reported as corruption
+                    raise CorruptCheckpoint(f"{fpath}: {r.key!r} does not load under weights_only "
+                                            f"({type(exc).__name__}: {str(exc)[:160]})",
+                                            path=fpath, key=r.key) from None
+    return _summary(where, kind, md, records)

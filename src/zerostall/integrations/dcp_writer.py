@@ -62,15 +62,15 @@ from ..format.shard import write_shard
 from ..memory.arena import Arena
 from ..store.local import fsync_dir, write_file_durable
 from ..io import choose_engine
-from .dcp_files import METADATA
 
 log = logging.getLogger("zerostall")
 
+METADATA = ".metadata"
+"""DCP's metadata file; without collectives each rank writes ``__R.metadata``."""
 DCP_VERSION = "1.0.0"  # the ``Metadata.version`` FileSystemWriter records for this layout
 WINDOW_BYTES = 64 << 20
 SHARD_RE = re.compile(r"^rank-(\d{5,})-([0-9a-f]{12})\.shard$")
 """Shard files this writer creates: storage index and save id."""
-"""Shard files of zerostall.dcp before 0.2 (written to ``<path>.partial`` and renamed)."""
 _TMP_RE = re.compile(r"^(__\d+)?\.metadata\.[0-9a-f]{12}\.tmp$")
 
 
@@ -199,7 +199,7 @@ class Writer(CheckpointId, StorageWriter):
         self._set_id(path)
         self.io = io
         self.overwrite = overwrite
-        self.save_id = uuid.uuid4().hex
+        self.save_id = uuid.uuid4().hex  # fresh per save (reset)
         self.is_coordinator = False
         self.rank: int | None = None
         self.use_collectives = True

@@ -1,15 +1,9 @@
-"""``zerostall export --format lightning|transformers|accelerate``: a checkpoint written by one of
-the adapters, in the files its framework's own checkpointing writes (and reads back).
-
-- ``lightning``: one ``torch.save`` file (``OUT.ckpt``), what ``TorchCheckpointIO`` writes:
-  ``Trainer.fit(ckpt_path=OUT)`` without the plugin resumes from it.
-- ``transformers``: a ``checkpoint-N`` folder as the plain ``Trainer`` writes it:
-  ``model.safetensors``, ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state.pth``
-  (``rng_state_R.pth`` for rank R of a per-rank checkpoint) and ``trainer_state.json``:
-  ``Trainer.train(resume_from_checkpoint=OUT)`` resumes from it.
-- ``accelerate``: a ``save_state`` folder: ``model.safetensors`` (``model_1...``),
-  ``optimizer.bin``, ``scheduler.bin``, ``scaler.pt``, ``random_states_R.pkl`` and
-  ``custom_checkpoint_I.pkl``: ``Accelerator.load_state(OUT)`` reads it.
+"""``zerostall export --format lightning|transformers|accelerate|safetensors``: a checkpoint
+written by one of the adapters in the files its framework's own checkpointing reads back
+(docs/integrations.md): a ``torch.save`` ``OUT.ckpt`` for Lightning's ``TorchCheckpointIO``; the
+plain ``Trainer``'s ``checkpoint-N`` folder (``model.safetensors``, ``optimizer.pt``, ...,
+``trainer_state.json``); an Accelerate ``save_state`` folder. ``safetensors``: every tensor,
+flattened (:func:`flatten`, :func:`save_safetensors`).
 
 Imports no framework (the files are ``torch.save``, safetensors and JSON). Called by the CLI on
 its thread with the loaded state; writes into ``out``'s directory only.
@@ -26,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ZerostallError
 from ..extend import TaggedData
 
 FORMATS = ("lightning", "transformers", "accelerate")
@@ -53,18 +47,39 @@ def _numpy_rng(s: Any) -> tuple:
     return r.get_state()
 
 
-def _safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
+def flatten(state: Any) -> dict[str, torch.Tensor]:
+    """The tensors of a nested dict/list state under dotted keys (``model.net.weight``, ``optim.0``)."""
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(x: Any, prefix: str) -> None:
+        if isinstance(x, torch.Tensor):
+            if prefix in flat:
+                raise ZerostallError(f"key {prefix!r} appears twice after flattening; cannot export")
+            flat[prefix] = x
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, f"{prefix}.{i}" if prefix else str(i))
+
+    walk(state, "")
+    return flat
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None) -> None:
+    """``tensors`` as a safetensors file (tied weights cloned: safetensors refuses aliases)."""
     from safetensors.torch import save_file
     seen: set[int] = set()
     flat = {}
     for k, v in tensors.items():
         v = v.detach().contiguous()
-        if v.numel() and v.untyped_storage().data_ptr() in seen:  # tied weights: safetensors refuses aliases
+        if v.numel() and v.untyped_storage().data_ptr() in seen:
             v = v.clone()
         elif v.numel():
             seen.add(v.untyped_storage().data_ptr())
         flat[k] = v
-    save_file(flat, path, metadata={"format": "pt"})
+    save_file(flat, path, metadata={"format": "pt"} if metadata is None else metadata)
 
 
 def _fields(obj: Any) -> Any:
@@ -91,7 +106,7 @@ def write(kind: str, state: Any, out: str, *, rank: int = 0, world_size: int = 1
 
     rng = state.get("rng") if isinstance(state, dict) else None
     if kind == "transformers":
-        _safetensors(_need(state, "model", kind), os.path.join(out, "model.safetensors"))
+        save_safetensors(_need(state, "model", kind), os.path.join(out, "model.safetensors"))
         files.append("model.safetensors")
         for key, name in (("optimizer", "optimizer.pt"), ("scheduler", "scheduler.pt"), ("scaler", "scaler.pt")):
             if key in state:
@@ -109,7 +124,7 @@ def write(kind: str, state: Any, out: str, *, rank: int = 0, world_size: int = 1
     if kind == "accelerate":
         for i, sd in enumerate(_need(state, "models", kind)):
             name = "model.safetensors" if i == 0 else f"model_{i}.safetensors"
-            _safetensors(sd, os.path.join(out, name))
+            save_safetensors(sd, os.path.join(out, name))
             files.append(name)
         for key, stem in (("optimizers", "optimizer"), ("schedulers", "scheduler")):
             for i, sd in enumerate(state.get(key, [])):

@@ -1,4 +1,5 @@
-"""Lightning: ``ZerostallCheckpointIO``, a ``CheckpointIO`` plugin that saves through zerostall.
+"""Lightning: ``ZerostallCheckpointIO``, a ``CheckpointIO`` plugin that saves through zerostall
+(docs/integrations.md).
 
 ::
 
@@ -6,46 +7,35 @@
     trainer.fit(model, ckpt_path="last")          # resume: unchanged
 
 Each path Lightning names (``epoch=3-step=400.ckpt``, ``last.ckpt``) becomes a zerostall
-checkpoint directory holding one committed step, so ``ModelCheckpoint`` (``save_top_k``,
-``save_last``, ``every_n_train_steps``), ``trainer.save_checkpoint(path)`` and
-``ckpt_path=`` work unchanged; ``zerostall verify/inspect PATH`` work on them.
+checkpoint directory holding one committed step, so ``ModelCheckpoint``,
+``trainer.save_checkpoint(path)`` and ``ckpt_path=`` work unchanged.
 
 **What a crash leaves.** A path Lightning names only ever holds a committed checkpoint:
 
 - a path that holds no zerostall checkpoint yet (the first save of ``last.ckpt``, every new
   top-k name) is saved into the hidden sibling ``.NAME.zerostall-first`` and renamed to
-  ``NAME`` by a background thread once committed (over a ``torch.save`` file or link there:
-  an atomic exchange, then the old file is deleted). A SIGKILL before that leaves ``NAME`` as
-  it was (absent, or the old file), which ``ckpt_path="last"`` never picks up wrongly; the next
+  ``NAME`` by the :class:`~._common.Publisher` once committed (over a ``torch.save`` file or
+  link there: an atomic exchange). A SIGKILL before that leaves ``NAME`` as it was; the next
   run's first save removes the leftover;
-- a path that holds one commits a new step inside it and then retires the old one.
+- a path that holds one commits a new step inside it and then retires the old one;
+- a removed path is renamed to ``.NAME.zerostall-removing`` at once and deleted once every
+  save in flight is durable.
 
-**RNG.** Each checkpoint also holds :func:`zerostall.rng_state` (Python, numpy, torch CPU
-and CUDA generators, under ``"zerostall_rng"``); ``load_checkpoint`` restores it (on every
-rank: the checkpoint is rank 0's), as the Hugging Face adapter does, so dropout and random
-augmentation continue exactly after a resume.
-
-**Native checkpoints continue.** ``load_checkpoint`` of a ``torch.save`` file (a run begun
-with Lightning's own checkpointing) reads it with ``torch.load(weights_only=True)``
-(``argparse.Namespace`` hyper-parameters allowed; never an unrestricted unpickle); the next
-save of that path replaces the file with a zerostall checkpoint.
+Each checkpoint also holds :func:`zerostall.rng_state` under ``"zerostall_rng"``, restored by
+``load_checkpoint`` (on every rank: the checkpoint is rank 0's). ``load_checkpoint`` of a
+``torch.save`` file reads it with ``torch.load(weights_only=True)``; the next save of that
+path replaces it with a zerostall checkpoint.
 
 **Threads.** Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0 only
 (``load_checkpoint`` on every rank), from the training thread. ``save_checkpoint`` plans and
-enqueues, then returns: the copy into the staging arena, the O_DIRECT write and the commit
-run behind it. Until the copy is done, every optimizer's ``step()`` (after its closure's
-forward/backward) and the forward of a module whose buffers are being copied wait for it;
-``wait_staged=True`` waits inside ``save_checkpoint`` instead (for code that changes
-weights in place elsewhere). ``teardown()`` (end of ``fit``/``test``) waits until every save
-is durable and raises the first failure.
+enqueues, then returns; until the snapshot is copied, optimizer steps and the forward of a
+module whose buffers are being copied wait for it (:class:`~._common.StateGuard`);
+``wait_staged=True`` waits inside ``save_checkpoint`` instead. ``teardown()`` waits until
+every save is durable and raises the first failure.
 
-**Loading a module.** ``MyModule.load_from_checkpoint(path)`` reads ``path`` with
-``torch.load`` itself, bypassing the plugin; use :func:`load_from_checkpoint` from this
-module: ``load_from_checkpoint(MyModule, path)`` (same keyword arguments).
-
-**Distributed.** The checkpoint is rank 0's state (Lightning's model: DDP replicas are
-identical); each Checkpointer here saves alone (``dist_mode="local"``). Strategies that
-shard state (FSDP, DeepSpeed) use their own checkpoint I/O and are not covered.
+``MyModule.load_from_checkpoint(path)`` bypasses the plugin: use :func:`load_from_checkpoint`.
+Each Checkpointer here saves alone (``dist_mode="local"``); FSDP and DeepSpeed strategies use
+their own checkpoint I/O.
 """
 
 from __future__ import annotations
@@ -61,9 +51,8 @@ import torch
 
 from ..errors import ConfigError, ZerostallError
 from ..extend import RootLock, discard
-from ._common import (Publisher, StateGuard, is_committed, load_torch_file, next_step, open_local, tensors_of,
-                      unowned)
-from .. import CheckpointConfig, load, rng_state, set_rng_state
+from ._common import AdapterSaves, is_committed, load_torch_file, next_step, recover_staged, tensors_of
+from .. import CheckpointConfig, Checkpointer, load, rng_state, set_rng_state
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -89,9 +78,12 @@ RNG_KEY = "zerostall_rng"
 __all__ = ["ZerostallCheckpointIO", "is_zerostall_checkpoint", "load_from_checkpoint"]
 
 
-def is_zerostall_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """True when ``path`` is a directory holding at least one committed zerostall step."""
-    return is_committed(path)
+is_zerostall_checkpoint = is_committed
+
+
+def _aside(root: str, suffix: str) -> str:
+    """The hidden sibling ``.NAME<suffix>`` of the path ``root``."""
+    return os.path.join(os.path.dirname(root), f".{os.path.basename(root)}{suffix}")
 
 
 class ZerostallCheckpointIO(CheckpointIO):
@@ -108,21 +100,20 @@ class ZerostallCheckpointIO(CheckpointIO):
                  **overrides: Any) -> None:
         cfg = config if config is not None else CheckpointConfig.from_env()
         try:
-            cfg = cfg.replace(**overrides) if overrides else cfg
+            cfg = cfg.replace(**overrides)
         except TypeError as exc:
             raise ConfigError(f"unknown ZerostallCheckpointIO option: {exc}") from None
         if cfg.remote:
             raise ConfigError("ZerostallCheckpointIO(remote=...) is not supported: replicate the checkpoint "
                               "directory with zerostall.Checkpointer or a sync job instead")
-        self.config = cfg.replace(keep_last=1, overwrite=False)
+        self._saves = AdapterSaves(cfg, "zerostall-lightning-publish", dist_mode="local")  # rank 0 saves alone
+        self.config = self._saves.config
         self.wait_staged = wait_staged
         self._ckpts: dict[str, Any] = {}
-        self._guard = StateGuard()
         self._removers: list[threading.Thread] = []
         self._cleaned: set[str] = set()
         self._waiting: set[str] = set()  # trash paths whose remover waits for saves in flight
         self._errors: list[BaseException] = []
-        self._publisher: Publisher | None = None  # first saves: renamed to their path once committed
         self.handles: list[Any] = []
         """SaveHandles of the saves since the last teardown (newest last)."""
 
@@ -132,18 +123,16 @@ class ZerostallCheckpointIO(CheckpointIO):
             raise TypeError("ZerostallCheckpointIO.save_checkpoint does not take storage_options")
         root = os.path.abspath(os.fspath(path))
         self._clean_stale_trash(os.path.dirname(root))  # before anything of ours is set aside
-        pub = self._publisher
-        if pub is not None and pub.pending(root):  # its first save is still in flight: it goes first
-            pub.drain()
+        self._saves.drain(root)  # its first save is still in flight: it goes first
         checkpoint = {**checkpoint, RNG_KEY: rng_state()}
-        if root in self._ckpts or is_committed(root):
-            ck = self._checkpointer(root)
-            staged = None
-        else:  # nothing committed there yet: written aside, shown under its name once committed
-            staged = os.path.join(os.path.dirname(root), f".{os.path.basename(root)}{_FIRST}")
+        ck, staged = self._ckpts.get(root), None
+        if ck is None and is_committed(root):
+            ck = self._ckpts[root] = Checkpointer(root, self.config)
+        elif ck is None:  # nothing committed there yet: written aside, shown under its name once committed
+            staged = _aside(root, _FIRST)
             if os.path.lexists(staged):
                 discard(staged)
-            ck = open_local(staged, self.config)
+            ck = Checkpointer(staged, self.config)
         try:
             step = next_step(ck, int(checkpoint.get("global_step", 0) or 0))
             self._close_idle(keep=root)
@@ -155,13 +144,12 @@ class ZerostallCheckpointIO(CheckpointIO):
             raise
         self.handles.append(handle)
         if staged is not None:
-            pub = self._publisher = self._publisher or Publisher("zerostall-lightning-publish")
-            pub.submit(staged, root, handle, ck)
-        self._guard.forget_done()
+            self._saves.publish(staged, root, handle, ck)
         if self.wait_staged:
+            self._saves.guard.forget_done()
             handle.wait_staged()
         else:
-            self._guard.track(ck, tensors_of(checkpoint.get("state_dict", {})))
+            self._saves.track(ck, tensors_of(checkpoint.get("state_dict", {})))
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -169,16 +157,10 @@ class ZerostallCheckpointIO(CheckpointIO):
         ck = self._ckpts.get(root)
         if ck is not None:
             ck.wait()
-        if self._publisher is not None and self._publisher.pending(root):
-            self._publisher.drain()
-        replaced = os.path.join(os.path.dirname(root), f".{os.path.basename(root)}{_REPLACED}")
-        if os.path.lexists(replaced):
-            # a run that died while a save replaced this path's previous checkpoint: that one
-            # goes back first (resuming runs load before they save, when the cleanup runs)
-            try:
-                self._settle_replaced(root, replaced)
-            except OSError as exc:
-                log.warning("zerostall: could not settle %s: %s", replaced, exc)
+        self._saves.drain(root)
+        # a run that died while a save replaced this path's previous checkpoint: that one goes
+        # back first (resuming runs load before they save, when the cleanup runs)
+        self._settle_replaced(root, _aside(root, _REPLACED))
         if os.path.isfile(root):
             out = load_torch_file(root, map_location)
         else:
@@ -191,11 +173,10 @@ class ZerostallCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         root = os.path.abspath(os.fspath(path))
-        if self._publisher is not None and self._publisher.pending(root):
-            self._publisher.drain()  # removed right after its first save: published, then set aside
+        self._saves.drain(root)  # removed right after its first save: published, then set aside
         ck = self._ckpts.pop(root, None)
         if ck is not None:
-            self._guard.forget(ck)
+            self._saves.guard.forget(ck)
             self._close(ck)
         if os.path.islink(root) or os.path.isfile(root):
             os.remove(root)
@@ -210,14 +191,10 @@ class ZerostallCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         """Wait until every save is durable, release the arenas, raise the first failure."""
-        self._guard.close()
         for ck in list(self._ckpts.values()):
             self._close(ck)
         self._ckpts.clear()
-        if self._publisher is not None:
-            self._publisher.close()
-            self._errors.extend(self._publisher.errors())
-            self._publisher = None
+        self._errors.extend(self._saves.finish())
         for t in self._removers:
             t.join()
         self._removers.clear()
@@ -227,115 +204,87 @@ class ZerostallCheckpointIO(CheckpointIO):
             raise errors[0]
 
     # -- internals ----------------------------------------------------------------------------
-    def _trash_name(self, root: str, kind: str = _REMOVING) -> str:
-        trash = os.path.join(os.path.dirname(root), f".{os.path.basename(root)}{kind}")
+    def _trash_name(self, root: str) -> str:
+        trash = _aside(root, _REMOVING)
         n = 0
         while trash in self._waiting:  # set aside by this run and waiting for saves: never early
             n += 1
-            trash = os.path.join(os.path.dirname(root), f".{os.path.basename(root)}.{n}{kind}")
-        if os.path.isdir(trash) and not os.path.islink(trash):
-            shutil.rmtree(trash, ignore_errors=True)
-        elif os.path.lexists(trash):
-            os.remove(trash)
+            trash = _aside(root, f".{n}{_REMOVING}")
+        _remove(trash)
         return trash
 
-    def _remove_after(self, trash: str, pending: list[Any], keep_if_failed: bool = False) -> None:
-        """Delete ``trash`` (a directory, file or link) once the ``pending`` saves are done
-        (``keep_if_failed``: not if one of them failed — it is the previous checkpoint)."""
+    def _remove_after(self, trash: str, pending: list[Any]) -> None:
+        """Delete ``trash`` once the ``pending`` saves are done."""
 
         def remove() -> None:
             try:
                 for h in pending:
                     h.wait()
-                if keep_if_failed and any(h.exception() is not None for h in pending):
-                    log.error("zerostall: a save replacing a checkpoint file failed; the old file is kept at %s "
-                              "and put back at teardown()", trash)
-                    return
-                if os.path.isdir(trash) and not os.path.islink(trash):
-                    shutil.rmtree(trash, ignore_errors=True)
-                elif os.path.lexists(trash):
-                    with contextlib.suppress(FileNotFoundError):  # removed along with its path meanwhile
-                        os.remove(trash)
+                _remove(trash)
             finally:
                 self._waiting.discard(trash)
 
         self._waiting.add(trash)
-        if not any(not h.done() for h in pending):
+        if all(h.done() for h in pending):
             remove()
             return
         t = threading.Thread(target=remove, name="zerostall-lightning-remove", daemon=True)
         t.start()
         self._removers.append(t)
 
-    def _checkpointer(self, root: str) -> Any:
-        ck = self._ckpts.get(root)
-        if ck is None:
-            self._clean_stale_trash(os.path.dirname(root))
-            ck = self._ckpts[root] = open_local(root, self.config)
-        return ck
-
     def _clean_stale_trash(self, directory: str) -> None:
         """Remove what a crashed run left set aside (once per directory and plugin)."""
-        if directory in self._cleaned or not self._removers_idle():
+        if directory in self._cleaned or any(t.is_alive() for t in self._removers):
             return
         self._cleaned.add(directory)
         try:
             names = os.listdir(directory)
         except FileNotFoundError:
             return
+        # a first save a crash cut short: removed (never a live writer's); not published even when
+        # committed: a name appearing under ModelCheckpoint after it started makes it save
+        # last-v1.ckpt instead of last.ckpt
+        recover_staged(directory, lambda n: os.path.join(directory, n[1:-len(_FIRST)])
+                       if n.startswith(".") and n.endswith(_FIRST) else None)
         for n in names:
             if n.startswith(".") and n.endswith(_REMOVING):
                 log.info("zerostall: removing %s, left aside by an earlier run", os.path.join(directory, n))
                 self._trash_name(os.path.join(directory, n[1:-len(_REMOVING)]))
-            elif n.startswith(".") and n.endswith(_FIRST):  # a first save a crash cut short
-                self._settle_first(os.path.join(directory, n[1:-len(_FIRST)]), os.path.join(directory, n))
             elif n.startswith(".") and n.endswith(_REPLACED):  # the previous checkpoint of a path
-                try:
-                    self._settle_replaced(os.path.join(directory, n[1:-len(_REPLACED)]), os.path.join(directory, n))
-                except OSError as exc:  # never fails the save that is starting
-                    log.warning("zerostall: could not settle %s: %s", os.path.join(directory, n), exc)
-
-    def _settle_first(self, root: str, staged: str) -> None:
-        """A first save of ``root`` an earlier run left in ``staged``: removed (never a live
-        writer's). Not published even when committed: a name appearing under ModelCheckpoint
-        after it started makes it save ``last-v1.ckpt`` instead of ``last.ckpt``."""
-        if not unowned(staged):
-            return
-        log.info("zerostall: removing %s, a first save of an earlier run that was not published", staged)
-        discard(staged)
+                self._settle_replaced(os.path.join(directory, n[1:-len(_REPLACED)]), os.path.join(directory, n))
 
     def _settle_replaced(self, root: str, replaced: str) -> None:
         """``replaced`` held ``root``'s previous checkpoint (a torch.save file or link) while a
         save replaced it: removed if ``root`` now holds a committed checkpoint, else put back
-        (an uncommitted directory at ``root``, what the failed save left, is removed first)."""
+        (an uncommitted directory at ``root``, what the failed save left, is removed first).
+        An OSError is logged: it never fails the load or save that is starting."""
         if not os.path.lexists(replaced):
             return
-        if is_committed(root):
-            if os.path.isdir(replaced) and not os.path.islink(replaced):
-                shutil.rmtree(replaced, ignore_errors=True)
-            else:
-                os.remove(replaced)
-            return
-        if os.path.isdir(root) and not os.path.islink(root):
-            lock = RootLock(root)
-            try:
-                lock.acquire(0.0)
-            except ZerostallError as exc:  # a live writer there: leave both alone
-                log.warning("zerostall: %s was not put back at %s: %s", replaced, root, exc)
+        try:
+            if is_committed(root):
+                _remove(replaced)
                 return
-            try:
-                shutil.rmtree(root)
-            finally:
-                lock.release()
-        if os.path.lexists(root):
-            log.warning("zerostall: %s holds something else now; the previous checkpoint stays at %s", root, replaced)
+            if os.path.isdir(root) and not os.path.islink(root):
+                lock = RootLock(root)
+                try:
+                    lock.acquire(0.0)
+                except ZerostallError as exc:  # a live writer there: leave both alone
+                    log.warning("zerostall: %s was not put back at %s: %s", replaced, root, exc)
+                    return
+                try:
+                    shutil.rmtree(root)
+                finally:
+                    lock.release()
+            if os.path.lexists(root):
+                log.warning("zerostall: %s holds something else now; the previous checkpoint stays at %s",
+                            root, replaced)
+                return
+            os.rename(replaced, root)
+        except OSError as exc:
+            log.warning("zerostall: could not settle %s: %s", replaced, exc)
             return
-        os.rename(replaced, root)
         log.warning("zerostall: the save that replaced %s never committed; the previous checkpoint is back there",
                     root)
-
-    def _removers_idle(self) -> bool:
-        return not any(t.is_alive() for t in self._removers)
 
     def _close(self, ck: Any) -> None:
         try:
@@ -349,8 +298,17 @@ class ZerostallCheckpointIO(CheckpointIO):
         for root, ck in list(self._ckpts.items()):
             if root != keep and not ck.inflight_steps():
                 del self._ckpts[root]
-                self._guard.forget(ck)
+                self._saves.guard.forget(ck)
                 self._close(ck)
+
+
+def _remove(path: str) -> None:
+    """Delete ``path`` (a directory, file or link) if it is still there."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def load_from_checkpoint(cls: Any, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None,

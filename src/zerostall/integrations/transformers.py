@@ -1,4 +1,4 @@
-"""Hugging Face ``Trainer``: checkpoints through zerostall, resumed exactly.
+"""Hugging Face ``Trainer``: checkpoints through zerostall, resumed exactly (docs/integrations.md).
 
 ::
 
@@ -7,34 +7,28 @@
     trainer.train(resume_from_checkpoint=True)                             # newest committed checkpoint
 
 Each ``output_dir/checkpoint-N/`` is a zerostall checkpoint directory: one step holding the
-model, optimizer, scheduler and gradient-scaler state dicts, every RNG state
-(:func:`zerostall.rng_state`) and the ``TrainerState`` (a registered dataclass: stored as
-JSON fields, never pickled), plus HF's human-readable ``trainer_state.json`` beside it.
-The save runs behind training (the trainer's thread only plans it); the optimizer's step and
-the forward of a module whose buffers are being copied wait until the snapshot is staged.
-``train()`` waits until every save is durable before it returns and raises a failed save.
+model, optimizer, scheduler and gradient-scaler state dicts, every RNG state and the
+``TrainerState`` (a registered dataclass, never pickled), plus HF's ``trainer_state.json``.
+The save runs behind training; ``train()`` waits until every save is durable and raises a
+failed one.
 
 **A crash never leaves a ``checkpoint-N`` that is not committed.** A save is written into
-``output_dir/.checkpoint-N.zerostall-staging/`` (a name neither HF nor zerostall lists) and
-renamed to ``checkpoint-N`` by a background thread once its step is committed, so HF's own
-``get_last_checkpoint(output_dir)`` (what HF's example scripts resume from) and
-``resume_from_checkpoint=True`` only ever see committed checkpoints, after a SIGKILL at any
-point of any save, the first one included. ``train()`` first removes what a crashed run left
-staged (a committed one is published instead, in a single-process run). ``save_total_limit``
-is applied by HF's own ``rotate_checkpoints`` each time a checkpoint is published (and, at
-the end, HF's ``save_total_limit=1`` + best-model rule), so the same folders remain as with
-the plain ``Trainer``; ``load_best_model_at_end`` loads through zerostall. Directories
-written by the plain ``Trainer`` still resume through HF's own code.
+``output_dir/.checkpoint-N.zerostall-staging/`` and renamed to ``checkpoint-N`` by the
+:class:`~._common.Publisher` once committed, so HF's ``get_last_checkpoint`` and
+``resume_from_checkpoint=True`` only see committed checkpoints. ``train()`` first removes what
+a crashed run left staged (publishes a committed one, single process only).
+``save_total_limit`` is applied by HF's own ``rotate_checkpoints`` as each is published.
+Directories written by the plain ``Trainer`` resume through HF's own code.
 
 Threads: every method here runs on the trainer's thread (HF calls them from ``train()``).
-Under ``torch.distributed`` every rank saves its own state (``rank-R``, its own RNG) and the
-ranks commit each checkpoint together; DeepSpeed, FSDP and SageMaker MP keep their own formats.
-``model.save_pretrained``/``trainer.save_model()`` are unchanged; ``zerostall export --format
-transformers`` writes a checkpoint as the plain ``Trainer``'s folder (:mod:`.export`).
+Under ``torch.distributed`` every rank saves its own state and the ranks commit together;
+DeepSpeed, FSDP and SageMaker MP keep their own formats.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import re
@@ -48,10 +42,9 @@ except ImportError as exc:
     raise ImportError("zerostall.integrations.transformers needs transformers: "
                       "pip install 'zerostall[transformers]'") from exc
 
-from .. import CheckpointConfig, Checkpointer, load as _zs_load, register_type, rng_state, set_rng_state
-from ..extend import discard, fsync_dir, write_file_durable
-from ._common import (Publisher, StateGuard, adapter_config, finish_publishing, is_committed, next_step,
-                      recover_staged)
+from .. import CheckpointConfig, load as _zs_load, register_type, rng_state, set_rng_state
+from ..extend import discard, write_file_durable
+from ._common import AdapterSaves, is_committed, newest_committed, recover_staged
 
 log = logging.getLogger("zerostall")
 
@@ -66,21 +59,9 @@ _STAGING = ".zerostall-staging"
 _STAGED_RE = re.compile(rf"^\.({PREFIX_CHECKPOINT_DIR}-\d+){re.escape(_STAGING)}$")
 
 
-def _checkpoints(run_dir: str) -> list[tuple[int, str]]:
-    try:
-        names = os.listdir(run_dir)
-    except FileNotFoundError:
-        return []
-    out = [(int(m.group(1)), os.path.join(run_dir, n)) for n in names if (m := _CKPT_RE.match(n))]
-    return sorted(p for p in out if os.path.isdir(p[1]))
-
-
 def last_committed_checkpoint(run_dir: str) -> str | None:
     """The newest ``checkpoint-N`` under ``run_dir`` holding a committed zerostall step."""
-    for _, path in reversed(_checkpoints(run_dir)):
-        if is_committed(path):
-            return path
-    return None
+    return newest_committed(run_dir, _CKPT_RE)
 
 
 class ZerostallTrainerMixin:
@@ -92,9 +73,7 @@ class ZerostallTrainerMixin:
 
     def __init__(self, *args: Any, zerostall_config: CheckpointConfig | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._zs_config = adapter_config(zerostall_config)
-        self._zs_publisher: Publisher | None = None
-        self._zs_guard = StateGuard()
+        self._zs_saves = AdapterSaves(zerostall_config, "zerostall-hf-publish")
         self._zs_resume: tuple[str, dict[str, Any]] | None = None
 
     # -- train: resume resolution, draining ------------------------------------------------
@@ -102,10 +81,7 @@ class ZerostallTrainerMixin:
         if self.args.should_save:
             self._zs_recover(self.args.output_dir)
         if resume_from_checkpoint is True:
-            run_dir = self.args.output_dir
-            found = last_committed_checkpoint(run_dir)
-            if found is not None:
-                resume_from_checkpoint = found
+            resume_from_checkpoint = last_committed_checkpoint(self.args.output_dir) or True
         if isinstance(resume_from_checkpoint, (str, os.PathLike)) and is_committed(resume_from_checkpoint):
             # HF reads trainer_state.json itself: rewrite it from the committed checkpoint
             # (every rank may do this at once: same bytes, each through its own atomic rename)
@@ -158,8 +134,7 @@ class ZerostallTrainerMixin:
 
     def zerostall_wait(self) -> None:
         """Block until every checkpoint is durable and published; raise the first failure."""
-        pub, self._zs_publisher = self._zs_publisher, None
-        finish_publishing(self._zs_guard, pub)
+        self._zs_saves.wait()
 
     # -- saving ------------------------------------------------------------------------------
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -168,14 +143,12 @@ class ZerostallTrainerMixin:
             self.store_flos()
         run_dir = os.path.abspath(self._get_output_dir(trial=trial))
         output_dir = os.path.join(run_dir, folder)
-        pub = self._zs_publisher = self._zs_publisher or Publisher("zerostall-hf-publish")
-        if pub.pending(output_dir):  # the same folder saved twice: the first one goes first
-            pub.drain()
+        saves = self._zs_saves
+        saves.drain(output_dir)  # the same folder saved twice: the first one goes first
         staging = os.path.join(run_dir, f".{folder}{_STAGING}")
-        ck = Checkpointer(staging, self._zs_config)  # creates it
         if self.state.best_global_step:
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
-            if os.path.exists(best) or pub.pending(best) or best == output_dir:
+            if os.path.exists(best) or (saves.publisher and saves.publisher.pending(best)) or best == output_dir:
                 self.state.best_model_checkpoint = best
         for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
             name = cb.__class__.__name__
@@ -192,15 +165,9 @@ class ZerostallTrainerMixin:
             scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None:
                 state["scaler"] = scaler
-        try:
-            handle = ck.save(next_step(ck, self.state.global_step), state)
-        except BaseException:
-            ck.close()
-            raise
-        self._zs_guard.forget_done()
-        self._zs_guard.track(ck, list(state["model"].values()))
+        ck, handle = saves.save(staging, self.state.global_step, state, list(state["model"].values()))
         if not self.args.should_save:  # the directory is rank 0's: close this rank's part only
-            pub.submit(staging, output_dir, handle, ck, rename=False)
+            saves.publish(staging, output_dir, handle, ck, rename=False)
             return
         text = _state_json(self.state).encode()  # as of this step; written behind training
         limit, best = self.args.save_total_limit, self.state.best_model_checkpoint
@@ -208,11 +175,10 @@ class ZerostallTrainerMixin:
         def state_json() -> None:  # the publisher's thread: durable before the rename shows the folder
             write_file_durable(os.path.join(staging, TRAINER_STATE_NAME), text)
 
-        def rotate() -> None:  # the publisher's thread, right after the rename
-            fsync_dir(run_dir)
+        def rotate() -> None:  # the publisher's thread, once the rename is durable (publish_dir)
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=True)
 
-        pub.submit(staging, output_dir, handle, ck, before=state_json, after=rotate)
+        saves.publish(staging, output_dir, handle, ck, before=state_json, after=rotate)
 
     # -- loading -------------------------------------------------------------------------------
     def _zs_loaded(self, checkpoint: str) -> dict[str, Any]:
@@ -252,8 +218,7 @@ class ZerostallTrainerMixin:
         set_rng_state(self._zs_loaded(checkpoint)["rng"])
 
     def _load_best_model(self) -> None:
-        if self._zs_publisher is not None:  # the best one may still be in flight
-            self._zs_publisher.drain()
+        self._zs_saves.drain()  # the best one may still be in flight
         best = self.state.best_model_checkpoint
         if best is None or not is_committed(best):
             return super()._load_best_model()  # type: ignore[misc]
@@ -264,8 +229,6 @@ class ZerostallTrainerMixin:
 
 def _state_json(state: TrainerState) -> str:
     """What ``TrainerState.save_to_json`` writes."""
-    import dataclasses
-    import json
     return json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
 
 

@@ -1,12 +1,7 @@
-"""Peer replicas: each committed step copied to ``replicas - 1`` other nodes' local roots, and
-restored from them when a node is replaced (the tier ladder local -> peers -> remote).
+"""Peer replicas: each committed step copied to other nodes' local roots (whole, or as coded
+fragments), and restored from them when a node is replaced (local -> peers -> remote).
 
-Modules, bottom up: :mod:`.placement` (who holds whose files), :mod:`.wire` (messages,
-handshake, field checks), :mod:`.verify` (every byte against the manifest), :mod:`.store`
-(the holder's area on disk), :mod:`.transport` (the interface) and :mod:`.tcp` (the TCP
-implementation), :mod:`.exchange` (what ranks share through the c10d store),
-:mod:`.replicate` (the post-commit stage) and :mod:`.offer` and :mod:`.fetch` (restore).
-
-:mod:`.service`'s :class:`~.service.Peers` is what the Checkpointer holds. This package's
-__init__ imports nothing: :mod:`.status` (what ``zerostall ls``/``doctor`` show) needs no torch.
+:mod:`.service`'s :class:`~.service.Peers` is what the Checkpointer holds; the save side is
+:mod:`.replicate` / :mod:`.coded`, the restore side :mod:`.offer`, :mod:`.fetch`,
+:mod:`.coded_restore`. This ``__init__`` imports nothing: :mod:`.status` needs no torch.
 """

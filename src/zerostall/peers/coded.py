@@ -1,38 +1,24 @@
-"""Coded copies, the save side: after a step committed, each node leader cuts its node's files
-into k data fragments and m Reed-Solomon parity fragments (:mod:`.coding`) and sends fragment
-i to holder i, k + m distinct other nodes (``peers.code="rs"``, ``peers.data_fragments``,
-``peers.parity_fragments``).
+"""Coded copies, the save side (``peers.code="rs"``): after a step committed, each node leader cuts
+its node's files into k data and m parity fragments (:mod:`.coding`) and sends fragment i to
+the i-th of k + m other nodes (:func:`.exchange.ranking`).
 
-:class:`CodedReplicator` is a :class:`.replicate.PeerReplicator` whose sender thread (idle I/O
-class, ``peers.cpu_priority``: :mod:`.priority`) does, per step:
+:class:`CodedReplicator` is a :class:`.replicate.PeerReplicator` whose sender thread, per step,
+reads the files stripe by stripe, computes parity (zfec, GIL released) and hands each stripe to
+its fragment's :class:`_Feed` thread (all under the node's one :class:`.stream.Pacer`); two
+buffer sets let the coding of a stripe overlap the sending of the one before. A holder that
+fails, stops or falls a set behind for half of ``peers.timeout_s`` drops out alone, and its
+fragment goes to the next node in the ranking (a second pass codes only those). A holder
+acknowledges a fragment only once it is checked, fdatasync'ed and renamed (:mod:`.fragments`);
+the step is protected once every node reported all k + m fragments held.
 
-1. read the step's manifest; the node's files in name order make the :class:`.coding.Layout`;
-2. the placement's first k + m nodes (:func:`.placement.ranking`: failure domains first) get
-   fragments 0..k+m-1; a connection per holder (:class:`.fragments.Upload`);
-3. stripe by stripe (:data:`.coding.STRIPE_BYTES` of every fragment): read the k data pieces
-   of the files, compute the m parity pieces (zfec, GIL released), hand each piece to its
-   fragment's feed thread (:class:`_Feed`, one per holder, all sending side by side under one
-   bandwidth cap for the node, :class:`.stream.Pacer`), which folds it into that fragment's
-   crc32c; two sets of stripe buffers (:data:`BUFFER_SETS`) let the coding of a stripe overlap
-   the sending of the one before; a holder that fails, stops or falls a set behind for half of
-   ``peers.timeout_s`` drops out alone;
-4. announce each fragment's crc32c; a holder acknowledges with it only after it checked the
-   bytes, fdatasync'ed and renamed the fragment (:class:`.fragments.FragmentStore`);
-5. fragments whose holder failed go to the next nodes in the ranking (a second pass codes
-   only those), then the leader publishes the holders (``s<step>/<node>``: ``holders``, and
-   ``fragments`` = holder -> index). The watcher marks the step protected only once every
-   node reported all k + m fragments held (``want = k + m``).
-
-Retention is the base class's: fragments live in the holder's step directories, so
-``keep_last`` counts steps. :meth:`CodedReplicator._repair` (start-up) gives the fragments of
-the kept steps that no live node holds to nodes holding none of that step, recomputed from
-this node's own files: the fragments of the commit in this node's manifest (the descriptor
-names its checkpoint id, so a holder's fragment of another commit of the step counts for
-nothing), never of a step deleted for good (:mod:`.tombstones`), as the replica repair.
+Retention is the base class's (fragments live in the holder's step directories).
+:meth:`CodedReplicator._repair` (start-up) recomputes, from this node's own files, the fragments
+of the kept steps that no live node holds of this commit, never of a step deleted for good.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -48,9 +34,9 @@ from ..config import ALIGN_BYTES
 from ..errors import ConfigError, ZerostallError
 from ..format.manifest import Manifest
 from .coding import STRIPE_BYTES, Code, Layout, descriptor_id
-from .fragments import Upload, list_fragments
-from . import tombstones
-from .placement import ranking
+from .stream import at, shutdown, unmap
+from .wire import PeerError, recv_msg, send_msg
+from .exchange import ask_peers, ranking
 from .replicate import PeerReplicator
 
 __all__ = ["CodedReplicator", "check_cluster"]
@@ -70,10 +56,8 @@ class CodedReplicator(PeerReplicator):
     def __init__(self, *args: Any, data_fragments: int, parity_fragments: int, **kw: Any):
         self.code = Code(data_fragments, parity_fragments)
         self.k, self.m = data_fragments, parity_fragments
-        self.encode_cpu_s = 0.0
-        """CPU seconds the sender thread spent computing parity (bench)."""
-        self.fragment_bytes_sent = 0
-        """Bytes of fragments acknowledged by holders (bench)."""
+        self.encode_cpu_s = 0.0  # CPU seconds spent computing parity (bench)
+        self.fragment_bytes_sent = 0  # bytes of fragments acknowledged by holders (bench)
         super().__init__(*args, **kw)
         self.want = self.k + self.m
 
@@ -123,8 +107,7 @@ class CodedReplicator(PeerReplicator):
 
     def _code_and_send(self, step: int, lay: Layout, raw: bytes, desc: bytes,
                        plan: dict[int, str]) -> tuple[dict[int, str], list[str]]:
-        """One coding pass over the files: fragment i to ``plan[i]`` (module doc, 2-4). This
-        thread reads and codes; each fragment goes out on a :class:`_Feed` thread of its own."""
+        """One coding pass over the files: fragment i to ``plan[i]``, each on a :class:`_Feed`."""
         v, k, fb = self.view, self.k, lay.fragment_bytes
         parity = any(i >= k for i in plan)
         stripe = _stripe_bytes(getattr(self.transport, "pacer", None), len(plan))
@@ -147,7 +130,7 @@ class CodedReplicator(PeerReplicator):
                 _wait_for(cond, live, s - BUFFER_SETS, lag_s, self._stop)
                 bufs = mvs[s % BUFFER_SETS]
                 for i in (range(k) if parity else [i for i in feeds if i < k and not feeds[i].dead]):
-                    _read(lay, fds, i, off, n, bufs[i])
+                    lay.read(fds.__getitem__, i, off, bufs[i][:n])
                 pieces: dict[int, Any] = {i: bufs[i][:n] for i in range(k)}
                 if parity:
                     t0 = time.thread_time()
@@ -175,12 +158,10 @@ class CodedReplicator(PeerReplicator):
                 except OSError:
                     pass
                 os.close(fd)
-            for mv, b in zip((m for ms in mvs for m in ms), (b for bs in sets for b in bs)):
-                try:
+            for mv in (m for ms in mvs for m in ms):
+                with contextlib.suppress(BufferError):  # a slice still referenced: unmapped by the GC
                     mv.release()
-                    b.close()
-                except BufferError:  # a slice still referenced (an exception's frames): unmapped by the GC
-                    pass
+            unmap([b for bs in sets for b in bs])
         ok: dict[int, str] = {}
         failed: list[str] = []
         for i, f in feeds.items():
@@ -198,34 +179,14 @@ class CodedReplicator(PeerReplicator):
     # -- start-up repair (sender thread) -------------------------------------------------
     def _repair(self) -> None:
         v = self.view
-        steps = self.tier.steps()
-        if self.keep_last is not None:
-            steps = steps[-self.keep_last:]
+        steps = self._kept()
         if not steps:
             return
-        lists: dict[str, list[dict[str, Any]]] = {}
-
-        def ask(node: str) -> None:
-            try:
-                lists[node] = list_fragments(self.transport, v.endpoints[node], v.me)
-            except (ZerostallError, OSError) as exc:
-                log.warning("zerostall: repair: node %s did not list its fragments: %s", node, exc)
-        threads = [threading.Thread(target=ask, args=(n.name,), daemon=True) for n in v.nodes if n.name != v.me]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        lists = ask_peers(v, lambda ep: self.transport.list_held(ep, "flist", src=v.me), "repair")
         candidates = [n.name for n in ranking(v.me, v.nodes) if n.name in lists]
-        for step in steps:
+        for step, raw, man in steps:
             if self._stop.is_set():
                 return
-            try:
-                raw, man = self._step_manifest(step)
-            except (OSError, ZerostallError) as exc:
-                log.warning("zerostall: repair of step %d: %s", step, exc)
-                continue
-            if tombstones.dead(v.deleted, step, man.checkpoint_id, man.created_unix):
-                continue  # deleted for good on some node (zerostall delete): no fragments of it again
             lay = self._layout(man)
             desc = lay.describe(step, man.checkpoint_id, v.me)
             held: dict[int, str] = {}
@@ -247,31 +208,24 @@ class CodedReplicator(PeerReplicator):
 
 
 def _stripe_bytes(pacer: Any, fragments: int) -> int:
-    """Bytes of each fragment per stripe. The feeds share the node's pacer, so with a bandwidth
-    cap a feed waits for the other feeds' stripes between two of its own: two pacer pieces
-    (``rate * timeout_s / 8`` each) across all fragments keep that wait near a quarter of
-    ``peers.timeout_s``, after which the holder would give up."""
+    """Bytes of each fragment per stripe: under a bandwidth cap a feed waits for the others'
+    stripes between two of its own; two pacer pieces across all fragments keep that wait near a
+    quarter of ``peers.timeout_s``."""
     if pacer is None or not pacer.rate:
         return STRIPE_BYTES
     return max(ALIGN_BYTES, min(STRIPE_BYTES, 2 * pacer.piece_bytes // fragments // ALIGN_BYTES * ALIGN_BYTES))
 
 
-BUFFER_SETS = 2
-"""Sets of k data-stripe buffers: the sender thread reads and codes stripe s into one while the
-feeds still send stripe s - 1 from the other; a set is reused only once every live feed sent it."""
+BUFFER_SETS = 2  # stripe s is coded into one set while the feeds send s - 1 from the other
 
 
 class _Feed:
-    """One fragment on its way to its holder (:class:`.fragments.Upload`), on a thread of its
-    own: started by the replicator's sender thread (so at the replication's CPU and I/O
-    priority, :mod:`.priority`), it connects, sends the stripes the sender thread puts in
-    ``q`` in order (``(stripe number, buffer)``; ``None``: the last one was sent), folds each
-    into the fragment's crc32c, announces it and waits for the holder's acknowledgement. Every
-    feed shares the node's pacer, so the holders are fed side by side at the node's cap.
-
-    ``sent`` (the last stripe number sent) and ``dead`` are written under ``cond`` by this
-    thread, ``dead`` also by :meth:`abort` (the sender thread); the sender thread waits on
-    ``cond`` before it reuses a buffer set."""
+    """One fragment on its way to its holder (the ``fput`` of :mod:`.fragments`), on a thread of
+    its own (started by the sender thread, so at its priority): sends the ``(stripe number,
+    buffer)`` items of ``q`` in order (``None``: the last was sent) under the node's pacer,
+    folds each into the fragment's crc32c, announces it and waits for the acknowledgement.
+    ``sent`` and ``dead`` are written under ``cond`` (``dead`` also by :meth:`abort`); the
+    sender thread waits on ``cond`` before it reuses a buffer set."""
 
     def __init__(self, rep: "CodedReplicator", cond: threading.Condition, step: int, index: int, node: str,
                  raw: bytes, desc: bytes, size: int):
@@ -282,41 +236,75 @@ class _Feed:
         self.dead = False
         self.acked = False
         self.error = ""
-        self.ended = threading.Event()
-        self._up: Upload | None = None
+        self.sock: socket.socket | None = None
         self.thread = threading.Thread(target=self._run, name="zerostall-peers-fput", daemon=True)
 
     def _run(self) -> None:
         rep = self.rep
         try:
-            self._up = Upload(rep.transport, rep.view.endpoints[self.node], rep.view.me, self.step, self.index,
-                              self.size, self.raw, self.desc, getattr(rep.transport, "pacer", None))
-            crc = 0
-            while True:
-                item = self.q.get()
-                if item is None or self.dead:
-                    break
+            self.sock = rep.transport.open(rep.view.endpoints[self.node], "frag-send")
+            send_msg(self.sock, {"op": "fput", "src": rep.view.me, "step": self.step, "index": self.index,
+                                 "size": self.size, "manifest_bytes": len(self.raw), "coding_bytes": len(self.desc)})
+            self.sock.sendall(self.raw + self.desc)
+            crc = nbytes = 0
+            while (item := self.q.get()) is not None and not self.dead:
                 s, piece = item
                 crc = _crc.crc32c(piece, crc)
-                self._up.send(piece)
+                self._send(piece, nbytes)
+                nbytes += len(piece)
                 with self.cond:
                     self.sent = s
                     self.cond.notify_all()
             if not self.dead:
-                digest = self._up.finish(crc)
-                if digest != f"{crc:08x}":
-                    raise ZerostallError(f"acknowledged with crc32c {digest}, sent {crc:08x}")
+                at("frag-send:sent")
+                send_msg(self.sock, {"crc32c": crc})
+                reply = recv_msg(self.sock)
+                if not reply.get("ok"):
+                    raise PeerError(f"node {self.node} refused fragment {self.index}: {reply.get('error')}")
+                if reply.get("digest") != f"{crc:08x}":
+                    raise ZerostallError(f"acknowledged with crc32c {reply.get('digest')}, sent {crc:08x}")
                 self.acked = True
         except Exception as exc:  # noqa: BLE001 - any failure drops this holder alone
             self.error = self.error or str(exc)
         finally:
-            up, self._up = self._up, None
-            if up is not None:
-                up.close()
+            sock, self.sock = self.sock, None
+            if sock is not None:
+                rep.transport.release(sock)
             with self.cond:
                 self.dead = self.dead or not self.acked
                 self.cond.notify_all()
-            self.ended.set()
+
+    def _send(self, mv: Any, before: int) -> None:
+        """One stripe (``before`` bytes of the fragment sent already): sent, then paid for."""
+        pacer = getattr(self.rep.transport, "pacer", None)
+        piece = len(mv) if pacer is None or not pacer.rate else pacer.piece_bytes
+        try:
+            for a in range(0, len(mv), piece):
+                n = min(piece, len(mv) - a)
+                self.sock.sendall(mv[a:a + n])
+                if pacer is not None:
+                    pacer.take(n)
+        except OSError as exc:
+            why = self._refusal(exc)
+            if why:
+                raise PeerError(f"node {self.node} refused fragment {self.index}: {why}") from exc
+            raise PeerError(f"node {self.node}: fragment {self.index} cut after {before} bytes: {exc}") from exc
+        if before < self.size // 2 <= before + len(mv):
+            at("frag-send:mid-stream")
+
+    def _refusal(self, exc: OSError) -> str:
+        """The holder's reason when it refused the fragment while it was still coming (its
+        quota, a bad descriptor): it answered, then closed, so our send failed with a reset
+        connection and the answer may wait in our receive buffer. "" when there is none (a
+        stopped holder's timeout is not waited out twice)."""
+        if not isinstance(exc, (ConnectionResetError, BrokenPipeError)) or self.sock is None:
+            return ""
+        try:
+            self.sock.settimeout(min(1.0, self.sock.gettimeout() or 1.0))
+            reply = recv_msg(self.sock)
+        except (OSError, ZerostallError, ValueError):
+            return ""
+        return "" if reply.get("ok") else str(reply.get("error") or "")[:2000]
 
     def abort(self, why: str) -> None:
         """Drop this holder (sender thread): its thread stops at its next step; a send in
@@ -326,21 +314,16 @@ class _Feed:
                 return
             self.dead, self.error = True, why
             self.cond.notify_all()
-        up = self._up
-        sock = up.sock if up is not None else None
+        sock = self.sock
         if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shutdown(sock, socket.SHUT_RDWR)
 
 
 def _wait_for(cond: threading.Condition, feeds: list[_Feed], stripe: int, lag_s: float,
               stop: threading.Event) -> None:
     """Until every feed of ``feeds`` sent stripe ``stripe`` (or died). A feed still short of it
-    after ``lag_s`` (half of ``peers.timeout_s``) is dropped: its holder stopped or crawls, and
-    the other holders, fed nothing meanwhile, would give up on their transfers after
-    ``peers.timeout_s`` without progress."""
+    after ``lag_s`` (half of ``peers.timeout_s``) is dropped, before the other holders, fed
+    nothing meanwhile, give up on their transfers."""
     if stripe < 0:
         return
     deadline = time.monotonic() + lag_s
@@ -358,17 +341,3 @@ def _wait_for(cond: threading.Condition, feeds: list[_Feed], stripe: int, lag_s:
             f.abort(f"stopped: still sending stripe {f.sent + 1} after {lag_s:g} s, while the others were at "
                     f"stripe {stripe + BUFFER_SETS}")
 
-
-def _read(lay: Layout, fds: dict[str, int], index: int, off: int, n: int, mv: memoryview) -> None:
-    """Bytes ``[off, off + n)`` of data fragment ``index`` into ``mv`` (padding as zeros)."""
-    for name, foff, at, length in lay.pieces(index, off, n):
-        dst = mv[at - off:at - off + length]
-        if name is None:
-            dst[:] = bytes(length)
-            continue
-        got = 0
-        while got < length:
-            r = os.preadv(fds[name], [dst[got:]], foff + got)
-            if r <= 0:
-                raise ZerostallError(f"{name} is shorter than its manifest says (offset {foff + got})")
-            got += r

@@ -1,18 +1,12 @@
 """Coded copies, the restore's decode: the data fragments no live holder serves, rebuilt stripe by
-stripe from k fragments that came, each decoded stripe checked (:class:`.piececheck.PieceCheck`)
-and written with O_DIRECT into the node's files.
+stripe from k fragments that came, checked (:class:`.verify.PieceCheck`) and written with O_DIRECT;
+and the rebuild's :class:`Timeline`.
 
-:class:`StripeDecoder` follows the fetch threads: they report how far each fragment is in
-(:meth:`~StripeDecoder.advance`, after each piece is written), and :meth:`~StripeDecoder.decode`
-with ``wait=True`` decodes each stripe as soon as all k fragments it needs are in that far, on
-a thread of its own while the streams go on; it gives up (returns False) as soon as one of
-them fails, and the rebuild then decodes again after the fetch (``wait=False``) from the k that
-did come. The decode reads the k fragments' stripes back from this node's disk (the data
-fragments' bytes from the files they were written into, parity from ``.fragment-<i>``
-scratch files): a stripe is read once it is written, so the reads overlap the streams too.
-
-Threads: the fetch threads call :meth:`~StripeDecoder.advance`/:meth:`~StripeDecoder.fail`,
-the rebuild's caller :meth:`~StripeDecoder.end`; one thread at a time runs :meth:`~StripeDecoder.decode`.
+:class:`StripeDecoder` follows the fetch threads (:meth:`~StripeDecoder.advance` after each piece
+written, :meth:`~StripeDecoder.fail`); :meth:`~StripeDecoder.decode` with ``wait=True`` decodes
+each stripe once the k fragments it needs are in that far, on a thread of its own, reading
+their stripes back from this node's disk (parity from ``.fragment-<i>`` scratch files), and
+gives up as soon as one fails; the rebuild then decodes again after the fetch (``wait=False``).
 """
 
 from __future__ import annotations
@@ -20,15 +14,16 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CorruptCheckpoint
 from ..io.base import Engine
-from .coding import Code, Layout
-from .piececheck import PieceCheck
-from .timeline import Timeline
+from .coding import Code, Layout, pread_exact
+from .verify import PieceCheck
 
-__all__ = ["DECODE_BYTES", "StripeDecoder"]
+__all__ = ["DECODE_BYTES", "Event", "StripeDecoder", "Timeline", "scatter"]
 DECODE_BYTES = 16 << 20
 """Bytes of each fragment decoded at a time (the fetch's buffer size: a stripe is ready as one
 piece of each stream is written)."""
@@ -91,25 +86,25 @@ class StripeDecoder:
         out = mmap.mmap(-1, size)
         fds: dict[str, int] = {}
         writers: dict[str, Any] = {}
+
+        def fd_of(name: str) -> int:  # opened once a fragment is in that far (a parity's file exists from then)
+            if name not in fds:
+                fds[name] = os.open(os.path.join(self.part, name), os.O_RDONLY | os.O_CLOEXEC)
+            return fds[name]
         try:
             for off, n in lay.stripes(size):
                 if wait and not self._ready(use, off + n):
                     return False
-                blocks = {i: self._read(fds, i, off, n, memoryview(bufs[i])[:n]) for i in use}
+                blocks = {i: memoryview(bufs[i])[:n] for i in use}
+                for i, mv in blocks.items():
+                    if i < lay.k:
+                        lay.read(fd_of, i, off, mv)
+                    else:
+                        pread_exact(fd_of(f".fragment-{i}"), mv, off, f".fragment-{i}")
                 for i, data in code.recover(blocks, missing).items():
                     omv = memoryview(out)[:n]
                     omv[:] = data
-                    for name, foff, at, ln in lay.pieces(i, off, n):
-                        piece = omv[at - off:at - off + ln]
-                        if name is None:
-                            if bytes(piece).count(0) != ln:
-                                raise CorruptCheckpoint(f"{self.part}: decoded padding of fragment {i} is not zero",
-                                                        path=self.part)
-                            continue
-                        self.checks[name].feed(i, foff, piece)
-                        if name not in writers:
-                            writers[name] = self.engine.open_update(os.path.join(self.part, name))
-                        writers[name].write([(foff, piece)])
+                    scatter(self.engine, lay, self.part, i, off, omv, self.checks, writers)
                     self.timeline.mark("decoded", i, nbytes=n)
                 del blocks
             return True
@@ -119,29 +114,94 @@ class StripeDecoder:
             for fd in fds.values():
                 os.close(fd)
 
-    def _read(self, fds: dict[str, int], i: int, off: int, n: int, mv: memoryview) -> memoryview:
-        if i < self.lay.k:
-            for name, foff, at, ln in self.lay.pieces(i, off, n):
-                dst = mv[at - off:at - off + ln]
-                if name is None:
-                    dst[:] = bytes(ln)
-                else:
-                    _pread(self._fd(fds, name), dst, foff)
-        else:
-            _pread(self._fd(fds, f".fragment-{i}"), mv, off)
-        return mv
 
-    def _fd(self, fds: dict[str, int], name: str) -> int:
-        """Opened once a fragment is in that far (a parity's scratch file exists only from its first byte)."""
-        if name not in fds:
-            fds[name] = os.open(os.path.join(self.part, name), os.O_RDONLY | os.O_CLOEXEC)
-        return fds[name]
+def scatter(engine: Engine, lay: Layout, part: str, index: int, off: int, mv: memoryview,
+            checks: dict[str, PieceCheck], writers: dict[str, Any]) -> None:
+    """Bytes ``mv`` at ``off`` of data fragment ``index``, checked (as source ``index``;
+    padding must be zero) and written into the node's files in ``part`` at their own offsets
+    (``writers``: file name -> open writer, filled as needed; the caller closes them)."""
+    for name, foff, at, n in lay.pieces(index, off, len(mv)):
+        piece = mv[at - off:at - off + n]
+        if name is None:
+            if bytes(piece).count(0) != n:
+                raise CorruptCheckpoint(f"{part}: non-zero padding in data fragment {index}", path=part)
+            continue
+        checks[name].feed(index, foff, piece)
+        if name not in writers:
+            writers[name] = engine.open_update(os.path.join(part, name))
+        writers[name].write([(foff, piece)])
 
 
-def _pread(fd: int, mv: memoryview, off: int) -> None:
-    got = 0
-    while got < len(mv):
-        r = os.preadv(fd, [mv[got:]], off + got)
-        if r <= 0:
-            raise CorruptCheckpoint(f"short read at offset {off + got} while decoding")
-        got += r
+@dataclass(frozen=True)
+class Event:
+    t_s: float
+    """Seconds since the timeline began."""
+    what: str
+    fragment: int = -1
+    node: str = ""
+    nbytes: int = 0
+
+
+class Timeline:
+    """What a rebuild did when, in order (any thread :meth:`mark`s; read after the rebuild),
+    so a slow restore can be read and its phases' overlap tested by the order of events.
+
+    Per fragment stream (``fragment``, ``node``): ``request``, ``connected`` (authenticated),
+    ``first-byte`` (the reply is in), ``set-up`` (header in, destination open), ``checked``
+    (``nbytes`` checked and written), ``last-byte``, ``done`` (its crc32c matched) or
+    ``failed`` (``nbytes``: checked until then). Per phase: ``decoded`` (a stripe of a missing
+    data fragment), ``synced`` (every file fdatasync'ed), ``committed``."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.events: list[Event] = []
+        self._mu = threading.Lock()
+
+    def mark(self, what: str, fragment: int = -1, node: str = "", nbytes: int = 0) -> None:
+        with self._mu:
+            self.events.append(Event(time.monotonic() - self.t0, what, fragment, node, nbytes))
+
+    def order(self, *whats: str) -> list[tuple[str, int]]:
+        """``(what, fragment)`` of the events named, in order (for tests of the phases' overlap)."""
+        return [(e.what, e.fragment) for e in self.events if e.what in whats]
+
+    def streams(self) -> list[dict[str, Any]]:
+        """One row per fragment stream (a request to a node): seconds from the timeline's start
+        to its connection, first and last byte, bytes, the rate between first and last byte
+        (bytes/s) and how it ended ("done", "failed" or "" while running)."""
+        rows: dict[tuple[int, str], dict[str, Any]] = {}
+        for e in self.events:
+            if e.fragment < 0:
+                continue
+            key = (e.fragment, e.node)
+            if e.what == "request":
+                rows[key] = {"fragment": e.fragment, "node": e.node, "request_s": e.t_s, "connected_s": None,
+                             "first_byte_s": None, "last_byte_s": None, "bytes": 0, "end": ""}
+            elif key in rows:
+                r = rows[key]
+                if e.what in ("connected", "first-byte", "last-byte"):
+                    r[e.what.replace("-", "_") + "_s"] = e.t_s
+                if e.what == "checked":
+                    r["bytes"] += e.nbytes
+                elif e.what in ("last-byte", "failed"):  # failed: the bytes received until it stopped
+                    r["bytes"] = max(r["bytes"], e.nbytes)
+                if e.what in ("done", "failed"):
+                    r["end"] = e.what
+                    r["end_s"] = e.t_s
+        for r in rows.values():
+            a, b = r["first_byte_s"], r["last_byte_s"] if r["last_byte_s"] is not None else r.get("end_s")
+            r["Bps"] = r["bytes"] / (b - a) if a is not None and b is not None and b > a else 0.0
+        return sorted(rows.values(), key=lambda r: r["request_s"])
+
+    def first(self, what: str) -> float | None:
+        return next((e.t_s for e in self.events if e.what == what), None)
+
+    def last(self, what: str) -> float | None:
+        return next((e.t_s for e in reversed(self.events) if e.what == what), None)
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-able: the streams, and each phase's first and last event (seconds)."""
+        phases = {w: [self.first(w), self.last(w)] for w in ("checked", "decoded", "synced", "committed")
+                  if self.first(w) is not None}
+        return {"streams": self.streams(), "phases": phases,
+                "end_s": self.events[-1].t_s if self.events else 0.0}

@@ -1,37 +1,22 @@
 """Coded copies, the restore side: which steps live holders can rebuild this node's files of
-(:func:`holdings`), and the rebuild itself (:func:`rebuild`).
+(:func:`holdings`, every rank before the agreement) and the rebuild (:func:`rebuild`, the
+node's leader, run by :func:`.fetch.fetch`), into ``step-N.partial``, every phase beside the others:
 
-Called through :meth:`zerostall.peers.service.PeerLoad.prepare` on the caller's thread of every rank:
-:func:`holdings` before the ranks' agreement (a step counts once live nodes hold k distinct
-fragments of one coding of it), :func:`rebuild` on the node's leader when the agreed step is
-neither local nor otherwise at hand (:func:`.fetch.fetch` runs it and tells the node's other
-ranks the outcome).
-
-The rebuild, into ``step-N.partial`` of the local root, every phase beside the others:
-
-1. k fetch threads, fragments in index order (data fragments first, so nothing is decoded
-   while their holders live), each fragment from one holder, the next holder of the same
-   fragment -- or the next fragment -- when one fails, stops (``peers.timeout_s``) or sends a
-   wrong byte. A data fragment's bytes are checked as they stream in, piece by piece, as a
-   local copy's load would check them (each tensor's crc32c, the header, zero padding:
-   :class:`.piececheck.PieceCheck`), then written straight into the node's files at their
-   offsets with O_DIRECT; so a wrong byte stops its stream at the first tensor it ends, and
-   nothing is read back. A parity fragment goes into a ``.fragment-<i>`` scratch file. Every
-   fragment's own crc32c is checked at its last byte.
-2. The data fragments that no live holder serves are decoded stripe by stripe as the k
-   fragments stream in (:class:`.coded_decode.StripeDecoder`, a thread of its own), each
-   decoded stripe checked like a received one and written; when a fragment the decode used
-   fails, the decode runs again after the fetch from the k fragments that came.
-3. Every file's check is finished (every byte checked exactly once), the files are
-   fdatasync'ed, the scratch files go, and the step is committed (incremental steps: the
-   steps it references first).
-
-What happened when goes to a :class:`.timeline.Timeline` (per stream: request, connection,
-first byte, each piece checked, last byte, done or failed; decoded stripes, sync, commit).
+1. k fetch threads take the fragments in index order (data first, so nothing is decoded while
+   their holders live), each from its next holder when one fails, stops or sends a wrong byte.
+   A data fragment's bytes are checked as they stream in (:class:`.verify.PieceCheck`) and
+   written straight into the node's files with O_DIRECT; a parity fragment goes into a
+   ``.fragment-<i>`` scratch file. Each fragment's crc32c is checked at its last byte.
+2. The data fragments no live holder serves are decoded stripe by stripe as the k fragments
+   stream in (:class:`.coded_decode.StripeDecoder`); when one it used fails, the decode runs
+   again after the fetch from the k that came.
+3. Every file's check is finished, the files fdatasync'ed, the scratch files removed, and the
+   step committed (the steps it references first). Events go to a :class:`.coded_decode.Timeline`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -44,13 +29,12 @@ from ..format.manifest import Manifest
 from ..io.base import Engine
 from ..store.tier import RootTier
 from . import tombstones
-from .coded_decode import StripeDecoder
+from .coded_decode import StripeDecoder, Timeline, scatter
 from .coding import Layout
-from .exchange import PeerView
-from .fetch import commit_fetched
-from .fragments import FragmentCheck, download, list_fragments
-from .piececheck import PieceCheck
-from .timeline import Timeline
+from .exchange import PeerView, ask_peers, in_parallel
+from .fetch import commit_fetched, commit_with_refs
+from .fragments import FragmentCheck, download
+from .verify import PieceCheck
 
 __all__ = ["Rebuild", "holdings", "rebuild"]
 log = logging.getLogger("zerostall")
@@ -70,23 +54,9 @@ class Rebuild:
 
 def holdings(view: PeerView, transport: Any) -> dict[int, dict[str, Rebuild]]:
     """step -> checkpoint id -> :class:`Rebuild` for every commit of a step of this node of
-    which live nodes hold at least k fragments of one coding (every other node asked in
-    parallel; an unreachable one is skipped after ``peers.timeout_s``). Every commit is kept:
-    holders may still keep a superseded commit of an overwritten step, and only the ranks'
-    agreement says which one the step is."""
-    lists: dict[str, list[dict[str, Any]]] = {}
-
-    def ask(node: str) -> None:
-        try:
-            lists[node] = list_fragments(transport, view.endpoints[node], view.me)
-        except (ZerostallError, OSError) as exc:
-            log.warning("zerostall: restore: node %s did not list its fragments (%s); they are not counted", node,
-                        exc)
-    threads = [threading.Thread(target=ask, args=(n,), daemon=True) for n in view.endpoints if n != view.me]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    which live nodes hold at least k fragments of one coding (every commit: holders may keep a
+    superseded one of an overwritten step, and only the ranks' agreement says which is the step)."""
+    lists = ask_peers(view, lambda ep: transport.list_held(ep, "flist", src=view.me), "restore")
     groups: dict[tuple[int, str, str, int, int], dict[int, list[str]]] = {}
     for node, held in sorted(lists.items()):
         for h in held:
@@ -115,56 +85,38 @@ def _pick(coded: dict[int, dict[str, Rebuild]], step: int, checkpoint_id: str) -
         return ids[checkpoint_id]
     if checkpoint_id or not ids:
         raise CheckpointNotFound(f"restore of step {step}: live nodes hold fewer than k fragments of its commit "
-                                 f"{checkpoint_id or '(any)'}" + (f" (only of {', '.join(sorted(ids))})" if ids else ""))
+                                 f"{checkpoint_id or '(any)'}"
+                                 + (f" (only of {', '.join(sorted(ids))})" if ids else ""))
     return max(ids.values(), key=lambda r: len(r.holders))
 
 
-class _ConcatWriter:
-    """Writes data fragment ``index``'s bytes (fragment offsets) into the node's files at
-    their own offsets, each piece checked first (:class:`.piececheck.PieceCheck`; padding must
-    be zero); reports how far the fragment is written. One fetch thread; :meth:`close` always."""
+class _FragmentWriter:
+    """Fragment ``index``'s bytes as they come (at fragment offsets): a data fragment's checked
+    and written into the node's files at their own offsets (:func:`.coded_decode.scatter`), a
+    parity fragment's into its ``.fragment-<i>`` scratch file (read by the decode); reports how
+    far it is written. One fetch thread; :meth:`close` always."""
 
-    def __init__(self, engine: Engine, lay: Layout, part: str, index: int, where: str,
-                 checks: dict[str, PieceCheck], written: Callable[[int, int], None]):
-        self.engine, self.lay, self.part, self.index, self.where = engine, lay, part, index, where
-        self.checks, self.written = checks, written
+    def __init__(self, engine: Engine, lay: Layout, part: str, index: int, checks: dict[str, PieceCheck],
+                 written: Callable[[int, int], None]):
+        self.engine, self.lay, self.part, self.index = engine, lay, part, index
+        self.data, self.checks, self.written = index < lay.k, checks, written
         self._open: dict[str, Any] = {}
+        if not self.data:
+            self._open[""] = engine.open_write(os.path.join(part, f".fragment-{index}"), lay.fragment_bytes)
 
     def write(self, extents: list[tuple[int, memoryview]], overlap: Callable[[], None] | None = None) -> None:
+        if not self.data:
+            self._open[""].write(extents, overlap)
         for off, mv in extents:
-            for name, foff, at, n in self.lay.pieces(self.index, off, len(mv)):
-                piece = mv[at - off:at - off + n]
-                if name is None:
-                    if bytes(piece).count(0) != n:
-                        raise CorruptCheckpoint(f"{self.where}: non-zero padding", path=self.where)
-                    continue
-                self.checks[name].feed(self.index, foff, piece)
-                if name not in self._open:
-                    self._open[name] = self.engine.open_update(os.path.join(self.part, name))
-                self._open[name].write([(foff, piece)])
+            if self.data:
+                scatter(self.engine, self.lay, self.part, self.index, off, mv, self.checks, self._open)
             self.written(off, len(mv))
-        if overlap is not None:
+        if overlap is not None and self.data:
             overlap()
 
     def close(self) -> None:
         for w in self._open.values():
             w.close()
-
-
-class _ScratchWriter:
-    """A parity fragment into its ``.fragment-<i>`` scratch file (read by the decode); reports
-    how far it is written. One fetch thread; :meth:`close` always."""
-
-    def __init__(self, w: Any, written: Callable[[int, int], None]):
-        self.w, self.written = w, written
-
-    def write(self, extents: list[tuple[int, memoryview]], overlap: Callable[[], None] | None = None) -> None:
-        self.w.write(extents, overlap)
-        for off, mv in extents:
-            self.written(off, len(mv))
-
-    def close(self) -> None:
-        self.w.close()
 
 
 def rebuild(view: PeerView, transport: Any, tier: RootTier, engine_for: Callable[[], Engine], step: int,
@@ -176,20 +128,14 @@ def rebuild(view: PeerView, transport: Any, tier: RootTier, engine_for: Callable
     names = [shard_name(r) for r in view.ranks_of(view.me)]
     man = _rebuild_step(view, transport, tier, engine_for, _pick(coded, step, checkpoint_id), names, tl,
                         commit=False)
-    try:
-        for ref in sorted({r.step for r in man.ref_files if r.name in names}):
-            if ref in tier.steps() and all(os.path.exists(os.path.join(tier.step_dir(ref), r.name))
-                                           for r in man.ref_files if r.step == ref and r.name in names):
-                continue
-            ref_ids = {r.file_id for r in man.ref_files if r.step == ref and r.name in names}
-            if ref not in coded or len(ref_ids) != 1:
-                raise CheckpointNotFound(f"restore of step {step}: it references step {ref}, of which live nodes "
-                                         f"hold fewer than k fragments of {', '.join(names)}")
-            _rebuild_step(view, transport, tier, engine_for, _pick(coded, ref, ref_ids.pop()), names, tl, commit=True)
-    except BaseException:
-        tier.abort(step)
-        raise
-    commit_fetched(tier, step, man)  # never drops a committed step's own files
+
+    def bring(ref: int) -> None:
+        ref_ids = {r.file_id for r in man.ref_files if r.step == ref and r.name in names}
+        if ref not in coded or len(ref_ids) != 1:
+            raise CheckpointNotFound(f"restore of step {step}: it references step {ref}, of which live nodes "
+                                     f"hold fewer than k fragments of {', '.join(names)}")
+        _rebuild_step(view, transport, tier, engine_for, _pick(coded, ref, ref_ids.pop()), names, tl, commit=True)
+    commit_with_refs(tier, step, man, names, bring)  # never drops a committed step's own files
     tl.mark("committed")
 
 
@@ -244,11 +190,7 @@ def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Ca
         def sink(man_bytes: bytes, desc: bytes, head: dict[str, Any]) -> tuple[Any, FragmentCheck]:
             lay = setup(man_bytes, desc, where)
             tl.mark("set-up", i, node)
-            if i < lay.k:
-                w: Any = _ConcatWriter(engine, lay, part, i, where, checks, written)
-            else:
-                w = _ScratchWriter(engine.open_write(os.path.join(part, f".fragment-{i}"), lay.fragment_bytes),
-                                   written)
+            w = _FragmentWriter(engine, lay, part, i, checks, written)
             opened.append(w)
             fed.append(FragmentCheck())
             return w, fed[0]
@@ -264,7 +206,8 @@ def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Ca
                 meta["dec"].fail(i)
             tl.mark("failed", i, node, fed[0].n if fed else 0)
             if i >= rb.k:
-                _unlink(os.path.join(part, f".fragment-{i}"))
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(part, f".fragment-{i}"))
             raise
         finally:
             for w in opened:
@@ -297,13 +240,9 @@ def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Ca
                 with mu:
                     inflight[0] -= 1
 
+    ok = False
     try:
-        threads = [threading.Thread(target=worker, name="zerostall-peers-fragment", daemon=True)
-                   for _ in range(rb.k)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        in_parallel(worker, [()] * rb.k, "zerostall-peers-fragment")
         if "dec" in meta:
             meta["dec"].end()
         if early:
@@ -325,20 +264,19 @@ def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Ca
         for w in firsts.values():
             w.finish()
         tl.mark("synced")
-    except BaseException:
-        if early:
+        ok = True
+    finally:
+        if early and not ok:
             meta["dec"].end()
             early[0].join()
         for w in firsts.values():
             w.close()
         engine.close()
-        tier.abort(rb.step)
-        raise
-    for w in firsts.values():
-        w.close()
-    engine.close()
+        if not ok:
+            tier.abort(rb.step)
     for i in got:
-        _unlink(os.path.join(part, f".fragment-{i}"))
+        with contextlib.suppress(OSError):  # a data fragment has no scratch file
+            os.unlink(os.path.join(part, f".fragment-{i}"))
     if commit:
         commit_fetched(tier, rb.step, man)
         tl.mark("committed")
@@ -354,9 +292,3 @@ def _run_decode(dec: StripeDecoder, use: list[int], missing: list[int], box: lis
         log.info("zerostall: the decode beside the fetch gave up (%s); it runs again after the fetch", exc)
         box.append(exc)
 
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

@@ -1,24 +1,20 @@
-"""Erasure coding of a node's files for coded peer copies: a systematic Reed-Solomon code over
-GF(2^8) (``zfec``), k data fragments + m parity fragments, any k of which rebuild the rest.
+"""Erasure coding of a node's files for coded peer copies: systematic Reed-Solomon over GF(2^8)
+(``zfec``, chosen for releasing the GIL and taking buffers without a copy: docs/peers.md), k data
++ m parity fragments, any k of which rebuild the rest.
 
-The k data fragments are plain byte ranges of the node's files of a step, concatenated in
-:class:`Layout` order and cut into k equal pieces of ``fragment_bytes`` (a multiple of 4096,
-the last one zero-padded), so while every data fragment's holder lives nothing is decoded.
-Parity is computed stripe by stripe (:data:`STRIPE_BYTES` of each fragment at a time), so the
-memory a coding pass needs is ``(k + m) x STRIPE_BYTES`` whatever the state's size.
-
-zfec was chosen by measurement (docs/peers.md, "Coded copies"): its encode and decode release
-the GIL during the arithmetic and take any buffer without a copy; pyeclib (liberasurecode +
-ISA-L) holds the GIL and copies every fragment. Pure functions and a stateless codec: any
-thread (the replicator's sender thread encodes; a restore's fetch thread decodes).
+The data fragments are plain byte ranges of the node's files of a step, concatenated in
+:class:`Layout` order and cut into k pieces of ``fragment_bytes`` (a multiple of 4096, the last
+zero-padded): while every data fragment's holder lives nothing is decoded. Parity is computed
+per stripe, so coding needs ``(k + m) x STRIPE_BYTES`` of memory. Any thread.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..config import ALIGN_BYTES
 from ..errors import ConfigError, CorruptCheckpoint
@@ -106,6 +102,16 @@ class Layout:
             a = max(pos, base)
             yield None, 0, a - index * self.fragment_bytes, end - a
 
+    def read(self, fd_of: Callable[[str], int], index: int, off: int, mv: memoryview) -> None:
+        """Bytes ``[off, off + len(mv))`` of data fragment ``index`` into ``mv``, from the files
+        (``fd_of(name)``: an open descriptor) and zeros for the padding."""
+        for name, foff, at, n in self.pieces(index, off, len(mv)):
+            dst = mv[at - off:at - off + n]
+            if name is None:
+                dst[:] = bytes(n)
+            else:
+                pread_exact(fd_of(name), dst, foff, name)
+
     def stripes(self, stripe_bytes: int = STRIPE_BYTES) -> Iterator[tuple[int, int]]:
         """``(offset, length)`` of each stripe of a fragment (any aligned size: a parity byte
         depends only on the data bytes at its own offset)."""
@@ -137,6 +143,17 @@ class Layout:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CorruptCheckpoint(f"{where}: bad coding descriptor ({exc})", path=where) from None
         return lay, doc
+
+
+def pread_exact(fd: int, mv: memoryview, off: int, name: str) -> None:
+    """Fill ``mv`` from byte ``off`` of ``fd`` (file ``name``), or raise :class:`CorruptCheckpoint`."""
+    got = 0
+    while got < len(mv):
+        r = os.preadv(fd, [mv[got:]], off + got)
+        if r <= 0:
+            raise CorruptCheckpoint(f"{name} ends at byte {off + got}, before the size its manifest records",
+                                    path=name)
+        got += r
 
 
 def descriptor_id(raw: bytes) -> str:

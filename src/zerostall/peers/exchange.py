@@ -1,22 +1,20 @@
-"""What the ranks tell each other about peer replicas, through the c10d store (never a
-collective on the training's group).
+"""What the ranks tell each other about peer replicas, through the c10d store (never a collective
+on the training's group), the placement of copies, and the secret the handshake uses.
 
 Keys live under the session prefix agreed at start-up (:mod:`zerostall.distributed.session`)::
 
     <p>/peers/node/r<R>        {node, domain, fp} every rank, at start-up (fp: a fingerprint of
                                                   the secret it was given, never the secret)
-    <p>/peers/secret           hex(32 random bytes), drawn by rank 0: the job's peer secret,
-                               only when the launcher gave none (:func:`given_secret`)
-    <p>/peers/ep/<node>        {host, port, deleted} each node's leader (lowest rank), once serving;
-                                                  ``deleted``: its tombstones (.tombstones)
-    <p>/peers/s<step>/<node>   {holders, error}   each node's leader, once its files of the step
-                                                  are held (or could not be) -- see .replicate
+    <p>/peers/secret           hex(32 random bytes), drawn by rank 0 only when the launcher gave
+                               no secret (:func:`given_secret`)
+    <p>/peers/ep/<node>        {host, port, deleted} each node's leader once serving (deleted:
+                                                  its tombstones)
+    <p>/peers/s<step>/<node>   {holders, error}   each node's leader, once its copies of the step
+                                                  are held or failed (:mod:`.replicate`)
     <p>/peers/s<step>/seen     counter: the rank completing it deletes the step's keys
-    <p>/peers/load<k>/node/<n>/s<N>  {ok, error}  node n's leader, once it fetched its files of
-                                                  step N in its k-th load (see .fetch)
+    <p>/peers/load<k>/node/<n>/s<N>  {ok, error}  node n's leader, after fetching step N (:mod:`.fetch`)
 
-:func:`setup` runs on the caller's thread of ``Checkpointer.__init__``; the per-step keys are
-written and polled by the replicator's threads, the load keys by ``load()``'s caller.
+:func:`setup` runs on the caller's thread of ``Checkpointer.__init__``.
 """
 
 from __future__ import annotations
@@ -30,22 +28,69 @@ import os
 import secrets
 import socket
 import stat
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 from ..distributed.node import failure_domain, node_id
 from ..distributed.store import Store
 from ..errors import ConfigError, DistributedError, ZerostallError
 from . import tombstones
-from .placement import Node
-from .transport import Endpoint
+from .wire import Endpoint
 
 log = logging.getLogger("zerostall")
 
 SECRET_ENV = "ZEROSTALL_PEER_SECRET"
 SECRET_FILE_ENV = "ZEROSTALL_PEER_SECRET_FILE"
 _warned = False
+
+
+# -- placement ------------------------------------------------------------------------
+# Where a node's files are copied: rendezvous (HRW) hashing over node names, spread across
+# failure domains. Every other node h scores sha256(src | h); candidates go in score order, first
+# one per failure domain not used yet (never src's own), then the best-scored rest. So copies
+# land on distinct nodes (distinct domains when there are enough), holders are not neighbours in
+# any order, and a node joining or leaving moves only the placements that involved it. The step
+# does not enter the hash: a node's holders stay the same from step to step.
+
+@dataclass(frozen=True, order=True)
+class Node:
+    """One node of the job: its name (``ZEROSTALL_NODE``) and failure domain."""
+
+    name: str
+    domain: str
+
+
+def _score(src: str, cand: str) -> bytes:
+    return hashlib.sha256(f"zerostall-peers|{src}|{cand}".encode()).digest()
+
+
+def ranking(src: str, nodes: Sequence[Node]) -> list[Node]:
+    """Every node but ``src``, best holder first (domain spread, then HRW score)."""
+    by_name = {n.name: n for n in nodes}
+    if src not in by_name:
+        raise ConfigError(f"node {src!r} is not one of the job's nodes {sorted(by_name)}")
+    home = by_name[src].domain
+    others = sorted((n for n in by_name.values() if n.name != src), key=lambda n: _score(src, n.name), reverse=True)
+    first, rest, used = [], [], {home}
+    for n in others:
+        if n.domain not in used:
+            used.add(n.domain)
+            first.append(n)
+        else:
+            rest.append(n)
+    return first + rest
+
+
+def holders(src: str, nodes: Sequence[Node], replicas: int) -> tuple[str, ...]:
+    """The ``replicas - 1`` nodes that keep copies of ``src``'s files (the placement above)."""
+    if replicas < 1:
+        raise ConfigError(f"replicas={replicas} must be >= 1")
+    if replicas - 1 > len({n.name for n in nodes}) - 1:
+        raise ConfigError(f"replicas={replicas} needs at least {replicas} nodes; the job has "
+                          f"{len({n.name for n in nodes})} (set ZEROSTALL_NODE per node, or lower replicas)")
+    return tuple(n.name for n in ranking(src, nodes)[:replicas - 1])
 
 
 def given_secret() -> bytes | None:
@@ -117,6 +162,29 @@ class PeerView:
 
     def key(self, *parts: object) -> str:
         return "/".join([self.prefix, "peers", *map(str, parts)])
+
+
+def in_parallel(fn: Callable[..., None], args: Iterable[tuple[Any, ...]], name: str = "zerostall-peers") -> None:
+    """``fn(*a)`` for every ``a`` of ``args``, each on a daemon thread of its own; returns once all returned."""
+    threads = [threading.Thread(target=fn, args=a, name=name, daemon=True) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def ask_peers(view: PeerView, ask: Callable[[Endpoint], Any], what: str) -> dict[str, Any]:
+    """node -> ``ask(its endpoint)`` for every other node, asked in parallel; a node that fails
+    (unreachable, stopped: after ``peers.timeout_s``) is logged and left out."""
+    out: dict[str, Any] = {}
+
+    def one(node: str) -> None:
+        try:
+            out[node] = ask(view.endpoints[node])
+        except (ZerostallError, OSError) as exc:
+            log.warning("zerostall: %s: node %s did not answer (%s); what it holds is not counted", what, node, exc)
+    in_parallel(one, [(n,) for n in view.endpoints if n != view.me])
+    return out
 
 
 def advertised_host(listen_host: str | None) -> tuple[str, str]:

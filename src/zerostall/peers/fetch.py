@@ -1,30 +1,23 @@
-"""Restore from peers, step 3 (steps 1-2, which step and which commit, are :mod:`.offer`):
-bring this node's files of the step about to be tried into the local root before the
-ordinary load reads them.
+"""Restore from peers, step 3 (steps 1-2 are :mod:`.offer`): bring this node's files of the step
+about to be tried into the local root before the ordinary load reads them.
 
-Called by ``Checkpointer.load`` (through :mod:`.service`) on the caller's thread of every
-rank, before each step is tried: :func:`fetch`: if this node lacks its files, the node's
-leader fetches them (only that commit's copies) from live holders (one thread per file, spread
-over the holders, the next one on a failure), each checked byte by byte against the manifest
-while it streams in, written with O_DIRECT into ``step-N.partial`` and committed; the other
-ranks of the node wait for it (``load<k>/node/<node>/s<N>``). A fetch that fails (no live
-holder, the only one stopped or serving a flipped byte) fails that step on this rank like any
-defect of it: every rank hears it through the agreement and all fall back to the next step
-together. Only when no live node holds a file is the remote tier used (the ordinary load
-downloads it), and the log says which tier served each file. A fetch never replaces a
-committed step's files it did not bring: into a step committed here already (e.g. a restart on
-fewer nodes, where a node's rank number changed) only a copy of the same commit is fetched,
-and the step's own files stay beside the fetched ones.
+:func:`fetch` (``load()``'s caller thread, every rank, before each step is tried): the node's
+leader fetches its files from live holders (one thread per file, a file cut into ranges across
+holders, the next holder on a failure), each checked against the manifest as it streams in,
+written with O_DIRECT into ``step-N.partial`` and committed; the node's other ranks wait for it.
+A failed fetch fails that step on every rank through the agreement, and all fall back together.
+A fetch never replaces a committed step's files: into a step committed here already only a
+copy of the same commit goes, beside the step's own files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..distributed.store import Store
@@ -33,30 +26,15 @@ from ..format.layout import shard_name
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..io.base import Engine
 from ..store.tier import RootTier
-from .exchange import PeerView
+from .exchange import PeerView, in_parallel
 from .offer import Offer
-from .transport import Transport
+from .tcp import TcpTransport
 from .verify import StreamCheck, file_entry, ranges
 
 log = logging.getLogger("zerostall")
 
 
-@dataclass(frozen=True)
-class Plan:
-    """One step's fetch (:func:`fetch` builds it for :func:`_fetch_files`): the step, where its files come
-    from, and the commit every rank loads."""
-
-    step: int
-    source: str  # "local" | "peers" | "coded" | "remote"
-    holders: dict[str, list[tuple[str, str]]]  # file name -> [(node, src)] (peers)
-    held: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
-    """Every step live peers hold this node's files of (an incremental step's references)."""
-    checkpoint_id: str = ""
-    """The commit of ``step`` every rank loads ("": not known, the remote tier's)."""
-
-
-
-def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
+def fetch(store: Store, view: PeerView, transport: TcpTransport, tier: RootTier, engine_for: Callable[[], Engine],
           got: Offer, step: int, load_no: int, timeout_s: float, files_in: Callable[[], None] | None = None) -> bool:
     """Step 3: the node's leader brings ``step``'s files of this node in (from the holders of
     whole copies; for a step only coded fragments cover, ``files_in``: the rebuild); the others
@@ -77,8 +55,7 @@ def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, en
         if step not in got.held and files_in is not None:
             files_in()
         else:
-            _fetch_files(view, transport, tier, engine_for,
-                         Plan(step, "peers", got.held[step], got.refs, got.ids.get(step, "")))
+            _fetch_files(view, transport, tier, engine_for, step, got)
     except BaseException as exc:
         store.set(key, json.dumps({"ok": False, "error": str(exc)}))
         if isinstance(exc, ZerostallError) and not isinstance(exc, CheckpointNotFound):
@@ -89,27 +66,36 @@ def fetch(store: Store, view: PeerView, transport: Transport, tier: RootTier, en
     return True
 
 
-def _fetch_files(view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
-                 plan: Plan) -> None:
-    """``plan.step``'s files of this node, and first those of earlier steps it references
-    (incremental: the bytes it borrows travel with their own step) that are not local."""
+def _fetch_files(view: PeerView, transport: TcpTransport, tier: RootTier, engine_for: Callable[[], Engine],
+                 step: int, got: Offer) -> None:
+    """``step``'s files of this node (the agreed commit's), and first those of earlier steps it
+    references (incremental: the bytes it borrows travel with their own step) that are not local."""
     names = [shard_name(r) for r in view.ranks_of(view.me)]
-    man = _fetch_step(view, transport, tier, engine_for, plan.step, plan.holders, names, commit=False,
-                      checkpoint_id=plan.checkpoint_id)
+    man = _fetch_step(view, transport, tier, engine_for, step, got.held[step], names, commit=False,
+                      checkpoint_id=got.ids.get(step, ""))
+
+    def bring(ref: int) -> None:
+        if ref not in got.refs:
+            raise CheckpointNotFound(f"restore of step {step}: it references step {ref}, of which no "
+                                     f"live node holds {', '.join(names)}")
+        log.info("zerostall: restore of step %d: fetching step %d, whose bytes it references", step, ref)
+        _fetch_step(view, transport, tier, engine_for, ref, got.refs[ref], names, commit=True)
+    commit_with_refs(tier, step, man, names, bring)
+
+
+def commit_with_refs(tier: RootTier, step: int, man: Manifest, names: list[str], bring: Callable[[int], None]) -> None:
+    """``step``'s files ``names`` are in ``step-N.partial`` (``man``): ``bring(ref)`` each earlier
+    step they reference (incremental) that is not local, then commit ``step``; on a failure
+    ``step``'s partial directory goes."""
     try:
         for ref in sorted({r.step for r in man.ref_files if r.name in names}):
-            if ref in tier.steps() and all(os.path.exists(os.path.join(tier.step_dir(ref), r.name))
-                                           for r in man.ref_files if r.step == ref and r.name in names):
-                continue
-            if ref not in plan.held:
-                raise CheckpointNotFound(f"restore of step {plan.step}: it references step {ref}, of which no "
-                                         f"live node holds {', '.join(names)}")
-            log.info("zerostall: restore of step %d: fetching step %d, whose bytes it references", plan.step, ref)
-            _fetch_step(view, transport, tier, engine_for, ref, plan.held[ref], names, commit=True)
+            if ref not in tier.steps() or not all(os.path.exists(os.path.join(tier.step_dir(ref), r.name))
+                                                  for r in man.ref_files if r.step == ref and r.name in names):
+                bring(ref)
     except BaseException:
-        tier.abort(plan.step)
+        tier.abort(step)
         raise
-    commit_fetched(tier, plan.step, man)
+    commit_fetched(tier, step, man)
 
 
 def commit_fetched(tier: RootTier, step: int, man: Manifest) -> None:
@@ -136,9 +122,7 @@ def commit_fetched(tier: RootTier, step: int, man: Manifest) -> None:
     tier.commit(step, man, overwrite=True)
 
 
-RANGE_MIN_BYTES = 32 << 20
-"""A file is split across holders only into ranges at least this large (smaller ones cost more
-in connections than they save)."""
+RANGE_MIN_BYTES = 32 << 20  # a file is split across holders only into ranges this large (fewer connections)
 
 
 class _ManifestOnly:
@@ -151,15 +135,13 @@ class _ManifestOnly:
         return ""
 
 
-def _fetch_file(view: PeerView, transport: Transport, engine_for: Callable[[], Engine], step: int,
+def _fetch_file(view: PeerView, transport: TcpTransport, engine_for: Callable[[], Engine], step: int,
                 name: str, hs: list[tuple[str, str]], path: str, checkpoint_id: str = "") -> Manifest:
     """One file of ``step`` into ``path`` from the holders ``hs`` (in order of preference),
-    verified, fdatasync'ed; returns the step's manifest. With two or more live holders the file
-    is cut into ranges at tensor boundaries (:func:`.verify.ranges`), one per holder, fetched
-    in parallel, each checked against the manifest's crc32c as it streams in; a range whose
-    holder fails is fetched again from the next holder (only that range). One holder: the
-    whole file in one stream. ``checkpoint_id``: the commit the copy must belong to (a holder
-    sending another one fails like a holder sending a wrong byte)."""
+    verified, fdatasync'ed; returns the step's manifest. With several live holders the file is
+    cut into ranges at tensor boundaries (:func:`.verify.ranges`), one per holder, fetched in
+    parallel; a range whose holder fails is fetched again from the next one. ``checkpoint_id``:
+    the commit the copy must belong to (another one fails like a wrong byte)."""
 
     def same_commit(m: Manifest, node: str) -> Manifest:
         if checkpoint_id and m.checkpoint_id != checkpoint_id:
@@ -228,21 +210,14 @@ def _fetch_file(view: PeerView, transport: Transport, engine_for: Callable[[], E
                 with mu:
                     errors.append(f"{node}: {exc}")
                 if first is None:
-                    try:
+                    with contextlib.suppress(OSError):
                         os.unlink(path)
-                    except OSError:
-                        pass
             finally:
                 for w in opened:
                     w.close()
 
     try:
-        threads = [threading.Thread(target=one, args=(k,), name="zerostall-peers-fetch", daemon=True)
-                   for k in range(len(rngs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        in_parallel(one, [(k,) for k in range(len(rngs))], "zerostall-peers-fetch")
         if len(done) < len(rngs):
             raise CheckpointNotFound("; ".join(errors) or "no live holder")
         if len({m.checkpoint_id for m in done.values()} | ({man.checkpoint_id} if man is not None else set())) > 1:
@@ -256,7 +231,7 @@ def _fetch_file(view: PeerView, transport: Transport, engine_for: Callable[[], E
     return man if man is not None else done[0]
 
 
-def _fetch_step(view: PeerView, transport: Transport, tier: RootTier, engine_for: Callable[[], Engine],
+def _fetch_step(view: PeerView, transport: TcpTransport, tier: RootTier, engine_for: Callable[[], Engine],
                 step: int, holders: dict[str, list[tuple[str, str]]], names: list[str], *, commit: bool,
                 checkpoint_id: str = "") -> Manifest:
     """Bring ``names`` of ``step`` into ``step-N.partial`` (verified; the files in parallel,
@@ -273,16 +248,10 @@ def _fetch_step(view: PeerView, transport: Transport, tier: RootTier, engine_for
             mans[name] = _fetch_file(view, transport, engine_for, step, name, hs, path, checkpoint_id)
         except (ZerostallError, OSError) as exc:
             errors[name] = str(exc)
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(path)
-            except OSError:
-                pass
 
-    threads = [threading.Thread(target=one, args=(n, i), daemon=True) for i, n in enumerate(names)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_parallel(one, [(n, i) for i, n in enumerate(names)])
     missing = [n for n in names if n not in mans]
     if missing:
         tier.abort(step)

@@ -1,7 +1,7 @@
 """Coded copies on the wire and on a holder's disk: one fragment of one node's step per holder.
 
-Layout on the holder, beside full copies (:mod:`.store`; the same step directory, so retention,
-quota and start-up cleaning treat a step's fragments like its files)::
+On the holder, in :mod:`.store`'s step directory (so retention, quota and start-up cleaning
+treat fragments like files)::
 
     peers/<src>/step-<N>/manifest.json    the step's manifest, durable before any fragment
     peers/<src>/step-<N>/coding.json      the coding descriptor (:meth:`.coding.Layout.describe`)
@@ -9,13 +9,12 @@ quota and start-up cleaning treat a step's fragments like its files)::
     peers/<src>/step-<N>/.incoming-*      a transfer in flight (removed at start-up)
 
 The header block is ``MAGIC`` + JSON ``{index, bytes, crc32c, descriptor}``, zero padded. A
-fragment is held once its final name exists: received with O_DIRECT writes into
-``.incoming-*``, its crc32c computed as it streamed in and compared with the one the sender
-announces after the last byte (the sender only knows a parity fragment's crc32c then), the
-header written, fdatasync'ed, renamed, the directory fsync'ed; then acknowledged with the
-crc32c. A crash at any point leaves the previous fragments held and at most an ``.incoming-*``.
+fragment is held once its final name exists: received into ``.incoming-*``, its crc32c compared
+with the one the sender announces after the last byte, the header written, fdatasync'ed,
+renamed, the directory fsync'ed; then acknowledged with the crc32c.
 
-Requests (after the handshake of :mod:`.wire`; registered on :class:`.tcp.TcpTransport`)::
+Requests (registered on :class:`.tcp.TcpTransport`; fault points ``frag-send:*``,
+``frag-recv:*``, ``frag-serve:mid-stream``)::
 
     {"op": "fput", "src", "step", "index", "size", "manifest_bytes", "coding_bytes"}
         + manifest + descriptor + fragment bytes, then {"crc32c"}  -> {"ok", "digest"}
@@ -23,13 +22,8 @@ Requests (after the handshake of :mod:`.wire`; registered on :class:`.tcp.TcpTra
     {"op": "fget", "src", "step", "index"}     -> {"ok", "manifest_bytes", "coding_bytes",
                                                   "size"} + manifest + descriptor + file
 
-Fault points (:func:`.stream.at`, the kill sweep's seam): the sender's ``frag-send:connect``,
-``frag-send:handshake``, ``frag-send:mid-stream``, ``frag-send:sent``; the holder's
-``frag-recv:mid-stream``, ``frag-recv:before-fsync``, ``frag-recv:before-rename``,
-``frag-recv:before-ack``; a holder serving a restore, ``frag-serve:mid-stream``.
-
-Threads: the server's connection threads (fput, flist, fget), the replicator's sender
-thread (:class:`Upload`), a restore's fetch threads (:func:`download`).
+Threads: the server's connection threads, a restore's fetch threads (:func:`download`); the
+sending side of ``fput`` is :class:`.coded._Feed`.
 """
 
 from __future__ import annotations
@@ -44,17 +38,15 @@ from typing import Any, Callable
 import crc32c as _crc
 
 from ..config import ALIGN_BYTES
-from ..errors import CorruptCheckpoint, ZerostallError
+from ..errors import CorruptCheckpoint
 from ..format.manifest import Manifest
 from .coding import Layout, descriptor_id
-from .priority import background
 from .store import PeerStore
-from .stream import FETCH_BUF_BYTES, Pacer, at, fill_from, send_range
-from .transport import Endpoint
-from .wire import (MAX_MANIFEST_BYTES, PeerError, check_node, check_size, check_step, recv_exact, recv_msg,
+from .stream import FETCH_BUF_BYTES, Pacer, at, background, fill_from, send_range
+from .wire import (MAX_MANIFEST_BYTES, Endpoint, PeerError, check_node, check_size, check_step, recv_exact, recv_msg,
                    send_msg)
 
-__all__ = ["CODING_NAME", "FragmentStore", "Upload", "download", "register"]
+__all__ = ["CODING_NAME", "FragmentStore", "download", "register"]
 log = logging.getLogger("zerostall")
 CODING_NAME = "coding.json"
 MAGIC = b"ZSFRAG1\n"
@@ -137,32 +129,33 @@ class FragmentStore:
         except OSError:
             return None
 
+    def _coding(self, src: str, step: int) -> tuple[bytes, Manifest, Layout, dict[str, Any]] | None:
+        """``(descriptor bytes, manifest, layout, descriptor)`` of a coded step held here, or None."""
+        raw, man = self._desc(src, step), self.store.manifest(src, step)
+        if raw is None or man is None:
+            return None
+        try:
+            return (raw, man, *Layout.parse(raw, self.store.step_dir(src, step)))
+        except CorruptCheckpoint:
+            return None
+
     def held(self, src: str | None = None) -> list[dict[str, Any]]:
-        """``[{src, step, checkpoint_id, created_unix, descriptor, k, m, fragments: {index: crc32c}}]``: every
-        step of which complete fragments are held here (of ``src`` only, if given)."""
+        """``[{src, step, checkpoint_id, created_unix, descriptor, k, m, fragments: {index: crc32c}}]``:
+        every step of which complete fragments are held here (of ``src`` only, if given)."""
         out = []
         for s, step in self.store._dirs():
-            if src is not None and s != src:
+            got = self._coding(s, step) if src is None or s == src else None
+            if got is None:
                 continue
-            raw = self._desc(s, step)
-            man = self.store.manifest(s, step)
-            if raw is None or man is None:
-                continue
+            raw, man, lay, doc = got
             d = self.store.step_dir(s, step)
-            try:
-                lay, doc = Layout.parse(raw, d)
-            except CorruptCheckpoint:
-                continue
             frags: dict[str, int] = {}
             for name in os.listdir(d):
-                m = _FRAG_RE.match(name)
-                if m is None:
-                    continue
                 try:
-                    h = read_header(os.path.join(d, name), lay.fragment_bytes)
+                    h = read_header(os.path.join(d, name), lay.fragment_bytes) if _FRAG_RE.match(name) else None
                 except (OSError, CorruptCheckpoint):
                     continue
-                if h["index"] == int(m.group(1)) and h["descriptor"] == descriptor_id(raw):
+                if h is not None and name == fragment_name(h["index"]) and h["descriptor"] == descriptor_id(raw):
                     frags[str(h["index"])] = h["crc32c"]
             if frags and doc["checkpoint_id"] == man.checkpoint_id:
                 out.append({"src": s, "step": step, "checkpoint_id": man.checkpoint_id,
@@ -172,17 +165,15 @@ class FragmentStore:
 
     def path_for(self, src: str, step: int, index: int) -> tuple[str, bytes, bytes] | None:
         """``(fragment path, manifest bytes, descriptor bytes)`` of a held fragment; None otherwise."""
-        raw = self._desc(src, step)
-        man = self.store.manifest(src, step)
-        if raw is None or man is None:
-            return None
+        got = self._coding(src, step)
         path = os.path.join(self.store.step_dir(src, step), fragment_name(index))
         try:
-            lay, _ = Layout.parse(raw, path)
-            read_header(path, lay.fragment_bytes)
+            if got is None:
+                return None
+            read_header(path, got[2].fragment_bytes)
         except (OSError, CorruptCheckpoint):
             return None
-        return path, man.to_bytes(), raw
+        return path, got[1].to_bytes(), got[0]
 
 
 def read_header(path: str, fragment_bytes: int) -> dict[str, Any]:
@@ -252,88 +243,6 @@ def register(transport: Any, frags: FragmentStore, nodes: set[str], me: str, cpu
 
 
 # -- client side -----------------------------------------------------------------------------
-
-class Upload:
-    """One fragment on its way to one holder, fed in order by the sender thread: ``send`` each
-    stripe, then ``finish(crc)``; any error closes the connection (``close`` is idempotent)."""
-
-    def __init__(self, transport: Any, ep: Endpoint, src: str, step: int, index: int, size: int,
-                 man_bytes: bytes, desc: bytes, pacer: Pacer | None):
-        self.ep, self.index, self.size, self.pacer = ep, index, size, pacer
-        self.transport = transport
-        self.sent = 0
-        self.sock: socket.socket | None = transport.open(ep, "frag-send")
-        try:
-            send_msg(self.sock, {"op": "fput", "src": src, "step": step, "index": index, "size": size,
-                                 "manifest_bytes": len(man_bytes), "coding_bytes": len(desc)})
-            self.sock.sendall(man_bytes + desc)
-        except OSError as exc:
-            self.close()
-            raise PeerError(f"node {ep.node}: fragment {index}: {exc}") from exc
-
-    def send(self, mv: memoryview) -> None:
-        assert self.sock is not None
-        piece = len(mv) if self.pacer is None or not self.pacer.rate else self.pacer.piece_bytes
-        try:
-            for a in range(0, len(mv), piece):  # send, then pay (:class:`.stream.Pacer`)
-                n = min(piece, len(mv) - a)
-                self.sock.sendall(mv[a:a + n])
-                if self.pacer is not None:
-                    self.pacer.take(n)
-            before, self.sent = self.sent, self.sent + len(mv)
-            if before < self.size // 2 <= self.sent:
-                at("frag-send:mid-stream")
-        except OSError as exc:
-            why = self._refusal(exc)
-            self.close()
-            if why:
-                raise PeerError(f"node {self.ep.node} refused fragment {self.index}: {why}") from exc
-            raise PeerError(f"node {self.ep.node}: fragment {self.index} cut after {self.sent} bytes: {exc}") from exc
-
-    def _refusal(self, exc: OSError) -> str:
-        """The holder's reason when it refused the fragment while it was still coming (its
-        quota, a bad descriptor): it answers, then closes, and our next send fails with a reset
-        connection; the answer may still wait in our receive buffer. "" when there is none (a
-        stopped holder's timeout is not waited out twice)."""
-        if not isinstance(exc, (ConnectionResetError, BrokenPipeError)) or self.sock is None:
-            return ""
-        try:
-            self.sock.settimeout(min(1.0, self.sock.gettimeout() or 1.0))
-            reply = recv_msg(self.sock)
-        except (OSError, ZerostallError, ValueError):
-            return ""
-        return "" if reply.get("ok") else str(reply.get("error") or "")[:2000]
-
-    def finish(self, crc: int) -> str:
-        """Announce the crc32c; the holder's digest once it verified, synced and renamed."""
-        assert self.sock is not None
-        try:
-            at("frag-send:sent")
-            send_msg(self.sock, {"crc32c": crc})
-            reply = recv_msg(self.sock)
-        except OSError as exc:
-            raise PeerError(f"node {self.ep.node}: fragment {self.index}: no answer: {exc}") from exc
-        finally:
-            self.close()
-        if not reply.get("ok"):
-            raise PeerError(f"node {self.ep.node} refused fragment {self.index}: {reply.get('error')}")
-        return str(reply.get("digest"))
-
-    def close(self) -> None:
-        s, self.sock = self.sock, None
-        if s is not None:
-            self.transport.release(s)
-
-
-def list_fragments(transport: Any, ep: Endpoint, src: str) -> list[dict[str, Any]]:
-    def run(s: socket.socket) -> list[dict[str, Any]]:
-        send_msg(s, {"op": "flist", "src": src})
-        reply = recv_msg(s)
-        if not reply.get("ok") or not isinstance(reply.get("held"), list):
-            raise PeerError(f"node {ep.node} did not list its fragments: {reply.get('error')}")
-        return reply["held"]
-    return transport.call(ep, "listing fragments", run)
-
 
 def download(transport: Any, ep: Endpoint, src: str, step: int, index: int,
              sink: Callable[[bytes, bytes, dict[str, Any]], tuple[Any, FragmentCheck]],

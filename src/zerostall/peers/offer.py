@@ -1,22 +1,12 @@
-"""Restore from peers, steps 1-2: which steps this rank could load, counting what live peers
-hold, and the one commit of each that every rank can load.
+"""Restore from peers, steps 1-2 (step 3, bringing the files in, is :mod:`.fetch`). Every rank
+calls :func:`offer` in the same order (through :mod:`.service`; only the c10d store and
+point-to-point connections):
 
-Called by ``Checkpointer.load`` (through :mod:`.service`) on the caller's thread of every rank
-(a collective in the sense that every rank calls it, in the same order; it talks only through
-the c10d store and point-to-point connections):
-
-1. what this rank could load: committed local steps holding its node's files; steps whose
-   files (each of this node's ranks' ``rank-R.shard``) some live peer holds, one checkpoint
-   id (listed from every other node in parallel; a dead or stopped node is skipped after
-   ``peers.timeout_s``); steps on the remote tier;
-2. every rank posts, per step, the checkpoint ids it can load it as (its committed local
-   copy's, else those live holders hold), and a step is offered only where one id is common
-   to every rank (a superseded copy of an overwritten step is never restored as the step);
-   the collective load (:mod:`zerostall.distributed.agree`) adds these steps -- every one of
-   them, not only the newest -- to the ones it offers, and tries the newest common, falling
-   back together.
-
-Step 3, bringing a step's files in before it is tried, is :mod:`.fetch`.
+1. what this rank could load: committed local steps holding its node's files, steps whose
+   files live peers hold (listed from every other node in parallel), steps on the remote tier;
+2. every rank posts, per step, the checkpoint ids it can load it as, and a step is offered only
+   where one id is common to every rank (a superseded copy of an overwritten step is never
+   restored); the collective load (:mod:`zerostall.distributed.agree`) tries the newest.
 """
 
 from __future__ import annotations
@@ -24,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,11 +23,13 @@ from ..errors import DistributedError, ZerostallError
 from ..format.layout import shard_name
 from ..store.tier import RootTier
 from . import tombstones
-from .exchange import PeerView
-from .transport import Transport
+from .exchange import PeerView, ask_peers
+from .tcp import TcpTransport
 from .verify import file_entry
 
 log = logging.getLogger("zerostall")
+Holders = dict[str, list[tuple[str, str]]]  # file name -> [(holder node, src node)]
+
 
 @dataclass(frozen=True)
 class Offer:
@@ -47,14 +38,11 @@ class Offer:
     fragments of, and the steps the ranks hold as different commits (offered by nobody)."""
 
     local: set[int]
-    held: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
-    """step -> file name -> [(holder node, src node)], of the commit in ``ids``"""
+    held: dict[int, Holders] = field(default_factory=dict)  # step -> its holders, of the commit in ids
     coded: set[int] = field(default_factory=set)
-    ids: dict[int, str] = field(default_factory=dict)
-    """step -> the commit every rank offers it as ("": the remote tier's, not known)"""
+    ids: dict[int, str] = field(default_factory=dict)  # step -> the commit every rank loads ("": the remote's)
     split: set[int] = field(default_factory=set)
-    refs: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
-    """Every step live peers hold this node's files of (an incremental step's references)."""
+    refs: dict[int, Holders] = field(default_factory=dict)  # every step peers hold (incremental references)
     unshared: set[int] = field(default_factory=set)
     """Steps this node could load that some other rank offered not at all: never agreed, but
     counted as this node's, so that an error names only the ranks that truly lack a step."""
@@ -85,26 +73,10 @@ def _local_steps(tier: RootTier, view: PeerView, names: list[str]) -> tuple[dict
     return out, committed
 
 
-Holders = dict[str, list[tuple[str, str]]]
-"""file name -> [(holder node, src node)]"""
-
-
-def _peer_holdings(view: PeerView, transport: Transport, names: list[str]) -> dict[int, dict[str, Holders]]:
+def _peer_holdings(view: PeerView, transport: TcpTransport, names: list[str]) -> dict[int, dict[str, Holders]]:
     """step -> checkpoint id -> file name -> [(holder node, src)] for this node's files (every
     one of them held), from every live peer."""
-    lists: dict[str, list[dict[str, Any]]] = {}
-
-    def ask(node: str) -> None:
-        try:
-            lists[node] = transport.list_held(view.endpoints[node])
-        except (ZerostallError, OSError) as exc:
-            log.warning("zerostall: restore: node %s is not reachable (%s); its copies are not counted", node, exc)
-
-    threads = [threading.Thread(target=ask, args=(n,), daemon=True) for n in view.endpoints if n != view.me]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    lists = ask_peers(view, transport.list_held, "restore")
     by_step: dict[int, dict[str, dict[str, list[tuple[str, str]]]]] = {}  # step -> ckpt id -> name -> holders
     for node, held in sorted(lists.items()):
         for h in held:
@@ -151,7 +123,7 @@ def _offer_ids(store: Store, view: PeerView, load_no: int, offer: dict[int, list
     return common, split
 
 
-def offer(store: Store, view: PeerView, transport: Transport, tier: RootTier, load_no: int, *,
+def offer(store: Store, view: PeerView, transport: TcpTransport, tier: RootTier, load_no: int, *,
           step: int | None, remote_steps: list[int], timeout_s: float,
           coded: dict[int, Any] | None = None) -> Offer:
     """Steps 1-2 of the module doc (collective: every rank calls it). ``coded``: step -> the

@@ -1,27 +1,19 @@
 """The post-commit stage that copies each committed step to peers, and tells every rank when
-the step is protected (held by ``replicas`` nodes).
+the step is protected (held by ``replicas`` nodes). Per step (``submit``, persist thread):
 
-Per step, after it committed locally (``submit``, called from the persist thread):
-
-1. on each node's leader, the *sender* thread (idle I/O class, ``peers.cpu_priority``:
-   :mod:`.priority`) reads the step's manifest
-   and sends the files of its node's ranks to ``replicas - 1`` holders
-   (:func:`.placement.ranking`: the placement first; a holder that fails is replaced by the
-   next node in the ranking, so one dead node does not leave every step unprotected), one
-   thread per holder, all paced by one per-node bandwidth cap. A file counts as held only
-   when the receiver acknowledged it with the digest :func:`.verify.expected_digest` predicts;
+1. on each node's leader, the *sender* thread (at :func:`.stream.background` priority) sends
+   the files of its node's ranks to ``replicas - 1`` holders (:func:`.exchange.ranking`; a
+   failed holder is replaced by the next one), one thread per holder under one bandwidth cap.
+   A file is held once the receiver acknowledges it with the digest
+   :func:`.verify.expected_digest` predicts;
 2. the leader publishes ``s<step>/<node>`` = the holders that acknowledged every file;
-3. the *watcher* thread of every rank polls those keys: once every node published and each
-   has ``replicas - 1`` holders, the step is protected (its handles say so, ``SaveRecord
-   .replica_nodes`` lists the nodes holding this rank's files); a node that does not publish
-   within ``replica_timeout_s`` leaves the step unprotected, never presented as protected;
-4. on a protected step, node leaders apply ``keep_last`` to their peer area: a holder keeps
-   the newest ``keep_last`` protected steps and anything newer (``keep_last`` counts steps,
-   not copies; a step in flight never pushes out the last protected one).
+3. the *watcher* thread of every rank polls those keys: once every node reported ``replicas -
+   1`` holders the step is protected; a node silent past ``replica_timeout_s`` leaves it not;
+4. on a protected step, node leaders apply ``keep_last`` to their peer area (the newest
+   ``keep_last`` protected steps and anything newer stay).
 
-No collective, nothing on the caller's thread; a dead or stopped peer delays only the
-transfers to it (``peers.timeout_s`` without progress each) and, through them, only this
-stage. ``close(timeout_s)`` returns within ``timeout_s``: transfers still running are cut.
+Nothing runs on the caller's thread; a dead peer delays only the transfers to it.
+``close(timeout_s)`` returns within ``timeout_s``: transfers still running are cut.
 """
 
 from __future__ import annotations
@@ -38,13 +30,12 @@ from ..distributed.store import Store, StoreTimeout
 from ..errors import ZerostallError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..store.tier import RootTier
-from .exchange import PeerView
+from .exchange import PeerView, in_parallel, ranking
 from . import status as status_file
 from . import tombstones
-from .placement import ranking
-from .priority import background
 from .store import PeerStore
-from .transport import Transport
+from .stream import background
+from .tcp import TcpTransport
 from .verify import expected_digest
 
 log = logging.getLogger("zerostall")
@@ -63,23 +54,18 @@ class StepStatus:
 
 
 class PeerReplicator:
-    def __init__(self, tier: RootTier, view: PeerView, transport: Transport, store: Store, peer_store: PeerStore,
+    def __init__(self, tier: RootTier, view: PeerView, transport: TcpTransport, store: Store, peer_store: PeerStore,
                  *, replicas: int, keep_last: int | None, replica_timeout_s: float, cpu_priority: str = "idle"):
-        self.cpu_priority = cpu_priority
-        """The sender's CPU priority (:func:`.priority.background`; its put threads inherit it)."""
+        self.cpu_priority = cpu_priority  # the sender thread's (:func:`.stream.background`)
         self.tier, self.view, self.transport, self.store = tier, view, transport, store
         self.peer_store = peer_store
         self.replicas, self.keep_last, self.replica_timeout_s = replicas, keep_last, replica_timeout_s
-        self.want = replicas - 1
-        """Holders every node's report must name for a protected step (a code: its k + m)."""
-        self._extra: dict[int, dict[str, object]] = {}
-        """More of a step's report, set by the sender thread before it publishes (a code's fragments)."""
+        self.want = replicas - 1  # holders every node's report must name for a protected step (a code: k + m)
+        self._extra: dict[int, dict[str, object]] = {}  # more of a step's report (a code's fragments)
         self._status: dict[int, StepStatus] = {}
         self._mu = threading.Lock()
-        # steps seen protected, ascending; seeded from the status hint an earlier run left, so
-        # that retention after a restart counts the earlier run's protected steps toward
-        # keep_last (holders keep the newest keep_last, not only this run's) and local
-        # retention keeps the newest protected step
+        # steps seen protected, ascending, seeded from the status hint an earlier run left: after a
+        # restart, retention counts that run's protected steps toward keep_last
         seen = status_file.read(tier.root).get("steps", {})
         here = set(tier.steps())  # not a step deleted since (zerostall delete)
         self._protected: list[int] = sorted(int(k) for k, v in seen.items()
@@ -87,10 +73,8 @@ class PeerReplicator:
         self._protected_seen: list[int] = self._protected[-1:]
         self._q: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._stop = threading.Event()
-        self.repaired = threading.Event()
-        """Set once the start-up repair pass finished (node leaders)."""
-        self.bytes_sent = 0
-        """Bytes this node's leader copied to holders (acknowledged)."""
+        self.repaired = threading.Event()  # set once the start-up repair pass finished (node leaders)
+        self.bytes_sent = 0  # bytes this node's leader copied to holders (acknowledged)
         self._watch = threading.Thread(target=self._watch_loop, name="zerostall-peers-watch", daemon=True)
         self._watch.start()
         self._send: threading.Thread | None = None
@@ -225,22 +209,32 @@ class PeerReplicator:
                     with mu:
                         errors.append(f"{node}: {exc}")
 
-        threads = [threading.Thread(target=slot, name="zerostall-peers-put", daemon=True) for _ in range(want)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        in_parallel(slot, [()] * want, "zerostall-peers-put")
         error = "" if len(held) >= want else "; ".join(errors) or "stopped"
         if error:
             log.warning("zerostall: step %d: node %s's files are held by %d of %d other nodes: %s", step, v.me,
                         len(held), want, error)
         return sorted(held), error
 
+    def _kept(self) -> list[tuple[int, bytes, Manifest]]:
+        """The local steps a start-up repair brings to their holders (the newest ``keep_last``),
+        with their manifests; a step deleted for good on some node (zerostall delete) or whose
+        manifest cannot be read is left out."""
+        steps = self.tier.steps()
+        out = []
+        for step in steps if self.keep_last is None else steps[-self.keep_last:]:
+            try:
+                raw, man = self._step_manifest(step)
+            except (OSError, ZerostallError) as exc:
+                log.warning("zerostall: repair of step %d: %s", step, exc)
+                continue
+            if not tombstones.dead(self.view.deleted, step, man.checkpoint_id, man.created_unix):
+                out.append((step, raw, man))
+        return out
+
     def _repair(self) -> None:
         v = self.view
-        steps = self.tier.steps()
-        if self.keep_last is not None:
-            steps = steps[-self.keep_last:]
+        steps = self._kept()
         todo = [n.name for n in ranking(v.me, v.nodes)][:self.replicas - 1] if steps else []
         for attempt in range(3):  # a holder busy restoring may time out once
             todo = [node for node in todo if not self._stop.is_set() and not self._repair_node(node, steps)]
@@ -249,16 +243,12 @@ class PeerReplicator:
         log.warning("zerostall: repair: node(s) %s could not be brought up to date; the next start tries again",
                     ", ".join(todo))
 
-    def _repair_node(self, node: str, steps: list[int]) -> bool:
+    def _repair_node(self, node: str, steps: list[tuple[int, bytes, Manifest]]) -> bool:
         v = self.view
         try:
             held = self.transport.list_held(v.endpoints[node])
             have = {(h["step"], h["checkpoint_id"], f) for h in held if h.get("src") == v.me for f in h["files"]}
-            for step in steps:
-                raw = open(os.path.join(self.tier.step_dir(step), MANIFEST_NAME), "rb").read()
-                man = Manifest.from_bytes(raw)
-                if tombstones.dead(v.deleted, step, man.checkpoint_id, man.created_unix):
-                    continue  # deleted for good on some node (zerostall delete): no copies of it again
+            for step, raw, man in steps:
                 for fe in man.files:
                     if v.rank_nodes[fe.rank] != v.me or (step, man.checkpoint_id, fe.name) in have:
                         continue

@@ -20,18 +20,17 @@ from ..store.remote import list_steps
 from ..store.tier import open_tier
 from ..store.tier import RootTier
 from .coded import CodedReplicator, check_cluster
+from .coded_decode import Timeline
 from .coded_restore import holdings, rebuild
 from .coding import require_codec
-from .exchange import PeerView, advertised_host, setup
+from .exchange import Node, PeerView, advertised_host, setup
 from .fetch import fetch
 from .offer import Offer, offer
 from .fragments import FragmentStore, register
-from .placement import Node
 from .replicate import PeerReplicator, StepStatus
 from . import tombstones
 from .store import PeerStore, quota_for
 from .tcp import Pacer, TcpTransport
-from .timeline import Timeline
 
 __all__ = ["Peers", "StepStatus"]
 log = logging.getLogger("zerostall")
@@ -91,12 +90,10 @@ class Peers:
         self.replicator: PeerReplicator = PeerReplicator(*args, **kw) if pc.code is None else \
             CodedReplicator(*args, data_fragments=pc.data_fragments, parity_fragments=pc.parity_fragments, **kw)
         self._loads = itertools.count()
-        self.last_fetch_s = 0.0
-        """Seconds the last restore spent bringing this node's files in from peers (bench)."""
-        self.last_fetch_end = 0.0
-        """``time.monotonic()`` when they were in, verified and committed (bench)."""
+        # bench: the last restore's seconds bringing this node's files in, time.monotonic() when they
+        # were committed, and its rebuild from coded fragments event by event
+        self.last_fetch_s = self.last_fetch_end = 0.0
         self.last_timeline: Timeline | None = None
-        """The last rebuild from coded fragments, event by event (bench: per-holder stream rates)."""
         self.replicator.repair()  # a replaced holder gets the kept steps back
         log.info("zerostall: peer copies on: %s across %d nodes; node %s listens on %s",
                  f"{cfg.replicas} copies of every step" if pc.code is None else
@@ -153,12 +150,8 @@ class Peers:
                     timeout_s=self.cfg.join_timeout_s, coded=coded)
         steps = got.steps() if step is None else got.steps() & {step}
         if warm is not None and (not steps or max(steps) in got.local):
-            # The load that follows reads through a 128 MiB scratch faulted on first use (a
-            # restarted process has no faulted staging pool yet), after the ranks' agreement,
-            # and the collective load waits for the slowest rank (docs/benchmarks.md, peer
-            # copies). The nodes with their files at hand fault it now, while a replaced node
-            # fetches; the fetching node does not (on few cores its fault slowed the fetch and
-            # the agreement by as much as it saved).
+            # the nodes with their files at hand fault the load's scratch now, while a replaced
+            # node fetches (its own fault would slow its fetch as much as it saved: docs/benchmarks.md)
             threading.Thread(target=warm, name="zerostall-bounce-fault", daemon=True).start()
         return PeerLoad(self, n, got, steps, coded)
 
@@ -192,8 +185,7 @@ class PeerLoad:
 
     def __init__(self, peers: Peers, number: int, got: Offer, steps: set[int], coded: Any):
         self.peers, self.number, self.offer, self.steps, self.coded = peers, number, got, steps, coded
-        self.fetched: dict[int, str] = {}
-        """Steps whose files this node brought in during this load -> "peers" or "coded"."""
+        self.fetched: dict[int, str] = {}  # steps whose files this load brought in -> "peers" or "coded"
 
     def prepare(self, step: int) -> None:
         """Called by the collective load before it loads ``step`` (every rank, the same steps

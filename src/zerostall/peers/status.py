@@ -9,18 +9,20 @@ restore never trusts it (it asks the live peers).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
+import re
+import stat
 import threading
 from typing import Any
 
 from .._util import human_bytes
 from ..errors import ZerostallError
 from ..store.atomic import write_file_durable
-from .wire import recv_msg
+from .wire import NODE_RE, recv_msg
 
 NAME = ".status.json"
+_STEP_RE = re.compile(r"^step-(\d{1,19})$")
 _mu = threading.Lock()
 
 
@@ -78,21 +80,12 @@ def peer_rows(root: str, rows: list[dict[str, Any]]) -> None:
                 r["tier"] = (f"local+RS({k},{m}) fragments {len(frags)}/{k + m} on {','.join(sorted(frags))}"
                              + (" protected" if r["protected"] else
                                 " NOT protected" + ("" if r["rebuildable"] else ", NOT rebuildable")))
-    area = os.path.join(root, "peers")
-    for src in sorted(os.listdir(area)) if os.path.isdir(area) else []:
-        d = os.path.join(area, src)
-        if src.startswith(".") or not os.path.isdir(d):
-            continue
-        for name in sorted(os.listdir(d)):
-            if name.startswith("step-") and name[5:].isdigit():
-                files = sorted(f for f in os.listdir(os.path.join(d, name))
-                               if f.endswith(".shard") or f.startswith("fragment-"))
-                if not files:  # a copy cut before any file arrived (its manifest only): nothing held
-                    continue
-                rows.append({"step": int(name[5:]), "bytes": sum(os.path.getsize(os.path.join(d, name, f))
-                                                                 for f in files),
-                             "tensors": 0, "created_unix": 0, "state": f"held for node {src}: {', '.join(files)}",
-                             "tier": f"peer copy of {src}"})
+    for src, step, d in held_dirs(root):
+        files = sorted(f for f in os.listdir(d) if f.endswith(".shard") or f.startswith("fragment-"))
+        if files:  # none: a copy cut before any file arrived (its manifest only)
+            rows.append({"step": step, "bytes": sum(os.path.getsize(os.path.join(d, f)) for f in files),
+                         "tensors": 0, "created_unix": 0, "state": f"held for node {src}: {', '.join(files)}",
+                         "tier": f"peer copy of {src}"})
 
 
 def _coded(st: dict[str, Any]) -> bool:
@@ -133,7 +126,7 @@ def quota_lines(root: str) -> list[str]:
     usage = _usage(doc)
     me = doc.get("node")
     if me in usage:
-        usage[me] = {**usage[me], "used_bytes": _area_bytes(root)}
+        usage[me] = {**usage[me], "used_bytes": area_bytes(root)}
     lines = []
     for node, u in sorted(usage.items()):
         text, verdict = quota_state(u)
@@ -143,15 +136,37 @@ def quota_lines(root: str) -> list[str]:
     return lines
 
 
-def _area_bytes(root: str) -> int:
+def held_dirs(root: str) -> list[tuple[str, int, str]]:
+    """``(src node, step, directory)`` of every ``peers/<src>/step-<N>`` under ``root``, sorted
+    (not dot-names, links or names that are not a node's)."""
+    area = os.path.join(root, "peers")
+    out = []
+    for src in sorted(os.listdir(area)) if os.path.isdir(area) else []:
+        d = os.path.join(area, src)
+        if not NODE_RE.match(src) or os.path.islink(d) or not os.path.isdir(d):
+            continue
+        out.extend((src, int(m.group(1)), os.path.join(d, n)) for n in sorted(os.listdir(d))
+                   if (m := _STEP_RE.match(n)))
+    return out
+
+
+def area_bytes(root: str) -> int:
+    """Bytes of the files held under ``root/peers`` (not transfers in flight nor directories
+    being deleted: their names start with a dot)."""
     total = 0
     for d, dirs, files in os.walk(os.path.join(root, "peers")):
         dirs[:] = [x for x in dirs if not x.startswith(".")]
-        for f in files:
-            if not f.startswith("."):
-                with contextlib.suppress(OSError):
-                    total += os.path.getsize(os.path.join(d, f))
+        total += sum(max(file_size(os.path.join(d, f)), 0) for f in files if not f.startswith("."))
     return total
+
+
+def file_size(path: str) -> int:
+    """The size of regular file ``path`` (not following a link), -1 for anything else."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return -1
+    return st.st_size if stat.S_ISREG(st.st_mode) else -1
 
 
 def doctor_checks(root: str, timeout_s: float = 1.0) -> list[tuple[str, Any, str, str]]:

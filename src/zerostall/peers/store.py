@@ -1,32 +1,24 @@
-"""The copies a node keeps for its peers, under its own root, and the files it may serve.
-
-Layout (``root`` is this node's checkpoint root; nothing is written outside ``root/peers``)::
+"""The copies a node keeps for its peers under ``root/peers`` (nothing outside it), and the files
+it may serve::
 
     peers/<src node>/step-<N>/manifest.json      written (durably) before any file of the step
     peers/<src node>/step-<N>/rank-RRRRR.shard   a file of <src node>'s ranks, complete and verified
     peers/<src node>/step-<N>/.incoming-*        a transfer in flight (removed at start-up)
 
-A file is held once its final name exists: it was received into ``.incoming-*`` with O_DIRECT
-writes from an aligned buffer (the io/ engine chosen for ``root``), every byte checked
-against the manifest (:class:`.verify.StreamCheck`), fdatasync'ed, renamed, and the
-directory fsync'ed. A crash at any point leaves the previous files held and at most an
-``.incoming-*`` that :meth:`PeerStore.clean` removes. A new checkpoint under a step number
-already held (``overwrite=True`` at the source) replaces the old copy as a whole.
+A file is held once its final name exists: received into ``.incoming-*`` with O_DIRECT, every
+byte checked (:class:`.verify.StreamCheck`), fdatasync'ed, renamed, the directory fsync'ed. A
+new checkpoint under a step number already held replaces the old copy as a whole. Served
+(:meth:`PeerStore.path_for`): only committed files (this node's own steps and held copies).
 
-Serving (:meth:`PeerStore.path_for`): only committed files of this root -- this node's own
-committed steps (``step-N/``, listed by the local tier) and the peer area's held files.
-
-Threads: the server's connection threads (receive, serve) and the replicator thread
-(retention); one lock per ``(src, step)`` serialises writers of one step directory.
+Threads: the server's connection threads and the replicator's (retention); one lock per
+``(src, step)`` serialises writers of one step directory.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
-import stat
 import threading
 import uuid
 from typing import Any, Callable, TypeVar
@@ -36,13 +28,13 @@ from ..format.manifest import MANIFEST_NAME, Manifest
 from ..io.base import Engine
 from ..store.atomic import fsync_dir, unlinked_on_error, write_file_durable
 from ..store.tier import RootTier
+from .status import area_bytes, file_size as _size, held_dirs
 from .stream import at
 from .verify import StreamCheck, file_entry
 from .wire import check_name, check_node
 
 log = logging.getLogger("zerostall")
 AREA = "peers"
-_STEP_RE = re.compile(r"^step-(\d{1,19})$")
 T = TypeVar("T")
 
 
@@ -69,8 +61,7 @@ class PeerStore:
         self._locks: dict[tuple[str, int], threading.Lock] = {}
         self.quota_bytes = quota_bytes
         self._reserved = 0  # bytes of transfers in flight (counted against the quota)
-        self.refused_quota = 0
-        """Copies refused for the quota (tests, doctor)."""
+        self.refused_quota = 0  # copies refused for the quota (tests, doctor)
 
     def step_dir(self, src: str, step: int) -> str:
         return os.path.join(self.area, check_node(src), f"step-{step}")
@@ -100,19 +91,7 @@ class PeerStore:
         return gone
 
     def _dirs(self) -> list[tuple[str, int]]:
-        out = []
-        try:
-            srcs = os.listdir(self.area)
-        except FileNotFoundError:
-            return out
-        for src in srcs:
-            try:
-                check_node(src)
-                names = os.listdir(os.path.join(self.area, src))
-            except (ZerostallError, OSError):
-                continue
-            out.extend((src, int(m.group(1))) for n in names if (m := _STEP_RE.match(n)))
-        return out
+        return [(src, step) for src, step, _ in held_dirs(self.tier.root)]
 
     def manifest(self, src: str, step: int) -> Manifest | None:
         try:
@@ -121,50 +100,35 @@ class PeerStore:
         except (OSError, ZerostallError):
             return None
 
+    def _own(self, step: int) -> Manifest | None:
+        try:
+            return self.tier.read_manifest(step)
+        except ZerostallError:
+            return None
+
     def held(self) -> list[dict[str, Any]]:
         """``[{src, step, checkpoint_id, files: [...]}, ...]``: the peer copies held (complete
-        files only), and this node's own committed steps (``src`` = this node)."""
+        files only), and this node's own committed steps (``src`` = this node, ``local``)."""
+        found = [(src, step, self.step_dir(src, step), self.manifest(src, step), {}) for src, step in self._dirs()]
+        found += [(self.me, step, self.tier.step_dir(step), self._own(step), {"local": True})
+                  for step in self.tier.steps()]
         out = []
-        for src, step in self._dirs():
-            man = self.manifest(src, step)
-            if man is None or man.step != step:
-                continue
-            d = self.step_dir(src, step)
-            files = [fe.name for fe in man.files if _size(os.path.join(d, fe.name)) == fe.file_bytes]
+        for src, step, d, man, extra in found:
+            files = [fe.name for fe in man.files if _size(os.path.join(d, fe.name)) == fe.file_bytes] \
+                if man is not None and man.step == step else []
             if files:
                 out.append({"src": src, "step": step, "checkpoint_id": man.checkpoint_id, "files": files,
-                            "created_unix": man.created_unix})
-        for step in self.tier.steps():
-            try:
-                man = self.tier.read_manifest(step)
-            except ZerostallError:
-                continue
-            d = self.tier.step_dir(step)
-            files = [fe.name for fe in man.files if _size(os.path.join(d, fe.name)) == fe.file_bytes]
-            if files:
-                out.append({"src": self.me, "step": step, "checkpoint_id": man.checkpoint_id, "files": files,
-                            "created_unix": man.created_unix, "local": True})
+                            "created_unix": man.created_unix, **extra})
         return out
 
     def path_for(self, src: str, step: int, name: str) -> tuple[str, Manifest] | None:
         """A committed file this node may serve, with its step's manifest; None otherwise."""
         check_name(name)
-        if src == self.me and step in self.tier.steps():
-            try:
-                man = self.tier.read_manifest(step)
-            except ZerostallError:
-                return None
-            path = os.path.join(self.tier.step_dir(step), name)
-        else:
-            man = self.manifest(src, step)
-            path = os.path.join(self.step_dir(src, step), name)
-        if man is None or man.step != step:
-            return None
-        try:
-            fe = file_entry(man, name)
-        except ZerostallError:
-            return None
-        return (path, man) if _size(path) == fe.file_bytes else None
+        own = src == self.me and step in self.tier.steps()
+        man = self._own(step) if own else self.manifest(src, step)
+        path = os.path.join(self.tier.step_dir(step) if own else self.step_dir(src, step), name)
+        fe = next((fe for fe in man.files if fe.name == name), None) if man is not None and man.step == step else None
+        return (path, man) if fe is not None and _size(path) == fe.file_bytes else None
 
     def receive(self, src: str, step: int, name: str, man_bytes: bytes,
                 fill: Callable[[Any, StreamCheck], None]) -> str:
@@ -189,8 +153,8 @@ class PeerStore:
     def open_step(self, src: str, step: int, man: Manifest, same: Callable[[Manifest], bool],
                   first: tuple[tuple[str, bytes], ...] = ()) -> None:
         """The directory of ``src``'s ``step`` ready for a file of checkpoint ``man``, under the
-        step's lock: a copy held there whose manifest is not ``same`` goes as a whole; a new directory gets ``first`` (name, bytes) files and then the
-        manifest, durably. A receiving connection thread, before its file's bytes."""
+        step's lock: a copy whose manifest is not ``same`` goes as a whole; a new directory gets
+        ``first`` (name, bytes) files, then the manifest, durably (connection thread)."""
         d = self.step_dir(src, step)
         with self._lock(src, step):
             old = self.manifest(src, step)
@@ -209,10 +173,9 @@ class PeerStore:
              same: Callable[[], bool], hooks: str) -> T:
         """Receive file ``name`` (``nbytes``) of ``src``'s ``step`` (after :meth:`open_step`):
         reserve its room in the quota, ``write(writer)`` into an ``.incoming-*`` file (it raises
-        on any mismatch), fdatasync, and rename it to ``name`` under the step's lock if the step
-        is still ``same()``; returns what ``write`` returned. A failure leaves nothing but a
-        removed ``.incoming-*``. ``hooks``: the fault-hook prefix (``<hooks>:before-fsync``,
-        ``<hooks>:before-rename``). A receiving connection thread."""
+        on any mismatch), fdatasync, rename it under the step's lock if the step is still
+        ``same()``; returns what ``write`` returned. A failure leaves nothing behind. ``hooks``:
+        the fault-hook prefix (connection thread)."""
         d = self.step_dir(src, step)
         self._reserve(src, step, name, nbytes)
         engine = self._engine_for()
@@ -238,21 +201,14 @@ class PeerStore:
         return out
 
     def used_bytes(self) -> int:
-        """Bytes of the files held under the peer area (transfers in flight are counted by
-        their reservations, directories being deleted not at all)."""
-        total = 0
-        for d, dirs, files in os.walk(self.area):
-            dirs[:] = [x for x in dirs if not x.startswith(".")]
-            total += sum(max(_size(os.path.join(d, f)), 0) for f in files if not f.startswith("."))
-        return total
+        """Bytes of the files held (transfers in flight are counted by their reservations)."""
+        return area_bytes(self.tier.root)
 
     def usage(self) -> dict[str, Any]:
-        """What this node's peer area holds against its quota, for ``zerostall ls``/``doctor``
-        (published with each step's report, recorded in every node's status hint):
-        ``used_bytes`` (complete files held), ``quota_bytes`` (None: no quota), ``next_bytes``
-        (the newest held step of every source added up: the room the next round of copies
-        needs on top, since older copies are dropped only once a newer step is protected) and
-        ``refused`` (copies this process refused for the quota)."""
+        """This node's peer area against its quota (published with each step's report, for
+        ``zerostall ls``/``doctor``): ``used_bytes``, ``quota_bytes`` (None: none), ``next_bytes``
+        (the newest held step of every source: the room the next round of copies needs on top,
+        as older copies go only once a newer step is protected), ``refused`` (for the quota)."""
         newest: dict[str, int] = {}
         for src, step in self._dirs():
             newest[src] = max(newest.get(src, -1), step)
@@ -316,11 +272,3 @@ class PeerStore:
         if gone:
             log.info("zerostall: retention removed peer copies %s from %s", gone, self.area)
         return gone
-
-
-def _size(path: str) -> int:
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return -1
-    return st.st_size if stat.S_ISREG(st.st_mode) else -1

@@ -1,6 +1,7 @@
 """Moving one file's bytes over a peer connection: the sender's paced send from O_DIRECT
 read-ahead (:func:`send_range`), the receiver's checked, double-buffered O_DIRECT write (:func:`fill_from`),
-and the token bucket both sides pace with (:class:`Pacer`).
+the token bucket both sides pace with (:class:`Pacer`) and the priority of the threads that copy
+replicas (:func:`background`).
 
 Called on the connection's thread (a server connection thread, a replicator transfer thread,
 a restore fetch thread); nothing here is shared but a :class:`Pacer`.
@@ -20,44 +21,51 @@ import time
 from typing import Any, Callable
 
 from ..config import ALIGN_BYTES
+from ..io._sys import set_idle_io_priority
 from .verify import StreamCheck
 from .wire import PeerError
 
 log = logging.getLogger("zerostall")
 
 fault_hook: Callable[[str], None] | None = None
-"""Test seam: called as ``fault_hook(point)`` at each named state of a copy to a holder (the
-kill sweep of the tests SIGKILLs the process there). The sender's points: ``send:connect``
-(connected, before the handshake), ``send:handshake`` (authenticated, nothing asked yet),
-``send:mid-stream`` (half the file sent), ``send:sent`` (every byte sent, no answer yet); the
-holder's: ``recv:handshake`` (accepted, before the handshake), ``recv:mid-stream`` (half
-received), ``recv:before-fsync`` (every byte received and verified), ``recv:before-rename``
-(fdatasync'ed under ``.incoming-*``), ``recv:before-ack`` (renamed, the digest not sent); a
-holder serving a restore: ``serve:sending`` (the reply and manifest sent, no file byte yet)."""
+"""Test seam: called as ``fault_hook(point)`` at each named state of a copy (the tests' kill
+sweep SIGKILLs the process there): ``send:connect``, ``send:handshake``, ``send:mid-stream``,
+``send:sent``; ``recv:handshake``, ``recv:mid-stream``, ``recv:before-fsync``,
+``recv:before-rename``, ``recv:before-ack``; ``serve:sending``; coded copies' ``frag-*``
+(:mod:`.fragments`)."""
 
 
 def at(point: str) -> None:
     if fault_hook is not None:
         fault_hook(point)
 
-BUF_BYTES = 4 << 20
-"""The receiver's buffers (:data:`RECV_BUFS` per transfer) and the unit it checks and writes."""
-FETCH_BUF_BYTES = 16 << 20
-"""A restore's buffers (:data:`RECV_BUFS` per file or range fetched at once): someone waits for
-a restore, and larger pieces keep the O_DIRECT writes fewer and larger."""
-RECV_BUFS = 3
-"""Receive buffers per transfer: one being checked and written, two for the socket to fill."""
-SEND_BYTES = 16 << 20
-"""The most bytes a paced transfer moves before it pays the :class:`Pacer`."""
-SEND_BUF_BYTES = 4 << 20
-"""The sender's read-ahead buffers (:data:`SEND_BUFS` per transfer) and its O_DIRECT read size."""
-SEND_BUFS = 4
-"""Buffers read ahead per transfer: the disk reads up to three ahead of the one being sent."""
+
+def background(cpu: str) -> None:
+    """Idle I/O class and ``cpu`` priority for the calling thread, so that copies take only what
+    the training leaves over (best effort: a refusal is logged at debug).
+
+    ``cpu``: ``"idle"`` (``SCHED_IDLE``), ``"nice"`` (nice 19) or ``"normal"``. Called only by
+    threads that do nothing but copy replicas (the replicator's sender, a holder's thread
+    receiving a ``put``): an unprivileged thread cannot undo it, and the threads it starts
+    inherit it. Never by threads serving or fetching a restore (someone waits for those)."""
+    set_idle_io_priority()
+    tid = threading.get_native_id()
+    try:
+        if cpu == "idle":
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        elif cpu == "nice":
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+    except (AttributeError, OSError) as exc:
+        log.debug("zerostall: cannot lower the CPU priority (%s) of replication thread %d: %s", cpu, tid, exc)
 
 
-SOCKET_SEND_BYTES = 4 << 20
-"""The kernel send buffer a holder's connection asks for (:func:`roomy_send_buffer`; the
-kernel doubles it)."""
+BUF_BYTES = 4 << 20  # a copy's receive buffers (RECV_BUFS per transfer): the unit checked and written
+FETCH_BUF_BYTES = 16 << 20  # a restore's: fewer, larger O_DIRECT writes (someone waits for it)
+RECV_BUFS = 3  # one being checked and written, two for the socket to fill
+SEND_BYTES = 16 << 20  # the most a paced transfer moves before it pays the Pacer
+SEND_BUF_BYTES = 4 << 20  # the sender's read-ahead buffers and O_DIRECT read size
+SEND_BUFS = 4  # the disk reads up to three ahead of the buffer being sent
+SOCKET_SEND_BYTES = 4 << 20  # the kernel send buffer a holder's connection asks for (the kernel doubles it)
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,17 +79,10 @@ def _sysctl(name: str, field: int) -> int:
 
 def roomy_send_buffer(sock: socket.socket) -> None:
     """Give ``sock`` a send buffer of :data:`SOCKET_SEND_BYTES` (or the autotuning ceiling, if
-    higher) where the host allows that much (``net.core.wmem_max``); else leave it to autotuning.
-
-    Why: a peer socket has a timeout, so CPython sends in non-blocking pieces, each taking
-    only what the send buffer has room for, and takes the GIL back between two of them.
-    Autotuning sizes the buffer from the congestion window: on a low-latency link a few
-    milliseconds of data. A sender that waits longer for a core or the GIL (a node loading
-    its own state while it serves a restore) leaves the link idle, where a blocking stream
-    would sleep in the kernel (docs/peers.md, "What bounds a coded restore"). With this
-    buffer the kernel keeps sending for as long as the buffer lasts while the sender waits. Never set below the
-    ceiling autotuning would reach (``net.ipv4.tcp_wmem``'s max): on fast, far links
-    autotuning is what keeps them full."""
+    higher) where ``net.core.wmem_max`` allows; else leave it to autotuning. Why: a socket with
+    a timeout sends in non-blocking pieces of what the buffer has room for, and autotuning sizes
+    it to a few milliseconds on a low-latency link; a sender waiting for a core or the GIL
+    would leave the link idle (docs/peers.md, "What bounds a coded restore")."""
     want = max(SOCKET_SEND_BYTES, _sysctl("net/ipv4/tcp_wmem", 2) // 2)
     if want <= _sysctl("net/core/wmem_max", 0):
         try:
@@ -90,29 +91,23 @@ def roomy_send_buffer(sock: socket.socket) -> None:
             pass
 
 
-PIECES_PER_TIMEOUT = 8
-"""A paced transfer moves pieces of at most ``rate * timeout_s / PIECES_PER_TIMEOUT`` bytes, so
-the pause between two of a transfer's pieces stays well within the peer's ``timeout_s`` (a
-quarter of it with two transfers sharing the pacer, half with four)."""
+PIECES_PER_TIMEOUT = 8  # paced pieces of rate * timeout_s / 8: a pause stays well within the peer's timeout_s
 MIN_PIECE_BYTES = 64 << 10
 
 
 class Pacer:
     """A token bucket shared by every transfer it paces (``rate`` bytes/s; None: no cap). Any thread.
 
-    Send before sleep: a transfer moves a piece of at most :attr:`piece_bytes`, then pays for it
-    with :meth:`take`. The first byte of a transfer never waits for the bucket, and no pause
-    between two pieces is longer than the pieces queued before it take at ``rate``; the other
-    end, which fails a transfer after ``timeout_s`` without progress, never times out on the
-    pacer (:class:`~zerostall.config.PeersConfig` refuses a ``rate`` and ``timeout_s`` too small
-    for that)."""
+    Send before sleep: a transfer moves at most :attr:`piece_bytes`, then pays with :meth:`take`,
+    so its first byte never waits and the other end (which gives up after ``timeout_s`` without
+    progress) never times out on the pacer (:class:`~zerostall.config.PeersConfig` refuses a
+    ``rate`` and ``timeout_s`` too small for that)."""
 
     def __init__(self, rate: int | None, timeout_s: float | None = None):
         self.rate = rate
         self._mu = threading.Lock()
         self._next = time.monotonic()
         self.piece_bytes = SEND_BYTES
-        """The most bytes a transfer moves before it pays (:data:`PIECES_PER_TIMEOUT`)."""
         if rate and timeout_s is not None:
             self.piece_bytes = max(MIN_PIECE_BYTES, min(SEND_BYTES, int(rate * timeout_s / PIECES_PER_TIMEOUT)))
 
@@ -131,11 +126,10 @@ class Pacer:
 
 class _ReadAhead:
     """Bytes ``[offset, offset + length)`` of an open file, read ahead on a thread of their own
-    into :data:`SEND_BUFS` aligned buffers of :data:`SEND_BUF_BYTES`, with O_DIRECT (the file
-    reopened through ``/proc/self/fd``: the same inode, even if renamed or deleted since) where
-    the filesystem takes it, else buffered. The sending thread iterates over the filled pieces
-    (``memoryview``s, in file order) and hands each buffer back by taking the next one; a read
-    error is raised there. :meth:`close` stops the reader (any thread that iterates)."""
+    into :data:`SEND_BUFS` aligned buffers, with O_DIRECT where the filesystem takes it (reopened
+    through ``/proc/self/fd``: the same inode even if renamed since). The sending thread
+    iterates over the filled pieces in file order, handing each buffer back by taking the next;
+    a read error is raised there. :meth:`close` stops the reader."""
 
     def __init__(self, fd: int, offset: int, length: int):
         self.fd, self.offset, self.end = fd, offset, offset + length
@@ -206,27 +200,17 @@ class _ReadAhead:
         self._thread.join()
         if self.dfd is not None:
             os.close(self.dfd)
-        for buf in self.bufs:
-            try:
-                buf.close()
-            except BufferError:  # a view still referenced by an exception's frames: unmapped by the GC
-                pass
+        unmap(self.bufs)
 
 
 def send_range(sock: socket.socket, f: Any, offset: int, length: int, pacer: Pacer | None = None) -> int:
-    """Send bytes ``[offset, offset + length)`` of open file ``f`` to ``sock``: read ahead on
-    a thread of their own with O_DIRECT (:class:`_ReadAhead`), sent from its buffers (each
-    ``send`` waits at most the socket's timeout for progress; with ``pacer``, paid for in
-    pieces). A holder's copy was written with O_DIRECT, so it is not cached: ``sendfile``
-    from it read the disk on the sending thread, one read-ahead window at a time, and the
-    socket idled while it did (see docs/cluster.md, the link probe). Returns the bytes sent;
-    stops early (returning fewer) when the receiver closed (its answer says why) or the file
-    could not be read (logged). Raises ``TimeoutError`` when the receiver took nothing for the
-    socket's timeout (a stopped peer: it will not answer either, so the caller must not wait a
-    second timeout for its answer). On any early stop the socket is shut for writing: the
-    stream is broken, and the receiver sees a cut transfer at once instead of waiting its own
-    timeout for bytes that never come (and then taking the sender's late error answer for
-    file bytes)."""
+    """Send bytes ``[offset, offset + length)`` of open file ``f`` to ``sock`` from an O_DIRECT
+    read-ahead (:class:`_ReadAhead`; ``sendfile`` of an uncached copy read the disk on the
+    sending thread and idled the socket meanwhile: docs/cluster.md, the link probe), paced by
+    ``pacer``. Returns the bytes sent: fewer when the receiver closed (its answer says why) or
+    the file could not be read (logged). Raises ``TimeoutError`` when the receiver took nothing
+    for the socket's timeout (a stopped peer: the caller must not wait for its answer). On an
+    early stop the socket is shut for writing, so the receiver sees a cut transfer at once."""
     reader = _ReadAhead(f.fileno(), offset, length)
     pieces = iter(reader)
     sent = 0
@@ -243,7 +227,7 @@ def send_range(sock: socket.socket, f: Any, offset: int, length: int, pacer: Pac
     except PeerError as exc:
         log.warning("zerostall: sending %s stopped: %s", getattr(f, "name", "a file"), exc)
     except TimeoutError:
-        _shut_wr(sock)
+        shutdown(sock, socket.SHUT_WR)
         raise
     except OSError as exc:
         if not isinstance(exc, ConnectionError) and exc.errno not in (errno.EPIPE, errno.ECONNRESET):
@@ -252,33 +236,38 @@ def send_range(sock: socket.socket, f: Any, offset: int, length: int, pacer: Pac
         pieces.close()
         reader.close()
     if sent < length:
-        _shut_wr(sock)
+        shutdown(sock, socket.SHUT_WR)
     return sent
 
 
-def _shut_wr(sock: socket.socket) -> None:
+def shutdown(sock: socket.socket, how: int) -> None:
+    """``sock.shutdown(how)`` unless the other side reset or closed it already."""
     try:
-        sock.shutdown(socket.SHUT_WR)
-    except OSError:  # already reset or closed by the other side
+        sock.shutdown(how)
+    except OSError:
         pass
+
+
+def unmap(bufs: list[Any]) -> None:
+    """Close mmap buffers; one still referenced (by an exception's frames, a receive not woken)
+    is left to the GC."""
+    for buf in bufs:
+        try:
+            buf.close()
+        except BufferError:
+            pass
 
 
 def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer: Pacer | None = None,
               start: int = 0, point: str = "", buf_bytes: int = BUF_BYTES) -> None:
-    """Receive ``size`` bytes into aligned buffers, check them, write them to ``w`` at file
-    offsets ``start``.. (aligned extents: shard files are multiples of 4096 bytes, ranges start
-    at aligned tensor offsets). A thread of its own receives into :data:`RECV_BUFS` buffers
-    while the caller's thread checks each filled one and writes it with O_DIRECT, so the
-    socket keeps draining during the crc and the write (in one loop, every crc and every
-    write stalled the stream and the sender behind it: docs/cluster.md, the link probe). Each
-    buffer is checked before it is written, and every byte before the caller commits; while
-    one is written the next, if it is in already, is checked (the write's ``overlap``), so the
-    disk does not idle during the crc when the link outruns it.
-    ``pacer``: the receiver's own cap (a holder pacing what it takes in); ``point``: the
-    :data:`fault_hook` prefix (``"recv"`` for a holder's copy; called on the receiving
-    thread); ``buf_bytes``: each buffer's size (:data:`BUF_BYTES` for copies,
-    :data:`FETCH_BUF_BYTES` for restores). On an error the receiving thread is woken by a
-    ``shutdown(SHUT_RD)`` of ``sock`` (the caller may still send its answer)."""
+    """Receive ``size`` bytes, check them (``check.feed``) and write them to ``w`` at file offsets
+    ``start``.. (aligned). A thread of its own receives into :data:`RECV_BUFS` buffers while the
+    caller's thread checks each filled one and writes it with O_DIRECT, so the socket keeps
+    draining during the crc and the write (docs/cluster.md, the link probe); while one buffer is
+    written the next, if in, is checked (the write's ``overlap``). Every buffer is checked before
+    it is written. ``pacer``: the receiver's own cap; ``point``: the :data:`fault_hook` prefix;
+    ``buf_bytes``: :data:`BUF_BYTES` for copies, :data:`FETCH_BUF_BYTES` for restores. On an
+    error the receiving thread is woken by ``shutdown(SHUT_RD)`` (the caller may still answer)."""
     bufs = [mmap.mmap(-1, buf_bytes) for _ in range(RECV_BUFS)]
     free: queue.SimpleQueue[int | None] = queue.SimpleQueue()
     full: queue.SimpleQueue[tuple[int, int] | BaseException] = queue.SimpleQueue()
@@ -342,9 +331,7 @@ def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer:
         while ready is not None:
             nxt: list[tuple[int, int, int] | None] = [None]
 
-            def overlap() -> None:
-                # the next piece, if it is in already, is checked while this one is written:
-                # the disk does not idle during the crc (the checked-before-written order holds)
+            def overlap() -> None:  # the next piece, if in, is checked while this one is written
                 nxt[0] = take(False)
             i, n, off = ready
             mv = memoryview(bufs[i])
@@ -356,15 +343,8 @@ def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer:
             ready = nxt[0] if nxt[0] is not None else take(True)
     except BaseException:
         free.put(None)
-        try:
-            sock.shutdown(socket.SHUT_RD)  # a receive in progress returns
-        except OSError:
-            pass
+        shutdown(sock, socket.SHUT_RD)  # a receive in progress returns
         raise
     finally:
         t.join(10)
-        for buf in bufs:
-            try:
-                buf.close()
-            except BufferError:  # still referenced (an exception's frames, a receive not woken): unmapped by the GC
-                pass
+        unmap(bufs)

@@ -1,6 +1,5 @@
-"""Plain TCP peer transport: the committed file read ahead with O_DIRECT and sent, the receiver checks
-every byte and writes with O_DIRECT from an aligned buffer (see :mod:`.transport` for the
-call order and :mod:`.wire` for the messages).
+"""Plain TCP peer transport: the committed file read ahead with O_DIRECT and sent, the receiver
+checks every byte and writes it with O_DIRECT (:mod:`.stream`; messages and handshake: :mod:`.wire`).
 
 Requests after the handshake, each answered ``{"ok": true, ...}`` or ``{"ok": false,
 "error": ...}`` (then the connection is closed)::
@@ -11,13 +10,14 @@ Requests after the handshake, each answered ``{"ok": true, ...}`` or ``{"ok": fa
     {"op": "get", "src", "step", "name"}
         -> {"ok": true, "size", "manifest_bytes"} + manifest + file bytes
 
-Every socket has ``timeout_s``: a peer that stops (SIGSTOP, a hung host) fails the call
-after ``timeout_s`` without progress. The server runs one daemon thread per connection (at
-most ``max_connections``); one receiving a copy lowers its own CPU priority and I/O class
-(:mod:`.priority`), one serving a restore keeps them; a connection that fails the handshake is
-logged with its address and closed. When every slot is taken, the oldest connection that has
-not authenticated yet is dropped for the new one (so strangers that connect and never answer
-cannot lock the job's own peers out); only when all are authenticated is the new one refused.
+Who calls what: ``serve(store)`` once at start-up (node leaders, caller's thread of
+``Checkpointer.__init__``); ``put``, ``list_held``, ``get`` from the replicator's and the
+restore's threads, each on a connection of its own; ``close()`` from ``Checkpointer.close()``
+(never blocks longer than a socket shutdown). Every socket has ``timeout_s``: a stopped peer
+fails the call after ``timeout_s`` without progress. The server runs one daemon thread per
+connection (at most ``max_connections``); one receiving a copy lowers its own priority
+(:func:`.stream.background`). When every slot is taken, the oldest connection not yet
+authenticated is dropped for the new one, so strangers cannot lock the job's peers out.
 """
 
 from __future__ import annotations
@@ -28,26 +28,28 @@ import logging
 import os
 import socket
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import ConfigError, ZerostallError
 from ..format.manifest import Manifest
-from .priority import background
 from .store import PeerStore
-from .stream import FETCH_BUF_BYTES, Pacer, at, fill_from, roomy_send_buffer, send_range
-from .transport import Endpoint, Sink, Transport
-from .verify import file_entry, split_points
-from .wire import (MAX_MANIFEST_BYTES, PeerError, check_name, check_node, check_size, check_step, client_handshake,
-                   recv_exact, recv_msg, recv_msg_or_eof, send_msg, server_handshake)
+from .stream import FETCH_BUF_BYTES, Pacer, at, background, fill_from, roomy_send_buffer, send_range, shutdown
+from .verify import StreamCheck, file_entry, split_points
+from .wire import (MAX_MANIFEST_BYTES, Endpoint, PeerError, check_name, check_node, check_size, check_step,
+                   client_handshake, recv_exact, recv_msg, recv_msg_or_eof, send_msg, server_handshake)
 
 __all__ = ["Pacer", "TcpTransport", "fill_from"]
 log = logging.getLogger("zerostall")
 MAX_FILE_BYTES = 1 << 46
 
+Sink = Callable[[Manifest, int], tuple[Any, StreamCheck]]
+"""``get``'s destination: called with the file's manifest and size once the peer announced
+it; returns an open engine writer and the :class:`StreamCheck` to feed."""
+
 
 def _serving_io_priority() -> None:
     """A connection thread serving a restore or a listing: best-effort disk I/O (someone is
-    waiting; threads receiving copies go idle instead, :func:`.priority.background`)."""
+    waiting; threads receiving copies go idle instead, :func:`.stream.background`)."""
     try:
         import psutil
         psutil.Process(threading.get_native_id()).ionice(psutil.IOPRIO_CLASS_BE, 4)
@@ -78,18 +80,14 @@ def _bind_error(me: str, host: str, port: int, exc: OSError) -> str:
     return f"{where}; check peers.listen_host and peers.listen_port"
 
 
-class TcpTransport(Transport):
-    name = "tcp"
-
+class TcpTransport:
     def __init__(self, secret: bytes, me: str, nodes: set[str], *, timeout_s: float, pacer: Pacer,
                  listen_host: str = "127.0.0.1", max_connections: int = 32, recv_pacer: Pacer | None = None,
                  cpu_priority: str = "normal", listen_port: int = 0):
-        self.cpu_priority = cpu_priority
-        """A connection thread receiving a copy (``put``) lowers itself to this (:mod:`.priority`)."""
+        self.cpu_priority = cpu_priority  # a connection thread receiving a copy lowers itself to this
         self.secret, self.me, self.nodes = secret, me, set(nodes)
         self.timeout_s, self.pacer = timeout_s, pacer
-        self.recv_pacer = recv_pacer
-        """The holder's cap on the copies it takes in (all senders together); None: none."""
+        self.recv_pacer = recv_pacer  # the holder's cap on the copies it takes in, all senders together
         self.listen_host, self.listen_port, self.max_connections = listen_host, listen_port, max_connections
         self._srv: socket.socket | None = None
         self._conns: set[socket.socket] = set()  # every open connection, ours and accepted (close() ends them)
@@ -97,14 +95,12 @@ class TcpTransport(Transport):
         self._unauth: list[socket.socket] = []  # accepted, handshake not done yet: oldest first
         self._mu = threading.Lock()
         self._closed = False
-        self.refused = 0
-        """Connections refused (failed handshake, bad request): for tests and doctor."""
-        self.ops: dict[str, Any] = {}
-        """More requests served beside put/list/get: op -> ``handler(conn, peer node, message)``
-        (coded copies' fragments: :func:`.fragments.register`, before :meth:`serve`)."""
+        self.refused = 0  # connections refused (failed handshake, bad request): tests, doctor
+        self.ops: dict[str, Any] = {}  # more requests: op -> handler(conn, peer, msg) (:func:`.fragments.register`)
 
     # -- server ------------------------------------------------------------------------
     def serve(self, store: PeerStore) -> tuple[str, int]:
+        """Start serving ``store`` (puts, lists, gets); returns the ``(host, port)`` listened on."""
         self.store = store
         store.clean()
         try:
@@ -136,8 +132,7 @@ class TcpTransport(Transport):
             if evict is not None:
                 log.warning("zerostall: peer connection %s dropped before it authenticated: every slot was taken",
                             _addr(evict))
-                with contextlib.suppress(OSError):
-                    evict.shutdown(socket.SHUT_RDWR)  # its thread's recv fails; it closes the socket
+                shutdown(evict, socket.SHUT_RDWR)  # its thread's recv fails; it closes the socket
             if full:
                 log.warning("zerostall: peer connection from %s refused: %d connections open", addr,
                             self.max_connections)
@@ -237,7 +232,9 @@ class TcpTransport(Transport):
         return start, length
 
     # -- client ------------------------------------------------------------------------
-    def _connect(self, ep: Endpoint, op: str = "") -> socket.socket:
+    def open(self, ep: Endpoint, op: str = "") -> socket.socket:
+        """An authenticated connection to ``ep`` (``op``: the fault-hook prefix); hand it back
+        with :meth:`release`."""
         try:
             s = socket.create_connection((ep.host, ep.port), timeout=self.timeout_s)
         except OSError as exc:
@@ -253,38 +250,27 @@ class TcpTransport(Transport):
         try:
             node = client_handshake(s, self.secret, self.me)
         except OSError as exc:  # TimeoutError: a stopped or overloaded peer
-            self._drop(s)
+            self.release(s)
             raise PeerError(f"node {ep.node} ({ep.host}:{ep.port}): no handshake within {self.timeout_s:g} s "
                             f"({exc or 'timed out'})") from exc
         except BaseException:
-            self._drop(s)
+            self.release(s)
             raise
         if node != ep.node:
-            self._drop(s)
+            self.release(s)
             raise PeerError(f"{ep.host}:{ep.port} is node {node!r}, not {ep.node!r}")
         if op:
             at(f"{op}:handshake")
         return s
 
-    def open(self, ep: Endpoint, op: str = "") -> socket.socket:
-        """An authenticated connection to ``ep`` for a caller that drives it itself (a coded
-        copy's fragment upload); hand it back with :meth:`release`."""
-        return self._connect(ep, op)
-
     def release(self, s: socket.socket) -> None:
-        self._drop(s)
-
-    def call(self, ep: Endpoint, what: str, fn: Any, op: str = "") -> Any:
-        """``fn(socket)`` on a fresh connection to ``ep``; errors name the node and ``what``."""
-        return self._call(ep, what, fn, op)
-
-    def _drop(self, s: socket.socket) -> None:
         with self._mu:
             self._conns.discard(s)
         s.close()
 
-    def _call(self, ep: Endpoint, what: str, fn: Any, op: str = "") -> Any:
-        s = self._connect(ep, op)
+    def call(self, ep: Endpoint, what: str, fn: Any, op: str = "") -> Any:
+        """``fn(socket)`` on a fresh connection to ``ep``; errors name the node and ``what``."""
+        s = self.open(ep, op)
         try:
             return fn(s)
         except (OSError, PeerError) as exc:
@@ -292,9 +278,11 @@ class TcpTransport(Transport):
                 raise
             raise PeerError(f"node {ep.node}: {what} failed: {exc}") from exc
         finally:
-            self._drop(s)
+            self.release(s)
 
     def put(self, ep: Endpoint, src: str, step: int, name: str, path: str, man_bytes: bytes) -> str:
+        """Copy committed file ``path`` (``name`` of ``src``'s ``step``) to ``ep``; returns the
+        receiver's digest once it has verified, fsynced and committed the file."""
         def run(s: socket.socket) -> str:
             with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
@@ -315,18 +303,23 @@ class TcpTransport(Transport):
             if not reply.get("ok"):
                 raise PeerError(f"node {ep.node} refused {name} of step {step}: {reply.get('error')}")
             return str(reply.get("digest"))
-        return self._call(ep, f"copying {name} of step {step}", run, "send")
+        return self.call(ep, f"copying {name} of step {step}", run, "send")
 
-    def list_held(self, ep: Endpoint) -> list[dict[str, Any]]:
+    def list_held(self, ep: Endpoint, op: str = "list", **fields: Any) -> list[dict[str, Any]]:
+        """What ``ep`` holds (:meth:`.store.PeerStore.held`; ``op="flist", src=node``: the coded
+        fragments of ``node`` it holds, :meth:`.fragments.FragmentStore.held`)."""
         def run(s: socket.socket) -> list[dict[str, Any]]:
-            send_msg(s, {"op": "list"})
+            send_msg(s, {"op": op, **fields})
             reply = recv_msg(s)
             if not reply.get("ok") or not isinstance(reply.get("held"), list):
-                raise PeerError(f"node {ep.node} did not list its copies: {reply.get('error')}")
+                raise PeerError(f"node {ep.node} did not list what it holds ({op}): {reply.get('error')}")
             return reply["held"]
-        return self._call(ep, "listing", run)
+        return self.call(ep, "listing", run)
 
     def get(self, ep: Endpoint, src: str, step: int, name: str, sink: Sink, rng: tuple[int, int] | None = None) -> str:
+        """Stream ``name`` of ``src``'s ``step`` from ``ep`` into ``sink``'s writer, checked;
+        returns the digest of what was received. ``rng``: only bytes ``[start, end)``, written
+        at their offsets (``start`` 0 or a :func:`~.verify.split_points` offset)."""
         def run(s: socket.socket) -> str:
             req: dict[str, Any] = {"op": "get", "src": src, "step": step, "name": name}
             if rng is not None:
@@ -348,17 +341,16 @@ class TcpTransport(Transport):
             fill_from(s, end - start, w, check, start=start, buf_bytes=FETCH_BUF_BYTES)
             return check.digest()
         what = f"fetching {name} of step {step}" + (f" (bytes {rng[0]}..{rng[1]})" if rng else "")
-        return self._call(ep, what, run)
+        return self.call(ep, what, run)
 
     def close(self) -> None:
+        """Stop serving and abort open transfers (idempotent)."""
         self._closed = True
         srv, self._srv = self._srv, None
         if srv is not None:
-            with contextlib.suppress(OSError):
-                srv.shutdown(socket.SHUT_RDWR)  # wakes the accept() of the accept thread
+            shutdown(srv, socket.SHUT_RDWR)  # wakes the accept() of the accept thread
             srv.close()
         with self._mu:
             conns = list(self._conns)
         for c in conns:
-            with contextlib.suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)
+            shutdown(c, socket.SHUT_RDWR)

@@ -1,18 +1,11 @@
 """Steps deleted for good: ``peers/.deleted.json`` in a node's root, and the deletion itself.
 
-A step deleted from every root would otherwise come back at the next start, fetched from the
-holders that keep copies of it. ``zerostall delete ROOT --step N`` (:func:`delete_step`, run
-on each node while the job is stopped: it takes the root's lock) removes the node's own
-``step-N`` and every copy of step N the root holds for other nodes, after recording a
-*tombstone* for the step: the checkpoint ids it removed and the time of the deletion. A copy
-of step N is dead if its checkpoint id is recorded, or if its manifest was created before the
-deletion; a later save of step N (a new commit, created after) is not.
-
-Who honours tombstones: at start-up every node's leader publishes its own with its peer
-endpoint (:mod:`.exchange`), every node merges the others' into its file and drops the dead
-copies it holds (so a holder that was stopped during the deletion drops them too), and a
-restore never counts a dead copy (:mod:`.offer`). Read by any thread; written by the CLI and
-by the node leader's start-up (atomically: tmp, fdatasync, rename).
+``zerostall delete ROOT --step N`` (:func:`delete_step`, the job stopped) records a *tombstone*
+(the checkpoint ids removed, the time) and then removes the node's ``step-N`` and the copies of
+step N it holds, so that the step does not come back from a holder. A copy is dead if its id is
+recorded or its manifest is older than the deletion. At start-up every node's leader publishes
+its tombstones (:mod:`.exchange`), merges the others' and drops the dead copies it holds; a
+restore never counts a dead copy. Written atomically (tmp, fdatasync, rename).
 """
 
 from __future__ import annotations
@@ -21,7 +14,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import time
 import uuid
 from typing import Any
@@ -30,10 +22,10 @@ from ..errors import ZerostallError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..store.atomic import fsync_dir, rmtree, write_file_durable
 from ..store.local import LocalTier
+from .status import held_dirs
 
 log = logging.getLogger("zerostall")
 NAME = ".deleted.json"
-_STEP_RE = re.compile(r"^step-(\d{1,19})$")
 
 Tombs = dict[int, dict[str, Any]]
 """step -> {"ids": [checkpoint ids removed], "before": unix time of the deletion}"""
@@ -99,26 +91,21 @@ def drop_dead(root: str, tombs: Tombs) -> list[tuple[str, int]]:
     start-up, before its server answers; or the CLI)."""
     area = os.path.join(root, "peers")
     gone = []
-    for src in sorted(os.listdir(area)) if os.path.isdir(area) else []:
-        d = os.path.join(area, src)
-        if src.startswith(".") or not os.path.isdir(d) or os.path.islink(d):
+    for src, step, d in held_dirs(root):
+        if step not in tombs:
             continue
-        for name in sorted(os.listdir(d)):
-            m = _STEP_RE.match(name)
-            if not m or int(m.group(1)) not in tombs:
-                continue
-            try:
-                with open(os.path.join(d, name, MANIFEST_NAME), "rb") as f:
-                    man = Manifest.from_bytes(f.read())
-                ident: tuple[Any, Any] = (man.checkpoint_id, man.created_unix)
-            except (OSError, ZerostallError):
-                ident = (None, None)  # no readable manifest: nothing to serve, nothing to keep
-            if ident == (None, None) or dead(tombs, int(m.group(1)), *ident):
-                doomed = os.path.join(area, f".deleting-{uuid.uuid4().hex[:8]}")
-                os.rename(os.path.join(d, name), doomed)
-                fsync_dir(area)
-                rmtree(doomed)
-                gone.append((src, int(m.group(1))))
+        try:
+            with open(os.path.join(d, MANIFEST_NAME), "rb") as f:
+                man = Manifest.from_bytes(f.read())
+            ident: tuple[Any, Any] = (man.checkpoint_id, man.created_unix)
+        except (OSError, ZerostallError):
+            ident = (None, None)  # no readable manifest: nothing to serve, nothing to keep
+        if ident == (None, None) or dead(tombs, step, *ident):
+            doomed = os.path.join(area, f".deleting-{uuid.uuid4().hex[:8]}")
+            os.rename(d, doomed)
+            fsync_dir(area)
+            rmtree(doomed)
+            gone.append((src, step))
     if gone:
         log.info("zerostall: removed copies of deleted steps %s from %s", gone, area)
     return gone

@@ -1,12 +1,9 @@
 """The peer protocol's messages, its handshake and the checks every field goes through.
 
 A message is a 4-byte big-endian length and a JSON object (at most ``MAX_HEADER_BYTES``, a
-handshake's at most ``MAX_HANDSHAKE_BYTES``; nested at most ``MAX_DEPTH`` deep, checked before
-it is parsed);
-binary bodies (a manifest, a file) follow with the length the header declared. Both sides
-check every field before acting on it (:func:`check_node`, :func:`check_step`,
-:func:`check_name`, :func:`check_size`): a hostile or corrupt message is refused with an
-error message and the connection closed, never acted on.
+handshake's ``MAX_HANDSHAKE_BYTES``, nested at most ``MAX_DEPTH`` deep, checked before it is
+parsed); binary bodies follow with the length the header declared. Both sides check every
+field before acting on it (``check_*``): a hostile message is refused and the connection closed.
 
 Handshake (mutual, per connection; the secret never crosses the wire)::
 
@@ -14,10 +11,8 @@ Handshake (mutual, per connection; the secret never crosses the wire)::
     client -> server   {"node": C, "nonce": nc, "mac": HMAC(secret, "c|" ns "|" nc "|" C)}
     server -> client   {"mac": HMAC(secret, "s|" nc "|" ns "|" S)}   (or {"error": ...} and close)
 
-The secret is the launcher's (``ZEROSTALL_PEER_SECRET[_FILE]``, keyed per session) or, failing that,
-drawn per job by rank 0 and shared through the c10d store (:mod:`.exchange`):
-only processes that can read the job's store get in. Functions here run on the calling
-thread; the socket has a timeout set by the caller (a stopped peer raises ``TimeoutError``).
+The secret: :mod:`.exchange`. Everything here runs on the calling thread, on a socket whose
+timeout the caller set.
 """
 
 from __future__ import annotations
@@ -29,6 +24,7 @@ import os
 import re
 import socket
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ZerostallError
@@ -36,19 +32,25 @@ from ..format.layout import SHARD_NAME_RE
 
 VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
-MAX_HANDSHAKE_BYTES = 4096
-"""A handshake message is three short fields: anything longer is refused before it is parsed."""
-MAX_DEPTH = 16
-"""The deepest nesting of arrays and objects a message may have (the protocol's own go four
-deep): checked before parsing, so a hostile message cannot exhaust the parser's recursion."""
+MAX_HANDSHAKE_BYTES = 4096  # three short fields
+MAX_DEPTH = 16  # the protocol's own messages nest four deep; checked before the parser recurses
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_STEP = (1 << 63) - 1
-_NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 _LEN = struct.Struct(">I")
 
 
 class PeerError(ZerostallError):
     """A peer refused a request, broke the protocol or could not be reached."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a node's peer server listens (published through the c10d store)."""
+
+    node: str
+    host: str
+    port: int
 
 
 def send_msg(sock: socket.socket, obj: dict[str, Any]) -> None:
@@ -127,7 +129,7 @@ def server_handshake(sock: socket.socket, secret: bytes, me: str) -> str:
     except PeerError as exc:
         raise PeerError(f"handshake refused: {exc}") from None
     node, nc, mac = msg.get("node"), msg.get("nonce"), msg.get("mac")
-    if not (isinstance(node, str) and _NODE_RE.match(node) and isinstance(nc, str) and len(nc) == 32
+    if not (isinstance(node, str) and NODE_RE.match(node) and isinstance(nc, str) and len(nc) == 32
             and isinstance(mac, str)):
         send_msg(sock, {"error": "malformed handshake"})
         raise PeerError("malformed handshake")
@@ -142,7 +144,7 @@ def client_handshake(sock: socket.socket, secret: bytes, me: str) -> str:
     """Authenticate to the server and the server to us; returns the server's node name."""
     hello = recv_msg(sock, MAX_HANDSHAKE_BYTES)
     node, ns = hello.get("node"), hello.get("nonce")
-    if hello.get("v") != VERSION or not isinstance(node, str) or not _NODE_RE.match(node) \
+    if hello.get("v") != VERSION or not isinstance(node, str) or not NODE_RE.match(node) \
             or not isinstance(ns, str) or len(ns) != 32:
         raise PeerError(f"unexpected greeting from the peer: {str(hello)[:200]}")
     nc = os.urandom(16).hex()
@@ -158,7 +160,7 @@ def client_handshake(sock: socket.socket, secret: bytes, me: str) -> str:
 # -- field checks: each returns the value or raises PeerError naming it ------------------
 
 def check_node(v: Any) -> str:
-    if not isinstance(v, str) or not _NODE_RE.match(v):
+    if not isinstance(v, str) or not NODE_RE.match(v):
         raise PeerError(f"bad node name {str(v)[:80]!r}")
     return v
 

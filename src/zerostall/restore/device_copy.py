@@ -6,7 +6,7 @@ threads (``zerostall-restore-copy``), :func:`copy_staged` (after the gate), :fun
 (on failure) and :meth:`CudaCopier.sync` (at the end) from the caller's thread.
 
 - CPU destinations, given as addresses: ``ctypes.memmove`` (which releases the GIL), never a
-  torch op (see :mod:`..staging.snapshot` on OpenMP teams).
+  torch op (see :mod:`zerostall.saving.snapshot` on OpenMP teams).
 - CUDA destinations (the caller's CUDA tensors of an in-place load, new tensors when
   ``map_location`` is a CUDA device): :class:`CudaCopier`, host-to-device copies from the
   scratch, pinned with ``cudaHostRegister`` (never cut at a boundary between two registered

@@ -13,6 +13,7 @@ import logging
 import os
 from typing import Any, Callable, Iterator
 
+from ..distributed.finish import committed_here
 from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint, StateMismatchError, ZerostallError
 from ..format.manifest import Manifest
 from ..format.decode import tree_tensor_indices
@@ -87,10 +88,7 @@ def fetch(tier: RootTier, remote: Tier, step: int, seen: Any = _ANY,
             fetch(tier, remote, ref, None)
     with fetch_lock(tier.root):
         now = tier.manifest_ident(step)
-        same = False
-        if now is not None:
-            with contextlib.suppress(ZerostallError):
-                same = tier.read_manifest(step).checkpoint_id == man.checkpoint_id
+        same = now is not None and committed_here(tier, step, man.checkpoint_id)
         if same and only is not None:  # another rank of this node fetched its own files of it
             _add_files(tier, remote, step, man, only)
             return man, True

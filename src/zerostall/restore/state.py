@@ -54,9 +54,8 @@ def select_keys(tree: Any, keys: Iterable[str], step: int) -> Any:
     found: set[str] = set()
 
     def walk(n: Any, path: str) -> Any:
-        hits = [k for k in wanted if k == path]
-        if hits:
-            found.update(hits)
+        if path in wanted:
+            found.add(path)
             return n
         below = [k for k in wanted if not path or k.startswith(path + ".")]
         if not below:

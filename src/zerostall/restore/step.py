@@ -355,12 +355,17 @@ def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: An
     return merge(state_dict, decode_tree(tree, tensors, where=where))
 
 
-def verify_step(tier: Tier, step: int, engine: Engine, bounce: Any = None, *,
+def verify_step(tier: Tier, step: int, engine: Engine | None, bounce: Any = None, *,
                 only: Callable[[Manifest], set[str] | None] | None = None) -> Manifest:
     """Read every byte of ``step`` and check it, keeping nothing; raises CorruptCheckpoint.
     ``only(manifest)`` may name the shard files to check (a node-local copy holds its own
     ranks' files only: ``zerostall verify`` passes them); None checks them all."""
-    return _verify(tier, step, engine, bounce, only, engine.cfg)
+    man = tier.read_manifest(step)
+    names = only(man) if only is not None else None
+    check_files(tier, man, names, engine)
+    read_step(file_reads(tier, man, engine, lambda i: (None, None, False), needed=None, only=names, sparse=False),
+              bounce or shared_bounce(), engine.cfg if engine is not None else IOConfig())
+    return man
 
 
 def verify_tier_step(tier: Tier, step: int, bounce: Any = None) -> Manifest:
@@ -368,14 +373,4 @@ def verify_tier_step(tier: Tier, step: int, bounce: Any = None) -> Manifest:
     streams its objects through the same pipeline, several ranged reads at once; nothing is
     stored locally) and check it as a load does: header, every tensor's crc32c, zero padding.
     Raises CorruptCheckpoint (RemoteError if the tier cannot be read)."""
-    return _verify(tier, step, None, bounce, None, IOConfig())
-
-
-def _verify(tier: Tier, step: int, engine: Engine | None, bounce: Any,
-            only: Callable[[Manifest], set[str] | None] | None, io: IOConfig) -> Manifest:
-    man = tier.read_manifest(step)
-    names = only(man) if only is not None else None
-    check_files(tier, man, names, engine)
-    read_step(file_reads(tier, man, engine, lambda i: (None, None, False), needed=None, only=names, sparse=False),
-              bounce or shared_bounce(), io)
-    return man
+    return verify_step(tier, step, None, bounce)

@@ -1,4 +1,4 @@
-"""Parsers for /proc/vmstat, /proc/pressure/* and the process's RSS, and a 10 Hz sampler.
+"""Parsers for /proc/vmstat, /proc/pressure/*, a process's RSS and threads, and a 10 Hz sampler.
 
 Parsers accept kernels that lack fields (missing keys read as 0, a missing PSI file as
 None). A :class:`Sampler` keeps the peaks and deltas of one save; it is created by the
@@ -52,6 +52,25 @@ def read_psi(path: str) -> dict[str, dict[str, float]] | None:
             with contextlib.suppress(ValueError):
                 vals[k] = float(v)
         out[parts[0]] = vals
+    return out
+
+
+def read_threads(pid: int) -> list[tuple[int, str, str, str]]:
+    """(tid, comm, state letter, wchan) of each thread of ``pid`` still there ([] if it is gone)."""
+    out = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+                wchan = f.read().strip()
+        except OSError:
+            continue
+        out.append((int(tid), stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2], wchan))
     return out
 
 

@@ -5,12 +5,11 @@ Called from the CLI's thread. Reads /proc only.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 from .._term import console, safe
-from .host import HostSample
+from .host import HostSample, read_threads
 
 
 def process_state(pid: int) -> dict[str, Any]:
@@ -23,14 +22,7 @@ def process_state(pid: int) -> dict[str, Any]:
         out["state"] = stat[stat.rfind(")") + 2]
         with open(f"/proc/{pid}/wchan") as f:
             out["wchan"] = f.read().strip() or None
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    s = f.read()
-                if s[s.rfind(")") + 2] == "D":
-                    out["threads_in_d"] += 1
-            except OSError:
-                pass
+        out["threads_in_d"] = sum(1 for _, _, state, _ in read_threads(pid) if state == "D")
     except OSError:
         pass
     return out
@@ -64,8 +56,10 @@ def render(doc: dict[str, Any], prev: dict[str, Any] | None) -> Any:
     t.add_column("value", justify="right")
     t.add_column("")
     thr, bg = doc["dirty_threshold_bytes"], doc["dirty_background_threshold_bytes"]
-    t.add_row("nr_dirty", f"{doc['dirty_bytes'] / mib:,.0f} MiB", f"{_bar(doc['dirty_bytes'], thr)} throttle at {thr / mib:,.0f} MiB")
-    t.add_row("nr_writeback", f"{doc['writeback_bytes'] / mib:,.0f} MiB", f"background writeback from {bg / mib:,.0f} MiB")
+    t.add_row("nr_dirty", f"{doc['dirty_bytes'] / mib:,.0f} MiB",
+              f"{_bar(doc['dirty_bytes'], thr)} throttle at {thr / mib:,.0f} MiB")
+    t.add_row("nr_writeback", f"{doc['writeback_bytes'] / mib:,.0f} MiB",
+              f"background writeback from {bg / mib:,.0f} MiB")
     t.add_row("PSI io full avg10", f"{doc['psi_io_full_avg10']:.2f} %", "")
     t.add_row("PSI memory full avg10", f"{doc['psi_mem_full_avg10']:.2f} %", "")
     if prev is not None:

@@ -22,6 +22,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
+from .host import read_threads
+
 BPFTRACE_PROGRAM = r"""#!/usr/bin/env bpftrace
 kprobe:balance_dirty_pages { @start[tid] = nsecs; }
 kretprobe:balance_dirty_pages /@start[tid]/ {
@@ -103,9 +105,8 @@ def trace_tracefs(seconds: float) -> TraceReport:
         if mounted_here:
             subprocess.run(["umount", TRACEFS], capture_output=True)
     events = parse_trace_lines(lines)
-    rep = TraceReport("tracepoint writeback:balance_dirty_pages", seconds, len(events),
-                      [p for p, _, _ in events], sorted(events, reverse=True)[:10])
-    return rep
+    return TraceReport("tracepoint writeback:balance_dirty_pages", seconds, len(events),
+                       [p for p, _, _ in events], sorted(events, reverse=True)[:10])
 
 
 def trace_pid(pid: int, seconds: float, interval_s: float = 0.01) -> TraceReport:
@@ -116,21 +117,10 @@ def trace_pid(pid: int, seconds: float, interval_s: float = 0.01) -> TraceReport
     comm = ""
     while time.monotonic() < end:
         now = time.monotonic()
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except FileNotFoundError:
+        threads = read_threads(pid)
+        if not threads and not os.path.exists(f"/proc/{pid}"):
             break
-        for tid_s in tids:
-            tid = int(tid_s)
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    stat = f.read()
-                with open(f"/proc/{pid}/task/{tid}/wchan") as f:
-                    wchan = f.read().strip()
-            except OSError:
-                continue
-            comm = stat[stat.find("(") + 1:stat.rfind(")")]
-            state = stat[stat.rfind(")") + 2]
+        for tid, comm, state, wchan in threads:
             if state == "D" and "balance_dirty" in wchan:
                 runs.setdefault(tid, now)
             elif tid in runs:

@@ -2,8 +2,3 @@
 
 Reads the host; changes nothing unless ``apply_sysctls`` is called (``doctor --apply``).
 """
-
-from .plan import PlanInput, PlanResult, parse_count, plan
-from .sysctl import RECOMMENDED, read_sysctls
-
-__all__ = ["PlanInput", "PlanResult", "RECOMMENDED", "parse_count", "plan", "read_sysctls"]

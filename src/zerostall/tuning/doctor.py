@@ -48,12 +48,8 @@ def host_checks() -> list[Check]:
         if have is None:
             out.append(Check(name, None, "info", "not readable on this kernel"))
             continue
-        ok = have == want
-        # the *_bytes/ratio pairs: either form meeting the target is fine
-        if name == "vm.dirty_ratio" and cur.get("vm.dirty_bytes") == RECOMMENDED["vm.dirty_bytes"][0]:
-            ok = True
-        if name == "vm.dirty_background_ratio" and cur.get("vm.dirty_background_bytes") == RECOMMENDED["vm.dirty_background_bytes"][0]:
-            ok = True
+        pair = name.replace("_ratio", "_bytes")  # a ratio is fine when its *_bytes form meets the target
+        ok = have == want or (pair != name and cur.get(pair) == RECOMMENDED[pair][0])
         out.append(Check(name, have, "ok" if ok else "warn", "" if ok else f"recommended {want}: {why}"))
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     budget = budget_bytes(None, 0.4)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from ..config import IOConfig
 from ..io import get_engine, probe
@@ -20,25 +21,26 @@ def measure_engine(engine: str, directory: str, size: int, cfg: IOConfig, buf: A
     path = os.path.join(directory, f"zerostall-linerate-{engine}.bin")
     try:
         f = eng.open_write(path, size)
-        t0 = time.perf_counter()
-        for off in range(0, size, buf.nbytes):
-            n = min(buf.nbytes, size - off)
-            f.write([(off, buf.mv[:n])])
-        f.finish()
-        w = size / (time.perf_counter() - t0) / 1e9
+        w = _gbps(size, buf, f.write, f.finish)
         f.close()
         r = eng.open_read(path)
-        t0 = time.perf_counter()
-        for off in range(0, size, buf.nbytes):
-            n = min(buf.nbytes, size - off)
-            r.read([(off, buf.mv[:n])])
-        rd = size / (time.perf_counter() - t0) / 1e9
+        rd = _gbps(size, buf, r.read)
         r.close()
         return w, rd
     finally:
         if os.path.exists(path):
             os.unlink(path)
         eng.close()
+
+
+def _gbps(size: int, buf: Arena, io: Any, then: Any = None) -> float:
+    """GB/s of ``io`` over ``size`` bytes in ``buf``-sized requests, ``then()`` included."""
+    t0 = time.perf_counter()
+    for off in range(0, size, buf.nbytes):
+        io([(off, buf.mv[:min(buf.nbytes, size - off)])])
+    if then is not None:
+        then()
+    return size / (time.perf_counter() - t0) / 1e9
 
 
 def line_rate_probe(directory: str, size: int) -> dict[str, float]:
