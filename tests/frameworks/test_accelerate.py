@@ -69,3 +69,26 @@ def test_export_writes_what_accelerates_load_state_reads(tmp_path, reference):
             "custom_checkpoint_0.pkl"} <= set(os.listdir(out))
     model = app.run(tmp_path / "native", "accelerate", STEPS, resume=True)
     assert equal(model.state_dict(), final)
+
+
+def test_a_save_state_pre_hook_writes_into_the_directory_it_is_given(tmp_path):
+    """Accelerate hands ``register_save_state_pre_hook``'s hooks the directory being written, which
+    exists then (Accelerate's own ``save_state`` creates it first): what a hook writes there is
+    published with the checkpoint."""
+    from accelerate.utils import ProjectConfiguration
+    from zerostall.integrations.accelerate import ZerostallAccelerator
+
+    acc = ZerostallAccelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir=str(tmp_path), automatic_checkpoint_naming=True))
+    acc.prepare(torch.nn.Linear(2, 2))
+
+    def hook(models, weights, output_dir):
+        with open(os.path.join(output_dir, "extra.json"), "w") as f:
+            f.write("{}")
+
+    acc.register_save_state_pre_hook(hook)
+    final = acc.save_state()
+    acc.end_training()
+    with open(os.path.join(final, "extra.json")) as f:
+        assert f.read() == "{}"
+    assert LocalTier(final).steps() == [0]

@@ -1,12 +1,10 @@
 """The ``zerostall`` command line. Each subcommand is a thin shell over the library.
 
-Exit status: 0 success; 1 a failure (a check failed, no such step, a corrupt one, an I/O or
-remote error), with one line on stderr naming the cause; 2 bad usage (argparse, invalid
-options, a checkpoint root — directory, ``file://`` path, bucket — that does not exist; an
-existing root without checkpoints is not an error: "no checkpoints"). Read-only commands (``ls``, ``verify``, ``inspect``, ``export``'s source,
-``doctor``) create nothing. Everything printed that comes from a checkpoint (keys, file
-names, error messages quoting them) is printed literally: rich markup and emoji codes are
-not interpreted and control characters are shown as escapes, never sent to the terminal.
+Exit status: 0 success; 1 a failure, with one line on stderr naming the cause; 2 bad usage
+(argparse, invalid options, a checkpoint root that does not exist; an existing root without
+checkpoints prints "no checkpoints"). Read-only commands (``ls``, ``verify``, ``inspect``,
+``export``'s source, ``doctor``) create nothing. What comes from a checkpoint is printed
+literally (:func:`zerostall._term.safe`): no rich markup, control characters as escapes.
 """
 
 from __future__ import annotations

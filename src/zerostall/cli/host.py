@@ -47,12 +47,13 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-    p = PlanInput(params=parse_count(a.params, "--params") if a.params else None,
-                  bytes_per_param=a.bytes_per_param,
-                  checkpoint_bytes=parse_count(a.checkpoint_bytes, "--checkpoint-bytes") if a.checkpoint_bytes else None,
+    def count(text: str | None, flag: str) -> float | None:
+        return parse_count(text, flag) if text else None
+
+    p = PlanInput(params=count(a.params, "--params"), bytes_per_param=a.bytes_per_param,
+                  checkpoint_bytes=count(a.checkpoint_bytes, "--checkpoint-bytes"),
                   ranks=a.ranks, nodes=a.nodes, interval_min=a.interval_min, budget_s=a.budget_s,
-                  fs_gbps=a.fs_gbps, nic_gbit=parse_count(a.nic_gbps, "--nic-gbps") if a.nic_gbps else None,
-                  node_ram_gib=a.node_ram_gib)
+                  fs_gbps=a.fs_gbps, nic_gbit=count(a.nic_gbps, "--nic-gbps"), node_ram_gib=a.node_ram_gib)
     r = plan(p)
     if a.json:
         print(json.dumps(r.to_json(), indent=1))

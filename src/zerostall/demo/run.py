@@ -1,15 +1,7 @@
-"""``zerostall demo``: train a small transformer with async checkpoints, crash it, resume it.
-
-Three runs of the same seeded training (a pure function of seed and step):
-
-1. the reference: uninterrupted, checkpointing every ``--every`` steps, one line per
-   checkpoint (stall, persist rate, engine, host dirty-page rise);
-2. a child process trained the same way and killed with SIGKILL right after a
-   checkpoint's ``save()`` returned, i.e. while that checkpoint is being persisted;
-3. a child process that resumes from the newest committed checkpoint and finishes.
-
-The verdict compares run 3's losses and final parameters with run 1's, bit for bit.
-Exit status 0 only if they match.
+"""``zerostall demo``: three runs of the same seeded training (a pure function of seed and step):
+a reference run in this process, one line per checkpoint; a child killed with SIGKILL while a
+checkpoint is being persisted; a child resuming from the newest committed checkpoint. Exit
+status 0 only if the resumed losses and final parameters match the reference bit for bit.
 """
 
 from __future__ import annotations
@@ -185,8 +177,8 @@ def run_demo(steps: int, every: int, ckdir: str, seed: int, tiny: bool, console:
             break
     child.wait()
     if killed_at is None:
-        console.print(Text(f"the child ended before step {kill_step}: {safe(child.stderr.read() if child.stderr else '')}",
-                           style="red"))
+        err = child.stderr.read() if child.stderr else ""
+        console.print(Text(f"the child ended before step {kill_step}: {safe(err)}", style="red"))
         return False
     committed = sorted(int(n[5:]) for n in os.listdir(crash_dir) if n.startswith("step-") and n[5:].isdigit())
     partial = os.path.isdir(partial_dir)
@@ -230,7 +222,8 @@ def main(a: argparse.Namespace) -> int:
     finally:
         if not a.keep and a.dir is None:
             shutil.rmtree(ckdir, ignore_errors=True)
-    console.print(f"demo finished in {time.time() - t0:.1f} s" + (f"; checkpoints kept in {safe(ckdir)}" if a.keep or a.dir else ""))
+    kept = f"; checkpoints kept in {safe(ckdir)}" if a.keep or a.dir else ""
+    console.print(f"demo finished in {time.time() - t0:.1f} s{kept}")
     return 0 if ok else 1
 
 

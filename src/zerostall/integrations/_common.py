@@ -326,11 +326,13 @@ class AdapterSaves:
         self.publisher = self.publisher or Publisher(self._thread_name)
         self.publisher.submit(staged, final, handle, ckpt, **kwargs)
 
-    def save(self, staged: str, step: int, state: dict[str, Any], tensors: list[torch.Tensor]) -> tuple[Any, Any]:
+    def save(self, staged: str | Checkpointer, step: int, state: dict[str, Any],
+             tensors: list[torch.Tensor]) -> tuple[Any, Any]:
         """(Checkpointer, SaveHandle) of a save of ``state`` into a new Checkpointer at
-        ``staged``, at ``step`` or past the newest there; the guard holds ``tensors``'s
-        in-place updates until the snapshot is staged."""
-        ck = Checkpointer(staged, self.config)
+        ``staged`` (or into ``staged``, one opened with :attr:`config` already), at ``step`` or
+        past the newest there; the guard holds ``tensors``'s in-place updates until the
+        snapshot is staged."""
+        ck = staged if isinstance(staged, Checkpointer) else Checkpointer(staged, self.config)
         try:
             handle = ck.save(next_step(ck, step), state)
         except BaseException:

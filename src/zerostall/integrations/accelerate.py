@@ -1,37 +1,19 @@
-"""Accelerate: ``accelerator.save_state()``/``load_state()`` through zerostall (docs/integrations.md).
+"""Accelerate: ``accelerator.save_state()``/``load_state()`` through zerostall (docs/integrations.md
+says what is saved, where, and what a crash leaves).
 
 ::
 
     accelerator = ZerostallAccelerator(project_config=ProjectConfiguration(
         project_dir="run", automatic_checkpoint_naming=True, total_limit=2))   # or the mixin
-    model, opt, sched = accelerator.prepare(model, opt, sched)
-    accelerator.register_for_checkpointing(progress)                  # as with Accelerate
     if accelerator.zerostall_latest() is not None:
         accelerator.load_state()                                      # the newest committed one
-    ...
     accelerator.save_state()                                          # returns at once
     accelerator.end_training()                                        # every save durable
 
-``save_state(output_dir=None)`` saves what Accelerate's own ``save_state`` saves, as one
-zerostall step (prepared models, optimizers, schedulers, the gradient scaler, registered
-objects, stateful dataloaders, ``accelerator.step``, this process's RNG states) plus
-Accelerate's checkpoint counter (``project_configuration.iteration``). Under
-``torch.distributed`` every process saves its own state and the processes commit together.
-The save/load pre-hooks run as with Accelerate.
-
-With ``automatic_checkpoint_naming`` a save goes to ``project_dir/checkpoints/checkpoint_<N>``;
-``load_state()`` loads the newest *committed* one and sets the counter past it (Accelerate's
-own leaves it at 0, so a resumed run's next ``save_state`` would fail); ``total_limit`` keeps
-as many committed checkpoints as Accelerate keeps.
-
-**What a crash leaves.** A save is written into ``project_dir/.zerostall-staging/checkpoint_<N>``
-(or ``.NAME.zerostall-staging`` beside an explicit ``output_dir``) and renamed to its name by the
-:class:`~._common.Publisher` once committed: a listed checkpoint is always complete. The next
-``save_state`` removes what a crashed run left staged.
-
-``load_state(input_dir)`` of a directory written by Accelerate's own ``save_state`` is handed
-to Accelerate. Threads: every method runs on the training thread; the copy, write, commit and
-rename run behind it. DeepSpeed, FSDP and Megatron-LM keep Accelerate's own checkpointing.
+A save is staged in ``project_dir/.zerostall-staging/checkpoint_<N>`` (or
+``.NAME.zerostall-staging`` beside an explicit ``output_dir``) and renamed by the
+:class:`~._common.Publisher` once committed, so a listed checkpoint is always complete.
+Every method runs on the training thread; copy, write, commit and rename run behind it.
 """
 
 from __future__ import annotations
@@ -44,9 +26,10 @@ from typing import Any
 try:
     from accelerate import Accelerator
 except ImportError as exc:
-    raise ImportError("zerostall.integrations.accelerate needs Accelerate: pip install 'zerostall[accelerate]'") from exc
+    raise ImportError("zerostall.integrations.accelerate needs Accelerate: "
+                      "pip install 'zerostall[accelerate]'") from exc
 
-from .. import CheckpointConfig, load as _zs_load, rng_state, set_rng_state
+from .. import CheckpointConfig, Checkpointer, load as _zs_load, rng_state, set_rng_state
 from ..errors import CheckpointNotFound, ConfigError
 from ..extend import discard
 from ._common import AdapterSaves, is_committed, newest_committed, numbered, recover_staged, tensors_of
@@ -85,7 +68,8 @@ class ZerostallAcceleratorMixin:
             staged = os.path.join(os.path.abspath(self.project_dir), _STAGING_DIR, f"checkpoint_{pc.iteration}")
             return final, staged
         if output_dir is None:
-            raise ConfigError("save_state() needs output_dir (or ProjectConfiguration(automatic_checkpoint_naming=True))")
+            raise ConfigError("save_state() needs output_dir "
+                              "(or ProjectConfiguration(automatic_checkpoint_naming=True))")
         final = os.path.abspath(os.fspath(output_dir))
         return final, os.path.join(os.path.dirname(final), f".{os.path.basename(final)}{_STAGING_DIR}")
 
@@ -108,6 +92,7 @@ class ZerostallAcceleratorMixin:
             os.makedirs(os.path.dirname(final), exist_ok=True)
         self._zs_recover(os.path.dirname(staged), os.path.dirname(final))
         self._zs_saves.drain(final)
+        ck = Checkpointer(staged, self._zs_saves.config)  # creates the directory the pre-hooks are given
         weights = [self.get_state_dict(m, unwrap=False) for m in self._models]
         for hook in self._save_model_state_pre_hook.values():
             hook(self._models, weights, staged)
@@ -119,7 +104,7 @@ class ZerostallAcceleratorMixin:
             "step": int(self.step), "iteration": int(pc.iteration), "rng": rng_state()}
         if self.scaler is not None:
             state["scaler"] = self.scaler
-        ck, handle = self._zs_saves.save(staged, int(pc.iteration), state, tensors_of(weights))
+        ck, handle = self._zs_saves.save(ck, int(pc.iteration), state, tensors_of(weights))
         self.zerostall_handles.append(handle)
         limit = pc.total_limit if pc.automatic_checkpoint_naming else None
         rotate = (lambda: self._zs_rotate(limit)) if limit else None  # the publisher's thread, once renamed
@@ -170,7 +155,8 @@ class ZerostallAcceleratorMixin:
         pc = self.project_configuration
         if input_dir is None:
             if not pc.automatic_checkpoint_naming:
-                raise ConfigError("load_state() needs input_dir (or ProjectConfiguration(automatic_checkpoint_naming=True))")
+                raise ConfigError("load_state() needs input_dir "
+                                  "(or ProjectConfiguration(automatic_checkpoint_naming=True))")
             path = self.zerostall_latest()
             if path is None:
                 raise CheckpointNotFound(f"no committed checkpoint_<N> in {self._zs_auto_dir()}")

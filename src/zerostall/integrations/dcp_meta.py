@@ -1,17 +1,11 @@
 """DCP ``.metadata``: read without running code, and validate before anything is allocated.
 
-DCP's metadata is a pickle. :func:`read_metadata_file` opens it as a regular file only (no
-symlink, FIFO, directory or device; bounded size), unpickles it with an allow-list of the
-classes DCP's own metadata is made of, and :func:`validate` checks every field a reader
-will use: each ``state_dict_metadata`` entry and chunk, and each storage record (a
-zerostall ``_ZSInfo`` or ``FileSystemWriter``'s ``_StorageInfo``): integer types and ranges,
-shapes consistent with byte counts, dtypes, plain file names inside the checkpoint,
-records inside their files and not overlapping. Every failure is a
-:class:`~zerostall.errors.CorruptCheckpoint` naming the file and the field.
-
-Validation is linear in the file's size, however the pickle shares objects between entries
-(docs/speed-tricks.md): the chunks walked are bounded by the records (:func:`validate`), and the
-records by :data:`MAX_RECORDS`.
+:func:`read_metadata_file` opens it as a bounded regular file and unpickles it with an
+allow-list of the classes DCP's metadata is made of; :func:`validate` checks every field a
+reader uses (types, ranges, shapes against byte counts, dtypes, file names inside the
+checkpoint, records inside their files and not overlapping). Every failure is a
+:class:`~zerostall.errors.CorruptCheckpoint` naming the file and the field. Validation is
+linear in the file's size however the pickle shares objects (docs/speed-tricks.md).
 
 Called from the caller's thread (``Reader.read_metadata``, the CLI); no state.
 """

@@ -1,26 +1,16 @@
-"""A ``torch.distributed.checkpoint`` storage reader for zerostall.dcp and FileSystemWriter
-checkpoints, and what ``zerostall ls/verify/inspect`` show of them (:func:`describe`, :func:`verify`).
+"""A ``torch.distributed.checkpoint`` storage reader for zerostall.dcp and (plain,
+``torch_save``) FileSystemWriter checkpoints, and what ``zerostall ls/verify/inspect`` show of
+them (:func:`describe`, :func:`verify`; the CLI's thread). docs/dcp.md says what it reads.
 
-``dcp.load(sd, storage_reader=Reader(path))`` (DCP's planner reshards). ``read_metadata``
-reads ``.metadata`` through :mod:`.dcp_meta` (regular file only, allow-list unpickler, every
-field validated, every file stat'ed) before anything is allocated.
-
-- zerostall.dcp checkpoints are read through the one shard codec
-  (:func:`zerostall.format.shard.read_shard`): header, crc32c of every item read and the
-  zero padding around it, with direct I/O through the engine ``io/`` chooses. Only the
-  items this rank needs are read.
-- ``FileSystemWriter`` checkpoints (plain, ``torch_save`` serialization) are read
-  read-only: tensors with ``torch.load(weights_only=True)``.
-
-DCP's default planner unpickles non-tensor (``BYTE_IO``) items with ``weights_only=False``;
-this reader first proves each such item loads under ``weights_only=True`` and refuses it
-otherwise, so loading never runs code.
+``read_metadata`` goes through :mod:`.dcp_meta` before anything is allocated. zerostall.dcp
+shards are read through :func:`zerostall.format.shard.read_shard` (crc32c and padding checked,
+only the items this rank needs). DCP's planner unpickles ``BYTE_IO`` items with
+``weights_only=False``: each must first load under ``weights_only=True``, so loading never
+runs code.
 
 Call order (DCP's): ``reset`` -> ``read_metadata`` -> ``set_up_storage_reader`` ->
 ``prepare_local_plan`` -> ``prepare_global_plan`` (coordinator) -> ``read_data`` (every rank).
-One Reader serves one load at a time. :func:`describe` and :func:`verify` run on the CLI's
-thread; ``verify`` reads every byte of a zerostall.dcp checkpoint through the codec, and for a
-FileSystemWriter one (no checksums) checks that every record loads with ``weights_only=True``.
+One Reader serves one load at a time.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""A ``torch.distributed.checkpoint`` storage writer on zerostall's engines and shard codec.
+"""A ``torch.distributed.checkpoint`` storage writer on zerostall's engines and shard codec
+(docs/dcp.md: usage, and the ``FileSystemWriter`` semantics it keeps). The reader is
+:mod:`.dcp_reader`.
 
-``dcp.save(sd, storage_writer=Writer(path))`` and ``dcp.async_save(...)``: DCP's planners
-do the (re)sharding; each rank writes its items into one shard file through the shared
-codec (:mod:`zerostall.format.shard`: 4 KiB header, 4 KiB-aligned items, zero padding,
-O_DIRECT through the engine ``io/`` chooses, fdatasync) and records a crc32c per item; the
-coordinator writes DCP's ``.metadata`` last. The reader is in :mod:`.dcp_read`.
-
-Semantics follow ``FileSystemWriter`` so that switching is one argument: ``overwrite``
-defaults to True and, when False, refuses only a directory that already holds the
-checkpoint's metadata (``RuntimeError("Checkpoint already exists and self.overwrite=False.")``
-as DCP raises it); the directory may hold other files, which are never touched;
-``checkpoint_id=`` (``reset``), ``storage_meta`` and ``use_collectives=False`` (each rank its
-own storage index, its own ``__R.metadata``) work as there. Ids containing ``://`` are refused.
-
-Commit and overwrite, crash by crash (every state is a committed checkpoint)::
+Each rank writes its items into one shard file through :mod:`zerostall.format.shard`; the
+coordinator writes DCP's ``.metadata`` last. Commit and overwrite, crash by crash (every
+state is a committed checkpoint)::
 
     1. rank-RRRRR-<save>.shard   written, fdatasync'ed (each rank; <save> is fresh per save,
                                  so a crashed save never blocks the next with O_EXCL)
@@ -23,9 +14,6 @@ Commit and overwrite, crash by crash (every state is a committed checkpoint)::
     4. fsync(dir)                the new metadata is durable
     5. unlink unreferenced rank-*-*.shard and .metadata.*.tmp   (leftovers of this
                                  checkpoint's earlier or crashed saves; nothing else)
-
-A crash before 3 leaves the previous checkpoint as it was (its metadata names only its own
-files); a crash after 3 leaves the new one; leftovers are removed by the next save's step 5.
 
 Call order (DCP's): ``reset`` -> ``set_up_storage_writer`` -> ``prepare_local_plan`` (every
 rank) -> ``prepare_global_plan`` (coordinator) -> ``write_data`` (every rank; a background

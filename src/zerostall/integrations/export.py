@@ -1,12 +1,8 @@
-"""``zerostall export --format lightning|transformers|accelerate|safetensors``: a checkpoint
-written by one of the adapters in the files its framework's own checkpointing reads back
-(docs/integrations.md): a ``torch.save`` ``OUT.ckpt`` for Lightning's ``TorchCheckpointIO``; the
-plain ``Trainer``'s ``checkpoint-N`` folder (``model.safetensors``, ``optimizer.pt``, ...,
-``trainer_state.json``); an Accelerate ``save_state`` folder. ``safetensors``: every tensor,
-flattened (:func:`flatten`, :func:`save_safetensors`).
+"""``zerostall export --format lightning|transformers|accelerate|safetensors``: an adapter's
+checkpoint as the files its framework's own checkpointing reads (docs/integrations.md), or every
+tensor flattened into safetensors (:func:`flatten`, :func:`save_safetensors`).
 
-Imports no framework (the files are ``torch.save``, safetensors and JSON). Called by the CLI on
-its thread with the loaded state; writes into ``out``'s directory only.
+Imports no framework. Called by the CLI on its thread; writes into ``out``'s directory only.
 """
 
 from __future__ import annotations

@@ -1,41 +1,23 @@
 """Lightning: ``ZerostallCheckpointIO``, a ``CheckpointIO`` plugin that saves through zerostall
-(docs/integrations.md).
+(docs/integrations.md says what a crash leaves and how runs begun with ``torch.save`` continue).
 
 ::
 
     trainer = lightning.Trainer(plugins=[ZerostallCheckpointIO()], callbacks=[ModelCheckpoint(...)])
     trainer.fit(model, ckpt_path="last")          # resume: unchanged
 
-Each path Lightning names (``epoch=3-step=400.ckpt``, ``last.ckpt``) becomes a zerostall
-checkpoint directory holding one committed step, so ``ModelCheckpoint``,
-``trainer.save_checkpoint(path)`` and ``ckpt_path=`` work unchanged.
-
-**What a crash leaves.** A path Lightning names only ever holds a committed checkpoint:
-
-- a path that holds no zerostall checkpoint yet (the first save of ``last.ckpt``, every new
-  top-k name) is saved into the hidden sibling ``.NAME.zerostall-first`` and renamed to
-  ``NAME`` by the :class:`~._common.Publisher` once committed (over a ``torch.save`` file or
-  link there: an atomic exchange). A SIGKILL before that leaves ``NAME`` as it was; the next
-  run's first save removes the leftover;
-- a path that holds one commits a new step inside it and then retires the old one;
-- a removed path is renamed to ``.NAME.zerostall-removing`` at once and deleted once every
-  save in flight is durable.
-
-Each checkpoint also holds :func:`zerostall.rng_state` under ``"zerostall_rng"``, restored by
-``load_checkpoint`` (on every rank: the checkpoint is rank 0's). ``load_checkpoint`` of a
-``torch.save`` file reads it with ``torch.load(weights_only=True)``; the next save of that
-path replaces it with a zerostall checkpoint.
+Each path Lightning names becomes a zerostall checkpoint directory holding one committed step.
+A path with none yet is saved into ``.NAME.zerostall-first`` and renamed by the
+:class:`~._common.Publisher` once committed; a path with one commits a new step inside it, then
+retires the old one; a removed path is renamed to ``.NAME.zerostall-removing`` at once and
+deleted once every save in flight is durable. Each checkpoint holds :func:`zerostall.rng_state`
+under ``"zerostall_rng"``, restored by ``load_checkpoint``.
 
 **Threads.** Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0 only
-(``load_checkpoint`` on every rank), from the training thread. ``save_checkpoint`` plans and
-enqueues, then returns; until the snapshot is copied, optimizer steps and the forward of a
-module whose buffers are being copied wait for it (:class:`~._common.StateGuard`);
-``wait_staged=True`` waits inside ``save_checkpoint`` instead. ``teardown()`` waits until
+(``load_checkpoint`` on every rank), from the training thread. ``save_checkpoint`` returns once
+the save is planned; until the snapshot is copied, optimizer steps and the forward of a module
+whose buffers are being copied wait (:class:`~._common.StateGuard`). ``teardown()`` waits until
 every save is durable and raises the first failure.
-
-``MyModule.load_from_checkpoint(path)`` bypasses the plugin: use :func:`load_from_checkpoint`.
-Each Checkpointer here saves alone (``dist_mode="local"``); FSDP and DeepSpeed strategies use
-their own checkpoint I/O.
 """
 
 from __future__ import annotations

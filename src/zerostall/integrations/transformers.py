@@ -6,23 +6,14 @@
     trainer = ZerostallTrainer(model=model, args=args, train_dataset=ds)   # the ready one
     trainer.train(resume_from_checkpoint=True)                             # newest committed checkpoint
 
-Each ``output_dir/checkpoint-N/`` is a zerostall checkpoint directory: one step holding the
-model, optimizer, scheduler and gradient-scaler state dicts, every RNG state and the
-``TrainerState`` (a registered dataclass, never pickled), plus HF's ``trainer_state.json``.
-The save runs behind training; ``train()`` waits until every save is durable and raises a
-failed one.
+Each ``output_dir/checkpoint-N/`` is a zerostall checkpoint directory (model, optimizer,
+scheduler, scaler, RNG states and the ``TrainerState``, plus HF's ``trainer_state.json``), staged
+in ``.checkpoint-N.zerostall-staging/`` and renamed by the :class:`~._common.Publisher` once
+committed: a crash never leaves a ``checkpoint-N`` that is not committed. Directories written by
+the plain ``Trainer`` resume through HF's own code.
 
-**A crash never leaves a ``checkpoint-N`` that is not committed.** A save is written into
-``output_dir/.checkpoint-N.zerostall-staging/`` and renamed to ``checkpoint-N`` by the
-:class:`~._common.Publisher` once committed, so HF's ``get_last_checkpoint`` and
-``resume_from_checkpoint=True`` only see committed checkpoints. ``train()`` first removes what
-a crashed run left staged (publishes a committed one, single process only).
-``save_total_limit`` is applied by HF's own ``rotate_checkpoints`` as each is published.
-Directories written by the plain ``Trainer`` resume through HF's own code.
-
-Threads: every method here runs on the trainer's thread (HF calls them from ``train()``).
-Under ``torch.distributed`` every rank saves its own state and the ranks commit together;
-DeepSpeed, FSDP and SageMaker MP keep their own formats.
+Threads: every method runs on the trainer's thread (HF calls them from ``train()``), which waits
+until every save is durable and raises a failed one.
 """
 
 from __future__ import annotations

@@ -153,8 +153,8 @@ class TcpTransport:
                     if conn in self._unauth:
                         self._unauth.remove(conn)
             except (PeerError, OSError) as exc:
-                self.refused += 1
                 log.warning("zerostall: peer connection from %s refused: %s", addr, exc)
+                self.refused += 1  # after the log: a test that saw the count finds the line
                 return
             while not self._closed:
                 msg = recv_msg_or_eof(conn)
@@ -162,14 +162,14 @@ class TcpTransport:
                     return  # the client is done
                 self._handle(conn, peer, msg)
         except (PeerError, ZerostallError, OSError, ValueError, KeyError, TypeError) as exc:
-            self.refused += 1
             log.warning("zerostall: request from node %s (%s) refused: %s", peer, addr, exc)
+            self.refused += 1
             with contextlib.suppress(OSError):
                 send_msg(conn, {"ok": False, "error": str(exc)[:2000]})
         except Exception as exc:  # noqa: BLE001 - a connection thread never dies unlogged
-            self.refused += 1
             log.error("zerostall: connection from node %s (%s) failed: %s: %s", peer, addr, type(exc).__name__,
                       str(exc)[:500])
+            self.refused += 1
         finally:
             with self._mu:
                 self._conns.discard(conn)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from dataclasses import asdict, dataclass
 
@@ -83,5 +84,9 @@ def emit(record: SaveRecord, jsonl_path: str | None, dirty_threshold_bytes: int 
                     record.step, record.kswapd_scan_delta)
     if jsonl_path:
         line = json.dumps(record.to_json(), sort_keys=True) + "\n"
-        with _jsonl_lock, open(jsonl_path, "a") as f:  # O_APPEND: whole lines from every process
-            f.write(line)
+        with _jsonl_lock:  # one O_APPEND write per line: whole lines from every process
+            fd = os.open(jsonl_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
