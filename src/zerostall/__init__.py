@@ -30,22 +30,8 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CheckpointConfig",
-    "Checkpointer",
-    "IOConfig",
-    "LoadReport",
-    "PeersConfig",
-    "SaveHandle",
-    "SaveRecord",
-    "StagingConfig",
-    "errors",
-    "load",
-    "register_type",
-    "rng_state",
-    "save",
-    "set_rng_state",
-]
+__all__ = ["CheckpointConfig", "Checkpointer", "IOConfig", "LoadReport", "PeersConfig", "SaveHandle", "SaveRecord",
+           "StagingConfig", "errors", "load", "register_type", "rng_state", "save", "set_rng_state"]
 
 _SOURCES = {
     "CheckpointConfig": ".config", "Checkpointer": ".checkpointer", "IOConfig": ".config",

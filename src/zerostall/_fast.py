@@ -1,11 +1,9 @@
 """The speed tricks, each behind a name, each beside a plain twin that gives the same result.
 
-Every name here is a shortcut around a cost of CPython, ctypes or torch that a save or a load of
-many tensors pays per item; ``docs/speed-tricks.md`` says what each saves and where the figure
-came from, and ``tests/api/test_fast.py`` checks each against its twin (equal values, equal
-bytes). The core calls these names, never the tricks themselves. Any thread; nothing here holds
-state but the libc handle and a per-process nonce. Imports no torch (the manifest parser uses
-these; the CLI's ``ls``/``inspect`` run without torch): the tricks on tensors are in
+Every name here is a shortcut around a per-item cost of CPython, ctypes or torch;
+``docs/speed-tricks.md`` says what each saves, and ``tests/api/test_fast.py`` checks each
+against its twin. The core calls these names, never the tricks themselves. Any thread. Imports
+no torch (the CLI's ``ls``/``inspect`` run without it): the tricks on tensors are in
 :mod:`._fast_torch`.
 """
 

@@ -1,15 +1,11 @@
 """Text output for the CLI and the bench: the one console they print rich tables and lines through.
 
-Never interprets text as markup or emoji codes: a key, a path, an error message or a hint such
-as ``pip install 'zerostall[uring]'`` prints as written. Styles come only from
-:class:`rich.text.Text` objects the caller builds (``Text(s, style="green")``,
-``Text.assemble(...)``), never from brackets inside a string. Control characters in text that
-came from outside (a checkpoint, a path) are shown as escapes by :func:`safe`.
-
-Width: on a terminal, its width (``COLUMNS`` when set, as rich reads it); anywhere else (a pipe,
-a log file, a test's captured stdout) lines are never wrapped or cropped, so one record stays
-one line of the log. The bottom of the import graph: imports nothing from zerostall; rich is
-imported when a console is made.
+Never interprets text as markup or emoji codes: a key, a path or a hint such as
+``pip install 'zerostall[uring]'`` prints as written; styles come only from
+:class:`rich.text.Text` objects the caller builds. Control characters in text from outside (a
+checkpoint, a path) are shown as escapes by :func:`safe`. Off a terminal lines are never
+wrapped or cropped, so one record stays one line of the log. Imports nothing from zerostall;
+rich is imported when a console is made.
 """
 
 from __future__ import annotations
@@ -35,11 +31,8 @@ def safe(text: Any) -> str:
 
 
 def console(*, stderr: bool = False) -> Any:
-    """A :class:`rich.console.Console` on stdout (``stderr=True``: stderr) that prints literally.
-
-    Made per command on the calling thread; it writes to the stream current when it prints
-    (so a test's captured stdout works).
-    """
+    """A :class:`rich.console.Console` on stdout (``stderr=True``: stderr) that prints literally,
+    to the stream current when it prints (so a test's captured stdout works)."""
     from rich.console import Console
     c = Console(stderr=stderr, markup=False, emoji=False, highlight=False)
     stream = sys.stderr if stderr else sys.stdout

@@ -73,10 +73,8 @@ def memlock_fix(nbytes: int, hard: int) -> str:
 
 
 class Worker(Generic[T]):
-    """One daemon thread draining a FIFO of items with ``handle(item)``, in order.
-
-    ``submit`` may be called from any thread; ``stop`` processes what is queued, then joins.
-    """
+    """One daemon thread draining a FIFO of items with ``handle(item)``, in order. ``submit``
+    may be called from any thread; ``stop`` processes what is queued, then joins."""
 
     def __init__(self, name: str):
         self._q: queue.SimpleQueue[T | None] = queue.SimpleQueue()
@@ -108,7 +106,6 @@ class Worker(Generic[T]):
         self._q.put(item)
 
     def _loop(self) -> None:
-        self.on_start()
         while True:
             item = self._q.get()
             if item is None:
@@ -125,9 +122,6 @@ class Worker(Generic[T]):
         may arrive right after)."""
         return self._q.empty()
 
-    def on_start(self) -> None:
-        """Runs first, in the worker thread."""
-
     def on_exit(self) -> None:
         """Runs last, in the worker thread, once every queued item is handled (before a
         ``stop_then`` function)."""
@@ -137,12 +131,8 @@ class Worker(Generic[T]):
 
 
 def run_in_fresh_thread(fn: Callable[[], None], name: str) -> None:
-    """Run ``fn`` in a new thread that then exits, re-raising its exception here.
-
-    For CUDA calls whose failure leaves a per-thread "last error" that torch's next kernel
-    launch check in the same thread would raise (arena registration, the snapshot thread's
-    torch ops): that thread dies with it.
-    """
+    """Run ``fn`` in a new thread that then exits, re-raising its exception here (for torch
+    ops that must not leave per-thread state, e.g. a CUDA "last error" or an OpenMP team)."""
     err: list[BaseException] = []
 
     def run() -> None:
@@ -164,13 +154,10 @@ _GC_PAUSED = [0, False]  # [threads inside no_gc, whether the GC was enabled bef
 
 @contextlib.contextmanager
 def no_gc() -> Iterator[None]:
-    """Pause the cyclic GC while building many acyclic objects: a save plan allocates an object
-    or more per tensor (leaves, detached tensors, sizes), which triggered gen-2 collections of
-    the whole heap inside ``save()`` (1-2 per save at 100k tensors, each scanning the caller's
-    state); a manifest parse builds a few per tensor (~half of ``Manifest.from_bytes`` at 100k
-    tensors). The counts carry over, so a collection due runs afterwards. A GC the caller
-    disabled stays disabled; threads pausing at once re-enable it
-    when the last one is done (a count under a lock: no thread sees the others' pause)."""
+    """Pause the cyclic GC while building many acyclic objects (a save plan, a manifest parse:
+    objects per tensor that would trigger gen-2 collections of the whole heap). The counts carry
+    over, so a collection due runs afterwards. A GC the caller disabled stays disabled; threads
+    pausing at once re-enable it when the last one is done."""
     with _GC_LOCK:
         if _GC_PAUSED[0] == 0:
             _GC_PAUSED[1] = gc.isenabled()

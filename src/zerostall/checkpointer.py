@@ -9,17 +9,14 @@ The walk of one ``save()``, each stage handing a record forward and none calling
                             -> InFlight.finished (record, telemetry) -> SaveStatus done
 
 Threads: the caller's (``save``, ``guard``'s hook, ``load``, ``close``), one snapshot thread
-(:mod:`.staging.snapshot`), one persist thread (:mod:`.store.persist`) and one sampler per
-save in flight. ``save()`` only plans (metadata) and enqueues; the copy, write and commit
-run behind it. See the README for the training-loop pattern.
+(:mod:`.saving.snapshot`), one persist thread (:mod:`.saving.persist`) and one sampler per
+save in flight. ``save()`` only plans (metadata) and enqueues.
 
 Signal safety: ``on_preemption()``, ``wait()``, ``close()`` and the ``atexit`` hook may run in
-a signal handler that interrupted ``save()`` (or any other method) on the same thread. They
-take no lock and wait on no ``threading.Event`` (whose internal lock the interrupted frame
-may hold): they read lock-free snapshots of the in-flight list (:mod:`.inflight`) and poll
-the saves' events with a short sleep, bounded by their timeout. The worker threads never
-take a lock that the caller's thread holds across more than a few bytecodes (``save()``
-serialises callers with ``_save_lock``, which no worker and no lifecycle method touches).
+a signal handler that interrupted ``save()`` on the same thread. They take no lock and wait on
+no ``threading.Event`` (whose internal lock the interrupted frame may hold): they poll
+lock-free snapshots of the in-flight list (:mod:`.saving.inflight`), bounded by their timeout.
+``save()`` serialises callers with ``_save_lock``, which no worker and no lifecycle method takes.
 """
 
 from __future__ import annotations
@@ -66,13 +63,12 @@ class Checkpointer:
     :class:`CheckpointConfig` (e.g. ``keep_last=3``). Without ``config`` the
     ``ZEROSTALL_*`` environment overrides apply.
 
-    Under ``torch.distributed`` (or torchrun's environment) every rank writes its own
-    ``rank-R.shard`` and rank 0 commits once all are durable, coordinating through the c10d
-    store (``store=`` to pass another); see :mod:`zerostall.distributed.commit`. Every rank creates
-    a Checkpointer on the same root (or ``dist_name``) within ``join_timeout_s`` of each
-    other and saves the same steps; ``dist_mode="local"`` for a process that saves alone.
-    ``oneshot=True`` (``zerostall.save``): saves stream through a small ring of the staging
-    pool instead of asking for the whole state.
+    Under ``torch.distributed`` every rank writes its own ``rank-R.shard`` and rank 0 commits
+    once all are durable, through the c10d store (``store=`` to pass another; see
+    :mod:`zerostall.distributed.commit`). Every rank creates a Checkpointer on the same root (or
+    ``dist_name``) within ``join_timeout_s`` and saves the same steps; ``dist_mode="local"``
+    for a process that saves alone. ``oneshot=True`` (``zerostall.save``): saves stream
+    through a small ring of the staging pool.
     """
 
     def __init__(self, path: str | os.PathLike[str], config: CheckpointConfig | None = None, *,
@@ -94,7 +90,7 @@ class Checkpointer:
         cfg = self.config
         self.tier, self.rank, self.world_size, self.node_local = st.tier, st.rank, st.world_size, st.node_local
         self._committer, self._refs, self.engine, self.probe = st.committer, st.refs, st.engine, st.probe
-        self._replicator, self._retention, self.session = st.replicator, st.retention, st.session
+        self.session = st.session
         self._peers = st.peers  # replicas > 1: zerostall.peers.service.Peers
         self.unreplicated: list[int] = []  # after close(): the steps not replicated within close_timeout_s
         self.unprotected: list[int] = []  # after close(), replicas > 1: this run's steps not held by N nodes
@@ -144,19 +140,14 @@ class Checkpointer:
         start_sampling_thread()  # before the pool faults (see telemetry.host.start_sampling_thread)
         self._lease = _pool.lease(want, budget, st.block_bytes, mlock=st.mlock, hugepages=st.hugepages)
         self._persist = self._stages.persister(self._lease, self._book.finished)
-        # The workers never hold this Checkpointer: one that is dropped without close() lets
-        # its persist thread finish what is queued and give back the staging lease, the
-        # engine and the root lock (a lease held forever kept the pool's memory mapped).
+        # the workers never hold this Checkpointer: dropped without close(), it is released
         self._finalizer = weakref.finalize(self, abandoned, self.tier.root, self._persist, self._lease,
                                            self._stages, self.config.close_timeout_s)
         self._finalizer.atexit = False  # at exit the atexit hook closes it properly
 
     def prepare(self, state_dict: Any, *, wait: bool = False) -> None:
-        """Start allocating and faulting staging memory for ``state_dict``; returns at once.
-
-        The faulting runs in a background thread without the GIL. ``wait=True`` blocks until
-        the memory is faulted (for benchmarks of the steady state).
-        """
+        """Start allocating and faulting staging memory for ``state_dict`` (in the background);
+        ``wait=True`` blocks until the memory is faulted (benchmarks of the steady state)."""
         self._ensure_pipeline(self._plan(state_dict).file_bytes)
         if wait and self._lease is not None:
             self._lease.arena.wait_ready(self._lease.pool.target)
@@ -204,8 +195,7 @@ class Checkpointer:
             self._order.check(step, ow)
             plan = self._plan(state_dict)  # a new plan asks the pool for the tensors' bytes first (faults meanwhile)
             self._order.admitted(step)
-            # an incremental save keeps one spare block: tensors it referenced on speculation
-            # that turn out changed are appended after its other blocks (RefTracker.settle)
+            # an incremental save keeps one spare block for what RefTracker.settle appends
             spare = 1 if self._refs is not None else 0
             self._ensure_pipeline(plan.file_bytes + spare * self.config.staging.block_bytes)
             assert self.ring is not None and self._lease is not None and self._persist is not None
@@ -233,9 +223,7 @@ class Checkpointer:
                 self._lease.queue(job)
             self._last_saved = step
         except BaseException as exc:
-            if status.queued:
-                # The workers finish it as failed: its blocks drain (the ring moves on) and the
-                # persist thread reports it; raised here, so not again as a background error.
+            if status.queued:  # the workers finish it as failed; raised here, not as a background error
                 status.fail(exc, in_save=True)
             else:  # never queued (the pool drained any blocks it reserved)
                 if job is not None:
@@ -252,12 +240,10 @@ class Checkpointer:
     def guard(self, optimizer: Any) -> Any:
         """Make ``optimizer.step()`` wait until in-flight snapshots are staged.
 
-        Forward and backward overlap the snapshot; only the step, which mutates parameters
-        and optimizer state in place, waits (and only if the copy is not finished). With a
-        ``closure`` (LBFGS, Lightning's automatic optimization), the wait happens after the
-        closure's forward/backward, just before the update. ``optimizer`` may be a wrapper
-        (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``): the
-        ``torch.optim.Optimizer`` inside is guarded. Returns the hook handle (``.remove()``).
+        Only the step, which mutates parameters and optimizer state in place, waits (and only
+        if the copy is not finished). With a ``closure`` (LBFGS), the wait happens after the
+        closure's forward/backward. ``optimizer`` may be a wrapper (Accelerate's, Lightning's):
+        the ``torch.optim.Optimizer`` inside is guarded. Returns the hook handle (``.remove()``).
         """
         return unwrap_optimizer(optimizer).register_step_pre_hook(self.step_pre_hook)
 
@@ -281,7 +267,7 @@ class Checkpointer:
 
     def subscribe(self, subscriber: Any) -> None:
         """Hand every step this Checkpointer commits to ``subscriber.on_committed(record)`` (a
-        :class:`~.staging.job.Committed`; persist thread, in commit order, after retention and
+        :class:`~.saving.job.Committed`; persist thread, in commit order, after retention and
         replication's hand-off; what it raises is recorded on the save, which stays durable)."""
         self._persist.subscribe(subscriber)  # type: ignore[union-attr]
 
@@ -291,20 +277,15 @@ class Checkpointer:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every save started so far is committed or failed; False on timeout.
-
-        Signal-handler safe (no lock; polls), like :meth:`on_preemption` and :meth:`close`.
-        """
+        Signal-handler safe (no lock; polls)."""
         return self._book.wait_until(None if timeout is None else time.monotonic() + timeout)
 
     def load(self, state_dict: Any = None, step: int | None = None, map_location: Any = None, *,
              keys: list[str] | None = None, strict: bool = False, report: Any = None) -> Any:
         """Load the newest verified checkpoint (or ``step``); see :func:`zerostall.load` (``keys``,
-        ``strict``, ``report``). Under torch.distributed, collective: all ranks load the newest step all can load
-        (:mod:`zerostall.distributed.agree`; ``report.why`` says which and why).
-
-        Reads through the process's staging pool when no save uses it;
-        saves started meanwhile from other threads wait until the load is done.
-        """
+        ``strict``, ``report``). Under torch.distributed, collective: all ranks load the newest
+        step all can load (``report.why`` says which and why). Saves started meanwhile from
+        other threads wait until the load is done."""
         self._book.check_process()
         self.wait()
         peer = None
@@ -336,19 +317,16 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def on_preemption(self, timeout: float | None = 60.0) -> bool:
-        """Call from a SIGTERM handler: let in-flight saves finish, up to ``timeout`` seconds.
-
-        Safe at any instant of ``save()`` on the same thread (takes no lock; a save that the
-        signal interrupted before it was queued is not waited for). True when all finished."""
+        """Call from a SIGTERM handler: let in-flight saves finish, up to ``timeout`` seconds
+        (:meth:`wait`; a save the signal interrupted before it was queued is not waited for)."""
         return self.wait(timeout)
 
     def close(self, timeout: float | None = None, *, _from_atexit: bool = False) -> bool:
         """Drain in-flight saves, stop the threads, free the arena; re-raises a pending error.
 
         With ``timeout`` (seconds; pass one from a signal handler) it returns False once the
-        time is up with work still running: the threads go on as daemons and the arena stays
-        mapped under them; a later close() waits for the rest and releases. No lock without a timeout.
-        """
+        time is up with work still running (the threads go on as daemons; a later close()
+        waits for the rest and releases). No lock without a timeout."""
         if self.__dict__.get("_released"):
             return True
         first, self._closed = not self._closed, True  # first: a save() this call interrupted fails
@@ -360,7 +338,7 @@ class Checkpointer:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
         me = threading.get_ident()  # another thread inside save(): it queues its job or gives up first
         while self._save_owner not in (None, me) and (deadline is None or time.monotonic() < deadline):
-            time.sleep(0.002)  # (close() once stopped the persist thread under a job queued after)
+            time.sleep(0.002)
         # a save() this call interrupted after queueing its job fails (unless it is committing)
         step, saving = self._saving or (0, None)
         failed_here = first and saving is not None and saving.queued and saving.fail(

@@ -35,7 +35,6 @@ ALIGN_BYTES = 4096
 MiB = 1 << 20
 
 
-
 def _require(cond: bool, name: str, value: object, what: str) -> None:
     if not cond:
         raise ConfigError(f"{name}={value!r} is invalid: {what}")
@@ -69,10 +68,8 @@ class StagingConfig:
     Every Checkpointer of the process asks for ``slots x`` its largest snapshot; the pool
     faults ``min(budget, the largest ask)`` in the background. ``budget_bytes`` wins over
     ``budget_fraction`` (of host RAM, shared by ``LOCAL_WORLD_SIZE`` ranks). A state larger
-    than the pool streams through it as a ring of ``block_bytes`` blocks. One slot by
-    default: measured (``bench/scripts/slots.py``), a second slot doubled the memory and the
-    faulting and did not make back-to-back saves stage sooner on a disk faster than memory
-    faulting; pass ``slots=2`` when saves come faster than the disk persists one.
+    than the pool streams through it as a ring of ``block_bytes`` blocks. Pass ``slots=2``
+    when saves come faster than the disk persists one.
     """
 
     budget_bytes: int | None = None
@@ -104,22 +101,19 @@ class PeersConfig:
     """Cap on this node's outgoing copies, bytes/s (None: no cap)."""
     receive_bandwidth_bytes: int | None = None
     """Cap on the copies this node takes in as a holder, bytes/s, all senders together (None: no
-    cap). The receiver reads the socket no faster, so TCP slows the senders down: pacing that
-    holds however many nodes copy to this one at once. Restores are never paced."""
+    cap; TCP slows the senders down). Restores are never paced."""
     quota_bytes: int | None = None
     """Most bytes of other nodes' copies this node keeps under ``<root>/peers`` (None: no cap)."""
     quota_fraction: float | None = None
-    """The same as a fraction of the root's filesystem size (0 < f <= 1; with ``quota_bytes``
-    too, the smaller one holds). A copy that would go beyond the quota is refused, logged on
-    both nodes, and the sender tries its next holder; if none takes it, the step stays
-    unprotected (reported on its handle), training is never failed."""
+    """The same as a fraction of the root's filesystem size (0 < f <= 1; with ``quota_bytes`` too,
+    the smaller holds). A copy beyond the quota is refused and the sender tries its next holder;
+    if none takes it, the step stays unprotected (reported on its handle)."""
     replica_timeout_s: float = 600.0
     """How long a step may take to be held by ``replicas`` nodes before it is reported unprotected."""
     cpu_priority: str = "idle"
-    """CPU priority of the threads that copy replicas (the sender's, and a holder's receiving
-    connections; never a restore's): ``"idle"`` (``SCHED_IDLE`` per thread: they run only when a
-    core would otherwise be idle), ``"nice"`` (nice 19 per thread) or ``"normal"`` (unchanged).
-    Their disk I/O is at the idle I/O class either way. See :func:`zerostall.peers.stream.background`."""
+    """CPU priority of the threads that copy replicas (never a restore's): ``"idle"``
+    (``SCHED_IDLE``), ``"nice"`` (nice 19) or ``"normal"``; their disk I/O is at the idle I/O
+    class either way (:func:`zerostall.peers.stream.background`)."""
     code: str | None = None
     """``"rs"``: coded copies instead of ``replicas`` (:mod:`zerostall.peers.coded`): each node's
     files of a step cut into ``data_fragments`` pieces plus ``parity_fragments`` Reed-Solomon
@@ -265,45 +259,34 @@ class CheckpointConfig:
     @classmethod
     def from_env(cls, base: "CheckpointConfig | None" = None,
                  environ: "dict[str, str] | None" = None) -> "CheckpointConfig":
-        """``base`` (default: defaults) with the ``ZEROSTALL_*`` overrides applied."""
+        """``base`` (default: defaults) with the ``ZEROSTALL_*`` overrides of the module docstring applied."""
         env = os.environ if environ is None else environ
         cfg = base or cls()
-        io_changes: dict[str, object] = {}
-        st_changes: dict[str, object] = {}
-
-        def num(name: str, conv: type) -> object:
+        for name, section, key, conv, what in _ENV:
+            if name not in env:
+                continue
             raw = env[name]
             try:
-                return conv(raw)
+                value = conv(raw)
             except ValueError:
-                raise ConfigError(f"environment variable {name}={raw!r} is not a valid "
-                                  f"{conv.__name__}") from None
-
-        if "ZEROSTALL_ENGINE" in env:
-            io_changes["engine"] = env["ZEROSTALL_ENGINE"]
-        if "ZEROSTALL_CHUNK_BYTES" in env:
-            io_changes["chunk_bytes"] = num("ZEROSTALL_CHUNK_BYTES", int)
-        if "ZEROSTALL_QUEUE_DEPTH" in env:
-            io_changes["queue_depth"] = num("ZEROSTALL_QUEUE_DEPTH", int)
-        if "ZEROSTALL_BUDGET_BYTES" in env:
-            st_changes["budget_bytes"] = num("ZEROSTALL_BUDGET_BYTES", int)
-        if "ZEROSTALL_BUDGET_FRACTION" in env:
-            st_changes["budget_fraction"] = num("ZEROSTALL_BUDGET_FRACTION", float)
-        top: dict[str, object] = {}
-        if "ZEROSTALL_BACKPRESSURE" in env:
-            top["backpressure"] = env["ZEROSTALL_BACKPRESSURE"]
-        if "ZEROSTALL_DIST_MODE" in env:
-            top["dist_mode"] = env["ZEROSTALL_DIST_MODE"]
-        if "ZEROSTALL_PEER_PORT" in env:
-            raw = env["ZEROSTALL_PEER_PORT"]
+                raise ConfigError(f"environment variable {name}={raw!r} is not {what}") from None
             try:
-                top["peers"] = dataclasses.replace(cfg.peers, listen_port=int(raw))
-            except (ValueError, ConfigError) as exc:
-                why = exc if isinstance(exc, ConfigError) else \
-                    "not a number: set a TCP port 1..65535, or 0 for one the kernel picks"
-                raise ConfigError(f"environment variable ZEROSTALL_PEER_PORT={raw!r}: {why}") from None
-        if io_changes:
-            top["io"] = dataclasses.replace(cfg.io, **io_changes)  # type: ignore[arg-type]
-        if st_changes:
-            top["staging"] = dataclasses.replace(cfg.staging, **st_changes)  # type: ignore[arg-type]
-        return dataclasses.replace(cfg, **top) if top else cfg  # type: ignore[arg-type]
+                change = {key: value} if section is None else {section: dataclasses.replace(getattr(cfg, section),
+                                                                                              **{key: value})}
+                cfg = dataclasses.replace(cfg, **change)  # type: ignore[arg-type]
+            except ConfigError as exc:
+                raise ConfigError(f"environment variable {name}={raw!r}: {exc}") from None
+        return cfg
+
+
+_ENV = (  # variable, section of CheckpointConfig (None: its own field), field, conversion, what it must be
+    ("ZEROSTALL_ENGINE", "io", "engine", str, "an engine name"),
+    ("ZEROSTALL_CHUNK_BYTES", "io", "chunk_bytes", int, "a valid int"),
+    ("ZEROSTALL_QUEUE_DEPTH", "io", "queue_depth", int, "a valid int"),
+    ("ZEROSTALL_BUDGET_BYTES", "staging", "budget_bytes", int, "a valid int"),
+    ("ZEROSTALL_BUDGET_FRACTION", "staging", "budget_fraction", float, "a valid float"),
+    ("ZEROSTALL_BACKPRESSURE", None, "backpressure", str, "block or skip"),
+    ("ZEROSTALL_DIST_MODE", None, "dist_mode", str, "a dist mode"),
+    ("ZEROSTALL_PEER_PORT", "peers", "listen_port", int,
+     "a number: set a TCP port 1..65535, or 0 for one the kernel picks"),
+)

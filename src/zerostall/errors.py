@@ -24,22 +24,9 @@ the file, key or value at fault and what to do about it.
 
 from __future__ import annotations
 
-__all__ = [
-    "CheckpointExistsError",
-    "CheckpointNotFound",
-    "ConfigError",
-    "CorruptCheckpoint",
-    "DistributedError",
-    "RemoteError",
-    "RootNotFound",
-    "RootLockedError",
-    "SaveFailed",
-    "StateMismatchError",
-    "StepOrderError",
-    "StorageError",
-    "UnsupportedStateError",
-    "ZerostallError",
-]
+__all__ = ["CheckpointExistsError", "CheckpointNotFound", "ConfigError", "CorruptCheckpoint", "DistributedError",
+           "RemoteError", "RootNotFound", "RootLockedError", "SaveFailed", "StateMismatchError", "StepOrderError",
+           "StorageError", "UnsupportedStateError", "ZerostallError"]
 
 
 class ZerostallError(Exception):
@@ -59,12 +46,8 @@ class CheckpointExistsError(ZerostallError, FileExistsError):
 
 
 class StepOrderError(ZerostallError, ValueError):
-    """``save(step)`` with a step lower than the newest committed step in the root.
-
-    A root holds one run's history in step order; retention and ``load()`` rank by step, so
-    a lower step from a new run would be mixed with (and pruned before) the old run's higher
-    ones. ``step`` is the refused step, ``newest`` the root's newest committed step.
-    """
+    """``save(step)`` with a step lower than the newest committed step in the root (retention
+    and ``load()`` rank by step). ``step`` is the refused step, ``newest`` the root's newest."""
 
     def __init__(self, message: str, *, step: int | None = None, newest: int | None = None):
         super().__init__(message)
@@ -73,11 +56,8 @@ class StepOrderError(ZerostallError, ValueError):
 
 
 class RootLockedError(ZerostallError):
-    """Another writer holds the checkpoint root's lock (``<root>/.zerostall.lock``).
-
-    ``root`` is the directory, ``owner`` what the lock file records (host, pid, start time;
-    empty if it could not be read).
-    """
+    """Another writer holds the checkpoint root's lock (``<root>/.zerostall.lock``). ``root`` is
+    the directory, ``owner`` what the lock file records (host, pid, start time; may be empty)."""
 
     def __init__(self, message: str, *, root: str, owner: dict[str, object] | None = None):
         super().__init__(message)
@@ -99,13 +79,9 @@ class RootNotFound(CheckpointNotFound):
 
 
 class CorruptCheckpoint(ZerostallError):
-    """A manifest or shard failed validation or its crc32c check.
-
-    ``path`` names the file and ``key`` the tensor when known. ``part_loaded``: the load had
-    begun writing the caller's state dict when it failed (a step larger than the scratch, read
-    a second time into it once verified, whose second read failed part way), so the state
-    dict is part this step's, part as it was.
-    """
+    """A manifest or shard failed validation or its crc32c check. ``path`` names the file and
+    ``key`` the tensor when known. ``part_loaded``: the load had begun writing the caller's
+    state dict when it failed, so the state dict is part this step's, part as it was."""
 
     def __init__(self, message: str, *, path: str | None = None, key: str | None = None,
                  part_loaded: bool = False):
@@ -129,10 +105,7 @@ class StorageError(ZerostallError, OSError):
 
 class RemoteError(StorageError):
     """A remote tier failed (unreachable, refused, timed out, or stored other bytes than sent).
-
-    ``url`` is the remote object or root at fault, ``step`` the step when known. botocore and
-    OS errors are chained as ``__cause__``; the message says what to check.
-    """
+    ``url`` is the object or root at fault, ``step`` the step when known; the cause is chained."""
 
     def __init__(self, message: str, *, url: str = "", step: int | None = None, errno: int | None = None):
         super().__init__(message, errno=errno, filename=url or None)

@@ -26,11 +26,8 @@ __all__ = ["load", "save"]
 
 def save(path: str | os.PathLike[str], state_dict: Any, step: int, *,
          config: CheckpointConfig | None = None, **overrides: Any) -> SaveRecord:
-    """Save ``state_dict`` as ``step`` under ``path`` and wait until it is durable.
-
-    Streams through a small ring (at most 256 MiB) of the process's staging pool, which
-    stays mapped for a few seconds after the call, so a loop of one-shot saves allocates once.
-    """
+    """Save ``state_dict`` as ``step`` under ``path`` and wait until it is durable. Streams
+    through a ring of at most 256 MiB of the process's staging pool (kept for the next call)."""
     with Checkpointer(path, config, oneshot=True, **overrides) as ckpt:
         return ckpt.save(step, state_dict).result()
 

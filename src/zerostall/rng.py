@@ -1,10 +1,9 @@
 """Random-number-generator state of the process, as a plain state tree (no pickle).
 
-Called from the caller's thread. ``rng_state()`` captures Python's ``random``, numpy's legacy
-global generator, torch's CPU generator and the generator of every CUDA device (when CUDA is
-available); ``set_rng_state(state)`` restores whatever the dict holds. Store the dict in the
-checkpoint (``{"rng": zerostall.rng_state(), ...}``) to make a resumed run draw the same
-numbers (dropout masks, data shuffles) as an uninterrupted one.
+Caller's thread. ``rng_state()`` captures Python's ``random``, numpy's legacy global
+generator, torch's CPU generator and every CUDA device's; ``set_rng_state(state)`` restores
+what the dict holds. Store it in the checkpoint (``{"rng": zerostall.rng_state(), ...}``) to
+make a resumed run draw the same numbers as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -36,11 +35,8 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: Any) -> None:
-    """Restore a dict from :func:`rng_state` (as saved and loaded back through zerostall).
-
-    Keys that are absent are left alone; with fewer CUDA devices than were saved, the first
-    ones are restored and a warning names the difference.
-    """
+    """Restore a dict from :func:`rng_state`. Absent keys are left alone; with fewer CUDA
+    devices than were saved, the first ones are restored and a warning names the difference."""
     if not isinstance(state, dict):
         raise ConfigError(f"set_rng_state expects the dict rng_state() returned, got {type(state).__name__}")
     unknown = set(state) - {"python", "numpy", "torch", "cuda"}

@@ -1,11 +1,9 @@
 """Objects with ``state_dict()``/``load_state_dict()`` inside a state tree, and wrapped optimizers.
 
-Saving: :mod:`.format.objects` stores such an object as its ``state_dict()`` (called on the
-caller's thread inside ``save()``). Loading into a state dict that holds such objects
-(``zerostall.load(path, {"model": model, "optim": opt})``): :func:`load_into` loads into
-their state dicts (tensors in place) and then calls each object's ``load_state_dict``, as
-``torch.distributed.checkpoint`` does for ``Stateful`` objects. Called from the caller's
-thread only.
+Saving: :mod:`.format.objects` stores such an object as its ``state_dict()``. Loading into a
+state dict that holds such objects: :func:`load_into` loads into their state dicts (tensors in
+place), then calls each object's ``load_state_dict``, as ``torch.distributed.checkpoint`` does
+for ``Stateful`` objects. Caller's thread only.
 """
 
 from __future__ import annotations
@@ -24,11 +22,7 @@ def is_stateful(x: Any) -> bool:
 
 def unwrap_optimizer(opt: Any) -> Any:
     """The ``torch.optim.Optimizer`` inside Accelerate's ``AcceleratedOptimizer``, Lightning's
-    ``LightningOptimizer`` or any wrapper that keeps it as ``.optimizer``.
-
-    A wrapper's own ``step()`` calls the inner optimizer's, whose step hooks are the ones
-    that run.
-    """
+    ``LightningOptimizer`` or any wrapper that keeps it as ``.optimizer`` (whose hooks run)."""
     inner = opt
     for _ in range(8):
         nxt = getattr(inner, "optimizer", None)

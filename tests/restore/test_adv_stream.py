@@ -41,22 +41,22 @@ def test_a_copier_that_fails_mid_swap_fails_the_load_and_rolls_back(tmp_path, mo
     root = str(tmp_path / "ck")
     zerostall.save(root, _state(2.0), step=2)
     calls = []
-    real = stream._Run._swap
+    real = stream.swap
 
-    def swap(self, dst, src, n):
+    def swap(dst, src, n, swapped):
         calls.append(n)
         if len(calls) == fail_at:
             raise MemoryError("injected: a copier failed")
-        real(self, dst, src, n)
+        real(dst, src, n, swapped)
 
-    monkeypatch.setattr(stream._Run, "_swap", swap)
+    monkeypatch.setattr(stream, "swap", swap)
     sd = clone(_state(1.0))
     before = clone(sd)
     with pytest.raises(Exception):
         _load(root, sd, step=2, fallback=False)
     assert len(calls) >= fail_at
     assert equal(sd, before)  # every byte, including windows swapped in before the failure
-    monkeypatch.setattr(stream._Run, "_swap", real)
+    monkeypatch.setattr(stream, "swap", real)
     _load(root, sd, step=2, fallback=False)
     assert equal(sd, _state(2.0))
 

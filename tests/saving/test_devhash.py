@@ -1,4 +1,4 @@
-"""The device-side content hash of incremental saves (:mod:`zerostall.saving.devhash`), on the
+"""The device-side content hash of incremental saves (:func:`zerostall.saving.source_crc.device_hash_async`), on the
 CPU: the same torch ops run on CUDA (tests/saving/test_incremental_gpu.py compares them)."""
 
 import json
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import zerostall
-from zerostall.saving import content_check, devhash
+from zerostall.saving import content_check
+from zerostall.saving import source_crc as devhash
 from zerostall.saving.snapshot import Snapshotter
 
 

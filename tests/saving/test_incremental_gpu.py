@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import zerostall
-from zerostall.saving import devhash
+from zerostall.saving import source_crc as devhash
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 

@@ -1,23 +1,16 @@
 """One step for all ranks: agreeing, through the c10d store, on the step every rank restores.
 
-Who calls what: :func:`zerostall.restore.agreed.collective_load` (caller's thread, every rank
-of the group, collectively) calls :func:`agreed_load`, under a key ``base`` it makes unique
-per collective call.
+:func:`zerostall.restore.agreed.collective_load` (caller's thread, every rank, collectively)
+calls :func:`agreed_load` under a ``base`` unique per call. Rounds, until one succeeds:
 
-The rounds of :func:`agreed_load`, until one succeeds or no candidate is left:
+1. :func:`agree_step`: every rank posts its steps (``c/r<R>``); all take the newest common
+   one (none: the same :class:`CheckpointNotFound` on every rank);
+2. every rank verifies it into scratch, posts its outcome (``o/r<R>``) and waits for all (the
+   *gate*), before its state dict changes;
+3. all ok: every rank applies it; else every rank drops it and goes back to 1.
 
-1. :func:`agree_step`: every rank posts the steps it may load (``c/r<R>``); each takes the
-   newest step in the intersection. None: every rank raises the same
-   :class:`CheckpointNotFound`, naming which ranks lack which steps and what failed before;
-2. every rank loads that step into scratch (every byte it needs verified) and, before its
-   state dict changes, posts its outcome (``o/r<R>``: ok, or the error naming the file) and
-   waits for everyone's (the *gate*);
-3. all ok: every rank applies the step. Any failure: every rank drops the step (a rank that
-   had loaded it leaves its state dict untouched) and goes back to 1 without it.
-
-A failure of the caller's own state dict (:class:`StateMismatchError`, :class:`ConfigError`)
-ends the agreement on every rank: that rank re-raises it, the others raise
-:class:`DistributedError` naming it.
+A fault of a caller's state dict (:class:`StateMismatchError`, :class:`ConfigError`) ends it
+everywhere: that rank re-raises it, the others raise :class:`DistributedError` naming it.
 """
 
 from __future__ import annotations
@@ -34,13 +27,11 @@ __all__ = ["PeerFailed", "agree_step", "agreed_load"]
 
 
 class PeerFailed(DistributedError):
-    """Another rank could not load the agreed step: this rank's load of it is abandoned
-    (raised by the gate, before the state dict changes)."""
+    """Raised by the gate: another rank could not load the agreed step (state dict unchanged)."""
 
 
 def _gather(store: Store, base: str, rank: int, world: int, value: Any, timeout_s: float, what: str) -> list[Any]:
-    """Post ``value`` as ``<base>/r<rank>`` and return every rank's; the last reader deletes them.
-    Every request ends by ``timeout_s`` plus a second, whatever the store does."""
+    """Post ``value`` as ``<base>/r<rank>``, return every rank's (bounded: ``timeout_s`` + 1 s)."""
     deadline = time.monotonic() + timeout_s
     with store.bounded(deadline + 1.0):
         store.set(f"{base}/r{rank}", json.dumps(value))
@@ -58,10 +49,9 @@ def _gather(store: Store, base: str, rank: int, world: int, value: Any, timeout_
 
 def agree_step(store: Store, base: str, rank: int, world: int, candidates: Iterable[int], *,
                timeout_s: float = 600.0, history: list[str] | None = None) -> int:
-    """The newest step in every rank's ``candidates`` (module docstring, round 1). Collective:
-    every rank calls it with the same ``base``. Raises the same :class:`CheckpointNotFound` on
-    every rank when the intersection is empty (naming the ranks and steps; ``history``: lines
-    about steps that failed earlier, identical on every rank)."""
+    """Round 1, collective: the newest step in every rank's ``candidates``. Raises the same
+    :class:`CheckpointNotFound` on every rank when there is none, naming the ranks and steps
+    (``history``: the earlier failures, identical on every rank)."""
     mine = sorted({int(s) for s in candidates})
     sets = _gather(store, f"{base}/c", rank, world, mine, timeout_s, "offer the steps it can load")
     common = set(sets[0]).intersection(*map(set, sets[1:])) if sets else set()
@@ -77,9 +67,8 @@ def agree_step(store: Store, base: str, rank: int, world: int, candidates: Itera
 def agreed_load(store: Store, base: str, rank: int, world: int, candidates: Iterable[int],
                 load_one: Callable[[int, Callable[[], None]], Any], *, timeout_s: float = 600.0,
                 report: Any = None, fallback: bool = True) -> Any:
-    """Rounds 1-3 (module docstring). ``load_one(step, gate)`` loads ``step`` and calls ``gate()``
-    once every byte verified, before anything reaches the caller's state; ``report`` (a
-    ``LoadReport``) gets ``why``."""
+    """Rounds 1-3. ``load_one(step, gate)`` loads ``step``, calling ``gate()`` once every byte
+    verified and before the caller's state changes; ``report`` (a ``LoadReport``) gets ``why``."""
     left = {int(s) for s in candidates}
     history: list[str] = []
     for i in itertools.count():  # ends: each round drops a step, and none left raises

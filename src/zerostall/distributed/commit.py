@@ -5,26 +5,14 @@ never a collective (why, and what the commit guarantees: docs/distributed.md). K
 round of step N live under ``<ns>/<sid>/s<N>/`` (:mod:`.session`), never under a per-process
 counter, so a rank that failed or skipped a step cannot shift later steps' keys.
 
-**The decision is the only truth.** ``decision`` is written once, by ``compare_set`` against
-"absent": whoever writes first wins, and every rank reads the same value afterwards. The
-coordinator (rank 0) writes ``commit``; any rank may write ``abort``. Nothing is renamed
-into ``step-N`` before a ``commit`` decision, and nothing is deleted before an ``abort`` one.
-
-**One deadline per round.** The first rank to enter the round sets ``t0`` (wall clock,
-``compare_set``; the nodes' clocks must agree to well within the timeout) together with
-``d``, how long it took from beginning the step's persist (``b/r<R>``, posted by
-:func:`post_begin`) to the round; every rank's deadline is ``t0 + commit_timeout_s``. At the
-deadline, a rank that has not reported but began the step later than the first rank (still
-busy with an earlier step) gets the first rank's lead: the deadline moves, once, to its
-``b + d + commit_timeout_s``. A rank that never began the step (dead, stopped, cut off) moves
-nothing. The coordinator judges this at the deadline; the others give it one :func:`grace_s`
-before each looks for itself (in ~2 log2(world) requests: O(world) in all, not O(world^2)).
-
-**Every wait a deadline.** Every store request of a round runs inside
-:meth:`.store.Store.bounded`: until this rank's entry plus ``commit_timeout_s`` plus
-:func:`grace_s` before ``t0`` is known, then until the deadline plus two graces (the
-coordinator's decision and a stopped leader's copy each get one): a store that stops
-answering ends the round as UNKNOWN by then, not when it answers again.
+**The decision is the only truth**: ``decision`` is written once, by ``compare_set`` against
+"absent"; rank 0 writes ``commit``, any rank ``abort``; nothing is renamed into ``step-N``
+before a commit, nothing deleted before an abort. **One deadline per round**: the first
+rank in sets ``t0`` (wall clock: the nodes' clocks must agree to well within the timeout) and
+``d``, its lead since it began the step's persist (``b/r<R>``, :func:`post_begin`); a lagging
+rank that began the step later earns one move of the deadline (:func:`_extended`). **Every wait
+a deadline**: every request runs inside :meth:`.store.Store.bounded`. The bounds, graces and
+why: docs/deadlines.md and docs/distributed.md.
 
 States of one rank (C: coordinator only, P: the others; ``->`` on an event)::
 
@@ -51,19 +39,14 @@ States of one rank (C: coordinator only, P: the others; ``->`` on an event)::
               rename manifest.decided -> manifest.json, fsync, rename step-N.partial -> step-N,
               fsync root; idempotent: a copy another rank renamed with this checkpoint id is done
                                                     -> DURABLE  (sets done/<group>)
-    any       the store does not answer in time     -> UNKNOWN  (nothing deleted; see below)
+    any       the store does not answer in time     -> UNKNOWN  (nothing deleted)
     DURABLE, FAILED, UNKNOWN: add 1 to ``ack``; the rank completing the count deletes the
     round's keys. Rank 0 (which may host the store) waits, at close(), until the rounds it
     committed were acknowledged by every rank (bounded), so leaving its ``with`` block does
     not take the store away from a rank that has yet to read a commit.
 
-A handle says durable only after DURABLE: the decision committed, *every* copy of the root
-recorded it (start-up recovery completes a recorded copy, :mod:`zerostall.store.recovery`)
-and this rank's copy holds ``step-N``; failed only after an abort decision; UNKNOWN
-(:class:`OutcomeUnknown`) when the store stopped answering first (nothing deleted; the next
-collective ``load`` agrees on what every rank can restore). An overwrite is finished by the
-copy's leader only; its peers report UNKNOWN if it does not confirm in time.
-
+A handle says durable only after DURABLE, failed only after an abort decision, and
+:class:`OutcomeUnknown` when the store stopped answering first (docs/distributed.md).
 The disk side of a copy (RECORDING, the renames, what a crash leaves) is :mod:`.finish`.
 """
 
@@ -87,10 +70,8 @@ __all__ = ["OutcomeUnknown", "commit_round", "merge", "peer_protected", "report_
 log = logging.getLogger("zerostall")
 
 fault_hook: Callable[[str, int, int], None] | None = None
-"""Test seam: called as ``fault_hook(point, rank, step)`` at each named point of a round
-(``persist``: the persist thread picked the step up; ``begin``: before any request of the
-round; ``entered``, ``reported``, ``prepared``, ``decided``, ``finished``, ``acked``); a test
-pauses, stops or kills the rank there."""
+"""Test seam: ``fault_hook(point, rank, step)`` at each named point of a round (``persist``,
+``begin``, ``entered``, ``reported``, ``prepared``, ``decided``, ``finished``, ``acked``)."""
 
 
 class OutcomeUnknown(DistributedError):
@@ -99,7 +80,7 @@ class OutcomeUnknown(DistributedError):
 
 
 def fault_point(name: str, session: Session, step: int) -> None:
-    """Call :data:`fault_hook` (the persist thread's ``persist`` point is in ``saving``)."""
+    """Call :data:`fault_hook`, if set."""
     if fault_hook is not None:
         fault_hook(name, session.rank, step)
 
@@ -114,8 +95,7 @@ def grace_s(timeout_s: float) -> float:
 
 
 def _deadline(store: Store, base: str, timeout_s: float, began: float | None) -> tuple[float, float]:
-    """The round's one deadline, as a monotonic time on this rank, and the first rank's lead
-    ``d`` (module docstring)."""
+    """The round's deadline (monotonic, this rank) and the first rank's lead ``d``."""
     now = time.time()
     mine = json.dumps({"t0": now, "d": max(0.0, now - began) if began is not None else 0.0})
     got = json.loads(store.compare_set(f"{base}/t0", "", mine))
@@ -123,8 +103,8 @@ def _deadline(store: Store, base: str, timeout_s: float, began: float | None) ->
 
 
 def post_begin(store: Store, session: Session, step: int) -> float:
-    """This rank's persist thread picked ``step`` up: post when (``b/r<R>``, best effort,
-    bounded); returns the wall time, for :func:`commit_round`'s ``began``."""
+    """Post when this rank's persist thread picked ``step`` up (``b/r<R>``, best effort, bounded);
+    returns that wall time, :func:`commit_round`'s ``began``."""
     now = time.time()
     try:
         with store.bounded(time.monotonic() + 1.0):
@@ -135,8 +115,8 @@ def post_begin(store: Store, session: Session, step: int) -> float:
 
 
 def _extended(store: Store, base: str, ranks: list[int], d: float, timeout_s: float, deadline: float) -> float | None:
-    """At the deadline: the later deadline a lagging rank earns (module docstring), as a
-    monotonic time, or None."""
+    """At the deadline: the later deadline (monotonic) a rank that began the step after the
+    first rank earns (its start + ``d`` + timeout), or None; a rank that never began moves nothing."""
     keys = [f"{base}/b{r}" for r in ranks]
     absent = set(store.missing(keys))
     began = store.multi_get_json([k for k in keys if k not in absent])
@@ -168,13 +148,12 @@ def commit_round(store: Store, session: Session, fragment: dict[str, Any], tier:
                  per_rank: bool, timeout_s: float, overwrite: bool = False,
                  user_metadata: dict[str, Any] | None = None,
                  protect: Callable[[set[int]], None] | None = None, began: float | None = None) -> tuple[str, ...]:
-    """One rank's part of the round (persist thread), from REPORTED to DURABLE. Returns the
-    post-commit problems (the ``latest`` hint). Raises :class:`SaveFailed` (abort decided),
+    """One rank's part of the round (persist thread), REPORTED to DURABLE, returned or raised
+    by the deadline plus two :func:`grace_s` whatever the store does. Returns the post-commit
+    problems (the ``latest`` hint). Raises :class:`SaveFailed` (abort decided),
     :class:`OutcomeUnknown` (the store stopped answering) or :class:`DistributedError`.
-    ``protect`` (incremental saves; the ranks that run retention) receives the steps the
-    round's fragments protect, before this rank's copy is committed. ``began``: when this
-    rank's persist thread picked the step up (:func:`post_begin`). Returns or raises by the
-    deadline plus two :func:`grace_s` (module docstring), whatever the store does."""
+    ``protect`` (copy leaders, incremental saves) gets the steps the fragments protect before
+    this copy is committed; ``began``: :func:`post_begin`'s time."""
     base = step_base(session, step)
     known = False
     fault_point("begin", session, step)
@@ -320,7 +299,7 @@ def _finish_mine(store: Store, session: Session, base: str, dec: dict[str, Any],
 
 @contextlib.contextmanager
 def _failure_posted(store: Store, *keys: str) -> Iterator[None]:
-    """What the block raises is set as ``{"ok": false, "error"}`` under each of ``keys``, then re-raised."""
+    """Post what the block raises as ``{"ok": false, "error"}`` under each of ``keys``; re-raise."""
     try:
         yield
     except BaseException as exc:
@@ -331,7 +310,7 @@ def _failure_posted(store: Store, *keys: str) -> Iterator[None]:
 
 def _records(store: Store, session: Session, base: str, until: float) -> list[str]:
     """RECORDING -> RECORDED: wait until every copy recorded the decision (or ``until``);
-    returns what is wrong (copies that did not record it, or failed to)."""
+    returns the copies that did not, or failed to."""
     keys = {g: f"{base}/rec/{g}" for g in session.groups}
     store.poll(list(keys.values()), until)
     late = [g for g, k in keys.items() if not store.check([k])]

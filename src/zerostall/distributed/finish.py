@@ -1,15 +1,12 @@
 """The disk side of one copy of the root in the cross-rank commit (:mod:`.commit`): recording
 the decision (RECORDING) and the renames that make the step durable (RECORDED -> DURABLE).
 
-Called on the persist thread of a copy's leader, or of another rank of the copy taking over
-from a stopped leader; both functions are idempotent and safe to race (each step goes in by
-rename, and a copy already renamed with the decided checkpoint id counts as done).
-
-Crash states on disk: before RECORDING only ``step-N.partial`` exists (start-up recovery
-removes it); from RECORDING on, ``step-N.partial`` holding ``manifest.decided`` is a step the
-decision committed (recovery completes it); the renames are the local tier's
-(:mod:`zerostall.store.local`). An overwrite (``overwrite=True``) records nothing: it goes
-through the local tier's overwrite protocol, finished by the copy's leader only.
+Persist thread of a copy's leader, or of a rank taking over from a stopped leader; both
+functions are idempotent and safe to race (each file goes in by rename; a copy already
+renamed with the decided checkpoint id is done). Crash states: before RECORDING only
+``step-N.partial`` exists (start-up recovery removes it); from RECORDING on, a
+``step-N.partial`` holding ``manifest.decided`` is committed (recovery completes it). An
+overwrite records nothing: the local tier's overwrite protocol, by the copy's leader only.
 """
 
 from __future__ import annotations
@@ -25,9 +22,8 @@ from ..store.tier import RootTier
 
 
 def record_decision(tier: RootTier, step: int, manifest: bytes) -> None:
-    """RECORDING: the decided manifest into ``step-N.partial/manifest.decided``, durably
-    (tmp + rename, fsync of the directory, which also makes the shards' entries durable).
-    Idempotent (a rank taking over from a stopped leader may record again)."""
+    """RECORDING: the decided manifest into ``step-N.partial/manifest.decided``, durably (tmp +
+    rename, fsync of the directory, which also makes the shards' entries durable)."""
     part = tier.partial_dir(step)
     rec = os.path.join(part, DECIDED_NAME)
     if os.path.exists(rec) or committed_here(tier, step, Manifest.from_bytes(manifest).checkpoint_id):
@@ -41,9 +37,8 @@ def record_decision(tier: RootTier, step: int, manifest: bytes) -> None:
 
 def finish_copy(tier: RootTier, step: int, manifest: bytes, *, overwrite: bool = False,
                 leader: bool = True) -> tuple[str, ...]:
-    """FINISHING: commit ``step`` in this copy of the root with ``manifest``. Idempotent and
-    safe to race (the manifest goes in by rename; a copy already renamed with this
-    checkpoint id counts as done). Returns post-commit problems (the leader writes ``latest``)."""
+    """Commit ``step`` in this copy of the root with ``manifest``. Returns post-commit problems
+    (the leader writes ``latest``)."""
     man = Manifest.from_bytes(manifest)
     if overwrite:
         return tier.commit(step, man, overwrite=True)

@@ -1,7 +1,6 @@
 """Merging the ranks' fragments of one step into the manifest(s) the coordinator commits.
 
-Called by the coordinator (rank 0) from its persist thread, once per round (:mod:`.commit`).
-Pure functions over JSON-ready dicts; no I/O.
+Rank 0's persist thread, once per round (:mod:`.commit`); pure functions, no I/O.
 """
 
 from __future__ import annotations
@@ -49,11 +48,8 @@ def merge(fragments: list[dict[str, Any]], step: int, world: int, per_rank: bool
 
 def manifests(fragments: list[dict[str, Any]], groups: list[tuple[int, ...]], names: tuple[str, ...], step: int,
               world: int, per_rank: bool, user_metadata: dict[str, Any]) -> dict[str, bytes]:
-    """The manifest each copy of the root commits, by group name (``names``, in ``groups`` order).
-
-    per_rank: one manifest for every copy (each copy holds its own ranks' shards). replicated
-    with several copies: each copy holds the whole state, written by its own ranks, so each
-    gets the manifest of its members' fragments (and verifies on its own)."""
+    """The manifest each copy commits, by group name (``names``, in ``groups`` order): per_rank,
+    one for all; replicated with several copies, each its members' fragments (docs/distributed.md)."""
     by_rank = {f["file"]["rank"]: f for f in fragments}
     if per_rank or len(groups) == 1:
         one = merge([by_rank[r] for r in range(world)], step, world, per_rank, user_metadata).to_bytes()

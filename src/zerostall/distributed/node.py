@@ -1,11 +1,5 @@
-"""Where a process runs: its node (and failure domain), its rank and world (:func:`discover`).
-
-A node is named by ``ZEROSTALL_NODE`` when set, else by the host name. Containers that share
-one host name, or several simulated nodes on one machine (every multi-node test here), set
-``ZEROSTALL_NODE`` per node. ``ZEROSTALL_FAILURE_DOMAIN`` optionally labels what fails
-together (a rack, a power domain); unset, each node is its own domain.
-
-Read once per call from any thread; no state.
+"""Where a process runs: its node and failure domain (environment names: docs/distributed.md),
+its rank and world (:func:`discover`). Read per call, any thread; no state.
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
 """Whether every rank has staging room for the next save: ``backpressure="skip"`` across ranks.
 
-A step skipped on one rank only would fail everywhere (its commit round cannot complete), so
-in ``save()`` (caller's thread, every rank, in the same order of saves) the ranks skip
-together when any one has no room::
+A step skipped on one rank fails everywhere, so in ``save()`` (caller's thread, every rank)
+the ranks skip together when any one has no room::
 
     add(<prefix>/room<seq>, 1 + BUSY * busy)   # one request per rank
     last to arrive: set(<prefix>/room<seq>/all, total)
     the others: poll for .../all (bounded), read it; skip iff total >= BUSY
 
-``seq`` counts this Checkpointer's skip-mode saves, the same on every rank. Rank 0 deletes the
-keys of ``seq - 2``: every rank added to ``seq - 1`` before ``seq`` could complete, so has read
-them.
+``seq`` counts the skip-mode saves. Rank 0 deletes ``seq - 2``'s keys: every rank added to
+``seq - 1`` before ``seq`` could complete, so has read them.
 """
 
 from __future__ import annotations
@@ -26,10 +24,9 @@ BUSY = 1 << 20
 
 def agree_room(store: Store, session: Session, seq: int, room: bool, timeout_s: float,
                abort: str | None = None) -> bool | None:
-    """True when every rank has room for save ``seq``, False when some rank has none, None when
-    ``abort`` appeared (a rank's ``save()`` failed first and reported the step) or a rank did not
-    answer within ``timeout_s`` (the caller skips alone). Caller's thread, bounded by
-    ``timeout_s`` (plus a store request's own bound)."""
+    """True when every rank has room for save ``seq``, False when one has none, None when
+    ``abort`` appeared (a rank's ``save()`` failed first) or a rank did not answer within
+    ``timeout_s`` (the caller skips alone)."""
     key = f"{session.prefix}/room{seq}"
     total = store.add(key, 1 if room else 1 + BUSY, timeout=timeout_s)
     if total % BUSY == session.world:  # the last to arrive tells the others

@@ -1,16 +1,11 @@
-"""Joining the ranks of one checkpoint root: the start-up round every collective ``Checkpointer``
-runs, which also finds out where the root's copies are.
+"""The start-up round every collective ``Checkpointer`` runs: joining the ranks of one root and
+finding where its copies are (docs/distributed.md).
 
-Who calls what: ``Checkpointer.__init__`` (caller's thread) calls :func:`join` once; the
-commit rounds (:mod:`.commit`) then use the returned :class:`Session` from the persist thread.
-
-**Root copies** (docs/distributed.md). Ranks that see each other's probe files
-(``.zerostall-probe-<nonce>``) share one *copy* of the root (a *group*, named ``g<lowest
-rank>``, whose lowest rank is its *leader*); a view that is not an equivalence is refused on
-every rank at start-up with :class:`ConfigError` naming the ranks.
-
-Keys live under a namespace derived from the checkpoint root (a hash of its absolute path,
-or of ``dist_name``), never from a per-process counter. The start-up round:
+``Checkpointer.__init__`` (caller's thread) calls :func:`join` once; the commit rounds use the
+returned :class:`Session` from the persist thread. Ranks that see each other's probe files
+(``.zerostall-probe-<nonce>``) share a *copy* (group ``g<leader>``, its lowest rank the
+leader). Keys live under a namespace hashed from the root's absolute path (or ``dist_name``),
+never a per-process counter. The round:
 
 1. every rank creates its probe file; every rank ``r > 0`` sets ``<ns>/join/r<r>`` =
    ``{nonce, node}``;
@@ -66,8 +61,7 @@ def _rank_of(key: str) -> int:
 
 @dataclass(frozen=True)
 class Session:
-    """What the ranks agreed at start-up; ``prefix`` scopes every later key. Immutable; read
-    from any thread (the peer tier reads ``node``, ``nodes``, ``groups`` and ``members``)."""
+    """What the ranks agreed at start-up; ``prefix`` scopes every later key. Any thread."""
 
     prefix: str
     rank: int
@@ -125,9 +119,8 @@ def _join(store: Store, ns: str, rank: int, world: int, tier: RootTier, timeout_
         sid = uuid.uuid4().hex[:16]
         _welcome(store, ns, world, sid, nonce, node, deadline, timeout_s, tier.root)
         return _decide(store, f"{ns}/{sid}", world, node, tier, timeout_s)
-    # Rank 0 decides who is missing at its own deadline and answers the ranks present; the
-    # others give it a grace period beyond theirs, so both never give up at the same moment
-    # (a rank withdrawing its join key while rank 0 reads it would be reported missing).
+    # a grace past rank 0's deadline: a rank withdrawing its join key while rank 0 reads it
+    # would be reported missing
     deadline += min(max(2.0, timeout_s / 2), 30.0)
     store.set(f"{ns}/join/r{rank}", json.dumps({"nonce": nonce, "node": node}))
     key = f"{ns}/welcome/r{rank}"
@@ -183,8 +176,8 @@ def _welcome(store: Store, ns: str, world: int, sid: str, nonce: str, node: str,
 
 
 def form_groups(sees: list[list[int]], nodes: list[str], root: str) -> list[list[int]]:
-    """Ranks that see each other's probes share a copy; raises :class:`ConfigError` for a view
-    that is not an equivalence (module docstring). Groups ascending by leader."""
+    """Ranks that see each other's probes share a copy (groups ascending by leader); raises
+    :class:`ConfigError` naming the ranks for a view that is not an equivalence."""
     views = [frozenset(v) for v in sees]
     for r, v in enumerate(views):
         if r not in v:

@@ -1,23 +1,16 @@
 """zerostall's own connection to the c10d store: bounded calls, errors translated, polling waits.
 
-Who calls what: :func:`.session.join` (caller's thread, at start-up), the commit rounds
-(persist thread) and failure reports (caller's thread) share one :class:`Store` per
-``Checkpointer``; :mod:`.agree` uses one per collective ``load``. Safe from any thread.
+One :class:`Store` per ``Checkpointer`` (join, commit rounds on the persist thread, failure
+reports) and one per collective ``load``; safe from any thread. Two rules:
 
-Two rules make every wait here a deadline:
-
-- **Own client.** The training's c10d client serialises its requests: a training thread
-  blocked in ``store.get()`` would hold up every other request on it. :class:`Store` talks
-  through ``store.clone()`` (a new connection to the same server, same key prefix), so the
-  training's blocking calls never delay a commit round, and ours never delay theirs.
-- **Bounded calls.** A c10d client has no timeout on a plain request: when the process that
-  hosts the store is SIGSTOPped, ``check`` blocks until it resumes. Each request runs on a
-  small daemon thread and the caller waits at most until its deadline; a request that does
-  not answer in time raises :class:`StoreTimeout`, the connection (now out of step) is
-  abandoned and the next call opens a new one. Inside :meth:`Store.bounded` (a commit round's
-  deadline) each request waits at most until that deadline; the requests issued after it
-  share :data:`LATE_CALL_S` (not one each), and once one timed out the rest fail at once: the
-  round ends at its deadline whatever the store does.
+- **Own client**: ``store.clone()`` (a new connection, same server and prefix), because a c10d
+  client serialises its requests: a training thread blocked in ``store.get()`` would hold
+  up a commit round.
+- **Bounded calls**: a plain c10d request has no timeout (a SIGSTOPped store host blocks it),
+  so each runs on a daemon thread and the caller waits at most until its deadline; on
+  :class:`StoreTimeout` the connection (out of step) is abandoned, the next call opens a new
+  one. In :meth:`Store.bounded`, requests past the deadline share :data:`LATE_CALL_S` and,
+  once one timed out, the rest fail at once.
 """
 
 from __future__ import annotations
@@ -37,18 +30,16 @@ log = logging.getLogger("zerostall")
 
 DEFAULT_CALL_TIMEOUT_S = 60.0
 LATE_CALL_S = 0.5
-"""What the requests issued past their :meth:`Store.bounded` deadline may still take, all
-together (a commit's last acknowledgement to a store that answers)."""
+"""What the requests past a :meth:`Store.bounded` deadline may take, all together."""
 
 fault_hook: Callable[[str], None] | None = None
-"""Test seam: called as ``fault_hook(what)`` on the request thread before each request; a test
-blocks it there to cut this process off from the store (as a link that is down would)."""
+"""Test seam: ``fault_hook(what)`` on the request thread before each request (a test blocks
+it to cut the process off the store)."""
 
 
 @dataclass
 class _Bound:
-    """One :meth:`Store.bounded` scope of one thread: its deadline, and whether a request in it
-    has already timed out (the rest then fail at once)."""
+    """One thread's :meth:`Store.bounded` scope: its deadline and the request that timed out."""
 
     until: float
     dead: str | None = None
@@ -56,13 +47,11 @@ class _Bound:
 
 
 class StoreTimeout(DistributedError):
-    """The c10d store did not answer a request in time (its host stopped, or overloaded): the
-    outcome of whatever the request asked is unknown to this rank."""
+    """The c10d store did not answer a request in time: its outcome is unknown to this rank."""
 
 
 class _Caller:
-    """One daemon thread running store requests in order; abandoned (left blocked) when a
-    request outlives its deadline."""
+    """One daemon thread running store requests in order; abandoned when one outlives its deadline."""
 
     def __init__(self) -> None:
         self.q: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -97,9 +86,8 @@ def _hook(what: str) -> None:
 
 
 class Store:
-    """A c10d store behind its own connection (module docstring); errors arrive as
-    :class:`DistributedError` with torch's chained. ``own_client=False`` shares ``store``
-    itself (tests with a store that cannot be cloned)."""
+    """A c10d store behind its own connection; errors arrive as :class:`DistributedError`
+    with torch's chained. ``own_client=False`` shares ``store`` itself (tests)."""
 
     def __init__(self, store: Any, *, own_client: bool = True, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S):
         self.origin = store
@@ -133,8 +121,8 @@ class Store:
 
     @contextlib.contextmanager
     def bounded(self, until: float) -> Iterator[_Bound]:
-        """Within this block, every request of the calling thread ends by the monotonic time
-        ``until`` (module docstring); the scope's ``until`` may be moved later by its owner."""
+        """Every request of the calling thread in this block ends by the monotonic ``until``
+        (which its owner may move later)."""
         prev = getattr(self._scope, "bound", None)
         b = self._scope.bound = _Bound(until)
         try:
@@ -251,9 +239,8 @@ class Store:
             delay = min(delay * 1.5, 0.1)
 
     def missing(self, keys: list[str], timeout: float | None = None) -> list[str]:
-        """The keys that do not exist, in order: one request when none is missing, else the
-        list split in halves (the keys of a lost node's ranks are contiguous: ~2 log2(len(keys))
-        requests, not one per key, which matters when hundreds of ranks ask at once)."""
+        """The keys that do not exist, in order, by halving the list (a lost node's keys are
+        contiguous: ~2 log2(len(keys)) requests, not one per key)."""
         out: list[str] = []
 
         def scan(part: list[str]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import struct
 import threading
 from dataclasses import dataclass
 
@@ -45,48 +46,27 @@ class DioAlign:
     offset_align: int
 
 
-class _StatxTimestamp(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_int64), ("tv_nsec", ctypes.c_uint32), ("_r", ctypes.c_int32)]
-
-
-class _Statx(ctypes.Structure):
-    _fields_ = [
-        ("stx_mask", ctypes.c_uint32), ("stx_blksize", ctypes.c_uint32),
-        ("stx_attributes", ctypes.c_uint64), ("stx_nlink", ctypes.c_uint32),
-        ("stx_uid", ctypes.c_uint32), ("stx_gid", ctypes.c_uint32), ("stx_mode", ctypes.c_uint16),
-        ("_s0", ctypes.c_uint16), ("stx_ino", ctypes.c_uint64), ("stx_size", ctypes.c_uint64),
-        ("stx_blocks", ctypes.c_uint64), ("stx_attributes_mask", ctypes.c_uint64),
-        ("stx_atime", _StatxTimestamp), ("stx_btime", _StatxTimestamp),
-        ("stx_ctime", _StatxTimestamp), ("stx_mtime", _StatxTimestamp),
-        ("stx_rdev_major", ctypes.c_uint32), ("stx_rdev_minor", ctypes.c_uint32),
-        ("stx_dev_major", ctypes.c_uint32), ("stx_dev_minor", ctypes.c_uint32),
-        ("stx_mnt_id", ctypes.c_uint64), ("stx_dio_mem_align", ctypes.c_uint32),
-        ("stx_dio_offset_align", ctypes.c_uint32), ("_spare", ctypes.c_uint64 * 12),
-    ]
-
-
 STATX_DIOALIGN = 0x2000
-AT_FDCWD = -100
+_STATX_BYTES = 256
+_STATX_DIO_OFFSET = 152
+"""``struct statx``: ``stx_mask`` (u32) at 0, ``stx_dio_mem_align`` and ``stx_dio_offset_align``
+(u32 each) at 152 (linux/stat.h)."""
 
 
 def statx_dioalign(path: str) -> DioAlign | None:
     """STATX_DIOALIGN of ``path`` (a file or directory); None where the kernel or fs lacks it."""
     fn = getattr(_libc, "statx", None)
-    if fn is None:
+    buf = ctypes.create_string_buffer(_STATX_BYTES)
+    if fn is None or fn(-100, os.fsencode(path), 0, STATX_DIOALIGN, buf) != 0:  # -100: AT_FDCWD
         return None
-    buf = _Statx()
-    if fn(AT_FDCWD, os.fsencode(path), 0, STATX_DIOALIGN, ctypes.byref(buf)) != 0:
+    if not struct.unpack_from("=I", buf, 0)[0] & STATX_DIOALIGN:
         return None
-    if not buf.stx_mask & STATX_DIOALIGN:
-        return None
-    return DioAlign(buf.stx_dio_mem_align, buf.stx_dio_offset_align)
-
+    return DioAlign(*struct.unpack_from("=II", buf, _STATX_DIO_OFFSET))
 
 
 def set_idle_io_priority() -> bool:
     """IOPRIO_CLASS_IDLE for the calling thread and the threads it creates later (the uploader,
-    the peer replication threads: their disk I/O takes only what the training leaves over),
-    through psutil (no per-architecture syscall numbers here). False where the OS refuses."""
+    the peer replication threads), through psutil. False where the OS refuses."""
     try:
         import psutil
         psutil.Process(threading.get_native_id()).ionice(psutil.IOPRIO_CLASS_IDLE)

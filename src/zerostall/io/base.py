@@ -63,11 +63,9 @@ class ShardFile(ABC):
 
     @abstractmethod
     def write(self, extents: Sequence[Extent], overlap: Callable[[], None] | None = None) -> None:
-        """Write every extent; return when all are in the file (not yet durable).
-
-        ``overlap``, if given, is called once while the requests are in flight (the persist
-        thread checksums the same bytes there); its exception is raised after the writes end.
-        """
+        """Write every extent; return when all are in the file (not yet durable). ``overlap``
+        is called once while the requests are in flight (the persist thread checksums the same
+        bytes there); its exception is raised after the writes end."""
 
     @abstractmethod
     def read(self, extents: Sequence[Extent]) -> None:
@@ -103,27 +101,24 @@ class Engine(ABC):
     def __init__(self, cfg: IOConfig):
         self.cfg = cfg
 
-    def _open_flags(self) -> int:
-        return os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECT if self.direct else 0)
+    def _open(self, path: str, flags: int, action: str = "opening") -> int:
+        """``os.open`` with the engine's flags (O_DIRECT if :attr:`direct`, never a symlink);
+        StorageError naming ``path``."""
+        try:
+            return os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECT if self.direct else 0), 0o644)
+        except OSError as exc:
+            raise storage_error(action, path, exc) from exc
 
     def open_write(self, path: str, file_bytes: int) -> ShardFile:
         """Create ``path`` (must not exist) and preallocate ``file_bytes``."""
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._open_flags(), 0o644)
-        except OSError as exc:
-            raise storage_error("creating", path, exc) from exc
+        fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, "creating")
         self._reserve(fd, path, file_bytes)
         return self._wrap(path, fd, True)
 
     def open_rewrite(self, path: str, file_bytes: int) -> ShardFile:
-        """Open the existing file ``path`` (a doomed step's shard the caller moved here; nobody
-        else has it open) to write ``file_bytes`` over it from offset 0: its blocks are reused,
-        so writes neither allocate nor convert unwritten extents. Its length becomes
-        ``file_bytes``; the caller writes every byte below that."""
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | self._open_flags())
-        except OSError as exc:
-            raise storage_error("opening", path, exc) from exc
+        """Open the existing file ``path`` (a doomed step's shard, :meth:`.DeferredRemovals.take`)
+        to write ``file_bytes`` over it, reusing its blocks; the caller writes every byte."""
+        fd = self._open(path, os.O_WRONLY)
         try:
             if os.fstat(fd).st_size > file_bytes:
                 os.ftruncate(fd, file_bytes)
@@ -135,8 +130,8 @@ class Engine(ABC):
 
     @staticmethod
     def _reserve(fd: int, path: str, file_bytes: int) -> None:
-        """Preallocate ``file_bytes`` of the open ``fd`` (where the filesystem can); on a real
-        failure (e.g. ENOSPC) close ``fd`` and raise the storage error naming ``path``."""
+        """Preallocate ``file_bytes`` where the filesystem can; on ENOSPC & co close ``fd`` and
+        raise the storage error naming ``path``."""
         try:
             _sys.fallocate(fd, 0, file_bytes, path)
         except OSError as exc:
@@ -147,24 +142,17 @@ class Engine(ABC):
     def open_update(self, path: str) -> ShardFile:
         """Open ``path``, created by :meth:`open_write`, for writing more extents: a second writer
         of the same file for another thread (each thread its own; the caller keeps them apart)."""
-        try:
-            fd = os.open(path, os.O_WRONLY | self._open_flags())
-        except OSError as exc:
-            raise storage_error("opening", path, exc) from exc
-        return self._wrap(path, fd, True)
+        return self._wrap(path, self._open(path, os.O_WRONLY), True)
 
     def open_read(self, path: str) -> ShardFile:
         try:
-            fd = os.open(path, os.O_RDONLY | self._open_flags())
-        except OSError as exc:
-            if exc.errno == errno.EINVAL and self.direct:  # fs refuses O_DIRECT for reads
-                return self._fallback_reader(path)
-            raise storage_error("opening", path, exc) from exc
+            fd = self._open(path, os.O_RDONLY)
+        except StorageError as exc:
+            if exc.errno != errno.EINVAL or not self.direct:
+                raise
+            # the filesystem refuses O_DIRECT for reads: the buffered engine (a registry target, above this module)
+            return load_target(_REGISTRY["buffered"][0])(self.cfg).open_read(path)
         return self._wrap(path, fd, False)
-
-    def _fallback_reader(self, path: str) -> ShardFile:
-        engine: Engine = load_target(_REGISTRY["buffered"][0])(self.cfg)  # a registry target: above this module
-        return engine.open_read(path)
 
     @abstractmethod
     def _wrap(self, path: str, fd: int, writable: bool) -> ShardFile: ...
@@ -175,12 +163,23 @@ class Engine(ABC):
 
     def pin_buffer(self, address: int, nbytes: int, *, fresh: bool = False) -> None:
         """A hint from the thread that writes every file from this region (the persist thread,
-        its staging arena; called between files): an engine may register it once (io_uring's
-        fixed buffers) instead of pinning its pages at each write. ``fresh``: the region is
-        another mapping than the one last given, even at the same address. Default: nothing."""
+        between files): an engine may register it once (io_uring's fixed buffers). ``fresh``:
+        another mapping than the one last given, even at the same address."""
 
     def close(self) -> None:
         """Release rings, pools. Idempotent."""
+
+
+def transfer(path: str, fd: int, off: int, mv: memoryview, write: bool) -> None:
+    """Move one extent with ``pwritev``/``preadv`` (the GIL released), resuming short transfers."""
+    action, n, done = "write" if write else "read", len(mv), 0
+    while done < n:
+        try:
+            got = (os.pwritev if write else os.preadv)(fd, [mv[done:]], off + done)
+        except OSError as exc:
+            raise storage_error(f"{action} of {n - done} bytes at offset {off + done} of", path, exc) from exc
+        check_io_result(path, action, off + done, n - done, got)
+        done += got
 
 
 def check_io_result(path: str, action: str, offset: int, want: int, got: int) -> None:
@@ -239,12 +238,8 @@ def engine_name_for(path: str, cfg: IOConfig) -> tuple[str, ProbeResult | None]:
 
 
 def choose_engine(path: str, cfg: IOConfig | None = None) -> Engine:
-    """The one place that decides which engine reads and writes files under ``path``.
-
-    Called by the Checkpointer, restore, the CLI, the DCP plugin and the tiers (from their
-    own threads; the probe is cached per path). ``path`` is a directory; for ``auto`` it is
-    probed (an O_DIRECT test file is created there and removed).
-    """
+    """The one place that decides which engine reads and writes files under the directory
+    ``path`` (for ``auto``: probed once, with a test file created and removed). Any thread."""
     cfg = cfg or IOConfig()
     name, _ = engine_name_for(path, cfg)
     return get_engine(name, cfg)

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 from ..config import IOConfig
 from ..errors import storage_error
 from . import _sys
-from .base import Engine, Extent, ShardFile, check_io_result, split_extents
+from .base import Engine, Extent, ShardFile, check_io_result, split_extents, transfer
 
 _WAIT_ALL = (_sys.SYNC_FILE_RANGE_WAIT_BEFORE | _sys.SYNC_FILE_RANGE_WRITE
              | _sys.SYNC_FILE_RANGE_WAIT_AFTER)
@@ -58,23 +58,14 @@ class _BufferedFile(ShardFile):
                 check_io_result(self.path, "write", off + done, len(mv) - done, got)
                 done += got
             if not self.engine.dontcache:
-                if self._window_start is None:
-                    self._window_start = off
-                self._window_start = min(self._window_start, off)
+                self._window_start = off if self._window_start is None else min(self._window_start, off)
                 self._window_end = max(self._window_end, off + len(mv))
                 if self._window_end - self._window_start >= limit // 2:
                     self._flush_window()
 
     def read(self, extents: Sequence[Extent]) -> None:
         for off, mv in split_extents(extents, self.engine.cfg.chunk_bytes):
-            done = 0
-            while done < len(mv):
-                try:
-                    got = os.preadv(self.fd, [mv[done:]], off + done)
-                except OSError as exc:
-                    raise storage_error(f"read at offset {off + done} of", self.path, exc) from exc
-                check_io_result(self.path, "read", off + done, len(mv) - done, got)
-                done += got
+            transfer(self.path, self.fd, off, mv, False)
             os.posix_fadvise(self.fd, off, len(mv), os.POSIX_FADV_DONTNEED)
 
     def finish(self) -> None:

@@ -13,7 +13,7 @@ import logging
 import mmap
 import os
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import lru_cache
 
 from ..config import ALIGN_BYTES
@@ -36,9 +36,6 @@ class ProbeResult:
     io_uring_reason: str
     engine: str
     reason: str
-
-    def to_json(self) -> dict[str, object]:
-        return asdict(self)
 
 
 def fs_of(path: str) -> tuple[str, str]:

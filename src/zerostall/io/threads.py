@@ -7,34 +7,19 @@ depth does.
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 from ..config import IOConfig
-from ..errors import storage_error
-from .base import Engine, Extent, ShardFile, check_io_result, split_extents
+from .base import Engine, Extent, ShardFile, split_extents, transfer
 
 
 class _ThreadsFile(ShardFile):
     engine: "ThreadsEngine"
 
-    def _one(self, off: int, mv: memoryview, write: bool) -> None:
-        action = "write" if write else "read"
-        done = 0
-        n = len(mv)
-        while done < n:
-            try:
-                got = (os.pwritev if write else os.preadv)(self.fd, [mv[done:]], off + done)
-            except OSError as exc:
-                raise storage_error(f"{action} of {n - done} bytes at offset {off + done} of",
-                                    self.path, exc) from exc
-            check_io_result(self.path, action, off + done, n - done, got)
-            done += got
-
     def _run(self, extents: Sequence[Extent], write: bool, overlap: Callable[[], None] | None = None) -> None:
         reqs = split_extents(extents, self.engine.cfg.chunk_bytes)
-        futs = [self.engine.pool.submit(self._one, off, mv, write) for off, mv in reqs]
+        futs = [self.engine.pool.submit(transfer, self.path, self.fd, off, mv, write) for off, mv in reqs]
         err = None
         if overlap is not None:
             try:

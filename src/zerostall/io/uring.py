@@ -1,39 +1,26 @@
-"""``uring`` engine: io_uring through the PyPI ``liburing`` package, on an O_DIRECT fd.
+"""``uring`` engine: io_uring on an O_DIRECT fd, through the PyPI ``liburing`` package.
 
-One ring per open file (so a restore in the caller's thread never shares a ring with the
-persist thread), ``queue_depth`` requests of ``chunk_bytes`` in flight. Quirks of the
-binding, each handled here:
+One ring per open file (a restore in the caller's thread never shares one with the persist
+thread), ``queue_depth`` requests of ``chunk_bytes`` in flight; every completion's byte count
+is checked and short transfers are resubmitted for the rest.
 
-* ``io_uring_prep_write`` takes only ``bytes``; we use ``io_uring_prep_writev`` with an
-  ``Iovec`` over a memoryview slice of the aligned buffer;
-* an ``Iovec`` that is garbage-collected before its completion silently writes 0 bytes:
-  every ``Iovec`` stays referenced in ``inflight`` until its CQE is reaped;
-* an ``Iovec`` never releases the buffers it was built from (liburing 2026.3.30, measured: the
-  export outlives it), so building one over a memoryview slice of an arena pinned that slice
-  for good, and with it the arena's mapping (``mmap.close()`` then fails: the address space
-  of every closed arena, e.g. each 64 MiB bounce buffer of a remote copy, stayed mapped) plus
-  one leaked slice per request. So an ``Iovec`` is built over a ctypes array at the slice's
-  *address* (owning nothing, pinning nothing) and cached per engine by (address, length):
-  a steady save or restore layout reuses the same few, and a cache overflow leaks only
-  those small ctypes objects (:func:`_iovec`);
-* after ``io_uring_wait_cqe`` only ``cqe[0]`` is valid, and a negative ``res`` is raised as
-  ``OSError`` (the entry's ``user_data`` is still readable; we advance past it ourselves);
-* ``io_uring_wait_cqe`` blocks *holding the GIL* (measured: a spinning thread all but stopped
-  during the wait; docs/speed-tricks.md), which would freeze the training thread and the
-  snapshot thread for the whole persist. So we never call it: an eventfd is registered with
-  the ring, ``os.eventfd_read`` (which releases the GIL) waits, and ``io_uring_peek_cqe``
-  reaps without blocking.
+Every call of the binding holds the GIL, and ``io_uring_submit`` of O_DIRECT requests can
+sleep there for tens of milliseconds when the device's request tags run out, which a
+training thread would wait through (docs/speed-tricks.md). So where the binding's shared
+library exports liburing's C functions, the ring is driven through ctypes (:class:`_CRing`,
+the GIL released around every call), with the persist thread's staging arena registered as
+fixed buffers (``io_uring_prep_write_fixed``: the kernel pins its pages once, not per write).
+Otherwise, and for read-only buffers, the binding is used, around its quirks:
 
-* every call of the binding holds the GIL, ``io_uring_submit`` included: for ``O_DIRECT`` the
-  kernel builds and queues the block requests inside that call, and it sleeps there when the
-  device's request tags run out, for tens of milliseconds on a loaded host
-  (docs/speed-tricks.md), which a training thread in the same process waits through. So where the binding's shared library exports
-  liburing's C functions (it links liburing statically), the ring is driven through ctypes
-  (:class:`_CRing`), which releases the GIL around every call: submission and the wait for
-  completions (``io_uring_wait_cqe``) run without it, and no eventfd is needed. Otherwise,
-  and for read-only buffers, the binding is used as described above.
-
-Every completion's byte count is checked; short transfers are resubmitted for the rest.
+* ``io_uring_prep_write`` takes only ``bytes``: ``io_uring_prep_writev`` with an ``Iovec``;
+* an ``Iovec`` collected before its completion writes 0 bytes: each stays in ``inflight``
+  until reaped;
+* an ``Iovec`` never releases the buffers it was built from (so an arena could never be
+  unmapped): it is built over a ctypes array at the buffer's *address*, pinning nothing, and
+  cached per engine by (address, length) (:meth:`UringEngine.iovec`);
+* a negative ``res`` is raised as ``OSError`` (``user_data`` is still readable; we advance);
+* ``io_uring_wait_cqe`` blocks holding the GIL: an eventfd registered with the ring is waited
+  on with ``os.eventfd_read`` (GIL released) and ``io_uring_peek_cqe`` reaps.
 """
 
 from __future__ import annotations
@@ -50,48 +37,62 @@ import liburing as L
 from ..config import IOConfig
 from ..errors import StorageError, storage_error
 from .base import Engine, Extent, ShardFile, split_extents
-from .uring_fixed import FIXED_PIECE_BYTES, PieceIovec, load_fixed
 
 log = logging.getLogger("zerostall")
 
 
-def _load_c() -> ctypes.CDLL | None:
-    """liburing's C API from the binding's own shared library, or None if it is not exported."""
+def _prototype(lib: ctypes.CDLL, sig: dict[str, tuple[object, list[object]]]) -> bool:
+    """Give ``lib``'s functions named in ``sig`` their (restype, argtypes); whether it has them all."""
     try:
-        lib = ctypes.CDLL(os.path.join(os.path.dirname(L.__file__), "liburing.so"))
-        vp, u32, u64 = ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint64
-        sig = {"io_uring_queue_init": (ctypes.c_int, [u32, vp, u32]),
-               "io_uring_queue_exit": (None, [vp]),
-               "io_uring_get_sqe": (vp, [vp]),
-               "io_uring_prep_write": (None, [vp, ctypes.c_int, vp, u32, u64]),
-               "io_uring_prep_read": (None, [vp, ctypes.c_int, vp, u32, u64]),
-               "io_uring_sqe_set_data64": (None, [vp, u64]),
-               "io_uring_submit": (ctypes.c_int, [vp]),
-               "io_uring_wait_cqe": (ctypes.c_int, [vp, ctypes.POINTER(vp)]),
-               "io_uring_cqe_seen": (None, [vp, vp])}
         for name, (res, args) in sig.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = res, args
-        return lib
-    except (OSError, AttributeError):
-        return None
+    except AttributeError:
+        return False
+    return True
+
+
+_vp, _u32, _u64 = ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint64
+_C_SIG = {"io_uring_queue_init": (ctypes.c_int, [_u32, _vp, _u32]),
+          "io_uring_queue_exit": (None, [_vp]),
+          "io_uring_get_sqe": (_vp, [_vp]),
+          "io_uring_prep_write": (None, [_vp, ctypes.c_int, _vp, _u32, _u64]),
+          "io_uring_prep_read": (None, [_vp, ctypes.c_int, _vp, _u32, _u64]),
+          "io_uring_sqe_set_data64": (None, [_vp, _u64]),
+          "io_uring_submit": (ctypes.c_int, [_vp]),
+          "io_uring_wait_cqe": (ctypes.c_int, [_vp, ctypes.POINTER(_vp)]),
+          "io_uring_cqe_seen": (None, [_vp, _vp])}
+_FIXED_SIG = {"io_uring_register_buffers": (ctypes.c_int, [_vp, _vp, _u32]),
+              "io_uring_unregister_buffers": (ctypes.c_int, [_vp]),
+              "io_uring_prep_write_fixed": (None, [_vp, ctypes.c_int, _vp, _u32, _u64, ctypes.c_int])}
+FIXED_PIECE_BYTES = 1 << 30
+"""The kernel's largest registered buffer: a longer region is registered in pieces of this size."""
+
+
+class _PieceIovec(ctypes.Structure):
+    """``struct iovec``: one registered piece."""
+
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
 class _Cqe(ctypes.Structure):
     _fields_ = [("user_data", ctypes.c_uint64), ("res", ctypes.c_int32), ("flags", ctypes.c_uint32)]
 
 
-_C = _load_c()
-_HAS_FIXED = load_fixed(_C)
+try:  # liburing's C API from the binding's own shared library (None: not exported)
+    _C: ctypes.CDLL | None = ctypes.CDLL(os.path.join(os.path.dirname(L.__file__), "liburing.so"))
+except OSError:
+    _C = None
+if _C is not None and not _prototype(_C, _C_SIG):
+    _C = None
+_HAS_FIXED = _C is not None and _prototype(_C, _FIXED_SIG)
 _RING_STRUCT_BYTES = 4096
 """Room for liburing's ``struct io_uring`` (216 bytes in liburing 2.x)."""
 
 
 class _CRing:
-    """One io_uring driven through liburing's C functions by ctypes (GIL released in each call).
-
-    Used by one thread at a time, like the file that owns it.
-    """
+    """One io_uring driven through liburing's C functions by ctypes (GIL released in each call);
+    used by one thread at a time, like the file that owns it."""
 
     def __init__(self, depth: int):
         assert _C is not None
@@ -108,8 +109,7 @@ class _CRing:
 
     def pin(self, address: int, nbytes: int, fresh: bool = False) -> None:
         """Register ``[address, address + nbytes)`` as fixed buffers (the ring idle; its owner's
-        thread). The kernel pins those pages once instead of at every write; a refusal (the
-        memlock limit, an old kernel) leaves plain writes, and is not tried again."""
+        thread); a refusal (the memlock limit, an old kernel) leaves plain writes, not retried."""
         want = (address, nbytes)
         if fresh:  # registered pages are the old mapping's, whatever the address
             self.unpin()
@@ -118,7 +118,7 @@ class _CRing:
             return
         self.unpin()
         pieces = [(address + o, min(FIXED_PIECE_BYTES, nbytes - o)) for o in range(0, nbytes, FIXED_PIECE_BYTES)]
-        iovs = (PieceIovec * len(pieces))(*pieces)
+        iovs = (_PieceIovec * len(pieces))(*pieces)
         rc = _C.io_uring_register_buffers(self.ptr, iovs, len(pieces))
         if rc < 0:
             self.refused = want
@@ -347,9 +347,7 @@ class UringEngine(Engine):
         self._pinned: list[_CRing] = []  # every thread's long-lived ring, closed with the engine
 
     def pin_buffer(self, address: int, nbytes: int, *, fresh: bool = False) -> None:
-        """The calling thread writes from ``[address, address + nbytes)`` file after file (the
-        persist thread, its staging arena, once it is faulted): its files share one long-lived
-        ring with that region registered, so no write pins its pages again."""
+        """The calling thread's files share one long-lived ring with this region registered."""
         if _C is None or not self.use_c or not _HAS_FIXED:
             return
         ring = getattr(self._local, "ring", None)
@@ -392,6 +390,5 @@ class UringEngine(Engine):
         try:
             return _UringFile(self, path, fd, writable)
         except BaseException:
-            import os
             os.close(fd)
             raise

@@ -1,32 +1,19 @@
 """Page-aligned anonymous host memory for staging, faulted in without the GIL.
 
-Two kinds of users:
+Small scratch buffers (restore's bounce, remote copies, the DCP plugin) are ``Arena(nbytes)``,
+mapped and faulted at once in the caller's thread. The staging pool
+(:mod:`zerostall.saving.pool`) reserves its whole budget as address space only
+(``prefault=False``, ``MAP_NORESERVE``); :meth:`Arena.fault_to` then has a background thread
+fault a prefix in 64 MiB chunks through ctypes ``madvise(MADV_POPULATE_WRITE)``/``mlock``
+calls, which release the GIL (``mmap.madvise`` would hold it), and writers
+:meth:`~Arena.wait_ready` for a range, so a first save streams through what is ready.
 
-* small scratch buffers (restore's bounce buffer, remote uploads, the DCP plugin):
-  ``Arena(nbytes)`` maps and pre-faults ``nbytes`` at once, in the caller's thread;
-* the process-wide staging pool (:mod:`zerostall.saving.pool`): ``Arena(budget, prefault=False)``
-  reserves the whole budget as *address space only* (``MAP_NORESERVE``: no RSS until touched),
-  then :meth:`Arena.fault_to` asks a background thread to fault a prefix of it, published in
-  64 MiB chunks, through ctypes ``madvise(MADV_POPULATE_WRITE)`` (or ``mlock``) calls of a few
-  milliseconds each (they hold the mmap lock), which release the GIL. Writers call
-  :meth:`wait_ready` before touching a range, so a first save streams through the part that is
-  ready while the rest is faulted, and a training thread keeps running meanwhile. (Python's
-  ``mmap.madvise`` holds the GIL for the whole call: never for large ranges.)
-
-Fresh anonymous memory is slow to touch the first time (huge pages sometimes slower still:
-:meth:`Arena._probe_pages`), so it is faulted once and reused. On CUDA the faulted prefix is
-registered with ``cudaHostRegister`` chunk by chunk, so device-to-host copies are DMA into
-it; never ``pin_memory()`` per tensor. Registration:
-
-* runs with the device of the first CUDA save current (never a context on device 0 for a
-  rank that trains on cuda:3) and with ``cudaHostRegisterPortable`` (pinned for every device);
-* happens only in threads that launch no kernels (the faulter, or a short-lived helper):
-  a failed CUDA runtime call leaves a per-thread "last error" that torch's next kernel launch
-  check in that thread would raise as its own;
-* that fails (pinned-memory limits) is logged once and stops: copies into unregistered
-  memory are still correct, only synchronous;
-* is undone (``cudaHostUnregister``, chunk by chunk) before the memory is unmapped.
-Copies are split at registration chunks (:meth:`Arena.pinned_pieces`): each in one range.
+On CUDA the faulted prefix is registered with ``cudaHostRegister`` (portable) chunk by chunk,
+so device-to-host copies are DMA into it, never ``pin_memory()`` per tensor; registration runs
+with the first CUDA save's device current, only in threads that launch no kernels (a failed
+runtime call leaves a per-thread error torch's next launch there would raise), stops with one
+log line on failure (copies stay correct, only synchronous), and is undone before the unmap.
+Copies are split at registration chunks (:meth:`Arena.pinned_pieces`).
 """
 
 from __future__ import annotations
@@ -75,12 +62,6 @@ def _on_device(index: int | None):
     return torch.cuda.device(index) if index is not None else contextlib.nullcontext()
 
 
-def _in_thread(fn) -> None:
-    """Run ``fn`` in a thread that then exits (see the module docstring: CUDA's per-thread last
-    error must not reach a thread that launches kernels)."""
-    run_in_fresh_thread(fn, "zerostall-cuda-register")
-
-
 @dataclass(frozen=True)
 class ArenaView:
     """A prefix of an arena, shaped like an :class:`Arena` for readers (restore's bounce)."""
@@ -110,11 +91,7 @@ class Arena:
         if not detached_views:
             self.mv = memoryview(self._map)
             self.u8 = torch.frombuffer(self._map, dtype=torch.uint8)
-        else:
-            # Views over the address, not exports of the mapping, so that close() always
-            # unmaps even if a library leaked a buffer export of a view (liburing's Iovec
-            # does). Only for owners that stop every user of the views before close() (the
-            # pool): a view used after close() faults.
+        else:  # views over the address, so close() unmaps even if a view's export leaked (the pool)
             raw = (ctypes.c_ubyte * self.nbytes).from_address(self.address)
             self.mv = memoryview(raw).cast("B")
             self.u8 = torch.frombuffer(raw, dtype=torch.uint8)
@@ -139,11 +116,7 @@ class Arena:
         self.error: BaseException | None = None
         self.fault_s = 0.0
         self._call_bytes = FAULT_CALL_MIN_BYTES  # grows to what FAULT_CALL_S faults (faulter thread)
-        if dontfork:
-            # A fork (DataLoader workers, each epoch) neither copies the page tables of the whole
-            # arena nor, if its pages are pinned for DMA (cudaHostRegister), the pages
-            # themselves at fork time (the kernel copies DMA-pinned anonymous pages eagerly).
-            # Only for owners that never use the arena in a child (the pool).
+        if dontfork:  # a fork (DataLoader workers) copies neither its page tables nor its DMA-pinned pages
             self.keep_from_fork()
         self.pages = "4k"  # or "huge" (advised and not slower: _probe_pages), "probing" until then
         self._small_rate = 0.0  # bytes/s of the 4 KiB probe
@@ -162,10 +135,8 @@ class Arena:
 
     # -- faulting ---------------------------------------------------------------------------
     def _memlock_allows(self, nbytes: int) -> bool:
-        """Whether RLIMIT_MEMLOCK allows locking ``nbytes``. The limit is the node's setting, so
-        it is said once per node: by the node's first local rank (once per process), at warning
-        level when the node swaps (the arena may be paged out) and at info level when it has no
-        swap (the budget fits without locking); other local ranks log at debug level."""
+        """Whether RLIMIT_MEMLOCK allows locking ``nbytes`` (if not, said once per node: a
+        warning where the node swaps, info where it does not)."""
         global _warned_memlock
         soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         if soft != resource.RLIM_INFINITY and soft < nbytes:
@@ -180,14 +151,8 @@ class Arena:
         return True
 
     def _fault_range(self, off: int, n: int) -> None:
-        """Fault [off, off+n) in calls of about :data:`FAULT_CALL_S` each. No GIL held.
-
-        ``madvise(MADV_POPULATE_WRITE)`` holds the process's mmap lock for reading and ``mlock``
-        for writing for the whole call; every ``mmap``/``munmap`` of the process meanwhile
-        (a thread's stack, a large ``malloc``, torch's CPU allocator, a ``Thread.start()`` in
-        the first ``save()``) waits behind it; calls sized from the measured rate keep that
-        wait short (docs/speed-tricks.md).
-        """
+        """Fault [off, off+n) in calls of about :data:`FAULT_CALL_S` each, no GIL held: each
+        call holds the process's mmap lock, which every ``mmap``/``munmap`` waits behind."""
         end = off + n
         if self.pages == "probing":
             off += self._probe_pages(off, n)
@@ -204,9 +169,8 @@ class Arena:
                 self._call_bytes = max(FAULT_CALL_MIN_BYTES, min(FAULT_CHUNK_BYTES, fit))
 
     def _probe_pages(self, off: int, n: int) -> int:
-        """Fault both page sizes first (:func:`.memory.probe_pages`); returns the bytes faulted.
-        A smaller ask is faulted unprobed and the arena stays ``"probing"`` until one is large
-        enough (else a small first ask would keep huge pages, however slow, for good)."""
+        """Fault both page sizes first (:func:`.host.probe_pages`); returns the bytes faulted. A
+        smaller ask is faulted unprobed and the arena stays ``"probing"``."""
         if n < 2 * PROBE_BYTES:
             if self.nbytes - off < 2 * PROBE_BYTES:  # no room left for a probe: huge pages as advised
                 self.pages = "huge"
@@ -314,19 +278,14 @@ class Arena:
         return sum(n for _, n in self._cuda_chunks)
 
     def keep_from_fork(self) -> None:
-        """``MADV_DONTFORK`` (see the constructor's ``dontfork``): a forked child gets a zero
-        placeholder instead of a copy. Restore calls it before pinning the shared bounce for
-        CUDA copies (:func:`zerostall.restore.device_copy.register_scratch`)."""
+        """``MADV_DONTFORK``: a forked child gets a zero placeholder instead of a copy (restore
+        calls it before pinning its bounce for CUDA copies)."""
         if self not in _unforked and _libc.madvise(ctypes.c_void_p(self.address), self.nbytes, MADV_DONTFORK) == 0:
             _unforked.add(self)
 
     def register_cuda(self, device: int | None = None) -> None:
-        """Pin the faulted prefix for DMA now, and every chunk the faulter adds later (once),
-        with CUDA device ``device`` current (the device of the first CUDA save).
-
-        Called from the snapshot thread on the first CUDA save, or by the pool for a new
-        reservation replacing a registered one.
-        """
+        """Pin the faulted prefix for DMA now, and every chunk the faulter adds later, with CUDA
+        ``device`` current. The snapshot thread on the first CUDA save, or the pool."""
         with self._cond:
             if self.cuda_registered:
                 return
@@ -339,13 +298,12 @@ class Arena:
                         self._cuda_register(off, min(FAULT_CHUNK_BYTES, self.ready - off))
 
             if self.ready:
-                _in_thread(prefix)
+                run_in_fresh_thread(prefix, "zerostall-cuda-register")  # its CUDA errors die with it
             self.cuda_registered = True
 
     def pinned_pieces(self, off: int, n: int) -> list[tuple[int, int]]:
         """``[off, off+n)`` as (offset, length) pieces none of which crosses a boundary between
-        two registered chunks (measured on an H200, torch 2.11: one async copy spanning two registrations fails with cudaErrorInvalidValue).
-        Any thread; the whole range if nothing is registered."""
+        two registered chunks (a copy spanning two fails with cudaErrorInvalidValue). Any thread."""
         with self._cond:
             if not self._cuda_chunks:
                 return [(off, n)]
@@ -380,7 +338,7 @@ class Arena:
                         cudart.cudaHostUnregister(self.address + off)
 
             try:
-                _in_thread(unregister)
+                run_in_fresh_thread(unregister, "zerostall-cuda-register")
             except Exception as exc:  # noqa: BLE001 - e.g. CUDA already shut down at exit
                 log.debug("zerostall: cudaHostUnregister of the staging arena failed: %s", exc)
             self._cuda_chunks.clear()

@@ -1,10 +1,5 @@
-"""Host memory facts and the one GIL-free fault call the staging arena uses.
-
-``budget_bytes`` (the Checkpointer's staging budget, ``doctor``), ``host_ram_bytes`` and
-``local_world_size`` (any thread); ``populate`` (the arena's faulter thread, or the caller's
-for a small scratch arena): ctypes releases the GIL around the ``madvise``; ``probe_pages``
-(the faulter's first call: huge or 4 KiB pages, whichever faults faster); the placeholders
-a forked child gets where the parent's ``dontfork`` arenas were (at fork, in the child).
+"""Host memory facts (the staging budget, any thread) and the GIL-free fault calls of the
+staging arena (:mod:`.arena`), plus the placeholders a forked child gets for its arenas.
 """
 
 from __future__ import annotations
@@ -63,14 +58,9 @@ _unforked: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def _fill_holes_in_child() -> None:
-    """After fork, in the child: an anonymous placeholder where each ``dontfork`` arena
-    (:class:`.arena.Arena`) was.
-
-    The child inherits the Python objects but not the mapping; without a placeholder the range
-    is free, a later mapping of the child may land there, and the stale ``mmap`` object would
-    unmap it when collected (or a stale view would read it). With one, stale views read zeros
-    (no RSS until touched) and the collection unmaps only the placeholder. CUDA registrations
-    are the parent's: forgotten (CUDA cannot be used in a forked child anyway)."""
+    """After fork, in the child: an anonymous placeholder where each ``dontfork`` arena was, so
+    no later mapping lands in the range the stale ``mmap`` object unmaps when collected (stale
+    views read zeros). The parent's CUDA registrations are forgotten."""
     prot = mmap.PROT_READ | mmap.PROT_WRITE
     flags = (mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10  # MAP_FIXED
              | getattr(mmap, "MAP_NORESERVE", 0))
@@ -90,10 +80,8 @@ os.register_at_fork(after_in_child=_fill_holes_in_child)
 
 def probe_pages(address: int, nbytes: int, off: int, probe: int, fault: Any) -> tuple[float, float]:
     """(huge page, 4 KiB page) fault rates in bytes/s of a mapping of ``nbytes`` at ``address``
-    advised huge pages: ``fault(off, probe)`` with huge pages, then ``fault(off + probe, probe)``
-    with 4 KiB pages (``MADV_NOHUGEPAGE`` on that range only). The arena's faulter thread, on
-    its first call. Huge pages fault fast where the kernel has them at hand, far slower than
-    4 KiB pages on a VM whose host took its free huge pages back (docs/speed-tricks.md)."""
+    advised huge pages: ``fault(off, probe)``, then ``fault(off + probe, probe)`` with that
+    range advised ``MADV_NOHUGEPAGE`` (huge pages can fault far slower on a VM)."""
     t0 = time.perf_counter()
     fault(off, probe)
     t1 = time.perf_counter()

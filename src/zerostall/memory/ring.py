@@ -9,15 +9,12 @@ one condition variable, carry the whole protocol:
 * ``released`` — advanced by the persist threads: every block below it is on disk (or
   abandoned) and its slot may be overwritten.
 
-The ring is shared by every Checkpointer of the process (see :mod:`zerostall.saving.pool`): one snapshot
-thread stages jobs in reservation order, so ``staged`` is a plain cursor; each Checkpointer
-has its own persist thread, so releases may arrive out of order across jobs and are given as
-ranges (``release(lo, hi)``); ``released`` only moves over a contiguous prefix.
-The ring grows (``resize``) only while idle, i.e. no block is reserved and unreleased.
-
-The snapshot thread may write block ``g`` only while ``g < released + nblocks``. When the
-arena holds two snapshots this is double buffering; when a state is larger than the arena
-it streams through as a ring, and memory never exceeds the arena.
+The ring is shared by every Checkpointer of the process (:mod:`zerostall.saving.pool`): one
+snapshot thread stages in reservation order; each Checkpointer's persist thread releases
+ranges (``release(lo, hi)``), possibly out of order, and ``released`` moves over a contiguous
+prefix. The snapshot thread writes block ``g`` only while ``g < released + nblocks``: double
+buffering when the arena holds two snapshots, streaming when a state is larger than it. The
+ring grows (``resize``) only while idle.
 """
 
 from __future__ import annotations
@@ -38,10 +35,8 @@ class BlockRing:
         self._done: dict[int, int] = {}  # released ranges beyond the cursor: lo -> hi
 
     def resize(self, nbytes: int) -> bool:
-        """Use ``nbytes`` of the arena from now on if the ring is idle; return whether it did.
-
-        Called with the pool's lock held, right before a reservation.
-        """
+        """Use ``nbytes`` of the arena from now on if the ring is idle; return whether it did
+        (the pool's lock held, right before a reservation)."""
         with self.cond:
             n = nbytes // self.block_bytes
             if n < 2 or n == self.nblocks or self.released != self.reserved:
@@ -57,9 +52,8 @@ class BlockRing:
     def blocks_for(self, nbytes: int) -> int:
         return max(1, -(-nbytes // self.block_bytes))
 
-    # ``reserved`` has one writer (the caller's thread, saves serialised by the Checkpointer)
-    # and the workers never read it, so these take no lock: a signal handler that interrupts
-    # save() here must not leave the condition held while the workers need it.
+    # ``reserved`` has one writer (the caller's thread) that the workers never read: no lock, so a
+    # signal handler interrupting save() here cannot leave the condition held.
     def fits_now(self, nblocks: int) -> bool:
         """Whether a snapshot of ``nblocks`` could be staged without waiting for the disk."""
         return self.reserved + min(nblocks, self.nblocks) - self.released <= self.nblocks

@@ -1,30 +1,21 @@
-"""The copy stage of the restore read pipeline: moving verified bytes out of the scratch.
-
-:mod:`.stream` reads, checks and decides *when* bytes may reach a destination; this module is
-*how*. Called by :class:`.stream._Run`: :meth:`CudaCopier.copy` and :func:`swap` from its copier
-threads (``zerostall-restore-copy``), :func:`copy_staged` (after the gate), :func:`rollback`
+"""The copy stage of the restore read pipeline: *how* verified bytes leave the scratch
+(:mod:`.stream` decides *when*). Called by :class:`.stream._Run`: :meth:`CudaCopier.copy` and
+:func:`swap` from its copier threads, :func:`copy_staged` (after the gate), :func:`rollback`
 (on failure) and :meth:`CudaCopier.sync` (at the end) from the caller's thread.
 
-- CPU destinations, given as addresses: ``ctypes.memmove`` (which releases the GIL), never a
-  torch op (see :mod:`zerostall.saving.snapshot` on OpenMP teams).
-- CUDA destinations (the caller's CUDA tensors of an in-place load, new tensors when
-  ``map_location`` is a CUDA device): :class:`CudaCopier`, host-to-device copies from the
-  scratch, pinned with ``cudaHostRegister`` (never cut at a boundary between two registered
-  chunks, :meth:`~zerostall.memory.arena.Arena.pinned_pieces`), ``non_blocking`` on one side
-  stream per device that first waits for the caller's current stream (kernels the caller
-  queued before the load touch the destinations first). Every ``copy`` waits for its copies
-  (a blocking-sync event, GIL released), even when one raised, so a ring slot is reused only
-  once its DMA is done; :meth:`CudaCopier.sync` waits for every stream before the load
-  returns, so nothing is in flight from the scratch or into a tensor then (no
-  ``record_stream`` needed).
+- CPU destinations (addresses): ``ctypes.memmove``, which releases the GIL, never a torch op
+  (OpenMP teams: :mod:`zerostall.saving.snapshot`).
+- CUDA destinations: :class:`CudaCopier`, ``non_blocking`` copies from the registered scratch
+  (never across two registered chunks) on a side stream per device that first waits for the
+  caller's current stream. Every ``copy`` waits for its copies, even when one raised, so a
+  ring slot is reused only once its DMA is done; :meth:`CudaCopier.sync` waits for every
+  stream before the load returns (no ``record_stream`` needed).
 
-The caller's CUDA tensors are *staged*, never swapped: written only once every byte of the
-step verified and the gate passed (a swap would move every byte three times over the bus to
-overlap one host-to-device copy, which is far faster than the disk read anyway, and its
-rollback could itself fail on the device). A failed step has then touched no device byte. A
-device copy that fails *after* the gate raises and may leave CUDA destinations part written;
-the CPU ones are then as they were (:func:`copy_staged` runs the device copies first). New
-tensors are copied as soon as their window verified.
+The caller's CUDA tensors are *staged*, never swapped (a swap moves every byte three times
+over the bus and its rollback could fail on the device): a failed step touches no device
+byte. A device copy failing *after* the gate may leave CUDA destinations part written, the
+CPU ones as they were (:func:`copy_staged` copies to the devices first). New tensors are
+copied as soon as their window verified.
 """
 
 from __future__ import annotations
@@ -51,7 +42,6 @@ def _copy(jobs: Iterable[HostJob]) -> None:
 
 
 def _copy_split(jobs: Sequence[HostJob], piece: int = 16 << 20) -> None:
-    """``jobs`` copied by two threads, split by bytes in ``piece``-sized parts."""
     if not jobs:
         return
     parts: list[list[HostJob]] = [[], []]
@@ -68,8 +58,7 @@ def _copy_split(jobs: Sequence[HostJob], piece: int = 16 << 20) -> None:
 
 def swap(dst: int, src: int, n: int, swapped: list[HostJob]) -> None:
     """Exchange ``n`` bytes at ``dst`` (the caller's) and ``src`` (the verified window), a
-    cache-resident piece at a time; the scratch then holds the caller's old bytes. Each
-    piece exchanged is appended to ``swapped`` (only what was exchanged is rolled back)."""
+    cache-resident piece at a time; each piece exchanged is appended to ``swapped``."""
     tmp = ctypes.create_string_buffer(min(n, SWAP_PIECE))
     for p in range(0, n, SWAP_PIECE):
         k = min(SWAP_PIECE, n - p)
@@ -86,10 +75,8 @@ def rollback(swapped: Sequence[HostJob]) -> None:
 
 
 def cuda_target(map_location: Any) -> torch.device | None:
-    """The CUDA device a new-dict load's tensors end on, when ``map_location`` names one (a
-    device, its name or index, or a dict mapping ``"cpu"`` to one); None otherwise (then
-    they are read into CPU tensors and mapped after). ``map_location`` was checked by
-    :func:`.state.location_mapper`."""
+    """The CUDA device a new-dict load's tensors end on when ``map_location`` (checked by
+    :func:`.state.location_mapper`) names one; None: read into CPU tensors, mapped after."""
     if isinstance(map_location, dict):
         target = map_location.get("cpu", map_location.get(torch.device("cpu")))
         return None if target is None else cuda_target(target)
@@ -102,9 +89,8 @@ def cuda_target(map_location: Any) -> torch.device | None:
 
 
 def register_scratch(scratch: Any, device: int) -> None:
-    """Pin the scratch for DMA (once; later calls return at once), kept from forked children
-    first. An arena registers its faulted prefix (and what it faults later): a transient
-    scratch (a remote tier's) stays pageable, its copies staged by the driver (correct)."""
+    """Pin the scratch for DMA once, kept from forked children first (a transient scratch
+    stays pageable: the driver stages its copies)."""
     arena = getattr(scratch, "arena", None) or scratch
     if hasattr(arena, "register_cuda") and not arena.cuda_registered:
         arena.keep_from_fork()  # the kernel copies pinned pages into every forked child (DataLoader workers)
@@ -112,10 +98,9 @@ def register_scratch(scratch: Any, device: int) -> None:
 
 
 class CudaCopier:
-    """Host-to-device copies from ``scratch`` into CUDA destinations on ``devices``; see the
-    module doc. Built on the caller's thread when a load starts (it records the caller's
-    streams there); ``copy`` from any thread; ``sync`` from the caller's thread at the end.
-    ``cuda`` is ``torch.cuda``: the seam a test fakes to run the pipeline logic without a GPU."""
+    """Host-to-device copies from ``scratch`` to CUDA destinations on ``devices``. Built on the
+    caller's thread (it records the caller's streams); ``copy`` from any thread; ``sync`` from
+    the caller's thread. ``cuda``: ``torch.cuda``, the seam a test fakes."""
 
     def __init__(self, scratch: Any, devices: Iterable[int], cuda: Any = torch.cuda):
         self.cuda = cuda
@@ -134,8 +119,7 @@ class CudaCopier:
             self.streams[i] = s
 
     def _pieces(self, src: int, n: int) -> list[tuple[int, int]]:
-        """``n`` bytes at address ``src`` as (scratch offset, length) pieces inside one
-        registered chunk each."""
+        """``n`` bytes at ``src`` as (scratch offset, length) pieces, each in one registered chunk."""
         off = src - self.base
         if not (0 <= off and off + n <= self.u8.numel()):
             raise ValueError(f"a device copy's source [{src:#x}, +{n}) lies outside the restore scratch")
@@ -143,9 +127,8 @@ class CudaCopier:
         return pinned(off, n) if pinned is not None else [(off, n)]
 
     def copy(self, jobs: Sequence[DeviceJob]) -> None:
-        """Queue every job's H2D copy on its device's side stream, then wait until they are
-        done (also when queuing one raised: what was queued has finished before the scratch
-        may be reused; the error is re-raised)."""
+        """Queue every job's copy on its device's side stream, then wait for them (also when
+        queuing one raised)."""
         by_dev: dict[int, list[DeviceJob]] = {}
         for job in jobs:
             by_dev.setdefault(job[0].device.index, []).append(job)
@@ -182,11 +165,9 @@ class CudaCopier:
 
 
 def copy_staged(host: Sequence[HostJob], dev: Sequence[DeviceJob], copier: CudaCopier | None) -> None:
-    """The staged part of an in-place load, once every byte verified and the gate passed
-    (caller's thread): the CUDA destinations' first, then the CPU ones' by two threads
-    Raises what a copy raised. In that order because a device copy can fail (a device fault)
-    and a memmove cannot: a device failure then leaves every CPU destination as it was (the
-    swapped ones rolled back by the caller, the staged ones not written yet)."""
+    """The staged part of an in-place load, after the gate (caller's thread): the CUDA
+    destinations first (a device copy can fail, a memmove cannot: the CPU destinations are
+    then as they were), then the CPU ones by two threads. Raises what a copy raised."""
     if dev and copier is not None:
         copier.copy(dev)
     _copy_split(host)

@@ -1,16 +1,11 @@
 """Loading one step: manifest, files, destinations, then every byte through :mod:`.stream`.
 
-Called from the caller's thread by :func:`.pipeline.load` (per candidate step) and by the
-CLI (``verify_step``, ``verify_tier_step``). Any :class:`~zerostall.store.tier.Tier` serves:
-its ``stat`` checks sizes before anything is allocated, its ``open_shard_read`` opens each
-file (a local tier refuses anything but a regular file; a remote tier streams its objects).
-
-Destinations: with a ``state_dict``, tensors of matching shape and dtype are filled in place
-(as DCP does), transactionally (:mod:`.stream`; when its scratch would not fit in memory, a
-verify-only pass runs first: :func:`read_step`). Without one, new tensors are filled, then
-moved to ``map_location`` (on a CUDA device it names, filled there by :mod:`.device_copy`).
-``keys=[...]`` reads only those keys' byte ranges, as does an incremental step from the
-earlier steps' files it borrows (:func:`check_ref_files`).
+Caller's thread: :func:`.pipeline.load` (per candidate step) and the CLI (``verify_step``).
+Any :class:`~zerostall.store.tier.Tier` serves (``stat`` checks sizes before anything is
+allocated; ``open_shard_read`` opens each file). With a ``state_dict``, tensors of matching
+shape and dtype are filled in place, transactionally (:func:`read_step`); else new tensors,
+then ``map_location`` (a CUDA device it names is filled directly). ``keys=[...]`` and an
+incremental step's borrowed files read only the byte ranges needed.
 """
 
 from __future__ import annotations
@@ -47,13 +42,12 @@ _bounce_lock = threading.Lock()
 _bounce_made = threading.Lock()
 _bounce: Arena | None = None
 last_stats: Stats | None = None
-"""What the last read of this process did (bench and tests read it; no API)."""
+"""What the last read of this process did (bench and tests; no API)."""
 
 
 def shared_bounce() -> Arena:
-    """The process's restore scratch when no staging pool lends one (faulted once, reused).
-    Any thread: a peer restore faults it on a thread of its own while the node's files are
-    fetched (:meth:`zerostall.peers.service.Peers.plan_load`); a second caller waits for that one."""
+    """The process's restore scratch when no staging pool lends one (faulted once, reused). Any
+    thread (a peer restore faults it while the node's files are fetched); a second caller waits."""
     global _bounce
     with _bounce_made:
         if _bounce is None:
@@ -68,8 +62,7 @@ def shard_where(tier: Tier, step: int, name: str) -> str:
 
 def check_size(tier: Tier, step: int, name: str, want: int, recorded_by: str = "manifest says") -> None:
     """Shard ``step-N/<name>`` on ``tier`` is a regular file of ``want`` bytes, else
-    :class:`CorruptCheckpoint` naming it; ``recorded_by`` says who recorded that size (an
-    incremental step's reference to an earlier step's file). Caller's thread, before any read."""
+    :class:`CorruptCheckpoint` naming it and ``recorded_by`` (who recorded that size)."""
     path = shard_where(tier, step, name)
     size = tier.stat(f"step-{step}/{name}")
     if size is None:
@@ -80,12 +73,9 @@ def check_size(tier: Tier, step: int, name: str, want: int, recorded_by: str = "
 
 
 def check_ref_files(tier: Tier, man: Manifest, refs: list[RefFile]) -> None:
-    """An incremental step's borrowed files (its entries that carry a ``step``, see
-    :mod:`.format.refs`): each belongs to a committed step whose manifest lists it with the
-    same size and id, and has that size; else :class:`CorruptCheckpoint` naming it (the step
-    fails, restore falls back). Runs before anything is allocated or read, like
-    :func:`check_files`; the pipeline then checks their header, every referenced tensor's
-    crc32c and padding, reading only the referenced ranges (:func:`file_reads`)."""
+    """An incremental step's borrowed files (:mod:`.format.refs`) each belong to a committed
+    step whose manifest lists it with the same size and id, and have that size; else
+    :class:`CorruptCheckpoint` naming it. Before anything is allocated or read."""
     manifests: dict[int, Manifest] = {}
     for r in refs:
         where = f"step {man.step} references step-{r.step}/{r.name}"
@@ -106,9 +96,8 @@ def check_ref_files(tier: Tier, man: Manifest, refs: list[RefFile]) -> None:
 
 def file_read(tier: Tier, step: int, name: str, file_bytes: int, header: ShardHeader, man: Manifest,
               idx: list[int], dst: Callable[[int], Any], engine: Any, *, sparse: bool = True) -> FileRead:
-    """The :class:`~.stream.FileRead` of ``step-N/<name>`` for manifest entries ``idx``, each
-    read into ``dst(i)``: ``(address or None, direct buffer or None, protected[, CUDA bytes or
-    None])``; ``sparse``: only their extents are read (with the header), else the whole file."""
+    """The :class:`~.stream.FileRead` of ``step-N/<name>`` for manifest entries ``idx``, each into
+    ``dst(i)`` (:func:`file_reads`); ``sparse``: only their extents (and the header)."""
     idx = sorted(idx, key=lambda i: man.tensors[i].offset)
     fr = FileRead(shard_where(tier, step, name), file_bytes, header, [man.tensors[i] for i in idx], [],
                   lambda: tier.open_shard_read(step, name, engine), wanted=set(range(len(idx))) if sparse else None)
@@ -125,9 +114,8 @@ def file_read(tier: Tier, step: int, name: str, file_bytes: int, header: ShardHe
 
 
 def check_files(tier: Tier, man: Manifest, only: set[str] | None = None, engine: Engine | None = None) -> None:
-    """Every shard exists, is a regular file (no symlink, FIFO, device or directory) and has the
-    recorded size. Runs before anything is allocated or read, so a hostile manifest cannot make
-    us allocate what the files do not hold, and an odd file cannot block the open."""
+    """Every shard is a regular file (no symlink, FIFO, device) of the recorded size. Runs before
+    anything is allocated, so a hostile manifest cannot make us allocate what the files lack."""
     for fe in man.files:
         if only is not None and fe.name not in only:
             continue
@@ -150,8 +138,8 @@ def _meminfo(*keys: str) -> int:
 
 
 def _new(e: TensorEntry, where: str, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A new tensor for ``e`` (on CUDA ``device`` if given) and, if it is a CPU one big enough
-    to be read into directly, its page-aligned padded byte buffer."""
+    """A new tensor for ``e`` (on CUDA ``device`` if given) and, if read into directly, its
+    page-aligned padded byte buffer."""
     try:
         dtype = dtype_from_name(e.dtype)
         if device is not None:
@@ -173,9 +161,9 @@ def _flat_u8(t: torch.Tensor) -> torch.Tensor:
 
 def file_reads(tier: Tier, man: Manifest, engine: Engine | None, dst: Any, *, needed: list[int] | None,
                only: set[str] | None, sparse: bool) -> list[FileRead]:
-    """One :class:`FileRead` per file to read: own shards (all their items, or with ``sparse``
-    only the ``needed`` ones) and the files of earlier steps the needed entries live in.
-    ``dst(i)`` is ``(address or None, direct buffer or None, protected[, CUDA bytes])`` for entry ``i``."""
+    """One :class:`FileRead` per file: own shards (with ``sparse`` only the ``needed`` items) and
+    the earlier steps' files the needed entries live in. ``dst(i)``: ``(address or None, direct
+    buffer or None, protected[, CUDA bytes])`` for entry ``i``."""
     alias = man.alias_of
     pick = set(needed) if needed is not None else None
     by_ref = {(r.step, r.name): r for r in man.ref_files}
@@ -203,21 +191,18 @@ def _held(bounce: Any) -> Any:
 
 def read_step(files: list[FileRead], bounce: Any, io: IOConfig, *, verify: bool = True,
               gate: Callable[[], None] | None = None, slow_source: bool = False) -> Stats:
-    """Read ``files`` through :mod:`.stream` with ``bounce`` as scratch memory: transactional
-    for protected destinations, with a verify-only pass first when the staged bytes do not fit.
-    ``gate()`` runs once every byte verified, before any staged byte reaches its destination
-    (what it raises rolls the protected destinations back). ``slow_source`` (a remote tier,
-    slower than faulting new memory): rather than reading it twice, a transient scratch of
-    the step's size when the host has that much memory available (for a local disk reading
-    twice measured faster: docs/speed-tricks.md)."""
+    """Read ``files`` through :mod:`.stream` with ``bounce`` as scratch: transactional for
+    protected destinations, verified first when they do not fit. ``gate()`` runs once every
+    byte verified, before a staged byte lands (what it raises rolls back). ``slow_source`` (a
+    remote tier): a transient scratch of the step's size, if the host has it, rather than
+    reading twice (docs/speed-tricks.md)."""
     global last_stats
     plan = Plan(files, io, in_place=any(fr.protect for fr in files))
     with _held(bounce):
         if plan.fits(bounce.nbytes):
             last_stats = plan.run(bounce, verify=verify, gate=gate)
             return last_stats
-    # never a fresh scratch for a local disk: new memory can fault slower than the disk reads the
-    # step twice (docs/speed-tricks.md; :meth:`~zerostall.saving.pool.StagingPool.ring_bytes`)
+    # never for a local disk: new memory can fault slower than it reads the step twice
     if slow_source and plan.need_bytes() < _meminfo("MemAvailable") // 2:
         with contextlib.closing(Arena(plan.need_bytes(), mlock=False, hugepages=False, prefault=False)) as arena:
             last_stats = plan.run(arena, verify=verify, gate=gate)
@@ -240,10 +225,8 @@ def read_step(files: list[FileRead], bounce: Any, io: IOConfig, *, verify: bool 
 
 def read_later(files: list[FileRead], first: Stats, ring: Any, io: IOConfig, verify: bool,
                idents: dict[int, tuple[int, ...]]) -> list[Stats]:
-    """A split read's second pass (every byte verified, the gate passed): the items past the
-    head, read again from the very files the first pass opened, checked again, through the
-    ``ring`` straight into their destinations. Runs inside the first pass's ``then``: what it
-    raises rolls the head back."""
+    """A split read's second pass, inside the first's ``then``: the items past the head, read
+    again from the very files, checked again, through ``ring`` into their destinations."""
     ks = [k for k in range(len(files)) if first.later.get(k)]
     if not ks:
         return []
@@ -272,8 +255,8 @@ _NO_HEAD: Any = SimpleNamespace(nbytes=0, u8=None)
 
 
 def _head_bytes(plan: Plan) -> int:
-    """New memory for a split read's head: :data:`HEAD_FRACTION` of the plan, at most half of
-    what the host has available, 0 if that is less than one window."""
+    """A split read's head: :data:`HEAD_FRACTION` of the plan, at most half the available
+    memory, 0 if under one window."""
     n = min(int(plan.ring_bytes * HEAD_FRACTION), _meminfo("MemAvailable") // 2)
     return n if n >= plan.w else 0
 
@@ -283,11 +266,10 @@ def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: An
               keys: list[str] | None = None, strict: bool = False,
               report: LoadReport | None = None, io: IOConfig | None = None,
               gate: Callable[[], None] | None = None) -> Any:
-    """Load one step, transactionally: nothing in ``state_dict`` changes unless the whole step
-    (every byte this load needs) verified. Raises CorruptCheckpoint/StorageError for the
-    checkpoint's defects and StateMismatchError for the caller's. ``gate`` (the ranks'
-    agreement, :mod:`zerostall.distributed.agree`) runs once every byte verified and before
-    anything stays in ``state_dict`` or is returned; what it raises propagates (rolled back)."""
+    """Load one step; nothing in ``state_dict`` changes unless every byte this load needs
+    verified. Raises CorruptCheckpoint/StorageError for the checkpoint's defects,
+    StateMismatchError for the caller's. ``gate`` (:mod:`zerostall.distributed.agree`) runs
+    once every byte verified; what it raises propagates, rolled back."""
     man = tier.read_manifest(step)
     where = shard_where(tier, step, "").rstrip("/")
     tree = man.tree_for(rank, world_size)
@@ -321,9 +303,8 @@ def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: An
                     f"state dict key {key!r} is {t.dtype} {tuple(t.shape)} but the checkpoint "
                     f"(step {step}) holds {e.dtype} {list(e.shape)}; the checkpoint was saved from a "
                     "different model or configuration")
-    # The caller's contiguous CPU and CUDA tensors are filled in place (transactionally, see
-    # .stream); every other destination is a new tensor (copied into a non-contiguous tensor by
-    # merge()), on the CUDA device map_location names if it names one.
+    # the caller's contiguous tensors are filled in place; the rest are new tensors (merge()
+    # copies them into non-contiguous ones)
     tensors: list[Any] = [None] * len(man.tensors)
     dsts: dict[int, tuple[Any, ...]] = {}  # address, direct buffer, protected[, CUDA bytes]
     cpu = {i: d.detach() for i in needed if (d := in_place.get(i, (None,))[0]) is not None
@@ -358,8 +339,7 @@ def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: An
 def verify_step(tier: Tier, step: int, engine: Engine | None, bounce: Any = None, *,
                 only: Callable[[Manifest], set[str] | None] | None = None) -> Manifest:
     """Read every byte of ``step`` and check it, keeping nothing; raises CorruptCheckpoint.
-    ``only(manifest)`` may name the shard files to check (a node-local copy holds its own
-    ranks' files only: ``zerostall verify`` passes them); None checks them all."""
+    ``only(manifest)``: the shard files to check (a node-local copy's own), None: all."""
     man = tier.read_manifest(step)
     names = only(man) if only is not None else None
     check_files(tier, man, names, engine)
@@ -369,8 +349,6 @@ def verify_step(tier: Tier, step: int, engine: Engine | None, bounce: Any = None
 
 
 def verify_tier_step(tier: Tier, step: int, bounce: Any = None) -> Manifest:
-    """Read every byte of ``step`` on any tier through its ``open_shard_read`` (a remote tier
-    streams its objects through the same pipeline, several ranged reads at once; nothing is
-    stored locally) and check it as a load does: header, every tensor's crc32c, zero padding.
-    Raises CorruptCheckpoint (RemoteError if the tier cannot be read)."""
+    """:func:`verify_step` on any tier without an engine (a remote tier streams its objects;
+    nothing is stored locally). Raises CorruptCheckpoint (RemoteError if it cannot be read)."""
     return verify_step(tier, step, None, bounce)

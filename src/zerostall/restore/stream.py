@@ -1,30 +1,21 @@
 """The restore read pipeline: deep direct reads, checks and copies overlapped, like the save.
 
-Called from the caller's thread by :mod:`.step` (``load_step``, ``verify_step``) with the
-shard files of one step (its own and those it borrows from), cut into aligned windows
-(:mod:`.windows`). Three kinds of threads, started per call and joined before it returns:
+Called from the caller's thread by :mod:`.step` with one step's shard files (its own and those
+it borrows), cut into aligned windows (:mod:`.windows`). Threads, joined before it returns:
 
-- ``READERS`` reader threads (``zerostall-restore-read``), each with its own open reader of
-  every file, claim windows in file order and read each into its buffer: a slot of a bounded
-  ring in the scratch memory, a place in the scratch kept until the end (staged), or the
-  destination tensor itself (``direct``);
-- the caller's thread checks each window in order with the one shard codec
-  (:class:`~zerostall.format.shard.ShardCursor`: header, padding, crc32c) while the next ones
-  are read, and hands the copies to
-- ``COPIERS`` copier threads (``zerostall-restore-copy``), which free a ring slot once its
-  copies are done (they also take the page faults of new tensors' first touch). How bytes
-  move is :mod:`.device_copy`'s.
+- ``READERS`` readers (``zerostall-restore-read``), each with its own reader of every file,
+  claim windows in file order and read each into its buffer: a ring slot in the scratch, a
+  place in the scratch kept until the end, or the destination itself (``direct``);
+- the caller's thread checks each window in order (:class:`~zerostall.format.shard.ShardCursor`:
+  header, padding, crc32c) while the next are read, and hands the copies to
+- ``COPIERS`` copiers (``zerostall-restore-copy``), which free a ring slot once its copies are
+  done (how bytes move: :mod:`.device_copy`).
 
-Transactional in-place loads (``FileRead.protect``: the caller's tensors) never leave a
-failed step's bytes behind, and read every byte once: every window gets its own place in the
-scratch (the readers never wait for a copy). Windows in the first :data:`ROLLBACK_FRACTION` of
-the bytes are *swapped* with the caller's bytes by the copiers as soon as they verified (the
-scratch then holds the old bytes, the rollback copy); the rest stays staged and is copied only
-once every byte verified and the gate passed. A failure copies the swapped windows' old bytes
-back. The caller's CUDA tensors are always staged (:mod:`.device_copy`).
-
-The scratch memory is the caller's (the staging pool's faulted arena, or the shared bounce;
-a transient one only for a remote tier, see :func:`.step.read_step`).
+Transactional in-place loads (``FileRead.protect``: the caller's tensors) read every byte once,
+each window in its own place in the scratch. The first :data:`ROLLBACK_FRACTION` of the bytes
+is *swapped* with the caller's as soon as it verified (the scratch then holds the rollback
+copy); the rest stays staged until every byte verified and the gate passed. A failure copies
+the swapped bytes back. The scratch is the caller's (:func:`.step.read_step`).
 """
 
 from __future__ import annotations
@@ -59,10 +50,9 @@ COPIERS = 2
 
 @dataclass
 class FileRead:
-    """One shard file to read: ``items`` sorted by offset, ``dsts[i]`` the address of the
-    ``nbytes`` to fill (the caller keeps that memory alive; None: checked only, or read into
-    directly: ``direct[i]`` is then a page-aligned flat uint8 tensor of ``align_up(nbytes)``
-    bytes, its tail the file's padding)."""
+    """One shard file to read: ``items`` sorted by offset, ``dsts[i]`` the address to fill (kept
+    alive by the caller; None: checked only, or read into ``direct[i]``, a page-aligned flat
+    uint8 tensor of ``align_up(nbytes)`` bytes)."""
 
     path: str
     file_bytes: int
@@ -75,8 +65,7 @@ class FileRead:
     protect: set[int] = field(default_factory=set)
     """Items whose ``dsts`` are the caller's tensors: written only transactionally."""
     device: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Items whose destination is CUDA memory: a flat uint8 CUDA tensor (``dsts[i]`` its
-    address); copied by :class:`~.device_copy.CudaCopier` (never ``direct``)."""
+    """Items whose destination is CUDA memory: a flat uint8 CUDA tensor (``dsts[i]`` its address)."""
 
 
 @dataclass
@@ -96,8 +85,7 @@ class Stats:
 
 
 class Plan:
-    """The windows of one read of ``files`` and the scratch memory it needs (built on the
-    caller's thread before any byte is read; :meth:`run` then reads)."""
+    """The windows of one read of ``files`` and the scratch it needs (caller's thread)."""
 
     def __init__(self, files: Sequence[FileRead], io: IOConfig, *, in_place: bool):
         self.files, self.in_place = files, in_place
@@ -116,9 +104,8 @@ class Plan:
         return self._window_for(scratch_bytes, split=False) is not None
 
     def _window_for(self, scratch_bytes: int, *, split: bool) -> int | None:
-        """The window bytes for ``scratch_bytes`` of scratch, or None if it does not fit. In
-        place: every window has its own place in the scratch (``ring_bytes``), so the readers
-        never wait for a copy; else (a new dict, a split read's ring) a ring as large as fits."""
+        """The window bytes for ``scratch_bytes`` of scratch (in place: all of ``ring_bytes``;
+        else a ring as large as fits), or None if it does not fit."""
         if self.in_place and not split:
             return self.w if scratch_bytes >= self.ring_bytes else None
         w = min(self.w, scratch_bytes // MIN_SLOTS // ALIGN_BYTES * ALIGN_BYTES)
@@ -129,18 +116,15 @@ class Plan:
     def run(self, scratch: Any, *, verify: bool = True, gate: Callable[[], None] | None = None,
             idents: dict[int, tuple[int, ...]] | None = None, head: Any = None,
             then: Callable[[Stats], None] | None = None) -> Stats:
-        """Read, check and deliver every file; see the module doc. ``scratch`` (``nbytes``,
-        ``u8``) must :meth:`fits`. Raises what a read or a check raised (CorruptCheckpoint,
-        StorageError); the protected destinations are then as they were. ``idents``: the files'
-        identities an earlier run saw (a verify-first pass): another file is refused at open.
+        """Read, check and deliver every file. ``scratch`` (``nbytes``, ``u8``) must :meth:`fits`.
+        Raises what a read or a check raised (CorruptCheckpoint, StorageError), the protected
+        destinations then as they were. ``idents``: the files' identities an earlier run saw
+        (another file is refused at open).
 
-        ``head`` (in place only; ``scratch`` then holds just a ring): the windows that fit in
-        ``head.nbytes`` get their places there (swapped or staged as usual); the later ones go
-        through the ring and are only checked: their protected items are not delivered but
-        listed in ``Stats.later`` (file index -> item indices) for a second, sparse read:
-        ``then(stats)``, called once every byte verified and the gate passed, before the staged
-        windows are copied (the ring is free again; what it raises rolls the swapped windows
-        back: :func:`.step.read_step`'s split read)."""
+        ``head`` (in place; ``scratch`` then just a ring): the windows that fit in it get their
+        places there; the later ones are only checked, their protected items listed in
+        ``Stats.later`` for ``then(stats)``, called after the gate and before the staged copies
+        (what it raises rolls back: :func:`.step.read_step`'s split read)."""
         w = self._window_for(scratch.nbytes, split=head is not None)
         if head is not None and (not self.in_place or w is None):
             raise ValueError(f"a split read needs an in-place plan and a ring of {MIN_SLOTS} windows")
@@ -155,7 +139,7 @@ class Plan:
 
 
 class _Run:
-    """One :func:`run`: the window queue shared by the readers, the checker and the copier."""
+    """One :meth:`Plan.run`: the window queue shared by the readers, the checker and the copiers."""
 
     def __init__(self, files: Sequence[FileRead], wins: list[_Win], scratch: Any, w: int, slots: int,
                  verify: bool, gate: Callable[[], None] | None, idents: dict[int, tuple[int, ...]]):
@@ -230,29 +214,25 @@ class _Run:
         try:
             with self.cond:
                 late = self.closing
-                for dst, src, n, swap in jobs:
-                    if swap and late:  # every byte verified meanwhile: one plain copy after the gate
+                for dst, src, n, swapping in jobs:
+                    if swapping and late:  # every byte verified meanwhile: one plain copy after the gate
                         self.deferred.append((dst, src, n))
                         self.stats.deferred_bytes += n
-                    elif swap:
+                    elif swapping:
                         self.stats.rollback_bytes += n
             dev: list[Any] = []
-            for dst, src, n, swap in jobs:  # swap None: a CUDA destination
-                if swap is False:
+            for dst, src, n, swapping in jobs:  # swapping None: a CUDA destination
+                if swapping is False:
                     ctypes.memmove(dst, src, n)  # releases the GIL
-                elif swap is None:
+                elif swapping is None:
                     dev.append((dst, src, n))
                 elif not late:
-                    self._swap(dst, src, n)
+                    swap(dst, src, n, self.swapped)
             if dev:  # returns once the copies are done: the slot may be reused
                 self.dev.copy(dev)  # type: ignore[union-attr]  # set when any destination is CUDA
         finally:
             if slot >= 0:
                 self._release(slot)
-
-    def _swap(self, dst: int, src: int, n: int) -> None:
-        """Exchange the caller's bytes at ``dst`` with the verified window's at ``src``."""
-        swap(dst, src, n, self.swapped)
 
     # -- the checking (caller's) thread --------------------------------------------------------
     def go(self) -> Stats:
@@ -340,9 +320,8 @@ def _mv(u8: torch.Tensor) -> memoryview:
 
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
-    """A flat uint8 tensor of ``align_up(nbytes)`` bytes at a page-aligned address (read into
-    with direct I/O), its storage owned by torch's allocator. (Not advised huge pages: the
-    fault compacts memory.)"""
+    """A flat uint8 tensor of ``align_up(nbytes)`` bytes at a page-aligned address, owned by
+    torch's allocator (no huge pages: the fault compacts memory)."""
     padded = align_up(nbytes)
     raw = torch.empty(padded + ALIGN_BYTES, dtype=torch.uint8)
     off = (-raw.data_ptr()) % ALIGN_BYTES

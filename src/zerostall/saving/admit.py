@@ -1,10 +1,7 @@
-"""Admission of one save, before anything is staged: may ``step`` be written now (its order
-against the committed steps, an overwrite of a step others reference), and, with
-``backpressure="skip"``, is there room for it now on every rank.
-
-Called only from ``Checkpointer.save`` on the caller's thread, under its save lock; not
-thread-safe. A refusal raises (or, for room, skips the step on every rank) before any block of
-the staging ring is reserved.
+"""Admission of one save, before any block of the staging ring is reserved: may ``step`` be
+written now (its order, an overwrite of a step others reference), and, with
+``backpressure="skip"``, is there room for it now on every rank. Called only from
+``Checkpointer.save`` on the caller's thread, under its save lock; not thread-safe.
 """
 
 from __future__ import annotations
@@ -21,11 +18,8 @@ log = logging.getLogger("zerostall")
 
 
 class StepOrder:
-    """The step-order check of one Checkpointer.
-
-    Owning the root, only this writer adds steps: above every step it has seen, the check
-    needs no listing (a listdir and a stat per step, per save). ``check`` before the save is
-    planned; ``admitted`` once it is planned (a save refused in between moves no bound)."""
+    """The step-order check of one Checkpointer: owning the root, above every step it has seen
+    the check needs no listing. ``check`` before the save is planned, ``admitted`` after."""
 
     def __init__(self, tier: Any, refs: Any, *, allow_lower: bool):
         self._tier, self._refs, self._allow_lower = tier, refs, allow_lower

@@ -1,5 +1,5 @@
 """How a rank's persist thread commits a step: the :class:`Committer` protocol and the
-single-rank :class:`LocalCommitter` (the multi-rank one is ``distributed.committer.StoreCommitter``).
+single-rank :class:`LocalCommitter` (the multi-rank one is :class:`.commit_ranks.StoreCommitter`).
 
 Called on the persist thread, once per save, in this order: ``begin`` (before the shard is
 opened), then either ``commit`` (the shard is written and fdatasynced; the commit point) and
@@ -16,7 +16,7 @@ from typing import Protocol, Sequence
 
 from ..format.manifest import Entries, FileEntry, Manifest, TensorEntry, tensors_json
 from ..format.table import new_entry
-from .job import manifest_parts
+from ..format.refs import RefFile
 from .job import Persisted, SaveRequest
 from ..store.local import LocalTier
 from ..distributed.node import node_id
@@ -56,12 +56,23 @@ def tensor_entries(job: Persisted) -> list[tuple[int, TensorEntry]]:
                                  nbytes=it.nbytes, crc32c=crc)) for it, crc in zip(job.plan.items, job.crcs)]
 
 
+def merged_entries(job: Persisted, written: list[tuple[int, TensorEntry]]) -> tuple[list[tuple[int, TensorEntry]],
+                                                                                   tuple[RefFile, ...]]:
+    """(global tensor index, entry) for every tensor of this rank, written and referenced, in
+    index order, and the files the references live in (a multi-rank save's fragment)."""
+    ij = job.incr  # an IncrementalJob (.incremental), or None
+    if ij is None or not ij.refs:
+        return list(written), ()
+    return sorted({**dict(written), **ij.refs}.items()), ij.ref_files
+
+
 def build_manifest(job: Persisted) -> Manifest:
     """The manifest of a single-rank save (with its references, for an incremental one)."""
     if job.incr is None or not job.incr.refs:  # written only: entries made on access
         tensors, ref_files = Entries(job.plan.items, job.file_name, job.crcs), ()
     else:
-        tensors, ref_files = manifest_parts(job, tensor_entries(job))
+        entries, ref_files = merged_entries(job, tensor_entries(job))
+        tensors = tuple(e for _, e in entries)
     tree, tree_json = job.plan.final()  # frozen Python objects encoded (if the snapshot thread has not yet)
     return Manifest(step=job.step, world_size=job.world_size, checkpoint_id=job.checkpoint_id,
                     created_unix=time.time(), files=(file_entry(job),),

@@ -1,6 +1,6 @@
 """``StoreCommitter``: the persist thread's commit strategy when several ranks save together.
 
-Wires one save job to the round of :mod:`.commit`. ``begin``/``commit``/``fail`` run on the
+Wires one save job to the round of :mod:`..distributed.commit`. ``begin``/``commit``/``fail`` run on the
 persist thread in job order; ``report`` and ``fail`` may also run on the caller's thread for
 a save that failed (or was skipped) before it was queued; they never block past a bounded
 store request. ``drain`` runs on the caller's thread in ``Checkpointer.close()``.
@@ -15,9 +15,8 @@ from typing import Any
 
 from ..errors import CheckpointNotFound
 from .incremental import RefTracker
-from .job import merged_entries
 from .job import Persisted, SaveRequest
-from .commit_local import file_entry, tensor_entries
+from .commit_local import file_entry, merged_entries, tensor_entries
 from ..store.recovery import DECIDED_NAME
 from ..store.tier import RootTier
 from ..restore.agreed import collective_base, collective_load
@@ -29,8 +28,7 @@ from ..distributed.store import Store
 
 
 class StoreCommitter:
-    """Multi-rank commit strategy of the persist thread (:mod:`.commit`); a
-    :class:`~zerostall.saving.commit_local.Committer`."""
+    """Multi-rank commit strategy of the persist thread; a :class:`.commit_local.Committer`."""
 
     def __init__(self, tier: RootTier, store: Store, session: Session, *, per_rank: bool, timeout_s: float):
         self.tier, self.store, self.session = tier, store, session
@@ -111,13 +109,13 @@ class StoreCommitter:
         """A save of ``step`` failed on this rank before a job was queued (caller's thread)."""
         report_failure(self.store, self.session, step, exc)
 
-    def fail(self, job: SaveRequest, exc: BaseException, *, cleanup: bool = True) -> None:
+    def fail(self, job: SaveRequest, exc: BaseException) -> None:
         decided = True
         if job.step not in self._reported:  # its round ran: the others know; else tell them now
             self._reported.add(job.step)
             dec = report_failure(self.store, self.session, job.step, exc)
             decided = dec is not None and not dec.get("commit")
-        if not cleanup or not decided or isinstance(exc, OutcomeUnknown):
+        if not decided or isinstance(exc, OutcomeUnknown):
             return  # the coordinator may still commit this step: delete nothing of it
         if self.session.is_leader:
             self.tier.abort(job.step)

@@ -1,64 +1,105 @@
-"""The content check of incremental saves: is a tensor's source still the base's bytes?
+"""The content check of incremental saves: is a tensor's source still the base's bytes, and is
+the base file still the file that was written?
 
-A mixin of :class:`.incremental.RefTracker` (it uses the tracker's state: ``mode``, the crc
-engines, ``_seeded``, ``_seed_root``, ``_lock``, ``_since_full``), split out so that each module
-reads as one concern. Every method runs on the snapshot thread: the verdicts inside
+A mixin of :class:`.incremental.RefTracker` (it uses the tracker's state), split out so that
+each module reads as one concern. Every method runs on the snapshot thread: the verdicts inside
 :meth:`RefTracker.decide`, :meth:`ContentCheck.settle` right before a job is marked staged.
 
 A tensor is referenced when
 
-- ``mode="crc"`` (``incremental=True``, the sound mode): its fingerprint did not change
-  (or is unknown, e.g. after a restart) *and* its bytes are those of the base: on the
-  CPU, the crc32c of the source memory (a read, no copy, in 16 MiB pieces on up to 4
-  threads, combined) equals the recorded crc32c; on CUDA, a 64-bit hash computed on the
-  device (:mod:`.devhash`: one read of the tensor in device memory, 8 bytes per tensor
-  back to the host) equals the hash taken when the base was saved — every CUDA tensor
-  of a crc-mode save is hashed (written ones too) for that. Where no such hash exists
-  (the first save after a restart: the base came from disk; a non-contiguous tensor;
-  the hash failed, e.g. out of device memory for its 64 MiB of temporaries), the tensor
-  is copied to the host through one 16 MiB pinned buffer and crc32c-checked: one
-  device-to-host read of it, piece after piece. A changed version counter
-  means "write" without computing anything (the persist thread checksums the staged
-  bytes as for any save). Writes that bypass the version counter (``t.data[...] =``,
-  numpy views, DLPack, extensions writing through ``data_ptr``) leave the fingerprint
-  unchanged and are caught by the crc (or the device hash). A change is missed only if
-  the new bytes have the same crc32c as the old ones (probability 2**-32 for an
-  arbitrary change; crc32c detects every change of up to 3 bits in a tensor shorter than
-  512 MiB, and any burst up to 32 bits), or on CUDA the same device hash (every change
-  confined to one 32-bit word is detected; about 2**-32 or less otherwise).
-- ``mode="version"`` (``incremental="version"``, faster: no read at all for unchanged
-  tensors): an unchanged fingerprint alone. It misses a change made without bumping the
-  version counter (the writes listed above), and a tensor replaced by another one at the
-  same address with the same version count, shape, strides and dtype. Tensors without a
-  version counter (inference tensors, numpy arrays) are still checked by crc.
-The CPU crc does not hold up the write (:meth:`RefTracker._speculate`): the undecided CPU
-tensors are referenced on speculation while their crc runs on the crc threads, the
-changed tensors are staged and written meanwhile, and :meth:`RefTracker.settle` (snapshot
-thread, before ``staged``) appends any that turned out changed after the blocks already
-staged (``Job.extension``; the persist thread writes them and rewrites the
-header with the final size). Not done for a base read from disk (checked synchronously
-with its file spans) nor when CUDA tensors are undecided.
+- ``mode="crc"`` (``incremental=True``, the sound mode): its fingerprint did not change (or is
+  unknown, e.g. after a restart) *and* its bytes are those of the base: on the CPU, the crc32c
+  of the source memory equals the recorded crc32c; on CUDA, the device hash
+  (:func:`.source_crc.device_hash_async`, 8 bytes per tensor back to the host) equals the one
+  taken when the base was saved (so every CUDA tensor of a crc-mode save is hashed, written
+  ones too). Without such a hash (a base read from disk, a non-contiguous tensor, a failed
+  hash) the tensor is crc32c-checked through one pinned buffer. A changed version counter
+  means "write" without computing anything. Writes that bypass the version counter
+  (``t.data[...] =``, numpy views, DLPack, extensions writing through ``data_ptr``) are caught
+  by the crc or the hash; a change is missed only if the new bytes have the same crc32c
+  (2**-32 for an arbitrary change; every change of up to 3 bits in a tensor under 512 MiB, and
+  any burst up to 32 bits, is detected) or the same device hash.
+- ``mode="version"`` (``incremental="version"``, no read at all for unchanged tensors): an
+  unchanged fingerprint alone. It misses the writes listed above, and a tensor replaced by
+  another one at the same address with the same version count, shape, strides and dtype.
+  Tensors without a version counter (inference tensors, numpy arrays) are still checked by crc.
+
+The CPU crc does not hold up the write (:meth:`ContentCheck._speculate`): undecided CPU tensors
+are referenced on speculation while their crc runs, and :meth:`ContentCheck.settle` appends any
+that turned out changed after the blocks already staged (``Job.extension``). Not done for a
+base read from disk nor when CUDA tensors are undecided.
+
+A base file (:func:`base_file_problem`): an ``lstat`` of the step's manifest and of the file,
+and a read of its 4 KiB header, once per file a save would borrow from. A write into the file
+since it was committed is caught by its stamp (inode, size, mtime, ctime: :func:`file_stamp`);
+the ctime catches a rewrite whose tool put the mtime back (``rsync --inplace -t``). Bit rot
+below the filesystem is found by restore and ``verify`` (crc32c of every byte).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from ..errors import StorageError
-from ..format.layout import pack_offsets
+from ..format.layout import HEADER_BYTES, ShardHeader, pack_offsets
+from ..format.manifest import MANIFEST_NAME
+from ..format.refs import RefFile
 from .job import SaveRequest, Slot
 from .plan import PlanItem, SavePlan
-from .source_crc import CRC_THREADS, _CpuCrc, _CudaCrc, _file_crc
-from .devhash import device_hash_async
+from .source_crc import CRC_THREADS, _CpuCrc, _CudaCrc, _file_crc, device_hash_async
 
 if TYPE_CHECKING:
     from .incremental import IncrementalJob, Known
 
 log = logging.getLogger("zerostall")
+
+Stamp = tuple[int, int, int, int]
+
+
+def file_stamp(root: str, step: int, name: str) -> Stamp | None:
+    """(inode, size, mtime, ctime in ns) of ``root/step-<step>/<name>``; None if it cannot be read."""
+    try:
+        st = os.lstat(os.path.join(root, f"step-{step}", name))
+    except OSError:
+        return None
+    return _stamp(st)
+
+
+def _stamp(st: os.stat_result) -> Stamp:
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def base_file_problem(root: str, ref: RefFile, stamp: Stamp | None = None) -> str | None:
+    """Why ``ref`` can no longer be referenced (its step's manifest or the file itself is
+    gone, the file is not a regular file of the recorded size, it was written to since
+    ``stamp``, or its header is another's), or None if it is still the file that was written."""
+    step_dir = os.path.join(root, f"step-{ref.step}")
+    try:
+        if not stat.S_ISREG(os.lstat(os.path.join(step_dir, MANIFEST_NAME)).st_mode):
+            return "its manifest is not a regular file"
+        path = os.path.join(step_dir, ref.name)
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            return "not a regular file"
+        if st.st_size != ref.file_bytes:
+            return f"{st.st_size} bytes, {ref.file_bytes} recorded"
+        if stamp is not None and _stamp(st) != stamp:
+            return "written to, replaced or re-linked since it was committed (its inode, mtime or ctime changed)"
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            head = os.pread(fd, HEADER_BYTES, 0)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not ShardHeader(ref.file_id, ref.step, ref.rank, ref.file_bytes).matches(head):
+        return "its header is not the one written (replaced or damaged)"
+    return None
 
 
 def _on_device(t: torch.Tensor) -> bool:
@@ -100,12 +141,10 @@ class ContentCheck:
     def settle(self, req: SaveRequest, slot: Slot, spec: SavePlan, block_bytes: int,
                ij: "IncrementalJob") -> tuple[SavePlan, list[torch.Tensor]] | None:
         """Snapshot thread, after the job's layout is staged and before it is marked staged:
-        wait for the speculative crc32c (:meth:`_speculate`); a tensor whose bytes changed
-        (written around its version counter) is no longer referenced but appended to the
-        file, after the blocks already staged. Returns the extended plan and the tensors to
-        stage after ``spec``'s (the snapshot thread hands the plan to the persist thread
-        first, which writes the appended blocks as they are staged, then the final header),
-        or None. The ring holds one spare block per incremental save for this."""
+        wait for the speculative crc32c (:meth:`_speculate`); a tensor whose bytes changed is
+        no longer referenced but appended after the blocks already staged (in the spare block
+        the ring holds per incremental save). Returns the extended plan and the tensors to
+        stage after ``spec``'s, or None."""
         if ij.pending is None:
             return None
         collect, cands = ij.pending
@@ -171,7 +210,7 @@ class ContentCheck:
 
     def _device_hashes(self, items: Any, leaves: list[torch.Tensor],
                        cuda_run: Callable[[torch.device, Callable[[], None]], None], ij: IncrementalJob) -> None:
-        """:func:`.devhash.device_hash` of every contiguous CUDA tensor of the save (written
+        """:func:`.source_crc.device_hash_async` of every contiguous CUDA tensor of the save (written
         ones too: the next save compares against them), on each device's side stream after
         the caller's ``save()`` event; one 8-byte-per-tensor copy back per device. A failure
         (e.g. out of device memory for the temporaries) leaves the crc path to decide."""

@@ -1,7 +1,5 @@
-"""``SaveHandle``: what ``Checkpointer.save()`` returns at once.
-
-Two phases, visible in the API: ``staged()`` (the state may be mutated again) and
-``durable()`` (committed and fsynced). Any thread may call any method.
+"""``SaveHandle``: what ``Checkpointer.save()`` returns at once. Two phases: ``staged()`` (the
+state may be mutated again) and ``durable()`` (committed and fsynced). Any thread, any method.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ from typing import Any, Callable, Protocol
 from ..errors import SaveFailed
 from .job import Job
 from ..telemetry.record import SaveRecord
-
 
 
 class Owner(Protocol):
@@ -28,8 +25,7 @@ class Owner(Protocol):
 
 
 class SaveHandle:
-    """Reads the save's :class:`~.staging.job.SaveStatus` (any thread); never writes it except
-    through its methods (``wait_staged`` adds its wait to the stall)."""
+    """Reads the save's :class:`~.job.SaveStatus` (any thread); ``wait_staged`` adds its wait to the stall."""
 
     def __init__(self, job: Job, owner: Owner | None = None):
         self._job = job
@@ -103,6 +99,7 @@ class SaveHandle:
         return then(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def replication_error(self) -> BaseException | None:
+        """Why the remote tier does not hold this step (yet), or None."""
         return self._status.replicate_error
 
     def exception(self, timeout: float | None = None) -> BaseException | None:

@@ -29,40 +29,29 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import stat
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from ..errors import ConfigError, StorageError
+from ..errors import StorageError
 from ..format.layout import pack_offsets
 from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..format.refs import RefFile
 from ..format.decode import tensor_paths
-from .basefiles import Stamp, base_file_problem, file_stamp
 from .job import Persisted, SaveRequest
 from .plan import PlanItem, SavePlan
 from . import content_check
-from .content_check import ContentCheck
+from .content_check import ContentCheck, Stamp, base_file_problem, file_stamp
 from .source_crc import _CpuCrc, _CudaCrc  # _CpuCrc: also a test seam
 
 log = logging.getLogger("zerostall")
 
-MODES = ("crc", "version")
 
-
-
-def mode_of(incremental: Any) -> str | None:
-    """``incremental`` as configured -> ``"crc"``, ``"version"`` or None (off)."""
-    if incremental is False or incremental is None:
-        return None
-    if incremental is True:
-        return "crc"
-    if incremental in MODES:
-        return str(incremental)
-    raise ConfigError(f"incremental={incremental!r} is invalid: choose False, True (= 'crc') or 'version'")
+def mode_of(incremental: bool | str) -> str | None:
+    """``CheckpointConfig.incremental`` (validated there) -> ``"crc"``, ``"version"`` or None (off)."""
+    return "crc" if incremental is True else incremental or None  # type: ignore[return-value]
 
 
 def fingerprint(t: torch.Tensor, is_numpy: bool = False) -> tuple[Any, ...] | None:
@@ -83,7 +72,7 @@ class Known:
     entry: TensorEntry  # step set: the step (and file) that wrote the bytes
     ref: RefFile
     fp: tuple[Any, ...] | None
-    dh: int | None = None  # CUDA tensors: :func:`.devhash.device_hash` of these bytes, if computed
+    dh: int | None = None  # CUDA tensors: :func:`.source_crc.device_hash_async` of these bytes, if computed
 
 
 @dataclass
@@ -113,10 +102,7 @@ class IncrementalJob:
 
 class RefTracker(ContentCheck):
     def __init__(self, mode: str, full_every: int | None):
-        if mode not in MODES:
-            raise ConfigError(f"incremental mode {mode!r}: choose one of {MODES}")
-        if full_every is not None and full_every < 1:
-            raise ConfigError(f"full_every={full_every!r} is invalid: must be >= 1 or None")
+        """``mode`` and ``full_every`` as :class:`~zerostall.config.CheckpointConfig` validated them."""
         self.mode = mode
         self.full_every = full_every
         self._lock = threading.Lock()
@@ -131,18 +117,15 @@ class RefTracker(ContentCheck):
         self._seeded = False  # the base came from disk, not from a save of this process
         self._peer: set[int] = set()  # other ranks' protected steps (multi-rank; set_peer_protected)
         self._lost_warned: set[int] = set()  # base steps found gone or damaged (warned once each)
-        self._stamps: dict[tuple[int, str], Stamp] = {}  # base files as they were (basefiles.file_stamp)
+        self._stamps: dict[tuple[int, str], Stamp] = {}  # base files as they were (content_check.file_stamp)
         self._dh_warned = False
 
     # -- start-up (caller's thread) --------------------------------------------------------
     def seed_from(self, steps: list[int], read_manifest: Callable[[int], Manifest], root: str | None = None, *,
                   rank: int = 0, world_size: int = 1) -> None:
-        """Start from the newest committed step of the root (if its manifest reads).
-
-        Its files were written by another process and may have been damaged since (a restart
-        often follows a load that fell back past them): with ``root``, the first save reads
-        back and crc-checks every file span it would reference (:meth:`_verify_on_disk`), and
-        writes the tensor instead when it does not match."""
+        """Start from the newest committed step of the root (if its manifest reads). Its files
+        may have been damaged since: with ``root``, the first save crc-checks every file span it
+        would reference (:meth:`_verify_on_disk`) and writes the tensor instead of a mismatch."""
         self._seed_root = root
         if not steps:
             return
@@ -256,20 +239,13 @@ class RefTracker(ContentCheck):
 
     def _usable(self, known: dict[str, Known], step: int) -> dict[str, Known]:
         """``known`` less what lives in a base file that is gone or no longer the file it was
-        (step deleted by hand or by another tool, manifest removed, file truncated, replaced,
-        swapped for a symlink): those tensors are written by this save instead of referenced,
-        and each lost base step is reported once (snapshot thread; per referenced file an
-        ``lstat`` and a read of its 4 KiB header). Without this, every save until the next
-        full one failed at its commit and training went on with no new checkpoint."""
+        (:func:`.content_check.base_file_problem`): those tensors are written by this save
+        instead of referenced, and each lost base step is reported once (snapshot thread)."""
         if self._seed_root is None:
             return known
         files = {(k.ref.step, k.ref.name): k.ref for k in known.values()}
-        stamps = self._stamps
-        lost = {}
-        for where, ref in files.items():
-            why = base_file_problem(self._seed_root, ref, stamps.get(where))
-            if why is not None:
-                lost[where] = why
+        lost = {where: why for where, ref in files.items()
+                if (why := base_file_problem(self._seed_root, ref, self._stamps.get(where))) is not None}
         if not lost:
             return known
         for (s, name), why in sorted(lost.items()):
@@ -291,17 +267,13 @@ class RefTracker(ContentCheck):
 
     # -- persist thread -----------------------------------------------------------------------
     def before_commit(self, job: Persisted, root: str) -> None:
-        """Every referenced file is still a regular file of the recorded size."""
+        """Every referenced file is still the file that was written (:func:`.content_check.base_file_problem`)."""
         for r in job.incr.ref_files if job.incr is not None else ():
-            path = os.path.join(root, f"step-{r.step}", r.name)
-            try:
-                st = os.lstat(path)
-            except OSError as exc:
-                raise StorageError(f"{path}: referenced by step {job.step} but gone ({exc.strerror}); "
-                                   "nothing committed", filename=path) from exc
-            if not stat.S_ISREG(st.st_mode) or st.st_size != r.file_bytes:
-                raise StorageError(f"{path}: referenced by step {job.step} but no longer the file it "
-                                   "was; nothing committed", filename=path)
+            why = base_file_problem(root, r)
+            if why is not None:
+                path = os.path.join(root, f"step-{r.step}", r.name)
+                raise StorageError(f"{path}: referenced by step {job.step}, but no longer the file it was ({why}); "
+                                   "nothing committed", filename=path)
 
     def committed(self, job: Persisted, file: FileEntry, written: list[tuple[int, TensorEntry]]) -> None:
         """``job`` is committed: its tensors (written or referenced) are the new base."""
@@ -374,11 +346,7 @@ class RefTracker(ContentCheck):
     def set_peer_protected(self, steps: set[int]) -> None:
         """The other ranks' :meth:`protected` as of the commit round that is committing now
         (persist thread of the rank(s) running retention, :func:`..distributed.commit.commit_round`).
-
-        Enough until the next round: a rank's pins are always steps its base references, and
-        its base changes only when it learns that a round committed (after it reported), to
-        the step just committed (never deleted: the newest) whose references retention
-        counts from its manifest."""
+        Enough until the next round: a rank's base changes only to the step just committed."""
         with self._lock:
             self._peer = set(steps)
 

@@ -1,17 +1,16 @@
 """The saves in flight of one ``Checkpointer`` and the records of those that finished.
 
 Threads: ``add``/``discard`` on the caller's thread in ``save()``; ``finished`` on the
-persist thread (the Persister's last call for each save; the caller's for a skipped one);
-``wait_until``, ``pending_staged`` and ``raise_pending`` on the caller's thread, possibly in
-a signal handler that interrupted ``save()``. So the lists are mutated only with single
-atomic operations (append, remove, pop) and read lock-free from snapshots (``tuple(...)``);
-the waits poll the events with a short sleep instead of blocking on them (an interrupted
-frame may hold an Event's internal lock).
+persist thread (the caller's for a skipped save); ``wait_until``, ``pending_staged`` and
+``raise_pending`` on the caller's thread, possibly in a signal handler that interrupted
+``save()``: so the lists change only by single atomic operations, are read from snapshots
+(``tuple(...)``), and the waits poll the events (see ``Checkpointer``).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import time
 from typing import Any
@@ -58,9 +57,6 @@ class InFlight:
     def steps(self) -> list[int]:
         return [j.step for j in tuple(self.jobs)]
 
-    def current(self, status: SaveStatus) -> Job | None:
-        return next((j for j in tuple(self.jobs) if j.status is status), None)
-
     # -- persist thread ---------------------------------------------------------------------
     def finished(self, job: Job) -> None:
         """Build and emit the save's record; a background failure is kept for re-raising."""
@@ -80,8 +76,7 @@ class InFlight:
     # -- caller's thread, lock-free (signal handlers) ---------------------------------------
     def wait_until(self, deadline: float | None) -> bool:
         """Poll until every queued save is done; False at ``deadline`` (monotonic)."""
-        # A save not queued yet belongs to a save() that this thread's signal handler
-        # interrupted: it cannot progress until the handler returns, so it is skipped.
+        # a save not queued yet belongs to a save() this thread's signal handler interrupted: skipped
         if os.getpid() != self.pid:  # a forked child: every save in flight is the parent's
             return True
         jobs = [j for j in tuple(self.jobs) if j.status.queued]
@@ -101,12 +96,11 @@ class InFlight:
                 _remove(self._failed, j)
 
     def raise_pending(self) -> None:
+        """Raise the first background failure not seen yet as :class:`SaveFailed`; drops the rest."""
         failed = []
-        while True:  # lock-free drain: list.pop is atomic
-            try:
+        with contextlib.suppress(IndexError):
+            while True:  # lock-free drain: list.pop is atomic
                 failed.append(self._failed.pop(0))
-            except IndexError:
-                break
         if failed:
             job = failed[0]
             raise SaveFailed(f"an earlier background save (step {job.step}) failed: {job.status.error}",
@@ -168,7 +162,5 @@ def storages_of(opt: torch.optim.Optimizer) -> set[int]:
 
 
 def _remove(lst: list[Any], item: Any) -> None:
-    try:
+    with contextlib.suppress(ValueError):
         lst.remove(item)
-    except ValueError:
-        pass

@@ -5,17 +5,13 @@
     caller (save())        SaveRequest   frozen: step, plan, rank, overwrite, metadata, id
     staging pool (caller)  Slot          frozen: the save's blocks of the shared ring
     caller -> snapshot     Source        the tensors; owned by the snapshot thread once queued
-    snapshot -> persist    Handoff[SavePlan] ``layout`` (what to write; an incremental save's is
-                           smaller), ``extension`` (tensors appended by RefTracker.settle) and
-                           Handoff[Staged] ``snapshot``: each put once by the snapshot thread
+    snapshot -> persist    Handoff ``layout``, ``extension`` (RefTracker.settle), ``snapshot``
     persist -> committer   Persisted     frozen: the final plan, every tensor's crc32c
     persist -> subscribers Committed     frozen: what retention, replication, peer replicas need
 
-:class:`SaveStatus` is the one object more than one thread touches: events, the error and
-the timings, changed only through its methods (each names its thread); the handle and the
-lifecycle methods read it lock-free. :class:`Job` is the frozen envelope that travels the
-queues (caller -> snapshot thread -> the job's persist thread). No stage writes another
-stage's record, and no flag steers the flow.
+:class:`SaveStatus` is the one object more than one thread touches, changed only through its
+methods (each names its thread) and read lock-free. :class:`Job` is the frozen envelope that
+travels the queues (caller -> snapshot thread -> the job's persist thread).
 """
 
 from __future__ import annotations
@@ -30,8 +26,6 @@ from typing import Any, Generic, Mapping, TypeVar
 import torch
 
 from ..format.layout import ShardHeader, shard_name
-from ..format.manifest import TensorEntry
-from ..format.refs import RefFile
 from .plan import SavePlan
 
 T = TypeVar("T")
@@ -148,9 +142,8 @@ class Handoff(Generic[T]):
 
 
 class Source:
-    """The caller's tensors and CUDA events of one save. Made on the caller's thread; once
-    queued the snapshot thread owns it and drops the tensors when staged. ``reads`` is the
-    optimizer guard's question (caller's thread, lock-free)."""
+    """The caller's tensors and CUDA events of one save; owned by the snapshot thread once
+    queued, which drops the tensors when staged."""
 
     def __init__(self, leaves: list[torch.Tensor] | None, cuda_event: Any = None):
         self.leaves = leaves
@@ -172,9 +165,8 @@ class Source:
 
 
 class SaveStatus:
-    """Events, error and timings of one save: what the handle, the guard and the lifecycle
-    methods read. Changed only through these methods, each from the thread it names; reads
-    are lock-free (signal handlers poll the events, see ``Checkpointer``)."""
+    """Events, error and timings of one save. Changed only through these methods, each from
+    the thread it names; reads are lock-free (signal handlers poll the events)."""
 
     def __init__(self, t_submit: float | None = None, nbytes: int = 0):
         self.t_submit = time.perf_counter() if t_submit is None else t_submit
@@ -285,9 +277,8 @@ class SaveStatus:
 
 @dataclass(frozen=True, eq=False)
 class Job:
-    """One save in flight: the envelope the queues carry (caller -> snapshot thread -> the
-    ``persist`` worker it names). Frozen; what changes lives in ``status``, ``source`` (the
-    snapshot thread's) and the handoffs (each put once by the snapshot thread)."""
+    """One save in flight: the envelope the queues carry. Frozen; what changes lives in
+    ``status``, ``source`` (the snapshot thread's) and the handoffs (each put once)."""
 
     request: SaveRequest
     status: SaveStatus
@@ -299,8 +290,7 @@ class Job:
     """The persist worker (``submit(job)``) the snapshot thread hands the job to; None for a
     slot the pool drains itself."""
     crc_at_copy: bool = False
-    """The snapshot thread checksums each tensor as it copies it (a full save of host tensors:
-    :data:`.snapshot.CRC_AT_COPY`), so the persist thread writes without a crc pass of its own."""
+    """The snapshot thread checksums each tensor as it copies it (:data:`.snapshot.CRC_AT_COPY`)."""
     layout: Handoff[SavePlan] = field(default_factory=Handoff)
     extension: Handoff[SavePlan | None] = field(default_factory=Handoff)
     snapshot: Handoff[Staged] = field(default_factory=Handoff)
@@ -317,21 +307,3 @@ class Job:
         """Whether the snapshot may still read one of ``storages`` (the optimizer guard)."""
         return self.source.reads(storages, self.status.staged)
 
-
-def merged_entries(job: Persisted, written: list[tuple[int, TensorEntry]]) -> tuple[list[tuple[int, TensorEntry]],
-                                                                                   tuple[RefFile, ...]]:
-    """(global tensor index, entry) for every tensor of this rank, written and referenced, in
-    index order, and the files the references live in (a multi-rank save's fragment)."""
-    ij = job.incr  # an IncrementalJob (.incremental), or None
-    if ij is None or not ij.refs:
-        return list(written), ()
-    merged = dict(written)
-    merged.update(ij.refs)
-    return sorted(merged.items()), ij.ref_files
-
-
-def manifest_parts(job: Persisted, written: list[tuple[int, TensorEntry]]) -> tuple[tuple[TensorEntry, ...],
-                                                                                   tuple[RefFile, ...]]:
-    """The manifest's ``tensors`` (written and referenced, in global index order) and ``ref_files``."""
-    entries, ref_files = merged_entries(job, written)
-    return tuple(e for _, e in entries), ref_files

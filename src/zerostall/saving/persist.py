@@ -1,32 +1,24 @@
 """The persist thread: writes staged blocks to the shard file, then commits.
 
-One daemon thread per ``Checkpointer``; jobs arrive from the snapshot thread (which hands
-each on as it starts staging it), in order. For each job: ``Committer.begin``, wait for the
-layout (``Job.layout``, put by the snapshot thread), create the shard file (O_DIRECT,
-preallocated), write blocks as the snapshot thread publishes them (in batches, so the engine
-keeps its queue full), release each block back to the ring once written, ``fdatasync``,
-then hand a :class:`~..staging.job.Persisted` record to the committer. On any error before
-the commit point the save fails, its remaining blocks are drained unwritten (so the ring
-keeps moving and later saves proceed), and ``Committer.fail`` removes its partial directory;
-the previous checkpoint is never touched.
+One daemon thread per ``Checkpointer``; jobs arrive from the snapshot thread, in order. For
+each job: ``Committer.begin``, wait for the layout (``Job.layout``), create the shard file
+(O_DIRECT, preallocated), write blocks as the snapshot thread publishes them (in batches),
+release each block back to the ring once written, ``fdatasync``, then hand a
+:class:`~.job.Persisted` record to the committer. On any error before the commit point the
+save fails, its remaining blocks are drained unwritten (so the ring keeps moving), and
+``Committer.fail`` removes its partial directory; the previous checkpoint is never touched.
 
 After the commit point (``SaveStatus.claim_commit``, then the rename) nothing fails the save:
-the persist thread marks it durable and hands a :class:`~..staging.job.Committed` record to
-each subscriber (``subscribe``: local retention, replication, peer replicas) in order; what
-they raise is recorded as a post-commit problem (``SaveRecord.post_commit_errors``). Last,
-``finished(job)`` of the owner's bookkeeping builds the save's record, and the status is done.
-Nothing here calls back into the ``Checkpointer``.
+it is marked durable and a :class:`~.job.Committed` record goes to each subscriber in order;
+what they raise is recorded in ``SaveRecord.post_commit_errors``. Last, ``finished(job)``
+builds the save's record, and the status is done. Nothing here calls back into the
+``Checkpointer``.
 
-Local retention takes a doomed step out of the listing at once but leaves its files
-(``LocalTier.deferred``). The next full save writes over the doomed shard (moved into its
-partial directory when no process has it open): its writes then neither allocate nor convert
-extents, and no unlink frees (on a ``discard`` mount, trims) the old ones, work that sat
-between one commit and the next write (docs/every-step.md). This thread
-removes what is left while the next save's first writes are in flight, or before the save's
-status is done when nothing is queued behind it (a lone save ends with its old step gone but
-for its shard, kept out of the listing as the next save's spare: ``spare_shard``), or before
-preallocating a shard (or growing the one written over) the filesystem has no room for beside
-them, and at exit.
+Local retention leaves a doomed step's files (``LocalTier.deferred``): the next full save
+writes over its shard (no allocation, no unlink: docs/every-step.md), and this thread removes
+what is left while the next save's first writes are in flight, when nothing is queued (the
+shard kept as the next save's spare: ``spare_shard``), when the filesystem lacks room for a
+new shard, and at exit.
 """
 
 from __future__ import annotations
@@ -93,10 +85,6 @@ class Persister(Worker[Job]):
         self._subscribers.append(subscriber)
 
     # -- persist thread -------------------------------------------------------------------
-    @property
-    def batch_blocks(self) -> int:
-        return max(1, min(self.ring.nblocks // 2, 64))  # the shared ring may grow
-
     def _extents(self, job: Job, g: int, hi: int, file_bytes: int) -> list[tuple[int, memoryview]]:
         B, n = self.ring.block_bytes, self.ring.nblocks
         g0, mv = job.slot.g0, job.slot.arena.mv  # the pool may have swapped arenas since this Persister began
@@ -112,13 +100,12 @@ class Persister(Worker[Job]):
 
     def _write_blocks(self, job: Job, f: ShardFile, g: int, file_bytes: int, crc: CrcCursor | None,
                       chores: Callable[[], None] | None = None) -> int:
-        """Write the job's blocks from ``g`` up to ``file_bytes`` as the snapshot thread
-        publishes them, checksumming while the writes are in flight (``crc``; None: the snapshot
-        thread checksummed them as it copied) and running ``chores`` (once, never raising)
-        while the first ones are; returns the next block."""
+        """Write the job's blocks from ``g`` up to ``file_bytes`` as they are published,
+        checksumming while the writes are in flight (``crc``; None: checksummed at copy) and
+        running ``chores`` (once, never raising) while the first ones are; returns the next block."""
         g_file = min(job.slot.g_end, job.slot.g0 + self.ring.blocks_for(file_bytes))
         while g < g_file:
-            hi = min(self.ring.wait_staged(g), g_file, g + self.batch_blocks)
+            hi = min(self.ring.wait_staged(g), g_file, g + max(1, min(self.ring.nblocks // 2, 64)))
             _raise_if_failed(job)
             extents = self._extents(job, g, hi, file_bytes)
             feed = None if crc is None else (lambda: crc.feed(extents))
@@ -139,9 +126,8 @@ class Persister(Worker[Job]):
         return memoryview(self._hdr)
 
     def _rewrite(self, path: str, file_bytes: int) -> ShardFile | None:
-        """The doomed shard moved to ``path``, opened to write ``file_bytes`` over it; None
-        (the file removed) when it refuses (a user made the old step read-only; a growth the
-        disk has no room for): the caller writes a new file, a save never fails for a spare."""
+        """The doomed shard moved to ``path``, opened to write ``file_bytes`` over it; None (the
+        file removed) when that fails: the caller writes a new file, a save never fails for a spare."""
         try:
             growth = file_bytes - os.path.getsize(path)
             if growth > 0:  # the file grows: that allocates too

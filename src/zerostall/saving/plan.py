@@ -1,31 +1,28 @@
 """Build the save plan: what goes where in the shard file, before any byte is copied.
 
 Called from the caller's thread inside ``save()``; pure metadata work (no tensor data is
-read), so its cost is proportional to the number of tensors and plain values, not their
-size. What could make a save fail later for its input is checked here, before anything is
+read). What could make a save fail later for its input is checked here, before anything is
 queued: the step's range, the metadata, every leaf (in ``encode_tree``) and the manifest's
-size; except inside the containers of builtin values snapshotted for encoding off this
-thread (:mod:`..format.frozen`): an int over the bound, a dict key no rule stores, nesting
-past the limit or a manifest over its limit found there fail the save at ``result()``,
-naming the key (:func:`finish_tree`).
+size; except inside containers of builtin values encoded off this thread
+(:mod:`..format.frozen`): what is wrong there fails the save at ``result()``, naming the key
+(:func:`finish_tree`).
 """
 
 from __future__ import annotations
 
 import hashlib
-
 import json
 import operator
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
 from ..errors import ConfigError, UnsupportedStateError
 from ..format.bulk import dumps_tree
 from ..format.dtypes import dtype_name
-from ..format.layout import HEADER_BYTES, align_up, pack_offsets, place
+from ..format.layout import pack_offsets
 from ..format.frozen import DeferredTree, Frozen, skeleton_json
 from ..format.decode import decode_tree
 from ..format.tree import TensorLeaf, encode_tree
@@ -75,10 +72,8 @@ class SavePlan:
     """Set when parts of ``tree`` are :class:`~zerostall.format.frozen.Frozen` snapshots (then
     ``tree_json`` is ""): :meth:`final` encodes them (background)."""
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
-    """What later stages derive from this layout alone (e.g. the manifest's tensor entries
-    without their crc32c: :func:`~zerostall.format.manifest.tensors_json`), shared by every
-    save that reuses the layout (:class:`PlanCache` copies the plan with ``replace``, which
-    keeps this dict). Written by the persist thread of one Checkpointer (saves persist in order)."""
+    """What later stages derive from this layout alone (:func:`~zerostall.format.manifest.tensors_json`),
+    shared by every save that reuses the layout; written by one Checkpointer's persist thread."""
 
     def final(self) -> tuple[Any, str]:
         """(tree, compact JSON) with every frozen part encoded: at once when nothing was
@@ -112,7 +107,7 @@ def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicate
                occurrences: list[int] | None = None, memo: dict[tuple[int, bytes], Any] | None = None,
                columns: Any = None, snapshots: dict[int, Any] | None = None) -> SavePlan:
     """Flatten ``state_dict`` and assign every tensor its offset after the header (packed:
-    :func:`~zerostall.format.layout.place`, the layout's one rule).
+    :func:`~zerostall.format.layout.pack_offsets`, the layout's one rule).
 
     With ``replicated`` (every rank holds the same state), this rank's plan holds only the
     tensors it owns (:func:`owners_by_size`); ``PlanItem.index`` stays the global index.
@@ -124,50 +119,38 @@ def build_plan(state_dict: Any, *, rank: int = 0, world_size: int = 1, replicate
     tree, all_leaves = encode_tree(state_dict, occurrences, frozen=frozen, columns=columns, texts=texts,
                                    snapshots=snapshots)
     tree, tree_json, lazy = finish_tree(tree, all_leaves, frozen, memo=memo, texts=texts)
-    owner = owners_by_size(all_leaves, world_size) if replicated and world_size > 1 else None
-    if owner is None:
-        items, file_bytes = _items_in_bulk(all_leaves)
-        leaves = list(all_leaves)
-        pos = file_bytes
+    if replicated and world_size > 1:
+        owner = owners_by_size(all_leaves, world_size)
+        index: Sequence[int] = [i for i, r in enumerate(owner) if r == rank]
+        leaves = [all_leaves[i] for i in index]
     else:
-        items, leaves, pos = [], [], HEADER_BYTES
-    for i, leaf in enumerate(all_leaves if owner is not None else ()):
-        if owner is not None and owner[i] != rank:
-            continue
-        leaves.append(leaf)
-        t: torch.Tensor = leaf.tensor
-        nbytes = t.numel() * t.element_size()
-        off, pos = place(pos, nbytes)
-        items.append(PlanItem(i, leaf.key, dtype_name(t.dtype, leaf.key), tuple(t.shape), nbytes, off))
+        index, leaves = range(len(all_leaves)), list(all_leaves)
+    items, file_bytes = _items_in_bulk(leaves, index)
     digest = ""
     if replicated:  # only the replicated mode's commit compares it (across ranks of one run: any stable text will do)
         ts = list(map(TENSOR, all_leaves))
         digest = hashlib.sha256(repr((tuple(map(KEY, all_leaves)), tuple(map(str, map(DTYPE, ts))),
                                       tuple(map(shape_of, ts)))).encode()).hexdigest()
-    return SavePlan(tuple(items), max(align_up(pos), HEADER_BYTES), tree, tuple(leaves), len(all_leaves),
-                    tree_json, digest, lazy=lazy)
+    return SavePlan(tuple(items), file_bytes, tree, tuple(leaves), len(all_leaves), tree_json, digest, lazy=lazy)
 
 
-def _items_in_bulk(leaves: list[TensorLeaf]) -> tuple[list[PlanItem], int]:
-    """Every leaf's item and the file's length (:func:`~zerostall.format.layout.pack_offsets`,
-    the layout's one rule), attribute by attribute over all leaves (a first save of 100k
-    tensors: no Python frame per tensor but the offsets' own)."""
+def _items_in_bulk(leaves: list[TensorLeaf], index: Sequence[int]) -> tuple[list[PlanItem], int]:
+    """Every leaf's item (``index``: their global tensor indices) and the file's length
+    (:func:`~zerostall.format.layout.pack_offsets`), attribute by attribute over all leaves
+    (no Python frame per tensor but the offsets')."""
     ts = list(map(TENSOR, leaves))
     keys = list(map(KEY, leaves))
     dtypes = list(map(DTYPE, ts))
     names = {d: dtype_name(d, keys[dtypes.index(d)]) for d in set(dtypes)}  # refuses naming a key
     nbytes = list(map(operator.mul, map(torch.Tensor.numel, ts), map(torch.Tensor.element_size, ts)))
     offsets, file_bytes = pack_offsets(nbytes)
-    items = list(new_items(zip(range(len(ts)), keys, map(names.__getitem__, dtypes), map(shape_of, ts), nbytes,
-                               offsets)))
+    items = list(new_items(zip(index, keys, map(names.__getitem__, dtypes), map(shape_of, ts), nbytes, offsets)))
     return items, file_bytes
 
 
 def _entry_bytes() -> int:
-    """The most a tensor entry adds to the manifest's tensor table (format version 3: columns,
-    see :mod:`~zerostall.format.table`) besides its key and shape: every field at its widest
-    (a dtype index, a file index past 2**25 files, offset and size of 20 digits, the
-    crc32c) and a comma in each column. Entries of real states measure 50-70 B with their key."""
+    """The most a tensor entry adds to the manifest's tensor table (:mod:`~zerostall.format.table`)
+    besides its key and shape: every field at its widest and a comma in each column."""
     e = TensorEntry("", "float32", (), "f", 10 ** 19, 10 ** 19, 0xFFFFFFFF)  # 20 digits > MAX_DIM
     one = encode_columns([e], ["f"])
     one.update(dtypes=[], dtype=[len(SUPPORTED_DTYPES)], file=[1 << 25])
@@ -177,10 +160,8 @@ def _entry_bytes() -> int:
 
 
 ENTRY_BYTES = _entry_bytes()
-"""A bound on what one tensor entry adds to the manifest besides its key and shape (71 B);
-each shape dimension adds at most ``DIM_BYTES``. The manifest limit is checked on these
-(:func:`check_manifest_size`): 1M tensors with 30-character keys need ~0.1 GB of the 512 MiB
-(plus the state tree)."""
+"""A bound on what one tensor entry adds to the manifest besides its key and shape; each shape
+dimension adds at most ``DIM_BYTES`` (:func:`check_manifest_size`)."""
 DIM_BYTES = len(str(1 << 62)) + 1
 """The widest dimension (``MAX_DIM``) and its comma."""
 
@@ -254,8 +235,7 @@ def _not_plain_at(x: Any, path: tuple[Any, ...]) -> tuple[tuple[Any, ...], str] 
 
 
 FROZEN_GROWTH = 8
-"""What :func:`finish_tree` assumes a frozen snapshot's bytes may grow to as JSON (docs/speed-tricks.md
-has what was measured): a state whose
+"""What :func:`finish_tree` assumes a frozen snapshot's bytes may grow to as JSON: a state whose
 estimate reaches the manifest limit is encoded on the caller's thread, so ``save()`` raises."""
 
 

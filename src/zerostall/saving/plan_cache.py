@@ -23,11 +23,11 @@ from .plan import SavePlan, _entries_bound, build_plan, finish_tree
 from .._fast import DEVICE, DTYPE, KEY, NBYTES, NUMPY
 from .._fast_torch import shape_of
 
+
 class Leaves(Sequence[TensorLeaf]):
     """A reused plan's leaves, kept as three parallel tuples (keys, detached tensors, numpy
-    flags): a :class:`TensorLeaf` is made only for whoever indexes or iterates (incremental
-    saves, tests); ``save()`` takes :attr:`tensors` as they are. Making 100k leaves per save
-    was ~1/4 of a steady ``save()``. Immutable; any thread."""
+    flags): a :class:`TensorLeaf` is made only for whoever indexes or iterates; ``save()``
+    takes :attr:`tensors` as they are. Immutable; any thread."""
 
     __slots__ = ("keys", "tensors", "numpy")
 
@@ -75,13 +75,10 @@ def _walk(x: Any, sig: list[Any], tensors: list[torch.Tensor], depth: int = 0,
     """Append ``x``'s structure to ``sig``, its plain values to ``vals`` (``sig`` if None) and
     its tensors to ``tensors`` (in :func:`encode_tree`'s walk order); False where ``x`` holds
     anything but dicts with str/int keys, lists, tuples, plain tensors and plain scalars (the
-    cache then steps aside and :func:`encode_tree` decides). A container without tensors (a
-    log history, a config) goes to ``vals`` whole: its growing changes values, not the
-    structure. A container of tensors only is taken in bulk (C-level ``map``s, no Python frame
-    per tensor); the tensors' own attributes are :func:`_tensor_sig`'s. With ``snapshots``, a
-    dict/list/tuple of builtin values only is taken whole as its :func:`~zerostall.format.frozen.freeze`
-    snapshot (one C pass; its bytes compare as its values do), recorded by ``id`` for
-    :func:`encode_tree` in the same ``save()``."""
+    cache then steps aside). A container without tensors goes to ``vals`` whole (its growing
+    changes values, not the structure); a container of tensors only is taken in bulk. With
+    ``snapshots``, a dict/list/tuple of builtin values only is taken whole as its
+    :func:`~zerostall.format.frozen.freeze` snapshot, recorded by ``id`` for :func:`encode_tree`."""
     if vals is None:
         vals = sig
     tx = type(x)
@@ -130,10 +127,9 @@ def _walk(x: Any, sig: list[Any], tensors: list[torch.Tensor], depth: int = 0,
 
 
 def _tensor_sig(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
-    """What the plan depends on of every tensor (address, shape, stride, dtype, device, layout),
-    taken attribute by attribute over all of them (one tuple each, no tuple per tensor: less for
-    the GC to track); None where one is a lazy conj/neg view; raises for a nested or
-    non-strided one (the caller then builds the plan, and ``encode_tree`` says what is wrong)."""
+    """What the plan depends on of every tensor (address, shape, stride, dtype, device), one
+    tuple per attribute over all of them; None where one is a lazy conj/neg view; raises for a
+    nested or non-strided one (the caller then builds the plan, which says what is wrong)."""
     dtypes = tuple(map(DTYPE, tensors))
     if not _COMPLEX.isdisjoint(dtypes) and any(map(_CONJ, tensors)):  # only complex tensors have a conj bit
         return None
@@ -159,8 +155,7 @@ class Walk(NamedTuple):
 
     def payload_bytes(self) -> int:
         """The tensors' bytes (0 where the walk stepped aside): a first save's early estimate of
-        its shard file, so that the staging pool starts faulting while the plan is built
-        (``Checkpointer.save``; tied tensors counted each time)."""
+        its shard file, so that the staging pool starts faulting while the plan is built."""
         if not self.fast:
             return 0
         try:
@@ -175,22 +170,14 @@ _no_gc = no_gc  # the cyclic GC paused while a plan is built (see :func:`~zerost
 class PlanCache:
     """The last plan of one ``Checkpointer``, reused while the state keeps its shape.
 
-    A training loop saves the same tensors (same storage, shapes, strides, dtypes, devices)
-    under the same keys with the same plain values, save after save; flattening, validating
-    and laying it out again costs a Python frame per tensor on the caller's thread. :meth:`plan` walks
-    the state once for a signature of exactly what the plan depends on and, when it equals
-    the last one, returns the last plan with the newly walked tensors in it. Any difference
-    (a new key, a changed plain value such as a learning rate, a reallocated tensor) or
-    anything outside the simple types builds the plan again. The walk takes containers of
-    tensors in bulk and each tensor attribute with one C-level ``map`` over all tensors (the
-    plan's leaves are detached the same way), so a reused plan costs
-    no Python frame per tensor. The cache holds no tensor (the signature holds addresses,
-    shapes and dtypes), so it keeps no memory of the state alive. Containers of builtin
-    values (a config, a log history) are compared by their snapshots
-    (:func:`~zerostall.format.frozen.freeze`, one C pass); when one changed, the tree is
-    rebuilt around the snapshots and encoded off this thread, the unchanged slices reusing
-    the last save's encoding (``_memo``, which holds copies, never the caller's objects).
-    Caller's thread only (``save()``/``prepare()``, serialised by the Checkpointer).
+    :meth:`plan` walks the state once for a signature of exactly what the plan depends on
+    and, when it equals the last one, returns the last plan with the newly walked tensors in
+    it (no Python frame per tensor). Any difference (a new key, a changed plain value, a
+    reallocated tensor) or anything outside the simple types builds the plan again. The cache
+    holds no tensor (the signature holds addresses, shapes and dtypes). Containers of builtin
+    values are compared by their snapshots (:func:`~zerostall.format.frozen.freeze`); when one
+    changed, the tree is rebuilt around them and encoded off this thread, reusing the last
+    save's encodings (``_memo``, copies only). Caller's thread only (``save()``/``prepare()``).
     """
 
     def __init__(self) -> None:
@@ -210,10 +197,9 @@ class PlanCache:
 
     def plan(self, state_dict: Any, *, rank: int = 0, world_size: int = 1, replicated: bool = False,
              early: Callable[[int], Any] | None = None) -> SavePlan:
-        """The plan of ``state_dict``; Python's cyclic GC is paused meanwhile (see :func:`_no_gc`).
-        ``early(nbytes)``: told the state's tensor bytes (:meth:`Walk.payload_bytes`, from the
-        signature walk: the state is walked once) before a plan is built anew, never for a
-        reused one; ``save()`` asks the staging pool for them, which faults while the plan is built."""
+        """The plan of ``state_dict``, the cyclic GC paused meanwhile. ``early(nbytes)``: told the
+        state's tensor bytes (:meth:`Walk.payload_bytes`) before a plan is built anew, never for a
+        reused one (``save()`` asks the staging pool for them, which faults meanwhile)."""
         with _no_gc():
             return self._plan_of(state_dict, rank, world_size, replicated, self._walk_of(state_dict), early)
 

@@ -1,23 +1,16 @@
 """The process-wide staging pool: one arena, one block ring, one snapshot thread per process.
 
-Every ``Checkpointer`` of the process (and so the one-shot ``zerostall.save`` and the
-integrations built on it) stages through the same pool, inside one staging budget:
+Every ``Checkpointer`` of the process (and so ``zerostall.save`` and the integrations) stages
+through the same pool, inside one staging budget: a new Checkpointer does not allocate or fault
+memory again; the arena reserves the budget as address space only and a background thread
+faults the prefix the users want (``max`` of their ``want_bytes``, capped by the budget; see
+:mod:`..memory.arena`); when the last user releases its lease the pool lingers
+:data:`LINGER_S`, then unmaps everything from a timer thread.
 
-* a new Checkpointer, or a save to a new path, does not allocate or fault memory again;
-* the arena reserves the budget as address space only and a background thread faults the
-  prefix the users want (``max`` of their ``want_bytes``, capped by the budget); when a larger
-  state arrives the target grows and the faulter extends it, off the caller's thread and
-  without the GIL (see :mod:`.arena`); the ring starts using the larger size at the first
-  reservation that finds it idle;
-* when the last user releases its lease the pool lingers ``linger_s`` (so a loop of one-shot
-  saves reuses it), then unmaps everything from a timer thread.
-
-Threads: ``lease``/``release`` from any thread (the Checkpointer's owner); ``reserve`` and
-``queue`` from the caller's thread in ``save()``; the snapshot thread and the faulter belong
-to the pool. Reservation and enqueueing happen under one lock, so the snapshot thread sees
-jobs in reservation order and the ring's ``staged`` cursor stays monotonic. The pool knows
-nothing of Checkpointers: the snapshot thread hands each job on to the persist worker the
-job names.
+Threads: ``lease``/``release`` from any thread; ``reserve`` and ``queue`` from the caller's
+thread in ``save()``, under one lock, so the snapshot thread sees jobs in reservation order.
+The pool knows nothing of Checkpointers: the snapshot thread hands each job on to the persist
+worker the job names.
 """
 
 from __future__ import annotations
@@ -46,6 +39,8 @@ def want_bytes(file_bytes: int, block_bytes: int, slots: int, oneshot: bool) -> 
     saves) at most a ``ONESHOT_RING_BYTES`` ring to stream through."""
     blocks = -(-file_bytes // block_bytes) * block_bytes
     return min(blocks, ONESHOT_RING_BYTES) if oneshot else blocks * slots
+
+
 RESERVE_MIN_BYTES = 1 << 30
 """Address space reserved at least (twice the ask, if more; never above the budget)."""
 FIRST_LAP_BYTES = 64 << 20
@@ -53,13 +48,9 @@ FIRST_LAP_BYTES = 64 << 20
 
 
 class Lease:
-    """One user's claim on the pool: keeps it alive and states how much staging it wants.
-
-    ``budget_bytes`` is the user's own staging budget: what it asks for is capped there, so a
-    user with a small budget that joins a pool made by one with a larger budget never grows
-    the pool beyond its own budget (its saves stream through the ring instead). The pool
-    may still be larger because of another user; that memory is that user's.
-    """
+    """One user's claim on the pool: keeps it alive and states how much staging it wants,
+    capped at the user's own ``budget_bytes`` (a pool made larger by another user is not
+    grown further by this one: its saves stream through the ring instead)."""
 
     def __init__(self, pool: "StagingPool", want_bytes: int, budget_bytes: int | None = None):
         self.pool = pool
@@ -116,7 +107,6 @@ class StagingPool:
         self.lock = threading.Lock()
         self.target = 0
         self._swap_to = 0  # a target above the reservation: a new reservation at the next idle point
-        self.closed = False
 
     def _reserve(self, want: int) -> Arena:
         """Address space for ``want`` bytes and room to grow (no RSS until faulted)."""
@@ -169,14 +159,8 @@ class StagingPool:
 
     def ring_bytes(self) -> int:
         """The ring a save reserved now gets: the target, or, while the faulter is still
-        behind, the faulted prefix (at least ``FIRST_LAP_BYTES``). Pool lock held.
-
-        Fresh memory faults at whatever speed the host gives a VM's untouched pages, which
-        can be far below the disk's (docs/speed-tricks.md). A first save whose ring spans the
-        whole target waited for every page; through the faulted prefix it cycles at disk
-        speed while the faulter goes on, and later saves get the larger ring
-        (the ring is resized only between saves).
-        """
+        behind, the faulted prefix (at least ``FIRST_LAP_BYTES``): fresh memory can fault
+        slower than the disk writes (docs/speed-tricks.md). Pool lock held."""
         B = self.block_bytes
         full = max(2 * B, min(self.target, self.arena.nbytes) // B * B)
         lap = max(2 * B, FIRST_LAP_BYTES // B * B, self.arena.ready // B * B)
@@ -186,10 +170,8 @@ class StagingPool:
     @contextlib.contextmanager
     def reserve(self, nblocks: int, status: SaveStatus) -> Iterator[Slot]:
         """Reserve ``nblocks`` of the ring and hold the pool lock while the caller builds its
-        job and calls :meth:`queue` (so the snapshot thread sees jobs in reservation order).
-        Blocks reserved but never queued (an exception, e.g. raised by a signal handler, in
-        the ``with`` body or inside the reservation) are drained by the pool itself (the
-        shared ring must move on); ``status`` fails with that exception."""
+        job and calls :meth:`queue`. Blocks reserved but never queued (an exception, e.g. from
+        a signal handler) are drained by the pool itself; ``status`` fails with it."""
         with self.lock:
             self._swap_if_idle()
             want = self.ring_bytes()
@@ -199,9 +181,7 @@ class StagingPool:
             slot = Slot(g0, nblocks, self.arena, self.ring.capacity_bytes)
             try:
                 self.ring.reserve(nblocks)
-            except BaseException as exc:
-                # interrupted (a signal handler raising) after the ring moved: the blocks are this
-                # job's, and nobody else will ever release them: drain them here
+            except BaseException as exc:  # interrupted after the ring moved: the blocks are this job's
                 if self.ring.reserved != g0:
                     self._abandon(slot, status, exc)
                 raise
@@ -213,11 +193,10 @@ class StagingPool:
                 raise
 
     def queue(self, job: Job) -> None:
-        """Hand ``job`` to the snapshot thread (inside :meth:`reserve`); it hands the job on to
-        ``job.persist``. One queue put: nothing can stop half-way between two workers. The
-        mark and the put run with no Python frame between them (the put is the queue's C
-        method, looked up first), so a signal handler sees the job either unqueued and
-        unmarked or queued and marked: never marked and lost."""
+        """Hand ``job`` to the snapshot thread (inside :meth:`reserve`). The mark and the put
+        run with no Python frame between them (the put is the queue's C method, looked up
+        first), so a signal handler sees the job either unqueued and unmarked or queued and
+        marked: never marked and lost."""
         put = self.snap.enqueue
         job.status.mark_queued()
         put(job)
@@ -246,7 +225,6 @@ class StagingPool:
                 yield None
 
     def close(self) -> None:
-        self.closed = True
         self.snap.stop()
         self.arena.close()
 
@@ -263,11 +241,9 @@ def current() -> StagingPool | None:
 
 def lease(want_bytes: int, budget: int, block_bytes: int, *, mlock: bool = True,
           hugepages: bool = True) -> Lease:
-    """Join the process's pool (creating it if needed) asking for ``want_bytes`` of staging.
-
-    The first lease of a pool fixes its budget and block size; later ones with other values
-    share it as it is while it has users (one budget per process), and replace it when not.
-    """
+    """Join the process's pool (creating it if needed) asking for ``want_bytes`` of staging. The
+    first lease fixes its budget and block size; later ones with other values share it as it
+    is while it has users, and replace it when not."""
     global _pool, _timer
     with _lock:
         if _timer is not None:

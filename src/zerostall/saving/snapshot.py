@@ -3,28 +3,19 @@
 Runs in one daemon thread owned by the process's staging pool (:mod:`.pool`); jobs arrive
 from the caller's thread and are staged strictly in order. For each job it writes the shard
 header, every tensor's bytes (zero-padding each to 4 KiB) and the zero tail, and publishes
-finished blocks to the persist thread (which checksums them while its writes are in flight,
-keeping crc32c off the path that the training loop may wait on).
-CUDA tensors are copied non-blocking into the registered arena on a low-priority side
-stream *of the tensor's own device* (:class:`DeviceStreams`: one stream per device, the
-device made current for each copy), after the event recorded on that device's current
-stream at ``save()`` time (:func:`record_save_events`); an event recorded on the side
-stream after the copy is waited for before the bytes are published. On a multi-GPU node a
-rank's tensors may live on any device, so nothing assumes device 0.
-
-After a job is staged (and ``wait_staged()`` released) this thread also encodes the save's
-Python objects that ``save()`` only snapshotted (:class:`~zerostall.format.frozen.DeferredTree`),
-while the persist thread writes the blocks; an error there is kept by the plan and raised by
-the committer (the save fails naming the key).
+finished blocks to the persist thread. CUDA tensors are copied non-blocking into the
+registered arena on a low-priority side stream of the tensor's own device
+(:class:`DeviceStreams`), after the event recorded on that device's stream at ``save()``
+(:func:`record_save_events`). After a job is staged this thread also encodes the save's
+Python objects that ``save()`` only snapshotted (:class:`~zerostall.format.frozen.DeferredTree`);
+an error there is kept by the plan and raised by the committer.
 
 Never mutates the caller's tensors; drops its references to them once the job is staged.
-
-CPU bytes move with ``memmove``/``memset`` through ctypes (which releases the GIL), never
-with a torch op: a long-lived thread that has run an OpenMP-parallel torch op keeps its
-own OpenMP team, which alone slowed the training thread's steps for as long as the thread
-lived (measured: docs/speed-tricks.md). The rare non-contiguous CPU tensor is copied by torch in a
-short-lived helper thread instead, in row chunks of at most ``STRIDED_CHUNK_BYTES`` that
-stream through the ring like any tensor (never one whole copy outside the staging budget).
+CPU bytes move with ``memmove``/``memset`` through ctypes, never with a torch op: a
+long-lived thread that has run an OpenMP-parallel torch op keeps its own OpenMP team, which
+slows the training thread (docs/speed-tricks.md). The rare non-contiguous CPU tensor is
+copied by torch in a short-lived helper thread, in row chunks of at most
+``STRIDED_CHUNK_BYTES`` (never one whole copy outside the staging budget).
 """
 
 from __future__ import annotations
@@ -60,14 +51,6 @@ is streamed block by block, so the persist thread can write its first blocks mea
 _CONTIG = torch.Tensor.is_contiguous
 
 
-def _bulk_ok(tensors: list[torch.Tensor], devices: Any = None) -> bool:
-    """Whether every tensor is a contiguous CPU tensor (then copied by address, in runs);
-    ``devices``: their distinct devices, if known."""
-    devices = set(map(DEVICE, tensors)) if devices is None else devices
-    return {"cpu"}.issuperset(d.type for d in devices) and all(map(_CONTIG, tensors))
-
-
-
 def row_slices(t: torch.Tensor, limit: int = STRIDED_CHUNK_BYTES) -> Iterator[torch.Tensor]:
     """Consecutive slices (views) of ``t`` covering it in row-major order, each at most
     ``limit`` bytes (or one element row of the innermost dimension)."""
@@ -86,16 +69,23 @@ def row_slices(t: torch.Tensor, limit: int = STRIDED_CHUNK_BYTES) -> Iterator[to
             yield from row_slices(t[i], limit)
 
 
+def bounce_rows(t: torch.Tensor, limit: int = STRIDED_CHUNK_BYTES) -> Iterator[tuple[int, int]]:
+    """(address, length) of each of :func:`row_slices`, copied in turn into one bounce buffer
+    of at most ``limit`` bytes (or one innermost row); valid until the next is yielded. Torch
+    ops: run it in a helper thread (:func:`_in_helper_thread`)."""
+    es = t.element_size()
+    buf = torch.empty(min(limit, max(t.numel() * es, es)), dtype=torch.uint8)
+    for sl in row_slices(t, limit):
+        n = sl.numel() * es
+        if n > buf.numel():
+            buf = torch.empty(n, dtype=torch.uint8)
+        buf[:n].view(sl.dtype).view(sl.shape).copy_(sl)
+        yield buf.data_ptr(), n
+
+
 def _in_helper_thread(fn: Callable[[], None]) -> None:
     """Run a torch op in a thread that then exits (see the module docstring)."""
     run_in_fresh_thread(fn, "zerostall-copy")
-
-
-def flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous 1-D uint8 view of ``t`` (a copy only if ``t`` is not contiguous)."""
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
 
 
 def _index(device: torch.device, cuda: Any) -> int:
@@ -120,11 +110,8 @@ def record_save_events(tensors: Any, cuda: Any = torch.cuda) -> dict[int, Any]:
 
 
 class DeviceStreams:
-    """The snapshot thread's CUDA side streams: one per device, created on first use.
-
-    ``cuda`` is ``torch.cuda`` — the one seam the unit tests fake to check which device and
-    stream each copy runs on without a GPU. Snapshot thread only.
-    """
+    """The snapshot thread's CUDA side streams: one per device, created on first use. ``cuda``
+    is ``torch.cuda``, the seam the unit tests fake. Snapshot thread only."""
 
     def __init__(self, cuda: Any = torch.cuda):
         self.cuda = cuda
@@ -167,9 +154,9 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
 
     # -- snapshot thread ----------------------------------------------------------------
     def handle(self, job: Job | Slot | Forward) -> None:
-        """Stage one job: hand it on to its persist worker, fix its layout (an incremental
-        save decides what to reference), copy, append what changed behind a version counter
-        (incremental), then put ``staged``. Every handoff is put, on failure too."""
+        """Stage one job: hand it on to its persist worker, fix its layout (incremental saves
+        decide what to reference), copy, append what changed (incremental), then put
+        ``staged``. Every handoff is put, on failure too."""
         if isinstance(job, Slot):  # reserved, never queued: publish unwritten, the pool drains
             self.ring.publish(job.g_end)
             return
@@ -221,23 +208,16 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
 
     def _stage_strided(self, job: Job, tensor: torch.Tensor, offset: int, spans: Callable[..., Any],
                        crc: list[int] | None = None) -> None:
-        """Copy a non-contiguous CPU tensor slice by slice through one small bounce buffer
-        (runs in a helper thread; one allocation, never a whole contiguous copy); with ``crc``
-        (one int), extend it over the bytes as they are staged."""
+        """Copy a non-contiguous CPU tensor through :func:`bounce_rows` (in a helper thread);
+        with ``crc`` (one int), extend it over the bytes as they are staged."""
         base, B = job.slot.arena.address, self.ring.block_bytes
-        es = tensor.element_size()
-        buf = torch.empty(min(STRIDED_CHUNK_BYTES, max(tensor.numel() * es, es)), dtype=torch.uint8)
         foff = offset
-        for sl in row_slices(tensor):
-            n_sl = sl.numel() * es
-            if n_sl > buf.numel():
-                buf = torch.empty(n_sl, dtype=torch.uint8)
-            buf[:n_sl].view(sl.dtype).view(sl.shape).copy_(sl)
+        for ptr, n_sl in bounce_rows(tensor):
             for aoff, f, n in spans(foff, foff + n_sl):
                 if crc is None:
-                    _memmove(base + aoff, buf.data_ptr() + (f - foff), n)
+                    _memmove(base + aoff, ptr + (f - foff), n)
                 else:
-                    crc[0] = copy_crc(base + aoff, buf.data_ptr() + (f - foff), n, job.slot.arena.mv, aoff, crc[0])
+                    crc[0] = copy_crc(base + aoff, ptr + (f - foff), n, job.slot.arena.mv, aoff, crc[0])
                 self.ring.publish(job.slot.g0 + (f + n) // B)
             foff += n_sl
 
@@ -245,8 +225,7 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
                     crcs: list[int] | None = None) -> tuple[int, int]:
         """Copy the run of small contiguous CPU tensors from item ``i`` on that starts in
         item ``i``'s block and ends inside the writable part of the ring, zeroing the gaps
-        between them; publish the blocks it completes. One ``memmove``/``memset`` per item
-        through a C-level ``map``, the GIL held throughout (:func:`~zerostall._fast.copy_runs`).
+        between them (:func:`~zerostall._fast.copy_runs`); publish the blocks it completes.
         Returns (next item, file position after the run); ``(i, offs[i])`` when item ``i``
         reaches past the writable run (the per-item path streams it)."""
         ring, B, g0 = self.ring, self.ring.block_bytes, job.slot.g0
@@ -317,7 +296,8 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
         else:
             pos = items[0].offset if items else plan.file_bytes
         items, tensors = list(items), list(tensors)
-        bulk = _bulk_ok(tensors, devices)
+        # contiguous CPU tensors only: copied by address, in runs
+        bulk = {"cpu"}.issuperset(d.type for d in devices) and all(map(_CONTIG, tensors))
         offs, lens = list(map(OFFSET, items)), list(map(NBYTES, items))
         bulk = bulk and all(map(operator.le, offs, offs[1:]))  # runs are found by bisection
         ptrs = list(map(torch.Tensor.data_ptr, tensors)) if bulk else []
@@ -353,7 +333,7 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
                     else:
                         def copy(aoff=aoff, rel=rel, n=n, tensor=tensor) -> None:
                             if not flat:
-                                flat.append(flat_bytes(tensor))
+                                flat.append(tensor.contiguous().reshape(-1).view(torch.uint8))
                             for o, k in arena.pinned_pieces(aoff, n):  # each inside one registration
                                 src = rel + o - aoff
                                 arena_u8[o:o + k].copy_(flat[0][src:src + k], non_blocking=True)

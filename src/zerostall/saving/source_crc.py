@@ -1,19 +1,33 @@
-"""crc32c of tensor bytes where they live, for the content check of incremental saves.
+"""The bytes of a tensor where they live, for the content check of incremental saves
+(:mod:`.content_check`; snapshot thread, through :class:`.incremental.RefTracker`).
 
-:class:`_CpuCrc`: CPU tensors straight from their memory (no copy), in 16 MiB pieces on a
-few threads (crc32c releases the GIL), combined. :class:`_CudaCrc`: CUDA tensors through one
-pinned bounce buffer (the path without a device hash, see :mod:`.devhash`). A non-contiguous
-tensor is never copied whole (a 256 MiB stride-0 view raised peak RSS by 248 MiB against a
-32 MiB staging budget): its bytes, in row-major order, go through one bounce buffer of at
-most ``STRIDED_CHUNK_BYTES`` in row slices (:func:`.snapshot.row_slices`), as staging does.
-:func:`_file_crc`: bytes on disk (the first save on a base read from disk). Called from the
-snapshot thread by :class:`.incremental.RefTracker`.
+:class:`_CpuCrc`: crc32c of CPU tensors straight from their memory (no copy), in 16 MiB pieces
+on a few threads (crc32c releases the GIL), combined. :class:`_CudaCrc`: crc32c of CUDA tensors
+through one pinned bounce buffer. A non-contiguous tensor is never copied whole: its bytes, in
+row-major order, go through one bounce buffer of at most ``STRIDED_CHUNK_BYTES`` in row slices
+(:func:`.snapshot.row_slices`), as staging does. :func:`_file_crc`: bytes on disk (a base read
+from disk). :func:`device_hash_async`: a 64-bit hash computed on the tensor's own device.
+
+The device hash is defined on the tensor's raw bytes (the same on every device and dtype),
+viewed as little-endian 32-bit words ``w_i`` (the last 0-3 bytes as single-byte words), in
+chunks of :data:`CHUNK_WORDS`::
+
+    h_chunk = sum_i w_i * c_i  (mod 2**64)      c_i: fixed pseudo-random odd 64-bit constants
+    h = (... (n * K + h_chunk0) * K + h_chunk1 ...) (mod 2**64)        n: byte length, K odd
+
+Every product and sum wraps modulo 2**64, so the value does not depend on the order of the
+reduction. It detects any change of a single word (the ``c_i`` are odd); for an arbitrary
+change of several words a collision has probability about 2**-32 or less, like crc32c's (the
+constants are fixed, not secret: it guards against accidents, not adversaries). Cost: one read
+of the tensor on the device plus two 64 MiB temporaries, and 32 MiB of constants cached per
+device for the life of the process.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -21,8 +35,7 @@ import crc32c as _crc
 import torch
 
 from ..format.crc_combine import combine
-from .snapshot import STRIDED_CHUNK_BYTES, row_slices
-from .snapshot import _in_helper_thread
+from .snapshot import STRIDED_CHUNK_BYTES, _in_helper_thread, bounce_rows, row_slices
 
 _CRC_PIECE = 16 << 20  # pieces of a tensor checksummed in parallel (then combined)
 CRC_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -100,20 +113,13 @@ class _CpuCrc:
 
 def _strided_crc(t: torch.Tensor, limit: int = STRIDED_CHUNK_BYTES) -> int:
     """crc32c of a non-contiguous CPU tensor's bytes in row-major order (what staging writes),
-    through one bounce buffer of at most ``limit`` bytes; the copies are torch ops, run in a
-    short-lived helper thread (see :mod:`.snapshot`)."""
-    es = t.element_size()
+    through :func:`.snapshot.bounce_rows` in a short-lived helper thread."""
     out: list[int] = []
 
     def run() -> None:
-        buf = torch.empty(min(limit, max(t.numel() * es, es)), dtype=torch.uint8)
         crc = 0
-        for sl in row_slices(t, limit):
-            n = sl.numel() * es
-            if n > buf.numel():  # one innermost row longer than the limit
-                buf = torch.empty(n, dtype=torch.uint8)
-            buf[:n].view(sl.dtype).view(sl.shape).copy_(sl)
-            crc = _crc.crc32c((ctypes.c_char * n).from_address(buf.data_ptr()), crc) if n else crc
+        for ptr, n in bounce_rows(t, limit):
+            crc = _crc.crc32c((ctypes.c_char * n).from_address(ptr), crc) if n else crc
         out.append(crc)
     _in_helper_thread(run)
     return out[0]
@@ -151,3 +157,78 @@ class _CudaCrc:
             run(t.device, lambda pos=pos, k=k: buf[:k].copy_(flat[pos:pos + k], non_blocking=True))
             crc = _crc.crc32c((ctypes.c_char * k).from_address(buf.data_ptr()), crc)
         return crc
+
+
+CHUNK_WORDS = 1 << 22
+_K = 0x9E3779B97F4A7C15 - (1 << 64)  # odd, as int64
+_SEED = 0x5A5E57A11
+_lock = threading.Lock()
+_coeffs: dict[str, torch.Tensor] = {}
+
+
+def _coefficients(device: torch.device, n: int) -> torch.Tensor:
+    key = str(device)
+    with _lock:
+        c = _coeffs.get(key)
+        if c is None or c.numel() < n:
+            g = torch.Generator().manual_seed(_SEED)
+            m = max(n, CHUNK_WORDS)
+            host = torch.randint(-(1 << 62), 1 << 62, (m,), generator=g, dtype=torch.int64) * 2 + 1
+            c = _coeffs[key] = host.to(device)
+        return c
+
+
+def _chunk_hash(words: torch.Tensor, coeff: torch.Tensor) -> torch.Tensor:
+    return (words.to(torch.int64) * coeff[:words.numel()]).sum()
+
+
+def device_hash_async(t: torch.Tensor) -> torch.Tensor:
+    """The hash of a contiguous tensor's bytes as a 0-d int64 tensor on its device (queued
+    on the current stream; read it with ``.item()`` after synchronising)."""
+    if not t.is_contiguous():
+        raise ValueError("device_hash needs a contiguous tensor")
+    flat = t.reshape(-1).view(torch.uint8)
+    n = flat.numel()
+    coeff = _coefficients(t.device, CHUNK_WORDS)
+    h = torch.full((), n, dtype=torch.int64, device=t.device)
+    n4 = n // 4 * 4
+    step = 4 * CHUNK_WORDS
+    for pos in range(0, n4, step):
+        part = flat[pos:min(pos + step, n4)]
+        try:
+            words = part.view(torch.int32)
+        except RuntimeError:  # storage offset not 4-byte aligned (a bf16 view at an odd index): copy the chunk
+            words = part.clone().view(torch.int32)
+        h = h * _K + _chunk_hash(words, coeff)
+    if n4 < n:
+        h = h * _K + _chunk_hash(flat[n4:], coeff)
+    return h
+
+
+def device_hash(t: torch.Tensor) -> int:
+    """:func:`device_hash_async`, read back (tests)."""
+    return int(device_hash_async(t).item())
+
+
+def reference_hash(data: bytes, chunk_words: int = CHUNK_WORDS) -> int:
+    """The same function in plain Python (tests; small inputs only)."""
+    import numpy as np
+    mask = (1 << 64) - 1
+    c = [int(x) & mask for x in _coefficients(torch.device("cpu"), chunk_words)[:chunk_words].tolist()]
+    n = len(data)
+    n4 = n // 4 * 4
+    words = [int(x) for x in np.frombuffer(data[:n4], dtype="<i4")]
+    h = n
+    for pos in range(0, len(words), chunk_words):
+        s = sum(w * c[i] for i, w in enumerate(words[pos:pos + chunk_words])) & mask
+        h = (h * _K + s) & mask
+    if n4 < n:
+        s = sum(b * c[i] for i, b in enumerate(data[n4:])) & mask
+        h = (h * _K + s) & mask
+    return h - (1 << 64) if h >= 1 << 63 else h
+
+
+def clear_cache() -> None:
+    """Drop the cached constants (tests)."""
+    with _lock:
+        _coeffs.clear()

@@ -1,14 +1,11 @@
 """The stages of one ``Checkpointer``'s pipeline, built once on the caller's thread.
 
-:func:`build_stages` makes, in this order: the root (a ``Tier``, owned by this process or,
-across ranks, by the rank the session elects), the committer (:class:`~.store.committer.
-LocalCommitter` alone, :class:`~.distributed.committer.StoreCommitter` across ranks), the
-incremental tracker, the I/O engine, peer replicas (``replicas > 1``: :mod:`.peers`), and
-the post-commit stage that applies retention:
-the :class:`~.store.replicate.Replicator` with a remote tier (it also applies local
-retention), else :class:`~.store.retention.LocalRetention`. The Checkpointer subscribes
-them to its persist thread. :func:`abandoned` releases them for a Checkpointer dropped
-without ``close()``.
+:func:`build_stages` makes, in this order: the root (owned by this process or, across ranks,
+by the rank the session elects), the committer (:class:`.commit_ranks.StoreCommitter` across
+ranks; alone the persist thread's ``LocalCommitter``), the incremental tracker, the I/O engine,
+peer replicas (``replicas > 1``), and the post-commit stage that applies retention (the
+:class:`.upload.Replicator` with a remote tier, else ``LocalRetention``). :func:`abandoned`
+releases them for a Checkpointer dropped without ``close()``.
 """
 
 from __future__ import annotations
@@ -46,7 +43,7 @@ class Stages:
     world_size: int
     node_local: bool
     committer: StoreCommitter | None
-    """None alone: the persist thread's :class:`~.store.committer.LocalCommitter`."""
+    """None alone: the persist thread's :class:`.commit_local.LocalCommitter`."""
     refs: RefTracker | None
     engine: Engine
     probe: Any
@@ -70,8 +67,7 @@ class Stages:
              engine: Engine, bounce: Any, peer: Any = None) -> Any:
         """One load (caller's thread, under the Checkpointer's save lock): across ranks the
         newest step every rank can load (collective), else the newest that verifies here.
-        ``request``: the caller's (step, keys, map_location, strict); ``cfg`` adds the rest.
-        ``peer``: the peer tier's part (:class:`zerostall.peers.PeerLoad`; ``replicas > 1``)."""
+        ``cfg`` completes ``request``; ``peer``: :class:`zerostall.peers.PeerLoad` (``replicas > 1``)."""
         request = replace(request, verify=cfg.verify_on_load, fallback=cfg.fallback, remote=cfg.remote)
         if self.committer is not None:
             return self.committer.load_agreed(state_dict, replace(request, io=cfg.io), cfg, report, peer=peer,

@@ -1,36 +1,26 @@
 """The replicator thread: makes the remote tier hold what the local tier holds, then
 applies retention on both tiers.
 
-One daemon thread per ``Checkpointer`` with a remote tier, at idle I/O priority (psutil's
-``ionice``, inherited by the upload threads it creates) under a bandwidth cap, so it never
-competes with the next local save. It works in *passes*; each pass:
+One daemon thread per ``Checkpointer`` with a remote tier, at idle I/O priority under a
+bandwidth cap. Each *pass*:
 
-1. lists the remote tier's committed steps (a step is committed there when its manifest
-   object exists — the listing, never memory, is the truth);
-   A local step the remote holds as another checkpoint is replaced: rank 0 first sets the
-   remote copy aside, committed all along (:mod:`.remote_replace`), so it is never absent;
-2. for every local committed step the remote lacks and would keep (oldest first), uploads
-   this rank's shard files, each verified by crc32c read back from the tier; rank 0 then
-   waits (``rank_wait_s``) for every rank's shard and uploads the manifest last;
-3. marks this run's handles whose step the remote now lists as replicated (on every rank:
-   only when the manifest is there);
-4. deletes local steps the remote holds (or does not want) beyond ``keep_last``, and
-   remote steps beyond ``keep_last_remote`` (rank 0) — on each tier never a step that a step
-   staying there references (incremental saves; counted from that tier's manifests), newest
-   first.
+1. lists the remote tier's committed steps (those whose manifest object exists: the listing,
+   never memory, is the truth); a local step the remote holds as another checkpoint is
+   replaced, rank 0 first setting the remote copy aside (:mod:`..store.remote_replace`);
+2. for every local committed step the remote lacks and would keep (oldest first, a step after
+   those it references), uploads this rank's shard files, each verified by crc32c read back;
+   rank 0 then waits (``rank_wait_s``) for every rank's shard and uploads the manifest last;
+3. marks this run's handles whose step the remote now lists as replicated;
+4. applies retention on both tiers (never a step that a step staying there references).
 
-A step that references earlier steps (incremental saves) is uploaded after them: each file
-is uploaded once, with the step that wrote it.
+A pass runs at start-up (what a previous run left is uploaded now), after each local commit,
+and, while steps are pending, after a backoff (1 s doubling to ``retry_max_s``). A failed
+request is not retried here (botocore did): the pass stops and the step stays pending.
+:meth:`Replicator.close` gives the last pass a deadline; what is still pending is logged,
+recorded on the handles and uploaded by the next run.
 
-A pass runs at start-up (so the steps a previous run could not upload are uploaded now), after
-each local commit, and, while steps are pending, again after a backoff (1 s doubling to
-``retry_max_s``). A failed request is not retried here (botocore already did, see
-:mod:`.s3`): the pass stops and the step stays pending. :meth:`Replicator.close` gives the
-last pass a deadline; what is still pending is logged and recorded on the handles and
-uploaded by the next run.
-
-Threads: ``on_committed`` from the persist thread (a commit subscriber, see :mod:`.persist`), ``close``/``pending_steps`` from the caller's;
-everything else runs on the replicator thread.
+Threads: ``on_committed`` from the persist thread (a commit subscriber), ``close`` and
+``pending_steps`` from the caller's; everything else on the replicator thread.
 """
 
 from __future__ import annotations
@@ -199,8 +189,7 @@ class Replicator:
         todo = self.policy.to_replicate(local, sorted(remote_steps))
         with self._lock:
             self._pending = list(todo)
-            # saved this run, but older than anything remote retention keeps (to_replicate): never
-            # uploaded, so settled here; otherwise close() waited for it and reported it unreplicated
+            # saved this run, but older than anything remote retention keeps: settled, never uploaded
             moot = [j for s, j in self._jobs.items() if s in local and s not in todo and s not in remote_steps
                     and s not in blocked and not j.status.replicated.is_set()]
             for j in moot:
@@ -238,11 +227,10 @@ class Replicator:
 
     def _drop_stale(self, remote: RemoteTier, remote_steps: set[int], local: list[int]) -> set[int]:
         """A local step the remote lists under another checkpoint id is not replicated: the
-        remote holds an older copy (the step was overwritten locally, or saved again after a
-        restart from an earlier step, or by an earlier run using this remote). Rank 0 removes
-        that copy; the step then counts as missing and is uploaded. Each step is compared once
-        per local copy (one manifest read on each tier), so a stale remote copy can never mark
-        a new save replicated, nor let local retention delete the only copy of its bytes."""
+        remote holds an older copy. Rank 0 sets that copy aside; the step then counts as
+        missing and is uploaded. Each step is compared once per local copy, so a stale remote
+        copy can never mark a new save replicated, nor let local retention delete the only
+        copy of its bytes. Returns the steps neither replaced nor replicated (referenced there)."""
         with self._lock:
             recheck, self._recheck = self._recheck, set()
         for s in recheck:
@@ -339,9 +327,9 @@ class Replicator:
                 or not others_are_current(remote, step, man, self.rank, self.world_size):
             log.info("zerostall: step %d: not every rank's shard is on %s yet; trying again later", step, remote.url)
             return False
-        if self._local_id(step) != man.checkpoint_id:  # overwritten locally while its files went up: they
-            log.info("zerostall: step %d was overwritten locally while it was uploaded; uploading it again "  # may
-                     "at the next pass", step)  # be the new copy's, and this manifest would commit them torn
+        if self._local_id(step) != man.checkpoint_id:  # the files uploaded may be the new copy's: not committed
+            log.info("zerostall: step %d was overwritten locally while it was uploaded; uploading it again "
+                     "at the next pass", step)
             return False
         remote.upload_bytes(raw, manifest_rel, previous=committed_bytes(remote, step))  # last: the remote commit
         remote.hook("commit")

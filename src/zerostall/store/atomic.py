@@ -1,13 +1,9 @@
 """Atomic directory operations on POSIX filesystems: publish (with crash-safe overwrite),
-discard, and the start-up recovery that completes them; plus durable small files.
+discard, the start-up recovery that completes them, and durable small files.
 
-Used by the local tier and the DCP plugin (anything that commits a directory by renaming
-it). Every function is synchronous; callers are the owner of the parent directory (one
-process, see :mod:`.owner`) on its persist thread or its caller's thread at start-up.
-:class:`DeferredRemovals` lets the persist thread remove a tree it already took out of the
-listing at a time of its choosing (while its next writes are in flight).
-``hook`` arguments are the test seam: called with a boundary name after each
-rename/unlink/fsync, so a test can crash the process at every boundary.
+Used by the local tier and the DCP plugin. Synchronous; callers own the parent directory
+(:mod:`.owner`). ``hook`` arguments are the crash-test seam: called with a boundary name after
+each rename/unlink/fsync.
 """
 
 from __future__ import annotations
@@ -21,6 +17,7 @@ import platform
 import stat
 import uuid
 from contextlib import contextmanager, suppress
+from functools import cached_property
 from typing import Callable, Iterator
 
 from .._fast import libc as _libc
@@ -72,11 +69,8 @@ def write_file_durable(path: str, data: bytes) -> None:
 
 
 def rename_exchange(a: str, b: str) -> bool:
-    """Atomically swap the names ``a`` and ``b`` (``renameat2(RENAME_EXCHANGE)``).
-
-    Returns False, having changed nothing, where the kernel, libc or filesystem cannot
-    (EINVAL/ENOSYS/EOPNOTSUPP: e.g. NFS, older kernels); raises OSError for other failures.
-    """
+    """Atomically swap the names ``a`` and ``b`` (``renameat2(RENAME_EXCHANGE)``). False,
+    having changed nothing, where the kernel, libc or filesystem cannot (e.g. NFS)."""
     ba, bb = os.fsencode(a), os.fsencode(b)
     if _renameat2 is not None:
         rc = _renameat2(_AT_FDCWD, ba, _AT_FDCWD, bb, RENAME_EXCHANGE)
@@ -94,11 +88,8 @@ def rename_exchange(a: str, b: str) -> bool:
 
 
 def rmtree(path: str, hook: Hook | None = None) -> None:
-    """Remove ``path`` (a directory tree or a file) without following symlinks.
-
-    Unlike ``shutil.rmtree`` it calls ``hook("unlink")`` after each entry it removes, so
-    tests can crash between any two unlinks. A missing path is not an error.
-    """
+    """Remove ``path`` (a tree or a file) without following symlinks, calling ``hook("unlink")``
+    after each entry (unlike ``shutil.rmtree``). A missing path is not an error."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -138,11 +129,9 @@ def free_bytes(path: str) -> int:
 
 
 def unshared(path: str) -> bool:
-    """Whether the file at ``path`` has no other name (a hard link: a user's ``cp -al`` backup,
-    zerostall's own links) and no open file description of any process refers to it now: a
-    write lease (``F_SETLEASE``) is granted only then, and released at once; the kernel grants
-    it whatever the link count. False where leases are refused (another owner, a filesystem or
-    platform without them) or on any error."""
+    """Whether the file at ``path`` has one name (no hard link) and no process has it open now:
+    a write lease (``F_SETLEASE``), granted only then, is taken and released at once. False
+    where leases are refused or on any error."""
     setlease = getattr(fcntl, "F_SETLEASE", None)  # Linux only
     if setlease is None:
         return False
@@ -165,23 +154,19 @@ def unshared(path: str) -> bool:
 
 LOCAL_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "bcachefs", "jfs", "nilfs2",
                       "tmpfs", "overlay"})
-"""Filesystems one kernel serves alone: a write lease there sees every process that has a file
-open. On one that other nodes mount (NFS, CephFS, Lustre, GPFS, FUSE clients) it sees only this
-node's, and a reader elsewhere keeps an unlinked file's bytes but not ones written over."""
+"""Filesystems one kernel serves alone, where a write lease sees every process that has a file
+open (on NFS, CephFS, Lustre, ... it sees only this node's)."""
 
 
 class DeferredRemovals:
     """Trees already out of their directory's listing (renamed to ``.deleting-*``, the rename
-    fsynced), whose files are removed later by the thread that owns the directory.
+    fsynced), whose files the owner's persist thread removes later.
 
-    Unlinking a large file frees its extents (and, on a filesystem mounted with ``discard``,
-    trims them): tens of milliseconds per GiB of the owner thread's time, and a new file's
-    first writes then allocate and convert extents again. So the persist thread first takes
-    a doomed shard to write the next save over (:meth:`take`), and runs the rest of the
-    removals while the next save's writes are in flight (or when it has nothing queued)
-    instead of between one commit and the next write. A crash before :meth:`run` leaves
-    ``.deleting-*`` entries, which the owner's start-up recovery removes.
-    Owner thread only (not thread-safe); ``hook`` is the crash-test seam, read at each call.
+    Unlinking a large file frees (and may trim) its extents, and a new file's writes then
+    allocate them again. So the persist thread takes a doomed shard to write the next save
+    over (:meth:`take`), and runs the other removals while the next save's writes are in
+    flight. A crash before :meth:`run` leaves ``.deleting-*`` entries for start-up recovery.
+    Owner thread only (not thread-safe).
     """
 
     MARGIN_BYTES = 64 << 20
@@ -192,13 +177,10 @@ class DeferredRemovals:
         self.paths: list[str] = []
         self.spare = True
         """Whether :meth:`run` may keep one file for :meth:`take` (``CheckpointConfig.spare_shard``)."""
-        self._local: bool | None = None
 
-    def _local_fs(self) -> bool:
-        """Whether the root is on a :data:`LOCAL_FS` (read once, when first needed)."""
-        if self._local is None:
-            self._local = fs_of(self.root)[0] in LOCAL_FS
-        return self._local
+    @cached_property
+    def _local(self) -> bool:
+        return fs_of(self.root)[0] in LOCAL_FS
 
     def __bool__(self) -> bool:
         return bool(self.paths)
@@ -208,13 +190,12 @@ class DeferredRemovals:
 
     def run(self, keep: str | None = None) -> None:
         """Remove every pending tree now, except, with ``keep`` (and :attr:`spare`), the first
-        regular file of that name: a spare the next save may write over; its tree stays
-        pending. A failure is logged, never raised: the tree is out of the listing already
-        and the next owner's recovery removes what is left."""
+        regular file of that name, for :meth:`take` (its tree stays pending). A failure is
+        logged, never raised (start-up recovery removes what is left)."""
         kept = None
         for path in list(self.paths):
             try:
-                if (kept is None and keep is not None and self.spare and self._local_fs()
+                if (kept is None and keep is not None and self.spare and self._local
                         and os.path.isfile(os.path.join(path, keep))):
                     kept = path
                     for entry in os.scandir(path):
@@ -227,13 +208,11 @@ class DeferredRemovals:
             self.paths.remove(path)
 
     def take(self, name: str, dest: str) -> bool:
-        """Move the file ``name`` of a pending tree to ``dest`` (on the same filesystem) for
-        the persist thread to write over: its blocks are reused instead of freed and allocated
-        again. Only a regular file that no process has open (:func:`unshared`: a reader that
-        opened the doomed step before it left the listing keeps reading its bytes), on a
-        filesystem no other node mounts (:data:`LOCAL_FS`). Returns whether it moved one. A
-        crash after the move leaves it in ``dest``'s partial directory, which recovery removes."""
-        if not self.paths or not self._local_fs():
+        """Move the file ``name`` of a pending tree to ``dest`` for the persist thread to write
+        over, reusing its blocks. Only a file no process has open (:func:`unshared`: a reader of
+        the doomed step keeps its bytes), on a :data:`LOCAL_FS`. Returns whether it moved one
+        (a crash leaves it in ``dest``'s partial directory, which recovery removes)."""
+        if not self.paths or not self._local:
             return False
         for tree in self.paths:
             src = os.path.join(tree, name)
@@ -247,8 +226,8 @@ class DeferredRemovals:
         return False
 
     def run_if_short(self, nbytes: int) -> None:
-        """Before preallocating ``nbytes``: remove the pending trees now unless the filesystem
-        has room for ``nbytes`` (and a margin) beside them, so deferring never costs an ENOSPC."""
+        """Before preallocating ``nbytes``: remove the pending trees now unless there is room for
+        ``nbytes`` and a margin beside them, so deferring never costs an ENOSPC."""
         if self.paths:
             try:
                 short = free_bytes(self.root) < nbytes + self.MARGIN_BYTES
@@ -274,18 +253,12 @@ def discard(path: str, hook: Hook | None = None) -> None:
 
 def publish_dir(staged: str, final: str, *, overwrite: bool = False, hook: Hook | None = None,
                 exchange: bool = True) -> str:
-    """Make the complete, fsynced directory ``staged`` visible as ``final``, crash-safely.
-
-    - ``final`` absent: ``rename``, then fsync the parent.
-    - ``final`` present (``overwrite`` required, else FileExistsError): swap the two with
-      ``renameat2(RENAME_EXCHANGE)`` (readers see the old or the new copy, never neither),
-      fsync the parent, then discard the old copy (now at ``staged``). Where the filesystem
-      cannot exchange (or ``exchange=False``): rename ``final`` to ``final.old``, ``staged``
-      to ``final``, fsync the parent, discard ``final.old``; a crash between the two renames
-      leaves ``final`` absent and ``final.old`` intact, which :func:`recover_dir` restores.
-
-    The parent is always fsynced before an old copy is deleted. Returns the strategy used
-    (``"rename"``, ``"exchange"`` or ``"two-phase"``). Called by the owner only.
+    """Make the complete, fsynced directory ``staged`` visible as ``final``, crash-safely (the
+    syscalls are step 4-5 of :mod:`.local`'s protocol). ``final`` present: ``overwrite`` is
+    required (else FileExistsError); the two are exchanged, or where the filesystem cannot (or
+    ``exchange=False``) ``final`` goes to ``final.old`` first, which :func:`recover_dir`
+    restores after a crash between the renames. The parent is fsynced before an old copy is
+    deleted. Returns ``"rename"``, ``"exchange"`` or ``"two-phase"``. Owner only.
     """
     hook = hook or _noop
     parent = os.path.dirname(final)
@@ -317,12 +290,9 @@ def publish_dir(staged: str, final: str, *, overwrite: bool = False, hook: Hook 
 
 
 def recover_dir(final: str, is_valid: Callable[[str], bool], hook: Hook | None = None) -> list[str]:
-    """Finish what an interrupted :func:`publish_dir`/:func:`discard` left around ``final``.
-
-    ``final.old`` is restored when ``final`` is missing or invalid and the old copy is valid,
-    and removed otherwise; ``.deleting-<name>*`` entries are removed. ``staged`` directories
-    are the caller's to remove. Returns one line per action. Called by the owner only.
-    """
+    """Finish what an interrupted :func:`publish_dir` left around ``final``: ``final.old`` is
+    restored when ``final`` is missing or invalid and the old copy valid, else removed.
+    Returns one line per action. Owner only."""
     hook = hook or _noop
     parent, name = os.path.split(final)
     done: list[str] = []

@@ -1,7 +1,5 @@
 """Local file helpers of the tiers and the bench: a file's crc32c, dropping its pages, and
-opening a shard for reading only if it is the regular file that was checked.
-
-Any thread; plain reads through the page cache (the caller drops them afterwards).
+opening a shard for reading only if it is the regular file that was checked. Any thread.
 """
 
 from __future__ import annotations

@@ -26,12 +26,10 @@ Deleting a committed step (retention, a bad download) renames it to ``.deleting-
 retention after a commit the persist thread removes them later (:class:`~.atomic.DeferredRemovals`).
 
 Ownership: :meth:`LocalTier.own` takes ``<root>/.zerostall.lock`` (:mod:`.owner`) before
-recovering; only the owner writes. Readers (``steps``, ``read_manifest``, ``load``,
-``verify``, ``ls``) take no lock: they never see a torn step, because a step directory
-appears only by rename, complete. A process downloading a step into a root it does not own
-(``load(remote=)``) holds that step's :class:`~.owner.StepLock` while its ``step-N.partial``
-and its commit are in flight; the owner's start-up cleanup skips (and logs) the leftovers of
-a step whose lock is held, and removes the lock files of interrupted downloads.
+recovering; only the owner writes. Readers take no lock: a step directory appears only by
+rename, complete. A process downloading a step into a root it does not own
+(``load(remote=)``) holds that step's :class:`~.owner.StepLock`, and start-up recovery leaves
+that step's leftovers alone (:mod:`.recovery`).
 """
 
 from __future__ import annotations
@@ -53,14 +51,14 @@ from .atomic import DeferredRemovals, fsync_dir, publish_dir, rmtree, write_file
 from .owner import RootLock
 from .recovery import _OLD_RE, _PARTIAL_RE, _TEMP_RE, recover_root
 from .retention import ManifestRefs
-from .tier import Tier
+from .tier import RootTier
 from .verdicts import ManifestVerdicts, stat_ident
 from ..io.base import Engine, ShardFile, choose_engine
 from .files import open_shard_checked
 
-__all__ = ["LocalTier", "fsync_dir", "write_file_durable"]
-
 log = logging.getLogger("zerostall")
+
+
 def _has_manifest(step_dir: str) -> bool:
     """Whether ``step_dir/manifest.json`` exists in any form (never opened: a FIFO cannot hang
     this). An entry we cannot examine (EACCES, ELOOP, ...) counts, so it is reported as damaged."""
@@ -73,12 +71,12 @@ def _has_manifest(step_dir: str) -> bool:
         return True
 
 
-class LocalTier(Tier):
+class LocalTier(RootTier):
     exchange = True
     """Use ``renameat2(RENAME_EXCHANGE)`` for overwrites (tests set False for the two-phase path)."""
     _hook: Callable[[str], None] | None = None
-    """The crash-test seam: called with each boundary's name (set on an instance, or on the
-    class, as a ``staticmethod``, in a forked child to reach a Checkpointer's start-up)."""
+    """The crash-test seam: called with each boundary's name (on an instance, or on the class as
+    a ``staticmethod`` to reach a Checkpointer's start-up in a forked child)."""
 
     def __init__(self, root: str, *, create: bool = False, lock_timeout_s: float = 0.0,
                  io: "IOConfig | None" = None):
@@ -125,9 +123,8 @@ class LocalTier(Tier):
 
     # -- reading (any thread, any process, no lock) ----------------------------------------
     def listed_steps(self) -> list[int]:
-        """``step-N`` entries holding something named ``manifest.json`` (not validated: a FIFO,
-        a directory, a symlink, an unreadable file count too), ascending: for tools that report
-        damaged steps (``ls``, ``verify``, ``load``'s fallback), so none is hidden."""
+        """``step-N`` entries holding anything named ``manifest.json`` (a FIFO, a symlink, an
+        unreadable file count too), ascending: tools that report damaged steps hide none."""
         out = []
         for n in self._names():
             s = parse_step_dir(n, self.root)  # canonical names only: 'step-03' is ignored, with a warning
@@ -136,24 +133,19 @@ class LocalTier(Tier):
         return sorted(out)
 
     def steps(self) -> list[int]:
-        """Committed steps: those whose manifest validates, ascending.
-
-        A manifest is parsed once per file identity (inode, size, mtime, ctime) and the
-        verdict cached, so calling this per save costs a listdir and a stat per step.
-        """
+        """Committed steps (manifest validates), ascending; verdicts cached (:mod:`.verdicts`)."""
         return [s for s in self.listed_steps() if self._is_valid(s)]
 
     def latest(self) -> int | None:
-        """The newest committed step; validates manifests newest first, stopping at the first
-        good one (a save's step-order check runs this on the caller's thread)."""
+        """The newest committed step, validating manifests newest first only until one is good."""
         for s in reversed(self.listed_steps()):
             if self._is_valid(s):
                 return s
         return None
 
     def manifest_refs(self, step: int) -> Manifest | ManifestRefs:
-        """``step``'s ``ref_files`` (retention's question): from the manifest this tier
-        committed while the file keeps its identity, else :meth:`read_manifest`."""
+        """``step``'s ``ref_files`` (retention's question), from the cache while the manifest
+        keeps its identity, else :meth:`read_manifest`."""
         ident = self.manifest_ident(step)
         hit = self._verdicts.get(step, ident)
         if hit is not None and hit[1] is not None:
@@ -166,20 +158,7 @@ class LocalTier(Tier):
         return stat_ident(os.path.join(self.step_dir(step), MANIFEST_NAME))
 
     def _is_valid(self, step: int) -> bool:
-        ident = self.manifest_ident(step)
-        if ident is None:
-            return False
-        hit = self._verdicts.get(step, ident)
-        if hit is not None:
-            return hit[0]
-        refs = None
-        try:
-            refs = tuple(self.read_manifest(step).ref_files)
-        except ZerostallError as exc:
-            log.warning("zerostall: %s is not a loadable checkpoint (%s); load and retention ignore it",
-                        self.step_dir(step), exc)
-        self._verdicts.put(step, ident, refs is not None, refs)
-        return refs is not None
+        return self._verdicts.valid(step, self.manifest_ident(step), self.read_manifest, self.step_dir(step))
 
     def stat(self, rel: str) -> int | None:
         try:
@@ -241,16 +220,8 @@ class LocalTier(Tier):
             raise CorruptCheckpoint(f"{path}: manifest says step {man.step}, directory says {step}", path=path)
         return man
 
-    def _valid_dir(self, d: str, step: int) -> bool:
-        try:
-            self._read_manifest_at(d, step)
-            return True
-        except ZerostallError:
-            return False
-
     def open_shard_read(self, step: int, name: str, engine: "Engine | None" = None) -> "ShardFile":
-        """The engine's reader of ``name``, only if it is the regular file that was checked
-        (:func:`.files.open_shard_checked`). Any thread."""
+        """The engine's reader of ``name`` (:func:`.files.open_shard_checked`). Any thread."""
         return open_shard_checked(engine or choose_engine(self.root, self.io), os.path.join(self.step_dir(step), name))
 
     # -- owning (caller's thread) ----------------------------------------------------------
@@ -272,13 +243,11 @@ class LocalTier(Tier):
         self._lock.release()
 
     def recover(self) -> list[str]:
-        """Finish or remove everything a crash left (owner only; see the module docstring).
-
-        Returns one line per action; each is logged (:func:`.recovery.recover_root`).
-        """
+        """Finish or remove everything a crash left (owner only; :func:`.recovery.recover_root`);
+        returns one logged line per action."""
         if not self._lock.held:
             raise ZerostallError(f"recovering {self.root!r} needs its lock (call own())")
-        return recover_root(self.root, self._names, self.step_dir, self._valid_dir, self._hook)
+        return recover_root(self)
 
     # -- save side (owner; persist thread, except check_new_step on the caller's) -----------
     def check_new_step(self, step: int, overwrite: bool, allow_lower: bool = True) -> None:
@@ -339,9 +308,6 @@ class LocalTier(Tier):
     def write_latest(self, step: int) -> tuple[str, ...]:
         """Step 6: the ``latest`` hint (a committed step is durable without it); returns the
         problem, if any, instead of raising."""
-        return self._write_latest(step)
-
-    def _write_latest(self, step: int) -> tuple[str, ...]:
         tmp = os.path.join(self.root, "latest.tmp")
         try:
             newest = self.latest()

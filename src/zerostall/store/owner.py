@@ -1,30 +1,22 @@
 """Ownership of a checkpoint root: one writer at a time, by ``flock`` on ``<root>/.zerostall.lock``.
 
 The writer (a ``Checkpointer``; under ``torch.distributed`` the one process per root that
-commits) takes an exclusive ``flock`` on the lock file when it starts and holds it for its
-lifetime; the kernel drops it when the process exits, however it exits, so a crash never
-leaves a root locked. The file records who holds it (host, pid, start time) so that a
-second writer's :class:`~zerostall.errors.RootLockedError` names the owner. The file is
-never deleted (unlinking a lock file races with the next ``open``). Readers take no lock.
-The writer also flocks the root directory itself: a lock file unlinked by someone else (a
-user "clearing a stale lock") let a second writer own the root beside the first.
+commits) flocks the lock file for its lifetime; the kernel drops the lock however the process
+exits, so a crash never leaves a root locked. The file records the holder (host, pid, start)
+for :class:`~zerostall.errors.RootLockedError`, and is never deleted (an unlink races with the
+next ``open``). The root directory is flocked too, so a lock file someone unlinked ("clearing
+a stale lock") does not let a second writer in. Readers take no lock.
 
-``flock`` locks an open file description: two ``Checkpointer``s on one root inside one
-process conflict too, as they should. A ``fork()`` shares the description with the child, so
-the child would hold the root locked after the writer's ``close()`` (or death): the lock
-belongs to the writer process only, and a forked child closes its copies of every held lock
-descriptor at once (``os.register_at_fork``; :func:`_after_fork_in_child`), which leaves the
-parent's lock untouched (``exec`` children never see it: ``O_CLOEXEC``). A lock is registered
-for that in the same step as its descriptor is opened, with forks held off meanwhile
-(``_FORK_GUARD``), so a fork from another thread while ``acquire`` runs leaves no locked copy
-in the child either. Release unlocks the description before closing it (a child between its
-fork and its handler shares it), but only in the process that acquired it: a child forked
-without Python's handlers (libc's ``fork`` through ctypes or C code) that releases its copy
-merely closes it, and never unlocks the parent's root. Where the filesystem refuses ``flock`` (``ENOLCK``:
-NFS mounted without a lock manager, some FUSE filesystems), ownership cannot be enforced:
-the root is used unlocked, with a warning, and keeping to one writer is up to the user.
-Note that NFSv3 mounted with ``nolock`` (and some FUSE filesystems) grant ``flock``
-locally without telling other hosts: two hosts can then both "own" a root.
+``flock`` locks an open file description: two ``Checkpointer``s on one root in one process
+conflict too. A ``fork()`` shares the description, so a forked child closes its copies of
+every held lock descriptor at once (``os.register_at_fork``), leaving the parent's lock; a lock
+is registered for that in the same step as its descriptor is opened, forks held off meanwhile
+(``_FORK_GUARD``). Release unlocks before closing, but only in the process that acquired the
+lock (a child forked without Python's handlers must never unlock the parent's root).
+
+Where the filesystem refuses ``flock`` (``ENOLCK``: NFS without a lock manager, some FUSE),
+the root is used unlocked, with a warning. NFSv3 with ``nolock`` grants ``flock`` locally
+only: two hosts can then both "own" a root.
 
 Called from the caller's thread (``Checkpointer.__init__``/``close``); not thread-safe.
 """
@@ -52,14 +44,12 @@ LOCK_NAME = ".zerostall.lock"
 _NO_LOCKING = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
-_HELD: "weakref.WeakSet[RootLock | FileLock]" = weakref.WeakSet()
+_HELD: "weakref.WeakSet[_Held]" = weakref.WeakSet()
 """Locks whose descriptors this process opened (closed in a forked child)."""
 
 _FORK_GUARD = threading.RLock()
-"""Held while a lock descriptor is opened and registered in ``_HELD``, or unregistered and
-closed; ``os.fork`` takes it first (``before=``), so no child is born holding a descriptor its
-at-fork handler does not know of. Never held across a wait; reentrant, so a signal handler
-that forks on the thread holding it does not deadlock."""
+"""Held while a lock descriptor is opened and registered, or unregistered and closed, and by
+``os.fork`` (``before=``). Never held across a wait; reentrant (a signal handler may fork)."""
 
 
 def _before_fork() -> None:
@@ -71,8 +61,7 @@ def _after_fork_in_parent() -> None:
 
 
 def _after_fork_in_child() -> None:
-    """A forked child drops its copies of the parent's lock descriptors (not the parent's
-    locks: the description stays open in the parent, which keeps the flock)."""
+    """Close the child's copies of the parent's lock descriptors (the parent keeps its flock)."""
     for lock in list(_HELD):
         for fd in lock._forget():
             with contextlib.suppress(OSError):
@@ -85,7 +74,7 @@ os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
                     after_in_child=_after_fork_in_child)
 
 
-def _open_held(lock: "RootLock | FileLock", path: str, flags: int) -> int:
+def _open_held(lock: "_Held", path: str, flags: int) -> int:
     """Open a descriptor of ``lock`` and register the lock for the at-fork handler in one step."""
     with _FORK_GUARD:
         fd = os.open(path, flags, 0o644)
@@ -94,12 +83,9 @@ def _open_held(lock: "RootLock | FileLock", path: str, flags: int) -> int:
     return fd
 
 
-def _close_held(lock: "RootLock | FileLock") -> None:
-    """Close the descriptors of ``lock``, unlocking their description first, but only in the
-    process that opened them: ``LOCK_UN`` acts on the open file description, which a forked
-    child shares until its at-fork handler closes its copy (a plain ``close`` would leave the
-    lock to that child), and which a child forked without the handler shares for good (its
-    ``LOCK_UN`` would unlock the parent)."""
+def _close_held(lock: "_Held") -> None:
+    """Close the descriptors of ``lock``, unlocking their shared description first, but only
+    in the process that opened them (see the module docstring)."""
     with _FORK_GUARD:
         _HELD.discard(lock)
         owner = lock._pid == os.getpid()
@@ -110,10 +96,29 @@ def _close_held(lock: "RootLock | FileLock") -> None:
             os.close(fd)
 
 
+def _open_lock_file(lock: "_Held", path: str) -> int:
+    """Open (create) the lock file ``path`` for ``lock``: a regular file, else StorageError
+    naming it (O_NONBLOCK: a FIFO planted there must not block the open, nor a read later)."""
+    try:
+        fd = _open_held(lock, path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise storage_error("creating the lock file", path, exc) from exc
+    lock._fd = fd
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        _close_held(lock)
+        raise StorageError(f"lock file {path!r} is not a regular file; remove it (zerostall recreates it) and "
+                           "try again", filename=path)
+    return fd
+
+
 def read_owner(root: str) -> dict[str, object]:
     """What the lock file of ``root`` says about its holder ({} if nothing readable)."""
+    return _read_holder(os.path.join(root, LOCK_NAME))
+
+
+def _read_holder(path: str) -> dict[str, object]:
     try:
-        fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return {}
     try:
@@ -136,25 +141,29 @@ def describe_owner(owner: dict[str, object]) -> str:
     return f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')} (since {when})"
 
 
-class RootLock:
-    """The exclusive lock on one root. ``acquire`` once, ``release`` once (idempotent)."""
+class _Held:
+    """The descriptors of a lock (the at-fork handler and :func:`_close_held` forget them)."""
 
-    def __init__(self, root: str):
-        self.root = root
-        self.path = os.path.join(root, LOCK_NAME)
+    def __init__(self, path: str):
+        self.path = path
         self._fd: int | None = None
-        self._dfd: int | None = None
-        """The root directory itself, flocked too: unlinking the lock file (a user "clearing a
-        stale lock") cannot remove this one, so a second writer is refused all the same."""
+        self._dfd: int | None = None  # RootLock: the root directory, flocked too
         self.enforced = False
         """True when the kernel granted the flock; False when the filesystem has no locking."""
-        self._pid = 0
-        """The process that opened the descriptors (only it unlocks them)."""
+        self._pid = 0  # the process that opened the descriptors (only it unlocks them)
 
     def _forget(self) -> list[int]:
         fds = [d for d in (self._fd, self._dfd) if d is not None]
         self._fd = self._dfd = None
         return fds
+
+
+class RootLock(_Held):
+    """The exclusive lock on one root. ``acquire`` once, ``release`` once (idempotent)."""
+
+    def __init__(self, root: str):
+        super().__init__(os.path.join(root, LOCK_NAME))
+        self.root = root
 
     @property
     def held(self) -> bool:
@@ -168,17 +177,10 @@ class RootLock:
         """
         if self._fd is not None:
             return
-        try:  # O_NONBLOCK: a FIFO planted there must not block the open
-            self._fd = fd = _open_held(self, self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-                                       | os.O_NONBLOCK)
-        except OSError as exc:
-            raise storage_error("creating the lock file", self.path, exc) from exc
+        fd = _open_lock_file(self, self.path)
         deadline = time.monotonic() + max(0.0, timeout_s)
         delay = 0.01
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO would hang read_owner (we hold a writer end)
-                raise StorageError(f"lock file {self.path!r} is not a regular file; remove it (zerostall "
-                                   "recreates it) and try again", filename=self.path)
             try:
                 self._dfd = dfd = _open_held(self, self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             except OSError:  # the lock file alone
@@ -229,9 +231,7 @@ class RootLock:
             log.warning("zerostall: could not record the owner in %s: %s", self.path, exc)
 
     def release(self) -> None:
-        """Drop the lock. Idempotent. Unlocks before closing: a child forked a moment ago may
-        not have run :func:`_after_fork_in_child` yet, and its copy of the descriptor would
-        keep a merely closed description locked until it does."""
+        """Drop the lock. Idempotent."""
         _close_held(self)
 
     def __del__(self) -> None:  # a half-built Checkpointer must not keep the root locked
@@ -245,37 +245,18 @@ FETCH_STEP_LOCK = ".zerostall-fetch-step-{step}.lock"
 FETCH_STEP_LOCK_RE = r"^\.zerostall-fetch-step-(\d{1,19})\.lock$"
 
 
-class FileLock:
+class FileLock(_Held):
     """An exclusive ``flock`` on one file that whoever holds it last may remove
     (release(unlink=True)); :meth:`acquire` therefore checks, once locked, that the path still
     names the file it locked, and starts again otherwise. The file records its holder. Caller's
     thread; one acquire, one release."""
 
-    def __init__(self, path: str):
-        self.path = path
-        self._fd: int | None = None
-        self._pid = 0
-        self.enforced = False
-        """True when the kernel granted the flock; False when the filesystem has no locking."""
-
-    def _forget(self) -> list[int]:
-        fds = [self._fd] if self._fd is not None else []
-        self._fd = None
-        return fds
-
     def acquire(self, wait: bool = True) -> bool:
         """Take the lock (waiting for a holder if ``wait``); False if held elsewhere and not
         ``wait``. Where the filesystem has no ``flock``, returns True unenforced."""
         while True:
+            fd = _open_lock_file(self, self.path)
             try:
-                self._fd = fd = _open_held(self, self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-                                           | os.O_NONBLOCK)
-            except OSError as exc:
-                raise storage_error("creating the lock file", self.path, exc) from exc
-            try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise StorageError(f"lock file {self.path!r} is not a regular file; remove it and try again",
-                                       filename=self.path)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
                 except BlockingIOError:
@@ -303,17 +284,8 @@ class FileLock:
 
     def holder(self) -> str:
         """Who holds it, as its file says (for log lines)."""
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            return "another process"
-        try:
-            info = json.loads(os.read(fd, 4096) or b"{}") if stat.S_ISREG(os.fstat(fd).st_mode) else {}
-            return f"pid {info.get('pid', '?')} on host {info.get('host', '?')}"
-        except (OSError, ValueError, AttributeError):
-            return "another process"
-        finally:
-            os.close(fd)
+        info = _read_holder(self.path)
+        return f"pid {info.get('pid', '?')} on host {info.get('host', '?')}" if info else "another process"
 
     def release(self, unlink: bool = True) -> None:
         """Remove the file (while still holding it, so a waiter sees it gone) and unlock.

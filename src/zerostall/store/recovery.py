@@ -1,13 +1,11 @@
 """Start-up recovery of a local root by its new owner: finish or remove what a crash left.
 
-Called once by :meth:`.local.LocalTier.own` (caller's thread, the root lock held): an
-interrupted overwrite's ``step-N.old`` is finished or rolled back (:func:`.atomic.recover_dir`);
-a ``step-N.partial`` holding ``manifest.decided`` -- a step the ranks' commit decision
-committed, whose rename a crash interrupted (:mod:`zerostall.distributed.finish`, RECORDING)
--- is completed: the record becomes its manifest and the directory ``step-N``; any other
-``step-N.partial`` (an unfinished save), ``.deleting-*`` (an interrupted deletion), temporary
-files and the locks of interrupted restores are removed -- except the leftovers of a step a
-restore is downloading into right now (its :class:`~.owner.StepLock` is held).
+Called once by :meth:`.local.LocalTier.own` (caller's thread, the root lock held):
+``step-N.old`` is finished or rolled back (:func:`.atomic.recover_dir`); a ``step-N.partial``
+holding ``manifest.decided`` (committed by the ranks' decision, :mod:`zerostall.distributed.finish`)
+is completed; any other ``step-N.partial``, ``.deleting-*``, temporary files and the locks of
+interrupted restores are removed, except for a step a restore is downloading into now (its
+:class:`~.owner.StepLock` is held).
 """
 
 from __future__ import annotations
@@ -15,12 +13,15 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from ..errors import ZerostallError, storage_error
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from .atomic import fsync_dir, recover_dir, rmtree
 from .owner import FETCH_STEP_LOCK_RE, StepLock
+
+if TYPE_CHECKING:
+    from .local import LocalTier
 
 log = logging.getLogger("zerostall")
 
@@ -42,9 +43,17 @@ def _deleting_step(name: str) -> int | None:
 _TEMP_RE = re.compile(r"^(latest\.tmp|\.zerostall-write-test-\d+|\.zerostall-probe-[0-9a-f]+)$")
 
 
-def recover_root(root: str, names: Callable[[], list[str]], step_dir: Callable[[int], str],
-                 valid_dir: Callable[[str, int], bool], hook: Callable[[str], None] | None) -> list[str]:
-    """The actions taken on ``root`` (each logged); ``names()`` lists it."""
+def recover_root(tier: "LocalTier") -> list[str]:
+    """The actions taken on ``tier``'s root (each logged)."""
+    root, names, step_dir, hook = tier.root, tier._names, tier.step_dir, tier._hook
+
+    def valid_dir(d: str, step: int) -> bool:
+        try:
+            tier._read_manifest_at(d, step)
+            return True
+        except ZerostallError:
+            return False
+
     done: list[str] = []
     locks: dict[int, StepLock] = {}
     busy: set[int] = set()
@@ -60,7 +69,7 @@ def recover_root(root: str, names: Callable[[], list[str]], step_dir: Callable[[
         if os.path.lexists(lk.path) and not os.path.isfile(lk.path) or os.path.islink(lk.path):
             # a directory, FIFO or link under a lock file's name: no process can hold it
             # (StepLock refuses anything but a regular file), so it is a leftover like the rest
-            rmtree(lk.path) if os.path.isdir(lk.path) and not os.path.islink(lk.path) else os.unlink(lk.path)
+            rmtree(lk.path)  # never follows a link
             done.append(f"removed {lk.path} (not a lock file)")
         if lk.acquire(wait=False):
             locks[step] = lk
@@ -73,8 +82,7 @@ def recover_root(root: str, names: Callable[[], list[str]], step_dir: Callable[[
         for n in sorted(names()):
             if (m := _OLD_RE.match(n)) and free(int(m.group(1))):
                 step = int(m.group(1))
-                done += recover_dir(step_dir(step), lambda d, s=step: valid_dir(d, s),
-                                    hook)
+                done += recover_dir(step_dir(step), lambda d, s=step: valid_dir(d, s), hook)
         for n in sorted(names()):
             path = os.path.join(root, n)
             if (m := _PARTIAL_RE.match(n)) and free(int(m.group(1))):

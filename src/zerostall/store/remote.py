@@ -1,24 +1,14 @@
-"""Remote tiers: where committed checkpoints are trickled to, chosen by URL.
+"""Remote tiers: where committed checkpoints are trickled to, chosen by URL (:mod:`.tier`).
 
-Every tier stores the local layout under its root (``<root>/step-N/<shard files>``,
-``<root>/step-N/manifest.json``) and commits the object-store way: data first, each object
-verified by re-reading its crc32c from the tier, the manifest last, so a remote checkpoint
-exists only once complete (a step is *committed* on a tier when its manifest is there).
-Called from the replicator thread (uploads, deletes) and from ``load``/the CLI (listing,
-downloads); one thread per tier object, except :meth:`RemoteTier.cancel`, which any thread
-may call.
+A remote tier keeps the local layout (``step-N/<shards>``, ``step-N/manifest.json``) and
+commits the object-store way (:class:`RemoteTier`). Called from the replicator thread
+(uploads, deletes) and from ``load``/the CLI (listing, downloads).
 
-Faults are contained at this boundary: every OS or botocore error leaves as a
-:class:`~zerostall.errors.RemoteError` naming the URL (and step), and nothing here loops on
-retries — S3 requests use botocore's own bounded ``standard`` retry mode (see
-:mod:`.s3`); a step that fails stays pending and the replicator tries it again at its next
-pass. :func:`list_steps` bounds a listing by a short timeout for readers that must not wait
-on a remote that is down (restore from local, ``steps()``).
-
-Registry (:mod:`.tier`; fsspec-style, lazy, with install hints): ``s3://bucket/prefix`` -> :class:`S3Tier`
-(boto3; ``pip install 'zerostall[s3]'``), ``file:///path`` or a plain path ->
-:class:`~.sharedfs.FileTier` (a shared or parallel filesystem: Lustre, GPFS, NFS with one
-file per rank).
+Faults stop at this boundary: every OS or botocore error leaves as a
+:class:`~zerostall.errors.RemoteError` naming the URL (and step), and nothing here retries
+(S3 requests use botocore's bounded retries, :mod:`.s3`; a failed step stays pending for the
+replicator's next pass). :func:`list_steps` bounds a listing for readers that must not wait
+on a remote that is down. Implementations: :class:`~.s3.S3Tier`, :class:`~.sharedfs.FileTier`.
 """
 
 from __future__ import annotations
@@ -27,6 +17,7 @@ import logging
 import os
 import threading
 from abc import abstractmethod
+from functools import cached_property
 from typing import Any, Callable
 
 import crc32c as _crc
@@ -38,6 +29,7 @@ from ..format.validate import parse_step_dir
 from .tier import Tier
 from .files import file_crc32c
 from .remote_replace import set_aside, sweep
+from .verdicts import ManifestVerdicts
 
 log = logging.getLogger("zerostall")
 LIST_TIMEOUT_S = 10.0
@@ -52,33 +44,29 @@ def step_of(rel: str) -> int | None:
 class RemoteTier(Tier):
     """One remote location, implementing :class:`~.tier.Tier` the object-store way.
 
-    Commit strategy: data objects are written at their final names (each verified by its
-    crc32c read back), the manifest last (:meth:`commit`), so a reader never sees a step
-    before it is complete; :meth:`delete` removes the manifest first. Owning: a remote root
-    has no lock (object stores have no ``flock``); it is written by the replicator of the one
-    Checkpointer that owns the local root (rank 0 commits), and :meth:`own` only creates the
-    bucket/directory. Leftovers of an interrupted upload (data objects without a manifest)
-    are not steps; the next upload of that step overwrites them.
+    Data objects go to their final names (each verified by its crc32c read back), the
+    manifest last (:meth:`commit`): a step exists only once complete; :meth:`delete` removes
+    the manifest first.
+    A remote root has no lock (object stores have no ``flock``): it is written by the
+    replicator of the Checkpointer that owns the local root, and :meth:`own` only creates the
+    bucket/directory. Data objects without a manifest are not a step; the next upload of
+    that step overwrites them. One thread at a time, except :meth:`cancel` (any thread).
 
-    Used by one thread at a time, except :meth:`cancel` (any thread).
+    Each implementation provides the primitives below; names are ``step-N/<name>`` (``rel``),
+    and every failure leaves as RemoteError.
     """
 
     url: str
 
-    # -- primitives each remote tier provides ---------------------------------------------------
     @abstractmethod
     def _manifests(self) -> dict[int, tuple[Any, ...]]:
         """{step: identity of its manifest object (size, mtime/etag)} for every ``step-N``
-        holding one; raises RemoteError."""
+        holding one."""
 
     @abstractmethod
     def read_bytes(self, rel: str, limit: int) -> bytes:
         """At most ``limit + 1`` bytes of ``rel`` (so callers can tell "over the limit");
         CheckpointNotFound if it does not exist."""
-
-    @abstractmethod
-    def stat(self, rel: str) -> int | None:
-        """Size of ``rel`` in bytes, or None when it does not exist."""
 
     @abstractmethod
     def checksum(self, rel: str) -> tuple[int, int]:
@@ -90,7 +78,7 @@ class RemoteTier(Tier):
 
     @abstractmethod
     def _open_read(self, rel: str, size: int, engine: Any) -> Any:
-        """A reader of ``rel`` with ``read(extents)``/``close()`` (a ShardFile's reading half)."""
+        """A reader of ``rel`` with ``read(extents)``/``close()``."""
 
     @abstractmethod
     def _open_write(self, rel: str, nbytes: int, engine: Any) -> Any:
@@ -119,18 +107,14 @@ class RemoteTier(Tier):
         """Remove every object under ``rel`` (a ``step-N/`` prefix)."""
 
     @abstractmethod
-    def names_in(self, step: int) -> list[str]:
-        """Names of the objects under ``step-N/`` (any, committed or not)."""
-
-    @abstractmethod
     def _copy_within(self, src: str, dst: str) -> bool:
-        """Copy object ``src`` to ``dst`` on the tier (server-side copy); True if ``dst`` is
-        ``src``'s bytes by construction (a hard link), so there is nothing to check."""
+        """Copy ``src`` to ``dst`` on the tier; True if ``dst`` is ``src``'s bytes by
+        construction (a hard link), so there is nothing to check."""
 
     def copy_object(self, src: str, dst: str, size: int) -> None:
-        """Copy ``src`` (``size`` bytes) to ``dst`` on the tier and check the copy read back
-        against the source's crc32c. CorruptCheckpoint if the source is not what its step
-        says (missing, another size, bytes other than recorded); RemoteError if the tier fails."""
+        """Copy ``src`` (``size`` bytes) to ``dst`` on the tier, checked against the source's
+        crc32c. CorruptCheckpoint if the source is not what its step says; RemoteError if the
+        tier fails."""
         got = self.stat(src)
         if got != size:
             raise CorruptCheckpoint(f"{self.where(src)}: {'missing' if got is None else f'{got} bytes'}, its "
@@ -160,38 +144,21 @@ class RemoteTier(Tier):
 
     # -- the Tier protocol: reading ---------------------------------------------------------------
     def listed_steps(self) -> list[int]:
-        """Steps holding a manifest object (not validated), ascending: for ``ls``/``verify``."""
         return sorted(self._manifests())
 
     def manifest_ident(self, step: int) -> Any:
-        """The manifest object's identity (size, etag/mtime) from a listing; None if absent."""
         return self._manifests().get(step)
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending: the manifest object exists and validates. Each manifest
-        is read once per object identity (size, etag/mtime) and the verdict cached, so a
-        listing costs one LIST (S3) or one stat per step."""
-        out = []
-        for step, ident in self._manifests().items():
-            hit = self._verdicts.get(step)
-            if hit is None or hit[0] != ident:
-                try:
-                    self.read_manifest(step)
-                    ok = True
-                except (CorruptCheckpoint, CheckpointNotFound) as exc:
-                    log.warning("zerostall: %s: step %d is not a valid checkpoint: %s", self.url, step, exc)
-                    ok = False
-                hit = self._verdicts[step] = (ident, ok)
-            if hit[1]:
-                out.append(step)
-        return sorted(out)
+        """Committed steps, ascending. Each manifest is read once per object identity (size,
+        etag/mtime), so a listing costs one LIST (S3) or one stat per step."""
+        return sorted(step for step, ident in self._manifests().items()
+                      if self._verdicts.valid(step, ident, self.read_manifest, self.where(f"step-{step}"),
+                                              (CorruptCheckpoint, CheckpointNotFound)))
 
-    @property
-    def _verdicts(self) -> dict[int, tuple[Any, bool]]:
-        v = self.__dict__.get("_verdict_cache")
-        if v is None:
-            v = self.__dict__["_verdict_cache"] = {}
-        return v
+    @cached_property
+    def _verdicts(self) -> ManifestVerdicts:
+        return ManifestVerdicts()
 
     def read_manifest(self, step: int) -> Manifest:
         where = self.where(f"step-{step}/{MANIFEST_NAME}")
@@ -217,9 +184,8 @@ class RemoteTier(Tier):
 
     # -- writing ------------------------------------------------------------------------------------
     def begin(self, step: int) -> str:
-        """No staging area: objects go to their final names and count only once the manifest
-        is there; a committed step there is first set aside (:mod:`.remote_replace`), so
-        writing over its names tears nothing. Returns the step's location."""
+        """No staging area: a committed step there is first set aside (:mod:`.remote_replace`),
+        so writing over its names tears nothing. Returns the step's location."""
         set_aside(self, step)
         return self.where(f"step-{step}")
 
@@ -257,23 +223,20 @@ class RemoteTier(Tier):
         """Uncommit (manifest first), then remove the data."""
         self._delete(f"step-{step}/{MANIFEST_NAME}")
         self._delete_prefix(f"step-{step}/")
-        self._verdicts.pop(step, None)
+        self._verdicts.forget(step)
 
     # -- shared logic -------------------------------------------------------------------------
     def upload(self, local_path: str, rel: str, crc: int | None = None) -> None:
-        """Copy a local file to ``rel`` and verify it end to end: the crc32c of the bytes the
-        tier stores (read back) must equal the local file's. A mismatch removes the object and
-        raises RemoteError."""
+        """Copy a local file to ``rel`` and :meth:`verify` it against the local file's crc32c."""
         if crc is None:
             _, crc = file_crc32c(local_path)
         self._put_file(local_path, rel, crc)
         self.verify(rel, os.path.getsize(local_path), crc)
 
     def upload_bytes(self, data: bytes, rel: str, previous: bytes | None = None) -> None:
-        """Store ``data`` at ``rel`` and read it back to check it (manifests: small). If the
-        check cannot be made, the object is removed again: an unverified manifest must not
-        commit a step; where it replaced ``previous`` (a committed manifest), that is put
-        back instead, so the step it committed does not vanish."""
+        """Store ``data`` at ``rel`` and read it back to check it (manifests). If the check fails
+        the object is removed (an unverified manifest must not commit a step), or ``previous``
+        (the committed manifest it replaced) put back, so that step does not vanish."""
         self._put_bytes(data, rel)
         try:
             self.verify(rel, len(data), _crc.crc32c(data))
@@ -288,6 +251,8 @@ class RemoteTier(Tier):
             raise
 
     def verify(self, rel: str, size: int, crc: int) -> None:
+        """The tier must store ``size`` bytes with ``crc`` at ``rel``: else the object is removed
+        and RemoteError raised."""
         got_size, got_crc = self.checksum(rel)
         if (got_size, got_crc) != (size, crc):
             try:
@@ -310,10 +275,9 @@ class RemoteTier(Tier):
 
 
 def list_steps(remote: RemoteTier, timeout_s: float = LIST_TIMEOUT_S) -> tuple[list[int] | None, str]:
-    """(the remote's committed steps, "") or (None, why) — logged as a warning — if the
-    listing fails or takes longer than ``timeout_s`` (a hung mount, a blackholed endpoint):
-    readers go on with the local tier. The listing runs in a daemon thread, abandoned on
-    timeout."""
+    """(the remote's committed steps, "") or (None, why), logged, if the listing fails or
+    takes over ``timeout_s`` (a hung mount): readers go on with the local tier. The listing
+    runs in a daemon thread, abandoned on timeout."""
     out: dict[str, Any] = {}
 
     def run() -> None:

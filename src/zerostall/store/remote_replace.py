@@ -12,17 +12,15 @@ out of the way, committed at every moment, and then the new copy goes to the usu
        puts the new manifest: the commit point                                    (replicator)
     5. delete every object of step-N the new manifest does not name               ("sweep")
 
-Every state between two of those requests is a committed step: until 2 the old manifest names
-the old objects (the copies are unreferenced); from 2 to 4 the rewritten manifest names the
-copies (the old checkpoint, whole; whatever sits at the usual names is referenced by no
-manifest, so overwriting it tears nothing); from 4 the new manifest names the new objects.
-A crash anywhere is finished by the next pass, which again finds the remote step to be
-another checkpoint than the local one: files already set aside are not copied again, the
-upload checks what is there, and 5 runs once per step per run (:func:`sweep`). Ranks other
-than 0 upload a file only when the remote manifest no longer names it (:func:`live_names`).
+Every state between two requests is a committed step: until 2 the old manifest names the old
+objects; from 2 to 4 the rewritten one names the copies (the usual names are referenced by no
+manifest, so overwriting them tears nothing); from 4 the new manifest names the new objects.
+A crash is finished by the next pass, which again finds another checkpoint on the remote:
+files set aside are not copied again, the upload checks what is there. Ranks other than 0
+upload a file only when the remote manifest no longer names it (:func:`live_names`).
 
-Called from the replicator thread (rank 0 for :func:`set_aside`/:func:`sweep`), or from the
-owner's writer through :meth:`RemoteTier.begin`/``commit``.
+Called from the replicator thread (rank 0 for :func:`set_aside`/:func:`sweep`), or through
+:meth:`RemoteTier.begin`/``commit``.
 """
 
 from __future__ import annotations
@@ -88,10 +86,8 @@ def live_names(remote: "RemoteTier", step: int, checkpoint_id: str) -> set[str]:
 
 def refs_current(remote: "RemoteTier", manifest: Manifest) -> bool:
     """Whether every file ``manifest`` borrows from an earlier step is, on the remote, the one
-    it recorded: that step's remote manifest names it with the same file id and size. A remote
-    step of another checkpoint (an earlier run's, kept because its own dependents borrow from
-    it, or set aside) holds other bytes under that name: committing ``manifest`` over it would
-    commit a torn step. Rank 0 checks before it uploads a step that borrows."""
+    it recorded (same file id and size in that step's remote manifest); else committing
+    ``manifest`` would commit a torn step. Rank 0 checks before it uploads a step that borrows."""
     theirs: dict[int, Manifest | None] = {}
     for r in manifest.ref_files:
         if r.step not in theirs:
@@ -146,10 +142,9 @@ def set_aside(remote: "RemoteTier", step: int, mine: Callable[[FileEntry], bool]
 
 
 def others_are_current(remote: "RemoteTier", step: int, manifest: Manifest, rank: int, world_size: int) -> bool:
-    """Whether every other rank's data object of ``step`` is the one ``manifest`` names: its
-    header (checkpoint id, step, rank, size) is read back. Size alone cannot tell a stale
-    object of the replaced checkpoint from the new one; committing over a stale one would
-    tear the step. Rank 0 checks before it puts the manifest."""
+    """Whether every other rank's data object of ``step`` is the one ``manifest`` names, by its
+    header read back (size alone cannot tell a stale object from the new one). Rank 0 checks
+    before it puts the manifest."""
     buf = Arena(HEADER_BYTES, mlock=False)
     try:
         for fe in manifest.files:

@@ -1,47 +1,33 @@
 """Retention policies: which committed steps each tier keeps.
 
-Pure functions of step lists, and the one loop that applies them (:func:`prune`): the
-:class:`LocalRetention` commit subscriber (persist thread; local tier, no remote) or the
-replicator runs it through the tier and logs what it removes. Invariants, whatever the policy
-says:
+Pure functions of step lists, and the one loop that applies them (:func:`prune`), run by the
+:class:`LocalRetention` commit subscriber (persist thread; local tier, no remote), by
+:func:`retain_at_start` (a new owner, before any save) or by the replicator. Invariants,
+whatever the policy says:
 
-- it acts only on *committed* steps, i.e. steps whose manifest validates (``Tier.steps()``):
-  a damaged or foreign ``step-N`` directory is never counted toward ``keep_last`` and never
-  deleted by retention;
-- the newest committed step of a tier is never deleted, nor the step just committed
-  (``protect``), nor, with a remote tier, a local step not yet replicated;
-- a step referenced by a step that stays (incremental saves, :mod:`..format.refs`) stays
-  too, counted from the manifests on the tier (:func:`spare_referenced`), never from
-  memory; deletions run newest first.
+- only *committed* steps (manifest validates, ``Tier.steps()``) are counted or deleted;
+- never the newest committed step, nor the step just committed (``protect``), nor, with a
+  remote tier, a local step not yet replicated;
+- a step referenced by a step that stays (incremental saves) stays too, read from the
+  manifests on the tier (:func:`spare_referenced`); deletions run newest first.
 
-Steps are ranked by number. That is only meaningful for one run's history, so a root never
-mixes runs silently: ``Checkpointer.save`` refuses a step lower than the root's newest
-committed step (:class:`~zerostall.errors.StepOrderError`) unless ``allow_lower_steps=True``.
-The writer also protects its own newest ``keep_last`` commits from retention, so with
-``allow_lower_steps`` an older run's higher steps never push the new run's saves out: those
-are pruned only by the new run's own newer saves (the older run's steps stay until deleted
-by hand, and ``load()`` still picks the highest step). "Its own" survives restarts: a new
-owner starts from the ``keep_last`` steps committed last (:func:`newest_commits`, by the
-manifest's ``created_unix``), which only ever keeps more, never deletes more.
-
-When retention runs (local tier, no remote): after each commit (:class:`LocalRetention`, a
-subscriber of the persist thread's ``Committed`` records), and once
-when a writer takes the root (``Checkpointer`` construction, after ``LocalTier.own()``,
-before any save). A kill between a commit and its retention leaves one step too many; the
-next owner removes it before it commits anything, so a root written with ``keep_last=K``
-never holds more than ``K + 1`` committed steps, however many runs are killed, and an owner
-with ``keep_last=K`` holds at most ``K`` between saves (``tests/fault/test_crash_anywhere.py``).
+Steps are ranked by number, so ``Checkpointer.save`` refuses a step lower than the root's
+newest (:class:`~zerostall.errors.StepOrderError`) unless ``allow_lower_steps=True``; then the
+writer protects its own newest ``keep_last`` commits (:func:`newest_commits`, by the
+manifests' ``created_unix``), so an older run's higher steps never push them out. A kill
+between a commit and its retention leaves one step too many, which the next owner removes
+first: a root written with ``keep_last=K`` never holds more than ``K + 1`` committed steps.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from ..errors import CheckpointNotFound, ConfigError, ZerostallError
+from ..errors import CheckpointExistsError, CheckpointNotFound, ConfigError, ZerostallError
 from ..format.refs import closure, referenced_steps
-from ..errors import CheckpointExistsError
 
 log = logging.getLogger("zerostall")
 
@@ -58,9 +44,8 @@ def doomed(steps: Iterable[int], keep_last: int | None, protect: Iterable[int] =
 
 def newest_commits(steps: Iterable[int], read_manifest: Callable[[int], Any], n: int) -> list[int]:
     """The ``n`` of ``steps`` committed last, by their manifests' ``created_unix`` (then step),
-    oldest first: what a new owner of a root protects as "its own newest commits". A manifest
-    that cannot be read ranks first (oldest). Only ever used to keep steps, so a wrong clock can
-    make retention keep more, never delete more."""
+    oldest first (an unreadable manifest ranks oldest). Only used to keep steps, so a wrong
+    clock can make retention keep more, never delete more."""
     def when(s: int) -> tuple[float, int]:
         try:
             return float(read_manifest(s).created_unix), s
@@ -119,14 +104,12 @@ class ManifestRefs:
 def spare_referenced(steps: list[int], doomed: list[int], read_manifest: Callable[[int], Any],
                      protect: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
     """``doomed`` minus ``protect`` and every step that a step staying references, transitively,
-    newest first: **delete in this order**. References point backwards, so a crash between two
-    deletions then never leaves a step whose referenced step is gone.
+    newest first: **delete in this order** (references point backwards, so a crash between two
+    deletions never leaves a step whose referenced step is gone).
 
-    ``read_manifest(step)`` reads a manifest from the tier being cleaned (the local tier or a
-    remote one). A step that is gone (CheckpointNotFound) references nothing. A staying step
-    whose manifest cannot be read now (a remote answering 503, an I/O error, a manifest damaged
-    since the listing validated it) may reference any doomed step, so nothing is deleted this
-    time (logged): retention may keep too much, never delete a step that a kept one needs.
+    ``read_manifest(step)`` reads from the tier being cleaned; a step gone references nothing.
+    A staying step whose manifest cannot be read now may reference any doomed step, so nothing
+    is deleted this time (logged): retention may keep too much, never too little.
     """
     doomed = sorted((s for s in doomed if s not in protect), reverse=True)
     if not doomed:
@@ -168,10 +151,8 @@ def prune(tier: Any, steps: list[int], doomed_steps: list[int], *, protect: set[
           cancelled: Callable[[], bool] = lambda: False, defer: bool = False) -> list[int]:
     """Delete ``doomed_steps`` of ``tier`` (whose committed steps are ``steps``) that no staying
     step references, newest first (:func:`spare_referenced`), until ``cancelled()``; logs and
-    returns what went. The one apply loop of every tier's retention (the thread that owns the
-    tier's writes: persist thread, replicator, or the caller's at start-up). ``defer`` (the
-    local tier, from its persist thread): the steps leave the listing now, their files are
-    removed by the persist thread later (``LocalTier.deferred``)."""
+    returns what went. Run by the thread that owns the tier's writes. ``defer`` (the local
+    tier's persist thread): the files are removed later (``LocalTier.deferred``)."""
     gone = []
     read = getattr(tier, "manifest_refs", tier.read_manifest)  # the local tier's: no re-parse of its own
     for s in spare_referenced(steps, doomed_steps, read, protect):
@@ -202,20 +183,16 @@ def check_not_referenced(tier: Any, step: int, pinned: set[int], *, queued: bool
 
 class LocalRetention:
     """``keep_last`` on the local tier after each commit: a commit subscriber (persist thread;
-    local tier without a remote, on the rank(s) that own the root's retention). A doomed step
-    leaves the listing here; its files are removed by the persist thread while the next save's
-    writes are in flight, or at once when nothing is queued (``LocalTier.deferred``).
-
-    ``recent``: this writer's newest committed steps, oldest first, seeded with the root's last
-    commits (:func:`retain_at_start`): retention never deletes them (see the module docstring)."""
+    no remote tier). Doomed steps leave the listing here, their files later
+    (``LocalTier.deferred``). ``recent``: this writer's newest commits, oldest first, seeded
+    by :func:`retain_at_start`; never deleted."""
 
     name = "retention"
 
     def __init__(self, tier: Any, keep_last: int, *, protect: Callable[[], set[int]] = set,
                  recent: Iterable[int] = ()):
-        import collections
         self.tier, self.keep_last, self.protect = tier, keep_last, protect
-        self._recent: collections.deque[int] = collections.deque(recent, maxlen=keep_last or 1)
+        self._recent: deque[int] = deque(recent, maxlen=keep_last or 1)
 
     def on_committed(self, record: Any) -> None:
         self._recent.append(record.step)
@@ -225,18 +202,11 @@ class LocalRetention:
 
 
 def retain_at_start(tier: Any, keep_last: int, protect: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
-    """Start-up retention by a root's new owner (``Checkpointer`` construction, caller's thread,
-    right after ``own()`` and before any save; local tier, no remote).
-
-    A kill between a commit and its retention leaves a step beyond ``keep_last``; without
-    this, each such kill in a row would add one more. Same invariants as after a commit:
-    validated steps only, never the newest, never ``protect`` nor the steps committed last
-    (:func:`newest_commits`), references spared, newest first. A failure is logged, never
-    raised (nothing is lost by keeping a step).
-
-    Returns the ``keep_last`` steps committed last, oldest first: :class:`LocalRetention`
-    keeps protecting them as this writer's own newest commits.
-    """
+    """Start-up retention by a root's new owner (caller's thread, right after ``own()``, before
+    any save; no remote): removes what a kill between a commit and its retention left, with
+    the module's invariants, ``protect`` and the steps committed last kept. A failure is
+    logged, never raised. Returns the ``keep_last`` steps committed last, oldest first (what
+    :class:`LocalRetention` goes on protecting)."""
     recent = newest_commits(tier.steps(), tier.read_manifest, keep_last)
     try:
         steps = tier.steps()

@@ -4,24 +4,16 @@ Endpoint and credentials come from the standard AWS chain (``AWS_ENDPOINT_URL`` 
 ``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``~/.aws``) and
 are never logged. The bucket is created on first use if it does not exist.
 
-Retries: one policy, botocore's ``standard`` mode with ``attempts`` attempts per request
-(default 3), exponential backoff with jitter, only on what can succeed next time —
-connection errors, 5xx, throttling (503 SlowDown, 429) and 408/RequestTimeout; never on any
-other 4xx (403, 404, 400). Short connect timeout and a bounded read timeout, so a dead or
-blackholed endpoint fails a request in seconds, not minutes. Nothing above this module
-retries a request; the replicator retries a *step* at its next pass.
+Retries: botocore's ``standard`` mode, ``attempts`` per request (default 3), backoff with
+jitter, only on connection errors, 5xx, throttling and 408 (never another 4xx); short
+timeouts, so a dead endpoint fails a request in seconds. Nothing above this module retries a
+request; the replicator retries a *step* at its next pass.
 
-Integrity, measured on Ceph 16 (radosgw 16.2.15): it ignores S3's flexible checksum headers
-(an object PUT with a wrong ``x-amz-checksum-crc32`` is accepted, and HEAD returns no
-checksum), so they cannot be trusted. Each uploaded object is therefore read back with a
-GET and its crc32c recomputed and compared with the local file's (a read-back costs a
-fraction of the upload: docs/speed-tricks.md); the crc is also stored as the object's
-``x-amz-meta-zerostall-crc32c`` for tools. Restore verifies every tensor's crc32c again.
-
-Why boto3 over obstore: it is the SDK every S3-compatible server is tested against
-(radosgw included), and s3transfer gives parallel multipart with a bandwidth cap out of
-the box; the upload runs in a background thread, so obstore's lower per-request overhead
-would not change what the training loop sees.
+Integrity: S3's flexible checksum headers cannot be trusted (radosgw ignores them), so each
+uploaded object is read back with a GET and its crc32c compared with the local file's; the
+crc is also stored as the object's ``x-amz-meta-zerostall-crc32c`` for tools. boto3 because
+every S3-compatible server is tested against it, and s3transfer gives parallel multipart
+with a bandwidth cap.
 """
 
 from __future__ import annotations
@@ -87,31 +79,36 @@ class S3Tier(RemoteTier):
         msg = f"{action} {self.where(rel)} failed: {exc}" + (f" ({hint})" if hint else "")
         raise RemoteError(msg, url=self.where(rel), step=step_of(rel)) from exc
 
-    def _call(self, action: str, rel: str, fn: Callable[[], Any]) -> Any:
+    def _call(self, action: str, rel: str, fn: Callable[[], Any], missing: Callable[[], Any] | None = None) -> Any:
+        """``fn()``, its botocore and OS errors translated; with ``missing``, a not-found error
+        returns ``missing()`` instead."""
         from botocore.exceptions import BotoCoreError, ClientError
         try:
             return fn()
-        except (BotoCoreError, ClientError, OSError) as exc:
+        except ClientError as exc:
+            if missing is not None and _code(exc) in _NOT_FOUND:
+                return missing()
+            self._fail(action, rel, exc)
+        except (BotoCoreError, OSError) as exc:
             self._fail(action, rel, exc)
 
     # -- reading ------------------------------------------------------------------------------
     def _objects(self, prefix: str) -> list[dict[str, Any]]:
-        from botocore.exceptions import ClientError
-        out: list[dict[str, Any]] = []
-        pager = self.client.get_paginator("list_objects_v2")
-        try:
-            for page in pager.paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
-                out.extend(page.get("Contents", []))
-        except ClientError as exc:
-            if _code(exc) == "NoSuchBucket":
-                return []  # nothing replicated yet
-            raise
-        return out
+        """Every object under ``prefix`` (none while the bucket does not exist)."""
+        def run() -> list[dict[str, Any]]:
+            pager = self.client.get_paginator("list_objects_v2")
+            return [o for page in pager.paginate(Bucket=self.bucket, Prefix=self._key(prefix))
+                    for o in page.get("Contents", [])]
+
+        return self._call("listing", prefix, run, lambda: [])
+
+    def _head(self, rel: str) -> dict[str, Any]:
+        return self._call("stat of", rel, lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(rel)))
 
     def _manifests(self) -> dict[int, tuple[Any, ...]]:
         base = self._key("")
         out: dict[int, tuple[Any, ...]] = {}
-        for o in self._call("listing", "", lambda: self._objects("")):
+        for o in self._objects(""):
             rel = o["Key"][len(base):]
             parts = rel.split("/")
             if len(parts) == 2 and parts[1] == MANIFEST_NAME and (s := step_of(rel)) is not None:
@@ -119,42 +116,27 @@ class S3Tier(RemoteTier):
         return out
 
     def check_root(self) -> None:
-        from botocore.exceptions import ClientError
-        try:
-            self.client.head_bucket(Bucket=self.bucket)
-        except ClientError as exc:
-            if _code(exc) in _NOT_FOUND:
-                raise RootNotFound(f"{self.url}: bucket {self.bucket!r} does not exist at "
-                                   f"{self.client.meta.endpoint_url} (check the URL and AWS_ENDPOINT_URL; "
-                                   "the replicator creates it at its first upload)", root=self.url) from None
-            self._fail("checking", "", exc)
-        except Exception as exc:  # noqa: BLE001 - translated at the boundary
-            self._fail("checking", "", exc)
+        def missing() -> NoReturn:
+            raise RootNotFound(f"{self.url}: bucket {self.bucket!r} does not exist at "
+                               f"{self.client.meta.endpoint_url} (check the URL and AWS_ENDPOINT_URL; "
+                               "the replicator creates it at its first upload)", root=self.url)
+
+        self._call("checking", "", lambda: self.client.head_bucket(Bucket=self.bucket), missing)
 
     def stat(self, rel: str) -> int | None:
-        from botocore.exceptions import ClientError
-        try:
-            return int(self.client.head_object(Bucket=self.bucket, Key=self._key(rel))["ContentLength"])
-        except ClientError as exc:
-            if _code(exc) in _NOT_FOUND:
-                return None
-            self._fail("stat of", rel, exc)
-        except Exception as exc:  # noqa: BLE001 - translated at the boundary
-            self._fail("stat of", rel, exc)
+        head = self._call("stat of", rel, lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(rel)),
+                          lambda: None)
+        return None if head is None else int(head["ContentLength"])
 
     def _get(self, rel: str, **kw: Any) -> Any:
-        from botocore.exceptions import ClientError
-        try:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(rel), **kw)
-        except ClientError as exc:
-            if _code(exc) in _NOT_FOUND:
-                raise CheckpointNotFound(f"{self.where(rel)} does not exist") from None
-            self._fail("reading", rel, exc)
-        except Exception as exc:  # noqa: BLE001 - translated at the boundary
-            self._fail("reading", rel, exc)
+        def missing() -> NoReturn:
+            raise CheckpointNotFound(f"{self.where(rel)} does not exist")
+
+        return self._call("reading", rel, lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(rel), **kw),
+                          missing)
 
     def _open_read(self, rel: str, size: int, engine: Any) -> Any:
-        head = self._call("stat of", rel, lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(rel)))
+        head = self._head(rel)
         return ShardIO(_RangeReader(self, rel, int(head["ContentLength"]), head.get("ETag")))
 
     def read_bytes(self, rel: str, limit: int) -> bytes:
@@ -192,12 +174,11 @@ class S3Tier(RemoteTier):
                     n = min(buf.nbytes, size - off)
                     got = 0
                     while got < n:
-                        chunk = body.read(n - got)
-                        if not chunk:
+                        k = body.readinto(buf.mv[got:n])
+                        if not k:
                             raise RemoteError(f"{self.where(rel)}: object ended at {off + got} of {size} bytes",
                                               url=self.where(rel), step=step_of(rel))
-                        buf.mv[got:got + len(chunk)] = chunk
-                        got += len(chunk)
+                        got += k
                     w.write([(off, buf.mv[:n])])
                     off += n
                 w.finish()
@@ -211,14 +192,8 @@ class S3Tier(RemoteTier):
     # -- writing (replicator thread) ------------------------------------------------------------
     def ensure_root(self) -> None:
         from botocore.exceptions import ClientError
-        try:
-            self.client.head_bucket(Bucket=self.bucket)
-            return
-        except ClientError as exc:
-            if _code(exc) not in _NOT_FOUND:
-                self._fail("checking bucket", "", exc)
-        except Exception as exc:  # noqa: BLE001 - translated at the boundary
-            self._fail("checking bucket", "", exc)
+        if self._call("checking bucket", "", lambda: self.client.head_bucket(Bucket=self.bucket), lambda: None):
+            return  # it exists
         try:
             self.client.create_bucket(Bucket=self.bucket)
         except ClientError as exc:
@@ -259,15 +234,14 @@ class S3Tier(RemoteTier):
         self._call("deleting", rel, lambda: self.client.delete_object(Bucket=self.bucket, Key=self._key(rel)))
 
     def _delete_prefix(self, rel: str) -> None:
-        keys = [{"Key": o["Key"]} for o in self._call("listing", rel, lambda: self._objects(rel))]
+        keys = [{"Key": o["Key"]} for o in self._objects(rel)]
         for i in range(0, len(keys), 1000):
             self._call("deleting", rel, lambda: self.client.delete_objects(
                 Bucket=self.bucket, Delete={"Objects": keys[i:i + 1000], "Quiet": True}))
 
     def names_in(self, step: int) -> list[str]:
         base = self._key(f"step-{step}/")
-        return sorted(o["Key"][len(base):] for o in self._call("listing", f"step-{step}/",
-                                                                lambda: self._objects(f"step-{step}/")))
+        return sorted(o["Key"][len(base):] for o in self._objects(f"step-{step}/"))
 
     def _copy_within(self, src: str, dst: str) -> bool:
         """Server-side copy (multipart for large objects, through s3transfer); checked by the caller."""
@@ -277,8 +251,7 @@ class S3Tier(RemoteTier):
 
     def stored_crc(self, rel: str) -> int:
         """The crc32c recorded at upload (``x-amz-meta-zerostall-crc32c``), else read back."""
-        head = self._call("stat of", rel, lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(rel)))
-        rec = (head.get("Metadata") or {}).get(META_CRC, "")
+        rec = (self._head(rel).get("Metadata") or {}).get(META_CRC, "")
         try:
             return int(rec, 16)
         except ValueError:

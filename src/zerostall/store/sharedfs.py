@@ -1,10 +1,8 @@
 """The shared-filesystem tier: ``file:///path`` or a plain path (Lustre, GPFS, NFS, ...).
 
-The remote layout (``step-N/<shards>``, ``step-N/manifest.json``) in a directory that every
-node mounts. Files are written with the probed engine (direct I/O where the filesystem
-allows it) as ``name.part``, fdatasync'ed and renamed; the manifest last (the commit). OS
-errors leave as :class:`~zerostall.errors.RemoteError` naming the path and step. A hung
-mount is bounded for readers by :func:`.remote.list_steps`' timeout.
+The remote layout in a directory that every node mounts. Files are written with the probed
+engine (direct I/O where the filesystem allows it) as ``name.part``, fdatasync'ed and
+renamed; the manifest last (the commit). OS errors leave as RemoteError naming path and step.
 """
 
 from __future__ import annotations
@@ -26,17 +24,13 @@ from .files import drop_cache, file_crc32c
 from .remote import RemoteTier, ShardIO, step_of
 from ..io import choose_engine
 from ..memory.arena import Arena
-from .local import fsync_dir, write_file_durable
+from .atomic import fsync_dir, write_file_durable
 
 log = logging.getLogger("zerostall")
 
 
-
 class FileTier(RemoteTier):
-    """A directory on a shared/parallel filesystem, written with the probed engine.
-
-    Atomicity per file: written as ``name.part``, fdatasync'ed, renamed; the manifest last.
-    """
+    """A directory on a shared/parallel filesystem (see the module docstring)."""
 
     def __init__(self, url: str, io: IOConfig | None = None, **_: Any):
         self.url = url
@@ -54,10 +48,9 @@ class FileTier(RemoteTier):
         return os.path.join(self.root, rel)
 
     def _unlink_step_link(self, rel: str) -> None:
-        """A step directory that is a symlink is no checkpoint (reading refuses it). Before
-        anything is written or removed under it, the link itself goes, never its target:
-        uploads went through it and the sweep then deleted every file there that the new
-        manifest did not name, outside the tier. Called by every mutating request."""
+        """Remove a step directory that is a symlink (no checkpoint: reading refuses it), never
+        its target, before anything is written or removed under it (else a sweep would delete
+        files outside the tier). Called by every mutating request."""
         top = self._path(rel.split("/", 1)[0])
         if "/" in rel and os.path.islink(top):
             log.warning("zerostall: %s is a symlink, not a checkpoint directory: removing the link (not what it "
@@ -139,17 +132,21 @@ class FileTier(RemoteTier):
     def checksum(self, rel: str) -> tuple[int, int]:
         """Shards (4 KiB multiples) are re-read with direct I/O, from the device or server, not
         from the page cache; small unaligned files (manifests) through the cache, then dropped."""
-        crc = [0]
-        path = self._path(rel)
+        path, crc = self._path(rel), 0
+
+        def add(off: int, mv: memoryview) -> None:
+            nonlocal crc
+            crc = _crc.crc32c(mv, crc)
+
         try:
             if os.path.getsize(path) % ALIGN_BYTES:
-                size, crc[0] = file_crc32c(path)
+                size, crc = file_crc32c(path)
                 drop_cache(path)
-                return size, crc[0]
-            size = self._stream(path, lambda off, mv: crc.__setitem__(0, _crc.crc32c(mv, crc[0])))
+            else:
+                size = self._stream(path, add)
         except OSError as exc:
             raise self._err("reading back", rel, exc) from exc
-        return size, crc[0]
+        return size, crc
 
     def download(self, rel: str, local_path: str, size: int) -> None:
         try:

@@ -1,40 +1,16 @@
 """The Tier protocol: one interface for every place checkpoints live, and the tier registry.
 
-A tier holds checkpoints as ``step-N`` units, each committed by its manifest. The local
+A tier holds checkpoints as ``step-N`` units, each committed by its manifest: the local
 directory (:class:`~zerostall.store.local.LocalTier`), a shared filesystem and S3 implement
-the same methods; restore, verify, ls, retention and replication are functions over tiers.
-
-Who calls what, from which thread (``[owner]``: only the process holding the root)::
-
-    reading (any thread, any process; no lock; a reader never sees a torn step)
-      steps()                       committed steps whose manifest validates, ascending
-      listed_steps()                steps holding a manifest, valid or not (ls, verify)
-      partial_steps()               steps with an uncommitted staging area (ls)
-      read_manifest(step)           the validated Manifest (CheckpointNotFound / CorruptCheckpoint)
-      manifest_ident(step)          changes when the step is replaced (restore's retry)
-      stat(rel)                     size of ``step-N/<name>``, or None (restore, replication)
-      names_in(step)                everything under ``step-N/``, committed or not (tools, tests)
-      open_shard_read(step, name, engine)   a ShardFile-like reader: read(extents), close()
-
-    owning (caller's thread, once at start-up and once at close)
-      own(timeout_s)       [owner]  take the root (RootLockedError names the holder), then
-                                    finish or remove what a crash left; returns what it did
-      release()            [owner]  drop the root (idempotent)
-
-    writing (the persist/replicator thread of the owner; one step at a time per thread)
-      begin(step)          [owner]  open a staging area for ``step`` (never visible to readers)
-      open_shard_write(step, name, nbytes, engine)   a ShardFile-like writer in the staging area:
-                                    write(extents), finish() (durable), close()
-      commit(step, manifest, overwrite=False)   the tier's atomic strategy; returns the
-                                    post-commit problems (strings) that did not undo the commit
-      abort(step)          [owner]  discard the staging area
-      delete(step)         [owner]  remove a committed step (uncommit first, then the data)
-      put_bytes(data, rel) [owner]  store a small object as is (durable; no commit of its own)
+the same methods, and restore, verify, ls, retention and replication are functions over
+tiers. :class:`Tier` says who calls each method, from which thread (``[owner]``: only the
+process holding the root).
 
 Atomic strategies: POSIX directories write ``step-N.partial/`` and rename it (an existing
 step is exchanged with ``renameat2(RENAME_EXCHANGE)``, see :mod:`.local`); object stores
-upload the data and put the manifest last. Listing trusts only a manifest that validates, so
-a damaged or foreign directory is never counted (by retention or anyone else).
+upload the data and put the manifest last (:mod:`.remote`). Listing trusts only a manifest
+that validates, so a damaged or foreign directory is never counted (by retention or anyone
+else).
 
 Tiers register under a URL scheme with a lazy import path and an install hint
 (:func:`register_tier`, :func:`open_tier`), the way fsspec does. :func:`open_root` is the one
@@ -44,7 +20,7 @@ way the library and the CLI turn a checkpoint root (a path, or a URL) into a tie
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from .._util import load_target
@@ -56,11 +32,11 @@ if TYPE_CHECKING:
 
 
 class Tier(ABC):
-    """The protocol every tier implements (see the module docstring for the call order)."""
+    """The protocol every tier implements, grouped by who calls it."""
 
     url: str
 
-    # -- reading: any thread, no lock ----------------------------------------------------
+    # -- reading: any thread, any process; no lock; a reader never sees a torn step -----------
     @abstractmethod
     def steps(self) -> list[int]:
         """Committed steps whose manifest validates, ascending. Cheap enough to call per save."""
@@ -71,29 +47,27 @@ class Tier(ABC):
 
     @abstractmethod
     def open_shard_read(self, step: int, name: str, engine: "Engine | None" = None) -> "ShardFile":
-        """Open ``name`` of committed ``step`` for aligned reads."""
+        """A ShardFile-like reader of ``name`` of committed ``step``: ``read(extents)``, ``close()``."""
 
     def check_root(self) -> None:
         """Raise :class:`~zerostall.errors.RootNotFound` naming the root if it does not exist
-        (readers: ``ls``/``verify`` tell a typo from an empty root). Any thread."""
+        (``ls``/``verify`` tell a typo from an empty root)."""
 
     def manifest_ident(self, step: int) -> Any:
-        """An identity of ``step``'s manifest that changes when the step is replaced (None: it
-        has none). Readers compare it to tell a step replaced under them from a damaged one
-        (:mod:`zerostall.restore.retry`). Any thread."""
+        """Changes when ``step`` is replaced (None: absent), so a reader tells a step replaced
+        under it from a damaged one (:mod:`zerostall.restore.retry`)."""
         return step if step in self.listed_steps() else None
 
     def listed_steps(self) -> list[int]:
-        """Steps holding a manifest, valid or not (tools that report damaged steps)."""
+        """Steps holding a manifest, valid or not (``ls``, ``verify`` report the damaged ones)."""
         return self.steps()
 
     def latest(self) -> int | None:
-        """The newest committed step, or None."""
         steps = self.steps()
         return steps[-1] if steps else None
 
     def partial_steps(self) -> list[int]:
-        """Steps with an uncommitted staging area (not checkpoints; ``ls`` shows them)."""
+        """Steps with an uncommitted staging area (``ls``)."""
         return []
 
     @abstractmethod
@@ -102,85 +76,72 @@ class Tier(ABC):
 
     @abstractmethod
     def names_in(self, step: int) -> list[str]:
-        """Names under ``step-N/``, committed or not, sorted."""
+        """Names under ``step-N/``, committed or not, sorted (tools, tests)."""
 
-    # -- owning: caller's thread ---------------------------------------------------------
+    # -- owning: the caller's thread, once at start-up and once at close ----------------------
     @abstractmethod
-    def own(self, timeout_s: float = 0.0) -> list[str]:
-        """Become the root's only writer, then recover it; returns the actions taken."""
+    def own(self, timeout_s: float | None = None) -> list[str]:
+        """[owner] Take the root (RootLockedError names the holder), then finish or remove what
+        a crash left; returns the actions taken."""
 
     @abstractmethod
     def release(self) -> None:
-        """Stop owning the root (idempotent)."""
+        """[owner] Stop owning the root (idempotent)."""
 
-    # -- writing: the owner's background thread ----------------------------------------
+    # -- writing: the owner's persist/replicator thread, one step at a time per thread --------
     @abstractmethod
     def begin(self, step: int) -> str:
-        """Open the staging area of ``step`` (replacing a stale one); returns its location."""
+        """[owner] Open the staging area of ``step``, never visible to readers (replacing a
+        stale one); returns its location."""
 
     @abstractmethod
     def open_shard_write(self, step: int, name: str, nbytes: int, engine: "Engine | None" = None) -> "ShardFile":
-        """Create shard ``name`` of ``nbytes`` in ``step``'s staging area."""
+        """A ShardFile-like writer of shard ``name`` (``nbytes``) in ``step``'s staging area:
+        ``write(extents)``, ``finish()`` (durable), ``close()``."""
 
     @abstractmethod
     def commit(self, step: int, manifest: "Manifest", overwrite: bool = False) -> tuple[str, ...]:
-        """Make ``step`` committed atomically; shards must already be durable.
-
-        Raises if nothing was committed. Returns the problems met after the commit point
-        (e.g. a ``latest`` hint that could not be written): logged, never a failed save.
-        """
+        """Make ``step`` committed atomically; shards must already be durable. Raises if nothing
+        was committed; returns the problems met after the commit point (logged, never a failed
+        save)."""
 
     @abstractmethod
     def abort(self, step: int) -> None:
-        """Discard ``step``'s staging area (never a committed step)."""
+        """[owner] Discard ``step``'s staging area (never a committed step)."""
 
     @abstractmethod
     def delete(self, step: int) -> None:
-        """Remove committed ``step``: uncommit it first, so no reader sees it torn."""
+        """[owner] Remove committed ``step``: uncommit it first, so no reader sees it torn."""
 
     @abstractmethod
     def put_bytes(self, data: bytes, rel: str) -> None:
-        """Store ``data`` as ``rel`` as is, durably (tools and tests; a manifest put this way
-        commits nothing that :meth:`commit` would not)."""
+        """[owner] Store ``data`` as ``rel`` as is, durably (commits nothing :meth:`commit`
+        would not)."""
 
 
-class RootTier(Protocol):
+class RootTier(Tier):
     """A :class:`Tier` that is a directory on this node's filesystem (:class:`~.local.LocalTier`,
     from :func:`open_root` for a plain path). The distributed commit, restore's download and
     peer replicas need this beyond the protocol: they write a step's files into its staging
     directory themselves, then commit it. Threads as in the module docstring."""
 
     root: str
-    url: str
 
+    @abstractmethod
     def step_dir(self, step: int) -> str:
         """The directory of committed ``step``."""
-        ...
 
+    @abstractmethod
     def partial_dir(self, step: int) -> str:
         """The staging directory of ``step`` (what :meth:`Tier.begin` opens)."""
-        ...
 
+    @abstractmethod
     def write_latest(self, step: int) -> tuple[str, ...]:
         """[owner] Point the ``latest`` hint at ``step``; returns the problems (never raises)."""
-        ...
 
+    @abstractmethod
     def _step(self, name: str) -> None:
         """The crash-test seam: called at each commit boundary (see :mod:`.local`)."""
-        ...
-
-    # the Tier methods its users call (every RootTier is a Tier)
-    def steps(self) -> list[int]: ...
-    def listed_steps(self) -> list[int]: ...
-    def partial_steps(self) -> list[int]: ...
-    def read_manifest(self, step: int) -> "Manifest": ...
-    def manifest_ident(self, step: int) -> Any: ...
-    def own(self, timeout_s: float | None = None) -> list[str]: ...
-    def release(self) -> None: ...
-    def begin(self, step: int) -> str: ...
-    def commit(self, step: int, manifest: "Manifest", overwrite: bool = False) -> tuple[str, ...]: ...
-    def abort(self, step: int) -> None: ...
-    def delete(self, step: int) -> None: ...
 
 
 # -- registry ----------------------------------------------------------------------------
@@ -198,10 +159,6 @@ def register_tier(scheme: str, target: str, hint: str = "") -> None:
     _SCHEMES[scheme] = (target, hint)
 
 
-def tier_schemes() -> list[str]:
-    return sorted(s for s in _SCHEMES if s)
-
-
 def is_url(path: Any) -> bool:
     """Whether ``path`` names a tier by URL (``scheme://...``) rather than a local directory."""
     return "://" in str(path)
@@ -212,7 +169,8 @@ def open_tier(url: str, **kwargs: Any) -> Any:
     shared-filesystem tier); ``kwargs`` go to its constructor (``io=``, ...)."""
     scheme = urlparse(url).scheme if "://" in url else ""
     if scheme not in _SCHEMES:
-        raise ConfigError(f"no tier for {scheme}:// URLs (known: {', '.join(s + '://' for s in tier_schemes())} "
+        known = ", ".join(s + "://" for s in sorted(_SCHEMES) if s)
+        raise ConfigError(f"no tier for {scheme}:// URLs (known: {known} "
                           "or a plain path); register one with zerostall.store.tier.register_tier")
     target, hint = _SCHEMES[scheme]
     try:

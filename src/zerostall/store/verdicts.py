@@ -4,14 +4,20 @@ A manifest is parsed once per identity (device, inode, size, mtime, ctime): list
 of a root per save costs a listdir and a stat per step, and retention after a commit reads the
 references of the manifest the tier just wrote without parsing it again (a large manifest
 takes the persist thread seconds to re-parse). A file that changes in any way gets a new identity
-and is parsed and validated again. Used by :class:`.local.LocalTier` from any thread (one lock).
+and is parsed and validated again. Used by every tier from any thread (one lock); a remote
+tier's identity is its manifest object's (etag, size, mtime).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
+
+from ..errors import ZerostallError
+
+log = logging.getLogger("zerostall")
 
 
 def stat_ident(path: str) -> tuple[int, ...] | None:
@@ -28,9 +34,9 @@ class ManifestVerdicts:
 
     def __init__(self) -> None:
         self._mu = threading.Lock()
-        self._known: dict[int, tuple[tuple[int, ...], bool, tuple[Any, ...] | None]] = {}
+        self._known: dict[int, tuple[Any, bool, tuple[Any, ...] | None]] = {}
 
-    def get(self, step: int, ident: tuple[int, ...] | None) -> tuple[bool, tuple[Any, ...] | None] | None:
+    def get(self, step: int, ident: Any) -> tuple[bool, tuple[Any, ...] | None] | None:
         """(valid, ref_files or None) recorded for ``step`` under ``ident``; None if unknown."""
         if ident is None:
             return None
@@ -38,7 +44,28 @@ class ManifestVerdicts:
             hit = self._known.get(step)
         return (hit[1], hit[2]) if hit is not None and hit[0] == ident else None
 
-    def put(self, step: int, ident: tuple[int, ...] | None, ok: bool, refs: tuple[Any, ...] | None = None) -> None:
+    def put(self, step: int, ident: Any, ok: bool, refs: tuple[Any, ...] | None = None) -> None:
         if ident is not None:
             with self._mu:
                 self._known[step] = (ident, ok, refs)
+
+    def valid(self, step: int, ident: Any, read: Callable[[int], Any], where: str,
+              errors: tuple[type[BaseException], ...] = (ZerostallError,)) -> bool:
+        """Whether ``step``'s manifest (identity ``ident``; None: absent) validates: the cached
+        verdict, else ``read(step)`` (``errors`` mean invalid, logged naming ``where``)."""
+        if ident is None:
+            return False
+        hit = self.get(step, ident)
+        if hit is not None:
+            return hit[0]
+        refs = None
+        try:
+            refs = tuple(read(step).ref_files)
+        except errors as exc:
+            log.warning("zerostall: %s is not a loadable checkpoint (%s); load and retention ignore it", where, exc)
+        self.put(step, ident, refs is not None, refs)
+        return refs is not None
+
+    def forget(self, step: int) -> None:
+        with self._mu:
+            self._known.pop(step, None)
