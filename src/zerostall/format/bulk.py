@@ -1,11 +1,8 @@
-"""Containers of plain tensors taken in bulk: one C-level ``map`` per tensor attribute over all
-of a dict's values instead of a Python frame with a dozen attribute reads per tensor.
-
-Called by :func:`.tree.encode_tree` (caller's thread, inside ``save()``) for each dict with
-str keys whose values are all ``torch.Tensor``/``nn.Parameter``. Decides nothing on its own:
-anything unusual (a nested, quantized, sparse, conj/neg-view, empty or aliased tensor, a
-device other than cpu/cuda) returns None and the per-tensor path encodes the container and
-raises its precise errors. Never mutates its input.
+"""Dicts of plain tensors taken in bulk: one C-level ``map`` per tensor attribute instead of a
+Python frame per tensor. Called by :func:`.tree.encode_tree` (caller's thread, inside
+``save()``). Decides nothing on its own: anything unusual (nested, quantized, sparse, conj/neg
+view, empty, aliased, not on cpu/cuda) returns None and the per-tensor path encodes the dict
+and raises its precise errors. Never mutates its input.
 """
 
 from __future__ import annotations
@@ -29,22 +26,16 @@ _QUANTIZED = frozenset(getattr(torch, n) for n in ("qint8", "quint8", "qint32", 
                        if hasattr(torch, n))
 
 Columns = tuple[Sequence[Any], ...]
-"""(tensors, data addresses, sizes, strides, dtypes, devices), index-aligned, in
-:func:`.tree.encode_tree`'s walk order: what the plan cache's signature took of every tensor
-(where it took them, each tensor is strided, has sizes and an address and is no
-conjugate or negative view: it refuses the state otherwise)."""
+"""(tensors, data addresses, sizes, strides, dtypes, devices) in walk order, as the plan cache's
+signature took them (it refuses a state with a non-strided tensor or a conj/neg view)."""
 
 
 def bulk_tensors(x: dict[Any, Any], seen: dict[tuple[Any, ...], int], cols: Columns | None = None
                  ) -> tuple[list[str], list[torch.Tensor], list[tuple[Any, ...]]] | None:
-    """(keys, detached tensors, identities) of ``x``, a dict whose values are all plain tensors,
-    in its order; None where the per-tensor path must decide (see the module docstring).
-
-    The identities are :func:`.tree.encode_tree`'s (device type and index, data address,
-    shape, strides, dtype, numpy flag); None also when two values, or a value
-    and a tensor in ``seen`` (met earlier in the walk), share one: tied weights keep the
-    per-tensor path's dedup. ``cols``: :data:`Columns` of these values (``x``'s slice of
-    the walk), used only where its tensors are ``x``'s values themselves, object for object."""
+    """(keys, detached tensors, identities) of ``x``, a dict of plain tensors; None where the
+    per-tensor path must decide, also when two values, or a value and one in ``seen``, share an
+    identity (tied weights). ``cols``: :data:`Columns` of ``x``'s slice of the walk, used only
+    where its tensors are ``x``'s values, object for object."""
     if len(x) < BULK_MIN:
         return None
     keys = list(x)
@@ -84,8 +75,8 @@ def _unaliased(keys: list[str], tensors: list[torch.Tensor], seen: dict[tuple[An
 
 def _from_columns(keys: list[str], vals: list[torch.Tensor], cols: Columns, seen: dict[tuple[Any, ...], int]
                   ) -> tuple[list[str], list[torch.Tensor], list[tuple[Any, ...]]] | None:
-    """:func:`bulk_tensors` with the attributes read from ``cols``: the checks its maps make
-    (nested, layout, neg/conj view) hold where the plan cache took them; the others are made."""
+    """:func:`bulk_tensors` with the attributes read from ``cols`` (nested, layout and neg/conj
+    checks held where the plan cache took them)."""
     _, ptrs, sizes, strides, dtypes, devices = cols
     if _odd(set(dtypes)) or 0 in map(_T.numel, vals):
         return None
@@ -102,8 +93,7 @@ def _from_columns(keys: list[str], vals: list[torch.Tensor], cols: Columns, seen
 
 def known_node(x: dict[Any, Any], known: list[int], met: list[int]) -> Any:
     """The tree node of ``x``, a dict of plain tensors with str keys whose leaf indices are
-    ``known`` from ``met[0]`` on (advanced); None for any other dict. What the per-tensor and
-    the bulk path produce for it, with no tensor looked at (:func:`.tree.encode_tree`)."""
+    ``known`` from ``met[0]`` on (advanced), with no tensor looked at; None for any other dict."""
     vals = x.values()
     if not vals or not TENSOR_TYPES.issuperset(map(type, vals)) or any(type(k) is not str for k in x):
         return None
@@ -113,25 +103,21 @@ def known_node(x: dict[Any, Any], known: list[int], met: list[int]) -> Any:
 
 
 TEXT_MIN = 1024
-"""A dict of at least this many tensors taken in bulk also gets its node's JSON made here
-(:func:`pairs_json`), spliced into the tree's by :func:`dumps_tree` (cheaper than the C
-encoder walking three small containers per tensor)."""
+"""A dict of at least this many tensors taken in bulk also gets its JSON made here (:func:`pairs_json`)."""
 _PAIR = '[{{"v":{}}},{{"T":{}}}]'.format
 _SPLICE = Splice("bulk")
 
 
 def pairs_json(keys: list[str], start: int) -> str:
-    """The compact JSON of ``[[{"v": key}, {"T": start + i}], ...]``, exactly as ``json.dumps``
-    (``ensure_ascii``) writes it: C-level maps over the keys, no container per tensor."""
+    """The compact JSON of ``[[{"v": key}, {"T": start + i}], ...]``, exactly as ``json.dumps`` writes it."""
     return "[" + ",".join(map(_PAIR, map(json.encoder.encode_basestring_ascii, keys),
                               range(start, start + len(keys)))) + "]"
 
 
 def dumps_tree(tree: Any, texts: list[tuple[dict[str, Any], str]]) -> str:
-    """``json.dumps(tree, separators=(",", ":"), allow_nan=False)``, with each ``(node, text)``
-    of ``texts`` (dict nodes ``{"d": pairs}`` of ``tree`` and :func:`pairs_json` of their pairs)
-    written as its text: each node's pairs are swapped for a marker while the encoder runs
-    (caller's thread; the tree is a plan's own, seen by no other thread yet), then restored."""
+    """``json.dumps(tree, separators=(",", ":"), allow_nan=False)``, each ``(node, text)`` of
+    ``texts`` written as its text: the node's pairs are swapped for a marker meanwhile (caller's
+    thread; the tree is a plan's own, seen by no other thread yet)."""
     def dumps(t: Any, **kw: Any) -> str:
         return json.dumps(t, separators=(",", ":"), allow_nan=False, **kw)
     if not texts:

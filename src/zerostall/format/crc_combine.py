@@ -1,8 +1,5 @@
-"""crc32c of a buffer from the crc32c of its pieces (zlib's ``crc32_combine``, for the
-Castagnoli polynomial), so that pieces can be checksummed by several threads.
-
-``combine(crc_a, crc_b, len_b)`` is the crc32c of ``a + b``. Pure Python on 32x32 GF(2)
-matrices: a combine costs ~32 XORs once the operator for ``len_b`` is built (cached).
+"""crc32c of a buffer from the crc32c of its pieces (zlib's ``crc32_combine`` for the
+Castagnoli polynomial, on 32x32 GF(2) matrices), so that pieces can be checksummed by several threads.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Read an encoded state tree (see :mod:`.tree` for the node shapes): rebuild the state dict
-from it and the restored tensors (:func:`decode_tree`; with ``build_objects=False``, check its
-structure only: the manifest parser), list the tensor indices it references, each tensor's
-typed path, a copy with indices remapped. Imports no torch: ``zerostall ls``/``inspect``/
-``verify`` parse manifests without it. Pure functions; any thread.
+"""Read an encoded state tree (node shapes: :mod:`.tree`): rebuild or check it, list its tensor
+indices and paths, remap them. Imports no torch (``zerostall ls``/``inspect``/``verify``).
+Pure functions; any thread.
 """
 
 from __future__ import annotations
@@ -17,11 +15,7 @@ from .validate import MAX_DEPTH, NUMPY_DTYPES
 
 def decode_tree(node: Any, tensors: list[Any], where: str = "manifest", *, build_objects: bool = True) -> Any:
     """Rebuild the state dict from ``node`` and the restored ``tensors`` (index-aligned).
-
-    ``build_objects=False`` (validation; ``tensors``: the entries' dtype names) checks the
-    structure, the tensor indices and that a numpy node's dtype has a numpy form, without
-    constructing anything.
-    """
+    ``build_objects=False`` (validation; ``tensors``: dtype names) checks without constructing."""
 
     def bad(msg: str) -> CorruptCheckpoint:
         return CorruptCheckpoint(f"{where}: invalid state tree: {msg}", path=where)
@@ -88,9 +82,8 @@ def decode_tree(node: Any, tensors: list[Any], where: str = "manifest", *, build
     try:
         return dec(node, 0)
     finally:
-        # ``dec``/``dec_key`` refer to themselves through their cells: a reference cycle that held
-        # ``tensors`` (a restore's scratch: the whole state) until the next cyclic GC, whose
-        # munmap of it then ran inside whatever call triggered the GC (a ``save()`` blocked)
+        # break the closures' self-reference cycle: it held ``tensors`` (the whole state) until
+        # a cyclic GC, whose munmap then blocked whatever call triggered it
         del dec, dec_key
 
 
@@ -114,14 +107,9 @@ def tree_tensor_indices(node: Any) -> list[tuple[int, bool]]:
 
 
 def tensor_paths(node: Any) -> dict[int, str]:
-    """The identity of every tensor index of an encoded tree: its typed path from the root.
-
-    The path is built from the tree's own nodes (a dict key as its key node, a list or tuple
-    position with its kind, an object with its type name, then ``T`` or ``A``), so ``{"a.b": x}``
-    and ``{"a": {"b": x}}``, the keys ``0`` and ``"0"``, a tuple position and a str key never
-    share one. An index that appears more than once (tied tensors) takes its first occurrence in
-    walk order (:func:`.tree.encode_tree`'s). Compact JSON strings, for incremental saves
-    (:mod:`..saving.incremental`) to match a tensor with the base step's; no recursion."""
+    """Each tensor index's typed path from the root as compact JSON (built from the tree's own
+    nodes, so ``{"a.b": x}`` and ``{"a": {"b": x}}``, or ``0`` and ``"0"``, never share one; a tied
+    index takes its first occurrence), for :mod:`..saving.incremental` to match tensors."""
     out: dict[int, str] = {}
     stack: list[tuple[Any, tuple[Any, ...]]] = [(node, ())]
     while stack:

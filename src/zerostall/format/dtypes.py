@@ -1,7 +1,5 @@
-"""The torch dtypes of the names the format stores (:data:`.validate.ITEMSIZE_BY_NAME`).
-
-A name this torch has no dtype for (a float8 kind an older torch lacks) fails as unknown
-when a tensor of it is loaded.
+"""The torch dtypes of the names the format stores (:data:`.validate.ITEMSIZE_BY_NAME`); a name
+this torch lacks (a newer float8) fails as unknown when a tensor of it is loaded.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Python-object subtrees snapshotted on the caller's thread, encoded in the background.
 
-Checking, copying and JSON-encoding a state's Python part (a config, a log history) inside
-``save()`` would cost the caller several ``json.dumps`` of it, so :func:`.tree.encode_tree`
-replaces each container of :data:`FREEZE_MIN` items or more made of builtin values only
-(exact ``dict``/``list``/``tuple``/``set``/``frozenset`` of ``str``, ``int``, ``float``,
-``bool``, ``None``, ``bytes``, ``bytearray``, nested; numpy bool/int/float/str scalars as
-their Python values) by a :class:`Frozen`: the container serialized by the C pickler in
-slices of about :data:`PART_BYTES`. That is the save's snapshot: mutating the caller's objects
-after ``save()`` returns changes nothing saved. Anything else (a tensor, a dataclass, a
-subclass, an ``OrderedDict``, a cycle) makes :func:`freeze` give up, and the walk goes into
-the container as usual (so ``save()`` still refuses unknown types naming the key).
-
-:class:`DeferredTree` later (the snapshot thread once the tensors are staged, else whoever asks
-first) rebuilds each slice with a private unpickler that resolves no global but those builtin
-types (:func:`thaw`), and splices its JSON into the tree's; a container that is not plain JSON
-is encoded by :func:`.tree.encode_tree`'s rules. What only this encoding can find (an int over
-``MAX_INT_BITS``, a dict key no rule stores, nesting past ``MAX_DEPTH``, a manifest over its
-limit) fails the save: ``handle.result()`` raises ``SaveFailed`` caused by the
-:class:`~zerostall.errors.UnsupportedStateError` naming the key.
+:func:`.tree.encode_tree` replaces each container of :data:`FREEZE_MIN` items or more made of
+builtin values only by a :class:`Frozen` (:func:`freeze`: C-pickled slices, the save's
+snapshot); :class:`DeferredTree` later thaws them with an unpickler that resolves only builtin
+types and splices their JSON into the tree's. The rules, threads and errors: docs/objects.md.
 """
 
 from __future__ import annotations
@@ -41,8 +27,7 @@ __all__ = ["DeferredTree", "Frozen", "freeze", "skeleton_json", "thaw"]
 
 @dataclass(eq=False, slots=True)
 class Frozen:
-    """A container of type ``kind`` snapshotted by :func:`freeze` as ``parts`` (pickled slices
-    of its items, in order) at ``path`` (its key path, for errors). Compared by identity."""
+    """A container of type ``kind`` as :func:`freeze`'s ``parts``, at key ``path``. Compared by identity."""
 
     kind: type
     parts: tuple[bytes, ...]
@@ -72,14 +57,10 @@ class _Pickler(pickle.Pickler):
 
 
 FREEZE_MIN = 17
-"""Containers with at least this many items are frozen whole; a smaller one (the top of a
-state, ``{"config": ..., "step": 3}``) is walked, each item frozen or encoded on its own (so
-the step counter's change leaves the config's encoding reusable)."""
-
+"""Containers with at least this many items are frozen whole; a smaller one is walked."""
 PART_BYTES = 1 << 20
-"""About the size of one slice of a large container: the GIL is let go between slices, and a
-growing log history re-encodes only its last slices (a slice with the previous save's bytes
-reuses its encoding)."""
+"""About the size of one slice: the GIL is let go between slices, and an unchanged slice reuses
+the previous save's encoding."""
 PROBE_ITEMS = 64
 
 
@@ -102,10 +83,9 @@ def _dump(x: Any) -> bytes | None:
 
 def freeze(x: Any) -> tuple[bytes, ...] | None:
     """``x`` (an exact dict/list/tuple) as pickled slices of its items if it holds builtin
-    values only, else None (a tensor, another type, a cycle, nesting past the recursion
-    limit). Caller's thread. The first slice holds :data:`PROBE_ITEMS` items, the others as
-    many as make about :data:`PART_BYTES` at the first's size per item (so equal leading items
-    slice alike, save after save). No memo: shared subtrees are written twice, as in the JSON."""
+    values only, else None. Caller's thread. The first slice holds :data:`PROBE_ITEMS` items,
+    the others about :data:`PART_BYTES` at the first's size per item (so equal leading items
+    slice alike, save after save)."""
     n = len(x)
     if n <= PROBE_ITEMS:
         one = _dump(x)
@@ -158,13 +138,12 @@ def skeleton_json(tree: Any, frozen: list[Frozen]) -> str:
 
 
 class DeferredTree:
-    """A state tree with :class:`Frozen` parts, finished on first :meth:`result` (any thread;
-    the first caller does the work under a lock, later ones get the cached result or error).
+    """A state tree with :class:`Frozen` parts, finished by the first :meth:`result` (any thread,
+    under a lock; later calls get the cached result or error).
 
-    ``skeleton``: :func:`skeleton_json` of ``tree`` and ``frozen``. ``encode(obj, path)``
-    encodes a thawed container that is not plain JSON; ``check(tree, tree_json)`` raises if
-    the manifest would be too large. ``prev``: the previous save's :attr:`memo`
-    (``{(depth, slice): (copy, json or None)}``), reused for unchanged slices."""
+    ``skeleton``: :func:`skeleton_json`. ``encode(obj, path)`` encodes a thawed container that
+    is not plain JSON; ``check(tree, tree_json)`` raises if the manifest would be too large.
+    ``prev``: the previous save's :attr:`memo`, reused for unchanged slices."""
 
     def __init__(self, tree: Any, skeleton: str, frozen: list[Frozen], encode: Callable[[Any, tuple[Any, ...]], Any],
                  check: Callable[[Any, str], None],
@@ -193,8 +172,8 @@ class DeferredTree:
                 raise self._error
             return self._done  # type: ignore[return-value]
     def _part(self, data: bytes, depth: int) -> tuple[Any, str | None]:
-        """(the slice's private copy, its JSON if it is plain JSON else None), the previous
-        save's if the bytes are equal at the same depth (nesting past the limit is not plain)."""
+        """(the slice's private copy, its JSON or None if not plain), the previous save's if
+        the bytes are equal at the same depth."""
         key = (depth, data)
         got = self.memo.get(key) or self._prev.get(key)
         if got is None:
@@ -204,8 +183,7 @@ class DeferredTree:
         return got
 
     def _piece(self, f: Frozen) -> tuple[Any, str]:
-        """The node of one frozen container and its JSON: ``{"j": ...}`` joined from its slices'
-        JSON when they are all plain, else the container rebuilt and encoded by the tree's rules."""
+        """The node of one frozen container and its JSON (``{"j": ...}`` when all slices are plain)."""
         parts = [self._part(p, len(f.path)) for p in f.parts]
         objs = [o for o, _ in parts]
         if len(objs) == 1:
@@ -236,8 +214,8 @@ _LEAF_TAGS = frozenset(("T", "A", "v", "f", "j"))
 
 
 def _substitute(node: Any, nodes: dict[int, Any]) -> Any:
-    """The tree with each :class:`Frozen` replaced by its node (``nodes`` by ``id``); parts
-    without one are shared, not copied (found by C-level passes: no frame per tensor)."""
+    """The tree with each :class:`Frozen` replaced by its node (``nodes`` by ``id``); subtrees
+    without one are shared, found by C-level passes (no frame per tensor)."""
     if type(node) is Frozen:
         return nodes[id(node)]
     if type(node) is not dict or len(node) != 1:

@@ -1,11 +1,7 @@
-"""The standard kinds of Python objects in a state tree (``argparse.Namespace``, ``pathlib``
-paths, ``datetime`` values, ``set``/``frozenset``, ``bytes``/``bytearray``, ``complex``,
-``uuid.UUID``, ``torch.dtype``/``device``/``Size``, ``defaultdict`` with a builtin factory,
-``Counter``, numpy ``datetime64``/``timedelta64``, OmegaConf configs), each encoded and
-rebuilt by this module's own code and matched by exact type (a subclass would load back as its
-base type). :mod:`.objects` calls :func:`encode_standard` and looks decoders up in
-:data:`STANDARD`; nothing here imports a module a checkpoint names. torch is imported only to
-build or encode a torch kind: checking a manifest's tree needs none.
+"""The standard kinds of Python objects in a state tree (the keys of :data:`STANDARD`), each
+encoded and rebuilt by this module's own code and matched by exact type. :mod:`.objects` calls
+:func:`encode_standard` and the decoders of :data:`STANDARD`; nothing here imports a module a
+checkpoint names, and torch only to build or encode a torch kind.
 """
 
 from __future__ import annotations
@@ -162,8 +158,7 @@ STANDARD: dict[str, Callable[[Any], Any]] = {
 STANDARD_TYPES: tuple[type, ...] = (argparse.Namespace, pathlib.PurePath, _dt.datetime, _dt.date, _dt.time,
                                     _dt.timedelta, _dt.timezone, uuid.UUID,
                                     collections.defaultdict, collections.Counter)
-"""Standard kinds a subclass may come from (named in the refusal of an unregistered subclass;
-:mod:`.tree` adds ``torch.Size``)."""
+"""Standard kinds named in the refusal of an unregistered subclass (:mod:`.tree` adds ``torch.Size``)."""
 
 
 def _fields(d: Any) -> dict[str, Any]:

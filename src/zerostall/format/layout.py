@@ -9,15 +9,10 @@
     ...           payload of tensor k at the offset the manifest records
     file_bytes    end of file (a multiple of 4096; logical lengths live in the manifest)
 
-Layout 2, the one this release writes and reads: an item of ``PAGE_ITEM_BYTES`` or more starts
-on a 4 KiB boundary and owns its pages (it can be read straight into a page-aligned
-destination); a smaller one follows the previous item at its own alignment
-(:func:`item_align`, always a multiple of its dtype's size), so a tensor can be viewed in place
-in the staging arena. A file of another layout is refused naming its layout and what to do.
-
-The file is read and written in aligned extents only (O_DIRECT). Every byte of it is covered
-by a crc32c (payloads), compared exactly (header) or must be zero (padding): a flipped bit
-anywhere is detected.
+Layout 2 (the one this release reads and writes): an item of ``PAGE_ITEM_BYTES`` or more
+starts on a page and owns its pages; a smaller one follows the previous item at
+:func:`item_align`. Another layout is refused naming it. Files move in aligned extents only
+(O_DIRECT); every byte is crc32c-covered (payloads), compared (header) or zero (padding).
 """
 
 from __future__ import annotations
@@ -33,7 +28,6 @@ from ..errors import CorruptCheckpoint
 
 HEADER_BYTES = ALIGN_BYTES
 SHARD_SUFFIX = ".shard"
-"""Shard files are ``rank-RRRRR.shard``."""
 SHARD_NAME_RE = re.compile(r"^rank-(\d{5,})\.shard$")
 FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 """A plain file name inside a checkpoint (what a manifest may name)."""
@@ -47,11 +41,9 @@ def shard_name(rank: int) -> str:
 MAGIC = b"ZSTLSHRD"
 _FIXED = struct.Struct("<8sII")  # magic, layout version, JSON length
 LAYOUT_VERSION = 2
-"""The one shard layout this release writes and reads: small items packed (see the module doc)."""
 ITEM_ALIGN = 64
 """The alignment of a packed item of ``LINE_ITEM_BYTES`` or more (a cache line; torch's own)."""
 LINE_ITEM_BYTES = 4096
-"""Items at least this big are cache-line aligned; smaller ones to ``SMALL_ALIGN`` (less padding)."""
 SMALL_ALIGN = 16
 """The alignment of a packed item under ``LINE_ITEM_BYTES``: the largest dtype's size."""
 PAGE_ITEM_BYTES = 256 << 10
@@ -73,9 +65,8 @@ def version_advice(what: str, version: int, current: int) -> str:
 
 
 def item_align(nbytes: int) -> int:
-    """The alignment of an item of ``nbytes`` in layout 2: 4096 for a page item, 64 from
-    ``LINE_ITEM_BYTES``, else 16 or the next power of two of ``nbytes`` if smaller (always a
-    multiple of the item's power-of-two dtype size, which divides ``nbytes``)."""
+    """The alignment of an item of ``nbytes``: 4096 for a page item, 64 from ``LINE_ITEM_BYTES``,
+    else 16 or the next power of two of ``nbytes`` if smaller (a multiple of its dtype's size)."""
     if nbytes >= PAGE_ITEM_BYTES:
         return ALIGN_BYTES
     if nbytes >= LINE_ITEM_BYTES:
@@ -96,9 +87,8 @@ def place(pos: int, nbytes: int) -> tuple[int, int]:
 
 
 def pack_offsets(sizes: Sequence[int], start: int = HEADER_BYTES) -> tuple[list[int], int]:
-    """Layout-2 offsets for items of ``sizes`` bytes, in order, from ``start`` (a page
-    boundary), and the file's length (a multiple of 4096). The one offset assignment: the
-    save plan, incremental saves and the DCP plugin all place items with it."""
+    """Offsets for items of ``sizes`` bytes, in order, from ``start`` (a page boundary), and the
+    file's length: the one offset assignment (save plan, incremental saves, DCP plugin)."""
     # place() inlined (a test compares them over random sizes): no Python call per tensor
     offsets, pos = [], start
     append = offsets.append

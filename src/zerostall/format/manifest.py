@@ -5,13 +5,10 @@ It is written last, inside an envelope that carries the crc32c of the body's byt
     {"zerostall_manifest": "crc32c", "body_crc32c": "1a2b3c4d", "body": {...}}
 
 ``body`` holds ``format_version``, ``step``, ``world_size``, ``created_unix``,
-``checkpoint_id``, ``alignment`` (names the shard layout: :mod:`.layout`), ``files`` (name,
-rank, host, file_bytes), ``tensors`` (the table of :mod:`.table`), ``tree`` (:mod:`.tree`) and,
-where a save references earlier steps' bytes, ``ref_files`` (:mod:`.refs`). A manifest of any
-other version or layout, or with a re-encoded body, is refused naming the file, its version and
-what to do. :meth:`Manifest.from_bytes` checks everything before anyone reads a byte of a
-shard: paths cannot leave the checkpoint directory, offsets and sizes are consistent, dtypes
-are known, shape products equal nbytes. No pickle, ever.
+``checkpoint_id``, ``alignment`` (the shard layout), ``files``, ``tensors`` (:mod:`.table`),
+``tree`` (:mod:`.tree`) and, for references, ``ref_files`` (:mod:`.refs`). Another version or
+layout, or a re-encoded body, is refused naming the file and what to do;
+:meth:`Manifest.from_bytes` checks everything (:mod:`.validate`) before a shard byte is read.
 """
 
 from __future__ import annotations
@@ -130,8 +127,7 @@ class Manifest:
     @classmethod
     @no_gc()
     def from_bytes(cls, raw: bytes, where: str = MANIFEST_NAME) -> "Manifest":
-        """Parse and validate (:mod:`.validate`); raise :class:`CorruptCheckpoint` naming
-        ``where`` on any defect. The cyclic GC is paused meanwhile (:func:`~.._util.no_gc`)."""
+        """Parse and validate; raise :class:`CorruptCheckpoint` naming ``where`` on any defect."""
 
         def bad(msg: str, key: str | None = None) -> CorruptCheckpoint:
             return V.bad(where, msg, key)
@@ -228,6 +224,5 @@ class Manifest:
 
 
 def envelope(body: bytes) -> bytes:
-    """The manifest file around ``body`` (the compact JSON of a manifest body): the one form
-    :meth:`Manifest.from_bytes` reads, its crc32c over ``body``'s bytes as they are."""
+    """The manifest file around ``body`` (compact JSON), its crc32c over ``body``'s bytes."""
     return b"".join((_PREFIX, f"{_crc.crc32c(body):08x}".encode(), _MID, body, b"}\n"))

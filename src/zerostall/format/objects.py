@@ -1,21 +1,13 @@
 """Common Python objects in a state tree, stored as tagged JSON: no pickle, no code on load.
 
-Called by :mod:`.tree` (inside ``save()``/``load()``, or on the thread that encodes
-:mod:`.frozen` containers) for a leaf that is not a tensor, an array, a plain value or a
-container. One node shape: ``{"o": [TYPE, PAYLOAD]}``, TYPE a string naming the kind, PAYLOAD
-an ordinary tree node.
+Called by :mod:`.tree` for a leaf that is not a tensor, an array, a plain value or a
+container. Node: ``{"o": [TYPE, PAYLOAD]}``, PAYLOAD an ordinary tree node.
 
 **The decoding rule.** Decoding never imports a module named by the checkpoint and never
-calls anything that is not on an allow-list: the standard kinds of :mod:`.kinds` (matched by
-exact type: a subclass would load back as the base type, so it is stored only if registered),
-and the types the program registered with :func:`register_type`. Anything else (a dataclass,
-Enum member or class reference whose type is not registered, or a kind this version does not
-know) comes back as :class:`TaggedData` (the type name and the decoded payload); saving a
-``TaggedData`` again writes the original node, so such values survive a load/save round trip.
-
-Objects with ``state_dict()`` (modules, optimizers, any ``Stateful``) are stored as their
-state dict (no tag): they load back as that dict, or into the object itself when it is
-passed to ``load`` (see :mod:`zerostall.stateful`).
+calls anything off an allow-list: the standard kinds of :mod:`.kinds` (by exact type) and the
+types registered with :func:`register_type`. Anything else comes back as :class:`TaggedData`,
+which saves again as the original node. Objects with ``state_dict()`` are stored as their
+state dict (no tag; :mod:`zerostall.stateful`).
 """
 
 from __future__ import annotations
@@ -40,12 +32,9 @@ Dec = Callable[[Any], Any]  # decodes a child tree node
 
 @dataclass(frozen=True)
 class TaggedData:
-    """A stored object whose type this program did not allow: ``type`` and plain ``data``.
-
-    For a dataclass or a registered-by-default class ``data`` is a dict of its fields, for an
-    Enum member ``{"name": ..., "value": ...}``, for a class reference (``type == "class"``)
-    the class's dotted name. Register the type (:func:`register_type`) to get the object back.
-    """
+    """A stored object whose type this program did not allow: ``type`` and plain ``data`` (a
+    dataclass's fields, an Enum's ``{"name", "value"}``, a class reference's dotted name).
+    Register the type (:func:`register_type`) to get the object back."""
 
     type: str
     data: Any
@@ -88,17 +77,13 @@ def register_type(cls: type, *, name: str | None = None, encode: Callable[[Any],
     - a namedtuple is stored as its fields and rebuilt with ``cls(*fields)``;
     - a class (the class object itself, e.g. an optimizer class in hyper-parameters) is
       stored by name and returned as the class;
-    - any other class needs ``encode(obj) -> plain tree`` and ``decode(tree) -> obj``, or is
-      stored as its attributes (``vars(obj)`` and the ``__slots__`` that are set) and rebuilt
-      with ``cls.__new__(cls)`` and those attributes set back. A class whose instances have
-      neither a ``__dict__`` nor ``__slots__`` (a C type) is refused here unless it is given
-      ``encode``/``decode``.
+    - any other class is stored with ``encode(obj) -> plain tree`` / ``decode(tree) -> obj``,
+      or as its attributes (``vars(obj)`` and the set ``__slots__``), rebuilt with
+      ``cls.__new__(cls)``; without either (a C type) it is refused here.
 
     ``name`` (default ``module.QualName``) is what the checkpoint records; keep it stable if
-    the class moves. A class of a script's ``__main__`` matches by its qualified name: saved
-    by ``python train.py`` as ``__main__.Cfg``, it loads in a program that registers
-    ``train.Cfg`` (and the reverse), unless two registered classes share that qualified name.
-    Registration is per process: do it before ``load``.
+    the class moves (a script's ``__main__`` class: docs/integrations.md). Registration is
+    per process: do it before ``load``. Raises :class:`ConfigError`.
     """
     if not isinstance(cls, type):
         raise ConfigError(f"register_type expects a class, got {cls!r}")
@@ -128,9 +113,8 @@ def unregister_type(cls: type) -> None:
 
 
 def _lookup(name: str) -> _Registered | None:
-    """The registration for a recorded type ``name``: exact, else matched by qualified name
-    when one side's module is ``__main__`` (a script's class is ``__main__.Cfg`` when the
-    script runs and ``train.Cfg`` when another program imports it). Ambiguous: None."""
+    """The registration for a recorded type ``name``: exact, else by qualified name when one
+    side's module is ``__main__`` (see :func:`register_type`). Ambiguous: None."""
     reg = _by_name.get(name)
     if reg is not None:
         return reg
@@ -205,11 +189,8 @@ def _dc_fields(x: Any) -> dict[str, Any]:
 
 
 def decode_object(val: Any, dec: Dec, *, build: bool = True) -> Any:
-    """Rebuild an ``{"o": val}`` node; ``ValueError`` if it is malformed.
-
-    ``build=False`` checks the structure only and returns :class:`TaggedData` (manifest
-    validation: nothing is constructed).
-    """
+    """Rebuild an ``{"o": val}`` node; ``ValueError`` if it is malformed. ``build=False``
+    (manifest validation) constructs nothing and returns :class:`TaggedData`."""
     if not isinstance(val, list) or len(val) != 2 or not isinstance(val[0], str):
         raise ValueError(f"object node {val!r:.80}")
     name, payload = val[0], dec(val[1])

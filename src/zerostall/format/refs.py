@@ -6,11 +6,8 @@ bytes from::
     "ref_files": [{"step": 40, "name": "rank-00000.shard", "rank": 0,
                    "file_bytes": 1073745920, "file_id": "9f0c..."}]
 
-A tensor entry whose ``file`` index points past ``files`` lives in that ref file (:mod:`.table`).
-A reference always names the step that *wrote* the bytes (references are flattened when a step
-re-references), so reading one never follows a chain; a manifest lists ``ref_files`` only when
-it has references. Restore checks a referenced file like an own shard; retention keeps every
-step a kept step references (:func:`closure`). Pure functions; no I/O.
+A reference always names the step that *wrote* the bytes, so reading one never follows a
+chain. Retention keeps every step a kept step references (:func:`closure`). Pure functions.
 """
 
 from __future__ import annotations
@@ -31,7 +28,6 @@ class RefFile:
     rank: int
     file_bytes: int
     file_id: str
-    """The checkpoint id in that shard's header (always explicit for references)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,10 +65,8 @@ def referenced_steps(manifest: Any) -> set[int]:
 
 
 def closure(kept: Iterable[int], refs_of: Callable[[int], set[int]]) -> set[int]:
-    """``kept`` plus every step they reference, transitively (a referenced step stays a
-    loadable checkpoint, so its own references must stay too). ``refs_of(step)`` reads that
-    step's manifest; a step whose manifest cannot be read references nothing (it cannot be
-    loaded, so nothing it borrows is needed for it)."""
+    """``kept`` plus every step they reference, transitively. ``refs_of(step)`` reads that
+    step's manifest (an unreadable one references nothing: it cannot be loaded)."""
     out: set[int] = set()
     todo = list(kept)
     while todo:

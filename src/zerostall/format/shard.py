@@ -1,15 +1,11 @@
 """The one shard codec (layout: :mod:`.layout`): items written into a shard file and read back checked.
 
-Used by the Checkpointer (the persist thread writes through :class:`CrcCursor`, the restore
-pipeline reads through :class:`ShardCursor`) and by the DCP plugin (:func:`write_shard`,
-:func:`read_shard`), so both check the same things: the header block exactly, every item's
-crc32c, and that every other byte read (gaps between items, the tail) is zero.
-
-Every function runs on the calling thread and keeps no state between calls. Buffers
-(``buf``/``bounce``) are page-aligned mappings owned by the caller, exposing ``mv``
-(memoryview), ``u8`` (a torch uint8 view) and ``nbytes`` (the staging
-:class:`~zerostall.memory.arena.Arena` is one). This layer never opens files: the caller passes
-an open engine file (``read``/``write`` of aligned extents), so ``io/`` alone chooses how bytes move.
+Used by the Checkpointer (persist thread: :class:`CrcCursor`; restore pipeline:
+:class:`ShardCursor`) and the DCP plugin (:func:`write_shard`, :func:`read_shard`), so both
+check the header exactly, every item's crc32c, and that every other byte read is zero.
+Everything runs on the calling thread. Buffers (``buf``/``bounce``) are the caller's
+page-aligned mappings with ``mv``, ``u8`` and ``nbytes`` (an :class:`~zerostall.memory.arena.Arena`
+is one). Never opens files: the caller passes an open engine file, so ``io/`` alone moves bytes.
 """
 
 from __future__ import annotations
@@ -39,11 +35,8 @@ class Item(Protocol):
 
 
 class CrcCursor:
-    """Per-item crc32c over a shard's bytes, fed in file order, extent by extent.
-
-    ``items`` are sorted by offset and do not overlap (a plan from :func:`pack_offsets`).
-    Owned by the one thread that feeds it.
-    """
+    """Per-item crc32c over a shard's bytes, fed in file order, extent by extent (``items``
+    sorted by offset, disjoint). Owned by the one thread that feeds it."""
 
     def __init__(self, items: Sequence[Any]):
         self.items = items
@@ -66,13 +59,9 @@ class CrcCursor:
 
 def write_shard(f: Any, header: ShardHeader, payloads: Sequence[torch.Tensor], offsets: Sequence[int],
                 buf: Any) -> list[int]:
-    """Write a whole shard through ``buf`` (window by window) into the engine file ``f``.
-
-    ``payloads`` are flat uint8 CPU tensors placed at ``offsets`` (from :func:`pack_offsets`);
-    every byte of the file that is not header or payload is written as zero. Returns each
-    payload's crc32c, computed over the bytes as they were handed to the engine. The caller
-    calls ``f.finish()`` (fdatasync) and closes ``f``.
-    """
+    """Write a whole shard through ``buf`` into the engine file ``f``: flat uint8 CPU
+    ``payloads`` at ``offsets``, zeros elsewhere. Returns each payload's crc32c over the bytes
+    handed to the engine. The caller calls ``f.finish()`` (fdatasync) and closes ``f``."""
     file_bytes = header.file_bytes
     block = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
     crcs = [0] * len(payloads)
@@ -98,8 +87,7 @@ def write_shard(f: Any, header: ShardHeader, payloads: Sequence[torch.Tensor], o
 
 
 def check_items(path: str, items: Sequence[Item], file_bytes: int) -> None:
-    """Items sorted by offset lie after the header, aligned (:func:`~.layout.item_align`),
-    inside the file, without overlap, page items alone on their pages."""
+    """Items sorted by offset lie after the header, aligned, inside the file, without overlap."""
     end = HEADER_BYTES
     for it in items:
         if (it.nbytes < 0 or it.offset % item_align(it.nbytes) or it.offset < end
@@ -112,8 +100,7 @@ def check_items(path: str, items: Sequence[Item], file_bytes: int) -> None:
 
 
 def read_runs(items: Sequence[Item], wanted: set[int] | None, file_bytes: int) -> list[tuple[int, int]]:
-    """The aligned byte ranges to read, in file order: the whole file, or the header and the
-    pages covering the wanted items (packed items share pages with their neighbours)."""
+    """The aligned byte ranges to read: the whole file, or the header and the wanted items' pages."""
     if wanted is None:
         return [(0, file_bytes)]
     runs = [(0, HEADER_BYTES)]
@@ -130,15 +117,11 @@ def read_runs(items: Sequence[Item], wanted: set[int] | None, file_bytes: int) -
 class ShardCursor:
     """Checks a shard fed window by window, in file order, and copies items into ``dsts``.
 
-    ``items`` are sorted by offset (see :func:`check_items`); ``dsts[i]`` (or ``dsts(i)``,
-    called when item ``i``'s first byte is fed) is a flat uint8 CPU tensor of
-    ``items[i].nbytes`` bytes to fill, the int address of that many writable bytes the caller
-    keeps alive (no tensor op per item), or None (checked only, or read in place).
-    ``on_item(i)`` is called once item ``i`` is complete and has passed its crc32c.
-    ``wanted``: a partial read (the windows of :func:`read_runs` for these items): only those
-    are checked and copied, and of the padding only what a page item owns (the pages may hold
-    neighbours ``items`` does not list), unless ``listed`` says ``items`` are every item of
-    the file: then every padding byte read is checked, as in a whole read.
+    ``items`` are sorted by offset; ``dsts[i]`` (or ``dsts(i)``, called at item ``i``'s first
+    byte) is a flat uint8 CPU tensor to fill, the int address of writable bytes the caller keeps
+    alive, or None (checked only). ``on_item(i)``: item ``i`` is complete and passed its crc32c.
+    ``wanted``: a partial read (:func:`read_runs`): only those items are checked and copied, and
+    only the padding a page item owns, unless ``listed`` (``items`` are all of the file's).
     Owned by one thread (the restore pipeline's consumer, or :func:`read_shard`'s caller).
     """
 
@@ -157,10 +140,8 @@ class ShardCursor:
 
     def feed(self, w0: int, mv: memoryview, u8: torch.Tensor,
              copy: Callable[[int, Any, Any, int], Any] | None = None, addr: int = 0) -> None:
-        """Check the window of file bytes ``[w0, w0 + len(mv))`` (windows of :func:`read_runs`,
-        in file order; ``u8`` views the same memory, at ``addr``). ``copy(i, dst, src, n)``
-        moves item ``i``'s bytes (tensor slices, or addresses for address destinations;
-        default inline)."""
+        """Check the file bytes ``[w0, w0 + len(mv))`` (``u8`` views the same memory, at
+        ``addr``). ``copy(i, dst, src, n)`` moves item ``i``'s bytes (default inline)."""
         items, path, verify, crcs, gaps, wanted = self.items, self.path, self.verify, self.crcs, self.gaps, self.wanted
         w1 = w0 + len(mv)
         if w0 == 0 and verify:
@@ -228,10 +209,8 @@ def read_shard(f: Any, path: str, file_bytes: int, header: ShardHeader, items: S
                verify: bool = True,
                wanted: set[int] | None = None, on_item: Callable[[int], None] | None = None,
                listed: bool = False) -> None:
-    """Stream a shard through ``bounce`` one window at a time, checking it, and copy items into
-    ``dsts`` (arguments as :class:`ShardCursor`'s). With ``wanted=None`` every byte of the file
-    is read and checked. Raises :class:`CorruptCheckpoint` naming ``path`` and the item at fault.
-    """
+    """Stream a shard through ``bounce``, checking it, and copy items into ``dsts`` (arguments:
+    :class:`ShardCursor`). Raises :class:`CorruptCheckpoint` naming ``path`` and the item."""
     win = bounce.nbytes // ALIGN_BYTES * ALIGN_BYTES
     cur = ShardCursor(path, header, items, dsts, verify=verify, on_item=on_item, wanted=wanted, listed=listed)
     for r0, r1 in read_runs(items, wanted, file_bytes):
@@ -252,8 +231,7 @@ def _zero_bytes(n: int) -> bytes:
 
 
 def _zeros(mv: memoryview) -> bool:
-    """Whether every byte of ``mv`` is zero (a small gap, one per item, by a bytes compare: far
-    cheaper than ``Tensor.any``)."""
+    """Whether every byte of ``mv`` is zero (a small gap by a bytes compare: cheaper than ``Tensor.any``)."""
     n = len(mv)
     if n > 1 << 16:
         return not torch.frombuffer(mv, dtype=torch.uint8).any().item()

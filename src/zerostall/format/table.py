@@ -1,16 +1,6 @@
-"""The manifest's tensor table: its encoding, its parser, and the save path's encoder.
-
-Format version 3 stores ``tensors`` as columns, one JSON array per field, in the order of the
-tensor indices the state tree refers to::
-
-    "tensors": {"dtypes": ["float32", "bfloat16"], "key": ["w", "b"], "dtype": [0, 1],
-                "shape": [[1000], [64]], "file": [0, 0], "offset": [4096, 8192],
-                "nbytes": [4000, 128], "crc32c": [123, 456]}
-
-``dtype`` indexes ``dtypes``; ``file`` indexes the body's ``files`` followed by its
-``ref_files`` (an index past ``files`` is a reference: the entry's step is that ref file's).
-Called by :class:`~.manifest.Manifest` (any thread) and by the single-rank committer through
-:func:`tensors_json` (persist thread).
+"""The manifest's tensor table (format version 3, columns: docs/manifest-format.md): its
+encoding, its parser, and the save path's encoder. Called by :class:`~.manifest.Manifest` (any
+thread) and by the single-rank committer through :func:`tensors_json` (persist thread).
 """
 
 from __future__ import annotations
@@ -50,8 +40,7 @@ class TensorEntry:
 
 
 new_entry = frozen_maker(TensorEntry)
-"""``new_entry(key=, dtype=, shape=, file=, offset=, nbytes=, crc32c=, step=)``: a checked entry
-(a save or parse of 1M entries builds 1M)."""
+"""``new_entry(key=, dtype=, shape=, file=, offset=, nbytes=, crc32c=, step=)``: an already checked entry."""
 
 
 FileSlot = tuple[str, str, "int | None"]
@@ -80,10 +69,8 @@ def encode_columns(tensors: Sequence[TensorEntry], files: Sequence[str], refs: S
 
 def tensors_json(tensors: Sequence[TensorEntry], memo: dict[Any, Any] | None = None) -> str:
     """``tensors`` (entries of one file, without references) as the version 3 table, exactly as
-    :meth:`~.manifest.Manifest.to_bytes` encodes it for a manifest of that one file. Every
-    column but ``crc32c`` (last) depends on the layout only: with ``memo`` (the save plan's,
-    shared by every save of one layout) they are encoded once and each later save only joins
-    its crc32c values. Persist thread."""
+    :meth:`~.manifest.Manifest.to_bytes` encodes it. With ``memo`` (the save plan's) every
+    column but ``crc32c`` is encoded once per layout. Persist thread."""
     if not isinstance(tensors, Entries):
         files = {t.file: None for t in tensors}
         if len(files) > 1:
@@ -101,10 +88,9 @@ def tensors_json(tensors: Sequence[TensorEntry], memo: dict[Any, Any] | None = N
 
 
 class Entries(Sequence[TensorEntry]):
-    """The tensor entries of one written shard, kept as the save plan's items (anything with
-    ``key``, ``dtype``, ``shape``, ``offset``, ``nbytes``), the shard's name and the crc32c
-    values: a :class:`TensorEntry` is made only on access (:func:`tensors_json` needs none).
-    The single-rank committer's (persist thread). Immutable; compares like the tuple of its entries."""
+    """The tensor entries of one written shard as the save plan's items, the shard's name and
+    the crc32c values: a :class:`TensorEntry` is made only on access. The single-rank
+    committer's (persist thread). Immutable; compares like the tuple of its entries."""
 
     __slots__ = ("items", "file", "crcs")
 
@@ -132,14 +118,13 @@ class Entries(Sequence[TensorEntry]):
         return hash(tuple(self))
 
     def json_head(self) -> str:
-        """The version 3 table up to ``"crc32c":``, for a manifest of this one file (see
-        :func:`tensors_json`)."""
+        """The version 3 table up to ``"crc32c":`` (:func:`tensors_json`)."""
         items = self.items
 
         def dumps(v: Any) -> str:
             return json.dumps(v, separators=(",", ":"), allow_nan=False)
         dcol = list(map(DTYPE, items))  # every column by C-level maps
-        dtypes = {d: str(i) for i, d in enumerate(dict.fromkeys(dcol))}  # in order of first use
+        dtypes = {d: str(i) for i, d in enumerate(dict.fromkeys(dcol))}
         return "".join((
             '{"dtypes":', dumps(list(dtypes)), ',"key":', dumps(list(map(KEY, items))),
             ',"dtype":[', ",".join(map(dtypes.__getitem__, dcol)), '],"shape":',
@@ -212,9 +197,8 @@ def _all_ints(col: list[Any], lo: int, hi: int) -> bool:
 
 
 class EntrySpans:
-    """The spans of parsed entries for :func:`~.validate.check_spans`, as columns (its bulk
-    check) or, iterated, as :class:`~.validate.Span` objects built then (its per-span loop):
-    no object per entry unless needed."""
+    """The spans of parsed entries for :func:`~.validate.check_spans`: as columns (bulk check),
+    or :class:`~.validate.Span` objects built only when iterated (its per-span loop)."""
 
     def __init__(self, entries: list[TensorEntry], files: list[str]):
         self.entries, self.files = entries, files

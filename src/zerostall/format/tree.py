@@ -1,10 +1,9 @@
 """The state dict's structure as JSON, with tensors replaced by indices.
 
-``encode_tree`` walks a nested state dict (dicts, lists, tuples, tensors, numpy arrays and
-plain values) and returns a JSON-able tree plus the list of tensor leaves, on the caller's
-thread; :func:`.decode.decode_tree` does the reverse (without torch). Nothing is pickled: a
-leaf no rule stores is rejected with the key that holds it. Dict keys may be str, int, float,
-bool, None or tuples of those (optimizer state uses int keys).
+``encode_tree`` walks a nested state dict on the caller's thread and returns a JSON-able tree
+plus the tensor leaves; :func:`.decode.decode_tree` does the reverse (without torch). Nothing
+is pickled: a leaf no rule stores is rejected with the key that holds it. Dict keys may be
+str, int, float, bool, None or tuples of those.
 
 Node encoding (one key per node): ``{"v": x}`` plain value, ``{"f": "nan"|"inf"|"-inf"}``
 non-finite float, ``{"T": i}`` tensor i, ``{"A": i}`` numpy array stored as tensor i,
@@ -15,10 +14,9 @@ non-finite float, ``{"T": i}`` tensor i, ``{"A": i}`` numpy array stored as tens
 allow-list). Inside ``save()`` (``frozen=``) a large container of builtin values is left in
 the tree as a :class:`.frozen.Frozen`, encoded by these rules later, off the caller's thread.
 
-Ints are bounded (:data:`.validate.MAX_INT_BITS`) so that what is saved can be parsed back.
-Views are saved by value: a conjugate or negative view is resolved first. Two keys that are
-views of the same bytes (same storage, offset, shape, stride and dtype, e.g. tied embedding
-weights) are stored once and restored as one shared tensor.
+Views are saved by value (a conjugate or negative view resolved first); two keys that view
+the same bytes with one shape, stride and dtype (tied weights) are stored once and restored
+as one shared tensor.
 """
 
 from __future__ import annotations
@@ -52,7 +50,6 @@ class TensorLeaf(NamedTuple):
 
 
 new_leaves = tuples_maker(TensorLeaf)
-"""``new_leaves(zip(keys, tensors, numpy_flags))``: the leaves."""
 
 
 def _fmt_key(path: tuple[Any, ...]) -> str:
@@ -69,9 +66,8 @@ def _check_int(x: int, path: tuple[Any, ...]) -> int:
 
 
 def _np_plain(x: Any, path: tuple[Any, ...]) -> Any:
-    """The Python value a numpy bool/int/uint/float/complex/str/bytes scalar is stored as (the
-    rule of docs/usage.md); :class:`UnsupportedStateError` for a long double (no exact Python
-    value) and the other kinds (datetime64/timedelta64 are objects: :mod:`.kinds`)."""
+    """The Python value a numpy bool/int/uint/float/complex/str/bytes scalar is stored as (docs/usage.md);
+    :class:`UnsupportedStateError` for a long double and the other kinds."""
     kind, size = x.dtype.kind, x.dtype.itemsize
     if (kind == "f" and size > 8) or (kind == "c" and size > 16):
         raise UnsupportedStateError(
@@ -85,8 +81,7 @@ def _np_plain(x: Any, path: tuple[Any, ...]) -> Any:
 
 
 def _scalar(x: Any, tx: type, path: tuple[Any, ...]) -> Any:
-    """The node of ``x`` if it is None or an exact bool, str, int or float, else None (a
-    subclass, an Enum member or np.float64, would load back as its base)."""
+    """The node of ``x`` if it is None or an exact bool, str, int or float, else None."""
     if x is None or tx is bool or tx is str:
         return {"v": x}
     if tx is int:
@@ -185,15 +180,12 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None, *, frozen: list[
                 ) -> tuple[Any, list[TensorLeaf]]:
     """Encode ``obj``: ``(tree, leaves)``; raise :class:`UnsupportedStateError` naming the first bad key.
 
-    ``occurrences`` receives the leaf index of every tensor met, in walk order (an aliased
-    tensor repeats an earlier index; for :mod:`..saving.plan_cache`). ``frozen``: a dict, list
-    or tuple of builtin values only is snapshotted (:func:`.frozen.freeze`; ``snapshots``:
-    ``{id(container): bytes}`` already taken in this ``save()``), left in the tree as a
-    :class:`.frozen.Frozen` and appended to ``frozen``. ``path``: where ``obj`` sits in the
-    state (errors name the full key). ``columns``: the tensors of ``obj`` in walk order with
-    their attributes (:data:`.bulk.Columns`), read instead of each tensor's by a dict taken in
-    bulk. ``texts``: receives (node, its pairs' JSON) for each large dict taken in bulk
-    (:func:`.bulk.dumps_tree`).
+    ``occurrences`` receives the leaf index of every tensor met, in walk order (for
+    :mod:`..saving.plan_cache`). ``frozen``: receives each large container of builtin values,
+    left in the tree as a :class:`.frozen.Frozen` (``snapshots``: ``{id(container): bytes}``
+    already taken in this ``save()``). ``path``: where ``obj`` sits (errors name the full key).
+    ``columns``: :data:`.bulk.Columns` of ``obj``'s tensors in walk order. ``texts``: receives
+    (node, its pairs' JSON) for each large dict taken in bulk (:func:`.bulk.dumps_tree`).
     """
     walk = _Walk(occurrences, None, frozen, snapshots, columns, texts)
     return walk.node(obj, path, len(path)), walk.leaves
@@ -202,15 +194,13 @@ def encode_tree(obj: Any, occurrences: list[int] | None = None, *, frozen: list[
 def encode_known(obj: Any, known: list[int], *, frozen: list[Frozen] | None = None,
                  snapshots: dict[int, bytes] | None = None) -> Any:
     """The tree of ``obj`` alone, for a state with the very same tensors as an earlier walk
-    whose ``occurrences`` were ``known`` (checked by the plan cache): tensors are neither
-    checked nor collected again (``frozen``, ``snapshots``: as :func:`encode_tree`)."""
+    whose ``occurrences`` were ``known`` (checked by the plan cache): no tensor is checked again."""
     return _Walk(None, known, frozen, snapshots, None, None).node(obj, (), 0)
 
 
 class _Walk:
-    """One walk of a state (:func:`encode_tree`, :func:`encode_known`), on the caller's thread,
-    used once. Not a recursive closure: that would be a reference cycle holding the caller's
-    tensors until the cyclic GC."""
+    """One walk of a state on the caller's thread, used once. Not a recursive closure: that
+    would be a reference cycle holding the caller's tensors until the cyclic GC."""
 
     __slots__ = ("occurrences", "known", "frozen", "snapshots", "columns", "texts", "leaves", "seen", "met")
 
@@ -259,8 +249,7 @@ class _Walk:
         raise _refusal(x, path)
 
     def tensor(self, t: torch.Tensor, path: tuple[Any, ...], is_np: bool) -> int:
-        """The leaf index of the tensor ``t`` (checked, detached; a view of bytes met before
-        shares that leaf)."""
+        """The leaf index of ``t`` (a view of bytes met before shares that leaf)."""
         self.met[0] += 1
         if self.known is not None:
             return self.known[self.met[0] - 1]
@@ -282,8 +271,7 @@ class _Walk:
         return i
 
     def snapshot(self, x: Any, tx: type, path: tuple[Any, ...], frozen: list[Frozen]) -> Frozen | None:
-        """``x`` (a large dict, list or tuple) as a :class:`.frozen.Frozen` appended to ``frozen``,
-        or None where it holds tensors or cannot be frozen (then it is walked)."""
+        """``x`` as a :class:`.frozen.Frozen` appended to ``frozen``, or None (then it is walked)."""
         data = self.snapshots.get(id(x)) if self.snapshots else None
         if data is None and _TENSOR_TYPES.isdisjoint(map(type, x.values() if tx is dict else x)):
             data = freeze(x)
@@ -293,8 +281,7 @@ class _Walk:
         return frozen[-1]
 
     def dict_node(self, x: dict[Any, Any], path: tuple[Any, ...], depth: int) -> Any:
-        """A dict's node: from the known walk, in bulk when all its values are plain tensors,
-        else key by key."""
+        """A dict's node: from the known walk, in bulk, or key by key."""
         if self.known is not None and (node := known_node(x, self.known, self.met)) is not None:
             return node
         if depth < MAX_DEPTH and len(x) >= BULK_MIN:  # (no column slices for the many small dicts)

@@ -3,20 +3,10 @@
 Called by :meth:`Manifest.from_bytes` (any thread) on every manifest read from a tier, and
 by the tiers for directory entries and file opens. Every defect becomes
 :class:`CorruptCheckpoint` naming the file and the field; nothing here allocates more than the
-metadata itself, follows a symlink, blocks on a FIFO or executes anything.
-
-What is checked:
-
-- JSON: finite numbers only (``1e400`` and ``NaN`` are corruption, not ``inf``), bounded ints;
-- every integer field is an int (not bool, not float) in its range;
-- shapes: bounded rank and dims, the element count computed without overflow even for
-  zero-element tensors with absurd dims, ``shape x itemsize == nbytes``;
-- entries lie inside their file, aligned, and do not overlap, except exact duplicates
-  (recorded aliases), which are read and allocated once (:attr:`.manifest.Manifest.alias_of`);
-- the distinct bytes the manifest asks to allocate are bounded by the files' sizes;
-- the state tree references existing entries, and a numpy node (``A``) only a dtype numpy has
-  (:func:`.decode.decode_tree`);
-- step directory names are canonical (``step-3``, not ``step-03``) and below 2**63.
+metadata itself, follows a symlink, blocks on a FIFO or executes anything. Checked: finite
+JSON numbers, int fields in range, bounded shapes (``shape x itemsize == nbytes``), entries
+inside their files, aligned and disjoint but for exact duplicates (aliases, read once), and
+canonical step directory names; the state tree by :func:`.decode.decode_tree`.
 """
 
 from __future__ import annotations
@@ -45,17 +35,15 @@ MAX_KEY_CHARS = 1 << 16
 MAX_DEPTH = 200
 """Deepest nesting of a state tree that is saved or loaded."""
 MAX_INT_BITS = 4096
-"""Plain ints in a state are bounded (saved and loaded alike): 4096 bits is far below the
-digit limit of Python's int<->str conversion, so what is saved can always be parsed."""
+"""Plain ints in a state are bounded: far below the digit limit of int<->str, so what is saved parses."""
 
 ITEMSIZE_BY_NAME: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8, "complex128": 16,
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
     "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
 }
-"""The tensor dtype names the format stores and their element sizes: the on-disk contract. Any
-other name is corruption, never a lookup by ``getattr(torch, name)`` (:mod:`.dtypes` maps them
-to this torch's dtypes)."""
+"""The tensor dtype names the format stores and their element sizes. Any other name is
+corruption, never a ``getattr(torch, name)`` (:mod:`.dtypes` maps them to torch dtypes)."""
 
 NUMPY_DTYPES = frozenset({
     "float64", "float32", "float16", "complex64", "complex128", "int64", "int32", "int16", "int8",
@@ -106,7 +94,7 @@ def integer(obj: dict[str, Any], k: str, where: str, lo: int = 0, hi: int = MAX_
 # -- shapes and entries ----------------------------------------------------------------------
 def check_shape(shape: Any, itemsize: int, nbytes: int, where: str, key: str) -> tuple[int, ...]:
     """A shape whose element count (with every dim, even when one is 0) stays bounded.
-    0-d and 1-d shapes that fit take one inline check (one call per entry of a manifest)."""
+    0-d and 1-d shapes take one inline check (one call per entry of a manifest)."""
     if type(shape) is list:
         if not shape and nbytes == itemsize:
             return ()
@@ -138,12 +126,8 @@ class Span:
 
 
 def check_spans(spans: Iterable[Span], file_bytes: dict[str, int], where: str) -> dict[int, int]:
-    """Entries inside their files, aligned (:func:`~.layout.item_align`, page items alone on
-    their pages; see :mod:`.layout`) and disjoint; exact duplicates become aliases.
-
-    Returns ``{index: index of the first identical entry}`` for the duplicates. Afterwards the
-    distinct payload bytes are at most the sum of the files' sizes.
-    """
+    """Entries inside their files, aligned (:func:`~.layout.item_align`) and disjoint; returns
+    ``{index: index of the first identical entry}`` for the exact duplicates (aliases)."""
     spans = spans if isinstance(spans, list) or hasattr(spans, "columns") else list(spans)
     if len(spans) >= _BULK_SPANS and _disjoint_in_bulk(spans, file_bytes):  # type: ignore[arg-type]
         return {}  # the common case, checked in bulk; anything else takes the loop (exact messages)
@@ -177,9 +161,8 @@ _BULK_SPANS = 1024
 
 
 def _disjoint_in_bulk(spans: Any, file_bytes: dict[str, int]) -> bool:
-    """True if every span lies in a listed file, aligned, and no two overlap (then
-    :func:`check_spans` has nothing to report): numpy over all spans at once. False where any
-    of that fails or does not fit int64: the loop then finds what and says it."""
+    """True if :func:`check_spans` has nothing to report (one file, numpy over all spans at once);
+    False otherwise, and the loop finds what and says it."""
     import numpy as np  # here, not at the top: a small manifest (zerostall ls/inspect) needs none
     n = len(spans)
     cols = spans.columns() if hasattr(spans, "columns") else (  # parsed columns (format.table), or Spans
@@ -217,11 +200,8 @@ def _disjoint_in_bulk(spans: Any, file_bytes: dict[str, int]) -> bool:
 
 # -- directory entries and files -------------------------------------------------------------
 def parse_step_dir(name: str, root: str = "") -> int | None:
-    """The step of a committed step directory name, or None.
-
-    Only the canonical spelling ``step-<N>`` (no leading zeros, N < 2**63) names a step; other
-    spellings that look like one (``step-03``) are ignored with a warning, once per name.
-    """
+    """The step of a canonical step directory name (``step-<N>``, no leading zeros, N < 2**63),
+    or None; a look-alike (``step-03``) is ignored with a warning, once per name."""
     m = _STEP_DIR_RE.match(name)
     if not m:
         return None
@@ -238,12 +218,9 @@ def parse_step_dir(name: str, root: str = "") -> int | None:
 
 
 def open_regular(path: str) -> int:
-    """Open ``path`` for reading only if it is a regular file: no symlink, no FIFO, device or directory.
-
-    ``O_NONBLOCK`` keeps a FIFO from blocking the open; ``O_NOFOLLOW`` refuses a final symlink.
-    The caller owns the returned fd (blocking mode restored). ``FileNotFoundError`` passes
-    through; anything else odd is :class:`CorruptCheckpoint`.
-    """
+    """Open ``path`` for reading only if it is a regular file (``O_NONBLOCK``: a FIFO cannot
+    block the open). The caller owns the fd (blocking mode restored). ``FileNotFoundError``
+    passes through; anything else odd is :class:`CorruptCheckpoint`."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -289,9 +266,8 @@ class NotPlain(Exception):
 
 
 def plain_copy(x: Any, depth: int = 0) -> Any:
-    """A copy of ``x`` if it is JSON-native and survives a round trip unchanged (dicts with str
-    keys, lists, str, bool, None, bounded ints, finite floats; exact types, no subclasses);
-    else raise :class:`NotPlain`. The copy is the snapshot the manifest is written from later."""
+    """A copy of ``x`` (the save's snapshot) if it is plain JSON that round-trips unchanged (exact
+    dicts with str keys, lists, str, bool, None, bounded ints, finite floats); else :class:`NotPlain`."""
     t = type(x)
     if t is str or t is bool or x is None or (t is float and x - x == 0.0) or (
             t is int and x.bit_length() <= MAX_INT_BITS):
@@ -325,8 +301,7 @@ def plain_copy(x: Any, depth: int = 0) -> Any:
 
 
 def is_plain(x: Any, depth: int = 0) -> bool:
-    """Whether :func:`plain_copy` would accept ``x`` (the same rule), without copying it: for
-    a private copy already taken (:mod:`.frozen`)."""
+    """Whether :func:`plain_copy` would accept ``x``, without copying it (:mod:`.frozen`)."""
     stack = [(x, depth)]
     while stack:
         x, depth = stack.pop()

@@ -1,9 +1,6 @@
 """Shared by the adapters: their saving state (:class:`AdapterSaves`), the guard for states a
 framework mutates, and the publisher that shows a staged checkpoint under the framework's name
-once committed.
-
-Called from the training thread only (the framework's checkpoint hooks), except
-:class:`Publisher`'s own thread.
+once committed. Training thread only (the framework's hooks), except :class:`Publisher`'s own.
 """
 
 from __future__ import annotations
@@ -32,9 +29,7 @@ def is_committed(path: str | os.PathLike[str]) -> bool:
     p = os.fspath(path)
     if not os.path.isdir(p):
         return False
-    # the tier's own listing: canonical step names whose manifest validates (a crash between the
-    # manifest write and the rename leaves step-N.partial/manifest.json, which is not a commit)
-    return bool(open_root(p).steps())
+    return bool(open_root(p).steps())  # step-N.partial/manifest.json is not a commit
 
 
 def numbered(parent: str, pattern: re.Pattern[str]) -> list[tuple[int, str]]:
@@ -53,8 +48,7 @@ def newest_committed(parent: str, pattern: re.Pattern[str]) -> str | None:
 
 def unowned(path: str) -> bool:
     """Whether no live writer holds ``path``'s root lock (taken and let go at once), so an
-    earlier run's leftover there may be removed or published; a held one is logged and left
-    alone. Training thread (start-up cleanup)."""
+    earlier run's leftover there may be removed or published; a held one is logged."""
     lock = RootLock(path)
     try:
         lock.acquire(0.0)
@@ -121,15 +115,10 @@ def load_torch_file(path: str, map_location: Any) -> dict[str, Any]:
 
 
 class StateGuard:
-    """While a save is being staged, make the framework's in-place updates wait for it.
-
-    - a global optimizer step pre-hook (every ``torch.optim.Optimizer``; with a closure the
-      wait happens after the closure's forward/backward);
-    - a global module forward pre-hook, registered only while a snapshot is in flight, that
-      waits when the module about to run owns a buffer being copied (BatchNorm statistics are
-      updated in place by forward).
-
-    ``track(ckpt, state)`` after each ``save``; ``close()`` removes the hooks.
+    """While a save is being staged, make the framework's in-place updates wait for it: a
+    global optimizer step pre-hook, and a global module forward pre-hook (only while a snapshot
+    is in flight) that waits when the module about to run owns a buffer being copied (BatchNorm
+    updates its statistics in forward). ``track`` after each ``save``; ``close`` removes the hooks.
     """
 
     def __init__(self) -> None:
@@ -214,17 +203,14 @@ class _Publish:
 class Publisher(Worker[Any]):
     """Shows a staged checkpoint directory under the framework's name once it is committed.
 
-    The framework's own "latest checkpoint" discovery (HF ``get_last_checkpoint``, Lightning
-    ``ckpt_path="last"``) lists names; a directory under such a name that holds no committed
-    step (a process killed during its first save) stops a resume. So a save goes into
-    ``staged`` (a hidden sibling); this thread waits until it is committed, closes its
-    Checkpointer, and renames ``staged`` to ``final`` (``publish_dir``: rename, or an atomic
-    exchange with a previous copy), so a listed name always holds a committed checkpoint.
-    A failed save's directory is removed; its error is kept for :meth:`errors`.
+    A framework's "latest checkpoint" discovery lists names, and a name holding no committed
+    step stops a resume. So a save goes into ``staged`` (a hidden sibling); this thread waits
+    until it is committed, closes its Checkpointer and renames ``staged`` to ``final``
+    (``publish_dir``), so a listed name always holds a committed checkpoint. A failed save's
+    directory is removed; its error is kept for :meth:`errors`.
 
-    ``submit`` from the training thread; one daemon thread publishes, in
-    submission order. ``_hook`` is the crash-test seam: called with ``"publish"`` just
-    before each rename.
+    ``submit`` from the training thread; one daemon thread publishes, in submission order.
+    ``_hook`` is the crash-test seam: called with ``"publish"`` just before each rename.
     """
 
     _hook: Callable[[str], None] | None = None
@@ -299,7 +285,6 @@ class Publisher(Worker[Any]):
                 self._pending[p.final] -= 1
                 if self._pending[p.final] <= 0:
                     del self._pending[p.final]
-
 
 
 class AdapterSaves:

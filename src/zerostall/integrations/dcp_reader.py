@@ -35,10 +35,10 @@ from ..errors import CheckpointNotFound, CorruptCheckpoint, StorageError
 from ..format.dtypes import dtype_from_name
 from ..format.layout import ShardHeader
 from ..format.shard import read_shard
+from ..io import choose_engine
 from ..memory.arena import Arena
 from .dcp_meta import Record, read_metadata_file, validate
-from .dcp_writer import (METADATA, WINDOW_BYTES, CheckpointId, UnsupportedCheckpoint, _io_engine, _ZSInfo,
-                         metadata_name)
+from .dcp_writer import METADATA, WINDOW_BYTES, CheckpointId, UnsupportedCheckpoint, _ZSInfo, metadata_name
 
 
 def _by_file(records: dict[MetadataIndex, Record],
@@ -57,7 +57,7 @@ def _shard_io(path: str, io_cfg: IOConfig | None, largest: int) -> Iterator[tupl
     """The I/O engine for ``path`` and a bounce buffer for files of up to ``largest`` bytes."""
     bounce = Arena(min(WINDOW_BYTES, largest), mlock=False, prefault=False)
     try:
-        eng = _io_engine(path, io_cfg)
+        eng = choose_engine(path, io_cfg or IOConfig())
         try:
             yield eng, bounce
         finally:
@@ -287,6 +287,8 @@ class DcpInfo:
     files: list[str] = field(default_factory=list)
     total_bytes: int = 0
     save_id: str = ""
+    md: Any = field(default=None, repr=False)
+    records: dict[MetadataIndex, Record] = field(default_factory=dict, repr=False)
 
     @property
     def kind_name(self) -> str:
@@ -298,10 +300,6 @@ def describe(path: str, name: str = METADATA) -> DcpInfo:
     where = os.path.join(path, name)
     md = read_metadata_file(where)
     kind, records = validate(md, where, path)
-    return _summary(where, kind, md, records)
-
-
-def _summary(where: str, kind: str, md: Metadata, records: dict[Any, Record]) -> DcpInfo:
     info = DcpInfo(where, kind, save_id=str(getattr(md.storage_meta, "save_id", "") or ""))
     for fqn, entry in md.state_dict_metadata.items():
         if isinstance(entry, BytesStorageMetadata):
@@ -312,16 +310,15 @@ def _summary(where: str, kind: str, md: Metadata, records: dict[Any, Record]) ->
                                  "shape": list(entry.size), "chunks": len(entry.chunks)})
     info.files = sorted({r.file for r in records.values()})
     info.total_bytes = sum(r.nbytes for r in records.values())
+    info.md, info.records = md, records
     return info
 
 
 def verify(path: str, name: str = METADATA, io_cfg: IOConfig | None = None) -> DcpInfo:
     """Check every byte (zerostall.dcp) or every record (FileSystemWriter); raise CorruptCheckpoint."""
-    where = os.path.join(path, name)
-    md = read_metadata_file(where)
-    kind, records = validate(md, where, path)
-    by_file = _by_file(records, md.storage_data)
-    if kind == "zerostall":
+    info = describe(path, name)
+    by_file = _by_file(info.records, info.md.storage_data)
+    if info.kind == "zerostall":
         largest = max((v.file_bytes for rs in by_file.values() for _, v in rs), default=4096)
         with _shard_io(path, io_cfg, largest) as (eng, bounce):
             for fname, rs in by_file.items():
@@ -330,7 +327,7 @@ def verify(path: str, name: str = METADATA, io_cfg: IOConfig | None = None) -> D
                     read_shard(f, os.path.join(path, fname), v0.file_bytes,
                                ShardHeader(v0.file_id, 0, v0.rank, v0.file_bytes), [r for r, _ in rs],
                                [None] * len(rs), bounce)
-        return _summary(where, kind, md, records)
+        return info
     for fname, rs in by_file.items():
         fpath = os.path.join(path, fname)
         with open(fpath, "rb") as f:
@@ -343,4 +340,4 @@ def verify(path: str, name: str = METADATA, io_cfg: IOConfig | None = None) -> D
                     raise CorruptCheckpoint(f"{fpath}: {r.key!r} does not load under weights_only "
                                             f"({type(exc).__name__}: {str(exc)[:160]})",
                                             path=fpath, key=r.key) from None
-    return _summary(where, kind, md, records)
+    return info

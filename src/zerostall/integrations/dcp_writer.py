@@ -44,8 +44,7 @@ from torch.futures import Future
 from ..config import IOConfig
 from ..errors import CheckpointExistsError, ConfigError, CorruptCheckpoint, storage_error
 from ..format.dtypes import dtype_name
-from ..format.layout import ShardHeader
-from ..format.layout import pack_offsets
+from ..format.layout import ShardHeader, pack_offsets
 from ..format.shard import write_shard
 from ..memory.arena import Arena
 from ..store.local import fsync_dir, write_file_durable
@@ -53,22 +52,18 @@ from ..io import choose_engine
 
 log = logging.getLogger("zerostall")
 
-METADATA = ".metadata"
-"""DCP's metadata file; without collectives each rank writes ``__R.metadata``."""
+METADATA = ".metadata"  # without collectives each rank writes __R.metadata
 DCP_VERSION = "1.0.0"  # the ``Metadata.version`` FileSystemWriter records for this layout
 WINDOW_BYTES = 64 << 20
-SHARD_RE = re.compile(r"^rank-(\d{5,})-([0-9a-f]{12})\.shard$")
-"""Shard files this writer creates: storage index and save id."""
+SHARD_RE = re.compile(r"^rank-(\d{5,})-([0-9a-f]{12})\.shard$")  # storage index, save id
 _TMP_RE = re.compile(r"^(__\d+)?\.metadata\.[0-9a-f]{12}\.tmp$")
 
 
 @dataclass(frozen=True)
 class _ZSInfo:
-    """Where one DCP storage item lives; the value type of ``Metadata.storage_data``.
-
-    ``rank`` is the storage index (the shard's writer), ``file_id`` the id in its header.
-    Pickled into ``.metadata``: renaming or moving it breaks existing checkpoints.
-    """
+    """Where one DCP storage item lives (``Metadata.storage_data``'s values); ``rank`` is the
+    storage index, ``file_id`` the id in the shard's header. Pickled into ``.metadata``:
+    renaming or moving it breaks existing checkpoints."""
 
     file: str
     offset: int
@@ -93,11 +88,8 @@ class UnsupportedCheckpoint(CorruptCheckpoint):
 
 
 class CheckpointAlreadyExists(CheckpointExistsError, RuntimeError):
-    """``overwrite=False`` and the directory already holds DCP metadata.
-
-    A ``RuntimeError`` with DCP's own text, as ``FileSystemWriter`` raises, and a
-    :class:`~zerostall.errors.CheckpointExistsError`.
-    """
+    """``overwrite=False`` and the directory already holds DCP metadata: a ``RuntimeError`` with
+    DCP's own text, as ``FileSystemWriter`` raises, and a :class:`~zerostall.errors.CheckpointExistsError`."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
@@ -120,9 +112,8 @@ def check_checkpoint_id(checkpoint_id: Any) -> str:
 
 
 class CheckpointId:
-    """The checkpoint id :class:`Writer` and :class:`~.dcp_read.Reader` share: DCP's
-    ``checkpoint_id`` property, the id ``reset`` moves to, and ``validate_checkpoint_id``
-    (a local path, never a URL). Caller's thread."""
+    """DCP's ``checkpoint_id`` property and ``validate_checkpoint_id`` (a local path, never a
+    URL), shared by :class:`Writer` and :class:`~.dcp_reader.Reader`."""
 
     _id: str | os.PathLike[str]
     path: str
@@ -142,11 +133,6 @@ class CheckpointId:
         except Exception:  # noqa: BLE001 - DCP asks yes/no
             return False
         return True
-
-
-def _io_engine(path: str, io_cfg: IOConfig | None) -> Any:
-    """The I/O engine for ``path``: the one choice ``io/`` makes for every writer and reader."""
-    return choose_engine(path, io_cfg or IOConfig())
 
 
 def _link_no_clobber(src: str, dst: str) -> None:
@@ -170,11 +156,8 @@ def metadata_name(rank: int | None, use_collectives: bool) -> str:
 class Writer(CheckpointId, StorageWriter):
     """``FileSystemWriter``'s drop-in: ``dcp.save(sd, storage_writer=Writer(path))``.
 
-    ``overwrite`` as in ``FileSystemWriter`` (default True). ``io`` picks the engine
-    (default: probed per directory). ``sync_files``, ``thread_count``,
-    ``single_file_per_rank``, ``per_thread_copy_ahead`` and ``cache_staged_state_dict`` are
-    accepted so existing calls keep working; zerostall always writes one file per rank with
-    direct I/O and always syncs (``sync_files=False`` is refused).
+    ``overwrite`` as there (default True); ``io`` picks the engine (default: probed). The other
+    arguments are accepted and ignored, except ``sync_files=False``, which is refused.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, io: IOConfig | None = None, overwrite: bool = True,
@@ -260,7 +243,7 @@ class Writer(CheckpointId, StorageWriter):
                     file_bytes: int) -> list[int]:
         path = os.path.join(self.path, fname)
         buf = Arena(min(WINDOW_BYTES, file_bytes), mlock=False)
-        eng = _io_engine(self.path, self.io)
+        eng = choose_engine(self.path, self.io or IOConfig())
         try:
             f = eng.open_write(path, file_bytes)
             try:

@@ -48,14 +48,10 @@ except ImportError:  # the standalone pytorch_lightning package
                           ) from exc
 
 log = logging.getLogger("zerostall")
-_REMOVING = ".zerostall-removing"
-"""Suffix of a path Lightning removed, deleted once the saves in flight are durable."""
-_REPLACED = ".zerostall-replaced"
-"""Suffix of a torch.save file set aside by an earlier version while a save replaced it."""
-_FIRST = ".zerostall-first"
-"""Suffix of the hidden sibling a path's first save is written into (renamed once committed)."""
+_REMOVING = ".zerostall-removing"  # a path Lightning removed, deleted once the saves in flight are durable
+_REPLACED = ".zerostall-replaced"  # a torch.save file an earlier version set aside while a save replaced it
+_FIRST = ".zerostall-first"  # a path's first save, renamed to the path once committed
 RNG_KEY = "zerostall_rng"
-"""The checkpoint key holding :func:`zerostall.rng_state` (restored by ``load_checkpoint``)."""
 
 __all__ = ["ZerostallCheckpointIO", "is_zerostall_checkpoint", "load_from_checkpoint"]
 
@@ -71,11 +67,9 @@ def _aside(root: str, suffix: str) -> str:
 class ZerostallCheckpointIO(CheckpointIO):
     """Lightning ``CheckpointIO`` over zerostall (see the module docstring).
 
-    ``config``/``overrides``: :class:`~zerostall.CheckpointConfig` fields for the
-    Checkpointers (e.g. ``staging=StagingConfig(budget_bytes=...)``); ``keep_last`` and
-    ``dist_mode`` are set by the plugin (one committed step per path, rank-local saves), and
-    ``remote`` is not supported here (each path would need its own remote prefix).
-    ``wait_staged``: block in ``save_checkpoint`` until the snapshot is copied.
+    ``config``/``overrides``: :class:`~zerostall.CheckpointConfig` fields for the Checkpointers;
+    the plugin sets ``keep_last`` and ``dist_mode``, and refuses ``remote``. ``wait_staged``:
+    block in ``save_checkpoint`` until the snapshot is copied.
     """
 
     def __init__(self, config: CheckpointConfig | None = None, *, wait_staged: bool = False,
@@ -140,8 +134,7 @@ class ZerostallCheckpointIO(CheckpointIO):
         if ck is not None:
             ck.wait()
         self._saves.drain(root)
-        # a run that died while a save replaced this path's previous checkpoint: that one goes
-        # back first (resuming runs load before they save, when the cleanup runs)
+        # resuming runs load before the save-time cleanup runs
         self._settle_replaced(root, _aside(root, _REPLACED))
         if os.path.isfile(root):
             out = load_torch_file(root, map_location)
@@ -165,8 +158,7 @@ class ZerostallCheckpointIO(CheckpointIO):
             return
         if not os.path.isdir(root):
             return
-        # Out of Lightning's namespace at once; the bytes go once every save in flight is
-        # durable, so a crash meanwhile never leaves fewer checkpoints than before.
+        # the bytes go once every save in flight is durable: a crash never leaves fewer checkpoints
         trash = self._trash_name(root)
         os.rename(root, trash)
         self._remove_after(trash, [h for h in self.handles if not h.done()])
@@ -223,9 +215,8 @@ class ZerostallCheckpointIO(CheckpointIO):
             names = os.listdir(directory)
         except FileNotFoundError:
             return
-        # a first save a crash cut short: removed (never a live writer's); not published even when
-        # committed: a name appearing under ModelCheckpoint after it started makes it save
-        # last-v1.ckpt instead of last.ckpt
+        # a first save a crash cut short is removed, never published: a name appearing under a
+        # started ModelCheckpoint makes it save last-v1.ckpt instead of last.ckpt
         recover_staged(directory, lambda n: os.path.join(directory, n[1:-len(_FIRST)])
                        if n.startswith(".") and n.endswith(_FIRST) else None)
         for n in names:
@@ -236,10 +227,9 @@ class ZerostallCheckpointIO(CheckpointIO):
                 self._settle_replaced(os.path.join(directory, n[1:-len(_REPLACED)]), os.path.join(directory, n))
 
     def _settle_replaced(self, root: str, replaced: str) -> None:
-        """``replaced`` held ``root``'s previous checkpoint (a torch.save file or link) while a
-        save replaced it: removed if ``root`` now holds a committed checkpoint, else put back
-        (an uncommitted directory at ``root``, what the failed save left, is removed first).
-        An OSError is logged: it never fails the load or save that is starting."""
+        """``replaced`` held ``root``'s previous checkpoint while a save replaced it: removed if
+        ``root`` is now committed, else put back (over the failed save's directory). An OSError
+        is logged, never raised."""
         if not os.path.lexists(replaced):
             return
         try:
@@ -296,8 +286,7 @@ def _remove(path: str) -> None:
 def load_from_checkpoint(cls: Any, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None,
                          strict: bool | None = None, weights_only: bool | None = None, **kwargs: Any) -> Any:
     """``cls.load_from_checkpoint(path, ...)`` for a zerostall checkpoint (a LightningModule or
-    LightningDataModule class). Falls back to Lightning's own loader for ``torch.save`` files
-    (``weights_only`` is passed to it; a zerostall checkpoint never unpickles anything)."""
+    LightningDataModule class); Lightning's own loader for ``torch.save`` files."""
     root = os.fspath(checkpoint_path)
     if not is_zerostall_checkpoint(root):
         return cls.load_from_checkpoint(root, map_location=map_location, hparams_file=hparams_file,

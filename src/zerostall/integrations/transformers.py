@@ -57,10 +57,8 @@ def last_committed_checkpoint(run_dir: str) -> str | None:
 
 class ZerostallTrainerMixin:
     """Put before ``Trainer`` (or any subclass of it) in the bases; see the module docstring.
-
-    ``zerostall_config``: the :class:`~zerostall.CheckpointConfig` for the checkpointers
-    (default: from the environment), e.g. to set a staging budget or the I/O engine.
-    """
+    ``zerostall_config``: the checkpointers' :class:`~zerostall.CheckpointConfig` (default: from
+    the environment)."""
 
     def __init__(self, *args: Any, zerostall_config: CheckpointConfig | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -74,8 +72,8 @@ class ZerostallTrainerMixin:
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_committed_checkpoint(self.args.output_dir) or True
         if isinstance(resume_from_checkpoint, (str, os.PathLike)) and is_committed(resume_from_checkpoint):
-            # HF reads trainer_state.json itself: rewrite it from the committed checkpoint
-            # (every rank may do this at once: same bytes, each through its own atomic rename)
+            # HF reads trainer_state.json itself: rewritten from the committed checkpoint (by
+            # every rank at once: same bytes, each its own atomic rename)
             state = self._zs_loaded(os.fspath(resume_from_checkpoint))["trainer_state"]
             path = os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)
             state.save_to_json(f"{path}.{os.getpid()}.tmp")
@@ -83,8 +81,7 @@ class ZerostallTrainerMixin:
         try:
             out = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
         except BaseException as exc:
-            # the training's own error is what the caller must see; a checkpoint failure met
-            # while finishing is logged and attached to it, never raised in its place
+            # the caller sees the training's own error; a checkpoint failure is attached to it
             try:
                 self._zs_finish()
             except BaseException as cleanup:  # noqa: BLE001 - reported on the original error
@@ -94,14 +91,13 @@ class ZerostallTrainerMixin:
             raise
         self._zs_finish()
         if self.args.world_size > 1:
-            # rank 0 renames the checkpoints: no rank goes on (e.g. to a resume that lists
-            # them) before every one is in place, so all ranks see the same checkpoints
+            # rank 0 renames the checkpoints: no rank goes on before every one is in place
             self.accelerator.wait_for_everyone()
         return out
 
     def _zs_recover(self, run_dir: str) -> None:
         """Start-up: what a crashed run left staged is removed, or published when committed
-        (single process only: under torch.distributed other ranks may be choosing a checkpoint)."""
+        (single process only: other ranks may be choosing a checkpoint)."""
         def final_of(n: str) -> str | None:
             m = _STAGED_RE.match(n)
             return None if m is None else os.path.join(run_dir, m.group(1))
@@ -160,7 +156,8 @@ class ZerostallTrainerMixin:
         if not self.args.should_save:  # the directory is rank 0's: close this rank's part only
             saves.publish(staging, output_dir, handle, ck, rename=False)
             return
-        text = _state_json(self.state).encode()  # as of this step; written behind training
+        # TrainerState.save_to_json's bytes as of this step, written behind training
+        text = (json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n").encode()
         limit, best = self.args.save_total_limit, self.state.best_model_checkpoint
 
         def state_json() -> None:  # the publisher's thread: durable before the rename shows the folder
@@ -216,11 +213,6 @@ class ZerostallTrainerMixin:
         model = self.accelerator.unwrap_model(self.model)
         result = model.load_state_dict(_zs_load(best)["model"], strict=False)
         self._issue_warnings_after_load(result)
-
-
-def _state_json(state: TrainerState) -> str:
-    """What ``TrainerState.save_to_json`` writes."""
-    return json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
 
 
 class ZerostallTrainer(ZerostallTrainerMixin, Trainer):

@@ -1,12 +1,6 @@
-"""The restore stage: find the newest step that verifies and load it (one entry: :func:`load`).
-
-Called from the caller's thread (``zerostall.load``, ``Checkpointer.load``, the CLI).
-Modules, downward only:
-
-- :mod:`.pipeline` -- candidate steps newest first, per step (:mod:`.step`, :mod:`.stream`),
-  fallback; a remote's steps through :mod:`.download`.
-- :mod:`.state` -- where restored tensors go (in place, new, ``keys=``) and the :class:`LoadReport`.
-- :mod:`.retry` -- the rule for a step that changes while it is read (load and verify share it).
+"""The restore stage: find the newest step that verifies and load it (one entry: :func:`load`,
+caller's thread). :mod:`.pipeline` walks the candidates; :mod:`.step` and :mod:`.stream` read
+one; :mod:`.state` places the tensors; :mod:`.download` fetches a remote's steps.
 """
 
 from .download import FETCH_LOCK_NAME

@@ -1,8 +1,5 @@
-"""Restore, agreed across ranks: every rank of a group loads the same step, the newest all can
-load (the rounds: :mod:`zerostall.distributed.agree`).
-
-Called by ``Checkpointer.load`` (through the store committer) and ``zerostall.load`` (caller's
-thread, every rank of the group, collectively).
+"""Restore, agreed across ranks: every rank of a group loads the newest step all can load
+(the rounds: :mod:`zerostall.distributed.agree`).
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ _calls: dict[str, int] = {}
 
 
 def collective_base(ns: str) -> str:
-    """A key base for this process's next collective load under ``ns``: every rank counts its
-    collective loads of a root the same way (each is a collective call)."""
+    """A key base for this process's next collective load under ``ns`` (every rank counts alike)."""
     n = _calls[ns] = _calls.get(ns, 0) + 1
     return f"{ns}/load{n}"
 
@@ -33,16 +29,13 @@ def collective_load(store: Store, base: str, rank: int, world: int, path: str, s
                     request: LoadRequest, *, report: Any = None, timeout_s: float = 600.0,
                     extra_steps: Iterable[int] = (), exclude_steps: Iterable[int] = (),
                     prepare: Callable[[int], None] | None = None, engine: Any = None, bounce: Any = None) -> Any:
-    """``zerostall.restore.load`` on every rank of a group, agreeing on one step (module
-    docstring). Called by ``Checkpointer.load`` and ``zerostall.load`` (caller's thread).
-    ``request``: what to load (its ``rank``, ``world_size`` and ``gate`` are this call's own;
-    ``fallback`` applies across the agreed steps, each step's load falls back between its copies).
-    ``extra_steps``: more steps this rank can load (peer replicas: those live holders keep for
-    its node); ``exclude_steps``: steps not to offer (the ranks hold different commits of
-    them); ``prepare(step)`` runs before each step is loaded (bringing those files in): what
-    it raises fails that step on this rank, and every rank falls back together."""
+    """``zerostall.restore.load`` on every rank of a group, agreeing on one step. Called by
+    ``Checkpointer.load`` and ``zerostall.load`` (caller's thread, collectively). ``request``:
+    what to load (``fallback`` applies across the agreed steps; its ``rank``, ``world_size``
+    and ``gate`` are set here). ``extra_steps``: more steps this rank can load (peer replicas);
+    ``exclude_steps``: steps not to offer; ``prepare(step)`` runs before each step's load (what
+    it raises fails that step on this rank, and every rank falls back together)."""
     report = report if report is not None else LoadReport()
-    # the steps this rank may load: listed in path (damaged ones too: loading says why), the remote's
     cands = set(open_root(path).listed_steps()) if os.path.isdir(path) else set()
     remote = request.remote
     if isinstance(remote, str):

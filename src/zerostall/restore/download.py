@@ -1,9 +1,6 @@
 """Downloading a step from a remote tier into the local one (``load(..., remote=...)``, and
-``zerostall restore URL --to DIR``: :func:`restore_remote`).
-
-Called from the caller's thread. One process at a time downloads into a root
-(:func:`fetch_lock`); the step is written into its ``.partial`` and committed like a save's
-(replacing a local copy), the steps it borrows from first.
+``zerostall restore URL --to DIR``: :func:`restore_remote`). Caller's thread, one process per
+root at a time (:func:`fetch_lock`); committed like a save's, the steps it borrows first.
 """
 
 from __future__ import annotations
@@ -48,10 +45,8 @@ def damaged_local_ref(tier: RootTier, step: int, exc: BaseException) -> int | No
 @contextlib.contextmanager
 def fetch_lock(root: str) -> Iterator[None]:
     """An exclusive ``flock`` on ``<root>/.zerostall.fetch.lock`` while one process downloads
-    a step into ``root``: the ranks of a node restoring into one directory at once take turns.
-    Separate from the owner's root lock, which a training run holds for its lifetime. A
-    :class:`~zerostall.store.owner.FileLock` that is never removed, so a child forked meanwhile
-    neither keeps it (its at-fork handler closes its copy) nor unlocks it."""
+    into ``root`` (the ranks of a node take turns); not the owner's root lock. Never removed,
+    so a child forked meanwhile neither keeps nor unlocks it."""
     lock = FileLock(os.path.join(root, FETCH_LOCK_NAME))
     lock.acquire(wait=True)
     if not lock.enforced:
@@ -73,13 +68,11 @@ def rank_files(man: Manifest, rank: int, world_size: int) -> set[str] | None:
 
 def fetch(tier: RootTier, remote: Tier, step: int, seen: Any = _ANY,
           who: tuple[int, int] | None = None) -> tuple[Manifest, bool]:
-    """Download ``step`` from ``remote`` into the local tier (direct I/O) and commit it there
-    (replacing a local copy; the steps it borrows from are fetched first if missing locally).
-    Returns its manifest and whether this call downloaded it (False: another process committed
-    the same checkpoint locally since the caller saw ``seen``, the identity of the local
-    manifest the caller found missing (None) or damaged; ``_ANY``: always download). ``who`` =
-    (rank, world_size): a per-rank checkpoint fetches only that rank's files (and the
-    manifest); a local copy of the same checkpoint that lacks them gets them added in place."""
+    """Download ``step`` from ``remote`` into the local tier and commit it there (replacing a
+    local copy; the steps it borrows first). Returns its manifest and whether this call
+    downloaded it (False: another process committed it since the caller saw ``seen``, the
+    local manifest's identity; ``_ANY``: always download). ``who`` = (rank, world_size): only
+    that rank's files, added in place to a local copy of the same checkpoint."""
     man = remote.read_manifest(step)  # validated; names this step
     only = rank_files(man, *who) if who is not None else None
     os.makedirs(tier.root, exist_ok=True)
@@ -106,9 +99,8 @@ def fetch(tier: RootTier, remote: Tier, step: int, seen: Any = _ANY,
 
 
 def _add_files(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[str]) -> None:
-    """Download the files in ``only`` into the committed local copy of ``step`` (which lacks them,
-    or holds copies that failed), each into a temporary name in it, then renamed into place
-    (caller holds the fetch lock)."""
+    """Download the files in ``only`` into the committed local copy of ``step``, each through a
+    temporary name (caller holds the fetch lock)."""
     d = tier.step_dir(step)
     for fe in man.files:
         if fe.name not in only:  # ours are fetched again even if present: the local ones failed
@@ -121,8 +113,7 @@ def _add_files(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[
 
 
 def _checked_rel(remote: Any, step: int, name: str, nbytes: int) -> str:
-    """``step-N/<name>`` on ``remote``, after checking it holds the manifest's ``nbytes``
-    (CorruptCheckpoint naming the remote object otherwise)."""
+    """``step-N/<name>`` on ``remote``, checked to hold ``nbytes`` (else CorruptCheckpoint)."""
     rel = f"step-{step}/{name}"
     size = remote.stat(rel)
     if size != nbytes:
@@ -133,8 +124,7 @@ def _checked_rel(remote: Any, step: int, name: str, nbytes: int) -> str:
 
 
 def _download(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[str] | None) -> None:
-    """Download ``step``'s files (those in ``only``, if given) into its ``.partial`` and commit it
-    (caller holds the locks)."""
+    """``step``'s files (``only``, if given) into its ``.partial``, then commit (locks held)."""
     part = tier.begin(step)
     try:
         for fe in man.files:
@@ -150,16 +140,11 @@ def _download(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[s
 def restore_remote(tier: RootTier, remote: Any, engine: Engine, step: int | None = None, *,
                    report: LoadReport | None = None,
                    on_failure: Callable[[int, str], None] | None = None) -> Manifest:
-    """Download and verify the newest step of ``remote`` (or ``step``) into ``tier`` without
-    loading it; its manifest. The library's entry for ``zerostall restore URL --to DIR``, with
-    the fallback rule of :func:`.pipeline.load`: any defect of a step (a damaged, missing or
-    symlinked object, a failed download, a crc32c mismatch) is reported, its download removed,
-    and the previous step tried; an error of the arguments (``ConfigError``) is raised.
-
-    Caller's thread; the caller owns ``tier`` (``RootTier.own``). ``on_failure(step, reason)``
-    is told of each step that failed (the CLI prints them); ``report`` gets the step restored
-    and those failures. Raises ``CheckpointNotFound`` when the remote holds no (such) step,
-    ``CorruptCheckpoint`` when none verifies.
+    """Download and verify the newest step of ``remote`` (or ``step``) into ``tier`` (owned by
+    the caller) without loading it; returns its manifest. ``zerostall restore URL --to DIR``,
+    with :func:`.pipeline.load`'s fallback: a step's defect is reported (``on_failure(step,
+    reason)``, ``report``), its download removed, the previous step tried. Raises
+    ``CheckpointNotFound`` (no such step), ``CorruptCheckpoint`` (none verifies), ``ConfigError``.
     """
     steps = remote.steps()
     if step is not None:

@@ -1,11 +1,9 @@
 """Restore: find the newest committed checkpoint that verifies and load it (:func:`load`).
 
-Called from the caller's thread (``zerostall.load``, ``Checkpointer.load``, the CLI). For
-each candidate step, newest first (local copy, then the remote's), :func:`.step.load_step`
-loads it; a step that fails is logged with the file and tensor at fault, and the previous
-one is tried. Every defect of a checkpoint falls back (manifest, files, allocation, bytes),
-never one of the caller's (:class:`StateMismatchError`, :class:`ConfigError`). In-place loads
-are transactional: a fallback never leaves a failed step's bytes behind.
+Caller's thread (``zerostall.load``, ``Checkpointer.load``, the CLI). Candidates newest first
+(local copy, then the remote's), each by :func:`.step.load_step`; every defect of a checkpoint
+is logged and falls back to the previous one, never a defect of the caller's
+(:class:`StateMismatchError`, :class:`ConfigError`), and never leaves a failed step's bytes behind.
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ log = logging.getLogger("zerostall")
 
 @dataclass(frozen=True, kw_only=True)
 class LoadRequest:
-    """What one :func:`load` asks for; built on the caller's thread, never changed after
-    (``dataclasses.replace`` derives another, e.g. one step of a collective load)."""
+    """What one :func:`load` asks for (immutable: ``dataclasses.replace`` derives another)."""
 
     step: int | None = None
     """Exactly this step (None: the newest that verifies)."""
@@ -61,14 +58,12 @@ class LoadRequest:
 
 def load(path: str, state_dict: Any = None, request: LoadRequest | None = None, *, engine: Engine | None = None,
          bounce: Arena | None = None, report: LoadReport | None = None) -> Any:
-    """Load the newest verified checkpoint (or ``request.step``) under ``path``; see the module doc.
+    """Load the newest verified checkpoint (or ``request.step``) under ``path``.
 
-    With ``request.remote`` (a URL or tier), steps only the remote holds are downloaded into
-    ``path`` first (``download=False``: streamed from the remote, only the byte ranges this
-    rank needs, nothing written locally). A step deleted meanwhile (retention) is not a
-    failure: the listing is read again. ``engine`` and ``bounce``: the I/O engine and staging
-    memory to read with (None: opened here). ``report`` (a :class:`LoadReport`) is filled in
-    with the step loaded and the key report.
+    A step only ``request.remote`` holds is downloaded into ``path`` first (``download=False``:
+    streamed, nothing written). A step deleted meanwhile is not a failure. ``engine``,
+    ``bounce``: the I/O engine and scratch (None: opened here). ``report`` gets the step
+    loaded and the key report.
     """
     req = _checked(request if request is not None else LoadRequest())
     remote, remote_why, remote_steps = req.remote, "", []
@@ -113,8 +108,8 @@ def load(path: str, state_dict: Any = None, request: LoadRequest | None = None, 
 
 
 def _checked(req: LoadRequest) -> LoadRequest:
-    """``req`` with its remote opened (a URL becomes a tier) and ``keys`` a list; a bad
-    ``keys`` or ``map_location`` raises :class:`ConfigError` before anything is read."""
+    """``req`` with its remote opened and ``keys`` a list; a bad ``keys`` or ``map_location``
+    raises :class:`ConfigError` before anything is read."""
     remote, keys = req.remote, req.keys
     if isinstance(remote, str):
         remote = open_tier(remote, io=req.io)
@@ -128,9 +123,8 @@ def _checked(req: LoadRequest) -> LoadRequest:
 
 @dataclass
 class _Fallback:
-    """One load's walk over the candidate copies, newest step first, local before remote
-    (caller's thread): which were tried, which failed and why. A copy deleted or overwritten
-    while it was read, or a downloaded step whose local base is damaged, is tried again."""
+    """One load's walk over the candidate copies, newest first, local before remote: which were
+    tried, which failed and why (a copy changed under the read is tried again, :mod:`.retry`)."""
 
     tier: RootTier
     remote: Any
@@ -141,10 +135,8 @@ class _Fallback:
     replaced: dict[int, int] = field(default_factory=dict)
     refetched: set[int] = field(default_factory=set)
     seen_local: dict[int, Any] = field(default_factory=dict)
-    """Step -> identity of the local manifest this load tried (a download must not replace it)."""
     errors: list[str] = field(default_factory=list)
     part_loaded: bool = False
-    """A failed step wrote part of the state dict (:attr:`CorruptCheckpoint.part_loaded`)."""
 
     def next(self) -> tuple[int, str] | None:
         """The next (step, "local" | "remote") to try, from a fresh listing; None when done."""
@@ -187,8 +179,6 @@ class _Fallback:
             return
         bad_ref = damaged_local_ref(tier, s, exc) if fetched and s not in self.refetched else None
         if bad_ref is not None and bad_ref in self.remote_steps:
-            # an incremental step borrows from a local step whose file is damaged: the
-            # remote's copy of that step is what this remote step references
             self.refetched.add(s)
             log.warning("zerostall: step %d borrows from local step %d, which is damaged (%s); "
                         "fetching step %d from the remote again", s, bad_ref, exc, bad_ref)
@@ -206,7 +196,7 @@ class _Fallback:
             tier.delete(s)  # drop the bad download (a failed fetch committed nothing: a local copy stays)
 
     def error(self, state_dict: Any, remote_why: str) -> ZerostallError:
-        """What a load that ran out of candidates raises (``remote_why``: the remote's listing failure)."""
+        """What a load that ran out of candidates raises."""
         tier, remote = self.tier, self.remote
         if self.errors:
             return CorruptCheckpoint(f"no checkpoint in {tier.root!r} verifies: " + "; ".join(self.errors) +
@@ -226,7 +216,6 @@ class _Fallback:
 
 
 def _log_loaded(report: LoadReport, root: str) -> None:
-    """Log the step a load returned, the newer copies that failed before it and the key report."""
     s, src, errors = report.step, report.source, report.failed
     if errors:
         log.warning("zerostall: loaded step %d (%s) after newer copies failed: %s", s, src, "; ".join(errors))

@@ -1,18 +1,11 @@
 """Reading a step that its writer may replace or delete while we read it.
 
-Readers take no lock (see :mod:`.store.local`): the owner may overwrite a step (an atomic
-swap of the whole step, or, on a remote tier, a new manifest followed by the removal of the
-old objects) or retention may delete it while ``load`` or ``verify`` reads it. A reader that
-read the old manifest then opens a shard of the new copy, or finds it gone, sees a defect
-that is not one. The rule, shared by ``load`` (:func:`.restore.load`) and ``verify`` (the
-CLI, :func:`verify_consistent`): when reading a step fails, look at its manifest again:
-
-- gone (no manifest any more): deleted meanwhile; not a failure, the listing moved on;
-- another manifest (a new identity): replaced meanwhile; read it again, at most
-  :data:`MAX_REPLACED` times;
-- the same manifest: the failure is the step's own.
-
-Called on the caller's thread; no I/O beyond a ``stat`` (local) or a listing (remote).
+Readers take no lock (:mod:`zerostall.store.local`): an overwrite or retention may change a
+step under ``load`` or ``verify``, which then sees a defect that is not one. The rule both
+share (:func:`.pipeline.load`, :func:`verify_consistent`): when reading a step fails, look at
+its manifest again: gone, deleted meanwhile (not a failure); another identity, replaced
+meanwhile (read it again, at most :data:`MAX_REPLACED` times); the same, the step's own
+failure. Caller's thread; no I/O beyond a ``stat`` or a listing.
 """
 
 from __future__ import annotations
@@ -24,16 +17,14 @@ log = logging.getLogger("zerostall")
 T = TypeVar("T")
 
 MAX_REPLACED = 5
-"""How many times a reader reads a step again because its writer overwrote it meanwhile."""
 
 GONE, REPLACED = "gone", "replaced"
 
 
 def changed_under(tier: Any, step: int, ident: Any, *, remote: bool = False) -> str | None:
     """:data:`GONE`, :data:`REPLACED` or None (unchanged) for ``step``, whose manifest had
-    identity ``ident`` when the failed read began. ``remote`` (``load`` of a step it reads from
-    a remote tier): None where ``ident`` is unknown or the tier cannot be listed (a remote that
-    is down: the failure is then taken as the step's own)."""
+    identity ``ident`` when the failed read began. ``remote``: None where ``ident`` is unknown
+    or the tier cannot be listed (the failure is then the step's own)."""
     if remote and ident is None:
         return None
     try:

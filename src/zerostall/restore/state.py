@@ -1,8 +1,5 @@
-"""Matching a checkpoint's state tree with the caller's state dict (pure functions, no I/O).
-
-Called from the caller's thread by :mod:`.restore`: select a subset of keys, find the
-caller's tensors to load in place, report missing and unexpected keys, merge the verified
-result into the caller's containers and apply ``map_location``.
+"""Matching a checkpoint's state tree with the caller's state dict: ``keys=``, in-place
+destinations, the key report, merging and ``map_location`` (pure functions, caller's thread).
 """
 
 from __future__ import annotations
@@ -20,9 +17,8 @@ from ..format.decode import decode_tree
 
 @dataclass
 class LoadReport:
-    """What :func:`zerostall.load` did: the step it loaded, from where, and how the caller's
-    state dict matched it (``missing_keys``: in the state dict, not in the checkpoint, left as
-    they were; ``unexpected_keys``: in the checkpoint, not in the state dict, added)."""
+    """What :func:`zerostall.load` did: the step, from where, and the key report
+    (``missing_keys``: left as they were; ``unexpected_keys``: added)."""
 
     step: int = -1
     source: str = ""
@@ -31,8 +27,7 @@ class LoadReport:
     failed: list[str] = field(default_factory=list)
     """One line per newer step (or copy) that failed, with the reason."""
     why: str = ""
-    """Under a process group: why every rank loaded this step (the newest all ranks can load,
-    and which newer steps failed on which rank)."""
+    """Under a process group: why every rank loaded this step."""
 
 
 def _join(path: str, k: Any) -> str:
@@ -45,11 +40,8 @@ def decode_key(k_node: Any) -> Any:
 
 # -- keys=[...] --------------------------------------------------------------------------------
 def select_keys(tree: Any, keys: Iterable[str], step: int) -> Any:
-    """The part of ``tree`` under the dotted ``keys`` (e.g. ``"model"``, ``"optim.param_groups"``).
-
-    Dict levels are filtered; a key inside a list, tuple or plain-JSON value keeps that whole
-    value. A key the checkpoint does not hold raises :class:`StateMismatchError`.
-    """
+    """The part of ``tree`` under the dotted ``keys`` (a key inside a list, tuple or JSON value
+    keeps that whole value); a key the checkpoint lacks raises :class:`StateMismatchError`."""
     wanted = [str(k) for k in keys]
     found: set[str] = set()
 
@@ -117,12 +109,10 @@ def find_in_place(dest: Any, node: Any, out: dict[int, tuple[torch.Tensor, str]]
 
 
 def overlapping(dests: dict[int, torch.Tensor]) -> set[int]:
-    """The indices of ``dests`` (contiguous CPU tensors of the caller's, by manifest index) whose
-    bytes overlap another's: one tensor at two keys (tied weights) that the checkpoint holds as
-    two tensors. Filled in place they would be written by two copier threads at once (a mix of
-    both tensors' bytes, and a rollback that may restore either); ``load_step`` reads them into
-    new tensors instead, which ``merge`` copies in key order (the last key wins, as in
-    ``load_state_dict``). Caller's thread; C-level maps only (100k tensors per load)."""
+    """The indices of ``dests`` (the caller's contiguous tensors, by manifest index) whose bytes
+    overlap another's (tied weights held as two tensors): two copiers would write them at once,
+    so ``load_step`` reads them into new tensors, which ``merge`` copies in key order (the last
+    wins, as in ``load_state_dict``). C-level maps only (100k tensors per load)."""
     idx = [i for i, t in dests.items() if t.numel()]
     if len(idx) < 2:
         return set()
@@ -174,11 +164,8 @@ def key_report(dest: Any, skeleton: Any, selected: list[str] | None) -> tuple[li
 
 
 def merge(dest: Any, restored: Any) -> Any:
-    """Copy ``restored`` into ``dest`` where both are containers/tensors; return the result.
-
-    Shapes and dtypes were checked before anything was read; this runs only once the whole
-    step verified.
-    """
+    """Copy ``restored`` into ``dest`` where both are containers/tensors (once the whole step
+    verified); return the result."""
     if isinstance(dest, dict) and isinstance(restored, dict):
         for k, v in restored.items():
             dest[k] = merge(dest[k], v) if k in dest else v

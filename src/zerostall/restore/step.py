@@ -24,8 +24,7 @@ from ..format.dtypes import dtype_from_name
 from ..format.layout import PAGE_ITEM_BYTES, ShardHeader
 from ..format.manifest import Manifest, TensorEntry
 from ..format.refs import RefFile
-from ..format.decode import decode_tree
-from ..format.decode import tree_tensor_indices
+from ..format.decode import decode_tree, tree_tensor_indices
 from ..io.base import Engine
 from ..memory.arena import Arena
 from ..store.local import LocalTier
@@ -207,7 +206,8 @@ def read_step(files: list[FileRead], bounce: Any, io: IOConfig, *, verify: bool 
         with contextlib.closing(Arena(plan.need_bytes(), mlock=False, hugepages=False, prefault=False)) as arena:
             last_stats = plan.run(arena, verify=verify, gate=gate)
             return last_stats
-    head_bytes = _head_bytes(plan)
+    head_bytes = min(int(plan.ring_bytes * HEAD_FRACTION), _meminfo("MemAvailable") // 2)
+    head_bytes = head_bytes if head_bytes >= plan.w else 0  # none under one window
     log.info("zerostall: an in-place load of %d bytes does not fit in %d bytes of scratch; verifying it first "
              "(the first %d bytes under rollback in new memory, the rest read again)", plan.ring_bytes,
              bounce.nbytes, head_bytes)
@@ -247,18 +247,10 @@ def read_later(files: list[FileRead], first: Stats, ring: Any, io: IOConfig, ver
 
 
 HEAD_FRACTION = 0.5
-"""Share of an in-place load that does not fit the scratch read once, under rollback, into new
-memory; the rest is verified first and read again (why this mix: docs/speed-tricks.md)."""
-
+"""Share of an in-place load too big for the scratch read once, under rollback, into new memory
+(at most half the available memory); the rest is verified first, read again (docs/speed-tricks.md)."""
 
 _NO_HEAD: Any = SimpleNamespace(nbytes=0, u8=None)
-
-
-def _head_bytes(plan: Plan) -> int:
-    """A split read's head: :data:`HEAD_FRACTION` of the plan, at most half the available
-    memory, 0 if under one window."""
-    n = min(int(plan.ring_bytes * HEAD_FRACTION), _meminfo("MemAvailable") // 2)
-    return n if n >= plan.w else 0
 
 
 def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: Any = None,

@@ -1,10 +1,8 @@
 """Parsers for /proc/vmstat, /proc/pressure/*, a process's RSS and threads, and a 10 Hz sampler.
 
-Parsers accept kernels that lack fields (missing keys read as 0, a missing PSI file as
-None). A :class:`Sampler` keeps the peaks and deltas of one save; it is created by the
-``Checkpointer`` on the caller's thread in ``save()`` and stopped by the persist thread.
-All samplers of the process are served by one daemon thread (:class:`_Hub`), so creating one
-starts no thread and reads no /proc on the caller's thread.
+Missing fields read as 0, a missing PSI file as None. A :class:`Sampler` keeps one save's
+peaks and deltas: created on the caller's thread in ``save()``, stopped by the persist thread,
+served by the process's one sampling thread (:class:`_Hub`).
 """
 
 from __future__ import annotations
@@ -121,12 +119,10 @@ class HostSample:
 
 
 class _Hub:
-    """The process's one sampling thread: takes a sample for every registered sampler that is
-    due (the first at once) and sleeps until the next is due or a sampler arrives.
+    """The process's one sampling thread: samples for every due sampler, sleeps until the next.
 
-    Registration is a ``SimpleQueue.put`` (reentrant, no lock a worker could wait on): the
-    caller's thread may be interrupted there by a signal handler that waits for the persist
-    thread, which stops samplers (see the Checkpointer's signal-safety note).
+    Registration is a reentrant ``SimpleQueue.put``: a signal handler that waits for the persist
+    thread may interrupt it (see the Checkpointer's signal-safety note).
     """
 
     def __init__(self) -> None:
@@ -139,7 +135,6 @@ class _Hub:
         self.start()
 
     def start(self) -> None:
-        """Start the sampling thread (once per process)."""
         if self.thread is None:
             with self._start_lock:
                 if self.thread is None:  # once per process
@@ -184,10 +179,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 class Sampler:
     """Samples the host every ``interval_s`` until ``stop()``; keeps peaks and deltas.
-
-    Construction only registers with the process's sampling thread (cheap, any thread); the
-    first sample is taken there at once, or by ``stop()`` if that comes first.
-    """
+    Construction only registers with the sampling thread (cheap, any thread)."""
 
     def __init__(self, interval_s: float = 0.1, keep_series: bool = False):
         self.interval_s = interval_s

@@ -1,6 +1,5 @@
-"""``zerostall monitor``: one sample of the host's writeback state, or a live view of it.
-
-Called from the CLI's thread. Reads /proc only.
+"""``zerostall monitor``: one sample of the host's writeback state, or a live view of it
+(CLI thread; reads /proc only).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""``SaveRecord``: the typed outcome of one save, and its sinks (log line, JSON lines).
-
-Built by the ``Checkpointer`` on the persist thread when a save finishes.
+"""``SaveRecord``: the typed outcome of one save (built on the persist thread when a save
+finishes), and its sinks (log line, JSON lines).
 """
 
 from __future__ import annotations
@@ -47,16 +46,12 @@ class SaveRecord:
     bytes_referenced: int = 0
     """Tensor bytes an incremental save referenced in earlier steps' files instead of writing."""
     post_commit_s: float = 0.0
-    """The persist thread's time on this save after it was durable (the ``latest`` hint,
-    retention, replication's hand-off, removals of doomed steps): ``persist_s + commit_s +
-    post_commit_s`` is the thread's time per save, the least interval between two saves it
-    keeps up with."""
+    """The persist thread's time on this save after it was durable (``latest`` hint, retention,
+    replication hand-off): ``persist_s + commit_s + post_commit_s`` is its time per save."""
     interval_steps: int = 0
-    """Steps since this Checkpointer's previous save that was not skipped (0 for its first): with
-    ``backpressure="skip"`` and a save every step, the interval the disk allowed."""
+    """Steps since this Checkpointer's previous save that was not skipped (0 for its first)."""
     replica_nodes: tuple[str, ...] = ()
-    """Peer replicas: this rank's node and the nodes holding copies of its files, once the step
-    is protected (every rank's files held by ``replicas`` nodes); empty otherwise."""
+    """This rank's node and the nodes holding copies of its files once the step is protected; else empty."""
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)

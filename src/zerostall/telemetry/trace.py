@@ -1,15 +1,9 @@
 """``zerostall trace``: how long writers sleep in ``balance_dirty_pages``.
 
-Three ways, best first:
-
-1. bpftrace with kprobes (the seeds' program: a latency histogram per 5 s);
-2. the ``writeback:balance_dirty_pages`` tracepoint through tracefs, in a private trace
-   instance (mounting tracefs if needed, unmounting after): every throttled write reports
-   its ``pause`` (ms); we build a histogram and list the worst;
-3. sampling ``/proc/PID/stat`` and ``wchan`` of ``--pid``: time seen in D state inside
-   balance_dirty_pages.
-
-Changes nothing but the trace instance it creates and removes (and a tracefs mount).
+Three ways, best first: bpftrace with kprobes (:data:`BPFTRACE_PROGRAM`), the
+``writeback:balance_dirty_pages`` tracepoint in a private tracefs instance (:func:`trace_tracefs`),
+or sampling ``--pid``'s threads in D state (:func:`trace_pid`). Changes nothing but the trace
+instance it creates and removes (and a tracefs mount).
 """
 
 from __future__ import annotations
