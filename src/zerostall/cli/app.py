@@ -32,8 +32,7 @@ from .common import _engine, _tier
 
 
 def _rows(tier: Any, label: str) -> list[dict[str, Any]]:
-    """``ls`` rows of one tier: its steps (damaged ones too, reported as such), then the
-    staging areas a crash or a save in flight left (not checkpoints)."""
+    """``ls`` rows of one tier: its steps (damaged ones too), then its partial steps."""
     rows = []
     for s in tier.listed_steps():
         try:
@@ -95,16 +94,15 @@ def cmd_ls(a: argparse.Namespace) -> int:
     return 0
 
 
-def _verify(a: argparse.Namespace) -> int:
-    """``zerostall verify``. The commands that read or write tensors (verify, restore, export)
-    import the restore walk (and so torch) when they run: ``--help``, ``plan``, ``ls``,
-    ``inspect`` and ``doctor`` never need it (tests/cli/test_cli_startup.py)."""
-    from .verify import cmd_verify
-    return cmd_verify(a)
+def _lazy(module: str, name: str) -> Any:
+    """``module``'s subcommand ``name``, imported when it runs: the commands that read or write
+    tensors (verify, restore, export, demo) import torch then, never ``--help``, ``plan``, ``ls``,
+    ``inspect`` or ``doctor`` (tests/cli/test_cli_startup.py)."""
+    return lambda a: getattr(importlib.import_module(module), name)(a)
 
 
 def cmd_restore(a: argparse.Namespace) -> int:
-    from ..restore.download import restore_remote  # torch (see _verify)
+    from ..restore.download import restore_remote  # torch (see _lazy)
     remote = open_tier(a.url)  # a plain path too: a shared-filesystem tier
     remote.check_root()
     if a.step is None and not remote.steps():
@@ -160,7 +158,7 @@ def cmd_export(a: argparse.Namespace) -> int:
         raise ConfigError("export needs the safetensors package: pip install 'zerostall[safetensors]'") from None
     import tempfile
 
-    from ..integrations import export  # torch (see _verify)
+    from ..integrations import export  # torch (see _lazy)
     from ..restore import LoadReport, LoadRequest, load
     out_dir = os.path.dirname(os.path.abspath(a.out))
     if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
@@ -219,10 +217,6 @@ def _positive(kind: Any) -> Any:
     return parse
 
 
-def _demo(a: argparse.Namespace) -> int:
-    return int(importlib.import_module("zerostall.demo.run").main(a))
-
-
 def bench_installed() -> bool:
     """Whether the zerostall_bench package can be imported (a seam for the test of the hint)."""
     return importlib.util.find_spec("zerostall_bench") is not None
@@ -234,8 +228,8 @@ def _bench_missing(a: argparse.Namespace) -> int:
 
 
 def _add_demo_bench(sub: Any) -> None:
-    """``zerostall demo`` (:mod:`zerostall.demo`) and ``zerostall bench`` (the separate zerostall_bench
-    package, found here and imported only then; where it is not installed the command says how)."""
+    """``zerostall demo`` and ``zerostall bench`` (the zerostall_bench package, imported only if
+    installed; else the command says how to install it)."""
     s = sub.add_parser("demo", help="train a small transformer with async checkpoints, crash it, resume bit-exact")
     s.add_argument("--steps", type=_positive(int), default=60, help="training steps")
     s.add_argument("--every", type=_positive(int), default=10, help="checkpoint interval in steps")
@@ -243,7 +237,7 @@ def _add_demo_bench(sub: Any) -> None:
     s.add_argument("--keep", action="store_true", help="keep the checkpoint directory")
     s.add_argument("--seed", type=int, default=0, help="random seed of the model and data")
     s.add_argument("--tiny", action="store_true", help="a tiny model (used by the tests)")
-    s.set_defaults(fn=_demo)
+    s.set_defaults(fn=_lazy("zerostall.demo.run", "main"))
 
     help_ = "zerostall vs torch.save vs DCP on the same disk, with a training loop running"
     if bench_installed():
@@ -287,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require every rank's shard in this root (a shared root), not only this copy's")
     s.add_argument("--json", action="store_true",
                    help="print one JSON object per step (state ok/failed/deleted) instead of lines")
-    s.set_defaults(fn=_verify)
+    s.set_defaults(fn=_lazy("zerostall.cli.verify", "cmd_verify"))
 
     s = sub.add_parser("inspect", help="tensors, dtypes, shapes, bytes of a checkpoint")
     s.add_argument("path", help="a local directory, s3://bucket/prefix or file:///path")
