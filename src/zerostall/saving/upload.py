@@ -38,7 +38,7 @@ from .job import Committed
 from ..store.local import LocalTier
 from ..store.files import drop_cache, file_crc32c
 from ..store.remote import RemoteTier
-from ..store.remote_replace import (committed_bytes, live_names, others_are_current, refs_current, set_aside,
+from ..store.remote_replace import (committed, live_names, others_are_current, refs_current, set_aside,
     sweep)
 from ..store.retention import RetentionPolicy, dependents, prune
 from ..io._sys import set_idle_io_priority
@@ -331,7 +331,7 @@ class Replicator:
             log.info("zerostall: step %d was overwritten locally while it was uploaded; uploading it again "
                      "at the next pass", step)
             return False
-        remote.upload_bytes(raw, manifest_rel, previous=committed_bytes(remote, step))  # last: the remote commit
+        remote.upload_bytes(raw, manifest_rel, previous=committed(remote, step)[0])  # last: the remote commit
         remote.hook("commit")
         try:  # after the commit point: a replaced copy (set aside) goes
             sweep(remote, step, man)

@@ -1,8 +1,6 @@
-"""``zerostall doctor [PATH]``: what this host and this directory mean for checkpointing.
-
-Each check is a :class:`Check` (name, value, status ``ok``/``warn``/``info``, advice).
-Called from the CLI's thread; reads /proc, /sys and the directory (a probe file is created
-and removed); changes nothing.
+"""``zerostall doctor [PATH]``: what this host and this directory mean for checkpointing, as
+:class:`Check` rows (status ``ok``/``warn``/``info``). CLI thread; changes nothing (a probe
+file is created and removed).
 """
 
 from __future__ import annotations
@@ -76,8 +74,7 @@ def host_checks() -> list[Check]:
 
 
 def path_checks(path: str) -> list[Check]:
-    """Checks of ``path``; read-only: a path that does not exist yet is not created, its
-    nearest existing parent (the filesystem it would live on) is probed instead."""
+    """Checks of ``path``, or of its nearest existing parent if it does not exist yet (not created)."""
     want = target = os.path.abspath(path)
     while not os.path.isdir(target) and os.path.dirname(target) != target:
         target = os.path.dirname(target)
