@@ -94,15 +94,16 @@ def cmd_ls(a: argparse.Namespace) -> int:
     return 0
 
 
-def _lazy(module: str, name: str) -> Any:
-    """``module``'s subcommand ``name``, imported when it runs: the commands that read or write
-    tensors (verify, restore, export, demo) import torch then, never ``--help``, ``plan``, ``ls``,
-    ``inspect`` or ``doctor`` (tests/cli/test_cli_startup.py)."""
-    return lambda a: getattr(importlib.import_module(module), name)(a)
+def _verify(a: argparse.Namespace) -> int:
+    """``zerostall verify``. The commands that read or write tensors (verify, restore, export,
+    demo) import torch when they run, never for ``--help``, ``plan``, ``ls``, ``inspect`` or
+    ``doctor`` (tests/cli/test_cli_startup.py)."""
+    from .verify import cmd_verify
+    return cmd_verify(a)
 
 
 def cmd_restore(a: argparse.Namespace) -> int:
-    from ..restore.download import restore_remote  # torch (see _lazy)
+    from ..restore.download import restore_remote  # torch (see _verify)
     remote = open_tier(a.url)  # a plain path too: a shared-filesystem tier
     remote.check_root()
     if a.step is None and not remote.steps():
@@ -158,7 +159,7 @@ def cmd_export(a: argparse.Namespace) -> int:
         raise ConfigError("export needs the safetensors package: pip install 'zerostall[safetensors]'") from None
     import tempfile
 
-    from ..integrations import export  # torch (see _lazy)
+    from ..integrations import export  # torch (see _verify)
     from ..restore import LoadReport, LoadRequest, load
     out_dir = os.path.dirname(os.path.abspath(a.out))
     if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
@@ -237,7 +238,7 @@ def _add_demo_bench(sub: Any) -> None:
     s.add_argument("--keep", action="store_true", help="keep the checkpoint directory")
     s.add_argument("--seed", type=int, default=0, help="random seed of the model and data")
     s.add_argument("--tiny", action="store_true", help="a tiny model (used by the tests)")
-    s.set_defaults(fn=_lazy("zerostall.demo.run", "main"))
+    s.set_defaults(fn=lambda a: importlib.import_module("zerostall.demo.run").main(a))
 
     help_ = "zerostall vs torch.save vs DCP on the same disk, with a training loop running"
     if bench_installed():
@@ -281,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require every rank's shard in this root (a shared root), not only this copy's")
     s.add_argument("--json", action="store_true",
                    help="print one JSON object per step (state ok/failed/deleted) instead of lines")
-    s.set_defaults(fn=_lazy("zerostall.cli.verify", "cmd_verify"))
+    s.set_defaults(fn=_verify)
 
     s = sub.add_parser("inspect", help="tensors, dtypes, shapes, bytes of a checkpoint")
     s.add_argument("path", help="a local directory, s3://bucket/prefix or file:///path")
