@@ -70,13 +70,10 @@ def train(cfg: GPTConfig, ckpt_dir: str, steps: int, every: int, seed: int, resu
 
 
 def loop_cost(step_ends: list[float], saves: list[tuple[float, SaveHandle]]) -> tuple[float, float]:
-    """Training time lost per checkpoint (ms) and as a fraction of the whole loop.
-
-    ``step_ends``: perf_counter at the start and after every step; ``saves``: (perf_counter
-    right after ``save()`` returned, handle). A step is charged to a checkpoint when it overlaps
-    [save() called, durable]; its excess over the median of the uncharged steps is the loss
-    (the step that called ``save()`` carries the blocked time; it is the step after ``opt.step``).
-    """
+    """Training time lost per checkpoint (ms) and as a fraction of the whole loop: the excess over
+    the median uncharged step of each step overlapping [save() called, durable]. ``step_ends``:
+    perf_counter at the start and after every step; ``saves``: (perf_counter after ``save()``
+    returned, handle)."""
     import statistics
     spans = []
     for t_ret, h in saves:

@@ -88,12 +88,19 @@ class S3Tier(RemoteTier):
     # -- reading ------------------------------------------------------------------------------
     def _objects(self, prefix: str) -> list[dict[str, Any]]:
         """Every object under ``prefix`` (none while the bucket does not exist)."""
+        from botocore.exceptions import ClientError
+
         def run() -> list[dict[str, Any]]:
             pager = self.client.get_paginator("list_objects_v2")
-            return [o for page in pager.paginate(Bucket=self.bucket, Prefix=self._key(prefix))
-                    for o in page.get("Contents", [])]
+            try:
+                return [o for page in pager.paginate(Bucket=self.bucket, Prefix=self._key(prefix))
+                        for o in page.get("Contents", [])]
+            except ClientError as exc:
+                if _code(exc) == "NoSuchBucket":  # nothing replicated yet; any other not-found is an error
+                    return []
+                raise
 
-        return self._call("listing", prefix, run, lambda: [])
+        return self._call("listing", prefix, run)
 
     def _head(self, rel: str) -> dict[str, Any]:
         return self._call("stat of", rel, lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(rel)))
