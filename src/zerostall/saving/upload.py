@@ -157,7 +157,7 @@ class Replicator:
         with self._lock:
             for job in self._jobs.values():
                 if not job.status.replicated.is_set():
-                    job.status.replication_failing(exc)
+                    job.status.replicate_error = exc
         if not self._failing:
             log.warning("zerostall: replication to %s failed (%s); local saves go on, pending steps are "
                         "retried with backoff", self._url(), exc)
@@ -214,7 +214,7 @@ class Replicator:
                 with self._lock:
                     job = self._jobs.get(s)
                 if job is not None:
-                    job.status.replication_failing(exc)
+                    job.status.replicate_error = exc
         if self._failing:
             log.info("zerostall: replication to %s works again", remote.url)
         self._failing = False
