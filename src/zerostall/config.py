@@ -241,7 +241,8 @@ class CheckpointConfig:
         _require(self.lock_timeout_s >= 0, "lock_timeout_s", self.lock_timeout_s, "must be >= 0 seconds")
         _require(self.telemetry_interval_s > 0, "telemetry_interval_s", self.telemetry_interval_s,
                  "must be > 0")
-        _require(self.incremental in (False, True, "crc", "version"), "incremental", self.incremental,
+        _require(self.incremental is True or self.incremental is False or self.incremental in ("crc", "version"),
+                 "incremental", self.incremental,
                  "choose False, True (= 'crc': confirmed by crc32c) or 'version'")
         _require(isinstance(self.replicas, int) and not isinstance(self.replicas, bool) and 1 <= self.replicas <= 16,
                  "replicas", self.replicas, "must be an int in 1..16 (1: no peer copies)")

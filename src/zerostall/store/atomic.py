@@ -87,14 +87,14 @@ def rename_exchange(a: str, b: str) -> bool:
 def rmtree(path: str, hook: Hook | None = None) -> None:
     """Remove ``path`` (a tree or a file) without following symlinks, calling ``hook("unlink")``
     after each entry (unlike ``shutil.rmtree``). A missing path is not an error."""
+    hook = hook or _noop
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return
     if not stat.S_ISDIR(st.st_mode):
         os.unlink(path)
-        if hook is not None:
-            hook("unlink")
+        hook("unlink")
         return
     for entry in os.scandir(path):
         if entry.is_dir(follow_symlinks=False):
@@ -104,14 +104,12 @@ def rmtree(path: str, hook: Hook | None = None) -> None:
                 os.unlink(entry.path)
             except FileNotFoundError:
                 continue
-            if hook is not None:
-                hook("unlink")
+            hook("unlink")
     try:
         os.rmdir(path)
     except FileNotFoundError:
         return
-    if hook is not None:
-        hook("unlink")
+    hook("unlink")
 
 
 def _noop(_: str) -> None:
@@ -246,32 +244,29 @@ def publish_dir(staged: str, final: str, *, overwrite: bool = False, hook: Hook 
     4-5 of :mod:`.local`'s protocol); an existing ``final`` needs ``overwrite`` (else
     FileExistsError). Returns ``"rename"``, ``"exchange"`` or ``"two-phase"``. Owner only."""
     hook = hook or _noop
-    parent = os.path.dirname(final)
+    doomed = None  # the old copy, deleted once the parent is fsynced
     if not os.path.lexists(final):
+        how = "rename"
         os.rename(staged, final)
         hook("rename")
-        fsync_dir(parent)
-        hook("fsync_root")
-        return "rename"
-    if not overwrite:
+    elif not overwrite:
         raise FileExistsError(errno.EEXIST, "exists", final)
-    if exchange and rename_exchange(staged, final):
+    elif exchange and rename_exchange(staged, final):
+        how, doomed = "exchange", staged
         hook("exchange")
-        fsync_dir(parent)
-        hook("fsync_root")
-        discard(staged, hook)
-        return "exchange"
-    old = final + ".old"
-    if os.path.lexists(old):  # an earlier crash's copy; final is valid, so this one is stale
-        discard(old, hook)
-    os.rename(final, old)
-    hook("rename_old")
-    os.rename(staged, final)
-    hook("rename")
-    fsync_dir(parent)
+    else:
+        how, doomed = "two-phase", final + ".old"
+        if os.path.lexists(doomed):  # an earlier crash's copy; final is valid, so this one is stale
+            discard(doomed, hook)
+        os.rename(final, doomed)
+        hook("rename_old")
+        os.rename(staged, final)
+        hook("rename")
+    fsync_dir(os.path.dirname(final))
     hook("fsync_root")
-    discard(old, hook)
-    return "two-phase"
+    if doomed is not None:
+        discard(doomed, hook)
+    return how
 
 
 def recover_dir(final: str, is_valid: Callable[[str], bool], hook: Hook | None = None) -> list[str]:

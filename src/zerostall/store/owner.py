@@ -44,14 +44,6 @@ _FORK_GUARD = threading.RLock()
 ``os.fork`` (``before=``). Never held across a wait; reentrant (a signal handler may fork)."""
 
 
-def _before_fork() -> None:
-    _FORK_GUARD.acquire()
-
-
-def _after_fork_in_parent() -> None:
-    _FORK_GUARD.release()
-
-
 def _after_fork_in_child() -> None:
     """Close the child's copies of the parent's lock descriptors (the parent keeps its flock)."""
     for lock in list(_HELD):
@@ -59,10 +51,10 @@ def _after_fork_in_child() -> None:
             with contextlib.suppress(OSError):
                 os.close(fd)
     _HELD.clear()
-    _FORK_GUARD.release()  # taken by this thread in _before_fork
+    _FORK_GUARD.release()  # taken by this thread before the fork
 
 
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+os.register_at_fork(before=_FORK_GUARD.acquire, after_in_parent=_FORK_GUARD.release,
                     after_in_child=_after_fork_in_child)
 
 

@@ -66,17 +66,14 @@ class RemoteTier(Tier):
         """Fetch ``rel`` into ``local_path`` (created; direct I/O where the engine allows)."""
 
     @abstractmethod
-    def _open_read(self, rel: str, size: int, engine: Any) -> Any:
-        """A reader of ``rel`` with ``read(extents)``/``close()``."""
+    def _open_read(self, rel: str, size: int, engine: Any) -> Any: ...
 
     @abstractmethod
     def _open_write(self, rel: str, nbytes: int, engine: Any) -> Any:
-        """A writer of ``rel`` with ``write(extents)``/``finish()``/``close()``; the object
-        appears (verified) at ``finish()``."""
+        """A writer of ``rel`` (as ``Tier.open_shard_write``'s); the object appears, verified, at ``finish()``."""
 
     @abstractmethod
-    def ensure_root(self) -> None:
-        """Create the bucket / directory if it does not exist."""
+    def ensure_root(self) -> None: ...
 
     @abstractmethod
     def _put_file(self, local_path: str, rel: str, crc: int) -> None: ...
@@ -92,8 +89,7 @@ class RemoteTier(Tier):
         """Remove one object/file (absent is fine)."""
 
     @abstractmethod
-    def _delete_prefix(self, rel: str) -> None:
-        """Remove every object under ``rel`` (a ``step-N/`` prefix)."""
+    def _delete_prefix(self, rel: str) -> None: ...
 
     @abstractmethod
     def _copy_within(self, src: str, dst: str) -> bool:
@@ -202,12 +198,10 @@ class RemoteTier(Tier):
         return ()
 
     def abort(self, step: int) -> None:
-        """Remove what an unfinished upload of ``step`` left (never a committed step)."""
         if self.stat(f"step-{step}/{MANIFEST_NAME}") is None:
             self._delete_prefix(f"step-{step}/")
 
     def delete(self, step: int) -> None:
-        """Uncommit (manifest first), then remove the data."""
         self._delete(f"step-{step}/{MANIFEST_NAME}")
         self._delete_prefix(f"step-{step}/")
         self._verdicts.forget(step)
@@ -282,9 +276,8 @@ def list_steps(remote: RemoteTier, timeout_s: float = LIST_TIMEOUT_S) -> tuple[l
 
 
 class ShardIO:
-    """A ShardFile-like wrapper: ``read``/``write`` go to ``inner``; ``finish()`` runs
-    ``inner.finish()`` then ``on_finish`` (publish); ``close()`` runs ``on_close`` once
-    (cleanup: close an engine the tier opened, abort an unfinished upload)."""
+    """A ShardFile-like wrapper of ``inner``: ``finish()`` then runs ``on_finish`` (publish),
+    ``close()`` runs ``on_close(finished)`` once (cleanup)."""
 
     def __init__(self, inner: Any, on_finish: Callable[[], None] | None = None,
                  on_close: Callable[[bool], None] | None = None):

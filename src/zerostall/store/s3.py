@@ -1,19 +1,13 @@
 """The S3 tier (boto3): ``s3://bucket/prefix``.
 
-Endpoint and credentials come from the standard AWS chain (``AWS_ENDPOINT_URL`` /
-``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``~/.aws``) and
-are never logged. The bucket is created on first use if it does not exist.
+Endpoint and credentials come from the standard AWS chain (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``~/.aws``) and are never logged; the bucket
+is created on first use. Requests use botocore's ``standard`` retries (``attempts``, only
+connection errors, 5xx, throttling, 408) with short timeouts.
 
-Retries: botocore's ``standard`` mode, ``attempts`` per request (default 3), backoff with
-jitter, only on connection errors, 5xx, throttling and 408 (never another 4xx); short
-timeouts, so a dead endpoint fails a request in seconds. Nothing above this module retries a
-request; the replicator retries a *step* at its next pass.
-
-Integrity: S3's flexible checksum headers cannot be trusted (radosgw ignores them), so each
-uploaded object is read back with a GET and its crc32c compared with the local file's; the
-crc is also stored as the object's ``x-amz-meta-zerostall-crc32c`` for tools. boto3 because
-every S3-compatible server is tested against it, and s3transfer gives parallel multipart
-with a bandwidth cap.
+S3's flexible checksum headers cannot be trusted (radosgw ignores them), so each uploaded
+object is read back and its crc32c compared with the local file's; the crc is also stored as
+``x-amz-meta-zerostall-crc32c``.
 """
 
 from __future__ import annotations
@@ -80,8 +74,7 @@ class S3Tier(RemoteTier):
         raise RemoteError(msg, url=self.where(rel), step=step_of(rel)) from exc
 
     def _call(self, action: str, rel: str, fn: Callable[[], Any], missing: Callable[[], Any] | None = None) -> Any:
-        """``fn()``, its botocore and OS errors translated; with ``missing``, a not-found error
-        returns ``missing()`` instead."""
+        """``fn()``, its botocore and OS errors translated; a not-found error returns ``missing()``."""
         from botocore.exceptions import BotoCoreError, ClientError
         try:
             return fn()
@@ -280,9 +273,8 @@ def _code(exc: BaseException) -> str:
 
 
 class _RangeReader:
-    """Reads a shard with one ranged GET per extent (restore and ``verify`` of a URL), each of
-    the object version (``ident``: its ETag) seen when it was opened: a version uploaded since
-    fails the read (412) instead of mixing two versions' bytes."""
+    """Reads a shard with one ranged GET per extent, each pinned to the ETag seen at open
+    (``ident``): a version uploaded since fails the read (412) instead of mixing two versions."""
 
     def __init__(self, tier: S3Tier, rel: str, size: int, etag: str | None = None):
         self.tier, self.rel, self.size, self.ident = tier, rel, size, etag
@@ -311,8 +303,8 @@ class _RangeReader:
 
 
 class _MultipartWriter:
-    """Streams a shard into a multipart upload (extents in file order, parts of the tier's
-    ``part_bytes``); ``complete()`` finishes it and checks the stored bytes' crc32c."""
+    """Streams a shard, in file order, into a multipart upload; ``complete()`` finishes it and
+    checks the stored bytes' crc32c."""
 
     def __init__(self, tier: S3Tier, rel: str, nbytes: int):
         self.tier, self.rel, self.nbytes = tier, rel, nbytes
