@@ -1,12 +1,5 @@
-"""``Checkpointer``: wires the pipeline together; holds no logic of its own stages.
-
-The walk of one ``save()``, each stage handing a record forward and none calling back::
-
-    caller: save()          plan, check -> SaveRequest; pool.reserve -> Slot; pool.queue(Job)
-    snapshot thread         hands the Job to its persist worker; copies (Job.layout, .snapshot)
-    persist thread          writes, fdatasyncs -> Persisted -> Committer.commit
-                            -> Committed -> subscribers: LocalRetention | Replicator | Peers
-                            -> InFlight.finished (record, telemetry) -> SaveStatus done
+"""``Checkpointer``: wires the pipeline together; holds no logic of its own stages. The walk
+of one ``save()`` through them: docs/design.md ("Walking a save").
 
 Threads: the caller's (``save``, ``guard``'s hook, ``load``, ``close``), one snapshot thread
 (:mod:`.saving.snapshot`), one persist thread (:mod:`.saving.persist`) and one sampler per

@@ -5,6 +5,7 @@ file is created and removed).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 from dataclasses import asdict, dataclass
@@ -58,11 +59,8 @@ def host_checks() -> list[Check]:
                      f"the staging arena ({_gib(budget)}) cannot be mlocked; raise 'ulimit -l' "
                      "(LimitMEMLOCK=infinity in systemd, --ulimit memlock=-1 in docker)"))
     thp = ""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            thp = f.read().strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        thp = f.read().strip()
     sel = thp[thp.find("[") + 1:thp.find("]")] if "[" in thp else thp
     out.append(Check("transparent_hugepages", sel or "unknown", "ok" if sel in ("always", "madvise") else "info",
                      "" if sel in ("always", "madvise") else "the arena asks for huge pages with MADV_HUGEPAGE"))
