@@ -1,12 +1,5 @@
-"""``Checkpointer``: wires the pipeline together; holds no logic of its own stages.
-
-The walk of one ``save()``, each stage handing a record forward and none calling back::
-
-    caller: save()          plan, check -> SaveRequest; pool.reserve -> Slot; pool.queue(Job)
-    snapshot thread         hands the Job to its persist worker; copies (Job.layout, .snapshot)
-    persist thread          writes, fdatasyncs -> Persisted -> Committer.commit
-                            -> Committed -> subscribers: LocalRetention | Replicator | Peers
-                            -> InFlight.finished (record, telemetry) -> SaveStatus done
+"""``Checkpointer``: wires the pipeline together; holds no logic of its own stages. The walk
+of one ``save()`` through them: docs/design.md ("Walking a save").
 
 Threads: the caller's (``save``, ``guard``'s hook, ``load``, ``close``), one snapshot thread
 (:mod:`.saving.snapshot`), one persist thread (:mod:`.saving.persist`) and one sampler per
@@ -202,7 +195,7 @@ class Checkpointer:
             request = SaveRequest(step=step, plan=plan, rank=self.rank, world_size=self.world_size, overwrite=ow,
                                   user_metadata=dict(metadata or {}), engine=self.engine.name)
             nblocks = self.ring.blocks_for(plan.file_bytes) + spare
-            status.set_interval(step, self._last_saved)
+            status.interval_steps = 0 if self._last_saved is None else step - self._last_saved
             if self.config.backpressure == "skip":  # room now, on every rank (None: a rank failed or is gone)
                 asked, room = True, room_now(self.ring, self._committer, step, nblocks)
                 if not room:  # every rank skips this step: no round starts
@@ -233,7 +226,7 @@ class Checkpointer:
                     if self.config.backpressure == "skip" and not asked:
                         self._committer.pass_room()
             raise
-        status.set_save_block(time.perf_counter() - t0)
+        status.save_block_s = time.perf_counter() - t0
         return SaveHandle(job, self)
 
     # -- the optimizer guard and the frameworks' adapters (caller's thread) ---------------

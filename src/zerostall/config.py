@@ -2,20 +2,9 @@
 
 Units are in the names (``_bytes``, ``_s``, ``_fraction``). Every config validates itself
 in ``__post_init__`` and raises :class:`~zerostall.errors.ConfigError` naming the field.
-
-Environment overrides (read only by :meth:`CheckpointConfig.from_env`, which
-``Checkpointer`` calls when it is given no config):
-
-=============================  =====================================================
-``ZEROSTALL_ENGINE``           ``auto`` | ``uring`` | ``threads`` | ``buffered``
-``ZEROSTALL_CHUNK_BYTES``      I/O request size, bytes (multiple of 4096)
-``ZEROSTALL_QUEUE_DEPTH``      I/O requests in flight
-``ZEROSTALL_BUDGET_BYTES``     staging arena size, bytes (overrides the fraction)
-``ZEROSTALL_BUDGET_FRACTION``  staging budget as a fraction of host RAM (default 0.4)
-``ZEROSTALL_BACKPRESSURE``     ``block`` | ``skip``
-``ZEROSTALL_DIST_MODE``        ``per_rank`` | ``replicated`` | ``local``
-``ZEROSTALL_PEER_PORT``        ``peers.listen_port`` (0: a port the kernel picks)
-=============================  =====================================================
+docs/configuration.md documents every field and the ``ZEROSTALL_*`` environment overrides
+(``_ENV``; read only by :meth:`CheckpointConfig.from_env`, which ``Checkpointer`` calls when it
+is given no config).
 """
 
 from __future__ import annotations
@@ -63,14 +52,8 @@ class IOConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class StagingConfig:
-    """The staging pool (``staging/``): one page-aligned region per process, shared, reused.
-
-    Every Checkpointer of the process asks for ``slots x`` its largest snapshot; the pool
-    faults ``min(budget, the largest ask)`` in the background. ``budget_bytes`` wins over
-    ``budget_fraction`` (of host RAM, shared by ``LOCAL_WORLD_SIZE`` ranks). A state larger
-    than the pool streams through it as a ring of ``block_bytes`` blocks. Pass ``slots=2``
-    when saves come faster than the disk persists one.
-    """
+    """The staging pool (:mod:`zerostall.memory`): one page-aligned region per process, shared, reused.
+    Fields: docs/configuration.md."""
 
     budget_bytes: int | None = None
     budget_fraction: float = 0.4
@@ -92,45 +75,20 @@ class StagingConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class PeersConfig:
-    """Peer replicas (``peers/``), used when ``CheckpointConfig.replicas > 1``."""
+    """Peer replicas (``peers/``), used when ``CheckpointConfig.replicas > 1``. Fields: docs/configuration.md."""
 
     timeout_s: float = 30.0
-    """A peer that makes no progress for this long fails the transfer (a stopped or dead node);
-    other transfers, training and ``close()`` are not held up by it."""
     bandwidth_bytes: int | None = None
-    """Cap on this node's outgoing copies, bytes/s (None: no cap)."""
     receive_bandwidth_bytes: int | None = None
-    """Cap on the copies this node takes in as a holder, bytes/s, all senders together (None: no
-    cap; TCP slows the senders down). Restores are never paced."""
     quota_bytes: int | None = None
-    """Most bytes of other nodes' copies this node keeps under ``<root>/peers`` (None: no cap)."""
     quota_fraction: float | None = None
-    """The same as a fraction of the root's filesystem size (0 < f <= 1; with ``quota_bytes`` too,
-    the smaller holds). A copy beyond the quota is refused and the sender tries its next holder;
-    if none takes it, the step stays unprotected (reported on its handle)."""
     replica_timeout_s: float = 600.0
-    """How long a step may take to be held by ``replicas`` nodes before it is reported unprotected."""
     cpu_priority: str = "idle"
-    """CPU priority of the threads that copy replicas (never a restore's): ``"idle"``
-    (``SCHED_IDLE``), ``"nice"`` (nice 19) or ``"normal"``; their disk I/O is at the idle I/O
-    class either way (:func:`zerostall.peers.stream.background`)."""
     code: str | None = None
-    """``"rs"``: coded copies instead of ``replicas`` (:mod:`zerostall.peers.coded`): each node's
-    files of a step cut into ``data_fragments`` pieces plus ``parity_fragments`` Reed-Solomon
-    parity pieces, one per other node; survives the owner plus any ``parity_fragments`` holders
-    at ``(k + m) / k`` of the bytes. Needs ``k + m + 1`` nodes and ``zerostall[coded]``."""
     data_fragments: int = 4
-    """k: data fragments per node and step (with ``code``)."""
     parity_fragments: int = 2
-    """m: parity fragments per node and step (with ``code``)."""
     listen_host: str | None = None
-    """Address the peer server listens on and publishes (None: loopback for a local rendezvous,
-    else the address that reaches ``MASTER_ADDR``)."""
     listen_port: int = 0
-    """TCP port the peer server listens on (0: one the kernel picks, published through the
-    store). A fixed port is for firewalls that open only named ports between nodes; every node
-    leader binds it on its own address, so it needs one node per host address
-    (``ZEROSTALL_PEER_PORT``)."""
 
     def __post_init__(self) -> None:
         _require(self.timeout_s > 0, "peers.timeout_s", self.timeout_s, "must be > 0 seconds")
@@ -165,7 +123,8 @@ class PeersConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    """Everything a :class:`~zerostall.Checkpointer` needs; pass overrides as keywords."""
+    """Everything a :class:`~zerostall.Checkpointer` needs; pass overrides as keywords. Each field
+    (default, meaning, the docs page that explains it): docs/configuration.md."""
 
     io: IOConfig = field(default_factory=IOConfig)
     staging: StagingConfig = field(default_factory=StagingConfig)
@@ -188,32 +147,13 @@ class CheckpointConfig:
     remote_bandwidth_bytes: int | None = None
     remote_concurrency: int = 4
     close_timeout_s: float = 30.0
-    """How long ``close()`` (and interpreter exit) waits for pending uploads to the remote tier;
-    steps still pending are logged, recorded on their handles and uploaded by the next run."""
     remote_retry_max_s: float = 60.0
-    """Longest pause between two replication passes while steps are pending (backoff from 1 s)."""
     lock_timeout_s: float = 0.0
-    """How long a new Checkpointer waits for another writer to release the root (0: fail at once)."""
     spare_shard: bool = True
-    """With ``keep_last``: the shard of the step retention removes last is kept (out of the
-    listing, in ``.deleting-step-N-*/``) until the next save writes over it, so saves reuse
-    its disk blocks instead of freeing and allocating them (docs/every-step.md). The root
-    then holds one shard more between saves (not during one); ``close()`` removes it, and so
-    does a save whose filesystem lacks the room. ``False``: removed at once."""
     allow_lower_steps: bool = False
-    """Allow saving a step lower than the root's newest committed step (see store/retention.py)."""
     incremental: bool | str = False
-    """Reference tensors unchanged since the last committed step instead of rewriting them:
-    ``True`` (= ``"crc"``: version counter as a hint, confirmed by a crc32c of the source),
-    ``"version"`` (version counter only; see :mod:`zerostall.saving.incremental` for what it
-    can miss) or ``False``. Off by default: retention then keeps exactly ``keep_last`` steps
-    and no step depends on another's file."""
     full_every: int | None = 10
-    """With ``incremental``: at most ``full_every - 1`` incremental saves follow a full one
-    (None: no bound)."""
     replicas: int = 1
-    """Copies of every step on distinct nodes' local roots (1: off). ``N`` survives the loss of
-    any ``N - 1`` nodes; see docs/peers.md and :mod:`zerostall.peers`."""
     peers: PeersConfig = field(default_factory=PeersConfig)
 
     @property
@@ -241,7 +181,8 @@ class CheckpointConfig:
         _require(self.lock_timeout_s >= 0, "lock_timeout_s", self.lock_timeout_s, "must be >= 0 seconds")
         _require(self.telemetry_interval_s > 0, "telemetry_interval_s", self.telemetry_interval_s,
                  "must be > 0")
-        _require(self.incremental in (False, True, "crc", "version"), "incremental", self.incremental,
+        _require(self.incremental is True or self.incremental is False or self.incremental in ("crc", "version"),
+                 "incremental", self.incremental,
                  "choose False, True (= 'crc': confirmed by crc32c) or 'version'")
         _require(isinstance(self.replicas, int) and not isinstance(self.replicas, bool) and 1 <= self.replicas <= 16,
                  "replicas", self.replicas, "must be an int in 1..16 (1: no peer copies)")

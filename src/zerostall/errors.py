@@ -24,13 +24,22 @@ the file, key or value at fault and what to do about it.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+from typing import Mapping
+
 __all__ = ["CheckpointExistsError", "CheckpointNotFound", "ConfigError", "CorruptCheckpoint", "DistributedError",
            "RemoteError", "RootNotFound", "RootLockedError", "SaveFailed", "StateMismatchError", "StepOrderError",
            "StorageError", "UnsupportedStateError", "ZerostallError"]
 
 
 class ZerostallError(Exception):
-    """Base class of every error zerostall raises on purpose."""
+    """Base class of every error zerostall raises on purpose. Keyword arguments become attributes;
+    each subclass declares its own, with their defaults."""
+
+    def __init__(self, *args: object, **attrs: object):
+        super().__init__(*args)
+        for name, value in attrs.items():
+            setattr(self, name, value)
 
 
 class ConfigError(ZerostallError, ValueError):
@@ -49,20 +58,16 @@ class StepOrderError(ZerostallError, ValueError):
     """``save(step)`` with a step lower than the newest committed step in the root (retention
     and ``load()`` rank by step). ``step`` is the refused step, ``newest`` the root's newest."""
 
-    def __init__(self, message: str, *, step: int | None = None, newest: int | None = None):
-        super().__init__(message)
-        self.step = step
-        self.newest = newest
+    step: int | None = None
+    newest: int | None = None
 
 
 class RootLockedError(ZerostallError):
     """Another writer holds the checkpoint root's lock (``<root>/.zerostall.lock``). ``root`` is
     the directory, ``owner`` what the lock file records (host, pid, start time; may be empty)."""
 
-    def __init__(self, message: str, *, root: str, owner: dict[str, object] | None = None):
-        super().__init__(message)
-        self.root = root
-        self.owner = dict(owner or {})
+    root: str = ""
+    owner: Mapping[str, object] = MappingProxyType({})
 
 
 class CheckpointNotFound(ZerostallError, FileNotFoundError):
@@ -73,9 +78,7 @@ class RootNotFound(CheckpointNotFound):
     """The checkpoint root (a directory, a bucket) does not exist, as opposed to an existing
     root without checkpoints; ``root`` names it. The CLI reports it as bad usage (exit 2)."""
 
-    def __init__(self, message: str, *, root: str):
-        super().__init__(message)
-        self.root = root
+    root: str = ""
 
 
 class CorruptCheckpoint(ZerostallError):
@@ -83,21 +86,14 @@ class CorruptCheckpoint(ZerostallError):
     ``key`` the tensor when known. ``part_loaded``: the load had begun writing the caller's
     state dict when it failed, so the state dict is part this step's, part as it was."""
 
-    def __init__(self, message: str, *, path: str | None = None, key: str | None = None,
-                 part_loaded: bool = False):
-        super().__init__(message)
-        self.path = path
-        self.key = key
-        self.part_loaded = part_loaded
+    path: str | None = None
+    key: str | None = None
+    part_loaded: bool = False
 
 
 class StorageError(ZerostallError, OSError):
-    """An I/O operation failed; ``errno`` and ``filename`` are those of the OS error."""
-
-    def __init__(self, message: str, *, errno: int | None = None, filename: str | None = None):
-        super().__init__(message)
-        self.errno = errno
-        self.filename = filename
+    """An I/O operation failed; ``errno`` and ``filename`` (keywords, OSError's own attributes)
+    are those of the OS error."""
 
     def __str__(self) -> str:  # OSError's __str__ would print the (errno, strerror) form
         return str(self.args[0]) if self.args else ""
@@ -114,11 +110,9 @@ class RemoteError(StorageError):
 
 
 class SaveFailed(ZerostallError):
-    """A background save failed; the cause is chained as ``__cause__``."""
+    """A background save failed; the cause is chained as ``__cause__``; ``step`` when known."""
 
-    def __init__(self, message: str, *, step: int | None = None):
-        super().__init__(message)
-        self.step = step
+    step: int | None = None
 
 
 class DistributedError(ZerostallError):
@@ -126,9 +120,7 @@ class DistributedError(ZerostallError):
     failed. ``missing_ranks`` lists the ranks that did not answer, when known; torch's
     exception (``DistStoreError``, a timeout) is chained as ``__cause__``."""
 
-    def __init__(self, message: str, *, missing_ranks: tuple[int, ...] = ()):
-        super().__init__(message)
-        self.missing_ranks = tuple(missing_ranks)
+    missing_ranks: tuple[int, ...] = ()
 
 
 def storage_error(action: str, path: str, exc: OSError, hint: str = "") -> StorageError:

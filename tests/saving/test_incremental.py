@@ -392,3 +392,10 @@ def test_appended_tensors_larger_than_the_ring_stream_through_it(ckdir):
         ck.close(timeout=10)
     assert equal(zerostall.load(ckdir, step=1, fallback=False), {"frozen": frozen})
     assert [m.step for m in _verify_all(ckdir)] == [0, 1]  # raises if a step does not verify
+
+
+@pytest.mark.parametrize("value", [1, 0, 1.0])
+def test_incremental_is_a_bool_or_a_mode_name_not_a_number(tmp_path, value):
+    # 1 == True and 0 == False, but neither names a mode: refused, never taken as some mode
+    with pytest.raises(ConfigError, match="incremental"):
+        zerostall.Checkpointer(str(tmp_path / "ck"), incremental=value)

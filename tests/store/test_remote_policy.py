@@ -49,3 +49,27 @@ def test_bad_remote_url_fails_at_construction(tmp_path):
         zerostall.Checkpointer(str(tmp_path / "a"), remote="nope://bucket/x")
     with pytest.raises(RemoteError, match="no bucket"):
         zerostall.Checkpointer(str(tmp_path / "b"), remote="s3:///just-a-path")
+
+
+def test_an_s3_listing_refused_as_not_found_is_an_error_unless_the_bucket_is_missing():
+    """A missing bucket lists as nothing replicated yet; any other not-found answer to a listing
+    (an endpoint that is not the S3 server, a wrong path) is a RemoteError, not an empty tier."""
+    pytest.importorskip("boto3")
+    from botocore.exceptions import ClientError
+    from zerostall.store.s3 import S3Tier
+
+    class Pages:
+        def __init__(self, code):
+            self.code = code
+
+        def paginate(self, **kw):
+            raise ClientError({"Error": {"Code": self.code, "Message": "Not Found"}}, "ListObjectsV2")
+
+    tier = S3Tier("s3://zerostall-adv-bucket/run")
+    for code, empty in (("NoSuchBucket", True), ("404", False), ("NoSuchKey", False)):
+        tier.client.get_paginator = lambda name, code=code: Pages(code)
+        if empty:
+            assert tier.steps() == []
+        else:
+            with pytest.raises(RemoteError, match="listing"):
+                tier.steps()

@@ -32,8 +32,7 @@ from .common import _engine, _tier
 
 
 def _rows(tier: Any, label: str) -> list[dict[str, Any]]:
-    """``ls`` rows of one tier: its steps (damaged ones too, reported as such), then the
-    staging areas a crash or a save in flight left (not checkpoints)."""
+    """``ls`` rows of one tier: its steps (damaged ones too), then its partial steps."""
     rows = []
     for s in tier.listed_steps():
         try:
@@ -96,9 +95,9 @@ def cmd_ls(a: argparse.Namespace) -> int:
 
 
 def _verify(a: argparse.Namespace) -> int:
-    """``zerostall verify``. The commands that read or write tensors (verify, restore, export)
-    import the restore walk (and so torch) when they run: ``--help``, ``plan``, ``ls``,
-    ``inspect`` and ``doctor`` never need it (tests/cli/test_cli_startup.py)."""
+    """``zerostall verify``. The commands that read or write tensors (verify, restore, export,
+    demo) import torch when they run, never for ``--help``, ``plan``, ``ls``, ``inspect`` or
+    ``doctor`` (tests/cli/test_cli_startup.py)."""
     from .verify import cmd_verify
     return cmd_verify(a)
 
@@ -219,10 +218,6 @@ def _positive(kind: Any) -> Any:
     return parse
 
 
-def _demo(a: argparse.Namespace) -> int:
-    return int(importlib.import_module("zerostall.demo.run").main(a))
-
-
 def bench_installed() -> bool:
     """Whether the zerostall_bench package can be imported (a seam for the test of the hint)."""
     return importlib.util.find_spec("zerostall_bench") is not None
@@ -234,8 +229,8 @@ def _bench_missing(a: argparse.Namespace) -> int:
 
 
 def _add_demo_bench(sub: Any) -> None:
-    """``zerostall demo`` (:mod:`zerostall.demo`) and ``zerostall bench`` (the separate zerostall_bench
-    package, found here and imported only then; where it is not installed the command says how)."""
+    """``zerostall demo`` and ``zerostall bench`` (the zerostall_bench package, imported only if
+    installed; else the command says how to install it)."""
     s = sub.add_parser("demo", help="train a small transformer with async checkpoints, crash it, resume bit-exact")
     s.add_argument("--steps", type=_positive(int), default=60, help="training steps")
     s.add_argument("--every", type=_positive(int), default=10, help="checkpoint interval in steps")
@@ -243,7 +238,7 @@ def _add_demo_bench(sub: Any) -> None:
     s.add_argument("--keep", action="store_true", help="keep the checkpoint directory")
     s.add_argument("--seed", type=int, default=0, help="random seed of the model and data")
     s.add_argument("--tiny", action="store_true", help="a tiny model (used by the tests)")
-    s.set_defaults(fn=_demo)
+    s.set_defaults(fn=lambda a: importlib.import_module("zerostall.demo.run").main(a))
 
     help_ = "zerostall vs torch.save vs DCP on the same disk, with a training loop running"
     if bench_installed():

@@ -1,10 +1,6 @@
-"""``zerostall ls/verify/inspect`` on DCP checkpoints (zerostall.dcp or FileSystemWriter).
-
-app.py hands over a local directory when :func:`is_dcp_dir` says it is one: a DCP
-checkpoint directory (``.metadata`` or ``__R.metadata``), or a root whose ``step-N``
-subdirectories are DCP checkpoints (torchtitan's layout) and which holds no zerostall
-Checkpointer step. Everything else stays in app.py. Exit status as there: 0 fine, 1 a check
-failed; ``--step N`` picks ``step-N`` under a root.
+"""``zerostall ls/verify/inspect`` on DCP checkpoints (zerostall.dcp or FileSystemWriter): a
+local directory :func:`is_dcp_dir` accepts (app.py hands it over), or a root of ``step-N`` ones
+(torchtitan's layout; ``--step N`` picks one). Exit status as in app.py.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""``zerostall delete ROOT [ROOT ...] --step N``: delete steps for good.
-
-Runs on the caller's thread of the CLI process, one root after the other, each under its
-root lock (the job must be stopped: a root a running job owns is refused, naming it). For
-each root: a tombstone recorded first, then the root's own ``step-N`` and every copy of
-step N it holds for other nodes removed (:func:`zerostall.peers.tombstones.delete_step`). Run
-it on every node, each with its own root; a holder not reached now (down, or its root not
-mounted here) drops its copies when the job next starts, from the tombstones of the nodes
-that were.
+"""``zerostall delete ROOT [ROOT ...] --step N``: delete steps for good, one root after the other,
+each under its root lock (a root a running job owns is refused), through
+:func:`zerostall.peers.tombstones.delete_step`. Run it on every node, each with its own root; a
+holder not reached now drops its copies when the job next starts, from the others' tombstones.
 """
 
 from __future__ import annotations
@@ -28,7 +23,6 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
 
 
 def _step(text: str) -> int:
-    """argparse type of ``--step``: a step number is an integer >= 0."""
     try:
         step = int(text)
     except ValueError:

@@ -73,13 +73,10 @@ def _say(a: argparse.Namespace, line: str) -> None:
 
 
 def _this_copy(tier: Any, man: Any, node: str | None, all_files: bool, away: list[Any]) -> set[str] | None:
-    """The shard files a node-local copy of the root should hold, for ``verify``; None: all.
-
-    With node-local roots each copy holds its own ranks' shards plus the manifest of the whole
-    step. A missing shard is another copy's (not checked, listed in ``away``) only when it was
-    written on a node none of this copy's files come from and that is not this node
-    (``--node``, default ``ZEROSTALL_NODE`` or the host name); any other missing shard fails
-    as missing. ``--all-files`` requires every shard here (a shared root)."""
+    """The shard files a node-local copy of the root should hold; None: all (``--all-files``, a
+    shared root). A shard is another copy's (not checked, listed in ``away``) only when it was
+    written on a node none of this copy's files come from and that is not this node (``--node``,
+    default ``ZEROSTALL_NODE`` or the host name); any other missing shard fails as missing."""
     away.clear()
     if all_files:
         return None

@@ -1,9 +1,6 @@
-"""The demo's model: a small GPT-style language model and a deterministic corpus (the bench
-trains it too).
-
-Nothing is downloaded: the corpus is generated from a fixed seed, and every training batch
-is a pure function of (seed, step), so a resumed run sees exactly the data an uninterrupted
-run would.
+"""The demo's (and the bench's) small GPT-style model and a corpus generated from a fixed seed;
+every batch is a pure function of (seed, step), so a resumed run sees exactly the data an
+uninterrupted run would.
 """
 
 from __future__ import annotations

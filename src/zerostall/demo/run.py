@@ -70,13 +70,10 @@ def train(cfg: GPTConfig, ckpt_dir: str, steps: int, every: int, seed: int, resu
 
 
 def loop_cost(step_ends: list[float], saves: list[tuple[float, SaveHandle]]) -> tuple[float, float]:
-    """Training time lost per checkpoint (ms) and as a fraction of the whole loop.
-
-    ``step_ends``: perf_counter at the start and after every step; ``saves``: (perf_counter
-    right after ``save()`` returned, handle). A step is charged to a checkpoint when it overlaps
-    [save() called, durable]; its excess over the median of the uncharged steps is the loss
-    (the step that called ``save()`` carries the blocked time; it is the step after ``opt.step``).
-    """
+    """Training time lost per checkpoint (ms) and as a fraction of the whole loop: the excess over
+    the median uncharged step of each step overlapping [save() called, durable]. ``step_ends``:
+    perf_counter at the start and after every step; ``saves``: (perf_counter after ``save()``
+    returned, handle)."""
     import statistics
     spans = []
     for t_ret, h in saves:
@@ -95,7 +92,6 @@ def loop_cost(step_ends: list[float], saves: list[tuple[float, SaveHandle]]) -> 
 
 def _child(a: argparse.Namespace) -> int:
     cfg = TINY_CFG if a.tiny else DEMO_CFG
-
     losses, model = train(cfg, a.dir, a.steps, a.every, a.seed, resume=a.resume,
                           on_save=lambda step, h: print(f"SAVED {step}", flush=True))
     with open(a.out, "w") as f:
@@ -105,7 +101,7 @@ def _child(a: argparse.Namespace) -> int:
 
 
 def _spawn(args: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "zerostall.demo.run", "--child", *args],
+    return subprocess.Popen([sys.executable, "-m", "zerostall.demo.run", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -228,8 +224,7 @@ def main(a: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--child", action="store_true")
+    p = argparse.ArgumentParser()  # the child runs of run_demo
     p.add_argument("--dir")
     p.add_argument("--steps", type=int)
     p.add_argument("--every", type=int)

@@ -45,8 +45,7 @@ _TO = frozenset(_NUMPY_AS.values())
 
 class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
-        # reached for every object the C pickler does not write itself: only the builtin values
-        # of the module docstring get past, numpy scalars as their Python value
+        # every object the C pickler does not write itself: only numpy scalars get past, as Python values
         if isinstance(obj, np.generic):
             to = _NUMPY_AS.get(obj.dtype.kind)
             if to is not None and not (to is float and obj.dtype.itemsize > 8):
@@ -65,8 +64,7 @@ PROBE_ITEMS = 64
 
 
 def _no_buffer(buf: pickle.PickleBuffer) -> bool:
-    # the C pickler writes a PickleBuffer itself (no reducer_override): it would thaw as a
-    # bytearray or bytes, a type change the walk refuses (naming the key)
+    # a PickleBuffer would thaw as bytes or bytearray, a type change the walk refuses (naming the key)
     raise _Refuse
 
 

@@ -43,10 +43,6 @@ def _items(p: Any, n: int) -> list[Any]:
     return p
 
 
-def _timedelta(days: Any, seconds: Any, us: Any) -> _dt.timedelta:
-    return _dt.timedelta(days=int(days), seconds=int(seconds), microseconds=int(us))
-
-
 def _dtype(name: Any) -> torch.dtype:
     import torch
     # only names already bound in the torch namespace: getattr(torch, "_inductor") would import
@@ -139,7 +135,7 @@ STANDARD: dict[str, Callable[[Any], Any]] = {
     "datetime.datetime": lambda s: _dt.datetime.fromisoformat(_str(s)),
     "datetime.date": lambda s: _dt.date.fromisoformat(_str(s)),
     "datetime.time": lambda s: _dt.time.fromisoformat(_str(s)),
-    "datetime.timedelta": lambda p: _timedelta(*_items(p, 3)),
+    "datetime.timedelta": lambda p: _dt.timedelta(*map(int, _items(p, 3))),  # days, seconds, microseconds
     "datetime.timezone": lambda p: _dt.timezone(_dt.timedelta(seconds=float(p))),
     "uuid.UUID": lambda s: uuid.UUID(_str(s)),
     "torch.dtype": _dtype,

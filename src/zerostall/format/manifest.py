@@ -168,11 +168,8 @@ class Manifest:
             raise bad(f"unsupported alignment {alignment!r:.40} (this zerostall reads only {MANIFEST_ALIGNMENT}, "
                       f"shard layout {LAYOUT_VERSION}; upgrade zerostall to read newer checkpoints)")
 
-        def integer(obj: dict[str, Any], k: str, lo: int = 0, hi: int = V.MAX_DIM, ctx: str = "") -> int:
-            return V.integer(obj, k, where, lo, hi, ctx)
-
-        step = integer(body, "step", 0, V.MAX_STEP)
-        world = integer(body, "world_size", 1, 1 << 24)
+        step = V.integer(body, "step", where, 0, V.MAX_STEP)
+        world = V.integer(body, "world_size", where, 1, 1 << 24)
         cid = body.get("checkpoint_id")
         created = body.get("created_unix")
         if not isinstance(cid, str) or not 0 < len(cid) <= 64:
@@ -192,7 +189,7 @@ class Manifest:
             if name in files:
                 raise bad(f"file {name!r} listed twice")
             ctx = f"file {name!r}: "
-            fb = integer(f, "file_bytes", HEADER_BYTES, V.MAX_DIM, ctx)
+            fb = V.integer(f, "file_bytes", where, HEADER_BYTES, V.MAX_DIM, ctx)
             if fb % ALIGN_BYTES:
                 raise bad(f"{ctx}file_bytes {fb} is not a multiple of {ALIGN_BYTES}")
             host, fid = f.get("host", ""), f.get("file_id", "")
@@ -200,7 +197,7 @@ class Manifest:
                 raise bad(f"{ctx}bad file_id {fid!r:.80}")
             if not isinstance(host, str) or len(host) > 255:
                 raise bad(f"{ctx}bad host {host!r:.80}")
-            files[name] = FileEntry(name, integer(f, "rank", 0, world - 1, ctx), host, fb, fid)
+            files[name] = FileEntry(name, V.integer(f, "rank", where, 0, world - 1, ctx), host, fb, fid)
         refs: dict[tuple[int, str], RefFile] = {}
         if "ref_files" in body:
             refs = parse_ref_files(body.get("ref_files"), step, bad)

@@ -77,17 +77,13 @@ def register_type(cls: type, *, name: str | None = None, encode: Callable[[Any],
     - a namedtuple is stored as its fields and rebuilt with ``cls(*fields)``;
     - a class (the class object itself, e.g. an optimizer class in hyper-parameters) is
       stored by name and returned as the class;
-    - any other class needs ``encode(obj) -> plain tree`` and ``decode(tree) -> obj``, or is
-      stored as its attributes (``vars(obj)`` and the ``__slots__`` that are set) and rebuilt
-      with ``cls.__new__(cls)`` and those attributes set back. A class whose instances have
-      neither a ``__dict__`` nor ``__slots__`` (a C type) is refused here unless it is given
-      ``encode``/``decode``.
+    - any other class is stored with ``encode(obj) -> plain tree`` / ``decode(tree) -> obj``,
+      or as its attributes (``vars(obj)`` and the set ``__slots__``), rebuilt with
+      ``cls.__new__(cls)``; without either (a C type) it is refused here.
 
     ``name`` (default ``module.QualName``) is what the checkpoint records; keep it stable if
-    the class moves. A class of a script's ``__main__`` matches by its qualified name: saved
-    by ``python train.py`` as ``__main__.Cfg``, it loads in a program that registers
-    ``train.Cfg`` (and the reverse), unless two registered classes share that qualified name.
-    Registration is per process: do it before ``load``.
+    the class moves (a script's ``__main__`` class: docs/integrations.md). Registration is
+    per process: do it before ``load``. Raises :class:`ConfigError`.
     """
     if not isinstance(cls, type):
         raise ConfigError(f"register_type expects a class, got {cls!r}")

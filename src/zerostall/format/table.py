@@ -138,20 +138,6 @@ class Entries(Sequence[TensorEntry]):
 Bad = Callable[..., Exception]
 
 
-def _entry(i: int, key: Any, dt: Any, shape: Any, fname: Any, ref_step: Any, off: Any, nbytes: Any, crc: Any,
-           where: str, bad: Bad) -> TensorEntry:
-    """One entry, checked (the columns failed :func:`parse_columns`' bulk checks: find what is wrong)."""
-    if not isinstance(key, str) or len(key) > V.MAX_KEY_CHARS:
-        raise bad(f"tensor entry {i} has no valid key")
-    size = _ITEMSIZE_BY_NAME.get(dt) if type(dt) is str else None
-    if size is None:
-        raise unknown_dtype(dt, f"{where}: tensor {key!r}")
-    for name, v, hi in (("nbytes", nbytes, V.MAX_DIM), ("offset", off, V.MAX_DIM), ("crc32c", crc, 0xFFFFFFFF)):
-        V.integer({name: v}, name, where, 0, hi, f"tensor {key!r}: ")
-    shape = V.check_shape(shape, size, nbytes, where, key)
-    return new_entry(key=key, dtype=dt, shape=shape, file=fname, offset=off, nbytes=nbytes, crc32c=crc, step=ref_step)
-
-
 def parse_columns(raw: Any, slots: list[FileSlot], where: str, bad: Bad) -> tuple[list[TensorEntry], "EntrySpans"]:
     """Format version 3: the column table (``slots``: :func:`file_slots`)."""
     if not isinstance(raw, dict):
@@ -167,27 +153,28 @@ def parse_columns(raw: Any, slots: list[FileSlot], where: str, bad: Bad) -> tupl
         if type(name) is not str or name not in _ITEMSIZE_BY_NAME:
             raise unknown_dtype(name, f"{where}: 'tensors' dtypes")
     nd, ns = len(names), len(slots)
-    out: list[TensorEntry] = []
     keys, dts, _, fs, offs, nbs, crcs = cols
-    if (_all_ints(dts, 0, nd - 1) and _all_ints(fs, 0, ns - 1) and _all_ints(offs, 0, V.MAX_DIM)
+    if not (_all_ints(dts, 0, nd - 1) and _all_ints(fs, 0, ns - 1) and _all_ints(offs, 0, V.MAX_DIM)
             and _all_ints(nbs, 0, V.MAX_DIM) and _all_ints(crcs, 0, 0xFFFFFFFF)
             and set(map(type, keys)) <= {str} and max(map(len, keys), default=0) <= V.MAX_KEY_CHARS):
-        sizes = [_ITEMSIZE_BY_NAME[n] for n in names]  # the columns' types and ranges hold: only shapes are left
-        check = V.check_shape
-        for key, d, shape, f, off, nbytes, crc in zip(*cols):
-            fname, _, ref_step = slots[f]
-            out.append(new_entry(key=key, dtype=names[d], shape=check(shape, sizes[d], nbytes, where, key),
-                                 file=fname, offset=off, nbytes=nbytes, crc32c=crc, step=ref_step))
-    else:
-        for i, (key, d, shape, f, off, nbytes, crc) in enumerate(zip(*cols)):  # finds what is wrong
+        for i, (key, d, f, off, nbytes, crc) in enumerate(zip(keys, dts, fs, offs, nbs, crcs)):  # finds what is wrong
             if type(d) is not int or not 0 <= d < nd:
                 raise bad(f"tensor {key!r:.80}: dtype index {d!r:.40} is not in [0, {nd})",
                           key if isinstance(key, str) else None)
             if type(f) is not int or not 0 <= f < ns:
                 raise bad(f"tensor {key!r:.80}: file {f!r:.40} is not listed in 'files' or 'ref_files'",
                           key if isinstance(key, str) else None)
-            fname, _, ref_step = slots[f]
-            out.append(_entry(i, key, names[d], shape, fname, ref_step, off, nbytes, crc, where, bad))
+            if not isinstance(key, str) or len(key) > V.MAX_KEY_CHARS:
+                raise bad(f"tensor entry {i} has no valid key")
+            for name, v, hi in (("nbytes", nbytes, V.MAX_DIM), ("offset", off, V.MAX_DIM), ("crc32c", crc, 0xFFFFFFFF)):
+                V.integer({name: v}, name, where, 0, hi, f"tensor {key!r}: ")
+    sizes = [_ITEMSIZE_BY_NAME[n] for n in names]  # the columns' types and ranges hold: only shapes are left
+    check = V.check_shape
+    out: list[TensorEntry] = []
+    for key, d, shape, f, off, nbytes, crc in zip(*cols):
+        fname, _, ref_step = slots[f]
+        out.append(new_entry(key=key, dtype=names[d], shape=check(shape, sizes[d], nbytes, where, key),
+                             file=fname, offset=off, nbytes=nbytes, crc32c=crc, step=ref_step))
     return out, EntrySpans(out, [slots[f][1] for f in fs])
 
 

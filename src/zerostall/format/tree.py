@@ -255,8 +255,7 @@ class _Walk:
             return self.known[self.met[0] - 1]
         key = _fmt_key(path)
         t = _storable(t, key, is_np)
-        # the data address stands for (storage address, offset): two storages whose bytes sit
-        # at one address with one dtype, shape and strides hold the same bytes anyway
+        # the data address stands for (storage, offset): one address, dtype, shape and strides is one set of bytes
         ident = (t.device.type, t.device.index, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype,
                  is_np) if t.numel() else None
         if ident is not None and ident in self.seen:

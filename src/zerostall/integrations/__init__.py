@@ -1,11 +1,5 @@
-"""Adapters for training frameworks, on top of the public API; each imported on demand.
-
-- :mod:`zerostall.integrations.lightning`: ``ZerostallCheckpointIO`` (a Lightning ``CheckpointIO``).
-- :mod:`zerostall.integrations.transformers`: ``ZerostallTrainerMixin`` and ``ZerostallTrainer``.
-- :mod:`zerostall.integrations.accelerate`: ``ZerostallAcceleratorMixin`` and ``ZerostallAccelerator``.
-- torchtitan: a recipe in ``docs/integrations.md`` (``zerostall.dcp.Writer``/``Reader``).
-- :mod:`zerostall.integrations.export`: ``zerostall export --format lightning|transformers|accelerate``
-  (the files each framework's own checkpointing reads; imports no framework).
-
-Nothing here is imported by ``import zerostall``; importing a submodule imports its framework.
+"""Adapters for training frameworks (:mod:`.lightning`, :mod:`.transformers`, :mod:`.accelerate`;
+torchtitan: a recipe in docs/integrations.md), ``zerostall export`` (:mod:`.export`) and the DCP
+storage (:mod:`.dcp_writer`, :mod:`.dcp_reader`). Nothing here is imported by ``import zerostall``;
+importing an adapter imports its framework.
 """

@@ -44,17 +44,14 @@ _NATIVE_ONLY = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
 
 
 class ZerostallAcceleratorMixin:
-    """Put before ``Accelerator`` in the bases (see the module docstring).
-
-    ``zerostall_config``: the :class:`~zerostall.CheckpointConfig` of the checkpointers.
-    """
+    """Put before ``Accelerator`` in the bases. ``zerostall_config``: the checkpointers'
+    :class:`~zerostall.CheckpointConfig` (default: from the environment)."""
 
     def __init__(self, *args: Any, zerostall_config: CheckpointConfig | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._zs_saves = AdapterSaves(zerostall_config, "zerostall-accelerate-publish")
         self._zs_recovered: set[str] = set()
-        self.zerostall_handles: list[Any] = []
-        """The SaveHandles of the saves so far (newest last)."""
+        self.zerostall_handles: list[Any] = []  # the SaveHandles of the saves so far, newest last
 
     # -- names ----------------------------------------------------------------------------------
     def _zs_auto_dir(self) -> str:
@@ -147,8 +144,7 @@ class ZerostallAcceleratorMixin:
 
     # -- loading ----------------------------------------------------------------------------------
     def load_state(self, input_dir: Any = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
-        """Load a checkpoint (see the module docstring); a directory written by Accelerate's own
-        ``save_state`` is loaded by Accelerate."""
+        """Load a checkpoint; a directory written by Accelerate's own ``save_state`` is loaded by Accelerate."""
         self._zs_saves.drain()
         if self.num_processes > 1:  # the main process renames: every one sees the same checkpoints
             self.wait_for_everyone()

@@ -34,8 +34,7 @@ from ..format.shard import check_items
 from .dcp_writer import SHARD_RE, UnsupportedCheckpoint, _ZSInfo
 
 MAX_METADATA_BYTES = 256 << 20
-MAX_RECORDS = 1 << 24
-"""Storage records one ``.metadata`` may hold (DCP writes one per chunk of every rank)."""
+MAX_RECORDS = 1 << 24  # storage records one .metadata may hold (DCP writes one per chunk of every rank)
 _MAX_DIM = 1 << 62
 _FSW_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 
@@ -134,13 +133,10 @@ def _shape(v: Any, where: str, field: str) -> tuple[int, ...]:
 
 
 def validate(md: Metadata, where: str, root: str) -> tuple[str, dict[MetadataIndex, Record]]:
-    """Check every field of ``md`` (read from ``where``) and its files under ``root``.
-
-    Returns the kind, ``"zerostall"`` or ``"filesystem"`` (FileSystemWriter's records), and
-    the records in codec terms. Raises
-    :class:`CorruptCheckpoint` (the subclass :class:`UnsupportedCheckpoint` for a valid
-    FileSystemWriter checkpoint this reader cannot read).
-    """
+    """Check every field of ``md`` (read from ``where``) and its files under ``root``; return the
+    kind (``"zerostall"``, or ``"filesystem"`` for FileSystemWriter's) and the records in codec
+    terms. Raises :class:`CorruptCheckpoint` (:class:`UnsupportedCheckpoint`: a valid
+    FileSystemWriter checkpoint this reader cannot read)."""
     if not isinstance(md.state_dict_metadata, dict):
         raise CorruptCheckpoint(f"{where}: state_dict_metadata is {type(md.state_dict_metadata).__name__}, "
                                 "not a dict", path=where)
@@ -154,10 +150,8 @@ def validate(md: Metadata, where: str, root: str) -> tuple[str, dict[MetadataInd
     else:
         raise CorruptCheckpoint(f"{where}: DCP metadata mixes storage records of "
                                 f"{sorted(k.__name__ for k in kinds)}; not a checkpoint this reader knows", path=where)
-    # The chunks walked are bounded by the records too: a chunk that validates uses a record no
-    # other chunk uses (distinct fqns, and no chunk of an entry repeats another's offsets,
-    # _check_entry), so at most one more chunk than there are records is walked before one is
-    # refused, however the pickle shares them.
+    # the chunks walked are bounded by the records too: a chunk that validates uses a record no
+    # other chunk uses (_check_entry), so at most one more chunk than records is ever walked
     if len(md.storage_data) > MAX_RECORDS:
         raise CorruptCheckpoint(f"{where}: {len(md.storage_data)} storage records, over the limit of {MAX_RECORDS}",
                                 path=where)

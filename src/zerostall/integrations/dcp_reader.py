@@ -52,6 +52,15 @@ def _by_file(records: dict[MetadataIndex, Record],
     return out
 
 
+def _safe_load(path: str, key: str, raw: bytes) -> Any:
+    """``torch.load(raw, weights_only=True)``; anything it refuses is a CorruptCheckpoint."""
+    try:
+        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - anything torch.load refuses is corruption here
+        raise CorruptCheckpoint(f"{path}: {key!r} does not load under weights_only, so it cannot be loaded without "
+                                f"running code ({type(exc).__name__}: {str(exc)[:200]})", path=path, key=key) from None
+
+
 @contextmanager
 def _shard_io(path: str, io_cfg: IOConfig | None, largest: int) -> Iterator[tuple[Any, Arena]]:
     """The I/O engine for ``path`` and a bounce buffer for files of up to ``largest`` bytes."""
@@ -236,12 +245,7 @@ class Reader(CheckpointId, StorageReader):
                         f"{path}: tensor {rec.key!r} is not a torch.save stream: the checkpoint was written by "
                         "FileSystemWriter with serialization_format=SAFETENSORS (raw bytes), which neither "
                         "FileSystemReader nor zerostall.dcp.Reader reads", path=path, key=rec.key)
-                try:
-                    t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-                except Exception as exc:  # noqa: BLE001 - anything torch.load refuses is corruption here
-                    raise CorruptCheckpoint(f"{path}: tensor {rec.key!r} does not load under weights_only "
-                                            f"({type(exc).__name__}: {str(exc)[:200]})",
-                                            path=path, key=rec.key) from None
+                t = _safe_load(path, rec.key, raw)
                 if not isinstance(t, torch.Tensor):
                     raise CorruptCheckpoint(f"{path}: {rec.key!r} holds a {type(t).__name__}, not a tensor",
                                             path=path, key=rec.key)
@@ -251,12 +255,7 @@ class Reader(CheckpointId, StorageReader):
 
     # -- both ---------------------------------------------------------------------------------
     def _load_bytes(self, path: str, req: ReadItem, raw: bytes, planner: LoadPlanner) -> None:
-        key = req.storage_index.fqn
-        try:
-            torch.load(io.BytesIO(raw), weights_only=True)
-        except Exception as exc:  # noqa: BLE001
-            raise CorruptCheckpoint(f"{path}: object {key!r} cannot be loaded without running code "
-                                    f"(weights_only refused it: {str(exc)[:200]})", path=path, key=key) from None
+        _safe_load(path, req.storage_index.fqn, raw)
         planner.load_bytes(req, io.BytesIO(raw))
 
     def _load_tensor(self, path: str, req: ReadItem, t: torch.Tensor, planner: LoadPlanner) -> None:
@@ -333,11 +332,5 @@ def verify(path: str, name: str = METADATA, io_cfg: IOConfig | None = None) -> D
         with open(fpath, "rb") as f:
             for r, _ in rs:
                 f.seek(r.offset)
-                raw = f.read(r.nbytes)
-                try:
-                    torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-                except Exception as exc:  # noqa: BLE001 - reported as corruption
-                    raise CorruptCheckpoint(f"{fpath}: {r.key!r} does not load under weights_only "
-                                            f"({type(exc).__name__}: {str(exc)[:160]})",
-                                            path=fpath, key=r.key) from None
+                _safe_load(fpath, r.key, f.read(r.nbytes))
     return info

@@ -212,7 +212,7 @@ class Writer(CheckpointId, StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         index = int(plan.storage_data or 0)
         fname = f"rank-{index:05d}-{self.save_id[:12]}.shard"
-        items, payloads, dtypes, shapes = [], [], [], []
+        payloads, kinds = [], []  # kinds: each item's (dtype name, shape)
         for item in plan.items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
@@ -220,21 +220,17 @@ class Writer(CheckpointId, StorageWriter):
                 flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
                 dt, shape = "", (len(raw),)
             else:
-                t = data.detach()
-                t = t.cpu() if t.device.type != "cpu" else t
-                t = t.resolve_conj().resolve_neg().contiguous()
+                t = data.detach().cpu().resolve_conj().resolve_neg().contiguous()
                 dt, shape = dtype_name(t.dtype, item.index.fqn), tuple(t.shape)
                 flat = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-            items.append(item)
             payloads.append(flat)
-            dtypes.append(dt)
-            shapes.append(shape)
+            kinds.append((dt, shape))
         offsets, file_bytes = pack_offsets([p.numel() for p in payloads])
         crcs = self._write_file(fname, index, offsets, payloads, file_bytes)
         results = [WriteResult(index=item.index, size_in_bytes=p.numel(),
                                storage_data=_ZSInfo(fname, o, p.numel(), crc, dt, shape, self.save_id, index,
                                                     file_bytes))
-                   for item, p, o, crc, dt, shape in zip(items, payloads, offsets, crcs, dtypes, shapes)]
+                   for item, p, o, crc, (dt, shape) in zip(plan.items, payloads, offsets, crcs, kinds)]
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut

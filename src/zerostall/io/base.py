@@ -15,10 +15,9 @@ and for a restore (from the caller's thread)::
     r.read([(offset, memoryview), ...])       # fills the buffers, blocks
     r.close()
 
-Every offset, length and buffer address is a multiple of 4096 (``ALIGN_BYTES``); buffers
-come from the staging arena or another page-aligned mapping. An ``fdatasync`` error fails
-the checkpoint and is never retried (after a failed fsync the kernel may have dropped the
-dirty pages; a retry could report success for data that never reached the disk).
+Every offset, length and buffer address is a multiple of ``ALIGN_BYTES``. An ``fdatasync``
+error fails the checkpoint and is never retried (the kernel may have dropped the dirty pages;
+a retry could report success for data that never reached the disk).
 """
 
 from __future__ import annotations
@@ -35,8 +34,7 @@ from . import _sys
 
 from .probe import ProbeResult, probe
 
-Extent = tuple[int, memoryview]
-"""(file offset, buffer): both aligned; ``len(buffer)`` is a multiple of ALIGN_BYTES."""
+Extent = tuple[int, memoryview]  # (file offset, buffer), both aligned
 
 
 def split_extents(extents: Sequence[Extent], chunk_bytes: int) -> list[Extent]:
@@ -95,15 +93,13 @@ class Engine(ABC):
     """A way to move aligned bytes between memory and files. One instance per Checkpointer."""
 
     name: str = "?"
-    direct: bool = True
-    """Whether the engine bypasses the page cache (O_DIRECT)."""
+    direct: bool = True  # bypasses the page cache (O_DIRECT)
 
     def __init__(self, cfg: IOConfig):
         self.cfg = cfg
 
     def _open(self, path: str, flags: int, action: str = "opening") -> int:
-        """``os.open`` with the engine's flags (O_DIRECT if :attr:`direct`, never a symlink);
-        StorageError naming ``path``."""
+        """``os.open`` with O_DIRECT if :attr:`direct`, never a symlink; StorageError naming ``path``."""
         try:
             return os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECT if self.direct else 0), 0o644)
         except OSError as exc:
@@ -130,8 +126,7 @@ class Engine(ABC):
 
     @staticmethod
     def _reserve(fd: int, path: str, file_bytes: int) -> None:
-        """Preallocate ``file_bytes`` where the filesystem can; on ENOSPC & co close ``fd`` and
-        raise the storage error naming ``path``."""
+        """Preallocate ``file_bytes`` where the filesystem can; else close ``fd`` and raise."""
         try:
             _sys.fallocate(fd, 0, file_bytes, path)
         except OSError as exc:
@@ -163,8 +158,8 @@ class Engine(ABC):
 
     def pin_buffer(self, address: int, nbytes: int, *, fresh: bool = False) -> None:
         """A hint from the thread that writes every file from this region (the persist thread,
-        between files): an engine may register it once (io_uring's fixed buffers). ``fresh``:
-        another mapping than the one last given, even at the same address."""
+        between files): an engine may register it once. ``fresh``: another mapping than the
+        one last given, even at the same address."""
 
     def close(self) -> None:
         """Release rings, pools. Idempotent."""
@@ -238,8 +233,7 @@ def engine_name_for(path: str, cfg: IOConfig) -> tuple[str, ProbeResult | None]:
 
 
 def choose_engine(path: str, cfg: IOConfig | None = None) -> Engine:
-    """The one place that decides which engine reads and writes files under the directory
-    ``path`` (for ``auto``: probed once, with a test file created and removed). Any thread."""
+    """The engine for files under the directory ``path`` (``auto``: probed once). Any thread."""
     cfg = cfg or IOConfig()
     name, _ = engine_name_for(path, cfg)
     return get_engine(name, cfg)

@@ -1,9 +1,8 @@
 """Probe a checkpoint directory and pick the engine (``engine="auto"``).
 
-Checks, in order: filesystem type (``/proc/self/mountinfo``), an O_DIRECT create+write of
-one aligned block, ``statx`` STATX_DIOALIGN, and io_uring availability
-(``kernel.io_uring_disabled``, the ``liburing`` package, a ring actually set up, which is
-where seccomp refuses it). The verdict and its reason are logged once per directory.
+Checks filesystem type, an O_DIRECT write of one block, ``statx`` STATX_DIOALIGN, and
+io_uring availability (sysctl, the ``liburing`` package, a ring actually set up). The verdict
+is logged once per directory.
 """
 
 from __future__ import annotations

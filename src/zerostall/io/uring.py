@@ -4,13 +4,11 @@ One ring per open file (a restore in the caller's thread never shares one with t
 thread), ``queue_depth`` requests of ``chunk_bytes`` in flight; every completion's byte count
 is checked and short transfers are resubmitted for the rest.
 
-Every call of the binding holds the GIL, and ``io_uring_submit`` of O_DIRECT requests can
-sleep there for tens of milliseconds when the device's request tags run out, which a
-training thread would wait through (docs/speed-tricks.md). So where the binding's shared
-library exports liburing's C functions, the ring is driven through ctypes (:class:`_CRing`,
-the GIL released around every call), with the persist thread's staging arena registered as
-fixed buffers (``io_uring_prep_write_fixed``: the kernel pins its pages once, not per write).
-Otherwise, and for read-only buffers, the binding is used, around its quirks:
+Every call of the binding holds the GIL, and ``io_uring_submit`` can sleep there
+(docs/speed-tricks.md). So where the binding's shared library exports liburing's C functions,
+the ring is driven through ctypes (:class:`_CRing`, GIL released), with the persist thread's
+staging arena registered as fixed buffers. Otherwise, and for read-only buffers, the binding
+is used, around its quirks:
 
 * ``io_uring_prep_write`` takes only ``bytes``: ``io_uring_prep_writev`` with an ``Iovec``;
 * an ``Iovec`` collected before its completion writes 0 bytes: each stays in ``inflight``
@@ -178,14 +176,10 @@ class _UringFile(ShardFile):
         self.depth = engine.cfg.queue_depth
         self.cring: _CRing | None = engine.pinned_ring() if writable else None  # long-lived: not this file's
         self.own_cring = False
-        if self.cring is None and _C is not None and engine.use_c:
-            try:
-                self.cring, self.own_cring = _CRing(max(2, self.depth)), True
-            except OSError as exc:
-                raise storage_error("io_uring setup for", path, exc,
-                                    "io_uring may be disabled; use engine='threads'") from exc
         self.ring = L.Ring()
         try:
+            if self.cring is None and _C is not None and engine.use_c:
+                self.cring, self.own_cring = _CRing(max(2, self.depth)), True
             L.io_uring_queue_init(max(2, self.depth), self.ring)
         except OSError as exc:
             raise storage_error("io_uring setup for", path, exc,

@@ -1,19 +1,15 @@
 """Page-aligned anonymous host memory for staging, faulted in without the GIL.
 
-Small scratch buffers (restore's bounce, remote copies, the DCP plugin) are ``Arena(nbytes)``,
-mapped and faulted at once in the caller's thread. The staging pool
-(:mod:`zerostall.saving.pool`) reserves its whole budget as address space only
-(``prefault=False``, ``MAP_NORESERVE``); :meth:`Arena.fault_to` then has a background thread
-fault a prefix in 64 MiB chunks through ctypes ``madvise(MADV_POPULATE_WRITE)``/``mlock``
-calls, which release the GIL (``mmap.madvise`` would hold it), and writers
-:meth:`~Arena.wait_ready` for a range, so a first save streams through what is ready.
+Small scratch buffers are ``Arena(nbytes)``, faulted at once in the caller's thread. The
+staging pool (:mod:`zerostall.saving.pool`) reserves its budget as address space only
+(``prefault=False``); :meth:`Arena.fault_to` has a background thread fault a prefix through
+ctypes ``madvise``/``mlock`` calls, which release the GIL (``mmap.madvise`` would hold it),
+and writers :meth:`~Arena.wait_ready` for a range.
 
-On CUDA the faulted prefix is registered with ``cudaHostRegister`` (portable) chunk by chunk,
-so device-to-host copies are DMA into it, never ``pin_memory()`` per tensor; registration runs
-with the first CUDA save's device current, only in threads that launch no kernels (a failed
-runtime call leaves a per-thread error torch's next launch there would raise), stops with one
-log line on failure (copies stay correct, only synchronous), and is undone before the unmap.
-Copies are split at registration chunks (:meth:`Arena.pinned_pieces`).
+On CUDA the faulted prefix is registered with ``cudaHostRegister`` chunk by chunk (DMA, never
+``pin_memory()`` per tensor), only in threads that launch no kernels (a failed runtime call
+leaves a per-thread error torch's next launch there would raise); a failure stops it with one
+log line (copies stay correct, only synchronous). Copies are split at chunks (:meth:`Arena.pinned_pieces`).
 """
 
 from __future__ import annotations
@@ -38,15 +34,10 @@ from .host import MADV_HUGEPAGE, MADV_NOHUGEPAGE, _libc, _unforked, populate, pr
 log = logging.getLogger("zerostall")
 
 MADV_DONTNEED, MADV_DONTFORK = getattr(mmap, "MADV_DONTNEED", 4), getattr(mmap, "MADV_DONTFORK", 10)
-PROBE_BYTES, PROBE_RATIO = 8 << 20, 2.0
-"""An arena advised huge pages faults this many bytes of each page size first, and uses 4 KiB
-pages once huge pages fault ``PROBE_RATIO`` times slower (:meth:`Arena._probe_pages`)."""
-FAULT_CHUNK_BYTES = 64 << 20
-"""Bytes the background faulter publishes (and registers with CUDA) at a time."""
-FAULT_CALL_S = 0.004
-"""Target duration of one ``madvise``/``mlock`` call (see :meth:`Arena._fault_range`)."""
-FAULT_CALL_MIN_BYTES = 2 << 20
-"""Smallest call (one transparent huge page)."""
+PROBE_BYTES, PROBE_RATIO = 8 << 20, 2.0  # :meth:`Arena._probe_pages`
+FAULT_CHUNK_BYTES = 64 << 20  # what the background faulter publishes (and registers with CUDA) at a time
+FAULT_CALL_S = 0.004  # target duration of one madvise/mlock call (:meth:`Arena._fault_range`)
+FAULT_CALL_MIN_BYTES = 2 << 20  # one transparent huge page
 _warned_memlock = False
 
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
@@ -70,8 +61,7 @@ class ArenaView:
     mv: memoryview
     u8: torch.Tensor
     address: int
-    arena: Any = None
-    """The arena it views (restore's CUDA copies register it and cut copies at its chunks)."""
+    arena: Any = None  # the arena it views (restore's CUDA copies register it)
 
 
 class Arena:
@@ -98,18 +88,14 @@ class Arena:
         self.mlock = mlock
         self.locked = False
         self.closed = False
-        self.forked_copy = False
-        """True in a forked child: the object is the parent's, the memory a zero placeholder."""
-        self.cuda_registered = False
-        """Registration was asked for (:meth:`register_cuda`); chunks register as they fault."""
+        self.forked_copy = False  # in a forked child: the memory is a zero placeholder
+        self.cuda_registered = False  # asked for (:meth:`register_cuda`); chunks register as they fault
         self.cuda_device: int | None = None
-        self.cuda_error: str | None = None
-        """Why registration stopped (then copies into the rest are synchronous), or None."""
+        self.cuda_error: str | None = None  # why registration stopped, or None
         self._cuda_chunks: list[tuple[int, int]] = []
         self._cuda_starts: list[int] = []
         self._cond = threading.Condition()
-        self.ready = 0
-        """Bytes of the prefix that are faulted (and locked / CUDA-registered if asked)."""
+        self.ready = 0  # bytes of the prefix faulted (and locked / CUDA-registered if asked)
         self.target = 0
         self._faulter: threading.Thread | None = None
         self._closing = False
@@ -135,8 +121,7 @@ class Arena:
 
     # -- faulting ---------------------------------------------------------------------------
     def _memlock_allows(self, nbytes: int) -> bool:
-        """Whether RLIMIT_MEMLOCK allows locking ``nbytes`` (if not, said once per node: a
-        warning where the node swaps, info where it does not)."""
+        """Whether RLIMIT_MEMLOCK allows locking ``nbytes`` (if not, said once per node)."""
         global _warned_memlock
         soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         if soft != resource.RLIM_INFINITY and soft < nbytes:
@@ -169,8 +154,7 @@ class Arena:
                 self._call_bytes = max(FAULT_CALL_MIN_BYTES, min(FAULT_CHUNK_BYTES, fit))
 
     def _probe_pages(self, off: int, n: int) -> int:
-        """Fault both page sizes first (:func:`.host.probe_pages`); returns the bytes faulted. A
-        smaller ask is faulted unprobed and the arena stays ``"probing"``."""
+        """Fault both page sizes first (:func:`.host.probe_pages`); returns the bytes faulted."""
         if n < 2 * PROBE_BYTES:
             if self.nbytes - off < 2 * PROBE_BYTES:  # no room left for a probe: huge pages as advised
                 self.pages = "huge"
@@ -258,8 +242,8 @@ class Arena:
 
     # -- CUDA -------------------------------------------------------------------------------
     def _cuda_register(self, off: int, n: int) -> None:
-        """Register one chunk (lock held; in a thread that launches no kernels). A failure stops
-        registration for good: the rest stays pageable (copies into it are synchronous)."""
+        """Register one chunk (lock held; in a thread that launches no kernels); a failure stops
+        registration for good."""
         if self.cuda_error is not None:
             return
         err = int(_cudart().cudaHostRegister(self.address + off, n, CUDA_HOST_REGISTER_PORTABLE))
@@ -274,12 +258,10 @@ class Arena:
 
     @property
     def cuda_pinned_bytes(self) -> int:
-        """Bytes registered with CUDA so far."""
         return sum(n for _, n in self._cuda_chunks)
 
     def keep_from_fork(self) -> None:
-        """``MADV_DONTFORK``: a forked child gets a zero placeholder instead of a copy (restore
-        calls it before pinning its bounce for CUDA copies)."""
+        """``MADV_DONTFORK``: a forked child gets a zero placeholder instead of a copy."""
         if self not in _unforked and _libc.madvise(ctypes.c_void_p(self.address), self.nbytes, MADV_DONTFORK) == 0:
             _unforked.add(self)
 
@@ -302,8 +284,8 @@ class Arena:
             self.cuda_registered = True
 
     def pinned_pieces(self, off: int, n: int) -> list[tuple[int, int]]:
-        """``[off, off+n)`` as (offset, length) pieces none of which crosses a boundary between
-        two registered chunks (a copy spanning two fails with cudaErrorInvalidValue). Any thread."""
+        """``[off, off+n)`` as (offset, length) pieces, none crossing two registered chunks (a
+        copy spanning two fails with cudaErrorInvalidValue). Any thread."""
         with self._cond:
             if not self._cuda_chunks:
                 return [(off, n)]

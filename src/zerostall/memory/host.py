@@ -59,8 +59,7 @@ _unforked: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 def _fill_holes_in_child() -> None:
     """After fork, in the child: an anonymous placeholder where each ``dontfork`` arena was, so
-    no later mapping lands in the range the stale ``mmap`` object unmaps when collected (stale
-    views read zeros). The parent's CUDA registrations are forgotten."""
+    no later mapping lands in the range the stale ``mmap`` object unmaps when collected."""
     prot = mmap.PROT_READ | mmap.PROT_WRITE
     flags = (mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10  # MAP_FIXED
              | getattr(mmap, "MAP_NORESERVE", 0))
@@ -79,9 +78,8 @@ os.register_at_fork(after_in_child=_fill_holes_in_child)
 
 
 def probe_pages(address: int, nbytes: int, off: int, probe: int, fault: Any) -> tuple[float, float]:
-    """(huge page, 4 KiB page) fault rates in bytes/s of a mapping of ``nbytes`` at ``address``
-    advised huge pages: ``fault(off, probe)``, then ``fault(off + probe, probe)`` with that
-    range advised ``MADV_NOHUGEPAGE`` (huge pages can fault far slower on a VM)."""
+    """(huge page, 4 KiB page) fault rates in bytes/s of ``probe`` bytes each at ``off`` of a
+    mapping advised huge pages (huge pages can fault far slower on a VM)."""
     t0 = time.perf_counter()
     fault(off, probe)
     t1 = time.perf_counter()

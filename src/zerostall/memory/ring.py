@@ -9,12 +9,9 @@ one condition variable, carry the whole protocol:
 * ``released`` — advanced by the persist threads: every block below it is on disk (or
   abandoned) and its slot may be overwritten.
 
-The ring is shared by every Checkpointer of the process (:mod:`zerostall.saving.pool`): one
-snapshot thread stages in reservation order; each Checkpointer's persist thread releases
-ranges (``release(lo, hi)``), possibly out of order, and ``released`` moves over a contiguous
-prefix. The snapshot thread writes block ``g`` only while ``g < released + nblocks``: double
-buffering when the arena holds two snapshots, streaming when a state is larger than it. The
-ring grows (``resize``) only while idle.
+Shared by every Checkpointer of the process (:mod:`zerostall.saving.pool`): persist threads
+release ranges possibly out of order, and ``released`` moves over a contiguous prefix. Block
+``g`` is written only while ``g < released + nblocks``. The ring grows only while idle.
 """
 
 from __future__ import annotations

@@ -5,29 +5,14 @@ A mixin of :class:`.incremental.RefTracker` (it uses the tracker's state), split
 each module reads as one concern. Every method runs on the snapshot thread: the verdicts inside
 :meth:`RefTracker.decide`, :meth:`ContentCheck.settle` right before a job is marked staged.
 
-A tensor is referenced when
+A tensor is referenced when its fingerprint did not change and, in ``mode="crc"``, its bytes
+are the base's (CPU: crc32c of the source memory; CUDA: :func:`.source_crc.device_hash_async`,
+else crc32c through one pinned buffer); ``mode="version"`` trusts the fingerprint alone (tensors
+without a version counter are still crc-checked). What each mode can miss: docs/incremental.md.
 
-- ``mode="crc"`` (``incremental=True``, the sound mode): its fingerprint did not change (or is
-  unknown, e.g. after a restart) *and* its bytes are those of the base: on the CPU, the crc32c
-  of the source memory equals the recorded crc32c; on CUDA, the device hash
-  (:func:`.source_crc.device_hash_async`, 8 bytes per tensor back to the host) equals the one
-  taken when the base was saved (so every CUDA tensor of a crc-mode save is hashed, written
-  ones too). Without such a hash (a base read from disk, a non-contiguous tensor, a failed
-  hash) the tensor is crc32c-checked through one pinned buffer. A changed version counter
-  means "write" without computing anything. Writes that bypass the version counter
-  (``t.data[...] =``, numpy views, DLPack, extensions writing through ``data_ptr``) are caught
-  by the crc or the hash; a change is missed only if the new bytes have the same crc32c
-  (2**-32 for an arbitrary change; every change of up to 3 bits in a tensor under 512 MiB, and
-  any burst up to 32 bits, is detected) or the same device hash.
-- ``mode="version"`` (``incremental="version"``, no read at all for unchanged tensors): an
-  unchanged fingerprint alone. It misses the writes listed above, and a tensor replaced by
-  another one at the same address with the same version count, shape, strides and dtype.
-  Tensors without a version counter (inference tensors, numpy arrays) are still checked by crc.
-
-The CPU crc does not hold up the write (:meth:`ContentCheck._speculate`): undecided CPU tensors
-are referenced on speculation while their crc runs, and :meth:`ContentCheck.settle` appends any
-that turned out changed after the blocks already staged (``Job.extension``). Not done for a
-base read from disk nor when CUDA tensors are undecided.
+The CPU crc does not hold up the write: undecided CPU tensors are referenced on speculation
+(:meth:`ContentCheck._speculate`) and :meth:`ContentCheck.settle` appends any that turned out
+changed (``Job.extension``); not for a base read from disk nor when CUDA tensors are undecided.
 
 A base file (:func:`base_file_problem`): an ``lstat`` of the step's manifest and of the file,
 and a read of its 4 KiB header, once per file a save would borrow from. A write into the file

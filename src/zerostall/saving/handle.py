@@ -6,28 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from ..errors import SaveFailed
 from .job import Job
 from ..telemetry.record import SaveRecord
 
 
-class Owner(Protocol):
-    """What a handle reads of the ``Checkpointer`` that made it (any thread)."""
-    _peers: Any
-    """:class:`zerostall.peers.service.Peers` with ``replicas > 1``, else None."""
-    config: Any
-    """Its :class:`~zerostall.config.CheckpointConfig` (``remote``)."""
-
-    def error_seen(self, status: Any) -> None:
-        """``result()`` raised the failure of ``status``'s save to the caller."""
-
-
 class SaveHandle:
-    """Reads the save's :class:`~.job.SaveStatus` (any thread); ``wait_staged`` adds its wait to the stall."""
+    """Reads the save's :class:`~.job.SaveStatus` (any thread); ``wait_staged`` adds its wait to the stall.
+    ``owner``: the ``Checkpointer`` that made it (its ``_peers``, ``config.remote`` and ``error_seen``)."""
 
-    def __init__(self, job: Job, owner: Owner | None = None):
+    def __init__(self, job: Job, owner: Any = None):
         self._job = job
         self._status = job.status
         self._owner = owner

@@ -19,9 +19,7 @@ Who calls what, from which thread (one :class:`RefTracker` per ``Checkpointer``)
    next save may reference (they must not be deleted even before a manifest names them).
 
 References are flattened: an entry points at the step that wrote the bytes, never at a
-step that itself references them. ``full_every=N``: at most ``N - 1`` incremental saves
-follow a full one (a save that references nothing), which bounds how many steps depend on
-one file and how long an old full step is kept alive by references.
+step that itself references them (``full_every``: docs/incremental.md).
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ class InFlight:
         st = job.status
         sampler = self._samplers.pop(id(st), None)
         if sampler is not None:
-            st.set_telemetry(sampler.stop())
+            st.telemetry = sampler.stop()
         rec = record_of(job)
         self.records.append(rec)
         emit(rec, self.config.metrics_jsonl, int(st.telemetry.get("dirty_threshold_bytes", 0)))

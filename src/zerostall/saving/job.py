@@ -165,8 +165,10 @@ class Source:
 
 
 class SaveStatus:
-    """Events, error and timings of one save. Changed only through these methods, each from
-    the thread it names; reads are lock-free (signal handlers poll the events)."""
+    """Events, error and timings of one save. Events and the error change only through these
+    methods, each from the thread it names; a plain field is assigned by the one thread that owns
+    it (``save_block_s``, ``interval_steps``: caller; ``telemetry``: persist; ``replicate_error``:
+    replicator). Reads are lock-free (signal handlers poll the events)."""
 
     def __init__(self, t_submit: float | None = None, nbytes: int = 0):
         self.t_submit = time.perf_counter() if t_submit is None else t_submit
@@ -215,12 +217,6 @@ class SaveStatus:
         """The staging pool is queueing the job (a plain store: no Python frame runs after it)."""
         self.queued = True
 
-    def set_interval(self, step: int, last_saved: int | None) -> None:
-        self.interval_steps = 0 if last_saved is None else step - last_saved
-
-    def set_save_block(self, seconds: float) -> None:
-        self.save_block_s = seconds
-
     def skip(self, seconds: float) -> None:
         """``backpressure="skip"``: nothing is written; every event is set."""
         self.skipped, self.save_block_s, self.nbytes = True, seconds, 0
@@ -259,17 +255,11 @@ class SaveStatus:
         """Problems after the commit point; the save stays durable."""
         self.post_commit_errors.extend(problems)
 
-    def set_telemetry(self, telemetry: dict[str, Any]) -> None:
-        self.telemetry = telemetry
-
     def finish(self) -> None:
         """The last thing the persist thread does for a save (after its record is built)."""
         self.done.set()
 
     # -- replicator thread (or close() on the caller's) ---------------------------------------
-    def replication_failing(self, exc: BaseException | None) -> None:
-        self.replicate_error = exc
-
     def mark_replicated(self, error: BaseException | None = None) -> None:
         self.replicate_error = error
         self.replicated.set()

@@ -1,11 +1,6 @@
 """The process-wide staging pool: one arena, one block ring, one snapshot thread per process.
 
-Every ``Checkpointer`` of the process (and so ``zerostall.save`` and the integrations) stages
-through the same pool, inside one staging budget: a new Checkpointer does not allocate or fault
-memory again; the arena reserves the budget as address space only and a background thread
-faults the prefix the users want (``max`` of their ``want_bytes``, capped by the budget; see
-:mod:`..memory.arena`); when the last user releases its lease the pool lingers
-:data:`LINGER_S`, then unmaps everything from a timer thread.
+How the pool reserves, faults, grows and lingers: docs/design.md ("Memory: the staging pool").
 
 Threads: ``lease``/``release`` from any thread; ``reserve`` and ``queue`` from the caller's
 thread in ``save()``, under one lock, so the snapshot thread sees jobs in reservation order.
@@ -49,8 +44,7 @@ FIRST_LAP_BYTES = 64 << 20
 
 class Lease:
     """One user's claim on the pool: keeps it alive and states how much staging it wants,
-    capped at the user's own ``budget_bytes`` (a pool made larger by another user is not
-    grown further by this one: its saves stream through the ring instead)."""
+    capped at the user's own ``budget_bytes``."""
 
     def __init__(self, pool: "StagingPool", want_bytes: int, budget_bytes: int | None = None):
         self.pool = pool

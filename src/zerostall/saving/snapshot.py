@@ -1,21 +1,18 @@
 """The snapshot thread: copies each save's tensors into the arena ring, in file order.
 
-Runs in one daemon thread owned by the process's staging pool (:mod:`.pool`); jobs arrive
-from the caller's thread and are staged strictly in order. For each job it writes the shard
-header, every tensor's bytes (zero-padding each to 4 KiB) and the zero tail, and publishes
-finished blocks to the persist thread. CUDA tensors are copied non-blocking into the
-registered arena on a low-priority side stream of the tensor's own device
-(:class:`DeviceStreams`), after the event recorded on that device's stream at ``save()``
-(:func:`record_save_events`). After a job is staged this thread also encodes the save's
-Python objects that ``save()`` only snapshotted (:class:`~zerostall.format.frozen.DeferredTree`);
-an error there is kept by the plan and raised by the committer.
+One daemon thread owned by the process's staging pool (:mod:`.pool`); jobs are staged strictly
+in the order the caller queued them: the shard header, every tensor's bytes (zero-padded to
+4 KiB), the zero tail, each finished block published to the persist thread. CUDA tensors are
+copied non-blocking on a low-priority side stream of their device (:class:`DeviceStreams`),
+after the event :func:`record_save_events` recorded at ``save()``. Then it encodes the Python
+objects ``save()`` only snapshotted (:class:`~zerostall.format.frozen.DeferredTree`; an error
+there is raised by the committer).
 
-Never mutates the caller's tensors; drops its references to them once the job is staged.
-CPU bytes move with ``memmove``/``memset`` through ctypes, never with a torch op: a
-long-lived thread that has run an OpenMP-parallel torch op keeps its own OpenMP team, which
-slows the training thread (docs/speed-tricks.md). The rare non-contiguous CPU tensor is
-copied by torch in a short-lived helper thread, in row chunks of at most
-``STRIDED_CHUNK_BYTES`` (never one whole copy outside the staging budget).
+Never mutates the caller's tensors; drops them once the job is staged. CPU bytes move with
+``memmove``/``memset``, never a torch op: a long-lived thread that ran an OpenMP-parallel torch
+op keeps its own OpenMP team, which slows training (docs/speed-tricks.md). A non-contiguous CPU
+tensor is copied by torch in a short-lived helper thread, in row chunks of at most
+``STRIDED_CHUNK_BYTES``.
 """
 
 from __future__ import annotations

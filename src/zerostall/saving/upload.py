@@ -4,20 +4,17 @@ applies retention on both tiers.
 One daemon thread per ``Checkpointer`` with a remote tier, at idle I/O priority under a
 bandwidth cap. Each *pass*:
 
-1. lists the remote tier's committed steps (those whose manifest object exists: the listing,
-   never memory, is the truth); a local step the remote holds as another checkpoint is
-   replaced, rank 0 first setting the remote copy aside (:mod:`..store.remote_replace`);
+1. lists the remote tier's committed steps (the listing, never memory, is the truth); a local
+   step the remote holds as another checkpoint is replaced (:mod:`..store.remote_replace`);
 2. for every local committed step the remote lacks and would keep (oldest first, a step after
    those it references), uploads this rank's shard files, each verified by crc32c read back;
    rank 0 then waits (``rank_wait_s``) for every rank's shard and uploads the manifest last;
 3. marks this run's handles whose step the remote now lists as replicated;
 4. applies retention on both tiers (never a step that a step staying there references).
 
-A pass runs at start-up (what a previous run left is uploaded now), after each local commit,
-and, while steps are pending, after a backoff (1 s doubling to ``retry_max_s``). A failed
-request is not retried here (botocore did): the pass stops and the step stays pending.
-:meth:`Replicator.close` gives the last pass a deadline; what is still pending is logged,
-recorded on the handles and uploaded by the next run.
+A pass runs at start-up, after each local commit and, while steps are pending, after a backoff;
+a failed request stops the pass (the step stays pending). When passes run, ``close()``'s
+deadline, what the next run uploads: docs/remote.md ("When the remote is down").
 
 Threads: ``on_committed`` from the persist thread (a commit subscriber), ``close`` and
 ``pending_steps`` from the caller's; everything else on the replicator thread.
@@ -38,7 +35,7 @@ from .job import Committed
 from ..store.local import LocalTier
 from ..store.files import drop_cache, file_crc32c
 from ..store.remote import RemoteTier
-from ..store.remote_replace import (committed_bytes, live_names, others_are_current, refs_current, set_aside,
+from ..store.remote_replace import (committed, live_names, others_are_current, refs_current, set_aside,
     sweep)
 from ..store.retention import RetentionPolicy, dependents, prune
 from ..io._sys import set_idle_io_priority
@@ -157,7 +154,7 @@ class Replicator:
         with self._lock:
             for job in self._jobs.values():
                 if not job.status.replicated.is_set():
-                    job.status.replication_failing(exc)
+                    job.status.replicate_error = exc
         if not self._failing:
             log.warning("zerostall: replication to %s failed (%s); local saves go on, pending steps are "
                         "retried with backoff", self._url(), exc)
@@ -214,7 +211,7 @@ class Replicator:
                 with self._lock:
                     job = self._jobs.get(s)
                 if job is not None:
-                    job.status.replication_failing(exc)
+                    job.status.replicate_error = exc
         if self._failing:
             log.info("zerostall: replication to %s works again", remote.url)
         self._failing = False
@@ -331,7 +328,7 @@ class Replicator:
             log.info("zerostall: step %d was overwritten locally while it was uploaded; uploading it again "
                      "at the next pass", step)
             return False
-        remote.upload_bytes(raw, manifest_rel, previous=committed_bytes(remote, step))  # last: the remote commit
+        remote.upload_bytes(raw, manifest_rel, previous=committed(remote, step)[0])  # last: the remote commit
         remote.hook("commit")
         try:  # after the commit point: a replaced copy (set aside) goes
             sweep(remote, step, man)

@@ -1,9 +1,6 @@
 """Atomic directory operations on POSIX filesystems: publish (with crash-safe overwrite),
-discard, the start-up recovery that completes them, and durable small files.
-
-Used by the local tier and the DCP plugin. Synchronous; callers own the parent directory
-(:mod:`.owner`). ``hook`` arguments are the crash-test seam: called with a boundary name after
-each rename/unlink/fsync.
+discard, their recovery, and durable small files. Callers own the parent directory;
+``hook`` arguments are the crash-test seam (a boundary name after each rename/unlink/fsync).
 """
 
 from __future__ import annotations
@@ -46,8 +43,8 @@ def fsync_dir(path: str) -> None:
 
 @contextmanager
 def unlinked_on_error(tmp: str) -> Iterator[str]:
-    """Yield ``tmp``, a temporary file the block writes and renames into place; if the block
-    raises, ``tmp`` is removed (quietly) and the error goes on. Any thread."""
+    """Yield ``tmp``, a temporary file the block writes and renames into place; removed if the
+    block raises."""
     try:
         yield tmp
     except BaseException:
@@ -90,14 +87,14 @@ def rename_exchange(a: str, b: str) -> bool:
 def rmtree(path: str, hook: Hook | None = None) -> None:
     """Remove ``path`` (a tree or a file) without following symlinks, calling ``hook("unlink")``
     after each entry (unlike ``shutil.rmtree``). A missing path is not an error."""
+    hook = hook or _noop
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return
     if not stat.S_ISDIR(st.st_mode):
         os.unlink(path)
-        if hook is not None:
-            hook("unlink")
+        hook("unlink")
         return
     for entry in os.scandir(path):
         if entry.is_dir(follow_symlinks=False):
@@ -107,14 +104,12 @@ def rmtree(path: str, hook: Hook | None = None) -> None:
                 os.unlink(entry.path)
             except FileNotFoundError:
                 continue
-            if hook is not None:
-                hook("unlink")
+            hook("unlink")
     try:
         os.rmdir(path)
     except FileNotFoundError:
         return
-    if hook is not None:
-        hook("unlink")
+    hook("unlink")
 
 
 def _noop(_: str) -> None:
@@ -122,8 +117,7 @@ def _noop(_: str) -> None:
 
 
 def free_bytes(path: str) -> int:
-    """Bytes an unprivileged writer may still allocate on ``path``'s filesystem (the seam the
-    tests fake a nearly full disk with)."""
+    """Bytes an unprivileged writer may still allocate on ``path``'s filesystem (a test seam)."""
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
 
@@ -160,14 +154,9 @@ open (on NFS, CephFS, Lustre, ... it sees only this node's)."""
 
 class DeferredRemovals:
     """Trees already out of their directory's listing (renamed to ``.deleting-*``, the rename
-    fsynced), whose files the owner's persist thread removes later.
-
-    Unlinking a large file frees (and may trim) its extents, and a new file's writes then
-    allocate them again. So the persist thread takes a doomed shard to write the next save
-    over (:meth:`take`), and runs the other removals while the next save's writes are in
-    flight. A crash before :meth:`run` leaves ``.deleting-*`` entries for start-up recovery.
-    Owner thread only (not thread-safe).
-    """
+    fsynced), whose files the owner's persist thread removes later: it takes a doomed shard to
+    write the next save over (:meth:`take`, reusing its extents), and runs the other removals
+    while the next save's writes are in flight. Owner thread only."""
 
     MARGIN_BYTES = 64 << 20
     """Free space asked beyond a new file's size before deferring removals further."""
@@ -190,8 +179,7 @@ class DeferredRemovals:
 
     def run(self, keep: str | None = None) -> None:
         """Remove every pending tree now, except, with ``keep`` (and :attr:`spare`), the first
-        regular file of that name, for :meth:`take` (its tree stays pending). A failure is
-        logged, never raised (start-up recovery removes what is left)."""
+        regular file of that name, for :meth:`take`. A failure is logged, never raised."""
         kept = None
         for path in list(self.paths):
             try:
@@ -209,9 +197,8 @@ class DeferredRemovals:
 
     def take(self, name: str, dest: str) -> bool:
         """Move the file ``name`` of a pending tree to ``dest`` for the persist thread to write
-        over, reusing its blocks. Only a file no process has open (:func:`unshared`: a reader of
-        the doomed step keeps its bytes), on a :data:`LOCAL_FS`. Returns whether it moved one
-        (a crash leaves it in ``dest``'s partial directory, which recovery removes)."""
+        over; only a file no process has open (:func:`unshared`), on a :data:`LOCAL_FS`.
+        Returns whether it moved one."""
         if not self.paths or not self._local:
             return False
         for tree in self.paths:
@@ -253,40 +240,33 @@ def discard(path: str, hook: Hook | None = None) -> None:
 
 def publish_dir(staged: str, final: str, *, overwrite: bool = False, hook: Hook | None = None,
                 exchange: bool = True) -> str:
-    """Make the complete, fsynced directory ``staged`` visible as ``final``, crash-safely (the
-    syscalls are step 4-5 of :mod:`.local`'s protocol). ``final`` present: ``overwrite`` is
-    required (else FileExistsError); the two are exchanged, or where the filesystem cannot (or
-    ``exchange=False``) ``final`` goes to ``final.old`` first, which :func:`recover_dir`
-    restores after a crash between the renames. The parent is fsynced before an old copy is
-    deleted. Returns ``"rename"``, ``"exchange"`` or ``"two-phase"``. Owner only.
-    """
+    """Make the complete, fsynced directory ``staged`` visible as ``final``, crash-safely (steps
+    4-5 of :mod:`.local`'s protocol); an existing ``final`` needs ``overwrite`` (else
+    FileExistsError). Returns ``"rename"``, ``"exchange"`` or ``"two-phase"``. Owner only."""
     hook = hook or _noop
-    parent = os.path.dirname(final)
+    doomed = None  # the old copy, deleted once the parent is fsynced
     if not os.path.lexists(final):
+        how = "rename"
         os.rename(staged, final)
         hook("rename")
-        fsync_dir(parent)
-        hook("fsync_root")
-        return "rename"
-    if not overwrite:
+    elif not overwrite:
         raise FileExistsError(errno.EEXIST, "exists", final)
-    if exchange and rename_exchange(staged, final):
+    elif exchange and rename_exchange(staged, final):
+        how, doomed = "exchange", staged
         hook("exchange")
-        fsync_dir(parent)
-        hook("fsync_root")
-        discard(staged, hook)
-        return "exchange"
-    old = final + ".old"
-    if os.path.lexists(old):  # an earlier crash's copy; final is valid, so this one is stale
-        discard(old, hook)
-    os.rename(final, old)
-    hook("rename_old")
-    os.rename(staged, final)
-    hook("rename")
-    fsync_dir(parent)
+    else:
+        how, doomed = "two-phase", final + ".old"
+        if os.path.lexists(doomed):  # an earlier crash's copy; final is valid, so this one is stale
+            discard(doomed, hook)
+        os.rename(final, doomed)
+        hook("rename_old")
+        os.rename(staged, final)
+        hook("rename")
+    fsync_dir(os.path.dirname(final))
     hook("fsync_root")
-    discard(old, hook)
-    return "two-phase"
+    if doomed is not None:
+        discard(doomed, hook)
+    return how
 
 
 def recover_dir(final: str, is_valid: Callable[[str], bool], hook: Hook | None = None) -> list[str]:

@@ -1,6 +1,4 @@
-"""Local file helpers of the tiers and the bench: a file's crc32c, dropping its pages, and
-opening a shard for reading only if it is the regular file that was checked. Any thread.
-"""
+"""Local file helpers of the tiers and the bench: crc32c, dropping pages, a checked shard open."""
 
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ _READ_CHUNK = 8 << 20
 
 
 def file_crc32c(path: str) -> tuple[int, int]:
-    """(size, crc32c) of a local file. Read through the page cache (the upload that follows
-    reads the same pages), then dropped from it."""
+    """(size, crc32c) of a local file, read through the page cache."""
     crc, size = 0, 0
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -33,8 +30,7 @@ def file_crc32c(path: str) -> tuple[int, int]:
 
 
 def drop_cache(path: str, *, sync: bool = False) -> None:
-    """Ask the kernel to drop ``path``'s clean pages (after an upload read it); ``sync=True``
-    writes its dirty pages first, so that all of them go (the bench's cold reads)."""
+    """Ask the kernel to drop ``path``'s clean pages; ``sync=True`` writes dirty ones first."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -50,9 +46,8 @@ def drop_cache(path: str, *, sync: bool = False) -> None:
 
 
 def open_shard_checked(eng: Any, path: str) -> Any:
-    """``eng.open_read(path)`` only if ``path`` is a regular file (no symlink, FIFO, device or
-    directory: :class:`CorruptCheckpoint`) and the one that was checked (not replaced between
-    the check and the engine's open)."""
+    """``eng.open_read(path)`` only if ``path`` is a regular file and the one that was checked
+    (not replaced before the engine's open); else :class:`CorruptCheckpoint`."""
     try:
         fd = open_regular(path)
     except FileNotFoundError:

@@ -15,21 +15,15 @@ Commit protocol (POSIX), run by the owner's persist thread once every shard is w
     6. latest.tmp -> latest, fsync root                            ("latest_tmp", "latest")
 
 Every state between two of those syscalls is a committed step or something the owner's
-start-up recovery finishes: ``*.partial`` is removed; ``step-N.old`` is restored when
-``step-N`` is missing (a crash between the two renames of 4) and removed otherwise;
-``.deleting-*``, ``latest.tmp`` and probe/write-test files are removed. Each removal is
-logged. After 4 the checkpoint exists; 6 is a hint for humans and tools (readers trust the
-listing), and a failure there is reported as a post-commit problem, never as a failed save.
+start-up recovery finishes (:mod:`.recovery`). After 4 the checkpoint exists; 6 is a hint for
+humans and tools, and a failure there is a post-commit problem, never a failed save.
 
 Deleting a committed step (retention, a bad download) renames it to ``.deleting-step-N-*``
 ("delete_rename"), fsyncs the root ("delete_fsync"), then removes the files ("unlink"); for
 retention after a commit the persist thread removes them later (:class:`~.atomic.DeferredRemovals`).
 
-Ownership: :meth:`LocalTier.own` takes ``<root>/.zerostall.lock`` (:mod:`.owner`) before
-recovering; only the owner writes. Readers take no lock: a step directory appears only by
-rename, complete. A process downloading a step into a root it does not own
-(``load(remote=)``) holds that step's :class:`~.owner.StepLock`, and start-up recovery leaves
-that step's leftovers alone (:mod:`.recovery`).
+Only the owner writes (:meth:`LocalTier.own`, :mod:`.owner`); readers take no lock: a step
+directory appears only by rename, complete.
 """
 
 from __future__ import annotations
@@ -60,8 +54,8 @@ log = logging.getLogger("zerostall")
 
 
 def _has_manifest(step_dir: str) -> bool:
-    """Whether ``step_dir/manifest.json`` exists in any form (never opened: a FIFO cannot hang
-    this). An entry we cannot examine (EACCES, ELOOP, ...) counts, so it is reported as damaged."""
+    """Whether ``step_dir/manifest.json`` exists in any form, never opened; an entry we cannot
+    examine counts (reported as damaged)."""
     try:
         os.lstat(os.path.join(step_dir, MANIFEST_NAME))
         return True
@@ -72,18 +66,16 @@ def _has_manifest(step_dir: str) -> bool:
 
 
 class LocalTier(RootTier):
-    exchange = True
-    """Use ``renameat2(RENAME_EXCHANGE)`` for overwrites (tests set False for the two-phase path)."""
+    exchange = True  # renameat2(RENAME_EXCHANGE) for overwrites; tests set False (two-phase path)
     _hook: Callable[[str], None] | None = None
-    """The crash-test seam: called with each boundary's name (on an instance, or on the class as
-    a ``staticmethod`` to reach a Checkpointer's start-up in a forked child)."""
+    """The crash-test seam, called with each boundary's name (set on the class as a
+    ``staticmethod`` to reach a Checkpointer's start-up in a forked child)."""
 
     def __init__(self, root: str, *, create: bool = False, lock_timeout_s: float = 0.0,
                  io: "IOConfig | None" = None):
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
-        self.io = io
-        """The I/O settings for shards opened without an engine (the user's ``engine=``)."""
+        self.io = io  # for shards opened without an engine
         self.lock_timeout_s = lock_timeout_s
         self._lock = RootLock(self.root)
         self._verdicts = ManifestVerdicts()
@@ -123,8 +115,7 @@ class LocalTier(RootTier):
 
     # -- reading (any thread, any process, no lock) ----------------------------------------
     def listed_steps(self) -> list[int]:
-        """``step-N`` entries holding anything named ``manifest.json`` (a FIFO, a symlink, an
-        unreadable file count too), ascending: tools that report damaged steps hide none."""
+        """``step-N`` entries holding anything named ``manifest.json``, valid or not, ascending."""
         out = []
         for n in self._names():
             s = parse_step_dir(n, self.root)  # canonical names only: 'step-03' is ignored, with a warning
@@ -144,8 +135,7 @@ class LocalTier(RootTier):
         return None
 
     def manifest_refs(self, step: int) -> Manifest | ManifestRefs:
-        """``step``'s ``ref_files`` (retention's question), from the cache while the manifest
-        keeps its identity, else :meth:`read_manifest`."""
+        """``step``'s ``ref_files`` for retention, cached while the manifest keeps its identity."""
         ident = self.manifest_ident(step)
         hit = self._verdicts.get(step, ident)
         if hit is not None and hit[1] is not None:
@@ -230,8 +220,8 @@ class LocalTier(RootTier):
         return self._lock.held
 
     def own(self, timeout_s: float | None = None) -> list[str]:
-        """Take the root (``RootLockedError`` naming the holder if another writer has it, after
-        waiting up to ``timeout_s``, default ``lock_timeout_s``), then :meth:`recover` it."""
+        """Take the root (waiting up to ``timeout_s``, default ``lock_timeout_s``; else
+        ``RootLockedError``), then :meth:`recover` it."""
         self._lock.acquire(self.lock_timeout_s if timeout_s is None else timeout_s)
         try:
             return self.recover()
@@ -243,8 +233,7 @@ class LocalTier(RootTier):
         self._lock.release()
 
     def recover(self) -> list[str]:
-        """Finish or remove everything a crash left (owner only; :func:`.recovery.recover_root`);
-        returns one logged line per action."""
+        """Finish or remove what a crash left (:func:`.recovery.recover_root`); owner only."""
         if not self._lock.held:
             raise ZerostallError(f"recovering {self.root!r} needs its lock (call own())")
         return recover_root(self)
@@ -254,8 +243,7 @@ class LocalTier(RootTier):
         """Refuse ``step`` before anything is written: it exists (without ``overwrite``), or it
         is lower than the newest committed step (without ``allow_lower``; see retention)."""
         if not overwrite and os.path.lexists(self.step_dir(step)):
-            raise CheckpointExistsError(
-                f"step {step} already exists in {self.root!r} (pass overwrite=True or pick another step)")
+            raise self._exists(step)
         if not allow_lower:
             newest = self.latest()
             if newest is not None and step < newest:
@@ -264,6 +252,10 @@ class LocalTier(RootTier):
                     f"{self.root!r} (left by an earlier run?). Retention and load() rank steps by number, "
                     f"so the runs would mix: resume from step {newest}, use another directory, delete the "
                     f"higher steps, or pass allow_lower_steps=True", step=step, newest=newest)
+
+    def _exists(self, step: int) -> CheckpointExistsError:
+        return CheckpointExistsError(f"step {step} already exists in {self.root!r} (pass overwrite=True or pick "
+                                     "another step)")
 
     def begin(self, step: int) -> str:
         """Create ``step-N.partial/`` (replacing a stale one); return its path."""
@@ -282,10 +274,8 @@ class LocalTier(RootTier):
 
     def commit(self, step: int, manifest: Manifest, overwrite: bool = False, *,
                latest: bool = True) -> tuple[str, ...]:
-        """Steps 2-6 of the protocol; shards must already be durable. Raises if nothing is
-        committed; returns the post-commit problems (step 6) otherwise. ``latest=False``
-        leaves step 6 (the ``latest`` hint) to the caller (:meth:`write_latest`), e.g. after
-        it has told its user the step is durable (the single-rank persist thread)."""
+        """Steps 2-6 of the protocol (:meth:`Tier.commit`). ``latest=False`` leaves step 6 to
+        the caller (:meth:`write_latest`), e.g. after it reported the step durable."""
         part, final = self.partial_dir(step), self.step_dir(step)
         try:
             write_file_durable(os.path.join(part, MANIFEST_NAME), manifest.to_bytes())
@@ -295,8 +285,7 @@ class LocalTier(RootTier):
             try:
                 publish_dir(part, final, overwrite=overwrite, hook=self._step, exchange=self.exchange)
             except FileExistsError:
-                raise CheckpointExistsError(f"step {step} already exists in {self.root!r} "
-                                            "(pass overwrite=True or pick another step)") from None
+                raise self._exists(step) from None
         except CheckpointExistsError:
             raise
         except OSError as exc:
@@ -306,8 +295,7 @@ class LocalTier(RootTier):
         return self.write_latest(step) if latest else ()
 
     def write_latest(self, step: int) -> tuple[str, ...]:
-        """Step 6: the ``latest`` hint (a committed step is durable without it); returns the
-        problem, if any, instead of raising."""
+        """Step 6: the ``latest`` hint; returns the problem, if any, instead of raising."""
         tmp = os.path.join(self.root, "latest.tmp")
         try:
             newest = self.latest()
@@ -331,8 +319,8 @@ class LocalTier(RootTier):
             log.warning("zerostall: could not remove %s: %s", self.partial_dir(step), exc)
 
     def delete(self, step: int, *, defer: bool = False) -> None:
-        """Remove a committed step: take it out of the listing, fsync the root, then delete its
-        files (``defer``: leave that to whoever runs :attr:`deferred`, the persist thread)."""
+        """Remove a committed step: rename it out of the listing, fsync the root, then delete
+        its files (``defer``: :attr:`deferred` does, on the persist thread)."""
         d = self.step_dir(step)
         gone = os.path.join(self.root, f".deleting-step-{step}-{uuid.uuid4().hex[:8]}")
         try:

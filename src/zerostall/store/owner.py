@@ -1,22 +1,14 @@
 """Ownership of a checkpoint root: one writer at a time, by ``flock`` on ``<root>/.zerostall.lock``.
 
-The writer (a ``Checkpointer``; under ``torch.distributed`` the one process per root that
-commits) flocks the lock file for its lifetime; the kernel drops the lock however the process
-exits, so a crash never leaves a root locked. The file records the holder (host, pid, start)
-for :class:`~zerostall.errors.RootLockedError`, and is never deleted (an unlink races with the
-next ``open``). The root directory is flocked too, so a lock file someone unlinked ("clearing
-a stale lock") does not let a second writer in. Readers take no lock.
+The writer flocks the lock file for its lifetime (a crash never leaves a root locked). The
+file records the holder for :class:`~zerostall.errors.RootLockedError` and is never deleted
+(an unlink races with the next ``open``); the root directory is flocked too, so an unlinked
+lock file does not let a second writer in. Readers take no lock.
 
-``flock`` locks an open file description: two ``Checkpointer``s on one root in one process
-conflict too. A ``fork()`` shares the description, so a forked child closes its copies of
-every held lock descriptor at once (``os.register_at_fork``), leaving the parent's lock; a lock
-is registered for that in the same step as its descriptor is opened, forks held off meanwhile
-(``_FORK_GUARD``). Release unlocks before closing, but only in the process that acquired the
-lock (a child forked without Python's handlers must never unlock the parent's root).
-
-Where the filesystem refuses ``flock`` (``ENOLCK``: NFS without a lock manager, some FUSE),
-the root is used unlocked, with a warning. NFSv3 with ``nolock`` grants ``flock`` locally
-only: two hosts can then both "own" a root.
+A ``fork()`` shares the locked description, so a forked child closes its copies of every
+held lock descriptor (``os.register_at_fork``; ``_FORK_GUARD`` holds forks off while one is
+opened), and only the process that acquired a lock unlocks it. Where the filesystem refuses
+``flock`` (``ENOLCK``: NFS without a lock manager), the root is used unlocked, with a warning.
 
 Called from the caller's thread (``Checkpointer.__init__``/``close``); not thread-safe.
 """
@@ -52,14 +44,6 @@ _FORK_GUARD = threading.RLock()
 ``os.fork`` (``before=``). Never held across a wait; reentrant (a signal handler may fork)."""
 
 
-def _before_fork() -> None:
-    _FORK_GUARD.acquire()
-
-
-def _after_fork_in_parent() -> None:
-    _FORK_GUARD.release()
-
-
 def _after_fork_in_child() -> None:
     """Close the child's copies of the parent's lock descriptors (the parent keeps its flock)."""
     for lock in list(_HELD):
@@ -67,10 +51,10 @@ def _after_fork_in_child() -> None:
             with contextlib.suppress(OSError):
                 os.close(fd)
     _HELD.clear()
-    _FORK_GUARD.release()  # taken by this thread in _before_fork
+    _FORK_GUARD.release()  # taken by this thread before the fork
 
 
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+os.register_at_fork(before=_FORK_GUARD.acquire, after_in_parent=_FORK_GUARD.release,
                     after_in_child=_after_fork_in_child)
 
 
@@ -170,11 +154,8 @@ class RootLock(_Held):
         return self._fd is not None
 
     def acquire(self, timeout_s: float = 0.0) -> None:
-        """Take the lock, waiting up to ``timeout_s`` (0: fail at once) for another holder.
-
-        Raises :class:`RootLockedError` naming the holder, or ``StorageError`` if the lock
-        file cannot be created.
-        """
+        """Take the lock, waiting up to ``timeout_s`` (0: fail at once) for another holder;
+        :class:`RootLockedError` names the holder, ``StorageError`` the uncreatable lock file."""
         if self._fd is not None:
             return
         fd = _open_lock_file(self, self.path)
@@ -246,9 +227,8 @@ FETCH_STEP_LOCK_RE = r"^\.zerostall-fetch-step-(\d{1,19})\.lock$"
 
 
 class FileLock(_Held):
-    """An exclusive ``flock`` on one file that whoever holds it last may remove
-    (release(unlink=True)); :meth:`acquire` therefore checks, once locked, that the path still
-    names the file it locked, and starts again otherwise. The file records its holder. Caller's
+    """An exclusive ``flock`` on one file that its last holder removes (``release(unlink=True)``),
+    so :meth:`acquire` checks, once locked, that the path still names that file. Caller's
     thread; one acquire, one release."""
 
     def acquire(self, wait: bool = True) -> bool:
@@ -302,11 +282,8 @@ class FileLock(_Held):
 
 class StepLock(FileLock):
     """``flock`` on ``<root>/.zerostall-fetch-step-N.lock``, held by a process that downloads
-    step N into a root it does not own (``load(remote=)``, ``zerostall restore``): its
-    ``step-N.partial`` and what its commit leaves (``step-N.old``, ``.deleting-step-N-*``)
-    are in use. The owner's start-up cleanup (:meth:`.local.LocalTier.recover`) takes the
-    same lock without waiting for every step it cleans, and skips a step whose lock is held.
-    Unlike the root lock this file is removed by whoever holds it last."""
+    step N into a root it does not own (``load(remote=)``): the owner's start-up cleanup
+    (:mod:`.recovery`) skips that step's leftovers while it is held."""
 
     def __init__(self, root: str, step: int):
         super().__init__(os.path.join(root, FETCH_STEP_LOCK.format(step=step)))

@@ -1,11 +1,10 @@
 """Start-up recovery of a local root by its new owner: finish or remove what a crash left.
 
-Called once by :meth:`.local.LocalTier.own` (caller's thread, the root lock held):
-``step-N.old`` is finished or rolled back (:func:`.atomic.recover_dir`); a ``step-N.partial``
-holding ``manifest.decided`` (committed by the ranks' decision, :mod:`zerostall.distributed.finish`)
-is completed; any other ``step-N.partial``, ``.deleting-*``, temporary files and the locks of
-interrupted restores are removed, except for a step a restore is downloading into now (its
-:class:`~.owner.StepLock` is held).
+Called once by :meth:`.local.LocalTier.own` (root lock held): ``step-N.old`` is finished or
+rolled back (:func:`.atomic.recover_dir`); a ``step-N.partial`` holding ``manifest.decided``
+(:mod:`zerostall.distributed.finish`) is completed; any other ``step-N.partial``,
+``.deleting-*``, temporary files and stale restore locks are removed, except for a step whose
+:class:`~.owner.StepLock` a restore holds.
 """
 
 from __future__ import annotations
@@ -59,8 +58,7 @@ def recover_root(tier: "LocalTier") -> list[str]:
     busy: set[int] = set()
 
     def free(step: int | None) -> bool:
-        """Whether this step's leftovers are ours to clean: no restore is downloading into
-        it (its StepLock, taken here without waiting and held until the end)."""
+        """Whether this step's leftovers are ours to clean (its StepLock taken without waiting)."""
         if step is None or step in locks:
             return True
         if step in busy:

@@ -2,13 +2,10 @@
 
 A remote tier keeps the local layout (``step-N/<shards>``, ``step-N/manifest.json``) and
 commits the object-store way (:class:`RemoteTier`). Called from the replicator thread
-(uploads, deletes) and from ``load``/the CLI (listing, downloads).
-
-Faults stop at this boundary: every OS or botocore error leaves as a
-:class:`~zerostall.errors.RemoteError` naming the URL (and step), and nothing here retries
-(S3 requests use botocore's bounded retries, :mod:`.s3`; a failed step stays pending for the
-replicator's next pass). :func:`list_steps` bounds a listing for readers that must not wait
-on a remote that is down. Implementations: :class:`~.s3.S3Tier`, :class:`~.sharedfs.FileTier`.
+(uploads, deletes) and from ``load``/the CLI (listing, downloads). Every OS or botocore error
+leaves as a :class:`~zerostall.errors.RemoteError` naming the URL (and step); nothing here
+retries (a failed step stays pending for the replicator's next pass).
+Implementations: :class:`~.s3.S3Tier`, :class:`~.sharedfs.FileTier`.
 """
 
 from __future__ import annotations
@@ -42,26 +39,18 @@ def step_of(rel: str) -> int | None:
 
 
 class RemoteTier(Tier):
-    """One remote location, implementing :class:`~.tier.Tier` the object-store way.
-
-    Data objects go to their final names (each verified by its crc32c read back), the
-    manifest last (:meth:`commit`): a step exists only once complete; :meth:`delete` removes
-    the manifest first.
-    A remote root has no lock (object stores have no ``flock``): it is written by the
-    replicator of the Checkpointer that owns the local root, and :meth:`own` only creates the
-    bucket/directory. Data objects without a manifest are not a step; the next upload of
-    that step overwrites them. One thread at a time, except :meth:`cancel` (any thread).
-
-    Each implementation provides the primitives below; names are ``step-N/<name>`` (``rel``),
-    and every failure leaves as RemoteError.
-    """
+    """One remote location, implementing :class:`~.tier.Tier` the object-store way: data
+    objects go to their final names (each verified by its crc32c read back), the manifest
+    last (:meth:`commit`); :meth:`delete` removes the manifest first. No lock: the replicator
+    of the local root's owner writes it; :meth:`own` only creates the bucket/directory.
+    One thread at a time, except :meth:`cancel`. Implementations provide the primitives
+    below; names are ``step-N/<name>`` (``rel``)."""
 
     url: str
 
     @abstractmethod
     def _manifests(self) -> dict[int, tuple[Any, ...]]:
-        """{step: identity of its manifest object (size, mtime/etag)} for every ``step-N``
-        holding one."""
+        """{step: identity of its manifest object (size, mtime/etag)}."""
 
     @abstractmethod
     def read_bytes(self, rel: str, limit: int) -> bytes:
@@ -77,17 +66,14 @@ class RemoteTier(Tier):
         """Fetch ``rel`` into ``local_path`` (created; direct I/O where the engine allows)."""
 
     @abstractmethod
-    def _open_read(self, rel: str, size: int, engine: Any) -> Any:
-        """A reader of ``rel`` with ``read(extents)``/``close()``."""
+    def _open_read(self, rel: str, size: int, engine: Any) -> Any: ...
 
     @abstractmethod
     def _open_write(self, rel: str, nbytes: int, engine: Any) -> Any:
-        """A writer of ``rel`` with ``write(extents)``/``finish()``/``close()``; the object
-        appears (verified) at ``finish()``."""
+        """A writer of ``rel`` (as ``Tier.open_shard_write``'s); the object appears, verified, at ``finish()``."""
 
     @abstractmethod
-    def ensure_root(self) -> None:
-        """Create the bucket / directory if it does not exist."""
+    def ensure_root(self) -> None: ...
 
     @abstractmethod
     def _put_file(self, local_path: str, rel: str, crc: int) -> None: ...
@@ -103,8 +89,7 @@ class RemoteTier(Tier):
         """Remove one object/file (absent is fine)."""
 
     @abstractmethod
-    def _delete_prefix(self, rel: str) -> None:
-        """Remove every object under ``rel`` (a ``step-N/`` prefix)."""
+    def _delete_prefix(self, rel: str) -> None: ...
 
     @abstractmethod
     def _copy_within(self, src: str, dst: str) -> bool:
@@ -113,8 +98,7 @@ class RemoteTier(Tier):
 
     def copy_object(self, src: str, dst: str, size: int) -> None:
         """Copy ``src`` (``size`` bytes) to ``dst`` on the tier, checked against the source's
-        crc32c. CorruptCheckpoint if the source is not what its step says; RemoteError if the
-        tier fails."""
+        crc32c; CorruptCheckpoint if the source is not what its step says."""
         got = self.stat(src)
         if got != size:
             raise CorruptCheckpoint(f"{self.where(src)}: {'missing' if got is None else f'{got} bytes'}, its "
@@ -150,8 +134,7 @@ class RemoteTier(Tier):
         return self._manifests().get(step)
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending. Each manifest is read once per object identity (size,
-        etag/mtime), so a listing costs one LIST (S3) or one stat per step."""
+        """Committed steps, ascending; each manifest is read once per object identity."""
         return sorted(step for step, ident in self._manifests().items()
                       if self._verdicts.valid(step, ident, self.read_manifest, self.where(f"step-{step}"),
                                               (CorruptCheckpoint, CheckpointNotFound)))
@@ -184,8 +167,8 @@ class RemoteTier(Tier):
 
     # -- writing ------------------------------------------------------------------------------------
     def begin(self, step: int) -> str:
-        """No staging area: a committed step there is first set aside (:mod:`.remote_replace`),
-        so writing over its names tears nothing. Returns the step's location."""
+        """No staging area: a committed step there is first set aside (:mod:`.remote_replace`).
+        Returns the step's location."""
         set_aside(self, step)
         return self.where(f"step-{step}")
 
@@ -215,12 +198,10 @@ class RemoteTier(Tier):
         return ()
 
     def abort(self, step: int) -> None:
-        """Remove what an unfinished upload of ``step`` left (never a committed step)."""
         if self.stat(f"step-{step}/{MANIFEST_NAME}") is None:
             self._delete_prefix(f"step-{step}/")
 
     def delete(self, step: int) -> None:
-        """Uncommit (manifest first), then remove the data."""
         self._delete(f"step-{step}/{MANIFEST_NAME}")
         self._delete_prefix(f"step-{step}/")
         self._verdicts.forget(step)
@@ -234,9 +215,8 @@ class RemoteTier(Tier):
         self.verify(rel, os.path.getsize(local_path), crc)
 
     def upload_bytes(self, data: bytes, rel: str, previous: bytes | None = None) -> None:
-        """Store ``data`` at ``rel`` and read it back to check it (manifests). If the check fails
-        the object is removed (an unverified manifest must not commit a step), or ``previous``
-        (the committed manifest it replaced) put back, so that step does not vanish."""
+        """Store ``data`` at ``rel`` and read it back to check it (manifests). If the check fails,
+        ``previous`` (the committed manifest it replaced) is put back, or else the object removed."""
         self._put_bytes(data, rel)
         try:
             self.verify(rel, len(data), _crc.crc32c(data))
@@ -276,8 +256,7 @@ class RemoteTier(Tier):
 
 def list_steps(remote: RemoteTier, timeout_s: float = LIST_TIMEOUT_S) -> tuple[list[int] | None, str]:
     """(the remote's committed steps, "") or (None, why), logged, if the listing fails or
-    takes over ``timeout_s`` (a hung mount): readers go on with the local tier. The listing
-    runs in a daemon thread, abandoned on timeout."""
+    takes over ``timeout_s`` (a hung mount; its daemon thread is abandoned)."""
     out: dict[str, Any] = {}
 
     def run() -> None:
@@ -297,9 +276,8 @@ def list_steps(remote: RemoteTier, timeout_s: float = LIST_TIMEOUT_S) -> tuple[l
 
 
 class ShardIO:
-    """A ShardFile-like wrapper: ``read``/``write`` go to ``inner``; ``finish()`` runs
-    ``inner.finish()`` then ``on_finish`` (publish); ``close()`` runs ``on_close`` once
-    (cleanup: close an engine the tier opened, abort an unfinished upload)."""
+    """A ShardFile-like wrapper of ``inner``: ``finish()`` then runs ``on_finish`` (publish),
+    ``close()`` runs ``on_close(finished)`` once (cleanup)."""
 
     def __init__(self, inner: Any, on_finish: Callable[[], None] | None = None,
                  on_close: Callable[[bool], None] | None = None):

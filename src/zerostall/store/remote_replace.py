@@ -15,10 +15,8 @@ out of the way, committed at every moment, and then the new copy goes to the usu
 Every state between two requests is a committed step: until 2 the old manifest names the old
 objects; from 2 to 4 the rewritten one names the copies (the usual names are referenced by no
 manifest, so overwriting them tears nothing); from 4 the new manifest names the new objects.
-A crash is finished by the next pass, which again finds another checkpoint on the remote:
-files set aside are not copied again, the upload checks what is there. Ranks other than 0
-upload a file only when the remote manifest no longer names it (:func:`live_names`).
-
+The next pass finishes a crash: files set aside are not copied again. Ranks other than 0
+upload a file only once the remote manifest no longer names it (:func:`live_names`).
 Called from the replicator thread (rank 0 for :func:`set_aside`/:func:`sweep`), or through
 :meth:`RemoteTier.begin`/``commit``.
 """
@@ -54,23 +52,14 @@ def is_aside(name: str) -> bool:
     return bool(_ASIDE_RE.search(name))
 
 
-def current(remote: "RemoteTier", step: int) -> Manifest | None:
-    """The remote manifest of ``step`` if it validates, else None."""
-    try:
-        return remote.read_manifest(step)
-    except (CheckpointNotFound, CorruptCheckpoint):
-        return None
-
-
-def committed_bytes(remote: "RemoteTier", step: int) -> bytes | None:
-    """The bytes of ``step``'s remote manifest if it validates (what a failed manifest upload
-    puts back), else None."""
+def committed(remote: "RemoteTier", step: int) -> tuple[bytes | None, Manifest | None]:
+    """``step``'s remote manifest as (bytes, parsed) if it validates, else (None, None)."""
     try:
         raw = remote.read_manifest_bytes(step)
-        Manifest.from_bytes(raw, where=remote.where(f"step-{step}/{MANIFEST_NAME}"))
-        return raw
+        man = Manifest.from_bytes(raw, where=remote.where(f"step-{step}/{MANIFEST_NAME}"))
     except (CheckpointNotFound, CorruptCheckpoint):
-        return None
+        return None, None
+    return (raw, man) if man.step == step else (None, None)
 
 
 def live_names(remote: "RemoteTier", step: int, checkpoint_id: str) -> set[str]:
@@ -78,7 +67,7 @@ def live_names(remote: "RemoteTier", step: int, checkpoint_id: str) -> set[str]:
     may write them before rank 0 has set that checkpoint aside."""
     if remote.stat(f"step-{step}/{MANIFEST_NAME}") is None:
         return set()
-    theirs = current(remote, step)
+    theirs = committed(remote, step)[1]
     if theirs is None or theirs.checkpoint_id == checkpoint_id:
         return set()
     return {f.name for f in theirs.files}
@@ -91,7 +80,7 @@ def refs_current(remote: "RemoteTier", manifest: Manifest) -> bool:
     theirs: dict[int, Manifest | None] = {}
     for r in manifest.ref_files:
         if r.step not in theirs:
-            theirs[r.step] = current(remote, r.step)
+            theirs[r.step] = committed(remote, r.step)[1]
         man = theirs[r.step]
         fe = None if man is None else {f.name: f for f in man.files}.get(r.name)
         if fe is None or fe.file_bytes != r.file_bytes or (fe.file_id or man.checkpoint_id) != r.file_id:
@@ -105,11 +94,8 @@ def set_aside(remote: "RemoteTier", step: int, mine: Callable[[FileEntry], bool]
     """Steps 1-3: the remote's committed ``step`` keeps being the old checkpoint, whole, under
     names nobody writes; then the usual names of the files ``mine`` selects are removed (the
     caller uploads those next). Idempotent: a step already set aside is left as it is."""
-    raw = committed_bytes(remote, step)
-    if raw is None:
-        return
-    theirs = Manifest.from_bytes(raw, where=remote.where(f"step-{step}/{MANIFEST_NAME}"))
-    if theirs.step != step:
+    raw, theirs = committed(remote, step)
+    if theirs is None:
         return
     todo = [fe for fe in theirs.files if not is_aside(fe.name)]
     if not todo:

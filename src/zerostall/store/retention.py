@@ -1,9 +1,7 @@
 """Retention policies: which committed steps each tier keeps.
 
-Pure functions of step lists, and the one loop that applies them (:func:`prune`), run by the
-:class:`LocalRetention` commit subscriber (persist thread; local tier, no remote), by
-:func:`retain_at_start` (a new owner, before any save) or by the replicator. Invariants,
-whatever the policy says:
+Pure functions of step lists, and the one loop that applies them (:func:`prune`), run by
+:class:`LocalRetention` (persist thread), :func:`retain_at_start` or the replicator. Invariants:
 
 - only *committed* steps (manifest validates, ``Tier.steps()``) are counted or deleted;
 - never the newest committed step, nor the step just committed (``protect``), nor, with a
@@ -11,12 +9,10 @@ whatever the policy says:
 - a step referenced by a step that stays (incremental saves) stays too, read from the
   manifests on the tier (:func:`spare_referenced`); deletions run newest first.
 
-Steps are ranked by number, so ``Checkpointer.save`` refuses a step lower than the root's
-newest (:class:`~zerostall.errors.StepOrderError`) unless ``allow_lower_steps=True``; then the
-writer protects its own newest ``keep_last`` commits (:func:`newest_commits`, by the
-manifests' ``created_unix``), so an older run's higher steps never push them out. A kill
-between a commit and its retention leaves one step too many, which the next owner removes
-first: a root written with ``keep_last=K`` never holds more than ``K + 1`` committed steps.
+Steps are ranked by number (``save`` refuses a lower step, :class:`~zerostall.errors.StepOrderError`,
+unless ``allow_lower_steps=True``; then the writer protects its own newest ``keep_last``
+commits, :func:`newest_commits`). A kill between a commit and its retention leaves one step
+too many, which the next owner removes first: at most ``K + 1`` committed steps with ``keep_last=K``.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Collection, Iterable
 
 from ..errors import CheckpointExistsError, CheckpointNotFound, ConfigError, ZerostallError
 from ..format.refs import closure, referenced_steps
@@ -44,8 +40,7 @@ def doomed(steps: Iterable[int], keep_last: int | None, protect: Iterable[int] =
 
 def newest_commits(steps: Iterable[int], read_manifest: Callable[[int], Any], n: int) -> list[int]:
     """The ``n`` of ``steps`` committed last, by their manifests' ``created_unix`` (then step),
-    oldest first (an unreadable manifest ranks oldest). Only used to keep steps, so a wrong
-    clock can make retention keep more, never delete more."""
+    oldest first; an unreadable manifest ranks oldest. Only used to keep steps."""
     def when(s: int) -> tuple[float, int]:
         try:
             return float(read_manifest(s).created_unix), s
@@ -77,11 +72,8 @@ class RetentionPolicy:
         return out
 
     def to_replicate(self, local: list[int], remote: list[int]) -> list[int]:
-        """Local steps the remote tier lacks and would keep once uploaded, ascending.
-
-        A local step older than what remote retention keeps is never uploaded (it would be
-        deleted at once); local retention may then remove it like any replicated step.
-        """
+        """Local steps the remote tier lacks and would keep once uploaded, ascending (one
+        remote retention would delete at once is never uploaded)."""
         missing = sorted(set(local) - set(remote))
         doomed = set(self.remote_doomed(sorted(set(remote) | set(missing))))
         return [s for s in missing if s not in doomed]
@@ -93,24 +85,18 @@ class RetentionPolicy:
 
 @dataclass(frozen=True)
 class ManifestRefs:
-    """The part of a step's manifest retention reads: which earlier steps' files it borrows
-    (``LocalTier.manifest_refs``; :func:`~zerostall.format.refs.referenced_steps` takes it
-    like a manifest)."""
+    """The part of a step's manifest retention reads (``LocalTier.manifest_refs``)."""
 
     step: int
     ref_files: tuple[Any, ...] = ()
 
 
 def spare_referenced(steps: list[int], doomed: list[int], read_manifest: Callable[[int], Any],
-                     protect: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
+                     protect: Collection[int] = ()) -> list[int]:
     """``doomed`` minus ``protect`` and every step that a step staying references, transitively,
     newest first: **delete in this order** (references point backwards, so a crash between two
-    deletions never leaves a step whose referenced step is gone).
-
-    ``read_manifest(step)`` reads from the tier being cleaned; a step gone references nothing.
-    A staying step whose manifest cannot be read now may reference any doomed step, so nothing
-    is deleted this time (logged): retention may keep too much, never too little.
-    """
+    deletions never orphans a reference). If a staying step's manifest cannot be read, nothing
+    is deleted this time (logged): retention may keep too much, never too little."""
     doomed = sorted((s for s in doomed if s not in protect), reverse=True)
     if not doomed:
         return doomed
@@ -147,12 +133,11 @@ def dependents(steps: list[int], step: int, read_manifest: Callable[[int], Any])
     return out
 
 
-def prune(tier: Any, steps: list[int], doomed_steps: list[int], *, protect: set[int] = frozenset(),  # type: ignore[assignment]
+def prune(tier: Any, steps: list[int], doomed_steps: list[int], *, protect: Collection[int] = (),
           cancelled: Callable[[], bool] = lambda: False, defer: bool = False) -> list[int]:
-    """Delete ``doomed_steps`` of ``tier`` (whose committed steps are ``steps``) that no staying
-    step references, newest first (:func:`spare_referenced`), until ``cancelled()``; logs and
-    returns what went. Run by the thread that owns the tier's writes. ``defer`` (the local
-    tier's persist thread): the files are removed later (``LocalTier.deferred``)."""
+    """Delete ``doomed_steps`` of ``tier`` that no staying step references, newest first
+    (:func:`spare_referenced`), until ``cancelled()``; returns what went. Run by the thread
+    that owns the tier's writes; ``defer``: files removed later (``LocalTier.deferred``)."""
     gone = []
     read = getattr(tier, "manifest_refs", tier.read_manifest)  # the local tier's: no re-parse of its own
     for s in spare_referenced(steps, doomed_steps, read, protect):
@@ -183,9 +168,7 @@ def check_not_referenced(tier: Any, step: int, pinned: set[int], *, queued: bool
 
 class LocalRetention:
     """``keep_last`` on the local tier after each commit: a commit subscriber (persist thread;
-    no remote tier). Doomed steps leave the listing here, their files later
-    (``LocalTier.deferred``). ``recent``: this writer's newest commits, oldest first, seeded
-    by :func:`retain_at_start`; never deleted."""
+    no remote tier). ``recent``: this writer's newest commits, oldest first, never deleted."""
 
     name = "retention"
 
@@ -201,12 +184,10 @@ class LocalRetention:
         prune(self.tier, steps, doomed(steps, self.keep_last, keep), defer=True)
 
 
-def retain_at_start(tier: Any, keep_last: int, protect: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
-    """Start-up retention by a root's new owner (caller's thread, right after ``own()``, before
-    any save; no remote): removes what a kill between a commit and its retention left, with
-    the module's invariants, ``protect`` and the steps committed last kept. A failure is
-    logged, never raised. Returns the ``keep_last`` steps committed last, oldest first (what
-    :class:`LocalRetention` goes on protecting)."""
+def retain_at_start(tier: Any, keep_last: int, protect: Collection[int] = ()) -> list[int]:
+    """Start-up retention by a root's new owner (caller's thread, after ``own()``, before any
+    save; no remote): removes what a kill between a commit and its retention left. Logs a
+    failure, never raises. Returns the steps committed last, oldest first (for :class:`LocalRetention`)."""
     recent = newest_commits(tier.steps(), tier.read_manifest, keep_last)
     try:
         steps = tier.steps()

@@ -1,19 +1,13 @@
 """The S3 tier (boto3): ``s3://bucket/prefix``.
 
-Endpoint and credentials come from the standard AWS chain (``AWS_ENDPOINT_URL`` /
-``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``~/.aws``) and
-are never logged. The bucket is created on first use if it does not exist.
+Endpoint and credentials come from the standard AWS chain (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``~/.aws``) and are never logged; the bucket
+is created on first use. Requests use botocore's ``standard`` retries (``attempts``, only
+connection errors, 5xx, throttling, 408) with short timeouts.
 
-Retries: botocore's ``standard`` mode, ``attempts`` per request (default 3), backoff with
-jitter, only on connection errors, 5xx, throttling and 408 (never another 4xx); short
-timeouts, so a dead endpoint fails a request in seconds. Nothing above this module retries a
-request; the replicator retries a *step* at its next pass.
-
-Integrity: S3's flexible checksum headers cannot be trusted (radosgw ignores them), so each
-uploaded object is read back with a GET and its crc32c compared with the local file's; the
-crc is also stored as the object's ``x-amz-meta-zerostall-crc32c`` for tools. boto3 because
-every S3-compatible server is tested against it, and s3transfer gives parallel multipart
-with a bandwidth cap.
+S3's flexible checksum headers cannot be trusted (radosgw ignores them), so each uploaded
+object is read back and its crc32c compared with the local file's; the crc is also stored as
+``x-amz-meta-zerostall-crc32c``.
 """
 
 from __future__ import annotations
@@ -80,8 +74,7 @@ class S3Tier(RemoteTier):
         raise RemoteError(msg, url=self.where(rel), step=step_of(rel)) from exc
 
     def _call(self, action: str, rel: str, fn: Callable[[], Any], missing: Callable[[], Any] | None = None) -> Any:
-        """``fn()``, its botocore and OS errors translated; with ``missing``, a not-found error
-        returns ``missing()`` instead."""
+        """``fn()``, its botocore and OS errors translated; a not-found error returns ``missing()``."""
         from botocore.exceptions import BotoCoreError, ClientError
         try:
             return fn()
@@ -95,12 +88,19 @@ class S3Tier(RemoteTier):
     # -- reading ------------------------------------------------------------------------------
     def _objects(self, prefix: str) -> list[dict[str, Any]]:
         """Every object under ``prefix`` (none while the bucket does not exist)."""
+        from botocore.exceptions import ClientError
+
         def run() -> list[dict[str, Any]]:
             pager = self.client.get_paginator("list_objects_v2")
-            return [o for page in pager.paginate(Bucket=self.bucket, Prefix=self._key(prefix))
-                    for o in page.get("Contents", [])]
+            try:
+                return [o for page in pager.paginate(Bucket=self.bucket, Prefix=self._key(prefix))
+                        for o in page.get("Contents", [])]
+            except ClientError as exc:
+                if _code(exc) == "NoSuchBucket":  # nothing replicated yet; any other not-found is an error
+                    return []
+                raise
 
-        return self._call("listing", prefix, run, lambda: [])
+        return self._call("listing", prefix, run)
 
     def _head(self, rel: str) -> dict[str, Any]:
         return self._call("stat of", rel, lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(rel)))
@@ -134,6 +134,17 @@ class S3Tier(RemoteTier):
 
         return self._call("reading", rel, lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(rel), **kw),
                           missing)
+
+    def _read_into(self, body: Any, mv: memoryview, rel: str, off: int, of: str = "") -> None:
+        """Fill ``mv`` (bytes from ``off`` of ``rel``) from a response body, straight into the
+        buffer in reads of at most 8 MiB; RemoteError if the object ends first."""
+        got, n = 0, len(mv)
+        while got < n:
+            k = body.readinto(mv[got:got + min(n - got, 8 << 20)])
+            if not k:
+                raise RemoteError(f"{self.where(rel)}: object ended at {off + got}{of}", url=self.where(rel),
+                                  step=step_of(rel))
+            got += k
 
     def _open_read(self, rel: str, size: int, engine: Any) -> Any:
         head = self._head(rel)
@@ -172,13 +183,7 @@ class S3Tier(RemoteTier):
                 off = 0
                 while off < size:
                     n = min(buf.nbytes, size - off)
-                    got = 0
-                    while got < n:
-                        k = body.readinto(buf.mv[got:n])
-                        if not k:
-                            raise RemoteError(f"{self.where(rel)}: object ended at {off + got} of {size} bytes",
-                                              url=self.where(rel), step=step_of(rel))
-                        got += k
+                    self._read_into(body, buf.mv[:n], rel, off, f" of {size} bytes")
                     w.write([(off, buf.mv[:n])])
                     off += n
                 w.finish()
@@ -273,9 +278,8 @@ def _code(exc: BaseException) -> str:
 
 
 class _RangeReader:
-    """Reads a shard with one ranged GET per extent (restore and ``verify`` of a URL), each of
-    the object version (``ident``: its ETag) seen when it was opened: a version uploaded since
-    fails the read (412) instead of mixing two versions' bytes."""
+    """Reads a shard with one ranged GET per extent, each pinned to the ETag seen at open
+    (``ident``): a version uploaded since fails the read (412) instead of mixing two versions."""
 
     def __init__(self, tier: S3Tier, rel: str, size: int, etag: str | None = None):
         self.tier, self.rel, self.size, self.ident = tier, rel, size, etag
@@ -290,22 +294,13 @@ class _RangeReader:
                                   f"{self.size} bytes", url=self.tier.where(self.rel), step=step_of(self.rel))
             pin = {"IfMatch": self.ident} if self.ident else {}
             body = self.tier._get(self.rel, Range=f"bytes={off}-{off + n - 1}", **pin)["Body"]
-
-            def fill(body: Any = body, mv: Any = mv, n: int = n, off: int = off) -> None:
-                got = 0
-                while got < n:  # straight into the buffer (no 8 MiB bytes object and copy per chunk)
-                    k = body.readinto(mv[got:got + min(n - got, 8 << 20)])
-                    if not k:
-                        raise RemoteError(f"{self.tier.where(self.rel)}: object ended at {off + got}",
-                                          url=self.tier.where(self.rel), step=step_of(self.rel))
-                    got += k
-
-            self.tier._call("reading", self.rel, fill)
+            self.tier._call("reading", self.rel, lambda body=body, mv=mv, off=off: self.tier._read_into(
+                body, mv, self.rel, off))
 
 
 class _MultipartWriter:
-    """Streams a shard into a multipart upload (extents in file order, parts of the tier's
-    ``part_bytes``); ``complete()`` finishes it and checks the stored bytes' crc32c."""
+    """Streams a shard, in file order, into a multipart upload; ``complete()`` finishes it and
+    checks the stored bytes' crc32c."""
 
     def __init__(self, tier: S3Tier, rel: str, nbytes: int):
         self.tier, self.rel, self.nbytes = tier, rel, nbytes

@@ -30,8 +30,6 @@ log = logging.getLogger("zerostall")
 
 
 class FileTier(RemoteTier):
-    """A directory on a shared/parallel filesystem (see the module docstring)."""
-
     def __init__(self, url: str, io: IOConfig | None = None, **_: Any):
         self.url = url
         self.root = urlparse(url).path if url.startswith("file://") else url
@@ -48,9 +46,8 @@ class FileTier(RemoteTier):
         return os.path.join(self.root, rel)
 
     def _unlink_step_link(self, rel: str) -> None:
-        """Remove a step directory that is a symlink (no checkpoint: reading refuses it), never
-        its target, before anything is written or removed under it (else a sweep would delete
-        files outside the tier). Called by every mutating request."""
+        """Remove a step directory that is a symlink (never its target) before anything is
+        written or removed under it (else a sweep would delete files outside the tier)."""
         top = self._path(rel.split("/", 1)[0])
         if "/" in rel and os.path.islink(top):
             log.warning("zerostall: %s is a symlink, not a checkpoint directory: removing the link (not what it "
@@ -130,8 +127,8 @@ class FileTier(RemoteTier):
             raise self._err("writing", rel, exc) from exc
 
     def checksum(self, rel: str) -> tuple[int, int]:
-        """Shards (4 KiB multiples) are re-read with direct I/O, from the device or server, not
-        from the page cache; small unaligned files (manifests) through the cache, then dropped."""
+        """Shards are re-read with direct I/O (not from the page cache); small unaligned files
+        (manifests) through the cache, then dropped."""
         path, crc = self._path(rel), 0
 
         def add(off: int, mv: memoryview) -> None:
@@ -158,8 +155,8 @@ class FileTier(RemoteTier):
             raise self._err("downloading", rel, exc) from exc
 
     def read_bytes(self, rel: str, limit: int) -> bytes:
-        """Regular files only (no FIFO to hang on, no symlink): anything else is
-        CorruptCheckpoint naming the file; so is a step directory that is a symlink."""
+        """Regular files only: anything else, or a step directory that is a symlink, is
+        CorruptCheckpoint naming the file."""
         top = self._path(rel.split("/", 1)[0])
         if "/" in rel and os.path.islink(top):
             raise CorruptCheckpoint(f"{self.where(rel)}: {top} is a symlink; a checkpoint's files must live "

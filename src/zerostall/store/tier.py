@@ -1,20 +1,12 @@
 """The Tier protocol: one interface for every place checkpoints live, and the tier registry.
 
-A tier holds checkpoints as ``step-N`` units, each committed by its manifest: the local
-directory (:class:`~zerostall.store.local.LocalTier`), a shared filesystem and S3 implement
-the same methods, and restore, verify, ls, retention and replication are functions over
-tiers. :class:`Tier` says who calls each method, from which thread (``[owner]``: only the
-process holding the root).
-
-Atomic strategies: POSIX directories write ``step-N.partial/`` and rename it (an existing
-step is exchanged with ``renameat2(RENAME_EXCHANGE)``, see :mod:`.local`); object stores
-upload the data and put the manifest last (:mod:`.remote`). Listing trusts only a manifest
-that validates, so a damaged or foreign directory is never counted (by retention or anyone
-else).
+A tier holds checkpoints as ``step-N`` units, each committed by its manifest (POSIX:
+:mod:`.local`; object stores: :mod:`.remote`); restore, verify, ls, retention and replication
+are functions over tiers. :class:`Tier` says who calls each method, from which thread
+(``[owner]``: only the process holding the root). Listing trusts only a manifest that validates.
 
 Tiers register under a URL scheme with a lazy import path and an install hint
-(:func:`register_tier`, :func:`open_tier`), the way fsspec does. :func:`open_root` is the one
-way the library and the CLI turn a checkpoint root (a path, or a URL) into a tier.
+(:func:`register_tier`, :func:`open_tier`).
 """
 
 from __future__ import annotations
@@ -120,10 +112,9 @@ class Tier(ABC):
 
 
 class RootTier(Tier):
-    """A :class:`Tier` that is a directory on this node's filesystem (:class:`~.local.LocalTier`,
-    from :func:`open_root` for a plain path). The distributed commit, restore's download and
-    peer replicas need this beyond the protocol: they write a step's files into its staging
-    directory themselves, then commit it. Threads as in the module docstring."""
+    """A :class:`Tier` that is a directory on this node's filesystem (:class:`~.local.LocalTier`),
+    for callers that write a step's files into its staging directory themselves, then commit
+    it (the distributed commit, restore's download, peer replicas)."""
 
     root: str
 

@@ -1,11 +1,8 @@
 """What this process knows of a local root's manifests, keyed by each file's identity.
 
-A manifest is parsed once per identity (device, inode, size, mtime, ctime): listing the steps
-of a root per save costs a listdir and a stat per step, and retention after a commit reads the
-references of the manifest the tier just wrote without parsing it again (a large manifest
-takes the persist thread seconds to re-parse). A file that changes in any way gets a new identity
-and is parsed and validated again. Used by every tier from any thread (one lock); a remote
-tier's identity is its manifest object's (etag, size, mtime).
+A manifest is parsed once per identity (device, inode, size, mtime, ctime; a remote tier's:
+etag, size, mtime), so listing a root per save costs a stat per step and retention reads the
+references of the manifest just written without re-parsing it. Any thread (one lock).
 """
 
 from __future__ import annotations

@@ -23,10 +23,8 @@ def read_vmstat(path: str = "/proc/vmstat") -> dict[str, int]:
         with open(path) as f:
             for line in f:
                 k, _, v = line.partition(" ")
-                try:
+                with contextlib.suppress(ValueError):
                     out[k] = int(v)
-                except ValueError:
-                    continue
     except OSError:
         pass
     return out

@@ -1,6 +1,5 @@
-"""``zerostall monitor``: one sample of the host's writeback state, or a live view of it.
-
-Called from the CLI's thread. Reads /proc only.
+"""``zerostall monitor``: one sample of the host's writeback state, or a live view of it
+(CLI thread; reads /proc only).
 """
 
 from __future__ import annotations
@@ -13,19 +12,11 @@ from .host import HostSample, read_threads
 
 
 def process_state(pid: int) -> dict[str, Any]:
-    """State letter, wchan and D-state thread count of ``pid`` (None fields if it is gone)."""
-    out: dict[str, Any] = {"pid": pid, "state": None, "wchan": None, "threads_in_d": 0, "comm": None}
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        out["comm"] = stat[stat.find("(") + 1:stat.rfind(")")]
-        out["state"] = stat[stat.rfind(")") + 2]
-        with open(f"/proc/{pid}/wchan") as f:
-            out["wchan"] = f.read().strip() or None
-        out["threads_in_d"] = sum(1 for _, _, state, _ in read_threads(pid) if state == "D")
-    except OSError:
-        pass
-    return out
+    """State letter, wchan (of its main thread) and D-state thread count of ``pid`` (None fields if it is gone)."""
+    threads = read_threads(pid)
+    _, comm, state, wchan = next((t for t in threads if t[0] == pid), (pid, None, None, None))
+    return {"pid": pid, "state": state, "wchan": wchan or None,
+            "threads_in_d": sum(1 for t in threads if t[2] == "D"), "comm": comm}
 
 
 def sample(pid: int | None = None) -> dict[str, Any]:

@@ -1,20 +1,6 @@
-"""Prometheus metrics for every save (optional: ``pip install 'zerostall[prometheus]'``).
-
-Metric names (all in base units):
-
-=========================================  =========  =======================================
-``zerostall_save_stall_seconds``           histogram  time the training thread was blocked
-``zerostall_save_durable_seconds``         histogram  save() to committed and fsynced
-``zerostall_persist_bytes_per_second``     gauge      last save's persist rate
-``zerostall_save_bytes_total``             counter    bytes committed
-``zerostall_saves_total{outcome}``         counter    ok / failed / skipped
-``zerostall_host_dirty_bytes``             gauge      host nr_dirty peak during the last save
-``zerostall_host_writeback_bytes``         gauge      host nr_writeback peak during the last save
-``zerostall_psi_io_full_percent``          gauge      PSI io "full" peak during the last save
-=========================================  =========  =======================================
-
-Created once per process (Prometheus registries reject duplicates); fed from the persist
-thread. Expose them with ``prometheus_client.start_http_server(port)`` as usual.
+"""Prometheus metrics for every save (optional: ``pip install 'zerostall[prometheus]'``; the
+names, in base units, are in :func:`_get` and docs/configuration.md). Created once per process
+(registries reject duplicates); fed from the persist thread.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""``SaveRecord``: the typed outcome of one save, and its sinks (log line, JSON lines).
-
-Built by the ``Checkpointer`` on the persist thread when a save finishes.
+"""``SaveRecord``: the typed outcome of one save (built on the persist thread when a save
+finishes), and its sinks (log line, JSON lines).
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
-"""``zerostall doctor [PATH]``: what this host and this directory mean for checkpointing.
-
-Each check is a :class:`Check` (name, value, status ``ok``/``warn``/``info``, advice).
-Called from the CLI's thread; reads /proc, /sys and the directory (a probe file is created
-and removed); changes nothing.
+"""``zerostall doctor [PATH]``: what this host and this directory mean for checkpointing, as
+:class:`Check` rows (status ``ok``/``warn``/``info``). CLI thread; changes nothing (a probe
+file is created and removed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 from dataclasses import asdict, dataclass
@@ -60,11 +59,8 @@ def host_checks() -> list[Check]:
                      f"the staging arena ({_gib(budget)}) cannot be mlocked; raise 'ulimit -l' "
                      "(LimitMEMLOCK=infinity in systemd, --ulimit memlock=-1 in docker)"))
     thp = ""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            thp = f.read().strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        thp = f.read().strip()
     sel = thp[thp.find("[") + 1:thp.find("]")] if "[" in thp else thp
     out.append(Check("transparent_hugepages", sel or "unknown", "ok" if sel in ("always", "madvise") else "info",
                      "" if sel in ("always", "madvise") else "the arena asks for huge pages with MADV_HUGEPAGE"))
@@ -76,8 +72,7 @@ def host_checks() -> list[Check]:
 
 
 def path_checks(path: str) -> list[Check]:
-    """Checks of ``path``; read-only: a path that does not exist yet is not created, its
-    nearest existing parent (the filesystem it would live on) is probed instead."""
+    """Checks of ``path``, or of its nearest existing parent if it does not exist yet (not created)."""
     want = target = os.path.abspath(path)
     while not os.path.isdir(target) and os.path.dirname(target) != target:
         target = os.path.dirname(target)

@@ -1,7 +1,5 @@
-"""The disk's direct-I/O line rate, measured with zerostall's own engines.
-
-Called by ``zerostall doctor --probe`` (tuning/doctor.py) and by the bench (zerostall_bench),
-from the caller's thread; writes one file of ``size`` bytes in the directory and removes it.
+"""The disk's direct-I/O line rate, measured with zerostall's own engines (``doctor --probe``,
+the bench), on the caller's thread: writes one file in the directory and removes it.
 """
 
 from __future__ import annotations

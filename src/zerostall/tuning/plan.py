@@ -1,10 +1,9 @@
 """``zerostall plan``: checkpoint volume, bandwidth, stall and MFU cost, before a run.
 
-The arithmetic of the seeds: volume ``V = P x bytes_per_param`` (14 for bf16 weights +
-fp32 master + Adam momentum + variance), synchronous stall ``V / B`` at the slowest layer
-(storage aggregate or the nodes' NICs), the fraction of an interval lost to it, the
-bandwidth a time budget needs, and whether a node's RAM holds its staging (40% rule).
-Units: bytes, seconds, GB/s = 1e9 bytes/s; NICs in Gbit/s as they are sold.
+Volume ``V = P x bytes_per_param`` (14: bf16 weights, fp32 master, Adam's two moments),
+synchronous stall ``V / B`` at the slowest layer (storage or the NICs), the fraction of an
+interval lost to it, the bandwidth a budget needs, and whether staging fits 40% of a node's
+RAM. Units: bytes, seconds, GB/s = 1e9 bytes/s; NICs in Gbit/s.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Read the kernel's writeback and memory sysctls; the seeds' deterministic values.
-
-Writing happens only in :func:`apply_sysctls` (``doctor --apply``), which returns the
-previous values so the caller can print how to revert.
+"""Read the kernel's writeback and memory sysctls, and the recommended values; only
+:func:`apply_sysctls` (``doctor --apply``) writes.
 """
 
 from __future__ import annotations
