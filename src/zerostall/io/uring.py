@@ -176,14 +176,10 @@ class _UringFile(ShardFile):
         self.depth = engine.cfg.queue_depth
         self.cring: _CRing | None = engine.pinned_ring() if writable else None  # long-lived: not this file's
         self.own_cring = False
-        if self.cring is None and _C is not None and engine.use_c:
-            try:
-                self.cring, self.own_cring = _CRing(max(2, self.depth)), True
-            except OSError as exc:
-                raise storage_error("io_uring setup for", path, exc,
-                                    "io_uring may be disabled; use engine='threads'") from exc
         self.ring = L.Ring()
         try:
+            if self.cring is None and _C is not None and engine.use_c:
+                self.cring, self.own_cring = _CRing(max(2, self.depth)), True
             L.io_uring_queue_init(max(2, self.depth), self.ring)
         except OSError as exc:
             raise storage_error("io_uring setup for", path, exc,

@@ -9,16 +9,12 @@ save fails, its remaining blocks are drained unwritten (so the ring keeps moving
 ``Committer.fail`` removes its partial directory; the previous checkpoint is never touched.
 
 After the commit point (``SaveStatus.claim_commit``, then the rename) nothing fails the save:
-it is marked durable and a :class:`~.job.Committed` record goes to each subscriber in order;
-what they raise is recorded in ``SaveRecord.post_commit_errors``. Last, ``finished(job)``
-builds the save's record, and the status is done. Nothing here calls back into the
-``Checkpointer``.
+it is marked durable and a :class:`~.job.Committed` record goes to each subscriber in order
+(:meth:`Persister._after_commit`). Last, ``finished(job)`` builds the save's record. Nothing
+here calls back into the ``Checkpointer``.
 
-Local retention leaves a doomed step's files (``LocalTier.deferred``): the next full save
-writes over its shard (no allocation, no unlink: docs/every-step.md), and this thread removes
-what is left while the next save's first writes are in flight, when nothing is queued (the
-shard kept as the next save's spare: ``spare_shard``), when the filesystem lacks room for a
-new shard, and at exit.
+Local retention leaves a doomed step's files (``LocalTier.deferred``) for the next full save to
+write over (``spare_shard``, docs/every-step.md); this thread removes what is left (``chores``).
 """
 
 from __future__ import annotations

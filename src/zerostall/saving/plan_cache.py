@@ -168,17 +168,13 @@ _no_gc = no_gc  # the cyclic GC paused while a plan is built (see :func:`~zerost
 
 
 class PlanCache:
-    """The last plan of one ``Checkpointer``, reused while the state keeps its shape.
-
-    :meth:`plan` walks the state once for a signature of exactly what the plan depends on
-    and, when it equals the last one, returns the last plan with the newly walked tensors in
-    it (no Python frame per tensor). Any difference (a new key, a changed plain value, a
-    reallocated tensor) or anything outside the simple types builds the plan again. The cache
-    holds no tensor (the signature holds addresses, shapes and dtypes). Containers of builtin
-    values are compared by their snapshots (:func:`~zerostall.format.frozen.freeze`); when one
-    changed, the tree is rebuilt around them and encoded off this thread, reusing the last
-    save's encodings (``_memo``, copies only). Caller's thread only (``save()``/``prepare()``).
-    """
+    """The last plan of one ``Checkpointer``, reused while the state keeps its shape (see the
+    module docstring). :meth:`plan` walks the state once for a signature of exactly what the plan
+    depends on; when it equals the last one, the last plan gets the newly walked tensors (no
+    Python frame per tensor). Containers of builtin values are compared by their
+    :func:`~zerostall.format.frozen.freeze` snapshots; when one changed, the tree is rebuilt
+    around them and encoded off this thread, reusing the last save's encodings (``_memo``).
+    Caller's thread only (``save()``/``prepare()``)."""
 
     def __init__(self) -> None:
         self._sig: tuple[Any, ...] | None = None

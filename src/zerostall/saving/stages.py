@@ -1,11 +1,7 @@
 """The stages of one ``Checkpointer``'s pipeline, built once on the caller's thread.
 
-:func:`build_stages` makes, in this order: the root (owned by this process or, across ranks,
-by the rank the session elects), the committer (:class:`.commit_ranks.StoreCommitter` across
-ranks; alone the persist thread's ``LocalCommitter``), the incremental tracker, the I/O engine,
-peer replicas (``replicas > 1``), and the post-commit stage that applies retention (the
-:class:`.upload.Replicator` with a remote tier, else ``LocalRetention``). :func:`abandoned`
-releases them for a Checkpointer dropped without ``close()``.
+:func:`build_stages` makes them in the order docs/design.md ("Building the stages") walks;
+:func:`abandoned` releases them for a Checkpointer dropped without ``close()``.
 """
 
 from __future__ import annotations

@@ -4,20 +4,17 @@ applies retention on both tiers.
 One daemon thread per ``Checkpointer`` with a remote tier, at idle I/O priority under a
 bandwidth cap. Each *pass*:
 
-1. lists the remote tier's committed steps (those whose manifest object exists: the listing,
-   never memory, is the truth); a local step the remote holds as another checkpoint is
-   replaced, rank 0 first setting the remote copy aside (:mod:`..store.remote_replace`);
+1. lists the remote tier's committed steps (the listing, never memory, is the truth); a local
+   step the remote holds as another checkpoint is replaced (:mod:`..store.remote_replace`);
 2. for every local committed step the remote lacks and would keep (oldest first, a step after
    those it references), uploads this rank's shard files, each verified by crc32c read back;
    rank 0 then waits (``rank_wait_s``) for every rank's shard and uploads the manifest last;
 3. marks this run's handles whose step the remote now lists as replicated;
 4. applies retention on both tiers (never a step that a step staying there references).
 
-A pass runs at start-up (what a previous run left is uploaded now), after each local commit,
-and, while steps are pending, after a backoff (1 s doubling to ``retry_max_s``). A failed
-request is not retried here (botocore did): the pass stops and the step stays pending.
-:meth:`Replicator.close` gives the last pass a deadline; what is still pending is logged,
-recorded on the handles and uploaded by the next run.
+A pass runs at start-up, after each local commit and, while steps are pending, after a backoff;
+a failed request stops the pass (the step stays pending). When passes run, ``close()``'s
+deadline, what the next run uploads: docs/remote.md ("When the remote is down").
 
 Threads: ``on_committed`` from the persist thread (a commit subscriber), ``close`` and
 ``pending_steps`` from the caller's; everything else on the replicator thread.

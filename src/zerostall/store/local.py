@@ -243,8 +243,7 @@ class LocalTier(RootTier):
         """Refuse ``step`` before anything is written: it exists (without ``overwrite``), or it
         is lower than the newest committed step (without ``allow_lower``; see retention)."""
         if not overwrite and os.path.lexists(self.step_dir(step)):
-            raise CheckpointExistsError(
-                f"step {step} already exists in {self.root!r} (pass overwrite=True or pick another step)")
+            raise self._exists(step)
         if not allow_lower:
             newest = self.latest()
             if newest is not None and step < newest:
@@ -253,6 +252,10 @@ class LocalTier(RootTier):
                     f"{self.root!r} (left by an earlier run?). Retention and load() rank steps by number, "
                     f"so the runs would mix: resume from step {newest}, use another directory, delete the "
                     f"higher steps, or pass allow_lower_steps=True", step=step, newest=newest)
+
+    def _exists(self, step: int) -> CheckpointExistsError:
+        return CheckpointExistsError(f"step {step} already exists in {self.root!r} (pass overwrite=True or pick "
+                                     "another step)")
 
     def begin(self, step: int) -> str:
         """Create ``step-N.partial/`` (replacing a stale one); return its path."""
@@ -282,8 +285,7 @@ class LocalTier(RootTier):
             try:
                 publish_dir(part, final, overwrite=overwrite, hook=self._step, exchange=self.exchange)
             except FileExistsError:
-                raise CheckpointExistsError(f"step {step} already exists in {self.root!r} "
-                                            "(pass overwrite=True or pick another step)") from None
+                raise self._exists(step) from None
         except CheckpointExistsError:
             raise
         except OSError as exc:

@@ -135,6 +135,17 @@ class S3Tier(RemoteTier):
         return self._call("reading", rel, lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(rel), **kw),
                           missing)
 
+    def _read_into(self, body: Any, mv: memoryview, rel: str, off: int, of: str = "") -> None:
+        """Fill ``mv`` (bytes from ``off`` of ``rel``) from a response body, straight into the
+        buffer in reads of at most 8 MiB; RemoteError if the object ends first."""
+        got, n = 0, len(mv)
+        while got < n:
+            k = body.readinto(mv[got:got + min(n - got, 8 << 20)])
+            if not k:
+                raise RemoteError(f"{self.where(rel)}: object ended at {off + got}{of}", url=self.where(rel),
+                                  step=step_of(rel))
+            got += k
+
     def _open_read(self, rel: str, size: int, engine: Any) -> Any:
         head = self._head(rel)
         return ShardIO(_RangeReader(self, rel, int(head["ContentLength"]), head.get("ETag")))
@@ -172,13 +183,7 @@ class S3Tier(RemoteTier):
                 off = 0
                 while off < size:
                     n = min(buf.nbytes, size - off)
-                    got = 0
-                    while got < n:
-                        k = body.readinto(buf.mv[got:n])
-                        if not k:
-                            raise RemoteError(f"{self.where(rel)}: object ended at {off + got} of {size} bytes",
-                                              url=self.where(rel), step=step_of(rel))
-                        got += k
+                    self._read_into(body, buf.mv[:n], rel, off, f" of {size} bytes")
                     w.write([(off, buf.mv[:n])])
                     off += n
                 w.finish()
@@ -289,17 +294,8 @@ class _RangeReader:
                                   f"{self.size} bytes", url=self.tier.where(self.rel), step=step_of(self.rel))
             pin = {"IfMatch": self.ident} if self.ident else {}
             body = self.tier._get(self.rel, Range=f"bytes={off}-{off + n - 1}", **pin)["Body"]
-
-            def fill(body: Any = body, mv: Any = mv, n: int = n, off: int = off) -> None:
-                got = 0
-                while got < n:  # straight into the buffer (no 8 MiB bytes object and copy per chunk)
-                    k = body.readinto(mv[got:got + min(n - got, 8 << 20)])
-                    if not k:
-                        raise RemoteError(f"{self.tier.where(self.rel)}: object ended at {off + got}",
-                                          url=self.tier.where(self.rel), step=step_of(self.rel))
-                    got += k
-
-            self.tier._call("reading", self.rel, fill)
+            self.tier._call("reading", self.rel, lambda body=body, mv=mv, off=off: self.tier._read_into(
+                body, mv, self.rel, off))
 
 
 class _MultipartWriter:
