@@ -170,3 +170,22 @@ def test_tensors_passed_through_encode_and_decode_are_freed_without_the_gc():
         assert [r() is None for r in refs] == [True, True]
     finally:
         gc.enable()
+
+
+def test_a_plain_dict_key_or_value_is_encoded_without_a_helper_frame():
+    # per key of every small dict (an optimizer's per-parameter state: per tensor) on the
+    # caller's thread inside save(): the plain cases run inline, no Python call but the walk's own
+    import sys
+
+    from zerostall.format import tree as tree_mod
+
+    calls: list[str] = []
+    walk = tree_mod._Walk(None, None, None, None, None, None)
+    sys.setprofile(lambda frame, event, arg: calls.append(frame.f_code.co_name) if event == "call" else None)
+    try:
+        for k in ("exp_avg", None, True, 1.5, float("nan")):
+            tree_mod._encode_key(k, ())
+            walk.node(k, (), 0)
+    finally:
+        sys.setprofile(None)
+    assert set(calls) == {"_encode_key", "node"}, calls

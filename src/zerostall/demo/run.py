@@ -92,7 +92,6 @@ def loop_cost(step_ends: list[float], saves: list[tuple[float, SaveHandle]]) -> 
 
 def _child(a: argparse.Namespace) -> int:
     cfg = TINY_CFG if a.tiny else DEMO_CFG
-
     losses, model = train(cfg, a.dir, a.steps, a.every, a.seed, resume=a.resume,
                           on_save=lambda step, h: print(f"SAVED {step}", flush=True))
     with open(a.out, "w") as f:
@@ -102,7 +101,7 @@ def _child(a: argparse.Namespace) -> int:
 
 
 def _spawn(args: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "zerostall.demo.run", "--child", *args],
+    return subprocess.Popen([sys.executable, "-m", "zerostall.demo.run", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -225,8 +224,7 @@ def main(a: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--child", action="store_true")
+    p = argparse.ArgumentParser()  # the child runs of run_demo
     p.add_argument("--dir")
     p.add_argument("--steps", type=int)
     p.add_argument("--every", type=int)

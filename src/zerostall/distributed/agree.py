@@ -76,11 +76,13 @@ def agreed_load(store: Store, base: str, rank: int, world: int, candidates: Iter
             raise CheckpointNotFound("the newest step every rank could load failed and fallback=False: "
                                      + "; ".join(history))
         step = agree_step(store, f"{base}/a{i}", rank, world, left, timeout_s=timeout_s, history=history)
-        okey = f"{base}/a{i}/o"
         outcomes: list[Any] = []
 
-        def gate(okey: str = okey) -> None:
-            outcomes.extend(_gather(store, okey, rank, world, {"ok": True}, timeout_s, "load the agreed step"))
+        def post(outcome: dict[str, Any], okey: str = f"{base}/a{i}/o") -> None:
+            outcomes.extend(_gather(store, okey, rank, world, outcome, timeout_s, "load the agreed step"))
+
+        def gate() -> None:
+            post({"ok": True})
             bad = [(r, o) for r, o in enumerate(outcomes) if not o["ok"]]
             if bad:
                 raise PeerFailed("; ".join(f"rank {r}: {o['error']}" for r, o in bad))
@@ -92,13 +94,11 @@ def agreed_load(store: Store, base: str, rank: int, world: int, candidates: Iter
         except DistributedError:
             raise
         except (StateMismatchError, ConfigError) as exc:
-            _gather(store, okey, rank, world, {"ok": False, "fatal": True, "error": str(exc)}, timeout_s,
-                    "load the agreed step")
+            post({"ok": False, "fatal": True, "error": str(exc)})
             raise
         except ZerostallError as exc:
             if not outcomes:
-                outcomes.extend(_gather(store, okey, rank, world, {"ok": False, "error": str(exc)}, timeout_s,
-                                        "load the agreed step"))
+                post({"ok": False, "error": str(exc)})
         else:
             if report is not None:
                 report.why = (f"step {step}: the newest step all {world} ranks can load"

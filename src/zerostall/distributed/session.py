@@ -7,22 +7,16 @@ returned :class:`Session` from the persist thread. Ranks that see each other's p
 leader). Keys live under a namespace hashed from the root's absolute path (or ``dist_name``),
 never a per-process counter. The round:
 
-1. every rank creates its probe file; every rank ``r > 0`` sets ``<ns>/join/r<r>`` =
-   ``{nonce, node}``;
-2. rank 0 waits for every join key (``join_timeout_s``), deletes them, publishes
-   ``<ns>/<sid>/probes`` (every rank's nonce) and answers each rank with
-   ``<ns>/welcome/r<r>`` = ``{nonce, sid}`` (or ``{nonce, error}``: a rank is missing,
-   everybody fails at once). A welcome whose nonce is not the reader's own is a stale answer
-   to an earlier, abandoned join and is skipped;
-3. under the session prefix ``<ns>/<sid>`` every rank lists its root and reports the ranks
-   whose probes it sees (``sees/r<r>``); rank 0 forms the groups (or refuses the view), on a
-   shared root owns it (``RootTier.own``: the root lock, held for the Checkpointer's life,
-   and start-up recovery), then publishes ``ready`` = ``{groups, nodes}`` (or ``error``);
-4. with several copies each group's leader owns its copy and sets ``cleaned/<group>`` (with
-   the error, if it could not); every rank waits for all groups'; a root that could not be
-   taken fails every rank now (:class:`RootLockedError`), not after a commit timeout;
-5. every rank removes its probe and adds 1 to ``setup_ack``; the one that completes the count
-   deletes the keys.
+1. every rank creates its probe file; ranks ``r > 0`` set ``<ns>/join/r<r>`` = ``{nonce, node}``;
+2. rank 0 waits for every join key (``join_timeout_s``), publishes ``<ns>/<sid>/probes``
+   (every nonce) and answers ``<ns>/welcome/r<r>`` = ``{nonce, sid}`` (or ``{nonce, error}``:
+   a rank is missing, all fail at once); a welcome with another nonce is stale and skipped;
+3. under ``<ns>/<sid>`` every rank reports whose probes it sees (``sees/r<r>``); rank 0 forms
+   the groups (or refuses the view), owns a shared root (``RootTier.own``: lock, recovery) and
+   publishes ``ready`` = ``{groups, nodes}`` (or ``error``);
+4. with several copies each leader owns its copy and sets ``cleaned/<group>`` (or the error);
+   every rank waits for all: a root not taken fails every rank now (:class:`RootLockedError`);
+5. every rank removes its probe and adds 1 to ``setup_ack``; the last deletes the keys.
 """
 
 from __future__ import annotations
@@ -30,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import logging
 import os
 import time
 import uuid
@@ -41,8 +34,6 @@ from ..errors import ConfigError, DistributedError, RootLockedError, ZerostallEr
 from ..store.tier import RootTier
 from .node import node_id
 from .store import Store
-
-log = logging.getLogger("zerostall")
 
 LOCAL_HINT = ("every rank must create the same Checkpointer (same path or dist_name); a process that "
               "saves alone (rank-0-only saving, tools) needs dist_mode='local'")
@@ -67,9 +58,9 @@ class Session:
     rank: int
     world: int
     node_local: bool
-    """More than one copy of the root (some rank does not see another's probe)."""
+    """More than one copy of the root."""
     leaders: tuple[int, ...]
-    """The lowest rank of each copy, ascending (the ranks that own a copy and run retention)."""
+    """Each copy's leader, ascending (they own a copy and run retention)."""
     groups: tuple[str, ...]
     """The copies' names (``g<leader>``), in ``leaders`` order."""
     group: str
@@ -99,9 +90,8 @@ class Session:
 
 
 def join(store: Store, ns: str, rank: int, world: int, tier: RootTier, timeout_s: float) -> Session:
-    """The start-up round (module docstring). Raises :class:`DistributedError` naming the
-    ranks that did not join within ``timeout_s``, :class:`ConfigError` for roots the ranks see
-    inconsistently, :class:`RootLockedError` for a copy another writer holds."""
+    """The start-up round. Raises :class:`DistributedError` naming the ranks that did not join
+    in time, :class:`ConfigError` (an inconsistent view), :class:`RootLockedError`."""
     nonce = uuid.uuid4().hex
     probe = os.path.join(tier.root, PROBE_PREFIX + nonce)
     open(probe, "w").close()

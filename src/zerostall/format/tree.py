@@ -80,21 +80,14 @@ def _np_plain(x: Any, path: tuple[Any, ...]) -> Any:
         "convert it to a plain value or store it as an array")
 
 
-def _scalar(x: Any, tx: type, path: tuple[Any, ...]) -> Any:
-    """The node of ``x`` if it is None or an exact bool, str, int or float, else None."""
-    if x is None or tx is bool or tx is str:
-        return {"v": x}
-    if tx is int:
-        return {"v": _check_int(x, path)}
-    if tx is float:
-        return {"v": x} if math.isfinite(x) else {"f": repr(x)}
-    return None
-
-
 def _encode_key(k: Any, path: tuple[Any, ...]) -> Any:
-    tk = type(k)
-    if (node := _scalar(k, tk, path)) is not None:
-        return node
+    tk = type(k)  # exact types, inline (per key of every small dict: no helper frame per tensor)
+    if k is None or tk is bool or tk is str:
+        return {"v": k}
+    if tk is int:
+        return {"v": _check_int(k, path)}
+    if tk is float:
+        return {"v": k} if math.isfinite(k) else {"f": repr(k)}
     if tk is tuple:
         return {"t": [_encode_key(x, path) for x in k]}
     if isinstance(k, np.generic) and k.dtype.kind in "biufU":
@@ -225,8 +218,12 @@ class _Walk:
             return objects.encode_object(x, lambda v: self.node(v, path, depth + 1))
         # exact types from here: a subclass is stored by a rule of its own (objects.py) or refused
         tx = type(x)
-        if (node := _scalar(x, tx, path)) is not None:
-            return node
+        if x is None or tx is bool or tx is str:
+            return {"v": x}
+        if tx is int:
+            return {"v": _check_int(x, path)}
+        if tx is float:
+            return {"v": x} if math.isfinite(x) else {"f": repr(x)}
         if (frozen := self.frozen) is not None:  # a large container of builtin values: snapshotted, encoded later
             if tx in _FREEZABLE and len(x) >= FREEZE_MIN and (got := self.snapshot(x, tx, path, frozen)) is not None:
                 return got

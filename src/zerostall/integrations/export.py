@@ -90,8 +90,7 @@ def write(kind: str, state: Any, out: str, *, rank: int = 0, world_size: int = 1
     """Write ``state`` (a loaded checkpoint of the ``kind`` adapter) at ``out``; the files written."""
     if kind == "lightning":
         _need(state, "state_dict", kind)
-        plain = {k: v for k, v in state.items() if k != "zerostall_rng"}
-        torch.save(plain, out)
+        torch.save({k: v for k, v in state.items() if k != "zerostall_rng"}, out)
         return [out]
     os.makedirs(out, exist_ok=True)
     files: list[str] = []

@@ -37,14 +37,9 @@ from ..format.shard import Item, ShardCursor
 from .windows import MIN_SLOTS, READERS, _layout, _Win, plan_windows, window_bytes
 from .device_copy import CudaCopier, copy_staged, rollback, swap
 
-ROLLBACK_FRACTION = 1.0
-"""Share of an in-place load's bytes swapped in under rollback while reading (the rest is staged)."""
-ADAPTIVE = True
-"""Swaps not yet started when every byte verified become staged copies (one copy's traffic
-instead of two): the copiers swap while the disk reads, as far as the CPU keeps up."""
-DIRECT_MIN_BYTES = 1 << 62
-"""New tensors at least this big are read into directly, the rest through the ring (off: why,
-docs/speed-tricks.md)."""
+ROLLBACK_FRACTION = 1.0  # share of an in-place load swapped in under rollback while reading (the rest staged)
+ADAPTIVE = True  # swaps not started when every byte verified become staged copies (one copy's traffic)
+DIRECT_MIN_BYTES = 1 << 62  # new tensors this big are read into directly (off: docs/speed-tricks.md)
 COPIERS = 2
 
 
@@ -72,14 +67,12 @@ class FileRead:
 class Stats:
     bytes_read: int = 0
     windows: int = 0
-    wait_s: float = 0.0
-    """Time the checking thread waited for reads (the rest of the wall time it was busy)."""
+    wait_s: float = 0.0  # time the checking thread waited for reads
     deferred_bytes: int = 0
     rollback_bytes: int = 0
     later: dict[int, set[int]] = field(default_factory=dict)
     """A split read (``Plan.run(head=)``): protected items checked but not delivered, per file."""
     device_bytes: int = 0
-    """Bytes copied into CUDA memory."""
     written_bytes: int = 0
     """Bytes handed to the copiers for unprotected destinations (written as they verify)."""
 
@@ -91,13 +84,10 @@ class Plan:
         self.files, self.in_place = files, in_place
         self.w = window_bytes(io)
         wins = plan_windows(files, self.w)
-        self.ring_bytes = sum(x.n for x in wins if x.kind == "ring")
-        """Bytes read through scratch memory (the rest lands in its destination directly)."""
-        self.stats: Stats | None = None
-        """The last :meth:`run`'s, also when it raised (what it had written)."""
+        self.ring_bytes = sum(x.n for x in wins if x.kind == "ring")  # read through the scratch
+        self.stats: Stats | None = None  # the last run's, also when it raised
 
     def need_bytes(self) -> int:
-        """Scratch for full-size windows: the ring, or (in place) a place for every window."""
         return self.ring_bytes if self.in_place else MIN_SLOTS * self.w
 
     def fits(self, scratch_bytes: int) -> bool:

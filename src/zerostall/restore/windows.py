@@ -1,9 +1,6 @@
-"""The windows of a restore read: which byte ranges of which files, into which memory.
-
-Pure layout, no I/O: called by :class:`.stream.Plan` on the caller's thread before any byte
-is read. A window is read by one of the stream's reader threads into its buffer: a slot of a
-bounded ring in the scratch memory, a place of its own in the scratch (in place: ``swap`` or
-``stage``), or the destination itself (``direct``).
+"""The windows of a restore read: which byte ranges of which files, into which memory (a ring
+slot, an in-place ``swap`` or ``stage`` place in the scratch, or the destination: ``direct``).
+Pure layout, no I/O: :class:`.stream.Plan`, caller's thread.
 """
 
 from __future__ import annotations
@@ -21,8 +18,7 @@ if TYPE_CHECKING:
     from .stream import FileRead
 
 MAX_WINDOW_BYTES, MIN_SLOTS = 64 << 20, 4
-READERS = 2
-"""Reader threads (:mod:`.stream`); each keeps the engine's queue depth in flight on its own reader."""
+READERS = 2  # reader threads (:mod:`.stream`), each keeping the engine's queue depth in flight
 
 
 class _Win:
@@ -46,8 +42,8 @@ def _cut(fi: int, a: int, b: int, w: int, kind: str, out: list[_Win], buf: torch
 
 
 def plan_windows(files: Sequence[FileRead], w: int) -> list[_Win]:
-    """Every byte range to read, in file order: ``direct`` windows over the destinations read
-    into directly, ``ring`` windows (buffers assigned by :func:`layout`) for the rest."""
+    """Every byte range to read, in file order: ``direct`` windows, and ``ring`` ones (placed by
+    :func:`_layout`)."""
     out: list[_Win] = []
     for fi, fr in enumerate(files):
         check_items(fr.path, fr.items, fr.file_bytes)
@@ -68,10 +64,9 @@ def plan_windows(files: Sequence[FileRead], w: int) -> list[_Win]:
 
 
 def _layout(wins: list[_Win], scratch: Any, w: int, in_place: bool, fraction: float, ring: Any = None) -> int:
-    """Give each ``ring`` window a slot of the ring, or (in place) its own place in the scratch,
-    in file order: ``swap`` windows (the first ``fraction`` of the bytes), then ``stage`` ones.
-    In place with a separate ``ring`` (a split read): the windows past ``scratch.nbytes`` stay
-    ``ring`` windows (checked only). Returns the number of ring slots."""
+    """Give each ``ring`` window a ring slot or (in place) its own place in the scratch: ``swap``
+    for the first ``fraction`` of the bytes, then ``stage``; in a split read (a separate
+    ``ring``) those past ``scratch.nbytes`` stay ``ring`` windows. Returns the ring slots."""
     ring_wins = [x for x in wins if x.kind == "ring"]
     split = in_place and ring is not None and ring is not scratch
     placed: list[_Win] = []

@@ -18,9 +18,8 @@ chunks of :data:`CHUNK_WORDS`::
 Every product and sum wraps modulo 2**64, so the value does not depend on the order of the
 reduction. It detects any change of a single word (the ``c_i`` are odd); for an arbitrary
 change of several words a collision has probability about 2**-32 or less, like crc32c's (the
-constants are fixed, not secret: it guards against accidents, not adversaries). Cost: one read
-of the tensor on the device plus two 64 MiB temporaries, and 32 MiB of constants cached per
-device for the life of the process.
+constants are fixed, not secret: it guards against accidents, not adversaries). Its cost:
+docs/incremental.md.
 """
 
 from __future__ import annotations
@@ -63,8 +62,9 @@ def _file_crc(path: str, offset: int, n: int) -> int | None:
     return crc
 
 
-def _crc_at(address: int, n: int) -> int:
-    return _crc.crc32c((ctypes.c_char * n).from_address(address)) if n else 0
+def _crc_at(address: int, n: int, crc: int = 0) -> int:
+    """``crc`` extended over ``n`` bytes at ``address``."""
+    return _crc.crc32c((ctypes.c_char * n).from_address(address), crc) if n else crc
 
 
 class _CpuCrc:
@@ -119,7 +119,7 @@ def _strided_crc(t: torch.Tensor, limit: int = STRIDED_CHUNK_BYTES) -> int:
     def run() -> None:
         crc = 0
         for ptr, n in bounce_rows(t, limit):
-            crc = _crc.crc32c((ctypes.c_char * n).from_address(ptr), crc) if n else crc
+            crc = _crc_at(ptr, n, crc)
         out.append(crc)
     _in_helper_thread(run)
     return out[0]
@@ -147,7 +147,7 @@ class _CudaCrc:
                 if k > buf.numel():
                     buf = self.buf = torch.empty(k, dtype=torch.uint8, pin_memory=True)
                 run(t.device, lambda sl=sl, k=k: buf[:k].view(sl.dtype).view(sl.shape).copy_(sl, non_blocking=True))
-                crc = _crc.crc32c((ctypes.c_char * k).from_address(buf.data_ptr()), crc) if k else crc
+                crc = _crc_at(buf.data_ptr(), k, crc)
             return crc
         held: list[torch.Tensor] = []
         run(t.device, lambda: held.append(t.reshape(-1).view(torch.uint8)))
@@ -155,7 +155,7 @@ class _CudaCrc:
         for pos in range(0, flat.numel(), self.piece):
             k = min(self.piece, flat.numel() - pos)
             run(t.device, lambda pos=pos, k=k: buf[:k].copy_(flat[pos:pos + k], non_blocking=True))
-            crc = _crc.crc32c((ctypes.c_char * k).from_address(buf.data_ptr()), crc)
+            crc = _crc_at(buf.data_ptr(), k, crc)
         return crc
 
 

@@ -47,7 +47,7 @@ class Tier(ABC):
 
     def manifest_ident(self, step: int) -> Any:
         """Changes when ``step`` is replaced (None: absent), so a reader tells a step replaced
-        under it from a damaged one (:mod:`zerostall.restore.retry`)."""
+        under it from a damaged one (:mod:`zerostall.restore.pipeline`)."""
         return step if step in self.listed_steps() else None
 
     def listed_steps(self) -> list[int]:
