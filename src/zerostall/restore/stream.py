@@ -37,12 +37,9 @@ from ..format.shard import Item, ShardCursor
 from .windows import MIN_SLOTS, READERS, _layout, _Win, plan_windows, window_bytes
 from .device_copy import CudaCopier, copy_staged, rollback, swap
 
-ROLLBACK_FRACTION = 1.0
-"""Share of an in-place load's bytes swapped in under rollback while reading (the rest is staged)."""
-ADAPTIVE = True
-"""Swaps not started when every byte verified become staged copies (one copy's traffic, not two)."""
-DIRECT_MIN_BYTES = 1 << 62
-"""New tensors this big are read into directly (off: docs/speed-tricks.md)."""
+ROLLBACK_FRACTION = 1.0  # share of an in-place load swapped in under rollback while reading (the rest staged)
+ADAPTIVE = True  # swaps not started when every byte verified become staged copies (one copy's traffic)
+DIRECT_MIN_BYTES = 1 << 62  # new tensors this big are read into directly (off: docs/speed-tricks.md)
 COPIERS = 2
 
 
@@ -70,8 +67,7 @@ class FileRead:
 class Stats:
     bytes_read: int = 0
     windows: int = 0
-    wait_s: float = 0.0
-    """Time the checking thread waited for reads."""
+    wait_s: float = 0.0  # time the checking thread waited for reads
     deferred_bytes: int = 0
     rollback_bytes: int = 0
     later: dict[int, set[int]] = field(default_factory=dict)

@@ -18,8 +18,7 @@ if TYPE_CHECKING:
     from .stream import FileRead
 
 MAX_WINDOW_BYTES, MIN_SLOTS = 64 << 20, 4
-READERS = 2
-"""Reader threads (:mod:`.stream`), each keeping the engine's queue depth in flight."""
+READERS = 2  # reader threads (:mod:`.stream`), each keeping the engine's queue depth in flight
 
 
 class _Win:
