@@ -123,9 +123,8 @@ def free_bytes(path: str) -> int:
 
 
 def unshared(path: str) -> bool:
-    """Whether the file at ``path`` has one name (no hard link) and no process has it open now:
-    a write lease (``F_SETLEASE``), granted only then, is taken and released at once. False
-    where leases are refused or on any error."""
+    """Whether the file at ``path`` has one name and no process has it open now (a write lease,
+    granted only then, is taken and released at once); False where leases are refused."""
     setlease = getattr(fcntl, "F_SETLEASE", None)  # Linux only
     if setlease is None:
         return False

@@ -1,8 +1,7 @@
 """The shared-filesystem tier: ``file:///path`` or a plain path (Lustre, GPFS, NFS, ...).
 
-The remote layout in a directory that every node mounts. Files are written with the probed
-engine (direct I/O where the filesystem allows it) as ``name.part``, fdatasync'ed and
-renamed; the manifest last (the commit). OS errors leave as RemoteError naming path and step.
+The remote layout in a directory every node mounts: files are written with the probed engine
+as ``name.part``, fdatasync'ed and renamed; the manifest last (the commit).
 """
 
 from __future__ import annotations
