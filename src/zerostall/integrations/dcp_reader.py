@@ -107,8 +107,7 @@ class Reader(CheckpointId, StorageReader):
         try:
             md = read_metadata_file(where)
         except CheckpointNotFound:
-            if os.path.lexists(os.path.join(self.path, "manifest.json")) or os.path.lexists(
-                    os.path.join(self.path, "latest")):
+            if any(os.path.lexists(os.path.join(self.path, n)) for n in ("manifest.json", "latest")):
                 raise CheckpointNotFound(f"{self.path!r} is a zerostall Checkpointer directory, not a DCP checkpoint: "
                                          "load it with zerostall.load(path) or Checkpointer(path).load()") from None
             raise

@@ -99,9 +99,7 @@ def check_checkpoint_id(checkpoint_id: Any) -> str:
     """The absolute local path for ``checkpoint_id``; URLs are refused (never a ``scheme:`` dir)."""
     if not isinstance(checkpoint_id, (str, os.PathLike)):
         raise ConfigError(f"DCP checkpoint id must be a path, got {type(checkpoint_id).__name__} {checkpoint_id!r}")
-    p = os.fspath(checkpoint_id)
-    if isinstance(p, bytes):
-        p = os.fsdecode(p)
+    p = os.fsdecode(checkpoint_id)  # a PathLike may give bytes
     if "://" in p:
         raise ConfigError(
             f"zerostall.dcp writes local (or mounted shared) directories; {p!r} is a URL. Save to a local "

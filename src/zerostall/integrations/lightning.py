@@ -17,7 +17,8 @@ under ``"zerostall_rng"``, restored by ``load_checkpoint``.
 (``load_checkpoint`` on every rank), from the training thread. ``save_checkpoint`` returns once
 the save is planned; until the snapshot is copied, optimizer steps and the forward of a module
 whose buffers are being copied wait (:class:`~._common.StateGuard`). ``teardown()`` waits until
-every save is durable and raises the first failure.
+every save is durable and raises the first failure. ``MyModule.load_from_checkpoint(path)``
+bypasses the plugin: use :func:`load_from_checkpoint`.
 """
 
 from __future__ import annotations
