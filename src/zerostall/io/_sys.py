@@ -61,8 +61,7 @@ def statx_dioalign(path: str) -> DioAlign | None:
 
 
 def set_idle_io_priority() -> bool:
-    """IOPRIO_CLASS_IDLE for the calling thread and the threads it creates later (the uploader,
-    the peer replication threads), through psutil. False where the OS refuses."""
+    """IOPRIO_CLASS_IDLE for the calling thread and the threads it creates later; False if refused."""
     try:
         import psutil
         psutil.Process(threading.get_native_id()).ionice(psutil.IOPRIO_CLASS_IDLE)

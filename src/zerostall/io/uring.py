@@ -206,8 +206,7 @@ class _UringFile(ShardFile):
             return uid, res, None
 
     def _run(self, extents: Sequence[Extent], write: bool, overlap: Callable[[], None] | None = None) -> None:
-        """Every extent transferred, through the ctypes ring where it can (not for read-only
-        buffers: their address is not exported), else through the binding."""
+        """Every extent transferred, through the ctypes ring unless a buffer is read-only."""
         chunks = split_extents(extents, self.engine.cfg.chunk_bytes)
         cring = self.cring
         if cring is not None:

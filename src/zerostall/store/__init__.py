@@ -1,5 +1,4 @@
-"""Tiers: where committed checkpoints live (the local root a Checkpointer writes; remote tiers
-registered by URL scheme in :mod:`.tier`)."""
+"""Tiers: where committed checkpoints live (local root, remote tiers by URL scheme: :mod:`.tier`)."""
 
 from __future__ import annotations
 

@@ -43,8 +43,7 @@ def fsync_dir(path: str) -> None:
 
 @contextmanager
 def unlinked_on_error(tmp: str) -> Iterator[str]:
-    """Yield ``tmp``, a temporary file the block writes and renames into place; removed if the
-    block raises."""
+    """Yield ``tmp``, a file the block writes and renames into place; removed if the block raises."""
     try:
         yield tmp
     except BaseException:
@@ -85,8 +84,8 @@ def rename_exchange(a: str, b: str) -> bool:
 
 
 def rmtree(path: str, hook: Hook | None = None) -> None:
-    """Remove ``path`` (a tree or a file) without following symlinks, calling ``hook("unlink")``
-    after each entry (unlike ``shutil.rmtree``). A missing path is not an error."""
+    """Remove ``path`` (tree or file; missing is fine) without following symlinks, calling
+    ``hook("unlink")`` after each entry."""
     hook = hook or _noop
     try:
         st = os.lstat(path)

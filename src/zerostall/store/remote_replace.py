@@ -151,8 +151,7 @@ def others_are_current(remote: "RemoteTier", step: int, manifest: Manifest, rank
 
 
 def sweep(remote: "RemoteTier", step: int, manifest: Manifest) -> list[str]:
-    """Step 5: delete the objects of ``step`` that ``manifest`` (the committed one) does not
-    name: a replaced copy, or what an interrupted replacement or upload left. Returns them."""
+    """Step 5: delete (and return) the objects of ``step`` that the committed ``manifest`` does not name."""
     keep = {f.name for f in manifest.files} | {MANIFEST_NAME}
     gone = sorted(n for n in remote.names_in(step) if n not in keep)
     for n in gone:

@@ -166,8 +166,8 @@ def check_not_referenced(tier: Any, step: int, pinned: set[int], *, queued: bool
 
 
 class LocalRetention:
-    """``keep_last`` on the local tier after each commit: a commit subscriber (persist thread;
-    no remote tier). ``recent``: this writer's newest commits, oldest first, never deleted."""
+    """``keep_last`` on the local tier after each commit (a commit subscriber, persist thread, no
+    remote); ``recent``: this writer's newest commits, oldest first, never deleted."""
 
     name = "retention"
 

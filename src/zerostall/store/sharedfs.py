@@ -248,8 +248,7 @@ class FileTier(RemoteTier):
             raise self._err("listing", f"step-{step}/", exc) from exc
 
     def _copy_within(self, src: str, dst: str) -> bool:
-        """A hard link where the filesystem has them: the same bytes, nothing copied, and
-        nothing to tear (files here are replaced by rename, never rewritten in place)."""
+        """A hard link where the filesystem has them (files here are replaced by rename, never in place)."""
         self._unlink_step_link(dst)
         s, d = self._path(src), self._path(dst)
         linked = True

@@ -83,8 +83,7 @@ class Tier(ABC):
     # -- writing: the owner's persist/replicator thread, one step at a time per thread --------
     @abstractmethod
     def begin(self, step: int) -> str:
-        """[owner] Open the staging area of ``step``, never visible to readers (replacing a
-        stale one); returns its location."""
+        """[owner] Open ``step``'s staging area, never visible to readers; returns its location."""
 
     @abstractmethod
     def open_shard_write(self, step: int, name: str, nbytes: int, engine: "Engine | None" = None) -> "ShardFile":
@@ -107,8 +106,7 @@ class Tier(ABC):
 
     @abstractmethod
     def put_bytes(self, data: bytes, rel: str) -> None:
-        """[owner] Store ``data`` as ``rel`` as is, durably (commits nothing :meth:`commit`
-        would not)."""
+        """[owner] Store ``data`` as ``rel`` as is, durably."""
 
 
 class RootTier(Tier):
