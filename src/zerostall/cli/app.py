@@ -22,8 +22,7 @@ from . import dcp as cli_dcp
 from . import delete as cli_delete
 from .._term import console as _console, safe, table
 from .._util import human_bytes as _human
-from ..errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, RootNotFound,
-    ZerostallError)
+from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, RootNotFound, ZerostallError
 from ..store import open_root
 from ..store.tier import is_url, open_tier
 from . import host as cli_host
@@ -314,8 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)  # usage errors: argparse prints one line and exits 2
-    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
-                        format="%(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(message)s")
 
     def fail(exc: BaseException, code: int, what: str = "") -> int:
         msg = " ".join(safe(what or exc).split())

@@ -15,7 +15,7 @@ from .common import _engine, _tier
 from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..store.tier import is_url
 from ..restore import verify_step, verify_tier_step
-from ..restore.retry import verify_consistent
+from ..restore.pipeline import verify_consistent
 from ..distributed.node import node_id
 
 

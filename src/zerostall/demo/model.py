@@ -48,8 +48,7 @@ class Block(nn.Module):
         self.attn = nn.MultiheadAttention(d, cfg.n_head, batch_first=True)
         self.ln2 = nn.LayerNorm(d)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-        self.register_buffer("mask", torch.triu(torch.full((cfg.ctx, cfg.ctx), float("-inf")), 1),
-                             persistent=False)
+        self.register_buffer("mask", torch.triu(torch.full((cfg.ctx, cfg.ctx), float("-inf")), 1), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[1]

@@ -46,11 +46,8 @@ class RankInfo:
 
 
 def discover(store: Any = None, mode: str = "per_rank") -> RankInfo:
-    """From an initialised process group (any backend), else RANK/WORLD_SIZE/LOCAL_WORLD_SIZE.
-
-    ``mode="local"``: a world of one (rank 0, no store), whatever the process group says —
-    for a process that saves alone (rank-0-only frameworks, tools).
-    """
+    """From an initialised process group (any backend), else RANK/WORLD_SIZE/LOCAL_WORLD_SIZE;
+    ``mode="local"``: a world of one (rank 0, no store), for a process that saves alone."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     if mode == "local":
         return RankInfo(0, 1, local, None)

@@ -18,8 +18,7 @@ import time
 from .session import Session
 from .store import Store
 
-BUSY = 1 << 20
-"""Added by a rank without room (world sizes stay below it)."""
+BUSY = 1 << 20  # added by a rank without room (world sizes stay below it)
 
 
 def agree_room(store: Store, session: Session, seq: int, room: bool, timeout_s: float,

@@ -29,8 +29,7 @@ from ..errors import DistributedError
 log = logging.getLogger("zerostall")
 
 DEFAULT_CALL_TIMEOUT_S = 60.0
-LATE_CALL_S = 0.5
-"""What the requests past a :meth:`Store.bounded` deadline may take, all together."""
+LATE_CALL_S = 0.5  # what the requests past a Store.bounded deadline may take, all together
 
 fault_hook: Callable[[str], None] | None = None
 """Test seam: ``fault_hook(what)`` on the request thread before each request (a test blocks

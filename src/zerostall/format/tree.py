@@ -8,11 +8,9 @@ str, int, float, bool, None or tuples of those.
 Node encoding (one key per node): ``{"v": x}`` plain value, ``{"f": "nan"|"inf"|"-inf"}``
 non-finite float, ``{"T": i}`` tensor i, ``{"A": i}`` numpy array stored as tensor i,
 ``{"l": [...]}`` list, ``{"t": [...]}`` tuple, ``{"d": [[key, node], ...]}`` dict,
-``{"j": x}`` a subtree that is plain JSON as it stands (checked and copied by
-:func:`.validate.plain_copy`), ``{"o": [type, node]}`` a common Python object (see
-:mod:`.objects` for the rule that decoding never imports or runs anything outside an
-allow-list). Inside ``save()`` (``frozen=``) a large container of builtin values is left in
-the tree as a :class:`.frozen.Frozen`, encoded by these rules later, off the caller's thread.
+``{"j": x}`` a subtree that is plain JSON as it stands (:func:`.validate.plain_copy`),
+``{"o": [type, node]}`` a Python object (:mod:`.objects`). Inside ``save()`` a large container
+of builtin values is left as a :class:`.frozen.Frozen`, encoded later, off the caller's thread.
 
 Views are saved by value (a conjugate or negative view resolved first); two keys that view
 the same bytes with one shape, stride and dtype (tied weights) are stored once and restored

@@ -18,7 +18,7 @@ import os
 import re
 import stat
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Sequence
 
 from ..config import ALIGN_BYTES
 from ..errors import CorruptCheckpoint
@@ -125,10 +125,9 @@ class Span:
     key: str
 
 
-def check_spans(spans: Iterable[Span], file_bytes: dict[str, int], where: str) -> dict[int, int]:
-    """Entries inside their files, aligned (:func:`~.layout.item_align`) and disjoint; returns
-    ``{index: index of the first identical entry}`` for the exact duplicates (aliases)."""
-    spans = spans if isinstance(spans, list) or hasattr(spans, "columns") else list(spans)
+def check_spans(spans: Sequence[Span] | Any, file_bytes: dict[str, int], where: str) -> dict[int, int]:
+    """``spans`` (a list, or :class:`.table.EntrySpans`) inside their files, aligned and disjoint;
+    returns ``{index: index of the first identical entry}`` for the exact duplicates (aliases)."""
     if len(spans) >= _BULK_SPANS and _disjoint_in_bulk(spans, file_bytes):  # type: ignore[arg-type]
         return {}  # the common case, checked in bulk; anything else takes the loop (exact messages)
     alias: dict[int, int] = {}

@@ -14,6 +14,7 @@ A save is staged in ``project_dir/.zerostall-staging/checkpoint_<N>`` (or
 ``.NAME.zerostall-staging`` beside an explicit ``output_dir``) and renamed by the
 :class:`~._common.Publisher` once committed, so a listed checkpoint is always complete.
 Every method runs on the training thread; copy, write, commit and rename run behind it.
+DeepSpeed, FSDP, Megatron-LM and XLA keep Accelerate's own checkpointing.
 """
 
 from __future__ import annotations

@@ -77,9 +77,7 @@ def _shard_io(path: str, io_cfg: IOConfig | None, largest: int) -> Iterator[tupl
 
 class Reader(CheckpointId, StorageReader):
     """``FileSystemReader``'s drop-in: ``dcp.load(sd, storage_reader=Reader(path))``.
-
-    ``verify=False`` skips crc32c and padding checks (metadata validation always runs).
-    """
+    ``verify=False`` skips crc32c and padding checks (metadata validation always runs)."""
 
     def __init__(self, path: str | os.PathLike[str], *, io: IOConfig | None = None, verify: bool = True):
         super().__init__()
@@ -107,8 +105,7 @@ class Reader(CheckpointId, StorageReader):
         try:
             md = read_metadata_file(where)
         except CheckpointNotFound:
-            if os.path.lexists(os.path.join(self.path, "manifest.json")) or os.path.lexists(
-                    os.path.join(self.path, "latest")):
+            if any(os.path.lexists(os.path.join(self.path, n)) for n in ("manifest.json", "latest")):
                 raise CheckpointNotFound(f"{self.path!r} is a zerostall Checkpointer directory, not a DCP checkpoint: "
                                          "load it with zerostall.load(path) or Checkpointer(path).load()") from None
             raise

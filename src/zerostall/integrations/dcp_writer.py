@@ -99,9 +99,7 @@ def check_checkpoint_id(checkpoint_id: Any) -> str:
     """The absolute local path for ``checkpoint_id``; URLs are refused (never a ``scheme:`` dir)."""
     if not isinstance(checkpoint_id, (str, os.PathLike)):
         raise ConfigError(f"DCP checkpoint id must be a path, got {type(checkpoint_id).__name__} {checkpoint_id!r}")
-    p = os.fspath(checkpoint_id)
-    if isinstance(p, bytes):
-        p = os.fsdecode(p)
+    p = os.fsdecode(checkpoint_id)  # a PathLike may give bytes
     if "://" in p:
         raise ConfigError(
             f"zerostall.dcp writes local (or mounted shared) directories; {p!r} is a URL. Save to a local "
@@ -154,11 +152,9 @@ def metadata_name(rank: int | None, use_collectives: bool) -> str:
 
 
 class Writer(CheckpointId, StorageWriter):
-    """``FileSystemWriter``'s drop-in: ``dcp.save(sd, storage_writer=Writer(path))``.
-
-    ``overwrite`` as there (default True); ``io`` picks the engine (default: probed). The other
-    arguments are accepted and ignored, except ``sync_files=False``, which is refused.
-    """
+    """``FileSystemWriter``'s drop-in: ``dcp.save(sd, storage_writer=Writer(path))``. ``overwrite``
+    as there (default True); ``io`` picks the engine (default: probed). The other arguments are
+    accepted and ignored, except ``sync_files=False``, which is refused."""
 
     def __init__(self, path: str | os.PathLike[str], *, io: IOConfig | None = None, overwrite: bool = True,
                  sync_files: bool = True, thread_count: int = 1, single_file_per_rank: bool = True,

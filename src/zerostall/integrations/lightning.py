@@ -17,7 +17,8 @@ under ``"zerostall_rng"``, restored by ``load_checkpoint``.
 (``load_checkpoint`` on every rank), from the training thread. ``save_checkpoint`` returns once
 the save is planned; until the snapshot is copied, optimizer steps and the forward of a module
 whose buffers are being copied wait (:class:`~._common.StateGuard`). ``teardown()`` waits until
-every save is durable and raises the first failure.
+every save is durable and raises the first failure. ``MyModule.load_from_checkpoint(path)``
+bypasses the plugin: use :func:`load_from_checkpoint`.
 """
 
 from __future__ import annotations
@@ -65,12 +66,10 @@ def _aside(root: str, suffix: str) -> str:
 
 
 class ZerostallCheckpointIO(CheckpointIO):
-    """Lightning ``CheckpointIO`` over zerostall (see the module docstring).
-
-    ``config``/``overrides``: :class:`~zerostall.CheckpointConfig` fields for the Checkpointers;
-    the plugin sets ``keep_last`` and ``dist_mode``, and refuses ``remote``. ``wait_staged``:
-    block in ``save_checkpoint`` until the snapshot is copied.
-    """
+    """Lightning ``CheckpointIO`` over zerostall. ``config``/``overrides``:
+    :class:`~zerostall.CheckpointConfig` fields for the Checkpointers (the plugin sets ``keep_last``
+    and ``dist_mode``, and refuses ``remote``). ``wait_staged``: block in ``save_checkpoint``
+    until the snapshot is copied."""
 
     def __init__(self, config: CheckpointConfig | None = None, *, wait_staged: bool = False,
                  **overrides: Any) -> None:

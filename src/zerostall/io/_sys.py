@@ -1,8 +1,6 @@
-"""Thin wrappers for the Linux calls Python's ``os`` lacks or emulates.
-
-``fallocate(2)`` (never ``os.posix_fallocate``: glibc may emulate it by writing zeros
-through the page cache), ``sync_file_range(2)``, ``statx(2)`` for STATX_DIOALIGN, the idle
-I/O class of a background thread.
+"""Thin wrappers for the Linux calls Python's ``os`` lacks or emulates: ``fallocate(2)`` (never
+``os.posix_fallocate``: glibc may emulate it by writing zeros), ``sync_file_range(2)``,
+``statx(2)`` for STATX_DIOALIGN, the idle I/O class of a background thread.
 """
 
 from __future__ import annotations
@@ -48,9 +46,7 @@ class DioAlign:
 
 STATX_DIOALIGN = 0x2000
 _STATX_BYTES = 256
-_STATX_DIO_OFFSET = 152
-"""``struct statx``: ``stx_mask`` (u32) at 0, ``stx_dio_mem_align`` and ``stx_dio_offset_align``
-(u32 each) at 152 (linux/stat.h)."""
+_STATX_DIO_OFFSET = 152  # struct statx: stx_mask (u32) at 0, stx_dio_mem_align, stx_dio_offset_align here
 
 
 def statx_dioalign(path: str) -> DioAlign | None:
@@ -65,8 +61,7 @@ def statx_dioalign(path: str) -> DioAlign | None:
 
 
 def set_idle_io_priority() -> bool:
-    """IOPRIO_CLASS_IDLE for the calling thread and the threads it creates later (the uploader,
-    the peer replication threads), through psutil. False where the OS refuses."""
+    """IOPRIO_CLASS_IDLE for the calling thread and the threads it creates later; False if refused."""
     try:
         import psutil
         psutil.Process(threading.get_native_id()).ionice(psutil.IOPRIO_CLASS_IDLE)

@@ -135,8 +135,7 @@ class Engine(ABC):
                 raise storage_error(f"reserving {file_bytes} bytes for", path, exc) from exc
 
     def open_update(self, path: str) -> ShardFile:
-        """Open ``path``, created by :meth:`open_write`, for writing more extents: a second writer
-        of the same file for another thread (each thread its own; the caller keeps them apart)."""
+        """A second writer of ``path`` (created by :meth:`open_write`) for another thread."""
         return self._wrap(path, self._open(path, os.O_WRONLY), True)
 
     def open_read(self, path: str) -> ShardFile:
@@ -224,8 +223,7 @@ def get_engine(name: str, cfg: IOConfig) -> Engine:
 
 
 def engine_name_for(path: str, cfg: IOConfig) -> tuple[str, ProbeResult | None]:
-    """The engine ``cfg`` asks for on ``path``: the configured name, or the probe's verdict
-    for ``auto`` (with the probe result; ``path`` must then exist and be writable)."""
+    """The engine ``cfg`` asks for on ``path`` (``auto``: the probe's verdict, with its result)."""
     if cfg.engine != "auto":
         return cfg.engine, None
     res = probe(path)

@@ -1,8 +1,5 @@
-"""``threads`` engine: a pool of threads issuing ``pwritev``/``preadv`` on an O_DIRECT fd.
-
-For hosts where io_uring is disabled (``kernel.io_uring_disabled``, seccomp). ``os.pwritev``
-releases the GIL while the kernel copies, so the pool overlaps requests the way a queue
-depth does.
+"""``threads`` engine: a pool of threads issuing ``pwritev``/``preadv`` on an O_DIRECT fd, for
+hosts where io_uring is disabled (``os.pwritev`` releases the GIL: the pool is the queue depth).
 """
 
 from __future__ import annotations

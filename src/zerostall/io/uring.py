@@ -206,8 +206,7 @@ class _UringFile(ShardFile):
             return uid, res, None
 
     def _run(self, extents: Sequence[Extent], write: bool, overlap: Callable[[], None] | None = None) -> None:
-        """Every extent transferred, through the ctypes ring where it can (not for read-only
-        buffers: their address is not exported), else through the binding."""
+        """Every extent transferred, through the ctypes ring unless a buffer is read-only."""
         chunks = split_extents(extents, self.engine.cfg.chunk_bytes)
         cring = self.cring
         if cring is not None:
@@ -244,10 +243,8 @@ class _UringFile(ShardFile):
                queue: Callable[[int, memoryview, int, int], object], submit: Callable[[], object],
                reap: Callable[[], tuple[int, int | None, OSError | None]],
                overlap: Callable[[], None] | None) -> None:
-        """The submission loop of both ring paths: keep ``depth`` requests in flight, run
-        ``overlap`` once the first batch is submitted, check every completion's byte count,
-        resubmit short transfers, raise the first error once the ring is drained.
-
+        """The submission loop of both ring paths: ``depth`` requests in flight, ``overlap`` run
+        once submitted, short transfers resubmitted, the first error raised once drained.
         ``queue(off, mv, addr, uid)`` returns what must stay referenced until the completion
         (None: the submission queue is full); ``reap()`` returns (uid, res, error)."""
         action = "write" if write else "read"

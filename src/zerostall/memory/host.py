@@ -8,7 +8,6 @@ import ctypes
 import logging
 import mmap
 import os
-import time
 import weakref
 from typing import Any
 
@@ -75,17 +74,3 @@ def _fill_holes_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_fill_holes_in_child)
-
-
-def probe_pages(address: int, nbytes: int, off: int, probe: int, fault: Any) -> tuple[float, float]:
-    """(huge page, 4 KiB page) fault rates in bytes/s of ``probe`` bytes each at ``off`` of a
-    mapping advised huge pages (huge pages can fault far slower on a VM)."""
-    t0 = time.perf_counter()
-    fault(off, probe)
-    t1 = time.perf_counter()
-    rest = address + off + probe
-    _libc.madvise(ctypes.c_void_p(rest), nbytes - off - probe, MADV_NOHUGEPAGE)
-    fault(off + probe, probe)
-    t2 = time.perf_counter()
-    _libc.madvise(ctypes.c_void_p(rest + probe), nbytes - off - 2 * probe, MADV_HUGEPAGE)
-    return probe / max(t1 - t0, 1e-9), probe / max(t2 - t1, 1e-9)

@@ -32,8 +32,7 @@ class BlockRing:
         self._done: dict[int, int] = {}  # released ranges beyond the cursor: lo -> hi
 
     def resize(self, nbytes: int) -> bool:
-        """Use ``nbytes`` of the arena from now on if the ring is idle; return whether it did
-        (the pool's lock held, right before a reservation)."""
+        """Use ``nbytes`` of the arena from now on if the ring is idle; return whether it did."""
         with self.cond:
             n = nbytes // self.block_bytes
             if n < 2 or n == self.nblocks or self.released != self.reserved:

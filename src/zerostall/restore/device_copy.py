@@ -27,13 +27,10 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-SWAP_PIECE = 512 << 10
-"""A swap moves this many bytes at a time through a cache-resident temporary."""
+SWAP_PIECE = 512 << 10  # a swap's bytes at a time, through a cache-resident temporary
 
-HostJob = tuple[int, int, int]
-"""(destination address, source address in the scratch, bytes)."""
-DeviceJob = tuple[torch.Tensor, int, int]
-"""(flat uint8 CUDA tensor: the destination bytes, source address in the scratch, bytes)."""
+HostJob = tuple[int, int, int]  # (destination address, source address in the scratch, bytes)
+DeviceJob = tuple[torch.Tensor, int, int]  # (flat uint8 CUDA destination bytes, source address, bytes)
 
 
 def _copy(jobs: Iterable[HostJob]) -> None:

@@ -4,6 +4,12 @@ Caller's thread (``zerostall.load``, ``Checkpointer.load``, the CLI). Candidates
 (local copy, then the remote's), each by :func:`.step.load_step`; every defect of a checkpoint
 is logged and falls back to the previous one, never a defect of the caller's
 (:class:`StateMismatchError`, :class:`ConfigError`), and never leaves a failed step's bytes behind.
+
+Readers take no lock (:mod:`zerostall.store.local`): an overwrite or retention may change a step
+under ``load`` or ``verify``, which then sees a defect that is not one. The rule both share
+(:func:`changed_under`, :func:`verify_consistent`): when reading a step fails, look at its
+manifest again: gone, deleted meanwhile (not a failure); another identity, replaced meanwhile
+(read it again, at most :data:`MAX_REPLACED` times); the same, the step's own failure.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from ..config import IOConfig
 from ..errors import (CheckpointNotFound, ConfigError, CorruptCheckpoint, DistributedError, RemoteError,
@@ -23,11 +29,54 @@ from ..store import open_root
 from ..store.remote import list_steps
 from ..store.tier import RootTier, is_url, open_tier
 from .download import damaged_local_ref, fetch
-from .retry import GONE, MAX_REPLACED, REPLACED, changed_under
 from .state import LoadReport, location_mapper
 from .step import load_step, shared_bounce
 
 log = logging.getLogger("zerostall")
+T = TypeVar("T")
+
+MAX_REPLACED = 5
+
+GONE, REPLACED = "gone", "replaced"
+
+
+def changed_under(tier: Any, step: int, ident: Any, *, remote: bool = False) -> str | None:
+    """:data:`GONE`, :data:`REPLACED` or None (unchanged) for ``step``, whose manifest had
+    identity ``ident`` when the failed read began. ``remote``: None where ``ident`` is unknown
+    or the tier cannot be listed (the failure is then the step's own)."""
+    if remote and ident is None:
+        return None
+    try:
+        now = tier.manifest_ident(step)
+    except Exception:  # noqa: BLE001 - a listing that fails tells nothing
+        if remote:
+            return None
+        raise
+    if now is None:
+        return GONE
+    if ident is not None and now != ident:
+        return REPLACED
+    return None
+
+
+def verify_consistent(tier: Any, step: int, check: Callable[[], T]) -> T | None:
+    """``check()`` (a verify of ``step``), read again if the step was replaced under it; None
+    if the step was deleted meanwhile. A failure of the step itself is raised."""
+    for attempt in range(MAX_REPLACED + 1):
+        ident = tier.manifest_ident(step)
+        try:
+            return check()
+        except Exception:
+            why = changed_under(tier, step, ident)
+            # gone only if it was there when the read began (or is no longer listed): a step that
+            # never read (a symlink loop, a missing manifest) is a failure, not a deletion
+            if why == GONE and (ident is not None or step not in tier.listed_steps()):
+                log.info("zerostall: step %d disappeared while verifying it (retention?)", step)
+                return None
+            if why != REPLACED or attempt == MAX_REPLACED:
+                raise
+            log.info("zerostall: step %d was overwritten while verifying it; reading it again", step)
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +173,7 @@ def _checked(req: LoadRequest) -> LoadRequest:
 @dataclass
 class _Fallback:
     """One load's walk over the candidate copies, newest first, local before remote: which were
-    tried, which failed and why (a copy changed under the read is tried again, :mod:`.retry`)."""
+    tried, which failed and why (a copy changed under the read is tried again)."""
 
     tier: RootTier
     remote: Any

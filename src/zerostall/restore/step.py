@@ -40,8 +40,7 @@ BOUNCE_BYTES = 128 << 20
 _bounce_lock = threading.Lock()
 _bounce_made = threading.Lock()
 _bounce: Arena | None = None
-last_stats: Stats | None = None
-"""What the last read of this process did (bench and tests; no API)."""
+last_stats: Stats | None = None  # what the last read of this process did (bench and tests; no API)
 
 
 def shared_bounce() -> Arena:

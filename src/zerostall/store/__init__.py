@@ -1,5 +1,4 @@
-"""Tiers: where committed checkpoints live (the local root a Checkpointer writes; remote tiers
-registered by URL scheme in :mod:`.tier`)."""
+"""Tiers: where committed checkpoints live (local root, remote tiers by URL scheme: :mod:`.tier`)."""
 
 from __future__ import annotations
 
@@ -13,9 +12,8 @@ __all__ = ["LocalTier", "open_root"]
 
 
 def open_root(where: Any, **kwargs: Any) -> Tier:
-    """The tier of a checkpoint root: a local directory (``LocalTier``: the root a
-    Checkpointer writes, ``kwargs`` such as ``create=True``) for a plain path, or the tier
-    registered for a URL's scheme (:func:`open_tier`). The library and the CLI both use it."""
+    """The tier of a checkpoint root: a :class:`LocalTier` for a plain path (``kwargs`` such as
+    ``create=True``), or the tier registered for a URL's scheme (:func:`open_tier`)."""
     if isinstance(where, Tier):
         return where
     if is_url(where):

@@ -43,8 +43,7 @@ def fsync_dir(path: str) -> None:
 
 @contextmanager
 def unlinked_on_error(tmp: str) -> Iterator[str]:
-    """Yield ``tmp``, a temporary file the block writes and renames into place; removed if the
-    block raises."""
+    """Yield ``tmp``, a file the block writes and renames into place; removed if the block raises."""
     try:
         yield tmp
     except BaseException:
@@ -85,8 +84,8 @@ def rename_exchange(a: str, b: str) -> bool:
 
 
 def rmtree(path: str, hook: Hook | None = None) -> None:
-    """Remove ``path`` (a tree or a file) without following symlinks, calling ``hook("unlink")``
-    after each entry (unlike ``shutil.rmtree``). A missing path is not an error."""
+    """Remove ``path`` (tree or file; missing is fine) without following symlinks, calling
+    ``hook("unlink")`` after each entry."""
     hook = hook or _noop
     try:
         st = os.lstat(path)
@@ -123,9 +122,8 @@ def free_bytes(path: str) -> int:
 
 
 def unshared(path: str) -> bool:
-    """Whether the file at ``path`` has one name (no hard link) and no process has it open now:
-    a write lease (``F_SETLEASE``), granted only then, is taken and released at once. False
-    where leases are refused or on any error."""
+    """Whether the file at ``path`` has one name and no process has it open now (a write lease,
+    granted only then, is taken and released at once); False where leases are refused."""
     setlease = getattr(fcntl, "F_SETLEASE", None)  # Linux only
     if setlease is None:
         return False

@@ -132,8 +132,7 @@ class _Held:
         self.path = path
         self._fd: int | None = None
         self._dfd: int | None = None  # RootLock: the root directory, flocked too
-        self.enforced = False
-        """True when the kernel granted the flock; False when the filesystem has no locking."""
+        self.enforced = False  # the kernel granted the flock (False: the filesystem has no locking)
         self._pid = 0  # the process that opened the descriptors (only it unlocks them)
 
     def _forget(self) -> list[int]:

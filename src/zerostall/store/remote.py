@@ -176,8 +176,7 @@ class RemoteTier(Tier):
         return self._open_write(f"step-{step}/{name}", nbytes, engine)
 
     def commit(self, step: int, manifest: Manifest, overwrite: bool = False) -> tuple[str, ...]:
-        """Check every shard the manifest names is there with its size, then put the manifest
-        (verified): the commit point."""
+        """Check every shard the manifest names has its size, then put the manifest: the commit point."""
         rel = f"step-{step}/{MANIFEST_NAME}"
         if manifest.step != step:
             raise ConfigError(f"commit of step {step} with the manifest of step {manifest.step}")
@@ -231,8 +230,7 @@ class RemoteTier(Tier):
             raise
 
     def verify(self, rel: str, size: int, crc: int) -> None:
-        """The tier must store ``size`` bytes with ``crc`` at ``rel``: else the object is removed
-        and RemoteError raised."""
+        """The tier must store ``size`` bytes with ``crc`` at ``rel``, else RemoteError (object removed)."""
         got_size, got_crc = self.checksum(rel)
         if (got_size, got_crc) != (size, crc):
             try:

@@ -74,9 +74,8 @@ def live_names(remote: "RemoteTier", step: int, checkpoint_id: str) -> set[str]:
 
 
 def refs_current(remote: "RemoteTier", manifest: Manifest) -> bool:
-    """Whether every file ``manifest`` borrows from an earlier step is, on the remote, the one
-    it recorded (same file id and size in that step's remote manifest); else committing
-    ``manifest`` would commit a torn step. Rank 0 checks before it uploads a step that borrows."""
+    """Whether every file ``manifest`` borrows from an earlier step is, on the remote, the one it
+    recorded (file id and size); else committing it would commit a torn step. Rank 0's check."""
     theirs: dict[int, Manifest | None] = {}
     for r in manifest.ref_files:
         if r.step not in theirs:
@@ -152,8 +151,7 @@ def others_are_current(remote: "RemoteTier", step: int, manifest: Manifest, rank
 
 
 def sweep(remote: "RemoteTier", step: int, manifest: Manifest) -> list[str]:
-    """Step 5: delete the objects of ``step`` that ``manifest`` (the committed one) does not
-    name: a replaced copy, or what an interrupted replacement or upload left. Returns them."""
+    """Step 5: delete (and return) the objects of ``step`` that the committed ``manifest`` does not name."""
     keep = {f.name for f in manifest.files} | {MANIFEST_NAME}
     gone = sorted(n for n in remote.names_in(step) if n not in keep)
     for n in gone:

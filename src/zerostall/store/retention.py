@@ -154,10 +154,9 @@ def prune(tier: Any, steps: list[int], doomed_steps: list[int], *, protect: Coll
 
 
 def check_not_referenced(tier: Any, step: int, pinned: set[int], *, queued: bool = False) -> None:
-    """Overwriting ``step`` would break the steps that borrow its bytes (incremental saves):
-    raise :class:`~zerostall.errors.CheckpointExistsError` if any does, or a save in flight
-    pinned it. ``save()`` checks on the caller's thread; the persist thread checks again
-    (``queued=True``) just before the commit: a save queued before may reference it since."""
+    """:class:`~zerostall.errors.CheckpointExistsError` if steps borrow ``step``'s bytes or a
+    save in flight pinned it. ``save()`` checks on the caller's thread; the persist thread again
+    (``queued=True``) just before the commit (a save queued before may reference it since)."""
     users = dependents(tier.steps(), step, tier.read_manifest)
     if users or step in pinned:
         raise CheckpointExistsError(
@@ -167,8 +166,8 @@ def check_not_referenced(tier: Any, step: int, pinned: set[int], *, queued: bool
 
 
 class LocalRetention:
-    """``keep_last`` on the local tier after each commit: a commit subscriber (persist thread;
-    no remote tier). ``recent``: this writer's newest commits, oldest first, never deleted."""
+    """``keep_last`` on the local tier after each commit (a commit subscriber, persist thread, no
+    remote); ``recent``: this writer's newest commits, oldest first, never deleted."""
 
     name = "retention"
 

@@ -1,8 +1,7 @@
 """The shared-filesystem tier: ``file:///path`` or a plain path (Lustre, GPFS, NFS, ...).
 
-The remote layout in a directory that every node mounts. Files are written with the probed
-engine (direct I/O where the filesystem allows it) as ``name.part``, fdatasync'ed and
-renamed; the manifest last (the commit). OS errors leave as RemoteError naming path and step.
+The remote layout in a directory every node mounts: files are written with the probed engine
+as ``name.part``, fdatasync'ed and renamed; the manifest last (the commit).
 """
 
 from __future__ import annotations
@@ -249,8 +248,7 @@ class FileTier(RemoteTier):
             raise self._err("listing", f"step-{step}/", exc) from exc
 
     def _copy_within(self, src: str, dst: str) -> bool:
-        """A hard link where the filesystem has them: the same bytes, nothing copied, and
-        nothing to tear (files here are replaced by rename, never rewritten in place)."""
+        """A hard link where the filesystem has them (files here are replaced by rename, never in place)."""
         self._unlink_step_link(dst)
         s, d = self._path(src), self._path(dst)
         linked = True

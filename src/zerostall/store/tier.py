@@ -47,7 +47,7 @@ class Tier(ABC):
 
     def manifest_ident(self, step: int) -> Any:
         """Changes when ``step`` is replaced (None: absent), so a reader tells a step replaced
-        under it from a damaged one (:mod:`zerostall.restore.retry`)."""
+        under it from a damaged one (:mod:`zerostall.restore.pipeline`)."""
         return step if step in self.listed_steps() else None
 
     def listed_steps(self) -> list[int]:
@@ -83,8 +83,7 @@ class Tier(ABC):
     # -- writing: the owner's persist/replicator thread, one step at a time per thread --------
     @abstractmethod
     def begin(self, step: int) -> str:
-        """[owner] Open the staging area of ``step``, never visible to readers (replacing a
-        stale one); returns its location."""
+        """[owner] Open ``step``'s staging area, never visible to readers; returns its location."""
 
     @abstractmethod
     def open_shard_write(self, step: int, name: str, nbytes: int, engine: "Engine | None" = None) -> "ShardFile":
@@ -107,8 +106,7 @@ class Tier(ABC):
 
     @abstractmethod
     def put_bytes(self, data: bytes, rel: str) -> None:
-        """[owner] Store ``data`` as ``rel`` as is, durably (commits nothing :meth:`commit`
-        would not)."""
+        """[owner] Store ``data`` as ``rel`` as is, durably."""
 
 
 class RootTier(Tier):
