@@ -30,9 +30,6 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointConfig", "Checkpointer", "IOConfig", "LoadReport", "PeersConfig", "SaveHandle", "SaveRecord",
-           "StagingConfig", "errors", "load", "register_type", "rng_state", "save", "set_rng_state"]
-
 _SOURCES = {
     "CheckpointConfig": ".config", "Checkpointer": ".checkpointer", "IOConfig": ".config",
     "LoadReport": ".restore", "PeersConfig": ".config", "SaveHandle": ".saving.handle",
@@ -40,6 +37,7 @@ _SOURCES = {
     "register_type": ".format.objects", "rng_state": ".rng", "save": ".oneshot", "set_rng_state": ".rng",
 }
 """Where each public name lives (every name of ``__all__`` but the module ``errors``)."""
+__all__ = sorted([*_SOURCES, "errors"])
 
 
 def __getattr__(name: str) -> Any:

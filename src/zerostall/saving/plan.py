@@ -21,13 +21,12 @@ import torch
 
 from ..errors import ConfigError, UnsupportedStateError
 from ..format.bulk import dumps_tree
-from ..format.dtypes import dtype_name
+from ..format.dtypes import SUPPORTED_DTYPES, dtype_name
 from ..format.layout import pack_offsets
 from ..format.frozen import DeferredTree, Frozen, skeleton_json
 from ..format.decode import decode_tree
 from ..format.tree import TensorLeaf, encode_tree
 from ..format.validate import MAX_STEP, NotPlain, plain_copy
-from ..format.dtypes import SUPPORTED_DTYPES
 from ..format.table import TensorEntry, encode_columns
 from ..format import manifest as mf
 from .._fast import DEVICE, DTYPE, KEY, NUMPY, TENSOR, tuples_maker
