@@ -289,9 +289,8 @@ class Publisher(Worker[Any]):
 
 class AdapterSaves:
     """The saving side the adapters share (their training thread): the checkpointers' config
-    (the user's or the environment's, with ``keep_last=1`` and never overwrite: a path saved
-    twice gets a new step, :func:`next_step`), the :class:`StateGuard` and the
-    :class:`Publisher` (started by the first save that needs it)."""
+    (``keep_last=1``, never overwrite: a path saved twice gets a new step, :func:`next_step`),
+    the :class:`StateGuard` and the :class:`Publisher` (started by the first save needing it)."""
 
     def __init__(self, config: CheckpointConfig | None, thread_name: str, **fields: Any) -> None:
         cfg = config if config is not None else CheckpointConfig.from_env()

@@ -77,9 +77,7 @@ def _shard_io(path: str, io_cfg: IOConfig | None, largest: int) -> Iterator[tupl
 
 class Reader(CheckpointId, StorageReader):
     """``FileSystemReader``'s drop-in: ``dcp.load(sd, storage_reader=Reader(path))``.
-
-    ``verify=False`` skips crc32c and padding checks (metadata validation always runs).
-    """
+    ``verify=False`` skips crc32c and padding checks (metadata validation always runs)."""
 
     def __init__(self, path: str | os.PathLike[str], *, io: IOConfig | None = None, verify: bool = True):
         super().__init__()

@@ -152,11 +152,9 @@ def metadata_name(rank: int | None, use_collectives: bool) -> str:
 
 
 class Writer(CheckpointId, StorageWriter):
-    """``FileSystemWriter``'s drop-in: ``dcp.save(sd, storage_writer=Writer(path))``.
-
-    ``overwrite`` as there (default True); ``io`` picks the engine (default: probed). The other
-    arguments are accepted and ignored, except ``sync_files=False``, which is refused.
-    """
+    """``FileSystemWriter``'s drop-in: ``dcp.save(sd, storage_writer=Writer(path))``. ``overwrite``
+    as there (default True); ``io`` picks the engine (default: probed). The other arguments are
+    accepted and ignored, except ``sync_files=False``, which is refused."""
 
     def __init__(self, path: str | os.PathLike[str], *, io: IOConfig | None = None, overwrite: bool = True,
                  sync_files: bool = True, thread_count: int = 1, single_file_per_rank: bool = True,

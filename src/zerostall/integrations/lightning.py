@@ -66,12 +66,10 @@ def _aside(root: str, suffix: str) -> str:
 
 
 class ZerostallCheckpointIO(CheckpointIO):
-    """Lightning ``CheckpointIO`` over zerostall (see the module docstring).
-
-    ``config``/``overrides``: :class:`~zerostall.CheckpointConfig` fields for the Checkpointers;
-    the plugin sets ``keep_last`` and ``dist_mode``, and refuses ``remote``. ``wait_staged``:
-    block in ``save_checkpoint`` until the snapshot is copied.
-    """
+    """Lightning ``CheckpointIO`` over zerostall. ``config``/``overrides``:
+    :class:`~zerostall.CheckpointConfig` fields for the Checkpointers (the plugin sets ``keep_last``
+    and ``dist_mode``, and refuses ``remote``). ``wait_staged``: block in ``save_checkpoint``
+    until the snapshot is copied."""
 
     def __init__(self, config: CheckpointConfig | None = None, *, wait_staged: bool = False,
                  **overrides: Any) -> None:

@@ -141,9 +141,7 @@ class Replicator:
             if self._stopping.is_set():
                 delay = 0.0
                 continue
-            with self._lock:
-                pending = bool(self._pending) or any(not j.status.replicated.is_set() for j in self._jobs.values())
-            if not pending:
+            if not self.pending_steps():
                 delay, idle_passes = None, 0
                 continue
             idle_passes = 0 if progressed else idle_passes + 1
@@ -182,18 +180,13 @@ class Replicator:
         except ZerostallError as exc:
             self._note_error(exc)
             return False
-        self._settle(remote_steps - blocked)
+        self._settle((remote_steps - blocked).__contains__, f"replicated to {self._url()}")
         todo = self.policy.to_replicate(local, sorted(remote_steps))
         with self._lock:
             self._pending = list(todo)
-            # saved this run, but older than anything remote retention keeps: settled, never uploaded
-            moot = [j for s, j in self._jobs.items() if s in local and s not in todo and s not in remote_steps
-                    and s not in blocked and not j.status.replicated.is_set()]
-            for j in moot:
-                del self._jobs[j.step]
-        for j in moot:
-            j.status.mark_replicated(None)
-            log.info("zerostall: step %d not uploaded to %s: remote retention would not keep it", j.step, self._url())
+        # saved this run, but older than anything remote retention keeps: settled, never uploaded
+        self._settle(lambda s: s in local and s not in todo and s not in remote_steps and s not in blocked,
+                     f"not uploaded to {self._url()}: remote retention would not keep it")
         progressed = False
         for s in todo:
             if self._cancel.is_set():
@@ -202,7 +195,7 @@ class Replicator:
                 if self._replicate_step(remote, s):
                     remote_steps.add(s)
                     progressed = True
-                    self._settle({s})
+                    self._settle({s}.__contains__, f"replicated to {self._url()}")
             except RemoteError as exc:
                 self._note_error(exc)
                 return progressed
@@ -261,15 +254,15 @@ class Replicator:
             remote_steps.discard(s)
         return blocked
 
-    def _settle(self, remote_steps: set[int]) -> None:
-        """Handles of steps the remote lists are replicated (manifest there, on every rank)."""
+    def _settle(self, which: Callable[[int], bool], why: str) -> None:
+        """The handles of this run's steps ``which`` selects are done replicating (logged: ``why``)."""
         with self._lock:
-            done = [j for s, j in self._jobs.items() if s in remote_steps and not j.status.replicated.is_set()]
+            done = [j for s, j in self._jobs.items() if which(s) and not j.status.replicated.is_set()]
             for j in done:
                 del self._jobs[j.step]
         for j in done:
             j.status.mark_replicated(None)
-            log.info("zerostall: step %d replicated to %s", j.step, self._url())
+            log.info("zerostall: step %d %s", j.step, why)
 
     def _wait_for(self, cond: Callable[[], bool]) -> bool:
         """Poll ``cond`` for up to ``rank_wait_s`` (other ranks' uploads), unless cancelled."""
