@@ -61,9 +61,8 @@ class ShardFile(ABC):
 
     @abstractmethod
     def write(self, extents: Sequence[Extent], overlap: Callable[[], None] | None = None) -> None:
-        """Write every extent; return when all are in the file (not yet durable). ``overlap``
-        is called once while the requests are in flight (the persist thread checksums the same
-        bytes there); its exception is raised after the writes end."""
+        """Write every extent; return when all are in the file (not yet durable). ``overlap`` is
+        called once while the requests are in flight; its exception is raised after they end."""
 
     @abstractmethod
     def read(self, extents: Sequence[Extent]) -> None:

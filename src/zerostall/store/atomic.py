@@ -194,9 +194,8 @@ class DeferredRemovals:
             self.paths.remove(path)
 
     def take(self, name: str, dest: str) -> bool:
-        """Move the file ``name`` of a pending tree to ``dest`` for the persist thread to write
-        over; only a file no process has open (:func:`unshared`), on a :data:`LOCAL_FS`.
-        Returns whether it moved one."""
+        """Move the file ``name`` of a pending tree to ``dest`` to write over, if no process has it
+        open (:func:`unshared`) on a :data:`LOCAL_FS`; returns whether it moved one."""
         if not self.paths or not self._local:
             return False
         for tree in self.paths:
@@ -268,9 +267,8 @@ def publish_dir(staged: str, final: str, *, overwrite: bool = False, hook: Hook 
 
 
 def recover_dir(final: str, is_valid: Callable[[str], bool], hook: Hook | None = None) -> list[str]:
-    """Finish what an interrupted :func:`publish_dir` left around ``final``: ``final.old`` is
-    restored when ``final`` is missing or invalid and the old copy valid, else removed.
-    Returns one line per action. Owner only."""
+    """Finish an interrupted :func:`publish_dir`: ``final.old`` is restored when ``final`` is
+    invalid and the old copy valid, else removed. Returns one line per action. Owner only."""
     hook = hook or _noop
     parent, name = os.path.split(final)
     done: list[str] = []

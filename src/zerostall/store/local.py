@@ -54,8 +54,7 @@ log = logging.getLogger("zerostall")
 
 
 def _has_manifest(step_dir: str) -> bool:
-    """Whether ``step_dir/manifest.json`` exists in any form, never opened; an entry we cannot
-    examine counts (reported as damaged)."""
+    """Whether ``step_dir/manifest.json`` exists in any form (never opened; unexaminable counts)."""
     try:
         os.lstat(os.path.join(step_dir, MANIFEST_NAME))
         return True

@@ -128,8 +128,7 @@ def set_aside(remote: "RemoteTier", step: int, mine: Callable[[FileEntry], bool]
 
 def others_are_current(remote: "RemoteTier", step: int, manifest: Manifest, rank: int, world_size: int) -> bool:
     """Whether every other rank's data object of ``step`` is the one ``manifest`` names, by its
-    header read back (size alone cannot tell a stale object from the new one). Rank 0 checks
-    before it puts the manifest."""
+    header read back (size alone cannot tell). Rank 0 checks before it puts the manifest."""
     buf = Arena(HEADER_BYTES, mlock=False)
     try:
         for fe in manifest.files:
