@@ -240,6 +240,17 @@ def open_regular(path: str) -> int:
     return fd
 
 
+def read_upto(fd: int, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of ``fd`` from its offset, read in pieces: one read of
+    ``limit + 1`` bytes would reserve that much memory for a file of a few KiB."""
+    chunks: list[bytes] = []
+    got = 0
+    while got <= limit and (b := os.read(fd, min(1 << 20, limit + 1 - got))):
+        chunks.append(b)
+        got += len(b)
+    return b"".join(chunks)
+
+
 def read_small(path: str, limit: int) -> bytes:
     """Read a regular file of at most ``limit`` bytes (manifests, metadata)."""
     fd = open_regular(path)
@@ -247,14 +258,10 @@ def read_small(path: str, limit: int) -> bytes:
         size = os.fstat(fd).st_size
         if size > limit:
             raise bad(path, f"file is {size} bytes, over the {limit} limit")
-        chunks: list[bytes] = []  # by pieces: one read of limit + 1 bytes would reserve that much memory
-        got = 0  # the file may have grown since the fstat
-        while got <= limit and (b := os.read(fd, min(1 << 20, limit + 1 - got))):
-            chunks.append(b)
-            got += len(b)
-        if got > limit:
+        raw = read_upto(fd, limit)  # the file may have grown since the fstat
+        if len(raw) > limit:
             raise bad(path, f"file is over the {limit} limit")
-        return b"".join(chunks)
+        return raw
     finally:
         os.close(fd)
 

@@ -31,6 +31,7 @@ from typing import Callable
 
 from ..errors import CheckpointNotFound, CorruptCheckpoint, RemoteError, ZerostallError
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
+from ..format.validate import read_small
 from .job import Committed
 from ..store.local import LocalTier
 from ..store.files import drop_cache, file_crc32c
@@ -276,8 +277,7 @@ class Replicator:
         """Upload this rank's files of ``step`` (verified); rank 0 then commits it with the
         manifest. True once the remote holds the manifest."""
         d = self.tier.step_dir(step)
-        with open(os.path.join(d, MANIFEST_NAME), "rb") as f:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        raw = read_small(os.path.join(d, MANIFEST_NAME), MAX_MANIFEST_BYTES)
         man = Manifest.from_bytes(raw, where=os.path.join(d, MANIFEST_NAME))
         if man.step != step:
             raise CorruptCheckpoint(f"{d}: manifest says step {man.step}", path=d)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ZerostallError, storage_error
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
+from ..format.validate import read_small
 from .atomic import fsync_dir, recover_dir, rmtree
 from .owner import FETCH_STEP_LOCK_RE, StepLock
 
@@ -115,8 +116,7 @@ def _complete_decided(root: str, part: str, final: str, step: int) -> bool:
     if os.path.lexists(final) or not os.path.isfile(rec) or os.path.islink(rec):
         return False
     try:
-        with open(rec, "rb") as f:
-            man = Manifest.from_bytes(f.read(MAX_MANIFEST_BYTES + 1), where=rec)
+        man = Manifest.from_bytes(read_small(rec, MAX_MANIFEST_BYTES), where=rec)
     except (OSError, ZerostallError) as exc:
         log.warning("zerostall: %s is not a readable decision record (%s); the partial step is removed", rec, exc)
         return False

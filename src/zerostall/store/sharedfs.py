@@ -18,7 +18,7 @@ import crc32c as _crc
 from ..config import ALIGN_BYTES, IOConfig
 from ..errors import CheckpointNotFound, CorruptCheckpoint, RemoteError, RootNotFound, ZerostallError
 from ..format.manifest import MANIFEST_NAME
-from ..format.validate import open_regular, parse_step_dir
+from ..format.validate import open_regular, parse_step_dir, read_upto
 from .files import drop_cache, file_crc32c
 from .remote import RemoteTier, ShardIO, step_of
 from ..io import choose_engine
@@ -165,10 +165,11 @@ class FileTier(RemoteTier):
         except FileNotFoundError:
             raise CheckpointNotFound(f"{self.where(rel)} does not exist") from None
         try:
-            with os.fdopen(fd, "rb") as f:
-                return f.read(limit + 1)
+            return read_upto(fd, limit)
         except OSError as exc:
             raise self._err("reading", rel, exc) from exc
+        finally:
+            os.close(fd)
 
     def stat(self, rel: str) -> int | None:
         try:
