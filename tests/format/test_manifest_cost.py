@@ -98,35 +98,11 @@ def test_entries_from_plan_items_encode_like_tensor_entries():
 
 _READ_UNDER_LIMIT = r"""
 import resource, sys
-from zerostall.format.manifest import MAX_MANIFEST_BYTES
-from zerostall.store.local import LocalTier
-vm = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize:")).split()[1]) << 10
-resource.setrlimit(resource.RLIMIT_AS, (vm + (64 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
-assert MAX_MANIFEST_BYTES > 64 << 20  # the limit is far above what the read may reserve
-man = LocalTier(sys.argv[1]).read_manifest(1)
-print("read", man.step, len(man.tensors))
-"""
-
-
-def test_a_manifest_is_read_without_reserving_memory_for_its_size_limit(tmp_path):
-    # a small manifest costs a small read: under an address-space limit (ulimit -v, strict
-    # overcommit) reading it must not reserve MAX_MANIFEST_BYTES
-    import subprocess
-    import sys
-    with zerostall.Checkpointer(tmp_path / "ck") as ck:
-        ck.save(1, {"a": torch.ones(3)}).result()
-    out = subprocess.run([sys.executable, "-c", _READ_UNDER_LIMIT, str(tmp_path / "ck")], capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0 and "read 1 1" in out.stdout, out.stderr[-2000:]
-
-
-
-_READ_REMOTE_UNDER_LIMIT = r"""
-import resource, sys
 import torch  # imported before the limit: only the read runs under it
 from zerostall.format.manifest import MAX_MANIFEST_BYTES
 from zerostall.store import open_tier
-tier = open_tier("file://" + sys.argv[1])
+from zerostall.store.local import LocalTier
+tier = LocalTier(sys.argv[1]) if sys.argv[2] == "local" else open_tier("file://" + sys.argv[1])
 vm = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize:")).split()[1]) << 10
 resource.setrlimit(resource.RLIMIT_AS, (vm + (64 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
 assert MAX_MANIFEST_BYTES > 64 << 20  # the limit is far above what the read may reserve
@@ -135,12 +111,23 @@ print("read", man.step, len(man.tensors))
 """
 
 
-def test_a_shared_filesystem_tier_reads_a_manifest_without_reserving_its_size_limit(tmp_path):
-    # the shared-FS tier's reads (manifests, decision records) are as small as the file
+def _read_under_limit(tmp_path, tier):
     import subprocess
     import sys
     with zerostall.Checkpointer(tmp_path / "ck") as ck:
         ck.save(1, {"a": torch.ones(3)}).result()
-    out = subprocess.run([sys.executable, "-c", _READ_REMOTE_UNDER_LIMIT, str(tmp_path / "ck")], capture_output=True,
-                         text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", _READ_UNDER_LIMIT, str(tmp_path / "ck"), tier], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_a_manifest_is_read_without_reserving_memory_for_its_size_limit(tmp_path):
+    # a small manifest costs a small read: under an address-space limit (ulimit -v, strict
+    # overcommit) reading it must not reserve MAX_MANIFEST_BYTES
+    out = _read_under_limit(tmp_path, "local")
+    assert out.returncode == 0 and "read 1 1" in out.stdout, out.stderr[-2000:]
+
+
+def test_a_shared_filesystem_tier_reads_a_manifest_without_reserving_its_size_limit(tmp_path):
+    # the shared-FS tier's reads (manifests, decision records) are as small as the file
+    out = _read_under_limit(tmp_path, "file")
     assert out.returncode == 0 and "read 1 1" in out.stdout, out.stderr[-2000:]
