@@ -50,7 +50,6 @@ def test_many_tensors_scenario_json(bench_json):
 # ``zerostall bench --scenario every-step`` at a toy size: every mode runs, the skip mode
 # reports the interval it reached, the CPU phase sits beside the one-pass limit, and every
 # file it wrote is removed. No timing thresholds (the host is shared).
-
 def test_every_step_scenario_json(tmp_path):
     out = tmp_path / "es.json"
     a = argparse.Namespace(size_gib=0.01, seconds=0.15, every=3, repeat=1, dir=str(tmp_path / "work"),
@@ -85,7 +84,6 @@ def test_every_step_scenario_json(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # ``zerostall bench --scenario frozen-base`` at a small size: the document's structure, the
 # bytes (deterministic) and the bit-exact flags. No timing thresholds (the host is shared).
-
 def test_frozen_base_json(bench_json):
     doc = bench_json("frozen.json", "--scenario", "frozen-base", "--size-gib", "0.01", "--repeat", "2")
     assert doc["scenario"] == "frozen-base" and doc["repeat"] == 2
@@ -118,7 +116,6 @@ def test_frozen_base_unknown_method(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # ``zerostall bench --scenario objects`` at a small size: each state's row, verified, with the
 # ratios to torch.save and json.dumps. No timing thresholds (the host is shared).
-
 def test_objects_scenario_json(bench_json, tmp_path):
     doc = bench_json("objects.json", "--scenario", "objects", "--config-mib", "0.25", "--log-entries", "300",
                      "--repeat", "2")
