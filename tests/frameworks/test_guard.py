@@ -4,6 +4,7 @@ A save is held "not yet staged" by a job whose ``staged`` event the test control
 ``Checkpointer._inflight``, its ``status.staged``), so the order of events is checked without timing.
 """
 
+import os
 import threading
 import types
 
@@ -11,8 +12,10 @@ import pytest
 import torch
 
 import zerostall
-from tests.helpers import clone, equal
+from zerostall.integrations._common import is_committed
 from zerostall.saving.job import SaveStatus
+
+from tests.helpers import clone, equal
 
 
 def _pending(ck):
@@ -131,3 +134,20 @@ def test_state_guard_holds_only_the_forward_of_modules_whose_buffers_are_copied(
         finally:
             ck._inflight.remove(job)
             guard.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# ``is_committed``: what the integrations take for a resumable checkpoint directory.
+
+def test_a_partial_with_its_manifest_written_is_not_committed(tmp_path):
+    # SIGKILL between the manifest write and the rename leaves exactly this on disk
+    part = tmp_path / "checkpoint-8" / "step-8.partial"
+    os.makedirs(part)
+    (part / "manifest.json").write_bytes(b"{}")
+    assert not is_committed(tmp_path / "checkpoint-8")
+    assert not is_committed(tmp_path / "missing")
+
+
+def test_a_committed_step_is_committed(tmp_path):
+    zerostall.save(tmp_path / "checkpoint-4", {"w": torch.arange(4.0)}, 4)
+    assert is_committed(tmp_path / "checkpoint-4")
