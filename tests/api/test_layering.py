@@ -41,7 +41,7 @@ LAZY: dict[tuple[str, str], str] = {
         "peer replicas (sockets, threads, their module tree) load only with replicas > 1",
     ("zerostall.cli.app", "zerostall.cli.verify"):
         "the restore walk (torch): only the commands that read tensors' bytes need it; --help, plan, ls, "
-        "inspect and doctor start without torch (tests/cli/test_cli_startup.py)",
+        "inspect and doctor start without torch (tests/cli/test_cli_output.py)",
     ("zerostall.cli.app", "zerostall.restore"): "torch: only export needs it (as cli.verify)",
     ("zerostall.cli.app", "zerostall.restore.download"): "torch: only restore needs it (as cli.verify)",
     ("zerostall.cli.app", "zerostall.integrations.export"): "torch: only export needs it (as cli.verify)",

@@ -3,7 +3,7 @@
 ```python blocks are executed in one namespace in a temporary directory. In ```bash blocks each
 command line is checked by what it is: ``pip install`` names this project and extras its
 pyproject declares; ``make T`` names a target of the Makefile (make demo and make test are the
-demo and the suite themselves: tests/cli/test_demo.py and CI run them); ``zerostall ...`` runs
+demo and the suite themselves: tests/cli/test_cli_output.py and CI run them); ``zerostall ...`` runs
 in-process against the checkpoint the Python blocks wrote, except the commands that need what
 CI lacks or minutes of their own (a remote server, kernel tracing, the demo, the bench), which
 must parse. A line of any other kind fails the test: the README gains no command no test runs.

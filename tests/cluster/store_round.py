@@ -26,7 +26,7 @@ The 512-rank run (not in CI; a few minutes on a small machine; root)::
 
     PYTHONPATH=$PWD/src python -m tests.cluster.store_round --nodes 16 --ranks 32 --json out.json
 
-CI runs 4 nodes x 16 ranks (``tests/cluster/test_store_round.py``).
+CI runs 4 nodes x 16 ranks (``tests/cluster/test_cluster.py``).
 """
 
 from __future__ import annotations

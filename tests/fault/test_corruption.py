@@ -1,14 +1,25 @@
 """A flipped byte anywhere is detected; verify exits non-zero; load falls back."""
 
+import json
 import os
+import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 import zerostall
-from zerostall.cli import main as cli
-from zerostall.store.local import LocalTier
 from tests.helpers import flip_byte
+from zerostall import LoadReport
+from zerostall.cli import main as cli
+from zerostall.cli.app import main
+from zerostall.format.manifest import MANIFEST_NAME
+from zerostall.restore import FETCH_LOCK_NAME
+from zerostall.store.local import LocalTier
+from zerostall.store.sharedfs import FileTier
+from zerostall.store.tier import open_tier
 
 
 def _two_steps(ckdir):
@@ -114,3 +125,131 @@ def test_single_bit_flips_across_the_whole_shard(ckdir):
             f.seek(pos)
             f.write(orig[pos:pos + 1])
     assert cli(["verify", ckdir]) == 0
+
+
+# ---- concurrent_restore: Processes restoring from the remote into one local directory at once (the ranks of a node
+# calling ``load(node_dir, remote=...)``) all load the newest step.
+#
+# Each used to remove the others' ``step-N.partial`` and swap their commits away, so some
+# raised CorruptCheckpoint ("no checkpoint verifies") or silently loaded an older step. The
+# seam: the remote's first download, once done, starts a second restore (another process) into the same
+# directory and waits until it has finished or is waiting for the first one (a blocked
+# ``flock`` shows in /proc/locks).
+
+
+SECOND = """
+import sys, zerostall
+from zerostall import LoadReport
+r = LoadReport()
+got = zerostall.load(sys.argv[1], remote=sys.argv[2], report=r)
+print(r.step, float(got["a"][0]), len(r.failed))
+"""
+
+
+def _waiting_on(path):
+    """True if some process waits for a flock on ``path`` (a '->' line in /proc/locks)."""
+    try:
+        ino = os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+    with open("/proc/locks") as f:
+        return any("->" in line and line.split()[-3].endswith(f":{ino}") for line in f)
+
+
+class _StartsASecondRestore:
+    def __init__(self, inner, root, url):
+        self.inner, self.root, self.url, self.second = inner, root, url, None
+
+    def download(self, rel, local_path, size):
+        self.inner.download(rel, local_path, size)
+        if self.second is None:  # downloaded, not yet committed
+            self.second = subprocess.Popen([sys.executable, "-c", SECOND, self.root, self.url],
+                                           stdout=subprocess.PIPE, text=True)
+            deadline = time.monotonic() + 120  # only a bound against hanging: either outcome ends it sooner
+            while self.second.poll() is None and not _waiting_on(os.path.join(self.root, FETCH_LOCK_NAME)):
+                assert time.monotonic() < deadline, "the second restore neither finished nor waited"
+                time.sleep(0.05)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_restoring_into_one_directory(tmp_path):
+    url = f"file://{tmp_path / 'remote'}"
+    with zerostall.Checkpointer(str(tmp_path / "writer"), remote=url) as ck:
+        ck.save(1, {"a": torch.full((1 << 16,), 1.0)})
+        ck.save(2, {"a": torch.full((1 << 16,), 2.0)})
+    root = str(tmp_path / "node")
+    remote = _StartsASecondRestore(open_tier(url), root, url)
+    report = LoadReport()
+    got = zerostall.load(root, remote=remote, report=report)
+    out, _ = remote.second.communicate(timeout=120)
+    assert remote.second.returncode == 0
+    assert (report.step, report.failed) == (2, [])
+    assert torch.equal(got["a"], torch.full((1 << 16,), 2.0))
+    assert out.split() == ["2", "2.0", "0"]
+
+
+# ---- damaged_manifest_listing: A step whose manifest.json is not a regular file (FIFO, directory, symlink, dangling
+# symlink) or whose step directory is a symlink is listed as damaged by ``ls`` and makes
+# ``verify`` exit 1 naming the file, on the local tier and on a shared-filesystem tier; nothing
+# hangs on a FIFO. The old listing skipped such steps, so ``verify`` printed OK.
+
+
+def _fifo(p):
+    os.mkfifo(p)
+
+
+def _dir(p):
+    os.mkdir(p)
+
+
+def _symlink(p):
+    shutil.copy(p + ".orig", p + ".elsewhere")
+    os.symlink(p + ".elsewhere", p)
+
+
+def _dangling(p):
+    os.symlink(p + ".nowhere", p)
+
+
+DAMAGE = {"fifo": _fifo, "dir": _dir, "symlink": _symlink, "dangling": _dangling}
+
+
+def _root(tmp_path):
+    d = str(tmp_path / "ck")
+    for s in (1, 2):
+        zerostall.save(d, {"w": torch.full((64,), float(s))}, step=s)
+    return d
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", sorted(DAMAGE) + ["step_dir_symlink"])
+@pytest.mark.parametrize("where", ["local", "file"])
+def test_damaged_manifest_is_listed_and_fails_verify(tmp_path, capsys, kind, where):
+    d = _root(tmp_path)
+    man = os.path.join(d, "step-2", MANIFEST_NAME)
+    if kind == "step_dir_symlink":  # a whole step directory that lives elsewhere
+        os.rename(os.path.join(d, "step-2"), str(tmp_path / "outside"))
+        os.symlink(str(tmp_path / "outside"), os.path.join(d, "step-2"))
+    else:
+        os.rename(man, man + ".orig")
+        DAMAGE[kind](man)
+    arg = d if where == "local" else f"file://{d}"
+
+    assert main(["verify", arg]) == 1
+    out, err = capsys.readouterr()
+    assert "step 1: OK" in out
+    assert "step 2: FAILED" in err and "step-2" in err, err
+
+    assert main(["ls", "--json", arg]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
+    assert sorted(rows) == [1, 2]
+    assert rows[1]["state"] == "committed"
+    assert rows[2]["state"].startswith("invalid manifest") and "step-2" in rows[2]["state"]
+
+    tier = LocalTier(d) if where == "local" else FileTier(arg)
+    assert tier.listed_steps() == [1, 2]
+    assert tier.steps() == [1]  # never counted as committed (retention, load)
+    assert zerostall.load(d)["w"][0].item() == 1.0  # load falls back to step 1

@@ -10,6 +10,9 @@ import torch
 
 import zerostall
 from zerostall.errors import SaveFailed, StorageError
+from zerostall.io import register_engine
+
+from ..engines import FaultyEngine
 
 
 def test_enospc_on_small_filesystem(small_fs):
@@ -55,3 +58,26 @@ with zerostall.Checkpointer({root!r}, raise_on_background_error=False) as ck:
     assert out.returncode == 0, out.stderr
     assert f"StorageError {errno.EFBIG}" in out.stdout and "rank-00000.shard" in out.stdout
     assert "steps [1]" in out.stdout
+
+
+# ---- io_errors: EIO injected at the engine seam: the checkpoint fails, fsync is never retried, nothing committed.
+
+
+@pytest.mark.parametrize("where", ["write", "fdatasync"])
+def test_eio(ckdir, where):
+    box = {}
+    register_engine("eio", lambda cfg: box.setdefault("e", FaultyEngine(cfg)))
+    with zerostall.Checkpointer(ckdir, io=zerostall.IOConfig(engine="eio"), raise_on_background_error=False) as ck:
+        ck.save(1, {"x": torch.ones(1 << 18)}).result()
+        syncs = box["e"].syncs
+        if where == "write":
+            box["e"].fail_write = errno.EIO
+        else:
+            box["e"].fail_sync = errno.EIO
+        exc = ck.save(2, {"x": torch.zeros(1 << 18)}).exception()
+        assert isinstance(exc, StorageError) and exc.errno == errno.EIO
+        assert ("fdatasync" in str(exc)) == (where == "fdatasync")
+        assert box["e"].syncs == syncs + (1 if where == "fdatasync" else 0)  # one attempt, no retry
+    assert ck.steps() == [1]
+    assert not any(n.endswith(".partial") for n in os.listdir(ckdir))
+    assert zerostall.load(ckdir)["x"].sum().item() == 1 << 18

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import zerostall
+from zerostall import LoadReport
 
 
 @pytest.mark.timeout(180)
@@ -51,3 +52,36 @@ def test_stale_remote_step_that_others_borrow_from_is_kept(tmp_path):
     assert torch.equal(got["frozen"], frozen) and torch.equal(got["head"], torch.full((100,), 2.0))
     kept = zerostall.load(str(tmp_path / "run2"), step=1)  # the new step 1 is kept locally
     assert torch.equal(kept["head"], torch.full((100,), 10.0))
+
+
+# ---- remote_fetch_keeps_local: A failed download of a step from the remote tier never removes the local copy of that step.
+#
+# ``load(path, remote=...)`` tries each step's local copy, then its remote copy. When the remote
+# copy cannot even be fetched (here: its shard is truncated on a ``file://`` tier), nothing was
+# downloaded, so the local ``step-N`` (damaged or not: the evidence, and possibly mostly good
+# bytes) must stay where it was.
+
+
+@pytest.mark.timeout(120)
+def test_failed_remote_fetch_keeps_the_local_step(tmp_path):
+    local, rem = str(tmp_path / "local"), str(tmp_path / "remote")
+    url = f"file://{rem}"
+    with zerostall.Checkpointer(local, remote=url) as ck:
+        ck.save(1, {"a": torch.arange(1000.)})
+        ck.save(2, {"a": torch.arange(1000.) * 2})
+    assert os.path.exists(os.path.join(rem, "step-2", "manifest.json"))
+    shard = os.path.join(local, "step-2", "rank-00000.shard")
+    with open(shard, "r+b") as f:  # one bit of tensor data flipped in the local copy
+        f.seek(4096 + 8)
+        b = f.read(1)
+        f.seek(4096 + 8)
+        f.write(bytes([b[0] ^ 1]))
+    before = sorted(os.listdir(os.path.join(local, "step-2")))
+    os.truncate(os.path.join(rem, "step-2", "rank-00000.shard"), 100)  # the remote copy cannot be fetched
+
+    report = LoadReport()
+    got = zerostall.load(local, remote=url, report=report)
+    assert report.step == 1 and got["a"][1].item() == 1.0
+    assert len(report.failed) == 2  # step 2 local, then step 2 remote
+    assert "100 bytes, the manifest says" in report.failed[1]  # named, not a raw I/O error
+    assert sorted(os.listdir(os.path.join(local, "step-2"))) == before

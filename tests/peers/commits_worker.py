@@ -1,4 +1,4 @@
-"""One rank = one simulated node of test_commits.py (copies tied to their commit).
+"""One rank = one simulated node of test_peers.py (copies tied to their commit).
 
 argv: scenario base out; env as peers_worker.py. Node ``n<i>``'s root is ``base/n<i>``.
 overwrite: steps 1 and 2 saved and protected; the holder of n0's step 2 sets its copy aside;

@@ -1,4 +1,4 @@
-"""One rank = one simulated node of test_fallback.py (peer restore falling back together).
+"""One rank = one simulated node of test_peers.py (peer restore falling back together).
 
 argv: scenario base out. Env: ZEROSTALL_NODE, ZS_STEPS (save), ZS_GO (save: a file the rank
 waits for before it closes, so the test can probe the live job), ZS_PT (peers.timeout_s),

@@ -1,6 +1,6 @@
 """What every rank of the tests/peers multi-process jobs does, for the ``*_worker.py`` scripts.
 
-A test starts one process per simulated node (``test_peers._spawn``, ``test_fallback._spawn``)
+A test starts one process per simulated node (``test_peers._spawn``, ``test_peers._fb_spawn``)
 with ``argv = scenario base out`` and the env of a torchrun rank plus ``ZEROSTALL_NODE``; the
 worker script runs in that process's main thread: :func:`start` joins the gloo group, a
 Checkpointer is built (:func:`checkpointer`, :func:`env_checkpointer`), steps are saved and

@@ -9,7 +9,8 @@ import torch
 import zerostall
 from zerostall.errors import ZerostallError
 from zerostall.io import register_engine
-from zerostall.saving.job import Job, SaveRequest, SaveStatus, Slot, Source
+from zerostall.saving.job import Committed, Job, SaveRequest, SaveStatus, Slot, Source
+from zerostall.store import open_root
 from zerostall.store.local import LocalTier
 
 from ..engines import FaultyEngine
@@ -278,3 +279,74 @@ def test_close_from_another_thread_during_save_never_strands_the_save(ckdir):
         assert 1 in again.steps()
     if h is not None and h.exception() is None:  # it committed: before close() released the root
         assert zerostall.load(ckdir)["w"].sum() == 0
+
+
+# ---- subscribers: Post-commit stages subscribe to Committed records (the seam peer replicas use next).
+
+
+class Recorder:
+    name = "recorder"
+
+    def __init__(self, fail_on=None):
+        self.seen, self.fail_on = [], fail_on
+
+    def on_committed(self, record):
+        self.seen.append(record)
+        if record.step == self.fail_on:
+            raise RuntimeError("the peer is gone")
+
+
+def test_subscribers_get_each_commit_in_order_and_a_failing_one_never_fails_the_save(ckdir):
+    state = {"w": torch.randn(10_000)}
+    first, second = Recorder(fail_on=2), Recorder()
+    with zerostall.Checkpointer(ckdir, keep_last=2) as ck:
+        ck.subscribe(first)
+        ck.subscribe(second)
+        handles = [ck.save(s, state) for s in (1, 2, 3)]
+        recs = [h.result(timeout=60) for h in handles]
+    for sub in (first, second):
+        assert [r.step for r in sub.seen] == [1, 2, 3]  # every commit, in commit order
+        assert all(isinstance(r, Committed) and r.status.durable.is_set() for r in sub.seen)
+    assert open_root(ckdir).read_manifest(3).checkpoint_id == first.seen[2].checkpoint_id  # the step committed
+    assert recs[1].ok and any("recorder after step 2 failed: the peer is gone" in e
+                              for e in recs[1].post_commit_errors)
+    assert recs[0].post_commit_errors == () and recs[2].post_commit_errors == ()
+    assert zerostall.load(ckdir, step=2)["w"].equal(state["w"])  # committed all the same
+
+
+# ---- subscriber_exits: A post-commit subscriber that raises a BaseException (``sys.exit()`` in a hook) must not
+# turn a committed, durable step into a failed save.
+#
+# Found by adv2: the persist thread's subscriber loop caught ``Exception`` only; a
+# ``SystemExit`` reached the save's failure path after the commit point: the handle raised
+# SaveFailed for a step that was committed, the log said "nothing committed", the next
+# ``save()`` raised it again as a background failure, and the subscribers after it (retention,
+# replication) never saw the step.
+
+
+class Exits:
+    name = "exits"
+
+    def on_committed(self, record):
+        raise SystemExit(3)
+
+
+class subexit_Recorder:
+    def __init__(self):
+        self.steps = []
+
+    def on_committed(self, record):
+        self.steps.append(record.step)
+
+
+def test_subscriber_raising_systemexit_leaves_the_save_durable(ckdir):
+    state = {"w": torch.randn(1000)}
+    after = subexit_Recorder()
+    with zerostall.Checkpointer(ckdir) as ck:
+        ck.subscribe(Exits())
+        ck.subscribe(after)
+        rec = ck.save(1, state).result(timeout=60)  # was SaveFailed
+        assert rec.ok and any("exits after step 1 failed" in e for e in rec.post_commit_errors)
+        ck.save(2, state).result(timeout=60)  # was SaveFailed: "an earlier background save (step 1) failed"
+    assert after.steps == [1, 2]
+    assert zerostall.load(ckdir, step=1)["w"].equal(state["w"])
