@@ -1,11 +1,12 @@
 """Thin wrappers for the Linux calls Python's ``os`` lacks or emulates: ``fallocate(2)`` (never
 ``os.posix_fallocate``: glibc may emulate it by writing zeros), ``sync_file_range(2)``,
-``statx(2)`` for STATX_DIOALIGN, the idle I/O class of a background thread.
+``statx(2)`` for STATX_DIOALIGN, the idle I/O class of a background thread, liburing's C library.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import logging
 import os
 import struct
@@ -69,3 +70,17 @@ def set_idle_io_priority() -> bool:
     except Exception as exc:  # noqa: BLE001 - best effort: non-Linux, seccomp, old psutil
         log.debug("zerostall: cannot set idle I/O priority for the replicator: %s", exc)
         return False
+
+
+def liburing() -> ctypes.CDLL:
+    """liburing's C library as the PyPI ``liburing`` package ships it. Its Python binding is never
+    imported: each of its calls holds the GIL, and its builds can use CPU instructions a host lacks
+    (AVX-512: SIGILL). ImportError saying why where it cannot be loaded."""
+    spec = importlib.util.find_spec("liburing")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the liburing package is not installed")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "liburing.so")
+    try:
+        return ctypes.CDLL(path)
+    except OSError as exc:
+        raise ImportError(f"cannot load {path}: {exc}") from None

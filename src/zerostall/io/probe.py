@@ -1,13 +1,14 @@
 """Probe a checkpoint directory and pick the engine (``engine="auto"``).
 
 Checks filesystem type, an O_DIRECT write of one block, ``statx`` STATX_DIOALIGN, and
-io_uring availability (sysctl, the ``liburing`` package, a ring actually set up). The verdict
+io_uring availability (sysctl, liburing's C library, a ring actually set up). The verdict
 is logged once per directory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import mmap
 import os
@@ -66,15 +67,15 @@ def io_uring_status() -> tuple[bool, str]:
     if disabled == 2:
         return False, "kernel.io_uring_disabled=2"
     try:
-        import liburing as L
-    except ImportError:
-        return False, "the liburing package is not installed (pip install 'zerostall[uring]')"
-    ring = L.Ring()
-    try:
-        L.io_uring_queue_init(2, ring)
-    except OSError as exc:
-        return False, f"io_uring_setup failed: {os.strerror(exc.errno or 0)} (seccomp or sysctl)"
-    L.io_uring_queue_exit(ring)
+        lib = _sys.liburing()
+        init, done = lib.io_uring_queue_init, lib.io_uring_queue_exit
+    except (ImportError, AttributeError) as exc:
+        return False, f"{exc} (pip install 'zerostall[uring]')"
+    ring = ctypes.create_string_buffer(4096)  # room for liburing's struct io_uring
+    rc = init(2, ring, 0)
+    if rc < 0:
+        return False, f"io_uring_setup failed: {os.strerror(-rc)} (seccomp or sysctl)"
+    done(ring)
     return True, "available" + (" (restricted to a group: kernel.io_uring_disabled=1)" if disabled == 1 else "")
 
 

@@ -1,24 +1,12 @@
-"""``uring`` engine: io_uring on an O_DIRECT fd, through the PyPI ``liburing`` package.
+"""``uring`` engine: io_uring on an O_DIRECT fd, liburing's C functions called through ctypes.
 
-One ring per open file (a restore in the caller's thread never shares one with the persist
-thread), ``queue_depth`` requests of ``chunk_bytes`` in flight; every completion's byte count
-is checked and short transfers are resubmitted for the rest.
-
-Every call of the binding holds the GIL, and ``io_uring_submit`` can sleep there
-(docs/speed-tricks.md). So where the binding's shared library exports liburing's C functions,
-the ring is driven through ctypes (:class:`_CRing`, GIL released), with the persist thread's
-staging arena registered as fixed buffers. Otherwise, and for read-only buffers, the binding
-is used, around its quirks:
-
-* ``io_uring_prep_write`` takes only ``bytes``: ``io_uring_prep_writev`` with an ``Iovec``;
-* an ``Iovec`` collected before its completion writes 0 bytes: each stays in ``inflight``
-  until reaped;
-* an ``Iovec`` never releases the buffers it was built from (so an arena could never be
-  unmapped): it is built over a ctypes array at the buffer's *address*, pinning nothing, and
-  cached per engine by (address, length) (:meth:`UringEngine.iovec`);
-* a negative ``res`` is raised as ``OSError`` (``user_data`` is still readable; we advance);
-* ``io_uring_wait_cqe`` blocks holding the GIL: an eventfd registered with the ring is waited
-  on with ``os.eventfd_read`` (GIL released) and ``io_uring_peek_cqe`` reaps.
+liburing is the shared library of the PyPI ``liburing`` package (:func:`._sys.liburing`; its
+Python binding is never imported). ctypes releases the GIL in each call, so ``io_uring_submit``
+and the completion wait never sleep holding it (docs/speed-tricks.md). One ring per open file
+(a restore in the caller's thread never shares one with the persist thread), or the persist
+thread's long-lived ring with its staging arena registered as fixed buffers; ``queue_depth``
+requests of ``chunk_bytes`` in flight; every completion's byte count is checked and short
+transfers are resubmitted for the rest.
 """
 
 from __future__ import annotations
@@ -30,10 +18,11 @@ import os
 import threading
 from typing import Callable, Sequence
 
-import liburing as L
+import numpy as np
 
 from ..config import IOConfig
 from ..errors import StorageError, storage_error
+from . import _sys
 from .base import Engine, Extent, ShardFile, split_extents
 
 log = logging.getLogger("zerostall")
@@ -77,13 +66,10 @@ class _Cqe(ctypes.Structure):
     _fields_ = [("user_data", ctypes.c_uint64), ("res", ctypes.c_int32), ("flags", ctypes.c_uint32)]
 
 
-try:  # liburing's C API from the binding's own shared library (None: not exported)
-    _C: ctypes.CDLL | None = ctypes.CDLL(os.path.join(os.path.dirname(L.__file__), "liburing.so"))
-except OSError:
-    _C = None
-if _C is not None and not _prototype(_C, _C_SIG):
-    _C = None
-_HAS_FIXED = _C is not None and _prototype(_C, _FIXED_SIG)
+_C = _sys.liburing()
+if not _prototype(_C, _C_SIG):
+    raise ImportError(f"{_C._name} does not export liburing's C functions")
+_HAS_FIXED = _prototype(_C, _FIXED_SIG)
 _RING_STRUCT_BYTES = 4096
 """Room for liburing's ``struct io_uring`` (216 bytes in liburing 2.x)."""
 
@@ -93,7 +79,6 @@ class _CRing:
     used by one thread at a time, like the file that owns it."""
 
     def __init__(self, depth: int):
-        assert _C is not None
         self.mem = ctypes.create_string_buffer(_RING_STRUCT_BYTES)
         self.ptr = ctypes.addressof(self.mem)
         rc = _C.io_uring_queue_init(depth, self.ptr, 0)
@@ -175,75 +160,33 @@ class _UringFile(ShardFile):
         super().__init__(engine, path, fd, writable)
         self.depth = engine.cfg.queue_depth
         self.cring: _CRing | None = engine.pinned_ring() if writable else None  # long-lived: not this file's
-        self.own_cring = False
-        self.ring = L.Ring()
-        try:
-            if self.cring is None and _C is not None and engine.use_c:
-                self.cring, self.own_cring = _CRing(max(2, self.depth)), True
-            L.io_uring_queue_init(max(2, self.depth), self.ring)
-        except OSError as exc:
-            raise storage_error("io_uring setup for", path, exc,
-                                "io_uring may be disabled; use engine='threads'") from exc
-        self.cqe = L.Cqe()
-        self.efd = os.eventfd(0, os.EFD_CLOEXEC)
-        L.io_uring_register_eventfd(self.ring, self.efd)
-
-    def _reap(self) -> tuple[int, int | None, OSError | None]:
-        """Next completion (user_data, res, error) without holding the GIL while waiting."""
-        while True:
+        self.own_cring = self.cring is None
+        if self.own_cring:
             try:
-                L.io_uring_peek_cqe(self.ring, self.cqe)
-            except BlockingIOError:
-                os.eventfd_read(self.efd)  # blocks with the GIL released
-                continue
-            except OSError as exc:  # the completion carries a negative res
-                uid = self.cqe[0].user_data
-                L.io_uring_cq_advance(self.ring, 1)
-                return uid, None, exc
-            entry = self.cqe[0]
-            uid, res = entry.user_data, entry.res
-            L.io_uring_cqe_seen(self.ring, entry)
-            return uid, res, None
+                self.cring = _CRing(max(2, self.depth))
+            except OSError as exc:
+                raise storage_error("io_uring setup for", path, exc,
+                                    "io_uring may be disabled; use engine='threads'") from exc
 
     def _run(self, extents: Sequence[Extent], write: bool, overlap: Callable[[], None] | None = None) -> None:
-        """Every extent transferred, through the ctypes ring unless a buffer is read-only."""
-        chunks = split_extents(extents, self.engine.cfg.chunk_bytes)
+        """Every extent transferred through the ring."""
         cring = self.cring
-        if cring is not None:
-            addrs = [_address(mv) if len(mv) else 0 for _, mv in chunks]
-            if None not in addrs:
-                pending = [(off, mv, addr) for (off, mv), addr in zip(chunks, addrs)]
+        chunks = [(off, mv, _address(mv)) for off, mv in split_extents(extents, self.engine.cfg.chunk_bytes)]
 
-                def queue_c(off: int, mv: memoryview, addr: int, uid: int) -> object:
-                    return addr if cring.queue(write, self.fd, addr, len(mv), off, uid) else None
+        def queue(off: int, mv: memoryview, addr: int, uid: int) -> object:
+            return addr if cring.queue(write, self.fd, addr, len(mv), off, uid) else None
 
-                def reap_c() -> tuple[int, int, OSError | None]:
-                    uid, res = cring.reap()
-                    return uid, res, OSError(-res, os.strerror(-res)) if res < 0 else None
+        def reap() -> tuple[int, int, OSError | None]:
+            uid, res = cring.reap()
+            return uid, res, OSError(-res, os.strerror(-res)) if res < 0 else None
 
-                self._drive(pending, write, queue_c, cring.submit, reap_c, overlap)
-                return
-
-        def queue_binding(off: int, mv: memoryview, _: int, uid: int) -> object:
-            sqe = L.io_uring_get_sqe(self.ring)
-            if sqe is None:
-                return None
-            iov = self.engine.iovec(mv)  # referenced by inflight until reaped (see module doc)
-            if write:
-                L.io_uring_prep_writev(sqe, self.fd, iov, off)
-            else:
-                L.io_uring_prep_readv(sqe, self.fd, iov, off)
-            L.io_uring_sqe_set_data64(sqe, uid)
-            return iov
-
-        self._drive([(off, mv, 0) for off, mv in chunks], write, queue_binding, lambda: L.io_uring_submit(self.ring),
-                    self._reap, overlap)
+        self._drive(chunks, write, queue, cring.submit, reap, overlap)
 
     def _drive(self, chunks: list[tuple[int, memoryview, int]], write: bool,
                queue: Callable[[int, memoryview, int, int], object], submit: Callable[[], object],
                reap: Callable[[], tuple[int, int | None, OSError | None]],
                overlap: Callable[[], None] | None) -> None:
-        """The submission loop of both ring paths: ``depth`` requests in flight, ``overlap`` run
+        """The submission loop: ``depth`` requests in flight, ``overlap`` run
         once submitted, short transfers resubmitted, the first error raised once drained.
         ``queue(off, mv, addr, uid)`` returns what must stay referenced until the completion
         (None: the submission queue is full); ``reap()`` returns (uid, res, error)."""
@@ -301,22 +244,17 @@ class _UringFile(ShardFile):
         self._run(extents, False)
 
     def close(self) -> None:
-        if not self._closed:
-            if self.cring is not None and self.own_cring:
-                self.cring.close()
-            L.io_uring_queue_exit(self.ring)
-            os.close(self.efd)
+        if not self._closed and self.own_cring:
+            self.cring.close()
         super().close()
 
 
-_IOVEC_CACHE_MAX = 4096
-"""Iovecs kept per engine; on overflow the cache is dropped (leaking ~200 bytes per entry)."""
-
-
-def _address(mv: memoryview) -> int | None:
-    """The address of a writable buffer's first byte (None for a read-only one)."""
-    if mv.readonly:
-        return None
+def _address(mv: memoryview) -> int:
+    """The address of a buffer's first byte (read-only ones too: the kernel only reads them)."""
+    if not len(mv):
+        return 0
+    if mv.readonly:  # ctypes takes writable buffers only
+        return np.frombuffer(mv, np.uint8).__array_interface__["data"][0]
     holder = (ctypes.c_char * len(mv)).from_buffer(mv)  # a temporary export, released with it
     try:
         return ctypes.addressof(holder)
@@ -327,19 +265,15 @@ def _address(mv: memoryview) -> int | None:
 class UringEngine(Engine):
     name = "uring"
 
-    use_c = True
-    """Drive rings through liburing's C functions when the binding exports them (tests flip it)."""
-
     def __init__(self, cfg: IOConfig):
         super().__init__(cfg)
-        self._iovecs: dict[tuple[int, int], object] = {}
-        self._iovecs_mu = threading.Lock()
+        self._mu = threading.Lock()
         self._local = threading.local()
         self._pinned: list[_CRing] = []  # every thread's long-lived ring, closed with the engine
 
     def pin_buffer(self, address: int, nbytes: int, *, fresh: bool = False) -> None:
         """The calling thread's files share one long-lived ring with this region registered."""
-        if _C is None or not self.use_c or not _HAS_FIXED:
+        if not _HAS_FIXED:
             return
         ring = getattr(self._local, "ring", None)
         if ring is None:
@@ -348,7 +282,7 @@ class UringEngine(Engine):
             except OSError:
                 return  # each file opens its own ring, and reports the error there
             self._local.ring = ring
-            with self._iovecs_mu:
+            with self._mu:
                 self._pinned.append(ring)
         ring.pin(address, nbytes, fresh)
 
@@ -357,25 +291,11 @@ class UringEngine(Engine):
         return getattr(self._local, "ring", None)
 
     def close(self) -> None:
-        with self._iovecs_mu:
+        with self._mu:
             rings, self._pinned = self._pinned, []
         for r in rings:
             r.unpin()
             r.close()
-
-    def iovec(self, mv: memoryview) -> object:
-        """An ``Iovec`` over ``mv``'s bytes that pins nothing (see the module doc); any thread."""
-        n = len(mv)
-        addr = _address(mv) if n else None
-        if addr is None:  # read-only or empty: the binding's own way (pins ``mv``, rare)
-            return L.Iovec([mv])
-        with self._iovecs_mu:
-            iov = self._iovecs.get((addr, n))
-            if iov is None:
-                if len(self._iovecs) >= _IOVEC_CACHE_MAX:
-                    self._iovecs.clear()
-                iov = self._iovecs[(addr, n)] = L.Iovec([memoryview((ctypes.c_char * n).from_address(addr))])
-        return iov
 
     def _wrap(self, path: str, fd: int, writable: bool) -> ShardFile:
         try:
