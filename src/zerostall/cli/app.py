@@ -19,15 +19,14 @@ import sys
 from typing import Any
 
 from . import dcp as cli_dcp
-from . import delete as cli_delete
 from .._term import console as _console, safe, table
 from .._util import human_bytes as _human
 from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError, RootNotFound, ZerostallError
 from ..store import open_root
 from ..store.tier import is_url, open_tier
-from . import host as cli_host
 from ..peers.status import peer_rows, quota_lines
-from .common import _engine, _tier
+from . import commands as cli_cmd
+from .commands import _engine, _tier
 
 
 def _rows(tier: Any, label: str) -> list[dict[str, Any]]:
@@ -227,86 +226,115 @@ def _bench_missing(a: argparse.Namespace) -> int:
     return 1
 
 
-def _add_demo_bench(sub: Any) -> None:
-    """``zerostall demo`` and ``zerostall bench`` (the zerostall_bench package, imported only if
-    installed; else the command says how to install it)."""
-    s = sub.add_parser("demo", help="train a small transformer with async checkpoints, crash it, resume bit-exact")
-    s.add_argument("--steps", type=_positive(int), default=60, help="training steps")
-    s.add_argument("--every", type=_positive(int), default=10, help="checkpoint interval in steps")
-    s.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir, removed)")
-    s.add_argument("--keep", action="store_true", help="keep the checkpoint directory")
-    s.add_argument("--seed", type=int, default=0, help="random seed of the model and data")
-    s.add_argument("--tiny", action="store_true", help="a tiny model (used by the tests)")
-    s.set_defaults(fn=lambda a: importlib.import_module("zerostall.demo.run").main(a))
+def _arg(*flags: str, **kw: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
+    return flags, kw
 
-    help_ = "zerostall vs torch.save vs DCP on the same disk, with a training loop running"
-    if bench_installed():
-        from zerostall_bench import cli as bench_cli  # argparse only: no torch at parser build time
-        s = sub.add_parser("bench", help=help_)
-        bench_cli.add_arguments(s)
-        s.set_defaults(fn=bench_cli.run)
-    else:
-        # every word after "bench", options and --help included, is taken as an argument: any
-        # invocation prints the hint (prefix_chars no argument starts with)
-        s = sub.add_parser("bench", help=f"{help_} (needs zerostall-bench)", add_help=False, prefix_chars="\0")
-        s.add_argument("args", nargs="*")
-        s.set_defaults(fn=_bench_missing)
+
+def _flag(name: str, help: str) -> tuple[tuple[str, ...], dict[str, Any]]:
+    return (name,), {"action": "store_true", "help": help}
+
+
+PATH = "a local directory, s3://bucket/prefix or file:///path"
+COMMANDS: dict[str, tuple[str, Any, list[tuple[tuple[str, ...], dict[str, Any]]]]] = {
+    "ls": ("list checkpoints (steps, sizes, state) of a directory or a remote URL", cmd_ls, [
+        _arg("path", help=PATH),
+        _arg("--remote", help="also show which steps this remote tier (URL) holds"),
+        _flag("--json", "print the rows as JSON")]),
+    "restore": ("download the newest verified checkpoint (or --step) from a remote tier", cmd_restore, [
+        _arg("url", help="the remote tier: s3://bucket/prefix or file:///path"),
+        _arg("--to", required=True, help="local checkpoint directory (created if needed)"),
+        _arg("--step", type=int, help="this step instead of the newest that verifies")]),
+    "verify": ("read and check every byte; exit 1 naming the file and tensor on failure", _verify, [
+        _arg("path", help=f"{PATH} (streamed, not stored)"),
+        _arg("--step", type=int, help="only this step (default: every step)"),
+        _arg("--engine", default="auto", choices=("auto", "uring", "threads", "buffered"),
+             help="I/O engine to read with (default: chosen by probing the directory)"),
+        _arg("--node", help="this node's name, for a node-local copy (default: ZEROSTALL_NODE, "
+                            "else the host name): shards written on other nodes live in their copies"),
+        _flag("--all-files", "require every rank's shard in this root (a shared root), not only this copy's"),
+        _flag("--json", "print one JSON object per step (state ok/failed/deleted) instead of lines")]),
+    "inspect": ("tensors, dtypes, shapes, bytes of a checkpoint", cmd_inspect, [
+        _arg("path", help=PATH),
+        _arg("--step", type=int, help="this step (default: the newest)"),
+        _flag("--json", "print the whole manifest body as JSON (one object per tensor)")]),
+    "export": ("write a checkpoint's tensors to another format", cmd_export, [
+        _arg("path", help=PATH),
+        _arg("--step", type=int, default=None, help="this step (default: the newest that verifies)"),
+        _arg("--rank", type=int, default=None, help="the rank whose state to export, for a checkpoint saved per rank"),
+        _arg("--prefix", default="", help="export only keys under this prefix, without it (e.g. --prefix model, so "
+                                          "that model.load_state_dict(load_file(OUT)) works)"),
+        _arg("--format", default="safetensors",
+             help="safetensors (the tensors, flattened), or what a framework's own checkpointing reads: lightning "
+                  "(a .ckpt file), transformers (a checkpoint-N folder), accelerate (a save_state folder)"),
+        _arg("out", help="output file (a folder for transformers/accelerate)")]),
+    "delete": ("delete steps for good: from each root given and from the copies it holds for peers (a tombstone "
+               "keeps them from coming back from other holders)", cli_cmd.cmd_delete, [
+        _arg("roots", nargs="+", metavar="ROOT", help="a local checkpoint directory (one per node)"),
+        _arg("--step", type=cli_cmd.step_number, action="append", required=True,
+             help="the step to delete (repeat for more)")]),
+    "demo": ("train a small transformer with async checkpoints, crash it, resume bit-exact",
+             lambda a: importlib.import_module("zerostall.demo.run").main(a), [
+        _arg("--steps", type=_positive(int), default=60, help="training steps"),
+        _arg("--every", type=_positive(int), default=10, help="checkpoint interval in steps"),
+        _arg("--dir", default=None, help="checkpoint directory (default: a temp dir, removed)"),
+        _flag("--keep", "keep the checkpoint directory"),
+        _arg("--seed", type=int, default=0, help="random seed of the model and data"),
+        _flag("--tiny", "a tiny model (used by the tests)")]),
+    "bench": ("zerostall vs torch.save vs DCP on the same disk, with a training loop running", None, []),
+    "doctor": ("check this host and a checkpoint directory; advise sysctls", cli_cmd.cmd_doctor, [
+        _arg("path", nargs="?", default=".", help="checkpoint directory to check (not created; default .)"),
+        _flag("--json", "print the checks as JSON"),
+        _flag("--probe", "measure the direct-I/O line rate (512 MiB)"),
+        _arg("--write-sysctl", metavar="FILE", help="write the recommendations as a sysctl.d file"),
+        _flag("--apply", "apply the recommendations now (root); prints how to revert")]),
+    "plan": ("size checkpoints: volume, bandwidth, stall, RAM", cli_cmd.cmd_plan, [
+        _arg("--params", help="parameter count, e.g. 70e9 or 175B"),
+        _arg("--bytes-per-param", type=float, default=14.0,
+             help="checkpoint bytes per parameter (14: mixed precision + AdamW)"),
+        _arg("--checkpoint-bytes", help="the checkpoint size directly, e.g. 2.4T"),
+        _arg("--ranks", type=int, default=1, help="ranks writing in parallel"),
+        _arg("--nodes", type=int, default=1, help="nodes (each with its own NIC)"),
+        _arg("--interval-min", type=float, default=30.0, help="minutes between checkpoints"),
+        _arg("--budget-s", type=float, help="time a checkpoint may take, seconds"),
+        _arg("--fs-gbps", type=float, help="storage aggregate write rate, GB/s"),
+        _arg("--nic-gbps", help="NIC bandwidth per node in Gbit/s, e.g. 200 or 2x100"),
+        _arg("--node-ram-gib", type=float, help="RAM per node, GiB (does the staging arena fit?)"),
+        _flag("--json", "print the plan as JSON")]),
+    "monitor": ("nr_dirty, writeback, PSI, kswapd (and a process's state), live", cli_cmd.cmd_monitor, [
+        _arg("--pid", type=int, help="also show this process's state (D = blocked on I/O)"),
+        _flag("--once", "print one sample and exit"),
+        _flag("--json", "print samples as JSON lines"),
+        _arg("--interval-s", type=float, default=0.5, help="seconds between samples")]),
+    "trace": ("latency of writers throttled in balance_dirty_pages", cli_cmd.cmd_trace, [
+        _arg("--seconds", type=float, default=10.0, help="how long to trace"),
+        _arg("--pid", type=int, help="fallback: sample this process's threads"),
+        _flag("--json", "print the histogram as JSON"),
+        _flag("--print-program", "print the bpftrace program and exit"),
+        _flag("--no-bpftrace", "use the tracepoint or D-state sampling fallback")]),
+}
+"""Every subcommand, in ``--help`` order: its help, its function and its arguments."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zerostall", description="Checkpoint PyTorch training without stalling it.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = p.add_subparsers(dest="cmd", required=True)
-
-    s = sub.add_parser("ls", help="list checkpoints (steps, sizes, state) of a directory or a remote URL")
-    s.add_argument("path", help="a local directory, s3://bucket/prefix or file:///path")
-    s.add_argument("--remote", help="also show which steps this remote tier (URL) holds")
-    s.add_argument("--json", action="store_true", help="print the rows as JSON")
-    s.set_defaults(fn=cmd_ls)
-
-    s = sub.add_parser("restore", help="download the newest verified checkpoint (or --step) from a remote tier")
-    s.add_argument("url", help="the remote tier: s3://bucket/prefix or file:///path")
-    s.add_argument("--to", required=True, help="local checkpoint directory (created if needed)")
-    s.add_argument("--step", type=int, help="this step instead of the newest that verifies")
-    s.set_defaults(fn=cmd_restore)
-
-    s = sub.add_parser("verify", help="read and check every byte; exit 1 naming the file and tensor on failure")
-    s.add_argument("path", help="a local directory, s3://bucket/prefix or file:///path (streamed, not stored)")
-    s.add_argument("--step", type=int, help="only this step (default: every step)")
-    s.add_argument("--engine", default="auto", choices=("auto", "uring", "threads", "buffered"),
-                   help="I/O engine to read with (default: chosen by probing the directory)")
-    s.add_argument("--node", help="this node's name, for a node-local copy (default: ZEROSTALL_NODE, "
-                                  "else the host name): shards written on other nodes live in their copies")
-    s.add_argument("--all-files", action="store_true",
-                   help="require every rank's shard in this root (a shared root), not only this copy's")
-    s.add_argument("--json", action="store_true",
-                   help="print one JSON object per step (state ok/failed/deleted) instead of lines")
-    s.set_defaults(fn=_verify)
-
-    s = sub.add_parser("inspect", help="tensors, dtypes, shapes, bytes of a checkpoint")
-    s.add_argument("path", help="a local directory, s3://bucket/prefix or file:///path")
-    s.add_argument("--step", type=int, help="this step (default: the newest)")
-    s.add_argument("--json", action="store_true", help="print the whole manifest body as JSON (one object per tensor)")
-    s.set_defaults(fn=cmd_inspect)
-
-    s = sub.add_parser("export", help="write a checkpoint's tensors to another format")
-    s.add_argument("path", help="a local directory, s3://bucket/prefix or file:///path")
-    s.add_argument("--step", type=int, default=None, help="this step (default: the newest that verifies)")
-    s.add_argument("--rank", type=int, default=None,
-                   help="the rank whose state to export, for a checkpoint saved per rank")
-    s.add_argument("--prefix", default="",
-                   help="export only keys under this prefix, without it (e.g. --prefix model, so that "
-                        "model.load_state_dict(load_file(OUT)) works)")
-    s.add_argument("--format", default="safetensors",
-                   help="safetensors (the tensors, flattened), or what a framework's own checkpointing "
-                        "reads: lightning (a .ckpt file), transformers (a checkpoint-N folder), "
-                        "accelerate (a save_state folder)")
-    s.add_argument("out", help="output file (a folder for transformers/accelerate)")
-    s.set_defaults(fn=cmd_export)
-
-    cli_delete.add_parser(sub)
-    _add_demo_bench(sub)
-    cli_host.add_parsers(sub)
+    for name, (help_, fn, args) in COMMANDS.items():
+        if name == "bench" and not bench_installed():
+            # every word after "bench", options and --help included, is taken as an argument: any
+            # invocation prints the hint (prefix_chars no argument starts with)
+            s = sub.add_parser(name, help=f"{help_} (needs zerostall-bench)", add_help=False, prefix_chars="\0")
+            s.add_argument("args", nargs="*")
+            s.set_defaults(fn=_bench_missing)
+            continue
+        s = sub.add_parser(name, help=help_)
+        if name == "bench":  # the zerostall_bench package: argparse only, no torch at parser build time
+            from zerostall_bench import cli as bench_cli
+            bench_cli.add_arguments(s)
+            fn = bench_cli.run
+        for flags, kw in args:
+            s.add_argument(*flags, **kw)
+        s.set_defaults(fn=fn)
     return p
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from . import dcp as cli_dcp
 from .._term import safe
 from .._util import human_bytes as _human
-from .common import _engine, _tier
+from .commands import _engine, _tier
 from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..store.tier import is_url
 from ..restore import verify_step, verify_tier_step

@@ -100,8 +100,9 @@ def _child(a: argparse.Namespace) -> int:
     return 0
 
 
-def _spawn(args: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "zerostall.demo.run", *args],
+def _spawn(args: dict[str, Any]) -> subprocess.Popen[str]:
+    """A child run of :func:`_child`, its arguments as one JSON document."""
+    return subprocess.Popen([sys.executable, "-m", "zerostall.demo.run", json.dumps(args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -157,9 +158,8 @@ def run_demo(steps: int, every: int, ckdir: str, seed: int, tiny: bool, console:
     # 2. the crash: kill a child while it persists the checkpoint of kill_step
     console.print(f"[2/3] training in a child process; SIGKILL when the checkpoint of step {kill_step} "
                   "is being persisted")
-    args = ["--dir", crash_dir, "--steps", str(steps), "--every", str(every), "--seed", str(seed)] + \
-        (["--tiny"] if tiny else [])
-    child = _spawn([*args, "--out", os.path.join(work, "crashed.json")])
+    args = {"dir": crash_dir, "steps": steps, "every": every, "seed": seed, "tiny": tiny, "resume": False}
+    child = _spawn({**args, "out": os.path.join(work, "crashed.json")})
     assert child.stdout is not None
     killed_at = None
     partial_dir = os.path.join(crash_dir, f"step-{kill_step}.partial")
@@ -187,7 +187,7 @@ def run_demo(steps: int, every: int, ckdir: str, seed: int, tiny: bool, console:
     resumed_from = max(committed) if committed else None
     console.print(f"[3/3] resuming in a new process from step {resumed_from} and training to {steps}")
     out = os.path.join(work, "resumed.json")
-    child = _spawn([*args, "--out", out, "--resume"])
+    child = _spawn({**args, "out": out, "resume": True})
     _, err = child.communicate()
     if child.returncode != 0:
         console.print(Text.assemble(("resume failed:", "red"), f"\n{safe(err)}"))
@@ -223,13 +223,5 @@ def main(a: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser()  # the child runs of run_demo
-    p.add_argument("--dir")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--every", type=int)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out")
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--tiny", action="store_true")
-    sys.exit(_child(p.parse_args()))
+if __name__ == "__main__":  # the child runs of run_demo
+    sys.exit(_child(argparse.Namespace(**json.loads(sys.argv[1]))))

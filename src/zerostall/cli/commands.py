@@ -1,4 +1,5 @@
-"""CLI subcommands about the host: ``doctor``, ``plan``, ``monitor``, ``trace``."""
+"""The subcommands beside :mod:`.app`'s (``delete``, ``doctor``, ``plan``, ``monitor``, ``trace``) and the
+helpers every subcommand shares (main thread)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,56 @@ import json
 import os
 import sys
 from typing import Any
-from ..tuning.doctor import host_checks, path_checks, probe_line_rate
-from ..tuning.sysctl import apply_sysctls, sysctl_d_text
-from ..tuning.plan import PlanInput, parse_count, plan
-from ..telemetry.monitor import live, render, sample
-from ..telemetry.trace import BPFTRACE_PROGRAM, kprobes_available, trace_pid, trace_tracefs
 
 from .._term import console, safe, table
+from ..config import IOConfig
+from ..errors import RootNotFound
+from ..io import choose_engine
+from ..peers.tombstones import delete_step
+from ..store import open_root
+from ..telemetry.monitor import live, render, sample
+from ..telemetry.trace import BPFTRACE_PROGRAM, kprobes_available, trace_pid, trace_tracefs
+from ..tuning.doctor import host_checks, path_checks, probe_line_rate
+from ..tuning.plan import PlanInput, parse_count, plan
+from ..tuning.sysctl import apply_sysctls, sysctl_d_text
+
+
+def _engine(name: str, root: str) -> Any:
+    return choose_engine(root, IOConfig(engine=name))
+
+
+def _tier(path: str) -> Any:
+    """The tier a command reads: a local checkpoint directory, or a remote tier by URL
+    (``s3://bucket/prefix``, ``file:///shared/path``)."""
+    tier = open_root(path)
+    tier.check_root()  # RootNotFound (exit 2): a typo is not an empty root
+    return tier
+
+
+def step_number(text: str) -> int:
+    try:
+        step = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step number (an integer >= 0)") from None
+    if step < 0:
+        raise argparse.ArgumentTypeError(f"{step} is not a step number (steps are integers >= 0)")
+    return step
+
+
+def cmd_delete(a: argparse.Namespace) -> int:
+    """``zerostall delete ROOT [ROOT ...] --step N``: delete steps for good, one root after the other,
+    each under its root lock (a root a running job owns is refused), through
+    :func:`zerostall.peers.tombstones.delete_step`. Run it on every node, each with its own root; a
+    holder not reached now drops its copies when the job next starts, from the others' tombstones."""
+    for root in a.roots:
+        if not os.path.isdir(root):
+            raise RootNotFound(f"no checkpoint directory {root!r}", root=root)
+    for root in a.roots:
+        for step in a.step:
+            done = delete_step(root, step)
+            for line in done or [f"step {step}: nothing of it in {root} (recorded as deleted)"]:
+                print(safe(line))
+    return 0
 
 
 def cmd_doctor(a: argparse.Namespace) -> int:
@@ -114,43 +158,3 @@ def cmd_trace(a: argparse.Namespace) -> int:
     if rep.note:
         print(f"  note: {safe(rep.note)}")
     return 0
-
-
-def add_parsers(sub: Any) -> None:
-    s = sub.add_parser("doctor", help="check this host and a checkpoint directory; advise sysctls")
-    s.add_argument("path", nargs="?", default=".", help="checkpoint directory to check (not created; default .)")
-    s.add_argument("--json", action="store_true", help="print the checks as JSON")
-    s.add_argument("--probe", action="store_true", help="measure the direct-I/O line rate (512 MiB)")
-    s.add_argument("--write-sysctl", metavar="FILE", help="write the recommendations as a sysctl.d file")
-    s.add_argument("--apply", action="store_true", help="apply the recommendations now (root); prints how to revert")
-    s.set_defaults(fn=cmd_doctor)
-
-    s = sub.add_parser("plan", help="size checkpoints: volume, bandwidth, stall, RAM")
-    s.add_argument("--params", help="parameter count, e.g. 70e9 or 175B")
-    s.add_argument("--bytes-per-param", type=float, default=14.0,
-                   help="checkpoint bytes per parameter (14: mixed precision + AdamW)")
-    s.add_argument("--checkpoint-bytes", help="the checkpoint size directly, e.g. 2.4T")
-    s.add_argument("--ranks", type=int, default=1, help="ranks writing in parallel")
-    s.add_argument("--nodes", type=int, default=1, help="nodes (each with its own NIC)")
-    s.add_argument("--interval-min", type=float, default=30.0, help="minutes between checkpoints")
-    s.add_argument("--budget-s", type=float, help="time a checkpoint may take, seconds")
-    s.add_argument("--fs-gbps", type=float, help="storage aggregate write rate, GB/s")
-    s.add_argument("--nic-gbps", help="NIC bandwidth per node in Gbit/s, e.g. 200 or 2x100")
-    s.add_argument("--node-ram-gib", type=float, help="RAM per node, GiB (does the staging arena fit?)")
-    s.add_argument("--json", action="store_true", help="print the plan as JSON")
-    s.set_defaults(fn=cmd_plan)
-
-    s = sub.add_parser("monitor", help="nr_dirty, writeback, PSI, kswapd (and a process's state), live")
-    s.add_argument("--pid", type=int, help="also show this process's state (D = blocked on I/O)")
-    s.add_argument("--once", action="store_true", help="print one sample and exit")
-    s.add_argument("--json", action="store_true", help="print samples as JSON lines")
-    s.add_argument("--interval-s", type=float, default=0.5, help="seconds between samples")
-    s.set_defaults(fn=cmd_monitor)
-
-    s = sub.add_parser("trace", help="latency of writers throttled in balance_dirty_pages")
-    s.add_argument("--seconds", type=float, default=10.0, help="how long to trace")
-    s.add_argument("--pid", type=int, help="fallback: sample this process's threads")
-    s.add_argument("--json", action="store_true", help="print the histogram as JSON")
-    s.add_argument("--print-program", action="store_true", help="print the bpftrace program and exit")
-    s.add_argument("--no-bpftrace", action="store_true", help="use the tracepoint or D-state sampling fallback")
-    s.set_defaults(fn=cmd_trace)
