@@ -40,22 +40,17 @@ class GPTConfig:
     n_head: int = 4
 
 
-class Block(nn.Module):
+class Block(nn.TransformerEncoderLayer):
+    """A pre-norm causal transformer block: attention, then a GELU MLP of 4 x d_model; no dropout."""
+
     def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        d = cfg.d_model
-        self.ln1 = nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, cfg.n_head, batch_first=True)
-        self.ln2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        super().__init__(cfg.d_model, cfg.n_head, 4 * cfg.d_model, dropout=0.0, activation="gelu",
+                         batch_first=True, norm_first=True)
         self.register_buffer("mask", torch.triu(torch.full((cfg.ctx, cfg.ctx), float("-inf")), 1), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         t = x.shape[1]
-        h = self.ln1(x)
-        a, _ = self.attn(h, h, h, attn_mask=self.mask[:t, :t], need_weights=False)
-        x = x + a
-        return x + self.mlp(self.ln2(x))
+        return super().forward(x, src_mask=self.mask[:t, :t], is_causal=True)
 
 
 class TinyGPT(nn.Module):
