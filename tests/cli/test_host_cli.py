@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from zerostall.cli import main as cli
-from zerostall.tuning.sysctl import RECOMMENDED, read_sysctls
+from zerostall.tuning.doctor import RECOMMENDED, read_sysctls
 
 
 def restore_sysctls(values):

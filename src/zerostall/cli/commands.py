@@ -17,9 +17,8 @@ from ..peers.tombstones import delete_step
 from ..store import open_root
 from ..telemetry.monitor import live, render, sample
 from ..telemetry.trace import BPFTRACE_PROGRAM, kprobes_available, trace_pid, trace_tracefs
-from ..tuning.doctor import host_checks, path_checks, probe_line_rate
+from ..tuning.doctor import apply_sysctls, host_checks, path_checks, probe_line_rate, sysctl_d_text
 from ..tuning.plan import PlanInput, parse_count, plan
-from ..tuning.sysctl import apply_sysctls, sysctl_d_text
 
 
 def _engine(name: str, root: str) -> Any:

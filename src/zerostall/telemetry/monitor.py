@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .._term import console, safe
+from .._term import console, safe, table
 from .host import HostSample, read_threads
 
 
@@ -40,12 +40,8 @@ def _bar(v: float, limit: float, width: int = 30) -> str:
 
 
 def render(doc: dict[str, Any], prev: dict[str, Any] | None) -> Any:
-    from rich.table import Table
     mib = 2**20
-    t = Table(title="zerostall monitor (Ctrl-C to quit)", show_header=True)
-    t.add_column("metric")
-    t.add_column("value", justify="right")
-    t.add_column("")
+    t = table("zerostall monitor (Ctrl-C to quit)", ("metric", "value", ""), right=("value",))
     thr, bg = doc["dirty_threshold_bytes"], doc["dirty_background_threshold_bytes"]
     t.add_row("nr_dirty", f"{doc['dirty_bytes'] / mib:,.0f} MiB",
               f"{_bar(doc['dirty_bytes'], thr)} throttle at {thr / mib:,.0f} MiB")

@@ -64,12 +64,7 @@ def kprobes_available() -> bool:
 
 def parse_trace_lines(lines: list[str]) -> list[tuple[int, str, int]]:
     """(pause ms, comm, pid) for each balance_dirty_pages event line."""
-    out = []
-    for line in lines:
-        m = _EVENT_RE.match(line)
-        if m:
-            out.append((int(m.group("pause")), m.group("comm").strip(), int(m.group("pid"))))
-    return out
+    return [(int(m["pause"]), m["comm"].strip(), int(m["pid"])) for m in map(_EVENT_RE.match, lines) if m]
 
 
 def trace_tracefs(seconds: float) -> TraceReport:
