@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 Enc = Callable[[Any], Any]  # encodes a child value into a tree node
 
 
-def _b64(b: bytes) -> str:
-    return base64.b64encode(b).decode("ascii")
+def _b64(b: bytes | bytearray) -> str:
+    return base64.b64encode(bytes(b)).decode("ascii")
 
 
 def _unb64(s: Any) -> bytes:
@@ -124,31 +124,64 @@ def _torch_size(p: Any) -> torch.Size:
     return torch.Size(p)
 
 
-# name -> decoder of the *decoded* payload (the encoders: encode_standard)
-STANDARD: dict[str, Callable[[Any], Any]] = {
-    "argparse.Namespace": lambda d: argparse.Namespace(**_fields(d)),
-    "set": set,
-    "frozenset": frozenset,
-    "bytes": _unb64,
-    "bytearray": lambda s: bytearray(_unb64(s)),
-    "complex": lambda p: complex(*(float(x) for x in _items(p, 2))),
-    "datetime.datetime": lambda s: _dt.datetime.fromisoformat(_str(s)),
-    "datetime.date": lambda s: _dt.date.fromisoformat(_str(s)),
-    "datetime.time": lambda s: _dt.time.fromisoformat(_str(s)),
-    "datetime.timedelta": lambda p: _dt.timedelta(*map(int, _items(p, 3))),  # days, seconds, microseconds
-    "datetime.timezone": lambda p: _dt.timezone(_dt.timedelta(seconds=float(p))),
-    "uuid.UUID": lambda s: uuid.UUID(_str(s)),
-    "torch.dtype": _dtype,
-    "torch.device": _device,
-    "omegaconf.DictConfig": lambda p: _omegaconf(dict, p),
-    "omegaconf.ListConfig": lambda p: _omegaconf(list, p),
-    "torch.Size": _torch_size,
-    "collections.defaultdict": _defaultdict,
-    "collections.Counter": _counter,
-    "numpy.datetime64": lambda p: _np_time("M", p),
-    "numpy.timedelta64": lambda p: _np_time("m", p),
-    **{f"pathlib.{n}": (lambda s, c=c: _path(c, s)) for n, c in _PATHS.items()},
+def _sorted(x: Any) -> list[Any]:
+    items = list(x)
+    try:
+        items.sort()  # a stable order when the items allow one
+    except TypeError:
+        pass
+    return items
+
+
+def _factory_payload(x: collections.defaultdict) -> list[Any] | None:
+    f = x.default_factory
+    name = None if f is None else f"builtins.{getattr(f, '__name__', '')}"
+    if name is not None and _FACTORIES.get(name) is not f:
+        return None  # refused by the caller, naming the key and the factory
+    return [name, dict(x)]
+
+
+def _np_payload(x: Any) -> list[Any]:
+    import numpy as np
+    return [x.dtype.str, int(np.array(x).view(np.int64))]
+
+
+def _iso(x: Any) -> str:
+    return x.isoformat()
+
+
+# name -> (the exact type, or "module.name" of a torch/numpy type; encoder to the payload, None: refused;
+# decoder of the *decoded* payload)
+_KINDS: dict[str, tuple[Any, Callable[[Any], Any] | None, Callable[[Any], Any]]] = {
+    "argparse.Namespace": (argparse.Namespace, lambda x: dict(vars(x)), lambda d: argparse.Namespace(**_fields(d))),
+    "set": (set, _sorted, set),
+    "frozenset": (frozenset, _sorted, frozenset),
+    "bytes": (bytes, _b64, _unb64),
+    "bytearray": (bytearray, _b64, lambda s: bytearray(_unb64(s))),
+    "complex": (complex, lambda x: [x.real, x.imag], lambda p: complex(*(float(x) for x in _items(p, 2)))),
+    "datetime.datetime": (_dt.datetime, _iso, lambda s: _dt.datetime.fromisoformat(_str(s))),
+    "datetime.date": (_dt.date, _iso, lambda s: _dt.date.fromisoformat(_str(s))),
+    "datetime.time": (_dt.time, _iso, lambda s: _dt.time.fromisoformat(_str(s))),
+    "datetime.timedelta": (_dt.timedelta, lambda x: [x.days, x.seconds, x.microseconds],  # days, s, us
+                           lambda p: _dt.timedelta(*map(int, _items(p, 3)))),
+    "datetime.timezone": (_dt.timezone, lambda x: x.utcoffset(None).total_seconds(),
+                          lambda p: _dt.timezone(_dt.timedelta(seconds=float(p)))),
+    "uuid.UUID": (uuid.UUID, str, lambda s: uuid.UUID(_str(s))),
+    "torch.dtype": ("torch.dtype", lambda x: str(x).removeprefix("torch."), _dtype),
+    "torch.device": ("torch.device", str, _device),
+    "omegaconf.DictConfig": (None, None, lambda p: _omegaconf(dict, p)),  # encoded by isinstance
+    "omegaconf.ListConfig": (None, None, lambda p: _omegaconf(list, p)),
+    "torch.Size": ("torch.Size", list, _torch_size),
+    "collections.defaultdict": (collections.defaultdict, _factory_payload, _defaultdict),
+    "collections.Counter": (collections.Counter, dict, _counter),
+    "numpy.datetime64": ("numpy.datetime64", _np_payload, lambda p: _np_time("M", p)),
+    "numpy.timedelta64": ("numpy.timedelta64", _np_payload, lambda p: _np_time("m", p)),
+    **{f"pathlib.{n}": (c, str, (lambda s, c=c: _path(c, s))) for n, c in _PATHS.items()},
 }
+STANDARD: dict[str, Callable[[Any], Any]] = {name: dec for name, (_, _, dec) in _KINDS.items()}
+"""name -> decoder of the decoded payload."""
+_BY_TYPE: dict[Any, tuple[str, Callable[[Any], Any]]] = {t: (n, e) for n, (t, e, _) in _KINDS.items() if e}
+_LAZY_MODULES = ("torch", "numpy")  # their types are looked up by name: neither is imported here
 
 
 STANDARD_TYPES: tuple[type, ...] = (argparse.Namespace, pathlib.PurePath, _dt.datetime, _dt.date, _dt.time,
@@ -163,66 +196,16 @@ def _fields(d: Any) -> dict[str, Any]:
     return d
 
 
-def _is_omegaconf(x: Any) -> str | None:
-    mod = type(x).__module__
-    if not mod.startswith("omegaconf"):
-        return None
-    from omegaconf import DictConfig, ListConfig
-    if isinstance(x, DictConfig):
-        return "omegaconf.DictConfig"
-    if isinstance(x, ListConfig):
-        return "omegaconf.ListConfig"
-    return None
-
-
 def encode_standard(x: Any, enc: Enc) -> Any | None:
     """The ``{"o": ...}`` node of a standard kind, or None if ``x`` is not one (by exact type)."""
     t = type(x)
-    if t is argparse.Namespace:
-        return {"o": ["argparse.Namespace", enc(dict(vars(x)))]}
-    if _PATHS.get(t.__name__) is t:
-        return {"o": [f"pathlib.{t.__name__}", enc(str(x))]}
-    if t is set or t is frozenset:
-        items = list(x)
-        try:
-            items.sort()  # a stable order when the items allow one
-        except TypeError:
-            pass
-        return {"o": [t.__name__, enc(items)]}
-    if t is bytes or t is bytearray:
-        return {"o": [t.__name__, enc(_b64(bytes(x)))]}
-    if t is complex:
-        return {"o": ["complex", enc([x.real, x.imag])]}
-    if t is _dt.datetime or t is _dt.date or t is _dt.time:
-        return {"o": [f"datetime.{t.__name__}", enc(x.isoformat())]}
-    if t is _dt.timedelta:
-        return {"o": ["datetime.timedelta", enc([x.days, x.seconds, x.microseconds])]}
-    if t is _dt.timezone:
-        off = x.utcoffset(None)
-        return {"o": ["datetime.timezone", enc(off.total_seconds())]}
-    if t is uuid.UUID:
-        return {"o": ["uuid.UUID", enc(str(x))]}
-    if t.__module__ == "torch":  # (a torch object exists only once torch is imported)
-        import torch
-        if t is torch.dtype:
-            return {"o": ["torch.dtype", enc(str(x).removeprefix("torch."))]}
-        if t is torch.device:
-            return {"o": ["torch.device", enc(str(x))]}
-        if t is torch.Size:
-            return {"o": ["torch.Size", enc(list(x))]}
-    if t is collections.defaultdict:
-        f = x.default_factory
-        name = None if f is None else f"builtins.{getattr(f, '__name__', '')}"
-        if name is not None and _FACTORIES.get(name) is not f:
-            return None  # refused by the caller, naming the key and the factory
-        return {"o": ["collections.defaultdict", enc([name, dict(x)])]}
-    if t is collections.Counter:
-        return {"o": ["collections.Counter", enc(dict(x))]}
-    if t.__module__ == "numpy" and t.__name__ in ("datetime64", "timedelta64"):
-        import numpy as np
-        return {"o": [f"numpy.{t.__name__}", enc([x.dtype.str, int(np.array(x).view(np.int64))])]}
-    oc = _is_omegaconf(x)
-    if oc is not None:
-        from omegaconf import OmegaConf
-        return {"o": [oc, enc(OmegaConf.to_container(x, resolve=False))]}
+    kind = _BY_TYPE.get(f"{t.__module__}.{t.__name__}" if t.__module__ in _LAZY_MODULES else t)
+    if kind is not None:
+        payload = kind[1](x)
+        return None if payload is None else {"o": [kind[0], enc(payload)]}
+    if t.__module__.startswith("omegaconf"):
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+        for name, cls in (("omegaconf.DictConfig", DictConfig), ("omegaconf.ListConfig", ListConfig)):
+            if isinstance(x, cls):
+                return {"o": [name, enc(OmegaConf.to_container(x, resolve=False))]}
     return None
