@@ -20,7 +20,7 @@ import numpy as np
 
 from .._fast import SECOND, Splice
 from .._util import no_gc
-from .validate import is_plain
+from .validate import NotPlain, plain_copy
 
 __all__ = ["DeferredTree", "Frozen", "freeze", "skeleton_json", "thaw"]
 
@@ -176,7 +176,10 @@ class DeferredTree:
         got = self.memo.get(key) or self._prev.get(key)
         if got is None:
             obj = thaw(data)
-            got = (obj, json.dumps(obj, separators=(",", ":"), allow_nan=False) if is_plain(obj, depth) else None)
+            try:
+                got = (obj, json.dumps(plain_copy(obj, depth), separators=(",", ":"), allow_nan=False))
+            except NotPlain:
+                got = (obj, None)
         self.memo[key] = got
         return got
 

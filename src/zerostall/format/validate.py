@@ -304,30 +304,3 @@ def plain_copy(x: Any, depth: int = 0) -> Any:
                 d[k] = plain_copy(v, depth + 1)
         return d
     raise NotPlain
-
-
-def is_plain(x: Any, depth: int = 0) -> bool:
-    """Whether :func:`plain_copy` would accept ``x``, without copying it (:mod:`.frozen`)."""
-    stack = [(x, depth)]
-    while stack:
-        x, depth = stack.pop()
-        t = type(x)
-        if t is dict:
-            if any(type(k) is not str for k in x):
-                return False
-            vals: Any = x.values()
-        elif t is list:
-            vals = x
-        else:
-            if not (t is str or t is bool or x is None or (t is float and x - x == 0.0) or (
-                    t is int and x.bit_length() <= MAX_INT_BITS)):
-                return False
-            continue
-        if depth >= 200:
-            return False
-        for v in vals:
-            tv = type(v)
-            if not (tv is str or tv is bool or v is None or (tv is float and v - v == 0.0) or (
-                    tv is int and v.bit_length() <= MAX_INT_BITS)):
-                stack.append((v, depth + 1))
-    return True
