@@ -16,7 +16,7 @@ from .distributed.store import Store
 from .errors import ConfigError, ZerostallError
 from .restore import load as _load
 from .restore import LoadReport, LoadRequest
-from .restore.agreed import collective_base, collective_load
+from .restore.pipeline import collective_base, collective_load
 from .stateful import load_into
 from .store import open_root
 from .telemetry.record import SaveRecord

@@ -184,7 +184,7 @@ def test_the_checker_sees_what_it_checks():
     assert ("zerostall.checkpointer", "zerostall.saving.stages", "module") in edges
     assert ("zerostall.saving.stages", "zerostall.peers", "function") in edges
     assert ("zerostall.saving.stages", "zerostall.saving", "module") not in edges  # its own package: no edge
-    assert ("zerostall.restore.agreed", "zerostall.distributed", "module") in edges  # the package of a module
+    assert ("zerostall.restore.pipeline", "zerostall.distributed", "module") in edges  # the package of a module
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

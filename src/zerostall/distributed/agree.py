@@ -1,6 +1,6 @@
 """One step for all ranks: agreeing, through the c10d store, on the step every rank restores.
 
-:func:`zerostall.restore.agreed.collective_load` (caller's thread, every rank, collectively)
+:func:`zerostall.restore.pipeline.collective_load` (caller's thread, every rank, collectively)
 calls :func:`agreed_load` under a ``base`` unique per call. Rounds, until one succeeds:
 
 1. :func:`agree_step`: every rank posts its steps (``c/r<R>``); all take the newest common

@@ -75,10 +75,8 @@ def cuda_target(map_location: Any) -> torch.device | None:
     """The CUDA device a new-dict load's tensors end on when ``map_location`` (checked by
     :func:`.state.location_mapper`) names one; None: read into CPU tensors, mapped after."""
     if isinstance(map_location, dict):
-        target = map_location.get("cpu", map_location.get(torch.device("cpu")))
-        return None if target is None else cuda_target(target)
-    if isinstance(map_location, (str, torch.device)) or (isinstance(map_location, int)
-                                                          and not isinstance(map_location, bool)):
+        map_location = map_location.get("cpu", map_location.get(torch.device("cpu")))
+    if isinstance(map_location, (str, torch.device, int)) and not isinstance(map_location, bool):
         dev = torch.device("cuda", map_location) if isinstance(map_location, int) else torch.device(map_location)
         if dev.type == "cuda" and torch.cuda.is_available():  # else mapped after (which raises)
             return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 
 from ..distributed.finish import committed_here
 from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint, StateMismatchError, ZerostallError
-from ..format.manifest import Manifest
+from ..format.manifest import FileEntry, Manifest
 from ..format.decode import tree_tensor_indices
 from ..io.base import Engine
 from ..store.owner import FileLock, StepLock
@@ -103,24 +103,22 @@ def _add_files(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[
     temporary name (caller holds the fetch lock)."""
     d = tier.step_dir(step)
     for fe in man.files:
-        if fe.name not in only:  # ours are fetched again even if present: the local ones failed
-            continue
-        rel = _checked_rel(remote, step, fe.name, fe.file_bytes)
-        with unlinked_on_error(os.path.join(d, f".fetch-{fe.name}.tmp")) as tmp:
-            remote.download(rel, tmp, fe.file_bytes)
-            os.rename(tmp, os.path.join(d, fe.name))
+        if fe.name in only:  # ours are fetched again even if present: the local ones failed
+            with unlinked_on_error(os.path.join(d, f".fetch-{fe.name}.tmp")) as tmp:
+                _get(remote, step, fe, tmp)
+                os.rename(tmp, os.path.join(d, fe.name))
     fsync_dir(d)
 
 
-def _checked_rel(remote: Any, step: int, name: str, nbytes: int) -> str:
-    """``step-N/<name>`` on ``remote``, checked to hold ``nbytes`` (else CorruptCheckpoint)."""
-    rel = f"step-{step}/{name}"
+def _get(remote: Any, step: int, fe: FileEntry, dest: str) -> None:
+    """Download ``step-N/<fe.name>`` to ``dest``, checked first to hold ``fe.file_bytes`` (else CorruptCheckpoint)."""
+    rel = f"step-{step}/{fe.name}"
     size = remote.stat(rel)
-    if size != nbytes:
+    if size != fe.file_bytes:
         where = remote.where(rel)
         raise CorruptCheckpoint(f"{where}: {'missing' if size is None else f'{size} bytes'}, the "
-                                f"manifest says {nbytes}", path=where)
-    return rel
+                                f"manifest says {fe.file_bytes}", path=where)
+    remote.download(rel, dest, fe.file_bytes)
 
 
 def _download(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[str] | None) -> None:
@@ -129,8 +127,7 @@ def _download(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[s
     try:
         for fe in man.files:
             if only is None or fe.name in only:
-                rel = _checked_rel(remote, step, fe.name, fe.file_bytes)
-                remote.download(rel, os.path.join(part, fe.name), fe.file_bytes)
+                _get(remote, step, fe, os.path.join(part, fe.name))
     except BaseException:
         tier.abort(step)
         raise

@@ -19,7 +19,7 @@ from .job import Persisted, SaveRequest
 from .commit_local import file_entry, merged_entries, tensor_entries
 from ..store.recovery import DECIDED_NAME
 from ..store.tier import RootTier
-from ..restore.agreed import collective_base, collective_load
+from ..restore.pipeline import collective_base, collective_load
 from ..distributed.commit import (OutcomeUnknown, commit_round, fault_point, grace_s, post_begin, report_failure,
                                   step_base, wait_acked)
 from ..distributed.room import agree_room
