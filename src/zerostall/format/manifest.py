@@ -13,6 +13,7 @@ layout, or a re-encoded body, is refused naming the file and what to do;
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,9 +130,7 @@ class Manifest:
     def from_bytes(cls, raw: bytes, where: str = MANIFEST_NAME) -> "Manifest":
         """Parse and validate; raise :class:`CorruptCheckpoint` naming ``where`` on any defect."""
 
-        def bad(msg: str, key: str | None = None) -> CorruptCheckpoint:
-            return V.bad(where, msg, key)
-
+        bad = functools.partial(V.bad, where)
         if not isinstance(raw, (bytes, bytearray, memoryview)):
             raise bad(f"manifest is a {type(raw).__name__}, not bytes")
         raw = bytes(raw)
@@ -144,21 +143,20 @@ class Manifest:
         if not isinstance(body, dict):
             raise bad("missing body")
         version = body.get("format_version")
+        advice = (version_advice("format_version", version, FORMAT_VERSION)
+                  if type(version) is int and version != FORMAT_VERSION else None)
         n = len(_PREFIX) + 8 + len(_MID)
         if not raw.startswith(_PREFIX) or raw[len(_PREFIX) + 8:n] != _MID:
-            raise bad(version_advice("format_version", version, FORMAT_VERSION) if type(version) is int and
-                      version != FORMAT_VERSION else
-                      "the envelope is not the one this zerostall writes (its crc32c does not cover the body's "
-                      "bytes as written: an earlier zerostall's form, or a tool re-encoded the file); load the "
-                      "checkpoint with the zerostall that wrote it and save it again")
+            raise bad(advice or "the envelope is not the one this zerostall writes (its crc32c does not cover the "
+                      "body's bytes as written: an earlier zerostall's form, or a tool re-encoded the file); load "
+                      "the checkpoint with the zerostall that wrote it and save it again")
         want = env.get("body_crc32c")
         tail = 2 if raw.endswith(b"}\n") else 1
         got = f"{_crc.crc32c(raw[n:len(raw) - tail]):08x}"
         if want != got:
             raise bad(f"manifest checksum mismatch (recorded {want!r:.20}, computed {got!r})")
-        if type(version) is not int or version != FORMAT_VERSION:
-            raise bad(version_advice("format_version", version, FORMAT_VERSION) if type(version) is int else
-                      f"unknown format_version {version!r:.40} (this zerostall reads only {FORMAT_VERSION})")
+        if type(version) is not int or advice:
+            raise bad(advice or f"unknown format_version {version!r:.40} (this zerostall reads only {FORMAT_VERSION})")
         if body.get("checksum") != "crc32c":
             raise bad(f"unknown checksum {body.get('checksum')!r:.40}")
         alignment = body.get("alignment")
@@ -192,12 +190,11 @@ class Manifest:
             fb = V.integer(f, "file_bytes", where, HEADER_BYTES, V.MAX_DIM, ctx)
             if fb % ALIGN_BYTES:
                 raise bad(f"{ctx}file_bytes {fb} is not a multiple of {ALIGN_BYTES}")
-            host, fid = f.get("host", ""), f.get("file_id", "")
-            if not isinstance(fid, str) or len(fid) > 64:
-                raise bad(f"{ctx}bad file_id {fid!r:.80}")
-            if not isinstance(host, str) or len(host) > 255:
-                raise bad(f"{ctx}bad host {host!r:.80}")
-            files[name] = FileEntry(name, V.integer(f, "rank", where, 0, world - 1, ctx), host, fb, fid)
+            for k, most in (("file_id", 64), ("host", 255)):
+                if not isinstance(f.get(k, ""), str) or len(f.get(k, "")) > most:
+                    raise bad(f"{ctx}bad {k} {f[k]!r:.80}")
+            files[name] = FileEntry(name, V.integer(f, "rank", where, 0, world - 1, ctx), f.get("host", ""), fb,
+                                    f.get("file_id", ""))
         refs: dict[tuple[int, str], RefFile] = {}
         if "ref_files" in body:
             refs = parse_ref_files(body.get("ref_files"), step, bad)

@@ -19,7 +19,7 @@ from ..store.owner import FileLock, StepLock
 from ..store.tier import RootTier, Tier
 from ..store.atomic import fsync_dir, unlinked_on_error
 from .state import LoadReport
-from .step import verify_step
+from .step import check_size, verify_step
 
 log = logging.getLogger("zerostall")
 
@@ -112,13 +112,8 @@ def _add_files(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[
 
 def _get(remote: Any, step: int, fe: FileEntry, dest: str) -> None:
     """Download ``step-N/<fe.name>`` to ``dest``, checked first to hold ``fe.file_bytes`` (else CorruptCheckpoint)."""
-    rel = f"step-{step}/{fe.name}"
-    size = remote.stat(rel)
-    if size != fe.file_bytes:
-        where = remote.where(rel)
-        raise CorruptCheckpoint(f"{where}: {'missing' if size is None else f'{size} bytes'}, the "
-                                f"manifest says {fe.file_bytes}", path=where)
-    remote.download(rel, dest, fe.file_bytes)
+    check_size(remote, step, fe.name, fe.file_bytes, "the manifest says")
+    remote.download(f"step-{step}/{fe.name}", dest, fe.file_bytes)
 
 
 def _download(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[str] | None) -> None:

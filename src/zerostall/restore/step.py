@@ -152,11 +152,6 @@ def _new(e: TensorEntry, where: str, device: torch.device | None) -> tuple[torch
                                 path=where, key=e.key) from None
 
 
-def _flat_u8(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of contiguous ``t`` as a flat uint8 view (no copy)."""
-    return t.reshape(-1).view(torch.uint8)
-
-
 def file_reads(tier: Tier, man: Manifest, engine: Engine | None, dst: Any, *, needed: list[int] | None,
                only: set[str] | None, sparse: bool) -> list[FileRead]:
     """One :class:`FileRead` per file: own shards (with ``sparse`` only the ``needed`` items) and
@@ -310,11 +305,12 @@ def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: An
             dsts[i] = (tensors[i].data_ptr(), None, True)
         elif i in gpu and i not in shared:
             tensors[i] = gpu[i]
-            dsts[i] = (tensors[i].data_ptr(), None, True, _flat_u8(tensors[i]))
+            dsts[i] = (tensors[i].data_ptr(), None, True, tensors[i].reshape(-1).view(torch.uint8))
         else:
-            tensors[i], direct = _new(man.tensors[i], where, target)
-            dsts[i] = ((tensors[i].data_ptr(), None, False, _flat_u8(tensors[i])) if target is not None else
-                       (None if direct is not None else tensors[i].data_ptr(), direct, False))
+            t, direct = _new(man.tensors[i], where, target)
+            tensors[i] = t
+            dsts[i] = ((t.data_ptr(), None, False, t.reshape(-1).view(torch.uint8)) if target is not None else
+                       (None if direct is not None else t.data_ptr(), direct, False))
     files = file_reads(tier, man, engine, lambda i: dsts.get(i, (None, None, False)), needed=needed,
                        only=only, sparse=keys is not None)
     read_step(files, bounce, io or engine.cfg, verify=verify, gate=gate, slow_source=not isinstance(tier, LocalTier))
