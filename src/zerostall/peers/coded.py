@@ -11,9 +11,8 @@ fragment goes to the next node in the ranking (a second pass codes only those). 
 acknowledges a fragment only once it is checked, fdatasync'ed and renamed (:mod:`.fragments`);
 the step is protected once every node reported all k + m fragments held.
 
-Retention is the base class's (fragments live in the holder's step directories).
-:meth:`CodedReplicator._repair` (start-up) recomputes, from this node's own files, the fragments
-of the kept steps that no live node holds of this commit, never of a step deleted for good.
+Retention is the base class's. :meth:`CodedReplicator._repair` (start-up) recomputes the
+fragments of the kept steps that no live node holds of this commit.
 """
 
 from __future__ import annotations
@@ -77,15 +76,11 @@ class CodedReplicator(PeerReplicator):
         return held, error
 
     def _layout(self, man: Manifest) -> Layout:
-        v = self.view
-        mine = sorted((fe for fe in man.files if fe.rank < len(v.rank_nodes) and v.rank_nodes[fe.rank] == v.me),
-                      key=lambda fe: fe.name)
-        return Layout(tuple((fe.name, fe.file_bytes) for fe in mine), self.k, self.m)
+        return Layout(tuple((fe.name, fe.file_bytes) for fe in self._mine(man)), self.k, self.m)
 
     def _place(self, step: int, lay: Layout, raw: bytes, desc: bytes, todo: list[int], candidates: list[str],
                used: set[str]) -> tuple[dict[int, str], list[str]]:
-        """Send fragments ``todo`` to the first unused ``candidates``, the next ones for those
-        that fail: ``({index: holder}, errors)``."""
+        """Fragments ``todo`` to the first unused ``candidates`` (the next on a failure): ``({index: holder}, errors)``."""
         assign: dict[int, str] = {}
         errors: list[str] = []
         while todo and not self._stop.is_set():
@@ -153,10 +148,8 @@ class CodedReplicator(PeerReplicator):
                 if f.thread.ident is not None:
                     f.thread.join()
             for fd in fds.values():
-                try:
+                with contextlib.suppress(OSError):
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read once, for the copies
-                except OSError:
-                    pass
                 os.close(fd)
             for mv in (m for ms in mvs for m in ms):
                 with contextlib.suppress(BufferError):  # a slice still referenced: unmapped by the GC
@@ -208,9 +201,8 @@ class CodedReplicator(PeerReplicator):
 
 
 def _stripe_bytes(pacer: Any, fragments: int) -> int:
-    """Bytes of each fragment per stripe: under a bandwidth cap a feed waits for the others'
-    stripes between two of its own; two pacer pieces across all fragments keep that wait near a
-    quarter of ``peers.timeout_s``."""
+    """Bytes of each fragment per stripe: under a cap, two pacer pieces across all fragments keep
+    a feed's wait for the others' stripes near a quarter of ``peers.timeout_s``."""
     if pacer is None or not pacer.rate:
         return STRIPE_BYTES
     return max(ALIGN_BYTES, min(STRIPE_BYTES, 2 * pacer.piece_bytes // fragments // ALIGN_BYTES * ALIGN_BYTES))
@@ -220,12 +212,11 @@ BUFFER_SETS = 2  # stripe s is coded into one set while the feeds send s - 1 fro
 
 
 class _Feed:
-    """One fragment on its way to its holder (the ``fput`` of :mod:`.fragments`), on a thread of
-    its own (started by the sender thread, so at its priority): sends the ``(stripe number,
-    buffer)`` items of ``q`` in order (``None``: the last was sent) under the node's pacer,
-    folds each into the fragment's crc32c, announces it and waits for the acknowledgement.
-    ``sent`` and ``dead`` are written under ``cond`` (``dead`` also by :meth:`abort`); the
-    sender thread waits on ``cond`` before it reuses a buffer set."""
+    """One fragment on its way to its holder (``fput``), on a thread of its own (at the sender
+    thread's priority): sends the ``(stripe number, buffer)`` items of ``q`` (``None``: the last
+    was sent) under the node's pacer, then its crc32c, and waits for the acknowledgement.
+    ``sent`` and ``dead`` are written under ``cond``, which the sender thread waits on before it
+    reuses a buffer set."""
 
     def __init__(self, rep: "CodedReplicator", cond: threading.Condition, step: int, index: int, node: str,
                  raw: bytes, desc: bytes, size: int):
@@ -293,10 +284,8 @@ class _Feed:
             at("frag-send:mid-stream")
 
     def _refusal(self, exc: OSError) -> str:
-        """The holder's reason when it refused the fragment while it was still coming (its
-        quota, a bad descriptor): it answered, then closed, so our send failed with a reset
-        connection and the answer may wait in our receive buffer. "" when there is none (a
-        stopped holder's timeout is not waited out twice)."""
+        """The holder's reason when it refused the fragment mid-stream (its answer may wait in our
+        receive buffer after the reset), or ""."""
         if not isinstance(exc, (ConnectionResetError, BrokenPipeError)) or self.sock is None:
             return ""
         try:
@@ -307,8 +296,7 @@ class _Feed:
         return "" if reply.get("ok") else str(reply.get("error") or "")[:2000]
 
     def abort(self, why: str) -> None:
-        """Drop this holder (sender thread): its thread stops at its next step; a send in
-        flight is cut (the socket is shut down, not closed: the feed's thread closes it)."""
+        """Drop this holder (sender thread): a send in flight is cut (shut down; the feed's thread closes it)."""
         with self.cond:
             if self.acked or self.dead:
                 return
@@ -321,9 +309,8 @@ class _Feed:
 
 def _wait_for(cond: threading.Condition, feeds: list[_Feed], stripe: int, lag_s: float,
               stop: threading.Event) -> None:
-    """Until every feed of ``feeds`` sent stripe ``stripe`` (or died). A feed still short of it
-    after ``lag_s`` (half of ``peers.timeout_s``) is dropped, before the other holders, fed
-    nothing meanwhile, give up on their transfers."""
+    """Until every feed of ``feeds`` sent stripe ``stripe`` (or died); one still short of it after
+    ``lag_s`` is dropped, before the other holders, fed nothing meanwhile, time out."""
     if stripe < 0:
         return
     deadline = time.monotonic() + lag_s

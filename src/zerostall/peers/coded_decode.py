@@ -2,11 +2,10 @@
 stripe from k fragments that came, checked (:class:`.verify.PieceCheck`) and written with O_DIRECT;
 and the rebuild's :class:`Timeline`.
 
-:class:`StripeDecoder` follows the fetch threads (:meth:`~StripeDecoder.advance` after each piece
-written, :meth:`~StripeDecoder.fail`); :meth:`~StripeDecoder.decode` with ``wait=True`` decodes
-each stripe once the k fragments it needs are in that far, on a thread of its own, reading
-their stripes back from this node's disk (parity from ``.fragment-<i>`` scratch files), and
-gives up as soon as one fails; the rebuild then decodes again after the fetch (``wait=False``).
+:class:`StripeDecoder` follows the fetch threads (:meth:`~StripeDecoder.advance`,
+:meth:`~StripeDecoder.fail`); :meth:`~StripeDecoder.decode` with ``wait=True`` decodes each stripe,
+on a thread of its own, once the k fragments it needs are on disk that far, and gives up as soon
+as one fails; the rebuild then decodes again after the fetch (``wait=False``).
 """
 
 from __future__ import annotations
@@ -25,13 +24,11 @@ from .verify import PieceCheck
 
 __all__ = ["DECODE_BYTES", "Event", "StripeDecoder", "Timeline", "scatter"]
 DECODE_BYTES = 16 << 20
-"""Bytes of each fragment decoded at a time (the fetch's buffer size: a stripe is ready as one
-piece of each stream is written)."""
+"""Bytes of each fragment decoded at a time (the fetch's buffer size)."""
 
 
 class StripeDecoder:
-    """See the module doc. ``checks``: file name -> its :class:`PieceCheck` (the decoded bytes of
-    data fragment ``i`` are fed as source ``i``)."""
+    """See the module doc. ``checks``: file name -> its :class:`PieceCheck` (fed as source ``i``)."""
 
     def __init__(self, engine: Engine, lay: Layout, part: str, checks: dict[str, PieceCheck], timeline: Timeline):
         self.engine, self.lay, self.part, self.checks, self.timeline = engine, lay, part, checks, timeline
@@ -48,7 +45,7 @@ class StripeDecoder:
             self._cv.notify_all()
 
     def fail(self, index: int) -> None:
-        """Fragment ``index``'s stream failed: what it wrote may be wrong, a decode that used it stops."""
+        """Fragment ``index``'s stream failed: a decode that used it stops."""
         with self._cv:
             self._failed.add(index)
             self._progress.pop(index, None)
@@ -75,10 +72,9 @@ class StripeDecoder:
         return True
 
     def decode(self, use: list[int], missing: list[int], wait: bool) -> bool:
-        """Data fragments ``missing`` from fragments ``use`` (k of them), stripe by stripe:
-        decoded, checked, written. ``wait``: each stripe as soon as ``use`` is in that far
-        (False as soon as one of them fails); else ``use`` must be complete. Raises what the
-        checks or the disk raise."""
+        """Data fragments ``missing`` from the k fragments ``use``, stripe by stripe: decoded,
+        checked, written. ``wait``: each stripe once ``use`` is in that far (False as soon as one
+        of them fails); else ``use`` must be complete."""
         lay = self.lay
         code = Code(lay.k, lay.m)
         size = min(lay.fragment_bytes, DECODE_BYTES)
@@ -117,9 +113,8 @@ class StripeDecoder:
 
 def scatter(engine: Engine, lay: Layout, part: str, index: int, off: int, mv: memoryview,
             checks: dict[str, PieceCheck], writers: dict[str, Any]) -> None:
-    """Bytes ``mv`` at ``off`` of data fragment ``index``, checked (as source ``index``;
-    padding must be zero) and written into the node's files in ``part`` at their own offsets
-    (``writers``: file name -> open writer, filled as needed; the caller closes them)."""
+    """Bytes ``mv`` at ``off`` of data fragment ``index``, checked (padding must be zero) and
+    written into the node's files in ``part`` (``writers``: name -> open writer; the caller closes them)."""
     for name, foff, at, n in lay.pieces(index, off, len(mv)):
         piece = mv[at - off:at - off + n]
         if name is None:
@@ -143,14 +138,10 @@ class Event:
 
 
 class Timeline:
-    """What a rebuild did when, in order (any thread :meth:`mark`s; read after the rebuild),
-    so a slow restore can be read and its phases' overlap tested by the order of events.
-
-    Per fragment stream (``fragment``, ``node``): ``request``, ``connected`` (authenticated),
-    ``first-byte`` (the reply is in), ``set-up`` (header in, destination open), ``checked``
-    (``nbytes`` checked and written), ``last-byte``, ``done`` (its crc32c matched) or
-    ``failed`` (``nbytes``: checked until then). Per phase: ``decoded`` (a stripe of a missing
-    data fragment), ``synced`` (every file fdatasync'ed), ``committed``."""
+    """What a rebuild did when, in order (any thread :meth:`mark`s; read after the rebuild).
+    Per fragment stream: ``request``, ``connected``, ``first-byte``, ``set-up``, ``checked``
+    (``nbytes`` checked and written), ``last-byte``, ``done`` or ``failed``. Per phase:
+    ``decoded`` (a stripe of a missing data fragment), ``synced``, ``committed``."""
 
     def __init__(self) -> None:
         self.t0 = time.monotonic()
@@ -162,13 +153,12 @@ class Timeline:
             self.events.append(Event(time.monotonic() - self.t0, what, fragment, node, nbytes))
 
     def order(self, *whats: str) -> list[tuple[str, int]]:
-        """``(what, fragment)`` of the events named, in order (for tests of the phases' overlap)."""
+        """``(what, fragment)`` of the events named, in order."""
         return [(e.what, e.fragment) for e in self.events if e.what in whats]
 
     def streams(self) -> list[dict[str, Any]]:
-        """One row per fragment stream (a request to a node): seconds from the timeline's start
-        to its connection, first and last byte, bytes, the rate between first and last byte
-        (bytes/s) and how it ended ("done", "failed" or "" while running)."""
+        """One row per fragment stream: seconds to its connection, first and last byte, bytes,
+        the rate between first and last byte (``Bps``), how it ended ("done", "failed", "")."""
         rows: dict[tuple[int, str], dict[str, Any]] = {}
         for e in self.events:
             if e.fragment < 0:

@@ -2,14 +2,12 @@
 (:func:`holdings`, every rank before the agreement) and the rebuild (:func:`rebuild`, the
 node's leader, run by :func:`.fetch.fetch`), into ``step-N.partial``, every phase beside the others:
 
-1. k fetch threads take the fragments in index order (data first, so nothing is decoded while
-   their holders live), each from its next holder when one fails, stops or sends a wrong byte.
-   A data fragment's bytes are checked as they stream in (:class:`.verify.PieceCheck`) and
-   written straight into the node's files with O_DIRECT; a parity fragment goes into a
+1. k fetch threads take the fragments in index order (data first), each from its next holder
+   when one fails. A data fragment's bytes are checked as they stream in (:class:`.verify.PieceCheck`)
+   and written straight into the node's files with O_DIRECT; a parity fragment goes into a
    ``.fragment-<i>`` scratch file. Each fragment's crc32c is checked at its last byte.
-2. The data fragments no live holder serves are decoded stripe by stripe as the k fragments
-   stream in (:class:`.coded_decode.StripeDecoder`); when one it used fails, the decode runs
-   again after the fetch from the k that came.
+2. The missing data fragments are decoded stripe by stripe as the k fragments stream in
+   (:class:`.coded_decode.StripeDecoder`); when one it used fails, again after the fetch.
 3. Every file's check is finished, the files fdatasync'ed, the scratch files removed, and the
    step committed (the steps it references first). Events go to a :class:`.coded_decode.Timeline`.
 """
@@ -53,9 +51,8 @@ class Rebuild:
 
 
 def holdings(view: PeerView, transport: Any) -> dict[int, dict[str, Rebuild]]:
-    """step -> checkpoint id -> :class:`Rebuild` for every commit of a step of this node of
-    which live nodes hold at least k fragments of one coding (every commit: holders may keep a
-    superseded one of an overwritten step, and only the ranks' agreement says which is the step)."""
+    """step -> checkpoint id -> :class:`Rebuild` for every commit of a step of this node of which
+    live nodes hold at least k fragments of one coding (the ranks' agreement picks the commit)."""
     lists = ask_peers(view, lambda ep: transport.list_held(ep, "flist", src=view.me), "restore")
     groups: dict[tuple[int, str, str, int, int], dict[int, list[str]]] = {}
     for node, held in sorted(lists.items()):
@@ -91,10 +88,9 @@ def _pick(coded: dict[int, dict[str, Rebuild]], step: int, checkpoint_id: str) -
 
 
 class _FragmentWriter:
-    """Fragment ``index``'s bytes as they come (at fragment offsets): a data fragment's checked
-    and written into the node's files at their own offsets (:func:`.coded_decode.scatter`), a
-    parity fragment's into its ``.fragment-<i>`` scratch file (read by the decode); reports how
-    far it is written. One fetch thread; :meth:`close` always."""
+    """Fragment ``index``'s bytes as they come: a data fragment's checked and written into the
+    node's files (:func:`.coded_decode.scatter`), a parity fragment's into its scratch file;
+    reports how far it is written. One fetch thread; :meth:`close` always."""
 
     def __init__(self, engine: Engine, lay: Layout, part: str, index: int, checks: dict[str, PieceCheck],
                  written: Callable[[int, int], None]):
@@ -121,9 +117,8 @@ class _FragmentWriter:
 
 def rebuild(view: PeerView, transport: Any, tier: RootTier, engine_for: Callable[[], Engine], step: int,
             coded: dict[int, dict[str, Rebuild]], checkpoint_id: str = "", timeline: Timeline | None = None) -> None:
-    """The module doc's steps 1-3 for ``step`` (and the earlier steps it references).
-    ``checkpoint_id``: the commit of the step the ranks agreed on (a referenced step's commit
-    is the one its reference names). ``timeline``: where the rebuild's events go (bench, tests)."""
+    """The module doc's steps 1-3 for ``step`` (and the steps it references) of the agreed
+    ``checkpoint_id``; ``timeline``: where the rebuild's events go."""
     tl = timeline if timeline is not None else Timeline()
     names = [shard_name(r) for r in view.ranks_of(view.me)]
     man = _rebuild_step(view, transport, tier, engine_for, _pick(coded, step, checkpoint_id), names, tl,
@@ -284,8 +279,7 @@ def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Ca
 
 
 def _run_decode(dec: StripeDecoder, use: list[int], missing: list[int], box: list[Any]) -> None:
-    """The decode beside the streams (its own thread): ``box`` gets True when it decoded every
-    stripe; False or the error when it gave up (the rebuild then decodes after the fetch)."""
+    """The decode beside the streams (its own thread): ``box`` gets True, False or the error."""
     try:
         box.append(dec.decode(use, missing, wait=True))
     except (ZerostallError, OSError) as exc:

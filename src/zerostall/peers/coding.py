@@ -37,8 +37,7 @@ def require_codec() -> Any:
 
 
 class Code:
-    """RS(k, m): :meth:`parity` of k equal blocks, :meth:`recover` of missing data blocks from
-    any k blocks. Stateless after construction; zfec releases the GIL in both."""
+    """RS(k, m) (stateless after construction; zfec releases the GIL)."""
 
     def __init__(self, k: int, m: int):
         if not (1 <= k and 1 <= m and k + m <= MAX_FRAGMENTS):
@@ -55,9 +54,8 @@ class Code:
         return list(self._enc.encode(list(blocks), list(range(self.k, self.k + self.m))))
 
     def recover(self, blocks: dict[int, Any], missing: Sequence[int]) -> dict[int, bytes]:
-        """Data blocks ``missing`` (indices < k) from ``blocks`` (index -> buffer, at least k of
-        them, data or parity, one length). Garbage in, garbage out: callers check each
-        fragment's crc32c first and every tensor's crc32c after."""
+        """Data blocks ``missing`` from at least k ``blocks`` (index -> buffer). Garbage in,
+        garbage out: callers check each fragment's crc32c first and every tensor's after."""
         if len(blocks) < self.k:
             raise CorruptCheckpoint(f"RS({self.k},{self.m}) needs {self.k} fragments to rebuild, got {len(blocks)}")
         use = sorted(blocks)[:self.k]
@@ -67,10 +65,8 @@ class Code:
 
 @dataclass(frozen=True)
 class Layout:
-    """How one node's files of one step map onto k + m fragments (see the module doc).
-
-    ``files``: ``(name, bytes)`` in concatenation order (this node's shard files, by name;
-    every size a multiple of 4096, so each file starts at an aligned concatenated offset)."""
+    """How one node's files of one step map onto k + m fragments. ``files``: ``(name, bytes)`` in
+    concatenation order (sizes multiples of 4096)."""
 
     files: tuple[tuple[str, int], ...]
     k: int
@@ -113,8 +109,7 @@ class Layout:
                 pread_exact(fd_of(name), dst, foff, name)
 
     def stripes(self, stripe_bytes: int = STRIPE_BYTES) -> Iterator[tuple[int, int]]:
-        """``(offset, length)`` of each stripe of a fragment (any aligned size: a parity byte
-        depends only on the data bytes at its own offset)."""
+        """``(offset, length)`` of each stripe of a fragment."""
         f = self.fragment_bytes
         for off in range(0, f, stripe_bytes):
             yield off, min(stripe_bytes, f - off)
@@ -128,8 +123,7 @@ class Layout:
 
     @staticmethod
     def parse(raw: bytes, where: str) -> tuple["Layout", dict[str, Any]]:
-        """A descriptor written by :meth:`describe`: ``(layout, the document)``; anything else
-        raises :class:`CorruptCheckpoint` naming ``where``."""
+        """A descriptor written by :meth:`describe`: ``(layout, the document)``, or :class:`CorruptCheckpoint`."""
         try:
             doc = json.loads(raw)
             if doc.get("format") != "zerostall-rs" or doc.get("version") != 1:

@@ -94,12 +94,9 @@ def holders(src: str, nodes: Sequence[Node], replicas: int) -> tuple[str, ...]:
 
 
 def given_secret() -> bytes | None:
-    """The job's peer secret as the launcher gave it, or None (the store fallback).
-
-    ``ZEROSTALL_PEER_SECRET_FILE`` names a file only this user can read (a regular file owned
-    by the process's user, no group or other permission bits: mode 0600 or 0400), whose
-    content (stripped) is the secret; else ``ZEROSTALL_PEER_SECRET`` holds it. At least 16
-    characters either way. Raises :class:`ConfigError` naming the variable or file."""
+    """The job's peer secret as the launcher gave it (``ZEROSTALL_PEER_SECRET_FILE``: a regular
+    file of this user, mode 0600 or 0400; else ``ZEROSTALL_PEER_SECRET``; at least 16 characters),
+    or None (the store fallback). Raises :class:`ConfigError` naming the variable or file."""
     path = os.environ.get(SECRET_FILE_ENV)
     if path:
         try:
@@ -132,8 +129,8 @@ def session_key(given: bytes, prefix: str) -> bytes:
 
 
 def fingerprint(key: bytes) -> str:
-    """What a rank publishes of its key, so that ranks given different secrets fail at once:
-    a MAC of a fixed label, useless for the handshake (whose MACs are over nonces)."""
+    """What a rank publishes of its key (ranks given different secrets fail at once): a MAC of
+    a fixed label, useless for the handshake."""
     return hmac.new(key, b"zerostall-peers-fingerprint", hashlib.sha256).hexdigest()[:32]
 
 
@@ -174,8 +171,7 @@ def in_parallel(fn: Callable[..., None], args: Iterable[tuple[Any, ...]], name: 
 
 
 def ask_peers(view: PeerView, ask: Callable[[Endpoint], Any], what: str) -> dict[str, Any]:
-    """node -> ``ask(its endpoint)`` for every other node, asked in parallel; a node that fails
-    (unreachable, stopped: after ``peers.timeout_s``) is logged and left out."""
+    """node -> ``ask(its endpoint)`` for every other node, in parallel; a node that fails is left out."""
     out: dict[str, Any] = {}
 
     def one(node: str) -> None:
@@ -188,9 +184,8 @@ def ask_peers(view: PeerView, ask: Callable[[Endpoint], Any], what: str) -> dict
 
 
 def advertised_host(listen_host: str | None) -> tuple[str, str]:
-    """``(listen on, publish)``: an explicit host is used as is; otherwise loopback when the
-    job's rendezvous (``MASTER_ADDR``) is local, else every interface, published as the
-    address this host uses to reach ``MASTER_ADDR``."""
+    """``(listen on, publish)``: an explicit host as is; else loopback when ``MASTER_ADDR`` is
+    local, else every interface, published as the address that reaches ``MASTER_ADDR``."""
     if listen_host:
         return listen_host, listen_host
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -216,10 +211,8 @@ def _poll(store: Store, keys: list[str], timeout_s: float, what: str) -> None:
 
 
 def duplicate_names(names: list[str], copies: tuple[int, ...]) -> str:
-    """The refusal of a job in which one node name (``ZEROSTALL_NODE``) labels ranks that write
-    separate copies of the root (``copies``: every rank's copy, as its leader's rank, from the
-    start-up probes), or "" if none does. Ranks sharing one root may share a name; ranks whose
-    roots are separate must not: placement would count two machines as one."""
+    """The refusal of a job in which one node name labels ranks that write separate copies of
+    the root (``copies``: every rank's, as its leader's rank), or "" if none does."""
     seen: dict[str, dict[int, int]] = {}
     for r, (n, c) in enumerate(zip(names, copies)):
         seen.setdefault(n, {}).setdefault(c, r)
@@ -237,11 +230,8 @@ def setup(store: Store, prefix: str, rank: int, world: int, replicas: int, timeo
           serve: Callable[[bytes, str, list[Node]], tuple[str, int]], copies: tuple[int, ...] = (),
           deleted: dict[int, dict[str, Any]] | None = None) -> PeerView:
     """The start-up exchange (module doc). ``serve(secret, me, nodes)`` starts this node's
-    server (called on node leaders only) and returns the published ``(host, port)``.
-    ``copies``: every rank's copy of the root (its leader's rank; the session's
-    ``leader_of``): a node name shared by separate copies is refused on every rank alike.
-    ``deleted``: this node's tombstones, published with its endpoint; the view carries every
-    node's, merged."""
+    server (node leaders only) and returns the published ``(host, port)``. ``copies``: see
+    :func:`duplicate_names`. ``deleted``: this node's tombstones; the view carries every node's."""
     global _warned
     me, domain = node_id(), failure_domain()
     p = f"{prefix}/peers"

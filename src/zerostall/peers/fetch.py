@@ -36,9 +36,8 @@ log = logging.getLogger("zerostall")
 
 def fetch(store: Store, view: PeerView, transport: TcpTransport, tier: RootTier, engine_for: Callable[[], Engine],
           got: Offer, step: int, load_no: int, timeout_s: float, files_in: Callable[[], None] | None = None) -> bool:
-    """Step 3: the node's leader brings ``step``'s files of this node in (from the holders of
-    whole copies; for a step only coded fragments cover, ``files_in``: the rebuild); the others
-    wait. Returns whether it fetched (False: the files are local, or no peer holds them).
+    """Step 3: the node's leader brings ``step``'s files of this node in (whole copies, or
+    ``files_in``: the rebuild from coded fragments); the others wait. Returns whether it fetched.
     Raises :class:`CheckpointNotFound` on every rank of the node when the fetch failed."""
     if step in got.local or (step not in got.held and (step not in got.coded or files_in is None)):
         return False
@@ -68,8 +67,7 @@ def fetch(store: Store, view: PeerView, transport: TcpTransport, tier: RootTier,
 
 def _fetch_files(view: PeerView, transport: TcpTransport, tier: RootTier, engine_for: Callable[[], Engine],
                  step: int, got: Offer) -> None:
-    """``step``'s files of this node (the agreed commit's), and first those of earlier steps it
-    references (incremental: the bytes it borrows travel with their own step) that are not local."""
+    """``step``'s files of this node (the agreed commit's), and those of the steps it references."""
     names = [shard_name(r) for r in view.ranks_of(view.me)]
     man = _fetch_step(view, transport, tier, engine_for, step, got.held[step], names, commit=False,
                       checkpoint_id=got.ids.get(step, ""))
@@ -84,9 +82,8 @@ def _fetch_files(view: PeerView, transport: TcpTransport, tier: RootTier, engine
 
 
 def commit_with_refs(tier: RootTier, step: int, man: Manifest, names: list[str], bring: Callable[[int], None]) -> None:
-    """``step``'s files ``names`` are in ``step-N.partial`` (``man``): ``bring(ref)`` each earlier
-    step they reference (incremental) that is not local, then commit ``step``; on a failure
-    ``step``'s partial directory goes."""
+    """``step``'s files ``names`` are in ``step-N.partial``: ``bring(ref)`` each step they reference
+    that is not local, then commit ``step``; on a failure its partial directory goes."""
     try:
         for ref in sorted({r.step for r in man.ref_files if r.name in names}):
             if ref not in tier.steps() or not all(os.path.exists(os.path.join(tier.step_dir(ref), r.name))
@@ -99,9 +96,8 @@ def commit_with_refs(tier: RootTier, step: int, man: Manifest, names: list[str],
 
 
 def commit_fetched(tier: RootTier, step: int, man: Manifest) -> None:
-    """Commit the fetched ``step-N.partial``. Into a step committed here already only the same
-    commit goes, and the step's files that were not fetched stay (linked into the new
-    directory before the overwrite): a fetch adds files, it never drops a committed step's."""
+    """Commit the fetched ``step-N.partial``. Into a step committed here only the same commit
+    goes, and its files not fetched stay (linked in before the overwrite)."""
     if step not in tier.listed_steps():
         tier.commit(step, man)
         return
@@ -138,10 +134,9 @@ class _ManifestOnly:
 def _fetch_file(view: PeerView, transport: TcpTransport, engine_for: Callable[[], Engine], step: int,
                 name: str, hs: list[tuple[str, str]], path: str, checkpoint_id: str = "") -> Manifest:
     """One file of ``step`` into ``path`` from the holders ``hs`` (in order of preference),
-    verified, fdatasync'ed; returns the step's manifest. With several live holders the file is
-    cut into ranges at tensor boundaries (:func:`.verify.ranges`), one per holder, fetched in
-    parallel; a range whose holder fails is fetched again from the next one. ``checkpoint_id``:
-    the commit the copy must belong to (another one fails like a wrong byte)."""
+    verified, fdatasync'ed; returns the step's manifest. With several holders the file is cut
+    into ranges (:func:`.verify.ranges`) fetched in parallel, a failed one again from the next
+    holder. ``checkpoint_id``: the commit the copy must belong to."""
 
     def same_commit(m: Manifest, node: str) -> Manifest:
         if checkpoint_id and m.checkpoint_id != checkpoint_id:
@@ -234,8 +229,7 @@ def _fetch_file(view: PeerView, transport: TcpTransport, engine_for: Callable[[]
 def _fetch_step(view: PeerView, transport: TcpTransport, tier: RootTier, engine_for: Callable[[], Engine],
                 step: int, holders: dict[str, list[tuple[str, str]]], names: list[str], *, commit: bool,
                 checkpoint_id: str = "") -> Manifest:
-    """Bring ``names`` of ``step`` into ``step-N.partial`` (verified; the files in parallel,
-    each from its holders: :func:`_fetch_file`); commit it when asked. Returns the step's manifest."""
+    """Bring ``names`` of ``step`` into ``step-N.partial`` in parallel; commit it when asked."""
     part = tier.begin(step)
     mans: dict[str, Manifest] = {}
     errors: dict[str, str] = {}

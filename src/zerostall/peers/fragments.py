@@ -1,7 +1,6 @@
 """Coded copies on the wire and on a holder's disk: one fragment of one node's step per holder.
 
-On the holder, in :mod:`.store`'s step directory (so retention, quota and start-up cleaning
-treat fragments like files)::
+On the holder, in :mod:`.store`'s step directory (retention, quota and cleaning as for files)::
 
     peers/<src>/step-<N>/manifest.json    the step's manifest, durable before any fragment
     peers/<src>/step-<N>/coding.json      the coding descriptor (:meth:`.coding.Layout.describe`)
@@ -9,9 +8,8 @@ treat fragments like files)::
     peers/<src>/step-<N>/.incoming-*      a transfer in flight (removed at start-up)
 
 The header block is ``MAGIC`` + JSON ``{index, bytes, crc32c, descriptor}``, zero padded. A
-fragment is held once its final name exists: received into ``.incoming-*``, its crc32c compared
-with the one the sender announces after the last byte, the header written, fdatasync'ed,
-renamed, the directory fsync'ed; then acknowledged with the crc32c.
+fragment is held once its final name exists (:meth:`.store.PeerStore.keep`), its crc32c equal to
+the one the sender announces after the last byte; then acknowledged with the crc32c.
 
 Requests (registered on :class:`.tcp.TcpTransport`; fault points ``frag-send:*``,
 ``frag-recv:*``, ``frag-serve:mid-stream``)::
@@ -22,8 +20,7 @@ Requests (registered on :class:`.tcp.TcpTransport`; fault points ``frag-send:*``
     {"op": "fget", "src", "step", "index"}     -> {"ok", "manifest_bytes", "coding_bytes",
                                                   "size"} + manifest + descriptor + file
 
-Threads: the server's connection threads, a restore's fetch threads (:func:`download`); the
-sending side of ``fput`` is :class:`.coded._Feed`.
+Threads: the server's connection threads, a restore's fetch threads (:func:`download`).
 """
 
 from __future__ import annotations
@@ -99,8 +96,8 @@ class FragmentStore:
 
     def receive(self, src: str, step: int, index: int, man_bytes: bytes, desc_bytes: bytes,
                 fill: Callable[[Any, FragmentCheck], int]) -> str:
-        """Keep fragment ``index``: ``fill(writer, check)`` streams its bytes into the writer
-        at offset ``HEADER`` through ``check`` and returns the crc32c the sender announced."""
+        """Keep fragment ``index``: ``fill(writer, check)`` streams its bytes in at offset
+        ``HEADER`` and returns the crc32c the sender announced."""
         man = Manifest.from_bytes(man_bytes)
         where = f"{src}:step-{step}/{fragment_name(index)}"
         lay, doc = Layout.parse(desc_bytes, where)
@@ -140,8 +137,8 @@ class FragmentStore:
             return None
 
     def held(self, src: str | None = None) -> list[dict[str, Any]]:
-        """``[{src, step, checkpoint_id, created_unix, descriptor, k, m, fragments: {index: crc32c}}]``:
-        every step of which complete fragments are held here (of ``src`` only, if given)."""
+        """``[{src, step, checkpoint_id, created_unix, descriptor, k, m, fragments: {index: crc32c}}]``
+        of every step (of ``src``, if given) of which complete fragments are held here."""
         out = []
         for s, step in self.store._dirs():
             got = self._coding(s, step) if src is None or s == src else None
@@ -248,11 +245,9 @@ def download(transport: Any, ep: Endpoint, src: str, step: int, index: int,
              sink: Callable[[bytes, bytes, dict[str, Any]], tuple[Any, FragmentCheck]],
              connected: Callable[[], None] | None = None,
              first_byte: Callable[[], None] | None = None) -> tuple[bytes, bytes]:
-    """Fetch fragment ``index`` of ``src``'s ``step`` from ``ep``: ``sink(manifest bytes,
-    descriptor, header)`` returns the writer the fragment's bytes go to (at offsets 0..) and the
-    check to feed; raises unless their crc32c equals the header's. ``connected()``: called once
-    the connection is authenticated, ``first_byte()`` once the holder's reply is in (a
-    restore's timeline). Returns (manifest, descriptor)."""
+    """Fetch fragment ``index`` of ``src``'s ``step`` from ``ep`` into ``sink(manifest bytes,
+    descriptor, header)``'s writer (at offsets 0..) through its check; raises unless their crc32c
+    is the header's. ``connected``, ``first_byte``: a restore's timeline. Returns (manifest, descriptor)."""
     def run(s: socket.socket) -> tuple[bytes, bytes]:
         if connected is not None:
             connected()

@@ -33,9 +33,8 @@ Holders = dict[str, list[tuple[str, str]]]  # file name -> [(holder node, src no
 
 @dataclass(frozen=True)
 class Offer:
-    """What :func:`offer` found: the steps whose files of this node are local, those live
-    holders keep whole copies of (only the commit every rank can load) or enough coded
-    fragments of, and the steps the ranks hold as different commits (offered by nobody)."""
+    """What :func:`offer` found: the steps whose files of this node are local, held whole by live
+    holders (the commit every rank loads) or coded, and those the ranks hold as different commits."""
 
     local: set[int]
     held: dict[int, Holders] = field(default_factory=dict)  # step -> its holders, of the commit in ids
@@ -44,16 +43,16 @@ class Offer:
     split: set[int] = field(default_factory=set)
     refs: dict[int, Holders] = field(default_factory=dict)  # every step peers hold (incremental references)
     unshared: set[int] = field(default_factory=set)
-    """Steps this node could load that some other rank offered not at all: never agreed, but
-    counted as this node's, so that an error names only the ranks that truly lack a step."""
+    """Steps this node could load that some rank did not offer: counted as this node's, so that
+    an error names only the ranks that truly lack a step."""
 
     def steps(self) -> set[int]:
         return (self.local | set(self.held) | self.coded | self.unshared) - self.split
 
 
 def _local_steps(tier: RootTier, view: PeerView, names: list[str]) -> tuple[dict[int, str], dict[int, str | None]]:
-    """``(loadable, committed)``: step -> checkpoint id of the committed local steps holding
-    this node's files, and of every committed local step (None: its manifest is unreadable)."""
+    """``(loadable, committed)``: step -> checkpoint id of the local steps holding this node's
+    files, and of every committed one (None: its manifest is unreadable)."""
     out: dict[int, str] = {}
     committed: dict[int, str | None] = {}
     for s in tier.listed_steps():
@@ -74,8 +73,7 @@ def _local_steps(tier: RootTier, view: PeerView, names: list[str]) -> tuple[dict
 
 
 def _peer_holdings(view: PeerView, transport: TcpTransport, names: list[str]) -> dict[int, dict[str, Holders]]:
-    """step -> checkpoint id -> file name -> [(holder node, src)] for this node's files (every
-    one of them held), from every live peer."""
+    """step -> checkpoint id -> file name -> [(holder node, src)] where live peers hold all this node's files."""
     lists = ask_peers(view, transport.list_held, "restore")
     by_step: dict[int, dict[str, dict[str, list[tuple[str, str]]]]] = {}  # step -> ckpt id -> name -> holders
     for node, held in sorted(lists.items()):
@@ -99,8 +97,7 @@ def _peer_holdings(view: PeerView, transport: TcpTransport, names: list[str]) ->
 def _offer_ids(store: Store, view: PeerView, load_no: int, offer: dict[int, list[str]],
                timeout_s: float) -> tuple[dict[int, str], set[int]]:
     """Every rank posts, per step, the checkpoint ids it can load it as ("*": any, the remote
-    tier's); returns the steps one id is common to every rank, with that id, and the steps every
-    rank offers as different commits (the same on every rank)."""
+    tier's); returns step -> the id common to every rank, and the steps offered as different commits."""
     base = view.key(f"load{load_no}", "ids")
     store.set(f"{base}/r{view.rank}", json.dumps({str(k): v for k, v in offer.items()}))
     keys = [f"{base}/r{r}" for r in range(view.world)]
@@ -126,9 +123,8 @@ def _offer_ids(store: Store, view: PeerView, load_no: int, offer: dict[int, list
 def offer(store: Store, view: PeerView, transport: TcpTransport, tier: RootTier, load_no: int, *,
           step: int | None, remote_steps: list[int], timeout_s: float,
           coded: dict[int, Any] | None = None) -> Offer:
-    """Steps 1-2 of the module doc (collective: every rank calls it). ``coded``: step -> the
-    checkpoint ids of the commits live holders hold enough fragments of to rebuild this node's
-    files (coded copies, :func:`.coded_restore.holdings`)."""
+    """Steps 1-2 of the module doc (collective). ``coded``: step -> the checkpoint ids live
+    holders can rebuild this node's files of (:func:`.coded_restore.holdings`)."""
     coded = coded or {}
     names = [shard_name(r) for r in view.ranks_of(view.me)]
     local, committed = _local_steps(tier, view, names)

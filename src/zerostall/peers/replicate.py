@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from ..distributed.store import Store, StoreTimeout
 from ..errors import ZerostallError
-from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest
 from ..store.tier import RootTier
 from .exchange import PeerView, in_parallel, ranking
 from . import status as status_file
@@ -94,9 +94,8 @@ class PeerReplicator:
         return self._status.get(step)
 
     def newest_protected(self) -> set[int]:
-        """The newest step this run saw protected (empty before the first): local retention
-        keeps it until a newer one is protected, or a node lost meanwhile takes the only other
-        copy of this node's files with it (persist thread, via ``protect``)."""
+        """The newest step this run saw protected (empty before the first): local retention keeps
+        it until a newer one is protected (persist thread, via ``protect``)."""
         with self._mu:
             return set(self._protected_seen[-1:])
 
@@ -105,8 +104,7 @@ class PeerReplicator:
         return st is not None and st.done.wait(timeout)
 
     def close(self, timeout_s: float) -> list[int]:
-        """Wait up to ``timeout_s`` for steps in flight; cut what is left. Returns the steps of
-        this run that are not protected."""
+        """Wait up to ``timeout_s`` for steps in flight, then cut them; returns the unprotected steps."""
         deadline = time.monotonic() + timeout_s
         with self._mu:
             pending = [s for s in self._status.values() if not s.done.is_set()]
@@ -133,8 +131,8 @@ class PeerReplicator:
 
     # -- sender thread (node leaders) --------------------------------------------------
     def repair(self) -> None:
-        """Copy this node's kept steps to placement holders that lack them (after a holder was
-        replaced, or a run that ended before its copies were done); sender thread, in order."""
+        """Copy this node's kept steps to holders that lack them (a replaced holder, a run that
+        ended early); on the sender thread, in order."""
         if self._send is not None:
             self._q.put(-1)
 
@@ -168,19 +166,31 @@ class PeerReplicator:
             return {"error": str(exc)}
 
     def _step_manifest(self, step: int) -> tuple[bytes, Manifest]:
-        """The manifest of ``step`` in this node's root, raw and parsed (sender thread); raises
-        ``OSError`` or ``ZerostallError`` where it cannot be read."""
+        """``step``'s manifest in this node's root, raw and parsed; raises ``OSError`` or ``ZerostallError``."""
         with open(os.path.join(self.tier.step_dir(step), MANIFEST_NAME), "rb") as f:
             raw = f.read()
         return raw, Manifest.from_bytes(raw)
 
-    def _send_step(self, step: int, raw: bytes, man: Manifest) -> tuple[list[str], str]:
-        """Copy ``step`` (its manifest ``raw``, parsed ``man``) to its holders; sender thread.
-        Returns the holders and an error ("" when every copy is held)."""
+    def _mine(self, man: Manifest) -> list[FileEntry]:
+        """This node's files of ``man``, by name."""
         v = self.view
-        mine = [fe for fe in man.files if fe.rank < len(v.rank_nodes) and v.rank_nodes[fe.rank] == v.me]
-        want = self.replicas - 1
-        candidates = [n.name for n in ranking(v.me, v.nodes)]
+        return sorted((fe for fe in man.files if fe.rank < len(v.rank_nodes) and v.rank_nodes[fe.rank] == v.me),
+                      key=lambda fe: fe.name)
+
+    def _put(self, node: str, step: int, raw: bytes, man: Manifest, files: list[FileEntry]) -> int:
+        """Copy ``files`` of ``step`` to ``node``, each acknowledged with the digest
+        :func:`.verify.expected_digest` predicts; returns their bytes (sender thread)."""
+        for fe in files:
+            digest = self.transport.put(self.view.endpoints[node], self.view.me, step, fe.name,
+                                        os.path.join(self.tier.step_dir(step), fe.name), raw)
+            if digest != expected_digest(man, fe.name):
+                raise ZerostallError(f"node {node} acknowledged {fe.name} with digest {digest}, not the manifest's")
+        return sum(fe.file_bytes for fe in files)
+
+    def _send_step(self, step: int, raw: bytes, man: Manifest) -> tuple[list[str], str]:
+        """Copy ``step`` to its holders: ``(holders, error)`` ("" when every copy is held)."""
+        mine, want = self._mine(man), self.replicas - 1
+        candidates = [n.name for n in ranking(self.view.me, self.view.nodes)]
         held: list[str] = []
         errors: list[str] = []
         mu = threading.Lock()
@@ -192,14 +202,7 @@ class PeerReplicator:
                         return
                     node = candidates.pop(0)
                 try:
-                    sent = 0
-                    for fe in mine:
-                        digest = self.transport.put(v.endpoints[node], v.me, step, fe.name,
-                                                    os.path.join(self.tier.step_dir(step), fe.name), raw)
-                        if digest != expected_digest(man, fe.name):
-                            raise ZerostallError(f"node {node} acknowledged {fe.name} with digest {digest}, "
-                                                 "not the manifest's")
-                        sent += fe.file_bytes
+                    sent = self._put(node, step, raw, man, mine)
                     with mu:
                         held.append(node)
                         self.bytes_sent += sent
@@ -212,14 +215,12 @@ class PeerReplicator:
         in_parallel(slot, [()] * want, "zerostall-peers-put")
         error = "" if len(held) >= want else "; ".join(errors) or "stopped"
         if error:
-            log.warning("zerostall: step %d: node %s's files are held by %d of %d other nodes: %s", step, v.me,
-                        len(held), want, error)
+            log.warning("zerostall: step %d: node %s's files are held by %d of %d other nodes: %s", step,
+                        self.view.me, len(held), want, error)
         return sorted(held), error
 
     def _kept(self) -> list[tuple[int, bytes, Manifest]]:
-        """The local steps a start-up repair brings to their holders (the newest ``keep_last``),
-        with their manifests; a step deleted for good on some node (zerostall delete) or whose
-        manifest cannot be read is left out."""
+        """The newest ``keep_last`` local steps with their manifests, but those deleted for good or unreadable."""
         steps = self.tier.steps()
         out = []
         for step in steps if self.keep_last is None else steps[-self.keep_last:]:
@@ -249,11 +250,9 @@ class PeerReplicator:
             held = self.transport.list_held(v.endpoints[node])
             have = {(h["step"], h["checkpoint_id"], f) for h in held if h.get("src") == v.me for f in h["files"]}
             for step, raw, man in steps:
-                for fe in man.files:
-                    if v.rank_nodes[fe.rank] != v.me or (step, man.checkpoint_id, fe.name) in have:
-                        continue
-                    self.transport.put(v.endpoints[node], v.me, step, fe.name,
-                                       os.path.join(self.tier.step_dir(step), fe.name), raw)
+                todo = [fe for fe in self._mine(man) if (step, man.checkpoint_id, fe.name) not in have]
+                self._put(node, step, raw, man, todo)
+                for fe in todo:
                     log.info("zerostall: repair: %s of step %d copied to node %s", fe.name, step, node)
             return True
         except (OSError, ZerostallError, KeyError, TypeError, IndexError) as exc:
@@ -329,8 +328,7 @@ class PeerReplicator:
         if self.keep_last is None:
             return
         keep = set(protected[-self.keep_last:])
-        try:  # incremental steps: the steps they borrow bytes from stay too (per source, from the
-            # held copies' own manifests: PeerStore.retain)
+        try:  # the steps they borrow bytes from stay too (PeerStore.retain)
             self.peer_store.retain(keep, min(keep))
         except (OSError, ZerostallError) as exc:
             log.warning("zerostall: peer-copy retention failed: %s", exc)

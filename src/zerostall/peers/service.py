@@ -126,8 +126,7 @@ class Peers:
     name = "peer replicas"
 
     def on_committed(self, record: Any) -> None:
-        """A commit subscriber (:class:`~zerostall.saving.persist.CommitSubscriber`): ``record``
-        (a ``Committed``) was committed on every rank; copy it to the peers."""
+        """A commit subscriber: ``record`` was committed on every rank; copy it to the peers."""
         self.replicator.submit(record.step)
 
     # -- any thread --------------------------------------------------------------------
@@ -136,11 +135,9 @@ class Peers:
 
     # -- caller's thread ---------------------------------------------------------------
     def plan_load(self, step: int | None, warm: Callable[[], Any] | None = None) -> "PeerLoad":
-        """``Checkpointer.load``'s first part with peer replicas (every rank, collectively): what
-        this node can load counting live holders (whole copies, and coded fragments enough to
-        rebuild its files); the collective load then tries the steps all ranks offer, newest
-        first, and calls :meth:`PeerLoad.prepare` before each. ``warm`` (the restore scratch's
-        fault) runs on a thread of its own when this node's newest files are at hand."""
+        """``Checkpointer.load``'s first part (every rank, collectively): what this node can load
+        counting live holders; the collective load then calls :meth:`PeerLoad.prepare` before each
+        step it tries. ``warm`` runs on a thread of its own when this node's newest files are local."""
         n = next(self._loads)
         coded = holdings(self.view, self.transport) if self.cfg.peers.code is not None else {}
         remote_steps: list[int] = []
@@ -180,17 +177,15 @@ class Peers:
 
 class PeerLoad:
     """One collective load's part of the peer tier (caller's thread of every rank): ``steps``
-    (what this node can load, its local files and what live holders keep for it, every step
-    of them, so a fallback after a fetch still finds older ones) and :meth:`prepare`."""
+    (every step this node can load, locally or from live holders) and :meth:`prepare`."""
 
     def __init__(self, peers: Peers, number: int, got: Offer, steps: set[int], coded: Any):
         self.peers, self.number, self.offer, self.steps, self.coded = peers, number, got, steps, coded
         self.fetched: dict[int, str] = {}  # steps whose files this load brought in -> "peers" or "coded"
 
     def prepare(self, step: int) -> None:
-        """Called by the collective load before it loads ``step`` (every rank, the same steps
-        in the same order): brings this node's files of it in from peers when they are not
-        local (:func:`.fetch.fetch`). A failed fetch raises :class:`CheckpointNotFound`, which
-        the agreement reports to every rank like any defect of the step: all fall back."""
+        """Before the collective load loads ``step`` (every rank, in the same order): brings this
+        node's files in when not local. A failed fetch raises :class:`CheckpointNotFound`, which
+        the agreement reports to every rank: all fall back."""
         if self.peers._fetch(self, step):
             self.fetched[step] = "coded" if step in self.offer.coded else "peers"

@@ -1,10 +1,6 @@
 """``peers/.status.json`` in a node's root: which nodes held each step's files when its
-replication finished, and whether the step was protected -- for ``zerostall ls``, which runs
-outside the job and cannot ask the peers.
-
-Written by the node leader's watcher thread (atomically: a temporary file, fdatasync,
-rename); read by the CLI from any process. A hint for humans and tools, like ``latest``:
-restore never trusts it (it asks the live peers).
+replication finished, and whether the step was protected -- for ``zerostall ls``/``doctor``.
+Written atomically by the node leader's watcher thread; a hint, never trusted by a restore.
 """
 
 from __future__ import annotations
@@ -12,13 +8,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import socket
 import stat
 import threading
+import uuid
 from typing import Any
 
 from .._util import human_bytes
 from ..errors import ZerostallError
-from ..store.atomic import write_file_durable
+from ..store.atomic import fsync_dir, write_file_durable
 from .wire import NODE_RE, recv_msg
 
 NAME = ".status.json"
@@ -43,10 +42,8 @@ def read(root: str) -> dict[str, Any]:
 def record(root: str, me: str, step: int, protected: bool, holders: dict[str, list[str]], keep: list[int],
            endpoints: dict[str, str] | None = None, usage: dict[str, dict[str, Any]] | None = None,
            coded: dict[str, Any] | None = None) -> None:
-    """Add ``step``'s outcome; forget steps not in ``keep`` (the root's committed steps).
-    ``usage``: every node's peer area against its quota (:meth:`.store.PeerStore.usage`) as
-    each reported it with ``step``. ``coded`` (coded copies): ``{"code": [k, m], "fragments":
-    {node: {holder: index}}}``."""
+    """Add ``step``'s outcome; forget steps not in ``keep``. ``usage``: every node's
+    :meth:`.store.PeerStore.usage`; ``coded``: ``{"code": [k, m], "fragments": {node: {holder: index}}}``."""
     with _mu:
         doc = read(root)
         steps = {k: v for k, v in doc.get("steps", {}).items() if int(k) in keep}
@@ -61,8 +58,7 @@ def record(root: str, me: str, step: int, protected: bool, holders: dict[str, li
 
 
 def peer_rows(root: str, rows: list[dict[str, Any]]) -> None:
-    """``zerostall ls``: mark this node's committed steps with their peer holders and whether
-    they were protected; add a row per step held here for another node."""
+    """``zerostall ls``: this node's committed steps' holders and protection; a row per copy held here."""
     doc = read(root)
     me, steps = doc.get("node"), doc.get("steps", {})
     for r in rows:
@@ -73,9 +69,8 @@ def peer_rows(root: str, rows: list[dict[str, Any]]) -> None:
             usage = _usage(doc)
             r["holder_usage"] = {h: usage[h] for h in mine if h in usage}
             r["tier"] = f"local+peers({','.join(mine)})" + (" protected" if r["protected"] else " NOT protected")
-            if _coded(st):
-                k, m = st["code"]
-                frags = st.get("fragments", {}).get(me, {})
+            if (code := _code(st, me)) is not None:
+                k, m, frags = code
                 r["fragments"], r["rebuildable"] = frags, len(frags) >= k
                 r["tier"] = (f"local+RS({k},{m}) fragments {len(frags)}/{k + m} on {','.join(sorted(frags))}"
                              + (" protected" if r["protected"] else
@@ -88,10 +83,13 @@ def peer_rows(root: str, rows: list[dict[str, Any]]) -> None:
                          "tier": f"peer copy of {src}"})
 
 
-def _coded(st: dict[str, Any]) -> bool:
+def _code(st: dict[str, Any], me: Any) -> tuple[int, int, dict[str, Any]] | None:
+    """``(k, m, {holder: fragment index} of node me)`` of a coded step's record, else None."""
     code = st.get("code")
-    return isinstance(code, list) and len(code) == 2 and all(type(v) is int and v > 0 for v in code) \
-        and isinstance(st.get("fragments", {}), dict)
+    if isinstance(code, list) and len(code) == 2 and all(type(v) is int and v > 0 for v in code) \
+            and isinstance(st.get("fragments", {}), dict):
+        return code[0], code[1], st.get("fragments", {}).get(me, {})
+    return None
 
 
 def _usage(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -100,9 +98,8 @@ def _usage(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def quota_state(u: dict[str, Any]) -> tuple[str, str]:
-    """``(text, verdict)`` for one node's usage: verdict ``ok``, ``near`` (the next round of
-    copies, ``next_bytes`` more, would not fit), ``over`` (more held than the quota, or copies
-    refused), ``none`` (no quota) or ``bad`` (the hint's numbers are not counts)."""
+    """``(text, verdict)`` for one node's usage: ``ok``, ``near`` (``next_bytes`` more would not
+    fit), ``over`` (beyond the quota, or copies refused), ``none`` (no quota) or ``bad``."""
     nums = [u.get(k) for k in ("used_bytes", "quota_bytes", "next_bytes", "refused")]
     if not all(v is None or (type(v) is int and v >= 0) for v in nums):  # a damaged hint: say so, go on
         return "usage unreadable", "bad"
@@ -120,8 +117,7 @@ def quota_state(u: dict[str, Any]) -> tuple[str, str]:
 
 
 def quota_lines(root: str) -> list[str]:
-    """``zerostall ls``: each node's peer area against its quota, as the nodes reported it with
-    the newest step this node recorded (this node's own use read from its disk now)."""
+    """``zerostall ls``: each node's peer area against its quota (this node's own read from disk now)."""
     doc = read(root)
     usage = _usage(doc)
     me = doc.get("node")
@@ -137,8 +133,7 @@ def quota_lines(root: str) -> list[str]:
 
 
 def held_dirs(root: str) -> list[tuple[str, int, str]]:
-    """``(src node, step, directory)`` of every ``peers/<src>/step-<N>`` under ``root``, sorted
-    (not dot-names, links or names that are not a node's)."""
+    """``(src node, step, directory)`` of every ``peers/<src>/step-<N>`` under ``root``, sorted."""
     area = os.path.join(root, "peers")
     out = []
     for src in sorted(os.listdir(area)) if os.path.isdir(area) else []:
@@ -150,9 +145,22 @@ def held_dirs(root: str) -> list[tuple[str, int, str]]:
     return out
 
 
+def drop_dir(d: str) -> bool:
+    """Remove the held step directory ``d`` (``peers/<src>/step-<N>``): renamed to
+    ``peers/.deleting-*`` (durably: never half there) and deleted; False when it was gone."""
+    area = os.path.dirname(os.path.dirname(d))
+    gone = os.path.join(area, f".deleting-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(d, gone)
+    except FileNotFoundError:
+        return False
+    fsync_dir(area)
+    shutil.rmtree(gone, ignore_errors=True)  # what is left: removed at start-up (PeerStore.clean)
+    return True
+
+
 def area_bytes(root: str) -> int:
-    """Bytes of the files held under ``root/peers`` (not transfers in flight nor directories
-    being deleted: their names start with a dot)."""
+    """Bytes of the files held under ``root/peers`` (not dot-names: transfers, deletions)."""
     total = 0
     for d, dirs, files in os.walk(os.path.join(root, "peers")):
         dirs[:] = [x for x in dirs if not x.startswith(".")]
@@ -170,37 +178,33 @@ def file_size(path: str) -> int:
 
 
 def doctor_checks(root: str, timeout_s: float = 1.0) -> list[tuple[str, Any, str, str]]:
-    """``zerostall doctor ROOT``: the newest step's protection, and whether each peer's server
-    (as last recorded) answers with its node name -- ``(name, value, status, advice)`` rows.
-    Connects without the job's secret: the peers log the connection as refused."""
-    import socket
-
+    """``zerostall doctor ROOT``: ``(name, value, status, advice)`` rows of the newest step's
+    protection, each node's quota, and whether each peer's server answers (without the secret:
+    the peers log the connection as refused)."""
     doc = read(root)
     if not doc:
         return []
     out: list[tuple[str, Any, str, str]] = []
-    steps = doc.get("steps", {})
+    steps, me = doc.get("steps", {}), doc.get("node")
     if steps:
         s = max(steps, key=int)
         ok = bool(steps[s].get("protected"))
-        nodes = [doc.get("node", "?"), *steps[s].get("holders", {}).get(doc.get("node"), [])]
-        if _coded(steps[s]):
-            k, m = steps[s]["code"]
-            frags = steps[s].get("fragments", {}).get(doc.get("node"), {})
+        if (code := _code(steps[s], me)) is not None:
+            k, m, frags = code
             text = f"step {s}: RS({k},{m}), {len(frags)} of {k + m} fragments held ({', '.join(sorted(frags))})"
             out.append(("peer_fragments", text, "ok" if ok else "warn", "" if ok else
                         "the newest step is not protected: " + (
                             f"it survives the loss of this node and {len(frags) - k} of its holders"
                             if len(frags) >= k else "it cannot be rebuilt if this node is lost")))
         else:
+            nodes = [me or "?", *steps[s].get("holders", {}).get(me, [])]
             out.append(("peer_replicas", f"step {s}: held by {', '.join(nodes)}", "ok" if ok else "warn",
                         "" if ok else "the newest step is not protected: a lost node loses it"))
+    raise_it = "raise peers.quota_bytes / peers.quota_fraction on that node or lower keep_last"
     for node, u in sorted(_usage(doc).items()):
         text, verdict = quota_state(u)
-        advice = {"near": "near its quota: the next copies may be refused and steps left unprotected; raise "
-                          "peers.quota_bytes / peers.quota_fraction on that node or lower keep_last",
-                  "over": "over its quota: copies are refused and steps left unprotected; raise "
-                          "peers.quota_bytes / peers.quota_fraction on that node or lower keep_last",
+        advice = {"near": f"near its quota: the next copies may be refused and steps left unprotected; {raise_it}",
+                  "over": f"over its quota: copies are refused and steps left unprotected; {raise_it}",
                   "bad": f"the usage hint in {path(root)} is damaged; the next step's copies record it again",
                   }.get(verdict, "")
         out.append((f"peer_quota {node}", text, "warn" if advice else "ok", advice))

@@ -7,11 +7,8 @@ it may serve::
 
 A file is held once its final name exists: received into ``.incoming-*`` with O_DIRECT, every
 byte checked (:class:`.verify.StreamCheck`), fdatasync'ed, renamed, the directory fsync'ed. A
-new checkpoint under a step number already held replaces the old copy as a whole. Served
-(:meth:`PeerStore.path_for`): only committed files (this node's own steps and held copies).
-
-Threads: the server's connection threads and the replicator's (retention); one lock per
-``(src, step)`` serialises writers of one step directory.
+new checkpoint under a step number already held replaces the old copy as a whole. Threads: the
+server's connection threads and the replicator's (retention); one lock per ``(src, step)``.
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ from ..format.manifest import MANIFEST_NAME, Manifest
 from ..io.base import Engine
 from ..store.atomic import fsync_dir, unlinked_on_error, write_file_durable
 from ..store.tier import RootTier
-from .status import area_bytes, file_size as _size, held_dirs
+from .status import area_bytes, drop_dir, file_size as _size, held_dirs
 from .stream import at
 from .verify import StreamCheck, file_entry
 from .wire import check_name, check_node
@@ -39,12 +36,11 @@ T = TypeVar("T")
 
 
 class QuotaExceeded(ZerostallError):
-    """A copy would take this holder's peer area beyond its quota (``peers.quota_bytes`` /
-    ``peers.quota_fraction``)."""
+    """A copy would take this holder's peer area beyond ``peers.quota_bytes`` / ``quota_fraction``."""
 
 
 def quota_for(root: str, quota_bytes: int | None, quota_fraction: float | None) -> int | None:
-    """The byte limit of ``root``'s peer area from the config (the smaller of the two; None: none)."""
+    """The byte limit of ``root``'s peer area (the smaller of the two; None: none)."""
     limits = [quota_bytes] if quota_bytes is not None else []
     if quota_fraction is not None:
         st = os.statvfs(root)
@@ -107,8 +103,8 @@ class PeerStore:
             return None
 
     def held(self) -> list[dict[str, Any]]:
-        """``[{src, step, checkpoint_id, files: [...]}, ...]``: the peer copies held (complete
-        files only), and this node's own committed steps (``src`` = this node, ``local``)."""
+        """``[{src, step, checkpoint_id, created_unix, files}]``: the complete files of the peer
+        copies held and of this node's own committed steps (``src`` = this node, ``local``)."""
         found = [(src, step, self.step_dir(src, step), self.manifest(src, step), {}) for src, step in self._dirs()]
         found += [(self.me, step, self.tier.step_dir(step), self._own(step), {"local": True})
                   for step in self.tier.steps()]
@@ -132,9 +128,8 @@ class PeerStore:
 
     def receive(self, src: str, step: int, name: str, man_bytes: bytes,
                 fill: Callable[[Any, StreamCheck], None]) -> str:
-        """Keep ``name`` of ``src``'s ``step``: ``fill(writer, check)`` streams the bytes into the
-        open engine file (aligned, in order) through ``check``; returns the digest. Raises on any
-        mismatch; nothing but a removed ``.incoming-*`` is left then."""
+        """Keep ``name`` of ``src``'s ``step``: ``fill(writer, check)`` streams the bytes in through
+        ``check``; returns the digest. Raises on any mismatch, leaving nothing behind."""
         man = Manifest.from_bytes(man_bytes)
         if man.step != step:
             raise ZerostallError(f"the manifest names step {man.step}, the request step {step}")
@@ -152,14 +147,14 @@ class PeerStore:
 
     def open_step(self, src: str, step: int, man: Manifest, same: Callable[[Manifest], bool],
                   first: tuple[tuple[str, bytes], ...] = ()) -> None:
-        """The directory of ``src``'s ``step`` ready for a file of checkpoint ``man``, under the
-        step's lock: a copy whose manifest is not ``same`` goes as a whole; a new directory gets
-        ``first`` (name, bytes) files, then the manifest, durably (connection thread)."""
+        """The directory of ``src``'s ``step`` ready for a file of ``man``, under the step's lock: a
+        copy whose manifest is not ``same`` goes; a new one gets ``first`` (name, bytes) files,
+        then the manifest, durably (connection thread)."""
         d = self.step_dir(src, step)
         with self._lock(src, step):
             old = self.manifest(src, step)
             if old is not None and not same(old):
-                self._drop(src, step)
+                drop_dir(self.step_dir(src, step))
                 old = None
             os.makedirs(d, exist_ok=True)
             if old is None:
@@ -171,11 +166,10 @@ class PeerStore:
 
     def keep(self, src: str, step: int, name: str, nbytes: int, write: Callable[[Any], T],
              same: Callable[[], bool], hooks: str) -> T:
-        """Receive file ``name`` (``nbytes``) of ``src``'s ``step`` (after :meth:`open_step`):
-        reserve its room in the quota, ``write(writer)`` into an ``.incoming-*`` file (it raises
-        on any mismatch), fdatasync, rename it under the step's lock if the step is still
-        ``same()``; returns what ``write`` returned. A failure leaves nothing behind. ``hooks``:
-        the fault-hook prefix (connection thread)."""
+        """After :meth:`open_step`: reserve ``nbytes`` of the quota, ``write(writer)`` into an
+        ``.incoming-*`` file, fdatasync, rename it to ``name`` under the step's lock if the step is
+        still ``same()``; returns what ``write`` returned. A failure leaves nothing behind.
+        ``hooks``: the fault-hook prefix (connection thread)."""
         d = self.step_dir(src, step)
         self._reserve(src, step, name, nbytes)
         engine = self._engine_for()
@@ -201,14 +195,12 @@ class PeerStore:
         return out
 
     def used_bytes(self) -> int:
-        """Bytes of the files held (transfers in flight are counted by their reservations)."""
         return area_bytes(self.tier.root)
 
     def usage(self) -> dict[str, Any]:
-        """This node's peer area against its quota (published with each step's report, for
-        ``zerostall ls``/``doctor``): ``used_bytes``, ``quota_bytes`` (None: none), ``next_bytes``
-        (the newest held step of every source: the room the next round of copies needs on top,
-        as older copies go only once a newer step is protected), ``refused`` (for the quota)."""
+        """This node's peer area (published with each step's report): ``used_bytes``,
+        ``quota_bytes``, ``next_bytes`` (the newest held step of every source: the room the next
+        round of copies needs on top, as older copies go only later), ``refused`` (for the quota)."""
         newest: dict[str, int] = {}
         for src, step in self._dirs():
             newest[src] = max(newest.get(src, -1), step)
@@ -224,7 +216,6 @@ class PeerStore:
                 "refused": self.refused_quota}
 
     def _reserve(self, src: str, step: int, name: str, nbytes: int) -> None:
-        """Count ``nbytes`` against the quota for a transfer about to start, or refuse it."""
         with self._mu:
             if self.quota_bytes is not None:
                 old = _size(os.path.join(self.step_dir(src, step), name))  # replaced by the new copy
@@ -239,20 +230,9 @@ class PeerStore:
                                         f"exceeded: {used} held, {nbytes} more asked")
             self._reserved += nbytes
 
-    def _drop(self, src: str, step: int) -> None:
-        d = self.step_dir(src, step)
-        gone = os.path.join(self.area, f".deleting-{uuid.uuid4().hex[:8]}")
-        try:
-            os.rename(d, gone)
-        except FileNotFoundError:
-            return
-        fsync_dir(self.area)
-        shutil.rmtree(gone, ignore_errors=True)
-
     def retain(self, keep: set[int], below: int) -> list[tuple[str, int]]:
-        """Delete held steps lower than ``below`` that are not in ``keep`` (any source), nor
-        referenced by a step of the same source that stays (incremental: read from the held
-        copies' manifests, transitively)."""
+        """Delete held steps lower than ``below`` not in ``keep`` (any source) nor referenced,
+        transitively, by a step of the same source that stays (incremental)."""
         gone = []
         dirs = self._dirs()
         spared: set[tuple[str, int]] = set()
@@ -267,7 +247,7 @@ class PeerStore:
         for src, step in dirs:
             if step < below and step not in keep and (src, step) not in spared:
                 with self._lock(src, step):
-                    self._drop(src, step)
+                    drop_dir(self.step_dir(src, step))
                 gone.append((src, step))
         if gone:
             log.info("zerostall: retention removed peer copies %s from %s", gone, self.area)

@@ -1,14 +1,11 @@
-"""Moving one file's bytes over a peer connection: the sender's paced send from O_DIRECT
-read-ahead (:func:`send_range`), the receiver's checked, double-buffered O_DIRECT write (:func:`fill_from`),
-the token bucket both sides pace with (:class:`Pacer`) and the priority of the threads that copy
-replicas (:func:`background`).
-
-Called on the connection's thread (a server connection thread, a replicator transfer thread,
-a restore fetch thread); nothing here is shared but a :class:`Pacer`.
+"""Moving one file's bytes over a peer connection: :func:`send_range` (paced, from O_DIRECT
+read-ahead), :func:`fill_from` (checked, double-buffered O_DIRECT write), the :class:`Pacer` and
+:func:`background`. Called on the connection's thread; nothing here is shared but a :class:`Pacer`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -41,13 +38,9 @@ def at(point: str) -> None:
 
 
 def background(cpu: str) -> None:
-    """Idle I/O class and ``cpu`` priority for the calling thread, so that copies take only what
-    the training leaves over (best effort: a refusal is logged at debug).
-
-    ``cpu``: ``"idle"`` (``SCHED_IDLE``), ``"nice"`` (nice 19) or ``"normal"``. Called only by
-    threads that do nothing but copy replicas (the replicator's sender, a holder's thread
-    receiving a ``put``): an unprivileged thread cannot undo it, and the threads it starts
-    inherit it. Never by threads serving or fetching a restore (someone waits for those)."""
+    """Idle I/O class and ``cpu`` priority (``"idle"``: SCHED_IDLE, ``"nice"``: 19, ``"normal"``)
+    for the calling thread, best effort. Only for threads that do nothing but copy replicas: an
+    unprivileged thread cannot undo it, and the threads it starts inherit it."""
     set_idle_io_priority()
     tid = threading.get_native_id()
     try:
@@ -79,16 +72,12 @@ def _sysctl(name: str, field: int) -> int:
 
 def roomy_send_buffer(sock: socket.socket) -> None:
     """Give ``sock`` a send buffer of :data:`SOCKET_SEND_BYTES` (or the autotuning ceiling, if
-    higher) where ``net.core.wmem_max`` allows; else leave it to autotuning. Why: a socket with
-    a timeout sends in non-blocking pieces of what the buffer has room for, and autotuning sizes
-    it to a few milliseconds on a low-latency link; a sender waiting for a core or the GIL
-    would leave the link idle (docs/peers.md, "What bounds a coded restore")."""
+    higher) where ``net.core.wmem_max`` allows: autotuning's few milliseconds leave the link idle
+    while the sender waits for a core (docs/peers.md, "What bounds a coded restore")."""
     want = max(SOCKET_SEND_BYTES, _sysctl("net/ipv4/tcp_wmem", 2) // 2)
     if want <= _sysctl("net/core/wmem_max", 0):
-        try:
+        with contextlib.suppress(OSError):  # not a TCP socket (tests' socketpairs), or a seccomp filter
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, want)
-        except OSError:  # not a TCP socket (tests' socketpairs), or a seccomp filter
-            pass
 
 
 PIECES_PER_TIMEOUT = 8  # paced pieces of rate * timeout_s / 8: a pause stays well within the peer's timeout_s
@@ -97,11 +86,8 @@ MIN_PIECE_BYTES = 64 << 10
 
 class Pacer:
     """A token bucket shared by every transfer it paces (``rate`` bytes/s; None: no cap). Any thread.
-
     Send before sleep: a transfer moves at most :attr:`piece_bytes`, then pays with :meth:`take`,
-    so its first byte never waits and the other end (which gives up after ``timeout_s`` without
-    progress) never times out on the pacer (:class:`~zerostall.config.PeersConfig` refuses a
-    ``rate`` and ``timeout_s`` too small for that)."""
+    so the other end (which gives up after ``timeout_s`` without progress) never waits on it."""
 
     def __init__(self, rate: int | None, timeout_s: float | None = None):
         self.rate = rate
@@ -112,7 +98,6 @@ class Pacer:
             self.piece_bytes = max(MIN_PIECE_BYTES, min(SEND_BYTES, int(rate * timeout_s / PIECES_PER_TIMEOUT)))
 
     def take(self, n: int) -> None:
-        """Pay for ``n`` bytes just moved: sleep until the bucket allows the next piece."""
         if not self.rate:
             return
         with self._mu:
@@ -126,10 +111,9 @@ class Pacer:
 
 class _ReadAhead:
     """Bytes ``[offset, offset + length)`` of an open file, read ahead on a thread of their own
-    into :data:`SEND_BUFS` aligned buffers, with O_DIRECT where the filesystem takes it (reopened
-    through ``/proc/self/fd``: the same inode even if renamed since). The sending thread
-    iterates over the filled pieces in file order, handing each buffer back by taking the next;
-    a read error is raised there. :meth:`close` stops the reader."""
+    into :data:`SEND_BUFS` buffers, with O_DIRECT where the filesystem takes it (through
+    ``/proc/self/fd``: the same inode). The sending thread iterates over the pieces in order (a
+    read error is raised there); :meth:`close` stops the reader."""
 
     def __init__(self, fd: int, offset: int, length: int):
         self.fd, self.offset, self.end = fd, offset, offset + length
@@ -205,12 +189,10 @@ class _ReadAhead:
 
 def send_range(sock: socket.socket, f: Any, offset: int, length: int, pacer: Pacer | None = None) -> int:
     """Send bytes ``[offset, offset + length)`` of open file ``f`` to ``sock`` from an O_DIRECT
-    read-ahead (:class:`_ReadAhead`; ``sendfile`` of an uncached copy read the disk on the
-    sending thread and idled the socket meanwhile: docs/cluster.md, the link probe), paced by
-    ``pacer``. Returns the bytes sent: fewer when the receiver closed (its answer says why) or
-    the file could not be read (logged). Raises ``TimeoutError`` when the receiver took nothing
-    for the socket's timeout (a stopped peer: the caller must not wait for its answer). On an
-    early stop the socket is shut for writing, so the receiver sees a cut transfer at once."""
+    read-ahead (not ``sendfile``: docs/cluster.md, the link probe), paced by ``pacer``. Returns
+    the bytes sent: fewer when the receiver closed or the file could not be read (logged), and
+    then the socket is shut for writing. Raises ``TimeoutError`` when the receiver took nothing
+    for the socket's timeout (a stopped peer: the caller must not wait for its answer)."""
     reader = _ReadAhead(f.fileno(), offset, length)
     pieces = iter(reader)
     sent = 0
@@ -242,32 +224,24 @@ def send_range(sock: socket.socket, f: Any, offset: int, length: int, pacer: Pac
 
 def shutdown(sock: socket.socket, how: int) -> None:
     """``sock.shutdown(how)`` unless the other side reset or closed it already."""
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(how)
-    except OSError:
-        pass
 
 
 def unmap(bufs: list[Any]) -> None:
-    """Close mmap buffers; one still referenced (by an exception's frames, a receive not woken)
-    is left to the GC."""
+    """Close mmap buffers; one still referenced is left to the GC."""
     for buf in bufs:
-        try:
+        with contextlib.suppress(BufferError):
             buf.close()
-        except BufferError:
-            pass
 
 
 def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer: Pacer | None = None,
               start: int = 0, point: str = "", buf_bytes: int = BUF_BYTES) -> None:
     """Receive ``size`` bytes, check them (``check.feed``) and write them to ``w`` at file offsets
     ``start``.. (aligned). A thread of its own receives into :data:`RECV_BUFS` buffers while the
-    caller's thread checks each filled one and writes it with O_DIRECT, so the socket keeps
-    draining during the crc and the write (docs/cluster.md, the link probe); while one buffer is
-    written the next, if in, is checked (the write's ``overlap``). Every buffer is checked before
-    it is written. ``pacer``: the receiver's own cap; ``point``: the :data:`fault_hook` prefix;
-    ``buf_bytes``: :data:`BUF_BYTES` for copies, :data:`FETCH_BUF_BYTES` for restores. On an
-    error the receiving thread is woken by ``shutdown(SHUT_RD)`` (the caller may still answer)."""
+    caller's thread checks each one, then writes it (checking the next meanwhile: the write's
+    ``overlap``). ``pacer``: the receiver's own cap; ``point``: the :data:`fault_hook` prefix. On
+    an error the receiving thread is woken by ``shutdown(SHUT_RD)`` (the caller may still answer)."""
     bufs = [mmap.mmap(-1, buf_bytes) for _ in range(RECV_BUFS)]
     free: queue.SimpleQueue[int | None] = queue.SimpleQueue()
     full: queue.SimpleQueue[tuple[int, int] | BaseException] = queue.SimpleQueue()
@@ -306,8 +280,7 @@ def fill_from(sock: socket.socket, size: int, w: Any, check: StreamCheck, pacer:
     taken = [0]  # bytes handed over by the receiving thread so far
 
     def take(block: bool) -> tuple[int, int, int] | None:
-        """The next filled buffer, checked: (index, bytes, file offset - start); None when none
-        is waiting (``block`` False) or every byte was taken."""
+        """The next filled buffer, checked: (index, bytes, file offset - start), or None."""
         if taken[0] >= size:
             return None
         try:

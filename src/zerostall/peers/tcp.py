@@ -10,14 +10,11 @@ Requests after the handshake, each answered ``{"ok": true, ...}`` or ``{"ok": fa
     {"op": "get", "src", "step", "name"}
         -> {"ok": true, "size", "manifest_bytes"} + manifest + file bytes
 
-Who calls what: ``serve(store)`` once at start-up (node leaders, caller's thread of
-``Checkpointer.__init__``); ``put``, ``list_held``, ``get`` from the replicator's and the
-restore's threads, each on a connection of its own; ``close()`` from ``Checkpointer.close()``
-(never blocks longer than a socket shutdown). Every socket has ``timeout_s``: a stopped peer
-fails the call after ``timeout_s`` without progress. The server runs one daemon thread per
-connection (at most ``max_connections``); one receiving a copy lowers its own priority
-(:func:`.stream.background`). When every slot is taken, the oldest connection not yet
-authenticated is dropped for the new one, so strangers cannot lock the job's peers out.
+``serve(store)`` once at start-up (node leaders, ``Checkpointer.__init__``'s thread); ``put``,
+``list_held``, ``get`` from the replicator's and the restore's threads, each on a connection of
+its own; ``close()`` never blocks longer than a socket shutdown. Every socket has ``timeout_s``.
+The server runs one daemon thread per connection (at most ``max_connections``; when all are
+taken, the oldest not yet authenticated is dropped, so strangers cannot lock the peers out).
 """
 
 from __future__ import annotations
@@ -43,13 +40,11 @@ log = logging.getLogger("zerostall")
 MAX_FILE_BYTES = 1 << 46
 
 Sink = Callable[[Manifest, int], tuple[Any, StreamCheck]]
-"""``get``'s destination: called with the file's manifest and size once the peer announced
-it; returns an open engine writer and the :class:`StreamCheck` to feed."""
+"""``get``'s destination: ``(manifest, size) -> (open engine writer, StreamCheck to feed)``."""
 
 
 def _serving_io_priority() -> None:
-    """A connection thread serving a restore or a listing: best-effort disk I/O (someone is
-    waiting; threads receiving copies go idle instead, :func:`.stream.background`)."""
+    """A connection thread serving a restore or a listing: best-effort disk I/O (someone waits)."""
     try:
         import psutil
         psutil.Process(threading.get_native_id()).ionice(psutil.IOPRIO_CLASS_BE, 4)
@@ -223,8 +218,7 @@ class TcpTransport:
 
     @staticmethod
     def _range(msg: dict[str, Any], man: Any, name: str, size: int) -> tuple[int, int]:
-        """A get's ``offset``/``length`` (default: the whole file), refused unless the range
-        starts at 0 or at a split point of the file and lies inside it."""
+        """A get's ``offset``/``length`` (default: the whole file), starting at 0 or a split point."""
         start = check_size(msg.get("offset", 0), size, "range offset")
         length = check_size(msg.get("length", size - start), size - start, "range length")
         if start and start not in split_points(man, name):
@@ -233,8 +227,7 @@ class TcpTransport:
 
     # -- client ------------------------------------------------------------------------
     def open(self, ep: Endpoint, op: str = "") -> socket.socket:
-        """An authenticated connection to ``ep`` (``op``: the fault-hook prefix); hand it back
-        with :meth:`release`."""
+        """An authenticated connection to ``ep`` (``op``: the fault-hook prefix); :meth:`release` it."""
         try:
             s = socket.create_connection((ep.host, ep.port), timeout=self.timeout_s)
         except OSError as exc:
@@ -294,11 +287,8 @@ class TcpTransport:
                     at("send:mid-stream")
                     if send_range(s, f, half, size - half, self.pacer) == size - half:
                         at("send:sent")
-                try:
-                    # a filesystem without O_DIRECT: the read-ahead went through the cache
+                with contextlib.suppress(OSError):  # without O_DIRECT the read-ahead went through the cache
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-                except OSError:
-                    pass
             reply = recv_msg(s)
             if not reply.get("ok"):
                 raise PeerError(f"node {ep.node} refused {name} of step {step}: {reply.get('error')}")
@@ -306,8 +296,7 @@ class TcpTransport:
         return self.call(ep, f"copying {name} of step {step}", run, "send")
 
     def list_held(self, ep: Endpoint, op: str = "list", **fields: Any) -> list[dict[str, Any]]:
-        """What ``ep`` holds (:meth:`.store.PeerStore.held`; ``op="flist", src=node``: the coded
-        fragments of ``node`` it holds, :meth:`.fragments.FragmentStore.held`)."""
+        """What ``ep`` holds (:meth:`.store.PeerStore.held`; ``op="flist"``: :meth:`.fragments.FragmentStore.held`)."""
         def run(s: socket.socket) -> list[dict[str, Any]]:
             send_msg(s, {"op": op, **fields})
             reply = recv_msg(s)

@@ -1,11 +1,10 @@
 """Steps deleted for good: ``peers/.deleted.json`` in a node's root, and the deletion itself.
 
 ``zerostall delete ROOT --step N`` (:func:`delete_step`, the job stopped) records a *tombstone*
-(the checkpoint ids removed, the time) and then removes the node's ``step-N`` and the copies of
-step N it holds, so that the step does not come back from a holder. A copy is dead if its id is
-recorded or its manifest is older than the deletion. At start-up every node's leader publishes
-its tombstones (:mod:`.exchange`), merges the others' and drops the dead copies it holds; a
-restore never counts a dead copy. Written atomically (tmp, fdatasync, rename).
+(the checkpoint ids removed, the time), then removes the node's ``step-N`` and the copies of step
+N it holds. A copy is dead if its id is recorded or its manifest is older than the deletion. At
+start-up every node's leader publishes its tombstones (:mod:`.exchange`), merges the others' and
+drops the dead copies it holds; a restore never counts a dead copy.
 """
 
 from __future__ import annotations
@@ -20,9 +19,9 @@ from typing import Any
 
 from ..errors import ZerostallError
 from ..format.manifest import MANIFEST_NAME, Manifest
-from ..store.atomic import fsync_dir, rmtree, write_file_durable
+from ..store.atomic import fsync_dir, write_file_durable
 from ..store.local import LocalTier
-from .status import held_dirs
+from .status import drop_dir, held_dirs
 
 log = logging.getLogger("zerostall")
 NAME = ".deleted.json"
@@ -87,8 +86,7 @@ def dead(tombs: Tombs, step: int, checkpoint_id: Any, created_unix: Any) -> bool
 
 
 def drop_dead(root: str, tombs: Tombs) -> list[tuple[str, int]]:
-    """Remove the copies held under ``root/peers`` that ``tombs`` declares dead (node leader's
-    start-up, before its server answers; or the CLI)."""
+    """Remove the copies held under ``root/peers`` that ``tombs`` declares dead (start-up, before serving; CLI)."""
     area = os.path.join(root, "peers")
     gone = []
     for src, step, d in held_dirs(root):
@@ -100,11 +98,7 @@ def drop_dead(root: str, tombs: Tombs) -> list[tuple[str, int]]:
             ident: tuple[Any, Any] = (man.checkpoint_id, man.created_unix)
         except (OSError, ZerostallError):
             ident = (None, None)  # no readable manifest: nothing to serve, nothing to keep
-        if ident == (None, None) or dead(tombs, step, *ident):
-            doomed = os.path.join(area, f".deleting-{uuid.uuid4().hex[:8]}")
-            os.rename(d, doomed)
-            fsync_dir(area)
-            rmtree(doomed)
+        if (ident == (None, None) or dead(tombs, step, *ident)) and drop_dir(d):
             gone.append((src, step))
     if gone:
         log.info("zerostall: removed copies of deleted steps %s from %s", gone, area)
@@ -112,9 +106,8 @@ def drop_dead(root: str, tombs: Tombs) -> list[tuple[str, int]]:
 
 
 def delete_step(root: str, step: int, *, lock_timeout_s: float = 0.0) -> list[str]:
-    """Delete ``step`` for good from ``root`` (the job stopped: takes the root's lock): record
-    its tombstone, then remove the root's own ``step-N`` and the copies of step N it holds for
-    other nodes. Returns one line per thing removed."""
+    """Delete ``step`` for good from ``root`` (takes the root's lock): its tombstone first, then
+    the root's ``step-N`` and the copies of step N held here. Returns one line per thing removed."""
     tier = LocalTier(root, lock_timeout_s=lock_timeout_s)
     tier.own()
     try:

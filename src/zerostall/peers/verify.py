@@ -2,19 +2,15 @@
 block equals the one the manifest implies, each of the file's own tensors matches its recorded
 crc32c, every other byte (alignment padding) is zero. Nothing is read back.
 
-:class:`StreamCheck` takes the bytes in file order (a copy received, a file or range fetched);
-one thread. Its :meth:`~StreamCheck.digest` is computed from the bytes received (header + each
-tensor's crc as read); :func:`expected_digest` computes the same from the manifest alone, so a
-sender compares the receiver's acknowledgement with what it sent without reading its file again.
+:class:`StreamCheck` takes the bytes in file order (one thread); its :meth:`~StreamCheck.digest`
+(header + each tensor's crc as read) equals :func:`expected_digest`, computed from the manifest
+alone, so a sender checks the receiver's acknowledgement without reading its file again.
 
 :class:`PieceCheck` takes pieces at any offsets from several threads (a rebuild from coded
-fragments, :mod:`.coded_restore`: each data fragment is a byte range of the node's files on a
-fetch thread of its own, a missing one decoded on another). Each piece belongs to a *source* (a
-fragment index) whose pieces come in file order; a source that failed is
-:meth:`~PieceCheck.forget`-ten before it is fed again. A tensor one source sends whole is judged
-at its last byte; one that straddles two sources is judged by :meth:`~PieceCheck.finish`, its
-crc32c combined from the parts', once every source's own crc32c passed (before, which part is
-wrong cannot be told).
+fragments). Each piece belongs to a *source* (a fragment index) whose pieces come in file order;
+a failed source is :meth:`~PieceCheck.forget`-ten before it is fed again. A tensor one source
+sends whole is judged at its last byte; one that straddles two sources by
+:meth:`~PieceCheck.finish` (before, which part is wrong cannot be told).
 """
 
 from __future__ import annotations
@@ -61,8 +57,7 @@ def expected_digest(man: Manifest, name: str) -> str:
 
 
 class _FileCheck:
-    """What both checks share: ``name`` of ``man``, its header block and own tensors; errors
-    name ``where`` (and the tensor)."""
+    """``name`` of ``man``: its header block and own tensors; errors name ``where``."""
 
     def __init__(self, man: Manifest, name: str, where: str):
         fe = file_entry(man, name)
@@ -86,12 +81,8 @@ class _FileCheck:
 
 class StreamCheck(_FileCheck):
     """Checks ``name`` of ``man`` fed in file order; raises :class:`CorruptCheckpoint` at the
-    first wrong byte (naming ``where`` and the tensor).
-
-    ``start``/``end``: check only the byte range ``[start, end)`` of the file (a range fetched
-    from one holder while others send the rest); ``start`` must be 0 or an offset that
-    :func:`split_points` returned, so every tensor lies wholly inside one range and is checked
-    against its crc32c there. Its :meth:`digest` is the whole file's only when the range is."""
+    first wrong byte. ``start``/``end``: only bytes ``[start, end)`` (``start`` 0 or one of
+    :func:`split_points`, so every tensor lies wholly inside one range)."""
 
     def __init__(self, man: Manifest, name: str, where: str, start: int = 0, end: int | None = None):
         super().__init__(man, name, where)
@@ -140,8 +131,7 @@ class StreamCheck(_FileCheck):
 
 
 def split_points(man: Manifest, name: str) -> list[int]:
-    """Offsets where ``name`` may be cut into ranges fetched from different holders, ascending:
-    the start of each of its own tensors after the first (aligned; no tensor crosses one)."""
+    """Offsets where ``name`` may be cut into ranges, ascending: aligned tensor starts no tensor crosses."""
     out, end = [], HEADER_BYTES
     for e in own_items(man, name):
         if e.offset >= end and e.offset % ALIGN_BYTES == 0 and e.offset > HEADER_BYTES:
@@ -151,8 +141,8 @@ def split_points(man: Manifest, name: str) -> list[int]:
 
 
 def ranges(man: Manifest, name: str, parts: int, min_bytes: int) -> list[tuple[int, int]]:
-    """``name`` cut into at most ``parts`` ranges of at least ``min_bytes`` each (about equal,
-    at :func:`split_points`): ``[(start, end), ...]`` covering the file."""
+    """``name`` cut at :func:`split_points` into at most ``parts`` about equal ranges of at least
+    ``min_bytes``: ``[(start, end), ...]``."""
     size = file_entry(man, name).file_bytes
     parts = max(1, min(parts, size // max(min_bytes, 1)))
     pts = split_points(man, name)
@@ -178,8 +168,7 @@ class PieceCheck(_FileCheck):
         self._cover: dict[int, list[list[int]]] = {}  # source -> merged [start, end) runs checked
 
     def feed(self, source: int, offset: int, mv: memoryview) -> None:
-        """Check bytes ``[offset, offset + len(mv))`` of the file, from ``source``; raises
-        :class:`CorruptCheckpoint` naming the tensor (or the header, or the padding) at fault."""
+        """Check bytes ``[offset, offset + len(mv))`` of the file, from ``source``."""
         a, b = offset, offset + len(mv)
         if a < 0 or b > self.size:
             raise self._bad(f"bytes {a}..{b} lie outside the {self.size}-byte file")
