@@ -18,7 +18,7 @@ import crc32c as _crc
 import torch
 
 from ..config import ALIGN_BYTES
-from ..errors import CorruptCheckpoint
+from .validate import bad
 from .layout import PAGE_ITEM_BYTES, HEADER_BYTES, ShardHeader, align_up, item_align, item_end, pack_offsets
 
 __all__ = ["CrcCursor", "Item", "ShardCursor", "check_items", "pack_offsets", "read_runs", "read_shard",
@@ -92,10 +92,8 @@ def check_items(path: str, items: Sequence[Item], file_bytes: int) -> None:
     for it in items:
         if (it.nbytes < 0 or it.offset % item_align(it.nbytes) or it.offset < end
                 or it.offset + it.nbytes > file_bytes):
-            raise CorruptCheckpoint(
-                f"{path}: item {it.key!r} at offset {it.offset} ({it.nbytes} bytes) is unaligned, overlaps "
-                f"the header or the previous item, or lies outside the {file_bytes}-byte file",
-                path=path, key=it.key)
+            raise bad(path, f"item {it.key!r} at offset {it.offset} ({it.nbytes} bytes) is unaligned, overlaps "
+                      f"the header or the previous item, or lies outside the {file_bytes}-byte file", it.key)
         end = item_end(it.offset, it.nbytes)
 
 
@@ -159,7 +157,7 @@ class ShardCursor:
             end = e.offset + e.nbytes
             a, b = max(e.offset, w0), min(end, w1)
             if gaps and a > pos and not _zeros(mv[pos - w0:a - w0]):
-                raise CorruptCheckpoint(f"{path}: non-zero padding before {e.key!r}", path=path, key=e.key)
+                raise bad(path, f"non-zero padding before {e.key!r}", e.key)
             if wanted is not None and j - 1 not in wanted:  # a neighbour on a page read: not checked
                 pos = max(pos, b)
                 continue
@@ -179,18 +177,17 @@ class ShardCursor:
             pos = max(pos, b)
             if (tails and end < w1 and e.nbytes >= PAGE_ITEM_BYTES  # the padding a page item owns
                     and not _zeros(mv[end - w0:min(align_up(end), w1) - w0])):
-                raise CorruptCheckpoint(f"{path}: non-zero padding after {e.key!r}", path=path, key=e.key)
+                raise bad(path, f"non-zero padding after {e.key!r}", e.key)
             if end <= w1:  # complete in this window
                 if verify and crcs[j - 1] != e.crc32c:
-                    raise CorruptCheckpoint(
-                        f"{path}: {e.key!r} failed its crc32c check (recorded {e.crc32c:08x}, "
-                        f"read {crcs[j - 1]:08x})", path=path, key=e.key)
+                    raise bad(path, f"{e.key!r} failed its crc32c check (recorded {e.crc32c:08x}, "
+                              f"read {crcs[j - 1]:08x})", e.key)
                 self.finished[j - 1] = True
                 self.open_dsts.pop(j - 1, None)
                 if self.on_item is not None:
                     self.on_item(j - 1)
         if gaps and pos < w1 and not _zeros(mv[pos - w0:w1 - w0]):
-            raise CorruptCheckpoint(f"{path}: non-zero padding at offset {pos}", path=path)
+            raise bad(path, f"non-zero padding at offset {pos}")
 
     def finish(self, wanted: set[int] | None) -> None:
         """After the last window: every item (or every wanted one) was found."""
@@ -198,8 +195,7 @@ class ShardCursor:
             if not self.finished[i]:  # only an empty item at the very end of the file gets here
                 e = self.items[i]
                 if e.nbytes or (self.verify and e.crc32c != 0):
-                    raise CorruptCheckpoint(f"{self.path}: {e.key!r} was not found in the file",
-                                            path=self.path, key=e.key)
+                    raise bad(self.path, f"{e.key!r} was not found in the file", e.key)
                 if self.on_item is not None:
                     self.on_item(i)
 

@@ -24,6 +24,7 @@ from ..format.dtypes import dtype_from_name
 from ..format.layout import PAGE_ITEM_BYTES, ShardHeader
 from ..format.manifest import Manifest, TensorEntry
 from ..format.refs import RefFile
+from ..format.validate import bad
 from ..format.decode import decode_tree, tree_tensor_indices
 from ..io.base import Engine
 from ..memory.arena import Arena
@@ -64,10 +65,9 @@ def check_size(tier: Tier, step: int, name: str, want: int, recorded_by: str = "
     path = shard_where(tier, step, name)
     size = tier.stat(f"step-{step}/{name}")
     if size is None:
-        raise CorruptCheckpoint(f"{path}: shard file is missing or not a regular file ({recorded_by} {want} bytes)",
-                                path=path)
+        raise bad(path, f"shard file is missing or not a regular file ({recorded_by} {want} bytes)")
     if size != want:
-        raise CorruptCheckpoint(f"{path}: shard is {size} bytes, {recorded_by} {want} (truncated or replaced)", path=path)
+        raise bad(path, f"shard is {size} bytes, {recorded_by} {want} (truncated or replaced)")
 
 
 def check_ref_files(tier: Tier, man: Manifest, refs: list[RefFile]) -> None:
@@ -148,8 +148,7 @@ def _new(e: TensorEntry, where: str, device: torch.device | None) -> tuple[torch
         return torch.empty(e.shape, dtype=dtype), None
     except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
         on = f" on {device}" if device is not None else ""
-        raise CorruptCheckpoint(f"{where}: cannot allocate tensor {e.key!r} ({e.nbytes} bytes){on}: {exc}",
-                                path=where, key=e.key) from None
+        raise bad(where, f"cannot allocate tensor {e.key!r} ({e.nbytes} bytes){on}: {exc}", e.key) from None
 
 
 def file_reads(tier: Tier, man: Manifest, engine: Engine | None, dst: Any, *, needed: list[int] | None,
@@ -268,8 +267,8 @@ def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: An
     need_bytes = sum(man.tensors[i].nbytes for i in needed)
     host = _meminfo("MemTotal", "SwapTotal") or (1 << 62)  # no larger allocation can succeed here
     if need_bytes > host:
-        raise CorruptCheckpoint(f"{where}: the manifest asks for {need_bytes} bytes of tensors, more than this "
-                                f"host's RAM and swap ({host}); corrupt, or load it on a bigger host", path=where)
+        raise bad(where, f"the manifest asks for {need_bytes} bytes of tensors, more than this host's RAM and "
+                         f"swap ({host}); corrupt, or load it on a bigger host")
 
     in_place: dict[int, tuple[torch.Tensor, str]] = {}
     if state_dict is not None:
