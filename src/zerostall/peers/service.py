@@ -24,8 +24,7 @@ from .coded_decode import Timeline
 from .coded_restore import holdings, rebuild
 from .coding import require_codec
 from .exchange import Node, PeerView, advertised_host, setup
-from .fetch import fetch
-from .offer import Offer, offer
+from .fetch import Offer, fetch, offer
 from .fragments import FragmentStore, register
 from .replicate import PeerReplicator, StepStatus
 from . import tombstones

@@ -27,6 +27,7 @@ from ..store.atomic import fsync_dir, unlinked_on_error, write_file_durable
 from ..store.tier import RootTier
 from .status import area_bytes, drop_dir, file_size as _size, held_dirs
 from .stream import at
+from .tombstones import read_manifest
 from .verify import StreamCheck, file_entry
 from .wire import check_name, check_node
 
@@ -90,11 +91,7 @@ class PeerStore:
         return [(src, step) for src, step, _ in held_dirs(self.tier.root)]
 
     def manifest(self, src: str, step: int) -> Manifest | None:
-        try:
-            with open(os.path.join(self.step_dir(src, step), MANIFEST_NAME), "rb") as f:
-                return Manifest.from_bytes(f.read())
-        except (OSError, ZerostallError):
-            return None
+        return read_manifest(self.step_dir(src, step))
 
     def _own(self, step: int) -> Manifest | None:
         try:

@@ -85,6 +85,15 @@ def dead(tombs: Tombs, step: int, checkpoint_id: Any, created_unix: Any) -> bool
     return isinstance(created_unix, (int, float)) and created_unix < t["before"]
 
 
+def read_manifest(d: str) -> Manifest | None:
+    """The manifest in directory ``d``, or None where it is missing or unreadable."""
+    try:
+        with open(os.path.join(d, MANIFEST_NAME), "rb") as f:
+            return Manifest.from_bytes(f.read())
+    except (OSError, ZerostallError):
+        return None
+
+
 def drop_dead(root: str, tombs: Tombs) -> list[tuple[str, int]]:
     """Remove the copies held under ``root/peers`` that ``tombs`` declares dead (start-up, before serving; CLI)."""
     area = os.path.join(root, "peers")
@@ -92,13 +101,8 @@ def drop_dead(root: str, tombs: Tombs) -> list[tuple[str, int]]:
     for src, step, d in held_dirs(root):
         if step not in tombs:
             continue
-        try:
-            with open(os.path.join(d, MANIFEST_NAME), "rb") as f:
-                man = Manifest.from_bytes(f.read())
-            ident: tuple[Any, Any] = (man.checkpoint_id, man.created_unix)
-        except (OSError, ZerostallError):
-            ident = (None, None)  # no readable manifest: nothing to serve, nothing to keep
-        if (ident == (None, None) or dead(tombs, step, *ident)) and drop_dir(d):
+        man = read_manifest(d)  # none readable: nothing to serve, nothing to keep
+        if (man is None or dead(tombs, step, man.checkpoint_id, man.created_unix)) and drop_dir(d):
             gone.append((src, step))
     if gone:
         log.info("zerostall: removed copies of deleted steps %s from %s", gone, area)
@@ -115,13 +119,7 @@ def delete_step(root: str, step: int, *, lock_timeout_s: float = 0.0) -> list[st
         if step in tier.listed_steps():
             with contextlib.suppress(ZerostallError):
                 ids.append(tier.read_manifest(step).checkpoint_id)
-        area = os.path.join(root, "peers")
-        for src in sorted(os.listdir(area)) if os.path.isdir(area) else []:
-            try:
-                with open(os.path.join(area, src, f"step-{step}", MANIFEST_NAME), "rb") as f:
-                    ids.append(Manifest.from_bytes(f.read()).checkpoint_id)
-            except (OSError, ZerostallError):
-                continue
+        ids += [man.checkpoint_id for _, s, d in held_dirs(root) if s == step and (man := read_manifest(d))]
         tombs = merge(read(root), {step: {"ids": ids, "before": time.time()}})
         write(root, tombs)  # first: a crash from here on leaves the step deleted, never back
         done = []
