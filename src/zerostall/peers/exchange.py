@@ -47,12 +47,9 @@ _warned = False
 
 
 # -- placement ------------------------------------------------------------------------
-# Where a node's files are copied: rendezvous (HRW) hashing over node names, spread across
-# failure domains. Every other node h scores sha256(src | h); candidates go in score order, first
-# one per failure domain not used yet (never src's own), then the best-scored rest. So copies
-# land on distinct nodes (distinct domains when there are enough), holders are not neighbours in
-# any order, and a node joining or leaving moves only the placements that involved it. The step
-# does not enter the hash: a node's holders stay the same from step to step.
+# Rendezvous (HRW) hashing over node names: every other node h scores sha256(src | h); first the
+# best of each failure domain not used yet (never src's own), then the best-scored rest. A node
+# joining or leaving moves only the placements that involved it; the step does not enter the hash.
 
 @dataclass(frozen=True, order=True)
 class Node:

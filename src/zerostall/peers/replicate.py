@@ -70,7 +70,6 @@ class PeerReplicator:
         here = set(tier.steps())  # not a step deleted since (zerostall delete)
         self._protected: list[int] = sorted(int(k) for k, v in seen.items()
                                             if isinstance(v, dict) and v.get("protected") is True and int(k) in here)
-        self._protected_seen: list[int] = self._protected[-1:]
         self._q: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._stop = threading.Event()
         self.repaired = threading.Event()  # set once the start-up repair pass finished (node leaders)
@@ -97,7 +96,7 @@ class PeerReplicator:
         """The newest step this run saw protected (empty before the first): local retention keeps
         it until a newer one is protected (persist thread, via ``protect``)."""
         with self._mu:
-            return set(self._protected_seen[-1:])
+            return set(self._protected[-1:])
 
     def wait(self, step: int, timeout: float | None = None) -> bool:
         st = self._status.get(step)
@@ -315,20 +314,12 @@ class PeerReplicator:
             self.store.delete(*keys, v.key(f"s{st.step}", "seen"))
         if st.protected:
             with self._mu:
-                self._protected_seen = sorted(set(self._protected_seen[-1:]) | {st.step})
+                self._protected = sorted(set(self._protected) | {st.step})
+                keep = set(self._protected[-(self.keep_last or 1):])
             log.info("zerostall: step %d is protected: every node's files are held by %d other nodes", st.step,
                      self.want)
-            if v.leader:
-                self._retain(st.step)
-
-    def _retain(self, step: int) -> None:
-        with self._mu:
-            self._protected = sorted(set(self._protected) | {step})
-            protected = list(self._protected)
-        if self.keep_last is None:
-            return
-        keep = set(protected[-self.keep_last:])
-        try:  # the steps they borrow bytes from stay too (PeerStore.retain)
-            self.peer_store.retain(keep, min(keep))
-        except (OSError, ZerostallError) as exc:
-            log.warning("zerostall: peer-copy retention failed: %s", exc)
+            if v.leader and self.keep_last is not None:
+                try:  # the steps they borrow bytes from stay too (PeerStore.retain)
+                    self.peer_store.retain(keep, min(keep))
+                except (OSError, ZerostallError) as exc:
+                    log.warning("zerostall: peer-copy retention failed: %s", exc)
