@@ -155,29 +155,26 @@ def encode_object(x: Any, enc: Enc) -> Any | None:
     """The ``{"o": ...}`` node for ``x`` (or its state dict's node), or None if unsupported."""
     t = type(x)
     reg = _by_cls.get(t)
-    if reg is not None:
-        if reg.encode is not None:
-            return {"o": [reg.name, enc(reg.encode(x))]}
-        if isinstance(x, enum.Enum):
-            return {"o": [reg.name, enc({"name": x.name, "value": x.value})]}
-        if dataclasses.is_dataclass(x):
-            return {"o": [reg.name, enc(_dc_fields(x))]}
-        if _is_namedtuple(t):
-            return {"o": [reg.name, enc(dict(zip(t._fields, x)))]}
-        return {"o": [reg.name, enc(_attributes(x))]}
+    if reg is not None and reg.encode is not None:
+        return {"o": [reg.name, enc(reg.encode(x))]}
     if isinstance(x, TaggedData):
         return {"o": [x.type, enc(x.data)]}
     if isinstance(x, type):
         reg = _by_cls.get(x)
         return {"o": ["class", {"v": reg.name if reg is not None else _qualname(x)}]}
+    name = reg.name if reg is not None else _qualname(t)
     if isinstance(x, enum.Enum):
-        return {"o": [_qualname(t), enc({"name": x.name, "value": x.value})]}
+        return {"o": [name, enc({"name": x.name, "value": x.value})]}
+    if reg is not None and _is_namedtuple(t):
+        return {"o": [name, enc(dict(zip(t._fields, x)))]}
+    if dataclasses.is_dataclass(x) and (reg is not None or not isinstance(x, (dict, list, tuple))):
+        return {"o": [name, enc(_dc_fields(x))]}
+    if reg is not None:
+        return {"o": [name, enc(_attributes(x))]}
     node = encode_standard(x, enc)  # by exact type: a subclass would load back as its base
     if node is not None:
         return node
     # a defaultdict whose factory is not a builtin type falls through: refused by the caller
-    if dataclasses.is_dataclass(x) and not isinstance(x, (dict, list, tuple)):
-        return {"o": [_qualname(t), enc(_dc_fields(x))]}
     sd = getattr(x, "state_dict", None)
     if callable(sd) and callable(getattr(x, "load_state_dict", None)):
         return enc(sd())
