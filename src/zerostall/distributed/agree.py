@@ -1,7 +1,8 @@
-"""One step for all ranks: agreeing, through the c10d store, on the step every rank restores.
+"""Agreements of all ranks through the c10d store: the step every rank restores, and whether
+every rank has staging room for the next save.
 
-:func:`zerostall.restore.pipeline.collective_load` (caller's thread, every rank, collectively)
-calls :func:`agreed_load` under a ``base`` unique per call. Rounds, until one succeeds:
+**The step.** :func:`zerostall.restore.pipeline.collective_load` (caller's thread, every rank,
+collectively) calls :func:`agreed_load` under a ``base`` unique per call. Rounds, until one succeeds:
 
 1. :func:`agree_step`: every rank posts its steps (``c/r<R>``); all take the newest common
    one (none: the same :class:`CheckpointNotFound` on every rank);
@@ -11,6 +12,17 @@ calls :func:`agreed_load` under a ``base`` unique per call. Rounds, until one su
 
 A fault of a caller's state dict (:class:`StateMismatchError`, :class:`ConfigError`) ends it
 everywhere: that rank re-raises it, the others raise :class:`DistributedError` naming it.
+
+**The room** (``backpressure="skip"`` across ranks, :func:`agree_room`). A step skipped on one
+rank fails everywhere, so in ``save()`` (caller's thread, every rank) the ranks skip together
+when any one has no room::
+
+    add(<prefix>/room<seq>, 1 + BUSY * busy)   # one request per rank
+    last to arrive: set(<prefix>/room<seq>/all, total)
+    the others: poll for .../all (bounded), read it; skip iff total >= BUSY
+
+``seq`` counts the skip-mode saves. Rank 0 deletes ``seq - 2``'s keys: every rank added to
+``seq - 1`` before ``seq`` could complete, so has read them.
 """
 
 from __future__ import annotations
@@ -21,9 +33,10 @@ import time
 from typing import Any, Callable, Iterable
 
 from ..errors import CheckpointNotFound, ConfigError, DistributedError, StateMismatchError, ZerostallError
+from .session import Session
 from .store import Store
 
-__all__ = ["PeerFailed", "agree_step", "agreed_load"]
+__all__ = ["PeerFailed", "agree_room", "agree_step", "agreed_load"]
 
 
 class PeerFailed(DistributedError):
@@ -37,7 +50,7 @@ def _gather(store: Store, base: str, rank: int, world: int, value: Any, timeout_
         store.set(f"{base}/r{rank}", json.dumps(value))
         keys = [f"{base}/r{r}" for r in range(world)]
         if store.poll(keys, deadline) == "timeout":
-            missing = [int(k.rsplit("/r", 1)[1]) for k in store.missing(keys)]
+            missing = store.missing_ranks(base, range(world))
             raise DistributedError(f"rank(s) {', '.join(map(str, missing))} did not {what} within {timeout_s:g} s "
                                    "(every rank must call load() together; pass agree=False to load alone)",
                                    missing_ranks=tuple(missing))
@@ -111,3 +124,25 @@ def agreed_load(store: Store, base: str, rank: int, world: int, candidates: Iter
         bad = [(r, o) for r, o in enumerate(outcomes) if not o["ok"]]
         history.append(f"step {step} failed on " + ", ".join(f"rank {r} ({o['error']})" for r, o in bad))
         left.discard(step)
+
+
+BUSY = 1 << 20  # added by a rank without room (world sizes stay below it)
+
+
+def agree_room(store: Store, session: Session, seq: int, room: bool, timeout_s: float,
+               abort: str | None = None) -> bool | None:
+    """True when every rank has room for save ``seq``, False when one has none, None when
+    ``abort`` appeared (a rank's ``save()`` failed first) or a rank did not answer within
+    ``timeout_s`` (the caller skips alone)."""
+    key = f"{session.prefix}/room{seq}"
+    total = store.add(key, 1 if room else 1 + BUSY, timeout=timeout_s)
+    if total % BUSY == session.world:  # the last to arrive tells the others
+        store.set(f"{key}/all", str(total), timeout=timeout_s)
+    else:
+        if store.poll([f"{key}/all"], time.monotonic() + timeout_s, abort=abort) != "ok":
+            return None
+        total = int(store.get(f"{key}/all", timeout=timeout_s))
+    if session.rank == 0 and seq >= 2:
+        old = f"{session.prefix}/room{seq - 2}"
+        store.delete(old, f"{old}/all")
+    return total < BUSY

@@ -131,10 +131,6 @@ def _decide(store: Store, base: str, value: dict[str, Any], timeout: float) -> d
     return json.loads(store.compare_set(f"{base}/decision", "", json.dumps(value), timeout))
 
 
-def _missing(store: Store, base: str, world: int, timeout: float) -> list[int]:
-    return [int(k.rsplit("/r", 1)[1]) for k in store.missing([f"{base}/r{r}" for r in range(1, world)], timeout)]
-
-
 def _abort_late(store: Store, base: str, by: int, missing: list[int], step: int, timeout_s: float) -> dict[str, Any]:
     """ABORTING at the deadline: ``missing`` ranks did not report (none: the coordinator did not decide)."""
     who = (f"rank(s) {', '.join(map(str, missing))} did not report" if missing
@@ -202,13 +198,13 @@ def _await_decision(store: Store, session: Session, base: str, fragment: dict[st
     # the coordinator decides at the deadline: a grace for it before every rank looks for itself
     state, missing = store.poll([f"{base}/decision"], deadline + grace), None
     if state == "timeout":
-        missing = _missing(store, base, session.world, grace)
+        missing = store.missing_ranks(base, range(1, session.world), grace)
         later = _extended(store, base, [0] + missing, lead, timeout_s, deadline)
         if later is not None:
             scope.until = later + 2 * grace
             state, missing = store.poll([f"{base}/decision"], later + grace), None
     if state == "timeout":
-        missing = _missing(store, base, session.world, grace) if missing is None else missing
+        missing = store.missing_ranks(base, range(1, session.world), grace) if missing is None else missing
         dec = _abort_late(store, base, session.rank, missing, step, timeout_s)
     else:
         dec = store.get_json(f"{base}/decision")
@@ -220,20 +216,20 @@ def _coordinate(store: Store, session: Session, base: str, fragment: dict[str, A
                 deadline: float, timeout_s: float, user_metadata: dict[str, Any], lead: float,
                 scope: Any) -> dict[str, Any]:
     """C: REPORTED -> PREPARED -> DECIDED; returns the decision."""
-    world = session.world
+    world, grace = session.world, grace_s(timeout_s)
     keys = [f"{base}/r{r}" for r in range(1, world)]
     state = store.poll(keys, deadline, abort=f"{base}/decision")
     if state == "timeout":
-        later = _extended(store, base, _missing(store, base, world, grace_s(timeout_s)), lead, timeout_s, deadline)
+        later = _extended(store, base, store.missing_ranks(base, range(1, world), grace), lead, timeout_s, deadline)
         if later is not None:
-            scope.until = later + 2 * grace_s(timeout_s)
+            scope.until = later + 2 * grace
             deadline = later
             state = store.poll(keys, later, abort=f"{base}/decision")
     store.delete(f"{base}/b0")
     if state == "abort":
         return store.get_json(f"{base}/decision")
     if state == "timeout":
-        missing = _missing(store, base, world, grace_s(timeout_s))
+        missing = store.missing_ranks(base, range(1, world), grace)
         if missing:
             return _abort_late(store, base, 0, missing, step, timeout_s)
     try:
@@ -241,7 +237,7 @@ def _coordinate(store: Store, session: Session, base: str, fragment: dict[str, A
         mans = manifests(frags, session.copies(), session.groups, step, world, per_rank, user_metadata)
     except ZerostallError as exc:
         return _decide(store, base, {"commit": False, "by": 0, "error": str(exc) if str(exc).startswith(
-            f"step {step}") else f"step {step}: {exc}"}, grace_s(timeout_s))
+            f"step {step}") else f"step {step}: {exc}"}, grace)
     distinct: dict[bytes, str] = {}  # one key per distinct manifest (per_rank copies share one)
     names = {name: distinct.setdefault(raw, f"m{len(distinct)}") for name, raw in mans.items()}
     for raw, key in distinct.items():
@@ -249,7 +245,7 @@ def _coordinate(store: Store, session: Session, base: str, fragment: dict[str, A
     fault_point("prepared", session, step)
     kept = sorted(peer_protected(frags))
     return _decide(store, base, {"commit": True, "manifests": names, "protect": kept}, max(
-        deadline - time.monotonic(), 0.0) + grace_s(timeout_s))
+        deadline - time.monotonic(), 0.0) + grace)
 
 
 def _finish_mine(store: Store, session: Session, base: str, dec: dict[str, Any], tier: RootTier, step: int,

@@ -46,10 +46,6 @@ def namespace(root: str, name: str | None = None) -> str:
     return "zerostall/" + hashlib.sha256(src.encode()).hexdigest()[:16]
 
 
-def _rank_of(key: str) -> int:
-    return int(key.rsplit("/r", 1)[1])
-
-
 @dataclass(frozen=True)
 class Session:
     """What the ranks agreed at start-up; ``prefix`` scopes every later key. Any thread."""
@@ -148,14 +144,13 @@ def _welcome(store: Store, ns: str, world: int, sid: str, nonce: str, node: str,
              timeout_s: float, root: str) -> None:
     keys = [f"{ns}/join/r{r}" for r in range(1, world)]
     if store.poll(keys, deadline) == "timeout":
-        missing = [_rank_of(k) for k in store.missing(keys)]
+        missing = store.missing_ranks(f"{ns}/join", range(1, world))
         msg = (f"rank(s) {', '.join(map(str, missing))} of {world} did not open the checkpoint root {root!r} "
                f"within join_timeout_s={timeout_s:g} s; {LOCAL_HINT}")
-        for k in keys:  # tell the ranks that did join, so they fail now rather than at their timeout
-            if _rank_of(k) not in missing:
+        for r, k in zip(range(1, world), keys):  # tell the ranks that did join, so they fail now, not at their timeout
+            if r not in missing:
                 j = store.get_json(k)
-                store.set(f"{ns}/welcome/r{_rank_of(k)}",
-                          json.dumps({"nonce": j["nonce"], "error": msg, "missing": missing}))
+                store.set(f"{ns}/welcome/r{r}", json.dumps({"nonce": j["nonce"], "error": msg, "missing": missing}))
                 store.delete(k)
         raise DistributedError(msg, missing_ranks=tuple(missing))
     joins = store.multi_get_json(keys)
@@ -190,7 +185,7 @@ def _decide(store: Store, prefix: str, world: int, node: str, tier: RootTier, ti
     keys = [f"{prefix}/sees/r{r}" for r in range(1, world)]
     own_view = _seen(store, prefix, tier)
     if store.poll(keys, time.monotonic() + timeout_s) == "timeout":
-        missing = [_rank_of(k) for k in store.missing(keys)]
+        missing = store.missing_ranks(f"{prefix}/sees", range(1, world))
         raise DistributedError(f"rank(s) {', '.join(map(str, missing))} joined but did not finish the start-up "
                                f"round within {timeout_s:g} s", missing_ranks=tuple(missing))
     infos = [{"node": node, "sees": own_view}] + store.multi_get_json(keys)

@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from ..errors import DistributedError
 
@@ -252,6 +252,10 @@ class Store:
             scan(part[len(part) // 2:])
         scan(list(keys))
         return out
+
+    def missing_ranks(self, base: str, ranks: Iterable[int], timeout: float | None = None) -> list[int]:
+        """The ranks R whose key ``<base>/r<R>`` does not exist, in order (:meth:`missing`)."""
+        return [int(k.rsplit("/r", 1)[1]) for k in self.missing([f"{base}/r{r}" for r in ranks], timeout)]
 
     def close(self) -> None:
         """Stop the request thread (the connection closes with the last reference)."""

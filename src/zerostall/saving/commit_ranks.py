@@ -22,7 +22,7 @@ from ..store.tier import RootTier
 from ..restore.pipeline import collective_base, collective_load
 from ..distributed.commit import (OutcomeUnknown, commit_round, fault_point, grace_s, post_begin, report_failure,
                                   step_base, wait_acked)
-from ..distributed.room import agree_room
+from ..distributed.agree import agree_room
 from ..distributed.session import Session
 from ..distributed.store import Store
 
@@ -95,7 +95,7 @@ class StoreCommitter:
     def agree_room(self, step: int, room: bool) -> bool | None:
         """``backpressure="skip"``: whether every rank has staging room for this save (caller's
         thread, in ``save()``, every rank in the same order); None when a rank reported ``step``
-        failed or did not answer within the commit timeout (:func:`~zerostall.distributed.room.agree_room`)."""
+        failed or did not answer within the commit timeout (:func:`~zerostall.distributed.agree.agree_room`)."""
         self._room_seq += 1
         return agree_room(self.store, self.session, self._room_seq, room, self.timeout_s,
                           abort=f"{step_base(self.session, step)}/decision")
