@@ -53,17 +53,14 @@ class Peers:
         if pc.code is not None:
             require_codec()  # before any exchange: every rank fails alike, with the install hint
         listen, publish = advertised_host(pc.listen_host)
-        self._transport: TcpTransport | None = None
-        self.peer_store: PeerStore | None = None
+        built: list[tuple[TcpTransport, PeerStore]] = []  # the server's, on node leaders
 
         def serve(secret: bytes, me: str, nodes: list[Node]) -> tuple[str, int]:
-            self._transport = self._make_transport(secret, me, nodes, listen)
-            self.peer_store = self._make_store(me)
+            t, ps = self._make_transport(secret, me, nodes, listen), self._make_store(me)
+            built.append((t, ps))
             if pc.code is not None:
-                register(self._transport, FragmentStore(self.peer_store), {n.name for n in nodes}, me,
-                         pc.cpu_priority, self._transport.recv_pacer)
-            _, port = self._transport.serve(self.peer_store)
-            return publish, port
+                register(t, FragmentStore(ps), {n.name for n in nodes}, me, pc.cpu_priority, t.recv_pacer)
+            return publish, t.serve(ps)[1]
 
         try:
             self.view: PeerView = setup(store, prefix, rank, world, cfg.replicas, cfg.join_timeout_s, serve,
@@ -71,19 +68,18 @@ class Peers:
             if pc.code is not None:  # every rank, not only the leaders that serve
                 check_cluster(pc.data_fragments, pc.parity_fragments, [n.name for n in self.view.nodes])
         except BaseException:
-            if self._transport is not None:  # a half-built Peers must not keep listening
-                self._transport.close()
+            for t, _ in built:  # a half-built Peers must not keep listening
+                t.close()
             raise
-        if self._transport is None:  # not this node's leader: a client only
-            self._transport = self._make_transport(self.view.secret, self.view.me, list(self.view.nodes), listen)
-            self.peer_store = self._make_store(self.view.me)
-        assert self.peer_store is not None
+        self.transport, self.peer_store = built[0] if built else (  # not this node's leader: a client only
+            self._make_transport(self.view.secret, self.view.me, list(self.view.nodes), listen),
+            self._make_store(self.view.me))
         if self.view.leader and self.view.deleted:  # steps deleted for good on any node: their copies go here too
             mine = tombstones.read(tier.root)
             if tombstones.merge(mine, self.view.deleted) != mine:
                 tombstones.write(tier.root, tombstones.merge(mine, self.view.deleted))
             tombstones.drop_dead(tier.root, self.view.deleted)
-        args = (tier, self.view, self._transport, store, self.peer_store)
+        args = (tier, self.view, self.transport, store, self.peer_store)
         kw = dict(replicas=cfg.replicas, keep_last=cfg.keep_last, replica_timeout_s=pc.replica_timeout_s,
                   cpu_priority=pc.cpu_priority)
         self.replicator: PeerReplicator = PeerReplicator(*args, **kw) if pc.code is None else \
@@ -115,11 +111,6 @@ class Peers:
     def engine(self) -> Engine:
         """A fresh engine for one transfer (engines are used by one thread at a time)."""
         return choose_engine(self.tier.root, self.cfg.io)
-
-    @property
-    def transport(self) -> TcpTransport:
-        assert self._transport is not None
-        return self._transport
 
     # -- persist thread ----------------------------------------------------------------
     name = "peer replicas"
