@@ -24,11 +24,10 @@ class _Last:
 
 def human_bytes(n: float) -> str:
     """``1536`` -> ``"1.5 KiB"`` (the CLI's and the status hints' byte counts)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    i = 0
+    while abs(n) >= 1024 and i < 4:
+        n, i = n / 1024, i + 1
+    return f"{n:.1f} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[i]}" if i else f"{int(n)} B"
 
 
 def load_target(target: str) -> Any:

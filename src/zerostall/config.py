@@ -92,10 +92,6 @@ class PeersConfig:
 
     def __post_init__(self) -> None:
         _require(self.timeout_s > 0, "peers.timeout_s", self.timeout_s, "must be > 0 seconds")
-        _require(self.bandwidth_bytes is None or self.bandwidth_bytes >= MiB, "peers.bandwidth_bytes",
-                 self.bandwidth_bytes, "must be None or at least 1 MiB/s")
-        _require(self.receive_bandwidth_bytes is None or self.receive_bandwidth_bytes >= MiB,
-                 "peers.receive_bandwidth_bytes", self.receive_bandwidth_bytes, "must be None or at least 1 MiB/s")
         _require(self.quota_bytes is None or self.quota_bytes >= 0, "peers.quota_bytes", self.quota_bytes,
                  "must be None or >= 0 bytes")
         _require(self.quota_fraction is None or 0 < self.quota_fraction <= 1, "peers.quota_fraction",
@@ -112,6 +108,7 @@ class PeersConfig:
                      "must be an int in 1..32")
         for name, rate in (("bandwidth_bytes", self.bandwidth_bytes),
                            ("receive_bandwidth_bytes", self.receive_bandwidth_bytes)):
+            _require(rate is None or rate >= MiB, f"peers.{name}", rate, "must be None or at least 1 MiB/s")
             # a paced transfer moves pieces of rate * timeout_s / 8 bytes (peers.stream.Pacer):
             # at least a MiB per timeout keeps pieces useful and every pause well within it
             if rate is not None and rate * self.timeout_s < MiB:

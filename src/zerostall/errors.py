@@ -1,25 +1,6 @@
-"""The exceptions zerostall raises, as one small tree.
-
-::
-
-    ZerostallError
-    ├── ConfigError            a setting or argument is invalid
-    ├── UnsupportedStateError  the state dict holds something that cannot be stored safely
-    ├── CheckpointExistsError  the step is already committed (pass overwrite=True)
-    ├── StepOrderError         a step lower than the root's newest committed step (another run's?)
-    ├── RootLockedError        another writer owns the checkpoint root (names it)
-    ├── CheckpointNotFound     no committed checkpoint (or not that step) at the path
-    │   └── RootNotFound       the checkpoint root itself (directory, bucket) does not exist
-    ├── CorruptCheckpoint      a manifest or shard failed validation or its checksum
-    ├── StateMismatchError     the caller's state dict does not fit the checkpoint (shape, dtype, strict keys)
-    ├── StorageError           the OS refused an I/O operation (ENOSPC, EIO, EACCES, ...)
-    │   └── RemoteError        a remote tier (S3, shared filesystem) failed; names the URL and step
-    ├── SaveFailed             a background save failed; ``__cause__`` holds the reason
-    └── DistributedError       coordination through torch.distributed failed (a rank missing,
-                               a store error); torch's own error is chained as ``__cause__``
-
-OS errors are translated at the boundary with ``raise ... from exc``; every message names
-the file, key or value at fault and what to do about it.
+"""The exceptions zerostall raises, one tree under :class:`ZerostallError` (each class says
+when it is raised and what it carries). OS errors are translated at the boundary with
+``raise ... from exc``; every message names the file, key or value at fault and what to do.
 """
 
 from __future__ import annotations

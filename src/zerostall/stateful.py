@@ -60,11 +60,8 @@ def _merge(orig: dict[Any, Any], loaded: dict[Any, Any]) -> None:
 def load_into(state_dict: Any, load: Callable[[Any], Any]) -> Any:
     """Run ``load(tree)`` on ``state_dict`` with stateful objects swapped for their state dicts,
     then hand each object its loaded state. Returns what ``load`` would (the same dict)."""
-    if state_dict is None or not isinstance(state_dict, dict):
-        return load(state_dict)
-    plain = _swap(state_dict)
+    plain = _swap(state_dict) if isinstance(state_dict, dict) else state_dict
     if plain is state_dict:
         return load(state_dict)
-    loaded = load(plain)
-    _merge(state_dict, loaded)
+    _merge(state_dict, load(plain))
     return state_dict

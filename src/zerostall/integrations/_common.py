@@ -128,6 +128,7 @@ class StateGuard:
         self._fwd_hook: Any = None
 
     def track(self, ckpt: Checkpointer, tensors: list[torch.Tensor]) -> None:
+        self.forget_done()
         if ckpt not in self._ckpts:
             self._ckpts.append(ckpt)
         if self._opt_hook is None:
@@ -201,13 +202,10 @@ class _Publish:
 
 
 class Publisher(Worker[Any]):
-    """Shows a staged checkpoint directory under the framework's name once it is committed.
-
-    A framework's "latest checkpoint" discovery lists names, and a name holding no committed
-    step stops a resume. So a save goes into ``staged`` (a hidden sibling); this thread waits
-    until it is committed, closes its Checkpointer and renames ``staged`` to ``final``
-    (``publish_dir``), so a listed name always holds a committed checkpoint. A failed save's
-    directory is removed; its error is kept for :meth:`errors`.
+    """Shows a staged checkpoint directory under the framework's name once it is committed (a
+    framework's discovery lists names; one holding no committed step stops a resume): this
+    thread waits for the save into ``staged``, closes its Checkpointer and renames ``staged``
+    to ``final`` (``publish_dir``). A failed save's directory is removed; its error is kept.
 
     ``submit`` from the training thread; one daemon thread publishes, in submission order.
     ``_hook`` is the crash-test seam: called with ``"publish"`` just before each rename.
@@ -222,11 +220,12 @@ class Publisher(Worker[Any]):
         self._errors: list[BaseException] = []
         atexit.register(self.drain)  # an interpreter exiting first publishes what committed
 
-    def close(self) -> None:
-        """Drain, then stop the thread (errors stay readable with :meth:`errors`)."""
+    def close(self) -> list[BaseException]:
+        """Drain, stop the thread; the failures (failed saves, failed renames), oldest first."""
         atexit.unregister(self.drain)
         self.drain()
         self.stop()
+        return self._errors
 
     def submit(self, staged: str, final: str, handle: Any, ckpt: Checkpointer, *,
                before: Callable[[], None] | None = None, after: Callable[[], None] | None = None,
@@ -245,12 +244,6 @@ class Publisher(Worker[Any]):
         done = threading.Event()
         Worker.submit(self, done)
         done.wait()
-
-    def errors(self) -> list[BaseException]:
-        """The failures since the last call (failed saves, failed renames), oldest first."""
-        with self._mu:
-            out, self._errors = self._errors, []
-        return out
 
     def handle(self, item: Any) -> None:
         if isinstance(item, threading.Event):
@@ -322,12 +315,8 @@ class AdapterSaves:
         except BaseException:
             ck.close()
             raise
-        self.track(ck, tensors)
+        self.guard.track(ck, tensors)
         return ck, handle
-
-    def track(self, ckpt: Checkpointer, tensors: list[torch.Tensor]) -> None:
-        self.guard.forget_done()
-        self.guard.track(ckpt, tensors)
 
     def finish(self) -> list[BaseException]:
         """Block until every save is durable and published; the failures, oldest first."""
@@ -335,8 +324,7 @@ class AdapterSaves:
         pub, self.publisher = self.publisher, None
         if pub is None:
             return []
-        pub.close()
-        return pub.errors()
+        return pub.close()
 
     def wait(self) -> None:
         """:meth:`finish`, raising the first failure (the others are logged): the adapters'

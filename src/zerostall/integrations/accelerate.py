@@ -1,5 +1,5 @@
 """Accelerate: ``accelerator.save_state()``/``load_state()`` through zerostall (docs/integrations.md
-says what is saved, where, and what a crash leaves).
+says what is saved, where it is staged, and what a crash leaves).
 
 ::
 
@@ -10,16 +10,11 @@ says what is saved, where, and what a crash leaves).
     accelerator.save_state()                                          # returns at once
     accelerator.end_training()                                        # every save durable
 
-A save is staged in ``project_dir/.zerostall-staging/checkpoint_<N>`` (or
-``.NAME.zerostall-staging`` beside an explicit ``output_dir``) and renamed by the
-:class:`~._common.Publisher` once committed, so a listed checkpoint is always complete.
 Every method runs on the training thread; copy, write, commit and rename run behind it.
-DeepSpeed, FSDP, Megatron-LM and XLA keep Accelerate's own checkpointing.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from typing import Any
@@ -33,9 +28,7 @@ except ImportError as exc:
 from .. import CheckpointConfig, Checkpointer, load as _zs_load, rng_state, set_rng_state
 from ..errors import CheckpointNotFound, ConfigError
 from ..extend import discard
-from ._common import AdapterSaves, is_committed, newest_committed, numbered, recover_staged, tensors_of
-
-log = logging.getLogger("zerostall")
+from ._common import AdapterSaves, is_committed, log, newest_committed, numbered, recover_staged, tensors_of
 
 __all__ = ["ZerostallAccelerator", "ZerostallAcceleratorMixin"]
 

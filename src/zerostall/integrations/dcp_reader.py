@@ -19,9 +19,8 @@ import io
 import os
 import stat
 import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -35,10 +34,9 @@ from ..errors import CheckpointNotFound, CorruptCheckpoint, StorageError
 from ..format.dtypes import dtype_from_name
 from ..format.layout import ShardHeader
 from ..format.shard import read_shard
-from ..io import choose_engine
 from ..memory.arena import Arena
 from .dcp_meta import Record, read_metadata_file, validate
-from .dcp_writer import METADATA, WINDOW_BYTES, CheckpointId, UnsupportedCheckpoint, _ZSInfo, metadata_name
+from .dcp_writer import METADATA, CheckpointId, UnsupportedCheckpoint, _ZSInfo, metadata_name, shard_io
 
 
 def _by_file(records: dict[MetadataIndex, Record],
@@ -59,20 +57,6 @@ def _safe_load(path: str, key: str, raw: bytes) -> Any:
     except Exception as exc:  # noqa: BLE001 - anything torch.load refuses is corruption here
         raise CorruptCheckpoint(f"{path}: {key!r} does not load under weights_only, so it cannot be loaded without "
                                 f"running code ({type(exc).__name__}: {str(exc)[:200]})", path=path, key=key) from None
-
-
-@contextmanager
-def _shard_io(path: str, io_cfg: IOConfig | None, largest: int) -> Iterator[tuple[Any, Arena]]:
-    """The I/O engine for ``path`` and a bounce buffer for files of up to ``largest`` bytes."""
-    bounce = Arena(min(WINDOW_BYTES, largest), mlock=False, prefault=False)
-    try:
-        eng = choose_engine(path, io_cfg or IOConfig())
-        try:
-            yield eng, bounce
-        finally:
-            eng.close()
-    finally:
-        bounce.close()
 
 
 class Reader(CheckpointId, StorageReader):
@@ -152,7 +136,7 @@ class Reader(CheckpointId, StorageReader):
             return
         all_by_file = _by_file(self.records, self.storage_data)
         largest = max(self.storage_data[reqs[0].storage_index].file_bytes for reqs in per_file.values())
-        with _shard_io(self.path, self.io, largest) as (eng, bounce):
+        with shard_io(self.path, self.io, largest, prefault=False) as (eng, bounce):
             for fname, reqs in per_file.items():
                 self._read_shard(eng, bounce, fname, reqs, all_by_file[fname], planner)
 
@@ -316,7 +300,7 @@ def verify(path: str, name: str = METADATA, io_cfg: IOConfig | None = None) -> D
     by_file = _by_file(info.records, info.md.storage_data)
     if info.kind == "zerostall":
         largest = max((v.file_bytes for rs in by_file.values() for _, v in rs), default=4096)
-        with _shard_io(path, io_cfg, largest) as (eng, bounce):
+        with shard_io(path, io_cfg, largest, prefault=False) as (eng, bounce):
             for fname, rs in by_file.items():
                 v0 = rs[0][1]
                 with eng.open_read(os.path.join(path, fname)) as f:

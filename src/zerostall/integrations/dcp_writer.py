@@ -33,7 +33,7 @@ import pickle
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -91,9 +91,6 @@ class CheckpointAlreadyExists(CheckpointExistsError, RuntimeError):
     """``overwrite=False`` and the directory already holds DCP metadata: a ``RuntimeError`` with
     DCP's own text, as ``FileSystemWriter`` raises, and a :class:`~zerostall.errors.CheckpointExistsError`."""
 
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
-
 
 def check_checkpoint_id(checkpoint_id: Any) -> str:
     """The absolute local path for ``checkpoint_id``; URLs are refused (never a ``scheme:`` dir)."""
@@ -147,6 +144,20 @@ def _link_no_clobber(src: str, dst: str) -> None:
         os.rename(src, dst)
 
 
+@contextlib.contextmanager
+def shard_io(path: str, io_cfg: IOConfig | None, largest: int, prefault: bool) -> Iterator[tuple[Any, Arena]]:
+    """The I/O engine for ``path`` and a bounce buffer for files of up to ``largest`` bytes."""
+    bounce = Arena(min(WINDOW_BYTES, largest), mlock=False, prefault=prefault)
+    try:
+        eng = choose_engine(path, io_cfg or IOConfig())
+        try:
+            yield eng, bounce
+        finally:
+            eng.close()
+    finally:
+        bounce.close()
+
+
 def metadata_name(rank: int | None, use_collectives: bool) -> str:
     return METADATA if use_collectives or rank is None else f"__{rank}{METADATA}"
 
@@ -184,7 +195,7 @@ class Writer(CheckpointId, StorageWriter):
 
     def _metadata_path(self) -> str:
         # without collectives every rank writes its own; rank 0's says whether one exists
-        return os.path.join(self.path, METADATA if self.use_collectives else metadata_name(0, False))
+        return os.path.join(self.path, metadata_name(0, self.use_collectives))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         try:
@@ -234,22 +245,18 @@ class Writer(CheckpointId, StorageWriter):
     def _write_file(self, fname: str, index: int, offsets: list[int], payloads: list[torch.Tensor],
                     file_bytes: int) -> list[int]:
         path = os.path.join(self.path, fname)
-        buf = Arena(min(WINDOW_BYTES, file_bytes), mlock=False)
-        eng = choose_engine(self.path, self.io or IOConfig())
-        try:
-            f = eng.open_write(path, file_bytes)
+        with shard_io(self.path, self.io, file_bytes, prefault=True) as (eng, buf):
             try:
-                crcs = write_shard(f, ShardHeader(self.save_id, 0, index, file_bytes), payloads, offsets, buf)
-                f.finish()
-            finally:
-                f.close()
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(path)  # never referenced by any metadata; don't leave it behind
-            raise
-        finally:
-            eng.close()
-            buf.close()
+                f = eng.open_write(path, file_bytes)
+                try:
+                    crcs = write_shard(f, ShardHeader(self.save_id, 0, index, file_bytes), payloads, offsets, buf)
+                    f.finish()
+                finally:
+                    f.close()
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)  # never referenced by any metadata; don't leave it behind
+                raise
         return crcs
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

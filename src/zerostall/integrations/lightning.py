@@ -1,30 +1,21 @@
 """Lightning: ``ZerostallCheckpointIO``, a ``CheckpointIO`` plugin that saves through zerostall
-(docs/integrations.md says what a crash leaves and how runs begun with ``torch.save`` continue).
+(docs/integrations.md: what a save stages where, what a crash leaves, how ``torch.save`` runs continue).
 
 ::
 
     trainer = lightning.Trainer(plugins=[ZerostallCheckpointIO()], callbacks=[ModelCheckpoint(...)])
     trainer.fit(model, ckpt_path="last")          # resume: unchanged
 
-Each path Lightning names becomes a zerostall checkpoint directory holding one committed step.
-A path with none yet is saved into ``.NAME.zerostall-first`` and renamed by the
-:class:`~._common.Publisher` once committed; a path with one commits a new step inside it, then
-retires the old one; a removed path is renamed to ``.NAME.zerostall-removing`` at once and
-deleted once every save in flight is durable. Each checkpoint holds :func:`zerostall.rng_state`
-under ``"zerostall_rng"``, restored by ``load_checkpoint``.
-
-**Threads.** Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0 only
-(``load_checkpoint`` on every rank), from the training thread. ``save_checkpoint`` returns once
-the save is planned; until the snapshot is copied, optimizer steps and the forward of a module
-whose buffers are being copied wait (:class:`~._common.StateGuard`). ``teardown()`` waits until
-every save is durable and raises the first failure. ``MyModule.load_from_checkpoint(path)``
-bypasses the plugin: use :func:`load_from_checkpoint`.
+A removed path is renamed to ``.NAME.zerostall-removing`` at once and deleted once every save in
+flight is durable. Threads: Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global
+rank 0 only (``load_checkpoint`` on every rank), from the training thread; until a snapshot is
+copied, optimizer steps and the forward of a module whose buffers are being copied wait
+(:class:`~._common.StateGuard`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import shutil
 import threading
@@ -34,7 +25,7 @@ import torch
 
 from ..errors import ConfigError, ZerostallError
 from ..extend import RootLock, discard
-from ._common import AdapterSaves, is_committed, load_torch_file, next_step, recover_staged, tensors_of
+from ._common import AdapterSaves, is_committed, load_torch_file, log, next_step, recover_staged, tensors_of
 from .. import CheckpointConfig, Checkpointer, load, rng_state, set_rng_state
 
 try:
@@ -48,7 +39,6 @@ except ImportError:  # the standalone pytorch_lightning package
         raise ImportError("zerostall.integrations.lightning needs Lightning: pip install 'zerostall[lightning]'"
                           ) from exc
 
-log = logging.getLogger("zerostall")
 _REMOVING = ".zerostall-removing"  # a path Lightning removed, deleted once the saves in flight are durable
 _REPLACED = ".zerostall-replaced"  # a torch.save file an earlier version set aside while a save replaced it
 _FIRST = ".zerostall-first"  # a path's first save, renamed to the path once committed
@@ -124,7 +114,7 @@ class ZerostallCheckpointIO(CheckpointIO):
             self._saves.guard.forget_done()
             handle.wait_staged()
         else:
-            self._saves.track(ck, tensors_of(checkpoint.get("state_dict", {})))
+            self._saves.guard.track(ck, tensors_of(checkpoint.get("state_dict", {})))
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:

@@ -1,16 +1,11 @@
-"""Hugging Face ``Trainer``: checkpoints through zerostall, resumed exactly (docs/integrations.md).
+"""Hugging Face ``Trainer``: checkpoints through zerostall, resumed exactly (docs/integrations.md:
+what is saved, the staging in ``.checkpoint-N.zerostall-staging/``, what a crash leaves).
 
 ::
 
     class MyTrainer(ZerostallTrainerMixin, Trainer): ...     # or any subclass (TRL's SFTTrainer, ...)
     trainer = ZerostallTrainer(model=model, args=args, train_dataset=ds)   # the ready one
     trainer.train(resume_from_checkpoint=True)                             # newest committed checkpoint
-
-Each ``output_dir/checkpoint-N/`` is a zerostall checkpoint directory (model, optimizer,
-scheduler, scaler, RNG states and the ``TrainerState``, plus HF's ``trainer_state.json``), staged
-in ``.checkpoint-N.zerostall-staging/`` and renamed by the :class:`~._common.Publisher` once
-committed: a crash never leaves a ``checkpoint-N`` that is not committed. Directories written by
-the plain ``Trainer`` resume through HF's own code.
 
 Threads: every method runs on the trainer's thread (HF calls them from ``train()``), which waits
 until every save is durable and raises a failed one.
@@ -20,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import re
 from typing import Any
@@ -35,9 +29,7 @@ except ImportError as exc:
 
 from .. import CheckpointConfig, load as _zs_load, register_type, rng_state, set_rng_state
 from ..extend import discard, write_file_durable
-from ._common import AdapterSaves, is_committed, newest_committed, recover_staged
-
-log = logging.getLogger("zerostall")
+from ._common import AdapterSaves, is_committed, log, newest_committed, recover_staged
 
 __all__ = ["ZerostallTrainer", "ZerostallTrainerMixin", "last_committed_checkpoint"]
 
