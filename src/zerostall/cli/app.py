@@ -95,7 +95,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
 def _verify(a: argparse.Namespace) -> int:
     """``zerostall verify``. The commands that read or write tensors (verify, restore, export,
     demo) import torch when they run, never for ``--help``, ``plan``, ``ls``, ``inspect`` or
-    ``doctor`` (tests/cli/test_cli_startup.py)."""
+    ``doctor`` (tests/cli/test_cli_output.py)."""
     from .verify import cmd_verify
     return cmd_verify(a)
 
