@@ -50,23 +50,27 @@ def split_extents(extents: Sequence[Extent], chunk_bytes: int) -> list[Extent]:
 
 
 class ShardFile(ABC):
-    """An open shard file. Created by an :class:`Engine`; used by one thread at a time."""
+    """An open shard file. Created by an :class:`Engine`; used by one thread at a time. An
+    engine's file implements :meth:`_run`, which :meth:`write` and :meth:`read` call."""
 
     def __init__(self, engine: "Engine", path: str, fd: int, writable: bool):
         self.engine = engine
         self.path = path
         self.fd = fd
-        self.writable = writable
         self._closed = False
 
-    @abstractmethod
     def write(self, extents: Sequence[Extent], overlap: Callable[[], None] | None = None) -> None:
         """Write every extent; return when all are in the file (not yet durable). ``overlap`` is
         called once while the requests are in flight; its exception is raised after they end."""
+        self._run(split_extents(extents, self.engine.cfg.chunk_bytes), True, overlap)
 
-    @abstractmethod
     def read(self, extents: Sequence[Extent]) -> None:
         """Fill every extent's buffer from the file; short files raise StorageError."""
+        self._run(split_extents(extents, self.engine.cfg.chunk_bytes), False, None)
+
+    @abstractmethod
+    def _run(self, reqs: list[Extent], write: bool, overlap: Callable[[], None] | None) -> None:
+        """Move every request (``chunk_bytes`` at most) as :meth:`write` or :meth:`read` says."""
 
     def finish(self) -> None:
         """``fdatasync`` the file. Raises :class:`StorageError`; never retried."""
@@ -93,6 +97,7 @@ class Engine(ABC):
 
     name: str = "?"
     direct: bool = True  # bypasses the page cache (O_DIRECT)
+    file_type: type[ShardFile]
 
     def __init__(self, cfg: IOConfig):
         self.cfg = cfg
@@ -147,8 +152,13 @@ class Engine(ABC):
             return load_target(_REGISTRY["buffered"][0])(self.cfg).open_read(path)
         return self._wrap(path, fd, False)
 
-    @abstractmethod
-    def _wrap(self, path: str, fd: int, writable: bool) -> ShardFile: ...
+    def _wrap(self, path: str, fd: int, writable: bool) -> ShardFile:
+        """The engine's :attr:`file_type` over ``fd`` (closed if that fails)."""
+        try:
+            return self.file_type(self, path, fd, writable)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def _fdatasync(self, fd: int) -> None:
         """The seam fault-injection tests replace."""
@@ -163,25 +173,29 @@ class Engine(ABC):
         """Release rings, pools. Idempotent."""
 
 
-def transfer(path: str, fd: int, off: int, mv: memoryview, write: bool) -> None:
+def transfer(path: str, fd: int, off: int, mv: memoryview, write: bool, flags: int = 0) -> None:
     """Move one extent with ``pwritev``/``preadv`` (the GIL released), resuming short transfers."""
-    action, n, done = "write" if write else "read", len(mv), 0
-    while done < n:
+    done = 0
+    while done < len(mv):
         try:
-            got = (os.pwritev if write else os.preadv)(fd, [mv[done:]], off + done)
+            got = (os.pwritev if write else os.preadv)(fd, [mv[done:]], off + done, flags)
         except OSError as exc:
-            raise storage_error(f"{action} of {n - done} bytes at offset {off + done} of", path, exc) from exc
-        check_io_result(path, action, off + done, n - done, got)
+            got = -(exc.errno or errno.EIO)
+        err = io_error(path, "write" if write else "read", off + done, len(mv) - done, got)
+        if err is not None:
+            raise err
         done += got
 
 
-def check_io_result(path: str, action: str, offset: int, want: int, got: int) -> None:
+def io_error(path: str, action: str, offset: int, want: int, got: int) -> StorageError | None:
+    """The error of a request for ``want`` bytes that moved ``got`` (``-errno``: it failed), or None."""
     if got < 0:
         exc = OSError(-got, os.strerror(-got))
-        raise storage_error(f"{action} at offset {offset} of", path, exc) from None
+        return storage_error(f"{action} of {want} bytes at offset {offset} of", path, exc)
     if got == 0 and want:
-        raise StorageError(f"{action} at offset {offset} of {path!r} returned 0 of {want} bytes "
-                           "(file shorter than expected?)", errno=errno.EIO, filename=path)
+        return StorageError(f"{action} at offset {offset} of {path!r} transferred 0 of {want} bytes "
+                            "(file shorter than expected?)", errno=errno.EIO, filename=path)
+    return None
 
 
 # -- registry -----------------------------------------------------------------------------

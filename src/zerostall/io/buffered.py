@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Callable, Sequence
+from typing import Callable
 
 from ..config import IOConfig
-from ..errors import storage_error
+from ..errors import StorageError, storage_error
 from . import _sys
-from .base import Engine, Extent, ShardFile, check_io_result, split_extents, transfer
+from .base import Engine, Extent, ShardFile, transfer
 
 _WAIT_ALL = (_sys.SYNC_FILE_RANGE_WAIT_BEFORE | _sys.SYNC_FILE_RANGE_WRITE
              | _sys.SYNC_FILE_RANGE_WAIT_AFTER)
@@ -40,33 +40,26 @@ class _BufferedFile(ShardFile):
         os.posix_fadvise(self.fd, start, n, os.POSIX_FADV_DONTNEED)
         self._window_start = None
 
-    def write(self, extents: Sequence[Extent], overlap: Callable[[], None] | None = None) -> None:
+    def _run(self, reqs: list[Extent], write: bool, overlap: Callable[[], None] | None) -> None:
         if overlap is not None:  # synchronous engine: nothing to overlap with
             overlap()
-        limit = self.engine.cfg.buffered_dirty_limit_bytes
-        for off, mv in split_extents(extents, self.engine.cfg.chunk_bytes):
-            done = 0
-            while done < len(mv):
-                flags = _sys.RWF_DONTCACHE if self.engine.dontcache else 0
+        for off, mv in reqs:
+            if write and self.engine.dontcache:
                 try:
-                    got = os.pwritev(self.fd, [mv[done:]], off + done, flags)
-                except OSError as exc:
-                    if flags and exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                        self.engine.dontcache = False
-                        continue
-                    raise storage_error(f"write at offset {off + done} of", self.path, exc) from exc
-                check_io_result(self.path, "write", off + done, len(mv) - done, got)
-                done += got
-            if not self.engine.dontcache:
-                self._window_start = off if self._window_start is None else min(self._window_start, off)
-                self._window_end = max(self._window_end, off + len(mv))
-                if self._window_end - self._window_start >= limit // 2:
-                    self._flush_window()
-
-    def read(self, extents: Sequence[Extent]) -> None:
-        for off, mv in split_extents(extents, self.engine.cfg.chunk_bytes):
-            transfer(self.path, self.fd, off, mv, False)
-            os.posix_fadvise(self.fd, off, len(mv), os.POSIX_FADV_DONTNEED)
+                    transfer(self.path, self.fd, off, mv, True, _sys.RWF_DONTCACHE)
+                    continue
+                except StorageError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    self.engine.dontcache = False  # not on this kernel or filesystem
+            transfer(self.path, self.fd, off, mv, write)
+            if not write:
+                os.posix_fadvise(self.fd, off, len(mv), os.POSIX_FADV_DONTNEED)
+                continue
+            self._window_start = off if self._window_start is None else min(self._window_start, off)
+            self._window_end = max(self._window_end, off + len(mv))
+            if self._window_end - self._window_start >= self.engine.cfg.buffered_dirty_limit_bytes // 2:
+                self._flush_window()
 
     def finish(self) -> None:
         self._flush_window()
@@ -77,10 +70,8 @@ class _BufferedFile(ShardFile):
 class BufferedEngine(Engine):
     name = "buffered"
     direct = False
+    file_type = _BufferedFile
 
     def __init__(self, cfg: IOConfig):
         super().__init__(cfg)
         self.dontcache = True  # cleared on the first EOPNOTSUPP
-
-    def _wrap(self, path: str, fd: int, writable: bool) -> ShardFile:
-        return _BufferedFile(self, path, fd, writable)

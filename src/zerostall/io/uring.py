@@ -16,14 +16,14 @@ import errno
 import logging
 import os
 import threading
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 
 from ..config import IOConfig
-from ..errors import StorageError, storage_error
+from ..errors import storage_error
 from . import _sys
-from .base import Engine, Extent, ShardFile, split_extents
+from .base import Engine, Extent, ShardFile, io_error
 
 log = logging.getLogger("zerostall")
 
@@ -168,47 +168,26 @@ class _UringFile(ShardFile):
                 raise storage_error("io_uring setup for", path, exc,
                                     "io_uring may be disabled; use engine='threads'") from exc
 
-    def _run(self, extents: Sequence[Extent], write: bool, overlap: Callable[[], None] | None = None) -> None:
-        """Every extent transferred through the ring."""
-        cring = self.cring
-        chunks = [(off, mv, _address(mv)) for off, mv in split_extents(extents, self.engine.cfg.chunk_bytes)]
-
-        def queue(off: int, mv: memoryview, addr: int, uid: int) -> object:
-            return addr if cring.queue(write, self.fd, addr, len(mv), off, uid) else None
-
-        def reap() -> tuple[int, int, OSError | None]:
-            uid, res = cring.reap()
-            return uid, res, OSError(-res, os.strerror(-res)) if res < 0 else None
-
-        self._drive(chunks, write, queue, cring.submit, reap, overlap)
-
-    def _drive(self, chunks: list[tuple[int, memoryview, int]], write: bool,
-               queue: Callable[[int, memoryview, int, int], object], submit: Callable[[], object],
-               reap: Callable[[], tuple[int, int | None, OSError | None]],
-               overlap: Callable[[], None] | None) -> None:
-        """The submission loop: ``depth`` requests in flight, ``overlap`` run
-        once submitted, short transfers resubmitted, the first error raised once drained.
-        ``queue(off, mv, addr, uid)`` returns what must stay referenced until the completion
-        (None: the submission queue is full); ``reap()`` returns (uid, res, error)."""
-        action = "write" if write else "read"
-        pending = list(reversed(chunks))
-        inflight: dict[int, tuple[int, memoryview, int, object]] = {}  # keeps each buffer alive until reaped
+    def _run(self, reqs: list[Extent], write: bool, overlap: Callable[[], None] | None) -> None:
+        """The submission loop: ``depth`` requests in flight, ``overlap`` run once submitted,
+        short transfers resubmitted, the first error raised once drained."""
+        cring, action = self.cring, "write" if write else "read"
+        pending = [(off, mv, _address(mv)) for off, mv in reversed(reqs)]
+        inflight: dict[int, tuple[int, memoryview, int]] = {}  # keeps each buffer alive until reaped
         next_id = 0
         first_err: BaseException | None = None
         while pending or inflight:
             queued = 0
             while pending and len(inflight) < self.depth and first_err is None:
                 off, mv, addr = pending[-1]
-                kept = queue(off, mv, addr, next_id)
-                if kept is None:
-                    break
-                pending.pop()
-                inflight[next_id] = (off, mv, addr, kept)
+                if not cring.queue(write, self.fd, addr, len(mv), off, next_id):
+                    break  # the submission queue is full
+                inflight[next_id] = pending.pop()
                 next_id += 1
                 queued += 1
             if queued:
                 try:
-                    submit()
+                    cring.submit()
                 except OSError as exc:
                     raise storage_error(f"submitting {action}s of", self.path, exc) from exc
             if overlap is not None:
@@ -220,28 +199,16 @@ class _UringFile(ShardFile):
             if not inflight:
                 break
             try:
-                uid, res, err = reap()
+                uid, res = cring.reap()
             except OSError as exc:
                 raise storage_error(f"waiting for {action}s of", self.path, exc) from exc
-            off, mv, addr, _ = inflight.pop(uid)
-            if err is not None:
-                if first_err is None:
-                    first_err = storage_error(f"{action} of {len(mv)} bytes at offset {off} of", self.path, err)
-            elif not res:
-                if first_err is None:
-                    first_err = StorageError(
-                        f"{action} at offset {off} of {self.path!r} transferred 0 of {len(mv)} bytes "
-                        "(file shorter than expected?)", errno=errno.EIO, filename=self.path)
-            elif res < len(mv):  # short transfer: resubmit the rest
-                pending.append((off + res, mv[res:], addr + res if addr else 0))
+            off, mv, addr = inflight.pop(uid)
+            if 0 < res < len(mv):  # short transfer: resubmit the rest
+                pending.append((off + res, mv[res:], addr + res))
+            else:
+                first_err = first_err or io_error(self.path, action, off, len(mv), res)
         if first_err is not None:
             raise first_err
-
-    def write(self, extents: Sequence[Extent], overlap: Callable[[], None] | None = None) -> None:
-        self._run(extents, True, overlap)
-
-    def read(self, extents: Sequence[Extent]) -> None:
-        self._run(extents, False)
 
     def close(self) -> None:
         if not self._closed and self.own_cring:
@@ -250,20 +217,14 @@ class _UringFile(ShardFile):
 
 
 def _address(mv: memoryview) -> int:
-    """The address of a buffer's first byte (read-only ones too: the kernel only reads them)."""
-    if not len(mv):
-        return 0
-    if mv.readonly:  # ctypes takes writable buffers only
-        return np.frombuffer(mv, np.uint8).__array_interface__["data"][0]
-    holder = (ctypes.c_char * len(mv)).from_buffer(mv)  # a temporary export, released with it
-    try:
-        return ctypes.addressof(holder)
-    finally:
-        del holder
+    """The address of a buffer's first byte (read-only ones too, which ctypes refuses: the
+    kernel only reads them)."""
+    return np.frombuffer(mv, np.uint8).__array_interface__["data"][0]
 
 
 class UringEngine(Engine):
     name = "uring"
+    file_type = _UringFile
 
     def __init__(self, cfg: IOConfig):
         super().__init__(cfg)
@@ -296,10 +257,3 @@ class UringEngine(Engine):
         for r in rings:
             r.unpin()
             r.close()
-
-    def _wrap(self, path: str, fd: int, writable: bool) -> ShardFile:
-        try:
-            return _UringFile(self, path, fd, writable)
-        except BaseException:
-            os.close(fd)
-            raise
