@@ -1,4 +1,5 @@
-"""Local file helpers of the tiers and the bench: crc32c, dropping pages, a checked shard open."""
+"""Local file helpers of the tiers and the bench: the manifests of a directory, crc32c, dropping
+pages, a checked shard open."""
 
 from __future__ import annotations
 
@@ -8,9 +9,35 @@ from typing import Any
 import crc32c as _crc
 
 from ..errors import CorruptCheckpoint, StorageError
-from ..format.validate import open_regular
+from ..format.manifest import MANIFEST_NAME
+from ..format.validate import open_regular, parse_step_dir
 
 _READ_CHUNK = 8 << 20
+
+
+def manifest_stat(step_dir: str) -> tuple[int, ...] | tuple[str, int | None] | None:
+    """The identity of ``step_dir/manifest.json`` (lstat: a symlink, FIFO or directory counts, to
+    be reported as damaged when read); ``("unreadable", errno)`` when it cannot be examined (the
+    read says why); None when absent."""
+    try:
+        st = os.lstat(os.path.join(step_dir, MANIFEST_NAME))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        return ("unreadable", exc.errno)
+    return (st.st_dev, st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def dir_manifests(root: str) -> dict[int, Any]:
+    """{step: :func:`manifest_stat`} of the ``step-N`` entries of ``root`` holding a manifest
+    (canonical names only: ``step-03`` is ignored, with a warning). OSError if ``root`` cannot
+    be listed."""
+    out = {}
+    for n in os.listdir(root):
+        step = parse_step_dir(n, root)
+        if step is not None and (ident := manifest_stat(os.path.join(root, n))) is not None:
+            out[step] = ident
+    return out
 
 
 def file_crc32c(path: str) -> tuple[int, int]:

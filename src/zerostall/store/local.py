@@ -34,34 +34,22 @@ import logging
 import os
 import stat as stat_mod
 import uuid
-from typing import Callable
+from typing import Any, Callable
 
 from ..config import IOConfig
 from ..errors import (CheckpointExistsError, CheckpointNotFound, CorruptCheckpoint, RootNotFound,
                       StepOrderError, ZerostallError, storage_error)
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
-from ..format.validate import parse_step_dir, read_small
+from ..format.validate import read_small
 from .atomic import DeferredRemovals, fsync_dir, publish_dir, rmtree, write_file_durable
 from .owner import RootLock
 from .recovery import _OLD_RE, _PARTIAL_RE, _TEMP_RE, recover_root
 from .retention import ManifestRefs
 from .tier import RootTier
-from .verdicts import ManifestVerdicts, stat_ident
 from ..io.base import Engine, ShardFile, choose_engine
-from .files import open_shard_checked
+from .files import dir_manifests, manifest_stat, open_shard_checked
 
 log = logging.getLogger("zerostall")
-
-
-def _has_manifest(step_dir: str) -> bool:
-    """Whether ``step_dir/manifest.json`` exists in any form (never opened; unexaminable counts)."""
-    try:
-        os.lstat(os.path.join(step_dir, MANIFEST_NAME))
-        return True
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-    except OSError:
-        return True
 
 
 class LocalTier(RootTier):
@@ -77,7 +65,6 @@ class LocalTier(RootTier):
         self.io = io  # for shards opened without an engine
         self.lock_timeout_s = lock_timeout_s
         self._lock = RootLock(self.root)
-        self._verdicts = ManifestVerdicts()
         self.deferred = DeferredRemovals(self.root, lambda name: self._step(name))
         """Deleted steps whose files the persist thread removes later (``delete(defer=True)``)."""
         if os.path.exists(self.root) and not os.path.isdir(self.root):
@@ -113,25 +100,14 @@ class LocalTier(RootTier):
             self._hook(name)
 
     # -- reading (any thread, any process, no lock) ----------------------------------------
-    def listed_steps(self) -> list[int]:
-        """``step-N`` entries holding anything named ``manifest.json``, valid or not, ascending."""
-        out = []
-        for n in self._names():
-            s = parse_step_dir(n, self.root)  # canonical names only: 'step-03' is ignored, with a warning
-            if s is not None and _has_manifest(os.path.join(self.root, n)):
-                out.append(s)
-        return sorted(out)
+    def where(self, rel: str = "") -> str:
+        return os.path.join(self.root, rel)
 
-    def steps(self) -> list[int]:
-        """Committed steps (manifest validates), ascending; verdicts cached (:mod:`.verdicts`)."""
-        return [s for s in self.listed_steps() if self._is_valid(s)]
-
-    def latest(self) -> int | None:
-        """The newest committed step, validating manifests newest first only until one is good."""
-        for s in reversed(self.listed_steps()):
-            if self._is_valid(s):
-                return s
-        return None
+    def _manifests(self) -> dict[int, Any]:
+        try:
+            return dir_manifests(self.root)
+        except FileNotFoundError:
+            return {}
 
     def manifest_refs(self, step: int) -> Manifest | ManifestRefs:
         """``step``'s ``ref_files`` for retention, cached while the manifest keeps its identity."""
@@ -143,11 +119,8 @@ class LocalTier(RootTier):
         self._verdicts.put(step, ident, True, tuple(man.ref_files))
         return man
 
-    def manifest_ident(self, step: int) -> tuple[int, ...] | None:
-        return stat_ident(os.path.join(self.step_dir(step), MANIFEST_NAME))
-
-    def _is_valid(self, step: int) -> bool:
-        return self._verdicts.valid(step, self.manifest_ident(step), self.read_manifest, self.step_dir(step))
+    def manifest_ident(self, step: int) -> Any:
+        return manifest_stat(self.step_dir(step))
 
     def stat(self, rel: str) -> int | None:
         try:

@@ -14,7 +14,6 @@ import logging
 import os
 import threading
 from abc import abstractmethod
-from functools import cached_property
 from typing import Any, Callable
 
 import crc32c as _crc
@@ -26,7 +25,6 @@ from ..format.validate import parse_step_dir
 from .tier import Tier
 from .files import file_crc32c
 from .remote_replace import set_aside, sweep
-from .verdicts import ManifestVerdicts
 
 log = logging.getLogger("zerostall")
 LIST_TIMEOUT_S = 10.0
@@ -47,10 +45,6 @@ class RemoteTier(Tier):
     below; names are ``step-N/<name>`` (``rel``)."""
 
     url: str
-
-    @abstractmethod
-    def _manifests(self) -> dict[int, tuple[Any, ...]]:
-        """{step: identity of its manifest object (size, mtime/etag)}."""
 
     @abstractmethod
     def read_bytes(self, rel: str, limit: int) -> bytes:
@@ -127,22 +121,6 @@ class RemoteTier(Tier):
         """Abandon in-flight transfers (the close deadline passed); any thread."""
 
     # -- the Tier protocol: reading ---------------------------------------------------------------
-    def listed_steps(self) -> list[int]:
-        return sorted(self._manifests())
-
-    def manifest_ident(self, step: int) -> Any:
-        return self._manifests().get(step)
-
-    def steps(self) -> list[int]:
-        """Committed steps, ascending; each manifest is read once per object identity."""
-        return sorted(step for step, ident in self._manifests().items()
-                      if self._verdicts.valid(step, ident, self.read_manifest, self.where(f"step-{step}"),
-                                              (CorruptCheckpoint, CheckpointNotFound)))
-
-    @cached_property
-    def _verdicts(self) -> ManifestVerdicts:
-        return ManifestVerdicts()
-
     def read_manifest(self, step: int) -> Manifest:
         where = self.where(f"step-{step}/{MANIFEST_NAME}")
         man = Manifest.from_bytes(self.read_manifest_bytes(step), where=where)

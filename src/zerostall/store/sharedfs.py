@@ -17,9 +17,8 @@ import crc32c as _crc
 
 from ..config import ALIGN_BYTES, IOConfig
 from ..errors import CheckpointNotFound, CorruptCheckpoint, RemoteError, RootNotFound, ZerostallError
-from ..format.manifest import MANIFEST_NAME
-from ..format.validate import open_regular, parse_step_dir, read_upto
-from .files import drop_cache, file_crc32c
+from ..format.validate import open_regular, read_upto
+from .files import dir_manifests, drop_cache, file_crc32c
 from .remote import RemoteTier, ShardIO, step_of
 from ..io import choose_engine
 from ..memory.arena import Arena
@@ -179,25 +178,13 @@ class FileTier(RemoteTier):
         except OSError as exc:
             raise self._err("stat of", rel, exc) from exc
 
-    def _manifests(self) -> dict[int, tuple[Any, ...]]:
+    def _manifests(self) -> dict[int, Any]:
         try:
-            names = os.listdir(self.root)
+            return dir_manifests(self.root)
         except FileNotFoundError:
             return {}
         except OSError as exc:
             raise self._err("listing", "", exc) from exc
-        out: dict[int, tuple[Any, ...]] = {}
-        for n in names:
-            if (step := parse_step_dir(n, self.root)) is not None:
-                try:  # lstat: a symlink, FIFO or directory is listed (and reported as damaged)
-                    st = os.lstat(os.path.join(self.root, n, MANIFEST_NAME))
-                except (FileNotFoundError, NotADirectoryError):
-                    continue
-                except OSError as exc:  # cannot examine it: listed, so that reading it reports why
-                    out[step] = ("unreadable", exc.errno)
-                    continue
-                out[step] = (st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        return out
 
     def _open_read(self, rel: str, size: int, engine: Any) -> Any:
         eng = engine or self._engine()

@@ -11,16 +11,67 @@ Tiers register under a URL scheme with a lazy import path and an install hint
 
 from __future__ import annotations
 
+import logging
+import threading
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import urlparse
 
 from .._util import load_target
-from ..errors import ConfigError
+from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint
 
 if TYPE_CHECKING:
     from ..format.manifest import Manifest
     from ..io.base import Engine, ShardFile
+
+log = logging.getLogger("zerostall")
+
+
+class ManifestVerdicts:
+    """What this process knows of a tier's manifests, per step: (identity, whether it validates,
+    its ``ref_files`` if known). A manifest is parsed once per identity (local: device, inode,
+    mode, size, mtime, ctime; remote: etag, size, mtime), so listing a root per save costs a stat
+    per step and retention reads the references of the manifest just written without re-parsing
+    it. Any thread (one lock)."""
+
+    def __init__(self) -> None:
+        self._mu = threading.Lock()
+        self._known: dict[int, tuple[Any, bool, tuple[Any, ...] | None]] = {}
+
+    def get(self, step: int, ident: Any) -> tuple[bool, tuple[Any, ...] | None] | None:
+        """(valid, ref_files or None) recorded for ``step`` under ``ident``; None if unknown."""
+        if ident is None:
+            return None
+        with self._mu:
+            hit = self._known.get(step)
+        return (hit[1], hit[2]) if hit is not None and hit[0] == ident else None
+
+    def put(self, step: int, ident: Any, ok: bool, refs: tuple[Any, ...] | None = None) -> None:
+        if ident is not None:
+            with self._mu:
+                self._known[step] = (ident, ok, refs)
+
+    def valid(self, step: int, ident: Any, read: Callable[[int], Any], where: str) -> bool:
+        """Whether ``step``'s manifest (identity ``ident``; None: absent) validates: the cached
+        verdict, else ``read(step)`` (a missing or corrupt manifest is invalid, logged naming
+        ``where``; any other error, e.g. an unreachable remote, is raised)."""
+        if ident is None:
+            return False
+        hit = self.get(step, ident)
+        if hit is not None:
+            return hit[0]
+        refs = None
+        try:
+            refs = tuple(read(step).ref_files)
+        except (CorruptCheckpoint, CheckpointNotFound) as exc:
+            log.warning("zerostall: %s is not a loadable checkpoint (%s); load and retention ignore it", where, exc)
+        self.put(step, ident, refs is not None, refs)
+        return refs is not None
+
+    def forget(self, step: int) -> None:
+        with self._mu:
+            self._known.pop(step, None)
 
 
 class Tier(ABC):
@@ -30,8 +81,13 @@ class Tier(ABC):
 
     # -- reading: any thread, any process; no lock; a reader never sees a torn step -----------
     @abstractmethod
-    def steps(self) -> list[int]:
-        """Committed steps whose manifest validates, ascending. Cheap enough to call per save."""
+    def _manifests(self) -> dict[int, Any]:
+        """{step: identity of its manifest} for every ``step-N`` holding one, valid or not (one
+        listing; the identity changes when the manifest is replaced)."""
+
+    @abstractmethod
+    def where(self, rel: str = "") -> str:
+        """The path or URL of ``rel`` (``step-N/<name>``) on this tier, for messages."""
 
     @abstractmethod
     def read_manifest(self, step: int) -> "Manifest":
@@ -48,15 +104,28 @@ class Tier(ABC):
     def manifest_ident(self, step: int) -> Any:
         """Changes when ``step`` is replaced (None: absent), so a reader tells a step replaced
         under it from a damaged one (:mod:`zerostall.restore.pipeline`)."""
-        return step if step in self.listed_steps() else None
+        return self._manifests().get(step)
 
     def listed_steps(self) -> list[int]:
         """Steps holding a manifest, valid or not (``ls``, ``verify`` report the damaged ones)."""
-        return self.steps()
+        return sorted(self._manifests())
+
+    def steps(self) -> list[int]:
+        """Committed steps whose manifest validates, ascending. Cheap enough to call per save:
+        each manifest is parsed once per identity (:class:`ManifestVerdicts`)."""
+        return sorted(s for s, ident in self._manifests().items() if self._valid(s, ident))
 
     def latest(self) -> int | None:
-        steps = self.steps()
-        return steps[-1] if steps else None
+        """The newest committed step, validating manifests newest first only until one is good."""
+        idents = self._manifests()
+        return next((s for s in sorted(idents, reverse=True) if self._valid(s, idents[s])), None)
+
+    @cached_property
+    def _verdicts(self) -> "ManifestVerdicts":
+        return ManifestVerdicts()
+
+    def _valid(self, step: int, ident: Any) -> bool:
+        return self._verdicts.valid(step, ident, self.read_manifest, self.where(f"step-{step}"))
 
     def partial_steps(self) -> list[int]:
         """Steps with an uncommitted staging area (``ls``)."""
