@@ -161,8 +161,9 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         _require(self.backpressure in ("block", "skip"), "backpressure", self.backpressure,
                  "choose block or skip")
-        if self.keep_last is not None:
-            _require(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1 or None")
+        for name in ("keep_last", "keep_last_remote", "keep_every_remote"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, name, value, "must be >= 1 or None")
         _require(self.dist_mode in ("per_rank", "replicated", "local"), "dist_mode", self.dist_mode,
                  "choose per_rank (each rank saves its own state), replicated (identical state on "
                  "every rank, each tensor written once) or local (this process saves alone)")

@@ -10,7 +10,6 @@ import errno
 import fcntl
 import logging
 import os
-import platform
 import stat
 import uuid
 from contextlib import contextmanager, suppress
@@ -25,10 +24,7 @@ log = logging.getLogger("zerostall")
 
 _AT_FDCWD = -100
 RENAME_EXCHANGE = 2
-# renameat2(2) syscall numbers, for a libc without the wrapper (glibc < 2.28, some musl)
-_SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "ppc64le": 357, "s390x": 347, "riscv64": 276}
-
-_renameat2 = getattr(_libc, "renameat2", None)
+_renameat2 = getattr(_libc, "renameat2", None)  # glibc >= 2.28
 
 EXCHANGE_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)
 
@@ -66,16 +62,10 @@ def write_file_durable(path: str, data: bytes) -> None:
 
 def rename_exchange(a: str, b: str) -> bool:
     """Atomically swap the names ``a`` and ``b`` (``renameat2(RENAME_EXCHANGE)``). False,
-    having changed nothing, where the kernel, libc or filesystem cannot (e.g. NFS)."""
-    ba, bb = os.fsencode(a), os.fsencode(b)
-    if _renameat2 is not None:
-        rc = _renameat2(_AT_FDCWD, ba, _AT_FDCWD, bb, RENAME_EXCHANGE)
-    else:
-        nr = _SYS_RENAMEAT2.get(platform.machine())
-        if nr is None:
-            return False
-        rc = _libc.syscall(nr, _AT_FDCWD, ba, _AT_FDCWD, bb, RENAME_EXCHANGE)
-    if rc == 0:
+    having changed nothing, where the libc or filesystem cannot (e.g. NFS)."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
     if err in EXCHANGE_UNSUPPORTED:

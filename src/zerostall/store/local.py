@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 from ..config import IOConfig
 from ..errors import (CheckpointExistsError, CheckpointNotFound, CorruptCheckpoint, RootNotFound,
-                      StepOrderError, ZerostallError, storage_error)
+                      StepOrderError, storage_error)
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..format.validate import read_small
 from .atomic import DeferredRemovals, fsync_dir, publish_dir, rmtree, write_file_durable
@@ -193,22 +193,16 @@ class LocalTier(RootTier):
 
     def own(self, timeout_s: float | None = None) -> list[str]:
         """Take the root (waiting up to ``timeout_s``, default ``lock_timeout_s``; else
-        ``RootLockedError``), then :meth:`recover` it."""
+        ``RootLockedError``), then finish or remove what a crash left (:mod:`.recovery`)."""
         self._lock.acquire(self.lock_timeout_s if timeout_s is None else timeout_s)
         try:
-            return self.recover()
+            return recover_root(self)
         except BaseException:
             self._lock.release()
             raise
 
     def release(self) -> None:
         self._lock.release()
-
-    def recover(self) -> list[str]:
-        """Finish or remove what a crash left (:func:`.recovery.recover_root`); owner only."""
-        if not self._lock.held:
-            raise ZerostallError(f"recovering {self.root!r} needs its lock (call own())")
-        return recover_root(self)
 
     # -- save side (owner; persist thread, except check_new_step on the caller's) -----------
     def check_new_step(self, step: int, overwrite: bool, allow_lower: bool = True) -> None:

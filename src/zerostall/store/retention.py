@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterable
 
-from ..errors import CheckpointExistsError, CheckpointNotFound, ConfigError, ZerostallError
+from ..errors import CheckpointExistsError, CheckpointNotFound, ZerostallError
 from ..format.refs import closure, referenced_steps
 
 log = logging.getLogger("zerostall")
@@ -55,21 +55,12 @@ class RetentionPolicy:
     keep_last_local: int | None = None
     keep_last_remote: int | None = None
     keep_every_remote: int | None = None
-    """Also keep every step divisible by this on the remote tier (e.g. 1000)."""
+    """Also keep every step divisible by this on the remote tier (e.g. 1000). The values are
+    checked by :class:`~zerostall.config.CheckpointConfig`."""
 
-    def __post_init__(self) -> None:
-        for name in ("keep_last_local", "keep_last_remote", "keep_every_remote"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ConfigError(f"{name}={v!r} is invalid: must be >= 1 or None")
-
-    def local_doomed(self, steps: list[int], replicated: set[int] | None,
-                     protect: Iterable[int] = ()) -> list[int]:
-        """Local steps to delete; ``replicated`` is None when there is no remote tier."""
-        out = doomed(steps, self.keep_last_local, protect)
-        if replicated is not None:
-            out = [s for s in out if s in replicated]
-        return out
+    def local_doomed(self, steps: list[int], replicated: set[int]) -> list[int]:
+        """Local steps to delete: only replicated ones."""
+        return [s for s in doomed(steps, self.keep_last_local) if s in replicated]
 
     def to_replicate(self, local: list[int], remote: list[int]) -> list[int]:
         """Local steps the remote tier lacks and would keep once uploaded, ascending (one
