@@ -20,33 +20,23 @@ def decode_tree(node: Any, tensors: list[Any], where: str = "manifest", *, build
     def bad(msg: str) -> CorruptCheckpoint:
         return CorruptCheckpoint(f"{where}: invalid state tree: {msg}", path=where)
 
-    def dec_key(k: Any) -> Any:
-        if isinstance(k, dict) and len(k) == 1:
-            if "v" in k and (k["v"] is None or isinstance(k["v"], (bool, int, float, str))):
-                return k["v"]
-            if "f" in k:
-                return dec_float(k["f"])
-            if "t" in k and isinstance(k["t"], list):
-                return tuple(dec_key(x) for x in k["t"])
-        raise bad(f"bad dict key {k!r:.80}")
-
-    def dec_float(s: Any) -> float:
-        if s not in ("nan", "inf", "-inf"):
-            raise bad(f"bad float {s!r:.80}")
-        return float(s)
-
-    def dec(n: Any, depth: int) -> Any:
+    def dec(n: Any, depth: int, key: bool = False) -> Any:
+        """``key``: a dict key's node (``v``, ``f``, or ``t`` of those)."""
         if depth > MAX_DEPTH:
             raise bad(f"nested deeper than {MAX_DEPTH}")
         if not isinstance(n, dict) or len(n) != 1:
             raise bad(f"node {n!r:.80}")
         (tag, val), = n.items()
+        if key and tag not in ("v", "f", "t"):
+            raise bad(f"bad dict key {n!r:.80}")
         if tag == "v":
             if val is None or isinstance(val, (bool, int, float, str)):
                 return val
             raise bad(f"plain value {val!r:.80}")
         if tag == "f":
-            return dec_float(val)
+            if val not in ("nan", "inf", "-inf"):
+                raise bad(f"bad float {val!r:.80}")
+            return float(val)
         if tag == "j":  # plain JSON, parsed with finite numbers only
             return val
         if tag in ("T", "A"):
@@ -61,7 +51,7 @@ def decode_tree(node: Any, tensors: list[Any], where: str = "manifest", *, build
         if tag in ("l", "t"):
             if not isinstance(val, list):
                 raise bad(f"{tag} node is not a list")
-            items = [dec(v, depth + 1) for v in val]
+            items = [dec(v, depth + 1, key) for v in val]
             return items if tag == "l" else tuple(items)
         if tag == "d":
             if not isinstance(val, list):
@@ -70,7 +60,7 @@ def decode_tree(node: Any, tensors: list[Any], where: str = "manifest", *, build
             for pair in val:
                 if not isinstance(pair, list) or len(pair) != 2:
                     raise bad(f"dict item {pair!r:.80}")
-                out[dec_key(pair[0])] = dec(pair[1], depth + 1)
+                out[dec(pair[0], depth + 1, True)] = dec(pair[1], depth + 1)
             return out
         if tag == "o":
             try:
@@ -84,7 +74,7 @@ def decode_tree(node: Any, tensors: list[Any], where: str = "manifest", *, build
     finally:
         # break the closures' self-reference cycle: it held ``tensors`` (the whole state) until
         # a cyclic GC, whose munmap then blocked whatever call triggered it
-        del dec, dec_key
+        del dec
 
 
 def tree_tensor_indices(node: Any) -> list[tuple[int, bool]]:
