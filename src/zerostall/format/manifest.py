@@ -25,7 +25,7 @@ from .._util import no_gc
 from ..config import ALIGN_BYTES
 from ..errors import CorruptCheckpoint
 from . import validate as V
-from .layout import FILE_NAME_RE, HEADER_BYTES, LAYOUT_VERSION, MANIFEST_ALIGNMENT, version_advice
+from .layout import LAYOUT_VERSION, MANIFEST_ALIGNMENT, version_advice
 from .refs import RefFile, parse_ref_files
 from .table import FORMAT_VERSION_TABLE, Entries, TensorEntry, encode_columns, file_slots, parse_columns, tensors_json
 from .decode import decode_tree
@@ -179,25 +179,13 @@ class Manifest:
             raise bad("'files' must be a list")
         files: dict[str, FileEntry] = {}
         for f in files_raw:
-            if not isinstance(f, dict):
-                raise bad("file entry is not an object")
-            name = f.get("name")
-            if not isinstance(name, str) or not FILE_NAME_RE.match(name) or name == MANIFEST_NAME:
-                raise bad(f"file name {name!r:.80} is not a plain file name inside the checkpoint")
+            name, rank, fb, fid, host = V.file_fields(f, where, "", world - 1)
             if name in files:
                 raise bad(f"file {name!r} listed twice")
-            ctx = f"file {name!r}: "
-            fb = V.integer(f, "file_bytes", where, HEADER_BYTES, V.MAX_DIM, ctx)
-            if fb % ALIGN_BYTES:
-                raise bad(f"{ctx}file_bytes {fb} is not a multiple of {ALIGN_BYTES}")
-            for k, most in (("file_id", 64), ("host", 255)):
-                if not isinstance(f.get(k, ""), str) or len(f.get(k, "")) > most:
-                    raise bad(f"{ctx}bad {k} {f[k]!r:.80}")
-            files[name] = FileEntry(name, V.integer(f, "rank", where, 0, world - 1, ctx), f.get("host", ""), fb,
-                                    f.get("file_id", ""))
+            files[name] = FileEntry(name, rank, host, fb, fid)
         refs: dict[tuple[int, str], RefFile] = {}
         if "ref_files" in body:
-            refs = parse_ref_files(body.get("ref_files"), step, bad)
+            refs = parse_ref_files(body.get("ref_files"), step, where)
         tensors, spans = parse_columns(tensors_raw, file_slots(list(files), list(refs.values())), where, bad)
         alias = V.check_spans(spans, {**{f.name: f.file_bytes for f in files.values()},
                                       **{f"step-{r.step}/{r.name}": r.file_bytes for r in refs.values()}}, where)

@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable
 
-from ..config import ALIGN_BYTES
-from .layout import FILE_NAME_RE, HEADER_BYTES
+from .validate import MAX_DIM, bad, file_fields
 
 
 @dataclass(frozen=True)
@@ -33,28 +32,23 @@ class RefFile:
         return asdict(self)
 
 
-def parse_ref_files(raw: Any, step: int, bad: Callable[[str], Exception]) -> dict[tuple[int, str], RefFile]:
-    """Validate a manifest body's ``ref_files``; keyed by (step, name). ``bad`` builds the error."""
+def parse_ref_files(raw: Any, step: int, where: str) -> dict[tuple[int, str], RefFile]:
+    """Validate a manifest body's ``ref_files``; keyed by (step, name)."""
     if not isinstance(raw, list) or not raw:
-        raise bad("a manifest with references requires a non-empty 'ref_files' list (one without omits it)")
+        raise bad(where, "a manifest with references requires a non-empty 'ref_files' list "
+                         "(one without omits it)")
     out: dict[tuple[int, str], RefFile] = {}
     for r in raw:
-        if not isinstance(r, dict):
-            raise bad("ref_files entry is not an object")
-        s, name, rank, fb, fid = (r.get(k) for k in ("step", "name", "rank", "file_bytes", "file_id"))
-        for k, v in (("step", s), ("rank", rank), ("file_bytes", fb)):
-            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < (1 << 62):
-                raise bad(f"ref_files: field {k!r} = {v!r:.60} is not a non-negative integer")
+        name, rank, fb, fid, _ = file_fields(r, where, "ref_files: ", MAX_DIM)
+        s = r.get("step")
+        if type(s) is not int or s < 0:
+            raise bad(where, f"ref_files: field 'step' = {s!r:.60} is not a non-negative integer")
         if s >= step:
-            raise bad(f"ref_files: step {s} is not earlier than this step ({step})")
-        if not isinstance(name, str) or not FILE_NAME_RE.match(name) or name == "manifest.json":
-            raise bad(f"ref_files: file name {name!r:.80} is not a plain file name")
-        if fb % ALIGN_BYTES or fb < HEADER_BYTES:
-            raise bad(f"ref_files: step-{s}/{name}: file_bytes {fb} is not a multiple of {ALIGN_BYTES} >= header")
-        if not isinstance(fid, str) or not 0 < len(fid) <= 64:
-            raise bad(f"ref_files: step-{s}/{name}: bad file_id")
+            raise bad(where, f"ref_files: step {s} is not earlier than this step ({step})")
+        if not fid:
+            raise bad(where, f"ref_files: step-{s}/{name}: bad file_id")
         if (s, name) in out:
-            raise bad(f"ref_files: step-{s}/{name} listed twice")
+            raise bad(where, f"ref_files: step-{s}/{name} listed twice")
         out[(s, name)] = RefFile(s, name, rank, fb, fid)
     return out
 

@@ -22,7 +22,8 @@ from typing import Any, Sequence
 
 from ..config import ALIGN_BYTES
 from ..errors import CorruptCheckpoint
-from .layout import ITEM_ALIGN, LINE_ITEM_BYTES, PAGE_ITEM_BYTES, SMALL_ALIGN, item_align, item_end
+from .layout import (FILE_NAME_RE, HEADER_BYTES, ITEM_ALIGN, LINE_ITEM_BYTES, PAGE_ITEM_BYTES, SMALL_ALIGN,
+                     item_align, item_end)
 from .._fast import FILE, INDEX, NBYTES, OFFSET
 
 log = logging.getLogger("zerostall")
@@ -89,6 +90,24 @@ def integer(obj: dict[str, Any], k: str, where: str, lo: int = 0, hi: int = MAX_
     if type(v) is not int or not lo <= v <= hi:
         raise bad(where, f"{ctx}field {k!r} = {v!r:.60} is not an integer in [{lo}, {hi}]")
     return v
+
+
+def file_fields(f: Any, where: str, ctx: str, max_rank: int) -> tuple[str, int, int, str, str]:
+    """(name, rank, file_bytes, file_id, host) of one object of a manifest's ``files`` or
+    ``ref_files`` (``ctx`` starts each error): a plain name, a whole number of pages."""
+    if not isinstance(f, dict):
+        raise bad(where, f"{ctx}file entry is not an object")
+    name = f.get("name")
+    if not isinstance(name, str) or not FILE_NAME_RE.match(name) or name == "manifest.json":
+        raise bad(where, f"{ctx}file name {name!r:.80} is not a plain file name inside the checkpoint")
+    ctx += f"file {name!r}: "
+    fb = integer(f, "file_bytes", where, 0, MAX_DIM, ctx)
+    if fb % ALIGN_BYTES or fb < HEADER_BYTES:
+        raise bad(where, f"{ctx}file_bytes {fb} is not a multiple of {ALIGN_BYTES} of at least {HEADER_BYTES}")
+    for k, most in (("file_id", 64), ("host", 255)):
+        if not isinstance(f.get(k, ""), str) or len(f.get(k, "")) > most:
+            raise bad(where, f"{ctx}bad {k} {f[k]!r:.80}")
+    return name, integer(f, "rank", where, 0, max_rank, ctx), fb, f.get("file_id", ""), f.get("host", "")
 
 
 # -- shapes and entries ----------------------------------------------------------------------
