@@ -118,15 +118,11 @@ def dumps_tree(tree: Any, texts: list[tuple[dict[str, Any], str]]) -> str:
     """``json.dumps(tree, separators=(",", ":"), allow_nan=False)``, each ``(node, text)`` of
     ``texts`` written as its text: the node's pairs are swapped for a marker meanwhile (caller's
     thread; the tree is a plan's own, seen by no other thread yet)."""
-    def dumps(t: Any, **kw: Any) -> str:
-        return json.dumps(t, separators=(",", ":"), allow_nan=False, **kw)
-    if not texts:
-        return dumps(tree)
     saved = [node["d"] for node, _ in texts]
     try:
         for i, (node, _) in enumerate(texts):
             node["d"] = _SPLICE.mark(i)
-        out = dumps(tree)
+        out = json.dumps(tree, separators=(",", ":"), allow_nan=False)
     finally:
         for (node, _), pairs in zip(texts, saved):
             node["d"] = pairs

@@ -94,14 +94,9 @@ def freeze(x: Any) -> tuple[bytes, ...] | None:
     first = _dump(cut(0, PROBE_ITEMS))
     if first is None:
         return None
-    parts = [first]
     per = max(PROBE_ITEMS, PROBE_ITEMS * PART_BYTES // len(first))
-    for i in range(PROBE_ITEMS, n, per):
-        part = _dump(cut(i, i + per))
-        if part is None:
-            return None
-        parts.append(part)
-    return tuple(parts)
+    parts = (first, *(_dump(cut(i, i + per)) for i in range(PROBE_ITEMS, n, per)))
+    return None if None in parts else parts
 
 
 _BUILTINS = {t.__name__: t for t in _TO}
@@ -128,10 +123,8 @@ def skeleton_json(tree: Any, frozen: list[Frozen]) -> str:
     :class:`Frozen` parts) sits (caller's thread: its length bounds the manifest's)."""
     pos = {id(f): i for i, f in enumerate(frozen)}
 
-    def mark(o: Any) -> str:
-        if type(o) is not Frozen:
-            raise TypeError(f"{type(o).__name__} in a state tree")
-        return _SPLICE.mark(pos[id(o)])
+    def mark(f: Frozen) -> str:  # nothing else in a tree is not JSON
+        return _SPLICE.mark(pos[id(f)])
     return json.dumps(tree, separators=(",", ":"), allow_nan=False, default=mark)
 
 

@@ -184,10 +184,8 @@ _BY_TYPE: dict[Any, tuple[str, Callable[[Any], Any]]] = {t: (n, e) for n, (t, e,
 _LAZY_MODULES = ("torch", "numpy")  # their types are looked up by name: neither is imported here
 
 
-STANDARD_TYPES: tuple[type, ...] = (argparse.Namespace, pathlib.PurePath, _dt.datetime, _dt.date, _dt.time,
-                                    _dt.timedelta, _dt.timezone, uuid.UUID,
-                                    collections.defaultdict, collections.Counter)
-"""Standard kinds named in the refusal of an unregistered subclass (:mod:`.tree` adds ``torch.Size``)."""
+STANDARD_TYPES: tuple[type, ...] = tuple(t for t, _, _ in _KINDS.values() if isinstance(t, type))
+"""The standard kinds' own types: :mod:`.tree` refuses a subclass of one, naming it."""
 
 
 def _fields(d: Any) -> dict[str, Any]:

@@ -114,9 +114,6 @@ class Entries(Sequence[TensorEntry]):
     def __eq__(self, other: Any) -> bool:
         return isinstance(other, (tuple, Entries)) and tuple(self) == tuple(other)
 
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
     def json_head(self) -> str:
         """The version 3 table up to ``"crc32c":`` (:func:`tensors_json`)."""
         items = self.items

@@ -96,8 +96,7 @@ def _encode_key(k: Any, path: tuple[Any, ...]) -> Any:
         "(numpy bool/int/float/str scalars are stored as the Python value)")
 
 
-_STORED_BASES = (dict, list, tuple, str, int, float, complex, bytes, bytearray, set, frozenset, torch.Size,
-                 np.ndarray) + STANDARD_TYPES
+_STORED_BASES = (dict, list, tuple, str, int, float, torch.Size, np.ndarray) + STANDARD_TYPES
 """Types a subclass of which is refused as such (it would load back as its base)."""
 
 

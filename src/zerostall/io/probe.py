@@ -39,23 +39,14 @@ class ProbeResult:
 
 
 def fs_of(path: str) -> tuple[str, str]:
-    """(filesystem type, mount point) of ``path`` by the longest mountinfo prefix."""
+    """(filesystem type, mount point) of ``path``: the mount with the longest matching prefix."""
+    import psutil  # here: ``import zerostall`` does not load it
+
     real = os.path.realpath(path)
-    best = ("unknown", "/")
-    best_len = -1
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                parts = line.split()
-                if " - " not in line:
-                    continue
-                mnt = parts[4].replace("\\040", " ")
-                fstype = line.split(" - ", 1)[1].split()[0]
-                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > best_len:
-                    best, best_len = (fstype, mnt), len(mnt)
-    except OSError:
-        pass
-    return best
+    mounts = [m for m in psutil.disk_partitions(all=True)
+              if real == m.mountpoint or real.startswith(m.mountpoint.rstrip("/") + "/")]
+    best = max(mounts, key=lambda m: len(m.mountpoint), default=None)
+    return (best.fstype, best.mountpoint) if best is not None else ("unknown", "/")
 
 
 def io_uring_status() -> tuple[bool, str]:

@@ -119,13 +119,11 @@ class _CRing:
         if not sqe:
             return False
         p = self.pinned
-        if write and p is not None and p[0] <= addr and addr + n <= p[0] + p[1]:
-            i = (addr - p[0]) // FIXED_PIECE_BYTES
-            if (addr + n - 1 - p[0]) // FIXED_PIECE_BYTES == i:  # inside one registered piece
-                _C.io_uring_prep_write_fixed(sqe, fd, addr, n, off, i)
-                _C.io_uring_sqe_set_data64(sqe, uid)
-                return True
-        (_C.io_uring_prep_write if write else _C.io_uring_prep_read)(sqe, fd, addr, n, off)
+        i = (addr - p[0]) // FIXED_PIECE_BYTES if write and p is not None and p[0] <= addr else -1
+        if i >= 0 and addr + n <= p[0] + p[1] and (addr + n - 1 - p[0]) // FIXED_PIECE_BYTES == i:
+            _C.io_uring_prep_write_fixed(sqe, fd, addr, n, off, i)  # inside one registered piece
+        else:
+            (_C.io_uring_prep_write if write else _C.io_uring_prep_read)(sqe, fd, addr, n, off)
         _C.io_uring_sqe_set_data64(sqe, uid)
         return True
 
