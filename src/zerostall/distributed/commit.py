@@ -59,7 +59,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from ..errors import DistributedError, SaveFailed, ZerostallError
-from ..store.tier import RootTier
+from ..store.local import LocalTier
 from .finish import finish_copy, record_decision
 from .merge import manifests, merge, peer_protected
 from .session import Session
@@ -140,7 +140,7 @@ def _abort_late(store: Store, base: str, by: int, missing: list[int], step: int,
                                           "stopped, or not saving this step); nothing committed"}, grace_s(timeout_s))
 
 
-def commit_round(store: Store, session: Session, fragment: dict[str, Any], tier: RootTier, step: int, *,
+def commit_round(store: Store, session: Session, fragment: dict[str, Any], tier: LocalTier, step: int, *,
                  per_rank: bool, timeout_s: float, overwrite: bool = False,
                  user_metadata: dict[str, Any] | None = None,
                  protect: Callable[[set[int]], None] | None = None, began: float | None = None) -> tuple[str, ...]:
@@ -248,7 +248,7 @@ def _coordinate(store: Store, session: Session, base: str, fragment: dict[str, A
         deadline - time.monotonic(), 0.0) + grace)
 
 
-def _finish_mine(store: Store, session: Session, base: str, dec: dict[str, Any], tier: RootTier, step: int,
+def _finish_mine(store: Store, session: Session, base: str, dec: dict[str, Any], tier: LocalTier, step: int,
                  overwrite: bool, deadline: float, timeout_s: float) -> tuple[str, ...]:
     """DECIDED(commit) -> DURABLE for this rank's copy."""
     done_key = f"{base}/done/{session.group}"

@@ -18,10 +18,10 @@ from ..errors import CheckpointExistsError, ZerostallError, storage_error
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..store.atomic import fsync_dir, unlinked_on_error, write_file_durable
 from ..store.recovery import DECIDED_NAME
-from ..store.tier import RootTier
+from ..store.local import LocalTier
 
 
-def record_decision(tier: RootTier, step: int, manifest: bytes) -> None:
+def record_decision(tier: LocalTier, step: int, manifest: bytes) -> None:
     """RECORDING: the decided manifest into ``step-N.partial/manifest.decided``, durably (tmp +
     rename, fsync of the directory, which also makes the shards' entries durable)."""
     part = tier.partial_dir(step)
@@ -35,7 +35,7 @@ def record_decision(tier: RootTier, step: int, manifest: bytes) -> None:
         raise storage_error(f"recording the commit decision of step {step} in", tier.root, exc) from exc
 
 
-def finish_copy(tier: RootTier, step: int, manifest: bytes, *, overwrite: bool = False,
+def finish_copy(tier: LocalTier, step: int, manifest: bytes, *, overwrite: bool = False,
                 leader: bool = True) -> tuple[str, ...]:
     """Commit ``step`` in this copy of the root with ``manifest``. Returns post-commit problems
     (the leader writes ``latest``)."""
@@ -75,7 +75,7 @@ def _write_as(part: str, data: bytes, dst: str) -> None:
         os.rename(tmp, dst)
 
 
-def committed_here(tier: RootTier, step: int, checkpoint_id: str) -> bool:
+def committed_here(tier: LocalTier, step: int, checkpoint_id: str) -> bool:
     """``step`` is committed in ``tier`` with ``checkpoint_id`` (False: absent, another, or unreadable)."""
     try:
         return tier.read_manifest(step).checkpoint_id == checkpoint_id

@@ -12,7 +12,7 @@ never a per-process counter. The round:
    (every nonce) and answers ``<ns>/welcome/r<r>`` = ``{nonce, sid}`` (or ``{nonce, error}``:
    a rank is missing, all fail at once); a welcome with another nonce is stale and skipped;
 3. under ``<ns>/<sid>`` every rank reports whose probes it sees (``sees/r<r>``); rank 0 forms
-   the groups (or refuses the view), owns a shared root (``RootTier.own``: lock, recovery) and
+   the groups (or refuses the view), owns a shared root (``LocalTier.own``: lock, recovery) and
    publishes ``ready`` = ``{groups, nodes}`` (or ``error``);
 4. with several copies each leader owns its copy and sets ``cleaned/<group>`` (or the error);
    every rank waits for all: a root not taken fails every rank now (:class:`RootLockedError`);
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, DistributedError, RootLockedError, ZerostallError
-from ..store.tier import RootTier
+from ..store.local import LocalTier
 from .node import node_id
 from .store import Store
 
@@ -85,7 +85,7 @@ class Session:
         return self.rank == self.leader
 
 
-def join(store: Store, ns: str, rank: int, world: int, tier: RootTier, timeout_s: float) -> Session:
+def join(store: Store, ns: str, rank: int, world: int, tier: LocalTier, timeout_s: float) -> Session:
     """The start-up round. Raises :class:`DistributedError` naming the ranks that did not join
     in time, :class:`ConfigError` (an inconsistent view), :class:`RootLockedError`."""
     nonce = uuid.uuid4().hex
@@ -98,7 +98,7 @@ def join(store: Store, ns: str, rank: int, world: int, tier: RootTier, timeout_s
             os.unlink(probe)
 
 
-def _join(store: Store, ns: str, rank: int, world: int, tier: RootTier, timeout_s: float, node: str,
+def _join(store: Store, ns: str, rank: int, world: int, tier: LocalTier, timeout_s: float, node: str,
           nonce: str) -> Session:
     deadline = time.monotonic() + timeout_s
     if rank == 0:
@@ -130,7 +130,7 @@ def _join(store: Store, ns: str, rank: int, world: int, tier: RootTier, timeout_
     return _finish(store, prefix, rank, world, node, tier, store.get_json(f"{prefix}/ready"), timeout_s)
 
 
-def _seen(store: Store, prefix: str, tier: RootTier) -> list[int]:
+def _seen(store: Store, prefix: str, tier: LocalTier) -> list[int]:
     """The ranks whose probe files this rank sees in its root (one listdir)."""
     nonces = store.get_json(f"{prefix}/probes")
     try:
@@ -181,7 +181,7 @@ def form_groups(sees: list[list[int]], nodes: list[str], root: str) -> list[list
     return [sorted(g) for g in sorted(set(views), key=min)]
 
 
-def _decide(store: Store, prefix: str, world: int, node: str, tier: RootTier, timeout_s: float) -> Session:
+def _decide(store: Store, prefix: str, world: int, node: str, tier: LocalTier, timeout_s: float) -> Session:
     keys = [f"{prefix}/sees/r{r}" for r in range(1, world)]
     own_view = _seen(store, prefix, tier)
     if store.poll(keys, time.monotonic() + timeout_s) == "timeout":
@@ -208,7 +208,7 @@ def _decide(store: Store, prefix: str, world: int, node: str, tier: RootTier, ti
     return _finish(store, prefix, 0, world, node, tier, ready, timeout_s)
 
 
-def _finish(store: Store, prefix: str, rank: int, world: int, node: str, tier: RootTier,
+def _finish(store: Store, prefix: str, rank: int, world: int, node: str, tier: LocalTier,
             ready: dict[str, Any], timeout_s: float) -> Session:
     groups = [tuple(g) for g in ready["groups"]]
     names = [f"g{g[0]}" for g in groups]

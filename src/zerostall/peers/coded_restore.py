@@ -25,7 +25,7 @@ from ..errors import CheckpointNotFound, CorruptCheckpoint, ZerostallError
 from ..format.layout import shard_name
 from ..format.manifest import Manifest
 from ..io.base import Engine
-from ..store.tier import RootTier
+from ..store.local import LocalTier
 from . import tombstones
 from .coded_decode import StripeDecoder, Timeline, scatter
 from .coding import Layout
@@ -115,7 +115,7 @@ class _FragmentWriter:
             w.close()
 
 
-def rebuild(view: PeerView, transport: Any, tier: RootTier, engine_for: Callable[[], Engine], step: int,
+def rebuild(view: PeerView, transport: Any, tier: LocalTier, engine_for: Callable[[], Engine], step: int,
             coded: dict[int, dict[str, Rebuild]], checkpoint_id: str = "", timeline: Timeline | None = None) -> None:
     """The module doc's steps 1-3 for ``step`` (and the steps it references) of the agreed
     ``checkpoint_id``; ``timeline``: where the rebuild's events go."""
@@ -134,7 +134,7 @@ def rebuild(view: PeerView, transport: Any, tier: RootTier, engine_for: Callable
     tl.mark("committed")
 
 
-def _rebuild_step(view: PeerView, transport: Any, tier: RootTier, engine_for: Callable[[], Engine], rb: Rebuild,
+def _rebuild_step(view: PeerView, transport: Any, tier: LocalTier, engine_for: Callable[[], Engine], rb: Rebuild,
                   names: list[str], tl: Timeline, *, commit: bool) -> Manifest:
     part = tier.begin(rb.step)
     engine = engine_for()

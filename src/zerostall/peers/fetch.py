@@ -31,7 +31,7 @@ from ..errors import CheckpointNotFound, DistributedError, ZerostallError
 from ..format.layout import shard_name
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..io.base import Engine
-from ..store.tier import RootTier
+from ..store.local import LocalTier
 from . import tombstones
 from .exchange import PeerView, ask_peers, in_parallel
 from .tcp import TcpTransport
@@ -60,7 +60,7 @@ class Offer:
         return (self.local | set(self.held) | self.coded | self.unshared) - self.split
 
 
-def _local_steps(tier: RootTier, view: PeerView, names: list[str]) -> tuple[dict[int, str], dict[int, str | None]]:
+def _local_steps(tier: LocalTier, view: PeerView, names: list[str]) -> tuple[dict[int, str], dict[int, str | None]]:
     """``(loadable, committed)``: step -> checkpoint id of the local steps holding this node's
     files, and of every committed one (None: its manifest is unreadable)."""
     out: dict[int, str] = {}
@@ -130,7 +130,7 @@ def _offer_ids(store: Store, view: PeerView, load_no: int, offer: dict[int, list
     return common, split
 
 
-def offer(store: Store, view: PeerView, transport: TcpTransport, tier: RootTier, load_no: int, *,
+def offer(store: Store, view: PeerView, transport: TcpTransport, tier: LocalTier, load_no: int, *,
           step: int | None, remote_steps: list[int], timeout_s: float,
           coded: dict[int, Any] | None = None) -> Offer:
     """Steps 1-2 of the module doc (collective). ``coded``: step -> the checkpoint ids live
@@ -158,7 +158,7 @@ def offer(store: Store, view: PeerView, transport: TcpTransport, tier: RootTier,
     return Offer(set(local), held, got_coded, ids, split, refs, unshared)
 
 
-def fetch(store: Store, view: PeerView, transport: TcpTransport, tier: RootTier, engine_for: Callable[[], Engine],
+def fetch(store: Store, view: PeerView, transport: TcpTransport, tier: LocalTier, engine_for: Callable[[], Engine],
           got: Offer, step: int, load_no: int, timeout_s: float, files_in: Callable[[], None] | None = None) -> bool:
     """Step 3: the node's leader brings ``step``'s files of this node in (whole copies, or
     ``files_in``: the rebuild from coded fragments); the others wait. Returns whether it fetched.
@@ -189,7 +189,7 @@ def fetch(store: Store, view: PeerView, transport: TcpTransport, tier: RootTier,
     return True
 
 
-def _fetch_files(view: PeerView, transport: TcpTransport, tier: RootTier, engine_for: Callable[[], Engine],
+def _fetch_files(view: PeerView, transport: TcpTransport, tier: LocalTier, engine_for: Callable[[], Engine],
                  step: int, got: Offer) -> None:
     """``step``'s files of this node (the agreed commit's), and those of the steps it references."""
     names = [shard_name(r) for r in view.ranks_of(view.me)]
@@ -205,7 +205,7 @@ def _fetch_files(view: PeerView, transport: TcpTransport, tier: RootTier, engine
     commit_with_refs(tier, step, man, names, bring)
 
 
-def commit_with_refs(tier: RootTier, step: int, man: Manifest, names: list[str], bring: Callable[[int], None]) -> None:
+def commit_with_refs(tier: LocalTier, step: int, man: Manifest, names: list[str], bring: Callable[[int], None]) -> None:
     """``step``'s files ``names`` are in ``step-N.partial``: ``bring(ref)`` each step they reference
     that is not local, then commit ``step``; on a failure its partial directory goes."""
     try:
@@ -219,7 +219,7 @@ def commit_with_refs(tier: RootTier, step: int, man: Manifest, names: list[str],
     commit_fetched(tier, step, man)
 
 
-def commit_fetched(tier: RootTier, step: int, man: Manifest) -> None:
+def commit_fetched(tier: LocalTier, step: int, man: Manifest) -> None:
     """Commit the fetched ``step-N.partial``. Into a step committed here only the same commit
     goes, and its files not fetched stay (linked in before the overwrite)."""
     if step not in tier.listed_steps():
@@ -340,7 +340,7 @@ def _fetch_file(view: PeerView, transport: TcpTransport, engine_for: Callable[[]
     return man if man is not None else done[0]
 
 
-def _fetch_step(view: PeerView, transport: TcpTransport, tier: RootTier, engine_for: Callable[[], Engine],
+def _fetch_step(view: PeerView, transport: TcpTransport, tier: LocalTier, engine_for: Callable[[], Engine],
                 step: int, holders: dict[str, list[tuple[str, str]]], names: list[str], *, commit: bool,
                 checkpoint_id: str = "") -> Manifest:
     """Bring ``names`` of ``step`` into ``step-N.partial`` in parallel; commit it when asked."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from ..distributed.store import Store, StoreTimeout
 from ..errors import ZerostallError
 from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest
-from ..store.tier import RootTier
+from ..store.local import LocalTier
 from .exchange import PeerView, in_parallel, ranking
 from . import status as status_file
 from . import tombstones
@@ -54,7 +54,7 @@ class StepStatus:
 
 
 class PeerReplicator:
-    def __init__(self, tier: RootTier, view: PeerView, transport: TcpTransport, store: Store, peer_store: PeerStore,
+    def __init__(self, tier: LocalTier, view: PeerView, transport: TcpTransport, store: Store, peer_store: PeerStore,
                  *, replicas: int, keep_last: int | None, replica_timeout_s: float, cpu_priority: str = "idle"):
         self.cpu_priority = cpu_priority  # the sender thread's (:func:`.stream.background`)
         self.tier, self.view, self.transport, self.store = tier, view, transport, store

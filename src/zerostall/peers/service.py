@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from ..io.base import Engine, choose_engine
 from ..store.remote import list_steps
 from ..store.tier import open_tier
-from ..store.tier import RootTier
+from ..store.local import LocalTier
 from .coded import CodedReplicator, check_cluster
 from .coded_decode import Timeline
 from .coded_restore import holdings, rebuild
@@ -36,7 +36,7 @@ log = logging.getLogger("zerostall")
 
 
 class Peers:
-    def __init__(self, cfg: CheckpointConfig, tier: RootTier, store: Store, prefix: str, rank: int, world: int,
+    def __init__(self, cfg: CheckpointConfig, tier: LocalTier, store: Store, prefix: str, rank: int, world: int,
                  *, node_local: bool, copies: tuple[int, ...] = ()):
         pc = cfg.peers
         what = f"replicas={cfg.replicas}" if pc.code is None else \

@@ -24,7 +24,7 @@ from ..errors import ZerostallError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..io.base import Engine
 from ..store.atomic import fsync_dir, unlinked_on_error, write_file_durable
-from ..store.tier import RootTier
+from ..store.local import LocalTier
 from .status import area_bytes, drop_dir, file_size as _size, held_dirs
 from .stream import at
 from .tombstones import read_manifest
@@ -50,7 +50,7 @@ def quota_for(root: str, quota_bytes: int | None, quota_fraction: float | None) 
 
 
 class PeerStore:
-    def __init__(self, tier: RootTier, me: str, engine_for: Callable[[], Engine], quota_bytes: int | None = None):
+    def __init__(self, tier: LocalTier, me: str, engine_for: Callable[[], Engine], quota_bytes: int | None = None):
         self.tier, self.me = tier, me
         self.area = os.path.join(tier.root, AREA)
         self._engine_for = engine_for

@@ -16,7 +16,8 @@ from ..format.manifest import FileEntry, Manifest
 from ..format.decode import tree_tensor_indices
 from ..io.base import Engine
 from ..store.owner import FileLock, StepLock
-from ..store.tier import RootTier, Tier
+from ..store.local import LocalTier
+from ..store.tier import Tier
 from ..store.atomic import fsync_dir, unlinked_on_error
 from .state import LoadReport
 from .step import check_size, verify_step
@@ -27,7 +28,7 @@ FETCH_LOCK_NAME = ".zerostall.fetch.lock"
 _ANY = object()
 
 
-def damaged_local_ref(tier: RootTier, step: int, exc: BaseException) -> int | None:
+def damaged_local_ref(tier: LocalTier, step: int, exc: BaseException) -> int | None:
     """The earlier step whose local file ``exc`` (loading ``step``) names, if ``step`` borrows from it."""
     where = getattr(exc, "path", None)
     if not isinstance(exc, CorruptCheckpoint) or not where:
@@ -66,7 +67,7 @@ def rank_files(man: Manifest, rank: int, world_size: int) -> set[str] | None:
     return {man.tensors[canon.get(i, i)].file for i, _ in tree_tensor_indices(man.tree_for(rank, world_size))}
 
 
-def fetch(tier: RootTier, remote: Tier, step: int, seen: Any = _ANY,
+def fetch(tier: LocalTier, remote: Tier, step: int, seen: Any = _ANY,
           who: tuple[int, int] | None = None) -> tuple[Manifest, bool]:
     """Download ``step`` from ``remote`` into the local tier and commit it there (replacing a
     local copy; the steps it borrows first). Returns its manifest and whether this call
@@ -98,7 +99,7 @@ def fetch(tier: RootTier, remote: Tier, step: int, seen: Any = _ANY,
     return man, True
 
 
-def _add_files(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[str]) -> None:
+def _add_files(tier: LocalTier, remote: Any, step: int, man: Manifest, only: set[str]) -> None:
     """Download the files in ``only`` into the committed local copy of ``step``, each through a
     temporary name (caller holds the fetch lock)."""
     d = tier.step_dir(step)
@@ -116,7 +117,7 @@ def _get(remote: Any, step: int, fe: FileEntry, dest: str) -> None:
     remote.download(f"step-{step}/{fe.name}", dest, fe.file_bytes)
 
 
-def _download(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[str] | None) -> None:
+def _download(tier: LocalTier, remote: Any, step: int, man: Manifest, only: set[str] | None) -> None:
     """``step``'s files (``only``, if given) into its ``.partial``, then commit (locks held)."""
     part = tier.begin(step)
     try:
@@ -129,7 +130,7 @@ def _download(tier: RootTier, remote: Any, step: int, man: Manifest, only: set[s
     tier.commit(step, man, overwrite=True)
 
 
-def restore_remote(tier: RootTier, remote: Any, engine: Engine, step: int | None = None, *,
+def restore_remote(tier: LocalTier, remote: Any, engine: Engine, step: int | None = None, *,
                    report: LoadReport | None = None,
                    on_failure: Callable[[int, str], None] | None = None) -> Manifest:
     """Download and verify the newest step of ``remote`` (or ``step``) into ``tier`` (owned by

@@ -32,7 +32,8 @@ from ..io.base import Engine, choose_engine
 from ..memory.arena import Arena
 from ..store import open_root
 from ..store.remote import list_steps
-from ..store.tier import RootTier, is_url, open_tier
+from ..store.local import LocalTier
+from ..store.tier import is_url, open_tier
 from .download import damaged_local_ref, fetch
 from .state import LoadReport, location_mapper
 from .step import load_step, shared_bounce
@@ -128,7 +129,7 @@ def load(path: str, state_dict: Any = None, request: LoadRequest | None = None, 
     if is_url(path):
         raise ConfigError(f"load({path!r}): the path is a local directory; pass the URL as remote= to "
                           "load from it (its steps are downloaded into the directory)")
-    tier: RootTier = open_root(path, create=False)  # type: ignore[assignment]  # a plain path: a RootTier
+    tier: LocalTier = open_root(path, create=False)  # type: ignore[assignment]  # a plain path
     if remote is not None and not os.path.isdir(tier.root):
         tier = open_root(path, create=True)  # type: ignore[assignment]
     own_engine = engine is None
@@ -180,7 +181,7 @@ class _Fallback:
     """One load's walk over the candidate copies, newest first, local before remote: which were
     tried, which failed and why (a copy changed under the read is tried again)."""
 
-    tier: RootTier
+    tier: LocalTier
     remote: Any
     remote_steps: list[int]
     step: int | None

@@ -18,7 +18,7 @@ from .incremental import RefTracker
 from .job import Persisted, SaveRequest
 from .commit_local import file_entry, merged_entries, tensor_entries
 from ..store.recovery import DECIDED_NAME
-from ..store.tier import RootTier
+from ..store.local import LocalTier
 from ..restore.pipeline import collective_base, collective_load
 from ..distributed.commit import (OutcomeUnknown, commit_round, fault_point, grace_s, post_begin, report_failure,
                                   step_base, wait_acked)
@@ -30,7 +30,7 @@ from ..distributed.store import Store
 class StoreCommitter:
     """Multi-rank commit strategy of the persist thread; a :class:`.commit_local.Committer`."""
 
-    def __init__(self, tier: RootTier, store: Store, session: Session, *, per_rank: bool, timeout_s: float):
+    def __init__(self, tier: LocalTier, store: Store, session: Session, *, per_rank: bool, timeout_s: float):
         self.tier, self.store, self.session = tier, store, session
         self.rank, self.world = session.rank, session.world
         self.per_rank, self.timeout_s = per_rank, timeout_s

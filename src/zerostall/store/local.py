@@ -45,14 +45,18 @@ from .atomic import DeferredRemovals, fsync_dir, publish_dir, rmtree, write_file
 from .owner import RootLock
 from .recovery import _OLD_RE, _PARTIAL_RE, _TEMP_RE, recover_root
 from .retention import ManifestRefs
-from .tier import RootTier
+from .tier import Tier
 from ..io.base import Engine, ShardFile, choose_engine
 from .files import dir_manifests, manifest_stat, open_shard_checked
 
 log = logging.getLogger("zerostall")
 
 
-class LocalTier(RootTier):
+class LocalTier(Tier):
+    """A root directory on this node's filesystem; callers may also write a step's files into its
+    staging directory (:meth:`partial_dir`) themselves, then commit it (the distributed commit,
+    restore's download, peer replicas)."""
+
     exchange = True  # renameat2(RENAME_EXCHANGE) for overwrites; tests set False (two-phase path)
     _hook: Callable[[str], None] | None = None
     """The crash-test seam, called with each boundary's name (set on the class as a

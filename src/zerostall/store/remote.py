@@ -163,9 +163,9 @@ class RemoteTier(Tier):
         for fe in manifest.files:
             got = self.stat(f"step-{step}/{fe.name}")
             if got != fe.file_bytes:
-                raise RemoteError(f"{self.where(f'step-{step}/{fe.name}')}: {'missing' if got is None else got} "
-                                  f"(bytes), the manifest says {fe.file_bytes}; not committing step {step}",
-                                  url=self.where(f"step-{step}/{fe.name}"), step=step)
+                raise self.error(f"step-{step}/{fe.name}", f"{self.where(f'step-{step}/{fe.name}')}: "
+                                 f"{'missing' if got is None else got} (bytes), the manifest says "
+                                 f"{fe.file_bytes}; not committing step {step}")
         self.upload_bytes(manifest.to_bytes(), rel)
         self.hook("commit")
         try:  # after the commit point: what the manifest does not name (a replaced copy) goes
@@ -215,9 +215,9 @@ class RemoteTier(Tier):
                 self._delete(rel)
             except ZerostallError as exc:
                 log.warning("zerostall: cannot remove %s: %s", self.where(rel), exc)
-            raise RemoteError(f"{self.where(rel)}: the tier stores {got_size} bytes with crc32c {got_crc:08x}, "
-                              f"sent {size} bytes with crc32c {crc:08x}; the object was removed and will "
-                              "be uploaded again", url=self.where(rel), step=step_of(rel))
+            raise self.error(rel, f"{self.where(rel)}: the tier stores {got_size} bytes with crc32c {got_crc:08x}, "
+                             f"sent {size} bytes with crc32c {crc:08x}; the object was removed and will be "
+                             "uploaded again")
 
     def read_manifest_bytes(self, step: int) -> bytes:
         data = self.read_bytes(f"step-{step}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
@@ -228,6 +228,10 @@ class RemoteTier(Tier):
 
     def where(self, rel: str = "") -> str:
         return f"{self.url.rstrip('/')}/{rel}" if rel else self.url
+
+    def error(self, rel: str, msg: str, **kw: Any) -> RemoteError:
+        """A :class:`RemoteError` about ``rel``, with its URL and step attached; ``msg`` names it."""
+        return RemoteError(msg, url=self.where(rel), step=step_of(rel), **kw)
 
 
 def list_steps(remote: RemoteTier, timeout_s: float = LIST_TIMEOUT_S) -> tuple[list[int] | None, str]:

@@ -71,7 +71,7 @@ class S3Tier(RemoteTier):
         if not code:
             hint = "is the endpoint (AWS_ENDPOINT_URL) reachable?"
         msg = f"{action} {self.where(rel)} failed: {exc}" + (f" ({hint})" if hint else "")
-        raise RemoteError(msg, url=self.where(rel), step=step_of(rel)) from exc
+        raise self.error(rel, msg) from exc
 
     def _call(self, action: str, rel: str, fn: Callable[[], Any], missing: Callable[[], Any] | None = None) -> Any:
         """``fn()``, its botocore and OS errors translated; a not-found error returns ``missing()``."""
@@ -102,8 +102,9 @@ class S3Tier(RemoteTier):
 
         return self._call("listing", prefix, run)
 
-    def _head(self, rel: str) -> dict[str, Any]:
-        return self._call("stat of", rel, lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(rel)))
+    def _head(self, rel: str, missing: Callable[[], Any] | None = None) -> Any:
+        return self._call("stat of", rel, lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(rel)),
+                          missing)
 
     def _manifests(self) -> dict[int, tuple[Any, ...]]:
         base = self._key("")
@@ -124,8 +125,7 @@ class S3Tier(RemoteTier):
         self._call("checking", "", lambda: self.client.head_bucket(Bucket=self.bucket), missing)
 
     def stat(self, rel: str) -> int | None:
-        head = self._call("stat of", rel, lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(rel)),
-                          lambda: None)
+        head = self._head(rel, lambda: None)
         return None if head is None else int(head["ContentLength"])
 
     def _get(self, rel: str, **kw: Any) -> Any:
@@ -142,8 +142,7 @@ class S3Tier(RemoteTier):
         while got < n:
             k = body.readinto(mv[got:got + min(n - got, 8 << 20)])
             if not k:
-                raise RemoteError(f"{self.where(rel)}: object ended at {off + got}{of}", url=self.where(rel),
-                                  step=step_of(rel))
+                raise self.error(rel, f"{self.where(rel)}: object ended at {off + got}{of}")
             got += k
 
     def _open_read(self, rel: str, size: int, engine: Any) -> Any:
@@ -162,7 +161,7 @@ class S3Tier(RemoteTier):
             crc, size = 0, 0
             while chunk := body.read(8 << 20):
                 if self._cancel.is_set():
-                    raise RemoteError(f"reading back {self.where(rel)}: cancelled", url=self.where(rel))
+                    raise self.error(rel, f"reading back {self.where(rel)}: cancelled")
                 crc = _crc.crc32c(chunk, crc)
                 size += len(chunk)
             return size, crc
@@ -196,16 +195,13 @@ class S3Tier(RemoteTier):
 
     # -- writing (replicator thread) ------------------------------------------------------------
     def ensure_root(self) -> None:
-        from botocore.exceptions import ClientError
         if self._call("checking bucket", "", lambda: self.client.head_bucket(Bucket=self.bucket), lambda: None):
             return  # it exists
         try:
             self.client.create_bucket(Bucket=self.bucket)
-        except ClientError as exc:
+        except Exception as exc:  # noqa: BLE001 - botocore's or the OS's
             if _code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                 self._fail("creating bucket", "", exc)
-        except Exception as exc:  # noqa: BLE001
-            self._fail("creating bucket", "", exc)
 
     def _put_file(self, local_path: str, rel: str, crc: int) -> None:
         """Parallel multipart upload (s3transfer), abandoned if :meth:`cancel` is called."""
@@ -218,8 +214,7 @@ class S3Tier(RemoteTier):
                 if self._cancel.wait(0.1):
                     fut.cancel()
                     cancelled = True
-                    raise RemoteError(f"upload of {self.where(rel)} abandoned (close_timeout_s passed)",
-                                      url=self.where(rel), step=step_of(rel))
+                    raise self.error(rel, f"upload of {self.where(rel)} abandoned (close_timeout_s passed)")
             try:
                 fut.result()
             except Exception as exc:  # noqa: BLE001 - botocore's, s3transfer's or the OS's
@@ -290,8 +285,8 @@ class _RangeReader:
             if n == 0:
                 continue
             if off + n > self.size:
-                raise RemoteError(f"{self.tier.where(self.rel)}: read of [{off}, {off + n}) beyond its "
-                                  f"{self.size} bytes", url=self.tier.where(self.rel), step=step_of(self.rel))
+                raise self.tier.error(self.rel, f"{self.tier.where(self.rel)}: read of [{off}, {off + n}) beyond "
+                                      f"its {self.size} bytes")
             pin = {"IfMatch": self.ident} if self.ident else {}
             body = self.tier._get(self.rel, Range=f"bytes={off}-{off + n - 1}", **pin)["Body"]
             self.tier._call("reading", self.rel, lambda body=body, mv=mv, off=off: self.tier._read_into(
@@ -336,8 +331,8 @@ class _MultipartWriter:
 
     def complete(self) -> None:
         if self.pos != self.nbytes:
-            raise RemoteError(f"{self.tier.where(self.rel)}: {self.pos} bytes written, {self.nbytes} declared",
-                              url=self.tier.where(self.rel), step=step_of(self.rel))
+            raise self.tier.error(self.rel, f"{self.tier.where(self.rel)}: {self.pos} bytes written, "
+                                  f"{self.nbytes} declared")
         if self.buf or not self.parts:
             self._part(bytes(self.buf))
             self.buf = bytearray()

@@ -19,7 +19,7 @@ from ..config import ALIGN_BYTES, IOConfig
 from ..errors import CheckpointNotFound, CorruptCheckpoint, RemoteError, RootNotFound, ZerostallError
 from ..format.validate import open_regular, read_upto
 from .files import dir_manifests, drop_cache, file_crc32c
-from .remote import RemoteTier, ShardIO, step_of
+from .remote import RemoteTier, ShardIO
 from ..io import choose_engine
 from ..memory.arena import Arena
 from .atomic import fsync_dir, write_file_durable
@@ -59,8 +59,7 @@ class FileTier(RemoteTier):
 
     def _err(self, action: str, rel: str, exc: OSError) -> RemoteError:
         what = os.strerror(exc.errno) if exc.errno else str(exc)
-        return RemoteError(f"{action} {self.where(rel)} failed: {what}", url=self.where(rel), step=step_of(rel),
-                           errno=exc.errno)
+        return self.error(rel, f"{action} {self.where(rel)} failed: {what}", errno=exc.errno)
 
     def _engine(self) -> Any:
         return choose_engine(self.root, self.io)
@@ -110,8 +109,7 @@ class FileTier(RemoteTier):
         except (OSError, ZerostallError) as exc:
             if isinstance(exc, RemoteError):
                 raise
-            raise RemoteError(f"copying {local_path} to {self.where(rel)} failed: {exc}", url=self.where(rel),
-                              step=step_of(rel)) from exc
+            raise self.error(rel, f"copying {local_path} to {self.where(rel)} failed: {exc}") from exc
 
     def _put_bytes(self, data: bytes, rel: str) -> None:
         self._unlink_step_link(rel)
@@ -147,8 +145,7 @@ class FileTier(RemoteTier):
         try:
             self._copy(self._path(rel), local_path)
         except FileNotFoundError as exc:
-            raise RemoteError(f"{self.where(rel)} does not exist", url=self.where(rel), step=step_of(rel),
-                              errno=_errno.ENOENT) from exc
+            raise self.error(rel, f"{self.where(rel)} does not exist", errno=_errno.ENOENT) from exc
         except OSError as exc:
             raise self._err("downloading", rel, exc) from exc
 
@@ -193,8 +190,7 @@ class FileTier(RemoteTier):
         except (OSError, ZerostallError) as exc:
             if engine is None:
                 eng.close()
-            raise RemoteError(f"opening {self.where(rel)} failed: {exc}", url=self.where(rel),
-                              step=step_of(rel)) from exc
+            raise self.error(rel, f"opening {self.where(rel)} failed: {exc}") from exc
         return ShardIO(inner, on_close=(lambda _: eng.close()) if engine is None else None)
 
     def _open_write(self, rel: str, nbytes: int, engine: Any) -> Any:

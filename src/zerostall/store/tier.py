@@ -178,30 +178,6 @@ class Tier(ABC):
         """[owner] Store ``data`` as ``rel`` as is, durably."""
 
 
-class RootTier(Tier):
-    """A :class:`Tier` that is a directory on this node's filesystem (:class:`~.local.LocalTier`),
-    for callers that write a step's files into its staging directory themselves, then commit
-    it (the distributed commit, restore's download, peer replicas)."""
-
-    root: str
-
-    @abstractmethod
-    def step_dir(self, step: int) -> str:
-        """The directory of committed ``step``."""
-
-    @abstractmethod
-    def partial_dir(self, step: int) -> str:
-        """The staging directory of ``step`` (what :meth:`Tier.begin` opens)."""
-
-    @abstractmethod
-    def write_latest(self, step: int) -> tuple[str, ...]:
-        """[owner] Point the ``latest`` hint at ``step``; returns the problems (never raises)."""
-
-    @abstractmethod
-    def _step(self, name: str) -> None:
-        """The crash-test seam: called at each commit boundary (see :mod:`.local`)."""
-
-
 # -- registry ----------------------------------------------------------------------------
 
 _SCHEMES: dict[str, tuple[str, str]] = {
