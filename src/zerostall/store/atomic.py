@@ -78,24 +78,12 @@ def rmtree(path: str, hook: Hook | None = None) -> None:
     ``hook("unlink")`` after each entry."""
     hook = hook or _noop
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(st.st_mode):
-        os.unlink(path)
-        hook("unlink")
-        return
-    for entry in os.scandir(path):
-        if entry.is_dir(follow_symlinks=False):
-            rmtree(entry.path, hook)
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            for entry in os.scandir(path):
+                rmtree(entry.path, hook)
+            os.rmdir(path)
         else:
-            try:
-                os.unlink(entry.path)
-            except FileNotFoundError:
-                continue
-            hook("unlink")
-    try:
-        os.rmdir(path)
+            os.unlink(path)
     except FileNotFoundError:
         return
     hook("unlink")

@@ -69,7 +69,7 @@ class LocalTier(Tier):
         self.io = io  # for shards opened without an engine
         self.lock_timeout_s = lock_timeout_s
         self._lock = RootLock(self.root)
-        self.deferred = DeferredRemovals(self.root, lambda name: self._step(name))
+        self.deferred = DeferredRemovals(self.root, self._step)
         """Deleted steps whose files the persist thread removes later (``delete(defer=True)``)."""
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise CheckpointNotFound(f"checkpoint path {self.root!r} is a file, not a directory")
@@ -116,11 +116,11 @@ class LocalTier(Tier):
     def manifest_refs(self, step: int) -> Manifest | ManifestRefs:
         """``step``'s ``ref_files`` for retention, cached while the manifest keeps its identity."""
         ident = self.manifest_ident(step)
-        hit = self._verdicts.get(step, ident)
-        if hit is not None and hit[1] is not None:
-            return ManifestRefs(step, hit[1])
+        hit = self._verdict(step, ident)
+        if hit is not None and hit[2] is not None:
+            return ManifestRefs(step, hit[2])
         man = self.read_manifest(step)
-        self._verdicts.put(step, ident, True, tuple(man.ref_files))
+        self._verdicts[step] = (ident, True, tuple(man.ref_files))
         return man
 
     def manifest_ident(self, step: int) -> Any:
@@ -261,7 +261,7 @@ class LocalTier(Tier):
         except OSError as exc:
             raise storage_error(f"committing step {step} in", self.root, exc) from exc
         # we wrote this manifest: neither listing nor retention needs to parse it again
-        self._verdicts.put(step, self.manifest_ident(step), True, tuple(manifest.ref_files))
+        self._verdicts[step] = (self.manifest_ident(step), True, tuple(manifest.ref_files))
         return self.write_latest(step) if latest else ()
 
     def write_latest(self, step: int) -> tuple[str, ...]:

@@ -33,13 +33,6 @@ _PARTIAL_RE = re.compile(r"^step-(\d{1,19})\.partial$")
 _OLD_RE = re.compile(r"^step-(\d{1,19})\.old$")
 _FETCH_LOCK_RE = re.compile(FETCH_STEP_LOCK_RE)
 _DELETING_STEP_RE = re.compile(r"^\.deleting-step-(\d{1,19})(?:\.old)?-")
-
-
-def _deleting_step(name: str) -> int | None:
-    m = _DELETING_STEP_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
 _TEMP_RE = re.compile(r"^(latest\.tmp|\.zerostall-write-test-\d+|\.zerostall-probe-[0-9a-f]+)$")
 
 
@@ -58,8 +51,10 @@ def recover_root(tier: "LocalTier") -> list[str]:
     locks: dict[int, StepLock] = {}
     busy: set[int] = set()
 
-    def free(step: int | None) -> bool:
-        """Whether this step's leftovers are ours to clean (its StepLock taken without waiting)."""
+    def free(m: re.Match[str] | None) -> bool:
+        """Whether the leftovers of the step ``m`` names (None: of no step) are ours to clean (its
+        StepLock taken without waiting)."""
+        step = int(m.group(1)) if m else None
         if step is None or step in locks:
             return True
         if step in busy:
@@ -79,25 +74,25 @@ def recover_root(tier: "LocalTier") -> list[str]:
 
     try:
         for n in sorted(names()):
-            if (m := _OLD_RE.match(n)) and free(int(m.group(1))):
+            if (m := _OLD_RE.match(n)) and free(m):
                 step = int(m.group(1))
                 done += recover_dir(step_dir(step), lambda d, s=step: valid_dir(d, s), hook)
         for n in sorted(names()):
             path = os.path.join(root, n)
-            if (m := _PARTIAL_RE.match(n)) and free(int(m.group(1))):
+            if (m := _PARTIAL_RE.match(n)) and free(m):
                 if _complete_decided(root, path, step_dir(int(m.group(1))), int(m.group(1))):
                     done.append(f"completed step {m.group(1)} in {root} (committed by the ranks' decision; a crash "
                                 "interrupted its rename)")
                     continue
                 rmtree(path)
                 done.append(f"removed {path} (an unfinished save)")
-            elif n.startswith(".deleting-") and free(_deleting_step(n)):
+            elif n.startswith(".deleting-") and free(_DELETING_STEP_RE.match(n)):
                 rmtree(path)
                 done.append(f"removed {path} (an interrupted deletion)")
             elif _TEMP_RE.match(n):
                 rmtree(path)
                 done.append(f"removed {path} (a temporary file)")
-            elif (m := _FETCH_LOCK_RE.match(n)) and int(m.group(1)) not in busy and free(int(m.group(1))):
+            elif (m := _FETCH_LOCK_RE.match(n)) and free(m):
                 done.append(f"removed {path} (the lock of an interrupted restore)")
     except OSError as exc:
         raise storage_error("recovering leftovers in", root, exc) from exc

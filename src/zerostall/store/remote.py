@@ -63,10 +63,6 @@ class RemoteTier(Tier):
     def _open_read(self, rel: str, size: int, engine: Any) -> Any: ...
 
     @abstractmethod
-    def _open_write(self, rel: str, nbytes: int, engine: Any) -> Any:
-        """A writer of ``rel`` (as ``Tier.open_shard_write``'s); the object appears, verified, at ``finish()``."""
-
-    @abstractmethod
     def ensure_root(self) -> None: ...
 
     @abstractmethod
@@ -150,9 +146,6 @@ class RemoteTier(Tier):
         set_aside(self, step)
         return self.where(f"step-{step}")
 
-    def open_shard_write(self, step: int, name: str, nbytes: int, engine: Any = None) -> Any:
-        return self._open_write(f"step-{step}/{name}", nbytes, engine)
-
     def commit(self, step: int, manifest: Manifest, overwrite: bool = False) -> tuple[str, ...]:
         """Check every shard the manifest names has its size, then put the manifest: the commit point."""
         rel = f"step-{step}/{MANIFEST_NAME}"
@@ -181,7 +174,7 @@ class RemoteTier(Tier):
     def delete(self, step: int) -> None:
         self._delete(f"step-{step}/{MANIFEST_NAME}")
         self._delete_prefix(f"step-{step}/")
-        self._verdicts.forget(step)
+        self._verdicts.pop(step, None)
 
     # -- shared logic -------------------------------------------------------------------------
     def upload(self, local_path: str, rel: str, crc: int | None = None) -> None:

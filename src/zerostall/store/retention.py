@@ -178,9 +178,9 @@ def retain_at_start(tier: Any, keep_last: int, protect: Collection[int] = ()) ->
     """Start-up retention by a root's new owner (caller's thread, after ``own()``, before any
     save; no remote): removes what a kill between a commit and its retention left. Logs a
     failure, never raises. Returns the steps committed last, oldest first (for :class:`LocalRetention`)."""
-    recent = newest_commits(tier.steps(), tier.read_manifest, keep_last)
+    steps = tier.steps()
+    recent = newest_commits(steps, tier.read_manifest, keep_last)
     try:
-        steps = tier.steps()
         prune(tier, steps, doomed(steps, keep_last, set(recent) | set(protect)))
     except Exception as exc:  # noqa: BLE001 - an extra step on disk is not worth refusing to start
         log.warning("zerostall: start-up retention (keep_last=%d) in %s failed: %s", keep_last,

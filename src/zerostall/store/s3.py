@@ -257,8 +257,9 @@ class S3Tier(RemoteTier):
         except ValueError:
             return self.checksum(rel)[1]
 
-    def _open_write(self, rel: str, nbytes: int, engine: Any) -> Any:
-        w = _MultipartWriter(self, rel, nbytes)
+    def open_shard_write(self, step: int, name: str, nbytes: int, engine: Any = None) -> Any:
+        """The object appears, verified, at ``finish()``."""
+        w = _MultipartWriter(self, f"step-{step}/{name}", nbytes)
         return ShardIO(w, w.complete, w.abort_unless)
 
     def cancel(self) -> None:

@@ -193,7 +193,9 @@ class FileTier(RemoteTier):
             raise self.error(rel, f"opening {self.where(rel)} failed: {exc}") from exc
         return ShardIO(inner, on_close=(lambda _: eng.close()) if engine is None else None)
 
-    def _open_write(self, rel: str, nbytes: int, engine: Any) -> Any:
+    def open_shard_write(self, step: int, name: str, nbytes: int, engine: Any = None) -> Any:
+        """The file appears, durable, at ``finish()`` (``name.part`` renamed)."""
+        rel = f"step-{step}/{name}"
         self._unlink_step_link(rel)
         dst = self._path(rel)
         os.makedirs(os.path.dirname(dst), exist_ok=True)

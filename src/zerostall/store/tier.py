@@ -12,10 +12,9 @@ Tiers register under a URL scheme with a lazy import path and an install hint
 from __future__ import annotations
 
 import logging
-import threading
 from abc import ABC, abstractmethod
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from .._util import load_target
@@ -26,52 +25,6 @@ if TYPE_CHECKING:
     from ..io.base import Engine, ShardFile
 
 log = logging.getLogger("zerostall")
-
-
-class ManifestVerdicts:
-    """What this process knows of a tier's manifests, per step: (identity, whether it validates,
-    its ``ref_files`` if known). A manifest is parsed once per identity (local: device, inode,
-    mode, size, mtime, ctime; remote: etag, size, mtime), so listing a root per save costs a stat
-    per step and retention reads the references of the manifest just written without re-parsing
-    it. Any thread (one lock)."""
-
-    def __init__(self) -> None:
-        self._mu = threading.Lock()
-        self._known: dict[int, tuple[Any, bool, tuple[Any, ...] | None]] = {}
-
-    def get(self, step: int, ident: Any) -> tuple[bool, tuple[Any, ...] | None] | None:
-        """(valid, ref_files or None) recorded for ``step`` under ``ident``; None if unknown."""
-        if ident is None:
-            return None
-        with self._mu:
-            hit = self._known.get(step)
-        return (hit[1], hit[2]) if hit is not None and hit[0] == ident else None
-
-    def put(self, step: int, ident: Any, ok: bool, refs: tuple[Any, ...] | None = None) -> None:
-        if ident is not None:
-            with self._mu:
-                self._known[step] = (ident, ok, refs)
-
-    def valid(self, step: int, ident: Any, read: Callable[[int], Any], where: str) -> bool:
-        """Whether ``step``'s manifest (identity ``ident``; None: absent) validates: the cached
-        verdict, else ``read(step)`` (a missing or corrupt manifest is invalid, logged naming
-        ``where``; any other error, e.g. an unreachable remote, is raised)."""
-        if ident is None:
-            return False
-        hit = self.get(step, ident)
-        if hit is not None:
-            return hit[0]
-        refs = None
-        try:
-            refs = tuple(read(step).ref_files)
-        except (CorruptCheckpoint, CheckpointNotFound) as exc:
-            log.warning("zerostall: %s is not a loadable checkpoint (%s); load and retention ignore it", where, exc)
-        self.put(step, ident, refs is not None, refs)
-        return refs is not None
-
-    def forget(self, step: int) -> None:
-        with self._mu:
-            self._known.pop(step, None)
 
 
 class Tier(ABC):
@@ -112,7 +65,7 @@ class Tier(ABC):
 
     def steps(self) -> list[int]:
         """Committed steps whose manifest validates, ascending. Cheap enough to call per save:
-        each manifest is parsed once per identity (:class:`ManifestVerdicts`)."""
+        each manifest is parsed once per identity (:attr:`_verdicts`)."""
         return sorted(s for s, ident in self._manifests().items() if self._valid(s, ident))
 
     def latest(self) -> int | None:
@@ -121,11 +74,34 @@ class Tier(ABC):
         return next((s for s in sorted(idents, reverse=True) if self._valid(s, idents[s])), None)
 
     @cached_property
-    def _verdicts(self) -> "ManifestVerdicts":
-        return ManifestVerdicts()
+    def _verdicts(self) -> dict[int, tuple[Any, bool, tuple[Any, ...] | None]]:
+        """Per step: (its manifest's identity, whether it validates, its ``ref_files`` if known).
+        A manifest is parsed once per identity (local: device, inode, mode, size, mtime, ctime;
+        remote: etag, size, mtime), so listing a root per save costs a stat per step, and
+        retention reads the references of the manifest just written without parsing it. Any
+        thread (one dict operation at a time)."""
+        return {}
+
+    def _verdict(self, step: int, ident: Any) -> tuple[Any, bool, tuple[Any, ...] | None] | None:
+        hit = self._verdicts.get(step)
+        return hit if ident is not None and hit is not None and hit[0] == ident else None
 
     def _valid(self, step: int, ident: Any) -> bool:
-        return self._verdicts.valid(step, ident, self.read_manifest, self.where(f"step-{step}"))
+        """Whether ``step``'s manifest (identity ``ident``; None: absent) validates: the cached
+        verdict, else read it (a missing or corrupt manifest is invalid, logged; any other error,
+        e.g. an unreachable remote, is raised)."""
+        if ident is None:
+            return False
+        if (hit := self._verdict(step, ident)) is not None:
+            return hit[1]
+        refs = None
+        try:
+            refs = tuple(self.read_manifest(step).ref_files)
+        except (CorruptCheckpoint, CheckpointNotFound) as exc:
+            log.warning("zerostall: %s is not a loadable checkpoint (%s); load and retention ignore it",
+                        self.where(f"step-{step}"), exc)
+        self._verdicts[step] = (ident, refs is not None, refs)
+        return refs is not None
 
     def partial_steps(self) -> list[int]:
         """Steps with an uncommitted staging area (``ls``)."""
