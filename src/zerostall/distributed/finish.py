@@ -51,13 +51,13 @@ def finish_copy(tier: LocalTier, step: int, manifest: bytes, *, overwrite: bool 
             os.rename(rec, os.path.join(part, MANIFEST_NAME))
         else:
             _write_as(part, manifest, os.path.join(part, MANIFEST_NAME))
-        tier._step("manifest")
+        tier.hook("manifest")
         fsync_dir(part)
-        tier._step("fsync_dir")
+        tier.hook("fsync_dir")
         os.rename(part, final)
-        tier._step("rename")
+        tier.hook("rename")
         fsync_dir(tier.root)
-        tier._step("fsync_root")
+        tier.hook("fsync_root")
     except OSError as exc:
         if committed_here(tier, step, man.checkpoint_id):  # another rank of this copy got there first
             return tier.write_latest(step) if leader else ()

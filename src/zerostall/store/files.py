@@ -43,16 +43,12 @@ def dir_manifests(root: str) -> dict[int, Any]:
 def file_crc32c(path: str) -> tuple[int, int]:
     """(size, crc32c) of a local file, read through the page cache."""
     crc, size = 0, 0
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
-            buf = bytearray(_READ_CHUNK)
-            mv = memoryview(buf)
-            while n := f.readinto(buf):
-                crc = _crc.crc32c(mv[:n], crc)
-                size += n
-    finally:
-        os.close(fd)
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_READ_CHUNK)
+        mv = memoryview(buf)
+        while n := f.readinto(buf):
+            crc = _crc.crc32c(mv[:n], crc)
+            size += n
     return size, crc
 
 

@@ -34,7 +34,7 @@ import logging
 import os
 import stat as stat_mod
 import uuid
-from typing import Any, Callable
+from typing import Any
 
 from ..config import IOConfig
 from ..errors import (CheckpointExistsError, CheckpointNotFound, CorruptCheckpoint, RootNotFound,
@@ -58,18 +58,14 @@ class LocalTier(Tier):
     restore's download, peer replicas)."""
 
     exchange = True  # renameat2(RENAME_EXCHANGE) for overwrites; tests set False (two-phase path)
-    _hook: Callable[[str], None] | None = None
-    """The crash-test seam, called with each boundary's name (set on the class as a
-    ``staticmethod`` to reach a Checkpointer's start-up in a forked child)."""
 
     def __init__(self, root: str, *, create: bool = False, lock_timeout_s: float = 0.0,
                  io: "IOConfig | None" = None):
-        self.root = os.path.abspath(os.fspath(root))
-        self.url = self.root
+        self.root = self.url = os.path.abspath(os.fspath(root))
         self.io = io  # for shards opened without an engine
         self.lock_timeout_s = lock_timeout_s
         self._lock = RootLock(self.root)
-        self.deferred = DeferredRemovals(self.root, self._step)
+        self.deferred = DeferredRemovals(self.root, self.hook)
         """Deleted steps whose files the persist thread removes later (``delete(defer=True)``)."""
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise CheckpointNotFound(f"checkpoint path {self.root!r} is a file, not a directory")
@@ -98,10 +94,6 @@ class LocalTier(Tier):
         if not os.path.isdir(self.root):
             raise RootNotFound(f"checkpoint directory {self.root!r} does not exist (check the path; a "
                                "Checkpointer creates it at its first save)", root=self.root)
-
-    def _step(self, name: str) -> None:
-        if self._hook is not None:
-            self._hook(name)
 
     # -- reading (any thread, any process, no lock) ----------------------------------------
     def where(self, rel: str = "") -> str:
@@ -231,8 +223,7 @@ class LocalTier(Tier):
         """Create ``step-N.partial/`` (replacing a stale one); return its path."""
         d = self.partial_dir(step)
         try:
-            if os.path.lexists(d):
-                rmtree(d)
+            rmtree(d)
             os.mkdir(d, 0o755)
         except OSError as exc:
             raise storage_error("creating", d, exc) from exc
@@ -249,11 +240,11 @@ class LocalTier(Tier):
         part, final = self.partial_dir(step), self.step_dir(step)
         try:
             write_file_durable(os.path.join(part, MANIFEST_NAME), manifest.to_bytes())
-            self._step("manifest")
+            self.hook("manifest")
             fsync_dir(part)
-            self._step("fsync_dir")
+            self.hook("fsync_dir")
             try:
-                publish_dir(part, final, overwrite=overwrite, hook=self._step, exchange=self.exchange)
+                publish_dir(part, final, overwrite=overwrite, hook=self.hook, exchange=self.exchange)
             except FileExistsError:
                 raise self._exists(step) from None
         except CheckpointExistsError:
@@ -270,10 +261,10 @@ class LocalTier(Tier):
         try:
             newest = self.latest()
             write_file_durable(tmp, f"step-{step if newest is None else max(newest, step)}\n".encode())
-            self._step("latest_tmp")
+            self.hook("latest_tmp")
             os.rename(tmp, os.path.join(self.root, "latest"))
             fsync_dir(self.root)
-            self._step("latest")
+            self.hook("latest")
         except Exception as exc:  # noqa: BLE001 - after the commit point nothing undoes the commit
             msg = f"step {step} is committed, but updating {os.path.join(self.root, 'latest')} failed: {exc}"
             log.warning("zerostall: %s", msg)
@@ -298,13 +289,13 @@ class LocalTier(Tier):
                 os.rename(d, gone)
             except FileNotFoundError:
                 return
-            self._step("delete_rename")
+            self.hook("delete_rename")
             fsync_dir(self.root)
-            self._step("delete_fsync")
+            self.hook("delete_fsync")
             if defer:
                 self.deferred.add(gone)
             else:
-                rmtree(gone, self._step)
+                rmtree(gone, self.hook)
         except OSError as exc:
             raise storage_error(f"deleting step {step} from", self.root, exc) from exc
         log.info("zerostall: removed step %d from %s", step, self.root)

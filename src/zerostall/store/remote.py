@@ -18,8 +18,7 @@ from typing import Any, Callable
 
 import crc32c as _crc
 
-from ..errors import (CheckpointExistsError, CheckpointNotFound, ConfigError, CorruptCheckpoint, RemoteError,
-                      ZerostallError)
+from ..errors import CheckpointExistsError, CheckpointNotFound, CorruptCheckpoint, RemoteError, ZerostallError
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..format.validate import parse_step_dir
 from .tier import Tier
@@ -106,13 +105,6 @@ class RemoteTier(Tier):
         """The crc32c of ``rel``'s bytes (recorded at upload where the tier keeps it, else read)."""
         return self.checksum(rel)[1]
 
-    _hook: Callable[[str], None] | None = None
-    """The crash-test seam (as on :class:`~.local.LocalTier`): called with each boundary's name."""
-
-    def hook(self, name: str) -> None:
-        if self._hook is not None:
-            self._hook(name)
-
     def cancel(self) -> None:
         """Abandon in-flight transfers (the close deadline passed); any thread."""
 
@@ -149,8 +141,6 @@ class RemoteTier(Tier):
     def commit(self, step: int, manifest: Manifest, overwrite: bool = False) -> tuple[str, ...]:
         """Check every shard the manifest names has its size, then put the manifest: the commit point."""
         rel = f"step-{step}/{MANIFEST_NAME}"
-        if manifest.step != step:
-            raise ConfigError(f"commit of step {step} with the manifest of step {manifest.step}")
         if not overwrite and self.stat(rel) is not None:
             raise CheckpointExistsError(f"step {step} already exists in {self.url} (pass overwrite=True)")
         for fe in manifest.files:
@@ -262,7 +252,7 @@ class ShardIO:
         self.inner.read(extents)
 
     def write(self, extents: Any, overlap: Callable[[], None] | None = None) -> None:
-        self.inner.write(extents, overlap=overlap) if overlap is not None else self.inner.write(extents)
+        self.inner.write(extents, overlap)
 
     def finish(self) -> None:
         if hasattr(self.inner, "finish"):

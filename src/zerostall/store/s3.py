@@ -67,9 +67,7 @@ class S3Tier(RemoteTier):
 
     def _fail(self, action: str, rel: str, exc: BaseException) -> NoReturn:
         code = _code(exc)
-        hint = _HINTS.get(code, "")
-        if not code:
-            hint = "is the endpoint (AWS_ENDPOINT_URL) reachable?"
+        hint = _HINTS.get(code, "") if code else "is the endpoint (AWS_ENDPOINT_URL) reachable?"
         msg = f"{action} {self.where(rel)} failed: {exc}" + (f" ({hint})" if hint else "")
         raise self.error(rel, msg) from exc
 
@@ -154,8 +152,7 @@ class S3Tier(RemoteTier):
         return self._call("reading", rel, lambda: body.read(limit + 1))
 
     def checksum(self, rel: str) -> tuple[int, int]:
-        obj = self._get(rel)
-        body = obj["Body"]
+        body = self._get(rel)["Body"]
 
         def run() -> tuple[int, int]:
             crc, size = 0, 0
@@ -170,9 +167,8 @@ class S3Tier(RemoteTier):
 
     def download(self, rel: str, local_path: str, size: int) -> None:
         """Stream the object through an aligned buffer into ``local_path`` with direct I/O."""
-        d = os.path.dirname(local_path)
         body = self._get(rel)["Body"]
-        eng = choose_engine(d, self.io)
+        eng = choose_engine(os.path.dirname(local_path), self.io)
         buf = Arena(min(64 << 20, max(size, ALIGN_BYTES)), mlock=False)
 
         def fetch() -> None:
@@ -302,8 +298,7 @@ class _MultipartWriter:
         self.tier, self.rel, self.nbytes = tier, rel, nbytes
         self.part_bytes = max(5 << 20, tier.transfer.multipart_chunksize)
         self.buf = bytearray()
-        self.pos = 0
-        self.crc = 0
+        self.pos = self.crc = 0
         self.parts: list[dict[str, Any]] = []
         key = tier._key(rel)
         self.upload_id = tier._call("starting upload of", rel, lambda: tier.client.create_multipart_upload(

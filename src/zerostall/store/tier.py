@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import urlparse
 
 from .._util import load_target
@@ -31,6 +31,13 @@ class Tier(ABC):
     """The protocol every tier implements, grouped by who calls it."""
 
     url: str
+    _hook: Callable[[str], None] | None = None
+    """The crash-test seam, called with each boundary's name (:mod:`.local`, :mod:`.remote_replace`);
+    set on a class as a ``staticmethod`` to reach a Checkpointer's start-up in a forked child."""
+
+    def hook(self, name: str) -> None:
+        if self._hook is not None:
+            self._hook(name)
 
     # -- reading: any thread, any process; no lock; a reader never sees a torn step -----------
     @abstractmethod
