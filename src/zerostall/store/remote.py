@@ -110,11 +110,18 @@ class RemoteTier(Tier):
 
     # -- the Tier protocol: reading ---------------------------------------------------------------
     def read_manifest(self, step: int) -> Manifest:
-        where = self.where(f"step-{step}/{MANIFEST_NAME}")
-        man = Manifest.from_bytes(self.read_manifest_bytes(step), where=where)
+        return self.read_manifest_raw(step)[1]
+
+    def read_manifest_raw(self, step: int) -> tuple[bytes, Manifest]:
+        """``step``'s manifest as stored, and parsed (validated, of ``step``)."""
+        rel = f"step-{step}/{MANIFEST_NAME}"
+        raw = self.read_bytes(rel, MAX_MANIFEST_BYTES)
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise self.error(rel, f"{self.where(rel)}: manifest is over the {MAX_MANIFEST_BYTES} byte limit")
+        man = Manifest.from_bytes(raw, where=self.where(rel))
         if man.step != step:
-            raise CorruptCheckpoint(f"{where}: manifest says step {man.step}", path=where)
-        return man
+            raise CorruptCheckpoint(f"{self.where(rel)}: manifest says step {man.step}", path=self.where(rel))
+        return raw, man
 
     def open_shard_read(self, step: int, name: str, engine: Any = None) -> Any:
         rel = f"step-{step}/{name}"
@@ -201,13 +208,6 @@ class RemoteTier(Tier):
             raise self.error(rel, f"{self.where(rel)}: the tier stores {got_size} bytes with crc32c {got_crc:08x}, "
                              f"sent {size} bytes with crc32c {crc:08x}; the object was removed and will be "
                              "uploaded again")
-
-    def read_manifest_bytes(self, step: int) -> bytes:
-        data = self.read_bytes(f"step-{step}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise RemoteError(f"{self.where(f'step-{step}/{MANIFEST_NAME}')}: manifest is over the "
-                              f"{MAX_MANIFEST_BYTES} byte limit", url=self.url, step=step)
-        return data
 
     def where(self, rel: str = "") -> str:
         return f"{self.url.rstrip('/')}/{rel}" if rel else self.url

@@ -55,11 +55,9 @@ def is_aside(name: str) -> bool:
 def committed(remote: "RemoteTier", step: int) -> tuple[bytes | None, Manifest | None]:
     """``step``'s remote manifest as (bytes, parsed) if it validates, else (None, None)."""
     try:
-        raw = remote.read_manifest_bytes(step)
-        man = Manifest.from_bytes(raw, where=remote.where(f"step-{step}/{MANIFEST_NAME}"))
+        return remote.read_manifest_raw(step)
     except (CheckpointNotFound, CorruptCheckpoint):
         return None, None
-    return (raw, man) if man.step == step else (None, None)
 
 
 def live_names(remote: "RemoteTier", step: int, checkpoint_id: str) -> set[str]:
