@@ -34,7 +34,7 @@ from ..errors import ConfigError, ZerostallError
 from ..format.manifest import Manifest
 from .coding import STRIPE_BYTES, Code, Layout, descriptor_id
 from .stream import at, shutdown, unmap
-from .wire import PeerError, recv_msg, send_msg
+from .wire import PeerError, recv_msg, recv_ok, send_msg
 from .exchange import ask_peers, ranking
 from .replicate import PeerReplicator
 
@@ -105,12 +105,12 @@ class CodedReplicator(PeerReplicator):
         """One coding pass over the files: fragment i to ``plan[i]``, each on a :class:`_Feed`."""
         v, k, fb = self.view, self.k, lay.fragment_bytes
         parity = any(i >= k for i in plan)
-        stripe = _stripe_bytes(getattr(self.transport, "pacer", None), len(plan))
+        stripe = _stripe_bytes(self.transport.pacer, len(plan))
         sets = [[mmap.mmap(-1, min(fb, stripe)) for _ in range(k)] for _ in range(BUFFER_SETS)]
         mvs = [[memoryview(b) for b in bufs] for bufs in sets]
         cond = threading.Condition()
         feeds = {i: _Feed(self, cond, step, i, node, raw, desc, fb) for i, node in sorted(plan.items())}
-        lag_s = getattr(self.transport, "timeout_s", 60.0) / 2
+        lag_s = self.transport.timeout_s / 2
         fds: dict[str, int] = {}
         coded = False
         try:
@@ -249,9 +249,7 @@ class _Feed:
             if not self.dead:
                 at("frag-send:sent")
                 send_msg(self.sock, {"crc32c": crc})
-                reply = recv_msg(self.sock)
-                if not reply.get("ok"):
-                    raise PeerError(f"node {self.node} refused fragment {self.index}: {reply.get('error')}")
+                reply = recv_ok(self.sock, f"node {self.node} refused fragment {self.index}")
                 if reply.get("digest") != f"{crc:08x}":
                     raise ZerostallError(f"acknowledged with crc32c {reply.get('digest')}, sent {crc:08x}")
                 self.acked = True
@@ -267,14 +265,13 @@ class _Feed:
 
     def _send(self, mv: Any, before: int) -> None:
         """One stripe (``before`` bytes of the fragment sent already): sent, then paid for."""
-        pacer = getattr(self.rep.transport, "pacer", None)
-        piece = len(mv) if pacer is None or not pacer.rate else pacer.piece_bytes
+        pacer = self.rep.transport.pacer
+        piece = pacer.piece_bytes if pacer.rate else len(mv)
         try:
             for a in range(0, len(mv), piece):
                 n = min(piece, len(mv) - a)
                 self.sock.sendall(mv[a:a + n])
-                if pacer is not None:
-                    pacer.take(n)
+                pacer.take(n)
         except OSError as exc:
             why = self._refusal(exc)
             if why:

@@ -30,7 +30,7 @@ from . import tombstones
 from .coded_decode import StripeDecoder, Timeline, scatter
 from .coding import Layout
 from .exchange import PeerView, ask_peers, in_parallel
-from .fetch import commit_fetched, commit_with_refs
+from .fetch import commit_with_refs
 from .fragments import FragmentCheck, download
 from .verify import PieceCheck
 
@@ -121,21 +121,20 @@ def rebuild(view: PeerView, transport: Any, tier: LocalTier, engine_for: Callabl
     ``checkpoint_id``; ``timeline``: where the rebuild's events go."""
     tl = timeline if timeline is not None else Timeline()
     names = [shard_name(r) for r in view.ranks_of(view.me)]
-    man = _rebuild_step(view, transport, tier, engine_for, _pick(coded, step, checkpoint_id), names, tl,
-                        commit=False)
+    man = _rebuild_step(view, transport, tier, engine_for, _pick(coded, step, checkpoint_id), names, tl)
 
-    def bring(ref: int) -> None:
+    def bring(ref: int) -> Manifest:
         ref_ids = {r.file_id for r in man.ref_files if r.step == ref and r.name in names}
         if ref not in coded or len(ref_ids) != 1:
             raise CheckpointNotFound(f"restore of step {step}: it references step {ref}, of which live nodes "
                                      f"hold fewer than k fragments of {', '.join(names)}")
-        _rebuild_step(view, transport, tier, engine_for, _pick(coded, ref, ref_ids.pop()), names, tl, commit=True)
+        return _rebuild_step(view, transport, tier, engine_for, _pick(coded, ref, ref_ids.pop()), names, tl)
     commit_with_refs(tier, step, man, names, bring)  # never drops a committed step's own files
     tl.mark("committed")
 
 
 def _rebuild_step(view: PeerView, transport: Any, tier: LocalTier, engine_for: Callable[[], Engine], rb: Rebuild,
-                  names: list[str], tl: Timeline, *, commit: bool) -> Manifest:
+                  names: list[str], tl: Timeline) -> Manifest:
     part = tier.begin(rb.step)
     engine = engine_for()
     mu = threading.Lock()
@@ -272,9 +271,6 @@ def _rebuild_step(view: PeerView, transport: Any, tier: LocalTier, engine_for: C
     for i in got:
         with contextlib.suppress(OSError):  # a data fragment has no scratch file
             os.unlink(os.path.join(part, f".fragment-{i}"))
-    if commit:
-        commit_fetched(tier, rb.step, man)
-        tl.mark("committed")
     return man
 
 

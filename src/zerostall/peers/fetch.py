@@ -193,26 +193,27 @@ def _fetch_files(view: PeerView, transport: TcpTransport, tier: LocalTier, engin
                  step: int, got: Offer) -> None:
     """``step``'s files of this node (the agreed commit's), and those of the steps it references."""
     names = [shard_name(r) for r in view.ranks_of(view.me)]
-    man = _fetch_step(view, transport, tier, engine_for, step, got.held[step], names, commit=False,
-                      checkpoint_id=got.ids.get(step, ""))
+    man = _fetch_step(view, transport, tier, engine_for, step, got.held[step], names, got.ids.get(step, ""))
 
-    def bring(ref: int) -> None:
+    def bring(ref: int) -> Manifest:
         if ref not in got.refs:
             raise CheckpointNotFound(f"restore of step {step}: it references step {ref}, of which no "
                                      f"live node holds {', '.join(names)}")
         log.info("zerostall: restore of step %d: fetching step %d, whose bytes it references", step, ref)
-        _fetch_step(view, transport, tier, engine_for, ref, got.refs[ref], names, commit=True)
+        return _fetch_step(view, transport, tier, engine_for, ref, got.refs[ref], names)
     commit_with_refs(tier, step, man, names, bring)
 
 
-def commit_with_refs(tier: LocalTier, step: int, man: Manifest, names: list[str], bring: Callable[[int], None]) -> None:
-    """``step``'s files ``names`` are in ``step-N.partial``: ``bring(ref)`` each step they reference
-    that is not local, then commit ``step``; on a failure its partial directory goes."""
+def commit_with_refs(tier: LocalTier, step: int, man: Manifest, names: list[str],
+                     bring: Callable[[int], Manifest]) -> None:
+    """``step``'s files ``names`` are in ``step-N.partial``: each step they reference that is not
+    local is brought into its own partial directory (``bring(ref)`` returns its manifest) and
+    committed, then ``step``; on a failure ``step``'s partial directory goes."""
     try:
         for ref in sorted({r.step for r in man.ref_files if r.name in names}):
             if ref not in tier.steps() or not all(os.path.exists(os.path.join(tier.step_dir(ref), r.name))
                                                   for r in man.ref_files if r.step == ref and r.name in names):
-                bring(ref)
+                commit_fetched(tier, ref, bring(ref))
     except BaseException:
         tier.abort(step)
         raise
@@ -341,9 +342,9 @@ def _fetch_file(view: PeerView, transport: TcpTransport, engine_for: Callable[[]
 
 
 def _fetch_step(view: PeerView, transport: TcpTransport, tier: LocalTier, engine_for: Callable[[], Engine],
-                step: int, holders: dict[str, list[tuple[str, str]]], names: list[str], *, commit: bool,
+                step: int, holders: dict[str, list[tuple[str, str]]], names: list[str],
                 checkpoint_id: str = "") -> Manifest:
-    """Bring ``names`` of ``step`` into ``step-N.partial`` in parallel; commit it when asked."""
+    """Bring ``names`` of ``step`` into ``step-N.partial`` in parallel; returns its manifest."""
     part = tier.begin(step)
     mans: dict[str, Manifest] = {}
     errors: dict[str, str] = {}
@@ -367,7 +368,4 @@ def _fetch_step(view: PeerView, transport: TcpTransport, tier: LocalTier, engine
     if len({m.checkpoint_id for m in mans.values()}) > 1:
         tier.abort(step)
         raise CheckpointNotFound(f"restore of step {step}: the holders hold files of different checkpoints")
-    man = next(iter(mans.values()))
-    if commit:
-        commit_fetched(tier, step, man)
-    return man
+    return next(iter(mans.values()))

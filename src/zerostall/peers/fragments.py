@@ -38,10 +38,11 @@ from ..config import ALIGN_BYTES
 from ..errors import CorruptCheckpoint
 from ..format.manifest import Manifest
 from .coding import Layout, descriptor_id
+from .status import held_dirs
 from .store import PeerStore
 from .stream import FETCH_BUF_BYTES, Pacer, at, background, fill_from, send_range
-from .wire import (MAX_MANIFEST_BYTES, Endpoint, PeerError, check_node, check_size, check_step, recv_exact, recv_msg,
-                   send_msg)
+from .wire import (MAX_MANIFEST_BYTES, Endpoint, PeerError, check_node, check_sender, check_size, check_step,
+                   recv_exact, recv_msg, recv_ok, send_msg)
 
 __all__ = ["CODING_NAME", "FragmentStore", "download", "register"]
 log = logging.getLogger("zerostall")
@@ -140,12 +141,11 @@ class FragmentStore:
         """``[{src, step, checkpoint_id, created_unix, descriptor, k, m, fragments: {index: crc32c}}]``
         of every step (of ``src``, if given) of which complete fragments are held here."""
         out = []
-        for s, step in self.store._dirs():
+        for s, step, d in held_dirs(self.store.tier.root):
             got = self._coding(s, step) if src is None or s == src else None
             if got is None:
                 continue
             raw, man, lay, doc = got
-            d = self.store.step_dir(s, step)
             frags: dict[str, int] = {}
             for name in os.listdir(d):
                 try:
@@ -197,9 +197,7 @@ def register(transport: Any, frags: FragmentStore, nodes: set[str], me: str, cpu
 
     def fput(conn: socket.socket, peer: str, msg: dict[str, Any]) -> None:
         background(cpu_priority)  # receiving copies yields the CPU and the disk
-        src, step = check_node(msg.get("src")), check_step(msg.get("step"))
-        if src not in nodes or src == me or src != peer:
-            raise PeerError(f"node {peer!r} may send only its own fragments here, not node {src!r}'s")
+        src, step = check_sender(msg, peer, nodes, me)
         index = check_size(msg.get("index"), 63, "fragment index")
         size = check_size(msg.get("size"), MAX_FRAGMENT_BYTES, "fragment")
         man_bytes = recv_exact(conn, check_size(msg.get("manifest_bytes"), MAX_MANIFEST_BYTES, "manifest"))
@@ -252,11 +250,9 @@ def download(transport: Any, ep: Endpoint, src: str, step: int, index: int,
         if connected is not None:
             connected()
         send_msg(s, {"op": "fget", "src": src, "step": step, "index": index})
-        reply = recv_msg(s)
+        reply = recv_ok(s, f"node {ep.node}")
         if first_byte is not None:
             first_byte()
-        if not reply.get("ok"):
-            raise PeerError(f"node {ep.node}: {reply.get('error')}")
         size = check_size(reply.get("size"), MAX_FRAGMENT_BYTES + HEADER, "fragment")
         man_bytes = recv_exact(s, check_size(reply.get("manifest_bytes"), MAX_MANIFEST_BYTES, "manifest"))
         desc = recv_exact(s, check_size(reply.get("coding_bytes"), 1 << 20, "coding descriptor"))

@@ -56,7 +56,7 @@ class Peers:
         built: list[tuple[TcpTransport, PeerStore]] = []  # the server's, on node leaders
 
         def serve(secret: bytes, me: str, nodes: list[Node]) -> tuple[str, int]:
-            t, ps = self._make_transport(secret, me, nodes, listen), self._make_store(me)
+            t, ps = self._make(secret, me, nodes, listen)
             built.append((t, ps))
             if pc.code is not None:
                 register(t, FragmentStore(ps), {n.name for n in nodes}, me, pc.cpu_priority, t.recv_pacer)
@@ -71,9 +71,8 @@ class Peers:
             for t, _ in built:  # a half-built Peers must not keep listening
                 t.close()
             raise
-        self.transport, self.peer_store = built[0] if built else (  # not this node's leader: a client only
-            self._make_transport(self.view.secret, self.view.me, list(self.view.nodes), listen),
-            self._make_store(self.view.me))
+        self.transport, self.peer_store = built[0] if built else \
+            self._make(self.view.secret, self.view.me, list(self.view.nodes), listen)  # a client only
         if self.view.leader and self.view.deleted:  # steps deleted for good on any node: their copies go here too
             mine = tombstones.read(tier.root)
             if tombstones.merge(mine, self.view.deleted) != mine:
@@ -95,18 +94,14 @@ class Peers:
                  f"RS({pc.data_fragments},{pc.parity_fragments}) fragments of every step", len(self.view.nodes),
                  self.view.me, self.view.endpoints[self.view.me])
 
-    def _make_transport(self, secret: bytes, me: str, nodes: list[Node], listen: str) -> TcpTransport:
+    def _make(self, secret: bytes, me: str, nodes: list[Node], listen: str) -> tuple[TcpTransport, PeerStore]:
+        """This node's transport and peer area (served only on its leader)."""
         pc = self.cfg.peers
-        return TcpTransport(secret, me, {n.name for n in nodes}, timeout_s=pc.timeout_s,
-                            pacer=Pacer(pc.bandwidth_bytes, pc.timeout_s), listen_host=listen,
-                            listen_port=pc.listen_port,
-                            cpu_priority=pc.cpu_priority,
-                            recv_pacer=Pacer(pc.receive_bandwidth_bytes, pc.timeout_s)
-                            if pc.receive_bandwidth_bytes else None)
-
-    def _make_store(self, me: str) -> PeerStore:
-        pc = self.cfg.peers
-        return PeerStore(self.tier, me, self.engine, quota_for(self.tier.root, pc.quota_bytes, pc.quota_fraction))
+        recv_pacer = Pacer(pc.receive_bandwidth_bytes, pc.timeout_s) if pc.receive_bandwidth_bytes else None
+        return (TcpTransport(secret, me, {n.name for n in nodes}, timeout_s=pc.timeout_s, listen_host=listen,
+                             pacer=Pacer(pc.bandwidth_bytes, pc.timeout_s), listen_port=pc.listen_port,
+                             cpu_priority=pc.cpu_priority, recv_pacer=recv_pacer),
+                PeerStore(self.tier, me, self.engine, quota_for(self.tier.root, pc.quota_bytes, pc.quota_fraction)))
 
     def engine(self) -> Engine:
         """A fresh engine for one transfer (engines are used by one thread at a time)."""

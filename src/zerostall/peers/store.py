@@ -77,8 +77,7 @@ class PeerStore:
                     shutil.rmtree(os.path.join(self.area, name), ignore_errors=True)
                 elif name.endswith(".tmp"):  # a status hint whose write a crash interrupted
                     os.unlink(os.path.join(self.area, name))
-        for src, step in self._dirs():
-            d = self.step_dir(src, step)
+        for _, _, d in held_dirs(self.tier.root):
             for name in os.listdir(d):
                 if name.startswith(".incoming-"):
                     os.unlink(os.path.join(d, name))
@@ -86,9 +85,6 @@ class PeerStore:
         if gone:
             log.info("zerostall: removed %d interrupted peer transfers under %s", len(gone), self.area)
         return gone
-
-    def _dirs(self) -> list[tuple[str, int]]:
-        return [(src, step) for src, step, _ in held_dirs(self.tier.root)]
 
     def manifest(self, src: str, step: int) -> Manifest | None:
         return read_manifest(self.step_dir(src, step))
@@ -102,7 +98,7 @@ class PeerStore:
     def held(self) -> list[dict[str, Any]]:
         """``[{src, step, checkpoint_id, created_unix, files}]``: the complete files of the peer
         copies held and of this node's own committed steps (``src`` = this node, ``local``)."""
-        found = [(src, step, self.step_dir(src, step), self.manifest(src, step), {}) for src, step in self._dirs()]
+        found = [(src, step, d, read_manifest(d), {}) for src, step, d in held_dirs(self.tier.root)]
         found += [(self.me, step, self.tier.step_dir(step), self._own(step), {"local": True})
                   for step in self.tier.steps()]
         out = []
@@ -198,12 +194,12 @@ class PeerStore:
         """This node's peer area (published with each step's report): ``used_bytes``,
         ``quota_bytes``, ``next_bytes`` (the newest held step of every source: the room the next
         round of copies needs on top, as older copies go only later), ``refused`` (for the quota)."""
-        newest: dict[str, int] = {}
-        for src, step in self._dirs():
-            newest[src] = max(newest.get(src, -1), step)
+        newest: dict[str, tuple[int, str]] = {}
+        for src, step, d in held_dirs(self.tier.root):
+            if step > newest.get(src, (-1, ""))[0]:
+                newest[src] = (step, d)
         nxt = 0
-        for src, step in newest.items():
-            d = self.step_dir(src, step)
+        for _, d in newest.values():
             try:
                 nxt += sum(max(_size(os.path.join(d, f)), 0) for f in os.listdir(d)
                            if f.endswith(".shard") or f.startswith("fragment-"))  # a coded copy's fragment
@@ -231,7 +227,7 @@ class PeerStore:
         """Delete held steps lower than ``below`` not in ``keep`` (any source) nor referenced,
         transitively, by a step of the same source that stays (incremental)."""
         gone = []
-        dirs = self._dirs()
+        dirs = [(src, step) for src, step, _ in held_dirs(self.tier.root)]
         spared: set[tuple[str, int]] = set()
         todo = [(src, step) for src, step in dirs if step >= below or step in keep]
         while todo:

@@ -15,7 +15,7 @@ import queue
 import socket
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..config import ALIGN_BYTES
 from ..io._sys import set_idle_io_priority
@@ -109,82 +109,74 @@ class Pacer:
             time.sleep(wait)
 
 
-class _ReadAhead:
-    """Bytes ``[offset, offset + length)`` of an open file, read ahead on a thread of their own
-    into :data:`SEND_BUFS` buffers, with O_DIRECT where the filesystem takes it (through
-    ``/proc/self/fd``: the same inode). The sending thread iterates over the pieces in order (a
-    read error is raised there); :meth:`close` stops the reader."""
+def _read_ahead(fd: int, offset: int, length: int) -> Iterator[memoryview]:
+    """Bytes ``[offset, offset + length)`` of open file ``fd`` in order, read ahead on a thread of
+    their own into :data:`SEND_BUFS` buffers, with O_DIRECT where the filesystem takes it (through
+    ``/proc/self/fd``: the same inode). A read error is raised in the caller's thread; closing the
+    generator stops the reader. A piece is valid until the next one is asked for."""
+    end = offset + length
+    try:
+        dfd: int | None = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError:  # tmpfs, some FUSE: no O_DIRECT
+        dfd = None
+    bufs = [mmap.mmap(-1, SEND_BUF_BYTES) for _ in range(SEND_BUFS)]
+    free: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+    full: queue.SimpleQueue[tuple[int, int, int] | BaseException | None] = queue.SimpleQueue()
+    for i in range(SEND_BUFS):
+        free.put(i)
+    stopped = False
 
-    def __init__(self, fd: int, offset: int, length: int):
-        self.fd, self.offset, self.end = fd, offset, offset + length
-        try:
-            self.dfd: int | None = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-        except OSError:  # tmpfs, some FUSE: no O_DIRECT
-            self.dfd = None
-        self.bufs = [mmap.mmap(-1, SEND_BUF_BYTES) for _ in range(SEND_BUFS)]
-        self.free: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self.full: queue.SimpleQueue[tuple[int, int, int] | BaseException | None] = queue.SimpleQueue()
-        for i in range(SEND_BUFS):
-            self.free.put(i)
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="zerostall-peers-readahead", daemon=True)
-        self._thread.start()
-
-    def _pread(self, mv: memoryview, pos: int) -> int:
-        if self.dfd is not None and pos % ALIGN_BYTES == 0:
+    def pread(mv: memoryview, pos: int) -> int:
+        nonlocal dfd
+        if dfd is not None and pos % ALIGN_BYTES == 0:
             try:
-                return os.preadv(self.dfd, [mv], pos)
+                return os.preadv(dfd, [mv], pos)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                os.close(self.dfd)  # a filesystem that opens O_DIRECT but refuses its reads
-                self.dfd = None
+                os.close(dfd)  # a filesystem that opens O_DIRECT but refuses its reads
+                dfd = None
         got = 0
         while got < len(mv):
-            k = os.preadv(self.fd, [mv[got:]], pos + got)
+            k = os.preadv(fd, [mv[got:]], pos + got)
             if not k:
                 break
             got += k
         return got
 
-    def _run(self) -> None:
-        pos = self.offset - self.offset % ALIGN_BYTES
+    def run() -> None:
+        pos = offset - offset % ALIGN_BYTES
         try:
-            while pos < self.end:
-                i = self.free.get()
-                if i is None or self._stop:
+            while pos < end:
+                i = free.get()
+                if i is None or stopped:
                     return
-                want = min(SEND_BUF_BYTES, -(-(self.end - pos) // ALIGN_BYTES) * ALIGN_BYTES)
-                got = self._pread(memoryview(self.bufs[i])[:want], pos)
-                if got <= 0 or (got < want and pos + got < self.end and self.dfd is None):
-                    raise PeerError(f"the file ended at byte {pos + max(got, 0)}, before byte {self.end}")
-                self.full.put((i, max(self.offset - pos, 0), min(got, self.end - pos)))
+                want = min(SEND_BUF_BYTES, -(-(end - pos) // ALIGN_BYTES) * ALIGN_BYTES)
+                got = pread(memoryview(bufs[i])[:want], pos)
+                if got <= 0 or (got < want and pos + got < end and dfd is None):
+                    raise PeerError(f"the file ended at byte {pos + max(got, 0)}, before byte {end}")
+                full.put((i, max(offset - pos, 0), min(got, end - pos)))
                 pos += got
-            self.full.put(None)
+            full.put(None)
         except BaseException as exc:  # noqa: BLE001 - handed to the sending thread
-            self.full.put(exc)
+            full.put(exc)
 
-    def __iter__(self) -> Any:
-        held: int | None = None
-        while True:
-            if held is not None:
-                self.free.put(held)
-                held = None
-            item = self.full.get()
-            if item is None:
-                return
+    reader = threading.Thread(target=run, name="zerostall-peers-readahead", daemon=True)
+    reader.start()
+    try:
+        while (item := full.get()) is not None:
             if isinstance(item, BaseException):
                 raise item
-            held, a, b = item
-            yield memoryview(self.bufs[held])[a:b]
-
-    def close(self) -> None:
-        self._stop = True
-        self.free.put(None)
-        self._thread.join()
-        if self.dfd is not None:
-            os.close(self.dfd)
-        unmap(self.bufs)
+            i, a, b = item
+            yield memoryview(bufs[i])[a:b]
+            free.put(i)
+    finally:
+        stopped = True
+        free.put(None)
+        reader.join()
+        if dfd is not None:
+            os.close(dfd)
+        unmap(bufs)
 
 
 def send_range(sock: socket.socket, f: Any, offset: int, length: int, pacer: Pacer | None = None) -> int:
@@ -193,8 +185,7 @@ def send_range(sock: socket.socket, f: Any, offset: int, length: int, pacer: Pac
     the bytes sent: fewer when the receiver closed or the file could not be read (logged), and
     then the socket is shut for writing. Raises ``TimeoutError`` when the receiver took nothing
     for the socket's timeout (a stopped peer: the caller must not wait for its answer)."""
-    reader = _ReadAhead(f.fileno(), offset, length)
-    pieces = iter(reader)
+    pieces = _read_ahead(f.fileno(), offset, length)
     sent = 0
     try:
         for mv in pieces:
@@ -216,7 +207,6 @@ def send_range(sock: socket.socket, f: Any, offset: int, length: int, pacer: Pac
             log.warning("zerostall: reading %s to send it failed: %s", getattr(f, "name", "a file"), exc)
     finally:
         pieces.close()
-        reader.close()
     if sent < length:
         shutdown(sock, socket.SHUT_WR)
     return sent

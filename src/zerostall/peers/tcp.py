@@ -32,8 +32,9 @@ from ..format.manifest import Manifest
 from .store import PeerStore
 from .stream import FETCH_BUF_BYTES, Pacer, at, background, fill_from, roomy_send_buffer, send_range, shutdown
 from .verify import StreamCheck, file_entry, split_points
-from .wire import (MAX_MANIFEST_BYTES, Endpoint, PeerError, check_name, check_node, check_size, check_step,
-                   client_handshake, recv_exact, recv_msg, recv_msg_or_eof, send_msg, server_handshake)
+from .wire import (MAX_MANIFEST_BYTES, Endpoint, PeerError, check_name, check_node, check_sender, check_size,
+                   check_step, client_handshake, recv_exact, recv_msg, recv_msg_or_eof, recv_ok, send_msg,
+                   server_handshake)
 
 __all__ = ["Pacer", "TcpTransport", "fill_from"]
 log = logging.getLogger("zerostall")
@@ -182,9 +183,8 @@ class TcpTransport:
         if op == "list":
             send_msg(conn, {"ok": True, "held": self.store.held()})
         elif op == "put":
-            src, step, name = check_node(msg.get("src")), check_step(msg.get("step")), check_name(msg.get("name"))
-            if src not in self.nodes or src == self.me or src != peer:
-                raise PeerError(f"node {peer!r} may copy only its own files here, not node {src!r}'s")
+            src, step = check_sender(msg, peer, self.nodes, self.me)
+            name = check_name(msg.get("name"))
             size = check_size(msg.get("size"), MAX_FILE_BYTES, "file")
             man_bytes = recv_exact(conn, check_size(msg.get("manifest_bytes"), MAX_MANIFEST_BYTES, "manifest"))
             man = Manifest.from_bytes(man_bytes)
@@ -207,7 +207,10 @@ class TcpTransport:
             man_bytes = man.to_bytes()
             with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
-                start, length = self._range(msg, man, name, size)
+                start = check_size(msg.get("offset", 0), size, "range offset")
+                length = check_size(msg.get("length", size - start), size - start, "range length")
+                if start and start not in split_points(man, name):
+                    raise PeerError(f"{name}: a range may start only where a tensor starts, not at byte {start}")
                 send_msg(conn, {"ok": True, "size": size, "manifest_bytes": len(man_bytes), "offset": start,
                                 "length": length})
                 conn.sendall(man_bytes)
@@ -215,15 +218,6 @@ class TcpTransport:
                 send_range(conn, f, start, length)
         else:
             raise PeerError(f"unknown request {str(op)[:40]!r}")
-
-    @staticmethod
-    def _range(msg: dict[str, Any], man: Any, name: str, size: int) -> tuple[int, int]:
-        """A get's ``offset``/``length`` (default: the whole file), starting at 0 or a split point."""
-        start = check_size(msg.get("offset", 0), size, "range offset")
-        length = check_size(msg.get("length", size - start), size - start, "range length")
-        if start and start not in split_points(man, name):
-            raise PeerError(f"{name}: a range may start only where a tensor starts, not at byte {start}")
-        return start, length
 
     # -- client ------------------------------------------------------------------------
     def open(self, ep: Endpoint, op: str = "") -> socket.socket:
@@ -289,10 +283,7 @@ class TcpTransport:
                         at("send:sent")
                 with contextlib.suppress(OSError):  # without O_DIRECT the read-ahead went through the cache
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-            reply = recv_msg(s)
-            if not reply.get("ok"):
-                raise PeerError(f"node {ep.node} refused {name} of step {step}: {reply.get('error')}")
-            return str(reply.get("digest"))
+            return str(recv_ok(s, f"node {ep.node} refused {name} of step {step}").get("digest"))
         return self.call(ep, f"copying {name} of step {step}", run, "send")
 
     def list_held(self, ep: Endpoint, op: str = "list", **fields: Any) -> list[dict[str, Any]]:
@@ -314,9 +305,7 @@ class TcpTransport:
             if rng is not None:
                 req.update(offset=rng[0], length=rng[1] - rng[0])
             send_msg(s, req)
-            reply = recv_msg(s)
-            if not reply.get("ok"):
-                raise PeerError(f"node {ep.node}: {reply.get('error')}")
+            reply = recv_ok(s, f"node {ep.node}")
             size = check_size(reply.get("size"), MAX_FILE_BYTES, "file")
             man = Manifest.from_bytes(recv_exact(s, check_size(reply.get("manifest_bytes"), MAX_MANIFEST_BYTES,
                                                                "manifest")))

@@ -115,6 +115,14 @@ def _recv(sock: socket.socket, raw: bytes, limit: int = MAX_HEADER_BYTES) -> dic
     return obj
 
 
+def recv_ok(sock: socket.socket, what: str) -> dict[str, Any]:
+    """The reply to a request, ``{"ok": true, ...}``; else :class:`PeerError` ``"<what>: <error>"``."""
+    reply = recv_msg(sock)
+    if not reply.get("ok"):
+        raise PeerError(f"{what}: {reply.get('error')}")
+    return reply
+
+
 def _mac(secret: bytes, *parts: str) -> str:
     return hmac.new(secret, "|".join(parts).encode(), hashlib.sha256).hexdigest()
 
@@ -169,6 +177,14 @@ def check_step(v: Any) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_STEP:
         raise PeerError(f"bad step {str(v)[:40]!r}")
     return v
+
+
+def check_sender(msg: dict[str, Any], peer: str, nodes: set[str], me: str) -> tuple[str, int]:
+    """A put's ``src`` and ``step``: ``src`` must be the authenticated ``peer``, another node of the job."""
+    src, step = check_node(msg.get("src")), check_step(msg.get("step"))
+    if src not in nodes or src == me or src != peer:
+        raise PeerError(f"node {peer!r} may copy only its own files here, not node {src!r}'s")
+    return src, step
 
 
 def check_name(v: Any) -> str:
