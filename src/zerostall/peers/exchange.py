@@ -65,9 +65,7 @@ def _score(src: str, cand: str) -> bytes:
 
 def ranking(src: str, nodes: Sequence[Node]) -> list[Node]:
     """Every node but ``src``, best holder first (domain spread, then HRW score)."""
-    by_name = {n.name: n for n in nodes}
-    if src not in by_name:
-        raise ConfigError(f"node {src!r} is not one of the job's nodes {sorted(by_name)}")
+    by_name = {n.name: n for n in nodes}  # src is one of them (the view's own node)
     home = by_name[src].domain
     others = sorted((n for n in by_name.values() if n.name != src), key=lambda n: _score(src, n.name), reverse=True)
     first, rest, used = [], [], {home}
@@ -82,8 +80,6 @@ def ranking(src: str, nodes: Sequence[Node]) -> list[Node]:
 
 def holders(src: str, nodes: Sequence[Node], replicas: int) -> tuple[str, ...]:
     """The ``replicas - 1`` nodes that keep copies of ``src``'s files (the placement above)."""
-    if replicas < 1:
-        raise ConfigError(f"replicas={replicas} must be >= 1")
     if replicas - 1 > len({n.name for n in nodes}) - 1:
         raise ConfigError(f"replicas={replicas} needs at least {replicas} nodes; the job has "
                           f"{len({n.name for n in nodes})} (set ZEROSTALL_NODE per node, or lower replicas)")

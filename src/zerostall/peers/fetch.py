@@ -158,12 +158,12 @@ def offer(store: Store, view: PeerView, transport: TcpTransport, tier: LocalTier
     return Offer(set(local), held, got_coded, ids, split, refs, unshared)
 
 
-def fetch(store: Store, view: PeerView, transport: TcpTransport, tier: LocalTier, engine_for: Callable[[], Engine],
-          got: Offer, step: int, load_no: int, timeout_s: float, files_in: Callable[[], None] | None = None) -> bool:
-    """Step 3: the node's leader brings ``step``'s files of this node in (whole copies, or
-    ``files_in``: the rebuild from coded fragments); the others wait. Returns whether it fetched.
-    Raises :class:`CheckpointNotFound` on every rank of the node when the fetch failed."""
-    if step in got.local or (step not in got.held and (step not in got.coded or files_in is None)):
+def fetch(store: Store, view: PeerView, got: Offer, step: int, load_no: int, timeout_s: float,
+          files_in: Callable[[], None]) -> bool:
+    """Step 3: the node's leader brings ``step``'s files of this node in (``files_in``: whole
+    copies, :func:`fetch_files`, or the rebuild from coded fragments); the others wait. Returns
+    whether it fetched. Raises :class:`CheckpointNotFound` on every rank of the node when the fetch failed."""
+    if step in got.local or (step not in got.held and step not in got.coded):
         return False
     key = view.key(f"load{load_no}", "node", view.me, f"s{step}")
     if not view.leader:
@@ -175,10 +175,7 @@ def fetch(store: Store, view: PeerView, transport: TcpTransport, tier: LocalTier
             raise CheckpointNotFound(f"restore of step {step} from peers failed on node {view.me}: {res['error']}")
         return True
     try:
-        if step not in got.held and files_in is not None:
-            files_in()
-        else:
-            _fetch_files(view, transport, tier, engine_for, step, got)
+        files_in()
     except BaseException as exc:
         store.set(key, json.dumps({"ok": False, "error": str(exc)}))
         if isinstance(exc, ZerostallError) and not isinstance(exc, CheckpointNotFound):
@@ -189,7 +186,7 @@ def fetch(store: Store, view: PeerView, transport: TcpTransport, tier: LocalTier
     return True
 
 
-def _fetch_files(view: PeerView, transport: TcpTransport, tier: LocalTier, engine_for: Callable[[], Engine],
+def fetch_files(view: PeerView, transport: TcpTransport, tier: LocalTier, engine_for: Callable[[], Engine],
                  step: int, got: Offer) -> None:
     """``step``'s files of this node (the agreed commit's), and those of the steps it references."""
     names = [shard_name(r) for r in view.ranks_of(view.me)]

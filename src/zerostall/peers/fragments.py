@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import re
 import socket
@@ -95,13 +96,15 @@ class FragmentStore:
     def __init__(self, store: PeerStore):
         self.store = store
 
-    def receive(self, src: str, step: int, index: int, man_bytes: bytes, desc_bytes: bytes,
+    def receive(self, src: str, step: int, index: int, man_bytes: bytes, desc_bytes: bytes, size: int,
                 fill: Callable[[Any, FragmentCheck], int]) -> str:
-        """Keep fragment ``index``: ``fill(writer, check)`` streams its bytes in at offset
-        ``HEADER`` and returns the crc32c the sender announced."""
+        """Keep fragment ``index`` (``size`` bytes announced): ``fill(writer, check)`` streams its
+        bytes in at offset ``HEADER`` and returns the crc32c the sender announced."""
         man = Manifest.from_bytes(man_bytes)
         where = f"{src}:step-{step}/{fragment_name(index)}"
         lay, doc = Layout.parse(desc_bytes, where)
+        if size != lay.fragment_bytes:
+            raise PeerError(f"{where}: {size} bytes announced, the descriptor says {lay.fragment_bytes}")
         if man.step != step or doc["step"] != step or doc["checkpoint_id"] != man.checkpoint_id or \
                 doc["src"] != src or not 0 <= index < lay.k + lay.m:
             raise PeerError(f"{where}: the descriptor, the manifest and the request disagree")
@@ -115,7 +118,9 @@ class FragmentStore:
             if check.n != lay.fragment_bytes or check.crc != claimed:
                 raise CorruptCheckpoint(f"{where}: received {check.n} bytes with crc32c {check.crc:08x}; "
                                         f"the sender sent {lay.fragment_bytes} with {claimed:08x}", path=where)
-            w.write([(0, _aligned(header_block(index, lay.fragment_bytes, check.crc, descriptor_id(desc_bytes))))])
+            head = mmap.mmap(-1, HEADER)  # O_DIRECT: an aligned buffer
+            head[:] = header_block(index, lay.fragment_bytes, check.crc, descriptor_id(desc_bytes))
+            w.write([(0, memoryview(head))])
         ps.keep(src, step, fragment_name(index), HEADER + lay.fragment_bytes, write,
                 lambda: self._desc(src, step) == desc_bytes, "frag-recv")
         return check.digest()
@@ -182,13 +187,6 @@ def read_header(path: str, fragment_bytes: int) -> dict[str, Any]:
     return h
 
 
-def _aligned(data: bytes) -> memoryview:
-    import mmap
-    buf = mmap.mmap(-1, max(ALIGN_BYTES, -(-len(data) // ALIGN_BYTES) * ALIGN_BYTES))
-    buf[:len(data)] = data
-    return memoryview(buf)
-
-
 # -- server side: registered on the transport ------------------------------------------------
 
 def register(transport: Any, frags: FragmentStore, nodes: set[str], me: str, cpu_priority: str,
@@ -202,15 +200,12 @@ def register(transport: Any, frags: FragmentStore, nodes: set[str], me: str, cpu
         size = check_size(msg.get("size"), MAX_FRAGMENT_BYTES, "fragment")
         man_bytes = recv_exact(conn, check_size(msg.get("manifest_bytes"), MAX_MANIFEST_BYTES, "manifest"))
         desc = recv_exact(conn, check_size(msg.get("coding_bytes"), 1 << 20, "coding descriptor"))
-        lay, _ = Layout.parse(desc, f"{src}:step-{step}")
-        if size != lay.fragment_bytes:
-            raise PeerError(f"fragment of {size} bytes announced, the descriptor says {lay.fragment_bytes}")
 
         def fill(w: Any, check: FragmentCheck) -> int:
             fill_from(conn, size, w, check, recv_pacer, start=HEADER, point="frag-recv")
             tail = recv_msg(conn)
             return check_size(tail.get("crc32c"), 0xFFFFFFFF, "crc32c")
-        digest = frags.receive(src, step, index, man_bytes, desc, fill)
+        digest = frags.receive(src, step, index, man_bytes, desc, size, fill)
         at("frag-recv:before-ack")
         send_msg(conn, {"ok": True, "digest": digest})
 

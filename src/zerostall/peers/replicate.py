@@ -98,10 +98,6 @@ class PeerReplicator:
         with self._mu:
             return set(self._protected[-1:])
 
-    def wait(self, step: int, timeout: float | None = None) -> bool:
-        st = self._status.get(step)
-        return st is not None and st.done.wait(timeout)
-
     def close(self, timeout_s: float) -> list[int]:
         """Wait up to ``timeout_s`` for steps in flight, then cut them; returns the unprotected steps."""
         deadline = time.monotonic() + timeout_s

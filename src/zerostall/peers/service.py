@@ -24,7 +24,7 @@ from .coded_decode import Timeline
 from .coded_restore import holdings, rebuild
 from .coding import require_codec
 from .exchange import Node, PeerView, advertised_host, setup
-from .fetch import Offer, fetch, offer
+from .fetch import Offer, fetch, fetch_files, offer
 from .fragments import FragmentStore, register
 from .replicate import PeerReplicator, StepStatus
 from . import tombstones
@@ -140,12 +140,11 @@ class Peers:
     def _fetch(self, load: "PeerLoad", step: int) -> bool:
         t0 = time.perf_counter()
         timeout = self.cfg.join_timeout_s + self.cfg.peers.timeout_s * 4
-        tl = Timeline()
-        files_in = None if step not in load.offer.coded else \
-            (lambda: rebuild(self.view, self.transport, self.tier, self.engine, step, load.coded,
-                             load.offer.ids.get(step, ""), timeline=tl))
-        if not fetch(self.store, self.view, self.transport, self.tier, self.engine, load.offer, step, load.number,
-                     timeout, files_in=files_in):
+        got, tl = load.offer, Timeline()
+        files_in = (lambda: fetch_files(self.view, self.transport, self.tier, self.engine, step, got)) \
+            if step in got.held else (lambda: rebuild(self.view, self.transport, self.tier, self.engine, step,
+                                                      load.coded, got.ids.get(step, ""), timeline=tl))
+        if not fetch(self.store, self.view, got, step, load.number, timeout, files_in):
             return False
         self.last_fetch_s = time.perf_counter() - t0
         self.last_fetch_end = time.monotonic()

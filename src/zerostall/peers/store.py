@@ -29,7 +29,7 @@ from .status import area_bytes, drop_dir, file_size as _size, held_dirs
 from .stream import at
 from .tombstones import read_manifest
 from .verify import StreamCheck, file_entry
-from .wire import check_name, check_node
+from .wire import PeerError, check_node
 
 log = logging.getLogger("zerostall")
 AREA = "peers"
@@ -111,22 +111,25 @@ class PeerStore:
         return out
 
     def path_for(self, src: str, step: int, name: str) -> tuple[str, Manifest] | None:
-        """A committed file this node may serve, with its step's manifest; None otherwise."""
-        check_name(name)
+        """A committed file this node may serve (``name`` checked by the caller), with its step's
+        manifest; None otherwise."""
         own = src == self.me and step in self.tier.steps()
         man = self._own(step) if own else self.manifest(src, step)
         path = os.path.join(self.tier.step_dir(step) if own else self.step_dir(src, step), name)
         fe = next((fe for fe in man.files if fe.name == name), None) if man is not None and man.step == step else None
         return (path, man) if fe is not None and _size(path) == fe.file_bytes else None
 
-    def receive(self, src: str, step: int, name: str, man_bytes: bytes,
+    def receive(self, src: str, step: int, name: str, man_bytes: bytes, size: int,
                 fill: Callable[[Any, StreamCheck], None]) -> str:
-        """Keep ``name`` of ``src``'s ``step``: ``fill(writer, check)`` streams the bytes in through
-        ``check``; returns the digest. Raises on any mismatch, leaving nothing behind."""
+        """Keep ``name`` of ``src``'s ``step`` (``size`` bytes announced): ``fill(writer, check)``
+        streams the bytes in through ``check``; returns the digest. Raises on any mismatch, leaving
+        nothing behind."""
         man = Manifest.from_bytes(man_bytes)
         if man.step != step:
             raise ZerostallError(f"the manifest names step {man.step}, the request step {step}")
         fe = file_entry(man, name)
+        if fe.file_bytes != size:
+            raise PeerError(f"{name}: {size} bytes announced, the manifest says {fe.file_bytes}")
         def same(held: Manifest | None) -> bool:  # else the source overwrote the step
             return held is not None and held.checkpoint_id == man.checkpoint_id
 

@@ -187,10 +187,7 @@ class TcpTransport:
             name = check_name(msg.get("name"))
             size = check_size(msg.get("size"), MAX_FILE_BYTES, "file")
             man_bytes = recv_exact(conn, check_size(msg.get("manifest_bytes"), MAX_MANIFEST_BYTES, "manifest"))
-            man = Manifest.from_bytes(man_bytes)
-            if file_entry(man, name).file_bytes != size:
-                raise PeerError(f"{name}: {size} bytes announced, the manifest says {file_entry(man, name).file_bytes}")
-            digest = self.store.receive(src, step, name, man_bytes,
+            digest = self.store.receive(src, step, name, man_bytes, size,
                                         lambda w, check: fill_from(conn, size, w, check, self.recv_pacer, point="recv"))
             at("recv:before-ack")
             send_msg(conn, {"ok": True, "digest": digest})
