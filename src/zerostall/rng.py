@@ -45,9 +45,9 @@ def set_rng_state(state: Any) -> None:
                           "torch, cuda")
     try:
         if "python" in state:
-            random.setstate(_as_python_state(state["python"]))
+            random.setstate(as_python_state(state["python"]))
         if "numpy" in state:
-            np.random.set_state(_as_numpy_state(state["numpy"]))
+            np.random.set_state(as_numpy_state(state["numpy"]))
         if "torch" in state:
             torch.set_rng_state(_byte_tensor(state["torch"], "torch"))
     except (TypeError, ValueError, RuntimeError) as exc:
@@ -74,13 +74,15 @@ def _byte_tensor(t: Any, name: str) -> torch.Tensor:
     return t.cpu().contiguous()
 
 
-def _as_python_state(s: Any) -> tuple[Any, ...]:
-    # (version, tuple of 625 ints, gauss_next): lists after a JSON round trip are tolerated
+def as_python_state(s: Any) -> tuple[Any, ...]:
+    """``random.getstate()``'s form of a saved Python state (lists after a JSON round trip are
+    tolerated): (version, tuple of 625 ints, gauss_next)."""
     version, internal, gauss = s
     return (int(version), tuple(int(x) for x in internal), gauss)
 
 
-def _as_numpy_state(s: Any) -> Any:
+def as_numpy_state(s: Any) -> Any:
+    """``np.random.get_state()``'s form of a saved numpy state (a tensor or list as the key)."""
     if isinstance(s, dict):
         return s
     name, keys, pos, has_gauss, gauss = s

@@ -287,7 +287,10 @@ class AdapterSaves:
 
     def __init__(self, config: CheckpointConfig | None, thread_name: str, **fields: Any) -> None:
         cfg = config if config is not None else CheckpointConfig.from_env()
-        self.config = cfg.replace(keep_last=1, overwrite=False, **fields)
+        try:
+            self.config = cfg.replace(**{**fields, "keep_last": 1, "overwrite": False})
+        except TypeError as exc:
+            raise ConfigError(f"unknown zerostall option: {exc}") from None
         self.guard = StateGuard()
         self.publisher: Publisher | None = None
         self._thread_name = thread_name

@@ -10,14 +10,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..errors import ConfigError, ZerostallError
-from ..extend import TaggedData
+from ..extend import TaggedData, as_numpy_state, as_python_state
 
 FORMATS = ("lightning", "transformers", "accelerate")
 
@@ -28,19 +26,6 @@ def _need(state: Any, key: str, kind: str) -> Any:
         raise ConfigError(f"this checkpoint has no {key!r} entry, so it was not written by the {kind} adapter "
                           f"(top-level keys: {keys}); export --format safetensors writes its tensors")
     return state[key]
-
-
-def _python_rng(s: Any) -> tuple:
-    r = random.Random()
-    r.setstate((int(s[0]), tuple(int(x) for x in s[1]), s[2]))
-    return r.getstate()
-
-
-def _numpy_rng(s: Any) -> tuple:
-    key = s[1].numpy() if isinstance(s[1], torch.Tensor) else np.asarray(s[1])
-    r = np.random.RandomState()
-    r.set_state((str(s[0]), key.astype(np.uint32), int(s[2]), int(s[3]), float(s[4])))
-    return r.get_state()
 
 
 def flatten(state: Any) -> dict[str, torch.Tensor]:
@@ -107,7 +92,8 @@ def write(kind: str, state: Any, out: str, *, rank: int = 0, world_size: int = 1
             if key in state:
                 save(state[key], name)
         if rng is not None:
-            hf = {"python": _python_rng(rng["python"]), "numpy": _numpy_rng(rng["numpy"]), "cpu": rng["torch"]}
+            hf = {"python": as_python_state(rng["python"]), "numpy": as_numpy_state(rng["numpy"]),
+                  "cpu": rng["torch"]}
             if rng.get("cuda"):
                 hf["cuda"] = list(rng["cuda"])
             save(hf, "rng_state.pth" if world_size == 1 else f"rng_state_{rank}.pth")
@@ -129,8 +115,8 @@ def write(kind: str, state: Any, out: str, *, rank: int = 0, world_size: int = 1
         for i, sd in enumerate(state.get("custom", [])):
             save(sd, f"custom_checkpoint_{i}.pkl")
         if rng is not None:
-            acc = {"step": int(state.get("step", 0)), "random_state": _python_rng(rng["python"]),
-                   "numpy_random_seed": _numpy_rng(rng["numpy"]), "torch_manual_seed": rng["torch"]}
+            acc = {"step": int(state.get("step", 0)), "random_state": as_python_state(rng["python"]),
+                   "numpy_random_seed": as_numpy_state(rng["numpy"]), "torch_manual_seed": rng["torch"]}
             if rng.get("cuda"):
                 acc["torch_cuda_manual_seed"] = list(rng["cuda"])
             save(acc, f"random_states_{rank}.pkl")

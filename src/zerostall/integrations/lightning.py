@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, ZerostallError
-from ..extend import RootLock, discard
-from ._common import AdapterSaves, is_committed, load_torch_file, log, next_step, recover_staged, tensors_of
+from ..extend import discard
+from ._common import (AdapterSaves, is_committed, load_torch_file, log, next_step, recover_staged, tensors_of,
+                      unowned)
 from .. import CheckpointConfig, Checkpointer, load, rng_state, set_rng_state
 
 try:
@@ -63,16 +64,12 @@ class ZerostallCheckpointIO(CheckpointIO):
 
     def __init__(self, config: CheckpointConfig | None = None, *, wait_staged: bool = False,
                  **overrides: Any) -> None:
-        cfg = config if config is not None else CheckpointConfig.from_env()
-        try:
-            cfg = cfg.replace(**overrides)
-        except TypeError as exc:
-            raise ConfigError(f"unknown ZerostallCheckpointIO option: {exc}") from None
-        if cfg.remote:
+        overrides["dist_mode"] = "local"  # rank 0 saves alone
+        self._saves = AdapterSaves(config, "zerostall-lightning-publish", **overrides)
+        self.config = self._saves.config
+        if self.config.remote:
             raise ConfigError("ZerostallCheckpointIO(remote=...) is not supported: replicate the checkpoint "
                               "directory with zerostall.Checkpointer or a sync job instead")
-        self._saves = AdapterSaves(cfg, "zerostall-lightning-publish", dist_mode="local")  # rank 0 saves alone
-        self.config = self._saves.config
         self.wait_staged = wait_staged
         self._ckpts: dict[str, Any] = {}
         self._removers: list[threading.Thread] = []
@@ -125,11 +122,7 @@ class ZerostallCheckpointIO(CheckpointIO):
         self._saves.drain(root)
         # resuming runs load before the save-time cleanup runs
         self._settle_replaced(root, _aside(root, _REPLACED))
-        if os.path.isfile(root):
-            out = load_torch_file(root, map_location)
-        else:
-            loc = map_location if isinstance(map_location, (str, torch.device)) else None
-            out = load(root, map_location=loc, rank=0, world_size=1)
+        out = (load_torch_file if os.path.isfile(root) else _load)(root, map_location)
         rng = out.pop(RNG_KEY, None)
         if isinstance(rng, dict):
             set_rng_state(rng)
@@ -226,16 +219,9 @@ class ZerostallCheckpointIO(CheckpointIO):
                 _remove(replaced)
                 return
             if os.path.isdir(root) and not os.path.islink(root):
-                lock = RootLock(root)
-                try:
-                    lock.acquire(0.0)
-                except ZerostallError as exc:  # a live writer there: leave both alone
-                    log.warning("zerostall: %s was not put back at %s: %s", replaced, root, exc)
+                if not unowned(root):  # a live writer there: leave both alone
                     return
-                try:
-                    shutil.rmtree(root)
-                finally:
-                    lock.release()
+                shutil.rmtree(root)
             if os.path.lexists(root):
                 log.warning("zerostall: %s holds something else now; the previous checkpoint stays at %s",
                             root, replaced)
@@ -272,6 +258,12 @@ def _remove(path: str) -> None:
             os.remove(path)
 
 
+def _load(root: str, map_location: Any) -> dict[str, Any]:
+    """The zerostall checkpoint at ``root``, whole (Lightning's global rank 0 saved it alone)."""
+    loc = map_location if isinstance(map_location, (str, torch.device)) else None
+    return load(root, map_location=loc, rank=0, world_size=1)
+
+
 def load_from_checkpoint(cls: Any, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None,
                          strict: bool | None = None, weights_only: bool | None = None, **kwargs: Any) -> Any:
     """``cls.load_from_checkpoint(path, ...)`` for a zerostall checkpoint (a LightningModule or
@@ -283,8 +275,7 @@ def load_from_checkpoint(cls: Any, checkpoint_path: Any, map_location: Any = Non
     import importlib
     saving = importlib.import_module(f"{_PL}.core.saving")
     pl = importlib.import_module(_PL)
-    loc = map_location if isinstance(map_location, (str, torch.device)) else None
-    checkpoint = load(root, map_location=loc, rank=0, world_size=1)
+    checkpoint = _load(root, map_location)
     if hparams_file is not None:
         ext = str(hparams_file).rsplit(".", 1)[-1].lower()
         hp = saving.load_hparams_from_tags_csv(hparams_file) if ext == "csv" else \
