@@ -8,18 +8,17 @@ store request. ``drain`` runs on the caller's thread in ``Checkpointer.close()``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 from typing import Any
 
-from ..errors import CheckpointNotFound
 from .incremental import RefTracker
 from .job import Persisted, SaveRequest
 from .commit_local import file_entry, merged_entries, tensor_entries
 from ..store.recovery import DECIDED_NAME
 from ..store.local import LocalTier
-from ..restore.pipeline import collective_base, collective_load
 from ..distributed.commit import (OutcomeUnknown, commit_round, fault_point, grace_s, post_begin, report_failure,
                                   step_base, wait_acked)
 from ..distributed.agree import agree_room
@@ -46,8 +45,7 @@ class StoreCommitter:
         self._reported.discard(job.step)  # a new save of the step (overwrite)
         # the round's deadline counts a rank that began the step late (busy with an earlier one) from then
         self._began[job.step] = post_begin(self.store, self.session, job.step)
-        del_old = [s for s in self._began if s != job.step][:-8]
-        for s in del_old:
+        for s in [s for s in self._began if s != job.step][:-8]:
             del self._began[s]
         fault_point("persist", self.session, job.step)
         d = self.tier.partial_dir(job.step)
@@ -120,29 +118,8 @@ class StoreCommitter:
         if self.session.is_leader:
             self.tier.abort(job.step)
         else:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.tier.partial_dir(job.step), job.file_name))
-            except OSError:
-                pass
-
-    def load_agreed(self, state_dict: Any, request: Any, cfg: Any, report: Any, *, peer: Any = None,
-                    engine: Any = None, bounce: Any = None) -> Any:
-        """``Checkpointer.load`` across ranks (caller's thread, every rank): the newest step every
-        rank can load (:mod:`.agree`), through this Checkpointer's own store connection; with
-        ``peer`` (a :class:`zerostall.peers.PeerLoad`) counting the steps live holders keep for
-        this node, fetched before each is tried."""
-        try:
-            return collective_load(self.store, collective_base(self.session.prefix), self.rank, self.world,
-                                   self.tier.root, state_dict, request, report=report,
-                                   timeout_s=max(cfg.join_timeout_s, cfg.commit_timeout_s),
-                                   extra_steps=peer.steps if peer is not None else (),
-                                   exclude_steps=peer.offer.split if peer is not None else (),
-                                   prepare=peer.prepare if peer is not None else None, engine=engine, bounce=bounce)
-        except CheckpointNotFound as exc:
-            if peer is None:
-                raise
-            raise CheckpointNotFound(f"{exc} -- counting local roots, live peers and the remote tier (a file is "
-                                     "lost when every node holding it is gone)") from None
 
     def drain(self) -> list[int]:
         """Rank 0 at close(): wait (bounded) until every rank read the decisions of the rounds it

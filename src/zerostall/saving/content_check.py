@@ -36,7 +36,7 @@ from ..format.manifest import MANIFEST_NAME
 from ..format.refs import RefFile
 from .job import SaveRequest, Slot
 from .plan import PlanItem, SavePlan
-from .source_crc import CRC_THREADS, _CpuCrc, _CudaCrc, _file_crc, device_hash_async
+from .source_crc import _file_crc, device_hash_async
 
 if TYPE_CHECKING:
     from .incremental import IncrementalJob, Known
@@ -113,8 +113,6 @@ class ContentCheck:
         undecided = [i for i, v in enumerate(verdict) if v is None]
         if not undecided or self._seeded or any(_on_device(leaves[i]) for i in undecided):
             return False
-        if self._cpu_crc is None:
-            self._cpu_crc = _CpuCrc(CRC_THREADS)
         collect = self._cpu_crc.submit([leaves[i] for i in undecided])
         ij.pending = (collect, [(plan.items[i], plan.leaves[i], leaves[i],
                                  known[ij.paths[plan.items[i].index]].entry.crc32c) for i in undecided])
@@ -177,8 +175,6 @@ class ContentCheck:
         cpu = [i for i, v in enumerate(verdict) if v is None and not _on_device(leaves[i])]
         gpu = [i for i, v in enumerate(verdict) if v is None and _on_device(leaves[i])]
         if cpu:
-            if self._cpu_crc is None:
-                self._cpu_crc = _CpuCrc(CRC_THREADS)
             for i, crc in zip(cpu, self._cpu_crc.many([leaves[i] for i in cpu])):
                 verdict[i] = crc == known[ij.paths[items[i].index]].entry.crc32c
         ij.crc_bytes += sum(items[i].nbytes for i in cpu)
@@ -187,9 +183,7 @@ class ContentCheck:
             if k.dh is not None and h is not None:  # hashed on the device: 8 bytes came back
                 verdict[i] = h == k.dh
                 ij.dev_hash_bytes += items[i].nbytes
-                continue
-            if self._cuda_crc is None:  # no device hash of the base (restart, non-contiguous)
-                self._cuda_crc = _CudaCrc()
+                continue  # else no device hash of the base (restart, non-contiguous): the crc
             verdict[i] = self._cuda_crc(leaves[i], cuda_run) == k.entry.crc32c
             ij.crc_bytes += items[i].nbytes
 

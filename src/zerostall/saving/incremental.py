@@ -42,7 +42,7 @@ from .job import Persisted, SaveRequest
 from .plan import PlanItem, SavePlan
 from . import content_check
 from .content_check import ContentCheck, Stamp, base_file_problem, file_stamp
-from .source_crc import _CpuCrc, _CudaCrc  # _CpuCrc: also a test seam
+from .source_crc import CRC_THREADS, _CpuCrc, _CudaCrc
 
 log = logging.getLogger("zerostall")
 
@@ -109,8 +109,8 @@ class RefTracker(ContentCheck):
         self._pins: collections.Counter[int] = collections.Counter()
         self._since_full = 0  # incremental decisions since the last full one (snapshot thread)
         self._force_full = False
-        self._cuda_crc: _CudaCrc | None = None
-        self._cpu_crc: _CpuCrc | None = None
+        self._cuda_crc = _CudaCrc()  # its pinned buffer made at first use
+        self._cpu_crc = _CpuCrc(CRC_THREADS)  # its threads started at first use
         self._seed_root: str | None = None
         self._seeded = False  # the base came from disk, not from a save of this process
         self._peer: set[int] = set()  # other ranks' protected steps (multi-rank; set_peer_protected)
@@ -160,10 +160,8 @@ class RefTracker(ContentCheck):
                 known[paths[i]] = Known(e, ref, None)
         stamps = self._stamps_of(known, {})
         with self._lock:
-            self._known = known
-            self._stamps = stamps
+            self._known, self._stamps, self._seeded = known, stamps, self._seed_root is not None
             self._since_full = steps_after_oldest_ref
-            self._seeded = self._seed_root is not None
 
     # -- caller's thread --------------------------------------------------------------------
     def prepare(self, plan: SavePlan) -> "IncrementalJob":
@@ -187,12 +185,8 @@ class RefTracker(ContentCheck):
                     (self.full_every is not None and self._since_full + 1 >= self.full_every))
             self._force_full = False
             self._since_full = 0 if full else self._since_full + 1
-        if not full:
+        if not full:  # a base lost whole: nothing is referenced, a full save
             known = self._usable(known, req.step)
-            if not known:  # the whole base is lost: a full save
-                full = True
-                with self._lock:
-                    self._since_full = 0
         ij.full = full
         leaves = list(leaves)
         if self.mode == "crc" and any(content_check._on_device(t) for t in leaves):  # full saves too: the next compares
@@ -286,10 +280,8 @@ class RefTracker(ContentCheck):
         for i, e in ij.refs.items():
             known[paths[i]] = Known(e, refs_by[(e.step, e.file)], fps.get(i), dhs.get(i))
         stamps = self._stamps_of(known, self._stamps)  # this step's own file: stamped now
-        with self._lock:
-            self._known = known
-            self._stamps = stamps
-            self._seeded = False  # every reference of the new base was checked or written here
+        with self._lock:  # not seeded: every reference of the new base was checked or written here
+            self._known, self._stamps, self._seeded = known, stamps, False
             self._unpin(ij)
 
     def _stamps_of(self, known: dict[str, Known], old: dict[tuple[int, str], Stamp]) -> dict[tuple[int, str], Stamp]:
@@ -321,9 +313,7 @@ class RefTracker(ContentCheck):
 
     def close(self) -> None:
         """Stop the crc threads (caller's thread, ``Checkpointer.close`` after the pipeline)."""
-        if self._cpu_crc is not None:
-            self._cpu_crc.close()
-            self._cpu_crc = None
+        self._cpu_crc.close()
 
     # -- any thread ---------------------------------------------------------------------------
     def protected(self) -> set[int]:

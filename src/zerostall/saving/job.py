@@ -141,15 +141,15 @@ class Handoff(Generic[T]):
         return self._ev.is_set()
 
 
+@dataclass(eq=False)
 class Source:
     """The caller's tensors and CUDA events of one save; owned by the snapshot thread once
     queued, which drops the tensors when staged."""
 
-    def __init__(self, leaves: list[torch.Tensor] | None, cuda_event: Any = None):
-        self.leaves = leaves
-        self.cuda_event = cuda_event
-        """CUDA: ``{device index: event}`` recorded on each device's current stream at ``save()``."""
-        self._reads: set[int] | None = None
+    leaves: list[torch.Tensor] | None
+    cuda_event: Any = None
+    """CUDA: ``{device index: event}`` recorded on each device's current stream at ``save()``."""
+    _reads: set[int] | None = field(default=None, init=False, repr=False)
 
     def drop(self) -> None:
         self.leaves = None
@@ -254,10 +254,6 @@ class SaveStatus:
     def note(self, *problems: str) -> None:
         """Problems after the commit point; the save stays durable."""
         self.post_commit_errors.extend(problems)
-
-    def finish(self) -> None:
-        """The last thing the persist thread does for a save (after its record is built)."""
-        self.done.set()
 
     # -- replicator thread (or close() on the caller's) ---------------------------------------
     def mark_replicated(self, error: BaseException | None = None) -> None:

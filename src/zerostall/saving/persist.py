@@ -19,6 +19,7 @@ write over (``spare_shard``, docs/every-step.md); this thread removes what is le
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -33,6 +34,7 @@ from ..io.base import Engine, ShardFile
 from .incremental import RefTracker
 from .job import Committed, Forward, Job, Persisted
 from .plan import SavePlan
+from .pool import drain
 from ..memory.ring import BlockRing
 from .commit_local import Committer, LocalCommitter, file_entry, tensor_entries
 from ..store.local import LocalTier
@@ -51,7 +53,7 @@ class CommitSubscriber(Protocol):
 
 class Persister(Worker[Job]):
     def __init__(self, tier: LocalTier, engine: Engine, ring: BlockRing, *, finished: Callable[[Job], None],
-                 upstream: Any = None, committer: Committer | None = None, refs: RefTracker | None = None):
+                 upstream: Any, committer: Committer | None = None, refs: RefTracker | None = None):
         self.tier = tier
         self.upstream = upstream
         """The snapshot worker that hands this one its jobs: ``stop`` travels through it, so
@@ -67,10 +69,7 @@ class Persister(Worker[Job]):
         super().__init__("zerostall-persist")
 
     def _put_last(self, item: Any) -> None:
-        if self.upstream is None:
-            super()._put_last(item)
-        else:
-            self.upstream.submit(Forward(self, item))
+        self.upstream.submit(Forward(self, item))
 
     def on_exit(self) -> None:
         self.tier.deferred.run()
@@ -109,8 +108,6 @@ class Persister(Worker[Job]):
             chores = None
             self.ring.release(g, hi)
             g = hi
-        if chores is not None:  # nothing to write (an incremental save that references everything)
-            chores()
         return g
 
     def _header_block(self, job: Job, plan: SavePlan) -> memoryview:
@@ -133,12 +130,6 @@ class Persister(Worker[Job]):
             log.info("zerostall: writing a new %s, not over the old shard: %s", path, exc)
             os.unlink(path)
             return None
-
-    def _drain(self, job: Job, g: int) -> None:
-        while g < job.slot.g_end:
-            hi = min(self.ring.wait_staged(g), job.slot.g_end)
-            self.ring.release(g, hi)  # ranges: persisters of several Checkpointers share the ring
-            g = hi
 
     def _write(self, job: Job, part: str) -> tuple[Persisted, int]:
         """Write and fdatasync the shard; returns the record for the committer and the next block."""
@@ -184,10 +175,8 @@ class Persister(Worker[Job]):
             g = job.slot.g_end
             f.finish()
         except BaseException:
-            try:
+            with contextlib.suppress(OSError):
                 f.close()
-            except OSError:
-                pass
             raise
         f.close()
         return Persisted(job.request, staged.plan, tuple(crcs), job.incr, time.perf_counter() - t0), g
@@ -211,7 +200,7 @@ class Persister(Worker[Job]):
                 status.commit_failed(exc)
             if self.refs is not None and job.incr is not None and not status.durable.is_set():
                 self.refs.failed(job.incr)
-            self._drain(job, g)
+            drain(self.ring, job.slot, g)
             try:
                 self.committer.fail(req, exc)
             except Exception as cexc:  # noqa: BLE001 - the original error is the one to report
@@ -227,7 +216,7 @@ class Persister(Worker[Job]):
                 self.finished(job)  # records and telemetry are final before anyone sees done
             except Exception:  # noqa: BLE001 - a sink failing must not wedge the pipeline
                 log.exception("zerostall: recording step %d failed", req.step)
-            status.finish()
+            status.done.set()  # last: after the record is built
 
     def _after_commit(self, job: Job, persisted: Persisted, post: Any, t1: float) -> None:
         """Past the commit point nothing fails the save, whatever it raises (``SystemExit``

@@ -29,7 +29,7 @@ from ..format.tree import TensorLeaf, encode_tree
 from ..format.validate import MAX_STEP, NotPlain, plain_copy
 from ..format.table import TensorEntry, encode_columns
 from ..format import manifest as mf
-from .._fast import DEVICE, DTYPE, KEY, NUMPY, TENSOR, tuples_maker
+from .._fast import DEVICE, DTYPE, KEY, TENSOR, tuples_maker
 from .._fast_torch import shape_of
 
 
@@ -249,10 +249,10 @@ def finish_tree(tree: Any, leaves: Any, frozen: list[Frozen], bound: int | None 
     ``texts``: large bulk nodes' JSON made by :func:`encode_tree` (spliced, not encoded again)."""
     bound = _entries_bound(leaves) if bound is None else bound
     if not frozen:
-        return tree, check_manifest_size(None, tree, leaves, bound, dumps_tree(tree, texts) if texts else None), None
+        return tree, check_manifest_size(tree, leaves, bound, dumps_tree(tree, texts) if texts else None), None
     n = leaves if isinstance(leaves, int) else len(leaves)
     skeleton = skeleton_json(tree, frozen)
-    lazy = DeferredTree(tree, skeleton, frozen, _encode_part, lambda t, j: check_manifest_size(None, t, n, bound, j),
+    lazy = DeferredTree(tree, skeleton, frozen, _encode_part, lambda t, j: check_manifest_size(t, n, bound, j),
                         memo)
     if len(skeleton) + bound + FROZEN_GROWTH * sum(len(p) for f in frozen for p in f.parts) > mf.MAX_MANIFEST_BYTES:
         tree, tree_json = lazy.result()
@@ -267,7 +267,7 @@ def _encode_part(obj: Any, path: tuple[Any, ...]) -> Any:
     return node
 
 
-def check_manifest_size(state_dict: Any, tree: Any, leaves: Any, bound: int | None = None,
+def check_manifest_size(tree: Any, leaves: Any, bound: int | None = None,
                         tree_json: str | None = None) -> str:
     """The tree's JSON; raise :class:`UnsupportedStateError` naming the key that dominates if
     the manifest would exceed the limit every reader enforces (``MAX_MANIFEST_BYTES``).

@@ -70,17 +70,15 @@ _COMPLEX = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtyp
 _CONJ, _NEG, _DETACH = torch.Tensor.is_conj, torch.Tensor.is_neg, torch.Tensor.detach
 
 
-def _walk(x: Any, sig: list[Any], tensors: list[torch.Tensor], depth: int = 0,
-          vals: list[Any] | None = None, snapshots: dict[int, bytes] | None = None) -> bool:
-    """Append ``x``'s structure to ``sig``, its plain values to ``vals`` (``sig`` if None) and
+def _walk(x: Any, sig: list[Any], tensors: list[torch.Tensor], depth: int, vals: list[Any],
+          snapshots: dict[int, bytes] | None = None) -> bool:
+    """Append ``x``'s structure to ``sig``, its plain values to ``vals`` and
     its tensors to ``tensors`` (in :func:`encode_tree`'s walk order); False where ``x`` holds
     anything but dicts with str/int keys, lists, tuples, plain tensors and plain scalars (the
     cache then steps aside). A container without tensors goes to ``vals`` whole (its growing
     changes values, not the structure); a container of tensors only is taken in bulk. With
     ``snapshots``, a dict/list/tuple of builtin values only is taken whole as its
     :func:`~zerostall.format.frozen.freeze` snapshot, recorded by ``id`` for :func:`encode_tree`."""
-    if vals is None:
-        vals = sig
     tx = type(x)
     if tx in _TENSOR_TYPES:
         tensors.append(x)
@@ -93,8 +91,7 @@ def _walk(x: Any, sig: list[Any], tensors: list[torch.Tensor], depth: int = 0,
         if data is not None:
             snapshots[id(x)] = data
             vals.append((tx, data))
-            if vals is not sig:
-                sig.append(_PLAIN)
+            sig.append(_PLAIN)
             return True
     if tx in _MAP_TYPES:
         keys = tuple(x)
@@ -107,8 +104,7 @@ def _walk(x: Any, sig: list[Any], tensors: list[torch.Tensor], depth: int = 0,
         kids = list(x)
     elif tx is float or tx in _PLAIN_TYPES:  # a float by its bits: -0.0 == 0.0 and nan != nan,
         vals.append((tx, x.hex() if tx is float else x))  # but they encode differently/alike
-        if vals is not sig:
-            sig.append(_PLAIN)  # a value here; a plain container in its place is one too
+        sig.append(_PLAIN)  # a value here; a plain container in its place is one too
         return True
     else:
         return False
@@ -119,7 +115,7 @@ def _walk(x: Any, sig: list[Any], tensors: list[torch.Tensor], depth: int = 0,
     mark, n = len(sig), len(tensors)
     if not all(_walk(v, sig, tensors, depth + 1, vals, snapshots) for v in kids):
         return False
-    if vals is not sig and len(tensors) == n:  # no tensor inside: all of it is a value
+    if len(tensors) == n:  # no tensor inside: all of it is a value
         vals.append(tuple(sig[mark - 1:]))
         del sig[mark - 1:]
         sig.append(_PLAIN)
@@ -164,9 +160,6 @@ class Walk(NamedTuple):
             return 0
 
 
-_no_gc = no_gc  # the cyclic GC paused while a plan is built (see :func:`~zerostall._util.no_gc`)
-
-
 class PlanCache:
     """The last plan of one ``Checkpointer``, reused while the state keeps its shape (see the
     module docstring). :meth:`plan` walks the state once for a signature of exactly what the plan
@@ -196,7 +189,7 @@ class PlanCache:
         """The plan of ``state_dict``, the cyclic GC paused meanwhile. ``early(nbytes)``: told the
         state's tensor bytes (:meth:`Walk.payload_bytes`) before a plan is built anew, never for a
         reused one (``save()`` asks the staging pool for them, which faults meanwhile)."""
-        with _no_gc():
+        with no_gc():  # see :func:`~zerostall._util.no_gc`
             return self._plan_of(state_dict, rank, world_size, replicated, self._walk_of(state_dict), early)
 
     @staticmethod

@@ -200,14 +200,7 @@ class StagingPool:
         publish the blocks unwritten (in ring order) and release them from a helper thread."""
         status.fail(exc, in_save=True)
         self.snap.submit(slot)  # publishes the blocks unwritten
-        threading.Thread(target=self._drain, args=(slot,), daemon=True).start()
-
-    def _drain(self, slot: Slot) -> None:
-        g = slot.g0
-        while g < slot.g_end:
-            hi = min(self.ring.wait_staged(g), slot.g_end)
-            self.ring.release(g, hi)
-            g = hi
+        threading.Thread(target=drain, args=(self.ring, slot, slot.g0), daemon=True).start()
 
     @contextlib.contextmanager
     def borrow_idle(self) -> Iterator[ArenaView | None]:
@@ -221,6 +214,15 @@ class StagingPool:
     def close(self) -> None:
         self.snap.stop()
         self.arena.close()
+
+
+def drain(ring: BlockRing, slot: Slot, g: int) -> None:
+    """Release ``slot``'s blocks from ``g`` on as the snapshot thread publishes them, unwritten
+    (a failed or abandoned save; ranges: the persisters of several Checkpointers share the ring)."""
+    while g < slot.g_end:
+        hi = min(ring.wait_staged(g), slot.g_end)
+        ring.release(g, hi)
+        g = hi
 
 
 _lock = threading.RLock()

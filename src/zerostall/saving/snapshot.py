@@ -69,7 +69,7 @@ def row_slices(t: torch.Tensor, limit: int = STRIDED_CHUNK_BYTES) -> Iterator[to
 def bounce_rows(t: torch.Tensor, limit: int = STRIDED_CHUNK_BYTES) -> Iterator[tuple[int, int]]:
     """(address, length) of each of :func:`row_slices`, copied in turn into one bounce buffer
     of at most ``limit`` bytes (or one innermost row); valid until the next is yielded. Torch
-    ops: run it in a helper thread (:func:`_in_helper_thread`)."""
+    ops: run it in a short-lived helper thread (see the module docstring)."""
     es = t.element_size()
     buf = torch.empty(min(limit, max(t.numel() * es, es)), dtype=torch.uint8)
     for sl in row_slices(t, limit):
@@ -78,11 +78,6 @@ def bounce_rows(t: torch.Tensor, limit: int = STRIDED_CHUNK_BYTES) -> Iterator[t
             buf = torch.empty(n, dtype=torch.uint8)
         buf[:n].view(sl.dtype).view(sl.shape).copy_(sl)
         yield buf.data_ptr(), n
-
-
-def _in_helper_thread(fn: Callable[[], None]) -> None:
-    """Run a torch op in a thread that then exits (see the module docstring)."""
-    run_in_fresh_thread(fn, "zerostall-copy")
 
 
 def _index(device: torch.device, cuda: Any) -> int:
@@ -314,7 +309,8 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
                 on_cpu = tensor.device.type == "cpu"
                 if on_cpu and not tensor.is_contiguous():
                     box = None if crcs is None else [0]
-                    _in_helper_thread(lambda t=tensor, o=item.offset: self._stage_strided(job, t, o, spans, box))
+                    run_in_fresh_thread(lambda t=tensor, o=item.offset: self._stage_strided(job, t, o, spans, box),
+                                        "zerostall-copy")
                     if box is not None:
                         crcs[i] = box[0]
                     pos = item.offset + item.nbytes

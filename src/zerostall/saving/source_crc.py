@@ -34,7 +34,8 @@ import crc32c as _crc
 import torch
 
 from ..format.crc_combine import combine
-from .snapshot import STRIDED_CHUNK_BYTES, _in_helper_thread, bounce_rows, row_slices
+from .._util import run_in_fresh_thread
+from .snapshot import STRIDED_CHUNK_BYTES, bounce_rows, row_slices
 
 _CRC_PIECE = 16 << 20  # pieces of a tensor checksummed in parallel (then combined)
 CRC_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -121,7 +122,7 @@ def _strided_crc(t: torch.Tensor, limit: int = STRIDED_CHUNK_BYTES) -> int:
         for ptr, n in bounce_rows(t, limit):
             crc = _crc_at(ptr, n, crc)
         out.append(crc)
-    _in_helper_thread(run)
+    run_in_fresh_thread(run, "zerostall-copy")
     return out[0]
 
 

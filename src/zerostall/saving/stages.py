@@ -16,7 +16,7 @@ from .commit_ranks import StoreCommitter
 from ..distributed.node import discover
 from ..distributed.session import Session, join, namespace
 from ..distributed.store import Store
-from ..errors import ConfigError
+from ..errors import CheckpointNotFound, ConfigError
 from ..io.base import Engine, engine_name_for, get_engine
 from .incremental import RefTracker, mode_of
 from .persist import Persister
@@ -26,6 +26,7 @@ from ..store.retention import LocalRetention, RetentionPolicy, retain_at_start
 from ..store import open_root
 from ..store.tier import is_url
 from ..restore import LoadRequest, load
+from ..restore.pipeline import collective_base, collective_load
 from ..telemetry import prometheus
 
 log = logging.getLogger("zerostall")
@@ -62,14 +63,26 @@ class Stages:
     def load(self, state_dict: Any, request: LoadRequest, cfg: CheckpointConfig, report: Any, *,
              engine: Engine, bounce: Any, peer: Any = None) -> Any:
         """One load (caller's thread, under the Checkpointer's save lock): across ranks the
-        newest step every rank can load (collective), else the newest that verifies here.
-        ``cfg`` completes ``request``; ``peer``: :class:`zerostall.peers.PeerLoad` (``replicas > 1``)."""
+        newest step every rank can load (:mod:`..distributed.agree`, on the committer's own store
+        connection), else the newest that verifies here. ``cfg`` completes ``request``; ``peer``
+        (:class:`zerostall.peers.PeerLoad`, ``replicas > 1``) counts the steps live holders keep
+        for this node and fetches each before it is tried."""
         request = replace(request, verify=cfg.verify_on_load, fallback=cfg.fallback, remote=cfg.remote)
-        if self.committer is not None:
-            return self.committer.load_agreed(state_dict, replace(request, io=cfg.io), cfg, report, peer=peer,
-                                              engine=engine, bounce=bounce)
-        return load(self.tier.root, state_dict, replace(request, rank=self.rank, world_size=self.world_size),
-                    engine=engine, bounce=bounce, report=report)
+        if self.committer is None:
+            return load(self.tier.root, state_dict, replace(request, rank=self.rank, world_size=self.world_size),
+                        engine=engine, bounce=bounce, report=report)
+        try:
+            return collective_load(self.committer.store, collective_base(self.committer.session.prefix), self.rank,
+                                   self.world_size, self.tier.root, state_dict, replace(request, io=cfg.io),
+                                   report=report, timeout_s=max(cfg.join_timeout_s, cfg.commit_timeout_s),
+                                   extra_steps=peer.steps if peer is not None else (),
+                                   exclude_steps=peer.offer.split if peer is not None else (),
+                                   prepare=peer.prepare if peer is not None else None, engine=engine, bounce=bounce)
+        except CheckpointNotFound as exc:
+            if peer is None:
+                raise
+            raise CheckpointNotFound(f"{exc} -- counting local roots, live peers and the remote tier (a file is "
+                                     "lost when every node holding it is gone)") from None
 
     def persister(self, lease: Any, finished: Any) -> Persister:
         """This Checkpointer's persist worker over ``lease``'s ring, fed by the pool's snapshot

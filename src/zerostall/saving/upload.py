@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Callable
 
-from ..errors import CheckpointNotFound, CorruptCheckpoint, RemoteError, ZerostallError
+from ..errors import CorruptCheckpoint, RemoteError, ZerostallError
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..format.validate import read_small
 from .job import Committed
@@ -228,9 +228,8 @@ class Replicator:
             self._matched.pop(s, None)
         blocked: set[int] = set()  # stale on the remote but referenced there: neither replaced nor replicated
         for s in sorted(remote_steps & set(local)):
-            try:
-                mine = self.tier.read_manifest(s).checkpoint_id
-            except CheckpointNotFound:
+            mine = self._local_id(s)
+            if mine is None:
                 continue  # deleted meanwhile (retention)
             if self._matched.get(s) == mine:
                 continue
