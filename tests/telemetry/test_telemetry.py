@@ -1,3 +1,7 @@
+import json
+
+import pytest
+
 from zerostall.telemetry.host import HostSample, Sampler, read_psi, read_vmstat
 from zerostall.telemetry.trace import parse_trace_lines
 
@@ -46,3 +50,29 @@ def test_parse_tracepoint_lines():
         "# tracer: nop",
     ]
     assert parse_trace_lines(lines) == [(184, "python3", 4242), (12, "dd", 77)]
+
+
+def test_prometheus_metrics_follow_the_record(tmp_path):
+    """Each metric takes its SaveRecord field, in the unit its name says; only ok saves feed them."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from zerostall.telemetry import prometheus
+    from zerostall.telemetry.record import SaveRecord, emit
+
+    get = prometheus_client.REGISTRY.get_sample_value
+    prometheus.enable()
+    before = {k: get(k) or 0.0 for k in ("zerostall_save_bytes_total", "zerostall_save_stall_seconds_count")}
+    rec = SaveRecord(step=3, bytes=1000, stall_s=0.002, staged_s=0.1, durable_s=0.5, snapshot_s=0.1, persist_s=0.3,
+                     commit_s=0.01, persist_gbps=1.5, engine="threads", arena_bytes=4096, dirty_peak_bytes=7 << 20,
+                     writeback_peak_bytes=1 << 20, psi_io_full_peak=12.5)
+    prometheus.observe(rec)
+    prometheus.observe(SaveRecord(**{**rec.__dict__, "ok": False, "bytes": 99}))
+    assert get("zerostall_save_bytes_total") == before["zerostall_save_bytes_total"] + 1000
+    assert get("zerostall_save_stall_seconds_count") == before["zerostall_save_stall_seconds_count"] + 1
+    assert get("zerostall_persist_bytes_per_second") == 1.5e9
+    assert get("zerostall_host_dirty_bytes") == 7 << 20 and get("zerostall_psi_io_full_percent") == 12.5
+    assert get("zerostall_saves_total", {"outcome": "failed"}) >= 1
+    path = tmp_path / "records.jsonl"
+    emit(rec, str(path))
+    emit(rec, str(path))
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[0])["step"] == 3

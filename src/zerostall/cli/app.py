@@ -4,7 +4,9 @@ Exit status: 0 success; 1 a failure, with one line on stderr naming the cause; 2
 (argparse, invalid options, a checkpoint root that does not exist; an existing root without
 checkpoints prints "no checkpoints"). Read-only commands (``ls``, ``verify``, ``inspect``,
 ``export``'s source, ``doctor``) create nothing. What comes from a checkpoint is printed
-literally (:func:`zerostall._term.safe`): no rich markup, control characters as escapes.
+literally (:func:`zerostall._term.safe`): no rich markup, control characters as escapes. The
+commands that read or write tensors (verify, restore, export, demo) import torch when they run,
+never for ``--help``, ``plan``, ``ls``, ``inspect`` or ``doctor`` (docs/cli-startup.md).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from . import dcp as cli_dcp
 from .._term import console as _console, safe, table
@@ -62,14 +64,11 @@ def cmd_ls(a: argparse.Namespace) -> int:
             remote_rows = {r["step"]: r for r in _rows(_tier(a.remote), "remote")}
         except (RemoteError, RootNotFound) as exc:  # the local listing is still worth showing
             print(f"zerostall ls: cannot list {a.remote}: {exc}", file=sys.stderr)
-            remote_rows = None
-        for r in rows if remote_rows is not None else []:
-            if r["step"] in remote_rows and r["state"] == "committed":
-                r["tier"] = "local+remote"
-                remote_rows.pop(r["step"])
-            elif r["state"] == "committed":
-                r["tier"] = "local (not replicated)"
-        rows.extend((remote_rows or {}).values())
+        else:
+            for r in rows:
+                if r["state"] == "committed":
+                    r["tier"] = "local+remote" if remote_rows.pop(r["step"], None) else "local (not replicated)"
+            rows.extend(remote_rows.values())
     if a.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -93,15 +92,12 @@ def cmd_ls(a: argparse.Namespace) -> int:
 
 
 def _verify(a: argparse.Namespace) -> int:
-    """``zerostall verify``. The commands that read or write tensors (verify, restore, export,
-    demo) import torch when they run, never for ``--help``, ``plan``, ``ls``, ``inspect`` or
-    ``doctor`` (tests/cli/test_cli_output.py)."""
-    from .verify import cmd_verify
+    from .verify import cmd_verify  # torch, as the other commands that read tensors
     return cmd_verify(a)
 
 
 def cmd_restore(a: argparse.Namespace) -> int:
-    from ..restore.download import restore_remote  # torch (see _verify)
+    from ..restore.download import restore_remote  # torch
     remote = open_tier(a.url)  # a plain path too: a shared-filesystem tier
     remote.check_root()
     if a.step is None and not remote.steps():
@@ -123,19 +119,24 @@ def cmd_restore(a: argparse.Namespace) -> int:
     return 0
 
 
+def _manifest(tier: Any, step: int | None) -> Any:
+    """The manifest of ``step`` (``--step``), else of the newest committed step."""
+    step = step if step is not None else tier.latest()
+    if step is None:
+        raise CheckpointNotFound(f"no committed checkpoint in {tier.url}")
+    return tier.read_manifest(step)
+
+
 def cmd_inspect(a: argparse.Namespace) -> int:
     if cli_dcp.is_dcp_dir(a.path):  # a DCP checkpoint directory
         return cli_dcp.cmd_inspect(a)
-    tier = _tier(a.path)
-    step = a.step if a.step is not None else tier.latest()
-    if step is None:
-        raise CheckpointNotFound(f"no committed checkpoint in {tier.url}")
-    m = tier.read_manifest(step)
+    m = _manifest(_tier(a.path), a.step)
     if a.json:
         print(json.dumps(m.body(objects=True), indent=1))
         return 0
     refs = f" + {_human(m.referenced_bytes)} referenced" if m.ref_files else ""
-    t = table(f"step {step}: {len(m.tensors)} tensors, {_human(m.total_bytes)} owned{refs}, world size {m.world_size}",
+    t = table(f"step {m.step}: {len(m.tensors)} tensors, {_human(m.total_bytes)} owned{refs}, "
+              f"world size {m.world_size}",
               ("key", "dtype", "shape", "bytes", "file", "offset", "crc32c"))
     for e in m.tensors:
         where = e.file if e.step is None else f"step-{e.step}/{e.file}"
@@ -157,7 +158,7 @@ def cmd_export(a: argparse.Namespace) -> int:
         raise ConfigError("export needs the safetensors package: pip install 'zerostall[safetensors]'") from None
     import tempfile
 
-    from ..integrations import export  # torch (see _verify)
+    from ..integrations import export  # torch
     from ..restore import LoadReport, LoadRequest, load
     out_dir = os.path.dirname(os.path.abspath(a.out))
     if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
@@ -186,17 +187,14 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 def _export_rank(a: argparse.Namespace, remote: str | None) -> tuple[int, int]:
     """(rank, world size) to export: a checkpoint saved per rank needs ``--rank``."""
-    tier = _tier(remote or a.path)
-    step = a.step if a.step is not None else tier.latest()
-    if step is None:
-        raise CheckpointNotFound(f"no committed checkpoint in {safe(tier.url)}")
-    m = tier.read_manifest(step)
+    m = _manifest(_tier(remote or a.path), a.step)
     if m.rank_trees is None:
         if a.rank not in (None, 0):
-            raise ConfigError(f"step {step} holds one state for all ranks; --rank {a.rank} does not apply")
+            raise ConfigError(f"step {m.step} holds one state for all ranks; --rank {a.rank} does not apply")
         return 0, 1
     if a.rank is None or not 0 <= a.rank < m.world_size:
-        raise ConfigError(f"step {step} was saved per rank by {m.world_size} ranks: pass --rank 0..{m.world_size - 1}")
+        raise ConfigError(f"step {m.step} was saved per rank by {m.world_size} ranks: "
+                          f"pass --rank 0..{m.world_size - 1}")
     return a.rank, m.world_size
 
 
@@ -204,16 +202,22 @@ BENCH_HINT = ("the benchmark lives in the zerostall-bench package, which is not 
               "from a zerostall checkout, pip install -e ./bench (make test and make bench install it)")
 
 
-def _positive(kind: Any) -> Any:
+def _checked(kind: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
+    """An argparse type: ``kind(text)`` if ``ok`` holds for it, else a usage error saying it is not ``what``."""
     def parse(text: str) -> Any:
         try:
-            v = kind(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-        return v
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return value
     return parse
+
+
+def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type: a number > 0 (the bench's options use it too)."""
+    return _checked(kind, lambda v: v > 0, "a number > 0")
 
 
 def bench_installed() -> bool:
@@ -270,8 +274,8 @@ COMMANDS: dict[str, tuple[str, Any, list[tuple[tuple[str, ...], dict[str, Any]]]
     "delete": ("delete steps for good: from each root given and from the copies it holds for peers (a tombstone "
                "keeps them from coming back from other holders)", cli_cmd.cmd_delete, [
         _arg("roots", nargs="+", metavar="ROOT", help="a local checkpoint directory (one per node)"),
-        _arg("--step", type=cli_cmd.step_number, action="append", required=True,
-             help="the step to delete (repeat for more)")]),
+        _arg("--step", type=_checked(int, lambda v: v >= 0, "a step number (an integer >= 0)"), action="append",
+             required=True, help="the step to delete (repeat for more)")]),
     "demo": ("train a small transformer with async checkpoints, crash it, resume bit-exact",
              lambda a: importlib.import_module("zerostall.demo.run").main(a), [
         _arg("--steps", type=_positive(int), default=60, help="training steps"),
@@ -367,6 +371,3 @@ def main(argv: list[str] | None = None) -> int:
             return fail(exc, 1, f"{type(exc).__name__}: {exc}")
         raise
 
-
-if __name__ == "__main__":
-    sys.exit(main())

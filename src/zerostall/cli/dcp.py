@@ -15,6 +15,7 @@ from ..errors import CheckpointNotFound, ZerostallError
 from .._term import safe
 from .._util import human_bytes as _human
 from ..config import IOConfig
+from .commands import say, verdict
 
 _STEP_DIR_RE = re.compile(r"^step-(\d{1,19})$")
 _RANK_MD_RE = re.compile(r"^__(\d+)\.metadata$")
@@ -97,19 +98,16 @@ def cmd_verify(a: argparse.Namespace) -> int:
     for label, d in _targets(a):
         for name in metadata_files(d):
             try:
-                i = verify(d, name, IOConfig(engine=getattr(a, "engine", "auto")))
+                i = verify(d, name, IOConfig(engine=a.engine))
                 how = "verified" if i.kind == "zerostall" else "loaded (FileSystemWriter stores no checksums)"
                 rows.append({"checkpoint": label, "metadata": name, "state": "ok", "format": i.kind_name,
                              "entries": len(i.entries), "bytes": i.total_bytes, "checksums": i.kind == "zerostall"})
-                if not getattr(a, "json", False):
-                    print(f"{safe(label)}: {safe(name)}: OK ({i.kind_name}, {len(i.entries)} entries, "
-                          f"{_human(i.total_bytes)} {how})")
+                say(a, f"{safe(label)}: {safe(name)}: OK ({i.kind_name}, {len(i.entries)} entries, "
+                       f"{_human(i.total_bytes)} {how})")
             except ZerostallError as exc:
                 rows.append({"checkpoint": label, "metadata": name, "state": "failed", "error": str(exc)})
                 print(f"{safe(label)}: {safe(name)}: FAILED: {safe(exc)}", file=sys.stderr)
-    if getattr(a, "json", False):
-        print(json.dumps(rows, indent=1))
-    return 1 if any(r["state"] == "failed" for r in rows) else 0
+    return verdict(a, rows)
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:

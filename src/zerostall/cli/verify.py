@@ -4,14 +4,13 @@ copy of the root, the shards that copy holds. Called by :mod:`.cli` on the main 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
 from . import dcp as cli_dcp
 from .._term import safe
 from .._util import human_bytes as _human
-from .commands import _engine, _tier
+from .commands import _engine, _tier, say as _say, verdict
 from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..store.tier import is_url
 from ..restore import verify_step, verify_tier_step
@@ -61,15 +60,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     finally:
         if engine is not None:
             engine.close()
-    if a.json:
-        print(json.dumps(rows, indent=1))
-    return 1 if any(r["state"] == "failed" for r in rows) else 0
-
-
-def _say(a: argparse.Namespace, line: str) -> None:
-    """A progress line on stdout; with ``--json`` stdout holds only the document."""
-    if not a.json:
-        print(line, flush=True)
+    return verdict(a, rows)
 
 
 def _this_copy(tier: Any, man: Any, node: str | None, all_files: bool, away: list[Any]) -> set[str] | None:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -32,8 +33,9 @@ BATCH = 16
 
 
 def train(cfg: GPTConfig, ckpt_dir: str, steps: int, every: int, seed: int, resume: bool = False,
-          on_save: Callable[[int, SaveHandle], None] | None = None,
-          on_step: Callable[[int, float], None] | None = None) -> tuple[dict[int, float], TinyGPT]:
+          on_save: Callable[[int, SaveHandle], None] = lambda step, h: None,
+          on_step: Callable[[int, float], None] = lambda step, loss: None,
+          ) -> tuple[dict[int, float], TinyGPT]:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     torch.manual_seed(seed)
     model = TinyGPT(cfg)
@@ -60,12 +62,9 @@ def train(cfg: GPTConfig, ckpt_dir: str, steps: int, every: int, seed: int, resu
             if step == start:  # AdamW state exists now: allocate and pre-fault the arena once
                 ck.prepare(state)
             losses[step] = loss.item()
-            if on_step:
-                on_step(step, losses[step])
+            on_step(step, losses[step])
             if (step + 1) % every == 0:
-                h = ck.save(step, state)
-                if on_save:
-                    on_save(step, h)
+                on_save(step, ck.save(step, state))
     return losses, model
 
 
@@ -75,12 +74,9 @@ def loop_cost(step_ends: list[float], saves: list[tuple[float, SaveHandle]]) -> 
     perf_counter at the start and after every step; ``saves``: (perf_counter after ``save()``
     returned, handle)."""
     import statistics
-    spans = []
-    for t_ret, h in saves:
-        r = h.result()
-        t_call = t_ret - r.stall_s
-        spans.append((t_call, t_call + r.durable_s))
-    durs = [(step_ends[i], step_ends[i + 1]) for i in range(len(step_ends) - 1)]
+    called = [(t_ret - h.result().stall_s, h.result()) for t_ret, h in saves]
+    spans = [(t_call, t_call + r.durable_s) for t_call, r in called]
+    durs = list(zip(step_ends, step_ends[1:]))
     charged = [any(a < e and s < b for s, e in spans) for a, b in durs]
     free = [b - a for (a, b), c in zip(durs, charged) if not c] or [b - a for a, b in durs]
     med = statistics.median(free)
@@ -94,8 +90,7 @@ def _child(a: argparse.Namespace) -> int:
     cfg = TINY_CFG if a.tiny else DEMO_CFG
     losses, model = train(cfg, a.dir, a.steps, a.every, a.seed, resume=a.resume,
                           on_save=lambda step, h: print(f"SAVED {step}", flush=True))
-    with open(a.out, "w") as f:
-        json.dump({"losses": {str(k): v.hex() for k, v in losses.items()}}, f)
+    Path(a.out).write_text(json.dumps({"losses": {str(k): v.hex() for k, v in losses.items()}}))
     save(a.out + ".params", dict(model.state_dict()), step=0)
     return 0
 
@@ -161,7 +156,6 @@ def run_demo(steps: int, every: int, ckdir: str, seed: int, tiny: bool, console:
     args = {"dir": crash_dir, "steps": steps, "every": every, "seed": seed, "tiny": tiny, "resume": False}
     child = _spawn({**args, "out": os.path.join(work, "crashed.json")})
     assert child.stdout is not None
-    killed_at = None
     partial_dir = os.path.join(crash_dir, f"step-{kill_step}.partial")
     for line in child.stdout:
         if line.strip() == f"SAVED {kill_step}":
@@ -169,10 +163,8 @@ def run_demo(steps: int, every: int, ckdir: str, seed: int, tiny: bool, console:
             while not os.path.isdir(partial_dir) and time.monotonic() < deadline:
                 time.sleep(0.0005)
             child.send_signal(signal.SIGKILL)
-            killed_at = kill_step
             break
-    child.wait()
-    if killed_at is None:
+    if child.wait() != -signal.SIGKILL:
         err = child.stderr.read() if child.stderr else ""
         console.print(Text(f"the child ended before step {kill_step}: {safe(err)}", style="red"))
         return False
@@ -192,8 +184,7 @@ def run_demo(steps: int, every: int, ckdir: str, seed: int, tiny: bool, console:
     if child.returncode != 0:
         console.print(Text.assemble(("resume failed:", "red"), f"\n{safe(err)}"))
         return False
-    with open(out) as f:
-        resumed = {int(k): float.fromhex(v) for k, v in json.load(f)["losses"].items()}
+    resumed = {int(k): float.fromhex(v) for k, v in json.loads(Path(out).read_text())["losses"].items()}
     params = load(out + ".params")
     ref_params = ref_model.state_dict()
     loss_ok = bool(resumed) and all(resumed[s] == ref_losses[s] for s in resumed)

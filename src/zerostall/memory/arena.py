@@ -82,15 +82,13 @@ class Arena:
             raw = (ctypes.c_ubyte * self.nbytes).from_address(self.address)
             self.mv = memoryview(raw).cast("B")
             self.u8 = torch.frombuffer(raw, dtype=torch.uint8)
-        self.mlock = mlock
         self.locked = False
         self.closed = False
         self.forked_copy = False  # in a forked child: the memory is a zero placeholder
         self.cuda_registered = False  # asked for (:meth:`register_cuda`); chunks register as they fault
         self.cuda_device: int | None = None
         self.cuda_error: str | None = None  # why registration stopped, or None
-        self._cuda_chunks: list[tuple[int, int]] = []
-        self._cuda_starts: list[int] = []
+        self._cuda_chunks: list[tuple[int, int]] = []  # (offset, bytes) registered, contiguous, in order
         self._cond = threading.Condition()
         self.ready = 0  # bytes of the prefix faulted (and locked / CUDA-registered if asked)
         self.target = 0
@@ -104,11 +102,9 @@ class Arena:
         self.pages = "4k"  # or "huge" (advised and not slower: _probe_pages), "probing" until then
         self._small_rate = 0.0  # bytes/s of the 4 KiB probe
         if hugepages:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 self._map.madvise(MADV_HUGEPAGE)  # only sets a flag on the mapping: instant
                 self.pages = "probing"
-            except (OSError, ValueError):
-                pass
         if mlock:
             self.locked = self._memlock_allows(self.nbytes)
         if prefault:
@@ -260,7 +256,6 @@ class Arena:
                 "(pinned-memory limit? %d bytes registered)", self.cuda_error, self.cuda_pinned_bytes)
             return
         self._cuda_chunks.append((off, n))
-        self._cuda_starts.append(off)
 
     @property
     def cuda_pinned_bytes(self) -> int:
@@ -293,10 +288,7 @@ class Arena:
         """``[off, off+n)`` as (offset, length) pieces, none crossing two registered chunks (a
         copy spanning two fails with cudaErrorInvalidValue). Any thread."""
         with self._cond:
-            if not self._cuda_chunks:
-                return [(off, n)]
-            last_off, last_n = self._cuda_chunks[-1]
-            bounds = self._cuda_starts[1:] + [last_off + last_n]  # chunks are contiguous, in order
+            bounds = [start + k for start, k in self._cuda_chunks]  # each chunk's end: the next one's start
         out = []
         end = off + n
         while off < end:
@@ -330,7 +322,6 @@ class Arena:
             except Exception as exc:  # noqa: BLE001 - e.g. CUDA already shut down at exit
                 log.debug("zerostall: cudaHostUnregister of the staging arena failed: %s", exc)
             self._cuda_chunks.clear()
-            self._cuda_starts.clear()
         self.cuda_registered = False
         if self.locked:
             _libc.munlock(ctypes.c_void_p(self.address), self.ready)

@@ -67,7 +67,6 @@ def _fill_holes_in_child() -> None:
             continue
         _libc.mmap(ctypes.c_void_p(a.address), a.nbytes, prot, flags, -1, 0)
         a._cuda_chunks.clear()
-        a._cuda_starts.clear()
         a.cuda_registered = False
         a.locked = False
         a.forked_copy = True

@@ -1,3 +1,3 @@
 """Host telemetry: /proc samplers (:mod:`.host`), the per-save record and its sinks
-(:mod:`.record`, :mod:`.prometheus`), ``zerostall monitor``/``trace``. Never changes a sysctl or a cgroup.
+(:mod:`.record`, :mod:`.prometheus`), ``zerostall trace``'s tracers. Never changes a sysctl or a cgroup.
 """

@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -34,20 +35,12 @@ def read_psi(path: str) -> dict[str, dict[str, float]] | None:
     """``{"some": {"avg10": .., "total": ..}, "full": {...}}`` or None where PSI is absent."""
     try:
         with open(path) as f:
-            text = f.read()
+            rows = [line.split() for line in f if line.strip()]
     except OSError:
         return None
     out: dict[str, dict[str, float]] = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if not parts:
-            continue
-        vals = {}
-        for p in parts[1:]:
-            k, _, v = p.partition("=")
-            with contextlib.suppress(ValueError):
-                vals[k] = float(v)
-        out[parts[0]] = vals
+    for kind, *fields in rows:
+        out[kind] = {k: float(v) for k, _, v in (field.partition("=") for field in fields)}
     return out
 
 
@@ -60,10 +53,8 @@ def read_threads(pid: int) -> list[tuple[int, str, str, str]]:
         return out
     for tid in tids:
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{pid}/task/{tid}/wchan") as f:
-                wchan = f.read().strip()
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            wchan = Path(f"/proc/{pid}/task/{tid}/wchan").read_text().strip()
         except OSError:
             continue
         out.append((int(tid), stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2], wchan))
@@ -72,8 +63,7 @@ def read_threads(pid: int) -> list[tuple[int, str, str, str]]:
 
 def read_rss_bytes(pid: int | str = "self") -> int:
     try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * PAGE
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
     except (OSError, ValueError, IndexError):
         return 0
 
@@ -143,12 +133,10 @@ class _Hub:
         active: list[Sampler] = []
         while True:
             timeout = max(0.0, min(s._due for s in active) - time.monotonic()) if active else None
-            try:
+            with contextlib.suppress(queue.Empty):
                 active.append(self.q.get(timeout=timeout))
                 while True:  # take every sampler that arrived meanwhile
                     active.append(self.q.get_nowait())
-            except queue.Empty:
-                pass
             active = [s for s in active if not s._stopped]
             now = time.monotonic()
             due = [s for s in active if s._due <= now]

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import threading
 from dataclasses import asdict, dataclass
 
 log = logging.getLogger("zerostall")
-_jsonl_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -53,9 +50,6 @@ class SaveRecord:
     replica_nodes: tuple[str, ...] = ()
     """This rank's node and the nodes holding copies of its files once the step is protected; else empty."""
 
-    def to_json(self) -> dict[str, object]:
-        return asdict(self)
-
     def log_line(self) -> str:
         if self.skipped:
             return f"step {self.step}: skipped (earlier saves still hold the staging arena)"
@@ -77,11 +71,6 @@ def emit(record: SaveRecord, jsonl_path: str | None, dirty_threshold_bytes: int 
     if record.kswapd_scan_delta > 0:
         log.warning("zerostall: step %d: kswapd scanned %d pages during the save (memory pressure)",
                     record.step, record.kswapd_scan_delta)
-    if jsonl_path:
-        line = json.dumps(record.to_json(), sort_keys=True) + "\n"
-        with _jsonl_lock:  # one O_APPEND write per line: whole lines from every process
-            fd = os.open(jsonl_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                os.write(fd, line.encode())
-            finally:
-                os.close(fd)
+    if jsonl_path:  # unbuffered: one O_APPEND write per line, whole lines from every thread and process
+        with open(jsonl_path, "ab", buffering=0) as f:
+            f.write(json.dumps(asdict(record), sort_keys=True).encode() + b"\n")

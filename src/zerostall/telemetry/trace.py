@@ -14,7 +14,8 @@ import re
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 from .host import read_threads
 
@@ -33,33 +34,34 @@ TRACEFS = "/sys/kernel/tracing"
 _EVENT_RE = re.compile(r"^\s*(?P<comm>.+?)-(?P<pid>\d+)\s+.*?balance_dirty_pages:.*?\bpause=(?P<pause>-?\d+)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TraceReport:
     method: str
     seconds: float
-    events: int = 0
-    pauses_ms: list[int] = field(default_factory=list)
-    worst: list[tuple[int, str, int]] = field(default_factory=list)  # (pause ms, comm, pid)
+    pauses: list[tuple[int, str, int]]  # (pause ms, comm, pid) of each throttled write
     note: str = ""
+
+    @property
+    def worst(self) -> list[tuple[int, str, int]]:
+        return sorted(self.pauses, reverse=True)[:10]
 
     def histogram(self) -> list[tuple[str, int]]:
         edges = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
         out = []
         for lo, hi in zip(edges, edges[1:] + [10**9]):
-            n = sum(1 for p in self.pauses_ms if lo <= p < hi)
+            n = sum(1 for p, _, _ in self.pauses if lo <= p < hi)
             if n:
                 out.append((f"[{lo}, {hi if hi < 10**9 else 'inf'}) ms", n))
         return out
 
     def to_json(self) -> dict[str, object]:
-        return {"method": self.method, "seconds": self.seconds, "events": self.events,
-                "histogram": self.histogram(), "worst": self.worst[:10], "note": self.note}
+        return {"method": self.method, "seconds": self.seconds, "events": len(self.pauses),
+                "histogram": self.histogram(), "worst": self.worst, "note": self.note}
 
 
 def kprobes_available() -> bool:
-    if not shutil.which("bpftrace"):
-        return False
-    return os.path.exists("/sys/kernel/debug/kprobes") or os.path.exists(f"{TRACEFS}/kprobe_events")
+    return bool(shutil.which("bpftrace")) and (os.path.exists("/sys/kernel/debug/kprobes")
+                                               or os.path.exists(f"{TRACEFS}/kprobe_events"))
 
 
 def parse_trace_lines(lines: list[str]) -> list[tuple[int, str, int]]:
@@ -78,24 +80,19 @@ def trace_tracefs(seconds: float) -> TraceReport:
     inst = os.path.join(TRACEFS, "instances", f"zerostall-{os.getpid()}")
     try:
         os.mkdir(inst)
-        ev = os.path.join(inst, "events", "writeback", "balance_dirty_pages", "enable")
-        if not os.path.exists(ev):
+        ev = Path(inst, "events", "writeback", "balance_dirty_pages", "enable")
+        if not ev.exists():
             raise FileNotFoundError("this kernel has no writeback:balance_dirty_pages tracepoint")
-        with open(ev, "w") as f:
-            f.write("1")
+        ev.write_text("1")
         time.sleep(seconds)
-        with open(ev, "w") as f:
-            f.write("0")
-        with open(os.path.join(inst, "trace")) as f:
-            lines = f.readlines()
+        ev.write_text("0")
+        lines = Path(inst, "trace").read_text().splitlines()
     finally:
         with contextlib.suppress(OSError):
             os.rmdir(inst)
         if mounted_here:
             subprocess.run(["umount", TRACEFS], capture_output=True)
-    events = parse_trace_lines(lines)
-    return TraceReport("tracepoint writeback:balance_dirty_pages", seconds, len(events),
-                       [p for p, _, _ in events], sorted(events, reverse=True)[:10])
+    return TraceReport("tracepoint writeback:balance_dirty_pages", seconds, parse_trace_lines(lines))
 
 
 def trace_pid(pid: int, seconds: float, interval_s: float = 0.01) -> TraceReport:
@@ -117,6 +114,5 @@ def trace_pid(pid: int, seconds: float, interval_s: float = 0.01) -> TraceReport
         time.sleep(interval_s)
     now = time.monotonic()
     pauses += [(int((now - t0) * 1000), comm, tid) for tid, t0 in runs.items()]
-    return TraceReport(f"sampling /proc/{pid} (D state in balance_dirty_pages)", seconds, len(pauses),
-                       [p for p, _, _ in pauses], sorted(pauses, reverse=True)[:10],
+    return TraceReport(f"sampling /proc/{pid} (D state in balance_dirty_pages)", seconds, pauses,
                        note="sampled every 10 ms: pauses shorter than that are missed")

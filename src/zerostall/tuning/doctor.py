@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from .._util import memlock_fix
 from ..io.probe import io_uring_status, probe
 from ..memory.host import budget_bytes, host_ram_bytes, local_world_size
 from ..telemetry.host import PAGE, read_vmstat
@@ -35,16 +37,15 @@ RECOMMENDED: dict[str, tuple[int, str]] = {
 }
 
 
-def _path(name: str) -> str:
-    return os.path.join(SYSCTL_DIR, *name.split("."))
+def _path(name: str) -> Path:
+    return Path(SYSCTL_DIR, *name.split("."))
 
 
 def read_sysctls(names: list[str] | None = None) -> dict[str, int | None]:
     out: dict[str, int | None] = {}
     for n in names or list(RECOMMENDED):
         try:
-            with open(_path(n)) as f:
-                out[n] = int(f.read().split()[0])
+            out[n] = int(_path(n).read_text().split()[0])
         except (OSError, ValueError, IndexError):
             out[n] = None
     return out
@@ -55,8 +56,7 @@ def sysctl_d_text() -> str:
              "# (install as /etc/sysctl.d/99-zerostall.conf, then: sysctl --system)"]
     # bytes settings after ratios: writing *_bytes zeroes the matching ratio anyway
     for n, (v, why) in RECOMMENDED.items():
-        lines.append(f"# {why}")
-        lines.append(f"{n} = {v}")
+        lines += [f"# {why}", f"{n} = {v}"]
     return "\n".join(lines) + "\n"
 
 
@@ -65,8 +65,7 @@ def apply_sysctls() -> dict[str, int | None]:
     before = read_sysctls()
     for n, (v, _) in RECOMMENDED.items():
         if not n.endswith("_ratio"):  # writing a *_bytes value zeroes its ratio in the kernel
-            with open(_path(n), "w") as f:
-                f.write(str(v))
+            _path(n).write_text(str(v))
     return before
 
 
@@ -76,9 +75,6 @@ class Check:
     value: Any
     status: str
     advice: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _gib(n: float) -> str:
@@ -102,14 +98,12 @@ def host_checks() -> list[Check]:
         pair = name.replace("_ratio", "_bytes")  # a ratio is fine when its *_bytes form meets the target
         ok = have == want or (pair != name and cur.get(pair) == RECOMMENDED[pair][0])
         out.append(Check(name, have, "ok" if ok else "warn", "" if ok else f"recommended {want}: {why}"))
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     budget = budget_bytes(None, 0.4)
-    unlimited = soft == resource.RLIM_INFINITY
-    out.append(Check("rlimit_memlock_bytes", "unlimited" if unlimited else soft,
-                     "ok" if unlimited or soft >= budget else "warn",
-                     "" if unlimited or soft >= budget else
-                     f"the staging arena ({_gib(budget)}) cannot be mlocked; raise 'ulimit -l' "
-                     "(LimitMEMLOCK=infinity in systemd, --ulimit memlock=-1 in docker)"))
+    lockable = soft == resource.RLIM_INFINITY or soft >= budget
+    out.append(Check("rlimit_memlock_bytes", "unlimited" if soft == resource.RLIM_INFINITY else soft,
+                     "ok" if lockable else "warn", "" if lockable else
+                     f"the staging arena ({_gib(budget)}) cannot be mlocked; {memlock_fix(budget, hard)}"))
     thp = ""
     with contextlib.suppress(OSError), open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
         thp = f.read().strip()
@@ -118,7 +112,7 @@ def host_checks() -> list[Check]:
                      "" if sel in ("always", "madvise") else "the arena asks for huge pages with MADV_HUGEPAGE"))
     ok, why = io_uring_status()
     out.append(Check("io_uring", why, "ok" if ok else "warn", "" if ok else "the threads engine will be used"))
-    out.append(Check("staging_budget_bytes", budget, "ok" if budget <= 0.4 * ram else "warn",
+    out.append(Check("staging_budget_bytes", budget, "ok",
                      f"40% of RAM over {local_world_size()} local rank(s) (ZEROSTALL_BUDGET_FRACTION to change)"))
     return out
 
@@ -132,10 +126,10 @@ def path_checks(path: str) -> list[Check]:
     where = pr.path if target == want else f"{want} (does not exist yet; probed {target})"
     out = [Check("path", where, "info"), Check("filesystem", f"{pr.fs_type} on {pr.mount_point}", "info"),
            Check("o_direct", pr.o_direct, "ok" if pr.o_direct else "warn",
-                 "" if pr.o_direct else "the bounded buffered engine will be used")]
-    align = f"mem {pr.dio_mem_align}, offset {pr.dio_offset_align}" if pr.dio_mem_align else "not reported"
-    out.append(Check("statx_dioalign", align, "info"))
-    out.append(Check("engine", pr.engine, "ok" if pr.engine != "buffered" else "warn", pr.reason))
+                 "" if pr.o_direct else "the bounded buffered engine will be used"),
+           Check("statx_dioalign", f"mem {pr.dio_mem_align}, offset {pr.dio_offset_align}" if pr.dio_mem_align
+                 else "not reported", "info"),
+           Check("engine", pr.engine, "ok" if pr.engine != "buffered" else "warn", pr.reason)]
     fs = pr.fs_type
     if fs.startswith("nfs"):
         out.append(Check("nfs", fs, "warn", "NFS: keep one file per rank (zerostall does), never one shared file "

@@ -4,8 +4,10 @@ the bench), on the caller's thread: writes one file in the directory and removes
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from ..config import IOConfig
@@ -26,8 +28,7 @@ def measure_engine(engine: str, directory: str, size: int, cfg: IOConfig, buf: A
         r.close()
         return w, rd
     finally:
-        if os.path.exists(path):
-            os.unlink(path)
+        Path(path).unlink(missing_ok=True)
         eng.close()
 
 
@@ -45,9 +46,6 @@ def line_rate_probe(directory: str, size: int) -> dict[str, float]:
     """O_DIRECT io_uring (or threads where io_uring is unavailable), 4 MiB requests, depth 32:
     {"write_gbps", "read_gbps"}."""
     cfg = IOConfig(chunk_bytes=4 << 20, queue_depth=32, threads=8)
-    buf = Arena(min(size, 1 << 30), mlock=False)
-    try:
+    with contextlib.closing(Arena(min(size, 1 << 30), mlock=False)) as buf:
         w, rd = measure_engine("uring" if probe(directory).io_uring else "threads", directory, size, cfg, buf)
-    finally:
-        buf.close()
     return {"write_gbps": w, "read_gbps": rd}

@@ -9,7 +9,7 @@ RAM. Units: bytes, seconds, GB/s = 1e9 bytes/s; NICs in Gbit/s.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ..errors import ConfigError
 
@@ -59,9 +59,6 @@ class PlanResult:
     effective_gbps: float | None
     staging_fits_ram: bool | None
     bottleneck: str
-
-    def to_json(self) -> dict[str, object]:
-        return asdict(self)
 
 
 def plan(p: PlanInput) -> PlanResult:
