@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CorruptCheckpoint
-from ..io.base import Engine
-from .coding import Code, Layout, pread_exact
+from ..io.base import Engine, transfer
+from .coding import Code, Layout
 from .verify import PieceCheck
 
 __all__ = ["DECODE_BYTES", "Event", "StripeDecoder", "Timeline", "scatter"]
@@ -96,7 +96,7 @@ class StripeDecoder:
                     if i < lay.k:
                         lay.read(fd_of, i, off, mv)
                     else:
-                        pread_exact(fd_of(f".fragment-{i}"), mv, off, f".fragment-{i}")
+                        transfer(f".fragment-{i}", fd_of(f".fragment-{i}"), off, mv, write=False)
                 for i, data in code.recover(blocks, missing).items():
                     omv = memoryview(out)[:n]
                     omv[:] = data
@@ -183,15 +183,11 @@ class Timeline:
             r["Bps"] = r["bytes"] / (b - a) if a is not None and b is not None and b > a else 0.0
         return sorted(rows.values(), key=lambda r: r["request_s"])
 
-    def first(self, what: str) -> float | None:
-        return next((e.t_s for e in self.events if e.what == what), None)
-
-    def last(self, what: str) -> float | None:
-        return next((e.t_s for e in reversed(self.events) if e.what == what), None)
-
     def summary(self) -> dict[str, Any]:
         """JSON-able: the streams, and each phase's first and last event (seconds)."""
-        phases = {w: [self.first(w), self.last(w)] for w in ("checked", "decoded", "synced", "committed")
-                  if self.first(w) is not None}
+        phases: dict[str, list[float]] = {}
+        for e in self.events:  # in time order
+            if e.what in ("checked", "decoded", "synced", "committed"):
+                phases.setdefault(e.what, [e.t_s, e.t_s])[1] = e.t_s
         return {"streams": self.streams(), "phases": phases,
                 "end_s": self.events[-1].t_s if self.events else 0.0}

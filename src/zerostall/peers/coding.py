@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from ..config import ALIGN_BYTES
 from ..errors import ConfigError, CorruptCheckpoint
+from ..io.base import transfer
 
 __all__ = ["Code", "Layout", "STRIPE_BYTES", "require_codec"]
 
@@ -103,7 +103,7 @@ class Layout:
             if name is None:
                 dst[:] = bytes(n)
             else:
-                pread_exact(fd_of(name), dst, foff, name)
+                transfer(name, fd_of(name), foff, dst, write=False)
 
     def stripes(self, stripe_bytes: int = STRIPE_BYTES) -> Iterator[tuple[int, int]]:
         """``(offset, length)`` of each stripe of a fragment."""
@@ -134,17 +134,6 @@ class Layout:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CorruptCheckpoint(f"{where}: bad coding descriptor ({exc})", path=where) from None
         return lay, doc
-
-
-def pread_exact(fd: int, mv: memoryview, off: int, name: str) -> None:
-    """Fill ``mv`` from byte ``off`` of ``fd`` (file ``name``), or raise :class:`CorruptCheckpoint`."""
-    got = 0
-    while got < len(mv):
-        r = os.preadv(fd, [mv[got:]], off + got)
-        if r <= 0:
-            raise CorruptCheckpoint(f"{name} ends at byte {off + got}, before the size its manifest records",
-                                    path=name)
-        got += r
 
 
 def descriptor_id(raw: bytes) -> str:
