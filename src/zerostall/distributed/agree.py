@@ -48,15 +48,11 @@ def _gather(store: Store, base: str, rank: int, world: int, value: Any, timeout_
     deadline = time.monotonic() + timeout_s
     with store.bounded(deadline + 1.0):
         store.set(f"{base}/r{rank}", json.dumps(value))
-        keys = [f"{base}/r{r}" for r in range(world)]
-        if store.poll(keys, deadline) == "timeout":
-            missing = store.missing_ranks(base, range(world))
-            raise DistributedError(f"rank(s) {', '.join(map(str, missing))} did not {what} within {timeout_s:g} s "
-                                   "(every rank must call load() together; pass agree=False to load alone)",
-                                   missing_ranks=tuple(missing))
-        vals = store.multi_get_json(keys)
+        vals = store.gather(base, range(world), deadline, lambda who: (
+            f"{who} did not {what} within {timeout_s:g} s (every rank must call load() together; pass "
+            "agree=False to load alone)"))
         if store.add(f"{base}/n", 1) == world:
-            store.delete(*keys, f"{base}/n")
+            store.delete(*(f"{base}/r{r}" for r in range(world)), f"{base}/n")
     return vals
 
 
@@ -67,8 +63,7 @@ def agree_step(store: Store, base: str, rank: int, world: int, candidates: Itera
     (``history``: the earlier failures, identical on every rank)."""
     mine = sorted({int(s) for s in candidates})
     sets = _gather(store, f"{base}/c", rank, world, mine, timeout_s, "offer the steps it can load")
-    common = set(sets[0]).intersection(*map(set, sets[1:])) if sets else set()
-    if common:
+    if common := set.intersection(*map(set, sets)):
         return max(common)
     every = sorted(set().union(*map(set, sets)), reverse=True)[:5]
     lines = [f"step {s}: missing on rank(s) {', '.join(str(r) for r in range(world) if s not in sets[r])}"
@@ -96,8 +91,7 @@ def agreed_load(store: Store, base: str, rank: int, world: int, candidates: Iter
 
         def gate() -> None:
             post({"ok": True})
-            bad = [(r, o) for r, o in enumerate(outcomes) if not o["ok"]]
-            if bad:
+            if bad := [(r, o) for r, o in enumerate(outcomes) if not o["ok"]]:
                 raise PeerFailed("; ".join(f"rank {r}: {o['error']}" for r, o in bad))
 
         try:
@@ -117,11 +111,10 @@ def agreed_load(store: Store, base: str, rank: int, world: int, candidates: Iter
                 report.why = (f"step {step}: the newest step all {world} ranks can load"
                               + (f" (newer ones failed: {'; '.join(history)})" if history else ""))
             return out
-        fatal = [(r, o) for r, o in enumerate(outcomes) if o.get("fatal")]
-        if fatal:
-            r, o = fatal[0]
-            raise DistributedError(f"rank {r} cannot load step {step} into its state dict: {o['error']}")
         bad = [(r, o) for r, o in enumerate(outcomes) if not o["ok"]]
+        for r, o in bad:
+            if o.get("fatal"):
+                raise DistributedError(f"rank {r} cannot load step {step} into its state dict: {o['error']}")
         history.append(f"step {step} failed on " + ", ".join(f"rank {r} ({o['error']})" for r, o in bad))
         left.discard(step)
 

@@ -153,11 +153,10 @@ def commit_round(store: Store, session: Session, fragment: dict[str, Any], tier:
     base = step_base(session, step)
     known = False
     fault_point("begin", session, step)
-    grace = grace_s(timeout_s)
-    with store.bounded(time.monotonic() + timeout_s + grace) as scope:
+    with store.bounded(time.monotonic() + timeout_s + grace_s(timeout_s)) as scope:
         try:
             deadline, lead = _deadline(store, base, timeout_s, began)
-            scope.until = deadline + 2 * grace
+            scope.until = deadline + 2 * grace_s(timeout_s)
             fault_point("entered", session, step)
             if session.rank == 0:
                 dec = _coordinate(store, session, base, fragment, step, per_rank, deadline, timeout_s,
@@ -196,15 +195,15 @@ def _await_decision(store: Store, session: Session, base: str, fragment: dict[st
     fault_point("reported", session, step)
     grace = grace_s(timeout_s)
     # the coordinator decides at the deadline: a grace for it before every rank looks for itself
-    state, missing = store.poll([f"{base}/decision"], deadline + grace), None
+    state = store.poll([f"{base}/decision"], deadline + grace)
     if state == "timeout":
         missing = store.missing_ranks(base, range(1, session.world), grace)
         later = _extended(store, base, [0] + missing, lead, timeout_s, deadline)
         if later is not None:
             scope.until = later + 2 * grace
-            state, missing = store.poll([f"{base}/decision"], later + grace), None
+            state = store.poll([f"{base}/decision"], later + grace)
+            missing = store.missing_ranks(base, range(1, session.world), grace) if state == "timeout" else []
     if state == "timeout":
-        missing = store.missing_ranks(base, range(1, session.world), grace) if missing is None else missing
         dec = _abort_late(store, base, session.rank, missing, step, timeout_s)
     else:
         dec = store.get_json(f"{base}/decision")
@@ -252,7 +251,6 @@ def _finish_mine(store: Store, session: Session, base: str, dec: dict[str, Any],
                  overwrite: bool, deadline: float, timeout_s: float) -> tuple[str, ...]:
     """DECIDED(commit) -> DURABLE for this rank's copy."""
     done_key = f"{base}/done/{session.group}"
-    mkey = dec["manifests"][session.group]
     if not session.is_leader:
         until = max(deadline, time.monotonic()) + grace_s(timeout_s)
         if store.poll([done_key], until) == "ok":
@@ -269,20 +267,17 @@ def _finish_mine(store: Store, session: Session, base: str, dec: dict[str, Any],
                                  f"confirm the overwrite of its copy within {timeout_s:g} s (+ grace)")
         log.warning("zerostall: step %d: rank %d did not finish the copy of %s in time; rank %d finishes it",
                     step, session.leader, tier.root, session.rank)
-    raw = store.get(f"{base}/{mkey}")
-    if overwrite:
-        with _failure_posted(store, done_key):
-            post = finish_copy(tier, step, raw, overwrite=True, leader=session.is_leader)
-        store.set(done_key, json.dumps({"ok": True}))
-        return post
-    rec_key = f"{base}/rec/{session.group}"
-    with _failure_posted(store, rec_key, done_key):
-        record_decision(tier, step, raw)
-    store.set(rec_key, json.dumps({"ok": True}))
-    problems = _records(store, session, base, max(deadline, time.monotonic()) + grace_s(timeout_s))
-    fault_point("recorded", session, step)
+    raw = store.get(f"{base}/{dec['manifests'][session.group]}")
+    problems: list[str] = []
+    if not overwrite:  # an overwrite records nothing (:mod:`.finish`)
+        rec_key = f"{base}/rec/{session.group}"
+        with _failure_posted(store, rec_key, done_key):
+            record_decision(tier, step, raw)
+        store.set(rec_key, json.dumps({"ok": True}))
+        problems = _records(store, session, base, max(deadline, time.monotonic()) + grace_s(timeout_s))
+        fault_point("recorded", session, step)
     with _failure_posted(store, done_key):
-        post = finish_copy(tier, step, raw, leader=session.is_leader)
+        post = finish_copy(tier, step, raw, overwrite=overwrite, leader=session.is_leader)
     if problems:
         err = (f"step {step}: committed by the coordinator and in this copy, but {'; '.join(problems)}: the "
                "step may be missing from that copy at the next start (the next collective load agrees on a step "
@@ -307,15 +302,15 @@ def _failure_posted(store: Store, *keys: str) -> Iterator[None]:
 def _records(store: Store, session: Session, base: str, until: float) -> list[str]:
     """RECORDING -> RECORDED: wait until every copy recorded the decision (or ``until``);
     returns the copies that did not, or failed to."""
-    keys = {g: f"{base}/rec/{g}" for g in session.groups}
-    store.poll(list(keys.values()), until)
-    late = [g for g, k in keys.items() if not store.check([k])]
-    failed = [(g, r["error"]) for g, r in zip([g for g in keys if g not in late],
-                                               store.multi_get_json([keys[g] for g in keys if g not in late]))
-              if not r.get("ok")]
-    where = {g: session.nodes[int(g[1:])] if session.nodes else g for g in keys}
-    out = [f"the copy on node {where[g]} (rank {g[1:]}) did not record the decision in time" for g in late]
-    return out + [f"the copy on node {where[g]} (rank {g[1:]}) could not record it: {e}" for g, e in failed]
+    store.poll([f"{base}/rec/{g}" for g in session.groups], until)
+    out = []
+    for g in session.groups:
+        where = f"the copy on node {session.nodes[int(g[1:])] if session.nodes else g} (rank {g[1:]})"
+        if not store.check([f"{base}/rec/{g}"]):
+            out.append(f"{where} did not record the decision in time")
+        elif not (rec := store.get_json(f"{base}/rec/{g}")).get("ok"):
+            out.append(f"{where} could not record it: {rec['error']}")
+    return out
 
 
 def ack(store: Store, session: Session, base: str) -> None:

@@ -43,28 +43,26 @@ def finish_copy(tier: LocalTier, step: int, manifest: bytes, *, overwrite: bool 
     if overwrite:
         return tier.commit(step, man, overwrite=True)
     part, final = tier.partial_dir(step), tier.step_dir(step)
-    if committed_here(tier, step, man.checkpoint_id):
-        return tier.write_latest(step) if leader else ()
     rec = os.path.join(part, DECIDED_NAME)
     try:
-        if os.path.exists(rec):  # recorded: the record becomes the manifest
-            os.rename(rec, os.path.join(part, MANIFEST_NAME))
-        else:
-            _write_as(part, manifest, os.path.join(part, MANIFEST_NAME))
-        tier.hook("manifest")
-        fsync_dir(part)
-        tier.hook("fsync_dir")
-        os.rename(part, final)
-        tier.hook("rename")
-        fsync_dir(tier.root)
-        tier.hook("fsync_root")
+        if not committed_here(tier, step, man.checkpoint_id):
+            if os.path.exists(rec):  # recorded: the record becomes the manifest
+                os.rename(rec, os.path.join(part, MANIFEST_NAME))
+            else:
+                _write_as(part, manifest, os.path.join(part, MANIFEST_NAME))
+            tier.hook("manifest")
+            fsync_dir(part)
+            tier.hook("fsync_dir")
+            os.rename(part, final)
+            tier.hook("rename")
+            fsync_dir(tier.root)
+            tier.hook("fsync_root")
     except OSError as exc:
-        if committed_here(tier, step, man.checkpoint_id):  # another rank of this copy got there first
-            return tier.write_latest(step) if leader else ()
-        if os.path.isdir(final):
-            raise CheckpointExistsError(f"step {step} already exists in {tier.root!r} (pass overwrite=True or "
-                                        "pick another step)") from None
-        raise storage_error(f"committing step {step} in", tier.root, exc) from exc
+        if not committed_here(tier, step, man.checkpoint_id):  # else another rank of this copy got there first
+            if os.path.isdir(final):
+                raise CheckpointExistsError(f"step {step} already exists in {tier.root!r} (pass overwrite=True "
+                                            "or pick another step)") from None
+            raise storage_error(f"committing step {step} in", tier.root, exc) from exc
     return tier.write_latest(step) if leader else ()
 
 

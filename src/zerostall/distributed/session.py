@@ -14,7 +14,7 @@ never a per-process counter. The round:
 3. under ``<ns>/<sid>`` every rank reports whose probes it sees (``sees/r<r>``); rank 0 forms
    the groups (or refuses the view), owns a shared root (``LocalTier.own``: lock, recovery) and
    publishes ``ready`` = ``{groups, nodes}`` (or ``error``);
-4. with several copies each leader owns its copy and sets ``cleaned/<group>`` (or the error);
+4. with several copies each leader owns its copy and sets ``cleaned/r<leader>`` (or the error);
    every rank waits for all: a root not taken fails every rank now (:class:`RootLockedError`);
 5. every rank removes its probe and adds 1 to ``setup_ack``; the last deletes the keys.
 """
@@ -142,19 +142,18 @@ def _seen(store: Store, prefix: str, tier: LocalTier) -> list[int]:
 
 def _welcome(store: Store, ns: str, world: int, sid: str, nonce: str, node: str, deadline: float,
              timeout_s: float, root: str) -> None:
-    keys = [f"{ns}/join/r{r}" for r in range(1, world)]
-    if store.poll(keys, deadline) == "timeout":
-        missing = store.missing_ranks(f"{ns}/join", range(1, world))
-        msg = (f"rank(s) {', '.join(map(str, missing))} of {world} did not open the checkpoint root {root!r} "
-               f"within join_timeout_s={timeout_s:g} s; {LOCAL_HINT}")
-        for r, k in zip(range(1, world), keys):  # tell the ranks that did join, so they fail now, not at their timeout
-            if r not in missing:
-                j = store.get_json(k)
-                store.set(f"{ns}/welcome/r{r}", json.dumps({"nonce": j["nonce"], "error": msg, "missing": missing}))
-                store.delete(k)
-        raise DistributedError(msg, missing_ranks=tuple(missing))
-    joins = store.multi_get_json(keys)
-    store.delete(*keys)
+    try:
+        joins = store.gather(f"{ns}/join", range(1, world), deadline, lambda who: (
+            f"{who} of {world} did not open the checkpoint root {root!r} within join_timeout_s={timeout_s:g} s; "
+            f"{LOCAL_HINT}"))
+    except DistributedError as exc:  # tell the ranks that did join, so they fail now, not at their timeout
+        missing = list(exc.missing_ranks)
+        for r in [r for r in range(1, world) if missing and r not in missing]:
+            j = store.get_json(f"{ns}/join/r{r}")
+            store.set(f"{ns}/welcome/r{r}", json.dumps({"nonce": j["nonce"], "error": str(exc), "missing": missing}))
+            store.delete(f"{ns}/join/r{r}")
+        raise
+    store.delete(*(f"{ns}/join/r{r}" for r in range(1, world)))
     store.set(f"{ns}/{sid}/probes", json.dumps([nonce] + [j["nonce"] for j in joins]))
     for r, j in zip(range(1, world), joins):
         store.set(f"{ns}/welcome/r{r}", json.dumps({"nonce": j["nonce"], "sid": sid}))
@@ -182,14 +181,11 @@ def form_groups(sees: list[list[int]], nodes: list[str], root: str) -> list[list
 
 
 def _decide(store: Store, prefix: str, world: int, node: str, tier: LocalTier, timeout_s: float) -> Session:
-    keys = [f"{prefix}/sees/r{r}" for r in range(1, world)]
     own_view = _seen(store, prefix, tier)
-    if store.poll(keys, time.monotonic() + timeout_s) == "timeout":
-        missing = store.missing_ranks(f"{prefix}/sees", range(1, world))
-        raise DistributedError(f"rank(s) {', '.join(map(str, missing))} joined but did not finish the start-up "
-                               f"round within {timeout_s:g} s", missing_ranks=tuple(missing))
-    infos = [{"node": node, "sees": own_view}] + store.multi_get_json(keys)
-    store.delete(*keys, f"{prefix}/probes")
+    infos = [{"node": node, "sees": own_view}] + store.gather(
+        f"{prefix}/sees", range(1, world), time.monotonic() + timeout_s,
+        lambda who: f"{who} joined but did not finish the start-up round within {timeout_s:g} s")
+    store.delete(*(f"{prefix}/sees/r{r}" for r in range(1, world)), f"{prefix}/probes")
     nodes = [i["node"] for i in infos]
     ready: dict[str, Any] = {"nodes": nodes}
     try:
@@ -211,7 +207,7 @@ def _decide(store: Store, prefix: str, world: int, node: str, tier: LocalTier, t
 def _finish(store: Store, prefix: str, rank: int, world: int, node: str, tier: LocalTier,
             ready: dict[str, Any], timeout_s: float) -> Session:
     groups = [tuple(g) for g in ready["groups"]]
-    names = [f"g{g[0]}" for g in groups]
+    leaders = tuple(g[0] for g in groups)
     mine = next(g for g in groups if rank in g)
     node_local = len(groups) > 1
     try:
@@ -224,25 +220,21 @@ def _finish(store: Store, prefix: str, rank: int, world: int, node: str, tier: L
                 try:
                     tier.own()
                 except ZerostallError as exc:
-                    store.set(f"{prefix}/cleaned/g{rank}", json.dumps(
+                    store.set(f"{prefix}/cleaned/r{rank}", json.dumps(
                         {"error": f"rank {rank} could not take its copy of the root on node {node}: {exc}"}))
                     raise
-                store.set(f"{prefix}/cleaned/g{rank}", "{}")
-            keys = [f"{prefix}/cleaned/{n}" for n in names]
-            if store.poll(keys, time.monotonic() + timeout_s) == "timeout":
+                store.set(f"{prefix}/cleaned/r{rank}", "{}")
+            try:
+                cleaned = store.gather(f"{prefix}/cleaned", leaders, time.monotonic() + timeout_s, lambda who: (
+                    f"rank {rank}: the leader of a root copy ({who}) did not take it within {timeout_s:g} s"))
+                if errors := [e for m in cleaned if (e := m.get("error"))]:
+                    raise RootLockedError(errors[0], root=tier.root)
+            except ZerostallError:
                 tier.release()
-                late = [n for n, k in zip(groups, keys) if not store.check([k])]
-                raise DistributedError(f"rank {rank}: the leader of a root copy (rank(s) "
-                                       f"{', '.join(str(g[0]) for g in late)}) did not take it within {timeout_s:g} s",
-                                       missing_ranks=tuple(g[0] for g in late))
-            errors = [e for m in store.multi_get_json(keys) if (e := m.get("error"))]
-            if errors:
-                tier.release()
-                raise RootLockedError(errors[0], root=tier.root)
+                raise
     finally:
         if store.add(f"{prefix}/setup_ack", 1) == world:
-            store.delete(f"{prefix}/ready", f"{prefix}/setup_ack", *(f"{prefix}/cleaned/{n}" for n in names))
-    leaders = tuple(g[0] for g in groups)
-    return Session(prefix, rank, world, node_local, leaders, tuple(names), f"g{mine[0]}", node=node,
+            store.delete(f"{prefix}/ready", f"{prefix}/setup_ack", *(f"{prefix}/cleaned/r{r}" for r in leaders))
+    return Session(prefix, rank, world, node_local, leaders, tuple(f"g{r}" for r in leaders), f"g{mine[0]}", node=node,
                    members=tuple(mine), nodes=tuple(ready["nodes"]),
                    leader_of=tuple(next(g[0] for g in groups if r in g) for r in range(world)))

@@ -21,8 +21,9 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from ..errors import DistributedError
 
@@ -54,26 +55,21 @@ class _Caller:
 
     def __init__(self) -> None:
         self.q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.t = threading.Thread(target=self._run, name="zerostall-store", daemon=True)
-        self.t.start()
+        threading.Thread(target=self._run, name="zerostall-store", daemon=True).start()
 
     def _run(self) -> None:
-        while True:
-            item = self.q.get()
-            if item is None:
-                return
-            fn, box, done = item
+        while (item := self.q.get()) is not None:
+            fn, fut = item
             try:
-                box.append((True, fn()))
+                fut.set_result(fn())
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-                box.append((False, exc))
-            done.set()
+                fut.set_exception(exc)
 
-    def call(self, fn: Callable[[], Any], timeout: float) -> tuple[bool, Any] | None:
-        box: list[tuple[bool, Any]] = []
-        done = threading.Event()
-        self.q.put((fn, box, done))
-        return box[0] if done.wait(max(timeout, 0.0)) else None
+    def call(self, fn: Callable[[], Any], timeout: float) -> Future[Any] | None:
+        """``fn()``'s future once done; None while it still runs after ``timeout`` seconds."""
+        fut: Future[Any] = Future()
+        self.q.put((fn, fut))
+        return fut if wait([fut], max(timeout, 0.0)).done else None
 
     def stop(self) -> None:
         self.q.put(None)
@@ -109,10 +105,9 @@ class Store:
             self._abandon()
             raise StoreTimeout(f"could not open a connection to the c10d store within {t:.3g} s "
                                "(is the process hosting it, rank 0 or the launcher's agent, alive and running?)")
-        ok, val = got
-        if not ok:
-            raise DistributedError(f"could not open a connection to the c10d store: {val}") from val
-        return val
+        if (exc := got.exception()) is not None:
+            raise DistributedError(f"could not open a connection to the c10d store: {exc}") from exc
+        return got.result()
 
     def _abandon(self) -> None:
         self._caller.stop()  # runs after the blocked request, if it ever returns
@@ -174,13 +169,12 @@ class Store:
                     self._mu.release()
             raise StoreTimeout(f"the c10d store did not answer {what} within {t:.3g} s (is the process "
                                "hosting it, rank 0 or the launcher's agent, stopped or overloaded?)")
-        ok, val = got
-        if ok:
-            return val
-        if isinstance(val, DistributedError):
-            raise val
-        raise DistributedError(f"the c10d store failed on {what}: {val} (is rank 0, which hosts the "
-                               "store, still alive?)") from val
+        if (exc := got.exception()) is None:
+            return got.result()
+        if isinstance(exc, DistributedError):
+            raise exc
+        raise DistributedError(f"the c10d store failed on {what}: {exc} (is rank 0, which hosts the "
+                               "store, still alive?)") from exc
 
     # -- requests ------------------------------------------------------------------------------
     def set(self, key: str, value: str, timeout: float | None = None) -> None:
@@ -256,6 +250,15 @@ class Store:
     def missing_ranks(self, base: str, ranks: Iterable[int], timeout: float | None = None) -> list[int]:
         """The ranks R whose key ``<base>/r<R>`` does not exist, in order (:meth:`missing`)."""
         return [int(k.rsplit("/r", 1)[1]) for k in self.missing([f"{base}/r{r}" for r in ranks], timeout)]
+
+    def gather(self, base: str, ranks: Sequence[int], deadline: float, failure: Callable[[str], str]) -> list[Any]:
+        """Every ``<base>/r<R>`` of ``ranks`` once all exist, by the monotonic ``deadline``; else
+        :class:`DistributedError` naming the missing ranks, ``failure("rank(s) 1, 3")`` its message."""
+        keys = [f"{base}/r{r}" for r in ranks]
+        if self.poll(keys, deadline) == "timeout":
+            missing = self.missing_ranks(base, ranks)
+            raise DistributedError(failure(f"rank(s) {', '.join(map(str, missing))}"), missing_ranks=tuple(missing))
+        return self.multi_get_json(keys)
 
     def close(self) -> None:
         """Stop the request thread (the connection closes with the last reference)."""

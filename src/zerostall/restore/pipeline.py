@@ -121,10 +121,9 @@ def load(path: str, state_dict: Any = None, request: LoadRequest | None = None, 
     loaded and the key report.
     """
     req = _checked(request if request is not None else LoadRequest())
-    remote, remote_why, remote_steps = req.remote, "", []
-    if remote is not None:
-        listed, remote_why = list_steps(remote)
-        remote_steps = listed or []
+    remote = req.remote
+    listed, remote_why = list_steps(remote) if remote is not None else ([], "")
+    remote_steps = listed or []
     report = report if report is not None else LoadReport()
     if is_url(path):
         raise ConfigError(f"load({path!r}): the path is a local directory; pass the URL as remote= to "
@@ -196,12 +195,9 @@ class _Fallback:
     def next(self) -> tuple[int, str] | None:
         """The next (step, "local" | "remote") to try, from a fresh listing; None when done."""
         steps = self.tier.listed_steps()  # damaged ones too: each is tried and its defect reported
-        every = sorted(set(steps) | set(self.remote_steps))
-        if self.step is not None:
-            every = [s for s in every if s == self.step]
-        todo = [(s, src) for s in reversed(every)
-                for src in (["local"] if s in steps else []) + (["remote"] if s in self.remote_steps else [])
-                if (s, src) not in self.tried]
+        every = sorted({s for s in set(steps) | set(self.remote_steps) if self.step in (None, s)}, reverse=True)
+        todo = [(s, src) for s in every for src, have in (("local", steps), ("remote", self.remote_steps))
+                if s in have and (s, src) not in self.tried]
         if not todo or (self.errors and not self.fallback):
             return None
         self.tried.add(todo[0])
@@ -305,18 +301,16 @@ def collective_load(store: Store, base: str, rank: int, world: int, path: str, s
     it raises fails that step on this rank, and every rank falls back together)."""
     report = report if report is not None else LoadReport()
     cands = set(open_root(path).listed_steps()) if os.path.isdir(path) else set()
-    remote = request.remote
-    if isinstance(remote, str):
-        remote = open_tier(remote, io=request.io)
-    if remote is not None:
-        cands |= set(list_steps(remote)[0] or [])
-    cands = {s for s in cands | {int(s) for s in extra_steps} if request.step in (None, s)}
-    cands -= {int(s) for s in exclude_steps}
+    if isinstance(request.remote, str):  # keys, map_location: load() checks them, inside the agreement
+        request = replace(request, remote=open_tier(request.remote, io=request.io))
+    if request.remote is not None:
+        cands |= set(list_steps(request.remote)[0] or [])
+    cands = {s for s in cands | set(map(int, extra_steps)) if request.step in (None, s)} - set(map(int, exclude_steps))
 
     def one(s: int, gate: Callable[[], None]) -> Any:
         if prepare is not None:
             prepare(s)
-        req = replace(request, step=s, remote=remote, gate=gate, rank=rank, world_size=world, fallback=True)
+        req = replace(request, step=s, gate=gate, rank=rank, world_size=world, fallback=True)
         return load(path, state_dict, req, engine=engine, bounce=bounce, report=report)
     return agreed_load(store, base, rank, world, sorted(cands), one, timeout_s=timeout_s, report=report,
                        fallback=request.fallback)

@@ -124,15 +124,11 @@ def check_files(tier: Tier, man: Manifest, only: set[str] | None = None, engine:
 
 
 def _meminfo(*keys: str) -> int:
-    total = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.split(":")[0] in keys:
-                    total += int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return 0
-    return total
+    """The sum of ``keys`` (``MemAvailable``, ``MemTotal``, ``SwapTotal``), in bytes."""
+    import psutil  # here: ``import zerostall`` does not load it
+
+    vm, swap = psutil.virtual_memory(), psutil.swap_memory()
+    return sum({"MemAvailable": vm.available, "MemTotal": vm.total, "SwapTotal": swap.total}[k] for k in keys)
 
 
 def _new(e: TensorEntry, where: str, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -299,12 +295,9 @@ def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: An
     shared = overlapping(cpu) | overlapping(gpu)  # one tensor at two keys that the step holds as two: merge() fills it
     target = cuda_target(map_location) if state_dict is None else None
     for i in needed:
-        if i in cpu and i not in shared:
-            tensors[i] = cpu[i]
-            dsts[i] = (tensors[i].data_ptr(), None, True)
-        elif i in gpu and i not in shared:
-            tensors[i] = gpu[i]
-            dsts[i] = (tensors[i].data_ptr(), None, True, tensors[i].reshape(-1).view(torch.uint8))
+        if (mine := cpu.get(i, gpu.get(i))) is not None and i not in shared:
+            tensors[i] = mine
+            dsts[i] = (mine.data_ptr(), None, True) + ((mine.reshape(-1).view(torch.uint8),) if i in gpu else ())
         else:
             t, direct = _new(man.tensors[i], where, target)
             tensors[i] = t

@@ -149,7 +149,6 @@ def _layout(wins: list[_Win], scratch: Any, w: int, in_place: bool, fraction: fl
     return slots
 
 
-
 class Plan:
     """The windows of one read of ``files`` and the scratch it needs (caller's thread)."""
 
@@ -189,14 +188,13 @@ class Plan:
         ``Stats.later`` for ``then(stats)``, called after the gate and before the staged copies
         (what it raises rolls back: :func:`.step.read_step`'s split read)."""
         w = self._window_for(scratch.nbytes, split=head is not None)
-        if head is not None and (not self.in_place or w is None):
-            raise ValueError(f"a split read needs an in-place plan and a ring of {MIN_SLOTS} windows")
-        if w is None:
-            raise ValueError(f"scratch of {scratch.nbytes} bytes; this read needs {self.need_bytes()}")
+        if w is None or head is not None and not self.in_place:  # the callers check fits() first
+            raise ValueError(f"scratch of {scratch.nbytes} bytes; this read needs {self.need_bytes()} (a split "
+                             f"read: an in-place plan and a ring of {MIN_SLOTS} windows)")
         wins = plan_windows(self.files, w)
         slots = _layout(wins, scratch if head is None else head, w, self.in_place, ROLLBACK_FRACTION, ring=scratch)
-        run = _Run(self.files, wins, scratch, w, slots, verify, gate, {} if idents is None else idents)
-        run.then, run.split = then, head is not None
+        run = _Run(self.files, wins, scratch, w, slots, verify, gate, {} if idents is None else idents, then,
+                   split=head is not None)
         self.stats = run.stats
         return run.go()
 
@@ -205,7 +203,8 @@ class _Run:
     """One :meth:`Plan.run`: the window queue shared by the readers, the checker and the copiers."""
 
     def __init__(self, files: Sequence[FileRead], wins: list[_Win], scratch: Any, w: int, slots: int,
-                 verify: bool, gate: Callable[[], None] | None, idents: dict[int, tuple[int, ...]]):
+                 verify: bool, gate: Callable[[], None] | None, idents: dict[int, tuple[int, ...]],
+                 then: Callable[[Stats], None] | None, *, split: bool):
         self.files, self.wins, self.scratch, self.w, self.verify, self.gate = files, wins, scratch, w, verify, gate
         self.owner: list[int | None] = [None] * slots
         self.idents = idents  # the files' identities at their first open
@@ -216,8 +215,7 @@ class _Run:
         self.deferred: list[tuple[int, int, int]] = []  # (destination, staged bytes, length)
         self.deferred_dev: list[tuple[torch.Tensor, int, int]] = []  # (CUDA destination, staged bytes, length)
         self.stats = Stats(windows=len(wins), bytes_read=sum(x.n for x in wins))
-        self.then: Callable[[Stats], None] | None = None
-        self.split = False
+        self.then, self.split = then, split
         devices = {t.device.index for fr in files for t in fr.device.values()}
         self.dev = CudaCopier(scratch, devices) if devices else None
 
