@@ -59,12 +59,14 @@ def unowned(path: str) -> bool:
     return True
 
 
-def recover_staged(parent: str, final_of: Callable[[str], str | None],
+def recover_staged(parent: str, staged: re.Pattern[str], final_parent: str | None = None, *,
                    publish: Callable[[str, str], bool] = lambda staged, final: False,
-                   cut_short: Callable[[str], bool] = lambda name: False) -> None:
+                   cut_short: Callable[[str], bool] = lambda name: False,
+                   busy: Callable[[str], bool] = lambda final: False) -> None:
     """Start-up, the training thread of the one process that publishes: each save an earlier run
-    left staged in ``parent`` (``final_of(name)``: the checkpoint directory the entry ``name``
-    was to become, None for anything else) that no live writer holds is published there when
+    left staged in ``parent`` (an entry ``staged`` matches; its group 1 names the checkpoint
+    directory in ``final_parent``, default ``parent``, it was to become) that no live writer
+    holds and is not ``busy(final)`` (this run's, in flight) is published there when
     ``publish(staged, final)`` (committed, the run stopped before renaming it), else removed;
     entries ``cut_short(name)`` (a discard a crash interrupted) are removed."""
     try:
@@ -76,8 +78,9 @@ def recover_staged(parent: str, final_of: Callable[[str], str | None],
         if cut_short(n):
             discard(path)
             continue
-        final = final_of(n)
-        if final is None or not unowned(path):  # not a staged save, or a live writer's (another job)
+        m = staged.match(n)
+        final = None if m is None else os.path.join(final_parent or parent, m.group(1))
+        if final is None or busy(final) or not unowned(path):  # held: a live writer's (another job)
             continue
         if publish(path, final):
             log.info("zerostall: publishing %s as %s (committed; the run stopped before renaming it)", path, final)
@@ -223,8 +226,7 @@ class Publisher(Worker[Any]):
     def close(self) -> list[BaseException]:
         """Drain, stop the thread; the failures (failed saves, failed renames), oldest first."""
         atexit.unregister(self.drain)
-        self.drain()
-        self.stop()
+        self.stop()  # handles everything queued first
         return self._errors
 
     def submit(self, staged: str, final: str, handle: Any, ckpt: Checkpointer, *,

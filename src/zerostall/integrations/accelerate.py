@@ -34,6 +34,8 @@ __all__ = ["ZerostallAccelerator", "ZerostallAcceleratorMixin"]
 
 _STAGING_DIR = ".zerostall-staging"
 _AUTO_RE = re.compile(r"^checkpoint_(\d+)$")
+_AUTO_STAGED_RE = re.compile(r"^(checkpoint_\d+)$")  # in project_dir/.zerostall-staging/
+_STAGED_RE = re.compile(rf"^\.(.+){re.escape(_STAGING_DIR)}$")  # beside output_dir
 _NATIVE_ONLY = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
 
 
@@ -114,17 +116,10 @@ class ZerostallAcceleratorMixin:
         if staging_parent in self._zs_recovered or not self.is_main_process:
             return
         self._zs_recovered.add(staging_parent)
-        pub, auto = self._zs_saves.publisher, staging_parent.endswith(_STAGING_DIR)
-
-        def final_of(n: str) -> str | None:
-            if auto and _AUTO_RE.match(n):
-                final = os.path.join(final_parent, n)
-            elif n.startswith(".") and n.endswith(_STAGING_DIR):
-                final = os.path.join(final_parent, n[1:-len(_STAGING_DIR)])
-            else:
-                return None
-            return None if pub is not None and pub.pending(final) else final  # this run's, in flight
-        recover_staged(staging_parent, final_of)
+        pub = self._zs_saves.publisher
+        staged = _AUTO_STAGED_RE if staging_parent.endswith(_STAGING_DIR) else _STAGED_RE
+        recover_staged(staging_parent, staged, final_parent,
+                       busy=lambda final: pub is not None and pub.pending(final))
 
     def zerostall_wait(self) -> None:
         """Block until every save is durable and published; raise the first failure."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import threading
 from typing import Any
@@ -43,6 +44,7 @@ except ImportError:  # the standalone pytorch_lightning package
 _REMOVING = ".zerostall-removing"  # a path Lightning removed, deleted once the saves in flight are durable
 _REPLACED = ".zerostall-replaced"  # a torch.save file an earlier version set aside while a save replaced it
 _FIRST = ".zerostall-first"  # a path's first save, renamed to the path once committed
+_FIRST_RE = re.compile(rf"^\.(.+){re.escape(_FIRST)}$")
 RNG_KEY = "zerostall_rng"
 
 __all__ = ["ZerostallCheckpointIO", "is_zerostall_checkpoint", "load_from_checkpoint"]
@@ -199,8 +201,7 @@ class ZerostallCheckpointIO(CheckpointIO):
             return
         # a first save a crash cut short is removed, never published: a name appearing under a
         # started ModelCheckpoint makes it save last-v1.ckpt instead of last.ckpt
-        recover_staged(directory, lambda n: os.path.join(directory, n[1:-len(_FIRST)])
-                       if n.startswith(".") and n.endswith(_FIRST) else None)
+        recover_staged(directory, _FIRST_RE)
         for n in names:
             if n.startswith(".") and n.endswith(_REMOVING):
                 log.info("zerostall: removing %s, left aside by an earlier run", os.path.join(directory, n))

@@ -90,14 +90,11 @@ class ZerostallTrainerMixin:
     def _zs_recover(self, run_dir: str) -> None:
         """Start-up: what a crashed run left staged is removed, or published when committed
         (single process only: other ranks may be choosing a checkpoint)."""
-        def final_of(n: str) -> str | None:
-            m = _STAGED_RE.match(n)
-            return None if m is None else os.path.join(run_dir, m.group(1))
-
         def publish(path: str, final: str) -> bool:
             return (is_committed(path) and os.path.isfile(os.path.join(path, TRAINER_STATE_NAME))
                     and not os.path.exists(final) and self.args.world_size == 1)
-        recover_staged(run_dir, final_of, publish, lambda n: n.startswith(f".deleting-.{PREFIX_CHECKPOINT_DIR}-"))
+        recover_staged(run_dir, _STAGED_RE, publish=publish,
+                       cut_short=lambda n: n.startswith(f".deleting-.{PREFIX_CHECKPOINT_DIR}-"))
 
     def _zs_finish(self) -> None:
         """After train(): every save durable and published (raising the first failure), then
