@@ -149,7 +149,7 @@ class Engine(ABC):
             if exc.errno != errno.EINVAL or not self.direct:
                 raise
             # the filesystem refuses O_DIRECT for reads: the buffered engine (a registry target, above this module)
-            return load_target(_REGISTRY["buffered"][0])(self.cfg).open_read(path)
+            return get_engine("buffered", self.cfg).open_read(path)
         return self._wrap(path, fd, False)
 
     def _wrap(self, path: str, fd: int, writable: bool) -> ShardFile:
@@ -200,34 +200,30 @@ def io_error(path: str, action: str, offset: int, want: int, got: int) -> Storag
 
 # -- registry -----------------------------------------------------------------------------
 
-_REGISTRY: dict[str, tuple[str, str]] = {
+_REGISTRY: dict[str, tuple[str | Callable[[IOConfig], Engine], str]] = {
     "threads": ("zerostall.io.threads:ThreadsEngine", ""),
     "uring": ("zerostall.io.uring:UringEngine", "pip install 'zerostall[uring]' (the liburing package)"),
     "buffered": ("zerostall.io.buffered:BufferedEngine", ""),
 }
-_FACTORIES: dict[str, Callable[[IOConfig], Engine]] = {}
+"""name -> (a factory or its lazy ``"module:attr"`` path, the install hint if it fails to import)."""
 
 
 def register_engine(name: str, factory: Callable[[IOConfig], Engine] | str, hint: str = "") -> None:
     """Register an engine by name: a factory, or a lazy ``"module:attr"`` path."""
-    if isinstance(factory, str):
-        _REGISTRY[name] = (factory, hint)
-        _FACTORIES.pop(name, None)
-    else:
-        _FACTORIES[name] = factory
+    _REGISTRY[name] = (factory, hint)
 
 
 def engine_names() -> list[str]:
-    return sorted(set(_REGISTRY) | set(_FACTORIES))
+    return sorted(_REGISTRY)
 
 
 def get_engine(name: str, cfg: IOConfig) -> Engine:
     """Instantiate the engine called ``name`` (not ``auto``; see :func:`choose_engine`)."""
-    if name in _FACTORIES:
-        return _FACTORIES[name](cfg)
     if name not in _REGISTRY:
         raise ConfigError(f"unknown I/O engine {name!r}; choose one of: auto, {', '.join(engine_names())}")
     target, hint = _REGISTRY[name]
+    if callable(target):
+        return target(cfg)
     try:
         cls = load_target(target)
     except ImportError as exc:
