@@ -182,12 +182,8 @@ class DeferredTree:
         objs = [o for o, _ in parts]
         if len(objs) == 1:
             whole = objs[0]
-        elif f.kind is dict:
-            whole = {}
-            for o in objs:
-                whole.update(o)
-        else:
-            whole = f.kind(chain.from_iterable(objs))
+        else:  # the slices of one container, in order
+            whole = f.kind(chain.from_iterable(o.items() if f.kind is dict else o for o in objs))
         if f.kind is not tuple and all(t is not None for _, t in parts):
             inner = ",".join(t[1:-1] for _, t in parts if len(t) > 2)  # type: ignore[index]
             text = "[%s]" % inner if f.kind is list else "{%s}" % inner

@@ -131,9 +131,7 @@ class Manifest:
         """Parse and validate; raise :class:`CorruptCheckpoint` naming ``where`` on any defect."""
 
         bad = functools.partial(V.bad, where)
-        if not isinstance(raw, (bytes, bytearray, memoryview)):
-            raise bad(f"manifest is a {type(raw).__name__}, not bytes")
-        raw = bytes(raw)
+        raw = bytes(raw)  # a bytearray or memoryview too
         if len(raw) > MAX_MANIFEST_BYTES:
             raise bad(f"manifest is {len(raw)} bytes, over the {MAX_MANIFEST_BYTES} limit")
         env = V.loads(raw, where)
@@ -183,9 +181,7 @@ class Manifest:
             if name in files:
                 raise bad(f"file {name!r} listed twice")
             files[name] = FileEntry(name, rank, host, fb, fid)
-        refs: dict[tuple[int, str], RefFile] = {}
-        if "ref_files" in body:
-            refs = parse_ref_files(body.get("ref_files"), step, where)
+        refs = parse_ref_files(body["ref_files"], step, where) if "ref_files" in body else {}
         tensors, spans = parse_columns(tensors_raw, file_slots(list(files), list(refs.values())), where, bad)
         alias = V.check_spans(spans, {**{f.name: f.file_bytes for f in files.values()},
                                       **{f"step-{r.step}/{r.name}": r.file_bytes for r in refs.values()}}, where)

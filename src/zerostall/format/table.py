@@ -155,14 +155,12 @@ def parse_columns(raw: Any, slots: list[FileSlot], where: str, bad: Bad) -> tupl
             and _all_ints(nbs, 0, V.MAX_DIM) and _all_ints(crcs, 0, 0xFFFFFFFF)
             and set(map(type, keys)) <= {str} and max(map(len, keys), default=0) <= V.MAX_KEY_CHARS):
         for i, (key, d, f, off, nbytes, crc) in enumerate(zip(keys, dts, fs, offs, nbs, crcs)):  # finds what is wrong
-            if type(d) is not int or not 0 <= d < nd:
-                raise bad(f"tensor {key!r:.80}: dtype index {d!r:.40} is not in [0, {nd})",
-                          key if isinstance(key, str) else None)
-            if type(f) is not int or not 0 <= f < ns:
-                raise bad(f"tensor {key!r:.80}: file {f!r:.40} is not listed in 'files' or 'ref_files'",
-                          key if isinstance(key, str) else None)
             if not isinstance(key, str) or len(key) > V.MAX_KEY_CHARS:
                 raise bad(f"tensor entry {i} has no valid key")
+            if type(d) is not int or not 0 <= d < nd:
+                raise bad(f"tensor {key!r:.80}: dtype index {d!r:.40} is not in [0, {nd})", key)
+            if type(f) is not int or not 0 <= f < ns:
+                raise bad(f"tensor {key!r:.80}: file {f!r:.40} is not listed in 'files' or 'ref_files'", key)
             for name, v, hi in (("nbytes", nbytes, V.MAX_DIM), ("offset", off, V.MAX_DIM), ("crc32c", crc, 0xFFFFFFFF)):
                 V.integer({name: v}, name, where, 0, hi, f"tensor {key!r}: ")
     sizes = [_ITEMSIZE_BY_NAME[n] for n in names]  # the columns' types and ranges hold: only shapes are left

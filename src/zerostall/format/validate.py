@@ -186,18 +186,15 @@ def _disjoint_in_bulk(spans: Any, file_bytes: dict[str, int]) -> bool:
     cols = spans.columns() if hasattr(spans, "columns") else (  # parsed columns (format.table), or Spans
         list(map(FILE, spans)), map(OFFSET, spans), map(NBYTES, spans), map(INDEX, spans))
     names, offs, nbs, idx = cols
+    if len(set(names)) != 1:
+        return False  # several files: the loop (per-file order)
+    fb = file_bytes.get(names[0])  # None: not listed
+    if type(fb) is not int or not 0 <= fb < 1 << 61:  # offset + size stays inside int64
+        return False
     try:
-        sizes = [file_bytes.get(f) for f in set(names)]
-        if None in sizes:
-            return False
         off = np.fromiter(offs, np.int64, n)
         nb = np.fromiter(nbs, np.int64, n)
     except (OverflowError, TypeError, ValueError):
-        return False
-    if len(set(names)) != 1:
-        return False  # several files: the loop (per-file order)
-    fb = sizes[0]
-    if type(fb) is not int or not 0 <= fb < 1 << 61:  # offset + size stays inside int64
         return False
     if off.min() < ALIGN_BYTES or nb.min() < 0 or off.max() > fb or nb.max() > fb or (off + nb > fb).any():
         return False
