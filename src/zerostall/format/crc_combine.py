@@ -19,23 +19,23 @@ def _times(mat: tuple[int, ...], vec: int) -> int:
     return s
 
 
-def _square(mat: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(_times(mat, mat[n]) for n in range(32))
+def _mul(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(_times(a, col) for col in b)
 
 
 @functools.lru_cache(maxsize=64)
 def _shift(nbytes: int) -> tuple[int, ...]:
     """The operator appending ``nbytes`` zero bytes to an (unconditioned) crc register."""
-    one_bit = (_POLY,) + tuple(1 << (n - 1) for n in range(1, 32))
-    op = _square(_square(_square(one_bit)))  # one zero byte
-    out: tuple[int, ...] | None = None
+    op = (_POLY,) + tuple(1 << (n - 1) for n in range(1, 32))  # one zero bit
+    for _ in range(3):
+        op = _mul(op, op)  # then one zero byte
+    out = tuple(1 << n for n in range(32))  # the identity
     while nbytes:
         if nbytes & 1:
-            out = op if out is None else tuple(_times(op, out[n]) for n in range(32))
+            out = _mul(op, out)
         nbytes >>= 1
-        if nbytes:
-            op = _square(op)
-    return out if out is not None else tuple(1 << n for n in range(32))
+        op = _mul(op, op)
+    return out
 
 
 def combine(crc_a: int, crc_b: int, len_b: int) -> int:

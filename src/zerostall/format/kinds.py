@@ -125,12 +125,10 @@ def _torch_size(p: Any) -> torch.Size:
 
 
 def _sorted(x: Any) -> list[Any]:
-    items = list(x)
     try:
-        items.sort()  # a stable order when the items allow one
+        return sorted(x)  # a stable order when the items allow one
     except TypeError:
-        pass
-    return items
+        return list(x)
 
 
 def _factory_payload(x: collections.defaultdict) -> list[Any] | None:

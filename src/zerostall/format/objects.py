@@ -168,7 +168,7 @@ def encode_object(x: Any, enc: Enc) -> Any | None:
     if reg is not None and _is_namedtuple(t):
         return {"o": [name, enc(dict(zip(t._fields, x)))]}
     if dataclasses.is_dataclass(x) and (reg is not None or not isinstance(x, (dict, list, tuple))):
-        return {"o": [name, enc(_dc_fields(x))]}
+        return {"o": [name, enc({f.name: getattr(x, f.name) for f in dataclasses.fields(x)})]}
     if reg is not None:
         return {"o": [name, enc(_attributes(x))]}
     node = encode_standard(x, enc)  # by exact type: a subclass would load back as its base
@@ -179,10 +179,6 @@ def encode_object(x: Any, enc: Enc) -> Any | None:
     if callable(sd) and callable(getattr(x, "load_state_dict", None)):
         return enc(sd())
     return None
-
-
-def _dc_fields(x: Any) -> dict[str, Any]:
-    return {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
 
 
 def decode_object(val: Any, dec: Dec, *, build: bool = True) -> Any:

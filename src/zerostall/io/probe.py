@@ -77,14 +77,11 @@ def _try_direct(directory: str) -> tuple[bool, _sys.DioAlign | None, str]:
     except OSError as exc:
         return False, None, f"O_DIRECT open refused: {os.strerror(exc.errno or 0)}"
     try:
-        buf = mmap.mmap(-1, ALIGN_BYTES)
-        try:
-            os.pwritev(fd, [memoryview(buf)], 0)
-        except OSError as exc:
-            return False, None, f"O_DIRECT write refused: {os.strerror(exc.errno or 0)}"
-        finally:
-            buf.close()
+        with mmap.mmap(-1, ALIGN_BYTES) as buf:  # page-aligned, as O_DIRECT needs
+            os.pwritev(fd, [buf], 0)
         return True, _sys.statx_dioalign(name), "O_DIRECT works"
+    except OSError as exc:
+        return False, None, f"O_DIRECT write refused: {os.strerror(exc.errno or 0)}"
     finally:
         os.close(fd)
         with contextlib.suppress(OSError):
