@@ -131,3 +131,21 @@ def test_abort_never_touches_a_committed_step(tier, source):
     _write(tier, 7, man, files)
     tier.abort(7)
     assert tier.steps() == [7] and verify_tier_step(tier, 7).step == 7
+
+
+def test_an_oversized_manifest_is_not_a_step(tier, source, monkeypatch):
+    """A manifest over the size limit is a damaged step on every tier (skipped by the listing,
+    CorruptCheckpoint naming it when read), not an error that hides the tier's other steps."""
+    from zerostall.errors import CorruptCheckpoint
+    from zerostall.store import local, remote
+    man, files = source
+    _write(tier, 7, man, files)
+    big = dataclasses.replace(man, step=8, files=tuple(dataclasses.replace(fe, host="h" * 255) for fe in man.files))
+    _write(tier, 8, big, files)
+    assert tier.steps() == [7, 8]
+    for mod in (local, remote):
+        monkeypatch.setattr(mod, "MAX_MANIFEST_BYTES", len(man.to_bytes()))
+    tier._verdicts.clear()
+    assert tier.steps() == [7] and tier.latest() == 7
+    with pytest.raises(CorruptCheckpoint, match="over the"):
+        tier.read_manifest(8)

@@ -117,7 +117,8 @@ class RemoteTier(Tier):
         rel = f"step-{step}/{MANIFEST_NAME}"
         raw = self.read_bytes(rel, MAX_MANIFEST_BYTES)
         if len(raw) > MAX_MANIFEST_BYTES:
-            raise self.error(rel, f"{self.where(rel)}: manifest is over the {MAX_MANIFEST_BYTES} byte limit")
+            raise CorruptCheckpoint(f"{self.where(rel)}: manifest is over the {MAX_MANIFEST_BYTES} byte limit",
+                                    path=self.where(rel))
         man = Manifest.from_bytes(raw, where=self.where(rel))
         if man.step != step:
             raise CorruptCheckpoint(f"{self.where(rel)}: manifest says step {man.step}", path=self.where(rel))
