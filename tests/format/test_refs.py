@@ -121,3 +121,14 @@ def test_parallel_source_crc_equals_crc_of_the_bytes():
         got = c.many(ts)
         c.close()
         assert got == [crc32c.crc32c(t.contiguous().numpy().tobytes()) for t in ts]
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda b: b["ref_files"][0].update(file_bytes=100),
+     r"step 3: file 'rank-00000\.zst': file_bytes 100"),
+    (lambda b: b["ref_files"][0].update(rank=-1), r"step 3: file 'rank-00000\.zst': .*rank"),
+])
+def test_a_bad_reference_is_named_with_its_step(mutate, msg):
+    """Every step's shards share their names: an error about a reference names its step too."""
+    with pytest.raises(CorruptCheckpoint, match=msg):
+        Manifest.from_bytes(_reseal(edit(_manifest().body(), mutate)))

@@ -39,10 +39,12 @@ def parse_ref_files(raw: Any, step: int, where: str) -> dict[tuple[int, str], Re
                          "(one without omits it)")
     out: dict[tuple[int, str], RefFile] = {}
     for r in raw:
-        name, rank, fb, fid, _ = file_fields(r, where, "ref_files: ", MAX_DIM)
-        s = r.get("step")
-        if type(s) is not int or s < 0:
+        s = r.get("step") if isinstance(r, dict) else None  # not an object: file_fields says so
+        if isinstance(r, dict) and (type(s) is not int or s < 0):
             raise bad(where, f"ref_files: field 'step' = {s!r:.60} is not a non-negative integer")
+        # every step's shards share their names: the step is part of what an error names
+        name, rank, fb, fid, _ = file_fields(r, where, f"ref_files: step {s}: " if s is not None else "ref_files: ",
+                                             MAX_DIM)
         if s >= step:
             raise bad(where, f"ref_files: step {s} is not earlier than this step ({step})")
         if not fid:
