@@ -370,3 +370,32 @@ def test_export_writes_what_lightnings_own_checkpointing_resumes_from(tmp_path, 
     assert os.path.isfile(out) and "zerostall_rng" not in torch.load(out, weights_only=False)
     model, _, _ = fit_in_process(tmp_path / "native", "torch", EPOCHS, resume=str(out))
     assert equal(model.state_dict(), final)
+
+
+def test_putting_the_file_back_holds_the_root_while_it_removes_the_failed_save(tmp_path, monkeypatch):
+    """The next run removes the uncommitted directory a crash left at the path, then puts the
+    set-aside file back: during the removal it holds that root's lock, so a writer starting
+    there meanwhile is refused instead of losing its files (a second process probes the lock
+    at the moment the removal begins)."""
+    import shutil
+    import subprocess
+    import sys
+    path = tmp_path / "last.ckpt"
+    torch.save({"old": torch.ones(3)}, tmp_path / ".last.ckpt.zerostall-replaced")
+    os.makedirs(path / "step-1.partial")
+    probe = ("import sys\nfrom zerostall.extend import RootLock\nfrom zerostall.errors import RootLockedError\n"
+             "try:\n    RootLock(sys.argv[1]).acquire(0.0)\nexcept RootLockedError:\n    print('held')\n"
+             "else:\n    print('free')\n")
+    seen, real = [], shutil.rmtree
+
+    def rmtree(p, *a, **kw):
+        if os.fspath(p) == str(path):
+            seen.append(subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True,
+                                       check=True).stdout.strip())
+        return real(p, *a, **kw)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    io = ZerostallCheckpointIO()
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "global_step": 1}, tmp_path / "other.ckpt")
+    io.teardown()
+    assert seen == ["held"]
+    assert torch.equal(torch.load(path, weights_only=True)["old"], torch.ones(3))

@@ -25,9 +25,8 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, ZerostallError
-from ..extend import discard
-from ._common import (AdapterSaves, is_committed, load_torch_file, log, next_step, recover_staged, tensors_of,
-                      unowned)
+from ..extend import RootLock, discard
+from ._common import AdapterSaves, is_committed, load_torch_file, log, next_step, recover_staged, tensors_of
 from .. import CheckpointConfig, Checkpointer, load, rng_state, set_rng_state
 
 try:
@@ -220,9 +219,16 @@ class ZerostallCheckpointIO(CheckpointIO):
                 _remove(replaced)
                 return
             if os.path.isdir(root) and not os.path.islink(root):
-                if not unowned(root):  # a live writer there: leave both alone
+                lock = RootLock(root)  # held while removing: a writer starting there meanwhile is refused
+                try:
+                    lock.acquire(0.0)
+                except ZerostallError as exc:  # a live writer there: leave both alone
+                    log.warning("zerostall: %s was not put back at %s: %s", replaced, root, exc)
                     return
-                shutil.rmtree(root)
+                try:
+                    shutil.rmtree(root)
+                finally:
+                    lock.release()
             if os.path.lexists(root):
                 log.warning("zerostall: %s holds something else now; the previous checkpoint stays at %s",
                             root, replaced)
