@@ -43,8 +43,11 @@ def fs_of(path: str) -> tuple[str, str]:
     import psutil  # here: ``import zerostall`` does not load it
 
     real = os.path.realpath(path)
-    mounts = [m for m in psutil.disk_partitions(all=True)
-              if real == m.mountpoint or real.startswith(m.mountpoint.rstrip("/") + "/")]
+    try:
+        parts = psutil.disk_partitions(all=True)
+    except OSError:  # no readable mount table (a sandbox): an unknown filesystem, as before
+        parts = []
+    mounts = [m for m in parts if real == m.mountpoint or real.startswith(m.mountpoint.rstrip("/") + "/")]
     best = max(mounts, key=lambda m: len(m.mountpoint), default=None)
     return (best.fstype, best.mountpoint) if best is not None else ("unknown", "/")
 
