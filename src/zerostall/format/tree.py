@@ -20,7 +20,6 @@ as one shared tensor.
 from __future__ import annotations
 
 import enum
-import math
 from collections import OrderedDict
 from itertools import repeat
 from typing import Any, NamedTuple
@@ -80,12 +79,10 @@ def _np_plain(x: Any, path: tuple[Any, ...]) -> Any:
 
 def _encode_key(k: Any, path: tuple[Any, ...]) -> Any:
     tk = type(k)  # exact types, inline (per key of every small dict: no helper frame per tensor)
-    if k is None or tk is bool or tk is str:
-        return {"v": k}
+    if k is None or tk is bool or tk is str or tk is float:  # a non-finite float by name
+        return {"v": k} if tk is not float or k - k == 0.0 else {"f": repr(k)}
     if tk is int:
         return {"v": _check_int(k, path)}
-    if tk is float:
-        return {"v": k} if math.isfinite(k) else {"f": repr(k)}
     if tk is tuple:
         return {"t": [_encode_key(x, path) for x in k]}
     if isinstance(k, np.generic) and k.dtype.kind in "biufU":
@@ -215,12 +212,10 @@ class _Walk:
             return objects.encode_object(x, lambda v: self.node(v, path, depth + 1))
         # exact types from here: a subclass is stored by a rule of its own (objects.py) or refused
         tx = type(x)
-        if x is None or tx is bool or tx is str:
-            return {"v": x}
+        if x is None or tx is bool or tx is str or tx is float:  # a non-finite float by name
+            return {"v": x} if tx is not float or x - x == 0.0 else {"f": repr(x)}
         if tx is int:
             return {"v": _check_int(x, path)}
-        if tx is float:
-            return {"v": x} if math.isfinite(x) else {"f": repr(x)}
         if (frozen := self.frozen) is not None:  # a large container of builtin values: snapshotted, encoded later
             if tx in _FREEZABLE and len(x) >= FREEZE_MIN and (got := self.snapshot(x, tx, path, frozen)) is not None:
                 return got
