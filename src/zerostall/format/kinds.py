@@ -144,10 +144,6 @@ def _np_payload(x: Any) -> list[Any]:
     return [x.dtype.str, int(np.array(x).view(np.int64))]
 
 
-def _iso(x: Any) -> str:
-    return x.isoformat()
-
-
 # name -> (the exact type, or "module.name" of a torch/numpy type; encoder to the payload, None: refused;
 # decoder of the *decoded* payload)
 _KINDS: dict[str, tuple[Any, Callable[[Any], Any] | None, Callable[[Any], Any]]] = {
@@ -157,9 +153,9 @@ _KINDS: dict[str, tuple[Any, Callable[[Any], Any] | None, Callable[[Any], Any]]]
     "bytes": (bytes, _b64, _unb64),
     "bytearray": (bytearray, _b64, lambda s: bytearray(_unb64(s))),
     "complex": (complex, lambda x: [x.real, x.imag], lambda p: complex(*(float(x) for x in _items(p, 2)))),
-    "datetime.datetime": (_dt.datetime, _iso, lambda s: _dt.datetime.fromisoformat(_str(s))),
-    "datetime.date": (_dt.date, _iso, lambda s: _dt.date.fromisoformat(_str(s))),
-    "datetime.time": (_dt.time, _iso, lambda s: _dt.time.fromisoformat(_str(s))),
+    "datetime.datetime": (_dt.datetime, _dt.datetime.isoformat, lambda s: _dt.datetime.fromisoformat(_str(s))),
+    "datetime.date": (_dt.date, _dt.date.isoformat, lambda s: _dt.date.fromisoformat(_str(s))),
+    "datetime.time": (_dt.time, _dt.time.isoformat, lambda s: _dt.time.fromisoformat(_str(s))),
     "datetime.timedelta": (_dt.timedelta, lambda x: [x.days, x.seconds, x.microseconds],  # days, s, us
                            lambda p: _dt.timedelta(*map(int, _items(p, 3)))),
     "datetime.timezone": (_dt.timezone, lambda x: x.utcoffset(None).total_seconds(),

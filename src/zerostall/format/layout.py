@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from ..config import ALIGN_BYTES
@@ -118,9 +118,7 @@ class ShardHeader:
 
     def encode(self) -> bytes:
         """The full ``HEADER_BYTES`` header block, zero-padded."""
-        body = json.dumps({"checkpoint_id": self.checkpoint_id, "step": self.step,
-                           "rank": self.rank, "file_bytes": self.file_bytes},
-                          sort_keys=True, separators=(",", ":")).encode()
+        body = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
         raw = _FIXED.pack(MAGIC, LAYOUT_VERSION, len(body)) + body
         if len(raw) > HEADER_BYTES:
             raise ValueError("shard header does not fit in one block")

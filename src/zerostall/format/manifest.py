@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import crc32c as _crc
@@ -51,10 +51,7 @@ class FileEntry:
     """The id in this shard's header (each rank draws its own); empty: the checkpoint's id."""
 
     def to_json(self) -> dict[str, Any]:
-        out = {"name": self.name, "rank": self.rank, "host": self.host, "file_bytes": self.file_bytes}
-        if self.file_id:
-            out["file_id"] = self.file_id
-        return out
+        return {k: v for k, v in asdict(self).items() if v or k != "file_id"}
 
 
 @dataclass(frozen=True)

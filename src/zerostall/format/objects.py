@@ -20,13 +20,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import ConfigError
-from .kinds import STANDARD as _STANDARD, _fields, _str, encode_standard
+from .kinds import STANDARD as _STANDARD, Enc, _fields, _str, encode_standard
 
 log = logging.getLogger("zerostall")
 
 __all__ = ["TaggedData", "decode_object", "encode_object", "register_type", "unregister_type"]
 
-Enc = Callable[[Any], Any]  # encodes a child value into a tree node
 Dec = Callable[[Any], Any]  # decodes a child tree node
 
 

@@ -10,7 +10,6 @@ is one). Never opens files: the caller passes an open engine file, so ``io/`` al
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from typing import Any, Callable, Protocol, Sequence
 
@@ -117,7 +116,7 @@ class ShardCursor:
 
     ``items`` are sorted by offset; ``dsts[i]`` (or ``dsts(i)``, called at item ``i``'s first
     byte) is a flat uint8 CPU tensor to fill, the int address of writable bytes the caller keeps
-    alive, or None (checked only). ``on_item(i)``: item ``i`` is complete and passed its crc32c.
+    alive (moved by :meth:`feed`'s ``copy``), or None (checked only). ``on_item(i)``: item ``i`` is complete and passed its crc32c.
     ``wanted``: a partial read (:func:`read_runs`): only those items are checked and copied, and
     only the padding a page item owns, unless ``listed`` (``items`` are all of the file's).
     Owned by one thread (the restore pipeline's consumer, or :func:`read_shard`'s caller).
@@ -139,7 +138,7 @@ class ShardCursor:
     def feed(self, w0: int, mv: memoryview, u8: torch.Tensor,
              copy: Callable[[int, Any, Any, int], Any] | None = None, addr: int = 0) -> None:
         """Check the file bytes ``[w0, w0 + len(mv))`` (``u8`` views the same memory, at
-        ``addr``). ``copy(i, dst, src, n)`` moves item ``i``'s bytes (default inline)."""
+        ``addr``). ``copy(i, dst, src, n)`` moves item ``i``'s bytes to an address ``dst``."""
         items, path, verify, crcs, gaps, wanted = self.items, self.path, self.verify, self.crcs, self.gaps, self.wanted
         w1 = w0 + len(mv)
         if w0 == 0 and verify:
@@ -166,12 +165,9 @@ class ShardCursor:
                     self.open_dsts[j - 1] = self.get(j - 1)
                 dst = self.open_dsts[j - 1]
                 if isinstance(dst, int):  # an address: no tensor op per item (100k-tensor states)
-                    (copy or _memmove)(j - 1, dst + a - e.offset, addr + a - w0, b - a)
+                    copy(j - 1, dst + a - e.offset, addr + a - w0, b - a)  # type: ignore[misc]
                 elif dst is not None:
-                    if copy is None:
-                        dst[a - e.offset:b - e.offset].copy_(u8[a - w0:b - w0])
-                    else:
-                        copy(j - 1, dst[a - e.offset:b - e.offset], u8[a - w0:b - w0], b - a)
+                    dst[a - e.offset:b - e.offset].copy_(u8[a - w0:b - w0])
                 if verify:
                     crcs[j - 1] = _crc.crc32c(mv[a - w0:b - w0], crcs[j - 1])
             pos = max(pos, b)
@@ -215,10 +211,6 @@ def read_shard(f: Any, path: str, file_bytes: int, header: ShardHeader, items: S
             f.read([(w0, bounce.mv[:w1 - w0])])
             cur.feed(w0, bounce.mv[:w1 - w0], bounce.u8[:w1 - w0])
     cur.finish(wanted)
-
-
-def _memmove(i: int, dst: int, src: int, n: int) -> None:
-    ctypes.memmove(dst, src, n)
 
 
 @functools.lru_cache(maxsize=256)

@@ -294,19 +294,11 @@ def plain_copy(x: Any, depth: int = 0) -> Any:
     if t is str or t is bool or x is None or (t is float and x - x == 0.0) or (
             t is int and x.bit_length() <= MAX_INT_BITS):
         return x
-    if depth >= 200:
+    if depth >= MAX_DEPTH:
         raise NotPlain
-    if t is list:
-        out: list[Any] = []
-        add = out.append
-        for v in x:
-            tv = type(v)
-            if tv is str or tv is bool or v is None or (tv is float and v - v == 0.0) or (
-                    tv is int and v.bit_length() <= MAX_INT_BITS):
-                add(v)
-            else:
-                add(plain_copy(v, depth + 1))
-        return out
+    if t is list:  # a leaf inline (the test above again): no Python call per item
+        return [v if (tv := type(v)) is str or tv is bool or v is None or (tv is float and v - v == 0.0) or (
+            tv is int and v.bit_length() <= MAX_INT_BITS) else plain_copy(v, depth + 1) for v in x]
     if t is dict:
         d: dict[str, Any] = {}
         for k, v in x.items():
