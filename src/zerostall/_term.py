@@ -19,15 +19,7 @@ NO_WRAP_WIDTH = 1 << 20  # wide enough that no record is wrapped; tables take th
 def safe(text: Any) -> str:
     """``text`` with control characters (ESC, BEL, bidi overrides, ...) shown as escapes."""
     s = str(text)
-    if s.isprintable():
-        return s
-    out = []
-    for ch in s:
-        if ch.isprintable() or ch == " ":
-            out.append(ch)
-        else:
-            out.append(repr(ch)[1:-1] if ord(ch) < 0x10000 else f"\\U{ord(ch):08x}")
-    return "".join(out)
+    return s if s.isprintable() else "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in s)
 
 
 def console(*, stderr: bool = False) -> Any:

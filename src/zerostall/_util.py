@@ -12,6 +12,7 @@ import os
 import queue
 import resource
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
 T = TypeVar("T")
@@ -52,15 +53,10 @@ def node_leader() -> bool:
 
 
 def swap_total_bytes() -> int:
-    """The node's swap space (``SwapTotal``; 0 when unknown): whether an unlocked arena can be paged out."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("SwapTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+    """The node's swap space: whether an unlocked arena can be paged out."""
+    import psutil  # here: ``import zerostall`` does not load it
+
+    return psutil.swap_memory().total
 
 
 def memlock_fix(nbytes: int, hard: int) -> str:
@@ -132,19 +128,8 @@ class Worker(Generic[T]):
 def run_in_fresh_thread(fn: Callable[[], None], name: str) -> None:
     """Run ``fn`` in a new thread that then exits, re-raising its exception here (for torch
     ops that must not leave per-thread state, e.g. a CUDA "last error" or an OpenMP team)."""
-    err: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            err.append(exc)
-
-    t = threading.Thread(target=run, name=name)
-    t.start()
-    t.join()
-    if err:
-        raise err[0]
+    with ThreadPoolExecutor(1, thread_name_prefix=name) as pool:
+        pool.submit(fn).result()
 
 
 _GC_LOCK = threading.Lock()

@@ -24,9 +24,14 @@ ALIGN_BYTES = 4096
 MiB = 1 << 20
 
 
-def _require(cond: bool, name: str, value: object, what: str) -> None:
-    if not cond:
-        raise ConfigError(f"{name}={value!r} is invalid: {what}")
+def _require(cfg: object, name: str, ok: bool, what: str) -> None:
+    """Unless ``ok``: :class:`ConfigError` naming field ``name`` (``peers.x``: ``x``) of ``cfg`` and its value."""
+    if not ok:
+        raise ConfigError(f"{name}={getattr(cfg, name.rpartition('.')[2])!r} is invalid: {what}")
+
+
+def _int_in(value: object, lo: int, hi: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,14 +45,14 @@ class IOConfig:
     buffered_dirty_limit_bytes: int = 64 * MiB
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.engine, str) and self.engine != "", "engine", self.engine,
+        _require(self, "engine", isinstance(self.engine, str) and self.engine != "",
                  "choose auto, uring, threads or buffered")
-        _require(self.chunk_bytes >= ALIGN_BYTES and self.chunk_bytes % ALIGN_BYTES == 0,
-                 "chunk_bytes", self.chunk_bytes, f"must be a positive multiple of {ALIGN_BYTES}")
-        _require(1 <= self.queue_depth <= 1024, "queue_depth", self.queue_depth, "must be 1..1024")
-        _require(1 <= self.threads <= 256, "threads", self.threads, "must be 1..256")
-        _require(self.buffered_dirty_limit_bytes >= self.chunk_bytes, "buffered_dirty_limit_bytes",
-                 self.buffered_dirty_limit_bytes, "must be at least chunk_bytes")
+        _require(self, "chunk_bytes", self.chunk_bytes >= ALIGN_BYTES and self.chunk_bytes % ALIGN_BYTES == 0,
+                 f"must be a positive multiple of {ALIGN_BYTES}")
+        _require(self, "queue_depth", 1 <= self.queue_depth <= 1024, "must be 1..1024")
+        _require(self, "threads", 1 <= self.threads <= 256, "must be 1..256")
+        _require(self, "buffered_dirty_limit_bytes", self.buffered_dirty_limit_bytes >= self.chunk_bytes,
+                 "must be at least chunk_bytes")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,14 +68,12 @@ class StagingConfig:
     hugepages: bool = True
 
     def __post_init__(self) -> None:
-        if self.budget_bytes is not None:
-            _require(self.budget_bytes >= 2 * self.block_bytes, "budget_bytes", self.budget_bytes,
-                     f"must hold at least two blocks ({2 * self.block_bytes} bytes)")
-        _require(0.0 < self.budget_fraction <= 0.9, "budget_fraction", self.budget_fraction,
-                 "must be in (0, 0.9]")
-        _require(self.block_bytes >= ALIGN_BYTES and self.block_bytes % ALIGN_BYTES == 0,
-                 "block_bytes", self.block_bytes, f"must be a positive multiple of {ALIGN_BYTES}")
-        _require(self.slots >= 1, "slots", self.slots, "must be >= 1")
+        _require(self, "budget_bytes", self.budget_bytes is None or self.budget_bytes >= 2 * self.block_bytes,
+                 f"must hold at least two blocks ({2 * self.block_bytes} bytes)")
+        _require(self, "budget_fraction", 0.0 < self.budget_fraction <= 0.9, "must be in (0, 0.9]")
+        _require(self, "block_bytes", self.block_bytes >= ALIGN_BYTES and self.block_bytes % ALIGN_BYTES == 0,
+                 f"must be a positive multiple of {ALIGN_BYTES}")
+        _require(self, "slots", self.slots >= 1, "must be >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,24 +94,22 @@ class PeersConfig:
     listen_port: int = 0
 
     def __post_init__(self) -> None:
-        _require(self.timeout_s > 0, "peers.timeout_s", self.timeout_s, "must be > 0 seconds")
-        _require(self.quota_bytes is None or self.quota_bytes >= 0, "peers.quota_bytes", self.quota_bytes,
+        _require(self, "peers.timeout_s", self.timeout_s > 0, "must be > 0 seconds")
+        _require(self, "peers.quota_bytes", self.quota_bytes is None or self.quota_bytes >= 0,
                  "must be None or >= 0 bytes")
-        _require(self.quota_fraction is None or 0 < self.quota_fraction <= 1, "peers.quota_fraction",
-                 self.quota_fraction, "must be None or a fraction in (0, 1] of the root's filesystem")
-        _require(self.cpu_priority in ("idle", "nice", "normal"), "peers.cpu_priority", self.cpu_priority,
+        _require(self, "peers.quota_fraction", self.quota_fraction is None or 0 < self.quota_fraction <= 1,
+                 "must be None or a fraction in (0, 1] of the root's filesystem")
+        _require(self, "peers.cpu_priority", self.cpu_priority in ("idle", "nice", "normal"),
                  "must be 'idle', 'nice' or 'normal'")
-        _require(self.replica_timeout_s > 0, "peers.replica_timeout_s", self.replica_timeout_s, "must be > 0")
-        _require(self.code in (None, "rs"), "peers.code", self.code, "must be None (full copies) or 'rs'")
-        _require(isinstance(self.listen_port, int) and not isinstance(self.listen_port, bool)
-                 and 0 <= self.listen_port <= 65535, "peers.listen_port", self.listen_port,
+        _require(self, "peers.replica_timeout_s", self.replica_timeout_s > 0, "must be > 0")
+        _require(self, "peers.code", self.code in (None, "rs"), "must be None (full copies) or 'rs'")
+        _require(self, "peers.listen_port", _int_in(self.listen_port, 0, 65535),
                  "must be a TCP port 1..65535, or 0 for one the kernel picks")
-        for name, v in (("data_fragments", self.data_fragments), ("parity_fragments", self.parity_fragments)):
-            _require(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 32, f"peers.{name}", v,
-                     "must be an int in 1..32")
-        for name, rate in (("bandwidth_bytes", self.bandwidth_bytes),
-                           ("receive_bandwidth_bytes", self.receive_bandwidth_bytes)):
-            _require(rate is None or rate >= MiB, f"peers.{name}", rate, "must be None or at least 1 MiB/s")
+        for name in ("data_fragments", "parity_fragments"):
+            _require(self, f"peers.{name}", _int_in(getattr(self, name), 1, 32), "must be an int in 1..32")
+        for name in ("bandwidth_bytes", "receive_bandwidth_bytes"):
+            rate = getattr(self, name)
+            _require(self, f"peers.{name}", rate is None or rate >= MiB, "must be None or at least 1 MiB/s")
             # a paced transfer moves pieces of rate * timeout_s / 8 bytes (peers.stream.Pacer):
             # at least a MiB per timeout keeps pieces useful and every pause well within it
             if rate is not None and rate * self.timeout_s < MiB:
@@ -159,37 +160,30 @@ class CheckpointConfig:
         return self.replicas > 1 or self.peers.code is not None
 
     def __post_init__(self) -> None:
-        _require(self.backpressure in ("block", "skip"), "backpressure", self.backpressure,
-                 "choose block or skip")
+        _require(self, "backpressure", self.backpressure in ("block", "skip"), "choose block or skip")
         for name in ("keep_last", "keep_last_remote", "keep_every_remote"):
-            value = getattr(self, name)
-            _require(value is None or value >= 1, name, value, "must be >= 1 or None")
-        _require(self.dist_mode in ("per_rank", "replicated", "local"), "dist_mode", self.dist_mode,
+            _require(self, name, getattr(self, name) is None or getattr(self, name) >= 1, "must be >= 1 or None")
+        _require(self, "dist_mode", self.dist_mode in ("per_rank", "replicated", "local"),
                  "choose per_rank (each rank saves its own state), replicated (identical state on "
                  "every rank, each tensor written once) or local (this process saves alone)")
-        _require(self.commit_timeout_s > 0, "commit_timeout_s", self.commit_timeout_s, "must be > 0")
-        _require(self.join_timeout_s > 0, "join_timeout_s", self.join_timeout_s, "must be > 0")
-        if self.dist_name is not None:
-            _require(isinstance(self.dist_name, str) and 0 < len(self.dist_name) <= 200, "dist_name",
-                     self.dist_name, "must be a non-empty string (the same on every rank)")
-        _require(0 <= self.close_timeout_s <= 3600, "close_timeout_s", self.close_timeout_s,
-                 "must be in [0, 3600] seconds")
-        _require(self.remote_retry_max_s >= 1, "remote_retry_max_s", self.remote_retry_max_s, "must be >= 1 s")
-        _require(self.remote_concurrency >= 1, "remote_concurrency", self.remote_concurrency, "must be >= 1")
-        _require(self.lock_timeout_s >= 0, "lock_timeout_s", self.lock_timeout_s, "must be >= 0 seconds")
-        _require(self.telemetry_interval_s > 0, "telemetry_interval_s", self.telemetry_interval_s,
-                 "must be > 0")
-        _require(self.incremental is True or self.incremental is False or self.incremental in ("crc", "version"),
-                 "incremental", self.incremental,
-                 "choose False, True (= 'crc': confirmed by crc32c) or 'version'")
-        _require(isinstance(self.replicas, int) and not isinstance(self.replicas, bool) and 1 <= self.replicas <= 16,
-                 "replicas", self.replicas, "must be an int in 1..16 (1: no peer copies)")
-        _require(isinstance(self.peers, PeersConfig), "peers", self.peers, "must be a PeersConfig")
+        for name in ("commit_timeout_s", "join_timeout_s", "telemetry_interval_s"):
+            _require(self, name, getattr(self, name) > 0, "must be > 0")
+        _require(self, "dist_name", self.dist_name is None or isinstance(self.dist_name, str)
+                 and 0 < len(self.dist_name) <= 200, "must be a non-empty string (the same on every rank)")
+        _require(self, "close_timeout_s", 0 <= self.close_timeout_s <= 3600, "must be in [0, 3600] seconds")
+        _require(self, "remote_retry_max_s", self.remote_retry_max_s >= 1, "must be >= 1 s")
+        _require(self, "remote_concurrency", self.remote_concurrency >= 1, "must be >= 1")
+        _require(self, "lock_timeout_s", self.lock_timeout_s >= 0, "must be >= 0 seconds")
+        _require(self, "incremental", self.incremental is True or self.incremental is False
+                 or self.incremental in ("crc", "version"), "choose False, True (= 'crc': confirmed by crc32c) "
+                 "or 'version'")
+        _require(self, "replicas", _int_in(self.replicas, 1, 16), "must be an int in 1..16 (1: no peer copies)")
+        _require(self, "peers", isinstance(self.peers, PeersConfig), "must be a PeersConfig")
         if self.peers.code is not None and self.replicas != 1:
             raise ConfigError(f"replicas={self.replicas} and peers.code={self.peers.code!r} are two ways to protect "
                               "a step on peers: keep replicas=1 with a code, or peers.code=None with replicas")
-        _require(self.full_every is None or (isinstance(self.full_every, int) and self.full_every >= 1),
-                 "full_every", self.full_every, "must be an int >= 1 or None")
+        _require(self, "full_every", self.full_every is None or isinstance(self.full_every, int)
+                 and self.full_every >= 1, "must be an int >= 1 or None")
 
     def replace(self, **changes: object) -> "CheckpointConfig":
         """A copy with ``changes`` applied (validated)."""

@@ -62,20 +62,15 @@ def load(path: str | os.PathLike[str], state_dict: Any = None, step: int | None 
     naming the ranks and files at fault. Default (None): agree when ``rank``/``world_size``
     come from the process group and the checkpoint was saved per rank by a group of this size.
     """
-    discovered = rank is None and world_size is None
-    info = None
-    if rank is None or world_size is None:
-        info = discover()
-        rank = info.rank if rank is None else rank
-        world_size = info.world_size if world_size is None else world_size
+    info = discover()
     if agree is None:  # auto: a per-rank checkpoint of this group, loaded by every rank of it
-        agree = discovered and info is not None and info.store is not None and world_size > 1 \
-            and _saved_per_rank_by(os.fspath(path), world_size)
+        agree = rank is None and world_size is None and info.store is not None and info.world_size > 1 \
+            and _saved_per_rank_by(os.fspath(path), info.world_size)
+    rank = info.rank if rank is None else rank
+    world_size = info.world_size if world_size is None else world_size
     request = LoadRequest(step=step, map_location=map_location, verify=verify, fallback=fallback, io=io,
                           remote=remote, keys=keys, strict=strict, download=download)
     if agree:
-        if info is None or info.store is None:
-            info = discover()
         if info.store is None or info.world_size < 2:
             raise ConfigError("load(agree=True) needs an initialised process group of more than one rank")
         store = Store(info.store)
