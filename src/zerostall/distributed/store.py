@@ -234,18 +234,12 @@ class Store:
     def missing(self, keys: list[str], timeout: float | None = None) -> list[str]:
         """The keys that do not exist, in order, by halving the list (a lost node's keys are
         contiguous: ~2 log2(len(keys)) requests, not one per key)."""
-        out: list[str] = []
-
-        def scan(part: list[str]) -> None:
-            if not part or self.check(part, timeout):
-                return
-            if len(part) == 1:
-                out.append(part[0])
-                return
-            scan(part[:len(part) // 2])
-            scan(part[len(part) // 2:])
-        scan(list(keys))
-        return out
+        if not keys or self.check(keys, timeout):
+            return []
+        if len(keys) == 1:
+            return list(keys)
+        half = len(keys) // 2
+        return self.missing(keys[:half], timeout) + self.missing(keys[half:], timeout)
 
     def missing_ranks(self, base: str, ranks: Iterable[int], timeout: float | None = None) -> list[int]:
         """The ranks R whose key ``<base>/r<R>`` does not exist, in order (:meth:`missing`)."""
