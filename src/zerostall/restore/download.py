@@ -19,7 +19,6 @@ from ..store.owner import FileLock, StepLock
 from ..store.local import LocalTier
 from ..store.tier import Tier
 from ..store.atomic import fsync_dir, unlinked_on_error
-from .state import LoadReport
 from .step import check_size, verify_step
 
 log = logging.getLogger("zerostall")
@@ -131,21 +130,19 @@ def _download(tier: LocalTier, remote: Any, step: int, man: Manifest, only: set[
 
 
 def restore_remote(tier: LocalTier, remote: Any, engine: Engine, step: int | None = None, *,
-                   report: LoadReport | None = None,
                    on_failure: Callable[[int, str], None] | None = None) -> Manifest:
     """Download and verify the newest step of ``remote`` (or ``step``) into ``tier`` (owned by
-    the caller) without loading it; returns its manifest. ``zerostall restore URL --to DIR``,
-    with :func:`.pipeline.load`'s fallback: a step's defect is reported (``on_failure(step,
-    reason)``, ``report``), its download removed, the previous step tried. Raises
-    ``CheckpointNotFound`` (no such step), ``CorruptCheckpoint`` (none verifies), ``ConfigError``.
+    the caller) without loading it; returns its manifest. ``zerostall restore URL --to DIR``
+    (which refuses a remote without steps first), with :func:`.pipeline.load`'s fallback: a
+    step's defect is reported (``on_failure(step, reason)``), its download removed, the previous
+    step tried. Raises ``CheckpointNotFound`` (no such step), ``CorruptCheckpoint`` (none
+    verifies), ``ConfigError``.
     """
     steps = remote.steps()
     if step is not None:
         if step not in steps:
             raise CheckpointNotFound(f"no committed step {step} at {remote.url} (steps: {steps or 'none'})")
         steps = [step]
-    if not steps:
-        raise CheckpointNotFound(f"no committed checkpoint at {remote.url}")
     errors: list[str] = []
     for s in reversed(steps):
         fetched = False
@@ -167,7 +164,5 @@ def restore_remote(tier: LocalTier, remote: Any, engine: Engine, step: int | Non
                 except Exception as dexc:  # noqa: BLE001 - reported, the next step is tried anyway
                     log.warning("zerostall: removing the failed download of step %d: %s", s, dexc)
             continue
-        if report is not None:
-            report.step, report.source, report.failed = s, "remote", list(errors)
         return man
     raise CorruptCheckpoint(f"no step of {remote.url} verifies: " + "; ".join(errors), path=remote.url)

@@ -35,7 +35,7 @@ from ..store.remote import list_steps
 from ..store.local import LocalTier
 from ..store.tier import is_url, open_tier
 from .download import damaged_local_ref, fetch
-from .state import LoadReport, location_mapper
+from .state import LoadReport, LoadRequest, location_mapper
 from .step import load_step, shared_bounce
 
 log = logging.getLogger("zerostall")
@@ -85,32 +85,6 @@ def verify_consistent(tier: Any, step: int, check: Callable[[], T]) -> T | None:
     raise AssertionError("unreachable")
 
 
-@dataclass(frozen=True, kw_only=True)
-class LoadRequest:
-    """What one :func:`load` asks for (immutable: ``dataclasses.replace`` derives another)."""
-
-    step: int | None = None
-    """Exactly this step (None: the newest that verifies)."""
-    map_location: Any = None
-    """Where new tensors go, as ``torch.load`` takes it (a device, a dict or a callable)."""
-    verify: bool = True
-    fallback: bool = True
-    """A step that fails tries the previous one."""
-    keys: list[str] | None = None
-    """Only these dotted keys' bytes are read (None: all)."""
-    strict: bool = False
-    """Keys of the state dict the checkpoint lacks raise :class:`StateMismatchError`."""
-    rank: int = 0
-    world_size: int = 1
-    remote: Any = None
-    """A URL or tier whose steps are considered too."""
-    download: bool = True
-    """A step only ``remote`` holds is downloaded into the root (False: streamed, nothing written)."""
-    io: IOConfig | None = None
-    gate: Callable[[], None] | None = None
-    """Called once a step verified, before the state dict is touched (the ranks' agreement)."""
-
-
 def load(path: str, state_dict: Any = None, request: LoadRequest | None = None, *, engine: Engine | None = None,
          bounce: Arena | None = None, report: LoadReport | None = None) -> Any:
     """Load the newest verified checkpoint (or ``request.step``) under ``path``.
@@ -145,8 +119,7 @@ def load(path: str, state_dict: Any = None, request: LoadRequest | None = None, 
                 if src == "remote" and req.download:
                     fetched = fetch(tier, remote, s, walk.seen_local.get(s), who=(req.rank, req.world_size))[1]
                 out = load_step(remote if src == "remote" and not req.download else tier, s, engine, bounce,
-                                state_dict, req.map_location, req.verify, req.rank, req.world_size, keys=req.keys,
-                                strict=req.strict, report=report, io=req.io, gate=req.gate)
+                                state_dict, req, report=report)
             except (StateMismatchError, ConfigError, DistributedError):
                 raise  # the caller's state or arguments, or the ranks' agreement (gate): not this copy's defect
             except Exception as exc:  # noqa: BLE001 - every defect of a checkpoint means: try the previous one

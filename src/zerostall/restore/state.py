@@ -1,5 +1,6 @@
-"""Matching a checkpoint's state tree with the caller's state dict: ``keys=``, in-place
-destinations, the key report, merging and ``map_location`` (pure functions, caller's thread).
+"""What a load asks for (:class:`LoadRequest`) and reports (:class:`LoadReport`), and matching a
+checkpoint's state tree with the caller's state dict: ``keys=``, in-place destinations, the key
+report, merging and ``map_location`` (pure functions, caller's thread).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ..config import IOConfig
 from ..errors import ConfigError, StateMismatchError
 from ..format.decode import decode_tree
 
@@ -28,6 +30,32 @@ class LoadReport:
     """One line per newer step (or copy) that failed, with the reason."""
     why: str = ""
     """Under a process group: why every rank loaded this step."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadRequest:
+    """What one :func:`.pipeline.load` asks for (immutable: ``dataclasses.replace`` derives another)."""
+
+    step: int | None = None
+    """Exactly this step (None: the newest that verifies)."""
+    map_location: Any = None
+    """Where new tensors go, as ``torch.load`` takes it (a device, a dict or a callable)."""
+    verify: bool = True
+    fallback: bool = True
+    """A step that fails tries the previous one."""
+    keys: list[str] | None = None
+    """Only these dotted keys' bytes are read (None: all)."""
+    strict: bool = False
+    """Keys of the state dict the checkpoint lacks raise :class:`StateMismatchError`."""
+    rank: int = 0
+    world_size: int = 1
+    remote: Any = None
+    """A URL or tier whose steps are considered too."""
+    download: bool = True
+    """A step only ``remote`` holds is downloaded into the root (False: streamed, nothing written)."""
+    io: IOConfig | None = None
+    gate: Callable[[], None] | None = None
+    """Called once a step verified, before the state dict is touched (the ranks' agreement)."""
 
 
 def _join(path: str, k: Any) -> str:
@@ -197,11 +225,8 @@ def location_mapper(map_location: Any) -> Callable[[torch.Tensor], torch.Tensor]
         except (RuntimeError, TypeError, ValueError) as exc:
             raise ConfigError(f"map_location={map_location!r} is not a device: {exc}") from None
         return lambda t: t.to(dev)
-    if isinstance(map_location, dict):
-        target = map_location.get("cpu", map_location.get(torch.device("cpu")))
-        if target is None:
-            return lambda t: t
-        return location_mapper(target)
+    if isinstance(map_location, dict):  # no entry for "cpu": None, tensors stay where they are
+        return location_mapper(map_location.get("cpu", map_location.get(torch.device("cpu"))))
     if callable(map_location):
         fn = map_location
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -31,7 +32,7 @@ from ..memory.arena import Arena
 from ..store.local import LocalTier
 from ..store.tier import Tier
 from .device_copy import cuda_target
-from .state import LoadReport, find_in_place, key_report, location_mapper, merge, overlapping, select_keys
+from .state import LoadReport, LoadRequest, find_in_place, key_report, location_mapper, merge, overlapping, select_keys
 from . import stream
 from .stream import FileRead, Plan, Stats, aligned_empty
 
@@ -84,8 +85,7 @@ def check_ref_files(tier: Tier, man: Manifest, refs: list[RefFile]) -> None:
             except CheckpointNotFound:
                 raise CorruptCheckpoint(f"{where}, but step {r.step} is not a committed checkpoint in "
                                         f"{tier.url!r} (deleted?)", path=step_where) from None
-        own = {f.name: f for f in manifests[r.step].files}
-        fe = own.get(r.name)
+        fe = next((f for f in manifests[r.step].files if f.name == r.name), None)
         if fe is None or fe.file_bytes != r.file_bytes or (fe.file_id or manifests[r.step].checkpoint_id) != r.file_id:
             raise CorruptCheckpoint(f"{where}, but step {r.step}'s manifest does not list that file as "
                                     "recorded (step overwritten?)", path=step_where)
@@ -219,8 +219,7 @@ def read_later(files: list[FileRead], first: Stats, ring: Any, io: IOConfig, ver
     ks = [k for k in range(len(files)) if first.later.get(k)]
     if not ks:
         return []
-    later = [FileRead(files[k].path, files[k].file_bytes, files[k].header, files[k].items, files[k].dsts,
-                      files[k].open, wanted=first.later[k], device=files[k].device) for k in ks]
+    later = [replace(files[k], wanted=first.later[k], direct={}, protect=set()) for k in ks]
     plan = Plan(later, io, in_place=False)
     try:
         return [plan.run(ring, verify=verify, idents={j: idents[k] for j, k in enumerate(ks) if k in idents})]
@@ -243,19 +242,19 @@ _NO_HEAD: Any = SimpleNamespace(nbytes=0, u8=None)
 
 
 def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: Any = None,
-              map_location: Any = None, verify: bool = True, rank: int = 0, world_size: int = 1, *,
-              keys: list[str] | None = None, strict: bool = False,
-              report: LoadReport | None = None, io: IOConfig | None = None,
-              gate: Callable[[], None] | None = None) -> Any:
-    """Load one step; nothing in ``state_dict`` changes unless every byte this load needs
-    verified. Raises CorruptCheckpoint/StorageError for the checkpoint's defects,
-    StateMismatchError for the caller's. ``gate`` (:mod:`zerostall.distributed.agree`) runs
-    once every byte verified; what it raises propagates, rolled back."""
+              request: LoadRequest | None = None, *, report: LoadReport | None = None,
+              **fields: Any) -> Any:
+    """Load one step as ``request`` asks (``fields`` replace some of its fields); nothing in
+    ``state_dict`` changes unless every byte this load needs verified. Raises
+    CorruptCheckpoint/StorageError for the checkpoint's defects, StateMismatchError for the
+    caller's. ``request.gate`` (:mod:`zerostall.distributed.agree`) runs once every byte
+    verified; what it raises propagates, rolled back."""
+    req = replace(request or LoadRequest(), **fields)
     man = tier.read_manifest(step)
     where = shard_where(tier, step, "").rstrip("/")
-    tree = man.tree_for(rank, world_size)
-    if keys is not None:
-        tree = select_keys(tree, keys, step)
+    tree = man.tree_for(req.rank, req.world_size)
+    if req.keys is not None:
+        tree = select_keys(tree, req.keys, step)
     canon = man.alias_of
     needed = sorted({canon.get(i, i) for i, _ in tree_tensor_indices(tree)})
     only = {man.tensors[i].file for i in needed}
@@ -269,8 +268,8 @@ def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: An
     in_place: dict[int, tuple[torch.Tensor, str]] = {}
     if state_dict is not None:
         skeleton = decode_tree(tree, [None] * len(man.tensors), where=where)
-        missing, unexpected = key_report(state_dict, skeleton, keys)
-        if strict and (missing or unexpected):
+        missing, unexpected = key_report(state_dict, skeleton, req.keys)
+        if req.strict and (missing or unexpected):
             raise StateMismatchError(
                 f"state dict does not match step {step} (strict=True): missing keys {missing[:10]}, "
                 f"unexpected keys {unexpected[:10]}")
@@ -293,7 +292,7 @@ def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: An
     gpu = {i: d.detach() for i in needed if (d := in_place.get(i, (None,))[0]) is not None
            and d.device.type == "cuda" and d.is_contiguous()} if len(cpu) < len(in_place) else {}
     shared = overlapping(cpu) | overlapping(gpu)  # one tensor at two keys that the step holds as two: merge() fills it
-    target = cuda_target(map_location) if state_dict is None else None
+    target = cuda_target(req.map_location) if state_dict is None else None
     for i in needed:
         if (mine := cpu.get(i, gpu.get(i))) is not None and i not in shared:
             tensors[i] = mine
@@ -304,12 +303,13 @@ def load_step(tier: Tier, step: int, engine: Engine, bounce: Any, state_dict: An
             dsts[i] = ((t.data_ptr(), None, False, t.reshape(-1).view(torch.uint8)) if target is not None else
                        (None if direct is not None else t.data_ptr(), direct, False))
     files = file_reads(tier, man, engine, lambda i: dsts.get(i, (None, None, False)), needed=needed,
-                       only=only, sparse=keys is not None)
-    read_step(files, bounce, io or engine.cfg, verify=verify, gate=gate, slow_source=not isinstance(tier, LocalTier))
+                       only=only, sparse=req.keys is not None)
+    read_step(files, bounce, req.io or engine.cfg, verify=req.verify, gate=req.gate,
+              slow_source=not isinstance(tier, LocalTier))
     for i, j in canon.items():
         tensors[i] = tensors[j]
     if state_dict is None:
-        mapper = location_mapper(map_location)
+        mapper = location_mapper(req.map_location)
         done = {i: mapper(tensors[i]) for i in needed}
         return decode_tree(tree, [done.get(canon.get(i, i)) for i in range(len(tensors))], where=where)
     return merge(state_dict, decode_tree(tree, tensors, where=where))
