@@ -110,7 +110,7 @@ class Checkpointer:
     @property
     def arena(self) -> Arena | None:
         """The process's staging arena (shared through :mod:`.saving.pool`)."""
-        return self._lease.arena if self._lease is not None else None
+        return self._lease.pool.arena if self._lease is not None else None
 
     @property
     def ring(self) -> BlockRing | None:
@@ -143,7 +143,7 @@ class Checkpointer:
         ``wait=True`` blocks until the memory is faulted (benchmarks of the steady state)."""
         self._ensure_pipeline(self._plan(state_dict).file_bytes)
         if wait and self._lease is not None:
-            self._lease.arena.wait_ready(self._lease.pool.target)
+            self._lease.pool.arena.wait_ready(self._lease.pool.target)
 
     def _plan(self, state_dict: Any) -> Any:
         (prank, pworld), repl = self._stages.plan_rank, self.config.dist_mode == "replicated"
@@ -207,7 +207,7 @@ class Checkpointer:
             source = Source(leaves, record_save_events(leaves) if "cuda" in plan.devices else None)
             incr = self._refs.prepare(plan) if self._refs is not None else None  # fingerprints; snapshot decides
             self._saving = (step, status)
-            with self._lease.reserve(nblocks, status) as slot:  # the pool lock: jobs queue in ring order
+            with self._lease.pool.reserve(nblocks, status) as slot:  # the pool lock: jobs queue in ring order
                 job = Job(request, status, slot, source, incr, persist=self._persist,
                           crc_at_copy=_snapshot.CRC_AT_COPY and incr is None and plan.devices <= {"cpu"})
                 self._book.add(job)

@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ..errors import StorageError
-from ..format.layout import HEADER_BYTES, ShardHeader, pack_offsets
+from ..format.layout import HEADER_BYTES, ShardHeader
 from ..format.manifest import MANIFEST_NAME
 from ..format.refs import RefFile
 from .job import SaveRequest, Slot
-from .plan import PlanItem, SavePlan
-from .source_crc import _file_crc, device_hash_async
+from .plan import PlanItem, SavePlan, repack
+from .source_crc import _file_crc, _nofollow, device_hash_async
 
 if TYPE_CHECKING:
     from .incremental import IncrementalJob, Known
@@ -75,11 +75,8 @@ def base_file_problem(root: str, ref: RefFile, stamp: Stamp | None = None) -> st
             return f"{st.st_size} bytes, {ref.file_bytes} recorded"
         if stamp is not None and _stamp(st) != stamp:
             return "written to, replaced or re-linked since it was committed (its inode, mtime or ctime changed)"
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            head = os.pread(fd, HEADER_BYTES, 0)
-        finally:
-            os.close(fd)
+        with open(path, "rb", buffering=0, opener=_nofollow) as f:
+            head = f.read(HEADER_BYTES)
     except OSError as exc:
         return exc.strerror or str(exc)
     if not ShardHeader(ref.file_id, ref.step, ref.rank, ref.file_bytes).matches(head):
@@ -144,15 +141,13 @@ class ContentCheck:
             with self._lock:
                 self._since_full = 0
         start = -(-spec.file_bytes // block_bytes) * block_bytes  # the blocks staged so far stay as they are
-        offsets, off = pack_offsets([it.nbytes for it, _, _ in changed], start)
-        new = [PlanItem(it.index, it.key, it.dtype, it.shape, it.nbytes, o) for (it, _, _), o in zip(changed, offsets)]
-        if slot.g0 + -(-off // block_bytes) > slot.g_end:  # cannot happen with the spare block; never write past
-            raise StorageError(f"step {req.step}: {len(new)} tensor(s) changed without their version counter "
+        ext = repack(spec, [it for it, _, _ in changed], [lf for _, lf, _ in changed], start, len(spec.items))
+        if slot.g0 + -(-ext.file_bytes // block_bytes) > slot.g_end:  # cannot happen with the spare block
+            raise StorageError(f"step {req.step}: {len(changed)} tensor(s) changed without their version counter "
                                "and do not fit the staging blocks reserved for this save; nothing committed")
         log.info("zerostall: incremental: step %d: %d tensor(s) changed without a version-counter bump "
-                 "(e.g. %r); written, not referenced", req.step, len(new), new[0].key)
-        return SavePlan(spec.items + tuple(new), off, spec.tree, spec.leaves + tuple(lf for _, lf, _ in changed),
-                        spec.n_tensors, spec.tree_json, lazy=spec.lazy), [t for _, _, t in changed]
+                 "(e.g. %r); written, not referenced", req.step, len(changed), changed[0][0].key)
+        return ext, [t for _, _, t in changed]
 
     def _fast_path(self, item: PlanItem, fp: Any, k: Known, step: int) -> bool | None:
         """False: write; True: reference (``"version"`` mode only); None: ask the crc."""

@@ -34,12 +34,11 @@ from typing import Any, Callable
 import torch
 
 from ..errors import StorageError
-from ..format.layout import pack_offsets
 from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..format.refs import RefFile
 from ..format.decode import tensor_paths
 from .job import Persisted, SaveRequest
-from .plan import PlanItem, SavePlan
+from .plan import PlanItem, SavePlan, repack
 from . import content_check
 from .content_check import ContentCheck, Stamp, base_file_problem, file_stamp
 from .source_crc import CRC_THREADS, _CpuCrc, _CudaCrc
@@ -193,8 +192,7 @@ class RefTracker(ContentCheck):
             self._device_hashes(plan.items, leaves, cuda_run, ij)
         if full:
             return plan, leaves
-        keep_items: list[PlanItem] = []
-        keep_leaves: list[torch.Tensor] = []
+        keep: list[tuple[PlanItem, Any, torch.Tensor]] = []  # (item, its plan leaf, its tensor)
         refs: dict[int, TensorEntry] = {}
         ref_files: dict[tuple[int, str], RefFile] = {}
         verdict: list[bool | None] = []  # True: reference; False: write; None: decided by the crc
@@ -206,7 +204,7 @@ class RefTracker(ContentCheck):
             self._confirm(plan.items, leaves, known, verdict, cuda_run, ij)
         if self._seeded:
             self._verify_on_disk(plan.items, known, verdict, paths)
-        for item, leaf, ok in zip(plan.items, leaves, verdict):
+        for item, lf, leaf, ok in zip(plan.items, plan.leaves, leaves, verdict):
             if ok:
                 k = known[paths[item.index]]
                 e = k.entry
@@ -214,8 +212,7 @@ class RefTracker(ContentCheck):
                                                e.crc32c, e.step)
                 ref_files[(k.ref.step, k.ref.name)] = k.ref
             else:
-                keep_items.append(item)
-                keep_leaves.append(leaf)
+                keep.append((item, lf, leaf))
         with self._lock:  # pin before anyone can see the smaller plan
             steps = tuple(sorted({s for s, _ in ref_files}))
             self._pins.update(steps)
@@ -223,11 +220,7 @@ class RefTracker(ContentCheck):
                 self._since_full = 0  # nothing referenced: this is a full save
         ij.refs, ij.ref_files, ij.pinned = refs, tuple(ref_files.values()), steps
         ij.full = not refs
-        offsets, file_bytes = pack_offsets([it.nbytes for it in keep_items])
-        items = [PlanItem(it.index, it.key, it.dtype, it.shape, it.nbytes, off) for it, off in zip(keep_items, offsets)]
-        return SavePlan(tuple(items), file_bytes, plan.tree,
-                        tuple(lf for lf, it in zip(plan.leaves, plan.items) if it.index not in refs),
-                        plan.n_tensors, plan.tree_json, lazy=plan.lazy), keep_leaves
+        return repack(plan, [row[0] for row in keep], [row[1] for row in keep]), [row[2] for row in keep]
 
     def _usable(self, known: dict[str, Known], step: int) -> dict[str, Known]:
         """``known`` less what lives in a base file that is gone or no longer the file it was

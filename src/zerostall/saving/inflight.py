@@ -114,7 +114,7 @@ class InFlight:
         if not pending or opt is None:
             return pending
         mine = storages_of(opt)
-        return [j for j in pending if j.reads(mine)]
+        return [j for j in pending if j.source.reads(mine, j.status.staged)]
 
 
 def wait_staged(jobs: list[Job]) -> None:

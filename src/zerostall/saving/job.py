@@ -289,7 +289,3 @@ class Job:
         r = self.request
         return ShardHeader(r.checkpoint_id, r.step, r.rank, plan.file_bytes)
 
-    def reads(self, storages: set[int]) -> bool:
-        """Whether the snapshot may still read one of ``storages`` (the optimizer guard)."""
-        return self.source.reads(storages, self.status.staged)
-

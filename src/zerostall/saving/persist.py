@@ -103,8 +103,13 @@ class Persister(Worker[Job]):
             hi = min(self.ring.wait_staged(g), g_file, g + max(1, min(self.ring.nblocks // 2, 64)))
             _raise_if_failed(job)
             extents = self._extents(job, g, hi, file_bytes)
-            feed = None if crc is None else (lambda: crc.feed(extents))
-            f.write(extents, overlap=feed if chores is None else _both(chores, feed))
+
+            def overlap(extents: Any = extents, chores: Any = chores) -> None:  # while the writes are in flight
+                if chores is not None:
+                    chores()
+                if crc is not None:
+                    crc.feed(extents)
+            f.write(extents, overlap=overlap)
             chores = None
             self.ring.release(g, hi)
             g = hi
@@ -246,14 +251,6 @@ def _noted(status: Any, what: str, step: int, fn: Callable[[], None]) -> bool:
         log.warning("zerostall: %s", msg)
         status.note(msg)
         return False
-
-
-def _both(first: Callable[[], None], then: Callable[[], None] | None) -> Callable[[], None]:
-    def run() -> None:
-        first()
-        if then is not None:
-            then()
-    return run
 
 
 def _raise_if_failed(job: Job) -> None:

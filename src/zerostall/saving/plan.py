@@ -22,7 +22,7 @@ import torch
 from ..errors import ConfigError, UnsupportedStateError
 from ..format.bulk import dumps_tree
 from ..format.dtypes import SUPPORTED_DTYPES, dtype_name
-from ..format.layout import pack_offsets
+from ..format.layout import HEADER_BYTES, pack_offsets
 from ..format.frozen import DeferredTree, Frozen, skeleton_json
 from ..format.decode import decode_tree
 from ..format.tree import TensorLeaf, encode_tree
@@ -88,6 +88,17 @@ class SavePlan:
     def devices(self) -> set[str]:
         """The device types of the leaves (C-level maps; the few distinct devices typed)."""
         return {d.type for d in set(map(DEVICE, map(TENSOR, self.leaves)))}
+
+
+def repack(plan: SavePlan, items: Sequence[PlanItem], leaves: Sequence[TensorLeaf], start: int = HEADER_BYTES,
+           keep: int = 0) -> SavePlan:
+    """``plan`` with its first ``keep`` items as they are, then ``items`` (whose leaves are
+    ``leaves``) packed from ``start`` on: an incremental save's smaller plan, or its extension
+    (:mod:`.incremental`, snapshot thread)."""
+    offsets, end = pack_offsets([it.nbytes for it in items], start)
+    new = tuple(PlanItem(it.index, it.key, it.dtype, it.shape, it.nbytes, o) for it, o in zip(items, offsets))
+    return SavePlan(plan.items[:keep] + new, end, plan.tree, plan.leaves[:keep] + tuple(leaves), plan.n_tensors,
+                    plan.tree_json, lazy=plan.lazy)
 
 
 def owners_by_size(leaves: tuple[TensorLeaf, ...] | list[TensorLeaf], world_size: int) -> list[int]:

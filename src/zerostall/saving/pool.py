@@ -59,10 +59,6 @@ class Lease:
         return min(nbytes, budget)
 
     @property
-    def arena(self) -> Arena:
-        return self.pool.arena
-
-    @property
     def ring(self) -> BlockRing:
         return self.pool.ring
 
@@ -73,9 +69,6 @@ class Lease:
             if nbytes > self.want_bytes:
                 self.want_bytes = nbytes
                 self.pool._retarget()
-
-    def reserve(self, nblocks: int, status: SaveStatus) -> contextlib.AbstractContextManager[Slot]:
-        return self.pool.reserve(nblocks, status)
 
     def queue(self, job: Job) -> None:
         self.pool.queue(job)

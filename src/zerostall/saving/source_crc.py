@@ -41,26 +41,23 @@ _CRC_PIECE = 16 << 20  # pieces of a tensor checksummed in parallel (then combin
 CRC_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
+def _nofollow(path: str, flags: int) -> int:
+    """The ``opener`` of a base file: never through a symlink."""
+    return os.open(path, flags | os.O_NOFOLLOW)
+
+
 def _file_crc(path: str, offset: int, n: int) -> int | None:
     """crc32c of ``n`` bytes at ``offset`` of ``path``; None if they cannot all be read."""
     crc = 0
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with open(path, "rb", buffering=0, opener=_nofollow) as f:
+            f.seek(offset)
+            while n > 0 and (b := f.read(min(n, _CRC_PIECE))):
+                crc = _crc.crc32c(b, crc)
+                n -= len(b)
     except OSError:
         return None
-    try:
-        while n > 0:
-            b = os.pread(fd, min(n, _CRC_PIECE), offset)
-            if not b:
-                return None
-            crc = _crc.crc32c(b, crc)
-            offset += len(b)
-            n -= len(b)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return crc
+    return crc if n == 0 else None
 
 
 def _crc_at(address: int, n: int, crc: int = 0) -> int:
@@ -139,23 +136,12 @@ class _CudaCrc:
     def __call__(self, t: torch.Tensor, run: Callable[[torch.device, Callable[[], None]], None]) -> int:
         if self.buf is None:
             self.buf = torch.empty(self.piece, dtype=torch.uint8, pin_memory=True)
-        buf = self.buf
-        crc = 0
-        if not t.is_contiguous():  # row slices, never a whole copy (on the device or the host)
-            es = t.element_size()
-            for sl in row_slices(t, self.piece):
-                k = sl.numel() * es
-                if k > buf.numel():
-                    buf = self.buf = torch.empty(k, dtype=torch.uint8, pin_memory=True)
-                run(t.device, lambda sl=sl, k=k: buf[:k].view(sl.dtype).view(sl.shape).copy_(sl, non_blocking=True))
-                crc = _crc_at(buf.data_ptr(), k, crc)
-            return crc
-        held: list[torch.Tensor] = []
-        run(t.device, lambda: held.append(t.reshape(-1).view(torch.uint8)))
-        flat = held[0]
-        for pos in range(0, flat.numel(), self.piece):
-            k = min(self.piece, flat.numel() - pos)
-            run(t.device, lambda pos=pos, k=k: buf[:k].copy_(flat[pos:pos + k], non_blocking=True))
+        buf, crc, es = self.buf, 0, t.element_size()
+        for sl in row_slices(t, self.piece):  # never a whole copy (on the device or the host)
+            k = sl.numel() * es
+            if k > buf.numel():  # one innermost row above the piece
+                buf = self.buf = torch.empty(k, dtype=torch.uint8, pin_memory=True)
+            run(t.device, lambda sl=sl, k=k: buf[:k].view(sl.dtype).view(sl.shape).copy_(sl, non_blocking=True))
             crc = _crc_at(buf.data_ptr(), k, crc)
         return crc
 
