@@ -29,6 +29,10 @@ _renameat2 = getattr(_libc, "renameat2", None)  # glibc >= 2.28
 EXCHANGE_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)
 
 
+def _noop(_: str) -> None:
+    pass
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -73,10 +77,9 @@ def rename_exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), a, None, b)
 
 
-def rmtree(path: str, hook: Hook | None = None) -> None:
+def rmtree(path: str, hook: Hook = _noop) -> None:
     """Remove ``path`` (tree or file; missing is fine) without following symlinks, calling
     ``hook("unlink")`` after each entry."""
-    hook = hook or _noop
     try:
         if stat.S_ISDIR(os.lstat(path).st_mode):
             for entry in os.scandir(path):
@@ -87,10 +90,6 @@ def rmtree(path: str, hook: Hook | None = None) -> None:
     except FileNotFoundError:
         return
     hook("unlink")
-
-
-def _noop(_: str) -> None:
-    pass
 
 
 def free_bytes(path: str) -> int:
@@ -150,9 +149,6 @@ class DeferredRemovals:
     def __bool__(self) -> bool:
         return bool(self.paths)
 
-    def add(self, path: str) -> None:
-        self.paths.append(path)
-
     def run(self, keep: str | None = None) -> None:
         """Remove every pending tree now, except, with ``keep`` (and :attr:`spare`), the first
         regular file of that name, for :meth:`take`. A failure is logged, never raised."""
@@ -199,10 +195,9 @@ class DeferredRemovals:
                 self.run()
 
 
-def discard(path: str, hook: Hook | None = None) -> None:
+def discard(path: str, hook: Hook = _noop) -> None:
     """Take ``path`` out of its directory's listing (rename to ``.deleting-<name>-<id>``), then
     remove it. A crash leaves only a ``.deleting-*`` entry, which the owner removes at start-up."""
-    hook = hook or _noop
     parent, name = os.path.split(path)
     gone = os.path.join(parent, f".deleting-{name}-{uuid.uuid4().hex[:8]}")
     try:
@@ -213,12 +208,11 @@ def discard(path: str, hook: Hook | None = None) -> None:
     rmtree(gone, hook)
 
 
-def publish_dir(staged: str, final: str, *, overwrite: bool = False, hook: Hook | None = None,
+def publish_dir(staged: str, final: str, *, overwrite: bool = False, hook: Hook = _noop,
                 exchange: bool = True) -> str:
     """Make the complete, fsynced directory ``staged`` visible as ``final``, crash-safely (steps
     4-5 of :mod:`.local`'s protocol); an existing ``final`` needs ``overwrite`` (else
     FileExistsError). Returns ``"rename"``, ``"exchange"`` or ``"two-phase"``. Owner only."""
-    hook = hook or _noop
     doomed = None  # the old copy, deleted once the parent is fsynced
     if not os.path.lexists(final):
         how = "rename"
@@ -244,10 +238,9 @@ def publish_dir(staged: str, final: str, *, overwrite: bool = False, hook: Hook 
     return how
 
 
-def recover_dir(final: str, is_valid: Callable[[str], bool], hook: Hook | None = None) -> list[str]:
+def recover_dir(final: str, is_valid: Callable[[str], bool], hook: Hook = _noop) -> list[str]:
     """Finish an interrupted :func:`publish_dir`: ``final.old`` is restored when ``final`` is
     invalid and the old copy valid, else removed. Returns one line per action. Owner only."""
-    hook = hook or _noop
     parent, name = os.path.split(final)
     done: list[str] = []
     old = final + ".old"

@@ -80,21 +80,6 @@ def _close_held(lock: "_Held") -> None:
             os.close(fd)
 
 
-def _open_lock_file(lock: "_Held", path: str) -> int:
-    """Open (create) the lock file ``path`` for ``lock``: a regular file, else StorageError
-    naming it (O_NONBLOCK: a FIFO planted there must not block the open, nor a read later)."""
-    try:
-        fd = _open_held(lock, path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        raise storage_error("creating the lock file", path, exc) from exc
-    lock._fd = fd
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        _close_held(lock)
-        raise StorageError(f"lock file {path!r} is not a regular file; remove it (zerostall recreates it) and "
-                           "try again", filename=path)
-    return fd
-
-
 def read_owner(root: str) -> dict[str, object]:
     """What the lock file of ``root`` says about its holder ({} if nothing readable)."""
     return _read_holder(os.path.join(root, LOCK_NAME))
@@ -116,15 +101,6 @@ def _read_holder(path: str) -> dict[str, object]:
         os.close(fd)
 
 
-def describe_owner(owner: dict[str, object]) -> str:
-    if not owner:
-        return "an unknown process (its lock file is empty: it may be starting up)"
-    since = owner.get("start_unix")
-    when = (_dt.datetime.fromtimestamp(since).isoformat(" ", "seconds")
-            if isinstance(since, (int, float)) else "?")
-    return f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')} (since {when})"
-
-
 class _Held:
     """The descriptors of a lock (the at-fork handler and :func:`_close_held` forget them)."""
 
@@ -139,6 +115,45 @@ class _Held:
         fds = [d for d in (self._fd, self._dfd) if d is not None]
         self._fd = self._dfd = None
         return fds
+
+    def _take(self, wait: bool) -> bool:
+        """Open the lock file and flock it (waiting for a holder if ``wait``); False, closed
+        again, if another process holds it. Where the filesystem has no ``flock``: True with
+        :attr:`enforced` False. The lock file must be a regular file (O_NONBLOCK: a FIFO planted
+        there must not block the open, nor a read later), else StorageError naming it."""
+        try:
+            self._fd = fd = _open_held(self, self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+                                       | os.O_NONBLOCK)
+        except OSError as exc:
+            raise storage_error("creating the lock file", self.path, exc) from exc
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            _close_held(self)
+            raise StorageError(f"lock file {self.path!r} is not a regular file; remove it (zerostall recreates "
+                               "it) and try again", filename=self.path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            self.enforced = True
+        except BlockingIOError:
+            _close_held(self)
+            return False
+        except OSError as exc:
+            if exc.errno not in _NO_LOCKING:
+                _close_held(self)
+                raise storage_error("locking", self.path, exc) from exc
+            self.enforced = False
+        except BaseException:
+            _close_held(self)
+            raise
+        return True
+
+    def _record(self, fd: int) -> None:
+        """Write the holder into the locked file (read by :func:`read_owner`, :meth:`FileLock.holder`)."""
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "start_unix": round(time.time(), 3)}
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(info, sort_keys=True).encode() + b"\n", 0)
+        except OSError as exc:  # informational only: the flock is what matters
+            log.warning("zerostall: could not record the owner in %s: %s", self.path, exc)
 
 
 class RootLock(_Held):
@@ -157,58 +172,43 @@ class RootLock(_Held):
         :class:`RootLockedError` names the holder, ``StorageError`` the uncreatable lock file."""
         if self._fd is not None:
             return
-        fd = _open_lock_file(self, self.path)
         deadline = time.monotonic() + max(0.0, timeout_s)
         delay = 0.01
-        try:
-            try:
-                self._dfd = dfd = _open_held(self, self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            except OSError:  # the lock file alone
-                dfd = None
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    try:
-                        if dfd is not None:
-                            fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    except BlockingIOError:  # a writer whose lock file was unlinked holds the root
-                        fcntl.flock(fd, fcntl.LOCK_UN)
-                        raise
-                    except OSError:  # no flock on directories here: the lock file alone
-                        pass
-                    self.enforced = True
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        owner = read_owner(self.root)
-                        waited = f" (waited {timeout_s:g} s)" if timeout_s > 0 else ""
-                        raise RootLockedError(
-                            f"checkpoint root {self.root!r} is owned by another writer: "
-                            f"{describe_owner(owner)}{waited}. One Checkpointer writes to a root at a "
-                            f"time: close the other one, pick another directory, or pass lock_timeout_s "
-                            f"to wait for it (lock file {self.path})", root=self.root, owner=owner) from None
-                    time.sleep(delay)
-                    delay = min(0.2, delay * 2)
-                except OSError as exc:
-                    if exc.errno not in _NO_LOCKING:
-                        raise storage_error("locking", self.path, exc) from exc
-                    log.warning("zerostall: %s does not support flock (%s): the root is used without an "
-                                "owner lock; make sure only one process writes checkpoints there",
-                                self.root, os.strerror(exc.errno or 0))
-                    break
-            self._record(fd)
-        except BaseException:
-            _close_held(self)
-            raise
+        while not self._take_root():
+            if time.monotonic() >= deadline:
+                owner = read_owner(self.root)
+                since = owner.get("start_unix")
+                when = (_dt.datetime.fromtimestamp(since).isoformat(" ", "seconds")
+                        if isinstance(since, (int, float)) else "?")
+                who = (f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')} (since {when})" if owner
+                       else "an unknown process (its lock file is empty: it may be starting up)")
+                waited = f" (waited {timeout_s:g} s)" if timeout_s > 0 else ""
+                raise RootLockedError(
+                    f"checkpoint root {self.root!r} is owned by another writer: {who}{waited}. One "
+                    f"Checkpointer writes to a root at a time: close the other one, pick another directory, or "
+                    f"pass lock_timeout_s to wait for it (lock file {self.path})", root=self.root, owner=owner)
+            time.sleep(delay)
+            delay = min(0.2, delay * 2)
+        if not self.enforced:
+            log.warning("zerostall: %s does not support flock: the root is used without an owner lock; make "
+                        "sure only one process writes checkpoints there", self.root)
+        self._record(self._fd)
 
-    def _record(self, fd: int) -> None:
-        info = {"host": socket.gethostname(), "pid": os.getpid(), "start_unix": round(time.time(), 3)}
-        data = json.dumps(info, sort_keys=True).encode() + b"\n"
+    def _take_root(self) -> bool:
+        """One try: the lock file, then the root directory (a writer whose lock file was
+        unlinked still holds that)."""
+        if not self._take(wait=False):
+            return False
         try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, data, 0)
-        except OSError as exc:  # informational only: the flock is what matters
-            log.warning("zerostall: could not record the owner in %s: %s", self.path, exc)
+            self._dfd = _open_held(self, self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            if self.enforced:
+                fcntl.flock(self._dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _close_held(self)
+            return False
+        except OSError:  # no flock on directories here: the lock file alone
+            pass
+        return True
 
     def release(self) -> None:
         """Drop the lock. Idempotent."""
@@ -233,33 +233,21 @@ class FileLock(_Held):
     def acquire(self, wait: bool = True) -> bool:
         """Take the lock (waiting for a holder if ``wait``); False if held elsewhere and not
         ``wait``. Where the filesystem has no ``flock``, returns True unenforced."""
-        while True:
-            fd = _open_lock_file(self, self.path)
+        while self._take(wait):
+            if not self.enforced:
+                return True
             try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-                except BlockingIOError:
-                    _close_held(self)
-                    return False
-                except OSError as exc:
-                    if exc.errno not in _NO_LOCKING:
-                        raise storage_error("locking", self.path, exc) from exc
-                    self.enforced = False
-                    return True
-                try:
-                    same = os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
-                except FileNotFoundError:
-                    same = False
-                if not same:  # its last holder removed it while we waited: lock the new one
-                    _close_held(self)
-                    continue
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode() + b"\n", 0)
+                same = os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(self._fd).st_ino
+            except FileNotFoundError:
+                same = False
             except BaseException:
                 _close_held(self)
                 raise
-            self.enforced = True
-            return True
+            if same:
+                self._record(self._fd)
+                return True
+            _close_held(self)  # its last holder removed it while we waited: lock the new one
+        return False
 
     def holder(self) -> str:
         """Who holds it, as its file says (for log lines)."""

@@ -38,7 +38,7 @@ _TEMP_RE = re.compile(r"^(latest\.tmp|\.zerostall-write-test-\d+|\.zerostall-pro
 
 def recover_root(tier: "LocalTier") -> list[str]:
     """The actions taken on ``tier``'s root (each logged)."""
-    root, names, step_dir, hook = tier.root, tier._names, tier.step_dir, tier._hook
+    root, names, step_dir, hook = tier.root, tier._names, tier.step_dir, tier.hook
 
     def valid_dir(d: str, step: int) -> bool:
         try:

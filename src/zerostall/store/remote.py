@@ -241,19 +241,16 @@ def list_steps(remote: RemoteTier, timeout_s: float = LIST_TIMEOUT_S) -> tuple[l
 
 class ShardIO:
     """A ShardFile-like wrapper of ``inner``: ``finish()`` then runs ``on_finish`` (publish),
-    ``close()`` runs ``on_close(finished)`` once (cleanup)."""
+    ``close()`` runs ``on_close(finished)`` once (cleanup); ``read``, ``write`` and ``ident``
+    (what a reader read: an object's version, if known) are the inner file's."""
 
     def __init__(self, inner: Any, on_finish: Callable[[], None] | None = None,
                  on_close: Callable[[bool], None] | None = None):
         self.inner, self._on_finish, self._on_close = inner, on_finish, on_close
         self.finished = self.closed = False
-        self.ident = getattr(inner, "ident", None)  # what a reader read (an object's version), if known
 
-    def read(self, extents: Any) -> None:
-        self.inner.read(extents)
-
-    def write(self, extents: Any, overlap: Callable[[], None] | None = None) -> None:
-        self.inner.write(extents, overlap)
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
     def finish(self) -> None:
         if hasattr(self.inner, "finish"):
