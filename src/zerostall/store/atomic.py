@@ -149,6 +149,9 @@ class DeferredRemovals:
     def __bool__(self) -> bool:
         return bool(self.paths)
 
+    def add(self, path: str) -> None:
+        self.paths.append(path)
+
     def run(self, keep: str | None = None) -> None:
         """Remove every pending tree now, except, with ``keep`` (and :attr:`spare`), the first
         regular file of that name, for :meth:`take`. A failure is logged, never raised."""

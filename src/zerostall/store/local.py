@@ -293,7 +293,7 @@ class LocalTier(Tier):
             fsync_dir(self.root)
             self.hook("delete_fsync")
             if defer:
-                self.deferred.paths.append(gone)
+                self.deferred.add(gone)
             else:
                 rmtree(gone, self.hook)
         except OSError as exc:
