@@ -10,6 +10,7 @@ import argparse
 import base64
 import collections
 import datetime as _dt
+import functools
 import pathlib
 import re
 import uuid
@@ -25,16 +26,18 @@ def _b64(b: bytes | bytearray) -> str:
     return base64.b64encode(bytes(b)).decode("ascii")
 
 
-def _unb64(s: Any) -> bytes:
-    if not isinstance(s, str):
-        raise ValueError("bytes payload is not a string")
-    return base64.b64decode(s.encode("ascii"), validate=True)
-
-
-def _str(x: Any) -> str:
-    if not isinstance(x, str):
-        raise ValueError(f"expected a string, got {type(x).__name__}")
+def _of(kind: type, x: Any) -> Any:
+    """``x``, a payload (or part of one) that must be a ``kind``; else ValueError naming both."""
+    if not isinstance(x, kind):
+        raise ValueError(f"expected a {kind.__name__}, got {type(x).__name__}")
     return x
+
+
+_str = functools.partial(_of, str)
+
+
+def _unb64(s: Any) -> bytes:
+    return base64.b64decode(_str(s).encode("ascii"), validate=True)
 
 
 def _items(p: Any, n: int) -> list[Any]:
@@ -69,8 +72,7 @@ def _path(cls: type, s: Any) -> pathlib.PurePath:
 
 
 def _omegaconf(kind: type, payload: Any) -> Any:
-    if not isinstance(payload, kind):  # never a string: OmegaConf.create would parse it as YAML
-        raise ValueError(f"expected a {kind.__name__}, got {type(payload).__name__}")
+    _of(kind, payload)  # never a string: OmegaConf.create would parse it as YAML
     try:
         from omegaconf import OmegaConf
     except ImportError:
@@ -106,15 +108,7 @@ def _defaultdict(p: Any) -> collections.defaultdict:
     name, items = _items(p, 2)
     if name is not None and name not in _FACTORIES:
         raise ValueError(f"default_factory {name!r:.80} is not one of {sorted(_FACTORIES)}")
-    if not isinstance(items, dict):
-        raise ValueError("defaultdict items are not a dict")
-    return collections.defaultdict(None if name is None else _FACTORIES[name], items)
-
-
-def _counter(p: Any) -> collections.Counter:
-    if not isinstance(p, dict):
-        raise ValueError("Counter items are not a dict")
-    return collections.Counter(p)
+    return collections.defaultdict(None if name is None else _FACTORIES[name], _of(dict, items))
 
 
 def _torch_size(p: Any) -> torch.Size:
@@ -167,7 +161,7 @@ _KINDS: dict[str, tuple[Any, Callable[[Any], Any] | None, Callable[[Any], Any]]]
     "omegaconf.ListConfig": (None, None, lambda p: _omegaconf(list, p)),
     "torch.Size": ("torch.Size", list, _torch_size),
     "collections.defaultdict": (collections.defaultdict, _factory_payload, _defaultdict),
-    "collections.Counter": (collections.Counter, dict, _counter),
+    "collections.Counter": (collections.Counter, dict, lambda p: collections.Counter(_of(dict, p))),
     "numpy.datetime64": ("numpy.datetime64", _np_payload, lambda p: _np_time("M", p)),
     "numpy.timedelta64": ("numpy.timedelta64", _np_payload, lambda p: _np_time("m", p)),
     **{f"pathlib.{n}": (c, str, (lambda s, c=c: _path(c, s))) for n, c in _PATHS.items()},

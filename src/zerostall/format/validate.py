@@ -46,10 +46,7 @@ ITEMSIZE_BY_NAME: dict[str, int] = {
 """The tensor dtype names the format stores and their element sizes. Any other name is
 corruption, never a ``getattr(torch, name)`` (:mod:`.dtypes` maps them to torch dtypes)."""
 
-NUMPY_DTYPES = frozenset({
-    "float64", "float32", "float16", "complex64", "complex128", "int64", "int32", "int16", "int8",
-    "uint8", "uint16", "uint32", "uint64", "bool",
-})
+NUMPY_DTYPES = frozenset(n for n in ITEMSIZE_BY_NAME if n != "bfloat16" and not n.startswith("float8"))
 """Tensor dtypes that have a numpy equivalent (a numpy node over bfloat16 is corruption)."""
 
 _STEP_DIR_RE = re.compile(r"^step-(\d{1,19})$")
