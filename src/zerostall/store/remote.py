@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import threading
 from abc import abstractmethod
 from typing import Any, Callable
@@ -165,6 +166,11 @@ class RemoteTier(Tier):
             return (f"step {step} is committed on {self.url}, but removing the objects it replaced failed: {exc}",)
         return ()
 
+    def open_shard_write(self, step: int, name: str, nbytes: int, engine: Any = None) -> Any:
+        """Spooled to a local temporary file; at ``finish()`` uploaded as the replicator uploads a
+        file (:meth:`upload`: verified by its crc32c), the object appearing whole."""
+        return ShardIO(_Spool(self, f"step-{step}/{name}", nbytes))
+
     def abort(self, step: int) -> None:
         if self.stat(f"step-{step}/{MANIFEST_NAME}") is None:
             self._delete_prefix(f"step-{step}/")
@@ -240,24 +246,16 @@ def list_steps(remote: RemoteTier, timeout_s: float = LIST_TIMEOUT_S) -> tuple[l
 
 
 class ShardIO:
-    """A ShardFile-like wrapper of ``inner``: ``finish()`` then runs ``on_finish`` (publish),
-    ``close()`` runs ``on_close(finished)`` once (cleanup); ``read``, ``write`` and ``ident``
-    (what a reader read: an object's version, if known) are the inner file's."""
+    """A ShardFile-like wrapper: ``inner``'s ``read``, ``write``, ``finish`` and ``ident`` (what a
+    reader read: an object's version, if known); ``close()`` closes ``inner``, then runs
+    ``on_close``, once."""
 
-    def __init__(self, inner: Any, on_finish: Callable[[], None] | None = None,
-                 on_close: Callable[[bool], None] | None = None):
-        self.inner, self._on_finish, self._on_close = inner, on_finish, on_close
-        self.finished = self.closed = False
+    def __init__(self, inner: Any, on_close: Callable[[], None] | None = None):
+        self.inner, self._on_close = inner, on_close
+        self.closed = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
-
-    def finish(self) -> None:
-        if hasattr(self.inner, "finish"):
-            self.inner.finish()
-        if self._on_finish is not None:
-            self._on_finish()
-        self.finished = True
 
     def close(self) -> None:
         if self.closed:
@@ -268,10 +266,39 @@ class ShardIO:
                 self.inner.close()
         finally:
             if self._on_close is not None:
-                self._on_close(self.finished)
+                self._on_close()
 
     def __enter__(self) -> "ShardIO":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Spool:
+    """A shard written to a local temporary file, in any order, then uploaded at ``finish()``
+    the way :meth:`RemoteTier.upload` uploads a local file (verified by its crc32c)."""
+
+    def __init__(self, tier: RemoteTier, rel: str, nbytes: int):
+        self.tier, self.rel, self.nbytes = tier, rel, nbytes
+        self.file = tempfile.NamedTemporaryFile(prefix="zerostall-upload-")
+
+    def write(self, extents: Any, overlap: Any = None) -> None:
+        try:
+            for off, mv in extents:
+                self.file.seek(off)
+                self.file.write(mv)
+            self.file.flush()
+        except OSError as exc:
+            raise self.tier.error(self.rel, f"spooling {self.tier.where(self.rel)} to {self.file.name} failed: "
+                                  f"{exc}") from exc
+        if overlap is not None:
+            overlap()
+
+    def finish(self) -> None:
+        if (got := os.fstat(self.file.fileno()).st_size) != self.nbytes:
+            raise self.tier.error(self.rel, f"{self.tier.where(self.rel)}: {got} bytes written, {self.nbytes} declared")
+        self.tier.upload(self.file.name, self.rel)
+
+    def close(self) -> None:
+        self.file.close()

@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 import crc32c as _crc
 
 from ..config import ALIGN_BYTES, IOConfig
-from ..errors import CheckpointNotFound, ConfigError, RemoteError, RootNotFound
+from ..errors import CheckpointNotFound, RemoteError, RootNotFound
 from ..format.manifest import MANIFEST_NAME
 from .remote import RemoteTier, ShardIO, step_of
 from ..io import choose_engine
@@ -253,11 +253,6 @@ class S3Tier(RemoteTier):
         except ValueError:
             return self.checksum(rel)[1]
 
-    def open_shard_write(self, step: int, name: str, nbytes: int, engine: Any = None) -> Any:
-        """The object appears, verified, at ``finish()``."""
-        w = _MultipartWriter(self, f"step-{step}/{name}", nbytes)
-        return ShardIO(w, w.complete, w.abort_unless)
-
     def cancel(self) -> None:
         self._cancel.set()
 
@@ -288,61 +283,3 @@ class _RangeReader:
             body = self.tier._get(self.rel, Range=f"bytes={off}-{off + n - 1}", **pin)["Body"]
             self.tier._call("reading", self.rel, lambda body=body, mv=mv, off=off: self.tier._read_into(
                 body, mv, self.rel, off))
-
-
-class _MultipartWriter:
-    """Streams a shard, in file order, into a multipart upload; ``complete()`` finishes it and
-    checks the stored bytes' crc32c."""
-
-    def __init__(self, tier: S3Tier, rel: str, nbytes: int):
-        self.tier, self.rel, self.nbytes = tier, rel, nbytes
-        self.part_bytes = max(5 << 20, tier.transfer.multipart_chunksize)
-        self.buf = bytearray()
-        self.pos = self.crc = 0
-        self.parts: list[dict[str, Any]] = []
-        key = tier._key(rel)
-        self.upload_id = tier._call("starting upload of", rel, lambda: tier.client.create_multipart_upload(
-            Bucket=tier.bucket, Key=key))["UploadId"]
-        self.done = False
-
-    def write(self, extents: Any, overlap: Any = None) -> None:
-        for off, mv in extents:
-            if off != self.pos:
-                raise ConfigError(f"{self.tier.where(self.rel)}: object-store shards are written in order "
-                                  f"(expected offset {self.pos}, got {off})")
-            self.buf += mv
-            self.crc = _crc.crc32c(mv, self.crc)
-            self.pos += len(mv)
-            while len(self.buf) >= self.part_bytes:
-                self._part(bytes(self.buf[:self.part_bytes]))
-                del self.buf[:self.part_bytes]
-        if overlap is not None:
-            overlap()
-
-    def _part(self, data: bytes) -> None:
-        t, n = self.tier, len(self.parts) + 1
-        r = t._call("uploading part of", self.rel, lambda: t.client.upload_part(
-            Bucket=t.bucket, Key=t._key(self.rel), UploadId=self.upload_id, PartNumber=n, Body=data))
-        self.parts.append({"ETag": r["ETag"], "PartNumber": n})
-
-    def complete(self) -> None:
-        if self.pos != self.nbytes:
-            raise self.tier.error(self.rel, f"{self.tier.where(self.rel)}: {self.pos} bytes written, "
-                                  f"{self.nbytes} declared")
-        if self.buf or not self.parts:
-            self._part(bytes(self.buf))
-            self.buf = bytearray()
-        t = self.tier
-        t._call("completing upload of", self.rel, lambda: t.client.complete_multipart_upload(
-            Bucket=t.bucket, Key=t._key(self.rel), UploadId=self.upload_id, MultipartUpload={"Parts": self.parts}))
-        self.done = True
-        t.verify(self.rel, self.nbytes, self.crc)
-
-    def abort_unless(self, finished: bool) -> None:
-        if self.done:
-            return
-        t = self.tier
-        try:
-            t.client.abort_multipart_upload(Bucket=t.bucket, Key=t._key(self.rel), UploadId=self.upload_id)
-        except Exception as exc:  # noqa: BLE001 - best effort; the server expires it otherwise
-            log.warning("zerostall: aborting the upload of %s failed: %s", t.where(self.rel), exc)

@@ -107,8 +107,6 @@ class FileTier(RemoteTier):
         try:
             self._copy(local_path, self._path(rel))
         except (OSError, ZerostallError) as exc:
-            if isinstance(exc, RemoteError):
-                raise
             raise self.error(rel, f"copying {local_path} to {self.where(rel)} failed: {exc}") from exc
 
     def _put_bytes(self, data: bytes, rel: str) -> None:
@@ -191,28 +189,7 @@ class FileTier(RemoteTier):
             if engine is None:
                 eng.close()
             raise self.error(rel, f"opening {self.where(rel)} failed: {exc}") from exc
-        return ShardIO(inner, on_close=(lambda _: eng.close()) if engine is None else None)
-
-    def open_shard_write(self, step: int, name: str, nbytes: int, engine: Any = None) -> Any:
-        """The file appears, durable, at ``finish()`` (``name.part`` renamed)."""
-        rel = f"step-{step}/{name}"
-        self._unlink_step_link(rel)
-        dst = self._path(rel)
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        eng = engine or self._engine()
-        inner = eng.open_write(dst + ".part", nbytes)
-
-        def publish() -> None:
-            os.rename(dst + ".part", dst)
-            fsync_dir(os.path.dirname(dst))
-
-        def cleanup(finished: bool) -> None:
-            if not finished and os.path.exists(dst + ".part"):
-                os.unlink(dst + ".part")
-            if engine is None:
-                eng.close()
-
-        return ShardIO(inner, publish, cleanup)
+        return ShardIO(inner, on_close=eng.close if engine is None else None)
 
     def _delete(self, rel: str) -> None:
         self._unlink_step_link(rel)
