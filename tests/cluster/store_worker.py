@@ -10,7 +10,7 @@ client to n0 over the bridge, wrapped in :class:`~zerostall.distributed.store.St
 opens its own connection, ``clone()``); the real start-up round
 (:func:`~zerostall.distributed.session.join`, every node's root a copy of its own, so one
 group per node, led by its lowest rank); then, per step, the persist thread's commit
-strategy :class:`~zerostall.saving.commit_ranks.StoreCommitter` (``begin`` -> its shard file
+strategy :class:`~zerostall.saving.commit.StoreCommitter` (``begin`` -> its shard file
 written and fdatasync'ed in ``step-N.partial`` -> ``commit``, i.e.
 :func:`~zerostall.distributed.commit.commit_round`; ``fail`` on an error). Only the shard's
 content and the fragment describing it are synthetic (the round never reads a shard).
@@ -51,7 +51,7 @@ from zerostall.distributed.commit import OutcomeUnknown  # noqa: E402
 from zerostall.distributed.session import join, namespace  # noqa: E402
 from zerostall.distributed.store import Store  # noqa: E402
 from zerostall.errors import DistributedError, SaveFailed  # noqa: E402
-from zerostall.saving.commit_ranks import StoreCommitter  # noqa: E402
+from zerostall.saving.commit import StoreCommitter  # noqa: E402
 from zerostall.store.local import LocalTier  # noqa: E402
 
 SHARD = b"\0" * 4096 + bytes(range(16)) + b"\0" * 4080  # a header page and a data page (O_DIRECT size)

@@ -3,9 +3,8 @@
 import inspect
 import threading
 
-from zerostall.saving.commit_ranks import StoreCommitter
+from zerostall.saving.commit import Committer, LocalCommitter, StoreCommitter
 from zerostall.saving.job import Handoff, SaveStatus
-from zerostall.saving.commit_local import Committer, LocalCommitter
 
 
 def test_the_first_failure_wins_and_a_claimed_commit_refuses_later_ones():

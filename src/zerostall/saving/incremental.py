@@ -120,9 +120,12 @@ class RefTracker(ContentCheck):
     # -- start-up (caller's thread) --------------------------------------------------------
     def seed_from(self, steps: list[int], read_manifest: Callable[[int], Manifest], root: str | None = None, *,
                   rank: int = 0, world_size: int = 1) -> None:
-        """Start from the newest committed step of the root (if its manifest reads). Its files
-        may have been damaged since: with ``root``, the first save crc-checks every file span it
-        would reference (:meth:`_verify_on_disk`) and writes the tensor instead of a mismatch."""
+        """Make the newest committed step of the root the base (if its manifest reads): its
+        tensors have no fingerprint, so the first save checks each by crc; and its files may
+        have been damaged since: with ``root``, that save crc-checks every file span it would
+        reference (:meth:`_verify_on_disk`) and writes the tensor instead of a mismatch. Only
+        ``rank``'s own files count: a rank references nothing but bytes it wrote (keys repeat
+        across ranks)."""
         self._seed_root = root
         if not steps:
             return
@@ -135,32 +138,26 @@ class RefTracker(ContentCheck):
             log.info("zerostall: incremental: step %d was saved by %d rank(s), this is %d; the first save is full",
                      man.step, man.world_size, world_size)
             return
-        oldest = min((r.step for r in man.ref_files), default=man.step)
-        self.seed(man, sum(1 for s in steps if s > oldest), rank=rank)
-
-    def seed(self, manifest: Manifest, steps_after_oldest_ref: int, *, rank: int = 0) -> None:
-        """Make ``manifest`` (the newest committed step of the root) the base: its tensors
-        have no fingerprint, so the first save checks each by crc. Only ``rank``'s own files
-        count: a rank references nothing but bytes it wrote (keys repeat across ranks)."""
-        files = {f.name: RefFile(manifest.step, f.name, f.rank, f.file_bytes, f.file_id or manifest.checkpoint_id)
-                 for f in manifest.files}
-        refs = {(r.step, r.name): r for r in manifest.ref_files}
+        files = {f.name: RefFile(man.step, f.name, f.rank, f.file_bytes, f.file_id or man.checkpoint_id)
+                 for f in man.files}
+        refs = {(r.step, r.name): r for r in man.ref_files}
         known = {}
-        paths = tensor_paths(manifest.tree_for(rank, manifest.world_size))
-        for i, e in enumerate(manifest.tensors):
+        paths = tensor_paths(man.tree_for(rank, man.world_size))
+        for i, e in enumerate(man.tensors):
             if i not in paths:  # another rank's tensor (per-rank trees)
                 continue
             if e.step is None:
                 ref = files[e.file]
-                e = TensorEntry(e.key, e.dtype, e.shape, e.file, e.offset, e.nbytes, e.crc32c, manifest.step)
+                e = TensorEntry(e.key, e.dtype, e.shape, e.file, e.offset, e.nbytes, e.crc32c, man.step)
             else:
                 ref = refs[(e.step, e.file)]
             if ref.rank == rank:
                 known[paths[i]] = Known(e, ref, None)
         stamps = self._stamps_of(known, {})
+        oldest = min((r.step for r in man.ref_files), default=man.step)
         with self._lock:
-            self._known, self._stamps, self._seeded = known, stamps, self._seed_root is not None
-            self._since_full = steps_after_oldest_ref
+            self._known, self._stamps, self._seeded = known, stamps, root is not None
+            self._since_full = sum(1 for s in steps if s > oldest)
 
     # -- caller's thread --------------------------------------------------------------------
     def prepare(self, plan: SavePlan) -> "IncrementalJob":

@@ -36,7 +36,7 @@ from .job import Committed, Forward, Job, Persisted
 from .plan import SavePlan
 from .pool import drain
 from ..memory.ring import BlockRing
-from .commit_local import Committer, LocalCommitter, file_entry, tensor_entries
+from .commit import Committer, LocalCommitter, file_entry, tensor_entries
 from ..store.local import LocalTier
 from ..store.retention import check_not_referenced
 

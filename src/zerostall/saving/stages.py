@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..config import CheckpointConfig
-from .commit_ranks import StoreCommitter
+from .commit import StoreCommitter
 from ..distributed.node import discover
 from ..distributed.session import Session, join, namespace
 from ..distributed.store import Store
@@ -40,7 +40,7 @@ class Stages:
     world_size: int
     node_local: bool
     committer: StoreCommitter | None
-    """None alone: the persist thread's :class:`.commit_local.LocalCommitter`."""
+    """None alone: the persist thread's :class:`.commit.LocalCommitter`."""
     refs: RefTracker | None
     engine: Engine
     probe: Any
