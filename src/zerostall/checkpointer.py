@@ -8,7 +8,7 @@ save in flight. ``save()`` only plans (metadata) and enqueues.
 Signal safety: ``on_preemption()``, ``wait()``, ``close()`` and the ``atexit`` hook may run in
 a signal handler that interrupted ``save()`` on the same thread. They take no lock and wait on
 no ``threading.Event`` (whose internal lock the interrupted frame may hold): they poll
-lock-free snapshots of the in-flight list (:mod:`.saving.inflight`), bounded by their timeout.
+lock-free snapshots of the in-flight list (:mod:`.saving.handle`), bounded by their timeout.
 ``save()`` serialises callers with ``_save_lock``, which no worker and no lifecycle method takes.
 """
 
@@ -25,8 +25,7 @@ from typing import Any
 
 from .config import CheckpointConfig
 from .errors import CheckpointExistsError, ConfigError, ZerostallError
-from .saving.handle import SaveHandle
-from .saving.inflight import InFlight, step_pre_hook, wait_staged
+from .saving.handle import InFlight, SaveHandle, step_pre_hook, wait_staged
 from .memory.arena import Arena
 from .memory.host import budget_bytes
 from .saving.job import Job, SaveRequest, SaveStatus, Slot, Source
