@@ -18,13 +18,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import queue
 import threading
 import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+from .._util import Worker
 from ..errors import DistributedError
 
 log = logging.getLogger("zerostall")
@@ -50,29 +50,22 @@ class StoreTimeout(DistributedError):
     """The c10d store did not answer a request in time: its outcome is unknown to this rank."""
 
 
-class _Caller:
-    """One daemon thread running store requests in order; abandoned when one outlives its deadline."""
+class _Caller(Worker[tuple[Callable[[], Any], Future[Any]]]):
+    """The daemon thread running store requests in order; abandoned (``stop(0)``) when one
+    outlives its deadline."""
 
-    def __init__(self) -> None:
-        self.q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="zerostall-store", daemon=True).start()
-
-    def _run(self) -> None:
-        while (item := self.q.get()) is not None:
-            fn, fut = item
-            try:
-                fut.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-                fut.set_exception(exc)
+    def handle(self, item: tuple[Callable[[], Any], Future[Any]]) -> None:
+        fn, fut = item
+        try:
+            fut.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            fut.set_exception(exc)
 
     def call(self, fn: Callable[[], Any], timeout: float) -> Future[Any] | None:
         """``fn()``'s future once done; None while it still runs after ``timeout`` seconds."""
         fut: Future[Any] = Future()
-        self.q.put((fn, fut))
+        self.submit((fn, fut))
         return fut if wait([fut], max(timeout, 0.0)).done else None
-
-    def stop(self) -> None:
-        self.q.put(None)
 
 
 def _hook(what: str) -> None:
@@ -89,7 +82,7 @@ class Store:
         self.own_client = own_client
         self.call_timeout_s = call_timeout_s
         self._mu = threading.Lock()
-        self._caller = _Caller()
+        self._caller = _Caller("zerostall-store")
         self._scope = threading.local()
         self.raw: Any = self._clone(store) if own_client else store
 
@@ -110,8 +103,8 @@ class Store:
         return got.result()
 
     def _abandon(self) -> None:
-        self._caller.stop()  # runs after the blocked request, if it ever returns
-        self._caller = _Caller()
+        self._caller.stop(0)  # runs after the blocked request, if it ever returns
+        self._caller = _Caller("zerostall-store")
 
     @contextlib.contextmanager
     def bounded(self, until: float) -> Iterator[_Bound]:
@@ -256,4 +249,4 @@ class Store:
 
     def close(self) -> None:
         """Stop the request thread (the connection closes with the last reference)."""
-        self._caller.stop()
+        self._caller.stop(0)
