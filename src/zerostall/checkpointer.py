@@ -38,7 +38,6 @@ from .saving.snapshot import record_save_events
 from .restore import LoadReport, LoadRequest
 from .restore.step import shared_bounce
 from .stateful import load_into, unwrap_optimizer
-from .saving.persist import Persister
 from .store.remote import list_steps
 from .store.tier import open_tier
 from .saving.stages import abandoned, build_stages
@@ -89,8 +88,6 @@ class Checkpointer:
         self._plans = PlanCache()
         self._order = StepOrder(self.tier, self._refs, allow_lower=cfg.allow_lower_steps)
         self._last_saved: int | None = None  # the step of the newest save queued (not skipped)
-        self._lease: _pool.Lease | None = None
-        self._persist: Persister | None = None
         self._save_lock = threading.Lock()  # serialises save()/load() callers; never on a lifecycle path
         self._save_owner: int | None = None
         self._saving: tuple[int, SaveStatus] | None = None  # inside save() now (close() in a handler fails it)
@@ -99,7 +96,17 @@ class Checkpointer:
         self._closed = False
         self.records = self._book.records
         """The newest SaveRecords (bounded; the sinks in telemetry/ keep the full history)."""
-        self._join_pool(0)  # no memory yet: the first save (or prepare) says how much it wants
+        # lease the process's staging pool (no memory yet: the first save or prepare says how
+        # much it wants) and start this Checkpointer's persist thread
+        budget = budget_bytes(cfg.staging.budget_bytes, cfg.staging.budget_fraction)
+        start_sampling_thread()  # before the pool faults (see telemetry.host.start_sampling_thread)
+        self._lease = _pool.lease(0, budget, cfg.staging.block_bytes, mlock=cfg.staging.mlock,
+                                  hugepages=cfg.staging.hugepages)
+        self._persist = st.persister(self._lease, self._book.finished)
+        # the workers never hold this Checkpointer: dropped without close(), it is released
+        self._finalizer = weakref.finalize(self, abandoned, self.tier.root, self._persist, self._lease,
+                                           st, cfg.close_timeout_s)
+        self._finalizer.atexit = False  # at exit the atexit hook closes it properly
         self._pid = os.getpid()
         ref = weakref.ref(self)
         self._atexit = lambda: (c := ref()) is not None and c.close(_from_atexit=True)
@@ -107,41 +114,25 @@ class Checkpointer:
 
     # -- the pipeline: this Checkpointer's persist thread over the process's staging pool --
     @property
-    def arena(self) -> Arena | None:
+    def arena(self) -> Arena:
         """The process's staging arena (shared through :mod:`.saving.pool`)."""
-        return self._lease.pool.arena if self._lease is not None else None
+        return self._lease.pool.arena
 
     @property
-    def ring(self) -> BlockRing | None:
-        return self._lease.ring if self._lease is not None else None
+    def ring(self) -> BlockRing:
+        return self._lease.ring
 
     def _ensure_pipeline(self, file_bytes: int) -> None:
         """Ask the staging pool for what this state wants; never waits for memory (the pool
         faults in the background, grows for a larger state; the snapshot streams through)."""
-        want = _pool.want_bytes(file_bytes, self.config.staging.block_bytes, self.config.staging.slots, self._oneshot)
-        if self._lease is not None:
-            self._lease.want(want)
-            return
-        self._join_pool(want)
-
-    def _join_pool(self, want: int) -> None:
-        """Lease the process's staging pool and start this Checkpointer's persist thread; the
-        post-commit stages subscribe to it."""
         st = self.config.staging
-        budget = budget_bytes(st.budget_bytes, st.budget_fraction)
-        start_sampling_thread()  # before the pool faults (see telemetry.host.start_sampling_thread)
-        self._lease = _pool.lease(want, budget, st.block_bytes, mlock=st.mlock, hugepages=st.hugepages)
-        self._persist = self._stages.persister(self._lease, self._book.finished)
-        # the workers never hold this Checkpointer: dropped without close(), it is released
-        self._finalizer = weakref.finalize(self, abandoned, self.tier.root, self._persist, self._lease,
-                                           self._stages, self.config.close_timeout_s)
-        self._finalizer.atexit = False  # at exit the atexit hook closes it properly
+        self._lease.want(_pool.want_bytes(file_bytes, st.block_bytes, st.slots, self._oneshot))
 
     def prepare(self, state_dict: Any, *, wait: bool = False) -> None:
         """Start allocating and faulting staging memory for ``state_dict`` (in the background);
         ``wait=True`` blocks until the memory is faulted (benchmarks of the steady state)."""
         self._ensure_pipeline(self._plan(state_dict).file_bytes)
-        if wait and self._lease is not None:
+        if wait:
             self._lease.pool.arena.wait_ready(self._lease.pool.target)
 
     def _plan(self, state_dict: Any) -> Any:
@@ -190,7 +181,6 @@ class Checkpointer:
             # an incremental save keeps one spare block for what RefTracker.settle appends
             spare = 1 if self._refs is not None else 0
             self._ensure_pipeline(plan.file_bytes + spare * self.config.staging.block_bytes)
-            assert self.ring is not None and self._lease is not None and self._persist is not None
             request = SaveRequest(step=step, plan=plan, rank=self.rank, world_size=self.world_size, overwrite=ow,
                                   user_metadata=dict(metadata or {}), engine=self.engine.name)
             nblocks = self.ring.blocks_for(plan.file_bytes) + spare
@@ -261,7 +251,7 @@ class Checkpointer:
         """Hand every step this Checkpointer commits to ``subscriber.on_committed(record)`` (a
         :class:`~.saving.job.Committed`; persist thread, in commit order, after retention and
         replication's hand-off; what it raises is recorded on the save, which stays durable)."""
-        self._persist.subscribe(subscriber)  # type: ignore[union-attr]
+        self._persist.subscribe(subscriber)
 
     def error_seen(self, status: SaveStatus) -> None:
         """A handle raised its save's error to the caller: not a background error any more."""
@@ -284,8 +274,7 @@ class Checkpointer:
         if self._peers:
             report = report if report is not None else LoadReport()
             peer = self._peers.plan_load(step, warm=shared_bounce)
-        borrow = self._lease.pool.borrow_idle() if self._lease is not None else contextlib.nullcontext()
-        with self._save_lock, borrow as bounce:
+        with self._save_lock, self._lease.pool.borrow_idle() as bounce:
             request = LoadRequest(step=step, map_location=map_location, keys=keys, strict=strict)
             out = load_into(state_dict, lambda sd: self._stages.load(
                 sd, request, self.config, report, engine=self.engine, bounce=bounce, peer=peer))
@@ -322,7 +311,7 @@ class Checkpointer:
         if self.__dict__.get("_released"):
             return True
         first, self._closed = not self._closed, True  # first: a save() this call interrupted fails
-        if os.getpid() != self.__dict__.get("_pid", os.getpid()):  # a forked child (at exit): the saves,
+        if os.getpid() != self._pid:  # a forked child (at exit): the saves,
             return True  # threads and lock are the parent's; waiting for them hung the child for good
         deadline = None if timeout is None else time.monotonic() + timeout
 
@@ -340,14 +329,11 @@ class Checkpointer:
             self._book.error_seen(saving)
         with contextlib.suppress(Exception):  # interpreter shutdown
             atexit.unregister(self._atexit)
-        if self._persist is not None:  # the snapshot thread is the pool's
-            ok = self._persist.stop(left()) and ok
+        ok = self._persist.stop(left()) and ok  # the snapshot thread is the pool's
         budget = self.config.close_timeout_s if deadline is None else min(self.config.close_timeout_s, left() or 0.0)
         self.unprotected, self.unreplicated = self._stages.close_post_commit(budget)  # bounded; the next run goes on
         if ok:
-            finalizer = self.__dict__.get("_finalizer")
-            if finalizer is not None:
-                finalizer.detach()  # released here instead
+            self._finalizer.detach()  # released here instead
             self._stages.release(self._lease)
             self._released = True
         else:
