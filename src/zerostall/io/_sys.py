@@ -11,7 +11,6 @@ import logging
 import os
 import struct
 import threading
-from dataclasses import dataclass
 
 from .._fast import libc as _libc
 
@@ -39,26 +38,21 @@ def sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> None:
         _raise()
 
 
-@dataclass(frozen=True)
-class DioAlign:
-    mem_align: int
-    offset_align: int
-
-
 STATX_DIOALIGN = 0x2000
 _STATX_BYTES = 256
 _STATX_DIO_OFFSET = 152  # struct statx: stx_mask (u32) at 0, stx_dio_mem_align, stx_dio_offset_align here
 
 
-def statx_dioalign(path: str) -> DioAlign | None:
-    """STATX_DIOALIGN of ``path`` (a file or directory); None where the kernel or fs lacks it."""
+def statx_dioalign(path: str) -> tuple[int, int] | None:
+    """STATX_DIOALIGN of ``path`` (a file or directory): (memory, offset) alignment; None where
+    the kernel or fs lacks it."""
     fn = getattr(_libc, "statx", None)
     buf = ctypes.create_string_buffer(_STATX_BYTES)
     if fn is None or fn(-100, os.fsencode(path), 0, STATX_DIOALIGN, buf) != 0:  # -100: AT_FDCWD
         return None
     if not struct.unpack_from("=I", buf, 0)[0] & STATX_DIOALIGN:
         return None
-    return DioAlign(*struct.unpack_from("=II", buf, _STATX_DIO_OFFSET))
+    return struct.unpack_from("=II", buf, _STATX_DIO_OFFSET)
 
 
 def set_idle_io_priority() -> bool:

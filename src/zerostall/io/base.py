@@ -242,5 +242,4 @@ def engine_name_for(path: str, cfg: IOConfig) -> tuple[str, ProbeResult | None]:
 def choose_engine(path: str, cfg: IOConfig | None = None) -> Engine:
     """The engine for files under the directory ``path`` (``auto``: probed once). Any thread."""
     cfg = cfg or IOConfig()
-    name, _ = engine_name_for(path, cfg)
-    return get_engine(name, cfg)
+    return get_engine(engine_name_for(path, cfg)[0], cfg)

@@ -23,11 +23,8 @@ _WAIT_ALL = (_sys.SYNC_FILE_RANGE_WAIT_BEFORE | _sys.SYNC_FILE_RANGE_WRITE
 
 class _BufferedFile(ShardFile):
     engine: "BufferedEngine"
-
-    def __init__(self, engine: "BufferedEngine", path: str, fd: int, writable: bool):
-        super().__init__(engine, path, fd, writable)
-        self._window_start: int | None = None
-        self._window_end = 0
+    _window_start: int | None = None  # the dirty range not yet pushed out (set per instance)
+    _window_end = 0
 
     def _flush_window(self) -> None:
         if self._window_start is None:

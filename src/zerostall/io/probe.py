@@ -73,7 +73,7 @@ def io_uring_status() -> tuple[bool, str]:
     return True, "available" + (" (restricted to a group: kernel.io_uring_disabled=1)" if disabled == 1 else "")
 
 
-def _try_direct(directory: str) -> tuple[bool, _sys.DioAlign | None, str]:
+def _try_direct(directory: str) -> tuple[bool, tuple[int, int] | None, str]:
     name = os.path.join(directory, f".zerostall-probe-{uuid.uuid4().hex[:8]}")
     try:
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT | os.O_CLOEXEC, 0o600)
@@ -96,19 +96,19 @@ def probe(directory: str) -> ProbeResult:
     """Probe ``directory`` (must exist and be writable). Cached per path."""
     fs_type, mnt = fs_of(directory)
     direct, align, why = _try_direct(directory)
+    mem_align, offset_align = align or (None, None)
     uring, uring_why = io_uring_status()
     if fs_type in _NO_DIRECT_FS or fs_type.startswith("fuse"):
         engine, reason = "buffered", f"{fs_type} has no device behind the page cache, O_DIRECT is meaningless"
     elif not direct:
         engine, reason = "buffered", why
-    elif align is not None and align.offset_align > ALIGN_BYTES:
-        engine, reason = "buffered", f"O_DIRECT needs {align.offset_align}-byte alignment (> {ALIGN_BYTES})"
+    elif offset_align is not None and offset_align > ALIGN_BYTES:
+        engine, reason = "buffered", f"O_DIRECT needs {offset_align}-byte alignment (> {ALIGN_BYTES})"
     elif uring:
         engine, reason = "uring", "O_DIRECT works and io_uring is available"
     else:
         engine, reason = "threads", f"O_DIRECT works; io_uring unavailable: {uring_why}"
-    res = ProbeResult(os.path.realpath(directory), fs_type, mnt, direct,
-                      align.mem_align if align else None, align.offset_align if align else None,
+    res = ProbeResult(os.path.realpath(directory), fs_type, mnt, direct, mem_align, offset_align,
                       uring, uring_why, engine, reason)
     log.info("zerostall: %s on %s (%s): engine %s: %s", directory, fs_type, mnt, engine, reason)
     return res

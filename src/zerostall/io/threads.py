@@ -4,7 +4,7 @@ hosts where io_uring is disabled (``os.pwritev`` releases the GIL: the pool is t
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable
 
 from ..config import IOConfig
@@ -16,19 +16,13 @@ class _ThreadsFile(ShardFile):
 
     def _run(self, reqs: list[Extent], write: bool, overlap: Callable[[], None] | None) -> None:
         futs = [self.engine.pool.submit(transfer, self.path, self.fd, off, mv, write) for off, mv in reqs]
-        err = None
-        if overlap is not None:
-            try:
-                overlap()
-            except BaseException as exc:  # noqa: BLE001 - re-raised after the writes end
-                err = exc
-        for f in futs:  # wait for all, even after an error: buffers must not be reused early
-            try:
-                f.result()
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
-                err = err or exc
-        if err is not None:
-            raise err
+        try:
+            if overlap is not None:
+                overlap()  # what it raises is raised once the requests end
+        finally:
+            wait(futs)  # all of them, even after an error: buffers must not be reused early
+        for f in futs:
+            f.result()  # the first request's error
 
 
 class ThreadsEngine(Engine):

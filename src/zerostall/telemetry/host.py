@@ -87,8 +87,7 @@ class HostSample:
     @classmethod
     def now(cls) -> "HostSample":
         v = read_vmstat()
-        io = read_psi("/proc/pressure/io") or {}
-        mem = read_psi("/proc/pressure/memory") or {}
+        io, mem = ((read_psi(f"/proc/pressure/{r}") or {}).get("full", {}) for r in ("io", "memory"))
         return cls(
             t=time.time(),
             dirty_bytes=v.get("nr_dirty", 0) * PAGE,
@@ -98,10 +97,10 @@ class HostSample:
             pgscan_kswapd=v.get("pgscan_kswapd", 0),
             pgscan_direct=v.get("pgscan_direct", 0),
             allocstall=sum(val for k, val in v.items() if k.startswith("allocstall")),
-            psi_io_full_avg10=io.get("full", {}).get("avg10", 0.0),
-            psi_mem_full_avg10=mem.get("full", {}).get("avg10", 0.0),
-            psi_io_full_total_us=io.get("full", {}).get("total", 0.0),
-            psi_mem_full_total_us=mem.get("full", {}).get("total", 0.0),
+            psi_io_full_avg10=io.get("avg10", 0.0),
+            psi_mem_full_avg10=mem.get("avg10", 0.0),
+            psi_io_full_total_us=io.get("total", 0.0),
+            psi_mem_full_total_us=mem.get("total", 0.0),
             rss_bytes=read_rss_bytes(),
         )
 

@@ -20,13 +20,10 @@ def measure_engine(engine: str, directory: str, size: int, cfg: IOConfig, buf: A
     eng = get_engine(engine, cfg)
     path = os.path.join(directory, f"zerostall-linerate-{engine}.bin")
     try:
-        f = eng.open_write(path, size)
-        w = _gbps(size, buf, f.write, f.finish)
-        f.close()
-        r = eng.open_read(path)
-        rd = _gbps(size, buf, r.read)
-        r.close()
-        return w, rd
+        with eng.open_write(path, size) as f:
+            w = _gbps(size, buf, f.write, f.finish)
+        with eng.open_read(path) as r:
+            return w, _gbps(size, buf, r.read)
     finally:
         Path(path).unlink(missing_ok=True)
         eng.close()
