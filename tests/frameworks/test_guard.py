@@ -151,3 +151,35 @@ def test_a_partial_with_its_manifest_written_is_not_committed(tmp_path):
 def test_a_committed_step_is_committed(tmp_path):
     zerostall.save(tmp_path / "checkpoint-4", {"w": torch.arange(4.0)}, 4)
     assert is_committed(tmp_path / "checkpoint-4")
+
+
+def test_recover_staged_holds_the_root_lock_while_removing(tmp_path, monkeypatch):
+    """recover_staged keeps the staged entry's root lock until it is removed: a writer starting
+    there while the removal runs is refused instead of losing its files."""
+    import re
+
+    from zerostall.errors import RootLockedError
+    from zerostall.extend import RootLock
+    from zerostall.integrations import _common
+
+    staged = tmp_path / ".staged-ckpt-1"
+    staged.mkdir()
+    (staged / "shard.bin").write_bytes(b"x")
+    probes = []
+    real_discard = _common.discard
+
+    def probing_discard(path):
+        probe = RootLock(path)
+        try:
+            probe.acquire(0.0)
+        except RootLockedError:
+            probes.append("refused")
+        else:
+            probes.append("taken")
+            probe.release()
+        real_discard(path)
+
+    monkeypatch.setattr(_common, "discard", probing_discard)
+    _common.recover_staged(str(tmp_path), re.compile(r"^\.staged-(.+)$"))
+    assert probes == ["refused"]
+    assert not staged.exists()

@@ -6,13 +6,14 @@ once committed. Training thread only (the framework's hooks), except :class:`Pub
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import re
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -46,17 +47,22 @@ def newest_committed(parent: str, pattern: re.Pattern[str]) -> str | None:
     return next((path for _, path in reversed(numbered(parent, pattern)) if is_committed(path)), None)
 
 
-def unowned(path: str) -> bool:
-    """Whether no live writer holds ``path``'s root lock (taken and let go at once), so an
-    earlier run's leftover there may be removed or published; a held one is logged."""
+@contextlib.contextmanager
+def owned(path: str) -> Iterator[bool]:
+    """Holds ``path``'s root lock (taken without waiting) through the with-block, so an earlier
+    run's leftover there may be removed or published while a writer starting meanwhile is
+    refused; yields False, holding nothing, when a live writer has it (logged)."""
     lock = RootLock(path)
     try:
         lock.acquire(0.0)
     except ZerostallError as exc:  # a live writer there (another job)
         log.warning("zerostall: leaving %s alone: %s", path, exc)
-        return False
-    lock.release()
-    return True
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()
 
 
 def recover_staged(parent: str, staged: re.Pattern[str], final_parent: str | None = None, *,
@@ -80,14 +86,18 @@ def recover_staged(parent: str, staged: re.Pattern[str], final_parent: str | Non
             continue
         m = staged.match(n)
         final = None if m is None else os.path.join(final_parent or parent, m.group(1))
-        if final is None or busy(final) or not unowned(path):  # held: a live writer's (another job)
+        if final is None or busy(final):
             continue
-        if publish(path, final):
-            log.info("zerostall: publishing %s as %s (committed; the run stopped before renaming it)", path, final)
-            publish_dir(path, final)
-        else:
-            log.info("zerostall: removing %s, a save of an earlier run that was not published", path)
-            discard(path)
+        with owned(path) as mine:
+            if not mine:  # held: a live writer's (another job)
+                continue
+            if publish(path, final):
+                log.info("zerostall: publishing %s as %s (committed; the run stopped before renaming it)",
+                         path, final)
+                publish_dir(path, final)
+            else:
+                log.info("zerostall: removing %s, a save of an earlier run that was not published", path)
+                discard(path)
 
 
 def next_step(ckpt: Checkpointer, wanted: int) -> int:
