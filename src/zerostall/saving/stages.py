@@ -137,7 +137,6 @@ def build_stages(path: str | os.PathLike[str], cfg: CheckpointConfig, store: Any
     peers: Any = None
     committer: StoreCommitter | None = None
     try:
-        tier.check_writable()
         session: Session | None = None
         if world_size > 1:
             if info.store is None:

@@ -29,7 +29,6 @@ directory appears only by rename, complete.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import stat as stat_mod
@@ -74,8 +73,7 @@ class LocalTier(Tier):
                 os.makedirs(self.root, exist_ok=True)
             except OSError as exc:
                 raise storage_error("creating checkpoint directory", self.root, exc) from exc
-            if not os.access(self.root, os.W_OK | os.X_OK):
-                raise storage_error("writing to", self.root, OSError(errno.EACCES, "not writable"))
+            self.check_writable()
 
     # -- naming ---------------------------------------------------------------------------
     def step_dir(self, step: int) -> str:
@@ -160,11 +158,11 @@ class LocalTier(Tier):
     def read_manifest(self, step: int) -> Manifest:
         return self._read_manifest_at(self.step_dir(step), step)
 
-    def _read_manifest_at(self, d: str, step: int) -> Manifest:
+    def _read_manifest_at(self, d: str, step: int, name: str = MANIFEST_NAME) -> Manifest:
         if os.path.islink(d):
             raise CorruptCheckpoint(f"{d} is a symlink; a checkpoint's files must live "
                                     "inside the checkpoint directory", path=d)
-        path = os.path.join(d, MANIFEST_NAME)
+        path = os.path.join(d, name)
         try:
             raw = read_small(path, MAX_MANIFEST_BYTES)  # regular files only: no FIFO, no symlink
         except FileNotFoundError:
@@ -243,12 +241,9 @@ class LocalTier(Tier):
             self.hook("manifest")
             fsync_dir(part)
             self.hook("fsync_dir")
-            try:
-                publish_dir(part, final, overwrite=overwrite, hook=self.hook, exchange=self.exchange)
-            except FileExistsError:
-                raise self._exists(step) from None
-        except CheckpointExistsError:
-            raise
+            publish_dir(part, final, overwrite=overwrite, hook=self.hook, exchange=self.exchange)
+        except FileExistsError:  # publish_dir's: the step exists and overwrite is False
+            raise self._exists(step) from None
         except OSError as exc:
             raise storage_error(f"committing step {step} in", self.root, exc) from exc
         # we wrote this manifest: neither listing nor retention needs to parse it again

@@ -15,8 +15,7 @@ import re
 from typing import TYPE_CHECKING
 
 from ..errors import ZerostallError, storage_error
-from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
-from ..format.validate import read_small
+from ..format.manifest import MANIFEST_NAME
 from .atomic import fsync_dir, recover_dir, rmtree
 from .owner import FETCH_STEP_LOCK_RE, StepLock
 
@@ -80,7 +79,7 @@ def recover_root(tier: "LocalTier") -> list[str]:
         for n in sorted(names()):
             path = os.path.join(root, n)
             if (m := _PARTIAL_RE.match(n)) and free(m):
-                if _complete_decided(root, path, step_dir(int(m.group(1))), int(m.group(1))):
+                if _complete_decided(tier, path, step_dir(int(m.group(1))), int(m.group(1))):
                     done.append(f"completed step {m.group(1)} in {root} (committed by the ranks' decision; a crash "
                                 "interrupted its rename)")
                     continue
@@ -104,21 +103,19 @@ def recover_root(tier: "LocalTier") -> list[str]:
     return done
 
 
-def _complete_decided(root: str, part: str, final: str, step: int) -> bool:
+def _complete_decided(tier: "LocalTier", part: str, final: str, step: int) -> bool:
     """Rename ``part`` into ``final`` if it holds a decision record of ``step`` (and ``final``
     does not exist); False: not a decided step, the caller removes it."""
     rec = os.path.join(part, DECIDED_NAME)
-    if os.path.lexists(final) or not os.path.isfile(rec) or os.path.islink(rec):
+    if os.path.lexists(final) or not os.path.lexists(rec):
         return False
     try:
-        man = Manifest.from_bytes(read_small(rec, MAX_MANIFEST_BYTES), where=rec)
+        tier._read_manifest_at(part, step, DECIDED_NAME)
     except (OSError, ZerostallError) as exc:
         log.warning("zerostall: %s is not a readable decision record (%s); the partial step is removed", rec, exc)
-        return False
-    if man.step != step:
         return False
     os.rename(rec, os.path.join(part, MANIFEST_NAME))
     fsync_dir(part)
     os.rename(part, final)
-    fsync_dir(root)
+    fsync_dir(tier.root)
     return True

@@ -10,6 +10,7 @@ Implementations: :class:`~.s3.S3Tier`, :class:`~.sharedfs.FileTier`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -19,10 +20,13 @@ from typing import Any, Callable
 
 import crc32c as _crc
 
+from ..config import ALIGN_BYTES
 from ..errors import CheckpointExistsError, CheckpointNotFound, CorruptCheckpoint, RemoteError, ZerostallError
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..format.validate import parse_step_dir
 from .tier import Tier
+from ..io import choose_engine
+from ..memory.arena import Arena
 from .files import file_crc32c
 from .remote_replace import set_aside, sweep
 
@@ -54,10 +58,6 @@ class RemoteTier(Tier):
     @abstractmethod
     def checksum(self, rel: str) -> tuple[int, int]:
         """(size, crc32c) of what the tier stores for ``rel``, recomputed by reading it back."""
-
-    @abstractmethod
-    def download(self, rel: str, local_path: str, size: int) -> None:
-        """Fetch ``rel`` into ``local_path`` (created; direct I/O where the engine allows)."""
 
     @abstractmethod
     def _open_read(self, rel: str, size: int, engine: Any) -> Any: ...
@@ -105,6 +105,29 @@ class RemoteTier(Tier):
     def stored_crc(self, rel: str) -> int:
         """The crc32c of ``rel``'s bytes (recorded at upload where the tier keeps it, else read)."""
         return self.checksum(rel)[1]
+
+    def download(self, rel: str, local_path: str, size: int) -> None:
+        """Fetch ``rel`` (``size`` bytes) into ``local_path`` (replaced) through one aligned
+        buffer, written with the engine probed there (direct I/O where it allows)."""
+        eng = choose_engine(os.path.dirname(local_path), self.io)
+        buf = Arena(min(64 << 20, max(size, ALIGN_BYTES)), mlock=False)
+        try:
+            with self._open_read(rel, size, None) as r:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(local_path)
+                with eng.open_write(local_path, size) as w:
+                    for off in range(0, size, buf.nbytes):
+                        mv = buf.mv[:min(buf.nbytes, size - off)]
+                        r.read([(off, mv)])
+                        w.write([(off, mv)])
+                    w.finish()
+        except RemoteError:
+            raise
+        except OSError as exc:
+            raise self.error(rel, f"downloading {self.where(rel)} to {local_path} failed: {exc}") from exc
+        finally:
+            eng.close()
+            buf.close()
 
     def cancel(self) -> None:
         """Abandon in-flight transfers (the close deadline passed); any thread."""

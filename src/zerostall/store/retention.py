@@ -11,12 +11,13 @@ Pure functions of step lists, and the one loop that applies them (:func:`prune`)
 
 Steps are ranked by number (``save`` refuses a lower step, :class:`~zerostall.errors.StepOrderError`,
 unless ``allow_lower_steps=True``; then the writer protects its own newest ``keep_last``
-commits, :func:`newest_commits`). A kill between a commit and its retention leaves one step
+commits, :func:`retain_at_start`). A kill between a commit and its retention leaves one step
 too many, which the next owner removes first: at most ``K + 1`` committed steps with ``keep_last=K``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -36,18 +37,6 @@ def doomed(steps: Iterable[int], keep_last: int | None, protect: Iterable[int] =
         return []
     keep = set(ordered[-keep_last:]) | {ordered[-1]} | set(protect)
     return [s for s in ordered if s not in keep]
-
-
-def newest_commits(steps: Iterable[int], read_manifest: Callable[[int], Any], n: int) -> list[int]:
-    """The ``n`` of ``steps`` committed last, by their manifests' ``created_unix`` (then step),
-    oldest first; an unreadable manifest ranks oldest. Only used to keep steps."""
-    def when(s: int) -> tuple[float, int]:
-        try:
-            return float(read_manifest(s).created_unix), s
-        except (ZerostallError, OSError, ValueError):
-            return float("-inf"), s
-    ranked = sorted(set(steps), key=when)
-    return ranked[-n:] if n > 0 else []
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,13 +120,11 @@ def prune(tier: Any, steps: list[int], doomed_steps: list[int], *, protect: Coll
     that owns the tier's writes; ``defer``: files removed later (``LocalTier.deferred``)."""
     gone = []
     read = getattr(tier, "manifest_refs", tier.read_manifest)  # the local tier's: no re-parse of its own
+    delete = functools.partial(tier.delete, defer=True) if defer else tier.delete
     for s in spare_referenced(steps, doomed_steps, read, protect):
         if cancelled():
             break
-        if defer:
-            tier.delete(s, defer=True)
-        else:
-            tier.delete(s)
+        delete(s)
         gone.append(s)
     if gone:
         log.info("zerostall: retention removed steps %s from %s", gone, getattr(tier, "url", tier))
@@ -177,9 +164,17 @@ class LocalRetention:
 def retain_at_start(tier: Any, keep_last: int, protect: Collection[int] = ()) -> list[int]:
     """Start-up retention by a root's new owner (caller's thread, after ``own()``, before any
     save; no remote): removes what a kill between a commit and its retention left. Logs a
-    failure, never raises. Returns the steps committed last, oldest first (for :class:`LocalRetention`)."""
+    failure, never raises. Returns the ``keep_last`` steps committed last, by their manifests'
+    ``created_unix`` (then step; an unreadable manifest ranks oldest), oldest first: kept, and
+    handed to :class:`LocalRetention`."""
+    def when(s: int) -> tuple[float, int]:
+        try:
+            return float(tier.read_manifest(s).created_unix), s
+        except (ZerostallError, OSError, ValueError):
+            return float("-inf"), s
+
     steps = tier.steps()
-    recent = newest_commits(steps, tier.read_manifest, keep_last)
+    recent = sorted(steps, key=when)[-keep_last:] if keep_last > 0 else []
     try:
         prune(tier, steps, doomed(steps, keep_last, set(recent) | set(protect)))
     except Exception as exc:  # noqa: BLE001 - an extra step on disk is not worth refusing to start

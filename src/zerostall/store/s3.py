@@ -13,19 +13,16 @@ object is read back and its crc32c compared with the local file's; the crc is al
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Any, Callable, NoReturn
 from urllib.parse import urlparse
 
 import crc32c as _crc
 
-from ..config import ALIGN_BYTES, IOConfig
+from ..config import IOConfig
 from ..errors import CheckpointNotFound, RemoteError, RootNotFound
 from ..format.manifest import MANIFEST_NAME
 from .remote import RemoteTier, ShardIO, step_of
-from ..io import choose_engine
-from ..memory.arena import Arena
 
 log = logging.getLogger("zerostall")
 _NOT_FOUND = ("404", "NoSuchKey", "NotFound", "NoSuchBucket")
@@ -133,14 +130,14 @@ class S3Tier(RemoteTier):
         return self._call("reading", rel, lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(rel), **kw),
                           missing)
 
-    def _read_into(self, body: Any, mv: memoryview, rel: str, off: int, of: str = "") -> None:
+    def _read_into(self, body: Any, mv: memoryview, rel: str, off: int) -> None:
         """Fill ``mv`` (bytes from ``off`` of ``rel``) from a response body, straight into the
         buffer in reads of at most 8 MiB; RemoteError if the object ends first."""
         got, n = 0, len(mv)
         while got < n:
             k = body.readinto(mv[got:got + min(n - got, 8 << 20)])
             if not k:
-                raise self.error(rel, f"{self.where(rel)}: object ended at {off + got}{of}")
+                raise self.error(rel, f"{self.where(rel)}: object ended at {off + got}")
             got += k
 
     def _open_read(self, rel: str, size: int, engine: Any) -> Any:
@@ -164,30 +161,6 @@ class S3Tier(RemoteTier):
             return size, crc
 
         return self._call("reading back", rel, run)
-
-    def download(self, rel: str, local_path: str, size: int) -> None:
-        """Stream the object through an aligned buffer into ``local_path`` with direct I/O."""
-        body = self._get(rel)["Body"]
-        eng = choose_engine(os.path.dirname(local_path), self.io)
-        buf = Arena(min(64 << 20, max(size, ALIGN_BYTES)), mlock=False)
-
-        def fetch() -> None:
-            if os.path.exists(local_path):
-                os.unlink(local_path)
-            with eng.open_write(local_path, size) as w:
-                off = 0
-                while off < size:
-                    n = min(buf.nbytes, size - off)
-                    self._read_into(body, buf.mv[:n], rel, off, f" of {size} bytes")
-                    w.write([(off, buf.mv[:n])])
-                    off += n
-                w.finish()
-
-        try:
-            self._call("downloading", rel, fetch)
-        finally:
-            eng.close()
-            buf.close()
 
     # -- writing (replicator thread) ------------------------------------------------------------
     def ensure_root(self) -> None:

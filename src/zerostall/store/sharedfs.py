@@ -139,14 +139,6 @@ class FileTier(RemoteTier):
             raise self._err("reading back", rel, exc) from exc
         return size, crc
 
-    def download(self, rel: str, local_path: str, size: int) -> None:
-        try:
-            self._copy(self._path(rel), local_path)
-        except FileNotFoundError as exc:
-            raise self.error(rel, f"{self.where(rel)} does not exist", errno=_errno.ENOENT) from exc
-        except OSError as exc:
-            raise self._err("downloading", rel, exc) from exc
-
     def read_bytes(self, rel: str, limit: int) -> bytes:
         """Regular files only: anything else, or a step directory that is a symlink, is
         CorruptCheckpoint naming the file."""
