@@ -147,8 +147,7 @@ class LocalTier(Tier):
         """Create and remove a file in the root; raise StorageError naming the root if we cannot."""
         probe = os.path.join(self.root, f".zerostall-write-test-{os.getpid()}")
         try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            os.close(fd)
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
             with contextlib.suppress(FileNotFoundError):  # the owner's start-up cleanup got there first
                 os.unlink(probe)
         except OSError as exc:

@@ -50,24 +50,16 @@ class FileTier(RemoteTier):
         if "/" in rel and os.path.islink(top):
             log.warning("zerostall: %s is a symlink, not a checkpoint directory: removing the link (not what it "
                         "points to) before writing there", top)
-            try:
-                os.unlink(top)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                raise self._err("removing the symlink", rel.split("/", 1)[0], exc) from exc
+            self._delete(rel.split("/", 1)[0])
 
     def _err(self, action: str, rel: str, exc: OSError) -> RemoteError:
         what = os.strerror(exc.errno) if exc.errno else str(exc)
         return self.error(rel, f"{action} {self.where(rel)} failed: {what}", errno=exc.errno)
 
-    def _engine(self) -> Any:
-        return choose_engine(self.root, self.io)
-
     def _stream(self, src: str, sink: Callable[[int, memoryview], None]) -> int:
         """Read ``src`` with the engine through one aligned bounce buffer; returns its size."""
         size = os.path.getsize(src)
-        eng = self._engine()
+        eng = choose_engine(self.root, self.io)
         buf = Arena(min(64 << 20, max(size, ALIGN_BYTES)), mlock=False)
         try:
             with eng.open_read(src) as r:
@@ -87,7 +79,7 @@ class FileTier(RemoteTier):
         tmp = dst + ".part"
         if os.path.exists(tmp):
             os.unlink(tmp)
-        eng = self._engine()
+        eng = choose_engine(self.root, self.io)
         try:
             with eng.open_write(tmp, size) as w:
                 self._stream(src, lambda off, mv: w.write([(off, mv)]))
@@ -174,7 +166,7 @@ class FileTier(RemoteTier):
             raise self._err("listing", "", exc) from exc
 
     def _open_read(self, rel: str, size: int, engine: Any) -> Any:
-        eng = engine or self._engine()
+        eng = engine or choose_engine(self.root, self.io)
         try:
             inner = eng.open_read(self._path(rel))
         except (OSError, ZerostallError) as exc:
