@@ -1,5 +1,5 @@
 """Prometheus metrics for every save (optional: ``pip install 'zerostall[prometheus]'``; the
-names, in base units, are in :func:`_get` and docs/configuration.md, each keyed by the
+names, in base units, are in :func:`enable` and docs/configuration.md, each keyed by the
 :class:`SaveRecord` field it reports). Created once per process (registries reject duplicates);
 fed from the persist thread.
 """
@@ -15,7 +15,8 @@ _lock = threading.Lock()
 _metrics: tuple[Any, dict[str, Any]] | None = None  # (saves by outcome, {SaveRecord field: update})
 
 
-def _get() -> tuple[Any, dict[str, Any]]:
+def enable() -> tuple[Any, dict[str, Any]]:
+    """The metrics, created on the first call (ImportError with the install hint if unavailable)."""
     global _metrics
     with _lock:
         if _metrics is None:
@@ -41,13 +42,8 @@ def _get() -> tuple[Any, dict[str, Any]]:
         return _metrics
 
 
-def enable() -> None:
-    """Create the metrics now (raises ImportError with the install hint if unavailable)."""
-    _get()
-
-
 def observe(r: SaveRecord) -> None:
-    saves, updates = _get()
+    saves, updates = enable()
     outcome = "skipped" if r.skipped else "ok" if r.ok else "failed"
     saves.labels(outcome=outcome).inc()
     if outcome == "ok":

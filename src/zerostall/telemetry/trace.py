@@ -9,6 +9,7 @@ instance it creates and removes (and a tracefs mount).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -31,6 +32,7 @@ interval:s:5 { print(@stall_duration_us); clear(@stall_duration_us); }
 """
 
 TRACEFS = "/sys/kernel/tracing"
+_PAUSE_EDGES_MS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, math.inf)
 _EVENT_RE = re.compile(r"^\s*(?P<comm>.+?)-(?P<pid>\d+)\s+.*?balance_dirty_pages:.*?\bpause=(?P<pause>-?\d+)")
 
 
@@ -46,13 +48,9 @@ class TraceReport:
         return sorted(self.pauses, reverse=True)[:10]
 
     def histogram(self) -> list[tuple[str, int]]:
-        edges = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
-        out = []
-        for lo, hi in zip(edges, edges[1:] + [10**9]):
-            n = sum(1 for p, _, _ in self.pauses if lo <= p < hi)
-            if n:
-                out.append((f"[{lo}, {hi if hi < 10**9 else 'inf'}) ms", n))
-        return out
+        bins = [(lo, hi, sum(lo <= p < hi for p, _, _ in self.pauses))
+                for lo, hi in zip(_PAUSE_EDGES_MS, _PAUSE_EDGES_MS[1:])]
+        return [(f"[{lo}, {hi}) ms", n) for lo, hi, n in bins if n]
 
     def to_json(self) -> dict[str, object]:
         return {"method": self.method, "seconds": self.seconds, "events": len(self.pauses),
