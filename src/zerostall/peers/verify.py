@@ -27,7 +27,7 @@ from ..config import ALIGN_BYTES
 from ..format.crc_combine import combine
 from ..format.layout import HEADER_BYTES, ShardHeader
 from ..format.manifest import FileEntry, Manifest, TensorEntry
-from ..format.shard import check_items
+from ..format.shard import ShardCursor, check_items
 
 __all__ = ["PieceCheck", "StreamCheck", "expected_digest", "file_entry", "ranges", "split_points"]
 
@@ -44,8 +44,8 @@ def own_items(man: Manifest, name: str) -> list[TensorEntry]:
     return sorted((e for e in man.tensors if e.file == name and e.step is None), key=lambda e: e.offset)
 
 
-def _header(man: Manifest, fe: FileEntry) -> bytes:
-    return ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes).encode()
+def _header(man: Manifest, fe: FileEntry) -> ShardHeader:
+    return ShardHeader(fe.file_id or man.checkpoint_id, man.step, fe.rank, fe.file_bytes)
 
 
 def _digest(header: bytes, crcs: list[int]) -> str:
@@ -53,7 +53,7 @@ def _digest(header: bytes, crcs: list[int]) -> str:
 
 
 def expected_digest(man: Manifest, name: str) -> str:
-    return _digest(_header(man, file_entry(man, name)), [e.crc32c for e in own_items(man, name)])
+    return _digest(_header(man, file_entry(man, name)).encode(), [e.crc32c for e in own_items(man, name)])
 
 
 class _FileCheck:
@@ -62,7 +62,8 @@ class _FileCheck:
     def __init__(self, man: Manifest, name: str, where: str):
         fe = file_entry(man, name)
         self.where, self.size = where, fe.file_bytes
-        self.header = _header(man, fe)
+        self.head = _header(man, fe)
+        self.header = self.head.encode()
         self.items = own_items(man, name)
         check_items(where, self.items, fe.file_bytes)
 
@@ -80,9 +81,10 @@ class _FileCheck:
 
 
 class StreamCheck(_FileCheck):
-    """Checks ``name`` of ``man`` fed in file order; raises :class:`CorruptCheckpoint` at the
-    first wrong byte. ``start``/``end``: only bytes ``[start, end)`` (``start`` 0 or one of
-    :func:`split_points`, so every tensor lies wholly inside one range)."""
+    """Checks ``name`` of ``man`` fed in file order (a :class:`~zerostall.format.shard.ShardCursor`
+    that copies nothing); raises :class:`CorruptCheckpoint` at the first wrong byte.
+    ``start``/``end``: only bytes ``[start, end)`` (``start`` 0 or one of :func:`split_points`,
+    so every tensor lies wholly inside one range)."""
 
     def __init__(self, man: Manifest, name: str, where: str, start: int = 0, end: int | None = None):
         super().__init__(man, name, where)
@@ -90,44 +92,22 @@ class StreamCheck(_FileCheck):
         if not 0 <= start <= self.end <= self.size or (start and start not in split_points(man, name)):
             raise self._bad(f"bytes {start}..{self.end} are not a range this file splits into")
         self.items = [e for e in self.items if start <= e.offset < self.end or e.offset == self.end == self.size]
-        self.crcs = [0] * len(self.items)
         self.pos = start  # bytes checked so far
-        self.i = 0  # first item not finished
-        self.got_header = bytearray()
+        self.cursor = ShardCursor(where, self.head, self.items, lambda i: None)
 
     def feed(self, mv: memoryview) -> None:
-        base, end = self.pos, self.pos + len(mv)
-        if end > self.end:
+        if self.pos + len(mv) > self.end:
             raise self._bad(f"more than the {self.end - self.start} bytes the manifest records for bytes "
                             f"{self.start}..{self.end}")
-        if base < HEADER_BYTES:
-            h1 = min(end, HEADER_BYTES)
-            self.got_header += mv[:h1 - base]
-            if len(self.got_header) == HEADER_BYTES and bytes(self.got_header) != self.header:
-                raise self._bad("the shard header does not match the manifest")
-        pos = max(base, HEADER_BYTES)
-        j = self.i
-        while j < len(self.items) and self.items[j].offset < end:
-            e = self.items[j]
-            a, b = max(e.offset, pos), min(e.offset + e.nbytes, end)
-            self._zero(mv, base, pos, min(e.offset, end))
-            if a < b:
-                self.crcs[j] = _crc.crc32c(mv[a - base:b - base], self.crcs[j])
-            pos = max(pos, b)
-            if e.offset + e.nbytes <= end:
-                if self.crcs[j] != e.crc32c:
-                    raise self._crc_error(e, self.crcs[j])
-                self.i = j = j + 1
-            else:
-                break
-        self._zero(mv, base, pos, end)
-        self.pos = end
+        self.cursor.feed(self.pos, mv, None)
+        self.pos += len(mv)
 
     def digest(self) -> str:
         """After the whole range was fed: the acknowledgement digest (see module doc)."""
-        if self.pos != self.end or any(e.nbytes or e.crc32c for e in self.items[self.i:]):
+        if self.pos != self.end:
             raise self._bad(f"{self.pos - self.start} of {self.end - self.start} bytes received")
-        return _digest(bytes(self.got_header), self.crcs)
+        self.cursor.finish(None)
+        return _digest(self.header[:self.end] if self.start == 0 else b"", [e.crc32c for e in self.items])
 
 
 def split_points(man: Manifest, name: str) -> list[int]:
