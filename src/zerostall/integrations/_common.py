@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_leaves
 
 from .. import CheckpointConfig, Checkpointer
 from ..errors import ConfigError, ZerostallError
@@ -33,13 +34,17 @@ def is_committed(path: str | os.PathLike[str]) -> bool:
     return bool(open_root(p).steps())  # step-N.partial/manifest.json is not a commit
 
 
+def names_in(parent: str) -> list[str]:
+    """The entries of the directory ``parent``; [] when there is none."""
+    with contextlib.suppress(FileNotFoundError):
+        return os.listdir(parent)
+    return []
+
+
 def numbered(parent: str, pattern: re.Pattern[str]) -> list[tuple[int, str]]:
     """(N, path) of the entries of ``parent`` whose name ``pattern`` matches (N: its group 1), ascending."""
-    try:
-        names = os.listdir(parent)
-    except FileNotFoundError:
-        return []
-    return sorted((int(m.group(1)), os.path.join(parent, n)) for n in names if (m := pattern.match(n)))
+    return sorted((int(m.group(1)), os.path.join(parent, n))
+                  for n in names_in(parent) if (m := pattern.match(n)))
 
 
 def newest_committed(parent: str, pattern: re.Pattern[str]) -> str | None:
@@ -75,11 +80,7 @@ def recover_staged(parent: str, staged: re.Pattern[str], final_parent: str | Non
     holds and is not ``busy(final)`` (this run's, in flight) is published there when
     ``publish(staged, final)`` (committed, the run stopped before renaming it), else removed;
     entries ``cut_short(name)`` (a discard a crash interrupted) are removed."""
-    try:
-        names = os.listdir(parent)
-    except FileNotFoundError:
-        return
-    for n in names:
+    for n in names_in(parent):
         path = os.path.join(parent, n)
         if cut_short(n):
             discard(path)
@@ -190,17 +191,7 @@ class StateGuard:
 
 def tensors_of(tree: Any) -> list[torch.Tensor]:
     """The tensors of a nested dict/list state (for the forward guard)."""
-    out: list[torch.Tensor] = []
-    stack = [tree]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-    return out
+    return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..format.dtypes import SUPPORTED_DTYPES, dtype_from_name, dtype_name
 from ..format.layout import HEADER_BYTES, item_align
 from ..format.shard import check_items
+from ..format.validate import read_small
 from .dcp_writer import SHARD_RE, UnsupportedCheckpoint, _ZSInfo
 
 MAX_METADATA_BYTES = 256 << 20
@@ -82,32 +83,15 @@ class Record:
 
 
 def read_metadata_file(path: str) -> Metadata:
-    """Open ``path`` as a regular file, unpickle it safely; raise CheckpointNotFound/CorruptCheckpoint."""
+    """Read ``path`` (a regular file, bounded), unpickle it safely; raise CheckpointNotFound/CorruptCheckpoint."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        raw = read_small(path, MAX_METADATA_BYTES)  # a FIFO, directory or symlink: CorruptCheckpoint
     except FileNotFoundError:
         raise CheckpointNotFound(f"no DCP checkpoint at {os.path.dirname(path)!r} "
                                  f"({os.path.basename(path)} missing)") from None
     except OSError as exc:
-        raise CorruptCheckpoint(f"{path}: cannot open DCP metadata ({os.strerror(exc.errno or 0)}; "
-                                "a symlink is refused)", path=path) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpoint(f"{path}: DCP metadata is not a regular file (a directory, FIFO or "
-                                    "device); not a checkpoint", path=path)
-        if st.st_size > MAX_METADATA_BYTES:
-            raise CorruptCheckpoint(f"{path}: DCP metadata is {st.st_size} bytes, over the "
-                                    f"{MAX_METADATA_BYTES}-byte limit", path=path)
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            raw = f.read(st.st_size + 1)
-    except OSError as exc:
         raise CorruptCheckpoint(f"{path}: cannot read DCP metadata ({os.strerror(exc.errno or 0)})",
                                 path=path) from None
-    finally:
-        os.close(fd)
-    if len(raw) > MAX_METADATA_BYTES:
-        raise CorruptCheckpoint(f"{path}: DCP metadata grew past the {MAX_METADATA_BYTES}-byte limit", path=path)
     try:
         md = _SafeUnpickler(raw, path).load()
     except CorruptCheckpoint:

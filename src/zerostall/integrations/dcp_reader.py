@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import io
 import os
-import stat
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,11 +29,13 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..config import IOConfig
-from ..errors import CheckpointNotFound, CorruptCheckpoint, StorageError
+from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..format.dtypes import dtype_from_name
 from ..format.layout import ShardHeader
 from ..format.shard import read_shard
+from ..format.validate import open_regular
 from ..memory.arena import Arena
+from ..store.files import open_shard_checked
 from .dcp_meta import Record, read_metadata_file, validate
 from .dcp_writer import METADATA, CheckpointId, UnsupportedCheckpoint, _ZSInfo, metadata_name, shard_io
 
@@ -171,11 +172,7 @@ class Reader(CheckpointId, StorageReader):
             for req in wanted.get(i, ()):
                 self._deliver(path, req, entries[i][1], data, planner)
 
-        try:
-            f = eng.open_read(path)
-        except StorageError as exc:
-            raise CorruptCheckpoint(f"{path}: cannot open shard: {exc}", path=path) from exc
-        with f:
+        with open_shard_checked(eng, path) as f:
             read_shard(f, path, info0.file_bytes, ShardHeader(info0.file_id, 0, info0.rank, info0.file_bytes),
                        items, dst, bounce, verify=self.verify, wanted=set(wanted), on_item=deliver,
                        listed=True)  # every record of the file: all padding read is checked
@@ -206,12 +203,10 @@ class Reader(CheckpointId, StorageReader):
     def _read_filesystem(self, fname: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
         path = os.path.join(self.path, fname)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = open_regular(path)  # a symlink, FIFO or directory: CorruptCheckpoint
         except OSError as exc:
             raise CorruptCheckpoint(f"{path}: cannot open ({os.strerror(exc.errno or 0)})", path=path) from None
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise CorruptCheckpoint(f"{path}: not a regular file", path=path)
             for req in sorted(reqs, key=lambda q: self.records[q.storage_index].offset):
                 rec = self.records[req.storage_index]
                 raw = os.pread(fd, rec.nbytes, rec.offset)

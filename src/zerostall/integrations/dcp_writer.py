@@ -107,19 +107,15 @@ def check_checkpoint_id(checkpoint_id: Any) -> str:
 
 
 class CheckpointId:
-    """DCP's ``checkpoint_id`` property and ``validate_checkpoint_id`` (a local path, never a
-    URL), shared by :class:`Writer` and :class:`~.dcp_reader.Reader`."""
+    """DCP's ``checkpoint_id`` and ``validate_checkpoint_id`` (a local path, never a URL),
+    shared by :class:`Writer` and :class:`~.dcp_reader.Reader`."""
 
-    _id: str | os.PathLike[str]
-    path: str
+    checkpoint_id: str | os.PathLike[str]
+    path: str  # checkpoint_id as an absolute path
 
     def _set_id(self, checkpoint_id: str | os.PathLike[str]) -> None:
-        self._id = checkpoint_id
         self.path = check_checkpoint_id(checkpoint_id)
-
-    @property
-    def checkpoint_id(self) -> str | os.PathLike[str]:
-        return self._id
+        self.checkpoint_id = checkpoint_id
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -17,9 +17,6 @@ import torch
 from ..errors import ConfigError, ZerostallError
 from ..extend import TaggedData, as_numpy_state, as_python_state
 
-FORMATS = ("lightning", "transformers", "accelerate")
-
-
 def _need(state: Any, key: str, kind: str) -> Any:
     if not isinstance(state, dict) or key not in state:
         keys = sorted(state)[:20] if isinstance(state, dict) else type(state).__name__
@@ -72,7 +69,8 @@ def _fields(obj: Any) -> Any:
 
 
 def write(kind: str, state: Any, out: str, *, rank: int = 0, world_size: int = 1) -> list[str]:
-    """Write ``state`` (a loaded checkpoint of the ``kind`` adapter) at ``out``; the files written."""
+    """Write ``state`` (a loaded checkpoint of the ``kind`` adapter: lightning, transformers or
+    accelerate, the CLI checks which) at ``out``; the files written."""
     if kind == "lightning":
         _need(state, "state_dict", kind)
         torch.save({k: v for k, v in state.items() if k != "zerostall_rng"}, out)
@@ -102,23 +100,21 @@ def write(kind: str, state: Any, out: str, *, rank: int = 0, world_size: int = 1
             f.write(json.dumps(ts, indent=2, sort_keys=True) + "\n")
         files.append("trainer_state.json")
         return files
-    if kind == "accelerate":
-        for i, sd in enumerate(_need(state, "models", kind)):
-            name = "model.safetensors" if i == 0 else f"model_{i}.safetensors"
-            save_safetensors(sd, os.path.join(out, name))
-            files.append(name)
-        for key, stem in (("optimizers", "optimizer"), ("schedulers", "scheduler")):
-            for i, sd in enumerate(state.get(key, [])):
-                save(sd, f"{stem}.bin" if i == 0 else f"{stem}_{i}.bin")
-        if "scaler" in state:
-            save(state["scaler"], "scaler.pt")
-        for i, sd in enumerate(state.get("custom", [])):
-            save(sd, f"custom_checkpoint_{i}.pkl")
-        if rng is not None:
-            acc = {"step": int(state.get("step", 0)), "random_state": as_python_state(rng["python"]),
-                   "numpy_random_seed": as_numpy_state(rng["numpy"]), "torch_manual_seed": rng["torch"]}
-            if rng.get("cuda"):
-                acc["torch_cuda_manual_seed"] = list(rng["cuda"])
-            save(acc, f"random_states_{rank}.pkl")
-        return files
-    raise ConfigError(f"unknown export format {kind!r} (supported: safetensors, {', '.join(FORMATS)})")
+    for i, sd in enumerate(_need(state, "models", kind)):
+        name = "model.safetensors" if i == 0 else f"model_{i}.safetensors"
+        save_safetensors(sd, os.path.join(out, name))
+        files.append(name)
+    for key, stem in (("optimizers", "optimizer"), ("schedulers", "scheduler")):
+        for i, sd in enumerate(state.get(key, [])):
+            save(sd, f"{stem}.bin" if i == 0 else f"{stem}_{i}.bin")
+    if "scaler" in state:
+        save(state["scaler"], "scaler.pt")
+    for i, sd in enumerate(state.get("custom", [])):
+        save(sd, f"custom_checkpoint_{i}.pkl")
+    if rng is not None:
+        acc = {"step": int(state.get("step", 0)), "random_state": as_python_state(rng["python"]),
+               "numpy_random_seed": as_numpy_state(rng["numpy"]), "torch_manual_seed": rng["torch"]}
+        if rng.get("cuda"):
+            acc["torch_cuda_manual_seed"] = list(rng["cuda"])
+        save(acc, f"random_states_{rank}.pkl")
+    return files

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, ZerostallError
-from ..extend import RootLock, discard
-from ._common import AdapterSaves, is_committed, load_torch_file, log, next_step, recover_staged, tensors_of
+from ..extend import discard
+from ._common import (AdapterSaves, is_committed, load_torch_file, log, names_in, next_step, owned,
+                      recover_staged, tensors_of)
 from .. import CheckpointConfig, Checkpointer, load, rng_state, set_rng_state
 
 try:
@@ -194,14 +195,10 @@ class ZerostallCheckpointIO(CheckpointIO):
         if directory in self._cleaned or any(t.is_alive() for t in self._removers):
             return
         self._cleaned.add(directory)
-        try:
-            names = os.listdir(directory)
-        except FileNotFoundError:
-            return
         # a first save a crash cut short is removed, never published: a name appearing under a
         # started ModelCheckpoint makes it save last-v1.ckpt instead of last.ckpt
         recover_staged(directory, _FIRST_RE)
-        for n in names:
+        for n in names_in(directory):
             if n.startswith(".") and n.endswith(_REMOVING):
                 log.info("zerostall: removing %s, left aside by an earlier run", os.path.join(directory, n))
                 self._trash_name(os.path.join(directory, n[1:-len(_REMOVING)]))
@@ -219,16 +216,10 @@ class ZerostallCheckpointIO(CheckpointIO):
                 _remove(replaced)
                 return
             if os.path.isdir(root) and not os.path.islink(root):
-                lock = RootLock(root)  # held while removing: a writer starting there meanwhile is refused
-                try:
-                    lock.acquire(0.0)
-                except ZerostallError as exc:  # a live writer there: leave both alone
-                    log.warning("zerostall: %s was not put back at %s: %s", replaced, root, exc)
-                    return
-                try:
+                with owned(root) as mine:  # held while removing: a writer starting there meanwhile is refused
+                    if not mine:  # a live writer there (logged): both stay as they are
+                        return
                     shutil.rmtree(root)
-                finally:
-                    lock.release()
             if os.path.lexists(root):
                 log.warning("zerostall: %s holds something else now; the previous checkpoint stays at %s",
                             root, replaced)
