@@ -152,10 +152,8 @@ class ContentCheck:
     def _fast_path(self, item: PlanItem, fp: Any, k: Known, step: int) -> bool | None:
         """False: write; True: reference (``"version"`` mode only); None: ask the crc."""
         e = k.entry
-        # a manifest may only reference earlier steps (allow_lower_steps, overwrite: write it)
-        if e.step >= step or e.dtype != item.dtype or e.shape != item.shape or e.nbytes != item.nbytes:
-            return False
-        if not item.nbytes:
+        # a manifest may only reference earlier steps (allow_lower_steps, overwrite: write it); nor empty tensors
+        if e.step >= step or e.dtype != item.dtype or e.shape != item.shape or e.nbytes != item.nbytes or not e.nbytes:
             return False
         if fp is not None and k.fp is not None:
             if fp != k.fp:

@@ -242,9 +242,7 @@ class InFlight:
 def wait_staged(jobs: list[Job]) -> None:
     """Wait until ``jobs`` are staged; the wait counts as stall in their records."""
     for job in jobs:
-        t0 = time.perf_counter()
-        job.status.staged.wait()
-        job.status.add_guard_wait(time.perf_counter() - t0)
+        SaveHandle(job).wait_staged()
 
 
 def step_pre_hook(pending: list[Job], args: Any, kwargs: Any) -> Any:

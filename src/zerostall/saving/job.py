@@ -151,9 +151,6 @@ class Source:
     """CUDA: ``{device index: event}`` recorded on each device's current stream at ``save()``."""
     _reads: set[int] | None = field(default=None, init=False, repr=False)
 
-    def drop(self) -> None:
-        self.leaves = None
-
     def reads(self, storages: set[int], staged: threading.Event) -> bool:
         """Whether the snapshot may still read one of ``storages`` (storage addresses)."""
         leaves = self.leaves  # dropped by the snapshot thread once every byte is copied

@@ -178,7 +178,7 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
             status.fail(exc)
         finally:
             self.ring.publish(job.slot.g_end)  # a failed job's blocks are drained unwritten
-            job.source.drop()
+            job.source.leaves = None  # the caller's tensors: not held past staging
             job.layout.put(plan)
             job.extension.put(None)
             snapshot_s = time.perf_counter() - t0

@@ -70,7 +70,7 @@ class _CpuCrc:
     releases the GIL; no torch op runs there), combined with :func:`..format.crc_combine.combine`."""
 
     def __init__(self, threads: int):
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zerostall-crc") if threads > 1 else None
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zerostall-crc")
 
     def many(self, tensors: list[torch.Tensor]) -> list[int]:
         return self.submit(tensors)()
@@ -88,10 +88,7 @@ class _CpuCrc:
             base = t.data_ptr()
             first = n - (max(n - 1, 0) // _CRC_PIECE) * _CRC_PIECE  # the odd piece first: the rest combine
             pieces = [(base, first)] + [(base + p, _CRC_PIECE) for p in range(first, n, _CRC_PIECE)]
-            if self.pool is None:
-                jobs.append([(k, _crc_at(a, k)) for a, k in pieces])
-            else:
-                jobs.append([(k, self.pool.submit(_crc_at, a, k)) for a, k in pieces])
+            jobs.append([(k, self.pool.submit(_crc_at, a, k)) for a, k in pieces])
 
         def collect() -> list[int]:
             out_crcs = []
@@ -105,8 +102,7 @@ class _CpuCrc:
         return collect
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=False)
+        self.pool.shutdown(wait=False)
 
 
 def _strided_crc(t: torch.Tensor, limit: int = STRIDED_CHUNK_BYTES) -> int:
