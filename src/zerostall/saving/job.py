@@ -35,7 +35,7 @@ _COMMIT = object()  # SaveStatus' commit claim
 @dataclass(frozen=True, kw_only=True)
 class SaveRequest:
     """What ``save()`` asked for (caller's thread); never changed. ``plan`` is the plan of
-    the whole state: an incremental save writes a smaller one (``Staged.plan``)."""
+    the whole state: an incremental save writes a smaller one (``Job.layout``)."""
 
     step: int
     plan: SavePlan
@@ -64,18 +64,6 @@ class Slot:
     @property
     def g_end(self) -> int:
         return self.g0 + self.nblocks
-
-
-@dataclass(frozen=True)
-class Staged:
-    """The snapshot thread's result: the plan as staged (an incremental save's, with any
-    appended tensors) and its timings."""
-
-    plan: SavePlan
-    snapshot_s: float
-    t_staged: float
-    crcs: tuple[int, ...] | None = None
-    """Every item's crc32c, taken as it was copied (``Job.crc_at_copy``); else None."""
 
 
 @dataclass(frozen=True)
@@ -276,7 +264,9 @@ class Job:
     """The snapshot thread checksums each tensor as it copies it (:data:`.snapshot.CRC_AT_COPY`)."""
     layout: Handoff[SavePlan] = field(default_factory=Handoff)
     extension: Handoff[SavePlan | None] = field(default_factory=Handoff)
-    snapshot: Handoff[Staged] = field(default_factory=Handoff)
+    snapshot: Handoff[tuple[int, ...] | None] = field(default_factory=Handoff)
+    """Put when the snapshot is over: every item's crc32c, taken as it was copied
+    (``crc_at_copy``); else None."""
 
     @property
     def step(self) -> int:

@@ -168,14 +168,15 @@ class Persister(Worker[Job]):
                 ext_crc = CrcCursor(ext.items[len(layout.items):])
                 g = self._write_blocks(job, f, g, ext.file_bytes, ext_crc)
                 crcs = crcs + ext_crc.crcs
-            staged = job.snapshot.get()
+            at_copy = job.snapshot.get()
             _raise_if_failed(job)
+            plan = layout if ext is None else ext
             if crc is None:  # checksummed at copy time (never with an extension: a full save)
-                if staged.crcs is None or len(staged.crcs) != len(staged.plan.items):
+                if at_copy is None or len(at_copy) != len(plan.items):
                     raise RuntimeError(f"step {job.step}: the snapshot gave no crc32c of its tensors")
-                crcs = list(staged.crcs)
+                crcs = list(at_copy)
             if ext is not None:
-                f.write([(0, self._header_block(job, staged.plan))])  # the header names the final size
+                f.write([(0, self._header_block(job, ext))])  # the header names the final size
             self.ring.release(g, job.slot.g_end)  # blocks reserved for tensors an incremental save referenced
             g = job.slot.g_end
             f.finish()
@@ -184,7 +185,7 @@ class Persister(Worker[Job]):
                 f.close()
             raise
         f.close()
-        return Persisted(job.request, staged.plan, tuple(crcs), job.incr, time.perf_counter() - t0), g
+        return Persisted(job.request, plan, tuple(crcs), job.incr, time.perf_counter() - t0), g
 
     def handle(self, job: Job) -> None:
         req, status = job.request, job.status

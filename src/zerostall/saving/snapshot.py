@@ -29,7 +29,7 @@ import torch
 from .._fast import DEVICE, NBYTES, OFFSET, copy_crc, copy_runs, crc_runs, zero_runs
 from .._util import Worker, run_in_fresh_thread
 from ..memory.arena import Arena
-from .job import Forward, Job, Slot, Staged
+from .job import Forward, Job, Slot
 from .plan import SavePlan
 from ..memory.ring import BlockRing
 
@@ -182,7 +182,7 @@ class Snapshotter(Worker["Job | Slot | Forward"]):
             job.layout.put(plan)
             job.extension.put(None)
             snapshot_s = time.perf_counter() - t0
-            job.snapshot.put(Staged(plan, snapshot_s, time.perf_counter(), None if crcs is None else tuple(crcs)))
+            job.snapshot.put(None if crcs is None else tuple(crcs))
             status.mark_staged(snapshot_s, plan.file_bytes)
         if plan.lazy is not None and status.error is None:  # the Python objects, while the blocks are written
             try:
