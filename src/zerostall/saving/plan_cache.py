@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -137,29 +137,6 @@ def _tensor_sig(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
             dtypes, tuple(map(DEVICE, tensors)))
 
 
-class Walk(NamedTuple):
-    """One signature walk of a state (:meth:`PlanCache.plan`): structure, plain values, the
-    tensors in walk order, the frozen snapshots by ``id``, the tensors' signature (None where
-    the cache steps aside) and whether the walk understood the whole state."""
-
-    sig: list[Any]
-    vals: list[Any]
-    tensors: list[torch.Tensor]
-    snapshots: dict[int, bytes]
-    tsig: tuple[Any, ...] | None
-    fast: bool
-
-    def payload_bytes(self) -> int:
-        """The tensors' bytes (0 where the walk stepped aside): a first save's early estimate of
-        its shard file, so that the staging pool starts faulting while the plan is built."""
-        if not self.fast:
-            return 0
-        try:
-            return sum(map(NBYTES, self.tensors))
-        except Exception:  # noqa: BLE001 - an odd tensor: the plan reports it
-            return 0
-
-
 class PlanCache:
     """The last plan of one ``Checkpointer``, reused while the state keeps its shape (see the
     module docstring). :meth:`plan` walks the state once for a signature of exactly what the plan
@@ -184,31 +161,22 @@ class PlanCache:
         self._memo: dict[tuple[int, bytes], Any] = {}
         """The last save's frozen parts' encodings (:class:`~zerostall.format.frozen.DeferredTree`)."""
 
+    @no_gc()  # see :func:`~zerostall._util.no_gc`
     def plan(self, state_dict: Any, *, rank: int = 0, world_size: int = 1, replicated: bool = False,
              early: Callable[[int], Any] | None = None) -> SavePlan:
         """The plan of ``state_dict``, the cyclic GC paused meanwhile. ``early(nbytes)``: told the
-        state's tensor bytes (:meth:`Walk.payload_bytes`) before a plan is built anew, never for a
-        reused one (``save()`` asks the staging pool for them, which faults meanwhile)."""
-        with no_gc():  # see :func:`~zerostall._util.no_gc`
-            return self._plan_of(state_dict, rank, world_size, replicated, self._walk_of(state_dict), early)
-
-    @staticmethod
-    def _walk_of(state_dict: Any) -> Walk:
-        sig: list[Any] = []
+        state's tensor bytes before a plan is built anew, never for a reused one (``save()`` asks
+        the staging pool for them, which faults meanwhile)."""
+        sig: list[Any] = []  # the walk: structure, plain values, tensors in walk order, snapshots by id()
         vals: list[Any] = []
         tensors: list[torch.Tensor] = []
-        snapshots: dict[int, bytes] = {}  # id() -> snapshot: the walked objects live through this save
-        fast = False
+        snapshots: dict[int, bytes] = {}  # the walked objects live through this save
+        fast, tsig = False, None  # whether the walk understood the whole state; the tensors' signature
         try:
             fast = _walk(state_dict, sig, tensors, 0, vals, snapshots)
             tsig = _tensor_sig(tensors) if fast else None
         except Exception:  # noqa: BLE001 - an odd tensor subclass: encode_tree reports it properly
-            tsig = None
-        return Walk(sig, vals, tensors, snapshots, tsig, fast)
-
-    def _plan_of(self, state_dict: Any, rank: int, world_size: int, replicated: bool, walked: Walk,
-                 early: Callable[[int], Any] | None) -> SavePlan:
-        sig, vals, tensors, snapshots, tsig, _ = walked
+            pass
         args = (rank, world_size, replicated)
         key = (tuple(sig), tsig) if tsig is not None else None
         cached = self._plan
@@ -227,8 +195,13 @@ class PlanCache:
             out = replace(cached, leaves=leaves)
             out.__dict__["devices"] = set(self._devices)  # the cached_property: devices are in the signature
             return out
-        if early is not None and (nbytes := walked.payload_bytes()):
-            early(nbytes)
+        if early is not None and fast:  # an early estimate of the shard file: the pool starts faulting
+            try:
+                nbytes = sum(map(NBYTES, tensors))
+            except Exception:  # noqa: BLE001 - an odd tensor: the plan reports it
+                nbytes = 0
+            if nbytes:
+                early(nbytes)
         occurrences: list[int] = []
         plan = build_plan(state_dict, rank=rank, world_size=world_size, replicated=replicated,
                           occurrences=occurrences, memo=self._memo, snapshots=snapshots,
