@@ -273,24 +273,16 @@ class _Feed:
                 self.sock.sendall(mv[a:a + n])
                 pacer.take(n)
         except OSError as exc:
-            why = self._refusal(exc)
-            if why:
-                raise PeerError(f"node {self.node} refused fragment {self.index}: {why}") from exc
+            reply: dict[str, Any] = {}
+            if isinstance(exc, (ConnectionResetError, BrokenPipeError)):  # the holder's reason may wait in
+                with contextlib.suppress(OSError, ValueError, ZerostallError):  # our receive buffer after the reset
+                    self.sock.settimeout(min(1.0, self.sock.gettimeout() or 1.0))
+                    reply = recv_msg(self.sock)
+            if reply.get("error") and not reply.get("ok"):
+                raise PeerError(f"node {self.node} refused fragment {self.index}: {reply['error']}") from exc
             raise PeerError(f"node {self.node}: fragment {self.index} cut after {before} bytes: {exc}") from exc
         if before < self.size // 2 <= before + len(mv):
             at("frag-send:mid-stream")
-
-    def _refusal(self, exc: OSError) -> str:
-        """The holder's reason when it refused the fragment mid-stream (its answer may wait in our
-        receive buffer after the reset), or ""."""
-        if not isinstance(exc, (ConnectionResetError, BrokenPipeError)) or self.sock is None:
-            return ""
-        try:
-            self.sock.settimeout(min(1.0, self.sock.gettimeout() or 1.0))
-            reply = recv_msg(self.sock)
-        except (OSError, ZerostallError, ValueError):
-            return ""
-        return "" if reply.get("ok") else str(reply.get("error") or "")[:2000]
 
     def abort(self, why: str) -> None:
         """Drop this holder (sender thread): a send in flight is cut (shut down; the feed's thread closes it)."""

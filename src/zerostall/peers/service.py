@@ -75,8 +75,8 @@ class Peers:
             self._make(self.view.secret, self.view.me, list(self.view.nodes), listen)  # a client only
         if self.view.leader and self.view.deleted:  # steps deleted for good on any node: their copies go here too
             mine = tombstones.read(tier.root)
-            if tombstones.merge(mine, self.view.deleted) != mine:
-                tombstones.write(tier.root, tombstones.merge(mine, self.view.deleted))
+            if (merged := tombstones.merge(mine, self.view.deleted)) != mine:
+                tombstones.write(tier.root, merged)
             tombstones.drop_dead(tier.root, self.view.deleted)
         args = (tier, self.view, self.transport, store, self.peer_store)
         kw = dict(replicas=cfg.replicas, keep_last=cfg.keep_last, replica_timeout_s=pc.replica_timeout_s,

@@ -17,6 +17,7 @@ from typing import Any
 
 from .._util import human_bytes
 from ..errors import ZerostallError
+from ..format.validate import read_small
 from ..store.atomic import fsync_dir, write_file_durable
 from .wire import NODE_RE, recv_msg
 
@@ -29,14 +30,27 @@ def path(root: str) -> str:
     return os.path.join(root, "peers", NAME)
 
 
+def read_json(p: str) -> Any:
+    """The JSON in ``p`` (this file, :mod:`.tombstones`'), or None: missing, over 4 MiB, unreadable."""
+    try:
+        return json.loads(read_small(p, 1 << 22))
+    except (OSError, ValueError, ZerostallError):
+        return None
+
+
+def write_json(p: str, doc: Any) -> None:
+    """``doc`` into ``p`` atomically and durably (a crash's ``*.tmp``: :meth:`.store.PeerStore.clean`)."""
+    os.makedirs(os.path.dirname(p), exist_ok=True)
+    tmp = f"{p}.{uuid.uuid4().hex[:8]}.tmp"
+    write_file_durable(tmp, json.dumps(doc, sort_keys=True).encode())
+    os.rename(tmp, p)
+    fsync_dir(os.path.dirname(p))
+
+
 def read(root: str) -> dict[str, Any]:
     """``{"node": name, "steps": {step: {"protected": bool, "holders": {node: [...]}}}}`` or {}."""
-    try:
-        with open(path(root), "rb") as f:
-            doc = json.loads(f.read(1 << 20))
-        return doc if isinstance(doc, dict) and isinstance(doc.get("steps"), dict) else {}
-    except (OSError, ValueError):
-        return {}
+    doc = read_json(path(root))
+    return doc if isinstance(doc, dict) and isinstance(doc.get("steps"), dict) else {}
 
 
 def record(root: str, me: str, step: int, protected: bool, holders: dict[str, list[str]], keep: list[int],
@@ -48,13 +62,9 @@ def record(root: str, me: str, step: int, protected: bool, holders: dict[str, li
         doc = read(root)
         steps = {k: v for k, v in doc.get("steps", {}).items() if int(k) in keep}
         steps[str(step)] = {"protected": protected, "holders": holders, **(coded or {})}
-        os.makedirs(os.path.dirname(path(root)), exist_ok=True)
-        tmp = path(root) + ".tmp"
-        body = {"node": me, "steps": steps, "endpoints": endpoints or doc.get("endpoints", {}),
-                "usage": usage if usage is not None else doc.get("usage", {}),
-                "usage_step": step if usage is not None else doc.get("usage_step")}
-        write_file_durable(tmp, json.dumps(body, sort_keys=True).encode())
-        os.rename(tmp, path(root))
+        write_json(path(root), {"node": me, "steps": steps, "endpoints": endpoints or doc.get("endpoints", {}),
+                                "usage": usage if usage is not None else doc.get("usage", {}),
+                                "usage_step": step if usage is not None else doc.get("usage_step")})
 
 
 def peer_rows(root: str, rows: list[dict[str, Any]]) -> None:

@@ -10,18 +10,15 @@ drops the dead copies it holds; a restore never counts a dead copy.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
-import uuid
 from typing import Any
 
 from ..errors import ZerostallError
 from ..format.manifest import MANIFEST_NAME, Manifest
-from ..store.atomic import fsync_dir, write_file_durable
 from ..store.local import LocalTier
-from .status import drop_dir, held_dirs
+from .status import drop_dir, held_dirs, read_json, write_json
 
 log = logging.getLogger("zerostall")
 NAME = ".deleted.json"
@@ -36,12 +33,7 @@ def path(root: str) -> str:
 
 def read(root: str) -> Tombs:
     """This root's tombstones ({} if none or unreadable: a damaged file deletes nothing)."""
-    try:
-        with open(path(root), "rb") as f:
-            doc = json.loads(f.read(1 << 22))
-        return parse(doc)
-    except (OSError, ValueError):
-        return {}
+    return parse(read_json(path(root)))
 
 
 def parse(doc: Any) -> Tombs:
@@ -68,11 +60,7 @@ def merge(a: Tombs, b: Tombs) -> Tombs:
 
 
 def write(root: str, tombs: Tombs) -> None:
-    os.makedirs(os.path.join(root, "peers"), exist_ok=True)
-    tmp = path(root) + f".{uuid.uuid4().hex[:8]}.tmp"
-    write_file_durable(tmp, json.dumps({str(s): v for s, v in sorted(tombs.items())}, sort_keys=True).encode())
-    os.rename(tmp, path(root))
-    fsync_dir(os.path.dirname(tmp))
+    write_json(path(root), {str(s): v for s, v in tombs.items()})
 
 
 def dead(tombs: Tombs, step: int, checkpoint_id: Any, created_unix: Any) -> bool:
