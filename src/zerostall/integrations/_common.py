@@ -5,14 +5,13 @@ once committed. Training thread only (the framework's hooks), except :class:`Pub
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
 import re
 import threading
 from collections import Counter
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 import torch
@@ -21,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 
 from .. import CheckpointConfig, Checkpointer
 from ..errors import ConfigError, ZerostallError
-from ..extend import RootLock, Worker, discard, open_root, publish_dir
+from ..extend import RootLock, discard, open_root, publish_dir
 
 log = logging.getLogger("zerostall")
 
@@ -194,48 +193,39 @@ def tensors_of(tree: Any) -> list[torch.Tensor]:
     return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
 
-@dataclass(frozen=True)
-class _Publish:
-    staged: str  # the Checkpointer's root (a name the framework does not list)
-    final: str  # the framework's name for it
-    handle: Any  # the SaveHandle of the save into ``staged``
-    ckpt: Checkpointer  # closed by the publisher once the save is done
-    before: Callable[[], None] | None  # runs just before the rename (the publisher's thread)
-    after: Callable[[], None] | None  # runs after it (e.g. retention)
-    rename: bool  # False: close only (a rank that does not own the directory)
-
-
-class Publisher(Worker[Any]):
+class Publisher:
     """Shows a staged checkpoint directory under the framework's name once it is committed (a
     framework's discovery lists names; one holding no committed step stops a resume): this
     thread waits for the save into ``staged``, closes its Checkpointer and renames ``staged``
     to ``final`` (``publish_dir``). A failed save's directory is removed; its error is kept.
 
-    ``submit`` from the training thread; one daemon thread publishes, in submission order.
+    ``submit`` from the training thread; one pool thread publishes, in submission order (an
+    interpreter exiting first still publishes what is queued: it joins that thread).
     ``_hook`` is the crash-test seam: called with ``"publish"`` just before each rename.
     """
 
     _hook: Callable[[str], None] | None = None
 
     def __init__(self, name: str = "zerostall-publish"):
-        super().__init__(name)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
         self._mu = threading.Lock()
         self._pending: Counter[str] = Counter()  # final -> saves queued for it
         self._errors: list[BaseException] = []
-        atexit.register(self.drain)  # an interpreter exiting first publishes what committed
 
     def close(self) -> list[BaseException]:
         """Drain, stop the thread; the failures (failed saves, failed renames), oldest first."""
-        atexit.unregister(self.drain)
-        self.stop()  # handles everything queued first
+        self._pool.shutdown()  # handles everything queued first
         return self._errors
 
     def submit(self, staged: str, final: str, handle: Any, ckpt: Checkpointer, *,
                before: Callable[[], None] | None = None, after: Callable[[], None] | None = None,
                rename: bool = True) -> None:
+        """Publish the save ``handle`` into ``staged`` (``ckpt``'s root, closed once the save is
+        done) as ``final``; ``before`` runs just before the rename, ``after`` after it (e.g.
+        retention); ``rename=False``: close only (a rank that does not own the directory)."""
         with self._mu:
             self._pending[final] += 1
-        super().submit(_Publish(staged, final, handle, ckpt, before, after, rename))
+        self._pool.submit(self._publish, staged, final, handle, ckpt, before, after, rename)
 
     def pending(self, final: str) -> bool:
         """Whether a save for ``final`` is still queued (not yet published or dropped)."""
@@ -244,43 +234,36 @@ class Publisher(Worker[Any]):
 
     def drain(self) -> None:
         """Block until everything submitted so far is published or dropped."""
-        done = threading.Event()
-        Worker.submit(self, done)
-        done.wait()
+        self._pool.submit(int).result()
 
-    def handle(self, item: Any) -> None:
-        if isinstance(item, threading.Event):
-            item.set()
-            return
-        p: _Publish = item
+    def _publish(self, staged: str, final: str, handle: Any, ckpt: Checkpointer,
+                 before: Callable[[], None] | None, after: Callable[[], None] | None, rename: bool) -> None:
         try:
-            p.handle.wait()
-            failed = p.handle.exception()
+            handle.wait()
+            failed = handle.exception()
             try:
-                p.ckpt.close()
+                ckpt.close()
             except ZerostallError as exc:
                 failed = failed or exc
-            if not p.rename:
+            if not rename:
                 return
             if failed is not None:
-                discard(p.staged)
+                discard(staged)
                 raise failed
-            if p.before is not None:
-                p.before()
+            if before is not None:
+                before()
             if self._hook is not None:
                 self._hook("publish")
-            publish_dir(p.staged, p.final, overwrite=True)
-            if p.after is not None:
-                p.after()
-        except BaseException as exc:  # noqa: BLE001 - kept for drain(), never lost in the thread
-            log.error("zerostall: checkpoint %s was not published: %s", p.final, exc)
+            publish_dir(staged, final, overwrite=True)
+            if after is not None:
+                after()
+        except BaseException as exc:  # noqa: BLE001 - kept for close(), never lost in the thread
+            log.error("zerostall: checkpoint %s was not published: %s", final, exc)
             with self._mu:
                 self._errors.append(exc)
         finally:
             with self._mu:
-                self._pending[p.final] -= 1
-                if self._pending[p.final] <= 0:
-                    del self._pending[p.final]
+                self._pending -= Counter((final,))  # drops the ones at 0
 
 
 class AdapterSaves:

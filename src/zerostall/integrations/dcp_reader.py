@@ -166,11 +166,14 @@ class Reader(CheckpointId, StorageReader):
             if i in direct:  # the bytes are in place and passed their crc32c
                 planner.commit_tensor(wanted[i][0], direct.pop(i))
                 return
-            data = scratch.pop(i, None)
-            if data is None:  # an empty item: no byte was read
-                data = torch.empty(0, dtype=torch.uint8)
+            data = scratch.pop(i) if i in scratch else torch.empty(0, dtype=torch.uint8)  # empty: none read
             for req in wanted.get(i, ()):
-                self._deliver(path, req, entries[i][1], data, planner)
+                if req.type == LoadItemType.BYTE_IO:
+                    self._load_bytes(path, req, data.numpy().tobytes(), planner)
+                else:
+                    info = entries[i][1]
+                    t = data.view(dtype_from_name(info.dtype, path)).reshape(info.shape)
+                    self._load_tensor(path, req, t, planner)
 
         with open_shard_checked(eng, path) as f:
             read_shard(f, path, info0.file_bytes, ShardHeader(info0.file_id, 0, info0.rank, info0.file_bytes),
@@ -191,13 +194,6 @@ class Reader(CheckpointId, StorageReader):
                 or target.dtype != dtype_from_name(info.dtype) or target.numel() == 0:
             return None
         return target
-
-    def _deliver(self, path: str, req: ReadItem, info: _ZSInfo, data: torch.Tensor, planner: LoadPlanner) -> None:
-        if req.type == LoadItemType.BYTE_IO:
-            self._load_bytes(path, req, data.numpy().tobytes(), planner)
-            return
-        t = data.view(dtype_from_name(info.dtype, path)).reshape(info.shape)
-        self._load_tensor(path, req, t, planner)
 
     # -- FileSystemWriter checkpoints (read-only) -------------------------------------------
     def _read_filesystem(self, fname: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:

@@ -199,9 +199,7 @@ class ZerostallTrainerMixin:
         best = self.state.best_model_checkpoint
         if best is None or not is_committed(best):
             return super()._load_best_model()  # type: ignore[misc]
-        model = self.accelerator.unwrap_model(self.model)
-        result = model.load_state_dict(_zs_load(best)["model"], strict=False)
-        self._issue_warnings_after_load(result)
+        self._load_from_checkpoint(best)
 
 
 class ZerostallTrainer(ZerostallTrainerMixin, Trainer):
