@@ -152,10 +152,8 @@ EXPORT_FORMATS = ("safetensors", "lightning", "transformers", "accelerate")
 def cmd_export(a: argparse.Namespace) -> int:
     if a.format not in EXPORT_FORMATS:
         raise ConfigError(f"unknown export format {a.format!r} (supported: {', '.join(EXPORT_FORMATS)})")
-    try:
-        import safetensors  # noqa: F401 - checked before the checkpoint is read
-    except ImportError:
-        raise ConfigError("export needs the safetensors package: pip install 'zerostall[safetensors]'") from None
+    if importlib.util.find_spec("safetensors") is None:  # checked before the checkpoint is read
+        raise ConfigError("export needs the safetensors package: pip install 'zerostall[safetensors]'")
     import tempfile
 
     from ..integrations import export  # torch

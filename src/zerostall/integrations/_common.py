@@ -311,9 +311,7 @@ class AdapterSaves:
         """Block until every save is durable and published; the failures, oldest first."""
         self.guard.close()
         pub, self.publisher = self.publisher, None
-        if pub is None:
-            return []
-        return pub.close()
+        return [] if pub is None else pub.close()
 
     def wait(self) -> None:
         """:meth:`finish`, raising the first failure (the others are logged): the adapters'
