@@ -183,3 +183,12 @@ def test_recover_staged_holds_the_root_lock_while_removing(tmp_path, monkeypatch
     _common.recover_staged(str(tmp_path), re.compile(r"^\.staged-(.+)$"))
     assert probes == ["refused"]
     assert not staged.exists()
+
+
+def test_next_step_moves_past_a_committed_step_0(ckdir):
+    """A path saved twice gets a new step, also when the step committed there is 0."""
+    from zerostall.integrations._common import next_step
+
+    with zerostall.Checkpointer(ckdir) as ck:
+        ck.save(0, {"w": torch.zeros(2)}).wait()
+        assert next_step(ck, 0) == 1

@@ -27,10 +27,8 @@ log = logging.getLogger("zerostall")
 
 def is_committed(path: str | os.PathLike[str]) -> bool:
     """True when ``path`` is a directory holding at least one committed zerostall step."""
-    p = os.fspath(path)
-    if not os.path.isdir(p):
-        return False
-    return bool(open_root(p).steps())  # step-N.partial/manifest.json is not a commit
+    p = os.fspath(path)  # steps(): committed ones (step-N.partial/manifest.json is not a commit)
+    return os.path.isdir(p) and bool(open_root(p).steps())
 
 
 def names_in(parent: str) -> list[str]:
@@ -103,8 +101,7 @@ def recover_staged(parent: str, staged: re.Pattern[str], final_parent: str | Non
 def next_step(ckpt: Checkpointer, wanted: int) -> int:
     """``wanted``, or one past the newest committed step when that is not larger (a path saved
     twice gets a new step; keep_last=1 then retires the old one after the commit)."""
-    taken = ckpt.inflight_steps()
-    latest = max([*taken, ckpt.latest_step() or -1])
+    latest = max([*ckpt.inflight_steps(), *ckpt.steps()[-1:]], default=-1)  # a committed 0 counts
     return wanted if wanted > latest else latest + 1
 
 
@@ -237,7 +234,8 @@ class Publisher:
         self._pool.submit(int).result()
 
     def _publish(self, staged: str, final: str, handle: Any, ckpt: Checkpointer,
-                 before: Callable[[], None] | None, after: Callable[[], None] | None, rename: bool) -> None:
+                 before: Callable[[], None] | None, after: Callable[[], None] | None,
+                 rename: bool) -> None:
         try:
             handle.wait()
             failed = handle.exception()
