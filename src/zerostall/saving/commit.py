@@ -162,7 +162,7 @@ class StoreCommitter:
         if ref_files:
             out["ref_files"] = [r.to_json() for r in ref_files]
         if self.refs is not None:
-            out["protect"] = sorted(self.refs.own_protected())
+            out["protect"] = sorted(self.refs.protected(own=True))
         return out
 
     def commit(self, job: Persisted) -> tuple[str, ...]:

@@ -134,7 +134,7 @@ class SaveHandle:
 def record_of(job: Job) -> SaveRecord:
     st = job.status
     tel = {k: v for k, v in st.telemetry.items() if k in SaveRecord.__dataclass_fields__}
-    nbytes = 0 if st.skipped else st.nbytes
+    nbytes = st.nbytes  # 0 for a skipped save (SaveStatus.skip)
     return SaveRecord(
         step=job.step, bytes=nbytes, stall_s=st.save_block_s + st.guard_wait_s,
         staged_s=max(0.0, st.t_staged - st.t_submit) if st.t_staged else 0.0,
@@ -142,7 +142,7 @@ def record_of(job: Job) -> SaveRecord:
         snapshot_s=st.snapshot_s, persist_s=st.persist_s, commit_s=st.commit_s, post_commit_s=st.post_commit_s,
         persist_gbps=(nbytes / st.persist_s / 1e9) if st.persist_s > 0 else 0.0,
         engine=job.request.engine, arena_bytes=job.slot.arena_bytes, skipped=st.skipped, bytes_written=nbytes,
-        bytes_referenced=0 if st.skipped or job.incr is None else job.incr.bytes_referenced,
+        bytes_referenced=0 if job.incr is None else job.incr.bytes_referenced,  # a skipped save has none
         interval_steps=st.interval_steps,
         ok=st.error is None, error=str(st.error or ""), post_commit_errors=tuple(st.post_commit_errors),
         **tel)  # type: ignore[arg-type]

@@ -104,7 +104,7 @@ class RefTracker(ContentCheck):
         self.full_every = full_every
         self._lock = threading.Lock()
         self._known: dict[str, Known] = {}  # by tree path; replaced, never mutated: readers keep a snapshot
-        self._paths: tuple[Any, dict[int, str]] = (None, {})  # (tree, its tensor paths): the plan cache reuses trees
+        self._paths: tuple[Any, dict[int, str]] = (None, {})  # (tree, its tensor paths), kept for the next save
         self._pins: collections.Counter[int] = collections.Counter()
         self._since_full = 0  # incremental decisions since the last full one (snapshot thread)
         self._force_full = False
@@ -174,7 +174,9 @@ class RefTracker(ContentCheck):
                cuda_run: Callable[[torch.device, Callable[[], None]], None],
                ij: "IncrementalJob") -> tuple[SavePlan, list[torch.Tensor]]:
         """Choose what to reference; return the plan and tensors to write."""
-        ij.paths = self._tensor_paths(plan.tree)
+        if self._paths[0] is not plan.tree:  # the plan cache hands the same tree back while the state keeps its shape
+            self._paths = (plan.tree, tensor_paths(plan.tree))
+        ij.paths = self._paths[1]
         with self._lock:
             known = self._known
             full = (not known or self._force_full or
@@ -238,15 +240,6 @@ class RefTracker(ContentCheck):
                             "the %d tensor(s) it would have referenced there", s, name, why, step, n)
         return {p: k for p, k in known.items() if (k.ref.step, k.ref.name) not in lost}
 
-    def _tensor_paths(self, tree: Any) -> dict[int, str]:
-        """:func:`..format.decode.tensor_paths` of ``tree``, kept for the next save: the plan
-        cache hands the same tree object back while the state keeps its shape (snapshot thread)."""
-        cached_tree, paths = self._paths
-        if cached_tree is not tree:
-            paths = tensor_paths(tree)
-            self._paths = (tree, paths)
-        return paths
-
     # -- persist thread -----------------------------------------------------------------------
     def before_commit(self, job: Persisted, root: str) -> None:
         """Every referenced file is still the file that was written (:func:`.content_check.base_file_problem`)."""
@@ -306,20 +299,12 @@ class RefTracker(ContentCheck):
         self._cpu_crc.close()
 
     # -- any thread ---------------------------------------------------------------------------
-    def protected(self) -> set[int]:
-        """Steps retention must keep: pinned by saves in flight, referenced by the base, or
-        (multi-rank) what the other ranks reported in the last commit round."""
+    def protected(self, *, own: bool = False) -> set[int]:
+        """Steps retention must keep: pinned by saves in flight, referenced by the base, and
+        (multi-rank, unless ``own``: what a save's fragment reports, :mod:`..distributed.commit`)
+        what the other ranks reported in the last commit round."""
         with self._lock:
-            return self._own() | self._peer
-
-    def own_protected(self) -> set[int]:
-        """Steps this rank's saves may reference: pinned by saves in flight, or referenced by
-        the base (a multi-rank save's fragment reports them, :mod:`..distributed.commit`)."""
-        with self._lock:
-            return self._own()
-
-    def _own(self) -> set[int]:
-        return set(self._pins) | {k.ref.step for k in self._known.values()}
+            return set(self._pins) | {k.ref.step for k in self._known.values()} | (set() if own else self._peer)
 
     def set_peer_protected(self, steps: set[int]) -> None:
         """The other ranks' :meth:`protected` as of the commit round that is committing now

@@ -11,6 +11,7 @@ worker the job names.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -99,15 +100,15 @@ class StagingPool:
         """Address space for ``want`` bytes and room to grow (no RSS until faulted)."""
         size = min(self.budget, max(2 * want, RESERVE_MIN_BYTES))
         size = max(2 * self.block_bytes, -(-size // self.block_bytes) * self.block_bytes)
+        arena = functools.partial(Arena, mlock=self._mlock, hugepages=self._hugepages, prefault=False,
+                                  detached_views=True, dontfork=True)
         try:
-            return Arena(size, mlock=self._mlock, hugepages=self._hugepages, prefault=False, detached_views=True,
-                         dontfork=True)
+            return arena(size)
         except OSError as exc:  # address space limited (ulimit -v): reserve only what is asked now
             fallback = max(2 * self.block_bytes, -(-want // self.block_bytes) * self.block_bytes)
             log.warning("zerostall: cannot reserve %d MiB of address space for staging (%s); reserving %d MiB",
                         size >> 20, exc, fallback >> 20)
-            return Arena(fallback, mlock=self._mlock, hugepages=self._hugepages, prefault=False,
-                         detached_views=True, dontfork=True)
+            return arena(fallback)
 
     # -- any thread, under the module lock ---------------------------------------------------
     def _retarget(self) -> None:

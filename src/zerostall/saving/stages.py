@@ -98,9 +98,8 @@ class Stages:
         """Stop the post-commit stages that run threads, each bounded by ``budget_s`` (what is
         cut is finished by the next run); returns the steps not held by ``replicas`` nodes and
         those not replicated to the remote tier."""
-        unprotected = self.peers.close(budget_s) if self.peers is not None else []
-        unreplicated = self.replicator.close(budget_s) if self.replicator is not None else []
-        return unprotected, unreplicated
+        return (self.peers.close(budget_s) if self.peers is not None else [],
+                self.replicator.close(budget_s) if self.replicator is not None else [])
 
     def release(self, lease: Any) -> None:
         """Once the persist thread has stopped (and the replicator is closed): the crc

@@ -102,18 +102,18 @@ class Replicator:
                 self.remote.cancel()
         pending = self.pending_steps()
         url = self._url()
+        last = f"; last error: {self.last_error}" if self.last_error else ""
         if pending:
             log.warning("zerostall: steps %s not replicated to %s within close_timeout_s=%g s%s; they stay in %s "
-                        "and the next Checkpointer with this remote uploads them", pending, url, timeout_s,
-                        f" (last error: {self.last_error})" if self.last_error else "", self.tier.root)
+                        "and the next Checkpointer with this remote uploads them", pending, url, timeout_s, last,
+                        self.tier.root)
         with self._lock:
             jobs = list(self._jobs.values())
         for job in jobs:
             if not job.status.replicated.is_set():
                 job.status.mark_replicated(RemoteError(
-                    f"step {job.step} was not replicated to {url} before close (close_timeout_s={timeout_s:g})"
-                    + (f"; last error: {self.last_error}" if self.last_error else "")
-                    + f"; the local copy is kept and the next Checkpointer on {self.tier.root} uploads it",
+                    f"step {job.step} was not replicated to {url} before close (close_timeout_s={timeout_s:g}){last}"
+                    f"; the local copy is kept and the next Checkpointer on {self.tier.root} uploads it",
                     url=url, step=job.step))
         return pending
 
