@@ -22,7 +22,8 @@ def _pending(ck):
     status = SaveStatus()
     status.mark_queued()
     status.done.set()  # Checkpointer.wait()/close() must not wait for it
-    job = types.SimpleNamespace(status=status, reads=lambda storages: True, step=-1)
+    job = types.SimpleNamespace(status=status, source=types.SimpleNamespace(reads=lambda storages, staged: True),
+                                step=-1)
     ck._inflight.append(job)
     return job
 
