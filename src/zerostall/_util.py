@@ -12,7 +12,6 @@ import os
 import queue
 import resource
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
 T = TypeVar("T")
@@ -127,9 +126,21 @@ class Worker(Generic[T]):
 
 def run_in_fresh_thread(fn: Callable[[], None], name: str) -> None:
     """Run ``fn`` in a new thread that then exits, re-raising its exception here (for torch
-    ops that must not leave per-thread state, e.g. a CUDA "last error" or an OpenMP team)."""
-    with ThreadPoolExecutor(1, thread_name_prefix=name) as pool:
-        pool.submit(fn).result()
+    ops that must not leave per-thread state, e.g. a CUDA "last error" or an OpenMP team). A
+    plain thread: an executor refuses work once the interpreter exits (the atexit drain)."""
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            err.append(exc)
+
+    t = threading.Thread(target=run, name=name)
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
 
 
 _GC_LOCK = threading.Lock()

@@ -217,6 +217,26 @@ def test_a_forked_child_exits_while_the_parent_saves(tmp_path):
     assert out.returncode == 0 and "OK 499500.0" in out.stdout, out.stdout + out.stderr
 
 
+
+_EXIT_SAVE = """
+import atexit, sys, torch, zerostall
+ck = zerostall.Checkpointer(sys.argv[1])
+# registered after the Checkpointer's own hook, so it runs first: the save is staged at exit
+atexit.register(lambda: ck.save(1, {"w": torch.arange(64.0).reshape(8, 8).t()}))
+"""
+
+
+def test_a_save_staged_at_interpreter_exit_is_drained_and_commits(tmp_path):
+    """Found by adv3: the atexit hook drains saves in flight (docs/usage.md), but staging a
+    non-contiguous CPU tensor then ran in a ThreadPoolExecutor, which refuses new work once the
+    interpreter is shutting down: the save failed ("cannot schedule new futures")."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _EXIT_SAVE, str(tmp_path / "ck")], capture_output=True,
+                         text=True, timeout=90)
+    assert out.returncode == 0 and "failed" not in out.stderr, out.stdout + out.stderr
+    assert torch.equal(zerostall.load(str(tmp_path / "ck"))["w"], torch.arange(64.0).reshape(8, 8).t())
+
 # ------------------------------------------------------------------------------------------------
 # close() under adversity: a second close() finishes the first one's work; close() from another thread never strands a save.
 #
