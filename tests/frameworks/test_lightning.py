@@ -399,3 +399,24 @@ def test_putting_the_file_back_holds_the_root_while_it_removes_the_failed_save(t
     io.teardown()
     assert seen == ["held"]
     assert torch.equal(torch.load(path, weights_only=True)["old"], torch.ones(3))
+
+
+def test_a_put_back_refused_by_a_live_writer_names_where_the_previous_checkpoint_stays(tmp_path, caplog):
+    """Found by adv3: the put-back left alone because a live writer holds the path's root lock
+    must still tell the user where the previous checkpoint is (the set-aside file)."""
+    from zerostall.extend import RootLock
+    path = tmp_path / "last.ckpt"
+    aside = tmp_path / ".last.ckpt.zerostall-replaced"
+    torch.save({"old": torch.ones(3)}, aside)
+    os.makedirs(path / "step-1.partial")
+    holder = RootLock(str(path))
+    holder.acquire(0.0)  # a live writer there
+    try:
+        io = ZerostallCheckpointIO()
+        with caplog.at_level("WARNING", logger="zerostall"):
+            io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "global_step": 1}, tmp_path / "other.ckpt")
+            io.teardown()
+    finally:
+        holder.release()
+    assert any(str(aside) in r.getMessage() and str(path) in r.getMessage() for r in caplog.records), caplog.text
+    assert aside.exists() and (path / "step-1.partial").exists()

@@ -217,7 +217,8 @@ class ZerostallCheckpointIO(CheckpointIO):
                 return
             if os.path.isdir(root) and not os.path.islink(root):
                 with owned(root) as mine:  # held while removing: a writer starting there meanwhile is refused
-                    if not mine:  # a live writer there (logged): both stay as they are
+                    if not mine:  # a live writer there (owned() logged why): both stay as they are
+                        log.warning("zerostall: %s was not put back at %s; it stays where it is", replaced, root)
                         return
                     shutil.rmtree(root)
             if os.path.lexists(root):
