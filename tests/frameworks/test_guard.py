@@ -193,3 +193,20 @@ def test_next_step_moves_past_a_committed_step_0(ckdir):
     with zerostall.Checkpointer(ckdir) as ck:
         ck.save(0, {"w": torch.zeros(2)}).wait()
         assert next_step(ck, 0) == 1
+
+
+def test_tensors_of_finds_tensors_inside_dict_and_list_subclasses():
+    """Found by adv3: a68269c took the guarded tensors from torch's tree_leaves, which treats a
+    dict subclass (e.g. a framework's AttributeDict) as a leaf, so its tensors went unguarded:
+    the forward could change them while the snapshot copied them."""
+    from zerostall.integrations._common import tensors_of
+
+    class Attrs(dict):
+        pass
+
+    class Rows(list):
+        pass
+
+    a, b, c = torch.ones(2), torch.zeros(3), torch.arange(4.0)
+    found = tensors_of({"x": Attrs(w=a, nested={"v": Rows([b])}), "y": (c, 1, "s")})
+    assert sorted(t.data_ptr() for t in found) == sorted(t.data_ptr() for t in (a, b, c))

@@ -16,7 +16,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils._pytree import tree_leaves
 
 from .. import CheckpointConfig, Checkpointer
 from ..errors import ConfigError, ZerostallError
@@ -186,8 +185,17 @@ class StateGuard:
 
 
 def tensors_of(tree: Any) -> list[torch.Tensor]:
-    """The tensors of a nested dict/list state (for the forward guard)."""
-    return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
+    """The tensors of a nested dict/list state, subclasses included (for the forward guard;
+    torch's tree_leaves takes a dict subclass for a leaf)."""
+    out: list[torch.Tensor] = []
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (dict, list, tuple)):
+            stack.extend(x.values() if isinstance(x, dict) else x)
+    return out
 
 
 class Publisher:
